@@ -1,0 +1,38 @@
+"""pallas-norm: LayerNorm/RMSNorm fused into the GEMM and attention kernels of JAX training.
+
+Public ops (each takes ``implementation=None | "xla" | "mosaic" | "interpret"``):
+
+* :func:`rms_norm`, :func:`layer_norm`: standalone row norms with optional residual add.
+* :func:`norm_matmul`: lazy pre-norm GEMM ``norm(x) @ w``.
+* :func:`matmul_norm`: GEMM with the norm in its epilogue ``norm(x @ w + bias + residual)``.
+* :func:`gdpa`: generalized (softmax-free) dot-product attention over jagged queries.
+* :func:`flash_norm_attention`: the Kunlun PFFN block, LN → GDPA (+u) → RMSNorm (+q).
+
+:mod:`pallas_norm.reference` holds the plain-JAX math of each; :mod:`pallas_norm.jagged` the
+packed-offsets convention for variable-length sequences.
+"""
+
+from pallas_norm import jagged, reference
+from pallas_norm._dispatch import IMPLEMENTATIONS
+from pallas_norm.ops.flash_norm_attention import flash_norm_attention
+from pallas_norm.ops.gdpa import gdpa
+from pallas_norm.ops.matmul_norm import matmul_norm
+from pallas_norm.ops.norm_matmul import norm_matmul
+from pallas_norm.ops.norms import layer_norm, rms_norm
+from pallas_norm.reference import ACTIVATIONS, NormStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACTIVATIONS",
+    "IMPLEMENTATIONS",
+    "NormStats",
+    "flash_norm_attention",
+    "gdpa",
+    "jagged",
+    "layer_norm",
+    "matmul_norm",
+    "norm_matmul",
+    "reference",
+    "rms_norm",
+]

@@ -1,0 +1,75 @@
+"""Choosing an implementation for an op (tokamax-style: several implementations behind one API).
+
+Every public op takes ``implementation=None | "mosaic" | "xla" | "interpret"``:
+
+* ``"xla"``: the plain-JAX reference (:mod:`pallas_norm.reference`), runs everywhere.
+* ``"mosaic"``: the Pallas Mosaic-GPU kernel, needs a Hopper GPU (sm_90a).
+* ``"interpret"``: the same kernel run in Pallas GPU interpret mode on any backend (slow; for
+  tests).
+* ``None``: the Mosaic kernel when it exists, the default device is a Hopper GPU and the kernel
+  supports the arguments; otherwise XLA, with the reason logged at debug level.
+
+An op registers its kernels by passing ``kernels={"mosaic": supports_fn}`` to :func:`choose`,
+where ``supports_fn(**static_args)`` returns None when it can run the call or a string saying
+why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+import jax
+
+IMPLEMENTATIONS = ("xla", "mosaic", "interpret")
+log = logging.getLogger("pallas_norm")
+
+
+@functools.cache
+def on_hopper_gpu() -> bool:
+  """True when the default JAX device is an NVIDIA GPU of compute capability 9.x."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  cc = getattr(dev, "compute_capability", None)
+  return dev.platform == "gpu" and cc is not None and str(cc).startswith("9")
+
+
+def choose(op: str, implementation: str | None,
+           unsupported_reason: Callable[[], str | None] | None = None) -> str:
+  """Returns "xla", "mosaic" or "interpret" for this call of ``op``.
+
+  ``unsupported_reason`` is None for ops that have no kernel yet; otherwise it returns None when
+  the kernel can run these arguments, or why it cannot.
+
+  Raises:
+    ValueError: ``implementation`` is not a known name.
+    NotImplementedError: a kernel implementation was asked for but ``op`` has none, or it does
+      not support these arguments.
+  """
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  if implementation == "xla":
+    return "xla"
+  if unsupported_reason is None:
+    if implementation is None:
+      return "xla"
+    raise NotImplementedError(f"{op}: implementation={implementation!r} is not available yet "
+                              "(only 'xla'); see the project's open kernel issues")
+  reason = unsupported_reason()
+  if implementation is None:
+    if not on_hopper_gpu():
+      log.debug("%s: using XLA: the default device is not a Hopper GPU", op)
+      return "xla"
+    if reason is not None:
+      log.debug("%s: using XLA: %s", op, reason)
+      return "xla"
+    return "mosaic"
+  if reason is not None:
+    raise NotImplementedError(f"{op}: implementation={implementation!r} cannot run this call: "
+                              f"{reason}")
+  return implementation
+

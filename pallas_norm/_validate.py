@@ -1,0 +1,116 @@
+"""Argument checks shared by the public ops. Every check raises before any kernel runs and names
+the offending argument. Checks on *values* (offsets) run only when the values are concrete (not
+under ``jax.jit`` tracing); shape and dtype checks always run."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+NORMS = ("rms", "layer")
+
+
+def _dtype_of(name: str, x):
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  return jnp.dtype(x.dtype)
+
+
+def float_array(name: str, x, *, ndim: int | None = None, min_ndim: int = 1) -> None:
+  dt = _dtype_of(name, x)
+  if dt not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+    raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {dt}")
+  if ndim is not None and x.ndim != ndim:
+    raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+  if x.ndim < min_ndim:
+    raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape "
+                     f"{tuple(x.shape)}")
+  if any(s == 0 for s in x.shape[-1:]):
+    raise ValueError(f"{name} has an empty feature axis: shape {tuple(x.shape)}")
+
+
+def optional_vector(name: str, v, size: int) -> None:
+  if v is None:
+    return
+  float_array(name, v, ndim=1)
+  if v.shape[0] != size:
+    raise ValueError(f"{name} must have shape ({size},), got {tuple(v.shape)}")
+
+
+def same_shape(name: str, v, shape) -> None:
+  if v is None:
+    return
+  float_array(name, v, min_ndim=0)
+  if tuple(v.shape) != tuple(shape):
+    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(v.shape)}")
+
+
+def eps(value) -> None:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"eps must be a positive float, got {value!r}")
+  if not (float(value) > 0 and np.isfinite(value)):
+    raise ValueError(f"eps must be a positive finite float, got {value!r}")
+
+
+def finite_scalar(name: str, value) -> None:
+  if isinstance(value, jax.core.Tracer):
+    return
+  try:
+    f = float(value)
+  except TypeError as e:
+    raise TypeError(f"{name} must be a real scalar, got {value!r}") from e
+  if not np.isfinite(f):
+    raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def norm_kind(value) -> None:
+  if value not in NORMS:
+    raise ValueError(f"norm must be one of {NORMS}, got {value!r}")
+
+
+def out_dtype(value) -> None:
+  if value is None:
+    return
+  try:
+    dt = jnp.dtype(value)
+  except TypeError as e:
+    raise TypeError(f"out_dtype must be a floating dtype, got {value!r}") from e
+  if dt not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+    raise TypeError(f"out_dtype must be a floating dtype, got {dt}")
+
+
+def static_positive_int(name: str, value) -> None:
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise ValueError(f"{name} must be a positive Python int (static), got {value!r}")
+
+
+def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
+            max_len_name: str = "max_seq_len") -> int:
+  """Checks a jagged offsets vector; returns the batch size B (= len(offsets) - 1)."""
+  if not hasattr(off, "dtype"):
+    raise TypeError(f"{name} must be an int32 array of shape (B+1,), got {type(off).__name__}")
+  if jnp.dtype(off.dtype) != jnp.int32:
+    raise TypeError(f"{name} must be int32, got {off.dtype}")
+  if off.ndim != 1 or off.shape[0] < 2:
+    raise ValueError(f"{name} must have shape (B+1,) with B >= 1, got {tuple(off.shape)}")
+  if isinstance(off, jax.core.Tracer):
+    return off.shape[0] - 1
+  host = np.asarray(off)
+  if host[0] != 0:
+    raise ValueError(f"{name}[0] must be 0, got {host[0]}")
+  steps = np.diff(host)
+  if np.any(steps < 0):
+    raise ValueError(f"{name} must be non-decreasing; it decreases at index "
+                     f"{int(np.argmax(steps < 0)) + 1}")
+  if host[-1] > capacity:
+    raise ValueError(f"{name}[-1] = {host[-1]} exceeds the packed capacity {capacity}")
+  if max_len is not None and steps.size and steps.max() > max_len:
+    raise ValueError(f"a sample of {name} has {steps.max()} rows, more than "
+                     f"{max_len_name}={max_len}")
+  return off.shape[0] - 1

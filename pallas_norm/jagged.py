@@ -1,0 +1,99 @@
+"""The jagged-tensor convention used by every op of pallas-norm.
+
+A jagged batch of B variable-length sequences is stored *packed*:
+
+* ``values``: shape ``(T, ...)``: the tokens of sample 0, then sample 1, ... back to back.
+  ``T`` is a **static capacity** (it fixes the compiled shapes); it may exceed the number of
+  real tokens.
+* ``offsets``: int32, shape ``(B + 1,)``, with ``offsets[0] == 0``, non-decreasing, and
+  ``offsets[B] <= T``. Sample ``b`` owns rows ``offsets[b]:offsets[b + 1]``; its length is
+  ``offsets[b + 1] - offsets[b]`` (zero is allowed).
+* Rows ``offsets[B]:T`` are **padding**: ops never read them as data and always write zeros
+  there, so a padded output is deterministic whatever the padded input holds.
+
+This is the layout of FBGEMM's jagged tensors and of Meta's GDPA kernels (``q_offsets``,
+``kv_offsets``). The helpers below convert between packed and padded ``(B, L, ...)`` layouts
+and are used by the XLA reference path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "segment_ids",
+    "valid_mask",
+    "positions",
+    "lengths",
+    "to_padded",
+    "from_padded",
+    "offsets_from_lengths",
+]
+
+
+def lengths(offsets: jax.Array) -> jax.Array:
+  """Per-sample lengths ``offsets[1:] - offsets[:-1]``, shape (B,), int32."""
+  return offsets[1:] - offsets[:-1]
+
+
+def offsets_from_lengths(lens) -> np.ndarray:
+  """Host helper: int32 offsets (B+1,) from per-sample lengths (B,)."""
+  lens = np.asarray(lens, dtype=np.int64)
+  if lens.ndim != 1 or np.any(lens < 0):
+    raise ValueError(f"lengths must be a 1-D array of non-negative ints, got {lens!r}")
+  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def segment_ids(offsets: jax.Array, capacity: int) -> jax.Array:
+  """Sample index of each packed row, shape (capacity,), int32.
+
+  Padding rows (index >= offsets[-1]) get B (one past the last sample), so a gather with
+  ``mode="fill"`` or a mask from :func:`valid_mask` drops them.
+  """
+  rows = jnp.arange(capacity, dtype=jnp.int32)
+  # side="right" maps a row equal to offsets[b] to sample b even when earlier samples are empty.
+  return (jnp.searchsorted(offsets, rows, side="right") - 1).astype(jnp.int32).clip(
+      0, offsets.shape[0] - 1)
+
+
+def valid_mask(offsets: jax.Array, capacity: int) -> jax.Array:
+  """True for real tokens, False for padding rows; shape (capacity,)."""
+  return jnp.arange(capacity, dtype=jnp.int32) < offsets[-1]
+
+
+def positions(offsets: jax.Array, capacity: int) -> jax.Array:
+  """Position of each packed row inside its own sample, shape (capacity,), int32."""
+  seg = segment_ids(offsets, capacity)
+  starts = jnp.take(offsets, seg, mode="clip")
+  return jnp.arange(capacity, dtype=jnp.int32) - starts
+
+
+def to_padded(values: jax.Array, offsets: jax.Array, max_len: int) -> jax.Array:
+  """Packed ``(T, ...)`` -> padded ``(B, max_len, ...)``, zeros past each sample's length.
+
+  Samples longer than ``max_len`` are truncated; the public ops check lengths against
+  ``max_len`` whenever the offsets are concrete.
+  """
+  batch = offsets.shape[0] - 1
+  pos = jnp.arange(max_len, dtype=jnp.int32)
+  rows = offsets[:-1, None] + pos[None, :]  # (B, max_len)
+  inside = pos[None, :] < lengths(offsets)[:, None]
+  gathered = jnp.take(values, rows.reshape(-1), axis=0, mode="clip")
+  gathered = gathered.reshape((batch, max_len) + values.shape[1:])
+  mask = inside.reshape(inside.shape + (1,) * (values.ndim - 1))
+  return jnp.where(mask, gathered, jnp.zeros((), values.dtype))
+
+
+def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Array:
+  """Padded ``(B, L, ...)`` -> packed ``(capacity, ...)``, zeros in the padding rows."""
+  batch, max_len = padded.shape[:2]
+  seg = segment_ids(offsets, capacity)
+  pos = positions(offsets, capacity)
+  valid = valid_mask(offsets, capacity) & (pos < max_len)
+  flat = padded.reshape((batch * max_len,) + padded.shape[2:])
+  idx = jnp.where(valid, seg * max_len + pos, 0)
+  out = jnp.take(flat, idx, axis=0, mode="clip")
+  mask = valid.reshape(valid.shape + (1,) * (padded.ndim - 2))
+  return jnp.where(mask, out, jnp.zeros((), padded.dtype))

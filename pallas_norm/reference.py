@@ -1,0 +1,246 @@
+"""Plain jax.numpy versions of every pallas-norm op: the oracle for tests and the XLA path.
+
+Conventions shared by all ops (math in ``DESIGN.md``, "Notation" and "The ops"):
+
+* Statistics (mean, variance, rstd) are computed in float32 (float64 when the inputs are float64),
+  with the **two-pass** variance ``mean((x - mean(x))**2)``: exact for rows with a large mean.
+* Matrix products take their operands in the inputs' dtype and accumulate in float32
+  (``preferred_element_type``) at ``Precision.HIGHEST``, so feeding float32 (or float64) inputs
+  gives a float32 (float64) oracle.
+* The output dtype is the input's dtype unless ``out_dtype`` is given.
+* ``scale`` is gamma, ``bias`` is beta. With ``zero_centered_scale=True`` the applied scale is
+  ``1 + scale`` (the "zero-centered gamma" parametrization).
+* Jagged tensors follow :mod:`pallas_norm.jagged`; padding rows of outputs are zeros.
+
+These functions do **no argument validation**: call them through the public API
+(:mod:`pallas_norm`) for checked arguments. They are differentiable with ``jax.grad``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_norm import jagged
+
+__all__ = [
+    "NormStats",
+    "ACTIVATIONS",
+    "rms_norm",
+    "layer_norm",
+    "norm_matmul",
+    "matmul_norm",
+    "gdpa",
+    "flash_norm_attention",
+]
+
+
+class NormStats(NamedTuple):
+  """Row statistics of a normalization, float32, shape = the input's leading dims.
+
+  ``mean`` is None for RMSNorm. ``rstd = rsqrt(var + eps)`` (RMSNorm: ``rsqrt(mean(x²) + eps)``).
+  """
+
+  mean: jax.Array | None
+  rstd: jax.Array
+
+
+def _stat_dtype(dtype) -> jnp.dtype:
+  return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _leaky_relu(s):
+  return jax.nn.leaky_relu(s, negative_slope=0.01)
+
+
+ACTIVATIONS = {
+    "fast_gelu": lambda s: jax.nn.gelu(s, approximate=True),
+    "gelu": lambda s: jax.nn.gelu(s, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+    "relu2": lambda s: jnp.square(jax.nn.relu(s)),
+    "leaky_relu": _leaky_relu,
+    "identity": lambda s: s,
+}
+"""Activation name -> elementwise function, as used by :func:`gdpa` (leaky slope 0.01)."""
+
+
+def _row_stats(xf: jax.Array, norm: str, eps: float) -> NormStats:
+  if norm == "rms":
+    return NormStats(None, lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1) + eps))
+  mean = jnp.mean(xf, axis=-1)
+  var = jnp.mean(jnp.square(xf - mean[..., None]), axis=-1)  # two-pass: no cancellation
+  return NormStats(mean, lax.rsqrt(var + eps))
+
+
+def _normalize(xf, stats: NormStats, scale, bias, zero_centered_scale: bool):
+  centered = xf if stats.mean is None else xf - stats.mean[..., None]
+  y = centered * stats.rstd[..., None]
+  if scale is not None:
+    s = scale.astype(xf.dtype)
+    y = y * (1 + s if zero_centered_scale else s)
+  if bias is not None:
+    y = y + bias.astype(xf.dtype)
+  return y
+
+
+def _norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
+  sdt = _stat_dtype(x.dtype)
+  xf = x.astype(sdt)
+  if residual is not None:
+    xf = xf + residual.astype(sdt)
+  stats = _row_stats(xf, norm, eps)
+  y = _normalize(xf, stats, scale, bias, zero_centered_scale).astype(out_dtype or x.dtype)
+  if residual is None:
+    return y
+  return y, xf.astype(x.dtype)
+
+
+def rms_norm(x, scale=None, residual=None, *, eps=1e-6, zero_centered_scale=False,
+             out_dtype=None):
+  """RMSNorm over the last axis: ``s · rsqrt(mean(s²) + eps) · scale`` with ``s = x (+ residual)``.
+
+  Returns ``y``, or ``(y, s)`` when ``residual`` is given (``s`` in x's dtype: the new
+  residual stream).
+  """
+  return _norm(x, scale, None, residual, "rms", eps, zero_centered_scale, out_dtype)
+
+
+def layer_norm(x, scale=None, bias=None, residual=None, *, eps=1e-6, zero_centered_scale=False,
+               out_dtype=None):
+  """LayerNorm over the last axis: ``(s - μ) · rsqrt(σ² + eps) · scale + bias``, ``s = x (+ residual)``.
+
+  Returns ``y``, or ``(y, s)`` when ``residual`` is given.
+  """
+  return _norm(x, scale, bias, residual, "layer", eps, zero_centered_scale, out_dtype)
+
+
+def _dot(a, b):
+  """a @ b over the last axis of a, f32 (f64) accumulation, full precision."""
+  acc = _stat_dtype(jnp.result_type(a.dtype, b.dtype))
+  return jnp.matmul(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=acc)
+
+
+def norm_matmul(x, w, scale=None, bias=None, *, norm="rms", eps=1e-6, out_dtype=None,
+                return_stats=False):
+  """Pre-norm GEMM ``y = norm(x)·scale (+ bias) @ w``; x (..., K), w (K, N), scale/bias (K,).
+
+  ``norm(x)`` is rounded to the operands' dtype before the product, as an unfused XLA program
+  does. Returns ``y`` (..., N), or ``(y, NormStats)`` with ``return_stats``.
+  """
+  sdt = _stat_dtype(x.dtype)
+  xf = x.astype(sdt)
+  stats = _row_stats(xf, norm, eps)
+  xn = _normalize(xf, stats, scale, bias, False).astype(jnp.result_type(x.dtype, w.dtype))
+  y = _dot(xn, w).astype(out_dtype or x.dtype)
+  return (y, stats) if return_stats else y
+
+
+def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, norm="layer",
+                eps=1e-6, out_dtype=None, return_h=False, return_stats=False):
+  """Post-norm GEMM: ``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale (+ bias)``.
+
+  x (..., K), w (K, N), dense_bias/scale/bias (N,), residual (..., N). ``h`` is kept in float32
+  for the statistics (as a fused epilogue does). Returns ``y``; with ``return_h`` and/or
+  ``return_stats`` a tuple ``(y, h?, stats?)`` in that order, ``h`` in the output dtype.
+  """
+  out_dtype = out_dtype or x.dtype
+  h = _dot(x, w)
+  if dense_bias is not None:
+    h = h + dense_bias.astype(h.dtype)
+  if residual is not None:
+    h = h + residual.astype(h.dtype)
+  stats = _row_stats(h, norm, eps)
+  y = _normalize(h, stats, scale, bias, False).astype(out_dtype)
+  if not (return_h or return_stats):
+    return y
+  out = (y,)
+  if return_h:
+    out += (h.astype(out_dtype),)
+  if return_stats:
+    out += (stats,)
+  return out
+
+
+def _padded_kv(k, v, kv_offsets, max_kv_len):
+  """Dense (B, L, H, D) k/v and their key-valid mask (B, L)."""
+  if kv_offsets is None:
+    return k, v, jnp.ones(k.shape[:2], bool)
+  max_kv_len = max_kv_len or k.shape[0]
+  kp = jagged.to_padded(k, kv_offsets, max_kv_len)
+  vp = jagged.to_padded(v, kv_offsets, max_kv_len)
+  key_valid = jnp.arange(max_kv_len)[None, :] < jagged.lengths(kv_offsets)[:, None]
+  return kp, vp, key_valid
+
+
+def _gdpa_acc(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
+              max_seq_len, max_kv_len):
+  """GDPA output in the accumulator dtype (f32/f64), (T, H, D); padding rows not yet zeroed."""
+  act = ACTIVATIONS[activation]
+  kp, vp, key_valid = _padded_kv(k, v, kv_offsets, max_kv_len)
+  acc = _stat_dtype(jnp.result_type(q.dtype, k.dtype))
+  hi = lax.Precision.HIGHEST
+  capacity = q.shape[0]
+  if max_seq_len is None:
+    # Token-wise: gather each token's own sample K/V. O(T·Lkv·H·D) memory: tests only.
+    seg = jagged.segment_ids(q_offsets, capacity)
+    kt, vt, mt = kp[seg], vp[seg], key_valid[seg]
+    s = jnp.einsum("thd,tjhd->thj", q, kt, precision=hi, preferred_element_type=acc)
+    p = jnp.where(mt[:, None, :], act(pre_scale * s), 0).astype(v.dtype)
+    o = jnp.einsum("thj,tjhd->thd", p, vt, precision=hi, preferred_element_type=acc)
+  else:
+    qp = jagged.to_padded(q, q_offsets, max_seq_len)  # (B, L, H, D)
+    s = jnp.einsum("blhd,bjhd->bhlj", qp, kp, precision=hi, preferred_element_type=acc)
+    p = jnp.where(key_valid[:, None, None, :], act(pre_scale * s), 0).astype(v.dtype)
+    op = jnp.einsum("bhlj,bjhd->blhd", p, vp, precision=hi, preferred_element_type=acc)
+    o = jagged.from_padded(op, q_offsets, capacity)
+  return post_scale * o
+
+
+def _zero_padding(out, q_offsets):
+  valid = jagged.valid_mask(q_offsets, out.shape[0])
+  return jnp.where(valid.reshape((-1,) + (1,) * (out.ndim - 1)), out, jnp.zeros((), out.dtype))
+
+
+def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation="fast_gelu", pre_scale=1.0,
+         post_scale=1.0, max_seq_len=None, max_kv_len=None, out_dtype=None):
+  """Generalized dot-product attention over jagged queries (no softmax, no row normalization).
+
+  ``o_h = post_scale · act(pre_scale · q_h k_hᵀ) v_h`` per sample and head, keys past a sample's
+  length contribute zero. q (T, H, D) packed with ``q_offsets`` (B+1,); k, v dense (B, Lkv, H, D)
+  or packed (Tkv, H, D) with ``kv_offsets``. ``max_seq_len`` (static) switches to the padded
+  formulation (B, max_seq_len, H, D), which is what the XLA path uses; without it every token
+  gathers its sample's keys. Returns (T, H, D), zeros on padding rows.
+  """
+  o = _gdpa_acc(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
+                max_seq_len, max_kv_len)
+  return _zero_padding(o, q_offsets).astype(out_dtype or q.dtype)
+
+
+def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, ln_bias=None,
+                         rms_scale=None, activation="fast_gelu", pre_scale=1.0, post_scale=1.0,
+                         eps=1e-6, max_seq_len=None, max_kv_len=None, out_dtype=None,
+                         return_stats=False):
+  """The Kunlun PFFN block (DESIGN.md, op 4), per token over all H·D features:
+
+  ``u = LayerNorm(q)·ln_scale + ln_bias``; ``z = u + gdpa(u, k, v)``;
+  ``out = RMSNorm(z)·rms_scale + q``. ln_scale, ln_bias, rms_scale have shape (H·D,).
+  ``u`` is rounded to q's dtype before it feeds the attention products. Returns (T, H, D),
+  zeros on padding rows; with ``return_stats`` also ``(NormStats of LN, NormStats of RMS)``.
+  """
+  t, h, d = q.shape
+  sdt = _stat_dtype(q.dtype)
+  qf = q.reshape(t, h * d).astype(sdt)
+  ln_stats = _row_stats(qf, "layer", eps)
+  u = _normalize(qf, ln_stats, ln_scale, ln_bias, False)
+  u_in = u.astype(q.dtype).reshape(t, h, d)
+  attn = _gdpa_acc(u_in, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
+                   max_seq_len, max_kv_len).reshape(t, h * d).astype(sdt)
+  z = u + attn
+  rms_stats = _row_stats(z, "rms", eps)
+  out = _normalize(z, rms_stats, rms_scale, None, False) + qf
+  out = _zero_padding(out.reshape(t, h, d), q_offsets).astype(out_dtype or q.dtype)
+  return (out, (ln_stats, rms_stats)) if return_stats else out

@@ -1,0 +1,29 @@
+"""Shared pytest setup: the `gpu` marker skips unless a Hopper GPU is the default device."""
+
+import os
+import pathlib
+
+import pytest
+
+from pallas_norm import _dispatch
+
+# ../shared/data beside the checkout (see DEVELOPERS.md); PALLAS_NORM_DATA overrides it.
+DATA_DIR = pathlib.Path(os.environ.get(
+    "PALLAS_NORM_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def pytest_collection_modifyitems(config, items):
+  if _dispatch.on_hopper_gpu():
+    return
+  skip_gpu = pytest.mark.skip(reason="needs a Hopper GPU (sm_90a); run `pytest -m gpu` on one")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def data_dir():
+  """The shared ads samples; tests that need them skip when they are absent."""
+  if not (DATA_DIR / "taobao_ad_sample").is_dir():
+    pytest.skip(f"ads data samples not found under {DATA_DIR}")
+  return DATA_DIR
