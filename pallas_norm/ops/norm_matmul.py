@@ -1,16 +1,37 @@
 """Lazy pre-norm GEMM ``y = norm(x)·scale (+ bias) @ w`` (DESIGN.md, op 1).
 
-The fused kernel never materializes ``norm(x)``: it folds the affine into the weight
-(``W_γ = diag(scale) w``, ``c = 1ᵀ W_γ``, ``b = biasᵀ w``), accumulates the row statistics from
-the A tiles the K loop already streams, and applies ``rstd ⊙ (x @ W_γ − mean ⊗ c) + b`` in the
-epilogue. Math and backward identities: DESIGN.md; oracle: :func:`pallas_norm.reference.norm_matmul`.
+The fused path never materializes ``norm(x)``. The op folds the affine into the weight,
+
+    W_γ = diag(scale) w,   c = 1ᵀ W_γ  (N,),   b = biasᵀ w  (N,),
+
+and the kernel (:mod:`pallas_norm.ops.norm_matmul_mgpu`) accumulates the row statistics from the
+A tiles its K loop already streams, then applies in the epilogue
+
+    RMSNorm:   y = rstd ⊙_rows (x @ W_γ) + b
+    LayerNorm: y = rstd ⊙_rows (x @ W_γ − mean ⊗ c) + b.
+
+The backward (``custom_vjp``) uses the lazy identities of DESIGN.md, so nothing reduces over a
+full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy @ W_γᵀ``,
+
+    dx   = rstd ⊙ G − rstd ⊙ (dy·c)/K − rstd² ⊙ (x − mean) ⊙ s     (RMS: drop the c and mean terms)
+    dW_γ = xᵀ (rstd ⊙ dy) − 1_K ⊗ Σ_i rstd_i mean_i dy_i
+    dscale_k = Σ_n dW_γ[k, n] w[k, n],  dw = diag(scale) dW_γ + bias ⊗ Σ_i dy_i,  dbias = w Σ_i dy_i.
+
+The ``"xla"`` implementation is the unfused reference (:func:`pallas_norm.reference.norm_matmul`)
+differentiated by JAX.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_norm import _dispatch, _validate, reference
+
+_F32 = jnp.float32
 
 
 def check_args(x, w, scale, bias, norm, eps, out_dtype) -> None:
@@ -29,6 +50,94 @@ def check_args(x, w, scale, bias, norm, eps, out_dtype) -> None:
   _validate.out_dtype(out_dtype)
 
 
+def _kernel_unsupported_reason(x, w) -> str | None:
+  try:
+    from pallas_norm.ops import norm_matmul_mgpu
+  except ImportError as e:  # the kernel module is optional until it lands
+    return f"the Mosaic kernel is unavailable ({e})"
+  m = 1
+  for d in x.shape[:-1]:
+    m *= d
+  return norm_matmul_mgpu.unsupported_reason(m, x.shape[-1], w.shape[1], x.dtype)
+
+
+def fold_affine(w, scale, bias, norm):
+  """The folded operands ``(W_γ in w.dtype, c (N,) f32 or None, b (N,) f32 or None)``."""
+  wf = w.astype(_F32)
+  w_gamma = w if scale is None else (scale.astype(_F32)[:, None] * wf).astype(w.dtype)
+  col_sum = jnp.sum(w_gamma.astype(_F32), axis=0) if norm == "layer" else None
+  out_bias = None if bias is None else jnp.matmul(bias.astype(_F32), wf,
+                                                  precision=lax.Precision.HIGHEST)
+  return w_gamma, col_sum, out_bias
+
+
+def lazy_forward_xla(x, w_gamma, col_sum, out_bias, *, norm, eps, out_dtype):
+  """The kernel's epilogue math in plain XLA (same interface as ``norm_matmul_fwd``).
+
+  Used to test the custom_vjp independently of the kernel. Two-pass statistics in f32.
+  """
+  stats = reference._row_stats(x.astype(_F32), norm, eps)
+  acc = jnp.matmul(x, w_gamma, preferred_element_type=_F32, precision=lax.Precision.HIGHEST)
+  if norm == "layer":
+    acc = acc - stats.mean[:, None] * col_sum[None, :]
+  y = acc * stats.rstd[:, None]
+  if out_bias is not None:
+    y = y + out_bias
+  return y.astype(out_dtype), stats.mean, stats.rstd
+
+
+def _kernel_forward(implementation):
+  if implementation == "lazy_xla":
+    return lazy_forward_xla
+  from pallas_norm.ops import norm_matmul_mgpu
+  return functools.partial(norm_matmul_mgpu.norm_matmul_fwd,
+                           interpret=implementation == "interpret")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(x, w, scale, bias, norm, eps, out_dtype, implementation):
+  return _fused_fwd(x, w, scale, bias, norm, eps, out_dtype, implementation)[0]
+
+
+def _fused_fwd(x, w, scale, bias, norm, eps, out_dtype, implementation):
+  w_gamma, col_sum, out_bias = fold_affine(w, scale, bias, norm)
+  y, mean, rstd = _kernel_forward(implementation)(
+      x, w_gamma, col_sum, out_bias, norm=norm, eps=eps, out_dtype=out_dtype)
+  saved = (x, w, scale, bias, w_gamma, col_sum, out_bias, y, mean, rstd)
+  return (y, mean, rstd), saved
+
+
+def _fused_bwd(norm, eps, out_dtype, implementation, saved, cotangents):
+  del eps, out_dtype, implementation
+  x, w, scale, bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
+  dy = cotangents[0].astype(_F32)  # the stats outputs are not differentiated (see norm_matmul)
+  k = x.shape[1]
+  y_gemm = y.astype(_F32) if out_bias is None else y.astype(_F32) - out_bias
+  row_dot = jnp.sum(dy * y_gemm, axis=1) / k  # mean_k(g ⊙ x̂), no reduction over K
+  hi = lax.Precision.HIGHEST
+  g = jnp.matmul(dy.astype(w_gamma.dtype), w_gamma.T, preferred_element_type=_F32, precision=hi)
+  xc = x.astype(_F32) if mean is None else x.astype(_F32) - mean[:, None]
+  dx = rstd[:, None] * g - (rstd * rstd * row_dot)[:, None] * xc
+  if col_sum is not None:
+    dx = dx - (rstd * (dy @ col_sum) / k)[:, None]
+  dy_scaled = (rstd[:, None] * dy).astype(x.dtype)
+  dw_gamma = jnp.matmul(x.T, dy_scaled, preferred_element_type=_F32, precision=hi)
+  if mean is not None:
+    dw_gamma = dw_gamma - jnp.sum((rstd * mean)[:, None] * dy, axis=0)[None, :]
+  wf = w.astype(_F32)
+  dw = dw_gamma if scale is None else scale.astype(_F32)[:, None] * dw_gamma
+  dscale = None if scale is None else jnp.sum(dw_gamma * wf, axis=1).astype(scale.dtype)
+  dbias = None
+  if bias is not None:
+    dy_colsum = jnp.sum(dy, axis=0)
+    dw = dw + bias.astype(_F32)[:, None] * dy_colsum[None, :]
+    dbias = (wf @ dy_colsum).astype(bias.dtype)
+  return dx.astype(x.dtype), dw.astype(w.dtype), dscale, dbias
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
 def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 1e-6,
                 out_dtype=None, return_stats: bool = False, implementation=None):
   """Pre-norm GEMM ``y = norm(x)·scale (+ bias) @ w``.
@@ -41,17 +150,35 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
     eps: positive float (default 1e-6).
     out_dtype: dtype of y (default x.dtype).
     return_stats: also return :class:`pallas_norm.NormStats` (float32 mean (None for RMS), rstd;
-      shape x.shape[:-1]).
+      shape x.shape[:-1]). The statistics are outputs for the caller's backward; they carry no
+      gradient through the fused implementations.
     implementation: None, "xla", "mosaic" or "interpret" (see :mod:`pallas_norm._dispatch`).
+      The kernel needs bfloat16/float16 with K and N multiples of 64; None falls back to XLA
+      otherwise.
 
   Returns:
     y (..., N), or ``(y, stats)``.
 
   Raises:
     TypeError: non-float or mismatched dtypes. ValueError: shapes, eps, norm or implementation.
-    NotImplementedError: a kernel implementation that is not available for this call.
+    NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run.
   """
   check_args(x, w, scale, bias, norm, eps, out_dtype)
-  _dispatch.choose("norm_matmul", implementation)
-  return reference.norm_matmul(x, w, scale, bias, norm=norm, eps=eps, out_dtype=out_dtype,
-                               return_stats=return_stats)
+  chosen = _dispatch.choose("norm_matmul", implementation,
+                            lambda: _kernel_unsupported_reason(x, w))
+  if chosen == "xla":
+    return reference.norm_matmul(x, w, scale, bias, norm=norm, eps=eps, out_dtype=out_dtype,
+                                 return_stats=return_stats)
+  return _fused_call(x, w, scale, bias, norm, eps, out_dtype or x.dtype, return_stats, chosen)
+
+
+def _fused_call(x, w, scale, bias, norm, eps, out_dtype, return_stats, implementation):
+  lead = x.shape[:-1]
+  y, mean, rstd = _fused(x.reshape(-1, x.shape[-1]), w, scale, bias, norm, eps,
+                         jnp.dtype(out_dtype), implementation)
+  y = y.reshape(lead + (w.shape[1],))
+  if not return_stats:
+    return y
+  stats = reference.NormStats(None if mean is None else lax.stop_gradient(mean.reshape(lead)),
+                              lax.stop_gradient(rstd.reshape(lead)))
+  return y, stats
