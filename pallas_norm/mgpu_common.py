@@ -1,0 +1,171 @@
+"""Helpers shared by the Pallas Mosaic-GPU (Hopper, sm_90a) kernels of pallas-norm.
+
+* :class:`TileConfig`: the tiling of a warp-specialized GEMM kernel (CTA tile, K step, pipeline
+  depth, epilogue tile, grid order, where the row statistics are reduced).
+* :func:`interpret_params`, :func:`races_found`, :func:`reset_interpret_state`: GPU interpret
+  mode (the kernels run on the CPU, with a race detector and NaN-filled uninitialized memory).
+* :func:`num_sms`, :func:`swizzle_transforms`, :data:`SMEM_BYTES`: device facts and the SMEM
+  layout every WGMMA operand needs.
+
+The structure of the kernels follows JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py`` (persistent
+grid over the SMs, a TMA producer warpgroup, two WGMMA consumer warpgroups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+__all__ = [
+    "SMEM_BYTES",
+    "INTERPRET_NUM_CTAS",
+    "TileConfig",
+    "interpret_params",
+    "races_found",
+    "reset_interpret_state",
+    "num_sms",
+    "swizzle_transforms",
+    "SUPPORTED_DTYPES",
+]
+
+SMEM_BYTES = 227 * 1024
+"""Shared memory one CTA may allocate on Hopper (sm_90a), in bytes."""
+
+INTERPRET_NUM_CTAS = 2
+"""Persistent CTAs in interpret mode: >1 so the tile loop and its carries are exercised, small so
+the CPU run stays short (interpret mode runs the CTAs one after the other)."""
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+"""Operand dtypes of the WGMMA kernels."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Tiling of a warp-specialized GEMM kernel with two consumer warpgroups.
+
+  The two consumer warpgroups split the CTA tile along M: each owns ``tile_m // 2`` rows and all
+  ``tile_n`` columns, so the per-row statistics of a row are computed by exactly one warpgroup.
+
+  Attributes:
+    tile_m: rows of a CTA tile, 128 or 256 (64 or 128 per consumer warpgroup).
+    tile_n: columns of a CTA tile, a multiple of 64 up to 256 (the WGMMA N of one instruction).
+    tile_k: K step of the pipeline, a multiple of 64 (the 128-byte swizzle of a bf16 row).
+    max_concurrent_steps: pipeline stages in SMEM (the kernel lowers it when SMEM is short or
+      K has fewer steps).
+    epi_tile_m, epi_tile_n: the epilogue stores the output through SMEM in tiles of this size;
+      must divide (tile_m // 2, tile_n).
+    grid_minor_dim: "n" walks the N tiles of a row block first (x is read once from HBM and w
+      stays in L2), "m" walks the M tiles first.
+    grid_tile_width: width of the snake of :func:`plgpu.planar_snake` over the tile grid.
+    stats: "partial" keeps per-thread partial row sums in registers and reduces them across
+      lanes once per tile, in the epilogue; "reduce" reduces every A tile to a row vector inside
+      the K loop (more shuffles per step).
+    fence_reads: after the consumers read an A stage into registers, issue a proxy fence
+      (``plgpu.commit_smem``) before the stage is released to the TMA producer. The PTX memory
+      model asks for it (generic-proxy reads, then an async-proxy write) and the interpreter's
+      race detector flags its absence; False skips it (JAX's own mixed-type matmul does), for
+      measuring its cost on the GPU.
+    a_operand: where WGMMA reads the x tile from. "smem": straight from the swizzled SMEM
+      stage (Mosaic's tiled TMA then needs M % 8 == 0 or M < 8); "registers": from the registers
+      the statistics load anyway (the stage is written by a plain 2-D swizzled TMA, any M);
+      "auto": "smem" when M allows it, else "registers".
+  """
+
+  tile_m: int = 128
+  tile_n: int = 256
+  tile_k: int = 64
+  max_concurrent_steps: int = 4
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+  grid_minor_dim: Literal["m", "n"] = "n"
+  grid_tile_width: int = 1
+  stats: Literal["partial", "reduce"] = "partial"
+  fence_reads: bool = True
+  a_operand: Literal["auto", "smem", "registers"] = "auto"
+
+  def __post_init__(self):
+    if self.tile_m not in (128, 256):
+      raise ValueError(f"tile_m must be 128 or 256, got {self.tile_m}")
+    if self.tile_n % 64 or not 64 <= self.tile_n <= 256:
+      raise ValueError(f"tile_n must be a multiple of 64 in [64, 256], got {self.tile_n}")
+    if self.tile_k % 64 or self.tile_k <= 0:
+      raise ValueError(f"tile_k must be a positive multiple of 64, got {self.tile_k}")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+    if self.wg_tile_m % self.epi_tile_m or self.epi_tile_m % 64:
+      raise ValueError(f"epi_tile_m={self.epi_tile_m} must be a multiple of 64 dividing "
+                       f"tile_m // 2 = {self.wg_tile_m}")
+    if self.tile_n % self.epi_tile_n or self.epi_tile_n % 8:
+      raise ValueError(f"epi_tile_n={self.epi_tile_n} must be a multiple of 8 dividing "
+                       f"tile_n = {self.tile_n}")
+    if self.grid_minor_dim not in ("m", "n"):
+      raise ValueError(f"grid_minor_dim must be 'm' or 'n', got {self.grid_minor_dim!r}")
+    if self.grid_tile_width < 1:
+      raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+    if self.a_operand not in ("auto", "smem", "registers"):
+      raise ValueError(f"a_operand must be 'auto', 'smem' or 'registers', got {self.a_operand!r}")
+    if self.stats not in ("partial", "reduce"):
+      raise ValueError(f"stats must be 'partial' or 'reduce', got {self.stats!r}")
+
+  @property
+  def wg_tile_m(self) -> int:
+    """Rows owned by one consumer warpgroup."""
+    return self.tile_m // 2
+
+
+def interpret_params(*, detect_races: bool = True) -> plgpu.InterpretGPUParams:
+  """GPU interpret-mode parameters used by the tests: race detection, NaN-filled SMEM/outputs.
+
+  Out-of-bounds *reads* by TMA are filled with zeros (as the hardware does); any other
+  out-of-bounds read raises.
+  """
+  return plgpu.InterpretGPUParams(detect_races=detect_races, uninitialized_memory="nan")
+
+
+def races_found() -> bool:
+  """Whether the race detector found a race in the last kernel run in interpret mode.
+
+  The interpreter keeps one race-detection state per kernel run (a new one at each run), so call
+  this after the outputs of the kernel are ready (``jax.block_until_ready``).
+  """
+  # Not re-exported by jax.experimental.pallas.mosaic_gpu in jax 0.11.2.
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  races = gpu_callbacks._races  # pylint: disable=protected-access
+  return bool(races is not None and races.races_found)
+
+
+def reset_interpret_state() -> None:
+  """Clears the interpreter's global state (needed after a kernel raised in interpret mode)."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def num_sms(interpret: bool) -> int:
+  """Persistent CTAs to launch: the SM count of the default GPU, or a small fixed number."""
+  if interpret:
+    return INTERPRET_NUM_CTAS
+  if abstract_device := jax.sharding.get_abstract_mesh().abstract_device:
+    return abstract_device.num_cores
+  return jax.devices()[0].core_count
+
+
+def swizzle_transforms(minor_elems: int, dtype, *, tiled: bool = True) -> tuple:
+  """SMEM transforms for a tile whose minor dim has ``minor_elems`` elements: the widest swizzle,
+  with the 8-row tiling that WGMMA operands in SMEM need when ``tiled``.
+
+  Untiled (swizzle only) needs ``minor_elems * itemsize <= 128`` bytes (one swizzle span per
+  row); its TMA is a plain 2-D box, so the GMEM array may have any number of rows, whereas
+  Mosaic's tiled TMA needs the row count to be a multiple of 8 (or below 8).
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
+  if not tiled:
+    if minor_elems * itemsize > swizzle:
+      raise ValueError(f"an untiled swizzled tile needs rows of <= {swizzle} bytes, got "
+                       f"{minor_elems} x {itemsize}")
+    return (plgpu.SwizzleTransform(swizzle),)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))

@@ -1,0 +1,489 @@
+"""Lazy pre-norm GEMM forward as a Pallas Mosaic-GPU kernel for Hopper (sm_90a).
+
+Computes, for x (M, K) and a weight with the norm's affine already folded in
+(``w_gamma = diag(scale) w``, ``col_sum = 1ᵀ w_gamma``, ``out_bias = biasᵀ w``)::
+
+    rms:   y = rstd ⊙_rows (x @ w_gamma) + out_bias
+    layer: y = rstd ⊙_rows (x @ w_gamma − mean ⊗ col_sum) + out_bias
+
+without ever writing norm(x) (DESIGN.md, op 1). The row statistics come from the A tiles that
+the K loop already holds in shared memory; the epilogue applies them to the f32 accumulator.
+
+Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a persistent grid of one
+CTA per SM walks the (M, N) output tiles; in each CTA a TMA producer warpgroup streams
+(tile_m, tile_k) tiles of x and (tile_k, tile_n) tiles of w through a multi-stage SMEM pipeline
+(``plgpu.emit_pipeline_warp_specialized``) to two WGMMA consumer warpgroups. The consumers split
+the CTA tile along M, so each row's statistics are accumulated by exactly one warpgroup: after
+issuing the WGMMA of a step, a consumer loads its rows of the A tile from SMEM into registers (the
+WGMMA register layout) and accumulates the statistics while the tensor core runs, then waits for
+the WGMMA (``wgmma_wait(0)``: no WGMMA is left in flight across pipeline steps). The epilogue
+computes mean/rstd, applies them and the column vectors (col_sum, out_bias, fetched by TMA while
+the K loop runs) and stores y through SMEM with TMA; the statistics of a row block are written by
+the CTA that computes its first N tile.
+
+Statistics (``TileConfig.stats``):
+
+* ``"partial"`` (default): in the WGMMA layout each thread holds 2 adjacent columns of every 8,
+  so the A tile, cut into 8-column slices and summed, gives per-thread partial sums of shape
+  (rows, 8) with no cross-lane traffic in the K loop; lanes are reduced once per tile. LayerNorm
+  keeps, for each of those 8 "lane columns", sums of ``x − shift`` and ``(x − shift)²`` where
+  ``shift`` is that lane column's value in the first K tile, and merges the 8 (mean, M2) pairs
+  with Chan's formula in the epilogue.
+* ``"reduce"``: every A tile is reduced to a row vector inside the K loop (LayerNorm shifts each
+  row by the mean of its first K tile).
+
+Accuracy domain (LayerNorm): the statistics are shifted sums, so a large row mean does not
+cancel in the variance. The lazy form itself subtracts ``mean ⊗ col_sum`` from an f32
+accumulator that holds ``x @ w_gamma``; its error relative to the result grows like
+``|mean| / std · 2⁻²⁴ · O(√K)``. Measured in interpret mode (f16 inputs, K = 256, rows
+``mu + N(0, 1)``, see ``tests/test_norm_matmul_kernel.py::test_layer_accuracy_domain``): the
+relative Frobenius error of y against the f32 two-pass reference stays at the f16 output rounding
+(< 1e-3) up to |mean|/std = 1e4 and reaches ~1e-2 near 1e5-1e6. Inputs in bf16/f16 cannot carry
+much more than |mean|/std ~ 1e3 (bf16) or 1e4 (f16) anyway: beyond that the deviations from the
+mean are below the format's spacing at the mean.
+
+Shapes: any M ≥ 1 (the last row tile is partial: TMA zero-fills out-of-bounds reads and drops
+out-of-bounds writes), K and N multiples of 64, x and w_gamma both bfloat16 or both float16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_norm import mgpu_common
+from pallas_norm.mgpu_common import TileConfig
+
+__all__ = ["TileConfig", "unsupported_reason", "pick_config", "norm_matmul_fwd", "NORMS"]
+
+NORMS = ("rms", "layer", "none")
+"""``norm`` values: RMSNorm, LayerNorm, or "none" (the plain GEMM, for benchmarks)."""
+
+_LANE_COLS = 8  # WGMMA layout: a thread holds 2 adjacent columns of every 8 (4 threads per row).
+_SMEM_SLACK = 4096  # barriers + the reduction scratch Mosaic reserves (2 KiB by default).
+
+
+def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
+  """None if the kernel can run x: (m, k) @ w: (k, n) in ``dtype``, else why not."""
+  if jnp.dtype(dtype) not in mgpu_common.SUPPORTED_DTYPES:
+    return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
+  if m < 1:
+    return f"M = {m} rows: need at least 1"
+  if k % 64 or k < 64:
+    return f"K = {k} is not a positive multiple of 64"
+  if n % 64 or n < 64:
+    return f"N = {n} is not a positive multiple of 64"
+  return None
+
+
+def _pick_tile_n(n: int) -> int:
+  # Padded width of the last N tile, plus a fixed cost per tile worth ~32 columns.
+  return min((256, 192, 128, 64), key=lambda t: (-(-n // t) * (t + 32), -t))
+
+
+def pick_config(m: int, k: int, n: int) -> TileConfig:
+  """Heuristic tiling for x (m, k) @ w (k, n).
+
+  tile_n: the widest WGMMA N in {256, 192, 128, 64} that wastes the least padding on N (so
+  N = 64/128/192 get one N tile). tile_m: 128 rows (64 per consumer warpgroup), 256 when the N
+  tile is at most 128 wide (keeps the accumulator at 128 registers per thread). tile_k 64 (one
+  128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4).
+  """
+  del m, k
+  tile_n = _pick_tile_n(n)
+  tile_m = 256 if tile_n <= 128 else 128
+  return TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
+                    epi_tile_m=64, epi_tile_n=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one kernel instance."""
+  m: int
+  k: int
+  n: int
+  dtype: jnp.dtype
+  out_dtype: jnp.dtype
+  norm: str
+  eps: float
+  has_bias: bool
+  cfg: TileConfig
+  stages: int
+  num_ctas: int
+  a_in_registers: bool  # WGMMA reads x from registers (x stage TMA'd untiled: any M)
+  epi_n: int  # epilogue tile width: one 128-byte swizzle span of out_dtype at most
+
+  @property
+  def n_vecs(self) -> int:  # col_sum and/or out_bias rows in the per-warpgroup vector buffer
+    return int(self.norm == "layer") + int(self.has_bias)
+
+  @property
+  def n_stats(self) -> int:  # rstd (and mean) written per row
+    return {"rms": 1, "layer": 2, "none": 0}[self.norm]
+
+  @property
+  def m_iters(self) -> int:
+    return -(-self.m // self.cfg.tile_m)
+
+  @property
+  def n_iters(self) -> int:
+    return -(-self.n // self.cfg.tile_n)
+
+  @property
+  def k_iters(self) -> int:
+    return self.k // self.cfg.tile_k
+
+
+def _epi_tile_n(cfg: TileConfig, out_dtype) -> int:
+  # The output stage is swizzled but untiled: one row must fit in a 128-byte swizzle span.
+  return min(cfg.epi_tile_n, 128 // jnp.dtype(out_dtype).itemsize)
+
+
+def _fixed_smem_bytes(cfg: TileConfig, out_dtype, n_vecs: int, n_stats: int) -> int:
+  epi_n = _epi_tile_n(cfg, out_dtype)
+  out_slots = min(2, (cfg.wg_tile_m * cfg.tile_n) // (cfg.epi_tile_m * epi_n))
+  out = 2 * out_slots * cfg.epi_tile_m * epi_n * jnp.dtype(out_dtype).itemsize
+  vecs = 2 * n_vecs * cfg.tile_n * 4
+  stats = 2 * n_stats * cfg.wg_tile_m * 4
+  return out + vecs + stats + _SMEM_SLACK
+
+
+def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -> _Plan:
+  n_vecs = int(norm == "layer") + int(has_bias)
+  n_stats = {"rms": 1, "layer": 2, "none": 0}[norm]
+  itemsize = jnp.dtype(dtype).itemsize
+  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * itemsize
+  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, out_dtype, n_vecs, n_stats)
+  stages = min(cfg.max_concurrent_steps, free // stage_bytes, k // cfg.tile_k)
+  if stages < 1:
+    raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
+  tiles = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
+  num_ctas = min(mgpu_common.num_sms(interpret), tiles)
+  if cfg.a_operand == "auto":
+    # Interpret mode has no tiled-TMA restriction on M (and cannot run register-A WGMMA).
+    a_in_registers = not interpret and m % 8 != 0 and m > 8
+  else:
+    a_in_registers = cfg.a_operand == "registers"
+  if a_in_registers and interpret:
+    raise NotImplementedError("a_operand='registers' does not run in GPU interpret mode (jax "
+                              "0.11.2 interprets WGMMA with both operands in SMEM only)")
+  epi_n = _epi_tile_n(cfg, out_dtype)
+  return _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
+               eps=float(eps), has_bias=has_bias, cfg=cfg, stages=max(stages, 1),
+               num_ctas=num_ctas, a_in_registers=a_in_registers, epi_n=epi_n)
+
+
+# ------------------------------------------------------------------------------------------------
+# Row statistics. Values live in the WGMMA register layout; only the finalize step reduces across
+# lanes (the "partial" mode) or every step does (the "reduce" mode).
+
+
+def _lane_slices(x):
+  """The 8-column slices of a (rows, cols) tile: summing them never crosses lanes."""
+  return [x[:, j:j + _LANE_COLS] for j in range(0, x.shape[1], _LANE_COLS)]
+
+
+def _tree_sum(values):
+  while len(values) > 1:
+    values = [a + b if b is not None else a
+              for a, b in zip(values[::2], values[1::2] + [None] * (len(values) % 2))]
+  return values[0]
+
+
+def _rowvec(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _init_stats(plan: _Plan):
+  rows = plan.cfg.wg_tile_m
+  if plan.norm == "none":
+    return ()
+  if plan.cfg.stats == "partial":
+    zeros = plgpu.layout_cast(jnp.zeros((rows, _LANE_COLS), jnp.float32), plgpu.Layout.WGMMA)
+  else:
+    zeros = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  return (zeros,) if plan.norm == "rms" else (zeros, zeros, zeros)
+
+
+def _update_stats(plan: _Plan, stats, x, k_idx):
+  """Adds the f32 A tile ``x`` (rows, tile_k) of K step ``k_idx`` to the running statistics.
+
+  rms: (Σx²,). layer: (shift, Σ(x − shift), Σ(x − shift)²), shift fixed at K step 0.
+  """
+  # The statistics restart at zero for every output tile, so "shift += first · value" sets the
+  # shift at K step 0 and keeps it afterwards (select with a scalar predicate does not lower
+  # with warpgroup semantics).
+  first = (k_idx == 0).astype(jnp.float32)
+  if plan.cfg.stats == "partial":
+    cols = _lane_slices(x)
+    if plan.norm == "rms":
+      (s2,) = stats
+      return (s2 + _tree_sum([c * c for c in cols]),)
+    shift, s1, s2 = stats
+    shift = shift + first * cols[0]
+    d = [c - shift for c in cols]
+    return shift, s1 + _tree_sum(d), s2 + _tree_sum([v * v for v in d])
+  if plan.norm == "rms":
+    (s2,) = stats
+    return (s2 + jnp.sum(x * x, axis=1),)
+  shift, s1, s2 = stats
+  shift = shift + first * (jnp.sum(x, axis=1) * (1.0 / x.shape[1]))
+  d = x - _rowvec(shift, x.shape)
+  return shift, s1 + jnp.sum(d, axis=1), s2 + jnp.sum(d * d, axis=1)
+
+
+def _finalize_stats(plan: _Plan, stats):
+  """(mean or None, rstd) row vectors (layout WGMMA.reduce(1)) from the accumulated sums."""
+  k, eps = plan.k, plan.eps
+  if plan.norm == "rms":
+    (s2,) = stats
+    ss = jnp.sum(s2, axis=1) if plan.cfg.stats == "partial" else s2
+    return None, lax.rsqrt(ss * (1.0 / k) + eps)
+  shift, s1, s2 = stats
+  if plan.cfg.stats == "partial":
+    # Chan et al.: merge the (count, mean, M2) of the 8 lane columns, count = K / 8 each.
+    cnt = k // _LANE_COLS
+    lane_mean = shift + s1 * (1.0 / cnt)
+    lane_m2 = s2 - s1 * s1 * (1.0 / cnt)
+    mean = jnp.sum(lane_mean, axis=1) * (1.0 / _LANE_COLS)
+    dev = lane_mean - _rowvec(mean, lane_mean.shape)
+    m2 = jnp.sum(lane_m2, axis=1) + jnp.sum(dev * dev, axis=1) * float(cnt)
+  else:
+    d_mean = s1 * (1.0 / k)
+    mean = shift + d_mean
+    m2 = s2 - s1 * d_mean
+  var = jnp.maximum(m2 * (1.0 / k), 0.0)
+  return mean, lax.rsqrt(var + eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel.
+
+
+def _kernel(*refs, plan: _Plan):
+  cfg = plan.cfg
+  it = iter(refs)
+  x_gmem, w_gmem = next(it), next(it)
+  c_gmem = next(it) if plan.norm == "layer" else None
+  b_gmem = next(it) if plan.has_bias else None
+  y_gmem = next(it)
+  rstd_gmem = next(it) if plan.norm != "none" else None
+  mean_gmem = next(it) if plan.norm == "layer" else None
+  vec_gmems = [r for r in (c_gmem, b_gmem) if r is not None]
+
+  wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
+  epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
+  out_slots = min(2, (wg_m * tile_n) // (epi_m * epi_n))
+  # x stages: tiled for WGMMA, or swizzle-only (2-D TMA, any M) when WGMMA reads registers.
+  x_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype,
+                                                tiled=not plan.a_in_registers)
+  w_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype)
+  # y goes out untiled too: a tiled TMA store would need M % 8 == 0.
+  out_transforms = mgpu_common.swizzle_transforms(epi_n, plan.out_dtype, tiled=False)
+
+  def make_pipeline(body, compute_context):
+    spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(plan.k_iters,),
+        memory_registers=40,
+        in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
+                  spec((tile_k, tile_n), lambda kk: (kk, 0), transforms=w_transforms)],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=plan.stages,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+      out_smem=plgpu.SMEM((2, out_slots, epi_m, epi_n), plan.out_dtype,
+                          transforms=out_transforms),
+      vec_smem=plgpu.SMEM((2, plan.n_vecs, tile_n), jnp.float32) if plan.n_vecs else None,
+      vec_barrier=(plgpu.Barrier(num_arrivals=plan.n_vecs, num_barriers=2)
+                   if plan.n_vecs else None),  # one arrival per vector copy
+      stat_smem=plgpu.SMEM((2, plan.n_stats, wg_m), jnp.float32) if plan.n_stats else None,
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, stat_smem):
+    wg = lax.axis_index("wg")
+
+    @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (lin_idx,) = loop_info.index
+      m_idx, n_idx = plgpu.planar_snake(
+          lin_idx, (plan.m_iters, plan.n_iters), 1 if cfg.grid_minor_dim == "n" else 0,
+          cfg.grid_tile_width)
+      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
+      col0 = n_idx * tile_n
+
+      def compute_context(eval_pipeline):
+        # The column vectors of this N tile arrive while the K loop runs.
+        if plan.n_vecs:
+          for i, v_gmem in enumerate(vec_gmems):
+            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                    vec_barrier.at[wg])
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          acc_ref, *stats = eval_pipeline((acc_ref, *_init_stats(plan)))
+          _epilogue(acc_ref[...], stats)
+
+      def _epilogue(acc, stats):
+        # Earlier TMA stores from out_smem / stat_smem must have read them before we overwrite.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if plan.norm != "none":
+          mean, rstd = _finalize_stats(plan, stats)
+          row_vecs = [rstd] if mean is None else [rstd, mean]
+
+          @pl.when(n_idx == 0)  # every N tile has the statistics; the first one writes them
+          def _store_stats():
+            for i, (v, dst) in enumerate(zip(row_vecs, (rstd_gmem, mean_gmem))):
+              stat_smem[wg, i] = v
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], dst.at[pl.ds(row0, wg_m)])
+
+          acc = acc * _rowvec(rstd, acc.shape)
+          if mean is not None:
+            neg_mean_rstd = _rowvec(-mean * rstd, acc.shape)
+        if plan.n_vecs:
+          plgpu.barrier_wait(vec_barrier.at[wg])
+        for ei in range(wg_m // epi_m):
+          for ej in range(tile_n // epi_n):
+            ms, ns = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
+            y = acc[ms, ns]
+            vec_i = 0
+            if plan.norm == "layer":
+              c = plgpu.load(vec_smem.at[wg, vec_i, ns], layout=plgpu.Layout.WGMMA.reduce(0))
+              y = y + neg_mean_rstd[ms, ns] * lax.broadcast_in_dim(c, y.shape, [1])
+              vec_i += 1
+            if plan.has_bias:
+              b = plgpu.load(vec_smem.at[wg, vec_i, ns], layout=plgpu.Layout.WGMMA.reduce(0))
+              y = y + lax.broadcast_in_dim(b, y.shape, [1])
+            slot = (ei * (tile_n // epi_n) + ej) % out_slots
+            plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
+            out_smem[wg, slot] = y.astype(plan.out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg, slot],
+                y_gmem.at[pl.ds(row0 + ei * epi_m, epi_m), pl.ds(col0 + ej * epi_n, epi_n)])
+
+      def mma_body(idxs, a_smem, b_smem, carry):
+        (k_idx,) = idxs
+        acc_ref, *stats = carry
+        a_rows = a_smem.at[pl.ds(wg * wg_m, wg_m)]
+        if plan.a_in_registers:
+          x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA)
+          plgpu.wgmma(acc_ref, x, b_smem)
+        else:
+          plgpu.wgmma(acc_ref, a_rows, b_smem)
+          # Loads while the tensor core works on the WGMMA just issued (both only read a_rows).
+          x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA) if plan.norm != "none" else None
+        if plan.norm != "none":
+          stats = _update_stats(plan, stats, x.astype(jnp.float32), k_idx)
+        if x is not None:
+          if cfg.fence_reads:
+            # Orders these generic-proxy reads before the TMA (async proxy) that will refill
+            # the stage once the pipeline releases it (PTX memory model: WAR across proxies).
+            plgpu.commit_smem()
+        plgpu.wgmma_wait(0)
+        return (acc_ref, *stats)
+
+      make_pipeline(mma_body, compute_context)(
+          x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
+          w_gmem.at[:, pl.ds(col0, tile_n)],
+          allocations=pipeline_allocs,
+      )
+
+  # All TMA stores must land before the kernel exits.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _check_args(x, w_gamma, col_sum, out_bias, norm, eps):
+  if norm not in NORMS:
+    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+  if x.ndim != 2 or w_gamma.ndim != 2 or x.shape[1] != w_gamma.shape[0]:
+    raise ValueError(f"x must be (M, K) and w_gamma (K, N), got {x.shape} and {w_gamma.shape}")
+  if x.dtype != w_gamma.dtype:
+    raise TypeError(f"x and w_gamma must have the same dtype, got {x.dtype}, {w_gamma.dtype}")
+  m, k = x.shape
+  n = w_gamma.shape[1]
+  if (reason := unsupported_reason(m, k, n, x.dtype)) is not None:
+    raise ValueError(f"norm_matmul kernel cannot run this call: {reason}")
+  if (norm == "layer") != (col_sum is not None):
+    raise ValueError("col_sum is required for norm='layer' and must be None otherwise")
+  for name, v in (("col_sum", col_sum), ("out_bias", out_bias)):
+    if v is not None and (v.shape != (n,) or v.dtype != jnp.float32):
+      raise ValueError(f"{name} must be float32 of shape ({n},), got {v.dtype}{v.shape}")
+  if not (isinstance(eps, (int, float)) and eps > 0):
+    raise ValueError(f"eps must be a positive float, got {eps!r}")
+
+
+def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out_dtype,
+                    interpret: bool = False, config: TileConfig | None = None):
+  """Forward of the lazy pre-norm GEMM as one Mosaic-GPU kernel (Hopper).
+
+  Args:
+    x: (M, K) bfloat16/float16 activations; M ≥ 1, K a multiple of 64.
+    w_gamma: (K, N) weight in x's dtype with the norm's scale folded in (``diag(scale) w``);
+      N a multiple of 64.
+    col_sum: (N,) float32 ``1ᵀ w_gamma`` (summed in f32) for ``norm="layer"``; None otherwise.
+    out_bias: (N,) float32 ``biasᵀ w`` or None.
+    norm: "rms", "layer", or "none" (plain GEMM ``x @ w_gamma (+ out_bias)``, for benchmarks).
+    eps: positive float added to the variance (mean square for RMS).
+    out_dtype: dtype of y.
+    interpret: run in Pallas GPU interpret mode on any backend (race detection on,
+      uninitialized memory NaN: :func:`pallas_norm.mgpu_common.interpret_params`).
+    config: tiling; default :func:`pick_config`.
+
+  Returns:
+    ``(y, mean, rstd)``: y (M, N) out_dtype; mean (M,) float32 (None unless "layer"); rstd (M,)
+    float32 (None for "none"), where
+    rms: ``y = rstd ⊙_rows (x @ w_gamma) + out_bias``, rstd = rsqrt(mean(x²) + eps);
+    layer: ``y = rstd ⊙_rows (x @ w_gamma − mean ⊗ col_sum) + out_bias``,
+    rstd = rsqrt(var(x) + eps). Accuracy domain: see the module docstring.
+
+  Raises:
+    ValueError: shapes/dtypes the kernel does not support (see :func:`unsupported_reason`),
+      col_sum given or missing inconsistently with ``norm``, bad eps or norm, or a config that
+      does not fit in SMEM. TypeError: x and w_gamma dtypes differ.
+  """
+  _check_args(x, w_gamma, col_sum, out_bias, norm, eps)
+  m, k = x.shape
+  n = w_gamma.shape[1]
+  cfg = config or pick_config(m, k, n)
+  if k % cfg.tile_k:
+    raise ValueError(f"K = {k} is not a multiple of tile_k = {cfg.tile_k}")
+  plan = _make_plan(m, k, n, x.dtype, out_dtype, norm, eps, out_bias is not None, cfg,
+                    interpret)
+  out_type = [jax.ShapeDtypeStruct((m, n), plan.out_dtype)]
+  if norm != "none":
+    out_type.append(jax.ShapeDtypeStruct((m,), jnp.float32))
+  if norm == "layer":
+    out_type.append(jax.ShapeDtypeStruct((m,), jnp.float32))
+  call = plgpu.kernel(
+      functools.partial(_kernel, plan=plan),
+      out_type=tuple(out_type),
+      grid=(plan.num_ctas,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=mgpu_common.interpret_params() if interpret else None,
+  )
+  args = [a for a in (x, w_gamma, col_sum, out_bias) if a is not None]
+  outs = call(*args)
+  y = outs[0]
+  rstd = outs[1] if norm != "none" else None
+  mean = outs[2] if norm == "layer" else None
+  return y, mean, rstd
