@@ -145,12 +145,14 @@ def reset_interpret_state() -> None:
 
 
 def num_sms(interpret: bool) -> int:
-  """Persistent CTAs to launch: the SM count of the default GPU, or a small fixed number."""
+  """Persistent CTAs to launch: the SM count of the default GPU (132 when the default device
+  is not a GPU), or :data:`INTERPRET_NUM_CTAS` in interpret mode."""
   if interpret:
     return INTERPRET_NUM_CTAS
   if abstract_device := jax.sharding.get_abstract_mesh().abstract_device:
     return abstract_device.num_cores
-  return jax.devices()[0].core_count
+  # Without a GPU (e.g. jax.export for "cuda" on a CPU host) assume an H100/H200 (132 SMs).
+  return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def swizzle_transforms(minor_elems: int, dtype, *, tiled: bool = True) -> tuple:

@@ -33,24 +33,33 @@ Statistics (``TileConfig.stats``):
   row by the mean of its first K tile).
 
 Accuracy domain (LayerNorm): the statistics are shifted sums, so a large row mean does not
-cancel in the variance. The lazy form itself subtracts ``mean ⊗ col_sum`` from an f32
-accumulator that holds ``x @ w_gamma``; its error relative to the result grows like
-``|mean| / std · 2⁻²⁴ · O(√K)``. Measured in interpret mode (f16 inputs, K = 256, rows
-``mu + N(0, 1)``, see ``tests/test_norm_matmul_kernel.py::test_layer_accuracy_domain``): the
-relative Frobenius error of y against the f32 two-pass reference stays at the f16 output rounding
-(< 1e-3) up to |mean|/std = 1e4 and reaches ~1e-2 near 1e5-1e6. Inputs in bf16/f16 cannot carry
-much more than |mean|/std ~ 1e3 (bf16) or 1e4 (f16) anyway: beyond that the deviations from the
-mean are below the format's spacing at the mean.
+cancel in the variance (rstd and mean match the two-pass f32 reference to ~1e-7 at any mean).
+The lazy form itself subtracts ``mean ⊗ col_sum`` from an f32 accumulator that holds
+``x @ w_gamma``, so its error relative to the result grows linearly with ``|mean| / std``.
+Measured in interpret mode (f32 accumulation and output, K = 256, rows ``mu + N(0, 1)``, see
+``tests/test_norm_matmul_kernel.py::test_layer_accuracy_domain``): relative Frobenius error of y
+vs the two-pass f32 reference ≈ 1.4e-7 · |mean|/std: 1.3e-5 at 1e2, 1.4e-4 at 1e3, so ~1e-3 at
+7e3 and the bf16 output tolerance (1e-2) near 7e4. That is beyond what the inputs can carry:
+bf16 data resolve |mean|/std up to ~2.6e2 (8-bit mantissa), f16 up to ~2e3; past that the
+deviations from the mean round away and the data themselves (not the kernel) lose the variance.
+On the GPU the WGMMA accumulation order differs; the GPU tests re-check 1e3 + N(0, 1) rows.
 
 Shapes: any M ≥ 1 (the last row tile is partial: TMA zero-fills out-of-bounds reads and drops
-out-of-bounds writes), K and N multiples of 64, x and w_gamma both bfloat16 or both float16.
+out-of-bounds writes, so rows past M are never written), K and N multiples of 64, x and w_gamma
+both bfloat16 or both float16. Mosaic's tiled TMA (the SMEM layout WGMMA reads) needs the row
+count of the GMEM array to be a multiple of 8; for other M the x stages are written by a plain
+2-D swizzled TMA and WGMMA takes its A operand from the registers the statistics load anyway
+(``TileConfig.a_operand``), and y always leaves through an untiled swizzled SMEM tile.
+
+After the consumers read an x stage into registers (generic proxy), a proxy fence
+(``plgpu.commit_smem``) precedes the release of the stage to the TMA producer (async proxy), as
+the PTX memory model asks; ``TileConfig.fence_reads=False`` drops it for measurements.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -168,7 +177,7 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
   num_ctas = min(mgpu_common.num_sms(interpret), tiles)
   if cfg.a_operand == "auto":
     # Interpret mode has no tiled-TMA restriction on M (and cannot run register-A WGMMA).
-    a_in_registers = not interpret and m % 8 != 0 and m > 8
+    a_in_registers = not interpret and m % 8 != 0
   else:
     a_in_registers = cfg.a_operand == "registers"
   if a_in_registers and interpret:
@@ -409,7 +418,7 @@ def _kernel(*refs, plan: _Plan):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _check_args(x, w_gamma, col_sum, out_bias, norm, eps):
+def _check_args(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype):
   if norm not in NORMS:
     raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
   if x.ndim != 2 or w_gamma.ndim != 2 or x.shape[1] != w_gamma.shape[0]:
@@ -425,6 +434,8 @@ def _check_args(x, w_gamma, col_sum, out_bias, norm, eps):
   for name, v in (("col_sum", col_sum), ("out_bias", out_bias)):
     if v is not None and (v.shape != (n,) or v.dtype != jnp.float32):
       raise ValueError(f"{name} must be float32 of shape ({n},), got {v.dtype}{v.shape}")
+  if jnp.dtype(out_dtype) not in (*mgpu_common.SUPPORTED_DTYPES, jnp.dtype(jnp.float32)):
+    raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
   if not (isinstance(eps, (int, float)) and eps > 0):
     raise ValueError(f"eps must be a positive float, got {eps!r}")
 
@@ -441,7 +452,7 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
     out_bias: (N,) float32 ``biasᵀ w`` or None.
     norm: "rms", "layer", or "none" (plain GEMM ``x @ w_gamma (+ out_bias)``, for benchmarks).
     eps: positive float added to the variance (mean square for RMS).
-    out_dtype: dtype of y.
+    out_dtype: dtype of y: bfloat16, float16 or float32.
     interpret: run in Pallas GPU interpret mode on any backend (race detection on,
       uninitialized memory NaN: :func:`pallas_norm.mgpu_common.interpret_params`).
     config: tiling; default :func:`pick_config`.
@@ -456,9 +467,10 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
   Raises:
     ValueError: shapes/dtypes the kernel does not support (see :func:`unsupported_reason`),
       col_sum given or missing inconsistently with ``norm``, bad eps or norm, or a config that
-      does not fit in SMEM. TypeError: x and w_gamma dtypes differ.
+      does not fit in SMEM. TypeError: x and w_gamma dtypes differ, or an unsupported
+      out_dtype. NotImplementedError: ``config.a_operand="registers"`` with ``interpret``.
   """
-  _check_args(x, w_gamma, col_sum, out_bias, norm, eps)
+  _check_args(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype)
   m, k = x.shape
   n = w_gamma.shape[1]
   cfg = config or pick_config(m, k, n)
