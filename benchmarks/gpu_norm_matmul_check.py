@@ -58,6 +58,7 @@ def _variants(m, k, n):
     rms.append(("epi32_4st", dataclasses.replace(base, epi_tile_n=32)))
   if m % 8 == 0 and (m, k, n) == (262144, 512, 512):
     rms.append(("a_regs", dataclasses.replace(base, a_operand="registers")))
+    rms.append(("grid_m", dataclasses.replace(base, grid_minor_dim="m")))
   return {"rms": rms, "layer": [("default", base), ("alt_tile", alt_tile)],
           "none": [("default", base), ("alt_tile", alt_tile)]}
 

@@ -58,9 +58,11 @@ class TileConfig:
       K has fewer steps).
     epi_tile_m, epi_tile_n: the epilogue stores the output through SMEM in tiles of this size;
       must divide (tile_m // 2, tile_n).
-    grid_minor_dim: "n" walks the N tiles of a row block first (x is read once from HBM and w
-      stays in L2), "m" walks the M tiles first.
-    grid_tile_width: width of the snake of :func:`plgpu.planar_snake` over the tile grid.
+    grid_minor_dim: the output-tile dimension that varies fastest over the persistent loop.
+      "n" sweeps the N tiles of a row block (strips of ``grid_tile_width`` row blocks) before the
+      next one: CTAs running at the same time share x tiles, so x is read from HBM about once and
+      w stays in L2 (right for M ≫ N). "m" sweeps M first (JAX's Hopper matmul default).
+    grid_tile_width: strip width of :func:`plgpu.planar_snake` over the tile grid.
     stats: "partial" keeps per-thread partial row sums in registers and reduces them across
       lanes once per tile, in the epilogue; "reduce" reduces every A tile to a row vector inside
       the K loop (more shuffles per step).

@@ -330,8 +330,10 @@ def _kernel(*refs, plan: _Plan):
     @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (lin_idx,) = loop_info.index
+      # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a strip,
+      # so N varies fastest when M is the strip dimension (0).
       m_idx, n_idx = plgpu.planar_snake(
-          lin_idx, (plan.m_iters, plan.n_iters), 1 if cfg.grid_minor_dim == "n" else 0,
+          lin_idx, (plan.m_iters, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
           cfg.grid_tile_width)
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
       col0 = n_idx * tile_n
