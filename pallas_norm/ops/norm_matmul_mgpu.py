@@ -49,7 +49,10 @@ out-of-bounds writes, so rows past M are never written), K and N multiples of 64
 both bfloat16 or both float16. Mosaic's tiled TMA (the SMEM layout WGMMA reads) needs the row
 count of the GMEM array to be a multiple of 8; for other M the x stages are written by a plain
 2-D swizzled TMA and WGMMA takes its A operand from the registers the statistics load anyway
-(``TileConfig.a_operand``), and y always leaves through an untiled swizzled SMEM tile.
+(``TileConfig.a_operand``), and y always leaves through an untiled swizzled SMEM tile. The f32
+statistics leave through 1-D bulk copies that Mosaic clamps to the end of the array, in sizes
+that must be multiples of 16 bytes: for M % 4 != 0 they are written with up to 3 rows of padding
+and sliced.
 
 After the consumers read an x stage into registers (generic proxy), a proxy fence
 (``plgpu.commit_smem``) precedes the release of the stage to the TMA producer (async proxy), as
@@ -357,7 +360,9 @@ def _kernel(*refs, plan: _Plan):
           mean, rstd = _finalize_stats(plan, stats)
           row_vecs = [rstd] if mean is None else [rstd, mean]
 
-          @pl.when(n_idx == 0)  # every N tile has the statistics; the first one writes them
+          # Every N tile has the statistics; the first one writes them (unless all its rows
+          # are past M: a bulk copy clamped to 0 bytes is best not issued).
+          @pl.when((n_idx == 0) & (row0 < plan.m))
           def _store_stats():
             for i, (v, dst) in enumerate(zip(row_vecs, (rstd_gmem, mean_gmem))):
               stat_smem[wg, i] = v
@@ -480,11 +485,11 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
     raise ValueError(f"K = {k} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _make_plan(m, k, n, x.dtype, out_dtype, norm, eps, out_bias is not None, cfg,
                     interpret)
+  # The row statistics leave through 1-D bulk copies, which Mosaic clamps to the array's end:
+  # that clamped size must stay a multiple of 16 bytes, so the vectors get ceil(M / 4) * 4 rows.
+  m_stats = -(-m // 4) * 4
   out_type = [jax.ShapeDtypeStruct((m, n), plan.out_dtype)]
-  if norm != "none":
-    out_type.append(jax.ShapeDtypeStruct((m,), jnp.float32))
-  if norm == "layer":
-    out_type.append(jax.ShapeDtypeStruct((m,), jnp.float32))
+  out_type += [jax.ShapeDtypeStruct((m_stats,), jnp.float32)] * plan.n_stats
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=tuple(out_type),
@@ -498,6 +503,6 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
   args = [a for a in (x, w_gamma, col_sum, out_bias) if a is not None]
   outs = call(*args)
   y = outs[0]
-  rstd = outs[1] if norm != "none" else None
-  mean = outs[2] if norm == "layer" else None
+  rstd = outs[1][:m] if norm != "none" else None
+  mean = outs[2][:m] if norm == "layer" else None
   return y, mean, rstd
