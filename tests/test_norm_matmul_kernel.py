@@ -30,7 +30,7 @@ EPS = 1e-6
 
 
 def _fold(w, scale, bias, norm):
-  """diag(scale)·w in w's dtype, col_sum = 1ᵀ(that) in f32 (layer), out_bias = biasᵀ w in f32."""
+  """diag(scale)·w in w's dtype, col_sum = 1ᵀ(that) in f32 (layer), out_bias = biasᵀ w (f32)."""
   wf = w.astype(jnp.float32)
   w_gamma = w if scale is None else (scale[:, None] * wf).astype(w.dtype)
   col_sum = jnp.sum(w_gamma.astype(jnp.float32), axis=0) if norm == "layer" else None

@@ -407,11 +407,10 @@ def _kernel(*refs, plan: _Plan):
           x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA) if plan.norm != "none" else None
         if plan.norm != "none":
           stats = _update_stats(plan, stats, x.astype(jnp.float32), k_idx)
-        if x is not None:
-          if cfg.fence_reads:
-            # Orders these generic-proxy reads before the TMA (async proxy) that will refill
-            # the stage once the pipeline releases it (PTX memory model: WAR across proxies).
-            plgpu.commit_smem()
+        if x is not None and cfg.fence_reads:
+          # Orders these generic-proxy reads before the TMA (async proxy) that will refill the
+          # stage once the pipeline releases it (PTX memory model: WAR across proxies).
+          plgpu.commit_smem()
         plgpu.wgmma_wait(0)
         return (acc_ref, *stats)
 
