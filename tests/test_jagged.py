@@ -1,0 +1,151 @@
+"""The jagged helpers (`pallas_norm.jagged`) against plain numpy loops over the samples:
+offsets <-> lengths, segment ids, valid mask, positions, packed <-> padded round trips, including
+empty samples (first, inner, last, all) and padding rows that hold garbage."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import _numpy_oracle as npo
+from pallas_norm import jagged
+
+PATTERNS = {
+    "inner_empty": [3, 0, 5, 1],
+    "edge_empty": [0, 4, 2, 0],
+    "all_empty": [0, 0, 0],
+    "single": [6],
+    "ones": [1, 1, 1, 1, 1],
+}
+PAD = 3  # padding rows after the last sample
+
+
+@pytest.fixture(params=sorted(PATTERNS))
+def lens(request):
+  return PATTERNS[request.param]
+
+
+@pytest.fixture
+def rng(request):
+  return np.random.default_rng(npo.seed_of(request.node.nodeid))
+
+
+def np_offsets(lens):
+  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def capacity(lens):
+  return int(sum(lens)) + PAD
+
+
+def np_segment_ids(lens):
+  """Sample of each row; padding rows get B."""
+  return np.concatenate([np.repeat(np.arange(len(lens)), lens),
+                         np.full(PAD, len(lens))]).astype(np.int32)
+
+
+def np_positions(lens):
+  return np.concatenate([np.arange(n) for n in lens] + [np.zeros(0)]).astype(np.int32)
+
+
+def test_offsets_from_lengths_and_back(lens):
+  offsets = jagged.offsets_from_lengths(lens)
+  assert offsets.dtype == np.int32
+  np.testing.assert_array_equal(offsets, np_offsets(lens))
+  np.testing.assert_array_equal(jagged.lengths(jnp.asarray(offsets)), lens)
+
+
+@pytest.mark.parametrize("bad", [[[1, 2], [3, 4]], [2, -1, 3], 5])
+def test_offsets_from_lengths_rejects_bad_lengths(bad):
+  with pytest.raises(ValueError, match="lengths"):
+    jagged.offsets_from_lengths(bad)
+
+
+def test_segment_ids_valid_mask_positions(lens):
+  offsets, cap = jnp.asarray(np_offsets(lens)), capacity(lens)
+  seg = jagged.segment_ids(offsets, cap)
+  chex.assert_type(seg, jnp.int32)
+  np.testing.assert_array_equal(seg, np_segment_ids(lens))
+  mask = jagged.valid_mask(offsets, cap)
+  np.testing.assert_array_equal(mask, np.arange(cap) < sum(lens))
+  pos = jagged.positions(offsets, cap)
+  chex.assert_type(pos, jnp.int32)
+  np.testing.assert_array_equal(np.asarray(pos)[:sum(lens)], np_positions(lens))
+
+
+def test_helpers_under_jit_match_eager(lens):
+  offsets, cap = jnp.asarray(np_offsets(lens)), capacity(lens)
+
+  @jax.jit
+  def all_helpers(offsets):
+    return (jagged.segment_ids(offsets, cap), jagged.valid_mask(offsets, cap),
+            jagged.positions(offsets, cap), jagged.lengths(offsets))
+
+  eager = (jagged.segment_ids(offsets, cap), jagged.valid_mask(offsets, cap),
+           jagged.positions(offsets, cap), jagged.lengths(offsets))
+  chex.assert_trees_all_equal(all_helpers(offsets), eager)
+
+
+def np_to_padded(values, lens, max_len):
+  offsets = np_offsets(lens)
+  out = np.zeros((len(lens), max_len) + values.shape[1:], values.dtype)
+  for b, n in enumerate(lens):
+    m = min(n, max_len)
+    out[b, :m] = values[offsets[b]:offsets[b] + m]
+  return out
+
+
+@pytest.mark.parametrize("feature_shape", [(), (2, 3)])
+def test_to_padded_and_back(lens, feature_shape, rng):
+  cap, max_len = capacity(lens), max(max(lens), 1) + 2
+  values = rng.standard_normal((cap,) + feature_shape).astype(np.float32)
+  values[sum(lens):] = 1e6  # padding rows must never be read
+  offsets = jnp.asarray(np_offsets(lens))
+  padded = jagged.to_padded(jnp.asarray(values), offsets, max_len)
+  chex.assert_shape(padded, (len(lens), max_len) + feature_shape)
+  np.testing.assert_array_equal(padded, np_to_padded(values, lens, max_len))
+  packed = jagged.from_padded(padded, offsets, cap)
+  chex.assert_shape(packed, values.shape)
+  np.testing.assert_array_equal(np.asarray(packed)[:sum(lens)], values[:sum(lens)])
+  np.testing.assert_array_equal(np.asarray(packed)[sum(lens):], 0.0)
+
+
+def test_from_padded_ignores_positions_past_each_length(lens, rng):
+  """Garbage in a padded tensor past a sample's length never reaches the packed rows."""
+  cap, max_len = capacity(lens), max(max(lens), 1) + 2
+  padded = rng.standard_normal((len(lens), max_len, 4)).astype(np.float32)
+  clean = np.zeros_like(padded)
+  for b, n in enumerate(lens):
+    clean[b, :n] = padded[b, :n]
+    padded[b, n:] = np.nan
+  offsets = jnp.asarray(np_offsets(lens))
+  packed = jagged.from_padded(jnp.asarray(padded), offsets, cap)
+  chex.assert_tree_all_finite(packed)
+  np.testing.assert_array_equal(jagged.to_padded(packed, offsets, max_len), clean)
+
+
+def test_to_padded_truncates_long_samples(rng):
+  lens, max_len = [5, 1, 3], 2
+  values = rng.standard_normal((sum(lens) + PAD, 3)).astype(np.float32)
+  offsets = jnp.asarray(np_offsets(lens))
+  padded = jagged.to_padded(jnp.asarray(values), offsets, max_len)
+  np.testing.assert_array_equal(padded, np_to_padded(values, lens, max_len))
+  # from_padded of a truncated tensor: rows past max_len of their sample come back as zeros.
+  packed = np.asarray(jagged.from_padded(padded, offsets, sum(lens) + PAD))
+  keep = np_positions(lens) < max_len
+  np.testing.assert_array_equal(packed[:sum(lens)][keep], values[:sum(lens)][keep])
+  np.testing.assert_array_equal(packed[:sum(lens)][~keep], 0.0)
+
+
+def test_to_padded_under_jit_with_traced_offsets(rng):
+  lens = PATTERNS["inner_empty"]
+  values = jnp.asarray(rng.standard_normal((capacity(lens), 2)), jnp.float32)
+  offsets = jnp.asarray(np_offsets(lens))
+  round_trip = jax.jit(lambda v, o: jagged.from_padded(jagged.to_padded(v, o, 5), o,
+                                                        capacity(lens)))
+  got = np.asarray(round_trip(values, offsets))
+  np.testing.assert_array_equal(got[:sum(lens)], np.asarray(values)[:sum(lens)])
+  np.testing.assert_array_equal(got[sum(lens):], 0.0)

@@ -1,0 +1,321 @@
+"""Argument validation of the public ops: every documented error raises the right type and names
+the offending argument, before any computation; implementation dispatch; validation under jit.
+
+Each op has one valid call (`GOOD`, checked to run); each case changes one argument of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_norm
+from pallas_norm import _dispatch
+
+F32 = jnp.float32
+T, H, D, B = 7, 2, 4, 3          # q (T, H, D), B samples
+Q_OFFSETS = [0, 2, 2, 5]          # an empty sample, two padding rows
+KV_OFFSETS = [0, 1, 4, 4]         # packed k/v of capacity TKV
+TKV, L_KV = 6, 4
+
+
+def _arr(shape, dtype=F32, seed=0):
+  return jnp.asarray(1.0 + np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _off(values, dtype=np.int32):
+  return jnp.asarray(np.asarray(values, dtype))
+
+
+def good_args(op: str) -> dict:
+  """A valid call of each public op (keyword form)."""
+  if op == "rms_norm":
+    return dict(x=_arr((3, 8)), scale=_arr((8,), seed=1), residual=_arr((3, 8), seed=2))
+  if op == "layer_norm":
+    return dict(good_args("rms_norm"), bias=_arr((8,), seed=3))
+  if op == "norm_matmul":
+    return dict(x=_arr((2, 3, 8)), w=_arr((8, 5), seed=1), scale=_arr((8,), seed=2),
+                bias=_arr((8,), seed=3), norm="layer")
+  if op == "matmul_norm":
+    return dict(x=_arr((3, 8)), w=_arr((8, 5), seed=1), dense_bias=_arr((5,), seed=2),
+                residual=_arr((3, 5), seed=3), scale=_arr((5,), seed=4), bias=_arr((5,), seed=5))
+  if op == "gdpa":
+    return dict(q=_arr((T, H, D)), k=_arr((B, L_KV, H, D), seed=1),
+                v=_arr((B, L_KV, H, D), seed=2), q_offsets=_off(Q_OFFSETS))
+  if op == "gdpa_jagged":
+    return dict(q=_arr((T, H, D)), k=_arr((TKV, H, D), seed=1), v=_arr((TKV, H, D), seed=2),
+                q_offsets=_off(Q_OFFSETS), kv_offsets=_off(KV_OFFSETS))
+  if op == "flash_norm_attention":
+    return dict(good_args("gdpa"), ln_scale=_arr((H * D,), seed=3),
+                ln_bias=_arr((H * D,), seed=4), rms_scale=_arr((H * D,), seed=5))
+  raise KeyError(op)
+
+
+def op_fn(op: str):
+  return getattr(pallas_norm, "gdpa" if op == "gdpa_jagged" else op)
+
+
+ALL_OPS = ["rms_norm", "layer_norm", "norm_matmul", "matmul_norm", "gdpa", "gdpa_jagged",
+           "flash_norm_attention"]
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_good_calls_run(op):
+  out = op_fn(op)(**good_args(op), implementation="xla")
+  chex.assert_tree_all_finite(out)
+
+
+# (op, argument(s), bad value, exception, text the message must contain). One change per case;
+# "k,v" gives k and v the same value (a k/v pair that agrees with itself but not with q).
+NORM_CASES = [
+    ("x", _arr((3, 8), jnp.int32), TypeError, "x"),
+    ("x", [[1.0, 2.0]], TypeError, "x"),
+    ("x", _arr(()), ValueError, "x"),
+    ("x", _arr((3, 0)), ValueError, "x"),
+    ("scale", _arr((7,)), ValueError, "scale"),
+    ("scale", _arr((1, 8)), ValueError, "scale"),
+    ("scale", _arr((8,), jnp.int32), TypeError, "scale"),
+    ("residual", _arr((3, 7)), ValueError, "residual"),
+    ("residual", _arr((8,)), ValueError, "residual"),
+    ("residual", _arr((3, 8), jnp.int8), TypeError, "residual"),
+    ("eps", 0.0, ValueError, "eps"),
+    ("eps", -1e-6, ValueError, "eps"),
+    ("eps", float("nan"), ValueError, "eps"),
+    ("eps", float("inf"), ValueError, "eps"),
+    ("eps", True, TypeError, "eps"),
+    ("eps", "1e-6", TypeError, "eps"),
+    ("eps", None, TypeError, "eps"),
+    ("out_dtype", jnp.int32, TypeError, "out_dtype"),
+    ("out_dtype", "not-a-dtype", TypeError, "out_dtype"),
+    ("implementation", "cuda", ValueError, "implementation"),
+    ("implementation", "XLA", ValueError, "implementation"),
+]
+CASES = (
+    [("rms_norm",) + c for c in NORM_CASES]
+    + [("layer_norm",) + c for c in NORM_CASES]
+    + [("layer_norm", "bias", _arr((9,)), ValueError, "bias"),
+       ("layer_norm", "bias", _arr((8,), jnp.int32), TypeError, "bias")]
+    + [("norm_matmul",) + c for c in [
+        ("x", _arr((2, 3, 8), jnp.int32), TypeError, "x"),
+        ("w", _arr((8, 5), jnp.int32), TypeError, "w"),
+        ("w", _arr((8, 5), jnp.bfloat16), TypeError, "w"),  # x float32, w bfloat16
+        ("w", _arr((8,)), ValueError, "w"),
+        ("w", _arr((7, 5)), ValueError, "w"),
+        ("scale", _arr((5,)), ValueError, "scale"),  # (K,), not (N,)
+        ("bias", _arr((5,)), ValueError, "bias"),
+        ("norm", "batch", ValueError, "norm"),
+        ("norm", "RMS", ValueError, "norm"),
+        ("eps", 0, ValueError, "eps"),
+        ("eps", float("nan"), ValueError, "eps"),
+        ("eps", False, TypeError, "eps"),
+        ("out_dtype", jnp.int32, TypeError, "out_dtype"),
+        ("implementation", "triton", ValueError, "implementation")]]
+    + [("matmul_norm",) + c for c in [
+        ("x", _arr((3, 8), jnp.uint8), TypeError, "x"),
+        ("w", _arr((8, 5), jnp.float16), TypeError, "w"),
+        ("w", _arr((9, 5)), ValueError, "w"),
+        ("dense_bias", _arr((8,)), ValueError, "dense_bias"),
+        ("dense_bias", _arr((5,), jnp.int32), TypeError, "dense_bias"),
+        ("residual", _arr((3, 8)), ValueError, "residual"),
+        ("residual", _arr((5,)), ValueError, "residual"),
+        ("scale", _arr((8,)), ValueError, "scale"),  # (N,), not (K,)
+        ("bias", _arr((5,), jnp.int32), TypeError, "bias"),
+        ("norm", "group", ValueError, "norm"),
+        ("eps", -1.0, ValueError, "eps"),
+        ("eps", True, TypeError, "eps"),
+        ("implementation", "cuda", ValueError, "implementation")]]
+    + [("gdpa",) + c for c in [
+        ("q", _arr((T, H, D), jnp.int32), TypeError, "q"),
+        ("q", _arr((T, H * D)), ValueError, "q"),
+        ("k", _arr((B * L_KV, H, D)), ValueError, "k"),  # 3-D k without kv_offsets
+        ("v", _arr((B, L_KV + 1, H, D)), ValueError, "v"),
+        ("k,v", _arr((B, L_KV, H, D + 1)), ValueError, "(H, D)"),
+        ("v", _arr((B, L_KV, H, D), jnp.bfloat16), TypeError, "dtype"),
+        ("k,v", _arr((B - 1, L_KV, H, D)), ValueError, "batch"),  # dense k/v batch != B
+        ("q_offsets", [0, 2, 2, 5], TypeError, "q_offsets"),
+        ("q_offsets", np.asarray(Q_OFFSETS, np.int64), TypeError, "q_offsets"),
+        ("q_offsets", _off(Q_OFFSETS, np.float32), TypeError, "q_offsets"),
+        ("q_offsets", _off([Q_OFFSETS]), ValueError, "q_offsets"),
+        ("q_offsets", _off([0]), ValueError, "q_offsets"),
+        ("q_offsets", _off([1, 2, 2, 5]), ValueError, "q_offsets[0]"),
+        ("q_offsets", _off([0, 3, 2, 5]), ValueError, "q_offsets"),
+        ("q_offsets", _off([0, 2, 2, T + 1]), ValueError, "q_offsets[-1]"),
+        ("max_seq_len", 2, ValueError, "max_seq_len"),  # the longest sample has 3 rows
+        ("max_seq_len", 0, ValueError, "max_seq_len"),
+        ("max_seq_len", 3.0, ValueError, "max_seq_len"),
+        ("max_seq_len", True, ValueError, "max_seq_len"),
+        ("max_kv_len", 4, ValueError, "max_kv_len"),  # only with jagged k/v
+        ("activation", "tanh", ValueError, "activation"),
+        ("activation", "GELU", ValueError, "activation"),
+        ("pre_scale", float("nan"), ValueError, "pre_scale"),
+        ("pre_scale", float("inf"), ValueError, "pre_scale"),
+        ("pre_scale", jnp.asarray([1.0, 2.0]), TypeError, "pre_scale"),
+        ("post_scale", -float("inf"), ValueError, "post_scale"),
+        ("post_scale", None, TypeError, "post_scale"),
+        ("out_dtype", jnp.int32, TypeError, "out_dtype"),
+        ("implementation", "pallas", ValueError, "implementation")]]
+    + [("gdpa_jagged",) + c for c in [
+        ("k", _arr((B, L_KV, H, D)), ValueError, "k"),  # 4-D k with kv_offsets
+        ("kv_offsets", _off([0, 1, 4]), ValueError, "kv_offsets"),  # B = 2 != 3
+        ("kv_offsets", _off([0, 1, 4, 4], np.int16), TypeError, "kv_offsets"),
+        ("kv_offsets", _off([2, 2, 4, 4]), ValueError, "kv_offsets[0]"),
+        ("kv_offsets", _off([0, 4, 1, 4]), ValueError, "kv_offsets"),
+        ("kv_offsets", _off([0, 1, 4, TKV + 1]), ValueError, "kv_offsets[-1]"),
+        ("max_kv_len", 2, ValueError, "max_kv_len"),  # the longest kv sample has 3 rows
+        ("max_kv_len", -1, ValueError, "max_kv_len")]]
+    + [("flash_norm_attention",) + c for c in [
+        ("q", _arr((T, H, D), jnp.int32), TypeError, "q"),
+        ("q_offsets", _off([0, 2, 1, 5]), ValueError, "q_offsets"),
+        ("k,v", _arr((B + 1, L_KV, H, D)), ValueError, "batch"),
+        ("ln_scale", _arr((D,)), ValueError, "ln_scale"),  # (H·D,), not (D,)
+        ("ln_scale", _arr((H, D)), ValueError, "ln_scale"),
+        ("ln_bias", _arr((H * D,), jnp.int32), TypeError, "ln_bias"),
+        ("rms_scale", _arr((H * D + 1,)), ValueError, "rms_scale"),
+        ("activation", "softmax", ValueError, "activation"),
+        ("pre_scale", float("nan"), ValueError, "pre_scale"),
+        ("eps", 0.0, ValueError, "eps"),
+        ("eps", True, TypeError, "eps"),
+        ("max_seq_len", 1, ValueError, "max_seq_len"),
+        ("implementation", "cuda", ValueError, "implementation")]]
+)
+
+
+def assert_names(error, text):
+  """The message contains ``text`` as a whole word (so "x" is not found inside "max")."""
+  found = re.search(r"(?<!\w)" + re.escape(text) + r"(?!\w)", str(error))
+  assert found, f"{type(error).__name__} should name {text!r}: {error}"
+
+
+def _case_id(case):
+  op, arg, value, exc, _ = case
+  shown = getattr(value, "shape", None)
+  shown = f"{getattr(value, 'dtype', '')}{tuple(shown)}" if shown is not None else repr(value)
+  return f"{op}-{arg}={shown}-{exc.__name__}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_bad_argument_raises_naming_it(case):
+  op, arg, value, exc, text = case
+  args = dict(good_args(op), **{name: value for name in arg.split(",")})
+  with pytest.raises(exc) as info:
+    op_fn(op)(**args)
+  assert_names(info.value, text)
+
+
+FINITE_SCALAR_BUG = (
+    "_validate.finite_scalar accepts anything float() accepts: the string '0.5' passes and "
+    "fails later inside the math with an unrelated TypeError, 'abc' raises float()'s "
+    "ValueError without the argument's name. Reported fix: reject str/bytes (and bool, like "
+    "eps) with TypeError naming the argument, and turn float()'s ValueError into that TypeError.")
+
+
+@pytest.mark.xfail(strict=True, reason=FINITE_SCALAR_BUG)
+@pytest.mark.parametrize("arg,value", [("pre_scale", "0.5"), ("post_scale", "abc")])
+def test_string_scale_raises_type_error_naming_it(arg, value):
+  with pytest.raises(TypeError, match=arg):
+    pallas_norm.gdpa(**good_args("gdpa"), **{arg: value})
+
+
+def test_validation_runs_before_any_computation(monkeypatch):
+  """A bad argument raises before the op's math is reached."""
+  from pallas_norm import reference  # pylint: disable=import-outside-toplevel
+
+  def boom(*args, **kwargs):
+    raise AssertionError("reference reached before validation")
+
+  for name in ("rms_norm", "gdpa", "matmul_norm"):
+    monkeypatch.setattr(reference, name, boom)
+  with pytest.raises(ValueError, match="eps"):
+    pallas_norm.rms_norm(**good_args("rms_norm"), eps=0.0)
+  with pytest.raises(ValueError, match="activation"):
+    pallas_norm.gdpa(**good_args("gdpa"), activation="nope")
+  with pytest.raises(ValueError, match="residual"):
+    pallas_norm.matmul_norm(**dict(good_args("matmul_norm"), residual=_arr((3, 8))))
+
+
+# ---- implementation dispatch ----------------------------------------------------------------
+
+
+def test_implementation_names():
+  assert set(pallas_norm.IMPLEMENTATIONS) == {"xla", "mosaic", "interpret"}
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "interpret"])
+def test_kernel_implementation_without_kernel_raises_naming_op(implementation):
+  with pytest.raises(NotImplementedError, match=r"some_op.*" + implementation):
+    _dispatch.choose("some_op", implementation)
+
+
+def test_dispatch_choices():
+  assert _dispatch.choose("some_op", "xla") == "xla"
+  assert _dispatch.choose("some_op", None) == "xla"  # no kernel: XLA
+  with pytest.raises(ValueError, match="implementation"):
+    _dispatch.choose("some_op", "gpu")
+  # An op with a kernel: an explicit request runs it when it supports the call, else says why.
+  assert _dispatch.choose("some_op", "interpret", lambda: None) == "interpret"
+  with pytest.raises(NotImplementedError, match=r"some_op.*N = 3 is too small"):
+    _dispatch.choose("some_op", "mosaic", lambda: "N = 3 is too small")
+  # None falls back to XLA when the kernel cannot run the call.
+  assert _dispatch.choose("some_op", None, lambda: "N = 3 is too small") == "xla"
+  if not _dispatch.on_hopper_gpu():
+    assert _dispatch.choose("some_op", None, lambda: None) == "xla"
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_default_implementation_matches_xla(op):
+  fn, args = op_fn(op), good_args(op)
+  chex.assert_trees_all_close(fn(**args), fn(**args, implementation="xla"), rtol=0, atol=0)
+
+
+# ---- under jax.jit --------------------------------------------------------------------------
+
+
+def _jit_gdpa(**static):
+  """gdpa jitted with q and the offsets traced (k/v dense, from GOOD unless given)."""
+  return jax.jit(functools.partial(pallas_norm.gdpa, **static))
+
+
+def test_jit_traced_offsets_skip_value_checks():
+  good = good_args("gdpa")
+  eager = pallas_norm.gdpa(**good)
+  f = _jit_gdpa(activation="fast_gelu")
+  chex.assert_trees_all_close(f(good["q"], good["k"], good["v"], good["q_offsets"]), eager,
+                              rtol=1e-6, atol=1e-6)
+  # Values can't be checked while tracing: a first offset != 0 is not an error under jit.
+  out = f(good["q"], good["k"], good["v"], _off([1, 2, 2, 5]))
+  chex.assert_shape(out, (T, H, D))
+
+
+@pytest.mark.parametrize("change,exc,text", [
+    (dict(q_offsets=_off([0, 2, 5])), ValueError, "batch"),  # B = 2, dense k has 3
+    (dict(q_offsets=_off(Q_OFFSETS, np.float32)), TypeError, "q_offsets"),
+    (dict(q_offsets=_off([Q_OFFSETS])), ValueError, "q_offsets"),
+    (dict(k=_arr((B, L_KV, H, D + 1)), v=_arr((B, L_KV, H, D + 1))), ValueError,
+     "(H, D)"),
+    (dict(q=_arr((T, H, D), jnp.bfloat16)), TypeError, "dtype"),
+])
+def test_jit_shape_and_dtype_errors_still_raise(change, exc, text):
+  args = dict(good_args("gdpa"), **change)
+  with pytest.raises(exc) as info:
+    jax.jit(pallas_norm.gdpa)(**args)
+  assert_names(info.value, text)
+
+
+def test_jit_jagged_kv_batch_mismatch_raises():
+  args = dict(good_args("gdpa_jagged"), kv_offsets=_off([0, 1, 4]))
+  with pytest.raises(ValueError, match="kv_offsets"):
+    jax.jit(pallas_norm.gdpa)(**args)
+
+
+def test_jit_norm_shape_errors_still_raise():
+  good = good_args("layer_norm")
+  with pytest.raises(ValueError, match="scale"):
+    jax.jit(pallas_norm.layer_norm)(good["x"], _arr((7,)))
+  with pytest.raises(ValueError, match="w must have shape"):
+    jax.jit(pallas_norm.norm_matmul)(good["x"], _arr((7, 5)))  # K = 8
