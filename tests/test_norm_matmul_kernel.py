@@ -1,4 +1,6 @@
-"""The lazy pre-norm GEMM forward kernel (pallas_norm.ops.norm_matmul_mgpu) against the reference.
+"""The lazy pre-norm GEMM kernels against the reference: the forward
+(pallas_norm.ops.norm_matmul_mgpu) and the dx kernel of the backward
+(pallas_norm.ops.norm_matmul_bwd_mgpu).
 
 CPU tests run the Mosaic-GPU kernel in GPU interpret mode with the race detector on and every
 uninitialized buffer (SMEM and the outputs) filled with NaN, so an output element the kernel
@@ -8,9 +10,9 @@ M = 1, 5, 77, 200). Lowering tests run Mosaic's Python lowering for sm_90a via `
 GPU needed). ``gpu`` tests run the compiled kernel at real sizes on a Hopper GPU.
 
 The oracle is :func:`pallas_norm.reference.norm_matmul` on float32-upcast inputs (two-pass
-statistics, no rounding of norm(x)). Tolerances: y relative Frobenius error < 1e-2 (bf16/f16
-output rounding and the bf16 rounding of diag(scale)·w); rstd relative error < 1e-4; mean error
-< 1e-4 · (|mean| + std).
+statistics, no rounding of norm(x)); for dx, ``jax.grad`` of it. Tolerances: y and dx relative
+Frobenius error < 1e-2 (bf16/f16 output rounding and the bf16 rounding of diag(scale)·w); rstd
+relative error < 1e-4; mean error < 1e-4 · (|mean| + std).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from jax import export
 
 from pallas_norm import mgpu_common, reference
 from pallas_norm.mgpu_common import TileConfig
+from pallas_norm.ops import norm_matmul as nm
+from pallas_norm.ops import norm_matmul_bwd_mgpu as nmb
 from pallas_norm.ops import norm_matmul_mgpu as nmk
 
 EPS = 1e-6
@@ -256,3 +260,103 @@ def test_gpu_layer_large_mean(dtype):
 ])
 def test_gpu_forward_configs(config):
   _run_and_check(8192, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# The dx kernel of the backward: dx = rstd ⊙ (dy @ W_γᵀ) − y_term ⊙ (x − mean) − c_term.
+
+
+def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
+                      interpret=True, seed=0, tol=1e-2):
+  """The dx kernel, fed the reference forward's y and statistics, against jax.grad of the
+  f32 reference (the cotangent is rounded to ``dtype`` first, so both see the same dy)."""
+  x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
+  dy = jax.random.normal(jax.random.key(seed + 1000), (m, n), jnp.float32).astype(dtype)
+  xf, wf, dyf = (a.astype(jnp.float32) for a in (x, w, dy))
+  forward = lambda xf: reference.norm_matmul(xf, wf, scale, bias, norm=norm, eps=EPS,
+                                             return_stats=True)
+  (y, stats), vjp = jax.vjp(forward, xf)
+  (dx_ref,) = vjp((dyf, jax.tree.map(jnp.zeros_like, stats)))
+  w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
+  y_term, c_term = nm._row_terms(dy, y, col_sum, out_bias, stats.rstd, k)
+  dx = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, y_term, stats.mean, c_term,
+                          interpret=interpret, config=config)
+  dx = jax.block_until_ready(dx)
+  if interpret:
+    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+  assert dx.shape == (m, k) and dx.dtype == jnp.dtype(dtype)
+  assert bool(jnp.all(jnp.isfinite(dx))), "some outputs were never written (NaN-filled)"
+  assert _rel_err(dx, dx_ref) < tol
+
+
+DX_CASES = [
+    # m, k, n, dtype, norm, mu, affine, config
+    (77, 192, 128, jnp.bfloat16, "layer", 0.0, True, None),  # M tail, tile_n 192 over K
+    (1, 64, 64, jnp.bfloat16, "rms", 0.0, True, None),
+    # K = 320 with tile_n 192: a partial column tile (x reads past K are zeros, dx stores clipped);
+    # several tiles per CTA, so the x buffer is refilled after the previous tile's stores.
+    (200, 320, 128, jnp.bfloat16, "rms", 0.0, False, None),
+    # large row means (f16 resolves them), 256-row tile, narrow epilogue tiles, 5 rows
+    (5, 128, 192, jnp.float16, "layer", 1e3, True, TileConfig(tile_m=256, tile_n=128,
+                                                              epi_tile_n=32)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,norm,mu,affine,config", DX_CASES)
+def test_dx_kernel_matches_autodiff(m, k, n, dtype, norm, mu, affine, config):
+  _run_dx_and_check(m, k, n, dtype, norm, mu=mu, affine=affine, config=config)
+
+
+def test_dx_bad_arguments_raise():
+  dy = jnp.ones((8, 64), jnp.bfloat16)
+  w = jnp.ones((128, 64), jnp.bfloat16)
+  x = jnp.ones((8, 128), jnp.bfloat16)
+  r = jnp.ones((8,), jnp.float32)
+  with pytest.raises(ValueError, match="both given"):
+    nmb.norm_matmul_dx(dy, w, x, r, r, r, None, interpret=True)
+  with pytest.raises(ValueError, match="rstd"):
+    nmb.norm_matmul_dx(dy, w, x, r[:4], r, interpret=True)
+  with pytest.raises(ValueError, match="x \\(M, K\\)"):
+    nmb.norm_matmul_dx(dy, w, x[:, :64], r, r, interpret=True)
+  with pytest.raises(TypeError, match="share a dtype"):
+    nmb.norm_matmul_dx(dy.astype(jnp.float16), w, x, r, r, interpret=True)
+  with pytest.raises(ValueError, match="K = 96"):
+    nmb.norm_matmul_dx(dy, w[:96], x[:, :96], r, r, interpret=True)
+
+
+@pytest.mark.parametrize("m,k,n,norm,config", [
+    (262144, 512, 512, "layer", None),
+    (262144 + 77, 1024, 1024, "rms", None),  # M % 8 != 0: dy untiled, WGMMA A from registers
+    (65536, 2048, 2048, "layer", TileConfig(tile_m=256, tile_n=128, epi_tile_n=32)),
+])
+def test_dx_lowers_for_hopper(m, k, n, norm, config):
+  spec = jax.ShapeDtypeStruct
+  vec = spec((m,), jnp.float32)
+  layer_vec = vec if norm == "layer" else None
+  fn = jax.jit(lambda dy, w, x, r, yt, mu, ct: nmb.norm_matmul_dx(dy, w, x, r, yt, mu, ct,
+                                                                  config=config))
+  exported = export.export(fn, platforms=["cuda"])(
+      spec((m, n), jnp.bfloat16), spec((k, n), jnp.bfloat16), spec((m, k), jnp.bfloat16), vec,
+      vec, layer_vec, layer_vec)
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (262144, 512, 512), (1, 128, 128),
+                                   (8192, 320, 1024), (65536, 2048, 2048)])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gpu_dx(m, k, n, norm):
+  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_dx_large_mean(dtype):
+  _run_dx_and_check(4096 + 77, 512, 512, dtype, "layer", mu=1e3, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [TileConfig(tile_m=256, tile_n=128), TileConfig(epi_tile_n=32),
+                                    TileConfig(a_operand="registers")])
+def test_gpu_dx_configs(config):
+  _run_dx_and_check(8192, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)

@@ -1,6 +1,8 @@
 """The lazy backward of norm_matmul (custom_vjp, DESIGN.md op 1) against JAX's autodiff of the
-reference. The forward here is the kernel's epilogue math in XLA ("lazy_xla"), so these tests pin
-the backward identities independently of the Mosaic kernel; the kernel tests reuse them."""
+reference. Most tests use the kernels' math in XLA ("lazy_xla"), so they pin the backward
+identities independently of the Mosaic kernels; the last ones run the public API with
+``implementation="interpret"`` (forward kernel + dx kernel in GPU interpret mode on the CPU) and
+compare forward and gradients with ``implementation="xla"`` and the f32 reference."""
 
 import chex
 import jax
@@ -8,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_norm
 from pallas_norm import reference
 from pallas_norm.ops import norm_matmul as nm
 
@@ -103,3 +106,63 @@ def test_leading_dims_are_flattened_and_restored():
   chex.assert_shape(y, (2, 3, 4, 64))
   chex.assert_trees_all_close(y, reference.norm_matmul(x3, w, scale, None, norm="rms"),
                               rtol=1e-4, atol=1e-4)
+
+
+def _rel(a, b):
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.parametrize("m,k,n,norm,use_affine", [(77, 128, 192, "layer", True),
+                                                   (64, 64, 128, "rms", False)])
+def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine):
+  """pallas_norm.norm_matmul(implementation="interpret"): y and (dx, dw, dscale, dbias) within
+  bf16 tolerance (relative Frobenius 2e-2; y 1e-2) of implementation="xla" and of the f32
+  reference. Forward and backward each run once (jax.vjp): interpret mode is slow."""
+  x, w, scale, bias, ct = _inputs(21 + m, m, k, n, jnp.bfloat16)
+  scale, bias = (scale, bias) if use_affine else (None, None)
+  ct = ct.astype(jnp.bfloat16)
+
+  def op(implementation):
+    return lambda x, w, s, b: pallas_norm.norm_matmul(x, w, s, b, norm=norm,
+                                                      implementation=implementation)
+
+  f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
+  y_ref, vjp_ref = jax.vjp(lambda *a: reference.norm_matmul(*a, norm=norm), *f32((x, w)),
+                           scale, bias)
+  grads_ref = vjp_ref(ct.astype(jnp.float32))
+  for impl in ("interpret", "xla"):
+    y, vjp = jax.vjp(op(impl), x, w, scale, bias)
+    grads = vjp(ct)
+    assert y.dtype == jnp.bfloat16 and _rel(y, y_ref) < 1e-2, impl
+    if impl == "interpret":
+      y_interp, grads_interp = y, grads
+      assert bool(jnp.all(jnp.isfinite(y))), "the forward kernel left outputs unwritten"
+  assert _rel(y_interp, y) < 1e-2
+  names = ["dx", "dw", "dscale", "dbias"]
+  for name, g, g_xla, g_ref in zip(names, grads_interp, grads, grads_ref):
+    if g_ref is None:
+      assert g is None and g_xla is None, name
+      continue
+    assert g.dtype == g_xla.dtype, name
+    assert _rel(g, g_xla) < 2e-2, (name, _rel(g, g_xla))
+    assert _rel(g, g_ref) < 2e-2, (name, _rel(g, g_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 1024, 320)])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gpu_public_api_gradients(m, k, n, norm):
+  """implementation="mosaic" (both kernels compiled) against the f32 reference's gradients."""
+  x, w, scale, bias, ct = _inputs(m + n, m, k, n, jnp.bfloat16)
+  ct = ct.astype(jnp.bfloat16)
+  op = lambda *a: pallas_norm.norm_matmul(*a, norm=norm, implementation="mosaic")
+  y, vjp = jax.vjp(op, x, w, scale, bias)
+  grads = vjp(ct)
+  f32 = lambda a: a.astype(jnp.float32)
+  y_ref, vjp_ref = jax.vjp(lambda *a: reference.norm_matmul(*a, norm=norm), f32(x), f32(w),
+                           scale, bias)
+  assert _rel(y, y_ref) < 1e-2
+  for name, g, g_ref in zip(["dx", "dw", "dscale", "dbias"], grads, vjp_ref(f32(ct))):
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert _rel(g, g_ref) < 2e-2, (name, _rel(g, g_ref))

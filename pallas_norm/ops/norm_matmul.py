@@ -17,6 +17,11 @@ full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy
     dW_γ = xᵀ (rstd ⊙ dy) − 1_K ⊗ Σ_i rstd_i mean_i dy_i
     dscale_k = Σ_n dW_γ[k, n] w[k, n],  dw = diag(scale) dW_γ + bias ⊗ Σ_i dy_i,  dbias = w Σ_i dy_i.
 
+For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
+epilogue (:mod:`pallas_norm.ops.norm_matmul_bwd_mgpu`); its two row scalars
+``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy and y.
+dW_γ and the rest stay in XLA. ``"lazy_xla"`` (tests only) runs the same math all in XLA.
+
 The ``"xla"`` implementation is the unfused reference (:func:`pallas_norm.reference.norm_matmul`)
 differentiated by JAX.
 """
@@ -107,21 +112,47 @@ def _fused_fwd(x, w, scale, bias, norm, eps, out_dtype, implementation):
   return (y, mean, rstd), saved
 
 
-def _fused_bwd(norm, eps, out_dtype, implementation, saved, cotangents):
-  del eps, out_dtype, implementation
-  x, w, scale, bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
-  dy = cotangents[0].astype(_F32)  # the stats outputs are not differentiated (see norm_matmul)
-  k = x.shape[1]
+def _row_terms(dy, y, col_sum, out_bias, rstd, k):
+  """The per-row scalars of the dx epilogue, from one pass over dy and y (XLA fuses it).
+
+  y_term = rstd² · rowsum(dy ⊙ y') / K with y' = y − out_bias (that is rstd · mean_k(g ⊙ x̂)),
+  c_term = rstd · (dy · col_sum) / K (that is rstd · mean_k(g); LayerNorm only).
+  """
+  dyf = dy.astype(_F32)
   y_gemm = y.astype(_F32) if out_bias is None else y.astype(_F32) - out_bias
-  row_dot = jnp.sum(dy * y_gemm, axis=1) / k  # mean_k(g ⊙ x̂), no reduction over K
-  hi = lax.Precision.HIGHEST
-  g = jnp.matmul(dy.astype(w_gamma.dtype), w_gamma.T, preferred_element_type=_F32, precision=hi)
+  y_term = rstd * rstd * (jnp.sum(dyf * y_gemm, axis=1) / k)
+  c_term = None if col_sum is None else rstd * (jnp.sum(dyf * col_sum, axis=1) / k)
+  return y_term, c_term
+
+
+def _input_grad_xla(dy, x, w_gamma, rstd, y_term, mean, c_term):
+  """dx = rstd ⊙ (dy @ W_γᵀ) − y_term ⊙ (x − mean) − c_term in XLA (the kernel's math)."""
+  g = jnp.matmul(dy.astype(w_gamma.dtype), w_gamma.T, preferred_element_type=_F32,
+                 precision=lax.Precision.HIGHEST)
   xc = x.astype(_F32) if mean is None else x.astype(_F32) - mean[:, None]
-  dx = rstd[:, None] * g - (rstd * rstd * row_dot)[:, None] * xc
-  if col_sum is not None:
-    dx = dx - (rstd * (dy @ col_sum) / k)[:, None]
+  dx = rstd[:, None] * g - y_term[:, None] * xc
+  if c_term is not None:
+    dx = dx - c_term[:, None]
+  return dx.astype(x.dtype)
+
+
+def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
+  """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue."""
+  y_term, c_term = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
+  if implementation == "lazy_xla":
+    return _input_grad_xla(dy, x, w_gamma, rstd, y_term, mean, c_term)
+  from pallas_norm.ops import norm_matmul_bwd_mgpu
+  return norm_matmul_bwd_mgpu.norm_matmul_dx(
+      dy.astype(x.dtype), w_gamma, x, rstd, y_term, mean, c_term,
+      interpret=implementation == "interpret")
+
+
+def _weight_grads(dy, x, w, scale, bias, mean, rstd):
+  """(dw, dscale, dbias) from dW_γ = xᵀ (rstd ⊙ dy) − 1_K ⊗ Σ_i rstd_i mean_i dy_i (XLA)."""
+  dy = dy.astype(_F32)
   dy_scaled = (rstd[:, None] * dy).astype(x.dtype)
-  dw_gamma = jnp.matmul(x.T, dy_scaled, preferred_element_type=_F32, precision=hi)
+  dw_gamma = jnp.matmul(x.T, dy_scaled, preferred_element_type=_F32,
+                        precision=lax.Precision.HIGHEST)
   if mean is not None:
     dw_gamma = dw_gamma - jnp.sum((rstd * mean)[:, None] * dy, axis=0)[None, :]
   wf = w.astype(_F32)
@@ -132,7 +163,15 @@ def _fused_bwd(norm, eps, out_dtype, implementation, saved, cotangents):
     dy_colsum = jnp.sum(dy, axis=0)
     dw = dw + bias.astype(_F32)[:, None] * dy_colsum[None, :]
     dbias = (wf @ dy_colsum).astype(bias.dtype)
-  return dx.astype(x.dtype), dw.astype(w.dtype), dscale, dbias
+  return dw.astype(w.dtype), dscale, dbias
+
+
+def _fused_bwd(norm, eps, out_dtype, implementation, saved, cotangents):
+  del norm, eps, out_dtype
+  x, w, scale, bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
+  dy = cotangents[0]  # the stats outputs are not differentiated (see norm_matmul)
+  dx = _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd)
+  return (dx, *_weight_grads(dy, x, w, scale, bias, mean, rstd))
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
