@@ -59,9 +59,11 @@ def eps(value) -> None:
 def finite_scalar(name: str, value) -> None:
   if isinstance(value, jax.core.Tracer):
     return
+  if isinstance(value, (str, bytes, bool)):
+    raise TypeError(f"{name} must be a real scalar, got {value!r}")
   try:
     f = float(value)
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     raise TypeError(f"{name} must be a real scalar, got {value!r}") from e
   if not np.isfinite(f):
     raise ValueError(f"{name} must be finite, got {value!r}")

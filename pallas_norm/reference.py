@@ -68,16 +68,29 @@ ACTIVATIONS = {
 """Activation name -> elementwise function, as used by :func:`gdpa` (leaky slope 0.01)."""
 
 
+def _center(xf: jax.Array):
+  """(x - mean(x), mean(x)) over the last axis, accurate when |mean| >> std.
+
+  Shifting by the row's first element first is exact for values within a factor 2 of each
+  other (Sterbenz), so the centered values keep full precision; subtracting a mean that was
+  rounded to float32 would cost up to ulp(mean)/std (0.1 at 1e4 + 1e-2 noise).
+  """
+  shift = lax.stop_gradient(xf[..., :1])
+  d = xf - shift
+  dmean = jnp.mean(d, axis=-1, keepdims=True)
+  return d - dmean, (shift + dmean)[..., 0]
+
+
 def _row_stats(xf: jax.Array, norm: str, eps: float) -> NormStats:
   if norm == "rms":
     return NormStats(None, lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1) + eps))
-  mean = jnp.mean(xf, axis=-1)
-  var = jnp.mean(jnp.square(xf - mean[..., None]), axis=-1)  # two-pass: no cancellation
+  centered, mean = _center(xf)
+  var = jnp.mean(jnp.square(centered), axis=-1)  # shifted two-pass: no cancellation
   return NormStats(mean, lax.rsqrt(var + eps))
 
 
 def _normalize(xf, stats: NormStats, scale, bias, zero_centered_scale: bool):
-  centered = xf if stats.mean is None else xf - stats.mean[..., None]
+  centered = xf if stats.mean is None else _center(xf)[0]
   y = centered * stats.rstd[..., None]
   if scale is not None:
     s = scale.astype(xf.dtype)
@@ -180,6 +193,8 @@ def _gdpa_acc(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
               max_seq_len, max_kv_len):
   """GDPA output in the accumulator dtype (f32/f64), (T, H, D); padding rows not yet zeroed."""
   act = ACTIVATIONS[activation]
+  # Padding rows of q are never data: zero them so NaN there cannot reach any gradient.
+  q = jnp.where(jagged.valid_mask(q_offsets, q.shape[0])[:, None, None], q, 0)
   kp, vp, key_valid = _padded_kv(k, v, kv_offsets, max_kv_len)
   acc = _stat_dtype(jnp.result_type(q.dtype, k.dtype))
   hi = lax.Precision.HIGHEST
@@ -187,7 +202,9 @@ def _gdpa_acc(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
   if max_seq_len is None:
     # Token-wise: gather each token's own sample K/V. O(T·Lkv·H·D) memory: tests only.
     seg = jagged.segment_ids(q_offsets, capacity)
-    kt, vt, mt = kp[seg], vp[seg], key_valid[seg]
+    # Padding rows have seg = B: clip explicitly (their output is zeroed) so that numpy
+    # inputs index fine and the gather's VJP agrees with its forward.
+    kt, vt, mt = (jnp.take(a, seg, axis=0, mode="clip") for a in (kp, vp, key_valid))
     s = jnp.einsum("thd,tjhd->thj", q, kt, precision=hi, preferred_element_type=acc)
     p = jnp.where(mt[:, None, :], act(pre_scale * s), 0).astype(v.dtype)
     o = jnp.einsum("thj,tjhd->thd", p, vt, precision=hi, preferred_element_type=acc)
@@ -234,6 +251,7 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   t, h, d = q.shape
   sdt = _stat_dtype(q.dtype)
   qf = q.reshape(t, h * d).astype(sdt)
+  qf = jnp.where(jagged.valid_mask(q_offsets, t)[:, None], qf, 0)  # padding rows: never data
   ln_stats = _row_stats(qf, "layer", eps)
   u = _normalize(qf, ln_stats, ln_scale, ln_bias, False)
   u_in = u.astype(q.dtype).reshape(t, h, d)

@@ -152,10 +152,6 @@ def test_norm_out_dtype(ops, norm, in_dt, out_dt, rng):
 # (multiples of 2^-10), so float64 sees exactly the same values and h = x @ w + residual is
 # exact in float32 (x holds small ints, w multiples of 2^-10, K = 4).
 
-LARGE_MEAN_BUG = ("reference._row_stats centers with a float32 mean, whose rounding and "
-                  "summation error (~1e-3) is ~0.1 std at |mean|/std = 1e6: rstd off by up "
-                  "to 5%, normalized values by 30%. Fix reported: shift by the row's first "
-                  "element before the two passes.")
 GRID = 2.0**-10  # the float32 spacing of values in [8192, 16384)
 
 
@@ -206,7 +202,6 @@ def test_moderate_mean_rows_two_pass_accuracy(ops, check, rng):
   check(ops, moderate_mean_rows, rng, y_tol=1e-3, rstd_tol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason=LARGE_MEAN_BUG)
 @pytest.mark.parametrize("check", [_large_mean_layer_norm, _large_mean_matmul_norm])
 def test_large_mean_rows_two_pass_accuracy(ops, check, rng):
   check(ops, large_mean_rows, rng, y_tol=1e-4, rstd_tol=1e-5)
@@ -489,11 +484,6 @@ def test_flash_norm_attention_nan_padding_and_out_dtype(ops, rng):
 
 # ---- numpy inputs ---------------------------------------------------------------------------
 
-NUMPY_DENSE_KV_BUG = (
-    "reference._gdpa_acc's token-gather path indexes kp[seg] where padding rows have seg = B "
-    "(one past the last sample): dense numpy k/v raise IndexError, and for jax arrays the "
-    "forward gather clamps while its VJP drops those rows. Reported fix: "
-    "jnp.take(kp, seg, axis=0, mode='clip') (likewise vp and key_valid).")
 
 
 def _numpy_case(rng, op):
@@ -513,14 +503,11 @@ def _numpy_case(rng, op):
                    for a in ("q", "k", "v", "q_offsets", "kv_offsets"))
 
 
-_xfail_numpy = pytest.mark.xfail(strict=True, raises=IndexError, reason=NUMPY_DENSE_KV_BUG)
-
-
 @pytest.mark.parametrize("op", [
     "rms_norm", "layer_norm", "norm_matmul", "matmul_norm",
-    pytest.param("gdpa-dense-token", marks=_xfail_numpy), "gdpa-dense-padded",
+    "gdpa-dense-token", "gdpa-dense-padded",
     "gdpa-jagged-token",
-    pytest.param("flash_norm_attention-dense-token", marks=_xfail_numpy),
+    "flash_norm_attention-dense-token",
     "flash_norm_attention-jagged-padded"])
 def test_public_ops_accept_numpy_inputs(op, rng):
   """numpy arrays pass the public validation, so they must give the jax arrays' result."""

@@ -191,14 +191,8 @@ def test_padding_rows_get_zero_gradient(x64, rng, op, kv_layout, max_seq_len):
     np.testing.assert_array_equal(np.asarray(dv[sum(KV_LENGTHS):]), 0.0)
 
 
-NAN_PADDING_BUG = (
-    "NaN in q's padding rows gives NaN dq there (gdpa's token-gather path; flash_norm_attention "
-    "on both paths): act'(NaN)·0 and the LayerNorm of a NaN row are NaN, and a NaN dq row "
-    "poisons upstream weight grads. Reported fix: zero q's padding rows with "
-    "jnp.where(jagged.valid_mask(q_offsets, T)[:, None, None], q, 0) on entry.")
 
 
-@pytest.mark.xfail(strict=True, reason=NAN_PADDING_BUG)
 @pytest.mark.parametrize("op,max_seq_len", [("gdpa", None), ("flash_norm_attention", None),
                                             ("flash_norm_attention", MAX_SEQ_LEN)])
 def test_nan_padding_rows_get_zero_gradient(x64, rng, op, max_seq_len):

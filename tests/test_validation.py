@@ -208,14 +208,8 @@ def test_bad_argument_raises_naming_it(case):
   assert_names(info.value, text)
 
 
-FINITE_SCALAR_BUG = (
-    "_validate.finite_scalar accepts anything float() accepts: the string '0.5' passes and "
-    "fails later inside the math with an unrelated TypeError, 'abc' raises float()'s "
-    "ValueError without the argument's name. Reported fix: reject str/bytes (and bool, like "
-    "eps) with TypeError naming the argument, and turn float()'s ValueError into that TypeError.")
 
 
-@pytest.mark.xfail(strict=True, reason=FINITE_SCALAR_BUG)
 @pytest.mark.parametrize("arg,value", [("pre_scale", "0.5"), ("post_scale", "abc")])
 def test_string_scale_raises_type_error_naming_it(arg, value):
   with pytest.raises(TypeError, match=arg):
