@@ -75,6 +75,21 @@ class TileConfig:
       stage (Mosaic's tiled TMA then needs M % 8 == 0 or M < 8); "registers": from the registers
       the statistics load anyway (the stage is written by a plain 2-D swizzled TMA, any M);
       "auto": "smem" when M allows it, else "registers".
+    epi_slots: SMEM slots per consumer warpgroup for the epilogue's output tiles. With 2 (JAX's
+      Hopper matmul), an epilogue tile waits until the TMA store of the tile two before it has
+      read its slot; 0 gives every epilogue tile of a CTA tile its own slot, so the epilogue
+      never waits for a store (the slots are reused one CTA tile later). Costs SMEM, which may
+      cost a pipeline stage.
+    cluster_m: CTAs per cluster along M (1, 2 or 4). The CTAs of a cluster compute row blocks
+      m, m + 1, ... of the same N tile and receive each w tile by one TMA multicast, which
+      divides the L2 → SMEM traffic of w by ``cluster_m`` (w is re-read for every row block;
+      at M ≫ N it is most of the operand traffic). Stages are released cluster-wide.
+    stats_once: a CTA computes all N tiles of a row block in turn, accumulating the row
+      statistics only in the K loop of the first one (later ones read them back from SMEM),
+      so the statistics cost once per row instead of once per N tile. Needs the row block of x
+      (tile_m × K) of every CTA to stay in L2 while its N tiles run.
+    (``epi_slots``, ``cluster_m`` and ``stats_once`` are implemented by the norm_matmul kernels;
+    other kernels use the defaults.)
   """
 
   tile_m: int = 128
@@ -88,6 +103,9 @@ class TileConfig:
   stats: Literal["partial", "reduce"] = "partial"
   fence_reads: bool = True
   a_operand: Literal["auto", "smem", "registers"] = "auto"
+  epi_slots: int = 2
+  cluster_m: int = 1
+  stats_once: bool = False
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -112,6 +130,11 @@ class TileConfig:
       raise ValueError(f"a_operand must be 'auto', 'smem' or 'registers', got {self.a_operand!r}")
     if self.stats not in ("partial", "reduce"):
       raise ValueError(f"stats must be 'partial' or 'reduce', got {self.stats!r}")
+    if self.epi_slots < 0:
+      raise ValueError(f"epi_slots must be >= 0 (0: one per epilogue tile), got "
+                       f"{self.epi_slots}")
+    if self.cluster_m not in (1, 2, 4):
+      raise ValueError(f"cluster_m must be 1, 2 or 4, got {self.cluster_m}")
 
   @property
   def wg_tile_m(self) -> int:

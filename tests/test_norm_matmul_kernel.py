@@ -94,6 +94,13 @@ FORWARD_CASES = [
     # 256-row CTA tile (128 rows per warpgroup), narrow epilogue tiles, 5 rows
     (5, 128, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=256, tile_n=128,
                                                                epi_tile_n=32)),
+    # Clusters of 2 sharing w by multicast, 3 row blocks (the last cluster's second CTA has no
+    # rows); statistics once per row block (4 N tiles read them back); one slot per epilogue tile.
+    (300, 128, 256, jnp.bfloat16, "layer", 1e3, True, TileConfig(
+        tile_m=128, tile_n=64, cluster_m=2, stats_once=True, epi_slots=0)),
+    # Clusters of 4, 5 row blocks: 3 CTAs of the second cluster have no rows.
+    (600, 64, 128, jnp.float16, "rms", 0.0, False, TileConfig(tile_m=128, tile_n=64,
+                                                              cluster_m=4)),
 ]
 
 
@@ -190,6 +197,10 @@ def test_bad_arguments_raise():
     TileConfig(tile_m=64)
   with pytest.raises(ValueError, match="tile_n"):
     TileConfig(tile_n=96)
+  with pytest.raises(ValueError, match="cluster_m"):
+    TileConfig(cluster_m=3)
+  with pytest.raises(ValueError, match="epi_slots"):
+    TileConfig(epi_slots=-1)
 
 
 @pytest.mark.parametrize("n,tile_n", [(64, 64), (128, 128), (192, 192), (256, 256), (512, 256),
@@ -227,6 +238,8 @@ def _export_for_hopper(m, k, n, norm, dtype=jnp.bfloat16, config=None):
     (262144 + 77, 1024, 1024, "layer", None),  # M % 8 != 0: x untiled, WGMMA A from registers
     (65536, 2048, 2048, "none", TileConfig(tile_m=256, tile_n=128, epi_tile_n=32)),
     (5, 128, 192, "rms", None),
+    (262144 + 77, 512, 512, "layer", TileConfig(cluster_m=2, stats_once=True, epi_slots=0)),
+    (262144, 1024, 1024, "rms", TileConfig(cluster_m=4, epi_tile_n=32, epi_slots=0)),
 ])
 def test_lowers_for_hopper(m, k, n, norm, config):
   """Mosaic's layout inference and lowering accept the kernel for sm_90a (runs on the CPU;
@@ -260,6 +273,20 @@ def test_gpu_layer_large_mean(dtype):
 ])
 def test_gpu_forward_configs(config):
   _run_and_check(8192, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    TileConfig(epi_slots=0), TileConfig(cluster_m=2), TileConfig(cluster_m=4),
+    TileConfig(stats_once=True), TileConfig(cluster_m=2, stats_once=True, epi_slots=0),
+    TileConfig(tile_m=256, tile_n=128, cluster_m=2, epi_slots=0),
+])
+@pytest.mark.parametrize("m", [8192, 8192 + 77])  # 64 or 65 row blocks (a cluster's tail)
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gpu_forward_tuning_variants(config, m, norm):
+  """The variants the benchmark times (cluster multicast of w, statistics once per row block,
+  one output slot per epilogue tile) at real sizes, with partial clusters and M % 8 != 0."""
+  _run_and_check(m, 512, 1024, jnp.bfloat16, norm, config=config, interpret=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,6 +326,9 @@ DX_CASES = [
     # large row means (f16 resolves them), 256-row tile, narrow epilogue tiles, 5 rows
     (5, 128, 192, jnp.float16, "layer", 1e3, True, TileConfig(tile_m=256, tile_n=128,
                                                               epi_tile_n=32)),
+    # clusters of 2 sharing the w tile by multicast; 3 row blocks (a cluster's tail)
+    (300, 128, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64,
+                                                                 cluster_m=2)),
 ]
 
 
@@ -357,6 +387,8 @@ def test_gpu_dx_large_mean(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [TileConfig(tile_m=256, tile_n=128), TileConfig(epi_tile_n=32),
-                                    TileConfig(a_operand="registers")])
-def test_gpu_dx_configs(config):
-  _run_dx_and_check(8192, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)
+                                    TileConfig(a_operand="registers"), TileConfig(cluster_m=2),
+                                    TileConfig(tile_m=256, tile_n=128, cluster_m=2)])
+@pytest.mark.parametrize("m", [8192, 8192 + 77])
+def test_gpu_dx_configs(config, m):
+  _run_dx_and_check(m, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)

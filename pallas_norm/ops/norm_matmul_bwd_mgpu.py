@@ -62,9 +62,13 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
 
 
 def pick_config(m: int, n: int, k: int) -> TileConfig:
-  """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's heuristic with the output width
-  K in place of N (tile_n over K, tile_k over the reduction N)."""
-  return norm_matmul_mgpu.pick_config(m, n, k)
+  """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
+  K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options.
+  """
+  fwd = norm_matmul_mgpu.pick_config(m, n, k)
+  return TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
+                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
+                    epi_tile_n=fwd.epi_tile_n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +81,7 @@ class _Plan:
   layer: bool
   cfg: TileConfig
   stages: int
-  num_ctas: int
+  num_clusters: int  # persistent clusters of cfg.cluster_m CTAs
   a_in_registers: bool
   epi_n: int
   x_prefetch_step: int
@@ -89,6 +93,10 @@ class _Plan:
   @property
   def m_iters(self) -> int:
     return -(-self.m // self.cfg.tile_m)
+
+  @property
+  def m_units(self) -> int:  # row-block groups, one per cluster
+    return -(-self.m_iters // self.cfg.cluster_m)
 
   @property
   def k_iters(self) -> int:  # output column tiles
@@ -118,8 +126,10 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
   if stages < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM next to the "
                      f"x tile of the epilogue")
-  tiles = -(-m // cfg.tile_m) * -(-k // cfg.tile_n)
-  num_ctas = min(mgpu_common.num_sms(interpret), tiles)
+  if cfg.stats_once:
+    raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
+  units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m) * -(-k // cfg.tile_n)
+  num_clusters = max(1, min(mgpu_common.num_sms(interpret) // cfg.cluster_m, units))
   if cfg.a_operand == "auto":
     a_in_registers = not interpret and m % 8 != 0
   else:
@@ -130,7 +140,8 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
   epi_n = norm_matmul_mgpu._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   red_iters = n // cfg.tile_k
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, cfg=cfg,
-               stages=max(stages, 1), num_ctas=num_ctas, a_in_registers=a_in_registers,
+               stages=max(stages, 1), num_clusters=num_clusters,
+               a_in_registers=a_in_registers,
                epi_n=epi_n, x_prefetch_step=min(max(x_prefetch_step, 0), red_iters - 1))
 
 
@@ -147,12 +158,15 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
 
   def make_pipeline(body, compute_context):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
+    # The CTAs of a cluster share the column tile: each w tile reaches all by one multicast.
+    w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(plan.red_iters,),
         memory_registers=40,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms),
-                  spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms)],
+                  spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms,
+                       collective_axes=w_axes)],
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=plan.stages,
@@ -173,13 +187,15 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
   )
   def _scope(pipeline_allocs, x_smem, row_smem, in_barrier):
     wg = lax.axis_index("wg")
+    cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
-    @plgpu.nd_loop((plan.m_iters * plan.k_iters,), collective_axes="sm")
+    @plgpu.nd_loop((plan.m_units * plan.k_iters,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (lin_idx,) = loop_info.index
-      m_idx, n_idx = plgpu.planar_snake(
-          lin_idx, (plan.m_iters, plan.k_iters), 0 if cfg.grid_minor_dim == "n" else 1,
+      m_unit, n_idx = plgpu.planar_snake(
+          lin_idx, (plan.m_units, plan.k_iters), 0 if cfg.grid_minor_dim == "n" else 1,
           cfg.grid_tile_width)
+      m_idx = m_unit * cfg.cluster_m + cta
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
       col0 = n_idx * tile_n  # first column of x / dx
 
@@ -304,15 +320,19 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None, *,
   if n % cfg.tile_k:
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, x_prefetch_step)
-  # Row vectors padded to whole row tiles: their 1-D copies never leave the arrays.
-  m_pad = plan.m_iters * cfg.tile_m
+  # Row vectors padded to whole row tiles (of whole clusters): their 1-D copies never leave the
+  # arrays.
+  m_pad = plan.m_units * cfg.cluster_m * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
   rows = [jnp.pad(v, (0, m_pad - m)) for v in rows]
+  cluster = (dict(cluster=(cfg.cluster_m,), cluster_names=("cluster",))
+             if cfg.cluster_m > 1 else {})
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=jax.ShapeDtypeStruct((m, k), plan.dtype),
-      grid=(plan.num_ctas,),
+      grid=(plan.num_clusters,),
       grid_names=("sm",),
+      **cluster,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -128,9 +128,10 @@ class _Plan:
   has_bias: bool
   cfg: TileConfig
   stages: int
-  num_ctas: int
+  num_clusters: int  # persistent clusters of cfg.cluster_m CTAs (CTAs when cluster_m == 1)
   a_in_registers: bool  # WGMMA reads x from registers (x stage TMA'd untiled: any M)
   epi_n: int  # epilogue tile width: one 128-byte swizzle span of out_dtype at most
+  out_slots: int  # epilogue output slots per consumer warpgroup
 
   @property
   def n_vecs(self) -> int:  # col_sum and/or out_bias rows in the per-warpgroup vector buffer
@@ -152,16 +153,24 @@ class _Plan:
   def k_iters(self) -> int:
     return self.k // self.cfg.tile_k
 
+  @property
+  def m_units(self) -> int:  # row-block groups, one per cluster (cluster_m row blocks each)
+    return -(-self.m_iters // self.cfg.cluster_m)
+
 
 def _epi_tile_n(cfg: TileConfig, out_dtype) -> int:
   # The output stage is swizzled but untiled: one row must fit in a 128-byte swizzle span.
   return min(cfg.epi_tile_n, 128 // jnp.dtype(out_dtype).itemsize)
 
 
+def _out_slots(cfg: TileConfig, out_dtype) -> int:
+  chunks = (cfg.wg_tile_m * cfg.tile_n) // (cfg.epi_tile_m * _epi_tile_n(cfg, out_dtype))
+  return chunks if cfg.epi_slots == 0 else min(cfg.epi_slots, chunks)
+
+
 def _fixed_smem_bytes(cfg: TileConfig, out_dtype, n_vecs: int, n_stats: int) -> int:
   epi_n = _epi_tile_n(cfg, out_dtype)
-  out_slots = min(2, (cfg.wg_tile_m * cfg.tile_n) // (cfg.epi_tile_m * epi_n))
-  out = 2 * out_slots * cfg.epi_tile_m * epi_n * jnp.dtype(out_dtype).itemsize
+  out = 2 * _out_slots(cfg, out_dtype) * cfg.epi_tile_m * epi_n * jnp.dtype(out_dtype).itemsize
   vecs = 2 * n_vecs * cfg.tile_n * 4
   stats = 2 * n_stats * cfg.wg_tile_m * 4
   return out + vecs + stats + _SMEM_SLACK
@@ -176,8 +185,11 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
   stages = min(cfg.max_concurrent_steps, free // stage_bytes, k // cfg.tile_k)
   if stages < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
-  tiles = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
-  num_ctas = min(mgpu_common.num_sms(interpret), tiles)
+  # Work units of the persistent loop: (row-block group, N tile), or row-block groups alone when
+  # a CTA sweeps all N tiles of its row block (stats_once).
+  m_units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m)
+  units = m_units if cfg.stats_once else m_units * -(-n // cfg.tile_n)
+  num_clusters = max(1, min(mgpu_common.num_sms(interpret) // cfg.cluster_m, units))
   if cfg.a_operand == "auto":
     # Interpret mode has no tiled-TMA restriction on M (and cannot run register-A WGMMA).
     a_in_registers = not interpret and m % 8 != 0
@@ -189,7 +201,8 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
   epi_n = _epi_tile_n(cfg, out_dtype)
   return _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
                eps=float(eps), has_bias=has_bias, cfg=cfg, stages=max(stages, 1),
-               num_ctas=num_ctas, a_in_registers=a_in_registers, epi_n=epi_n)
+               num_clusters=num_clusters, a_in_registers=a_in_registers, epi_n=epi_n,
+               out_slots=_out_slots(cfg, out_dtype))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,7 +305,7 @@ def _kernel(*refs, plan: _Plan):
 
   wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
   epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
-  out_slots = min(2, (wg_m * tile_n) // (epi_m * epi_n))
+  out_slots, chunks = plan.out_slots, (wg_m // epi_m) * (tile_n // epi_n)
   # x stages: tiled for WGMMA, or swizzle-only (2-D TMA, any M) when WGMMA reads registers.
   x_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype,
                                                 tiled=not plan.a_in_registers)
@@ -302,12 +315,15 @@ def _kernel(*refs, plan: _Plan):
 
   def make_pipeline(body, compute_context):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
+    # The CTAs of a cluster share the N tile: each w tile reaches all of them by one multicast.
+    w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(plan.k_iters,),
         memory_registers=40,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
-                  spec((tile_k, tile_n), lambda kk: (kk, 0), transforms=w_transforms)],
+                  spec((tile_k, tile_n), lambda kk: (kk, 0), transforms=w_transforms,
+                       collective_axes=w_axes)],
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=plan.stages,
@@ -329,17 +345,14 @@ def _kernel(*refs, plan: _Plan):
   )
   def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, stat_smem):
     wg = lax.axis_index("wg")
+    cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
-    @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      (lin_idx,) = loop_info.index
-      # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a strip,
-      # so N varies fastest when M is the strip dimension (0).
-      m_idx, n_idx = plgpu.planar_snake(
-          lin_idx, (plan.m_iters, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
-          cfg.grid_tile_width)
+    def tile(m_idx, n_idx, compute_stats: bool):
+      """One (tile_m, tile_n) output tile. Without ``compute_stats`` the K loop is a plain GEMM
+      and the epilogue reads the statistics that the row block's first N tile left in SMEM."""
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
       col0 = n_idx * tile_n
+      with_stats = compute_stats and plan.norm != "none"
 
       def compute_context(eval_pipeline):
         # The column vectors of this N tile arrive while the K loop runs.
@@ -350,25 +363,35 @@ def _kernel(*refs, plan: _Plan):
 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
         def _acc_scope(acc_ref):
-          acc_ref, *stats = eval_pipeline((acc_ref, *_init_stats(plan)))
+          init = _init_stats(plan) if with_stats else ()
+          acc_ref, *stats = eval_pipeline((acc_ref, *init))
           _epilogue(acc_ref[...], stats)
+
+      def _row_stats(stats):
+        """(rstd, mean or None) of this warpgroup's rows; stat_smem holds them afterwards."""
+        if not with_stats:
+          load = lambda i: plgpu.load(stat_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
+          return load(0), (load(1) if plan.norm == "layer" else None)
+        mean, rstd = _finalize_stats(plan, stats)
+        row_vecs = [rstd] if mean is None else [rstd, mean]
+        for i, v in enumerate(row_vecs):
+          stat_smem[wg, i] = v
+        plgpu.commit_smem()
+
+        # Every N tile has the statistics; the first one writes them (unless all its rows
+        # are past M: a bulk copy clamped to 0 bytes is best not issued).
+        @pl.when((n_idx == 0) & (row0 < plan.m))
+        def _store_stats():
+          for i, dst in enumerate((rstd_gmem, mean_gmem)[:len(row_vecs)]):
+            plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], dst.at[pl.ds(row0, wg_m)])
+
+        return rstd, mean
 
       def _epilogue(acc, stats):
         # Earlier TMA stores from out_smem / stat_smem must have read them before we overwrite.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if plan.norm != "none":
-          mean, rstd = _finalize_stats(plan, stats)
-          row_vecs = [rstd] if mean is None else [rstd, mean]
-
-          # Every N tile has the statistics; the first one writes them (unless all its rows
-          # are past M: a bulk copy clamped to 0 bytes is best not issued).
-          @pl.when((n_idx == 0) & (row0 < plan.m))
-          def _store_stats():
-            for i, (v, dst) in enumerate(zip(row_vecs, (rstd_gmem, mean_gmem))):
-              stat_smem[wg, i] = v
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], dst.at[pl.ds(row0, wg_m)])
-
+          rstd, mean = _row_stats(stats)
           acc = acc * _rowvec(rstd, acc.shape)
           if mean is not None:
             neg_mean_rstd = _rowvec(-mean * rstd, acc.shape)
@@ -387,7 +410,8 @@ def _kernel(*refs, plan: _Plan):
               b = plgpu.load(vec_smem.at[wg, vec_i, ns], layout=plgpu.Layout.WGMMA.reduce(0))
               y = y + lax.broadcast_in_dim(b, y.shape, [1])
             slot = (ei * (tile_n // epi_n) + ej) % out_slots
-            plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
+            if out_slots < chunks:  # else every slot was freed by the wait above
+              plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
             out_smem[wg, slot] = y.astype(plan.out_dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
@@ -404,8 +428,8 @@ def _kernel(*refs, plan: _Plan):
         else:
           plgpu.wgmma(acc_ref, a_rows, b_smem)
           # Loads while the tensor core works on the WGMMA just issued (both only read a_rows).
-          x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA) if plan.norm != "none" else None
-        if plan.norm != "none":
+          x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA) if with_stats else None
+        if with_stats:
           stats = _update_stats(plan, stats, x.astype(jnp.float32), k_idx)
         if x is not None and cfg.fence_reads:
           # Orders these generic-proxy reads before the TMA (async proxy) that will refill the
@@ -419,6 +443,27 @@ def _kernel(*refs, plan: _Plan):
           w_gmem.at[:, pl.ds(col0, tile_n)],
           allocations=pipeline_allocs,
       )
+
+    if cfg.stats_once:
+      # A cluster sweeps all N tiles of its row blocks; only the first K loop reads x for the
+      # statistics.
+      @plgpu.nd_loop((plan.m_units,), collective_axes="sm")
+      def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+        (m_unit,) = loop_info.index
+        m_idx = m_unit * cfg.cluster_m + cta
+        tile(m_idx, 0, compute_stats=True)
+        if plan.n_iters > 1:
+          pl.loop(1, plan.n_iters)(lambda n_idx: tile(m_idx, n_idx, compute_stats=False))
+    else:
+      @plgpu.nd_loop((plan.m_units * plan.n_iters,), collective_axes="sm")
+      def _tile_loop(loop_info: plgpu.NDLoopInfo):
+        (lin_idx,) = loop_info.index
+        # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a strip,
+        # so N varies fastest when M is the strip dimension (0).
+        m_unit, n_idx = plgpu.planar_snake(
+            lin_idx, (plan.m_units, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
+            cfg.grid_tile_width)
+        tile(m_unit * cfg.cluster_m + cta, n_idx, compute_stats=True)
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -489,11 +534,14 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
   m_stats = -(-m // 4) * 4
   out_type = [jax.ShapeDtypeStruct((m, n), plan.out_dtype)]
   out_type += [jax.ShapeDtypeStruct((m_stats,), jnp.float32)] * plan.n_stats
+  cluster = (dict(cluster=(cfg.cluster_m,), cluster_names=("cluster",))
+             if cfg.cluster_m > 1 else {})
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=tuple(out_type),
-      grid=(plan.num_ctas,),
+      grid=(plan.num_clusters,),
       grid_names=("sm",),
+      **cluster,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
