@@ -1,8 +1,23 @@
-"""GPU check of the lazy pre-norm GEMM kernel: correctness at real sizes, then CUPTI timing.
+"""GPU check of the lazy pre-norm GEMM kernels: correctness at real sizes, then CUPTI timing.
 
-Run on the H200 from the repository root::
+Run on the H200 from the repository root (each command stays under ~9 minutes)::
 
+    PYTHONPATH=$PWD python3 benchmarks/gpu_norm_matmul_check.py --sections accuracy,fwd,train
+    PYTHONPATH=$PWD python3 benchmarks/gpu_norm_matmul_check.py --sections variants,dx
+    # or all sections at once, within --budget-s seconds:
     PYTHONPATH=$PWD python3 benchmarks/gpu_norm_matmul_check.py [--quick] [--iterations 10]
+
+Sections (in this order):
+
+* ``accuracy``: LayerNorm rows 1e3 + N(0, 1), bf16 and f16 (correctness only).
+* ``fwd``: per shape, XLA's baselines and our kernel's default config (below).
+* ``train``: the op through the public API, ``implementation="mosaic"`` vs ``"xla"``, forward
+  alone (including the affine fold) and ``jax.grad`` of ``sum(y · ct)`` with respect to
+  (x, w, scale, bias), jitted; gradients checked against the f32 reference; then a breakdown of
+  our backward: the affine fold, the row-terms pass over dy and y, the dx kernel (and the same
+  dx math in XLA), the weight gradients in XLA.
+* ``dx``: tile-config variants of the dx kernel.
+* ``variants``: tile-config variants of the forward kernel (tuning data for ``pick_config``).
 
 For every shape it checks each kernel variant against :func:`pallas_norm.reference.norm_matmul`
 on float32-upcast inputs, then times (median of CUPTI kernel times, two input sets rotated so L2
@@ -17,13 +32,15 @@ The affine fold (``diag(scale)·w``, ``col_sum``, ``out_bias``) is done once out
 function: it is a K×N pass that the op pays per call but amortizes over M. Ratios printed:
 vs XLA's GEMM, vs our GEMM, vs the unfused XLA op, and the share of the norm's cost hidden,
 (T_xla_unfused − T_ours) / (T_xla_unfused − T_xla_gemm). Every case is guarded: an exception is
-printed and the script moves on. Results go to $OUT/norm_matmul_check.json when OUT is set.
+printed and the script moves on. Results go to $OUT/norm_matmul_check.json when OUT is set
+(``--json-name`` changes the file name).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -34,33 +51,65 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_norm
 from benchmarks import timing
 from pallas_norm import reference
 from pallas_norm.mgpu_common import TileConfig
+from pallas_norm.ops import norm_matmul as nm
+from pallas_norm.ops import norm_matmul_bwd_mgpu as nmb
 from pallas_norm.ops import norm_matmul_mgpu as nmk
 
 EPS = 1e-6
 SHAPES = [(262144, 512, 512), (262144, 128, 128), (262144, 1024, 1024), (65536, 2048, 2048),
           (262144 + 77, 512, 512)]
 QUICK_SHAPES = [(262144, 512, 512), (262144 + 77, 512, 512)]
-TIME_BUDGET_S = 210  # stop starting new cases past this (the whole run must stay < 4 min)
+TRAIN_SHAPES = [(262144, 512, 512), (65536, 2048, 2048)]
+VARIANT_SHAPES = SHAPES[:4]
+SECTIONS = ("accuracy", "fwd", "train", "dx", "variants")
+TIME_BUDGET_S = 500  # stop starting new cases past this (one command must stay < 10 min)
+# --smoke (CPU): tiny shapes, kernels in GPU interpret mode, wall-clock timer. It only checks
+# that every code path of this script runs; its times mean nothing.
+SMOKE_SHAPES = [(256, 128, 256), (77, 128, 128)]
+_SMOKE = False
 NAMES = {"rms": "ours_rms", "layer": "ours_ln", "none": "ours_gemm"}
 
 
 def _variants(m, k, n):
-  """(label, config) pairs to try per norm: the heuristic first, then tuning alternatives."""
+  """(label, config) pairs to try per norm: the heuristic first, then tuning alternatives.
+
+  The first run (2026-11-30) showed the old alternatives (no_fence, stats="reduce", A from
+  registers, 256×128 tiles, grid_m) no better than the default; these test the new options:
+
+  * ``slots0``: one SMEM slot per epilogue tile (``epi_slots=0``): the epilogue never waits for
+    a TMA store. At 128×256 tiles it still leaves 3 pipeline stages, as the default has.
+  * ``cl2``/``cl4``: clusters of 2/4 CTAs along M receive each w tile by one multicast, cutting
+    the L2 → SMEM traffic of w (1.07 GB of the 1.6 GB of operand reads at the seed shape).
+  * ``once``: statistics once per row block (``stats_once``): a CTA sweeps the N tiles of its
+    row block, only the first K loop reads x back from SMEM for the statistics.
+  """
   base = nmk.pick_config(m, k, n)
+  rep = functools.partial(dataclasses.replace, base)
   alt_tile = (TileConfig(tile_m=128, tile_n=min(256, n), epi_tile_n=32)
               if base.tile_m == 256 else TileConfig(tile_m=256, tile_n=128))
-  rms = [("default", base), ("no_fence", dataclasses.replace(base, fence_reads=False)),
-         ("reduce", dataclasses.replace(base, stats="reduce")), ("alt_tile", alt_tile)]
-  if base.tile_n == 256:  # 4 stages fit once the epilogue tiles shrink
-    rms.append(("epi32_4st", dataclasses.replace(base, epi_tile_n=32)))
-  if m % 8 == 0 and (m, k, n) == (262144, 512, 512):
-    rms.append(("a_regs", dataclasses.replace(base, a_operand="registers")))
-    rms.append(("grid_m", dataclasses.replace(base, grid_minor_dim="m")))
-  return {"rms": rms, "layer": [("default", base), ("alt_tile", alt_tile)],
-          "none": [("default", base), ("alt_tile", alt_tile)]}
+  gemm = [("default", base), ("slots0", rep(epi_slots=0)), ("cl2", rep(cluster_m=2)),
+          ("cl2_slots0", rep(cluster_m=2, epi_slots=0)),
+          ("cl4_slots0", rep(cluster_m=4, epi_slots=0))]
+  fused = [("default", base), ("slots0", rep(epi_slots=0)),
+           ("cl2_slots0", rep(cluster_m=2, epi_slots=0)),
+           ("once_slots0", rep(stats_once=True, epi_slots=0)),
+           ("once_cl2_slots0", rep(stats_once=True, cluster_m=2, epi_slots=0))]
+  rms = fused + [("alt_tile_slots0", dataclasses.replace(alt_tile, epi_slots=0))]
+  return {"none": gemm, "rms": rms, "layer": fused}
+
+
+def _dx_variants(m, k, n):
+  """(label, config, x_prefetch_step) of the dx kernel (output (m, k), reduction over n)."""
+  base = nmb.pick_config(m, n, k)
+  alt_tile = (TileConfig(tile_m=128, tile_n=min(256, k), epi_tile_n=32)
+              if base.tile_m == 256 else TileConfig(tile_m=256, tile_n=128))
+  return [("default", base, 1), ("prefetch0", base, 0), ("prefetch3", base, 3),
+          ("cl2", dataclasses.replace(base, cluster_m=2), 1), ("alt_tile", alt_tile, 1),
+          ("alt_tile_cl2", dataclasses.replace(alt_tile, cluster_m=2), 1)]
 
 
 def _inputs(seed, m, k, n, mu=0.0, dtype=jnp.bfloat16):
@@ -82,7 +131,8 @@ def _fold(w, scale, bias, norm):
 
 def _kernel_fn(norm, config, out_dtype):
   return jax.jit(lambda x, wg, cs, ob: nmk.norm_matmul_fwd(
-      x, wg, cs, ob, norm=norm, eps=EPS, out_dtype=out_dtype, config=config))
+      x, wg, cs, ob, norm=norm, eps=EPS, out_dtype=out_dtype, config=config,
+      interpret=_SMOKE))
 
 
 def _rel(a, b) -> float:
@@ -112,7 +162,8 @@ def _check(norm, fn, x, w, scale, bias, folded) -> dict:
 
 
 def _time(fn, arg_sets, iterations) -> float:
-  return timing.median(timing.measure_us(fn, arg_sets, iterations, "cupti"))
+  return timing.median(timing.measure_us(fn, arg_sets, iterations,
+                                         "wall" if _SMOKE else "cupti"))
 
 
 def _guard(records, label, thunk):
@@ -187,10 +238,11 @@ class _Shape:
 
 def run_accuracy(records):
   """LayerNorm rows 1e3 + N(0, 1) at a real size, bf16 and f16 (correctness only)."""
-  print("\n=== LayerNorm rows 1e3 + N(0,1), M=16384+77 K=N=512 ===", flush=True)
+  m, k = (77, 128) if _SMOKE else (16384 + 77, 512)
+  print(f"\n=== LayerNorm rows 1e3 + N(0,1), M={m} K=N={k} ===", flush=True)
   for dtype in (jnp.bfloat16, jnp.float16):
     def one(dtype=dtype):
-      x, w, scale, bias = _inputs(5, 16384 + 77, 512, 512, mu=1e3, dtype=dtype)
+      x, w, scale, bias = _inputs(5, m, k, k, mu=1e3, dtype=dtype)
       folded = _fold(w, scale, bias, "layer")
       rec = {"case": f"large_mean/{jnp.dtype(dtype).name}"}
       rec.update(_check("layer", _kernel_fn("layer", None, dtype), x, w, scale, bias, folded))
@@ -200,48 +252,240 @@ def run_accuracy(records):
     _guard(records, f"large_mean/{jnp.dtype(dtype).name}", one)
 
 
+# ------------------------------------------------------------------------------------------------
+# Training: the public op, forward and forward+backward, and the parts of our backward.
+
+
+def _train_inputs(seed, m, k, n, norm):
+  x, w, scale, bias = _inputs(seed, m, k, n)
+  ct = jax.random.normal(jax.random.key(seed + 7), (m, n), jnp.float32).astype(jnp.bfloat16)
+  return x, w, scale, (bias if norm == "layer" else None), ct
+
+
+def _api_fns(norm, implementation):
+  """(forward, grad) of the public op, jitted; grad of sum(y · ct) wrt (x, w, scale, bias)."""
+  if _SMOKE and implementation == "mosaic":
+    implementation = "interpret"
+  op = functools.partial(pallas_norm.norm_matmul, norm=norm, eps=EPS,
+                         implementation=implementation)
+
+  def loss(x, w, scale, bias, ct):
+    return jnp.sum(op(x, w, scale, bias).astype(jnp.float32) * ct.astype(jnp.float32))
+
+  fwd = jax.jit(lambda x, w, scale, bias, ct: op(x, w, scale, bias))
+  return fwd, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def _grad_errors(grads, x, w, scale, bias, ct, norm) -> dict:
+  """Relative Frobenius errors of (dx, dw, dscale, dbias) vs the f32 reference's gradients."""
+  f32 = lambda a: a.astype(jnp.float32)
+  _, vjp = jax.vjp(lambda *a: reference.norm_matmul(*a, norm=norm, eps=EPS), f32(x), f32(w),
+                   scale, bias)
+  errs = {}
+  for name, g, r in zip(("dx", "dw", "dscale", "dbias"), grads, vjp(f32(ct))):
+    if r is not None:
+      errs[f"err_{name}"] = _rel(g, r)
+  errs["ok"] = all(v < 2e-2 for v in errs.values())
+  return errs
+
+
+def run_train(m, k, n, norm, iterations, records):
+  """fwd and fwd+bwd through the public API (mosaic vs xla), then our backward's parts."""
+  name = f"{m}x{k}x{n}/{norm}"
+  print(f"\n=== train step pieces, M={m} K={k} N={n} {norm} (bf16) ===", flush=True)
+  sets = [_train_inputs(s, m, k, n, norm) for s in (0, 1)]
+  times = {}
+
+  def timed(label, fn, arg_sets, extra=None):
+    def one():
+      rec = {"shape": f"{m}x{k}x{n}", "norm": norm, "impl": label, **(extra or {})}
+      rec["us"] = times[label] = _time(fn, arg_sets, iterations)
+      line = f"  {label:<26} {rec['us']:9.1f} us"
+      for key in ("err_dx", "err_dw", "err_dscale", "err_dbias", "err"):
+        if key in rec:
+          line += f"  {key} {rec[key]:.1e}"
+      if rec.get("ok") is False:
+        line += "  <-- WRONG"
+      print(line, flush=True)
+      records.append(rec)
+    _guard(records, f"{name}/{label}", one)
+
+  for impl in ("xla", "mosaic"):
+    fwd, grad = _api_fns(norm, impl)
+    timed(f"api_fwd/{impl}", fwd, sets)
+    errs = _guard(records, f"{name}/grad_check/{impl}",
+                  lambda grad=grad: _grad_errors(grad(*sets[0]), *sets[0], norm))
+    timed(f"api_fwd+bwd/{impl}", grad, sets, errs)
+  for what in ("api_fwd", "api_fwd+bwd"):
+    xla, ours = times.get(f"{what}/xla"), times.get(f"{what}/mosaic")
+    if xla and ours:
+      records.append({"shape": f"{m}x{k}x{n}", "norm": norm, "speedup": what, "x": xla / ours})
+      print(f"  {what}: mosaic {xla / ours:.2f}x faster than xla", flush=True)
+  _guard(records, f"{name}/bwd_parts",
+         lambda: _run_bwd_parts(m, k, n, norm, sets, timed))
+
+
+def _run_bwd_parts(m, k, n, norm, sets, timed):
+  """Times each part of our backward on the forward kernel's real outputs."""
+  del m, n
+  parts = []
+  for x, w, scale, bias, ct in sets:
+    w_gamma, col_sum, out_bias = nm.fold_affine(w, scale, bias, norm)
+    y, mean, rstd = nmk.norm_matmul_fwd(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
+                                        out_dtype=jnp.bfloat16, interpret=_SMOKE)
+    y_term, c_term = nm._row_terms(ct, y, col_sum, out_bias, rstd, k)
+    parts.append(dict(x=x, w=w, scale=scale, bias=bias, dy=ct, w_gamma=w_gamma, col_sum=col_sum,
+                      out_bias=out_bias, y=y, mean=mean, rstd=rstd, y_term=y_term,
+                      c_term=c_term))
+  pick = lambda *keys: [tuple(p[key] for key in keys) for p in parts]
+  timed("fold_affine", jax.jit(lambda w, s, b: nm.fold_affine(w, s, b, norm)),
+        pick("w", "scale", "bias"))
+  timed("bwd_row_terms", jax.jit(lambda dy, y, cs, ob, r: nm._row_terms(dy, y, cs, ob, r, k)),
+        pick("dy", "y", "col_sum", "out_bias", "rstd"))
+  dx_args = pick("dy", "w_gamma", "x", "rstd", "y_term", "mean", "c_term")
+  dx_xla = jax.jit(nm._input_grad_xla)
+  dx_kernel = jax.jit(functools.partial(nmb.norm_matmul_dx, interpret=_SMOKE))
+  err = _rel(dx_kernel(*dx_args[0]), dx_xla(*dx_args[0]))
+  timed("bwd_dx_kernel", dx_kernel, dx_args, {"err": err, "ok": err < 1e-2})
+  timed("bwd_dx_xla", dx_xla, dx_args)
+  timed("bwd_weights_xla", jax.jit(nm._weight_grads),
+        pick("dy", "x", "w", "scale", "bias", "mean", "rstd"))
+
+
+# ------------------------------------------------------------------------------------------------
+# dx kernel variants.
+
+
+def run_dx_variants(m, k, n, iterations, records, deadline):
+  print(f"\n=== dx kernel variants, M={m} K={k} N={n} (bf16, dx (M, K) = dy (M, N) @ W_γᵀ) ===",
+        flush=True)
+  sets = []
+  for seed in (0, 1):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    dy = jax.random.normal(ks[0], (m, n), jnp.float32).astype(jnp.bfloat16)
+    w_gamma = (jax.random.normal(ks[1], (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    x = jax.random.normal(ks[2], (m, k), jnp.float32).astype(jnp.bfloat16)
+    rows = [1.0 + 0.1 * jax.random.uniform(ks[3], (m,))] + [
+        0.1 * jax.random.normal(kk, (m,)) for kk in ks[4:]]
+    sets.append((dy, w_gamma, x, *rows))
+  xla = jax.jit(nm._input_grad_xla)
+  layer_args = [(*s[:3], s[3], s[4], s[5], s[3] * 0.01) for s in sets]  # rstd, y_term, mean, c
+  rms_args = [(*s[:5], None, None) for s in sets]
+  for norm, arg_sets in (("layer", layer_args), ("rms", rms_args)):
+    variants = _dx_variants(m, k, n) if norm == "layer" else _dx_variants(m, k, n)[:1]
+    base = _guard(records, f"dx/{m}x{k}x{n}/xla",
+                  lambda arg_sets=arg_sets: _time(xla, arg_sets, iterations))
+    if base is not None:
+      print(f"  xla_dx_{norm:<20} {base:9.1f} us", flush=True)
+      records.append({"shape": f"{m}x{k}x{n}", "impl": f"xla_dx_{norm}", "us": base})
+    want = _guard(records, f"dx/{m}x{k}x{n}/xla_value",
+                  lambda arg_sets=arg_sets: xla(*arg_sets[0]))
+    if want is None:
+      continue
+    for label, cfg, step in variants:
+      if time.monotonic() > deadline:
+        print(f"  (time budget reached: skipping dx_{norm}/{label})", flush=True)
+        continue
+
+      def one(cfg=cfg, step=step, label=label, arg_sets=arg_sets, norm=norm):
+        fn = jax.jit(functools.partial(nmb.norm_matmul_dx, config=cfg, x_prefetch_step=step,
+                                       interpret=_SMOKE))
+        rec = {"shape": f"{m}x{k}x{n}", "impl": f"ours_dx_{norm}", "config_label": label,
+               "config": dataclasses.asdict(cfg), "x_prefetch_step": step}
+        rec["err"] = _rel(fn(*arg_sets[0]), want)
+        rec["ok"] = rec["err"] < 1e-2
+        rec["us"] = _time(fn, arg_sets, iterations)
+        line = f"  ours_dx_{norm}/{label:<16} {rec['us']:9.1f} us"
+        if base:
+          rec["vs_xla_dx"] = rec["us"] / base
+          line += f"  {rec['vs_xla_dx']:.2f}x xla_dx"
+        print(line + f"  err {rec['err']:.1e}{'' if rec['ok'] else '  <-- WRONG'}", flush=True)
+        records.append(rec)
+      _guard(records, f"dx/{m}x{k}x{n}/{norm}/{label}", one)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="only the seed shape and its tail case")
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--sections", default=",".join(SECTIONS),
+                 help=f"comma-separated subset of {SECTIONS} (run in that order)")
+  p.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
+                 help="start no new case after this many seconds")
+  p.add_argument("--json-name", default="norm_matmul_check.json")
+  p.add_argument("--smoke", action="store_true",
+                 help="CPU check of this script: tiny shapes, interpret mode, wall clock")
   args = p.parse_args(argv)
-  print(f"devices: {jax.devices()}", flush=True)
+  global _SMOKE, SHAPES, QUICK_SHAPES, TRAIN_SHAPES, VARIANT_SHAPES
+  if args.smoke:
+    _SMOKE = True
+    SHAPES = QUICK_SHAPES = SMOKE_SHAPES
+    TRAIN_SHAPES = VARIANT_SHAPES = SMOKE_SHAPES[:1]
+    args.iterations = 1
+  sections = [sec for sec in args.sections.split(",") if sec]
+  if bad := [sec for sec in sections if sec not in SECTIONS]:
+    p.error(f"unknown sections {bad}; choose from {SECTIONS}")
+  print(f"devices: {jax.devices()}  sections: {sections}", flush=True)
   start = time.monotonic()
-  deadline = start + TIME_BUDGET_S
+  deadline = start + args.budget_s
   records: list[dict] = []
-  run_accuracy(records)
-  shapes = []
-  # Pass 1: every shape with the heuristic config; pass 2: the tuning variants, while time lasts.
-  for m, k, n in (QUICK_SHAPES if args.quick else SHAPES):
-    if time.monotonic() > deadline:
-      print(f"time budget reached: skipping {m}x{k}x{n}", flush=True)
-      continue
+
+  def late(what) -> bool:
+    if time.monotonic() <= deadline:
+      return False
+    print(f"time budget reached: skipping {what}", flush=True)
+    return True
+
+  if "accuracy" in sections:
+    run_accuracy(records)
+  shapes: dict[tuple, _Shape] = {}
+
+  def shape_pass1(m, k, n):
+    """XLA's baselines and our default configs for one shape (needed by the variants)."""
     print(f"\n=== M={m} K={k} N={n} (bf16) ===", flush=True)
     sh = _guard(records, f"{m}x{k}x{n}/inputs", lambda: _Shape(m, k, n, args.iterations,
                                                                  records))
     if sh is None:
-      continue
-    shapes.append(sh)
+      return
+    shapes[(m, k, n)] = sh
     sh.time_xla()
     for norm in ("none", "rms", "layer"):
       label, cfg = _variants(m, k, n)[norm][0]
       sh.run_kernel(norm, label, cfg)
-  for sh in shapes:
-    print(f"\n=== variants, M={sh.m} K={sh.k} N={sh.n} ===", flush=True)
-    for norm in ("none", "rms", "layer"):
-      for label, cfg in _variants(sh.m, sh.k, sh.n)[norm][1:]:
-        if time.monotonic() > deadline:
-          print(f"  (time budget reached: skipping {NAMES[norm]}/{label})", flush=True)
-          continue
-        sh.run_kernel(norm, label, cfg)
+
+  if "fwd" in sections:
+    for mkn in (QUICK_SHAPES if args.quick else SHAPES):
+      if not late(f"fwd {mkn}"):
+        shape_pass1(*mkn)
+  if "train" in sections:
+    for m, k, n in TRAIN_SHAPES[:1] if args.quick else TRAIN_SHAPES:
+      for norm in ("rms", "layer"):
+        if not late(f"train {m}x{k}x{n}/{norm}"):
+          run_train(m, k, n, norm, args.iterations, records)
+  if "dx" in sections:
+    for m, k, n in TRAIN_SHAPES[:1] if args.quick else TRAIN_SHAPES:
+      if not late(f"dx {m}x{k}x{n}"):
+        run_dx_variants(m, k, n, args.iterations, records, deadline)
+  if "variants" in sections:
+    for mkn in (VARIANT_SHAPES[:1] if args.quick else VARIANT_SHAPES):
+      if mkn not in shapes and not late(f"fwd {mkn}"):
+        shape_pass1(*mkn)
+      if (sh := shapes.get(mkn)) is None:
+        continue
+      print(f"\n=== variants, M={sh.m} K={sh.k} N={sh.n} ===", flush=True)
+      for norm in ("none", "rms", "layer"):
+        for label, cfg in _variants(sh.m, sh.k, sh.n)[norm][1:]:
+          if not late(f"{NAMES[norm]}/{label}"):
+            sh.run_kernel(norm, label, cfg)
   wrong = [r for r in records if r.get("ok") is False]
   failed = [r for r in records if "error" in r]
   print(f"\n{len(records)} records, {len(wrong)} wrong, {len(failed)} failed, "
         f"{time.monotonic() - start:.0f} s", flush=True)
   if out := os.environ.get("OUT"):
-    path = os.path.join(out, "norm_matmul_check.json")
+    path = os.path.join(out, args.json_name)
     with open(path, "w") as f:
-      json.dump({"device": str(jax.devices()[0]), "records": records}, f, indent=1)
+      json.dump({"device": str(jax.devices()[0]), "sections": sections, "records": records},
+                f, indent=1)
     print(f"wrote {path}")
 
 

@@ -15,7 +15,7 @@ full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy
 
     dx   = rstd ⊙ G − rstd ⊙ (dy·c)/K − rstd² ⊙ (x − mean) ⊙ s     (RMS: drop the c and mean terms)
     dW_γ = xᵀ (rstd ⊙ dy) − 1_K ⊗ Σ_i rstd_i mean_i dy_i
-    dscale_k = Σ_n dW_γ[k, n] w[k, n],  dw = diag(scale) dW_γ + bias ⊗ Σ_i dy_i,  dbias = w Σ_i dy_i.
+    dscale_k = Σ_n dW_γ[k, n] w[k, n], dw = diag(scale) dW_γ + bias ⊗ Σ_i dy_i, dbias = w Σ_i dy_i.
 
 For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
 epilogue (:mod:`pallas_norm.ops.norm_matmul_bwd_mgpu`); its two row scalars
@@ -125,8 +125,9 @@ def _row_terms(dy, y, col_sum, out_bias, rstd, k):
   return y_term, c_term
 
 
-def _input_grad_xla(dy, x, w_gamma, rstd, y_term, mean, c_term):
-  """dx = rstd ⊙ (dy @ W_γᵀ) − y_term ⊙ (x − mean) − c_term in XLA (the kernel's math)."""
+def _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None):
+  """dx = rstd ⊙ (dy @ W_γᵀ) − y_term ⊙ (x − mean) − c_term in XLA: the math (and argument
+  order) of :func:`pallas_norm.ops.norm_matmul_bwd_mgpu.norm_matmul_dx`."""
   g = jnp.matmul(dy.astype(w_gamma.dtype), w_gamma.T, preferred_element_type=_F32,
                  precision=lax.Precision.HIGHEST)
   xc = x.astype(_F32) if mean is None else x.astype(_F32) - mean[:, None]
@@ -140,7 +141,7 @@ def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd
   """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue."""
   y_term, c_term = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
   if implementation == "lazy_xla":
-    return _input_grad_xla(dy, x, w_gamma, rstd, y_term, mean, c_term)
+    return _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean, c_term)
   from pallas_norm.ops import norm_matmul_bwd_mgpu
   return norm_matmul_bwd_mgpu.norm_matmul_dx(
       dy.astype(x.dtype), w_gamma, x, rstd, y_term, mean, c_term,
