@@ -1,15 +1,39 @@
 """Post-norm GEMM with the norm in the epilogue (DESIGN.md, op 2):
 ``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale (+ bias)``.
 
-The fused kernel reduces each row's statistics across a cluster of CTAs that own different N
-slices of the same rows. Oracle: :func:`pallas_norm.reference.matmul_norm`.
+The fused kernel (:mod:`pallas_norm.ops.matmul_norm_mgpu`) reduces each row's statistics across
+a cluster of CTAs that own different N slices of the same rows. Oracle:
+:func:`pallas_norm.reference.matmul_norm`.
+
+The backward (``custom_vjp``) saves x̂ = norm(h) before the affine (in the output dtype) and
+rstd, never rebuilding x̂ from y by dividing by the scale (which may contain zeros). With
+``g = scale ⊙ dy`` and means over the N columns of a row,
+
+    dh     = rstd ⊙ (g − mean_N(g) − x̂ ⊙ mean_N(g ⊙ x̂))     (RMS: drop the mean_N(g) term)
+             (+ the cotangent of the returned h, when h is an output)
+    dscale = Σ_i dy ⊙ x̂,  dbias = Σ_i dy,  d(dense_bias) = Σ_i dh,  d(residual) = dh,
+    dx     = dh @ wᵀ,  dw = xᵀ dh,
+
+the column sums by a deterministic two-stage reduction (:func:`column_sum`). The ``"xla"``
+implementation is the unfused reference differentiated by JAX.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_norm import _dispatch, _validate, reference
+
+_F32 = jnp.float32
+_HI = lax.Precision.HIGHEST
+
+COLUMN_SUM_BLOCK = 1024
+"""Rows per first-stage block of :func:`column_sum`."""
 
 
 def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) -> None:
@@ -31,6 +55,135 @@ def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) ->
   _validate.out_dtype(out_dtype)
 
 
+def _kernel_unsupported_reason(x, w, residual, out_dtype, interpret: bool) -> str | None:
+  try:
+    from pallas_norm.ops import matmul_norm_mgpu
+  except ImportError as e:  # the kernel module is optional
+    return f"the Mosaic kernel is unavailable ({e})"
+  m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+  reason = matmul_norm_mgpu.unsupported_reason(
+      m, k, n, x.dtype, out_dtype or x.dtype, None if residual is None else residual.dtype)
+  if reason is None and interpret and matmul_norm_mgpu.pick_config(m, k, n).tile_n != n:
+    reason = (f"N = {n} needs a cluster of CTAs, and GPU interpret mode cannot read a peer "
+              f"CTA's shared memory (interpret mode runs N ≤ {matmul_norm_mgpu.MAX_TILE_N})")
+  return reason
+
+
+def column_sum(v):
+  """Deterministic Σ_i v[i, :] of an (M, N) array in float32 (same bits on every run).
+
+  Stage 1 sums fixed blocks of :data:`COLUMN_SUM_BLOCK` rows (and the tail rows), stage 2 adds
+  the block sums in a fixed pairwise tree, so the order of additions never depends on the
+  device or the launch.
+  """
+  v = v.astype(_F32)
+  m = v.shape[0]
+  full = m - m % COLUMN_SUM_BLOCK
+  parts = []
+  if full:
+    blocks = v[:full].reshape(full // COLUMN_SUM_BLOCK, COLUMN_SUM_BLOCK, v.shape[1])
+    parts.append(jnp.sum(blocks, axis=1))
+  if m % COLUMN_SUM_BLOCK or not m:
+    parts.append(jnp.sum(v[full:], axis=0, keepdims=True))
+  sums = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  while sums.shape[0] > 1:
+    half = sums.shape[0] // 2
+    paired = sums[:half] + sums[half:2 * half]
+    sums = jnp.concatenate([paired, sums[2 * half:]]) if sums.shape[0] % 2 else paired
+  return sums[0]
+
+
+def epilogue_forward_xla(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
+                         norm, eps, out_dtype=None, return_h=False, return_xhat=False,
+                         return_stats=False):
+  """The kernel's forward in plain XLA (same interface as ``matmul_norm_fwd``).
+
+  Used to test the custom_vjp independently of the kernel. f32 statistics (two-pass), products
+  at ``Precision.HIGHEST``. Returns ``(y, h, xhat, mean, rstd)`` like the kernel.
+  """
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  h = jnp.matmul(x, w, preferred_element_type=_F32, precision=_HI)
+  if dense_bias is not None:
+    h = h + dense_bias.astype(_F32)
+  if residual is not None:
+    h = h + residual.astype(_F32)
+  stats = reference._row_stats(h, norm, eps)  # pylint: disable=protected-access
+  xhat = (h if stats.mean is None else h - stats.mean[:, None]) * stats.rstd[:, None]
+  y = xhat if scale is None else xhat * scale.astype(_F32)
+  if bias is not None:
+    y = y + bias.astype(_F32)
+  return (y.astype(out_dtype), h.astype(out_dtype) if return_h else None,
+          xhat.astype(out_dtype) if return_xhat else None,
+          stats.mean if return_stats else None, stats.rstd if return_stats else None)
+
+
+def _kernel_forward(implementation):
+  if implementation == "xla_epilogue":
+    return epilogue_forward_xla
+  from pallas_norm.ops import matmul_norm_mgpu
+  return functools.partial(matmul_norm_mgpu.matmul_norm_fwd,
+                           interpret=implementation == "interpret")
+
+
+def _forward(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
+             return_stats, implementation, return_xhat):
+  return _kernel_forward(implementation)(
+      x, w, dense_bias, residual, scale, bias, norm=norm, eps=eps, out_dtype=out_dtype,
+      return_h=return_h, return_xhat=return_xhat, return_stats=return_stats)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _fused(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
+           return_stats, implementation):
+  y, h, _, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype,
+                                 return_h, return_stats, implementation, return_xhat=False)
+  return y, h, mean, rstd
+
+
+def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
+               return_stats, implementation):
+  y, h, xhat, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps,
+                                    out_dtype, return_h, True, implementation, return_xhat=True)
+  # A zero-size stand-in keeps the residual's dtype without keeping the residual alive.
+  residual_dtype = None if residual is None else jnp.zeros((0,), residual.dtype)
+  saved = (x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd)
+  if not return_stats:
+    mean, rstd = None, None
+  return (y, h, mean, rstd), saved
+
+
+def _norm_backward(norm, dy, xhat, rstd, scale):
+  """dh of y = x̂·scale + bias, x̂ = norm(h), given x̂ and rstd (f32, (M, N) and (M,))."""
+  g = dy if scale is None else dy * scale.astype(_F32)
+  dh = g - xhat * jnp.mean(g * xhat, axis=1, keepdims=True)
+  if norm == "layer":
+    dh = dh - jnp.mean(g, axis=1, keepdims=True)
+  return dh * rstd[:, None]
+
+
+def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, saved,
+               cotangents):
+  del eps, out_dtype, return_stats, implementation
+  x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd = saved
+  dy_out, dh_out = cotangents[0], cotangents[1]  # the statistics carry no gradient
+  dy = dy_out.astype(_F32)
+  xhat = xhat.astype(_F32)
+  dh = _norm_backward(norm, dy, xhat, rstd, scale)
+  if return_h and dh_out is not None:
+    dh = dh + dh_out.astype(_F32)  # h is also an output (the residual stream)
+  dscale = None if scale is None else column_sum(dy * xhat).astype(scale.dtype)
+  dbias = None if bias is None else column_sum(dy).astype(bias.dtype)
+  ddense = None if dense_bias is None else column_sum(dh).astype(dense_bias.dtype)
+  dres = None if residual_dtype is None else dh.astype(residual_dtype.dtype)
+  dh_in = dh.astype(x.dtype)
+  dx = jnp.matmul(dh_in, w.T, preferred_element_type=_F32, precision=_HI).astype(x.dtype)
+  dw = jnp.matmul(x.T, dh_in, preferred_element_type=_F32, precision=_HI).astype(w.dtype)
+  return dx, dw, ddense, dres, dscale, dbias
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
 def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
                 norm: str = "layer", eps: float = 1e-6, out_dtype=None, return_h: bool = False,
                 return_stats: bool = False, implementation=None):
@@ -43,17 +196,48 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
     norm: "layer" (default) or "rms". eps: positive float (default 1e-6).
     out_dtype: dtype of y and h (default x.dtype).
     return_h: also return h, the pre-norm residual stream, in the output dtype.
-    return_stats: also return :class:`pallas_norm.NormStats` of h (float32).
-    implementation: None, "xla", "mosaic" or "interpret".
+    return_stats: also return :class:`pallas_norm.NormStats` of h (float32). The statistics
+      carry no gradient through the fused implementations.
+    implementation: None, "xla", "mosaic" or "interpret" (see :mod:`pallas_norm._dispatch`).
+      The kernel needs bfloat16/float16 x, w and outputs, K and N multiples of 64,
+      N = c · tile_n with c ∈ {1, 2, 4, 8} and tile_n ≤ 256 (so N ≤ 2048), a residual in the
+      output dtype; "interpret" runs only N ≤ 256 (one CTA per row block). None falls back to
+      XLA otherwise, with the reason logged at debug level.
 
   Returns:
     y (..., N); with ``return_h``/``return_stats`` the tuple ``(y, h?, stats?)``.
 
   Raises:
-    TypeError, ValueError, NotImplementedError: as :func:`pallas_norm.norm_matmul`.
+    TypeError: non-float or mismatched dtypes. ValueError: shapes, eps, norm or implementation.
+    NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run.
   """
   check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype)
-  _dispatch.choose("matmul_norm", implementation)
-  return reference.matmul_norm(x, w, dense_bias, residual, scale, bias, norm=norm, eps=eps,
-                               out_dtype=out_dtype, return_h=return_h,
-                               return_stats=return_stats)
+  chosen = _dispatch.choose(
+      "matmul_norm", implementation,
+      lambda: _kernel_unsupported_reason(x, w, residual, out_dtype,
+                                         interpret=implementation == "interpret"))
+  if chosen == "xla":
+    return reference.matmul_norm(x, w, dense_bias, residual, scale, bias, norm=norm, eps=eps,
+                                 out_dtype=out_dtype, return_h=return_h,
+                                 return_stats=return_stats)
+  return _fused_call(x, w, dense_bias, residual, scale, bias, norm, eps,
+                     jnp.dtype(out_dtype or x.dtype), return_h, return_stats, chosen)
+
+
+def _fused_call(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
+                return_stats, implementation):
+  lead, k, n = x.shape[:-1], x.shape[-1], w.shape[1]
+  res2d = None if residual is None else residual.reshape(-1, n)
+  y, h, mean, rstd = _fused(x.reshape(-1, k), w, dense_bias, res2d, scale, bias, norm, eps,
+                            jnp.dtype(out_dtype), return_h, return_stats, implementation)
+  y = y.reshape(lead + (n,))
+  if not (return_h or return_stats):
+    return y
+  out = (y,)
+  if return_h:
+    out += (h.reshape(lead + (n,)),)
+  if return_stats:
+    out += (reference.NormStats(
+        None if mean is None else lax.stop_gradient(mean.reshape(lead)),
+        lax.stop_gradient(rstd.reshape(lead))),)
+  return out

@@ -1,0 +1,637 @@
+"""Post-norm GEMM forward as a Pallas Mosaic-GPU kernel for Hopper (sm_90a) (DESIGN.md, op 2).
+
+For x (M, K) and w (K, N) it computes, with every statistic in f32 from the f32 accumulator::
+
+    h = x @ w (+ dense_bias) (+ residual)
+    y = norm(h) · scale (+ bias),   norm = RMSNorm or LayerNorm over the N columns of a row
+
+and optionally writes h (the pre-norm residual stream), x̂ = norm(h) before the affine (what the
+backward needs) and the row statistics (mean, rstd).
+
+Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a CTA owns a tile of
+``tile_m`` rows × ``tile_n`` columns. A TMA producer warpgroup streams the K loop through a
+multi-stage SMEM pipeline (``plgpu.emit_pipeline_warp_specialized``) to two WGMMA consumer
+warpgroups, which split the CTA tile along M (``tile_m // 2`` rows each), so every row of a CTA
+belongs to exactly one warpgroup. A full row spans N, so when ``N > tile_n`` a *cluster* of
+``c = N / tile_n`` CTAs (c ∈ {1, 2, 4, 8}) owns the same rows, CTA i the columns
+``[i·tile_n, (i+1)·tile_n)``. The grid is persistent: each cluster walks row blocks.
+
+Epilogue of one warpgroup (rows r, its CTA's N slice):
+
+1. ``h = acc + dense_bias + residual``; the residual tile was fetched by TMA into SMEM while the
+   K loop ran, h is recomputed chunk by chunk (64 columns) from the accumulator registers and
+   SMEM instead of being kept whole in registers.
+2. Per-row partials over the slice: LayerNorm the slice mean and ``M2 = Σ (h − mean_slice)²``
+   (two passes over registers), RMSNorm ``Σ h²``.
+3. :func:`_cluster_row_stats` exchanges the partials between the CTAs of the cluster through
+   distributed shared memory (the only code that differs between c = 1 and c > 1), and every CTA
+   merges the c partials in the same order (Chan et al. for LayerNorm: exact for rows with a
+   large mean, and identical bits in every CTA).
+4. Each CTA normalizes its own slice and stores y (written in place of the residual tile in
+   SMEM), h and x̂ (through two 64×64 staging slots), and CTA 0 of the cluster the statistics.
+
+GPU interpret mode cannot read a peer CTA's shared memory, so the c > 1 exchange runs only on a
+GPU; everything else is the same code for c = 1, which interpret mode runs on the CPU.
+
+Shapes: any M ≥ 1 (TMA zero-fills rows past M and drops their stores), K a multiple of 64,
+N = c · tile_n with tile_n a multiple of 64 up to 256 (so N ≤ 2048); x and w bfloat16 or
+float16; y/h/x̂ bfloat16 or float16; a residual must have the output dtype. Other calls get a
+reason from :func:`unsupported_reason` and the public op falls back to XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_norm import mgpu_common
+from pallas_norm.mgpu_common import TileConfig
+
+__all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
+           "matmul_norm_fwd"]
+
+CLUSTER_SIZES = (1, 2, 4, 8)
+"""CTAs that may share a row block (8 is the portable cluster limit on Hopper)."""
+
+MAX_TILE_N = 256
+"""Widest N slice of one CTA (the largest WGMMA N; the accumulator lives in registers)."""
+
+_SMEM_SLACK = 4096  # barriers + the scratch Mosaic reserves for cross-lane reductions.
+_EXTRA_SLOTS = 2  # staging slots for h / x̂ tiles: one being written while one is stored
+# A TMA copy into an 8-row-tiled SMEM tile needs the global row count to be a multiple of 8; the
+# rows past M in the last row tile are then zero-filled on load and dropped on store by TMA.
+_ROW_ALIGN = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one kernel instance."""
+  m: int
+  k: int
+  n: int
+  dtype: jnp.dtype
+  out_dtype: jnp.dtype
+  norm: str
+  eps: float
+  vecs: tuple[str, ...]  # which of "dense_bias", "scale", "bias" are given (in that order)
+  has_residual: bool
+  return_h: bool
+  return_xhat: bool
+  return_stats: bool
+  cfg: TileConfig
+  cluster: int
+  stages: int
+  num_clusters: int
+  multicast_x: bool
+
+  @property
+  def n_partials(self) -> int:  # per-row partial statistics exchanged in the cluster
+    return 2 if self.norm == "layer" else 1
+
+  @property
+  def n_stats(self) -> int:  # rstd (and mean) rows written
+    return (2 if self.norm == "layer" else 1) if self.return_stats else 0
+
+  @property
+  def extras(self) -> tuple[str, ...]:  # outputs staged through the small slots
+    return tuple(e for e, on in (("h", self.return_h), ("xhat", self.return_xhat)) if on)
+
+  @property
+  def n_loads(self) -> int:  # TMA copies per tile besides the K loop: vectors and residual
+    return len(self.vecs) + (self.cfg.tile_n // self.cfg.epi_tile_n) * self.has_residual
+
+  @property
+  def m_iters(self) -> int:
+    return -(-self.m // self.cfg.tile_m)
+
+  @property
+  def k_iters(self) -> int:
+    return self.k // self.cfg.tile_k
+
+  def vec_index(self, name: str) -> int:
+    return self.vecs.index(name)
+
+
+def _cluster_split(n: int) -> tuple[int, int] | None:
+  """(cluster, tile_n): the smallest cluster whose CTAs get a 64-multiple slice of ≤ 256."""
+  for c in CLUSTER_SIZES:
+    if n % c == 0 and (n // c) % 64 == 0 and n // c <= MAX_TILE_N:
+      return c, n // c
+  return None
+
+
+def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
+                       residual_dtype=None) -> str | None:
+  """None if the kernel can run x: (m, k) @ w: (k, n), else a sentence saying why not.
+
+  ``out_dtype`` defaults to ``dtype``; ``residual_dtype`` is None when there is no residual.
+  """
+  dtype = jnp.dtype(dtype)
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  if dtype not in mgpu_common.SUPPORTED_DTYPES:
+    return f"dtype {dtype.name} is not bfloat16 or float16"
+  if out_dtype not in mgpu_common.SUPPORTED_DTYPES:
+    return f"out_dtype {out_dtype.name} is not bfloat16 or float16"
+  if residual_dtype is not None and jnp.dtype(residual_dtype) != out_dtype:
+    return (f"residual dtype {jnp.dtype(residual_dtype).name} differs from the output dtype "
+            f"{out_dtype.name} (the kernel writes y in place of the residual tile)")
+  if m < 1:
+    return f"M = {m} rows: need at least 1"
+  if k % 64 or k < 64:
+    return f"K = {k} is not a positive multiple of 64"
+  if n % 64 or n < 64:
+    return f"N = {n} is not a positive multiple of 64"
+  if _cluster_split(n) is None:
+    return (f"N = {n} does not split into {list(CLUSTER_SIZES)} CTAs of a 64-multiple of at "
+            f"most {MAX_TILE_N} columns (N ≤ {max(CLUSTER_SIZES) * MAX_TILE_N}); looping over "
+            "several N tiles per CTA is not implemented")
+  return None
+
+
+def pick_config(m: int, k: int, n: int) -> TileConfig:
+  """Tiling for x (m, k) @ w (k, n): the CTA's N slice ``tile_n = N / cluster`` with the smallest
+  cluster in :data:`CLUSTER_SIZES`; 128 rows per CTA (64 per consumer warpgroup), 256 when the
+  slice is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
+  as many pipeline stages as SMEM holds (at most 4)."""
+  del m, k
+  split = _cluster_split(n)
+  if split is None:
+    raise ValueError(f"N = {n}: {unsupported_reason(1, 64, n, jnp.bfloat16)}")
+  tile_n = split[1]
+  return TileConfig(tile_m=256 if tile_n <= 128 else 128, tile_n=tile_n, tile_k=64,
+                    max_concurrent_steps=4, epi_tile_m=64, epi_tile_n=64)
+
+
+def _smem_bytes_besides_pipeline(p: _Plan) -> int:
+  cfg = p.cfg
+  out_b = p.out_dtype.itemsize
+  io = 2 * cfg.wg_tile_m * cfg.tile_n * out_b
+  extra = 2 * _EXTRA_SLOTS * cfg.epi_tile_m * cfg.epi_tile_n * out_b if p.extras else 0
+  vec = 2 * len(p.vecs) * cfg.tile_n * 4
+  stats = 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
+  exchange = 2 * (p.n_partials + 2) * cfg.wg_tile_m * 4 * (p.cluster > 1)
+  return io + extra + vec + stats + exchange + _SMEM_SLACK
+
+
+def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, return_h,
+               return_xhat, return_stats, cfg, interpret, multicast_x) -> _Plan:
+  m, k = x_shape
+  cluster = n // cfg.tile_n
+  if n % cfg.tile_n or cluster not in CLUSTER_SIZES:
+    raise ValueError(f"N = {n} must be tile_n = {cfg.tile_n} times a cluster size in "
+                     f"{CLUSTER_SIZES}")
+  if k % cfg.tile_k:
+    raise ValueError(f"K = {k} is not a multiple of tile_k = {cfg.tile_k}")
+  if cfg.tile_n % cfg.epi_tile_n:
+    raise ValueError(f"epi_tile_n = {cfg.epi_tile_n} must divide tile_n = {cfg.tile_n}")
+  plan = _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
+               eps=float(eps), vecs=vecs, has_residual=has_residual, return_h=return_h,
+               return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
+               stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1)
+  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
+  free = mgpu_common.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
+  stages = min(cfg.max_concurrent_steps, free // stage_bytes, plan.k_iters)
+  if stages < 1:
+    raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
+  num_clusters = max(1, min(mgpu_common.num_sms(interpret) // cluster, plan.m_iters))
+  return dataclasses.replace(plan, stages=stages, num_clusters=num_clusters)
+
+
+# ------------------------------------------------------------------------------------------------
+# Row statistics. Row vectors have the layout WGMMA.reduce(1) (one value per accumulator row).
+
+
+def _rowvec(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _colvec(v, shape):
+  return lax.broadcast_in_dim(v, shape, [1])
+
+
+def _slice_partials(plan: _Plan, h_chunk):
+  """Per-row partial statistics of this CTA's N slice, from ``h_chunk(j)`` (rows, epi_tile_n).
+
+  LayerNorm: (slice mean, Σ (h − slice mean)²), two passes over the chunks so a large row mean
+  never cancels. RMSNorm: (Σ h²,). Chunks are summed elementwise first: one cross-lane
+  reduction per statistic instead of one per chunk.
+  """
+  chunks = plan.cfg.tile_n // plan.cfg.epi_tile_n
+  if plan.norm == "rms":
+    s2 = None
+    for j in range(chunks):
+      h = h_chunk(j)
+      s2 = h * h if s2 is None else s2 + h * h
+    return (jnp.sum(s2, axis=1),)
+  s1 = None
+  for j in range(chunks):
+    h = h_chunk(j)
+    s1 = h if s1 is None else s1 + h
+  mean = jnp.sum(s1, axis=1) * (1.0 / plan.cfg.tile_n)
+  s2 = None
+  for j in range(chunks):
+    d = h_chunk(j) - _rowvec(mean, s1.shape)
+    s2 = d * d if s2 is None else s2 + d * d
+  return mean, jnp.sum(s2, axis=1)
+
+
+def _merge_partials(plan: _Plan, per_cta):
+  """(mean or None, rstd) of full rows from the partials of the c CTAs, merged in CTA order.
+
+  LayerNorm merges (mean_j, M2_j) of equal counts n_j = tile_n with Chan et al.:
+  mean = Σ mean_j / c, M2 = Σ M2_j + tile_n Σ (mean_j − mean)².
+  """
+  n, c = plan.n, plan.cluster
+  if plan.norm == "rms":
+    ss = per_cta[0][0]
+    for (s,) in per_cta[1:]:
+      ss = ss + s
+    return None, lax.rsqrt(ss * (1.0 / n) + plan.eps)
+  mean = per_cta[0][0]
+  for mj, _ in per_cta[1:]:
+    mean = mean + mj
+  mean = mean * (1.0 / c)
+  m2 = per_cta[0][1]
+  for _, m2j in per_cta[1:]:
+    m2 = m2 + m2j
+  if c > 1:
+    dev = None
+    for mj, _ in per_cta:
+      d2 = (mj - mean) * (mj - mean)
+      dev = d2 if dev is None else dev + d2
+    m2 = m2 + dev * float(plan.cfg.tile_n)
+  var = jnp.maximum(m2 * (1.0 / n), 0.0)
+  return mean, lax.rsqrt(var + plan.eps)
+
+
+def _cluster_fence():
+  """``fence.acq_rel.cluster``: orders this thread's shared-memory accesses at cluster scope.
+
+  The cluster barrier's remote arrive is a CTA-scope release and its wait a CTA-scope acquire,
+  so a fence on each side publishes the partials a CTA wrote to its peers' reads, and orders a
+  peer's reads before its "done reading" arrive.
+  """
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # needs the CUDA plugin
+
+  @plgpu.inline_mgpu()
+  def _fence(_ctx):
+    mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
+
+  _fence()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+  """SMEM and barriers of the cluster exchange (c > 1), per consumer warpgroup w:
+
+  ``part[w][q]``: this CTA's partial q, one (rows,) f32 allocation each: a peer reads it whole
+  (Mosaic lowers a peer reference only for a whole allocation, not a slice of one).
+  ``full``/``empty``: cluster barriers; ``full[w]`` completes when every CTA of the cluster
+  wrote its partials for the tile, ``empty[w]`` when every CTA finished reading all of them.
+  ``rows[w]``: (2, rows) f32 where the merged (rstd, mean) leave the static-w branch.
+  """
+  part: tuple
+  full: object
+  empty: object
+  rows: object
+
+
+def _exchange_allocs(plan: _Plan):
+  if plan.cluster == 1:
+    return None
+  rows = plan.cfg.wg_tile_m
+  part = tuple(tuple(plgpu.SMEM((rows,), jnp.float32) for _ in range(plan.n_partials))
+               for _ in range(2))
+  bar = functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",), num_barriers=2,
+                          num_arrivals=1)
+  return dict(part=part, full=bar(), empty=bar(), rows=plgpu.SMEM((2, 2, rows), jnp.float32))
+
+
+def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
+  """(mean or None, rstd) of full rows from this CTA's partials and those of its cluster peers.
+
+  c = 1: just :func:`_merge_partials` of this CTA's. c > 1, for the warpgroup's static index w:
+  wait until the peers have read the previous tile's partials (``empty``), write ours, arrive on
+  ``full`` in every CTA and wait for all c arrivals, read the c partials through distributed
+  shared memory (:func:`plgpu.cluster_ref`) in CTA order, arrive on ``empty``, and merge. Every
+  CTA merges the same values in the same order, so all hold the same bits.
+  """
+  if plan.cluster == 1:
+    return _merge_partials(plan, [tuple(partials)])
+  for w in range(2):
+
+    @pl.when(wg == w)
+    def _exchange():
+      bufs = ex.part[w]
+
+      @pl.when(tile_index > 0)
+      def _():
+        plgpu.barrier_wait(ex.empty.at[w])
+
+      for buf, v in zip(bufs, partials):
+        buf[...] = v
+      plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the arrive
+      _cluster_fence()
+      plgpu.barrier_arrive(ex.full.at[w])
+      plgpu.barrier_wait(ex.full.at[w])
+      _cluster_fence()
+      per_cta = [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
+                                         plgpu.Layout.WGMMA.reduce(1)) for buf in bufs)
+                 for j in range(plan.cluster)]
+      mean, rstd = _merge_partials(plan, per_cta)
+      ex.rows[w, 0] = rstd
+      if mean is not None:
+        ex.rows[w, 1] = mean
+      plgpu.commit_smem()  # every thread's peer reads precede the arrive
+      _cluster_fence()
+      plgpu.barrier_arrive(ex.empty.at[w])
+
+  rstd = plgpu.load(ex.rows.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+  mean = (plgpu.load(ex.rows.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
+          if plan.norm == "layer" else None)
+  return mean, rstd
+
+
+def _cluster_final_sync(plan: _Plan, ex, wg):
+  """Waits until the peers read the last tile's partials: no CTA exits while they may."""
+  if plan.cluster == 1:
+    return
+  for w in range(2):
+
+    @pl.when(wg == w)
+    def _():
+      plgpu.barrier_wait(ex.empty.at[w])
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel.
+
+
+def _kernel(*refs, plan: _Plan):
+  cfg = plan.cfg
+  it = iter(refs)
+  x_gmem, w_gmem = next(it), next(it)
+  vec_gmems = [next(it) for _ in plan.vecs]
+  res_gmem = next(it) if plan.has_residual else None
+  y_gmem = next(it)
+  extra_gmems = {e: next(it) for e in plan.extras}
+  stat_gmems = [next(it) for _ in range(plan.n_stats)]  # rstd, then mean (LayerNorm)
+
+  wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
+  epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+  chunks = tile_n // epi_n
+  in_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype)
+  out_transforms = mgpu_common.swizzle_transforms(epi_n, plan.out_dtype)
+
+  def make_pipeline(body, compute_context):
+    x_spec = plgpu.BlockSpec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
+                             memory_space=plgpu.SMEM,
+                             collective_axes=("cluster",) if plan.multicast_x else ())
+    w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=in_transforms,
+                             memory_space=plgpu.SMEM)
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(plan.k_iters,),
+        memory_registers=40,
+        in_specs=[x_spec, w_spec],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=plan.stages,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+      # Residual in, y out: the full (rows, tile_n) tile of each consumer warpgroup.
+      # Residual in, y out: the (rows, tile_n) tile of each consumer warpgroup, as column chunks
+      # (a TMA copy needs a contiguous SMEM window).
+      io_smem=plgpu.SMEM((2, chunks, wg_m, epi_n), plan.out_dtype, transforms=out_transforms),
+      extra_smem=(plgpu.SMEM((2, _EXTRA_SLOTS, epi_m, epi_n), plan.out_dtype,
+                             transforms=out_transforms) if plan.extras else None),
+      vec_smem=plgpu.SMEM((2, len(plan.vecs), tile_n), jnp.float32) if plan.vecs else None,
+      # One arrival per TMA copy (each copy arrives with its byte count).
+      load_barrier=(plgpu.Barrier(num_arrivals=plan.n_loads, num_barriers=2)
+                    if plan.n_loads else None),
+      stat_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32) if plan.n_stats else None,
+      ex_allocs=_exchange_allocs(plan),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, io_smem, extra_smem, vec_smem, load_barrier, stat_smem, ex_allocs):
+    ex = None if ex_allocs is None else _Exchange(**ex_allocs)
+    wg = lax.axis_index("wg")
+    cta = lax.axis_index("cluster")
+    col0 = cta * tile_n  # this CTA's N slice: fixed for the whole kernel
+
+    def _vec(name, ns):
+      v = plgpu.load(vec_smem.at[wg, plan.vec_index(name), ns],
+                     layout=plgpu.Layout.WGMMA.reduce(0))
+      return _colvec(v, (wg_m, epi_n))
+
+    def _epilogue(acc, row0, tile_index):
+      if not plan.has_residual:
+        # Earlier TMA stores from the staging buffers must have read them before we overwrite.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if plan.n_loads:
+        plgpu.barrier_wait(load_barrier.at[wg])
+
+      def h_chunk(j):
+        """h of columns [j·epi_n, (j+1)·epi_n) of the slice, f32, recomputed on each use."""
+        ns = pl.ds(j * epi_n, epi_n)
+        h = acc[:, j * epi_n:(j + 1) * epi_n]
+        if "dense_bias" in plan.vecs:
+          h = h + _vec("dense_bias", ns)
+        if plan.has_residual:
+          r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
+          h = h + r.astype(jnp.float32)
+        return h
+
+      partials = _slice_partials(plan, h_chunk)
+      mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
+
+      if plan.n_stats:
+        stats = [rstd] if mean is None else [rstd, mean]
+        for i, v in enumerate(stats):
+          stat_smem[wg, i] = v
+        plgpu.commit_smem()
+
+        @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
+        def _store_stats():
+          for i in range(len(stats)):
+            plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)])
+
+      shape = (wg_m, epi_n)
+      rstd_b = _rowvec(rstd, shape)
+      shift_b = None if mean is None else _rowvec(mean, shape)
+      n_extra = 0
+      for j in range(tile_n // epi_n):
+        ns = pl.ds(j * epi_n, epi_n)
+        h = h_chunk(j)
+        xhat = (h if shift_b is None else h - shift_b) * rstd_b
+        y = xhat
+        if "scale" in plan.vecs:
+          y = y * _vec("scale", ns)
+        if "bias" in plan.vecs:
+          y = y + _vec("bias", ns)
+        # In place: each thread overwrites exactly the residual elements it just read.
+        io_smem[wg, j] = y.astype(plan.out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
+                                y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
+        values = {"h": h, "xhat": xhat}
+        for e in plan.extras:
+          for i in range(wg_m // epi_m):
+            s = n_extra % _EXTRA_SLOTS
+            n_extra += 1
+            # The store that last read slot s is not the latest one, so it is complete.
+            plgpu.wait_smem_to_gmem(_EXTRA_SLOTS - 1, wait_read_only=True)
+            extra_smem[wg, s] = values[e][i * epi_m:(i + 1) * epi_m].astype(plan.out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                extra_smem.at[wg, s],
+                extra_gmems[e].at[pl.ds(row0 + i * epi_m, epi_m),
+                                  pl.ds(col0 + j * epi_n, epi_n)])
+
+    @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
+    def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+      (m_idx,) = loop_info.index
+      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
+      tile_index = loop_info.local_index  # tiles this cluster did before
+
+      def compute_context(eval_pipeline):
+        if plan.has_residual:
+          # The previous tile's stores read io_smem: they must finish before TMA refills it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for j in range(chunks):
+            plgpu.copy_gmem_to_smem(
+                res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
+                io_smem.at[wg, j], load_barrier.at[wg])
+        for i, v_gmem in enumerate(vec_gmems):
+          plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                  load_barrier.at[wg])
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          acc_ref = eval_pipeline(acc_ref)
+          _epilogue(acc_ref[...], row0, tile_index)
+
+      def mma_body(idxs, a_smem, b_smem, acc_ref):
+        del idxs
+        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      make_pipeline(mma_body, compute_context)(
+          x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
+          w_gmem.at[:, pl.ds(col0, tile_n)],
+          allocations=pipeline_allocs,
+      )
+
+    _cluster_final_sync(plan, ex, wg)
+
+  # All TMA stores must land before the kernel exits.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
+  if norm not in ("rms", "layer"):
+    raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    raise ValueError(f"x must be (M, K) and w (K, N), got {x.shape} and {w.shape}")
+  if x.dtype != w.dtype:
+    raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+  m, k = x.shape
+  n = w.shape[1]
+  reason = unsupported_reason(m, k, n, x.dtype, out_dtype,
+                              None if residual is None else residual.dtype)
+  if reason is not None:
+    raise ValueError(f"matmul_norm kernel cannot run this call: {reason}")
+  if residual is not None and residual.shape != (m, n):
+    raise ValueError(f"residual must have shape {(m, n)}, got {residual.shape}")
+  for name, v in vectors.items():
+    if v is not None and v.shape != (n,):
+      raise ValueError(f"{name} must have shape ({n},), got {v.shape}")
+  if not (isinstance(eps, (int, float)) and eps > 0):
+    raise ValueError(f"eps must be a positive float, got {eps!r}")
+
+
+def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, norm: str,
+                    eps: float, out_dtype=None, return_h: bool = False,
+                    return_xhat: bool = False, return_stats: bool = False,
+                    interpret: bool = False, config: TileConfig | None = None,
+                    multicast_x: bool = False):
+  """Forward of the post-norm GEMM as one Mosaic-GPU kernel (Hopper).
+
+  Args:
+    x: (M, K) bfloat16/float16; M ≥ 1, K a multiple of 64.
+    w: (K, N) in x's dtype; N = c · tile_n with c ∈ {1, 2, 4, 8} (see :func:`pick_config`).
+    dense_bias, scale, bias: optional (N,) vectors (any float dtype; used in float32).
+    residual: optional (M, N) in the output dtype, added to h before the statistics.
+    norm: "rms" or "layer". eps: positive float.
+    out_dtype: dtype of y, h and x̂ (default x.dtype), bfloat16 or float16.
+    return_h, return_xhat, return_stats: which optional outputs to write.
+    interpret: run in Pallas GPU interpret mode on any backend (race detection on, NaN-filled
+      uninitialized memory: :func:`pallas_norm.mgpu_common.interpret_params`). Only clusters of
+      one CTA (N ≤ 256) run there: interpret mode cannot read a peer CTA's shared memory.
+    config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
+    multicast_x: with a cluster, let the CTAs share each x tile through a TMA multicast.
+
+  Returns:
+    ``(y, h, xhat, mean, rstd)``: y (M, N); h (the pre-norm stream) and xhat = (h − mean)·rstd
+    (RMS: h·rstd) in out_dtype or None; mean (LayerNorm only) and rstd (M,) float32 or None.
+
+  Raises:
+    ValueError: shapes/dtypes the kernel does not support (:func:`unsupported_reason`), bad
+      norm/eps, a config that does not fit in SMEM, or c > 1 in interpret mode.
+    TypeError: x and w dtypes differ.
+  """
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  vectors = {"dense_bias": dense_bias, "scale": scale, "bias": bias}
+  _check_args(x, w, vectors, residual, norm, eps, out_dtype)
+  m, k = x.shape
+  n = w.shape[1]
+  cfg = config or pick_config(m, k, n)
+  vecs = tuple(name for name, v in vectors.items() if v is not None)
+  padded_m = m + (-m % _ROW_ALIGN)
+  plan = _make_plan((padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs, residual is not None,
+                    return_h, return_xhat, return_stats, cfg, interpret, multicast_x)
+  if interpret and plan.cluster > 1:
+    raise ValueError(f"N = {n} needs a cluster of {plan.cluster} CTAs: GPU interpret mode cannot "
+                     "read a peer CTA's shared memory (use N ≤ tile_n)")
+  out_type = [jax.ShapeDtypeStruct((padded_m, n), out_dtype)]
+  out_type += [jax.ShapeDtypeStruct((padded_m, n), out_dtype) for _ in plan.extras]
+  out_type += [jax.ShapeDtypeStruct((padded_m,), jnp.float32) for _ in range(plan.n_stats)]
+  call = plgpu.kernel(
+      functools.partial(_kernel, plan=plan),
+      out_type=tuple(out_type),
+      grid=(plan.num_clusters,),
+      grid_names=("cluster_grid",),
+      cluster=(plan.cluster,),
+      cluster_names=("cluster",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=mgpu_common.interpret_params() if interpret else None,
+  )
+  pad = -m % _ROW_ALIGN
+  args = [_pad_rows(x, pad), w] + [vectors[name].astype(jnp.float32) for name in vecs]
+  if residual is not None:
+    args.append(_pad_rows(residual, pad))
+  outs = [o[:m] if pad else o for o in call(*args)]
+  y = outs.pop(0)
+  extras = {e: outs.pop(0) for e in plan.extras}
+  rstd = outs.pop(0) if plan.n_stats else None
+  mean = outs.pop(0) if plan.n_stats == 2 else None
+  return y, extras.get("h"), extras.get("xhat"), mean, rstd
+
+
+def _pad_rows(a, pad):
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a

@@ -1,0 +1,401 @@
+"""matmul_norm (DESIGN.md op 2): the Mosaic-GPU kernel and its custom_vjp backward.
+
+* CPU, GPU interpret mode (race detector on, uninitialized memory filled with NaN): the kernel
+  with clusters of one CTA (N ≤ 256), forward against ``reference.matmul_norm`` in f32 and the
+  backward through the custom_vjp on top of the interpret-mode forward.
+* CPU, XLA: the custom_vjp backward with the kernel's epilogue math in XLA as the forward
+  ("xla_epilogue"), in f32 against JAX's autodiff of the reference (chex), and the determinism of
+  the column sums.
+* ``@pytest.mark.gpu``: clusters of 2-8 CTAs (the distributed-shared-memory exchange, which
+  interpret mode cannot run), real M, N up to 2048 in the kernel and the XLA fallback beyond.
+"""
+
+import os
+
+from jax._src import xla_bridge
+
+# GPU interpret mode runs each warpgroup as its own XLA computation, and those block in host
+# callbacks (barrier waits) until the other warpgroups progress. XLA's CPU client runs at most
+# PJRT_NPROC computations at once (default: the core count), so on a 2-core machine three
+# warpgroups deadlock. The variable must be set before the CPU client exists.
+_CPU_CLIENT_PREDATES_US = xla_bridge.backends_are_initialized()
+os.environ.setdefault("PJRT_NPROC", "8")
+
+import chex  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pallas_norm import mgpu_common, reference  # noqa: E402
+from pallas_norm.ops import matmul_norm as mn  # noqa: E402
+from pallas_norm.ops import matmul_norm_mgpu as mk  # noqa: E402
+
+# Outputs rounded to bf16 (8 significant bits) / f16 (11): max error relative to max |value|.
+OUT_TOL = {jnp.dtype(jnp.bfloat16): 8e-3, jnp.dtype(jnp.float16): 1.5e-3}
+STAT_RTOL = 1e-4  # f32 statistics: the kernel and XLA only sum in different orders
+
+
+def _inputs(seed, m, k, n, dtype=jnp.bfloat16, mean_offset=0.0, zero_every=0):
+  """Random x, w, dense_bias, residual, scale (γ), bias (β), dy; rows of h have mean ≈ offset."""
+  ks = jax.random.split(jax.random.key(seed), 7)
+  x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(dtype)
+  w = (jax.random.normal(ks[1], (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+  dense_bias = 0.5 * jax.random.normal(ks[2], (n,), jnp.float32) + mean_offset
+  residual = jax.random.normal(ks[3], (m, n), jnp.float32).astype(dtype)
+  scale = 1.0 + 0.3 * jax.random.normal(ks[4], (n,), jnp.float32)
+  if zero_every:
+    scale = scale.at[::zero_every].set(0.0)
+  bias = 0.3 * jax.random.normal(ks[5], (n,), jnp.float32)
+  dy = jax.random.normal(ks[6], (m, n), jnp.float32)
+  return dict(x=x, w=w, dense_bias=dense_bias, residual=residual, scale=scale, bias=bias), dy
+
+
+def _pick(args, use):
+  return {name: (v if name in ("x", "w") or name in use else None) for name, v in args.items()}
+
+
+def _f32(a):
+  return None if a is None else jnp.asarray(a, jnp.float32)
+
+
+def _reference(args, norm):
+  """reference.matmul_norm in f32 on the (already rounded) inputs: (y, h, stats)."""
+  a = {name: _f32(v) for name, v in args.items()}
+  return reference.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"],
+                               a["bias"], norm=norm, eps=1e-6, return_h=True, return_stats=True)
+
+
+def _rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+
+
+def _interpret_can_run():
+  """Skips the calling test when the CPU client was created with too few threads (see above)."""
+  if (_CPU_CLIENT_PREDATES_US and int(os.environ.get("PJRT_NPROC", 0)) < 8
+      and (os.cpu_count() or 1) < 8):
+    pytest.skip("GPU interpret mode needs PJRT_NPROC >= 8 set before JAX creates its CPU client "
+                "(e.g. in tests/conftest.py); with fewer threads its warpgroups deadlock")
+
+
+def _run_kernel(args, norm, **flags):
+  if flags.get("interpret"):
+    _interpret_can_run()
+  out = mk.matmul_norm_fwd(args["x"], args["w"], args["dense_bias"], args["residual"],
+                           args["scale"], args["bias"], norm=norm, eps=1e-6, **flags)
+  jax.block_until_ready(out[0])
+  return out
+
+
+def _check_forward(out, args, norm, dtype, return_h, return_xhat, return_stats):
+  y, h, xhat, mean, rstd = out
+  y_ref, h_ref, stats = _reference(args, norm)
+  tol = OUT_TOL[jnp.dtype(dtype)]
+  assert y.dtype == dtype and y.shape == y_ref.shape
+  assert np.all(np.isfinite(np.asarray(y, np.float32)))
+  assert _rel_err(y, y_ref) < tol, ("y", _rel_err(y, y_ref))
+  assert (h is not None) == return_h and (xhat is not None) == return_xhat
+  if return_h:
+    assert _rel_err(h, h_ref) < tol, ("h", _rel_err(h, h_ref))
+  if return_xhat:
+    centered = h_ref if stats.mean is None else h_ref - stats.mean[:, None]
+    assert _rel_err(xhat, centered * stats.rstd[:, None]) < tol
+  if return_stats:
+    np.testing.assert_allclose(rstd, stats.rstd, rtol=STAT_RTOL)
+    if norm == "layer":
+      np.testing.assert_allclose(mean, stats.mean, rtol=STAT_RTOL, atol=1e-5)
+    else:
+      assert mean is None
+  else:
+    assert mean is None and rstd is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Interpret mode (CPU): clusters of one CTA.
+
+ALL = ("dense_bias", "residual", "scale", "bias")
+
+INTERPRET_CASES = [
+    # m, k, n, norm, inputs used, dtype, return_h, return_xhat, return_stats
+    (77, 64, 192, "layer", ALL, jnp.bfloat16, True, True, True),
+    (1, 128, 64, "rms", (), jnp.bfloat16, False, False, True),
+    (256, 128, 256, "layer", ("scale", "residual"), jnp.float16, False, False, False),
+    # 3 row blocks on 2 persistent CTAs: the second tile of a CTA reuses every buffer.
+    (300, 64, 256, "rms", ("dense_bias", "scale", "residual"), jnp.bfloat16, True, False, True),
+    # N = 64: 256-row CTA tiles (128 rows per warpgroup), h staged in 64-row pieces.
+    (77, 64, 64, "layer", ("bias",), jnp.bfloat16, True, True, True),
+]
+
+
+@pytest.mark.parametrize("m,k,n,norm,use,dtype,return_h,return_xhat,return_stats",
+                         INTERPRET_CASES)
+def test_forward_interpret(m, k, n, norm, use, dtype, return_h, return_xhat, return_stats):
+  args, _ = _inputs(m * 7 + k + n, m, k, n, dtype)
+  args = _pick(args, use)
+  out = _run_kernel(args, norm, return_h=return_h, return_xhat=return_xhat,
+                    return_stats=return_stats, interpret=True)
+  assert not mgpu_common.races_found()
+  _check_forward(out, args, norm, jnp.dtype(dtype), return_h, return_xhat, return_stats)
+
+
+def test_forward_interpret_large_row_mean():
+  """Rows of h with mean 1e3 and unit spread: the slice statistics are two-pass, so the variance
+  does not cancel (a one-pass Σh² − (Σh)²/N would lose every significant bit in f32)."""
+  args, _ = _inputs(5, 128, 64, 256, jnp.bfloat16, mean_offset=1e3)
+  out = _run_kernel(args, "layer", return_stats=True, interpret=True)
+  assert not mgpu_common.races_found()
+  _check_forward(out, args, "layer", jnp.dtype(jnp.bfloat16), False, False, True)
+
+
+@pytest.mark.parametrize("norm,use,return_h", [("layer", ALL, True), ("rms", ("scale",), False)])
+def test_backward_interpret(norm, use, return_h):
+  """Gradients through the custom_vjp whose forward is the interpret-mode kernel, against
+  autodiff of the reference in f32 (bf16 operands: relative Frobenius error)."""
+  args, dy = _inputs(17, 77, 64, 128, jnp.bfloat16, zero_every=5)
+  args = _pick(args, use)
+  names = [nm for nm, v in args.items() if v is not None]
+  dh_ct = jax.random.normal(jax.random.key(3), dy.shape, jnp.float32)
+
+  def loss(impl, *vals):
+    a = dict(args, **dict(zip(names, vals)))
+    if impl == "reference":
+      a = {nm: _f32(v) for nm, v in a.items()}
+      out = reference.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"],
+                                  a["bias"], norm=norm, return_h=return_h)
+    else:
+      out = mn.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"],
+                           a["bias"], norm=norm, return_h=return_h, implementation=impl)
+    y, h = out if return_h else (out, None)
+    total = jnp.sum(y.astype(jnp.float32) * dy)
+    return total if h is None else total + jnp.sum(h.astype(jnp.float32) * dh_ct)
+
+  vals = [args[nm] for nm in names]
+  _interpret_can_run()
+  got = jax.grad(loss, argnums=range(1, len(vals) + 1))("interpret", *vals)
+  want = jax.grad(loss, argnums=range(1, len(vals) + 1))("reference", *vals)
+  assert not mgpu_common.races_found()
+  for nm, g, r in zip(names, got, want):
+    assert g.dtype == args[nm].dtype, nm
+    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+    err = np.linalg.norm(g - r) / np.linalg.norm(r)
+    assert err < 2e-2, (nm, err)
+
+
+# ------------------------------------------------------------------------------------------------
+# The custom_vjp backward with the epilogue in XLA (f32: only rounding separates the paths).
+
+
+def _vjp_grads(args, dy, dh_ct, norm, return_h, impl):
+  names = [nm for nm, v in args.items() if v is not None]
+
+  def loss(*vals):
+    a = dict(args, **dict(zip(names, vals)))
+    if impl == "reference":
+      out = reference.matmul_norm(*(a[nm] for nm in ("x", "w", "dense_bias", "residual",
+                                                     "scale", "bias")),
+                                  norm=norm, return_h=return_h)
+    else:
+      out = mn._fused_call(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"],
+                           a["bias"], norm, 1e-6, a["x"].dtype, return_h, False, impl)
+    y, h = out if return_h else (out, None)
+    total = jnp.sum(y * dy)
+    return total if h is None else total + jnp.sum(h * dh_ct)
+
+  return names, jax.grad(loss, argnums=range(len(names)))(*(args[nm] for nm in names))
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("use,return_h", [(ALL, True), (ALL, False), (("scale", "bias"), False),
+                                          (("residual",), True), ((), False)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (77, 64, 192)])
+def test_backward_matches_autodiff_f32(norm, use, return_h, m, k, n):
+  args, dy = _inputs(m + n, m, k, n, jnp.float32, zero_every=4)
+  args = _pick(args, use)
+  dh_ct = jax.random.normal(jax.random.key(m), dy.shape, jnp.float32)
+  names, got = _vjp_grads(args, dy, dh_ct, norm, return_h, "xla_epilogue")
+  _, want = _vjp_grads(args, dy, dh_ct, norm, return_h, "reference")
+  for nm, g, r in zip(names, got, want):
+    scale_ = float(jnp.max(jnp.abs(r))) + 1e-6
+    chex.assert_trees_all_close(g / scale_, r / scale_, rtol=2e-4, atol=2e-4,
+                                custom_message=nm)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_backward_large_row_mean_f32(norm):
+  """h rows of mean 1e3 (LayerNorm) and γ with zeros: x̂ is saved, never rebuilt from y / γ."""
+  args, dy = _inputs(9, 64, 64, 128, jnp.float32, mean_offset=1e3, zero_every=3)
+  names, got = _vjp_grads(args, dy, None, norm, False, "xla_epilogue")
+  _, want = _vjp_grads(args, dy, None, norm, False, "reference")
+  for nm, g, r in zip(names, got, want):
+    assert np.all(np.isfinite(g)), nm
+    err = float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))
+    assert err < 2e-3, (nm, err)
+
+
+def test_column_sum_is_two_stage_and_deterministic():
+  """3000 rows: two full 1024-row blocks and a tail, against a float64 sum; bit-identical runs."""
+  v = jax.random.normal(jax.random.key(0), (3000, 96), jnp.float32) + 3.0
+  got = mn.column_sum(v)
+  np.testing.assert_allclose(got, np.asarray(v, np.float64).sum(axis=0), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(jax.jit(mn.column_sum)(v)),
+                                np.asarray(jax.jit(mn.column_sum)(v)))
+
+
+def test_dscale_dbias_bits_repeat():
+  args, dy = _inputs(4, 2100, 64, 128, jnp.float32)
+  grad = jax.jit(jax.grad(
+      lambda s, b: jnp.sum(mn._fused_call(args["x"], args["w"], None, None, s, b, "layer", 1e-6,
+                                          jnp.float32, False, False, "xla_epilogue") * dy),
+      argnums=(0, 1)))
+  first = grad(args["scale"], args["bias"])
+  second = grad(args["scale"], args["bias"])
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------------------------------------
+# Dispatch and argument checks (no kernel runs).
+
+
+def test_unsupported_reasons():
+  assert mk.unsupported_reason(4096, 512, 2048, jnp.bfloat16) is None
+  assert mk.unsupported_reason(5, 64, 384, jnp.float16) is None
+  assert "bfloat16 or float16" in mk.unsupported_reason(8, 64, 64, jnp.float32)
+  assert "multiple of 64" in mk.unsupported_reason(8, 96, 64, jnp.bfloat16)
+  assert "not implemented" in mk.unsupported_reason(8, 64, 4096, jnp.bfloat16)
+  assert "not implemented" in mk.unsupported_reason(8, 64, 640, jnp.bfloat16)
+  assert "residual dtype" in mk.unsupported_reason(8, 64, 64, jnp.bfloat16, None, jnp.float32)
+  assert "out_dtype" in mk.unsupported_reason(8, 64, 64, jnp.bfloat16, jnp.float32)
+
+
+def test_pick_config_cluster_split():
+  for n, cluster, tile_n in [(64, 1, 64), (256, 1, 256), (384, 2, 192), (512, 2, 256),
+                             (768, 4, 192), (1024, 4, 256), (2048, 8, 256)]:
+    cfg = mk.pick_config(4096, 512, n)
+    assert (n // cfg.tile_n, cfg.tile_n) == (cluster, tile_n), n
+    assert cfg.tile_m == (256 if tile_n <= 128 else 128)
+
+
+def test_dispatch():
+  args, _ = _inputs(1, 8, 64, 512, jnp.bfloat16)
+  # On the CPU, None is XLA: the same bits as the reference.
+  y = mn.matmul_norm(args["x"], args["w"], norm="rms")
+  np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                np.asarray(reference.matmul_norm(args["x"], args["w"],
+                                                                 norm="rms"), np.float32))
+  with pytest.raises(NotImplementedError, match="peer"):
+    mn.matmul_norm(args["x"], args["w"], implementation="interpret")  # N = 512: a cluster of 2
+  with pytest.raises(NotImplementedError, match="not implemented"):
+    w = jnp.ones((64, 4096), jnp.bfloat16)
+    mn.matmul_norm(args["x"], w, implementation="mosaic")
+  with pytest.raises(ValueError, match="residual"):
+    mn.matmul_norm(args["x"], args["w"], residual=jnp.ones((8, 64), jnp.bfloat16))
+
+
+def test_kernel_rejects_bad_calls():
+  args, _ = _inputs(2, 8, 64, 64, jnp.bfloat16)
+  x, w = args["x"], args["w"]
+  with pytest.raises(ValueError, match="norm"):
+    mk.matmul_norm_fwd(x, w, norm="batch", eps=1e-6, interpret=True)
+  with pytest.raises(ValueError, match="eps"):
+    mk.matmul_norm_fwd(x, w, norm="rms", eps=0.0, interpret=True)
+  with pytest.raises(ValueError, match="residual dtype"):
+    mk.matmul_norm_fwd(x, w, residual=jnp.ones((8, 64), jnp.float32), norm="rms", eps=1e-6,
+                       interpret=True)
+  with pytest.raises(ValueError, match="scale"):
+    mk.matmul_norm_fwd(x, w, scale=jnp.ones((65,)), norm="rms", eps=1e-6, interpret=True)
+  with pytest.raises(TypeError, match="same dtype"):
+    mk.matmul_norm_fwd(x, w.astype(jnp.float16), norm="rms", eps=1e-6, interpret=True)
+  with pytest.raises(ValueError, match="peer"):
+    mk.matmul_norm_fwd(x, jnp.ones((64, 512), jnp.bfloat16), norm="rms", eps=1e-6,
+                       interpret=True)
+
+
+def test_kernel_lowers_for_hopper(monkeypatch):
+  """Lowers the kernel for sm_90a (Mosaic's Python passes: layout inference, TMA and SMEM
+  checks) for clusters of 1-8 CTAs, on any machine with the Mosaic GPU bindings (the CUDA
+  plugin); nothing runs. This is how the cluster exchange is checked before a GPU sees it."""
+  pytest.importorskip("jax._src.lib.mosaic_gpu", exc_type=ImportError)
+  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  bf = jnp.bfloat16
+  for m, k, n, norm in [(300, 64, 256, "layer"), (1000, 128, 512, "rms"),
+                        (4096, 64, 1024, "layer"), (65536, 512, 2048, "layer")]:
+    structs = [jax.ShapeDtypeStruct(s, d) for s, d in [((m, k), bf), ((k, n), bf), ((n,), bf),
+                                                       ((m, n), bf), ((n,), bf), ((n,), bf)]]
+
+    def f(*a, norm=norm):
+      return mk.matmul_norm_fwd(*a, norm=norm, eps=1e-6, return_h=True, return_xhat=True,
+                                return_stats=True)
+
+    text = jax.jit(f).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, (m, k, n)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (Hopper): clusters of 2-8 CTAs, real sizes.
+
+GPU_CASES = [
+    # m, k, n, norm, inputs used
+    (4096 + 37, 512, 384, "layer", ALL),       # cluster 2, 192-column slices, M tail
+    (8192, 512, 512, "rms", ("scale", "residual")),
+    (4096, 256, 768, "layer", ("dense_bias", "scale", "bias")),  # cluster 4 of 192
+    (2048 + 5, 128, 1024, "layer", ALL),        # cluster 4 of 256
+    (16384, 512, 2048, "layer", ALL),           # cluster 8 of 256
+    (1000, 2048, 2048, "rms", ALL),
+    (65536, 512, 512, "layer", ALL),            # many row blocks per cluster
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm,use", GPU_CASES)
+def test_forward_gpu(m, k, n, norm, use):
+  args, _ = _inputs(m + n, m, k, n, zero_every=7)
+  args = _pick(args, use)
+  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True)
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [256, 512, 2048])
+def test_forward_gpu_large_row_mean(n):
+  args, _ = _inputs(n, 8192, 256, n, mean_offset=1e3)
+  out = _run_kernel(args, "layer", return_stats=True)
+  _check_forward(out, args, "layer", jnp.dtype(jnp.bfloat16), False, False, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm", [(4096 + 3, 256, 512, "layer"), (8192, 512, 2048, "rms")])
+def test_backward_gpu(m, k, n, norm):
+  args, dy = _inputs(m, m, k, n, zero_every=5)
+  names = [nm for nm, v in args.items() if v is not None]
+
+  def loss(impl, *vals):
+    a = dict(args, **dict(zip(names, vals)))
+    if impl == "reference":
+      a = {nm: _f32(v) for nm, v in a.items()}
+    y = mn.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"], a["bias"],
+                       norm=norm, implementation="xla" if impl == "reference" else impl)
+    return jnp.sum(y.astype(jnp.float32) * dy)
+
+  vals = [args[nm] for nm in names]
+  grad = jax.jit(jax.grad(loss, argnums=range(1, len(vals) + 1)), static_argnums=0)
+  got, again = grad("mosaic", *vals), grad("mosaic", *vals)
+  want = grad("reference", *vals)
+  for nm, g, g2, r in zip(names, got, again, want):
+    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+    assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-2, nm
+    if nm in ("scale", "bias", "dense_bias"):
+      np.testing.assert_array_equal(np.asarray(g2, np.float64), g, err_msg=nm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4096, 8192])
+def test_wide_n_falls_back_to_xla_gpu(n):
+  args, _ = _inputs(n, 1024, 256, n)
+  a = {nm: args[nm] for nm in ("x", "w", "residual", "scale", "bias")}
+  y = mn.matmul_norm(**a, norm="layer")
+  y_ref, _, _ = _reference(_pick(args, ("residual", "scale", "bias")), "layer")
+  assert _rel_err(y, y_ref) < OUT_TOL[jnp.dtype(jnp.bfloat16)]
+  with pytest.raises(NotImplementedError):
+    mn.matmul_norm(**a, norm="layer", implementation="mosaic")
