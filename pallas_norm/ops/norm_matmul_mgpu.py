@@ -57,6 +57,21 @@ and sliced.
 After the consumers read an x stage into registers (generic proxy), a proxy fence
 (``plgpu.commit_smem``) precedes the release of the stage to the TMA producer (async proxy), as
 the PTX memory model asks; ``TileConfig.fence_reads=False`` drops it for measurements.
+
+Tuning options (``TileConfig``; the defaults are the configuration measured first on the H200):
+
+* ``epi_slots=0``: one output SMEM slot per epilogue tile, so the epilogue issues all its TMA
+  stores without waiting for earlier ones (the slots are reused one CTA tile later, after one
+  wait). At 128×256 tiles this leaves 3 pipeline stages, as the default 2 slots do.
+* ``cluster_m=2`` or ``4``: clusters of CTAs along M; each w tile reaches the cluster's CTAs by one
+  TMA multicast (``BlockSpec(collective_axes=("cluster",))``) and a stage is refilled once all
+  of them released it. At M ≫ N the w tiles are most of the L2 → SMEM operand traffic (at
+  (262144, 512, 512) and 128×256 tiles: w 1.07 GB, x 0.54 GB per call).
+* ``stats_once=True``: the persistent loop hands out whole row blocks; a CTA (cluster) sweeps the
+  N tiles of its row block(s) in turn, accumulating the statistics only in the first K loop,
+  which leaves them in SMEM for the other N tiles' epilogues (their K loops are plain GEMMs).
+  The statistics then cost once per row instead of once per N tile; x's row block is re-read
+  from L2 for every N tile (tile_m × K bytes per CTA must stay resident).
 """
 
 from __future__ import annotations
