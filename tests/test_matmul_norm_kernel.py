@@ -18,8 +18,12 @@ from jax._src import xla_bridge
 # callbacks (barrier waits) until the other warpgroups progress. XLA's CPU client runs at most
 # PJRT_NPROC computations at once (default: the core count), so on a 2-core machine three
 # warpgroups deadlock. The variable must be set before the CPU client exists.
-_CPU_CLIENT_PREDATES_US = xla_bridge.backends_are_initialized()
-os.environ.setdefault("PJRT_NPROC", "8")
+_INTERPRET_THREADS = 8
+if xla_bridge.backends_are_initialized():  # too late to change: keep what the client got
+  _CLIENT_THREADS = int(os.environ.get("PJRT_NPROC", 0)) or (os.cpu_count() or 1)
+else:
+  os.environ.setdefault("PJRT_NPROC", str(_INTERPRET_THREADS))
+  _CLIENT_THREADS = int(os.environ["PJRT_NPROC"])
 
 import chex  # noqa: E402
 import jax  # noqa: E402
@@ -73,10 +77,10 @@ def _rel_err(got, want):
 
 def _interpret_can_run():
   """Skips the calling test when the CPU client was created with too few threads (see above)."""
-  if (_CPU_CLIENT_PREDATES_US and int(os.environ.get("PJRT_NPROC", 0)) < 8
-      and (os.cpu_count() or 1) < 8):
-    pytest.skip("GPU interpret mode needs PJRT_NPROC >= 8 set before JAX creates its CPU client "
-                "(e.g. in tests/conftest.py); with fewer threads its warpgroups deadlock")
+  if _CLIENT_THREADS < _INTERPRET_THREADS:
+    pytest.skip(f"GPU interpret mode needs PJRT_NPROC >= {_INTERPRET_THREADS} set before JAX "
+                f"creates its CPU client (e.g. in tests/conftest.py), it has {_CLIENT_THREADS}: "
+                "with fewer threads the kernel's warpgroups deadlock")
 
 
 def _run_kernel(args, norm, **flags):
