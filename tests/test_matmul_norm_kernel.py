@@ -41,7 +41,7 @@ STAT_RTOL = 1e-4  # f32 statistics: the kernel and XLA only sum in different ord
 
 
 def _inputs(seed, m, k, n, dtype=jnp.bfloat16, mean_offset=0.0, zero_every=0):
-  """Random x, w, dense_bias, residual, scale (γ), bias (β), dy; rows of h have mean ≈ offset."""
+  """Random x, w, dense_bias, residual, scale (γ), bias (β), dy; h rows have mean ≈ offset."""
   ks = jax.random.split(jax.random.key(seed), 7)
   x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(dtype)
   w = (jax.random.normal(ks[1], (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)

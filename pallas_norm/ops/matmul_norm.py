@@ -9,7 +9,7 @@ The backward (``custom_vjp``) saves x̂ = norm(h) before the affine (in the outp
 rstd, never rebuilding x̂ from y by dividing by the scale (which may contain zeros). With
 ``g = scale ⊙ dy`` and means over the N columns of a row,
 
-    dh     = rstd ⊙ (g − mean_N(g) − x̂ ⊙ mean_N(g ⊙ x̂))     (RMS: drop the mean_N(g) term)
+    dh     = rstd ⊙ (g − mean_N(g) − x̂ ⊙ mean_N(g ⊙ x̂))    (RMS: no mean_N(g) term)
              (+ the cotangent of the returned h, when h is an output)
     dscale = Σ_i dy ⊙ x̂,  dbias = Σ_i dy,  d(dense_bias) = Σ_i dh,  d(residual) = dh,
     dx     = dh @ wᵀ,  dw = xᵀ dh,

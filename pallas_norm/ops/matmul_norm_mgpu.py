@@ -31,9 +31,15 @@ Epilogue of one warpgroup (rows r, its CTA's N slice):
    SMEM), h and x̂ (through two 64×64 staging slots), and CTA 0 of the cluster the statistics.
 
 GPU interpret mode cannot read a peer CTA's shared memory, so the c > 1 exchange runs only on a
-GPU; everything else is the same code for c = 1, which interpret mode runs on the CPU.
+GPU; everything else is the same code for c = 1, which interpret mode runs on the CPU. What was
+checked on the CPU for c > 1: the kernel lowers for sm_90a through Mosaic's Python passes
+(layout inference, TMA and SMEM-size checks) with the CUDA plugin's bindings; Mosaic lowers a
+peer reference only for a whole SMEM allocation (not a slice of one), hence one allocation per
+(warpgroup, partial) and a branch on the static warpgroup index in the exchange.
 
-Shapes: any M ≥ 1 (TMA zero-fills rows past M and drops their stores), K a multiple of 64,
+Shapes: any M ≥ 1 (TMA zero-fills rows past M and drops their stores; M is padded to a multiple
+of 8 rows first, a copy, because a TMA copy of an 8-row-tiled SMEM tile needs it), K a multiple
+of 64,
 N = c · tile_n with tile_n a multiple of 64 up to 256 (so N ≤ 2048); x and w bfloat16 or
 float16; y/h/x̂ bfloat16 or float16; a residual must have the output dtype. Other calls get a
 reason from :func:`unsupported_reason` and the public op falls back to XLA.
