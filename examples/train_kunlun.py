@@ -1,0 +1,288 @@
+"""Train the Kunlun-style CTR model (:class:`flax_layers.KunlunModel`) on ads click data.
+
+    python examples/train_kunlun.py --data taobao --steps 200 --implementation xla
+
+Data: ``synthetic`` (generated), ``taobao`` or ``criteo`` (samples under ``--data-dir``, default
+``../shared/data`` beside the checkout); see :mod:`ads_data`. A jit-compiled step runs AdamW on
+the mean sigmoid cross-entropy; validation log-loss and AUC are printed every ``--eval-every``
+steps; with ``--checkpoint-dir`` the parameters, optimizer state and step are saved with Orbax,
+and ``--resume`` continues from the latest saved step up to ``--steps`` in total (the batch order
+depends only on (seed, step), so a resumed run sees the batches an uninterrupted one would).
+
+The last line printed is machine-readable::
+
+    final: train_loss=<f> val_logloss=<f> val_auc=<f> steps=<n> examples_per_s=<f>
+
+train_loss is the mean over the last 10% of this run's steps; examples_per_s counts training
+steps only, after the first (compiling) one. Missing or malformed data, a checkpoint of another
+model, or an ``--implementation`` with no kernel for the model's calls exit with status 2 and a
+one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import pathlib
+import sys
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+# The checkout's root first: runs without installing, and finds flax_layers/ as a regular package
+# even where an older editable install registered it as a namespace.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import ads_data  # noqa: E402
+from flax_layers import KunlunConfig, KunlunModel  # noqa: E402
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+class CheckpointMismatchError(ValueError):
+  """The checkpoint to resume from was saved for a different model config."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--data", choices=ads_data.DATASETS, default="synthetic")
+  p.add_argument("--data-dir", type=pathlib.Path, default=ads_data.DEFAULT_DATA_DIR,
+                 help="folder holding taobao_ad_sample/ and criteo_sample.txt")
+  p.add_argument("--implementation", choices=("xla", "mosaic", "interpret"), default=None,
+                 help="pallas-norm implementation (default: auto)")
+  p.add_argument("--steps", type=int, default=200, help="total training steps")
+  p.add_argument("--batch-size", type=int, default=64)
+  p.add_argument("--max-seq-len", type=int, default=32)
+  p.add_argument("--seed", type=int, default=0, help="seeds init, batch order, synthetic data")
+  p.add_argument("--lr", type=float, default=2e-3)
+  p.add_argument("--weight-decay", type=float, default=1e-4)
+  p.add_argument("--eval-every", type=int, default=50)
+  p.add_argument("--checkpoint-dir", type=pathlib.Path, default=None)
+  p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+  p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
+                 help="compute dtype (parameters stay float32)")
+  args = p.parse_args(argv)
+  for name in ("steps", "batch_size", "max_seq_len", "eval_every"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1")
+  if args.resume and args.checkpoint_dir is None:
+    p.error("--resume needs --checkpoint-dir")
+  return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def logloss(labels, logits) -> float:
+  """Mean binary cross-entropy of logits, computed stably (log(1 + e^z) − y·z)."""
+  z = np.asarray(logits, np.float64)
+  return float(np.mean(np.logaddexp(0.0, z) - np.asarray(labels, np.float64) * z))
+
+
+def auc(labels, scores) -> float:
+  """ROC AUC by the rank (Mann–Whitney) formula with average ranks for tied scores; nan when
+  the labels hold a single class."""
+  labels = np.asarray(labels) > 0.5
+  n_pos = int(labels.sum())
+  n_neg = labels.size - n_pos
+  if n_pos == 0 or n_neg == 0:
+    return float("nan")
+  _, inverse, counts = np.unique(np.asarray(scores, np.float64), return_inverse=True,
+                                 return_counts=True)
+  avg_rank = np.cumsum(counts) - (counts - 1) / 2.0  # 1-based average rank of each value
+  rank_sum = avg_rank[inverse][labels].sum()
+  return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, steps, checkpoints
+
+
+def build(args, spec: ads_data.DataSpec):
+  """(config, model, optimizer) for the dataset's features."""
+  config = KunlunConfig(num_sparse_features=spec.num_sparse_features,
+                        num_dense_features=spec.num_dense_features,
+                        sparse_vocab_size=spec.sparse_vocab_size,
+                        item_vocab_size=spec.item_vocab_size, max_seq_len=args.max_seq_len)
+  model = KunlunModel(config, dtype=DTYPES[args.dtype], param_dtype=jnp.float32,
+                      rngs=nnx.Rngs(args.seed), implementation=args.implementation)
+  return config, model, nnx.Optimizer(model, make_tx(args.lr, args.weight_decay), wrt=nnx.Param)
+
+
+@functools.lru_cache(maxsize=8)
+def make_tx(lr: float, weight_decay: float) -> optax.GradientTransformation:
+  """AdamW after global-norm clipping. Cached: the transformation is static data of the
+  optimizer's graph definition, so reusing it lets equal runs share the compiled steps."""
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(lr, weight_decay=weight_decay))
+
+
+def loss_fn(model: KunlunModel, batch: ads_data.Batch):
+  logits = model(batch.sparse_ids, batch.dense, batch.seq_ids, batch.seq_offsets)
+  return optax.sigmoid_binary_cross_entropy(logits, batch.labels).mean()
+
+
+# Module-level jitted steps with the graph definition as a static argument: the split/merge form
+# of ``nnx.jit`` (no module-graph traversal per call), and a second run of the same model in one
+# process (tests, a resume) reuses the compiled program.
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def train_step(graphdef, state, batch):
+  """One AdamW step on ``batch``; returns (new state, mean loss)."""
+  model, optimizer = nnx.merge(graphdef, state)
+  loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+  optimizer.update(model, grads)
+  return nnx.state((model, optimizer)), loss
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def predict(graphdef, state, batch):
+  """Click logits (B,) of ``batch``."""
+  model, _ = nnx.merge(graphdef, state)
+  return model(batch.sparse_ids, batch.dense, batch.seq_ids, batch.seq_offsets)
+
+
+def evaluate(graphdef, state, ds, batch_size, max_seq_len) -> tuple[float, float]:
+  """(log-loss, AUC) of the model on every example of ``ds``."""
+  logits = []
+  for batch, n_real in ads_data.eval_batches(ds, batch_size, max_seq_len):
+    logits.append(np.asarray(predict(graphdef, state, batch))[:n_real])
+  logits = np.concatenate(logits)
+  return logloss(ds.labels, logits), auc(ds.labels, logits)
+
+
+def checkpoint_manager(directory: pathlib.Path) -> ocp.CheckpointManager:
+  # Synchronous saves: the next train step donates (deletes) the state buffers being saved.
+  options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
+                                         enable_async_checkpointing=False)
+  return ocp.CheckpointManager(directory.resolve(), options=options)
+
+
+def save_checkpoint(manager, step: int, state, config: KunlunConfig) -> None:
+  """Saves params + optimizer state (which holds the step) and the model config."""
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      config=ocp.args.JsonSave(dataclasses.asdict(config))))
+
+
+def restore_checkpoint(manager, state, config: KunlunConfig):
+  """The latest saved state, shaped like ``state``.
+
+  Raises: CheckpointMismatchError when the saved config differs from ``config``.
+  """
+  step = manager.latest_step()
+  saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+  want = dataclasses.asdict(config)
+  diff = {k: (saved.config.get(k), v) for k, v in want.items() if saved.config.get(k) != v}
+  if diff:
+    raise CheckpointMismatchError(f"checkpoint at step {step} was saved for another model "
+                                  f"config; (saved, now): {diff}")
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract)))
+  return restored.state
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+class TrainResult(NamedTuple):
+  """What :func:`train` returns: the final line, the split model+optimizer and the losses."""
+
+  line: str
+  graphdef: nnx.GraphDef
+  state: nnx.State
+  losses: list[float]
+
+
+def _initial_state(args, manager, config, state):
+  if not args.resume:
+    return state
+  if manager.latest_step() is None:
+    tqdm.write(f"no checkpoint under {args.checkpoint_dir}: starting from step 0")
+    return state
+  return restore_checkpoint(manager, state, config)
+
+
+def _final_line(losses, val, step, examples, seconds) -> str:
+  tail = losses[-max(1, len(losses) // 10):] if losses else [float("nan")]
+  rate = examples / seconds if seconds > 0 else float("nan")
+  return (f"final: train_loss={np.mean(tail):.6f} val_logloss={val[0]:.6f} "
+          f"val_auc={val[1]:.6f} steps={step} examples_per_s={rate:.1f}")
+
+
+def train(args) -> TrainResult:
+  """Runs the job described by ``args`` (see :func:`parse_args`).
+
+  Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError.
+  """
+  train_ds, valid_ds, spec = ads_data.load(args.data, args.data_dir, max_seq_len=args.max_seq_len,
+                                           seed=args.seed)
+  config, model, optimizer = build(args, spec)
+  graphdef, state = nnx.split((model, optimizer))
+  del model, optimizer  # the loop owns `state` (donated each step)
+  manager = checkpoint_manager(args.checkpoint_dir) if args.checkpoint_dir else None
+  try:
+    # Commit the state to one device whether fresh or restored (restored arrays come back
+    # committed), so both hit the same compiled step.
+    state = jax.device_put(_initial_state(args, manager, config, state), jax.devices()[0])
+    step = start = int(nnx.merge(graphdef, state)[1].step[...])
+    tqdm.write(f"data={args.data} train={len(train_ds)} valid={len(valid_ds)} "
+               f"start_step={start} steps={args.steps} batch={args.batch_size} "
+               f"dtype={args.dtype} implementation={args.implementation}")
+    batches = ads_data.train_batches(train_ds, args.batch_size, args.max_seq_len, args.seed,
+                                     start_step=start)
+    losses, step_seconds = [], []
+    val = (float("nan"), float("nan"))
+    with tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True) as bar:
+      while step < args.steps:
+        batch = next(batches)
+        t0 = time.perf_counter()
+        state, loss = train_step(graphdef, state, batch)
+        losses.append(float(loss))  # waits for the step
+        step_seconds.append(time.perf_counter() - t0)
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        if step % args.eval_every == 0 or step == args.steps:
+          val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len)
+          tqdm.write(f"step {step}: train_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
+                     f"val_auc={val[1]:.4f}")
+          if manager is not None:
+            save_checkpoint(manager, step, state, config)
+    if not losses:  # resumed at or past --steps: report the saved model
+      val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len)
+  finally:
+    if manager is not None:
+      manager.wait_until_finished()
+      manager.close()
+  timed = step_seconds[1:] or step_seconds  # the first step compiles
+  line = _final_line(losses, val, step, len(timed) * args.batch_size, sum(timed))
+  return TrainResult(line, graphdef, state, losses)
+
+
+def main(argv=None) -> int:
+  """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
+  malformed data, a mismatched checkpoint, or an --implementation that cannot run the model."""
+  args = parse_args(argv)
+  try:
+    line = train(args).line
+  except (ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError,
+          NotImplementedError) as e:  # the last: --implementation with no kernel for a call
+    print(f"train_kunlun: error: {e}", file=sys.stderr)
+    return 2
+  print(line, flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

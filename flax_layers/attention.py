@@ -1,0 +1,125 @@
+"""Jagged attention layers of the Kunlun PFFN (DESIGN.md, ops 3 and 4, and "Where the Kunlun PFFN
+comes from"): the per-sample FFN weights are generated from context features and passed in as
+K (= W1ᵀ) and V (= W2), so these layers hold only the norm affines and the attention config.
+
+* :class:`GDPA`: ``o = post_scale · act(pre_scale · q kᵀ) v`` over :func:`pallas_norm.gdpa`.
+* :class:`PFFNBlock`: LayerNorm → GDPA (+u) → RMSNorm (+q) over
+  :func:`pallas_norm.flash_norm_attention`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_norm
+from flax_layers import _common
+
+
+def _check_activation(activation: str) -> None:
+  if activation not in pallas_norm.ACTIVATIONS:
+    raise ValueError(f"activation must be one of {sorted(pallas_norm.ACTIVATIONS)}, "
+                     f"got {activation!r}")
+
+
+class GDPA(nnx.Module):
+  """Generalized (softmax-free) dot-product attention over jagged queries; no parameters.
+
+  Args:
+    num_heads: H. head_dim: D (checked against the inputs).
+    activation: one of :data:`pallas_norm.ACTIVATIONS` (default "fast_gelu").
+    pre_scale, post_scale: finite scalars (default 1).
+    dtype: compute dtype; q, k, v are cast to it (default: their promoted dtype).
+    implementation: None, "xla", "mosaic" or "interpret".
+
+  Raises: ValueError for a bad activation at construction; at call time as
+  :func:`pallas_norm.gdpa`.
+  """
+
+  def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
+               pre_scale: float = 1.0, post_scale: float = 1.0, dtype=None,
+               implementation=None):
+    _common.check_features("num_heads", num_heads)
+    _common.check_features("head_dim", head_dim)
+    _check_activation(activation)
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.activation = activation
+    self.pre_scale, self.post_scale = pre_scale, post_scale
+    self.dtype = dtype
+    self.implementation = implementation
+
+  def __call__(self, q, q_offsets, k, v, kv_offsets=None, max_seq_len: int | None = None,
+               max_kv_len: int | None = None):
+    """q: (T, H, D) packed tokens with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) per
+    sample (or packed (Tkv, H, D) with ``kv_offsets``). ``max_seq_len``: static bound on the
+    sequence lengths (the XLA path pads to it). Returns (T, H, D), zeros on padding rows."""
+    _check_heads(q, self.num_heads, self.head_dim)
+    cd = _common.compute_dtype(self.dtype, q, k, v)
+    q, k, v = _common.cast(cd, q, k, v)
+    return pallas_norm.gdpa(q, k, v, q_offsets, kv_offsets, activation=self.activation,
+                            pre_scale=self.pre_scale, post_scale=self.post_scale,
+                            max_seq_len=max_seq_len, max_kv_len=max_kv_len,
+                            implementation=self.implementation)
+
+
+def _check_heads(q, num_heads, head_dim):
+  if q.ndim != 3 or tuple(q.shape[1:]) != (num_heads, head_dim):
+    raise ValueError(f"q must have shape (T, {num_heads}, {head_dim}), got {tuple(q.shape)}")
+
+
+class PFFNBlock(nnx.Module):
+  """The Kunlun personalized FFN block, per token over all H·D features::
+
+      u   = LayerNorm(q)·ln_scale + ln_bias
+      z   = u + post_scale · act(pre_scale · u kᵀ) v
+      out = RMSNorm(z)·rms_scale + q
+
+  Args:
+    num_heads: H. head_dim: D.
+    activation, pre_scale, post_scale: the GDPA config (see :class:`GDPA`).
+    epsilon: positive float of both norms (default 1e-6).
+    use_scale: create ``ln_scale`` and ``rms_scale`` (H·D,). use_bias: create ``ln_bias``.
+    dtype: compute dtype (q, k, v and the affines are cast to it). param_dtype: default f32.
+    scale_init (default ones), bias_init (default zeros): initializers.
+    rngs: ``nnx.Rngs``. implementation: None, "xla", "mosaic" or "interpret".
+
+  Raises: ValueError for a bad activation at construction; at call time as
+  :func:`pallas_norm.flash_norm_attention`.
+  """
+
+  def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
+               pre_scale: float = 1.0, post_scale: float = 1.0, epsilon: float = 1e-6,
+               use_scale: bool = True, use_bias: bool = True, dtype=None,
+               param_dtype=jnp.float32, scale_init=nnx.initializers.ones,
+               bias_init=nnx.initializers.zeros, rngs: nnx.Rngs, implementation=None):
+    _common.check_features("num_heads", num_heads)
+    _common.check_features("head_dim", head_dim)
+    _check_activation(activation)
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.activation = activation
+    self.pre_scale, self.post_scale = pre_scale, post_scale
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.implementation = implementation
+    features = num_heads * head_dim
+    make = lambda init, use: (_common.param(rngs, init, (features,), param_dtype)  # noqa: E731
+                              if use else None)
+    self.ln_scale = make(scale_init, use_scale)
+    self.ln_bias = make(bias_init, use_bias)
+    self.rms_scale = make(scale_init, use_scale)
+
+  def __call__(self, q_tokens, q_offsets, k, v, max_seq_len: int | None = None,
+               kv_offsets=None, max_kv_len: int | None = None):
+    """q_tokens: (T, H, D) packed with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) (or
+    packed with ``kv_offsets``). Returns (T, H, D) in the compute dtype, zeros on padding rows.
+    """
+    _check_heads(q_tokens, self.num_heads, self.head_dim)
+    affines = [_common.value(p) for p in (self.ln_scale, self.ln_bias, self.rms_scale)]
+    cd = _common.compute_dtype(self.dtype, q_tokens, k, v, *affines)
+    q, k, v, ln_scale, ln_bias, rms_scale = _common.cast(cd, q_tokens, k, v, *affines)
+    return pallas_norm.flash_norm_attention(
+        q, k, v, q_offsets, kv_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
+        rms_scale=rms_scale, activation=self.activation, pre_scale=self.pre_scale,
+        post_scale=self.post_scale, eps=self.epsilon, max_seq_len=max_seq_len,
+        max_kv_len=max_kv_len, implementation=self.implementation)

@@ -1,0 +1,134 @@
+"""Dense layers with a fused norm (DESIGN.md, ops 1 and 2):
+
+* :class:`NormDense`: pre-norm ``y = norm(x)·norm_scale (+ norm_bias) @ kernel (+ bias)`` over
+  :func:`pallas_norm.norm_matmul` (the lazy pre-norm GEMM).
+* :class:`DenseNorm`: post-norm ``h = x @ kernel + bias (+ residual)``,
+  ``y = norm(h)·norm_scale (+ norm_bias)`` over :func:`pallas_norm.matmul_norm` (norm in the
+  GEMM epilogue).
+
+Arguments follow ``flax.nnx.Linear`` (in_features, out_features, use_bias, kernel_init, ...) and
+``flax.nnx.LayerNorm`` (epsilon, use_scale, scale_init).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_norm
+from flax_layers import _common
+
+default_kernel_init = nnx.initializers.lecun_normal()
+
+
+def _norm_params(rngs, norm, size, use_scale, use_norm_bias, scale_init, norm_bias_init,
+                 param_dtype):
+  """(norm_scale, norm_bias) parameters of size ``size``; the bias defaults to LayerNorm only."""
+  _common.check_norm(norm)
+  if use_norm_bias is None:
+    use_norm_bias = norm == "layer"
+  scale = _common.param(rngs, scale_init, (size,), param_dtype) if use_scale else None
+  bias = _common.param(rngs, norm_bias_init, (size,), param_dtype) if use_norm_bias else None
+  return scale, bias
+
+
+class NormDense(nnx.Module):
+  """Pre-norm dense layer: ``y = norm(x)·norm_scale (+ norm_bias) @ kernel (+ bias)``.
+
+  Args:
+    in_features: K. out_features: N.
+    norm: "rms" (default) or "layer".
+    epsilon: positive float of the norm (default 1e-6).
+    use_scale: create ``norm_scale`` (K,) (gamma). use_norm_bias: create ``norm_bias`` (K,)
+      (beta); default True for "layer", False for "rms".
+    use_bias: create the dense ``bias`` (N,), added after the GEMM (the op has no dense bias).
+    dtype: compute dtype; x and all parameters are cast to it before the op (default: the
+      promoted dtype of x and the parameters). param_dtype: default float32.
+    kernel_init (default lecun_normal), bias_init, scale_init, norm_bias_init: initializers.
+    rngs: ``nnx.Rngs``. implementation: None, "xla", "mosaic" or "interpret".
+
+  Parameters: ``kernel`` (K, N), ``bias`` (N,), ``norm_scale`` (K,), ``norm_bias`` (K,).
+
+  Raises (at call time): ValueError/TypeError from :func:`pallas_norm.norm_matmul` for bad
+  inputs; NotImplementedError for a kernel implementation that does not exist.
+  """
+
+  def __init__(self, in_features: int, out_features: int, *, norm: str = "rms",
+               epsilon: float = 1e-6, use_scale: bool = True, use_norm_bias: bool | None = None,
+               use_bias: bool = True, dtype=None, param_dtype=jnp.float32,
+               kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros,
+               scale_init=nnx.initializers.ones, norm_bias_init=nnx.initializers.zeros,
+               rngs: nnx.Rngs, implementation=None):
+    _common.check_features("in_features", in_features)
+    _common.check_features("out_features", out_features)
+    self.in_features, self.out_features = in_features, out_features
+    self.norm = norm
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.implementation = implementation
+    self.norm_scale, self.norm_bias = _norm_params(
+        rngs, norm, in_features, use_scale, use_norm_bias, scale_init, norm_bias_init,
+        param_dtype)
+    self.kernel = _common.param(rngs, kernel_init, (in_features, out_features), param_dtype)
+    self.bias = (_common.param(rngs, bias_init, (out_features,), param_dtype)
+                 if use_bias else None)
+
+  def __call__(self, x):
+    """x: (..., K). Returns (..., N) in the compute dtype."""
+    params = [_common.value(p) for p in (self.kernel, self.norm_scale, self.norm_bias, self.bias)]
+    cd = _common.compute_dtype(self.dtype, x, *params)
+    x, kernel, scale, norm_bias, bias = _common.cast(cd, x, *params)
+    y = pallas_norm.norm_matmul(x, kernel, scale, norm_bias, norm=self.norm, eps=self.epsilon,
+                                implementation=self.implementation)
+    return y if bias is None else y + bias
+
+
+class DenseNorm(nnx.Module):
+  """Post-norm dense layer: ``h = x @ kernel (+ bias) (+ residual)``,
+  ``y = norm(h)·norm_scale (+ norm_bias)``.
+
+  Args:
+    in_features: K. out_features: N.
+    norm: "layer" (default) or "rms". epsilon: positive float (default 1e-6).
+    use_bias: create the dense ``bias`` (N,), added before the norm.
+    use_scale: create ``norm_scale`` (N,). use_norm_bias: create ``norm_bias`` (N,); default
+      True for "layer", False for "rms".
+    dtype, param_dtype, kernel_init, bias_init, scale_init, norm_bias_init, rngs,
+      implementation: as :class:`NormDense`.
+
+  Parameters: ``kernel`` (K, N), ``bias`` (N,), ``norm_scale`` (N,), ``norm_bias`` (N,).
+
+  Raises (at call time): as :func:`pallas_norm.matmul_norm`.
+  """
+
+  def __init__(self, in_features: int, out_features: int, *, norm: str = "layer",
+               epsilon: float = 1e-6, use_bias: bool = True, use_scale: bool = True,
+               use_norm_bias: bool | None = None, dtype=None, param_dtype=jnp.float32,
+               kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros,
+               scale_init=nnx.initializers.ones, norm_bias_init=nnx.initializers.zeros,
+               rngs: nnx.Rngs, implementation=None):
+    _common.check_features("in_features", in_features)
+    _common.check_features("out_features", out_features)
+    self.in_features, self.out_features = in_features, out_features
+    self.norm = norm
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.implementation = implementation
+    self.kernel = _common.param(rngs, kernel_init, (in_features, out_features), param_dtype)
+    self.bias = (_common.param(rngs, bias_init, (out_features,), param_dtype)
+                 if use_bias else None)
+    self.norm_scale, self.norm_bias = _norm_params(
+        rngs, norm, out_features, use_scale, use_norm_bias, scale_init, norm_bias_init,
+        param_dtype)
+
+  def __call__(self, x, residual=None, return_h: bool = False):
+    """x: (..., K); residual: optional (..., N). Returns y (..., N) in the compute dtype, or
+    ``(y, h)`` with ``return_h`` (h = the pre-norm residual stream, same dtype)."""
+    params = [_common.value(p) for p in (self.kernel, self.bias, self.norm_scale, self.norm_bias)]
+    cd = _common.compute_dtype(self.dtype, x, residual, *params)
+    x, residual, kernel, bias, scale, norm_bias = _common.cast(cd, x, residual, *params)
+    return pallas_norm.matmul_norm(x, kernel, bias, residual, scale, norm_bias, norm=self.norm,
+                                   eps=self.epsilon, return_h=return_h,
+                                   implementation=self.implementation)

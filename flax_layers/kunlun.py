@@ -1,0 +1,220 @@
+"""A small Kunlun-style click-through-rate model built from the fused-norm layers.
+
+Structure (DESIGN.md, "Where the Kunlun PFFN comes from"): context features (hashed categorical
+ids + dense values) → embeddings → context tokens X; a summary of X → per layer, per-sample K and
+V (the personalized FFN weights, (B, Lkv, H, D)); the jagged behaviour sequence S (packed item
+ids + offsets) → per layer: PFFN (:class:`PFFNBlock`, i.e. ``flash_norm_attention``) →
+softmax self-attention over S → seed pooling of S → an interaction MLP over [X, pooled S] of
+pre-norm (:class:`NormDense`) and post-norm residual (:class:`DenseNorm`) layers → click logit.
+
+Every sub-layer that calls a pallas-norm op takes the model's ``implementation``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_norm import jagged
+from flax_layers import _common
+from flax_layers.attention import PFFNBlock
+from flax_layers.dense import DenseNorm, NormDense
+
+
+@dataclasses.dataclass(frozen=True)
+class KunlunConfig:
+  """Sizes of :class:`KunlunModel`. The defaults train on a CPU in milliseconds per step.
+
+  Attributes:
+    num_sparse_features: Fs, categorical fields per example (ids in [0, sparse_vocab_size)).
+    num_dense_features: Fd, float features per example (0 allowed: no dense token).
+    sparse_vocab_size: rows of the shared hashed-id embedding table.
+    item_vocab_size: rows of the item embedding table of the behaviour sequence.
+    embed_dim: E, width of a context token.
+    num_heads, head_dim: H and D of the sequence tokens (token width H·D).
+    kv_len: Lkv, the hidden width of the personalized FFN (keys/values per sample and layer);
+      Kunlun uses 128.
+    num_layers: PFFN + self-attention layers over the sequence.
+    max_seq_len: static bound on sequence lengths (the padded layout of the attentions).
+    num_seeds: learnable seed queries of the sequence pooling.
+    summary_dim: width of the context summary that generates K and V.
+    mlp_dim, num_mlp_layers: the interaction MLP (residual post-norm layers after the first).
+    activation: GDPA activation of the PFFN (see :data:`pallas_norm.ACTIVATIONS`).
+    epsilon: eps of every norm.
+  """
+
+  num_sparse_features: int = 8
+  num_dense_features: int = 4
+  sparse_vocab_size: int = 4096
+  item_vocab_size: int = 4096
+  embed_dim: int = 16
+  num_heads: int = 2
+  head_dim: int = 16
+  kv_len: int = 16
+  num_layers: int = 2
+  max_seq_len: int = 32
+  num_seeds: int = 2
+  summary_dim: int = 64
+  mlp_dim: int = 64
+  num_mlp_layers: int = 2
+  activation: str = "fast_gelu"
+  epsilon: float = 1e-6
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name in ("activation", "epsilon"):
+        continue
+      minimum = 0 if f.name in ("num_dense_features", "num_mlp_layers") else 1
+      if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"KunlunConfig.{f.name} must be an int >= {minimum}, got {v!r}")
+    if not self.epsilon > 0:
+      raise ValueError(f"KunlunConfig.epsilon must be positive, got {self.epsilon!r}")
+
+  @property
+  def token_dim(self) -> int:
+    return self.num_heads * self.head_dim
+
+  @property
+  def num_context_tokens(self) -> int:
+    return self.num_sparse_features + (1 if self.num_dense_features else 0)
+
+
+class KunlunModel(nnx.Module):
+  """Kunlun-style CTR model; ``__call__`` returns one click logit per example.
+
+  Args:
+    config: :class:`KunlunConfig`.
+    dtype: compute dtype (e.g. jnp.bfloat16); None computes in the parameters' dtype.
+    param_dtype: parameter dtype (default float32).
+    rngs: ``nnx.Rngs`` for initialization.
+    implementation: passed to every pallas-norm op: None, "xla", "mosaic" or "interpret".
+  """
+
+  def __init__(self, config: KunlunConfig, *, dtype=None, param_dtype=jnp.float32,
+               rngs: nnx.Rngs, implementation=None):
+    c = config
+    self.config = c
+    self.dtype = dtype
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    lkw = dict(kw, epsilon=c.epsilon, implementation=implementation)
+    hd = c.token_dim
+    ctx_dim = c.num_context_tokens * c.embed_dim
+    # Context: one shared hashed-id table (the ids already carry their field through the hash).
+    self.sparse_embed = nnx.Embed(c.sparse_vocab_size, c.embed_dim, **kw)
+    self.dense_proj = (nnx.Linear(c.num_dense_features, c.embed_dim, **kw)
+                       if c.num_dense_features else None)
+    self.summary = NormDense(ctx_dim, c.summary_dim, norm="layer", **lkw)
+    # Per layer, the personalized FFN weights K (= W1ᵀ) and V (= W2) from the summary.
+    self.kv_gen = nnx.List([nnx.Linear(c.summary_dim, 2 * c.kv_len * hd, **kw)
+                            for _ in range(c.num_layers)])
+    # Sequence: item embedding plus a recency embedding (0 = most recent event).
+    self.item_embed = nnx.Embed(c.item_vocab_size, hd, **kw)
+    self.recency_embed = nnx.Embed(c.max_seq_len, hd, **kw)
+    # The scales keep q·k and the Lkv-term sum near unit size at init (no softmax in GDPA).
+    self.pffn = nnx.List([
+        PFFNBlock(c.num_heads, c.head_dim, activation=c.activation,
+                  pre_scale=c.head_dim ** -0.5, post_scale=c.kv_len ** -0.5, **lkw)
+        for _ in range(c.num_layers)])
+    self.qkv = nnx.List([NormDense(hd, 3 * hd, norm="rms", use_bias=False, **lkw)
+                         for _ in range(c.num_layers)])
+    self.attn_out = nnx.List([DenseNorm(hd, hd, norm="layer", **lkw)
+                              for _ in range(c.num_layers)])
+    # Seed pooling: small seeds start as near-uniform (mean) pooling.
+    self.seeds = _common.param(rngs, nnx.initializers.normal(0.1),
+                               (c.num_seeds, c.num_heads, c.head_dim), param_dtype)
+    self.pool_kv = NormDense(hd, 2 * hd, norm="rms", use_bias=False, **lkw)
+    # Interaction MLP over [context tokens, pooled sequence].
+    self.mlp_in = NormDense(ctx_dim + c.num_seeds * hd, c.mlp_dim, norm="layer", **lkw)
+    self.mlp = nnx.List([DenseNorm(c.mlp_dim, c.mlp_dim, norm="layer", **lkw)
+                         for _ in range(c.num_mlp_layers)])
+    # A small head starts every logit near 0 (p ≈ 0.5) instead of at O(1) random values.
+    self.head = NormDense(c.mlp_dim, 1, norm="rms", kernel_init=nnx.initializers.normal(0.01),
+                          **lkw)
+
+  def __call__(self, sparse_ids, dense, seq_ids, seq_offsets):
+    """Click logits.
+
+    Args:
+      sparse_ids: (B, Fs) int hashed categorical ids in [0, sparse_vocab_size).
+      dense: (B, Fd) float dense features (ignored when Fd = 0; pass shape (B, 0)).
+      seq_ids: (T,) int packed item ids of the behaviour sequences, T a static capacity.
+      seq_offsets: (B+1,) int32 jagged offsets of ``seq_ids`` (lengths <= max_seq_len; empty
+        sequences allowed).
+
+    Returns:
+      (B,) float32 logits.
+    """
+    c = self.config
+    batch = sparse_ids.shape[0]
+    if seq_offsets.shape != (batch + 1,):
+      raise ValueError(f"seq_offsets must have shape ({batch + 1},) for B = {batch}, got "
+                       f"{tuple(seq_offsets.shape)}")
+    ctx = self._context(sparse_ids, dense)                     # (B, Nc·E)
+    summary = jax.nn.gelu(self.summary(ctx))                   # (B, summary_dim)
+    x = self._sequence_tokens(seq_ids, seq_offsets)            # (T, H, D)
+    for layer in range(c.num_layers):
+      kv = self.kv_gen[layer](summary).reshape(batch, 2, c.kv_len, c.num_heads, c.head_dim)
+      kv = kv.astype(x.dtype)
+      x = self.pffn[layer](x, seq_offsets, kv[:, 0], kv[:, 1], max_seq_len=c.max_seq_len)
+      x = self._self_attention(layer, x, seq_offsets)
+    pooled = self._seed_pool(x, seq_offsets)                   # (B, S·H·D)
+    z = jnp.concatenate([ctx, pooled.astype(ctx.dtype)], axis=-1)
+    h = jax.nn.gelu(self.mlp_in(z))
+    for block in self.mlp:
+      h = block(jax.nn.gelu(h), residual=h)
+    return self.head(h)[:, 0].astype(jnp.float32)
+
+  def _context(self, sparse_ids, dense):
+    tokens = self.sparse_embed(sparse_ids)                     # (B, Fs, E)
+    if self.dense_proj is not None:
+      dense = dense if self.dtype is None else dense.astype(self.dtype)
+      dense_tok = self.dense_proj(dense)[:, None, :].astype(tokens.dtype)
+      tokens = jnp.concatenate([tokens, dense_tok], axis=1)
+    return tokens.reshape(tokens.shape[0], -1)
+
+  def _sequence_tokens(self, seq_ids, seq_offsets):
+    c = self.config
+    capacity = seq_ids.shape[0]
+    seg = jagged.segment_ids(seq_offsets, capacity)
+    lens = jagged.lengths(seq_offsets)
+    recency = jnp.take(lens, seg, mode="clip") - 1 - jagged.positions(seq_offsets, capacity)
+    x = self.item_embed(seq_ids) + self.recency_embed(jnp.clip(recency, 0, c.max_seq_len - 1))
+    x = _zero_padding_rows(x, seq_offsets)
+    return x.reshape(capacity, c.num_heads, c.head_dim)
+
+  def _self_attention(self, layer, x, seq_offsets):
+    """Softmax self-attention over each sequence (padded layout), post-norm residual."""
+    c = self.config
+    t, h, d = x.shape
+    flat = x.reshape(t, h * d)
+    qkv = self.qkv[layer](flat).reshape(t, 3, h, d)
+    padded = jagged.to_padded(qkv, seq_offsets, c.max_seq_len)   # (B, L, 3, H, D)
+    o = jax.nn.dot_product_attention(padded[:, :, 0], padded[:, :, 1], padded[:, :, 2],
+                                     key_value_seq_lengths=jagged.lengths(seq_offsets))
+    o = jagged.from_padded(o, seq_offsets, t).reshape(t, h * d)
+    y = self.attn_out[layer](o, residual=flat.astype(o.dtype))
+    return _zero_padding_rows(y, seq_offsets).reshape(t, h, d)
+
+  def _seed_pool(self, x, seq_offsets):
+    """Learnable seed queries attend to each sequence; empty sequences pool to exactly 0."""
+    c = self.config
+    t, h, d = x.shape
+    batch = seq_offsets.shape[0] - 1
+    kv = self.pool_kv(x.reshape(t, h * d)).reshape(t, 2, h, d)
+    padded = jagged.to_padded(kv, seq_offsets, c.max_seq_len)   # (B, L, 2, H, D)
+    seeds = jnp.broadcast_to(self.seeds[...].astype(kv.dtype), (batch,) + self.seeds.shape)
+    lens = jagged.lengths(seq_offsets)
+    o = jax.nn.dot_product_attention(seeds, padded[:, :, 0], padded[:, :, 1],
+                                     key_value_seq_lengths=lens)  # (B, S, H, D)
+    # With no valid key the softmax is uniform over masked (zero) values; make that explicit.
+    o = jnp.where((lens > 0)[:, None, None, None], o, jnp.zeros((), o.dtype))
+    return o.reshape(batch, -1)
+
+
+def _zero_padding_rows(x, offsets):
+  valid = jagged.valid_mask(offsets, x.shape[0])
+  return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))

@@ -1,0 +1,85 @@
+"""``RMSNorm`` and ``LayerNorm`` as Flax NNX layers over :func:`pallas_norm.rms_norm` and
+:func:`pallas_norm.layer_norm` (DESIGN.md, op 5).
+
+Arguments and parameter names follow ``flax.nnx.RMSNorm`` / ``flax.nnx.LayerNorm`` (``scale``,
+``bias``); the layers add ``implementation=`` and a fused residual add.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_norm
+from flax_layers import _common
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis: ``y = s · rsqrt(mean(s²) + epsilon) · scale``, ``s = x (+ r)``.
+
+  Args:
+    num_features: N, the size of the normalized (last) axis.
+    epsilon: positive float added to the mean square (default 1e-6).
+    dtype: compute dtype; inputs and ``scale`` are cast to it before the op (default: the
+      promoted dtype of the input and the parameters, as in Flax).
+    param_dtype: dtype of ``scale`` (default float32).
+    use_scale: create the (N,) ``scale`` parameter (gamma).
+    scale_init: initializer of ``scale`` (default ones).
+    rngs: ``nnx.Rngs`` for parameter initialization.
+    implementation: passed to the op: None, "xla", "mosaic" or "interpret".
+
+  Raises (at call time): ValueError/TypeError from :func:`pallas_norm.rms_norm` for bad inputs;
+  NotImplementedError for a kernel implementation that does not exist.
+  """
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
+               param_dtype=jnp.float32, use_scale: bool = True,
+               scale_init=nnx.initializers.ones, rngs: nnx.Rngs, implementation=None):
+    _common.check_features("num_features", num_features)
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.implementation = implementation
+    self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
+                  if use_scale else None)
+
+  def __call__(self, x, residual=None):
+    """x: (..., N). Returns y (..., N) in the compute dtype; with ``residual`` (x's shape) the
+    tuple ``(y, x + residual)``, the sum being the new residual stream."""
+    scale = _common.value(self.scale)
+    cd = _common.compute_dtype(self.dtype, x, residual, scale)
+    x, residual, scale = _common.cast(cd, x, residual, scale)
+    return pallas_norm.rms_norm(x, scale, residual, eps=self.epsilon,
+                                implementation=self.implementation)
+
+
+class LayerNorm(nnx.Module):
+  """LayerNorm over the last axis: ``y = (s − μ) · rsqrt(σ² + epsilon) · scale + bias``.
+
+  Arguments as :class:`RMSNorm`, plus ``use_bias`` (create the (N,) ``bias``, beta) and
+  ``bias_init`` (default zeros). Statistics are float32 with a two-pass variance.
+  """
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
+               param_dtype=jnp.float32, use_bias: bool = True, use_scale: bool = True,
+               bias_init=nnx.initializers.zeros, scale_init=nnx.initializers.ones,
+               rngs: nnx.Rngs, implementation=None):
+    _common.check_features("num_features", num_features)
+    self.num_features = num_features
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.implementation = implementation
+    self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
+                  if use_scale else None)
+    self.bias = (_common.param(rngs, bias_init, (num_features,), param_dtype)
+                 if use_bias else None)
+
+  def __call__(self, x, residual=None):
+    """x: (..., N). Returns y, or ``(y, x + residual)`` with ``residual``, as :class:`RMSNorm`."""
+    scale, bias = _common.value(self.scale), _common.value(self.bias)
+    cd = _common.compute_dtype(self.dtype, x, residual, scale, bias)
+    x, residual, scale, bias = _common.cast(cd, x, residual, scale, bias)
+    return pallas_norm.layer_norm(x, scale, bias, residual, eps=self.epsilon,
+                                  implementation=self.implementation)

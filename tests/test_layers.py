@@ -1,0 +1,381 @@
+"""Flax NNX layers (flax_layers): parameters, values against pallas_norm.reference and against
+plain Flax layers, jit, bf16 compute, the implementation switch, residuals and gradients.
+
+Tolerances: float32 layer vs float32 oracle 1e-5 (abs and rel; same math, different op order);
+bf16 compute vs float32 5e-2 abs on unit-scale outputs (bf16 has 8 mantissa bits).
+"""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+# The checkout first: an editable install made before flax_layers/ had an __init__.py maps it as a
+# namespace package, which `pytest` (unlike `python -m pytest`) would otherwise import.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import pallas_norm  # noqa: E402
+from flax_layers import GDPA, DenseNorm, LayerNorm, NormDense, PFFNBlock, RMSNorm  # noqa: E402
+from pallas_norm import jagged, reference  # noqa: E402
+
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+BF16_ATOL = 5e-2
+K, N = 16, 24
+H, D, LKV = 2, 8, 4
+LENS = (3, 0, 5, 2)  # one empty sample
+MAX_LEN = 5
+CAPACITY = len(LENS) * MAX_LEN  # padding rows past sum(LENS) = 10
+
+_NORMAL = nnx.initializers.normal(1.0)
+
+
+def _key(i):
+  return jax.random.key(1000 + i)
+
+
+def _x(i, shape, dtype=jnp.float32):
+  return jax.random.normal(_key(i), shape, jnp.float32).astype(dtype)
+
+
+def _offsets():
+  return jnp.asarray(jagged.offsets_from_lengths(LENS))
+
+
+def _attention_inputs(seed=0):
+  q = _x(seed, (CAPACITY, H, D))
+  k = _x(seed + 1, (len(LENS), LKV, H, D))
+  v = _x(seed + 2, (len(LENS), LKV, H, D))
+  return q, k, v
+
+
+# Layer builders with random (not ones/zeros) affines so the tests see every parameter.
+def _rms(**kw):
+  return RMSNorm(N, scale_init=_NORMAL, rngs=nnx.Rngs(0), **kw)
+
+
+def _ln(**kw):
+  return LayerNorm(N, scale_init=_NORMAL, bias_init=_NORMAL, rngs=nnx.Rngs(0), **kw)
+
+
+def _norm_dense(norm="layer", **kw):
+  return NormDense(K, N, norm=norm, scale_init=_NORMAL, norm_bias_init=_NORMAL, bias_init=_NORMAL,
+                   rngs=nnx.Rngs(0), **kw)
+
+
+def _dense_norm(norm="layer", **kw):
+  return DenseNorm(K, N, norm=norm, scale_init=_NORMAL, norm_bias_init=_NORMAL,
+                   bias_init=_NORMAL, rngs=nnx.Rngs(0), **kw)
+
+
+def _pffn(**kw):
+  return PFFNBlock(H, D, pre_scale=D ** -0.5, post_scale=0.5, scale_init=_NORMAL,
+                   bias_init=_NORMAL, rngs=nnx.Rngs(0), **kw)
+
+
+def _params(layer):
+  return {k: v for k, v in nnx.to_pure_dict(nnx.state(layer, nnx.Param)).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+@pytest.mark.parametrize("make, expected", [
+    (_rms, {"scale": (N,)}),
+    (_ln, {"scale": (N,), "bias": (N,)}),
+    (lambda: _norm_dense("layer"),
+     {"norm_scale": (K,), "norm_bias": (K,), "kernel": (K, N), "bias": (N,)}),
+    (lambda: _norm_dense("rms"), {"norm_scale": (K,), "kernel": (K, N), "bias": (N,)}),
+    (lambda: _dense_norm("layer"),
+     {"kernel": (K, N), "bias": (N,), "norm_scale": (N,), "norm_bias": (N,)}),
+    (lambda: _dense_norm("rms"), {"kernel": (K, N), "bias": (N,), "norm_scale": (N,)}),
+    (_pffn, {"ln_scale": (H * D,), "ln_bias": (H * D,), "rms_scale": (H * D,)}),
+])
+def test_param_names_shapes_dtypes(make, expected):
+  params = _params(make())
+  assert {k: v.shape for k, v in params.items()} == expected
+  assert all(v.dtype == jnp.float32 for v in params.values())
+
+
+def test_optional_params_can_be_left_out():
+  assert _params(RMSNorm(N, use_scale=False, rngs=nnx.Rngs(0))) == {}
+  assert set(_params(NormDense(K, N, norm="layer", use_norm_bias=False, use_bias=False,
+                               rngs=nnx.Rngs(0)))) == {"norm_scale", "kernel"}
+  assert set(_params(DenseNorm(K, N, use_bias=False, use_scale=False, rngs=nnx.Rngs(0)))) == {
+      "kernel", "norm_bias"}
+  assert _params(GDPA(H, D)) == {}
+
+
+def test_bf16_compute_keeps_f32_params():
+  layer = _norm_dense(dtype=jnp.bfloat16)
+  assert all(v.dtype == jnp.float32 for v in _params(layer).values())
+  assert layer(_x(0, (3, K))).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("make", [
+    lambda: NormDense(K, N, norm="batch", rngs=nnx.Rngs(0)),
+    lambda: DenseNorm(K, N, norm="group", rngs=nnx.Rngs(0)),
+    lambda: RMSNorm(0, rngs=nnx.Rngs(0)),
+    lambda: NormDense(K, -1, rngs=nnx.Rngs(0)),
+    lambda: GDPA(H, D, activation="softmax"),
+    lambda: PFFNBlock(H, D, activation="tanh", rngs=nnx.Rngs(0)),
+])
+def test_bad_construction_raises(make):
+  with pytest.raises(ValueError):
+    make()
+
+
+# ---------------------------------------------------------------------------------------------
+# Values against the reference and against plain Flax layers (float32)
+
+
+def test_rms_norm_matches_reference_and_flax():
+  layer = _rms()
+  x = _x(1, (2, 3, N))
+  y = layer(x)
+  np.testing.assert_allclose(y, reference.rms_norm(x, layer.scale[...]), **F32_TOL)
+  flax_layer = nnx.RMSNorm(N, rngs=nnx.Rngs(0))
+  flax_layer.scale[...] = layer.scale[...]
+  np.testing.assert_allclose(y, flax_layer(x), **F32_TOL)
+
+
+def test_layer_norm_matches_reference_and_flax():
+  layer = _ln()
+  x = _x(2, (2, 3, N)) * 3 + 1  # a nonzero mean exercises the centering
+  y = layer(x)
+  np.testing.assert_allclose(y, reference.layer_norm(x, layer.scale[...], layer.bias[...]),
+                             **F32_TOL)
+  flax_layer = nnx.LayerNorm(N, use_fast_variance=False, rngs=nnx.Rngs(0))
+  flax_layer.scale[...], flax_layer.bias[...] = layer.scale[...], layer.bias[...]
+  np.testing.assert_allclose(y, flax_layer(x), **F32_TOL)
+
+
+@pytest.mark.parametrize("make", [_rms, _ln])
+def test_norm_residual_returns_sum(make):
+  layer = make()
+  x, r = _x(3, (4, N)), _x(4, (4, N))
+  y, s = layer(x, residual=r)
+  np.testing.assert_allclose(s, x + r, **F32_TOL)
+  np.testing.assert_allclose(y, layer(x + r), **F32_TOL)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_norm_dense_matches_reference_and_flax(norm):
+  layer = _norm_dense(norm)
+  x = _x(5, (2, 3, K)) + 0.5
+  y = layer(x)
+  p = _params(layer)
+  want = reference.norm_matmul(x, p["kernel"], p["norm_scale"], p.get("norm_bias"), norm=norm)
+  np.testing.assert_allclose(y, want + p["bias"], **F32_TOL)
+  # Independent oracle: the Flax norm followed by the Flax dense layer.
+  if norm == "rms":
+    flax_norm = nnx.RMSNorm(K, rngs=nnx.Rngs(0))
+  else:
+    flax_norm = nnx.LayerNorm(K, use_fast_variance=False, rngs=nnx.Rngs(0))
+    flax_norm.bias[...] = p["norm_bias"]
+  flax_norm.scale[...] = p["norm_scale"]
+  dense = nnx.Linear(K, N, precision=jax.lax.Precision.HIGHEST, rngs=nnx.Rngs(0))
+  dense.kernel[...], dense.bias[...] = p["kernel"], p["bias"]
+  np.testing.assert_allclose(y, dense(flax_norm(x)), **F32_TOL)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_dense_norm_matches_reference_and_flax(norm, with_residual):
+  layer = _dense_norm(norm)
+  x = _x(6, (2, 3, K))
+  r = _x(7, (2, 3, N)) if with_residual else None
+  y, h = layer(x, residual=r, return_h=True)
+  p = _params(layer)
+  want_y, want_h = reference.matmul_norm(x, p["kernel"], p["bias"], r, p["norm_scale"],
+                                         p.get("norm_bias"), norm=norm, return_h=True)
+  np.testing.assert_allclose(y, want_y, **F32_TOL)
+  np.testing.assert_allclose(h, want_h, **F32_TOL)
+  np.testing.assert_allclose(layer(x, residual=r), y, **F32_TOL)
+  # Independent oracle: Flax dense (+ residual), then the Flax norm.
+  dense = nnx.Linear(K, N, precision=jax.lax.Precision.HIGHEST, rngs=nnx.Rngs(0))
+  dense.kernel[...], dense.bias[...] = p["kernel"], p["bias"]
+  flax_h = dense(x) + (0 if r is None else r)
+  if norm == "rms":
+    flax_norm = nnx.RMSNorm(N, rngs=nnx.Rngs(0))
+  else:
+    flax_norm = nnx.LayerNorm(N, use_fast_variance=False, rngs=nnx.Rngs(0))
+    flax_norm.bias[...] = p["norm_bias"]
+  flax_norm.scale[...] = p["norm_scale"]
+  np.testing.assert_allclose(h, flax_h, **F32_TOL)
+  np.testing.assert_allclose(y, flax_norm(flax_h), **F32_TOL)
+
+
+@pytest.mark.parametrize("activation", ["fast_gelu", "relu2"])
+def test_gdpa_matches_reference(activation):
+  layer = GDPA(H, D, activation=activation, pre_scale=0.3, post_scale=0.7)
+  q, k, v = _attention_inputs(10)
+  off = _offsets()
+  y = layer(q, off, k, v, max_seq_len=MAX_LEN)
+  want = reference.gdpa(q, k, v, off, activation=activation, pre_scale=0.3, post_scale=0.7)
+  np.testing.assert_allclose(y, want, **F32_TOL)
+  assert not np.any(np.asarray(y[sum(LENS):]))  # padding rows are zeros
+
+
+def test_pffn_matches_reference_and_composition():
+  layer = _pffn()
+  q, k, v = _attention_inputs(20)
+  off = _offsets()
+  y = layer(q, off, k, v, max_seq_len=MAX_LEN)
+  p = _params(layer)
+  want = reference.flash_norm_attention(q, k, v, off, ln_scale=p["ln_scale"],
+                                        ln_bias=p["ln_bias"], rms_scale=p["rms_scale"],
+                                        pre_scale=D ** -0.5, post_scale=0.5)
+  np.testing.assert_allclose(y, want, **F32_TOL)
+  # Independent composition: Flax LayerNorm over H·D -> GDPA (+u) -> Flax RMSNorm (+q).
+  ln = nnx.LayerNorm(H * D, use_fast_variance=False, rngs=nnx.Rngs(0))
+  ln.scale[...], ln.bias[...] = p["ln_scale"], p["ln_bias"]
+  rms = nnx.RMSNorm(H * D, rngs=nnx.Rngs(0))
+  rms.scale[...] = p["rms_scale"]
+  u = ln(q.reshape(CAPACITY, H * D))
+  attn = GDPA(H, D, pre_scale=D ** -0.5, post_scale=0.5)(u.reshape(q.shape), off, k, v)
+  z = u + attn.reshape(CAPACITY, H * D)
+  composed = (rms(z) + q.reshape(CAPACITY, H * D)).reshape(q.shape)
+  valid = np.arange(CAPACITY) < sum(LENS)
+  np.testing.assert_allclose(y[valid], composed[valid], **F32_TOL)
+  assert not np.any(np.asarray(y[~valid]))
+
+
+def test_attention_layers_check_head_shape():
+  q, k, v = _attention_inputs()
+  with pytest.raises(ValueError, match="q must have shape"):
+    GDPA(H + 1, D)(q, _offsets(), k, v)
+  with pytest.raises(ValueError, match="q must have shape"):
+    _pffn()(q.reshape(CAPACITY, H * D, 1), _offsets(), k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# jit, bf16 compute
+
+
+def _calls():
+  """(name, layer factory, call(layer, **kw)) for every layer, with fresh random inputs."""
+  x_n, x_k, r_n = _x(30, (5, N)), _x(31, (5, K)), _x(32, (5, N))
+  q, k, v = _attention_inputs(33)
+  off = _offsets()
+  return [
+      ("rms", _rms, lambda m: m(x_n, residual=r_n)),
+      ("ln", _ln, lambda m: m(x_n)),
+      ("norm_dense", _norm_dense, lambda m: m(x_k)),
+      ("dense_norm", _dense_norm, lambda m: m(x_k, residual=r_n, return_h=True)),
+      ("gdpa", lambda **kw: GDPA(H, D, **kw), lambda m: m(q, off, k, v, max_seq_len=MAX_LEN)),
+      ("pffn", _pffn, lambda m: m(q, off, k, v, max_seq_len=MAX_LEN)),
+  ]
+
+
+@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _calls()])
+def test_jit_equals_eager(case):
+  _, make, call = _calls()[case]
+  layer = make()
+  eager = call(layer)
+  jitted = nnx.jit(call)(layer)
+  for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _calls()])
+def test_bf16_compute_close_to_f32(case):
+  _, make, call = _calls()[case]
+  f32 = call(make())
+  bf16 = call(make(dtype=jnp.bfloat16))  # same seeds -> same f32 parameters
+  for a, b in zip(jax.tree.leaves(f32), jax.tree.leaves(bf16)):
+    assert b.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(b, np.float32), a, rtol=BF16_ATOL, atol=BF16_ATOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementation switch
+
+
+_OPS = {"rms": "rms_norm", "ln": "layer_norm", "norm_dense": "norm_matmul",
+        "dense_norm": "matmul_norm", "gdpa": "gdpa", "pffn": "flash_norm_attention"}
+
+
+@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _calls()])
+def test_implementation_is_passed_to_the_op(case, monkeypatch):
+  name, make, call = _calls()[case]
+  seen = []
+  op = getattr(pallas_norm, _OPS[name])
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs.get("implementation"))
+    return op(*args, **{**kwargs, "implementation": "xla"})
+
+  monkeypatch.setattr(pallas_norm, _OPS[name], spy)
+  call(make(implementation="interpret"))
+  assert seen == ["interpret"]
+
+
+@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _calls()])
+def test_xla_implementation_equals_default(case):
+  _, make, call = _calls()[case]
+  for a, b in zip(jax.tree.leaves(call(make())), jax.tree.leaves(call(make(implementation="xla")))):
+    np.testing.assert_allclose(a, b, **F32_TOL)
+
+
+def _op_has_no_kernel(name: str) -> bool:
+  """True while the op itself, called directly on the layer's input shapes and dtypes, answers
+  implementation="mosaic" with NotImplementedError (no kernel yet, or none for this call)."""
+  x_n, x_k, w = _x(50, (5, N)), _x(51, (5, K)), _x(52, (K, N))
+  q, k, v = _attention_inputs(53)
+  direct = {
+      "rms": lambda **kw: pallas_norm.rms_norm(x_n, **kw),
+      "ln": lambda **kw: pallas_norm.layer_norm(x_n, **kw),
+      "norm_dense": lambda **kw: pallas_norm.norm_matmul(x_k, w, **kw),
+      "dense_norm": lambda **kw: pallas_norm.matmul_norm(x_k, w, **kw),
+      "gdpa": lambda **kw: pallas_norm.gdpa(q, k, v, _offsets(), max_seq_len=MAX_LEN, **kw),
+      "pffn": lambda **kw: pallas_norm.flash_norm_attention(q, k, v, _offsets(),
+                                                            max_seq_len=MAX_LEN, **kw),
+  }
+  try:
+    direct[name](implementation="mosaic")
+  except NotImplementedError:
+    return True
+  return False
+
+
+@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _calls()])
+def test_mosaic_without_kernel_raises(case):
+  # This test must change when the Mosaic kernels land: a layer then runs the kernel (on a Hopper
+  # GPU) instead of raising. Until then the op's NotImplementedError reaches the caller.
+  name, make, call = _calls()[case]
+  if not _op_has_no_kernel(name):
+    pytest.skip(f"pallas_norm.{_OPS[name]} has a Mosaic kernel for this call")
+  with pytest.raises(NotImplementedError):
+    call(make(implementation="mosaic"))
+
+
+def test_unknown_implementation_raises():
+  with pytest.raises(ValueError, match="implementation"):
+    _norm_dense(implementation="triton")(_x(0, (2, K)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients
+
+
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5], ids=["rms", "ln", "norm_dense", "dense_norm",
+                                                      "pffn"])
+def test_gradients_reach_every_param(case):
+  _, make, call = _calls()[case]
+  layer = make()
+  weights = [_x(40 + i, a.shape) for i, a in enumerate(jax.tree.leaves(call(layer)))]
+
+  def loss(m):
+    return sum(jnp.sum(o * w) for o, w in zip(jax.tree.leaves(call(m)), weights))
+
+  grads = nnx.to_pure_dict(nnx.grad(loss)(layer))
+  assert set(grads) == set(_params(layer))
+  for name, g in grads.items():
+    g = np.asarray(g)
+    assert np.all(np.isfinite(g)), name
+    assert np.any(g != 0), name

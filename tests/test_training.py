@@ -1,0 +1,234 @@
+"""The training example (examples/train_kunlun.py) and its data (examples/ads_data.py): metrics,
+batching, the three data sources, the CLI's final line and exit codes, loss falling on the Taobao
+sample, and Orbax checkpoint save/restore/resume.
+
+The Taobao runs share one model shape (batch 32, max_seq_len 8), so they share one compiled train
+step within the session.
+"""
+
+import csv
+import pathlib
+import re
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The checkout and examples/ first (see tests/test_layers.py for why the checkout).
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import ads_data  # noqa: E402
+import train_kunlun  # noqa: E402
+
+FINAL_RE = re.compile(r"^final: train_loss=\S+ val_logloss=\S+ val_auc=\S+ steps=\d+ "
+                      r"examples_per_s=\S+$")
+TAOBAO = ["--data", "taobao", "--batch-size", "32", "--max-seq-len", "8", "--implementation",
+          "xla"]
+
+
+def _run(argv, capsys):
+  """main(argv) in-process: (exit code, stdout lines, stderr)."""
+  code = train_kunlun.main(argv)
+  out, err = capsys.readouterr()
+  return code, out.strip().splitlines(), err
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _pairwise_auc(labels, scores):
+  pos, neg = scores[labels == 1], scores[labels == 0]
+  wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+  return wins / (pos.size * neg.size)
+
+
+def test_auc_matches_pairwise_count_with_ties():
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 2, 300)
+  scores = rng.integers(0, 20, 300).astype(float) + labels * rng.random(300)  # many ties
+  assert train_kunlun.auc(labels, scores) == pytest.approx(_pairwise_auc(labels, scores),
+                                                           abs=1e-12)
+
+
+def test_auc_single_class_is_nan():
+  assert np.isnan(train_kunlun.auc(np.ones(5), np.arange(5.0)))
+  assert np.isnan(train_kunlun.auc(np.zeros(5), np.arange(5.0)))
+
+
+def test_logloss_matches_direct_formula():
+  rng = np.random.default_rng(1)
+  labels, logits = rng.integers(0, 2, 50), rng.normal(0, 3, 50)
+  p = 1 / (1 + np.exp(-logits))
+  want = -np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+  assert train_kunlun.logloss(labels, logits) == pytest.approx(want, rel=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching
+
+
+def _toy_dataset():
+  lens = np.array([0, 3, 10, 1])
+  offsets = np.concatenate([[0], np.cumsum(lens)])
+  return ads_data.AdsDataset(
+      sparse=np.arange(8, dtype=np.int32).reshape(4, 2), dense=np.ones((4, 1), np.float32),
+      seq_values=np.arange(1, offsets[-1] + 1, dtype=np.int32), seq_offsets=offsets,
+      labels=np.array([0, 1, 0, 1], np.float32))
+
+
+def test_make_batch_truncates_to_most_recent_and_pads():
+  ds = _toy_dataset()  # sequences: [], [1 2 3], [4 .. 13], [14]
+  batch = ads_data.make_batch(ds, np.array([2, 0, 1, 3]), max_seq_len=4)
+  np.testing.assert_array_equal(batch.seq_offsets, [0, 4, 4, 7, 8])
+  np.testing.assert_array_equal(batch.seq_ids[:8], [10, 11, 12, 13, 1, 2, 3, 14])
+  assert batch.seq_ids.shape == (16,) and not batch.seq_ids[8:].any()
+  assert batch.seq_offsets.dtype == np.int32
+  np.testing.assert_array_equal(batch.sparse_ids, ds.sparse[[2, 0, 1, 3]])
+  np.testing.assert_array_equal(batch.labels, [0, 0, 1, 1])
+
+
+def test_batch_order_depends_only_on_seed_and_step():
+  a = [ads_data.batch_indices(10, 4, seed=3, step=s) for s in range(5)]
+  b = [ads_data.batch_indices(10, 4, seed=3, step=s) for s in (3, 4)]
+  np.testing.assert_array_equal(a[3], b[0])
+  np.testing.assert_array_equal(a[4], b[1])
+  # Five steps of 4 cover two epochs of 10: every example exactly twice.
+  np.testing.assert_array_equal(np.bincount(np.concatenate(a), minlength=10), 2)
+  assert not np.array_equal(a[0], ads_data.batch_indices(10, 4, seed=4, step=0))
+
+
+def test_eval_batches_cover_each_example_once():
+  ds = _toy_dataset()
+  seen = []
+  for batch, n_real in ads_data.eval_batches(ds, batch_size=3, max_seq_len=4):
+    assert batch.labels.shape == (3,)
+    seen.extend(batch.sparse_ids[:n_real, 0] // 2)
+  assert seen == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data sources
+
+
+def test_synthetic_structure_and_learnability():
+  train, valid, spec = ads_data.load("synthetic", max_seq_len=16, num_train=2000, num_valid=500)
+  assert (len(train), len(valid)) == (2000, 500)
+  assert spec == ads_data.DataSpec(6, 4, 4096, 4096)
+  lens = np.diff(train.seq_offsets)
+  assert lens.min() == 1 and lens.max() == 16
+  assert train.seq_values.min() >= 1 and train.seq_values.max() < spec.item_vocab_size
+  assert 0.1 < train.labels.mean() < 0.5
+  # The labels carry signal: the logits they were drawn from rank them well.
+  assert train_kunlun.auc(valid.labels, valid.true_logits) > 0.7
+  again, _, _ = ads_data.load("synthetic", max_seq_len=16, num_train=2000, num_valid=500)
+  np.testing.assert_array_equal(again.labels, train.labels)
+
+
+def test_taobao_matches_csv(data_dir):
+  train, valid, spec = ads_data.load("taobao", data_dir)
+  assert (len(train), len(valid)) == (100, 100)
+  assert (spec.num_sparse_features, spec.num_dense_features) == (15, 1)
+  with open(data_dir / "taobao_ad_sample" / "train_sample.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  want_lens = [len(r["click_sequence"].split("^")) if r["click_sequence"] else 0 for r in rows]
+  np.testing.assert_array_equal(np.diff(train.seq_offsets), want_lens)
+  np.testing.assert_array_equal(train.labels, [float(r["clk"]) for r in rows])
+  np.testing.assert_allclose(train.dense[:, 0], [np.log1p(float(r["price"])) for r in rows],
+                             rtol=1e-6)
+  # Equal item ids hash to equal tokens.
+  flat = [t for r in rows for t in r["click_sequence"].split("^") if t]
+  first = {t: train.seq_values[i] for i, t in reversed(list(enumerate(flat)))}
+  assert all(train.seq_values[i] == first[t] for i, t in enumerate(flat))
+
+
+def test_criteo_is_context_only_with_fixed_split(data_dir):
+  train, valid, spec = ads_data.load("criteo", data_dir)
+  assert (len(train), len(valid)) == (160, 40)
+  assert (spec.num_sparse_features, spec.num_dense_features) == (26, 13)
+  assert train.seq_values.size == 0 and not train.seq_offsets.any()
+  assert np.all(np.isfinite(train.dense))
+
+
+def test_missing_data_is_a_clear_error(tmp_path, capsys):
+  with pytest.raises(ads_data.DataNotFoundError, match="train_sample.csv"):
+    ads_data.load("taobao", tmp_path)
+  code, out, err = _run(["--data", "criteo", "--data-dir", str(tmp_path / "absent")], capsys)
+  assert code == 2 and out == []
+  assert err.count("\n") == 1 and "data directory not found" in err
+
+
+def test_missing_column_is_a_clear_error(tmp_path, capsys):
+  (tmp_path / "criteo_sample.txt").write_text("label,I1\n0,3\n")
+  code, _, err = _run(["--data", "criteo", "--data-dir", str(tmp_path)], capsys)
+  assert code == 2 and "missing column" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+@pytest.mark.slow
+def test_taobao_loss_falls(data_dir):
+  args = train_kunlun.parse_args(TAOBAO + ["--data-dir", str(data_dir), "--steps", "30",
+                                           "--eval-every", "30"])
+  result = train_kunlun.train(args)
+  losses = np.array(result.losses)
+  assert losses.shape == (30,) and np.all(np.isfinite(losses))
+  assert losses[-5:].mean() < 0.5 * losses[:5].mean()
+  assert FINAL_RE.match(result.line) and "steps=30 " in result.line
+
+
+@pytest.mark.slow
+def test_synthetic_cli_runs(capsys):
+  code, out, _ = _run(["--steps", "3", "--batch-size", "16", "--max-seq-len", "8",
+                       "--eval-every", "3", "--implementation", "xla"], capsys)
+  assert code == 0
+  assert FINAL_RE.match(out[-1]) and "steps=3 " in out[-1], out[-1]
+  values = dict(kv.split("=") for kv in out[-1].split()[1:])
+  assert all(np.isfinite(float(values[k])) for k in ("train_loss", "val_logloss", "val_auc"))
+
+
+def _params(state):
+  return jax.tree.leaves(nnx.to_pure_dict(state))
+
+
+@pytest.mark.slow
+def test_checkpoint_round_trip_and_resume(data_dir, tmp_path, capsys):
+  common = TAOBAO + ["--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path),
+                     "--eval-every", "5"]
+  first = train_kunlun.train(train_kunlun.parse_args(common + ["--steps", "10"]))
+  assert FINAL_RE.match(first.line) and "steps=10 " in first.line
+  # Restored params and optimizer state equal the saved ones.
+  args = train_kunlun.parse_args(common + ["--steps", "10"])
+  spec = ads_data.load("taobao", data_dir)[2]
+  config, model, optimizer = train_kunlun.build(args, spec)
+  manager = train_kunlun.checkpoint_manager(tmp_path)
+  assert manager.latest_step() == 10
+  restored = train_kunlun.restore_checkpoint(manager, nnx.state((model, optimizer)), config)
+  manager.close()
+  for saved, back in zip(_params(first.state), _params(restored), strict=True):
+    np.testing.assert_array_equal(saved, back)
+  # --resume continues from step 10 to 20 and lands where an uninterrupted run does.
+  code, out, _ = _run(common + ["--steps", "20", "--resume"], capsys)
+  assert code == 0 and FINAL_RE.match(out[-1]) and "steps=20 " in out[-1]
+  assert any("start_step=10 " in line for line in out)
+  resumed = train_kunlun.train(train_kunlun.parse_args(common + ["--steps", "20", "--resume"]))
+  assert resumed.losses == []  # already at step 20
+  straight = train_kunlun.train(train_kunlun.parse_args(
+      TAOBAO + ["--data-dir", str(data_dir), "--steps", "20", "--eval-every", "20"]))
+  for a, b in zip(_params(straight.state), _params(resumed.state), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_resume_with_another_config_exits_2(data_dir, tmp_path, capsys):
+  where = ["--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path)]
+  assert _run(TAOBAO + where + ["--steps", "2"], capsys)[0] == 0
+  other = ["--data", "taobao", "--batch-size", "32", "--max-seq-len", "4", "--implementation",
+           "xla"]
+  code, _, err = _run(other + where + ["--steps", "4", "--resume"], capsys)
+  assert code == 2 and "max_seq_len" in err and err.count("\n") == 1
