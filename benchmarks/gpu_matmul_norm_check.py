@@ -44,10 +44,11 @@ from pallas_norm.ops import matmul_norm_mgpu as mk
 
 EPS = 1e-6
 SHAPES = [(262144, 512, 512), (262144, 512, 2048), (262144, 128, 128), (65536, 2048, 2048),
-          (131072 + 77, 512, 1024)]  # the last: an M tail (padded to 8 rows by the op)
+          (16384, 8192, 8192),  # 8 CTAs × 4 N tiles: the two-pass epilogue
+          (131072 + 77, 512, 1024)]  # an M tail (padded to 8 rows by the op)
 QUICK_SHAPES = SHAPES[:2]
 TRAIN_SHAPES = [(262144, 512, 512), (65536, 2048, 2048)]
-SMOKE_SHAPES = [(256, 64, 256), (77, 64, 128)]
+SMOKE_SHAPES = [(256, 64, 256), (77, 64, 512)]
 TIME_BUDGET_S = 160  # stop starting new cases past this
 _SMOKE = False
 
@@ -124,7 +125,7 @@ def _time(fn, *args, iterations):
 def time_shape(m, k, n, iterations, train):
   x, w, db, res, scale, bias, ct = _inputs(m * 3 + n, m, k, n)
   times, errors = {}, {}
-  cluster = n // mk.pick_config(m, k, n).tile_n
+  split = mk._tiles_per_cta(n, mk.pick_config(m, k, n).tile_n, interpret=_SMOKE)
   fns = {
       "xla_gemm": (jax.jit(lambda x, w: x @ w), (x, w)),
       "xla_ln_res": (jax.jit(functools.partial(reference.matmul_norm, norm="layer", eps=EPS)),
@@ -138,7 +139,7 @@ def time_shape(m, k, n, iterations, train):
                   (x, w)),
       "ours_rms": (jax.jit(lambda x, w: _kernel(x, w, norm="rms")[0]), (x, w)),
   }
-  if cluster > 1:
+  if split[0] > 1:
     fns["ours_ln_res_mc"] = (jax.jit(lambda *a: _kernel(*a, norm="layer", multicast_x=True)[0]),
                              (x, w, db, res, scale, bias))
   if train:
@@ -161,7 +162,7 @@ def time_shape(m, k, n, iterations, train):
     except Exception as e:  # keep going: one failing variant must not hide the others
       errors[name] = f"{type(e).__name__}: {str(e)[:400]}"
       print(f"  {name:<20} FAILED {errors[name]}", flush=True)
-  return times, errors, cluster
+  return times, errors, split
 
 
 def _ratios(t):
@@ -199,6 +200,8 @@ def main(argv=None):
 
   acc_cases = [(shapes[0], {}), (shapes[0], {"mean_offset": 1e3, "zero_every": 7})]
   acc_cases += [(s, {}) for s in shapes[1:]]
+  if not _SMOKE:  # rows with a large mean through the two-pass epilogue too
+    acc_cases.append(((16384, 512, 8192), {"mean_offset": 1e3, "zero_every": 7}))
   for (m, k, n), kw in acc_cases:
     label = f"{m}x{k}x{n}" + ("_mean1e3_zero_gamma" if kw else "")
     try:
@@ -216,9 +219,10 @@ def main(argv=None):
     label = f"{m}x{k}x{n}"
     print(f"timing {label}:", flush=True)
     try:
-      times, errors, cluster = time_shape(m, k, n, args.iterations, (m, k, n) in train_shapes)
+      times, errors, split = time_shape(m, k, n, args.iterations, (m, k, n) in train_shapes)
       ratios = _ratios(times)
-      report["timing"][label] = {"cluster": cluster, "us": times, "ratios": ratios,
+      report["timing"][label] = {"cluster": split[0], "n_tiles": split[1], "us": times,
+                                 "ratios": ratios,
                                  "errors": errors}
       print(f"  ratios: {json.dumps(ratios)}", flush=True)
     except Exception as e:

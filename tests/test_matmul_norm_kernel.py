@@ -1,13 +1,14 @@
 """matmul_norm (DESIGN.md op 2): the Mosaic-GPU kernel and its custom_vjp backward.
 
 * CPU, GPU interpret mode (race detector on, uninitialized memory filled with NaN): the kernel
-  with clusters of one CTA (N ≤ 256), forward against ``reference.matmul_norm`` in f32 and the
-  backward through the custom_vjp on top of the interpret-mode forward.
+  with clusters of one CTA, one N tile (N ≤ 256) or a loop over up to 4 N tiles, forward
+  against ``reference.matmul_norm`` in f32 and the backward through the custom_vjp on top of the
+  interpret-mode forward.
 * CPU, XLA: the custom_vjp backward with the kernel's epilogue math in XLA as the forward
   ("xla_epilogue"), in f32 against JAX's autodiff of the reference (chex), and the determinism of
   the column sums.
 * ``@pytest.mark.gpu``: clusters of 2-8 CTAs (the distributed-shared-memory exchange, which
-  interpret mode cannot run), real M, N up to 2048 in the kernel and the XLA fallback beyond.
+  interpret mode cannot run), real M, N up to 8192 in the kernel and the XLA fallback beyond.
 """
 
 import os
@@ -129,6 +130,9 @@ INTERPRET_CASES = [
     (300, 64, 256, "rms", ("dense_bias", "scale", "residual"), jnp.bfloat16, True, False, True),
     # N = 64: 256-row CTA tiles (128 rows per warpgroup), h staged in 64-row pieces.
     (77, 64, 64, "layer", ("bias",), jnp.bfloat16, True, True, True),
+    # Several N tiles per CTA (2 of 256, 4 of 192): the two-pass epilogue through y's memory.
+    (77, 64, 512, "layer", ALL, jnp.bfloat16, True, True, True),
+    (300, 64, 768, "rms", ("dense_bias", "scale", "residual"), jnp.bfloat16, True, True, True),
 ]
 
 
@@ -143,13 +147,15 @@ def test_forward_interpret(m, k, n, norm, use, dtype, return_h, return_xhat, ret
   _check_forward(out, args, norm, jnp.dtype(dtype), return_h, return_xhat, return_stats)
 
 
-def test_forward_interpret_large_row_mean():
-  """Rows of h with mean 1e3 and unit spread: the slice statistics are two-pass, so the variance
-  does not cancel (a one-pass Σh² − (Σh)²/N would lose every significant bit in f32)."""
-  args, _ = _inputs(5, 128, 64, 256, jnp.bfloat16, mean_offset=1e3)
-  out = _run_kernel(args, "layer", return_stats=True, interpret=True)
+@pytest.mark.parametrize("n", [256, 512])
+def test_forward_interpret_large_row_mean(n):
+  """Rows of h with mean 1e3 and unit spread: the tile statistics are two-pass, so the variance
+  does not cancel (a one-pass Σh² − (Σh)²/N would lose every significant bit in f32), and with
+  several N tiles the values kept between the passes are centered on each tile's mean."""
+  args, _ = _inputs(5, 128, 64, n, jnp.bfloat16, mean_offset=1e3)
+  out = _run_kernel(args, "layer", return_stats=True, return_xhat=True, interpret=True)
   assert not mgpu_common.races_found()
-  _check_forward(out, args, "layer", jnp.dtype(jnp.bfloat16), False, False, True)
+  _check_forward(out, args, "layer", jnp.dtype(jnp.bfloat16), False, True, True)
 
 
 @pytest.mark.parametrize("norm,use,return_h", [("layer", ALL, True), ("rms", ("scale",), False)])
@@ -263,21 +269,25 @@ def test_dscale_dbias_bits_repeat():
 
 
 def test_unsupported_reasons():
-  assert mk.unsupported_reason(4096, 512, 2048, jnp.bfloat16) is None
-  assert mk.unsupported_reason(5, 64, 384, jnp.float16) is None
+  for n in (384, 2048, 3072, 4096, 8192):
+    assert mk.unsupported_reason(4096, 512, n, jnp.bfloat16) is None, n
   assert "bfloat16 or float16" in mk.unsupported_reason(8, 64, 64, jnp.float32)
   assert "multiple of 64" in mk.unsupported_reason(8, 96, 64, jnp.bfloat16)
-  assert "not implemented" in mk.unsupported_reason(8, 64, 4096, jnp.bfloat16)
-  assert "not implemented" in mk.unsupported_reason(8, 64, 640, jnp.bfloat16)
+  for n in (640, 2560, 16384):
+    assert "does not split" in mk.unsupported_reason(8, 64, n, jnp.bfloat16), n
   assert "residual dtype" in mk.unsupported_reason(8, 64, 64, jnp.bfloat16, None, jnp.float32)
   assert "out_dtype" in mk.unsupported_reason(8, 64, 64, jnp.bfloat16, jnp.float32)
 
 
 def test_pick_config_cluster_split():
-  for n, cluster, tile_n in [(64, 1, 64), (256, 1, 256), (384, 2, 192), (512, 2, 256),
-                             (768, 4, 192), (1024, 4, 256), (2048, 8, 256)]:
+  for n, cluster, tile_n, n_tiles in [
+      (64, 1, 64, 1), (256, 1, 256, 1), (384, 2, 192, 1), (512, 2, 256, 1), (768, 4, 192, 1),
+      (1024, 4, 256, 1), (2048, 8, 256, 1), (3072, 8, 192, 2), (4096, 8, 256, 2),
+      (8192, 8, 256, 4)]:
     cfg = mk.pick_config(4096, 512, n)
-    assert (n // cfg.tile_n, cfg.tile_n) == (cluster, tile_n), n
+    assert cfg.tile_n == tile_n, n
+    assert mk._tiles_per_cta(n, cfg.tile_n, interpret=False) == (cluster, n_tiles), n
+    assert mk._tiles_per_cta(n, cfg.tile_n, interpret=True) == (1, cluster * n_tiles), n
     assert cfg.tile_m == (256 if tile_n <= 128 else 128)
 
 
@@ -288,10 +298,11 @@ def test_dispatch():
   np.testing.assert_array_equal(np.asarray(y, np.float32),
                                 np.asarray(reference.matmul_norm(args["x"], args["w"],
                                                                  norm="rms"), np.float32))
-  with pytest.raises(NotImplementedError, match="peer"):
-    mn.matmul_norm(args["x"], args["w"], implementation="interpret")  # N = 512: a cluster of 2
-  with pytest.raises(NotImplementedError, match="not implemented"):
-    w = jnp.ones((64, 4096), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="interpret mode"):
+    w = jnp.ones((64, 2048), jnp.bfloat16)  # 8 N tiles for one CTA
+    mn.matmul_norm(args["x"], w, implementation="interpret")
+  with pytest.raises(NotImplementedError, match="does not split"):
+    w = jnp.ones((64, 16384), jnp.bfloat16)
     mn.matmul_norm(args["x"], w, implementation="mosaic")
   with pytest.raises(ValueError, match="residual"):
     mn.matmul_norm(args["x"], args["w"], residual=jnp.ones((8, 64), jnp.bfloat16))
@@ -311,8 +322,8 @@ def test_kernel_rejects_bad_calls():
     mk.matmul_norm_fwd(x, w, scale=jnp.ones((65,)), norm="rms", eps=1e-6, interpret=True)
   with pytest.raises(TypeError, match="same dtype"):
     mk.matmul_norm_fwd(x, w.astype(jnp.float16), norm="rms", eps=1e-6, interpret=True)
-  with pytest.raises(ValueError, match="peer"):
-    mk.matmul_norm_fwd(x, jnp.ones((64, 512), jnp.bfloat16), norm="rms", eps=1e-6,
+  with pytest.raises(ValueError, match="interpret mode"):
+    mk.matmul_norm_fwd(x, jnp.ones((64, 2048), jnp.bfloat16), norm="rms", eps=1e-6,
                        interpret=True)
 
 
@@ -324,7 +335,8 @@ def test_kernel_lowers_for_hopper(monkeypatch):
   monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
   bf = jnp.bfloat16
   for m, k, n, norm in [(300, 64, 256, "layer"), (1000, 128, 512, "rms"),
-                        (4096, 64, 1024, "layer"), (65536, 512, 2048, "layer")]:
+                        (4096, 64, 1024, "layer"), (65536, 512, 2048, "layer"),
+                        (4096, 128, 3072, "rms"), (16384, 256, 8192, "layer")]:
     structs = [jax.ShapeDtypeStruct(s, d) for s, d in [((m, k), bf), ((k, n), bf), ((n,), bf),
                                                        ((m, n), bf), ((n,), bf), ((n,), bf)]]
 
@@ -348,6 +360,9 @@ GPU_CASES = [
     (16384, 512, 2048, "layer", ALL),           # cluster 8 of 256
     (1000, 2048, 2048, "rms", ALL),
     (65536, 512, 512, "layer", ALL),            # many row blocks per cluster
+    (4096 + 11, 512, 4096, "layer", ALL),       # cluster 8 × 2 N tiles of 256
+    (2048, 256, 3072, "rms", ALL),              # cluster 8 × 2 N tiles of 192
+    (16384, 1024, 8192, "layer", ALL),          # cluster 8 × 4 N tiles of 256
 ]
 
 
@@ -361,7 +376,7 @@ def test_forward_gpu(m, k, n, norm, use):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [256, 512, 2048])
+@pytest.mark.parametrize("n", [256, 512, 2048, 8192])
 def test_forward_gpu_large_row_mean(n):
   args, _ = _inputs(n, 8192, 256, n, mean_offset=1e3)
   out = _run_kernel(args, "layer", return_stats=True)
@@ -369,7 +384,8 @@ def test_forward_gpu_large_row_mean(n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,norm", [(4096 + 3, 256, 512, "layer"), (8192, 512, 2048, "rms")])
+@pytest.mark.parametrize("m,k,n,norm", [(4096 + 3, 256, 512, "layer"), (8192, 512, 2048, "rms"),
+                                        (2048, 256, 4096, "layer")])
 def test_backward_gpu(m, k, n, norm):
   args, dy = _inputs(m, m, k, n, zero_every=5)
   names = [nm for nm, v in args.items() if v is not None]
@@ -394,8 +410,8 @@ def test_backward_gpu(m, k, n, norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [4096, 8192])
-def test_wide_n_falls_back_to_xla_gpu(n):
+@pytest.mark.parametrize("n", [2560, 16384])
+def test_unsupported_n_falls_back_to_xla_gpu(n):
   args, _ = _inputs(n, 1024, 256, n)
   a = {nm: args[nm] for nm in ("x", "w", "residual", "scale", "bias")}
   y = mn.matmul_norm(**a, norm="layer")

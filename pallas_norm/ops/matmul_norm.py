@@ -63,9 +63,12 @@ def _kernel_unsupported_reason(x, w, residual, out_dtype, interpret: bool) -> st
   m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
   reason = matmul_norm_mgpu.unsupported_reason(
       m, k, n, x.dtype, out_dtype or x.dtype, None if residual is None else residual.dtype)
-  if reason is None and interpret and matmul_norm_mgpu.pick_config(m, k, n).tile_n != n:
-    reason = (f"N = {n} needs a cluster of CTAs, and GPU interpret mode cannot read a peer "
-              f"CTA's shared memory (interpret mode runs N ≤ {matmul_norm_mgpu.MAX_TILE_N})")
+  if reason is None and interpret:
+    tiles = n // matmul_norm_mgpu.pick_config(m, k, n).tile_n
+    if tiles > matmul_norm_mgpu.MAX_N_TILES:
+      reason = (f"N = {n} needs {tiles} N tiles of one CTA in interpret mode (it cannot read a "
+                f"peer CTA's shared memory, so it runs a cluster of 1), at most "
+                f"{matmul_norm_mgpu.MAX_N_TILES}")
   return reason
 
 
@@ -200,9 +203,10 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
       carry no gradient through the fused implementations.
     implementation: None, "xla", "mosaic" or "interpret" (see :mod:`pallas_norm._dispatch`).
       The kernel needs bfloat16/float16 x, w and outputs, K and N multiples of 64,
-      N = c · tile_n with c ∈ {1, 2, 4, 8} and tile_n ≤ 256 (so N ≤ 2048), a residual in the
-      output dtype; "interpret" runs only N ≤ 256 (one CTA per row block). None falls back to
-      XLA otherwise, with the reason logged at debug level.
+      N = c · n_tiles · tile_n with c ∈ {1, 2, 4, 8}, n_tiles ≤ 4 and tile_n ≤ 256 (so
+      N ≤ 8192; past 2048 a multiple of 1024), a residual in the output dtype; "interpret"
+      runs one CTA per row block, so N ≤ 4 · tile_n. None falls back to XLA otherwise, with
+      the reason logged at debug level.
 
   Returns:
     y (..., N); with ``return_h``/``return_stats`` the tuple ``(y, h?, stats?)``.

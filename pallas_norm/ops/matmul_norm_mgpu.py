@@ -30,6 +30,16 @@ Epilogue of one warpgroup (rows r, its CTA's N slice):
 4. Each CTA normalizes its own slice and stores y (written in place of the residual tile in
    SMEM), h and x̂ (through two 64×64 staging slots), and CTA 0 of the cluster the statistics.
 
+Past N = 8 · 256 a CTA owns ``n_tiles`` ≤ 4 N tiles (N ≤ 8192). Hopper keeps the accumulator in
+registers and SMEM cannot hold several finished tiles next to the pipeline, so the epilogue
+splits in two passes. First pass, after each tile's K loop: the tile's partials go to SMEM and
+``h − tile mean`` (LayerNorm; RMSNorm: h) goes to y's place in global memory in the output
+dtype (centered, so a row with a large mean keeps its precision), plus h if asked. Second pass,
+after the last tile: merge the tiles' partials (Chan), exchange in the cluster, then reload each
+tile from global memory (L2) by TMA and normalize it in place
+(``h − mean = centered + (tile mean − mean)``). The second pass costs one more write and read of
+y per element; interpret mode runs it with one CTA looping over all N tiles.
+
 GPU interpret mode cannot read a peer CTA's shared memory, so the c > 1 exchange runs only on a
 GPU; everything else is the same code for c = 1, which interpret mode runs on the CPU. What was
 checked on the CPU for c > 1: the kernel lowers for sm_90a through Mosaic's Python passes
@@ -39,8 +49,8 @@ peer reference only for a whole SMEM allocation (not a slice of one), hence one 
 
 Shapes: any M ≥ 1 (TMA zero-fills rows past M and drops their stores; M is padded to a multiple
 of 8 rows first, a copy, because a TMA copy of an 8-row-tiled SMEM tile needs it), K a multiple
-of 64,
-N = c · tile_n with tile_n a multiple of 64 up to 256 (so N ≤ 2048); x and w bfloat16 or
+of 64, N = c · n_tiles · tile_n with tile_n a multiple of 64 up to 256 (N ≤ 2048 in one tile
+per CTA, up to 8192 in 4); x and w bfloat16 or
 float16; y/h/x̂ bfloat16 or float16; a residual must have the output dtype. Other calls get a
 reason from :func:`unsupported_reason` and the public op falls back to XLA.
 """
@@ -66,7 +76,12 @@ CLUSTER_SIZES = (1, 2, 4, 8)
 """CTAs that may share a row block (8 is the portable cluster limit on Hopper)."""
 
 MAX_TILE_N = 256
-"""Widest N slice of one CTA (the largest WGMMA N; the accumulator lives in registers)."""
+"""Widest N tile of one CTA (the largest WGMMA N; the accumulator lives in registers)."""
+
+MAX_N_TILES = 4
+"""N tiles one CTA loops over when a cluster of 8 is not wide enough (so N ≤ 8192)."""
+
+MAX_N = max(CLUSTER_SIZES) * MAX_N_TILES * MAX_TILE_N
 
 _SMEM_SLACK = 4096  # barriers + the scratch Mosaic reserves for cross-lane reductions.
 _EXTRA_SLOTS = 2  # staging slots for h / x̂ tiles: one being written while one is stored
@@ -92,6 +107,7 @@ class _Plan:
   return_stats: bool
   cfg: TileConfig
   cluster: int
+  n_tiles: int  # N tiles per CTA: the CTA's columns are n_tiles · tile_n
   stages: int
   num_clusters: int
   multicast_x: bool
@@ -113,6 +129,14 @@ class _Plan:
     return len(self.vecs) + (self.cfg.tile_n // self.cfg.epi_tile_n) * self.has_residual
 
   @property
+  def n_reloads(self) -> int:  # TMA copies per N tile in the second pass (n_tiles > 1)
+    return len(self.vecs) + self.cfg.tile_n // self.cfg.epi_tile_n
+
+  @property
+  def cta_cols(self) -> int:  # columns of a row that one CTA owns
+    return self.n_tiles * self.cfg.tile_n
+
+  @property
   def m_iters(self) -> int:
     return -(-self.m // self.cfg.tile_m)
 
@@ -124,12 +148,29 @@ class _Plan:
     return self.vecs.index(name)
 
 
-def _cluster_split(n: int) -> tuple[int, int] | None:
-  """(cluster, tile_n): the smallest cluster whose CTAs get a 64-multiple slice of ≤ 256."""
+def _cluster_split(n: int) -> tuple[int, int, int] | None:
+  """(cluster, tile_n, n_tiles): the smallest cluster whose CTAs get one 64-multiple N tile of
+  ≤ 256 columns; past 8 · 256 columns, 8 CTAs of up to 4 N tiles each (the widest tile)."""
   for c in CLUSTER_SIZES:
     if n % c == 0 and (n // c) % 64 == 0 and n // c <= MAX_TILE_N:
-      return c, n // c
+      return c, n // c, 1
+  c = max(CLUSTER_SIZES)
+  for tile_n in (256, 192, 128):
+    if n % (c * tile_n) == 0 and n // (c * tile_n) <= MAX_N_TILES:
+      return c, tile_n, n // (c * tile_n)
   return None
+
+
+def _tiles_per_cta(n: int, tile_n: int, interpret: bool) -> tuple[int, int]:
+  """(cluster, n_tiles) for N tiles of ``tile_n``: the largest cluster that leaves at most
+  :data:`MAX_N_TILES` tiles per CTA, or one CTA in interpret mode (which cannot read a peer's
+  shared memory)."""
+  tiles = n // tile_n
+  if interpret:
+    return 1, tiles
+  fits = [c for c in CLUSTER_SIZES if tiles % c == 0 and tiles // c <= MAX_N_TILES]
+  c = min((c for c in fits if tiles // c == 1), default=max(fits, default=0))
+  return c, (tiles // c if c else 0)
 
 
 def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
@@ -154,16 +195,17 @@ def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
   if n % 64 or n < 64:
     return f"N = {n} is not a positive multiple of 64"
   if _cluster_split(n) is None:
-    return (f"N = {n} does not split into {list(CLUSTER_SIZES)} CTAs of a 64-multiple of at "
-            f"most {MAX_TILE_N} columns (N ≤ {max(CLUSTER_SIZES) * MAX_TILE_N}); looping over "
-            "several N tiles per CTA is not implemented")
+    return (f"N = {n} does not split into a cluster of {list(CLUSTER_SIZES)} CTAs with at most "
+            f"{MAX_N_TILES} N tiles of a 64-multiple ≤ {MAX_TILE_N} columns each (N ≤ {MAX_N}; "
+            "past 2048 a multiple of 1024)")
   return None
 
 
 def pick_config(m: int, k: int, n: int) -> TileConfig:
-  """Tiling for x (m, k) @ w (k, n): the CTA's N slice ``tile_n = N / cluster`` with the smallest
-  cluster in :data:`CLUSTER_SIZES`; 128 rows per CTA (64 per consumer warpgroup), 256 when the
-  slice is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
+  """Tiling for x (m, k) @ w (k, n): the CTA's N tile ``tile_n = N / cluster`` with the smallest
+  cluster in :data:`CLUSTER_SIZES` (past N = 2048: clusters of 8 CTAs looping over up to 4 N
+  tiles, :func:`_cluster_split`); 128 rows per CTA (64 per consumer warpgroup), 256 when the
+  tile is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
   as many pipeline stages as SMEM holds (at most 4)."""
   del m, k
   split = _cluster_split(n)
@@ -182,16 +224,19 @@ def _smem_bytes_besides_pipeline(p: _Plan) -> int:
   vec = 2 * len(p.vecs) * cfg.tile_n * 4
   stats = 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
   exchange = 2 * (p.n_partials + 2) * cfg.wg_tile_m * 4 * (p.cluster > 1)
-  return io + extra + vec + stats + exchange + _SMEM_SLACK
+  tile_stats = 2 * p.n_tiles * p.n_partials * cfg.wg_tile_m * 4 * (p.n_tiles > 1)
+  return io + extra + vec + stats + exchange + tile_stats + _SMEM_SLACK
 
 
 def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, return_h,
                return_xhat, return_stats, cfg, interpret, multicast_x) -> _Plan:
   m, k = x_shape
-  cluster = n // cfg.tile_n
-  if n % cfg.tile_n or cluster not in CLUSTER_SIZES:
+  cluster, n_tiles = _tiles_per_cta(n, cfg.tile_n, interpret)
+  if n % cfg.tile_n or not cluster or n_tiles > MAX_N_TILES:
     raise ValueError(f"N = {n} must be tile_n = {cfg.tile_n} times a cluster size in "
-                     f"{CLUSTER_SIZES}")
+                     f"{CLUSTER_SIZES} times at most {MAX_N_TILES} N tiles per CTA"
+                     + (" (interpret mode: a cluster of 1, it cannot read a peer CTA's shared "
+                        "memory)" if interpret else ""))
   if k % cfg.tile_k:
     raise ValueError(f"K = {k} is not a multiple of tile_k = {cfg.tile_k}")
   if cfg.tile_n % cfg.epi_tile_n:
@@ -199,7 +244,7 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
   plan = _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
                eps=float(eps), vecs=vecs, has_residual=has_residual, return_h=return_h,
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
-               stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1)
+               n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1)
   stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
   free = mgpu_common.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
   stages = min(cfg.max_concurrent_steps, free // stage_bytes, plan.k_iters)
@@ -247,32 +292,40 @@ def _slice_partials(plan: _Plan, h_chunk):
   return mean, jnp.sum(s2, axis=1)
 
 
-def _merge_partials(plan: _Plan, per_cta):
-  """(mean or None, rstd) of full rows from the partials of the c CTAs, merged in CTA order.
+def _combine(plan: _Plan, parts, count: int):
+  """Partials of equal column counts ``count``, combined in list order into one partial.
 
-  LayerNorm merges (mean_j, M2_j) of equal counts n_j = tile_n with Chan et al.:
-  mean = Σ mean_j / c, M2 = Σ M2_j + tile_n Σ (mean_j − mean)².
+  RMSNorm: (Σ h²,) add up. LayerNorm: (mean_j, M2_j) merge with Chan et al.:
+  mean = Σ mean_j / p, M2 = Σ M2_j + count · Σ (mean_j − mean)².
   """
-  n, c = plan.n, plan.cluster
   if plan.norm == "rms":
-    ss = per_cta[0][0]
-    for (s,) in per_cta[1:]:
+    ss = parts[0][0]
+    for (s,) in parts[1:]:
       ss = ss + s
-    return None, lax.rsqrt(ss * (1.0 / n) + plan.eps)
-  mean = per_cta[0][0]
-  for mj, _ in per_cta[1:]:
+    return (ss,)
+  mean = parts[0][0]
+  for mj, _ in parts[1:]:
     mean = mean + mj
-  mean = mean * (1.0 / c)
-  m2 = per_cta[0][1]
-  for _, m2j in per_cta[1:]:
+  mean = mean * (1.0 / len(parts))
+  m2 = parts[0][1]
+  for _, m2j in parts[1:]:
     m2 = m2 + m2j
-  if c > 1:
+  if len(parts) > 1:
     dev = None
-    for mj, _ in per_cta:
+    for mj, _ in parts:
       d2 = (mj - mean) * (mj - mean)
       dev = d2 if dev is None else dev + d2
-    m2 = m2 + dev * float(plan.cfg.tile_n)
-  var = jnp.maximum(m2 * (1.0 / n), 0.0)
+    m2 = m2 + dev * float(count)
+  return mean, m2
+
+
+def _merge_partials(plan: _Plan, per_cta):
+  """(mean or None, rstd) of full rows from the partials of the c CTAs, merged in CTA order."""
+  merged = _combine(plan, per_cta, plan.cta_cols)
+  if plan.norm == "rms":
+    return None, lax.rsqrt(merged[0] * (1.0 / plan.n) + plan.eps)
+  mean, m2 = merged
+  var = jnp.maximum(m2 * (1.0 / plan.n), 0.0)
   return mean, lax.rsqrt(var + plan.eps)
 
 
@@ -417,7 +470,6 @@ def _kernel(*refs, plan: _Plan):
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
-      # Residual in, y out: the full (rows, tile_n) tile of each consumer warpgroup.
       # Residual in, y out: the (rows, tile_n) tile of each consumer warpgroup, as column chunks
       # (a TMA copy needs a contiguous SMEM window).
       io_smem=plgpu.SMEM((2, chunks, wg_m, epi_n), plan.out_dtype, transforms=out_transforms),
@@ -429,28 +481,30 @@ def _kernel(*refs, plan: _Plan):
                     if plan.n_loads else None),
       stat_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32) if plan.n_stats else None,
       ex_allocs=_exchange_allocs(plan),
+      # n_tiles > 1: each N tile's partials, and the barrier of the second pass's reloads.
+      tile_stats=(plgpu.SMEM((2, plan.n_tiles, plan.n_partials, wg_m), jnp.float32)
+                  if plan.n_tiles > 1 else None),
+      reload_barrier=(plgpu.Barrier(num_arrivals=plan.n_reloads, num_barriers=2)
+                      if plan.n_tiles > 1 else None),
       collective_axes="wg",
   )
-  def _scope(pipeline_allocs, io_smem, extra_smem, vec_smem, load_barrier, stat_smem, ex_allocs):
+  def _scope(pipeline_allocs, io_smem, extra_smem, vec_smem, load_barrier, stat_smem, ex_allocs,
+             tile_stats, reload_barrier):
     ex = None if ex_allocs is None else _Exchange(**ex_allocs)
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster")
-    col0 = cta * tile_n  # this CTA's N slice: fixed for the whole kernel
+
+    def tile_col0(t):  # first column of this CTA's N tile t (fixed for the whole kernel)
+      return (cta * plan.n_tiles + t) * tile_n
 
     def _vec(name, ns):
       v = plgpu.load(vec_smem.at[wg, plan.vec_index(name), ns],
                      layout=plgpu.Layout.WGMMA.reduce(0))
       return _colvec(v, (wg_m, epi_n))
 
-    def _epilogue(acc, row0, tile_index):
-      if not plan.has_residual:
-        # Earlier TMA stores from the staging buffers must have read them before we overwrite.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if plan.n_loads:
-        plgpu.barrier_wait(load_barrier.at[wg])
-
+    def _h_chunk_fn(acc):
       def h_chunk(j):
-        """h of columns [j·epi_n, (j+1)·epi_n) of the slice, f32, recomputed on each use."""
+        """h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32, recomputed on each use."""
         ns = pl.ds(j * epi_n, epi_n)
         h = acc[:, j * epi_n:(j + 1) * epi_n]
         if "dense_bias" in plan.vecs:
@@ -459,52 +513,126 @@ def _kernel(*refs, plan: _Plan):
           r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
           h = h + r.astype(jnp.float32)
         return h
+      return h_chunk
 
+    def _store_stats(mean, rstd, row0):
+      if not plan.n_stats:
+        return
+      stats = [rstd] if mean is None else [rstd, mean]
+      for i, v in enumerate(stats):
+        stat_smem[wg, i] = v
+      plgpu.commit_smem()
+
+      @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
+      def _():
+        for i in range(len(stats)):
+          plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)])
+
+    def _store_chunk(value, j, row0, col0):
+      """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
+      io_smem[wg, j] = value.astype(plan.out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
+                              y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
+
+    def _store_extras(values, j, row0, col0, counter):
+      """h / x̂ chunk j through the small slots; ``counter`` counts the slots used so far."""
+      for e in plan.extras:
+        if e not in values:
+          continue
+        for i in range(wg_m // epi_m):
+          s = counter % _EXTRA_SLOTS
+          counter += 1
+          # The store that last read slot s is not the latest one, so it is complete.
+          plgpu.wait_smem_to_gmem(_EXTRA_SLOTS - 1, wait_read_only=True)
+          extra_smem[wg, s] = values[e][i * epi_m:(i + 1) * epi_m].astype(plan.out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              extra_smem.at[wg, s],
+              extra_gmems[e].at[pl.ds(row0 + i * epi_m, epi_m), pl.ds(col0 + j * epi_n, epi_n)])
+      return counter
+
+    def _normalize_chunk(h_minus_mean, rstd_b, ns):
+      xhat = h_minus_mean * rstd_b
+      y = xhat
+      if "scale" in plan.vecs:
+        y = y * _vec("scale", ns)
+      if "bias" in plan.vecs:
+        y = y + _vec("bias", ns)
+      return xhat, y
+
+    def _wait_loads():
+      if not plan.has_residual:
+        # Earlier TMA stores from the staging buffers must have read them before we overwrite.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if plan.n_loads:
+        plgpu.barrier_wait(load_barrier.at[wg])
+
+    def _epilogue(acc, row0, col0, tile_index):
+      """One N tile per CTA: statistics, exchange, normalization, all from the accumulator."""
+      _wait_loads()
+      h_chunk = _h_chunk_fn(acc)
       partials = _slice_partials(plan, h_chunk)
       mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
-
-      if plan.n_stats:
-        stats = [rstd] if mean is None else [rstd, mean]
-        for i, v in enumerate(stats):
-          stat_smem[wg, i] = v
-        plgpu.commit_smem()
-
-        @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
-        def _store_stats():
-          for i in range(len(stats)):
-            plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)])
-
+      _store_stats(mean, rstd, row0)
       shape = (wg_m, epi_n)
       rstd_b = _rowvec(rstd, shape)
       shift_b = None if mean is None else _rowvec(mean, shape)
-      n_extra = 0
-      for j in range(tile_n // epi_n):
-        ns = pl.ds(j * epi_n, epi_n)
+      counter = 0
+      for j in range(chunks):
         h = h_chunk(j)
-        xhat = (h if shift_b is None else h - shift_b) * rstd_b
-        y = xhat
-        if "scale" in plan.vecs:
-          y = y * _vec("scale", ns)
-        if "bias" in plan.vecs:
-          y = y + _vec("bias", ns)
-        # In place: each thread overwrites exactly the residual elements it just read.
-        io_smem[wg, j] = y.astype(plan.out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
-                                y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
-        values = {"h": h, "xhat": xhat}
-        for e in plan.extras:
-          for i in range(wg_m // epi_m):
-            s = n_extra % _EXTRA_SLOTS
-            n_extra += 1
-            # The store that last read slot s is not the latest one, so it is complete.
-            plgpu.wait_smem_to_gmem(_EXTRA_SLOTS - 1, wait_read_only=True)
-            extra_smem[wg, s] = values[e][i * epi_m:(i + 1) * epi_m].astype(plan.out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                extra_smem.at[wg, s],
-                extra_gmems[e].at[pl.ds(row0 + i * epi_m, epi_m),
-                                  pl.ds(col0 + j * epi_n, epi_n)])
+        xhat, y = _normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
+                                   pl.ds(j * epi_n, epi_n))
+        _store_chunk(y, j, row0, col0)
+        counter = _store_extras({"h": h, "xhat": xhat}, j, row0, col0, counter)
+
+    def _first_pass(acc, row0, col0, t):
+      """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
+      goes to y's place in global memory, in the output dtype: centered values keep their
+      precision for rows with a large mean. :func:`_second_pass` normalizes it."""
+      _wait_loads()
+      h_chunk = _h_chunk_fn(acc)
+      partials = _slice_partials(plan, h_chunk)
+      for q, v in enumerate(partials):
+        tile_stats[wg, t, q] = v
+      shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
+      counter = 0
+      for j in range(chunks):
+        h = h_chunk(j)
+        _store_chunk(h if shift_b is None else h - shift_b, j, row0, col0)
+        counter = _store_extras({"h": h}, j, row0, col0, counter)
+
+    def _second_pass(row0, tile_index):
+      """Merges the N tiles' partials, exchanges them in the cluster, then reloads each tile's
+      centered h from global memory and normalizes it in place."""
+      per_tile = [tuple(plgpu.load(tile_stats.at[wg, t, q], layout=plgpu.Layout.WGMMA.reduce(1))
+                        for q in range(plan.n_partials)) for t in range(plan.n_tiles)]
+      partials = _combine(plan, per_tile, tile_n)
+      mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
+      _store_stats(mean, rstd, row0)
+      shape = (wg_m, epi_n)
+      rstd_b = _rowvec(rstd, shape)
+      # The first pass's stores must have landed in global memory, not only left SMEM.
+      plgpu.wait_smem_to_gmem(0)
+      counter = 0
+      for t in range(plan.n_tiles):
+        col0 = tile_col0(t)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t − 1's stores read io_smem
+        for j in range(chunks):
+          plgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
+                                  io_smem.at[wg, j], reload_barrier.at[wg])
+        for i, v_gmem in enumerate(vec_gmems):
+          plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                  reload_barrier.at[wg])
+        plgpu.barrier_wait(reload_barrier.at[wg])
+        # centered = h − tile mean, so h − mean = centered + (tile mean − mean).
+        offset_b = None if mean is None else _rowvec(per_tile[t][0] - mean, shape)
+        for j in range(chunks):
+          centered = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+          xhat, y = _normalize_chunk(centered if offset_b is None else centered + offset_b,
+                                     rstd_b, pl.ds(j * epi_n, epi_n))
+          _store_chunk(y, j, row0, col0)
+          counter = _store_extras({"xhat": xhat}, j, row0, col0, counter)
 
     @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
     def _row_block_loop(loop_info: plgpu.NDLoopInfo):
@@ -512,34 +640,46 @@ def _kernel(*refs, plan: _Plan):
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
       tile_index = loop_info.local_index  # tiles this cluster did before
 
-      def compute_context(eval_pipeline):
-        if plan.has_residual:
-          # The previous tile's stores read io_smem: they must finish before TMA refills it.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          for j in range(chunks):
-            plgpu.copy_gmem_to_smem(
-                res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                io_smem.at[wg, j], load_barrier.at[wg])
-        for i, v_gmem in enumerate(vec_gmems):
-          plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                  load_barrier.at[wg])
-
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
-        def _acc_scope(acc_ref):
-          acc_ref = eval_pipeline(acc_ref)
-          _epilogue(acc_ref[...], row0, tile_index)
-
       def mma_body(idxs, a_smem, b_smem, acc_ref):
         del idxs
         plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
         plgpu.wgmma_wait(0)
         return acc_ref
 
-      make_pipeline(mma_body, compute_context)(
-          x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
-          w_gmem.at[:, pl.ds(col0, tile_n)],
-          allocations=pipeline_allocs,
-      )
+      for t in range(plan.n_tiles):
+        col0 = tile_col0(t)
+
+        def compute_context(eval_pipeline, t=t, col0=col0):
+          if plan.has_residual:
+            # The previous tile's stores read io_smem: they must finish before TMA refills it.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for j in range(chunks):
+              plgpu.copy_gmem_to_smem(
+                  res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
+                  io_smem.at[wg, j], load_barrier.at[wg])
+          for i, v_gmem in enumerate(vec_gmems):
+            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                    load_barrier.at[wg])
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
+          def _acc_scope(acc_ref):
+            acc_ref = eval_pipeline(acc_ref)
+            if plan.n_tiles == 1:
+              _epilogue(acc_ref[...], row0, col0, tile_index)
+            else:
+              _first_pass(acc_ref[...], row0, col0, t)
+
+        make_pipeline(mma_body, compute_context)(
+            x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
+            w_gmem.at[:, pl.ds(col0, tile_n)],
+            allocations=pipeline_allocs,
+        )
+
+      if plan.n_tiles > 1:
+
+        @pl.when(wg < 2)  # the consumer warpgroups; the producer moves on to the next row block
+        def _():
+          _second_pass(row0, tile_index)
 
     _cluster_final_sync(plan, ex, wg)
 
@@ -578,15 +718,16 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
 
   Args:
     x: (M, K) bfloat16/float16; M ≥ 1, K a multiple of 64.
-    w: (K, N) in x's dtype; N = c · tile_n with c ∈ {1, 2, 4, 8} (see :func:`pick_config`).
+    w: (K, N) in x's dtype; N = c · n_tiles · tile_n with c ∈ {1, 2, 4, 8}, n_tiles ≤ 4
+      (see :func:`pick_config`).
     dense_bias, scale, bias: optional (N,) vectors (any float dtype; used in float32).
     residual: optional (M, N) in the output dtype, added to h before the statistics.
     norm: "rms" or "layer". eps: positive float.
     out_dtype: dtype of y, h and x̂ (default x.dtype), bfloat16 or float16.
     return_h, return_xhat, return_stats: which optional outputs to write.
     interpret: run in Pallas GPU interpret mode on any backend (race detection on, NaN-filled
-      uninitialized memory: :func:`pallas_norm.mgpu_common.interpret_params`). Only clusters of
-      one CTA (N ≤ 256) run there: interpret mode cannot read a peer CTA's shared memory.
+      uninitialized memory: :func:`pallas_norm.mgpu_common.interpret_params`). It runs one CTA
+      per row block (it cannot read a peer CTA's shared memory), looping over up to 4 N tiles.
     config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
     multicast_x: with a cluster, let the CTAs share each x tile through a TMA multicast.
 
@@ -596,7 +737,7 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
 
   Raises:
     ValueError: shapes/dtypes the kernel does not support (:func:`unsupported_reason`), bad
-      norm/eps, a config that does not fit in SMEM, or c > 1 in interpret mode.
+      norm/eps, a config that does not fit in SMEM, or more than 4 N tiles per CTA.
     TypeError: x and w dtypes differ.
   """
   out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -609,9 +750,6 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
   padded_m = m + (-m % _ROW_ALIGN)
   plan = _make_plan((padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs, residual is not None,
                     return_h, return_xhat, return_stats, cfg, interpret, multicast_x)
-  if interpret and plan.cluster > 1:
-    raise ValueError(f"N = {n} needs a cluster of {plan.cluster} CTAs: GPU interpret mode cannot "
-                     "read a peer CTA's shared memory (use N ≤ tile_n)")
   out_type = [jax.ShapeDtypeStruct((padded_m, n), out_dtype)]
   out_type += [jax.ShapeDtypeStruct((padded_m, n), out_dtype) for _ in plan.extras]
   out_type += [jax.ShapeDtypeStruct((padded_m,), jnp.float32) for _ in range(plan.n_stats)]
