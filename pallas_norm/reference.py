@@ -4,9 +4,10 @@ Conventions shared by all ops (math in ``DESIGN.md``, "Notation" and "The ops"):
 
 * Statistics (mean, variance, rstd) are computed in float32 (float64 when the inputs are float64),
   with the **two-pass** variance ``mean((x - mean(x))**2)``: exact for rows with a large mean.
-* Matrix products take their operands in the inputs' dtype and accumulate in float32
-  (``preferred_element_type``) at ``Precision.HIGHEST``, so feeding float32 (or float64) inputs
-  gives a float32 (float64) oracle.
+* Matrix products take their operands in the inputs' dtype. float32/float64 operands multiply at
+  ``Precision.HIGHEST`` (the oracle: tests feed upcast inputs); bfloat16/float16 operands give a
+  16-bit product accumulated in float32 inside the GEMM, as plain JAX code does (the XLA
+  baseline), and the result is upcast to float32 for what follows.
 * The output dtype is the input's dtype unless ``out_dtype`` is given.
 * ``scale`` is gamma, ``bias`` is beta. With ``zero_centered_scale=True`` the applied scale is
   ``1 + scale`` (the "zero-centered gamma" parametrization).
@@ -131,10 +132,27 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps=1e-6, zero_center
   return _norm(x, scale, bias, residual, "layer", eps, zero_centered_scale, out_dtype)
 
 
+def _contract(fn, a, b):
+  """A product in the operands' precision, returned in the statistics dtype.
+
+  32/64-bit operands: full precision (the oracle). 16-bit operands: a 16-bit product
+  (accumulated in f32 inside the GEMM) as plain JAX code writes it, so that its backward also
+  stays in 16-bit GEMMs: a float32 cotangent would turn every backward GEMM into a slow f32 one
+  and make the XLA baseline look worse than it is.
+  """
+  dt = jnp.result_type(a.dtype, b.dtype)
+  if jnp.dtype(dt).itemsize >= 4:
+    return fn(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=_stat_dtype(dt))
+  return fn(a, b).astype(jnp.float32)
+
+
 def _dot(a, b):
-  """a @ b over the last axis of a, f32 (f64) accumulation, full precision."""
-  acc = _stat_dtype(jnp.result_type(a.dtype, b.dtype))
-  return jnp.matmul(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=acc)
+  """a @ b over the last axis of a (see :func:`_contract` for the precision)."""
+  return _contract(jnp.matmul, a, b)
+
+
+def _einsum(spec, a, b):
+  return _contract(lambda x, y, **kw: jnp.einsum(spec, x, y, **kw), a, b)
 
 
 def norm_matmul(x, w, scale=None, bias=None, *, norm="rms", eps=1e-6, out_dtype=None,
@@ -196,8 +214,6 @@ def _gdpa_acc(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
   # Padding rows of q are never data: zero them so NaN there cannot reach any gradient.
   q = jnp.where(jagged.valid_mask(q_offsets, q.shape[0])[:, None, None], q, 0)
   kp, vp, key_valid = _padded_kv(k, v, kv_offsets, max_kv_len)
-  acc = _stat_dtype(jnp.result_type(q.dtype, k.dtype))
-  hi = lax.Precision.HIGHEST
   capacity = q.shape[0]
   if max_seq_len is None:
     # Token-wise: gather each token's own sample K/V. O(T·Lkv·H·D) memory: tests only.
@@ -205,14 +221,14 @@ def _gdpa_acc(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
     # Padding rows have seg = B: clip explicitly (their output is zeroed) so that numpy
     # inputs index fine and the gather's VJP agrees with its forward.
     kt, vt, mt = (jnp.take(a, seg, axis=0, mode="clip") for a in (kp, vp, key_valid))
-    s = jnp.einsum("thd,tjhd->thj", q, kt, precision=hi, preferred_element_type=acc)
+    s = _einsum("thd,tjhd->thj", q, kt)
     p = jnp.where(mt[:, None, :], act(pre_scale * s), 0).astype(v.dtype)
-    o = jnp.einsum("thj,tjhd->thd", p, vt, precision=hi, preferred_element_type=acc)
+    o = _einsum("thj,tjhd->thd", p, vt)
   else:
     qp = jagged.to_padded(q, q_offsets, max_seq_len)  # (B, L, H, D)
-    s = jnp.einsum("blhd,bjhd->bhlj", qp, kp, precision=hi, preferred_element_type=acc)
+    s = _einsum("blhd,bjhd->bhlj", qp, kp)
     p = jnp.where(key_valid[:, None, None, :], act(pre_scale * s), 0).astype(v.dtype)
-    op = jnp.einsum("bhlj,bjhd->blhd", p, vp, precision=hi, preferred_element_type=acc)
+    op = _einsum("bhlj,bjhd->blhd", p, vp)
     o = jagged.from_padded(op, q_offsets, capacity)
   return post_scale * o
 

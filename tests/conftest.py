@@ -3,9 +3,14 @@
 import os
 import pathlib
 
-import pytest
+# GPU interpret mode runs each warpgroup of a kernel as a concurrent CPU computation that blocks
+# on the others; XLA's CPU client runs at most PJRT_NPROC of them at once (default: one per
+# core), so on a 2-core CI machine interpret kernels would deadlock. Set before jax starts.
+os.environ.setdefault("PJRT_NPROC", "8")
 
-from pallas_norm import _dispatch
+import pytest  # noqa: E402
+
+from pallas_norm import _dispatch  # noqa: E402
 
 # ../shared/data beside the checkout (see DEVELOPERS.md); PALLAS_NORM_DATA overrides it.
 DATA_DIR = pathlib.Path(os.environ.get(

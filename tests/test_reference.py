@@ -284,12 +284,14 @@ def test_matmul_norm_shapes_dtypes(ops, dtype, norm, x_shape, n, rng):
   chex.assert_type(stats.rstd, stat_dtype(dtype))
   npo.assert_close(y, want_y, tol(dtype), "y")
   npo.assert_close(h, want_h, tol(dtype), "h")
-  # h is computed from the same inputs at float32 accumulation for every input dtype.
-  npo.assert_close(stats.rstd, want_rstd, STATS_TOL[dtype.name], "rstd")
+  # 16-bit inputs: the XLA path rounds x @ w to bf16 before the statistics (as plain JAX code
+  # does), so they carry bf16 rounding (2^-9 per element, averaged over N) against the oracle.
+  stats_tol = 2e-3 if dtype == jnp.bfloat16 else STATS_TOL[dtype.name]
+  npo.assert_close(stats.rstd, want_rstd, stats_tol, "rstd")
   if norm == "rms":
     assert stats.mean is None
   else:
-    npo.assert_close(stats.mean, want_mean, STATS_TOL[dtype.name], "mean")
+    npo.assert_close(stats.mean, want_mean, stats_tol, "mean")
 
 
 @pytest.mark.parametrize("with_dense_bias", [False, True])
