@@ -1,0 +1,247 @@
+"""The benchmark suite (benchmarks/) on the CPU, at tiny shapes.
+
+These prove that every code path the GPU run takes executes: inputs, the oracle check before
+timing, the timer, the derived columns and the report files. Times on a CPU are wall clock and
+are never asserted.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_norm as pn
+from benchmarks import cases, report, run, timing  # pytest's pythonpath has the repo root
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Every op of --quick in one variant and, but for norm_matmul, one mode: short enough for CI.
+# test_every_case_runs_at_tiny_shapes runs all of them.
+QUICK_SUBSET = (r"norm_matmul/rms/|matmul_norm/layer\+res/.*fwd\+bwd|gdpa/.*fwd$"
+                r"|flash_norm_attention/.*fwd\+bwd|rms_norm/.*fwd$")
+KERNEL_STATUSES = {"ok", "n/a", "wrong"}  # "error" means the suite could not run a kernel
+
+
+def _run_suite(tmp_path, *flags, timeout):
+  """Runs the suite in a subprocess (a hanging interpret-mode kernel fails, not hangs, the test)
+  and returns (results, json path)."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+             PJRT_NPROC="8")  # interpret-mode kernels deadlock with fewer CPU computations
+  env.pop("OUT", None)
+  cmd = [sys.executable, "-m", "benchmarks.run", "--results-dir", str(tmp_path), *flags]
+  try:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+  except subprocess.TimeoutExpired as e:
+    out = (e.stdout or b"")[-4000:]
+    pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{out!r}")
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  [path] = tmp_path.glob("*.json")
+  return json.loads(path.read_text()), path
+
+
+def _check_rows(results):
+  rows = results["rows"]
+  by_case = {}
+  for r in rows:
+    by_case.setdefault(r["case"], {})[r["impl"]] = r
+  for name, impls in by_case.items():
+    if name.startswith("train_step"):
+      continue
+    xla = impls["xla"]
+    # The oracle check ran: a bf16 result differs from the f32 oracle, but not by much.
+    assert xla["status"] == "ok", xla
+    assert 0 < xla["rel_err"] < run.TOLERANCE, xla
+    assert xla["time_us"] > 0 and len(xla["times_us"]) == results["iterations"], xla
+    assert xla["floor_us"] > 0 and xla["bytes"] > 0, xla
+    for impl, r in impls.items():
+      if impl == "xla":
+        continue
+      assert r["status"] in KERNEL_STATUSES, r
+      if r["status"] in ("ok", "wrong"):
+        assert r["rel_err"] is not None, r
+      if r["status"] == "ok":
+        assert r["time_us"] > 0 and r["ratio_xla"] is not None, r
+    limit = xla["limit_case"]
+    if limit is not None:
+      assert limit in by_case, f"{name}: its limit {limit} did not run"
+      assert xla["ratio_limit"] == pytest.approx(xla["time_us"] / xla["limit_us"]), xla
+      assert xla["hidden"] is None  # only fused implementations hide anything
+  return by_case
+
+
+def test_quick_interpret_suite_writes_checked_results(tmp_path):
+  results, path = _run_suite(tmp_path, "--interpret", "--quick", "--only", QUICK_SUBSET,
+                             "--iterations", "2", timeout=600)
+  assert results["timer"] == "wall" and results["backend"] == "cpu"
+  assert results["flags"]["interpret"] and results["flags"]["tiny"]
+  for key in ("jax_version", "device", "date", "git_commit", "tolerance", "wall_s"):
+    assert results[key] is not None, key
+  ceilings = results["ceilings"]
+  assert ceilings["copy_GBps"] > 0 and ceilings["gemm_TFLOPs"] > 0
+  by_case = _check_rows(results)
+  ops = {r["op"] for r in results["rows"]}
+  assert ops == {"gemm", "norm_matmul", "matmul_norm", "gdpa", "flash_norm_attention",
+                 "rms_norm"}
+  assert {r["mode"] for r in results["rows"]} == {"fwd", "fwd+bwd"}
+  assert all("interpret" in impls for name, impls in by_case.items()
+             if not name.startswith("gemm"))
+
+  md = path.with_suffix(".md").read_text()
+  assert "| case | mode | impl | time µs | × limit | × XLA | floor µs | hidden | status |" in md
+  assert "Wall-clock timer" in md
+  assert path.with_suffix(".png").stat().st_size > 0
+  # The report CLI regenerates the same table from the JSON alone.
+  path.with_suffix(".md").unlink()
+  report.main([str(path)])
+  assert path.with_suffix(".md").read_text() == md
+  assert "| norm_matmul rms | 256x128x128 |" in report.readme_table(results, "fwd")
+  assert "| matmul_norm layer+res | 256x128x128 |" in report.readme_table(results, "fwd+bwd")
+
+
+def _scaled_norm_matmul(case):
+  del case
+  return lambda x, w, scale: 1.1 * pn.norm_matmul(x, w, scale, implementation="xla")
+
+
+def _absent(case):
+  raise NotImplementedError(f"no such kernel for {case.name}")
+
+
+def _broken(case):
+  del case
+
+  def fn(x, w, scale):
+    raise RuntimeError("kernel failed to lower")
+  return fn
+
+
+def test_wrong_absent_and_broken_implementations_are_reported(tmp_path):
+  for name, factory in (("scaled", _scaled_norm_matmul), ("absent", _absent),
+                        ("broken", _broken)):
+    cases.register_impl("norm_matmul", name, factory)
+  try:
+    results = run.main(["--tiny", "--quick", "--only", r"norm_matmul/rms/.*/fwd$", "--impls",
+                        "scaled,absent,broken", "--no-plot", "--results-dir", str(tmp_path),
+                        "--iterations", "2"])
+  finally:
+    for name in ("scaled", "absent", "broken"):
+      cases.unregister_impl("norm_matmul", name)
+  by_impl = {r["impl"]: r for r in results["rows"] if r["op"] == "norm_matmul"}
+  assert set(by_impl) == {"xla", "scaled", "absent", "broken"}  # --impls dropped "mosaic"
+  scaled = by_impl["scaled"]
+  assert scaled["status"] == "wrong" and scaled["rel_err"] == pytest.approx(0.1, abs=0.01)
+  assert scaled["time_us"] is None and scaled["times_us"] == []  # a wrong output is not timed
+  assert by_impl["absent"]["status"] == "n/a"
+  assert by_impl["broken"]["status"] == "error"
+  assert "kernel failed to lower" in by_impl["broken"]["message"]
+  assert by_impl["xla"]["status"] == "ok" and by_impl["xla"]["time_us"] > 0
+  # The GEMM-alone limit ran although --only did not name it.
+  assert any(r["op"] == "gemm" and r["status"] == "ok" for r in results["rows"])
+
+
+def test_imprecise_xla_baseline_is_still_timed(tmp_path):
+  # A tolerance below bf16's rounding error: the XLA rows become "imprecise" and stay the
+  # baseline (timed, ratios computed); a kernel would say "wrong" and not be timed.
+  results = run.main(["--tiny", "--quick", "--only", r"matmul_norm/rms/.*/fwd$", "--impls",
+                      "none", "--tolerance", "1e-5", "--no-plot", "--no-e2e",
+                      "--results-dir", str(tmp_path), "--iterations", "2"])
+  rows = {r["op"]: r for r in results["rows"]}
+  assert set(rows) == {"gemm", "matmul_norm"}
+  for r in rows.values():
+    assert r["status"] == "imprecise" and r["rel_err"] > 1e-5 and r["time_us"] > 0, r
+  assert rows["matmul_norm"]["ratio_limit"] == pytest.approx(
+      rows["matmul_norm"]["time_us"] / rows["gemm"]["time_us"])
+  assert "timed as the baseline" in report.markdown(results)
+
+
+def test_resume_runs_only_what_the_budget_cut(tmp_path):
+  flags = ["--tiny", "--quick", "--only", r"^rms_norm/.*/fwd$", "--impls", "none", "--no-plot",
+           "--no-e2e", "--results-dir", str(tmp_path), "--iterations", "2"]
+  cut = run.main(flags + ["--budget-s", "0"])
+  [row] = cut["rows"]
+  assert row["status"] == "skipped" and "time budget" in row["message"]
+  resumed = run.main(flags + ["--resume"])
+  [row] = resumed["rows"]
+  assert row["status"] == "ok" and row["time_us"] > 0
+  assert resumed["ceilings"] == cut["ceilings"]  # kept, not measured again
+  again = run.main(flags + ["--resume"])
+  assert again["rows"][0]["times_us"] == row["times_us"]  # finished cases are not rerun
+
+
+def test_rotating_calls_each_input_set_in_turn():
+  fn = jax.jit(lambda a: a * 2)
+  sets = [(jnp.full((4,), float(i + 1)),) for i in range(3)]
+  rot = timing.Rotating(fn, sets)
+  # profiler.measure re-jits (and so freezes one input set into) anything not Wrapped.
+  assert isinstance(rot, jax.stages.Wrapped)
+  got = [float(rot(None)[0]) for _ in range(4)]
+  assert got == [2.0, 4.0, 6.0, 2.0]
+  assert rot.lower().compile() is not None
+  times = timing.measure_us(fn, sets, 3, "wall")
+  assert len(times) == 3 and all(t > 0 for t in times)
+  with pytest.raises(ValueError, match="timer"):
+    timing.measure_us(fn, sets, 3, "cuda-events")
+  with pytest.raises(ValueError, match="iterations"):
+    timing.measure_us(fn, sets, 0, "wall")
+
+
+def test_case_list_is_consistent():
+  all_cases = cases.all_cases()
+  names = [c.name for c in all_cases]
+  assert len(names) == len(set(names))
+  quick = cases.select(all_cases, quick=True, only=None, tiny_shapes=False)
+  assert 0 < len(quick) < len(all_cases) and all(c.quick for c in quick)
+  only = cases.select(all_cases, quick=False, only=r"^gdpa/", tiny_shapes=False)
+  assert only and all(c.op == "gdpa" for c in only)
+  tiny = cases.select(all_cases, quick=False, only=None, tiny_shapes=True)
+  ops_modes = {(c.op, c.variant, c.mode) for c in all_cases}
+  assert {(c.op, c.variant, c.mode) for c in tiny} == ops_modes  # every op survives tiny
+  for c in all_cases:
+    if c.op in ("gdpa", "flash_norm_attention"):
+      lens = cases.attention_lengths(c)
+      assert lens.min() >= 1 and lens.max() <= c.dim("L")
+    if c.op in ("rms_norm", "layer_norm"):  # ~1 GB inputs
+      assert 0.9e9 < 2 * c.dim("M") * c.dim("N") < 1.2e9
+
+
+@pytest.mark.slow
+def test_full_suite_largest_cases_fit_the_h200():
+  """Device memory of the largest cases: input sets plus the ten outputs profiler.measure keeps
+  alive must fit the 139 GB of the H200 (abstract shapes only, nothing is allocated)."""
+  for c in cases.all_cases():
+    args, out = run.abstract_io(cases.build(c), c.mode)
+    in_b, out_b = run.nbytes(args), run.nbytes(out)
+    sets = min(8, max(1, math.ceil(run.ROTATE_BYTES / in_b)))
+    assert sets * in_b + 11 * out_b < 100e9, (c.name, in_b, out_b)
+
+
+def test_floors_table_covers_the_headline_shapes():
+  table = report.floors_table(4300.0, 790.0)
+  assert "norm_matmul/rms/262144x512x512" in table and "gdpa/B768_H4_L512" in table
+  # 262144x512x512 bf16 fwd: x, w, γ in, y out: 2·(2·262144·512 + 512² + 512) bytes.
+  row = next(line for line in table.splitlines()
+             if line.startswith("| norm_matmul/rms/262144x512x512 | fwd |"))
+  nbytes = 2 * (2 * 262144 * 512 + 512 * 512 + 512)
+  assert f"| {nbytes / 4300e3:.0f} |" in row
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PALLAS_NORM_BENCH_ALL"),
+                    reason="~10 min: set PALLAS_NORM_BENCH_ALL=1 to run every case at tiny shapes")
+def test_every_case_runs_at_tiny_shapes(tmp_path):
+  """Before spending GPU time on a changed suite: every case, kernels in interpret mode."""
+  results, _ = _run_suite(tmp_path, "--interpret", "--iterations", "1", "--budget-s", "1500",
+                          timeout=1500)
+  by_case = _check_rows(results)
+  expected = {c.name for c in cases.select(cases.all_cases(), quick=False, only=None,
+                                           tiny_shapes=True)}
+  assert expected <= set(by_case)
+  e2e_rows = [r for r in results["rows"] if r["op"] == "train_step"]
+  assert e2e_rows and all(r["status"] in ("ok", "skipped") for r in e2e_rows), e2e_rows
