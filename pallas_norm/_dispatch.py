@@ -6,8 +6,10 @@ Every public op takes ``implementation=None | "mosaic" | "xla" | "interpret"``:
 * ``"mosaic"``: the Pallas Mosaic-GPU kernel, needs a Hopper GPU (sm_90a).
 * ``"interpret"``: the same kernel run in Pallas GPU interpret mode on any backend (slow; for
   tests).
-* ``None``: the Mosaic kernel when it exists, the default device is a Hopper GPU and the kernel
-  supports the arguments; otherwise XLA, with the reason logged at debug level.
+* ``None``: the Mosaic kernel when it exists, the default device is a Hopper GPU, the kernel
+  supports the arguments and it was measured faster than XLA at such shapes (see each op's
+  ``_kernel_slower_reason`` and ``benchmarks/results``); otherwise XLA, with the reason logged at
+  debug level.
 
 An op registers its kernels by passing ``kernels={"mosaic": supports_fn}`` to :func:`choose`,
 where ``supports_fn(**static_args)`` returns None when it can run the call or a string saying
@@ -38,11 +40,13 @@ def on_hopper_gpu() -> bool:
 
 
 def choose(op: str, implementation: str | None,
-           unsupported_reason: Callable[[], str | None] | None = None) -> str:
+           unsupported_reason: Callable[[], str | None] | None = None,
+           slower_reason: Callable[[], str | None] | None = None) -> str:
   """Returns "xla", "mosaic" or "interpret" for this call of ``op``.
 
   ``unsupported_reason`` is None for ops that have no kernel yet; otherwise it returns None when
-  the kernel can run these arguments, or why it cannot.
+  the kernel can run these arguments, or why it cannot. ``slower_reason`` (consulted only for
+  ``implementation=None``) returns why XLA is measured faster for these shapes, or None.
 
   Raises:
     ValueError: ``implementation`` is not a known name.
@@ -64,6 +68,8 @@ def choose(op: str, implementation: str | None,
     if not on_hopper_gpu():
       log.debug("%s: using XLA: the default device is not a Hopper GPU", op)
       return "xla"
+    if reason is None and slower_reason is not None:
+      reason = slower_reason()
     if reason is not None:
       log.debug("%s: using XLA: %s", op, reason)
       return "xla"

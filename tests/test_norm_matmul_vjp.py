@@ -166,3 +166,17 @@ def test_gpu_public_api_gradients(m, k, n, norm):
   for name, g, g_ref in zip(["dx", "dw", "dscale", "dbias"], grads, vjp_ref(f32(ct))):
     assert bool(jnp.all(jnp.isfinite(g))), name
     assert _rel(g, g_ref) < 2e-2, (name, _rel(g, g_ref))
+
+
+def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(monkeypatch):
+  """implementation=None on a Hopper GPU: the kernel only at shapes where it was measured faster."""
+  from pallas_norm import _dispatch
+  from pallas_norm.ops import matmul_norm as mn
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  ok = lambda: None  # noqa: E731  (the kernel supports the call)
+  assert _dispatch.choose("op", None, ok, lambda: nm._kernel_slower_reason(512, 512)) == "mosaic"
+  assert _dispatch.choose("op", None, ok, lambda: nm._kernel_slower_reason(2048, 512)) == "xla"
+  assert _dispatch.choose("op", None, ok, lambda: mn._kernel_slower_reason(256)) == "mosaic"
+  assert _dispatch.choose("op", None, ok, lambda: mn._kernel_slower_reason(1024)) == "xla"
+  # An explicit request is honoured even where the kernel is slower.
+  assert _dispatch.choose("op", "mosaic", ok, lambda: "slower") == "mosaic"

@@ -55,6 +55,19 @@ def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) ->
   _validate.out_dtype(out_dtype)
 
 
+# Widest N at which the H200 benchmark (benchmarks/results/nvidia-h200.md) measured the kernel
+# faster than XLA's unfused op; wider rows need clusters whose exchange and 2-stage pipeline make
+# it slower today (issue 5).
+KERNEL_DEFAULT_MAX_N = 512
+
+
+def _kernel_slower_reason(n: int) -> str | None:
+  if n > KERNEL_DEFAULT_MAX_N:
+    return (f"N = {n}: past {KERNEL_DEFAULT_MAX_N} the Mosaic kernel is measured slower than XLA "
+            "on the H200 (pass implementation='mosaic' to force it)")
+  return None
+
+
 def _kernel_unsupported_reason(x, w, residual, out_dtype, interpret: bool) -> str | None:
   try:
     from pallas_norm.ops import matmul_norm_mgpu
@@ -219,7 +232,8 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
   chosen = _dispatch.choose(
       "matmul_norm", implementation,
       lambda: _kernel_unsupported_reason(x, w, residual, out_dtype,
-                                         interpret=implementation == "interpret"))
+                                         interpret=implementation == "interpret"),
+      lambda: _kernel_slower_reason(w.shape[1]))
   if chosen == "xla":
     return reference.matmul_norm(x, w, dense_bias, residual, scale, bias, norm=norm, eps=eps,
                                  out_dtype=out_dtype, return_h=return_h,

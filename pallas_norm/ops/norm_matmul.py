@@ -66,6 +66,18 @@ def _kernel_unsupported_reason(x, w) -> str | None:
   return norm_matmul_mgpu.unsupported_reason(m, x.shape[-1], w.shape[1], x.dtype)
 
 
+# Largest K and N at which the H200 benchmark (benchmarks/results/nvidia-h200.md) measured the
+# kernel faster than XLA's unfused op; past them our GEMM core trails cuBLAS (issue 4).
+KERNEL_DEFAULT_MAX_K = KERNEL_DEFAULT_MAX_N = 1024
+
+
+def _kernel_slower_reason(k: int, n: int) -> str | None:
+  if k > KERNEL_DEFAULT_MAX_K or n > KERNEL_DEFAULT_MAX_N:
+    return (f"K = {k}, N = {n}: past {KERNEL_DEFAULT_MAX_K} the Mosaic kernel is measured slower "
+            "than XLA on the H200 (pass implementation='mosaic' to force it)")
+  return None
+
+
 def fold_affine(w, scale, bias, norm):
   """The folded operands ``(W_γ in w.dtype, c (N,) f32 or None, b (N,) f32 or None)``."""
   wf = w.astype(_F32)
@@ -205,7 +217,8 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
   """
   check_args(x, w, scale, bias, norm, eps, out_dtype)
   chosen = _dispatch.choose("norm_matmul", implementation,
-                            lambda: _kernel_unsupported_reason(x, w))
+                            lambda: _kernel_unsupported_reason(x, w),
+                            lambda: _kernel_slower_reason(x.shape[-1], w.shape[1]))
   if chosen == "xla":
     return reference.norm_matmul(x, w, scale, bias, norm=norm, eps=eps, out_dtype=out_dtype,
                                  return_stats=return_stats)
