@@ -139,16 +139,25 @@ class KunlunModel(nnx.Module):
     """Click logits.
 
     Args:
-      sparse_ids: (B, Fs) int hashed categorical ids in [0, sparse_vocab_size).
+      sparse_ids: (B, Fs) int hashed categorical ids; taken modulo sparse_vocab_size (the
+        hashing trick), so any int id, negative or out of range, maps to a row.
       dense: (B, Fd) float dense features (ignored when Fd = 0; pass shape (B, 0)).
-      seq_ids: (T,) int packed item ids of the behaviour sequences, T a static capacity.
+      seq_ids: (T,) int packed item ids of the behaviour sequences, T a static capacity; taken
+        modulo item_vocab_size like sparse_ids.
       seq_offsets: (B+1,) int32 jagged offsets of ``seq_ids`` (lengths <= max_seq_len; empty
         sequences allowed).
 
     Returns:
       (B,) float32 logits.
+
+    Raises:
+      TypeError: non-integer ids. ValueError: ids/dense/offsets of inconsistent shapes.
     """
     c = self.config
+    _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets)
+    # Hashing trick: out-of-range ids would make nnx.Embed's gather return NaN rows.
+    sparse_ids = jnp.mod(sparse_ids, c.sparse_vocab_size)
+    seq_ids = jnp.mod(seq_ids, c.item_vocab_size)
     batch = sparse_ids.shape[0]
     if seq_offsets.shape != (batch + 1,):
       raise ValueError(f"seq_offsets must have shape ({batch + 1},) for B = {batch}, got "
@@ -218,3 +227,23 @@ class KunlunModel(nnx.Module):
 def _zero_padding_rows(x, offsets):
   valid = jagged.valid_mask(offsets, x.shape[0])
   return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+def _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets) -> None:
+  for name, ids in (("sparse_ids", sparse_ids), ("seq_ids", seq_ids)):
+    if not hasattr(ids, "dtype") or not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer array, got {getattr(ids, 'dtype', type(ids))}")
+  if sparse_ids.ndim != 2 or sparse_ids.shape[1] != c.num_sparse_features:
+    raise ValueError(f"sparse_ids must have shape (B, {c.num_sparse_features}), got "
+                     f"{tuple(sparse_ids.shape)}")
+  if sparse_ids.shape[0] < 1:
+    raise ValueError("sparse_ids must hold at least one example (B >= 1)")
+  if not hasattr(dense, "shape") or tuple(dense.shape) != (sparse_ids.shape[0],
+                                                            c.num_dense_features):
+    raise ValueError(f"dense must have shape (B, {c.num_dense_features}) = "
+                     f"({sparse_ids.shape[0]}, {c.num_dense_features}), got "
+                     f"{tuple(getattr(dense, 'shape', ()))}")
+  if seq_ids.ndim != 1:
+    raise ValueError(f"seq_ids must be 1-D packed ids (T,), got shape {tuple(seq_ids.shape)}")
+  if not hasattr(seq_offsets, "shape"):
+    raise TypeError(f"seq_offsets must be an int32 array, got {type(seq_offsets).__name__}")

@@ -74,6 +74,9 @@ def choose(op: str, implementation: str | None,
       log.debug("%s: using XLA: %s", op, reason)
       return "xla"
     return "mosaic"
+  if reason is None and implementation == "mosaic" and not on_hopper_gpu():
+    reason = ("the default JAX device is not a Hopper GPU (sm_90a); use 'interpret' to run the "
+              "kernel on another backend, or 'xla'")
   if reason is not None:
     raise NotImplementedError(f"{op}: implementation={implementation!r} cannot run this call: "
                               f"{reason}")

@@ -50,8 +50,11 @@ def same_shape(name: str, v, shape) -> None:
 
 
 def eps(value) -> None:
+  if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and not isinstance(
+      value, jax.core.Tracer) and jnp.issubdtype(value.dtype, jnp.floating):
+    value = float(value)  # a concrete numpy/jax float scalar
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"eps must be a positive float, got {value!r}")
+    raise TypeError(f"eps must be a positive float (a static Python number), got {value!r}")
   if not (float(value) > 0 and np.isfinite(value)):
     raise ValueError(f"eps must be a positive finite float, got {value!r}")
 
@@ -116,3 +119,14 @@ def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
     raise ValueError(f"a sample of {name} has {steps.max()} rows, more than "
                      f"{max_len_name}={max_len}")
   return off.shape[0] - 1
+
+
+def offsets_invalid(off, capacity: int, max_len: int | None):
+  """Traced counterpart of :func:`offsets`: a scalar bool, True when ``off`` breaks the jagged
+  convention (first != 0, decreasing, last > capacity, a length > max_len). Under ``jax.jit`` the
+  values cannot raise, so the ops turn their output into NaN instead of a silent wrong answer."""
+  steps = jnp.diff(off)
+  bad = (off[0] != 0) | jnp.any(steps < 0) | (off[-1] > capacity)
+  if max_len is not None:
+    bad = bad | jnp.any(steps > max_len)
+  return bad

@@ -155,3 +155,25 @@ def test_context_only_model_without_dense_features():
   y = nnx.jit(lambda m, *a: m(*a))(m, sparse, np.zeros((B, 0), np.float32), ids,
                                    jagged.offsets_from_lengths(np.zeros(B, np.int64)))
   assert y.shape == (B,) and np.all(np.isfinite(y))
+
+
+def test_out_of_range_ids_are_hashed_into_the_tables(model, forward):
+  """Ids past the vocabulary (or negative) map modulo the table size: finite, same logits."""
+  sparse, dense, ids, off = _inputs(7)
+  want = forward(model, sparse, dense, ids, off)
+  shifted = forward(model, sparse + 10 * CONFIG.sparse_vocab_size, dense,
+                    ids - 3 * CONFIG.item_vocab_size, off)
+  np.testing.assert_allclose(shifted, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("arg,make,error,name", [
+    ("sparse_ids", lambda s, d, i, o: (s[:, :2], d, i, o), ValueError, "sparse_ids"),
+    ("sparse_ids", lambda s, d, i, o: (s.astype(np.float32), d, i, o), TypeError, "sparse_ids"),
+    ("dense", lambda s, d, i, o: (s, d[:, :1], i, o), ValueError, "dense"),
+    ("seq_ids", lambda s, d, i, o: (s, d, i.reshape(B, -1), o), ValueError, "seq_ids"),
+    ("seq_offsets", lambda s, d, i, o: (s, d, i, list(o)), TypeError, "seq_offsets"),
+    ("batch", lambda s, d, i, o: (s[:0], d[:0], i, o[:1]), ValueError, "sparse_ids"),
+])
+def test_bad_model_inputs_raise_naming_the_argument(model, arg, make, error, name):
+  with pytest.raises(error, match=name):
+    model(*make(*_inputs(8)))

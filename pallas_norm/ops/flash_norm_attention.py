@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pallas_norm import _dispatch, _validate, reference
 from pallas_norm.ops.gdpa import check_args as check_attention_args
+from pallas_norm.ops.gdpa import poison_if_offsets_invalid
 
 
 def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, ln_bias=None,
@@ -46,8 +47,11 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   _validate.optional_vector("rms_scale", rms_scale, features)
   _validate.eps(eps)
   _dispatch.choose("flash_norm_attention", implementation)
-  return reference.flash_norm_attention(
+  out = reference.flash_norm_attention(
       q, k, v, q_offsets, kv_offsets, ln_scale=ln_scale, ln_bias=ln_bias, rms_scale=rms_scale,
       activation=activation, pre_scale=pre_scale, post_scale=post_scale, eps=eps,
       max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=out_dtype,
       return_stats=return_stats)
+  # Traced offsets that break the jagged convention give NaN, never a silent wrong answer.
+  return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
+                                   max_seq_len, max_kv_len)

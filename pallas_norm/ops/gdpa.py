@@ -7,6 +7,7 @@ row normalization; keys past a sample's length contribute exactly zero. Jagged l
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_norm import _dispatch, _validate, reference
@@ -75,6 +76,10 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   Returns:
     (T, H, D); padding rows (>= q_offsets[-1]) are zeros.
 
+  Offsets that are traced (under ``jax.jit``/``vmap``) cannot raise: if they break the jagged
+  convention (first != 0, decreasing, last > T, a length over max_seq_len/max_kv_len) the whole
+  output is NaN rather than silently wrong.
+
   Raises:
     TypeError: dtypes. ValueError: shapes, offsets (when concrete), activation, scales, lengths
     over max_seq_len/max_kv_len. NotImplementedError: kernel implementation not available.
@@ -82,6 +87,21 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)
   _dispatch.choose("gdpa", implementation)
-  return reference.gdpa(q, k, v, q_offsets, kv_offsets, activation=activation,
+  out = reference.gdpa(q, k, v, q_offsets, kv_offsets, activation=activation,
                         pre_scale=pre_scale, post_scale=post_scale, max_seq_len=max_seq_len,
                         max_kv_len=max_kv_len, out_dtype=out_dtype)
+  return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
+                                   max_seq_len, max_kv_len)
+
+
+def poison_if_offsets_invalid(out, q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len,
+                              max_kv_len):
+  """NaN everywhere when traced offsets break the jagged convention (see
+  :func:`pallas_norm._validate.offsets_invalid`); concrete offsets were already checked."""
+  traced = [o for o in (q_offsets, kv_offsets) if isinstance(o, jax.core.Tracer)]
+  if not traced:
+    return out
+  bad = _validate.offsets_invalid(q_offsets, capacity, max_seq_len)
+  if kv_offsets is not None:
+    bad = bad | _validate.offsets_invalid(kv_offsets, kv_capacity, max_kv_len)
+  return jax.tree.map(lambda a: jnp.where(bad, jnp.full_like(a, jnp.nan), a), out)
