@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_norm import IMPLEMENTATIONS
+
 
 def param(rngs: nnx.Rngs, init, shape, param_dtype) -> nnx.Param:
   """An ``nnx.Param`` drawn from ``init(key, shape, param_dtype)``, as Flax's own layers do."""
@@ -37,3 +39,11 @@ def check_norm(norm: str) -> None:
 def check_features(name: str, value_) -> None:
   if isinstance(value_, bool) or not isinstance(value_, int) or value_ < 1:
     raise ValueError(f"{name} must be a positive int, got {value_!r}")
+
+
+def check_implementation(implementation) -> str | None:
+  """Rejects an unknown implementation name when the layer is built, not at its first call."""
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  return implementation

@@ -46,7 +46,7 @@ class GDPA(nnx.Module):
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
     self.dtype = dtype
-    self.implementation = implementation
+    self.implementation = _common.check_implementation(implementation)
 
   def __call__(self, q, q_offsets, k, v, kv_offsets=None, max_seq_len: int | None = None,
                max_kv_len: int | None = None):
@@ -101,7 +101,7 @@ class PFFNBlock(nnx.Module):
     self.epsilon = epsilon
     self.dtype = dtype
     self.param_dtype = param_dtype
-    self.implementation = implementation
+    self.implementation = _common.check_implementation(implementation)
     features = num_heads * head_dim
     make = lambda init, use: (_common.param(rngs, init, (features,), param_dtype)  # noqa: E731
                               if use else None)

@@ -66,7 +66,7 @@ class NormDense(nnx.Module):
     self.epsilon = epsilon
     self.dtype = dtype
     self.param_dtype = param_dtype
-    self.implementation = implementation
+    self.implementation = _common.check_implementation(implementation)
     self.norm_scale, self.norm_bias = _norm_params(
         rngs, norm, in_features, use_scale, use_norm_bias, scale_init, norm_bias_init,
         param_dtype)
@@ -115,7 +115,7 @@ class DenseNorm(nnx.Module):
     self.epsilon = epsilon
     self.dtype = dtype
     self.param_dtype = param_dtype
-    self.implementation = implementation
+    self.implementation = _common.check_implementation(implementation)
     self.kernel = _common.param(rngs, kernel_init, (in_features, out_features), param_dtype)
     self.bias = (_common.param(rngs, bias_init, (out_features,), param_dtype)
                  if use_bias else None)

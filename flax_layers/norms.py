@@ -40,7 +40,7 @@ class RMSNorm(nnx.Module):
     self.epsilon = epsilon
     self.dtype = dtype
     self.param_dtype = param_dtype
-    self.implementation = implementation
+    self.implementation = _common.check_implementation(implementation)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
                   if use_scale else None)
 
@@ -70,7 +70,7 @@ class LayerNorm(nnx.Module):
     self.epsilon = epsilon
     self.dtype = dtype
     self.param_dtype = param_dtype
-    self.implementation = implementation
+    self.implementation = _common.check_implementation(implementation)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
                   if use_scale else None)
     self.bias = (_common.param(rngs, bias_init, (num_features,), param_dtype)

@@ -359,6 +359,13 @@ def test_unknown_implementation_raises():
     _norm_dense(implementation="triton")(_x(0, (2, K)))
 
 
+@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _calls()])
+def test_unknown_implementation_raises_when_the_layer_is_built(case):
+  _, make, _ = _calls()[case]
+  with pytest.raises(ValueError, match="implementation"):
+    make(implementation="MOSAIC")
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradients
 
