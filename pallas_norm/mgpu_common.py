@@ -196,3 +196,19 @@ def swizzle_transforms(minor_elems: int, dtype, *, tiled: bool = True) -> tuple:
                        f"{minor_elems} x {itemsize}")
     return (plgpu.SwizzleTransform(swizzle),)
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: int):
+  """The K-loop pipeline every GEMM kernel here uses: a TMA producer warpgroup feeding
+  ``in_specs`` stages to two WGMMA consumer warpgroups (axis "wg"), ``stages`` deep, with the
+  producer's registers cut to 40 so the consumers get the rest."""
+  return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(steps,),
+      memory_registers=40,
+      in_specs=in_specs,
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=stages,
+      compute_context=compute_context,
+  )

@@ -454,16 +454,8 @@ def _kernel(*refs, plan: _Plan):
                              collective_axes=("cluster",) if plan.multicast_x else ())
     w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=in_transforms,
                              memory_space=plgpu.SMEM)
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(plan.k_iters,),
-        memory_registers=40,
-        in_specs=[x_spec, w_spec],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=plan.stages,
-        compute_context=compute_context,
-    )
+    return mgpu_common.consumer_pipeline(body, compute_context, steps=plan.k_iters,
+                                         stages=plan.stages, in_specs=[x_spec, w_spec])
 
   ignore = lambda *_, **__: None
 

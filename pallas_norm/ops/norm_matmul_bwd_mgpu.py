@@ -160,18 +160,11 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     # The CTAs of a cluster share the column tile: each w tile reaches all by one multicast.
     w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(plan.red_iters,),
-        memory_registers=40,
+    return mgpu_common.consumer_pipeline(
+        body, compute_context, steps=plan.red_iters, stages=plan.stages,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms),
                   spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms,
-                       collective_axes=w_axes)],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=plan.stages,
-        compute_context=compute_context,
-    )
+                       collective_axes=w_axes)])
 
   ignore = lambda *_, **__: None
 

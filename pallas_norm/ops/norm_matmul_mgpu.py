@@ -332,18 +332,11 @@ def _kernel(*refs, plan: _Plan):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     # The CTAs of a cluster share the N tile: each w tile reaches all of them by one multicast.
     w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(plan.k_iters,),
-        memory_registers=40,
+    return mgpu_common.consumer_pipeline(
+        body, compute_context, steps=plan.k_iters, stages=plan.stages,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
                   spec((tile_k, tile_n), lambda kk: (kk, 0), transforms=w_transforms,
-                       collective_axes=w_axes)],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=plan.stages,
-        compute_context=compute_context,
-    )
+                       collective_axes=w_axes)])
 
   ignore = lambda *_, **__: None
 
