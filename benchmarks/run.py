@@ -30,9 +30,11 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import zlib  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
 
 from benchmarks import cases as C  # noqa: E402
 from benchmarks import e2e, report, timing  # noqa: E402
@@ -107,21 +109,24 @@ def rel_err(parts) -> float:
 ORACLE_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 
-def checker(ref_fn):
-  """(outs, *inputs) -> error parts of outs against ``ref_fn(*inputs)``, compiled once per
-  output signature (every implementation of a case shares it); the f32 oracle's outputs never
-  outlive the check."""
-  jitted = jax.jit(lambda outs, *inputs: _err_parts(outs, ref_fn(*inputs)))
-  compiled = {}
+class checker:
+  """``check(outs, *inputs)`` -> error parts of outs against ``ref_fn(*inputs)``, compiled once
+  per output signature (every implementation of a case shares it); the f32 oracle's outputs
+  never outlive the check. :meth:`compile_for` compiles it ahead, from shapes alone."""
 
-  def check(outs, *inputs):
-    sig = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((outs, inputs)))
-    if sig not in compiled:
+  def __init__(self, ref_fn):
+    self._jitted = jax.jit(lambda outs, *inputs: _err_parts(outs, ref_fn(*inputs)))
+    self._compiled = {}
+
+  def compile_for(self, outs, *inputs):
+    sig = tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves((outs, inputs)))
+    if sig not in self._compiled:
       options = ORACLE_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
-      compiled[sig] = jitted.lower(outs, *inputs).compile(compiler_options=options)
-    return compiled[sig](outs, *inputs)
+      self._compiled[sig] = self._jitted.lower(outs, *inputs).compile(compiler_options=options)
+    return self._compiled[sig]
 
-  return check
+  def __call__(self, outs, *inputs):
+    return self.compile_for(outs, *inputs)(outs, *inputs)
 
 
 def with_mode(fn, diff, mode: str, upcast: bool = False):
@@ -152,6 +157,18 @@ def _seed(name: str, i: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Ceilings.
 
+def _xor_words(a):
+  """Flips one bit of every 32-bit word: one read and one write of every byte, in 4-byte
+  elements that XLA vectorizes, and no arithmetic it could fold away (an identity jit would
+  alias or become a memcpy, which CUPTI's kernel timer does not see)."""
+  words = lax.bitcast_convert_type(a.reshape(-1, 2), jnp.uint32)
+  return lax.bitcast_convert_type(words ^ jnp.uint32(1), a.dtype).reshape(a.shape)
+
+
+# Device-to-device copies the copy ceiling takes the fastest of (bf16 vector in, same out).
+COPY_KERNELS = {"xor_u32": _xor_words, "add_bf16": lambda a: a + jnp.asarray(1, a.dtype)}
+
+
 def measure_ceilings(ctx: Context) -> dict:
   """Copy bandwidth (bytes read + written) and bf16 GEMM rate, timed like every case."""
   n_copy = (1 << 21) if ctx.tiny else COPY_ELEMENTS
@@ -159,8 +176,10 @@ def measure_ceilings(ctx: Context) -> dict:
   rand = C.HostRandom(1) if ctx.tiny else jax.jit(
       lambda key, shape: C.DeviceRandom(key)(shape), static_argnums=1)
   x = rand((n_copy,)) if ctx.tiny else rand(jax.random.key(1), (n_copy,))
-  copy = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))  # one read, one write per element
-  copy_us = timing.median(timing.measure_us(copy, [(x,)], ctx.iterations, ctx.timer))
+  copy_times = {name: timing.median(timing.measure_us(jax.jit(fn), [(x,)], ctx.iterations,
+                                                      ctx.timer))
+                for name, fn in COPY_KERNELS.items()}
+  copy_us = min(copy_times.values())
   free(x)
   a, b = ((rand((g, g)), rand((g, g))) if ctx.tiny else
           (rand(jax.random.key(2), (g, g)), rand(jax.random.key(3), (g, g))))
@@ -170,6 +189,7 @@ def measure_ceilings(ctx: Context) -> dict:
   copy_bytes = 2 * n_copy * 2
   return {
       "copy_bytes": copy_bytes, "copy_us": copy_us, "copy_GBps": copy_bytes / (copy_us * 1e3),
+      "copy_us_by_kernel": copy_times,
       "gemm_shape": [g, g, g], "gemm_us": gemm_us,
       "gemm_TFLOPs": 2.0 * g ** 3 / (gemm_us * 1e6),
   }
@@ -218,12 +238,13 @@ def make_inputs(prob: C.Problem, mode: str, rand) -> tuple:
 
 
 def input_maker(prob: C.Problem, mode: str, host: bool):
-  """seed -> :func:`make_inputs`, drawn on the device by one jitted function (GPU-sized
-  inputs), or by numpy when ``host`` (tiny shapes: nothing to compile)."""
+  """(seed -> :func:`make_inputs`, the jitted generator or None): inputs drawn on the device by
+  one jitted function (GPU-sized inputs), or by numpy when ``host`` (tiny shapes: nothing to
+  compile)."""
   if host:
-    return lambda seed: make_inputs(prob, mode, C.HostRandom(seed))
+    return (lambda seed: make_inputs(prob, mode, C.HostRandom(seed))), None
   on_device = jax.jit(lambda key: make_inputs(prob, mode, C.DeviceRandom(key)))
-  return lambda seed: on_device(jax.random.key(seed))
+  return (lambda seed: on_device(jax.random.key(seed))), on_device
 
 
 def abstract_io(prob: C.Problem, mode: str):
@@ -236,33 +257,97 @@ def selected_impls(prob: C.Problem, ctx: Context) -> list[str]:
   return [i for i in prob.impls if i == "xla" or ctx.impls is None or i in ctx.impls]
 
 
-def run_case(case: C.Case, ctx: Context) -> list[dict]:
-  """Checks every implementation of ``case`` against the oracle, then times the correct ones."""
+@dataclasses.dataclass
+class Prepared:
+  """A case's programs, built once: compiled ahead by :func:`precompile` (from shapes alone,
+  in threads) or at their first call."""
+  case: C.Case
+  prob: C.Problem
+  make: Callable  # seed -> one input set
+  generator: Callable | None  # the jitted input generator (None: drawn on the host)
+  fns: dict  # impl -> jitted timed function, or the NotImplementedError that rules it out
+  check: checker
+
+
+def prepare(case: C.Case, ctx: Context) -> Prepared:
   prob = C.build(case, ctx.kernel)
-  make = input_maker(prob, case.mode, host=ctx.tiny)
-  sets = [make(_seed(case.name, 0))]
+  make, generator = input_maker(prob, case.mode, host=ctx.tiny)
+  fns = {}
+  for impl in selected_impls(prob, ctx):
+    try:
+      fns[impl] = jax.jit(with_mode(prob.impl_fn(impl), prob.diff, case.mode))
+    except NotImplementedError as e:
+      fns[impl] = e
+  check = checker(with_mode(prob.ref_fn, prob.diff, case.mode, upcast=True))
+  return Prepared(case, prob, make, generator, fns, check)
+
+
+def _ignore_errors(fn):
+  """A compile-ahead task: a program that fails to compile fails again at its first call,
+  where the case reports it."""
+  def task():
+    try:
+      fn()
+    except Exception:  # noqa: BLE001
+      pass
+  return task
+
+
+def precompile(preps: list[Prepared], workers: int) -> float:
+  """Compiles every program of ``preps`` from shapes, without running any: the timed programs
+  (XLA's, which autotune their GEMMs on the GPU, and the kernels) one at a time in one thread,
+  so no autotuning measurement overlaps another; the oracles and input generators (no GPU
+  work: the oracle is compiled without autotuning) in ``workers`` other threads. The programs
+  keep their compiled executables, so the timing phase compiles nothing. Returns seconds."""
+  import concurrent.futures as cf
+  t0 = time.monotonic()
+  timed_tasks, other_tasks = [], []
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  for p in preps:
+    try:
+      args, outs = abstract_io(p.prob, p.case.mode)
+    except Exception:  # noqa: BLE001  (the case reports it when it runs)
+      continue
+    for fn in p.fns.values():
+      if not isinstance(fn, BaseException):
+        timed_tasks.append(_ignore_errors(lambda fn=fn, args=args: fn.lower(*args).compile()))
+    other_tasks.append(_ignore_errors(lambda p=p, outs=outs, args=args:
+                                      p.check.compile_for(outs, *args)))
+    if p.generator is not None:
+      other_tasks.append(_ignore_errors(lambda g=p.generator: g.lower(key).compile()))
+  with cf.ThreadPoolExecutor(1) as timed, cf.ThreadPoolExecutor(max(1, workers)) as other:
+    futures = [timed.submit(t) for t in timed_tasks] + [other.submit(t) for t in other_tasks]
+    cf.wait(futures)
+  return time.monotonic() - t0
+
+
+def run_case(prep: Prepared, ctx: Context) -> list[dict]:
+  """Checks every implementation of a case against the oracle, then times the correct ones."""
+  sets = [prep.make(_seed(prep.case.name, 0))]
   try:
-    return _check_and_time(case, prob, make, sets, ctx)
+    return _check_and_time(prep, sets, ctx)
   finally:
     free(sets)
 
 
-def _check_and_time(case: C.Case, prob: C.Problem, make, sets: list, ctx: Context) -> list[dict]:
-  xla = jax.jit(with_mode(prob.impl_fn("xla"), prob.diff, case.mode))
+def _check_and_time(prep: Prepared, sets: list, ctx: Context) -> list[dict]:
+  case, prob, make, check = prep.case, prep.prob, prep.make, prep.check
   in_bytes = nbytes(sets[0])
-  out_bytes = nbytes(jax.eval_shape(xla, *sets[0]))
+  out_bytes = nbytes(jax.eval_shape(with_mode(prob.impl_fn("xla"), prob.diff, case.mode),
+                                    *sets[0]))
   flops = prob.flops_fwd + (prob.flops_bwd if case.mode == "fwd+bwd" else 0)
   common = {"flops": flops, "bytes": in_bytes + out_bytes,
             "floor_us": floor_us(flops, in_bytes + out_bytes, ctx.ceilings)}
-  impls = selected_impls(prob, ctx)
+  impls = list(prep.fns)
   rows = {impl: _base_row(case, impl, **common) for impl in impls}
 
-  check = checker(with_mode(prob.ref_fn, prob.diff, case.mode, upcast=True))
   fns = {}
   for impl in impls:
     try:
-      fn = xla if impl == "xla" else jax.jit(with_mode(prob.impl_fn(impl), prob.diff, case.mode))
-      out = jax.block_until_ready(fn(*sets[0]))  # compiles
+      fn = prep.fns[impl]
+      if isinstance(fn, BaseException):
+        raise fn
+      out = jax.block_until_ready(fn(*sets[0]))  # compiled ahead, or compiles now
     except NotImplementedError as e:
       rows[impl].update(status="n/a", message=_short(e))
       continue
@@ -409,6 +494,10 @@ def parse_args(argv=None):
   p.add_argument("--resume", action="store_true",
                  help="keep the cases (and ceilings) that the previous run with the same file "
                  "stem finished, run the rest: a suite cut by --budget-s continues")
+  p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
+                 help="threads that compile the oracles and input generators ahead, next to "
+                 "the one that compiles the timed programs (default min(8, cores); 0: no "
+                 "compile-ahead phase, each case compiles when it runs)")
   p.add_argument("--no-plot", action="store_true")
   p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end train step")
   p.add_argument("--list", action="store_true", help="print the selected case names and exit")
@@ -455,10 +544,36 @@ def _resumed(args, stem: str, results: dict) -> dict[str, list[dict]]:
   done = {name: rows for name, rows in by_case.items()
           if not any("time budget" in r.get("message", "") for r in rows)}
   results["rows"] = [r for rows in done.values() for r in rows]
-  results["ceilings"] = prev.get("ceilings") or {}
+  # Ceilings from before the copy ceiling took the fastest of COPY_KERNELS are measured again.
+  prev_ceilings = prev.get("ceilings") or {}
+  results["ceilings"] = prev_ceilings if "copy_us_by_kernel" in prev_ceilings else {}
   results["resumed_from"] = {k: prev.get(k) for k in ("date", "git_commit", "wall_s")}
   log(f"--resume: {len(done)} cases kept from {path}")
   return done
+
+
+def _prepare_all(selected: list[C.Case], done: dict, ctx: Context,
+                 workers: int) -> dict[str, Prepared]:
+  """Builds the cases still to run (and the limits they need) and, with ``workers`` > 0,
+  compiles all their programs ahead in parallel (:func:`precompile`): on a GPU, compiling is
+  most of the suite's wall time and the timing loop is sequential."""
+  if workers <= 0:
+    return {}
+  todo: dict[str, C.Case] = {}
+  for case in selected:
+    for c in (C.limit_of(case), case):
+      if c is not None and c.name not in done and c.name not in todo:
+        todo[c.name] = c
+  prepared = {}
+  for name, case in todo.items():
+    try:
+      prepared[name] = prepare(case, ctx)
+    except Exception:  # noqa: BLE001  (run_one builds it again and reports the error)
+      pass
+  seconds = precompile(list(prepared.values()), workers)
+  log(f"compiled {len(prepared)} cases ahead in {seconds:.1f}s ({workers} workers + 1 for the "
+      "timed programs)")
+  return prepared
 
 
 def _run(args, selected: list[C.Case], run_e2e_case: bool) -> dict:
@@ -494,6 +609,8 @@ def _run(args, selected: list[C.Case], run_e2e_case: bool) -> dict:
   log(f"ceilings: copy {ctx.ceilings['copy_GBps']:.0f} GB/s, "
       f"GEMM {ctx.ceilings['gemm_TFLOPs']:.1f} TFLOP/s ({time.monotonic() - t0:.1f}s)")
 
+  prepared = _prepare_all(selected, done, ctx, args.compile_workers)
+
   def run_one(case: C.Case) -> None:
     limit = C.limit_of(case)
     if limit is not None and limit.name not in done:
@@ -506,7 +623,7 @@ def _run(args, selected: list[C.Case], run_e2e_case: bool) -> dict:
     else:
       t = time.monotonic()
       try:
-        rows = run_case(case, ctx)
+        rows = run_case(prepared.pop(case.name, None) or prepare(case, ctx), ctx)
       except Exception as e:  # inputs or shapes failed (e.g. out of memory): keep going
         log(traceback.format_exc(limit=-3))
         rows = [_base_row(case, i, status="error", message=f"case: {_short(e)}")

@@ -17,7 +17,9 @@ import dataclasses
 from typing import Literal
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 __all__ = [
@@ -30,6 +32,10 @@ __all__ = [
     "num_sms",
     "swizzle_transforms",
     "SUPPORTED_DTYPES",
+    "consumer_pipeline",
+    "pipeline_stages",
+    "tile_pipeline_state",
+    "drain_single_tile_pipeline",
 ]
 
 SMEM_BYTES = 227 * 1024
@@ -88,6 +94,13 @@ class TileConfig:
       statistics only in the K loop of the first one (later ones read them back from SMEM),
       so the statistics cost once per row instead of once per N tile. Needs the row block of x
       (tile_m × K) of every CTA to stay in L2 while its N tiles run.
+    pipeline_across_tiles: the K-loop pipelines of one CTA's consecutive output tiles run as one
+      pipeline (``plgpu.PipelinePipeline`` START / STEADY / STOP): the TMA producer fills the
+      next tile's first stages while the consumers finish the K loop and run the epilogue of
+      the current one, instead of draining the pipeline and starting cold at every tile (a
+      full TMA latency with idle tensor cores per tile). Needs the stage count to divide the
+      number of K steps; the plan then picks the largest such count that fits, and falls back
+      to per-tile pipelines (with the most stages that fit) when none exists.
     (``epi_slots``, ``cluster_m`` and ``stats_once`` are implemented by the norm_matmul kernels;
     other kernels use the defaults.)
   """
@@ -106,6 +119,7 @@ class TileConfig:
   epi_slots: int = 2
   cluster_m: int = 1
   stats_once: bool = False
+  pipeline_across_tiles: bool = True
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -198,10 +212,46 @@ def swizzle_transforms(minor_elems: int, dtype, *, tiled: bool = True) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: int):
+def pipeline_stages(steps: int, max_stages: int, across_tiles: bool) -> tuple[int, bool]:
+  """(stages, pipelined across tiles) for a K loop of ``steps`` steps with room for
+  ``max_stages`` stages: the largest stage count dividing ``steps`` (a pipeline of pipelines
+  needs that; at least 2 unless ``steps`` is 1) when ``across_tiles``, else as many as fit."""
+  cap = min(max_stages, steps)
+  if across_tiles:
+    for stages in range(cap, 0, -1):
+      if steps % stages == 0 and (stages >= 2 or steps == 1):
+        return stages, True
+  return cap, False
+
+
+def tile_pipeline_state(first, last):
+  """The ``pipeline_state`` of one output tile's K loop when a CTA's tiles run as one pipeline:
+  START at its first tile (the producer issues the prologue), STOP at its last (it waits for
+  the last stages to be consumed), STEADY between. A CTA with a single tile gets START, which
+  skips that final wait: call :func:`drain_single_tile_pipeline` after the tile loop."""
+  state = jnp.where(first, plgpu.PipelinePipeline.START, plgpu.PipelinePipeline.STEADY)
+  return jnp.where(last & jnp.logical_not(first), plgpu.PipelinePipeline.STOP, state)
+
+
+def drain_single_tile_pipeline(pipeline_allocs, stages: int, single_tile):
+  """The producer's final wait that a START pipeline skips, for a CTA whose only tile ran with
+  state START (``single_tile``): the consumers' releases of the last ``stages`` steps (slots
+  0..stages-1, as the stage count divides the steps). Without it the barriers are left a
+  phase ahead of the producer, which the interpreter reports at deallocation."""
+  @pl.when(single_tile & (lax.axis_index("wg") == 2))  # the producer warpgroup
+  def _drain():
+    for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
+      for slot in range(stages):
+        plgpu.barrier_wait(barrier.at[slot])
+
+
+def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: int,
+                      pipeline_state=None):
   """The K-loop pipeline every GEMM kernel here uses: a TMA producer warpgroup feeding
   ``in_specs`` stages to two WGMMA consumer warpgroups (axis "wg"), ``stages`` deep, with the
-  producer's registers cut to 40 so the consumers get the rest."""
+  producer's registers cut to 40 so the consumers get the rest. ``pipeline_state`` (see
+  :func:`tile_pipeline_state`) chains the pipelines of consecutive tiles; None: each one
+  starts and drains on its own."""
   return plgpu.emit_pipeline_warp_specialized(
       body,
       grid=(steps,),
@@ -211,4 +261,5 @@ def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: in
       num_compute_wgs=2,
       max_concurrent_steps=stages,
       compute_context=compute_context,
+      pipeline_state=pipeline_state,
   )

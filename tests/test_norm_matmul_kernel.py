@@ -101,6 +101,10 @@ FORWARD_CASES = [
     # Clusters of 4, 5 row blocks: 3 CTAs of the second cluster have no rows.
     (600, 64, 128, jnp.float16, "rms", 0.0, False, TileConfig(tile_m=128, tile_n=64,
                                                               cluster_m=4)),
+    # K = 320 (5 steps): no stage count >= 2 divides it, so per-tile pipelines; 3 tiles per CTA.
+    (300, 320, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64)),
+    # Chained pipelines switched off explicitly (the benchmark's A/B of the option).
+    (200, 128, 320, jnp.bfloat16, "layer", 0.0, True, TileConfig(pipeline_across_tiles=False)),
 ]
 
 
@@ -223,6 +227,24 @@ def test_plan_fits_smem():
     assert plan.stages * stage + fixed <= mgpu_common.SMEM_BYTES
 
 
+@pytest.mark.parametrize("steps,max_stages,expected", [
+    (8, 4, (4, True)), (8, 3, (2, True)), (2, 4, (2, True)), (3, 4, (3, True)),
+    (1, 4, (1, True)), (5, 4, (4, False)), (7, 3, (3, False)), (12, 4, (4, True)),
+])
+def test_pipeline_stages(steps, max_stages, expected):
+  """Chained pipelines need the stage count to divide the K steps (and >= 2 unless K has one
+  step); otherwise per-tile pipelines with as many stages as fit."""
+  assert mgpu_common.pipeline_stages(steps, max_stages, True) == expected
+  assert mgpu_common.pipeline_stages(steps, max_stages, False) == (min(steps, max_stages), False)
+
+
+def test_seed_shape_plan_is_chained():
+  cfg = nmk.pick_config(262144, 512, 512)
+  plan = nmk._make_plan(262144, 512, 512, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False, cfg,
+                        interpret=False)
+  assert plan.chained and plan.k_iters % plan.stages == 0 and plan.stages >= 2
+
+
 def _export_for_hopper(m, k, n, norm, dtype=jnp.bfloat16, config=None):
   spec = jax.ShapeDtypeStruct
   vec = spec((n,), jnp.float32)
@@ -280,6 +302,7 @@ def test_gpu_forward_configs(config):
     TileConfig(epi_slots=0), TileConfig(cluster_m=2), TileConfig(cluster_m=4),
     TileConfig(stats_once=True), TileConfig(cluster_m=2, stats_once=True, epi_slots=0),
     TileConfig(tile_m=256, tile_n=128, cluster_m=2, epi_slots=0),
+    TileConfig(pipeline_across_tiles=False),
 ])
 @pytest.mark.parametrize("m", [8192, 8192 + 77])  # 64 or 65 row blocks (a cluster's tail)
 @pytest.mark.parametrize("norm", ["rms", "layer"])

@@ -111,6 +111,7 @@ class _Plan:
   stages: int
   num_clusters: int
   multicast_x: bool
+  chained: bool = False  # a CTA's tiles run as one K-loop pipeline (pipeline_across_tiles)
 
   @property
   def n_partials(self) -> int:  # per-row partial statistics exchanged in the cluster
@@ -247,11 +248,13 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
                n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1)
   stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
   free = mgpu_common.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
-  stages = min(cfg.max_concurrent_steps, free // stage_bytes, plan.k_iters)
-  if stages < 1:
+  if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
+  stages, chained = mgpu_common.pipeline_stages(
+      plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes),
+      cfg.pipeline_across_tiles)
   num_clusters = max(1, min(mgpu_common.num_sms(interpret) // cluster, plan.m_iters))
-  return dataclasses.replace(plan, stages=stages, num_clusters=num_clusters)
+  return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -448,14 +451,15 @@ def _kernel(*refs, plan: _Plan):
   in_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype)
   out_transforms = mgpu_common.swizzle_transforms(epi_n, plan.out_dtype)
 
-  def make_pipeline(body, compute_context):
+  def make_pipeline(body, compute_context, state=None):
     x_spec = plgpu.BlockSpec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
                              memory_space=plgpu.SMEM,
                              collective_axes=("cluster",) if plan.multicast_x else ())
     w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=in_transforms,
                              memory_space=plgpu.SMEM)
     return mgpu_common.consumer_pipeline(body, compute_context, steps=plan.k_iters,
-                                         stages=plan.stages, in_specs=[x_spec, w_spec])
+                                         stages=plan.stages, in_specs=[x_spec, w_spec],
+                                         pipeline_state=state)
 
   ignore = lambda *_, **__: None
 
@@ -661,11 +665,16 @@ def _kernel(*refs, plan: _Plan):
             else:
               _first_pass(acc_ref[...], row0, col0, t)
 
-        make_pipeline(mma_body, compute_context)(
+        first = (tile_index == 0) & (t == 0)
+        last = (tile_index == loop_info.num_local_steps - 1) & (t == plan.n_tiles - 1)
+        state = mgpu_common.tile_pipeline_state(first, last) if plan.chained else None
+        make_pipeline(mma_body, compute_context, state)(
             x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
             w_gmem.at[:, pl.ds(col0, tile_n)],
             allocations=pipeline_allocs,
         )
+        if plan.chained:
+          mgpu_common.drain_single_tile_pipeline(pipeline_allocs, plan.stages, first & last)
 
       if plan.n_tiles > 1:
 

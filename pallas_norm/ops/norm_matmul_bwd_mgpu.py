@@ -81,6 +81,7 @@ class _Plan:
   layer: bool
   cfg: TileConfig
   stages: int
+  chained: bool  # a CTA's tiles run as one K-loop pipeline (TileConfig.pipeline_across_tiles)
   num_clusters: int  # persistent clusters of cfg.cluster_m CTAs
   a_in_registers: bool
   epi_n: int
@@ -122,10 +123,12 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
   n_rows = 4 if layer else 2
   stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
   free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, n_rows)
-  stages = min(cfg.max_concurrent_steps, free // stage_bytes, n // cfg.tile_k)
-  if stages < 1:
+  if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM next to the "
                      f"x tile of the epilogue")
+  stages, chained = mgpu_common.pipeline_stages(
+      n // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes),
+      cfg.pipeline_across_tiles)
   if cfg.stats_once:
     raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
   units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m) * -(-k // cfg.tile_n)
@@ -140,7 +143,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
   epi_n = norm_matmul_mgpu._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   red_iters = n // cfg.tile_k
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, cfg=cfg,
-               stages=max(stages, 1), num_clusters=num_clusters,
+               stages=stages, chained=chained, num_clusters=num_clusters,
                a_in_registers=a_in_registers,
                epi_n=epi_n, x_prefetch_step=min(max(x_prefetch_step, 0), red_iters - 1))
 
@@ -156,12 +159,12 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
   w_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype)
   x_transforms = mgpu_common.swizzle_transforms(epi_n, plan.dtype, tiled=False)
 
-  def make_pipeline(body, compute_context):
+  def make_pipeline(body, compute_context, state=None):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     # The CTAs of a cluster share the column tile: each w tile reaches all by one multicast.
     w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
     return mgpu_common.consumer_pipeline(
-        body, compute_context, steps=plan.red_iters, stages=plan.stages,
+        body, compute_context, steps=plan.red_iters, stages=plan.stages, pipeline_state=state,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms),
                   spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms,
                        collective_axes=w_axes)])
@@ -248,11 +251,16 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
         plgpu.wgmma_wait(0)
         return acc_ref
 
-      make_pipeline(mma_body, compute_context)(
+      first = loop_info.local_index == 0
+      last = loop_info.local_index == loop_info.num_local_steps - 1
+      state = mgpu_common.tile_pipeline_state(first, last) if plan.chained else None
+      make_pipeline(mma_body, compute_context, state)(
           dy_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
           w_gmem.at[pl.ds(col0, tile_n), :],
           allocations=pipeline_allocs,
       )
+      if plan.chained:
+        mgpu_common.drain_single_tile_pipeline(pipeline_allocs, plan.stages, first & last)
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -143,6 +143,7 @@ class _Plan:
   has_bias: bool
   cfg: TileConfig
   stages: int
+  chained: bool  # a CTA's tiles run as one K-loop pipeline (TileConfig.pipeline_across_tiles)
   num_clusters: int  # persistent clusters of cfg.cluster_m CTAs (CTAs when cluster_m == 1)
   a_in_registers: bool  # WGMMA reads x from registers (x stage TMA'd untiled: any M)
   epi_n: int  # epilogue tile width: one 128-byte swizzle span of out_dtype at most
@@ -197,9 +198,11 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
   itemsize = jnp.dtype(dtype).itemsize
   stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * itemsize
   free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, out_dtype, n_vecs, n_stats)
-  stages = min(cfg.max_concurrent_steps, free // stage_bytes, k // cfg.tile_k)
-  if stages < 1:
+  if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
+  stages, chained = mgpu_common.pipeline_stages(
+      k // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes),
+      cfg.pipeline_across_tiles)
   # Work units of the persistent loop: (row-block group, N tile), or row-block groups alone when
   # a CTA sweeps all N tiles of its row block (stats_once).
   m_units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m)
@@ -215,7 +218,7 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
                               "0.11.2 interprets WGMMA with both operands in SMEM only)")
   epi_n = _epi_tile_n(cfg, out_dtype)
   return _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
-               eps=float(eps), has_bias=has_bias, cfg=cfg, stages=max(stages, 1),
+               eps=float(eps), has_bias=has_bias, cfg=cfg, stages=stages, chained=chained,
                num_clusters=num_clusters, a_in_registers=a_in_registers, epi_n=epi_n,
                out_slots=_out_slots(cfg, out_dtype))
 
@@ -328,12 +331,12 @@ def _kernel(*refs, plan: _Plan):
   # y goes out untiled too: a tiled TMA store would need M % 8 == 0.
   out_transforms = mgpu_common.swizzle_transforms(epi_n, plan.out_dtype, tiled=False)
 
-  def make_pipeline(body, compute_context):
+  def make_pipeline(body, compute_context, state=None):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     # The CTAs of a cluster share the N tile: each w tile reaches all of them by one multicast.
     w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
     return mgpu_common.consumer_pipeline(
-        body, compute_context, steps=plan.k_iters, stages=plan.stages,
+        body, compute_context, steps=plan.k_iters, stages=plan.stages, pipeline_state=state,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
                   spec((tile_k, tile_n), lambda kk: (kk, 0), transforms=w_transforms,
                        collective_axes=w_axes)])
@@ -355,9 +358,10 @@ def _kernel(*refs, plan: _Plan):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
-    def tile(m_idx, n_idx, compute_stats: bool):
+    def tile(m_idx, n_idx, compute_stats: bool, first, last):
       """One (tile_m, tile_n) output tile. Without ``compute_stats`` the K loop is a plain GEMM
-      and the epilogue reads the statistics that the row block's first N tile left in SMEM."""
+      and the epilogue reads the statistics that the row block's first N tile left in SMEM.
+      ``first``/``last``: whether it is this CTA's first/last tile (chained pipelines)."""
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
       col0 = n_idx * tile_n
       with_stats = compute_stats and plan.norm != "none"
@@ -446,11 +450,14 @@ def _kernel(*refs, plan: _Plan):
         plgpu.wgmma_wait(0)
         return (acc_ref, *stats)
 
-      make_pipeline(mma_body, compute_context)(
+      state = mgpu_common.tile_pipeline_state(first, last) if plan.chained else None
+      make_pipeline(mma_body, compute_context, state)(
           x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
           w_gmem.at[:, pl.ds(col0, tile_n)],
           allocations=pipeline_allocs,
       )
+      if plan.chained:
+        mgpu_common.drain_single_tile_pipeline(pipeline_allocs, plan.stages, first & last)
 
     if cfg.stats_once:
       # A cluster sweeps all N tiles of its row blocks; only the first K loop reads x for the
@@ -459,9 +466,14 @@ def _kernel(*refs, plan: _Plan):
       def _row_block_loop(loop_info: plgpu.NDLoopInfo):
         (m_unit,) = loop_info.index
         m_idx = m_unit * cfg.cluster_m + cta
-        tile(m_idx, 0, compute_stats=True)
+        first_block = loop_info.local_index == 0
+        last_block = loop_info.local_index == loop_info.num_local_steps - 1
+        tile(m_idx, 0, compute_stats=True, first=first_block,
+             last=last_block & (plan.n_iters == 1))
         if plan.n_iters > 1:
-          pl.loop(1, plan.n_iters)(lambda n_idx: tile(m_idx, n_idx, compute_stats=False))
+          pl.loop(1, plan.n_iters)(lambda n_idx: tile(
+              m_idx, n_idx, compute_stats=False, first=False,
+              last=last_block & (n_idx == plan.n_iters - 1)))
     else:
       @plgpu.nd_loop((plan.m_units * plan.n_iters,), collective_axes="sm")
       def _tile_loop(loop_info: plgpu.NDLoopInfo):
@@ -471,7 +483,9 @@ def _kernel(*refs, plan: _Plan):
         m_unit, n_idx = plgpu.planar_snake(
             lin_idx, (plan.m_units, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
             cfg.grid_tile_width)
-        tile(m_unit * cfg.cluster_m + cta, n_idx, compute_stats=True)
+        tile(m_unit * cfg.cluster_m + cta, n_idx, compute_stats=True,
+             first=loop_info.local_index == 0,
+             last=loop_info.local_index == loop_info.num_local_steps - 1)
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
