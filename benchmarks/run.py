@@ -282,10 +282,12 @@ def prepare(case: C.Case, ctx: Context) -> Prepared:
   return Prepared(case, prob, make, generator, fns, check)
 
 
-def _ignore_errors(fn):
+def _ignore_errors(fn, deadline: float):
   """A compile-ahead task: a program that fails to compile fails again at its first call,
-  where the case reports it."""
+  where the case reports it; past ``deadline`` it is left to that call (or to the budget)."""
   def task():
+    if time.monotonic() > deadline:
+      return
     try:
       fn()
     except Exception:  # noqa: BLE001
@@ -293,12 +295,13 @@ def _ignore_errors(fn):
   return task
 
 
-def precompile(preps: list[Prepared], workers: int) -> float:
+def precompile(preps: list[Prepared], workers: int, deadline: float = math.inf) -> float:
   """Compiles every program of ``preps`` from shapes, without running any: the timed programs
   (XLA's, which autotune their GEMMs on the GPU, and the kernels) one at a time in one thread,
   so no autotuning measurement overlaps another; the oracles and input generators (no GPU
   work: the oracle is compiled without autotuning) in ``workers`` other threads. The programs
-  keep their compiled executables, so the timing phase compiles nothing. Returns seconds."""
+  keep their compiled executables, so the timing phase compiles nothing. No task starts after
+  ``deadline`` (time.monotonic()). Returns seconds."""
   import concurrent.futures as cf
   t0 = time.monotonic()
   timed_tasks, other_tasks = [], []
@@ -310,11 +313,12 @@ def precompile(preps: list[Prepared], workers: int) -> float:
       continue
     for fn in p.fns.values():
       if not isinstance(fn, BaseException):
-        timed_tasks.append(_ignore_errors(lambda fn=fn, args=args: fn.lower(*args).compile()))
+        timed_tasks.append(_ignore_errors(lambda fn=fn, args=args: fn.lower(*args).compile(),
+                                          deadline))
     other_tasks.append(_ignore_errors(lambda p=p, outs=outs, args=args:
-                                      p.check.compile_for(outs, *args)))
+                                      p.check.compile_for(outs, *args), deadline))
     if p.generator is not None:
-      other_tasks.append(_ignore_errors(lambda g=p.generator: g.lower(key).compile()))
+      other_tasks.append(_ignore_errors(lambda g=p.generator: g.lower(key).compile(), deadline))
   with cf.ThreadPoolExecutor(1) as timed, cf.ThreadPoolExecutor(max(1, workers)) as other:
     futures = [timed.submit(t) for t in timed_tasks] + [other.submit(t) for t in other_tasks]
     cf.wait(futures)
@@ -570,7 +574,10 @@ def _prepare_all(selected: list[C.Case], done: dict, ctx: Context,
       prepared[name] = prepare(case, ctx)
     except Exception:  # noqa: BLE001  (run_one builds it again and reports the error)
       pass
-  seconds = precompile(list(prepared.values()), workers)
+  # Compiling ahead leaves a quarter of the remaining budget to the timing loop; cases not
+  # compiled by then compile when they run (while the budget lasts).
+  now = time.monotonic()
+  seconds = precompile(list(prepared.values()), workers, now + 0.75 * (ctx.deadline - now))
   log(f"compiled {len(prepared)} cases ahead in {seconds:.1f}s ({workers} workers + 1 for the "
       "timed programs)")
   return prepared
