@@ -295,11 +295,13 @@ def _ignore_errors(fn, deadline: float):
   return task
 
 
-def precompile(preps: list[Prepared], workers: int, deadline: float = math.inf) -> float:
+def precompile(preps: list[Prepared], workers: int, deadline: float = math.inf,
+               timed_workers: int = 1, extra_timed: tuple = ()) -> float:
   """Compiles every program of ``preps`` from shapes, without running any: the timed programs
-  (XLA's, which autotune their GEMMs on the GPU, and the kernels) one at a time in one thread,
-  so no autotuning measurement overlaps another; the oracles and input generators (no GPU
-  work: the oracle is compiled without autotuning) in ``workers`` other threads. The programs
+  (XLA's, which autotune their GEMMs on the GPU, and the kernels; plus ``extra_timed``, jitted
+  functions with their arguments) in ``timed_workers`` threads (1: no autotuning measurement
+  overlaps another); the oracles and input generators (no GPU work: the oracle is compiled
+  without autotuning) in ``workers`` other threads. The programs
   keep their compiled executables, so the timing phase compiles nothing. No task starts after
   ``deadline`` (time.monotonic()). Returns seconds."""
   import concurrent.futures as cf
@@ -319,7 +321,11 @@ def precompile(preps: list[Prepared], workers: int, deadline: float = math.inf) 
                                       p.check.compile_for(outs, *args), deadline))
     if p.generator is not None:
       other_tasks.append(_ignore_errors(lambda g=p.generator: g.lower(key).compile(), deadline))
-  with cf.ThreadPoolExecutor(1) as timed, cf.ThreadPoolExecutor(max(1, workers)) as other:
+  for fn, args in extra_timed:
+    timed_tasks.insert(0, _ignore_errors(lambda fn=fn, args=args: fn.lower(*args).compile(),
+                                         deadline))
+  with cf.ThreadPoolExecutor(max(1, timed_workers)) as timed, \
+       cf.ThreadPoolExecutor(max(1, workers)) as other:
     futures = [timed.submit(t) for t in timed_tasks] + [other.submit(t) for t in other_tasks]
     cf.wait(futures)
   return time.monotonic() - t0
@@ -393,6 +399,15 @@ def _all_finite(tree) -> bool:
   return all(bool(jnp.all(jnp.isfinite(a))) for a in leaves)
 
 
+# name -> (jitted step, args) built (and compiled) ahead by _prepare_all.
+_E2E_STEPS: dict[str, tuple] = {}
+
+
+def e2e_step(config: dict, implementation):
+  step, args = e2e.make_step(config, implementation)
+  return (step if isinstance(step, jax.stages.Wrapped) else jax.jit(step)), args
+
+
 def run_e2e(ctx: Context) -> list[dict]:
   """One train step of the Kunlun-style model, XLA vs the kernels (see benchmarks/e2e.py)."""
   config = e2e.build_config(ctx.tiny)
@@ -404,8 +419,7 @@ def run_e2e(ctx: Context) -> list[dict]:
   fns, args_of = {}, {}
   for name, impl in impls.items():
     try:
-      step, args = e2e.make_step(config, impl)
-      fn = step if isinstance(step, jax.stages.Wrapped) else jax.jit(step)
+      fn, args = _E2E_STEPS.pop(name, None) or e2e_step(config, impl)
       out = jax.block_until_ready(fn(*args))
     except e2e.Unavailable as e:
       for r in rows.values():
@@ -502,6 +516,9 @@ def parse_args(argv=None):
                  help="threads that compile the oracles and input generators ahead, next to "
                  "the one that compiles the timed programs (default min(8, cores); 0: no "
                  "compile-ahead phase, each case compiles when it runs)")
+  p.add_argument("--compile-timed-workers", type=int, default=4,
+                 help="threads that compile the timed programs ahead (default 4; 1 keeps XLA's "
+                 "GEMM autotuning measurements from overlapping each other)")
   p.add_argument("--no-plot", action="store_true")
   p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end train step")
   p.add_argument("--list", action="store_true", help="print the selected case names and exit")
@@ -556,8 +573,8 @@ def _resumed(args, stem: str, results: dict) -> dict[str, list[dict]]:
   return done
 
 
-def _prepare_all(selected: list[C.Case], done: dict, ctx: Context,
-                 workers: int) -> dict[str, Prepared]:
+def _prepare_all(selected: list[C.Case], done: dict, ctx: Context, workers: int,
+                 timed_workers: int, with_e2e: bool) -> dict[str, Prepared]:
   """Builds the cases still to run (and the limits they need) and, with ``workers`` > 0,
   compiles all their programs ahead in parallel (:func:`precompile`): on a GPU, compiling is
   most of the suite's wall time and the timing loop is sequential."""
@@ -574,12 +591,20 @@ def _prepare_all(selected: list[C.Case], done: dict, ctx: Context,
       prepared[name] = prepare(case, ctx)
     except Exception:  # noqa: BLE001  (run_one builds it again and reports the error)
       pass
+  if with_e2e and not ctx.tiny:  # the tiny (CPU) step compiles in seconds when it runs
+    config = e2e.build_config(ctx.tiny)
+    for name, impl in (("xla", "xla"), ("auto", None)):
+      try:
+        _E2E_STEPS[name] = e2e_step(config, impl)
+      except Exception:  # noqa: BLE001  (run_e2e reports it)
+        pass
   # Compiling ahead leaves a quarter of the remaining budget to the timing loop; cases not
   # compiled by then compile when they run (while the budget lasts).
   now = time.monotonic()
-  seconds = precompile(list(prepared.values()), workers, now + 0.75 * (ctx.deadline - now))
-  log(f"compiled {len(prepared)} cases ahead in {seconds:.1f}s ({workers} workers + 1 for the "
-      "timed programs)")
+  seconds = precompile(list(prepared.values()), workers, now + 0.75 * (ctx.deadline - now),
+                       timed_workers, tuple(_E2E_STEPS.values()))
+  log(f"compiled {len(prepared)} cases ahead in {seconds:.1f}s ({timed_workers} threads for the "
+      f"timed programs, {workers} for the oracles and inputs)")
   return prepared
 
 
@@ -601,7 +626,9 @@ def _run(args, selected: list[C.Case], run_e2e_case: bool) -> dict:
       "git_commit": commit, "git_dirty": dirty, "timer": ctx.timer,
       "iterations": ctx.iterations, "tolerance": ctx.tolerance, "compilation_cache": cache,
       "flags": {"quick": args.quick, "only": args.only, "interpret": args.interpret,
-                "tiny": args.tiny, "impls": args.impls},
+                "tiny": args.tiny, "impls": args.impls,
+                "compile_workers": args.compile_workers,
+                "compile_timed_workers": args.compile_timed_workers},
       "ceilings": {}, "rows": [], "wall_s": None,
   }
   stem = _stem(args, dev.device_kind)
@@ -616,7 +643,10 @@ def _run(args, selected: list[C.Case], run_e2e_case: bool) -> dict:
   log(f"ceilings: copy {ctx.ceilings['copy_GBps']:.0f} GB/s, "
       f"GEMM {ctx.ceilings['gemm_TFLOPs']:.1f} TFLOP/s ({time.monotonic() - t0:.1f}s)")
 
-  prepared = _prepare_all(selected, done, ctx, args.compile_workers)
+  prepared = _prepare_all(selected, done, ctx, args.compile_workers,
+                          args.compile_timed_workers,
+                          run_e2e_case and not any(r["op"] == "train_step"
+                                                   for r in results["rows"]))
 
   def run_one(case: C.Case) -> None:
     limit = C.limit_of(case)

@@ -41,7 +41,8 @@ SMOKE_CASES = [cases.Case(op, variant, dims, mode)
 
 def _error_vs_oracle(case, impl):
   prob = cases.build(case)
-  inputs = run.input_maker(prob, case.mode, host=False)(1234)
+  make, _ = run.input_maker(prob, case.mode, host=False)
+  inputs = make(1234)
   fn = jax.jit(run.with_mode(prob.impl_fn(impl), prob.diff, case.mode))
   check = run.checker(run.with_mode(prob.ref_fn, prob.diff, case.mode, upcast=True))
   return run.rel_err(check(fn(*inputs), *inputs))

@@ -122,12 +122,28 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   N = 64/128/192 get one N tile). tile_m: 128 rows (64 per consumer warpgroup), 256 when the N
   tile is at most 128 wide (keeps the accumulator at 128 registers per thread). tile_k 64 (one
   128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4).
+  Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
+  steps where 64×64 does not (chained pipelines need one: at 128×256 tiles and K = 512,
+  64×64 slots leave 3 stages, which chain only as 2; 64×32 ones leave 4).
   """
-  del m, k
+  del m
   tile_n = _pick_tile_n(n)
   tile_m = 256 if tile_n <= 128 else 128
-  return TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
+  base = TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
                     epi_tile_m=64, epi_tile_n=64)
+  narrow = dataclasses.replace(base, epi_tile_n=32)
+  return narrow if _chained_stages(narrow, k) > _chained_stages(base, k) else base
+
+
+def _chained_stages(cfg: TileConfig, k: int) -> int:
+  """Stages of a chained pipeline for cfg, with the most SMEM any call takes besides the
+  stages (LayerNorm, bias, bf16 output)."""
+  stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * 2
+  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, jnp.bfloat16, 2, 2)
+  stages, chained = mgpu_common.pipeline_stages(max(k // cfg.tile_k, 1),
+                                                min(cfg.max_concurrent_steps,
+                                                    free // stage_bytes), True)
+  return stages if chained else 0
 
 
 @dataclasses.dataclass(frozen=True)
