@@ -165,6 +165,48 @@ def time_shape(m, k, n, iterations, train):
   return times, errors, split
 
 
+GRID_SWEEP_SHAPES = [(262144, 512, 512), (262144, 512, 1024), (262144, 512, 2048)]
+
+
+def grid_sweep(m, k, n, iterations):
+  """The forward kernel (LayerNorm + residual, y only) with the persistent grid cut to several
+  cluster counts: :func:`mgpu_common.resident_clusters` assumes 16 SMs per GPC, and a grid with
+  more clusters than fit at once runs the surplus as a second wave. Each variant's y is checked
+  against XLA's before it is timed."""
+  import dataclasses
+  from pallas_norm import mgpu_common
+  x, w, db, res, scale, bias, _ = _inputs(m * 5 + n, m, k, n)
+  base = mk.pick_config(m, k, n)
+  cluster = mk._tiles_per_cta(n, base.tile_n, interpret=_SMOKE)[0]
+  n_sms = mgpu_common.num_sms(_SMOKE)
+  counts = sorted({n_sms // cluster, mgpu_common.resident_clusters(cluster, _SMOKE),
+                   max(1, (n_sms - 16) // cluster), max(1, (n_sms - 32) // cluster)},
+                  reverse=True)
+  want = jax.jit(functools.partial(reference.matmul_norm, norm="layer", eps=EPS))(
+      x, w, db, res, scale, bias)
+  out = {"cluster": cluster, "us": {}, "err": {}}
+  variants = [(f"clusters{c}", dataclasses.replace(base, max_clusters=c), False)
+              for c in counts]
+  if cluster > 1:
+    variants.append(("multicast_x", base, True))
+  for label, cfg, mc in variants:
+    try:
+      fn = jax.jit(lambda *a, cfg=cfg, mc=mc: _kernel(*a, norm="layer", config=cfg,
+                                                      multicast_x=mc)[0])
+      err = _rel(fn(x, w, db, res, scale, bias), want)
+      out["err"][label] = err
+      if err > 2e-2:
+        print(f"  {label:<16} WRONG (rel. error {err:.3g}): not timed", flush=True)
+        continue
+      out["us"][label] = round(_time(fn, x, w, db, res, scale, bias, iterations=iterations), 1)
+      print(f"  {label:<16} {out['us'][label]:>9.1f} us  (cluster {cluster}, err {err:.1e})",
+            flush=True)
+    except Exception as e:  # noqa: BLE001
+      out["err"][label] = f"{type(e).__name__}: {str(e)[:300]}"
+      print(f"  {label:<16} FAILED {out['err'][label]}", flush=True)
+  return out
+
+
 def _ratios(t):
   r = {}
   gemm, xla, ours = t.get("xla_gemm"), t.get("xla_ln_res"), t.get("ours_ln_res")
@@ -189,8 +231,20 @@ def main(argv=None):
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--quick", action="store_true", help="only the first two shapes")
   parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpret mode")
+  parser.add_argument("--grid-sweep", action="store_true",
+                      help="only time the kernel with the persistent grid cut to several "
+                      "cluster counts (and x multicast), at GRID_SWEEP_SHAPES")
   args = parser.parse_args(argv)
   _SMOKE = args.smoke
+  if args.grid_sweep:
+    report = {"device": str(jax.devices()[0]), "grid_sweep": {}}
+    for m, k, n in (SMOKE_SHAPES if _SMOKE else GRID_SWEEP_SHAPES):
+      print(f"grid sweep {m}x{k}x{n}:", flush=True)
+      report["grid_sweep"][f"{m}x{k}x{n}"] = grid_sweep(m, k, n, args.iterations)
+    if out_dir := os.environ.get("OUT"):
+      with open(os.path.join(out_dir, "matmul_norm_grid_sweep.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
   shapes = SMOKE_SHAPES if _SMOKE else (QUICK_SHAPES if args.quick else SHAPES)
   train_shapes = SMOKE_SHAPES[:1] if _SMOKE else TRAIN_SHAPES
   start = time.time()

@@ -228,12 +228,13 @@ def test_plan_fits_smem():
 
 
 @pytest.mark.parametrize("steps,max_stages,expected", [
-    (8, 4, (4, True)), (8, 3, (2, True)), (2, 4, (2, True)), (3, 4, (3, True)),
-    (1, 4, (1, True)), (5, 4, (4, False)), (7, 3, (3, False)), (12, 4, (4, True)),
+    (8, 4, (4, True)), (8, 3, (3, False)), (2, 4, (2, True)), (3, 4, (3, True)),
+    (1, 4, (1, True)), (5, 4, (4, False)), (6, 4, (4, False)), (12, 4, (4, True)),
+    (8, 2, (2, True)),
 ])
 def test_pipeline_stages(steps, max_stages, expected):
-  """Chained pipelines need the stage count to divide the K steps (and >= 2 unless K has one
-  step); otherwise per-tile pipelines with as many stages as fit."""
+  """As many stages as fit; chained across tiles only when that count divides the K steps
+  (a pipeline of pipelines needs it), so chaining never costs a stage."""
   assert mgpu_common.pipeline_stages(steps, max_stages, True) == expected
   assert mgpu_common.pipeline_stages(steps, max_stages, False) == (min(steps, max_stages), False)
 
@@ -415,3 +416,29 @@ def test_gpu_dx_large_mean(dtype):
 @pytest.mark.parametrize("m", [8192, 8192 + 77])
 def test_gpu_dx_configs(config, m):
   _run_dx_and_check(m, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)
+
+
+def test_resident_clusters_fit_the_gpcs():
+  """Clusters must sit inside one GPC (16 or 18 SMs on an H100/H200): a grid of 132 // 4 = 33
+  clusters of 4 would run its 33rd as a second wave."""
+  counts = [mgpu_common.resident_clusters(c, interpret=False) for c in (1, 2, 4, 8)]
+  if mgpu_common.num_sms(False) == 132:
+    assert counts == [132, 66, 32, 16]
+  for c, count in zip((1, 2, 4, 8), counts):
+    assert 1 <= count * c <= mgpu_common.num_sms(False)
+
+
+def test_persistent_clusters_respects_max_clusters_and_work():
+  cfg = TileConfig()
+  assert mgpu_common.persistent_clusters(cfg, 1, 5, interpret=False) == 5  # fewer units than SMs
+  capped = TileConfig(max_clusters=7)
+  assert mgpu_common.persistent_clusters(capped, 4, 1000, interpret=False) == 7
+  with pytest.raises(ValueError, match="max_clusters"):
+    TileConfig(max_clusters=0)
+
+
+@pytest.mark.parametrize("m,n,once", [(262144, 512, True), (262144, 256, False),
+                                      (4096, 2048, False), (8 * 132 * 128, 1024, True)])
+def test_pick_config_stats_once(m, n, once):
+  """Statistics once per row block only with several N tiles and >= 8 waves of row blocks."""
+  assert nmk.pick_config(m, 512, n).stats_once is once

@@ -253,7 +253,7 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
   stages, chained = mgpu_common.pipeline_stages(
       plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes),
       cfg.pipeline_across_tiles)
-  num_clusters = max(1, min(mgpu_common.num_sms(interpret) // cluster, plan.m_iters))
+  num_clusters = mgpu_common.persistent_clusters(cfg, cluster, plan.m_iters, interpret)
   return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
 
 

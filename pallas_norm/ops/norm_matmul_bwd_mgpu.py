@@ -132,7 +132,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
   if cfg.stats_once:
     raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
   units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m) * -(-k // cfg.tile_n)
-  num_clusters = max(1, min(mgpu_common.num_sms(interpret) // cfg.cluster_m, units))
+  num_clusters = mgpu_common.persistent_clusters(cfg, cfg.cluster_m, units, interpret)
   if cfg.a_operand == "auto":
     a_in_registers = not interpret and m % 8 != 0
   else:

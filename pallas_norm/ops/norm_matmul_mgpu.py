@@ -115,6 +115,11 @@ def _pick_tile_n(n: int) -> int:
   return min((256, 192, 128, 64), key=lambda t: (-(-n // t) * (t + 32), -t))
 
 
+STATS_ONCE_MIN_ROW_BLOCKS = 8 * 132
+"""Row blocks from which the heuristic computes the statistics once per row block: 8 waves of
+132 SMs, so sweeping N inside a CTA leaves no SM idle for long."""
+
+
 def pick_config(m: int, k: int, n: int) -> TileConfig:
   """Heuristic tiling for x (m, k) @ w (k, n).
 
@@ -122,15 +127,19 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   N = 64/128/192 get one N tile). tile_m: 128 rows (64 per consumer warpgroup), 256 when the N
   tile is at most 128 wide (keeps the accumulator at 128 registers per thread). tile_k 64 (one
   128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4).
-  Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
+  ``stats_once`` when N has several tiles and M at least
+  :data:`STATS_ONCE_MIN_ROW_BLOCKS` row blocks. Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
   steps where 64×64 does not (chained pipelines need one: at 128×256 tiles and K = 512,
   64×64 slots leave 3 stages, which chain only as 2; 64×32 ones leave 4).
   """
-  del m
   tile_n = _pick_tile_n(n)
   tile_m = 256 if tile_n <= 128 else 128
+  # Several N tiles and many row blocks: a CTA sweeps its row block's N tiles and computes the
+  # statistics once (H200, seed shape: 228 vs 238 µs); with few row blocks, sweeping would
+  # leave SMs idle.
+  stats_once = -(-n // tile_n) > 1 and -(-m // tile_m) >= STATS_ONCE_MIN_ROW_BLOCKS
   base = TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
-                    epi_tile_m=64, epi_tile_n=64)
+                    epi_tile_m=64, epi_tile_n=64, stats_once=stats_once)
   narrow = dataclasses.replace(base, epi_tile_n=32)
   return narrow if _chained_stages(narrow, k) > _chained_stages(base, k) else base
 
@@ -223,7 +232,7 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
   # a CTA sweeps all N tiles of its row block (stats_once).
   m_units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m)
   units = m_units if cfg.stats_once else m_units * -(-n // cfg.tile_n)
-  num_clusters = max(1, min(mgpu_common.num_sms(interpret) // cfg.cluster_m, units))
+  num_clusters = mgpu_common.persistent_clusters(cfg, cfg.cluster_m, units, interpret)
   if cfg.a_operand == "auto":
     # Interpret mode has no tiled-TMA restriction on M (and cannot run register-A WGMMA).
     a_in_registers = not interpret and m % 8 != 0
@@ -563,6 +572,8 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
   m, k = x.shape
   n = w_gamma.shape[1]
   cfg = config or pick_config(m, k, n)
+  if config is None and norm == "none":  # no statistics: keep the GEMM's plain tile order
+    cfg = dataclasses.replace(cfg, stats_once=False)
   if k % cfg.tile_k:
     raise ValueError(f"K = {k} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _make_plan(m, k, n, x.dtype, out_dtype, norm, eps, out_bias is not None, cfg,
