@@ -110,6 +110,13 @@ def unregister_impl(op: str, name: str) -> None:
   _EXTRA.get(op, {}).pop(name, None)
 
 
+def known_impls() -> tuple[str, ...]:
+  """Every implementation name a case can have: the public ones, "ours" (our GEMM alone) and
+  the registered extras."""
+  extras = {name for by_name in _EXTRA.values() for name in by_name}
+  return ("xla", "mosaic", "interpret", "auto", "ours", *sorted(extras))
+
+
 class DeviceRandom:
   """Normal bf16 arrays from a PRNG key, a fresh subkey per call (use inside jax.jit)."""
 
@@ -152,6 +159,9 @@ def _our_gemm(case: Case, kernel: str):
     from pallas_norm.ops import norm_matmul_mgpu
   except ImportError as e:
     raise NotImplementedError(f"the Mosaic GEMM is unavailable ({e})") from e
+  from pallas_norm import _dispatch
+  if kernel == "mosaic" and not _dispatch.on_hopper_gpu():
+    raise NotImplementedError("our GEMM needs a Hopper GPU (or --interpret)")
   m, k, n = (case.dim(d) for d in "MKN")
   reason = norm_matmul_mgpu.unsupported_reason(m, k, n, DTYPE)
   if reason is not None:

@@ -74,19 +74,29 @@ def _status(r: dict) -> str:
   if s == "imprecise":
     return f"imprecise ({_num(r.get('rel_err'), '{:.2e}')}), timed as the baseline"
   msg = (r.get("message") or "").replace("|", "/")
+  if msg.startswith(f"{s}:"):  # e.g. "skipped: time budget ..." already names the status
+    msg = msg[len(s) + 1:].strip()
   return f"{s}: {msg[:120]}" if msg and s != "n/a" else s
 
 
 def _header(results: dict) -> list[str]:
   c = results.get("ceilings") or {}
-  flags = ", ".join(k for k, v in (results.get("flags") or {}).items() if v) or "full suite"
+  selection = ("quick", "only", "interpret", "tiny", "impls")  # what changes the cases run
+  flags = ", ".join(f"{k}={v}" if not isinstance(v, bool) else k
+                    for k, v in (results.get("flags") or {}).items()
+                    if k in selection and v) or "full suite"
   commit = results.get("git_commit", "unknown")
   if results.get("git_dirty"):
     commit += " (with uncommitted changes)"
+  run = f"commit {commit}, wall {results.get('wall_s')} s"
+  if prev := results.get("resumed_from"):
+    # --resume keeps the finished cases of an earlier run: most rows may come from it.
+    run = (f"cases kept from a run of commit {prev.get('git_commit')} ({prev.get('date')}, "
+           f"wall {prev.get('wall_s')} s), the rest resumed at {run}")
   lines = [f"# Benchmarks on {results.get('device')}", "",
-           f"jax {results.get('jax_version')}, {results.get('date')}, commit {commit}, "
+           f"jax {results.get('jax_version')}, {results.get('date')}, {run}, "
            f"timer **{results.get('timer')}** ({results.get('iterations')} iterations, median), "
-           f"flags: {flags}, wall {results.get('wall_s')} s.", ""]
+           f"flags: {flags}.", ""]
   if results.get("timer") != "cupti":
     lines += ["**Wall-clock timer: these numbers prove that the suite runs, nothing about "
               "speed.**", ""]
@@ -255,7 +265,19 @@ def main(argv=None) -> None:
     return
   if not args.results:
     p.error("a results JSON is required (or --floors)")
-  parts = [json.loads(path.read_text()) for path in args.results]
+  parts = []
+  for path in args.results:
+    try:
+      part = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+      p.error(f"cannot read {path}: {e}")
+    if not isinstance(part, dict) or "rows" not in part:
+      p.error(f"{path} is not a results JSON of benchmarks.run (no 'rows')")
+    parts.append(part)
+  if args.mode != "fwd" and not args.readme:
+    p.error("--mode applies to --readme only")
+  if args.merge and not args.merge.parent.is_dir():
+    p.error(f"--merge: folder {args.merge.parent} does not exist")
   if args.merge:
     results, path = merge(parts), args.merge
     path.write_text(json.dumps(results, indent=1) + "\n")

@@ -107,6 +107,7 @@ def rel_err(parts) -> float:
 # The oracle's speed does not matter: skip XLA's GEMM autotuning when compiling it (seconds per
 # GEMM shape on a GPU). The timed programs keep XLA's default options.
 ORACLE_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+E2E_NAME = "train_step/kunlun"  # what --list prints for the end-to-end case; --only matches it
 
 
 class checker:
@@ -467,8 +468,8 @@ def _stem(args, device_kind: str) -> str:
     return slugify(args.tag)
   parts = [slugify(device_kind)]
   parts += [flag for flag in ("tiny", "interpret", "quick") if getattr(args, flag)]
-  if args.only:
-    parts.append("only")
+  if args.only:  # runs of different --only patterns must not overwrite each other
+    parts.append(f"only-{zlib.crc32(args.only.encode()):08x}")
   return "-".join(parts)
 
 
@@ -498,12 +499,14 @@ def parse_args(argv=None):
                  help="kernels in Pallas GPU interpret mode on the CPU; implies --tiny")
   p.add_argument("--tiny", action="store_true", help="every case at a CPU-sized shape")
   p.add_argument("--impls", metavar="A,B",
-                 help="implementations to run besides 'xla' (default: all; e.g. 'mosaic')")
+                 help="implementations to run besides 'xla' (default: all; e.g. 'mosaic'; "
+                 "'none': XLA alone)")
   p.add_argument("--tolerance", type=float, default=TOLERANCE,
                  help="largest rel. Frobenius error vs the f32 oracle (default 2e-2)")
   p.add_argument("--iterations", type=int, default=10, help="timed calls per implementation")
   p.add_argument("--budget-s", type=float, default=None,
-                 help="start no case after this many seconds (default 500, --quick 150)")
+                 help="start no case after this many seconds (default 500, --quick 150; "
+                 "none with --tiny/--interpret)")
   p.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
   p.add_argument("--tag", help="file stem of the results (default: the device slug + flags)")
   p.add_argument("--cache-dir", type=pathlib.Path, default=None,
@@ -514,8 +517,8 @@ def parse_args(argv=None):
                  "stem finished, run the rest: a suite cut by --budget-s continues")
   p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                  help="threads that compile the oracles and input generators ahead, next to "
-                 "the one that compiles the timed programs (default min(8, cores); 0: no "
-                 "compile-ahead phase, each case compiles when it runs)")
+                 "those of --compile-timed-workers (default min(8, cores); 0: no compile-ahead "
+                 "phase, each case compiles when it runs)")
   p.add_argument("--compile-timed-workers", type=int, default=4,
                  help="threads that compile the timed programs ahead (default 4; 1 keeps XLA's "
                  "GEMM autotuning measurements from overlapping each other)")
@@ -526,15 +529,37 @@ def parse_args(argv=None):
   args.tiny = args.tiny or args.interpret
   if args.iterations < 1:
     p.error("--iterations must be >= 1")
+  if not args.tolerance > 0:
+    p.error(f"--tolerance must be > 0, got {args.tolerance}")
+  if args.budget_s is not None and not args.budget_s >= 0:
+    p.error(f"--budget-s must be >= 0, got {args.budget_s}")
+  if args.compile_workers < 0 or args.compile_timed_workers < 1:
+    p.error("--compile-workers must be >= 0 and --compile-timed-workers >= 1")
+  if args.only:
+    try:
+      re.compile(args.only)
+    except re.error as e:
+      p.error(f"--only: invalid regular expression {args.only!r}: {e}")
+  if args.impls:
+    known = set(C.known_impls()) | {"none"}  # "none": XLA alone
+    names = {"interpret" if args.interpret and i == "mosaic" else i
+             for i in args.impls.split(",") if i}
+    if unknown := sorted(names - known):
+      p.error(f"--impls: unknown implementation(s) {unknown}; known: {sorted(known)} "
+              "('mosaic' stands for the kernel, 'interpret' under --interpret)")
+    args.impls = ",".join(sorted(names))
   return args
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
   selected = C.select(C.all_cases(), quick=args.quick, only=args.only, tiny_shapes=args.tiny)
-  run_e2e_case = not args.no_e2e and (not args.only or re.search(args.only, "train_step"))
+  run_e2e_case = not args.no_e2e and (not args.only or re.search(args.only, E2E_NAME))
+  if not selected and not run_e2e_case:
+    raise SystemExit(f"python -m benchmarks.run: --only {args.only!r} selects no case "
+                     "(--list prints the names)")
   if args.list:
-    print("\n".join([c.name for c in selected] + (["train_step/kunlun"] if run_e2e_case else [])))
+    print("\n".join([c.name for c in selected] + ([E2E_NAME] if run_e2e_case else [])))
     return {}
   return _run(args, selected, run_e2e_case)
 
@@ -611,7 +636,9 @@ def _prepare_all(selected: list[C.Case], done: dict, ctx: Context, workers: int,
 def _run(args, selected: list[C.Case], run_e2e_case: bool) -> dict:
   t0 = time.monotonic()
   cache = _enable_compilation_cache(args)
-  budget = args.budget_s if args.budget_s is not None else (150 if args.quick else 500)
+  # On a CPU the suite only proves that every path runs: no default budget cuts it there.
+  default_budget = math.inf if args.tiny else (150 if args.quick else 500)
+  budget = args.budget_s if args.budget_s is not None else default_budget
   dev = jax.devices()[0]
   ctx = Context(timer=timing.default_timer(), iterations=args.iterations,
                 kernel="interpret" if args.interpret else "mosaic", tiny=args.tiny,
@@ -628,7 +655,8 @@ def _run(args, selected: list[C.Case], run_e2e_case: bool) -> dict:
       "flags": {"quick": args.quick, "only": args.only, "interpret": args.interpret,
                 "tiny": args.tiny, "impls": args.impls,
                 "compile_workers": args.compile_workers,
-                "compile_timed_workers": args.compile_timed_workers},
+                "compile_timed_workers": args.compile_timed_workers,
+                "budget_s": None if math.isinf(budget) else budget},
       "ceilings": {}, "rows": [], "wall_s": None,
   }
   stem = _stem(args, dev.device_kind)

@@ -61,8 +61,8 @@ def choose(op: str, implementation: str | None,
   if unsupported_reason is None:
     if implementation is None:
       return "xla"
-    raise NotImplementedError(f"{op}: implementation={implementation!r} is not available yet "
-                              "(only 'xla'); see the project's open kernel issues")
+    raise NotImplementedError(f"{op}: implementation={implementation!r}: this op has no "
+                              "kernel (only 'xla'); see the README's status table")
   reason = unsupported_reason()
   if implementation is None:
     if not on_hopper_gpu():

@@ -57,6 +57,11 @@ def eps(value) -> None:
     raise TypeError(f"eps must be a positive float (a static Python number), got {value!r}")
   if not (float(value) > 0 and np.isfinite(value)):
     raise ValueError(f"eps must be a positive finite float, got {value!r}")
+  # The statistics are float32: an eps that rounds to 0 or inf there is no eps at all.
+  as_f32 = np.float32(value)
+  if not (as_f32 > 0 and np.isfinite(as_f32)):
+    raise ValueError(f"eps must be a positive finite float32 value (the statistics' dtype), got "
+                     f"{value!r}, which is {float(as_f32)} in float32")
 
 
 def finite_scalar(name: str, value) -> None:

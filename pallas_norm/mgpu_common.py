@@ -202,23 +202,26 @@ def num_sms(interpret: bool) -> int:
   return getattr(jax.devices()[0], "core_count", None) or 132
 
 
-SMS_PER_GPC = 16
-"""Streaming multiprocessors per GPC that every GPC of an H100/H200 (132 SMs) has at least:
-its GPCs hold 16 or 18 SMs, and a cluster's CTAs must share a GPC."""
+RESIDENT_SHARE = {4: 120 / 132, 8: 120 / 132}
+"""Share of the SMs that clusters of 4 and 8 CTAs can fill at once: a cluster must sit in one
+GPC, and GPCs have uneven SM counts (some are harvested). Measured on the H200 (132 SMs,
+2026-11-30, ``gpu_matmul_norm_check.py --grid-sweep``, post-norm 262144×512×N): clusters of 4:
+33 launched → 1683 µs, 32 → 1718, 30 → 1022, 29 → 1039; clusters of 8: 16 → 3648, 15 → 2167,
+14 → 2260. So 30 clusters of 4 and 15 of 8 fit at once, and one more runs as a second wave.
+Other chips may differ; ``TileConfig.max_clusters`` overrides."""
 
 
 def resident_clusters(cluster: int, interpret: bool) -> int:
-  """Persistent clusters of ``cluster`` CTAs to launch: all that fit on the GPU at once.
+  """Persistent clusters of ``cluster`` CTAs to launch: those that fit on the GPU at once.
 
-  One CTA per SM (the GEMM kernels take most of the SMEM): clusters of 1 or 2 fill every SM
-  (GPCs have an even SM count); larger ones fit ``SMS_PER_GPC // cluster`` per GPC, so
-  ``num_sms // cluster`` (33 clusters of 4 on 132 SMs) would leave a cluster for a second
-  wave. The GPC count is taken as ``num_sms // SMS_PER_GPC`` (8 on an H100/H200).
+  One CTA per SM (the GEMM kernels take most of the SMEM). Clusters of 1 or 2 fill every SM;
+  larger ones fill :data:`RESIDENT_SHARE` of them. Launching more makes the surplus clusters
+  run after the others finish, which nearly doubled the post-norm kernel's time.
   """
   sms = num_sms(interpret)
   if interpret or cluster <= 2:
     return max(1, sms // cluster)
-  return max(1, (sms // SMS_PER_GPC) * (SMS_PER_GPC // cluster))
+  return max(1, int(sms * RESIDENT_SHARE.get(cluster, RESIDENT_SHARE[8]) + 1e-9) // cluster)
 
 
 def persistent_clusters(cfg: TileConfig, cluster: int, units: int, interpret: bool) -> int:

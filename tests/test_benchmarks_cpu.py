@@ -245,3 +245,67 @@ def test_every_case_runs_at_tiny_shapes(tmp_path):
   assert expected <= set(by_case)
   e2e_rows = [r for r in results["rows"] if r["op"] == "train_step"]
   assert e2e_rows and all(r["status"] in ("ok", "skipped") for r in e2e_rows), e2e_rows
+
+
+def test_copy_ceiling_kernels_read_and_write_every_element_once():
+  """Each copy kernel returns a new array of the same shape and dtype that differs from the
+  input (nothing XLA could alias away), and the XOR copy undoes itself."""
+  x = jax.random.normal(jax.random.key(0), (4096,), jnp.bfloat16)
+  for name, fn in run.COPY_KERNELS.items():
+    y = jax.jit(fn)(x)
+    assert y.shape == x.shape and y.dtype == x.dtype, name
+    assert bool(jnp.any(y != x)), name
+  twice = run._xor_words(run._xor_words(x))
+  assert bool(jnp.all(jax.lax.bitcast_convert_type(twice, jnp.uint16)
+                      == jax.lax.bitcast_convert_type(x, jnp.uint16)))
+
+
+def test_precompile_leaves_nothing_to_compile_when_timing():
+  """After ``precompile`` (from shapes, in threads), checking and timing a case starts no
+  backend compilation: the timing loop measures, it does not compile."""
+  compiles = []
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(event)
+
+  [case] = [c for c in cases.all_cases() if c.name == "norm_matmul/rms/262144x512x512/fwd"]
+  case = cases.tiny(case)
+  ctx = run.Context(timer="wall", iterations=1, kernel="interpret", tiny=False, max_sets=1,
+                    deadline=math.inf, impls=frozenset(), ceilings={"gemm_TFLOPs": 1.0,
+                                                                    "copy_GBps": 1.0})
+  prep = run.prepare(case, ctx)  # tiny=False: inputs come from a jitted generator to compile
+  run.precompile([prep], workers=2, timed_workers=2)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    rows = run.run_case(prep, ctx)
+  finally:
+    from jax._src import monitoring  # the public module has no unregister in jax 0.11.2
+    monitoring.unregister_event_duration_listener(listener)
+  assert [r["status"] for r in rows] == ["ok"], rows
+  assert compiles == [], f"{len(compiles)} programs compiled while timing"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--impls", "bogus"], "unknown implementation"),
+    (["--only", "("], "invalid regular expression"),
+    (["--tolerance", "-1"], "--tolerance"),
+    (["--budget-s", "-5"], "--budget-s"),
+    (["--compile-timed-workers", "0"], "--compile-timed-workers"),
+])
+def test_bad_flags_are_argparse_errors(flags, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    run.parse_args(flags)
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_selection_errors_and_names(tmp_path):
+  with pytest.raises(SystemExit, match="selects no case"):
+    run.main(["--list", "--only", "no-such-case"])
+  # The end-to-end case answers to the name --list prints.
+  assert run.E2E_NAME == "train_step/kunlun"
+  args_a = run.parse_args(["--tiny", "--only", "rms_norm"])
+  args_b = run.parse_args(["--tiny", "--only", "layer_norm"])
+  assert run._stem(args_a, "cpu") != run._stem(args_b, "cpu")  # no overwriting
+  assert run.parse_args(["--interpret", "--impls", "mosaic"]).impls == "interpret"

@@ -174,9 +174,15 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
   from pallas_norm.ops import matmul_norm as mn
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   ok = lambda: None  # noqa: E731  (the kernel supports the call)
-  assert _dispatch.choose("op", None, ok, lambda: nm._kernel_slower_reason(512, 512)) == "mosaic"
-  assert _dispatch.choose("op", None, ok, lambda: nm._kernel_slower_reason(2048, 512)) == "xla"
-  assert _dispatch.choose("op", None, ok, lambda: mn._kernel_slower_reason(256)) == "mosaic"
-  assert _dispatch.choose("op", None, ok, lambda: mn._kernel_slower_reason(1024)) == "xla"
+  pick = lambda reason: _dispatch.choose("op", None, ok, lambda: reason)
+  # Thresholds from the H200's forward+backward measurements, per norm.
+  assert pick(nm._kernel_slower_reason(512, 512, "rms")) == "mosaic"
+  assert pick(nm._kernel_slower_reason(1024, 1024, "rms")) == "xla"
+  assert pick(nm._kernel_slower_reason(1024, 1024, "layer")) == "mosaic"
+  assert pick(nm._kernel_slower_reason(2048, 512, "layer")) == "xla"
+  assert pick(mn._kernel_slower_reason(128, "rms")) == "mosaic"
+  assert pick(mn._kernel_slower_reason(256, "rms")) == "xla"
+  assert pick(mn._kernel_slower_reason(512, "layer")) == "mosaic"
+  assert pick(mn._kernel_slower_reason(1024, "layer")) == "xla"
   # An explicit request is honoured even where the kernel is slower.
   assert _dispatch.choose("op", "mosaic", ok, lambda: "slower") == "mosaic"

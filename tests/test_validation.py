@@ -88,6 +88,8 @@ NORM_CASES = [
     ("eps", -1e-6, ValueError, "eps"),
     ("eps", float("nan"), ValueError, "eps"),
     ("eps", float("inf"), ValueError, "eps"),
+    ("eps", 1e-300, ValueError, "float32"),  # rounds to 0 in the float32 statistics
+    ("eps", 1e300, ValueError, "float32"),  # rounds to inf
     ("eps", True, TypeError, "eps"),
     ("eps", "1e-6", TypeError, "eps"),
     ("eps", None, TypeError, "eps"),

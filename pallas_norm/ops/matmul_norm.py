@@ -55,16 +55,21 @@ def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) ->
   _validate.out_dtype(out_dtype)
 
 
-# Widest N at which the H200 benchmark (benchmarks/results/nvidia-h200.md) measured the kernel
-# faster than XLA's unfused op; wider rows need clusters whose exchange and 2-stage pipeline make
-# it slower today (issue 5).
-KERNEL_DEFAULT_MAX_N = 512
+# Widest N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md) measured
+# the op faster than XLA's unfused one forward *and* forward+backward (training is the use that
+# matters). LayerNorm (+ residual): N ≤ 512 (fwd+bwd 262144×512²: 1332 vs 1877 µs). RMSNorm:
+# N ≤ 128 (fwd+bwd 239 vs 248 µs; at 256 and 512 the backward makes it 2–10% slower). The
+# forward alone now wins up to N = 1024 (1022 vs 1162 µs since the grid launches only the
+# clusters that fit at once, results/dev/2026-11-30_matmul_norm_grid_sweep.log), but its
+# fwd+bwd with that grid is not measured yet (issue 5).
+KERNEL_DEFAULT_MAX_N = {"layer": 512, "rms": 128}
 
 
-def _kernel_slower_reason(n: int) -> str | None:
-  if n > KERNEL_DEFAULT_MAX_N:
-    return (f"N = {n}: past {KERNEL_DEFAULT_MAX_N} the Mosaic kernel is measured slower than XLA "
-            "on the H200 (pass implementation='mosaic' to force it)")
+def _kernel_slower_reason(n: int, norm: str) -> str | None:
+  limit = KERNEL_DEFAULT_MAX_N[norm]
+  if n > limit:
+    return (f"N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA in "
+            "training on the H200 (pass implementation='mosaic' to force it)")
   return None
 
 
@@ -233,7 +238,7 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
       "matmul_norm", implementation,
       lambda: _kernel_unsupported_reason(x, w, residual, out_dtype,
                                          interpret=implementation == "interpret"),
-      lambda: _kernel_slower_reason(w.shape[1]))
+      lambda: _kernel_slower_reason(w.shape[1], norm))
   if chosen == "xla":
     return reference.matmul_norm(x, w, dense_bias, residual, scale, bias, norm=norm, eps=eps,
                                  out_dtype=out_dtype, return_h=return_h,

@@ -118,6 +118,10 @@ def _pick_tile_n(n: int) -> int:
 STATS_ONCE_MIN_ROW_BLOCKS = 8 * 132
 """Row blocks from which the heuristic computes the statistics once per row block: 8 waves of
 132 SMs, so sweeping N inside a CTA leaves no SM idle for long."""
+STATS_ONCE_MAX_X_BYTES = 40 << 20
+"""Largest footprint of the x row blocks of 132 CTAs (bf16) with which the heuristic sweeps N
+inside a CTA: they must stay in L2 (60 MB on the H200, 50 MB on the H100) while their N tiles
+run."""
 
 
 def pick_config(m: int, k: int, n: int) -> TileConfig:
@@ -127,17 +131,19 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   N = 64/128/192 get one N tile). tile_m: 128 rows (64 per consumer warpgroup), 256 when the N
   tile is at most 128 wide (keeps the accumulator at 128 registers per thread). tile_k 64 (one
   128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4).
-  ``stats_once`` when N has several tiles and M at least
-  :data:`STATS_ONCE_MIN_ROW_BLOCKS` row blocks. Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
+  ``stats_once`` when N has several tiles, M at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row
+  blocks, and the row blocks in flight fit :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
   steps where 64×64 does not (chained pipelines need one: at 128×256 tiles and K = 512,
   64×64 slots leave 3 stages, which chain only as 2; 64×32 ones leave 4).
   """
   tile_n = _pick_tile_n(n)
   tile_m = 256 if tile_n <= 128 else 128
   # Several N tiles and many row blocks: a CTA sweeps its row block's N tiles and computes the
-  # statistics once (H200, seed shape: 228 vs 238 µs); with few row blocks, sweeping would
-  # leave SMs idle.
-  stats_once = -(-n // tile_n) > 1 and -(-m // tile_m) >= STATS_ONCE_MIN_ROW_BLOCKS
+  # statistics once (H200, 262144×K×K, rms: 230 vs 239 µs at K = 512, 820 vs 840 at 1024);
+  # with few row blocks sweeping would leave SMs idle, and when the row blocks in flight
+  # outgrow L2 their re-reads go to HBM (K = 2048: 3365 vs 3177 µs).
+  stats_once = (-(-n // tile_n) > 1 and -(-m // tile_m) >= STATS_ONCE_MIN_ROW_BLOCKS
+                and 132 * tile_m * k * 2 <= STATS_ONCE_MAX_X_BYTES)
   base = TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
                     epi_tile_m=64, epi_tile_n=64, stats_once=stats_once)
   narrow = dataclasses.replace(base, epi_tile_n=32)
