@@ -185,17 +185,20 @@ def grid_sweep(m, k, n, iterations):
   want = jax.jit(functools.partial(reference.matmul_norm, norm="layer", eps=EPS))(
       x, w, db, res, scale, bias)
   out = {"cluster": cluster, "us": {}, "err": {}}
-  variants = [(f"clusters{c}", dataclasses.replace(base, max_clusters=c), False)
+  variants = [(f"clusters{c}", dataclasses.replace(base, max_clusters=c), False, "pull")
               for c in counts]
   if cluster > 1:
-    variants.append(("multicast_x", base, True))
-  for label, cfg, mc in variants:
+    # x multicast, and the exchange's cost: without its cluster fences, and skipped ("local":
+    # y is wrong, timed anyway as a diagnostic).
+    variants += [("multicast_x", base, True, "pull"), ("nofence", base, False, "pull_nofence"),
+                 ("no_exchange_DIAG", base, False, "local")]
+  for label, cfg, mc, exchange in variants:
     try:
-      fn = jax.jit(lambda *a, cfg=cfg, mc=mc: _kernel(*a, norm="layer", config=cfg,
-                                                      multicast_x=mc)[0])
+      fn = jax.jit(lambda *a, cfg=cfg, mc=mc, ex=exchange: _kernel(
+          *a, norm="layer", config=cfg, multicast_x=mc, exchange=ex)[0])
       err = _rel(fn(x, w, db, res, scale, bias), want)
       out["err"][label] = err
-      if err > 2e-2:
+      if err > 2e-2 and exchange != "local":
         print(f"  {label:<16} WRONG (rel. error {err:.3g}): not timed", flush=True)
         continue
       out["us"][label] = round(_time(fn, x, w, db, res, scale, bias, iterations=iterations), 1)

@@ -329,9 +329,9 @@ def test_kernel_rejects_bad_calls():
 
 def test_kernel_lowers_for_hopper(monkeypatch):
   """Lowers the kernel for sm_90a (Mosaic's Python passes: layout inference, TMA and SMEM
-  checks) for clusters of 1-8 CTAs, on any machine with the Mosaic GPU bindings (the CUDA
-  plugin); nothing runs. This is how the cluster exchange is checked before a GPU sees it."""
-  pytest.importorskip("jax._src.lib.mosaic_gpu", exc_type=ImportError)
+  checks) for clusters of 1-8 CTAs, on any machine (jax.export for "cuda"); nothing runs.
+  This is how the cluster exchange is checked before a GPU sees it."""
+  from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
   monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
   bf = jnp.bfloat16
   for m, k, n, norm in [(300, 64, 256, "layer"), (1000, 128, 512, "rms"),
@@ -344,8 +344,27 @@ def test_kernel_lowers_for_hopper(monkeypatch):
       return mk.matmul_norm_fwd(*a, norm=norm, eps=1e-6, return_h=True, return_xhat=True,
                                 return_stats=True)
 
-    text = jax.jit(f).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+    text = export.export(jax.jit(f), platforms=["cuda"])(*structs).mlir_module()
     assert "mosaic_gpu" in text, (m, k, n)
+
+
+@pytest.mark.parametrize("exchange", ["pull_nofence", "local"])
+def test_exchange_diagnostics_lower_for_hopper(monkeypatch, exchange):
+  """The timing diagnostics of the cluster exchange (benchmarks' grid sweep) lower for sm_90a
+  with a cluster of 4."""
+  from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
+  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  bf = jnp.bfloat16
+  structs = [jax.ShapeDtypeStruct((4096, 64), bf), jax.ShapeDtypeStruct((64, 1024), bf)]
+  f = jax.jit(lambda x, w: mk.matmul_norm_fwd(x, w, norm="layer", eps=1e-6,
+                                              exchange=exchange)[0])
+  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
+
+
+def test_exchange_name_is_checked():
+  x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="exchange"):
+    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, exchange="push")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -112,6 +112,7 @@ class _Plan:
   num_clusters: int
   multicast_x: bool
   chained: bool = False  # a CTA's tiles run as one K-loop pipeline (pipeline_across_tiles)
+  exchange: str = "pull"  # see matmul_norm_fwd's ``exchange`` (the others are diagnostics)
 
   @property
   def n_partials(self) -> int:  # per-row partial statistics exchanged in the cluster
@@ -230,7 +231,8 @@ def _smem_bytes_besides_pipeline(p: _Plan) -> int:
 
 
 def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, return_h,
-               return_xhat, return_stats, cfg, interpret, multicast_x) -> _Plan:
+               return_xhat, return_stats, cfg, interpret, multicast_x,
+               exchange="pull") -> _Plan:
   m, k = x_shape
   cluster, n_tiles = _tiles_per_cta(n, cfg.tile_n, interpret)
   if n % cfg.tile_n or not cluster or n_tiles > MAX_N_TILES:
@@ -245,7 +247,8 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
   plan = _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
                eps=float(eps), vecs=vecs, has_residual=has_residual, return_h=return_h,
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
-               n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1)
+               n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1,
+               exchange=exchange)
   stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
   free = mgpu_common.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
@@ -384,8 +387,9 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
   shared memory (:func:`plgpu.cluster_ref`) in CTA order, arrive on ``empty``, and merge. Every
   CTA merges the same values in the same order, so all hold the same bits.
   """
-  if plan.cluster == 1:
+  if plan.cluster == 1 or plan.exchange == "local":  # "local": a timing diagnostic (wrong y)
     return _merge_partials(plan, [tuple(partials)])
+  fence = _cluster_fence if plan.exchange == "pull" else (lambda: None)
   for w in range(2):
 
     @pl.when(wg == w)
@@ -399,10 +403,10 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
       for buf, v in zip(bufs, partials):
         buf[...] = v
       plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the arrive
-      _cluster_fence()
+      fence()
       plgpu.barrier_arrive(ex.full.at[w])
       plgpu.barrier_wait(ex.full.at[w])
-      _cluster_fence()
+      fence()
       per_cta = [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
                                          plgpu.Layout.WGMMA.reduce(1)) for buf in bufs)
                  for j in range(plan.cluster)]
@@ -411,7 +415,7 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
       if mean is not None:
         ex.rows[w, 1] = mean
       plgpu.commit_smem()  # every thread's peer reads precede the arrive
-      _cluster_fence()
+      fence()
       plgpu.barrier_arrive(ex.empty.at[w])
 
   rstd = plgpu.load(ex.rows.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -422,7 +426,7 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
 
 def _cluster_final_sync(plan: _Plan, ex, wg):
   """Waits until the peers read the last tile's partials: no CTA exits while they may."""
-  if plan.cluster == 1:
+  if plan.cluster == 1 or plan.exchange == "local":
     return
   for w in range(2):
 
@@ -710,11 +714,14 @@ def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
     raise ValueError(f"eps must be a positive float, got {eps!r}")
 
 
+EXCHANGES = ("pull", "pull_nofence", "local")
+
+
 def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, norm: str,
                     eps: float, out_dtype=None, return_h: bool = False,
                     return_xhat: bool = False, return_stats: bool = False,
                     interpret: bool = False, config: TileConfig | None = None,
-                    multicast_x: bool = False):
+                    multicast_x: bool = False, exchange: str = "pull"):
   """Forward of the post-norm GEMM as one Mosaic-GPU kernel (Hopper).
 
   Args:
@@ -731,6 +738,13 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       per row block (it cannot read a peer CTA's shared memory), looping over up to 4 N tiles.
     config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
     multicast_x: with a cluster, let the CTAs share each x tile through a TMA multicast.
+    exchange: how a cluster's CTAs share their partial row statistics. "pull" (the kernel):
+      each reads its peers' partials through distributed shared memory, with
+      ``fence.acq_rel.cluster`` around the cluster barriers. Diagnostics for the benchmarks
+      (issue 5: what the exchange costs), never for results: "pull_nofence" skips the fences
+      (the barriers' CTA-scope ordering alone does not guarantee the peers' writes are
+      visible), "local" skips the exchange (each CTA normalizes with its own slice's
+      statistics: y is wrong whenever the cluster has more than one CTA).
 
   Returns:
     ``(y, h, xhat, mean, rstd)``: y (M, N); h (the pre-norm stream) and xhat = (h − mean)·rstd
@@ -741,6 +755,8 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       norm/eps, a config that does not fit in SMEM, or more than 4 N tiles per CTA.
     TypeError: x and w dtypes differ.
   """
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   vectors = {"dense_bias": dense_bias, "scale": scale, "bias": bias}
   _check_args(x, w, vectors, residual, norm, eps, out_dtype)
@@ -750,7 +766,8 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
   vecs = tuple(name for name, v in vectors.items() if v is not None)
   padded_m = m + (-m % _ROW_ALIGN)
   plan = _make_plan((padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs, residual is not None,
-                    return_h, return_xhat, return_stats, cfg, interpret, multicast_x)
+                    return_h, return_xhat, return_stats, cfg, interpret, multicast_x,
+                    exchange)
   out_type = [jax.ShapeDtypeStruct((padded_m, n), out_dtype)]
   out_type += [jax.ShapeDtypeStruct((padded_m, n), out_dtype) for _ in plan.extras]
   out_type += [jax.ShapeDtypeStruct((padded_m,), jnp.float32) for _ in range(plan.n_stats)]
