@@ -302,9 +302,9 @@ def precompile(preps: list[Prepared], workers: int, deadline: float = math.inf,
   (XLA's, which autotune their GEMMs on the GPU, and the kernels; plus ``extra_timed``, jitted
   functions with their arguments) in ``timed_workers`` threads (1: no autotuning measurement
   overlaps another); the oracles and input generators (no GPU work: the oracle is compiled
-  without autotuning) in ``workers`` other threads. The programs
-  keep their compiled executables, so the timing phase compiles nothing. No task starts after
-  ``deadline`` (time.monotonic()). Returns seconds."""
+  without autotuning) in ``workers`` other threads. The programs keep their compiled
+  executables, so the timing phase compiles nothing. No task starts after ``deadline``
+  (time.monotonic()). Returns seconds."""
   import concurrent.futures as cf
   t0 = time.monotonic()
   timed_tasks, other_tasks = [], []

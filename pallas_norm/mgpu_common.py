@@ -101,8 +101,8 @@ class TileConfig:
       next tile's first stages while the consumers finish the K loop and run the epilogue of
       the current one, instead of draining the pipeline and starting cold at every tile (a
       full TMA latency with idle tensor cores per tile). Needs the stage count to divide the
-      number of K steps; the plan then picks the largest such count that fits, and falls back
-      to per-tile pipelines (with the most stages that fit) when none exists.
+      number of K steps: the plan chains only when the most stages that fit do (it never
+      gives up a stage for chaining, see :func:`pipeline_stages`).
     max_clusters: persistent clusters (CTAs when the cluster has one) to launch at most; None:
       :func:`resident_clusters`. Launching more clusters than fit on the GPU at once makes the
       surplus run after the others finish: a second wave that can double the kernel's time.
