@@ -286,25 +286,26 @@ def prepare(case: C.Case, ctx: Context) -> Prepared:
 def _ignore_errors(fn, deadline: float):
   """A compile-ahead task: a program that fails to compile fails again at its first call,
   where the case reports it; past ``deadline`` it is left to that call (or to the budget)."""
-  def task():
+  def task() -> bool:  # whether it compiled
     if time.monotonic() > deadline:
-      return
+      return False
     try:
       fn()
     except Exception:  # noqa: BLE001
-      pass
+      return False
+    return True
   return task
 
 
 def precompile(preps: list[Prepared], workers: int, deadline: float = math.inf,
-               timed_workers: int = 1, extra_timed: tuple = ()) -> float:
+               timed_workers: int = 1, extra_timed: tuple = ()) -> tuple[float, int, int]:
   """Compiles every program of ``preps`` from shapes, without running any: the timed programs
   (XLA's, which autotune their GEMMs on the GPU, and the kernels; plus ``extra_timed``, jitted
   functions with their arguments) in ``timed_workers`` threads (1: no autotuning measurement
   overlaps another); the oracles and input generators (no GPU work: the oracle is compiled
   without autotuning) in ``workers`` other threads. The programs keep their compiled
   executables, so the timing phase compiles nothing. No task starts after ``deadline``
-  (time.monotonic()). Returns seconds."""
+  (time.monotonic()). Returns (seconds, programs compiled, programs in all)."""
   import concurrent.futures as cf
   t0 = time.monotonic()
   timed_tasks, other_tasks = [], []
@@ -329,7 +330,7 @@ def precompile(preps: list[Prepared], workers: int, deadline: float = math.inf,
        cf.ThreadPoolExecutor(max(1, workers)) as other:
     futures = [timed.submit(t) for t in timed_tasks] + [other.submit(t) for t in other_tasks]
     cf.wait(futures)
-  return time.monotonic() - t0
+  return time.monotonic() - t0, sum(f.result() for f in futures), len(futures)
 
 
 def run_case(prep: Prepared, ctx: Context) -> list[dict]:
@@ -626,10 +627,12 @@ def _prepare_all(selected: list[C.Case], done: dict, ctx: Context, workers: int,
   # Compiling ahead leaves a quarter of the remaining budget to the timing loop; cases not
   # compiled by then compile when they run (while the budget lasts).
   now = time.monotonic()
-  seconds = precompile(list(prepared.values()), workers, now + 0.75 * (ctx.deadline - now),
-                       timed_workers, tuple(_E2E_STEPS.values()))
-  log(f"compiled {len(prepared)} cases ahead in {seconds:.1f}s ({timed_workers} threads for the "
-      f"timed programs, {workers} for the oracles and inputs)")
+  seconds, compiled, total = precompile(list(prepared.values()), workers,
+                                        now + 0.75 * (ctx.deadline - now), timed_workers,
+                                        tuple(_E2E_STEPS.values()))
+  log(f"compiled {compiled} of the {total} programs of {len(prepared)} cases ahead in "
+      f"{seconds:.1f}s ({timed_workers} threads for the timed programs, {workers} for the "
+      "oracles and inputs; the rest compile when their case runs)")
   return prepared
 
 

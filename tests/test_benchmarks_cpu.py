@@ -276,7 +276,8 @@ def test_precompile_leaves_nothing_to_compile_when_timing():
                     deadline=math.inf, impls=frozenset(), ceilings={"gemm_TFLOPs": 1.0,
                                                                     "copy_GBps": 1.0})
   prep = run.prepare(case, ctx)  # tiny=False: inputs come from a jitted generator to compile
-  run.precompile([prep], workers=2, timed_workers=2)
+  _, compiled, total = run.precompile([prep], workers=2, timed_workers=2)
+  assert compiled == total == 3  # the XLA program, the oracle check, the input generator
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     rows = run.run_case(prep, ctx)
