@@ -36,6 +36,7 @@ __all__ = [
     "pipeline_stages",
     "tile_pipeline_state",
     "drain_single_tile_pipeline",
+    "run_tile_pipeline",
     "resident_clusters",
     "persistent_clusters",
 ]
@@ -279,6 +280,17 @@ def drain_single_tile_pipeline(pipeline_allocs, stages: int, single_tile):
     for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
       for slot in range(stages):
         plgpu.barrier_wait(barrier.at[slot])
+
+
+def run_tile_pipeline(pipeline_for, *gmem_refs, allocations, stages: int, chained: bool,
+                      first, last) -> None:
+  """Runs one output tile's K loop, ``pipeline_for(state)(*gmem_refs, allocations=...)``, as
+  part of the CTA's chain of tiles when ``chained`` (:func:`tile_pipeline_state`, then
+  :func:`drain_single_tile_pipeline` for a CTA whose only tile this is), else on its own."""
+  state = tile_pipeline_state(first, last) if chained else None
+  pipeline_for(state)(*gmem_refs, allocations=allocations)
+  if chained:
+    drain_single_tile_pipeline(allocations, stages, first & last)
 
 
 def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: int,

@@ -671,14 +671,12 @@ def _kernel(*refs, plan: _Plan):
 
         first = (tile_index == 0) & (t == 0)
         last = (tile_index == loop_info.num_local_steps - 1) & (t == plan.n_tiles - 1)
-        state = mgpu_common.tile_pipeline_state(first, last) if plan.chained else None
-        make_pipeline(mma_body, compute_context, state)(
+        mgpu_common.run_tile_pipeline(
+            functools.partial(make_pipeline, mma_body, compute_context),
             x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
             w_gmem.at[:, pl.ds(col0, tile_n)],
-            allocations=pipeline_allocs,
-        )
-        if plan.chained:
-          mgpu_common.drain_single_tile_pipeline(pipeline_allocs, plan.stages, first & last)
+            allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
+            first=first, last=last)
 
       if plan.n_tiles > 1:
 

@@ -481,14 +481,12 @@ def _kernel(*refs, plan: _Plan):
         plgpu.wgmma_wait(0)
         return (acc_ref, *stats)
 
-      state = mgpu_common.tile_pipeline_state(first, last) if plan.chained else None
-      make_pipeline(mma_body, compute_context, state)(
+      mgpu_common.run_tile_pipeline(
+          functools.partial(make_pipeline, mma_body, compute_context),
           x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
           w_gmem.at[:, pl.ds(col0, tile_n)],
-          allocations=pipeline_allocs,
-      )
-      if plan.chained:
-        mgpu_common.drain_single_tile_pipeline(pipeline_allocs, plan.stages, first & last)
+          allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
+          first=first, last=last)
 
     if cfg.stats_once:
       # A cluster sweeps all N tiles of its row blocks; only the first K loop reads x for the
