@@ -165,40 +165,40 @@ def time_shape(m, k, n, iterations, train):
   return times, errors, split
 
 
-GRID_SWEEP_SHAPES = [(262144, 512, 512), (262144, 512, 1024), (262144, 512, 2048)]
+GRID_SWEEP_SHAPES = [(262144, 512, 1024)]
 
 
 def grid_sweep(m, k, n, iterations):
-  """The forward kernel (LayerNorm + residual, y only) with the persistent grid cut to several
-  cluster counts: :func:`mgpu_common.resident_clusters` assumes 16 SMs per GPC, and a grid with
-  more clusters than fit at once runs the surplus as a second wave. Each variant's y is checked
-  against XLA's before it is timed."""
+  """The forward kernel (LayerNorm + residual, y only) in variants that time the parts of the
+  cluster exchange, and with 32-wide K steps. Each variant's y is checked against XLA's before
+  it is timed, except the diagnostics (``_DIAG``) that skip part of the exchange."""
   import dataclasses
   from pallas_norm import mgpu_common
   x, w, db, res, scale, bias, _ = _inputs(m * 5 + n, m, k, n)
   base = mk.pick_config(m, k, n)
   cluster = mk._tiles_per_cta(n, base.tile_n, interpret=_SMOKE)[0]
   n_sms = mgpu_common.num_sms(_SMOKE)
-  counts = sorted({n_sms // cluster, mgpu_common.resident_clusters(cluster, _SMOKE),
-                   max(1, (n_sms - 16) // cluster), max(1, (n_sms - 32) // cluster)},
-                  reverse=True)
+  del n_sms  # session 2's cluster-count sweep settled on mgpu_common.resident_clusters
   want = jax.jit(functools.partial(reference.matmul_norm, norm="layer", eps=EPS))(
       x, w, db, res, scale, bias)
   out = {"cluster": cluster, "us": {}, "err": {}}
-  variants = [(f"clusters{c}", dataclasses.replace(base, max_clusters=c), False, "pull")
-              for c in counts]
+  variants = [("pull", base, False, "pull")]
   if cluster > 1:
-    # x multicast, and the exchange's cost: without its cluster fences, and skipped ("local":
-    # y is wrong, timed anyway as a diagnostic).
-    variants += [("multicast_x", base, True, "pull"), ("nofence", base, False, "pull_nofence"),
-                 ("no_exchange_DIAG", base, False, "local")]
+    # What each step of the exchange costs: without its cluster fences, without its peer reads
+    # (barriers and fences only), and no exchange at all (the _DIAG variants give a wrong y and
+    # are timed anyway). Then 32-wide K steps, which fit twice the pipeline stages.
+    k32 = dataclasses.replace(base, tile_k=32, max_concurrent_steps=8)
+    variants += [("pull_nofence", base, False, "pull_nofence"),
+                 ("barrier_only_DIAG", base, False, "barrier_only"),
+                 ("local_DIAG", base, False, "local"),
+                 ("pull_k32", k32, False, "pull"), ("local_k32_DIAG", k32, False, "local")]
   for label, cfg, mc, exchange in variants:
     try:
       fn = jax.jit(lambda *a, cfg=cfg, mc=mc, ex=exchange: _kernel(
           *a, norm="layer", config=cfg, multicast_x=mc, exchange=ex)[0])
       err = _rel(fn(x, w, db, res, scale, bias), want)
       out["err"][label] = err
-      if err > 2e-2 and exchange != "local":
+      if err > 2e-2 and not label.endswith("_DIAG"):
         print(f"  {label:<16} WRONG (rel. error {err:.3g}): not timed", flush=True)
         continue
       out["us"][label] = round(_time(fn, x, w, db, res, scale, bias, iterations=iterations), 1)
@@ -235,8 +235,8 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="only the first two shapes")
   parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpret mode")
   parser.add_argument("--grid-sweep", action="store_true",
-                      help="only time the kernel with the persistent grid cut to several "
-                      "cluster counts (and x multicast), at GRID_SWEEP_SHAPES")
+                      help="only time the exchange diagnostics and 32-wide K steps of the "
+                      "kernel, at GRID_SWEEP_SHAPES")
   args = parser.parse_args(argv)
   _SMOKE = args.smoke
   if args.grid_sweep:

@@ -133,8 +133,8 @@ class TileConfig:
       raise ValueError(f"tile_m must be 128 or 256, got {self.tile_m}")
     if self.tile_n % 64 or not 64 <= self.tile_n <= 256:
       raise ValueError(f"tile_n must be a multiple of 64 in [64, 256], got {self.tile_n}")
-    if self.tile_k % 64 or self.tile_k <= 0:
-      raise ValueError(f"tile_k must be a positive multiple of 64, got {self.tile_k}")
+    if self.tile_k % 32 or self.tile_k <= 0:
+      raise ValueError(f"tile_k must be a positive multiple of 32, got {self.tile_k}")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
     if self.wg_tile_m % self.epi_tile_m or self.epi_tile_m % 64:

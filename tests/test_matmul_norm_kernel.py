@@ -348,7 +348,7 @@ def test_kernel_lowers_for_hopper(monkeypatch):
     assert "mosaic_gpu" in text, (m, k, n)
 
 
-@pytest.mark.parametrize("exchange", ["pull_nofence", "local"])
+@pytest.mark.parametrize("exchange", ["pull_nofence", "barrier_only", "local"])
 def test_exchange_diagnostics_lower_for_hopper(monkeypatch, exchange):
   """The timing diagnostics of the cluster exchange (benchmarks' grid sweep) lower for sm_90a
   with a cluster of 4."""

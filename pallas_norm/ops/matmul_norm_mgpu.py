@@ -407,9 +407,12 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
       plgpu.barrier_arrive(ex.full.at[w])
       plgpu.barrier_wait(ex.full.at[w])
       fence()
-      per_cta = [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
-                                         plgpu.Layout.WGMMA.reduce(1)) for buf in bufs)
-                 for j in range(plan.cluster)]
+      if plan.exchange == "barrier_only":  # diagnostic: the barriers without the peer reads
+        per_cta = [tuple(partials)] * plan.cluster
+      else:
+        per_cta = [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
+                                           plgpu.Layout.WGMMA.reduce(1)) for buf in bufs)
+                   for j in range(plan.cluster)]
       mean, rstd = _merge_partials(plan, per_cta)
       ex.rows[w, 0] = rstd
       if mean is not None:
@@ -712,7 +715,7 @@ def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
     raise ValueError(f"eps must be a positive float, got {eps!r}")
 
 
-EXCHANGES = ("pull", "pull_nofence", "local")
+EXCHANGES = ("pull", "pull_nofence", "barrier_only", "local")
 
 
 def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, norm: str,
@@ -741,8 +744,10 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       ``fence.acq_rel.cluster`` around the cluster barriers. Diagnostics for the benchmarks
       (issue 5: what the exchange costs), never for results: "pull_nofence" skips the fences
       (the barriers' CTA-scope ordering alone does not guarantee the peers' writes are
-      visible), "local" skips the exchange (each CTA normalizes with its own slice's
-      statistics: y is wrong whenever the cluster has more than one CTA).
+      visible), "barrier_only" keeps the barriers and fences but skips the peer reads (each
+      CTA merges c copies of its own partials), "local" skips the exchange (each CTA
+      normalizes with its own slice's statistics); the last two give a wrong y whenever the
+      cluster has more than one CTA.
 
   Returns:
     ``(y, h, xhat, mean, rstd)``: y (M, N); h (the pre-norm stream) and xhat = (h − mean)·rstd
