@@ -57,12 +57,11 @@ def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) ->
 
 # Widest N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md) measured
 # the op faster than XLA's unfused one forward *and* forward+backward (training is the use that
-# matters). LayerNorm (+ residual): N ≤ 512 (fwd+bwd 262144×512²: 1332 vs 1877 µs). RMSNorm:
-# N ≤ 128 (fwd+bwd 239 vs 248 µs; at 256 and 512 the backward makes it 2–10% slower). The
-# forward alone now wins up to N = 1024 (1022 vs 1162 µs since the grid launches only the
-# clusters that fit at once, results/dev/2026-11-30_matmul_norm_grid_sweep.log), but its
-# fwd+bwd with that grid is not measured yet (issue 5).
-KERNEL_DEFAULT_MAX_N = {"layer": 512, "rms": 128}
+# matters). Session 3's suite (commit c22661a): LayerNorm (+ residual) at 262144×1024²: forward
+# 1124 vs 1165 µs, fwd+bwd 3841 vs 4687; at N = 2048 the forward ties (K = 512: 1726 vs 1731) or
+# loses (K = 2048: 4179 vs 3696) although fwd+bwd still wins. RMSNorm: N ≤ 128 (fwd+bwd 240 vs
+# 245 µs; at 256 and 512 our backward makes it 1-10% slower).
+KERNEL_DEFAULT_MAX_N = {"layer": 1024, "rms": 128}
 
 
 def _kernel_slower_reason(n: int, norm: str) -> str | None:

@@ -68,10 +68,11 @@ def _kernel_unsupported_reason(x, w) -> str | None:
 
 # Largest K and N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md)
 # measured the op faster than XLA's unfused one forward *and* forward+backward (training is the
-# use that matters): LayerNorm up to 1024 (fwd+bwd 262144×1024²: 3333 vs 4510 µs); RMSNorm up to
-# 512 (1024²: forward 840 vs 976 µs but fwd+bwd 2942 vs 2880). Past them our GEMM core trails
-# cuBLAS and the backward's XLA passes dominate (issue 4).
-KERNEL_DEFAULT_MAX_KN = {"layer": 1024, "rms": 512}
+# use that matters). Session 3's suite (commit c22661a, 262144×1024²): LayerNorm forward 859 vs
+# 1044 µs, fwd+bwd 3145 vs 4529; RMSNorm forward 812 vs 977, fwd+bwd 2749 vs 2875 (it lost by 2%
+# before statistics once per row block became the default). At 262144×512×2048 both norms lose
+# forward+backward (RMS 3077 vs 2540 µs), so the limit stays at 1024 (issue 4).
+KERNEL_DEFAULT_MAX_KN = {"layer": 1024, "rms": 1024}
 
 
 def _kernel_slower_reason(k: int, n: int, norm: str) -> str | None:
