@@ -165,7 +165,7 @@ def time_shape(m, k, n, iterations, train):
   return times, errors, split
 
 
-GRID_SWEEP_SHAPES = [(262144, 512, 1024)]
+GRID_SWEEP_SHAPES = [(262144, 512, 512), (262144, 512, 1024)]
 
 
 def grid_sweep(m, k, n, iterations):
@@ -184,11 +184,11 @@ def grid_sweep(m, k, n, iterations):
   out = {"cluster": cluster, "us": {}, "err": {}}
   variants = [("pull", base, False, "pull")]
   if cluster > 1:
-    # What each step of the exchange costs: without its cluster fences, without its peer reads
-    # (barriers and fences only), and no exchange at all (the _DIAG variants give a wrong y and
-    # are timed anyway). Then 32-wide K steps, which fit twice the pipeline stages.
+    # The push exchange, and what each step of pull costs: without its cluster fences, without
+    # its peer reads (barriers and fences only), and no exchange at all (the _DIAG variants give
+    # a wrong y and are timed anyway). Then 32-wide K steps, which fit twice the stages.
     k32 = dataclasses.replace(base, tile_k=32, max_concurrent_steps=8)
-    variants += [("pull_nofence", base, False, "pull_nofence"),
+    variants += [("push", base, False, "push"), ("pull_nofence", base, False, "pull_nofence"),
                  ("barrier_only_DIAG", base, False, "barrier_only"),
                  ("local_DIAG", base, False, "local"),
                  ("pull_k32", k32, False, "pull"), ("local_k32_DIAG", k32, False, "local")]

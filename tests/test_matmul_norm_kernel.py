@@ -348,23 +348,42 @@ def test_kernel_lowers_for_hopper(monkeypatch):
     assert "mosaic_gpu" in text, (m, k, n)
 
 
-@pytest.mark.parametrize("exchange", ["pull_nofence", "barrier_only", "local"])
-def test_exchange_diagnostics_lower_for_hopper(monkeypatch, exchange):
-  """The timing diagnostics of the cluster exchange (benchmarks' grid sweep) lower for sm_90a
-  with a cluster of 4."""
+@pytest.mark.parametrize("exchange,n,norm", [
+    ("push", 512, "layer"), ("push", 1024, "rms"), ("push", 2048, "layer"),
+    ("push", 8192, "rms"), ("pull_nofence", 1024, "layer"), ("barrier_only", 1024, "layer"),
+    ("local", 1024, "layer")])
+def test_exchange_variants_lower_for_hopper(monkeypatch, exchange, n, norm):
+  """The other cluster exchanges lower for sm_90a: "push" with clusters of 2, 4 and 8 (and 4
+  N tiles per CTA), and the timing diagnostics of the benchmarks' grid sweep."""
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
   monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
   bf = jnp.bfloat16
-  structs = [jax.ShapeDtypeStruct((4096, 64), bf), jax.ShapeDtypeStruct((64, 1024), bf)]
-  f = jax.jit(lambda x, w: mk.matmul_norm_fwd(x, w, norm="layer", eps=1e-6,
-                                              exchange=exchange)[0])
+  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 64), (64, n), (n,), (4096, n), (n,)]]
+  f = jax.jit(lambda *a: mk.matmul_norm_fwd(*a, norm=norm, eps=1e-6, return_h=True,
+                                            return_xhat=True, return_stats=True,
+                                            exchange=exchange))
   assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
+
+
+def test_push_exchange_inbox_is_counted_in_smem():
+  """The push inbox (c packets of rows × 8 f32 per warpgroup) is in the SMEM budget: with
+  clusters of 4 it leaves one pipeline stage fewer than pull (measured slower for that)."""
+  bf = jnp.bfloat16
+  cfg = mk.pick_config(262144, 512, 1024)
+  plans = {ex: mk._make_plan((262144, 512), 1024, bf, bf, "layer", 1e-5,
+                             ("dense_bias", "scale", "bias"), True, False, False, False, cfg,
+                             False, False, ex) for ex in ("pull", "push")}
+  assert plans["pull"].cluster == plans["push"].cluster == 4
+  extra = mk._smem_bytes_besides_pipeline(plans["push"]) - mk._smem_bytes_besides_pipeline(
+      plans["pull"])
+  assert extra == 2 * 4 * 64 * 8 * 4 - 2 * (2 + 2) * 64 * 4
+  assert plans["push"].stages == plans["pull"].stages - 1
 
 
 def test_exchange_name_is_checked():
   x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="exchange"):
-    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, exchange="push")
+    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, exchange="shove")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -392,6 +411,22 @@ def test_forward_gpu(m, k, n, norm, use):
   args = _pick(args, use)
   out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True)
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm", [(4096 + 11, 256, 512, "layer"), (8192, 512, 1024, "rms"),
+                                        (4096, 128, 2048, "layer"), (2048, 256, 8192, "rms")])
+def test_push_exchange_gives_pull_bits_gpu(m, k, n, norm):
+  """The "push" exchange merges the same partials in the same order as "pull": every output
+  has the same bits (clusters of 2, 4, 8, and 8 with 4 N tiles per CTA)."""
+  args, _ = _inputs(m + 3 * n, m, k, n, zero_every=7)
+  flags = dict(return_h=True, return_xhat=True, return_stats=True)
+  pulled = _run_kernel(args, norm, exchange="pull", **flags)
+  pushed = _run_kernel(args, norm, exchange="push", **flags)
+  _check_forward(pushed, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+  for name, a, b in zip(["y", "h", "xhat", "mean", "rstd"], pulled, pushed):
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
 
 
 @pytest.mark.gpu

@@ -225,7 +225,7 @@ def _smem_bytes_besides_pipeline(p: _Plan) -> int:
   extra = 2 * _EXTRA_SLOTS * cfg.epi_tile_m * cfg.epi_tile_n * out_b if p.extras else 0
   vec = 2 * len(p.vecs) * cfg.tile_n * 4
   stats = 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
-  exchange = 2 * (p.n_partials + 2) * cfg.wg_tile_m * 4 * (p.cluster > 1)
+  exchange = _exchange_smem_bytes(p)
   tile_stats = 2 * p.n_tiles * p.n_partials * cfg.wg_tile_m * 4 * (p.n_tiles > 1)
   return io + extra + vec + stats + exchange + tile_stats + _SMEM_SLACK
 
@@ -353,35 +353,109 @@ def _cluster_fence():
 
 @dataclasses.dataclass(frozen=True)
 class _Exchange:
-  """SMEM and barriers of the cluster exchange (c > 1), per consumer warpgroup w:
+  """SMEM and barriers of the cluster exchange (c > 1), per consumer warpgroup w.
 
-  ``part[w][q]``: this CTA's partial q, one (rows,) f32 allocation each: a peer reads it whole
-  (Mosaic lowers a peer reference only for a whole allocation, not a slice of one).
+  "pull": ``part[w][q]``: this CTA's partial q, one (rows,) f32 allocation each: a peer reads
+  it whole (Mosaic lowers a peer reference only for a whole allocation, not a slice of one).
   ``full``/``empty``: cluster barriers; ``full[w]`` completes when every CTA of the cluster
   wrote its partials for the tile, ``empty[w]`` when every CTA finished reading all of them.
   ``rows[w]``: (2, rows) f32 where the merged (rstd, mean) leave the static-w branch.
+
+  "push": ``inbox[w, j]``: the packet of cluster CTA j (see :data:`_PACKET_COLS`); ``full[w]``
+  a CTA-local barrier that completes when all c packets landed (each ``st.async`` packet
+  arrives once, with its byte count); ``empty[w]`` as for "pull".
   """
-  part: tuple
   full: object
   empty: object
-  rows: object
+  part: tuple | None = None
+  rows: object = None
+  inbox: object = None
+
+
+_PACKET_COLS = 8
+"""For the "push" exchange the partials of a warpgroup's rows travel to a peer as one (rows, 8)
+f32 tile, columns 0-3 the first partial and 4-7 the second (LayerNorm): ``st.async`` cannot
+send a row vector (its layout repeats each value in 4 lanes), and (rows, 8) is the smallest
+WGMMA-layout tile."""
 
 
 def _exchange_allocs(plan: _Plan):
   if plan.cluster == 1:
     return None
   rows = plan.cfg.wg_tile_m
+  cluster_bar = functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",),
+                                  num_barriers=2, num_arrivals=1)
+  if plan.exchange == "push":
+    return dict(
+        inbox=plgpu.SMEM((2, plan.cluster, rows, _PACKET_COLS), jnp.float32,
+                         transforms=mgpu_common.swizzle_transforms(_PACKET_COLS, jnp.float32)),
+        # In the warpgroup lowering a packet's store arrives once per sending warpgroup (not
+        # once per thread): 128 · c arrivals hung the kernel on the H200.
+        full=plgpu.Barrier(num_arrivals=plan.cluster, num_barriers=2),
+        empty=cluster_bar())
   part = tuple(tuple(plgpu.SMEM((rows,), jnp.float32) for _ in range(plan.n_partials))
                for _ in range(2))
-  bar = functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",), num_barriers=2,
-                          num_arrivals=1)
-  return dict(part=part, full=bar(), empty=bar(), rows=plgpu.SMEM((2, 2, rows), jnp.float32))
+  return dict(part=part, full=cluster_bar(), empty=cluster_bar(),
+              rows=plgpu.SMEM((2, 2, rows), jnp.float32))
+
+
+def _exchange_smem_bytes(plan: _Plan) -> int:
+  if plan.cluster == 1:
+    return 0
+  rows = plan.cfg.wg_tile_m
+  if plan.exchange == "push":
+    return 2 * plan.cluster * rows * _PACKET_COLS * 4
+  return 2 * (plan.n_partials + 2) * rows * 4
+
+
+def _pack(plan: _Plan, partials):
+  shape = (plan.cfg.wg_tile_m, _PACKET_COLS)
+  if plan.n_partials == 1:
+    return _rowvec(partials[0], shape)
+  col = lax.broadcasted_iota(jnp.int32, shape, 1)
+  return jnp.where(col < _PACKET_COLS // 2, _rowvec(partials[0], shape),
+                   _rowvec(partials[1], shape))
+
+
+def _unpack(plan: _Plan, packet):
+  """The partials of one packet (:func:`_pack`); a max over equal values is exact."""
+  if plan.n_partials == 1:
+    return (jnp.max(packet, axis=1),)
+  low = lax.broadcasted_iota(jnp.int32, packet.shape, 1) < _PACKET_COLS // 2
+  return (jnp.max(jnp.where(low, packet, -jnp.inf), axis=1),
+          jnp.max(jnp.where(low, -jnp.inf, packet), axis=1))
+
+
+def _push_row_stats(plan: _Plan, partials, ex, wg, tile_index):
+  """The "push" exchange: once the peers have read the previous tile's packets (``empty``),
+  send this CTA's packet into every CTA's inbox (its own included) with ``st.async`` stores
+  that complete the receiver's ``full`` barrier, wait for the own inbox, read it locally in CTA
+  order, and arrive on ``empty`` in every CTA. No thread waits on a remote load and no fence is
+  needed: the receiver's barrier counts the bytes as they land."""
+  cta = lax.axis_index("cluster")
+
+  @pl.when(tile_index > 0)
+  def _():
+    plgpu.barrier_wait(ex.empty.at[wg])
+
+  packet = _pack(plan, partials)
+  for j in range(plan.cluster):
+    plgpu.async_store_smem(packet, ex.inbox.at[wg, cta], ex.full.at[wg], cluster_idx=j,
+                           cluster_dim="cluster")
+  plgpu.barrier_wait(ex.full.at[wg])
+  per_cta = [_unpack(plan, plgpu.load(ex.inbox.at[wg, j], layout=plgpu.Layout.WGMMA))
+             for j in range(plan.cluster)]
+  mean, rstd = _merge_partials(plan, per_cta)
+  plgpu.commit_smem()  # warpgroup barrier: every thread has read the inbox before the arrive
+  plgpu.barrier_arrive(ex.empty.at[wg])
+  return mean, rstd
 
 
 def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
   """(mean or None, rstd) of full rows from this CTA's partials and those of its cluster peers.
 
-  c = 1: just :func:`_merge_partials` of this CTA's. c > 1, for the warpgroup's static index w:
+  c = 1: just :func:`_merge_partials` of this CTA's. c > 1 with "push":
+  :func:`_push_row_stats`. Otherwise ("pull"), for the warpgroup's static index w:
   wait until the peers have read the previous tile's partials (``empty``), write ours, arrive on
   ``full`` in every CTA and wait for all c arrivals, read the c partials through distributed
   shared memory (:func:`plgpu.cluster_ref`) in CTA order, arrive on ``empty``, and merge. Every
@@ -389,6 +463,8 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
   """
   if plan.cluster == 1 or plan.exchange == "local":  # "local": a timing diagnostic (wrong y)
     return _merge_partials(plan, [tuple(partials)])
+  if plan.exchange == "push":
+    return _push_row_stats(plan, partials, ex, wg, tile_index)
   fence = _cluster_fence if plan.exchange == "pull" else (lambda: None)
   for w in range(2):
 
@@ -715,7 +791,7 @@ def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
     raise ValueError(f"eps must be a positive float, got {eps!r}")
 
 
-EXCHANGES = ("pull", "pull_nofence", "barrier_only", "local")
+EXCHANGES = ("pull", "push", "pull_nofence", "barrier_only", "local")
 
 
 def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, norm: str,
@@ -739,9 +815,13 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       per row block (it cannot read a peer CTA's shared memory), looping over up to 4 N tiles.
     config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
     multicast_x: with a cluster, let the CTAs share each x tile through a TMA multicast.
-    exchange: how a cluster's CTAs share their partial row statistics. "pull" (the kernel):
+    exchange: how a cluster's CTAs share their partial row statistics. "pull" (the default):
       each reads its peers' partials through distributed shared memory, with
-      ``fence.acq_rel.cluster`` around the cluster barriers. Diagnostics for the benchmarks
+      ``fence.acq_rel.cluster`` around the cluster barriers. "push": each sends its partials
+      into every peer's shared memory with ``st.async`` stores that complete the peer's
+      barrier; on the H200 it gives the same bits, 7% faster with clusters of 2, but its inbox
+      (4 KB per CTA of the cluster) costs a pipeline stage with clusters of 4 and 8, where it
+      is slower (benchmarks/NOTES.md), and only its LayerNorm forward was run on a GPU. Diagnostics for the benchmarks
       (issue 5: what the exchange costs), never for results: "pull_nofence" skips the fences
       (the barriers' CTA-scope ordering alone does not guarantee the peers' writes are
       visible), "barrier_only" keeps the barriers and fences but skips the peer reads (each
