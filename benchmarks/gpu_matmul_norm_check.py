@@ -165,12 +165,14 @@ def time_shape(m, k, n, iterations, train):
   return times, errors, split
 
 
-GRID_SWEEP_SHAPES = [(262144, 512, 512), (262144, 512, 1024)]
+GRID_SWEEP_SHAPES = [(262144, 512, 256), (262144, 512, 512), (262144, 512, 1024),
+                     (262144, 512, 2048)]
 
 
 def grid_sweep(m, k, n, iterations):
   """The forward kernel (LayerNorm + residual, y only) in variants that time the parts of the
-  cluster exchange, and with 32-wide K steps. Each variant's y is checked against XLA's before
+  cluster exchange, with 32-wide K steps, with one WGMMA in flight across K steps, and with
+  ping-pong consumers. Each variant's y is checked against XLA's before
   it is timed, except the diagnostics (``_DIAG``) that skip part of the exchange."""
   import dataclasses
   from pallas_norm import mgpu_common
@@ -192,6 +194,12 @@ def grid_sweep(m, k, n, iterations):
                  ("barrier_only_DIAG", base, False, "barrier_only"),
                  ("local_DIAG", base, False, "local"),
                  ("pull_k32", k32, False, "pull"), ("local_k32_DIAG", k32, False, "local")]
+  # One WGMMA left in flight across K steps (TileConfig.delay_release), and ping-pong consumers
+  # (TileConfig.pingpong: one warpgroup's epilogue and exchange overlap the other's WGMMAs).
+  variants += [("inflight", dataclasses.replace(base, delay_release=1), False, "pull"),
+               ("pingpong", mk.pingpong_config(m, k, n), False, "pull")]
+  if cluster > 1:
+    variants += [("pingpong_push", mk.pingpong_config(m, k, n), False, "push")]
   for label, cfg, mc, exchange in variants:
     try:
       fn = jax.jit(lambda *a, cfg=cfg, mc=mc, ex=exchange: _kernel(

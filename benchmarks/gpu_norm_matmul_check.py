@@ -86,15 +86,21 @@ def _variants(m, k, n):
   * ``slots0``: one SMEM slot per epilogue tile (``epi_slots=0``).
   * ``cl2``: clusters of 2 CTAs along M receive each w tile by one multicast.
   * ``once``: statistics once per row block (``stats_once``).
+  * ``inflight``: one WGMMA left in flight across K steps (``delay_release=1``, as JAX's
+    hopper_matmul_mgpu does; Pallas cannot chain those pipelines, so it is per-tile), with the
+    default's tiles and with 64×64 epilogue tiles (3 stages).
   """
   base = nmk.pick_config(m, k, n)
   rep = functools.partial(dataclasses.replace, base)
   ab = [("unchained", rep(pipeline_across_tiles=False)),
         ("unchained_epi64", rep(pipeline_across_tiles=False, epi_tile_n=64)),
         ("chained_epi64", rep(epi_tile_n=64))]
-  gemm = [("default", base)] + ab + [("slots0", rep(epi_slots=0)), ("cl2", rep(cluster_m=2))]
-  fused = [("default", base)] + ab + [("once", rep(stats_once=True))]
-  return {"none": gemm, "rms": fused, "layer": fused[:2]}
+  inflight = [("inflight", rep(delay_release=1)),
+              ("inflight_epi64", rep(delay_release=1, epi_tile_n=64))]
+  gemm = ([("default", base)] + inflight + ab
+          + [("slots0", rep(epi_slots=0)), ("cl2", rep(cluster_m=2))])
+  fused = [("default", base)] + inflight + ab + [("once", rep(stats_once=True))]
+  return {"none": gemm, "rms": fused, "layer": fused[:3]}
 
 
 def _dx_variants(m, k, n):
@@ -102,7 +108,8 @@ def _dx_variants(m, k, n):
   base = nmb.pick_config(m, n, k)
   alt_tile = (TileConfig(tile_m=128, tile_n=min(256, k), epi_tile_n=32)
               if base.tile_m == 256 else TileConfig(tile_m=256, tile_n=128))
-  return [("default", base, 1), ("prefetch0", base, 0), ("prefetch3", base, 3),
+  return [("default", base, 1), ("inflight", dataclasses.replace(base, delay_release=1), 1),
+          ("prefetch0", base, 0), ("prefetch3", base, 3),
           ("cl2", dataclasses.replace(base, cluster_m=2), 1), ("alt_tile", alt_tile, 1),
           ("alt_tile_cl2", dataclasses.replace(alt_tile, cluster_m=2), 1)]
 

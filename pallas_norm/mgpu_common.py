@@ -34,11 +34,18 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "consumer_pipeline",
     "pipeline_stages",
+    "delay_release_for",
     "tile_pipeline_state",
     "drain_single_tile_pipeline",
     "run_tile_pipeline",
     "resident_clusters",
     "persistent_clusters",
+    "PingPongRing",
+    "pingpong_stage_bytes",
+    "pingpong_ring_allocs",
+    "pingpong_produce",
+    "pingpong_drain",
+    "pingpong_k_loop",
 ]
 
 SMEM_BYTES = 227 * 1024
@@ -107,6 +114,16 @@ class TileConfig:
     max_clusters: persistent clusters (CTAs when the cluster has one) to launch at most; None:
       :func:`resident_clusters`. Launching more clusters than fit on the GPU at once makes the
       surplus run after the others finish: a second wave that can double the kernel's time.
+    delay_release: WGMMA groups a consumer leaves in flight across K steps, 0 or 1. With 1 (as
+      in JAX's ``hopper_matmul_mgpu.py``) the tensor cores keep working on step s while the
+      consumer waits for step s + 1's stage, and each stage is released one step later. Pallas
+      cannot chain such pipelines across tiles, so 1 turns ``pipeline_across_tiles`` off; a K
+      loop with one step runs with 0 (:func:`delay_release_for`).
+    pingpong: each consumer warpgroup owns alternate output tiles of ``tile_m / 2`` rows and its
+      own K-loop ring (:class:`PingPongRing`), so one warpgroup's epilogue overlaps the other's
+      WGMMAs; the pipeline options (``max_concurrent_steps`` is the stages per ring,
+      ``pipeline_across_tiles``, ``delay_release``) do not apply. Implemented by the
+      matmul_norm kernel.
     (``epi_slots``, ``cluster_m`` and ``stats_once`` are implemented by the norm_matmul kernels;
     other kernels use the defaults.)
   """
@@ -127,6 +144,8 @@ class TileConfig:
   stats_once: bool = False
   pipeline_across_tiles: bool = True
   max_clusters: int | None = None
+  delay_release: int = 0
+  pingpong: bool = False
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -135,6 +154,10 @@ class TileConfig:
       raise ValueError(f"tile_n must be a multiple of 64 in [64, 256], got {self.tile_n}")
     if self.tile_k % 32 or self.tile_k <= 0:
       raise ValueError(f"tile_k must be a positive multiple of 32, got {self.tile_k}")
+    if self.delay_release not in (0, 1):
+      raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
+    if self.pingpong and self.delay_release:
+      raise ValueError("pingpong consumers wait for every WGMMA: delay_release must be 0")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
     if self.wg_tile_m % self.epi_tile_m or self.epi_tile_m % 64:
@@ -251,14 +274,23 @@ def swizzle_transforms(minor_elems: int, dtype, *, tiled: bool = True) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def pipeline_stages(steps: int, max_stages: int, across_tiles: bool) -> tuple[int, bool]:
+def pipeline_stages(steps: int, max_stages: int, across_tiles: bool,
+                    delay_release: int = 0) -> tuple[int, bool]:
   """(stages, pipelined across tiles) for a K loop of ``steps`` steps with room for
   ``max_stages`` stages: as many stages as fit, chained across tiles when ``across_tiles`` and
-  that count divides ``steps`` (a pipeline of pipelines needs it). Chaining never costs a
+  that count divides ``steps`` (a pipeline of pipelines needs it) and no WGMMA stays in flight
+  across steps (``delay_release`` 0: Pallas cannot chain the others). Chaining never costs a
   stage: on the H200 at 262144×512×512, 2 chained stages ran 249 µs, 3 per-tile ones 226 and 4
   chained ones 217 (per-tile: 233)."""
   stages = min(max_stages, steps)
-  return stages, across_tiles and steps % stages == 0
+  chained = across_tiles and steps % stages == 0
+  return stages, chained and not delay_release_for(delay_release, stages)
+
+
+def delay_release_for(delay_release: int, stages: int) -> int:
+  """The ``delay_release`` a pipeline of ``stages`` stages can run: Pallas needs more stages
+  than steps of delay, so a one-stage (one-step) K loop runs with 0."""
+  return delay_release if stages > delay_release else 0
 
 
 def tile_pipeline_state(first, last):
@@ -294,12 +326,17 @@ def run_tile_pipeline(pipeline_for, *gmem_refs, allocations, stages: int, chaine
 
 
 def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: int,
-                      pipeline_state=None):
+                      pipeline_state=None, delay_release: int = 0):
   """The K-loop pipeline every GEMM kernel here uses: a TMA producer warpgroup feeding
   ``in_specs`` stages to two WGMMA consumer warpgroups (axis "wg"), ``stages`` deep, with the
   producer's registers cut to 40 so the consumers get the rest. ``pipeline_state`` (see
   :func:`tile_pipeline_state`) chains the pipelines of consecutive tiles; None: each one
-  starts and drains on its own."""
+  starts and drains on its own. ``delay_release`` (see :class:`TileConfig`) is set on every
+  input spec; the body must then leave that many WGMMA groups in flight
+  (``plgpu.wgmma_wait(delay_release)``) and the caller wait for all before reading the
+  accumulator."""
+  if delay_release:
+    in_specs = [dataclasses.replace(s, delay_release=delay_release) for s in in_specs]
   return plgpu.emit_pipeline_warp_specialized(
       body,
       grid=(steps,),
@@ -311,3 +348,79 @@ def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: in
       compute_context=compute_context,
       pipeline_state=pipeline_state,
   )
+
+
+# ------------------------------------------------------------------------------------------------
+# Ping-pong consumers: each consumer warpgroup owns alternate output tiles and its own K-loop
+# ring, so one warpgroup's epilogue overlaps the other's WGMMAs (CUTLASS's "ping-pong" Hopper
+# schedule). One TMA producer warpgroup fills both rings in tile order.
+
+PINGPONG_CONSUMER_REGISTERS = 232  # (512 − 40) / 2 rounded down to 8, as the pipelines above
+PINGPONG_PRODUCER_REGISTERS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class PingPongRing:
+  """The two consumers' rings: ``x[c, s]`` (rows, tile_k) and ``w[c, s]`` (tile_k, tile_n) of
+  consumer c's stage s; ``produced[c·stages + s]`` completes when both TMA copies of the stage
+  landed, ``consumed[c·stages + s]`` when consumer c's WGMMA has read it. A consumer's K steps
+  are numbered across its tiles (global step g uses stage g mod stages), so the producer fills
+  a consumer's next tile while that consumer runs its epilogue."""
+  x: object
+  w: object
+  produced: object
+  consumed: object
+  stages: int
+
+
+def pingpong_stage_bytes(rows: int, tile_k: int, tile_n: int, dtype) -> int:
+  """SMEM of one stage in both rings."""
+  return 2 * (rows * tile_k + tile_k * tile_n) * jnp.dtype(dtype).itemsize
+
+
+def pingpong_ring_allocs(rows: int, tile_k: int, tile_n: int, dtype, stages: int) -> dict:
+  """``pl.run_scoped`` allocations of a :class:`PingPongRing` (pass them as its fields)."""
+  transforms = swizzle_transforms(tile_k, dtype)
+  return dict(
+      x=plgpu.SMEM((2, stages, rows, tile_k), dtype, transforms=transforms),
+      w=plgpu.SMEM((2, stages, tile_k, tile_n), dtype, transforms=transforms),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # one per TMA copy
+      consumed=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
+
+
+def pingpong_produce(ring: PingPongRing, consumer, step, x_window, w_window) -> None:
+  """Producer: loads consumer ``consumer``'s global K step ``step`` (x and w windows in GMEM)
+  once the consumer has released the stage's previous use."""
+  slot = lax.rem(step, ring.stages)
+  index = consumer * ring.stages + slot
+
+  @pl.when(step >= ring.stages)
+  def _():
+    plgpu.barrier_wait(ring.consumed.at[index])
+
+  plgpu.copy_gmem_to_smem(x_window, ring.x.at[consumer, slot], ring.produced.at[index])
+  plgpu.copy_gmem_to_smem(w_window, ring.w.at[consumer, slot], ring.produced.at[index])
+
+
+def pingpong_drain(ring: PingPongRing, consumer, total_steps) -> None:
+  """Producer, after its last load: waits for the consumer's releases it has not waited for
+  (the last ``stages`` of its ``total_steps``), so no barrier is left a phase ahead."""
+  @pl.loop(lax.max(total_steps - ring.stages, 0), total_steps)
+  def _(step):
+    plgpu.barrier_wait(ring.consumed.at[consumer * ring.stages + lax.rem(step, ring.stages)])
+
+
+def pingpong_k_loop(ring: PingPongRing, consumer, first_step, steps: int, acc_ref):
+  """Consumer: ``steps`` K steps from global step ``first_step`` into ``acc_ref`` (waits for
+  each stage, one WGMMA, then releases the stage); returns the accumulator ref."""
+  def body(k, acc):
+    step = first_step + k
+    slot = lax.rem(step, ring.stages)
+    index = consumer * ring.stages + slot
+    plgpu.barrier_wait(ring.produced.at[index])
+    plgpu.wgmma(acc, ring.x.at[consumer, slot], ring.w.at[consumer, slot])
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(ring.consumed.at[index])
+    return acc
+
+  return lax.fori_loop(0, steps, body, acc_ref)

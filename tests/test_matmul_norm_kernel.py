@@ -147,6 +147,69 @@ def test_forward_interpret(m, k, n, norm, use, dtype, return_h, return_xhat, ret
   _check_forward(out, args, norm, jnp.dtype(dtype), return_h, return_xhat, return_stats)
 
 
+@pytest.mark.parametrize("m,k,n,norm", [(300, 192, 256, "layer"), (77, 128, 512, "rms")])
+def test_forward_interpret_delay_release(m, k, n, norm):
+  """One WGMMA left in flight across K steps (TileConfig.delay_release), with one and with
+  several N tiles per CTA, race detection on."""
+  import dataclasses
+  args, _ = _inputs(m + k + n, m, k, n, jnp.bfloat16)
+  cfg = dataclasses.replace(mk.pick_config(m, k, n), delay_release=1)
+  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True,
+                    interpret=True, config=cfg)
+  assert not mgpu_common.races_found()
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+
+
+@pytest.mark.parametrize("m,k,n,norm,use", [
+    (300, 128, 256, "layer", ALL),      # 5 row blocks of 64 on 2 CTAs: 3 and 2, alternating
+    (64, 64, 256, "rms", ("scale",)),   # one row block: the second consumer has none
+    (77, 64, 512, "layer", ALL),        # 2 N tiles per CTA: two-pass epilogue, 1-stage rings
+    (300, 64, 768, "rms", ("dense_bias", "scale", "residual")),  # 4 N tiles, 4-stage rings
+    (520, 192, 64, "layer", ("bias", "residual")),  # 128-row consumer tiles (tile_n 64)
+])
+def test_forward_interpret_pingpong(m, k, n, norm, use):
+  """Ping-pong consumers (TileConfig.pingpong): alternate row blocks per consumer warpgroup,
+  each with its own K-loop ring across its row blocks; race detection on."""
+  args, _ = _inputs(m * 3 + k + n, m, k, n, jnp.bfloat16, mean_offset=3.0)
+  args = _pick(args, use)
+  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True,
+                    interpret=True, config=mk.pingpong_config(m, k, n))
+  assert not mgpu_common.races_found()
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+
+
+def test_pingpong_plan():
+  """Ping-pong rings: stages need not divide the K steps (a ring runs across row blocks), the
+  row blocks are one warpgroup's rows, and the options it does not combine with are refused."""
+  bf = jnp.bfloat16
+  cfg = mk.pingpong_config(262144, 512, 1024)
+  plan = mk._make_plan((262144, 512), 1024, bf, bf, "layer", 1e-5, ("scale",), True, False,
+                       False, False, cfg, False, False)
+  assert plan.block_rows == 64 and plan.m_iters == 262144 // 64
+  assert plan.stages >= 2 and not plan.chained and plan.delay_release == 0
+  with pytest.raises(ValueError, match="multicast_x"):
+    mk._make_plan((262144, 512), 1024, bf, bf, "layer", 1e-5, ("scale",), True, False, False,
+                  False, cfg, False, True)
+  with pytest.raises(ValueError, match="delay_release"):
+    mgpu_common.TileConfig(pingpong=True, delay_release=1)
+
+
+@pytest.mark.parametrize("n,norm,exchange", [(256, "layer", "pull"), (512, "rms", "pull"),
+                                             (1024, "layer", "push"), (8192, "layer", "pull")])
+def test_pingpong_lowers_for_hopper(monkeypatch, n, norm, exchange):
+  """Ping-pong consumers lower for sm_90a with clusters of 1, 2, 4 and 8 (8 × 4 N tiles)."""
+  from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
+  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  bf = jnp.bfloat16
+  m, k = 65536 + 77, 512
+  cfg = mk.pingpong_config(m, k, n)
+  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(m, k), (k, n), (n,), (m, n), (n,), (n,)]]
+  f = jax.jit(lambda *a: mk.matmul_norm_fwd(*a, norm=norm, eps=1e-6, return_h=True,
+                                            return_xhat=True, return_stats=True, config=cfg,
+                                            exchange=exchange))
+  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
+
+
 @pytest.mark.parametrize("n", [256, 512])
 def test_forward_interpret_large_row_mean(n):
   """Rows of h with mean 1e3 and unit spread: the tile statistics are two-pass, so the variance
@@ -365,6 +428,20 @@ def test_exchange_variants_lower_for_hopper(monkeypatch, exchange, n, norm):
   assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
 
 
+def test_delay_release_lowers_for_hopper(monkeypatch):
+  """TileConfig.delay_release = 1 (one WGMMA in flight across K steps) lowers for sm_90a with a
+  cluster of 4."""
+  import dataclasses
+  from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
+  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  bf = jnp.bfloat16
+  cfg = dataclasses.replace(mk.pick_config(4096, 512, 1024), delay_release=1)
+  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 512), (512, 1024), (1024,)]]
+  f = jax.jit(lambda x, w, b: mk.matmul_norm_fwd(x, w, scale=b, norm="layer", eps=1e-6,
+                                                 config=cfg)[0])
+  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
+
+
 def test_push_exchange_inbox_is_counted_in_smem():
   """The push inbox (c packets of rows × 8 f32 per warpgroup) is in the SMEM budget: with
   clusters of 4 it leaves one pipeline stage fewer than pull (measured slower for that)."""
@@ -427,6 +504,31 @@ def test_push_exchange_gives_pull_bits_gpu(m, k, n, norm):
   for name, a, b in zip(["y", "h", "xhat", "mean", "rstd"], pulled, pushed):
     if a is not None:
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm", [(8192 + 5, 512, 256, "layer"), (8192, 512, 1024, "rms"),
+                                        (4096, 512, 4096, "layer")])
+def test_forward_gpu_delay_release(m, k, n, norm):
+  """One WGMMA in flight across K steps, clusters of 1, 4 and 8 (2 N tiles per CTA)."""
+  import dataclasses
+  args, _ = _inputs(m + 5 * n, m, k, n, zero_every=7)
+  cfg = dataclasses.replace(mk.pick_config(m, k, n), delay_release=1)
+  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True, config=cfg)
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm,exchange", [
+    (8192 + 77, 512, 256, "layer", "pull"), (8192, 512, 128, "rms", "pull"),
+    (8192 + 5, 512, 512, "layer", "pull"), (8192, 512, 1024, "rms", "push"),
+    (4096 + 64, 512, 2048, "layer", "pull"), (2048, 256, 8192, "layer", "pull")])
+def test_forward_gpu_pingpong(m, k, n, norm, exchange):
+  """Ping-pong consumers at real sizes, clusters of 1-8 (one CTA's last row block alone)."""
+  args, _ = _inputs(m + 7 * n, m, k, n, zero_every=7)
+  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True,
+                    config=mk.pingpong_config(m, k, n), exchange=exchange)
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
 
 
 @pytest.mark.gpu

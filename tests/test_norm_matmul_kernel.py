@@ -105,6 +105,15 @@ FORWARD_CASES = [
     (300, 320, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64)),
     # Chained pipelines switched off explicitly (the benchmark's A/B of the option).
     (200, 128, 320, jnp.bfloat16, "layer", 0.0, True, TileConfig(pipeline_across_tiles=False)),
+    # One WGMMA left in flight across K steps (stages released a step late, not chained); with
+    # the in-loop statistics (rms, layer), and with statistics once per row block.
+    (200, 256, 192, jnp.bfloat16, "layer", 1e3, True, TileConfig(
+        tile_m=128, tile_n=64, max_concurrent_steps=2, delay_release=1)),
+    (77, 192, 128, jnp.float16, "rms", 0.0, False, TileConfig(delay_release=1)),
+    (300, 128, 256, jnp.bfloat16, "layer", 0.0, True, TileConfig(
+        tile_m=128, tile_n=64, stats_once=True, delay_release=1)),
+    # K = 64: one step, so the pipeline runs without the delay (Pallas needs stages > delay).
+    (100, 64, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(delay_release=1)),
 ]
 
 
@@ -237,6 +246,22 @@ def test_pipeline_stages(steps, max_stages, expected):
   (a pipeline of pipelines needs it), so chaining never costs a stage."""
   assert mgpu_common.pipeline_stages(steps, max_stages, True) == expected
   assert mgpu_common.pipeline_stages(steps, max_stages, False) == (min(steps, max_stages), False)
+  # A WGMMA in flight across steps rules chaining out (Pallas cannot chain such pipelines),
+  # except for a one-stage loop, which runs without the delay.
+  stages = min(steps, max_stages)
+  assert mgpu_common.pipeline_stages(steps, max_stages, True, 1) == (
+      stages, expected[1] and stages == 1)
+
+
+def test_delay_release_option():
+  assert mgpu_common.delay_release_for(1, 4) == 1
+  assert mgpu_common.delay_release_for(1, 1) == 0
+  assert mgpu_common.delay_release_for(0, 4) == 0
+  with pytest.raises(ValueError, match="delay_release"):
+    TileConfig(delay_release=2)
+  plan = nmk._make_plan(262144, 512, 512, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False,
+                        TileConfig(delay_release=1), interpret=False)
+  assert plan.delay_release == 1 and not plan.chained
 
 
 def test_seed_shape_plan_is_chained():
@@ -263,6 +288,8 @@ def _export_for_hopper(m, k, n, norm, dtype=jnp.bfloat16, config=None):
     (5, 128, 192, "rms", None),
     (262144 + 77, 512, 512, "layer", TileConfig(cluster_m=2, stats_once=True, epi_slots=0)),
     (262144, 1024, 1024, "rms", TileConfig(cluster_m=4, epi_tile_n=32, epi_slots=0)),
+    (262144, 512, 512, "layer", TileConfig(delay_release=1)),
+    (262144, 512, 512, "rms", TileConfig(epi_tile_n=32, stats_once=True, delay_release=1)),
 ])
 def test_lowers_for_hopper(m, k, n, norm, config):
   """Mosaic's layout inference and lowering accept the kernel for sm_90a (runs on the CPU;
@@ -303,7 +330,8 @@ def test_gpu_forward_configs(config):
     TileConfig(epi_slots=0), TileConfig(cluster_m=2), TileConfig(cluster_m=4),
     TileConfig(stats_once=True), TileConfig(cluster_m=2, stats_once=True, epi_slots=0),
     TileConfig(tile_m=256, tile_n=128, cluster_m=2, epi_slots=0),
-    TileConfig(pipeline_across_tiles=False),
+    TileConfig(pipeline_across_tiles=False), TileConfig(delay_release=1),
+    TileConfig(epi_tile_n=32, stats_once=True, delay_release=1),
 ])
 @pytest.mark.parametrize("m", [8192, 8192 + 77])  # 64 or 65 row blocks (a cluster's tail)
 @pytest.mark.parametrize("norm", ["rms", "layer"])
@@ -353,6 +381,9 @@ DX_CASES = [
     # clusters of 2 sharing the w tile by multicast; 3 row blocks (a cluster's tail)
     (300, 128, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64,
                                                                  cluster_m=2)),
+    # one WGMMA in flight across reduction steps
+    (200, 128, 256, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64,
+                                                                 delay_release=1)),
 ]
 
 
@@ -382,6 +413,7 @@ def test_dx_bad_arguments_raise():
     (262144, 512, 512, "layer", None),
     (262144 + 77, 1024, 1024, "rms", None),  # M % 8 != 0: dy untiled, WGMMA A from registers
     (65536, 2048, 2048, "layer", TileConfig(tile_m=256, tile_n=128, epi_tile_n=32)),
+    (262144, 512, 512, "rms", TileConfig(delay_release=1)),
 ])
 def test_dx_lowers_for_hopper(m, k, n, norm, config):
   spec = jax.ShapeDtypeStruct
@@ -412,7 +444,8 @@ def test_gpu_dx_large_mean(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [TileConfig(tile_m=256, tile_n=128), TileConfig(epi_tile_n=32),
                                     TileConfig(a_operand="registers"), TileConfig(cluster_m=2),
-                                    TileConfig(tile_m=256, tile_n=128, cluster_m=2)])
+                                    TileConfig(tile_m=256, tile_n=128, cluster_m=2),
+                                    TileConfig(delay_release=1)])
 @pytest.mark.parametrize("m", [8192, 8192 + 77])
 def test_gpu_dx_configs(config, m):
   _run_dx_and_check(m, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)

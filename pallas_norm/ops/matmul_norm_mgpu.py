@@ -40,6 +40,12 @@ tile from global memory (L2) by TMA and normalize it in place
 (``h − mean = centered + (tile mean − mean)``). The second pass costs one more write and read of
 y per element; interpret mode runs it with one CTA looping over all N tiles.
 
+Ping-pong consumers (``TileConfig.pingpong``, :func:`pingpong_config`; opt-in, not yet timed):
+the row blocks are one warpgroup's rows and alternate between the two consumer warpgroups, each
+with its own K-loop ring (:class:`pallas_norm.mgpu_common.PingPongRing`), so one warpgroup's
+epilogue and cluster exchange overlap the other's WGMMAs instead of leaving the tensor cores idle
+(:func:`_pingpong_row_blocks`).
+
 GPU interpret mode cannot read a peer CTA's shared memory, so the c > 1 exchange runs only on a
 GPU; everything else is the same code for c = 1, which interpret mode runs on the CPU. What was
 checked on the CPU for c > 1: the kernel lowers for sm_90a through Mosaic's Python passes
@@ -70,7 +76,7 @@ from pallas_norm import mgpu_common
 from pallas_norm.mgpu_common import TileConfig
 
 __all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
-           "matmul_norm_fwd"]
+           "pingpong_config", "matmul_norm_fwd"]
 
 CLUSTER_SIZES = (1, 2, 4, 8)
 """CTAs that may share a row block (8 is the portable cluster limit on Hopper)."""
@@ -115,6 +121,12 @@ class _Plan:
   exchange: str = "pull"  # see matmul_norm_fwd's ``exchange`` (the others are diagnostics)
 
   @property
+  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
+    if self.cfg.pingpong:
+      return 0
+    return mgpu_common.delay_release_for(self.cfg.delay_release, self.stages)
+
+  @property
   def n_partials(self) -> int:  # per-row partial statistics exchanged in the cluster
     return 2 if self.norm == "layer" else 1
 
@@ -139,8 +151,12 @@ class _Plan:
     return self.n_tiles * self.cfg.tile_n
 
   @property
-  def m_iters(self) -> int:
-    return -(-self.m // self.cfg.tile_m)
+  def m_iters(self) -> int:  # row blocks: of tile_m rows, or of one warpgroup's with pingpong
+    return -(-self.m // self.block_rows)
+
+  @property
+  def block_rows(self) -> int:
+    return self.cfg.wg_tile_m if self.cfg.pingpong else self.cfg.tile_m
 
   @property
   def k_iters(self) -> int:
@@ -218,6 +234,14 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
                     max_concurrent_steps=4, epi_tile_m=64, epi_tile_n=64)
 
 
+def pingpong_config(m: int, k: int, n: int) -> TileConfig:
+  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``): 32-wide K steps,
+  so that each consumer's ring gets 2-4 stages next to the epilogue buffers (64-wide ones
+  leave one at tile_n = 256). Not the default: not yet timed on a GPU (benchmarks/NOTES.md)."""
+  base = pick_config(m, k, n)
+  return dataclasses.replace(base, pingpong=True, tile_k=32 if k % 32 == 0 else base.tile_k)
+
+
 def _smem_bytes_besides_pipeline(p: _Plan) -> int:
   cfg = p.cfg
   out_b = p.out_dtype.itemsize
@@ -249,13 +273,22 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
                n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1,
                exchange=exchange)
-  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
+  if cfg.pingpong and plan.multicast_x:
+    raise ValueError("multicast_x needs the shared pipeline: it does not combine with pingpong")
+  if cfg.pingpong:  # two rings of (rows of one warpgroup) x and w stages
+    stage_bytes = mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n,
+                                                   plan.dtype)
+  else:
+    stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
   free = mgpu_common.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
-  stages, chained = mgpu_common.pipeline_stages(
-      plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes),
-      cfg.pipeline_across_tiles)
+  if cfg.pingpong:  # a ring runs across its consumer's tiles: stages need not divide K steps
+    stages, chained = min(cfg.max_concurrent_steps, free // stage_bytes), False
+  else:
+    stages, chained = mgpu_common.pipeline_stages(
+        plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes),
+        cfg.pipeline_across_tiles, cfg.delay_release)
   num_clusters = mgpu_common.persistent_clusters(cfg, cluster, plan.m_iters, interpret)
   return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
 
@@ -541,6 +574,7 @@ def _kernel(*refs, plan: _Plan):
     w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=in_transforms,
                              memory_space=plgpu.SMEM)
     return mgpu_common.consumer_pipeline(body, compute_context, steps=plan.k_iters,
+                                         delay_release=plan.delay_release,
                                          stages=plan.stages, in_specs=[x_spec, w_spec],
                                          pipeline_state=state)
 
@@ -548,7 +582,9 @@ def _kernel(*refs, plan: _Plan):
 
   @functools.partial(
       pl.run_scoped,
-      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+      pipeline_allocs=(
+          mgpu_common.pingpong_ring_allocs(wg_m, tile_k, tile_n, plan.dtype, plan.stages)
+          if cfg.pingpong else make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
       # Residual in, y out: the (rows, tile_n) tile of each consumer warpgroup, as column chunks
       # (a TMA copy needs a contiguous SMEM window).
       io_smem=plgpu.SMEM((2, chunks, wg_m, epi_n), plan.out_dtype, transforms=out_transforms),
@@ -713,6 +749,26 @@ def _kernel(*refs, plan: _Plan):
           _store_chunk(y, j, row0, col0)
           counter = _store_extras({"xhat": xhat}, j, row0, col0, counter)
 
+    def _prefetch_epilogue_inputs(row0, col0):
+      """The residual tile and the column vectors of a tile, by TMA while its K loop runs."""
+      if plan.has_residual:
+        # The previous tile's stores read io_smem: they must finish before TMA refills it.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for j in range(chunks):
+          plgpu.copy_gmem_to_smem(
+              res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
+              io_smem.at[wg, j], load_barrier.at[wg])
+      for i, v_gmem in enumerate(vec_gmems):
+        plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                load_barrier.at[wg])
+
+    if cfg.pingpong:
+      _pingpong_row_blocks(plan, mgpu_common.PingPongRing(**pipeline_allocs, stages=plan.stages),
+                           ex, x_gmem, w_gmem, tile_col0, _prefetch_epilogue_inputs, _epilogue,
+                           _first_pass, _second_pass)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      return
+
     @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
     def _row_block_loop(loop_info: plgpu.NDLoopInfo):
       (m_idx,) = loop_info.index
@@ -722,27 +778,20 @@ def _kernel(*refs, plan: _Plan):
       def mma_body(idxs, a_smem, b_smem, acc_ref):
         del idxs
         plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(plan.delay_release)
         return acc_ref
 
       for t in range(plan.n_tiles):
         col0 = tile_col0(t)
 
         def compute_context(eval_pipeline, t=t, col0=col0):
-          if plan.has_residual:
-            # The previous tile's stores read io_smem: they must finish before TMA refills it.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for j in range(chunks):
-              plgpu.copy_gmem_to_smem(
-                  res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                  io_smem.at[wg, j], load_barrier.at[wg])
-          for i, v_gmem in enumerate(vec_gmems):
-            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                    load_barrier.at[wg])
+          _prefetch_epilogue_inputs(row0, col0)
 
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
           def _acc_scope(acc_ref):
             acc_ref = eval_pipeline(acc_ref)
+            if plan.delay_release:
+              plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
             if plan.n_tiles == 1:
               _epilogue(acc_ref[...], row0, col0, tile_index)
             else:
@@ -767,6 +816,82 @@ def _kernel(*refs, plan: _Plan):
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _pingpong_row_blocks(plan: _Plan, ring, ex, x_gmem, w_gmem, tile_col0, prefetch, epilogue,
+                         first_pass, second_pass):
+  """The row-block loops of ``TileConfig.pingpong``: the CTA's row blocks (of one warpgroup's
+  rows) alternate between the two consumer warpgroups, each with its own K-loop ring
+  (:class:`mgpu_common.PingPongRing`) filled by the producer in row-block order. While one
+  consumer runs its epilogue (and the cluster exchange, which pairs it with the same warpgroup
+  of every peer CTA, as those get the same row blocks), the other's WGMMAs keep the tensor cores
+  busy. The epilogue functions are the kernel's own; a consumer's ``tile_index`` is the count of
+  its own row blocks before this one."""
+  cfg = plan.cfg
+  wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
+  wg = lax.axis_index("wg")
+  steps_per_block = plan.n_tiles * plan.k_iters
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(mgpu_common.PINGPONG_PRODUCER_REGISTERS, action="decrease")
+
+    @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
+    def _(loop_info: plgpu.NDLoopInfo):
+      (m_idx,) = loop_info.index
+      t = loop_info.local_index
+      consumer = lax.rem(t, 2)
+      first_step = lax.div(t, 2) * steps_per_block
+      rows = pl.ds(m_idx * wg_m, wg_m)
+      for nt in range(plan.n_tiles):
+        cols = pl.ds(tile_col0(nt), tile_n)
+
+        @pl.loop(0, plan.k_iters)
+        def _(k, nt=nt, cols=cols):
+          ks = pl.ds(k * tile_k, tile_k)
+          mgpu_common.pingpong_produce(ring, consumer, first_step + nt * plan.k_iters + k,
+                                       x_gmem.at[rows, ks], w_gmem.at[ks, cols])
+
+      @pl.when(t == loop_info.num_local_steps - 1)
+      def _():
+        for c in range(2):  # consumer c had the row blocks t ≡ c (mod 2)
+          blocks = lax.div(loop_info.num_local_steps - c + 1, 2)
+          mgpu_common.pingpong_drain(ring, c, blocks * steps_per_block)
+
+  @pl.when(wg < 2)
+  def _consumers():
+    plgpu.set_max_registers(mgpu_common.PINGPONG_CONSUMER_REGISTERS, action="increase")
+
+    @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
+    def _(loop_info: plgpu.NDLoopInfo):
+      (m_idx,) = loop_info.index
+      t = loop_info.local_index
+      own_index = lax.div(t, 2)  # this consumer's row blocks before this one
+
+      @pl.when(lax.rem(t, 2) == wg)
+      def _():
+        row0 = m_idx * wg_m
+        for nt in range(plan.n_tiles):
+          col0 = tile_col0(nt)
+          prefetch(row0, col0)
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
+          def _acc_scope(acc_ref, nt=nt, col0=col0):
+            acc_ref = mgpu_common.pingpong_k_loop(
+                ring, wg, own_index * steps_per_block + nt * plan.k_iters, plan.k_iters, acc_ref)
+            if plan.n_tiles == 1:
+              epilogue(acc_ref[...], row0, col0, own_index)
+            else:
+              first_pass(acc_ref[...], row0, col0, nt)
+
+        if plan.n_tiles > 1:
+          second_pass(row0, own_index)
+
+      if ex is not None and plan.exchange != "local":
+        # No CTA exits while its peers may still read its partials (a consumer that had rows).
+        @pl.when((t == loop_info.num_local_steps - 1) & (loop_info.num_local_steps > wg))
+        def _():
+          plgpu.barrier_wait(ex.empty.at[wg])
 
 
 def _check_args(x, w, vectors, residual, norm, eps, out_dtype):

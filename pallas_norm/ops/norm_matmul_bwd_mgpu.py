@@ -88,6 +88,10 @@ class _Plan:
   x_prefetch_step: int
 
   @property
+  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
+    return mgpu_common.delay_release_for(self.cfg.delay_release, self.stages)
+
+  @property
   def n_rows(self) -> int:  # row vectors: rstd, y_term (+ mean, c_term)
     return 4 if self.layer else 2
 
@@ -128,7 +132,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
                      f"x tile of the epilogue")
   stages, chained = mgpu_common.pipeline_stages(
       n // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes),
-      cfg.pipeline_across_tiles)
+      cfg.pipeline_across_tiles, cfg.delay_release)
   if cfg.stats_once:
     raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
   units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m) * -(-k // cfg.tile_n)
@@ -165,6 +169,7 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
     w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
     return mgpu_common.consumer_pipeline(
         body, compute_context, steps=plan.red_iters, stages=plan.stages, pipeline_state=state,
+        delay_release=plan.delay_release,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms),
                   spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms,
                        collective_axes=w_axes)])
@@ -213,6 +218,8 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
         def _acc_scope(acc_ref):
           acc_ref = eval_pipeline(acc_ref)
+          if plan.delay_release:
+            plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
           _epilogue(acc_ref[...])
 
       def _epilogue(acc):
@@ -248,7 +255,7 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
             plgpu.commit_smem()
         else:
           plgpu.wgmma(acc_ref, a_rows, b)
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(plan.delay_release)
         return acc_ref
 
       first = loop_info.local_index == 0

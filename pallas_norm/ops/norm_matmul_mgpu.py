@@ -16,7 +16,8 @@ CTA per SM walks the (M, N) output tiles; in each CTA a TMA producer warpgroup s
 the CTA tile along M, so each row's statistics are accumulated by exactly one warpgroup: after
 issuing the WGMMA of a step, a consumer loads its rows of the A tile from SMEM into registers (the
 WGMMA register layout) and accumulates the statistics while the tensor core runs, then waits for
-the WGMMA (``wgmma_wait(0)``: no WGMMA is left in flight across pipeline steps). The epilogue
+the WGMMA (``wgmma_wait(0)``: no WGMMA is left in flight across pipeline steps, unless
+``TileConfig.delay_release`` = 1 leaves one). The epilogue
 computes mean/rstd, applies them and the column vectors (col_sum, out_bias, fetched by TMA while
 the K loop runs) and stores y through SMEM with TMA; the statistics of a row block are written by
 the CTA that computes its first N tile.
@@ -181,6 +182,10 @@ class _Plan:
   out_slots: int  # epilogue output slots per consumer warpgroup
 
   @property
+  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
+    return mgpu_common.delay_release_for(self.cfg.delay_release, self.stages)
+
+  @property
   def n_vecs(self) -> int:  # col_sum and/or out_bias rows in the per-warpgroup vector buffer
     return int(self.norm == "layer") + int(self.has_bias)
 
@@ -233,7 +238,7 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
   stages, chained = mgpu_common.pipeline_stages(
       k // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes),
-      cfg.pipeline_across_tiles)
+      cfg.pipeline_across_tiles, cfg.delay_release)
   # Work units of the persistent loop: (row-block group, N tile), or row-block groups alone when
   # a CTA sweeps all N tiles of its row block (stats_once).
   m_units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m)
@@ -368,6 +373,7 @@ def _kernel(*refs, plan: _Plan):
     w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
     return mgpu_common.consumer_pipeline(
         body, compute_context, steps=plan.k_iters, stages=plan.stages, pipeline_state=state,
+        delay_release=plan.delay_release,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
                   spec((tile_k, tile_n), lambda kk: (kk, 0), transforms=w_transforms,
                        collective_axes=w_axes)])
@@ -408,6 +414,8 @@ def _kernel(*refs, plan: _Plan):
         def _acc_scope(acc_ref):
           init = _init_stats(plan) if with_stats else ()
           acc_ref, *stats = eval_pipeline((acc_ref, *init))
+          if plan.delay_release:
+            plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
           _epilogue(acc_ref[...], stats)
 
       def _row_stats(stats):
@@ -478,7 +486,7 @@ def _kernel(*refs, plan: _Plan):
           # Orders these generic-proxy reads before the TMA (async proxy) that will refill the
           # stage once the pipeline releases it (PTX memory model: WAR across proxies).
           plgpu.commit_smem()
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(plan.delay_release)
         return (acc_ref, *stats)
 
       mgpu_common.run_tile_pipeline(
