@@ -205,3 +205,23 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
   assert pick(mn._kernel_slower_reason(2048, "layer")) == "xla"
   # An explicit request is honoured even where the kernel is slower.
   assert _dispatch.choose("op", "mosaic", ok, lambda: "slower") == "mosaic"
+
+
+@pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
+def test_returned_stats_carry_no_gradient_on_any_path(op):
+  """The fused paths return statistics through lax.stop_gradient; the XLA path must too, or the
+  same loss would differentiate differently on a CPU and on a Hopper GPU (review finding)."""
+  from pallas_norm.ops import matmul_norm as mn
+  x, w, scale, bias, _ = _inputs(21, 16, 64, 64, jnp.float32, mean_offset=1.0)
+
+  def loss(x, with_stats):
+    if op == "norm_matmul":
+      y, stats = nm.norm_matmul(x, w, scale, bias, norm="layer", return_stats=True,
+                                implementation="xla")
+    else:
+      y, stats = mn.matmul_norm(x, w, None, None, scale[:64], bias[:64], norm="layer",
+                                return_stats=True, implementation="xla")
+    total = jnp.sum(y * y)
+    return total + jnp.sum(stats.rstd) + jnp.sum(stats.mean) if with_stats else total
+
+  chex.assert_trees_all_close(jax.grad(loss)(x, True), jax.grad(loss)(x, False), rtol=1e-6)

@@ -217,7 +217,7 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
     out_dtype: dtype of y and h (default x.dtype).
     return_h: also return h, the pre-norm residual stream, in the output dtype.
     return_stats: also return :class:`pallas_norm.NormStats` of h (float32). The statistics
-      carry no gradient through the fused implementations.
+      carry no gradient (``lax.stop_gradient``), with every implementation.
     implementation: None, "xla", "mosaic" or "interpret" (see :mod:`pallas_norm._dispatch`).
       The kernel needs bfloat16/float16 x, w and outputs, K and N multiples of 64,
       N = c · n_tiles · tile_n with c ∈ {1, 2, 4, 8}, n_tiles ≤ 4 and tile_n ≤ 256 (so
@@ -239,9 +239,12 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
                                          interpret=implementation == "interpret"),
       lambda: _kernel_slower_reason(w.shape[1], norm))
   if chosen == "xla":
-    return reference.matmul_norm(x, w, dense_bias, residual, scale, bias, norm=norm, eps=eps,
-                                 out_dtype=out_dtype, return_h=return_h,
-                                 return_stats=return_stats)
+    out = reference.matmul_norm(x, w, dense_bias, residual, scale, bias, norm=norm, eps=eps,
+                                out_dtype=out_dtype, return_h=return_h,
+                                return_stats=return_stats)
+    if return_stats:  # outputs, not a differentiable path, in every implementation
+      out = (*out[:-1], jax.tree.map(lax.stop_gradient, out[-1]))
+    return out
   return _fused_call(x, w, dense_bias, residual, scale, bias, norm, eps,
                      jnp.dtype(out_dtype or x.dtype), return_h, return_stats, chosen)
 

@@ -213,7 +213,8 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
     out_dtype: dtype of y (default x.dtype).
     return_stats: also return :class:`pallas_norm.NormStats` (float32 mean (None for RMS), rstd;
       shape x.shape[:-1]). The statistics are outputs for the caller's backward; they carry no
-      gradient through the fused implementations.
+      gradient (``lax.stop_gradient``), with every implementation, so a loss differentiates
+      the same on any backend.
     implementation: None, "xla", "mosaic" or "interpret" (see :mod:`pallas_norm._dispatch`).
       The kernel needs bfloat16/float16 with K and N multiples of 64; None falls back to XLA
       otherwise.
@@ -230,8 +231,10 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
                             lambda: _kernel_unsupported_reason(x, w),
                             lambda: _kernel_slower_reason(x.shape[-1], w.shape[1], norm))
   if chosen == "xla":
-    return reference.norm_matmul(x, w, scale, bias, norm=norm, eps=eps, out_dtype=out_dtype,
-                                 return_stats=return_stats)
+    out = reference.norm_matmul(x, w, scale, bias, norm=norm, eps=eps, out_dtype=out_dtype,
+                                return_stats=return_stats)
+    # The statistics are outputs, not a differentiable path, in every implementation.
+    return (out[0], jax.tree.map(lax.stop_gradient, out[1])) if return_stats else out
   return _fused_call(x, w, scale, bias, norm, eps, out_dtype or x.dtype, return_stats, chosen)
 
 
