@@ -88,7 +88,9 @@ def _variants(m, k, n):
   * ``once``: statistics once per row block (``stats_once``).
   * ``inflight``: one WGMMA left in flight across K steps (``delay_release=1``, as JAX's
     hopper_matmul_mgpu does; Pallas cannot chain those pipelines, so it is per-tile), with the
-    default's tiles and with 64×64 epilogue tiles (3 stages).
+    default's tiles and with 64×64 epilogue tiles (3 stages). ``pingpong``: ping-pong consumers
+    (``TileConfig.pingpong``), each with its own ring, so one's epilogue overlaps the other's
+    WGMMAs.
   """
   base = nmk.pick_config(m, k, n)
   rep = functools.partial(dataclasses.replace, base)
@@ -97,10 +99,12 @@ def _variants(m, k, n):
         ("chained_epi64", rep(epi_tile_n=64))]
   inflight = [("inflight", rep(delay_release=1)),
               ("inflight_epi64", rep(delay_release=1, epi_tile_n=64))]
+  if m % 8 == 0:  # ping-pong reads x tiled
+    inflight.append(("pingpong", nmk.pingpong_config(m, k, n)))
   gemm = ([("default", base)] + inflight + ab
           + [("slots0", rep(epi_slots=0)), ("cl2", rep(cluster_m=2))])
   fused = [("default", base)] + inflight + ab + [("once", rep(stats_once=True))]
-  return {"none": gemm, "rms": fused, "layer": fused[:3]}
+  return {"none": gemm, "rms": fused, "layer": fused[:1 + len(inflight)]}
 
 
 def _dx_variants(m, k, n):

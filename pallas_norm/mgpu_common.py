@@ -46,6 +46,8 @@ __all__ = [
     "pingpong_produce",
     "pingpong_drain",
     "pingpong_k_loop",
+    "pingpong_producer",
+    "pingpong_consumer",
 ]
 
 SMEM_BYTES = 227 * 1024
@@ -123,7 +125,7 @@ class TileConfig:
       own K-loop ring (:class:`PingPongRing`), so one warpgroup's epilogue overlaps the other's
       WGMMAs; the pipeline options (``max_concurrent_steps`` is the stages per ring,
       ``pipeline_across_tiles``, ``delay_release``) do not apply. Implemented by the
-      matmul_norm kernel.
+      matmul_norm and the norm_matmul forward kernels.
     (``epi_slots``, ``cluster_m`` and ``stats_once`` are implemented by the norm_matmul kernels;
     other kernels use the defaults.)
   """
@@ -410,17 +412,70 @@ def pingpong_drain(ring: PingPongRing, consumer, total_steps) -> None:
     plgpu.barrier_wait(ring.consumed.at[consumer * ring.stages + lax.rem(step, ring.stages)])
 
 
-def pingpong_k_loop(ring: PingPongRing, consumer, first_step, steps: int, acc_ref):
-  """Consumer: ``steps`` K steps from global step ``first_step`` into ``acc_ref`` (waits for
-  each stage, one WGMMA, then releases the stage); returns the accumulator ref."""
-  def body(k, acc):
+def pingpong_k_loop(ring: PingPongRing, consumer, first_step, steps: int, carry, body=None):
+  """Consumer: ``steps`` K steps from global step ``first_step``: waits for each stage, runs
+  ``body(idxs, x_stage, w_stage, carry) -> carry`` (the signature of a pipeline body; default:
+  one WGMMA into the accumulator ref ``carry``, then waits for it), then releases the stage.
+  The body must leave no WGMMA in flight. Returns the carry."""
+  if body is None:
+    def body(idxs, x_stage, w_stage, acc):
+      del idxs
+      plgpu.wgmma(acc, x_stage, w_stage)
+      plgpu.wgmma_wait(0)
+      return acc
+
+  def step_body(k, carry):
     step = first_step + k
     slot = lax.rem(step, ring.stages)
     index = consumer * ring.stages + slot
     plgpu.barrier_wait(ring.produced.at[index])
-    plgpu.wgmma(acc, ring.x.at[consumer, slot], ring.w.at[consumer, slot])
-    plgpu.wgmma_wait(0)
+    carry = body((k,), ring.x.at[consumer, slot], ring.w.at[consumer, slot], carry)
     plgpu.barrier_arrive(ring.consumed.at[index])
-    return acc
+    return carry
 
-  return lax.fori_loop(0, steps, body, acc_ref)
+  return lax.fori_loop(0, steps, step_body, carry)
+
+
+def pingpong_producer(ring: PingPongRing, units: int, axis: str, steps_per_unit: int,
+                      windows) -> None:
+  """The producer warpgroup's loop (call it in the producer's branch): over the CTA's work units
+  of ``plgpu.nd_loop((units,), collective_axes=axis)``, unit t to consumer t mod 2, it loads
+  ``windows(unit_index, s) -> (x_window, w_window)`` for s < ``steps_per_unit`` into that
+  consumer's ring, then drains both rings after the last unit."""
+  plgpu.set_max_registers(PINGPONG_PRODUCER_REGISTERS, action="decrease")
+
+  @plgpu.nd_loop((units,), collective_axes=axis)
+  def _(loop_info: plgpu.NDLoopInfo):
+    t = loop_info.local_index
+    consumer = lax.rem(t, 2)
+    first_step = lax.div(t, 2) * steps_per_unit
+
+    @pl.loop(0, steps_per_unit)
+    def _(s):
+      pingpong_produce(ring, consumer, first_step + s, *windows(loop_info.index, s))
+
+    @pl.when(t == loop_info.num_local_steps - 1)
+    def _():
+      for c in range(2):  # consumer c had the units t ≡ c (mod 2)
+        own_units = lax.div(loop_info.num_local_steps - c + 1, 2)
+        pingpong_drain(ring, c, own_units * steps_per_unit)
+
+
+def pingpong_consumer(units: int, axis: str, unit_fn, last_fn=None) -> None:
+  """A consumer warpgroup's loop (call it in the consumers' branch): over the same units as
+  :func:`pingpong_producer`, runs ``unit_fn(unit_index, own_index)`` for the units t ≡ wg
+  (mod 2), ``own_index`` = t // 2 (its units before this one: its ring's first step is
+  ``own_index · steps_per_unit``); then ``last_fn(loop_info)`` after the CTA's last unit."""
+  plgpu.set_max_registers(PINGPONG_CONSUMER_REGISTERS, action="increase")
+  wg = lax.axis_index("wg")
+
+  @plgpu.nd_loop((units,), collective_axes=axis)
+  def _(loop_info: plgpu.NDLoopInfo):
+    t = loop_info.local_index
+
+    @pl.when(lax.rem(t, 2) == wg)
+    def _():
+      unit_fn(loop_info.index, lax.div(t, 2))
+
+    if last_fn is not None:
+      pl.when(t == loop_info.num_local_steps - 1)(lambda: last_fn(loop_info))

@@ -114,6 +114,16 @@ FORWARD_CASES = [
         tile_m=128, tile_n=64, stats_once=True, delay_release=1)),
     # K = 64: one step, so the pipeline runs without the delay (Pallas needs stages > delay).
     (100, 64, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(delay_release=1)),
+    # Ping-pong consumers: alternate (row block, N tile) units per consumer warpgroup, each
+    # with its own K-loop ring across its units (8 units on 2 CTAs; 1 unit: the second
+    # consumer idle; 3-step rings over 5-step K loops; 128-row consumer tiles).
+    (256, 64, 320, jnp.bfloat16, "layer", 1e2, True, TileConfig(
+        tile_m=128, tile_n=64, tile_k=32, pingpong=True)),
+    (64, 128, 64, jnp.float16, "rms", 0.0, False, TileConfig(tile_k=32, pingpong=True)),
+    (200, 320, 192, jnp.bfloat16, "layer", 0.0, True, TileConfig(
+        tile_n=192, max_concurrent_steps=3, pingpong=True)),
+    (77, 192, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(
+        tile_m=256, tile_n=128, tile_k=32, pingpong=True)),
 ]
 
 
@@ -253,6 +263,22 @@ def test_pipeline_stages(steps, max_stages, expected):
       stages, expected[1] and stages == 1)
 
 
+def test_pingpong_plan():
+  """Ping-pong rings need not divide the K steps; the options it does not combine with, and
+  untiled x (M % 8 != 0 on a GPU), are refused before any kernel runs."""
+  cfg = nmk.pingpong_config(262144, 512, 512)
+  plan = nmk._make_plan(262144, 512, 512, jnp.bfloat16, jnp.bfloat16, "layer", EPS, False, cfg,
+                        interpret=False)
+  assert plan.stages >= 3 and not plan.chained and plan.delay_release == 0
+  assert plan.m_iters == 262144 // 64
+  with pytest.raises(ValueError, match="M % 8"):
+    nmk._make_plan(262144 + 77, 512, 512, jnp.bfloat16, jnp.bfloat16, "layer", EPS, False, cfg,
+                   interpret=False)
+  with pytest.raises(ValueError, match="stats_once"):
+    nmk._make_plan(4096, 512, 512, jnp.bfloat16, jnp.bfloat16, "layer", EPS, False,
+                   TileConfig(pingpong=True, stats_once=True), interpret=False)
+
+
 def test_delay_release_option():
   assert mgpu_common.delay_release_for(1, 4) == 1
   assert mgpu_common.delay_release_for(1, 1) == 0
@@ -290,6 +316,9 @@ def _export_for_hopper(m, k, n, norm, dtype=jnp.bfloat16, config=None):
     (262144, 1024, 1024, "rms", TileConfig(cluster_m=4, epi_tile_n=32, epi_slots=0)),
     (262144, 512, 512, "layer", TileConfig(delay_release=1)),
     (262144, 512, 512, "rms", TileConfig(epi_tile_n=32, stats_once=True, delay_release=1)),
+    (262144, 512, 512, "layer", nmk.pingpong_config(262144, 512, 512)),
+    (262144, 1024, 1024, "rms", nmk.pingpong_config(262144, 1024, 1024)),
+    (65536, 2048, 2048, "none", TileConfig(tile_m=256, tile_n=128, tile_k=32, pingpong=True)),
 ])
 def test_lowers_for_hopper(m, k, n, norm, config):
   """Mosaic's layout inference and lowering accept the kernel for sm_90a (runs on the CPU;
@@ -323,6 +352,16 @@ def test_gpu_layer_large_mean(dtype):
 ])
 def test_gpu_forward_configs(config):
   _run_and_check(8192, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(8192, 512, 512), (8192 + 64, 512, 1024), (4096, 2048, 2048),
+                                   (64, 128, 128)])
+@pytest.mark.parametrize("norm", ["rms", "layer", "none"])
+def test_gpu_forward_pingpong(m, k, n, norm):
+  """Ping-pong consumers at real sizes (M % 8 == 0: x tiled for WGMMA), one unit per CTA too."""
+  _run_and_check(m, k, n, jnp.bfloat16, norm, config=nmk.pingpong_config(m, k, n),
+                 interpret=False)
 
 
 @pytest.mark.gpu

@@ -832,66 +832,40 @@ def _pingpong_row_blocks(plan: _Plan, ring, ex, x_gmem, w_gmem, tile_col0, prefe
   wg = lax.axis_index("wg")
   steps_per_block = plan.n_tiles * plan.k_iters
 
-  @pl.when(wg == 2)
-  def _producer():
-    plgpu.set_max_registers(mgpu_common.PINGPONG_PRODUCER_REGISTERS, action="decrease")
+  def windows(index, s):  # step s of a row block: N tile s // k_iters, K step s % k_iters
+    (m_idx,) = index
+    ks = pl.ds(lax.rem(s, plan.k_iters) * tile_k, tile_k)
+    cols = pl.ds(tile_col0(lax.div(s, plan.k_iters)), tile_n)
+    return x_gmem.at[pl.ds(m_idx * wg_m, wg_m), ks], w_gmem.at[ks, cols]
 
-    @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
-    def _(loop_info: plgpu.NDLoopInfo):
-      (m_idx,) = loop_info.index
-      t = loop_info.local_index
-      consumer = lax.rem(t, 2)
-      first_step = lax.div(t, 2) * steps_per_block
-      rows = pl.ds(m_idx * wg_m, wg_m)
-      for nt in range(plan.n_tiles):
-        cols = pl.ds(tile_col0(nt), tile_n)
+  def row_block(index, own_index):
+    (m_idx,) = index
+    row0 = m_idx * wg_m
+    for nt in range(plan.n_tiles):
+      col0 = tile_col0(nt)
+      prefetch(row0, col0)
 
-        @pl.loop(0, plan.k_iters)
-        def _(k, nt=nt, cols=cols):
-          ks = pl.ds(k * tile_k, tile_k)
-          mgpu_common.pingpong_produce(ring, consumer, first_step + nt * plan.k_iters + k,
-                                       x_gmem.at[rows, ks], w_gmem.at[ks, cols])
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
+      def _acc_scope(acc_ref, nt=nt, col0=col0):
+        acc_ref = mgpu_common.pingpong_k_loop(
+            ring, wg, own_index * steps_per_block + nt * plan.k_iters, plan.k_iters, acc_ref)
+        if plan.n_tiles == 1:
+          epilogue(acc_ref[...], row0, col0, own_index)
+        else:
+          first_pass(acc_ref[...], row0, col0, nt)
 
-      @pl.when(t == loop_info.num_local_steps - 1)
-      def _():
-        for c in range(2):  # consumer c had the row blocks t ≡ c (mod 2)
-          blocks = lax.div(loop_info.num_local_steps - c + 1, 2)
-          mgpu_common.pingpong_drain(ring, c, blocks * steps_per_block)
+    if plan.n_tiles > 1:
+      second_pass(row0, own_index)
 
-  @pl.when(wg < 2)
-  def _consumers():
-    plgpu.set_max_registers(mgpu_common.PINGPONG_CONSUMER_REGISTERS, action="increase")
+  def final_sync(loop_info):
+    # No CTA exits while its peers may still read its partials (a consumer that had rows).
+    if ex is not None and plan.exchange != "local":
+      pl.when(loop_info.num_local_steps > wg)(lambda: plgpu.barrier_wait(ex.empty.at[wg]))
 
-    @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
-    def _(loop_info: plgpu.NDLoopInfo):
-      (m_idx,) = loop_info.index
-      t = loop_info.local_index
-      own_index = lax.div(t, 2)  # this consumer's row blocks before this one
-
-      @pl.when(lax.rem(t, 2) == wg)
-      def _():
-        row0 = m_idx * wg_m
-        for nt in range(plan.n_tiles):
-          col0 = tile_col0(nt)
-          prefetch(row0, col0)
-
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
-          def _acc_scope(acc_ref, nt=nt, col0=col0):
-            acc_ref = mgpu_common.pingpong_k_loop(
-                ring, wg, own_index * steps_per_block + nt * plan.k_iters, plan.k_iters, acc_ref)
-            if plan.n_tiles == 1:
-              epilogue(acc_ref[...], row0, col0, own_index)
-            else:
-              first_pass(acc_ref[...], row0, col0, nt)
-
-        if plan.n_tiles > 1:
-          second_pass(row0, own_index)
-
-      if ex is not None and plan.exchange != "local":
-        # No CTA exits while its peers may still read its partials (a consumer that had rows).
-        @pl.when((t == loop_info.num_local_steps - 1) & (loop_info.num_local_steps > wg))
-        def _():
-          plgpu.barrier_wait(ex.empty.at[wg])
+  pl.when(wg == 2)(lambda: mgpu_common.pingpong_producer(
+      ring, plan.m_iters, "cluster_grid", steps_per_block, windows))
+  pl.when(wg < 2)(lambda: mgpu_common.pingpong_consumer(
+      plan.m_iters, "cluster_grid", row_block, final_sync))
 
 
 def _check_args(x, w, vectors, residual, norm, eps, out_dtype):

@@ -73,6 +73,13 @@ Tuning options (``TileConfig``; the defaults are the configuration measured firs
   which leaves them in SMEM for the other N tiles' epilogues (their K loops are plain GEMMs).
   The statistics then cost once per row instead of once per N tile; x's row block is re-read
   from L2 for every N tile (tile_m × K bytes per CTA must stay resident).
+* ``delay_release=1``: one WGMMA left in flight across K steps (stages released a step late;
+  the pipelines then run per tile). Not yet timed.
+* ``pingpong=True`` (:func:`pingpong_config`): the work units are (one warpgroup's rows, N tile)
+  and alternate between the two consumer warpgroups, each with its own K-loop ring
+  (:class:`pallas_norm.mgpu_common.PingPongRing`), so one's statistics finish and epilogue
+  overlap the other's WGMMAs. Needs M % 8 == 0 on a GPU, no clusters, no ``stats_once``. Not
+  yet timed.
 """
 
 from __future__ import annotations
@@ -89,7 +96,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_norm import mgpu_common
 from pallas_norm.mgpu_common import TileConfig
 
-__all__ = ["TileConfig", "unsupported_reason", "pick_config", "norm_matmul_fwd", "NORMS"]
+__all__ = ["TileConfig", "unsupported_reason", "pick_config", "pingpong_config", "norm_matmul_fwd",
+           "NORMS"]
 
 NORMS = ("rms", "layer", "none")
 """``norm`` values: RMSNorm, LayerNorm, or "none" (the plain GEMM, for benchmarks)."""
@@ -183,6 +191,8 @@ class _Plan:
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
+    if self.cfg.pingpong:
+      return 0
     return mgpu_common.delay_release_for(self.cfg.delay_release, self.stages)
 
   @property
@@ -194,8 +204,8 @@ class _Plan:
     return {"rms": 1, "layer": 2, "none": 0}[self.norm]
 
   @property
-  def m_iters(self) -> int:
-    return -(-self.m // self.cfg.tile_m)
+  def m_iters(self) -> int:  # row blocks: of tile_m rows, or of one warpgroup's with pingpong
+    return -(-self.m // (self.cfg.wg_tile_m if self.cfg.pingpong else self.cfg.tile_m))
 
   @property
   def n_iters(self) -> int:
@@ -228,20 +238,48 @@ def _fixed_smem_bytes(cfg: TileConfig, out_dtype, n_vecs: int, n_stats: int) -> 
   return out + vecs + stats + _SMEM_SLACK
 
 
+def _check_pingpong(cfg: TileConfig, m: int, interpret: bool) -> None:
+  """Ping-pong consumers (TileConfig.pingpong) run the plain per-tile path: no clusters, no
+  statistics once per row block, and x tiled for WGMMA (M % 8 == 0 on a GPU)."""
+  if cfg.cluster_m != 1 or cfg.stats_once:
+    raise ValueError("pingpong does not combine with cluster_m > 1 or stats_once")
+  if cfg.a_operand == "registers" or (not interpret and m % 8):
+    raise ValueError(f"pingpong reads x from tiled SMEM: it needs M % 8 == 0 (M = {m}) and "
+                     "a_operand != 'registers'")
+
+
+def pingpong_config(m: int, k: int, n: int) -> TileConfig:
+  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``; opt-in, not yet
+  timed on a GPU): 32-wide K steps, so each consumer's ring gets 3-4 stages, and statistics
+  in every tile (``stats_once`` is off)."""
+  base = pick_config(m, k, n)
+  return dataclasses.replace(base, pingpong=True, stats_once=False, cluster_m=1,
+                             tile_k=32 if k % 32 == 0 else base.tile_k)
+
+
 def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -> _Plan:
   n_vecs = int(norm == "layer") + int(has_bias)
   n_stats = {"rms": 1, "layer": 2, "none": 0}[norm]
   itemsize = jnp.dtype(dtype).itemsize
-  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * itemsize
+  if cfg.pingpong:
+    _check_pingpong(cfg, m, interpret)
+    stage_bytes = mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n, dtype)
+  else:
+    stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * itemsize
   free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, out_dtype, n_vecs, n_stats)
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
-  stages, chained = mgpu_common.pipeline_stages(
-      k // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes),
-      cfg.pipeline_across_tiles, cfg.delay_release)
+  if cfg.pingpong:  # a ring runs across its consumer's tiles: stages need not divide K steps
+    stages, chained = min(cfg.max_concurrent_steps, free // stage_bytes), False
+  else:
+    stages, chained = mgpu_common.pipeline_stages(
+        k // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes),
+        cfg.pipeline_across_tiles, cfg.delay_release)
   # Work units of the persistent loop: (row-block group, N tile), or row-block groups alone when
-  # a CTA sweeps all N tiles of its row block (stats_once).
-  m_units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m)
+  # a CTA sweeps all N tiles of its row block (stats_once); pingpong row blocks are one
+  # warpgroup's rows.
+  block_rows = cfg.wg_tile_m if cfg.pingpong else cfg.tile_m
+  m_units = -(-(-(-m // block_rows)) // cfg.cluster_m)
   units = m_units if cfg.stats_once else m_units * -(-n // cfg.tile_n)
   num_clusters = mgpu_common.persistent_clusters(cfg, cfg.cluster_m, units, interpret)
   if cfg.a_operand == "auto":
@@ -382,7 +420,9 @@ def _kernel(*refs, plan: _Plan):
 
   @functools.partial(
       pl.run_scoped,
-      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+      pipeline_allocs=(
+          mgpu_common.pingpong_ring_allocs(wg_m, tile_k, tile_n, plan.dtype, plan.stages)
+          if cfg.pingpong else make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
       out_smem=plgpu.SMEM((2, out_slots, epi_m, epi_n), plan.out_dtype,
                           transforms=out_transforms),
       vec_smem=plgpu.SMEM((2, plan.n_vecs, tile_n), jnp.float32) if plan.n_vecs else None,
@@ -395,11 +435,16 @@ def _kernel(*refs, plan: _Plan):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
-    def tile(m_idx, n_idx, compute_stats: bool, first, last):
+    def tile(m_idx, n_idx, compute_stats: bool, first, last, pingpong_step=None):
       """One (tile_m, tile_n) output tile. Without ``compute_stats`` the K loop is a plain GEMM
       and the epilogue reads the statistics that the row block's first N tile left in SMEM.
-      ``first``/``last``: whether it is this CTA's first/last tile (chained pipelines)."""
-      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
+      ``first``/``last``: whether it is this CTA's first/last tile (chained pipelines). With
+      pingpong the tile is this warpgroup's alone (``wg_m`` rows of row block m_idx) and its K
+      loop runs on the warpgroup's ring from global step ``pingpong_step``."""
+      if cfg.pingpong:
+        row0 = m_idx * wg_m
+      else:
+        row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
       col0 = n_idx * tile_n
       with_stats = compute_stats and plan.norm != "none"
 
@@ -472,7 +517,7 @@ def _kernel(*refs, plan: _Plan):
       def mma_body(idxs, a_smem, b_smem, carry):
         (k_idx,) = idxs
         acc_ref, *stats = carry
-        a_rows = a_smem.at[pl.ds(wg * wg_m, wg_m)]
+        a_rows = a_smem if cfg.pingpong else a_smem.at[pl.ds(wg * wg_m, wg_m)]
         if plan.a_in_registers:
           x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA)
           plgpu.wgmma(acc_ref, x, b_smem)
@@ -489,6 +534,10 @@ def _kernel(*refs, plan: _Plan):
         plgpu.wgmma_wait(plan.delay_release)
         return (acc_ref, *stats)
 
+      if cfg.pingpong:
+        compute_context(lambda carry: mgpu_common.pingpong_k_loop(
+            ring, wg, pingpong_step, plan.k_iters, carry, mma_body))
+        return
       mgpu_common.run_tile_pipeline(
           functools.partial(make_pipeline, mma_body, compute_context),
           x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
@@ -496,7 +545,30 @@ def _kernel(*refs, plan: _Plan):
           allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
           first=first, last=last)
 
-    if cfg.stats_once:
+    def unit_tile(lin_idx):  # (row block, N tile) of a linear work-unit index
+      return plgpu.planar_snake(
+          lin_idx, (plan.m_units, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
+          cfg.grid_tile_width)
+
+    if cfg.pingpong:
+      ring = mgpu_common.PingPongRing(**pipeline_allocs, stages=plan.stages)
+      units = plan.m_units * plan.n_iters
+
+      def windows(index, k):
+        m_idx, n_idx = unit_tile(index[0])
+        ks = pl.ds(k * tile_k, tile_k)
+        return (x_gmem.at[pl.ds(m_idx * wg_m, wg_m), ks],
+                w_gmem.at[ks, pl.ds(n_idx * tile_n, tile_n)])
+
+      def unit(index, own_index):
+        m_idx, n_idx = unit_tile(index[0])
+        tile(m_idx, n_idx, compute_stats=True, first=None, last=None,
+             pingpong_step=own_index * plan.k_iters)
+
+      pl.when(wg == 2)(lambda: mgpu_common.pingpong_producer(
+          ring, units, "sm", plan.k_iters, windows))
+      pl.when(wg < 2)(lambda: mgpu_common.pingpong_consumer(units, "sm", unit))
+    elif cfg.stats_once:
       # A cluster sweeps all N tiles of its row blocks; only the first K loop reads x for the
       # statistics.
       @plgpu.nd_loop((plan.m_units,), collective_axes="sm")
@@ -517,9 +589,7 @@ def _kernel(*refs, plan: _Plan):
         (lin_idx,) = loop_info.index
         # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a strip,
         # so N varies fastest when M is the strip dimension (0).
-        m_unit, n_idx = plgpu.planar_snake(
-            lin_idx, (plan.m_units, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
-            cfg.grid_tile_width)
+        m_unit, n_idx = unit_tile(lin_idx)
         tile(m_unit * cfg.cluster_m + cta, n_idx, compute_stats=True,
              first=loop_info.local_index == 0,
              last=loop_info.local_index == loop_info.num_local_steps - 1)
