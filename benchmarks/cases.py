@@ -391,16 +391,21 @@ def tiny(case: Case) -> Case:
 
 
 def select(cases: list[Case], *, quick: bool, only: str | None, tiny_shapes: bool) -> list[Case]:
-  """Filters (--quick, --only regex on the case name) and maps to tiny shapes, deduplicated.
+  """Filters (--quick), maps to tiny shapes when ``tiny_shapes``, deduplicates (several shapes
+  share a tiny one: the first case keeps it), then keeps the cases whose name matches the
+  --only regex.
 
-  The name is matched before the tiny mapping, so --only selects the same cases either way."""
+  The regex sees the names that are run and that --list prints: the tiny ones (e.g.
+  ``norm_matmul/rms/256x128x128/fwd``) under ``tiny_shapes``, the full-size ones otherwise."""
   import re
   pattern = re.compile(only) if only else None
   out, seen = [], set()
   for c in cases:
-    if (quick and not c.quick) or (pattern and not pattern.search(c.name)):
+    if quick and not c.quick:
       continue
     c = tiny(c) if tiny_shapes else c
+    if pattern and not pattern.search(c.name):
+      continue
     if c.name not in seen:
       seen.add(c.name)
       out.append(c)

@@ -134,22 +134,31 @@ def markdown(results: dict) -> str:
 FUSED_GEMMS = ("norm_matmul", "matmul_norm")
 
 
+def _table_row(cells: list[str]) -> str:
+  return "| " + " | ".join(cells) + " |"
+
+
 def readme_table(results: dict, mode: str = "fwd") -> str:
   """Compact table for the README: per case, the limit, XLA and every other implementation,
-  each as µs (× limit)."""
-  from benchmarks import cases  # the headline set
-  headline = {c.name for c in cases.all_cases() if c.quick}
+  each as µs (× limit). Raises ValueError when ``results`` has no row for it in ``mode``."""
+  from benchmarks import cases  # the headline set, at full and at tiny (--tiny) shapes
+  quick = [c for c in cases.all_cases() if c.quick]
+  headline = {c.name for c in quick} | {cases.tiny(c).name for c in quick}
   rows = derive(results["rows"])
   by_case: dict[str, dict[str, dict]] = {}
   for r in rows:
     # Every shape of the fused GEMMs; the attention and norm sweeps only at the headline shape.
     if r["mode"] == mode and (r["op"] in FUSED_GEMMS or r["case"] in headline):
       by_case.setdefault(r["case"], {})[r["impl"]] = r
+  if not by_case:
+    modes = sorted({r["mode"] for r in rows}) or ["none"]
+    raise ValueError(f"no {mode} rows for the README table (modes in the results: "
+                     f"{', '.join(modes)})")
   impls = [i for i in dict.fromkeys(r["impl"] for c in by_case.values() for r in c.values())
            if i != "xla"]
-  lines = ["| op | shape | limit µs | XLA µs (× limit) | "
-           + " | ".join(f"{i} µs (× limit)" for i in impls) + " | hidden |",
-           "|---|---|---:|---:|" + "---:|" * len(impls) + "---:|"]
+  header = ["op", "shape", "limit µs", "XLA µs (× limit)",
+            *(f"{i} µs (× limit)" for i in impls), "hidden"]
+  lines = [_table_row(header), "|---|---|" + "---:|" * (len(header) - 2)]
 
   def cell(r):
     if r is None or r["time_us"] is None:
@@ -162,10 +171,10 @@ def readme_table(results: dict, mode: str = "fwd") -> str:
     op = f"{first['op']} {first['variant']}".strip()
     best_hidden = max((r["hidden"] for r in case_rows.values() if r["hidden"] is not None),
                       default=None)
-    lines.append(f"| {op} | {first['shape']} | {_num(first['limit_us'], '{:.0f}')} | "
-                 f"{cell(case_rows.get('xla'))} | "
-                 + " | ".join(cell(case_rows.get(i)) for i in impls)
-                 + f" | {_num(best_hidden, '{:.0%}')} |")
+    lines.append(_table_row([op, first["shape"], _num(first["limit_us"], "{:.0f}"),
+                             cell(case_rows.get("xla")),
+                             *(cell(case_rows.get(i)) for i in impls),
+                             _num(best_hidden, "{:.0%}")]))
   return "\n".join(lines) + "\n"
 
 
@@ -249,6 +258,17 @@ def merge(parts: list[dict]) -> dict:
   return merged
 
 
+def _positive_float(text: str) -> float:
+  """argparse type: a finite number > 0 (a ceiling divides the bytes and FLOPs)."""
+  try:
+    x = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+  if not (math.isfinite(x) and x > 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+  return x
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.report",
                               description=__doc__.split("\n")[0])
@@ -257,8 +277,9 @@ def main(argv=None) -> None:
                  help="merge the given results into OUT.json (then write its md/png)")
   p.add_argument("--readme", action="store_true", help="print the README's performance table")
   p.add_argument("--mode", default="fwd", choices=("fwd", "fwd+bwd"), help="for --readme")
-  p.add_argument("--floors", nargs=2, type=float, metavar=("COPY_GBPS", "GEMM_TFLOPS"),
-                 help="print the floors of the headline shapes for these ceilings")
+  p.add_argument("--floors", nargs=2, type=_positive_float,
+                 metavar=("COPY_GBPS", "GEMM_TFLOPS"),
+                 help="print the floors of the headline shapes for these ceilings (> 0)")
   args = p.parse_args(argv)
   if args.floors:
     print(floors_table(*args.floors), end="")
@@ -286,7 +307,11 @@ def main(argv=None) -> None:
   else:
     p.error("several results need --merge OUT.json")
   if args.readme:
-    print(readme_table(results, args.mode), end="")
+    try:
+      table = readme_table(results, args.mode)
+    except ValueError as e:  # e.g. --mode fwd+bwd on a forward-only run
+      p.error(f"--readme: {path}: {e}")
+    print(table, end="")
     return
   md = path.with_suffix(".md")
   md.write_text(markdown(results))

@@ -2,7 +2,14 @@
 
 Writes ``benchmarks/results/<gpu-slug>[-suffixes].{json,md,png}`` (and copies them to ``$OUT``
 when set) after every case, so a run stopped by a time limit still leaves its results. Method
-and column definitions: ``benchmarks/NOTES.md``.
+and column definitions: ``benchmarks/NOTES.md``. ``--only RE`` matches the case names that
+``--list`` prints with the same flags (tiny shapes under ``--tiny``/``--interpret``).
+
+Exit status: 0 when the run finished and no output failed its check; 3 when some
+implementation's output was wrong (rel. error vs the f32 oracle >= --tolerance, or a non-finite
+train step), after every output file is written and a one-line summary naming the wrong cases
+is printed on stderr; 2 for a rejected flag; 1 when --only selects no case. A listing cut short
+by its reader (``--list | head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -108,6 +115,7 @@ def rel_err(parts) -> float:
 # GEMM shape on a GPU). The timed programs keep XLA's default options.
 ORACLE_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 E2E_NAME = "train_step/kunlun"  # what --list prints for the end-to-end case; --only matches it
+EXIT_WRONG = 3  # exit status of a run in which some implementation's output was wrong
 
 
 class checker:
@@ -491,11 +499,55 @@ def _write(results: dict, stem: str, out_dirs: list[pathlib.Path], plot: bool) -
   return written
 
 
+def wrong_cases(results: dict) -> dict[str, list[str]]:
+  """case -> its implementations whose output failed the check (status "wrong"), in row order;
+  cases without one are left out."""
+  wrong: dict[str, list[str]] = {}
+  for r in results.get("rows", []):
+    if r["status"] == "wrong":
+      wrong.setdefault(r["case"], []).append(r["impl"])
+  return wrong
+
+
+def exit_status(results: dict, shown: int = 5) -> int:
+  """The command's exit status for ``results``: 0, or :data:`EXIT_WRONG` after printing on
+  stderr one line that counts the wrong cases and names the first ``shown`` of them."""
+  wrong = wrong_cases(results)
+  if not wrong:
+    return 0
+  total = len({r["case"] for r in results["rows"]})
+  names = [f"{case} [{', '.join(impls)}]" for case, impls in wrong.items()]
+  more = f", and {len(names) - shown} more" if len(names) > shown else ""
+  print(f"python -m benchmarks.run: {len(wrong)} of {total} cases wrong (rel. error >= "
+        f"{results.get('tolerance')} vs the f32 oracle, or non-finite): "
+        f"{', '.join(names[:shown])}{more}; exit status {EXIT_WRONG}", file=sys.stderr,
+        flush=True)
+  return EXIT_WRONG
+
+
+def _print_lines(lines: list[str]) -> None:
+  """Prints ``lines`` to stdout; a reader that stops early (``--list | head``) ends the
+  listing quietly instead of with a BrokenPipeError."""
+  try:
+    print("\n".join(lines), flush=True)
+  except BrokenPipeError:
+    # Python flushes stdout again at exit and would report the broken pipe there.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _exit_status_help() -> str:
+  """The module docstring's "Exit status" paragraph, for --help."""
+  return next(par for par in __doc__.split("\n\n") if par.startswith("Exit status"))
+
+
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0],
+                              epilog=_exit_status_help())
   p.add_argument("--quick", action="store_true", help="headline cases only (~2 min on an H200)")
-  p.add_argument("--only", metavar="RE", help="only cases whose name matches this regex "
-                 "(e.g. 'norm_matmul/rms', '262144x512x512/fwd$'); limits they need run too")
+  p.add_argument("--only", metavar="RE", help="only cases whose name, as --list prints it "
+                 "with the same flags, matches this regex (e.g. 'norm_matmul/rms', "
+                 "'262144x512x512/fwd$', or '256x128x128/fwd$' under --tiny); limits they "
+                 "need run too")
   p.add_argument("--interpret", action="store_true",
                  help="kernels in Pallas GPU interpret mode on the CPU; implies --tiny")
   p.add_argument("--tiny", action="store_true", help="every case at a CPU-sized shape")
@@ -553,14 +605,20 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+  """Runs (or with --list prints) the selected cases and returns the results ({} for --list);
+  the command line then exits with :func:`exit_status` of them."""
   args = parse_args(argv)
   selected = C.select(C.all_cases(), quick=args.quick, only=args.only, tiny_shapes=args.tiny)
   run_e2e_case = not args.no_e2e and (not args.only or re.search(args.only, E2E_NAME))
   if not selected and not run_e2e_case:
+    hint = ""
+    if args.tiny and C.select(C.all_cases(), quick=args.quick, only=args.only,
+                              tiny_shapes=False):
+      hint = "; it matches full-size names, but --tiny/--interpret cases have tiny shapes"
     raise SystemExit(f"python -m benchmarks.run: --only {args.only!r} selects no case "
-                     "(--list prints the names)")
+                     f"(--list prints the names){hint}")
   if args.list:
-    print("\n".join([c.name for c in selected] + ([E2E_NAME] if run_e2e_case else [])))
+    _print_lines([c.name for c in selected] + ([E2E_NAME] if run_e2e_case else []))
     return {}
   return _run(args, selected, run_e2e_case)
 
@@ -735,4 +793,4 @@ def _run(args, selected: list[C.Case], run_e2e_case: bool) -> dict:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  sys.exit(exit_status(main(sys.argv[1:])))

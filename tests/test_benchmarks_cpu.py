@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -28,22 +29,26 @@ QUICK_SUBSET = (r"norm_matmul/rms/|matmul_norm/layer\+res/.*fwd\+bwd|gdpa/.*fwd$
 KERNEL_STATUSES = {"ok", "n/a", "wrong"}  # "error" means the suite could not run a kernel
 
 
-def _run_suite(tmp_path, *flags, timeout):
-  """Runs the suite in a subprocess (a hanging interpret-mode kernel fails, not hangs, the test)
-  and returns (results, json path)."""
+def _cli_env():
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
              PJRT_NPROC="8")  # interpret-mode kernels deadlock with fewer CPU computations
   env.pop("OUT", None)
+  return env
+
+
+def _run_suite(tmp_path, *flags, timeout, returncode=0):
+  """Runs the suite in a subprocess (a hanging interpret-mode kernel fails, not hangs, the test),
+  checks its exit status and returns (results, json path, the finished process)."""
   cmd = [sys.executable, "-m", "benchmarks.run", "--results-dir", str(tmp_path), *flags]
   try:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env=_cli_env(), capture_output=True, text=True,
                           timeout=timeout)
   except subprocess.TimeoutExpired as e:
     out = (e.stdout or b"")[-4000:]
     pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{out!r}")
-  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert proc.returncode == returncode, proc.stdout[-4000:] + proc.stderr[-4000:]
   [path] = tmp_path.glob("*.json")
-  return json.loads(path.read_text()), path
+  return json.loads(path.read_text()), path, proc
 
 
 def _check_rows(results):
@@ -77,8 +82,8 @@ def _check_rows(results):
 
 
 def test_quick_interpret_suite_writes_checked_results(tmp_path):
-  results, path = _run_suite(tmp_path, "--interpret", "--quick", "--only", QUICK_SUBSET,
-                             "--iterations", "2", timeout=600)
+  results, path, _ = _run_suite(tmp_path, "--interpret", "--quick", "--only", QUICK_SUBSET,
+                                "--iterations", "2", timeout=600)
   assert results["timer"] == "wall" and results["backend"] == "cpu"
   assert results["flags"]["interpret"] and results["flags"]["tiny"]
   for key in ("jax_version", "device", "date", "git_commit", "tolerance", "wall_s"):
@@ -144,6 +149,11 @@ def test_wrong_absent_and_broken_implementations_are_reported(tmp_path):
   assert by_impl["xla"]["status"] == "ok" and by_impl["xla"]["time_us"] > 0
   # The GEMM-alone limit ran although --only did not name it.
   assert any(r["op"] == "gemm" and r["status"] == "ok" for r in results["rows"])
+  # The command line would exit with EXIT_WRONG ("error" and "n/a" alone do not count).
+  assert run.wrong_cases(results) == {"norm_matmul/rms/256x128x128/fwd": ["scaled"]}
+  assert run.exit_status(results) == run.EXIT_WRONG
+  results["rows"] = [r for r in results["rows"] if r["status"] != "wrong"]
+  assert run.exit_status(results) == 0
 
 
 def test_imprecise_xla_baseline_is_still_timed(tmp_path):
@@ -237,8 +247,8 @@ def test_floors_table_covers_the_headline_shapes():
                     reason="~10 min: set PALLAS_NORM_BENCH_ALL=1 to run every case at tiny shapes")
 def test_every_case_runs_at_tiny_shapes(tmp_path):
   """Before spending GPU time on a changed suite: every case, kernels in interpret mode."""
-  results, _ = _run_suite(tmp_path, "--interpret", "--iterations", "1", "--budget-s", "1500",
-                          timeout=1500)
+  results, _, _ = _run_suite(tmp_path, "--interpret", "--iterations", "1", "--budget-s",
+                             "1500", timeout=1500)
   by_case = _check_rows(results)
   expected = {c.name for c in cases.select(cases.all_cases(), quick=False, only=None,
                                            tiny_shapes=True)}
@@ -310,3 +320,101 @@ def test_selection_errors_and_names(tmp_path):
   args_b = run.parse_args(["--tiny", "--only", "layer_norm"])
   assert run._stem(args_a, "cpu") != run._stem(args_b, "cpu")  # no overwriting
   assert run.parse_args(["--interpret", "--impls", "mosaic"]).impls == "interpret"
+
+
+def _listed(capsys, *flags):
+  run.main(["--list", *flags])
+  return capsys.readouterr().out.split()
+
+
+@pytest.mark.parametrize("flags", [[], ["--tiny"], ["--interpret"], ["--interpret", "--quick"]])
+def test_only_matches_the_names_list_prints(flags, capsys):
+  names = _listed(capsys, *flags)
+  assert names and len(names) == len(set(names))
+  for name in names:  # every listed name selects itself, and only itself
+    assert _listed(capsys, *flags, "--only", f"^{re.escape(name)}$") == [name], name
+  if "--interpret" in flags or "--tiny" in flags:
+    assert "norm_matmul/rms/256x128x128/fwd" in names
+    assert _listed(capsys, *flags, "--only", r"norm_matmul/rms/256x128x128/fwd$") == [
+        "norm_matmul/rms/256x128x128/fwd"]
+    # A full-size name selects nothing at tiny shapes, and the error says why.
+    with pytest.raises(SystemExit, match="selects no case.*tiny shapes"):
+      run.main(["--list", *flags, "--only", r"norm_matmul/rms/262144x512x512/fwd$"])
+  # A pattern without a shape selects the same cases at either size.
+  full = _listed(capsys, "--only", "^matmul_norm/rms/")
+  tiny = _listed(capsys, "--tiny", "--only", "^matmul_norm/rms/")
+  assert tiny == list(dict.fromkeys(cases.tiny(c).name for c in cases.all_cases()
+                                    if c.name in full))
+
+
+def test_wrong_output_exits_3_after_writing_everything(tmp_path):
+  # A tolerance below bf16 rounding: every kernel row is "wrong" (the XLA rows "imprecise").
+  name = "norm_matmul/rms/256x128x128/fwd"
+  results, path, proc = _run_suite(tmp_path, "--interpret", "--only", f"^{re.escape(name)}$",
+                                   "--tolerance", "1e-9", "--iterations", "1", "--no-plot",
+                                   timeout=300, returncode=run.EXIT_WRONG)
+  assert {r["case"] for r in results["rows"]} == {name, "gemm/256x128x128/fwd"}
+  assert run.wrong_cases(results) == {name: ["interpret"], "gemm/256x128x128/fwd": ["ours"]}
+  assert results["wall_s"] is not None  # the final write happened
+  assert "**wrong**" in path.with_suffix(".md").read_text()
+  [summary] = [line for line in proc.stderr.splitlines() if "cases wrong" in line]
+  assert summary.startswith("python -m benchmarks.run: 2 of 2 cases wrong"), summary
+  assert f"{name} [interpret]" in summary and "exit status 3" in summary
+
+
+def test_list_into_a_closed_pipe_exits_quietly():
+  proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", "--list"], cwd=ROOT,
+                          env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  proc.stdout.close()  # the reader is gone before the listing starts (`--list | true`)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0 and b"Error" not in err, err.decode()
+
+
+@pytest.mark.parametrize("values", [["0", "0"], ["-1", "790"], ["4300", "nan"], ["x", "1"]])
+def test_report_floors_must_be_positive(values, capsys):
+  with pytest.raises(SystemExit) as e:
+    report.main(["--floors", *values])
+  assert e.value.code == 2 and "argument --floors" in capsys.readouterr().err
+
+
+def _results(*rows_of):
+  """A results JSON as benchmarks.run writes it, with the given (case, impl, time_us) rows."""
+  rows = []
+  for case, impl, t in rows_of:
+    rows.append(run._base_row(case, impl, status="ok", time_us=t, times_us=[t], rel_err=1e-3))
+  return {"device": "cpu", "timer": "wall", "rows": rows}
+
+
+def _cells(line):
+  """The cells of one Markdown table line (header, separator or row)."""
+  assert line.startswith("|") and line.endswith("|"), line
+  return line[1:-1].split("|")
+
+
+@pytest.mark.parametrize("impls", [[], ["mosaic"], ["mosaic", "other"]])
+def test_report_readme_table_is_well_formed(impls):
+  [case] = [c for c in cases.all_cases() if c.name == "norm_matmul/rms/262144x512x512/fwd"]
+  gemm = cases.limit_of(case)
+  results = _results((gemm, "xla", 100.0), (case, "xla", 150.0),
+                     *((case, i, 120.0) for i in impls))
+  lines = report.readme_table(results, "fwd").splitlines()
+  assert len(lines) == 3
+  widths = {len(_cells(line)) for line in lines}
+  assert widths == {5 + len(impls)}, lines
+  assert all(c.strip() for c in _cells(lines[0])), lines[0]  # no empty header cell
+  assert lines[2].startswith("| norm_matmul rms | 262144x512x512 | 100 | 150 (1.50×) |")
+
+
+def test_report_readme_without_rows_of_the_mode_is_an_error(tmp_path, capsys):
+  [case] = [c for c in cases.all_cases() if c.name == "norm_matmul/rms/262144x512x512/fwd"]
+  path = tmp_path / "fwd-only.json"
+  path.write_text(json.dumps(_results((case, "xla", 150.0), (case, "mosaic", 120.0))))
+  with pytest.raises(ValueError, match="no fwd\\+bwd rows"):
+    report.readme_table(json.loads(path.read_text()), "fwd+bwd")
+  with pytest.raises(SystemExit) as e:
+    report.main([str(path), "--readme", "--mode", "fwd+bwd"])
+  captured = capsys.readouterr()
+  assert e.value.code == 2 and captured.out == ""
+  assert "no fwd+bwd rows" in captured.err and "modes in the results: fwd" in captured.err
+  report.main([str(path), "--readme"])  # the forward table is there
+  assert "| norm_matmul rms | 262144x512x512 |" in capsys.readouterr().out
