@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import operator
+
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_norm import IMPLEMENTATIONS
+from pallas_norm import IMPLEMENTATIONS, _validate
 
 
 def param(rngs: nnx.Rngs, init, shape, param_dtype) -> nnx.Param:
@@ -36,9 +38,44 @@ def check_norm(norm: str) -> None:
     raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
 
 
-def check_features(name: str, value_) -> None:
-  if isinstance(value_, bool) or not isinstance(value_, int) or value_ < 1:
-    raise ValueError(f"{name} must be a positive int, got {value_!r}")
+def check_features(name: str, value_) -> int:
+  """``value_`` as a Python int: any integral number >= 1 (int, NumPy integer, a concrete integer
+  scalar array); bools, floats, zero and negatives raise ValueError naming ``name``."""
+  try:
+    size = None if isinstance(value_, bool) else operator.index(value_)
+  except TypeError:
+    size = None
+  if size is None or size < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value_!r}")
+  return size
+
+
+def check_epsilon(layer: str, epsilon) -> float:
+  """``epsilon`` as a Python float, checked when the layer is built by the ops' own eps rule
+  (:func:`pallas_norm._validate.eps`): TypeError for a non-number, ValueError for a value that is
+  not positive and finite in float32; the message names the layer's ``epsilon``."""
+  try:
+    _validate.eps(epsilon)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"{layer}: invalid epsilon: {e}") from e
+  return float(epsilon)
+
+
+def shape_of(layer: str, name: str, x) -> tuple:
+  """The shape of the layer's array argument ``name``; TypeError when ``x`` is not an array."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{layer}: {name} must be an array, got {type(x).__name__}")
+  return tuple(x.shape)
+
+
+def check_last_dim(layer: str, x, features_name: str, features: int) -> None:
+  """Raises ValueError naming the layer's ``features_name`` when the input's last dimension is
+  not ``features`` (before the op, whose message would name its own ``scale`` or ``w``). A
+  0-d input is left to the op, which names ``x``."""
+  shape = shape_of(layer, "x", x)
+  if shape and shape[-1] != features:
+    raise ValueError(f"{layer}: {features_name}={features} does not match the input's last "
+                     f"dimension {shape[-1]}")
 
 
 def check_implementation(implementation) -> str | None:

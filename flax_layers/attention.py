@@ -13,36 +13,46 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_norm
+from pallas_norm import _validate
 from flax_layers import _common
 
 
-def _check_activation(activation: str) -> None:
+def _check_config(num_heads, head_dim, activation, pre_scale, post_scale):
+  """The checked (num_heads, head_dim); raises for a bad config when the layer is built."""
+  num_heads = _common.check_features("num_heads", num_heads)
+  head_dim = _common.check_features("head_dim", head_dim)
   if activation not in pallas_norm.ACTIVATIONS:
     raise ValueError(f"activation must be one of {sorted(pallas_norm.ACTIVATIONS)}, "
                      f"got {activation!r}")
+  _validate.finite_scalar("pre_scale", pre_scale)
+  _validate.finite_scalar("post_scale", post_scale)
+  return num_heads, head_dim
 
 
 class GDPA(nnx.Module):
   """Generalized (softmax-free) dot-product attention over jagged queries; no parameters.
 
   Args:
-    num_heads: H. head_dim: D (checked against the inputs).
+    num_heads: H. head_dim: D (positive integers, checked against the inputs).
     activation: one of :data:`pallas_norm.ACTIVATIONS` (default "fast_gelu").
     pre_scale, post_scale: finite scalars (default 1).
     dtype: compute dtype; q, k, v are cast to it (default: their promoted dtype).
     implementation: None, "xla", "mosaic" or "interpret".
 
-  Raises: ValueError for a bad activation at construction; at call time as
-  :func:`pallas_norm.gdpa`.
+  Raises:
+    ValueError: at construction, for num_heads or head_dim that is not a positive integer, an
+      unknown activation, a non-finite pre_scale or post_scale or an unknown implementation; at
+      call time, when q is not of shape (T, num_heads, head_dim).
+    TypeError: at construction, for a non-number pre_scale or post_scale; at call time, for a
+      non-array q.
+    At call time also as :func:`pallas_norm.gdpa` for other bad inputs.
   """
 
   def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
                pre_scale: float = 1.0, post_scale: float = 1.0, dtype=None,
                implementation=None):
-    _common.check_features("num_heads", num_heads)
-    _common.check_features("head_dim", head_dim)
-    _check_activation(activation)
-    self.num_heads, self.head_dim = num_heads, head_dim
+    self.num_heads, self.head_dim = _check_config(num_heads, head_dim, activation, pre_scale,
+                                                  post_scale)
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
     self.dtype = dtype
@@ -53,7 +63,7 @@ class GDPA(nnx.Module):
     """q: (T, H, D) packed tokens with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) per
     sample (or packed (Tkv, H, D) with ``kv_offsets``). ``max_seq_len``: static bound on the
     sequence lengths (the XLA path pads to it). Returns (T, H, D), zeros on padding rows."""
-    _check_heads(q, self.num_heads, self.head_dim)
+    _check_heads(self, "q", q)
     cd = _common.compute_dtype(self.dtype, q, k, v)
     q, k, v = _common.cast(cd, q, k, v)
     return pallas_norm.gdpa(q, k, v, q_offsets, kv_offsets, activation=self.activation,
@@ -62,9 +72,13 @@ class GDPA(nnx.Module):
                             implementation=self.implementation)
 
 
-def _check_heads(q, num_heads, head_dim):
-  if q.ndim != 3 or tuple(q.shape[1:]) != (num_heads, head_dim):
-    raise ValueError(f"q must have shape (T, {num_heads}, {head_dim}), got {tuple(q.shape)}")
+def _check_heads(layer, name, q):
+  """Checks the layer's query argument ``name`` against its num_heads and head_dim."""
+  shape = _common.shape_of(type(layer).__name__, name, q)
+  h, d = layer.num_heads, layer.head_dim
+  if len(shape) != 3 or shape[1:] != (h, d):
+    raise ValueError(f"{type(layer).__name__}: {name} must have shape (T, num_heads, head_dim) = "
+                     f"(T, {h}, {d}), got {shape}")
 
 
 class PFFNBlock(nnx.Module):
@@ -75,16 +89,17 @@ class PFFNBlock(nnx.Module):
       out = RMSNorm(z)·rms_scale + q
 
   Args:
-    num_heads: H. head_dim: D.
+    num_heads: H. head_dim: D. Positive integers.
     activation, pre_scale, post_scale: the GDPA config (see :class:`GDPA`).
-    epsilon: positive float of both norms (default 1e-6).
+    epsilon: positive float of both norms (default 1e-6); stored as a Python float.
     use_scale: create ``ln_scale`` and ``rms_scale`` (H·D,). use_bias: create ``ln_bias``.
     dtype: compute dtype (q, k, v and the affines are cast to it). param_dtype: default f32.
     scale_init (default ones), bias_init (default zeros): initializers.
     rngs: ``nnx.Rngs``. implementation: None, "xla", "mosaic" or "interpret".
 
-  Raises: ValueError for a bad activation at construction; at call time as
-  :func:`pallas_norm.flash_norm_attention`.
+  Raises: as :class:`GDPA` (the query argument being ``q_tokens``), plus at construction
+  ValueError for an epsilon that is not positive and finite (in float32) and TypeError for a
+  non-number epsilon; at call time also as :func:`pallas_norm.flash_norm_attention`.
   """
 
   def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
@@ -92,17 +107,15 @@ class PFFNBlock(nnx.Module):
                use_scale: bool = True, use_bias: bool = True, dtype=None,
                param_dtype=jnp.float32, scale_init=nnx.initializers.ones,
                bias_init=nnx.initializers.zeros, rngs: nnx.Rngs, implementation=None):
-    _common.check_features("num_heads", num_heads)
-    _common.check_features("head_dim", head_dim)
-    _check_activation(activation)
-    self.num_heads, self.head_dim = num_heads, head_dim
+    self.num_heads, self.head_dim = _check_config(num_heads, head_dim, activation, pre_scale,
+                                                  post_scale)
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
-    self.epsilon = epsilon
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
-    features = num_heads * head_dim
+    features = self.num_heads * self.head_dim
     make = lambda init, use: (_common.param(rngs, init, (features,), param_dtype)  # noqa: E731
                               if use else None)
     self.ln_scale = make(scale_init, use_scale)
@@ -114,7 +127,7 @@ class PFFNBlock(nnx.Module):
     """q_tokens: (T, H, D) packed with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) (or
     packed with ``kv_offsets``). Returns (T, H, D) in the compute dtype, zeros on padding rows.
     """
-    _check_heads(q_tokens, self.num_heads, self.head_dim)
+    _check_heads(self, "q_tokens", q_tokens)
     affines = [_common.value(p) for p in (self.ln_scale, self.ln_bias, self.rms_scale)]
     cd = _common.compute_dtype(self.dtype, q_tokens, k, v, *affines)
     q, k, v, ln_scale, ln_bias, rms_scale = _common.cast(cd, q_tokens, k, v, *affines)

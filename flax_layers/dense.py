@@ -36,9 +36,9 @@ class NormDense(nnx.Module):
   """Pre-norm dense layer: ``y = norm(x)·norm_scale (+ norm_bias) @ kernel (+ bias)``.
 
   Args:
-    in_features: K. out_features: N.
+    in_features: K. out_features: N. Positive integers (Python or NumPy ints).
     norm: "rms" (default) or "layer".
-    epsilon: positive float of the norm (default 1e-6).
+    epsilon: positive float of the norm (default 1e-6); stored as a Python float.
     use_scale: create ``norm_scale`` (K,) (gamma). use_norm_bias: create ``norm_bias`` (K,)
       (beta); default True for "layer", False for "rms".
     use_bias: create the dense ``bias`` (N,), added after the GEMM (the op has no dense bias).
@@ -49,8 +49,13 @@ class NormDense(nnx.Module):
 
   Parameters: ``kernel`` (K, N), ``bias`` (N,), ``norm_scale`` (K,), ``norm_bias`` (K,).
 
-  Raises (at call time): ValueError/TypeError from :func:`pallas_norm.norm_matmul` for bad
-  inputs; NotImplementedError for a kernel implementation that does not exist.
+  Raises:
+    ValueError: at construction, for in_features or out_features that is not a positive
+      integer, an unknown norm, an epsilon that is not positive and finite (in float32) or an
+      unknown implementation; at call time, when the input's last dimension is not in_features.
+    TypeError: at construction, for a non-number epsilon; at call time, for a non-array x.
+    At call time also ValueError/TypeError from :func:`pallas_norm.norm_matmul` for other bad
+    inputs, and NotImplementedError for a kernel implementation that does not exist.
   """
 
   def __init__(self, in_features: int, out_features: int, *, norm: str = "rms",
@@ -59,11 +64,11 @@ class NormDense(nnx.Module):
                kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros,
                scale_init=nnx.initializers.ones, norm_bias_init=nnx.initializers.zeros,
                rngs: nnx.Rngs, implementation=None):
-    _common.check_features("in_features", in_features)
-    _common.check_features("out_features", out_features)
+    in_features = _common.check_features("in_features", in_features)
+    out_features = _common.check_features("out_features", out_features)
     self.in_features, self.out_features = in_features, out_features
     self.norm = norm
-    self.epsilon = epsilon
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
@@ -76,6 +81,7 @@ class NormDense(nnx.Module):
 
   def __call__(self, x):
     """x: (..., K). Returns (..., N) in the compute dtype."""
+    _common.check_last_dim(type(self).__name__, x, "in_features", self.in_features)
     params = [_common.value(p) for p in (self.kernel, self.norm_scale, self.norm_bias, self.bias)]
     cd = _common.compute_dtype(self.dtype, x, *params)
     x, kernel, scale, norm_bias, bias = _common.cast(cd, x, *params)
@@ -89,7 +95,7 @@ class DenseNorm(nnx.Module):
   ``y = norm(h)·norm_scale (+ norm_bias)``.
 
   Args:
-    in_features: K. out_features: N.
+    in_features: K. out_features: N. Positive integers (Python or NumPy ints).
     norm: "layer" (default) or "rms". epsilon: positive float (default 1e-6).
     use_bias: create the dense ``bias`` (N,), added before the norm.
     use_scale: create ``norm_scale`` (N,). use_norm_bias: create ``norm_bias`` (N,); default
@@ -99,7 +105,9 @@ class DenseNorm(nnx.Module):
 
   Parameters: ``kernel`` (K, N), ``bias`` (N,), ``norm_scale`` (N,), ``norm_bias`` (N,).
 
-  Raises (at call time): as :func:`pallas_norm.matmul_norm`.
+  Raises: as :class:`NormDense` (the input's last dimension is checked against in_features),
+  the op being :func:`pallas_norm.matmul_norm`; a residual that is not of shape (..., N) raises
+  its ValueError naming ``residual``.
   """
 
   def __init__(self, in_features: int, out_features: int, *, norm: str = "layer",
@@ -108,11 +116,11 @@ class DenseNorm(nnx.Module):
                kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros,
                scale_init=nnx.initializers.ones, norm_bias_init=nnx.initializers.zeros,
                rngs: nnx.Rngs, implementation=None):
-    _common.check_features("in_features", in_features)
-    _common.check_features("out_features", out_features)
+    in_features = _common.check_features("in_features", in_features)
+    out_features = _common.check_features("out_features", out_features)
     self.in_features, self.out_features = in_features, out_features
     self.norm = norm
-    self.epsilon = epsilon
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
@@ -126,6 +134,7 @@ class DenseNorm(nnx.Module):
   def __call__(self, x, residual=None, return_h: bool = False):
     """x: (..., K); residual: optional (..., N). Returns y (..., N) in the compute dtype, or
     ``(y, h)`` with ``return_h`` (h = the pre-norm residual stream, same dtype)."""
+    _common.check_last_dim(type(self).__name__, x, "in_features", self.in_features)
     params = [_common.value(p) for p in (self.kernel, self.bias, self.norm_scale, self.norm_bias)]
     cd = _common.compute_dtype(self.dtype, x, residual, *params)
     x, residual, kernel, bias, scale, norm_bias = _common.cast(cd, x, residual, *params)

@@ -18,8 +18,9 @@ class RMSNorm(nnx.Module):
   """RMSNorm over the last axis: ``y = s · rsqrt(mean(s²) + epsilon) · scale``, ``s = x (+ r)``.
 
   Args:
-    num_features: N, the size of the normalized (last) axis.
-    epsilon: positive float added to the mean square (default 1e-6).
+    num_features: N, the size of the normalized (last) axis: a positive integer (a Python or
+      NumPy int).
+    epsilon: positive float added to the mean square (default 1e-6); stored as a Python float.
     dtype: compute dtype; inputs and ``scale`` are cast to it before the op (default: the
       promoted dtype of the input and the parameters, as in Flax).
     param_dtype: dtype of ``scale`` (default float32).
@@ -28,16 +29,21 @@ class RMSNorm(nnx.Module):
     rngs: ``nnx.Rngs`` for parameter initialization.
     implementation: passed to the op: None, "xla", "mosaic" or "interpret".
 
-  Raises (at call time): ValueError/TypeError from :func:`pallas_norm.rms_norm` for bad inputs;
-  NotImplementedError for a kernel implementation that does not exist.
+  Raises:
+    ValueError: at construction, for a num_features that is not a positive integer, an epsilon
+      that is not positive and finite (in float32) or an unknown implementation; at call time,
+      when the input's last dimension is not num_features (with or without ``scale``).
+    TypeError: at construction, for a non-number epsilon; at call time, for a non-array x.
+    At call time also ValueError/TypeError from :func:`pallas_norm.rms_norm` for other bad inputs
+    (e.g. a residual of another shape), and NotImplementedError for a kernel implementation that
+    does not exist.
   """
 
   def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
                param_dtype=jnp.float32, use_scale: bool = True,
                scale_init=nnx.initializers.ones, rngs: nnx.Rngs, implementation=None):
-    _common.check_features("num_features", num_features)
-    self.num_features = num_features
-    self.epsilon = epsilon
+    self.num_features = _common.check_features("num_features", num_features)
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
@@ -47,6 +53,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x, residual=None):
     """x: (..., N). Returns y (..., N) in the compute dtype; with ``residual`` (x's shape) the
     tuple ``(y, x + residual)``, the sum being the new residual stream."""
+    _common.check_last_dim(type(self).__name__, x, "num_features", self.num_features)
     scale = _common.value(self.scale)
     cd = _common.compute_dtype(self.dtype, x, residual, scale)
     x, residual, scale = _common.cast(cd, x, residual, scale)
@@ -59,15 +66,17 @@ class LayerNorm(nnx.Module):
 
   Arguments as :class:`RMSNorm`, plus ``use_bias`` (create the (N,) ``bias``, beta) and
   ``bias_init`` (default zeros). Statistics are float32 with a two-pass variance.
+
+  Raises: as :class:`RMSNorm` (the input's last dimension is checked against num_features with
+  or without ``scale`` and ``bias``), the op being :func:`pallas_norm.layer_norm`.
   """
 
   def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
                param_dtype=jnp.float32, use_bias: bool = True, use_scale: bool = True,
                bias_init=nnx.initializers.zeros, scale_init=nnx.initializers.ones,
                rngs: nnx.Rngs, implementation=None):
-    _common.check_features("num_features", num_features)
-    self.num_features = num_features
-    self.epsilon = epsilon
+    self.num_features = _common.check_features("num_features", num_features)
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
@@ -78,6 +87,7 @@ class LayerNorm(nnx.Module):
 
   def __call__(self, x, residual=None):
     """x: (..., N). Returns y, or ``(y, x + residual)`` with ``residual``, as :class:`RMSNorm`."""
+    _common.check_last_dim(type(self).__name__, x, "num_features", self.num_features)
     scale, bias = _common.value(self.scale), _common.value(self.bias)
     cd = _common.compute_dtype(self.dtype, x, residual, scale, bias)
     x, residual, scale, bias = _common.cast(cd, x, residual, scale, bias)

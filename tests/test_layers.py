@@ -130,6 +130,135 @@ def test_bad_construction_raises(make):
 
 
 # ---------------------------------------------------------------------------------------------
+# Argument checks: errors name the layer's own arguments (not the op's internal ones)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: RMSNorm(32, rngs=nnx.Rngs(0)),
+    lambda: RMSNorm(32, use_scale=False, rngs=nnx.Rngs(0)),
+    lambda: LayerNorm(32, rngs=nnx.Rngs(0)),
+    lambda: LayerNorm(32, use_scale=False, rngs=nnx.Rngs(0)),
+    lambda: LayerNorm(32, use_scale=False, use_bias=False, rngs=nnx.Rngs(0)),
+])
+@pytest.mark.parametrize("jit", [False, True])
+def test_norm_input_width_must_match_num_features(make, jit):
+  layer = make()
+  call = nnx.jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
+  name = type(layer).__name__
+  with pytest.raises(ValueError, match=f"{name}: num_features=32 does not match the input's "
+                                       "last dimension 64"):
+    call(layer, _x(0, (2, 64)))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: NormDense(32, 64, rngs=nnx.Rngs(0)),
+    lambda: NormDense(32, 64, norm="layer", use_scale=False, use_norm_bias=False,
+                      rngs=nnx.Rngs(0)),
+    lambda: DenseNorm(32, 64, rngs=nnx.Rngs(0)),
+    lambda: DenseNorm(32, 64, use_bias=False, use_scale=False, rngs=nnx.Rngs(0)),
+])
+def test_dense_input_width_must_match_in_features(make):
+  layer = make()
+  name = type(layer).__name__
+  with pytest.raises(ValueError, match=f"{name}: in_features=32 does not match the input's "
+                                       "last dimension 64"):
+    layer(_x(0, (2, 64)))
+
+
+@pytest.mark.parametrize("make", [_rms, _ln, _norm_dense, _dense_norm],
+                         ids=["rms", "ln", "norm_dense", "dense_norm"])
+def test_non_array_input_raises_type_error(make):
+  layer = make()
+  width = K if isinstance(layer, (NormDense, DenseNorm)) else N
+  with pytest.raises(TypeError, match=f"{type(layer).__name__}: x must be an array, got list"):
+    layer([[0.0] * width])
+
+
+_EPSILON_LAYERS = [
+    lambda **kw: RMSNorm(N, rngs=nnx.Rngs(0), **kw),
+    lambda **kw: LayerNorm(N, rngs=nnx.Rngs(0), **kw),
+    lambda **kw: NormDense(K, N, rngs=nnx.Rngs(0), **kw),
+    lambda **kw: DenseNorm(K, N, rngs=nnx.Rngs(0), **kw),
+    lambda **kw: PFFNBlock(H, D, rngs=nnx.Rngs(0), **kw),
+]
+_EPSILON_IDS = ["rms", "ln", "norm_dense", "dense_norm", "pffn"]
+
+
+@pytest.mark.parametrize("make", _EPSILON_LAYERS, ids=_EPSILON_IDS)
+@pytest.mark.parametrize("epsilon, error", [
+    (-1, ValueError), (0, ValueError), (0.0, ValueError), (float("nan"), ValueError),
+    (float("inf"), ValueError), (1e-50, ValueError),  # 1e-50 is 0 in float32
+    ("1e-6", TypeError), (None, TypeError), (True, TypeError),
+])
+def test_bad_epsilon_raises_when_the_layer_is_built(make, epsilon, error):
+  with pytest.raises(error, match=r"invalid epsilon: eps must be a positive"):
+    make(epsilon=epsilon)
+
+
+@pytest.mark.parametrize("make", _EPSILON_LAYERS, ids=_EPSILON_IDS)
+@pytest.mark.parametrize("epsilon", [1e-5, 1, np.float32(1e-5), jnp.float32(1e-5)])
+def test_good_epsilon_is_a_python_float(make, epsilon):
+  layer = make(epsilon=epsilon)
+  assert type(layer.epsilon) is float and layer.epsilon == float(epsilon)
+
+
+def test_array_epsilon_works_under_jit():
+  # A concrete jax scalar epsilon used to become a tracer under nnx.jit, which the op rejects.
+  layer = RMSNorm(N, epsilon=jnp.float32(1e-5), rngs=nnx.Rngs(0))
+  x = _x(0, (3, N))
+  np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(layer, x), layer(x), **F32_TOL)
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: GDPA(H, D, **kw),
+    lambda **kw: PFFNBlock(H, D, rngs=nnx.Rngs(0), **kw),
+], ids=["gdpa", "pffn"])
+@pytest.mark.parametrize("arg, value, error", [
+    ("pre_scale", "0.5", TypeError), ("pre_scale", float("nan"), ValueError),
+    ("post_scale", None, TypeError), ("post_scale", float("inf"), ValueError),
+])
+def test_bad_attention_scale_raises_when_the_layer_is_built(make, arg, value, error):
+  with pytest.raises(error, match=arg):
+    make(**{arg: value})
+
+
+@pytest.mark.parametrize("size", [np.int64(N), np.int32(N), np.uint8(N), jnp.int32(N)],
+                         ids=["np.int64", "np.int32", "np.uint8", "jnp.int32"])
+def test_integer_like_sizes_are_accepted(size):
+  x = _x(0, (3, N))
+  for layer in (RMSNorm(size, rngs=nnx.Rngs(0)), LayerNorm(size, rngs=nnx.Rngs(0))):
+    assert type(layer.num_features) is int and layer.num_features == N
+    assert layer(x).shape == (3, N)
+  for cls in (NormDense, DenseNorm):
+    layer = cls(size, size, rngs=nnx.Rngs(0))
+    assert (type(layer.in_features), type(layer.out_features)) == (int, int)
+    assert layer.kernel.shape == (N, N) and layer(x).shape == (3, N)
+  q, k, v = _attention_inputs()
+  for layer in (GDPA(np.int64(H), np.int64(D)), PFFNBlock(np.int64(H), np.int64(D),
+                                                          rngs=nnx.Rngs(0))):
+    assert (type(layer.num_heads), type(layer.head_dim)) == (int, int)
+    assert layer(q, _offsets(), k, v, max_seq_len=MAX_LEN).shape == q.shape
+
+
+@pytest.mark.parametrize("size", [float(N), np.float64(N), True, np.bool_(True), 0, np.int64(0),
+                                  -1, np.int64(-3), "16", None])
+@pytest.mark.parametrize("make, name", [
+    (lambda s: RMSNorm(s, rngs=nnx.Rngs(0)), "num_features"),
+    (lambda s: LayerNorm(s, rngs=nnx.Rngs(0)), "num_features"),
+    (lambda s: NormDense(s, N, rngs=nnx.Rngs(0)), "in_features"),
+    (lambda s: NormDense(K, s, rngs=nnx.Rngs(0)), "out_features"),
+    (lambda s: DenseNorm(s, N, rngs=nnx.Rngs(0)), "in_features"),
+    (lambda s: DenseNorm(K, s, rngs=nnx.Rngs(0)), "out_features"),
+    (lambda s: GDPA(s, D), "num_heads"),
+    (lambda s: PFFNBlock(H, s, rngs=nnx.Rngs(0)), "head_dim"),
+], ids=["rms", "ln", "norm_dense_in", "norm_dense_out", "dense_norm_in", "dense_norm_out",
+        "gdpa_heads", "pffn_head_dim"])
+def test_non_integer_or_non_positive_sizes_raise(make, name, size):
+  with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+    make(size)
+
+
+# ---------------------------------------------------------------------------------------------
 # Values against the reference and against plain Flax layers (float32)
 
 
@@ -247,10 +376,13 @@ def test_pffn_matches_reference_and_composition():
 
 def test_attention_layers_check_head_shape():
   q, k, v = _attention_inputs()
-  with pytest.raises(ValueError, match="q must have shape"):
+  with pytest.raises(ValueError, match=r"GDPA: q must have shape \(T, num_heads, head_dim\)"):
     GDPA(H + 1, D)(q, _offsets(), k, v)
-  with pytest.raises(ValueError, match="q must have shape"):
+  # PFFNBlock's query argument is q_tokens, not the op's q.
+  with pytest.raises(ValueError, match="PFFNBlock: q_tokens must have shape"):
     _pffn()(q.reshape(CAPACITY, H * D, 1), _offsets(), k, v)
+  with pytest.raises(TypeError, match="PFFNBlock: q_tokens must be an array"):
+    _pffn()(np.asarray(q).tolist(), _offsets(), k, v)
 
 
 # ---------------------------------------------------------------------------------------------
