@@ -13,6 +13,7 @@ Every sub-layer that calls a pallas-norm op takes the model's ``implementation``
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -69,10 +70,17 @@ class KunlunConfig:
       if f.name in ("activation", "epsilon"):
         continue
       minimum = 0 if f.name in ("num_dense_features", "num_mlp_layers") else 1
-      if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+      try:  # any integer (NumPy ones too), stored as a Python int; not a bool or a float
+        size = None if isinstance(v, bool) else operator.index(v)
+      except TypeError:
+        size = None
+      if size is None or size < minimum:
         raise ValueError(f"KunlunConfig.{f.name} must be an int >= {minimum}, got {v!r}")
-    if not self.epsilon > 0:
-      raise ValueError(f"KunlunConfig.epsilon must be positive, got {self.epsilon!r}")
+      object.__setattr__(self, f.name, size)
+    try:  # the ops' own eps rule: positive and finite in float32
+      object.__setattr__(self, "epsilon", _common.check_epsilon("KunlunConfig", self.epsilon))
+    except (TypeError, ValueError) as e:
+      raise type(e)(f"KunlunConfig.epsilon: {e}") from e
 
   @property
   def token_dim(self) -> int:

@@ -148,6 +148,15 @@ def test_bad_config_raises(field, value):
     dataclasses.replace(CONFIG, **{field: value})
 
 
+def test_config_accepts_numpy_ints_and_checks_epsilon_type():
+  cfg = dataclasses.replace(CONFIG, num_heads=np.int64(CONFIG.num_heads))
+  assert type(cfg.num_heads) is int and cfg.num_heads == CONFIG.num_heads
+  with pytest.raises(TypeError, match="epsilon"):
+    dataclasses.replace(CONFIG, epsilon="a")
+  with pytest.raises(ValueError, match="epsilon"):
+    dataclasses.replace(CONFIG, epsilon=1e-50)  # 0 in float32
+
+
 def test_context_only_model_without_dense_features():
   cfg = dataclasses.replace(CONFIG, num_dense_features=0, num_layers=1, num_mlp_layers=0)
   m = KunlunModel(cfg, rngs=nnx.Rngs(1), implementation="xla")
