@@ -35,6 +35,7 @@ __all__ = [
     "consumer_pipeline",
     "pipeline_stages",
     "delay_release_for",
+    "reject_unused_options",
     "tile_pipeline_state",
     "drain_single_tile_pipeline",
     "run_tile_pipeline",
@@ -127,7 +128,8 @@ class TileConfig:
       ``pipeline_across_tiles``, ``delay_release``) do not apply. Implemented by the
       matmul_norm and the norm_matmul forward kernels.
     (``epi_slots``, ``cluster_m`` and ``stats_once`` are implemented by the norm_matmul kernels;
-    other kernels use the defaults.)
+    a kernel refuses a non-default value of an option it does not implement, with a ValueError
+    from :func:`reject_unused_options`.)
   """
 
   tile_m: int = 128
@@ -156,7 +158,7 @@ class TileConfig:
       raise ValueError(f"tile_n must be a multiple of 64 in [64, 256], got {self.tile_n}")
     if self.tile_k % 32 or self.tile_k <= 0:
       raise ValueError(f"tile_k must be a positive multiple of 32, got {self.tile_k}")
-    if self.delay_release not in (0, 1):
+    if isinstance(self.delay_release, bool) or self.delay_release not in (0, 1):
       raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
     if self.pingpong and self.delay_release:
       raise ValueError("pingpong consumers wait for every WGMMA: delay_release must be 0")
@@ -274,6 +276,17 @@ def swizzle_transforms(minor_elems: int, dtype, *, tiled: bool = True) -> tuple:
                        f"{minor_elems} x {itemsize}")
     return (plgpu.SwizzleTransform(swizzle),)
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def reject_unused_options(cfg: TileConfig, kernel: str, fields: tuple[str, ...]) -> None:
+  """ValueError naming the ``fields`` of ``cfg`` that ``kernel`` does not implement but were set
+  away from their defaults: a config must not silently do less than it says."""
+  defaults = TileConfig()
+  changed = [f for f in fields if getattr(cfg, f) != getattr(defaults, f)]
+  if changed:
+    raise ValueError(f"the {kernel} kernel does not implement TileConfig."
+                     f"{', '.join(changed)} (set to "
+                     f"{', '.join(repr(getattr(cfg, f)) for f in changed)}): leave the default")
 
 
 def pipeline_stages(steps: int, max_stages: int, across_tiles: bool,

@@ -194,6 +194,27 @@ def test_pingpong_plan():
     mgpu_common.TileConfig(pingpong=True, delay_release=1)
 
 
+@pytest.mark.parametrize("option", [dict(stats_once=True), dict(cluster_m=2),
+                                    dict(a_operand="registers"), dict(epi_slots=0),
+                                    dict(stats="reduce"), dict(grid_minor_dim="m")])
+def test_options_of_other_kernels_are_refused(option):
+  """TileConfig options only the pre-norm kernels implement are refused here, with or without
+  pingpong, before any kernel runs (a review found them silently ignored)."""
+  import dataclasses
+  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+  for base in (mk.pick_config(64, 64, 64), mk.pingpong_config(64, 64, 64)):
+    with pytest.raises(ValueError, match=next(iter(option))):
+      mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True,
+                         config=dataclasses.replace(base, **option))
+
+
+def test_pingpong_refuses_multicast_even_for_one_cta():
+  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multicast_x"):
+    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, multicast_x=True,
+                       config=mk.pingpong_config(64, 64, 64))
+
+
 @pytest.mark.parametrize("n,norm,exchange", [(256, "layer", "pull"), (512, "rms", "pull"),
                                              (1024, "layer", "push"), (8192, "layer", "pull")])
 def test_pingpong_lowers_for_hopper(monkeypatch, n, norm, exchange):

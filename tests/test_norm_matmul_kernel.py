@@ -279,7 +279,17 @@ def test_pingpong_plan():
                    TileConfig(pingpong=True, stats_once=True), interpret=False)
 
 
+def test_dx_refuses_forward_only_options():
+  x = jnp.ones((64, 64), jnp.bfloat16)
+  r = jnp.ones((64,), jnp.float32)
+  for option in (dict(pingpong=True), dict(epi_slots=0), dict(stats="reduce")):
+    with pytest.raises(ValueError, match=next(iter(option))):
+      nmb.norm_matmul_dx(x, x, x, r, r, interpret=True, config=TileConfig(**option))
+
+
 def test_delay_release_option():
+  with pytest.raises(ValueError, match="delay_release"):
+    TileConfig(delay_release=True)
   assert mgpu_common.delay_release_for(1, 4) == 1
   assert mgpu_common.delay_release_for(1, 1) == 0
   assert mgpu_common.delay_release_for(0, 4) == 0

@@ -254,10 +254,17 @@ def _smem_bytes_besides_pipeline(p: _Plan) -> int:
   return io + extra + vec + stats + exchange + tile_stats + _SMEM_SLACK
 
 
+_UNUSED_OPTIONS = ("stats", "fence_reads", "a_operand", "epi_slots", "cluster_m", "stats_once",
+                   "grid_minor_dim", "grid_tile_width")
+"""TileConfig options of the pre-norm kernels that this kernel does not implement (its clusters
+share a row block along N and are sized by N; it reads no A tile outside WGMMA)."""
+
+
 def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, return_h,
                return_xhat, return_stats, cfg, interpret, multicast_x,
                exchange="pull") -> _Plan:
   m, k = x_shape
+  mgpu_common.reject_unused_options(cfg, "matmul_norm", _UNUSED_OPTIONS)
   cluster, n_tiles = _tiles_per_cta(n, cfg.tile_n, interpret)
   if n % cfg.tile_n or not cluster or n_tiles > MAX_N_TILES:
     raise ValueError(f"N = {n} must be tile_n = {cfg.tile_n} times a cluster size in "
@@ -273,7 +280,7 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
                n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1,
                exchange=exchange)
-  if cfg.pingpong and plan.multicast_x:
+  if cfg.pingpong and multicast_x:
     raise ValueError("multicast_x needs the shared pipeline: it does not combine with pingpong")
   if cfg.pingpong:  # two rings of (rows of one warpgroup) x and w stages
     stage_bytes = mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n,

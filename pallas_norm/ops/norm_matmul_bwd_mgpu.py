@@ -135,6 +135,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
       cfg.pipeline_across_tiles, cfg.delay_release)
   if cfg.stats_once:
     raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
+  mgpu_common.reject_unused_options(cfg, "dx", ("stats", "epi_slots", "pingpong"))
   units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m) * -(-k // cfg.tile_n)
   num_clusters = mgpu_common.persistent_clusters(cfg, cfg.cluster_m, units, interpret)
   if cfg.a_operand == "auto":
