@@ -58,7 +58,8 @@ def eps(value) -> None:
   if not (float(value) > 0 and np.isfinite(value)):
     raise ValueError(f"eps must be a positive finite float, got {value!r}")
   # The statistics are float32: an eps that rounds to 0 or inf there is no eps at all.
-  as_f32 = np.float32(value)
+  with np.errstate(over="ignore"):  # an overflow to inf is the error reported just below
+    as_f32 = np.float32(value)
   if not (as_f32 > 0 and np.isfinite(as_f32)):
     raise ValueError(f"eps must be a positive finite float32 value (the statistics' dtype), got "
                      f"{value!r}, which is {float(as_f32)} in float32")
