@@ -115,7 +115,8 @@ def _dx_variants(m, k, n):
   return [("default", base, 1), ("inflight", dataclasses.replace(base, delay_release=1), 1),
           ("prefetch0", base, 0), ("prefetch3", base, 3),
           ("cl2", dataclasses.replace(base, cluster_m=2), 1), ("alt_tile", alt_tile, 1),
-          ("alt_tile_cl2", dataclasses.replace(alt_tile, cluster_m=2), 1)]
+          ("alt_tile_cl2", dataclasses.replace(alt_tile, cluster_m=2), 1)] + (
+              [("pingpong", nmb.pingpong_config(m, n, k), 1)] if m % 8 == 0 else [])
 
 
 def _inputs(seed, m, k, n, mu=0.0, dtype=jnp.bfloat16):

@@ -35,6 +35,7 @@ __all__ = [
     "consumer_pipeline",
     "pipeline_stages",
     "delay_release_for",
+    "stages_for",
     "reject_unused_options",
     "tile_pipeline_state",
     "drain_single_tile_pipeline",
@@ -126,7 +127,7 @@ class TileConfig:
       own K-loop ring (:class:`PingPongRing`), so one warpgroup's epilogue overlaps the other's
       WGMMAs; the pipeline options (``max_concurrent_steps`` is the stages per ring,
       ``pipeline_across_tiles``, ``delay_release``) do not apply. Implemented by the
-      matmul_norm and the norm_matmul forward kernels.
+      matmul_norm kernel and both norm_matmul kernels (forward and dx).
     (``epi_slots``, ``cluster_m`` and ``stats_once`` are implemented by the norm_matmul kernels;
     a kernel refuses a non-default value of an option it does not implement, with a ValueError
     from :func:`reject_unused_options`.)
@@ -302,6 +303,15 @@ def pipeline_stages(steps: int, max_stages: int, across_tiles: bool,
   return stages, chained and not delay_release_for(delay_release, stages)
 
 
+def stages_for(cfg: TileConfig, steps: int, max_stages: int) -> tuple[int, bool]:
+  """(stages, chained) of a kernel's K loop under ``cfg``: :func:`pipeline_stages`, or with
+  ping-pong consumers as many stages per ring as fit, never chained (a ring runs across its
+  consumer's tiles, so its stages need not divide the steps)."""
+  if cfg.pingpong:
+    return max_stages, False
+  return pipeline_stages(steps, max_stages, cfg.pipeline_across_tiles, cfg.delay_release)
+
+
 def delay_release_for(delay_release: int, stages: int) -> int:
   """The ``delay_release`` a pipeline of ``stages`` stages can run: Pallas needs more stages
   than steps of delay, so a one-stage (one-step) K loop runs with 0."""
@@ -393,12 +403,16 @@ def pingpong_stage_bytes(rows: int, tile_k: int, tile_n: int, dtype) -> int:
   return 2 * (rows * tile_k + tile_k * tile_n) * jnp.dtype(dtype).itemsize
 
 
-def pingpong_ring_allocs(rows: int, tile_k: int, tile_n: int, dtype, stages: int) -> dict:
-  """``pl.run_scoped`` allocations of a :class:`PingPongRing` (pass them as its fields)."""
+def pingpong_ring_allocs(rows: int, tile_k: int, tile_n: int, dtype, stages: int, *,
+                         w_transposed: bool = False) -> dict:
+  """``pl.run_scoped`` allocations of a :class:`PingPongRing` (pass them as its fields); the w
+  stages are (tile_n, tile_k) with ``w_transposed`` (a GEMM with wᵀ, read through a transposed
+  view), else (tile_k, tile_n)."""
   transforms = swizzle_transforms(tile_k, dtype)
+  w_block = (tile_n, tile_k) if w_transposed else (tile_k, tile_n)
   return dict(
       x=plgpu.SMEM((2, stages, rows, tile_k), dtype, transforms=transforms),
-      w=plgpu.SMEM((2, stages, tile_k, tile_n), dtype, transforms=transforms),
+      w=plgpu.SMEM((2, stages, *w_block), dtype, transforms=transforms),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # one per TMA copy
       consumed=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
 

@@ -282,7 +282,7 @@ def test_pingpong_plan():
 def test_dx_refuses_forward_only_options():
   x = jnp.ones((64, 64), jnp.bfloat16)
   r = jnp.ones((64,), jnp.float32)
-  for option in (dict(pingpong=True), dict(epi_slots=0), dict(stats="reduce")):
+  for option in (dict(epi_slots=0), dict(stats="reduce")):
     with pytest.raises(ValueError, match=next(iter(option))):
       nmb.norm_matmul_dx(x, x, x, r, r, interpret=True, config=TileConfig(**option))
 
@@ -433,6 +433,10 @@ DX_CASES = [
     # one WGMMA in flight across reduction steps
     (200, 128, 256, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64,
                                                                  delay_release=1)),
+    # ping-pong consumers: 4 row blocks × 2 column tiles on 2 CTAs; one unit (M = 1)
+    (256, 128, 192, jnp.bfloat16, "layer", 1e2, True, TileConfig(
+        tile_m=128, tile_n=64, tile_k=32, pingpong=True)),
+    (1, 64, 128, jnp.float16, "rms", 0.0, False, TileConfig(tile_k=32, pingpong=True)),
 ]
 
 
@@ -463,6 +467,8 @@ def test_dx_bad_arguments_raise():
     (262144 + 77, 1024, 1024, "rms", None),  # M % 8 != 0: dy untiled, WGMMA A from registers
     (65536, 2048, 2048, "layer", TileConfig(tile_m=256, tile_n=128, epi_tile_n=32)),
     (262144, 512, 512, "rms", TileConfig(delay_release=1)),
+    (262144, 512, 512, "layer", nmb.pingpong_config(262144, 512, 512)),
+    (65536, 2048, 2048, "rms", nmb.pingpong_config(65536, 2048, 2048)),
 ])
 def test_dx_lowers_for_hopper(m, k, n, norm, config):
   spec = jax.ShapeDtypeStruct
@@ -488,6 +494,14 @@ def test_gpu_dx(m, k, n, norm):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_gpu_dx_large_mean(dtype):
   _run_dx_and_check(4096 + 77, 512, 512, dtype, "layer", mu=1e3, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(8192, 512, 512), (4096, 2048, 2048), (64, 128, 128)])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gpu_dx_pingpong(m, k, n, norm):
+  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, config=nmb.pingpong_config(m, n, k),
+                    interpret=False)
 
 
 @pytest.mark.gpu

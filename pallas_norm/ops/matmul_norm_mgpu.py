@@ -290,12 +290,8 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
   free = mgpu_common.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
-  if cfg.pingpong:  # a ring runs across its consumer's tiles: stages need not divide K steps
-    stages, chained = min(cfg.max_concurrent_steps, free // stage_bytes), False
-  else:
-    stages, chained = mgpu_common.pipeline_stages(
-        plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes),
-        cfg.pipeline_across_tiles, cfg.delay_release)
+  stages, chained = mgpu_common.stages_for(
+      cfg, plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes))
   num_clusters = mgpu_common.persistent_clusters(cfg, cluster, plan.m_iters, interpret)
   return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
 

@@ -17,6 +17,10 @@ read untransposed from GMEM and handed to WGMMA as a transposed SMEM view (the B
 ``w_gammaᵀ`` (N, K); WGMMA transposes 16-bit B tiles for free), and the epilogue reads the x tile
 (TMA-prefetched into SMEM during the K loop) and the row vectors, then writes dx in x's dtype.
 
+With ``TileConfig.pingpong`` (:func:`pingpong_config`; opt-in, not yet timed) the consumers
+take alternate (one warpgroup's rows, column tile) units instead, each with its own K-loop ring
+(:class:`pallas_norm.mgpu_common.PingPongRing`), so one's epilogue overlaps the other's WGMMAs.
+
 Kernel structure: the forward's (:mod:`pallas_norm.ops.norm_matmul_mgpu`), i.e. JAX's
 ``hopper_matmul_mgpu.py``: a persistent grid walks the (M, K) output tiles; a TMA producer
 warpgroup streams (tile_m, tile_k) tiles of dy and (tile_n, tile_k) tiles of w_gamma (the
@@ -71,6 +75,13 @@ def pick_config(m: int, n: int, k: int) -> TileConfig:
                     epi_tile_n=fwd.epi_tile_n)
 
 
+def pingpong_config(m: int, n: int, k: int) -> TileConfig:
+  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``; opt-in, not yet
+  timed on a GPU) and 32-wide reduction steps, so each consumer's ring gets several stages."""
+  base = pick_config(m, n, k)
+  return dataclasses.replace(base, pingpong=True, tile_k=32 if n % 32 == 0 else base.tile_k)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """Static facts of one kernel instance (reduction over n, output (m, k))."""
@@ -89,6 +100,8 @@ class _Plan:
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
+    if self.cfg.pingpong:
+      return 0
     return mgpu_common.delay_release_for(self.cfg.delay_release, self.stages)
 
   @property
@@ -96,8 +109,8 @@ class _Plan:
     return 4 if self.layer else 2
 
   @property
-  def m_iters(self) -> int:
-    return -(-self.m // self.cfg.tile_m)
+  def m_iters(self) -> int:  # row blocks: of tile_m rows, or of one warpgroup's with pingpong
+    return -(-self.m // (self.cfg.wg_tile_m if self.cfg.pingpong else self.cfg.tile_m))
 
   @property
   def m_units(self) -> int:  # row-block groups, one per cluster
@@ -125,18 +138,22 @@ def _fixed_smem_bytes(cfg: TileConfig, dtype, n_rows: int) -> int:
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
   itemsize = jnp.dtype(dtype).itemsize
   n_rows = 4 if layer else 2
-  stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
+  if cfg.stats_once:
+    raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
+  mgpu_common.reject_unused_options(cfg, "dx", ("stats", "epi_slots"))
+  if cfg.pingpong:
+    norm_matmul_mgpu._check_pingpong(cfg, m, interpret)  # pylint: disable=protected-access
+    stage_bytes = mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n, dtype)
+  else:
+    stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
   free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, n_rows)
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM next to the "
                      f"x tile of the epilogue")
-  stages, chained = mgpu_common.pipeline_stages(
-      n // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes),
-      cfg.pipeline_across_tiles, cfg.delay_release)
-  if cfg.stats_once:
-    raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
-  mgpu_common.reject_unused_options(cfg, "dx", ("stats", "epi_slots", "pingpong"))
-  units = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m) * -(-k // cfg.tile_n)
+  stages, chained = mgpu_common.stages_for(
+      cfg, n // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes))
+  block_rows = cfg.wg_tile_m if cfg.pingpong else cfg.tile_m
+  units = -(-(-(-m // block_rows)) // cfg.cluster_m) * -(-k // cfg.tile_n)
   num_clusters = mgpu_common.persistent_clusters(cfg, cfg.cluster_m, units, interpret)
   if cfg.a_operand == "auto":
     a_in_registers = not interpret and m % 8 != 0
@@ -179,7 +196,10 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
 
   @functools.partial(
       pl.run_scoped,
-      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(dy_gmem, w_gmem),
+      pipeline_allocs=(
+          mgpu_common.pingpong_ring_allocs(wg_m, tile_k, tile_n, plan.dtype, plan.stages,
+                                           w_transposed=True)
+          if cfg.pingpong else make_pipeline(ignore, ignore).get_allocations(dy_gmem, w_gmem)),
       x_smem=plgpu.SMEM((2, chunks_m * chunks_n, epi_m, epi_n), plan.dtype,
                         transforms=x_transforms),
       row_smem=plgpu.SMEM((2, plan.n_rows, wg_m), jnp.float32),
@@ -191,14 +211,18 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
-    @plgpu.nd_loop((plan.m_units * plan.k_iters,), collective_axes="sm")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      (lin_idx,) = loop_info.index
-      m_unit, n_idx = plgpu.planar_snake(
+    def unit_tile(lin_idx):  # (row-block unit, output column tile) of a linear unit index
+      return plgpu.planar_snake(
           lin_idx, (plan.m_units, plan.k_iters), 0 if cfg.grid_minor_dim == "n" else 1,
           cfg.grid_tile_width)
-      m_idx = m_unit * cfg.cluster_m + cta
-      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
+
+    def tile(m_idx, n_idx, first, last, pingpong_step=None):
+      """One output tile: this warpgroup's rows of row block m_idx (with pingpong: the
+      warpgroup's own block of wg_m rows, K loop on its ring from ``pingpong_step``)."""
+      if cfg.pingpong:
+        row0 = m_idx * wg_m
+      else:
+        row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
       col0 = n_idx * tile_n  # first column of x / dx
 
       def chunk_window(ref, ci, cj):
@@ -248,7 +272,7 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
       def mma_body(idxs, a_smem, b_smem, acc_ref):
         (k_idx,) = idxs
         pl.when(k_idx == plan.x_prefetch_step)(prefetch_epilogue_inputs)
-        a_rows = a_smem.at[pl.ds(wg * wg_m, wg_m)]
+        a_rows = a_smem if cfg.pingpong else a_smem.at[pl.ds(wg * wg_m, wg_m)]
         b = b_smem.transpose((1, 0))  # (tile_k, tile_n) view of the (tile_n, tile_k) w tile
         if plan.a_in_registers:
           plgpu.wgmma(acc_ref, plgpu.load(a_rows, layout=plgpu.Layout.WGMMA), b)
@@ -259,14 +283,40 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
         plgpu.wgmma_wait(plan.delay_release)
         return acc_ref
 
-      first = loop_info.local_index == 0
-      last = loop_info.local_index == loop_info.num_local_steps - 1
+      if cfg.pingpong:
+        compute_context(lambda acc: mgpu_common.pingpong_k_loop(
+            ring, wg, pingpong_step, plan.red_iters, acc, mma_body))
+        return
       mgpu_common.run_tile_pipeline(
           functools.partial(make_pipeline, mma_body, compute_context),
           dy_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
           w_gmem.at[pl.ds(col0, tile_n), :],
           allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
           first=first, last=last)
+
+    units = plan.m_units * plan.k_iters
+    if cfg.pingpong:
+      ring = mgpu_common.PingPongRing(**pipeline_allocs, stages=plan.stages)
+
+      def windows(index, k):
+        m_idx, n_idx = unit_tile(index[0])
+        ks = pl.ds(k * tile_k, tile_k)
+        return (dy_gmem.at[pl.ds(m_idx * wg_m, wg_m), ks],
+                w_gmem.at[pl.ds(n_idx * tile_n, tile_n), ks])
+
+      def unit(index, own_index):
+        m_idx, n_idx = unit_tile(index[0])
+        tile(m_idx, n_idx, None, None, pingpong_step=own_index * plan.red_iters)
+
+      pl.when(wg == 2)(lambda: mgpu_common.pingpong_producer(
+          ring, units, "sm", plan.red_iters, windows))
+      pl.when(wg < 2)(lambda: mgpu_common.pingpong_consumer(units, "sm", unit))
+    else:
+      @plgpu.nd_loop((units,), collective_axes="sm")
+      def _tile_loop(loop_info: plgpu.NDLoopInfo):
+        m_unit, n_idx = unit_tile(loop_info.index[0])
+        tile(m_unit * cfg.cluster_m + cta, n_idx, first=loop_info.local_index == 0,
+             last=loop_info.local_index == loop_info.num_local_steps - 1)
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)

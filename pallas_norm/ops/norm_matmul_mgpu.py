@@ -269,12 +269,8 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
   free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, out_dtype, n_vecs, n_stats)
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
-  if cfg.pingpong:  # a ring runs across its consumer's tiles: stages need not divide K steps
-    stages, chained = min(cfg.max_concurrent_steps, free // stage_bytes), False
-  else:
-    stages, chained = mgpu_common.pipeline_stages(
-        k // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes),
-        cfg.pipeline_across_tiles, cfg.delay_release)
+  stages, chained = mgpu_common.stages_for(
+      cfg, k // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes))
   # Work units of the persistent loop: (row-block group, N tile), or row-block groups alone when
   # a CTA sweeps all N tiles of its row block (stats_once); pingpong row blocks are one
   # warpgroup's rows.
