@@ -64,12 +64,19 @@ class GDPA(nnx.Module):
     sample (or packed (Tkv, H, D) with ``kv_offsets``). ``max_seq_len``: static bound on the
     sequence lengths (the XLA path pads to it). Returns (T, H, D), zeros on padding rows."""
     _check_heads(self, "q", q)
+    _check_arrays(self, k=k, v=v)
     cd = _common.compute_dtype(self.dtype, q, k, v)
     q, k, v = _common.cast(cd, q, k, v)
     return pallas_norm.gdpa(q, k, v, q_offsets, kv_offsets, activation=self.activation,
                             pre_scale=self.pre_scale, post_scale=self.post_scale,
                             max_seq_len=max_seq_len, max_kv_len=max_kv_len,
                             implementation=self.implementation)
+
+
+def _check_arrays(layer, **arrays):
+  """TypeError naming the argument when one of ``arrays`` is not an array."""
+  for name, a in arrays.items():
+    _common.shape_of(type(layer).__name__, name, a)
 
 
 def _check_heads(layer, name, q):
@@ -128,6 +135,7 @@ class PFFNBlock(nnx.Module):
     packed with ``kv_offsets``). Returns (T, H, D) in the compute dtype, zeros on padding rows.
     """
     _check_heads(self, "q_tokens", q_tokens)
+    _check_arrays(self, k=k, v=v)
     affines = [_common.value(p) for p in (self.ln_scale, self.ln_bias, self.rms_scale)]
     cd = _common.compute_dtype(self.dtype, q_tokens, k, v, *affines)
     q, k, v, ln_scale, ln_bias, rms_scale = _common.cast(cd, q_tokens, k, v, *affines)

@@ -135,6 +135,8 @@ class DenseNorm(nnx.Module):
     """x: (..., K); residual: optional (..., N). Returns y (..., N) in the compute dtype, or
     ``(y, h)`` with ``return_h`` (h = the pre-norm residual stream, same dtype)."""
     _common.check_last_dim(type(self).__name__, x, "in_features", self.in_features)
+    if residual is not None:
+      _common.shape_of(type(self).__name__, "residual", residual)
     params = [_common.value(p) for p in (self.kernel, self.bias, self.norm_scale, self.norm_bias)]
     cd = _common.compute_dtype(self.dtype, x, residual, *params)
     x, residual, kernel, bias, scale, norm_bias = _common.cast(cd, x, residual, *params)

@@ -383,6 +383,17 @@ def test_attention_layers_check_head_shape():
     _pffn()(q.reshape(CAPACITY, H * D, 1), _offsets(), k, v)
   with pytest.raises(TypeError, match="PFFNBlock: q_tokens must be an array"):
     _pffn()(np.asarray(q).tolist(), _offsets(), k, v)
+  with pytest.raises(TypeError, match="PFFNBlock: v must be an array"):
+    _pffn()(q, _offsets(), k, np.asarray(v).tolist())
+  with pytest.raises(TypeError, match="GDPA: k must be an array"):
+    GDPA(H, D)(q, _offsets(), np.asarray(k).tolist(), v)
+
+
+def test_dense_norm_non_array_residual_raises_type_error():
+  layer = DenseNorm(8, 16, rngs=nnx.Rngs(0), implementation="xla")
+  x = jnp.ones((4, 8), jnp.float32)
+  with pytest.raises(TypeError, match="DenseNorm: residual must be an array"):
+    layer(x, residual=[[0.0] * 16] * 4)
 
 
 # ---------------------------------------------------------------------------------------------
