@@ -175,12 +175,9 @@ def grid_sweep(m, k, n, iterations):
   ping-pong consumers. Each variant's y is checked against XLA's before
   it is timed, except the diagnostics (``_DIAG``) that skip part of the exchange."""
   import dataclasses
-  from pallas_norm import mgpu_common
   x, w, db, res, scale, bias, _ = _inputs(m * 5 + n, m, k, n)
   base = mk.pick_config(m, k, n)
   cluster = mk._tiles_per_cta(n, base.tile_n, interpret=_SMOKE)[0]
-  n_sms = mgpu_common.num_sms(_SMOKE)
-  del n_sms  # session 2's cluster-count sweep settled on mgpu_common.resident_clusters
   want = jax.jit(functools.partial(reference.matmul_norm, norm="layer", eps=EPS))(
       x, w, db, res, scale, bias)
   out = {"cluster": cluster, "us": {}, "err": {}}

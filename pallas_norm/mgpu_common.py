@@ -35,6 +35,7 @@ __all__ = [
     "consumer_pipeline",
     "pipeline_stages",
     "delay_release_for",
+    "plan_delay_release",
     "stages_for",
     "reject_unused_options",
     "tile_pipeline_state",
@@ -316,6 +317,12 @@ def delay_release_for(delay_release: int, stages: int) -> int:
   """The ``delay_release`` a pipeline of ``stages`` stages can run: Pallas needs more stages
   than steps of delay, so a one-stage (one-step) K loop runs with 0."""
   return delay_release if stages > delay_release else 0
+
+
+def plan_delay_release(cfg: TileConfig, stages: int) -> int:
+  """The WGMMA groups a kernel's consumers leave in flight across K steps under ``cfg``: 0 with
+  ping-pong consumers (their rings wait for every WGMMA), else :func:`delay_release_for`."""
+  return 0 if cfg.pingpong else delay_release_for(cfg.delay_release, stages)
 
 
 def tile_pipeline_state(first, last):

@@ -100,9 +100,7 @@ class _Plan:
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    if self.cfg.pingpong:
-      return 0
-    return mgpu_common.delay_release_for(self.cfg.delay_release, self.stages)
+    return mgpu_common.plan_delay_release(self.cfg, self.stages)
 
   @property
   def n_rows(self) -> int:  # row vectors: rstd, y_term (+ mean, c_term)
