@@ -83,6 +83,8 @@ def _center(xf: jax.Array):
 
 
 def _row_stats(xf: jax.Array, norm: str, eps: float) -> NormStats:
+  if norm not in ("rms", "layer"):
+    raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
   if norm == "rms":
     return NormStats(None, lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1) + eps))
   centered, mean = _center(xf)

@@ -17,6 +17,8 @@ relative error < 1e-4; mean error < 1e-4 · (|mean| + std).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -65,6 +67,12 @@ def _run_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None, in
   y = jax.block_until_ready(y)
   if interpret:
     assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+  if norm == "none":  # the plain GEMM (benchmark baseline): x @ W_γ + out_bias, no statistics
+    y_ref = x.astype(jnp.float32) @ w_gamma.astype(jnp.float32)
+    y_ref = y_ref if out_bias is None else y_ref + out_bias
+    assert mean is None and rstd is None and bool(jnp.all(jnp.isfinite(y)))
+    assert _rel_err(y, y_ref) < y_tol
+    return
   y_ref, stats = reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32), scale,
                                        bias, norm=norm, eps=EPS, return_stats=True)
   assert y.shape == (m, n) and y.dtype == jnp.dtype(dtype)
@@ -395,9 +403,11 @@ def test_gpu_forward_tuning_variants(config, m, norm):
 
 
 def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
-                      interpret=True, seed=0, tol=1e-2):
+                      interpret=True, seed=0, tol=1e-2, fused=False):
   """The dx kernel, fed the reference forward's y and statistics, against jax.grad of the
-  f32 reference (the cotangent is rounded to ``dtype`` first, so both see the same dy)."""
+  f32 reference (the cotangent is rounded to ``dtype`` first, so both see the same dy).
+  ``fused``: the kernel computes the row terms itself from y (rounded to ``dtype``, as the
+  forward kernel returns it), out_bias and col_sum."""
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
   dy = jax.random.normal(jax.random.key(seed + 1000), (m, n), jnp.float32).astype(dtype)
   xf, wf, dyf = (a.astype(jnp.float32) for a in (x, w, dy))
@@ -406,9 +416,14 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
   (y, stats), vjp = jax.vjp(forward, xf)
   (dx_ref,) = vjp((dyf, jax.tree.map(jnp.zeros_like, stats)))
   w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
-  y_term, c_term = nm._row_terms(dy, y, col_sum, out_bias, stats.rstd, k)
-  dx = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, y_term, stats.mean, c_term,
-                          interpret=interpret, config=config)
+  if fused:
+    dx = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, mean=stats.mean, y=y.astype(dtype),
+                            out_bias=out_bias, col_sum=col_sum, interpret=interpret,
+                            config=config)
+  else:
+    y_term, c_term = nm._row_terms(dy, y, col_sum, out_bias, stats.rstd, k)
+    dx = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, y_term, stats.mean, c_term,
+                            interpret=interpret, config=config)
   dx = jax.block_until_ready(dx)
   if interpret:
     assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
@@ -482,6 +497,162 @@ def test_dx_lowers_for_hopper(m, k, n, norm, config):
   assert "mosaic_gpu" in exported.mlir_module()
 
 
+# ------------------------------------------------------------------------------------------------
+# Fused row terms: the dx kernel computes y_term / c_term from y in its own K loop.
+
+# Every M in {1, 77, 256}, K and N in {64, 128, 192, 320}; several reduction steps (N > tile_k)
+# and several column tiles per row block (K > tile_n); both norms, both dtypes, with and without
+# the affine (out_bias None or not; LayerNorm without it streams col_sum alone), large row means.
+FUSED_DX_CASES = [
+    # m, k, n, dtype, norm, mu, affine, config
+    (77, 192, 128, jnp.bfloat16, "layer", 0.0, True, None),  # M tail, 2 steps, tile_n 192
+    (1, 64, 64, jnp.float16, "rms", 0.0, False, None),  # one row, one step, no out_bias
+    # 5 column tiles per row block, 3 steps, chained pipelines across a CTA's 5 tiles
+    (256, 320, 192, jnp.bfloat16, "rms", 0.0, True, TileConfig(tile_m=128, tile_n=64)),
+    # rows of mean 1e2 (f16 resolves them), 5 steps, 2 column tiles
+    (77, 128, 320, jnp.float16, "layer", 1e2, True, TileConfig(tile_m=128, tile_n=64)),
+    # LayerNorm without the affine (col_sum only), 256-row tile, narrow epilogue tiles
+    (256, 64, 128, jnp.bfloat16, "layer", 0.0, False, TileConfig(tile_m=256, tile_n=64,
+                                                                 epi_tile_n=32)),
+    # pick_config's fallback to 32-wide steps (64-wide ones leave one stage at 256×128 tiles)
+    (77, 128, 128, jnp.bfloat16, "rms", 0.0, True, None),
+    # clusters of 2 (w multicast, y per CTA); one WGMMA in flight across steps; 6 32-wide steps
+    (256, 128, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64,
+                                                                 cluster_m=2)),
+    (77, 128, 256, jnp.float16, "rms", 0.0, False, TileConfig(
+        tile_m=128, tile_n=64, max_concurrent_steps=2, delay_release=1)),
+    (256, 192, 192, jnp.float16, "layer", 1e2, True, TileConfig(tile_m=128, tile_n=128,
+                                                                tile_k=32)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,norm,mu,affine,config", FUSED_DX_CASES)
+def test_dx_fused_row_terms_match_autodiff(m, k, n, dtype, norm, mu, affine, config):
+  _run_dx_and_check(m, k, n, dtype, norm, mu=mu, affine=affine, config=config, fused=True)
+
+
+@pytest.mark.parametrize("norm,bias_scale", [("rms", 1.0), ("layer", 1.0), ("layer", 30.0)])
+def test_dx_fused_row_terms_agree_with_xla_row_terms(norm, bias_scale):
+  """Same inputs, row terms from the kernel's K loop vs from the XLA pass (``_row_terms``): the
+  same f32 math in another summation order, so dx agrees to output rounding. A large β (30:
+  |out_bias| ≫ the spread of y) checks that y − out_bias is formed per element (two large
+  sums would cancel)."""
+  m, k, n, dtype = 77, 128, 192, jnp.bfloat16
+  x, w, scale, bias = _inputs(7, m, k, n, dtype)
+  bias = bias * bias_scale
+  dy = jax.random.normal(jax.random.key(8), (m, n), jnp.float32).astype(dtype)
+  w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
+  y, mean, rstd = nm.lazy_forward_xla(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
+                                      out_dtype=dtype)
+  cfg = TileConfig(tile_m=128, tile_n=64)  # 2 column tiles, 3 steps
+  fused = nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, y=y, out_bias=out_bias,
+                             col_sum=col_sum, interpret=True, config=cfg)
+  assert not mgpu_common.races_found()
+  y_term, c_term = nm._row_terms(dy, y, col_sum, out_bias, rstd, k)
+  want = nm._input_grad_xla(dy, w_gamma, x, rstd, y_term, mean, c_term)
+  assert bool(jnp.all(jnp.isfinite(fused)))
+  assert _rel_err(fused, want) < 2e-3, _rel_err(fused, want)
+
+
+def test_dx_fused_race_detector_sees_a_missing_proxy_fence():
+  """Negative control: the consumers read every y stage (and dy stage) with generic loads; without
+  the fence before its release, the detector reports the TMA refill of the stage as a race."""
+  m, k, n = 256, 64, 256
+  x, w, _, _ = _inputs(4, m, k, n, jnp.bfloat16, affine=False)
+  dy = jax.random.normal(jax.random.key(5), (m, n), jnp.float32).astype(jnp.bfloat16)
+  rstd = jnp.ones((m,), jnp.float32)
+  cfg = TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=2, fence_reads=False)
+  dx = nmb.norm_matmul_dx(dy, w, x, rstd, y=dy, interpret=True, config=cfg)
+  jax.block_until_ready(dx)
+  assert mgpu_common.races_found()
+
+
+def test_dx_fused_bad_arguments_raise():
+  """Mixed or incomplete row-term inputs are refused, naming the argument, before any kernel
+  runs."""
+  m, n, k = 8, 64, 128
+  dy = jnp.ones((m, n), jnp.bfloat16)
+  w = jnp.ones((k, n), jnp.bfloat16)
+  x = jnp.ones((m, k), jnp.bfloat16)
+  r = jnp.ones((m,), jnp.float32)
+  v = jnp.ones((n,), jnp.float32)
+  call = lambda *a, **kw: nmb.norm_matmul_dx(dy, w, x, *a, interpret=True, **kw)
+  with pytest.raises(ValueError, match="y_term must be None"):
+    call(r, r, y=dy)
+  with pytest.raises(ValueError, match="c_term must be None"):
+    call(r, None, r, r, y=dy, col_sum=v)
+  with pytest.raises(ValueError, match="out_bias"):
+    call(r, r, out_bias=v)
+  with pytest.raises(ValueError, match="col_sum"):
+    call(r, r, r, r, col_sum=v)
+  with pytest.raises(ValueError, match="y_term is required"):
+    call(r)
+  with pytest.raises(ValueError, match="rstd is required"):
+    call(None, y=dy)
+  with pytest.raises(ValueError, match="y must have dy's shape"):
+    call(r, y=dy[:, :32])
+  with pytest.raises(TypeError, match="y must have dy's dtype"):
+    call(r, y=dy.astype(jnp.float32))
+  with pytest.raises(TypeError, match="y must be an array"):
+    call(r, y=1.0)
+  with pytest.raises(ValueError, match="mean and col_sum"):
+    call(r, mean=r, y=dy)
+  with pytest.raises(ValueError, match="mean and col_sum"):
+    call(r, y=dy, col_sum=v)
+  with pytest.raises(ValueError, match="out_bias must be float32"):
+    call(r, y=dy, out_bias=v[:32])
+  with pytest.raises(ValueError, match="col_sum must be float32"):
+    call(r, mean=r, y=dy, col_sum=v.astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match="out_bias must be an array"):
+    call(r, y=dy, out_bias=[0.0] * n)
+  with pytest.raises(ValueError, match="pingpong"):
+    call(r, y=dy, config=TileConfig(tile_k=32, pingpong=True))
+
+
+def test_dx_fused_plan_and_config():
+  """SMEM: the y stage (and the vectors' block) shrink the pipeline; at K = N = 512 the default
+  128×256 tiles keep 2 chained stages (64.5 KiB each; 3 unchained without y), 32-wide steps 4;
+  pick_config narrows the step only where 64-wide ones leave a single stage."""
+  m = 262144
+  base = nmb.pick_config(m, 512, 512)
+  assert nmb.pick_config(m, 512, 512, fused_row_terms=True) == base
+  plan = lambda cfg, fused: nmb._make_plan(m, 512, 512, jnp.bfloat16, True, cfg, False, 1,
+                                           fused=fused, has_bias=True)
+  assert (plan(base, False).stages, plan(base, False).chained) == (3, False)
+  fused = plan(base, True)
+  assert (fused.stages, fused.chained, fused.n_rows, fused.n_vecs) == (2, True, 2, 2)
+  k32 = plan(dataclasses.replace(base, tile_k=32), True)
+  assert (k32.stages, k32.chained) == (4, True)
+  for cfg, stages in ((base, fused.stages), (dataclasses.replace(base, tile_k=32), k32.stages)):
+    used = (stages * nmb._stage_bytes(cfg, jnp.bfloat16, True, 2)
+            + nmb._fixed_smem_bytes(cfg, jnp.bfloat16, 2))
+    assert used <= mgpu_common.SMEM_BYTES
+  small = nmb.pick_config(m, 128, 128, fused_row_terms=True)
+  assert (small.tile_m, small.tile_n, small.tile_k) == (256, 128, 32)
+  assert nmb.pick_config(m, 128, 128).tile_k == 64
+
+
+@pytest.mark.parametrize("m,k,n,norm,bias,config", [
+    (262144, 512, 512, "layer", True, None),
+    (262144 + 77, 1024, 1024, "rms", True, None),  # M % 8 != 0: dy and y untiled, A in registers
+    (262144, 512, 512, "rms", False, TileConfig(tile_k=32)),
+    (262144, 128, 128, "layer", False, None),  # 256×128 tiles, 32-wide steps (pick_config)
+    (262144, 512, 512, "layer", True, TileConfig(cluster_m=2)),
+    (262144, 1024, 1024, "layer", True, TileConfig(delay_release=1)),
+    (65536, 2048, 2048, "rms", True, TileConfig(tile_m=256, tile_n=128, tile_k=32)),
+])
+def test_dx_fused_row_terms_lower_for_hopper(m, k, n, norm, bias, config):
+  spec = jax.ShapeDtypeStruct
+  row, col = spec((m,), jnp.float32), spec((n,), jnp.float32)
+  fn = jax.jit(lambda dy, w, x, r, mu, y, ob, cs: nmb.norm_matmul_dx(
+      dy, w, x, r, mean=mu, y=y, out_bias=ob, col_sum=cs, config=config))
+  exported = export.export(fn, platforms=["cuda"])(
+      spec((m, n), jnp.bfloat16), spec((k, n), jnp.bfloat16), spec((m, k), jnp.bfloat16), row,
+      row if norm == "layer" else None, spec((m, n), jnp.bfloat16), col if bias else None,
+      col if norm == "layer" else None)
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (262144, 512, 512), (1, 128, 128),
                                    (8192, 320, 1024), (65536, 2048, 2048)])
@@ -512,6 +683,36 @@ def test_gpu_dx_pingpong(m, k, n, norm):
 @pytest.mark.parametrize("m", [8192, 8192 + 77])
 def test_gpu_dx_configs(config, m):
   _run_dx_and_check(m, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(8192, 512, 512), (8192 + 77, 1024, 1024), (1, 128, 128),
+                                   (4096, 2048, 2048)])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gpu_dx_fused_row_terms(m, k, n, norm):
+  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False, fused=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_dx_fused_row_terms_large_mean(dtype):
+  _run_dx_and_check(4096 + 77, 512, 512, dtype, "layer", mu=1e3, interpret=False, fused=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [TileConfig(tile_k=32), TileConfig(tile_m=256, tile_n=128,
+                                                                      tile_k=32),
+                                    TileConfig(epi_tile_n=32), TileConfig(fence_reads=False),
+                                    TileConfig(a_operand="registers"), TileConfig(cluster_m=2),
+                                    TileConfig(tile_k=32, cluster_m=2),
+                                    TileConfig(delay_release=1)])
+@pytest.mark.parametrize("m", [8192, 8192 + 77])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gpu_dx_fused_row_terms_configs(config, m, norm):
+  """The fused row terms under the tile configs the benchmark times, at real sizes, with
+  M % 8 != 0 (dy and y untiled, A from registers) too."""
+  _run_dx_and_check(m, 512, 512, jnp.bfloat16, norm, config=config, interpret=False,
+                    fused=True)
 
 
 def test_resident_clusters_fit_the_gpcs():

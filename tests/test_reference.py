@@ -516,3 +516,15 @@ def test_public_ops_accept_numpy_inputs(op, rng):
   fn, args = _numpy_case(rng, op)
   want = fn(*(None if a is None else jnp.asarray(a) for a in args))
   chex.assert_trees_all_close(fn(*args), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn,args", [
+    (reference.norm_matmul, lambda x: (x, jnp.ones((4, 3)))),
+    (reference.matmul_norm, lambda x: (x, jnp.ones((4, 3)))),
+])
+def test_unknown_norm_is_rejected(fn, args):
+  """A norm the reference does not define (e.g. the kernels' internal "none") is a ValueError,
+  not a silent LayerNorm."""
+  x = jax.random.normal(jax.random.key(0), (2, 4))
+  with pytest.raises(ValueError, match="norm"):
+    fn(*args(x), norm="none")

@@ -40,7 +40,8 @@ tile from global memory (L2) by TMA and normalize it in place
 (``h − mean = centered + (tile mean − mean)``). The second pass costs one more write and read of
 y per element; interpret mode runs it with one CTA looping over all N tiles.
 
-Ping-pong consumers (``TileConfig.pingpong``, :func:`pingpong_config`; opt-in, not yet timed):
+Ping-pong consumers (``TileConfig.pingpong``, :func:`pingpong_config`; opt-in, measured slower:
+223 / 553 / 1125 µs against 176 / 500 / 1024 at 262144×512×{256, 512, 1024} on the H200):
 the row blocks are one warpgroup's rows and alternate between the two consumer warpgroups, each
 with its own K-loop ring (:class:`pallas_norm.mgpu_common.PingPongRing`), so one warpgroup's
 epilogue and cluster exchange overlap the other's WGMMAs instead of leaving the tensor cores idle
@@ -235,7 +236,8 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
 def pingpong_config(m: int, k: int, n: int) -> TileConfig:
   """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``): 32-wide K steps,
   so that each consumer's ring gets 2-4 stages next to the epilogue buffers (64-wide ones
-  leave one at tile_n = 256). Not the default: not yet timed on a GPU (benchmarks/NOTES.md)."""
+  leave one at tile_n = 256). Not the default: 5-10% slower than :func:`pick_config` on the
+  H200 (a 64-row tile streams the whole W tile per 64 rows; benchmarks/NOTES.md, session 4)."""
   base = pick_config(m, k, n)
   return dataclasses.replace(base, pingpong=True, tile_k=32 if k % 32 == 0 else base.tile_k)
 
@@ -894,11 +896,23 @@ def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
 EXCHANGES = ("pull", "push", "pull_nofence", "barrier_only", "local")
 
 
+def _pick_exchange(make_plan) -> _Plan:
+  """The plan with the faster exchange measured on the H200 (benchmarks/NOTES.md, session 4):
+  "push" where its inbox costs no pipeline stage (clusters of 2: 465 vs 500 µs at
+  262144×512×512), else "pull" (with clusters of 4 and 8 push loses a stage and is 3-10%
+  slower). ``make_plan(exchange)`` builds the plan of one exchange."""
+  pull = make_plan("pull")
+  if pull.cluster != 2 or pull.cfg.pingpong:
+    return pull
+  push = make_plan("push")
+  return push if push.stages >= pull.stages else pull
+
+
 def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, norm: str,
                     eps: float, out_dtype=None, return_h: bool = False,
                     return_xhat: bool = False, return_stats: bool = False,
                     interpret: bool = False, config: TileConfig | None = None,
-                    multicast_x: bool = False, exchange: str = "pull"):
+                    multicast_x: bool = False, exchange: str | None = None):
   """Forward of the post-norm GEMM as one Mosaic-GPU kernel (Hopper).
 
   Args:
@@ -915,13 +929,15 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       per row block (it cannot read a peer CTA's shared memory), looping over up to 4 N tiles.
     config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
     multicast_x: with a cluster, let the CTAs share each x tile through a TMA multicast.
-    exchange: how a cluster's CTAs share their partial row statistics. "pull" (the default):
-      each reads its peers' partials through distributed shared memory, with
+    exchange: how a cluster's CTAs share their partial row statistics. None (the default):
+      "push" for clusters of 2 when it costs no pipeline stage, else "pull". "pull": each
+      reads its peers' partials through distributed shared memory, with
       ``fence.acq_rel.cluster`` around the cluster barriers. "push": each sends its partials
       into every peer's shared memory with ``st.async`` stores that complete the peer's
-      barrier; on the H200 it gives the same bits, 7% faster with clusters of 2, but its inbox
-      (4 KB per CTA of the cluster) costs a pipeline stage with clusters of 4 and 8, where it
-      is slower (benchmarks/NOTES.md), and only its LayerNorm forward was run on a GPU. Diagnostics for the benchmarks
+      barrier; on the H200 it gives the same bits as pull (GPU tests, clusters of 2-8, RMS
+      and LayerNorm), 7% faster with clusters of 2, but its inbox (4 KB per CTA of the
+      cluster) costs a pipeline stage with clusters of 4 and 8, where it is 3-10% slower
+      (benchmarks/NOTES.md). Diagnostics for the benchmarks
       (issue 5: what the exchange costs), never for results: "pull_nofence" skips the fences
       (the barriers' CTA-scope ordering alone does not guarantee the peers' writes are
       visible), "barrier_only" keeps the barriers and fences but skips the peer reads (each
@@ -938,8 +954,8 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       norm/eps, a config that does not fit in SMEM, or more than 4 N tiles per CTA.
     TypeError: x and w dtypes differ.
   """
-  if exchange not in EXCHANGES:
-    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+  if exchange is not None and exchange not in EXCHANGES:
+    raise ValueError(f"exchange must be None or one of {EXCHANGES}, got {exchange!r}")
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   vectors = {"dense_bias": dense_bias, "scale": scale, "bias": bias}
   _check_args(x, w, vectors, residual, norm, eps, out_dtype)
@@ -948,9 +964,10 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
   cfg = config or pick_config(m, k, n)
   vecs = tuple(name for name, v in vectors.items() if v is not None)
   padded_m = m + (-m % _ROW_ALIGN)
-  plan = _make_plan((padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs, residual is not None,
-                    return_h, return_xhat, return_stats, cfg, interpret, multicast_x,
-                    exchange)
+  make_plan = functools.partial(_make_plan, (padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs,
+                                residual is not None, return_h, return_xhat, return_stats, cfg,
+                                interpret, multicast_x)
+  plan = make_plan(exchange) if exchange is not None else _pick_exchange(make_plan)
   out_type = [jax.ShapeDtypeStruct((padded_m, n), out_dtype)]
   out_type += [jax.ShapeDtypeStruct((padded_m, n), out_dtype) for _ in plan.extras]
   out_type += [jax.ShapeDtypeStruct((padded_m,), jnp.float32) for _ in range(plan.n_stats)]
