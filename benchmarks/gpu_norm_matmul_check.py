@@ -16,7 +16,11 @@ Sections (in this order):
   (x, w, scale, bias), jitted; gradients checked against the f32 reference; then a breakdown of
   our backward: the affine fold, the row-terms pass over dy and y, the dx kernel (and the same
   dx math in XLA), the weight gradients in XLA.
-* ``dx``: tile-config variants of the dx kernel.
+* ``dx``: tile-config variants of the dx kernel (row terms given), then the row terms' two
+  paths end to end: the XLA pass over dy and y followed by the dx kernel (today's backward,
+  ``xla_rows+ours_dx_*``, two kernels summed) against the dx kernel computing them in its own K
+  loop from y (``ours_dx_*/fused*``, ``norm_matmul.FUSED_ROW_TERMS``), and all-XLA
+  (``xla_rows+xla_dx_*``).
 * ``variants``: tile-config variants of the forward kernel (tuning data for ``pick_config``).
 
 For every shape it checks each kernel variant against :func:`pallas_norm.reference.norm_matmul`
@@ -117,6 +121,18 @@ def _dx_variants(m, k, n):
           ("cl2", dataclasses.replace(base, cluster_m=2), 1), ("alt_tile", alt_tile, 1),
           ("alt_tile_cl2", dataclasses.replace(alt_tile, cluster_m=2), 1)] + (
               [("pingpong", nmb.pingpong_config(m, n, k), 1)] if m % 8 == 0 else [])
+
+
+def _fused_dx_variants(m, k, n):
+  """(label, config) of the dx kernel with fused row terms: its default (``pick_config(...,
+  fused_row_terms=True)``: the row-terms-given default's tiles with 32-wide reduction steps, 4
+  chained stages at 128×256, K = N = 512), the same with 64-wide steps (2 chained stages), and
+  the other tile shape with 32-wide steps."""
+  base = nmb.pick_config(m, n, k, fused_row_terms=True)
+  alt_tile = (TileConfig(tile_m=128, tile_n=min(256, k), epi_tile_n=32, tile_k=32)
+              if base.tile_m == 256 else TileConfig(tile_m=256, tile_n=128, tile_k=32))
+  return [("fused", base), ("fused_k64", dataclasses.replace(base, tile_k=64)),
+          ("fused_alt_k32", alt_tile)]
 
 
 def _inputs(seed, m, k, n, mu=0.0, dtype=jnp.bfloat16):
@@ -411,6 +427,71 @@ def run_dx_variants(m, k, n, iterations, records, deadline):
       _guard(records, f"dx/{m}x{k}x{n}/{norm}/{label}", one)
 
 
+def run_dx_row_terms(m, k, n, iterations, records, deadline):
+  """End-to-end dx including the row terms: XLA pass + dx kernel vs the fused kernel."""
+  print(f"\n=== dx with its row terms, M={m} K={k} N={n} (bf16; LayerNorm with out_bias, "
+        "RMSNorm without) ===", flush=True)
+  sets = []
+  for seed in (0, 1):
+    ks = jax.random.split(jax.random.key(seed + 10), 8)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)
+    sets.append(dict(
+        dy=normal(ks[0], (m, n)).astype(jnp.bfloat16),
+        w_gamma=(normal(ks[1], (k, n)) / np.sqrt(k)).astype(jnp.bfloat16),
+        x=normal(ks[2], (m, k)).astype(jnp.bfloat16),
+        rstd=1.0 + 0.1 * jax.random.uniform(ks[3], (m,)), mean=0.1 * normal(ks[4], (m,)),
+        y=normal(ks[5], (m, n)).astype(jnp.bfloat16), out_bias=0.1 * normal(ks[6], (n,)),
+        col_sum=normal(ks[7], (n,))))
+  keys = ("dy", "w_gamma", "x", "rstd", "mean", "y", "out_bias", "col_sum")
+
+  def unfused(dx_fn):
+    def fn(dy, w_gamma, x, rstd, mean, y, out_bias, col_sum):
+      y_term, c_term = nm._row_terms(dy, y, col_sum, out_bias, rstd, k)
+      return dx_fn(dy, w_gamma, x, rstd, y_term, mean, c_term)
+    return jax.jit(fn)
+
+  def fused(cfg):
+    return jax.jit(lambda dy, w_gamma, x, rstd, mean, y, out_bias, col_sum: nmb.norm_matmul_dx(
+        dy, w_gamma, x, rstd, mean=mean, y=y, out_bias=out_bias, col_sum=col_sum, config=cfg,
+        interpret=_SMOKE))
+
+  for norm in ("layer", "rms"):
+    drop = () if norm == "layer" else ("mean", "out_bias", "col_sum")
+    arg_sets = [tuple(None if key in drop else st[key] for key in keys) for st in sets]
+    reference_fn = unfused(nm._input_grad_xla)
+    want = _guard(records, f"dx_rows/{m}x{k}x{n}/{norm}/xla_value",
+                  lambda arg_sets=arg_sets: reference_fn(*arg_sets[0]))
+    if want is None:
+      continue
+    times = {}
+    cases = [(f"xla_rows+xla_dx_{norm}", None, reference_fn),
+             (f"xla_rows+ours_dx_{norm}", None,
+              unfused(functools.partial(nmb.norm_matmul_dx, interpret=_SMOKE)))]
+    cases += [(f"ours_dx_{norm}", (label, cfg), fused(cfg))
+              for label, cfg in _fused_dx_variants(m, k, n)]
+    for impl, variant, fn in cases:
+      name = impl if variant is None else f"{impl}/{variant[0]}"
+      if time.monotonic() > deadline:
+        print(f"  (time budget reached: skipping {name})", flush=True)
+        continue
+
+      def one(impl=impl, variant=variant, fn=fn, name=name, arg_sets=arg_sets):
+        rec = {"shape": f"{m}x{k}x{n}", "impl": impl, "row_terms": "in-kernel" if variant
+               else "xla"}
+        if variant is not None:
+          rec.update(config_label=variant[0], config=dataclasses.asdict(variant[1]))
+        rec["err"] = _rel(fn(*arg_sets[0]), want)
+        rec["ok"] = rec["err"] < 1e-2
+        rec["us"] = times[name] = _time(fn, arg_sets, iterations)
+        line = f"  {name:<28} {rec['us']:9.1f} us"
+        if (today := times.get(f"xla_rows+ours_dx_{norm}")) and variant is not None:
+          rec["vs_xla_rows+ours_dx"] = rec["us"] / today
+          line += f"  {rec['vs_xla_rows+ours_dx']:.2f}x xla_rows+ours_dx"
+        print(line + f"  err {rec['err']:.1e}{'' if rec['ok'] else '  <-- WRONG'}", flush=True)
+        records.append(rec)
+      _guard(records, f"dx_rows/{m}x{k}x{n}/{name}", one)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="only the seed shape and its tail case")
@@ -473,6 +554,8 @@ def main(argv=None):
     for m, k, n in TRAIN_SHAPES[:1] if args.quick else TRAIN_SHAPES:
       if not late(f"dx {m}x{k}x{n}"):
         run_dx_variants(m, k, n, args.iterations, records, deadline)
+      if not late(f"dx row terms {m}x{k}x{n}"):
+        run_dx_row_terms(m, k, n, args.iterations, records, deadline)
   if "variants" in sections:
     for mkn in (VARIANT_SHAPES[:1] if args.quick else VARIANT_SHAPES):
       if mkn not in shapes and not late(f"fwd {mkn}"):

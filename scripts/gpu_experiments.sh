@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_experiments.sh tests    # their GPU tests (correctness first), ~3 min
 #   scripts/gpu_experiments.sh timing   # post-norm grid sweep + pre-norm/dx variants, ~8 min
+#   scripts/gpu_experiments.sh rows     # session 4: fused dx row terms on/off, suite subset
 #
 # Logs and JSON go to $OUT when set (else benchmarks/results/dev/). What the results decide is
 # in benchmarks/NOTES.md ("Next measurements"). Exit status: the last failing step's, else 0.
@@ -25,8 +26,26 @@ case "${1:-}" in
       --quick --budget-s 240 --json-name norm_matmul_options.json \
       2>&1 | grep -v "Delay kernel" | tee "$out/norm_matmul_options.log" || status=$?
     ;;
+  rows)
+    # Session 4: the public API's fwd+bwd with dx's row terms fused (the default up to K, N <=
+    # 512) against the XLA row-terms pass, same run, seed shape; then the suite's cases that
+    # the session's defaults change (push exchange at clusters of 2, fused row terms) and the
+    # Kunlun train step.
+    for fused in True False; do
+      OUT="$out" timeout 150 python3 -c "import sys, runpy
+import pallas_norm.ops.norm_matmul as nm
+nm.FUSED_ROW_TERMS = $fused
+sys.argv = ['gpu_norm_matmul_check.py', '--sections', 'train', '--quick',
+            '--json-name', 'train_fused_rows_$fused.json']
+runpy.run_path('benchmarks/gpu_norm_matmul_check.py', run_name='__main__')" \
+        2>&1 | grep -v "Delay kernel" | tee "$out/train_fused_rows_$fused.log" || status=$?
+    done
+    timeout 330 python3 -m benchmarks.run --budget-s 240 --tag nvidia-h200-s4-subset \
+      --only "(norm_matmul|matmul_norm)/[a-z+]+/262144x(128x128|512x512)/|train_step" \
+      2>&1 | grep -v "Delay kernel" | tee "$out/suite_subset.log" || status=$?
+    ;;
   *)
-    echo "usage: $0 tests|timing" >&2
+    echo "usage: $0 tests|timing|rows" >&2
     exit 2
     ;;
 esac

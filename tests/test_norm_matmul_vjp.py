@@ -167,6 +167,82 @@ def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine):
     assert _rel(g, g_ref) < 2e-2, (name, _rel(g, g_ref))
 
 
+def _spy_on_dx_kernel(monkeypatch, run_kernel=True):
+  """Replaces norm_matmul_dx by a wrapper that records which row-term inputs each call got:
+  "y" (fused row terms) or "y_term" (the XLA pass); without ``run_kernel`` it returns zeros."""
+  from pallas_norm.ops import norm_matmul_bwd_mgpu as nmb
+  calls, real = [], nmb.norm_matmul_dx
+
+  def spy(dy, w_gamma, x, *args, **kwargs):
+    calls.append("y" if kwargs.get("y") is not None else "y_term")
+    return real(dy, w_gamma, x, *args, **kwargs) if run_kernel else jnp.zeros_like(x)
+
+  monkeypatch.setattr(nmb, "norm_matmul_dx", spy)
+  return calls
+
+
+@pytest.mark.parametrize("m,k,n,norm", [(77, 128, 192, "layer"), (64, 64, 128, "rms")])
+def test_public_api_interpret_fused_row_terms(monkeypatch, m, k, n, norm):
+  """norm_matmul.FUSED_ROW_TERMS on: pallas_norm.norm_matmul(implementation="interpret") takes
+  the dx kernel's fused row terms (the kernel gets y, not y_term) and its gradients match the
+  f32 reference's (each within 2e-2 of the largest reference entry, elementwise; relative
+  Frobenius < 2e-2, as the XLA row-terms path above)."""
+  monkeypatch.setattr(nm, "FUSED_ROW_TERMS", True)
+  calls = _spy_on_dx_kernel(monkeypatch)
+  x, w, scale, bias, ct = _inputs(31 + m, m, k, n, jnp.bfloat16)
+  ct = ct.astype(jnp.bfloat16)
+  op = lambda *a: pallas_norm.norm_matmul(*a, norm=norm, implementation="interpret")
+  y, vjp = jax.vjp(op, x, w, scale, bias)
+  grads = vjp(ct)
+  assert calls == ["y"]
+  f32 = lambda a: a.astype(jnp.float32)
+  y_ref, vjp_ref = jax.vjp(lambda *a: reference.norm_matmul(*a, norm=norm), f32(x), f32(w),
+                           scale, bias)
+  assert _rel(y, y_ref) < 1e-2
+  grads_ref = vjp_ref(f32(ct))
+  chex.assert_trees_all_equal_shapes(grads, grads_ref)
+  for name, g, r in zip(["dx", "dw", "dscale", "dbias"], grads, grads_ref):
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    top = float(jnp.max(jnp.abs(r)))
+    chex.assert_trees_all_close(f32(g) / top, r / top, atol=2e-2, rtol=0, custom_message=name)
+    assert _rel(g, r) < 2e-2, (name, _rel(g, r))
+
+
+@pytest.mark.parametrize("flag,implementation,y_dtype,expected", [
+    (False, "interpret", jnp.bfloat16, ["y_term"]),
+    (None, "interpret", jnp.bfloat16, ["y"]),  # by shape: K = N = 64 <= 512
+    (None, "interpret", jnp.float32, ["y_term"]),
+    (True, "interpret", jnp.bfloat16, ["y"]),
+    (True, "mosaic", jnp.bfloat16, ["y"]),
+    (True, "interpret", jnp.float32, ["y_term"]),  # out_dtype f32: y not in x's dtype
+    (True, "lazy_xla", jnp.bfloat16, []),  # the reference math never calls the kernel
+])
+def test_input_grad_row_terms_switch(monkeypatch, flag, implementation, y_dtype, expected):
+  """Which row-term path _input_grad takes under the module switch (no kernel runs)."""
+  _check_row_terms_route(monkeypatch, flag, implementation, y_dtype, expected, 64, 64)
+
+
+@pytest.mark.parametrize("k,n,expected", [(512, 512, ["y"]), (512, 1024, ["y_term"]),
+                                          (1024, 512, ["y_term"]), (128, 256, ["y"])])
+def test_row_terms_default_by_shape(monkeypatch, k, n, expected):
+  """FUSED_ROW_TERMS = None: fused only up to K, N <= FUSED_ROW_TERMS_MAX_KN (measured faster
+  at 512², slower at 2048²)."""
+  _check_row_terms_route(monkeypatch, None, "mosaic", jnp.bfloat16, expected, k, n)
+
+
+def _check_row_terms_route(monkeypatch, flag, implementation, y_dtype, expected, k, n):
+  monkeypatch.setattr(nm, "FUSED_ROW_TERMS", flag)
+  calls = _spy_on_dx_kernel(monkeypatch, run_kernel=False)
+  m = 16
+  x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
+  w_gamma, col_sum, out_bias = nm.fold_affine(w, scale, bias, "layer")
+  y = jnp.ones((m, n), y_dtype)
+  rows = jnp.ones((m,), jnp.float32)
+  dx = nm._input_grad(implementation, ct.astype(y_dtype), x, w_gamma, col_sum, out_bias, y,
+                      rows, rows)
+  assert calls == expected and dx.shape == x.shape
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 1024, 320)])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
@@ -184,6 +260,17 @@ def test_gpu_public_api_gradients(m, k, n, norm):
   for name, g, g_ref in zip(["dx", "dw", "dscale", "dbias"], grads, vjp_ref(f32(ct))):
     assert bool(jnp.all(jnp.isfinite(g))), name
     assert _rel(g, g_ref) < 2e-2, (name, _rel(g, g_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 1024, 320)])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gpu_public_api_gradients_fused_row_terms(monkeypatch, m, k, n, norm):
+  """As above, with norm_matmul.FUSED_ROW_TERMS on (dx's row terms in the dx kernel)."""
+  monkeypatch.setattr(nm, "FUSED_ROW_TERMS", True)
+  calls = _spy_on_dx_kernel(monkeypatch)
+  test_gpu_public_api_gradients(m, k, n, norm)
+  assert calls == ["y"]
 
 
 def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(monkeypatch):

@@ -19,8 +19,11 @@ full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy
 
 For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
 epilogue (:mod:`pallas_norm.ops.norm_matmul_bwd_mgpu`); its two row scalars
-``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy and y.
-dW_γ and the rest stay in XLA. ``"lazy_xla"`` (tests only) runs the same math all in XLA.
+``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy and y,
+or, by default up to K, N ≤ 512 (:data:`FUSED_ROW_TERMS`; measured faster at K = N = 512,
+slower at 2048), from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
+XLA. ``"lazy_xla"`` (tests only) runs the same math all in XLA, with the XLA row terms (the
+reference for both).
 
 The ``"xla"`` implementation is the unfused reference (:func:`pallas_norm.reference.norm_matmul`)
 differentiated by JAX.
@@ -129,6 +132,26 @@ def _fused_fwd(x, w, scale, bias, norm, eps, out_dtype, implementation):
   return (y, mean, rstd), saved
 
 
+FUSED_ROW_TERMS: bool | None = None
+"""Whether the kernel backward computes dx's row terms (y_term, c_term) inside the dx kernel's K
+loop (``norm_matmul_dx(..., y=...)``) instead of in an XLA pass over dy and y before it. None
+(default): by shape, :func:`fused_row_terms_pay`; True / False force it. Read when the backward
+is traced (a jitted function keeps the path it was traced with). Calls whose y is not in x's
+dtype (an ``out_dtype`` other than x's) keep the XLA pass either way."""
+
+FUSED_ROW_TERMS_MAX_KN = 512
+"""Largest K and N where the fused row terms are the default. H200, dx with its row terms
+(``benchmarks/gpu_norm_matmul_check.py --sections dx``): 262144×512² LayerNorm 392 vs 424 µs
+(XLA pass + dx kernel), RMSNorm 366 vs 413; 65536×2048² 1.14-1.27× slower (the kernel's extra
+y stream and sums are not hidden and cost a pipeline stage). 1024 is not measured yet."""
+
+
+def fused_row_terms_pay(k: int, n: int) -> bool:
+  """The default of :data:`FUSED_ROW_TERMS` for x (M, k) @ w (k, n): fused up to
+  :data:`FUSED_ROW_TERMS_MAX_KN`."""
+  return max(k, n) <= FUSED_ROW_TERMS_MAX_KN
+
+
 def _row_terms(dy, y, col_sum, out_bias, rstd, k):
   """The per-row scalars of the dx epilogue, from one pass over dy and y (XLA fuses it).
 
@@ -156,13 +179,22 @@ def _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None):
 
 def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
   """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue."""
+  interpret = implementation == "interpret"
+  fused = (fused_row_terms_pay(x.shape[1], y.shape[1]) if FUSED_ROW_TERMS is None
+           else FUSED_ROW_TERMS)
+  if implementation != "lazy_xla" and fused and y.dtype == dy.dtype == x.dtype:
+    # The kernel sums the rows of dy ⊙ (y − out_bias) and dy ⊙ col_sum in its K loop. With y
+    # and dy in x's dtype it reads the very values the XLA pass would (no rounding of y).
+    from pallas_norm.ops import norm_matmul_bwd_mgpu
+    return norm_matmul_bwd_mgpu.norm_matmul_dx(
+        dy, w_gamma, x, rstd, mean=mean, y=y, out_bias=out_bias, col_sum=col_sum,
+        interpret=interpret)
   y_term, c_term = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
   if implementation == "lazy_xla":
     return _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean, c_term)
   from pallas_norm.ops import norm_matmul_bwd_mgpu
   return norm_matmul_bwd_mgpu.norm_matmul_dx(
-      dy.astype(x.dtype), w_gamma, x, rstd, y_term, mean, c_term,
-      interpret=implementation == "interpret")
+      dy.astype(x.dtype), w_gamma, x, rstd, y_term, mean, c_term, interpret=interpret)
 
 
 def _weight_grads(dy, x, w, scale, bias, mean, rstd):

@@ -1,8 +1,7 @@
 """dx of the lazy pre-norm GEMM as one Pallas Mosaic-GPU kernel for Hopper (sm_90a).
 
 The backward of ``y = norm(x) @ w_gamma (+ out_bias)`` (DESIGN.md, op 1) needs no reduction over
-a full row of K: with ``G = dy @ w_gammaᵀ`` (M, K) and two per-row scalars that XLA computes in
-one pass over dy and y,
+a full row of K: with ``G = dy @ w_gammaᵀ`` (M, K) and two per-row scalars,
 
     c_term_i = rstd_i · (dy_i · col_sum) / K               (LayerNorm only)
     y_term_i = rstd_i² · rowsum(dy_i ⊙ (y_i − out_bias)) / K
@@ -16,6 +15,52 @@ This module computes exactly that in one kernel: dy (M, N) is the A operand, w_g
 read untransposed from GMEM and handed to WGMMA as a transposed SMEM view (the B operand
 ``w_gammaᵀ`` (N, K); WGMMA transposes 16-bit B tiles for free), and the epilogue reads the x tile
 (TMA-prefetched into SMEM during the K loop) and the row vectors, then writes dx in x's dtype.
+
+Where the row scalars come from (:func:`norm_matmul_dx`):
+
+* given (``y_term``, ``c_term``; the default path of ``norm_matmul``'s backward): XLA computes
+  them in one pass over dy and y (``pallas_norm.ops.norm_matmul._row_terms``) before the kernel.
+* fused (``y``, ``out_bias``, ``col_sum``; ``norm_matmul.FUSED_ROW_TERMS``, opt-in, off by
+  default): the kernel computes them itself, inside its K loop. The reduction runs over N, the
+  same dimension as the row sums, so each K step's (tile_m, tile_k) dy tile, already in SMEM as
+  the WGMMA A operand, is all the row sums need next to the matching y tile. y streams through
+  the pipeline as a third input (the dy tile's blocks and SMEM layout), and the column vectors
+  as a fourth: ``[col_sum; out_bias]`` packed into one (n_vecs, N) f32 array, one (n_vecs,
+  tile_k) block per step (tile_k·4 bytes per vector and stage: SMEM that does not grow with N,
+  for one more TMA per step; whole vectors resident in SMEM, 8·N bytes, would cost a stage of
+  the default tiles from N ≈ 4096 on). After issuing a step's WGMMA, each consumer warpgroup
+  loads its rows of the dy and y tiles into registers (WGMMA layout; with
+  ``a_operand="registers"`` the dy registers WGMMA reads) and adds, in f32, per-thread partial
+  row sums (rows, 8) (:func:`pallas_norm.mgpu_common.lane_partial_sum`, the pre-norm forward's
+  in-loop statistics technique) of ``dy ⊙ (y − out_bias)`` and, for LayerNorm, ``dy ⊙
+  col_sum``, while the tensor core runs. The epilogue reduces them across lanes once per tile
+  and forms ``y_term = rstd² · s_y / K`` and ``c_term = rstd · s_c / K`` from the saved rstd.
+  Elementwise this is the XLA pass's math (dy and y upcast to f32, ``y − out_bias``, product,
+  sum); only the summation order differs. The subtraction is done per element, as XLA does,
+  rather than as ``rowsum(dy ⊙ y) − dy·out_bias``: that costs the same (a subtract and an FMA
+  per element, one accumulator fewer) and does not cancel two large sums when |out_bias| ≫
+  the spread of y. An output tile spans tile_n columns of K, so when K > tile_n every column
+  tile of a row block recomputes the same row sums and re-reads y (mostly from L2 with the
+  default N-minor grid order); computing them once per row block (the forward's
+  ``stats_once``) would need a second pipeline without the y input for the other column tiles
+  (stage buffers shared, barriers of its own), which is not written.
+
+  SMEM: one (tile_m, tile_k) y stage per pipeline stage. At the default 128×256 tiles, bf16,
+  64-wide steps take 64.5 KiB per stage instead of 48 (K = N = 512: 2 chained stages instead
+  of 3 unchained), 32-wide ones 32.25 KiB (4 chained stages); 256×128 tiles would keep a single
+  64-wide stage. :func:`pick_config` takes 32-wide steps for the fused row terms.
+
+  Measured on the H200 (2026-11-30, bf16, CUPTI, two runs;
+  ``benchmarks/results/dev/2026-11-30_dx_fused_row_terms_timing.log``), against today's path
+  (the XLA pass, ~125 µs, then the dx kernel): 262144×512²: 0.92-0.94× LayerNorm (392 vs 424
+  µs), 0.88-0.90× RMSNorm (366 vs 413); 65536×2048²: 1.25-1.27× LayerNorm (1135-1150 vs 907),
+  1.14-1.23× RMSNorm: faster where a row block has 2 column tiles, slower with 8. The in-loop
+  work is not hidden under the WGMMAs: next to the dx kernel alone (293 µs at 512², 761 at
+  2048²) the fused one pays for the lost stage (2 stages of 64: +36 and +129 µs), streaming y
+  (+24, +106) and the loads and sums (+44, +143), all per column tile (cost split in the same
+  log; no register spills). All GPU tests of the option passed on the H200
+  (``..._gpu_tests.log``). Needs y in dy's dtype (``norm_matmul`` otherwise keeps the XLA pass);
+  does not combine with ``pingpong`` yet.
 
 With ``TileConfig.pingpong`` (:func:`pingpong_config`; opt-in, not yet timed) the consumers
 take alternate (one warpgroup's rows, column tile) units instead, each with its own K-loop ring
@@ -33,8 +78,8 @@ every epilogue tile has its own SMEM slot.
 
 Shapes: the forward's (any M ≥ 1; N and K multiples of 64; bfloat16 or float16). The x and dx
 tiles go through untiled swizzled SMEM (plain 2-D TMA boxes: rows past M read as zeros and are
-never written). For M % 8 != 0 on the GPU the dy stages are untiled too and WGMMA takes A from
-registers (``TileConfig.a_operand``), as in the forward.
+never written). For M % 8 != 0 on the GPU the dy stages (and y stages) are untiled too and WGMMA
+takes A from registers (``TileConfig.a_operand``), as in the forward.
 """
 
 from __future__ import annotations
@@ -65,14 +110,25 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
   return norm_matmul_mgpu.unsupported_reason(m, k, n, dtype)
 
 
-def pick_config(m: int, n: int, k: int) -> TileConfig:
+def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
   K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options.
+
+  ``fused_row_terms`` (y streams through the pipeline too): the same tiles, with 32-wide
+  reduction steps where the y stage leaves room for fewer than 3 64-wide ones (every default
+  tile shape). On the H200 (2026-11-30, two runs, 128×256 tiles) 4 stages of 32 against 2 of
+  64: 262144×512², 0.98 and 1.00× LayerNorm, 0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and
+  1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no
+  load would overlap a WGMMA at all.
   """
   fwd = norm_matmul_mgpu.pick_config(m, n, k)
-  return TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
-                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
-                    epi_tile_n=fwd.epi_tile_n)
+  cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
+                   max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
+                   epi_tile_n=fwd.epi_tile_n)
+  # The most SMEM any fused call takes besides the stages: LayerNorm with out_bias, 16-bit.
+  if fused_row_terms and _stages_that_fit(cfg, jnp.bfloat16, True, True, 2) < 3:
+    cfg = dataclasses.replace(cfg, tile_k=32)
+  return cfg
 
 
 def pingpong_config(m: int, n: int, k: int) -> TileConfig:
@@ -90,6 +146,8 @@ class _Plan:
   k: int
   dtype: jnp.dtype
   layer: bool
+  fused: bool  # the kernel computes y_term / c_term from y (fused row terms)
+  has_bias: bool  # fused: out_bias is subtracted from y
   cfg: TileConfig
   stages: int
   chained: bool  # a CTA's tiles run as one K-loop pipeline (TileConfig.pipeline_across_tiles)
@@ -103,8 +161,12 @@ class _Plan:
     return mgpu_common.plan_delay_release(self.cfg, self.stages)
 
   @property
-  def n_rows(self) -> int:  # row vectors: rstd, y_term (+ mean, c_term)
-    return 4 if self.layer else 2
+  def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused,
+    return _n_rows(self.layer, self.fused)  # rstd (+ mean)
+
+  @property
+  def n_vecs(self) -> int:  # fused: column vectors streamed per step, col_sum (+ out_bias)
+    return _n_vecs(self.layer, self.fused, self.has_bias)
 
   @property
   def m_iters(self) -> int:  # row blocks: of tile_m rows, or of one warpgroup's with pingpong
@@ -127,29 +189,55 @@ class _Plan:
     return self.cfg.wg_tile_m // self.cfg.epi_tile_m, self.cfg.tile_n // self.epi_n
 
 
+def _n_rows(layer: bool, fused: bool) -> int:
+  return (1 if fused else 2) * (2 if layer else 1)
+
+
+def _n_vecs(layer: bool, fused: bool, has_bias: bool) -> int:
+  return int(fused) * (int(layer) + int(has_bias))
+
+
 def _fixed_smem_bytes(cfg: TileConfig, dtype, n_rows: int) -> int:
   x_tile = cfg.tile_m * cfg.tile_n * jnp.dtype(dtype).itemsize  # both warpgroups' x/dx slices
   rows = 2 * n_rows * cfg.wg_tile_m * 4
   return x_tile + rows + _SMEM_SLACK
 
 
-def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
+def _stage_bytes(cfg: TileConfig, dtype, fused: bool, n_vecs: int) -> int:
+  """SMEM of one pipeline stage: the dy and w tiles, and with the fused row terms the y tile and
+  the (n_vecs, tile_k) f32 column-vector block."""
   itemsize = jnp.dtype(dtype).itemsize
-  n_rows = 4 if layer else 2
+  if cfg.pingpong:
+    return mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n, dtype)
+  stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
+  if fused:
+    stage += cfg.tile_m * cfg.tile_k * itemsize + n_vecs * cfg.tile_k * 4
+  return stage
+
+
+def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int) -> int:
+  """Pipeline stages that fit in SMEM next to the epilogue's buffers (not capped)."""
+  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, _n_rows(layer, fused))
+  return free // _stage_bytes(cfg, dtype, fused, n_vecs)
+
+
+def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step, *, fused=False,
+               has_bias=False) -> _Plan:
   if cfg.stats_once:
     raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
   mgpu_common.reject_unused_options(cfg, "dx", ("stats", "epi_slots"))
   if cfg.pingpong:
+    if fused:
+      raise ValueError("the fused row terms (y given) do not run with TileConfig.pingpong yet: "
+                       "pass y_term/c_term, or a config without pingpong")
     norm_matmul_mgpu._check_pingpong(cfg, m, interpret)  # pylint: disable=protected-access
-    stage_bytes = mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n, dtype)
-  else:
-    stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
-  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, n_rows)
-  if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
+  fit = _stages_that_fit(cfg, dtype, layer, fused, _n_vecs(layer, fused, has_bias))
+  if min(cfg.max_concurrent_steps, fit) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM next to the "
-                     f"x tile of the epilogue")
+                     f"x tile of the epilogue" + (" (with the y stage of the fused row terms)"
+                                                  if fused else ""))
   stages, chained = mgpu_common.stages_for(
-      cfg, n // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes))
+      cfg, n // cfg.tile_k, min(cfg.max_concurrent_steps, fit))
   block_rows = cfg.wg_tile_m if cfg.pingpong else cfg.tile_m
   units = -(-(-(-m // block_rows)) // cfg.cluster_m) * -(-k // cfg.tile_n)
   num_clusters = mgpu_common.persistent_clusters(cfg, cfg.cluster_m, units, interpret)
@@ -162,14 +250,67 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step) -> _Plan:
                               "0.11.2 interprets WGMMA with both operands in SMEM only)")
   epi_n = norm_matmul_mgpu._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   red_iters = n // cfg.tile_k
-  return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, cfg=cfg,
+  return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
+               has_bias=fused and has_bias, cfg=cfg,
                stages=stages, chained=chained, num_clusters=num_clusters,
                a_in_registers=a_in_registers,
                epi_n=epi_n, x_prefetch_step=min(max(x_prefetch_step, 0), red_iters - 1))
 
 
-def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
-  *row_gmems, dx_gmem = refs
+# ------------------------------------------------------------------------------------------------
+# Fused row terms: per-thread partial row sums in the WGMMA layout (see the module docstring).
+
+
+def _init_row_sums(plan: _Plan) -> tuple:
+  """Zero partials of rowsum(dy ⊙ (y − out_bias)) (+ rowsum(dy ⊙ col_sum) for LayerNorm)."""
+  if not plan.fused:
+    return ()
+  zeros = mgpu_common.lane_partial_zeros(plan.cfg.wg_tile_m)
+  return (zeros, zeros) if plan.layer else (zeros,)
+
+
+def _update_row_sums(plan: _Plan, sums: tuple, dy, y, vec_stage) -> tuple:
+  """Adds one K step's f32 tiles dy, y (rows, tile_k) to the partial row sums; ``vec_stage`` is
+  the step's (n_vecs, tile_k) SMEM block of [col_sum; out_bias] (None when n_vecs is 0)."""
+  def col_vec(i):  # row i of the block, broadcast over the tile's rows
+    v = plgpu.load(vec_stage.at[i], layout=plgpu.Layout.WGMMA.reduce(0))
+    return lax.broadcast_in_dim(v, dy.shape, [1])
+
+  # y − out_bias per element, as XLA's pass: no cancellation of two large sums.
+  y_gemm = y - col_vec(int(plan.layer)) if plan.has_bias else y
+  out = [sums[0] + mgpu_common.lane_partial_sum(dy * y_gemm)]
+  if plan.layer:
+    out.append(sums[1] + mgpu_common.lane_partial_sum(dy * col_vec(0)))
+  return tuple(out)
+
+
+def _epilogue_rows(plan: _Plan, rows: list, sums: tuple):
+  """(rstd, y_term, mean, c_term) row vectors (layout WGMMA.reduce(1); mean and c_term None for
+  RMSNorm) from the TMA'd row vectors and, fused, the K loop's partial row sums (reduced across
+  lanes here, once per tile): y_term = rstd² · s_y / K, c_term = rstd · s_c / K."""
+  if not plan.fused:
+    rstd, y_term = rows[:2]
+    mean, c_term = rows[2:] if plan.layer else (None, None)
+    return rstd, y_term, mean, c_term
+  inv_k = 1.0 / plan.k
+  rstd = rows[0]
+  y_term = rstd * rstd * (jnp.sum(sums[0], axis=1) * inv_k)
+  if not plan.layer:
+    return rstd, y_term, None, None
+  return rstd, y_term, rows[1], rstd * (jnp.sum(sums[1], axis=1) * inv_k)
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel.
+
+
+def _kernel(*refs, plan: _Plan):
+  it = iter(refs)
+  dy_gmem, w_gmem, x_gmem = next(it), next(it), next(it)
+  y_gmem = next(it) if plan.fused else None
+  vec_gmem = next(it) if plan.n_vecs else None  # fused: [col_sum; out_bias] (n_vecs, N) f32
+  row_gmems = [next(it) for _ in range(plan.n_rows)]
+  dx_gmem = next(it)
   cfg = plan.cfg
   wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
   epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
@@ -183,12 +324,19 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     # The CTAs of a cluster share the column tile: each w tile reaches all by one multicast.
     w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
+    in_specs = [spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms),
+                spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms,
+                     collective_axes=w_axes)]
+    if plan.fused:  # y in dy's blocks and layout; the step's slice of the column vectors
+      in_specs.append(spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms))
+      if plan.n_vecs:
+        in_specs.append(spec((plan.n_vecs, tile_k), lambda kk: (0, kk)))
     return mgpu_common.consumer_pipeline(
         body, compute_context, steps=plan.red_iters, stages=plan.stages, pipeline_state=state,
-        delay_release=plan.delay_release,
-        in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms),
-                  spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms,
-                       collective_axes=w_axes)])
+        delay_release=plan.delay_release, in_specs=in_specs)
+
+  # The pipeline's GMEM operands beyond dy and w: all of y's columns, all of the vectors'.
+  extra_gmems = [r for r in (y_gmem, vec_gmem) if r is not None]
 
   ignore = lambda *_, **__: None
 
@@ -197,7 +345,8 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
       pipeline_allocs=(
           mgpu_common.pingpong_ring_allocs(wg_m, tile_k, tile_n, plan.dtype, plan.stages,
                                            w_transposed=True)
-          if cfg.pingpong else make_pipeline(ignore, ignore).get_allocations(dy_gmem, w_gmem)),
+          if cfg.pingpong else make_pipeline(ignore, ignore).get_allocations(
+              dy_gmem, w_gmem, *extra_gmems)),
       x_smem=plgpu.SMEM((2, chunks_m * chunks_n, epi_m, epi_n), plan.dtype,
                         transforms=x_transforms),
       row_smem=plgpu.SMEM((2, plan.n_rows, wg_m), jnp.float32),
@@ -240,19 +389,18 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
         def _acc_scope(acc_ref):
-          acc_ref = eval_pipeline(acc_ref)
+          acc_ref, *sums = eval_pipeline((acc_ref, *_init_row_sums(plan)))
           if plan.delay_release:
             plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
-          _epilogue(acc_ref[...])
+          _epilogue(acc_ref[...], sums)
 
-      def _epilogue(acc):
+      def _epilogue(acc, sums):
         plgpu.barrier_wait(in_barrier.at[wg])
         rows = [plgpu.load(row_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
                 for i in range(plan.n_rows)]
         bcast = lambda v: lax.broadcast_in_dim(v, acc.shape, [0])
-        rstd, y_term = bcast(rows[0]), bcast(rows[1])
-        if plan.layer:
-          mean, c_term = bcast(rows[2]), bcast(rows[3])
+        rstd, y_term, mean, c_term = map(
+            lambda v: None if v is None else bcast(v), _epilogue_rows(plan, rows, sums))
         for ci in range(chunks_m):
           for cj in range(chunks_n):
             ms, ns = slice(ci * epi_m, (ci + 1) * epi_m), slice(cj * epi_n, (cj + 1) * epi_n)
@@ -267,28 +415,52 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(slot, chunk_window(dx_gmem, ci, cj))
 
-      def mma_body(idxs, a_smem, b_smem, acc_ref):
+      def mma_body(idxs, a_smem, b_smem, *stages_and_carry):
+        # Pipeline body: (dy, w[, y[, vectors]]) stages of this step, then the carry.
+        *fused_stages, (acc_ref, *sums) = stages_and_carry
         (k_idx,) = idxs
         pl.when(k_idx == plan.x_prefetch_step)(prefetch_epilogue_inputs)
-        a_rows = a_smem if cfg.pingpong else a_smem.at[pl.ds(wg * wg_m, wg_m)]
+        own_rows = (lambda ref: ref) if cfg.pingpong else (
+            lambda ref: ref.at[pl.ds(wg * wg_m, wg_m)])
+        a_rows = own_rows(a_smem)
         b = b_smem.transpose((1, 0))  # (tile_k, tile_n) view of the (tile_n, tile_k) w tile
+        dy = None  # the dy tile in registers, where this step reads it
         if plan.a_in_registers:
-          plgpu.wgmma(acc_ref, plgpu.load(a_rows, layout=plgpu.Layout.WGMMA), b)
-          if cfg.fence_reads:  # generic-proxy reads, then the TMA refill of the stage
-            plgpu.commit_smem()
+          dy = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA)
+          plgpu.wgmma(acc_ref, dy, b)
         else:
           plgpu.wgmma(acc_ref, a_rows, b)
+        if plan.fused:
+          # Loads while the tensor core works on the WGMMA just issued (both only read the
+          # stages), as the forward's in-loop statistics.
+          y_smem, *vec_smem = fused_stages
+          if dy is None:
+            dy = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA)
+          y = plgpu.load(own_rows(y_smem), layout=plgpu.Layout.WGMMA)
+          sums = _update_row_sums(plan, tuple(sums), dy.astype(jnp.float32),
+                                  y.astype(jnp.float32), vec_smem[0] if vec_smem else None)
+        if dy is not None and cfg.fence_reads:
+          # Orders these generic-proxy reads before the TMA (async proxy) that will refill the
+          # stages once the pipeline releases them (PTX memory model: WAR across proxies).
+          plgpu.commit_smem()
         plgpu.wgmma_wait(plan.delay_release)
-        return acc_ref
+        return (acc_ref, *sums)
 
       if cfg.pingpong:
         compute_context(lambda acc: mgpu_common.pingpong_k_loop(
             ring, wg, pingpong_step, plan.red_iters, acc, mma_body))
         return
+      # With the fused row terms, every column tile of a row block recomputes the same row
+      # sums from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid).
+      # Acceptable for a first version, but not free: on the H200 it is what makes the fused
+      # path lose at K = 2048 (8 column tiles); reusing the sums across column tiles would
+      # need a second pipeline without y (module docstring).
+      block = pl.ds(m_idx * cfg.tile_m, cfg.tile_m)
       mgpu_common.run_tile_pipeline(
           functools.partial(make_pipeline, mma_body, compute_context),
-          dy_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
+          dy_gmem.at[block, :],
           w_gmem.at[pl.ds(col0, tile_n), :],
+          *([y_gmem.at[block, :]] if plan.fused else []), *([vec_gmem] if plan.n_vecs else []),
           allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
           first=first, last=last)
 
@@ -320,7 +492,46 @@ def _kernel(dy_gmem, w_gmem, x_gmem, *refs, plan: _Plan):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term):
+def _check_vector(name, v, size) -> None:
+  """ValueError unless ``v`` (when given) is float32 of shape (size,); TypeError for a non-array."""
+  if v is None:
+    return
+  if not (hasattr(v, "shape") and hasattr(v, "dtype")):
+    raise TypeError(f"{name} must be an array, got {type(v).__name__}")
+  if v.shape != (size,) or v.dtype != jnp.float32:
+    raise ValueError(f"{name} must be float32 of shape ({size},), got {v.dtype}{v.shape}")
+
+
+def _check_row_terms(dy, y_term, mean, c_term, y, out_bias, col_sum) -> None:
+  """The two ways to give the row scalars: y_term (+ mean, c_term), or y (+ out_bias, mean,
+  col_sum) for the fused row terms; never a mix."""
+  if y is None:
+    for name, v in (("out_bias", out_bias), ("col_sum", col_sum)):
+      if v is not None:
+        raise ValueError(f"{name} is an input of the fused row terms: pass it together with y "
+                         "(and without y_term, c_term)")
+    if y_term is None:
+      raise ValueError("y_term is required unless y is given (the kernel then computes y_term "
+                       "and c_term itself)")
+    if (mean is None) != (c_term is None):
+      raise ValueError("mean and c_term are both given (LayerNorm) or both None (RMSNorm)")
+    return
+  for name, v in (("y_term", y_term), ("c_term", c_term)):
+    if v is not None:
+      raise ValueError(f"{name} must be None when y is given: the kernel computes it from y")
+  if not (hasattr(y, "shape") and hasattr(y, "dtype")):
+    raise TypeError(f"y must be an array, got {type(y).__name__}")
+  if y.shape != dy.shape:
+    raise ValueError(f"y must have dy's shape (M, N) = {dy.shape}, got {y.shape}")
+  if y.dtype != dy.dtype:
+    raise TypeError(f"y must have dy's dtype {dy.dtype}, got {y.dtype}")
+  if (mean is None) != (col_sum is None):
+    raise ValueError("with y, mean and col_sum are both given (LayerNorm) or both None "
+                     "(RMSNorm)")
+
+
+def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=None,
+                col_sum=None):
   if dy.ndim != 2 or w_gamma.ndim != 2 or x.ndim != 2:
     raise ValueError(f"dy (M, N), w_gamma (K, N) and x (M, K) must be 2-D, got {dy.shape}, "
                      f"{w_gamma.shape}, {x.shape}")
@@ -334,28 +545,47 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term):
                     f"{x.dtype}")
   if (reason := unsupported_reason(m, n, k, x.dtype)) is not None:
     raise ValueError(f"norm_matmul dx kernel cannot run this call: {reason}")
-  if (mean is None) != (c_term is None):
-    raise ValueError("mean and c_term are both given (LayerNorm) or both None (RMSNorm)")
+  if rstd is None:
+    raise ValueError("rstd is required (the forward's saved rstd, float32 (M,))")
+  _check_row_terms(dy, y_term, mean, c_term, y, out_bias, col_sum)
   for name, v in (("rstd", rstd), ("y_term", y_term), ("mean", mean), ("c_term", c_term)):
-    if v is not None and (v.shape != (m,) or v.dtype != jnp.float32):
-      raise ValueError(f"{name} must be float32 of shape ({m},), got {v.dtype}{v.shape}")
+    _check_vector(name, v, m)
+  for name, v in (("out_bias", out_bias), ("col_sum", col_sum)):
+    _check_vector(name, v, n)
 
 
-def norm_matmul_dx(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None, *,
-                   interpret: bool = False, config: TileConfig | None = None,
-                   x_prefetch_step: int = 1):
+def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *, y=None,
+                   out_bias=None, col_sum=None, interpret: bool = False,
+                   config: TileConfig | None = None, x_prefetch_step: int = 1):
   """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``.
+
+  The row scalars come either precomputed (``y_term``, ``c_term``) or, with ``y`` given, from
+  the kernel's own K loop (fused row terms: opt-in; faster than the XLA pass plus this kernel
+  at 262144×512², slower at 65536×2048² on the H200; see the module docstring)::
+
+    y_term = rstd² · rowsum(dy ⊙ (y − out_bias)) / K,   c_term = rstd · (dy · col_sum) / K
+
+  accumulated in float32 from the 16-bit dy and y, as
+  ``pallas_norm.ops.norm_matmul._row_terms`` does in XLA (same elementwise math; the summation
+  order differs).
 
   Args:
     dy: (M, N) output cotangent, in x's dtype (bfloat16/float16).
     w_gamma: (K, N) the forward's folded weight ``diag(scale) w``, x's dtype.
     x: (M, K) the forward's input.
     rstd: (M,) float32, the forward's saved rstd.
-    y_term: (M,) float32, ``rstd² · rowsum(dy ⊙ (y − out_bias)) / K``.
+    y_term: (M,) float32, ``rstd² · rowsum(dy ⊙ (y − out_bias)) / K``; None when y is given.
     mean: (M,) float32 saved mean (LayerNorm) or None (RMSNorm: x is not centered).
-    c_term: (M,) float32 ``rstd · (dy · col_sum) / K`` (LayerNorm) or None.
+    c_term: (M,) float32 ``rstd · (dy · col_sum) / K`` (LayerNorm) or None; None when y is
+      given.
+    y: (M, N) the forward's output in dy's dtype, or None. Given: the kernel computes y_term
+      (and c_term) itself; then y_term and c_term must be None.
+    out_bias: (N,) float32 ``biasᵀ w`` that the forward added to y, or None (no bias); only
+      with y.
+    col_sum: (N,) float32 ``1ᵀ w_gamma`` (LayerNorm: given exactly when mean is); only with y.
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
-    config: tiling (:func:`pick_config` by default); tile_n runs over K, tile_k over N.
+    config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given);
+      tile_n runs over K, tile_k over N. The fused row terms do not combine with ``pingpong``.
     x_prefetch_step: the K step (over N) at which a consumer fetches the x tile and row vectors
       of its epilogue (clamped to the number of steps); later steps give the previous tile's
       dx stores more time to leave the shared buffer.
@@ -364,22 +594,32 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None, *,
     dx (M, K) in x's dtype; the products and sums run in float32.
 
   Raises:
-    ValueError: shapes the kernel does not support, inconsistent mean/c_term, row vectors not
-      float32 (M,), a config that does not fit in SMEM. TypeError: mixed dtypes.
-    NotImplementedError: ``config.a_operand="registers"`` with ``interpret``.
+    ValueError: shapes the kernel does not support; rstd missing; a mix of the two row-term
+      inputs (y_term/c_term with y, out_bias/col_sum without y), y_term missing without y,
+      mean inconsistent with c_term (or, with y, with col_sum); row vectors not float32 (M,),
+      out_bias/col_sum not float32 (N,), y not (M, N); a config that does not fit in SMEM, or
+      pingpong with y. TypeError: mixed dtypes (dy, w_gamma, x; y not in dy's dtype), or a
+      vector or y that is not an array. NotImplementedError: ``config.a_operand="registers"``
+      with ``interpret``.
   """
-  _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term)
+  _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y, out_bias, col_sum)
   m, n = dy.shape
   k = w_gamma.shape[0]
-  cfg = config or pick_config(m, n, k)
+  fused = y is not None
+  cfg = config or pick_config(m, n, k, fused_row_terms=fused)
   if n % cfg.tile_k:
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
-  plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, x_prefetch_step)
+  plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, x_prefetch_step,
+                    fused=fused, has_bias=out_bias is not None)
   # Row vectors padded to whole row tiles (of whole clusters): their 1-D copies never leave the
   # arrays.
   m_pad = plan.m_units * cfg.cluster_m * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
   rows = [jnp.pad(v, (0, m_pad - m)) for v in rows]
+  # Fused: y, then the column vectors packed into one array (one TMA per step for both).
+  fused_args = [y] if fused else []
+  if plan.n_vecs:
+    fused_args.append(jnp.stack([v for v in (col_sum, out_bias) if v is not None]))
   cluster = (dict(cluster=(cfg.cluster_m,), cluster_names=("cluster",))
              if cfg.cluster_m > 1 else {})
   call = plgpu.kernel(
@@ -393,4 +633,4 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None, *,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu_common.interpret_params() if interpret else None,
   )
-  return call(dy, w_gamma, x, *rows)
+  return call(dy, w_gamma, x, *fused_args, *rows)

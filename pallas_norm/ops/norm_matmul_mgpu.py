@@ -74,12 +74,12 @@ Tuning options (``TileConfig``; the defaults are the configuration measured firs
   The statistics then cost once per row instead of once per N tile; x's row block is re-read
   from L2 for every N tile (tile_m × K bytes per CTA must stay resident).
 * ``delay_release=1``: one WGMMA left in flight across K steps (stages released a step late;
-  the pipelines then run per tile). Not yet timed.
+  the pipelines then run per tile). Measured 4-6% slower at 262144×512×512 on the H200.
 * ``pingpong=True`` (:func:`pingpong_config`): the work units are (one warpgroup's rows, N tile)
   and alternate between the two consumer warpgroups, each with its own K-loop ring
   (:class:`pallas_norm.mgpu_common.PingPongRing`), so one's statistics finish and epilogue
-  overlap the other's WGMMAs. Needs M % 8 == 0 on a GPU, no clusters, no ``stats_once``. Not
-  yet timed.
+  overlap the other's WGMMAs. Needs M % 8 == 0 on a GPU, no clusters, no ``stats_once``.
+  Measured 1.5-1.7× slower at 262144×512×512 on the H200 (benchmarks/NOTES.md, session 4).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ __all__ = ["TileConfig", "unsupported_reason", "pick_config", "pingpong_config",
 NORMS = ("rms", "layer", "none")
 """``norm`` values: RMSNorm, LayerNorm, or "none" (the plain GEMM, for benchmarks)."""
 
-_LANE_COLS = 8  # WGMMA layout: a thread holds 2 adjacent columns of every 8 (4 threads per row).
+_LANE_COLS = mgpu_common.LANE_COLS  # a thread holds 2 adjacent columns of every 8 (4 per row)
 _SMEM_SLACK = 4096  # barriers + the reduction scratch Mosaic reserves (2 KiB by default).
 
 
@@ -247,9 +247,10 @@ def _check_pingpong(cfg: TileConfig, m: int, interpret: bool) -> None:
 
 
 def pingpong_config(m: int, k: int, n: int) -> TileConfig:
-  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``; opt-in, not yet
-  timed on a GPU): 32-wide K steps, so each consumer's ring gets 3-4 stages, and statistics
-  in every tile (``stats_once`` is off)."""
+  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``; opt-in): 32-wide K
+  steps, so each consumer's ring gets 3-4 stages, and statistics in every tile (``stats_once``
+  is off). Measured slower on the H200 at 262144×512×512: GEMM 358 vs 214 µs, RMSNorm 362 vs
+  223 (a consumer's 64-row tile streams the whole W tile per 64 rows; benchmarks/NOTES.md)."""
   base = pick_config(m, k, n)
   return dataclasses.replace(base, pingpong=True, stats_once=False, cluster_m=1,
                              tile_k=32 if k % 32 == 0 else base.tile_k)
@@ -296,18 +297,6 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
 # lanes (the "partial" mode) or every step does (the "reduce" mode).
 
 
-def _lane_slices(x):
-  """The 8-column slices of a (rows, cols) tile: summing them never crosses lanes."""
-  return [x[:, j:j + _LANE_COLS] for j in range(0, x.shape[1], _LANE_COLS)]
-
-
-def _tree_sum(values):
-  while len(values) > 1:
-    values = [a + b if b is not None else a
-              for a, b in zip(values[::2], values[1::2] + [None] * (len(values) % 2))]
-  return values[0]
-
-
 def _rowvec(v, shape):
   return lax.broadcast_in_dim(v, shape, [0])
 
@@ -317,7 +306,7 @@ def _init_stats(plan: _Plan):
   if plan.norm == "none":
     return ()
   if plan.cfg.stats == "partial":
-    zeros = plgpu.layout_cast(jnp.zeros((rows, _LANE_COLS), jnp.float32), plgpu.Layout.WGMMA)
+    zeros = mgpu_common.lane_partial_zeros(rows)
   else:
     zeros = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
   return (zeros,) if plan.norm == "rms" else (zeros, zeros, zeros)
@@ -333,14 +322,15 @@ def _update_stats(plan: _Plan, stats, x, k_idx):
   # with warpgroup semantics).
   first = (k_idx == 0).astype(jnp.float32)
   if plan.cfg.stats == "partial":
-    cols = _lane_slices(x)
+    cols = mgpu_common.lane_slices(x)
     if plan.norm == "rms":
       (s2,) = stats
-      return (s2 + _tree_sum([c * c for c in cols]),)
+      return (s2 + mgpu_common.tree_sum([c * c for c in cols]),)
     shift, s1, s2 = stats
     shift = shift + first * cols[0]
     d = [c - shift for c in cols]
-    return shift, s1 + _tree_sum(d), s2 + _tree_sum([v * v for v in d])
+    return (shift, s1 + mgpu_common.tree_sum(d),
+            s2 + mgpu_common.tree_sum([v * v for v in d]))
   if plan.norm == "rms":
     (s2,) = stats
     return (s2 + jnp.sum(x * x, axis=1),)
