@@ -210,7 +210,7 @@ def test_public_api_interpret_fused_row_terms(monkeypatch, m, k, n, norm):
 
 @pytest.mark.parametrize("flag,implementation,y_dtype,expected", [
     (False, "interpret", jnp.bfloat16, ["y_term"]),
-    (None, "interpret", jnp.bfloat16, ["y"]),  # by shape: K = N = 64 <= 512
+    (None, "interpret", jnp.bfloat16, ["y"]),  # by shape: LayerNorm, K = N = 64 <= 512
     (None, "interpret", jnp.float32, ["y_term"]),
     (True, "interpret", jnp.bfloat16, ["y"]),
     (True, "mosaic", jnp.bfloat16, ["y"]),
@@ -222,24 +222,26 @@ def test_input_grad_row_terms_switch(monkeypatch, flag, implementation, y_dtype,
   _check_row_terms_route(monkeypatch, flag, implementation, y_dtype, expected, 64, 64)
 
 
-@pytest.mark.parametrize("k,n,expected", [(512, 512, ["y"]), (512, 1024, ["y_term"]),
-                                          (1024, 512, ["y_term"]), (128, 256, ["y"])])
-def test_row_terms_default_by_shape(monkeypatch, k, n, expected):
-  """FUSED_ROW_TERMS = None: fused only up to K, N <= FUSED_ROW_TERMS_MAX_KN (measured faster
-  at 512², slower at 2048²)."""
-  _check_row_terms_route(monkeypatch, None, "mosaic", jnp.bfloat16, expected, k, n)
+@pytest.mark.parametrize("k,n,norm,expected", [
+    (512, 512, "layer", ["y"]), (512, 1024, "layer", ["y_term"]), (1024, 512, "layer", ["y_term"]),
+    (128, 256, "layer", ["y"]), (512, 512, "rms", ["y_term"]), (128, 128, "rms", ["y_term"])])
+def test_row_terms_default_by_shape(monkeypatch, k, n, norm, expected):
+  """FUSED_ROW_TERMS = None: fused for LayerNorm up to K, N <= FUSED_ROW_TERMS_MAX_KN (measured
+  faster at 512², slower at 2048²), never for RMSNorm (slower in the whole backward)."""
+  _check_row_terms_route(monkeypatch, None, "mosaic", jnp.bfloat16, expected, k, n, norm)
 
 
-def _check_row_terms_route(monkeypatch, flag, implementation, y_dtype, expected, k, n):
+def _check_row_terms_route(monkeypatch, flag, implementation, y_dtype, expected, k, n,
+                           norm="layer"):
   monkeypatch.setattr(nm, "FUSED_ROW_TERMS", flag)
   calls = _spy_on_dx_kernel(monkeypatch, run_kernel=False)
   m = 16
   x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
-  w_gamma, col_sum, out_bias = nm.fold_affine(w, scale, bias, "layer")
+  w_gamma, col_sum, out_bias = nm.fold_affine(w, scale, bias, norm)
   y = jnp.ones((m, n), y_dtype)
   rows = jnp.ones((m,), jnp.float32)
   dx = nm._input_grad(implementation, ct.astype(y_dtype), x, w_gamma, col_sum, out_bias, y,
-                      rows, rows)
+                      None if norm == "rms" else rows, rows)
   assert calls == expected and dx.shape == x.shape
 
 

@@ -20,8 +20,8 @@ full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy
 For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
 epilogue (:mod:`pallas_norm.ops.norm_matmul_bwd_mgpu`); its two row scalars
 ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy and y,
-or, by default up to K, N ≤ 512 (:data:`FUSED_ROW_TERMS`; measured faster at K = N = 512,
-slower at 2048), from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
+or, by default for LayerNorm up to K, N ≤ 512 (:data:`FUSED_ROW_TERMS`, where it was measured
+faster), from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
 XLA. ``"lazy_xla"`` (tests only) runs the same math all in XLA, with the XLA row terms (the
 reference for both).
 
@@ -140,16 +140,22 @@ is traced (a jitted function keeps the path it was traced with). Calls whose y i
 dtype (an ``out_dtype`` other than x's) keep the XLA pass either way."""
 
 FUSED_ROW_TERMS_MAX_KN = 512
-"""Largest K and N where the fused row terms are the default. H200, dx with its row terms
-(``benchmarks/gpu_norm_matmul_check.py --sections dx``): 262144×512² LayerNorm 392 vs 424 µs
-(XLA pass + dx kernel), RMSNorm 366 vs 413; 65536×2048² 1.14-1.27× slower (the kernel's extra
-y stream and sums are not hidden and cost a pipeline stage). 1024 is not measured yet."""
+"""Largest K and N where the fused row terms are the default (LayerNorm only). H200:
+
+* dx with its row terms alone (``benchmarks/gpu_norm_matmul_check.py --sections dx``):
+  262144×512² LayerNorm 392 vs 424 µs (XLA pass + dx kernel), RMSNorm 366 vs 413; 65536×2048²
+  1.14-1.27× slower (the kernel's extra y stream and sums are not hidden and cost a stage).
+* The public API's fwd+bwd at 262144×512² (``--sections train``, same run): LayerNorm 1062 vs
+  1097 µs, but RMSNorm 946 vs 894: without col_sum, XLA fuses the row-terms pass with the
+  weight gradients' pass over dy, so moving it into the kernel saves less than it costs there.
+
+K = N = 1024 is not measured yet."""
 
 
-def fused_row_terms_pay(k: int, n: int) -> bool:
-  """The default of :data:`FUSED_ROW_TERMS` for x (M, k) @ w (k, n): fused up to
+def fused_row_terms_pay(k: int, n: int, norm: str) -> bool:
+  """The default of :data:`FUSED_ROW_TERMS` for x (M, k) @ w (k, n): LayerNorm up to
   :data:`FUSED_ROW_TERMS_MAX_KN`."""
-  return max(k, n) <= FUSED_ROW_TERMS_MAX_KN
+  return norm == "layer" and max(k, n) <= FUSED_ROW_TERMS_MAX_KN
 
 
 def _row_terms(dy, y, col_sum, out_bias, rstd, k):
@@ -180,7 +186,8 @@ def _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None):
 def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
   """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue."""
   interpret = implementation == "interpret"
-  fused = (fused_row_terms_pay(x.shape[1], y.shape[1]) if FUSED_ROW_TERMS is None
+  norm = "rms" if mean is None else "layer"
+  fused = (fused_row_terms_pay(x.shape[1], y.shape[1], norm) if FUSED_ROW_TERMS is None
            else FUSED_ROW_TERMS)
   if implementation != "lazy_xla" and fused and y.dtype == dy.dtype == x.dtype:
     # The kernel sums the rows of dy ⊙ (y − out_bias) and dy ⊙ col_sum in its K loop. With y
