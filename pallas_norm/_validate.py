@@ -49,7 +49,9 @@ def same_shape(name: str, v, shape) -> None:
     raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(v.shape)}")
 
 
-def eps(value) -> None:
+def eps(value, dtype=None) -> None:
+  """A positive finite static eps that survives rounding to the statistics' dtype: float64 for
+  float64 inputs (``dtype``), else float32. TypeError for a non-number, ValueError otherwise."""
   if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and not isinstance(
       value, jax.core.Tracer) and jnp.issubdtype(value.dtype, jnp.floating):
     value = float(value)  # a concrete numpy/jax float scalar
@@ -57,12 +59,14 @@ def eps(value) -> None:
     raise TypeError(f"eps must be a positive float (a static Python number), got {value!r}")
   if not (float(value) > 0 and np.isfinite(value)):
     raise ValueError(f"eps must be a positive finite float, got {value!r}")
-  # The statistics are float32: an eps that rounds to 0 or inf there is no eps at all.
+  # An eps that rounds to 0 or inf in the statistics' dtype is no eps at all.
+  stat = np.float64 if dtype is not None and jnp.dtype(dtype) == jnp.float64 else np.float32
   with np.errstate(over="ignore"):  # an overflow to inf is the error reported just below
-    as_f32 = np.float32(value)
-  if not (as_f32 > 0 and np.isfinite(as_f32)):
-    raise ValueError(f"eps must be a positive finite float32 value (the statistics' dtype), got "
-                     f"{value!r}, which is {float(as_f32)} in float32")
+    rounded = stat(value)
+  if not (rounded > 0 and np.isfinite(rounded)):
+    name = np.dtype(stat).name
+    raise ValueError(f"eps must be a positive finite {name} value (the statistics' dtype), got "
+                     f"{value!r}, which is {float(rounded)} in {name}")
 
 
 def finite_scalar(name: str, value) -> None:

@@ -315,3 +315,20 @@ def test_jit_norm_shape_errors_still_raise():
     jax.jit(pallas_norm.layer_norm)(good["x"], _arr((7,)))
   with pytest.raises(ValueError, match="w must have shape"):
     jax.jit(pallas_norm.norm_matmul)(good["x"], _arr((7, 5)))  # K = 8
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "matmul_norm", "norm_matmul"])
+def test_tiny_eps_is_fine_for_float64_statistics(op):
+  """float64 inputs (x64) keep float64 statistics, so an eps that only float32 rounds to 0 is
+  accepted there, and gives the reference's result; float32 inputs still reject it."""
+  rng = np.random.default_rng(7)
+  with jax.enable_x64(True):
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float64)
+    args = ((x, jnp.asarray(rng.standard_normal((64, 64)), jnp.float64))
+            if op in ("matmul_norm", "norm_matmul") else (x,))
+    fn = getattr(pallas_norm, op)
+    got = fn(*args, eps=1e-300)
+    ref = getattr(pallas_norm.reference, op)(*args, eps=1e-300)
+    chex.assert_trees_all_close(got, ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="float32"):
+      fn(*(a.astype(jnp.float32) for a in args), eps=1e-300)

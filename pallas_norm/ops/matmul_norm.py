@@ -51,7 +51,7 @@ def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) ->
   _validate.optional_vector("scale", scale, n)
   _validate.optional_vector("bias", bias, n)
   _validate.norm_kind(norm)
-  _validate.eps(eps)
+  _validate.eps(eps, x.dtype)
   _validate.out_dtype(out_dtype)
 
 

@@ -54,7 +54,7 @@ def check_args(x, w, scale, bias, norm, eps, out_dtype) -> None:
   _validate.optional_vector("scale", scale, x.shape[-1])
   _validate.optional_vector("bias", bias, x.shape[-1])
   _validate.norm_kind(norm)
-  _validate.eps(eps)
+  _validate.eps(eps, x.dtype)
   _validate.out_dtype(out_dtype)
 
 

@@ -15,7 +15,7 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   _validate.optional_vector("scale", scale, n)
   _validate.optional_vector("bias", bias, n)
   _validate.same_shape("residual", residual, x.shape)
-  _validate.eps(eps)
+  _validate.eps(eps, x.dtype)
   _validate.out_dtype(out_dtype)
   return _dispatch.choose(op, implementation)
 
