@@ -138,7 +138,8 @@ class TileConfig:
       WGMMAs; the pipeline options (``max_concurrent_steps`` is the stages per ring,
       ``pipeline_across_tiles``, ``delay_release``) do not apply. Implemented by the
       matmul_norm kernel and both norm_matmul kernels (forward and dx). Measured slower in all
-      three on the H200 (1.05-1.7×): two rings of 64-row tiles stream W twice per 128 rows.
+      three on the H200 (1.02-1.7×), likely because two rings of 64-row tiles stream W twice
+      per 128 rows.
     (``epi_slots``, ``cluster_m`` and ``stats_once`` are implemented by the norm_matmul kernels;
     a kernel refuses a non-default value of an option it does not implement, with a ValueError
     from :func:`reject_unused_options`.)

@@ -489,9 +489,25 @@ def test_default_exchange_is_the_measured_faster_one(n, cluster, want):
   make_plan = functools.partial(mk._make_plan, (262144, 512), n, bf, bf, "layer", 1e-5,
                                 ("dense_bias", "scale", "bias"), True, False, False, False, cfg,
                                 False, False)
-  plan = mk._pick_exchange(make_plan)
+  plan = mk._pick_exchange(make_plan, multicast_x=False)
   assert (plan.cluster, plan.exchange) == (cluster, want)
   assert plan.stages == make_plan("pull").stages
+  assert mk._pick_exchange(make_plan, multicast_x=True).exchange == "pull"  # not GPU-run
+
+
+def test_default_exchange_falls_back_to_pull_when_push_does_not_fit():
+  """A caller's config with room for pull's partials but not for push's inbox runs with pull
+  (exchange=None), instead of failing on an exchange the caller never asked for."""
+  cfg = mgpu_common.TileConfig(tile_m=128, tile_n=256, tile_k=32, max_concurrent_steps=2,
+                               epi_tile_m=64, epi_tile_n=256)
+  x = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
+  run = lambda ex: jax.eval_shape(lambda x, w: mk.matmul_norm_fwd(
+      x, w, norm="rms", eps=1e-6, return_xhat=True, config=cfg, exchange=ex), x, w)
+  with pytest.raises(ValueError, match="SMEM"):
+    run("push")
+  y = run(None)[0]
+  assert y.shape == (4096, 512)
 
 
 def test_exchange_name_is_checked():

@@ -236,8 +236,9 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
 def pingpong_config(m: int, k: int, n: int) -> TileConfig:
   """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``): 32-wide K steps,
   so that each consumer's ring gets 2-4 stages next to the epilogue buffers (64-wide ones
-  leave one at tile_n = 256). Not the default: 5-10% slower than :func:`pick_config` on the
-  H200 (a 64-row tile streams the whole W tile per 64 rows; benchmarks/NOTES.md, session 4)."""
+  leave one at tile_n = 256). Not the default: slower than :func:`pick_config` on the H200 at
+  262144×512×N (1.27× at N = 256, 1.10× at 512 and 1024, 1.02× at 2048; likely because a
+  64-row tile streams the whole W tile per 64 rows; benchmarks/NOTES.md, session 4)."""
   base = pick_config(m, k, n)
   return dataclasses.replace(base, pingpong=True, tile_k=32 if k % 32 == 0 else base.tile_k)
 
@@ -896,15 +897,20 @@ def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
 EXCHANGES = ("pull", "push", "pull_nofence", "barrier_only", "local")
 
 
-def _pick_exchange(make_plan) -> _Plan:
+def _pick_exchange(make_plan, multicast_x: bool) -> _Plan:
   """The plan with the faster exchange measured on the H200 (benchmarks/NOTES.md, session 4):
-  "push" where its inbox costs no pipeline stage (clusters of 2: 465 vs 500 µs at
-  262144×512×512), else "pull" (with clusters of 4 and 8 push loses a stage and is 3-10%
-  slower). ``make_plan(exchange)`` builds the plan of one exchange."""
+  "push" for clusters of 2 where its inbox costs no pipeline stage (grid sweep, y only,
+  262144×512×512: 465 vs 500 µs), else "pull" (with clusters of 4 and 8 push loses a stage and
+  is 3-10% slower). Pull also stays with ping-pong consumers (push measured no faster there:
+  550 vs 553 µs), with ``multicast_x`` (push has not run with it on a GPU), and when the push
+  inbox does not fit next to a caller's config. ``make_plan(exchange)`` builds one plan."""
   pull = make_plan("pull")
-  if pull.cluster != 2 or pull.cfg.pingpong:
+  if pull.cluster != 2 or pull.cfg.pingpong or multicast_x:
     return pull
-  push = make_plan("push")
+  try:
+    push = make_plan("push")
+  except ValueError:  # the inbox does not fit in SMEM next to this config: pull still does
+    return pull
   return push if push.stages >= pull.stages else pull
 
 
@@ -930,14 +936,15 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
     config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
     multicast_x: with a cluster, let the CTAs share each x tile through a TMA multicast.
     exchange: how a cluster's CTAs share their partial row statistics. None (the default):
-      "push" for clusters of 2 when it costs no pipeline stage, else "pull". "pull": each
+      "push" for clusters of 2 when it costs no pipeline stage, else "pull"
+      (:func:`_pick_exchange`). "pull": each
       reads its peers' partials through distributed shared memory, with
       ``fence.acq_rel.cluster`` around the cluster barriers. "push": each sends its partials
       into every peer's shared memory with ``st.async`` stores that complete the peer's
       barrier; on the H200 it gives the same bits as pull (GPU tests, clusters of 2-8, RMS
-      and LayerNorm), 7% faster with clusters of 2, but its inbox (4 KB per CTA of the
-      cluster) costs a pipeline stage with clusters of 4 and 8, where it is 3-10% slower
-      (benchmarks/NOTES.md). Diagnostics for the benchmarks
+      and LayerNorm), 7% faster with clusters of 2 in the grid sweep (the benchmark suite's
+      forward: no change), but its inbox (4 KB per CTA of the cluster) costs a pipeline stage
+      with clusters of 4 and 8, where it is 3-10% slower (benchmarks/NOTES.md). Diagnostics for the benchmarks
       (issue 5: what the exchange costs), never for results: "pull_nofence" skips the fences
       (the barriers' CTA-scope ordering alone does not guarantee the peers' writes are
       visible), "barrier_only" keeps the barriers and fences but skips the peer reads (each
@@ -967,7 +974,8 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
   make_plan = functools.partial(_make_plan, (padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs,
                                 residual is not None, return_h, return_xhat, return_stats, cfg,
                                 interpret, multicast_x)
-  plan = make_plan(exchange) if exchange is not None else _pick_exchange(make_plan)
+  plan = (make_plan(exchange) if exchange is not None
+          else _pick_exchange(make_plan, multicast_x))
   out_type = [jax.ShapeDtypeStruct((padded_m, n), out_dtype)]
   out_type += [jax.ShapeDtypeStruct((padded_m, n), out_dtype) for _ in plan.extras]
   out_type += [jax.ShapeDtypeStruct((padded_m,), jnp.float32) for _ in range(plan.n_stats)]
