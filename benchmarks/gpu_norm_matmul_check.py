@@ -13,14 +13,21 @@ Sections (in this order):
 * ``fwd``: per shape, XLA's baselines and our kernel's default config (below).
 * ``train``: the op through the public API, ``implementation="mosaic"`` vs ``"xla"``, forward
   alone (including the affine fold) and ``jax.grad`` of ``sum(y · ct)`` with respect to
-  (x, w, scale, bias), jitted; gradients checked against the f32 reference; then a breakdown of
+  (x, w, scale, bias), jitted; gradients checked against the f32 reference; the same fwd+bwd
+  with ``norm_matmul.DX_WRITES_DY_SCALED`` on (``api_fwd+bwd/mosaic_dys``); then a breakdown of
   our backward: the affine fold, the row-terms pass over dy and y, the dx kernel (and the same
-  dx math in XLA), the weight gradients in XLA.
+  dx math in XLA), the weight gradients in XLA; and the A/B of where ``rstd ⊙ dy`` comes from:
+  (a) ``bwd_dx_kernel`` + ``bwd_weights_xla`` (XLA's pass forms it, today) against (b)
+  ``bwd_dx_kernel_dys`` (the dx kernel also writes it) + ``bwd_weights_xla_given_dys`` (no
+  scaling pass), and the whole backward as the op runs it, ``bwd_all/xla_dys`` vs
+  ``bwd_all/kernel_dys``. ``--dx-writes-dy-scaled`` turns the switch on for the whole run
+  (every public-API row then uses it).
 * ``dx``: tile-config variants of the dx kernel (row terms given), then the row terms' two
   paths end to end: the XLA pass over dy and y followed by the dx kernel (today's backward,
   ``xla_rows+ours_dx_*``, two kernels summed) against the dx kernel computing them in its own K
   loop from y (``ours_dx_*/fused*``, ``norm_matmul.FUSED_ROW_TERMS``), and all-XLA
-  (``xla_rows+xla_dx_*``).
+  (``xla_rows+xla_dx_*``); each kernel path also with ``return_dy_scaled`` (``*+dys*``: the
+  kernel also writes rstd ⊙ dy; the default 32-wide steps and 64-wide ones).
 * ``variants``: tile-config variants of the forward kernel (tuning data for ``pick_config``).
 
 For every shape it checks each kernel variant against :func:`pallas_norm.reference.norm_matmul`
@@ -43,6 +50,7 @@ printed and the script moves on. Results go to $OUT/norm_matmul_check.json when 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -88,6 +96,8 @@ def _variants(m, k, n):
     tiles; ``unchained_epi64``: the same with 64×64 epilogue tiles, the config before chaining
     (3 stages at 128×256); ``chained_epi64``: chained with 64×64 epilogue tiles (2 stages).
   * ``slots0``: one SMEM slot per epilogue tile (``epi_slots=0``).
+  * ``bpm_128x128`` / ``bpm_256x128`` (GEMM only): 4/3 and 1× the default's operand bytes per
+    MAC; if our GEMM is bound by L2 → SMEM traffic the first is ~4/3 slower, the second equal.
   * ``cl2``: clusters of 2 CTAs along M receive each w tile by one multicast.
   * ``once``: statistics once per row block (``stats_once``).
   * ``inflight``: one WGMMA left in flight across K steps (``delay_release=1``, as JAX's
@@ -105,7 +115,11 @@ def _variants(m, k, n):
               ("inflight_epi64", rep(delay_release=1, epi_tile_n=64))]
   if m % 8 == 0:  # ping-pong reads x tiled
     inflight.append(("pingpong", nmk.pingpong_config(m, k, n)))
-  gemm = ([("default", base)] + inflight + ab
+  # Bytes per MAC (benchmarks/NOTES.md, session 4: is our GEMM bound by L2 -> SMEM traffic?):
+  # 128x128 tiles stream 4/3 the operand bytes of 128x256 for the same MACs, 256x128 the same.
+  bytes_per_mac = [("bpm_128x128", rep(tile_m=128, tile_n=128)),
+                   ("bpm_256x128", rep(tile_m=256, tile_n=128))]
+  gemm = ([("default", base)] + inflight + ab + bytes_per_mac
           + [("slots0", rep(epi_slots=0)), ("cl2", rep(cluster_m=2))])
   fused = [("default", base)] + inflight + ab + [("once", rep(stats_once=True))]
   return {"none": gemm, "rms": fused, "layer": fused[:1 + len(inflight)]}
@@ -285,8 +299,28 @@ def _train_inputs(seed, m, k, n, norm):
   return x, w, scale, (bias if norm == "layer" else None), ct
 
 
-def _api_fns(norm, implementation):
-  """(forward, grad) of the public op, jitted; grad of sum(y · ct) wrt (x, w, scale, bias)."""
+@contextlib.contextmanager
+def _dy_scaled_switch(on):
+  """norm_matmul.DX_WRITES_DY_SCALED = ``on`` while a function is traced (None: unchanged)."""
+  old = nm.DX_WRITES_DY_SCALED
+  nm.DX_WRITES_DY_SCALED = old if on is None else on
+  try:
+    yield
+  finally:
+    nm.DX_WRITES_DY_SCALED = old
+
+
+def _traced_with_dy_scaled(fn, on):
+  """``fn`` jitted, traced (forward and backward) with DX_WRITES_DY_SCALED = ``on``."""
+  def traced(*args):
+    with _dy_scaled_switch(on):
+      return fn(*args)
+  return jax.jit(traced)
+
+
+def _api_fns(norm, implementation, dy_scaled=None):
+  """(forward, grad) of the public op, jitted; grad of sum(y · ct) wrt (x, w, scale, bias).
+  ``dy_scaled``: DX_WRITES_DY_SCALED while they are traced (None: the module's value)."""
   if _SMOKE and implementation == "mosaic":
     implementation = "interpret"
   op = functools.partial(pallas_norm.norm_matmul, norm=norm, eps=EPS,
@@ -296,7 +330,7 @@ def _api_fns(norm, implementation):
     return jnp.sum(op(x, w, scale, bias).astype(jnp.float32) * ct.astype(jnp.float32))
 
   fwd = jax.jit(lambda x, w, scale, bias, ct: op(x, w, scale, bias))
-  return fwd, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  return fwd, _traced_with_dy_scaled(jax.grad(loss, argnums=(0, 1, 2, 3)), dy_scaled)
 
 
 def _grad_errors(grads, x, w, scale, bias, ct, norm) -> dict:
@@ -327,25 +361,45 @@ def run_train(m, k, n, norm, iterations, records):
       for key in ("err_dx", "err_dw", "err_dscale", "err_dbias", "err"):
         if key in rec:
           line += f"  {key} {rec[key]:.1e}"
+      if "dys_mismatches" in rec:  # dy_scaled elements that differ from XLA's
+        line += f"  dys_mismatches {rec['dys_mismatches']}"
       if rec.get("ok") is False:
         line += "  <-- WRONG"
       print(line, flush=True)
       records.append(rec)
     _guard(records, f"{name}/{label}", one)
 
+  switch = {"dx_writes_dy_scaled": nm.DX_WRITES_DY_SCALED}
   for impl in ("xla", "mosaic"):
     fwd, grad = _api_fns(norm, impl)
-    timed(f"api_fwd/{impl}", fwd, sets)
+    timed(f"api_fwd/{impl}", fwd, sets, switch)
     errs = _guard(records, f"{name}/grad_check/{impl}",
                   lambda grad=grad: _grad_errors(grad(*sets[0]), *sets[0], norm))
-    timed(f"api_fwd+bwd/{impl}", grad, sets, errs)
-  for what in ("api_fwd", "api_fwd+bwd"):
-    xla, ours = times.get(f"{what}/xla"), times.get(f"{what}/mosaic")
+    timed(f"api_fwd+bwd/{impl}", grad, sets, {**(errs or {}), **switch})
+  # The A/B of DX_WRITES_DY_SCALED in the same run (the row above has the module's value).
+  _, grad = _api_fns(norm, "mosaic", dy_scaled=True)
+  errs = _guard(records, f"{name}/grad_check/mosaic_dys",
+                lambda: _grad_errors(grad(*sets[0]), *sets[0], norm))
+  timed("api_fwd+bwd/mosaic_dys", grad, sets, {**(errs or {}), "dx_writes_dy_scaled": True})
+  for what, ours_label in (("api_fwd", "mosaic"), ("api_fwd+bwd", "mosaic"),
+                           ("api_fwd+bwd", "mosaic_dys")):
+    xla, ours = times.get(f"{what}/xla"), times.get(f"{what}/{ours_label}")
     if xla and ours:
-      records.append({"shape": f"{m}x{k}x{n}", "norm": norm, "speedup": what, "x": xla / ours})
-      print(f"  {what}: mosaic {xla / ours:.2f}x faster than xla", flush=True)
+      records.append({"shape": f"{m}x{k}x{n}", "norm": norm, "speedup": f"{what}/{ours_label}",
+                      "x": xla / ours})
+      print(f"  {what}: {ours_label} {xla / ours:.2f}x faster than xla", flush=True)
   _guard(records, f"{name}/bwd_parts",
          lambda: _run_bwd_parts(m, k, n, norm, sets, timed))
+  a = [times.get(key) for key in ("bwd_dx_kernel", "bwd_weights_xla")]
+  b = [times.get(key) for key in ("bwd_dx_kernel_dys", "bwd_weights_xla_given_dys")]
+  if all(a) and all(b):
+    records.append({"shape": f"{m}x{k}x{n}", "norm": norm, "ab": "dy_scaled_parts",
+                    "xla_dys_us": sum(a), "kernel_dys_us": sum(b)})
+    print(f"  dy_scaled A/B (dx kernel + weight grads): XLA pass {sum(a):.1f} us, kernel "
+          f"writes it {sum(b):.1f} us ({sum(b) / sum(a):.2f}x)", flush=True)
+  if (off := times.get("bwd_all/xla_dys")) and (on := times.get("bwd_all/kernel_dys")):
+    print(f"  dy_scaled A/B (whole backward): {off:.1f} vs {on:.1f} us ({on / off:.2f}x)",
+          flush=True)
 
 
 def _run_bwd_parts(m, k, n, norm, sets, timed):
@@ -373,6 +427,34 @@ def _run_bwd_parts(m, k, n, norm, sets, timed):
   timed("bwd_dx_xla", dx_xla, dx_args)
   timed("bwd_weights_xla", jax.jit(nm._weight_grads),
         pick("dy", "x", "w", "scale", "bias", "mean", "rstd"))
+  _run_dy_scaled_parts(norm, parts, pick, dx_args, dx_xla, timed)
+
+
+def _run_dy_scaled_parts(norm, parts, pick, dx_args, dx_xla, timed):
+  """The A/B of DX_WRITES_DY_SCALED: (a) bwd_dx_kernel + bwd_weights_xla above against (b) the
+  dx kernel writing dy_scaled + the weight gradients reading it, then the whole backward of the
+  op (row terms on its default path, dx kernel, weight gradients) with the switch off and on."""
+  dx_dys = jax.jit(functools.partial(nmb.norm_matmul_dx, return_dy_scaled=True,
+                                     interpret=_SMOKE))
+  dx, dys = dx_dys(*dx_args[0])
+  p0 = parts[0]
+  want = (p0["rstd"][:, None] * p0["dy"].astype(jnp.float32)).astype(p0["x"].dtype)
+  bad = int(jnp.sum(dys != want))
+  err = _rel(dx, dx_xla(*dx_args[0]))
+  timed("bwd_dx_kernel_dys", dx_dys, dx_args, {"err": err, "dys_mismatches": bad,
+                                               "ok": err < 1e-2 and bad == 0})
+  weights_args = [(*a, dx_dys(*d)[1]) for a, d in zip(
+      pick("dy", "x", "w", "scale", "bias", "mean", "rstd"), dx_args)]
+  timed("bwd_weights_xla_given_dys", jax.jit(nm._weight_grads), weights_args)
+  saved_keys = ("x", "w", "scale", "bias", "w_gamma", "col_sum", "out_bias", "y", "mean", "rstd")
+  implementation = "interpret" if _SMOKE else "mosaic"
+
+  def bwd(dy, *saved):
+    return nm._fused_bwd(norm, EPS, jnp.bfloat16, implementation, saved, (dy, None, None))
+
+  bwd_args = pick("dy", *saved_keys)
+  for label, on in (("bwd_all/xla_dys", False), ("bwd_all/kernel_dys", True)):
+    timed(label, _traced_with_dy_scaled(bwd, on), bwd_args, {"dx_writes_dy_scaled": on})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -450,10 +532,14 @@ def run_dx_row_terms(m, k, n, iterations, records, deadline):
       return dx_fn(dy, w_gamma, x, rstd, y_term, mean, c_term)
     return jax.jit(fn)
 
-  def fused(cfg):
+  def fused(cfg, dys=False):
     return jax.jit(lambda dy, w_gamma, x, rstd, mean, y, out_bias, col_sum: nmb.norm_matmul_dx(
         dy, w_gamma, x, rstd, mean=mean, y=y, out_bias=out_bias, col_sum=col_sum, config=cfg,
-        interpret=_SMOKE))
+        return_dy_scaled=dys, interpret=_SMOKE))
+
+  def dys_configs(fused_rows):  # return_dy_scaled: pick_config's (32-wide steps), 64-wide
+    cfg = nmb.pick_config(m, n, k, fused_row_terms=fused_rows, dy_scaled=True)
+    return [("dys", cfg), ("dys_k64", dataclasses.replace(cfg, tile_k=64))]
 
   for norm in ("layer", "rms"):
     drop = () if norm == "layer" else ("mean", "out_bias", "col_sum")
@@ -469,6 +555,12 @@ def run_dx_row_terms(m, k, n, iterations, records, deadline):
               unfused(functools.partial(nmb.norm_matmul_dx, interpret=_SMOKE)))]
     cases += [(f"ours_dx_{norm}", (label, cfg), fused(cfg))
               for label, cfg in _fused_dx_variants(m, k, n)]
+    # The same two paths with the kernel also writing dy_scaled (return_dy_scaled).
+    cases += [(f"xla_rows+ours_dx_{norm}+dys", (label, cfg), unfused(functools.partial(
+        nmb.norm_matmul_dx, config=cfg, return_dy_scaled=True, interpret=_SMOKE)))
+              for label, cfg in dys_configs(False)]
+    cases += [(f"ours_dx_{norm}+dys", (f"fused_{label}", cfg), fused(cfg, dys=True))
+              for label, cfg in dys_configs(True)[:1]]
     for impl, variant, fn in cases:
       name = impl if variant is None else f"{impl}/{variant[0]}"
       if time.monotonic() > deadline:
@@ -476,17 +568,25 @@ def run_dx_row_terms(m, k, n, iterations, records, deadline):
         continue
 
       def one(impl=impl, variant=variant, fn=fn, name=name, arg_sets=arg_sets):
-        rec = {"shape": f"{m}x{k}x{n}", "impl": impl, "row_terms": "in-kernel" if variant
-               else "xla"}
+        rec = {"shape": f"{m}x{k}x{n}", "impl": impl, "row_terms": "in-kernel"
+               if variant and not impl.startswith("xla_rows") else "xla"}
         if variant is not None:
           rec.update(config_label=variant[0], config=dataclasses.asdict(variant[1]))
-        rec["err"] = _rel(fn(*arg_sets[0]), want)
-        rec["ok"] = rec["err"] < 1e-2
+        out = fn(*arg_sets[0])
+        if isinstance(out, tuple):  # (dx, dy_scaled): dy_scaled must be XLA's, bit for bit
+          dy, rstd = arg_sets[0][0], arg_sets[0][3]
+          want_dys = (rstd[:, None] * dy.astype(jnp.float32)).astype(dy.dtype)
+          rec["dys_mismatches"] = int(jnp.sum(out[1] != want_dys))
+          out = out[0]
+        rec["err"] = _rel(out, want)
+        rec["ok"] = rec["err"] < 1e-2 and not rec.get("dys_mismatches")
         rec["us"] = times[name] = _time(fn, arg_sets, iterations)
-        line = f"  {name:<28} {rec['us']:9.1f} us"
+        line = f"  {name:<34} {rec['us']:9.1f} us"
         if (today := times.get(f"xla_rows+ours_dx_{norm}")) and variant is not None:
           rec["vs_xla_rows+ours_dx"] = rec["us"] / today
           line += f"  {rec['vs_xla_rows+ours_dx']:.2f}x xla_rows+ours_dx"
+        if "dys_mismatches" in rec:
+          line += f"  dys_mismatches {rec['dys_mismatches']}"
         print(line + f"  err {rec['err']:.1e}{'' if rec['ok'] else '  <-- WRONG'}", flush=True)
         records.append(rec)
       _guard(records, f"dx_rows/{m}x{k}x{n}/{name}", one)
@@ -503,7 +603,12 @@ def main(argv=None):
   p.add_argument("--json-name", default="norm_matmul_check.json")
   p.add_argument("--smoke", action="store_true",
                  help="CPU check of this script: tiny shapes, interpret mode, wall clock")
+  p.add_argument("--dx-writes-dy-scaled", action="store_true",
+                 help="norm_matmul.DX_WRITES_DY_SCALED on for the whole run (the public-API "
+                      "rows of the train section then have the dx kernel write rstd ⊙ dy)")
   args = p.parse_args(argv)
+  if args.dx_writes_dy_scaled:
+    nm.DX_WRITES_DY_SCALED = True
   global _SMOKE, SHAPES, QUICK_SHAPES, TRAIN_SHAPES, VARIANT_SHAPES
   if args.smoke:
     _SMOKE = True
@@ -513,7 +618,8 @@ def main(argv=None):
   sections = [sec for sec in args.sections.split(",") if sec]
   if bad := [sec for sec in sections if sec not in SECTIONS]:
     p.error(f"unknown sections {bad}; choose from {SECTIONS}")
-  print(f"devices: {jax.devices()}  sections: {sections}", flush=True)
+  print(f"devices: {jax.devices()}  sections: {sections}  DX_WRITES_DY_SCALED: "
+        f"{nm.DX_WRITES_DY_SCALED}", flush=True)
   start = time.monotonic()
   deadline = start + args.budget_s
   records: list[dict] = []
@@ -574,8 +680,8 @@ def main(argv=None):
   if out := os.environ.get("OUT"):
     path = os.path.join(out, args.json_name)
     with open(path, "w") as f:
-      json.dump({"device": str(jax.devices()[0]), "sections": sections, "records": records},
-                f, indent=1)
+      json.dump({"device": str(jax.devices()[0]), "sections": sections,
+                 "dx_writes_dy_scaled": nm.DX_WRITES_DY_SCALED, "records": records}, f, indent=1)
     print(f"wrote {path}")
 
 

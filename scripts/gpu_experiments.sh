@@ -5,6 +5,7 @@
 #   scripts/gpu_experiments.sh tests    # their GPU tests (correctness first), ~3 min
 #   scripts/gpu_experiments.sh timing   # post-norm grid sweep + pre-norm/dx variants, ~8 min
 #   scripts/gpu_experiments.sh rows     # session 4: fused dx row terms on/off, suite subset
+#   scripts/gpu_experiments.sh dys      # prepared in session 4: norm_matmul.DX_WRITES_DY_SCALED
 #
 # Logs and JSON go to $OUT when set (else benchmarks/results/dev/). What the results decide is
 # in benchmarks/NOTES.md ("Next measurements"). Exit status: the last failing step's, else 0.
@@ -44,8 +45,21 @@ runpy.run_path('benchmarks/gpu_norm_matmul_check.py', run_name='__main__')" \
       --only "(norm_matmul|matmul_norm)/[a-z+]+/262144x(128x128|512x512)/|train_step" \
       2>&1 | grep -v "Delay kernel" | tee "$out/suite_subset.log" || status=$?
     ;;
+  dys)
+    # The dx kernel writing dy_scaled = rstd ⊙ dy for the weight gradients (return_dy_scaled,
+    # norm_matmul.DX_WRITES_DY_SCALED, off by default): its GPU tests (bit-exact dy_scaled and
+    # dx), then the A/B at the seed shape: the train section's public-API fwd+bwd with the
+    # switch off and on and the backward's parts, then the dx section's *+dys* rows.
+    GPU_TEST_WORKERS="${GPU_TEST_WORKERS:-8}" OUT="$out" timeout 300 \
+      scripts/gpu_tests.sh -k "dy_scaled" || status=$?
+    for section in train dx; do
+      OUT="$out" timeout 280 python3 benchmarks/gpu_norm_matmul_check.py --sections "$section" \
+        --quick --budget-s 240 --json-name "norm_matmul_dys_$section.json" \
+        2>&1 | grep -v "Delay kernel" | tee "$out/norm_matmul_dys_$section.log" || status=$?
+    done
+    ;;
   *)
-    echo "usage: $0 tests|timing|rows" >&2
+    echo "usage: $0 tests|timing|rows|dys" >&2
     exit 2
     ;;
 esac

@@ -716,6 +716,200 @@ def test_gpu_dx_fused_row_terms_configs(config, m, norm):
                     fused=True)
 
 
+# ------------------------------------------------------------------------------------------------
+# return_dy_scaled: the dx kernel also writes dy_scaled = rstd ⊙ dy (x's dtype) for the weight
+# gradients, from the units of output column tile 0.
+
+
+def _dy_scaled_inputs(seed, m, k, n, dtype, norm, mu=0.0):
+  """dy, w_gamma, x and the XLA lazy forward's (rounded) y, mean, rstd, plus the fold."""
+  x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu)
+  dy = jax.random.normal(jax.random.key(seed + 1000), (m, n), jnp.float32).astype(dtype)
+  w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
+  y, mean, rstd = nm.lazy_forward_xla(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
+                                      out_dtype=dtype)
+  return dict(dy=dy, w_gamma=w_gamma, x=x, y=y, mean=mean, rstd=rstd, col_sum=col_sum,
+              out_bias=out_bias)
+
+
+def _dx_call(a, k, fused, interpret=True, **kwargs):
+  """norm_matmul_dx on the inputs ``a`` of :func:`_dy_scaled_inputs`, with the row terms given
+  (from the XLA pass) or fused (from y)."""
+  if fused:
+    return nmb.norm_matmul_dx(a["dy"], a["w_gamma"], a["x"], a["rstd"], mean=a["mean"],
+                              y=a["y"], out_bias=a["out_bias"], col_sum=a["col_sum"],
+                              interpret=interpret, **kwargs)
+  y_term, c_term = nm._row_terms(a["dy"], a["y"], a["col_sum"], a["out_bias"], a["rstd"], k)
+  return nmb.norm_matmul_dx(a["dy"], a["w_gamma"], a["x"], a["rstd"], y_term, a["mean"], c_term,
+                            interpret=interpret, **kwargs)
+
+
+def _run_dy_scaled_and_check(m, k, n, dtype, norm, fused, config=None, *, mu=0.0,
+                             x_prefetch_step=1, interpret=True):
+  """dy_scaled equals XLA's ``(rstd[:, None] * dy.astype(f32)).astype(x.dtype)`` bit for bit,
+  every element written (the outputs start NaN-filled in interpret mode), and dx equals the
+  option-off kernel's under the same config bit for bit; no races."""
+  a = _dy_scaled_inputs(m + k + n, m, k, n, dtype, norm, mu=mu)
+  cfg = config or nmb.pick_config(m, n, k, fused_row_terms=fused, dy_scaled=True)
+  call = lambda **kw: _dx_call(a, k, fused, interpret=interpret, config=cfg,
+                               x_prefetch_step=x_prefetch_step, **kw)
+  dx_off = jax.block_until_ready(call())
+  if interpret:
+    assert not mgpu_common.races_found(), "race without return_dy_scaled"
+  dx, dy_scaled = jax.block_until_ready(call(return_dy_scaled=True))
+  if interpret:
+    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+  want = (a["rstd"][:, None] * a["dy"].astype(jnp.float32)).astype(dtype)
+  assert dy_scaled.shape == (m, n) and dy_scaled.dtype == jnp.dtype(dtype)
+  assert bool(jnp.all(jnp.isfinite(dy_scaled))), "some dy_scaled elements were never written"
+  np.testing.assert_array_equal(np.asarray(dy_scaled.astype(jnp.float32)),
+                                np.asarray(want.astype(jnp.float32)))
+  assert bool(jnp.all(jnp.isfinite(dx)))
+  np.testing.assert_array_equal(np.asarray(dx.astype(jnp.float32)),
+                                np.asarray(dx_off.astype(jnp.float32)))
+
+
+# Every M in {1, 77, 256}, K and N in {64, 128, 192, 320}, both norms, both row-term paths,
+# both dtypes; tile_n = 64 gives several output column tiles per row block (only the first
+# writes dy_scaled; NaN-filled outputs show any element left unwritten) and several K steps.
+DY_SCALED_CASES = [
+    # m, k, n, dtype, norm, fused, config, x_prefetch_step
+    # M tail, 3 column tiles, 2 steps of 64; the prefetch's wait leaves 1 dy_scaled store
+    (77, 192, 128, jnp.bfloat16, "layer", False, TileConfig(tile_m=128, tile_n=64), 1),
+    # 2 row blocks × 5 column tiles on 2 CTAs (chained, rstd prefetched across row blocks),
+    # 4 steps of 32 (slots reused within a tile); prefetch at step 3 (3 stores left in flight)
+    (256, 320, 128, jnp.float16, "rms", True, TileConfig(tile_m=128, tile_n=64, tile_k=32), 3),
+    # one row, one step, one unit: pick_config's tiles for dy_scaled; prefetch at step 0
+    (1, 64, 64, jnp.bfloat16, "rms", False, None, 0),
+    # rows of mean 1e2, 2 column tiles, 5 steps of 64 (per-tile pipelines), fused row terms
+    (77, 128, 320, jnp.float16, "layer", True, TileConfig(tile_m=128, tile_n=64), 1),
+    # one WGMMA left in flight across steps (stages released a step late, not chained)
+    (256, 192, 128, jnp.float16, "rms", False, TileConfig(
+        tile_m=128, tile_n=64, max_concurrent_steps=2, delay_release=1), 1),
+    # clusters of 2 (each CTA writes its own rows), 2 column tiles, fused row terms
+    (256, 128, 128, jnp.bfloat16, "layer", True, TileConfig(tile_m=128, tile_n=64,
+                                                            cluster_m=2), 1),
+    # 256-row tiles (128 rows per warpgroup), narrow epilogue tiles, 2 column tiles
+    (77, 128, 64, jnp.bfloat16, "layer", False, TileConfig(tile_m=256, tile_n=64, tile_k=32,
+                                                           epi_tile_n=32), 1),
+    # pick_config's tiles (32-wide steps) with the fused row terms, one column tile
+    (256, 64, 192, jnp.float16, "layer", True, None, 1),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,norm,fused,config,step", DY_SCALED_CASES)
+def test_dx_dy_scaled_bit_exact(m, k, n, dtype, norm, fused, config, step):
+  _run_dy_scaled_and_check(m, k, n, dtype, norm, fused, config, x_prefetch_step=step,
+                           mu=1e2 if dtype == jnp.float16 and norm == "layer" else 0.0)
+
+
+def test_dx_dy_scaled_bad_arguments_raise():
+  """Refused before any kernel runs: a non-bool flag, pingpong, steps wider than one 128-byte
+  swizzle row (the staging slot's TMA box), and a config that no longer fits in SMEM."""
+  m, n, k = 8, 128, 128
+  dy = jnp.ones((m, n), jnp.bfloat16)
+  w = jnp.ones((k, n), jnp.bfloat16)
+  x = jnp.ones((m, k), jnp.bfloat16)
+  r = jnp.ones((m,), jnp.float32)
+  call = lambda **kw: nmb.norm_matmul_dx(dy, w, x, r, r, interpret=True, **kw)
+  with pytest.raises(TypeError, match="return_dy_scaled must be a bool"):
+    call(return_dy_scaled=1)
+  with pytest.raises(ValueError, match="pingpong"):
+    call(return_dy_scaled=True, config=TileConfig(tile_k=32, pingpong=True))
+  with pytest.raises(ValueError, match="tile_k <= 64"):
+    call(return_dy_scaled=True, config=TileConfig(tile_k=128))
+  with pytest.raises(ValueError, match="dy_scaled staging"):
+    nmb._make_plan(m, 4096, 4096, jnp.bfloat16, True, TileConfig(tile_m=256, tile_k=64),
+                   False, 1, fused=True, has_bias=True, dy_scaled=True)
+  # Without the option the same configs run as before (tile_k = 128 is fine for dx alone).
+  nmb._make_plan(m, n, k, jnp.bfloat16, True, TileConfig(tile_k=128), False, 1)
+
+
+def test_dx_dy_scaled_plan_and_config():
+  """SMEM: the staging slots (2 per warpgroup of (wg_tile_m, tile_k)) and the rstd rows count
+  in the budget. At 262144×512² bf16 (128×256 tiles): row terms given, 3 unchained 64-wide
+  stages without the option, 4 chained 32-wide with it (pick_config), 2 chained 64-wide if
+  forced; fused row terms, 4 chained 32-wide either way (1 stage if forced to 64-wide)."""
+  m = 262144
+  base = nmb.pick_config(m, 512, 512)
+  assert nmb.pick_config(m, 512, 512, dy_scaled=True) == dataclasses.replace(base, tile_k=32)
+  assert nmb.pick_config(m, 512, 512, fused_row_terms=True, dy_scaled=True) == (
+      dataclasses.replace(base, tile_k=32))
+
+  def plan(cfg, fused, dy_scaled):
+    return nmb._make_plan(m, 512, 512, jnp.bfloat16, True, cfg, False, 1, fused=fused,
+                          has_bias=True, dy_scaled=dy_scaled)
+
+  k32 = dataclasses.replace(base, tile_k=32)
+  expected = {  # (config, fused, dy_scaled): (stages, chained)
+      (base, False, False): (3, False), (k32, False, True): (4, True),
+      (base, False, True): (2, True), (k32, True, False): (4, True), (k32, True, True): (4, True),
+      (base, True, True): (1, True)}
+  for (cfg, fused, dy_scaled), want in expected.items():
+    p = plan(cfg, fused, dy_scaled)
+    assert (p.stages, p.chained) == want, (cfg.tile_k, fused, dy_scaled)
+    used = (p.stages * nmb._stage_bytes(cfg, jnp.bfloat16, fused, p.n_vecs)
+            + nmb._fixed_smem_bytes(cfg, jnp.bfloat16, p.n_rows, dy_scaled))
+    assert used <= mgpu_common.SMEM_BYTES
+  assert nmb._dy_scaled_smem_bytes(k32, jnp.bfloat16) == 2 * 2 * 64 * 32 * 2 + 2 * 2 * 64 * 4
+  # 256×128 tiles (K, N <= 128): 32-wide steps keep 4 stages next to 128-row slots.
+  small = nmb.pick_config(m, 128, 128, dy_scaled=True)
+  assert (small.tile_m, small.tile_n, small.tile_k) == (256, 128, 32)
+  assert nmb._make_plan(m, 128, 128, jnp.bfloat16, False, small, False, 1,
+                        dy_scaled=True).stages == 4
+
+
+@pytest.mark.parametrize("m,k,n,norm,fused,config", [
+    (262144, 512, 512, "layer", False, None),
+    (262144, 512, 512, "rms", True, None),
+    # M % 8 != 0: dy (and y) untiled, WGMMA A from the registers dy_scaled also scales
+    (262144 + 77, 1024, 1024, "rms", False, None),
+    (262144 + 77, 1024, 1024, "layer", True, None),
+    (262144, 128, 128, "layer", False, None),  # 256×128 tiles, 128-row staging slots
+    (262144, 512, 512, "layer", False, TileConfig(tile_k=64)),  # 64-wide steps, 2 stages
+    (262144, 512, 512, "layer", True, TileConfig(tile_k=32, cluster_m=2)),
+    (262144, 512, 512, "rms", False, TileConfig(delay_release=1)),
+    (65536, 2048, 2048, "rms", False, TileConfig(fence_reads=False)),
+])
+def test_dx_dy_scaled_lowers_for_hopper(m, k, n, norm, fused, config):
+  spec = jax.ShapeDtypeStruct
+  row, col = spec((m,), jnp.float32), spec((n,), jnp.float32)
+  layer_row = row if norm == "layer" else None
+  bf16 = lambda *shape: spec(shape, jnp.bfloat16)
+  if fused:
+    fn = jax.jit(lambda dy, w, x, r, mu, y, ob, cs: nmb.norm_matmul_dx(
+        dy, w, x, r, mean=mu, y=y, out_bias=ob, col_sum=cs, config=config,
+        return_dy_scaled=True))
+    args = (bf16(m, n), bf16(k, n), bf16(m, k), row, layer_row, bf16(m, n), col,
+            col if norm == "layer" else None)
+  else:
+    fn = jax.jit(lambda dy, w, x, r, yt, mu, ct: nmb.norm_matmul_dx(
+        dy, w, x, r, yt, mu, ct, config=config, return_dy_scaled=True))
+    args = (bf16(m, n), bf16(k, n), bf16(m, k), row, row, layer_row, layer_row)
+  exported = export.export(fn, platforms=["cuda"])(*args)
+  assert "mosaic_gpu" in exported.mlir_module()
+  assert [o.shape for o in exported.out_avals] == [(m, k), (m, n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(8192, 512, 512), (8192 + 77, 1024, 1024)])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_dx_dy_scaled(m, k, n, norm, fused):
+  """At real sizes on the GPU (M % 8 != 0: dy untiled, A from registers): dy_scaled bit-equal
+  to XLA's on the GPU, dx bit-equal to the option-off kernel's under the same config."""
+  _run_dy_scaled_and_check(m, k, n, jnp.bfloat16, norm, fused, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [TileConfig(tile_k=64), TileConfig(tile_k=32, cluster_m=2),
+                                    TileConfig(tile_k=32, delay_release=1),
+                                    TileConfig(tile_m=256, tile_n=128, tile_k=32)])
+@pytest.mark.parametrize("m", [8192, 8192 + 77])
+def test_gpu_dx_dy_scaled_configs(config, m):
+  _run_dy_scaled_and_check(m, 512, 512, jnp.bfloat16, "layer", False, config, interpret=False)
+
+
 def test_resident_clusters_fit_the_gpcs():
   """Clusters must sit inside one GPC: on the H200, 30 clusters of 4 and 15 of 8 fit at once
   (measured), not 132 // 4 = 33 and 132 // 8 = 16."""

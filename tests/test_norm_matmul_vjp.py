@@ -133,10 +133,13 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("m,k,n,norm,use_affine", [(77, 128, 192, "layer", True),
                                                    (64, 64, 128, "rms", False)])
-def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine):
+def test_public_api_interpret_matches_xla(monkeypatch, m, k, n, norm, use_affine):
   """pallas_norm.norm_matmul(implementation="interpret"): y and (dx, dw, dscale, dbias) within
   bf16 tolerance (relative Frobenius 2e-2; y 1e-2) of implementation="xla" and of the f32
-  reference. Forward and backward each run once (jax.vjp): interpret mode is slow."""
+  reference. Forward and backward each run once (jax.vjp): interpret mode is slow. The row
+  terms come from the XLA pass here (FUSED_ROW_TERMS off; the LayerNorm default at these sizes
+  is the fused path, which test_public_api_interpret_fused_row_terms covers)."""
+  monkeypatch.setattr(nm, "FUSED_ROW_TERMS", False)
   x, w, scale, bias, ct = _inputs(21 + m, m, k, n, jnp.bfloat16)
   scale, bias = (scale, bias) if use_affine else (None, None)
   ct = ct.astype(jnp.bfloat16)
@@ -167,15 +170,38 @@ def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine):
     assert _rel(g, g_ref) < 2e-2, (name, _rel(g, g_ref))
 
 
-def _spy_on_dx_kernel(monkeypatch, run_kernel=True):
+def _check_against_f32_reference(y, grads, x, w, scale, bias, ct, norm):
+  """y within 1e-2 and each gradient (dx, dw, dscale, dbias) finite, within 2e-2 of the largest
+  entry of the f32 reference's elementwise, and within 2e-2 relative (Frobenius)."""
+  f32 = lambda a: a.astype(jnp.float32)
+  y_ref, vjp_ref = jax.vjp(lambda *a: reference.norm_matmul(*a, norm=norm), f32(x), f32(w),
+                           scale, bias)
+  assert _rel(y, y_ref) < 1e-2
+  grads_ref = vjp_ref(f32(ct))
+  chex.assert_trees_all_equal_shapes(grads, grads_ref)
+  for name, g, r in zip(["dx", "dw", "dscale", "dbias"], grads, grads_ref):
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    top = float(jnp.max(jnp.abs(r)))
+    chex.assert_trees_all_close(f32(g) / top, r / top, atol=2e-2, rtol=0, custom_message=name)
+    assert _rel(g, r) < 2e-2, (name, _rel(g, r))
+
+
+def _spy_on_dx_kernel(monkeypatch, run_kernel=True, dy_scaled_flags=None):
   """Replaces norm_matmul_dx by a wrapper that records which row-term inputs each call got:
-  "y" (fused row terms) or "y_term" (the XLA pass); without ``run_kernel`` it returns zeros."""
+  "y" (fused row terms) or "y_term" (the XLA pass), and its ``return_dy_scaled`` in
+  ``dy_scaled_flags`` (a list) when given; without ``run_kernel`` it returns zeros."""
   from pallas_norm.ops import norm_matmul_bwd_mgpu as nmb
   calls, real = [], nmb.norm_matmul_dx
 
   def spy(dy, w_gamma, x, *args, **kwargs):
     calls.append("y" if kwargs.get("y") is not None else "y_term")
-    return real(dy, w_gamma, x, *args, **kwargs) if run_kernel else jnp.zeros_like(x)
+    if dy_scaled_flags is not None:
+      dy_scaled_flags.append(kwargs.get("return_dy_scaled", False))
+    if run_kernel:
+      return real(dy, w_gamma, x, *args, **kwargs)
+    if kwargs.get("return_dy_scaled"):
+      return jnp.zeros_like(x), jnp.zeros(dy.shape, x.dtype)
+    return jnp.zeros_like(x)
 
   monkeypatch.setattr(nmb, "norm_matmul_dx", spy)
   return calls
@@ -195,17 +221,7 @@ def test_public_api_interpret_fused_row_terms(monkeypatch, m, k, n, norm):
   y, vjp = jax.vjp(op, x, w, scale, bias)
   grads = vjp(ct)
   assert calls == ["y"]
-  f32 = lambda a: a.astype(jnp.float32)
-  y_ref, vjp_ref = jax.vjp(lambda *a: reference.norm_matmul(*a, norm=norm), f32(x), f32(w),
-                           scale, bias)
-  assert _rel(y, y_ref) < 1e-2
-  grads_ref = vjp_ref(f32(ct))
-  chex.assert_trees_all_equal_shapes(grads, grads_ref)
-  for name, g, r in zip(["dx", "dw", "dscale", "dbias"], grads, grads_ref):
-    assert bool(jnp.all(jnp.isfinite(g))), name
-    top = float(jnp.max(jnp.abs(r)))
-    chex.assert_trees_all_close(f32(g) / top, r / top, atol=2e-2, rtol=0, custom_message=name)
-    assert _rel(g, r) < 2e-2, (name, _rel(g, r))
+  _check_against_f32_reference(y, grads, x, w, scale, bias, ct, norm)
 
 
 @pytest.mark.parametrize("flag,implementation,y_dtype,expected", [
@@ -240,9 +256,83 @@ def _check_row_terms_route(monkeypatch, flag, implementation, y_dtype, expected,
   w_gamma, col_sum, out_bias = nm.fold_affine(w, scale, bias, norm)
   y = jnp.ones((m, n), y_dtype)
   rows = jnp.ones((m,), jnp.float32)
-  dx = nm._input_grad(implementation, ct.astype(y_dtype), x, w_gamma, col_sum, out_bias, y,
-                      None if norm == "rms" else rows, rows)
-  assert calls == expected and dx.shape == x.shape
+  dx, dy_scaled = nm._input_grad(implementation, ct.astype(y_dtype), x, w_gamma, col_sum,
+                                 out_bias, y, None if norm == "rms" else rows, rows)
+  assert calls == expected and dx.shape == x.shape and dy_scaled is None
+
+
+@pytest.mark.parametrize("m,k,n,norm", [(77, 128, 192, "layer"), (64, 64, 128, "rms")])
+def test_public_api_interpret_dx_writes_dy_scaled(monkeypatch, m, k, n, norm):
+  """norm_matmul.DX_WRITES_DY_SCALED on: the dx kernel (fused row terms for this LayerNorm
+  call, given ones for RMSNorm) returns dy_scaled and the weight gradients use it. The
+  gradients match the f32 reference's as the other paths do, and the weight gradients equal
+  bit for bit those XLA computes from its own dy_scaled (the kernel's values are XLA's)."""
+  monkeypatch.setattr(nm, "DX_WRITES_DY_SCALED", True)
+  flags = []
+  calls = _spy_on_dx_kernel(monkeypatch, dy_scaled_flags=flags)
+  x, w, scale, bias, ct = _inputs(41 + m, m, k, n, jnp.bfloat16)
+  ct = ct.astype(jnp.bfloat16)
+  op = lambda *a: pallas_norm.norm_matmul(*a, norm=norm, implementation="interpret",
+                                          return_stats=True)
+  (y, stats), vjp = jax.vjp(op, x, w, scale, bias)
+  grads = vjp((ct, jax.tree.map(jnp.zeros_like, stats)))
+  assert calls == (["y"] if norm == "layer" else ["y_term"]) and flags == [True]
+  _check_against_f32_reference(y, grads, x, w, scale, bias, ct, norm)
+  xla_weight_grads = nm._weight_grads(ct, x, w, scale, bias, stats.mean, stats.rstd)
+  chex.assert_trees_all_equal(tuple(grads[1:]), xla_weight_grads)
+
+
+@pytest.mark.parametrize("flag,fused,implementation,dy_dtype,expected", [
+    (False, False, "interpret", jnp.bfloat16, [False]),
+    (False, True, "interpret", jnp.bfloat16, [False]),
+    (True, False, "interpret", jnp.bfloat16, [True]),
+    (True, True, "interpret", jnp.bfloat16, [True]),
+    (True, False, "mosaic", jnp.bfloat16, [True]),
+    (True, True, "mosaic", jnp.bfloat16, [True]),
+    (True, False, "interpret", jnp.float32, [False]),  # dy not in x's dtype: XLA's pass
+    (True, False, "lazy_xla", jnp.bfloat16, []),  # the reference math never calls the kernel
+])
+def test_input_grad_dy_scaled_switch(monkeypatch, flag, fused, implementation, dy_dtype,
+                                     expected):
+  """Which calls ask the dx kernel for dy_scaled under DX_WRITES_DY_SCALED, on both row-term
+  paths (no kernel runs), and that _input_grad hands it on (None where XLA computes it)."""
+  monkeypatch.setattr(nm, "DX_WRITES_DY_SCALED", flag)
+  monkeypatch.setattr(nm, "FUSED_ROW_TERMS", fused)
+  flags = []
+  _spy_on_dx_kernel(monkeypatch, run_kernel=False, dy_scaled_flags=flags)
+  m, k, n = 16, 64, 64
+  x, w, scale, bias, ct = _inputs(5, m, k, n, jnp.bfloat16)
+  w_gamma, col_sum, out_bias = nm.fold_affine(w, scale, bias, "layer")
+  rows = jnp.ones((m,), jnp.float32)
+  dx, dy_scaled = nm._input_grad(implementation, ct.astype(dy_dtype), x, w_gamma, col_sum,
+                                 out_bias, jnp.ones((m, n), jnp.bfloat16), rows, rows)
+  assert flags == expected and dx.shape == x.shape
+  if expected == [True]:
+    assert dy_scaled.shape == (m, n) and dy_scaled.dtype == x.dtype
+  else:
+    assert dy_scaled is None
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_weight_grads_take_the_given_dy_scaled(norm):
+  """_weight_grads uses a given dy_scaled (the GEMM and the LayerNorm rank-1 term) instead of
+  recomputing it, and gives XLA's own result when handed XLA's values (no other input
+  changes)."""
+  m, k, n = 32, 64, 64
+  x, w, scale, bias, ct = _inputs(6, m, k, n, jnp.bfloat16)
+  dy = ct.astype(jnp.bfloat16)
+  mean = None if norm == "rms" else jnp.full((m,), 0.5, jnp.float32)
+  rstd = jnp.linspace(0.5, 2.0, m, dtype=jnp.float32)
+  own = nm._weight_grads(dy, x, w, scale, None, mean, rstd)
+  xla_values = (rstd[:, None] * dy.astype(jnp.float32)).astype(x.dtype)
+  chex.assert_trees_all_equal(nm._weight_grads(dy, x, w, scale, None, mean, rstd, xla_values),
+                              own)
+  dw, dscale, _ = nm._weight_grads(dy, x, w, scale, None, mean, rstd, jnp.zeros_like(dy))
+  assert float(jnp.max(jnp.abs(dw.astype(jnp.float32)))) == 0.0
+  assert float(jnp.max(jnp.abs(dscale))) == 0.0
+  # dbias reads dy itself (the column sums), not dy_scaled.
+  _, _, dbias = nm._weight_grads(dy, x, w, scale, bias, mean, rstd, jnp.zeros_like(dy))
+  chex.assert_trees_all_equal(dbias, nm._weight_grads(dy, x, w, scale, bias, mean, rstd)[2])
 
 
 @pytest.mark.gpu
@@ -314,3 +404,16 @@ def test_returned_stats_carry_no_gradient_on_any_path(op):
     return total + jnp.sum(stats.rstd) + jnp.sum(stats.mean) if with_stats else total
 
   chex.assert_trees_all_close(jax.grad(loss)(x, True), jax.grad(loss)(x, False), rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(8192, 512, 512), (8192 + 77, 1024, 1024)])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gpu_public_api_gradients_dx_writes_dy_scaled(monkeypatch, m, k, n, norm):
+  """As test_gpu_public_api_gradients, with norm_matmul.DX_WRITES_DY_SCALED on (the dx kernel
+  writes rstd ⊙ dy for the weight gradients)."""
+  monkeypatch.setattr(nm, "DX_WRITES_DY_SCALED", True)
+  flags = []
+  _spy_on_dx_kernel(monkeypatch, dy_scaled_flags=flags)
+  test_gpu_public_api_gradients(m, k, n, norm)
+  assert flags == [True]

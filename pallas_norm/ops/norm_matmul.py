@@ -22,8 +22,10 @@ epilogue (:mod:`pallas_norm.ops.norm_matmul_bwd_mgpu`); its two row scalars
 ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy and y,
 or, by default for LayerNorm up to K, N ≤ 512 (:data:`FUSED_ROW_TERMS`, where it was measured
 faster), from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
-XLA. ``"lazy_xla"`` (tests only) runs the same math all in XLA, with the XLA row terms (the
-reference for both).
+XLA; their row-scaled cotangent ``rstd ⊙ dy`` (rounded to x's dtype) comes from an XLA pass over
+dy, or, with :data:`DX_WRITES_DY_SCALED` (opt-in, not yet timed on a GPU), from the dx kernel,
+which writes it from the dy tiles it already holds in SMEM. ``"lazy_xla"`` (tests only) runs the
+same math all in XLA, with the XLA row terms and the XLA dy_scaled (the reference for all).
 
 The ``"xla"`` implementation is the unfused reference (:func:`pallas_norm.reference.norm_matmul`)
 differentiated by JAX.
@@ -152,6 +154,31 @@ FUSED_ROW_TERMS_MAX_KN = 512
 K = N = 1024 is not measured yet."""
 
 
+DX_WRITES_DY_SCALED: bool = False
+"""Whether the kernel backward's dx kernel also writes ``dy_scaled = rstd ⊙ dy`` in x's dtype
+(``norm_matmul_dx(..., return_dy_scaled=True)``), which the weight gradients then read instead
+of computing it. Off by default: not yet timed on a GPU (the next GPU session decides, with
+``benchmarks/gpu_norm_matmul_check.py --sections train,dx --quick``: the train section's
+``api_fwd+bwd/mosaic_dys`` vs ``api_fwd+bwd/mosaic``, ``bwd_all/kernel_dys`` vs
+``bwd_all/xla_dys`` and the parts ``bwd_dx_kernel_dys`` + ``bwd_weights_xla_given_dys`` vs
+``bwd_dx_kernel`` + ``bwd_weights_xla``; the dx section's ``*+dys*`` rows).
+
+Expected saving: XLA's elementwise pass that forms dy_scaled reads dy and writes dy_scaled
+(~125 µs of the ~344 µs XLA weight gradients at 262144×512² bf16 on the H200). The dx kernel
+already holds every dy tile in SMEM (its WGMMA A operand), so it scales and stores it while the
+tensor cores run: one more M×N write from the kernel, overlapped, in place of that pass's read
+and write. What stays in XLA: the dW_γ GEMM reading dy_scaled, and the column sums (the
+LayerNorm rank-1 term reads dy_scaled, dbias reads dy) that XLA could fuse into the removed
+pass and may now run as reductions of their own (one M×N read each): the saving should be
+largest for RMSNorm without bias. The kernel pays SMEM for the staging (at 262144×512² its
+default takes 4 chained 32-wide stages instead of 3 unchained 64-wide ones with the row terms
+given; 4 chained 32-wide ones either way with the fused row terms). Read when the backward is
+traced; calls whose cotangent is not in x's dtype keep the XLA pass. The values are bit-equal
+to XLA's (one f32 product, one rounding), so the weight gradients do not change (dx only
+through the dx kernel's step width, where :func:`norm_matmul_bwd_mgpu.pick_config` takes
+32-wide steps for it)."""
+
+
 def fused_row_terms_pay(k: int, n: int, norm: str) -> bool:
   """The default of :data:`FUSED_ROW_TERMS` for x (M, k) @ w (k, n): LayerNorm up to
   :data:`FUSED_ROW_TERMS_MAX_KN`."""
@@ -184,35 +211,50 @@ def _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None):
 
 
 def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
-  """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue."""
+  """(dx, dy_scaled or None): dx with no reduction over a full row of K, one GEMM plus a
+  per-row epilogue; with :data:`DX_WRITES_DY_SCALED`, also ``rstd ⊙ dy`` in x's dtype from the
+  dx kernel (None: :func:`_weight_grads` computes it)."""
   interpret = implementation == "interpret"
   norm = "rms" if mean is None else "layer"
   fused = (fused_row_terms_pay(x.shape[1], y.shape[1], norm) if FUSED_ROW_TERMS is None
            else FUSED_ROW_TERMS)
+  # The kernel scales the dy it reads, in x's dtype: that is XLA's dy_scaled only when dy is
+  # already in x's dtype (an out_dtype other than x's rounds dy for the kernel).
+  dy_scaled = (DX_WRITES_DY_SCALED and implementation != "lazy_xla"
+               and jnp.dtype(dy.dtype) == jnp.dtype(x.dtype))
   if implementation != "lazy_xla" and fused and y.dtype == dy.dtype == x.dtype:
     # The kernel sums the rows of dy ⊙ (y − out_bias) and dy ⊙ col_sum in its K loop. With y
     # and dy in x's dtype it reads the very values the XLA pass would (no rounding of y).
     from pallas_norm.ops import norm_matmul_bwd_mgpu
-    return norm_matmul_bwd_mgpu.norm_matmul_dx(
+    return _with_dy_scaled(norm_matmul_bwd_mgpu.norm_matmul_dx(
         dy, w_gamma, x, rstd, mean=mean, y=y, out_bias=out_bias, col_sum=col_sum,
-        interpret=interpret)
+        return_dy_scaled=dy_scaled, interpret=interpret), dy_scaled)
   y_term, c_term = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
   if implementation == "lazy_xla":
-    return _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean, c_term)
+    return _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean, c_term), None
   from pallas_norm.ops import norm_matmul_bwd_mgpu
-  return norm_matmul_bwd_mgpu.norm_matmul_dx(
-      dy.astype(x.dtype), w_gamma, x, rstd, y_term, mean, c_term, interpret=interpret)
+  return _with_dy_scaled(norm_matmul_bwd_mgpu.norm_matmul_dx(
+      dy.astype(x.dtype), w_gamma, x, rstd, y_term, mean, c_term, return_dy_scaled=dy_scaled,
+      interpret=interpret), dy_scaled)
 
 
-def _weight_grads(dy, x, w, scale, bias, mean, rstd):
+def _with_dy_scaled(out, dy_scaled: bool):
+  """norm_matmul_dx's result as (dx, dy_scaled or None)."""
+  return out if dy_scaled else (out, None)
+
+
+def _weight_grads(dy, x, w, scale, bias, mean, rstd, dy_scaled=None):
   """(dw, dscale, dbias) from dW_γ = xᵀ (rstd ⊙ dy) − 1_K ⊗ Σ_i rstd_i mean_i dy_i (XLA).
 
   rstd ⊙ dy is rounded to x's dtype for the GEMM, and the rank-1 term is built from those
   same rounded values: for rows with a large mean both terms are large and must cancel, which
   they do only if they see the same numbers (else 15-44% errors in dw for bf16 rows of mean
-  100-250)."""
-  dy = dy.astype(_F32)
-  dy_scaled = (rstd[:, None] * dy).astype(x.dtype)
+  100-250). ``dy_scaled``: those rounded values when the dx kernel wrote them
+  (:data:`DX_WRITES_DY_SCALED`); they must be ``(rstd[:, None] * dy.astype(f32)).astype(
+  x.dtype)`` bit for bit (the kernel's are). None: computed here, one elementwise pass over
+  dy."""
+  if dy_scaled is None:
+    dy_scaled = (rstd[:, None] * dy.astype(_F32)).astype(x.dtype)
   dw_gamma = jnp.matmul(x.T, dy_scaled, preferred_element_type=_F32,
                         precision=lax.Precision.HIGHEST)
   if mean is not None:
@@ -222,7 +264,7 @@ def _weight_grads(dy, x, w, scale, bias, mean, rstd):
   dscale = None if scale is None else jnp.sum(dw_gamma * wf, axis=1).astype(scale.dtype)
   dbias = None
   if bias is not None:
-    dy_colsum = jnp.sum(dy, axis=0)
+    dy_colsum = jnp.sum(dy.astype(_F32), axis=0)
     dw = dw + bias.astype(_F32)[:, None] * dy_colsum[None, :]
     dbias = (wf @ dy_colsum).astype(bias.dtype)
   return dw.astype(w.dtype), dscale, dbias
@@ -232,8 +274,8 @@ def _fused_bwd(norm, eps, out_dtype, implementation, saved, cotangents):
   del norm, eps, out_dtype
   x, w, scale, bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
   dy = cotangents[0]  # the stats outputs are not differentiated (see norm_matmul)
-  dx = _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd)
-  return (dx, *_weight_grads(dy, x, w, scale, bias, mean, rstd))
+  dx, dy_scaled = _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd)
+  return (dx, *_weight_grads(dy, x, w, scale, bias, mean, rstd, dy_scaled))
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

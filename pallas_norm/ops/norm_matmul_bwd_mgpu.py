@@ -18,12 +18,14 @@ read untransposed from GMEM and handed to WGMMA as a transposed SMEM view (the B
 
 Where the row scalars come from (:func:`norm_matmul_dx`):
 
-* given (``y_term``, ``c_term``; the default path of ``norm_matmul``'s backward): XLA computes
-  them in one pass over dy and y (``pallas_norm.ops.norm_matmul._row_terms``) before the kernel.
-* fused (``y``, ``out_bias``, ``col_sum``; ``norm_matmul.FUSED_ROW_TERMS``, opt-in, off by
-  default): the kernel computes them itself, inside its K loop. The reduction runs over N, the
-  same dimension as the row sums, so each K step's (tile_m, tile_k) dy tile, already in SMEM as
-  the WGMMA A operand, is all the row sums need next to the matching y tile. y streams through
+* given (``y_term``, ``c_term``; ``norm_matmul``'s backward for RMSNorm and past K, N = 512):
+  XLA computes them in one pass over dy and y (``pallas_norm.ops.norm_matmul._row_terms``)
+  before the kernel.
+* fused (``y``, ``out_bias``, ``col_sum``; ``norm_matmul.FUSED_ROW_TERMS``, by default for
+  LayerNorm up to K, N ≤ 512): the kernel computes them itself, inside its K loop. The
+  reduction runs over N, the same dimension as the row sums, so each K step's (tile_m, tile_k)
+  dy tile, already in SMEM as the WGMMA A operand, is all the row sums need next to the
+  matching y tile. y streams through
   the pipeline as a third input (the dy tile's blocks and SMEM layout), and the column vectors
   as a fourth: ``[col_sum; out_bias]`` packed into one (n_vecs, N) f32 array, one (n_vecs,
   tile_k) block per step (tile_k·4 bytes per vector and stage: SMEM that does not grow with N,
@@ -62,7 +64,33 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   (``..._gpu_tests.log``). Needs y in dy's dtype (``norm_matmul`` otherwise keeps the XLA pass);
   does not combine with ``pingpong`` yet.
 
-With ``TileConfig.pingpong`` (:func:`pingpong_config`; opt-in, not yet timed) the consumers
+dy_scaled (``return_dy_scaled``; ``norm_matmul.DX_WRITES_DY_SCALED``, opt-in, not yet timed on
+a GPU): the kernel also writes ``dy_scaled = (rstd ⊙ dy)`` rounded to x's dtype, the operand of
+the weight gradients' GEMM ``dW_γ = xᵀ dy_scaled``, so that XLA's elementwise pass forming it
+(read dy, write dy_scaled: ~125 µs at 262144×512² bf16 on the H200) disappears. Every column
+tile of a row block streams that row block's whole dy (all N columns, over its K loop), so the
+units of output column tile 0 alone write it, each element exactly once. In their K loop, after
+issuing a step's WGMMA, each consumer warpgroup loads its rows of the dy tile into registers
+(the load the fused row terms make; shared with them, or with ``a_operand="registers"``),
+multiplies them in f32 by its rstd rows, rounds to x's dtype, writes them to one of
+:data:`DY_SCALED_SLOTS` SMEM staging slots and TMA-stores the slot to dy_scaled[rows, step
+columns] while the tensor core runs. Numerically this is XLA's ``(rstd[:, None] *
+dy.astype(f32)).astype(x.dtype)`` bit for bit (one f32 product, one rounding). The rstd rows
+come into registers once per tile, from a double-buffered SMEM copy whose TMA the previous tile
+issued (the CTA's first tile fetches its own). A slot is rewritten only once the store that
+read it is complete (``wait_smem_to_gmem(slots − 1, wait_read_only=True)``; between tiles an
+epilogue's dx stores always intervene), and the x-tile prefetch, which waits for the previous
+tile's dx stores, leaves the current tile's dy_scaled stores (the most recent ones) in flight.
+Staging slots are untiled swizzled (wg_tile_m, tile_k) tiles stored as plain 2-D TMA boxes,
+so rows past M are dropped for any M (needs tile_k · itemsize ≤ 128 bytes). SMEM: 2 slots of
+(wg_tile_m, tile_k) per warpgroup (32 KiB at 64-wide steps and 128-row tiles, 16 KiB at
+32-wide) plus 1 KiB of rstd rows; :func:`pick_config` then takes 32-wide steps, as for the
+fused row terms. At 262144×512² bf16 (128×256 tiles): row terms given, 3 unchained 64-wide
+stages without it, 4 chained 32-wide with it (2 chained 64-wide if forced); fused row terms, 4
+chained 32-wide stages either way (1 if forced to 64-wide). Not with ``pingpong``.
+
+With ``TileConfig.pingpong`` (:func:`pingpong_config`; opt-in, measured 1.53× slower on the H200
+at 262144×512², 448 vs 293 µs: benchmarks/NOTES.md, session 4) the consumers
 take alternate (one warpgroup's rows, column tile) units instead, each with its own K-loop ring
 (:class:`pallas_norm.mgpu_common.PingPongRing`), so one's epilogue overlaps the other's WGMMAs.
 
@@ -110,30 +138,36 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
   return norm_matmul_mgpu.unsupported_reason(m, k, n, dtype)
 
 
-def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> TileConfig:
+def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
+                dy_scaled: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
   K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options.
 
-  ``fused_row_terms`` (y streams through the pipeline too): the same tiles, with 32-wide
-  reduction steps where the y stage leaves room for fewer than 3 64-wide ones (every default
-  tile shape). On the H200 (2026-11-30, two runs, 128×256 tiles) 4 stages of 32 against 2 of
-  64: 262144×512², 0.98 and 1.00× LayerNorm, 0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and
-  1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no
-  load would overlap a WGMMA at all.
+  ``fused_row_terms`` (y streams through the pipeline too) or ``dy_scaled`` (the consumers
+  stage rstd ⊙ dy in SMEM, :func:`norm_matmul_dx`'s ``return_dy_scaled``): the same tiles,
+  with 32-wide reduction steps where the extra SMEM leaves room for fewer than 3 64-wide
+  stages (every default tile shape). For the fused row terms, on the H200 (2026-11-30, two
+  runs, 128×256 tiles) 4 stages of 32 against 2 of 64: 262144×512², 0.98 and 1.00× LayerNorm,
+  0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and 1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With
+  a single 64-wide stage (256×128 tiles) no load would overlap a WGMMA at all. ``dy_scaled``
+  takes the same rule untimed (its staging halves with the step width: at 128×256 tiles and
+  K = N = 512, 4 chained stages of 32 instead of 2 of 64).
   """
   fwd = norm_matmul_mgpu.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
                    epi_tile_n=fwd.epi_tile_n)
-  # The most SMEM any fused call takes besides the stages: LayerNorm with out_bias, 16-bit.
-  if fused_row_terms and _stages_that_fit(cfg, jnp.bfloat16, True, True, 2) < 3:
+  # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
+  if ((fused_row_terms or dy_scaled) and _stages_that_fit(
+      cfg, jnp.bfloat16, True, fused_row_terms, 2 if fused_row_terms else 0, dy_scaled) < 3):
     cfg = dataclasses.replace(cfg, tile_k=32)
   return cfg
 
 
 def pingpong_config(m: int, n: int, k: int) -> TileConfig:
-  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``; opt-in, not yet
-  timed on a GPU) and 32-wide reduction steps, so each consumer's ring gets several stages."""
+  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``; opt-in, 1.53×
+  slower than the default on the H200 at 262144×512²) and 32-wide reduction steps, so each
+  consumer's ring gets several stages."""
   base = pick_config(m, n, k)
   return dataclasses.replace(base, pingpong=True, tile_k=32 if n % 32 == 0 else base.tile_k)
 
@@ -148,6 +182,7 @@ class _Plan:
   layer: bool
   fused: bool  # the kernel computes y_term / c_term from y (fused row terms)
   has_bias: bool  # fused: out_bias is subtracted from y
+  dy_scaled: bool  # the column-tile-0 units also write rstd ⊙ dy (return_dy_scaled)
   cfg: TileConfig
   stages: int
   chained: bool  # a CTA's tiles run as one K-loop pipeline (TileConfig.pipeline_across_tiles)
@@ -197,10 +232,23 @@ def _n_vecs(layer: bool, fused: bool, has_bias: bool) -> int:
   return int(fused) * (int(layer) + int(has_bias))
 
 
-def _fixed_smem_bytes(cfg: TileConfig, dtype, n_rows: int) -> int:
+DY_SCALED_SLOTS = 2
+"""SMEM staging slots per consumer warpgroup for the dy_scaled stores (``return_dy_scaled``):
+a slot is rewritten two stores later, so each TMA store has a whole K step to read its slot."""
+
+
+def _dy_scaled_smem_bytes(cfg: TileConfig, dtype) -> int:
+  """SMEM of ``return_dy_scaled``: both warpgroups' staging slots of (wg_tile_m, tile_k) and
+  their double-buffered rstd rows (f32)."""
+  staging = 2 * DY_SCALED_SLOTS * cfg.wg_tile_m * cfg.tile_k * jnp.dtype(dtype).itemsize
+  return staging + 2 * 2 * cfg.wg_tile_m * 4
+
+
+def _fixed_smem_bytes(cfg: TileConfig, dtype, n_rows: int, dy_scaled: bool = False) -> int:
   x_tile = cfg.tile_m * cfg.tile_n * jnp.dtype(dtype).itemsize  # both warpgroups' x/dx slices
   rows = 2 * n_rows * cfg.wg_tile_m * 4
-  return x_tile + rows + _SMEM_SLACK
+  extra = _dy_scaled_smem_bytes(cfg, dtype) if dy_scaled else 0
+  return x_tile + rows + extra + _SMEM_SLACK
 
 
 def _stage_bytes(cfg: TileConfig, dtype, fused: bool, n_vecs: int) -> int:
@@ -215,27 +263,46 @@ def _stage_bytes(cfg: TileConfig, dtype, fused: bool, n_vecs: int) -> int:
   return stage
 
 
-def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int) -> int:
+def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int,
+                     dy_scaled: bool = False) -> int:
   """Pipeline stages that fit in SMEM next to the epilogue's buffers (not capped)."""
-  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, _n_rows(layer, fused))
+  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, _n_rows(layer, fused),
+                                                    dy_scaled)
   return free // _stage_bytes(cfg, dtype, fused, n_vecs)
 
 
+def _check_dy_scaled(cfg: TileConfig, dtype) -> None:
+  """ValueError for the configs ``return_dy_scaled`` does not run with."""
+  if cfg.pingpong:
+    raise ValueError("return_dy_scaled does not run with TileConfig.pingpong yet: pass a config "
+                     "without pingpong")
+  if cfg.tile_k * jnp.dtype(dtype).itemsize > 128:
+    # The staging slot is stored by a plain 2-D TMA box (untiled, so rows past M are dropped for
+    # any M), whose swizzled rows hold at most 128 bytes.
+    raise ValueError(f"return_dy_scaled needs tile_k * itemsize <= 128 bytes (tile_k <= "
+                     f"{128 // jnp.dtype(dtype).itemsize} for {jnp.dtype(dtype).name}), got "
+                     f"tile_k = {cfg.tile_k}")
+
+
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step, *, fused=False,
-               has_bias=False) -> _Plan:
+               has_bias=False, dy_scaled=False) -> _Plan:
   if cfg.stats_once:
     raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
   mgpu_common.reject_unused_options(cfg, "dx", ("stats", "epi_slots"))
+  if dy_scaled:
+    _check_dy_scaled(cfg, dtype)
   if cfg.pingpong:
     if fused:
       raise ValueError("the fused row terms (y given) do not run with TileConfig.pingpong yet: "
                        "pass y_term/c_term, or a config without pingpong")
     norm_matmul_mgpu._check_pingpong(cfg, m, interpret)  # pylint: disable=protected-access
-  fit = _stages_that_fit(cfg, dtype, layer, fused, _n_vecs(layer, fused, has_bias))
+  fit = _stages_that_fit(cfg, dtype, layer, fused, _n_vecs(layer, fused, has_bias), dy_scaled)
   if min(cfg.max_concurrent_steps, fit) < 1:
+    extras = [what for what, on in (("the y stage of the fused row terms", fused),
+                                    ("the dy_scaled staging slots", dy_scaled)) if on]
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM next to the "
-                     f"x tile of the epilogue" + (" (with the y stage of the fused row terms)"
-                                                  if fused else ""))
+                     f"x tile of the epilogue" + (f" (with {' and '.join(extras)})"
+                                                  if extras else ""))
   stages, chained = mgpu_common.stages_for(
       cfg, n // cfg.tile_k, min(cfg.max_concurrent_steps, fit))
   block_rows = cfg.wg_tile_m if cfg.pingpong else cfg.tile_m
@@ -251,7 +318,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step, *, fused=
   epi_n = norm_matmul_mgpu._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   red_iters = n // cfg.tile_k
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
-               has_bias=fused and has_bias, cfg=cfg,
+               has_bias=fused and has_bias, dy_scaled=dy_scaled, cfg=cfg,
                stages=stages, chained=chained, num_clusters=num_clusters,
                a_in_registers=a_in_registers,
                epi_n=epi_n, x_prefetch_step=min(max(x_prefetch_step, 0), red_iters - 1))
@@ -309,8 +376,9 @@ def _kernel(*refs, plan: _Plan):
   dy_gmem, w_gmem, x_gmem = next(it), next(it), next(it)
   y_gmem = next(it) if plan.fused else None
   vec_gmem = next(it) if plan.n_vecs else None  # fused: [col_sum; out_bias] (n_vecs, N) f32
-  row_gmems = [next(it) for _ in range(plan.n_rows)]
+  row_gmems = [next(it) for _ in range(plan.n_rows)]  # rstd first, padded to whole row tiles
   dx_gmem = next(it)
+  dys_gmem = next(it) if plan.dy_scaled else None  # rstd ⊙ dy (M, N), x's dtype
   cfg = plan.cfg
   wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
   epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
@@ -339,6 +407,16 @@ def _kernel(*refs, plan: _Plan):
   extra_gmems = [r for r in (y_gmem, vec_gmem) if r is not None]
 
   ignore = lambda *_, **__: None
+  # return_dy_scaled: per warpgroup, DY_SCALED_SLOTS staging slots of one K step's dy rows
+  # (untiled, so the TMA store drops rows past M for any M) and the rstd rows of two tiles (the
+  # next tile's arrive while this one runs), each buffer with its own barrier.
+  dys_allocs = dict(
+      dys_smem=plgpu.SMEM((2, DY_SCALED_SLOTS, wg_m, tile_k), plan.dtype,
+                          transforms=mgpu_common.swizzle_transforms(tile_k, plan.dtype,
+                                                                    tiled=False)),
+      dys_rstd_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32),
+      dys_rstd_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=4),
+  ) if plan.dy_scaled else {}
 
   @functools.partial(
       pl.run_scoped,
@@ -352,9 +430,11 @@ def _kernel(*refs, plan: _Plan):
       row_smem=plgpu.SMEM((2, plan.n_rows, wg_m), jnp.float32),
       # One arrival per TMA copy: the x epilogue tiles and the row vectors of a warpgroup.
       in_barrier=plgpu.Barrier(num_arrivals=chunks_m * chunks_n + plan.n_rows, num_barriers=2),
+      **dys_allocs,
       collective_axes="wg",
   )
-  def _scope(pipeline_allocs, x_smem, row_smem, in_barrier):
+  def _scope(pipeline_allocs, x_smem, row_smem, in_barrier, dys_smem=None, dys_rstd_smem=None,
+             dys_rstd_barrier=None):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
@@ -363,21 +443,35 @@ def _kernel(*refs, plan: _Plan):
           lin_idx, (plan.m_units, plan.k_iters), 0 if cfg.grid_minor_dim == "n" else 1,
           cfg.grid_tile_width)
 
-    def tile(m_idx, n_idx, first, last, pingpong_step=None):
+    def wg_row0(m_idx):  # first row of this warpgroup in row block m_idx (not pingpong)
+      return m_idx * cfg.tile_m + wg * wg_m
+
+    def tile(m_idx, n_idx, first, last, pingpong_step=None, rstd_prefetch=None):
       """One output tile: this warpgroup's rows of row block m_idx (with pingpong: the
-      warpgroup's own block of wg_m rows, K loop on its ring from ``pingpong_step``)."""
-      if cfg.pingpong:
-        row0 = m_idx * wg_m
-      else:
-        row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
+      warpgroup's own block of wg_m rows, K loop on its ring from ``pingpong_step``).
+      ``rstd_prefetch`` (return_dy_scaled): (local tile index, whether the CTA has a next
+      tile, that tile's row block)."""
+      row0 = m_idx * wg_m if cfg.pingpong else wg_row0(m_idx)
       col0 = n_idx * tile_n  # first column of x / dx
+      # return_dy_scaled: every column tile of a row block streams the same dy row block (all N
+      # columns over its K loop), so the units of column tile 0 alone write dy_scaled, and
+      # each element of it exactly once.
+      writes_dy_scaled = n_idx == 0
 
       def chunk_window(ref, ci, cj):
         return ref.at[pl.ds(row0 + ci * epi_m, epi_m), pl.ds(col0 + cj * epi_n, epi_n)]
 
       def prefetch_epilogue_inputs():
         # The previous tile's dx stores read x_smem: they must be done before it is refilled.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        # A dy_scaled writer has issued one store per K step before this one since those; they
+        # are the most recent and may stay in flight (the count covers all of the thread's
+        # stores, oldest first).
+        if plan.dy_scaled and plan.x_prefetch_step:
+          pl.when(writes_dy_scaled)(lambda: plgpu.wait_smem_to_gmem(
+              plan.x_prefetch_step, wait_read_only=True))
+          pl.when(~writes_dy_scaled)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+        else:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         for ci in range(chunks_m):
           for cj in range(chunks_n):
             plgpu.copy_gmem_to_smem(chunk_window(x_gmem, ci, cj),
@@ -386,13 +480,49 @@ def _kernel(*refs, plan: _Plan):
           plgpu.copy_gmem_to_smem(r_gmem.at[pl.ds(row0, wg_m)], row_smem.at[wg, i],
                                   in_barrier.at[wg])
 
+      def tile_rstd():
+        """return_dy_scaled: this warpgroup's rstd rows of this tile in registers (the
+        epilogue's row layout), and the fetch of the next tile's, so that it arrives while
+        this tile runs (the first tile of a CTA fetches its own). Buffer = tile index mod 2."""
+        t, has_next, next_m_idx = rstd_prefetch
+        buf = lax.rem(t, 2)
+
+        def fetch(m, b):
+          plgpu.copy_gmem_to_smem(row_gmems[0].at[pl.ds(wg_row0(m), wg_m)],
+                                  dys_rstd_smem.at[wg, b], dys_rstd_barrier.at[2 * wg + b])
+
+        pl.when(t == 0)(lambda: fetch(m_idx, 0))
+        # The other buffer was last read (into registers) a tile ago; the commit_smem fences of
+        # that tile's epilogue order those reads before this TMA write.
+        pl.when(has_next)(lambda: fetch(next_m_idx, 1 - buf))
+        plgpu.barrier_wait(dys_rstd_barrier.at[2 * wg + buf])
+        return plgpu.load(dys_rstd_smem.at[wg, buf], layout=plgpu.Layout.WGMMA.reduce(1))
+
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
         def _acc_scope(acc_ref):
-          acc_ref, *sums = eval_pipeline((acc_ref, *_init_row_sums(plan)))
+          rstd = (tile_rstd(),) if plan.dy_scaled else ()
+          acc_ref, *rest = eval_pipeline((acc_ref, *rstd, *_init_row_sums(plan)))
           if plan.delay_release:
             plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
-          _epilogue(acc_ref[...], sums)
+          _epilogue(acc_ref[...], rest[len(rstd):])
+
+      def store_dy_scaled(dy, rstd, k_idx):
+        """rstd ⊙ dy of this step's (wg_m, tile_k) dy rows, rounded to x's dtype as XLA's
+        ``(rstd[:, None] * dy.astype(f32)).astype(x.dtype)`` (one f32 product, one rounding),
+        through a staging slot to dy_scaled[rows, step columns]. Rows past M: TMA drops them."""
+        slot = dys_smem.at[wg, lax.rem(k_idx, DY_SCALED_SLOTS)]
+        # The store that last read this slot is not among the DY_SCALED_SLOTS − 1 most recent
+        # stores of this thread (within a tile: the previous steps' stores are; across tiles:
+        # at least one dx store of an epilogue came between), so it has read it.
+        plgpu.wait_smem_to_gmem(DY_SCALED_SLOTS - 1, wait_read_only=True)
+        scaled = dy.astype(jnp.float32) * lax.broadcast_in_dim(rstd, dy.shape, [0])
+        slot[...] = scaled.astype(plan.dtype)
+        # Orders the writes above before the TMA store (async proxy); also fences this step's
+        # reads of the dy (and y) stage before its release.
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            slot, dys_gmem.at[pl.ds(row0, wg_m), pl.ds(k_idx * tile_k, tile_k)])
 
       def _epilogue(acc, sums):
         plgpu.barrier_wait(in_barrier.at[wg])
@@ -416,8 +546,10 @@ def _kernel(*refs, plan: _Plan):
             plgpu.copy_smem_to_gmem(slot, chunk_window(dx_gmem, ci, cj))
 
       def mma_body(idxs, a_smem, b_smem, *stages_and_carry):
-        # Pipeline body: (dy, w[, y[, vectors]]) stages of this step, then the carry.
-        *fused_stages, (acc_ref, *sums) = stages_and_carry
+        # Pipeline body: (dy, w[, y[, vectors]]) stages of this step, then the carry
+        # (accumulator[, rstd rows of return_dy_scaled], partial row sums of the fused terms).
+        *fused_stages, (acc_ref, *rest) = stages_and_carry
+        rstd, sums = rest[:int(plan.dy_scaled)], rest[int(plan.dy_scaled):]
         (k_idx,) = idxs
         pl.when(k_idx == plan.x_prefetch_step)(prefetch_epilogue_inputs)
         own_rows = (lambda ref: ref) if cfg.pingpong else (
@@ -439,12 +571,21 @@ def _kernel(*refs, plan: _Plan):
           y = plgpu.load(own_rows(y_smem), layout=plgpu.Layout.WGMMA)
           sums = _update_row_sums(plan, tuple(sums), dy.astype(jnp.float32),
                                   y.astype(jnp.float32), vec_smem[0] if vec_smem else None)
+        if plan.dy_scaled:
+          # While the tensor core runs, as the fused row terms (sharing their dy load).
+          pl.when(writes_dy_scaled)(lambda: store_dy_scaled(
+              dy if dy is not None else plgpu.load(a_rows, layout=plgpu.Layout.WGMMA),
+              rstd[0], k_idx))
         if dy is not None and cfg.fence_reads:
           # Orders these generic-proxy reads before the TMA (async proxy) that will refill the
           # stages once the pipeline releases them (PTX memory model: WAR across proxies).
-          plgpu.commit_smem()
+          # A dy_scaled writer's commit above already did.
+          if plan.dy_scaled:
+            pl.when(~writes_dy_scaled)(plgpu.commit_smem)
+          else:
+            plgpu.commit_smem()
         plgpu.wgmma_wait(plan.delay_release)
-        return (acc_ref, *sums)
+        return (acc_ref, *rstd, *sums)
 
       if cfg.pingpong:
         compute_context(lambda acc: mgpu_common.pingpong_k_loop(
@@ -485,8 +626,14 @@ def _kernel(*refs, plan: _Plan):
       @plgpu.nd_loop((units,), collective_axes="sm")
       def _tile_loop(loop_info: plgpu.NDLoopInfo):
         m_unit, n_idx = unit_tile(loop_info.index[0])
-        tile(m_unit * cfg.cluster_m + cta, n_idx, first=loop_info.local_index == 0,
-             last=loop_info.local_index == loop_info.num_local_steps - 1)
+        t = loop_info.local_index
+        rstd_prefetch = None
+        if plan.dy_scaled:  # the CTA's next unit: nd_loop strides the units by the grid size
+          next_m_unit, _ = unit_tile(loop_info.index[0] + plan.num_clusters)
+          rstd_prefetch = (t, t + 1 < loop_info.num_local_steps,
+                           next_m_unit * cfg.cluster_m + cta)
+        tile(m_unit * cfg.cluster_m + cta, n_idx, first=t == 0,
+             last=t == loop_info.num_local_steps - 1, rstd_prefetch=rstd_prefetch)
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -555,9 +702,11 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=Non
 
 
 def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *, y=None,
-                   out_bias=None, col_sum=None, interpret: bool = False,
-                   config: TileConfig | None = None, x_prefetch_step: int = 1):
-  """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``.
+                   out_bias=None, col_sum=None, return_dy_scaled: bool = False,
+                   interpret: bool = False, config: TileConfig | None = None,
+                   x_prefetch_step: int = 1):
+  """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``
+  (and, with ``return_dy_scaled``, the weight gradients' ``rstd ⊙ dy``).
 
   The row scalars come either precomputed (``y_term``, ``c_term``) or, with ``y`` given, from
   the kernel's own K loop (fused row terms: opt-in; faster than the XLA pass plus this kernel
@@ -583,34 +732,44 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
     out_bias: (N,) float32 ``biasᵀ w`` that the forward added to y, or None (no bias); only
       with y.
     col_sum: (N,) float32 ``1ᵀ w_gamma`` (LayerNorm: given exactly when mean is); only with y.
+    return_dy_scaled: also return ``dy_scaled = (rstd[:, None] * dy.astype(float32)).astype(
+      x.dtype)``, bit for bit, written from the dy tiles the K loop holds in SMEM by the units
+      of output column tile 0 (module docstring). Opt-in; not yet timed on a GPU. Its staging
+      SMEM may cost pipeline stages (:func:`pick_config` takes 32-wide steps for it); needs
+      tile_k · itemsize ≤ 128 bytes and no ``pingpong``. Any M (rows past M are not written).
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
-    config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given);
-      tile_n runs over K, tile_k over N. The fused row terms do not combine with ``pingpong``.
+    config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given and
+      ``dy_scaled`` with return_dy_scaled); tile_n runs over K, tile_k over N. The fused row
+      terms and return_dy_scaled do not combine with ``pingpong``.
     x_prefetch_step: the K step (over N) at which a consumer fetches the x tile and row vectors
       of its epilogue (clamped to the number of steps); later steps give the previous tile's
       dx stores more time to leave the shared buffer.
 
   Returns:
-    dx (M, K) in x's dtype; the products and sums run in float32.
+    dx (M, K) in x's dtype; the products and sums run in float32. With return_dy_scaled,
+    ``(dx, dy_scaled)``, dy_scaled (M, N) in x's dtype.
 
   Raises:
     ValueError: shapes the kernel does not support; rstd missing; a mix of the two row-term
       inputs (y_term/c_term with y, out_bias/col_sum without y), y_term missing without y,
       mean inconsistent with c_term (or, with y, with col_sum); row vectors not float32 (M,),
       out_bias/col_sum not float32 (N,), y not (M, N); a config that does not fit in SMEM, or
-      pingpong with y. TypeError: mixed dtypes (dy, w_gamma, x; y not in dy's dtype), or a
-      vector or y that is not an array. NotImplementedError: ``config.a_operand="registers"``
-      with ``interpret``.
+      pingpong with y or with return_dy_scaled; return_dy_scaled with tile_k · itemsize > 128
+      bytes. TypeError: mixed dtypes (dy, w_gamma, x; y not in dy's dtype), a vector or y that
+      is not an array, return_dy_scaled not a bool. NotImplementedError:
+      ``config.a_operand="registers"`` with ``interpret``.
   """
   _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y, out_bias, col_sum)
+  if not isinstance(return_dy_scaled, bool):
+    raise TypeError(f"return_dy_scaled must be a bool, got {type(return_dy_scaled).__name__}")
   m, n = dy.shape
   k = w_gamma.shape[0]
   fused = y is not None
-  cfg = config or pick_config(m, n, k, fused_row_terms=fused)
+  cfg = config or pick_config(m, n, k, fused_row_terms=fused, dy_scaled=return_dy_scaled)
   if n % cfg.tile_k:
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, x_prefetch_step,
-                    fused=fused, has_bias=out_bias is not None)
+                    fused=fused, has_bias=out_bias is not None, dy_scaled=return_dy_scaled)
   # Row vectors padded to whole row tiles (of whole clusters): their 1-D copies never leave the
   # arrays.
   m_pad = plan.m_units * cfg.cluster_m * cfg.tile_m
@@ -622,9 +781,12 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
     fused_args.append(jnp.stack([v for v in (col_sum, out_bias) if v is not None]))
   cluster = (dict(cluster=(cfg.cluster_m,), cluster_names=("cluster",))
              if cfg.cluster_m > 1 else {})
+  out_type = jax.ShapeDtypeStruct((m, k), plan.dtype)
+  if return_dy_scaled:
+    out_type = (out_type, jax.ShapeDtypeStruct((m, n), plan.dtype))
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
-      out_type=jax.ShapeDtypeStruct((m, k), plan.dtype),
+      out_type=out_type,
       grid=(plan.num_clusters,),
       grid_names=("sm",),
       **cluster,
