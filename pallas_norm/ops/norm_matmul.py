@@ -214,32 +214,26 @@ def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd
   """(dx, dy_scaled or None): dx with no reduction over a full row of K, one GEMM plus a
   per-row epilogue; with :data:`DX_WRITES_DY_SCALED`, also ``rstd ⊙ dy`` in x's dtype from the
   dx kernel (None: :func:`_weight_grads` computes it)."""
-  interpret = implementation == "interpret"
+  if implementation == "lazy_xla":
+    y_term, c_term = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
+    return _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean, c_term), None
   norm = "rms" if mean is None else "layer"
   fused = (fused_row_terms_pay(x.shape[1], y.shape[1], norm) if FUSED_ROW_TERMS is None
            else FUSED_ROW_TERMS)
-  # The kernel scales the dy it reads, in x's dtype: that is XLA's dy_scaled only when dy is
-  # already in x's dtype (an out_dtype other than x's rounds dy for the kernel).
-  dy_scaled = (DX_WRITES_DY_SCALED and implementation != "lazy_xla"
-               and jnp.dtype(dy.dtype) == jnp.dtype(x.dtype))
-  if implementation != "lazy_xla" and fused and y.dtype == dy.dtype == x.dtype:
+  if fused and y.dtype == dy.dtype == x.dtype:
     # The kernel sums the rows of dy ⊙ (y − out_bias) and dy ⊙ col_sum in its K loop. With y
     # and dy in x's dtype it reads the very values the XLA pass would (no rounding of y).
-    from pallas_norm.ops import norm_matmul_bwd_mgpu
-    return _with_dy_scaled(norm_matmul_bwd_mgpu.norm_matmul_dx(
-        dy, w_gamma, x, rstd, mean=mean, y=y, out_bias=out_bias, col_sum=col_sum,
-        return_dy_scaled=dy_scaled, interpret=interpret), dy_scaled)
-  y_term, c_term = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
-  if implementation == "lazy_xla":
-    return _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean, c_term), None
+    row_args = dict(mean=mean, y=y, out_bias=out_bias, col_sum=col_sum)
+  else:
+    y_term, c_term = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
+    row_args = dict(y_term=y_term, mean=mean, c_term=c_term)
+  # The kernel scales the dy it reads, in x's dtype: that is XLA's dy_scaled only when dy is
+  # already in x's dtype (an out_dtype other than x's rounds dy for the kernel).
+  dy_scaled = DX_WRITES_DY_SCALED and jnp.dtype(dy.dtype) == jnp.dtype(x.dtype)
   from pallas_norm.ops import norm_matmul_bwd_mgpu
-  return _with_dy_scaled(norm_matmul_bwd_mgpu.norm_matmul_dx(
-      dy.astype(x.dtype), w_gamma, x, rstd, y_term, mean, c_term, return_dy_scaled=dy_scaled,
-      interpret=interpret), dy_scaled)
-
-
-def _with_dy_scaled(out, dy_scaled: bool):
-  """norm_matmul_dx's result as (dx, dy_scaled or None)."""
+  out = norm_matmul_bwd_mgpu.norm_matmul_dx(
+      dy.astype(x.dtype), w_gamma, x, rstd, **row_args, return_dy_scaled=dy_scaled,
+      interpret=implementation == "interpret")
   return out if dy_scaled else (out, None)
 
 

@@ -709,8 +709,9 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   (and, with ``return_dy_scaled``, the weight gradients' ``rstd ⊙ dy``).
 
   The row scalars come either precomputed (``y_term``, ``c_term``) or, with ``y`` given, from
-  the kernel's own K loop (fused row terms: opt-in; faster than the XLA pass plus this kernel
-  at 262144×512², slower at 65536×2048² on the H200; see the module docstring)::
+  the kernel's own K loop (fused row terms: ``norm_matmul``'s default for LayerNorm up to K, N ≤
+  512; faster than the XLA pass plus this kernel at 262144×512², slower at 65536×2048² on the
+  H200; see the module docstring)::
 
     y_term = rstd² · rowsum(dy ⊙ (y − out_bias)) / K,   c_term = rstd · (dy · col_sum) / K
 

@@ -102,7 +102,6 @@ __all__ = ["TileConfig", "unsupported_reason", "pick_config", "pingpong_config",
 NORMS = ("rms", "layer", "none")
 """``norm`` values: RMSNorm, LayerNorm, or "none" (the plain GEMM, for benchmarks)."""
 
-_LANE_COLS = mgpu_common.LANE_COLS  # a thread holds 2 adjacent columns of every 8 (4 per row)
 _SMEM_SLACK = 4096  # barriers + the reduction scratch Mosaic reserves (2 KiB by default).
 
 
@@ -350,10 +349,10 @@ def _finalize_stats(plan: _Plan, stats):
   shift, s1, s2 = stats
   if plan.cfg.stats == "partial":
     # Chan et al.: merge the (count, mean, M2) of the 8 lane columns, count = K / 8 each.
-    cnt = k // _LANE_COLS
+    cnt = k // mgpu_common.LANE_COLS
     lane_mean = shift + s1 * (1.0 / cnt)
     lane_m2 = s2 - s1 * s1 * (1.0 / cnt)
-    mean = jnp.sum(lane_mean, axis=1) * (1.0 / _LANE_COLS)
+    mean = jnp.sum(lane_mean, axis=1) * (1.0 / mgpu_common.LANE_COLS)
     dev = lane_mean - _rowvec(mean, lane_mean.shape)
     m2 = jnp.sum(lane_m2, axis=1) + jnp.sum(dev * dev, axis=1) * float(cnt)
   else:
