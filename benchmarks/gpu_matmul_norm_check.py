@@ -215,6 +215,36 @@ def grid_sweep(m, k, n, iterations):
   return out
 
 
+OPERAND_AB_SHAPES = [(262144, 512, 512), (262144, 512, 1024)]
+
+
+def operand_ab(m, k, n, iterations):
+  """The forward kernel (LayerNorm, y only, default exchange) with each optional operand on and
+  off: what the dense bias, the residual and the affine vectors cost in the epilogue. Session 5:
+  the grid sweep (dense bias on) timed 262144x512x512 at ~500 µs, the suite (no dense bias) at
+  ~380 µs; this isolates the operand."""
+  x, w, db, res, scale, bias, _ = _inputs(m * 5 + n, m, k, n)
+  variants = {"all": (db, res, scale, bias), "no_dense_bias": (None, res, scale, bias),
+              "no_residual": (db, None, scale, bias), "no_affine": (db, res, None, None),
+              "dense_bias_only": (db, None, None, None), "none": (None, None, None, None)}
+  out = {"us": {}, "err": {}}
+  for label, ops in variants.items():
+    try:
+      fn = jax.jit(lambda x, w, *a: _kernel(x, w, *a, norm="layer")[0])
+      want = reference.matmul_norm(x, w, *ops, norm="layer", eps=EPS)
+      err = _rel(fn(x, w, *ops), want)
+      out["err"][label] = err
+      if err > 2e-2:
+        print(f"  {label:<16} WRONG (rel. error {err:.3g}): not timed", flush=True)
+        continue
+      out["us"][label] = round(_time(fn, x, w, *ops, iterations=iterations), 1)
+      print(f"  {label:<16} {out['us'][label]:>9.1f} us  (err {err:.1e})", flush=True)
+    except Exception as e:  # noqa: BLE001
+      out["err"][label] = f"{type(e).__name__}: {str(e)[:300]}"
+      print(f"  {label:<16} FAILED {out['err'][label]}", flush=True)
+  return out
+
+
 def _ratios(t):
   r = {}
   gemm, xla, ours = t.get("xla_gemm"), t.get("xla_ln_res"), t.get("ours_ln_res")
@@ -242,8 +272,20 @@ def main(argv=None):
   parser.add_argument("--grid-sweep", action="store_true",
                       help="only time the exchange diagnostics and 32-wide K steps of the "
                       "kernel, at GRID_SWEEP_SHAPES")
+  parser.add_argument("--operand-ab", action="store_true",
+                      help="only time the kernel with each optional operand on and off, at "
+                      "OPERAND_AB_SHAPES")
   args = parser.parse_args(argv)
   _SMOKE = args.smoke
+  if args.operand_ab:
+    report = {"device": str(jax.devices()[0]), "operand_ab": {}}
+    for m, k, n in (SMOKE_SHAPES if _SMOKE else OPERAND_AB_SHAPES):
+      print(f"operand A/B {m}x{k}x{n}:", flush=True)
+      report["operand_ab"][f"{m}x{k}x{n}"] = operand_ab(m, k, n, args.iterations)
+    if out_dir := os.environ.get("OUT"):
+      with open(os.path.join(out_dir, "matmul_norm_operand_ab.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
   if args.grid_sweep:
     report = {"device": str(jax.devices()[0]), "grid_sweep": {}}
     for m, k, n in (SMOKE_SHAPES if _SMOKE else GRID_SWEEP_SHAPES):

@@ -622,8 +622,13 @@ def _kernel(*refs, plan: _Plan):
       return _colvec(v, (wg_m, epi_n))
 
     def _h_chunk_fn(acc):
-      def h_chunk(j):
-        """h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32, recomputed on each use."""
+      """``h_chunk(j)``: h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32.
+
+      Each chunk is built once, replacing the accumulator (same registers): the statistics'
+      passes and the normalization then read registers only. Recomputing it on each use (3
+      uses for LayerNorm) re-read the dense bias and the residual from SMEM each time, which
+      cost 100 µs of 394 at 262144×512×512 (session 5, benchmarks/NOTES.md)."""
+      def build(j):
         ns = pl.ds(j * epi_n, epi_n)
         h = acc[:, j * epi_n:(j + 1) * epi_n]
         if "dense_bias" in plan.vecs:
@@ -632,7 +637,7 @@ def _kernel(*refs, plan: _Plan):
           r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
           h = h + r.astype(jnp.float32)
         return h
-      return h_chunk
+      return [build(j) for j in range(chunks)].__getitem__
 
     def _store_stats(mean, rstd, row0):
       if not plan.n_stats:
