@@ -263,6 +263,18 @@ def _ratios(t):
   return r
 
 
+def _sweep(key, title, shapes, time_one, iterations):
+  """Runs ``time_one(m, k, n, iterations)`` per shape; JSON to $OUT/matmul_norm_<key>.json."""
+  report = {"device": str(jax.devices()[0]), key: {}}
+  for m, k, n in (SMOKE_SHAPES if _SMOKE else shapes):
+    print(f"{title} {m}x{k}x{n}:", flush=True)
+    report[key][f"{m}x{k}x{n}"] = time_one(m, k, n, iterations)
+  if out_dir := os.environ.get("OUT"):
+    with open(os.path.join(out_dir, f"matmul_norm_{key}.json"), "w") as f:
+      json.dump(report, f, indent=1)
+  return 0
+
+
 def main(argv=None):
   global _SMOKE
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -278,23 +290,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
   _SMOKE = args.smoke
   if args.operand_ab:
-    report = {"device": str(jax.devices()[0]), "operand_ab": {}}
-    for m, k, n in (SMOKE_SHAPES if _SMOKE else OPERAND_AB_SHAPES):
-      print(f"operand A/B {m}x{k}x{n}:", flush=True)
-      report["operand_ab"][f"{m}x{k}x{n}"] = operand_ab(m, k, n, args.iterations)
-    if out_dir := os.environ.get("OUT"):
-      with open(os.path.join(out_dir, "matmul_norm_operand_ab.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    return 0
+    return _sweep("operand_ab", "operand A/B", OPERAND_AB_SHAPES, operand_ab, args.iterations)
   if args.grid_sweep:
-    report = {"device": str(jax.devices()[0]), "grid_sweep": {}}
-    for m, k, n in (SMOKE_SHAPES if _SMOKE else GRID_SWEEP_SHAPES):
-      print(f"grid sweep {m}x{k}x{n}:", flush=True)
-      report["grid_sweep"][f"{m}x{k}x{n}"] = grid_sweep(m, k, n, args.iterations)
-    if out_dir := os.environ.get("OUT"):
-      with open(os.path.join(out_dir, "matmul_norm_grid_sweep.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    return 0
+    return _sweep("grid_sweep", "grid sweep", GRID_SWEEP_SHAPES, grid_sweep, args.iterations)
   shapes = SMOKE_SHAPES if _SMOKE else (QUICK_SHAPES if args.quick else SHAPES)
   train_shapes = SMOKE_SHAPES[:1] if _SMOKE else TRAIN_SHAPES
   start = time.time()
