@@ -485,6 +485,7 @@ def _stem(args, device_kind: str) -> str:
 def _write(results: dict, stem: str, out_dirs: list[pathlib.Path], plot: bool) -> list[str]:
   report.derive(results["rows"])
   written = []
+  out_dirs = list(dict.fromkeys(d.resolve() for d in out_dirs))  # --results-dir may be $OUT
   for d in out_dirs:
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")

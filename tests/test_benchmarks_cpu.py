@@ -418,3 +418,14 @@ def test_report_readme_without_rows_of_the_mode_is_an_error(tmp_path, capsys):
   assert "no fwd+bwd rows" in captured.err and "modes in the results: fwd" in captured.err
   report.main([str(path), "--readme"])  # the forward table is there
   assert "| norm_matmul rms | 262144x512x512 |" in capsys.readouterr().out
+
+
+def test_write_to_the_same_folder_twice_writes_once(tmp_path):
+  """`--results-dir $OUT` on the GPU machine names one folder twice (it raised SameFileError
+  after the run, session 5); the results land there once, with the plot."""
+  results = json.loads((ROOT / "benchmarks/results/nvidia-h200.json").read_text())
+  results["rows"] = [r for r in results["rows"] if r["key"].endswith("262144x512x512")]
+  assert results["rows"]
+  written = run._write(results, "twice", [tmp_path, tmp_path / "."], plot=True)
+  assert sorted(pathlib.Path(p).name for p in written) == ["twice.json", "twice.md", "twice.png"]
+  assert json.loads((tmp_path / "twice.json").read_text())["rows"] == results["rows"]
