@@ -5,7 +5,7 @@
 #   scripts/gpu_experiments.sh tests    # their GPU tests (correctness first), ~3 min
 #   scripts/gpu_experiments.sh timing   # post-norm grid sweep + pre-norm/dx variants, ~8 min
 #   scripts/gpu_experiments.sh rows     # session 4: fused dx row terms on/off, suite subset
-#   scripts/gpu_experiments.sh dys      # prepared in session 4: norm_matmul.DX_WRITES_DY_SCALED
+#   scripts/gpu_experiments.sh dys      # norm_matmul.DX_WRITES_DY_SCALED (session 5: slower)
 #
 # Logs and JSON go to $OUT when set (else benchmarks/results/dev/). What the results decide is
 # in benchmarks/NOTES.md ("Next measurements"). Exit status: the last failing step's, else 0.

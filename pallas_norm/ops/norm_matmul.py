@@ -23,7 +23,7 @@ epilogue (:mod:`pallas_norm.ops.norm_matmul_bwd_mgpu`); its two row scalars
 or, by default for LayerNorm up to K, N ≤ 512 (:data:`FUSED_ROW_TERMS`, where it was measured
 faster), from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
 XLA; their row-scaled cotangent ``rstd ⊙ dy`` (rounded to x's dtype) comes from an XLA pass over
-dy, or, with :data:`DX_WRITES_DY_SCALED` (opt-in, not yet timed on a GPU), from the dx kernel,
+dy, or, with :data:`DX_WRITES_DY_SCALED` (opt-in, measured slower), from the dx kernel,
 which writes it from the dy tiles it already holds in SMEM. ``"lazy_xla"`` (tests only) runs the
 same math all in XLA, with the XLA row terms and the XLA dy_scaled (the reference for all).
 
@@ -157,17 +157,17 @@ K = N = 1024 is not measured yet."""
 DX_WRITES_DY_SCALED: bool = False
 """Whether the kernel backward's dx kernel also writes ``dy_scaled = rstd ⊙ dy`` in x's dtype
 (``norm_matmul_dx(..., return_dy_scaled=True)``), which the weight gradients then read instead
-of computing it. Off by default: not yet timed on a GPU (the next GPU session decides, with
-``benchmarks/gpu_norm_matmul_check.py --sections train,dx --quick``: the train section's
-``api_fwd+bwd/mosaic_dys`` vs ``api_fwd+bwd/mosaic``, ``bwd_all/kernel_dys`` vs
-``bwd_all/xla_dys`` and the parts ``bwd_dx_kernel_dys`` + ``bwd_weights_xla_given_dys`` vs
-``bwd_dx_kernel`` + ``bwd_weights_xla``; the dx section's ``*+dys*`` rows).
+of computing it. Off: measured slower on the H200 (session 5, ``benchmarks/NOTES.md``). At
+262144×512² bf16 the dx kernel goes from 285 to 414 µs, since the staging and stores of dy_scaled
+sit between its WGMMAs, while the XLA pass it replaces costs ~125 µs. Through the public API,
+fwd+bwd is 951 vs 879 µs (RMSNorm) and 1182 vs 1051 µs (LayerNorm). Rerun with
+``benchmarks/gpu_norm_matmul_check.py --sections train,dx --quick`` (``*_dys`` rows).
 
-Expected saving: XLA's elementwise pass that forms dy_scaled reads dy and writes dy_scaled
-(~125 µs of the ~344 µs XLA weight gradients at 262144×512² bf16 on the H200). The dx kernel
-already holds every dy tile in SMEM (its WGMMA A operand), so it scales and stores it while the
-tensor cores run: one more M×N write from the kernel, overlapped, in place of that pass's read
-and write. What stays in XLA: the dW_γ GEMM reading dy_scaled, and the column sums (the
+The idea, which the measurement refuted: XLA's elementwise pass that forms dy_scaled reads dy
+and writes dy_scaled (~125 µs of the ~344 µs XLA weight gradients at 262144×512² bf16 on the
+H200). The dx kernel already holds every dy tile in SMEM (its WGMMA A operand), so it was to
+scale and store it while the tensor cores run, in place of that pass's read and write; the
+stores are not hidden. What stays in XLA: the dW_γ GEMM reading dy_scaled, and the column sums (the
 LayerNorm rank-1 term reads dy_scaled, dbias reads dy) that XLA could fuse into the removed
 pass and may now run as reductions of their own (one M×N read each): the saving should be
 largest for RMSNorm without bias. The kernel pays SMEM for the staging (at 262144×512² its
