@@ -198,8 +198,9 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, sav
   dh_in = dh.astype(x.dtype)
   # In x's dtype straight out of the GEMM (f32 accumulation all the same): asking for f32 and
   # converting made XLA emit a Triton GEMM fusion for dx, 247 µs against cuBLAS's 195 at
-  # 262144×512² bf16 on the H200 (benchmarks/gpu_weight_grad_forms.py, session 5).
-  dx = jnp.matmul(dh_in, w.T)
+  # 262144×512² bf16 on the H200 (benchmarks/gpu_weight_grad_forms.py, session 5). float32
+  # (the "xla_epilogue" test path) keeps HIGHEST: the default could round operands to TF32.
+  dx = jnp.matmul(dh_in, w.T, precision=_HI if dh_in.dtype == jnp.float32 else None)
   dw = jnp.matmul(x.T, dh_in, preferred_element_type=_F32, precision=_HI).astype(w.dtype)
   return dx, dw, ddense, dres, dscale, dbias
 
