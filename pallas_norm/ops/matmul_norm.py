@@ -56,11 +56,12 @@ def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) ->
 
 
 # Widest N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md) measured
-# the op faster than XLA's unfused one forward *and* forward+backward (training is the use that
-# matters). Session 3's suite (commit c22661a): LayerNorm (+ residual) at 262144×1024²: forward
-# 1124 vs 1165 µs, fwd+bwd 3841 vs 4687; at N = 2048 the forward ties (K = 512: 1726 vs 1731) or
-# loses (K = 2048: 4179 vs 3696) although fwd+bwd still wins. RMSNorm: N ≤ 128 (fwd+bwd 240 vs
-# 245 µs; at 256 and 512 our backward makes it 1-10% slower).
+# the op faster than XLA's unfused one in training (forward+backward), without losing more than
+# run-to-run spread forward. LayerNorm (+ residual) at 262144×1024²: session 3 forward 1124 vs
+# 1165 µs, session 5 1193 vs 1157 (within the ±8% spread between runs), fwd+bwd 3780 vs 4657; at
+# N = 2048 the forward ties (K = 512: 1736 vs 1722) or loses (K = 2048: 4028 vs 3688) although
+# fwd+bwd still wins. RMSNorm: N ≤ 128 (fwd+bwd 240 vs 245 µs; at 256 and 512 our backward made
+# it 1-10% slower before session 5's dx fix, 1106 vs 1042 µs at 512² after it).
 KERNEL_DEFAULT_MAX_N = {"layer": 1024, "rms": 128}
 
 
