@@ -13,8 +13,9 @@ The last line printed is machine-readable::
 
     final: train_loss=<f> val_logloss=<f> val_auc=<f> steps=<n> examples_per_s=<f>
 
-train_loss is the mean over the last 10% of this run's steps; examples_per_s counts training
-steps only, after the first (compiling) one. Missing or malformed data, a checkpoint of another
+train_loss is the mean over the last 10% of this run's steps (the ``step N:`` lines show the
+last batch's loss); examples_per_s counts training steps only, after the first (compiling)
+one (nan for a single step). Missing or malformed data, a checkpoint of another
 model, or an ``--implementation`` with no kernel for the model's calls exit with status 2 and a
 one-line message.
 """
@@ -57,7 +58,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--data-dir", type=pathlib.Path, default=ads_data.DEFAULT_DATA_DIR,
                  help="folder holding taobao_ad_sample/ and criteo_sample.txt")
   p.add_argument("--implementation", choices=("xla", "mosaic", "interpret"), default=None,
-                 help="pallas-norm implementation (default: auto)")
+                 help="pallas-norm implementation. Default: auto (the kernels on a Hopper GPU "
+                 "where measured faster). mosaic / interpret: the kernels (interpret: in GPU "
+                 "interpret mode) in every layer whose shapes they support, XLA in the others "
+                 "(the model gets (name, 'xla')); with the default sizes only the post-norm "
+                 "MLP layers fit, with --embed-dim 64 --head-dim 32 every dense layer but the "
+                 "head does")
+  p.add_argument("--embed-dim", type=int, default=KunlunConfig.embed_dim,
+                 help="width of a context token")
+  p.add_argument("--head-dim", type=int, default=KunlunConfig.head_dim,
+                 help="width of an attention head (2 heads)")
   p.add_argument("--steps", type=int, default=200, help="total training steps")
   p.add_argument("--batch-size", type=int, default=64)
   p.add_argument("--max-seq-len", type=int, default=32)
@@ -70,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                  help="compute dtype (parameters stay float32)")
   args = p.parse_args(argv)
-  for name in ("steps", "batch_size", "max_seq_len", "eval_every"):
+  for name in ("steps", "batch_size", "max_seq_len", "eval_every", "embed_dim", "head_dim"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
   if args.resume and args.checkpoint_dir is None:
@@ -112,10 +122,19 @@ def build(args, spec: ads_data.DataSpec):
   config = KunlunConfig(num_sparse_features=spec.num_sparse_features,
                         num_dense_features=spec.num_dense_features,
                         sparse_vocab_size=spec.sparse_vocab_size,
-                        item_vocab_size=spec.item_vocab_size, max_seq_len=args.max_seq_len)
+                        item_vocab_size=spec.item_vocab_size, max_seq_len=args.max_seq_len,
+                        embed_dim=args.embed_dim, head_dim=args.head_dim)
   model = KunlunModel(config, dtype=DTYPES[args.dtype], param_dtype=jnp.float32,
-                      rngs=nnx.Rngs(args.seed), implementation=args.implementation)
+                      rngs=nnx.Rngs(args.seed), implementation=model_implementation(args))
   return config, model, nnx.Optimizer(model, make_tx(args.lr, args.weight_decay), wrt=nnx.Param)
+
+
+def model_implementation(args):
+  """The model's ``implementation``: a kernel name becomes (name, "xla"), the kernel wherever a
+  layer's shapes fit it and XLA elsewhere (see pallas_norm._dispatch); None and "xla" as given."""
+  if args.implementation in ("mosaic", "interpret"):
+    return (args.implementation, "xla")
+  return args.implementation
 
 
 @functools.lru_cache(maxsize=8)
@@ -255,7 +274,7 @@ def train(args) -> TrainResult:
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
         if step % args.eval_every == 0 or step == args.steps:
           val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len)
-          tqdm.write(f"step {step}: train_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
+          tqdm.write(f"step {step}: batch_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
                      f"val_auc={val[1]:.4f}")
           if manager is not None:
             save_checkpoint(manager, step, state, config)
@@ -265,7 +284,7 @@ def train(args) -> TrainResult:
     if manager is not None:
       manager.wait_until_finished()
       manager.close()
-  timed = step_seconds[1:] or step_seconds  # the first step compiles
+  timed = step_seconds[1:]  # the first step compiles: one step gives no rate (nan)
   line = _final_line(losses, val, step, len(timed) * args.batch_size, sum(timed))
   return TrainResult(line, graphdef, state, losses)
 

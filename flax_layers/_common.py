@@ -7,7 +7,7 @@ import operator
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_norm import IMPLEMENTATIONS, _validate
+from pallas_norm import _dispatch, _validate
 
 
 def param(rngs: nnx.Rngs, init, shape, param_dtype) -> nnx.Param:
@@ -78,9 +78,7 @@ def check_last_dim(layer: str, x, features_name: str, features: int) -> None:
                      f"dimension {shape[-1]}")
 
 
-def check_implementation(implementation) -> str | None:
-  """Rejects an unknown implementation name when the layer is built, not at its first call."""
-  if implementation is not None and implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
-                     f"got {implementation!r}")
-  return implementation
+def check_implementation(implementation):
+  """Rejects an unknown implementation when the layer is built, not at its first call; a
+  sequence (tried in order, see :mod:`pallas_norm._dispatch`) comes back as a tuple."""
+  return _dispatch.check_implementation(implementation)

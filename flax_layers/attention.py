@@ -37,7 +37,8 @@ class GDPA(nnx.Module):
     activation: one of :data:`pallas_norm.ACTIVATIONS` (default "fast_gelu").
     pre_scale, post_scale: finite scalars (default 1).
     dtype: compute dtype; q, k, v are cast to it (default: their promoted dtype).
-    implementation: None, "xla", "mosaic" or "interpret".
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
+      can run the call; see :mod:`pallas_norm._dispatch`).
 
   Raises:
     ValueError: at construction, for num_heads or head_dim that is not a positive integer, an
@@ -102,7 +103,9 @@ class PFFNBlock(nnx.Module):
     use_scale: create ``ln_scale`` and ``rms_scale`` (H·D,). use_bias: create ``ln_bias``.
     dtype: compute dtype (q, k, v and the affines are cast to it). param_dtype: default f32.
     scale_init (default ones), bias_init (default zeros): initializers.
-    rngs: ``nnx.Rngs``. implementation: None, "xla", "mosaic" or "interpret".
+    rngs: ``nnx.Rngs``.
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
+      can run the call; see :mod:`pallas_norm._dispatch`).
 
   Raises: as :class:`GDPA` (the query argument being ``q_tokens``), plus at construction
   ValueError for an epsilon that is not positive and finite (in float32) and TypeError for a

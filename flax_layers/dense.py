@@ -45,7 +45,9 @@ class NormDense(nnx.Module):
     dtype: compute dtype; x and all parameters are cast to it before the op (default: the
       promoted dtype of x and the parameters). param_dtype: default float32.
     kernel_init (default lecun_normal), bias_init, scale_init, norm_bias_init: initializers.
-    rngs: ``nnx.Rngs``. implementation: None, "xla", "mosaic" or "interpret".
+    rngs: ``nnx.Rngs``.
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
+      can run the call; see :mod:`pallas_norm._dispatch`).
 
   Parameters: ``kernel`` (K, N), ``bias`` (N,), ``norm_scale`` (K,), ``norm_bias`` (K,).
 

@@ -99,7 +99,10 @@ class KunlunModel(nnx.Module):
     dtype: compute dtype (e.g. jnp.bfloat16); None computes in the parameters' dtype.
     param_dtype: parameter dtype (default float32).
     rngs: ``nnx.Rngs`` for initialization.
-    implementation: passed to every pallas-norm op: None, "xla", "mosaic" or "interpret".
+    implementation: passed to every pallas-norm op: None, "xla", "mosaic", "interpret", or a
+      sequence tried in order per call, e.g. ("mosaic", "xla"): the kernels in every layer
+      whose shapes they support and XLA in the others (the PFFN and the self-attention have no
+      kernel yet; the dense layers need K and N multiples of 64).
   """
 
   def __init__(self, config: KunlunConfig, *, dtype=None, param_dtype=jnp.float32,

@@ -27,7 +27,7 @@ class RMSNorm(nnx.Module):
     use_scale: create the (N,) ``scale`` parameter (gamma).
     scale_init: initializer of ``scale`` (default ones).
     rngs: ``nnx.Rngs`` for parameter initialization.
-    implementation: passed to the op: None, "xla", "mosaic" or "interpret".
+    implementation: passed to the op: None, "xla", "mosaic", "interpret" or a sequence of them.
 
   Raises:
     ValueError: at construction, for a num_features that is not a positive integer, an epsilon

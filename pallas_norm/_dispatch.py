@@ -1,31 +1,72 @@
 """Choosing an implementation for an op (tokamax-style: several implementations behind one API).
 
-Every public op takes ``implementation=None | "mosaic" | "xla" | "interpret"``:
+Every public op takes ``implementation=None | "mosaic" | "xla" | "interpret"``, or a sequence of
+those names:
 
 * ``"xla"``: the plain-JAX reference (:mod:`pallas_norm.reference`), runs everywhere.
 * ``"mosaic"``: the Pallas Mosaic-GPU kernel, needs a Hopper GPU (sm_90a).
 * ``"interpret"``: the same kernel run in Pallas GPU interpret mode on any backend (slow; for
-  tests).
+  tests). On the CPU it needs ``PJRT_NPROC`` >= :data:`INTERPRET_MIN_CPU_THREADS` in the
+  environment before JAX starts (the kernel's warpgroups run as concurrent CPU computations that
+  wait on each other; with fewer threads they deadlock), else it raises RuntimeError.
 * ``None``: the Mosaic kernel when it exists, the default device is a Hopper GPU, the kernel
   supports the arguments and it was measured faster than XLA at such shapes (see each op's
   ``_kernel_slower_reason`` and ``benchmarks/results``); otherwise XLA, with the reason logged at
   debug level.
+* a sequence, e.g. ``("interpret", "xla")``: the first name that can run the call, in order
+  (unlike None, regardless of speed). A model passes one to all its layers to get the kernels
+  wherever their shapes fit and XLA elsewhere.
 
-An op registers its kernels by passing ``kernels={"mosaic": supports_fn}`` to :func:`choose`,
-where ``supports_fn(**static_args)`` returns None when it can run the call or a string saying
-why not.
+An op with kernels passes ``unsupported_reason(candidate)`` to :func:`choose`: None when the
+kernel implementation ``candidate`` ("mosaic" or "interpret") can run the call, or a string
+saying why not.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import logging
 from typing import Callable
 
 import jax
 
 IMPLEMENTATIONS = ("xla", "mosaic", "interpret")
+INTERPRET_MIN_CPU_THREADS = 8
+"""The CPU client threads GPU interpret mode needs (``PJRT_NPROC``): the kernels here run at most
+3 warpgroups per CTA, each as a CPU computation blocking on the others."""
 log = logging.getLogger("pallas_norm")
+
+
+def check_implementation(implementation):
+  """``implementation`` validated: None, a name of :data:`IMPLEMENTATIONS`, or a non-empty
+  sequence of them (returned as a tuple, hashable for jit's static arguments).
+
+  Raises:
+    ValueError: an unknown name, an empty sequence, or another type.
+  """
+  if implementation is None or implementation in IMPLEMENTATIONS:
+    return implementation
+  if isinstance(implementation, (list, tuple)) and implementation and all(
+      isinstance(i, str) and i in IMPLEMENTATIONS for i in implementation):
+    return tuple(implementation)
+  raise ValueError(f"implementation must be None, one of {IMPLEMENTATIONS} or a non-empty "
+                   f"sequence of them, got {implementation!r}")
+
+
+def interpret_threads_reason() -> str | None:
+  """Why GPU interpret mode would deadlock here, or None: on the CPU backend it needs
+  ``PJRT_NPROC`` >= :data:`INTERPRET_MIN_CPU_THREADS` (default: the core count), read when JAX
+  creates its CPU client."""
+  if jax.default_backend() != "cpu":
+    return None
+  threads = int(os.environ.get("PJRT_NPROC") or 0) or (os.cpu_count() or 1)
+  if threads >= INTERPRET_MIN_CPU_THREADS:
+    return None
+  return (f"GPU interpret mode on the CPU needs PJRT_NPROC >= {INTERPRET_MIN_CPU_THREADS} "
+          f"(the kernel's warpgroups run as concurrent CPU computations that wait on each "
+          f"other), this process has {threads}: set PJRT_NPROC={INTERPRET_MIN_CPU_THREADS} in "
+          "the environment before JAX starts")
 
 
 @functools.cache
@@ -39,46 +80,64 @@ def on_hopper_gpu() -> bool:
   return dev.platform == "gpu" and cc is not None and str(cc).startswith("9")
 
 
-def choose(op: str, implementation: str | None,
-           unsupported_reason: Callable[[], str | None] | None = None,
+def choose(op: str, implementation,
+           unsupported_reason: Callable[[str], str | None] | None = None,
            slower_reason: Callable[[], str | None] | None = None) -> str:
   """Returns "xla", "mosaic" or "interpret" for this call of ``op``.
 
-  ``unsupported_reason`` is None for ops that have no kernel yet; otherwise it returns None when
-  the kernel can run these arguments, or why it cannot. ``slower_reason`` (consulted only for
+  ``unsupported_reason`` is None for ops that have no kernel yet; otherwise
+  ``unsupported_reason(candidate)`` returns None when the kernel implementation ``candidate``
+  can run these arguments, or why it cannot. ``slower_reason`` (consulted only for
   ``implementation=None``) returns why XLA is measured faster for these shapes, or None.
 
   Raises:
-    ValueError: ``implementation`` is not a known name.
-    NotImplementedError: a kernel implementation was asked for but ``op`` has none, or it does
-      not support these arguments.
+    ValueError: ``implementation`` is not a known name or a sequence of them.
+    NotImplementedError: a kernel implementation was asked for (alone, or every name of a
+      sequence) but ``op`` has none, or it does not support these arguments.
+    RuntimeError: "interpret" alone on a CPU client with too few threads
+      (:func:`interpret_threads_reason`); in a sequence that candidate is skipped instead.
   """
-  if implementation is not None and implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
-                     f"got {implementation!r}")
-  if implementation == "xla":
-    return "xla"
-  if unsupported_reason is None:
-    if implementation is None:
-      return "xla"
-    raise NotImplementedError(f"{op}: implementation={implementation!r}: this op has no "
-                              "kernel (only 'xla'); see the README's status table")
-  reason = unsupported_reason()
+  implementation = check_implementation(implementation)
   if implementation is None:
-    if not on_hopper_gpu():
-      log.debug("%s: using XLA: the default device is not a Hopper GPU", op)
-      return "xla"
-    if reason is None and slower_reason is not None:
-      reason = slower_reason()
-    if reason is not None:
-      log.debug("%s: using XLA: %s", op, reason)
-      return "xla"
-    return "mosaic"
-  if reason is None and implementation == "mosaic" and not on_hopper_gpu():
+    return _choose_default(op, unsupported_reason, slower_reason)
+  candidates = (implementation,) if isinstance(implementation, str) else implementation
+  reasons = []
+  for candidate in candidates:
+    reason = _cannot_run_reason(op, candidate, unsupported_reason)
+    if reason is None:
+      return candidate
+    reasons.append(f"{candidate!r}: {reason}")
+  if implementation == "interpret" and unsupported_reason is not None and (
+      unsupported_reason("interpret") is None):
+    raise RuntimeError(f"{op}: implementation='interpret' cannot run here: {reasons[0]}")
+  raise NotImplementedError(f"{op}: implementation={implementation!r} cannot run this call: "
+                            + "; ".join(reasons))
+
+
+def _cannot_run_reason(op: str, candidate: str, unsupported_reason) -> str | None:
+  if candidate == "xla":
+    return None
+  if unsupported_reason is None:
+    return f"{op} has no kernel (only 'xla'); see the README's status table"
+  reason = unsupported_reason(candidate)
+  if reason is None and candidate == "mosaic" and not on_hopper_gpu():
     reason = ("the default JAX device is not a Hopper GPU (sm_90a); use 'interpret' to run the "
               "kernel on another backend, or 'xla'")
-  if reason is not None:
-    raise NotImplementedError(f"{op}: implementation={implementation!r} cannot run this call: "
-                              f"{reason}")
-  return implementation
+  if reason is None and candidate == "interpret":
+    reason = interpret_threads_reason()
+  return reason
 
+
+def _choose_default(op: str, unsupported_reason, slower_reason) -> str:
+  if unsupported_reason is None:
+    return "xla"
+  if not on_hopper_gpu():
+    log.debug("%s: using XLA: the default device is not a Hopper GPU", op)
+    return "xla"
+  reason = unsupported_reason("mosaic")
+  if reason is None and slower_reason is not None:
+    reason = slower_reason()
+  if reason is not None:
+    log.debug("%s: using XLA: %s", op, reason)
+    return "xla"
+  return "mosaic"

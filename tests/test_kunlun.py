@@ -186,3 +186,34 @@ def test_out_of_range_ids_are_hashed_into_the_tables(model, forward):
 def test_bad_model_inputs_raise_naming_the_argument(model, arg, make, error, name):
   with pytest.raises(error, match=name):
     model(*make(*_inputs(8)))
+
+
+# Every dense layer but the head has K and N multiples of 64, so the kernels can run them.
+KERNEL_CONFIG = dataclasses.replace(CONFIG, num_dense_features=1, embed_dim=64, head_dim=32,
+                                    num_layers=1, summary_dim=64, mlp_dim=64)
+
+
+@pytest.mark.slow
+def test_kernel_where_it_fits_xla_elsewhere(monkeypatch):
+  """implementation=("interpret", "xla"): the norm GEMMs run the kernel (GPU interpret mode)
+  wherever their shapes fit, the rest (no kernel, or the 1-wide head) XLA; same logits as XLA."""
+  from pallas_norm import _dispatch
+  if _dispatch.interpret_threads_reason():
+    pytest.skip(_dispatch.interpret_threads_reason())
+  chosen = []
+  choose = _dispatch.choose
+  monkeypatch.setattr(_dispatch, "choose",
+                      lambda op, *a, **k: chosen.append((op, choose(op, *a, **k))) or chosen[-1][1])
+  rng = np.random.default_rng(3)
+  inputs = (rng.integers(0, 64, (B, 3), np.int32), rng.normal(size=(B, 1)).astype(np.float32),
+            rng.integers(1, 64, T).astype(np.int32), jagged.offsets_from_lengths(LENS))
+  build = lambda impl: KunlunModel(KERNEL_CONFIG, implementation=impl, dtype=jnp.bfloat16,  # noqa: E731
+                                   rngs=nnx.Rngs(4))  # same parameters: a fresh Rngs each
+  want = build("xla")(*inputs)
+  chosen.clear()
+  got = build(("interpret", "xla"))(*inputs)
+  assert ("norm_matmul", "interpret") in chosen and ("matmul_norm", "interpret") in chosen
+  assert ("norm_matmul", "xla") in chosen  # the head: N = 1
+  assert ("flash_norm_attention", "xla") in chosen  # no kernel yet
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0.02, atol=0.02)
+  assert float(np.max(np.abs(np.asarray(want)))) > 0

@@ -190,6 +190,32 @@ def test_synthetic_cli_runs(capsys):
   assert FINAL_RE.match(out[-1]) and "steps=3 " in out[-1], out[-1]
   values = dict(kv.split("=") for kv in out[-1].split()[1:])
   assert all(np.isfinite(float(values[k])) for k in ("train_loss", "val_logloss", "val_auc"))
+  assert float(values["examples_per_s"]) > 0
+
+
+@pytest.mark.slow
+def test_one_step_has_no_rate_and_sizes_are_flags(capsys):
+  """One step is the compiling one: no examples/s (nan), not the compile time's rate."""
+  code, out, _ = _run(["--steps", "1", "--batch-size", "8", "--max-seq-len", "4",
+                       "--embed-dim", "8", "--head-dim", "4", "--implementation", "xla"], capsys)
+  assert code == 0 and FINAL_RE.match(out[-1]), out
+  assert out[-1].endswith("examples_per_s=nan")
+  assert any(line.startswith("step 1: batch_loss=") for line in out), out
+
+
+def test_kernel_implementations_reach_the_model_with_an_xla_fallback():
+  parse = train_kunlun.parse_args
+  assert train_kunlun.model_implementation(parse(["--implementation", "mosaic"])) == (
+      "mosaic", "xla")
+  assert train_kunlun.model_implementation(parse(["--implementation", "interpret"])) == (
+      "interpret", "xla")
+  assert train_kunlun.model_implementation(parse(["--implementation", "xla"])) == "xla"
+  assert train_kunlun.model_implementation(parse([])) is None
+  args = parse(["--embed-dim", "64", "--head-dim", "32"])
+  assert (args.embed_dim, args.head_dim) == (64, 32)
+  for flag in ("--embed-dim", "--head-dim"):
+    with pytest.raises(SystemExit):
+      parse([flag, "0"])
 
 
 def _params(state):

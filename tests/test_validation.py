@@ -254,13 +254,59 @@ def test_dispatch_choices():
   with pytest.raises(ValueError, match="implementation"):
     _dispatch.choose("some_op", "gpu")
   # An op with a kernel: an explicit request runs it when it supports the call, else says why.
-  assert _dispatch.choose("some_op", "interpret", lambda: None) == "interpret"
+  assert _dispatch.choose("some_op", "interpret", lambda _: None) == "interpret"
   with pytest.raises(NotImplementedError, match=r"some_op.*N = 3 is too small"):
-    _dispatch.choose("some_op", "mosaic", lambda: "N = 3 is too small")
+    _dispatch.choose("some_op", "mosaic", lambda _: "N = 3 is too small")
   # None falls back to XLA when the kernel cannot run the call.
-  assert _dispatch.choose("some_op", None, lambda: "N = 3 is too small") == "xla"
+  assert _dispatch.choose("some_op", None, lambda _: "N = 3 is too small") == "xla"
   if not _dispatch.on_hopper_gpu():
-    assert _dispatch.choose("some_op", None, lambda: None) == "xla"
+    assert _dispatch.choose("some_op", None, lambda _: None) == "xla"
+
+
+def test_dispatch_sequences_take_the_first_implementation_that_can_run():
+  never = lambda _: "N = 3 is too small"  # noqa: E731
+  only_interpret = lambda c: None if c == "interpret" else "needs interpret"  # noqa: E731
+  assert _dispatch.choose("some_op", ("interpret", "xla"), never) == "xla"
+  assert _dispatch.choose("some_op", ["interpret", "xla"], lambda _: None) == "interpret"
+  assert _dispatch.choose("some_op", ("mosaic", "interpret"), only_interpret) == "interpret"
+  assert _dispatch.choose("some_op", ("mosaic", "xla")) == "xla"  # no kernel at all
+  # None of them can run: every candidate's reason, named.
+  with pytest.raises(NotImplementedError, match=r"some_op.*'mosaic': N = 3.*'interpret': N = 3"):
+    _dispatch.choose("some_op", ("mosaic", "interpret"), never)
+  for bad in [(), ["xla", "gpu"], ("xla", None), "XLA", 3, {"xla": 1}]:
+    with pytest.raises(ValueError, match="implementation"):
+      _dispatch.choose("some_op", bad)
+  assert _dispatch.check_implementation(["interpret", "xla"]) == ("interpret", "xla")
+
+
+def test_interpret_on_a_cpu_client_with_too_few_threads_raises(monkeypatch):
+  """Interpret-mode kernels deadlock with fewer CPU client threads than warpgroups in flight:
+  a clear RuntimeError naming PJRT_NPROC instead of a hang; a sequence falls through to XLA."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the check applies to the CPU backend")
+  monkeypatch.setenv("PJRT_NPROC", "2")
+  assert "PJRT_NPROC" in _dispatch.interpret_threads_reason()
+  with pytest.raises(RuntimeError, match=r"some_op.*PJRT_NPROC=8"):
+    _dispatch.choose("some_op", "interpret", lambda _: None)
+  assert _dispatch.choose("some_op", ("interpret", "xla"), lambda _: None) == "xla"
+  # The kernel's own reason comes first: an unsupported call is still NotImplementedError.
+  with pytest.raises(NotImplementedError, match="N = 3"):
+    _dispatch.choose("some_op", "interpret", lambda _: "N = 3 is too small")
+  monkeypatch.setenv("PJRT_NPROC", "8")
+  assert _dispatch.interpret_threads_reason() is None
+  assert _dispatch.choose("some_op", "interpret", lambda _: None) == "interpret"
+
+
+def test_public_ops_take_an_implementation_sequence():
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)), jnp.bfloat16)
+  w = jnp.asarray(np.random.default_rng(1).standard_normal((64, 64)) / 8, jnp.bfloat16)
+  want = pallas_norm.norm_matmul(x, w, implementation="xla")
+  # "mosaic" cannot run on a CPU: the sequence falls through to XLA, with the same values.
+  if not _dispatch.on_hopper_gpu():
+    got = pallas_norm.norm_matmul(x, w, implementation=("mosaic", "xla"))
+    chex.assert_trees_all_close(got, want, rtol=0, atol=0)
+    got = pallas_norm.rms_norm(x, implementation=["mosaic", "xla"])
+    chex.assert_trees_all_close(got, pallas_norm.rms_norm(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("op", ALL_OPS)
@@ -332,3 +378,21 @@ def test_tiny_eps_is_fine_for_float64_statistics(op):
     chex.assert_trees_all_close(got, ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="float32"):
       fn(*(a.astype(jnp.float32) for a in args), eps=1e-300)
+
+
+def test_flash_norm_attention_stats_carry_no_gradient():
+  """Like norm_matmul's and matmul_norm's (test_norm_matmul_vjp): the returned statistics are
+  outputs, so a loss that adds them differentiates like one that does not (review finding)."""
+  args = good_args("flash_norm_attention")
+  q = args.pop("q").astype(jnp.float32)
+
+  def loss(q, with_stats):
+    out, (ln, rms) = pallas_norm.flash_norm_attention(q, **args, return_stats=True)
+    total = jnp.sum(out.astype(jnp.float32) ** 2)
+    if with_stats:
+      total = total + jnp.sum(ln.rstd) + jnp.sum(ln.mean) + jnp.sum(rms.rstd)
+    return total
+
+  with_stats, without = jax.grad(loss)(q, True), jax.grad(loss)(q, False)
+  assert float(jnp.max(jnp.abs(without))) > 0
+  chex.assert_trees_all_close(with_stats, without, rtol=1e-6)

@@ -10,6 +10,9 @@ Both norms reduce over all heads of a token. Oracle:
 
 from __future__ import annotations
 
+import jax
+from jax import lax
+
 from pallas_norm import _dispatch, _validate, reference
 from pallas_norm.ops.gdpa import check_args as check_attention_args
 from pallas_norm.ops.gdpa import poison_if_offsets_invalid
@@ -29,8 +32,10 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     rms_scale: optional (H·D,) gamma of the RMSNorm.
     eps: positive float for both norms (default 1e-6).
     out_dtype: default q.dtype.
-    return_stats: also return ``(ln_stats, rms_stats)`` (:class:`pallas_norm.NormStats`, (T,)).
-    implementation: None, "xla", "mosaic" or "interpret".
+    return_stats: also return ``(ln_stats, rms_stats)`` (:class:`pallas_norm.NormStats`, (T,)),
+      which carry no gradient (``lax.stop_gradient``).
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
+      can run the call; see :mod:`pallas_norm._dispatch`).
 
   Returns:
     out (T, H, D), zeros on padding rows; or ``(out, (ln_stats, rms_stats))``.
@@ -52,6 +57,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
       activation=activation, pre_scale=pre_scale, post_scale=post_scale, eps=eps,
       max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=out_dtype,
       return_stats=return_stats)
+  if return_stats:  # outputs, not a differentiable path, as in every op that returns them
+    out = (out[0], jax.tree.map(lax.stop_gradient, out[1]))
   # Traced offsets that break the jagged convention give NaN, never a silent wrong answer.
   return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
                                    max_seq_len, max_kv_len)

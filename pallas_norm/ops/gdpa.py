@@ -71,7 +71,8 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
       layout (fast). Without it the XLA path gathers K/V per token (O(T·Lkv·H·D) memory).
     max_kv_len: static bound on jagged k/v lengths (default Tkv).
     out_dtype: output dtype (default q.dtype).
-    implementation: None, "xla", "mosaic" or "interpret".
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
+      can run the call; see :mod:`pallas_norm._dispatch`).
 
   Returns:
     (T, H, D); padding rows (>= q_offsets[-1]) are zeros.

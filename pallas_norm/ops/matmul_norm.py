@@ -223,7 +223,8 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
     return_h: also return h, the pre-norm residual stream, in the output dtype.
     return_stats: also return :class:`pallas_norm.NormStats` of h (float32). The statistics
       carry no gradient (``lax.stop_gradient``), with every implementation.
-    implementation: None, "xla", "mosaic" or "interpret" (see :mod:`pallas_norm._dispatch`).
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
+      (see :mod:`pallas_norm._dispatch`).
       The kernel needs bfloat16/float16 x, w and outputs, K and N multiples of 64,
       N = c · n_tiles · tile_n with c ∈ {1, 2, 4, 8}, n_tiles ≤ 4 and tile_n ≤ 256 (so
       N ≤ 8192; past 2048 a multiple of 1024), a residual in the output dtype; "interpret"
@@ -240,8 +241,8 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
   check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype)
   chosen = _dispatch.choose(
       "matmul_norm", implementation,
-      lambda: _kernel_unsupported_reason(x, w, residual, out_dtype,
-                                         interpret=implementation == "interpret"),
+      lambda candidate: _kernel_unsupported_reason(x, w, residual, out_dtype,
+                                                   interpret=candidate == "interpret"),
       lambda: _kernel_slower_reason(w.shape[1], norm))
   if chosen == "xla":
     out = reference.matmul_norm(x, w, dense_bias, residual, scale, bias, norm=norm, eps=eps,

@@ -290,7 +290,8 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
       shape x.shape[:-1]). The statistics are outputs for the caller's backward; they carry no
       gradient (``lax.stop_gradient``), with every implementation, so a loss differentiates
       the same on any backend.
-    implementation: None, "xla", "mosaic" or "interpret" (see :mod:`pallas_norm._dispatch`).
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
+      (see :mod:`pallas_norm._dispatch`).
       The kernel needs bfloat16/float16 with K and N multiples of 64; None falls back to XLA
       otherwise.
 
@@ -303,7 +304,7 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
   """
   check_args(x, w, scale, bias, norm, eps, out_dtype)
   chosen = _dispatch.choose("norm_matmul", implementation,
-                            lambda: _kernel_unsupported_reason(x, w),
+                            lambda candidate: _kernel_unsupported_reason(x, w),
                             lambda: _kernel_slower_reason(x.shape[-1], w.shape[1], norm))
   if chosen == "xla":
     out = reference.norm_matmul(x, w, scale, bias, norm=norm, eps=eps, out_dtype=out_dtype,
