@@ -621,6 +621,10 @@ def main(argv=None) -> dict:
   if args.list:
     _print_lines([c.name for c in selected] + ([E2E_NAME] if run_e2e_case else []))
     return {}
+  if not args.tiny and jax.default_backend() != "gpu":
+    raise SystemExit("python -m benchmarks.run: full-size cases need a GPU (the default JAX "
+                     f"backend is {jax.default_backend()!r}); on a CPU run --interpret (tiny "
+                     "shapes, the kernels in interpret mode) or --tiny")
   return _run(args, selected, run_e2e_case)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import jax.numpy as jnp
@@ -26,6 +27,22 @@ def compute_dtype(dtype, *arrays) -> jnp.dtype:
   if dtype is not None:
     return jnp.dtype(dtype)
   return jnp.result_type(*[a.dtype for a in arrays if a is not None])
+
+
+@contextlib.contextmanager
+def promotion_hint(layer: str, dtype, input_dtype, compute: jnp.dtype):
+  """Re-raises a kernel's NotImplementedError with the likely cause when ``dtype=None`` made the
+  parameters promote the input (e.g. bf16 with float32 parameters computes in float32, which
+  the kernels do not take)."""
+  try:
+    yield
+  except NotImplementedError as e:
+    if dtype is None and jnp.dtype(input_dtype) != compute:
+      raise NotImplementedError(
+          f"{e}. ({layer}: with dtype=None the {compute} parameters promoted the "
+          f"{jnp.dtype(input_dtype)} input to {compute}; pass dtype=jnp.{jnp.dtype(input_dtype)} "
+          "to compute in the input's dtype.)") from e
+    raise
 
 
 def cast(dtype, *arrays):

@@ -86,9 +86,11 @@ class NormDense(nnx.Module):
     _common.check_last_dim(type(self).__name__, x, "in_features", self.in_features)
     params = [_common.value(p) for p in (self.kernel, self.norm_scale, self.norm_bias, self.bias)]
     cd = _common.compute_dtype(self.dtype, x, *params)
+    x_dtype = x.dtype
     x, kernel, scale, norm_bias, bias = _common.cast(cd, x, *params)
-    y = pallas_norm.norm_matmul(x, kernel, scale, norm_bias, norm=self.norm, eps=self.epsilon,
-                                implementation=self.implementation)
+    with _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd):
+      y = pallas_norm.norm_matmul(x, kernel, scale, norm_bias, norm=self.norm,
+                                  eps=self.epsilon, implementation=self.implementation)
     return y if bias is None else y + bias
 
 
@@ -141,7 +143,9 @@ class DenseNorm(nnx.Module):
       _common.shape_of(type(self).__name__, "residual", residual)
     params = [_common.value(p) for p in (self.kernel, self.bias, self.norm_scale, self.norm_bias)]
     cd = _common.compute_dtype(self.dtype, x, residual, *params)
+    x_dtype = x.dtype
     x, residual, kernel, bias, scale, norm_bias = _common.cast(cd, x, residual, *params)
-    return pallas_norm.matmul_norm(x, kernel, bias, residual, scale, norm_bias, norm=self.norm,
-                                   eps=self.epsilon, return_h=return_h,
-                                   implementation=self.implementation)
+    with _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd):
+      return pallas_norm.matmul_norm(x, kernel, bias, residual, scale, norm_bias,
+                                     norm=self.norm, eps=self.epsilon, return_h=return_h,
+                                     implementation=self.implementation)

@@ -12,7 +12,8 @@ import pytest  # noqa: E402
 
 from pallas_norm import _dispatch  # noqa: E402
 
-# ../shared/data beside the checkout (see DEVELOPERS.md); PALLAS_NORM_DATA overrides it.
+# The public ads samples in ../shared/data beside the checkout; PALLAS_NORM_DATA overrides it
+# (the tests that read them skip without them).
 DATA_DIR = pathlib.Path(os.environ.get(
     "PALLAS_NORM_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"))
 

@@ -311,6 +311,14 @@ def test_bad_flags_are_argparse_errors(flags, message, capsys):
   assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_full_size_cases_without_a_gpu_exit_with_a_hint():
+  """Full-size cases on a CPU would allocate tens of GB and die in a traceback (review finding)."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("runs the cases on a GPU")
+  with pytest.raises(SystemExit, match="need a GPU.*--interpret"):
+    run.main(["--only", "rms_norm", "--no-e2e"])
+
+
 def test_selection_errors_and_names(tmp_path):
   with pytest.raises(SystemExit, match="selects no case"):
     run.main(["--list", "--only", "no-such-case"])
