@@ -107,7 +107,7 @@ def choose(op: str, implementation,
     if reason is None:
       return candidate
     reasons.append(f"{candidate!r}: {reason}")
-  if implementation == "interpret" and unsupported_reason is not None and (
+  if candidates == ("interpret",) and unsupported_reason is not None and (
       unsupported_reason("interpret") is None):
     raise RuntimeError(f"{op}: implementation='interpret' cannot run here: {reasons[0]}")
   raise NotImplementedError(f"{op}: implementation={implementation!r} cannot run this call: "

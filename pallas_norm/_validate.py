@@ -49,9 +49,13 @@ def same_shape(name: str, v, shape) -> None:
     raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(v.shape)}")
 
 
-def eps(value, dtype=None) -> None:
-  """A positive finite static eps that survives rounding to the statistics' dtype: float64 for
-  float64 inputs (``dtype``), else float32. TypeError for a non-number, ValueError otherwise."""
+def eps(value, dtype=None) -> float:
+  """A positive finite static eps for statistics in float64 (float64 inputs, ``dtype``) or else
+  float32, returned as a Python float. TypeError for a non-number, ValueError otherwise.
+
+  It must be at least :func:`eps_floor` of that dtype: the gradient of a zero row holds rstd³ =
+  eps^-1.5, which overflows below it (float32: ~2.1e-26; subnormal values, which XLA flushes to
+  zero, are far below)."""
   if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and not isinstance(
       value, jax.core.Tracer) and jnp.issubdtype(value.dtype, jnp.floating):
     value = float(value)  # a concrete numpy/jax float scalar
@@ -59,14 +63,29 @@ def eps(value, dtype=None) -> None:
     raise TypeError(f"eps must be a positive float (a static Python number), got {value!r}")
   if not (float(value) > 0 and np.isfinite(value)):
     raise ValueError(f"eps must be a positive finite float, got {value!r}")
-  # An eps that rounds to 0 or inf in the statistics' dtype is no eps at all.
   stat = np.float64 if dtype is not None and jnp.dtype(dtype) == jnp.float64 else np.float32
   with np.errstate(over="ignore"):  # an overflow to inf is the error reported just below
     rounded = stat(value)
-  if not (rounded > 0 and np.isfinite(rounded)):
-    name = np.dtype(stat).name
+  name = np.dtype(stat).name
+  if not np.isfinite(rounded):
     raise ValueError(f"eps must be a positive finite {name} value (the statistics' dtype), got "
                      f"{value!r}, which is {float(rounded)} in {name}")
+  if float(rounded) < eps_floor(stat):
+    raise ValueError(f"eps must be at least {eps_floor(stat):.2g} for {name} statistics (below "
+                     f"it rstd³ of a zero row overflows in the gradient), got {value!r}")
+  return float(value)
+
+
+def eps_floor(stat_dtype) -> float:
+  """The smallest eps :func:`eps` accepts for statistics in ``stat_dtype``: max^(-2/3)."""
+  return float(np.finfo(stat_dtype).max) ** (-2.0 / 3.0)
+
+
+def flag(name: str, value) -> None:
+  """A static boolean option: ``True``/``False`` (or a NumPy bool). A string such as "no" is
+  truthy and would silently turn the option on: TypeError."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def finite_scalar(name: str, value) -> None:

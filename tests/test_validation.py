@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pallas_norm
-from pallas_norm import _dispatch
+from pallas_norm import _dispatch, _validate
 
 F32 = jnp.float32
 T, H, D, B = 7, 2, 4, 3          # q (T, H, D), B samples
@@ -90,6 +90,8 @@ NORM_CASES = [
     ("eps", float("inf"), ValueError, "eps"),
     ("eps", 1e-300, ValueError, "float32"),  # rounds to 0 in the float32 statistics
     ("eps", 1e300, ValueError, "float32"),  # rounds to inf
+    ("eps", 1e-40, ValueError, "at least"),  # subnormal: XLA flushes it to 0 (review finding)
+    ("eps", 1e-30, ValueError, "at least"),  # rstd³ of a zero row overflows float32
     ("eps", True, TypeError, "eps"),
     ("eps", "1e-6", TypeError, "eps"),
     ("eps", None, TypeError, "eps"),
@@ -373,11 +375,13 @@ def test_tiny_eps_is_fine_for_float64_statistics(op):
     args = ((x, jnp.asarray(rng.standard_normal((64, 64)), jnp.float64))
             if op in ("matmul_norm", "norm_matmul") else (x,))
     fn = getattr(pallas_norm, op)
-    got = fn(*args, eps=1e-300)
-    ref = getattr(pallas_norm.reference, op)(*args, eps=1e-300)
+    got = fn(*args, eps=1e-100)
+    ref = getattr(pallas_norm.reference, op)(*args, eps=1e-100)
     chex.assert_trees_all_close(got, ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="float32"):
-      fn(*(a.astype(jnp.float32) for a in args), eps=1e-300)
+      fn(*(a.astype(jnp.float32) for a in args), eps=1e-100)
+    with pytest.raises(ValueError, match="float64"):  # below float64's floor
+      fn(*args, eps=1e-300)
 
 
 def test_flash_norm_attention_stats_carry_no_gradient():
@@ -396,3 +400,43 @@ def test_flash_norm_attention_stats_carry_no_gradient():
   with_stats, without = jax.grad(loss)(q, True), jax.grad(loss)(q, False)
   assert float(jnp.max(jnp.abs(without))) > 0
   chex.assert_trees_all_close(with_stats, without, rtol=1e-6)
+
+
+def test_eps_floor_keeps_zero_rows_and_their_gradients_finite():
+  """The smallest eps accepted: a zero row's output and rstd³ gradient stay finite."""
+  floor = _validate.eps_floor(np.float32)
+  assert 1e-26 < floor < 1e-25
+  x = jnp.zeros((2, 64), jnp.float32).at[1].set(1.0)
+  w = jnp.asarray(np.random.default_rng(8).standard_normal((64, 64)), jnp.float32)
+  eps = 1.01 * floor
+  for norm in ("rms", "layer"):
+    grad = jax.grad(lambda x: jnp.sum(
+        pallas_norm.norm_matmul(x, w, norm=norm, eps=eps, implementation="xla") ** 2))(x)
+    assert bool(jnp.all(jnp.isfinite(grad))), norm
+  assert bool(jnp.all(jnp.isfinite(pallas_norm.rms_norm(x, eps=eps))))
+
+
+@pytest.mark.parametrize("flag_name", ["return_stats", "return_h", "zero_centered_scale"])
+def test_boolean_options_reject_non_bools(flag_name):
+  """A string option is truthy: "no" would silently turn it on (review finding)."""
+  op = {"return_stats": "norm_matmul", "return_h": "matmul_norm",
+        "zero_centered_scale": "rms_norm"}[flag_name]
+  fn, args = op_fn(op), good_args(op)
+  with pytest.raises(TypeError, match=flag_name):
+    fn(**args, **{flag_name: "no"})
+  fn(**args, **{flag_name: np.bool_(False)})  # a NumPy bool is a bool
+
+
+@pytest.mark.parametrize("eps", [np.float32(1e-5), np.float64(1e-5), np.int64(1)])
+def test_numpy_eps_reaches_the_kernel_as_a_float(eps):
+  """The public check accepts NumPy scalars; the kernel path must too (it raised inside the
+  kernel's own check, review finding). Interpret mode at a tiny shape, against XLA."""
+  if _dispatch.interpret_threads_reason():
+    pytest.skip(_dispatch.interpret_threads_reason())
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((8, 64)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((64, 64)) / 8, jnp.bfloat16)
+  for fn in (pallas_norm.norm_matmul, pallas_norm.matmul_norm):
+    got = fn(x, w, eps=eps, implementation="interpret").astype(jnp.float32)
+    want = fn(x, w, eps=float(eps), implementation="xla").astype(jnp.float32)
+    chex.assert_trees_all_close(got, want, rtol=0, atol=3e-2)

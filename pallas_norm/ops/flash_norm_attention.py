@@ -50,7 +50,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   _validate.optional_vector("ln_scale", ln_scale, features)
   _validate.optional_vector("ln_bias", ln_bias, features)
   _validate.optional_vector("rms_scale", rms_scale, features)
-  _validate.eps(eps, q.dtype)
+  eps = _validate.eps(eps, q.dtype)
+  _validate.flag("return_stats", return_stats)
   _dispatch.choose("flash_norm_attention", implementation)
   out = reference.flash_norm_attention(
       q, k, v, q_offsets, kv_offsets, ln_scale=ln_scale, ln_bias=ln_bias, rms_scale=rms_scale,

@@ -221,7 +221,7 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
     norm: "layer" (default) or "rms". eps: positive float (default 1e-6).
     out_dtype: dtype of y and h (default x.dtype).
     return_h: also return h, the pre-norm residual stream, in the output dtype.
-    return_stats: also return :class:`pallas_norm.NormStats` of h (float32). The statistics
+    return_stats: also return :class:`pallas_norm.NormStats` of h (float32; float64 for float64 inputs). The statistics
       carry no gradient (``lax.stop_gradient``), with every implementation.
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
       (see :mod:`pallas_norm._dispatch`).
@@ -239,6 +239,9 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run.
   """
   check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype)
+  eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
+  _validate.flag("return_h", return_h)
+  _validate.flag("return_stats", return_stats)
   chosen = _dispatch.choose(
       "matmul_norm", implementation,
       lambda candidate: _kernel_unsupported_reason(x, w, residual, out_dtype,

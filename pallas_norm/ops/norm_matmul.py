@@ -346,6 +346,8 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run.
   """
   check_args(x, w, scale, bias, norm, eps, out_dtype)
+  eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
+  _validate.flag("return_stats", return_stats)
   chosen = _dispatch.choose("norm_matmul", implementation,
                             lambda candidate: _kernel_unsupported_reason(x, w),
                             lambda: _kernel_slower_reason(x.shape[-1], w.shape[1], norm))

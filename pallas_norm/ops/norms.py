@@ -44,6 +44,7 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     implementation. NotImplementedError: a kernel implementation was requested.
   """
   _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
+  _validate.flag("zero_centered_scale", zero_centered_scale)
   return reference.rms_norm(x, scale, residual, eps=eps, zero_centered_scale=zero_centered_scale,
                             out_dtype=out_dtype)
 
@@ -57,5 +58,6 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   ``bias``: optional (N,) beta.
   """
   _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
+  _validate.flag("zero_centered_scale", zero_centered_scale)
   return reference.layer_norm(x, scale, bias, residual, eps=eps,
                               zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
