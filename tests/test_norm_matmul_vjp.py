@@ -437,7 +437,14 @@ def test_dx_stays_accurate_when_the_bias_dwarfs_the_scale(norm, scale_size, bias
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   _, vjp_ref = jax.vjp(lambda x: reference.norm_matmul(x, f32(w), scale, bias, norm=norm), f32(x))
   (dx_ref,) = vjp_ref(ct)
-  for impl in ("interpret", "lazy_xla"):
+  _check_dx_accuracy_under_bias_cancellation(x, w, scale, bias, ct, norm, scale_size, dx_ref,
+                                             ("interpret", "lazy_xla"))
+
+
+def _check_dx_accuracy_under_bias_cancellation(x, w, scale, bias, ct, norm, scale_size, dx_ref,
+                                               impls):
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  for impl in impls:
     _, vjp = jax.vjp(lambda x: nm._fused_call(x, w, scale, bias, norm, 1e-6, x.dtype, False,
                                               impl), x)
     (dx,) = vjp(ct.astype(jnp.bfloat16))
@@ -454,3 +461,18 @@ def test_bias_cancellation_is_small_for_usual_parameters():
   wf = w.astype(jnp.float32)
   for b in (bias, bias / 0.3):
     assert float(nm.bias_cancellation(scale[:, None] * wf, b @ wf)) < nm.BIAS_CANCELLATION_LIMIT / 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_gpu_dx_stays_accurate_when_the_bias_dwarfs_the_scale(norm):
+  """The lax.cond of the bias-cancellation guard around the dx kernel, on the GPU."""
+  x, w, _, _, ct = _inputs(34, 4096 + 77, 512, 512, jnp.bfloat16)
+  ks = jax.random.split(jax.random.key(35), 2)
+  scale = 1e-3 * (1.0 + 0.1 * jax.random.normal(ks[0], (512,), jnp.float32))
+  bias = jax.random.normal(ks[1], (512,), jnp.float32)
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  _, vjp_ref = jax.vjp(lambda x: reference.norm_matmul(x, f32(w), scale, bias, norm=norm), f32(x))
+  (dx_ref,) = vjp_ref(ct)
+  _check_dx_accuracy_under_bias_cancellation(x, w, scale, bias, ct, norm, 1e-3, dx_ref,
+                                             ("mosaic",))
