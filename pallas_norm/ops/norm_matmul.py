@@ -203,7 +203,8 @@ BIAS_CANCELLATION_LIMIT = 16.0
 rounded output y. The rounding error of y is about |out_bias| · 2⁻⁹ per element, so relative to
 y' it grows with the ratio: measured dx errors (bf16, LayerNorm, K = N = 128) 0.3% at a ratio of
 ~10, 1.3% at ~100 and 28% at ~1000 (a norm scale of 1e-3 next to a bias of 1), against 0.35% for
-XLA. Past the limit the backward recomputes y' exactly (one more XLA GEMM)."""
+XLA. Past the limit the backward recomputes y' exactly (one more XLA GEMM, under ``lax.cond``:
+it runs only then). What the conditional itself costs on the GPU is not measured yet."""
 
 
 def bias_cancellation(w_gamma, out_bias):
@@ -224,12 +225,17 @@ def _exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd):
 
 
 def _guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
-  """:func:`_row_terms` from y, or :func:`_exact_row_terms` when the bias would cancel."""
-  fast = lambda: _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])  # noqa: E731
+  """:func:`_row_terms` from y, or :func:`_exact_row_terms` when the bias would cancel.
+
+  The terms from y are computed outside the ``lax.cond`` (and passed through it), so XLA can
+  still fuse their pass over dy with the weight gradients' (for RMSNorm that made it nearly
+  free, benchmarks/NOTES.md, session 4); only the exact GEMM is conditional."""
+  fast = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
   if out_bias is None:
-    return fast()
+    return fast
   return lax.cond(bias_cancellation(w_gamma, out_bias) > BIAS_CANCELLATION_LIMIT,
-                  lambda: _exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd), fast)
+                  lambda fast: _exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd),
+                  lambda fast: fast, fast)
 
 
 def _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None):
