@@ -25,8 +25,8 @@ saying why not.
 from __future__ import annotations
 
 import functools
-import os
 import logging
+import os
 from typing import Callable
 
 import jax
