@@ -61,9 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="pallas-norm implementation. Default: auto (the kernels on a Hopper GPU "
                  "where measured faster). mosaic / interpret: the kernels (interpret: in GPU "
                  "interpret mode) in every layer whose shapes they support, XLA in the others "
-                 "(the model gets (name, 'xla')); with the default sizes only the post-norm "
-                 "MLP layers fit, with --embed-dim 64 --head-dim 32 every dense layer but the "
-                 "head does")
+                 "(the model gets (name, 'xla')). The kernels need K and N multiples of 64: with "
+                 "the default sizes few layers fit, with --embed-dim 64 --head-dim 32 every "
+                 "norm-fused dense layer but the 1-wide head does")
   p.add_argument("--embed-dim", type=int, default=KunlunConfig.embed_dim,
                  help="width of a context token")
   p.add_argument("--head-dim", type=int, default=KunlunConfig.head_dim,

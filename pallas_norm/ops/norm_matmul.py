@@ -215,6 +215,11 @@ def bias_cancellation(w_gamma, out_bias):
   return jnp.max(jnp.abs(out_bias) / jnp.maximum(spread, jnp.finfo(_F32).tiny))
 
 
+def _bias_cancels(w_gamma, out_bias):
+  """The traced predicate of the guard: :func:`bias_cancellation` past the limit."""
+  return bias_cancellation(w_gamma, out_bias) > BIAS_CANCELLATION_LIMIT
+
+
 def _exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd):
   """:func:`_row_terms` from y' = rstd ⊙ (x @ W_γ − mean ⊗ col_sum) recomputed in f32 (one
   GEMM), for when y − out_bias would cancel (:data:`BIAS_CANCELLATION_LIMIT`)."""
@@ -233,9 +238,9 @@ def _guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
   fast = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
   if out_bias is None:
     return fast
-  return lax.cond(bias_cancellation(w_gamma, out_bias) > BIAS_CANCELLATION_LIMIT,
-                  lambda fast: _exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd),
-                  lambda fast: fast, fast)
+  return lax.cond(_bias_cancels(w_gamma, out_bias),
+                  lambda _: _exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd),
+                  lambda terms: terms, fast)
 
 
 def _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None):
@@ -281,7 +286,7 @@ def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd
   fused_dx = lambda: dx_kernel(mean=mean, y=y, out_bias=out_bias, col_sum=col_sum)  # noqa: E731
   if out_bias is None:
     return fused_dx()
-  return lax.cond(bias_cancellation(w_gamma, out_bias) > BIAS_CANCELLATION_LIMIT,
+  return lax.cond(_bias_cancels(w_gamma, out_bias),
                   lambda: with_row_terms(_exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd)),
                   fused_dx)
 
