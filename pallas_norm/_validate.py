@@ -71,8 +71,9 @@ def eps(value, dtype=None) -> float:
     raise ValueError(f"eps must be a positive finite {name} value (the statistics' dtype), got "
                      f"{value!r}, which is {float(rounded)} in {name}")
   if float(rounded) < eps_floor(stat):
-    raise ValueError(f"eps must be at least {eps_floor(stat):.2g} for {name} statistics (below "
-                     f"it rstd³ of a zero row overflows in the gradient), got {value!r}")
+    raise ValueError(f"eps must be a positive float of at least {eps_floor(stat):.2g} for {name} "
+                     f"statistics (below it rstd³ of a zero row overflows in the gradient), got "
+                     f"{value!r}")
   return float(value)
 
 
