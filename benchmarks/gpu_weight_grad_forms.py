@@ -2,7 +2,8 @@
 
 ``dx = dh wᵀ`` and ``dw = xᵀ dh`` (M = 262144, K = N = 512, bf16 in, f32 accumulation, bf16
 out), each written four ways. In the post-norm backward one of them compiled to a Triton
-``gemm_fusion`` of ~245 µs where XLA's own VJP gets cuBLAS GEMMs of ~184 µs. Prints each form's kernels (CUPTI, median of 5)::
+``gemm_fusion`` of ~245 µs where XLA's own VJP gets cuBLAS GEMMs of ~184 µs. Prints each
+form's kernels (CUPTI, median of 5)::
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_weight_grad_forms.py
 """

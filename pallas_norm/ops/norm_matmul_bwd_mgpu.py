@@ -65,7 +65,8 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   does not combine with ``pingpong`` yet.
 
 dy_scaled (``return_dy_scaled``; ``norm_matmul.DX_WRITES_DY_SCALED``, opt-in, measured slower
-on the H200: the kernel 285 → 414 µs at 262144×512², more than the pass it removes): the kernel also writes ``dy_scaled = (rstd ⊙ dy)`` rounded to x's dtype, the operand of
+on the H200: the kernel 285 → 414 µs at 262144×512², more than the pass it removes): the kernel
+also writes ``dy_scaled = (rstd ⊙ dy)`` rounded to x's dtype, the operand of
 the weight gradients' GEMM ``dW_γ = xᵀ dy_scaled``, so that XLA's elementwise pass forming it
 (read dy, write dy_scaled: ~125 µs at 262144×512² bf16 on the H200) disappears. Every column
 tile of a row block streams that row block's whole dy (all N columns, over its K loop), so the
@@ -735,7 +736,8 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
     col_sum: (N,) float32 ``1ᵀ w_gamma`` (LayerNorm: given exactly when mean is); only with y.
     return_dy_scaled: also return ``dy_scaled = (rstd[:, None] * dy.astype(float32)).astype(
       x.dtype)``, bit for bit, written from the dy tiles the K loop holds in SMEM by the units
-      of output column tile 0 (module docstring). Opt-in; measured slower on the H200 (session 5). Its staging
+      of output column tile 0 (module docstring). Opt-in; measured slower on the H200
+      (session 5). Its staging
       SMEM may cost pipeline stages (:func:`pick_config` takes 32-wide steps for it); needs
       tile_k · itemsize ≤ 128 bytes and no ``pingpong``. Any M (rows past M are not written).
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
