@@ -215,9 +215,24 @@ def bias_cancellation(w_gamma, out_bias):
   return jnp.max(jnp.abs(out_bias) / jnp.maximum(spread, jnp.finfo(_F32).tiny))
 
 
+BIAS_GUARD: bool = True
+"""Whether the backward guards against the bias cancellation (:data:`BIAS_CANCELLATION_LIMIT`).
+False drops the ``lax.cond`` and always rebuilds y' from y: for measuring what the guard costs
+(``benchmarks/gpu_guard_cost.py``), not for use (dx is wrong when the bias cancels). Read when the
+backward is traced."""
+
+
 def _bias_cancels(w_gamma, out_bias):
   """The traced predicate of the guard: :func:`bias_cancellation` past the limit."""
   return bias_cancellation(w_gamma, out_bias) > BIAS_CANCELLATION_LIMIT
+
+
+def _guarded(fast, exact, w_gamma, out_bias, *operands):
+  """``exact(*operands)`` when the bias cancels, else ``fast(*operands)``, under ``lax.cond``;
+  just ``fast`` without a bias or with :data:`BIAS_GUARD` off."""
+  if out_bias is None or not BIAS_GUARD:
+    return fast(*operands)
+  return lax.cond(_bias_cancels(w_gamma, out_bias), exact, fast, *operands)
 
 
 def _exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd):
@@ -236,11 +251,9 @@ def _guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
   still fuse their pass over dy with the weight gradients' (for RMSNorm that made it nearly
   free, benchmarks/NOTES.md, session 4); only the exact GEMM is conditional."""
   fast = _row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
-  if out_bias is None:
-    return fast
-  return lax.cond(_bias_cancels(w_gamma, out_bias),
+  return _guarded(lambda terms: terms,
                   lambda _: _exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd),
-                  lambda terms: terms, fast)
+                  w_gamma, out_bias, fast)
 
 
 def _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None):
@@ -283,12 +296,9 @@ def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd
     return with_row_terms(_guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd))
   # The kernel sums the rows of dy ⊙ (y − out_bias) and dy ⊙ col_sum in its K loop. With y
   # and dy in x's dtype it reads the very values the XLA pass would (no rounding of y).
-  fused_dx = lambda: dx_kernel(mean=mean, y=y, out_bias=out_bias, col_sum=col_sum)  # noqa: E731
-  if out_bias is None:
-    return fused_dx()
-  return lax.cond(_bias_cancels(w_gamma, out_bias),
+  return _guarded(lambda: dx_kernel(mean=mean, y=y, out_bias=out_bias, col_sum=col_sum),
                   lambda: with_row_terms(_exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd)),
-                  fused_dx)
+                  w_gamma, out_bias)
 
 
 def _weight_grads(dy, x, w, scale, bias, mean, rstd, dy_scaled=None):
