@@ -106,7 +106,11 @@ def column_sum(v):
     parts.append(jnp.sum(blocks, axis=1))
   if m % COLUMN_SUM_BLOCK or not m:
     parts.append(jnp.sum(v[full:], axis=0, keepdims=True))
-  sums = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  return pairwise_sum(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+
+
+def pairwise_sum(sums):
+  """Σ over the first axis of ``sums`` in a fixed pairwise tree (same bits on every run)."""
   while sums.shape[0] > 1:
     half = sums.shape[0] // 2
     paired = sums[:half] + sums[half:2 * half]
@@ -182,19 +186,60 @@ def _norm_backward(norm, dy, xhat, rstd, scale):
   return dh * rstd[:, None]
 
 
-def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, saved,
-               cotangents):
-  del eps, out_dtype, return_stats, implementation
-  x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd = saved
-  dy_out, dh_out = cotangents[0], cotangents[1]  # the statistics carry no gradient
+NORM_BACKWARD_KERNEL: bool = True
+"""Whether the kernel implementations ("mosaic", "interpret") run dh and the column sums as one
+Mosaic-GPU kernel (:func:`pallas_norm.ops.matmul_norm_bwd_mgpu.norm_backward`) where it takes
+the shape, instead of XLA's passes. Read when the backward is traced."""
+
+
+def _norm_backward_xla(norm, dy_out, dh_out, xhat, rstd, scale, sums):
+  """(dh in float32, {sum name: column sum}) of the norm backward in XLA."""
   dy = dy_out.astype(_F32)
   xhat = xhat.astype(_F32)
   dh = _norm_backward(norm, dy, xhat, rstd, scale)
-  if return_h and dh_out is not None:
+  if dh_out is not None:
     dh = dh + dh_out.astype(_F32)  # h is also an output (the residual stream)
-  dscale = None if scale is None else column_sum(dy * xhat).astype(scale.dtype)
-  dbias = None if bias is None else column_sum(dy).astype(bias.dtype)
-  ddense = None if dense_bias is None else column_sum(dh).astype(dense_bias.dtype)
+  columns = {"dscale": lambda: dy * xhat, "dbias": lambda: dy, "ddense": lambda: dh}
+  return dh, {name: column_sum(columns[name]()) for name in sums}
+
+
+def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums) -> str | None:
+  from pallas_norm.ops import matmul_norm_bwd_mgpu
+  if dy_out.dtype != xhat.dtype or (dh_out is not None and dh_out.dtype != xhat.dtype):
+    return f"cotangents in {dy_out.dtype}, x̂ in {xhat.dtype}"
+  return matmul_norm_bwd_mgpu.unsupported_reason(*dy_out.shape, dy_out.dtype, len(sums))
+
+
+def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpret):
+  """(dh in the cotangent's dtype, {sum name: column sum}) from the one-pass kernel; the
+  per-CTA partial sums are added in a fixed order (deterministic bits on one GPU model)."""
+  from pallas_norm.ops import matmul_norm_bwd_mgpu
+  dh, partials = matmul_norm_bwd_mgpu.norm_backward(
+      dy_out, xhat, rstd, scale, dh_out, norm=norm, sums=sums, interpret=interpret)
+  if not sums:
+    return dh, {}
+  totals = pairwise_sum(partials.reshape(-1, *partials.shape[2:]))
+  return dh, {name: totals[i] for i, name in enumerate(sums)}
+
+
+def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, saved,
+               cotangents):
+  del eps, out_dtype, return_stats
+  x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd = saved
+  dy_out, dh_out = cotangents[0], cotangents[1]  # the statistics carry no gradient
+  if not return_h:
+    dh_out = None
+  sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
+               if v is not None)
+  if (NORM_BACKWARD_KERNEL and implementation in ("mosaic", "interpret")
+      and _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums) is None):
+    dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
+                                    interpret=implementation == "interpret")
+  else:
+    dh, col = _norm_backward_xla(norm, dy_out, dh_out, xhat, rstd, scale, sums)
+  dscale = None if scale is None else col["dscale"].astype(scale.dtype)
+  dbias = None if bias is None else col["dbias"].astype(bias.dtype)
+  ddense = None if dense_bias is None else col["ddense"].astype(dense_bias.dtype)
   dres = None if residual_dtype is None else dh.astype(residual_dtype.dtype)
   dh_in = dh.astype(x.dtype)
   # In x's dtype straight out of the GEMM (f32 accumulation all the same): asking for f32 and

@@ -1,0 +1,255 @@
+"""The post-norm backward's norm kernel (pallas_norm.ops.matmul_norm_bwd_mgpu): dh and the
+column sums in one pass, against a float64 NumPy oracle of the same math on the same 16-bit
+inputs; interpret mode on the CPU (race detection, NaN-filled outputs), the GPU at real sizes.
+
+Tolerances: dh is rounded once to the 16-bit output dtype, so its error is at most one rounding
+(2⁻⁹ relative for bfloat16, 2⁻¹² for float16) plus float32 sums; the column sums are float32 and
+compared at 1e-5 of their largest magnitude.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import export
+import numpy as np
+import pytest
+
+from pallas_norm import mgpu_common
+from pallas_norm.ops import matmul_norm as mn
+from pallas_norm.ops import matmul_norm_bwd_mgpu as mb
+
+ALL_SUMS = ("dscale", "dbias", "ddense")
+DH_TOL = {jnp.dtype(jnp.bfloat16): 2 ** -8, jnp.dtype(jnp.float16): 2 ** -10}
+
+
+def _inputs(seed, m, n, dtype=jnp.bfloat16, scale=True, dh_out=False):
+  ks = jax.random.split(jax.random.key(seed), 5)
+  dy = jax.random.normal(ks[0], (m, n), jnp.float32).astype(dtype)
+  xhat = jax.random.normal(ks[1], (m, n), jnp.float32).astype(dtype)
+  rstd = jax.random.uniform(ks[2], (m,), jnp.float32, 0.5, 2.0)
+  s = None
+  if scale:  # with zeros: dh must not depend on dividing by the scale
+    s = jax.random.uniform(ks[3], (n,), jnp.float32, 0.1, 1.0).at[::7].set(0.0)
+  d = jax.random.normal(ks[4], (m, n), jnp.float32).astype(dtype) if dh_out else None
+  return dy, xhat, rstd, s, d
+
+
+def _oracle(dy, xhat, rstd, scale, dh_out, norm):
+  """float64 dh and the three column sums."""
+  dy, xhat = np.asarray(dy, np.float64), np.asarray(xhat, np.float64)
+  g = dy if scale is None else dy * np.asarray(scale, np.float64)
+  dh = g - xhat * (g * xhat).mean(axis=1, keepdims=True)
+  if norm == "layer":
+    dh = dh - g.mean(axis=1, keepdims=True)
+  dh = dh * np.asarray(rstd, np.float64)[:, None]
+  if dh_out is not None:
+    dh = dh + np.asarray(dh_out, np.float64)
+  return dh, {"dscale": (dy * xhat).sum(0), "dbias": dy.sum(0), "ddense": dh.sum(0)}
+
+
+def _check(out, oracle, sums, dtype):
+  dh, partials = out
+  dh_want, sums_want = oracle
+  assert dh.dtype == jnp.dtype(dtype)
+  dh = np.asarray(dh, np.float64)
+  assert np.all(np.isfinite(dh))  # an unwritten element would be NaN in interpret mode
+  err = np.max(np.abs(dh - dh_want)) / np.max(np.abs(dh_want))
+  assert err < DH_TOL[jnp.dtype(dtype)], err
+  if not sums:
+    assert partials is None
+    return
+  assert partials.shape[1:] == (2, len(sums), dh.shape[1]) and partials.dtype == jnp.float32
+  totals = np.asarray(partials, np.float64).sum(axis=(0, 1))
+  for i, name in enumerate(sums):
+    want = sums_want[name]
+    np.testing.assert_allclose(totals[i], want, atol=1e-5 * np.max(np.abs(want)),
+                               err_msg=name)
+
+
+def _run(args, norm, sums, interpret):
+  dy, xhat, rstd, scale, dh_out = args
+  out = mb.norm_backward(dy, xhat, rstd, scale, dh_out, norm=norm, sums=sums,
+                         interpret=interpret)
+  jax.block_until_ready(out)
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Interpret mode (CPU).
+
+
+@pytest.mark.parametrize("m,n,norm,scale,dh_out,sums", [
+    (1, 64, "rms", False, False, ()),  # one row, one chunk
+    (77, 192, "layer", True, True, ALL_SUMS),  # tail rows, three chunks
+    (300, 128, "rms", True, False, ("dscale",)),  # 3 row blocks on 2 CTAs: one CTA idles
+    (512, 128, "layer", False, True, ("ddense", "dbias")),  # the stage ring wraps; sum order
+    (256, 64, "layer", True, False, ("dbias",)),
+])
+def test_interpret_matches_oracle(m, n, norm, scale, dh_out, sums):
+  args = _inputs(m + n, m, n, scale=scale, dh_out=dh_out)
+  out = _run(args, norm, sums, interpret=True)
+  assert not mgpu_common.races_found()
+  _check(out, _oracle(*args, norm), sums, jnp.bfloat16)
+
+
+def test_interpret_float16():
+  args = _inputs(5, 130, 128, jnp.float16, dh_out=True)
+  out = _run(args, "layer", ALL_SUMS, interpret=True)
+  assert not mgpu_common.races_found()
+  _check(out, _oracle(*args, "layer"), ALL_SUMS, jnp.float16)
+
+
+def test_interpret_partials_repeat_bit_for_bit():
+  args = _inputs(7, 384, 128, dh_out=True)
+  first = _run(args, "layer", ALL_SUMS, interpret=True)
+  again = _run(args, "layer", ALL_SUMS, interpret=True)
+  np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(again[0]))
+  np.testing.assert_array_equal(np.asarray(first[1]), np.asarray(again[1]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checks (before any kernel runs).
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(norm="batch"), "norm must be"),
+    (dict(sums=("dgamma",)), "sums must be"),
+    (dict(sums=("dbias", "dbias")), "sums must be"),
+    (dict(xhat_shape=(8, 64)), "dy and xhat must be"),
+    (dict(rstd_shape=(9,)), "rstd"),
+    (dict(dh_out_dtype=jnp.float16), "dh_out must have"),
+    (dict(scale_shape=(64,)), "scale must be"),
+])
+def test_bad_arguments_raise(change, match):
+  dy, xhat, rstd, scale, dh_out = _inputs(0, 8, 128, dh_out=True)
+  if "xhat_shape" in change:
+    xhat = jnp.zeros(change["xhat_shape"], xhat.dtype)
+  if "rstd_shape" in change:
+    rstd = jnp.ones(change["rstd_shape"], jnp.float32)
+  if "dh_out_dtype" in change:
+    dh_out = dh_out.astype(change["dh_out_dtype"])
+  if "scale_shape" in change:
+    scale = jnp.ones(change["scale_shape"], jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    mb.norm_backward(dy, xhat, rstd, scale, dh_out, norm=change.get("norm", "rms"),
+                     sums=change.get("sums", ()), interpret=True)
+
+
+@pytest.mark.parametrize("m,n,dtype,n_sums,match", [
+    (8, 96, jnp.bfloat16, 0, "multiple of 64"),
+    (8, 128, jnp.float32, 0, "dtype"),
+    (0, 128, jnp.bfloat16, 0, "at least one row"),
+    (8, 4096, jnp.bfloat16, 3, "accumulators"),
+])
+def test_unsupported_shapes_have_a_reason(m, n, dtype, n_sums, match):
+  reason = mb.unsupported_reason(m, n, dtype, n_sums)
+  assert reason is not None and match in reason
+  dy = jnp.ones((m, n), dtype)
+  with pytest.raises(ValueError, match=match):
+    mb.norm_backward(dy, dy, jnp.ones((m,), jnp.float32), norm="rms",
+                     sums=ALL_SUMS[:n_sums], interpret=True)
+
+
+def test_largest_supported_n_per_sum_count():
+  assert mb.unsupported_reason(8, 8192, jnp.bfloat16, 1) is None
+  assert mb.unsupported_reason(8, 4096, jnp.bfloat16, 2) is None
+  assert mb.unsupported_reason(8, 2688, jnp.bfloat16, 3) is None
+  assert mb.unsupported_reason(8, 2816, jnp.bfloat16, 3) is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# The op's backward: the kernel where it fits, XLA elsewhere.
+
+
+def _spy(monkeypatch):
+  calls = []
+  real = mb.norm_backward
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs["sums"])
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(mb, "norm_backward", spy)
+  return calls
+
+
+def _grads(x, w, vecs, residual, dy, dh_ct, norm, impl):
+  def loss(x, w, residual, *vs):
+    dense, scale, bias = vs
+    y, h = mn.matmul_norm(x, w, dense, residual, scale, bias, norm=norm, return_h=True,
+                          implementation=impl)
+    return (jnp.sum(y.astype(jnp.float32) * dy) + jnp.sum(h.astype(jnp.float32) * dh_ct))
+  return jax.grad(loss, argnums=tuple(range(6)))(x, w, residual, *vecs)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
+  """Same kernel forward; backward by the norm kernel vs by XLA (NORM_BACKWARD_KERNEL off)."""
+  m, k, n = 77, 64, 128
+  ks = jax.random.split(jax.random.key(11), 8)
+  bf = jnp.bfloat16
+  x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(bf)
+  w = (jax.random.normal(ks[1], (k, n), jnp.float32) / 8).astype(bf)
+  residual = jax.random.normal(ks[2], (m, n), jnp.float32).astype(bf)
+  vecs = tuple(jax.random.normal(kk, (n,), jnp.float32) * 0.5 + 1.0 for kk in ks[3:6])
+  dy = jax.random.normal(ks[6], (m, n), jnp.float32)
+  dh_ct = jax.random.normal(ks[7], (m, n), jnp.float32)
+  calls = _spy(monkeypatch)
+  got = _grads(x, w, vecs, residual, dy, dh_ct, norm, "interpret")
+  assert calls == [ALL_SUMS]
+  assert not mgpu_common.races_found()
+  monkeypatch.setattr(mn, "NORM_BACKWARD_KERNEL", False)
+  want = _grads(x, w, vecs, residual, dy, dh_ct, norm, "interpret")
+  assert len(calls) == 1
+  for i, (g, r) in enumerate(zip(got, want)):
+    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+    # Both round dh once to bfloat16 for the GEMMs; they differ in float32 summation order.
+    assert np.linalg.norm(g - r) / np.linalg.norm(r) < 4e-3, i
+
+
+def test_op_backward_falls_back_past_the_accumulators():
+  dy = jnp.zeros((8, 4096), jnp.bfloat16)
+  assert mn._norm_backward_kernel_reason(dy, None, dy, ALL_SUMS) is not None
+  assert mn._norm_backward_kernel_reason(dy, None, dy, ("dscale",)) is None
+  assert "cotangents" in mn._norm_backward_kernel_reason(dy.astype(jnp.float32), None, dy, ())
+
+
+# ------------------------------------------------------------------------------------------------
+# Lowering for sm_90a on the CPU (Mosaic's Python passes: layout inference, SMEM, TMA).
+
+
+@pytest.mark.parametrize("m,n,norm,scale,dh_out,sums", [
+    (262144, 512, "layer", True, True, ALL_SUMS),
+    (262144, 512, "rms", True, False, ("dscale",)),
+    (65536 + 77, 2048, "layer", True, False, ALL_SUMS),
+    (16384, 8192, "rms", True, False, ("dscale",)),
+])
+def test_lowers_for_hopper(m, n, norm, scale, dh_out, sums):
+  spec = jax.ShapeDtypeStruct
+  fn = jax.jit(lambda dy, xh, r, s, d: mb.norm_backward(dy, xh, r, s, d, norm=norm, sums=sums))
+  exported = export.export(fn, platforms=["cuda"])(
+      spec((m, n), jnp.bfloat16), spec((m, n), jnp.bfloat16), spec((m,), jnp.float32),
+      spec((n,), jnp.float32) if scale else None, spec((m, n), jnp.bfloat16) if dh_out else None)
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,norm,scale,dh_out,sums", [
+    (262144, 512, "layer", True, True, ALL_SUMS),
+    (262144, 512, "rms", True, False, ("dscale",)),
+    (8192 + 77, 1024, "layer", True, False, ALL_SUMS),
+    (4096 + 3, 2048, "rms", False, True, ("ddense",)),
+    (1, 64, "layer", True, True, ALL_SUMS),
+    (1024, 8192, "rms", True, False, ("dscale",)),
+])
+def test_gpu_matches_oracle(m, n, norm, scale, dh_out, sums):
+  args = _inputs(m, m, n, scale=scale, dh_out=dh_out)
+  out = _run(args, norm, sums, interpret=False)
+  again = _run(args, norm, sums, interpret=False)
+  _check(out, _oracle(*args, norm), sums, jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(again[0]))
+  if sums:
+    np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(again[1]))
