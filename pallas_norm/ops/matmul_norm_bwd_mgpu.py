@@ -51,6 +51,7 @@ WG_ROWS = 64  # rows of one consumer warpgroup (the WGMMA register layout)
 BLOCK_ROWS = 2 * WG_ROWS
 CHUNK = 64  # columns per pipeline step: one 128-byte swizzle span of 16-bit values
 OUT_SLOTS = 2
+ROW_ALIGN = 8  # tiled TMA copies move whole 8-row groups
 MAX_ACC_BYTES = 64 * 1024
 MAX_STAGES = 6
 SUMS = ("dscale", "dbias", "ddense")
@@ -134,7 +135,9 @@ def _kernel(*refs, plan: _Plan):
   dh_gmem = next(it)
   sums_gmem = next(it) if plan.sums else None  # (ctas, 2, sums, N) f32
   chunks, inv_n = plan.chunks, 1.0 / plan.n
-  transforms = mgpu_common.swizzle_transforms(CHUNK, plan.dtype, tiled=False)
+  # Tiled (the SMEM layout of WGMMA operands): the transposed register layout of the column sums
+  # loads only from it. Its TMA needs whole 8-row groups, hence M padded to a multiple of 8.
+  transforms = mgpu_common.swizzle_transforms(CHUNK, plan.dtype)
   cta = lax.axis_index("cta")
 
   def step_coords(s):  # (local row block, pass, chunk) of pipeline step s
@@ -165,12 +168,14 @@ def _kernel(*refs, plan: _Plan):
     wgmma = plgpu.Layout.WGMMA
     zero_parts = (mgpu_common.lane_partial_zeros(WG_ROWS),) * 2
 
-    def add_col_sum(q, c, value):  # acc_smem[wg, q, chunk c] += Σ_rows value
+    transposed = plgpu.Layout.WGMMA_TRANSPOSED
+
+    def add_col_sum(q, c, tile_fn):  # acc_smem[wg, q, chunk c] += Σ_rows tile_fn(layout)
+      # In the transposed register layout a warp owns whole columns, so the column sums need
+      # no cross-warp reduction (whose SMEM scratch the two consumer warpgroups would share).
       ref = acc_smem.at[wg, q, pl.ds(c * CHUNK, CHUNK)]
-      old = plgpu.load(ref, layout=wgmma.reduce(0))
-      part = jnp.sum(value, axis=0)
-      plgpu.commit_smem()  # every thread of the warpgroup has read before any writes
-      ref[...] = old + part
+      part = jnp.sum(tile_fn(transposed), axis=0)
+      ref[...] = plgpu.load(ref, layout=transposed.reduce(0)) + part
 
     def body(idxs, *refs):
       (s,) = idxs
@@ -181,8 +186,8 @@ def _kernel(*refs, plan: _Plan):
       scale_smem = refs.pop(0) if plan.has_scale else None
       r, p, c = step_coords(s)
       valid = cta + r * plan.ctas < plan.blocks
-      dy = plgpu.load(dy_smem.at[rows], layout=wgmma).astype(_F32)
-      xhat = plgpu.load(xhat_smem.at[rows], layout=wgmma).astype(_F32)
+      load_f32 = lambda ref, lay: plgpu.load(ref.at[rows], layout=lay).astype(_F32)  # noqa: E731
+      dy, xhat = load_f32(dy_smem, wgmma), load_f32(xhat_smem, wgmma)
       g = dy
       if plan.has_scale:
         scale = plgpu.load(scale_smem.at[0], layout=wgmma.reduce(0))
@@ -195,9 +200,10 @@ def _kernel(*refs, plan: _Plan):
         @pl.when(valid)
         def _column_sums():
           if "dscale" in plan.sums:
-            add_col_sum(plan.sums.index("dscale"), c, dy * xhat)
+            add_col_sum(plan.sums.index("dscale"), c,
+                        lambda lay: load_f32(dy_smem, lay) * load_f32(xhat_smem, lay))
           if "dbias" in plan.sums:
-            add_col_sum(plan.sums.index("dbias"), c, dy)
+            add_col_sum(plan.sums.index("dbias"), c, lambda lay: load_f32(dy_smem, lay))
         return gx_part, g_part
 
       carry = lax.cond(p == 0, first_pass, lambda parts: parts, carry)
@@ -213,13 +219,14 @@ def _kernel(*refs, plan: _Plan):
         dh = inner * lax.broadcast_in_dim(rstd, g.shape, [0])
         if plan.has_dh_out:
           dh = dh + plgpu.load(dho_smem.at[rows], layout=wgmma).astype(_F32)
-        if "ddense" in plan.sums:
-          add_col_sum(plan.sums.index("ddense"), c, dh)
         slot = (r * chunks + c) % OUT_SLOTS
         # The store that last read this slot (OUT_SLOTS stores ago) must be done.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
         out_smem[wg, slot] = dh.astype(plan.dtype)
         plgpu.commit_smem()
+        if "ddense" in plan.sums:  # from dh as stored (rounded), read back in SMEM
+          add_col_sum(plan.sums.index("ddense"), c,
+                      lambda lay: plgpu.load(out_smem.at[wg, slot], layout=lay).astype(_F32))
         row0 = (cta + r * plan.ctas) * BLOCK_ROWS + wg * WG_ROWS
         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
                                 dh_gmem.at[pl.ds(row0, WG_ROWS), pl.ds(c * CHUNK, CHUNK)])
@@ -229,9 +236,11 @@ def _kernel(*refs, plan: _Plan):
       return carry
 
     def compute_context(eval_pipeline):
-      if plan.sums:
-        acc_smem[wg] = jnp.zeros((n_sums, plan.n), _F32)
-        plgpu.commit_smem()
+      for q in range(n_sums):
+        @pl.loop(0, chunks)
+        def _zero(c, q=q):
+          acc_smem[wg, q, pl.ds(c * CHUNK, CHUNK)] = plgpu.layout_cast(
+              jnp.zeros((CHUNK,), _F32), transposed.reduce(0))
       eval_pipeline(zero_parts)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if plan.sums:
@@ -285,6 +294,8 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
   m, n = dy.shape
   if reason := unsupported_reason(m, n, dy.dtype, len(sums)):
     raise ValueError(f"norm_backward kernel: {reason}")
+  pad = -m % ROW_ALIGN
+  m += pad
   plan = _make_plan(m, n, dy.dtype, norm, scale is not None, dh_out is not None, sums,
                     interpret)
   out_type = [jax.ShapeDtypeStruct((m, n), dy.dtype)]
@@ -300,9 +311,13 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu_common.interpret_params() if interpret else None,
   )
-  rstd_padded = jnp.pad(rstd.astype(_F32), (0, plan.blocks * BLOCK_ROWS - m))
-  args = [dy, xhat] + ([dh_out] if dh_out is not None else []) + [rstd_padded]
-  if scale is not None:
-    args.append(scale.astype(_F32)[None, :])
+  rstd_padded = jnp.pad(rstd.astype(_F32), (0, plan.blocks * BLOCK_ROWS - m + pad))
+  tiles = [_pad_rows(a, pad) for a in (dy, xhat, dh_out) if a is not None]
+  args = tiles + [rstd_padded] + ([] if scale is None else [scale.astype(_F32)[None, :]])
   outs = call(*args)
-  return outs[0], (outs[1] if sums else None)
+  dh = outs[0][:m - pad] if pad else outs[0]
+  return dh, (outs[1] if sums else None)
+
+
+def _pad_rows(a, pad):
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
