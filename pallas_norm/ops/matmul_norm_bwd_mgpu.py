@@ -11,23 +11,24 @@ float32. In XLA this is two passes (the row sums, then dh; 128 + 222 µs at 2621
 the H200, benchmarks/NOTES.md, session 5) plus reductions; the floor of one pass (read dy and
 x̂, write dh) is ~170 µs.
 
-Kernel: a persistent grid of CTAs, each walking row blocks of 128 rows (two consumer warpgroups
-of 64 rows, the WGMMA register layout) with a TMA producer warpgroup. A row block is streamed
-twice, in (128, 64) column chunks of dy and x̂ (and dh_out): the first pass accumulates each
-row's Σ g ⊙ x̂ and Σ g (per-thread partial sums carried across the steps, reduced across lanes
-once), and dscale/dbias's column partial sums; the second pass, which reads the chunks again
-(from L2: a row block is 128 · N · 2 · 2 bytes, 256 KiB at N = 512), writes dh through a
-double-buffered SMEM slot and TMA, and adds to d(dense_bias)'s column partials.
+Kernel: a persistent grid of CTAs, each walking row blocks of 64 rows (one consumer warpgroup,
+:data:`CONSUMERS`, in the WGMMA register layout) with a TMA producer warpgroup. A row block is
+streamed twice, in (64, 64) column chunks of dy and x̂ (and dh_out): the first pass accumulates
+each row's Σ g ⊙ x̂ and Σ g (per-thread partial sums carried across the steps, reduced across
+lanes once) and dscale/dbias's column partial sums; the second pass, which reads the chunks
+again (from L2: a row block is 64 · N · 2 · 2 bytes, 128 KiB at N = 512), writes dh through a
+double-buffered SMEM slot and TMA, and adds to d(dense_bias)'s column partials (from dh in
+float32, before rounding).
 
-Column sums are deterministic: each warpgroup accumulates its column partials in a fixed order
-in its own SMEM row, writes them to ``(ctas, 2, sums, N)`` at the end, and the caller reduces
+Column sums are deterministic: each CTA accumulates its column partials in a fixed order in
+SMEM, writes them to ``(ctas, CONSUMERS, sums, N)`` at the end, and the caller reduces
 those in a fixed pairwise order (:func:`pallas_norm.ops.matmul_norm.column_sum`'s stage 2). The
 partition of rows among CTAs depends on the SM count, so the bits are the same on every run on
 one GPU model.
 
 Shapes: any M ≥ 1 (TMA zero-fills rows past M, where dy = x̂ = 0 gives dh = 0 and adds nothing
 to a column sum, and drops their stores); N a multiple of 64 with the column accumulators
-(2 · sums · N · 4 bytes) within :data:`MAX_ACC_BYTES`; dy, x̂ and dh_out bfloat16 or float16 of
+(sums · N · 4 bytes) within :data:`MAX_ACC_BYTES`; dy, x̂ and dh_out bfloat16 or float16 of
 one dtype; dh in that dtype.
 """
 
@@ -48,7 +49,12 @@ __all__ = ["SUMS", "unsupported_reason", "norm_backward"]
 
 _F32 = jnp.float32
 WG_ROWS = 64  # rows of one consumer warpgroup (the WGMMA register layout)
-BLOCK_ROWS = 2 * WG_ROWS
+CONSUMERS = 1
+"""Consumer warpgroups. One: Mosaic's cross-warp reductions (the column sums) use one SMEM
+scratch buffer for the whole kernel, so two warpgroups reducing at once corrupt each other's
+sums (measured on the H200, ``benchmarks/dev/colsum_layouts.py``: exact with one warpgroup,
+wrong with two, in the WGMMA and the transposed register layouts alike)."""
+BLOCK_ROWS = CONSUMERS * WG_ROWS
 CHUNK = 64  # columns per pipeline step: one 128-byte swizzle span of 16-bit values
 OUT_SLOTS = 2
 ROW_ALIGN = 8  # tiled TMA copies move whole 8-row groups
@@ -74,7 +80,7 @@ def unsupported_reason(m: int, n: int, dtype, n_sums: int = 3) -> str | None:
 
 
 def _acc_bytes(n: int, n_sums: int) -> int:
-  return 2 * max(n_sums, 1) * n * 4
+  return CONSUMERS * max(n_sums, 1) * n * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +118,8 @@ def _stage_bytes(plan: _Plan) -> int:
 
 
 def _fixed_bytes(plan: _Plan) -> int:
-  out = 2 * OUT_SLOTS * WG_ROWS * CHUNK * jnp.dtype(plan.dtype).itemsize
-  return out + _acc_bytes(plan.n, len(plan.sums)) + 4096  # + reduction scratch and barriers
+  out = CONSUMERS * OUT_SLOTS * WG_ROWS * CHUNK * jnp.dtype(plan.dtype).itemsize
+  return out + _acc_bytes(plan.n, len(plan.sums)) + 8192  # + reduction scratch and barriers
 
 
 def _make_plan(m, n, dtype, norm, has_scale, has_dh_out, sums, interpret) -> _Plan:
@@ -133,10 +139,10 @@ def _kernel(*refs, plan: _Plan):
   rstd_gmem = next(it)  # padded to whole row blocks
   scale_gmem = next(it) if plan.has_scale else None  # (1, N) f32
   dh_gmem = next(it)
-  sums_gmem = next(it) if plan.sums else None  # (ctas, 2, sums, N) f32
+  sums_gmem = next(it) if plan.sums else None  # (ctas, CONSUMERS, sums, N) f32
   chunks, inv_n = plan.chunks, 1.0 / plan.n
-  # Tiled (the SMEM layout of WGMMA operands): the transposed register layout of the column sums
-  # loads only from it. Its TMA needs whole 8-row groups, hence M padded to a multiple of 8.
+  # Tiled (the SMEM layout of WGMMA operands); its TMA needs whole 8-row groups, hence M padded
+  # to a multiple of 8.
   transforms = mgpu_common.swizzle_transforms(CHUNK, plan.dtype)
   cta = lax.axis_index("cta")
 
@@ -158,8 +164,9 @@ def _kernel(*refs, plan: _Plan):
 
   @functools.partial(
       pl.run_scoped,
-      out_smem=plgpu.SMEM((2, OUT_SLOTS, WG_ROWS, CHUNK), plan.dtype, transforms=transforms),
-      acc_smem=plgpu.SMEM((2, max(n_sums, 1), plan.n), _F32),
+      out_smem=plgpu.SMEM((CONSUMERS, OUT_SLOTS, WG_ROWS, CHUNK), plan.dtype,
+                          transforms=transforms),
+      acc_smem=plgpu.SMEM((CONSUMERS, max(n_sums, 1), plan.n), _F32),
       collective_axes="wg",
   )
   def _scope(out_smem, acc_smem):
@@ -168,14 +175,12 @@ def _kernel(*refs, plan: _Plan):
     wgmma = plgpu.Layout.WGMMA
     zero_parts = (mgpu_common.lane_partial_zeros(WG_ROWS),) * 2
 
-    transposed = plgpu.Layout.WGMMA_TRANSPOSED
-
-    def add_col_sum(q, c, tile_fn):  # acc_smem[wg, q, chunk c] += Σ_rows tile_fn(layout)
-      # In the transposed register layout a warp owns whole columns, so the column sums need
-      # no cross-warp reduction (whose SMEM scratch the two consumer warpgroups would share).
+    def add_col_sum(q, c, value):  # acc_smem[wg, q, chunk c] += Σ_rows value
       ref = acc_smem.at[wg, q, pl.ds(c * CHUNK, CHUNK)]
-      part = jnp.sum(tile_fn(transposed), axis=0)
-      ref[...] = plgpu.load(ref, layout=transposed.reduce(0)) + part
+      old = plgpu.load(ref, layout=wgmma.reduce(0))
+      part = jnp.sum(value, axis=0)
+      plgpu.commit_smem()  # every warp has read the old sums before any writes the new ones
+      ref[...] = old + part
 
     def body(idxs, *refs):
       (s,) = idxs
@@ -200,10 +205,9 @@ def _kernel(*refs, plan: _Plan):
         @pl.when(valid)
         def _column_sums():
           if "dscale" in plan.sums:
-            add_col_sum(plan.sums.index("dscale"), c,
-                        lambda lay: load_f32(dy_smem, lay) * load_f32(xhat_smem, lay))
+            add_col_sum(plan.sums.index("dscale"), c, dy * xhat)
           if "dbias" in plan.sums:
-            add_col_sum(plan.sums.index("dbias"), c, lambda lay: load_f32(dy_smem, lay))
+            add_col_sum(plan.sums.index("dbias"), c, dy)
         return gx_part, g_part
 
       carry = lax.cond(p == 0, first_pass, lambda parts: parts, carry)
@@ -219,14 +223,13 @@ def _kernel(*refs, plan: _Plan):
         dh = inner * lax.broadcast_in_dim(rstd, g.shape, [0])
         if plan.has_dh_out:
           dh = dh + plgpu.load(dho_smem.at[rows], layout=wgmma).astype(_F32)
+        if "ddense" in plan.sums:
+          add_col_sum(plan.sums.index("ddense"), c, dh)
         slot = (r * chunks + c) % OUT_SLOTS
         # The store that last read this slot (OUT_SLOTS stores ago) must be done.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
         out_smem[wg, slot] = dh.astype(plan.dtype)
         plgpu.commit_smem()
-        if "ddense" in plan.sums:  # from dh as stored (rounded), read back in SMEM
-          add_col_sum(plan.sums.index("ddense"), c,
-                      lambda lay: plgpu.load(out_smem.at[wg, slot], layout=lay).astype(_F32))
         row0 = (cta + r * plan.ctas) * BLOCK_ROWS + wg * WG_ROWS
         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
                                 dh_gmem.at[pl.ds(row0, WG_ROWS), pl.ds(c * CHUNK, CHUNK)])
@@ -240,7 +243,7 @@ def _kernel(*refs, plan: _Plan):
         @pl.loop(0, chunks)
         def _zero(c, q=q):
           acc_smem[wg, q, pl.ds(c * CHUNK, CHUNK)] = plgpu.layout_cast(
-              jnp.zeros((CHUNK,), _F32), transposed.reduce(0))
+              jnp.zeros((CHUNK,), _F32), wgmma.reduce(0))
       eval_pipeline(zero_parts)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if plan.sums:
@@ -250,7 +253,7 @@ def _kernel(*refs, plan: _Plan):
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(2 * chunks * plan.blocks_per_cta,), memory_registers=40,
-        in_specs=in_specs, wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=plan.stages,
+        in_specs=in_specs, wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=plan.stages,
         compute_context=compute_context)
     pipeline(*gmems)
 
@@ -270,7 +273,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
     interpret: run in Pallas GPU interpret mode (CPU), :func:`mgpu_common.interpret_params`.
 
   Returns:
-    ``(dh, partials)``: dh (M, N) in dy's dtype; partials (ctas, 2, len(sums), N) float32
+    ``(dh, partials)``: dh (M, N) in dy's dtype; partials (ctas, :data:`CONSUMERS`, len(sums), N) float32
     whose sum over the first two axes is each requested column sum (None when ``sums`` is
     empty). Sum them in a fixed order for deterministic bits.
 
@@ -300,15 +303,17 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
                     interpret)
   out_type = [jax.ShapeDtypeStruct((m, n), dy.dtype)]
   if sums:
-    out_type.append(jax.ShapeDtypeStruct((plan.ctas, 2, len(sums), n), _F32))
+    out_type.append(jax.ShapeDtypeStruct((plan.ctas, CONSUMERS, len(sums), n), _F32))
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=tuple(out_type),
       grid=(plan.ctas,),
       grid_names=("cta",),
-      num_threads=3,
+      num_threads=CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+          reduction_scratch_bytes=6144),  # Mosaic's suggestion for H100-class GPUs
       interpret=mgpu_common.interpret_params() if interpret else None,
   )
   rstd_padded = jnp.pad(rstd.astype(_F32), (0, plan.blocks * BLOCK_ROWS - m + pad))
