@@ -3,8 +3,9 @@
 Two sections, CUPTI (median of 10 calls, every kernel a call launches):
 
 * ``alone``: dh and the column sums of the suite's matmul_norm cases (scale and bias: sums
-  dscale and dbias; no returned h), ``matmul_norm_bwd_mgpu.norm_backward`` vs the XLA code it
-  replaces (``matmul_norm._norm_backward_xla``), with the bytes floor (read dy and x̂, write dh).
+  dscale and dbias; no returned h), ``matmul_norm_bwd_mgpu.norm_backward`` at both step widths
+  vs the XLA code it replaces (``matmul_norm._norm_backward_xla``), with the bytes floor (read
+  dy and x̂, write dh).
 * ``api``: the public op's fwd+bwd (``implementation="mosaic"``) with
   ``matmul_norm.NORM_BACKWARD_KERNEL`` on and off, next to XLA's.
 
@@ -39,15 +40,15 @@ def alone(n: int, norm: str):
   scale = jax.random.uniform(ks[3], (n,), F32, 0.1, 1.0)
   sums = ("dscale", "dbias") if norm == "layer" else ("dscale",)
   floor = 3 * M * n * 2 / HBM_GBS / 1e3
-  kernel, kk = _us(lambda *a: mn._norm_backward_kernel(norm, a[0], None, a[1], a[2], a[3], sums,
-                                                       False), (dy, xhat, rstd, scale))
   xla, xk = _us(lambda *a: (lambda dh, c: (dh.astype(BF16), c))(
       *mn._norm_backward_xla(norm, a[0], None, a[1], a[2], a[3], sums)), (dy, xhat, rstd, scale))
-  print(f"alone {norm:<5} {M}x{n}: kernel {kernel:7.1f} us  xla {xla:7.1f} us  "
-        f"floor {floor:6.1f} us  stages {mb._make_plan(M, n, BF16, norm, True, False, sums, False).stages}",
-        flush=True)
-  print("   kernel: " + ", ".join(f"{k[:40]} {us:.0f}" for k, us in kk), flush=True)
-  print("   xla:    " + ", ".join(f"{k[:40]} {us:.0f}" for k, us in xk), flush=True)
+  print(f"alone {norm:<5} {M}x{n}: xla {xla:7.1f} us  floor {floor:6.1f} us", flush=True)
+  print("   xla: " + ", ".join(f"{k[:40]} {us:.0f}" for k, us in xk), flush=True)
+  for chunk in (mb.CHUNK, mb.WIDE_CHUNK):
+    kernel, kk = _us(lambda *a: mb.norm_backward(a[0], a[1], a[2], a[3], norm=norm, sums=sums,
+                                                 chunk=chunk), (dy, xhat, rstd, scale))
+    stages = mb._make_plan(M, n, BF16, norm, True, False, sums, False, chunk).stages
+    print(f"   kernel chunk {chunk}: {kernel:7.1f} us ({stages} stages)", flush=True)
 
 
 def api(n: int, variant: str):

@@ -92,6 +92,22 @@ def test_interpret_matches_oracle(m, n, norm, scale, dh_out, sums):
   _check(out, _oracle(*args, norm), sums, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("chunk", [mb.CHUNK, mb.WIDE_CHUNK])
+def test_interpret_both_step_widths(chunk):
+  args = _inputs(3, 200, 256, dh_out=True)
+  dy, xhat, rstd, scale, dh_out = args
+  out = mb.norm_backward(dy, xhat, rstd, scale, dh_out, norm="layer", sums=ALL_SUMS,
+                         interpret=True, chunk=chunk)
+  assert not mgpu_common.races_found()
+  _check(out, _oracle(*args, "layer"), ALL_SUMS, jnp.bfloat16)
+
+
+def test_bad_chunk_raises():
+  dy, xhat, rstd, _, _ = _inputs(0, 8, 192)
+  with pytest.raises(ValueError, match="chunk must be"):
+    mb.norm_backward(dy, xhat, rstd, norm="rms", interpret=True, chunk=mb.WIDE_CHUNK)
+
+
 def test_interpret_float16():
   args = _inputs(5, 130, 128, jnp.float16, dh_out=True)
   out = _run(args, "layer", ALL_SUMS, interpret=True)

@@ -55,7 +55,10 @@ scratch buffer for the whole kernel, so two warpgroups reducing at once corrupt 
 sums (measured on the H200, ``benchmarks/dev/colsum_layouts.py``: exact with one warpgroup,
 wrong with two, in the WGMMA and the transposed register layouts alike)."""
 BLOCK_ROWS = CONSUMERS * WG_ROWS
-CHUNK = 64  # columns per pipeline step: one 128-byte swizzle span of 16-bit values
+CHUNK = 64  # the unit of N: one 128-byte swizzle span of 16-bit values
+WIDE_CHUNK = 128
+"""Columns per pipeline step where N allows (else :data:`CHUNK`): wider steps halve the fixed
+cost per byte (pipeline barriers, the column sums' cross-warp reductions)."""
 OUT_SLOTS = 2
 ROW_ALIGN = 8  # tiled TMA copies move whole 8-row groups
 MAX_ACC_BYTES = 64 * 1024
@@ -92,12 +95,13 @@ class _Plan:
   has_scale: bool
   has_dh_out: bool
   sums: tuple[str, ...]
+  chunk: int
   ctas: int
   stages: int
 
   @property
   def chunks(self) -> int:
-    return self.n // CHUNK
+    return self.n // self.chunk
 
   @property
   def blocks(self) -> int:  # row blocks of BLOCK_ROWS rows
@@ -108,22 +112,26 @@ class _Plan:
     return -(-self.blocks // self.ctas)
 
   @property
-  def n_inputs(self) -> int:  # (BLOCK_ROWS, CHUNK) tiles per step: dy, x̂, dh_out
+  def n_inputs(self) -> int:  # (BLOCK_ROWS, chunk) tiles per step: dy, x̂, dh_out
     return 2 + self.has_dh_out
 
 
 def _stage_bytes(plan: _Plan) -> int:
-  tiles = plan.n_inputs * BLOCK_ROWS * CHUNK * jnp.dtype(plan.dtype).itemsize
-  return tiles + BLOCK_ROWS * 4 + plan.has_scale * CHUNK * 4
+  tiles = plan.n_inputs * BLOCK_ROWS * plan.chunk * jnp.dtype(plan.dtype).itemsize
+  return tiles + BLOCK_ROWS * 4 + plan.has_scale * plan.chunk * 4
 
 
 def _fixed_bytes(plan: _Plan) -> int:
-  out = CONSUMERS * OUT_SLOTS * WG_ROWS * CHUNK * jnp.dtype(plan.dtype).itemsize
+  out = CONSUMERS * OUT_SLOTS * WG_ROWS * plan.chunk * jnp.dtype(plan.dtype).itemsize
   return out + _acc_bytes(plan.n, len(plan.sums)) + 8192  # + reduction scratch and barriers
 
 
-def _make_plan(m, n, dtype, norm, has_scale, has_dh_out, sums, interpret) -> _Plan:
-  plan = _Plan(m, n, jnp.dtype(dtype), norm, has_scale, has_dh_out, tuple(sums), 1, 1)
+def _make_plan(m, n, dtype, norm, has_scale, has_dh_out, sums, interpret,
+               chunk=None) -> _Plan:
+  chunk = chunk or (WIDE_CHUNK if n % WIDE_CHUNK == 0 else CHUNK)
+  if chunk not in (CHUNK, WIDE_CHUNK) or n % chunk:
+    raise ValueError(f"chunk must be {CHUNK} or {WIDE_CHUNK} and divide N = {n}, got {chunk}")
+  plan = _Plan(m, n, jnp.dtype(dtype), norm, has_scale, has_dh_out, tuple(sums), chunk, 1, 1)
   ctas = max(1, min(mgpu_common.num_sms(interpret), plan.blocks))
   fit = (mgpu_common.SMEM_BYTES - _fixed_bytes(plan)) // _stage_bytes(plan)
   # A CTA's steps: two passes over the chunks of each of its row blocks.
@@ -143,7 +151,8 @@ def _kernel(*refs, plan: _Plan):
   chunks, inv_n = plan.chunks, 1.0 / plan.n
   # Tiled (the SMEM layout of WGMMA operands); its TMA needs whole 8-row groups, hence M padded
   # to a multiple of 8.
-  transforms = mgpu_common.swizzle_transforms(CHUNK, plan.dtype)
+  chunk = plan.chunk
+  transforms = mgpu_common.swizzle_transforms(chunk, plan.dtype)
   cta = lax.axis_index("cta")
 
   def step_coords(s):  # (local row block, pass, chunk) of pipeline step s
@@ -154,17 +163,17 @@ def _kernel(*refs, plan: _Plan):
     return jnp.minimum(cta + r * plan.ctas, plan.blocks - 1)
 
   spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-  tile_spec = spec((BLOCK_ROWS, CHUNK), lambda s: (block_of(s), step_coords(s)[2]),
+  tile_spec = spec((BLOCK_ROWS, chunk), lambda s: (block_of(s), step_coords(s)[2]),
                    transforms=transforms)
   in_specs = [tile_spec] * plan.n_inputs + [spec((BLOCK_ROWS,), lambda s: (block_of(s),))]
   if plan.has_scale:
-    in_specs.append(spec((1, CHUNK), lambda s: (0, step_coords(s)[2])))
+    in_specs.append(spec((1, chunk), lambda s: (0, step_coords(s)[2])))
   gmems = [r for r in (dy_gmem, xhat_gmem, dho_gmem, rstd_gmem, scale_gmem) if r is not None]
   n_sums = len(plan.sums)
 
   @functools.partial(
       pl.run_scoped,
-      out_smem=plgpu.SMEM((CONSUMERS, OUT_SLOTS, WG_ROWS, CHUNK), plan.dtype,
+      out_smem=plgpu.SMEM((CONSUMERS, OUT_SLOTS, WG_ROWS, chunk), plan.dtype,
                           transforms=transforms),
       acc_smem=plgpu.SMEM((CONSUMERS, max(n_sums, 1), plan.n), _F32),
       collective_axes="wg",
@@ -175,12 +184,18 @@ def _kernel(*refs, plan: _Plan):
     wgmma = plgpu.Layout.WGMMA
     zero_parts = (mgpu_common.lane_partial_zeros(WG_ROWS),) * 2
 
-    def add_col_sum(q, c, value):  # acc_smem[wg, q, chunk c] += Σ_rows value
-      ref = acc_smem.at[wg, q, pl.ds(c * CHUNK, CHUNK)]
-      old = plgpu.load(ref, layout=wgmma.reduce(0))
-      part = jnp.sum(value, axis=0)
-      plgpu.commit_smem()  # every warp has read the old sums before any writes the new ones
-      ref[...] = old + part
+    def col_sum_updates(c, values):
+      """[(ref, new sums)] for acc_smem[wg, q, chunk c] += Σ_rows value, for each (name, value):
+      store them after a warpgroup barrier (every warp reads the old sums before any writes)."""
+      updates = []
+      for name, value in values:
+        ref = acc_smem.at[wg, plan.sums.index(name), pl.ds(c * chunk, chunk)]
+        updates.append((ref, plgpu.load(ref, layout=wgmma.reduce(0)) + jnp.sum(value, axis=0)))
+      return updates
+
+    def store_updates(updates):
+      for ref, value in updates:
+        ref[...] = value
 
     def body(idxs, *refs):
       (s,) = idxs
@@ -204,10 +219,11 @@ def _kernel(*refs, plan: _Plan):
 
         @pl.when(valid)
         def _column_sums():
-          if "dscale" in plan.sums:
-            add_col_sum(plan.sums.index("dscale"), c, dy * xhat)
-          if "dbias" in plan.sums:
-            add_col_sum(plan.sums.index("dbias"), c, dy)
+          values = {"dscale": lambda: dy * xhat, "dbias": lambda: dy}
+          updates = col_sum_updates(c, [(q, values[q]()) for q in plan.sums if q in values])
+          if updates:
+            plgpu.commit_smem()
+            store_updates(updates)
         return gx_part, g_part
 
       carry = lax.cond(p == 0, first_pass, lambda parts: parts, carry)
@@ -223,16 +239,16 @@ def _kernel(*refs, plan: _Plan):
         dh = inner * lax.broadcast_in_dim(rstd, g.shape, [0])
         if plan.has_dh_out:
           dh = dh + plgpu.load(dho_smem.at[rows], layout=wgmma).astype(_F32)
-        if "ddense" in plan.sums:
-          add_col_sum(plan.sums.index("ddense"), c, dh)
+        updates = col_sum_updates(c, [("ddense", dh)] if "ddense" in plan.sums else [])
         slot = (r * chunks + c) % OUT_SLOTS
         # The store that last read this slot (OUT_SLOTS stores ago) must be done.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
         out_smem[wg, slot] = dh.astype(plan.dtype)
-        plgpu.commit_smem()
+        plgpu.commit_smem()  # also the barrier between the old sums' reads and the new ones
+        store_updates(updates)
         row0 = (cta + r * plan.ctas) * BLOCK_ROWS + wg * WG_ROWS
         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                dh_gmem.at[pl.ds(row0, WG_ROWS), pl.ds(c * CHUNK, CHUNK)])
+                                dh_gmem.at[pl.ds(row0, WG_ROWS), pl.ds(c * chunk, chunk)])
 
       # The stage's reads (generic proxy) precede its release to the TMA producer (async proxy).
       plgpu.commit_smem()
@@ -242,8 +258,8 @@ def _kernel(*refs, plan: _Plan):
       for q in range(n_sums):
         @pl.loop(0, chunks)
         def _zero(c, q=q):
-          acc_smem[wg, q, pl.ds(c * CHUNK, CHUNK)] = plgpu.layout_cast(
-              jnp.zeros((CHUNK,), _F32), wgmma.reduce(0))
+          acc_smem[wg, q, pl.ds(c * chunk, chunk)] = plgpu.layout_cast(
+              jnp.zeros((chunk,), _F32), wgmma.reduce(0))
       eval_pipeline(zero_parts)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if plan.sums:
@@ -259,7 +275,7 @@ def _kernel(*refs, plan: _Plan):
 
 
 def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
-                  sums: tuple[str, ...] = (), interpret: bool = False):
+                  sums: tuple[str, ...] = (), interpret: bool = False, chunk: int | None = None):
   """dh and the column partial sums of the post-norm backward, one Mosaic-GPU kernel.
 
   Args:
@@ -271,6 +287,8 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
     norm: "rms" or "layer".
     sums: which column sums to return, a sub-sequence of :data:`SUMS`.
     interpret: run in Pallas GPU interpret mode (CPU), :func:`mgpu_common.interpret_params`.
+    chunk: columns per pipeline step, :data:`CHUNK` or :data:`WIDE_CHUNK` (None: the widest
+      that divides N).
 
   Returns:
     ``(dh, partials)``: dh (M, N) in dy's dtype; partials (ctas, :data:`CONSUMERS`, len(sums), N) float32
@@ -300,7 +318,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
   pad = -m % ROW_ALIGN
   m += pad
   plan = _make_plan(m, n, dy.dtype, norm, scale is not None, dh_out is not None, sums,
-                    interpret)
+                    interpret, chunk)
   out_type = [jax.ShapeDtypeStruct((m, n), dy.dtype)]
   if sums:
     out_type.append(jax.ShapeDtypeStruct((plan.ctas, CONSUMERS, len(sums), n), _F32))
