@@ -147,7 +147,7 @@ def _kernel(*refs, plan: _Plan):
   rstd_gmem = next(it)  # padded to whole row blocks
   scale_gmem = next(it) if plan.has_scale else None  # (1, N) f32
   dh_gmem = next(it)
-  sums_gmem = next(it) if plan.sums else None  # (ctas, CONSUMERS, chunks, sums · chunk) f32
+  sums_gmem = next(it) if plan.sums else None  # (ctas, CONSUMERS, sums, N) f32
   chunks, inv_n = plan.chunks, 1.0 / plan.n
   # Tiled (the SMEM layout of WGMMA operands); its TMA needs whole 8-row groups, hence M padded
   # to a multiple of 8.
@@ -175,8 +175,7 @@ def _kernel(*refs, plan: _Plan):
       pl.run_scoped,
       out_smem=plgpu.SMEM((CONSUMERS, OUT_SLOTS, WG_ROWS, chunk), plan.dtype,
                           transforms=transforms),
-      # Chunk-major: a step's sums are adjacent, so one cross-warp reduction serves them all.
-      acc_smem=plgpu.SMEM((CONSUMERS, chunks, max(n_sums, 1) * chunk), _F32),
+      acc_smem=plgpu.SMEM((CONSUMERS, max(n_sums, 1), plan.n), _F32),
       collective_axes="wg",
   )
   def _scope(out_smem, acc_smem):
@@ -186,15 +185,13 @@ def _kernel(*refs, plan: _Plan):
     zero_parts = (mgpu_common.lane_partial_zeros(WG_ROWS),) * 2
 
     def col_sum_updates(c, values):
-      """[(ref, new sums)]: chunk c's sums of the (name, value) pairs (consecutive in
-      plan.sums) += Σ_rows value, side by side in one reduction. Store them after a warpgroup
-      barrier (every warp reads the old sums before any writes)."""
-      if not values:
-        return []
-      q0 = plan.sums.index(values[0][0])
-      ref = acc_smem.at[wg, c, pl.ds(q0 * chunk, len(values) * chunk)]
-      stacked = jnp.concatenate([v for _, v in values], axis=1) if len(values) > 1 else values[0][1]
-      return [(ref, plgpu.load(ref, layout=wgmma.reduce(0)) + jnp.sum(stacked, axis=0))]
+      """[(ref, new sums)] for acc_smem[wg, q, chunk c] += Σ_rows value, for each (name, value):
+      store them after a warpgroup barrier (every warp reads the old sums before any writes)."""
+      updates = []
+      for name, value in values:
+        ref = acc_smem.at[wg, plan.sums.index(name), pl.ds(c * chunk, chunk)]
+        updates.append((ref, plgpu.load(ref, layout=wgmma.reduce(0)) + jnp.sum(value, axis=0)))
+      return updates
 
     def store_updates(updates):
       for ref, value in updates:
@@ -258,11 +255,11 @@ def _kernel(*refs, plan: _Plan):
       return carry
 
     def compute_context(eval_pipeline):
-      if plan.sums:
+      for q in range(n_sums):
         @pl.loop(0, chunks)
-        def _zero(c):
-          acc_smem[wg, c] = plgpu.layout_cast(jnp.zeros((n_sums * chunk,), _F32),
-                                              wgmma.reduce(0))
+        def _zero(c, q=q):
+          acc_smem[wg, q, pl.ds(c * chunk, chunk)] = plgpu.layout_cast(
+              jnp.zeros((chunk,), _F32), wgmma.reduce(0))
       eval_pipeline(zero_parts)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if plan.sums:
@@ -304,8 +301,8 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
   """
   if norm not in ("rms", "layer"):
     raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
-  if tuple(sums) != tuple(s for s in SUMS if s in sums):
-    raise ValueError(f"sums must be distinct names from {SUMS}, in that order, got {sums!r}")
+  if any(s not in SUMS for s in sums) or len(set(sums)) != len(sums):
+    raise ValueError(f"sums must be distinct names from {SUMS}, got {sums!r}")
   if dy.ndim != 2 or xhat.shape != dy.shape or rstd.shape != dy.shape[:1]:
     raise ValueError(f"dy and xhat must be (M, N) and rstd (M,), got {dy.shape}, {xhat.shape}, "
                      f"{rstd.shape}")
@@ -324,8 +321,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
                     interpret, chunk)
   out_type = [jax.ShapeDtypeStruct((m, n), dy.dtype)]
   if sums:
-    out_type.append(jax.ShapeDtypeStruct((plan.ctas, CONSUMERS, plan.chunks,
-                                          len(sums) * plan.chunk), _F32))
+    out_type.append(jax.ShapeDtypeStruct((plan.ctas, CONSUMERS, len(sums), n), _F32))
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=tuple(out_type),
@@ -343,10 +339,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
   args = tiles + [rstd_padded] + ([] if scale is None else [scale.astype(_F32)[None, :]])
   outs = call(*args)
   dh = outs[0][:m - pad] if pad else outs[0]
-  if not sums:
-    return dh, None
-  partials = outs[1].reshape(plan.ctas, CONSUMERS, plan.chunks, len(sums), plan.chunk)
-  return dh, partials.transpose(0, 1, 3, 2, 4).reshape(plan.ctas, CONSUMERS, len(sums), n)
+  return dh, (outs[1] if sums else None)
 
 
 def _pad_rows(a, pad):
