@@ -211,6 +211,7 @@ def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
   dy = jax.random.normal(ks[6], (m, n), jnp.float32)
   dh_ct = jax.random.normal(ks[7], (m, n), jnp.float32)
   calls = _spy(monkeypatch)
+  monkeypatch.setattr(mn, "NORM_BACKWARD_KERNEL", True)
   got = _grads(x, w, vecs, residual, dy, dh_ct, norm, "interpret")
   assert calls == [ALL_SUMS]
   assert not mgpu_common.races_found()
@@ -221,6 +222,19 @@ def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
     g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
     # Both round dh once to bfloat16 for the GEMMs; they differ in float32 summation order.
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < 4e-3, i
+
+
+@pytest.mark.parametrize("norm,used", [("rms", True), ("layer", False)])
+def test_op_backward_default_uses_kernel_where_measured_faster(monkeypatch, norm, used):
+  m, k, n = 16, 64, 64
+  x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / 8).astype(jnp.bfloat16)
+  scale = jnp.ones((n,), jnp.float32)
+  calls = _spy(monkeypatch)
+  jax.grad(lambda s: jnp.sum(mn.matmul_norm(x, w, None, None, s, None, norm=norm,
+                                            implementation="interpret").astype(jnp.float32)))(
+      scale)
+  assert calls == ([("dscale",)] if used else [])
 
 
 def test_op_backward_falls_back_past_the_accumulators():

@@ -186,10 +186,23 @@ def _norm_backward(norm, dy, xhat, rstd, scale):
   return dh * rstd[:, None]
 
 
-NORM_BACKWARD_KERNEL: bool = True
+NORM_BACKWARD_KERNEL: bool | None = None
 """Whether the kernel implementations ("mosaic", "interpret") run dh and the column sums as one
 Mosaic-GPU kernel (:func:`pallas_norm.ops.matmul_norm_bwd_mgpu.norm_backward`) where it takes
-the shape, instead of XLA's passes. Read when the backward is traced."""
+the shape, instead of XLA's passes. None (default): where measured faster,
+:func:`norm_backward_kernel_pays`; True / False force it. Read when the backward is traced."""
+
+
+def norm_backward_kernel_pays(norm: str) -> bool:
+  """The default of :data:`NORM_BACKWARD_KERNEL`: RMSNorm only. H200, 262144 rows, bf16
+  (``benchmarks/gpu_norm_backward.py``, session 6; dh plus the column sums of scale (and bias)):
+
+  * RMSNorm: 334 vs XLA's 353 µs at N = 512, 617 vs 682 at N = 1024; the public op's fwd+bwd
+    (K = 512) 1070 vs 1092 µs and 2104 vs 2178.
+  * LayerNorm: 474 vs 415 µs at N = 512, 937 vs 796 at 1024: slower. Its extra column sum
+    (bias) costs a cross-warp reduction per step, and the kernel has one consumer warpgroup
+    (see :data:`pallas_norm.ops.matmul_norm_bwd_mgpu.CONSUMERS`)."""
+  return norm == "rms"
 
 
 def _norm_backward_xla(norm, dy_out, dh_out, xhat, rstd, scale, sums):
@@ -231,7 +244,9 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, sav
     dh_out = None
   sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
                if v is not None)
-  if (NORM_BACKWARD_KERNEL and implementation in ("mosaic", "interpret")
+  use_kernel = (norm_backward_kernel_pays(norm) if NORM_BACKWARD_KERNEL is None
+                else NORM_BACKWARD_KERNEL)
+  if (use_kernel and implementation in ("mosaic", "interpret")
       and _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums) is None):
     dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
                                     interpret=implementation == "interpret")
