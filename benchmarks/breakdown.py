@@ -26,6 +26,7 @@ import jax
 
 from benchmarks import cases as C
 from benchmarks import run
+from benchmarks import timing
 
 
 def per_kernel_us(fn, args, iterations: int) -> list[tuple[str, float]]:
@@ -34,17 +35,14 @@ def per_kernel_us(fn, args, iterations: int) -> list[tuple[str, float]]:
   from jax.experimental.mosaic.gpu import profiler
   try:
     _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
-    if iterations == 1:
-      runs = [runs]
   except RuntimeError as e:
-    if "not consistent" not in str(e):
-      raise
-    # Kernels on concurrent streams finish in a different order per call: measure each call
-    # alone and key the kernels by name in sorted order.
-    runs = [sorted(profiler.measure(fn, aggregate=False)(*args)[1] or [])
-            for _ in range(iterations)]
-  if runs is None or not runs[0]:
+    if "not consistent" in str(e):
+      raise timing.KernelOrderError(str(e)) from e
+    raise
+  if runs is None:
     raise RuntimeError("no kernel launched")
+  if iterations == 1:
+    runs = [runs]
   per_launch = collections.defaultdict(list)
   order = []
   for kernels in runs:

@@ -437,3 +437,24 @@ def test_write_to_the_same_folder_twice_writes_once(tmp_path):
   written = run._write(results, "twice", [tmp_path, tmp_path / "."], plot=True)
   assert sorted(pathlib.Path(p).name for p in written) == ["twice.json", "twice.md", "twice.png"]
   assert json.loads((tmp_path / "twice.json").read_text())["rows"] == results["rows"]
+
+
+def test_rows_fall_back_to_wall_clock_when_cupti_cannot_attribute(monkeypatch):
+  """A program whose kernels CUPTI cannot attribute to calls (a lax.cond on the GPU) is timed
+  by the wall clock, and its row says so; other errors still mark the row as an error."""
+  from benchmarks import run, timing
+  timers = []
+
+  def fake(fn, sets, iterations, timer, warmup=True):
+    timers.append(timer)
+    if timer == "cupti":
+      raise timing.KernelOrderError("Kernel names are not consistent across iterations")
+    return [2.0, 3.0, 4.0]
+
+  monkeypatch.setattr(timing, "measure_us", fake)
+  ctx = run.Context(timer="cupti", iterations=3, kernel="mosaic", tiny=False, max_sets=1,
+                    deadline=math.inf)
+  rows = {"xla": {}}
+  run._time_rows(rows, {"xla": None}, [()], ctx)
+  assert timers == ["cupti", "wall"]
+  assert rows["xla"]["time_us"] == 3.0 and "wall clock" in rows["xla"]["message"]
