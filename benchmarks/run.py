@@ -234,9 +234,9 @@ def _time_rows(rows: dict, fns: dict, sets: list, ctx: Context) -> None:
       try:
         times = timing.measure_us(fn, sets, ctx.iterations, ctx.timer, warmup=False)
       except timing.KernelOrderError:
-        times = timing.measure_us(fn, sets, ctx.iterations, "wall")
-        note = ("wall clock per call (an upper bound: launch and sync included): CUPTI cannot "
-                "attribute this program's kernels (a lax.cond)")
+        times = timing.batched_wall_us(fn, sets, ctx.iterations)
+        note = ("wall clock of back-to-back calls (an upper bound: launch gaps count): CUPTI "
+                "cannot attribute this program's kernels (a lax.cond)")
     except Exception as e:  # e.g. out of memory: report it, keep going
       rows[impl].update(status="error", message=f"timing: {_short(e)}")
       continue

@@ -115,5 +115,21 @@ def measure_us(fn: Callable, arg_sets: Sequence[tuple], iterations: int, timer: 
   return _wall_us(fn, arg_sets, iterations, warmup)
 
 
+def batched_wall_us(fn, arg_sets: Sequence[tuple], iterations: int, batches: int = 3) -> list[float]:
+  """Per-call wall-clock µs of ``fn`` averaged over ``iterations`` back-to-back calls (one sync
+  per batch, so the host round trip of each call does not count), for ``batches`` batches; one
+  warm-up call first. For programs CUPTI cannot time (:class:`KernelOrderError`); an upper bound
+  of the kernel time (launch gaps count)."""
+  jax.block_until_ready(fn(*arg_sets[0]))
+  times = []
+  for _ in range(batches):
+    t0 = time.perf_counter()
+    for i in range(iterations):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append(1e6 * (time.perf_counter() - t0) / iterations)
+  return times
+
+
 def median(times: Sequence[float]) -> float:
   return float(statistics.median(times))

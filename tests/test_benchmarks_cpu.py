@@ -439,6 +439,15 @@ def test_write_to_the_same_folder_twice_writes_once(tmp_path):
   assert json.loads((tmp_path / "twice.json").read_text())["rows"] == results["rows"]
 
 
+def test_batched_wall_clock_times_back_to_back_calls():
+  from benchmarks import timing
+  calls = []
+  times = timing.batched_wall_us(lambda x: calls.append(x) or jnp.asarray(x), [(1,), (2,)],
+                                 iterations=4, batches=2)
+  assert len(times) == 2 and all(t > 0 for t in times)
+  assert calls == [1] + [1, 2, 1, 2] * 2  # a warm-up call, then the rotation per batch
+
+
 def test_rows_fall_back_to_wall_clock_when_cupti_cannot_attribute(monkeypatch):
   """A program whose kernels CUPTI cannot attribute to calls (a lax.cond on the GPU) is timed
   by the wall clock, and its row says so; other errors still mark the row as an error."""
@@ -452,6 +461,8 @@ def test_rows_fall_back_to_wall_clock_when_cupti_cannot_attribute(monkeypatch):
     return [2.0, 3.0, 4.0]
 
   monkeypatch.setattr(timing, "measure_us", fake)
+  monkeypatch.setattr(timing, "batched_wall_us",
+                      lambda fn, sets, iterations: timers.append("wall") or [2.0, 3.0, 4.0])
   ctx = run.Context(timer="cupti", iterations=3, kernel="mosaic", tiny=False, max_sets=1,
                     deadline=math.inf)
   rows = {"xla": {}}
