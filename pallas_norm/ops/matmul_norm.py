@@ -14,7 +14,10 @@ rstd, never rebuilding x̂ from y by dividing by the scale (which may contain ze
     dscale = Σ_i dy ⊙ x̂,  dbias = Σ_i dy,  d(dense_bias) = Σ_i dh,  d(residual) = dh,
     dx     = dh @ wᵀ,  dw = xᵀ dh,
 
-the column sums by a deterministic two-stage reduction (:func:`column_sum`). The ``"xla"``
+the column sums by a deterministic two-stage reduction (:func:`column_sum`). In the kernel
+implementations, dh and the column sums of RMSNorm run as one Mosaic-GPU kernel
+(:mod:`pallas_norm.ops.matmul_norm_bwd_mgpu`, :data:`NORM_BACKWARD_KERNEL`; its per-CTA partial
+sums are added in a fixed order), LayerNorm's in XLA (measured faster there). The ``"xla"``
 implementation is the unfused reference differentiated by JAX.
 """
 

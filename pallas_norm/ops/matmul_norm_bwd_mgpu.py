@@ -7,18 +7,28 @@ Math (DESIGN.md, op 2; :func:`pallas_norm.ops.matmul_norm._norm_backward`): with
     dh = rstd ⊙ (g − x̂ ⊙ mean_N(g ⊙ x̂) − mean_N(g)) (+ dh_out)      (RMS: no mean_N(g))
 
 and the column sums Σ_i dy ⊙ x̂ (dscale), Σ_i dy (dbias), Σ_i dh (d dense_bias), all in
-float32. In XLA this is two passes (the row sums, then dh; 128 + 222 µs at 262144×512² bf16 on
-the H200, benchmarks/NOTES.md, session 5) plus reductions; the floor of one pass (read dy and
-x̂, write dh) is ~170 µs.
+float32. In XLA this is two passes (the row sums, then dh; 124 + 225 µs at 262144×512 bf16 on
+the H200 for RMSNorm with a scale) plus reductions; the floor of one pass (read dy and x̂, write
+dh) is ~187 µs at the suite's measured copy bandwidth.
 
 Kernel: a persistent grid of CTAs, each walking row blocks of 64 rows (one consumer warpgroup,
 :data:`CONSUMERS`, in the WGMMA register layout) with a TMA producer warpgroup. A row block is
-streamed twice, in (64, 64) column chunks of dy and x̂ (and dh_out): the first pass accumulates
-each row's Σ g ⊙ x̂ and Σ g (per-thread partial sums carried across the steps, reduced across
-lanes once) and dscale/dbias's column partial sums; the second pass, which reads the chunks
-again (from L2: a row block is 64 · N · 2 · 2 bytes, 128 KiB at N = 512), writes dh through a
-double-buffered SMEM slot and TMA, and adds to d(dense_bias)'s column partials (from dh in
-float32, before rounding).
+streamed twice, in (64, 128) column chunks (:data:`WIDE_CHUNK`; 64 where N is not a multiple of
+128) of dy and x̂ (and dh_out): the first pass accumulates each row's Σ g ⊙ x̂ and Σ g
+(per-thread partial sums carried across the steps, reduced across lanes once) and
+dscale/dbias's column partial sums; the second pass, which reads the chunks again (from L2: a
+row block is 64 · N · 2 · 2 bytes, 128 KiB at N = 512), writes dh through a double-buffered SMEM
+slot and TMA, and adds to d(dense_bias)'s column partials (from dh in float32, before
+rounding). Each column sum is a cross-warp reduction per step; the warpgroup's reads of the old
+sums and writes of the new ones are separated by one barrier per step.
+
+Measured on the H200 (``benchmarks/gpu_norm_backward.py``, session 6; 262144 rows, bf16):
+RMSNorm (the dscale sum) 334 µs vs XLA's 353 at N = 512, 617 vs 682 at N = 1024; LayerNorm
+(dscale and dbias) 474 vs 415 and 937 vs 796, so :mod:`pallas_norm.ops.matmul_norm` uses it for
+RMSNorm only (``NORM_BACKWARD_KERNEL``). Versions: two consumer warpgroups ran 294 µs (RMSNorm)
+and 348 (LayerNorm) at N = 512 but their column sums were wrong on the GPU (the shared
+reduction scratch); one warpgroup with 64-wide steps 360 / 526; 128-wide steps as now; the
+LayerNorm sums stacked into one (64, 256) reduction were slower (497 µs; 1454 at N = 1024).
 
 Column sums are deterministic: each CTA accumulates its column partials in a fixed order in
 SMEM, writes them to ``(ctas, CONSUMERS, sums, N)`` at the end, and the caller reduces
