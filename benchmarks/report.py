@@ -41,15 +41,18 @@ def _best_time(rows: list[dict]) -> float | None:
 
 def derive(rows: list[dict]) -> list[dict]:
   """Adds limit_us, ratio_limit, ratio_xla and hidden to ``rows`` in place (None where the
-  quantity does not exist) and returns them."""
+  quantity does not exist, or where the rows were timed by different timers: a row with its
+  own ``timer``, the wall-clock fallback of :func:`benchmarks.run._time_rows`) and returns
+  them."""
   by_case: dict[str, list[dict]] = {}
   for r in rows:
     by_case.setdefault(r["case"], []).append(r)
   for r in rows:
     peers = by_case[r["case"]]
-    xla = next((p["time_us"] for p in peers if p["impl"] == "xla" and p["status"] in TIMED),
-               None)
-    limit = _best_time(by_case.get(r.get("limit_case") or "", []))
+    timer = r.get("timer")  # set only on rows timed otherwise than the run (a wall fallback)
+    xla = next((p["time_us"] for p in peers if p["impl"] == "xla" and p["status"] in TIMED
+                and p.get("timer") == timer), None)
+    limit = None if timer else _best_time(by_case.get(r.get("limit_case") or "", []))
     t = r["time_us"] if r["status"] in TIMED else None
     r["limit_us"] = limit
     r["ratio_limit"] = t / limit if t is not None and limit else None

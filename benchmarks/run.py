@@ -242,7 +242,7 @@ def _time_rows(rows: dict, fns: dict, sets: list, ctx: Context) -> None:
       continue
     rows[impl].update(times_us=times, time_us=timing.median(times))
     if note:
-      rows[impl]["message"] = note
+      rows[impl].update(message=note, timer="wall")
 
 
 def make_inputs(prob: C.Problem, mode: str, rand) -> tuple:

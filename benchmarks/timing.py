@@ -62,9 +62,10 @@ class Rotating:
 
 class KernelOrderError(RuntimeError):
   """CUPTI cannot attribute a program's kernels to calls: their names or order differ between
-  calls. Seen for programs with a ``lax.cond`` on the H200 (session 6): the branch runs as a
-  CUDA-graph conditional whose kernels CUPTI reports in varying order or as 0 µs, so no
-  per-call kernel sum is trustworthy. Callers fall back to the wall clock."""
+  calls (``profiler.measure``'s "not consistent" error). Seen for programs with a ``lax.cond``
+  on the H200 (session 6), whose kernels also read 0 µs when each call was measured alone, so
+  no per-call kernel sum of such a program is trusted. Callers fall back to the wall clock.
+  Not detected: a program whose kernels keep their order but are under-reported."""
 
 
 def _cupti_us(fn, arg_sets, iterations: int) -> list[float]:
@@ -119,7 +120,13 @@ def batched_wall_us(fn, arg_sets: Sequence[tuple], iterations: int, batches: int
   """Per-call wall-clock µs of ``fn`` averaged over ``iterations`` back-to-back calls (one sync
   per batch, so the host round trip of each call does not count), for ``batches`` batches; one
   warm-up call first. For programs CUPTI cannot time (:class:`KernelOrderError`); an upper bound
-  of the kernel time (launch gaps count)."""
+  of the kernel time (launch gaps count).
+
+  Raises:
+    ValueError: iterations or batches < 1.
+  """
+  if iterations < 1 or batches < 1:
+    raise ValueError(f"iterations and batches must be >= 1, got {iterations}, {batches}")
   jax.block_until_ready(fn(*arg_sets[0]))
   times = []
   for _ in range(batches):

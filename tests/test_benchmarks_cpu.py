@@ -439,6 +439,12 @@ def test_write_to_the_same_folder_twice_writes_once(tmp_path):
   assert json.loads((tmp_path / "twice.json").read_text())["rows"] == results["rows"]
 
 
+def test_batched_wall_clock_rejects_empty_batches():
+  from benchmarks import timing
+  with pytest.raises(ValueError, match="iterations and batches"):
+    timing.batched_wall_us(lambda: None, [()], iterations=0)
+
+
 def test_batched_wall_clock_times_back_to_back_calls():
   from benchmarks import timing
   calls = []
@@ -469,3 +475,25 @@ def test_rows_fall_back_to_wall_clock_when_cupti_cannot_attribute(monkeypatch):
   run._time_rows(rows, {"xla": None}, [()], ctx)
   assert timers == ["cupti", "wall"]
   assert rows["xla"]["time_us"] == 3.0 and "wall clock" in rows["xla"]["message"]
+  assert rows["xla"]["timer"] == "wall"
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("out of memory")
+
+  monkeypatch.setattr(timing, "measure_us", broken)
+  rows = {"xla": {}}
+  run._time_rows(rows, {"xla": None}, [()], ctx)
+  assert rows["xla"]["status"] == "error" and "out of memory" in rows["xla"]["message"]
+
+
+def test_report_keeps_ratios_within_one_timer():
+  """A wall-clock fallback row is not divided by CUPTI rows (nor they by it)."""
+  from benchmarks import report
+  base = dict(case="c", status="ok", limit_case="g")
+  rows = [dict(base, impl="xla", time_us=100.0), dict(base, impl="mosaic", time_us=90.0,
+                                                      timer="wall"),
+          dict(case="g", impl="xla", status="ok", time_us=50.0, limit_case=None)]
+  report.derive(rows)
+  assert rows[0]["ratio_limit"] == 2.0
+  assert rows[1]["ratio_xla"] is None and rows[1]["hidden"] is None
+  assert rows[1]["ratio_limit"] is None

@@ -115,14 +115,6 @@ def test_interpret_float16():
   _check(out, _oracle(*args, "layer"), ALL_SUMS, jnp.float16)
 
 
-def test_interpret_partials_repeat_bit_for_bit():
-  args = _inputs(7, 384, 128, dh_out=True)
-  first = _run(args, "layer", ALL_SUMS, interpret=True)
-  again = _run(args, "layer", ALL_SUMS, interpret=True)
-  np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(again[0]))
-  np.testing.assert_array_equal(np.asarray(first[1]), np.asarray(again[1]))
-
-
 # ------------------------------------------------------------------------------------------------
 # Argument checks (before any kernel runs).
 
@@ -151,8 +143,26 @@ def test_bad_arguments_raise(change, match):
                      sums=change.get("sums", ()), interpret=True)
 
 
+@pytest.mark.parametrize("change,error,match", [
+    (dict(chunk=64.0), TypeError, "chunk must be"),
+    (dict(sums=None), ValueError, "sums must be"),
+    (dict(dy="list"), TypeError, "dy must be an array"),
+    (dict(rstd="complex"), TypeError, "rstd must be a real float"),
+])
+def test_bad_argument_types_raise(change, error, match):
+  dy, xhat, rstd, _, _ = _inputs(0, 8, 128)
+  if change.get("dy") == "list":
+    dy = np.asarray(dy, np.float32).tolist()
+  if change.get("rstd") == "complex":
+    rstd = rstd.astype(jnp.complex64)
+  with pytest.raises(error, match=match):
+    mb.norm_backward(dy, xhat, rstd, norm="rms", sums=change.get("sums", ()),
+                     chunk=change.get("chunk"), interpret=True)
+
+
 @pytest.mark.parametrize("m,n,dtype,n_sums,match", [
     (8, 96, jnp.bfloat16, 0, "multiple of 64"),
+    (8, 0, jnp.bfloat16, 0, "multiple of 64"),
     (8, 128, jnp.float32, 0, "dtype"),
     (0, 128, jnp.bfloat16, 0, "at least one row"),
     (8, 8192, jnp.bfloat16, 3, "accumulators"),
@@ -201,7 +211,7 @@ def _grads(x, w, vecs, residual, dy, dh_ct, norm, impl):
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
   """Same kernel forward; backward by the norm kernel vs by XLA (NORM_BACKWARD_KERNEL off)."""
-  m, k, n = 77, 64, 128
+  m, k, n = 80, 64, 128
   ks = jax.random.split(jax.random.key(11), 8)
   bf = jnp.bfloat16
   x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(bf)
@@ -237,11 +247,34 @@ def test_op_backward_default_uses_kernel_where_measured_faster(monkeypatch, norm
   assert calls == ([("dscale",)] if used else [])
 
 
-def test_op_backward_falls_back_past_the_accumulators():
-  dy = jnp.zeros((8, 8192), jnp.bfloat16)
-  assert mn._norm_backward_kernel_reason(dy, None, dy, ALL_SUMS) is not None
-  assert mn._norm_backward_kernel_reason(dy, None, dy, ("dscale",)) is None
-  assert "cotangents" in mn._norm_backward_kernel_reason(dy.astype(jnp.float32), None, dy, ())
+def test_op_backward_falls_back_where_the_kernel_does_not_fit():
+  bf = jnp.bfloat16
+  dy = jnp.zeros((8, 8192), bf)
+  assert "accumulators" in mn._norm_backward_kernel_reason(dy, None, dy, ALL_SUMS, bf)
+  assert mn._norm_backward_kernel_reason(dy, None, dy, ("dscale",), bf) is None
+  assert "cotangents" in mn._norm_backward_kernel_reason(dy.astype(jnp.float32), None, dy, (),
+                                                         bf)
+  # out_dtype other than x's: the kernel's dh (in the cotangent's dtype) would round twice.
+  assert "x in" in mn._norm_backward_kernel_reason(dy, None, dy, (), jnp.float16)
+  # M not a multiple of 8: the kernel would copy its inputs and dh in full.
+  odd = jnp.zeros((77, 128), bf)
+  assert "multiple of 8" in mn._norm_backward_kernel_reason(odd, None, odd, (), bf)
+
+
+def test_op_backward_with_float16_output_keeps_xla_and_stays_finite(monkeypatch):
+  """x bfloat16, out_dtype float16, a large cotangent: dh exceeds float16's range, so a dh
+  written in the cotangent's dtype would be inf (the review's repro); XLA's path rounds the
+  float32 dh straight to bfloat16."""
+  ks = jax.random.split(jax.random.key(5), 3)
+  x = (jax.random.normal(ks[0], (64, 64), jnp.float32) * 1e-3).astype(jnp.bfloat16)
+  w = (jax.random.normal(ks[1], (64, 128), jnp.float32) / 8).astype(jnp.bfloat16)
+  dy = jax.random.normal(ks[2], (64, 128), jnp.float32) * 100
+  calls = _spy(monkeypatch)
+  dx = jax.grad(lambda x: jnp.sum(mn.matmul_norm(
+      x, w, norm="rms", out_dtype=jnp.float16, implementation="interpret").astype(
+          jnp.float32) * dy))(x)
+  assert calls == []
+  assert np.all(np.isfinite(np.asarray(dx, np.float32)))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -219,10 +219,19 @@ def _norm_backward_xla(norm, dy_out, dh_out, xhat, rstd, scale, sums):
   return dh, {name: column_sum(columns[name]()) for name in sums}
 
 
-def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums) -> str | None:
+def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x_dtype) -> str | None:
+  """Why the backward keeps XLA's passes instead of the norm-backward kernel (None: it need not).
+
+  The kernel writes dh in the cotangent's dtype: with an ``out_dtype`` other than x's, dh would
+  be rounded twice on its way to the GEMMs (or overflow float16), so those calls keep XLA.
+  M not a multiple of 8 would cost the kernel full copies of its inputs and of dh."""
   from pallas_norm.ops import matmul_norm_bwd_mgpu
   if dy_out.dtype != xhat.dtype or (dh_out is not None and dh_out.dtype != xhat.dtype):
     return f"cotangents in {dy_out.dtype}, x̂ in {xhat.dtype}"
+  if jnp.dtype(dy_out.dtype) != jnp.dtype(x_dtype):
+    return f"cotangent in {dy_out.dtype}, x in {jnp.dtype(x_dtype)}"
+  if dy_out.shape[0] % matmul_norm_bwd_mgpu.ROW_ALIGN:
+    return f"M = {dy_out.shape[0]} is not a multiple of {matmul_norm_bwd_mgpu.ROW_ALIGN}"
   return matmul_norm_bwd_mgpu.unsupported_reason(*dy_out.shape, dy_out.dtype, len(sums))
 
 
@@ -250,7 +259,7 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, sav
   use_kernel = (norm_backward_kernel_pays(norm) if NORM_BACKWARD_KERNEL is None
                 else NORM_BACKWARD_KERNEL)
   if (use_kernel and implementation in ("mosaic", "interpret")
-      and _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums) is None):
+      and _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x.dtype) is None):
     dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
                                     interpret=implementation == "interpret")
   else:

@@ -37,7 +37,8 @@ partition of rows among CTAs depends on the SM count, so the bits are the same o
 one GPU model.
 
 Shapes: any M ≥ 1 (TMA zero-fills rows past M, where dy = x̂ = 0 gives dh = 0 and adds nothing
-to a column sum, and drops their stores); N a multiple of 64 with the column accumulators
+to a column sum, and drops their stores; for M not a multiple of 8 the inputs are padded and dh
+sliced, full copies, so :mod:`pallas_norm.ops.matmul_norm` keeps XLA's passes there); N a multiple of 64 with the column accumulators
 (sums · N · 4 bytes) within :data:`MAX_ACC_BYTES`; dy, x̂ and dh_out bfloat16 or float16 of
 one dtype; dh in that dtype.
 """
@@ -84,8 +85,8 @@ def unsupported_reason(m: int, n: int, dtype, n_sums: int = 3) -> str | None:
     return f"dtype {jnp.dtype(dtype)} (the kernel takes bfloat16 or float16)"
   if m < 1:
     return f"M = {m} (needs at least one row)"
-  if n % CHUNK:
-    return f"N = {n} is not a multiple of {CHUNK}"
+  if n < CHUNK or n % CHUNK:
+    return f"N = {n} is not a positive multiple of {CHUNK}"
   if _acc_bytes(n, n_sums) > MAX_ACC_BYTES:
     return (f"N = {n} with {n_sums} column sums needs {_acc_bytes(n, n_sums)} bytes of SMEM "
             f"accumulators, more than {MAX_ACC_BYTES}")
@@ -311,8 +312,17 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
   """
   if norm not in ("rms", "layer"):
     raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
-  if any(s not in SUMS for s in sums) or len(set(sums)) != len(sums):
+  if (not isinstance(sums, (tuple, list)) or any(s not in SUMS for s in sums)
+      or len(set(sums)) != len(sums)):
     raise ValueError(f"sums must be distinct names from {SUMS}, got {sums!r}")
+  if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)):
+    raise TypeError(f"chunk must be None or an int, got {chunk!r}")
+  for name, a in (("dy", dy), ("xhat", xhat), ("rstd", rstd), ("scale", scale),
+                  ("dh_out", dh_out)):
+    if a is not None and not (hasattr(a, "shape") and hasattr(a, "dtype")):
+      raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+  if not jnp.issubdtype(rstd.dtype, jnp.floating):
+    raise TypeError(f"rstd must be a real float array, got {rstd.dtype}")
   if dy.ndim != 2 or xhat.shape != dy.shape or rstd.shape != dy.shape[:1]:
     raise ValueError(f"dy and xhat must be (M, N) and rstd (M,), got {dy.shape}, {xhat.shape}, "
                      f"{rstd.shape}")
