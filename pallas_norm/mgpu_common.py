@@ -34,6 +34,7 @@ __all__ = [
     "reset_interpret_state",
     "num_sms",
     "swizzle_transforms",
+    "pad_rows",
     "SUPPORTED_DTYPES",
     "LANE_COLS",
     "lane_slices",
@@ -271,6 +272,12 @@ def persistent_clusters(cfg: TileConfig, cluster: int, units: int, interpret: bo
   if cfg.max_clusters is not None:
     limit = min(limit, cfg.max_clusters) if interpret else cfg.max_clusters
   return max(1, min(limit, units))
+
+
+def pad_rows(a, pad: int):
+  """``a`` (M, N) with ``pad`` zero rows appended (a copy; ``a`` itself when ``pad`` is 0): whole
+  8-row groups for Mosaic's tiled TMA."""
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
 def swizzle_transforms(minor_elems: int, dtype, *, tiled: bool = True) -> tuple:

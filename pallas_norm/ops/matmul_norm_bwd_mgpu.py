@@ -355,12 +355,9 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
       interpret=mgpu_common.interpret_params() if interpret else None,
   )
   rstd_padded = jnp.pad(rstd.astype(_F32), (0, plan.blocks * BLOCK_ROWS - m + pad))
-  tiles = [_pad_rows(a, pad) for a in (dy, xhat, dh_out) if a is not None]
+  tiles = [mgpu_common.pad_rows(a, pad) for a in (dy, xhat, dh_out) if a is not None]
   args = tiles + [rstd_padded] + ([] if scale is None else [scale.astype(_F32)[None, :]])
   outs = call(*args)
   dh = outs[0][:m - pad] if pad else outs[0]
   return dh, (outs[1] if sums else None)
 
-
-def _pad_rows(a, pad):
-  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a

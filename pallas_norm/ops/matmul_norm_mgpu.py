@@ -997,9 +997,10 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       interpret=mgpu_common.interpret_params() if interpret else None,
   )
   pad = -m % _ROW_ALIGN
-  args = [_pad_rows(x, pad), w] + [vectors[name].astype(jnp.float32) for name in vecs]
+  args = [mgpu_common.pad_rows(x, pad), w]
+  args += [vectors[name].astype(jnp.float32) for name in vecs]
   if residual is not None:
-    args.append(_pad_rows(residual, pad))
+    args.append(mgpu_common.pad_rows(residual, pad))
   outs = [o[:m] if pad else o for o in call(*args)]
   y = outs.pop(0)
   extras = {e: outs.pop(0) for e in plan.extras}
@@ -1007,6 +1008,3 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
   mean = outs.pop(0) if plan.n_stats == 2 else None
   return y, extras.get("h"), extras.get("xhat"), mean, rstd
 
-
-def _pad_rows(a, pad):
-  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
