@@ -5,7 +5,7 @@ Two sections, CUPTI (median of 10 calls, every kernel a call launches):
 * ``alone``: dh and the column sums of the suite's matmul_norm cases (scale and bias: sums
   dscale and dbias; no returned h), ``matmul_norm_bwd_mgpu.norm_backward`` at both step widths
   vs the XLA code it replaces (``matmul_norm._norm_backward_xla``), with the bytes floor (read
-  dy and x̂, write dh).
+  dy and x̂, write dh), for each of ``matmul_norm_bwd_mgpu.SPLITS``.
 * ``api``: the public op's fwd+bwd (``implementation="mosaic"``) with
   ``matmul_norm.NORM_BACKWARD_KERNEL`` on and off, next to XLA's.
 
@@ -44,11 +44,12 @@ def alone(n: int, norm: str):
       *mn._norm_backward_xla(norm, a[0], None, a[1], a[2], a[3], sums)), (dy, xhat, rstd, scale))
   print(f"alone {norm:<5} {M}x{n}: xla {xla:7.1f} us  floor {floor:6.1f} us", flush=True)
   print("   xla: " + ", ".join(f"{k[:40]} {us:.0f}" for k, us in xk), flush=True)
-  for chunk in (mb.CHUNK, mb.WIDE_CHUNK):
+  for split in mb.SPLITS:
     kernel, kk = _us(lambda *a: mb.norm_backward(a[0], a[1], a[2], a[3], norm=norm, sums=sums,
-                                                 chunk=chunk), (dy, xhat, rstd, scale))
-    stages = mb._make_plan(M, n, BF16, norm, True, False, sums, False, chunk).stages
-    print(f"   kernel chunk {chunk}: {kernel:7.1f} us ({stages} stages)", flush=True)
+                                                 split=split), (dy, xhat, rstd, scale))
+    stages = mb._make_plan(M, n, BF16, norm, True, False, sums, False, split).stages
+    print(f"   kernel split {split}: {kernel:7.1f} us ({stages} stages); " +
+          ", ".join(f"{k[:32]} {us:.0f}" for k, us in kk), flush=True)
 
 
 def api(n: int, variant: str):

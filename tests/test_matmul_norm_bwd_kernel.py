@@ -66,10 +66,10 @@ def _check(out, oracle, sums, dtype):
                                err_msg=name)
 
 
-def _run(args, norm, sums, interpret):
+def _run(args, norm, sums, interpret, split=None):
   dy, xhat, rstd, scale, dh_out = args
   out = mb.norm_backward(dy, xhat, rstd, scale, dh_out, norm=norm, sums=sums,
-                         interpret=interpret)
+                         interpret=interpret, split=split)
   jax.block_until_ready(out)
   return out
 
@@ -78,34 +78,41 @@ def _run(args, norm, sums, interpret):
 # Interpret mode (CPU).
 
 
+@pytest.mark.parametrize("split", mb.SPLITS)
 @pytest.mark.parametrize("m,n,norm,scale,dh_out,sums", [
-    (1, 64, "rms", False, False, ()),  # one row, one chunk
-    (77, 192, "layer", True, True, ALL_SUMS),  # tail rows, three chunks
-    (300, 128, "rms", True, False, ("dscale",)),  # 3 row blocks on 2 CTAs: one CTA idles
+    (1, 64, "rms", False, False, ()),  # one row, one chunk ("cols": warpgroup 1 has none)
+    (77, 192, "layer", True, True, ALL_SUMS),  # tail rows; "cols": the last step half past N
+    (300, 128, "rms", True, False, ("dscale",)),  # row blocks not a multiple of the CTAs
     (512, 128, "layer", False, True, ("ddense", "dbias")),  # the stage ring wraps; sum order
     (256, 64, "layer", True, False, ("dbias",)),
 ])
-def test_interpret_matches_oracle(m, n, norm, scale, dh_out, sums):
+def test_interpret_matches_oracle(m, n, norm, scale, dh_out, sums, split):
   args = _inputs(m + n, m, n, scale=scale, dh_out=dh_out)
-  out = _run(args, norm, sums, interpret=True)
+  out = _run(args, norm, sums, interpret=True, split=split)
   assert not mgpu_common.races_found()
   _check(out, _oracle(*args, norm), sums, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("chunk", [mb.CHUNK, mb.WIDE_CHUNK])
-def test_interpret_both_step_widths(chunk):
-  args = _inputs(3, 200, 256, dh_out=True)
-  dy, xhat, rstd, scale, dh_out = args
-  out = mb.norm_backward(dy, xhat, rstd, scale, dh_out, norm="layer", sums=ALL_SUMS,
-                         interpret=True, chunk=chunk)
+def test_interpret_two_accumulators_per_sum():
+  """N = 4160: 65 chunks, so chunk 64 of the sum lands in row 0 of its second accumulator."""
+  args = _inputs(3, 24, 4160)
+  out = _run(args, "rms", ("dscale",), interpret=True)
   assert not mgpu_common.races_found()
-  _check(out, _oracle(*args, "layer"), ALL_SUMS, jnp.bfloat16)
+  _check(out, _oracle(*args, "rms"), ("dscale",), jnp.bfloat16)
 
 
-def test_bad_chunk_raises():
-  dy, xhat, rstd, _, _ = _inputs(0, 8, 192)
-  with pytest.raises(ValueError, match="chunk must be"):
-    mb.norm_backward(dy, xhat, rstd, norm="rms", interpret=True, chunk=mb.WIDE_CHUNK)
+def test_column_sums_keep_float32_accuracy():
+  """The tensor core sums bf16 hi/lo halves of each product: float32-accurate where a single
+  bf16 rounding of the products would not be ((1 + 2⁻⁷)(1 + 2⁻⁶) = 1.02355957 rounds to
+  1.0234375 in bf16, 1.2e-4 relative)."""
+  m, n = 256, 64
+  dy = jnp.full((m, n), 1 + 2 ** -7, jnp.bfloat16)
+  xhat = jnp.full((m, n), 1 + 2 ** -6, jnp.bfloat16)
+  rstd = jnp.ones((m,), jnp.float32)
+  _, partials = mb.norm_backward(dy, xhat, rstd, norm="rms", sums=("dscale",), interpret=True)
+  got = np.asarray(partials, np.float64).sum(axis=(0, 1))[0]
+  want = m * (1 + 2 ** -7) * (1 + 2 ** -6)  # exact in float64
+  np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_interpret_float16():
@@ -144,8 +151,8 @@ def test_bad_arguments_raise(change, match):
 
 
 @pytest.mark.parametrize("change,error,match", [
-    (dict(chunk=64.0), TypeError, "chunk must be"),
     (dict(sums=None), ValueError, "sums must be"),
+    (dict(split="diagonal"), ValueError, "split must be"),
     (dict(dy="list"), TypeError, "dy must be an array"),
     (dict(rstd="complex"), TypeError, "rstd must be a real float"),
 ])
@@ -157,7 +164,7 @@ def test_bad_argument_types_raise(change, error, match):
     rstd = rstd.astype(jnp.complex64)
   with pytest.raises(error, match=match):
     mb.norm_backward(dy, xhat, rstd, norm="rms", sums=change.get("sums", ()),
-                     chunk=change.get("chunk"), interpret=True)
+                     split=change.get("split"), interpret=True)
 
 
 @pytest.mark.parametrize("m,n,dtype,n_sums,match", [
@@ -177,10 +184,11 @@ def test_unsupported_shapes_have_a_reason(m, n, dtype, n_sums, match):
 
 
 def test_largest_supported_n_per_sum_count():
-  assert mb.unsupported_reason(8, 16384, jnp.bfloat16, 1) is None
-  assert mb.unsupported_reason(8, 8192, jnp.bfloat16, 2) is None
-  assert mb.unsupported_reason(8, 5440, jnp.bfloat16, 3) is None
-  assert mb.unsupported_reason(8, 5504, jnp.bfloat16, 3) is not None
+  """Each sum takes ceil(N / 4096) accumulators of the MAX_ACCS = 3."""
+  assert mb.unsupported_reason(8, 12288, jnp.bfloat16, 1) is None
+  assert mb.unsupported_reason(8, 12352, jnp.bfloat16, 1) is not None
+  assert mb.unsupported_reason(8, 4096, jnp.bfloat16, 3) is None
+  assert mb.unsupported_reason(8, 4160, jnp.bfloat16, 2) is not None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -234,7 +242,7 @@ def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < 4e-3, i
 
 
-@pytest.mark.parametrize("norm,used", [("rms", True), ("layer", False)])
+@pytest.mark.parametrize("norm,used", [("rms", True), ("layer", True)])
 def test_op_backward_default_uses_kernel_where_measured_faster(monkeypatch, norm, used):
   m, k, n = 16, 64, 64
   x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -301,6 +309,7 @@ def test_lowers_for_hopper(m, n, norm, scale, dh_out, sums):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", mb.SPLITS)
 @pytest.mark.parametrize("m,n,norm,scale,dh_out,sums", [
     (262144, 512, "layer", True, True, ALL_SUMS),
     (262144, 512, "rms", True, False, ("dscale",)),
@@ -308,11 +317,12 @@ def test_lowers_for_hopper(m, n, norm, scale, dh_out, sums):
     (4096 + 3, 2048, "rms", False, True, ("ddense",)),
     (1, 64, "layer", True, True, ALL_SUMS),
     (1024, 8192, "rms", True, False, ("dscale",)),
+    (2048 + 8, 4160, "rms", True, False, ("dscale",)),  # N % 128 = 64, two accumulators
 ])
-def test_gpu_matches_oracle(m, n, norm, scale, dh_out, sums):
+def test_gpu_matches_oracle(m, n, norm, scale, dh_out, sums, split):
   args = _inputs(m, m, n, scale=scale, dh_out=dh_out)
-  out = _run(args, norm, sums, interpret=False)
-  again = _run(args, norm, sums, interpret=False)
+  out = _run(args, norm, sums, interpret=False, split=split)
+  again = _run(args, norm, sums, interpret=False, split=split)
   _check(out, _oracle(*args, norm), sums, jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(again[0]))
   if sums:

@@ -15,9 +15,9 @@ rstd, never rebuilding x̂ from y by dividing by the scale (which may contain ze
     dx     = dh @ wᵀ,  dw = xᵀ dh,
 
 the column sums by a deterministic two-stage reduction (:func:`column_sum`). In the kernel
-implementations, dh and the column sums of RMSNorm run as one Mosaic-GPU kernel
+implementations, dh and the column sums run as one Mosaic-GPU kernel
 (:mod:`pallas_norm.ops.matmul_norm_bwd_mgpu`, :data:`NORM_BACKWARD_KERNEL`; its per-CTA partial
-sums are added in a fixed order), LayerNorm's in XLA (measured faster there). The ``"xla"``
+sums are added in a fixed order) where it takes the shape, else in XLA. The ``"xla"``
 implementation is the unfused reference differentiated by JAX.
 """
 
@@ -197,15 +197,22 @@ the shape, instead of XLA's passes. None (default): where measured faster,
 
 
 def norm_backward_kernel_pays(norm: str) -> bool:
-  """The default of :data:`NORM_BACKWARD_KERNEL`: RMSNorm only. H200, 262144 rows, bf16
-  (``benchmarks/gpu_norm_backward.py``, session 6; dh plus the column sums of scale (and bias)):
+  """The default of :data:`NORM_BACKWARD_KERNEL`: both norms. H200, 262144 rows, bf16
+  (``benchmarks/gpu_norm_backward.py``, session 7; dh plus the column sums of scale (and bias),
+  kernel vs XLA's passes, µs):
 
-  * RMSNorm: 334 vs XLA's 353 µs at N = 512, 617 vs 682 at N = 1024; the public op's fwd+bwd
-    (K = 512) 1070 vs 1092 µs and 2104 vs 2178.
-  * LayerNorm: 474 vs 415 µs at N = 512, 937 vs 796 at 1024: slower. Its extra column sum
-    (bias) costs a cross-warp reduction per step, and the kernel has one consumer warpgroup
-    (see :data:`pallas_norm.ops.matmul_norm_bwd_mgpu.CONSUMERS`)."""
-  return norm == "rms"
+  ============  ==========  ==========  ===========
+  N             512         1024        2048
+  ============  ==========  ==========  ===========
+  RMSNorm       299 / 351   592 / 682   1334 / 1331
+  LayerNorm     317 / 416   644 / 796   1359 / 1564
+  ============  ==========  ==========  ===========
+
+  The public op's fwd+bwd at K = 512: LayerNorm + residual 1173 vs 1269 µs (N = 512) and 2425
+  vs 2592 (N = 1024); RMSNorm 1050 vs 1101 and 2105 vs 2203. (Session 6's one-warpgroup kernel
+  was slower than XLA for LayerNorm, so it served RMSNorm only.)"""
+  del norm
+  return True
 
 
 def _norm_backward_xla(norm, dy_out, dh_out, xhat, rstd, scale, sums):

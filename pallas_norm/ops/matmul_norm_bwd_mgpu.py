@@ -7,40 +7,46 @@ Math (DESIGN.md, op 2; :func:`pallas_norm.ops.matmul_norm._norm_backward`): with
     dh = rstd ⊙ (g − x̂ ⊙ mean_N(g ⊙ x̂) − mean_N(g)) (+ dh_out)      (RMS: no mean_N(g))
 
 and the column sums Σ_i dy ⊙ x̂ (dscale), Σ_i dy (dbias), Σ_i dh (d dense_bias), all in
-float32. In XLA this is two passes (the row sums, then dh; 124 + 225 µs at 262144×512 bf16 on
+float32. In XLA this is two passes (the row sums, then dh; 124 + 221 µs at 262144×512 bf16 on
 the H200 for RMSNorm with a scale) plus reductions; the floor of one pass (read dy and x̂, write
 dh) is ~187 µs at the suite's measured copy bandwidth.
 
-Kernel: a persistent grid of CTAs, each walking row blocks of 64 rows (one consumer warpgroup,
-:data:`CONSUMERS`, in the WGMMA register layout) with a TMA producer warpgroup. A row block is
-streamed twice, in (64, 128) column chunks (:data:`WIDE_CHUNK`; 64 where N is not a multiple of
-128) of dy and x̂ (and dh_out): the first pass accumulates each row's Σ g ⊙ x̂ and Σ g
-(per-thread partial sums carried across the steps, reduced across lanes once) and
-dscale/dbias's column partial sums; the second pass, which reads the chunks again (from L2: a
-row block is 64 · N · 2 · 2 bytes, 128 KiB at N = 512), writes dh through a double-buffered SMEM
-slot and TMA, and adds to d(dense_bias)'s column partials (from dh in float32, before
-rounding). Each column sum is a cross-warp reduction per step; the warpgroup's reads of the old
-sums and writes of the new ones are separated by one barrier per step.
+Kernel: a persistent grid of CTAs with a TMA producer warpgroup and two consumer warpgroups
+(:data:`CONSUMERS`), each holding (64, 64) tiles in the WGMMA register layout. A CTA walks row
+blocks of 64 rows; each pipeline step brings a (64, 128) tile of dy and x̂ (and dh_out), 64
+columns per warpgroup (:data:`SPLITS` "cols"; "rows", 128-row blocks with a warpgroup per 64
+rows, is kept for measurement). A row block is streamed twice: the first pass accumulates each
+row's Σ g ⊙ x̂ and Σ g (per-thread partial sums, reduced across lanes once; the two warpgroups'
+halves are added through SMEM at the end of the pass, behind an mbarrier); the second pass reads
+the tiles again (from L2: all CTAs' row blocks are 132 · 64 · N · 4 bytes, 17 MiB at N = 512)
+and writes dh through a double-buffered SMEM slot and TMA.
 
-Measured on the H200 (``benchmarks/gpu_norm_backward.py``, session 6; 262144 rows, bf16):
-RMSNorm (the dscale sum) 334 µs vs XLA's 353 at N = 512, 617 vs 682 at N = 1024; LayerNorm
-(dscale and dbias) 474 vs 415 and 937 vs 796, so :mod:`pallas_norm.ops.matmul_norm` uses it for
-RMSNorm only (``NORM_BACKWARD_KERNEL``). Versions: two consumer warpgroups ran 294 µs (RMSNorm)
-and 348 (LayerNorm) at N = 512 but their column sums were wrong on the GPU (the shared
-reduction scratch); one warpgroup with 64-wide steps 360 / 526; 128-wide steps as now; the
-LayerNorm sums stacked into one (64, 256) reduction were slower (497 µs; 1454 at N = 1024).
+Column sums run on the tensor core: a WGMMA of a one-hot (64, 64) A (row j all ones) with the
+summed tile as B adds the tile's column sums to row j of a float32 accumulator, which holds 64
+chunks of 64 columns (:data:`MAX_ACCS`). Σ dy reads dy's pipeline stage; Σ dy ⊙ x̂ and Σ dh are
+computed in registers and staged through SMEM as bf16 hi/lo halves (hi + lo = value to ~2⁻¹⁶,
+so the sums keep float32 accuracy). No reduction crosses warps, so the kernel needs no Mosaic
+reduction scratch (``reduction_scratch_bytes=0``): that scratch is one buffer per kernel, and
+two warpgroups reducing across warps at once corrupt each other's sums (session 6,
+``benchmarks/dev/colsum_layouts.py``).
 
-Column sums are deterministic: each CTA accumulates its column partials in a fixed order in
-SMEM, writes them to ``(ctas, CONSUMERS, sums, N)`` at the end, and the caller reduces
-those in a fixed pairwise order (:func:`pallas_norm.ops.matmul_norm.column_sum`'s stage 2). The
-partition of rows among CTAs depends on the SM count, so the bits are the same on every run on
-one GPU model.
+Measured on the H200 (``benchmarks/gpu_norm_backward.py``, session 7; 262144 rows, bf16, µs,
+kernel vs XLA's passes): RMSNorm (dscale) 299 / 351 at N = 512, 592 / 682 at 1024, 1334 / 1331
+at 2048; LayerNorm (dscale, dbias) 317 / 416, 644 / 796, 1359 / 1564. The "rows" split: 311 /
+328 µs at N = 512 but 727 / 754 at 1024 (its 128-row blocks of all CTAs, 34 MiB at N = 512,
+no longer stay in L2 between the passes). Session 6's one-warpgroup kernel with cross-warp
+column sums: 334 / 474 at N = 512.
+
+Column sums are deterministic: each warpgroup's accumulators add its tiles in a fixed order and
+are written to ``(ctas, CONSUMERS, sums, N)`` at the end; the caller reduces those in a fixed
+pairwise order (:func:`pallas_norm.ops.matmul_norm.column_sum`'s stage 2). The partition of rows
+among CTAs depends on the SM count, so the bits are the same on every run on one GPU model.
 
 Shapes: any M ≥ 1 (TMA zero-fills rows past M, where dy = x̂ = 0 gives dh = 0 and adds nothing
 to a column sum, and drops their stores; for M not a multiple of 8 the inputs are padded and dh
-sliced, full copies, so :mod:`pallas_norm.ops.matmul_norm` keeps XLA's passes there); N a multiple of 64 with the column accumulators
-(sums · N · 4 bytes) within :data:`MAX_ACC_BYTES`; dy, x̂ and dh_out bfloat16 or float16 of
-one dtype; dh in that dtype.
+sliced, full copies, so :mod:`pallas_norm.ops.matmul_norm` keeps XLA's passes there); N a
+multiple of 64 with ``sums · ceil(N / 4096) ≤`` :data:`MAX_ACCS` (N ≤ 12288 with one sum, 4096
+with two or three); dy, x̂ and dh_out bfloat16 or float16 of one dtype; dh in that dtype.
 """
 
 from __future__ import annotations
@@ -56,26 +62,39 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu_common
 
-__all__ = ["SUMS", "unsupported_reason", "norm_backward"]
+__all__ = ["SUMS", "SPLITS", "unsupported_reason", "default_split", "norm_backward"]
 
 _F32 = jnp.float32
+_BF16 = jnp.dtype(jnp.bfloat16)
 WG_ROWS = 64  # rows of one consumer warpgroup (the WGMMA register layout)
-CONSUMERS = 1
-"""Consumer warpgroups. One: Mosaic's cross-warp reductions (the column sums) use one SMEM
-scratch buffer for the whole kernel, so two warpgroups reducing at once corrupt each other's
-sums (measured on the H200, ``benchmarks/dev/colsum_layouts.py``: exact with one warpgroup,
-wrong with two, in the WGMMA and the transposed register layouts alike)."""
-BLOCK_ROWS = CONSUMERS * WG_ROWS
-CHUNK = 64  # the unit of N: one 128-byte swizzle span of 16-bit values
-WIDE_CHUNK = 128
-"""Columns per pipeline step where N allows (else :data:`CHUNK`): wider steps halve the fixed
-cost per byte (pipeline barriers, the column sums' cross-warp reductions)."""
+CONSUMERS = 2
+"""Consumer warpgroups, each owning a (64, 64) part of every step. Two are safe because the
+column sums never go through Mosaic's cross-warp reductions (whose one SMEM scratch buffer per kernel
+two warpgroups would share: wrong sums on the H200, ``benchmarks/dev/colsum_layouts.py``)."""
+CHUNK = 64
+"""Columns of a warpgroup's tile per step: one 128-byte swizzle span of 16-bit values (128
+would leave one pipeline stage next to the staging and output tiles)."""
+SPLITS = ("rows", "cols")
+"""How the two consumer warpgroups share a step. "rows": a (128, 64) step, 64 rows each; "cols":
+a (64, 128) step, 64 columns each, the row sums of a row block added across the warpgroups at
+the end of its first pass. "cols" halves the row block, so the L2 holds the blocks of every CTA
+between their two passes up to twice the N."""
+ACC_ROWS = 64  # rows of one WGMMA accumulator: one chunk of a column sum per row
+MAX_ACCS = 3
+"""WGMMA accumulators ((64, 64) float32, 32 registers per thread each) per consumer warpgroup
+for the column sums: each sum needs ``ceil(N / 4096)`` of them."""
 OUT_SLOTS = 2
 ROW_ALIGN = 8  # tiled TMA copies move whole 8-row groups
-MAX_ACC_BYTES = 64 * 1024
 MAX_STAGES = 6
 SUMS = ("dscale", "dbias", "ddense")
 """Column sums the kernel can return: Σ dy ⊙ x̂, Σ dy, Σ dh (float32, over the M rows)."""
+STAGED_SUMS = ("dscale", "ddense")
+"""Column sums of values computed in registers, staged through SMEM as bf16 hi/lo halves for the
+tensor core (Σ dy reads dy's pipeline stage directly)."""
+
+
+def _accs_per_sum(n: int) -> int:
+  return -(-(n // CHUNK) // ACC_ROWS)
 
 
 def unsupported_reason(m: int, n: int, dtype, n_sums: int = 3) -> str | None:
@@ -87,14 +106,10 @@ def unsupported_reason(m: int, n: int, dtype, n_sums: int = 3) -> str | None:
     return f"M = {m} (needs at least one row)"
   if n < CHUNK or n % CHUNK:
     return f"N = {n} is not a positive multiple of {CHUNK}"
-  if _acc_bytes(n, n_sums) > MAX_ACC_BYTES:
-    return (f"N = {n} with {n_sums} column sums needs {_acc_bytes(n, n_sums)} bytes of SMEM "
-            f"accumulators, more than {MAX_ACC_BYTES}")
+  if n_sums * _accs_per_sum(n) > MAX_ACCS:
+    return (f"N = {n} with {n_sums} column sums needs {n_sums * _accs_per_sum(n)} WGMMA "
+            f"accumulators, more than {MAX_ACCS}")
   return None
-
-
-def _acc_bytes(n: int, n_sums: int) -> int:
-  return CONSUMERS * max(n_sums, 1) * n * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,49 +121,108 @@ class _Plan:
   has_scale: bool
   has_dh_out: bool
   sums: tuple[str, ...]
-  chunk: int
+  split: str  # "rows" or "cols", :data:`SPLITS`
   ctas: int
   stages: int
 
   @property
-  def chunks(self) -> int:
-    return self.n // self.chunk
+  def block_rows(self) -> int:  # rows of a CTA's row block
+    return CONSUMERS * WG_ROWS if self.split == "rows" else WG_ROWS
 
   @property
-  def blocks(self) -> int:  # row blocks of BLOCK_ROWS rows
-    return -(-self.m // BLOCK_ROWS)
+  def step_cols(self) -> int:  # columns of a pipeline step's tiles
+    return CHUNK if self.split == "rows" else CONSUMERS * CHUNK
+
+  @property
+  def chunks(self) -> int:  # 64-column chunks of N
+    return self.n // CHUNK
+
+  @property
+  def steps_per_pass(self) -> int:
+    return -(-self.n // self.step_cols)
+
+  @property
+  def blocks(self) -> int:  # row blocks
+    return -(-self.m // self.block_rows)
 
   @property
   def blocks_per_cta(self) -> int:
     return -(-self.blocks // self.ctas)
 
   @property
-  def n_inputs(self) -> int:  # (BLOCK_ROWS, chunk) tiles per step: dy, x̂, dh_out
+  def n_inputs(self) -> int:  # (block_rows, step_cols) tiles per step: dy, x̂, dh_out
     return 2 + self.has_dh_out
+
+  @property
+  def staged(self) -> tuple[str, ...]:
+    return tuple(q for q in self.sums if q in STAGED_SUMS)
+
+  @property
+  def accs_per_sum(self) -> int:
+    return _accs_per_sum(self.n)
+
+  @property
+  def one_hot_dtypes(self) -> tuple[jnp.dtype, ...]:
+    """A operands' dtypes: bf16 for the staged tiles, dy's for Σ dy (read from its stage)."""
+    dtypes = {_BF16} if self.staged else set()
+    if "dbias" in self.sums:
+      dtypes.add(self.dtype)
+    return tuple(sorted(dtypes, key=str))
 
 
 def _stage_bytes(plan: _Plan) -> int:
-  tiles = plan.n_inputs * BLOCK_ROWS * plan.chunk * jnp.dtype(plan.dtype).itemsize
-  return tiles + BLOCK_ROWS * 4 + plan.has_scale * plan.chunk * 4
+  tiles = plan.n_inputs * plan.block_rows * plan.step_cols * jnp.dtype(plan.dtype).itemsize
+  return tiles + plan.block_rows * 4 + plan.has_scale * plan.step_cols * 4
 
 
 def _fixed_bytes(plan: _Plan) -> int:
-  out = CONSUMERS * OUT_SLOTS * WG_ROWS * plan.chunk * jnp.dtype(plan.dtype).itemsize
-  return out + _acc_bytes(plan.n, len(plan.sums)) + 8192  # + reduction scratch and barriers
+  out = CONSUMERS * OUT_SLOTS * WG_ROWS * CHUNK * jnp.dtype(plan.dtype).itemsize
+  staging = CONSUMERS * _staged_f32_tiles(plan) * WG_ROWS * CHUNK * 4  # also the readout
+  one_hots = CONSUMERS * _one_hot_tiles(plan) * ACC_ROWS * WG_ROWS * 2
+  row_sums = 2 * CONSUMERS * 2 * WG_ROWS * 4
+  return out + staging + one_hots + row_sums + 4096  # + barriers and alignment
 
 
-def _make_plan(m, n, dtype, norm, has_scale, has_dh_out, sums, interpret,
-               chunk=None) -> _Plan:
-  chunk = chunk or (WIDE_CHUNK if n % WIDE_CHUNK == 0 else CHUNK)
-  if chunk not in (CHUNK, WIDE_CHUNK) or n % chunk:
-    raise ValueError(f"chunk must be {CHUNK} or {WIDE_CHUNK} and divide N = {n}, got {chunk}")
-  plan = _Plan(m, n, jnp.dtype(dtype), norm, has_scale, has_dh_out, tuple(sums), chunk, 1, 1)
+def _staged_f32_tiles(plan: _Plan) -> int:
+  """Per warpgroup, the staging SMEM in float32 (64, 64) tiles: one per staged sum (its two
+  bf16 halves), at least one for the accumulators' readout."""
+  return max(1, len(plan.staged))
+
+
+def _one_hot_tiles(plan: _Plan) -> int:
+  return plan.accs_per_sum * len(plan.one_hot_dtypes)
+
+
+def default_split(n: int) -> str:
+  """The :data:`SPLITS` entry :func:`norm_backward` uses (``split=None``): "cols", faster at
+  every N measured (session 7, H200, 262144 rows: 299 vs 311 µs at N = 512, 592 vs 727 at
+  1024, 1334 vs 1452 at 2048, RMSNorm)."""
+  del n
+  return "cols"
+
+
+def _make_plan(m, n, dtype, norm, has_scale, has_dh_out, sums, interpret, split) -> _Plan:
+  plan = _Plan(m, n, jnp.dtype(dtype), norm, has_scale, has_dh_out, tuple(sums), split, 1, 1)
   ctas = max(1, min(mgpu_common.num_sms(interpret), plan.blocks))
   fit = (mgpu_common.SMEM_BYTES - _fixed_bytes(plan)) // _stage_bytes(plan)
-  # A CTA's steps: two passes over the chunks of each of its row blocks.
-  steps = 2 * plan.chunks * (-(-plan.blocks // ctas))
+  # A CTA's steps: two passes over the columns of each of its row blocks.
+  steps = 2 * plan.steps_per_pass * (-(-plan.blocks // ctas))
   stages = max(1, min(MAX_STAGES, fit, steps))
   return dataclasses.replace(plan, ctas=ctas, stages=stages)
+
+
+def _one_hot_rows(row, dtype):
+  """A (64, 64) WGMMA A operand whose row ``row`` is all ones, the others zeros (all zeros when
+  ``row`` is outside [0, 64)): ``A @ B`` adds B's column sums to that accumulator row."""
+  rows = lax.broadcasted_iota(jnp.int32, (ACC_ROWS, WG_ROWS), 0)
+  return plgpu.layout_cast(jnp.where(rows == row, 1.0, 0.0).astype(dtype), plgpu.Layout.WGMMA)
+
+
+def _split_bf16(value):
+  """bf16 ``(hi, lo)`` with hi + lo = value to ~2⁻¹⁶ relative: a tensor-core sum of both keeps
+  nearly float32 accuracy (and bf16's range, whatever the input dtype)."""
+  hi = value.astype(_BF16)
+  return hi, (value - hi.astype(_F32)).astype(_BF16)
 
 
 def _kernel(*refs, plan: _Plan):
@@ -158,135 +232,187 @@ def _kernel(*refs, plan: _Plan):
   rstd_gmem = next(it)  # padded to whole row blocks
   scale_gmem = next(it) if plan.has_scale else None  # (1, N) f32
   dh_gmem = next(it)
-  sums_gmem = next(it) if plan.sums else None  # (ctas, CONSUMERS, sums, N) f32
-  chunks, inv_n = plan.chunks, 1.0 / plan.n
+  sums_gmem = next(it) if plan.sums else None  # (ctas, CONSUMERS, accs, 64, 64) f32
+  steps, inv_n, by_cols = plan.steps_per_pass, 1.0 / plan.n, plan.split == "cols"
   # Tiled (the SMEM layout of WGMMA operands); its TMA needs whole 8-row groups, hence M padded
   # to a multiple of 8.
-  chunk = plan.chunk
-  transforms = mgpu_common.swizzle_transforms(chunk, plan.dtype)
+  transforms = mgpu_common.swizzle_transforms(CHUNK, plan.dtype)
   cta = lax.axis_index("cta")
 
-  def step_coords(s):  # (local row block, pass, chunk) of pipeline step s
-    return s // (2 * chunks), (s // chunks) % 2, s % chunks
+  def step_coords(s):  # (local row block, pass, column step) of pipeline step s
+    return s // (2 * steps), (s // steps) % 2, s % steps
 
   def block_of(s):  # the row block of step s; past the CTA's share, its last valid one
     r, _, _ = step_coords(s)
     return jnp.minimum(cta + r * plan.ctas, plan.blocks - 1)
 
   spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-  tile_spec = spec((BLOCK_ROWS, chunk), lambda s: (block_of(s), step_coords(s)[2]),
-                   transforms=transforms)
-  in_specs = [tile_spec] * plan.n_inputs + [spec((BLOCK_ROWS,), lambda s: (block_of(s),))]
+  tile_spec = spec((plan.block_rows, plan.step_cols),
+                   lambda s: (block_of(s), step_coords(s)[2]), transforms=transforms)
+  in_specs = [tile_spec] * plan.n_inputs + [spec((plan.block_rows,), lambda s: (block_of(s),))]
   if plan.has_scale:
-    in_specs.append(spec((1, chunk), lambda s: (0, step_coords(s)[2])))
+    in_specs.append(spec((1, plan.step_cols), lambda s: (0, step_coords(s)[2])))
   gmems = [r for r in (dy_gmem, xhat_gmem, dho_gmem, rstd_gmem, scale_gmem) if r is not None]
-  n_sums = len(plan.sums)
 
   @functools.partial(
       pl.run_scoped,
-      out_smem=plgpu.SMEM((CONSUMERS, OUT_SLOTS, WG_ROWS, chunk), plan.dtype,
+      out_smem=plgpu.SMEM((CONSUMERS, OUT_SLOTS, WG_ROWS, CHUNK), plan.dtype,
                           transforms=transforms),
-      acc_smem=plgpu.SMEM((CONSUMERS, max(n_sums, 1), plan.n), _F32),
+      # Staged bf16 hi/lo tiles of the column-summed values; at the end, the accumulators'
+      # float32 readout, once both warpgroups are past their last staging (``done``).
+      sum_smem=plgpu.RefUnion(
+          plgpu.SMEM((CONSUMERS, 2 * _staged_f32_tiles(plan), WG_ROWS, CHUNK), _BF16,
+                     transforms=mgpu_common.swizzle_transforms(CHUNK, _BF16)),
+          plgpu.SMEM((CONSUMERS, _staged_f32_tiles(plan), ACC_ROWS, CHUNK), _F32)),
+      one_hot_smem=tuple(  # per A dtype
+          plgpu.SMEM((CONSUMERS, plan.accs_per_sum, ACC_ROWS, WG_ROWS), dtype,
+                     transforms=mgpu_common.swizzle_transforms(WG_ROWS, dtype))
+          for dtype in plan.one_hot_dtypes),
+      # "cols": each warpgroup's row sums over its columns, (row block parity, wg, Σg·x̂ / Σg).
+      row_sum_smem=plgpu.SMEM((2, CONSUMERS, 2, WG_ROWS), _F32),
+      row_sums_ready=plgpu.Barrier(num_arrivals=CONSUMERS),
+      done=plgpu.Barrier(num_arrivals=CONSUMERS),
       collective_axes="wg",
   )
-  def _scope(out_smem, acc_smem):
+  def _scope(out_smem, sum_smem, one_hot_smem, row_sum_smem, row_sums_ready, done):
+    stage_smem, readout_smem = sum_smem
     wg = lax.axis_index("wg")
-    rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+    # This warpgroup's (64, 64) part of a step's tiles, and its 64-column chunk index.
+    rows = pl.ds(0 if by_cols else wg * WG_ROWS, WG_ROWS)
+    cols = pl.ds(wg * CHUNK if by_cols else 0, CHUNK)
+    chunk_of = (lambda c: c * CONSUMERS + wg) if by_cols else (lambda c: c)
     wgmma = plgpu.Layout.WGMMA
     zero_parts = (mgpu_common.lane_partial_zeros(WG_ROWS),) * 2
 
-    def col_sum_updates(c, values):
-      """[(ref, new sums)] for acc_smem[wg, q, chunk c] += Σ_rows value, for each (name, value):
-      store them after a warpgroup barrier (every warp reads the old sums before any writes)."""
-      updates = []
-      for name, value in values:
-        ref = acc_smem.at[wg, plan.sums.index(name), pl.ds(c * chunk, chunk)]
-        updates.append((ref, plgpu.load(ref, layout=wgmma.reduce(0)) + jnp.sum(value, axis=0)))
-      return updates
+    def add_column_sums(accs, j, dy_tile, values):
+      """Issue acc[j] += Σ_rows value for each column sum of chunk j: WGMMAs of a one-hot A
+      (SMEM, written here) with the value's tile as B, so no reduction crosses warps. Sum q's
+      accumulators are ``accs[q · accs_per_sum + j // 64]``. The caller waits for the WGMMAs
+      before the SMEM they read is reused."""
+      for i, q in enumerate(plan.staged):
+        for h, part in enumerate(_split_bf16(values[q])):
+          stage_smem[wg, 2 * i + h] = part
+      one_hot = dict(zip(plan.one_hot_dtypes, one_hot_smem))
+      for k in range(plan.accs_per_sum):
+        for dtype, ref in one_hot.items():
+          ref[wg, k] = _one_hot_rows(j - k * ACC_ROWS, dtype)
+      plgpu.commit_smem()  # the staged tiles, visible to the tensor core (async proxy)
+      for qi, q in enumerate(plan.sums):
+        for k in range(plan.accs_per_sum):
+          acc = accs[qi * plan.accs_per_sum + k]
+          if q in STAGED_SUMS:
+            a = one_hot[_BF16].at[wg, k]
+            i = plan.staged.index(q)
+            plgpu.wgmma(acc, a, stage_smem.at[wg, 2 * i])
+            plgpu.wgmma(acc, a, stage_smem.at[wg, 2 * i + 1])
+          else:  # dbias: dy's own tile
+            a = one_hot[plan.dtype].at[wg, k]
+            plgpu.wgmma(acc, a, dy_tile)
 
-    def store_updates(updates):
-      for ref, value in updates:
-        ref[...] = value
+    def row_means(r, gx_part, g_part):
+      """mean_N(g ⊙ x̂) and mean_N(g) of this warpgroup's rows, in the row layout."""
+      if not by_cols:
+        return jnp.sum(gx_part, axis=1) * inv_n, jnp.sum(g_part, axis=1) * inv_n
+      # Both warpgroups add the two halves in the same order, so they agree on every bit.
+      half = row_sum_smem.at[r % 2]
+      load = lambda w, q: plgpu.load(half.at[w, q], layout=wgmma.reduce(1))  # noqa: E731
+      return ((load(0, 0) + load(1, 0)) * inv_n, (load(0, 1) + load(1, 1)) * inv_n)
 
     def body(idxs, *refs):
       (s,) = idxs
       *refs, carry = refs
+      accs, parts = carry
       dy_smem, xhat_smem = refs.pop(0), refs.pop(0)
       dho_smem = refs.pop(0) if plan.has_dh_out else None
       rstd_smem = refs.pop(0)
       scale_smem = refs.pop(0) if plan.has_scale else None
       r, p, c = step_coords(s)
+      j = chunk_of(c)
       valid = cta + r * plan.ctas < plan.blocks
-      load_f32 = lambda ref, lay: plgpu.load(ref.at[rows], layout=lay).astype(_F32)  # noqa: E731
-      dy, xhat = load_f32(dy_smem, wgmma), load_f32(xhat_smem, wgmma)
+      in_n = j < plan.chunks  # "cols" with N % 128 = 64: the last step's second half is past N
+      tile = lambda ref: ref.at[rows, cols]  # noqa: E731
+      load_f32 = lambda ref: plgpu.load(tile(ref), layout=wgmma).astype(_F32)  # noqa: E731
+      dy, xhat = load_f32(dy_smem), load_f32(xhat_smem)  # zeros past N (TMA zero fill)
       g = dy
       if plan.has_scale:
-        scale = plgpu.load(scale_smem.at[0], layout=wgmma.reduce(0))
+        scale = plgpu.load(scale_smem.at[0, cols], layout=wgmma.reduce(0))
         g = dy * lax.broadcast_in_dim(scale, dy.shape, [1])
-      def first_pass(parts):  # this chunk's row sums, from zero at a row block's first chunk
+
+      def first_pass(parts):  # this step's row sums, from zero at a row block's first step
         parts = lax.cond(c == 0, lambda: zero_parts, lambda: parts)
         gx_part = parts[0] + mgpu_common.lane_partial_sum(g * xhat)
         g_part = parts[1] + mgpu_common.lane_partial_sum(g) if plan.norm == "layer" else parts[1]
-
-        @pl.when(valid)
-        def _column_sums():
-          values = {"dscale": lambda: dy * xhat, "dbias": lambda: dy}
-          updates = col_sum_updates(c, [(q, values[q]()) for q in plan.sums if q in values])
-          if updates:
-            plgpu.commit_smem()
-            store_updates(updates)
         return gx_part, g_part
 
-      carry = lax.cond(p == 0, first_pass, lambda parts: parts, carry)
-      gx_part, g_part = carry
+      parts = lax.cond(p == 0, first_pass, lambda parts: parts, parts)
+      gx_part, g_part = parts
+      if by_cols:
+        @pl.when((p == 0) & (c == steps - 1))
+        def _publish_row_sums():
+          row_sum_smem[r % 2, wg, 0] = jnp.sum(gx_part, axis=1)
+          row_sum_smem[r % 2, wg, 1] = jnp.sum(g_part, axis=1)
+          plgpu.barrier_arrive(row_sums_ready)
 
-      @pl.when((p == 1) & valid)
+        @pl.when((p == 1) & (c == 0))
+        def _await_row_sums():
+          plgpu.barrier_wait(row_sums_ready)
+
+      @pl.when((p == 1) & valid & in_n)
       def _second_pass():
-        mean_gx = jnp.sum(gx_part, axis=1) * inv_n
+        mean_gx, mean_g = row_means(r, gx_part, g_part)
         inner = g - xhat * lax.broadcast_in_dim(mean_gx, g.shape, [0])
         if plan.norm == "layer":
-          inner = inner - lax.broadcast_in_dim(jnp.sum(g_part, axis=1) * inv_n, g.shape, [0])
+          inner = inner - lax.broadcast_in_dim(mean_g, g.shape, [0])
         rstd = plgpu.load(rstd_smem.at[rows], layout=wgmma.reduce(1))
         dh = inner * lax.broadcast_in_dim(rstd, g.shape, [0])
         if plan.has_dh_out:
-          dh = dh + plgpu.load(dho_smem.at[rows], layout=wgmma).astype(_F32)
-        updates = col_sum_updates(c, [("ddense", dh)] if "ddense" in plan.sums else [])
-        slot = (r * chunks + c) % OUT_SLOTS
+          dh = dh + plgpu.load(tile(dho_smem), layout=wgmma).astype(_F32)
+        if plan.sums:
+          add_column_sums(accs, j, tile(dy_smem), {"dscale": dy * xhat, "ddense": dh})
+        slot = (r * steps + c) % OUT_SLOTS
         # The store that last read this slot (OUT_SLOTS stores ago) must be done.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
         out_smem[wg, slot] = dh.astype(plan.dtype)
-        plgpu.commit_smem()  # also the barrier between the old sums' reads and the new ones
-        store_updates(updates)
-        row0 = (cta + r * plan.ctas) * BLOCK_ROWS + wg * WG_ROWS
+        plgpu.commit_smem()
+        row0 = (cta + r * plan.ctas) * plan.block_rows + (0 if by_cols else wg * WG_ROWS)
         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                dh_gmem.at[pl.ds(row0, WG_ROWS), pl.ds(c * chunk, chunk)])
+                                dh_gmem.at[pl.ds(row0, WG_ROWS), pl.ds(j * CHUNK, CHUNK)])
+        if plan.sums:  # the stage (dy) and the staged tiles are free once the WGMMAs are done
+          plgpu.wgmma_wait(0)
 
       # The stage's reads (generic proxy) precede its release to the TMA producer (async proxy).
       plgpu.commit_smem()
-      return carry
+      return accs, parts
 
     def compute_context(eval_pipeline):
-      for q in range(n_sums):
-        @pl.loop(0, chunks)
-        def _zero(c, q=q):
-          acc_smem[wg, q, pl.ds(c * chunk, chunk)] = plgpu.layout_cast(
-              jnp.zeros((chunk,), _F32), wgmma.reduce(0))
-      eval_pipeline(zero_parts)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      def with_accs(*accs):
+        eval_pipeline((accs, zero_parts))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if accs:
+          plgpu.barrier_arrive(done)
+          plgpu.barrier_wait(done)
+        for k, acc in enumerate(accs):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous readout's store
+          readout_smem[wg, 0] = acc[...]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(readout_smem.at[wg, 0], sums_gmem.at[cta, wg, k])
+        plgpu.wait_smem_to_gmem(0)
+
       if plan.sums:
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(acc_smem.at[wg], sums_gmem.at[cta, wg])
-      plgpu.wait_smem_to_gmem(0)
+        pl.run_scoped(with_accs, *[plgpu.ACC((ACC_ROWS, CHUNK), _F32)
+                                   for _ in range(len(plan.sums) * plan.accs_per_sum)])
+      else:
+        with_accs()
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        body, grid=(2 * chunks * plan.blocks_per_cta,), memory_registers=40,
-        in_specs=in_specs, wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=plan.stages,
-        compute_context=compute_context)
+        body, grid=(2 * steps * plan.blocks_per_cta,), memory_registers=40,
+        in_specs=in_specs, wg_axis="wg", num_compute_wgs=CONSUMERS,
+        max_concurrent_steps=plan.stages, compute_context=compute_context)
     pipeline(*gmems)
 
 
 def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
-                  sums: tuple[str, ...] = (), interpret: bool = False, chunk: int | None = None):
+                  sums: tuple[str, ...] = (), interpret: bool = False, split: str | None = None):
   """dh and the column partial sums of the post-norm backward, one Mosaic-GPU kernel.
 
   Args:
@@ -298,8 +424,8 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
     norm: "rms" or "layer".
     sums: which column sums to return, a sub-sequence of :data:`SUMS`.
     interpret: run in Pallas GPU interpret mode (CPU), :func:`mgpu_common.interpret_params`.
-    chunk: columns per pipeline step, :data:`CHUNK` or :data:`WIDE_CHUNK` (None: the widest
-      that divides N).
+    split: how the two consumer warpgroups share a step, one of :data:`SPLITS` (None:
+      :func:`default_split`).
 
   Returns:
     ``(dh, partials)``: dh (M, N) in dy's dtype; partials (ctas, :data:`CONSUMERS`, len(sums), N) float32
@@ -307,16 +433,17 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
     empty). Sum them in a fixed order for deterministic bits.
 
   Raises:
-    ValueError: a shape, dtype, norm or sum name the kernel does not take
+    ValueError: a shape, dtype, norm, sum name or split the kernel does not take
       (:func:`unsupported_reason`).
+    TypeError: an argument that is not an array, or rstd not a real float.
   """
   if norm not in ("rms", "layer"):
     raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
+  if split is not None and split not in SPLITS:
+    raise ValueError(f"split must be None or one of {SPLITS}, got {split!r}")
   if (not isinstance(sums, (tuple, list)) or any(s not in SUMS for s in sums)
       or len(set(sums)) != len(sums)):
     raise ValueError(f"sums must be distinct names from {SUMS}, got {sums!r}")
-  if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)):
-    raise TypeError(f"chunk must be None or an int, got {chunk!r}")
   for name, a in (("dy", dy), ("xhat", xhat), ("rstd", rstd), ("scale", scale),
                   ("dh_out", dh_out)):
     if a is not None and not (hasattr(a, "shape") and hasattr(a, "dtype")):
@@ -338,10 +465,11 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
   pad = -m % ROW_ALIGN
   m += pad
   plan = _make_plan(m, n, dy.dtype, norm, scale is not None, dh_out is not None, sums,
-                    interpret, chunk)
+                    interpret, split or default_split(n))
   out_type = [jax.ShapeDtypeStruct((m, n), dy.dtype)]
   if sums:
-    out_type.append(jax.ShapeDtypeStruct((plan.ctas, CONSUMERS, len(sums), n), _F32))
+    out_type.append(jax.ShapeDtypeStruct(
+        (plan.ctas, CONSUMERS, len(sums) * plan.accs_per_sum, ACC_ROWS, CHUNK), _F32))
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=tuple(out_type),
@@ -351,13 +479,23 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-          reduction_scratch_bytes=6144),  # Mosaic's suggestion for H100-class GPUs
+          # No scratch: every reduction stays within a warp (a cross-warp one would fail to
+          # compile rather than share one buffer between the two consumer warpgroups).
+          reduction_scratch_bytes=0),
       interpret=mgpu_common.interpret_params() if interpret else None,
   )
-  rstd_padded = jnp.pad(rstd.astype(_F32), (0, plan.blocks * BLOCK_ROWS - m + pad))
+  rstd_padded = jnp.pad(rstd.astype(_F32), (0, plan.blocks * plan.block_rows - m + pad))
   tiles = [mgpu_common.pad_rows(a, pad) for a in (dy, xhat, dh_out) if a is not None]
   args = tiles + [rstd_padded] + ([] if scale is None else [scale.astype(_F32)[None, :]])
   outs = call(*args)
   dh = outs[0][:m - pad] if pad else outs[0]
-  return dh, (outs[1] if sums else None)
+  return dh, (_column_partials(outs[1], plan) if sums else None)
+
+
+def _column_partials(acc_rows, plan: _Plan):
+  """(ctas, CONSUMERS, sums · accs_per_sum, 64, chunk) accumulator rows → (ctas, CONSUMERS,
+  sums, N): row c of a sum's accumulators holds its columns ``c · chunk …``."""
+  ctas, n_sums = acc_rows.shape[0], len(plan.sums)
+  rows = acc_rows.reshape(ctas, CONSUMERS, n_sums, plan.accs_per_sum * ACC_ROWS, CHUNK)
+  return rows[:, :, :, :plan.chunks].reshape(ctas, CONSUMERS, n_sums, plan.n)
 
