@@ -116,6 +116,10 @@ def out_dtype(value) -> None:
     raise TypeError(f"out_dtype must be a floating dtype, got {value!r}") from e
   if dt not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
     raise TypeError(f"out_dtype must be a floating dtype, got {dt}")
+  if dt == jnp.float64 and not jax.config.jax_enable_x64:
+    # JAX would silently produce float32.
+    raise TypeError("out_dtype float64 needs jax_enable_x64 (without it JAX computes in "
+                    "float32); enable x64 or ask for float32")
 
 
 def static_positive_int(name: str, value) -> None:

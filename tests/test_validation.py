@@ -97,6 +97,7 @@ NORM_CASES = [
     ("eps", None, TypeError, "eps"),
     ("out_dtype", jnp.int32, TypeError, "out_dtype"),
     ("out_dtype", "not-a-dtype", TypeError, "out_dtype"),
+    ("out_dtype", jnp.float64, TypeError, "jax_enable_x64"),  # would silently be float32
     ("implementation", "cuda", ValueError, "implementation"),
     ("implementation", "XLA", ValueError, "implementation"),
 ]
@@ -440,3 +441,17 @@ def test_numpy_eps_reaches_the_kernel_as_a_float(eps):
     got = fn(x, w, eps=eps, implementation="interpret").astype(jnp.float32)
     want = fn(x, w, eps=float(eps), implementation="xla").astype(jnp.float32)
     chex.assert_trees_all_close(got, want, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "matmul_norm", "norm_matmul"])
+def test_float64_out_dtype_works_with_x64(op):
+  """out_dtype=float64 is refused without x64 (JAX would give float32) and honoured with it."""
+  rng = np.random.default_rng(8)
+  with jax.enable_x64(True):
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    args = ((x, jnp.asarray(rng.standard_normal((64, 64)), jnp.float32))
+            if op in ("matmul_norm", "norm_matmul") else (x,))
+    got = getattr(pallas_norm, op)(*args, out_dtype=jnp.float64)
+    assert got.dtype == jnp.float64
+    ref = getattr(pallas_norm.reference, op)(*args, out_dtype=jnp.float64)
+    chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-5)
