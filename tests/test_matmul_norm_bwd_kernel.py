@@ -327,3 +327,35 @@ def test_gpu_matches_oracle(m, n, norm, scale, dh_out, sums, split):
   np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(again[0]))
   if sums:
     np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(again[1]))
+
+
+@pytest.mark.parametrize("use_y,use_h", [(True, False), (False, True)])
+def test_unused_output_gives_no_cotangent_array(monkeypatch, use_y, use_h):
+  """return_h=True with h (or y) unused in the loss: the backward gets a symbolic zero, so the
+  kernel reads no M × N array of zeros (dh_out is None), and the gradients match XLA's."""
+  m, k, n = 64, 64, 128
+  ks = jax.random.split(jax.random.key(21), 4)
+  x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(ks[1], (k, n), jnp.float32) / 8).astype(jnp.bfloat16)
+  scale = jax.random.uniform(ks[2], (n,), jnp.float32, 0.5, 1.5)
+  ct = jax.random.normal(ks[3], (m, n), jnp.float32)
+  seen = []
+  real = mb.norm_backward
+
+  def spy(dy, xhat, rstd, scale=None, dh_out=None, **kwargs):
+    seen.append(dh_out)
+    return real(dy, xhat, rstd, scale, dh_out, **kwargs)
+
+  monkeypatch.setattr(mb, "norm_backward", spy)
+
+  def loss(x, w, scale, impl):
+    y, h = mn.matmul_norm(x, w, scale=scale, norm="rms", return_h=True, implementation=impl)
+    total = jnp.sum(y.astype(jnp.float32) * ct) if use_y else 0.0
+    return total + (jnp.sum(h.astype(jnp.float32) * ct) if use_h else 0.0)
+
+  got = jax.grad(loss, argnums=(0, 1, 2))(x, w, scale, "interpret")
+  assert len(seen) == 1 and (seen[0] is not None) == use_h
+  want = jax.grad(loss, argnums=(0, 1, 2))(x, w, scale, "xla")
+  for g, r in zip(got, want):  # with y unused, dscale is exactly zero in both
+    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+    assert np.linalg.norm(g - r) <= 2e-2 * np.linalg.norm(r)

@@ -29,6 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import _dispatch, _validate, reference
 
@@ -170,6 +171,9 @@ def _fused(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return
 
 def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
                return_stats, implementation):
+  # symbolic_zeros=True (see defvjp below) wraps each differentiable input.
+  x, w, dense_bias, residual, scale, bias = (
+      None if p is None else p.value for p in (x, w, dense_bias, residual, scale, bias))
   y, h, xhat, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps,
                                     out_dtype, return_h, True, implementation, return_xhat=True)
   # A zero-size stand-in keeps the residual's dtype without keeping the residual alive.
@@ -259,8 +263,10 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, sav
   del eps, out_dtype, return_stats
   x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd = saved
   dy_out, dh_out = cotangents[0], cotangents[1]  # the statistics carry no gradient
-  if not return_h:
-    dh_out = None
+  if not return_h or isinstance(dh_out, SymbolicZero):
+    dh_out = None  # h unused: no M × N array of zeros to read
+  if isinstance(dy_out, SymbolicZero):  # only h is used
+    dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
   sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
                if v is not None)
   use_kernel = (norm_backward_kernel_pays(norm) if NORM_BACKWARD_KERNEL is None
@@ -285,7 +291,9 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, sav
   return dx, dw, ddense, dres, dscale, dbias
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+# Symbolic zeros: a returned h that the loss does not use gives no cotangent array, instead of
+# one of zeros that the backward would read.
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
