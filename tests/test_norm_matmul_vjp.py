@@ -391,7 +391,8 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
   assert pick(nm._kernel_slower_reason(1024, 1024, "layer")) == "mosaic"
   assert pick(nm._kernel_slower_reason(2048, 512, "layer")) == "xla"
   assert pick(mn._kernel_slower_reason(128, "rms")) == "mosaic"
-  assert pick(mn._kernel_slower_reason(256, "rms")) == "xla"
+  assert pick(mn._kernel_slower_reason(512, "rms")) == "mosaic"
+  assert pick(mn._kernel_slower_reason(1024, "rms")) == "xla"
   assert pick(mn._kernel_slower_reason(1024, "layer")) == "mosaic"
   assert pick(mn._kernel_slower_reason(2048, "layer")) == "xla"
   # An explicit request is honoured even where the kernel is slower.

@@ -64,9 +64,10 @@ def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) ->
 # run-to-run spread forward. LayerNorm (+ residual) at 262144×1024²: session 3 forward 1124 vs
 # 1165 µs, session 5 1193 vs 1157 (within the ±8% spread between runs), fwd+bwd 3780 vs 4657; at
 # N = 2048 the forward ties (K = 512: 1736 vs 1722) or loses (K = 2048: 4028 vs 3688) although
-# fwd+bwd still wins. RMSNorm: N ≤ 128 (fwd+bwd 240 vs 245 µs; at 256 and 512 our backward made
-# it 1-10% slower before session 5's dx fix, 1106 vs 1042 µs at 512² after it).
-KERNEL_DEFAULT_MAX_N = {"layer": 1024, "rms": 128}
+# fwd+bwd still wins. RMSNorm: N ≤ 512 since session 7's norm-backward kernel (fwd+bwd 226 vs
+# 248 µs at 128², 428 vs 470 at 256², 1050 vs 1058 at 512², forward 285 vs 329 there); at
+# 1024² fwd+bwd loses (3313 vs 3046).
+KERNEL_DEFAULT_MAX_N = {"layer": 1024, "rms": 512}
 
 
 def _kernel_slower_reason(n: int, norm: str) -> str | None:
