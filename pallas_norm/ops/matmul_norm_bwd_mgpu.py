@@ -62,7 +62,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu_common
 
-__all__ = ["SUMS", "SPLITS", "unsupported_reason", "default_split", "norm_backward"]
+__all__ = ["SUMS", "SPLITS", "DEFAULT_SPLIT", "unsupported_reason", "norm_backward"]
 
 _F32 = jnp.float32
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -79,6 +79,10 @@ SPLITS = ("rows", "cols")
 a (64, 128) step, 64 columns each, the row sums of a row block added across the warpgroups at
 the end of its first pass. "cols" halves the row block, so the L2 holds the blocks of every CTA
 between their two passes up to twice the N."""
+DEFAULT_SPLIT = "cols"
+"""The split :func:`norm_backward` uses (``split=None``): faster at every N measured (session 7,
+H200, 262144 rows, RMSNorm: 299 vs 311 µs at N = 512, 592 vs 727 at 1024, 1334 vs 1452 at
+2048)."""
 ACC_ROWS = 64  # rows of one WGMMA accumulator: one chunk of a column sum per row
 MAX_ACCS = 3
 """WGMMA accumulators ((64, 64) float32, 32 registers per thread each) per consumer warpgroup
@@ -191,14 +195,6 @@ def _staged_f32_tiles(plan: _Plan) -> int:
 
 def _one_hot_tiles(plan: _Plan) -> int:
   return plan.accs_per_sum * len(plan.one_hot_dtypes)
-
-
-def default_split(n: int) -> str:
-  """The :data:`SPLITS` entry :func:`norm_backward` uses (``split=None``): "cols", faster at
-  every N measured (session 7, H200, 262144 rows: 299 vs 311 µs at N = 512, 592 vs 727 at
-  1024, 1334 vs 1452 at 2048, RMSNorm)."""
-  del n
-  return "cols"
 
 
 def _make_plan(m, n, dtype, norm, has_scale, has_dh_out, sums, interpret, split) -> _Plan:
@@ -425,7 +421,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
     sums: which column sums to return, a sub-sequence of :data:`SUMS`.
     interpret: run in Pallas GPU interpret mode (CPU), :func:`mgpu_common.interpret_params`.
     split: how the two consumer warpgroups share a step, one of :data:`SPLITS` (None:
-      :func:`default_split`).
+      :data:`DEFAULT_SPLIT`).
 
   Returns:
     ``(dh, partials)``: dh (M, N) in dy's dtype; partials (ctas, :data:`CONSUMERS`, len(sums), N) float32
@@ -465,7 +461,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
   pad = -m % ROW_ALIGN
   m += pad
   plan = _make_plan(m, n, dy.dtype, norm, scale is not None, dh_out is not None, sums,
-                    interpret, split or default_split(n))
+                    interpret, split or DEFAULT_SPLIT)
   out_type = [jax.ShapeDtypeStruct((m, n), dy.dtype)]
   if sums:
     out_type.append(jax.ShapeDtypeStruct(
