@@ -150,8 +150,10 @@ FUSED_ROW_TERMS_MAX_KN = 512
 * The public API's fwd+bwd at 262144×512² (``--sections train``, same run): LayerNorm 1062 vs
   1097 µs, but RMSNorm 946 vs 894: without col_sum, XLA fuses the row-terms pass with the
   weight gradients' pass over dy, so moving it into the kernel saves less than it costs there.
-
-K = N = 1024 is not measured yet."""
+* K = N = 1024 (``benchmarks/dev/fused_row_terms_kn1024.py``, session 7; LayerNorm, public
+  fwd+bwd): slower fused, 3253 vs 3194 µs without a bias (CUPTI) and 3637 vs 3440 with one
+  (wall clock); at 512² the same run ties without a bias (1099 vs 1100) and gains with one
+  (1153 vs 1176)."""
 
 
 DX_WRITES_DY_SCALED: bool = False
