@@ -63,7 +63,9 @@ def eps(value, dtype=None) -> float:
     raise TypeError(f"eps must be a positive float (a static Python number), got {value!r}")
   if not (float(value) > 0 and np.isfinite(value)):
     raise ValueError(f"eps must be a positive finite float, got {value!r}")
-  stat = np.float64 if dtype is not None and jnp.dtype(dtype) == jnp.float64 else np.float32
+  # The dtype JAX computes in: a NumPy float64 input is float32 without jax_enable_x64.
+  canonical = None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+  stat = np.float64 if canonical == jnp.float64 else np.float32
   with np.errstate(over="ignore"):  # an overflow to inf is the error reported just below
     rounded = stat(value)
   name = np.dtype(stat).name

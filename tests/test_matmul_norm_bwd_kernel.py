@@ -122,6 +122,50 @@ def test_interpret_float16():
   _check(out, _oracle(*args, "layer"), ALL_SUMS, jnp.float16)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_column_sums_as_accurate_as_xla(dtype):
+  """Σ dh (float32 values) and float16 Σ dy ⊙ x̂ (22-bit products) take three bf16 parts: as
+  accurate as XLA's float32 sums, also when a large dh_out cancels across the rows (the review
+  found two parts 30-60× less accurate than XLA there)."""
+  dy, xhat, rstd, scale, dh_out = _inputs(1, 64, 128, dtype=dtype, dh_out=True)
+  dh_out = (dh_out.astype(jnp.float32) * 1024).astype(dtype)
+  args = (dy, xhat, rstd, scale, dh_out)
+  sums = ("dscale", "ddense")
+  _, partials = mb.norm_backward(*args, norm="layer", sums=sums, interpret=True)
+  got = np.asarray(partials, np.float64).sum(axis=(0, 1))
+  _, want = _oracle(*args, "layer")
+  _, xla = mn._norm_backward_xla("layer", dy, dh_out, xhat, rstd, scale, sums)
+  for i, name in enumerate(sums):
+    rel = lambda v, w=want[name]: np.max(np.abs(np.asarray(v, np.float64) - w)) / np.max(np.abs(w))  # noqa: E731
+    assert rel(got[i]) <= 2 * rel(xla[name]) + 1e-7, (name, rel(got[i]), rel(xla[name]))
+
+
+def test_products_above_bf16_max_stay_finite():
+  """A float32 product between bf16's largest finite value and float32's stays finite (the
+  first bf16 part is clamped; unclamped it rounded to inf and gave inf − inf = NaN)."""
+  dy, xhat, rstd, _, _ = _inputs(2, 16, 64)
+  dy = dy.at[3, 0].set(1.4140625 * 2.0 ** 126)
+  xhat = xhat.at[3, 0].set(2.828125)
+  _, partials = mb.norm_backward(dy, xhat, rstd, norm="rms", sums=("dscale",), interpret=True)
+  got = np.asarray(partials, np.float64).sum(axis=(0, 1))[0]
+  want = (np.asarray(dy, np.float64) * np.asarray(xhat, np.float64)).sum(0)
+  assert float(want[0]) < float(np.finfo(np.float32).max)
+  assert np.all(np.isfinite(got))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-4)
+  np.testing.assert_allclose(got[1:], want[1:], atol=1e-5 * np.max(np.abs(want[1:])))
+
+
+def test_non_finite_input_gives_non_finite_sums_as_documented():
+  """inf in dy at column 5: that column's sum is non-finite, as is column 5 of every other
+  64-column chunk (0 · inf in the one-hot's zero rows, documented); the rest stays finite."""
+  dy, xhat, rstd, _, _ = _inputs(3, 16, 192)
+  dy = dy.at[3, 5].set(jnp.inf)
+  _, partials = mb.norm_backward(dy, xhat, rstd, norm="layer", sums=("dbias",), interpret=True)
+  total = np.asarray(partials, np.float64).sum(axis=(0, 1))[0]
+  bad = np.flatnonzero(~np.isfinite(total))
+  np.testing.assert_array_equal(bad, [5, 69, 133])
+
+
 # ------------------------------------------------------------------------------------------------
 # Argument checks (before any kernel runs).
 

@@ -455,3 +455,13 @@ def test_float64_out_dtype_works_with_x64(op):
     assert got.dtype == jnp.float64
     ref = getattr(pallas_norm.reference, op)(*args, out_dtype=jnp.float64)
     chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_eps_floor_follows_the_dtype_jax_computes_in():
+  """A NumPy float64 input without x64 is computed in float32 (JAX canonicalizes it), so it
+  gets float32's eps floor: 1e-30 would overflow rstd³ of a zero row in float32."""
+  x = np.random.default_rng(9).standard_normal((4, 64))  # float64 NumPy
+  with pytest.raises(ValueError, match="float32"):
+    pallas_norm.rms_norm(x, eps=1e-30)
+  with jax.enable_x64(True):  # computed in float64 there: accepted
+    assert pallas_norm.rms_norm(x, eps=1e-30).dtype == jnp.float64

@@ -24,8 +24,11 @@ and writes dh through a double-buffered SMEM slot and TMA.
 Column sums run on the tensor core: a WGMMA of a one-hot (64, 64) A (row j all ones) with the
 summed tile as B adds the tile's column sums to row j of a float32 accumulator, which holds 64
 chunks of 64 columns (:data:`MAX_ACCS`). Σ dy reads dy's pipeline stage; Σ dy ⊙ x̂ and Σ dh are
-computed in registers and staged through SMEM as bf16 hi/lo halves (hi + lo = value to ~2⁻¹⁶,
-so the sums keep float32 accuracy). No reduction crosses warps, so the kernel needs no Mosaic
+computed in registers and staged through SMEM as bf16 parts that add up to the float32 value
+(:func:`_split_bf16`: two parts hold a bf16 product exactly, three any float32 value), so the
+sums keep float32 accuracy. A non-finite value spreads further than in XLA's sums: 0 · inf in
+the one-hot's zero rows makes the same column of every other 64-column chunk NaN (the sum is
+non-finite either way). No reduction crosses warps, so the kernel needs no Mosaic
 reduction scratch (``reduction_scratch_bytes=0``): that scratch is one buffer per kernel, and
 two warpgroups reducing across warps at once corrupt each other's sums (session 6,
 ``benchmarks/dev/colsum_layouts.py``).
@@ -93,8 +96,9 @@ MAX_STAGES = 6
 SUMS = ("dscale", "dbias", "ddense")
 """Column sums the kernel can return: Σ dy ⊙ x̂, Σ dy, Σ dh (float32, over the M rows)."""
 STAGED_SUMS = ("dscale", "ddense")
-"""Column sums of values computed in registers, staged through SMEM as bf16 hi/lo halves for the
-tensor core (Σ dy reads dy's pipeline stage directly)."""
+"""Column sums of values computed in registers, staged through SMEM as bf16 parts for the tensor
+core (:func:`_split_bf16`; Σ dy reads dy's pipeline stage directly)."""
+_BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 
 
 def _accs_per_sum(n: int) -> int:
@@ -161,6 +165,19 @@ class _Plan:
   def staged(self) -> tuple[str, ...]:
     return tuple(q for q in self.sums if q in STAGED_SUMS)
 
+  def parts(self, q: str) -> int:
+    """bf16 parts of sum q's staged values: a product of two bf16 values has at most 16
+    significant bits, so two parts hold it exactly; float16 products (22 bits) and Σ dh's
+    float32 values (24) take three."""
+    return 2 if q == "dscale" and self.dtype == _BF16 else 3
+
+  def first_tile(self, q: str) -> int:  # index of sum q's first staged tile
+    return sum(self.parts(p) for p in self.staged[:self.staged.index(q)])
+
+  @property
+  def staged_tiles(self) -> int:
+    return sum(self.parts(q) for q in self.staged)
+
   @property
   def accs_per_sum(self) -> int:
     return _accs_per_sum(self.n)
@@ -181,16 +198,16 @@ def _stage_bytes(plan: _Plan) -> int:
 
 def _fixed_bytes(plan: _Plan) -> int:
   out = CONSUMERS * OUT_SLOTS * WG_ROWS * CHUNK * jnp.dtype(plan.dtype).itemsize
-  staging = CONSUMERS * _staged_f32_tiles(plan) * WG_ROWS * CHUNK * 4  # also the readout
+  staging = CONSUMERS * _staging_tiles(plan) * WG_ROWS * CHUNK * 2  # also the readout
   one_hots = CONSUMERS * _one_hot_tiles(plan) * ACC_ROWS * WG_ROWS * 2
   row_sums = 2 * CONSUMERS * 2 * WG_ROWS * 4
   return out + staging + one_hots + row_sums + 4096  # + barriers and alignment
 
 
-def _staged_f32_tiles(plan: _Plan) -> int:
-  """Per warpgroup, the staging SMEM in float32 (64, 64) tiles: one per staged sum (its two
-  bf16 halves), at least one for the accumulators' readout."""
-  return max(1, len(plan.staged))
+def _staging_tiles(plan: _Plan) -> int:
+  """Per warpgroup, the staging SMEM in bf16 (64, 64) tiles: the staged sums' parts, at least
+  the two that the accumulators' float32 readout takes."""
+  return max(2, plan.staged_tiles)
 
 
 def _one_hot_tiles(plan: _Plan) -> int:
@@ -214,11 +231,18 @@ def _one_hot_rows(row, dtype):
   return plgpu.layout_cast(jnp.where(rows == row, 1.0, 0.0).astype(dtype), plgpu.Layout.WGMMA)
 
 
-def _split_bf16(value):
-  """bf16 ``(hi, lo)`` with hi + lo = value to ~2⁻¹⁶ relative: a tensor-core sum of both keeps
-  nearly float32 accuracy (and bf16's range, whatever the input dtype)."""
-  hi = value.astype(_BF16)
-  return hi, (value - hi.astype(_F32)).astype(_BF16)
+def _split_bf16(value, parts: int):
+  """``parts`` bf16 tiles that add up to the float32 ``value``: each holds the rounding error
+  of the ones before it, so two parts keep 16 significant bits and three all 24 (float32);
+  the tensor core adds them in float32. The first part is clamped to bf16's largest finite
+  value, so a float32 value above it (up to float32's max) stays finite."""
+  out, rest = [], value
+  for i in range(parts):
+    part = (jnp.clip(rest, -_BF16_MAX, _BF16_MAX) if i == 0 else rest).astype(_BF16)
+    out.append(part)
+    if i + 1 < parts:
+      rest = rest - part.astype(_F32)
+  return out
 
 
 def _kernel(*refs, plan: _Plan):
@@ -254,12 +278,12 @@ def _kernel(*refs, plan: _Plan):
       pl.run_scoped,
       out_smem=plgpu.SMEM((CONSUMERS, OUT_SLOTS, WG_ROWS, CHUNK), plan.dtype,
                           transforms=transforms),
-      # Staged bf16 hi/lo tiles of the column-summed values; at the end, the accumulators'
-      # float32 readout, once both warpgroups are past their last staging (``done``).
+      # Staged bf16 parts of the column-summed values; at the end, the accumulators' float32
+      # readout, once both warpgroups are past their last staging (``done``).
       sum_smem=plgpu.RefUnion(
-          plgpu.SMEM((CONSUMERS, 2 * _staged_f32_tiles(plan), WG_ROWS, CHUNK), _BF16,
+          plgpu.SMEM((CONSUMERS, _staging_tiles(plan), WG_ROWS, CHUNK), _BF16,
                      transforms=mgpu_common.swizzle_transforms(CHUNK, _BF16)),
-          plgpu.SMEM((CONSUMERS, _staged_f32_tiles(plan), ACC_ROWS, CHUNK), _F32)),
+          plgpu.SMEM((CONSUMERS, ACC_ROWS, CHUNK), _F32)),
       one_hot_smem=tuple(  # per A dtype
           plgpu.SMEM((CONSUMERS, plan.accs_per_sum, ACC_ROWS, WG_ROWS), dtype,
                      transforms=mgpu_common.swizzle_transforms(WG_ROWS, dtype))
@@ -285,9 +309,9 @@ def _kernel(*refs, plan: _Plan):
       (SMEM, written here) with the value's tile as B, so no reduction crosses warps. Sum q's
       accumulators are ``accs[q · accs_per_sum + j // 64]``. The caller waits for the WGMMAs
       before the SMEM they read is reused."""
-      for i, q in enumerate(plan.staged):
-        for h, part in enumerate(_split_bf16(values[q])):
-          stage_smem[wg, 2 * i + h] = part
+      for q in plan.staged:
+        for h, part in enumerate(_split_bf16(values[q], plan.parts(q))):
+          stage_smem[wg, plan.first_tile(q) + h] = part
       one_hot = dict(zip(plan.one_hot_dtypes, one_hot_smem))
       for k in range(plan.accs_per_sum):
         for dtype, ref in one_hot.items():
@@ -298,9 +322,8 @@ def _kernel(*refs, plan: _Plan):
           acc = accs[qi * plan.accs_per_sum + k]
           if q in STAGED_SUMS:
             a = one_hot[_BF16].at[wg, k]
-            i = plan.staged.index(q)
-            plgpu.wgmma(acc, a, stage_smem.at[wg, 2 * i])
-            plgpu.wgmma(acc, a, stage_smem.at[wg, 2 * i + 1])
+            for h in range(plan.parts(q)):
+              plgpu.wgmma(acc, a, stage_smem.at[wg, plan.first_tile(q) + h])
           else:  # dbias: dy's own tile
             a = one_hot[plan.dtype].at[wg, k]
             plgpu.wgmma(acc, a, dy_tile)
@@ -389,9 +412,9 @@ def _kernel(*refs, plan: _Plan):
           plgpu.barrier_wait(done)
         for k, acc in enumerate(accs):
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous readout's store
-          readout_smem[wg, 0] = acc[...]
+          readout_smem[wg] = acc[...]
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(readout_smem.at[wg, 0], sums_gmem.at[cta, wg, k])
+          plgpu.copy_smem_to_gmem(readout_smem.at[wg], sums_gmem.at[cta, wg, k])
         plgpu.wait_smem_to_gmem(0)
 
       if plan.sums:
