@@ -370,10 +370,15 @@ def delay_release_for(delay_release: int, stages: int) -> int:
   return delay_release if stages > delay_release else 0
 
 
-def plan_delay_release(cfg: TileConfig, stages: int) -> int:
+def plan_delay_release(cfg: TileConfig, stages: int, a_in_registers: bool = False) -> int:
   """The WGMMA groups a kernel's consumers leave in flight across K steps under ``cfg``: 0 with
-  ping-pong consumers (their rings wait for every WGMMA), else :func:`delay_release_for`."""
-  return 0 if cfg.pingpong else delay_release_for(cfg.delay_release, stages)
+  ping-pong consumers (their rings wait for every WGMMA) or an A operand in registers (a WGMMA
+  left in flight still reads its A registers while the next step loads new ones: wrong results
+  on the H200 for M % 8 ≠ 0, where ``a_operand="auto"`` takes registers; session 7's full GPU
+  run), else :func:`delay_release_for`."""
+  if cfg.pingpong or a_in_registers:
+    return 0
+  return delay_release_for(cfg.delay_release, stages)
 
 
 def tile_pipeline_state(first, last):

@@ -936,3 +936,13 @@ def test_pick_config_stats_once(m, k, n, once):
   """Statistics once per row block only with several N tiles, >= 8 waves of row blocks, and
   row blocks in flight that fit in L2 (K = 2048 does not: measured slower on the H200)."""
   assert nmk.pick_config(m, k, n).stats_once is once
+
+
+def test_delay_release_off_with_register_a_operand():
+  """A WGMMA left in flight across K steps would still read its A registers while the next step
+  loads new ones (wrong y on the H200 for M % 8 != 0 with delay_release=1), so plans with a
+  register A operand run with delay_release 0, forward and dx alike."""
+  cfg = TileConfig(delay_release=1)
+  assert mgpu_common.plan_delay_release(cfg, 4) == 1
+  assert mgpu_common.plan_delay_release(cfg, 4, a_in_registers=True) == 0
+  assert mgpu_common.plan_delay_release(TileConfig(), 4, a_in_registers=True) == 0

@@ -194,7 +194,7 @@ class _Plan:
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu_common.plan_delay_release(self.cfg, self.stages)
+    return mgpu_common.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
 
   @property
   def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused,

@@ -190,7 +190,7 @@ class _Plan:
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu_common.plan_delay_release(self.cfg, self.stages)
+    return mgpu_common.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
 
   @property
   def n_vecs(self) -> int:  # col_sum and/or out_bias rows in the per-warpgroup vector buffer
