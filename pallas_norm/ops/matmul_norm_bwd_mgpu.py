@@ -305,12 +305,13 @@ def _kernel(*refs, plan: _Plan):
     zero_parts = (mgpu_common.lane_partial_zeros(WG_ROWS),) * 2
 
     def add_column_sums(accs, j, dy_tile, values):
-      """Issue acc[j] += Σ_rows value for each column sum of chunk j: WGMMAs of a one-hot A
+      """Issue acc[j] += Σ_rows value for each column sum of chunk j (``values``: name → a
+      function giving the (64, 64) float32 tile, called only for the requested sums): WGMMAs of a one-hot A
       (SMEM, written here) with the value's tile as B, so no reduction crosses warps. Sum q's
       accumulators are ``accs[q · accs_per_sum + j // 64]``. The caller waits for the WGMMAs
       before the SMEM they read is reused."""
       for q in plan.staged:
-        for h, part in enumerate(_split_bf16(values[q], plan.parts(q))):
+        for h, part in enumerate(_split_bf16(values[q](), plan.parts(q))):
           stage_smem[wg, plan.first_tile(q) + h] = part
       one_hot = dict(zip(plan.one_hot_dtypes, one_hot_smem))
       for k in range(plan.accs_per_sum):
@@ -387,7 +388,8 @@ def _kernel(*refs, plan: _Plan):
         if plan.has_dh_out:
           dh = dh + plgpu.load(tile(dho_smem), layout=wgmma).astype(_F32)
         if plan.sums:
-          add_column_sums(accs, j, tile(dy_smem), {"dscale": dy * xhat, "ddense": dh})
+          add_column_sums(accs, j, tile(dy_smem), {"dscale": lambda: dy * xhat,
+                                                   "ddense": lambda: dh})
         slot = (r * steps + c) % OUT_SLOTS
         # The store that last read this slot (OUT_SLOTS stores ago) must be done.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
