@@ -194,30 +194,23 @@ def _norm_backward(norm, dy, xhat, rstd, scale):
   return dh * rstd[:, None]
 
 
-NORM_BACKWARD_KERNEL: bool | None = None
+NORM_BACKWARD_KERNEL: bool = True
 """Whether the kernel implementations ("mosaic", "interpret") run dh and the column sums as one
 Mosaic-GPU kernel (:func:`pallas_norm.ops.matmul_norm_bwd_mgpu.norm_backward`) where it takes
-the shape, instead of XLA's passes. None (default): where measured faster,
-:func:`norm_backward_kernel_pays`; True / False force it. Read when the backward is traced."""
+the shape, instead of XLA's passes. Read when the backward is traced. On by default for both
+norms: H200, 262144 rows, bf16 (``benchmarks/gpu_norm_backward.py``, session 7; dh plus the
+column sums of scale (and bias), kernel vs XLA's passes, µs):
 
+============  ==========  ==========  ===========
+N             512         1024        2048
+============  ==========  ==========  ===========
+RMSNorm       299 / 351   592 / 682   1334 / 1331
+LayerNorm     317 / 416   644 / 796   1359 / 1564
+============  ==========  ==========  ===========
 
-def norm_backward_kernel_pays(norm: str) -> bool:
-  """The default of :data:`NORM_BACKWARD_KERNEL`: both norms. H200, 262144 rows, bf16
-  (``benchmarks/gpu_norm_backward.py``, session 7; dh plus the column sums of scale (and bias),
-  kernel vs XLA's passes, µs):
-
-  ============  ==========  ==========  ===========
-  N             512         1024        2048
-  ============  ==========  ==========  ===========
-  RMSNorm       299 / 351   592 / 682   1334 / 1331
-  LayerNorm     317 / 416   644 / 796   1359 / 1564
-  ============  ==========  ==========  ===========
-
-  The public op's fwd+bwd at K = 512: LayerNorm + residual 1173 vs 1269 µs (N = 512) and 2425
-  vs 2592 (N = 1024); RMSNorm 1050 vs 1101 and 2105 vs 2203. (Session 6's one-warpgroup kernel
-  was slower than XLA for LayerNorm, so it served RMSNorm only.)"""
-  del norm
-  return True
+The public op's fwd+bwd at K = 512: LayerNorm + residual 1173 vs 1269 µs (N = 512) and 2425 vs
+2592 (N = 1024); RMSNorm 1050 vs 1101 and 2105 vs 2203. (Session 6's one-warpgroup kernel was
+slower than XLA for LayerNorm, so it served RMSNorm only.)"""
 
 
 def _norm_backward_xla(norm, dy_out, dh_out, xhat, rstd, scale, sums):
@@ -270,9 +263,7 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, sav
     dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
   sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
                if v is not None)
-  use_kernel = (norm_backward_kernel_pays(norm) if NORM_BACKWARD_KERNEL is None
-                else NORM_BACKWARD_KERNEL)
-  if (use_kernel and implementation in ("mosaic", "interpret")
+  if (NORM_BACKWARD_KERNEL and implementation in ("mosaic", "interpret")
       and _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x.dtype) is None):
     dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
                                     interpret=implementation == "interpret")
