@@ -304,20 +304,23 @@ def _kernel(*refs, plan: _Plan):
     wgmma = plgpu.Layout.WGMMA
     zero_parts = (mgpu_common.lane_partial_zeros(WG_ROWS),) * 2
 
-    def add_column_sums(accs, j, dy_tile, values):
-      """Issue acc[j] += Σ_rows value for each column sum of chunk j (``values``: name → a
-      function giving the (64, 64) float32 tile, called only for the requested sums): WGMMAs of a one-hot A
-      (SMEM, written here) with the value's tile as B, so no reduction crosses warps. Sum q's
-      accumulators are ``accs[q · accs_per_sum + j // 64]``. The caller waits for the WGMMAs
-      before the SMEM they read is reused."""
+    def stage_column_sums(j, values):
+      """Write the SMEM operands of chunk j's column sums: each staged sum's bf16 parts
+      (``values``: name → a function giving its (64, 64) float32 tile, called only for the
+      requested sums) and the one-hot A tiles. The caller commits them (``commit_smem``)."""
       for q in plan.staged:
         for h, part in enumerate(_split_bf16(values[q](), plan.parts(q))):
           stage_smem[wg, plan.first_tile(q) + h] = part
-      one_hot = dict(zip(plan.one_hot_dtypes, one_hot_smem))
-      for k in range(plan.accs_per_sum):
-        for dtype, ref in one_hot.items():
+      for dtype, ref in zip(plan.one_hot_dtypes, one_hot_smem):
+        for k in range(plan.accs_per_sum):
           ref[wg, k] = _one_hot_rows(j - k * ACC_ROWS, dtype)
-      plgpu.commit_smem()  # the staged tiles, visible to the tensor core (async proxy)
+
+    def add_column_sums(accs, dy_tile):
+      """Issue acc[j] += Σ_rows value for each column sum of the staged chunk j: WGMMAs of the
+      one-hot A with the value's tile as B, so no reduction crosses warps. Sum q's
+      accumulators are ``accs[q · accs_per_sum + j // 64]``. The caller waits for the WGMMAs
+      before the SMEM they read is reused."""
+      one_hot = dict(zip(plan.one_hot_dtypes, one_hot_smem))
       for qi, q in enumerate(plan.sums):
         for k in range(plan.accs_per_sum):
           acc = accs[qi * plan.accs_per_sum + k]
@@ -326,8 +329,7 @@ def _kernel(*refs, plan: _Plan):
             for h in range(plan.parts(q)):
               plgpu.wgmma(acc, a, stage_smem.at[wg, plan.first_tile(q) + h])
           else:  # dbias: dy's own tile
-            a = one_hot[plan.dtype].at[wg, k]
-            plgpu.wgmma(acc, a, dy_tile)
+            plgpu.wgmma(acc, one_hot[plan.dtype].at[wg, k], dy_tile)
 
     def row_means(r, gx_part, g_part):
       """mean_N(g ⊙ x̂) and mean_N(g) of this warpgroup's rows, in the row layout."""
@@ -377,7 +379,9 @@ def _kernel(*refs, plan: _Plan):
         def _await_row_sums():
           plgpu.barrier_wait(row_sums_ready)
 
-      @pl.when((p == 1) & valid & in_n)
+      second_pass = (p == 1) & valid & in_n
+
+      @pl.when(second_pass)
       def _second_pass():
         mean_gx, mean_g = row_means(r, gx_part, g_part)
         inner = g - xhat * lax.broadcast_in_dim(mean_gx, g.shape, [0])
@@ -388,21 +392,28 @@ def _kernel(*refs, plan: _Plan):
         if plan.has_dh_out:
           dh = dh + plgpu.load(tile(dho_smem), layout=wgmma).astype(_F32)
         if plan.sums:
-          add_column_sums(accs, j, tile(dy_smem), {"dscale": lambda: dy * xhat,
-                                                   "ddense": lambda: dh})
+          stage_column_sums(j, {"dscale": lambda: dy * xhat, "ddense": lambda: dh})
         slot = (r * steps + c) % OUT_SLOTS
         # The store that last read this slot (OUT_SLOTS stores ago) must be done.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
         out_smem[wg, slot] = dh.astype(plan.dtype)
+        # One fence and barrier for all of this step's SMEM writes (read next by the tensor
+        # core and the TMA store), also ordering the stage's reads before its release.
         plgpu.commit_smem()
+        if plan.sums:
+          add_column_sums(accs, tile(dy_smem))
         row0 = (cta + r * plan.ctas) * plan.block_rows + (0 if by_cols else wg * WG_ROWS)
         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
                                 dh_gmem.at[pl.ds(row0, WG_ROWS), pl.ds(j * CHUNK, CHUNK)])
         if plan.sums:  # the stage (dy) and the staged tiles are free once the WGMMAs are done
           plgpu.wgmma_wait(0)
 
-      # The stage's reads (generic proxy) precede its release to the TMA producer (async proxy).
-      plgpu.commit_smem()
+      @pl.when(~second_pass)
+      def _release_reads():
+        # The stage's reads (generic proxy) precede its release to the TMA producer (async
+        # proxy); the second pass's commit_smem already did this.
+        plgpu.commit_smem()
+
       return accs, parts
 
     def compute_context(eval_pipeline):
