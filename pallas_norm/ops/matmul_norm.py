@@ -199,13 +199,14 @@ NORM_BACKWARD_KERNEL: bool = True
 Mosaic-GPU kernel (:func:`pallas_norm.ops.matmul_norm_bwd_mgpu.norm_backward`) where it takes
 the shape, instead of XLA's passes. Read when the backward is traced. On by default for both
 norms: H200, 262144 rows, bf16 (``benchmarks/gpu_norm_backward.py``, session 7; dh plus the
-column sums of scale (and bias), kernel vs XLA's passes, µs):
+column sums of scale (and bias), kernel vs XLA's passes, µs; N = 2048 from an earlier version
+of the kernel, 2-6% slower at N ≤ 1024):
 
 ============  ==========  ==========  ===========
 N             512         1024        2048
 ============  ==========  ==========  ===========
-RMSNorm       299 / 351   592 / 682   1334 / 1331
-LayerNorm     317 / 416   644 / 796   1359 / 1564
+RMSNorm       297 / 351   591 / 681   1334 / 1331
+LayerNorm     316 / 416   616 / 796   1359 / 1564
 ============  ==========  ==========  ===========
 
 The public op's fwd+bwd at K = 512: LayerNorm + residual 1173 vs 1269 µs (N = 512) and 2425 vs

@@ -34,9 +34,10 @@ two warpgroups reducing across warps at once corrupt each other's sums (session 
 ``benchmarks/dev/colsum_layouts.py``).
 
 Measured on the H200 (``benchmarks/gpu_norm_backward.py``, session 7; 262144 rows, bf16, µs,
-kernel vs XLA's passes): RMSNorm (dscale) 299 / 351 at N = 512, 592 / 682 at 1024, 1334 / 1331
-at 2048; LayerNorm (dscale, dbias) 317 / 416, 644 / 796, 1359 / 1564. The "rows" split: 311 /
-328 µs at N = 512 but 727 / 754 at 1024 (its 128-row blocks of all CTAs, 34 MiB at N = 512,
+kernel vs XLA's passes): RMSNorm (dscale) 297 / 351 at N = 512, 591 / 681 at 1024; LayerNorm
+(dscale, dbias) 316 / 416, 616 / 796 (the final code, one ``commit_smem`` per second-pass step;
+an earlier version ran 1334 / 1331 and 1359 / 1564 at N = 2048). The "rows" split: 297 / 317
+µs at N = 512 but 711 / 734 at 1024 (its 128-row blocks of all CTAs, 34 MiB at N = 512,
 no longer stay in L2 between the passes). Session 6's one-warpgroup kernel with cross-warp
 column sums: 334 / 474 at N = 512.
 
@@ -83,9 +84,9 @@ a (64, 128) step, 64 columns each, the row sums of a row block added across the 
 the end of its first pass. "cols" halves the row block, so the L2 holds the blocks of every CTA
 between their two passes up to twice the N."""
 DEFAULT_SPLIT = "cols"
-"""The split :func:`norm_backward` uses (``split=None``): faster at every N measured (session 7,
-H200, 262144 rows, RMSNorm: 299 vs 311 µs at N = 512, 592 vs 727 at 1024, 1334 vs 1452 at
-2048)."""
+"""The split :func:`norm_backward` uses (``split=None``): as fast at N = 512 and faster past it
+(session 7, H200, 262144 rows, RMSNorm: 297 vs 297 µs at N = 512, 591 vs 711 at 1024; an
+earlier version 1334 vs 1452 at 2048)."""
 ACC_ROWS = 64  # rows of one WGMMA accumulator: one chunk of a column sum per row
 MAX_ACCS = 3
 """WGMMA accumulators ((64, 64) float32, 32 registers per thread each) per consumer warpgroup
