@@ -420,7 +420,6 @@ def _kernel(*refs, plan: _Plan):
     def compute_context(eval_pipeline):
       def with_accs(*accs):
         eval_pipeline((accs, zero_parts))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if accs:
           plgpu.barrier_arrive(done)
           plgpu.barrier_wait(done)
