@@ -136,8 +136,10 @@ class TileConfig:
       -3%..+6% of 0 in all three kernels, so 0 is the default everywhere.
     pingpong: each consumer warpgroup owns alternate output tiles of ``tile_m / 2`` rows and its
       own K-loop ring (:class:`PingPongRing`), so one warpgroup's epilogue overlaps the other's
-      WGMMAs; the pipeline options (``max_concurrent_steps`` is the stages per ring,
-      ``pipeline_across_tiles``, ``delay_release``) do not apply. Implemented by the
+      WGMMAs; ``max_concurrent_steps`` is the stages per ring, ``pipeline_across_tiles`` does
+      not apply (a ring always runs across its consumer's tiles) and ``delay_release`` = 1
+      releases each stage one step late (:func:`pingpong_k_loop`). ``tile_m = 256`` gives each
+      warpgroup 128-row tiles (CUTLASS's ping-pong shape at ``tile_n = 128``). Implemented by the
       matmul_norm kernel and both norm_matmul kernels (forward and dx). Measured slower in all
       three on the H200 (1.02-1.7×), likely because two rings of 64-row tiles stream W twice
       per 128 rows.
@@ -174,8 +176,6 @@ class TileConfig:
       raise ValueError(f"tile_k must be a positive multiple of 32, got {self.tile_k}")
     if isinstance(self.delay_release, bool) or self.delay_release not in (0, 1):
       raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
-    if self.pingpong and self.delay_release:
-      raise ValueError("pingpong consumers wait for every WGMMA: delay_release must be 0")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
     if self.wg_tile_m % self.epi_tile_m or self.epi_tile_m % 64:
@@ -372,12 +372,15 @@ def delay_release_for(delay_release: int, stages: int) -> int:
 
 def plan_delay_release(cfg: TileConfig, stages: int, a_in_registers: bool = False) -> int:
   """The WGMMA groups a kernel's consumers leave in flight across K steps under ``cfg``: 0 with
-  ping-pong consumers (their rings wait for every WGMMA) or an A operand in registers (a WGMMA
-  left in flight still reads its A registers while the next step loads new ones: wrong results
-  on the H200 for M % 8 ≠ 0, where ``a_operand="auto"`` takes registers; session 7's full GPU
-  run), else :func:`delay_release_for`."""
-  if cfg.pingpong or a_in_registers:
+  an A operand in registers (a WGMMA left in flight still reads its A registers while the next
+  step loads new ones: wrong results on the H200 for M % 8 ≠ 0, where ``a_operand="auto"``
+  takes registers; session 7's full GPU run) or a one-stage ping-pong ring; with ping-pong
+  consumers ``cfg.delay_release`` (:func:`pingpong_k_loop` releases a step late); else
+  :func:`delay_release_for`."""
+  if a_in_registers:
     return 0
+  if cfg.pingpong:  # a ring runs across its consumer's tiles: any stage count of 2+ can delay
+    return cfg.delay_release if stages > 1 else 0
   return delay_release_for(cfg.delay_release, stages)
 
 
@@ -502,28 +505,41 @@ def pingpong_drain(ring: PingPongRing, consumer, total_steps) -> None:
     plgpu.barrier_wait(ring.consumed.at[consumer * ring.stages + lax.rem(step, ring.stages)])
 
 
-def pingpong_k_loop(ring: PingPongRing, consumer, first_step, steps: int, carry, body=None):
+def pingpong_k_loop(ring: PingPongRing, consumer, first_step, steps: int, carry, body=None, *,
+                    delay_release: int = 0):
   """Consumer: ``steps`` K steps from global step ``first_step``: waits for each stage, runs
   ``body(idxs, x_stage, w_stage, carry) -> carry`` (the signature of a pipeline body; default:
-  one WGMMA into the accumulator ref ``carry``, then waits for it), then releases the stage.
-  The body must leave no WGMMA in flight. Returns the carry."""
+  one WGMMA into the accumulator ref ``carry``, then ``plgpu.wgmma_wait(delay_release)``), then
+  releases the stage. The body must leave at most ``delay_release`` (0 or 1) WGMMA groups in
+  flight: with 1, step s releases the stage of step s − 1 (whose WGMMA the body's wait
+  retired), and the loop ends with ``wgmma_wait(0)`` and the last stage's release, so no
+  WGMMA is in flight on return. Returns the carry."""
   if body is None:
     def body(idxs, x_stage, w_stage, acc):
       del idxs
       plgpu.wgmma(acc, x_stage, w_stage)
-      plgpu.wgmma_wait(0)
+      plgpu.wgmma_wait(delay_release)
       return acc
+
+  def index_of(step):
+    return consumer * ring.stages + lax.rem(step, ring.stages)
 
   def step_body(k, carry):
     step = first_step + k
     slot = lax.rem(step, ring.stages)
-    index = consumer * ring.stages + slot
-    plgpu.barrier_wait(ring.produced.at[index])
+    plgpu.barrier_wait(ring.produced.at[index_of(step)])
     carry = body((k,), ring.x.at[consumer, slot], ring.w.at[consumer, slot], carry)
-    plgpu.barrier_arrive(ring.consumed.at[index])
+    if not delay_release:
+      plgpu.barrier_arrive(ring.consumed.at[index_of(step)])
+    else:  # the WGMMA of step k - 1 has completed: its stage is free
+      pl.when(k > 0)(lambda: plgpu.barrier_arrive(ring.consumed.at[index_of(step - 1)]))
     return carry
 
-  return lax.fori_loop(0, steps, step_body, carry)
+  carry = lax.fori_loop(0, steps, step_body, carry)
+  if delay_release:
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(ring.consumed.at[index_of(first_step + steps - 1)])
+  return carry
 
 
 def pingpong_producer(ring: PingPongRing, units: int, axis: str, steps_per_unit: int,

@@ -857,7 +857,8 @@ def _pingpong_row_blocks(plan: _Plan, ring, ex, x_gmem, w_gmem, tile_col0, prefe
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
       def _acc_scope(acc_ref, nt=nt, col0=col0):
         acc_ref = mgpu_common.pingpong_k_loop(
-            ring, wg, own_index * steps_per_block + nt * plan.k_iters, plan.k_iters, acc_ref)
+            ring, wg, own_index * steps_per_block + nt * plan.k_iters, plan.k_iters, acc_ref,
+            delay_release=plan.delay_release)
         if plan.n_tiles == 1:
           epilogue(acc_ref[...], row0, col0, own_index)
         else:

@@ -590,7 +590,8 @@ def _kernel(*refs, plan: _Plan):
 
       if cfg.pingpong:
         compute_context(lambda acc: mgpu_common.pingpong_k_loop(
-            ring, wg, pingpong_step, plan.red_iters, acc, mma_body))
+            ring, wg, pingpong_step, plan.red_iters, acc, mma_body,
+            delay_release=plan.delay_release))
         return
       # With the fused row terms, every column tile of a row block recomputes the same row
       # sums from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid).

@@ -519,7 +519,8 @@ def _kernel(*refs, plan: _Plan):
 
       if cfg.pingpong:
         compute_context(lambda carry: mgpu_common.pingpong_k_loop(
-            ring, wg, pingpong_step, plan.k_iters, carry, mma_body))
+            ring, wg, pingpong_step, plan.k_iters, carry, mma_body,
+            delay_release=plan.delay_release))
         return
       mgpu_common.run_tile_pipeline(
           functools.partial(make_pipeline, mma_body, compute_context),
