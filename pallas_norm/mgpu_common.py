@@ -57,6 +57,11 @@ __all__ = [
     "pingpong_ring_allocs",
     "pingpong_produce",
     "pingpong_drain",
+    "SharedRing",
+    "shared_ring_allocs",
+    "ring_produce",
+    "ring_drain",
+    "ring_k_loop",
     "pingpong_k_loop",
     "pingpong_producer",
     "pingpong_consumer",
@@ -143,7 +148,13 @@ class TileConfig:
       matmul_norm kernel and both norm_matmul kernels (forward and dx). Measured slower in all
       three on the H200 (1.02-1.7×), likely because two rings of 64-row tiles stream W twice
       per 128 rows.
-    (``epi_slots``, ``cluster_m`` and ``stats_once`` are implemented by the norm_matmul kernels;
+    pipeline: how the K loops are fed. "pallas": ``plgpu.emit_pipeline_warp_specialized``
+      (chained across tiles only when the stages divide the K steps and ``delay_release`` is
+      0). "ring": one hand-written ring both consumers read (:class:`SharedRing`), numbered
+      across the CTA's tiles, so it is always chained, takes any stage count, and can keep a
+      WGMMA in flight (``delay_release`` = 1) — what cuBLAS's cooperative 128×256 kernel does.
+      Implemented by the norm_matmul forward, without clusters or ping-pong.
+    (``epi_slots``, ``cluster_m``, ``stats_once`` and ``pipeline`` are implemented by the norm_matmul kernels;
     a kernel refuses a non-default value of an option it does not implement, with a ValueError
     from :func:`reject_unused_options`.)
   """
@@ -166,6 +177,7 @@ class TileConfig:
   max_clusters: int | None = None
   delay_release: int = 0
   pingpong: bool = False
+  pipeline: Literal["pallas", "ring"] = "pallas"
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -195,6 +207,10 @@ class TileConfig:
     if self.epi_slots < 0:
       raise ValueError(f"epi_slots must be >= 0 (0: one per epilogue tile), got "
                        f"{self.epi_slots}")
+    if self.pipeline not in ("pallas", "ring"):
+      raise ValueError(f"pipeline must be 'pallas' or 'ring', got {self.pipeline!r}")
+    if self.pipeline == "ring" and (self.pingpong or self.cluster_m != 1):
+      raise ValueError("pipeline='ring' does not combine with pingpong or cluster_m > 1")
     if self.cluster_m not in (1, 2, 4):
       raise ValueError(f"cluster_m must be 1, 2 or 4, got {self.cluster_m}")
     if self.max_clusters is not None and self.max_clusters < 1:
@@ -357,9 +373,10 @@ def pipeline_stages(steps: int, max_stages: int, across_tiles: bool,
 
 def stages_for(cfg: TileConfig, steps: int, max_stages: int) -> tuple[int, bool]:
   """(stages, chained) of a kernel's K loop under ``cfg``: :func:`pipeline_stages`, or with
-  ping-pong consumers as many stages per ring as fit, never chained (a ring runs across its
-  consumer's tiles, so its stages need not divide the steps)."""
-  if cfg.pingpong:
+  ping-pong consumers or ``pipeline="ring"`` as many stages as fit and ``chained`` False (a
+  hand-written ring runs across tiles by construction, so its stages need not divide the
+  steps)."""
+  if cfg.pingpong or cfg.pipeline == "ring":
     return max_stages, False
   return pipeline_stages(steps, max_stages, cfg.pipeline_across_tiles, cfg.delay_release)
 
@@ -379,7 +396,7 @@ def plan_delay_release(cfg: TileConfig, stages: int, a_in_registers: bool = Fals
   :func:`delay_release_for`."""
   if a_in_registers:
     return 0
-  if cfg.pingpong:  # a ring runs across its consumer's tiles: any stage count of 2+ can delay
+  if cfg.pingpong or cfg.pipeline == "ring":  # rings run across tiles: 2+ stages can delay
     return cfg.delay_release if stages > 1 else 0
   return delay_release_for(cfg.delay_release, stages)
 
@@ -507,13 +524,24 @@ def pingpong_drain(ring: PingPongRing, consumer, total_steps) -> None:
 
 def pingpong_k_loop(ring: PingPongRing, consumer, first_step, steps: int, carry, body=None, *,
                     delay_release: int = 0):
-  """Consumer: ``steps`` K steps from global step ``first_step``: waits for each stage, runs
-  ``body(idxs, x_stage, w_stage, carry) -> carry`` (the signature of a pipeline body; default:
-  one WGMMA into the accumulator ref ``carry``, then ``plgpu.wgmma_wait(delay_release)``), then
-  releases the stage. The body must leave at most ``delay_release`` (0 or 1) WGMMA groups in
-  flight: with 1, step s releases the stage of step s − 1 (whose WGMMA the body's wait
-  retired), and the loop ends with ``wgmma_wait(0)`` and the last stage's release, so no
-  WGMMA is in flight on return. Returns the carry."""
+  """Consumer ``consumer``'s K loop on its own ring: :func:`ring_k_loop` with its stages."""
+  def stage(step):
+    slot = lax.rem(step, ring.stages)
+    index = consumer * ring.stages + slot
+    return (ring.x.at[consumer, slot], ring.w.at[consumer, slot], ring.produced.at[index],
+            ring.consumed.at[index])
+  return ring_k_loop(stage, first_step, steps, carry, body, delay_release=delay_release)
+
+
+def ring_k_loop(stage, first_step, steps: int, carry, body=None, *, delay_release: int = 0):
+  """Consumer: ``steps`` K steps from global step ``first_step`` of a hand-written ring, where
+  ``stage(step) -> (x_ref, w_ref, produced_barrier, consumed_barrier)``: waits for each stage,
+  runs ``body(idxs, x_stage, w_stage, carry) -> carry`` (the signature of a pipeline body;
+  default: one WGMMA into the accumulator ref ``carry``, then ``plgpu.wgmma_wait(
+  delay_release)``), then releases the stage. The body must leave at most ``delay_release``
+  (0 or 1) WGMMA groups in flight: with 1, step s releases the stage of step s − 1 (whose
+  WGMMA the body's wait retired), and the loop ends with ``wgmma_wait(0)`` and the last stage's
+  release, so no WGMMA is in flight on return. Returns the carry."""
   if body is None:
     def body(idxs, x_stage, w_stage, acc):
       del idxs
@@ -521,24 +549,21 @@ def pingpong_k_loop(ring: PingPongRing, consumer, first_step, steps: int, carry,
       plgpu.wgmma_wait(delay_release)
       return acc
 
-  def index_of(step):
-    return consumer * ring.stages + lax.rem(step, ring.stages)
-
   def step_body(k, carry):
     step = first_step + k
-    slot = lax.rem(step, ring.stages)
-    plgpu.barrier_wait(ring.produced.at[index_of(step)])
-    carry = body((k,), ring.x.at[consumer, slot], ring.w.at[consumer, slot], carry)
+    x_stage, w_stage, produced, consumed = stage(step)
+    plgpu.barrier_wait(produced)
+    carry = body((k,), x_stage, w_stage, carry)
     if not delay_release:
-      plgpu.barrier_arrive(ring.consumed.at[index_of(step)])
+      plgpu.barrier_arrive(consumed)
     else:  # the WGMMA of step k - 1 has completed: its stage is free
-      pl.when(k > 0)(lambda: plgpu.barrier_arrive(ring.consumed.at[index_of(step - 1)]))
+      pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage(step - 1)[3]))
     return carry
 
   carry = lax.fori_loop(0, steps, step_body, carry)
   if delay_release:
     plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(ring.consumed.at[index_of(first_step + steps - 1)])
+    plgpu.barrier_arrive(stage(first_step + steps - 1)[3])
   return carry
 
 
@@ -585,3 +610,59 @@ def pingpong_consumer(units: int, axis: str, unit_fn, last_fn=None) -> None:
 
     if last_fn is not None:
       pl.when(t == loop_info.num_local_steps - 1)(lambda: last_fn(loop_info))
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared ring (TileConfig.pipeline = "ring"): the cooperative schedule (both consumer warpgroups
+# work on one CTA tile, each on its rows) fed by a hand-written ring instead of Pallas's
+# emit_pipeline, so the K loops of a CTA's tiles form one pipeline whatever the stage count and
+# with a WGMMA left in flight across steps (cuBLAS's nvjet 128x256x64, 4 stages, does both).
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedRing:
+  """``x[s]`` (tile_m, tile_k) and ``w[s]`` (tile_k, tile_n) of stage s; ``produced[s]``
+  completes when both TMA copies landed, ``consumed[s]`` when both consumer warpgroups released
+  it. Steps are numbered across the CTA's tiles (its i-th tile's K step k is global step
+  i · k_steps + k, in stage step mod stages), so the producer fills the next tile's stages while
+  the consumers run the current one's epilogue. Every waiter waits for every phase of a barrier
+  in order, so the parities Mosaic tracks stay right."""
+  x: object
+  w: object
+  produced: object
+  consumed: object
+  stages: int
+
+  def stage(self, step):
+    """(x_ref, w_ref, produced, consumed) of global step ``step``: :func:`ring_k_loop`'s
+    ``stage``."""
+    slot = lax.rem(step, self.stages)
+    return self.x.at[slot], self.w.at[slot], self.produced.at[slot], self.consumed.at[slot]
+
+
+def shared_ring_allocs(tile_m: int, tile_k: int, tile_n: int, dtype, stages: int, *,
+                       x_transforms: tuple, w_transforms: tuple) -> dict:
+  """``pl.run_scoped`` allocations of a :class:`SharedRing` (pass them as its fields)."""
+  return dict(
+      x=plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=x_transforms),
+      w=plgpu.SMEM((stages, tile_k, tile_n), dtype, transforms=w_transforms),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one per TMA copy
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))  # one per consumer
+
+
+def ring_produce(ring: SharedRing, step, x_window, w_window) -> None:
+  """Producer: loads global step ``step`` (x and w windows in GMEM) into its stage once both
+  consumers released the stage's previous use."""
+  slot = lax.rem(step, ring.stages)
+  pl.when(step >= ring.stages)(lambda: plgpu.barrier_wait(ring.consumed.at[slot]))
+  plgpu.copy_gmem_to_smem(x_window, ring.x.at[slot], ring.produced.at[slot])
+  plgpu.copy_gmem_to_smem(w_window, ring.w.at[slot], ring.produced.at[slot])
+
+
+def ring_drain(ring: SharedRing, total_steps) -> None:
+  """Producer, after its last load: waits for the releases of the last ``stages`` of its
+  ``total_steps`` steps, so no barrier is left a phase ahead (and no stage is still being read
+  when the kernel's SMEM is reused)."""
+  @pl.loop(lax.max(total_steps - ring.stages, 0), total_steps)
+  def _(step):
+    plgpu.barrier_wait(ring.consumed.at[lax.rem(step, ring.stages)])

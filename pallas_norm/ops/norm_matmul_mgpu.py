@@ -405,7 +405,11 @@ def _kernel(*refs, plan: _Plan):
       pl.run_scoped,
       pipeline_allocs=(
           mgpu_common.pingpong_ring_allocs(wg_m, tile_k, tile_n, plan.dtype, plan.stages)
-          if cfg.pingpong else make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
+          if cfg.pingpong else
+          mgpu_common.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
+                                         x_transforms=x_transforms, w_transforms=w_transforms)
+          if cfg.pipeline == "ring" else
+          make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
       out_smem=plgpu.SMEM((2, out_slots, epi_m, epi_n), plan.out_dtype,
                           transforms=out_transforms),
       vec_smem=plgpu.SMEM((2, plan.n_vecs, tile_n), jnp.float32) if plan.n_vecs else None,
@@ -418,12 +422,14 @@ def _kernel(*refs, plan: _Plan):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
-    def tile(m_idx, n_idx, compute_stats: bool, first, last, pingpong_step=None):
+    def tile(m_idx, n_idx, compute_stats: bool, first, last, pingpong_step=None,
+             ring_step=None):
       """One (tile_m, tile_n) output tile. Without ``compute_stats`` the K loop is a plain GEMM
       and the epilogue reads the statistics that the row block's first N tile left in SMEM.
       ``first``/``last``: whether it is this CTA's first/last tile (chained pipelines). With
       pingpong the tile is this warpgroup's alone (``wg_m`` rows of row block m_idx) and its K
-      loop runs on the warpgroup's ring from global step ``pingpong_step``."""
+      loop runs on the warpgroup's ring from global step ``pingpong_step``; with
+      ``pipeline="ring"`` on the shared ring from global step ``ring_step``."""
       if cfg.pingpong:
         row0 = m_idx * wg_m
       else:
@@ -522,6 +528,11 @@ def _kernel(*refs, plan: _Plan):
             ring, wg, pingpong_step, plan.k_iters, carry, mma_body,
             delay_release=plan.delay_release))
         return
+      if cfg.pipeline == "ring":
+        compute_context(lambda carry: mgpu_common.ring_k_loop(
+            ring.stage, ring_step, plan.k_iters, carry, mma_body,
+            delay_release=plan.delay_release))
+        return
       mgpu_common.run_tile_pipeline(
           functools.partial(make_pipeline, mma_body, compute_context),
           x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
@@ -552,31 +563,64 @@ def _kernel(*refs, plan: _Plan):
       pl.when(wg == 2)(lambda: mgpu_common.pingpong_producer(
           ring, units, "sm", plan.k_iters, windows))
       pl.when(wg < 2)(lambda: mgpu_common.pingpong_consumer(units, "sm", unit))
-    elif cfg.stats_once:
-      # A cluster sweeps all N tiles of its row blocks; only the first K loop reads x for the
-      # statistics.
-      @plgpu.nd_loop((plan.m_units,), collective_axes="sm")
-      def _row_block_loop(loop_info: plgpu.NDLoopInfo):
-        (m_unit,) = loop_info.index
-        m_idx = m_unit * cfg.cluster_m + cta
-        first_block = loop_info.local_index == 0
-        last_block = loop_info.local_index == loop_info.num_local_steps - 1
-        tile(m_idx, 0, compute_stats=True, first=first_block,
-             last=last_block & (plan.n_iters == 1))
-        if plan.n_iters > 1:
-          pl.loop(1, plan.n_iters)(lambda n_idx: tile(
-              m_idx, n_idx, compute_stats=False, first=False,
-              last=last_block & (n_idx == plan.n_iters - 1)))
     else:
-      @plgpu.nd_loop((plan.m_units * plan.n_iters,), collective_axes="sm")
-      def _tile_loop(loop_info: plgpu.NDLoopInfo):
-        (lin_idx,) = loop_info.index
-        # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a strip,
-        # so N varies fastest when M is the strip dimension (0).
-        m_unit, n_idx = unit_tile(lin_idx)
-        tile(m_unit * cfg.cluster_m + cta, n_idx, compute_stats=True,
-             first=loop_info.local_index == 0,
-             last=loop_info.local_index == loop_info.num_local_steps - 1)
+      def for_each_tile(visit):
+        """Calls ``visit(m_idx, n_idx, compute_stats, local_tile, first, last)`` for this
+        CTA's output tiles in order (``local_tile``: tiles it ran before; first/last: its
+        first/last tile). With stats_once a cluster sweeps all N tiles of its row blocks and
+        only the first K loop of a row block reads x for the statistics."""
+        if cfg.stats_once:
+          @plgpu.nd_loop((plan.m_units,), collective_axes="sm")
+          def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+            (m_unit,) = loop_info.index
+            m_idx = m_unit * cfg.cluster_m + cta
+            before = loop_info.local_index * plan.n_iters
+            first_block = loop_info.local_index == 0
+            last_block = loop_info.local_index == loop_info.num_local_steps - 1
+            visit(m_idx, 0, True, before, first_block, last_block & (plan.n_iters == 1))
+            if plan.n_iters > 1:
+              pl.loop(1, plan.n_iters)(lambda n_idx: visit(
+                  m_idx, n_idx, False, before + n_idx, False,
+                  last_block & (n_idx == plan.n_iters - 1)))
+        else:
+          @plgpu.nd_loop((plan.m_units * plan.n_iters,), collective_axes="sm")
+          def _tile_loop(loop_info: plgpu.NDLoopInfo):
+            (lin_idx,) = loop_info.index
+            # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a
+            # strip, so N varies fastest when M is the strip dimension (0).
+            m_unit, n_idx = unit_tile(lin_idx)
+            visit(m_unit * cfg.cluster_m + cta, n_idx, True, loop_info.local_index,
+                  loop_info.local_index == 0,
+                  loop_info.local_index == loop_info.num_local_steps - 1)
+
+      if cfg.pipeline == "ring":
+        ring = mgpu_common.SharedRing(**pipeline_allocs, stages=plan.stages)
+
+        def produce_tile(m_idx, n_idx, local_tile, first, last, *_):
+          rows, cols = pl.ds(m_idx * cfg.tile_m, cfg.tile_m), pl.ds(n_idx * tile_n, tile_n)
+
+          @pl.loop(0, plan.k_iters)
+          def _(kk):
+            ks = pl.ds(kk * tile_k, tile_k)
+            mgpu_common.ring_produce(ring, local_tile * plan.k_iters + kk, x_gmem.at[rows, ks],
+                                     w_gmem.at[ks, cols])
+          pl.when(last)(lambda: mgpu_common.ring_drain(ring, (local_tile + 1) * plan.k_iters))
+
+        @pl.when(wg == 2)
+        def _producer():
+          plgpu.set_max_registers(mgpu_common.PINGPONG_PRODUCER_REGISTERS, action="decrease")
+          for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: produce_tile(
+              m_idx, n_idx, local_tile, first, last))
+
+        @pl.when(wg < 2)
+        def _consumers():
+          plgpu.set_max_registers(mgpu_common.PINGPONG_CONSUMER_REGISTERS, action="increase")
+          for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
+              m_idx, n_idx, compute_stats=stats, first=first, last=last,
+              ring_step=local_tile * plan.k_iters))
+      else:
+        for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
+            m_idx, n_idx, compute_stats=stats, first=first, last=last))
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
