@@ -132,6 +132,21 @@ FORWARD_CASES = [
         tile_n=192, max_concurrent_steps=3, pingpong=True)),
     (77, 192, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(
         tile_m=256, tile_n=128, tile_k=32, pingpong=True)),
+    # The shared ring (the default pipeline; the None rows above run it with one WGMMA in
+    # flight): 3 stages over 5-step K loops numbered across 4 tiles per CTA, without the delay;
+    # with statistics once per row block and the delay; 2 stages with the delay (the producer
+    # refills a stage only after the next step's WGMMA was issued); a one-step K loop; one
+    # tile per CTA (max_clusters=8: the producer drains after its only tile).
+    (300, 320, 128, jnp.bfloat16, "layer", 1e3, True, TileConfig(
+        tile_m=128, tile_n=64, max_concurrent_steps=3, pipeline="ring")),
+    (300, 192, 256, jnp.float16, "layer", 0.0, True, TileConfig(
+        tile_m=128, tile_n=64, stats_once=True, pipeline="ring", delay_release=1)),
+    (200, 256, 192, jnp.bfloat16, "rms", 0.0, False, TileConfig(
+        tile_n=192, max_concurrent_steps=2, pipeline="ring", delay_release=1)),
+    (256, 64, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(
+        tile_n=64, pipeline="ring", delay_release=1)),
+    (256, 128, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(
+        tile_m=128, tile_n=64, pipeline="ring", delay_release=1, max_clusters=8)),
 ]
 
 
@@ -232,6 +247,12 @@ def test_bad_arguments_raise():
     TileConfig(cluster_m=3)
   with pytest.raises(ValueError, match="epi_slots"):
     TileConfig(epi_slots=-1)
+  with pytest.raises(ValueError, match="pipeline"):
+    TileConfig(pipeline="emit")
+  with pytest.raises(ValueError, match="pipeline='ring'"):
+    TileConfig(pipeline="ring", pingpong=True)
+  with pytest.raises(ValueError, match="pipeline='ring'"):
+    TileConfig(pipeline="ring", cluster_m=2)
 
 
 @pytest.mark.parametrize("n,tile_n", [(64, 64), (128, 128), (192, 192), (256, 256), (512, 256),
@@ -287,10 +308,30 @@ def test_pingpong_plan():
                    TileConfig(pingpong=True, stats_once=True), interpret=False)
 
 
+def test_ring_plan():
+  """The default plan: the shared ring takes as many stages as fit whether or not they divide
+  the K steps (never chained through Pallas), with one WGMMA in flight, except with x in
+  registers (M % 8 != 0 on a GPU) or a single stage."""
+  for k, n in ((512, 512), (320, 256), (2048, 2048)):
+    cfg = nmk.pick_config(262144, k, n)
+    assert cfg.pipeline == "ring" and cfg.delay_release == 1
+    plan = nmk._make_plan(262144, k, n, jnp.bfloat16, jnp.bfloat16, "layer", EPS, True, cfg,
+                          interpret=False)
+    assert not plan.chained and plan.delay_release == 1
+    assert plan.stages == min(4, (mgpu_common.SMEM_BYTES - nmk._fixed_smem_bytes(
+        cfg, jnp.bfloat16, plan.n_vecs, plan.n_stats)) // ((cfg.tile_m + cfg.tile_n) * 64 * 2))
+  odd = nmk._make_plan(262144 + 77, 512, 512, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False,
+                       nmk.pick_config(262144 + 77, 512, 512), interpret=False)
+  assert odd.a_in_registers and odd.delay_release == 0
+  # The ping-pong config built from it goes back to Pallas's pipelines.
+  pp = nmk.pingpong_config(262144, 512, 512)
+  assert pp.pipeline == "pallas" and pp.delay_release == 0
+
+
 def test_dx_refuses_forward_only_options():
   x = jnp.ones((64, 64), jnp.bfloat16)
   r = jnp.ones((64,), jnp.float32)
-  for option in (dict(epi_slots=0), dict(stats="reduce")):
+  for option in (dict(epi_slots=0), dict(stats="reduce"), dict(pipeline="ring")):
     with pytest.raises(ValueError, match=next(iter(option))):
       nmb.norm_matmul_dx(x, x, x, r, r, interpret=True, config=TileConfig(**option))
 
@@ -309,7 +350,9 @@ def test_delay_release_option():
 
 
 def test_seed_shape_plan_is_chained():
-  cfg = nmk.pick_config(262144, 512, 512)
+  """With Pallas's pipelines, the seed shape's tiles still chain (4 stages divide 8 steps)."""
+  cfg = dataclasses.replace(nmk.pick_config(262144, 512, 512), pipeline="pallas",
+                            delay_release=0)
   plan = nmk._make_plan(262144, 512, 512, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False, cfg,
                         interpret=False)
   assert plan.chained and plan.k_iters % plan.stages == 0 and plan.stages >= 2
@@ -389,6 +432,12 @@ def test_gpu_forward_pingpong(m, k, n, norm):
     TileConfig(tile_m=256, tile_n=128, cluster_m=2, epi_slots=0),
     TileConfig(pipeline_across_tiles=False), TileConfig(delay_release=1),
     TileConfig(epi_tile_n=32, stats_once=True, delay_release=1),
+    # The shared ring: without the delay; with stats once per row block; 3 stages over 8
+    # K steps (no divisor); 256-row tiles.
+    TileConfig(epi_tile_n=32, pipeline="ring"),
+    TileConfig(epi_tile_n=32, stats_once=True, pipeline="ring", delay_release=1),
+    TileConfig(max_concurrent_steps=3, pipeline="ring", delay_release=1),
+    TileConfig(tile_m=256, tile_n=128, pipeline="ring", delay_release=1),
 ])
 @pytest.mark.parametrize("m", [8192, 8192 + 77])  # 64 or 65 row blocks (a cluster's tail)
 @pytest.mark.parametrize("norm", ["rms", "layer"])

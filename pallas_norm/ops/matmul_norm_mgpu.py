@@ -256,7 +256,7 @@ def _smem_bytes_besides_pipeline(p: _Plan) -> int:
 
 
 _UNUSED_OPTIONS = ("stats", "fence_reads", "a_operand", "epi_slots", "cluster_m", "stats_once",
-                   "grid_minor_dim", "grid_tile_width")
+                   "grid_minor_dim", "grid_tile_width", "pipeline")
 """TileConfig options of the pre-norm kernels that this kernel does not implement (its clusters
 share a row block along N and are sized by N; it reads no A tile outside WGMMA)."""
 

@@ -138,7 +138,10 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   tile_n: the widest WGMMA N in {256, 192, 128, 64} that wastes the least padding on N (so
   N = 64/128/192 get one N tile). tile_m: 128 rows (64 per consumer warpgroup), 256 when the N
   tile is at most 128 wide (keeps the accumulator at 128 registers per thread). tile_k 64 (one
-  128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4).
+  128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4), fed by
+  the shared ring with one WGMMA in flight (``pipeline="ring"``, ``delay_release=1``; H200,
+  session 8: equal to Pallas's chained pipeline where the statistics run once per row block,
+  and faster where they run in every K loop, e.g. RMSNorm at 65536×2048²: 733 vs 790 µs).
   ``stats_once`` when N has several tiles, M at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row
   blocks, and the row blocks in flight fit :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
   steps where 64×64 does not (chained pipelines need one: at 128×256 tiles and K = 512,
@@ -153,7 +156,8 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   stats_once = (-(-n // tile_n) > 1 and -(-m // tile_m) >= STATS_ONCE_MIN_ROW_BLOCKS
                 and 132 * tile_m * k * 2 <= STATS_ONCE_MAX_X_BYTES)
   base = TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
-                    epi_tile_m=64, epi_tile_n=64, stats_once=stats_once)
+                    epi_tile_m=64, epi_tile_n=64, stats_once=stats_once, pipeline="ring",
+                    delay_release=1)
   narrow = dataclasses.replace(base, epi_tile_n=32)
   return narrow if _chained_stages(narrow, k) > _chained_stages(base, k) else base
 
@@ -252,6 +256,7 @@ def pingpong_config(m: int, k: int, n: int) -> TileConfig:
   223 (a consumer's 64-row tile streams the whole W tile per 64 rows; benchmarks/NOTES.md)."""
   base = pick_config(m, k, n)
   return dataclasses.replace(base, pingpong=True, stats_once=False, cluster_m=1,
+                             pipeline="pallas", delay_release=0,
                              tile_k=32 if k % 32 == 0 else base.tile_k)
 
 

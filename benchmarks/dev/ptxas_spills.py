@@ -1,0 +1,76 @@
+"""Dev diagnostic (session 8): registers and spills of the forward kernels as ptxas reports them.
+
+Compiles (and runs once) the pre-norm forward (GEMM, RMSNorm, LayerNorm; default config and
+LayerNorm with statistics in every K loop) and the post-norm forward at 262144×512², with
+Mosaic GPU's dumps on (``MOSAIC_GPU_DUMP_TO``, set by this script before JAX loads), then
+prints each kernel's ptxas lines about registers, spills and stack. Question: does LayerNorm's
+extra cost over RMSNorm (~10% of the pre-norm forward) come from spilled registers?
+
+    PYTHONPATH=$PWD python3 benchmarks/dev/ptxas_spills.py   # dumps under $OUT/mgpu_dump
+"""
+import os
+import re
+import sys
+
+DUMP = os.path.join(os.environ.get("OUT", "/tmp"), "mgpu_dump")
+os.makedirs(DUMP, exist_ok=True)
+os.environ["MOSAIC_GPU_DUMP_TO"] = DUMP
+
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_norm.ops import matmul_norm_mgpu as mnk  # noqa: E402
+from pallas_norm.ops import norm_matmul_mgpu as nmk  # noqa: E402
+
+M, K, N = 262144, 512, 512
+
+
+def cases():
+  base = nmk.pick_config(M, K, N)
+  every_loop = dataclasses.replace(base, stats_once=False)
+  for label, norm, cfg in (("pre_gemm", "none", base), ("pre_rms", "rms", base),
+                           ("pre_ln", "layer", base), ("pre_ln_every_loop", "layer", every_loop),
+                           ("pre_ln_pallas", "layer", dataclasses.replace(
+                               base, pipeline="pallas", delay_release=0))):
+    def fn(x, w, c, norm=norm, cfg=cfg):
+      return nmk.norm_matmul_fwd(x, w, c if norm == "layer" else None, None, norm=norm,
+                                 eps=1e-6, out_dtype=jnp.bfloat16, config=cfg)
+    yield label, fn
+  for n in (512, 1024):
+    yield f"post_ln_{n}", lambda x, w, c, n=n: mnk.matmul_norm_fwd(
+        x, w[:, :1] * jnp.ones((1, n), w.dtype), norm="layer", eps=1e-6)
+
+
+def main():
+  x = jnp.ones((M, K), jnp.bfloat16)
+  w = jnp.ones((K, N), jnp.bfloat16) / K
+  c = jnp.ones((N,), jnp.float32)
+  for label, fn in cases():
+    before = set(os.listdir(DUMP))
+    try:
+      jax.block_until_ready(jax.jit(fn)(x, w, c))
+    except Exception as e:  # noqa: BLE001
+      print(f"{label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    new = sorted(set(os.listdir(DUMP)) - before)
+    print(f"\n== {label}: {len(new)} new dump files", flush=True)
+    for name in new:
+      path = os.path.join(DUMP, name)
+      if not os.path.isfile(path):
+        continue
+      text = open(path, errors="replace").read()
+      lines = [l for l in text.splitlines()
+               if re.search(r"spill|registers|stack frame|Used \d+", l, re.I)]
+      sass = name.endswith(".sass") or "sass" in name
+      stl = len(re.findall(r"\bSTL\b", text)) if sass else None
+      ldl = len(re.findall(r"\bLDL\b", text)) if sass else None
+      if lines or stl:
+        print(f"  {name}: " + " | ".join(l.strip() for l in lines[:6])
+              + (f"  [SASS: {stl} STL, {ldl} LDL]" if sass else ""), flush=True)
+  print("\ndump files:", sorted(os.listdir(DUMP))[:40], file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()
