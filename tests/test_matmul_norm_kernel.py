@@ -162,6 +162,30 @@ def test_forward_interpret_delay_release(m, k, n, norm):
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
 
 
+@pytest.mark.parametrize("m,k,n,norm,use,delay,stages,extras", [
+    (300, 256, 256, "layer", ("scale", "bias"), 1, 3, False),  # 3 stages over 4 K steps
+    (77, 128, 512, "rms", ("scale",), 1, 2, True),  # 2 N tiles per CTA: two-pass epilogue
+    (300, 64, 768, "layer", ("dense_bias", "scale", "residual"), 0, 2, True),  # 4 tiles, 1 step
+    (520, 192, 64, "rms", ("bias", "residual"), 1, 2, True),  # 256-row CTA tiles (tile_n 64)
+])
+def test_forward_interpret_ring(m, k, n, norm, use, delay, stages, extras):
+  """The shared ring (TileConfig.pipeline="ring"): K steps numbered across the CTA's row blocks
+  and N tiles, with and without a WGMMA in flight, stage counts that do not divide the steps;
+  race detection on."""
+  args, _ = _inputs(m * 5 + k + n, m, k, n, jnp.bfloat16, mean_offset=3.0)
+  args = _pick(args, use)
+  cfg = dataclasses.replace(mk.pick_config(m, k, n), pipeline="ring", delay_release=delay,
+                            max_concurrent_steps=stages)
+  vecs = tuple(v for v in ("dense_bias", "scale", "bias") if v in use)
+  plan = mk._make_plan((m, k), n, jnp.bfloat16, jnp.bfloat16, norm, 1e-5, vecs,
+                       "residual" in use, extras, extras, extras, cfg, True, False)
+  assert plan.stages == stages and plan.delay_release == delay and not plan.chained
+  out = _run_kernel(args, norm, return_h=extras, return_xhat=extras, return_stats=extras,
+                    interpret=True, config=cfg)
+  assert not mgpu_common.races_found()
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), extras, extras, extras)
+
+
 @pytest.mark.parametrize("m,k,n,norm,use", [
     (300, 128, 256, "layer", ALL),      # 5 row blocks of 64 on 2 CTAs: 3 and 2, alternating
     (64, 64, 256, "rms", ("scale",)),   # one row block: the second consumer has none
@@ -200,8 +224,7 @@ def test_pingpong_plan():
 
 @pytest.mark.parametrize("option", [dict(stats_once=True), dict(cluster_m=2),
                                     dict(a_operand="registers"), dict(epi_slots=0),
-                                    dict(stats="reduce"), dict(grid_minor_dim="m"),
-                                    dict(pipeline="ring")])
+                                    dict(stats="reduce"), dict(grid_minor_dim="m")])
 def test_options_of_other_kernels_are_refused(option):
   """TileConfig options only the pre-norm kernels implement are refused here, with or without
   pingpong, before any kernel runs (a review found them silently ignored)."""
@@ -211,6 +234,14 @@ def test_options_of_other_kernels_are_refused(option):
     with pytest.raises(ValueError, match=next(iter(option))):
       mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True,
                          config=dataclasses.replace(base, **option))
+
+
+def test_ring_refuses_multicast():
+  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+  cfg = dataclasses.replace(mk.pick_config(64, 64, 64), pipeline="ring")
+  with pytest.raises(ValueError, match="multicast_x"):
+    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, multicast_x=True,
+                       config=cfg)
 
 
 def test_pingpong_refuses_multicast_even_for_one_cta():
@@ -468,6 +499,22 @@ def test_delay_release_lowers_for_hopper(monkeypatch):
   assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
 
 
+@pytest.mark.parametrize("n,exchange,res", [(512, "push", True), (1024, "pull", False),
+                                            (8192, "pull", True)])
+def test_ring_lowers_for_hopper(monkeypatch, n, exchange, res):
+  """TileConfig.pipeline = "ring" lowers for sm_90a with clusters of 2, 4 and 8 (4 N tiles per
+  CTA at N = 8192), both exchanges, with and without a residual."""
+  from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
+  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  bf = jnp.bfloat16
+  cfg = dataclasses.replace(mk.pick_config(4096, 512, n), pipeline="ring", delay_release=1)
+  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 512), (512, n), (n,), (4096, n)]]
+  f = jax.jit(lambda x, w, b, r: mk.matmul_norm_fwd(
+      x, w, residual=r if res else None, scale=b, norm="layer", eps=1e-6, config=cfg,
+      exchange=exchange, return_h=res)[0])
+  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
+
+
 def test_push_exchange_inbox_is_counted_in_smem():
   """The push inbox (c packets of rows × 8 f32 per warpgroup) is in the SMEM budget: with
   clusters of 4 it leaves one pipeline stage fewer than pull (measured slower for that)."""
@@ -573,6 +620,24 @@ def test_forward_gpu_delay_release(m, k, n, norm):
   cfg = dataclasses.replace(mk.pick_config(m, k, n), delay_release=1)
   out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True, config=cfg)
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm,exchange,delay", [
+    (8192 + 5, 512, 256, "layer", None, 1), (8192, 512, 512, "rms", "push", 1),
+    (8192, 512, 1024, "layer", "pull", 0), (8192 + 77, 256, 2048, "layer", None, 1),
+    (4096, 512, 8192, "rms", None, 1)])
+def test_forward_gpu_ring(m, k, n, norm, exchange, delay):
+  """The shared ring (pipeline="ring"), clusters of 1 to 8 (4 N tiles per CTA at N = 8192):
+  right against the reference, and the same bits as Pallas's pipeline (same WGMMA order)."""
+  args, _ = _inputs(m + 3 * n, m, k, n, zero_every=5)
+  flags = dict(return_h=True, return_xhat=True, return_stats=True, exchange=exchange)
+  cfg = dataclasses.replace(mk.pick_config(m, k, n), pipeline="ring", delay_release=delay)
+  out = _run_kernel(args, norm, config=cfg, **flags)
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+  default = _run_kernel(args, norm, config=mk.pick_config(m, k, n), **flags)
+  for a, b in zip(out, default):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.gpu

@@ -256,7 +256,7 @@ def _smem_bytes_besides_pipeline(p: _Plan) -> int:
 
 
 _UNUSED_OPTIONS = ("stats", "fence_reads", "a_operand", "epi_slots", "cluster_m", "stats_once",
-                   "grid_minor_dim", "grid_tile_width", "pipeline")
+                   "grid_minor_dim", "grid_tile_width")
 """TileConfig options of the pre-norm kernels that this kernel does not implement (its clusters
 share a row block along N and are sized by N; it reads no A tile outside WGMMA)."""
 
@@ -281,8 +281,9 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
                n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1,
                exchange=exchange)
-  if cfg.pingpong and multicast_x:
-    raise ValueError("multicast_x needs the shared pipeline: it does not combine with pingpong")
+  if (cfg.pingpong or cfg.pipeline == "ring") and multicast_x:
+    raise ValueError("multicast_x needs Pallas's pipeline: it does not combine with pingpong "
+                     "or pipeline='ring'")
   if cfg.pingpong:  # two rings of (rows of one warpgroup) x and w stages
     stage_bytes = mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n,
                                                    plan.dtype)
@@ -588,7 +589,12 @@ def _kernel(*refs, plan: _Plan):
       pl.run_scoped,
       pipeline_allocs=(
           mgpu_common.pingpong_ring_allocs(wg_m, tile_k, tile_n, plan.dtype, plan.stages)
-          if cfg.pingpong else make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
+          if cfg.pingpong else
+          mgpu_common.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
+                                         x_transforms=in_transforms,
+                                         w_transforms=in_transforms)
+          if cfg.pipeline == "ring" else
+          make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
       # Residual in, y out: the (rows, tile_n) tile of each consumer warpgroup, as column chunks
       # (a TMA copy needs a contiguous SMEM window).
       io_smem=plgpu.SMEM((2, chunks, wg_m, epi_n), plan.out_dtype, transforms=out_transforms),
@@ -778,11 +784,20 @@ def _kernel(*refs, plan: _Plan):
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return
 
-    @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
-    def _row_block_loop(loop_info: plgpu.NDLoopInfo):
-      (m_idx,) = loop_info.index
+    ring = (mgpu_common.SharedRing(**pipeline_allocs, stages=plan.stages)
+            if cfg.pipeline == "ring" else None)
+    steps_per_block = plan.n_tiles * plan.k_iters
+
+    def row_block_loop(body):
+      """``body(m_idx, tile_index, loop_info)`` for the cluster's row blocks in order
+      (``tile_index``: row blocks this cluster did before)."""
+      @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
+      def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+        (m_idx,) = loop_info.index
+        body(m_idx, loop_info.local_index, loop_info)
+
+    def consumer_row_block(m_idx, tile_index, loop_info):
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
-      tile_index = loop_info.local_index  # tiles this cluster did before
 
       def mma_body(idxs, a_smem, b_smem, acc_ref):
         del idxs
@@ -806,6 +821,11 @@ def _kernel(*refs, plan: _Plan):
             else:
               _first_pass(acc_ref[...], row0, col0, t)
 
+        if ring is not None:
+          compute_context(lambda acc, t=t: mgpu_common.ring_k_loop(
+              ring.stage, tile_index * steps_per_block + t * plan.k_iters, plan.k_iters, acc,
+              mma_body, delay_release=plan.delay_release))
+          continue
         first = (tile_index == 0) & (t == 0)
         last = (tile_index == loop_info.num_local_steps - 1) & (t == plan.n_tiles - 1)
         mgpu_common.run_tile_pipeline(
@@ -820,6 +840,32 @@ def _kernel(*refs, plan: _Plan):
         @pl.when(wg < 2)  # the consumer warpgroups; the producer moves on to the next row block
         def _():
           _second_pass(row0, tile_index)
+
+    def producer_row_block(m_idx, tile_index, loop_info):
+      rows = pl.ds(m_idx * cfg.tile_m, cfg.tile_m)
+      first_step = tile_index * steps_per_block
+
+      @pl.loop(0, steps_per_block)
+      def _(s):  # N tile s // k_iters, K step s % k_iters
+        ks = pl.ds(lax.rem(s, plan.k_iters) * tile_k, tile_k)
+        cols = pl.ds(tile_col0(lax.div(s, plan.k_iters)), tile_n)
+        mgpu_common.ring_produce(ring, first_step + s, x_gmem.at[rows, ks], w_gmem.at[ks, cols])
+
+      last = tile_index == loop_info.num_local_steps - 1
+      pl.when(last)(lambda: mgpu_common.ring_drain(ring, first_step + steps_per_block))
+
+    if ring is None:
+      row_block_loop(consumer_row_block)
+    else:
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(mgpu_common.PINGPONG_PRODUCER_REGISTERS, action="decrease")
+        row_block_loop(producer_row_block)
+
+      @pl.when(wg < 2)
+      def _consumers():
+        plgpu.set_max_registers(mgpu_common.PINGPONG_CONSUMER_REGISTERS, action="increase")
+        row_block_loop(consumer_row_block)
 
     _cluster_final_sync(plan, ex, wg)
 
