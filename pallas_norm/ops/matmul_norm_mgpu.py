@@ -10,8 +10,11 @@ backward needs) and the row statistics (mean, rstd).
 
 Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a CTA owns a tile of
 ``tile_m`` rows × ``tile_n`` columns. A TMA producer warpgroup streams the K loop through a
-multi-stage SMEM pipeline (``plgpu.emit_pipeline_warp_specialized``) to two WGMMA consumer
-warpgroups, which split the CTA tile along M (``tile_m // 2`` rows each), so every row of a CTA
+multi-stage SMEM ring (by default the hand-written :class:`pallas_norm.mgpu_common.SharedRing`,
+whose steps are numbered across the CTA's row blocks, so the producer fills the next row block's
+stages while the consumers run the epilogue and the exchange; ``TileConfig.pipeline="pallas"``:
+``plgpu.emit_pipeline_warp_specialized``) to two WGMMA consumer warpgroups, which split the CTA
+tile along M (``tile_m // 2`` rows each), so every row of a CTA
 belongs to exactly one warpgroup. A full row spans N, so when ``N > tile_n`` a *cluster* of
 ``c = N / tile_n`` CTAs (c ∈ {1, 2, 4, 8}) owns the same rows, CTA i the columns
 ``[i·tile_n, (i+1)·tile_n)``. The grid is persistent: each cluster walks row blocks.
@@ -223,14 +226,19 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   cluster in :data:`CLUSTER_SIZES` (past N = 2048: clusters of 8 CTAs looping over up to 4 N
   tiles, :func:`_cluster_split`); 128 rows per CTA (64 per consumer warpgroup), 256 when the
   tile is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
-  as many pipeline stages as SMEM holds (at most 4)."""
+  as many pipeline stages as SMEM holds (at most 4), on the shared ring (``pipeline="ring"``,
+  no WGMMA in flight). H200, session 8 (``benchmarks/results/dev/
+  2026-12-01_s8_matmul_norm_ring_ab.log``, same bits as Pallas's pipeline): LayerNorm at
+  262144×512×{512, 1024, 2048} 316 / 752 / 1466 → 271 / 578 / 1177 µs (y only), with a
+  residual and h 475 / 1077 / 2123 → 442 / 917 / 1897; one WGMMA in flight was slower with a
+  residual (2 stages)."""
   del m, k
   split = _cluster_split(n)
   if split is None:
     raise ValueError(f"N = {n}: {unsupported_reason(1, 64, n, jnp.bfloat16)}")
   tile_n = split[1]
   return TileConfig(tile_m=256 if tile_n <= 128 else 128, tile_n=tile_n, tile_k=64,
-                    max_concurrent_steps=4, epi_tile_m=64, epi_tile_n=64)
+                    max_concurrent_steps=4, epi_tile_m=64, epi_tile_n=64, pipeline="ring")
 
 
 def pingpong_config(m: int, k: int, n: int) -> TileConfig:
@@ -240,7 +248,8 @@ def pingpong_config(m: int, k: int, n: int) -> TileConfig:
   262144×512×N (1.27× at N = 256, 1.10× at 512 and 1024, 1.02× at 2048; likely because a
   64-row tile streams the whole W tile per 64 rows; benchmarks/NOTES.md, session 4)."""
   base = pick_config(m, k, n)
-  return dataclasses.replace(base, pingpong=True, tile_k=32 if k % 32 == 0 else base.tile_k)
+  return dataclasses.replace(base, pingpong=True, pipeline="pallas",
+                             tile_k=32 if k % 32 == 0 else base.tile_k)
 
 
 def _smem_bytes_besides_pipeline(p: _Plan) -> int:
@@ -986,7 +995,9 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       uninitialized memory: :func:`pallas_norm.mgpu_common.interpret_params`). It runs one CTA
       per row block (it cannot read a peer CTA's shared memory), looping over up to 4 N tiles.
     config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
-    multicast_x: with a cluster, let the CTAs share each x tile through a TMA multicast.
+    multicast_x: with a cluster, let the CTAs share each x tile through a TMA multicast
+      (needs Pallas's pipeline: the default config then uses it instead of the shared ring;
+      a config with ``pipeline="ring"`` raises ValueError; measured no faster, NOTES session 3).
     exchange: how a cluster's CTAs share their partial row statistics. None (the default):
       "push" for clusters of 2 when it costs no pipeline stage, else "pull"
       (:func:`_pick_exchange`). "pull": each
@@ -1021,6 +1032,8 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
   m, k = x.shape
   n = w.shape[1]
   cfg = config or pick_config(m, k, n)
+  if config is None and multicast_x:  # x's multicast needs Pallas's cluster-wide pipeline
+    cfg = dataclasses.replace(cfg, pipeline="pallas")
   vecs = tuple(name for name, v in vectors.items() if v is not None)
   padded_m = m + (-m % _ROW_ALIGN)
   make_plan = functools.partial(_make_plan, (padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs,
