@@ -399,6 +399,16 @@ def test_unsupported_reasons():
   assert "out_dtype" in mk.unsupported_reason(8, 64, 64, jnp.bfloat16, jnp.float32)
 
 
+def test_pick_config_pipeline():
+  """The shared ring where it was measured faster (one N tile per CTA), Pallas's pipeline with
+  several N tiles per CTA (measured slower there on the ring) and for multicast_x."""
+  for n in (256, 512, 1024, 2048):
+    assert mk.pick_config(262144, 512, n).pipeline == "ring"
+  for n in (4096, 8192):
+    assert mk.pick_config(262144, 512, n).pipeline == "pallas"
+  assert mk.pingpong_config(262144, 512, 512).pipeline == "pallas"
+
+
 def test_pick_config_cluster_split():
   for n, cluster, tile_n, n_tiles in [
       (64, 1, 64, 1), (256, 1, 256, 1), (384, 2, 192, 1), (512, 2, 256, 1), (768, 4, 192, 1),

@@ -309,22 +309,25 @@ def test_pingpong_plan():
 
 
 def test_ring_plan():
-  """The default plan: the shared ring takes as many stages as fit whether or not they divide
-  the K steps (never chained through Pallas), with one WGMMA in flight, except with x in
-  registers (M % 8 != 0 on a GPU) or a single stage."""
-  for k, n in ((512, 512), (320, 256), (2048, 2048)):
-    cfg = nmk.pick_config(262144, k, n)
-    assert cfg.pipeline == "ring" and cfg.delay_release == 1
-    plan = nmk._make_plan(262144, k, n, jnp.bfloat16, jnp.bfloat16, "layer", EPS, True, cfg,
+  """Where the statistics run in every K loop, the default plan takes the shared ring: as many
+  stages as fit whether or not they divide the K steps (never chained through Pallas), with
+  one WGMMA in flight, except with x in registers (M % 8 != 0 on a GPU). With stats_once it
+  keeps Pallas's chained pipeline."""
+  for m, k, n in ((262144, 2048, 2048), (65536, 2048, 2048), (262144, 320, 256)):
+    cfg = nmk.pick_config(m, k, n)
+    assert not cfg.stats_once and cfg.pipeline == "ring" and cfg.delay_release == 1
+    plan = nmk._make_plan(m, k, n, jnp.bfloat16, jnp.bfloat16, "layer", EPS, True, cfg,
                           interpret=False)
     assert not plan.chained and plan.delay_release == 1
     assert plan.stages == min(4, (mgpu_common.SMEM_BYTES - nmk._fixed_smem_bytes(
         cfg, jnp.bfloat16, plan.n_vecs, plan.n_stats)) // ((cfg.tile_m + cfg.tile_n) * 64 * 2))
-  odd = nmk._make_plan(262144 + 77, 512, 512, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False,
-                       nmk.pick_config(262144 + 77, 512, 512), interpret=False)
+  once = nmk.pick_config(262144, 512, 512)
+  assert once.stats_once and once.pipeline == "pallas" and once.delay_release == 0
+  odd = nmk._make_plan(65536 + 77, 2048, 2048, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False,
+                       nmk.pick_config(65536 + 77, 2048, 2048), interpret=False)
   assert odd.a_in_registers and odd.delay_release == 0
   # The ping-pong config built from it goes back to Pallas's pipelines.
-  pp = nmk.pingpong_config(262144, 512, 512)
+  pp = nmk.pingpong_config(65536, 2048, 2048)
   assert pp.pipeline == "pallas" and pp.delay_release == 0
 
 
@@ -350,9 +353,9 @@ def test_delay_release_option():
 
 
 def test_seed_shape_plan_is_chained():
-  """With Pallas's pipelines, the seed shape's tiles still chain (4 stages divide 8 steps)."""
-  cfg = dataclasses.replace(nmk.pick_config(262144, 512, 512), pipeline="pallas",
-                            delay_release=0)
+  """The seed shape (statistics once per row block) keeps Pallas's pipeline, chained (4
+  stages divide 8 steps)."""
+  cfg = nmk.pick_config(262144, 512, 512)
   plan = nmk._make_plan(262144, 512, 512, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False, cfg,
                         interpret=False)
   assert plan.chained and plan.k_iters % plan.stages == 0 and plan.stages >= 2

@@ -394,7 +394,8 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
   assert pick(mn._kernel_slower_reason(512, "rms")) == "mosaic"
   assert pick(mn._kernel_slower_reason(1024, "rms")) == "xla"
   assert pick(mn._kernel_slower_reason(1024, "layer")) == "mosaic"
-  assert pick(mn._kernel_slower_reason(2048, "layer")) == "xla"
+  assert pick(mn._kernel_slower_reason(2048, "layer")) == "mosaic"
+  assert pick(mn._kernel_slower_reason(4096, "layer")) == "xla"
   # An explicit request is honoured even where the kernel is slower.
   assert _dispatch.choose("op", "mosaic", ok, lambda: "slower") == "mosaic"
 

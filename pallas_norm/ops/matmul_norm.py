@@ -61,13 +61,15 @@ def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) ->
 
 # Widest N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md) measured
 # the op faster than XLA's unfused one in training (forward+backward), without losing more than
-# run-to-run spread forward. LayerNorm (+ residual) at 262144×1024²: session 3 forward 1124 vs
-# 1165 µs, session 5 1193 vs 1157 (within the ±8% spread between runs), fwd+bwd 3780 vs 4657; at
-# N = 2048 the forward ties (K = 512: 1736 vs 1722) or loses (K = 2048: 4028 vs 3688) although
-# fwd+bwd still wins. RMSNorm: N ≤ 512 since session 7's norm-backward kernel (fwd+bwd 226 vs
-# 248 µs at 128², 428 vs 470 at 256², 1050 vs 1058 at 512², forward 285 vs 329 there); at
-# 1024² fwd+bwd loses (3313 vs 3046).
-KERNEL_DEFAULT_MAX_N = {"layer": 1024, "rms": 512}
+# run-to-run spread forward. LayerNorm (+ residual): N ≤ 2048 since session 8's shared-ring K
+# loop (one N tile per CTA up to 2048): forward 1029 vs 1182 µs at 262144×1024², 1448 vs 1747 at
+# 262144×512×2048, 869 vs 937 at 65536×2048², 3928 vs 3752 at 262144×2048² (5%, within the ±8%
+# spread between runs); fwd+bwd 3390 vs 4724, 4655 vs 7234, 2858 vs 3304, 11743 vs 13424. At
+# N = 4096 a CTA loops over N tiles and the forward loses (4796 vs 3207 at K = 512). RMSNorm:
+# N ≤ 512 since session 7's norm-backward kernel (fwd+bwd 221 vs 246 µs at 128², 420 vs 467 at
+# 256², 1048 vs 1057 at 512²); at 1024² and 512×2048 fwd+bwd loses (3283 vs 3044, 4344 vs
+# 4184) although the forward now wins (886 vs 989, 1102 vs 1287).
+KERNEL_DEFAULT_MAX_N = {"layer": 2048, "rms": 512}
 
 
 def _kernel_slower_reason(n: int, norm: str) -> str | None:

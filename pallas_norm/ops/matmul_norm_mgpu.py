@@ -226,19 +226,22 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   cluster in :data:`CLUSTER_SIZES` (past N = 2048: clusters of 8 CTAs looping over up to 4 N
   tiles, :func:`_cluster_split`); 128 rows per CTA (64 per consumer warpgroup), 256 when the
   tile is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
-  as many pipeline stages as SMEM holds (at most 4), on the shared ring (``pipeline="ring"``,
-  no WGMMA in flight). H200, session 8 (``benchmarks/results/dev/
-  2026-12-01_s8_matmul_norm_ring_ab.log``, same bits as Pallas's pipeline): LayerNorm at
-  262144×512×{512, 1024, 2048} 316 / 752 / 1466 → 271 / 578 / 1177 µs (y only), with a
-  residual and h 475 / 1077 / 2123 → 442 / 917 / 1897; one WGMMA in flight was slower with a
-  residual (2 stages)."""
+  as many pipeline stages as SMEM holds (at most 4). With one N tile per CTA (N ≤ 2048) the
+  K loops run on the shared ring (``pipeline="ring"``, no WGMMA in flight). H200, session 8
+  (``benchmarks/results/dev/2026-12-01_s8_matmul_norm_ring_ab.log``, same bits as Pallas's
+  pipeline): LayerNorm at 262144×512×{512, 1024, 2048} 316 / 752 / 1466 → 271 / 578 / 1177
+  µs (y only), with a residual and h 475 / 1077 / 2123 → 442 / 917 / 1897; one WGMMA in
+  flight was slower with a residual (2 stages). With several N tiles per CTA the suite measured
+  the ring 1.1-3.6× slower for LayerNorm + residual (y only; e.g. 32768×4096² 1844 → 6572 µs,
+  not explained yet) while fwd+bwd got faster, so those keep Pallas's pipeline."""
   del m, k
   split = _cluster_split(n)
   if split is None:
     raise ValueError(f"N = {n}: {unsupported_reason(1, 64, n, jnp.bfloat16)}")
-  tile_n = split[1]
+  _, tile_n, n_tiles = split
   return TileConfig(tile_m=256 if tile_n <= 128 else 128, tile_n=tile_n, tile_k=64,
-                    max_concurrent_steps=4, epi_tile_m=64, epi_tile_n=64, pipeline="ring")
+                    max_concurrent_steps=4, epi_tile_m=64, epi_tile_n=64,
+                    pipeline="ring" if n_tiles == 1 else "pallas")
 
 
 def pingpong_config(m: int, k: int, n: int) -> TileConfig:

@@ -138,10 +138,13 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   tile_n: the widest WGMMA N in {256, 192, 128, 64} that wastes the least padding on N (so
   N = 64/128/192 get one N tile). tile_m: 128 rows (64 per consumer warpgroup), 256 when the N
   tile is at most 128 wide (keeps the accumulator at 128 registers per thread). tile_k 64 (one
-  128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4), fed by
-  the shared ring with one WGMMA in flight (``pipeline="ring"``, ``delay_release=1``; H200,
-  session 8: equal to Pallas's chained pipeline where the statistics run once per row block,
-  and faster where they run in every K loop, e.g. RMSNorm at 65536×2048²: 733 vs 790 µs).
+  128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4). When the
+  statistics run in every K loop (not ``stats_once``) the stages come from the shared ring
+  with one WGMMA in flight (``pipeline="ring"``, ``delay_release=1``), which lets the
+  statistics overlap the tensor core. H200, session 8 (suite, ring vs Pallas's chained
+  pipeline): RMSNorm 2994 vs 3185 µs at 262144×2048², 759 vs 801 at 65536×2048², 1528 vs
+  1612 at 32768×4096²; LayerNorm within ±3%. With ``stats_once`` (and for the plain GEMM,
+  norm="none") the two were within ±3%, so those keep Pallas's pipeline.
   ``stats_once`` when N has several tiles, M at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row
   blocks, and the row blocks in flight fit :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
   steps where 64×64 does not (chained pipelines need one: at 128×256 tiles and K = 512,
@@ -155,9 +158,11 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   # outgrow L2 their re-reads go to HBM (K = 2048: 3365 vs 3177 µs).
   stats_once = (-(-n // tile_n) > 1 and -(-m // tile_m) >= STATS_ONCE_MIN_ROW_BLOCKS
                 and 132 * tile_m * k * 2 <= STATS_ONCE_MAX_X_BYTES)
+  # Statistics in every K loop: the shared ring with a WGMMA in flight, so the statistics'
+  # loads and sums overlap the tensor core (see the docstring for the measurements).
+  ring = dict(pipeline="ring", delay_release=1) if not stats_once else {}
   base = TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
-                    epi_tile_m=64, epi_tile_n=64, stats_once=stats_once, pipeline="ring",
-                    delay_release=1)
+                    epi_tile_m=64, epi_tile_n=64, stats_once=stats_once, **ring)
   narrow = dataclasses.replace(base, epi_tile_n=32)
   return narrow if _chained_stages(narrow, k) > _chained_stages(base, k) else base
 
@@ -687,8 +692,8 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
   m, k = x.shape
   n = w_gamma.shape[1]
   cfg = config or pick_config(m, k, n)
-  if config is None and norm == "none":  # no statistics: keep the GEMM's plain tile order
-    cfg = dataclasses.replace(cfg, stats_once=False)
+  if config is None and norm == "none":  # no statistics: the GEMM's plain tile order
+    cfg = dataclasses.replace(cfg, stats_once=False, pipeline="pallas", delay_release=0)
   if k % cfg.tile_k:
     raise ValueError(f"K = {k} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _make_plan(m, k, n, x.dtype, out_dtype, norm, eps, out_bias is not None, cfg,
