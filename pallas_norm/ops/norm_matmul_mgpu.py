@@ -12,7 +12,9 @@ the K loop already holds in shared memory; the epilogue applies them to the f32 
 Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a persistent grid of one
 CTA per SM walks the (M, N) output tiles; in each CTA a TMA producer warpgroup streams
 (tile_m, tile_k) tiles of x and (tile_k, tile_n) tiles of w through a multi-stage SMEM pipeline
-(``plgpu.emit_pipeline_warp_specialized``) to two WGMMA consumer warpgroups. The consumers split
+(``plgpu.emit_pipeline_warp_specialized``, or the hand-written shared ring of
+``TileConfig.pipeline="ring"``, the default where the statistics run in every K loop) to two
+WGMMA consumer warpgroups. The consumers split
 the CTA tile along M, so each row's statistics are accumulated by exactly one warpgroup: after
 issuing the WGMMA of a step, a consumer loads its rows of the A tile from SMEM into registers (the
 WGMMA register layout) and accumulates the statistics while the tensor core runs, then waits for
