@@ -6,8 +6,12 @@ y only, 2 chained ones with a residual and h at tile_n = 256) against ``pipeline
 variant's outputs must equal the default's bit for bit (same WGMMA order, same epilogue); then
 CUPTI times at 262144 × K × N, bf16.
 
-    PYTHONPATH=$PWD python3 benchmarks/dev/matmul_norm_ring_ab.py
+    PYTHONPATH=$PWD python3 benchmarks/dev/matmul_norm_ring_ab.py [--shapes MxKxN,...]
+        [--cases layer+res+h,layer,rms] [--stages 2,3,4]
+
+``--stages`` adds ring variants with at most that many stages (the multi-tile diagnosis).
 """
+import argparse
 import dataclasses
 import json
 import os
@@ -19,15 +23,14 @@ import numpy as np
 from benchmarks import timing
 from pallas_norm.ops import matmul_norm_mgpu as mk
 
-M = 262144
-SHAPES = [(512, 256), (512, 512), (512, 1024), (512, 2048), (1024, 1024)]
+SHAPES = "262144x512x256,262144x512x512,262144x512x1024,262144x512x2048,262144x1024x1024"
 
 
-def inputs(seed, k, n):
+def inputs(seed, m, k, n):
   ks = jax.random.split(jax.random.key(seed), 5)
-  x = jax.random.normal(ks[0], (M, k), jnp.float32).astype(jnp.bfloat16)
+  x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(ks[1], (k, n), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
-  res = jax.random.normal(ks[2], (M, n), jnp.float32).astype(jnp.bfloat16)
+  res = jax.random.normal(ks[2], (m, n), jnp.float32).astype(jnp.bfloat16)
   scale = 1 + 0.1 * jax.random.normal(ks[3], (n,), jnp.float32)
   bias = 0.1 * jax.random.normal(ks[4], (n,), jnp.float32)
   return x, w, res, scale, bias
@@ -41,16 +44,28 @@ def fn_for(norm, with_res, cfg):
   return jax.jit(f)
 
 
+CASES = {"layer+res+h": ("layer", True), "layer": ("layer", False), "rms": ("rms", False)}
+
+
 def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--shapes", default=SHAPES)
+  p.add_argument("--cases", default=",".join(CASES))
+  p.add_argument("--stages", default="", help="extra ring variants: at most this many stages")
+  args = p.parse_args()
   print(jax.devices(), flush=True)
   records = []
-  for k, n in SHAPES:
-    sets = [inputs(s, k, n) for s in (0, 1)]
-    for norm, with_res in (("layer", True), ("layer", False), ("rms", False)):
+  for shape in args.shapes.split(","):
+    M, k, n = map(int, shape.split("x"))
+    sets = [inputs(s, M, k, n) for s in (0, 1)]
+    for norm, with_res in (CASES[c] for c in args.cases.split(",")):
       base = mk.pick_config(M, k, n)
       variants = [("default", base),
                   ("ring_dr1", dataclasses.replace(base, pipeline="ring", delay_release=1)),
                   ("ring_dr0", dataclasses.replace(base, pipeline="ring"))]
+      variants += [(f"ring_dr0_s{st}", dataclasses.replace(base, pipeline="ring",
+                                                           max_concurrent_steps=int(st)))
+                   for st in args.stages.split(",") if st]
       ref = None
       for label, cfg in variants:
         case = f"{M}x{k}x{n} {norm}{'+res+h' if with_res else ''} {label}"
@@ -69,8 +84,12 @@ def main():
           print(f"{case}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
           records.append({"case": case, "error": str(e)[:300]})
           continue
-        print(f"{case:<44} {us:8.1f} us  same bits as default: {same}", flush=True)
-        records.append({"case": case, "us": us, "same_bits": same,
+        vecs = ("scale", "bias") if norm == "layer" else ("scale",)
+        plan = mk._make_plan((M, k), n, jnp.bfloat16, jnp.bfloat16, norm, 1e-6, vecs, with_res,
+                             with_res, False, False, cfg, False, False)
+        print(f"{case:<44} {us:8.1f} us  same bits as default: {same}  stages {plan.stages}"
+              f" chained {plan.chained} n_tiles {plan.n_tiles}", flush=True)
+        records.append({"case": case, "us": us, "same_bits": same, "stages": plan.stages,
                         "config": dataclasses.asdict(cfg)})
   if out := os.environ.get("OUT"):
     with open(os.path.join(out, "matmul_norm_ring_ab.json"), "w") as f:
