@@ -92,6 +92,9 @@ def _variants(m, k, n):
   The first runs (2026-11-30) found no option (no_fence, stats="reduce", A from registers,
   256×128 tiles, grid_m) that beat the default; these isolate the chained pipelines:
 
+  These A/Bs run Pallas's pipeline (``pipeline="pallas"``) even where the default is the
+  shared ring (``benchmarks/dev/pipeline_ab.py --set ring`` compares the two):
+
   * ``unchained``: per-tile pipelines (``pipeline_across_tiles=False``) with the default's
     tiles; ``unchained_epi64``: the same with 64×64 epilogue tiles, the config before chaining
     (3 stages at 128×256); ``chained_epi64``: chained with 64×64 epilogue tiles (2 stages).
@@ -108,11 +111,13 @@ def _variants(m, k, n):
   """
   base = nmk.pick_config(m, k, n)
   rep = functools.partial(dataclasses.replace, base)
-  ab = [("unchained", rep(pipeline_across_tiles=False)),
-        ("unchained_epi64", rep(pipeline_across_tiles=False, epi_tile_n=64)),
-        ("chained_epi64", rep(epi_tile_n=64))]
-  inflight = [("inflight", rep(delay_release=1)),
-              ("inflight_epi64", rep(delay_release=1, epi_tile_n=64))]
+  # The chaining and in-flight A/Bs are about Pallas's pipeline, whatever the default is.
+  pallas = functools.partial(dataclasses.replace, base, pipeline="pallas", delay_release=0)
+  ab = [("unchained", pallas(pipeline_across_tiles=False)),
+        ("unchained_epi64", pallas(pipeline_across_tiles=False, epi_tile_n=64)),
+        ("chained_epi64", pallas(epi_tile_n=64))]
+  inflight = [("inflight", pallas(delay_release=1)),
+              ("inflight_epi64", pallas(delay_release=1, epi_tile_n=64))]
   if m % 8 == 0:  # ping-pong reads x tiled
     inflight.append(("pingpong", nmk.pingpong_config(m, k, n)))
   # Bytes per MAC (benchmarks/NOTES.md, session 4: is our GEMM bound by L2 -> SMEM traffic?):

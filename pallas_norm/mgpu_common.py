@@ -213,6 +213,9 @@ class TileConfig:
       raise ValueError(f"pipeline must be 'pallas' or 'ring', got {self.pipeline!r}")
     if self.pipeline == "ring" and (self.pingpong or self.cluster_m != 1):
       raise ValueError("pipeline='ring' does not combine with pingpong or cluster_m > 1")
+    if self.pipeline == "ring" and not self.pipeline_across_tiles:
+      raise ValueError("pipeline='ring' always runs across tiles: pipeline_across_tiles=False "
+                       "would be ignored")
     if self.cluster_m not in (1, 2, 4):
       raise ValueError(f"cluster_m must be 1, 2 or 4, got {self.cluster_m}")
     if self.max_clusters is not None and self.max_clusters < 1:

@@ -167,6 +167,10 @@ def test_forward_interpret_delay_release(m, k, n, norm):
     (77, 128, 512, "rms", ("scale",), 1, 2, True),  # 2 N tiles per CTA: two-pass epilogue
     (300, 64, 768, "layer", ("dense_bias", "scale", "residual"), 0, 2, True),  # 4 tiles, 1 step
     (520, 192, 64, "rms", ("bias", "residual"), 1, 2, True),  # 256-row CTA tiles (tile_n 64)
+    # 2 N tiles per CTA with 3 stages over 8 steps per row block (the configuration measured
+    # slow on the H200, benchmarks/NOTES.md session 8), with and without the delay.
+    (300, 256, 512, "layer", ("scale", "bias"), 0, 3, False),
+    (300, 256, 512, "layer", ("scale", "bias"), 1, 3, False),
 ])
 def test_forward_interpret_ring(m, k, n, norm, use, delay, stages, extras):
   """The shared ring (TileConfig.pipeline="ring"): K steps numbered across the CTA's row blocks
@@ -202,6 +206,18 @@ def test_forward_interpret_pingpong(m, k, n, norm, use):
                     interpret=True, config=mk.pingpong_config(m, k, n))
   assert not mgpu_common.races_found()
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+
+
+def test_forward_interpret_pingpong_delay_release():
+  """Ping-pong rings that release each stage a step late (one WGMMA in flight), with 2 N tiles
+  per CTA; race detection on."""
+  m, k, n = 200, 192, 512
+  args, _ = _inputs(m + k + n, m, k, n, jnp.bfloat16, mean_offset=3.0)
+  cfg = dataclasses.replace(mk.pingpong_config(m, k, n), delay_release=1)
+  out = _run_kernel(args, "layer", return_h=True, return_xhat=True, return_stats=True,
+                    interpret=True, config=cfg)
+  assert not mgpu_common.races_found()
+  _check_forward(out, args, "layer", jnp.dtype(jnp.bfloat16), True, True, True)
 
 
 def test_pingpong_plan():

@@ -132,11 +132,15 @@ FORWARD_CASES = [
         tile_n=192, max_concurrent_steps=3, pingpong=True)),
     (77, 192, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(
         tile_m=256, tile_n=128, tile_k=32, pingpong=True)),
-    # The shared ring (the default pipeline; the None rows above run it with one WGMMA in
-    # flight): 3 stages over 5-step K loops numbered across 4 tiles per CTA, without the delay;
-    # with statistics once per row block and the delay; 2 stages with the delay (the producer
-    # refills a stage only after the next step's WGMMA was issued); a one-step K loop; one
-    # tile per CTA (max_clusters=8: the producer drains after its only tile).
+    # Ping-pong rings releasing each stage a step late (one WGMMA in flight).
+    (200, 256, 128, jnp.bfloat16, "layer", 1e2, True, TileConfig(
+        tile_m=256, tile_n=128, tile_k=32, pingpong=True, delay_release=1)),
+    # The shared ring (the default where statistics run in every K loop, so the None rows
+    # above run it with one WGMMA in flight): 3 stages over 5-step K loops numbered across 3
+    # tiles per CTA, without the delay; with statistics once per row block and the delay; 2
+    # stages with the delay (the producer refills a stage only after the next step's WGMMA
+    # was issued); a one-step K loop; one tile per CTA (2 tiles on the 2 interpret CTAs: the
+    # producer drains after its only tile).
     (300, 320, 128, jnp.bfloat16, "layer", 1e3, True, TileConfig(
         tile_m=128, tile_n=64, max_concurrent_steps=3, pipeline="ring")),
     (300, 192, 256, jnp.float16, "layer", 0.0, True, TileConfig(
@@ -145,8 +149,8 @@ FORWARD_CASES = [
         tile_n=192, max_concurrent_steps=2, pipeline="ring", delay_release=1)),
     (256, 64, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(
         tile_n=64, pipeline="ring", delay_release=1)),
-    (256, 128, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(
-        tile_m=128, tile_n=64, pipeline="ring", delay_release=1, max_clusters=8)),
+    (128, 128, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(
+        tile_m=128, tile_n=64, pipeline="ring", delay_release=1)),
 ]
 
 
@@ -253,6 +257,8 @@ def test_bad_arguments_raise():
     TileConfig(pipeline="ring", pingpong=True)
   with pytest.raises(ValueError, match="pipeline='ring'"):
     TileConfig(pipeline="ring", cluster_m=2)
+  with pytest.raises(ValueError, match="pipeline_across_tiles"):
+    TileConfig(pipeline="ring", pipeline_across_tiles=False)
 
 
 @pytest.mark.parametrize("n,tile_n", [(64, 64), (128, 128), (192, 192), (256, 256), (512, 256),
@@ -504,6 +510,9 @@ DX_CASES = [
     (256, 128, 192, jnp.bfloat16, "layer", 1e2, True, TileConfig(
         tile_m=128, tile_n=64, tile_k=32, pingpong=True)),
     (1, 64, 128, jnp.float16, "rms", 0.0, False, TileConfig(tile_k=32, pingpong=True)),
+    # ping-pong rings releasing each stage a step late (one WGMMA in flight)
+    (256, 128, 192, jnp.bfloat16, "rms", 0.0, True, TileConfig(
+        tile_m=128, tile_n=64, tile_k=32, pingpong=True, delay_release=1)),
 ]
 
 
