@@ -6,7 +6,12 @@ Mosaic GPU's dumps on (``MOSAIC_GPU_DUMP_TO``, set by this script before JAX loa
 prints each kernel's ptxas lines about registers, spills and stack. Question: does LayerNorm's
 extra cost over RMSNorm (~10% of the pre-norm forward) come from spilled registers?
 
-    PYTHONPATH=$PWD python3 benchmarks/dev/ptxas_spills.py   # dumps under $OUT/mgpu_dump
+    PYTHONPATH=$PWD python3 benchmarks/dev/ptxas_spills.py [--multi-tile]  # $OUT/mgpu_dump
+
+``--multi-tile``: instead, the post-norm forward with 2 N tiles per CTA (32768×4096×4096,
+LayerNorm y only and RMSNorm) on Pallas's pipeline and on the shared ring with 3 and 2 stages,
+with and without a WGMMA in flight: session 8 measured the 3-stage ring 3-4× slower there with
+the same bits, and a reviewer's hypothesis is spills in the ring's consumer K loop.
 """
 import os
 import re
@@ -43,11 +48,30 @@ def cases():
         x, w[:, :1] * jnp.ones((1, n), w.dtype), norm="layer", eps=1e-6)
 
 
+def multi_tile_cases():
+  m, k, n = MULTI_TILE_SHAPE
+  base = mnk.pick_config(m, k, n)
+  for norm in ("layer", "rms"):
+    for label, cfg in (("pallas", base),
+                       ("ring3_d0", dataclasses.replace(base, pipeline="ring")),
+                       ("ring3_d1", dataclasses.replace(base, pipeline="ring", delay_release=1)),
+                       ("ring2_d0", dataclasses.replace(base, pipeline="ring",
+                                                        max_concurrent_steps=2))):
+      yield f"post_{norm}_2tiles_{label}", lambda x, w, c, norm=norm, cfg=cfg: (
+          mnk.matmul_norm_fwd(x, w, scale=c, bias=c if norm == "layer" else None, norm=norm,
+                              eps=1e-6, config=cfg))
+
+
+MULTI_TILE_SHAPE = (32768, 4096, 4096)
+
+
 def main():
-  x = jnp.ones((M, K), jnp.bfloat16)
-  w = jnp.ones((K, N), jnp.bfloat16) / K
-  c = jnp.ones((N,), jnp.float32)
-  for label, fn in cases():
+  multi = "--multi-tile" in sys.argv[1:]
+  m, k, n = MULTI_TILE_SHAPE if multi else (M, K, N)
+  x = jnp.ones((m, k), jnp.bfloat16)
+  w = jnp.ones((k, n), jnp.bfloat16) / k
+  c = jnp.ones((n,), jnp.float32)
+  for label, fn in (multi_tile_cases() if multi else cases()):
     before = set(os.listdir(DUMP))
     try:
       jax.block_until_ready(jax.jit(fn)(x, w, c))
