@@ -43,6 +43,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import ads_data  # noqa: E402
+import pallas_norm  # noqa: E402
 from flax_layers import KunlunConfig, KunlunModel  # noqa: E402
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -127,6 +128,20 @@ def build(args, spec: ads_data.DataSpec):
   model = KunlunModel(config, dtype=DTYPES[args.dtype], param_dtype=jnp.float32,
                       rngs=nnx.Rngs(args.seed), implementation=model_implementation(args))
   return config, model, nnx.Optimizer(model, make_tx(args.lr, args.weight_decay), wrt=nnx.Param)
+
+
+def check_implementation_can_run(implementation) -> None:
+  """NotImplementedError when a kernel implementation asked for on the command line cannot run
+  on this machine at all (e.g. "mosaic" off a Hopper GPU, "interpret" with too few CPU client
+  threads, either under jax_enable_x64), so the run does not silently train on XLA under its
+  name. Probes the library with one tiny pre-norm GEMM, which gives the library's own reason."""
+  if implementation not in ("mosaic", "interpret"):
+    return
+  x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+  try:
+    jax.block_until_ready(pallas_norm.norm_matmul(x, w, implementation=implementation))
+  except (NotImplementedError, RuntimeError) as e:
+    raise NotImplementedError(f"--implementation {implementation} cannot run here: {e}") from e
 
 
 def model_implementation(args):
@@ -294,6 +309,7 @@ def main(argv=None) -> int:
   malformed data, a mismatched checkpoint, or an --implementation that cannot run the model."""
   args = parse_args(argv)
   try:
+    check_implementation_can_run(args.implementation)
     line = train(args).line
   except (ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError,
           NotImplementedError) as e:  # the last: --implementation with no kernel for a call

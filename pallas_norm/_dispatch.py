@@ -93,7 +93,8 @@ def choose(op: str, implementation,
   Raises:
     ValueError: ``implementation`` is not a known name or a sequence of them.
     NotImplementedError: a kernel implementation was asked for (alone, or every name of a
-      sequence) but ``op`` has none, or it does not support these arguments.
+      sequence) but ``op`` has none, it does not support these arguments, or
+      ``jax_enable_x64`` is on (:data:`X64_REASON`).
     RuntimeError: "interpret" alone on a CPU client with too few threads
       (:func:`interpret_threads_reason`); in a sequence that candidate is skipped instead.
   """
@@ -108,10 +109,16 @@ def choose(op: str, implementation,
       return candidate
     reasons.append(f"{candidate!r}: {reason}")
   if candidates == ("interpret",) and unsupported_reason is not None and (
-      unsupported_reason("interpret") is None):
+      not jax.config.jax_enable_x64) and unsupported_reason("interpret") is None:
     raise RuntimeError(f"{op}: implementation='interpret' cannot run here: {reasons[0]}")
   raise NotImplementedError(f"{op}: implementation={implementation!r} cannot run this call: "
                             + "; ".join(reasons))
+
+
+X64_REASON = ("jax_enable_x64 is on: the Mosaic kernels are traced with int32 index arithmetic "
+              "only (loop indices become int64 under x64); use 'xla' or turn x64 off")
+"""Why no kernel runs while ``jax_enable_x64`` is set (found by a fresh-eyes review, session 8:
+the kernels failed inside their tracing under x64 since they were written)."""
 
 
 def _cannot_run_reason(op: str, candidate: str, unsupported_reason) -> str | None:
@@ -119,6 +126,8 @@ def _cannot_run_reason(op: str, candidate: str, unsupported_reason) -> str | Non
     return None
   if unsupported_reason is None:
     return f"{op} has no kernel (only 'xla'); see the README's status table"
+  if jax.config.jax_enable_x64:
+    return X64_REASON
   reason = unsupported_reason(candidate)
   if reason is None and candidate == "mosaic" and not on_hopper_gpu():
     reason = ("the default JAX device is not a Hopper GPU (sm_90a); use 'interpret' to run the "
@@ -134,7 +143,7 @@ def _choose_default(op: str, unsupported_reason, slower_reason) -> str:
   if not on_hopper_gpu():
     log.debug("%s: using XLA: the default device is not a Hopper GPU", op)
     return "xla"
-  reason = unsupported_reason("mosaic")
+  reason = X64_REASON if jax.config.jax_enable_x64 else unsupported_reason("mosaic")
   if reason is None and slower_reason is not None:
     reason = slower_reason()
   if reason is not None:

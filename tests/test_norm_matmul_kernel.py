@@ -189,6 +189,21 @@ def test_layer_accuracy_domain(ratio, tol):
   np.testing.assert_allclose(mean, stats.mean, rtol=1e-6)
 
 
+def test_layer_statistics_of_huge_rows_do_not_overflow():
+  """Rows of ~3e17 (K = 512): Σ(x − shift)² is still finite in float32 but (Σ(x − shift))² is
+  not; the lane merge must not square the sum first (a review found rstd = 1/√eps there)."""
+  k1, k2 = jax.random.split(jax.random.key(2))
+  x = (jax.random.normal(k1, (64, 512)) * 3e17).astype(jnp.bfloat16)
+  w = (jax.random.normal(k2, (512, 64)) / 22.6).astype(jnp.bfloat16)
+  _, col_sum, _ = _fold(w, None, None, "layer")
+  y, mean, rstd = nmk.norm_matmul_fwd(x, w, col_sum, None, norm="layer", eps=EPS,
+                                      out_dtype=jnp.float32, interpret=True)
+  y_ref, stats = reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32),
+                                       norm="layer", eps=EPS, return_stats=True)
+  np.testing.assert_allclose(rstd, stats.rstd, rtol=1e-5)
+  assert _rel_err(y, y_ref) < 1e-2
+
+
 def test_race_detector_sees_a_missing_proxy_fence():
   """Negative control: without the fence after reading an x stage, the detector reports the
   TMA refill of that stage as a race (so the race-free results above are meaningful)."""

@@ -218,6 +218,21 @@ def test_kernel_implementations_reach_the_model_with_an_xla_fallback():
       parse([flag, "0"])
 
 
+def test_a_kernel_implementation_that_cannot_run_here_exits_2(capsys, monkeypatch):
+  """--implementation mosaic off a Hopper GPU, or interpret with too few CPU client threads,
+  stops with exit 2 and the library's reason instead of training on XLA under that name (a
+  fresh-eyes review found it silently falling back)."""
+  if not jax.default_backend() == "cpu":
+    pytest.skip("checks the CPU behaviour")
+  code, _, err = _run(["--steps", "1", "--implementation", "mosaic"], capsys)
+  assert code == 2 and "not a Hopper GPU" in err, err
+  monkeypatch.setenv("PJRT_NPROC", "2")
+  code, _, err = _run(["--steps", "1", "--implementation", "interpret"], capsys)
+  assert code == 2 and "PJRT_NPROC" in err, err
+  train_kunlun.check_implementation_can_run("xla")  # nothing to check
+  train_kunlun.check_implementation_can_run(None)
+
+
 def _params(state):
   return jax.tree.leaves(nnx.to_pure_dict(state))
 

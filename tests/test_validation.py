@@ -465,3 +465,46 @@ def test_eps_floor_follows_the_dtype_jax_computes_in():
     pallas_norm.rms_norm(x, eps=1e-30)
   with jax.enable_x64(True):  # computed in float64 there: accepted
     assert pallas_norm.rms_norm(x, eps=1e-30).dtype == jnp.float64
+
+
+@pytest.mark.parametrize("op", ["matmul_norm", "norm_matmul"])
+def test_kernels_step_aside_under_x64(monkeypatch, op):
+  """Under jax_enable_x64 the kernels cannot be traced (their int32 index arithmetic meets int64
+  loop indices; a fresh-eyes review found every kernel call failing inside the kernel): a
+  sequence falls back to XLA with XLA's values, "interpret" alone raises NotImplementedError
+  naming x64 before any kernel runs, and implementation=None on a Hopper GPU picks XLA."""
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.standard_normal((16, 128)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((128, 128)) / 11, jnp.bfloat16)
+  fn = getattr(pallas_norm, op)
+  with jax.enable_x64(True):
+    want = fn(x, w, implementation="xla")
+    chex.assert_trees_all_close(fn(x, w, implementation=("interpret", "xla")), want,
+                                rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="jax_enable_x64"):
+      fn(x, w, implementation="interpret")
+    monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+    assert _dispatch.choose(op, None, lambda _: None) == "xla"
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  assert _dispatch.choose(op, None, lambda _: None) == "mosaic"  # x64 off again
+
+
+def test_norm_matmul_kernel_refuses_an_out_dtype_it_cannot_write():
+  from pallas_norm.ops import norm_matmul as nm
+  x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+  assert "float64" in nm._kernel_unsupported_reason(x, w, jnp.float64)
+  assert nm._kernel_unsupported_reason(x, w, jnp.float32) is None
+
+
+def test_interpret_kernel_runs_under_disable_jit():
+  """jax.disable_jit() hands the kernel body Python ints for loop indices (a review found the
+  pre-norm statistics failing on them)."""
+  _dispatch.interpret_threads_reason() is None or pytest.skip("needs PJRT_NPROC >= 8")
+  rng = np.random.default_rng(12)
+  x = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((128, 64)) / 11, jnp.bfloat16)
+  with jax.disable_jit():
+    got = pallas_norm.norm_matmul(x, w, norm="layer", implementation="interpret")
+  want = pallas_norm.reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32),
+                                           norm="layer")
+  chex.assert_trees_all_close(got.astype(jnp.float32), want, rtol=2e-2, atol=2e-2)

@@ -60,7 +60,7 @@ def check_args(x, w, scale, bias, norm, eps, out_dtype) -> None:
   _validate.out_dtype(out_dtype)
 
 
-def _kernel_unsupported_reason(x, w) -> str | None:
+def _kernel_unsupported_reason(x, w, out_dtype=None) -> str | None:
   try:
     from pallas_norm.ops import norm_matmul_mgpu
   except ImportError as e:  # the kernel module is optional until it lands
@@ -68,6 +68,9 @@ def _kernel_unsupported_reason(x, w) -> str | None:
   m = 1
   for d in x.shape[:-1]:
     m *= d
+  out = jnp.dtype(out_dtype or x.dtype)
+  if out not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+    return f"out_dtype {out.name} is not bfloat16, float16 or float32"
   return norm_matmul_mgpu.unsupported_reason(m, x.shape[-1], w.shape[1], x.dtype)
 
 
@@ -375,7 +378,7 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
   eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
   _validate.flag("return_stats", return_stats)
   chosen = _dispatch.choose("norm_matmul", implementation,
-                            lambda candidate: _kernel_unsupported_reason(x, w),
+                            lambda candidate: _kernel_unsupported_reason(x, w, out_dtype),
                             lambda: _kernel_slower_reason(x.shape[-1], w.shape[1], norm))
   if chosen == "xla":
     out = reference.norm_matmul(x, w, scale, bias, norm=norm, eps=eps, out_dtype=out_dtype,

@@ -332,7 +332,7 @@ def _update_stats(plan: _Plan, stats, x, k_idx):
   # The statistics restart at zero for every output tile, so "shift += first · value" sets the
   # shift at K step 0 and keeps it afterwards (select with a scalar predicate does not lower
   # with warpgroup semantics).
-  first = (k_idx == 0).astype(jnp.float32)
+  first = jnp.asarray(k_idx == 0).astype(jnp.float32)  # k_idx is a Python int under disable_jit
   if plan.cfg.stats == "partial":
     cols = mgpu_common.lane_slices(x)
     if plan.norm == "rms":
@@ -364,7 +364,9 @@ def _finalize_stats(plan: _Plan, stats):
     # Chan et al.: merge the (count, mean, M2) of the 8 lane columns, count = K / 8 each.
     cnt = k // mgpu_common.LANE_COLS
     lane_mean = shift + s1 * (1.0 / cnt)
-    lane_m2 = s2 - s1 * s1 * (1.0 / cnt)
+    # s1 · (s1 / cnt), not s1² / cnt: s1² overflows float32 for rows of ~3e17 (K = 512) while
+    # s2 and the result are still finite (a fresh-eyes review, session 8).
+    lane_m2 = s2 - s1 * (s1 * (1.0 / cnt))
     mean = jnp.sum(lane_mean, axis=1) * (1.0 / mgpu_common.LANE_COLS)
     dev = lane_mean - _rowvec(mean, lane_mean.shape)
     m2 = jnp.sum(lane_m2, axis=1) + jnp.sum(dev * dev, axis=1) * float(cnt)
