@@ -176,8 +176,10 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, 
                 eps=1e-6, out_dtype=None, return_h=False, return_stats=False):
   """Post-norm GEMM: ``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale (+ bias)``.
 
-  x (..., K), w (K, N), dense_bias/scale/bias (N,), residual (..., N). ``h`` is kept in float32
-  for the statistics (as a fused epilogue does). Returns ``y``; with ``return_h`` and/or
+  x (..., K), w (K, N), dense_bias/scale/bias (N,), residual (..., N). The GEMM is rounded to
+  the operands' dtype as plain JAX writes it (:func:`_contract`; for 16-bit operands a float16
+  product past 65504 is inf, where the kernels keep the float32 accumulator), then ``h`` is
+  float32 for the statistics. Returns ``y``; with ``return_h`` and/or
   ``return_stats`` a tuple ``(y, h?, stats?)`` in that order, ``h`` in the output dtype.
   """
   out_dtype = out_dtype or x.dtype
