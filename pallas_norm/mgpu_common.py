@@ -55,8 +55,7 @@ __all__ = [
     "PingPongRing",
     "pingpong_stage_bytes",
     "pingpong_ring_allocs",
-    "pingpong_produce",
-    "pingpong_drain",
+    "warp_specialize",
     "SharedRing",
     "shared_ring_allocs",
     "ring_produce",
@@ -464,12 +463,87 @@ def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: in
 
 
 # ------------------------------------------------------------------------------------------------
+# Hand-written rings (ping-pong consumers and the shared ring), fed by one TMA producer
+# warpgroup (wg 2) in a branch of its own.
+
+CONSUMER_REGISTERS = 232  # (512 − 40) / 2 rounded down to 8, as the pipelines above
+PRODUCER_REGISTERS = 40
+
+
+def warp_specialize(producer, consumers) -> None:
+  """Runs ``producer()`` in the producer warpgroup (wg 2, registers cut to
+  :data:`PRODUCER_REGISTERS`) and ``consumers()`` in the two consumer warpgroups (raised to
+  :data:`CONSUMER_REGISTERS`): the split ``consumer_pipeline`` makes for Pallas's pipeline."""
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    producer()
+
+  @pl.when(wg < 2)
+  def _consumers():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    consumers()
+
+
+def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release: int = 0):
+  """Consumer: ``steps`` K steps from global step ``first_step`` of a hand-written ring (any
+  object with ``stage(step) -> (x_ref, w_ref, produced_barrier, consumed_barrier)``): waits
+  for each stage, runs ``body(idxs, x_stage, w_stage, carry) -> carry`` (the signature of a
+  pipeline body; default: one WGMMA into the accumulator ref ``carry``, then
+  ``plgpu.wgmma_wait(delay_release)``), then releases the stage. The body must leave at most
+  ``delay_release`` (0 or 1) WGMMA groups in flight: with 1, step s releases the stage of step
+  s − 1 (whose WGMMA the body's wait retired), and the loop ends with ``wgmma_wait(0)`` and the
+  last stage's release, so no WGMMA is in flight on return. Returns the carry."""
+  if body is None:
+    def body(idxs, x_stage, w_stage, acc):
+      del idxs
+      plgpu.wgmma(acc, x_stage, w_stage)
+      plgpu.wgmma_wait(delay_release)
+      return acc
+
+  def step_body(k, carry):
+    step = first_step + k
+    x_stage, w_stage, produced, consumed = ring.stage(step)
+    plgpu.barrier_wait(produced)
+    carry = body((k,), x_stage, w_stage, carry)
+    if not delay_release:
+      plgpu.barrier_arrive(consumed)
+    else:  # the WGMMA of step k - 1 has completed: its stage is free
+      pl.when(k > 0)(lambda: plgpu.barrier_arrive(ring.stage(step - 1)[3]))
+    return carry
+
+  carry = lax.fori_loop(0, steps, step_body, carry)
+  if delay_release:
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(ring.stage(first_step + steps - 1)[3])
+  return carry
+
+
+def ring_produce(ring, step, x_window, w_window) -> None:
+  """Producer: loads global step ``step`` (x and w windows in GMEM) into its stage of ``ring``
+  (as for :func:`ring_k_loop`, plus a ``stages`` count) once the stage's previous use was
+  released."""
+  x_ref, w_ref, produced, consumed = ring.stage(step)
+  pl.when(step >= ring.stages)(lambda: plgpu.barrier_wait(consumed))
+  plgpu.copy_gmem_to_smem(x_window, x_ref, produced)
+  plgpu.copy_gmem_to_smem(w_window, w_ref, produced)
+
+
+def ring_drain(ring, total_steps) -> None:
+  """Producer, after its last load: waits for the releases of the last ``stages`` of its
+  ``total_steps`` steps, so no barrier is left a phase ahead (and no stage is still being read
+  when the kernel's SMEM is reused)."""
+  @pl.loop(lax.max(total_steps - ring.stages, 0), total_steps)
+  def _(step):
+    plgpu.barrier_wait(ring.stage(step)[3])
+
+
+# ------------------------------------------------------------------------------------------------
 # Ping-pong consumers: each consumer warpgroup owns alternate output tiles and its own K-loop
 # ring, so one warpgroup's epilogue overlaps the other's WGMMAs (CUTLASS's "ping-pong" Hopper
 # schedule). One TMA producer warpgroup fills both rings in tile order.
-
-PINGPONG_CONSUMER_REGISTERS = 232  # (512 − 40) / 2 rounded down to 8, as the pipelines above
-PINGPONG_PRODUCER_REGISTERS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,6 +558,27 @@ class PingPongRing:
   produced: object
   consumed: object
   stages: int
+
+  def of(self, consumer) -> "_ConsumerRing":
+    """Consumer ``consumer``'s ring, for :func:`ring_k_loop`, :func:`ring_produce` and
+    :func:`ring_drain`."""
+    return _ConsumerRing(self, consumer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConsumerRing:
+  rings: PingPongRing
+  consumer: object
+
+  @property
+  def stages(self) -> int:
+    return self.rings.stages
+
+  def stage(self, step):
+    r, c = self.rings, self.consumer
+    slot = lax.rem(step, r.stages)
+    index = c * r.stages + slot
+    return r.x.at[c, slot], r.w.at[c, slot], r.produced.at[index], r.consumed.at[index]
 
 
 def pingpong_stage_bytes(rows: int, tile_k: int, tile_n: int, dtype) -> int:
@@ -505,80 +600,19 @@ def pingpong_ring_allocs(rows: int, tile_k: int, tile_n: int, dtype, stages: int
       consumed=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
 
 
-def pingpong_produce(ring: PingPongRing, consumer, step, x_window, w_window) -> None:
-  """Producer: loads consumer ``consumer``'s global K step ``step`` (x and w windows in GMEM)
-  once the consumer has released the stage's previous use."""
-  slot = lax.rem(step, ring.stages)
-  index = consumer * ring.stages + slot
-
-  @pl.when(step >= ring.stages)
-  def _():
-    plgpu.barrier_wait(ring.consumed.at[index])
-
-  plgpu.copy_gmem_to_smem(x_window, ring.x.at[consumer, slot], ring.produced.at[index])
-  plgpu.copy_gmem_to_smem(w_window, ring.w.at[consumer, slot], ring.produced.at[index])
-
-
-def pingpong_drain(ring: PingPongRing, consumer, total_steps) -> None:
-  """Producer, after its last load: waits for the consumer's releases it has not waited for
-  (the last ``stages`` of its ``total_steps``), so no barrier is left a phase ahead."""
-  @pl.loop(lax.max(total_steps - ring.stages, 0), total_steps)
-  def _(step):
-    plgpu.barrier_wait(ring.consumed.at[consumer * ring.stages + lax.rem(step, ring.stages)])
-
-
 def pingpong_k_loop(ring: PingPongRing, consumer, first_step, steps: int, carry, body=None, *,
                     delay_release: int = 0):
-  """Consumer ``consumer``'s K loop on its own ring: :func:`ring_k_loop` with its stages."""
-  def stage(step):
-    slot = lax.rem(step, ring.stages)
-    index = consumer * ring.stages + slot
-    return (ring.x.at[consumer, slot], ring.w.at[consumer, slot], ring.produced.at[index],
-            ring.consumed.at[index])
-  return ring_k_loop(stage, first_step, steps, carry, body, delay_release=delay_release)
-
-
-def ring_k_loop(stage, first_step, steps: int, carry, body=None, *, delay_release: int = 0):
-  """Consumer: ``steps`` K steps from global step ``first_step`` of a hand-written ring, where
-  ``stage(step) -> (x_ref, w_ref, produced_barrier, consumed_barrier)``: waits for each stage,
-  runs ``body(idxs, x_stage, w_stage, carry) -> carry`` (the signature of a pipeline body;
-  default: one WGMMA into the accumulator ref ``carry``, then ``plgpu.wgmma_wait(
-  delay_release)``), then releases the stage. The body must leave at most ``delay_release``
-  (0 or 1) WGMMA groups in flight: with 1, step s releases the stage of step s − 1 (whose
-  WGMMA the body's wait retired), and the loop ends with ``wgmma_wait(0)`` and the last stage's
-  release, so no WGMMA is in flight on return. Returns the carry."""
-  if body is None:
-    def body(idxs, x_stage, w_stage, acc):
-      del idxs
-      plgpu.wgmma(acc, x_stage, w_stage)
-      plgpu.wgmma_wait(delay_release)
-      return acc
-
-  def step_body(k, carry):
-    step = first_step + k
-    x_stage, w_stage, produced, consumed = stage(step)
-    plgpu.barrier_wait(produced)
-    carry = body((k,), x_stage, w_stage, carry)
-    if not delay_release:
-      plgpu.barrier_arrive(consumed)
-    else:  # the WGMMA of step k - 1 has completed: its stage is free
-      pl.when(k > 0)(lambda: plgpu.barrier_arrive(stage(step - 1)[3]))
-    return carry
-
-  carry = lax.fori_loop(0, steps, step_body, carry)
-  if delay_release:
-    plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(stage(first_step + steps - 1)[3])
-  return carry
+  """Consumer ``consumer``'s K loop on its own ring: :func:`ring_k_loop`."""
+  return ring_k_loop(ring.of(consumer), first_step, steps, carry, body,
+                     delay_release=delay_release)
 
 
 def pingpong_producer(ring: PingPongRing, units: int, axis: str, steps_per_unit: int,
                       windows) -> None:
-  """The producer warpgroup's loop (call it in the producer's branch): over the CTA's work units
-  of ``plgpu.nd_loop((units,), collective_axes=axis)``, unit t to consumer t mod 2, it loads
-  ``windows(unit_index, s) -> (x_window, w_window)`` for s < ``steps_per_unit`` into that
-  consumer's ring, then drains both rings after the last unit."""
-  plgpu.set_max_registers(PINGPONG_PRODUCER_REGISTERS, action="decrease")
+  """The producer warpgroup's loop (the ``producer`` of :func:`warp_specialize`): over the CTA's
+  work units of ``plgpu.nd_loop((units,), collective_axes=axis)``, unit t to consumer t mod 2,
+  it loads ``windows(unit_index, s) -> (x_window, w_window)`` for s < ``steps_per_unit`` into
+  that consumer's ring, then drains both rings after the last unit."""
 
   @plgpu.nd_loop((units,), collective_axes=axis)
   def _(loop_info: plgpu.NDLoopInfo):
@@ -588,21 +622,21 @@ def pingpong_producer(ring: PingPongRing, units: int, axis: str, steps_per_unit:
 
     @pl.loop(0, steps_per_unit)
     def _(s):
-      pingpong_produce(ring, consumer, first_step + s, *windows(loop_info.index, s))
+      ring_produce(ring.of(consumer), first_step + s, *windows(loop_info.index, s))
 
     @pl.when(t == loop_info.num_local_steps - 1)
     def _():
       for c in range(2):  # consumer c had the units t ≡ c (mod 2)
         own_units = lax.div(loop_info.num_local_steps - c + 1, 2)
-        pingpong_drain(ring, c, own_units * steps_per_unit)
+        ring_drain(ring.of(c), own_units * steps_per_unit)
 
 
 def pingpong_consumer(units: int, axis: str, unit_fn, last_fn=None) -> None:
-  """A consumer warpgroup's loop (call it in the consumers' branch): over the same units as
+  """A consumer warpgroup's loop (the ``consumers`` of :func:`warp_specialize`): over the same
+  units as
   :func:`pingpong_producer`, runs ``unit_fn(unit_index, own_index)`` for the units t ≡ wg
   (mod 2), ``own_index`` = t // 2 (its units before this one: its ring's first step is
   ``own_index · steps_per_unit``); then ``last_fn(loop_info)`` after the CTA's last unit."""
-  plgpu.set_max_registers(PINGPONG_CONSUMER_REGISTERS, action="increase")
   wg = lax.axis_index("wg")
 
   @plgpu.nd_loop((units,), collective_axes=axis)
@@ -639,8 +673,7 @@ class SharedRing:
   stages: int
 
   def stage(self, step):
-    """(x_ref, w_ref, produced, consumed) of global step ``step``: :func:`ring_k_loop`'s
-    ``stage``."""
+    """(x_ref, w_ref, produced, consumed) of global step ``step`` (:func:`ring_k_loop`)."""
     slot = lax.rem(step, self.stages)
     return self.x.at[slot], self.w.at[slot], self.produced.at[slot], self.consumed.at[slot]
 
@@ -653,21 +686,3 @@ def shared_ring_allocs(tile_m: int, tile_k: int, tile_n: int, dtype, stages: int
       w=plgpu.SMEM((stages, tile_k, tile_n), dtype, transforms=w_transforms),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one per TMA copy
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))  # one per consumer
-
-
-def ring_produce(ring: SharedRing, step, x_window, w_window) -> None:
-  """Producer: loads global step ``step`` (x and w windows in GMEM) into its stage once both
-  consumers released the stage's previous use."""
-  slot = lax.rem(step, ring.stages)
-  pl.when(step >= ring.stages)(lambda: plgpu.barrier_wait(ring.consumed.at[slot]))
-  plgpu.copy_gmem_to_smem(x_window, ring.x.at[slot], ring.produced.at[slot])
-  plgpu.copy_gmem_to_smem(w_window, ring.w.at[slot], ring.produced.at[slot])
-
-
-def ring_drain(ring: SharedRing, total_steps) -> None:
-  """Producer, after its last load: waits for the releases of the last ``stages`` of its
-  ``total_steps`` steps, so no barrier is left a phase ahead (and no stage is still being read
-  when the kernel's SMEM is reused)."""
-  @pl.loop(lax.max(total_steps - ring.stages, 0), total_steps)
-  def _(step):
-    plgpu.barrier_wait(ring.consumed.at[lax.rem(step, ring.stages)])

@@ -835,7 +835,7 @@ def _kernel(*refs, plan: _Plan):
 
         if ring is not None:
           compute_context(lambda acc, t=t: mgpu_common.ring_k_loop(
-              ring.stage, tile_index * steps_per_block + t * plan.k_iters, plan.k_iters, acc,
+              ring, tile_index * steps_per_block + t * plan.k_iters, plan.k_iters, acc,
               mma_body, delay_release=plan.delay_release))
           continue
         first = (tile_index == 0) & (t == 0)
@@ -869,15 +869,8 @@ def _kernel(*refs, plan: _Plan):
     if ring is None:
       row_block_loop(consumer_row_block)
     else:
-      @pl.when(wg == 2)
-      def _producer():
-        plgpu.set_max_registers(mgpu_common.PINGPONG_PRODUCER_REGISTERS, action="decrease")
-        row_block_loop(producer_row_block)
-
-      @pl.when(wg < 2)
-      def _consumers():
-        plgpu.set_max_registers(mgpu_common.PINGPONG_CONSUMER_REGISTERS, action="increase")
-        row_block_loop(consumer_row_block)
+      mgpu_common.warp_specialize(lambda: row_block_loop(producer_row_block),
+                                  lambda: row_block_loop(consumer_row_block))
 
     _cluster_final_sync(plan, ex, wg)
 
@@ -930,10 +923,11 @@ def _pingpong_row_blocks(plan: _Plan, ring, ex, x_gmem, w_gmem, tile_col0, prefe
     if ex is not None and plan.exchange != "local":
       pl.when(loop_info.num_local_steps > wg)(lambda: plgpu.barrier_wait(ex.empty.at[wg]))
 
-  pl.when(wg == 2)(lambda: mgpu_common.pingpong_producer(
-      ring, plan.m_iters, "cluster_grid", steps_per_block, windows))
-  pl.when(wg < 2)(lambda: mgpu_common.pingpong_consumer(
-      plan.m_iters, "cluster_grid", row_block, final_sync))
+  mgpu_common.warp_specialize(
+      lambda: mgpu_common.pingpong_producer(ring, plan.m_iters, "cluster_grid", steps_per_block,
+                                            windows),
+      lambda: mgpu_common.pingpong_consumer(plan.m_iters, "cluster_grid", row_block,
+                                            final_sync))
 
 
 def _check_args(x, w, vectors, residual, norm, eps, out_dtype):

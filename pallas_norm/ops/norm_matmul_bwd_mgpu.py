@@ -621,9 +621,9 @@ def _kernel(*refs, plan: _Plan):
         m_idx, n_idx = unit_tile(index[0])
         tile(m_idx, n_idx, None, None, pingpong_step=own_index * plan.red_iters)
 
-      pl.when(wg == 2)(lambda: mgpu_common.pingpong_producer(
-          ring, units, "sm", plan.red_iters, windows))
-      pl.when(wg < 2)(lambda: mgpu_common.pingpong_consumer(units, "sm", unit))
+      mgpu_common.warp_specialize(
+          lambda: mgpu_common.pingpong_producer(ring, units, "sm", plan.red_iters, windows),
+          lambda: mgpu_common.pingpong_consumer(units, "sm", unit))
     else:
       @plgpu.nd_loop((units,), collective_axes="sm")
       def _tile_loop(loop_info: plgpu.NDLoopInfo):

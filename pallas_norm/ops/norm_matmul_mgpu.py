@@ -545,7 +545,7 @@ def _kernel(*refs, plan: _Plan):
         return
       if cfg.pipeline == "ring":
         compute_context(lambda carry: mgpu_common.ring_k_loop(
-            ring.stage, ring_step, plan.k_iters, carry, mma_body,
+            ring, ring_step, plan.k_iters, carry, mma_body,
             delay_release=plan.delay_release))
         return
       mgpu_common.run_tile_pipeline(
@@ -575,9 +575,9 @@ def _kernel(*refs, plan: _Plan):
         tile(m_idx, n_idx, compute_stats=True, first=None, last=None,
              pingpong_step=own_index * plan.k_iters)
 
-      pl.when(wg == 2)(lambda: mgpu_common.pingpong_producer(
-          ring, units, "sm", plan.k_iters, windows))
-      pl.when(wg < 2)(lambda: mgpu_common.pingpong_consumer(units, "sm", unit))
+      mgpu_common.warp_specialize(
+          lambda: mgpu_common.pingpong_producer(ring, units, "sm", plan.k_iters, windows),
+          lambda: mgpu_common.pingpong_consumer(units, "sm", unit))
     else:
       def for_each_tile(visit):
         """Calls ``visit(m_idx, n_idx, compute_stats, local_tile, first, last)`` for this
@@ -611,7 +611,8 @@ def _kernel(*refs, plan: _Plan):
       if cfg.pipeline == "ring":
         ring = mgpu_common.SharedRing(**pipeline_allocs, stages=plan.stages)
 
-        def produce_tile(m_idx, n_idx, local_tile, first, last, *_):
+        def produce_tile(m_idx, n_idx, compute_stats, local_tile, first, last):
+          del compute_stats, first
           rows, cols = pl.ds(m_idx * cfg.tile_m, cfg.tile_m), pl.ds(n_idx * tile_n, tile_n)
 
           @pl.loop(0, plan.k_iters)
@@ -621,18 +622,11 @@ def _kernel(*refs, plan: _Plan):
                                      w_gmem.at[ks, cols])
           pl.when(last)(lambda: mgpu_common.ring_drain(ring, (local_tile + 1) * plan.k_iters))
 
-        @pl.when(wg == 2)
-        def _producer():
-          plgpu.set_max_registers(mgpu_common.PINGPONG_PRODUCER_REGISTERS, action="decrease")
-          for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: produce_tile(
-              m_idx, n_idx, local_tile, first, last))
-
-        @pl.when(wg < 2)
-        def _consumers():
-          plgpu.set_max_registers(mgpu_common.PINGPONG_CONSUMER_REGISTERS, action="increase")
-          for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
-              m_idx, n_idx, compute_stats=stats, first=first, last=last,
-              ring_step=local_tile * plan.k_iters))
+        mgpu_common.warp_specialize(
+            lambda: for_each_tile(produce_tile),
+            lambda: for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
+                m_idx, n_idx, compute_stats=stats, first=first, last=last,
+                ring_step=local_tile * plan.k_iters)))
       else:
         for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
             m_idx, n_idx, compute_stats=stats, first=first, last=last))
