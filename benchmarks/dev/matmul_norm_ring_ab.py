@@ -36,11 +36,11 @@ def inputs(seed, m, k, n):
   return x, w, res, scale, bias
 
 
-def fn_for(norm, with_res, cfg):
+def fn_for(norm, with_res, cfg, exchange=None):
   def f(x, w, res, scale, bias):
     return mk.matmul_norm_fwd(x, w, residual=res if with_res else None, scale=scale,
                               bias=bias if norm == "layer" else None, norm=norm, eps=1e-6,
-                              return_h=with_res, config=cfg)[:2]
+                              return_h=with_res, config=cfg, exchange=exchange)[:2]
   return jax.jit(f)
 
 
@@ -52,6 +52,9 @@ def main():
   p.add_argument("--shapes", default=SHAPES)
   p.add_argument("--cases", default=",".join(CASES))
   p.add_argument("--stages", default="", help="extra ring variants: at most this many stages")
+  p.add_argument("--exchanges", default="",
+                 help="only the default config with these exchanges (e.g. pull,local: what the "
+                      "exchange costs; 'local'/'barrier_only' give a wrong y for clusters > 1)")
   args = p.parse_args()
   print(jax.devices(), flush=True)
   records = []
@@ -66,11 +69,13 @@ def main():
       variants += [(f"ring_dr0_s{st}", dataclasses.replace(base, pipeline="ring",
                                                            max_concurrent_steps=int(st)))
                    for st in args.stages.split(",") if st]
+      if args.exchanges:
+        variants = [(f"default_{ex}", base, ex) for ex in args.exchanges.split(",")]
       ref = None
-      for label, cfg in variants:
+      for label, cfg, *exchange in variants:
         case = f"{M}x{k}x{n} {norm}{'+res+h' if with_res else ''} {label}"
         try:
-          fn = fn_for(norm, with_res, cfg)
+          fn = fn_for(norm, with_res, cfg, *exchange)
           y, h = fn(*sets[0])
           if ref is None:
             ref = (np.asarray(y.astype(jnp.float32)),
@@ -86,7 +91,7 @@ def main():
           continue
         vecs = ("scale", "bias") if norm == "layer" else ("scale",)
         plan = mk._make_plan((M, k), n, jnp.bfloat16, jnp.bfloat16, norm, 1e-6, vecs, with_res,
-                             with_res, False, False, cfg, False, False)
+                             with_res, False, False, cfg, False, False, *exchange)
         print(f"{case:<44} {us:8.1f} us  same bits as default: {same}  stages {plan.stages}"
               f" chained {plan.chained} n_tiles {plan.n_tiles}", flush=True)
         records.append({"case": case, "us": us, "same_bits": same, "stages": plan.stages,
