@@ -36,15 +36,24 @@ def inputs(seed, m, k, n):
   return x, w, res, scale, bias
 
 
-def fn_for(norm, with_res, cfg, exchange=None):
+def fn_for(norm, with_res, outputs, cfg, exchange=None):
+  """The kernel's forward; ``outputs``: which of "h", "xhat", "stats" it also writes (the
+  training forward writes x̂ and the statistics)."""
   def f(x, w, res, scale, bias):
-    return mk.matmul_norm_fwd(x, w, residual=res if with_res else None, scale=scale,
-                              bias=bias if norm == "layer" else None, norm=norm, eps=1e-6,
-                              return_h=with_res, config=cfg, exchange=exchange)[:2]
+    y, h, xhat, mean, rstd = mk.matmul_norm_fwd(
+        x, w, residual=res if with_res else None, scale=scale,
+        bias=bias if norm == "layer" else None, norm=norm, eps=1e-6,
+        return_h="h" in outputs, return_xhat="xhat" in outputs,
+        return_stats="stats" in outputs, config=cfg, exchange=exchange)
+    return y, (h if h is not None else xhat)
   return jax.jit(f)
 
 
-CASES = {"layer+res+h": ("layer", True), "layer": ("layer", False), "rms": ("rms", False)}
+# name -> (norm, residual?, extra outputs)
+CASES = {"layer+res+h": ("layer", True, ("h",)), "layer+res": ("layer", True, ()),
+         "layer": ("layer", False, ()), "rms": ("rms", False, ()),
+         "layer+res+train": ("layer", True, ("xhat", "stats")),
+         "rms+train": ("rms", False, ("xhat", "stats"))}
 
 
 def main():
@@ -55,13 +64,17 @@ def main():
   p.add_argument("--exchanges", default="",
                  help="only the default config with these exchanges (e.g. pull,local: what the "
                       "exchange costs; 'local'/'barrier_only' give a wrong y for clusters > 1)")
+  p.add_argument("--store-waits", action="store_true",
+                 help="only the default config with session 8's store waits, the exact waits "
+                      "for the h/x̂ slots, and those plus the residual loads in the K loop")
   args = p.parse_args()
   print(jax.devices(), flush=True)
   records = []
   for shape in args.shapes.split(","):
     M, k, n = map(int, shape.split("x"))
     sets = [inputs(s, M, k, n) for s in (0, 1)]
-    for norm, with_res in (CASES[c] for c in args.cases.split(",")):
+    for case_name in args.cases.split(","):
+      norm, with_res, outputs = CASES[case_name]
       base = mk.pick_config(M, k, n)
       variants = [("default", base),
                   ("ring_dr1", dataclasses.replace(base, pipeline="ring", delay_release=1)),
@@ -71,11 +84,18 @@ def main():
                    for st in args.stages.split(",") if st]
       if args.exchanges:
         variants = [(f"default_{ex}", base, ex) for ex in args.exchanges.split(",")]
+      if args.store_waits:  # session 9: session 8's store waits first, then the new ones
+        variants = [("s8_waits", base, None, (False, False)),
+                    ("exact_extra_waits", base, None, (True, False)),
+                    ("both", base, None, (True, True))]
       ref = None
-      for label, cfg, *exchange in variants:
-        case = f"{M}x{k}x{n} {norm}{'+res+h' if with_res else ''} {label}"
+      for label, cfg, *rest in variants:
+        exchange = rest[:1]
+        exact, in_loop = rest[1] if len(rest) > 1 else (True, True)
+        mk._StoreGroups.exact, mk.RESIDUAL_IN_K_LOOP = exact, in_loop
+        case = f"{M}x{k}x{n} {case_name} {label}"
         try:
-          fn = fn_for(norm, with_res, cfg, *exchange)
+          fn = fn_for(norm, with_res, outputs, cfg, *exchange)
           y, h = fn(*sets[0])
           if ref is None:
             ref = (np.asarray(y.astype(jnp.float32)),
@@ -91,7 +111,8 @@ def main():
           continue
         vecs = ("scale", "bias") if norm == "layer" else ("scale",)
         plan = mk._make_plan((M, k), n, jnp.bfloat16, jnp.bfloat16, norm, 1e-6, vecs, with_res,
-                             with_res, False, False, cfg, False, False, *exchange)
+                             "h" in outputs, "xhat" in outputs, "stats" in outputs, cfg, False,
+                             False, *exchange)
         print(f"{case:<44} {us:8.1f} us  same bits as default: {same}  stages {plan.stages}"
               f" chained {plan.chained} n_tiles {plan.n_tiles}", flush=True)
         records.append({"case": case, "us": us, "same_bits": same, "stages": plan.stages,

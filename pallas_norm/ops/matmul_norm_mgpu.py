@@ -93,6 +93,11 @@ MAX_N_TILES = 4
 
 MAX_N = max(CLUSTER_SIZES) * MAX_N_TILES * MAX_TILE_N
 
+RESIDUAL_IN_K_LOOP = True
+"""Issue the residual tile's loads during the K loop (:func:`_kernel`'s
+``_residual_during_k_loop``); False restores session 8's wait for every store before the K loop
+(a switch for the dev A/B ``benchmarks/dev/matmul_norm_ring_ab.py --store-waits``)."""
+
 _SMEM_SLACK = 4096  # barriers + the scratch Mosaic reserves for cross-lane reductions.
 _EXTRA_SLOTS = 2  # staging slots for h / x̂ tiles: one being written while one is stored
 # A TMA copy into an 8-row-tiled SMEM tile needs the global row count to be a multiple of 8; the
@@ -564,6 +569,40 @@ def _cluster_final_sync(plan: _Plan, ex, wg):
       plgpu.barrier_wait(ex.empty.at[w])
 
 
+class _StoreGroups:
+  """The TMA store groups one consumer warpgroup commits in one epilogue, in order.
+
+  Bulk store groups complete in commit order, so before refilling a staging buffer it is enough
+  to wait until the groups committed *after* the last store that read it are the only ones
+  pending: ``wait_smem_to_gmem(n)`` with n = those groups. Waiting for all but the newest one
+  (what the staging slots did before session 9) also waited for every y chunk stored in between.
+  A buffer this epilogue has not stored from was last read by an earlier epilogue's store, which
+  is older than all ``count`` groups committed here, so n = count is a safe bound for it.
+  """
+
+  def __init__(self):
+    self.count = 0
+    self._last = {}
+    self._extra_uses = 0
+
+  def committed(self, buffer) -> None:
+    self._last[buffer] = self.count
+    self.count += 1
+
+  def next_extra_slot(self) -> int:
+    slot = self._extra_uses % _EXTRA_SLOTS
+    self._extra_uses += 1
+    return slot
+
+  exact = True  # False: the pre-session-9 waits (all but the newest group); dev A/B only
+
+  def wait_until_read(self, buffer) -> None:
+    newer = self.count - self._last[buffer] - 1 if buffer in self._last else self.count
+    if not self.exact:
+      newer = _EXTRA_SLOTS - 1
+    plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # The kernel.
 
@@ -670,29 +709,28 @@ def _kernel(*refs, plan: _Plan):
         for i in range(len(stats)):
           plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)])
 
-    def _store_chunk(value, j, row0, col0):
+    def _store_chunk(value, j, row0, col0, groups):
       """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
       io_smem[wg, j] = value.astype(plan.out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
                               y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
+      groups.committed(("io", j))
 
-    def _store_extras(values, j, row0, col0, counter):
-      """h / x̂ chunk j through the small slots; ``counter`` counts the slots used so far."""
+    def _store_extras(values, j, row0, col0, groups):
+      """h / x̂ chunk j through the small slots, in turn; ``groups``: this epilogue's stores."""
       for e in plan.extras:
         if e not in values:
           continue
         for i in range(wg_m // epi_m):
-          s = counter % _EXTRA_SLOTS
-          counter += 1
-          # The store that last read slot s is not the latest one, so it is complete.
-          plgpu.wait_smem_to_gmem(_EXTRA_SLOTS - 1, wait_read_only=True)
+          s = groups.next_extra_slot()
+          groups.wait_until_read(("extra", s))
           extra_smem[wg, s] = values[e][i * epi_m:(i + 1) * epi_m].astype(plan.out_dtype)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(
               extra_smem.at[wg, s],
               extra_gmems[e].at[pl.ds(row0 + i * epi_m, epi_m), pl.ds(col0 + j * epi_n, epi_n)])
-      return counter
+          groups.committed(("extra", s))
 
     def _normalize_chunk(h_minus_mean, rstd_b, ns):
       xhat = h_minus_mean * rstd_b
@@ -720,13 +758,13 @@ def _kernel(*refs, plan: _Plan):
       shape = (wg_m, epi_n)
       rstd_b = _rowvec(rstd, shape)
       shift_b = None if mean is None else _rowvec(mean, shape)
-      counter = 0
+      groups = _StoreGroups()
       for j in range(chunks):
         h = h_chunk(j)
         xhat, y = _normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
                                    pl.ds(j * epi_n, epi_n))
-        _store_chunk(y, j, row0, col0)
-        counter = _store_extras({"h": h, "xhat": xhat}, j, row0, col0, counter)
+        _store_chunk(y, j, row0, col0, groups)
+        _store_extras({"h": h, "xhat": xhat}, j, row0, col0, groups)
 
     def _first_pass(acc, row0, col0, t):
       """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
@@ -738,11 +776,11 @@ def _kernel(*refs, plan: _Plan):
       for q, v in enumerate(partials):
         tile_stats[wg, t, q] = v
       shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
-      counter = 0
+      groups = _StoreGroups()
       for j in range(chunks):
         h = h_chunk(j)
-        _store_chunk(h if shift_b is None else h - shift_b, j, row0, col0)
-        counter = _store_extras({"h": h}, j, row0, col0, counter)
+        _store_chunk(h if shift_b is None else h - shift_b, j, row0, col0, groups)
+        _store_extras({"h": h}, j, row0, col0, groups)
 
     def _second_pass(row0, tile_index):
       """Merges the N tiles' partials, exchanges them in the cluster, then reloads each tile's
@@ -756,7 +794,7 @@ def _kernel(*refs, plan: _Plan):
       rstd_b = _rowvec(rstd, shape)
       # The first pass's stores must have landed in global memory, not only left SMEM.
       plgpu.wait_smem_to_gmem(0)
-      counter = 0
+      groups = _StoreGroups()
       for t in range(plan.n_tiles):
         col0 = tile_col0(t)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t − 1's stores read io_smem
@@ -773,21 +811,39 @@ def _kernel(*refs, plan: _Plan):
           centered = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
           xhat, y = _normalize_chunk(centered if offset_b is None else centered + offset_b,
                                      rstd_b, pl.ds(j * epi_n, epi_n))
-          _store_chunk(y, j, row0, col0)
-          counter = _store_extras({"xhat": xhat}, j, row0, col0, counter)
+          _store_chunk(y, j, row0, col0, groups)
+          _store_extras({"xhat": xhat}, j, row0, col0, groups)
 
-    def _prefetch_epilogue_inputs(row0, col0):
-      """The residual tile and the column vectors of a tile, by TMA while its K loop runs."""
-      if plan.has_residual:
+    def _prefetch_residual_chunk(j, row0, col0):
+      plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
+                              io_smem.at[wg, j], load_barrier.at[wg])
+
+    def _prefetch_epilogue_inputs(row0, col0, residual=True):
+      """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
+      it) and the column vectors of a tile, by TMA while its K loop runs."""
+      if plan.has_residual and residual:
         # The previous tile's stores read io_smem: they must finish before TMA refills it.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         for j in range(chunks):
-          plgpu.copy_gmem_to_smem(
-              res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-              io_smem.at[wg, j], load_barrier.at[wg])
+          _prefetch_residual_chunk(j, row0, col0)
       for i, v_gmem in enumerate(vec_gmems):
         plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
                                 load_barrier.at[wg])
+
+    def _residual_during_k_loop(k_step, row0, col0):
+      """Issues residual chunk j at K step min(j, last step), each once the previous row
+      block's y chunk j (stored from the same io_smem slot by :func:`_epilogue`) has left SMEM,
+      so the wait for those stores overlaps the WGMMAs just issued instead of holding the K
+      loop's start. In :func:`_epilogue` each y chunk store is followed by its chunk's h / x̂
+      stores (``per_chunk`` groups in all); the groups committed after y chunk j are the rest."""
+      per_chunk = 1 + len(plan.extras) * (wg_m // epi_m)
+      for j in range(chunks):
+        newer = per_chunk - 1 + (chunks - 1 - j) * per_chunk
+
+        @pl.when(k_step == min(j, plan.k_iters - 1))
+        def _(j=j, newer=newer):
+          plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
+          _prefetch_residual_chunk(j, row0, col0)
 
     if cfg.pingpong:
       _pingpong_row_blocks(plan, mgpu_common.PingPongRing(**pipeline_allocs, stages=plan.stages),
@@ -811,9 +867,15 @@ def _kernel(*refs, plan: _Plan):
     def consumer_row_block(m_idx, tile_index, loop_info):
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
 
+      # On the ring with one N tile per CTA every row block ends in _epilogue, whose store
+      # groups _residual_during_k_loop counts; elsewhere the residual waits for all stores.
+      residual_in_k_loop = (plan.has_residual and ring is not None and plan.n_tiles == 1
+                            and RESIDUAL_IN_K_LOOP)
+
       def mma_body(idxs, a_smem, b_smem, acc_ref):
-        del idxs
         plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
+        if residual_in_k_loop:
+          _residual_during_k_loop(idxs[0], row0, tile_col0(0))
         plgpu.wgmma_wait(plan.delay_release)
         return acc_ref
 
@@ -821,7 +883,7 @@ def _kernel(*refs, plan: _Plan):
         col0 = tile_col0(t)
 
         def compute_context(eval_pipeline, t=t, col0=col0):
-          _prefetch_epilogue_inputs(row0, col0)
+          _prefetch_epilogue_inputs(row0, col0, residual=not residual_in_k_loop)
 
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
           def _acc_scope(acc_ref):
