@@ -155,6 +155,11 @@ class TileConfig:
       Implemented by the norm_matmul forward (without ``cluster_m`` or ping-pong) and the
       matmul_norm forward (without ``multicast_x``). On the H200 (session 8) it made the
       post-norm forward 11–23% faster at N ≥ 512 and left our plain GEMM unchanged.
+    deferred_norm: post-norm (matmul_norm forward) only: a row block's normalization runs
+      after the next row block's K loop, so the cluster exchange of its row statistics has a
+      whole K loop to complete instead of holding the consumers (the block waits in SMEM,
+      centered, in the output dtype). Needs ``pipeline="ring"``, one N tile per CTA, a
+      bfloat16 output and the pull exchange.
     (``epi_slots``, ``cluster_m``, ``stats_once`` and ``pipeline`` are implemented by the norm_matmul kernels;
     a kernel refuses a non-default value of an option it does not implement, with a ValueError
     from :func:`reject_unused_options`.)
@@ -179,6 +184,7 @@ class TileConfig:
   delay_release: int = 0
   pingpong: bool = False
   pipeline: Literal["pallas", "ring"] = "pallas"
+  deferred_norm: bool = False
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):

@@ -190,6 +190,59 @@ def test_forward_interpret_ring(m, k, n, norm, use, delay, stages, extras):
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), extras, extras, extras)
 
 
+@pytest.mark.parametrize("m,k,n,norm,use,delay,extras", [
+    # 3 row blocks on 2 CTAs: one CTA finishes a deferred block and its last one, the other
+    # has a single row block (stash and finish in the same iteration).
+    (300, 128, 256, "layer", ALL, 0, True),
+    # 6 row blocks, 3 per CTA: both io / statistics buffers reused, residual in the K loop.
+    (700, 64, 192, "rms", ("dense_bias", "scale", "residual"), 1, True),
+    # No residual: the stash waits for the y stores of two row blocks back.
+    (600, 128, 256, "layer", ("scale", "bias"), 1, True),
+    (520, 192, 64, "layer", ("bias", "residual"), 0, False),  # 256-row CTA tiles (tile_n 64)
+])
+def test_forward_interpret_deferred(m, k, n, norm, use, delay, extras):
+  """TileConfig.deferred_norm: each row block is normalized after the next one's K loop from a
+  centered bfloat16 copy (rows with a large mean: mean_offset), on two alternating buffers; race
+  detection on."""
+  args, _ = _inputs(m * 3 + k + n, m, k, n, jnp.bfloat16, mean_offset=30.0)
+  args = _pick(args, use)
+  cfg = dataclasses.replace(mk.pick_config(m, k, n), deferred_norm=True, tile_k=32,
+                            delay_release=delay)
+  out = _run_kernel(args, norm, return_h=extras, return_xhat=extras, return_stats=extras,
+                    interpret=True, config=cfg)
+  assert not mgpu_common.races_found()
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), extras, extras, extras)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(pipeline="pallas"), "pipeline='ring'"),
+    (dict(tile_n=128), "one N tile per CTA"),  # N = 512 in 2 tiles of 128 in interpret mode
+])
+def test_deferred_norm_refuses_what_it_cannot_do(change, match):
+  cfg = dataclasses.replace(mk.pick_config(64, 64, 512), deferred_norm=True, **change)
+  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 512), jnp.bfloat16)
+  with pytest.raises(ValueError, match=match):
+    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, config=cfg)
+
+
+def test_deferred_norm_refuses_float16_out_and_push():
+  cfg = dataclasses.replace(mk.pick_config(64, 64, 256), deferred_norm=True)
+  x, w = jnp.ones((64, 64), jnp.float16), jnp.ones((64, 256), jnp.float16)
+  with pytest.raises(ValueError, match="bfloat16 output"):
+    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, config=cfg)
+  with pytest.raises(ValueError, match="pull exchange"):  # a cluster of 2 on a GPU
+    mk._make_plan((64, 64), 512, jnp.bfloat16, jnp.bfloat16, "rms", 1e-6, (), False, False,
+                  False, False, dataclasses.replace(mk.pick_config(64, 64, 512),
+                                                    deferred_norm=True), False, False, "push")
+
+
+def test_norm_matmul_kernels_refuse_deferred_norm():
+  from pallas_norm.ops import norm_matmul_mgpu as nmk
+  cfg = dataclasses.replace(nmk.pick_config(64, 64, 64), deferred_norm=True)
+  with pytest.raises(ValueError, match="deferred_norm"):
+    nmk._make_plan(64, 64, 64, jnp.bfloat16, jnp.bfloat16, "rms", 1e-6, False, cfg, True)
+
+
 @pytest.mark.parametrize("m,k,n,norm,use", [
     (300, 128, 256, "layer", ALL),      # 5 row blocks of 64 on 2 CTAs: 3 and 2, alternating
     (64, 64, 256, "rms", ("scale",)),   # one row block: the second consumer has none
@@ -541,6 +594,26 @@ def test_ring_lowers_for_hopper(monkeypatch, n, exchange, res):
   assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
 
 
+@pytest.mark.parametrize("n,res,norm,outputs", [(512, True, "layer", True),
+                                                (2048, False, "rms", True),
+                                                (2048, True, "layer", True),
+                                                (2048, True, "layer", False)])
+def test_deferred_norm_lowers_for_hopper(monkeypatch, n, res, norm, outputs):
+  """TileConfig.deferred_norm lowers for sm_90a with clusters of 2 and 8 (the double-buffered
+  pull exchange), with and without a residual, with all optional outputs or y only (SMEM
+  counted right: Mosaic refuses a kernel past 227 KiB)."""
+  from jax import export
+  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  bf = jnp.bfloat16
+  cfg = dataclasses.replace(mk.pick_config(4096, 512, n), deferred_norm=True, tile_k=32)
+  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 512), (512, n), (n,), (4096, n)]]
+  f = jax.jit(lambda x, w, b, r: mk.matmul_norm_fwd(
+      x, w, residual=r if res else None, scale=b, bias=b if norm == "layer" else None,
+      norm=norm, eps=1e-6, config=cfg, return_h=outputs, return_xhat=outputs,
+      return_stats=outputs))
+  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
+
+
 def test_push_exchange_inbox_is_counted_in_smem():
   """The push inbox (c packets of rows × 8 f32 per warpgroup) is in the SMEM budget: with
   clusters of 4 it leaves one pipeline stage fewer than pull (measured slower for that)."""
@@ -664,6 +737,26 @@ def test_forward_gpu_ring(m, k, n, norm, exchange, delay):
   default = _run_kernel(args, norm, config=mk.pick_config(m, k, n), **flags)
   for a, b in zip(out, default):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm,use,mean_offset", [
+    (8192 + 77, 512, 256, "layer", ALL, 0.0),              # one CTA
+    (8192 + 5, 512, 512, "rms", ("scale", "residual"), 0.0),  # clusters of 2
+    (8192, 512, 1024, "layer", ALL, 50.0),                 # 4; rows with a large mean
+    # 8; the stash without a residual (where io waits for the y stores of two blocks back)
+    (8192 + 77, 256, 2048, "layer", ("dense_bias", "scale", "bias"), 50.0),
+    (4096, 512, 2048, "rms", ("dense_bias", "scale", "residual"), 0.0),
+])
+def test_forward_gpu_deferred(m, k, n, norm, use, mean_offset):
+  """TileConfig.deferred_norm on clusters of 1 to 8: the cluster exchange of a row block's
+  statistics completes during the next K loop (two partial buffers in flight per warpgroup),
+  y from the centered copy with the cluster mean's offset; right against the reference."""
+  args, _ = _inputs(m + 7 * n, m, k, n, mean_offset=mean_offset, zero_every=5)
+  args = _pick(args, use)
+  cfg = dataclasses.replace(mk.pick_config(m, k, n), deferred_norm=True, tile_k=32)
+  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True, config=cfg)
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
 
 
 @pytest.mark.gpu

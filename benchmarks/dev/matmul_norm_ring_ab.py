@@ -67,6 +67,9 @@ def main():
   p.add_argument("--store-waits", action="store_true",
                  help="only the default config with session 8's store waits, the exact waits "
                       "for the h/x̂ slots, and those plus the residual loads in the K loop")
+  p.add_argument("--deferred", action="store_true",
+                 help="only the default, 32-wide K steps, and deferred normalization "
+                      "(TileConfig.deferred_norm) with and without a WGMMA in flight")
   args = p.parse_args()
   print(jax.devices(), flush=True)
   records = []
@@ -84,6 +87,11 @@ def main():
                    for st in args.stages.split(",") if st]
       if args.exchanges:
         variants = [(f"default_{ex}", base, ex) for ex in args.exchanges.split(",")]
+      if args.deferred:  # session 9: TileConfig.deferred_norm (needs 32-wide K steps to fit)
+        variants = [("default", base), ("ring_k32", dataclasses.replace(base, tile_k=32)),
+                    ("deferred_k32", dataclasses.replace(base, tile_k=32, deferred_norm=True)),
+                    ("deferred_k32_dr1", dataclasses.replace(base, tile_k=32, deferred_norm=True,
+                                                             delay_release=1))]
       if args.store_waits:  # session 9: session 8's store waits first, then the new ones
         variants = [("s8_waits", base, None, (False, False)),
                     ("exact_extra_waits", base, None, (True, False)),

@@ -146,8 +146,19 @@ class _Plan:
     return tuple(e for e, on in (("h", self.return_h), ("xhat", self.return_xhat)) if on)
 
   @property
-  def n_loads(self) -> int:  # TMA copies per tile besides the K loop: vectors and residual
-    return len(self.vecs) + (self.cfg.tile_n // self.cfg.epi_tile_n) * self.has_residual
+  def deferred(self) -> bool:  # TileConfig.deferred_norm: see _deferred_row_block
+    return self.cfg.deferred_norm
+
+  @property
+  def io_buffers(self) -> int:  # residual-in / y-out tiles per warpgroup (2: deferred)
+    return 2 if self.deferred else 1
+
+  @property
+  def n_loads(self) -> int:
+    """TMA copies per tile besides the K loop: vectors and residual (deferred: the vectors load
+    once, on their own barrier)."""
+    return (0 if self.deferred else len(self.vecs)) + (
+        (self.cfg.tile_n // self.cfg.epi_tile_n) * self.has_residual)
 
   @property
   def n_reloads(self) -> int:  # TMA copies per N tile in the second pass (n_tiles > 1)
@@ -263,13 +274,17 @@ def pingpong_config(m: int, k: int, n: int) -> TileConfig:
 def _smem_bytes_besides_pipeline(p: _Plan) -> int:
   cfg = p.cfg
   out_b = p.out_dtype.itemsize
-  io = 2 * cfg.wg_tile_m * cfg.tile_n * out_b
+  io = p.io_buffers * 2 * cfg.wg_tile_m * cfg.tile_n * out_b
   extra = 2 * _EXTRA_SLOTS * cfg.epi_tile_m * cfg.epi_tile_n * out_b if p.extras else 0
   vec = 2 * len(p.vecs) * cfg.tile_n * 4
-  stats = 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
+  stats = p.io_buffers * 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
   exchange = _exchange_smem_bytes(p)
   tile_stats = 2 * p.n_tiles * p.n_partials * cfg.wg_tile_m * 4 * (p.n_tiles > 1)
-  return io + extra + vec + stats + exchange + tile_stats + _SMEM_SLACK
+  # Deferred: the partials kept per row block, and ~3.2 KB more of allocation alignment and
+  # barriers than the slack covers (Mosaic's count at 4096×512² with every output: 232576
+  # bytes where this sum said 228352; 5 KB keeps a margin).
+  deferred = (2 * 2 * p.n_partials * cfg.wg_tile_m * 4 + 5120) * p.deferred
+  return io + extra + vec + stats + exchange + tile_stats + deferred + _SMEM_SLACK
 
 
 _UNUSED_OPTIONS = ("stats", "fence_reads", "a_operand", "epi_slots", "cluster_m", "stats_once",
@@ -298,6 +313,8 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
                n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1,
                exchange=exchange)
+  if cfg.deferred_norm:
+    _check_deferred(plan)
   if (cfg.pingpong or cfg.pipeline == "ring") and multicast_x:
     raise ValueError("multicast_x needs Pallas's pipeline: it does not combine with pingpong "
                      "or pipeline='ring'")
@@ -313,6 +330,20 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
       cfg, plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes))
   num_clusters = mgpu_common.persistent_clusters(cfg, cluster, plan.m_iters, interpret)
   return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
+
+
+def _check_deferred(plan: _Plan) -> None:
+  why = []
+  if plan.cfg.pipeline != "ring" or plan.cfg.pingpong:
+    why.append("pipeline='ring' without pingpong")
+  if plan.n_tiles != 1:
+    why.append(f"one N tile per CTA (N = {plan.n} needs {plan.n_tiles})")
+  if plan.out_dtype != jnp.dtype(jnp.bfloat16):
+    why.append(f"a bfloat16 output (the waiting block is kept in it; got {plan.out_dtype.name})")
+  if plan.cluster > 1 and plan.exchange != "pull":
+    why.append(f"the pull exchange (got {plan.exchange!r})")
+  if why:
+    raise ValueError("TileConfig.deferred_norm needs " + ", ".join(why))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -448,6 +479,12 @@ def _exchange_allocs(plan: _Plan):
         # once per thread): 128 · c arrivals hung the kernel on the H200.
         full=plgpu.Barrier(num_arrivals=plan.cluster, num_barriers=2),
         empty=cluster_bar())
+  if plan.deferred:  # part[w][parity][q], barriers 2·w + parity (see _deferred_publish)
+    part = tuple(tuple(tuple(plgpu.SMEM((rows,), jnp.float32) for _ in range(plan.n_partials))
+                       for _ in range(2)) for _ in range(2))
+    bar = functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",),
+                            num_barriers=4, num_arrivals=1)
+    return dict(part=part, full=bar(), empty=bar(), rows=plgpu.SMEM((2, 2, rows), jnp.float32))
   part = tuple(tuple(plgpu.SMEM((rows,), jnp.float32) for _ in range(plan.n_partials))
                for _ in range(2))
   return dict(part=part, full=cluster_bar(), empty=cluster_bar(),
@@ -460,6 +497,8 @@ def _exchange_smem_bytes(plan: _Plan) -> int:
   rows = plan.cfg.wg_tile_m
   if plan.exchange == "push":
     return 2 * plan.cluster * rows * _PACKET_COLS * 4
+  if plan.deferred:  # the partials of two row blocks, and the merged (rstd, mean) rows
+    return 2 * (2 * plan.n_partials + 2) * rows * 4
   return 2 * (plan.n_partials + 2) * rows * 4
 
 
@@ -558,6 +597,78 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
   return mean, rstd
 
 
+def _deferred_publish(plan: _Plan, partials, ex, own, wg, tile_index):
+  """Deferred normalization, first half of the exchange of row block t: keeps this CTA's
+  partials in ``own[wg, t % 2]`` (the normalization needs the slice mean) and, with a cluster,
+  writes them to ``part[w][t % 2]`` for the peers and arrives on ``full[2w + t % 2]`` in every
+  CTA. The partials of two row blocks are in flight, so the wait on ``empty`` (peers done
+  reading) is for row block t − 2, read a whole K loop ago."""
+  parity = lax.rem(tile_index, 2)
+  for q, v in enumerate(partials):
+    own[wg, parity, q] = v
+  if plan.cluster == 1 or plan.exchange == "local":
+    return
+  for w in range(2):
+    for par in range(2):
+
+      @pl.when((wg == w) & (parity == par))
+      def _publish(w=w, par=par):
+        pl.when(tile_index >= 2)(lambda: plgpu.barrier_wait(ex.empty.at[2 * w + par]))
+        for buf, v in zip(ex.part[w][par], partials):
+          buf[...] = v
+        plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the arrive
+        _cluster_fence()
+        plgpu.barrier_arrive(ex.full.at[2 * w + par])
+
+
+def _deferred_collect(plan: _Plan, ex, own, wg, tile_index):
+  """Second half: (mean or None, rstd, this CTA's slice mean or None) of row block t, merged
+  from the c CTAs' partials in CTA order (as :func:`_cluster_row_stats`), then ``empty``."""
+  parity = lax.rem(tile_index, 2)
+  mine = tuple(plgpu.load(own.at[wg, parity, q], layout=plgpu.Layout.WGMMA.reduce(1))
+               for q in range(plan.n_partials))
+  slice_mean = mine[0] if plan.norm == "layer" else None
+  if plan.cluster == 1 or plan.exchange == "local":
+    return (*_merge_partials(plan, [mine]), slice_mean)
+  for w in range(2):
+    for par in range(2):
+
+      @pl.when((wg == w) & (parity == par))
+      def _collect(w=w, par=par):
+        plgpu.barrier_wait(ex.full.at[2 * w + par])
+        _cluster_fence()
+        per_cta = [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
+                                           plgpu.Layout.WGMMA.reduce(1))
+                         for buf in ex.part[w][par])
+                   for j in range(plan.cluster)]
+        mean, rstd = _merge_partials(plan, per_cta)
+        ex.rows[w, 0] = rstd
+        if mean is not None:
+          ex.rows[w, 1] = mean
+        plgpu.commit_smem()  # every thread's peer reads precede the arrive
+        _cluster_fence()
+        plgpu.barrier_arrive(ex.empty.at[2 * w + par])
+
+  rstd = plgpu.load(ex.rows.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+  mean = (plgpu.load(ex.rows.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
+          if plan.norm == "layer" else None)
+  return mean, rstd, slice_mean
+
+
+def _deferred_final_sync(plan: _Plan, ex, wg, tile_index):
+  """After the CTA's last row block t: waits until the peers read the partials of t and t − 1
+  (the two ``empty`` completions no later publish waited for)."""
+  if plan.cluster == 1 or plan.exchange == "local":
+    return
+  parity = lax.rem(tile_index, 2)
+  for w in range(2):
+    for par in range(2):
+
+      @pl.when((wg == w) & ((parity == par) | (tile_index >= 1)))
+      def _(w=w, par=par):
+        plgpu.barrier_wait(ex.empty.at[2 * w + par])
+
+
 def _cluster_final_sync(plan: _Plan, ex, wg):
   """Waits until the peers read the last tile's partials: no CTA exits while they may."""
   if plan.cluster == 1 or plan.exchange == "local":
@@ -585,8 +696,10 @@ class _StoreGroups:
     self._last = {}
     self._extra_uses = 0
 
-  def committed(self, buffer) -> None:
-    self._last[buffer] = self.count
+  def committed(self, *buffers) -> None:
+    """One group committed; it holds the last stores from ``buffers``."""
+    for buffer in buffers:
+      self._last[buffer] = self.count
     self.count += 1
 
   def next_extra_slot(self) -> int:
@@ -648,14 +761,23 @@ def _kernel(*refs, plan: _Plan):
           make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
       # Residual in, y out: the (rows, tile_n) tile of each consumer warpgroup, as column chunks
       # (a TMA copy needs a contiguous SMEM window).
-      io_smem=plgpu.SMEM((2, chunks, wg_m, epi_n), plan.out_dtype, transforms=out_transforms),
+      # Deferred normalization: two of each, for consecutive row blocks.
+      io_bufs=plgpu.SMEM((plan.io_buffers, 2, chunks, wg_m, epi_n), plan.out_dtype,
+                         transforms=out_transforms),
       extra_smem=(plgpu.SMEM((2, _EXTRA_SLOTS, epi_m, epi_n), plan.out_dtype,
                              transforms=out_transforms) if plan.extras else None),
       vec_smem=plgpu.SMEM((2, len(plan.vecs), tile_n), jnp.float32) if plan.vecs else None,
       # One arrival per TMA copy (each copy arrives with its byte count).
       load_barrier=(plgpu.Barrier(num_arrivals=plan.n_loads, num_barriers=2)
                     if plan.n_loads else None),
-      stat_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32) if plan.n_stats else None,
+      stat_bufs=(plgpu.SMEM((plan.io_buffers, 2, 2, wg_m), jnp.float32) if plan.n_stats
+                 else None),
+      # Deferred: this CTA's partials of the last two row blocks, and the vectors' own barrier
+      # (they load once).
+      own_partials=(plgpu.SMEM((2, 2, plan.n_partials, wg_m), jnp.float32) if plan.deferred
+                    else None),
+      vec_barrier=(plgpu.Barrier(num_arrivals=len(plan.vecs), num_barriers=2)
+                   if plan.deferred and plan.vecs else None),
       ex_allocs=_exchange_allocs(plan),
       # n_tiles > 1: each N tile's partials, and the barrier of the second pass's reloads.
       tile_stats=(plgpu.SMEM((2, plan.n_tiles, plan.n_partials, wg_m), jnp.float32)
@@ -664,8 +786,10 @@ def _kernel(*refs, plan: _Plan):
                       if plan.n_tiles > 1 else None),
       collective_axes="wg",
   )
-  def _scope(pipeline_allocs, io_smem, extra_smem, vec_smem, load_barrier, stat_smem, ex_allocs,
-             tile_stats, reload_barrier):
+  def _scope(pipeline_allocs, io_bufs, extra_smem, vec_smem, load_barrier, stat_bufs, own_partials,
+             vec_barrier, ex_allocs, tile_stats, reload_barrier):
+    io_smem = io_bufs.at[0]  # the one io tile unless deferred
+    stat_smem = None if stat_bufs is None else stat_bufs.at[0]
     ex = None if ex_allocs is None else _Exchange(**ex_allocs)
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster")
@@ -678,7 +802,7 @@ def _kernel(*refs, plan: _Plan):
                      layout=plgpu.Layout.WGMMA.reduce(0))
       return _colvec(v, (wg_m, epi_n))
 
-    def _h_chunk_fn(acc):
+    def _h_chunk_fn(acc, io=None):
       """``h_chunk(j)``: h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32.
 
       Each chunk is built once, replacing the accumulator (same registers): the statistics'
@@ -691,31 +815,38 @@ def _kernel(*refs, plan: _Plan):
         if "dense_bias" in plan.vecs:
           h = h + _vec("dense_bias", ns)
         if plan.has_residual:
-          r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
+          r = plgpu.load((io_smem if io is None else io).at[wg, j], layout=plgpu.Layout.WGMMA)
           h = h + r.astype(jnp.float32)
         return h
       return [build(j) for j in range(chunks)].__getitem__
 
-    def _store_stats(mean, rstd, row0):
+    def _store_stats(mean, rstd, row0, stats_ref=None):
+      """rstd (and mean) of the warpgroup's rows through ``stats_ref`` (default ``stat_smem``).
+      The copies join the next committed store group (the y chunk stores that always follow),
+      so the groups :class:`_StoreGroups` counts are the same in every CTA."""
       if not plan.n_stats:
         return
+      stats_ref = stat_smem if stats_ref is None else stats_ref
       stats = [rstd] if mean is None else [rstd, mean]
       for i, v in enumerate(stats):
-        stat_smem[wg, i] = v
+        stats_ref[wg, i] = v
       plgpu.commit_smem()
 
       @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
       def _():
         for i in range(len(stats)):
-          plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)])
+          plgpu.copy_smem_to_gmem(stats_ref.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)],
+                                  commit_group=False)
 
-    def _store_chunk(value, j, row0, col0, groups):
-      """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
-      io_smem[wg, j] = value.astype(plan.out_dtype)
+    def _store_chunk(value, j, row0, col0, groups, io=None, key="io", also=()):
+      """y chunk j through ``io`` (default io_smem), in place: each thread overwrites elements
+      it has read. ``also``: buffers whose pending copies this store's group commits."""
+      io = io_smem if io is None else io
+      io[wg, j] = value.astype(plan.out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
+      plgpu.copy_smem_to_gmem(io.at[wg, j],
                               y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
-      groups.committed(("io", j))
+      groups.committed((key, j), *also)
 
     def _store_extras(values, j, row0, col0, groups):
       """h / x̂ chunk j through the small slots, in turn; ``groups``: this epilogue's stores."""
@@ -814,9 +945,9 @@ def _kernel(*refs, plan: _Plan):
           _store_chunk(y, j, row0, col0, groups)
           _store_extras({"xhat": xhat}, j, row0, col0, groups)
 
-    def _prefetch_residual_chunk(j, row0, col0):
+    def _prefetch_residual_chunk(j, row0, col0, io=None):
       plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                              io_smem.at[wg, j], load_barrier.at[wg])
+                              (io_smem if io is None else io).at[wg, j], load_barrier.at[wg])
 
     def _prefetch_epilogue_inputs(row0, col0, residual=True):
       """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
@@ -830,20 +961,107 @@ def _kernel(*refs, plan: _Plan):
         plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
                                 load_barrier.at[wg])
 
-    def _residual_during_k_loop(k_step, row0, col0):
-      """Issues residual chunk j at K step min(j, last step), each once the previous row
-      block's y chunk j (stored from the same io_smem slot by :func:`_epilogue`) has left SMEM,
-      so the wait for those stores overlaps the WGMMAs just issued instead of holding the K
-      loop's start. In :func:`_epilogue` each y chunk store is followed by its chunk's h / x̂
-      stores (``per_chunk`` groups in all); the groups committed after y chunk j are the rest."""
-      per_chunk = 1 + len(plan.extras) * (wg_m // epi_m)
+    def _residual_during_k_loop(k_step, row0, col0, io=None):
+      """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
+      stored from the same io slot has left SMEM, so the wait for those stores overlaps the
+      WGMMAs just issued instead of holding the K loop's start. That store was the last
+      row block's (:func:`_epilogue`; deferred: two row blocks back, :func:`_finish_deferred`,
+      the last stores of its iteration); each y chunk store is followed by its chunk's h / x̂
+      stores (x̂ only when deferred), ``per_chunk`` groups in all, so the groups committed
+      after y chunk j are the rest."""
+      extras_after_y = ("xhat",) if plan.deferred and plan.return_xhat else (
+          () if plan.deferred else plan.extras)
+      per_chunk = 1 + len(extras_after_y) * (wg_m // epi_m)
       for j in range(chunks):
         newer = per_chunk - 1 + (chunks - 1 - j) * per_chunk
 
         @pl.when(k_step == min(j, plan.k_iters - 1))
         def _(j=j, newer=newer):
           plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
-          _prefetch_residual_chunk(j, row0, col0)
+          _prefetch_residual_chunk(j, row0, col0, io)
+
+    def _stash_deferred(acc, io, row0, col0, tile_index, groups):
+      """Deferred normalization, right after row block t's K loop: h from the accumulator (and
+      the residual in ``io``), its partials published to the cluster, h stored if asked, and
+      the block kept in ``io`` in the output dtype, centered for LayerNorm (h − slice mean, so
+      a row with a large mean keeps its precision; RMSNorm: h) until :func:`_finish_deferred`
+      normalizes it after the next K loop."""
+      if plan.has_residual:
+        plgpu.barrier_wait(load_barrier.at[wg])
+      h_chunk = _h_chunk_fn(acc, io)
+      partials = _slice_partials(plan, h_chunk)
+      _deferred_publish(plan, partials, ex, own_partials, wg, tile_index)
+      shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
+      for j in range(chunks):
+        h = h_chunk(j)
+        if not plan.has_residual:  # io chunk j was last read by a y store two blocks back
+          groups.wait_until_read(("io_cur", j))
+        io[wg, j] = (h if shift_b is None else h - shift_b).astype(plan.out_dtype)
+        _store_extras({"h": h}, j, row0, col0, groups)
+      plgpu.commit_smem()  # the stash and own partials are read back by other threads' loads
+
+    def _finish_deferred(io, stats_ref, row0, col0, tile_index, groups, key):
+      """Row block t's statistics from the cluster, then y (and x̂, the statistics) from its
+      centered block in ``io``: h − mean = centered + (slice mean − mean), as the two-pass
+      epilogue does (:func:`_second_pass`)."""
+      mean, rstd, slice_mean = _deferred_collect(plan, ex, own_partials, wg, tile_index)
+      if plan.n_stats:
+        groups.wait_until_read(("stats", key))
+      _store_stats(mean, rstd, row0, stats_ref)
+      shape = (wg_m, epi_n)
+      rstd_b = _rowvec(rstd, shape)
+      offset_b = None if mean is None else _rowvec(slice_mean - mean, shape)
+      for j in range(chunks):
+        centered = plgpu.load(io.at[wg, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        xhat, y = _normalize_chunk(centered if offset_b is None else centered + offset_b,
+                                   rstd_b, pl.ds(j * epi_n, epi_n))
+        _store_chunk(y, j, row0, col0, groups, io=io, key=f"io_{key}",
+                     also=(("stats", key),) if j == 0 else ())
+        _store_extras({"xhat": xhat}, j, row0, col0, groups)
+
+    def deferred_row_block(m_idx, tile_index, loop_info, mma_body):
+      """One row block with deferred normalization (``TileConfig.deferred_norm``): K loop t,
+      then :func:`_stash_deferred` of t, then :func:`_finish_deferred` of t − 1 (whose
+      partials the peers published a K loop ago), and after the CTA's last row block its own
+      finish at once. Row blocks alternate between the two io / statistics buffers."""
+      row0 = m_idx * cfg.tile_m + wg * wg_m
+      col0 = tile_col0(0)
+      buf = lax.rem(tile_index, 2)
+      io_cur, io_prev = io_bufs.at[buf], io_bufs.at[1 - buf]
+      stats_cur = stats_prev = None
+      if stat_bufs is not None:
+        stats_cur, stats_prev = stat_bufs.at[buf], stat_bufs.at[1 - buf]
+
+      if plan.vecs:  # the same columns in every row block: load them once
+
+        @pl.when(tile_index == 0)
+        def _():
+          for i, v_gmem in enumerate(vec_gmems):
+            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                    vec_barrier.at[wg])
+
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
+      def _acc_scope(acc_ref):
+        acc_ref = mgpu_common.ring_k_loop(
+            ring, tile_index * plan.k_iters, plan.k_iters, acc_ref,
+            functools.partial(mma_body, row0=row0, io=io_cur),
+            delay_release=plan.delay_release)
+        if plan.delay_release:
+          plgpu.wgmma_wait(0)
+        if plan.vecs:
+          pl.when(tile_index == 0)(lambda: plgpu.barrier_wait(vec_barrier.at[wg]))
+        groups = _StoreGroups()
+        _stash_deferred(acc_ref[...], io_cur, row0, col0, tile_index, groups)
+
+        @pl.when(tile_index > 0)
+        def _():
+          _finish_deferred(io_prev, stats_prev, row0 - plan.num_clusters * cfg.tile_m, col0,
+                           tile_index - 1, groups, "prev")
+
+        @pl.when(tile_index == loop_info.num_local_steps - 1)
+        def _():
+          _finish_deferred(io_cur, stats_cur, row0, col0, tile_index, groups, "cur")
+          _deferred_final_sync(plan, ex, wg, tile_index)
 
     if cfg.pingpong:
       _pingpong_row_blocks(plan, mgpu_common.PingPongRing(**pipeline_allocs, stages=plan.stages),
@@ -865,6 +1083,15 @@ def _kernel(*refs, plan: _Plan):
         body(m_idx, loop_info.local_index, loop_info)
 
     def consumer_row_block(m_idx, tile_index, loop_info):
+      if plan.deferred:
+        def deferred_mma_body(idxs, a_smem, b_smem, acc_ref, *, row0, io):
+          plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
+          if plan.has_residual:
+            _residual_during_k_loop(idxs[0], row0, tile_col0(0), io)
+          plgpu.wgmma_wait(plan.delay_release)
+          return acc_ref
+        deferred_row_block(m_idx, tile_index, loop_info, deferred_mma_body)
+        return
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
 
       # On the ring with one N tile per CTA every row block ends in _epilogue, whose store
@@ -934,7 +1161,8 @@ def _kernel(*refs, plan: _Plan):
       mgpu_common.warp_specialize(lambda: row_block_loop(producer_row_block),
                                   lambda: row_block_loop(consumer_row_block))
 
-    _cluster_final_sync(plan, ex, wg)
+    if not plan.deferred:  # (deferred: in the last row block)
+      _cluster_final_sync(plan, ex, wg)
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -1025,7 +1253,7 @@ def _pick_exchange(make_plan, multicast_x: bool) -> _Plan:
   550 vs 553 µs), with ``multicast_x`` (push has not run with it on a GPU), and when the push
   inbox does not fit next to a caller's config. ``make_plan(exchange)`` builds one plan."""
   pull = make_plan("pull")
-  if pull.cluster != 2 or pull.cfg.pingpong or multicast_x:
+  if pull.cluster != 2 or pull.cfg.pingpong or pull.deferred or multicast_x:
     return pull
   try:
     push = make_plan("push")

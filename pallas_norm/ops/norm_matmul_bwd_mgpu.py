@@ -289,7 +289,8 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step, *, fused=
                has_bias=False, dy_scaled=False) -> _Plan:
   if cfg.stats_once:
     raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
-  mgpu_common.reject_unused_options(cfg, "dx", ("stats", "epi_slots", "pipeline"))
+  mgpu_common.reject_unused_options(cfg, "dx", ("stats", "epi_slots", "pipeline",
+                                                "deferred_norm"))
   if dy_scaled:
     _check_dy_scaled(cfg, dtype)
   if cfg.pingpong:
