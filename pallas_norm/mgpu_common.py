@@ -159,7 +159,9 @@ class TileConfig:
       after the next row block's K loop, so the cluster exchange of its row statistics has a
       whole K loop to complete instead of holding the consumers (the block waits in SMEM,
       centered, in the output dtype). Needs ``pipeline="ring"``, one N tile per CTA, a
-      bfloat16 output and the pull exchange.
+      bfloat16 output and the pull exchange; two io tiles leave room only for 32-wide K steps.
+      Opt-in, measured slower on the H200 (session 9: RMSNorm 1097 → 1415 µs, LayerNorm +
+      residual 1419 → 1907 at 262144×512×2048; 32-wide K steps alone 1170 / 1468).
     (``epi_slots``, ``cluster_m``, ``stats_once`` and ``pipeline`` are implemented by the norm_matmul kernels;
     a kernel refuses a non-default value of an option it does not implement, with a ValueError
     from :func:`reject_unused_options`.)

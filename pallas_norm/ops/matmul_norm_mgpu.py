@@ -43,6 +43,13 @@ tile from global memory (L2) by TMA and normalize it in place
 (``h − mean = centered + (tile mean − mean)``). The second pass costs one more write and read of
 y per element; interpret mode runs it with one CTA looping over all N tiles.
 
+On the shared ring with one N tile per CTA the residual tile's TMA loads are issued during the
+K loop, each chunk once the previous row block's y chunk has left SMEM (session 9: 3-7% faster
+than waiting for every store before the K loop). ``TileConfig.deferred_norm`` (opt-in, measured
+slower) instead normalizes each row block after the next one's K loop from a centered copy in
+SMEM, with the pull exchange double-buffered so that it completes during that K loop
+(:func:`_deferred_publish`, :func:`_deferred_collect`).
+
 Ping-pong consumers (``TileConfig.pingpong``, :func:`pingpong_config`; opt-in, measured slower:
 223 / 553 / 1125 µs against 176 / 500 / 1024 at 262144×512×{256, 512, 1024} on the H200):
 the row blocks are one warpgroup's rows and alternate between the two consumer warpgroups, each
