@@ -718,7 +718,7 @@ class _StoreGroups:
 
   def wait_until_read(self, buffer) -> None:
     newer = self.count - self._last[buffer] - 1 if buffer in self._last else self.count
-    if not self.exact:
+    if not self.exact and buffer[0] == "extra":
       newer = _EXTRA_SLOTS - 1
     plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
 
@@ -1067,6 +1067,10 @@ def _kernel(*refs, plan: _Plan):
 
         @pl.when(tile_index == loop_info.num_local_steps - 1)
         def _():
+          # ``groups`` counted the finish above as run; in a CTA's only row block it did not,
+          # so the counts below would let too many stores pend (a review found the x̂ slot
+          # overwritten under the stash's h store): drain them instead, once per such CTA.
+          pl.when(tile_index == 0)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
           _finish_deferred(io_cur, stats_cur, row0, col0, tile_index, groups, "cur")
           _deferred_final_sync(plan, ex, wg, tile_index)
 
