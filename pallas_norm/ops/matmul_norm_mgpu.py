@@ -552,6 +552,22 @@ def _push_row_stats(plan: _Plan, partials, ex, wg, tile_index):
   return mean, rstd
 
 
+def _peer_partials(plan: _Plan, bufs):
+  """The partials in ``bufs`` (one allocation per partial) of every CTA of the cluster, in CTA
+  order, read through distributed shared memory."""
+  return [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
+                                  plgpu.Layout.WGMMA.reduce(1)) for buf in bufs)
+          for j in range(plan.cluster)]
+
+
+def _merge_into_rows(plan: _Plan, per_cta, ex, w):
+  """Merges the CTAs' partials and leaves (rstd, mean) in ``ex.rows[w]`` for the warpgroup."""
+  mean, rstd = _merge_partials(plan, per_cta)
+  ex.rows[w, 0] = rstd
+  if mean is not None:
+    ex.rows[w, 1] = mean
+
+
 def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
   """(mean or None, rstd) of full rows from this CTA's partials and those of its cluster peers.
 
@@ -587,13 +603,8 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
       if plan.exchange == "barrier_only":  # diagnostic: the barriers without the peer reads
         per_cta = [tuple(partials)] * plan.cluster
       else:
-        per_cta = [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
-                                           plgpu.Layout.WGMMA.reduce(1)) for buf in bufs)
-                   for j in range(plan.cluster)]
-      mean, rstd = _merge_partials(plan, per_cta)
-      ex.rows[w, 0] = rstd
-      if mean is not None:
-        ex.rows[w, 1] = mean
+        per_cta = _peer_partials(plan, bufs)
+      _merge_into_rows(plan, per_cta, ex, w)
       plgpu.commit_smem()  # every thread's peer reads precede the arrive
       fence()
       plgpu.barrier_arrive(ex.empty.at[w])
@@ -644,14 +655,7 @@ def _deferred_collect(plan: _Plan, ex, own, wg, tile_index):
       def _collect(w=w, par=par):
         plgpu.barrier_wait(ex.full.at[2 * w + par])
         _cluster_fence()
-        per_cta = [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
-                                           plgpu.Layout.WGMMA.reduce(1))
-                         for buf in ex.part[w][par])
-                   for j in range(plan.cluster)]
-        mean, rstd = _merge_partials(plan, per_cta)
-        ex.rows[w, 0] = rstd
-        if mean is not None:
-          ex.rows[w, 1] = mean
+        _merge_into_rows(plan, _peer_partials(plan, ex.part[w][par]), ex, w)
         plgpu.commit_smem()  # every thread's peer reads precede the arrive
         _cluster_fence()
         plgpu.barrier_arrive(ex.empty.at[2 * w + par])
