@@ -980,8 +980,8 @@ def _kernel(*refs, plan: _Plan):
       the last stores of its iteration); each y chunk store is followed by its chunk's h / x̂
       stores (x̂ only when deferred), ``per_chunk`` groups in all, so the groups committed
       after y chunk j are the rest."""
-      extras_after_y = ("xhat",) if plan.deferred and plan.return_xhat else (
-          () if plan.deferred else plan.extras)
+      extras_after_y = tuple(e for e in plan.extras if e == "xhat") if plan.deferred else (
+          plan.extras)
       per_chunk = 1 + len(extras_after_y) * (wg_m // epi_m)
       for j in range(chunks):
         newer = per_chunk - 1 + (chunks - 1 - j) * per_chunk
@@ -1030,7 +1030,16 @@ def _kernel(*refs, plan: _Plan):
                      also=(("stats", key),) if j == 0 else ())
         _store_extras({"xhat": xhat}, j, row0, col0, groups)
 
-    def deferred_row_block(m_idx, tile_index, loop_info, mma_body):
+    def mma_step(idxs, a_smem, b_smem, acc_ref, *, row0, residual, io=None):
+      """One K step's WGMMA for the warpgroup's rows; with ``residual``, the residual chunks
+      due at this step (:func:`_residual_during_k_loop`) while the WGMMA runs."""
+      plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
+      if residual:
+        _residual_during_k_loop(idxs[0], row0, tile_col0(0), io)
+      plgpu.wgmma_wait(plan.delay_release)
+      return acc_ref
+
+    def deferred_row_block(m_idx, tile_index, loop_info):
       """One row block with deferred normalization (``TileConfig.deferred_norm``): K loop t,
       then :func:`_stash_deferred` of t, then :func:`_finish_deferred` of t − 1 (whose
       partials the peers published a K loop ago), and after the CTA's last row block its own
@@ -1055,7 +1064,7 @@ def _kernel(*refs, plan: _Plan):
       def _acc_scope(acc_ref):
         acc_ref = mgpu_common.ring_k_loop(
             ring, tile_index * plan.k_iters, plan.k_iters, acc_ref,
-            functools.partial(mma_body, row0=row0, io=io_cur),
+            functools.partial(mma_step, row0=row0, residual=plan.has_residual, io=io_cur),
             delay_release=plan.delay_release)
         if plan.delay_release:
           plgpu.wgmma_wait(0)
@@ -1099,13 +1108,7 @@ def _kernel(*refs, plan: _Plan):
 
     def consumer_row_block(m_idx, tile_index, loop_info):
       if plan.deferred:
-        def deferred_mma_body(idxs, a_smem, b_smem, acc_ref, *, row0, io):
-          plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
-          if plan.has_residual:
-            _residual_during_k_loop(idxs[0], row0, tile_col0(0), io)
-          plgpu.wgmma_wait(plan.delay_release)
-          return acc_ref
-        deferred_row_block(m_idx, tile_index, loop_info, deferred_mma_body)
+        deferred_row_block(m_idx, tile_index, loop_info)
         return
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
 
@@ -1114,12 +1117,7 @@ def _kernel(*refs, plan: _Plan):
       residual_in_k_loop = (plan.has_residual and ring is not None and plan.n_tiles == 1
                             and RESIDUAL_IN_K_LOOP)
 
-      def mma_body(idxs, a_smem, b_smem, acc_ref):
-        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
-        if residual_in_k_loop:
-          _residual_during_k_loop(idxs[0], row0, tile_col0(0))
-        plgpu.wgmma_wait(plan.delay_release)
-        return acc_ref
+      mma_body = functools.partial(mma_step, row0=row0, residual=residual_in_k_loop)
 
       for t in range(plan.n_tiles):
         col0 = tile_col0(t)
