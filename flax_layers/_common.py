@@ -95,6 +95,18 @@ def check_last_dim(layer: str, x, features_name: str, features: int) -> None:
                      f"dimension {shape[-1]}")
 
 
+def check_dtype(layer: str, dtype):
+  """Checks the layer's compute ``dtype`` when the layer is built: None or a floating dtype
+  (:func:`pallas_norm._validate.float_dtype`); otherwise TypeError naming the layer's ``dtype``
+  (not the op's ``x``, which would see the input already cast to it). Returns ``dtype``."""
+  if dtype is not None:
+    try:
+      _validate.float_dtype("dtype", dtype)
+    except TypeError as e:
+      raise TypeError(f"{layer}: {e}") from e
+  return dtype
+
+
 def check_implementation(implementation):
   """Rejects an unknown implementation when the layer is built, not at its first call; a
   sequence (tried in order, see :mod:`pallas_norm._dispatch`) comes back as a tuple."""

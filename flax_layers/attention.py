@@ -44,8 +44,8 @@ class GDPA(nnx.Module):
     ValueError: at construction, for num_heads or head_dim that is not a positive integer, an
       unknown activation, a non-finite pre_scale or post_scale or an unknown implementation; at
       call time, when q is not of shape (T, num_heads, head_dim).
-    TypeError: at construction, for a non-number pre_scale or post_scale; at call time, for a
-      non-array q.
+    TypeError: at construction, for a non-number pre_scale or post_scale or a dtype that is
+      neither None nor a floating dtype; at call time, for a non-array q.
     At call time also as :func:`pallas_norm.gdpa` for other bad inputs.
   """
 
@@ -56,7 +56,7 @@ class GDPA(nnx.Module):
                                                   post_scale)
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
-    self.dtype = dtype
+    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.implementation = _common.check_implementation(implementation)
 
   def __call__(self, q, q_offsets, k, v, kv_offsets=None, max_seq_len: int | None = None,
@@ -122,7 +122,7 @@ class PFFNBlock(nnx.Module):
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
-    self.dtype = dtype
+    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
     features = self.num_heads * self.head_dim

@@ -55,7 +55,8 @@ class NormDense(nnx.Module):
     ValueError: at construction, for in_features or out_features that is not a positive
       integer, an unknown norm, an epsilon that is not positive and finite (in float32) or an
       unknown implementation; at call time, when the input's last dimension is not in_features.
-    TypeError: at construction, for a non-number epsilon; at call time, for a non-array x.
+    TypeError: at construction, for a non-number epsilon or a dtype that is neither None nor a
+      floating dtype; at call time, for a non-array x.
     At call time also ValueError/TypeError from :func:`pallas_norm.norm_matmul` for other bad
     inputs, and NotImplementedError for a kernel implementation that does not exist.
   """
@@ -71,7 +72,7 @@ class NormDense(nnx.Module):
     self.in_features, self.out_features = in_features, out_features
     self.norm = norm
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
-    self.dtype = dtype
+    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
     self.norm_scale, self.norm_bias = _norm_params(
@@ -125,7 +126,7 @@ class DenseNorm(nnx.Module):
     self.in_features, self.out_features = in_features, out_features
     self.norm = norm
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
-    self.dtype = dtype
+    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
     self.kernel = _common.param(rngs, kernel_init, (in_features, out_features), param_dtype)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_norm import jagged
+from pallas_norm import _validate, jagged
 from flax_layers import _common
 from flax_layers.attention import PFFNBlock
 from flax_layers.dense import DenseNorm, NormDense
@@ -103,13 +103,16 @@ class KunlunModel(nnx.Module):
       sequence tried in order per call, e.g. ("mosaic", "xla"): the kernels in every layer
       whose shapes they support and XLA in the others (the PFFN and the self-attention have no
       kernel yet; the dense layers need K and N multiples of 64).
+
+  Raises:
+    TypeError: at construction, for a dtype that is neither None nor a floating dtype.
   """
 
   def __init__(self, config: KunlunConfig, *, dtype=None, param_dtype=jnp.float32,
                rngs: nnx.Rngs, implementation=None):
     c = config
     self.config = c
-    self.dtype = dtype
+    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     lkw = dict(kw, epsilon=c.epsilon, implementation=implementation)
     hd = c.token_dim
@@ -162,7 +165,10 @@ class KunlunModel(nnx.Module):
       (B,) float32 logits.
 
     Raises:
-      TypeError: non-integer ids. ValueError: ids/dense/offsets of inconsistent shapes.
+      TypeError: non-integer ids; seq_offsets that is not an int32 array.
+      ValueError: ids/dense/offsets of inconsistent shapes; concrete seq_offsets that do not
+        start at 0, decrease, end past T or hold a sequence longer than max_seq_len (under
+        ``jax.jit`` those values are not checked here; the PFFN op then returns NaN).
     """
     c = self.config
     _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets)
@@ -170,9 +176,6 @@ class KunlunModel(nnx.Module):
     sparse_ids = jnp.mod(sparse_ids, c.sparse_vocab_size)
     seq_ids = jnp.mod(seq_ids, c.item_vocab_size)
     batch = sparse_ids.shape[0]
-    if seq_offsets.shape != (batch + 1,):
-      raise ValueError(f"seq_offsets must have shape ({batch + 1},) for B = {batch}, got "
-                       f"{tuple(seq_offsets.shape)}")
     ctx = self._context(sparse_ids, dense)                     # (B, Nc·E)
     summary = jax.nn.gelu(self.summary(ctx))                   # (B, summary_dim)
     x = self._sequence_tokens(seq_ids, seq_offsets)            # (T, H, D)
@@ -256,5 +259,12 @@ def _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets) -> None:
                      f"{tuple(getattr(dense, 'shape', ()))}")
   if seq_ids.ndim != 1:
     raise ValueError(f"seq_ids must be 1-D packed ids (T,), got shape {tuple(seq_ids.shape)}")
-  if not hasattr(seq_offsets, "shape"):
-    raise TypeError(f"seq_offsets must be an int32 array, got {type(seq_offsets).__name__}")
+  batch = sparse_ids.shape[0]
+  if hasattr(seq_offsets, "shape") and tuple(seq_offsets.shape) != (batch + 1,):
+    raise ValueError(f"seq_offsets must have shape ({batch + 1},) for B = {batch}, got "
+                     f"{tuple(seq_offsets.shape)}")
+  # The jagged rule of the ops (int32, 0 first, non-decreasing, last <= T, lengths <=
+  # max_seq_len; values only when concrete), here so that errors name seq_offsets, not the
+  # PFFN op's q_offsets (or jagged.segment_ids's opaque error for float offsets).
+  _validate.offsets("seq_offsets", seq_offsets, seq_ids.shape[0], max_len=c.max_seq_len,
+                    max_len_name="KunlunConfig.max_seq_len")

@@ -33,7 +33,8 @@ class RMSNorm(nnx.Module):
     ValueError: at construction, for a num_features that is not a positive integer, an epsilon
       that is not positive and finite (in float32) or an unknown implementation; at call time,
       when the input's last dimension is not num_features (with or without ``scale``).
-    TypeError: at construction, for a non-number epsilon; at call time, for a non-array x.
+    TypeError: at construction, for a non-number epsilon or a dtype that is neither None nor a
+      floating dtype; at call time, for a non-array x.
     At call time also ValueError/TypeError from :func:`pallas_norm.rms_norm` for other bad inputs
     (e.g. a residual of another shape), and NotImplementedError for a kernel implementation that
     does not exist.
@@ -44,7 +45,7 @@ class RMSNorm(nnx.Module):
                scale_init=nnx.initializers.ones, rngs: nnx.Rngs, implementation=None):
     self.num_features = _common.check_features("num_features", num_features)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
-    self.dtype = dtype
+    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
@@ -77,7 +78,7 @@ class LayerNorm(nnx.Module):
                rngs: nnx.Rngs, implementation=None):
     self.num_features = _common.check_features("num_features", num_features)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
-    self.dtype = dtype
+    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = param_dtype
     self.implementation = _common.check_implementation(implementation)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)

@@ -109,15 +109,22 @@ def norm_kind(value) -> None:
     raise ValueError(f"norm must be one of {NORMS}, got {value!r}")
 
 
+def float_dtype(name: str, value) -> jnp.dtype:
+  """``value`` as a ``jnp.dtype`` of :data:`FLOAT_DTYPES`; TypeError naming ``name`` for anything
+  else (an integer or bool dtype, or a value that is not a dtype)."""
+  try:
+    dt = jnp.dtype(value)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{name} must be a floating dtype, got {value!r}") from e
+  if dt not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+    raise TypeError(f"{name} must be a floating dtype, got {dt}")
+  return dt
+
+
 def out_dtype(value) -> None:
   if value is None:
     return
-  try:
-    dt = jnp.dtype(value)
-  except TypeError as e:
-    raise TypeError(f"out_dtype must be a floating dtype, got {value!r}") from e
-  if dt not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-    raise TypeError(f"out_dtype must be a floating dtype, got {dt}")
+  dt = float_dtype("out_dtype", value)
   if dt == jnp.float64 and not jax.config.jax_enable_x64:
     # JAX would silently produce float32.
     raise TypeError("out_dtype float64 needs jax_enable_x64 (without it JAX computes in "

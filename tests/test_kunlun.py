@@ -181,11 +181,40 @@ def test_out_of_range_ids_are_hashed_into_the_tables(model, forward):
     ("dense", lambda s, d, i, o: (s, d[:, :1], i, o), ValueError, "dense"),
     ("seq_ids", lambda s, d, i, o: (s, d, i.reshape(B, -1), o), ValueError, "seq_ids"),
     ("seq_offsets", lambda s, d, i, o: (s, d, i, list(o)), TypeError, "seq_offsets"),
+    # The jagged rule of the PFFN op, checked by the model so that errors name seq_offsets
+    # (they used to name the op's q_offsets, or for float offsets say nothing of either).
+    ("seq_offsets_int64", lambda s, d, i, o: (s, d, i, o.astype(np.int64)), TypeError,
+     "seq_offsets must be int32"),
+    ("seq_offsets_float", lambda s, d, i, o: (s, d, i, o.astype(np.float32)), TypeError,
+     "seq_offsets must be int32"),
+    ("seq_offsets_first", lambda s, d, i, o: (s, d, i, o + 1), ValueError,
+     r"seq_offsets\[0\] must be 0"),
+    ("seq_offsets_decreasing", lambda s, d, i, o: (s, d, i, o[[0, 1, 3, 2, 4, 5]]), ValueError,
+     "seq_offsets must be non-decreasing"),
+    ("seq_offsets_past_capacity", lambda s, d, i, o: (s, d, i[:o[-1] - 1], o), ValueError,
+     r"seq_offsets\[-1\] = 14 exceeds the packed capacity 13"),
+    ("seq_offsets_too_long", lambda s, d, i, o: (s, d, i, np.array([0, 3, 3, 10, 10, 14],
+                                                                   np.int32)),
+     ValueError, "seq_offsets has 7 rows, more than KunlunConfig.max_seq_len=6"),
     ("batch", lambda s, d, i, o: (s[:0], d[:0], i, o[:1]), ValueError, "sparse_ids"),
 ])
 def test_bad_model_inputs_raise_naming_the_argument(model, arg, make, error, name):
   with pytest.raises(error, match=name):
     model(*make(*_inputs(8)))
+
+
+def test_traced_bad_offsets_dtype_names_seq_offsets(model, forward):
+  """Under jit the dtype check still runs (on the tracer) and names the model's argument."""
+  sparse, dense, ids, off = _inputs(8)
+  with pytest.raises(TypeError, match="seq_offsets must be int32"):
+    forward(model, sparse, dense, ids, off.astype(np.int16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "not-a-dtype"])
+def test_bad_dtype_raises_naming_dtype_when_the_model_is_built(dtype):
+  # It used to build, and the first call failed naming an op's x.
+  with pytest.raises(TypeError, match="KunlunModel: dtype must be a floating dtype"):
+    _model(dtype=dtype)
 
 
 # Every dense layer but the head has K and N multiples of 64, so the kernels can run them.

@@ -509,6 +509,17 @@ def test_unknown_implementation_raises_when_the_layer_is_built(case):
     make(implementation="MOSAIC")
 
 
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "not-a-dtype", object()],
+                         ids=["int32", "bool", "str", "object"])
+@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _calls()])
+def test_bad_dtype_raises_naming_dtype_when_the_layer_is_built(case, dtype):
+  # It used to build, and the call then failed naming the op's x (or q) or not naming anything.
+  _, make, _ = _calls()[case]
+  with pytest.raises(TypeError, match=r"(RMSNorm|LayerNorm|NormDense|DenseNorm|GDPA|PFFNBlock): "
+                                      "dtype must be a floating dtype"):
+    make(dtype=dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradients
 
