@@ -162,6 +162,13 @@ class TileConfig:
       bfloat16 output and the pull exchange; two io tiles leave room only for 32-wide K steps.
       Opt-in, measured slower on the H200 (session 9: RMSNorm 1097 → 1415 µs, LayerNorm +
       residual 1419 → 1907 at 262144×512×2048; 32-wide K steps alone 1170 / 1468).
+    overlap_norm: post-norm (matmul_norm forward) only: after a row block's K loop only its
+      partial statistics are computed and published to the cluster; the block stays in the
+      consumer's registers, centered, in the output dtype, and is normalized and stored chunk by
+      chunk *between the WGMMAs of the next row block's K loop*, so that work and the exchange's
+      wait run while the tensor cores do. Needs what ``deferred_norm`` needs except its 32-wide
+      K steps (one io tile), no WGMMA in flight, and y (and the statistics) as the only outputs.
+      Opt-in while it is measured (session 10).
     (``epi_slots``, ``cluster_m``, ``stats_once`` and ``pipeline`` are implemented by the norm_matmul kernels;
     a kernel refuses a non-default value of an option it does not implement, with a ValueError
     from :func:`reject_unused_options`.)
@@ -187,6 +194,7 @@ class TileConfig:
   pingpong: bool = False
   pipeline: Literal["pallas", "ring"] = "pallas"
   deferred_norm: bool = False
+  overlap_norm: bool = False
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -225,6 +233,9 @@ class TileConfig:
                        "would be ignored")
     if self.cluster_m not in (1, 2, 4):
       raise ValueError(f"cluster_m must be 1, 2 or 4, got {self.cluster_m}")
+    if self.deferred_norm and self.overlap_norm:
+      raise ValueError("deferred_norm and overlap_norm are two schedules of the same "
+                       "normalization: choose one")
     if self.max_clusters is not None and self.max_clusters < 1:
       raise ValueError(f"max_clusters must be None or >= 1, got {self.max_clusters}")
 

@@ -214,6 +214,43 @@ def test_forward_interpret_deferred(m, k, n, norm, use, delay, extras):
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), extras, extras, extras)
 
 
+@pytest.mark.parametrize("m,k,n,norm,use,stats", [
+    # 3 row blocks on 2 CTAs; K = 128 has 2 steps for 4 chunks: the last step finishes
+    # chunks 1-3 and loads their residual chunks after their y stores.
+    (300, 128, 256, "layer", ALL, True),
+    # 6 row blocks, 3 per CTA; 8 K steps: one chunk per step, then a plain ring K loop.
+    (700, 512, 192, "rms", ("dense_bias", "scale", "residual"), True),
+    (600, 256, 256, "layer", ("scale", "bias"), False),  # no residual
+    (520, 192, 64, "layer", ("bias", "residual"), True),  # 256-row CTA tiles (tile_n 64)
+    (40, 64, 128, "rms", ("residual",), True),  # one row block: stashed and finished at once
+])
+def test_forward_interpret_overlap(m, k, n, norm, use, stats):
+  """TileConfig.overlap_norm: each row block waits in registers, centered (rows with a large
+  mean: mean_offset), and is normalized chunk by chunk during the next row block's K loop;
+  race detection on (the residual's TMA loads reuse io chunks that y chunks just left)."""
+  args, _ = _inputs(m * 5 + k + n, m, k, n, jnp.bfloat16, mean_offset=30.0)
+  args = _pick(args, use)
+  cfg = dataclasses.replace(mk.pick_config(m, k, n), overlap_norm=True)
+  assert cfg.pipeline == "ring"
+  out = _run_kernel(args, norm, return_stats=stats, interpret=True, config=cfg)
+  assert not mgpu_common.races_found()
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), False, False, stats)
+
+
+@pytest.mark.parametrize("change,flags,match", [
+    (dict(pipeline="pallas"), {}, "pipeline='ring'"),
+    (dict(delay_release=1), {}, "no WGMMA in flight"),
+    ({}, dict(return_h=True), "only outputs"),
+    ({}, dict(return_xhat=True), "only outputs"),
+    (dict(deferred_norm=True), {}, "choose one"),
+])
+def test_overlap_norm_refuses_what_it_cannot_do(change, flags, match):
+  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match=match):
+    cfg = dataclasses.replace(mk.pick_config(64, 64, 256), overlap_norm=True, **change)
+    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, config=cfg, **flags)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(pipeline="pallas"), "pipeline='ring'"),
     (dict(tile_n=128), "one N tile per CTA"),  # N = 512 in 2 tiles of 128 in interpret mode
@@ -614,6 +651,25 @@ def test_deferred_norm_lowers_for_hopper(monkeypatch, n, res, norm, outputs):
   assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
 
 
+@pytest.mark.parametrize("n,k,res,norm,stats", [(512, 512, True, "layer", True),
+                                                (2048, 512, False, "rms", False),
+                                                (2048, 512, True, "layer", True),
+                                                (1024, 128, True, "layer", False)])
+def test_overlap_norm_lowers_for_hopper(monkeypatch, n, k, res, norm, stats):
+  """TileConfig.overlap_norm lowers for sm_90a with clusters of 2, 4 and 8 (the row-block loop
+  carries the waiting block in registers), K of 8 and 2 steps, with and without a residual
+  (Mosaic refuses a kernel past 227 KiB of SMEM)."""
+  from jax import export
+  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  bf = jnp.bfloat16
+  cfg = dataclasses.replace(mk.pick_config(4096, k, n), overlap_norm=True)
+  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, k), (k, n), (n,), (4096, n)]]
+  f = jax.jit(lambda x, w, b, r: mk.matmul_norm_fwd(
+      x, w, residual=r if res else None, scale=b, bias=b if norm == "layer" else None,
+      norm=norm, eps=1e-6, config=cfg, return_stats=stats))
+  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
+
+
 def test_push_exchange_inbox_is_counted_in_smem():
   """The push inbox (c packets of rows × 8 f32 per warpgroup) is in the SMEM budget: with
   clusters of 4 it leaves one pipeline stage fewer than pull (measured slower for that)."""
@@ -757,6 +813,26 @@ def test_forward_gpu_deferred(m, k, n, norm, use, mean_offset):
   cfg = dataclasses.replace(mk.pick_config(m, k, n), deferred_norm=True, tile_k=32)
   out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True, config=cfg)
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm,use,mean_offset", [
+    (8192 + 77, 512, 256, "layer", ALL, 0.0),              # one CTA
+    (8192 + 5, 512, 512, "rms", ("scale", "residual"), 0.0),  # clusters of 2
+    (8192, 512, 1024, "layer", ALL, 50.0),                 # 4; rows with a large mean
+    (8192 + 77, 256, 2048, "layer", ("dense_bias", "scale", "bias"), 50.0),  # 8, no residual
+    (4096, 512, 2048, "rms", ("dense_bias", "scale", "residual"), 0.0),
+    (4096 + 8, 128, 2048, "layer", ALL, 50.0),  # 2 K steps: chunks finished at the last one
+])
+def test_forward_gpu_overlap(m, k, n, norm, use, mean_offset):
+  """TileConfig.overlap_norm on clusters of 1 to 8: the exchange of a row block's statistics
+  completes during the next K loop, y from the centered block kept in registers; right
+  against the reference."""
+  args, _ = _inputs(m + 11 * n, m, k, n, mean_offset=mean_offset, zero_every=5)
+  args = _pick(args, use)
+  cfg = dataclasses.replace(mk.pick_config(m, k, n), overlap_norm=True)
+  out = _run_kernel(args, norm, return_stats=True, config=cfg)
+  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), False, False, True)
 
 
 @pytest.mark.gpu

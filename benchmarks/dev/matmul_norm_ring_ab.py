@@ -9,7 +9,8 @@ CUPTI times at 262144 × K × N, bf16.
     PYTHONPATH=$PWD python3 benchmarks/dev/matmul_norm_ring_ab.py [--shapes MxKxN,...]
         [--cases layer+res+h,layer,rms] [--stages 2,3,4]
 
-``--stages`` adds ring variants with at most that many stages (the multi-tile diagnosis).
+``--stages`` adds ring variants with at most that many stages (the multi-tile diagnosis);
+``--overlap`` compares the default with ``TileConfig.overlap_norm`` (session 10).
 """
 import argparse
 import dataclasses
@@ -53,7 +54,8 @@ def fn_for(norm, with_res, outputs, cfg, exchange=None):
 CASES = {"layer+res+h": ("layer", True, ("h",)), "layer+res": ("layer", True, ()),
          "layer": ("layer", False, ()), "rms": ("rms", False, ()),
          "layer+res+train": ("layer", True, ("xhat", "stats")),
-         "rms+train": ("rms", False, ("xhat", "stats"))}
+         "rms+train": ("rms", False, ("xhat", "stats")),
+         "layer+res+stats": ("layer", True, ("stats",)), "rms+stats": ("rms", False, ("stats",))}
 
 
 def main():
@@ -70,6 +72,10 @@ def main():
   p.add_argument("--deferred", action="store_true",
                  help="only the default, 32-wide K steps, and deferred normalization "
                       "(TileConfig.deferred_norm) with and without a WGMMA in flight")
+  p.add_argument("--overlap", action="store_true",
+                 help="only the default and TileConfig.overlap_norm (session 10; not the same "
+                      "bits: y from the centered block in bf16, so the max |difference| is "
+                      "printed)")
   args = p.parse_args()
   print(jax.devices(), flush=True)
   records = []
@@ -92,6 +98,9 @@ def main():
                     ("deferred_k32", dataclasses.replace(base, tile_k=32, deferred_norm=True)),
                     ("deferred_k32_dr1", dataclasses.replace(base, tile_k=32, deferred_norm=True,
                                                              delay_release=1))]
+      if args.overlap:  # session 10: normalization between the next K loop's WGMMAs
+        variants = [("default", base),
+                    ("overlap", dataclasses.replace(base, overlap_norm=True))]
       if args.store_waits:  # session 9: session 8's store waits first, then the new ones
         variants = [("s8_waits", base, None, (False, False)),
                     ("exact_extra_waits", base, None, (True, False)),
@@ -110,8 +119,12 @@ def main():
                    None if h is None else np.asarray(h.astype(jnp.float32)))
             same = True
           else:
-            same = bool(np.array_equal(ref[0], np.asarray(y.astype(jnp.float32))) and (
+            y32 = np.asarray(y.astype(jnp.float32))
+            same = bool(np.array_equal(ref[0], y32) and (
                 h is None or np.array_equal(ref[1], np.asarray(h.astype(jnp.float32)))))
+            if not same:
+              print(f"{case}: max |y - default y| = {np.max(np.abs(y32 - ref[0])):.3g}",
+                    flush=True)
           us = timing.median(timing.measure_us(fn, sets, 10, "cupti"))
         except Exception as e:  # noqa: BLE001
           print(f"{case}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -153,12 +153,19 @@ class _Plan:
     return tuple(e for e, on in (("h", self.return_h), ("xhat", self.return_xhat)) if on)
 
   @property
-  def deferred(self) -> bool:  # TileConfig.deferred_norm: see _deferred_row_block
-    return self.cfg.deferred_norm
+  def deferred(self) -> bool:
+    """A row block's partials are published one row block before its normalization (the
+    double-buffered exchange of :func:`_deferred_publish`): TileConfig.deferred_norm (the block
+    waits in SMEM) or overlap_norm (in registers)."""
+    return self.cfg.deferred_norm or self.cfg.overlap_norm
 
   @property
-  def io_buffers(self) -> int:  # residual-in / y-out tiles per warpgroup (2: deferred)
-    return 2 if self.deferred else 1
+  def overlap(self) -> bool:  # TileConfig.overlap_norm: see the kernel's overlap_row_block
+    return self.cfg.overlap_norm
+
+  @property
+  def io_buffers(self) -> int:  # residual-in / y-out tiles per warpgroup (2: deferred_norm)
+    return 2 if self.cfg.deferred_norm else 1
 
   @property
   def n_loads(self) -> int:
@@ -320,7 +327,7 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
                n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1,
                exchange=exchange)
-  if cfg.deferred_norm:
+  if plan.deferred:
     _check_deferred(plan)
   if (cfg.pingpong or cfg.pipeline == "ring") and multicast_x:
     raise ValueError("multicast_x needs Pallas's pipeline: it does not combine with pingpong "
@@ -340,6 +347,7 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
 
 
 def _check_deferred(plan: _Plan) -> None:
+  option = "overlap_norm" if plan.overlap else "deferred_norm"
   why = []
   if plan.cfg.pipeline != "ring" or plan.cfg.pingpong:
     why.append("pipeline='ring' without pingpong")
@@ -349,8 +357,12 @@ def _check_deferred(plan: _Plan) -> None:
     why.append(f"a bfloat16 output (the waiting block is kept in it; got {plan.out_dtype.name})")
   if plan.cluster > 1 and plan.exchange != "pull":
     why.append(f"the pull exchange (got {plan.exchange!r})")
+  if plan.overlap and plan.extras:
+    why.append(f"y (and the statistics) as the only outputs (got {', '.join(plan.extras)})")
+  if plan.overlap and plan.cfg.delay_release:
+    why.append("no WGMMA in flight (delay_release=0)")
   if why:
-    raise ValueError("TileConfig.deferred_norm needs " + ", ".join(why))
+    raise ValueError(f"TileConfig.{option} needs " + ", ".join(why))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1087,6 +1099,119 @@ def _kernel(*refs, plan: _Plan):
           _finish_deferred(io_cur, stats_cur, row0, col0, tile_index, groups, "cur")
           _deferred_final_sync(plan, ex, wg, tile_index)
 
+    def _overlap_finish_chunk(centered, j, stats, row0, col0):
+      """overlap_norm: y chunk j of a waiting row block from its centered chunk (registers) and
+      the block's statistics (:func:`_deferred_collect`), stored through io chunk j."""
+      mean, rstd, slice_mean = stats
+      shape = (wg_m, epi_n)
+      h_minus_mean = centered.astype(jnp.float32)
+      if mean is not None:  # centered = h − slice mean
+        h_minus_mean = h_minus_mean + _rowvec(slice_mean - mean, shape)
+      _, y = _normalize_chunk(h_minus_mean, _rowvec(rstd, shape), pl.ds(j * epi_n, epi_n))
+      _store_chunk(y, j, row0, col0, _StoreGroups())
+
+    def _overlap_collect(tile_index, row0):
+      """The statistics of row block ``tile_index`` from the cluster; its rstd (and mean) go
+      out with the y chunk 0 store that follows. Every earlier store has left SMEM first (they
+      were issued a K loop ago), so io and the statistics buffer are free."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      stats = _deferred_collect(plan, ex, own_partials, wg, tile_index)
+      _store_stats(stats[0], stats[1], row0)
+      return stats
+
+    def overlap_k_loop(acc_ref, tile_index, row0, col0, prev):
+      """K loop of row block t (overlap_norm). With ``prev`` = (centered chunks, first row) of
+      row block t − 1, its statistics are collected after step 0's WGMMA is issued and its y
+      chunk j is normalized and stored after step j's, while that WGMMA runs; residual chunk j
+      of t then loads into io chunk j once y chunk j has left it (one step later). Without
+      ``prev`` (the CTA's first row block) the residual loads at step 0. The K steps after
+      those are a plain ring K loop."""
+      first_step = tile_index * plan.k_iters
+      lead = min(plan.k_iters, chunks + 1)  # steps that carry row block t − 1's work
+      stats, loaded = None, 0
+      for k in range(lead):
+        x_stage, w_stage, produced, consumed = ring.stage(first_step + k)
+        plgpu.barrier_wait(produced)
+        plgpu.wgmma(acc_ref, x_stage.at[pl.ds(wg * wg_m, wg_m)], w_stage)
+        if prev is None:
+          if k == 0 and plan.has_residual:
+            for j in range(chunks):
+              _prefetch_residual_chunk(j, row0, col0)
+        else:
+          stash, prev_row0 = prev
+          if k == 0:
+            stats = _overlap_collect(tile_index - 1, prev_row0)
+          if plan.has_residual and 0 < k and loaded < min(k, chunks):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # y chunks < k have left io
+            for j in range(loaded, min(k, chunks)):
+              _prefetch_residual_chunk(j, row0, col0)
+            loaded = min(k, chunks)
+          for j in range(k, chunks if k == lead - 1 else min(k + 1, chunks)):
+            _overlap_finish_chunk(stash[j], j, stats, prev_row0, col0)
+          if plan.has_residual and k == lead - 1 and loaded < chunks:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for j in range(loaded, chunks):
+              _prefetch_residual_chunk(j, row0, col0)
+            loaded = chunks
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(consumed)
+      mgpu_common.ring_k_loop(ring, first_step + lead, plan.k_iters - lead, acc_ref,
+                              functools.partial(mma_step, row0=row0, residual=False))
+
+    def overlap_row_block(m_idx, tile_index, loop_info, stash):
+      """One row block with overlap_norm: :func:`overlap_k_loop` (which finishes row block
+      t − 1 from ``stash``), then h, its partials (published to the cluster) and the new stash
+      (h − slice mean for LayerNorm, h for RMSNorm, in the output dtype), returned as the
+      row-block loop's carry. The CTA's last row block is finished at once."""
+      row0 = m_idx * cfg.tile_m + wg * wg_m
+      col0 = tile_col0(0)
+      if plan.vecs:  # the same columns in every row block: load them once
+
+        @pl.when(tile_index == 0)
+        def _():
+          for i, v_gmem in enumerate(vec_gmems):
+            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                    vec_barrier.at[wg])
+
+      def acc_scope(acc_ref):
+        prev = (stash, row0 - plan.num_clusters * cfg.tile_m)
+        pl.when(tile_index > 0)(lambda: overlap_k_loop(acc_ref, tile_index, row0, col0, prev))
+        pl.when(tile_index == 0)(lambda: overlap_k_loop(acc_ref, tile_index, row0, col0, None))
+        if plan.vecs:
+          pl.when(tile_index == 0)(lambda: plgpu.barrier_wait(vec_barrier.at[wg]))
+        if plan.has_residual:
+          plgpu.barrier_wait(load_barrier.at[wg])
+        h_chunk = _h_chunk_fn(acc_ref[...])
+        partials = _slice_partials(plan, h_chunk)
+        _deferred_publish(plan, partials, ex, own_partials, wg, tile_index)
+        shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
+        new = tuple((h_chunk(j) if shift_b is None else h_chunk(j) - shift_b
+                     ).astype(plan.out_dtype) for j in range(chunks))
+        if plan.has_residual:
+          plgpu.commit_smem()  # every thread read its residual before TMA refills io
+        return new
+
+      new_stash = pl.run_scoped(acc_scope, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
+
+      @pl.when(tile_index == loop_info.num_local_steps - 1)
+      def _():
+        stats = _overlap_collect(tile_index, row0)
+        for j in range(chunks):
+          _overlap_finish_chunk(new_stash[j], j, stats, row0, col0)
+        _deferred_final_sync(plan, ex, wg, tile_index)
+
+      return new_stash
+
+    def overlap_loop():
+      """The consumers' row-block loop with overlap_norm: the waiting block is its carry."""
+      init = tuple(plgpu.layout_cast(jnp.zeros((wg_m, epi_n), plan.out_dtype),
+                                     plgpu.Layout.WGMMA) for _ in range(chunks))
+
+      @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid", init_carry=init)
+      def _loop(loop_info, carry):
+        (m_idx,) = loop_info.index
+        return overlap_row_block(m_idx, loop_info.local_index, loop_info, carry)
+
     if cfg.pingpong:
       _pingpong_row_blocks(plan, mgpu_common.PingPongRing(**pipeline_allocs, stages=plan.stages),
                            ex, x_gmem, w_gmem, tile_col0, _prefetch_epilogue_inputs, _epilogue,
@@ -1172,7 +1297,8 @@ def _kernel(*refs, plan: _Plan):
       row_block_loop(consumer_row_block)
     else:
       mgpu_common.warp_specialize(lambda: row_block_loop(producer_row_block),
-                                  lambda: row_block_loop(consumer_row_block))
+                                  overlap_loop if plan.overlap
+                                  else lambda: row_block_loop(consumer_row_block))
 
     if not plan.deferred:  # (deferred: in the last row block)
       _cluster_final_sync(plan, ex, wg)

@@ -290,7 +290,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step, *, fused=
   if cfg.stats_once:
     raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
   mgpu_common.reject_unused_options(cfg, "dx", ("stats", "epi_slots", "pipeline",
-                                                "deferred_norm"))
+                                                "deferred_norm", "overlap_norm"))
   if dy_scaled:
     _check_dy_scaled(cfg, dtype)
   if cfg.pingpong:

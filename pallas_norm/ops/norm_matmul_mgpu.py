@@ -269,7 +269,8 @@ def pingpong_config(m: int, k: int, n: int) -> TileConfig:
 
 
 def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -> _Plan:
-  mgpu_common.reject_unused_options(cfg, "norm_matmul", ("deferred_norm",))
+  mgpu_common.reject_unused_options(cfg, "norm_matmul",
+                                    ("deferred_norm", "overlap_norm"))
   n_vecs = int(norm == "layer") + int(has_bias)
   n_stats = {"rms": 1, "layer": 2, "none": 0}[norm]
   itemsize = jnp.dtype(dtype).itemsize
