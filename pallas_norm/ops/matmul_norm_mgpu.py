@@ -1051,6 +1051,17 @@ def _kernel(*refs, plan: _Plan):
       plgpu.wgmma_wait(plan.delay_release)
       return acc_ref
 
+    def _load_vectors_once(tile_index, col0):
+      """deferred_norm / overlap_norm: the column vectors are the same in every row block, so
+      they load once, before the CTA's first K loop, on their own barrier."""
+      if plan.vecs:
+
+        @pl.when(tile_index == 0)
+        def _():
+          for i, v_gmem in enumerate(vec_gmems):
+            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                    vec_barrier.at[wg])
+
     def deferred_row_block(m_idx, tile_index, loop_info):
       """One row block with deferred normalization (``TileConfig.deferred_norm``): K loop t,
       then :func:`_stash_deferred` of t, then :func:`_finish_deferred` of t − 1 (whose
@@ -1064,13 +1075,7 @@ def _kernel(*refs, plan: _Plan):
       if stat_bufs is not None:
         stats_cur, stats_prev = stat_bufs.at[buf], stat_bufs.at[1 - buf]
 
-      if plan.vecs:  # the same columns in every row block: load them once
-
-        @pl.when(tile_index == 0)
-        def _():
-          for i, v_gmem in enumerate(vec_gmems):
-            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                    vec_barrier.at[wg])
+      _load_vectors_once(tile_index, col0)
 
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
       def _acc_scope(acc_ref):
@@ -1165,13 +1170,7 @@ def _kernel(*refs, plan: _Plan):
       row-block loop's carry. The CTA's last row block is finished at once."""
       row0 = m_idx * cfg.tile_m + wg * wg_m
       col0 = tile_col0(0)
-      if plan.vecs:  # the same columns in every row block: load them once
-
-        @pl.when(tile_index == 0)
-        def _():
-          for i, v_gmem in enumerate(vec_gmems):
-            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                    vec_barrier.at[wg])
+      _load_vectors_once(tile_index, col0)
 
       def acc_scope(acc_ref):
         prev = (stash, row0 - plan.num_clusters * cfg.tile_m)
