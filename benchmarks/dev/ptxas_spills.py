@@ -12,6 +12,7 @@ extra cost over RMSNorm (~10% of the pre-norm forward) come from spilled registe
 LayerNorm y only and RMSNorm) on Pallas's pipeline and on the shared ring with 3 and 2 stages,
 with and without a WGMMA in flight: session 8 measured the 3-stage ring 3-4× slower there with
 the same bits, and a reviewer's hypothesis is spills in the ring's consumer K loop.
+``--overlap``: the post-norm forward with and without ``TileConfig.overlap_norm`` (session 10).
 """
 import os
 import re
@@ -65,13 +66,31 @@ def multi_tile_cases():
 MULTI_TILE_SHAPE = (32768, 4096, 4096)
 
 
+def overlap_cases():
+  """Session 10: the post-norm forward (LayerNorm + residual, N = 2048, clusters of 8) with the
+  default epilogue and with ``TileConfig.overlap_norm``, whose consumers hold the accumulator
+  and the waiting block (64 more registers) during the K loop."""
+  m, k, n = OVERLAP_SHAPE
+  base = mnk.pick_config(m, k, n)
+  for label, cfg in (("default", base),
+                     ("overlap", dataclasses.replace(base, overlap_norm=True))):
+    for norm in ("layer", "rms"):
+      yield f"post_{norm}_res_{label}", lambda x, w, c, norm=norm, cfg=cfg: mnk.matmul_norm_fwd(
+          x, w, residual=jnp.ones((m, n), jnp.bfloat16), scale=c,
+          bias=c if norm == "layer" else None, norm=norm, eps=1e-6, config=cfg)
+
+
+OVERLAP_SHAPE = (262144, 512, 2048)
+
+
 def main():
   multi = "--multi-tile" in sys.argv[1:]
-  m, k, n = MULTI_TILE_SHAPE if multi else (M, K, N)
+  overlap = "--overlap" in sys.argv[1:]
+  m, k, n = MULTI_TILE_SHAPE if multi else OVERLAP_SHAPE if overlap else (M, K, N)
   x = jnp.ones((m, k), jnp.bfloat16)
   w = jnp.ones((k, n), jnp.bfloat16) / k
   c = jnp.ones((n,), jnp.float32)
-  for label, fn in (multi_tile_cases() if multi else cases()):
+  for label, fn in (multi_tile_cases() if multi else overlap_cases() if overlap else cases()):
     before = set(os.listdir(DUMP))
     try:
       jax.block_until_ready(jax.jit(fn)(x, w, c))
