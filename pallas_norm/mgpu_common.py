@@ -168,7 +168,13 @@ class TileConfig:
       chunk *between the WGMMAs of the next row block's K loop*, so that work and the exchange's
       wait run while the tensor cores do. Needs what ``deferred_norm`` needs except its 32-wide
       K steps (one io tile), no WGMMA in flight, and y (and the statistics) as the only outputs.
-      Opt-in while it is measured (session 10).
+      Opt-in, measured slower on the H200 (session 10, 262144×512×N, N = 512 / 1024 / 2048:
+      RMSNorm 252 / 538 / 1093 → 366 / 829 / 1639 µs, LayerNorm + residual 308 / 655 / 1417 →
+      438 / 1056 / 2242): next to the accumulator's 128 registers per thread the waiting
+      block's 64 do not fit; ptxas reports 168 registers (the launch limit of three
+      warpgroups; the consumers' ``setmaxnreg`` to 232 did not avoid it), 1060 / 1680 bytes
+      of spill stores / loads per thread and a ``warpgroup.arrive`` injected at 15 places
+      (the default: 60 / 112 bytes, one place).
     (``epi_slots``, ``cluster_m``, ``stats_once`` and ``pipeline`` are implemented by the norm_matmul kernels;
     a kernel refuses a non-default value of an option it does not implement, with a ValueError
     from :func:`reject_unused_options`.)
