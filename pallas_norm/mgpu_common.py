@@ -170,11 +170,11 @@ class TileConfig:
       K steps (one io tile), no WGMMA in flight, and y (and the statistics) as the only outputs.
       Opt-in, measured slower on the H200 (session 10, 262144×512×N, N = 512 / 1024 / 2048:
       RMSNorm 252 / 538 / 1093 → 366 / 829 / 1639 µs, LayerNorm + residual 308 / 655 / 1417 →
-      438 / 1056 / 2242): next to the accumulator's 128 registers per thread the waiting
-      block's 64 do not fit; ptxas reports 168 registers (the launch limit of three
-      warpgroups; the consumers' ``setmaxnreg`` to 232 did not avoid it), 1060 / 1680 bytes
-      of spill stores / loads per thread and a ``warpgroup.arrive`` injected at 15 places
-      (the default: 60 / 112 bytes, one place).
+      438 / 1056 / 2242): the accumulator (128 registers per thread), the waiting block (64)
+      and the normalization's temporaries do not fit in a consumer's registers (232 after
+      ``setmaxnreg``; ptxas reports 168, the launch limit of three warpgroups): 1060 / 1680
+      bytes of spill stores / loads per thread and a ``warpgroup.arrive`` injected at 15
+      places (the default: 60 / 112 bytes, one place).
     (``epi_slots``, ``cluster_m``, ``stats_once`` and ``pipeline`` are implemented by the norm_matmul kernels;
     a kernel refuses a non-default value of an option it does not implement, with a ValueError
     from :func:`reject_unused_options`.)
