@@ -30,18 +30,29 @@ def compute_dtype(dtype, *arrays) -> jnp.dtype:
 
 
 @contextlib.contextmanager
-def promotion_hint(layer: str, dtype, input_dtype, compute: jnp.dtype):
+def promotion_hint(layer: str, dtype, input_dtype, compute: jnp.dtype, params, **others):
   """Re-raises a kernel's NotImplementedError with the likely cause when ``dtype=None`` made the
-  parameters promote the input (e.g. bf16 with float32 parameters computes in float32, which
-  the kernels do not take)."""
+  parameters (or another input in ``others``, e.g. ``residual=``) promote the input (e.g. bf16
+  with float32 parameters computes in float32, which the kernels do not take). ``params`` are
+  the layer's parameter arrays (None for absent ones); the hint names their own dtype, not the
+  promoted one."""
   try:
     yield
   except NotImplementedError as e:
-    if dtype is None and jnp.dtype(input_dtype) != compute:
+    input_dtype = jnp.dtype(input_dtype)
+    if dtype is None and input_dtype != compute:
+      causes = []
+      present = [p for p in params if p is not None]
+      if present:
+        param_dtype = jnp.result_type(*[p.dtype for p in present])
+        causes.append(f"the {param_dtype} parameters")
+      for name, a in others.items():
+        if a is not None and jnp.dtype(a.dtype) != input_dtype:
+          causes.append(f"the {jnp.dtype(a.dtype)} {name}")
       raise NotImplementedError(
-          f"{e}. ({layer}: with dtype=None the {compute} parameters promoted the "
-          f"{jnp.dtype(input_dtype)} input to {compute}; pass dtype=jnp.{jnp.dtype(input_dtype)} "
-          "to compute in the input's dtype.)") from e
+          f"{e}. ({layer}: with dtype=None {' and '.join(causes)} promoted the {input_dtype} "
+          f"input to {compute}; pass dtype=jnp.{input_dtype} to compute in the input's "
+          "dtype.)") from e
     raise
 
 
@@ -80,8 +91,9 @@ def check_epsilon(layer: str, epsilon) -> float:
 
 def shape_of(layer: str, name: str, x) -> tuple:
   """The shape of the layer's array argument ``name``; TypeError when ``x`` is not an array."""
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{layer}: {name} must be an array, got {type(x).__name__}")
+  if not _validate.is_array(x):
+    raise TypeError(f"{layer}: {name} must be an array, got {type(x).__name__} (a jax.Array "
+                    "or numpy.ndarray is needed)")
   return tuple(x.shape)
 
 
@@ -95,15 +107,18 @@ def check_last_dim(layer: str, x, features_name: str, features: int) -> None:
                      f"dimension {shape[-1]}")
 
 
-def check_dtype(layer: str, dtype):
-  """Checks the layer's compute ``dtype`` when the layer is built: None or a floating dtype
-  (:func:`pallas_norm._validate.float_dtype`); otherwise TypeError naming the layer's ``dtype``
-  (not the op's ``x``, which would see the input already cast to it). Returns ``dtype``."""
-  if dtype is not None:
-    try:
-      _validate.float_dtype("dtype", dtype)
-    except TypeError as e:
-      raise TypeError(f"{layer}: {e}") from e
+def check_dtype(layer: str, dtype, name: str = "dtype"):
+  """Checks the layer's dtype argument ``name`` when the layer is built: the compute ``dtype``
+  may be None or a floating dtype, ``param_dtype`` must be a floating dtype
+  (:func:`pallas_norm._validate.float_dtype`: bfloat16, float16, float32 or float64); otherwise
+  TypeError naming the layer's argument (not the op's ``x``, which would see the input already
+  cast to it, nor an initializer failing inside JAX). Returns the value unchanged."""
+  if dtype is None and name == "dtype":
+    return dtype
+  try:
+    _validate.float_dtype(name, dtype)
+  except TypeError as e:
+    raise TypeError(f"{layer}: {e}") from e
   return dtype
 
 

@@ -44,8 +44,10 @@ class GDPA(nnx.Module):
     ValueError: at construction, for num_heads or head_dim that is not a positive integer, an
       unknown activation, a non-finite pre_scale or post_scale or an unknown implementation; at
       call time, when q is not of shape (T, num_heads, head_dim).
-    TypeError: at construction, for a non-number pre_scale or post_scale or a dtype that is
-      neither None nor a floating dtype; at call time, for a non-array q.
+    TypeError: at construction, for a pre_scale or post_scale that is not a real scalar (a
+      number or a 0-d integer or floating array) or a dtype that is neither None nor a floating
+      dtype; at call time, for a non-array q, k or v, or an argument after v passed
+      positionally (they are keyword-only).
     At call time also as :func:`pallas_norm.gdpa` for other bad inputs.
   """
 
@@ -59,11 +61,15 @@ class GDPA(nnx.Module):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.implementation = _common.check_implementation(implementation)
 
-  def __call__(self, q, q_offsets, k, v, kv_offsets=None, max_seq_len: int | None = None,
+  def __call__(self, q, q_offsets, k, v, *, kv_offsets=None, max_seq_len: int | None = None,
                max_kv_len: int | None = None):
     """q: (T, H, D) packed tokens with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) per
     sample (or packed (Tkv, H, D) with ``kv_offsets``). ``max_seq_len``: static bound on the
-    sequence lengths (the XLA path pads to it). Returns (T, H, D), zeros on padding rows."""
+    sequence lengths (the XLA path pads to it). Returns (T, H, D), zeros on padding rows.
+
+    The arguments after ``v`` are keyword-only, as in :class:`PFFNBlock` (the two layers once
+    took them in different positional orders, so ``layer(q, off, k, v, 8)`` meant kv_offsets=8
+    here and max_seq_len=8 there); a positional one raises Python's TypeError."""
     _check_heads(self, "q", q)
     _check_arrays(self, k=k, v=v)
     cd = _common.compute_dtype(self.dtype, q, k, v)
@@ -101,7 +107,8 @@ class PFFNBlock(nnx.Module):
     activation, pre_scale, post_scale: the GDPA config (see :class:`GDPA`).
     epsilon: positive float of both norms (default 1e-6); stored as a Python float.
     use_scale: create ``ln_scale`` and ``rms_scale`` (H·D,). use_bias: create ``ln_bias``.
-    dtype: compute dtype (q, k, v and the affines are cast to it). param_dtype: default f32.
+    dtype: compute dtype (q, k, v and the affines are cast to it). param_dtype: a floating
+      dtype (default float32).
     scale_init (default ones), bias_init (default zeros): initializers.
     rngs: ``nnx.Rngs``.
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
@@ -109,7 +116,8 @@ class PFFNBlock(nnx.Module):
 
   Raises: as :class:`GDPA` (the query argument being ``q_tokens``), plus at construction
   ValueError for an epsilon that is not positive and finite (in float32) and TypeError for a
-  non-number epsilon; at call time also as :func:`pallas_norm.flash_norm_attention`.
+  non-number epsilon or a param_dtype that is not a floating dtype (bfloat16, float16, float32,
+  float64); at call time also as :func:`pallas_norm.flash_norm_attention`.
   """
 
   def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
@@ -123,7 +131,7 @@ class PFFNBlock(nnx.Module):
     self.pre_scale, self.post_scale = pre_scale, post_scale
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
-    self.param_dtype = param_dtype
+    self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     features = self.num_heads * self.head_dim
     make = lambda init, use: (_common.param(rngs, init, (features,), param_dtype)  # noqa: E731
@@ -132,11 +140,11 @@ class PFFNBlock(nnx.Module):
     self.ln_bias = make(bias_init, use_bias)
     self.rms_scale = make(scale_init, use_scale)
 
-  def __call__(self, q_tokens, q_offsets, k, v, max_seq_len: int | None = None,
-               kv_offsets=None, max_kv_len: int | None = None):
+  def __call__(self, q_tokens, q_offsets, k, v, *, kv_offsets=None,
+               max_seq_len: int | None = None, max_kv_len: int | None = None):
     """q_tokens: (T, H, D) packed with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) (or
     packed with ``kv_offsets``). Returns (T, H, D) in the compute dtype, zeros on padding rows.
-    """
+    The arguments after ``v`` are keyword-only (see :meth:`GDPA.__call__`)."""
     _check_heads(self, "q_tokens", q_tokens)
     _check_arrays(self, k=k, v=v)
     affines = [_common.value(p) for p in (self.ln_scale, self.ln_bias, self.rms_scale)]

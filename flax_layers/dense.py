@@ -43,7 +43,8 @@ class NormDense(nnx.Module):
       (beta); default True for "layer", False for "rms".
     use_bias: create the dense ``bias`` (N,), added after the GEMM (the op has no dense bias).
     dtype: compute dtype; x and all parameters are cast to it before the op (default: the
-      promoted dtype of x and the parameters). param_dtype: default float32.
+      promoted dtype of x and the parameters). param_dtype: a floating dtype (default
+      float32).
     kernel_init (default lecun_normal), bias_init, scale_init, norm_bias_init: initializers.
     rngs: ``nnx.Rngs``.
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
@@ -55,8 +56,9 @@ class NormDense(nnx.Module):
     ValueError: at construction, for in_features or out_features that is not a positive
       integer, an unknown norm, an epsilon that is not positive and finite (in float32) or an
       unknown implementation; at call time, when the input's last dimension is not in_features.
-    TypeError: at construction, for a non-number epsilon or a dtype that is neither None nor a
-      floating dtype; at call time, for a non-array x.
+    TypeError: at construction, for a non-number epsilon, a dtype that is neither None nor a
+      floating dtype, or a param_dtype that is not a floating dtype (bfloat16, float16, float32,
+      float64); at call time, for a non-array x.
     At call time also ValueError/TypeError from :func:`pallas_norm.norm_matmul` for other bad
     inputs, and NotImplementedError for a kernel implementation that does not exist.
   """
@@ -73,7 +75,7 @@ class NormDense(nnx.Module):
     self.norm = norm
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
-    self.param_dtype = param_dtype
+    self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     self.norm_scale, self.norm_bias = _norm_params(
         rngs, norm, in_features, use_scale, use_norm_bias, scale_init, norm_bias_init,
@@ -89,7 +91,7 @@ class NormDense(nnx.Module):
     cd = _common.compute_dtype(self.dtype, x, *params)
     x_dtype = x.dtype
     x, kernel, scale, norm_bias, bias = _common.cast(cd, x, *params)
-    with _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd):
+    with _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd, params):
       y = pallas_norm.norm_matmul(x, kernel, scale, norm_bias, norm=self.norm,
                                   eps=self.epsilon, implementation=self.implementation)
     return y if bias is None else y + bias
@@ -127,7 +129,7 @@ class DenseNorm(nnx.Module):
     self.norm = norm
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
-    self.param_dtype = param_dtype
+    self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     self.kernel = _common.param(rngs, kernel_init, (in_features, out_features), param_dtype)
     self.bias = (_common.param(rngs, bias_init, (out_features,), param_dtype)
@@ -145,8 +147,10 @@ class DenseNorm(nnx.Module):
     params = [_common.value(p) for p in (self.kernel, self.bias, self.norm_scale, self.norm_bias)]
     cd = _common.compute_dtype(self.dtype, x, residual, *params)
     x_dtype = x.dtype
+    hint = _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd, params,
+                                  residual=residual)
     x, residual, kernel, bias, scale, norm_bias = _common.cast(cd, x, residual, *params)
-    with _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd):
+    with hint:
       return pallas_norm.matmul_norm(x, kernel, bias, residual, scale, norm_bias,
                                      norm=self.norm, eps=self.epsilon, return_h=return_h,
                                      implementation=self.implementation)

@@ -97,7 +97,7 @@ class KunlunModel(nnx.Module):
   Args:
     config: :class:`KunlunConfig`.
     dtype: compute dtype (e.g. jnp.bfloat16); None computes in the parameters' dtype.
-    param_dtype: parameter dtype (default float32).
+    param_dtype: parameter dtype: a floating dtype (default float32).
     rngs: ``nnx.Rngs`` for initialization.
     implementation: passed to every pallas-norm op: None, "xla", "mosaic", "interpret", or a
       sequence tried in order per call, e.g. ("mosaic", "xla"): the kernels in every layer
@@ -105,7 +105,8 @@ class KunlunModel(nnx.Module):
       kernel yet; the dense layers need K and N multiples of 64).
 
   Raises:
-    TypeError: at construction, for a dtype that is neither None nor a floating dtype.
+    TypeError: at construction, for a dtype that is neither None nor a floating dtype, or a
+      param_dtype that is not a floating dtype (bfloat16, float16, float32, float64).
   """
 
   def __init__(self, config: KunlunConfig, *, dtype=None, param_dtype=jnp.float32,
@@ -113,6 +114,7 @@ class KunlunModel(nnx.Module):
     c = config
     self.config = c
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
+    _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     lkw = dict(kw, epsilon=c.epsilon, implementation=implementation)
     hd = c.token_dim

@@ -23,7 +23,7 @@ class RMSNorm(nnx.Module):
     epsilon: positive float added to the mean square (default 1e-6); stored as a Python float.
     dtype: compute dtype; inputs and ``scale`` are cast to it before the op (default: the
       promoted dtype of the input and the parameters, as in Flax).
-    param_dtype: dtype of ``scale`` (default float32).
+    param_dtype: dtype of ``scale``: a floating dtype (default float32).
     use_scale: create the (N,) ``scale`` parameter (gamma).
     scale_init: initializer of ``scale`` (default ones).
     rngs: ``nnx.Rngs`` for parameter initialization.
@@ -33,8 +33,9 @@ class RMSNorm(nnx.Module):
     ValueError: at construction, for a num_features that is not a positive integer, an epsilon
       that is not positive and finite (in float32) or an unknown implementation; at call time,
       when the input's last dimension is not num_features (with or without ``scale``).
-    TypeError: at construction, for a non-number epsilon or a dtype that is neither None nor a
-      floating dtype; at call time, for a non-array x.
+    TypeError: at construction, for a non-number epsilon, a dtype that is neither None nor a
+      floating dtype, or a param_dtype that is not a floating dtype (bfloat16, float16, float32,
+      float64); at call time, for a non-array x.
     At call time also ValueError/TypeError from :func:`pallas_norm.rms_norm` for other bad inputs
     (e.g. a residual of another shape), and NotImplementedError for a kernel implementation that
     does not exist.
@@ -46,7 +47,7 @@ class RMSNorm(nnx.Module):
     self.num_features = _common.check_features("num_features", num_features)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
-    self.param_dtype = param_dtype
+    self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
                   if use_scale else None)
@@ -79,7 +80,7 @@ class LayerNorm(nnx.Module):
     self.num_features = _common.check_features("num_features", num_features)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
-    self.param_dtype = param_dtype
+    self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
                   if use_scale else None)

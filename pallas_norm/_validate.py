@@ -14,9 +14,17 @@ FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 NORMS = ("rms", "layer")
 
 
+def is_array(x) -> bool:
+  """True for a real array: a ``jax.Array`` (tracers under ``jax.jit``/``eval_shape`` included),
+  a NumPy array or a NumPy scalar. Duck-typed stand-ins that only carry ``shape`` and ``dtype``
+  (``jax.ShapeDtypeStruct``) are not: the ops would fail deep inside on them."""
+  return isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray, np.generic))
+
+
 def _dtype_of(name: str, x):
-  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if not is_array(x):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__} (a jax.Array or "
+                    "numpy.ndarray is needed)")
   return jnp.dtype(x.dtype)
 
 
@@ -92,9 +100,21 @@ def flag(name: str, value) -> None:
 
 
 def finite_scalar(name: str, value) -> None:
+  """A real scalar: a Python/NumPy number or a 0-d array of an integer or floating dtype
+  (bools and complex numbers are not). TypeError naming ``name`` for anything else, e.g. an
+  array of another shape, which would broadcast into a silently different result; ValueError
+  for a concrete non-finite value. A traced value (under ``jax.jit``) is checked for its shape
+  and dtype only."""
+  if hasattr(value, "dtype") and hasattr(value, "shape"):
+    dt = jnp.dtype(value.dtype)
+    real = (jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.floating)) and (
+        dt != jnp.dtype(bool))
+    if tuple(value.shape) != () or not real:
+      raise TypeError(f"{name} must be a real scalar (a number or a 0-d integer or floating "
+                      f"array), got an array of shape {tuple(value.shape)} and dtype {dt}")
   if isinstance(value, jax.core.Tracer):
     return
-  if isinstance(value, (str, bytes, bool)):
+  if isinstance(value, (str, bytes, bool, np.bool_)):
     raise TypeError(f"{name} must be a real scalar, got {value!r}")
   try:
     f = float(value)
@@ -111,7 +131,9 @@ def norm_kind(value) -> None:
 
 def float_dtype(name: str, value) -> jnp.dtype:
   """``value`` as a ``jnp.dtype`` of :data:`FLOAT_DTYPES`; TypeError naming ``name`` for anything
-  else (an integer or bool dtype, or a value that is not a dtype)."""
+  else (an integer or bool dtype, None, or a value that is not a dtype)."""
+  if value is None:  # jnp.dtype(None) would be float64
+    raise TypeError(f"{name} must be a floating dtype, got None")
   try:
     dt = jnp.dtype(value)
   except (TypeError, ValueError) as e:
@@ -141,7 +163,7 @@ def static_positive_int(name: str, value) -> None:
 def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
             max_len_name: str = "max_seq_len") -> int:
   """Checks a jagged offsets vector; returns the batch size B (= len(offsets) - 1)."""
-  if not hasattr(off, "dtype"):
+  if not is_array(off):
     raise TypeError(f"{name} must be an int32 array of shape (B+1,), got {type(off).__name__}")
   if jnp.dtype(off.dtype) != jnp.int32:
     raise TypeError(f"{name} must be int32, got {off.dtype}")

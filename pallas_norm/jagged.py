@@ -18,6 +18,8 @@ and are used by the XLA reference path.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,12 +40,56 @@ def lengths(offsets: jax.Array) -> jax.Array:
   return offsets[1:] - offsets[:-1]
 
 
-def offsets_from_lengths(lens) -> np.ndarray:
-  """Host helper: int32 offsets (B+1,) from per-sample lengths (B,)."""
-  lens = np.asarray(lens, dtype=np.int64)
-  if lens.ndim != 1 or np.any(lens < 0):
+def offsets_from_lengths(lens):
+  """int32 offsets (B+1,) from per-sample lengths (B,): ``[0, cumsum(lens)...]``.
+
+  ``lens`` must have an integer dtype (a list of Python ints, a NumPy or JAX integer array);
+  floats would be truncated and bools are not lengths, so both raise. Concrete lengths give a
+  NumPy int32 array, and their values are checked: no negative length, and a total that fits
+  int32 (a larger one would wrap to negative offsets). Traced lengths (under ``jax.jit``) give a
+  traced int32 array; only their dtype and shape are checked, not their values, so negative
+  lengths or a total past 2**31 - 1 give offsets that break the jagged convention (the ops then
+  return NaN, see :func:`pallas_norm.gdpa`).
+
+  Raises:
+    TypeError: ``lens`` does not have an integer dtype (float, bool, complex, strings, ...).
+    ValueError: ``lens`` is not 1-D (or not array-like); a concrete length is negative, or the
+      concrete total exceeds 2**31 - 1 (int32).
+  """
+  if isinstance(lens, jax.core.Tracer):
+    _check_lengths_dtype(lens.dtype, lens)
+    if lens.ndim != 1:
+      raise ValueError(f"lengths must be a 1-D array, got shape {tuple(lens.shape)}")
+    zero = jnp.zeros((1,), jnp.int32)
+    return jnp.concatenate([zero, jnp.cumsum(lens.astype(jnp.int32), dtype=jnp.int32)])
+  try:
+    host = np.asarray(lens)
+  except (ValueError, OverflowError) as e:  # ragged nesting; an int past int64/uint64
+    raise ValueError(f"lengths must be a 1-D array of non-negative ints, got {lens!r}") from e
+  if host.ndim == 1 and host.size == 0 and not hasattr(lens, "dtype"):
+    host = host.astype(np.int64)  # [] is float64 in NumPy; no samples, no offsets past 0
+  if host.dtype == object and all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
+                                  for n in host.ravel()):
+    pass  # Python ints past int64: their total is checked below
+  else:
+    _check_lengths_dtype(host.dtype, lens)
+  if host.ndim != 1:
     raise ValueError(f"lengths must be a 1-D array of non-negative ints, got {lens!r}")
-  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  if np.any(host < 0):
+    raise ValueError(f"lengths must be non-negative, got {lens!r}")
+  int32_max = np.iinfo(np.int32).max
+  if host.size and host.max() > int32_max:  # also keeps uint64 and object values from wrapping
+    raise ValueError(f"lengths sum past the int32 offsets' maximum {int32_max}: a length is "
+                     f"{host.max()}")
+  ends = np.cumsum(host.astype(np.int64), dtype=np.int64)  # each term < 2**31: no wrap in int64
+  if ends.size and ends[-1] > int32_max:
+    raise ValueError(f"lengths sum to {ends[-1]}, past the int32 offsets' maximum {int32_max}")
+  return np.concatenate([[0], ends]).astype(np.int32)
+
+
+def _check_lengths_dtype(dtype, lens) -> None:
+  if not np.issubdtype(np.dtype(dtype), np.integer):
+    raise TypeError(f"lengths must have an integer dtype, got {np.dtype(dtype)}: {lens!r}")
 
 
 def segment_ids(offsets: jax.Array, capacity: int) -> jax.Array:

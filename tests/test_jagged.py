@@ -64,6 +64,47 @@ def test_offsets_from_lengths_rejects_bad_lengths(bad):
     jagged.offsets_from_lengths(bad)
 
 
+@pytest.mark.parametrize("bad", [[2.7, 1.9], [2.0, 1.0], np.array([3.0]), jnp.array([1.0, 2.0]),
+                                 [True, False], np.array([1, 0], bool), ["3"]],
+                         ids=["floats", "integral-floats", "np-float", "jnp-float", "bools",
+                              "np-bool", "str"])
+def test_offsets_from_lengths_rejects_non_integer_dtypes(bad):
+  """Floats were truncated silently ([2.7, 1.9] gave [0 2 3], review finding)."""
+  with pytest.raises(TypeError, match="lengths must have an integer dtype"):
+    jagged.offsets_from_lengths(bad)
+
+
+@pytest.mark.parametrize("bad", [[2**31 - 1, 5], [2**30, 2**30], np.array([2**31], np.int64),
+                                 np.array([2**64 - 1], np.uint64), [2**70]],
+                         ids=["wraps", "sum", "one-int64", "uint64", "past-int64"])
+def test_offsets_from_lengths_rejects_a_total_past_int32(bad):
+  """[2**31 - 1, 5] wrapped to a negative last offset (review finding)."""
+  with pytest.raises(ValueError, match="lengths sum"):
+    jagged.offsets_from_lengths(bad)
+
+
+@pytest.mark.parametrize("good, expected", [
+    ([], [0]), (np.array([2**31 - 1]), [0, 2**31 - 1]),
+    (np.array([3, 0, 5], np.uint8), [0, 3, 3, 8]),
+    (jnp.array([1, 2], jnp.int32), [0, 1, 3]), ((np.int16(4), 2), [0, 4, 6])])
+def test_offsets_from_lengths_integer_inputs(good, expected):
+  offsets = jagged.offsets_from_lengths(good)
+  assert isinstance(offsets, np.ndarray) and offsets.dtype == np.int32
+  np.testing.assert_array_equal(offsets, expected)
+
+
+def test_offsets_from_lengths_traced():
+  """Under jit the dtype and shape are checked, not the values; the result is traced int32."""
+  f = jax.jit(jagged.offsets_from_lengths)
+  out = f(jnp.asarray([3, 0, 5], jnp.int32))
+  chex.assert_type(out, jnp.int32)
+  np.testing.assert_array_equal(out, [0, 3, 3, 8])
+  with pytest.raises(TypeError, match="lengths must have an integer dtype"):
+    f(jnp.asarray([1.5, 2.0]))
+  with pytest.raises(ValueError, match="lengths must be a 1-D array"):
+    f(jnp.ones((2, 2), jnp.int32))
+
+
 def test_segment_ids_valid_mask_positions(lens):
   offsets, cap = jnp.asarray(np_offsets(lens)), capacity(lens)
   seg = jagged.segment_ids(offsets, cap)

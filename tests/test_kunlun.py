@@ -217,6 +217,13 @@ def test_bad_dtype_raises_naming_dtype_when_the_model_is_built(dtype):
     _model(dtype=dtype)
 
 
+@pytest.mark.parametrize("param_dtype", [jnp.int32, jnp.bool_, "bogus", None])
+def test_bad_param_dtype_raises_naming_it_when_the_model_is_built(param_dtype):
+  # int32 used to build int32 parameters silently; "bogus" failed inside JAX (review finding).
+  with pytest.raises(TypeError, match="KunlunModel: param_dtype must be a floating dtype"):
+    _model(param_dtype=param_dtype)
+
+
 # Every dense layer but the head has K and N multiples of 64, so the kernels can run them.
 KERNEL_CONFIG = dataclasses.replace(CONFIG, num_dense_features=1, embed_dim=64, head_dim=32,
                                     num_layers=1, summary_dim=64, mlp_dim=64)

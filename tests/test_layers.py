@@ -389,6 +389,46 @@ def test_attention_layers_check_head_shape():
     GDPA(H, D)(q, _offsets(), np.asarray(k).tolist(), v)
 
 
+@pytest.mark.parametrize("make", [lambda: GDPA(H, D), _pffn], ids=["gdpa", "pffn"])
+def test_attention_layer_arguments_after_v_are_keyword_only(make):
+  """GDPA took (kv_offsets, max_seq_len) and PFFNBlock (max_seq_len, kv_offsets) after v, so
+  layer(q, off, k, v, 5) meant different things (review finding); now it is Python's TypeError
+  in both, and the keyword forms agree with the ops."""
+  q, k, v = _attention_inputs()
+  layer = make()
+  with pytest.raises(TypeError, match="positional argument"):
+    layer(q, _offsets(), k, v, MAX_LEN)
+  with pytest.raises(TypeError, match="positional argument"):
+    layer(q, _offsets(), k, v, None, MAX_LEN)
+  # Packed k/v through kv_offsets, by keyword.
+  kv_lens = (2, 1, 4, 3)
+  kv_off = jnp.asarray(jagged.offsets_from_lengths(kv_lens))
+  kp, vp = (a.reshape(-1, H, D)[:sum(kv_lens)] for a in (k, v))
+  y = layer(q, _offsets(), kp, vp, kv_offsets=kv_off, max_seq_len=MAX_LEN, max_kv_len=4)
+  if isinstance(layer, GDPA):
+    expected = pallas_norm.gdpa(q, kp, vp, _offsets(), kv_off, max_seq_len=MAX_LEN)
+  else:
+    p = _params(layer)
+    expected = pallas_norm.flash_norm_attention(
+        q, kp, vp, _offsets(), kv_off, ln_scale=p["ln_scale"], ln_bias=p["ln_bias"],
+        rms_scale=p["rms_scale"], pre_scale=D ** -0.5, post_scale=0.5, max_seq_len=MAX_LEN)
+  np.testing.assert_allclose(y, expected, **F32_TOL)
+
+
+@pytest.mark.parametrize("make", [_rms, _ln, _norm_dense, _dense_norm],
+                         ids=["rms", "ln", "norm_dense", "dense_norm"])
+def test_shape_dtype_struct_input_raises_type_error(make):
+  """Only .shape and .dtype is not an array (it used to fail inside, on .astype)."""
+  layer = make()
+  width = K if isinstance(layer, (NormDense, DenseNorm)) else N
+  with pytest.raises(TypeError, match=f"{type(layer).__name__}: x must be an array, got "
+                                      "ShapeDtypeStruct"):
+    layer(jax.ShapeDtypeStruct((3, width), jnp.float32))
+  # Tracers are arrays: eval_shape still works.
+  out = jax.eval_shape(lambda x: make()(x), jax.ShapeDtypeStruct((3, width), jnp.float32))
+  assert out.shape == (3, N)
+
+
 def test_dense_norm_non_array_residual_raises_type_error():
   layer = DenseNorm(8, 16, rngs=nnx.Rngs(0), implementation="xla")
   x = jnp.ones((4, 8), jnp.float32)
@@ -520,6 +560,27 @@ def test_bad_dtype_raises_naming_dtype_when_the_layer_is_built(case, dtype):
     make(dtype=dtype)
 
 
+@pytest.mark.parametrize("param_dtype", [jnp.int32, jnp.bool_, "bogus", None, object()],
+                         ids=["int32", "bool", "str", "None", "object"])
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5], ids=["rms", "ln", "norm_dense", "dense_norm",
+                                                     "pffn"])
+def test_bad_param_dtype_raises_naming_it_when_the_layer_is_built(case, param_dtype):
+  """An int32 param_dtype silently made int32 parameters, "bogus" failed inside JAX (review
+  finding)."""
+  _, make, _ = _calls()[case]
+  with pytest.raises(TypeError, match=r"(RMSNorm|LayerNorm|NormDense|DenseNorm|PFFNBlock): "
+                                      "param_dtype must be a floating dtype"):
+    make(param_dtype=param_dtype)
+
+
+@pytest.mark.parametrize("case", [0, 1, 2, 3, 5], ids=["rms", "ln", "norm_dense", "dense_norm",
+                                                     "pffn"])
+def test_floating_param_dtype_makes_parameters_of_it(case):
+  _, make, _ = _calls()[case]
+  params = _params(make(param_dtype=jnp.bfloat16))
+  assert params and all(p.dtype == jnp.bfloat16 for p in params.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradients
 
@@ -542,6 +603,17 @@ def test_gradients_reach_every_param(case):
     assert np.any(g != 0), name
 
 
+def test_kernel_error_names_a_promoting_residual():
+  """DenseNorm with bf16 parameters and a float32 residual: the residual promoted the input."""
+  x = jnp.ones((8, 64), jnp.bfloat16)
+  layer = DenseNorm(64, 64, param_dtype=jnp.bfloat16, implementation="interpret",
+                    rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match=r"with dtype=None the bfloat16 parameters and "
+                                                r"the float32 residual promoted the bfloat16 "
+                                                r"input to float32"):
+    layer(x, residual=jnp.ones((8, 64), jnp.float32))
+
+
 @pytest.mark.parametrize("layer", ["NormDense", "DenseNorm"])
 def test_kernel_error_names_the_dtype_promotion(layer):
   """A bf16 input with float32 parameters and dtype=None computes in float32, which the kernels
@@ -552,6 +624,10 @@ def test_kernel_error_names_the_dtype_promotion(layer):
   with pytest.raises(NotImplementedError, match=r"promoted the bfloat16 input to float32.*"
                                                 r"dtype=jnp\.bfloat16"):
     make(64, 64, implementation="mosaic", rngs=nnx.Rngs(0))(x)
+  # float16 parameters: the hint names them, not the float32 they promote to (review finding).
+  with pytest.raises(NotImplementedError, match=r"the float16 parameters promoted the bfloat16 "
+                                                r"input to float32"):
+    make(64, 64, implementation="interpret", param_dtype=jnp.float16, rngs=nnx.Rngs(0))(x)
   if not pallas_norm._dispatch.on_hopper_gpu():
     with pytest.raises(NotImplementedError) as info:  # mosaic needs a GPU here, no dtype hint
       make(64, 64, implementation="mosaic", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))(x)

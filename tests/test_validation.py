@@ -352,6 +352,78 @@ def test_jit_shape_and_dtype_errors_still_raise(change, exc, text):
   assert_names(info.value, text)
 
 
+@pytest.mark.parametrize("op", ["gdpa", "flash_norm_attention"])
+@pytest.mark.parametrize("arg", ["pre_scale", "post_scale"])
+@pytest.mark.parametrize("value", [np.ones(8, np.float32), np.ones((H, D), np.float32),
+                                   np.ones(1, np.float32), np.asarray(True),
+                                   np.asarray(1 + 2j, np.complex64)],
+                         ids=["(8,)", "(H,D)", "(1,)", "bool", "complex"])
+def test_jit_traced_array_scale_raises_naming_it(op, arg, value):
+  """A traced scale must be a real 0-d value (review finding: under jit an array scale was
+  broadcast into a silently different result, while eager calls raised)."""
+  args = good_args(op)
+  fn = jax.jit(lambda s: op_fn(op)(**args, **{arg: s}))
+  with pytest.raises(TypeError) as info:
+    fn(jnp.asarray(value))
+  assert_names(info.value, arg)
+  with pytest.raises(TypeError) as info:  # and the same concrete value raises outside jit
+    op_fn(op)(**args, **{arg: value})
+  assert_names(info.value, arg)
+
+
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+@pytest.mark.parametrize("value", [jnp.float32(0.5), jnp.bfloat16(0.5), jnp.int32(2)],
+                         ids=["f32", "bf16", "int32"])
+def test_jit_traced_scalar_scales_still_work(op, value):
+  args = good_args(op)
+  traced = jax.jit(lambda pre, post: op_fn(op)(**args, pre_scale=pre, post_scale=post))(
+      value, value)
+  eager = op_fn(op)(**args, pre_scale=float(value), post_scale=float(value))
+  chex.assert_trees_all_close(traced, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op, arg", [
+    ("rms_norm", "x"), ("layer_norm", "scale"), ("norm_matmul", "x"), ("norm_matmul", "w"),
+    ("matmul_norm", "residual"), ("gdpa", "q"), ("gdpa", "k"), ("gdpa", "q_offsets"),
+    ("gdpa_jagged", "kv_offsets"), ("flash_norm_attention", "ln_scale")])
+def test_shape_dtype_struct_is_not_an_array(op, arg):
+  """Duck-typed stand-ins with only .shape and .dtype used to pass validation and fail deep
+  inside (AttributeError 'astype' in reference.py, review finding)."""
+  args = good_args(op)
+  args[arg] = jax.ShapeDtypeStruct(args[arg].shape, args[arg].dtype)
+  with pytest.raises(TypeError, match=f"{arg} must be an (int32 )?array.*, got ShapeDtypeStruct"):
+    op_fn(op)(**args)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_eval_shape_and_numpy_inputs_still_work(op):
+  args = good_args(op)
+  arrays = {k: v for k, v in args.items() if isinstance(v, jax.Array)}
+  static = {k: v for k, v in args.items() if k not in arrays}
+  shapes = jax.eval_shape(lambda a: op_fn(op)(**a, **static), arrays)
+  host = {k: np.asarray(v) if isinstance(v, jax.Array) else v for k, v in args.items()}
+  out = op_fn(op)(**host)
+  chex.assert_trees_all_equal_shapes_and_dtypes(shapes, out)
+
+
+@pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
+def test_kernel_dtype_reason_names_x_when_out_dtype_was_not_passed(op):
+  """A float64 NumPy x (no out_dtype) was reported as "out_dtype float64 is not ..." (review
+  finding): the reason names x's dtype, which the caller chose."""
+  x, w = np.ones((8, 64)), np.ones((64, 64))
+  with pytest.raises(NotImplementedError, match="'interpret': x dtype float64 is not bfloat16 "
+                                                "or float16") as info:
+    op_fn(op)(x, w, implementation="interpret")
+  assert "out_dtype" not in str(info.value)
+
+
+def test_kernel_dtype_reason_names_an_explicit_out_dtype():
+  x = jnp.ones((8, 64), jnp.bfloat16)
+  w = jnp.ones((64, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="'interpret': out_dtype float32 is not"):
+    pallas_norm.matmul_norm(x, w, out_dtype=jnp.float32, implementation="interpret")
+
+
 def test_jit_jagged_kv_batch_mismatch_raises():
   args = dict(good_args("gdpa_jagged"), kv_offsets=_off([0, 1, 4]))
   with pytest.raises(ValueError, match="kv_offsets"):

@@ -66,7 +66,8 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
     kv_offsets: optional int32 (B+1,) offsets of packed k/v.
     activation: "fast_gelu" (tanh GELU, default), "gelu", "silu", "relu", "relu2",
       "leaky_relu" (slope 0.01) or "identity".
-    pre_scale, post_scale: finite scalars (default 1).
+    pre_scale, post_scale: finite real scalars (default 1): numbers or 0-d integer/floating
+      arrays, traced ones included (an array of another shape would broadcast, so it raises).
     max_seq_len: static bound on q lengths; makes the XLA path use a padded (B, max_seq_len)
       layout (fast). Without it the XLA path gathers K/V per token (O(T·Lkv·H·D) memory).
     max_kv_len: static bound on jagged k/v lengths (default Tkv).
@@ -82,7 +83,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   output is NaN rather than silently wrong.
 
   Raises:
-    TypeError: dtypes. ValueError: shapes, offsets (when concrete), activation, scales, lengths
+    TypeError: dtypes; a non-array q, k, v or offsets; a pre_scale or post_scale that is not a
+    real scalar (also under ``jax.jit``: a traced scale must be 0-d, integer or floating).
+    ValueError: shapes, offsets (when concrete), activation, non-finite concrete scales, lengths
     over max_seq_len/max_kv_len. NotImplementedError: kernel implementation not available.
   """
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,

@@ -62,15 +62,20 @@ def check_args(x, w, scale, bias, norm, eps, out_dtype) -> None:
 
 def _kernel_unsupported_reason(x, w, out_dtype=None) -> str | None:
   try:
+    from pallas_norm import mgpu_common
     from pallas_norm.ops import norm_matmul_mgpu
   except ImportError as e:  # the kernel module is optional until it lands
     return f"the Mosaic kernel is unavailable ({e})"
   m = 1
   for d in x.shape[:-1]:
     m *= d
-  out = jnp.dtype(out_dtype or x.dtype)
-  if out not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-    return f"out_dtype {out.name} is not bfloat16, float16 or float32"
+  if jnp.dtype(x.dtype) not in mgpu_common.SUPPORTED_DTYPES:
+    # Named as x's dtype: without an explicit out_dtype it is also the output's (review finding:
+    # a float64 x was reported as "out_dtype float64").
+    return f"x dtype {jnp.dtype(x.dtype).name} is not bfloat16 or float16"
+  if out_dtype is not None and jnp.dtype(out_dtype) not in (
+      jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+    return f"out_dtype {jnp.dtype(out_dtype).name} is not bfloat16, float16 or float32"
   return norm_matmul_mgpu.unsupported_reason(m, x.shape[-1], w.shape[1], x.dtype)
 
 
@@ -371,7 +376,9 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
     y (..., N), or ``(y, stats)``.
 
   Raises:
-    TypeError: non-float or mismatched dtypes. ValueError: shapes, eps, norm or implementation.
+    TypeError: an argument that is not an array (jax.Array, NumPy array or tracer; e.g. a
+    ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes. ValueError: shapes, eps, norm or
+    implementation.
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run.
   """
   check_args(x, w, scale, bias, norm, eps, out_dtype)

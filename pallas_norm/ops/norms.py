@@ -40,8 +40,9 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     y (..., N), or ``(y, s)`` when ``residual`` is given (``s`` in x's dtype).
 
   Raises:
-    TypeError: non-float arrays or dtypes. ValueError: shape mismatch, eps <= 0, unknown
-    implementation. NotImplementedError: a kernel implementation was requested.
+    TypeError: non-arrays (e.g. a ``jax.ShapeDtypeStruct``), non-float arrays or dtypes.
+    ValueError: shape mismatch, eps <= 0, unknown implementation. NotImplementedError: a kernel
+    implementation was requested.
   """
   _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
