@@ -16,9 +16,11 @@ NORMS = ("rms", "layer")
 
 def is_array(x) -> bool:
   """True for a real array: a ``jax.Array`` (tracers under ``jax.jit``/``eval_shape`` included),
-  a NumPy array or a NumPy scalar. Duck-typed stand-ins that only carry ``shape`` and ``dtype``
+  a NumPy array or a NumPy scalar, or an object JAX converts to one (``__jax_array__``, e.g. a
+  Flax ``nnx.Param``). Duck-typed stand-ins that only carry ``shape`` and ``dtype``
   (``jax.ShapeDtypeStruct``) are not: the ops would fail deep inside on them."""
-  return isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray, np.generic))
+  return isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray, np.generic)) or hasattr(
+      x, "__jax_array__")
 
 
 def _dtype_of(name: str, x):

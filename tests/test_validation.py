@@ -407,6 +407,21 @@ def test_eval_shape_and_numpy_inputs_still_work(op):
 
 
 @pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_flax_params_are_arrays(op, impl):
+  """A Flax ``nnx.Param`` (an ``__jax_array__`` object) passed as an array works as before the
+  is-an-array check: same values as its ``[...]``."""
+  from flax import nnx
+  ks = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(ks[0], (16, 64), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(ks[1], (64, 64), jnp.float32) / 8).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(ks[2], (64,), jnp.float32)
+  want = op_fn(op)(x, w, scale=scale, norm="layer", implementation=impl)
+  got = op_fn(op)(x, nnx.Param(w), scale=nnx.Param(scale), norm="layer", implementation=impl)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
 def test_kernel_dtype_reason_names_x_when_out_dtype_was_not_passed(op):
   """A float64 NumPy x (no out_dtype) was reported as "out_dtype float64 is not ..." (review
   finding): the reason names x's dtype, which the caller chose."""

@@ -62,13 +62,13 @@ def check_args(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype) ->
 # Widest N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md) measured
 # the op faster than XLA's unfused one in training (forward+backward), without losing more than
 # run-to-run spread forward. LayerNorm (+ residual): N ≤ 2048 since session 8's shared-ring K
-# loop (one N tile per CTA up to 2048): forward 1029 vs 1182 µs at 262144×1024², 1448 vs 1747 at
-# 262144×512×2048, 869 vs 937 at 65536×2048², 3928 vs 3752 at 262144×2048² (5%, within the ±8%
-# spread between runs); fwd+bwd 3390 vs 4724, 4655 vs 7234, 2858 vs 3304, 11743 vs 13424. At
-# N = 4096 a CTA loops over N tiles and the forward loses (4796 vs 3207 at K = 512). RMSNorm:
-# N ≤ 512 since session 7's norm-backward kernel (fwd+bwd 221 vs 246 µs at 128², 420 vs 467 at
-# 256², 1048 vs 1057 at 512²); at 1024² and 512×2048 fwd+bwd loses (3283 vs 3044, 4344 vs
-# 4184) although the forward now wins (886 vs 989, 1102 vs 1287).
+# loop (one N tile per CTA up to 2048); session 10's suite: forward 963 vs 1160 µs at
+# 262144×1024², 1418 vs 1725 at 262144×512×2048, 840 vs 921 at 65536×2048², 3402 vs 3716 at
+# 262144×2048²; fwd+bwd 3296 vs 4663, 4537 vs 7179, 2830 vs 3265, 11784 vs 13195. At N = 4096 a
+# CTA loops over N tiles and the forward loses (4904 vs 3218 at K = 512). RMSNorm: N ≤ 512
+# since session 7's norm-backward kernel (session 10: fwd+bwd 222 vs 247 µs at 128², 421 vs 470
+# at 256², 1037 vs 1039 at 512²); at 1024² and 512×2048 fwd+bwd loses (3162 vs 2980, 4270 vs
+# 4102) although the forward wins (872 vs 969, 1096 vs 1266).
 KERNEL_DEFAULT_MAX_N = {"layer": 2048, "rms": 512}
 
 
