@@ -18,8 +18,6 @@ and are used by the XLA reference path.
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,31 +58,28 @@ def offsets_from_lengths(lens):
     _check_lengths_dtype(lens.dtype, lens)
     if lens.ndim != 1:
       raise ValueError(f"lengths must be a 1-D array, got shape {tuple(lens.shape)}")
-    zero = jnp.zeros((1,), jnp.int32)
-    return jnp.concatenate([zero, jnp.cumsum(lens.astype(jnp.int32), dtype=jnp.int32)])
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens, dtype=jnp.int32)])
   try:
     host = np.asarray(lens)
-  except (ValueError, OverflowError) as e:  # ragged nesting; an int past int64/uint64
+  except ValueError as e:  # ragged nesting
     raise ValueError(f"lengths must be a 1-D array of non-negative ints, got {lens!r}") from e
-  if host.ndim == 1 and host.size == 0 and not hasattr(lens, "dtype"):
-    host = host.astype(np.int64)  # [] is float64 in NumPy; no samples, no offsets past 0
-  if host.dtype == object and all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
+  int32_max = np.iinfo(np.int32).max
+  if host.dtype == object and all(isinstance(n, int) and not isinstance(n, bool)
                                   for n in host.ravel()):
-    pass  # Python ints past int64: their total is checked below
-  else:
-    _check_lengths_dtype(host.dtype, lens)
+    # Python ints past uint64: NumPy keeps them as objects; each is already past int32.
+    raise ValueError(f"lengths sum past the int32 offsets' maximum {int32_max}: {lens!r}")
+  if host.size == 0 and not hasattr(lens, "dtype"):
+    host = host.astype(np.int64)  # [] is float64 in NumPy; no samples, no offsets past 0
+  _check_lengths_dtype(host.dtype, lens)
   if host.ndim != 1:
     raise ValueError(f"lengths must be a 1-D array of non-negative ints, got {lens!r}")
   if np.any(host < 0):
     raise ValueError(f"lengths must be non-negative, got {lens!r}")
-  int32_max = np.iinfo(np.int32).max
-  if host.size and host.max() > int32_max:  # also keeps uint64 and object values from wrapping
-    raise ValueError(f"lengths sum past the int32 offsets' maximum {int32_max}: a length is "
-                     f"{host.max()}")
-  ends = np.cumsum(host.astype(np.int64), dtype=np.int64)  # each term < 2**31: no wrap in int64
-  if ends.size and ends[-1] > int32_max:
-    raise ValueError(f"lengths sum to {ends[-1]}, past the int32 offsets' maximum {int32_max}")
-  return np.concatenate([[0], ends]).astype(np.int32)
+  # Each term is checked below 2**31 first, so the int64 running sum cannot wrap.
+  if host.size and (host.max() > int32_max or np.sum(host, dtype=np.int64) > int32_max):
+    raise ValueError(f"lengths sum to {int(np.sum(host, dtype=object))}, past the int32 "
+                     f"offsets' maximum {int32_max}")
+  return np.concatenate([[0], np.cumsum(host, dtype=np.int64)]).astype(np.int32)
 
 
 def _check_lengths_dtype(dtype, lens) -> None:
