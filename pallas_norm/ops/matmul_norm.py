@@ -300,7 +300,7 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
   """Post-norm GEMM: ``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale (+ bias)``.
 
   Args:
-    x: (..., K) bfloat16/float16/float32. w: (K, N), same dtype.
+    x: (..., K) bfloat16/float16/float32 (float64 with jax_enable_x64). w: (K, N), same dtype.
     dense_bias: optional (N,) bias of the dense layer. residual: optional (..., N) added to h.
     scale, bias: optional (N,) gamma and beta of the norm.
     norm: "layer" (default) or "rms". eps: positive float (default 1e-6).

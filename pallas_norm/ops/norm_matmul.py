@@ -357,7 +357,7 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm: str = "rms", eps: float = 
   """Pre-norm GEMM ``y = norm(x)·scale (+ bias) @ w``.
 
   Args:
-    x: (..., K) activations, bfloat16/float16/float32.
+    x: (..., K) activations, bfloat16/float16/float32 (float64 with jax_enable_x64).
     w: (K, N) weight, same dtype as x.
     scale: optional (K,) gamma of the norm. bias: optional (K,) beta (LayerNorm or RMSNorm).
     norm: "rms" (RMSNorm) or "layer" (LayerNorm).
