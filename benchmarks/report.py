@@ -100,6 +100,10 @@ def _header(results: dict) -> list[str]:
            f"jax {results.get('jax_version')}, {results.get('date')}, {run}, "
            f"timer **{results.get('timer')}** ({results.get('iterations')} iterations, median), "
            f"flags: {flags}.", ""]
+  if later := (results.get("merged_from") or [])[1:]:
+    lines += [f"Merged with {len(later)} later run(s) whose rows replace this run's for their "
+              "cases (commits " + ", ".join(str(r.get("git_commit"))[:7] for r in later)
+              + "; each run's date and flags: the JSON's `merged_from`).", ""]
   if results.get("timer") != "cupti":
     lines += ["**Wall-clock timer: these numbers prove that the suite runs, nothing about "
               "speed.**", ""]
@@ -244,9 +248,20 @@ def floors_table(copy_gbps: float, gemm_tflops: float) -> str:
   return "\n".join(lines) + "\n"
 
 
+_RUN_KEYS = ("date", "git_commit", "flags", "wall_s")
+
+
+def _runs_of(part: dict) -> list[dict]:
+  """The runs behind one result: its own ``merged_from`` when it is itself a merge (its
+  top-level metadata is then its first run's), else its own metadata."""
+  return part.get("merged_from") or [{k: part.get(k) for k in _RUN_KEYS}]
+
+
 def merge(parts: list[dict]) -> dict:
   """One result from several runs on one device: the first run's metadata and ceilings, every
-  run's rows (a later run's row replaces an earlier one of the same case and implementation)."""
+  run's rows (a later run's row replaces an earlier one of the same case and implementation),
+  and ``merged_from``: every run behind the parts, in order (a part that is itself a merge
+  contributes its whole list, so merging into the main file keeps its history)."""
   devices = {p.get("device") for p in parts}
   if len(devices) != 1:
     raise ValueError(f"cannot merge results of different devices: {sorted(map(str, devices))}")
@@ -256,8 +271,7 @@ def merge(parts: list[dict]) -> dict:
     for r in p["rows"]:
       rows[(r["case"], r["impl"])] = r
   merged["rows"] = list(rows.values())
-  merged["merged_from"] = [{k: p.get(k) for k in ("date", "git_commit", "flags", "wall_s")}
-                           for p in parts]
+  merged["merged_from"] = [run for p in parts for run in _runs_of(p)]
   return merged
 
 

@@ -497,3 +497,22 @@ def test_report_keeps_ratios_within_one_timer():
   assert rows[0]["ratio_limit"] == 2.0
   assert rows[1]["ratio_xla"] is None and rows[1]["hidden"] is None
   assert rows[1]["ratio_limit"] is None
+
+
+def _run_result(commit: str, rows: list[tuple[str, str, float]]) -> dict:
+  return {"device": "H200", "date": f"d-{commit}", "git_commit": commit, "flags": {"only": commit},
+          "wall_s": 1.0, "rows": [{"case": c, "impl": i, "time_us": t} for c, i, t in rows]}
+
+
+def test_merge_keeps_every_run_behind_a_merged_part():
+  """Merging a new run into an already merged file keeps the file's whole run list (it used to
+  keep only the file's first run, losing every later re-run from ``merged_from``), and a later
+  run's row replaces the earlier one of the same case and implementation."""
+  first = report.merge([_run_result("a", [("x", "xla", 1.0), ("y", "xla", 2.0)]),
+                        _run_result("b", [("y", "xla", 3.0)])])
+  merged = report.merge([first, _run_result("c", [("x", "xla", 4.0)])])
+  assert [r["git_commit"] for r in merged["merged_from"]] == ["a", "b", "c"]
+  assert merged["git_commit"] == "a"
+  assert {r["case"]: r["time_us"] for r in merged["rows"]} == {"x": 4.0, "y": 3.0}
+  with pytest.raises(ValueError, match="different devices"):
+    report.merge([first, dict(_run_result("d", []), device="H100")])
