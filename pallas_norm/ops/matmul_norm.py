@@ -82,13 +82,10 @@ def _kernel_slower_reason(n: int, norm: str) -> str | None:
 
 def _kernel_unsupported_reason(x, w, residual, out_dtype, interpret: bool) -> str | None:
   try:
-    from pallas_norm import mgpu_common
     from pallas_norm.ops import matmul_norm_mgpu
   except ImportError as e:  # the kernel module is optional
     return f"the Mosaic kernel is unavailable ({e})"
   m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
-  if jnp.dtype(x.dtype) not in mgpu_common.SUPPORTED_DTYPES:  # name x, the dtype the user chose
-    return f"x dtype {jnp.dtype(x.dtype).name} is not bfloat16 or float16"
   reason = matmul_norm_mgpu.unsupported_reason(
       m, k, n, x.dtype, out_dtype or x.dtype, None if residual is None else residual.dtype)
   if reason is None and interpret:

@@ -234,7 +234,7 @@ def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
   dtype = jnp.dtype(dtype)
   out_dtype = jnp.dtype(out_dtype or dtype)
   if dtype not in mgpu_common.SUPPORTED_DTYPES:
-    return f"dtype {dtype.name} is not bfloat16 or float16"
+    return f"x dtype {dtype.name} is not bfloat16 or float16"
   if out_dtype not in mgpu_common.SUPPORTED_DTYPES:
     return f"out_dtype {out_dtype.name} is not bfloat16 or float16"
   if residual_dtype is not None and jnp.dtype(residual_dtype) != out_dtype:

@@ -62,21 +62,19 @@ def check_args(x, w, scale, bias, norm, eps, out_dtype) -> None:
 
 def _kernel_unsupported_reason(x, w, out_dtype=None) -> str | None:
   try:
-    from pallas_norm import mgpu_common
     from pallas_norm.ops import norm_matmul_mgpu
   except ImportError as e:  # the kernel module is optional until it lands
     return f"the Mosaic kernel is unavailable ({e})"
   m = 1
   for d in x.shape[:-1]:
     m *= d
-  if jnp.dtype(x.dtype) not in mgpu_common.SUPPORTED_DTYPES:
-    # Named as x's dtype: without an explicit out_dtype it is also the output's (review finding:
-    # a float64 x was reported as "out_dtype float64").
-    return f"x dtype {jnp.dtype(x.dtype).name} is not bfloat16 or float16"
-  if out_dtype is not None and jnp.dtype(out_dtype) not in (
+  # x's dtype is checked first (by the kernel's own check), so a float64 x without an
+  # out_dtype is reported as x's, not as the output's it defaults to.
+  reason = norm_matmul_mgpu.unsupported_reason(m, x.shape[-1], w.shape[1], x.dtype)
+  if reason is None and out_dtype is not None and jnp.dtype(out_dtype) not in (
       jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
     return f"out_dtype {jnp.dtype(out_dtype).name} is not bfloat16, float16 or float32"
-  return norm_matmul_mgpu.unsupported_reason(m, x.shape[-1], w.shape[1], x.dtype)
+  return reason
 
 
 # Largest K and N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md)

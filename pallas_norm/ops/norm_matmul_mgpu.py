@@ -110,7 +110,7 @@ _SMEM_SLACK = 4096  # barriers + the reduction scratch Mosaic reserves (2 KiB by
 def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
   """None if the kernel can run x: (m, k) @ w: (k, n) in ``dtype``, else why not."""
   if jnp.dtype(dtype) not in mgpu_common.SUPPORTED_DTYPES:
-    return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
+    return f"x dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
   if m < 1:
     return f"M = {m} rows: need at least 1"
   if k % 64 or k < 64:
