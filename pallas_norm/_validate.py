@@ -9,6 +9,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 NORMS = ("rms", "layer")
@@ -197,3 +198,35 @@ def offsets_invalid(off, capacity: int, max_len: int | None):
   if max_len is not None:
     bad = bad | jnp.any(steps > max_len)
   return bad
+
+
+@jax.custom_vjp
+def _nan_where(bad, x):
+  return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
+
+
+def _nan_where_fwd(bad, x):
+  return _nan_where(bad, x), bad
+
+
+def _nan_where_bwd(bad, cotangent):
+  # The cotangent is poisoned too: a plain `where` would send zeros upstream, so a train step on
+  # bad offsets would get a NaN loss but finite (zero) gradients and go on silently.
+  return None, jnp.where(bad, jnp.asarray(jnp.nan, cotangent.dtype), cotangent)
+
+
+_nan_where.defvjp(_nan_where_fwd, _nan_where_bwd)
+
+
+def poison_if_invalid(out, bad, message: str):
+  """``out`` (a pytree of arrays) turned into NaN, values and gradients, where the traced scalar
+  ``bad`` is True; also a :func:`jax.experimental.checkify.debug_check`, so a caller that wraps
+  its step in ``checkify.checkify`` gets ``message`` as an error instead of NaN."""
+  checkify.debug_check(jnp.logical_not(bad), message)
+
+  def poison(a):
+    if not jnp.issubdtype(a.dtype, jnp.inexact):
+      return a
+    return _nan_where(bad, a)
+
+  return jax.tree.map(poison, out)

@@ -70,3 +70,29 @@ def test_eps_accepts_concrete_numpy_and_jax_scalars():
     chex.assert_trees_all_close(pn.rms_norm(x, eps=eps), want, rtol=1e-6)
   with pytest.raises(TypeError, match="eps"):
     pn.rms_norm(x, eps=jnp.ones(2))
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_invalid_traced_offsets_give_nan_gradients(qkv, op):
+  """A jitted train step on bad offsets must not get finite (zero) gradients: every gradient
+  holds NaN (padding rows of q may keep a zero gradient), so an optimizer cannot go on
+  silently; a plain `where` poison gave gradients that were exactly 0."""
+  loss = lambda q, k, v, o: jnp.sum(OPS[op](q, k, v, o) ** 2)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*qkv, jnp.asarray([0, 5, 3, 8], jnp.int32))
+  for g in grads:
+    assert bool(jnp.any(jnp.isnan(g)))
+  assert bool(jnp.all(jnp.isnan(grads[0][:8])))  # every real row of q
+  good = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*qkv, jnp.asarray([0, 4, 4, 10], jnp.int32))
+  for g in good:
+    assert bool(jnp.all(jnp.isfinite(g)))
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_checkify_reports_invalid_traced_offsets(qkv, op):
+  from jax.experimental import checkify
+  checked = checkify.checkify(jax.jit(OPS[op]))
+  err, _ = checked(*qkv, jnp.asarray([0, 5, 3, 8], jnp.int32))
+  with pytest.raises(checkify.JaxRuntimeError, match="jagged convention"):
+    err.throw()
+  err, _ = checked(*qkv, jnp.asarray([0, 4, 4, 10], jnp.int32))
+  err.throw()  # valid offsets: no error

@@ -100,12 +100,19 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
 
 def poison_if_offsets_invalid(out, q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len,
                               max_kv_len):
-  """NaN everywhere when traced offsets break the jagged convention (see
-  :func:`pallas_norm._validate.offsets_invalid`); concrete offsets were already checked."""
+  """NaN everywhere, in the output and in the gradients, when traced offsets break the jagged
+  convention (see :func:`pallas_norm._validate.offsets_invalid`), and a checkify error under
+  ``jax.experimental.checkify.checkify``; concrete offsets were already checked."""
   traced = [o for o in (q_offsets, kv_offsets) if isinstance(o, jax.core.Tracer)]
   if not traced:
     return out
   bad = _validate.offsets_invalid(q_offsets, capacity, max_seq_len)
   if kv_offsets is not None:
     bad = bad | _validate.offsets_invalid(kv_offsets, kv_capacity, max_kv_len)
-  return jax.tree.map(lambda a: jnp.where(bad, jnp.full_like(a, jnp.nan), a), out)
+  return _validate.poison_if_invalid(out, bad, OFFSETS_INVALID_MESSAGE)
+
+
+OFFSETS_INVALID_MESSAGE = (
+    "pallas_norm: traced q_offsets/kv_offsets break the jagged convention (first 0, "
+    "non-decreasing, last <= the packed capacity, no length over max_seq_len/max_kv_len); the "
+    "output and its gradients are NaN")
