@@ -1,16 +1,12 @@
 """Standalone row norms ``rms_norm`` and ``layer_norm`` (DESIGN.md, op 5).
 
-XLA runs the forward near copy bandwidth, so only the XLA implementation exists; its backward is
-the closed form of :mod:`pallas_norm.ops.row_norm_vjp` (autodiff of the forward made XLA emit
-several passes). They are the building blocks of the Flax layers. Reverse-mode AD (``jax.grad``,
-``jax.vjp``, ``jax.checkpoint``) works; forward-mode (``jax.jvp``, ``jax.hessian``) does not
-(a ``custom_vjp``): use :func:`pallas_norm.reference.rms_norm`/``layer_norm`` for it.
+XLA already runs these near copy bandwidth, so only the XLA implementation exists; they are the
+building blocks of the Flax layers and the oracle shape of the fused ops.
 """
 
 from __future__ import annotations
 
-from pallas_norm import _dispatch, _validate
-from pallas_norm.ops.row_norm_vjp import row_norm
+from pallas_norm import _dispatch, _validate, reference
 
 
 def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
@@ -50,8 +46,8 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
   """
   _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
-  return row_norm(x, scale, None, residual, norm="rms", eps=eps,
-                  zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+  return reference.rms_norm(x, scale, residual, eps=eps, zero_centered_scale=zero_centered_scale,
+                            out_dtype=out_dtype)
 
 
 def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
@@ -64,5 +60,5 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   """
   _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
-  return row_norm(x, scale, bias, residual, norm="layer", eps=eps,
-                  zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+  return reference.layer_norm(x, scale, bias, residual, eps=eps,
+                              zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
