@@ -3,14 +3,24 @@
 ``o_h = post_scale · act(pre_scale · q_h k_hᵀ) v_h`` per sample and head, with no softmax and no
 row normalization; keys past a sample's length contribute exactly zero. Jagged layout:
 :mod:`pallas_norm.jagged`. Oracle: :func:`pallas_norm.reference.gdpa`.
+
+The call validates its arguments once (:func:`check_args`), chooses the implementation once
+(:func:`pallas_norm._dispatch.choose`), then runs either the XLA path (:mod:`.xla`, differentiated
+by JAX) or the kernel path: one ``jax.custom_vjp`` whose forward rule is the Hopper kernel
+(:mod:`.mosaic`) and whose backward rule sits beside it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from pallas_norm import _dispatch, _validate, reference
+from pallas_norm.ops.gdpa import mosaic, xla
+
+_F32 = jnp.float32
 
 
 def check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
@@ -90,12 +100,74 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   """
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)
-  _dispatch.choose("gdpa", implementation)
-  out = reference.gdpa(q, k, v, q_offsets, kv_offsets, activation=activation,
-                        pre_scale=pre_scale, post_scale=post_scale, max_seq_len=max_seq_len,
-                        max_kv_len=max_kv_len, out_dtype=out_dtype)
+  impl = _dispatch.choose(
+      "gdpa", implementation,
+      unsupported_reason=lambda _: mosaic.unsupported_reason(q, k, kv_offsets, max_kv_len,
+                                                             out_dtype),
+      slower_reason=lambda: _kernel_slower_reason(k, kv_offsets))
+  if impl == "xla":
+    out = xla.gdpa(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, activation=activation,
+                   max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=out_dtype)
+  else:
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    out = _kernel_gdpa(q, k, v, jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32),
+                       q_offsets, kv_offsets, activation, max_seq_len, max_kv_len, out_dtype,
+                       impl == "interpret")
   return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
                                    max_seq_len, max_kv_len)
+
+
+def _kernel_slower_reason(k, kv_offsets) -> str | None:
+  """Why XLA is the default for a call the kernel supports (None: the kernel is)."""
+  del k, kv_offsets
+  return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel path: one custom_vjp, forward and backward rules side by side. The scales are f32
+# 0-d arrays (traced ones get gradients); the offsets are integer inputs (no cotangent).
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _kernel_gdpa(q, k, v, pre_scale, post_scale, q_offsets, kv_offsets, activation, max_seq_len,
+                 max_kv_len, out_dtype, interpret):
+  return _kernel_fwd_rule(q, k, v, pre_scale, post_scale, q_offsets, kv_offsets, activation,
+                          max_seq_len, max_kv_len, out_dtype, interpret)[0]
+
+
+def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, q_offsets, kv_offsets, activation,
+                     max_seq_len, max_kv_len, out_dtype, interpret):
+  del max_seq_len  # the kernel's work list comes from the offsets themselves
+  out = mosaic.gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale,
+                        activation=activation, max_kv_len=max_kv_len, out_dtype=out_dtype,
+                        interpret=interpret)
+  return out, (q, k, v, pre_scale, post_scale, q_offsets, kv_offsets)
+
+
+def _kernel_bwd_rule(activation, max_seq_len, max_kv_len, out_dtype, interpret, saved, d_out):
+  del out_dtype
+  q, k, v, pre_scale, post_scale, q_offsets, kv_offsets = saved
+  # The backward kernel (mosaic_bwd.gdpa_bwd, same signature) replaces _xla_backward here.
+  dq, dk, dv, d_pre, d_post = _xla_backward(
+      q, k, v, q_offsets, kv_offsets, d_out, activation=activation, pre_scale=pre_scale,
+      post_scale=post_scale, max_seq_len=max_seq_len, max_kv_len=max_kv_len,
+      interpret=interpret)
+  return dq, dk, dv, d_pre, d_post, None, None
+
+
+_kernel_gdpa.defvjp(_kernel_fwd_rule, _kernel_bwd_rule)
+
+
+def _xla_backward(q, k, v, q_offsets, kv_offsets, d_out, *, activation, pre_scale, post_scale,
+                  max_seq_len, max_kv_len, interpret):
+  """(dq, dk, dv, d_pre_scale, d_post_scale) by JAX's VJP of the XLA path (recomputes the
+  forward): the stand-in for the backward kernel, with its interface."""
+  del interpret
+
+  def forward(q, k, v, pre, post):
+    return xla.gdpa(q, k, v, q_offsets, kv_offsets, pre, post, activation=activation,
+                    max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=d_out.dtype)
+
+  return jax.vjp(forward, q, k, v, pre_scale, post_scale)[1](d_out)
 
 
 def poison_if_offsets_invalid(out, q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len,

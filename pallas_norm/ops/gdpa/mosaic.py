@@ -1,0 +1,310 @@
+"""The GDPA forward as a Pallas Mosaic-GPU kernel for Hopper (sm_90a).
+
+``o_h = post_scale · act(pre_scale · q_h k_hᵀ) v_h`` per sample and head (DESIGN.md, op 3), no
+softmax, keys past a sample's length masked to exactly zero.
+
+Work schedule (built in XLA from the offsets, traced or not, before the launch): one work item
+per (segment, head), where a segment is a sample (its q rows and its K/V) or a chunk of the
+padding rows past ``q_offsets[-1]`` (no keys: the kernel writes zeros there itself). Items are
+ordered by q length, longest first, so the long samples start in the first wave and the short
+ones fill the tail; the grid is that list (static size), and an empty item exits at once. So the
+work scales with the real tokens, not with B · max_seq_len.
+
+One CTA per item, three warpgroups in the layout of JAX's ``attention_mgpu.py``:
+
+* warpgroup 2, the TMA producer: loads the item's K and V into SMEM once (they stay resident for
+  all of the sample's q blocks), then streams the q blocks, ``BLOCK_Q`` rows each, through a
+  ring of ``q_stages`` slots per consumer;
+* warpgroups 0 and 1, the consumers, take the q blocks in turn (block i goes to i % 2). Per
+  block and per ``block_kv`` keys: S = Q Kᵀ with WGMMA (f32 accumulator), ``act(pre_scale · S)``
+  in registers, keys past the sample's length set to 0 with a select, P in q's dtype,
+  O += P V with WGMMA; ``post_scale · O`` in the epilogue.
+
+The epilogue writes only the rows that belong to the item's segment (a q block may straddle the
+next sample or the end of the array): the tile goes to an unswizzled SMEM buffer and leaves by
+TMA stores of static power-of-two row counts, one per set bit of the row count (the store
+ladder of JAX's ``ragged_dot_mgpu.py``).
+
+Jagged K/V (``kv_offsets``): the K/V of a sample are loaded as whole ``block_kv``-row boxes, so
+the last one may hold rows of the next sample or of the K/V padding, which may be anything
+(NaN included). Their scores are masked; their V rows are overwritten with zeros in SMEM by
+consumer 0 before any P·V (0 · NaN would be NaN), and consumer 1 waits for that.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_norm import mgpu_common, reference
+from pallas_norm.ops.gdpa import configs
+from pallas_norm.ops.gdpa.configs import BLOCK_Q
+
+_F32 = jnp.float32
+_HEAD_DIMS = (64, 128)
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def kv_rows(k, kv_offsets, max_kv_len) -> int:
+  """Rows of K/V resident in SMEM per (sample, head): dense Lkv, or max_kv_len (default Tkv)
+  rounded up to 64 for jagged K/V."""
+  if kv_offsets is None:
+    return k.shape[1]
+  return configs.resident_kv_len(max_kv_len or k.shape[0])
+
+
+def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
+  """None when the kernel can run these (validated) arguments, else why not."""
+  dtype = jnp.dtype(q.dtype)
+  if dtype not in mgpu_common.SUPPORTED_DTYPES:
+    return f"q dtype {dtype.name} is not bfloat16 or float16"
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  if out_dtype not in _OUT_DTYPES:
+    return f"out_dtype {out_dtype.name} is not bfloat16, float16 or float32"
+  head_dim = q.shape[2]
+  if head_dim not in _HEAD_DIMS:
+    return f"head dim D = {head_dim} is not one of {_HEAD_DIMS}"
+  if kv_offsets is None and k.shape[1] % 64:
+    return f"dense K/V length Lkv = {k.shape[1]} is not a multiple of 64"
+  rows = kv_rows(k, kv_offsets, max_kv_len)
+  if configs.pick_config(rows, head_dim, dtype, out_dtype) is None:
+    what = "Lkv" if kv_offsets is None else "max_kv_len rounded up to 64"
+    return (f"K and V of {what} = {rows} rows do not fit in SMEM with D = {head_dim} "
+            "(the kernel keeps a sample's K/V resident; longer K/V streaming is not implemented)")
+  return None
+
+
+def work_items(q_offsets, kv_offsets, capacity: int, num_kv_rows: int):
+  """The (items, 4) int32 table ``[q_start, q_len, kv_at, kv_len]``, longest q first.
+
+  Rows: the B samples (``kv_at``: the sample index for dense K/V, the first K/V row for jagged),
+  then the padding chunks of :data:`configs.PAD_CHUNK_BLOCKS` q blocks covering
+  ``[q_offsets[-1], capacity)`` with ``kv_len = 0`` (the kernel writes zeros). Offsets are
+  clamped into range so that invalid traced offsets cannot make the kernel touch memory outside
+  its arrays (the op poisons such outputs with NaN anyway).
+  """
+  q_offsets = q_offsets.astype(jnp.int32)
+  batch = q_offsets.shape[0] - 1
+  starts = jnp.clip(q_offsets[:-1], 0, capacity)
+  q_len = jnp.clip(q_offsets[1:], starts, capacity) - starts
+  if kv_offsets is None:
+    kv_at = jnp.arange(batch, dtype=jnp.int32)
+    kv_len = jnp.full((batch,), num_kv_rows, jnp.int32)
+  else:
+    kv_offsets = kv_offsets.astype(jnp.int32)
+    kv_at = jnp.maximum(kv_offsets[:-1], 0)
+    kv_len = jnp.clip(kv_offsets[1:] - kv_offsets[:-1], 0, num_kv_rows)
+  chunk = configs.PAD_CHUNK_BLOCKS * BLOCK_Q
+  n_pad = -(-capacity // chunk)
+  end = jnp.clip(q_offsets[-1], 0, capacity)
+  pad_start = jnp.minimum(end + chunk * jnp.arange(n_pad, dtype=jnp.int32), capacity)
+  pad_len = jnp.minimum(capacity - pad_start, chunk)
+  zeros = jnp.zeros((n_pad,), jnp.int32)
+  table = jnp.stack([jnp.concatenate([starts, pad_start]), jnp.concatenate([q_len, pad_len]),
+                     jnp.concatenate([kv_at, zeros]), jnp.concatenate([kv_len, zeros])], axis=1)
+  order = jnp.argsort(-table[:, 1], stable=True)
+  return table[order]
+
+
+def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activation: str,
+             max_kv_len: int | None, out_dtype=None, config: configs.Config | None = None,
+             interpret: bool = False):
+  """GDPA forward by the kernel (arguments validated by the op; see :func:`unsupported_reason`).
+
+  Args:
+    q: (T, H, D) bf16/f16 packed queries; k, v: dense (B, Lkv, H, D) or packed (Tkv, H, D).
+    q_offsets, kv_offsets: int32 (B+1,) offsets (kv_offsets None for dense K/V).
+    pre_scale, post_scale: f32 scalars (0-d arrays, traced or not).
+    activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
+    max_kv_len: static bound on jagged K/V lengths (default Tkv).
+    out_dtype: bf16, f16 or f32 (default q's dtype).
+    config: tiling (default :func:`configs.pick_config`).
+    interpret: run in Pallas GPU interpret mode (any backend).
+
+  Returns:
+    (T, H, D) in out_dtype; rows past ``q_offsets[-1]`` are zeros.
+  """
+  capacity, num_heads, head_dim = q.shape
+  out_dtype = jnp.dtype(out_dtype or q.dtype)
+  rows = kv_rows(k, kv_offsets, max_kv_len)
+  cfg = config or configs.pick_config(rows, head_dim, q.dtype, out_dtype)
+  if rows % cfg.block_kv:
+    raise ValueError(f"block_kv = {cfg.block_kv} does not divide the resident K/V rows {rows}")
+  table = work_items(q_offsets, kv_offsets, capacity, rows)
+  scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
+  kernel = functools.partial(
+      _kernel, num_heads=num_heads, kv_chunks=rows // cfg.block_kv, block_kv=cfg.block_kv,
+      q_stages=cfg.q_stages, jagged_kv=kv_offsets is not None,
+      act=reference.ACTIVATIONS[activation])
+  dtype = q.dtype
+  transforms = mgpu_common.swizzle_transforms(head_dim, dtype)
+  scratch = dict(
+      q_smem=plgpu.SMEM((2, cfg.q_stages, BLOCK_Q, head_dim), dtype, transforms=transforms),
+      k_smem=plgpu.SMEM((rows // cfg.block_kv, cfg.block_kv, head_dim), dtype,
+                        transforms=transforms),
+      v_smem=plgpu.SMEM((rows // cfg.block_kv, cfg.block_kv, head_dim), dtype,
+                        transforms=transforms),
+      p_smem=plgpu.SMEM((2, BLOCK_Q, cfg.block_kv), dtype,
+                        transforms=mgpu_common.swizzle_transforms(cfg.block_kv, dtype)),
+      o_smem=plgpu.SMEM((2, BLOCK_Q, head_dim), out_dtype),  # unswizzled: any row offset
+      q_ready=plgpu.Barrier(num_barriers=2 * cfg.q_stages),
+      q_free=plgpu.Barrier(num_barriers=2 * cfg.q_stages),
+      k_ready=plgpu.Barrier(num_barriers=rows // cfg.block_kv),
+      v_ready=plgpu.Barrier(num_barriers=rows // cfg.block_kv),
+      v_tail_zeroed=plgpu.Barrier(),
+  )
+  call = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((capacity, num_heads, head_dim), out_dtype),
+      grid=(table.shape[0] * num_heads,),
+      grid_names=("item",),
+      num_threads=3,
+      thread_name="wg",
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=mgpu_common.interpret_params() if interpret else None,
+  )
+  return call(table, scales, q, k, v)
+
+
+def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, q_smem, k_smem, v_smem,
+            p_smem, o_smem, q_ready, q_free, k_ready, v_ready, v_tail_zeroed, num_heads, kv_chunks,
+            block_kv, q_stages, jagged_kv, act):
+  item = lax.axis_index("item")
+  segment = lax.div(item, num_heads)
+  head = lax.rem(item, num_heads)
+  q_start, q_len = table_ref[segment, 0], table_ref[segment, 1]
+  kv_at, kv_len = table_ref[segment, 2], table_ref[segment, 3]
+  q_blocks = pl.cdiv(q_len, BLOCK_Q)
+  kv_steps = pl.cdiv(kv_len, block_kv)
+
+  def kv_block(ref, step):
+    if jagged_kv:
+      return ref.at[pl.ds(kv_at + step * block_kv, block_kv), head]
+    return ref.at[kv_at, pl.ds(step * block_kv, block_kv), head]
+
+  def producer():
+    @pl.when(q_blocks > 0)
+    def _load_kv():
+      for step in range(kv_chunks):  # static: the resident K/V, only the item's own blocks
+        @pl.when(step < kv_steps)
+        def _():
+          plgpu.copy_gmem_to_smem(kv_block(k_ref, step), k_smem.at[step], k_ready.at[step])
+          plgpu.copy_gmem_to_smem(kv_block(v_ref, step), v_smem.at[step], v_ready.at[step])
+
+    @pl.loop(0, q_blocks)
+    def _load_q(i):
+      wg, turn = lax.rem(i, 2), lax.div(i, 2)
+      slot = lax.rem(turn, q_stages)
+
+      @pl.when(turn >= q_stages)
+      def _():
+        plgpu.barrier_wait(q_free.at[wg * q_stages + slot])
+
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + i * BLOCK_Q, BLOCK_Q), head],
+                              q_smem.at[wg, slot], q_ready.at[wg * q_stages + slot])
+
+  def consumer():
+    wg = lax.axis_index("wg")
+    my_blocks = lax.div(q_blocks - wg + 1, 2)
+    pre_scale, post_scale = scales_ref[0], scales_ref[1]
+
+    @pl.when((my_blocks > 0) & (kv_steps > 0))
+    def _wait_kv():
+      for step in range(kv_chunks):
+        @pl.when(step < kv_steps)
+        def _():
+          plgpu.barrier_wait(k_ready.at[step])
+          plgpu.barrier_wait(v_ready.at[step])
+      if jagged_kv:
+        _zero_v_tail(v_smem, kv_len, kv_steps, block_kv, wg, v_tail_zeroed)
+
+    @pl.loop(0, my_blocks)
+    def _block(turn):
+      i = wg + 2 * turn
+      slot = lax.rem(turn, q_stages)
+      barrier = wg * q_stages + slot
+      plgpu.barrier_wait(q_ready.at[barrier])
+      q_tile = q_smem.at[wg, slot]
+      out = _attend(q_tile, p_smem.at[wg], k_smem, v_smem, kv_len, kv_steps, pre_scale,
+                    block_kv, jagged_kv, act)
+      plgpu.barrier_arrive(q_free.at[barrier])
+      rows = jnp.minimum(q_len - i * BLOCK_Q, BLOCK_Q)
+      _store_rows((out * post_scale).astype(o_smem.dtype), o_smem.at[wg],
+                  o_ref, q_start + i * BLOCK_Q, rows, head)
+
+    plgpu.wait_smem_to_gmem(0)
+
+  mgpu_common.warp_specialize(producer, consumer)
+
+
+def _attend(q_tile, p_tile, k_smem, v_smem, kv_len, kv_steps, pre_scale, block_kv, jagged_kv,
+            act):
+  """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32."""
+
+  def accumulate(o_acc):
+    @pl.loop(0, kv_steps)
+    def _step(kv_step):
+      def scores(s_acc):
+        plgpu.wgmma(s_acc, q_tile, k_smem.at[kv_step].transpose((1, 0)))
+        return s_acc[...]  # waits for this WGMMA (and the previous step's P·V)
+
+      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, block_kv), _F32))
+      p = act(s * pre_scale)
+      if jagged_kv:  # keys past the sample's length: exactly 0, whatever act(s) is there
+        key = plgpu.broadcasted_iota(jnp.int32, p.shape, 1, layout=plgpu.Layout.WGMMA)
+        p = jnp.where(key < kv_len - kv_step * block_kv, p, 0.0)
+      # P goes through SMEM: the previous step's P·V has finished reading it (the score read
+      # above waited for every WGMMA in flight). Interpret mode has no register-A WGMMA.
+      p_tile[...] = p.astype(p_tile.dtype)
+      plgpu.commit_smem()
+      plgpu.wgmma(o_acc, p_tile, v_smem.at[kv_step])
+
+    return o_acc[...]
+
+  return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, q_tile.shape[-1]), _F32))
+
+
+def _zero_v_tail(v_smem, kv_len, kv_steps, block_kv, wg, v_tail_zeroed):
+  """Consumer 0 zeroes the V rows past kv_len in the last loaded key block; consumer 1 waits."""
+  last = kv_steps - 1
+  valid = kv_len - last * block_kv
+
+  @pl.when(wg == 0)
+  def _zero():
+    @pl.when(valid < block_kv)
+    def _():
+      tile = v_smem.at[last]
+      rows = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0, layout=plgpu.Layout.WGMMA)
+      values = plgpu.load(tile, (), layout=plgpu.Layout.WGMMA)
+      tile[...] = jnp.where(rows < valid, values, jnp.zeros_like(values))
+      plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
+
+    plgpu.barrier_arrive(v_tail_zeroed)
+
+  @pl.when(wg == 1)
+  def _wait():
+    plgpu.barrier_wait(v_tail_zeroed)
+
+
+def _store_rows(out, o_tile, o_ref, row0, rows, head):
+  """Writes the first ``rows`` (1..BLOCK_Q, traced) rows of ``out`` to o_ref[row0:, head]: one
+  TMA store per set bit of ``rows``, from the unswizzled SMEM tile ``o_tile``."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores read o_tile
+  o_tile[...] = out
+  plgpu.commit_smem()
+  offset = jnp.int32(0)
+  size = BLOCK_Q
+  while size:
+    @pl.when((rows & size) != 0)
+    def _(size=size, offset=offset):
+      plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(offset, size)],
+                              o_ref.at[pl.ds(row0 + offset, size), head])
+    offset = offset + (rows & size)
+    size //= 2
