@@ -46,16 +46,41 @@ from pallas_norm.ops.gdpa import configs
 from pallas_norm.ops.gdpa.configs import BLOCK_Q
 
 _F32 = jnp.float32
+_SQRT_HALF = 0.7071067811865476
+
+
+
+def _erf(x):
+  """erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7, far below the bf16/f16
+  rounding of P): Mosaic GPU has no layout rule for math.erf in warpgroup kernels."""
+  ax = jnp.abs(x)
+  t = 1.0 / (1.0 + 0.3275911 * ax)
+  poly = ((((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t
+          + 0.254829592) * t
+  y = 1.0 - poly * jnp.exp(-ax * ax)
+  return jnp.where(x >= 0, y, -y)
+
+
+KERNEL_ACTIVATIONS = {
+    **reference.ACTIVATIONS,
+    # Same functions written with what Mosaic GPU lowers: jax.nn.gelu(approximate=False) uses
+    # erfc, and jax.nn.relu is a custom_jvp (neither lowers inside a warpgroup kernel).
+    "gelu": lambda s: 0.5 * s * (1.0 + _erf(s * _SQRT_HALF)),
+    "relu": lambda s: jnp.maximum(s, 0.0),
+    "relu2": lambda s: jnp.square(jnp.maximum(s, 0.0)),
+}
+"""The kernel's elementwise activations: :data:`pallas_norm.reference.ACTIVATIONS`, except where
+the jax.nn function does not lower in Mosaic GPU."""
 _HEAD_DIMS = (64, 128)
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def kv_rows(k, kv_offsets, max_kv_len) -> int:
-  """Rows of K/V resident in SMEM per (sample, head): dense Lkv, or max_kv_len (default Tkv)
-  rounded up to 64 for jagged K/V."""
+  """Rows of K/V resident in SMEM per (sample, head): dense Lkv; jagged: a window of
+  max_kv_len (default Tkv) rows starting up to ``ALIGN - 1`` rows early, rounded up to 64."""
   if kv_offsets is None:
     return k.shape[1]
-  return configs.resident_kv_len(max_kv_len or k.shape[0])
+  return configs.resident_kv_len((max_kv_len or k.shape[0]) + ALIGN - 1)
 
 
 def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
@@ -71,6 +96,9 @@ def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
     return f"head dim D = {head_dim} is not one of {_HEAD_DIMS}"
   if kv_offsets is None and k.shape[1] % 64:
     return f"dense K/V length Lkv = {k.shape[1]} is not a multiple of 64"
+  if q.shape[0] % ALIGN or (kv_offsets is not None and k.shape[0] % ALIGN):
+    return (f"the token capacities T = {q.shape[0]}" + ("" if kv_offsets is None else
+            f", Tkv = {k.shape[0]}") + f" must be multiples of {ALIGN} (Mosaic's tiled TMA)")
   rows = kv_rows(k, kv_offsets, max_kv_len)
   if configs.pick_config(rows, head_dim, dtype, out_dtype) is None:
     what = "Lkv" if kv_offsets is None else "max_kv_len rounded up to 64"
@@ -79,35 +107,56 @@ def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
   return None
 
 
-def work_items(q_offsets, kv_offsets, capacity: int, num_kv_rows: int):
-  """The (items, 4) int32 table ``[q_start, q_len, kv_at, kv_len]``, longest q first.
+ALIGN = 8
+"""Row alignment of every TMA window: Mosaic's tiled TMA (WGMMA operands in SMEM) starts at a
+multiple of the 8-row tile in GMEM. A sample's q rows and K/V rows are read through windows
+that start at the 8-aligned row at or before the sample's first row; ``lo`` says where the
+sample starts in its window."""
 
-  Rows: the B samples (``kv_at``: the sample index for dense K/V, the first K/V row for jagged),
-  then the padding chunks of :data:`configs.PAD_CHUNK_BLOCKS` q blocks covering
-  ``[q_offsets[-1], capacity)`` with ``kv_len = 0`` (the kernel writes zeros). Offsets are
-  clamped into range so that invalid traced offsets cannot make the kernel touch memory outside
-  its arrays (the op poisons such outputs with NaN anyway).
+# Columns of the work-item table.
+Q_WIN, Q_LO, Q_HI, Q_BLOCKS, KV_WIN, KV_LO, KV_HI = range(7)
+
+
+def _window(start, end):
+  """(8-aligned window start, lo, hi) of rows [start, end); lo = hi = 0 when empty."""
+  win = start - start % ALIGN
+  empty = end <= start
+  return win, jnp.where(empty, 0, start - win), jnp.where(empty, 0, end - win)
+
+
+def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_rows: int):
+  """The (items, 7) int32 work table, longest q first; columns :data:`Q_WIN` ... :data:`KV_HI`.
+
+  Rows: the B samples, then the padding chunks of :data:`configs.PAD_CHUNK_BLOCKS` q blocks
+  covering ``[q_offsets[-1], capacity)``, which have no keys (the kernel writes zeros). A
+  sample's q rows are ``[Q_WIN + Q_LO, Q_WIN + Q_HI)``, read in ``Q_BLOCKS`` blocks of
+  ``BLOCK_Q`` rows from ``Q_WIN``. Dense K/V: ``KV_WIN`` is the sample index, keys
+  ``[0, Lkv)``; jagged: keys ``[KV_WIN + KV_LO, KV_WIN + KV_HI)``. Offsets are clamped into
+  range, so invalid traced offsets cannot make the kernel touch memory outside its arrays (the
+  op poisons such outputs with NaN anyway).
   """
   q_offsets = q_offsets.astype(jnp.int32)
   batch = q_offsets.shape[0] - 1
-  starts = jnp.clip(q_offsets[:-1], 0, capacity)
-  q_len = jnp.clip(q_offsets[1:], starts, capacity) - starts
-  if kv_offsets is None:
-    kv_at = jnp.arange(batch, dtype=jnp.int32)
-    kv_len = jnp.full((batch,), num_kv_rows, jnp.int32)
-  else:
-    kv_offsets = kv_offsets.astype(jnp.int32)
-    kv_at = jnp.maximum(kv_offsets[:-1], 0)
-    kv_len = jnp.clip(kv_offsets[1:] - kv_offsets[:-1], 0, num_kv_rows)
   chunk = configs.PAD_CHUNK_BLOCKS * BLOCK_Q
-  n_pad = -(-capacity // chunk)
   end = jnp.clip(q_offsets[-1], 0, capacity)
-  pad_start = jnp.minimum(end + chunk * jnp.arange(n_pad, dtype=jnp.int32), capacity)
-  pad_len = jnp.minimum(capacity - pad_start, chunk)
-  zeros = jnp.zeros((n_pad,), jnp.int32)
-  table = jnp.stack([jnp.concatenate([starts, pad_start]), jnp.concatenate([q_len, pad_len]),
-                     jnp.concatenate([kv_at, zeros]), jnp.concatenate([kv_len, zeros])], axis=1)
-  order = jnp.argsort(-table[:, 1], stable=True)
+  pad_start = jnp.minimum(end + chunk * jnp.arange(-(-capacity // chunk), dtype=jnp.int32),
+                          capacity)
+  starts = jnp.concatenate([jnp.clip(q_offsets[:-1], 0, capacity), pad_start])
+  ends = jnp.concatenate([jnp.clip(q_offsets[1:], 0, capacity),
+                          jnp.minimum(pad_start + chunk, capacity)])
+  q_win, q_lo, q_hi = _window(starts, ends)
+  q_blocks = pl.cdiv(q_hi, BLOCK_Q)
+  no_keys = jnp.zeros((pad_start.shape[0],), jnp.int32)
+  if kv_offsets is None:
+    kv_win, kv_lo = jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,), jnp.int32)
+    kv_hi = jnp.full((batch,), num_kv_rows, jnp.int32)
+  else:
+    kv_offsets = jnp.clip(kv_offsets.astype(jnp.int32), 0, kv_capacity)
+    kv_end = jnp.clip(kv_offsets[1:], kv_offsets[:-1], kv_offsets[:-1] + num_kv_rows - ALIGN + 1)
+    kv_win, kv_lo, kv_hi = _window(kv_offsets[:-1], kv_end)
+  kv = [jnp.concatenate([col, no_keys]) for col in (kv_win, kv_lo, kv_hi)]
+  table = jnp.stack([q_win, q_lo, q_hi, q_blocks, *kv], axis=1)
+  order = jnp.argsort(q_lo - q_hi, stable=True)
   return table[order]
 
 
@@ -135,13 +184,14 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
   cfg = config or configs.pick_config(rows, head_dim, q.dtype, out_dtype)
   if rows % cfg.block_kv:
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide the resident K/V rows {rows}")
-  table = work_items(q_offsets, kv_offsets, capacity, rows)
+  table = work_items(q_offsets, kv_offsets, capacity, k.shape[0], rows)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   kernel = functools.partial(
       _kernel, num_heads=num_heads, kv_chunks=rows // cfg.block_kv, block_kv=cfg.block_kv,
       q_stages=cfg.q_stages, jagged_kv=kv_offsets is not None,
-      act=reference.ACTIVATIONS[activation])
+      act=KERNEL_ACTIVATIONS[activation])
   dtype = q.dtype
+  chunks = max(1, head_dim * out_dtype.itemsize // 128)  # 128-byte column chunks of the output
   transforms = mgpu_common.swizzle_transforms(head_dim, dtype)
   scratch = dict(
       q_smem=plgpu.SMEM((2, cfg.q_stages, BLOCK_Q, head_dim), dtype, transforms=transforms),
@@ -151,12 +201,14 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
                         transforms=transforms),
       p_smem=plgpu.SMEM((2, BLOCK_Q, cfg.block_kv), dtype,
                         transforms=mgpu_common.swizzle_transforms(cfg.block_kv, dtype)),
-      o_smem=plgpu.SMEM((2, BLOCK_Q, head_dim), out_dtype),  # unswizzled: any row offset
+      o_smem=plgpu.SMEM((2, chunks, BLOCK_Q, head_dim // chunks), out_dtype,
+                        transforms=mgpu_common.swizzle_transforms(head_dim // chunks, out_dtype,
+                                                                  tiled=False)),
       q_ready=plgpu.Barrier(num_barriers=2 * cfg.q_stages),
       q_free=plgpu.Barrier(num_barriers=2 * cfg.q_stages),
       k_ready=plgpu.Barrier(num_barriers=rows // cfg.block_kv),
       v_ready=plgpu.Barrier(num_barriers=rows // cfg.block_kv),
-      v_tail_zeroed=plgpu.Barrier(),
+      v_edges_zeroed=plgpu.Barrier(),
   )
   call = plgpu.kernel(
       kernel,
@@ -174,20 +226,21 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
 
 
 def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, q_smem, k_smem, v_smem,
-            p_smem, o_smem, q_ready, q_free, k_ready, v_ready, v_tail_zeroed, num_heads, kv_chunks,
-            block_kv, q_stages, jagged_kv, act):
+            p_smem, o_smem, q_ready, q_free, k_ready, v_ready, v_edges_zeroed, num_heads,
+            kv_chunks, block_kv, q_stages, jagged_kv, act):
   item = lax.axis_index("item")
   segment = lax.div(item, num_heads)
   head = lax.rem(item, num_heads)
-  q_start, q_len = table_ref[segment, 0], table_ref[segment, 1]
-  kv_at, kv_len = table_ref[segment, 2], table_ref[segment, 3]
-  q_blocks = pl.cdiv(q_len, BLOCK_Q)
-  kv_steps = pl.cdiv(kv_len, block_kv)
+  q_win = pl.multiple_of(table_ref[segment, Q_WIN], ALIGN)
+  q_lo, q_hi, q_blocks = table_ref[segment, Q_LO], table_ref[segment, Q_HI], table_ref[segment, Q_BLOCKS]
+  kv_win = table_ref[segment, KV_WIN]
+  kv_lo, kv_hi = table_ref[segment, KV_LO], table_ref[segment, KV_HI]
+  kv_steps = pl.cdiv(kv_hi, block_kv)
 
   def kv_block(ref, step):
     if jagged_kv:
-      return ref.at[pl.ds(kv_at + step * block_kv, block_kv), head]
-    return ref.at[kv_at, pl.ds(step * block_kv, block_kv), head]
+      return ref.at[pl.ds(pl.multiple_of(kv_win + step * block_kv, ALIGN), block_kv), head]
+    return ref.at[kv_win, pl.ds(step * block_kv, block_kv), head]
 
   def producer():
     @pl.when(q_blocks > 0)
@@ -207,8 +260,9 @@ def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, q_smem, k_smem
       def _():
         plgpu.barrier_wait(q_free.at[wg * q_stages + slot])
 
-      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + i * BLOCK_Q, BLOCK_Q), head],
-                              q_smem.at[wg, slot], q_ready.at[wg * q_stages + slot])
+      rows = pl.ds(pl.multiple_of(q_win + i * BLOCK_Q, ALIGN), BLOCK_Q)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem.at[wg, slot],
+                              q_ready.at[wg * q_stages + slot])
 
   def consumer():
     wg = lax.axis_index("wg")
@@ -223,7 +277,7 @@ def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, q_smem, k_smem
           plgpu.barrier_wait(k_ready.at[step])
           plgpu.barrier_wait(v_ready.at[step])
       if jagged_kv:
-        _zero_v_tail(v_smem, kv_len, kv_steps, block_kv, wg, v_tail_zeroed)
+        _zero_v_edges(v_smem, kv_lo, kv_hi, kv_steps, block_kv, wg, v_edges_zeroed)
 
     @pl.loop(0, my_blocks)
     def _block(turn):
@@ -231,21 +285,21 @@ def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, q_smem, k_smem
       slot = lax.rem(turn, q_stages)
       barrier = wg * q_stages + slot
       plgpu.barrier_wait(q_ready.at[barrier])
-      q_tile = q_smem.at[wg, slot]
-      out = _attend(q_tile, p_smem.at[wg], k_smem, v_smem, kv_len, kv_steps, pre_scale,
-                    block_kv, jagged_kv, act)
+      out = _attend(q_smem.at[wg, slot], p_smem.at[wg], k_smem, v_smem, kv_lo, kv_hi, kv_steps,
+                    pre_scale, block_kv, jagged_kv, act)
       plgpu.barrier_arrive(q_free.at[barrier])
-      rows = jnp.minimum(q_len - i * BLOCK_Q, BLOCK_Q)
-      _store_rows((out * post_scale).astype(o_smem.dtype), o_smem.at[wg],
-                  o_ref, q_start + i * BLOCK_Q, rows, head)
+      lo = jnp.maximum(q_lo - i * BLOCK_Q, 0)  # the sample's rows in this block: [lo, hi)
+      hi = jnp.minimum(q_hi - i * BLOCK_Q, BLOCK_Q)
+      _store_rows((out * post_scale).astype(o_smem.dtype), o_smem.at[wg], o_ref,
+                  q_win + i * BLOCK_Q, lo, hi - lo, head)
 
     plgpu.wait_smem_to_gmem(0)
 
   mgpu_common.warp_specialize(producer, consumer)
 
 
-def _attend(q_tile, p_tile, k_smem, v_smem, kv_len, kv_steps, pre_scale, block_kv, jagged_kv,
-            act):
+def _attend(q_tile, p_tile, k_smem, v_smem, kv_lo, kv_hi, kv_steps, pre_scale, block_kv,
+            jagged_kv, act):
   """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32."""
 
   def accumulate(o_acc):
@@ -257,9 +311,10 @@ def _attend(q_tile, p_tile, k_smem, v_smem, kv_len, kv_steps, pre_scale, block_k
 
       s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, block_kv), _F32))
       p = act(s * pre_scale)
-      if jagged_kv:  # keys past the sample's length: exactly 0, whatever act(s) is there
-        key = plgpu.broadcasted_iota(jnp.int32, p.shape, 1, layout=plgpu.Layout.WGMMA)
-        p = jnp.where(key < kv_len - kv_step * block_kv, p, 0.0)
+      if jagged_kv:  # keys outside the sample: exactly 0, whatever act(s) is there
+        key = plgpu.broadcasted_iota(jnp.int32, p.shape, 1,
+                                     layout=plgpu.Layout.WGMMA) + kv_step * block_kv
+        p = jnp.where((key >= kv_lo) & (key < kv_hi), p, 0.0)
       # P goes through SMEM: the previous step's P·V has finished reading it (the score read
       # above waited for every WGMMA in flight). Interpret mode has no register-A WGMMA.
       p_tile[...] = p.astype(p_tile.dtype)
@@ -271,40 +326,51 @@ def _attend(q_tile, p_tile, k_smem, v_smem, kv_len, kv_steps, pre_scale, block_k
   return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, q_tile.shape[-1]), _F32))
 
 
-def _zero_v_tail(v_smem, kv_len, kv_steps, block_kv, wg, v_tail_zeroed):
-  """Consumer 0 zeroes the V rows past kv_len in the last loaded key block; consumer 1 waits."""
-  last = kv_steps - 1
-  valid = kv_len - last * block_kv
+def _zero_v_edges(v_smem, kv_lo, kv_hi, kv_steps, block_kv, wg, v_edges_zeroed):
+  """Consumer 0 zeroes the V rows outside the sample's keys [kv_lo, kv_hi) in the first and
+  last loaded key blocks (other samples' rows or K/V padding, maybe NaN, and 0 · NaN = NaN in
+  P·V); consumer 1 waits for it."""
 
   @pl.when(wg == 0)
   def _zero():
-    @pl.when(valid < block_kv)
-    def _():
-      tile = v_smem.at[last]
-      rows = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0, layout=plgpu.Layout.WGMMA)
-      values = plgpu.load(tile, (), layout=plgpu.Layout.WGMMA)
-      tile[...] = jnp.where(rows < valid, values, jnp.zeros_like(values))
-      plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
+    for first in (True, False):
+      step = 0 if first else kv_steps - 1
 
-    plgpu.barrier_arrive(v_tail_zeroed)
+      @pl.when(first | (step > 0))
+      def _(step=step):
+        tile = v_smem.at[step]
+        rows = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0,
+                                      layout=plgpu.Layout.WGMMA) + step * block_kv
+        values = plgpu.load(tile, (), layout=plgpu.Layout.WGMMA)
+        tile[...] = jnp.where((rows >= kv_lo) & (rows < kv_hi), values, jnp.zeros_like(values))
+    plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
+    plgpu.barrier_arrive(v_edges_zeroed)
 
   @pl.when(wg == 1)
   def _wait():
-    plgpu.barrier_wait(v_tail_zeroed)
+    plgpu.barrier_wait(v_edges_zeroed)
 
 
-def _store_rows(out, o_tile, o_ref, row0, rows, head):
-  """Writes the first ``rows`` (1..BLOCK_Q, traced) rows of ``out`` to o_ref[row0:, head]: one
-  TMA store per set bit of ``rows``, from the unswizzled SMEM tile ``o_tile``."""
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores read o_tile
-  o_tile[...] = out
+def _store_rows(out, o_tiles, o_ref, row0, lo, rows, head):
+  """Writes rows ``[lo, lo + rows)`` (traced, within BLOCK_Q) of ``out`` (BLOCK_Q, D) to
+  ``o_ref[row0 + lo:row0 + lo + rows, head]``: one TMA store per set bit of ``rows`` and per
+  column chunk.
+
+  ``o_tiles`` (chunks, BLOCK_Q, D / chunks) holds the tile in column chunks of 128 bytes with
+  the 128-byte swizzle and no 8-row tiling, so a store may start at any row."""
+  chunks, _, chunk_cols = o_tiles.shape
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores read o_tiles
+  for c in range(chunks):
+    o_tiles[c] = out[:, c * chunk_cols:(c + 1) * chunk_cols]
   plgpu.commit_smem()
-  offset = jnp.int32(0)
+  offset = lo
   size = BLOCK_Q
   while size:
     @pl.when((rows & size) != 0)
     def _(size=size, offset=offset):
-      plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(offset, size)],
-                              o_ref.at[pl.ds(row0 + offset, size), head])
+      for c in range(chunks):
+        plgpu.copy_smem_to_gmem(
+            o_tiles.at[c, pl.ds(offset, size)],
+            o_ref.at[pl.ds(row0 + offset, size), head, pl.ds(c * chunk_cols, chunk_cols)])
     offset = offset + (rows & size)
     size //= 2
