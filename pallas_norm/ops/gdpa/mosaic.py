@@ -264,6 +264,15 @@ def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, q_smem, k_smem
       plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem.at[wg, slot],
                               q_ready.at[wg * q_stages + slot])
 
+    # Observe the releases no load waited for (the last use of each slot), so that every
+    # barrier phase is consumed before the CTA ends (the interpreter checks it).
+    for wg in range(2):
+      turns = lax.div(q_blocks - wg + 1, 2)
+
+      @pl.loop(jnp.maximum(turns - q_stages, 0), turns)
+      def _drain(turn, wg=wg):
+        plgpu.barrier_wait(q_free.at[wg * q_stages + lax.rem(turn, q_stages)])
+
   def consumer():
     wg = lax.axis_index("wg")
     my_blocks = lax.div(q_blocks - wg + 1, 2)
