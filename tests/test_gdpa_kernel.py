@@ -65,8 +65,10 @@ def _check(q, k, v, q_offsets, kv_offsets, *, activation="fast_gelu", pre_scale=
   if interpret:
     assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  max_seq_len = max(1, int(np.max(np.diff(np.asarray(q_offsets)))))  # padded oracle: small
   ref = reference.gdpa(f32(q), f32(k), f32(v), q_offsets, kv_offsets, activation=activation,
-                       pre_scale=pre_scale, post_scale=post_scale, max_kv_len=max_kv_len)
+                       pre_scale=pre_scale, post_scale=post_scale, max_seq_len=max_seq_len,
+                       max_kv_len=max_kv_len)
   assert out.shape == q.shape and out.dtype == jnp.dtype(out_dtype or q.dtype)
   assert bool(jnp.all(jnp.isfinite(out))), "rows never written (NaN-filled) or NaN leaked"
   total = int(q_offsets[-1])
