@@ -195,3 +195,13 @@ def test_gpu_jagged_kv(max_kv_len):
   kv_lens = rng.integers(0, max_kv_len + 1, size=256)
   q, k, v, qo, ko = _problem(7, lens, 4, 128, kv_lens=kv_lens, dtype=jnp.float16)
   _check(q, k, v, qo, ko, activation="silu", max_kv_len=max_kv_len, interpret=False)
+
+
+def test_invalid_traced_offsets_poison_every_row():
+  """Under jit, offsets that break the convention (first != 0 leaves rows 0..3 outside every
+  sample) give NaN in every row on the kernel path too, with no extra pass over the output."""
+  q, k, v, _, _ = _problem(8, [8], 1, 64, lkv=64, capacity=16)
+  q = jnp.where(jnp.isnan(q), 0, q)
+  bad = jnp.array([4, 12], jnp.int32)
+  out = jax.jit(lambda o: pn.gdpa(q, k, v, o, implementation="interpret"))(bad)
+  assert bool(jnp.all(jnp.isnan(out)))

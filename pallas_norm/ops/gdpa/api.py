@@ -108,13 +108,18 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   if impl == "xla":
     out = xla.gdpa(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, activation=activation,
                    max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=out_dtype)
-  else:
-    out_dtype = jnp.dtype(out_dtype or q.dtype)
-    out = _kernel_gdpa(q, k, v, jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32),
-                       q_offsets, kv_offsets, activation, max_seq_len, max_kv_len, out_dtype,
-                       impl == "interpret")
-  return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
-                                   max_seq_len, max_kv_len)
+    return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
+                                     max_seq_len, max_kv_len)
+  post_scale = jnp.asarray(post_scale, _F32)
+  bad = _offsets_invalid(q_offsets, kv_offsets, q.shape[0], k.shape[0], max_seq_len, max_kv_len)
+  if bad is not None:
+    # The poison costs no pass over the output: the kernel writes every row (the offsets are
+    # replaced by all-empty samples, so its padding chunks cover [0, T)) times a NaN post_scale.
+    q_offsets = jnp.where(bad, jnp.zeros_like(q_offsets), q_offsets)
+    post_scale = jnp.where(bad, jnp.float32(jnp.nan), post_scale)
+  return _kernel_gdpa(q, k, v, jnp.asarray(pre_scale, _F32), post_scale, q_offsets, kv_offsets,
+                      activation, max_seq_len, max_kv_len, jnp.dtype(out_dtype or q.dtype),
+                      impl == "interpret")
 
 
 def _kernel_slower_reason(k, kv_offsets) -> str | None:
@@ -174,10 +179,19 @@ def poison_if_offsets_invalid(out, q_offsets, kv_offsets, capacity, kv_capacity,
                               max_kv_len):
   """NaN everywhere when traced offsets break the jagged convention (see
   :func:`pallas_norm._validate.offsets_invalid`); concrete offsets were already checked."""
+  bad = _offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len)
+  if bad is None:
+    return out
+  return jax.tree.map(lambda a: jnp.where(bad, jnp.full_like(a, jnp.nan), a), out)
+
+
+def _offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len):
+  """A traced bool, True when traced offsets break the jagged convention; None when no offsets
+  are traced (concrete ones were checked by :func:`check_args`)."""
   traced = [o for o in (q_offsets, kv_offsets) if isinstance(o, jax.core.Tracer)]
   if not traced:
-    return out
+    return None
   bad = _validate.offsets_invalid(q_offsets, capacity, max_seq_len)
   if kv_offsets is not None:
     bad = bad | _validate.offsets_invalid(kv_offsets, kv_capacity, max_kv_len)
-  return jax.tree.map(lambda a: jnp.where(bad, jnp.full_like(a, jnp.nan), a), out)
+  return bad

@@ -14,21 +14,29 @@ One CTA per item, three warpgroups in the layout of JAX's ``attention_mgpu.py``:
 
 * warpgroup 2, the TMA producer: loads the item's K and V into SMEM once (they stay resident for
   all of the sample's q blocks), then streams the q blocks, ``BLOCK_Q`` rows each, through a
-  ring of ``q_stages`` slots per consumer;
+  ring of ``q_stages`` slots per consumer. Mosaic's tiled TMA (the layout WGMMA reads from SMEM)
+  needs GMEM row starts on the 8-row grid, so a sample's rows are read through a window that
+  starts at the aligned row at or before its first row (:data:`ALIGN`); the rows of the window
+  outside the sample belong to other samples or to padding and are never stored;
 * warpgroups 0 and 1, the consumers, take the q blocks in turn (block i goes to i % 2). Per
   block and per ``block_kv`` keys: S = Q Kᵀ with WGMMA (f32 accumulator), ``act(pre_scale · S)``
   in registers, keys past the sample's length set to 0 with a select, P in q's dtype,
   O += P V with WGMMA; ``post_scale · O`` in the epilogue.
 
-The epilogue writes only the rows that belong to the item's segment (a q block may straddle the
-next sample or the end of the array): the tile goes to an unswizzled SMEM buffer and leaves by
-TMA stores of static power-of-two row counts, one per set bit of the row count (the store
-ladder of JAX's ``ragged_dot_mgpu.py``).
+The epilogue writes only the rows that belong to the item's segment (a q block may straddle
+other samples or the end of the array): the tile goes to SMEM in 128-byte column chunks with the
+128-byte swizzle and no 8-row tiling, so a TMA store may start at any row, and leaves by TMA
+stores of static power-of-two row counts, one per set bit of the row count (the store ladder of
+JAX's ``ragged_dot_mgpu.py``).
 
-Jagged K/V (``kv_offsets``): the K/V of a sample are loaded as whole ``block_kv``-row boxes, so
-the last one may hold rows of the next sample or of the K/V padding, which may be anything
-(NaN included). Their scores are masked; their V rows are overwritten with zeros in SMEM by
-consumer 0 before any P·V (0 · NaN would be NaN), and consumer 1 waits for that.
+Jagged K/V (``kv_offsets``): the K/V window of a sample is loaded as whole ``block_kv``-row
+boxes, so its first and last boxes may hold rows of other samples or of the K/V padding, which
+may be anything (NaN included). Their scores are masked (``jnp.where`` on the activation); their
+V rows are overwritten with zeros in SMEM by consumer 0 before any P·V (0 · NaN would be NaN),
+and consumer 1 waits for that.
+
+WGMMA reads P from SMEM, not registers: Pallas's GPU interpret mode has no register-A WGMMA,
+and this keeps the path the CPU tests run the one the GPU runs.
 """
 
 from __future__ import annotations
@@ -232,7 +240,8 @@ def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, q_smem, k_smem
   segment = lax.div(item, num_heads)
   head = lax.rem(item, num_heads)
   q_win = pl.multiple_of(table_ref[segment, Q_WIN], ALIGN)
-  q_lo, q_hi, q_blocks = table_ref[segment, Q_LO], table_ref[segment, Q_HI], table_ref[segment, Q_BLOCKS]
+  q_lo, q_hi = table_ref[segment, Q_LO], table_ref[segment, Q_HI]
+  q_blocks = table_ref[segment, Q_BLOCKS]
   kv_win = table_ref[segment, KV_WIN]
   kv_lo, kv_hi = table_ref[segment, KV_LO], table_ref[segment, KV_HI]
   kv_steps = pl.cdiv(kv_hi, block_kv)
@@ -302,7 +311,7 @@ def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, q_smem, k_smem
       _store_rows((out * post_scale).astype(o_smem.dtype), o_smem.at[wg], o_ref,
                   q_win + i * BLOCK_Q, lo, hi - lo, head)
 
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
   mgpu_common.warp_specialize(producer, consumer)
 
