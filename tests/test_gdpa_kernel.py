@@ -108,6 +108,15 @@ def test_jagged_kv_f16_unaligned_offsets():
   _check(q, k, v, qo, ko, activation="gelu", max_kv_len=70)
 
 
+def test_streamed_kv_ring_wraps():
+  """K/V streamed per q block (the path for K/V windows too long for SMEM): 3 q blocks over 2
+  consumers, 150 keys (rows 3..152, off the 8-row grid at both ends, NaN padding after them)
+  in 3 blocks through 2-slot rings, so the producer waits on the consumers' releases."""
+  q, k, v, qo, ko = _problem(9, [4, 129], 1, 64, kv_lens=[3, 150])
+  _check(q, k, v, qo, ko, activation="relu2", max_kv_len=160,
+         config=configs.Config(block_kv=64, q_stages=1, kv_stages=2))
+
+
 def test_public_op_kernel_path_grads():
   """pn.gdpa with implementation="interpret": forward by the kernel, the custom_vjp's backward
   (today the XLA VJP) gives the XLA path's gradients, traced pre/post scales included."""
@@ -135,23 +144,26 @@ def test_unsupported_reasons():
   assert "multiples of 8" in mosaic.unsupported_reason(q, jnp.zeros((1, 64, 2, 64), q.dtype),
                                                        None, None, None)
   q = jnp.zeros((64, 2, 128), jnp.bfloat16)
-  assert "SMEM" in mosaic.unsupported_reason(q, jnp.zeros((4096, 2, 128), jnp.bfloat16),
-                                             jnp.zeros((2,), jnp.int32), 1024, None)
+  long_kv = (q, jnp.zeros((4096, 2, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32), 1024, None)
+  assert mosaic.unsupported_reason(*long_kv) is None and mosaic.streams_kv(*long_kv)
   with pytest.raises(NotImplementedError, match="head dim"):
     pn.gdpa(jnp.zeros((64, 2, 96), jnp.bfloat16), jnp.zeros((1, 64, 2, 96), jnp.bfloat16),
             jnp.zeros((1, 64, 2, 96), jnp.bfloat16), jnp.array([0, 64], jnp.int32),
             implementation="interpret")
 
 
-@pytest.mark.parametrize("activation,jagged_kv", [("gelu", True), ("fast_gelu", False)])
-def test_lowers_for_hopper(activation, jagged_kv):
+@pytest.mark.parametrize("activation,max_kv_len", [("gelu", 128), ("fast_gelu", None),
+                                                  ("silu", 512)])
+def test_lowers_for_hopper(activation, max_kv_len):
   """Mosaic's lowering for sm_90a at the issue's shape (catches what interpret mode does not:
-  layouts, TMA alignment, transcendental lowering)."""
+  layouts, TMA alignment, transcendental lowering): dense K/V, jagged K/V resident (128) and
+  streamed (512)."""
   t, h, d, b = 196608, 4, 128, 768
   spec = jax.ShapeDtypeStruct
+  jagged_kv = max_kv_len is not None
   kv = spec((t, h, d) if jagged_kv else (b, 128, h, d), jnp.bfloat16)
   fn = jax.jit(lambda q, k, v, qo, ko: mosaic.gdpa_fwd(
-      q, k, v, qo, ko, 1.0, 1.0, activation=activation, max_kv_len=128 if jagged_kv else None))
+      q, k, v, qo, ko, 1.0, 1.0, activation=activation, max_kv_len=max_kv_len))
   export.export(fn, platforms=["cuda"])(spec((t, h, d), jnp.bfloat16), kv, kv,
                                         spec((b + 1,), jnp.int32),
                                         spec((b + 1,), jnp.int32) if jagged_kv else None)
@@ -187,9 +199,10 @@ def test_gpu_activations(activation):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("max_kv_len", [128, 200])
+@pytest.mark.parametrize("max_kv_len", [128, 200, 520])
 def test_gpu_jagged_kv(max_kv_len):
-  """Jagged K/V, odd offsets, NaN K/V padding, float16."""
+  """Jagged K/V, odd offsets, NaN K/V padding, float16; resident K/V up to 200, streamed at
+  520."""
   rng = np.random.default_rng(2)
   lens = rng.integers(0, 300, size=256)
   kv_lens = rng.integers(0, max_kv_len + 1, size=256)

@@ -25,16 +25,22 @@ class Config:
       multiple of 64 that divides the resident K/V length.
     q_stages: q blocks each consumer warpgroup may hold in SMEM (the TMA producer fills the
       next while the current one is computed), at least 1.
+    kv_stages: None: a (sample, head)'s K/V window stays resident in SMEM for all its q blocks
+      (loaded once). An int (>= 2): K/V are streamed per q block through a ring of that many
+      key blocks per consumer (any K/V length; each q block re-reads them, mostly from L2).
   """
 
   block_kv: int = 64
   q_stages: int = 2
+  kv_stages: int | None = None
 
   def __post_init__(self):
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
       raise ValueError(f"block_kv must be a multiple of 64 in [64, 256], got {self.block_kv}")
     if self.q_stages < 1:
       raise ValueError(f"q_stages must be >= 1, got {self.q_stages}")
+    if self.kv_stages is not None and self.kv_stages < 2:
+      raise ValueError(f"kv_stages must be None or >= 2, got {self.kv_stages}")
 
 
 def resident_kv_len(kv_len_bound: int) -> int:
@@ -44,9 +50,11 @@ def resident_kv_len(kv_len_bound: int) -> int:
 
 
 def smem_bytes(kv_rows: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
-  """SMEM of one CTA: resident K and V, each consumer's q ring, P tile and output tile."""
+  """SMEM of one CTA: K and V (resident, or each consumer's ring), each consumer's q ring, P
+  tile and output tile."""
   item = jnp.dtype(dtype).itemsize
-  kv = 2 * kv_rows * head_dim * item
+  kv_blocks = kv_rows if cfg.kv_stages is None else 2 * cfg.kv_stages * cfg.block_kv
+  kv = 2 * kv_blocks * head_dim * item
   q = 2 * cfg.q_stages * BLOCK_Q * head_dim * item
   p = 2 * BLOCK_Q * cfg.block_kv * item
   o = 2 * BLOCK_Q * head_dim * jnp.dtype(out_dtype).itemsize
@@ -54,11 +62,13 @@ def smem_bytes(kv_rows: int, head_dim: int, dtype, out_dtype, cfg: Config) -> in
 
 
 def pick_config(kv_rows: int, head_dim: int, dtype, out_dtype) -> Config | None:
-  """The widest key step that divides the resident K/V and the most q stages (2 down to 1)
-  that fit in SMEM; None when even one stage does not fit."""
+  """Resident K/V when they fit: the widest key step that divides the window and the most q
+  stages (2, then 1) that fit in SMEM. Otherwise K/V streamed through 2-slot rings of 64-key
+  blocks. None when nothing fits."""
   block_kv = 128 if kv_rows % 128 == 0 else 64
-  for stages in (2, 1):
-    cfg = Config(block_kv=block_kv, q_stages=stages)
+  candidates = [Config(block_kv=block_kv, q_stages=stages) for stages in (2, 1)]
+  candidates += [Config(block_kv=64, q_stages=stages, kv_stages=2) for stages in (2, 1)]
+  for cfg in candidates:
     if smem_bytes(kv_rows, head_dim, dtype, out_dtype, cfg) <= mgpu_common.SMEM_BYTES:
       return cfg
   return None

@@ -41,7 +41,9 @@ and this keeps the path the CPU tests run the one the GPU runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 from jax import lax
@@ -84,8 +86,8 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.fl
 
 
 def kv_rows(k, kv_offsets, max_kv_len) -> int:
-  """Rows of K/V resident in SMEM per (sample, head): dense Lkv; jagged: a window of
-  max_kv_len (default Tkv) rows starting up to ``ALIGN - 1`` rows early, rounded up to 64."""
+  """Rows of the K/V window of a (sample, head): dense Lkv; jagged: max_kv_len (default Tkv)
+  rows starting up to ``ALIGN - 1`` rows early, rounded up to 64."""
   if kv_offsets is None:
     return k.shape[1]
   return configs.resident_kv_len((max_kv_len or k.shape[0]) + ALIGN - 1)
@@ -107,12 +109,17 @@ def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
   if q.shape[0] % ALIGN or (kv_offsets is not None and k.shape[0] % ALIGN):
     return (f"the token capacities T = {q.shape[0]}" + ("" if kv_offsets is None else
             f", Tkv = {k.shape[0]}") + f" must be multiples of {ALIGN} (Mosaic's tiled TMA)")
-  rows = kv_rows(k, kv_offsets, max_kv_len)
-  if configs.pick_config(rows, head_dim, dtype, out_dtype) is None:
-    what = "Lkv" if kv_offsets is None else "max_kv_len rounded up to 64"
-    return (f"K and V of {what} = {rows} rows do not fit in SMEM with D = {head_dim} "
-            "(the kernel keeps a sample's K/V resident; longer K/V streaming is not implemented)")
+  if configs.pick_config(kv_rows(k, kv_offsets, max_kv_len), head_dim, dtype, out_dtype) is None:
+    return f"no tiling fits in SMEM with D = {head_dim}"  # unreachable for D <= 128
   return None
+
+
+def streams_kv(q, k, kv_offsets, max_kv_len, out_dtype) -> bool:
+  """Whether the default tiling streams K/V per q block (the K/V window does not fit in SMEM)
+  instead of keeping it resident, for arguments the kernel supports."""
+  cfg = configs.pick_config(kv_rows(k, kv_offsets, max_kv_len), q.shape[2], q.dtype,
+                            jnp.dtype(out_dtype or q.dtype))
+  return cfg.kv_stages is not None
 
 
 ALIGN = 8
@@ -185,47 +192,29 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
 
   Returns:
     (T, H, D) in out_dtype; rows past ``q_offsets[-1]`` are zeros.
+
+  Raises:
+    ValueError: a ``config`` whose block_kv does not divide the K/V window.
   """
   capacity, num_heads, head_dim = q.shape
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   rows = kv_rows(k, kv_offsets, max_kv_len)
   cfg = config or configs.pick_config(rows, head_dim, q.dtype, out_dtype)
   if rows % cfg.block_kv:
-    raise ValueError(f"block_kv = {cfg.block_kv} does not divide the resident K/V rows {rows}")
+    raise ValueError(f"block_kv = {cfg.block_kv} does not divide the K/V window of {rows} rows")
+  plan = _Plan(num_heads=num_heads, block_kv=cfg.block_kv, q_stages=cfg.q_stages,
+               kv_stages=cfg.kv_stages, kv_chunks=rows // cfg.block_kv,
+               jagged_kv=kv_offsets is not None, act=KERNEL_ACTIVATIONS[activation])
   table = work_items(q_offsets, kv_offsets, capacity, k.shape[0], rows)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
-  kernel = functools.partial(
-      _kernel, num_heads=num_heads, kv_chunks=rows // cfg.block_kv, block_kv=cfg.block_kv,
-      q_stages=cfg.q_stages, jagged_kv=kv_offsets is not None,
-      act=KERNEL_ACTIVATIONS[activation])
-  dtype = q.dtype
-  chunks = max(1, head_dim * out_dtype.itemsize // 128)  # 128-byte column chunks of the output
-  transforms = mgpu_common.swizzle_transforms(head_dim, dtype)
-  scratch = dict(
-      q_smem=plgpu.SMEM((2, cfg.q_stages, BLOCK_Q, head_dim), dtype, transforms=transforms),
-      k_smem=plgpu.SMEM((rows // cfg.block_kv, cfg.block_kv, head_dim), dtype,
-                        transforms=transforms),
-      v_smem=plgpu.SMEM((rows // cfg.block_kv, cfg.block_kv, head_dim), dtype,
-                        transforms=transforms),
-      p_smem=plgpu.SMEM((2, BLOCK_Q, cfg.block_kv), dtype,
-                        transforms=mgpu_common.swizzle_transforms(cfg.block_kv, dtype)),
-      o_smem=plgpu.SMEM((2, chunks, BLOCK_Q, head_dim // chunks), out_dtype,
-                        transforms=mgpu_common.swizzle_transforms(head_dim // chunks, out_dtype,
-                                                                  tiled=False)),
-      q_ready=plgpu.Barrier(num_barriers=2 * cfg.q_stages),
-      q_free=plgpu.Barrier(num_barriers=2 * cfg.q_stages),
-      k_ready=plgpu.Barrier(num_barriers=rows // cfg.block_kv),
-      v_ready=plgpu.Barrier(num_barriers=rows // cfg.block_kv),
-      v_edges_zeroed=plgpu.Barrier(),
-  )
   call = plgpu.kernel(
-      kernel,
+      functools.partial(_kernel, plan=plan),
       out_type=jax.ShapeDtypeStruct((capacity, num_heads, head_dim), out_dtype),
       grid=(table.shape[0] * num_heads,),
       grid_names=("item",),
       num_threads=3,
       thread_name="wg",
-      scratch_types=scratch,
+      scratch_types=_scratch(plan, head_dim, q.dtype, out_dtype),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu_common.interpret_params() if interpret else None,
@@ -233,140 +222,320 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
   return call(table, scales, q, k, v)
 
 
-def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, q_smem, k_smem, v_smem,
-            p_smem, o_smem, q_ready, q_free, k_ready, v_ready, v_edges_zeroed, num_heads,
-            kv_chunks, block_kv, q_stages, jagged_kv, act):
-  item = lax.axis_index("item")
-  segment = lax.div(item, num_heads)
-  head = lax.rem(item, num_heads)
-  q_win = pl.multiple_of(table_ref[segment, Q_WIN], ALIGN)
-  q_lo, q_hi = table_ref[segment, Q_LO], table_ref[segment, Q_HI]
-  q_blocks = table_ref[segment, Q_BLOCKS]
-  kv_win = table_ref[segment, KV_WIN]
-  kv_lo, kv_hi = table_ref[segment, KV_LO], table_ref[segment, KV_HI]
-  kv_steps = pl.cdiv(kv_hi, block_kv)
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one kernel build. ``kv_stages`` None: a (sample, head)'s K/V are resident
+  in ``kv_chunks`` blocks of ``block_kv`` rows; else they stream per q block through a ring of
+  that many slots per consumer."""
 
-  def kv_block(ref, step):
-    if jagged_kv:
-      return ref.at[pl.ds(pl.multiple_of(kv_win + step * block_kv, ALIGN), block_kv), head]
-    return ref.at[kv_win, pl.ds(step * block_kv, block_kv), head]
+  num_heads: int
+  block_kv: int
+  q_stages: int
+  kv_stages: int | None
+  kv_chunks: int
+  jagged_kv: bool
+  act: Callable
 
-  def producer():
-    @pl.when(q_blocks > 0)
-    def _load_kv():
-      for step in range(kv_chunks):  # static: the resident K/V, only the item's own blocks
-        @pl.when(step < kv_steps)
-        def _():
-          plgpu.copy_gmem_to_smem(kv_block(k_ref, step), k_smem.at[step], k_ready.at[step])
-          plgpu.copy_gmem_to_smem(kv_block(v_ref, step), v_smem.at[step], v_ready.at[step])
 
-    @pl.loop(0, q_blocks)
-    def _load_q(i):
-      wg, turn = lax.rem(i, 2), lax.div(i, 2)
-      slot = lax.rem(turn, q_stages)
+def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
+  transforms = mgpu_common.swizzle_transforms(head_dim, dtype)
+  chunks = max(1, head_dim * out_dtype.itemsize // 128)  # 128-byte column chunks of the output
+  if plan.kv_stages is None:
+    kv_shape, kv_barriers = (plan.kv_chunks,), plan.kv_chunks
+  else:
+    kv_shape, kv_barriers = (2, plan.kv_stages), 2 * plan.kv_stages
+  kv_smem = lambda: plgpu.SMEM(kv_shape + (plan.block_kv, head_dim), dtype,  # noqa: E731
+                               transforms=transforms)
+  streamed = {} if plan.kv_stages is None else dict(
+      kv_free=plgpu.Barrier(num_barriers=kv_barriers))
+  return dict(
+      **streamed,
+      q_smem=plgpu.SMEM((2, plan.q_stages, BLOCK_Q, head_dim), dtype, transforms=transforms),
+      k_smem=kv_smem(),
+      v_smem=kv_smem(),
+      p_smem=plgpu.SMEM((2, BLOCK_Q, plan.block_kv), dtype,
+                        transforms=mgpu_common.swizzle_transforms(plan.block_kv, dtype)),
+      o_smem=plgpu.SMEM((2, chunks, BLOCK_Q, head_dim // chunks), out_dtype,
+                        transforms=mgpu_common.swizzle_transforms(head_dim // chunks, out_dtype,
+                                                                  tiled=False)),
+      q_ready=plgpu.Barrier(num_barriers=2 * plan.q_stages),
+      q_free=plgpu.Barrier(num_barriers=2 * plan.q_stages),
+      k_ready=plgpu.Barrier(num_barriers=kv_barriers),
+      v_ready=plgpu.Barrier(num_barriers=kv_barriers),
+      v_edges_zeroed=plgpu.Barrier(),
+  )
 
-      @pl.when(turn >= q_stages)
-      def _():
-        plgpu.barrier_wait(q_free.at[wg * q_stages + slot])
 
-      rows = pl.ds(pl.multiple_of(q_win + i * BLOCK_Q, ALIGN), BLOCK_Q)
-      plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem.at[wg, slot],
-                              q_ready.at[wg * q_stages + slot])
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  """One CTA's work item, read from the table: a segment's rows and keys, and the head."""
 
-    # Observe the releases no load waited for (the last use of each slot), so that every
-    # barrier phase is consumed before the CTA ends (the interpreter checks it).
+  head: jax.Array
+  q_win: jax.Array
+  q_lo: jax.Array
+  q_hi: jax.Array
+  q_blocks: jax.Array
+  kv_win: jax.Array
+  kv_lo: jax.Array
+  kv_hi: jax.Array
+  kv_steps: jax.Array
+
+  @classmethod
+  def read(cls, table_ref, plan: _Plan):
+    item = lax.axis_index("item")
+    segment = lax.div(item, plan.num_heads)
+    col = lambda c: table_ref[segment, c]  # noqa: E731
+    return cls(head=lax.rem(item, plan.num_heads), q_win=pl.multiple_of(col(Q_WIN), ALIGN),
+               q_lo=col(Q_LO), q_hi=col(Q_HI), q_blocks=col(Q_BLOCKS), kv_win=col(KV_WIN),
+               kv_lo=col(KV_LO), kv_hi=col(KV_HI), kv_steps=pl.cdiv(col(KV_HI), plan.block_kv))
+
+  def blocks_of(self, wg):
+    """q blocks of consumer ``wg``: blocks wg, wg + 2, ... (its turns)."""
+    return lax.div(self.q_blocks - wg + 1, 2)
+
+
+def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, plan: _Plan, **smem):
+  item = _Item.read(table_ref, plan)
+  kv = (_ResidentKV if plan.kv_stages is None else _StreamedKV)(plan, item, k_ref, v_ref, smem)
+  mgpu_common.warp_specialize(
+      lambda: _producer(plan, item, kv, q_ref, smem),
+      lambda: _consumer(plan, item, kv, scales_ref, o_ref, smem))
+
+
+def _producer(plan: _Plan, item: _Item, kv, q_ref, smem) -> None:
+  """TMA warpgroup: K/V (once, or per q block), and the q blocks in pairs (block 2t + wg goes to
+  consumer wg), each consumer through its own ring of ``q_stages`` slots."""
+  q_smem, q_ready, q_free = smem["q_smem"], smem["q_ready"], smem["q_free"]
+  kv.produce_once()
+
+  @pl.loop(0, item.blocks_of(0))
+  def _pair(turn):
+    slot = lax.rem(turn, plan.q_stages)
     for wg in range(2):
-      turns = lax.div(q_blocks - wg + 1, 2)
-
-      @pl.loop(jnp.maximum(turns - q_stages, 0), turns)
-      def _drain(turn, wg=wg):
-        plgpu.barrier_wait(q_free.at[wg * q_stages + lax.rem(turn, q_stages)])
-
-  def consumer():
-    wg = lax.axis_index("wg")
-    my_blocks = lax.div(q_blocks - wg + 1, 2)
-    pre_scale, post_scale = scales_ref[0], scales_ref[1]
-
-    @pl.when((my_blocks > 0) & (kv_steps > 0))
-    def _wait_kv():
-      for step in range(kv_chunks):
-        @pl.when(step < kv_steps)
+      @pl.when(2 * turn + wg < item.q_blocks)
+      def _(wg=wg):
+        @pl.when(turn >= plan.q_stages)
         def _():
-          plgpu.barrier_wait(k_ready.at[step])
-          plgpu.barrier_wait(v_ready.at[step])
-      if jagged_kv:
-        _zero_v_edges(v_smem, kv_lo, kv_hi, kv_steps, block_kv, wg, v_edges_zeroed)
+          plgpu.barrier_wait(q_free.at[wg * plan.q_stages + slot])
 
-    @pl.loop(0, my_blocks)
-    def _block(turn):
-      i = wg + 2 * turn
-      slot = lax.rem(turn, q_stages)
-      barrier = wg * q_stages + slot
-      plgpu.barrier_wait(q_ready.at[barrier])
-      out = _attend(q_smem.at[wg, slot], p_smem.at[wg], k_smem, v_smem, kv_lo, kv_hi, kv_steps,
-                    pre_scale, block_kv, jagged_kv, act)
-      plgpu.barrier_arrive(q_free.at[barrier])
-      lo = jnp.maximum(q_lo - i * BLOCK_Q, 0)  # the sample's rows in this block: [lo, hi)
-      hi = jnp.minimum(q_hi - i * BLOCK_Q, BLOCK_Q)
-      _store_rows((out * post_scale).astype(o_smem.dtype), o_smem.at[wg], o_ref,
-                  q_win + i * BLOCK_Q, lo, hi - lo, head)
+        rows = pl.ds(pl.multiple_of(item.q_win + (2 * turn + wg) * BLOCK_Q, ALIGN), BLOCK_Q)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, item.head], q_smem.at[wg, slot],
+                                q_ready.at[wg * plan.q_stages + slot])
+    kv.produce_pair(turn)
 
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
-
-  mgpu_common.warp_specialize(producer, consumer)
+  # Observe the releases no load waited for (the last use of each slot), so that every barrier
+  # phase is consumed before the CTA ends (the interpreter checks it).
+  for wg in range(2):
+    _drain_ring(q_free, wg, plan.q_stages, item.blocks_of(wg))
+  kv.drain()
 
 
-def _attend(q_tile, p_tile, k_smem, v_smem, kv_lo, kv_hi, kv_steps, pre_scale, block_kv,
-            jagged_kv, act):
+def _drain_ring(free, wg: int, stages: int, uses) -> None:
+  """Waits for the last ``min(stages, uses)`` releases of consumer ``wg``'s ring slots."""
+  @pl.loop(jnp.maximum(uses - stages, 0), uses)
+  def _(use):
+    plgpu.barrier_wait(free.at[wg * stages + lax.rem(use, stages)])
+
+
+def _consumer(plan: _Plan, item: _Item, kv, scales_ref, o_ref, smem) -> None:
+  """WGMMA warpgroup ``wg``: its q blocks, each Σ_k act(pre·Q Kᵀ) V, then post · O stored."""
+  wg = lax.axis_index("wg")
+  q_smem, q_ready, q_free = smem["q_smem"], smem["q_ready"], smem["q_free"]
+  pre_scale, post_scale = scales_ref[0], scales_ref[1]
+  kv.consume_once(wg)
+
+  @pl.loop(0, item.blocks_of(wg))
+  def _block(turn):
+    i = wg + 2 * turn
+    barrier = wg * plan.q_stages + lax.rem(turn, plan.q_stages)
+    plgpu.barrier_wait(q_ready.at[barrier])
+    out = _attend(plan, item, kv, wg, turn, q_smem.at[wg, lax.rem(turn, plan.q_stages)],
+                  smem["p_smem"].at[wg], pre_scale)
+    plgpu.barrier_arrive(q_free.at[barrier])
+    lo = jnp.maximum(item.q_lo - i * BLOCK_Q, 0)  # the sample's rows in this block: [lo, hi)
+    hi = jnp.minimum(item.q_hi - i * BLOCK_Q, BLOCK_Q)
+    _store_rows((out * post_scale).astype(smem["o_smem"].dtype), smem["o_smem"].at[wg], o_ref,
+                item.q_win + i * BLOCK_Q, lo, hi - lo, item.head)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+
+
+def _attend(plan: _Plan, item: _Item, kv, wg, turn, q_tile, p_tile, pre_scale):
   """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32."""
 
   def accumulate(o_acc):
-    @pl.loop(0, kv_steps)
-    def _step(kv_step):
+    @pl.loop(0, item.kv_steps)
+    def _step(step):
+      k_tile, v_tile = kv.tiles(wg, turn, step)
+
       def scores(s_acc):
-        plgpu.wgmma(s_acc, q_tile, k_smem.at[kv_step].transpose((1, 0)))
+        plgpu.wgmma(s_acc, q_tile, k_tile.transpose((1, 0)))
         return s_acc[...]  # waits for this WGMMA (and the previous step's P·V)
 
-      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, block_kv), _F32))
-      p = act(s * pre_scale)
-      if jagged_kv:  # keys outside the sample: exactly 0, whatever act(s) is there
+      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      p = plan.act(s * pre_scale)
+      if plan.jagged_kv:  # keys outside the sample: exactly 0, whatever act(s) is there
         key = plgpu.broadcasted_iota(jnp.int32, p.shape, 1,
-                                     layout=plgpu.Layout.WGMMA) + kv_step * block_kv
-        p = jnp.where((key >= kv_lo) & (key < kv_hi), p, 0.0)
+                                     layout=plgpu.Layout.WGMMA) + step * plan.block_kv
+        p = jnp.where((key >= item.kv_lo) & (key < item.kv_hi), p, 0.0)
       # P goes through SMEM: the previous step's P·V has finished reading it (the score read
       # above waited for every WGMMA in flight). Interpret mode has no register-A WGMMA.
       p_tile[...] = p.astype(p_tile.dtype)
       plgpu.commit_smem()
-      plgpu.wgmma(o_acc, p_tile, v_smem.at[kv_step])
+      plgpu.wgmma(o_acc, p_tile, v_tile)
+      kv.release(wg, turn, step)
 
     return o_acc[...]
 
   return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, q_tile.shape[-1]), _F32))
 
 
-def _zero_v_edges(v_smem, kv_lo, kv_hi, kv_steps, block_kv, wg, v_edges_zeroed):
-  """Consumer 0 zeroes the V rows outside the sample's keys [kv_lo, kv_hi) in the first and
-  last loaded key blocks (other samples' rows or K/V padding, maybe NaN, and 0 · NaN = NaN in
-  P·V); consumer 1 waits for it."""
+def _kv_block(plan: _Plan, item: _Item, ref, step):
+  """The GMEM box of key block ``step`` of the item's K/V window."""
+  if plan.jagged_kv:
+    rows = pl.ds(pl.multiple_of(item.kv_win + step * plan.block_kv, ALIGN), plan.block_kv)
+    return ref.at[rows, item.head]
+  return ref.at[item.kv_win, pl.ds(step * plan.block_kv, plan.block_kv), item.head]
 
-  @pl.when(wg == 0)
-  def _zero():
-    for first in (True, False):
-      step = 0 if first else kv_steps - 1
 
-      @pl.when(first | (step > 0))
-      def _(step=step):
-        tile = v_smem.at[step]
-        rows = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0,
-                                      layout=plgpu.Layout.WGMMA) + step * block_kv
-        values = plgpu.load(tile, (), layout=plgpu.Layout.WGMMA)
-        tile[...] = jnp.where((rows >= kv_lo) & (rows < kv_hi), values, jnp.zeros_like(values))
-    plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
-    plgpu.barrier_arrive(v_edges_zeroed)
+def _zero_v_rows_outside(plan: _Plan, item: _Item, tile, step) -> None:
+  """Zeroes the rows of V block ``step`` that are not the sample's keys [kv_lo, kv_hi) (rows of
+  other samples or K/V padding, maybe NaN, and 0 · NaN = NaN in P·V)."""
+  rows = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0,
+                                layout=plgpu.Layout.WGMMA) + step * plan.block_kv
+  values = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+  tile[...] = jnp.where((rows >= item.kv_lo) & (rows < item.kv_hi), values,
+                        jnp.zeros_like(values))
 
-  @pl.when(wg == 1)
-  def _wait():
-    plgpu.barrier_wait(v_edges_zeroed)
+
+class _ResidentKV:
+  """K/V of the (sample, head) loaded once into ``kv_chunks`` blocks and kept for all its q
+  blocks. Jagged: consumer 0 zeroes the V rows outside the sample in the first and last
+  blocks, consumer 1 waits for it."""
+
+  def __init__(self, plan, item, k_ref, v_ref, smem):
+    self.plan, self.item, self.k_ref, self.v_ref, self.smem = plan, item, k_ref, v_ref, smem
+
+  def produce_once(self):
+    plan, item, smem = self.plan, self.item, self.smem
+
+    @pl.when(item.q_blocks > 0)
+    def _():
+      for step in range(plan.kv_chunks):  # static: the resident K/V, only the item's blocks
+        @pl.when(step < item.kv_steps)
+        def _(step=step):
+          for ref, name in ((self.k_ref, "k"), (self.v_ref, "v")):
+            plgpu.copy_gmem_to_smem(_kv_block(plan, item, ref, step),
+                                    smem[f"{name}_smem"].at[step],
+                                    smem[f"{name}_ready"].at[step])
+
+  def produce_pair(self, turn):
+    del turn
+
+  def drain(self):
+    pass
+
+  def consume_once(self, wg):
+    plan, item, smem = self.plan, self.item, self.smem
+
+    @pl.when((item.blocks_of(wg) > 0) & (item.kv_steps > 0))
+    def _():
+      for step in range(plan.kv_chunks):
+        @pl.when(step < item.kv_steps)
+        def _(step=step):
+          plgpu.barrier_wait(smem["k_ready"].at[step])
+          plgpu.barrier_wait(smem["v_ready"].at[step])
+      if plan.jagged_kv:
+        self._zero_v_edges(wg)
+
+  def _zero_v_edges(self, wg):
+    plan, item, smem = self.plan, self.item, self.smem
+
+    @pl.when(wg == 0)
+    def _zero():
+      last = item.kv_steps - 1
+      _zero_v_rows_outside(plan, item, smem["v_smem"].at[0], 0)
+
+      @pl.when(last > 0)
+      def _():
+        _zero_v_rows_outside(plan, item, smem["v_smem"].at[last], last)
+      plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
+      plgpu.barrier_arrive(smem["v_edges_zeroed"])
+
+    @pl.when(wg == 1)
+    def _wait():
+      plgpu.barrier_wait(smem["v_edges_zeroed"])
+
+  def tiles(self, wg, turn, step):
+    del wg, turn
+    return self.smem["k_smem"].at[step], self.smem["v_smem"].at[step]
+
+  def release(self, wg, turn, step):
+    del wg, turn, step
+
+
+class _StreamedKV:
+  """K/V streamed per q block: each consumer has a ring of ``kv_stages`` slots that the
+  producer fills with key blocks 0..kv_steps-1 of each of its q blocks, the two consumers'
+  blocks of a pair interleaved. A consumer zeroes the V rows outside the sample in its own
+  first and last block, and releases a slot once its P·V has read it."""
+
+  def __init__(self, plan, item, k_ref, v_ref, smem):
+    self.plan, self.item, self.k_ref, self.v_ref, self.smem = plan, item, k_ref, v_ref, smem
+
+  def _slot(self, wg, use):
+    return wg * self.plan.kv_stages + lax.rem(use, self.plan.kv_stages)
+
+  def produce_once(self):
+    pass
+
+  def produce_pair(self, turn):
+    plan, item, smem = self.plan, self.item, self.smem
+
+    @pl.loop(0, item.kv_steps)
+    def _step(step):
+      use = turn * item.kv_steps + step
+      for wg in range(2):
+        @pl.when(2 * turn + wg < item.q_blocks)
+        def _(wg=wg):
+          slot = self._slot(wg, use)
+
+          @pl.when(use >= plan.kv_stages)
+          def _():
+            plgpu.barrier_wait(smem["kv_free"].at[slot])
+
+          local = lax.rem(use, plan.kv_stages)
+          for ref, name in ((self.k_ref, "k"), (self.v_ref, "v")):
+            plgpu.copy_gmem_to_smem(_kv_block(plan, item, ref, step),
+                                    smem[f"{name}_smem"].at[wg, local],
+                                    smem[f"{name}_ready"].at[slot])
+
+  def drain(self):
+    for wg in range(2):
+      _drain_ring(self.smem["kv_free"], wg, self.plan.kv_stages,
+                  self.item.blocks_of(wg) * self.item.kv_steps)
+
+  def consume_once(self, wg):
+    del wg
+
+  def tiles(self, wg, turn, step):
+    plan, item, smem = self.plan, self.item, self.smem
+    use = turn * item.kv_steps + step
+    slot, local = self._slot(wg, use), lax.rem(use, plan.kv_stages)
+    plgpu.barrier_wait(smem["k_ready"].at[slot])
+    plgpu.barrier_wait(smem["v_ready"].at[slot])
+    v_tile = smem["v_smem"].at[wg, local]
+    if plan.jagged_kv:
+      @pl.when((step == 0) | (step == item.kv_steps - 1))
+      def _():
+        _zero_v_rows_outside(plan, item, v_tile, step)
+        plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
+    return smem["k_smem"].at[wg, local], v_tile
+
+  def release(self, wg, turn, step):
+    plgpu.wgmma_wait(0)  # the P·V reading the slot is done
+    use = turn * self.item.kv_steps + step
+    plgpu.barrier_arrive(self.smem["kv_free"].at[self._slot(wg, use)])
 
 
 def _store_rows(out, o_tiles, o_ref, row0, lo, rows, head):
