@@ -87,17 +87,11 @@ def test_activations_kernel_forms_match_reference():
 
 
 def test_dense_kv_d128_edge_lengths():
-  """Lengths 1, 63, 0, 65 (blocks straddling samples, an empty sample), spare capacity past the
-  real tokens (a padding chunk), D = 128."""
-  q, k, v, qo, _ = _problem(0, [1, 63, 0, 65], 1, 128, lkv=64, capacity=256)
-  _check(q, k, v, qo, None, activation="fast_gelu", pre_scale=0.7, post_scale=1.5)
-
-
-def test_dense_kv_ring_wraps_and_two_key_steps():
-  """A 129-row sample (3 q blocks over 2 consumers) with one q stage, so the producer waits on
-  consumer releases; Lkv = 128 in two 64-key steps; float32 output."""
-  q, k, v, qo, _ = _problem(1, [129], 1, 64, lkv=128)
-  _check(q, k, v, qo, None, activation="silu", out_dtype=jnp.float32,
+  """Lengths 1, 63, 0, 129 (blocks straddling samples, an empty sample, 3 q blocks over 2
+  consumers with one q stage, so the producer waits on releases), spare capacity past the real
+  tokens (a padding chunk), D = 128, Lkv = 128 in two 64-key steps."""
+  q, k, v, qo, _ = _problem(0, [1, 63, 0, 129], 1, 128, lkv=128, capacity=256)
+  _check(q, k, v, qo, None, activation="fast_gelu", pre_scale=0.7, post_scale=1.5,
          config=configs.Config(block_kv=64, q_stages=1))
 
 
@@ -111,9 +105,10 @@ def test_jagged_kv_f16_unaligned_offsets():
 def test_streamed_kv_ring_wraps():
   """K/V streamed per q block (the path for K/V windows too long for SMEM): 3 q blocks over 2
   consumers, 150 keys (rows 3..152, off the 8-row grid at both ends, NaN padding after them)
-  in 3 blocks through 2-slot rings, so the producer waits on the consumers' releases."""
+  in 3 blocks through 2-slot rings, so the producer waits on the consumers' releases; float32
+  output."""
   q, k, v, qo, ko = _problem(9, [4, 129], 1, 64, kv_lens=[3, 150])
-  _check(q, k, v, qo, ko, activation="relu2", max_kv_len=160,
+  _check(q, k, v, qo, ko, activation="relu2", max_kv_len=160, out_dtype=jnp.float32,
          config=configs.Config(block_kv=64, q_stages=1, kv_stages=2))
 
 
