@@ -124,8 +124,11 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
 
 def _kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
   """Why XLA is the default for a call the kernel supports (None: the kernel is). The H200
-  suite measured the resident-K/V kernel forward 2.6-7.3x faster than XLA (benchmarks/NOTES.md,
-  "gdpa forward"); the streamed-K/V path (K/V windows too long for SMEM) is not measured yet."""
+  suite measured the resident-K/V kernel forward 2.6-4.0x faster than XLA through the op at every
+  case it ran, before the op's extra poison pass was removed (benchmarks/NOTES.md, "gdpa
+  forward"); the streamed-K/V path (K/V windows too long for SMEM) is not measured yet. With
+  the XLA backward stand-in, training pays the kernel forward on top of XLA's VJP (not measured).
+  """
   if mosaic.streams_kv(q, k, kv_offsets, max_kv_len, out_dtype):
     return ("K/V too long to stay in SMEM: the kernel would stream them, which is not yet "
             "measured against XLA on the H200 (pass implementation='mosaic' to force it)")
