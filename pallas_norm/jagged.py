@@ -18,6 +18,9 @@ and are used by the XLA reference path.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,21 +118,44 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int) -> jax.Array:
   """Packed ``(T, ...)`` -> padded ``(B, max_len, ...)``, zeros past each sample's length.
 
   Samples longer than ``max_len`` are truncated; the public ops check lengths against
-  ``max_len`` whenever the offsets are concrete.
+  ``max_len`` whenever the offsets are concrete. A zero capacity (``T == 0``) gives zeros.
+
+  Differentiable in ``values``: the gradient is :func:`from_padded` of the cotangent (a gather,
+  since on the valid rows each conversion is the other's transpose), not the scatter-add that
+  autodiff of the forward gather would give. ``offsets`` get no gradient.
   """
+  return _to_padded_vjp(values, offsets, operator.index(max_len), values.shape[0])
+
+
+def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Array:
+  """Padded ``(B, L, ...)`` -> packed ``(capacity, ...)``, zeros in the padding rows.
+
+  Positions at or past a sample's length (and rows of samples past ``L``) are never read; an
+  empty padded tensor (``B·L == 0``) gives zeros. Differentiable in ``padded``: the gradient is
+  :func:`to_padded` of the cotangent (a gather, zeros past each length), not a scatter-add.
+  """
+  return _from_padded_vjp(padded, offsets, operator.index(capacity), padded.shape[1])
+
+
+def _gather_to_padded(values, offsets, max_len):
+  """The forward of :func:`to_padded` as plain jnp (autodiff of it is a scatter-add)."""
   batch = offsets.shape[0] - 1
+  shape = (batch, max_len) + values.shape[1:]
+  if values.shape[0] == 0 or batch * max_len == 0:  # nothing to gather (take() would raise)
+    return jnp.zeros(shape, values.dtype)
   pos = jnp.arange(max_len, dtype=jnp.int32)
   rows = offsets[:-1, None] + pos[None, :]  # (B, max_len)
   inside = pos[None, :] < lengths(offsets)[:, None]
-  gathered = jnp.take(values, rows.reshape(-1), axis=0, mode="clip")
-  gathered = gathered.reshape((batch, max_len) + values.shape[1:])
+  gathered = jnp.take(values, rows.reshape(-1), axis=0, mode="clip").reshape(shape)
   mask = inside.reshape(inside.shape + (1,) * (values.ndim - 1))
   return jnp.where(mask, gathered, jnp.zeros((), values.dtype))
 
 
-def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Array:
-  """Padded ``(B, L, ...)`` -> packed ``(capacity, ...)``, zeros in the padding rows."""
+def _gather_from_padded(padded, offsets, capacity):
+  """The forward of :func:`from_padded` as plain jnp (autodiff of it is a scatter-add)."""
   batch, max_len = padded.shape[:2]
+  if batch * max_len == 0 or capacity == 0:
+    return jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
   seg = segment_ids(offsets, capacity)
   pos = positions(offsets, capacity)
   valid = valid_mask(offsets, capacity) & (pos < max_len)
@@ -138,3 +164,28 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Arr
   out = jnp.take(flat, idx, axis=0, mode="clip")
   mask = valid.reshape(valid.shape + (1,) * (padded.ndim - 2))
   return jnp.where(mask, out, jnp.zeros((), padded.dtype))
+
+
+def _with_transpose_as_vjp(gather, transpose):
+  """``gather(x, offsets, out_size)`` as a custom_vjp whose backward is ``transpose(g, offsets,
+  in_size)``. ``to_padded`` and ``from_padded`` transpose each other on the valid rows (row
+  ``offsets[b] + l`` <-> position ``(b, l)`` for ``l < min(length_b, max_len)``); every other
+  entry is a constant zero. Both sizes are static: the backward needs the input's size."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+  def convert(x, offsets, out_size, in_size):
+    del in_size
+    return gather(x, offsets, out_size)
+
+  def forward(x, offsets, out_size, in_size):
+    return convert(x, offsets, out_size, in_size), offsets
+
+  def backward(out_size, in_size, offsets, g):
+    return transpose(g, offsets, in_size), None  # offsets: integers, no gradient
+
+  convert.defvjp(forward, backward)
+  return convert
+
+
+_to_padded_vjp = _with_transpose_as_vjp(_gather_to_padded, _gather_from_padded)
+_from_padded_vjp = _with_transpose_as_vjp(_gather_from_padded, _gather_to_padded)
