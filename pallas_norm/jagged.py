@@ -124,7 +124,7 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int) -> jax.Array:
   since on the valid rows each conversion is the other's transpose), not the scatter-add that
   autodiff of the forward gather would give. ``offsets`` get no gradient.
   """
-  return _to_padded_vjp(values, offsets, operator.index(max_len), values.shape[0])
+  return _to_padded_linear(values, offsets, operator.index(max_len))
 
 
 def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Array:
@@ -134,7 +134,7 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Arr
   empty padded tensor (``B·L == 0``) gives zeros. Differentiable in ``padded``: the gradient is
   :func:`to_padded` of the cotangent (a gather, zeros past each length), not a scatter-add.
   """
-  return _from_padded_vjp(padded, offsets, operator.index(capacity), padded.shape[1])
+  return _from_padded_linear(padded, offsets, operator.index(capacity))
 
 
 def _gather_to_padded(values, offsets, max_len):
@@ -166,26 +166,54 @@ def _gather_from_padded(padded, offsets, capacity):
   return jnp.where(mask, out, jnp.zeros((), padded.dtype))
 
 
-def _with_transpose_as_vjp(gather, transpose):
-  """``gather(x, offsets, out_size)`` as a custom_vjp whose backward is ``transpose(g, offsets,
-  in_size)``. ``to_padded`` and ``from_padded`` transpose each other on the valid rows (row
-  ``offsets[b] + l`` <-> position ``(b, l)`` for ``l < min(length_b, max_len)``); every other
-  entry is a constant zero. Both sizes are static: the backward needs the input's size."""
+def _scatter_to_padded(values, offsets, max_len):
+  """:func:`to_padded` written as a scatter-add (the same linear map; its transpose is a gather)."""
+  batch, capacity = offsets.shape[0] - 1, values.shape[0]
+  shape = (batch, max_len) + values.shape[1:]
+  if capacity == 0 or batch * max_len == 0:
+    return jnp.zeros(shape, values.dtype)
+  pos = positions(offsets, capacity)
+  valid = valid_mask(offsets, capacity) & (pos < max_len)
+  idx = jnp.where(valid, segment_ids(offsets, capacity) * max_len + pos, batch * max_len)
+  flat = jnp.zeros((batch * max_len,) + values.shape[1:], values.dtype)
+  return flat.at[idx].add(values, mode="drop").reshape(shape)
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-  def convert(x, offsets, out_size, in_size):
-    del in_size
+
+def _scatter_from_padded(padded, offsets, capacity):
+  """:func:`from_padded` written as a scatter-add (the same linear map; its transpose is a
+  gather)."""
+  batch, max_len = padded.shape[:2]
+  if batch * max_len == 0 or capacity == 0:
+    return jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
+  pos = jnp.arange(max_len, dtype=jnp.int32)
+  rows = offsets[:-1, None] + pos[None, :]  # (B, max_len)
+  rows = jnp.where(pos[None, :] < lengths(offsets)[:, None], rows, capacity).reshape(-1)
+  flat = padded.reshape((batch * max_len,) + padded.shape[2:])
+  out = jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
+  return out.at[rows].add(flat, mode="drop")
+
+
+def _linear_map(gather, scatter):
+  """``gather(x, offsets, out_size)`` whose tangent map is ``scatter``, the same linear map
+  written as a scatter-add. Reverse mode transposes the tangent map, and the transpose of a
+  scatter-add is a gather: so the gradient of each conversion is the other conversion, a
+  gather, where autodiff of ``gather`` would give a scatter-add (5-9 ms at B=768, L=512 on the
+  H200). Forward mode (jvp, hessians) stays available, unlike with a custom_vjp.
+  ``to_padded`` and ``from_padded`` transpose each other on the valid rows (row
+  ``offsets[b] + l`` <-> position ``(b, l)`` for ``l < min(length_b, max_len)``); every other
+  entry is a constant zero."""
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+  def convert(x, offsets, out_size):
     return gather(x, offsets, out_size)
 
-  def forward(x, offsets, out_size, in_size):
-    return convert(x, offsets, out_size, in_size), offsets
+  @convert.defjvp
+  def convert_jvp(out_size, primals, tangents):
+    x, offsets = primals
+    return convert(x, offsets, out_size), scatter(tangents[0], offsets, out_size)
 
-  def backward(out_size, in_size, offsets, g):
-    return transpose(g, offsets, in_size), None  # offsets: integers, no gradient
-
-  convert.defvjp(forward, backward)
   return convert
 
 
-_to_padded_vjp = _with_transpose_as_vjp(_gather_to_padded, _gather_from_padded)
-_from_padded_vjp = _with_transpose_as_vjp(_gather_from_padded, _gather_to_padded)
+_to_padded_linear = _linear_map(_gather_to_padded, _scatter_to_padded)
+_from_padded_linear = _linear_map(_gather_from_padded, _scatter_from_padded)

@@ -193,13 +193,15 @@ def test_to_padded_under_jit_with_traced_offsets(rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# Gradients of the conversions: each is the other's transpose, so the backward is a gather.
+# Derivatives of the conversions: each is the other's transpose, so the backward is a gather;
+# forward mode still works (a custom_jvp whose tangent map is a scatter-add).
 
 
 @pytest.mark.parametrize("max_len", [2, 7], ids=["truncating", "padding"])
 def test_conversion_gradients_match_autodiff_of_the_plain_gathers(lens, max_len, rng):
   """vjp of to_padded / from_padded equals autodiff of the same gathers (a scatter-add), padding
-  rows and positions past each length included (exact: each entry sums at most one term)."""
+  rows and positions past each length included (exact: each entry sums at most one term); the
+  jvp of these linear maps is the map of the tangent."""
   cap = capacity(lens)
   offsets = jnp.asarray(np_offsets(lens))
   values = jnp.asarray(rng.standard_normal((cap, 2, 3)), jnp.float32)
@@ -215,6 +217,10 @@ def test_conversion_gradients_match_autodiff_of_the_plain_gathers(lens, max_len,
     (grad,), (want,) = vjp(cotangent), want_vjp(cotangent)
     np.testing.assert_array_equal(grad, want)
     assert np.any(np.asarray(grad) != 0) or sum(lens) == 0
+    # Forward mode: a linear map's tangent is the map itself (its scatter-add form).
+    tangent_in = jnp.asarray(rng.standard_normal(primal.shape), jnp.float32)
+    _, tangent = jax.jvp(ours, (primal,), (tangent_in,))
+    np.testing.assert_array_equal(tangent, plain(tangent_in))
   # The packed gradient is zero on padding rows and on rows past max_len of their sample.
   (grad,) = jax.vjp(pairs[0][0], values)[1](padded)
   kept = np.concatenate([np_positions(lens) < max_len, np.zeros(PAD, bool)])
