@@ -1,0 +1,60 @@
+"""The train-step harness (benchmarks/e2e.py) on the CPU at the tiny config: the baseline arm
+differentiates the jagged conversions into scatter-adds and the library's arms do not, the
+statistics, and the CLI's JSON."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import e2e  # noqa: E402
+
+
+def _seed_pool_program(arm):
+  train = e2e._load_train_script()
+  model, _, (batch,) = e2e._model_and_data(train, e2e.build_config(tiny=True), e2e.ARMS[arm])
+  fn, args = e2e.component_programs(model, batch)["seed_pool"]
+  with e2e._trace_context(arm):
+    return str(jax.make_jaxpr(fn)(*args))
+
+
+def test_only_the_baseline_differentiates_conversions_into_scatter_adds():
+  assert "scatter-add" in _seed_pool_program("baseline")
+  assert "scatter" not in _seed_pool_program("xla")
+  # The context restores the library's conversions.
+  from pallas_norm import jagged
+  assert jagged.to_padded is not jagged._gather_to_padded
+
+
+def test_interleaved_times_and_summary():
+  calls = []
+  programs = {name: (lambda name=name: calls.append(name), ()) for name in "abc"}
+  times = e2e.interleaved_times(programs, samples=4, warmup=1)
+  assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
+  assert calls[3:6] == ["a", "b", "c"] and calls[6:9] == ["b", "c", "a"]  # rotated rounds
+  stats = e2e.summarize([0.003, 0.001, 0.002, 0.010])
+  assert stats["n"] == 4 and stats["min_ms"] == pytest.approx(1.0)
+  assert stats["median_ms"] == pytest.approx(2.5)
+  assert stats["p10_ms"] <= stats["p25_ms"] <= stats["median_ms"] <= stats["p75_ms"]
+
+
+@pytest.mark.slow
+def test_cli_writes_the_json(tmp_path):
+  out = tmp_path / "e2e.json"
+  assert e2e.main(["--tiny", "--arms", "baseline,xla", "--components", "", "--samples", "2",
+                   "--loss-steps", "2", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert {(r["component"], r["arm"]) for r in result["rows"]} == {("step", "baseline"),
+                                                                  ("step", "xla")}
+  assert all(r["n"] == 2 and r["median_ms"] > 0 for r in result["rows"])
+  losses = result["losses"]
+  assert len(losses["baseline"]) == 2 and np.all(np.isfinite(losses["xla"]))
+  # Same math, the conversions' gradients summed in the same order: equal losses.
+  assert result["summary"]["loss/xla_max_abs_diff"] < 1e-6
+  assert result["summary"]["step/xla_speedup"] > 0
