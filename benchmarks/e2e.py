@@ -377,6 +377,32 @@ def summary(result: dict) -> dict:
   return out
 
 
+COMPONENT_NAMES = {"step": "whole train step (+ AdamW)", "self_attention": "one self-attention layer",
+                   "pffn": "one PFFN layer", "seed_pool": "seed pooling",
+                   "mlp": "interaction MLP"}
+
+
+def markdown_table(result: dict) -> str:
+  """The README's table of a harness result: median ms (p10–p90) per component and arm, and
+  each arm's speed-up over the baseline (median over median)."""
+  arms = list(result["arms"])
+  cell = {(r["component"], r["arm"]): r for r in result["rows"]}
+  head = ["| forward + backward of | " + " | ".join(f"{a} ms" for a in arms) + " | " + " | ".join(
+      f"{a} speed-up" for a in arms if a != "baseline") + " |"]
+  head.append("|---|" + "---:|" * (2 * len(arms) - 1))
+  lines = []
+  for piece, name in COMPONENT_NAMES.items():
+    if not any((piece, a) in cell for a in arms):
+      continue
+    times = [f"{cell[piece, a]['median_ms']:.1f} ({cell[piece, a]['p10_ms']:.1f}–"
+             f"{cell[piece, a]['p90_ms']:.1f})" if (piece, a) in cell else "—" for a in arms]
+    ratios = [f"{cell[piece, 'baseline']['median_ms'] / cell[piece, a]['median_ms']:.2f}×"
+              if (piece, a) in cell and (piece, "baseline") in cell else "—"
+              for a in arms if a != "baseline"]
+    lines.append(f"| {name} | " + " | ".join(times + ratios) + " |")
+  return "\n".join(head + lines)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description="Kunlun train-step harness (see the module doc)")
   p.add_argument("--tiny", action="store_true", help="the CPU-sized config")
@@ -387,7 +413,12 @@ def main(argv=None) -> int:
   p.add_argument("--components", default=",".join(COMPONENTS),
                  help="comma-separated subset of " + ",".join(COMPONENTS) + " (or empty)")
   p.add_argument("--out", type=pathlib.Path, default=None, help="JSON result file")
+  p.add_argument("--table", type=pathlib.Path, default=None,
+                 help="print the README table of this JSON result and exit")
   args = p.parse_args(argv)
+  if args.table is not None:
+    print(markdown_table(json.loads(args.table.read_text())))
+    return 0
   arms = tuple(a for a in args.arms.split(",") if a)
   components = tuple(c for c in args.components.split(",") if c)
   bad = sorted(set(arms) - set(ARMS)) + sorted(set(components) - set(COMPONENTS))
@@ -405,6 +436,7 @@ def main(argv=None) -> int:
     print(f"{key}: {value:.4g}", flush=True)
   for arm, losses in result["losses"].items():
     print(f"losses {arm}: " + " ".join(f"{v:.5f}" for v in losses), flush=True)
+  print(markdown_table(result), flush=True)
   return 0
 
 

@@ -58,3 +58,15 @@ def test_cli_writes_the_json(tmp_path):
   # Same math, the conversions' gradients summed in the same order: equal losses.
   assert result["summary"]["loss/xla_max_abs_diff"] < 1e-6
   assert result["summary"]["step/xla_speedup"] > 0
+
+
+def test_markdown_table_speedups_are_baseline_over_arm():
+  row = lambda c, a, ms: {"component": c, "arm": a, "median_ms": ms, "p10_ms": ms - 1,  # noqa: E731
+                          "p90_ms": ms + 1}
+  result = {"arms": {"baseline": "", "default": ""},
+            "rows": [row("step", "baseline", 140.0), row("step", "default", 56.0),
+                     row("mlp", "baseline", 7.0)]}
+  lines = e2e.markdown_table(result).splitlines()
+  assert lines[2] == ("| whole train step (+ AdamW) | 140.0 (139.0–141.0) | 56.0 (55.0–57.0) "
+                      "| 2.50× |")
+  assert lines[3] == "| interaction MLP | 7.0 (6.0–8.0) | — | — |"
