@@ -36,6 +36,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import pathlib
@@ -99,32 +100,40 @@ def _load_train_script():
 def _model_and_data(train, config: dict, implementation, num_batches: int = 1):
   """(model, optimizer, batches): the Kunlun model in bf16 with f32 parameters and AdamW, and
   ``num_batches`` synthetic batches of ``config["batch_size"]`` (device arrays)."""
-  import jax
   import jax.numpy as jnp
   from flax import nnx
 
   import flax_layers
 
-  ads_data = sys.modules["ads_data"]
   model_fields = {f.name for f in dataclasses.fields(flax_layers.KunlunConfig)}
   sizes = {k: v for k, v in config.items() if k not in _NOT_MODEL}
   unknown = set(sizes) - model_fields
   if unknown:
     raise ValueError(f"config keys {sorted(unknown)} are not KunlunConfig fields")
-  batch_size = config["batch_size"]
-  ds = ads_data.make_synthetic(batch_size * num_batches, max_seq_len=config["max_seq_len"],
-                               sparse_vocab_size=config["sparse_vocab_size"],
-                               item_vocab_size=config["item_vocab_size"], seed=config["seed"])
-  batches = [jax.tree.map(jnp.asarray, ads_data.make_batch(
-      ds, np.arange(i * batch_size, (i + 1) * batch_size), config["max_seq_len"]))
-      for i in range(num_batches)]
-  model_config = flax_layers.KunlunConfig(num_sparse_features=ds.sparse.shape[1],
-                                          num_dense_features=ds.dense.shape[1], **sizes)
+  batches = _synthetic_batches(tuple(sorted(config.items())), num_batches)
+  model_config = flax_layers.KunlunConfig(num_sparse_features=batches[0].sparse_ids.shape[1],
+                                          num_dense_features=batches[0].dense.shape[1], **sizes)
   model = flax_layers.KunlunModel(model_config, dtype=jnp.bfloat16, param_dtype=jnp.float32,
                                   rngs=nnx.Rngs(config["seed"]), implementation=implementation)
   optimizer = nnx.Optimizer(model, train.make_tx(config["lr"], config["weight_decay"]),
                             wrt=nnx.Param)
   return model, optimizer, batches
+
+
+@functools.lru_cache(maxsize=2)
+def _synthetic_batches(config_items: tuple, num_batches: int) -> tuple:
+  """``num_batches`` synthetic batches (device arrays) of the config, shared by the arms."""
+  import jax
+  import jax.numpy as jnp
+
+  ads_data, config = sys.modules["ads_data"], dict(config_items)
+  batch_size = config["batch_size"]
+  ds = ads_data.make_synthetic(batch_size * num_batches, max_seq_len=config["max_seq_len"],
+                               sparse_vocab_size=config["sparse_vocab_size"],
+                               item_vocab_size=config["item_vocab_size"], seed=config["seed"])
+  return tuple(jax.tree.map(jnp.asarray, ads_data.make_batch(
+      ds, np.arange(i * batch_size, (i + 1) * batch_size), config["max_seq_len"]))
+      for i in range(num_batches))
 
 
 def _jitted_step(train, graphdef):
@@ -251,28 +260,36 @@ def component_programs(model, batch, seed: int = 0) -> dict:
   return programs
 
 
-def build_arms(config: dict, arms, components, loss_steps: int, log=print) -> dict:
-  """arm -> {"batches": [...], "step": (compiled, (state, batch)), component: (compiled, args),
-  "errors": {program: message}}: every program lowered (the baseline's under
-  :func:`plain_jax_conversions`), then all compiled in parallel threads. A program that fails
-  to build is left out and its error recorded, so the other arms still run."""
+def build_arms(config: dict, arms, loss_steps: int) -> dict:
+  """arm -> {"batches": [...], "programs": {name: (jitted fn, args)}, "errors": {}}: the train
+  step and every component of :func:`component_programs`, not yet lowered."""
   from flax import nnx
 
   train = _load_train_script()
-  lowered, built = [], {}
+  built = {}
   for arm in arms:
     model, optimizer, batches = _model_and_data(train, config, ARMS[arm], max(1, loss_steps))
     graphdef, state = nnx.split((model, optimizer))
-    built[arm] = {"batches": batches, "errors": {}}
     programs = {"step": (_jitted_step(train, graphdef), (state, batches[0]))}
-    programs.update((name, fa) for name, fa in component_programs(model, batches[0]).items()
-                    if name in components)
+    programs.update(component_programs(model, batches[0]))
+    built[arm] = {"batches": batches, "programs": programs, "errors": {}}
+  return built
+
+
+def compile_programs(built: dict, names, log=print) -> None:
+  """Lowers the programs ``names`` of every arm (the baseline's under
+  :func:`plain_jax_conversions`) and compiles them all in parallel threads; each compiled
+  program is stored as ``built[arm][name] = (compiled, args)``. A program that fails to build
+  is left out and its error recorded in ``built[arm]["errors"]``, so the others still run."""
+  lowered = []
+  for arm, entry in built.items():
     with _trace_context(arm):
-      for name, (fn, args) in programs.items():
+      for name in names:
+        fn, args = entry["programs"][name]
         try:
           lowered.append((arm, name, fn.lower(*args), args))
         except Exception as e:  # noqa: BLE001  (recorded; the other programs still run)
-          built[arm]["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+          entry["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
   with concurrent.futures.ThreadPoolExecutor(8) as pool:
     futures = [pool.submit(item[2].compile) for item in lowered]
     for (arm, name, _, args), future in zip(lowered, futures):
@@ -280,10 +297,10 @@ def build_arms(config: dict, arms, components, loss_steps: int, log=print) -> di
         built[arm][name] = (future.result(), args)
       except Exception as e:  # noqa: BLE001
         built[arm]["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
-  for arm in arms:
-    for name, message in built[arm]["errors"].items():
-      log(f"{arm} {name}: FAILED to build: {message[:300]}")
-  return built
+  for arm, entry in built.items():
+    for name in names:
+      if name in entry["errors"]:
+        log(f"{arm} {name}: FAILED to build: {entry['errors'][name][:300]}")
 
 
 def interleaved_times(programs: dict, samples: int, warmup: int = 2) -> dict:
@@ -326,40 +343,50 @@ def train_losses(step, state, batches, steps: int) -> list[float]:
 
 def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: int = 30,
                 loss_steps: int = 20, log=print, save=lambda result: None) -> dict:
-  """The measurement of the module doc, as a JSON-ready dict; ``save(result)`` is called after
-  each timed piece, so a run cut short keeps what it measured."""
+  """The measurement of the module doc, as a JSON-ready dict. The whole step first (compile,
+  time, losses), then the components; ``save(result)`` is called after each timed piece, so a
+  run cut short keeps what it measured."""
   import jax
 
-  t0 = time.perf_counter()
-  built = build_arms(config, arms, components, loss_steps, log)
-  log(f"built {len(arms) * (1 + len(components))} programs in {time.perf_counter() - t0:.0f} s")
+  built = build_arms(config, arms, loss_steps)
   result = {
       "what": "Kunlun train step (issue 19): whole step and per-component forward+backward",
       "method": ("wall clock per call up to block_until_ready, arms interleaved with a "
                  "rotating order, after 2 warm-up calls each; ms"),
       "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-      "config": config, "samples_per_arm": samples,
+      "config": config, "samples_per_arm": samples, "loss_steps": loss_steps,
       "arms": {arm: ("plain JAX: XLA ops and attention, autodiff (scatter-add) conversions"
                      if arm == "baseline" else f"implementation={ARMS[arm]!r}") for arm in arms},
-      "errors": {arm: built[arm]["errors"] for arm in arms if built[arm]["errors"]},
-      "rows": [], "losses": {},
+      "errors": {}, "rows": [], "losses": {}, "summary": {},
   }
-  for piece in ("step",) + tuple(components):
-    ready = {arm: built[arm][piece] for arm in arms if piece in built[arm]}
-    times = interleaved_times(ready, samples)
-    for arm in ready:
-      row = {"component": piece, "arm": arm, **summarize(times[arm])}
-      result["rows"].append(row)
-      log(f"{piece:15s} {arm:9s} median {row['median_ms']:8.2f} ms  (p10 {row['p10_ms']:.2f}, "
-          f"p90 {row['p90_ms']:.2f}, min {row['min_ms']:.2f})")
+  for phase in (("step",), tuple(components)):
+    if not phase:
+      continue
+    t0 = time.perf_counter()
+    compile_programs(built, phase, log)
+    log(f"compiled {len(arms) * len(phase)} programs in {time.perf_counter() - t0:.0f} s")
+    result["errors"] = {arm: built[arm]["errors"] for arm in arms if built[arm]["errors"]}
+    for piece in phase:
+      _time_piece(result, built, piece, samples, log)
+      save(result)
+    if phase == ("step",):
+      for arm in arms:
+        if "step" in built[arm]:
+          step, (state, _) = built[arm]["step"]
+          result["losses"][arm] = train_losses(step, state, built[arm]["batches"], loss_steps)
+    result["summary"] = summary(result)
     save(result)
-  for arm in arms:
-    if "step" in built[arm]:
-      step, (state, _) = built[arm]["step"]
-      result["losses"][arm] = train_losses(step, state, built[arm]["batches"], loss_steps)
-  result["summary"] = summary(result)
-  save(result)
   return result
+
+
+def _time_piece(result, built, piece, samples, log) -> None:
+  ready = {arm: built[arm][piece] for arm in built if piece in built[arm]}
+  times = interleaved_times(ready, samples)
+  for arm in ready:
+    row = {"component": piece, "arm": arm, **summarize(times[arm])}
+    result["rows"].append(row)
+    log(f"{piece:15s} {arm:9s} median {row['median_ms']:8.2f} ms  (p10 {row['p10_ms']:.2f}, "
+        f"p90 {row['p90_ms']:.2f}, min {row['min_ms']:.2f})")
 
 
 def summary(result: dict) -> dict:
