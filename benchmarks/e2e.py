@@ -342,24 +342,25 @@ def train_losses(step, state, batches, steps: int) -> list[float]:
 
 
 def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: int = 30,
-                loss_steps: int = 20, log=print, save=lambda result: None) -> dict:
+                loss_steps: int = 20, log=print, save=lambda result: None,
+                with_step: bool = True) -> dict:
   """The measurement of the module doc, as a JSON-ready dict. The whole step first (compile,
-  time, losses), then the components; ``save(result)`` is called after each timed piece, so a
-  run cut short keeps what it measured."""
+  time, losses; skipped without ``with_step``), then the components; ``save(result)`` is
+  called after each timed piece, so a run cut short keeps what it measured."""
   import jax
 
-  built = build_arms(config, arms, loss_steps)
+  built = build_arms(config, arms, loss_steps if with_step else 1)
   result = {
       "what": "Kunlun train step (issue 19): whole step and per-component forward+backward",
       "method": ("wall clock per call up to block_until_ready, arms interleaved with a "
                  "rotating order, after 2 warm-up calls each; ms"),
       "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-      "config": config, "samples_per_arm": samples, "loss_steps": loss_steps,
+      "git_commit": _git_commit(), "config": config, "samples_per_arm": samples, "loss_steps": loss_steps,
       "arms": {arm: ("plain JAX: XLA ops and attention, autodiff (scatter-add) conversions"
                      if arm == "baseline" else f"implementation={ARMS[arm]!r}") for arm in arms},
       "errors": {}, "rows": [], "losses": {}, "summary": {},
   }
-  for phase in (("step",), tuple(components)):
+  for phase in (("step",) if with_step else (), tuple(components)):
     if not phase:
       continue
     t0 = time.perf_counter()
@@ -377,6 +378,17 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
     result["summary"] = summary(result)
     save(result)
   return result
+
+
+def _git_commit() -> str:
+  """HEAD of the checkout, else $GIT_COMMIT (a copy without .git), else "unknown"."""
+  import os
+  import subprocess
+  try:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("GIT_COMMIT", "unknown")
 
 
 def _time_piece(result, built, piece, samples, log) -> None:
@@ -439,6 +451,8 @@ def main(argv=None) -> int:
                  f"{','.join(ARMS)}")
   p.add_argument("--components", default=",".join(COMPONENTS),
                  help="comma-separated subset of " + ",".join(COMPONENTS) + " (or empty)")
+  p.add_argument("--no-step", action="store_true",
+                 help="time the components only (no whole step, no losses)")
   p.add_argument("--out", type=pathlib.Path, default=None, help="JSON result file")
   p.add_argument("--table", type=pathlib.Path, default=None,
                  help="print the README table of this JSON result and exit")
@@ -458,7 +472,8 @@ def main(argv=None) -> int:
       args.out.write_text(json.dumps(result, indent=1) + "\n")
 
   result = run_harness(build_config(args.tiny), arms, components, args.samples,
-                       args.loss_steps, log=lambda m: print(m, flush=True), save=save)
+                       args.loss_steps, log=lambda m: print(m, flush=True), save=save,
+                       with_step=not args.no_step)
   for key, value in result["summary"].items():
     print(f"{key}: {value:.4g}", flush=True)
   for arm, losses in result["losses"].items():
