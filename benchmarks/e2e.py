@@ -211,6 +211,18 @@ def _trace_context(arm: str):
   return plain_jax_conversions() if arm == "baseline" else contextlib.nullcontext()
 
 
+_PARAMS_OF = {"self_attention": ("qkv", "attn_out"), "pffn": ("pffn",),
+              "seed_pool": ("pool_kv", "seeds"), "mlp": ("mlp_in", "mlp", "head")}
+_PER_LAYER = ("qkv", "attn_out", "pffn")  # lists over layers: the pieces use layer 0
+
+
+def _owned_by(component: str, path, value) -> bool:
+  """nnx filter: a parameter of ``component`` (its first layer's, for per-layer lists)."""
+  from flax import nnx
+  return (isinstance(value, nnx.Param) and path[0] in _PARAMS_OF[component]
+          and (path[0] not in _PER_LAYER or path[1] == 0))
+
+
 def component_programs(model, batch, seed: int = 0) -> dict:
   """name -> (f, args): ``f(*args)`` is the forward + backward (``jax.vjp`` of the float inputs
   and the component's parameters, random cotangent) of one piece of ``model`` on ``batch``'s
@@ -243,10 +255,13 @@ def component_programs(model, batch, seed: int = 0) -> dict:
       "seed_pool": (lambda m, x: m._seed_pool(x, offsets), (x,)),
       "mlp": (mlp, (z,)),
   }
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   programs = {}
   for i, (name, (apply, inputs)) in enumerate(pieces.items()):
-    def forward(params, *inputs, apply=apply):
+    # Only the piece's own parameters: the gradient of every other one would be zeros that
+    # the program still writes (~1.3 GB of embedding and K/V-generator tables at production).
+    graphdef, params, rest = nnx.split(model, functools.partial(_owned_by, name), ...)
+
+    def forward(params, *inputs, apply=apply, graphdef=graphdef, rest=rest):
       return apply(nnx.merge(graphdef, params, rest), *inputs)
 
     out_shape = jax.eval_shape(forward, params, *inputs)

@@ -70,3 +70,18 @@ def test_markdown_table_speedups_are_baseline_over_arm():
   assert lines[2] == ("| whole train step (+ AdamW) | 140.0 (139.0–141.0) | 56.0 (55.0–57.0) "
                       "| 2.50× |")
   assert lines[3] == "| interaction MLP | 7.0 (6.0–8.0) | — | — |"
+
+
+def test_components_differentiate_only_their_own_parameters():
+  """Zero gradients of the other parameters (the embedding tables, ~1.3 GB at production)
+  would be written by every component program and inflate its time."""
+  from flax import nnx
+  train = e2e._load_train_script()
+  model, _, (batch,) = e2e._model_and_data(train, e2e.build_config(tiny=True), "xla")
+  programs = e2e.component_programs(model, batch)
+  owners = {name: {path[:2] if path[0] in e2e._PER_LAYER else path[:1]
+                   for path, _ in nnx.to_flat_state(args[0])}
+            for name, (_, args) in programs.items()}
+  assert owners == {"self_attention": {("qkv", 0), ("attn_out", 0)}, "pffn": {("pffn", 0)},
+                    "seed_pool": {("pool_kv",), ("seeds",)},
+                    "mlp": {("mlp_in",), ("mlp",), ("head",)}}
