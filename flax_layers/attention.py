@@ -182,8 +182,9 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
     hold unspecified finite values (XLA averages the masked values, cuDNN attends to key 0):
     callers drop or zero them, and give those rows a zero cotangent.
 
-  The two backends differ only by rounding (cuDNN keeps the probabilities in f32 registers,
-  XLA rounds the scores to the operands' dtype first).
+  The two backends differ only by rounding: XLA materializes the f32 scores and rounds the
+  probabilities to the operands' dtype before the product with v; cuDNN runs a blockwise
+  (online) softmax that never stores the scores.
   """
   if softmax_attention_backend(implementation, q.dtype, q.shape[-1]) == "cudnn":
     # cuDNN's padding mask with an empty sample is not a softmax; give it one key (its output
