@@ -53,9 +53,9 @@ IMPLEMENTATIONS = ("default", "xla", "mosaic", "interpret")
 INTERPRET_HINT = ("a step takes seconds and every evaluation batch as long, so try "
                   "PJRT_NPROC=8 python examples/train_kunlun.py --implementation interpret "
                   "--embed-dim 64 --head-dim 32 --batch-size 8 --max-seq-len 8 --steps 3 "
-                  "--eval-every 3 --valid-examples 16 (about two minutes of CPU time, most of "
-                  "it compiling: 1-2 minutes on 2 idle cores); with the default 200 steps and "
-                  "2048 validation examples it would take hours")
+                  "--eval-every 3 --valid-examples 16 (measured: under two minutes of CPU "
+                  "time, most of it compiling); the defaults, 200 steps and an evaluation of "
+                  "all 2048 validation examples every 50, take far longer")
 
 
 class CheckpointMismatchError(ValueError):
