@@ -1,0 +1,589 @@
+"""Backward of jagged GDPA as Pallas Mosaic-GPU kernels (Hopper, sm_90a).
+
+The math (DESIGN.md, op 3; oracle: ``jax.vjp`` of :func:`pallas_norm.reference.gdpa`): per
+sample b and head h, with ``Su = q kᵀ`` (the unscaled scores), ``S = pre·Su``, ``A = act(S)``
+(keys past the sample's KV length masked to exactly 0), ``o = post·A v``, and a cotangent dO:
+
+* ``dV = post·Aᵀ dO``; ``dAu = dO vᵀ`` (so ``dA = post·dAu``); ``dS = dA ⊙ act'(S)``;
+* ``dQ = pre·dS k``, ``dK = pre·dSᵀ q`` (scores recomputed: no softmax, no row statistics);
+* ``d post = Σ A ⊙ dAu`` (= Σ o_unscaled ⊙ dO) and ``d pre = Σ dS ⊙ Su``.
+
+Two kernels, both deterministic (no atomics), both in the shape of JAX's
+``pallas/ops/gpu/attention_mgpu.py`` backward (one TMA producer warpgroup, two WGMMA consumer
+warpgroups, a ring of SMEM stages):
+
+* **dK/dV** (:func:`_dkv_kernel`): a CTA owns a kv tile of 128 rows of one head (64 per consumer
+  warpgroup, K and V resident in SMEM) and loops over the q blocks (64 packed rows) of the
+  samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
+  ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per (sample, tile of
+  Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops over every sample
+  it overlaps. The scale-gradient partial sums come from the same registers.
+* **dQ** (:func:`_dq_kernel`): a CTA owns an aligned block of 128 packed q rows of one head (64
+  per consumer) and loops over the kv blocks (64 rows) of every sample the block overlaps. Each
+  dq row is written once by its block; rows of no sample (padding) come out as exact zeros.
+
+Q and kv blocks are *aligned* (block i covers packed rows [64·i, 64·i + 64)) because Mosaic's
+tiled TMA, which the swizzled WGMMA operands need, addresses rows in groups of 8; rows of a
+block that belong to another sample are masked out of every product with selects. A select
+cannot stop ``0 · NaN`` inside a WGMMA, so the one block that reaches past the last offset
+(padding rows, never data: they may hold anything) is read from a small zero-padded copy that
+the wrapper gathers (``*_tail``); rows of a neighbouring sample are real tokens and must be
+finite (a non-finite token makes the neighbour's gradients NaN too, not silently wrong ones).
+
+Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
+capacity T, except that the dQ kernel writes zeros over the padding blocks. The dK/dV tiles run
+longest first (the hardware schedules CTAs in order, so long samples do not trail at the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_norm import mgpu_common, reference
+
+__all__ = ["gdpa_bwd", "unsupported_reason", "act_and_grad", "BLOCK"]
+
+BLOCK = 64
+"""Rows of one WGMMA tile of a consumer warpgroup: a q block of the dK/dV loop, a kv block of
+the dQ loop, and each consumer's share of a CTA's kv tile (dK/dV) or q block (dQ)."""
+
+TILE = 2 * BLOCK
+"""Rows a CTA owns: kv rows in the dK/dV kernel, q rows in the dQ kernel (two consumers)."""
+
+STAGES = 3
+"""SMEM stages of each kernel's ring (two BLOCK × D tiles each)."""
+
+HEAD_DIMS = (64, 128)
+"""Head dims the kernels support: the two (BLOCK, D) float32 accumulators of a dK/dV consumer
+take D/2 registers per thread each, so D = 256 would not fit beside the score tiles."""
+
+ROW_ALIGN = 8
+"""Mosaic's tiled TMA addresses rows in groups of 8: the row count of every (packed or
+per-sample) GMEM operand must be a multiple of it."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Activations and their derivatives, elementwise in float32 with ops Mosaic GPU lowers.
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_GELU_CUBIC = 0.044715
+_LEAKY_SLOPE = 0.01
+
+
+def act_and_grad(activation: str, z, *, need_value: bool = True):
+  """``(act(z), act'(z))`` of :data:`pallas_norm.reference.ACTIVATIONS` for a float32 array
+  (``act(z)`` is None when not ``need_value``). The derivatives are those of the jnp functions
+  there (``jax.grad`` agrees: relu'(0) = 0, leaky_relu'(0) = 1)."""
+  if activation == "fast_gelu":  # 0.5 z (1 + tanh(u)), u = c (z + 0.044715 z³)
+    t = jnp.tanh(_SQRT_2_OVER_PI * (z + _GELU_CUBIC * z * z * z))
+    half_one_t = 0.5 + 0.5 * t
+    grad = half_one_t + (0.5 * _SQRT_2_OVER_PI) * z * (1.0 - t * t) * (
+        1.0 + (3.0 * _GELU_CUBIC) * z * z)
+    return (z * half_one_t if need_value else None), grad
+  if activation == "gelu":  # 0.5 z (1 + erf(z / √2))
+    cdf = 0.5 + 0.5 * lax.erf(z * _INV_SQRT_2)
+    grad = cdf + _INV_SQRT_2PI * z * jnp.exp(-0.5 * z * z)
+    return (z * cdf if need_value else None), grad
+  if activation == "silu":  # z σ(z)
+    sig = 1.0 / (1.0 + jnp.exp(-z))
+    grad = sig * (1.0 + z * (1.0 - sig))
+    return (z * sig if need_value else None), grad
+  if activation == "relu":
+    pos = z > 0
+    return (jnp.where(pos, z, 0.0) if need_value else None), jnp.where(pos, 1.0, 0.0)
+  if activation == "relu2":
+    r = jnp.where(z > 0, z, 0.0)
+    return (r * r if need_value else None), 2.0 * r
+  if activation == "leaky_relu":  # jax.nn.leaky_relu: where(z >= 0, z, slope z)
+    nonneg = z >= 0
+    value = jnp.where(nonneg, z, _LEAKY_SLOPE * z) if need_value else None
+    return value, jnp.where(nonneg, 1.0, _LEAKY_SLOPE)
+  if activation == "identity":
+    return (z if need_value else None), jnp.ones_like(z)
+  raise ValueError(f"activation must be one of {sorted(reference.ACTIVATIONS)}, "
+                   f"got {activation!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Eligibility and the static plan.
+
+
+def unsupported_reason(q, k, v, kv_offsets, max_seq_len=None, max_kv_len=None) -> str | None:
+  """None if the kernels can run the backward of this call, else why not (for dispatch).
+
+  Needs bfloat16/float16 q, k, v; head dim 64 or 128; a capacity T (and Tkv for jagged k/v, or
+  Lkv for dense k/v) that is a multiple of 8 (Mosaic's tiled TMA). ``max_seq_len`` and
+  ``max_kv_len`` do not limit the kernels (they loop over whatever lengths the offsets give).
+  """
+  del max_seq_len, max_kv_len, v
+  dtype = jnp.dtype(q.dtype)
+  if dtype not in mgpu_common.SUPPORTED_DTYPES:
+    return f"q dtype {dtype} is not bfloat16 or float16"
+  t, _, d = q.shape
+  if d not in HEAD_DIMS:
+    return f"head dim D = {d} is not one of {HEAD_DIMS}"
+  if t % ROW_ALIGN:
+    return f"q capacity T = {t} is not a multiple of {ROW_ALIGN}"
+  kv_rows = k.shape[0] if kv_offsets is not None else k.shape[1]
+  if kv_rows % ROW_ALIGN:
+    name = "Tkv" if kv_offsets is not None else "Lkv"
+    return f"k/v rows {name} = {kv_rows} is not a multiple of {ROW_ALIGN}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one backward call."""
+  batch: int          # B
+  heads: int          # H
+  head_dim: int       # D
+  dtype: jnp.dtype
+  dense: bool         # k/v (B, Lkv, H, D), else packed (Tkv, H, D)
+  kv_rows: int        # Lkv (dense) or Tkv (jagged)
+  kv_tiles: int       # dense: kv tiles per sample; jagged: kv tiles of the packed rows
+  activation: str
+  scale_grads: bool   # write the partial sums of d pre_scale and d post_scale
+
+  @property
+  def dkv_items(self) -> int:
+    return self.batch * self.kv_tiles if self.dense else self.kv_tiles
+
+
+def _tiled(d: int, dtype):
+  return mgpu_common.swizzle_transforms(d, dtype)
+
+
+def _cdiv(a, b):
+  return (a + b - 1) // b
+
+
+def _block_span(lo, hi):
+  """(first aligned BLOCK index, number of blocks) covering rows [lo, hi); 0 blocks if empty."""
+  first = lo // BLOCK
+  return first, jnp.where(hi > lo, _cdiv(hi, BLOCK) - first, 0)
+
+
+def _iota(shape, dim):
+  return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA)
+
+
+def _box(rows, row_lo, row_hi, cols, col_lo, col_hi):
+  """Bool (BLOCK, BLOCK) mask of rows in [row_lo, row_hi) and cols in [col_lo, col_hi), the
+  bounds relative to the tile's first row/col; ``rows``/``cols`` are the tile's iotas."""
+  return (rows >= row_lo) & (rows < row_hi) & (cols >= col_lo) & (cols < col_hi)
+
+
+def _row_zeros():
+  return plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+
+def _operand_smem(per_consumer: int, dtype):
+  """(2, per_consumer, BLOCK, BLOCK) SMEM tiles: WGMMA A operands a consumer computed."""
+  return plgpu.SMEM((2, per_consumer, BLOCK, BLOCK), dtype, transforms=_tiled(BLOCK, dtype))
+
+
+def _ring_allocs(d: int, dtype) -> dict:
+  """A :class:`mgpu_common.SharedRing` of two (BLOCK, D) tiles per stage."""
+  tile = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=_tiled(d, dtype))
+  return dict(x=tile, w=tile,
+              produced=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # one per TMA copy
+              consumed=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES))  # one per consumer
+
+
+def _produce(ring, step, sources) -> None:
+  """Producer: TMA-loads the two (BLOCK, D) GMEM windows ``sources`` into global step
+  ``step``'s stage once its previous use was released."""
+  x_ref, w_ref, produced, consumed = ring.stage(step)
+  pl.when(step >= ring.stages)(lambda: plgpu.barrier_wait(consumed))
+  plgpu.copy_gmem_to_smem(sources[0], x_ref, produced)
+  plgpu.copy_gmem_to_smem(sources[1], w_ref, produced)
+
+
+def _produce_block(ring, step, is_tail, main, tail) -> None:
+  """:func:`_produce` from ``main`` windows, or from the zero-padded ``tail`` ones for the
+  block that reaches past the last offset."""
+  pl.when(is_tail)(lambda: _produce(ring, step, tail))
+  pl.when(jnp.logical_not(is_tail))(lambda: _produce(ring, step, main))
+
+
+def _sample_loop(first, count, body, carry):
+  """``carry = body(sample, carry)`` for samples first .. first + count - 1 (dynamic)."""
+  return lax.fori_loop(0, count, lambda i, c: body(first + i, c), carry)
+
+
+# ------------------------------------------------------------------------------------------------
+# dK / dV (and the scale-gradient partial sums).
+
+
+def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
+                do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
+  dk_ref, dv_ref = out_refs[:2]
+  partial_ref = out_refs[2] if plan.scale_grads else None
+  d, dtype = plan.head_dim, plan.dtype
+  h = lax.axis_index("h")
+  cta = lax.axis_index("item")
+  item = order_ref[cta]
+  first, count = first_ref[item], count_ref[item]
+  if plan.dense:  # one sample; rows relative to it
+    k_view, v_view = k_ref.at[first, :, h, :], v_ref.at[first, :, h, :]
+    dk_view, dv_view = dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :]
+    kv_base = lax.rem(item, plan.kv_tiles) * TILE
+  else:
+    k_view, v_view = k_ref.at[:, h, :], v_ref.at[:, h, :]
+    dk_view, dv_view = dk_ref.at[:, h, :], dv_ref.at[:, h, :]
+    kv_base = item * TILE
+  tail_block = q_off_ref[plan.batch] // BLOCK  # the one q block that reaches past the last offset
+
+  def kv_range(s):
+    if plan.dense:
+      return 0, plan.kv_rows
+    return kv_off_ref[s], kv_off_ref[s + 1]
+
+  def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem):
+    ring = mgpu_common.SharedRing(stages=STAGES, **ring_allocs)
+
+    def producer():
+      def sample(s, step):
+        block0, blocks = _block_span(q_off_ref[s], q_off_ref[s + 1])
+
+        @pl.loop(0, blocks)
+        def _(j):
+          rows = pl.ds((block0 + j) * BLOCK, BLOCK)
+          main = (q_ref.at[rows, h, :], do_ref.at[rows, h, :])
+          tail = (q_tail_ref.at[:, h, :], do_tail_ref.at[:, h, :])
+          _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
+        return step + blocks
+
+      total = _sample_loop(first, count, sample, jnp.int32(0))
+      mgpu_common.ring_drain(ring, total)
+
+    def consumer():
+      wg = lax.axis_index("wg")
+      k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
+      row0 = kv_base + wg * BLOCK
+      plgpu.copy_gmem_to_smem(k_view.at[pl.ds(row0, BLOCK)], k_smem, kv_barrier.at[wg])
+      plgpu.copy_gmem_to_smem(v_view.at[pl.ds(row0, BLOCK)], v_smem, kv_barrier.at[wg])
+      plgpu.barrier_wait(kv_barrier.at[wg])
+      pre = scales_ref[0]
+      rows, cols = _iota((BLOCK, BLOCK), 0), _iota((BLOCK, BLOCK), 1)
+
+      def with_accs(dk_acc, dv_acc):
+        def sample(s, carry):
+          step, partials = carry
+          q_lo, q_hi = q_off_ref[s], q_off_ref[s + 1]
+          kv_lo, kv_hi = kv_range(s)
+          block0, blocks = _block_span(q_lo, q_hi)
+
+          def body(idxs, q_stage, do_stage, partials):
+            (j,) = idxs
+            col0 = (block0 + j) * BLOCK
+            valid = _box(rows, kv_lo - row0, kv_hi - row0, cols, q_lo - col0, q_hi - col0)
+            return _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
+                             (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1]),
+                             partials)
+
+          partials = mgpu_common.ring_k_loop(ring, step, blocks, partials, body)
+          return step + blocks, partials
+
+        partials = (_row_zeros(), _row_zeros()) if plan.scale_grads else ()
+        _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
+        post = scales_ref[1]
+        # K and V are no longer read: their SMEM stages the outputs.
+        k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
+        v_smem[...] = (dv_acc[...] * post).astype(dtype)
+        if plan.scale_grads:
+          partial_smem.at[wg, 0][...] = partials[0]
+          partial_smem.at[wg, 1][...] = partials[1]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_view.at[pl.ds(row0, BLOCK)])
+        plgpu.copy_smem_to_gmem(v_smem, dv_view.at[pl.ds(row0, BLOCK)])
+        if plan.scale_grads:
+          plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[h, cta, wg])
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
+
+    mgpu_common.warp_specialize(producer, consumer)
+
+  pl.run_scoped(
+      scoped,
+      _ring_allocs(d, dtype),
+      plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
+      _operand_smem(2, dtype),  # per consumer: Aᵀ and dSᵀ
+      plgpu.SMEM((2, 2, BLOCK), jnp.float32),
+      collective_axes="wg",
+  )
+
+
+def _scores(a_smem, b_stage, da_smem, db_stage):
+  """``(a bᵀ, da dbᵀ)``, two (BLOCK, BLOCK) float32 products issued before one wait."""
+  def issue(s_ref, da_ref):
+    plgpu.wgmma(s_ref, a_smem, b_stage.transpose((1, 0)))
+    plgpu.wgmma(da_ref, da_smem, db_stage.transpose((1, 0)))
+    return s_ref[...], da_ref[...]
+  return pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)), plgpu.ACC((BLOCK, BLOCK)))
+
+
+def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
+              operand_smem, partials):
+  """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
+  (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
+  accumulator refs (the scales are applied once, at the store) and the scale-gradient row
+  partials. Returns the partials once the stage is no longer read."""
+  dk_ref, dv_ref = acc_refs
+  s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
+  act, grad = act_and_grad(plan.activation, pre * s_t)
+  a_t = jnp.where(valid, act, 0.0).astype(plan.dtype)
+  ds_t = jnp.where(valid, da_t * grad, 0.0)
+  # WGMMA's A operand from SMEM (the interpreter has no register A; FA3's backward stages P
+  # and dS in SMEM too).
+  a_smem, ds_smem = operand_smem
+  a_smem[...] = a_t
+  ds_smem[...] = ds_t.astype(plan.dtype)
+  plgpu.commit_smem()
+  plgpu.wgmma(dv_ref, a_smem, do_stage)
+  plgpu.wgmma(dk_ref, ds_smem, q_stage)
+  if plan.scale_grads:
+    # d pre = post Σ (dAu ⊙ act') ⊙ Su;  d post = Σ A ⊙ dAu (A as rounded for the product).
+    partials = (partials[0] + jnp.sum(ds_t * s_t, axis=1),
+                partials[1] + jnp.sum(jnp.where(valid, a_t.astype(jnp.float32) * da_t, 0.0),
+                                      axis=1))
+  plgpu.wgmma_wait(0)
+  return partials
+
+
+# ------------------------------------------------------------------------------------------------
+# dQ.
+
+
+def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_ref,
+               v_ref, k_tail_ref, dq_ref, *, plan: _Plan):
+  d, dtype = plan.head_dim, plan.dtype
+  h = lax.axis_index("h")
+  block = lax.axis_index("item")
+  first, count = first_ref[block], count_ref[block]
+  tail_block = None if plan.dense else kv_off_ref[plan.batch] // BLOCK
+
+  def kv_span(s):
+    """(views of k and v, first kv block, blocks, valid rows [lo, hi)) of sample s."""
+    if plan.dense:
+      views = (k_ref.at[s, :, h, :], v_ref.at[s, :, h, :])
+      return views, 0, _cdiv(plan.kv_rows, BLOCK), 0, plan.kv_rows
+    lo, hi = kv_off_ref[s], kv_off_ref[s + 1]
+    return (k_ref.at[:, h, :], v_ref.at[:, h, :]), *_block_span(lo, hi), lo, hi
+
+  def scoped(ring_allocs, qdo_smem, qdo_barrier, op_smem):
+    ring = mgpu_common.SharedRing(stages=STAGES, **ring_allocs)
+
+    def producer():
+      def sample(s, step):
+        (k_view, v_view), block0, blocks, _, _ = kv_span(s)
+
+        @pl.loop(0, blocks)
+        def _(j):
+          rows = pl.ds((block0 + j) * BLOCK, BLOCK)
+          main = (k_view.at[rows], v_view.at[rows])
+          if plan.dense:
+            _produce(ring, step + j, main)
+          else:
+            tail = (k_tail_ref.at[:, h, :], v_view.at[rows])
+            _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
+        return step + blocks
+
+      total = _sample_loop(first, count, sample, jnp.int32(0))
+      mgpu_common.ring_drain(ring, total)
+
+    def consumer():
+      wg = lax.axis_index("wg")
+      q_smem, do_smem = qdo_smem.at[wg, 0], qdo_smem.at[wg, 1]
+      row0 = block * TILE + wg * BLOCK
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BLOCK), h, :], q_smem, qdo_barrier.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[pl.ds(row0, BLOCK), h, :], do_smem, qdo_barrier.at[wg])
+      plgpu.barrier_wait(qdo_barrier.at[wg])
+      pre = scales_ref[0]
+      rows, cols = _iota((BLOCK, BLOCK), 0), _iota((BLOCK, BLOCK), 1)
+
+      def with_acc(dq_acc):
+        def sample(s, step):
+          q_lo, q_hi = q_off_ref[s], q_off_ref[s + 1]
+          _, block0, blocks, kv_lo, kv_hi = kv_span(s)
+
+          def body(idxs, k_stage, v_stage, carry):
+            (j,) = idxs
+            col0 = (block0 + j) * BLOCK
+            valid = _box(rows, q_lo - row0, q_hi - row0, cols, kv_lo - col0, kv_hi - col0)
+            _dq_step(plan, pre, valid, q_smem, do_smem, k_stage, v_stage, dq_acc,
+                     op_smem.at[wg, 0])
+            return carry
+
+          mgpu_common.ring_k_loop(ring, step, blocks, (), body)
+          return step + blocks
+
+        _sample_loop(first, count, sample, jnp.int32(0))
+        q_smem[...] = (dq_acc[...] * (pre * scales_ref[1])).astype(dtype)  # Q is no longer read
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[pl.ds(row0, BLOCK), h, :])
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(with_acc, plgpu.ACC((BLOCK, d)))
+
+    mgpu_common.warp_specialize(producer, consumer)
+
+  pl.run_scoped(
+      scoped,
+      _ring_allocs(d, dtype),
+      plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its Q and dO copies
+      _operand_smem(1, dtype),  # per consumer: dS
+      collective_axes="wg",
+  )
+
+
+def _dq_step(plan: _Plan, pre, valid, q_smem, do_smem, k_stage, v_stage, dq_ref,
+             ds_smem) -> None:
+  """One kv block of a dQ consumer: ``S = Q Kᵀ``, ``dAu = dO Vᵀ``, then
+  ``dQ += (dAu ⊙ act'(pre·S)) K`` into the accumulator ref (the scales are applied once, at
+  the store); returns once the stage is no longer read."""
+  s, da = _scores(q_smem, k_stage, do_smem, v_stage)
+  _, grad = act_and_grad(plan.activation, pre * s, need_value=False)
+  ds_smem[...] = jnp.where(valid, da * grad, 0.0).astype(plan.dtype)
+  plgpu.commit_smem()
+  plgpu.wgmma(dq_ref, ds_smem, k_stage)
+  plgpu.wgmma_wait(0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The wrapper.
+
+
+def _overlaps(offsets, block_rows: int, n_blocks: int):
+  """(first sample, sample count) of each aligned block of ``block_rows`` packed rows: the
+  samples whose rows [offsets[s], offsets[s+1]) meet the block (empty samples between them are
+  counted too; their loops are empty)."""
+  starts = jnp.arange(n_blocks, dtype=jnp.int32) * block_rows
+  first = jnp.searchsorted(offsets[1:], starts, side="right").astype(jnp.int32)
+  stop = jnp.searchsorted(offsets[:-1], starts + block_rows, side="left").astype(jnp.int32)
+  return first, jnp.maximum(stop - first, 0)
+
+
+def _tail_block(x, offsets):
+  """The (BLOCK, H, D) aligned block of ``x`` that holds row ``offsets[-1]``, rows at or past
+  that offset zeroed (a gather of BLOCK rows, not a pass over ``x``)."""
+  rows = offsets[-1] // BLOCK * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+  block = jnp.take(x, jnp.minimum(rows, x.shape[0] - 1), axis=0)
+  return jnp.where((rows < offsets[-1])[:, None, None], block, jnp.zeros((), x.dtype))
+
+
+def _scale_array(pre_scale, post_scale):
+  return jnp.stack([jnp.asarray(pre_scale, jnp.float32), jnp.asarray(post_scale, jnp.float32)])
+
+
+def _dkv_order(plan: _Plan, q_offsets, first, count):
+  """dK/dV tiles, most q blocks first (ties keep their order)."""
+  q_first, q_blocks = _block_span(q_offsets[:-1], q_offsets[1:])
+  del q_first
+  per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                           q_blocks.astype(jnp.int32)]))
+  work = per_sample[first + count] - per_sample[first]
+  return jnp.argsort(-work, stable=True).astype(jnp.int32)
+
+
+def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
+  return plgpu.kernel(
+      functools.partial(kernel, plan=plan),
+      out_type=out_type,
+      grid=(plan.heads, grid_items),
+      grid_names=("h", "item"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=mgpu_common.interpret_params() if interpret else None,
+  )
+
+
+def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu",
+             pre_scale=1.0, post_scale=1.0, max_seq_len=None, max_kv_len=None,
+             interpret: bool = False):
+  """Gradients of :func:`pallas_norm.reference.gdpa` with respect to q, k, v and the scales.
+
+  Args:
+    q: (T, H, D) packed query tokens, bfloat16 or float16, D in (64, 128), T % 8 == 0.
+    k, v: dense (B, Lkv, H, D) (Lkv % 8 == 0), or packed (Tkv, H, D) (Tkv % 8 == 0) with
+      ``kv_offsets``; q's dtype.
+    q_offsets: int32 (B+1,) offsets of q; kv_offsets: int32 (B+1,) offsets of packed k/v, or
+      None for dense k/v. The caller has validated them (:func:`pallas_norm.ops.gdpa.check_args`).
+    do: (T, H, D) cotangent of the output (cast to q's dtype). Its padding rows and those of q
+      (and of packed k/v) may hold anything; rows of real tokens must be finite.
+    activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
+    pre_scale, post_scale: real scalars: Python numbers or 0-d arrays (traced ones included).
+    max_seq_len, max_kv_len: accepted for the common interface; the kernels do not need them.
+    interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
+
+  Returns:
+    ``(dq, dk, dv, d_pre_scale, d_post_scale)``: dq like q (zeros on padding rows), dk and dv
+    like k (zeros on padded rows of packed k/v), the products accumulated in float32. The scale
+    gradients are float32 0-d arrays, or both None when both scales are Python numbers (then
+    the kernels skip their partial sums).
+
+  Raises:
+    NotImplementedError: what :func:`unsupported_reason` names.
+    ValueError: an unknown activation; do not shaped like q.
+  """
+  if activation not in reference.ACTIVATIONS:
+    raise ValueError(f"activation must be one of {sorted(reference.ACTIVATIONS)}, "
+                     f"got {activation!r}")
+  if tuple(do.shape) != tuple(q.shape):
+    raise ValueError(f"do must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}")
+  if reason := unsupported_reason(q, k, v, kv_offsets, max_seq_len, max_kv_len):
+    raise NotImplementedError(f"gdpa backward kernel: {reason}")
+  t, heads, d = q.shape
+  dtype = jnp.dtype(q.dtype)
+  do = do.astype(dtype)
+  batch = q_offsets.shape[0] - 1
+  dense = kv_offsets is None
+  kv_rows = k.shape[1] if dense else k.shape[0]
+  scale_grads = not all(isinstance(x, (int, float)) for x in (pre_scale, post_scale))
+  plan = _Plan(batch=batch, heads=heads, head_dim=d, dtype=dtype, dense=dense, kv_rows=kv_rows,
+               kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads)
+  q_offsets = jnp.asarray(q_offsets, jnp.int32)
+  kv_off = jnp.zeros((batch + 1,), jnp.int32) if dense else jnp.asarray(kv_offsets, jnp.int32)
+  scales = _scale_array(pre_scale, post_scale)
+
+  # dK / dV.
+  if dense:
+    items = jnp.arange(plan.dkv_items, dtype=jnp.int32)
+    kv_first, kv_count = items // plan.kv_tiles, jnp.ones_like(items)
+  else:
+    kv_first, kv_count = _overlaps(kv_off, TILE, plan.dkv_items)
+  order = _dkv_order(plan, q_offsets, kv_first, kv_count)
+  out_type = [jax.ShapeDtypeStruct(k.shape, dtype)] * 2
+  if scale_grads:
+    out_type.append(jax.ShapeDtypeStruct((heads, plan.dkv_items, 2, 2, BLOCK), jnp.float32))
+  dkv_outs = _call(_dkv_kernel, plan, plan.dkv_items, out_type, interpret)(
+      order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
+      _tail_block(q, q_offsets), _tail_block(do, q_offsets))
+  dk, dv = dkv_outs[:2]
+
+  # dQ.
+  q_blocks = _cdiv(t, TILE)
+  q_first, q_count = _overlaps(q_offsets, TILE, q_blocks)
+  # Dense k/v have no padding rows: a placeholder takes the tail's place.
+  k_tail = jnp.zeros((BLOCK, heads, d), dtype) if dense else _tail_block(k, kv_off)
+  dq = _call(_dq_kernel, plan, q_blocks, jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
+      q_first, q_count, q_offsets, kv_off, scales, q, do, k, v, k_tail)
+
+  if not scale_grads:
+    return dq, dk, dv, None, None
+  partial = jnp.sum(dkv_outs[2], axis=(0, 1, 2, 4))  # (d pre / post, d post)
+  return dq, dk, dv, partial[0] * scales[1], partial[1]
