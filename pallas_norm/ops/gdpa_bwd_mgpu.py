@@ -80,6 +80,27 @@ _GELU_CUBIC = 0.044715
 _LEAKY_SLOPE = 0.01
 
 
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+          -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+          -7.37332916720468e-03, -1.42647390514189e-02)
+
+
+def erf_f32(x):
+  """erf of a float32 array as a rational function of x on [-4, 4] (XLA's and Eigen's float32
+  approximation, a few ulp): Mosaic GPU has no layout rule for ``math.erf``."""
+  x = jnp.minimum(jnp.maximum(x, -4.0), 4.0)
+  x2 = x * x
+  p = jnp.full_like(x, _ERF_P[0])
+  for c in _ERF_P[1:]:
+    p = p * x2 + c
+  q = jnp.full_like(x, _ERF_Q[0])
+  for c in _ERF_Q[1:]:
+    q = q * x2 + c
+  return x * p / q
+
+
 def act_and_grad(activation: str, z, *, need_value: bool = True):
   """``(act(z), act'(z))`` of :data:`pallas_norm.reference.ACTIVATIONS` for a float32 array
   (``act(z)`` is None when not ``need_value``). The derivatives are those of the jnp functions
@@ -91,7 +112,7 @@ def act_and_grad(activation: str, z, *, need_value: bool = True):
         1.0 + (3.0 * _GELU_CUBIC) * z * z)
     return (z * half_one_t if need_value else None), grad
   if activation == "gelu":  # 0.5 z (1 + erf(z / √2))
-    cdf = 0.5 + 0.5 * lax.erf(z * _INV_SQRT_2)
+    cdf = 0.5 + 0.5 * erf_f32(z * _INV_SQRT_2)
     grad = cdf + _INV_SQRT_2PI * z * jnp.exp(-0.5 * z * z)
     return (z * cdf if need_value else None), grad
   if activation == "silu":  # z σ(z)
