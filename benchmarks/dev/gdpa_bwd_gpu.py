@@ -72,11 +72,12 @@ def main():
   del want, vjp
 
   from jax.experimental.mosaic.gpu import profiler
-  for scales in (False, True):
+  for scales, stages in ((False, gb.STAGES), (True, gb.STAGES), (False, 2)):
+    gb.STAGES = stages  # a dev-only sweep of the ring depth
     fn = bwd(scales)
     arg_sets = [(q, k, v, do, pre, post) for q, k, v, do in sets]
     times = timing.measure_us(fn, arg_sets, args.iterations, "cupti")
-    print(f"backward scale_grads={scales}: median {timing.median(times):.1f} us "
+    print(f"backward scale_grads={scales} stages={stages}: median {timing.median(times):.1f} us "
           f"(min {min(times):.1f}, max {max(times):.1f}) over {len(times)} calls", flush=True)
     _, per_kernel = profiler.measure(timing.Rotating(fn, arg_sets), aggregate=False,
                                      iterations=3)()
