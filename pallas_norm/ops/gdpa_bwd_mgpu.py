@@ -204,8 +204,6 @@ def _box(rows, row_lo, row_hi, cols, col_lo, col_hi):
   return (rows >= row_lo) & (rows < row_hi) & (cols >= col_lo) & (cols < col_hi)
 
 
-def _row_zeros():
-  return plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
 
 
 def _operand_smem(per_consumer: int, dtype):
@@ -316,15 +314,16 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
           partials = mgpu_common.ring_k_loop(ring, step, blocks, partials, body)
           return step + blocks, partials
 
-        partials = (_row_zeros(), _row_zeros()) if plan.scale_grads else ()
+        partials = ((mgpu_common.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
         _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
         post = scales_ref[1]
         # K and V are no longer read: their SMEM stages the outputs.
         k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
         v_smem[...] = (dv_acc[...] * post).astype(dtype)
         if plan.scale_grads:
-          partial_smem.at[wg, 0][...] = partials[0]
-          partial_smem.at[wg, 1][...] = partials[1]
+          # One cross-lane reduction per CTA, not per step.
+          partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
+          partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_smem, dk_view.at[pl.ds(row0, BLOCK)])
         plgpu.copy_smem_to_gmem(v_smem, dv_view.at[pl.ds(row0, BLOCK)])
@@ -376,10 +375,13 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
   plgpu.wgmma(dv_ref, a_smem, do_stage)
   plgpu.wgmma(dk_ref, ds_smem, q_stage)
   if plan.scale_grads:
-    # d pre = post Σ (dAu ⊙ act') ⊙ Su;  d post = Σ A ⊙ dAu (A as rounded for the product).
-    partials = (partials[0] + jnp.sum(ds_t * s_t, axis=1),
-                partials[1] + jnp.sum(jnp.where(valid, a_t.astype(jnp.float32) * da_t, 0.0),
-                                      axis=1))
+    # d pre = post Σ (dAu ⊙ act') ⊙ Su;  d post = Σ A ⊙ dAu.
+    # Per-thread partial row sums (no cross-lane traffic in the loop); selects, not products
+    # with the masked tiles: a masked score may be NaN (a padding row of packed k).
+    # A in float32 for d post: the bfloat16 rounding of A is noise of ~2^-9 per term, as large
+    # as the cancelling sum itself can be.
+    partials = (partials[0] + mgpu_common.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
+                partials[1] + mgpu_common.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
   plgpu.wgmma_wait(0)
   return partials
 
