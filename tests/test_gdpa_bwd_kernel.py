@@ -171,6 +171,24 @@ def test_erf_f32():
   np.testing.assert_allclose(gb.erf_f32(x), jax.lax.erf(x), atol=1e-6)
 
 
+def test_block_overlaps():
+  """Each aligned block's (first sample, count) covers exactly the non-empty samples that meet
+  it (random offsets with empty samples and padding)."""
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    lengths = rng.integers(0, 200, size=rng.integers(1, 12))
+    lengths[rng.random(lengths.size) < 0.3] = 0
+    offsets = _offsets(lengths)
+    n_blocks = -(-(int(offsets[-1]) + int(rng.integers(1, 150))) // gb.BLOCK)
+    first, count = gb._overlaps(offsets, gb.BLOCK, n_blocks)  # pylint: disable=protected-access
+    for g in range(n_blocks):
+      lo, hi = g * gb.BLOCK, (g + 1) * gb.BLOCK
+      want = [s for s in range(lengths.size)
+              if lengths[s] and offsets[s] < hi and offsets[s + 1] > lo]
+      got = [s for s in range(int(first[g]), int(first[g] + count[g])) if lengths[s]]
+      assert got == want, (lengths, g)
+
+
 def test_unsupported_reasons_and_errors():
   q = jnp.zeros((64, 1, 64), jnp.bfloat16)
   k = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)

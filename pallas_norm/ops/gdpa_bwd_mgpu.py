@@ -495,8 +495,11 @@ def _overlaps(offsets, block_rows: int, n_blocks: int):
   samples whose rows [offsets[s], offsets[s+1]) meet the block (empty samples between them are
   counted too; their loops are empty)."""
   starts = jnp.arange(n_blocks, dtype=jnp.int32) * block_rows
-  first = jnp.searchsorted(offsets[1:], starts, side="right").astype(jnp.int32)
-  stop = jnp.searchsorted(offsets[:-1], starts + block_rows, side="left").astype(jnp.int32)
+  # "compare_all": one fusion. The default binary search ("scan") is a loop of ~2·log2(B)
+  # tiny kernels on the GPU (~20 µs per call at B = 768, measured in the H200 run).
+  search = functools.partial(jnp.searchsorted, method="compare_all")
+  first = search(offsets[1:], starts, side="right").astype(jnp.int32)
+  stop = search(offsets[:-1], starts + block_rows, side="left").astype(jnp.int32)
   return first, jnp.maximum(stop - first, 0)
 
 
