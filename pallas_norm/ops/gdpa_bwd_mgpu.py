@@ -8,9 +8,8 @@ sample b and head h, with ``Su = q kᵀ`` (the unscaled scores), ``S = pre·Su``
 * ``dQ = pre·dS k``, ``dK = pre·dSᵀ q`` (scores recomputed: no softmax, no row statistics);
 * ``d post = Σ A ⊙ dAu`` (= Σ o_unscaled ⊙ dO) and ``d pre = Σ dS ⊙ Su``.
 
-Two kernels, both deterministic (no atomics), both in the shape of JAX's
-``pallas/ops/gpu/attention_mgpu.py`` backward (one TMA producer warpgroup, two WGMMA consumer
-warpgroups, a ring of SMEM stages):
+Deterministic kernels (no atomics) in the shape of JAX's ``pallas/ops/gpu/attention_mgpu.py``
+backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of SMEM stages):
 
 * **dK/dV** (:func:`_dkv_kernel`): a CTA owns a kv tile of 128 rows of one head (64 per consumer
   warpgroup, K and V resident in SMEM) and loops over the q blocks (64 packed rows) of the
@@ -18,9 +17,15 @@ warpgroups, a ring of SMEM stages):
   ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per (sample, tile of
   Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops over every sample
   it overlaps. The scale-gradient partial sums come from the same registers.
-* **dQ** (:func:`_dq_kernel`): a CTA owns an aligned block of 128 packed q rows of one head (64
-  per consumer) and loops over the kv blocks (64 rows) of every sample the block overlaps. Each
-  dq row is written once by its block; rows of no sample (padding) come out as exact zeros.
+* **dQ fused** (:func:`_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
+  shape): the dK/dV CTA of a (sample, head) holds every kv row, so dQ of a q block = dS K is
+  complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway), meet
+  at a barrier, and each computes and stores half of dQ's columns for the sample's rows. A few
+  extra CTAs write zeros over dq's padding rows.
+* **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
+  head (64 per consumer) and loops over the kv blocks (64 rows) of every sample the block
+  overlaps. Each dq row is written once by its block; rows of no sample (padding) come out as
+  exact zeros.
 
 Q and kv blocks are *aligned* (block i covers packed rows [64·i, 64·i + 64)) because Mosaic's
 tiled TMA, which the swizzled WGMMA operands need, addresses rows in groups of 8; rows of a
@@ -31,7 +36,7 @@ the wrapper gathers (``*_tail``); rows of a neighbouring sample are real tokens 
 finite (a non-finite token makes the neighbour's gradients NaN too, not silently wrong ones).
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
-capacity T, except that the dQ kernel writes zeros over the padding blocks. The dK/dV tiles run
+capacity T, except for writing zeros over dq's padding rows. The dK/dV tiles run
 longest first (the hardware schedules CTAs in order, so long samples do not trail at the end).
 """
 
@@ -58,8 +63,10 @@ the dQ loop, and each consumer's share of a CTA's kv tile (dK/dV) or q block (dQ
 TILE = 2 * BLOCK
 """Rows a CTA owns: kv rows in the dK/dV kernel, q rows in the dQ kernel (two consumers)."""
 
-STAGES = 3
-"""SMEM stages of each kernel's ring (two BLOCK × D tiles each)."""
+STAGES = 2
+"""SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 (two-kernel
+version, benchmark shape) 2 stages ran 952 µs and 3 stages 968: the consumers, not the loads,
+set the pace, and the fused dK/dV/dQ kernel needs the SMEM."""
 
 HEAD_DIMS = (64, 128)
 """Head dims the kernels support: the two (BLOCK, D) float32 accumulators of a dK/dV consumer
@@ -176,6 +183,11 @@ class _Plan:
   scale_grads: bool   # write the partial sums of d pre_scale and d post_scale
 
   @property
+  def fuse_dq(self) -> bool:
+    """dQ inside the dK/dV kernel: a CTA holds every kv row of its (sample, head)."""
+    return self.dense and self.kv_rows <= TILE and self.head_dim == 2 * BLOCK
+
+  @property
   def dkv_items(self) -> int:
     return self.batch * self.kv_tiles if self.dense else self.kv_tiles
 
@@ -207,7 +219,7 @@ def _box(rows, row_lo, row_hi, cols, col_lo, col_hi):
 
 
 def _operand_smem(per_consumer: int, dtype):
-  """(2, per_consumer, BLOCK, BLOCK) SMEM tiles: WGMMA A operands a consumer computed."""
+  """(2, per_consumer, BLOCK, BLOCK) SMEM tiles: WGMMA A operands each consumer computed."""
   return plgpu.SMEM((2, per_consumer, BLOCK, BLOCK), dtype, transforms=_tiled(BLOCK, dtype))
 
 
@@ -247,33 +259,40 @@ def _sample_loop(first, count, body, carry):
 def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
                 do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
   dk_ref, dv_ref = out_refs[:2]
-  partial_ref = out_refs[2] if plan.scale_grads else None
+  dq_ref = out_refs[2] if plan.fuse_dq else None
+  partial_ref = out_refs[-1] if plan.scale_grads else None
   d, dtype = plan.head_dim, plan.dtype
   h = lax.axis_index("h")
   cta = lax.axis_index("item")
-  item = order_ref[cta]
+  is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that zeroes dq's padding rows
+  item = order_ref[jnp.minimum(cta, plan.dkv_items - 1)]
   first, count = first_ref[item], count_ref[item]
   if plan.dense:  # one sample; rows relative to it
-    k_view, v_view = k_ref.at[first, :, h, :], v_ref.at[first, :, h, :]
-    dk_view, dv_view = dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :]
+    kv_views = (k_ref.at[first, :, h, :], v_ref.at[first, :, h, :])
+    dkv_views = (dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :])
     kv_base = lax.rem(item, plan.kv_tiles) * TILE
   else:
-    k_view, v_view = k_ref.at[:, h, :], v_ref.at[:, h, :]
-    dk_view, dv_view = dk_ref.at[:, h, :], dv_ref.at[:, h, :]
+    kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
+    dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
     kv_base = item * TILE
   tail_block = q_off_ref[plan.batch] // BLOCK  # the one q block that reaches past the last offset
+
+  def q_span(s):
+    """(valid q rows [lo, hi), first aligned q block, blocks) of sample s."""
+    lo, hi = q_off_ref[s], q_off_ref[s + 1]
+    return (lo, hi, *_block_span(lo, hi))
 
   def kv_range(s):
     if plan.dense:
       return 0, plan.kv_rows
     return kv_off_ref[s], kv_off_ref[s + 1]
 
-  def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem):
+  def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready):
     ring = mgpu_common.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
       def sample(s, step):
-        block0, blocks = _block_span(q_off_ref[s], q_off_ref[s + 1])
+        _, _, block0, blocks = q_span(s)
 
         @pl.loop(0, blocks)
         def _(j):
@@ -283,40 +302,44 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
           _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
         return step + blocks
 
-      total = _sample_loop(first, count, sample, jnp.int32(0))
-      mgpu_common.ring_drain(ring, total)
+      pl.when(is_item)(lambda: mgpu_common.ring_drain(
+          ring, _sample_loop(first, count, sample, jnp.int32(0))))
 
     def consumer():
       wg = lax.axis_index("wg")
       k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
       row0 = kv_base + wg * BLOCK
-      plgpu.copy_gmem_to_smem(k_view.at[pl.ds(row0, BLOCK)], k_smem, kv_barrier.at[wg])
-      plgpu.copy_gmem_to_smem(v_view.at[pl.ds(row0, BLOCK)], v_smem, kv_barrier.at[wg])
-      plgpu.barrier_wait(kv_barrier.at[wg])
-      pre = scales_ref[0]
-      rows, cols = _iota((BLOCK, BLOCK), 0), _iota((BLOCK, BLOCK), 1)
 
       def with_accs(dk_acc, dv_acc):
+        for view, tile in zip(kv_views, (k_smem, v_smem)):
+          plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], tile, kv_barrier.at[wg])
+        plgpu.barrier_wait(kv_barrier.at[wg])
+        pre, post = scales_ref[0], scales_ref[1]
+        rows, cols = _iota((BLOCK, BLOCK), 0), _iota((BLOCK, BLOCK), 1)
+
         def sample(s, carry):
           step, partials = carry
-          q_lo, q_hi = q_off_ref[s], q_off_ref[s + 1]
+          q_lo, q_hi, block0, blocks = q_span(s)
           kv_lo, kv_hi = kv_range(s)
-          block0, blocks = _block_span(q_lo, q_hi)
 
           def body(idxs, q_stage, do_stage, partials):
             (j,) = idxs
             col0 = (block0 + j) * BLOCK
+            slot = lax.rem(step + j, 2)
             valid = _box(rows, kv_lo - row0, kv_hi - row0, cols, q_lo - col0, q_hi - col0)
-            return _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
-                             (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1]),
-                             partials)
+            partials = _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
+                                 (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
+                                 partials)
+            if plan.fuse_dq:
+              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem, ds_ready.at[slot],
+                        dq_smem.at[wg], dq_ref.at[:, h, :], col0, q_lo, q_hi)
+            return partials
 
           partials = mgpu_common.ring_k_loop(ring, step, blocks, partials, body)
           return step + blocks, partials
 
         partials = ((mgpu_common.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
         _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
-        post = scales_ref[1]
         # K and V are no longer read: their SMEM stages the outputs.
         k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
         v_smem[...] = (dv_acc[...] * post).astype(dtype)
@@ -325,13 +348,17 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
           partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
           partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, dk_view.at[pl.ds(row0, BLOCK)])
-        plgpu.copy_smem_to_gmem(v_smem, dv_view.at[pl.ds(row0, BLOCK)])
+        for view, tile in zip(dkv_views, (k_smem, v_smem)):
+          plgpu.copy_smem_to_gmem(tile, view.at[pl.ds(row0, BLOCK)])
         if plan.scale_grads:
           plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[h, cta, wg])
         plgpu.wait_smem_to_gmem(0)
 
-      pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
+      pl.when(is_item)(lambda: pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)),
+                                             plgpu.ACC((BLOCK, d))))
+      if plan.fuse_dq:
+        pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
+            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0]))
 
     mgpu_common.warp_specialize(producer, consumer)
 
@@ -340,10 +367,76 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       _ring_allocs(d, dtype),
       plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
-      _operand_smem(2, dtype),  # per consumer: Aᵀ and dSᵀ
+      _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
       plgpu.SMEM((2, 2, BLOCK), jnp.float32),
+      plgpu.SMEM((2, BLOCK, BLOCK), dtype),  # per consumer: its dq tile (unswizzled)
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both dSᵀ tiles of a slot written
       collective_axes="wg",
   )
+
+
+DQ_ZERO_CTAS = 16
+"""CTAs per head that write zeros over dq's padding rows when dQ is fused into the dK/dV
+kernel (no other CTA owns those rows)."""
+
+
+def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
+  """Writes zeros over share ``index`` (of :data:`DQ_ZERO_CTAS`) of the padding rows
+  [total, T) of one head's dq (T, D), in whole BLOCK-row stores (clipped at T)."""
+  capacity, d = dq_view.shape
+  share = _cdiv(_cdiv(capacity - total, DQ_ZERO_CTAS), BLOCK) * BLOCK
+  lo = total + index * share
+  blocks = _cdiv(jnp.maximum(jnp.minimum(lo + share, capacity) - lo, 0), BLOCK)
+  zero_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK, BLOCK), zero_smem.dtype),
+                                     plgpu.Layout.WGMMA)
+  plgpu.commit_smem()
+
+  @pl.loop(0, blocks)
+  def _(i):
+    for c in range(d // BLOCK):
+      plgpu.copy_smem_to_gmem(zero_smem, dq_view.at[pl.ds(lo + i * BLOCK, BLOCK),
+                                                    pl.ds(c * BLOCK, BLOCK)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, col0, q_lo,
+              q_hi) -> None:
+  """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK): once both
+  consumers wrote their dSᵀ tile (``ds_tiles[w]``: BLOCK kv × BLOCK q rows), consumer w
+  computes dQ[:, w·BLOCK:(w+1)·BLOCK] = Σ_w' dSᵀ[w']ᵀ K[w'][:, cols] (every kv row is in the
+  CTA) and stores the rows of the sample, [q_lo, q_hi) ∩ the block."""
+  plgpu.barrier_arrive(ready)
+  plgpu.barrier_wait(ready)
+  wg = lax.axis_index("wg")
+  for half in range(2):  # static column slices of K's tiled SMEM
+    @pl.when(wg == half)
+    def _():
+      def issue(acc):
+        for w in range(2):
+          plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)),
+                      kv_smem.at[w, 0, :, pl.ds(half * BLOCK, BLOCK)])
+        return acc[...]
+
+      dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
+      dq_smem[...] = (dq * scale).astype(plan.dtype)
+      plgpu.commit_smem()
+      lo = jnp.maximum(q_lo - col0, 0)
+      _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
+                  dq_view.at[pl.ds(col0, BLOCK), pl.ds(half * BLOCK, BLOCK)])
+
+
+def _store_rows(tile, lo, count, window) -> None:
+  """TMA-stores rows [lo, lo + count) of an unswizzled SMEM ``tile`` to the same rows of the
+  GMEM ``window`` (count dynamic, 0 ≤ count ≤ rows): descriptors have static box sizes, so a
+  ladder of power-of-two stores (JAX's ``ragged_dot_mgpu.py``)."""
+  size = tile.shape[0]
+  while size >= 1:
+    @pl.when((count & size) != 0)
+    def _():
+      plgpu.copy_smem_to_gmem(tile.at[pl.ds(lo, size)], window.at[pl.ds(lo, size)])
+    lo = lo + (count & size)
+    size //= 2
 
 
 def _scores(a_smem, b_stage, da_smem, db_stage):
@@ -594,22 +687,27 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     kv_first, kv_count = _overlaps(kv_off, TILE, plan.dkv_items)
   order = _dkv_order(plan, q_offsets, kv_first, kv_count)
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype)] * 2
+  if plan.fuse_dq:
+    out_type.append(jax.ShapeDtypeStruct(q.shape, dtype))
   if scale_grads:
     out_type.append(jax.ShapeDtypeStruct((heads, plan.dkv_items, 2, 2, BLOCK), jnp.float32))
-  dkv_outs = _call(_dkv_kernel, plan, plan.dkv_items, out_type, interpret)(
+  grid_items = plan.dkv_items + (DQ_ZERO_CTAS if plan.fuse_dq else 0)
+  dkv_outs = _call(_dkv_kernel, plan, grid_items, out_type, interpret)(
       order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
       _tail_block(q, q_offsets), _tail_block(do, q_offsets))
   dk, dv = dkv_outs[:2]
 
-  # dQ.
-  q_blocks = _cdiv(t, TILE)
-  q_first, q_count = _overlaps(q_offsets, TILE, q_blocks)
-  # Dense k/v have no padding rows: a placeholder takes the tail's place.
-  k_tail = jnp.zeros((BLOCK, heads, d), dtype) if dense else _tail_block(k, kv_off)
-  dq = _call(_dq_kernel, plan, q_blocks, jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
-      q_first, q_count, q_offsets, kv_off, scales, q, do, k, v, k_tail)
+  if plan.fuse_dq:
+    dq = dkv_outs[2]
+  else:
+    q_blocks = _cdiv(t, TILE)
+    q_first, q_count = _overlaps(q_offsets, TILE, q_blocks)
+    # Dense k/v have no padding rows: a placeholder takes the tail's place.
+    k_tail = jnp.zeros((BLOCK, heads, d), dtype) if dense else _tail_block(k, kv_off)
+    dq = _call(_dq_kernel, plan, q_blocks, jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
+        q_first, q_count, q_offsets, kv_off, scales, q, do, k, v, k_tail)
 
   if not scale_grads:
     return dq, dk, dv, None, None
-  partial = jnp.sum(dkv_outs[2], axis=(0, 1, 2, 4))  # (d pre / post, d post)
+  partial = jnp.sum(dkv_outs[-1], axis=(0, 1, 2, 4))  # (d pre / post, d post)
   return dq, dk, dv, partial[0] * scales[1], partial[1]
