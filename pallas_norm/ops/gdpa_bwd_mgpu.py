@@ -313,7 +313,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       def with_accs(dk_acc, dv_acc):
         for view, tile in zip(kv_views, (k_smem, v_smem)):
           plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], tile, kv_barrier.at[wg])
-        plgpu.barrier_wait(kv_barrier.at[wg])
+        # Fused dQ reads the other consumer's K tile too: wait for both loads.
+        for w in range(2) if plan.fuse_dq else (wg,):
+          plgpu.barrier_wait(kv_barrier.at[w])
         pre, post = scales_ref[0], scales_ref[1]
         rows, cols = _iota((BLOCK, BLOCK), 0), _iota((BLOCK, BLOCK), 1)
 
@@ -327,11 +329,12 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
             col0 = (block0 + j) * BLOCK
             slot = lax.rem(step + j, 2)
             valid = _box(rows, kv_lo - row0, kv_hi - row0, cols, q_lo - col0, q_hi - col0)
+            ready = ds_ready.at[slot] if plan.fuse_dq else None
             partials = _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
                                  (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
-                                 partials)
+                                 partials, ready)
             if plan.fuse_dq:
-              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem, ds_ready.at[slot],
+              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem, ready,
                         dq_smem.at[wg], dq_ref.at[:, h, :], col0, q_lo, q_hi)
             return partials
 
@@ -402,10 +405,14 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
 def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, col0, q_lo,
               q_hi) -> None:
   """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK): once both
-  consumers wrote their dSᵀ tile (``ds_tiles[w]``: BLOCK kv × BLOCK q rows), consumer w
-  computes dQ[:, w·BLOCK:(w+1)·BLOCK] = Σ_w' dSᵀ[w']ᵀ K[w'][:, cols] (every kv row is in the
-  CTA) and stores the rows of the sample, [q_lo, q_hi) ∩ the block."""
-  plgpu.barrier_arrive(ready)
+  consumers wrote their dSᵀ tile (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; each arrived on
+  ``ready`` in :func:`_dkv_step`), consumer w computes dQ[:, w·BLOCK:(w+1)·BLOCK] =
+  Σ_w' dSᵀ[w']ᵀ K[w'][:, cols] (every kv row is in the CTA) and stores the rows of the sample,
+  [q_lo, q_hi) ∩ the block. Reading the dQ accumulator waits for every WGMMA of the step.
+
+  The dSᵀ tiles alternate between two slots by step: a consumer rewrites a slot two steps
+  later, after the other consumer's arrival of the step between, which that consumer makes only
+  after its dQ WGMMA of this step (the one that reads the slot) completed."""
   plgpu.barrier_wait(ready)
   wg = lax.axis_index("wg")
   for half in range(2):  # static column slices of K's tiled SMEM
@@ -449,11 +456,13 @@ def _scores(a_smem, b_stage, da_smem, db_stage):
 
 
 def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
-              operand_smem, partials):
+              operand_smem, partials, ready=None):
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
   accumulator refs (the scales are applied once, at the store) and the scale-gradient row
-  partials. Returns the partials once the stage is no longer read."""
+  partials. With fused dQ, arrives on ``ready`` once its dSᵀ tile is in SMEM and leaves the
+  WGMMAs in flight (:func:`_fused_dq` waits for them); else returns once the stage is no
+  longer read."""
   dk_ref, dv_ref = acc_refs
   s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
   act, grad = act_and_grad(plan.activation, pre * s_t)
@@ -465,6 +474,8 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
   a_smem[...] = a_t
   ds_smem[...] = ds_t.astype(plan.dtype)
   plgpu.commit_smem()
+  if ready is not None:
+    plgpu.barrier_arrive(ready)
   plgpu.wgmma(dv_ref, a_smem, do_stage)
   plgpu.wgmma(dk_ref, ds_smem, q_stage)
   if plan.scale_grads:
@@ -475,7 +486,8 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
     # as the cancelling sum itself can be.
     partials = (partials[0] + mgpu_common.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
                 partials[1] + mgpu_common.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
-  plgpu.wgmma_wait(0)
+  if ready is None:
+    plgpu.wgmma_wait(0)
   return partials
 
 
