@@ -206,16 +206,26 @@ def _block_span(lo, hi):
   return first, jnp.where(hi > lo, _cdiv(hi, BLOCK) - first, 0)
 
 
-def _iota(shape, dim):
-  return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA)
+def _tile_ids():
+  """(row ids, column ids) of a (BLOCK, BLOCK) WGMMA tile as vectors in the accumulator's row
+  and column layouts: 2 + 16 registers a thread keeps across the loop, where two int32 tiles
+  would take 64."""
+  rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
+                           plgpu.Layout.WGMMA.reduce(1))
+  cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
+                           plgpu.Layout.WGMMA.reduce(0))
+  return rows, cols
 
 
-def _box(rows, row_lo, row_hi, cols, col_lo, col_hi):
+def _box(ids, row_lo, row_hi, col_lo, col_hi):
   """Bool (BLOCK, BLOCK) mask of rows in [row_lo, row_hi) and cols in [col_lo, col_hi), the
-  bounds relative to the tile's first row/col; ``rows``/``cols`` are the tile's iotas."""
-  return (rows >= row_lo) & (rows < row_hi) & (cols >= col_lo) & (cols < col_hi)
-
-
+  bounds relative to the tile's first row/col; ``ids`` from :func:`_tile_ids`."""
+  rows, cols = ids
+  shape = (BLOCK, BLOCK)
+  row_ok = jnp.where((rows >= row_lo) & (rows < row_hi), 1.0, 0.0)
+  col_ok = jnp.where((cols >= col_lo) & (cols < col_hi), 1.0, 0.0)
+  return (lax.broadcast_in_dim(row_ok, shape, [0]) * lax.broadcast_in_dim(col_ok, shape, [1])
+          > 0.5)
 
 
 def _operand_smem(per_consumer: int, dtype):
@@ -287,7 +297,8 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       return 0, plan.kv_rows
     return kv_off_ref[s], kv_off_ref[s + 1]
 
-  def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready):
+  def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
+             dq_done):
     ring = mgpu_common.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
@@ -317,7 +328,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
         for w in range(2) if plan.fuse_dq else (wg,):
           plgpu.barrier_wait(kv_barrier.at[w])
         pre, post = scales_ref[0], scales_ref[1]
-        rows, cols = _iota((BLOCK, BLOCK), 0), _iota((BLOCK, BLOCK), 1)
+        ids = _tile_ids()
 
         def sample(s, carry):
           step, partials = carry
@@ -328,7 +339,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
             (j,) = idxs
             col0 = (block0 + j) * BLOCK
             slot = lax.rem(step + j, 2)
-            valid = _box(rows, kv_lo - row0, kv_hi - row0, cols, q_lo - col0, q_hi - col0)
+            valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
             ready = ds_ready.at[slot] if plan.fuse_dq else None
             partials = _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
                                  (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
@@ -343,6 +354,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
 
         partials = ((mgpu_common.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
         _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
+        if plan.fuse_dq:  # the other consumer's last dQ WGMMA may still read this K tile
+          plgpu.barrier_arrive(dq_done)
+          plgpu.barrier_wait(dq_done)
         # K and V are no longer read: their SMEM stages the outputs.
         k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
         v_smem[...] = (dv_acc[...] * post).astype(dtype)
@@ -374,6 +388,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       plgpu.SMEM((2, 2, BLOCK), jnp.float32),
       plgpu.SMEM((2, BLOCK, BLOCK), dtype),  # per consumer: its dq tile (unswizzled)
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both dSᵀ tiles of a slot written
+      plgpu.Barrier(num_arrivals=2),  # both consumers' dQ WGMMAs done: K's SMEM can be reused
       collective_axes="wg",
   )
 
@@ -540,7 +555,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
       plgpu.copy_gmem_to_smem(do_ref.at[pl.ds(row0, BLOCK), h, :], do_smem, qdo_barrier.at[wg])
       plgpu.barrier_wait(qdo_barrier.at[wg])
       pre = scales_ref[0]
-      rows, cols = _iota((BLOCK, BLOCK), 0), _iota((BLOCK, BLOCK), 1)
+      ids = _tile_ids()
 
       def with_acc(dq_acc):
         def sample(s, step):
@@ -550,7 +565,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
           def body(idxs, k_stage, v_stage, carry):
             (j,) = idxs
             col0 = (block0 + j) * BLOCK
-            valid = _box(rows, q_lo - row0, q_hi - row0, cols, kv_lo - col0, kv_hi - col0)
+            valid = _box(ids, q_lo - row0, q_hi - row0, kv_lo - col0, kv_hi - col0)
             _dq_step(plan, pre, valid, q_smem, do_smem, k_stage, v_stage, dq_acc,
                      op_smem.at[wg, 0])
             return carry
