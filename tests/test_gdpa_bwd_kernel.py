@@ -245,11 +245,22 @@ def _uniform_lengths(seed, batch, max_len):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("activation,traced", [("fast_gelu", True), ("silu", False)])
-def test_gpu_benchmark_shape_dense(activation, traced):
+@pytest.mark.parametrize("activation,traced,spare", [("fast_gelu", True, 64),
+                                                     ("silu", False, 150000)])
+def test_gpu_benchmark_shape_dense(activation, traced, spare):
+  """Fused dQ; ``spare`` padding rows past the tokens (150000: every zeroing CTA works)."""
   lengths = _uniform_lengths(0, 768, 512)
-  capacity = int(np.sum(lengths)) // 8 * 8 + 64
+  capacity = int(np.sum(lengths)) // 8 * 8 + spare
   _check(list(lengths), capacity, 4, 128, activation, lkv=128, traced_scales=traced,
+         interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_two_kernels_lkv_256():
+  """Dense k/v with Lkv = 256 (two kv tiles per sample: no fused dQ), D = 128."""
+  lengths = _uniform_lengths(5, 128, 512)
+  capacity = int(np.sum(lengths)) // 8 * 8 + 8
+  _check(list(lengths), capacity, 2, 128, "fast_gelu", lkv=256, traced_scales=True, seed=6,
          interpret=False)
 
 
