@@ -241,20 +241,12 @@ def _ring_allocs(d: int, dtype) -> dict:
               consumed=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES))  # one per consumer
 
 
-def _produce(ring, step, sources) -> None:
-  """Producer: TMA-loads the two (BLOCK, D) GMEM windows ``sources`` into global step
-  ``step``'s stage once its previous use was released."""
-  x_ref, w_ref, produced, consumed = ring.stage(step)
-  pl.when(step >= ring.stages)(lambda: plgpu.barrier_wait(consumed))
-  plgpu.copy_gmem_to_smem(sources[0], x_ref, produced)
-  plgpu.copy_gmem_to_smem(sources[1], w_ref, produced)
-
-
 def _produce_block(ring, step, is_tail, main, tail) -> None:
-  """:func:`_produce` from ``main`` windows, or from the zero-padded ``tail`` ones for the
-  block that reaches past the last offset."""
-  pl.when(is_tail)(lambda: _produce(ring, step, tail))
-  pl.when(jnp.logical_not(is_tail))(lambda: _produce(ring, step, main))
+  """Producer: loads the two (BLOCK, D) GMEM windows ``main`` into global step ``step``'s stage
+  (:func:`mgpu_common.ring_produce`), or the zero-padded ``tail`` ones for the block that
+  reaches past the last offset."""
+  pl.when(is_tail)(lambda: mgpu_common.ring_produce(ring, step, *tail))
+  pl.when(jnp.logical_not(is_tail))(lambda: mgpu_common.ring_produce(ring, step, *main))
 
 
 def _sample_loop(first, count, body, carry):
@@ -538,7 +530,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
           rows = pl.ds((block0 + j) * BLOCK, BLOCK)
           main = (k_view.at[rows], v_view.at[rows])
           if plan.dense:
-            _produce(ring, step + j, main)
+            mgpu_common.ring_produce(ring, step + j, *main)
           else:
             tail = (k_tail_ref.at[:, h, :], v_view.at[rows])
             _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
