@@ -113,8 +113,8 @@ def test_streamed_kv_ring_wraps():
 
 
 def test_public_op_kernel_path_grads():
-  """pn.gdpa with implementation="interpret": forward by the kernel, the custom_vjp's backward
-  (today the XLA VJP) gives the XLA path's gradients, traced pre/post scales included."""
+  """pn.gdpa with implementation="interpret": forward and backward by the kernels (the
+  custom_vjp) give the XLA path's gradients, traced pre/post scales included."""
   q, k, v, qo, _ = _problem(4, [5, 64], 1, 64, lkv=64, capacity=72)
   q = jnp.where(jnp.isnan(q), 0, q)
 
@@ -213,3 +213,17 @@ def test_invalid_traced_offsets_poison_every_row():
   bad = jnp.array([4, 12], jnp.int32)
   out = jax.jit(lambda o: pn.gdpa(q, k, v, o, implementation="interpret"))(bad)
   assert bool(jnp.all(jnp.isnan(out)))
+
+
+def test_invalid_traced_offsets_poison_the_gradients():
+  """The kernel path's gradients on bad traced offsets are NaN on every real row (the backward
+  runs on the offsets made valid, with NaN scales), never the zeros that empty samples give."""
+  q, k, v, _, _ = _problem(8, [8], 1, 64, lkv=64, capacity=16)
+  q = jnp.where(jnp.isnan(q), 0, q)
+
+  def loss(q, k, v, o):
+    return jnp.sum(pn.gdpa(q, k, v, o, implementation="interpret").astype(jnp.float32))
+
+  dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, jnp.array([4, 12], jnp.int32))
+  assert bool(jnp.all(jnp.isnan(dq[:12]))) and bool(jnp.all(jnp.isnan(dk)))
+  assert bool(jnp.all(jnp.isnan(dv)))

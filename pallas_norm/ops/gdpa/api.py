@@ -16,9 +16,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from pallas_norm import _dispatch, _validate, reference
-from pallas_norm.ops.gdpa import mosaic, xla
+from pallas_norm.ops.gdpa import mosaic, mosaic_bwd, xla
 
 _F32 = jnp.float32
 
@@ -110,24 +111,50 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
                    max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=out_dtype)
     return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
                                      max_seq_len, max_kv_len)
-  post_scale = jnp.asarray(post_scale, _F32)
+  scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
+  pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
+  offsets = (q_offsets, kv_offsets, q_offsets, kv_offsets)  # forward's, then backward's
   bad = _offsets_invalid(q_offsets, kv_offsets, q.shape[0], k.shape[0], max_seq_len, max_kv_len)
   if bad is not None:
-    # The poison costs no pass over the output: the kernel writes every row (the offsets are
-    # replaced by all-empty samples, so its padding chunks cover [0, T)) times a NaN post_scale.
-    q_offsets = jnp.where(bad, jnp.zeros_like(q_offsets), q_offsets)
-    post_scale = jnp.where(bad, jnp.float32(jnp.nan), post_scale)
-  return _kernel_gdpa(q, k, v, jnp.asarray(pre_scale, _F32), post_scale, q_offsets, kv_offsets,
-                      activation, max_seq_len, max_kv_len, jnp.dtype(out_dtype or q.dtype),
-                      impl == "interpret")
+    offsets, pre_scale, post_scale = _poisoned(bad, offsets, pre_scale, post_scale, q.shape[0],
+                                               k.shape[0], max_seq_len, max_kv_len)
+  return _kernel_gdpa(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
+                      max_kv_len, jnp.dtype(out_dtype or q.dtype), impl == "interpret",
+                      scale_grads)
+
+
+def _poisoned(bad, offsets, pre_scale, post_scale, capacity, kv_capacity, max_seq_len,
+              max_kv_len):
+  """The kernel path's answer to traced offsets that break the jagged convention, with no pass
+  over the output: NaN scales, all-empty samples in the forward (the kernel then writes every
+  row as padding, times the NaN scale) and, in the backward, the offsets made valid (clipped,
+  non-decreasing, lengths capped), so the real rows give NaN gradients instead of the zeros
+  empty samples would give. Also a checkify error (``jax.experimental.checkify``)."""
+  checkify.debug_check(jnp.logical_not(bad), OFFSETS_INVALID_MESSAGE)
+  q_off, kv_off = offsets[:2]
+  nan = jnp.float32(jnp.nan)
+  fwd_q = jnp.where(bad, jnp.zeros_like(q_off), q_off)
+  bwd_q = jnp.where(bad, _made_valid(q_off, capacity, max_seq_len), q_off)
+  bwd_kv = kv_off if kv_off is None else jnp.where(
+      bad, _made_valid(kv_off, kv_capacity, max_kv_len), kv_off)
+  return ((fwd_q, kv_off, bwd_q, bwd_kv), jnp.where(bad, nan, pre_scale),
+          jnp.where(bad, nan, post_scale))
+
+
+def _made_valid(off, capacity: int, max_len: int | None):
+  """Offsets that follow the jagged convention, as close to ``off`` as a clip allows."""
+  off = jax.lax.cummax(jnp.clip(off, 0, capacity)).at[0].set(0)
+  lengths = jnp.diff(off)
+  if max_len is not None:
+    lengths = jnp.minimum(lengths, max_len)
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
 
 
 def _kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
   """Why XLA is the default for a call the kernel supports (None: the kernel is). The H200
   suite measured the resident-K/V kernel forward 2.6-4.0x faster than XLA through the op at every
   case it ran, before the op's extra poison pass was removed (benchmarks/NOTES.md, "gdpa
-  forward"); the streamed-K/V path (K/V windows too long for SMEM) is not measured yet. With
-  the XLA backward stand-in, training pays the kernel forward on top of XLA's VJP (not measured).
+  forward"); the streamed-K/V path (K/V windows too long for SMEM) is not measured yet.
   """
   if mosaic.streams_kv(q, k, kv_offsets, max_kv_len, out_dtype):
     return ("K/V too long to stay in SMEM: the kernel would stream them, which is not yet "
@@ -139,31 +166,38 @@ def _kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None
 # The kernel path: one custom_vjp, forward and backward rules side by side. The scales are f32
 # 0-d arrays (traced ones get gradients); the offsets are integer inputs (no cotangent).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _kernel_gdpa(q, k, v, pre_scale, post_scale, q_offsets, kv_offsets, activation, max_seq_len,
-                 max_kv_len, out_dtype, interpret):
-  return _kernel_fwd_rule(q, k, v, pre_scale, post_scale, q_offsets, kv_offsets, activation,
-                          max_seq_len, max_kv_len, out_dtype, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _kernel_gdpa(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len, max_kv_len,
+                 out_dtype, interpret, scale_grads):
+  return _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
+                          max_kv_len, out_dtype, interpret, scale_grads)[0]
 
 
-def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, q_offsets, kv_offsets, activation,
-                     max_seq_len, max_kv_len, out_dtype, interpret):
-  del max_seq_len  # the kernel's work list comes from the offsets themselves
+def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
+                     max_kv_len, out_dtype, interpret, scale_grads):
+  del max_seq_len, scale_grads  # the kernel's work list comes from the offsets themselves
+  q_offsets, kv_offsets = offsets[:2]
   out = mosaic.gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale,
                         activation=activation, max_kv_len=max_kv_len, out_dtype=out_dtype,
                         interpret=interpret)
-  return out, (q, k, v, pre_scale, post_scale, q_offsets, kv_offsets)
+  return out, (q, k, v, pre_scale, post_scale, offsets)
 
 
-def _kernel_bwd_rule(activation, max_seq_len, max_kv_len, out_dtype, interpret, saved, d_out):
+def _kernel_bwd_rule(activation, max_seq_len, max_kv_len, out_dtype, interpret, scale_grads,
+                     saved, d_out):
   del out_dtype
-  q, k, v, pre_scale, post_scale, q_offsets, kv_offsets = saved
-  # The backward kernel (mosaic_bwd.gdpa_bwd, same signature) replaces _xla_backward here.
-  dq, dk, dv, d_pre, d_post = _xla_backward(
-      q, k, v, q_offsets, kv_offsets, d_out, activation=activation, pre_scale=pre_scale,
-      post_scale=post_scale, max_seq_len=max_seq_len, max_kv_len=max_kv_len,
-      interpret=interpret)
-  return dq, dk, dv, d_pre, d_post, None, None
+  q, k, v, pre_scale, post_scale, offsets = saved
+  q_offsets, kv_offsets = offsets[2:]
+  kw = dict(activation=activation, pre_scale=pre_scale, post_scale=post_scale,
+            max_seq_len=max_seq_len, max_kv_len=max_kv_len, interpret=interpret)
+  if mosaic_bwd.unsupported_reason(q, k, v, kv_offsets, max_seq_len, max_kv_len) is None:
+    dq, dk, dv, d_pre, d_post = mosaic_bwd.gdpa_bwd(q, k, v, q_offsets, kv_offsets, d_out,
+                                                    scale_grads=scale_grads, **kw)
+  else:  # shapes the backward kernel refuses: JAX's VJP of the XLA path
+    dq, dk, dv, d_pre, d_post = _xla_backward(q, k, v, q_offsets, kv_offsets, d_out, **kw)
+  if d_pre is None:  # numbers given by the caller: constants, their cotangents are dropped
+    d_pre, d_post = jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale)
+  return dq, dk, dv, d_pre, d_post, None
 
 
 _kernel_gdpa.defvjp(_kernel_fwd_rule, _kernel_bwd_rule)
@@ -172,7 +206,7 @@ _kernel_gdpa.defvjp(_kernel_fwd_rule, _kernel_bwd_rule)
 def _xla_backward(q, k, v, q_offsets, kv_offsets, d_out, *, activation, pre_scale, post_scale,
                   max_seq_len, max_kv_len, interpret):
   """(dq, dk, dv, d_pre_scale, d_post_scale) by JAX's VJP of the XLA path (recomputes the
-  forward): the stand-in for the backward kernel, with its interface."""
+  forward), with the backward kernel's interface: for the shapes that kernel refuses."""
   del interpret
 
   def forward(q, k, v, pre, post):
