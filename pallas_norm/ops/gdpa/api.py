@@ -105,7 +105,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
       "gdpa", implementation,
       unsupported_reason=lambda _: mosaic.unsupported_reason(q, k, kv_offsets, max_kv_len,
                                                              out_dtype),
-      slower_reason=lambda: _kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype))
+      slower_reason=lambda: kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype))
   if impl == "xla":
     out = xla.gdpa(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, activation=activation,
                    max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=out_dtype)
@@ -150,7 +150,7 @@ def _made_valid(off, capacity: int, max_len: int | None):
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
 
 
-def _kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
+def kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
   """Why XLA is the default for a call the kernel supports (None: the kernel is). The H200
   suite measured the resident-K/V kernel forward 2.6-4.0x faster than XLA through the op at every
   case it ran, before the op's extra poison pass was removed (benchmarks/NOTES.md, "gdpa
