@@ -43,6 +43,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import ads_data  # noqa: E402
+import distributed  # noqa: E402  (several devices: --devices, --model-parallel, --multi-host)
 import pallas_norm  # noqa: E402
 from flax_layers import KunlunConfig, KunlunModel  # noqa: E402
 
@@ -80,12 +81,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
   p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                  help="compute dtype (parameters stay float32)")
+  distributed.add_arguments(p)
   args = p.parse_args(argv)
   for name in ("steps", "batch_size", "max_seq_len", "eval_every", "embed_dim", "head_dim"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
+  distributed.check_arguments(p, args)
   return args
 
 
@@ -184,11 +187,13 @@ def predict(graphdef, state, batch):
   return model(batch.sparse_ids, batch.dense, batch.seq_ids, batch.seq_offsets)
 
 
-def evaluate(graphdef, state, ds, batch_size, max_seq_len) -> tuple[float, float]:
-  """(log-loss, AUC) of the model on every example of ``ds``."""
+def evaluate(graphdef, state, ds, batch_size, max_seq_len, predict_fn=predict
+             ) -> tuple[float, float]:
+  """(log-loss, AUC) of the model on every example of ``ds``; ``predict_fn`` as
+  :func:`predict` (a sharded one for several devices)."""
   logits = []
   for batch, n_real in ads_data.eval_batches(ds, batch_size, max_seq_len):
-    logits.append(np.asarray(predict(graphdef, state, batch))[:n_real])
+    logits.append(np.asarray(predict_fn(graphdef, state, batch))[:n_real])
   logits = np.concatenate(logits)
   return logloss(ds.labels, logits), auc(ds.labels, logits)
 
@@ -262,17 +267,20 @@ def train(args) -> TrainResult:
   train_ds, valid_ds, spec = ads_data.load(args.data, args.data_dir, max_seq_len=args.max_seq_len,
                                            seed=args.seed)
   config, model, optimizer = build(args, spec)
-  graphdef, state = nnx.split((model, optimizer))
+  # One device: this module's steps; several: sharded ones (examples/distributed.py).
+  runner = distributed.make_runner(args, loss_fn=loss_fn, train_step=train_step, predict=predict)
+  graphdef, state = nnx.split((runner.adapt(model), optimizer))
   del model, optimizer  # the loop owns `state` (donated each step)
   manager = checkpoint_manager(args.checkpoint_dir) if args.checkpoint_dir else None
   try:
-    # Commit the state to one device whether fresh or restored (restored arrays come back
-    # committed), so both hit the same compiled step.
-    state = jax.device_put(_initial_state(args, manager, config, state), jax.devices()[0])
+    # Commit the state to its device(s) before a restore, which then reads the checkpoint
+    # straight into that placement: fresh and restored states hit the same compiled step.
+    state = _initial_state(args, manager, config, runner.place_state(state))
     step = start = int(nnx.merge(graphdef, state)[1].step[...])
     tqdm.write(f"data={args.data} train={len(train_ds)} valid={len(valid_ds)} "
                f"start_step={start} steps={args.steps} batch={args.batch_size} "
-               f"dtype={args.dtype} implementation={args.implementation}")
+               f"dtype={args.dtype} implementation={args.implementation} "
+               f"devices={args.devices}x(model {args.model_parallel})")
     batches = ads_data.train_batches(train_ds, args.batch_size, args.max_seq_len, args.seed,
                                      start_step=start)
     losses, step_seconds = [], []
@@ -281,20 +289,22 @@ def train(args) -> TrainResult:
       while step < args.steps:
         batch = next(batches)
         t0 = time.perf_counter()
-        state, loss = train_step(graphdef, state, batch)
+        state, loss = runner.train_step(graphdef, state, batch)
         losses.append(float(loss))  # waits for the step
         step_seconds.append(time.perf_counter() - t0)
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
         if step % args.eval_every == 0 or step == args.steps:
-          val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len)
+          val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
+                         runner.predict)
           tqdm.write(f"step {step}: batch_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
                      f"val_auc={val[1]:.4f}")
           if manager is not None:
             save_checkpoint(manager, step, state, config)
     if not losses:  # resumed at or past --steps: report the saved model
-      val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len)
+      val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
+                     runner.predict)
   finally:
     if manager is not None:
       manager.wait_until_finished()
