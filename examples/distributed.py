@@ -97,8 +97,14 @@ def make_runner(args, *, loss_fn, train_step, predict):
   ``predict`` on one device, a :class:`MeshRunner` on several."""
   if getattr(args, "devices", 1) == 1:
     return SingleDevice(train_step, predict)
-  mesh = make_mesh(args.devices, args.model_parallel)
-  return MeshRunner(mesh, loss_fn)
+  return _mesh_runner(args.devices, args.model_parallel, loss_fn)
+
+
+@functools.cache
+def _mesh_runner(devices: int, model_parallel: int, loss_fn):
+  # One runner per layout: a second run in the process (tests, a resume) reuses its compiled
+  # steps, as the script's module-level steps do on one device.
+  return MeshRunner(make_mesh(devices, model_parallel), loss_fn)
 
 
 def make_mesh(devices: int, model_parallel: int = 1) -> jax.sharding.Mesh:
