@@ -8,6 +8,8 @@ the mean sigmoid cross-entropy; validation log-loss and AUC are printed every ``
 steps; with ``--checkpoint-dir`` the parameters, optimizer state and step are saved with Orbax,
 and ``--resume`` continues from the latest saved step up to ``--steps`` in total (the batch order
 depends only on (seed, step), so a resumed run sees the batches an uninterrupted one would).
+``--devices N`` (default: every device) and ``--model-parallel M`` train data- and table-parallel
+on a mesh of N devices (:mod:`distributed`; ``--multi-host`` for several hosts).
 
 The last line printed is machine-readable::
 
