@@ -20,13 +20,13 @@ Layout (a ``jax.sharding.Mesh`` with axes ``("data", "model")``, devices = data 
   directly into the mesh's shardings.
 
 Multi-host: start the same command on every host with ``--multi-host``; it calls
-``jax.distributed.initialize()`` before anything touches the devices, which reads the cluster
-from the environment (SLURM, Open MPI, Kubernetes, or ``JAX_COORDINATOR_ADDRESS``,
-``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``; see jax's multi-process guide). ``--devices`` then
-counts the devices of all hosts. Every process builds the same global batches (same seed) and
+``jax.distributed.initialize()`` before anything touches the devices, which finds the cluster in
+the environment (SLURM, Open MPI, Kubernetes; see jax's multi-process guide) or takes
+``--coordinator-address host:port --num-processes N --process-id I``. ``--devices`` then counts
+the devices of all hosts. Every process builds the same global batches (same seed) and
 hands each of its devices its own shard (``jax.make_array_from_callback``); the checkpoint
-directory must be shared by all hosts. This path is written for multiple hosts but was only
-run with one process (see the README).
+directory must be shared by all hosts. Tested as two processes on one CPU machine
+(``scripts/multihost_cpu.sh``), not across machines or GPUs (see the README).
 """
 
 from __future__ import annotations
@@ -64,7 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="size of the mesh's model axis, over which the embedding tables are "
                       "split by rows (a divisor of --devices)")
   parser.add_argument("--multi-host", action="store_true",
-                      help="call jax.distributed.initialize() first (one process per host)")
+                      help="call jax.distributed.initialize() first (one process per host); "
+                      "the cluster comes from the environment (SLURM, Open MPI, Kubernetes) "
+                      "or the three flags below")
+  parser.add_argument("--coordinator-address", default=None,
+                      help="with --multi-host: host:port of process 0 (or "
+                      "JAX_COORDINATOR_ADDRESS)")
+  parser.add_argument("--num-processes", type=int, default=None, help="with --multi-host")
+  parser.add_argument("--process-id", type=int, default=None, help="with --multi-host")
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -72,7 +79,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
   Initializes the multi-host runtime first when asked, since that decides the device count."""
   if args.multi_host:
-    jax.distributed.initialize()
+    jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+  elif (args.coordinator_address, args.num_processes, args.process_id) != (None,) * 3:
+    parser.error("--coordinator-address, --num-processes and --process-id need --multi-host")
   available = jax.device_count()
   if args.devices == "auto":
     args.devices = available
