@@ -5,7 +5,8 @@ for the jagged ops on that row's sample), plus parameters that every row shares.
 parallelism needs no collective in the forward pass: each device runs the op, kernel included,
 on its own rows. :func:`shard_rows` wraps an op in a :func:`jax.shard_map` that does exactly
 that, so XLA never gathers a sharded activation to call a kernel (a Mosaic kernel is an opaque
-custom call to XLA's partitioner, which would otherwise replicate its operands). In the backward
+custom call to XLA's partitioner, which has no rule to split it and would replicate its
+operands). In the backward
 pass the gradients of the shared parameters (w, scale, bias, ...) are per-shard sums that
 ``shard_map``'s transpose adds up across the shards (one all-reduce each); the row statistics
 (mean, rstd) are per row, so they need no reduction.
@@ -24,6 +25,12 @@ that each cotangent has its primal's type. Without the check, ``shard_map`` sums
 of replicated inputs over the mesh (what the shared parameters need) and trusts ``out_specs``.
 A user's own ``shard_map`` around model code that calls kernels needs ``check_vma=False`` too
 (the XLA path works either way).
+
+GPU interpret mode (``implementation="interpret"``) under a ``shard_map`` over several devices
+trips an internal assertion of jax 0.11.2's interpreter (each device's kernel checks that no
+barrier of *any* device is still allocated, while other devices' kernels still run);
+tests/sharding_checks.py shows the workaround its tests use. The Mosaic kernels themselves have
+not yet run under ``shard_map`` on GPUs (no multi-GPU machine was available).
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ def shard_rows(op, mesh=None, axis="data"):
     axis: the mesh axis name, or a tuple of names, that splits the rows.
 
   Raises:
+    TypeError: (at the call) jagged offsets that are not 1-D int32 arrays.
     ValueError: (at the call) an unknown op, no mesh, ``axis`` not in the mesh, a row argument
       whose leading axis does not split evenly over the shards, per-sample ``k``/``v`` that do
       not match the offsets' batch, or concrete local offsets that break the jagged convention
