@@ -1,8 +1,9 @@
-"""Checks on 8 CPU devices, run by tests/test_sharding.py in a subprocess of their own.
+"""Checks on 8 CPU devices (or several GPUs), run by tests/test_sharding.py in a subprocess.
 
 ``python tests/sharding_checks.py GROUP`` sets ``--xla_force_host_platform_device_count=8``
-before JAX starts (the pytest process has one CPU device and must keep it), runs the checks of
-GROUP (:data:`GROUPS`), and exits 0 only if all pass; an assertion's message says what differed.
+and the CPU platform before JAX starts (the pytest process has one CPU device and must keep
+it), except for the GPU groups (:data:`ON_GPUS`), runs the checks of GROUP (:data:`GROUPS`),
+and exits 0 only if all pass; an assertion's message says what differed.
 Not a pytest module (no ``test_`` prefix): pytest collects only its wrapper.
 """
 
@@ -13,9 +14,14 @@ import pathlib
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
-os.environ.setdefault("PJRT_NPROC", "8")  # interpret-mode kernels (see tests/conftest.py)
+ON_GPUS = ("ops_mosaic",)
+"""The groups that run on the machine's GPUs; every other one on 8 CPU devices, also where a
+GPU is present."""
+if not set(sys.argv[1:]) & set(ON_GPUS):
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8")
+  os.environ.setdefault("PJRT_NPROC", "8")  # interpret-mode kernels (see tests/conftest.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
@@ -153,31 +159,67 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def ops_interpret():
-  """The pre-norm kernels (forward and dx, GPU interpret mode) on 2 shards of 64 rows under
-  jit: y and every gradient within bf16 tolerance of the unsharded f32 reference (relative
-  Frobenius: y 1e-2, gradients 2e-2, as tests/test_norm_matmul_vjp.py), outputs all written."""
-  _allow_interpret_on_several_devices()
-  keys = jax.random.split(jax.random.key(1), 5)
-  m, k, n = 128, 64, 64
+def _kernel_vs_reference(op, mesh, implementation, x, rest, static, seed):
+  """``op(x, *rest, **static)`` split by rows over ``mesh``'s "data" axis with a kernel
+  implementation, forward and VJP of every float input under one jit: y and every gradient
+  within bf16 tolerance of the unsharded f32 reference (relative Frobenius: y 1e-2, gradients
+  2e-2, as tests/test_norm_matmul_vjp.py), every output written (finite)."""
+  sharded = sharding.shard_rows(op, mesh)
+  f = lambda *a: sharded(*a, **static, implementation=implementation)
+  y_shape = jax.eval_shape(lambda *a: getattr(pn.reference, op.__name__)(*a, **static), x, *rest)
+  ct = _normal(jax.random.key(seed), y_shape.shape, x.dtype)
+  xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+  y, grads = jax.jit(lambda *a: (lambda y, vjp: (y, vjp(ct)))(*jax.vjp(f, *a)))(xs, *rest)
+  f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
+  y_ref, vjp_ref = jax.vjp(lambda *a: getattr(pn.reference, op.__name__)(*a, **static),
+                           f32(x), *map(f32, rest))
+  name = op.__name__
+  assert y.dtype == x.dtype and bool(jnp.all(jnp.isfinite(y))), f"{name}: unwritten outputs"
+  assert _rel(y, y_ref) < 1e-2, (name, "y", _rel(y, y_ref))
+  for i, (g, r) in enumerate(zip(grads, vjp_ref(f32(ct)), strict=True)):
+    if r is None:
+      continue
+    assert bool(jnp.all(jnp.isfinite(g))), (name, f"gradient of input {i}")
+    assert _rel(g, r) < 2e-2, (name, f"gradient of input {i}", _rel(g, r))
+
+
+def _prenorm_inputs(m, k, n, seed):
+  keys = jax.random.split(jax.random.key(seed), 4)
   x = _normal(keys[0], (m, k), jnp.bfloat16)
   w = _normal(keys[1], (k, n), jnp.bfloat16, scale=k ** -0.5)
   scale, bias = 1 + _normal(keys[2], (k,), scale=0.1), _normal(keys[3], (k,), scale=0.1)
-  ct = _normal(keys[4], (m, n), jnp.bfloat16)
+  return x, (w, scale, bias)
+
+
+def ops_interpret():
+  """The pre-norm kernels (forward and dx) and the post-norm ones (forward and norm backward)
+  in GPU interpret mode on 2 CPU devices of 64 rows each (:func:`_kernel_vs_reference`)."""
+  _allow_interpret_on_several_devices()
   mesh = _mesh((2,), ("data",))
-  op = sharding.shard_rows(pn.norm_matmul, mesh)
-  f = lambda *a: op(*a, norm="layer", implementation="interpret")
-  xs = jax.device_put(x, NamedSharding(mesh, P("data")))
-  y, grads = jax.jit(lambda *a: (lambda y, vjp: (y, vjp(ct)))(*jax.vjp(f, *a)))(
-      xs, w, scale, bias)
-  f32 = lambda a: jnp.asarray(a, jnp.float32)
-  y_ref, vjp_ref = jax.vjp(lambda *a: pn.reference.norm_matmul(*a, norm="layer"), f32(x),
-                           f32(w), scale, bias)
-  assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y))), "unwritten outputs"
-  assert _rel(y, y_ref) < 1e-2, ("y", _rel(y, y_ref))
-  for name, g, r in zip(("dx", "dw", "dscale", "dbias"), grads, vjp_ref(f32(ct)), strict=True):
-    assert bool(jnp.all(jnp.isfinite(g))), name
-    assert _rel(g, r) < 2e-2, (name, _rel(g, r))
+  x, rest = _prenorm_inputs(128, 64, 64, 1)
+  _kernel_vs_reference(pn.norm_matmul, mesh, "interpret", x, rest, dict(norm="layer"), 5)
+  w, scale, bias = _prenorm_inputs(128, 64, 64, 6)[1]  # post-norm: K = N here
+  residual = _normal(jax.random.key(7), (128, 64), jnp.bfloat16)
+  _kernel_vs_reference(pn.matmul_norm, mesh, "interpret", x, (w, None, residual, scale, bias),
+                       dict(norm="layer"), 8)
+
+
+def ops_mosaic():
+  """On every GPU of a Hopper machine with 2 or more (not CPU devices): the pre-norm and the
+  post-norm Mosaic kernels, forward and backward, split by rows over all GPUs
+  (:func:`_kernel_vs_reference`), at 2048 rows per GPU."""
+  gpus = jax.devices()
+  assert len(gpus) >= 2 and gpus[0].platform == "gpu", f"needs 2 or more GPUs, got {gpus}"
+  mesh = jax.make_mesh((len(gpus),), ("data",), axis_types=(AUTO,))
+  m = 2048 * len(gpus)
+  for norm in ("layer", "rms"):
+    x, rest = _prenorm_inputs(m, 512, 512, 2)
+    _kernel_vs_reference(pn.norm_matmul, mesh, "mosaic", x, rest, dict(norm=norm), 3)
+    w, scale, bias = _prenorm_inputs(m, 512, 1024, 4)[1][0], *(
+        1 + _normal(jax.random.key(i), (1024,), scale=0.1) for i in (5, 6))
+    residual = _normal(jax.random.key(7), (m, 1024), jnp.bfloat16)
+    _kernel_vs_reference(pn.matmul_norm, mesh, "mosaic", x, (w, None, residual, scale, bias),
+                         dict(norm=norm), 8)
 
 
 def embedding():
@@ -280,7 +322,7 @@ def training():
     _close(a, b, 1e-6, 1e-7, "resumed state")
 
 
-GROUPS = {"training": training, "ops_xla": ops_xla, "ops_interpret": ops_interpret, "embedding": embedding}
+GROUPS = {"training": training, "ops_mosaic": ops_mosaic, "ops_xla": ops_xla, "ops_interpret": ops_interpret, "embedding": embedding}
 
 
 def main(argv) -> int:

@@ -46,6 +46,14 @@ def test_on_8_cpu_devices(group):
   _run_checks(group)
 
 
+@pytest.mark.gpu
+def test_kernels_split_by_rows_over_several_gpus():
+  """tests/sharding_checks.py's ops_mosaic: needs a Hopper machine with 2 or more GPUs."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 or more GPUs")
+  _run_checks("ops_mosaic")
+
+
 # ---------------------------------------------------------------------------------------------
 # Jagged batches split by samples
 
