@@ -5,8 +5,9 @@ for the jagged ops on that row's sample), plus parameters that every row shares.
 parallelism needs no collective in the forward pass: each device runs the op, kernel included,
 on its own rows. :func:`shard_rows` wraps an op in a :func:`jax.shard_map` that does exactly
 that, so XLA never gathers a sharded activation to call a kernel (a Mosaic kernel is an opaque
-custom call to XLA's partitioner, which has no rule to split it and would replicate its
-operands). In the backward
+custom call to XLA's partitioner, which has no rule to split it: a plain ``jax.jit`` of a
+kernel on rows split over devices compiles to all-gathers of the rows, as the tests show in
+interpret mode). In the backward
 pass the gradients of the shared parameters (w, scale, bias, ...) are per-shard sums that
 ``shard_map``'s transpose adds up across the shards (one all-reduce each); the row statistics
 (mean, rstd) are per row, so they need no reduction.

@@ -163,13 +163,17 @@ def _kernel_vs_reference(op, mesh, implementation, x, rest, static, seed):
   """``op(x, *rest, **static)`` split by rows over ``mesh``'s "data" axis with a kernel
   implementation, forward and VJP of every float input under one jit: y and every gradient
   within bf16 tolerance of the unsharded f32 reference (relative Frobenius: y 1e-2, gradients
-  2e-2, as tests/test_norm_matmul_vjp.py), every output written (finite)."""
+  2e-2, as tests/test_norm_matmul_vjp.py), every output written (finite), and no all-gather
+  in the compiled program."""
   sharded = sharding.shard_rows(op, mesh)
   f = lambda *a: sharded(*a, **static, implementation=implementation)
   y_shape = jax.eval_shape(lambda *a: getattr(pn.reference, op.__name__)(*a, **static), x, *rest)
   ct = _normal(jax.random.key(seed), y_shape.shape, x.dtype)
   xs = jax.device_put(x, NamedSharding(mesh, P("data")))
-  y, grads = jax.jit(lambda *a: (lambda y, vjp: (y, vjp(ct)))(*jax.vjp(f, *a)))(xs, *rest)
+  compiled = jax.jit(lambda *a: (lambda y, vjp: (y, vjp(ct)))(*jax.vjp(f, *a))).lower(
+      xs, *rest).compile()
+  assert "all-gather" not in compiled.as_text(), f"{op.__name__}: the program gathers"
+  y, grads = compiled(xs, *rest)
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
   y_ref, vjp_ref = jax.vjp(lambda *a: getattr(pn.reference, op.__name__)(*a, **static),
                            f32(x), *map(f32, rest))
@@ -193,10 +197,15 @@ def _prenorm_inputs(m, k, n, seed):
 
 def ops_interpret():
   """The pre-norm kernels (forward and dx) and the post-norm ones (forward and norm backward)
-  in GPU interpret mode on 2 CPU devices of 64 rows each (:func:`_kernel_vs_reference`)."""
+  in GPU interpret mode on 2 CPU devices of 64 rows each (:func:`_kernel_vs_reference`), with
+  no all-gather; a plain jit of the kernel on the same sharded rows gathers them."""
   _allow_interpret_on_several_devices()
   mesh = _mesh((2,), ("data",))
   x, rest = _prenorm_inputs(128, 64, 64, 1)
+  # Without shard_rows, XLA's partitioner gathers the sharded rows to call the kernel.
+  plain = jax.jit(lambda x, *r: pn.norm_matmul(x, *r, implementation="interpret")).lower(
+      jax.device_put(x, NamedSharding(mesh, P("data"))), *rest).compile()
+  assert "all-gather" in plain.as_text(), "expected the plain jit to gather x"
   _kernel_vs_reference(pn.norm_matmul, mesh, "interpret", x, rest, dict(norm="layer"), 5)
   w, scale, bias = _prenorm_inputs(128, 64, 64, 6)[1]  # post-norm: K = N here
   residual = _normal(jax.random.key(7), (128, 64), jnp.bfloat16)
