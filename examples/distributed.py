@@ -189,6 +189,7 @@ class RowShardedEmbed(nnx.Embed):
     self.axis_name = axis_name
 
   def __call__(self, inputs, out_sharding=None):
+    del out_sharding  # inside shard_map the result is this device's rows
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError("Input type must be an integer or unsigned integer.")
     (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
@@ -196,12 +197,8 @@ class RowShardedEmbed(nnx.Embed):
 
 
 def use_row_sharded_tables(model, axis_name: str = MODEL):
-  """Replaces the model's :data:`TABLES` layers by :class:`RowShardedEmbed` (in place).
-
-  Raises:
-    ValueError: a table's rows do not split evenly over the axis (checked by
-      :meth:`MeshRunner.adapt`, which knows the axis size).
-  """
+  """Replaces the model's :data:`TABLES` layers by :class:`RowShardedEmbed` (in place); their
+  rows must split evenly over the axis (:meth:`MeshRunner.adapt` checks it)."""
   for name in TABLES:
     setattr(model, name, RowShardedEmbed(getattr(model, name), axis_name))
   return model
