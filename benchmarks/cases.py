@@ -247,7 +247,10 @@ def _matmul_norm(case: Case, kernel: str) -> Problem:
 
 
 def attention_lengths(case: Case) -> np.ndarray:
-  """Per-sample query lengths, uniform on [1, L] (density ~0.5), fixed per shape."""
+  """Per-sample query lengths, uniform on [1, L] (density ~0.5), fixed per shape; all L for
+  the "full" variant (density 1.0)."""
+  if case.variant == "full":
+    return np.full(case.dim("B"), case.dim("L"))
   rng = np.random.default_rng(case.dim("B") * 7919 + case.dim("L"))
   return rng.integers(1, case.dim("L") + 1, size=case.dim("B"))
 
@@ -258,9 +261,12 @@ def _attention(case: Case, kernel: str) -> Problem:
   capacity = -(-int(lens.sum()) // 128) * 128  # T: sum of lengths rounded up to 128
   offsets = jagged.offsets_from_lengths(lens)
   fused = case.op == "flash_norm_attention"
+  # "jagged_kv": GDPA as self-attention, K/V packed like q with its offsets (KV = L).
+  self_attention = case.variant == "jagged_kv"
+  kv_shape = (capacity, h, d) if self_attention else (b, lkv, h, d)
 
   def make_set(rand):
-    xs = (rand((capacity, h, d)), rand((b, lkv, h, d), 1 / math.sqrt(d)), rand((b, lkv, h, d)),
+    xs = (rand((capacity, h, d)), rand(kv_shape, 1 / math.sqrt(d)), rand(kv_shape),
           jnp.asarray(offsets))
     if fused:
       xs += (rand((h * d,), 0.1, 1.0), rand((h * d,), 0.1), rand((h * d,), 0.1, 1.0))
@@ -271,6 +277,9 @@ def _attention(case: Case, kernel: str) -> Problem:
       ln_scale, ln_bias, rms_scale = affine
       return pn.flash_norm_attention(q, k, v, q_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
                                      rms_scale=rms_scale, max_seq_len=lmax, implementation=impl)
+    if self_attention:
+      return pn.gdpa(q, k, v, q_offsets, q_offsets, max_seq_len=lmax, max_kv_len=lkv,
+                     implementation=impl)
     return pn.gdpa(q, k, v, q_offsets, max_seq_len=lmax, implementation=impl)
 
   def ref(q, k, v, q_offsets, *affine):
@@ -279,10 +288,13 @@ def _attention(case: Case, kernel: str) -> Problem:
       return reference.flash_norm_attention(q, k, v, q_offsets, ln_scale=ln_scale,
                                             ln_bias=ln_bias, rms_scale=rms_scale,
                                             max_seq_len=lmax)
+    if self_attention:
+      return reference.gdpa(q, k, v, q_offsets, q_offsets, max_seq_len=lmax, max_kv_len=lkv)
     return reference.gdpa(q, k, v, q_offsets, max_seq_len=lmax)
 
   # Useful work over real tokens: q·kᵀ and p·v forward, four such products backward.
-  flops = 4.0 * int(lens.sum()) * lkv * h * d
+  kv_per_token = lens if self_attention else lkv
+  flops = 4.0 * float(np.sum(lens * kv_per_token)) * h * d
   diff = (0, 1, 2, 4, 5, 6) if fused else (0, 1, 2)
   extras = _EXTRA.get(case.op, {})
   return Problem(make_set, diff, _kernel_impl_fn(call, extras, case), ref, flops, 2 * flops,
@@ -333,8 +345,8 @@ def _mkn(m, k, n):
   return (("M", m), ("K", k), ("N", n))
 
 
-def _attn(h, lmax):
-  return (("B", ATTN_B), ("H", h), ("L", lmax), ("D", ATTN_D), ("KV", ATTN_LKV))
+def _attn(h, lmax, lkv=ATTN_LKV):
+  return (("B", ATTN_B), ("H", h), ("L", lmax), ("D", ATTN_D), ("KV", lkv))
 
 
 HEADLINE_MKN = (262144, 512, 512)  # the --quick shape of the fused GEMMs
@@ -346,6 +358,10 @@ PRE_SHAPES = [(262144, 512, 512), (262144, 128, 128), (262144, 512, 2048), (6553
 # at N=8192 so that ten timed outputs of the fwd+bwd case stay well inside 139 GB.
 POST_SHAPES = PRE_SHAPES + [(262144, 512, 4096), (131072, 512, 8192)]
 ATTN_CONFIGS = [(h, lmax) for lmax in (256, 512, 1024) for h in (2, 4, 8)]
+# GDPA only: density 1.0 ("full") and jagged K/V self-attention ("jagged_kv", KV = L; the kernel
+# keeps a sample's K/V in SMEM, which at D = 128 holds up to L = 128, so L512 measures XLA only).
+GDPA_VARIANT_CONFIGS = ([("full", h, 512, ATTN_LKV) for h in (2, 4, 8)]
+                        + [("jagged_kv", 4, lmax, lmax) for lmax in (128, 512)])
 QUICK_ATTN = (4, 512)
 NORM_NS = (128, 512, 2048, 8192, 32768)
 QUICK_NORM_N = 2048
@@ -371,6 +387,8 @@ def all_cases() -> list[Case]:
   for mode in MODES:
     for op in ("gdpa", "flash_norm_attention"):
       cases += [Case(op, "", _attn(*c), mode) for c in ATTN_CONFIGS if c != QUICK_ATTN]
+    cases += [Case("gdpa", variant, _attn(h, lmax, lkv), mode)
+              for variant, h, lmax, lkv in GDPA_VARIANT_CONFIGS]
   for mode in MODES:
     for op in ("rms_norm", "layer_norm"):
       cases += [Case(op, "", (("M", NORM_BYTES // (2 * n)), ("N", n)), mode)

@@ -1,27 +1,49 @@
 """End-to-end case: one training step of the Kunlun-style model (``flax_layers.KunlunModel``).
 
-The model and its training script (``examples/train_kunlun.py``) are written elsewhere in the
-project and may be incomplete: this module imports them lazily, and anything missing makes the
-case "skipped" with the reason instead of stopping the suite.
+Two uses:
 
-Hooks for the coordinator:
+* ``make_step(config, implementation)``: one jitted train step for ``benchmarks.run``.
+* ``python -m benchmarks.e2e [--tiny] [--out FILE]``: the train-step harness of issue 19. Three
+  arms of the same model on the same batch:
 
-* :func:`build_config` (edit :data:`PRODUCTION_CONFIG`): batch size and ``KunlunConfig`` sizes.
-* If ``examples/train_kunlun.py`` defines ``make_benchmark_step(config, implementation) ->
-  (step, args)``, that is used; otherwise :func:`default_step` builds the step from the
-  script's ``loss_fn`` and ``make_tx`` on a synthetic batch (``ads_data.make_synthetic``).
+  - ``baseline``: the model as plain JAX writes it: XLA ops, XLA softmax attention, and the
+    jagged conversions differentiated by autodiff (the forward gathers' gradients are XLA
+    scatter-adds). It exists only here, as the reference (:func:`plain_jax_conversions`).
+  - ``xla``: ``implementation="xla"``: XLA ops and attention, the library's conversions (whose
+    gradients are gathers).
+  - ``default``: ``implementation=None``: the library's choice (Mosaic kernels where measured
+    faster, cuDNN's flash attention for the softmax attentions on the GPU).
 
-``step(*args)`` must run one full step (forward, backward, AdamW update) and must not donate its
-arguments: the suite calls it repeatedly with the same ``args``. There is no oracle for a whole
-step; its floating-point outputs are checked finite.
+  It times the whole step and, forward + backward (``jax.vjp`` of the inputs and the layer's
+  parameters), one self-attention layer, one PFFN layer, the seed pooling and the interaction
+  MLP. Wall clock of each call up to ``block_until_ready``, the arms interleaved (A, B, C, then
+  the next round in a rotated order) so that clock and thermal drift hit every arm alike; median
+  and spread over ``--samples`` rounds. Wall clock rather than CUPTI kernel sums: the step's
+  launch gaps are part of what a user waits for, and CUPTI mis-times programs with a
+  ``lax.cond`` (the pre-norm GEMM's bias guard). Then ``--loss-steps`` training steps from the
+  same initial state on the same batches per arm: the losses must agree within bf16 noise.
+  Every program is compiled ahead, in parallel, before anything is timed.
+
+``make_step`` imports the model and its training script (``examples/train_kunlun.py``) lazily;
+anything missing makes the case "skipped" with the reason instead of stopping the suite.
+``step(*args)`` runs one full step (forward, backward, AdamW update) and does not donate its
+arguments: the suite calls it repeatedly with the same ``args``.
 """
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import importlib.util
+import json
 import pathlib
 import sys
+import time
+
+import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = REPO / "examples" / "train_kunlun.py"
@@ -75,41 +97,67 @@ def _load_train_script():
   return module
 
 
-def default_step(train, config: dict, implementation: str | None):
-  """``(step, (state, batch))`` built from the training script's pieces; see the module doc."""
-  import jax
+def _model_and_data(train, config: dict, implementation, num_batches: int = 1):
+  """(model, optimizer, batches): the Kunlun model in bf16 with f32 parameters and AdamW, and
+  ``num_batches`` synthetic batches of ``config["batch_size"]`` (device arrays)."""
   import jax.numpy as jnp
-  import numpy as np
   from flax import nnx
 
   import flax_layers
 
-  ads_data = sys.modules["ads_data"]
   model_fields = {f.name for f in dataclasses.fields(flax_layers.KunlunConfig)}
   sizes = {k: v for k, v in config.items() if k not in _NOT_MODEL}
   unknown = set(sizes) - model_fields
   if unknown:
     raise ValueError(f"config keys {sorted(unknown)} are not KunlunConfig fields")
-  ds = ads_data.make_synthetic(config["batch_size"], max_seq_len=config["max_seq_len"],
-                               sparse_vocab_size=config["sparse_vocab_size"],
-                               item_vocab_size=config["item_vocab_size"], seed=config["seed"])
-  batch = ads_data.make_batch(ds, np.arange(config["batch_size"]), config["max_seq_len"])
-  model_config = flax_layers.KunlunConfig(num_sparse_features=ds.sparse.shape[1],
-                                          num_dense_features=ds.dense.shape[1], **sizes)
+  batches = _synthetic_batches(tuple(sorted(config.items())), num_batches)
+  model_config = flax_layers.KunlunConfig(num_sparse_features=batches[0].sparse_ids.shape[1],
+                                          num_dense_features=batches[0].dense.shape[1], **sizes)
   model = flax_layers.KunlunModel(model_config, dtype=jnp.bfloat16, param_dtype=jnp.float32,
                                   rngs=nnx.Rngs(config["seed"]), implementation=implementation)
   optimizer = nnx.Optimizer(model, train.make_tx(config["lr"], config["weight_decay"]),
                             wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
+  return model, optimizer, batches
+
+
+@functools.lru_cache(maxsize=2)
+def _synthetic_batches(config_items: tuple, num_batches: int) -> tuple:
+  """``num_batches`` synthetic batches (device arrays) of the config, shared by the arms."""
+  import jax
+  import jax.numpy as jnp
+
+  ads_data, config = sys.modules["ads_data"], dict(config_items)
+  batch_size = config["batch_size"]
+  ds = ads_data.make_synthetic(batch_size * num_batches, max_seq_len=config["max_seq_len"],
+                               sparse_vocab_size=config["sparse_vocab_size"],
+                               item_vocab_size=config["item_vocab_size"], seed=config["seed"])
+  return tuple(jax.tree.map(jnp.asarray, ads_data.make_batch(
+      ds, np.arange(i * batch_size, (i + 1) * batch_size), config["max_seq_len"]))
+      for i in range(num_batches))
+
+
+def _jitted_step(train, graphdef):
+  """train_kunlun.train_step without the donation: ``step(state, batch) -> (state, loss)``."""
+  import jax
+  from flax import nnx
 
   @jax.jit
-  def step(state, batch):  # train_kunlun.train_step without the donation
+  def step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
     loss, grads = nnx.value_and_grad(train.loss_fn)(model, batch)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
-  return step, (state, jax.tree.map(jnp.asarray, batch))
+  return step
+
+
+def default_step(train, config: dict, implementation: str | None):
+  """``(step, (state, batch))`` built from the training script's pieces; see the module doc."""
+  from flax import nnx
+
+  model, optimizer, (batch,) = _model_and_data(train, config, implementation)
+  graphdef, state = nnx.split((model, optimizer))
+  return _jitted_step(train, graphdef), (state, batch)
 
 
 def make_step(config: dict, implementation: str | None):
@@ -134,3 +182,320 @@ def make_step(config: dict, implementation: str | None):
     raise Unavailable(f"the default train step could not be built from {TRAIN_SCRIPT.name} "
                       f"and ads_data ({type(e).__name__}: {e}); define make_benchmark_step "
                       "there or adapt benchmarks/e2e.py") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# The train-step harness (issue 19): arms, components, interleaved timing, losses.
+
+ARMS = {"baseline": "xla", "xla": "xla", "default": None}
+"""Arm -> the model's ``implementation``; "baseline" also traces under
+:func:`plain_jax_conversions`."""
+COMPONENTS = ("self_attention", "pffn", "seed_pool", "mlp")
+
+
+@contextlib.contextmanager
+def plain_jax_conversions():
+  """While active, ``jagged.to_padded`` / ``from_padded`` are the plain gathers that autodiff
+  differentiates into scatter-adds: the baseline's conversions, as plain JAX code writes them.
+  Only tracing needs it (programs are lowered inside, compiled and run outside)."""
+  from pallas_norm import jagged
+  saved = jagged.to_padded, jagged.from_padded
+  jagged.to_padded, jagged.from_padded = jagged._gather_to_padded, jagged._gather_from_padded
+  try:
+    yield
+  finally:
+    jagged.to_padded, jagged.from_padded = saved
+
+
+def _trace_context(arm: str):
+  return plain_jax_conversions() if arm == "baseline" else contextlib.nullcontext()
+
+
+_PARAMS_OF = {"self_attention": ("qkv", "attn_out"), "pffn": ("pffn",),
+              "seed_pool": ("pool_kv", "seeds"), "mlp": ("mlp_in", "mlp", "head")}
+_PER_LAYER = ("qkv", "attn_out", "pffn")  # lists over layers: the pieces use layer 0
+
+
+def _owned_by(component: str, path, value) -> bool:
+  """nnx filter: a parameter of ``component`` (its first layer's, for per-layer lists)."""
+  from flax import nnx
+  return (isinstance(value, nnx.Param) and path[0] in _PARAMS_OF[component]
+          and (path[0] not in _PER_LAYER or path[1] == 0))
+
+
+def component_programs(model, batch, seed: int = 0) -> dict:
+  """name -> (f, args): ``f(*args)`` is the forward + backward (``jax.vjp`` of the float inputs
+  and the component's parameters, random cotangent) of one piece of ``model`` on ``batch``'s
+  realistic activations: the first self-attention layer, the first PFFN layer, the seed
+  pooling and the interaction MLP (mlp_in, the residual blocks and the head)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  c = model.config
+  offsets, max_len = batch.seq_offsets, c.max_seq_len
+  ctx = model._context(jnp.mod(batch.sparse_ids, c.sparse_vocab_size), batch.dense)
+  summary = jax.nn.gelu(model.summary(ctx))
+  x = model._sequence_tokens(jnp.mod(batch.seq_ids, c.item_vocab_size), offsets)
+  kv = model.kv_gen[0](summary).reshape(-1, 2, c.kv_len, c.num_heads, c.head_dim).astype(x.dtype)
+  pooled_width = c.num_seeds * c.token_dim
+  z = jnp.concatenate([ctx, jnp.zeros((ctx.shape[0], pooled_width), ctx.dtype)], axis=-1)
+  z = z + 0.1 * jax.random.normal(jax.random.key(seed), z.shape, z.dtype)
+
+  def mlp(model, z):
+    h = jax.nn.gelu(model.mlp_in(z))
+    for block in model.mlp:
+      h = block(jax.nn.gelu(h), residual=h)
+    return model.head(h)
+
+  pieces = {
+      "self_attention": (lambda m, x: m._self_attention(0, x, offsets), (x,)),
+      "pffn": (lambda m, x, k, v: m.pffn[0](x, offsets, k, v, max_seq_len=max_len),
+               (x, kv[:, 0], kv[:, 1])),
+      "seed_pool": (lambda m, x: m._seed_pool(x, offsets), (x,)),
+      "mlp": (mlp, (z,)),
+  }
+  programs = {}
+  for i, (name, (apply, inputs)) in enumerate(pieces.items()):
+    # Only the piece's own parameters: the gradient of every other one would be zeros that
+    # the program still writes (~1.3 GB of embedding and K/V-generator tables at production).
+    graphdef, params, rest = nnx.split(model, functools.partial(_owned_by, name), ...)
+
+    def forward(params, *inputs, apply=apply, graphdef=graphdef, rest=rest):
+      return apply(nnx.merge(graphdef, params, rest), *inputs)
+
+    out_shape = jax.eval_shape(forward, params, *inputs)
+    cotangent = jax.random.normal(jax.random.key(seed + 1 + i), out_shape.shape, out_shape.dtype)
+
+    def fwd_bwd(params, cotangent, *inputs, forward=forward):
+      out, vjp = jax.vjp(forward, params, *inputs)
+      return out, vjp(cotangent)
+
+    programs[name] = (jax.jit(fwd_bwd), (params, cotangent) + tuple(inputs))
+  return programs
+
+
+def build_arms(config: dict, arms, loss_steps: int) -> dict:
+  """arm -> {"batches": [...], "programs": {name: (jitted fn, args)}, "errors": {}}: the train
+  step and every component of :func:`component_programs`, not yet lowered."""
+  from flax import nnx
+
+  train = _load_train_script()
+  built = {}
+  for arm in arms:
+    model, optimizer, batches = _model_and_data(train, config, ARMS[arm], max(1, loss_steps))
+    graphdef, state = nnx.split((model, optimizer))
+    programs = {"step": (_jitted_step(train, graphdef), (state, batches[0]))}
+    programs.update(component_programs(model, batches[0]))
+    built[arm] = {"batches": batches, "programs": programs, "errors": {}}
+  return built
+
+
+def compile_programs(built: dict, names, log=print) -> None:
+  """Lowers the programs ``names`` of every arm (the baseline's under
+  :func:`plain_jax_conversions`) and compiles them all in parallel threads; each compiled
+  program is stored as ``built[arm][name] = (compiled, args)``. A program that fails to build
+  is left out and its error recorded in ``built[arm]["errors"]``, so the others still run."""
+  lowered = []
+  for arm, entry in built.items():
+    with _trace_context(arm):
+      for name in names:
+        fn, args = entry["programs"][name]
+        try:
+          lowered.append((arm, name, fn.lower(*args), args))
+        except Exception as e:  # noqa: BLE001  (recorded; the other programs still run)
+          entry["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    futures = [pool.submit(item[2].compile) for item in lowered]
+    for (arm, name, _, args), future in zip(lowered, futures):
+      try:
+        built[arm][name] = (future.result(), args)
+      except Exception as e:  # noqa: BLE001
+        built[arm]["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+  for arm, entry in built.items():
+    for name in names:
+      if name in entry["errors"]:
+        log(f"{arm} {name}: FAILED to build: {entry['errors'][name][:300]}")
+
+
+def interleaved_times(programs: dict, samples: int, warmup: int = 2) -> dict:
+  """name -> wall-clock seconds of ``samples`` calls each, the programs called in turn (the
+  order rotated every round); each call's outputs are waited for and dropped."""
+  import jax
+
+  names = list(programs)
+  for name in names:
+    for _ in range(warmup):
+      fn, args = programs[name]
+      jax.block_until_ready(fn(*args))
+  times = {name: [] for name in names}
+  for r in range(samples):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      fn, args = programs[name]
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - t0)
+  return times
+
+
+def summarize(seconds) -> dict:
+  """Median, min, quartiles and 10/90th percentiles of a list of seconds, in ms."""
+  ms = np.asarray(seconds) * 1e3
+  q = np.percentile(ms, [10, 25, 50, 75, 90])
+  return {"n": int(ms.size), "median_ms": float(q[2]), "min_ms": float(ms.min()),
+          "p10_ms": float(q[0]), "p25_ms": float(q[1]), "p75_ms": float(q[3]),
+          "p90_ms": float(q[4])}
+
+
+def train_losses(step, state, batches, steps: int) -> list[float]:
+  """Losses of ``steps`` AdamW steps from ``state``, cycling through ``batches``."""
+  losses = []
+  for i in range(steps):
+    state, loss = step(state, batches[i % len(batches)])
+    losses.append(float(loss))
+  return losses
+
+
+def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: int = 30,
+                loss_steps: int = 20, log=print, save=lambda result: None,
+                with_step: bool = True) -> dict:
+  """The measurement of the module doc, as a JSON-ready dict. The whole step first (compile,
+  time, losses; skipped without ``with_step``), then the components; ``save(result)`` is
+  called after each timed piece, so a run cut short keeps what it measured."""
+  import jax
+
+  built = build_arms(config, arms, loss_steps if with_step else 1)
+  result = {
+      "what": "Kunlun train step (issue 19): whole step and per-component forward+backward",
+      "method": ("wall clock per call up to block_until_ready, arms interleaved with a "
+                 "rotating order, after 2 warm-up calls each; ms"),
+      "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+      "git_commit": _git_commit(), "config": config, "samples_per_arm": samples, "loss_steps": loss_steps,
+      "arms": {arm: ("plain JAX: XLA ops and attention, autodiff (scatter-add) conversions"
+                     if arm == "baseline" else f"implementation={ARMS[arm]!r}") for arm in arms},
+      "errors": {}, "rows": [], "losses": {}, "summary": {},
+  }
+  for phase in (("step",) if with_step else (), tuple(components)):
+    if not phase:
+      continue
+    t0 = time.perf_counter()
+    compile_programs(built, phase, log)
+    log(f"compiled {len(arms) * len(phase)} programs in {time.perf_counter() - t0:.0f} s")
+    result["errors"] = {arm: built[arm]["errors"] for arm in arms if built[arm]["errors"]}
+    for piece in phase:
+      _time_piece(result, built, piece, samples, log)
+      save(result)
+    if phase == ("step",):
+      for arm in arms:
+        if "step" in built[arm]:
+          step, (state, _) = built[arm]["step"]
+          result["losses"][arm] = train_losses(step, state, built[arm]["batches"], loss_steps)
+    result["summary"] = summary(result)
+    save(result)
+  return result
+
+
+def _git_commit() -> str:
+  """HEAD of the checkout, else $GIT_COMMIT (a copy without .git), else "unknown"."""
+  import os
+  import subprocess
+  try:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def _time_piece(result, built, piece, samples, log) -> None:
+  ready = {arm: built[arm][piece] for arm in built if piece in built[arm]}
+  times = interleaved_times(ready, samples)
+  for arm in ready:
+    row = {"component": piece, "arm": arm, **summarize(times[arm])}
+    result["rows"].append(row)
+    log(f"{piece:15s} {arm:9s} median {row['median_ms']:8.2f} ms  (p10 {row['p10_ms']:.2f}, "
+        f"p90 {row['p90_ms']:.2f}, min {row['min_ms']:.2f})")
+
+
+def summary(result: dict) -> dict:
+  """Speed-ups of each arm against the baseline (median over median) and the largest loss
+  difference from the baseline's over the loss steps."""
+  med = {(r["component"], r["arm"]): r["median_ms"] for r in result["rows"]}
+  out = {}
+  for (piece, arm), ms in med.items():
+    if arm != "baseline" and (piece, "baseline") in med:
+      out[f"{piece}/{arm}_speedup"] = med[(piece, "baseline")] / ms
+  base = result["losses"].get("baseline")
+  for arm, losses in result["losses"].items():
+    if base and arm != "baseline":
+      out[f"loss/{arm}_max_abs_diff"] = float(np.max(np.abs(np.subtract(losses, base))))
+  return out
+
+
+COMPONENT_NAMES = {"step": "whole train step (+ AdamW)", "self_attention": "one self-attention layer",
+                   "pffn": "one PFFN layer", "seed_pool": "seed pooling",
+                   "mlp": "interaction MLP"}
+
+
+def markdown_table(result: dict) -> str:
+  """The README's table of a harness result: median ms (p10–p90) per component and arm, and
+  each arm's speed-up over the baseline (median over median)."""
+  arms = list(result["arms"])
+  cell = {(r["component"], r["arm"]): r for r in result["rows"]}
+  head = ["| forward + backward of | " + " | ".join(f"{a} ms" for a in arms) + " | " + " | ".join(
+      f"{a} speed-up" for a in arms if a != "baseline") + " |"]
+  head.append("|---|" + "---:|" * (2 * len(arms) - 1))
+  lines = []
+  for piece, name in COMPONENT_NAMES.items():
+    if not any((piece, a) in cell for a in arms):
+      continue
+    times = [f"{cell[piece, a]['median_ms']:.1f} ({cell[piece, a]['p10_ms']:.1f}–"
+             f"{cell[piece, a]['p90_ms']:.1f})" if (piece, a) in cell else "—" for a in arms]
+    ratios = [f"{cell[piece, 'baseline']['median_ms'] / cell[piece, a]['median_ms']:.2f}×"
+              if (piece, a) in cell and (piece, "baseline") in cell else "—"
+              for a in arms if a != "baseline"]
+    lines.append(f"| {name} | " + " | ".join(times + ratios) + " |")
+  return "\n".join(head + lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description="Kunlun train-step harness (see the module doc)")
+  p.add_argument("--tiny", action="store_true", help="the CPU-sized config")
+  p.add_argument("--samples", type=int, default=30, help="timed calls per arm")
+  p.add_argument("--loss-steps", type=int, default=20)
+  p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of "
+                 f"{','.join(ARMS)}")
+  p.add_argument("--components", default=",".join(COMPONENTS),
+                 help="comma-separated subset of " + ",".join(COMPONENTS) + " (or empty)")
+  p.add_argument("--no-step", action="store_true",
+                 help="time the components only (no whole step, no losses)")
+  p.add_argument("--out", type=pathlib.Path, default=None, help="JSON result file")
+  p.add_argument("--table", type=pathlib.Path, default=None,
+                 help="print the README table of this JSON result and exit")
+  args = p.parse_args(argv)
+  if args.table is not None:
+    print(markdown_table(json.loads(args.table.read_text())))
+    return 0
+  arms = tuple(a for a in args.arms.split(",") if a)
+  components = tuple(c for c in args.components.split(",") if c)
+  bad = sorted(set(arms) - set(ARMS)) + sorted(set(components) - set(COMPONENTS))
+  if bad or not arms:
+    p.error(f"unknown or missing arms/components: {bad or '(no arm)'}")
+
+  def save(result):
+    if args.out is not None:
+      args.out.parent.mkdir(parents=True, exist_ok=True)
+      args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+  result = run_harness(build_config(args.tiny), arms, components, args.samples,
+                       args.loss_steps, log=lambda m: print(m, flush=True), save=save,
+                       with_step=not args.no_step)
+  for key, value in result["summary"].items():
+    print(f"{key}: {value:.4g}", flush=True)
+  for arm, losses in result["losses"].items():
+    print(f"losses {arm}: " + " ".join(f"{v:.5f}" for v in losses), flush=True)
+  print(markdown_table(result), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

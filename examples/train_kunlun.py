@@ -11,13 +11,15 @@ depends only on (seed, step), so a resumed run sees the batches an uninterrupted
 ``--devices N`` (default: every device) and ``--model-parallel M`` train data- and table-parallel
 on a mesh of N devices (:mod:`distributed`; ``--multi-host`` for several hosts).
 
-The last line printed is machine-readable::
+The progress bar shows the last batch's loss, the median step time and examples/s so far; the
+last line printed is machine-readable::
 
-    final: train_loss=<f> val_logloss=<f> val_auc=<f> steps=<n> examples_per_s=<f>
+    final: train_loss=<f> val_logloss=<f> val_auc=<f> steps=<n> step_ms=<f> examples_per_s=<f>
 
 train_loss is the mean over the last 10% of this run's steps (the ``step N:`` lines show the
-last batch's loss); examples_per_s counts training steps only, after the first (compiling)
-one (nan for a single step). Missing or malformed data, a checkpoint of another
+last batch's loss); step_ms is the median wall-clock time of a training step and
+examples_per_s the examples of all training steps over their total time, both after the first
+(compiling) step (nan for a single step). Missing or malformed data, a checkpoint of another
 model, or an ``--implementation`` with no kernel for the model's calls exit with status 2 and a
 one-line message.
 """
@@ -50,6 +52,13 @@ import pallas_norm  # noqa: E402
 from flax_layers import KunlunConfig, KunlunModel  # noqa: E402
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+IMPLEMENTATIONS = ("default", "xla", "mosaic", "interpret")
+INTERPRET_HINT = ("a step takes seconds and every evaluation batch as long, so try "
+                  "PJRT_NPROC=8 python examples/train_kunlun.py --implementation interpret "
+                  "--embed-dim 64 --head-dim 32 --batch-size 8 --max-seq-len 8 --steps 3 "
+                  "--eval-every 3 --valid-examples 16 (measured: under two minutes of CPU "
+                  "time, most of it compiling); the defaults, 200 steps and an evaluation of "
+                  "all 2048 validation examples every 50, take far longer")
 
 
 class CheckpointMismatchError(ValueError):
@@ -61,13 +70,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--data", choices=ads_data.DATASETS, default="synthetic")
   p.add_argument("--data-dir", type=pathlib.Path, default=ads_data.DEFAULT_DATA_DIR,
                  help="folder holding taobao_ad_sample/ and criteo_sample.txt")
-  p.add_argument("--implementation", choices=("xla", "mosaic", "interpret"), default=None,
-                 help="pallas-norm implementation. Default: auto (the kernels on a Hopper GPU "
-                 "where measured faster). mosaic / interpret: the kernels (interpret: in GPU "
-                 "interpret mode) in every layer whose shapes they support, XLA in the others "
-                 "(the model gets (name, 'xla')). The kernels need K and N multiples of 64: with "
-                 "the default sizes few layers fit, with --embed-dim 64 --head-dim 32 every "
-                 "norm-fused dense layer but the 1-wide head does")
+  p.add_argument("--implementation", choices=IMPLEMENTATIONS, default="default",
+                 help="pallas-norm implementation. default: the library's choice (on a Hopper "
+                 "GPU the kernels where measured faster, cuDNN's flash attention for the softmax "
+                 "attentions; XLA elsewhere). xla: XLA everywhere. mosaic / interpret: the "
+                 "kernels (interpret: in GPU interpret mode on the CPU) in every layer whose "
+                 "shapes they support, XLA in the others (the model gets (name, 'xla')). The "
+                 "kernels need K and N multiples of 64: with the default sizes few layers fit, "
+                 "with --embed-dim 64 --head-dim 32 every norm-fused dense layer but the 1-wide "
+                 "head does. Interpret mode emulates the GPU on the CPU and is slow: "
+                 f"{INTERPRET_HINT}")
   p.add_argument("--embed-dim", type=int, default=KunlunConfig.embed_dim,
                  help="width of a context token")
   p.add_argument("--head-dim", type=int, default=KunlunConfig.head_dim,
@@ -79,14 +91,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--lr", type=float, default=2e-3)
   p.add_argument("--weight-decay", type=float, default=1e-4)
   p.add_argument("--eval-every", type=int, default=50)
+  p.add_argument("--valid-examples", type=int, default=None,
+                 help="evaluate on the first N validation examples (default: all of them)")
   p.add_argument("--checkpoint-dir", type=pathlib.Path, default=None)
   p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
   p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                  help="compute dtype (parameters stay float32)")
   distributed.add_arguments(p)
   args = p.parse_args(argv)
-  for name in ("steps", "batch_size", "max_seq_len", "eval_every", "embed_dim", "head_dim"):
-    if getattr(args, name) < 1:
+  for name in ("steps", "batch_size", "max_seq_len", "eval_every", "embed_dim", "head_dim",
+               "valid_examples"):
+    if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
@@ -151,10 +166,11 @@ def check_implementation_can_run(implementation) -> None:
 
 def model_implementation(args):
   """The model's ``implementation``: a kernel name becomes (name, "xla"), the kernel wherever a
-  layer's shapes fit it and XLA elsewhere (see pallas_norm._dispatch); None and "xla" as given."""
+  layer's shapes fit it and XLA elsewhere (see pallas_norm._dispatch); "default" is None, the
+  library's choice; "xla" as given."""
   if args.implementation in ("mosaic", "interpret"):
     return (args.implementation, "xla")
-  return args.implementation
+  return None if args.implementation == "default" else args.implementation
 
 
 @functools.lru_cache(maxsize=8)
@@ -254,11 +270,20 @@ def _initial_state(args, manager, config, state):
   return restore_checkpoint(manager, state, config)
 
 
-def _final_line(losses, val, step, examples, seconds) -> str:
+def _speed(step_seconds, batch_size) -> tuple[float, float]:
+  """(median step ms, examples/s) of the training steps after the first (compiling) one; nan
+  before there is one."""
+  timed = step_seconds[1:]
+  if not timed or sum(timed) <= 0:
+    return float("nan"), float("nan")
+  return 1e3 * float(np.median(timed)), len(timed) * batch_size / sum(timed)
+
+
+def _final_line(losses, val, step, step_seconds, batch_size) -> str:
   tail = losses[-max(1, len(losses) // 10):] if losses else [float("nan")]
-  rate = examples / seconds if seconds > 0 else float("nan")
+  step_ms, rate = _speed(step_seconds, batch_size)
   return (f"final: train_loss={np.mean(tail):.6f} val_logloss={val[0]:.6f} "
-          f"val_auc={val[1]:.6f} steps={step} examples_per_s={rate:.1f}")
+          f"val_auc={val[1]:.6f} steps={step} step_ms={step_ms:.2f} examples_per_s={rate:.1f}")
 
 
 def train(args) -> TrainResult:
@@ -268,6 +293,8 @@ def train(args) -> TrainResult:
   """
   train_ds, valid_ds, spec = ads_data.load(args.data, args.data_dir, max_seq_len=args.max_seq_len,
                                            seed=args.seed)
+  if args.valid_examples is not None:
+    valid_ds = valid_ds.subset(np.arange(min(args.valid_examples, len(valid_ds))))
   config, model, optimizer = build(args, spec)
   # One device: this module's steps; several: sharded ones (examples/distributed.py).
   runner = distributed.make_runner(args, loss_fn=loss_fn, train_step=train_step, predict=predict)
@@ -296,7 +323,9 @@ def train(args) -> TrainResult:
         step_seconds.append(time.perf_counter() - t0)
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        step_ms, rate = _speed(step_seconds, args.batch_size)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", step_ms=f"{step_ms:.4g}",
+                        examples_per_s=f"{rate:.4g}", refresh=False)
         if step % args.eval_every == 0 or step == args.steps:
           val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
                          runner.predict)
@@ -311,8 +340,7 @@ def train(args) -> TrainResult:
     if manager is not None:
       manager.wait_until_finished()
       manager.close()
-  timed = step_seconds[1:]  # the first step compiles: one step gives no rate (nan)
-  line = _final_line(losses, val, step, len(timed) * args.batch_size, sum(timed))
+  line = _final_line(losses, val, step, step_seconds, args.batch_size)
   return TrainResult(line, graphdef, state, losses)
 
 

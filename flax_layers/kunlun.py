@@ -21,7 +21,7 @@ from flax import nnx
 
 from pallas_norm import _validate, jagged
 from flax_layers import _common
-from flax_layers.attention import PFFNBlock
+from flax_layers.attention import PFFNBlock, softmax_attention
 from flax_layers.dense import DenseNorm, NormDense
 
 
@@ -101,8 +101,10 @@ class KunlunModel(nnx.Module):
     rngs: ``nnx.Rngs`` for initialization.
     implementation: passed to every pallas-norm op: None, "xla", "mosaic", "interpret", or a
       sequence tried in order per call, e.g. ("mosaic", "xla"): the kernels in every layer
-      whose shapes they support and XLA in the others (the PFFN and the self-attention have no
-      kernel yet; the dense layers need K and N multiples of 64).
+      whose shapes they support and XLA in the others (the PFFN has no kernel yet; the dense
+      layers need K and N multiples of 64). The softmax self-attention and the seed pooling
+      run cuDNN's flash attention on an NVIDIA GPU for None and for choices that include
+      "mosaic", XLA's attention otherwise (:func:`flax_layers.attention.softmax_attention`).
 
   Raises:
     TypeError: at construction, for a dtype that is neither None nor a floating dtype, or a
@@ -115,6 +117,7 @@ class KunlunModel(nnx.Module):
     self.config = c
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
+    self.implementation = _common.check_implementation(implementation)  # the softmax attentions
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     lkw = dict(kw, epsilon=c.epsilon, implementation=implementation)
     hd = c.token_dim
@@ -217,9 +220,10 @@ class KunlunModel(nnx.Module):
     t, h, d = x.shape
     flat = x.reshape(t, h * d)
     qkv = self.qkv[layer](flat).reshape(t, 3, h, d)
-    padded = jagged.to_padded(qkv, seq_offsets, c.max_seq_len)   # (B, L, 3, H, D)
-    o = jax.nn.dot_product_attention(padded[:, :, 0], padded[:, :, 1], padded[:, :, 2],
-                                     key_value_seq_lengths=jagged.lengths(seq_offsets))
+    # One (B, L, H, D) operand each, in the layout the attention takes (no strided slices).
+    q, k, v = (jagged.to_padded(qkv[:, i], seq_offsets, c.max_seq_len) for i in range(3))
+    lens = jagged.lengths(seq_offsets)
+    o = softmax_attention(q, k, v, lens, lens, implementation=self.implementation)
     o = jagged.from_padded(o, seq_offsets, t).reshape(t, h * d)
     y = self.attn_out[layer](o, residual=flat.astype(o.dtype))
     return _zero_padding_rows(y, seq_offsets).reshape(t, h, d)
@@ -230,11 +234,11 @@ class KunlunModel(nnx.Module):
     t, h, d = x.shape
     batch = seq_offsets.shape[0] - 1
     kv = self.pool_kv(x.reshape(t, h * d)).reshape(t, 2, h, d)
-    padded = jagged.to_padded(kv, seq_offsets, c.max_seq_len)   # (B, L, 2, H, D)
+    k, v = (jagged.to_padded(kv[:, i], seq_offsets, c.max_seq_len) for i in range(2))
     seeds = jnp.broadcast_to(self.seeds[...].astype(kv.dtype), (batch,) + self.seeds.shape)
     lens = jagged.lengths(seq_offsets)
-    o = jax.nn.dot_product_attention(seeds, padded[:, :, 0], padded[:, :, 1],
-                                     key_value_seq_lengths=lens)  # (B, S, H, D)
+    o = softmax_attention(seeds, k, v, None, lens,
+                          implementation=self.implementation)  # (B, S, H, D)
     # With no valid key the softmax is uniform over masked (zero) values; make that explicit.
     o = jnp.where((lens > 0)[:, None, None, None], o, jnp.zeros((), o.dtype))
     return o.reshape(batch, -1)

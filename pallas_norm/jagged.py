@@ -18,6 +18,9 @@ and are used by the XLA reference path.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,21 +118,44 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int) -> jax.Array:
   """Packed ``(T, ...)`` -> padded ``(B, max_len, ...)``, zeros past each sample's length.
 
   Samples longer than ``max_len`` are truncated; the public ops check lengths against
-  ``max_len`` whenever the offsets are concrete.
+  ``max_len`` whenever the offsets are concrete. A zero capacity (``T == 0``) gives zeros.
+
+  Differentiable in ``values``: the gradient is :func:`from_padded` of the cotangent (a gather,
+  since on the valid rows each conversion is the other's transpose), not the scatter-add that
+  autodiff of the forward gather would give. ``offsets`` get no gradient.
   """
+  return _to_padded_linear(values, offsets, operator.index(max_len))
+
+
+def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Array:
+  """Padded ``(B, L, ...)`` -> packed ``(capacity, ...)``, zeros in the padding rows.
+
+  Positions at or past a sample's length (and rows of samples past ``L``) are never read; an
+  empty padded tensor (``B·L == 0``) gives zeros. Differentiable in ``padded``: the gradient is
+  :func:`to_padded` of the cotangent (a gather, zeros past each length), not a scatter-add.
+  """
+  return _from_padded_linear(padded, offsets, operator.index(capacity))
+
+
+def _gather_to_padded(values, offsets, max_len):
+  """The forward of :func:`to_padded` as plain jnp (autodiff of it is a scatter-add)."""
   batch = offsets.shape[0] - 1
+  shape = (batch, max_len) + values.shape[1:]
+  if values.shape[0] == 0 or batch * max_len == 0:  # nothing to gather (take() would raise)
+    return jnp.zeros(shape, values.dtype)
   pos = jnp.arange(max_len, dtype=jnp.int32)
   rows = offsets[:-1, None] + pos[None, :]  # (B, max_len)
   inside = pos[None, :] < lengths(offsets)[:, None]
-  gathered = jnp.take(values, rows.reshape(-1), axis=0, mode="clip")
-  gathered = gathered.reshape((batch, max_len) + values.shape[1:])
+  gathered = jnp.take(values, rows.reshape(-1), axis=0, mode="clip").reshape(shape)
   mask = inside.reshape(inside.shape + (1,) * (values.ndim - 1))
   return jnp.where(mask, gathered, jnp.zeros((), values.dtype))
 
 
-def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Array:
-  """Padded ``(B, L, ...)`` -> packed ``(capacity, ...)``, zeros in the padding rows."""
+def _gather_from_padded(padded, offsets, capacity):
+  """The forward of :func:`from_padded` as plain jnp (autodiff of it is a scatter-add)."""
   batch, max_len = padded.shape[:2]
+  if batch * max_len == 0 or capacity == 0:
+    return jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
   seg = segment_ids(offsets, capacity)
   pos = positions(offsets, capacity)
   valid = valid_mask(offsets, capacity) & (pos < max_len)
@@ -138,3 +164,56 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Arr
   out = jnp.take(flat, idx, axis=0, mode="clip")
   mask = valid.reshape(valid.shape + (1,) * (padded.ndim - 2))
   return jnp.where(mask, out, jnp.zeros((), padded.dtype))
+
+
+def _scatter_to_padded(values, offsets, max_len):
+  """:func:`to_padded` written as a scatter-add (the same linear map; its transpose is a gather)."""
+  batch, capacity = offsets.shape[0] - 1, values.shape[0]
+  shape = (batch, max_len) + values.shape[1:]
+  if capacity == 0 or batch * max_len == 0:
+    return jnp.zeros(shape, values.dtype)
+  pos = positions(offsets, capacity)
+  valid = valid_mask(offsets, capacity) & (pos < max_len)
+  idx = jnp.where(valid, segment_ids(offsets, capacity) * max_len + pos, batch * max_len)
+  flat = jnp.zeros((batch * max_len,) + values.shape[1:], values.dtype)
+  return flat.at[idx].add(values, mode="drop").reshape(shape)
+
+
+def _scatter_from_padded(padded, offsets, capacity):
+  """:func:`from_padded` written as a scatter-add (the same linear map; its transpose is a
+  gather)."""
+  batch, max_len = padded.shape[:2]
+  if batch * max_len == 0 or capacity == 0:
+    return jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
+  pos = jnp.arange(max_len, dtype=jnp.int32)
+  rows = offsets[:-1, None] + pos[None, :]  # (B, max_len)
+  rows = jnp.where(pos[None, :] < lengths(offsets)[:, None], rows, capacity).reshape(-1)
+  flat = padded.reshape((batch * max_len,) + padded.shape[2:])
+  out = jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
+  return out.at[rows].add(flat, mode="drop")
+
+
+def _linear_map(gather, scatter):
+  """``gather(x, offsets, out_size)`` whose tangent map is ``scatter``, the same linear map
+  written as a scatter-add. Reverse mode transposes the tangent map, and the transpose of a
+  scatter-add is a gather: so the gradient of each conversion is the other conversion, a
+  gather, where autodiff of ``gather`` would give a scatter-add (5-9 ms at B=768, L=512 on the
+  H200). Forward mode (jvp, hessians) stays available, unlike with a custom_vjp.
+  ``to_padded`` and ``from_padded`` transpose each other on the valid rows (row
+  ``offsets[b] + l`` <-> position ``(b, l)`` for ``l < min(length_b, max_len)``); every other
+  entry is a constant zero."""
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+  def convert(x, offsets, out_size):
+    return gather(x, offsets, out_size)
+
+  @convert.defjvp
+  def convert_jvp(out_size, primals, tangents):
+    x, offsets = primals
+    return convert(x, offsets, out_size), scatter(tangents[0], offsets, out_size)
+
+  return convert
+
+
+_to_padded_linear = _linear_map(_gather_to_padded, _scatter_to_padded)
+_from_padded_linear = _linear_map(_gather_from_padded, _scatter_from_padded)

@@ -97,8 +97,9 @@ def test_implementation_reaches_every_sublayer():
   m = _model(implementation="interpret")
   layers = [mod for _, mod in nnx.iter_graph(m)
             if isinstance(mod, nnx.Module) and hasattr(mod, "implementation")]
-  # summary, per layer (pffn, qkv, attn_out), pool_kv, mlp_in, mlp blocks, head.
-  assert len(layers) == 1 + 3 * CONFIG.num_layers + 1 + 1 + CONFIG.num_mlp_layers + 1
+  # The model itself (its softmax attentions), summary, per layer (pffn, qkv, attn_out),
+  # pool_kv, mlp_in, mlp blocks, head.
+  assert len(layers) == 1 + 1 + 3 * CONFIG.num_layers + 1 + 1 + CONFIG.num_mlp_layers + 1
   assert {mod.implementation for mod in layers} == {"interpret"}
 
 
@@ -253,3 +254,78 @@ def test_kernel_where_it_fits_xla_elsewhere(monkeypatch):
   assert ("flash_norm_attention", "xla") in chosen  # no kernel yet
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0.02, atol=0.02)
   assert float(np.max(np.abs(np.asarray(want)))) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The softmax attentions: cuDNN's flash attention on an NVIDIA GPU, XLA elsewhere.
+
+from flax_layers import attention  # noqa: E402
+
+
+def _padded_attention_case(seed, dtype, lens=(5, 0, 8, 1), max_len=8, heads=2, head_dim=16):
+  rng = np.random.default_rng(seed)
+  shape = (len(lens), max_len, heads, head_dim)
+  q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(4))
+  return q, k, v, cot, jnp.asarray(lens, jnp.int32)
+
+
+def _valid_rows(lens, max_len):
+  return (np.arange(max_len)[None, :] < np.asarray(lens)[:, None])[..., None, None]
+
+
+@pytest.mark.parametrize("implementation", [None, "mosaic", ("mosaic", "xla"), "xla",
+                                            "interpret"])
+def test_softmax_attention_uses_xla_off_an_nvidia_gpu(implementation):
+  if jax.default_backend() != "cpu":
+    pytest.skip("checks the CPU behaviour")
+  assert attention.softmax_attention_backend(implementation, jnp.bfloat16, 128) == "xla"
+
+
+def test_softmax_attention_falls_back_to_xla_where_cudnn_cannot_trace(monkeypatch):
+  """When the static checks pass but cuDNN refuses the call while tracing (here: a CPU has no
+  cuDNN), the attention is XLA's, not an error."""
+  monkeypatch.setattr(attention, "_cudnn_unsupported_reason", lambda *a: None)
+  q, k, v, _, lens = _padded_attention_case(0, jnp.bfloat16)
+  assert attention.softmax_attention_backend(None, q.dtype, q.shape[-1]) == "cudnn"
+  got = attention.softmax_attention(q, k, v, lens, lens)
+  want = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lens)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.gpu
+def test_softmax_attention_cudnn_matches_xla_on_valid_rows():
+  """cuDNN (the default on the GPU) vs XLA on the rows the model keeps: values and gradients,
+  empty and full samples, zero cotangent on the rows the model drops."""
+  q, k, v, cot, lens = _padded_attention_case(1, jnp.bfloat16)
+  assert attention.softmax_attention_backend(None, q.dtype, q.shape[-1]) == "cudnn"
+  keep = jnp.asarray(_valid_rows(lens, q.shape[1]))
+  cot = jnp.where(keep, cot, 0)
+
+  def run(implementation):
+    def f(q, k, v):
+      o = attention.softmax_attention(q, k, v, lens, lens, implementation=implementation)
+      return jnp.sum(jnp.where(keep, o, 0).astype(jnp.float32) * cot.astype(jnp.float32)), o
+    (_, o), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return [np.asarray(a, np.float32) for a in (jnp.where(keep, o, 0), *grads)]
+
+  for got, want in zip(run(None), run("xla")):
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, atol=0.03, rtol=0.03)  # bf16 operands and outputs
+
+
+@pytest.mark.gpu
+def test_default_model_matches_xla_on_the_gpu():
+  """implementation=None (cuDNN attentions, kernels where the dispatch picks them) against
+  "xla": same logits and loss gradient up to bf16 rounding."""
+  def build(impl):
+    return _model(dtype=jnp.bfloat16, implementation=impl)
+
+  inputs, labels = _inputs(10), _labels(11)
+  loss_and_grad = nnx.jit(nnx.value_and_grad(_bce))
+  (got_loss, got), (want_loss, want) = (loss_and_grad(build(i), *inputs, labels)
+                                        for i in (None, "xla"))
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=0.02)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, w = np.asarray(g), np.asarray(w)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, atol=0.05 * float(np.max(np.abs(w))) + 1e-6)

@@ -24,7 +24,7 @@ import ads_data  # noqa: E402
 import train_kunlun  # noqa: E402
 
 FINAL_RE = re.compile(r"^final: train_loss=\S+ val_logloss=\S+ val_auc=\S+ steps=\d+ "
-                      r"examples_per_s=\S+$")
+                      r"step_ms=\S+ examples_per_s=\S+$")
 TAOBAO = ["--data", "taobao", "--batch-size", "32", "--max-seq-len", "8", "--implementation",
           "xla"]
 
@@ -190,7 +190,7 @@ def test_synthetic_cli_runs(capsys):
   assert FINAL_RE.match(out[-1]) and "steps=3 " in out[-1], out[-1]
   values = dict(kv.split("=") for kv in out[-1].split()[1:])
   assert all(np.isfinite(float(values[k])) for k in ("train_loss", "val_logloss", "val_auc"))
-  assert float(values["examples_per_s"]) > 0
+  assert float(values["examples_per_s"]) > 0 and float(values["step_ms"]) > 0
 
 
 @pytest.mark.slow
@@ -199,7 +199,7 @@ def test_one_step_has_no_rate_and_sizes_are_flags(capsys):
   code, out, _ = _run(["--steps", "1", "--batch-size", "8", "--max-seq-len", "4",
                        "--embed-dim", "8", "--head-dim", "4", "--implementation", "xla"], capsys)
   assert code == 0 and FINAL_RE.match(out[-1]), out
-  assert out[-1].endswith("examples_per_s=nan")
+  assert out[-1].endswith("step_ms=nan examples_per_s=nan")
   assert any(line.startswith("step 1: batch_loss=") for line in out), out
 
 
@@ -211,11 +211,34 @@ def test_kernel_implementations_reach_the_model_with_an_xla_fallback():
       "interpret", "xla")
   assert train_kunlun.model_implementation(parse(["--implementation", "xla"])) == "xla"
   assert train_kunlun.model_implementation(parse([])) is None
+  assert train_kunlun.model_implementation(parse(["--implementation", "default"])) is None
   args = parse(["--embed-dim", "64", "--head-dim", "32"])
   assert (args.embed_dim, args.head_dim) == (64, 32)
   for flag in ("--embed-dim", "--head-dim"):
     with pytest.raises(SystemExit):
       parse([flag, "0"])
+
+
+def test_speed_is_the_median_step_and_the_rate_after_the_compiling_step():
+  step_ms, rate = train_kunlun._speed([30.0, 0.1, 0.3, 0.2], batch_size=6)
+  assert step_ms == pytest.approx(200.0) and rate == pytest.approx(18 / 0.6)
+  assert all(np.isnan(v) for v in train_kunlun._speed([30.0], batch_size=6))
+
+
+def test_help_says_what_interpret_mode_costs_and_recommends_a_small_run(capsys):
+  """Issue 18 item 6: the --help recommended flags with which 20 interpret steps took over 10
+  minutes. The recommended command now names small sizes (measured at about a minute)."""
+  with pytest.raises(SystemExit):
+    train_kunlun.parse_args(["--help"])
+  help_text = "".join(capsys.readouterr().out.split())  # argparse re-wraps the lines
+  hint = train_kunlun.INTERPRET_HINT
+  assert "minute" in hint and "slow" in help_text and "".join(hint.split()) in help_text
+  argv = hint.split("train_kunlun.py", 1)[1].split(" (", 1)[0].split()
+  args = train_kunlun.parse_args(argv)
+  assert args.implementation == "interpret" and (args.embed_dim, args.head_dim) == (64, 32)
+  assert args.steps <= 5 and args.batch_size <= 8 and args.max_seq_len <= 8
+  assert args.eval_every >= args.steps  # one evaluation, at the end ...
+  assert args.valid_examples <= 2 * args.batch_size  # ... of at most two batches
 
 
 def test_a_kernel_implementation_that_cannot_run_here_exits_2(capsys, monkeypatch):

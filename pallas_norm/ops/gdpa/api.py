@@ -1,0 +1,245 @@
+"""Generalized dot-product attention over jagged queries (DESIGN.md, op 3; Meta's GDPA).
+
+``o_h = post_scale · act(pre_scale · q_h k_hᵀ) v_h`` per sample and head, with no softmax and no
+row normalization; keys past a sample's length contribute exactly zero. Jagged layout:
+:mod:`pallas_norm.jagged`. Oracle: :func:`pallas_norm.reference.gdpa`.
+
+The call validates its arguments once (:func:`check_args`), chooses the implementation once
+(:func:`pallas_norm._dispatch.choose`), then runs either the XLA path (:mod:`.xla`, differentiated
+by JAX) or the kernel path: one ``jax.custom_vjp`` whose forward rule is the Hopper kernel
+(:mod:`.mosaic`) and whose backward rule sits beside it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from pallas_norm import _dispatch, _validate, reference
+from pallas_norm.ops.gdpa import mosaic, mosaic_bwd, xla
+
+_F32 = jnp.float32
+
+
+def check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
+               max_kv_len, out_dtype) -> None:
+  """Validates the attention arguments shared by :func:`gdpa` and ``flash_norm_attention``."""
+  _validate.float_array("q", q, ndim=3)
+  t, h, d = q.shape
+  if kv_offsets is None:
+    _validate.float_array("k", k, ndim=4)
+    _validate.float_array("v", v, ndim=4)
+  else:
+    _validate.float_array("k", k, ndim=3)
+    _validate.float_array("v", v, ndim=3)
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                     f"{tuple(v.shape)}")
+  if tuple(k.shape[-2:]) != (h, d):
+    raise ValueError(f"k and v must end in (H, D) = {(h, d)} like q, got {tuple(k.shape)}")
+  if not (jnp.dtype(q.dtype) == jnp.dtype(k.dtype) == jnp.dtype(v.dtype)):
+    raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  _validate.static_positive_int("max_seq_len", max_seq_len)
+  _validate.static_positive_int("max_kv_len", max_kv_len)
+  batch = _validate.offsets("q_offsets", q_offsets, t, max_len=max_seq_len)
+  if kv_offsets is None:
+    if k.shape[0] != batch:
+      raise ValueError(f"dense k/v must have batch size B = len(q_offsets) - 1 = {batch}, "
+                       f"got {k.shape[0]}")
+    if max_kv_len is not None:
+      raise ValueError("max_kv_len applies only to jagged k/v (with kv_offsets)")
+  else:
+    kv_batch = _validate.offsets("kv_offsets", kv_offsets, k.shape[0], max_len=max_kv_len,
+                                 max_len_name="max_kv_len")
+    if kv_batch != batch:
+      raise ValueError(f"kv_offsets must describe B = {batch} samples like q_offsets, "
+                       f"got {kv_batch}")
+  if activation not in reference.ACTIVATIONS:
+    raise ValueError(f"activation must be one of {sorted(reference.ACTIVATIONS)}, "
+                     f"got {activation!r}")
+  _validate.finite_scalar("pre_scale", pre_scale)
+  _validate.finite_scalar("post_scale", post_scale)
+  _validate.out_dtype(out_dtype)
+
+
+def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
+         pre_scale: float = 1.0, post_scale: float = 1.0, max_seq_len: int | None = None,
+         max_kv_len: int | None = None, out_dtype=None, implementation=None):
+  """Jagged generalized dot-product attention.
+
+  Args:
+    q: (T, H, D) packed query tokens; T is a static capacity.
+    k, v: dense (B, Lkv, H, D), or packed (Tkv, H, D) with ``kv_offsets``; q's dtype.
+    q_offsets: int32 (B+1,) jagged offsets of q (first 0, non-decreasing, last <= T).
+    kv_offsets: optional int32 (B+1,) offsets of packed k/v.
+    activation: "fast_gelu" (tanh GELU, default), "gelu", "silu", "relu", "relu2",
+      "leaky_relu" (slope 0.01) or "identity".
+    pre_scale, post_scale: finite real scalars (default 1): numbers or 0-d integer/floating
+      arrays, traced ones included (an array of another shape would broadcast, so it raises).
+    max_seq_len: static bound on q lengths; makes the XLA path use a padded (B, max_seq_len)
+      layout (fast). Without it the XLA path gathers K/V per token (O(T·Lkv·H·D) memory).
+    max_kv_len: static bound on jagged k/v lengths (default Tkv).
+    out_dtype: output dtype (default q.dtype).
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
+      can run the call; see :mod:`pallas_norm._dispatch`).
+
+  Returns:
+    (T, H, D); padding rows (>= q_offsets[-1]) are zeros.
+
+  Offsets that are traced (under ``jax.jit``/``vmap``) cannot raise: if they break the jagged
+  convention (first != 0, decreasing, last > T, a length over max_seq_len/max_kv_len) the whole
+  output is NaN rather than silently wrong.
+
+  Raises:
+    TypeError: dtypes; a non-array q, k, v or offsets; a pre_scale or post_scale that is not a
+    real scalar (also under ``jax.jit``: a traced scale must be 0-d, integer or floating).
+    ValueError: shapes, offsets (when concrete), activation, non-finite concrete scales, lengths
+    over max_seq_len/max_kv_len. NotImplementedError: kernel implementation not available.
+  """
+  check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
+             max_kv_len, out_dtype)
+  impl = _dispatch.choose(
+      "gdpa", implementation,
+      unsupported_reason=lambda _: mosaic.unsupported_reason(q, k, kv_offsets, max_kv_len,
+                                                             out_dtype),
+      slower_reason=lambda: _kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype))
+  if impl == "xla":
+    out = xla.gdpa(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, activation=activation,
+                   max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=out_dtype)
+    return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
+                                     max_seq_len, max_kv_len)
+  scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
+  pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
+  offsets = (q_offsets, kv_offsets, q_offsets, kv_offsets)  # forward's, then backward's
+  bad = _offsets_invalid(q_offsets, kv_offsets, q.shape[0], k.shape[0], max_seq_len, max_kv_len)
+  if bad is not None:
+    offsets, pre_scale, post_scale = _poisoned(bad, offsets, pre_scale, post_scale, q.shape[0],
+                                               k.shape[0], max_seq_len, max_kv_len)
+  return _kernel_gdpa(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
+                      max_kv_len, jnp.dtype(out_dtype or q.dtype), impl == "interpret",
+                      scale_grads)
+
+
+def _poisoned(bad, offsets, pre_scale, post_scale, capacity, kv_capacity, max_seq_len,
+              max_kv_len):
+  """The kernel path's answer to traced offsets that break the jagged convention, with no pass
+  over the output: NaN scales, all-empty samples in the forward (the kernel then writes every
+  row as padding, times the NaN scale) and, in the backward, the offsets made valid (clipped,
+  non-decreasing, lengths capped), so the real rows give NaN gradients instead of the zeros
+  empty samples would give. Also a checkify error (``jax.experimental.checkify``)."""
+  checkify.debug_check(jnp.logical_not(bad), OFFSETS_INVALID_MESSAGE)
+  q_off, kv_off = offsets[:2]
+  nan = jnp.float32(jnp.nan)
+  fwd_q = jnp.where(bad, jnp.zeros_like(q_off), q_off)
+  bwd_q = jnp.where(bad, _made_valid(q_off, capacity, max_seq_len), q_off)
+  bwd_kv = kv_off if kv_off is None else jnp.where(
+      bad, _made_valid(kv_off, kv_capacity, max_kv_len), kv_off)
+  return ((fwd_q, kv_off, bwd_q, bwd_kv), jnp.where(bad, nan, pre_scale),
+          jnp.where(bad, nan, post_scale))
+
+
+def _made_valid(off, capacity: int, max_len: int | None):
+  """Offsets that follow the jagged convention, as close to ``off`` as a clip allows."""
+  off = jax.lax.cummax(jnp.clip(off, 0, capacity)).at[0].set(0)
+  lengths = jnp.diff(off)
+  if max_len is not None:
+    lengths = jnp.minimum(lengths, max_len)
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
+
+
+def _kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
+  """Why XLA is the default for a call the kernel supports (None: the kernel is). The H200
+  suite measured the resident-K/V kernel forward 2.6-4.0x faster than XLA through the op at every
+  case it ran, before the op's extra poison pass was removed (benchmarks/NOTES.md, "gdpa
+  forward"); the streamed-K/V path (K/V windows too long for SMEM) is not measured yet.
+  """
+  if mosaic.streams_kv(q, k, kv_offsets, max_kv_len, out_dtype):
+    return ("K/V too long to stay in SMEM: the kernel would stream them, which is not yet "
+            "measured against XLA on the H200 (pass implementation='mosaic' to force it)")
+  return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel path: one custom_vjp, forward and backward rules side by side. The scales are f32
+# 0-d arrays (traced ones get gradients); the offsets are integer inputs (no cotangent).
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _kernel_gdpa(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len, max_kv_len,
+                 out_dtype, interpret, scale_grads):
+  return _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
+                          max_kv_len, out_dtype, interpret, scale_grads)[0]
+
+
+def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
+                     max_kv_len, out_dtype, interpret, scale_grads):
+  del max_seq_len, scale_grads  # the kernel's work list comes from the offsets themselves
+  q_offsets, kv_offsets = offsets[:2]
+  out = mosaic.gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale,
+                        activation=activation, max_kv_len=max_kv_len, out_dtype=out_dtype,
+                        interpret=interpret)
+  return out, (q, k, v, pre_scale, post_scale, offsets)
+
+
+def _kernel_bwd_rule(activation, max_seq_len, max_kv_len, out_dtype, interpret, scale_grads,
+                     saved, d_out):
+  del out_dtype
+  q, k, v, pre_scale, post_scale, offsets = saved
+  q_offsets, kv_offsets = offsets[2:]
+  kw = dict(activation=activation, pre_scale=pre_scale, post_scale=post_scale,
+            max_seq_len=max_seq_len, max_kv_len=max_kv_len, interpret=interpret)
+  if mosaic_bwd.unsupported_reason(q, k, v, kv_offsets, max_seq_len, max_kv_len) is None:
+    dq, dk, dv, d_pre, d_post = mosaic_bwd.gdpa_bwd(q, k, v, q_offsets, kv_offsets, d_out,
+                                                    scale_grads=scale_grads, **kw)
+  else:  # shapes the backward kernel refuses: JAX's VJP of the XLA path
+    dq, dk, dv, d_pre, d_post = _xla_backward(q, k, v, q_offsets, kv_offsets, d_out, **kw)
+  if d_pre is None:  # numbers given by the caller: constants, their cotangents are dropped
+    d_pre, d_post = jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale)
+  return dq, dk, dv, d_pre, d_post, None
+
+
+_kernel_gdpa.defvjp(_kernel_fwd_rule, _kernel_bwd_rule)
+
+
+def _xla_backward(q, k, v, q_offsets, kv_offsets, d_out, *, activation, pre_scale, post_scale,
+                  max_seq_len, max_kv_len, interpret):
+  """(dq, dk, dv, d_pre_scale, d_post_scale) by JAX's VJP of the XLA path (recomputes the
+  forward), with the backward kernel's interface: for the shapes that kernel refuses."""
+  del interpret
+
+  def forward(q, k, v, pre, post):
+    return xla.gdpa(q, k, v, q_offsets, kv_offsets, pre, post, activation=activation,
+                    max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=d_out.dtype)
+
+  return jax.vjp(forward, q, k, v, pre_scale, post_scale)[1](d_out)
+
+
+OFFSETS_INVALID_MESSAGE = (
+    "pallas_norm: traced q_offsets/kv_offsets break the jagged convention (first 0, "
+    "non-decreasing, last <= the packed capacity, no length over max_seq_len/max_kv_len); the "
+    "output and its gradients are NaN")
+
+
+def poison_if_offsets_invalid(out, q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len,
+                              max_kv_len):
+  """NaN everywhere, in the output and in the gradients, when traced offsets break the jagged
+  convention (see :func:`pallas_norm._validate.offsets_invalid`), and a checkify error under
+  ``jax.experimental.checkify.checkify``; concrete offsets were already checked."""
+  bad = _offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len)
+  if bad is None:
+    return out
+  return _validate.poison_if_invalid(out, bad, OFFSETS_INVALID_MESSAGE)
+
+
+def _offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len):
+  """A traced bool, True when traced offsets break the jagged convention; None when no offsets
+  are traced (concrete ones were checked by :func:`check_args`)."""
+  traced = [o for o in (q_offsets, kv_offsets) if isinstance(o, jax.core.Tracer)]
+  if not traced:
+    return None
+  bad = _validate.offsets_invalid(q_offsets, capacity, max_seq_len)
+  if kv_offsets is not None:
+    bad = bad | _validate.offsets_invalid(kv_offsets, kv_capacity, max_kv_len)
+  return bad

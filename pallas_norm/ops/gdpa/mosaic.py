@@ -1,0 +1,563 @@
+"""The GDPA forward as a Pallas Mosaic-GPU kernel for Hopper (sm_90a).
+
+``o_h = post_scale · act(pre_scale · q_h k_hᵀ) v_h`` per sample and head (DESIGN.md, op 3), no
+softmax, keys past a sample's length masked to exactly zero.
+
+Work schedule (built in XLA from the offsets, traced or not, before the launch): one work item
+per (segment, head), where a segment is a sample (its q rows and its K/V) or a chunk of the
+padding rows past ``q_offsets[-1]`` (no keys: the kernel writes zeros there itself). Items are
+ordered by q length, longest first, so the long samples start in the first wave and the short
+ones fill the tail; the grid is that list (static size), and an empty item exits at once. So the
+work scales with the real tokens, not with B · max_seq_len.
+
+One CTA per item, three warpgroups in the layout of JAX's ``attention_mgpu.py``:
+
+* warpgroup 2, the TMA producer: loads the item's K and V into SMEM once (they stay resident for
+  all of the sample's q blocks), then streams the q blocks, ``BLOCK_Q`` rows each, through a
+  ring of ``q_stages`` slots per consumer. Mosaic's tiled TMA (the layout WGMMA reads from SMEM)
+  needs GMEM row starts on the 8-row grid, so a sample's rows are read through a window that
+  starts at the aligned row at or before its first row (:data:`ALIGN`); the rows of the window
+  outside the sample belong to other samples or to padding and are never stored;
+* warpgroups 0 and 1, the consumers, take the q blocks in turn (block i goes to i % 2). Per
+  block and per ``block_kv`` keys: S = Q Kᵀ with WGMMA (f32 accumulator), ``act(pre_scale · S)``
+  in registers, keys past the sample's length set to 0 with a select, P in q's dtype,
+  O += P V with WGMMA; ``post_scale · O`` in the epilogue.
+
+The epilogue writes only the rows that belong to the item's segment (a q block may straddle
+other samples or the end of the array): the tile goes to SMEM in 128-byte column chunks with the
+128-byte swizzle and no 8-row tiling, so a TMA store may start at any row, and leaves by TMA
+stores of static power-of-two row counts, one per set bit of the row count (the store ladder of
+JAX's ``ragged_dot_mgpu.py``).
+
+Jagged K/V (``kv_offsets``): the K/V window of a sample is loaded as whole ``block_kv``-row
+boxes, so its first and last boxes may hold rows of other samples or of the K/V padding, which
+may be anything (NaN included). Their scores are masked (``jnp.where`` on the activation); their
+V rows are overwritten with zeros in SMEM by consumer 0 before any P·V (0 · NaN would be NaN),
+and consumer 1 waits for that.
+
+WGMMA reads P from SMEM, not registers: Pallas's GPU interpret mode has no register-A WGMMA,
+and this keeps the path the CPU tests run the one the GPU runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_norm import mgpu_common, reference
+from pallas_norm.ops.gdpa import configs
+from pallas_norm.ops.gdpa.configs import BLOCK_Q
+
+_F32 = jnp.float32
+_SQRT_HALF = 0.7071067811865476
+
+
+
+def _erf(x):
+  """erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7, far below the bf16/f16
+  rounding of P): Mosaic GPU has no layout rule for math.erf in warpgroup kernels."""
+  ax = jnp.abs(x)
+  t = 1.0 / (1.0 + 0.3275911 * ax)
+  poly = ((((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t
+          + 0.254829592) * t
+  y = 1.0 - poly * jnp.exp(-ax * ax)
+  return jnp.where(x >= 0, y, -y)
+
+
+KERNEL_ACTIVATIONS = {
+    **reference.ACTIVATIONS,
+    # Same functions written with what Mosaic GPU lowers: jax.nn.gelu(approximate=False) uses
+    # erfc, and jax.nn.relu is a custom_jvp (neither lowers inside a warpgroup kernel).
+    "gelu": lambda s: 0.5 * s * (1.0 + _erf(s * _SQRT_HALF)),
+    "relu": lambda s: jnp.maximum(s, 0.0),
+    "relu2": lambda s: jnp.square(jnp.maximum(s, 0.0)),
+}
+"""The kernel's elementwise activations: :data:`pallas_norm.reference.ACTIVATIONS`, except where
+the jax.nn function does not lower in Mosaic GPU."""
+_HEAD_DIMS = (64, 128)
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def kv_rows(k, kv_offsets, max_kv_len) -> int:
+  """Rows of the K/V window of a (sample, head): dense Lkv; jagged: max_kv_len (default Tkv)
+  rows starting up to ``ALIGN - 1`` rows early, rounded up to 64."""
+  if kv_offsets is None:
+    return k.shape[1]
+  return configs.resident_kv_len((max_kv_len or k.shape[0]) + ALIGN - 1)
+
+
+def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
+  """None when the kernel can run these (validated) arguments, else why not."""
+  dtype = jnp.dtype(q.dtype)
+  if dtype not in mgpu_common.SUPPORTED_DTYPES:
+    return f"q dtype {dtype.name} is not bfloat16 or float16"
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  if out_dtype not in _OUT_DTYPES:
+    return f"out_dtype {out_dtype.name} is not bfloat16, float16 or float32"
+  head_dim = q.shape[2]
+  if head_dim not in _HEAD_DIMS:
+    return f"head dim D = {head_dim} is not one of {_HEAD_DIMS}"
+  if kv_offsets is None and k.shape[1] % 64:
+    return f"dense K/V length Lkv = {k.shape[1]} is not a multiple of 64"
+  if q.shape[0] % ALIGN or (kv_offsets is not None and k.shape[0] % ALIGN):
+    return (f"the token capacities T = {q.shape[0]}" + ("" if kv_offsets is None else
+            f", Tkv = {k.shape[0]}") + f" must be multiples of {ALIGN} (Mosaic's tiled TMA)")
+  if configs.pick_config(kv_rows(k, kv_offsets, max_kv_len), head_dim, dtype, out_dtype) is None:
+    return f"no tiling fits in SMEM with D = {head_dim}"  # unreachable for D <= 128
+  return None
+
+
+def streams_kv(q, k, kv_offsets, max_kv_len, out_dtype) -> bool:
+  """Whether the default tiling streams K/V per q block (the K/V window does not fit in SMEM)
+  instead of keeping it resident, for arguments the kernel supports."""
+  cfg = configs.pick_config(kv_rows(k, kv_offsets, max_kv_len), q.shape[2], q.dtype,
+                            jnp.dtype(out_dtype or q.dtype))
+  return cfg.kv_stages is not None
+
+
+ALIGN = 8
+"""Row alignment of every TMA window: Mosaic's tiled TMA (WGMMA operands in SMEM) starts at a
+multiple of the 8-row tile in GMEM. A sample's q rows and K/V rows are read through windows
+that start at the 8-aligned row at or before the sample's first row; ``lo`` says where the
+sample starts in its window."""
+
+# Columns of the work-item table.
+Q_WIN, Q_LO, Q_HI, Q_BLOCKS, KV_WIN, KV_LO, KV_HI = range(7)
+
+
+def _window(start, end):
+  """(8-aligned window start, lo, hi) of rows [start, end); lo = hi = 0 when empty."""
+  win = start - start % ALIGN
+  empty = end <= start
+  return win, jnp.where(empty, 0, start - win), jnp.where(empty, 0, end - win)
+
+
+def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_rows: int):
+  """The (items, 7) int32 work table, longest q first; columns :data:`Q_WIN` ... :data:`KV_HI`.
+
+  Rows: the B samples, then the padding chunks of :data:`configs.PAD_CHUNK_BLOCKS` q blocks
+  covering ``[q_offsets[-1], capacity)``, which have no keys (the kernel writes zeros). A
+  sample's q rows are ``[Q_WIN + Q_LO, Q_WIN + Q_HI)``, read in ``Q_BLOCKS`` blocks of
+  ``BLOCK_Q`` rows from ``Q_WIN``. Dense K/V: ``KV_WIN`` is the sample index, keys
+  ``[0, Lkv)``; jagged: keys ``[KV_WIN + KV_LO, KV_WIN + KV_HI)``. Offsets are clamped into
+  range, so invalid traced offsets cannot make the kernel touch memory outside its arrays (the
+  op poisons such outputs with NaN anyway).
+  """
+  q_offsets = q_offsets.astype(jnp.int32)
+  batch = q_offsets.shape[0] - 1
+  chunk = configs.PAD_CHUNK_BLOCKS * BLOCK_Q
+  end = jnp.clip(q_offsets[-1], 0, capacity)
+  pad_start = jnp.minimum(end + chunk * jnp.arange(-(-capacity // chunk), dtype=jnp.int32),
+                          capacity)
+  starts = jnp.concatenate([jnp.clip(q_offsets[:-1], 0, capacity), pad_start])
+  ends = jnp.concatenate([jnp.clip(q_offsets[1:], 0, capacity),
+                          jnp.minimum(pad_start + chunk, capacity)])
+  q_win, q_lo, q_hi = _window(starts, ends)
+  q_blocks = pl.cdiv(q_hi, BLOCK_Q)
+  no_keys = jnp.zeros((pad_start.shape[0],), jnp.int32)
+  if kv_offsets is None:
+    kv_win, kv_lo = jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,), jnp.int32)
+    kv_hi = jnp.full((batch,), num_kv_rows, jnp.int32)
+  else:
+    kv_offsets = jnp.clip(kv_offsets.astype(jnp.int32), 0, kv_capacity)
+    kv_end = jnp.clip(kv_offsets[1:], kv_offsets[:-1], kv_offsets[:-1] + num_kv_rows - ALIGN + 1)
+    kv_win, kv_lo, kv_hi = _window(kv_offsets[:-1], kv_end)
+  kv = [jnp.concatenate([col, no_keys]) for col in (kv_win, kv_lo, kv_hi)]
+  table = jnp.stack([q_win, q_lo, q_hi, q_blocks, *kv], axis=1)
+  order = jnp.argsort(q_lo - q_hi, stable=True)
+  return table[order]
+
+
+def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activation: str,
+             max_kv_len: int | None, out_dtype=None, config: configs.Config | None = None,
+             interpret: bool = False):
+  """GDPA forward by the kernel (arguments validated by the op; see :func:`unsupported_reason`).
+
+  Args:
+    q: (T, H, D) bf16/f16 packed queries; k, v: dense (B, Lkv, H, D) or packed (Tkv, H, D).
+    q_offsets, kv_offsets: int32 (B+1,) offsets (kv_offsets None for dense K/V).
+    pre_scale, post_scale: f32 scalars (0-d arrays, traced or not).
+    activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
+    max_kv_len: static bound on jagged K/V lengths (default Tkv).
+    out_dtype: bf16, f16 or f32 (default q's dtype).
+    config: tiling (default :func:`configs.pick_config`).
+    interpret: run in Pallas GPU interpret mode (any backend).
+
+  Returns:
+    (T, H, D) in out_dtype; rows past ``q_offsets[-1]`` are zeros.
+
+  Raises:
+    ValueError: a ``config`` whose block_kv does not divide the K/V window.
+  """
+  capacity, num_heads, head_dim = q.shape
+  out_dtype = jnp.dtype(out_dtype or q.dtype)
+  rows = kv_rows(k, kv_offsets, max_kv_len)
+  cfg = config or configs.pick_config(rows, head_dim, q.dtype, out_dtype)
+  if rows % cfg.block_kv:
+    raise ValueError(f"block_kv = {cfg.block_kv} does not divide the K/V window of {rows} rows")
+  plan = _Plan(num_heads=num_heads, block_kv=cfg.block_kv, q_stages=cfg.q_stages,
+               kv_stages=cfg.kv_stages, kv_chunks=rows // cfg.block_kv,
+               jagged_kv=kv_offsets is not None, act=KERNEL_ACTIVATIONS[activation])
+  table = work_items(q_offsets, kv_offsets, capacity, k.shape[0], rows)
+  scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
+  call = plgpu.kernel(
+      functools.partial(_kernel, plan=plan),
+      out_type=jax.ShapeDtypeStruct((capacity, num_heads, head_dim), out_dtype),
+      grid=(table.shape[0] * num_heads,),
+      grid_names=("item",),
+      num_threads=3,
+      thread_name="wg",
+      scratch_types=_scratch(plan, head_dim, q.dtype, out_dtype),
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=mgpu_common.interpret_params() if interpret else None,
+  )
+  return call(table, scales, q, k, v)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one kernel build. ``kv_stages`` None: a (sample, head)'s K/V are resident
+  in ``kv_chunks`` blocks of ``block_kv`` rows; else they stream per q block through a ring of
+  that many slots per consumer."""
+
+  num_heads: int
+  block_kv: int
+  q_stages: int
+  kv_stages: int | None
+  kv_chunks: int
+  jagged_kv: bool
+  act: Callable
+
+
+def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
+  transforms = mgpu_common.swizzle_transforms(head_dim, dtype)
+  chunks = max(1, head_dim * out_dtype.itemsize // 128)  # 128-byte column chunks of the output
+  if plan.kv_stages is None:
+    kv_shape, kv_barriers = (plan.kv_chunks,), plan.kv_chunks
+  else:
+    kv_shape, kv_barriers = (2, plan.kv_stages), 2 * plan.kv_stages
+  kv_smem = lambda: plgpu.SMEM(kv_shape + (plan.block_kv, head_dim), dtype,  # noqa: E731
+                               transforms=transforms)
+  streamed = {} if plan.kv_stages is None else dict(
+      kv_free=plgpu.Barrier(num_barriers=kv_barriers))
+  return dict(
+      **streamed,
+      q_smem=plgpu.SMEM((2, plan.q_stages, BLOCK_Q, head_dim), dtype, transforms=transforms),
+      k_smem=kv_smem(),
+      v_smem=kv_smem(),
+      p_smem=plgpu.SMEM((2, BLOCK_Q, plan.block_kv), dtype,
+                        transforms=mgpu_common.swizzle_transforms(plan.block_kv, dtype)),
+      o_smem=plgpu.SMEM((2, chunks, BLOCK_Q, head_dim // chunks), out_dtype,
+                        transforms=mgpu_common.swizzle_transforms(head_dim // chunks, out_dtype,
+                                                                  tiled=False)),
+      q_ready=plgpu.Barrier(num_barriers=2 * plan.q_stages),
+      q_free=plgpu.Barrier(num_barriers=2 * plan.q_stages),
+      k_ready=plgpu.Barrier(num_barriers=kv_barriers),
+      v_ready=plgpu.Barrier(num_barriers=kv_barriers),
+      v_edges_zeroed=plgpu.Barrier(),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  """One CTA's work item, read from the table: a segment's rows and keys, and the head."""
+
+  head: jax.Array
+  q_win: jax.Array
+  q_lo: jax.Array
+  q_hi: jax.Array
+  q_blocks: jax.Array
+  kv_win: jax.Array
+  kv_lo: jax.Array
+  kv_hi: jax.Array
+  kv_steps: jax.Array
+
+  @classmethod
+  def read(cls, table_ref, plan: _Plan):
+    item = lax.axis_index("item")
+    segment = lax.div(item, plan.num_heads)
+    col = lambda c: table_ref[segment, c]  # noqa: E731
+    return cls(head=lax.rem(item, plan.num_heads), q_win=pl.multiple_of(col(Q_WIN), ALIGN),
+               q_lo=col(Q_LO), q_hi=col(Q_HI), q_blocks=col(Q_BLOCKS), kv_win=col(KV_WIN),
+               kv_lo=col(KV_LO), kv_hi=col(KV_HI), kv_steps=pl.cdiv(col(KV_HI), plan.block_kv))
+
+  def blocks_of(self, wg):
+    """q blocks of consumer ``wg``: blocks wg, wg + 2, ... (its turns)."""
+    return lax.div(self.q_blocks - wg + 1, 2)
+
+
+def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, plan: _Plan, **smem):
+  item = _Item.read(table_ref, plan)
+  kv = (_ResidentKV if plan.kv_stages is None else _StreamedKV)(plan, item, k_ref, v_ref, smem)
+  mgpu_common.warp_specialize(
+      lambda: _producer(plan, item, kv, q_ref, smem),
+      lambda: _consumer(plan, item, kv, scales_ref, o_ref, smem))
+
+
+def _producer(plan: _Plan, item: _Item, kv, q_ref, smem) -> None:
+  """TMA warpgroup: K/V (once, or per q block), and the q blocks in pairs (block 2t + wg goes to
+  consumer wg), each consumer through its own ring of ``q_stages`` slots."""
+  q_smem, q_ready, q_free = smem["q_smem"], smem["q_ready"], smem["q_free"]
+  kv.produce_once()
+
+  @pl.loop(0, item.blocks_of(0))
+  def _pair(turn):
+    slot = lax.rem(turn, plan.q_stages)
+    for wg in range(2):
+      @pl.when(2 * turn + wg < item.q_blocks)
+      def _(wg=wg):
+        @pl.when(turn >= plan.q_stages)
+        def _():
+          plgpu.barrier_wait(q_free.at[wg * plan.q_stages + slot])
+
+        rows = pl.ds(pl.multiple_of(item.q_win + (2 * turn + wg) * BLOCK_Q, ALIGN), BLOCK_Q)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, item.head], q_smem.at[wg, slot],
+                                q_ready.at[wg * plan.q_stages + slot])
+    kv.produce_pair(turn)
+
+  # Observe the releases no load waited for (the last use of each slot), so that every barrier
+  # phase is consumed before the CTA ends (the interpreter checks it).
+  for wg in range(2):
+    _drain_ring(q_free, wg, plan.q_stages, item.blocks_of(wg))
+  kv.drain()
+
+
+def _drain_ring(free, wg: int, stages: int, uses) -> None:
+  """Waits for the last ``min(stages, uses)`` releases of consumer ``wg``'s ring slots."""
+  @pl.loop(jnp.maximum(uses - stages, 0), uses)
+  def _(use):
+    plgpu.barrier_wait(free.at[wg * stages + lax.rem(use, stages)])
+
+
+def _consumer(plan: _Plan, item: _Item, kv, scales_ref, o_ref, smem) -> None:
+  """WGMMA warpgroup ``wg``: its q blocks, each Σ_k act(pre·Q Kᵀ) V, then post · O stored."""
+  wg = lax.axis_index("wg")
+  q_smem, q_ready, q_free = smem["q_smem"], smem["q_ready"], smem["q_free"]
+  pre_scale, post_scale = scales_ref[0], scales_ref[1]
+  kv.consume_once(wg)
+
+  @pl.loop(0, item.blocks_of(wg))
+  def _block(turn):
+    i = wg + 2 * turn
+    barrier = wg * plan.q_stages + lax.rem(turn, plan.q_stages)
+    plgpu.barrier_wait(q_ready.at[barrier])
+    out = _attend(plan, item, kv, wg, turn, q_smem.at[wg, lax.rem(turn, plan.q_stages)],
+                  smem["p_smem"].at[wg], pre_scale)
+    plgpu.barrier_arrive(q_free.at[barrier])
+    lo = jnp.maximum(item.q_lo - i * BLOCK_Q, 0)  # the sample's rows in this block: [lo, hi)
+    hi = jnp.minimum(item.q_hi - i * BLOCK_Q, BLOCK_Q)
+    _store_rows((out * post_scale).astype(smem["o_smem"].dtype), smem["o_smem"].at[wg], o_ref,
+                item.q_win + i * BLOCK_Q, lo, hi - lo, item.head)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+
+
+def _attend(plan: _Plan, item: _Item, kv, wg, turn, q_tile, p_tile, pre_scale):
+  """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32."""
+
+  def accumulate(o_acc):
+    @pl.loop(0, item.kv_steps)
+    def _step(step):
+      k_tile, v_tile = kv.tiles(wg, turn, step)
+
+      def scores(s_acc):
+        plgpu.wgmma(s_acc, q_tile, k_tile.transpose((1, 0)))
+        return s_acc[...]  # waits for this WGMMA (and the previous step's P·V)
+
+      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      p = plan.act(s * pre_scale)
+      if plan.jagged_kv:  # keys outside the sample: exactly 0, whatever act(s) is there
+        key = plgpu.broadcasted_iota(jnp.int32, p.shape, 1,
+                                     layout=plgpu.Layout.WGMMA) + step * plan.block_kv
+        p = jnp.where((key >= item.kv_lo) & (key < item.kv_hi), p, 0.0)
+      # P goes through SMEM: the previous step's P·V has finished reading it (the score read
+      # above waited for every WGMMA in flight). Interpret mode has no register-A WGMMA.
+      p_tile[...] = p.astype(p_tile.dtype)
+      plgpu.commit_smem()
+      plgpu.wgmma(o_acc, p_tile, v_tile)
+      kv.release(wg, turn, step)
+
+    return o_acc[...]
+
+  return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, q_tile.shape[-1]), _F32))
+
+
+def _kv_block(plan: _Plan, item: _Item, ref, step):
+  """The GMEM box of key block ``step`` of the item's K/V window."""
+  if plan.jagged_kv:
+    rows = pl.ds(pl.multiple_of(item.kv_win + step * plan.block_kv, ALIGN), plan.block_kv)
+    return ref.at[rows, item.head]
+  return ref.at[item.kv_win, pl.ds(step * plan.block_kv, plan.block_kv), item.head]
+
+
+def _zero_v_rows_outside(plan: _Plan, item: _Item, tile, step) -> None:
+  """Zeroes the rows of V block ``step`` that are not the sample's keys [kv_lo, kv_hi) (rows of
+  other samples or K/V padding, maybe NaN, and 0 · NaN = NaN in P·V)."""
+  rows = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0,
+                                layout=plgpu.Layout.WGMMA) + step * plan.block_kv
+  values = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+  tile[...] = jnp.where((rows >= item.kv_lo) & (rows < item.kv_hi), values,
+                        jnp.zeros_like(values))
+
+
+class _ResidentKV:
+  """K/V of the (sample, head) loaded once into ``kv_chunks`` blocks and kept for all its q
+  blocks. Jagged: consumer 0 zeroes the V rows outside the sample in the first and last
+  blocks, consumer 1 waits for it."""
+
+  def __init__(self, plan, item, k_ref, v_ref, smem):
+    self.plan, self.item, self.k_ref, self.v_ref, self.smem = plan, item, k_ref, v_ref, smem
+
+  def produce_once(self):
+    plan, item, smem = self.plan, self.item, self.smem
+
+    @pl.when(item.q_blocks > 0)
+    def _():
+      for step in range(plan.kv_chunks):  # static: the resident K/V, only the item's blocks
+        @pl.when(step < item.kv_steps)
+        def _(step=step):
+          for ref, name in ((self.k_ref, "k"), (self.v_ref, "v")):
+            plgpu.copy_gmem_to_smem(_kv_block(plan, item, ref, step),
+                                    smem[f"{name}_smem"].at[step],
+                                    smem[f"{name}_ready"].at[step])
+
+  def produce_pair(self, turn):
+    del turn
+
+  def drain(self):
+    pass
+
+  def consume_once(self, wg):
+    plan, item, smem = self.plan, self.item, self.smem
+
+    @pl.when((item.blocks_of(wg) > 0) & (item.kv_steps > 0))
+    def _():
+      for step in range(plan.kv_chunks):
+        @pl.when(step < item.kv_steps)
+        def _(step=step):
+          plgpu.barrier_wait(smem["k_ready"].at[step])
+          plgpu.barrier_wait(smem["v_ready"].at[step])
+      if plan.jagged_kv:
+        self._zero_v_edges(wg)
+
+  def _zero_v_edges(self, wg):
+    plan, item, smem = self.plan, self.item, self.smem
+
+    @pl.when(wg == 0)
+    def _zero():
+      last = item.kv_steps - 1
+      _zero_v_rows_outside(plan, item, smem["v_smem"].at[0], 0)
+
+      @pl.when(last > 0)
+      def _():
+        _zero_v_rows_outside(plan, item, smem["v_smem"].at[last], last)
+      plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
+      plgpu.barrier_arrive(smem["v_edges_zeroed"])
+
+    @pl.when(wg == 1)
+    def _wait():
+      plgpu.barrier_wait(smem["v_edges_zeroed"])
+
+  def tiles(self, wg, turn, step):
+    del wg, turn
+    return self.smem["k_smem"].at[step], self.smem["v_smem"].at[step]
+
+  def release(self, wg, turn, step):
+    del wg, turn, step
+
+
+class _StreamedKV:
+  """K/V streamed per q block: each consumer has a ring of ``kv_stages`` slots that the
+  producer fills with key blocks 0..kv_steps-1 of each of its q blocks, the two consumers'
+  blocks of a pair interleaved. A consumer zeroes the V rows outside the sample in its own
+  first and last block, and releases a slot once its P·V has read it."""
+
+  def __init__(self, plan, item, k_ref, v_ref, smem):
+    self.plan, self.item, self.k_ref, self.v_ref, self.smem = plan, item, k_ref, v_ref, smem
+
+  def _slot(self, wg, use):
+    return wg * self.plan.kv_stages + lax.rem(use, self.plan.kv_stages)
+
+  def produce_once(self):
+    pass
+
+  def produce_pair(self, turn):
+    plan, item, smem = self.plan, self.item, self.smem
+
+    @pl.loop(0, item.kv_steps)
+    def _step(step):
+      use = turn * item.kv_steps + step
+      for wg in range(2):
+        @pl.when(2 * turn + wg < item.q_blocks)
+        def _(wg=wg):
+          slot = self._slot(wg, use)
+
+          @pl.when(use >= plan.kv_stages)
+          def _():
+            plgpu.barrier_wait(smem["kv_free"].at[slot])
+
+          local = lax.rem(use, plan.kv_stages)
+          for ref, name in ((self.k_ref, "k"), (self.v_ref, "v")):
+            plgpu.copy_gmem_to_smem(_kv_block(plan, item, ref, step),
+                                    smem[f"{name}_smem"].at[wg, local],
+                                    smem[f"{name}_ready"].at[slot])
+
+  def drain(self):
+    for wg in range(2):
+      _drain_ring(self.smem["kv_free"], wg, self.plan.kv_stages,
+                  self.item.blocks_of(wg) * self.item.kv_steps)
+
+  def consume_once(self, wg):
+    del wg
+
+  def tiles(self, wg, turn, step):
+    plan, item, smem = self.plan, self.item, self.smem
+    use = turn * item.kv_steps + step
+    slot, local = self._slot(wg, use), lax.rem(use, plan.kv_stages)
+    plgpu.barrier_wait(smem["k_ready"].at[slot])
+    plgpu.barrier_wait(smem["v_ready"].at[slot])
+    v_tile = smem["v_smem"].at[wg, local]
+    if plan.jagged_kv:
+      @pl.when((step == 0) | (step == item.kv_steps - 1))
+      def _():
+        _zero_v_rows_outside(plan, item, v_tile, step)
+        plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
+    return smem["k_smem"].at[wg, local], v_tile
+
+  def release(self, wg, turn, step):
+    plgpu.wgmma_wait(0)  # the P·V reading the slot is done
+    use = turn * self.item.kv_steps + step
+    plgpu.barrier_arrive(self.smem["kv_free"].at[self._slot(wg, use)])
+
+
+def _store_rows(out, o_tiles, o_ref, row0, lo, rows, head):
+  """Writes rows ``[lo, lo + rows)`` (traced, within BLOCK_Q) of ``out`` (BLOCK_Q, D) to
+  ``o_ref[row0 + lo:row0 + lo + rows, head]``: one TMA store per set bit of ``rows`` and per
+  column chunk.
+
+  ``o_tiles`` (chunks, BLOCK_Q, D / chunks) holds the tile in column chunks of 128 bytes with
+  the 128-byte swizzle and no 8-row tiling, so a store may start at any row."""
+  chunks, _, chunk_cols = o_tiles.shape
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores read o_tiles
+  for c in range(chunks):
+    o_tiles[c] = out[:, c * chunk_cols:(c + 1) * chunk_cols]
+  plgpu.commit_smem()
+  offset = lo
+  size = BLOCK_Q
+  while size:
+    @pl.when((rows & size) != 0)
+    def _(size=size, offset=offset):
+      for c in range(chunks):
+        plgpu.copy_smem_to_gmem(
+            o_tiles.at[c, pl.ds(offset, size)],
+            o_ref.at[pl.ds(row0 + offset, size), head, pl.ds(c * chunk_cols, chunk_cols)])
+    offset = offset + (rows & size)
+    size //= 2

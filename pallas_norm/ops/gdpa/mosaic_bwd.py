@@ -1,0 +1,735 @@
+"""Backward of jagged GDPA as Pallas Mosaic-GPU kernels (Hopper, sm_90a).
+
+The math (DESIGN.md, op 3; oracle: ``jax.vjp`` of :func:`pallas_norm.reference.gdpa`): per
+sample b and head h, with ``Su = q kᵀ`` (the unscaled scores), ``S = pre·Su``, ``A = act(S)``
+(keys past the sample's KV length masked to exactly 0), ``o = post·A v``, and a cotangent dO:
+
+* ``dV = post·Aᵀ dO``; ``dAu = dO vᵀ`` (so ``dA = post·dAu``); ``dS = dA ⊙ act'(S)``;
+* ``dQ = pre·dS k``, ``dK = pre·dSᵀ q`` (scores recomputed: no softmax, no row statistics);
+* ``d post = Σ A ⊙ dAu`` (= Σ o_unscaled ⊙ dO) and ``d pre = Σ dS ⊙ Su``.
+
+Deterministic kernels (no atomics) in the shape of JAX's ``pallas/ops/gpu/attention_mgpu.py``
+backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of SMEM stages):
+
+* **dK/dV** (:func:`_dkv_kernel`): a CTA owns a kv tile of 128 rows of one head (64 per consumer
+  warpgroup, K and V resident in SMEM) and loops over the q blocks (64 packed rows) of the
+  samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
+  ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per (sample, tile of
+  Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops over every sample
+  it overlaps. The scale-gradient partial sums come from the same registers.
+* **dQ fused** (:func:`_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
+  shape): the dK/dV CTA of a (sample, head) holds every kv row, so dQ of a q block = dS K is
+  complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway), meet
+  at a barrier, and each computes and stores half of dQ's columns for the sample's rows. A few
+  extra CTAs write zeros over dq's padding rows.
+* **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
+  head (64 per consumer) and loops over the kv blocks (64 rows) of every sample the block
+  overlaps. Each dq row is written once by its block; rows of no sample (padding) come out as
+  exact zeros.
+
+Q and kv blocks are *aligned* (block i covers packed rows [64·i, 64·i + 64)) because Mosaic's
+tiled TMA, which the swizzled WGMMA operands need, addresses rows in groups of 8; rows of a
+block that belong to another sample are masked out of every product with selects. A select
+cannot stop ``0 · NaN`` inside a WGMMA, so the one block that reaches past the last offset
+(padding rows, never data: they may hold anything) is read from a small zero-padded copy that
+the wrapper gathers (``*_tail``); rows of a neighbouring sample are real tokens and must be
+finite (a non-finite token makes the neighbour's gradients NaN too, not silently wrong ones).
+
+Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
+capacity T, except for writing zeros over dq's padding rows. The dK/dV tiles run
+longest first (the hardware schedules CTAs in order, so long samples do not trail at the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_norm import mgpu_common, reference
+
+__all__ = ["gdpa_bwd", "unsupported_reason", "act_and_grad", "BLOCK"]
+
+BLOCK = 64
+"""Rows of one WGMMA tile of a consumer warpgroup: a q block of the dK/dV loop, a kv block of
+the dQ loop, and each consumer's share of a CTA's kv tile (dK/dV) or q block (dQ)."""
+
+TILE = 2 * BLOCK
+"""Rows a CTA owns: kv rows in the dK/dV kernel, q rows in the dQ kernel (two consumers)."""
+
+STAGES = 2
+"""SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 (two-kernel
+version, benchmark shape) 2 stages ran 952 µs and 3 stages 968: the consumers, not the loads,
+set the pace, and the fused dK/dV/dQ kernel needs the SMEM."""
+
+HEAD_DIMS = (64, 128)
+"""Head dims the kernels support: the two (BLOCK, D) float32 accumulators of a dK/dV consumer
+take D/2 registers per thread each, so D = 256 would not fit beside the score tiles."""
+
+ROW_ALIGN = 8
+"""Mosaic's tiled TMA addresses rows in groups of 8: the row count of every (packed or
+per-sample) GMEM operand must be a multiple of it."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Activations and their derivatives, elementwise in float32 with ops Mosaic GPU lowers.
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_GELU_CUBIC = 0.044715
+_LEAKY_SLOPE = 0.01
+
+
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+          -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+          -7.37332916720468e-03, -1.42647390514189e-02)
+
+
+def erf_f32(x):
+  """erf of a float32 array as a rational function of x on [-4, 4] (XLA's and Eigen's float32
+  approximation, a few ulp): Mosaic GPU has no layout rule for ``math.erf``."""
+  x = jnp.minimum(jnp.maximum(x, -4.0), 4.0)
+  x2 = x * x
+  p = jnp.full_like(x, _ERF_P[0])
+  for c in _ERF_P[1:]:
+    p = p * x2 + c
+  q = jnp.full_like(x, _ERF_Q[0])
+  for c in _ERF_Q[1:]:
+    q = q * x2 + c
+  return x * p / q
+
+
+def act_and_grad(activation: str, z, *, need_value: bool = True):
+  """``(act(z), act'(z))`` of :data:`pallas_norm.reference.ACTIVATIONS` for a float32 array
+  (``act(z)`` is None when not ``need_value``). The derivatives are those of the jnp functions
+  there (``jax.grad`` agrees: relu'(0) = 0, leaky_relu'(0) = 1)."""
+  if activation == "fast_gelu":  # 0.5 z (1 + tanh(u)), u = c (z + 0.044715 z³)
+    t = jnp.tanh(_SQRT_2_OVER_PI * (z + _GELU_CUBIC * z * z * z))
+    half_one_t = 0.5 + 0.5 * t
+    grad = half_one_t + (0.5 * _SQRT_2_OVER_PI) * z * (1.0 - t * t) * (
+        1.0 + (3.0 * _GELU_CUBIC) * z * z)
+    return (z * half_one_t if need_value else None), grad
+  if activation == "gelu":  # 0.5 z (1 + erf(z / √2))
+    cdf = 0.5 + 0.5 * erf_f32(z * _INV_SQRT_2)
+    grad = cdf + _INV_SQRT_2PI * z * jnp.exp(-0.5 * z * z)
+    return (z * cdf if need_value else None), grad
+  if activation == "silu":  # z σ(z)
+    sig = 1.0 / (1.0 + jnp.exp(-z))
+    grad = sig * (1.0 + z * (1.0 - sig))
+    return (z * sig if need_value else None), grad
+  if activation == "relu":
+    pos = z > 0
+    return (jnp.where(pos, z, 0.0) if need_value else None), jnp.where(pos, 1.0, 0.0)
+  if activation == "relu2":
+    r = jnp.where(z > 0, z, 0.0)
+    return (r * r if need_value else None), 2.0 * r
+  if activation == "leaky_relu":  # jax.nn.leaky_relu: where(z >= 0, z, slope z)
+    nonneg = z >= 0
+    value = jnp.where(nonneg, z, _LEAKY_SLOPE * z) if need_value else None
+    return value, jnp.where(nonneg, 1.0, _LEAKY_SLOPE)
+  if activation == "identity":
+    return (z if need_value else None), jnp.ones_like(z)
+  raise ValueError(f"activation must be one of {sorted(reference.ACTIVATIONS)}, "
+                   f"got {activation!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Eligibility and the static plan.
+
+
+def unsupported_reason(q, k, v, kv_offsets, max_seq_len=None, max_kv_len=None) -> str | None:
+  """None if the kernels can run the backward of this call, else why not (for dispatch).
+
+  Needs bfloat16/float16 q, k, v; head dim 64 or 128; a capacity T (and Tkv for jagged k/v, or
+  Lkv for dense k/v) that is a multiple of 8 (Mosaic's tiled TMA). ``max_seq_len`` and
+  ``max_kv_len`` do not limit the kernels (they loop over whatever lengths the offsets give).
+  """
+  del max_seq_len, max_kv_len, v
+  dtype = jnp.dtype(q.dtype)
+  if dtype not in mgpu_common.SUPPORTED_DTYPES:
+    return f"q dtype {dtype} is not bfloat16 or float16"
+  t, _, d = q.shape
+  if d not in HEAD_DIMS:
+    return f"head dim D = {d} is not one of {HEAD_DIMS}"
+  if t % ROW_ALIGN:
+    return f"q capacity T = {t} is not a multiple of {ROW_ALIGN}"
+  kv_rows = k.shape[0] if kv_offsets is not None else k.shape[1]
+  if kv_rows % ROW_ALIGN:
+    name = "Tkv" if kv_offsets is not None else "Lkv"
+    return f"k/v rows {name} = {kv_rows} is not a multiple of {ROW_ALIGN}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one backward call."""
+  batch: int          # B
+  heads: int          # H
+  head_dim: int       # D
+  dtype: jnp.dtype
+  dense: bool         # k/v (B, Lkv, H, D), else packed (Tkv, H, D)
+  kv_rows: int        # Lkv (dense) or Tkv (jagged)
+  kv_tiles: int       # dense: kv tiles per sample; jagged: kv tiles of the packed rows
+  activation: str
+  scale_grads: bool   # write the partial sums of d pre_scale and d post_scale
+
+  @property
+  def fuse_dq(self) -> bool:
+    """dQ inside the dK/dV kernel: a CTA holds every kv row of its (sample, head)."""
+    return self.dense and self.kv_rows <= TILE and self.head_dim == 2 * BLOCK
+
+  @property
+  def dkv_items(self) -> int:
+    return self.batch * self.kv_tiles if self.dense else self.kv_tiles
+
+
+def _tiled(d: int, dtype):
+  return mgpu_common.swizzle_transforms(d, dtype)
+
+
+def _cdiv(a, b):
+  return (a + b - 1) // b
+
+
+def _block_span(lo, hi):
+  """(first aligned BLOCK index, number of blocks) covering rows [lo, hi); 0 blocks if empty."""
+  first = lo // BLOCK
+  return first, jnp.where(hi > lo, _cdiv(hi, BLOCK) - first, 0)
+
+
+def _tile_ids():
+  """(row ids, column ids) of a (BLOCK, BLOCK) WGMMA tile as vectors in the accumulator's row
+  and column layouts: 2 + 16 registers a thread keeps across the loop, where two int32 tiles
+  would take 64."""
+  rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
+                           plgpu.Layout.WGMMA.reduce(1))
+  cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
+                           plgpu.Layout.WGMMA.reduce(0))
+  return rows, cols
+
+
+def _box(ids, row_lo, row_hi, col_lo, col_hi):
+  """Bool (BLOCK, BLOCK) mask of rows in [row_lo, row_hi) and cols in [col_lo, col_hi), the
+  bounds relative to the tile's first row/col; ``ids`` from :func:`_tile_ids`."""
+  rows, cols = ids
+  shape = (BLOCK, BLOCK)
+  row_ok = jnp.where((rows >= row_lo) & (rows < row_hi), 1.0, 0.0)
+  col_ok = jnp.where((cols >= col_lo) & (cols < col_hi), 1.0, 0.0)
+  return (lax.broadcast_in_dim(row_ok, shape, [0]) * lax.broadcast_in_dim(col_ok, shape, [1])
+          > 0.5)
+
+
+def _operand_smem(per_consumer: int, dtype):
+  """(2, per_consumer, BLOCK, BLOCK) SMEM tiles: WGMMA A operands each consumer computed."""
+  return plgpu.SMEM((2, per_consumer, BLOCK, BLOCK), dtype, transforms=_tiled(BLOCK, dtype))
+
+
+def _ring_allocs(d: int, dtype) -> dict:
+  """A :class:`mgpu_common.SharedRing` of two (BLOCK, D) tiles per stage."""
+  tile = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=_tiled(d, dtype))
+  return dict(x=tile, w=tile,
+              produced=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # one per TMA copy
+              consumed=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES))  # one per consumer
+
+
+def _produce_block(ring, step, is_tail, main, tail) -> None:
+  """Producer: loads the two (BLOCK, D) GMEM windows ``main`` into global step ``step``'s stage
+  (:func:`mgpu_common.ring_produce`), or the zero-padded ``tail`` ones for the block that
+  reaches past the last offset."""
+  pl.when(is_tail)(lambda: mgpu_common.ring_produce(ring, step, *tail))
+  pl.when(jnp.logical_not(is_tail))(lambda: mgpu_common.ring_produce(ring, step, *main))
+
+
+def _sample_loop(first, count, body, carry):
+  """``carry = body(sample, carry)`` for samples first .. first + count - 1 (dynamic)."""
+  return lax.fori_loop(0, count, lambda i, c: body(first + i, c), carry)
+
+
+# ------------------------------------------------------------------------------------------------
+# dK / dV (and the scale-gradient partial sums).
+
+
+def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
+                do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
+  dk_ref, dv_ref = out_refs[:2]
+  dq_ref = out_refs[2] if plan.fuse_dq else None
+  partial_ref = out_refs[-1] if plan.scale_grads else None
+  d, dtype = plan.head_dim, plan.dtype
+  h = lax.axis_index("h")
+  cta = lax.axis_index("item")
+  is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that zeroes dq's padding rows
+  item = order_ref[jnp.minimum(cta, plan.dkv_items - 1)]
+  first, count = first_ref[item], count_ref[item]
+  if plan.dense:  # one sample; rows relative to it
+    kv_views = (k_ref.at[first, :, h, :], v_ref.at[first, :, h, :])
+    dkv_views = (dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :])
+    kv_base = lax.rem(item, plan.kv_tiles) * TILE
+  else:
+    kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
+    dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
+    kv_base = item * TILE
+  tail_block = q_off_ref[plan.batch] // BLOCK  # the one q block that reaches past the last offset
+
+  def q_span(s):
+    """(valid q rows [lo, hi), first aligned q block, blocks) of sample s."""
+    lo, hi = q_off_ref[s], q_off_ref[s + 1]
+    return (lo, hi, *_block_span(lo, hi))
+
+  def kv_range(s):
+    if plan.dense:
+      return 0, plan.kv_rows
+    return kv_off_ref[s], kv_off_ref[s + 1]
+
+  def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
+             dq_done):
+    ring = mgpu_common.SharedRing(stages=STAGES, **ring_allocs)
+
+    def producer():
+      def sample(s, step):
+        _, _, block0, blocks = q_span(s)
+
+        @pl.loop(0, blocks)
+        def _(j):
+          rows = pl.ds((block0 + j) * BLOCK, BLOCK)
+          main = (q_ref.at[rows, h, :], do_ref.at[rows, h, :])
+          tail = (q_tail_ref.at[:, h, :], do_tail_ref.at[:, h, :])
+          _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
+        return step + blocks
+
+      pl.when(is_item)(lambda: mgpu_common.ring_drain(
+          ring, _sample_loop(first, count, sample, jnp.int32(0))))
+
+    def consumer():
+      wg = lax.axis_index("wg")
+      k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
+      row0 = kv_base + wg * BLOCK
+
+      def with_accs(dk_acc, dv_acc):
+        for view, tile in zip(kv_views, (k_smem, v_smem)):
+          plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], tile, kv_barrier.at[wg])
+        # Fused dQ reads the other consumer's K tile too: wait for both loads.
+        for w in range(2) if plan.fuse_dq else (wg,):
+          plgpu.barrier_wait(kv_barrier.at[w])
+        pre, post = scales_ref[0], scales_ref[1]
+        ids = _tile_ids()
+
+        def sample(s, carry):
+          step, partials = carry
+          q_lo, q_hi, block0, blocks = q_span(s)
+          kv_lo, kv_hi = kv_range(s)
+
+          def body(idxs, q_stage, do_stage, partials):
+            (j,) = idxs
+            col0 = (block0 + j) * BLOCK
+            slot = lax.rem(step + j, 2)
+            valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
+            ready = ds_ready.at[slot] if plan.fuse_dq else None
+            partials = _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
+                                 (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
+                                 partials, ready)
+            if plan.fuse_dq:
+              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem, ready,
+                        dq_smem.at[wg], dq_ref.at[:, h, :], col0, q_lo, q_hi)
+            return partials
+
+          partials = mgpu_common.ring_k_loop(ring, step, blocks, partials, body)
+          return step + blocks, partials
+
+        partials = ((mgpu_common.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
+        _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
+        if plan.fuse_dq:  # the other consumer's last dQ WGMMA may still read this K tile
+          plgpu.barrier_arrive(dq_done)
+          plgpu.barrier_wait(dq_done)
+        # K and V are no longer read: their SMEM stages the outputs.
+        k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
+        v_smem[...] = (dv_acc[...] * post).astype(dtype)
+        if plan.scale_grads:
+          # One cross-lane reduction per CTA, not per step.
+          partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
+          partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
+        plgpu.commit_smem()
+        for view, tile in zip(dkv_views, (k_smem, v_smem)):
+          plgpu.copy_smem_to_gmem(tile, view.at[pl.ds(row0, BLOCK)])
+        if plan.scale_grads:
+          plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[h, cta, wg])
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.when(is_item)(lambda: pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)),
+                                             plgpu.ACC((BLOCK, d))))
+      if plan.fuse_dq:
+        pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
+            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0]))
+
+    mgpu_common.warp_specialize(producer, consumer)
+
+  pl.run_scoped(
+      scoped,
+      _ring_allocs(d, dtype),
+      plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
+      _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
+      plgpu.SMEM((2, 2, BLOCK), jnp.float32),
+      plgpu.SMEM((2, BLOCK, BLOCK), dtype),  # per consumer: its dq tile (unswizzled)
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both dSᵀ tiles of a slot written
+      plgpu.Barrier(num_arrivals=2),  # both consumers' dQ WGMMAs done: K's SMEM can be reused
+      collective_axes="wg",
+  )
+
+
+DQ_ZERO_CTAS = 16
+"""CTAs per head that write zeros over dq's padding rows when dQ is fused into the dK/dV
+kernel (no other CTA owns those rows)."""
+
+
+def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
+  """Writes zeros over share ``index`` (of :data:`DQ_ZERO_CTAS`) of the padding rows
+  [total, T) of one head's dq (T, D), in whole BLOCK-row stores (clipped at T)."""
+  capacity, d = dq_view.shape
+  share = _cdiv(_cdiv(capacity - total, DQ_ZERO_CTAS), BLOCK) * BLOCK
+  lo = total + index * share
+  blocks = _cdiv(jnp.maximum(jnp.minimum(lo + share, capacity) - lo, 0), BLOCK)
+  zero_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK, BLOCK), zero_smem.dtype),
+                                     plgpu.Layout.WGMMA)
+  plgpu.commit_smem()
+
+  @pl.loop(0, blocks)
+  def _(i):
+    for c in range(d // BLOCK):
+      plgpu.copy_smem_to_gmem(zero_smem, dq_view.at[pl.ds(lo + i * BLOCK, BLOCK),
+                                                    pl.ds(c * BLOCK, BLOCK)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, col0, q_lo,
+              q_hi) -> None:
+  """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK): once both
+  consumers wrote their dSᵀ tile (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; each arrived on
+  ``ready`` in :func:`_dkv_step`), consumer w computes dQ[:, w·BLOCK:(w+1)·BLOCK] =
+  Σ_w' dSᵀ[w']ᵀ K[w'][:, cols] (every kv row is in the CTA) and stores the rows of the sample,
+  [q_lo, q_hi) ∩ the block. Reading the dQ accumulator waits for every WGMMA of the step.
+
+  The dSᵀ tiles alternate between two slots by step: a consumer rewrites a slot two steps
+  later, after the other consumer's arrival of the step between, which that consumer makes only
+  after its dQ WGMMA of this step (the one that reads the slot) completed."""
+  plgpu.barrier_wait(ready)
+  wg = lax.axis_index("wg")
+  for half in range(2):  # static column slices of K's tiled SMEM
+    @pl.when(wg == half)
+    def _():
+      def issue(acc):
+        for w in range(2):
+          plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)),
+                      kv_smem.at[w, 0, :, pl.ds(half * BLOCK, BLOCK)])
+        return acc[...]
+
+      dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
+      dq_smem[...] = (dq * scale).astype(plan.dtype)
+      plgpu.commit_smem()
+      lo = jnp.maximum(q_lo - col0, 0)
+      _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
+                  dq_view.at[pl.ds(col0, BLOCK), pl.ds(half * BLOCK, BLOCK)])
+
+
+def _store_rows(tile, lo, count, window) -> None:
+  """TMA-stores rows [lo, lo + count) of an unswizzled SMEM ``tile`` to the same rows of the
+  GMEM ``window`` (count dynamic, 0 ≤ count ≤ rows): descriptors have static box sizes, so a
+  ladder of power-of-two stores (JAX's ``ragged_dot_mgpu.py``)."""
+  size = tile.shape[0]
+  while size >= 1:
+    @pl.when((count & size) != 0)
+    def _():
+      plgpu.copy_smem_to_gmem(tile.at[pl.ds(lo, size)], window.at[pl.ds(lo, size)])
+    lo = lo + (count & size)
+    size //= 2
+
+
+def _scores(a_smem, b_stage, da_smem, db_stage):
+  """``(a bᵀ, da dbᵀ)``, two (BLOCK, BLOCK) float32 products issued before one wait."""
+  def issue(s_ref, da_ref):
+    plgpu.wgmma(s_ref, a_smem, b_stage.transpose((1, 0)))
+    plgpu.wgmma(da_ref, da_smem, db_stage.transpose((1, 0)))
+    return s_ref[...], da_ref[...]
+  return pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)), plgpu.ACC((BLOCK, BLOCK)))
+
+
+def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
+              operand_smem, partials, ready=None):
+  """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
+  (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
+  accumulator refs (the scales are applied once, at the store) and the scale-gradient row
+  partials. With fused dQ, arrives on ``ready`` once its dSᵀ tile is in SMEM and leaves the
+  WGMMAs in flight (:func:`_fused_dq` waits for them); else returns once the stage is no
+  longer read."""
+  dk_ref, dv_ref = acc_refs
+  s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
+  act, grad = act_and_grad(plan.activation, pre * s_t)
+  a_t = jnp.where(valid, act, 0.0).astype(plan.dtype)
+  ds_t = jnp.where(valid, da_t * grad, 0.0)
+  # WGMMA's A operand from SMEM (the interpreter has no register A; FA3's backward stages P
+  # and dS in SMEM too).
+  a_smem, ds_smem = operand_smem
+  a_smem[...] = a_t
+  ds_smem[...] = ds_t.astype(plan.dtype)
+  plgpu.commit_smem()
+  if ready is not None:
+    plgpu.barrier_arrive(ready)
+  plgpu.wgmma(dv_ref, a_smem, do_stage)
+  plgpu.wgmma(dk_ref, ds_smem, q_stage)
+  if plan.scale_grads:
+    # d pre = post Σ (dAu ⊙ act') ⊙ Su;  d post = Σ A ⊙ dAu.
+    # Per-thread partial row sums (no cross-lane traffic in the loop); selects, not products
+    # with the masked tiles: a masked score may be NaN (a padding row of packed k).
+    # A in float32 for d post: the bfloat16 rounding of A is noise of ~2^-9 per term, as large
+    # as the cancelling sum itself can be.
+    partials = (partials[0] + mgpu_common.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
+                partials[1] + mgpu_common.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
+  if ready is None:
+    plgpu.wgmma_wait(0)
+  return partials
+
+
+# ------------------------------------------------------------------------------------------------
+# dQ.
+
+
+def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_ref,
+               v_ref, k_tail_ref, dq_ref, *, plan: _Plan):
+  d, dtype = plan.head_dim, plan.dtype
+  h = lax.axis_index("h")
+  block = lax.axis_index("item")
+  first, count = first_ref[block], count_ref[block]
+  tail_block = None if plan.dense else kv_off_ref[plan.batch] // BLOCK
+
+  def kv_span(s):
+    """(views of k and v, first kv block, blocks, valid rows [lo, hi)) of sample s."""
+    if plan.dense:
+      views = (k_ref.at[s, :, h, :], v_ref.at[s, :, h, :])
+      return views, 0, _cdiv(plan.kv_rows, BLOCK), 0, plan.kv_rows
+    lo, hi = kv_off_ref[s], kv_off_ref[s + 1]
+    return (k_ref.at[:, h, :], v_ref.at[:, h, :]), *_block_span(lo, hi), lo, hi
+
+  def scoped(ring_allocs, qdo_smem, qdo_barrier, op_smem):
+    ring = mgpu_common.SharedRing(stages=STAGES, **ring_allocs)
+
+    def producer():
+      def sample(s, step):
+        (k_view, v_view), block0, blocks, _, _ = kv_span(s)
+
+        @pl.loop(0, blocks)
+        def _(j):
+          rows = pl.ds((block0 + j) * BLOCK, BLOCK)
+          main = (k_view.at[rows], v_view.at[rows])
+          if plan.dense:
+            mgpu_common.ring_produce(ring, step + j, *main)
+          else:
+            tail = (k_tail_ref.at[:, h, :], v_view.at[rows])
+            _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
+        return step + blocks
+
+      total = _sample_loop(first, count, sample, jnp.int32(0))
+      mgpu_common.ring_drain(ring, total)
+
+    def consumer():
+      wg = lax.axis_index("wg")
+      q_smem, do_smem = qdo_smem.at[wg, 0], qdo_smem.at[wg, 1]
+      row0 = block * TILE + wg * BLOCK
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BLOCK), h, :], q_smem, qdo_barrier.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[pl.ds(row0, BLOCK), h, :], do_smem, qdo_barrier.at[wg])
+      plgpu.barrier_wait(qdo_barrier.at[wg])
+      pre = scales_ref[0]
+      ids = _tile_ids()
+
+      def with_acc(dq_acc):
+        def sample(s, step):
+          q_lo, q_hi = q_off_ref[s], q_off_ref[s + 1]
+          _, block0, blocks, kv_lo, kv_hi = kv_span(s)
+
+          def body(idxs, k_stage, v_stage, carry):
+            (j,) = idxs
+            col0 = (block0 + j) * BLOCK
+            valid = _box(ids, q_lo - row0, q_hi - row0, kv_lo - col0, kv_hi - col0)
+            _dq_step(plan, pre, valid, q_smem, do_smem, k_stage, v_stage, dq_acc,
+                     op_smem.at[wg, 0])
+            return carry
+
+          mgpu_common.ring_k_loop(ring, step, blocks, (), body)
+          return step + blocks
+
+        _sample_loop(first, count, sample, jnp.int32(0))
+        q_smem[...] = (dq_acc[...] * (pre * scales_ref[1])).astype(dtype)  # Q is no longer read
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[pl.ds(row0, BLOCK), h, :])
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(with_acc, plgpu.ACC((BLOCK, d)))
+
+    mgpu_common.warp_specialize(producer, consumer)
+
+  pl.run_scoped(
+      scoped,
+      _ring_allocs(d, dtype),
+      plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its Q and dO copies
+      _operand_smem(1, dtype),  # per consumer: dS
+      collective_axes="wg",
+  )
+
+
+def _dq_step(plan: _Plan, pre, valid, q_smem, do_smem, k_stage, v_stage, dq_ref,
+             ds_smem) -> None:
+  """One kv block of a dQ consumer: ``S = Q Kᵀ``, ``dAu = dO Vᵀ``, then
+  ``dQ += (dAu ⊙ act'(pre·S)) K`` into the accumulator ref (the scales are applied once, at
+  the store); returns once the stage is no longer read."""
+  s, da = _scores(q_smem, k_stage, do_smem, v_stage)
+  _, grad = act_and_grad(plan.activation, pre * s, need_value=False)
+  ds_smem[...] = jnp.where(valid, da * grad, 0.0).astype(plan.dtype)
+  plgpu.commit_smem()
+  plgpu.wgmma(dq_ref, ds_smem, k_stage)
+  plgpu.wgmma_wait(0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The wrapper.
+
+
+def _overlaps(offsets, block_rows: int, n_blocks: int):
+  """(first sample, sample count) of each aligned block of ``block_rows`` packed rows: the
+  samples whose rows [offsets[s], offsets[s+1]) meet the block (empty samples between them are
+  counted too; their loops are empty)."""
+  starts = jnp.arange(n_blocks, dtype=jnp.int32) * block_rows
+  # "compare_all": one fusion. The default binary search ("scan") is a loop of ~2·log2(B)
+  # tiny kernels on the GPU (~20 µs per call at B = 768, measured in the H200 run).
+  search = functools.partial(jnp.searchsorted, method="compare_all")
+  first = search(offsets[1:], starts, side="right").astype(jnp.int32)
+  stop = search(offsets[:-1], starts + block_rows, side="left").astype(jnp.int32)
+  return first, jnp.maximum(stop - first, 0)
+
+
+def _tail_block(x, offsets):
+  """The (BLOCK, H, D) aligned block of ``x`` that holds row ``offsets[-1]``, rows at or past
+  that offset zeroed (a gather of BLOCK rows, not a pass over ``x``)."""
+  rows = offsets[-1] // BLOCK * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+  block = jnp.take(x, jnp.minimum(rows, x.shape[0] - 1), axis=0)
+  return jnp.where((rows < offsets[-1])[:, None, None], block, jnp.zeros((), x.dtype))
+
+
+def _scale_array(pre_scale, post_scale):
+  return jnp.stack([jnp.asarray(pre_scale, jnp.float32), jnp.asarray(post_scale, jnp.float32)])
+
+
+def _dkv_order(plan: _Plan, q_offsets, first, count):
+  """dK/dV tiles, most q blocks first (ties keep their order)."""
+  q_first, q_blocks = _block_span(q_offsets[:-1], q_offsets[1:])
+  del q_first
+  per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                           q_blocks.astype(jnp.int32)]))
+  work = per_sample[first + count] - per_sample[first]
+  return jnp.argsort(-work, stable=True).astype(jnp.int32)
+
+
+def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
+  return plgpu.kernel(
+      functools.partial(kernel, plan=plan),
+      out_type=out_type,
+      grid=(plan.heads, grid_items),
+      grid_names=("h", "item"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=mgpu_common.interpret_params() if interpret else None,
+  )
+
+
+def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu",
+             pre_scale=1.0, post_scale=1.0, max_seq_len=None, max_kv_len=None,
+             interpret: bool = False, scale_grads: bool | None = None):
+  """Gradients of :func:`pallas_norm.reference.gdpa` with respect to q, k, v and the scales.
+
+  Args:
+    q: (T, H, D) packed query tokens, bfloat16 or float16, D in (64, 128), T % 8 == 0.
+    k, v: dense (B, Lkv, H, D) (Lkv % 8 == 0), or packed (Tkv, H, D) (Tkv % 8 == 0) with
+      ``kv_offsets``; q's dtype.
+    q_offsets: int32 (B+1,) offsets of q; kv_offsets: int32 (B+1,) offsets of packed k/v, or
+      None for dense k/v. The caller has validated them (:func:`pallas_norm.ops.gdpa.check_args`).
+    do: (T, H, D) cotangent of the output (cast to q's dtype). Its padding rows and those of q
+      (and of packed k/v) may hold anything; rows of real tokens must be finite.
+    activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
+    pre_scale, post_scale: real scalars: Python numbers or 0-d arrays (traced ones included).
+    max_seq_len, max_kv_len: accepted for the common interface; the kernels do not need them.
+    interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
+    scale_grads: whether to compute the scale gradients; None: when a scale is not a Python
+      number (the op passes False for scales its caller gave as numbers, even as arrays).
+
+  Returns:
+    ``(dq, dk, dv, d_pre_scale, d_post_scale)``: dq like q (zeros on padding rows), dk and dv
+    like k (zeros on padded rows of packed k/v), the products accumulated in float32. The scale
+    gradients are float32 0-d arrays, or both None without ``scale_grads`` (then the kernels
+    skip their partial sums).
+
+  Raises:
+    NotImplementedError: what :func:`unsupported_reason` names.
+    ValueError: an unknown activation; do not shaped like q.
+  """
+  if activation not in reference.ACTIVATIONS:
+    raise ValueError(f"activation must be one of {sorted(reference.ACTIVATIONS)}, "
+                     f"got {activation!r}")
+  if tuple(do.shape) != tuple(q.shape):
+    raise ValueError(f"do must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}")
+  if reason := unsupported_reason(q, k, v, kv_offsets, max_seq_len, max_kv_len):
+    raise NotImplementedError(f"gdpa backward kernel: {reason}")
+  t, heads, d = q.shape
+  dtype = jnp.dtype(q.dtype)
+  do = do.astype(dtype)
+  batch = q_offsets.shape[0] - 1
+  dense = kv_offsets is None
+  kv_rows = k.shape[1] if dense else k.shape[0]
+  if scale_grads is None:
+    scale_grads = not all(isinstance(x, (int, float)) for x in (pre_scale, post_scale))
+  plan = _Plan(batch=batch, heads=heads, head_dim=d, dtype=dtype, dense=dense, kv_rows=kv_rows,
+               kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads)
+  q_offsets = jnp.asarray(q_offsets, jnp.int32)
+  kv_off = jnp.zeros((batch + 1,), jnp.int32) if dense else jnp.asarray(kv_offsets, jnp.int32)
+  scales = _scale_array(pre_scale, post_scale)
+
+  # dK / dV.
+  if dense:
+    items = jnp.arange(plan.dkv_items, dtype=jnp.int32)
+    kv_first, kv_count = items // plan.kv_tiles, jnp.ones_like(items)
+  else:
+    kv_first, kv_count = _overlaps(kv_off, TILE, plan.dkv_items)
+  order = _dkv_order(plan, q_offsets, kv_first, kv_count)
+  out_type = [jax.ShapeDtypeStruct(k.shape, dtype)] * 2
+  if plan.fuse_dq:
+    out_type.append(jax.ShapeDtypeStruct(q.shape, dtype))
+  if scale_grads:
+    out_type.append(jax.ShapeDtypeStruct((heads, plan.dkv_items, 2, 2, BLOCK), jnp.float32))
+  grid_items = plan.dkv_items + (DQ_ZERO_CTAS if plan.fuse_dq else 0)
+  dkv_outs = _call(_dkv_kernel, plan, grid_items, out_type, interpret)(
+      order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
+      _tail_block(q, q_offsets), _tail_block(do, q_offsets))
+  dk, dv = dkv_outs[:2]
+
+  if plan.fuse_dq:
+    dq = dkv_outs[2]
+  else:
+    q_blocks = _cdiv(t, TILE)
+    q_first, q_count = _overlaps(q_offsets, TILE, q_blocks)
+    # Dense k/v have no padding rows: a placeholder takes the tail's place.
+    k_tail = jnp.zeros((BLOCK, heads, d), dtype) if dense else _tail_block(k, kv_off)
+    dq = _call(_dq_kernel, plan, q_blocks, jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
+        q_first, q_count, q_offsets, kv_off, scales, q, do, k, v, k_tail)
+
+  if not scale_grads:
+    return dq, dk, dv, None, None
+  partial = jnp.sum(dkv_outs[-1], axis=(0, 1, 2, 4))  # (d pre / post, d post)
+  return dq, dk, dv, partial[0] * scales[1], partial[1]

@@ -1,0 +1,87 @@
+"""The train-step harness (benchmarks/e2e.py) on the CPU at the tiny config: the baseline arm
+differentiates the jagged conversions into scatter-adds and the library's arms do not, the
+statistics, and the CLI's JSON."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import e2e  # noqa: E402
+
+
+def _seed_pool_program(arm):
+  train = e2e._load_train_script()
+  model, _, (batch,) = e2e._model_and_data(train, e2e.build_config(tiny=True), e2e.ARMS[arm])
+  fn, args = e2e.component_programs(model, batch)["seed_pool"]
+  with e2e._trace_context(arm):
+    return str(jax.make_jaxpr(fn)(*args))
+
+
+def test_only_the_baseline_differentiates_conversions_into_scatter_adds():
+  assert "scatter-add" in _seed_pool_program("baseline")
+  assert "scatter" not in _seed_pool_program("xla")
+  # The context restores the library's conversions.
+  from pallas_norm import jagged
+  assert jagged.to_padded is not jagged._gather_to_padded
+
+
+def test_interleaved_times_and_summary():
+  calls = []
+  programs = {name: (lambda name=name: calls.append(name), ()) for name in "abc"}
+  times = e2e.interleaved_times(programs, samples=4, warmup=1)
+  assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
+  assert calls[3:6] == ["a", "b", "c"] and calls[6:9] == ["b", "c", "a"]  # rotated rounds
+  stats = e2e.summarize([0.003, 0.001, 0.002, 0.010])
+  assert stats["n"] == 4 and stats["min_ms"] == pytest.approx(1.0)
+  assert stats["median_ms"] == pytest.approx(2.5)
+  assert stats["p10_ms"] <= stats["p25_ms"] <= stats["median_ms"] <= stats["p75_ms"]
+
+
+@pytest.mark.slow
+def test_cli_writes_the_json(tmp_path):
+  out = tmp_path / "e2e.json"
+  assert e2e.main(["--tiny", "--arms", "baseline,xla", "--components", "", "--samples", "2",
+                   "--loss-steps", "2", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert {(r["component"], r["arm"]) for r in result["rows"]} == {("step", "baseline"),
+                                                                  ("step", "xla")}
+  assert all(r["n"] == 2 and r["median_ms"] > 0 for r in result["rows"])
+  losses = result["losses"]
+  assert len(losses["baseline"]) == 2 and np.all(np.isfinite(losses["xla"]))
+  # Same math, the conversions' gradients summed in the same order: equal losses.
+  assert result["summary"]["loss/xla_max_abs_diff"] < 1e-6
+  assert result["summary"]["step/xla_speedup"] > 0
+
+
+def test_markdown_table_speedups_are_baseline_over_arm():
+  row = lambda c, a, ms: {"component": c, "arm": a, "median_ms": ms, "p10_ms": ms - 1,  # noqa: E731
+                          "p90_ms": ms + 1}
+  result = {"arms": {"baseline": "", "default": ""},
+            "rows": [row("step", "baseline", 140.0), row("step", "default", 56.0),
+                     row("mlp", "baseline", 7.0)]}
+  lines = e2e.markdown_table(result).splitlines()
+  assert lines[2] == ("| whole train step (+ AdamW) | 140.0 (139.0–141.0) | 56.0 (55.0–57.0) "
+                      "| 2.50× |")
+  assert lines[3] == "| interaction MLP | 7.0 (6.0–8.0) | — | — |"
+
+
+def test_components_differentiate_only_their_own_parameters():
+  """Zero gradients of the other parameters (the embedding tables, ~1.3 GB at production)
+  would be written by every component program and inflate its time."""
+  from flax import nnx
+  train = e2e._load_train_script()
+  model, _, (batch,) = e2e._model_and_data(train, e2e.build_config(tiny=True), "xla")
+  programs = e2e.component_programs(model, batch)
+  owners = {name: {path[:2] if path[0] in e2e._PER_LAYER else path[:1]
+                   for path, _ in nnx.to_flat_state(args[0])}
+            for name, (_, args) in programs.items()}
+  assert owners == {"self_attention": {("qkv", 0), ("attn_out", 0)}, "pffn": {("pffn", 0)},
+                    "seed_pool": {("pool_kv",), ("seeds",)},
+                    "mlp": {("mlp_in",), ("mlp",), ("head",)}}

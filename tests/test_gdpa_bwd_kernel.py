@@ -1,0 +1,282 @@
+"""The jagged GDPA backward kernels (pallas_norm.ops.gdpa.mosaic_bwd) against the reference.
+
+CPU tests run both kernels (dK/dV and dQ) in GPU interpret mode with the race detector on and
+every uninitialized buffer (SMEM and the outputs) filled with NaN, so an output row the kernels
+never write shows up as NaN. Padding rows of q and dO (and of packed k/v) are filled with NaN
+too: they must not reach any gradient. Lowering tests run Mosaic's lowering for sm_90a via
+``jax.export`` (no GPU needed); ``gpu`` tests run the compiled kernels at the benchmark's size.
+
+The oracle is ``jax.vjp`` of :func:`pallas_norm.reference.gdpa` on float32-upcast inputs and
+cotangent (no rounding of the activations). Tolerances: dq, dk, dv relative Frobenius error
+< 1e-2 (the kernels round A and dS to the operand dtype for the tensor cores, and the outputs to
+it; measured ~2.4e-3 in bfloat16); the scale gradients within 1e-2 · (|reference| + the root
+sum of squares of their terms), as they are sums of terms that cancel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import export
+
+from pallas_norm import mgpu_common, reference
+from pallas_norm.ops.gdpa import mosaic_bwd as gb
+
+TOL = 1e-2
+
+
+def _rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _offsets(lengths):
+  return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+
+def _nan_padding(x, offsets):
+  """x with its rows at or past the last offset set to NaN (never data)."""
+  rows = jnp.arange(x.shape[0])[:, None, None]
+  return jnp.where(rows < offsets[-1], x, jnp.nan).astype(x.dtype)
+
+
+def _inputs(seed, lengths, capacity, heads, d, dtype, *, lkv=None, kv_lengths=None,
+            kv_capacity=None):
+  """q, k, v, q_offsets, kv_offsets, do: random normal (k scaled by 1/√D so the scores stay
+  O(1)); padding rows NaN."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q_offsets = _offsets(lengths)
+  if kv_lengths is None:
+    kv_offsets, kv_shape = None, (len(lengths), lkv, heads, d)
+  else:
+    kv_offsets, kv_shape = _offsets(kv_lengths), (kv_capacity, heads, d)
+  q = _nan_padding(jax.random.normal(ks[0], (capacity, heads, d)).astype(dtype), q_offsets)
+  do = _nan_padding(jax.random.normal(ks[1], (capacity, heads, d)).astype(dtype), q_offsets)
+  k = (jax.random.normal(ks[2], kv_shape) / np.sqrt(d)).astype(dtype)
+  v = jax.random.normal(ks[3], kv_shape).astype(dtype)
+  if kv_offsets is not None:
+    k, v = _nan_padding(k, kv_offsets), _nan_padding(v, kv_offsets)
+  return q, k, v, q_offsets, kv_offsets, do
+
+
+def _reference_grads(q, k, v, q_offsets, kv_offsets, do, activation, pre, post):
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  # The padded formulation (the per-token one gathers K/V per token: too large on the GPU).
+  max_seq_len = max(int(np.max(np.diff(np.asarray(q_offsets)))), 1)
+  max_kv_len = (None if kv_offsets is None
+                else max(int(np.max(np.diff(np.asarray(kv_offsets)))), 1))
+
+  def fn(q, k, v, pre, post):
+    return reference.gdpa(q, k, v, q_offsets, kv_offsets, activation=activation,
+                          pre_scale=pre, post_scale=post, max_seq_len=max_seq_len,
+                          max_kv_len=max_kv_len)
+
+  do = jnp.nan_to_num(f32(do))  # the reference ignores dO's padding rows, NaN or not
+  o, vjp = jax.vjp(fn, f32(q), f32(k), f32(v), jnp.float32(pre), jnp.float32(post))
+  grads = vjp(do)
+  # The scale gradients are sums of ~T·H·D terms of both signs that cancel: their error is
+  # judged against the size of those terms, sqrt(Σ term²), not only against the sum. Terms:
+  # d post = Σ (o / post) ⊙ dO, d pre = Σ (dq / pre) ⊙ q (= Σ dS ⊙ q kᵀ).
+  qf = jnp.nan_to_num(f32(q))
+  scale_terms = (float(jnp.linalg.norm((grads[0] / pre * qf).ravel())),
+                 float(jnp.linalg.norm((o / post * do).ravel())))
+  return grads, scale_terms
+
+
+def _check(lengths, capacity, heads, d, activation, *, dtype=jnp.bfloat16, lkv=None,
+           kv_lengths=None, kv_capacity=None, traced_scales=False, seed=0,
+           pre=0.7, post=1.3, interpret=True):
+  q, k, v, q_offsets, kv_offsets, do = _inputs(seed, lengths, capacity, heads, d, dtype, lkv=lkv,
+                                               kv_lengths=kv_lengths, kv_capacity=kv_capacity)
+
+  def bwd(q, k, v, do, pre, post):
+    return gb.gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, activation=activation,
+                       pre_scale=pre, post_scale=post, interpret=interpret)
+
+  if traced_scales:
+    out = jax.jit(bwd)(q, k, v, do, jnp.float32(pre), jnp.float32(post))
+  else:
+    out = bwd(q, k, v, do, pre, post)
+  out = jax.block_until_ready(out)
+  if interpret:
+    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+  dq, dk, dv, d_pre, d_post = out
+  ref, scale_terms = _reference_grads(q, k, v, q_offsets, kv_offsets, do, activation, pre,
+                                      post)
+  for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[:3]):
+    assert got.shape == want.shape and got.dtype == jnp.dtype(dtype), name
+    assert bool(jnp.all(jnp.isfinite(got))), f"{name}: unwritten (NaN-filled) or NaN rows"
+    assert _rel_err(got, want) < TOL, (name, _rel_err(got, want))
+  total = int(q_offsets[-1])
+  assert not np.any(np.asarray(dq[total:], np.float32)), "dq padding rows must be zeros"
+  if kv_offsets is not None:
+    kv_total = int(kv_offsets[-1])
+    assert not np.any(np.asarray(dk[kv_total:], np.float32))
+    assert not np.any(np.asarray(dv[kv_total:], np.float32))
+  if traced_scales:
+    assert d_pre.shape == () and d_pre.dtype == jnp.float32
+    for name, got, want, terms in zip(("d_pre", "d_post"), (d_pre, d_post), ref[3:],
+                                      scale_terms):
+      err = abs(float(got) - float(want))
+      assert err <= TOL * (abs(float(want)) + terms), (name, float(got), float(want), terms)
+  else:
+    assert d_pre is None and d_post is None
+
+
+def test_dense_kv_fused_dq_traced_scales():
+  """The fused path (dQ inside the dK/dV kernel: dense Lkv ≤ 128, D = 128). Lengths 1, 63, 65,
+  0 (q blocks shared by samples: partial-row dq stores; a block past the last offset),
+  capacity 264 > 129 tokens with NaN padding (several zeroing CTAs), traced array scales under
+  jit (their gradients from the kernel's partial sums)."""
+  _check([1, 63, 65, 0], 264, 1, 128, "fast_gelu", lkv=128, traced_scales=True)
+
+
+def test_jagged_kv_head_dim_128():
+  """Packed k/v with NaN padding rows (which must not reach the scale gradients either): kv
+  tiles shared by samples, a sample with no keys, a kv tile past the last offset; two heads,
+  D = 128, traced scales."""
+  _check([5, 40, 0, 27], 80, 2, 128, "silu", kv_lengths=[3, 0, 9, 70], kv_capacity=88,
+         traced_scales=True, seed=1)
+
+
+def test_float16_dense_kv_64():
+  """float16, Lkv = 64 (the second consumer's kv rows are all past Lkv), exact gelu,
+  Python-float scales (no scale gradients)."""
+  _check([64, 1], 72, 1, 64, "gelu", dtype=jnp.float16, lkv=64, seed=2, pre=1.1, post=0.6)
+
+
+@pytest.mark.parametrize("activation", ["relu2", "leaky_relu"])
+def test_piecewise_activations(activation):
+  """The kernels with the piecewise activations (relu and identity: the derivative test and
+  the lowering test cover them), one tiny shape each."""
+  _check([40], 64, 1, 64, activation, lkv=64, seed=3)
+
+
+@pytest.mark.parametrize("activation", sorted(reference.ACTIVATIONS))
+def test_act_and_grad_match_jax(activation):
+  """The kernels' activation and derivative agree with the reference's jnp function and
+  jax.grad of it, including at 0 and far in the tails."""
+  z = jnp.concatenate([jnp.linspace(-12.0, 12.0, 4001, dtype=jnp.float32),
+                       jnp.zeros((1,), jnp.float32)])
+  act = reference.ACTIVATIONS[activation]
+  value, grad = gb.act_and_grad(activation, z)
+  np.testing.assert_allclose(value, act(z), rtol=2e-6, atol=2e-6)
+  np.testing.assert_allclose(grad, jax.vmap(jax.grad(act))(z), rtol=2e-5, atol=1e-5)
+
+
+def test_erf_f32():
+  x = jnp.linspace(-8.0, 8.0, 100001, dtype=jnp.float32)
+  np.testing.assert_allclose(gb.erf_f32(x), jax.lax.erf(x), atol=1e-6)
+
+
+def test_block_overlaps():
+  """Each aligned block's (first sample, count) covers exactly the non-empty samples that meet
+  it (random offsets with empty samples and padding)."""
+  rng = np.random.default_rng(0)
+  n_blocks = 12  # fixed shapes: one compilation
+  for _ in range(50):
+    lengths = rng.integers(0, 90, size=8)
+    lengths[rng.random(lengths.size) < 0.3] = 0
+    offsets = _offsets(lengths)
+    overlaps = gb._overlaps(offsets, gb.BLOCK, n_blocks)  # pylint: disable=protected-access
+    first, count = map(np.asarray, overlaps)
+    offsets = np.asarray(offsets)
+    for g in range(n_blocks):
+      lo, hi = g * gb.BLOCK, (g + 1) * gb.BLOCK
+      want = [s for s in range(lengths.size)
+              if lengths[s] and offsets[s] < hi and offsets[s + 1] > lo]
+      got = [s for s in range(first[g], first[g] + count[g]) if lengths[s]]
+      assert got == want, (lengths, g)
+
+
+def test_unsupported_reasons_and_errors():
+  q = jnp.zeros((64, 1, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  assert gb.unsupported_reason(q, k, k, None) is None
+  assert "float32" in gb.unsupported_reason(q.astype(jnp.float32), k, k, None)
+  assert "D = 96" in gb.unsupported_reason(jnp.zeros((64, 1, 96), jnp.bfloat16),
+                                           jnp.zeros((1, 64, 1, 96), jnp.bfloat16), None, None)
+  assert "T = 60" in gb.unsupported_reason(q[:60], k, k, None)
+  assert "Lkv = 60" in gb.unsupported_reason(q, k[:, :60], k, None)
+  assert "Tkv = 60" in gb.unsupported_reason(q, q[:60], q, jnp.array([0, 60], jnp.int32))
+  offsets = jnp.array([0, 64], jnp.int32)
+  with pytest.raises(NotImplementedError, match="float32"):
+    gb.gdpa_bwd(q.astype(jnp.float32), k.astype(jnp.float32), k.astype(jnp.float32), offsets,
+                None, q.astype(jnp.float32))
+  with pytest.raises(ValueError, match="activation"):
+    gb.gdpa_bwd(q, k, k, offsets, None, q, activation="softmax")
+  with pytest.raises(ValueError, match="do must have"):
+    gb.gdpa_bwd(q, k, k, offsets, None, q[:8])
+
+
+@pytest.mark.parametrize("dense,activation,scales", [(True, "fast_gelu", True),
+                                                     (False, "relu", False),
+                                                     (True, "identity", False)])
+def test_lowers_for_hopper(dense, activation, scales):
+  """Mosaic's lowering accepts both kernels for sm_90a at the benchmark's size (runs on the
+  CPU; PTX generation and ptxas run only on the GPU)."""
+  spec = jax.ShapeDtypeStruct
+  batch, t, h, d = 768, 768 * 256, 4, 128
+  kv_shape = (batch, 128, h, d) if dense else (t, h, d)
+
+  def fn(q, k, v, q_offsets, kv_offsets, do, pre, post):
+    if not scales:
+      pre, post = 1.0, 1.0
+    return gb.gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, activation=activation,
+                       pre_scale=pre, post_scale=post)
+
+  offsets = spec((batch + 1,), jnp.int32)
+  exported = export.export(jax.jit(fn), platforms=["cuda"])(
+      spec((t, h, d), jnp.bfloat16), spec(kv_shape, jnp.bfloat16), spec(kv_shape, jnp.bfloat16),
+      offsets, None if dense else offsets, spec((t, h, d), jnp.bfloat16),
+      spec((), jnp.float32), spec((), jnp.float32))
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the benchmark's shape (B=768, H=4, lengths uniform on [1, 512], D=128, dense Lkv=128).
+
+
+def _uniform_lengths(seed, batch, max_len):
+  return np.random.default_rng(seed).integers(1, max_len + 1, size=batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation,traced,spare", [("fast_gelu", True, 64),
+                                                     ("silu", False, 150000)])
+def test_gpu_benchmark_shape_dense(activation, traced, spare):
+  """Fused dQ; ``spare`` padding rows past the tokens (150000: every zeroing CTA works)."""
+  lengths = _uniform_lengths(0, 768, 512)
+  capacity = int(np.sum(lengths)) // 8 * 8 + spare
+  _check(list(lengths), capacity, 4, 128, activation, lkv=128, traced_scales=traced,
+         interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_two_kernels_lkv_256():
+  """Dense k/v with Lkv = 256 (two kv tiles per sample: no fused dQ), D = 128."""
+  lengths = _uniform_lengths(5, 128, 512)
+  capacity = int(np.sum(lengths)) // 8 * 8 + 8
+  _check(list(lengths), capacity, 2, 128, "fast_gelu", lkv=256, traced_scales=True, seed=6,
+         interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_jagged_kv():
+  lengths = _uniform_lengths(1, 96, 512)
+  kv_lengths = _uniform_lengths(2, 96, 300)
+  capacity = int(np.sum(lengths)) // 8 * 8 + 64
+  kv_capacity = int(np.sum(kv_lengths)) // 8 * 8 + 136
+  _check(list(lengths), capacity, 2, 128, "gelu", kv_lengths=list(kv_lengths),
+         kv_capacity=kv_capacity, traced_scales=True, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_float16_head_dim_64():
+  lengths = _uniform_lengths(3, 64, 300)
+  capacity = int(np.sum(lengths)) // 8 * 8 + 8
+  _check(list(lengths), capacity, 2, 64, "relu2", dtype=jnp.float16, lkv=192, seed=4,
+         interpret=False)

@@ -1,0 +1,229 @@
+"""The GDPA forward kernel (pallas_norm.ops.gdpa.mosaic) against the reference.
+
+CPU tests run the kernel in GPU interpret mode with the race detector on and every
+uninitialized buffer (SMEM and the output) filled with NaN, so an output row the kernel never
+writes shows up as NaN; the padding rows of q and of jagged K/V are NaN too (the kernel must
+never let them reach a real row). Lowering tests run Mosaic's lowering for sm_90a via
+``jax.export`` (no GPU). ``gpu`` tests run the compiled kernel at the issue's sizes.
+
+The oracle is :func:`pallas_norm.reference.gdpa` on float32-upcast inputs. Tolerance: relative
+Frobenius error < 2e-2 (P and the output are rounded to bf16/f16; tanh and exp are the GPU's
+approximate instructions), and padding rows exactly zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import export
+
+import pallas_norm as pn
+from pallas_norm import jagged, mgpu_common, reference
+from pallas_norm.ops.gdpa import configs, mosaic
+
+TOL = 2e-2
+
+
+def _rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _problem(seed, q_lens, heads, head_dim, *, kv_lens=None, lkv=64, capacity=None,
+             dtype=jnp.bfloat16, kv_capacity=None):
+  """Random inputs; q rows and jagged K/V rows past the last offset are NaN."""
+  ks = jax.random.split(jax.random.key(seed), 3)
+  total = int(np.sum(q_lens))
+  capacity = capacity or -(-total // 8) * 8
+  q = jax.random.normal(ks[0], (capacity, heads, head_dim), jnp.float32).astype(dtype)
+  q = q.at[total:].set(jnp.nan)
+  q_offsets = jnp.asarray(jagged.offsets_from_lengths(np.asarray(q_lens)))
+  scale = head_dim ** -0.5
+  if kv_lens is None:
+    shape = (len(q_lens), lkv, heads, head_dim)
+    kv_offsets = None
+  else:
+    kv_total = int(np.sum(kv_lens))
+    shape = (kv_capacity or -(-kv_total // 8) * 8 + 8, heads, head_dim)
+    kv_offsets = jnp.asarray(jagged.offsets_from_lengths(np.asarray(kv_lens)))
+  k = (scale * jax.random.normal(ks[1], shape, jnp.float32)).astype(dtype)
+  v = jax.random.normal(ks[2], shape, jnp.float32).astype(dtype)
+  if kv_lens is not None:
+    k, v = k.at[kv_total:].set(jnp.nan), v.at[kv_total:].set(jnp.nan)
+  return q, k, v, q_offsets, kv_offsets
+
+
+def _check(q, k, v, q_offsets, kv_offsets, *, activation="fast_gelu", pre_scale=1.0,
+           post_scale=1.0, max_kv_len=None, out_dtype=None, config=None, interpret=True):
+  out = mosaic.gdpa_fwd(q, k, v, q_offsets, kv_offsets, jnp.float32(pre_scale),
+                        jnp.float32(post_scale), activation=activation, max_kv_len=max_kv_len,
+                        out_dtype=out_dtype, config=config, interpret=interpret)
+  out = jax.block_until_ready(out)
+  if interpret:
+    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  max_seq_len = max(1, int(np.max(np.diff(np.asarray(q_offsets)))))  # padded oracle: small
+  ref = reference.gdpa(f32(q), f32(k), f32(v), q_offsets, kv_offsets, activation=activation,
+                       pre_scale=pre_scale, post_scale=post_scale, max_seq_len=max_seq_len,
+                       max_kv_len=max_kv_len)
+  assert out.shape == q.shape and out.dtype == jnp.dtype(out_dtype or q.dtype)
+  assert bool(jnp.all(jnp.isfinite(out))), "rows never written (NaN-filled) or NaN leaked"
+  total = int(q_offsets[-1])
+  assert not bool(jnp.any(out[total:] != 0)), "padding rows must be zeros"
+  assert _rel_err(out[:total], ref[:total]) < TOL
+  return out
+
+
+def test_activations_kernel_forms_match_reference():
+  """The kernel's rewritten activations (gelu's erf, relu without custom_jvp) are the same
+  functions as the reference's, over the range scores take."""
+  s = jnp.linspace(-12.0, 12.0, 4001, dtype=jnp.float32)
+  for name, fn in reference.ACTIVATIONS.items():
+    np.testing.assert_allclose(mosaic.KERNEL_ACTIVATIONS[name](s), fn(s), rtol=1e-6,
+                               atol=1e-6, err_msg=name)  # A&S erf: < 1.5e-7 · |s|/2
+
+
+def test_dense_kv_d128_edge_lengths():
+  """Lengths 1, 63, 0, 129 (blocks straddling samples, an empty sample, 3 q blocks over 2
+  consumers with one q stage, so the producer waits on releases), spare capacity past the real
+  tokens (a padding chunk), D = 128, Lkv = 128 in two 64-key steps."""
+  q, k, v, qo, _ = _problem(0, [1, 63, 0, 129], 1, 128, lkv=128, capacity=256)
+  _check(q, k, v, qo, None, activation="fast_gelu", pre_scale=0.7, post_scale=1.5,
+         config=configs.Config(block_kv=64, q_stages=1))
+
+
+def test_jagged_kv_f16_unaligned_offsets():
+  """Jagged K/V with offsets off the 8-row grid (window edges masked on both sides), an empty
+  K/V sample (zeros out), K/V padding rows NaN, float16, 127 q rows (2 blocks)."""
+  q, k, v, qo, ko = _problem(2, [127, 5, 9], 1, 64, kv_lens=[3, 70, 0], dtype=jnp.float16)
+  _check(q, k, v, qo, ko, activation="gelu", max_kv_len=70)
+
+
+def test_streamed_kv_ring_wraps():
+  """K/V streamed per q block (the path for K/V windows too long for SMEM): 3 q blocks over 2
+  consumers, 150 keys (rows 3..152, off the 8-row grid at both ends, NaN padding after them)
+  in 3 blocks through 2-slot rings, so the producer waits on the consumers' releases; float32
+  output."""
+  q, k, v, qo, ko = _problem(9, [4, 129], 1, 64, kv_lens=[3, 150])
+  _check(q, k, v, qo, ko, activation="relu2", max_kv_len=160, out_dtype=jnp.float32,
+         config=configs.Config(block_kv=64, q_stages=1, kv_stages=2))
+
+
+def test_public_op_kernel_path_grads():
+  """pn.gdpa with implementation="interpret": forward and backward by the kernels (the
+  custom_vjp) give the XLA path's gradients, traced pre/post scales included."""
+  q, k, v, qo, _ = _problem(4, [5, 64], 1, 64, lkv=64, capacity=72)
+  q = jnp.where(jnp.isnan(q), 0, q)
+
+  def loss(q, k, v, pre, post, impl):
+    out = pn.gdpa(q, k, v, qo, pre_scale=pre, post_scale=post, activation="silu",
+                  implementation=impl)
+    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+  args = (q, k, v, jnp.float32(0.7), jnp.float32(1.3))
+  kernel = jax.grad(loss, argnums=range(5))(*args, "interpret")
+  xla = jax.grad(loss, argnums=range(5))(*args, "xla")
+  for got, want in zip(kernel, xla):
+    assert _rel_err(got, want) < TOL
+
+
+def test_unsupported_reasons():
+  q = jnp.zeros((64, 2, 96), jnp.bfloat16)
+  assert "head dim" in mosaic.unsupported_reason(q, q[None], None, None, None)
+  q = jnp.zeros((64, 2, 64), jnp.float32)
+  assert "float32" in mosaic.unsupported_reason(q, q[None], None, None, None)
+  q = jnp.zeros((60, 2, 64), jnp.bfloat16)
+  assert "multiples of 8" in mosaic.unsupported_reason(q, jnp.zeros((1, 64, 2, 64), q.dtype),
+                                                       None, None, None)
+  q = jnp.zeros((64, 2, 128), jnp.bfloat16)
+  long_kv = (q, jnp.zeros((4096, 2, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32), 1024, None)
+  assert mosaic.unsupported_reason(*long_kv) is None and mosaic.streams_kv(*long_kv)
+  with pytest.raises(NotImplementedError, match="head dim"):
+    pn.gdpa(jnp.zeros((64, 2, 96), jnp.bfloat16), jnp.zeros((1, 64, 2, 96), jnp.bfloat16),
+            jnp.zeros((1, 64, 2, 96), jnp.bfloat16), jnp.array([0, 64], jnp.int32),
+            implementation="interpret")
+
+
+@pytest.mark.parametrize("activation,max_kv_len", [("gelu", 128), ("fast_gelu", None),
+                                                  ("silu", 512)])
+def test_lowers_for_hopper(activation, max_kv_len):
+  """Mosaic's lowering for sm_90a at the issue's shape (catches what interpret mode does not:
+  layouts, TMA alignment, transcendental lowering): dense K/V, jagged K/V resident (128) and
+  streamed (512)."""
+  t, h, d, b = 196608, 4, 128, 768
+  spec = jax.ShapeDtypeStruct
+  jagged_kv = max_kv_len is not None
+  kv = spec((t, h, d) if jagged_kv else (b, 128, h, d), jnp.bfloat16)
+  fn = jax.jit(lambda q, k, v, qo, ko: mosaic.gdpa_fwd(
+      q, k, v, qo, ko, 1.0, 1.0, activation=activation, max_kv_len=max_kv_len))
+  export.export(fn, platforms=["cuda"])(spec((t, h, d), jnp.bfloat16), kv, kv,
+                                        spec((b + 1,), jnp.int32),
+                                        spec((b + 1,), jnp.int32) if jagged_kv else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU, the issue's sizes.
+
+def _pffn_lengths(seed, batch, lmax, density):
+  rng = np.random.default_rng(seed)
+  if density >= 1.0:
+    return np.full(batch, lmax)
+  return rng.integers(1, 2 * int(lmax * density), size=batch).clip(1, lmax)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,density,head_dim", [(4, 0.5, 128), (2, 0.5, 128), (4, 1.0, 128),
+                                                    (4, 0.5, 64)])
+def test_gpu_dense_kv(heads, density, head_dim):
+  lens = _pffn_lengths(0, 768, 512, density)
+  q, k, v, qo, _ = _problem(5, lens, heads, head_dim, lkv=128,
+                            capacity=-(-int(lens.sum()) // 8) * 8 + 136)
+  _check(q, k, v, qo, None, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", sorted(reference.ACTIVATIONS))
+def test_gpu_activations(activation):
+  lens = _pffn_lengths(1, 64, 512, 0.5)
+  q, k, v, qo, _ = _problem(6, lens, 2, 128, lkv=128)
+  _check(q, k, v, qo, None, activation=activation, pre_scale=0.5, post_scale=2.0,
+         interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_kv_len", [128, 200, 520])
+def test_gpu_jagged_kv(max_kv_len):
+  """Jagged K/V, odd offsets, NaN K/V padding, float16; resident K/V up to 200, streamed at
+  520."""
+  rng = np.random.default_rng(2)
+  lens = rng.integers(0, 300, size=256)
+  kv_lens = rng.integers(0, max_kv_len + 1, size=256)
+  q, k, v, qo, ko = _problem(7, lens, 4, 128, kv_lens=kv_lens, dtype=jnp.float16)
+  _check(q, k, v, qo, ko, activation="silu", max_kv_len=max_kv_len, interpret=False)
+
+
+def test_invalid_traced_offsets_poison_every_row():
+  """Under jit, offsets that break the convention (first != 0 leaves rows 0..3 outside every
+  sample) give NaN in every row on the kernel path too, with no extra pass over the output."""
+  q, k, v, _, _ = _problem(8, [8], 1, 64, lkv=64, capacity=16)
+  q = jnp.where(jnp.isnan(q), 0, q)
+  bad = jnp.array([4, 12], jnp.int32)
+  out = jax.jit(lambda o: pn.gdpa(q, k, v, o, implementation="interpret"))(bad)
+  assert bool(jnp.all(jnp.isnan(out)))
+
+
+def test_invalid_traced_offsets_poison_the_gradients():
+  """The kernel path's gradients on bad traced offsets are NaN on every real row (the backward
+  runs on the offsets made valid, with NaN scales), never the zeros that empty samples give."""
+  q, k, v, _, _ = _problem(8, [8], 1, 64, lkv=64, capacity=16)
+  q = jnp.where(jnp.isnan(q), 0, q)
+
+  def loss(q, k, v, o):
+    return jnp.sum(pn.gdpa(q, k, v, o, implementation="interpret").astype(jnp.float32))
+
+  dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, jnp.array([4, 12], jnp.int32))
+  assert bool(jnp.all(jnp.isnan(dq[:12]))) and bool(jnp.all(jnp.isnan(dk)))
+  assert bool(jnp.all(jnp.isnan(dv)))
