@@ -28,7 +28,6 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before jax loads NCCL
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import e2e  # noqa: E402
@@ -65,29 +64,20 @@ def device_counts(spec: str | None) -> list[int]:
 
 
 def _setup(config, n, model_parallel, implementation, global_batch):
-  """(runner, graphdef, state, host batch) for n devices."""
+  """(runner, graphdef, state, host batch) for n devices: e2e's model, optimizer and synthetic
+  batch at ``global_batch`` examples."""
   from flax import nnx
-  import flax_layers
   train = e2e._load_train_script()  # puts examples/ on sys.path
-  import ads_data
   import distributed
-  sizes = {k: v for k, v in config.items() if k not in e2e._NOT_MODEL}
-  ds = ads_data.make_synthetic(global_batch, max_seq_len=config["max_seq_len"],
-                               sparse_vocab_size=config["sparse_vocab_size"],
-                               item_vocab_size=config["item_vocab_size"], seed=config["seed"])
-  model_config = flax_layers.KunlunConfig(num_sparse_features=ds.sparse.shape[1],
-                                          num_dense_features=ds.dense.shape[1], **sizes)
-  model = flax_layers.KunlunModel(model_config, dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                                  rngs=nnx.Rngs(config["seed"]), implementation=implementation)
-  optimizer = nnx.Optimizer(model, train.make_tx(config["lr"], config["weight_decay"]),
-                            wrt=nnx.Param)
+  model, optimizer, (batch,) = e2e._model_and_data(
+      train, dict(config, batch_size=global_batch), implementation)
   if n == 1 and model_parallel == 1:
     runner = distributed.SingleDevice(train.train_step, train.predict)
   else:
     runner = distributed.MeshRunner(distributed.make_mesh(n, model_parallel), train.loss_fn)
   graphdef, state = nnx.split((runner.adapt(model), optimizer))
-  batch = ads_data.make_batch(ds, np.arange(global_batch), config["max_seq_len"])
-  return runner, graphdef, runner.place_state(state), batch
+  # On the host, as in training: every step places its batch (split by samples for n > 1).
+  return runner, graphdef, runner.place_state(state), jax.tree.map(np.asarray, batch)
 
 
 def measure(config, n, args) -> dict:
