@@ -26,10 +26,10 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 "$python" "${common[@]}" --st
 two_processes --steps 4
 two_processes --steps 6 --resume
 wait
-want="$(grep '^final:' "$tmp/one.log" | sed 's/ examples_per_s=.*//')"
+want="$(grep '^final:' "$tmp/one.log" | sed 's/ step_ms=.*//; s/ examples_per_s=.*//')"
 status=0
 for i in 0 1; do
-  got="$(grep '^final:' "$tmp/p$i.log" | sed 's/ examples_per_s=.*//')"
+  got="$(grep '^final:' "$tmp/p$i.log" | sed 's/ step_ms=.*//; s/ examples_per_s=.*//')"
   grep -q "start_step=4 " "$tmp/p$i.log" || { echo "process $i did not resume at step 4"; status=1; }
   if [ -z "$want" ] || [ "$got" != "$want" ]; then
     echo "process $i: '$got' != one process: '$want'"; tail -n 20 "$tmp/p$i.log"; status=1
