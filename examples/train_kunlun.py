@@ -8,6 +8,8 @@ the mean sigmoid cross-entropy; validation log-loss and AUC are printed every ``
 steps; with ``--checkpoint-dir`` the parameters, optimizer state and step are saved with Orbax,
 and ``--resume`` continues from the latest saved step up to ``--steps`` in total (the batch order
 depends only on (seed, step), so a resumed run sees the batches an uninterrupted one would).
+``--devices N`` (default: every device) and ``--model-parallel M`` train data- and table-parallel
+on a mesh of N devices (:mod:`distributed`; ``--multi-host`` for several hosts).
 
 The progress bar shows the last batch's loss, the median step time and examples/s so far; the
 last line printed is machine-readable::
@@ -45,6 +47,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import ads_data  # noqa: E402
+import distributed  # noqa: E402  (several devices: --devices, --model-parallel, --multi-host)
 import pallas_norm  # noqa: E402
 from flax_layers import KunlunConfig, KunlunModel  # noqa: E402
 
@@ -94,6 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
   p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                  help="compute dtype (parameters stay float32)")
+  distributed.add_arguments(p)
   args = p.parse_args(argv)
   for name in ("steps", "batch_size", "max_seq_len", "eval_every", "embed_dim", "head_dim",
                "valid_examples"):
@@ -101,6 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
+  distributed.check_arguments(p, args)
   return args
 
 
@@ -200,11 +205,13 @@ def predict(graphdef, state, batch):
   return model(batch.sparse_ids, batch.dense, batch.seq_ids, batch.seq_offsets)
 
 
-def evaluate(graphdef, state, ds, batch_size, max_seq_len) -> tuple[float, float]:
-  """(log-loss, AUC) of the model on every example of ``ds``."""
+def evaluate(graphdef, state, ds, batch_size, max_seq_len, predict_fn=predict
+             ) -> tuple[float, float]:
+  """(log-loss, AUC) of the model on every example of ``ds``; ``predict_fn`` as
+  :func:`predict` (a sharded one for several devices)."""
   logits = []
   for batch, n_real in ads_data.eval_batches(ds, batch_size, max_seq_len):
-    logits.append(np.asarray(predict(graphdef, state, batch))[:n_real])
+    logits.append(np.asarray(predict_fn(graphdef, state, batch))[:n_real])
   logits = np.concatenate(logits)
   return logloss(ds.labels, logits), auc(ds.labels, logits)
 
@@ -289,17 +296,20 @@ def train(args) -> TrainResult:
   if args.valid_examples is not None:
     valid_ds = valid_ds.subset(np.arange(min(args.valid_examples, len(valid_ds))))
   config, model, optimizer = build(args, spec)
-  graphdef, state = nnx.split((model, optimizer))
+  # One device: this module's steps; several: sharded ones (examples/distributed.py).
+  runner = distributed.make_runner(args, loss_fn=loss_fn, train_step=train_step, predict=predict)
+  graphdef, state = nnx.split((runner.adapt(model), optimizer))
   del model, optimizer  # the loop owns `state` (donated each step)
   manager = checkpoint_manager(args.checkpoint_dir) if args.checkpoint_dir else None
   try:
-    # Commit the state to one device whether fresh or restored (restored arrays come back
-    # committed), so both hit the same compiled step.
-    state = jax.device_put(_initial_state(args, manager, config, state), jax.devices()[0])
+    # Commit the state to its device(s) before a restore, which then reads the checkpoint
+    # straight into that placement: fresh and restored states hit the same compiled step.
+    state = _initial_state(args, manager, config, runner.place_state(state))
     step = start = int(nnx.merge(graphdef, state)[1].step[...])
     tqdm.write(f"data={args.data} train={len(train_ds)} valid={len(valid_ds)} "
                f"start_step={start} steps={args.steps} batch={args.batch_size} "
-               f"dtype={args.dtype} implementation={args.implementation}")
+               f"dtype={args.dtype} implementation={args.implementation} "
+               f"devices={args.devices}x(model {args.model_parallel})")
     batches = ads_data.train_batches(train_ds, args.batch_size, args.max_seq_len, args.seed,
                                      start_step=start)
     losses, step_seconds = [], []
@@ -308,7 +318,7 @@ def train(args) -> TrainResult:
       while step < args.steps:
         batch = next(batches)
         t0 = time.perf_counter()
-        state, loss = train_step(graphdef, state, batch)
+        state, loss = runner.train_step(graphdef, state, batch)
         losses.append(float(loss))  # waits for the step
         step_seconds.append(time.perf_counter() - t0)
         step += 1
@@ -317,13 +327,15 @@ def train(args) -> TrainResult:
         bar.set_postfix(loss=f"{losses[-1]:.4f}", step_ms=f"{step_ms:.4g}",
                         examples_per_s=f"{rate:.4g}", refresh=False)
         if step % args.eval_every == 0 or step == args.steps:
-          val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len)
+          val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
+                         runner.predict)
           tqdm.write(f"step {step}: batch_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
                      f"val_auc={val[1]:.4f}")
           if manager is not None:
             save_checkpoint(manager, step, state, config)
     if not losses:  # resumed at or past --steps: report the saved model
-      val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len)
+      val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
+                     runner.predict)
   finally:
     if manager is not None:
       manager.wait_until_finished()

@@ -1,0 +1,322 @@
+"""The ops on several devices: rows (tokens or examples) split over a mesh axis, kernels per shard.
+
+Every op of pallas-norm is row-local: a row's output depends on that row of the activations (and
+for the jagged ops on that row's sample), plus parameters that every row shares. So data
+parallelism needs no collective in the forward pass: each device runs the op, kernel included,
+on its own rows. :func:`shard_rows` wraps an op in a :func:`jax.shard_map` that does exactly
+that, so XLA never gathers a sharded activation to call a kernel (a Mosaic kernel is an opaque
+custom call to XLA's partitioner, which has no rule to split it: a plain ``jax.jit`` of a
+kernel on rows split over devices compiles to all-gathers of the rows, as the tests show in
+interpret mode). In the backward
+pass the gradients of the shared parameters (w, scale, bias, ...) are per-shard sums that
+``shard_map``'s transpose adds up across the shards (one all-reduce each); the row statistics
+(mean, rstd) are per row, so they need no reduction.
+
+Jagged batches are split by samples (:func:`split_jagged`): shard ``s`` holds samples
+``s·B/S .. (s+1)·B/S − 1`` packed into its own block of a static ``shard_capacity`` rows, with
+its own *local* offsets (starting at 0 in its block). Inside the shard the block is an ordinary
+jagged batch (:mod:`pallas_norm.jagged`), so the ops run unchanged.
+
+Embedding tables too large for one device are split by rows over a model axis;
+:func:`row_sharded_take` looks ids up in such a table inside ``shard_map``.
+
+Why ``check_vma=False``: in jax 0.11.2 a ``pallas_call``'s outputs carry no varying-manual-axes
+type, so a kernel's ``custom_vjp`` backward inside a type-checked ``shard_map`` fails jax's check
+that each cotangent has its primal's type. Without the check, ``shard_map`` sums the cotangents
+of replicated inputs over the mesh (what the shared parameters need) and trusts ``out_specs``.
+A user's own ``shard_map`` around model code that calls kernels needs ``check_vma=False`` too
+(the XLA path works either way).
+
+GPU interpret mode (``implementation="interpret"``) under a ``shard_map`` over several devices
+trips an internal assertion of jax 0.11.2's interpreter (each device's kernel checks that no
+barrier of *any* device is still allocated, while other devices' kernels still run);
+tests/sharding_checks.py shows the workaround its tests use. The Mosaic kernels themselves have
+not yet run under ``shard_map`` on GPUs (no multi-GPU machine was available).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from pallas_norm import _validate
+
+__all__ = ["ROW_ARGS", "join_jagged", "row_sharded_take", "shard_rows", "split_jagged"]
+
+ROW_ARGS = {
+    "rms_norm": ("x", "residual"),
+    "layer_norm": ("x", "residual"),
+    "norm_matmul": ("x",),
+    "matmul_norm": ("x", "residual"),
+    "gdpa": ("q", "k", "v", "q_offsets", "kv_offsets"),
+    "flash_norm_attention": ("q", "k", "v", "q_offsets", "kv_offsets"),
+}
+"""Per public op, the arguments split by rows (leading axis) over the mesh axis; the others (the
+weights and norm parameters) are replicated. Every output is split by rows. For the jagged ops
+the per-sample ``k``, ``v`` are split by samples and the offsets are per-shard local offsets
+(:func:`split_jagged`)."""
+
+_JAGGED_OPS = ("gdpa", "flash_norm_attention")
+
+
+def shard_rows(op, mesh=None, axis="data"):
+  """``op`` run on each shard of the rows of its activations over mesh axis ``axis``.
+
+  The returned function takes ``op``'s arguments (same names, positions and keywords). The
+  arguments listed in :data:`ROW_ARGS` are split by their leading axis over ``axis`` (arrays
+  already sharded that way stay where they are, others are resharded by XLA), the remaining
+  arrays are replicated, and every other argument (``norm``, ``eps``, ``implementation``, ...)
+  is passed through to each shard's call. Every output is split by rows like the activations.
+  Works eagerly and under ``jax.jit``; gradients of replicated parameters are summed over the
+  shards (see the module docstring).
+
+  Jagged ops (``gdpa``, ``flash_norm_attention``): ``q`` holds S blocks of T/S packed rows, ``k``
+  and ``v`` the B samples in order (B/S per shard), and ``q_offsets`` (and ``kv_offsets``) the S
+  per-shard local offset vectors, concatenated: shape (S·(B/S + 1),), as :func:`split_jagged`
+  builds them. ``max_seq_len`` bounds a sample's length as usual.
+
+  Args:
+    op: one of the public ops (``pallas_norm.rms_norm``, ``layer_norm``, ``norm_matmul``,
+      ``matmul_norm``, ``gdpa``, ``flash_norm_attention``).
+    mesh: a ``jax.sharding.Mesh``; None uses the mesh set by ``jax.set_mesh``.
+    axis: the mesh axis name, or a tuple of names, that splits the rows.
+
+  Raises:
+    TypeError: (at the call) jagged offsets that are not 1-D int32 arrays.
+    ValueError: (at the call) an unknown op, no mesh, ``axis`` not in the mesh, a row argument
+      whose leading axis does not split evenly over the shards, per-sample ``k``/``v`` that do
+      not match the offsets' batch, or concrete local offsets that break the jagged convention
+      (naming the argument and the shard). The op's own errors come from tracing its per-shard
+      call, before any kernel runs.
+  """
+  name = getattr(op, "__name__", None)
+  if name not in ROW_ARGS:
+    raise ValueError(f"op must be one of the public ops {sorted(ROW_ARGS)}, got {op!r}")
+  signature = inspect.signature(op)
+
+  @functools.wraps(op)
+  def sharded(*args, **kwargs):
+    the_mesh = _resolve_mesh(mesh, axis)
+    num_shards = math.prod(the_mesh.shape[a] for a in _axis_names(axis))
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arrays = {k: v for k, v in bound.arguments.items() if _validate.is_array(v)}
+    static = {k: v for k, v in bound.arguments.items() if k not in arrays}
+    _check_rows(name, arrays, num_shards, axis)
+    if name in _JAGGED_OPS:
+      _check_jagged(arrays, static, num_shards)
+    specs = {k: P(axis) if k in ROW_ARGS[name] else P() for k in arrays}
+
+    if any(t == jax.sharding.AxisType.Explicit for t in the_mesh.axis_types):
+      # An explicit-sharding mesh types every array's sharding; shard_map then takes its
+      # operands only as in_specs says, so they are resharded first (a no-op when they match).
+      arrays = {k: jax.reshard(v, jax.NamedSharding(the_mesh, specs[k]))
+                for k, v in arrays.items()}
+
+    def per_shard(local):
+      return op(**local, **static)
+
+    return jax.shard_map(per_shard, mesh=the_mesh, in_specs=(specs,), out_specs=P(axis),
+                         check_vma=False)(arrays)
+
+  return sharded
+
+
+def _axis_names(axis) -> tuple:
+  return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def _resolve_mesh(mesh, axis):
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      raise ValueError("mesh: none given and none set by jax.set_mesh")
+  for a in _axis_names(axis):
+    if a not in mesh.axis_names:
+      raise ValueError(f"axis {a!r} is not an axis of the mesh {dict(mesh.shape)}")
+  return mesh
+
+
+def _check_rows(name, arrays, num_shards, axis) -> None:
+  for arg in ROW_ARGS[name]:
+    x = arrays.get(arg)
+    if x is None:
+      continue
+    if x.ndim < 1 or x.shape[0] % num_shards:
+      raise ValueError(f"{arg}: its leading axis ({tuple(x.shape)}) must split evenly over the "
+                       f"{num_shards} shards of mesh axis {axis!r}")
+
+
+def _check_jagged(arrays, static, num_shards) -> None:
+  """Per-shard batch of the offsets matches k, v; concrete local offsets are valid per shard."""
+  kv_offsets = arrays.get("kv_offsets")
+  for arg in ("q_offsets", "kv_offsets"):
+    off = arrays.get(arg)
+    if off is not None and (jnp.dtype(off.dtype) != jnp.int32 or off.ndim != 1):
+      raise TypeError(f"{arg} must be a 1-D int32 array of per-shard local offsets, got "
+                      f"{off.dtype} of shape {tuple(off.shape)}")
+  q_offsets = arrays["q_offsets"]
+  local_batch = q_offsets.shape[0] // num_shards - 1
+  if q_offsets.shape[0] % num_shards or local_batch < 1:
+    raise ValueError(f"q_offsets: {q_offsets.shape[0]} entries do not split into {num_shards} "
+                     "per-shard local offset vectors of B/S + 1 >= 2 entries")
+  if kv_offsets is not None and kv_offsets.shape != q_offsets.shape:
+    raise ValueError(f"kv_offsets: shape {tuple(kv_offsets.shape)} must match q_offsets "
+                     f"{tuple(q_offsets.shape)} (per-shard local offsets)")
+  if kv_offsets is None:  # per-sample k, v: (B, Lkv, H, D)
+    for arg in ("k", "v"):
+      if arrays[arg].shape[0] != num_shards * local_batch:
+        raise ValueError(f"{arg}: leading axis {arrays[arg].shape[0]} must be the batch "
+                         f"B = {num_shards * local_batch} of the {num_shards} shards' local "
+                         "q_offsets")
+  for arg, rows, max_len in (("q_offsets", "q", static.get("max_seq_len")),
+                             ("kv_offsets", "k", static.get("max_kv_len"))):
+    off = arrays.get(arg)
+    if off is None or isinstance(off, jax.core.Tracer):
+      continue  # traced: the op poisons its output instead (see pallas_norm.gdpa)
+    capacity = arrays[rows].shape[0] // num_shards
+    for s, block in enumerate(np.asarray(off).reshape(num_shards, -1)):
+      _validate.offsets(f"{arg} (shard {s})", block, capacity, max_len=max_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# Jagged batches split by samples
+
+
+def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = None):
+  """A packed jagged batch split by samples into ``num_shards`` blocks with local offsets.
+
+  Host-side (NumPy): for building sharded batches in the input pipeline.
+
+  Args:
+    values: (T, ...) packed rows (:mod:`pallas_norm.jagged`).
+    offsets: (B+1,) int32 offsets of ``values``; B must be a multiple of ``num_shards``.
+    num_shards: S, the number of shards.
+    shard_capacity: static rows per shard; default T / S (T must then be a multiple of S).
+
+  Returns:
+    ``(values, local_offsets)``: values (S·shard_capacity, ...) with shard s's samples
+    ``s·B/S .. (s+1)·B/S − 1`` packed at the start of block s and zeros after them;
+    local_offsets (S·(B/S + 1),) int32, block s being those samples' offsets minus their first.
+
+  Raises:
+    TypeError, ValueError: offsets that break the jagged convention (:mod:`pallas_norm.jagged`);
+      num_shards not a positive divisor of B; T not a multiple of S without a shard_capacity;
+      a shard whose samples hold more rows than shard_capacity.
+  """
+  values = np.asarray(values)
+  offsets = np.asarray(offsets)
+  batch = _validate.offsets("offsets", offsets, values.shape[0])
+  if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or (
+      num_shards < 1 or batch % num_shards):
+    raise ValueError(f"num_shards must be a positive divisor of the batch B = {batch}, got "
+                     f"{num_shards!r}")
+  if shard_capacity is None:
+    if values.shape[0] % num_shards:
+      raise ValueError(f"values: {values.shape[0]} rows do not split into {num_shards} equal "
+                       "blocks; pass shard_capacity")
+    shard_capacity = values.shape[0] // num_shards
+  local_batch = batch // num_shards
+  out = np.zeros((num_shards * shard_capacity,) + values.shape[1:], values.dtype)
+  local = np.empty((num_shards, local_batch + 1), np.int32)
+  for s in range(num_shards):
+    block = offsets[s * local_batch:(s + 1) * local_batch + 1]
+    rows = int(block[-1] - block[0])
+    if rows > shard_capacity:
+      raise ValueError(f"shard_capacity: shard {s} holds {rows} rows, more than "
+                       f"shard_capacity={shard_capacity}")
+    out[s * shard_capacity:s * shard_capacity + rows] = values[block[0]:block[-1]]
+    local[s] = block - block[0]
+  return out, local.reshape(-1)
+
+
+def join_jagged(values, local_offsets, num_shards: int, capacity: int | None = None):
+  """The inverse of :func:`split_jagged`: one packed batch from per-shard blocks (host-side).
+
+  Args:
+    values: (S·C, ...) per-shard blocks of C rows each.
+    local_offsets: (S·(B/S + 1),) int32 per-shard local offsets.
+    num_shards: S.
+    capacity: rows of the joined batch; default S·C.
+
+  Returns:
+    ``(values, offsets)``: (capacity, ...) packed rows, zeros after the last sample, and the
+    (B+1,) int32 global offsets.
+
+  Raises:
+    TypeError, ValueError: a block of local offsets that breaks the jagged convention within
+      its C rows; rows that do not split into S blocks; more rows than ``capacity``.
+  """
+  values = np.asarray(values)
+  blocks = np.asarray(local_offsets)
+  if num_shards < 1 or values.shape[0] % num_shards or blocks.shape[0] % num_shards:
+    raise ValueError(f"values ({values.shape[0]} rows) and local_offsets "
+                     f"({blocks.shape[0]}) must split into num_shards={num_shards} blocks")
+  shard_rows_ = values.shape[0] // num_shards
+  blocks = blocks.reshape(num_shards, -1)
+  for s, block in enumerate(blocks):
+    _validate.offsets(f"local_offsets (shard {s})", block, shard_rows_)
+  lengths = np.diff(blocks, axis=1).reshape(-1)
+  offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  capacity = values.shape[0] if capacity is None else capacity
+  if offsets[-1] > capacity:
+    raise ValueError(f"capacity: the shards hold {offsets[-1]} rows, more than {capacity}")
+  out = np.zeros((capacity,) + values.shape[1:], values.dtype)
+  start = 0
+  for s, block in enumerate(blocks):
+    rows = int(block[-1])
+    out[start:start + rows] = values[s * shard_rows_:s * shard_rows_ + rows]
+    start += rows
+  return out, offsets
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding tables split by rows
+
+
+def row_sharded_take(table, ids, axis_name):
+  """``full_table[ids]`` for a table split by rows over mesh axis ``axis_name``, in shard_map.
+
+  Call inside ``jax.shard_map`` (over ``axis_name``, of size M). Each device holds the rows
+  ``[i·V/M, (i+1)·V/M)`` of the (V, E) table, i its index along the axis, and the ids of its own
+  examples (the M devices of the axis may hold different examples, e.g. when the batch is split
+  over both a data and this model axis, or the same ones). The ids of the M devices are gathered
+  (small), each device looks up those that fall in its rows (zeros for the others), and a
+  reduce-scatter returns to each device the rows of its own ids: every row is one device's value
+  plus zeros, so the result equals a lookup in the whole table bit for bit. The backward
+  (all-gather of the row cotangents, scatter-add into the local rows) gives each device the
+  gradient of its own rows; replicas of the table along other mesh axes still need their
+  gradients summed over those axes (``shard_map``'s transpose does it for a table replicated over
+  them).
+
+  Args:
+    table: (V/M, E) this device's rows of the table.
+    ids: (n, ...) integer ids in [0, V) of this device's examples; ids outside that range get
+      zero rows (the unsharded ``jnp.take`` would give NaN).
+    axis_name: the mesh axis (or tuple of axes) the table's rows are split over.
+
+  Returns:
+    (n, ..., E) in table's dtype.
+
+  Raises:
+    TypeError: ids without an integer dtype. ValueError: a 0-d ids or a table that is not 2-D.
+  """
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"ids must have an integer dtype, got {ids.dtype}")
+  if ids.ndim < 1 or table.ndim != 2:
+    raise ValueError(f"ids must have a leading (example) axis and table must be 2-D, got ids "
+                     f"{tuple(ids.shape)} and table {tuple(table.shape)}")
+  rows = table.shape[0]
+  first = jax.lax.axis_index(axis_name) * rows
+  group_ids = jax.lax.all_gather(ids, axis_name, axis=0, tiled=True)   # (M·n, ...)
+  local = group_ids.astype(jnp.int32) - first
+  mine = (local >= 0) & (local < rows)
+  found = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+  found = jnp.where(mine[..., None], found, jnp.zeros((), table.dtype))
+  return jax.lax.psum_scatter(found, axis_name, scatter_dimension=0, tiled=True)

@@ -1,0 +1,183 @@
+"""pallas_norm.sharding and examples/distributed.py (issue 23: training on several devices).
+
+The checks that need several devices run on 8 CPU devices in a subprocess
+(tests/sharding_checks.py): this pytest process has one CPU device and keeps it. The rest runs
+here: the jagged split helpers, argument errors (raised before any device work, so an abstract
+mesh of 4 devices stands in), and one-device meshes.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import pallas_norm as pn
+from pallas_norm import sharding
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import train_kunlun  # noqa: E402
+
+CHECKS = ROOT / "tests" / "sharding_checks.py"
+FOUR = jax.sharding.AbstractMesh((4,), ("data",))
+
+
+def _run_checks(group):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run([sys.executable, str(CHECKS), group], capture_output=True,
+                          text=True, timeout=1200, env=env, cwd=ROOT)
+  assert result.returncode == 0 and f"{group}: ok" in result.stdout, (
+      result.stdout[-2000:] + result.stderr[-6000:])
+
+
+@pytest.mark.parametrize("group", [
+    "ops_xla", "embedding",
+    pytest.param("ops_interpret", marks=pytest.mark.slow),
+    pytest.param("training", marks=pytest.mark.slow)])
+def test_on_8_cpu_devices(group):
+  """See each group's docstring in tests/sharding_checks.py."""
+  _run_checks(group)
+
+
+@pytest.mark.gpu
+def test_kernels_split_by_rows_over_several_gpus():
+  """tests/sharding_checks.py's ops_mosaic: needs a Hopper machine with 2 or more GPUs."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 or more GPUs")
+  _run_checks("ops_mosaic")
+
+
+# ---------------------------------------------------------------------------------------------
+# Jagged batches split by samples
+
+
+def _jagged(seed, lengths, width=3):
+  offsets = pn.jagged.offsets_from_lengths(lengths)
+  capacity = len(lengths) * max(max(lengths), 1)
+  values = np.random.default_rng(seed).normal(size=(capacity, width)).astype(np.float32)
+  values[offsets[-1]:] = 7.0  # padding of the input must not reach the shards
+  return values, offsets
+
+
+@pytest.mark.parametrize("lengths,shards", [([3, 0, 5, 2, 5, 1], 3), ([4, 4], 2),
+                                            ([0, 0, 2, 1], 4), ([2, 3, 1], 1)])
+def test_split_jagged_blocks_hold_their_samples_with_local_offsets(lengths, shards):
+  values, offsets = _jagged(len(lengths), lengths)
+  split, local = sharding.split_jagged(values, offsets, shards)
+  cap = values.shape[0] // shards
+  per = len(lengths) // shards
+  assert split.shape == (shards * cap, 3) and local.shape == (shards * (per + 1),)
+  assert local.dtype == np.int32
+  for s in range(shards):
+    block, off = split[s * cap:(s + 1) * cap], local[s * (per + 1):(s + 1) * (per + 1)]
+    np.testing.assert_array_equal(off, offsets[s * per:(s + 1) * per + 1] - offsets[s * per])
+    rows = slice(offsets[s * per], offsets[(s + 1) * per])
+    np.testing.assert_array_equal(block[:off[-1]], values[rows])
+    assert not block[off[-1]:].any(), "rows past a shard's samples are zeros"
+  joined, joined_offsets = sharding.join_jagged(split, local, shards, values.shape[0])
+  np.testing.assert_array_equal(joined_offsets, offsets)
+  np.testing.assert_array_equal(joined[:offsets[-1]], values[:offsets[-1]])
+  assert not joined[offsets[-1]:].any()
+
+
+def test_split_jagged_errors_name_the_argument():
+  values, offsets = _jagged(0, [3, 0, 5, 2])
+  with pytest.raises(ValueError, match="num_shards"):
+    sharding.split_jagged(values, offsets, 3)
+  with pytest.raises(ValueError, match="shard_capacity: shard 0 holds 3 rows"):
+    sharding.split_jagged(values, offsets, 2, shard_capacity=2)
+  with pytest.raises(ValueError, match="pass shard_capacity"):
+    sharding.split_jagged(values[:-1], offsets, 2)
+  with pytest.raises(ValueError, match="offsets must be non-decreasing"):
+    sharding.split_jagged(values, np.array([0, 3, 2, 5, 6], np.int32), 2)
+  with pytest.raises(TypeError, match="offsets must be int32"):
+    sharding.split_jagged(values, offsets.astype(np.float32), 2)
+  with pytest.raises(ValueError, match=r"local_offsets \(shard 1\)"):
+    sharding.join_jagged(values[:8], np.array([0, 2, 3, 0, 3, 1], np.int32), 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# shard_rows
+
+
+def test_shard_rows_on_one_device_is_the_op():
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (8, 16))
+  w = jax.random.normal(kw, (16, 8)) / 4
+  mesh = jax.make_mesh((1,), ("data",))
+  got = sharding.shard_rows(pn.norm_matmul, mesh)(x, w, norm="layer", return_stats=True)
+  want = pn.reference.norm_matmul(x, w, norm="layer", return_stats=True)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+  with jax.set_mesh(mesh):  # the mesh from the context
+    np.testing.assert_allclose(sharding.shard_rows(pn.rms_norm)(x), pn.reference.rms_norm(x),
+                               rtol=1e-6)
+
+
+def test_shard_rows_errors_before_any_device_work():
+  x, w = jnp.ones((6, 64)), jnp.ones((64, 64))
+  with pytest.raises(ValueError, match="op must be one of"):
+    sharding.shard_rows(jnp.matmul, FOUR)
+  with pytest.raises(ValueError, match=r"x: its leading axis \(\(6, 64\)\) must split"):
+    sharding.shard_rows(pn.norm_matmul, FOUR)(x, w)
+  with pytest.raises(ValueError, match="'model' is not an axis"):
+    sharding.shard_rows(pn.norm_matmul, FOUR, axis="model")(x, w)
+  with pytest.raises(ValueError, match="residual: its leading axis"):
+    sharding.shard_rows(pn.matmul_norm, FOUR)(jnp.ones((8, 64)), w, residual=jnp.ones((6, 64)))
+  with pytest.raises(ValueError, match="mesh: none given"):
+    sharding.shard_rows(pn.rms_norm)(x)
+
+
+def test_shard_rows_checks_each_shards_local_offsets():
+  q = jnp.ones((8, 1, 8))
+  kv = jnp.ones((4, 3, 1, 8))
+  gdpa = sharding.shard_rows(pn.gdpa, jax.sharding.AbstractMesh((2,), ("data",)))
+  good = np.array([0, 1, 3, 0, 2, 4], np.int32)
+  with pytest.raises(ValueError, match=r"q_offsets \(shard 1\)\[-1\] = 5 exceeds"):
+    gdpa(q, kv, kv, jnp.asarray(good + np.array([0, 0, 0, 0, 1, 1], np.int32)))
+  with pytest.raises(ValueError, match=r"a sample of q_offsets \(shard 0\) has 2 rows"):
+    gdpa(q, kv, kv, jnp.asarray(good), max_seq_len=1)
+  with pytest.raises(ValueError, match="k: leading axis 2 must be the batch B = 4"):
+    gdpa(q, kv[:2], kv, jnp.asarray(good))
+  with pytest.raises(TypeError, match="q_offsets must be a 1-D int32"):
+    gdpa(q, kv, kv, jnp.asarray(good, jnp.float32))
+  with pytest.raises(ValueError, match="q_offsets: 2 entries do not split"):
+    gdpa(q, kv, kv, jnp.asarray(good[:2]))
+
+
+def test_row_sharded_take_on_one_device_and_bad_ids():
+  table = jax.random.normal(jax.random.key(3), (10, 4))
+  ids = jnp.array([[0, 9], [3, 3]])
+  mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+  take = jax.shard_map(lambda t, i: sharding.row_sharded_take(t, i, "model"), mesh=mesh,
+                       in_specs=(P("model"), P("model")), out_specs=P("model"))
+  np.testing.assert_array_equal(take(table, ids), jnp.take(table, ids, axis=0))
+  with pytest.raises(TypeError, match="ids must have an integer dtype"):
+    take(table, ids.astype(jnp.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The example's flags
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--devices", "2"], "--devices must be between 1 and the 1 devices"),
+    (["--devices", "two"], "--devices must be a number or 'auto'"),
+    (["--model-parallel", "2"], "--model-parallel must divide --devices=1"),
+])
+def test_device_flags_that_cannot_work_exit_2(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    train_kunlun.parse_args(argv)
+  assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_devices_auto_is_every_device():
+  args = train_kunlun.parse_args([])
+  assert args.devices == jax.device_count() and args.model_parallel == 1
