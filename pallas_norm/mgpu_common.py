@@ -52,18 +52,12 @@ __all__ = [
     "run_tile_pipeline",
     "resident_clusters",
     "persistent_clusters",
-    "PingPongRing",
-    "pingpong_stage_bytes",
-    "pingpong_ring_allocs",
     "warp_specialize",
     "SharedRing",
     "shared_ring_allocs",
     "ring_produce",
     "ring_drain",
     "ring_k_loop",
-    "pingpong_k_loop",
-    "pingpong_producer",
-    "pingpong_consumer",
 ]
 
 SMEM_BYTES = 227 * 1024
@@ -87,7 +81,7 @@ class TileConfig:
   Attributes:
     tile_m: rows of a CTA tile, 128 or 256 (64 or 128 per consumer warpgroup).
     tile_n: columns of a CTA tile, a multiple of 64 up to 256 (the WGMMA N of one instruction).
-    tile_k: K step of the pipeline, a multiple of 64 (the 128-byte swizzle of a bf16 row).
+    tile_k: K step of the pipeline, a multiple of 32 (64: the 128-byte swizzle of a bf16 row).
     max_concurrent_steps: pipeline stages in SMEM (the kernel lowers it when SMEM is short or
       K has fewer steps).
     epi_tile_m, epi_tile_n: the epilogue stores the output through SMEM in tiles of this size;
@@ -97,87 +91,23 @@ class TileConfig:
       next one: CTAs running at the same time share x tiles, so x is read from HBM about once and
       w stays in L2 (right for M ≫ N). "m" sweeps M first (JAX's Hopper matmul default).
     grid_tile_width: strip width of :func:`plgpu.planar_snake` over the tile grid.
-    stats: "partial" keeps per-thread partial row sums in registers and reduces them across
-      lanes once per tile, in the epilogue; "reduce" reduces every A tile to a row vector inside
-      the K loop (more shuffles per step).
-    fence_reads: after the consumers read an A stage into registers, issue a proxy fence
-      (``plgpu.commit_smem``) before the stage is released to the TMA producer. The PTX memory
-      model asks for it (generic-proxy reads, then an async-proxy write) and the interpreter's
-      race detector flags its absence; False skips it (JAX's own mixed-type matmul does), for
-      measuring its cost on the GPU.
-    a_operand: where WGMMA reads the x tile from. "smem": straight from the swizzled SMEM
-      stage (Mosaic's tiled TMA then needs M % 8 == 0 or M < 8); "registers": from the registers
-      the statistics load anyway (the stage is written by a plain 2-D swizzled TMA, any M);
-      "auto": "smem" when M allows it, else "registers".
-    epi_slots: SMEM slots per consumer warpgroup for the epilogue's output tiles. With 2 (JAX's
-      Hopper matmul), an epilogue tile waits until the TMA store of the tile two before it has
-      read its slot; 0 gives every epilogue tile of a CTA tile its own slot, so the epilogue
-      never waits for a store (the slots are reused one CTA tile later). Costs SMEM, which may
-      cost a pipeline stage.
-    cluster_m: CTAs per cluster along M (1, 2 or 4). The CTAs of a cluster compute row blocks
-      m, m + 1, ... of the same N tile and receive each w tile by one TMA multicast, which
-      divides the L2 → SMEM traffic of w by ``cluster_m`` (w is re-read for every row block;
-      at M ≫ N it is most of the operand traffic). Stages are released cluster-wide.
-    stats_once: a CTA computes all N tiles of a row block in turn, accumulating the row
-      statistics only in the K loop of the first one (later ones read them back from SMEM),
-      so the statistics cost once per row instead of once per N tile. Needs the row block of x
-      (tile_m × K) of every CTA to stay in L2 while its N tiles run.
-    pipeline_across_tiles: the K-loop pipelines of one CTA's consecutive output tiles run as one
-      pipeline (``plgpu.PipelinePipeline`` START / STEADY / STOP): the TMA producer fills the
-      next tile's first stages while the consumers finish the K loop and run the epilogue of
-      the current one, instead of draining the pipeline and starting cold at every tile (a
-      full TMA latency with idle tensor cores per tile). Needs the stage count to divide the
-      number of K steps: the plan chains only when the most stages that fit do (it never
-      gives up a stage for chaining, see :func:`pipeline_stages`).
-    max_clusters: persistent clusters (CTAs when the cluster has one) to launch at most; None:
-      :func:`resident_clusters`. Launching more clusters than fit on the GPU at once makes the
-      surplus run after the others finish: a second wave that can double the kernel's time.
+    stats_once: (pre-norm forward) a CTA computes all N tiles of a row block in turn,
+      accumulating the row statistics only in the K loop of the first one (later ones read them
+      back from SMEM), so the statistics cost once per row instead of once per N tile. Needs the
+      row block of x (tile_m × K) of every CTA to stay in L2 while its N tiles run.
     delay_release: WGMMA groups a consumer leaves in flight across K steps, 0 or 1. With 1 (as
       in JAX's ``hopper_matmul_mgpu.py``) the tensor cores keep working on step s while the
-      consumer waits for step s + 1's stage, and each stage is released one step later. Pallas
-      cannot chain such pipelines across tiles, so 1 turns ``pipeline_across_tiles`` off; a K
-      loop with one step runs with 0 (:func:`delay_release_for`). Measured on the H200: within
-      -3%..+6% of 0 in all three kernels, so 0 is the default everywhere.
-    pingpong: each consumer warpgroup owns alternate output tiles of ``tile_m / 2`` rows and its
-      own K-loop ring (:class:`PingPongRing`), so one warpgroup's epilogue overlaps the other's
-      WGMMAs; ``max_concurrent_steps`` is the stages per ring, ``pipeline_across_tiles`` does
-      not apply (a ring always runs across its consumer's tiles) and ``delay_release`` = 1
-      releases each stage one step late (:func:`pingpong_k_loop`). ``tile_m = 256`` gives each
-      warpgroup 128-row tiles (CUTLASS's ping-pong shape at ``tile_n = 128``). Implemented by the
-      matmul_norm kernel and both norm_matmul kernels (forward and dx). Measured slower in all
-      three on the H200 (1.02-1.7×), likely because two rings of 64-row tiles stream W twice
-      per 128 rows.
+      consumer waits for step s + 1's stage, and each stage is released one step later. Pallas's
+      pipeline cannot chain such K loops across tiles; a K loop with one step runs with 0
+      (:func:`delay_release_for`).
     pipeline: how the K loops are fed. "pallas": ``plgpu.emit_pipeline_warp_specialized``
-      (chained across tiles only when the stages divide the K steps and ``delay_release`` is
+      (chained across a CTA's tiles when the stages divide the K steps and ``delay_release`` is
       0). "ring": one hand-written ring both consumers read (:class:`SharedRing`), numbered
       across the CTA's tiles, so it is always chained, takes any stage count, and can keep a
-      WGMMA in flight (``delay_release`` = 1) — what cuBLAS's cooperative 128×256 kernel does.
-      Implemented by the norm_matmul forward (without ``cluster_m`` or ping-pong) and the
-      matmul_norm forward (without ``multicast_x``). On the H200 (session 8) it made the
-      post-norm forward 11–23% faster at N ≥ 512 and left our plain GEMM unchanged.
-    deferred_norm: post-norm (matmul_norm forward) only: a row block's normalization runs
-      after the next row block's K loop, so the cluster exchange of its row statistics has a
-      whole K loop to complete instead of holding the consumers (the block waits in SMEM,
-      centered, in the output dtype). Needs ``pipeline="ring"``, one N tile per CTA, a
-      bfloat16 output and the pull exchange; two io tiles leave room only for 32-wide K steps.
-      Opt-in, measured slower on the H200 (session 9: RMSNorm 1097 → 1415 µs, LayerNorm +
-      residual 1419 → 1907 at 262144×512×2048; 32-wide K steps alone 1170 / 1468).
-    overlap_norm: post-norm (matmul_norm forward) only: after a row block's K loop only its
-      partial statistics are computed and published to the cluster; the block stays in the
-      consumer's registers, centered, in the output dtype, and is normalized and stored chunk by
-      chunk *between the WGMMAs of the next row block's K loop*, so that work and the exchange's
-      wait run while the tensor cores do. Needs what ``deferred_norm`` needs except its 32-wide
-      K steps (one io tile), no WGMMA in flight, and y (and the statistics) as the only outputs.
-      Opt-in, measured slower on the H200 (session 10, 262144×512×N, N = 512 / 1024 / 2048:
-      RMSNorm 252 / 538 / 1093 → 366 / 829 / 1639 µs, LayerNorm + residual 308 / 655 / 1417 →
-      438 / 1056 / 2242): the accumulator (128 registers per thread), the waiting block (64)
-      and the normalization's temporaries do not fit in a consumer's registers (232 after
-      ``setmaxnreg``; ptxas reports 168, the launch limit of three warpgroups): 1060 / 1680
-      bytes of spill stores / loads per thread and a ``warpgroup.arrive`` injected at 15
-      places (the default: 60 / 112 bytes, one place).
-    (``epi_slots``, ``cluster_m``, ``stats_once`` and ``pipeline`` are implemented by the norm_matmul kernels;
-    a kernel refuses a non-default value of an option it does not implement, with a ValueError
-    from :func:`reject_unused_options`.)
+      WGMMA in flight (``delay_release`` = 1), as cuBLAS's cooperative 128×256 kernel does.
+
+  A kernel refuses a non-default value of an option it does not implement, with a ValueError
+  from :func:`reject_unused_options`.
   """
 
   tile_m: int = 128
@@ -188,19 +118,9 @@ class TileConfig:
   epi_tile_n: int = 64
   grid_minor_dim: Literal["m", "n"] = "n"
   grid_tile_width: int = 1
-  stats: Literal["partial", "reduce"] = "partial"
-  fence_reads: bool = True
-  a_operand: Literal["auto", "smem", "registers"] = "auto"
-  epi_slots: int = 2
-  cluster_m: int = 1
   stats_once: bool = False
-  pipeline_across_tiles: bool = True
-  max_clusters: int | None = None
   delay_release: int = 0
-  pingpong: bool = False
   pipeline: Literal["pallas", "ring"] = "pallas"
-  deferred_norm: bool = False
-  overlap_norm: bool = False
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -223,27 +143,8 @@ class TileConfig:
       raise ValueError(f"grid_minor_dim must be 'm' or 'n', got {self.grid_minor_dim!r}")
     if self.grid_tile_width < 1:
       raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
-    if self.a_operand not in ("auto", "smem", "registers"):
-      raise ValueError(f"a_operand must be 'auto', 'smem' or 'registers', got {self.a_operand!r}")
-    if self.stats not in ("partial", "reduce"):
-      raise ValueError(f"stats must be 'partial' or 'reduce', got {self.stats!r}")
-    if self.epi_slots < 0:
-      raise ValueError(f"epi_slots must be >= 0 (0: one per epilogue tile), got "
-                       f"{self.epi_slots}")
     if self.pipeline not in ("pallas", "ring"):
       raise ValueError(f"pipeline must be 'pallas' or 'ring', got {self.pipeline!r}")
-    if self.pipeline == "ring" and (self.pingpong or self.cluster_m != 1):
-      raise ValueError("pipeline='ring' does not combine with pingpong or cluster_m > 1")
-    if self.pipeline == "ring" and not self.pipeline_across_tiles:
-      raise ValueError("pipeline='ring' always runs across tiles: pipeline_across_tiles=False "
-                       "would be ignored")
-    if self.cluster_m not in (1, 2, 4):
-      raise ValueError(f"cluster_m must be 1, 2 or 4, got {self.cluster_m}")
-    if self.deferred_norm and self.overlap_norm:
-      raise ValueError("deferred_norm and overlap_norm are two schedules of the same "
-                       "normalization: choose one")
-    if self.max_clusters is not None and self.max_clusters < 1:
-      raise ValueError(f"max_clusters must be None or >= 1, got {self.max_clusters}")
 
   @property
   def wg_tile_m(self) -> int:
@@ -295,7 +196,7 @@ GPC, and GPCs have uneven SM counts (some are harvested). Measured on the H200 (
 2026-11-30, ``gpu_matmul_norm_check.py --grid-sweep``, post-norm 262144×512×N): clusters of 4:
 33 launched → 1683 µs, 32 → 1718, 30 → 1022, 29 → 1039; clusters of 8: 16 → 3648, 15 → 2167,
 14 → 2260. So 30 clusters of 4 and 15 of 8 fit at once, and one more runs as a second wave.
-Other chips may differ; ``TileConfig.max_clusters`` overrides."""
+Other chips may differ."""
 
 
 def resident_clusters(cluster: int, interpret: bool) -> int:
@@ -311,12 +212,9 @@ def resident_clusters(cluster: int, interpret: bool) -> int:
   return max(1, int(sms * RESIDENT_SHARE.get(cluster, RESIDENT_SHARE[8]) + 1e-9) // cluster)
 
 
-def persistent_clusters(cfg: TileConfig, cluster: int, units: int, interpret: bool) -> int:
+def persistent_clusters(cluster: int, units: int, interpret: bool) -> int:
   """Clusters the persistent grid launches for ``units`` work units (row blocks or tiles)."""
-  limit = resident_clusters(cluster, interpret)
-  if cfg.max_clusters is not None:
-    limit = min(limit, cfg.max_clusters) if interpret else cfg.max_clusters
-  return max(1, min(limit, units))
+  return max(1, min(resident_clusters(cluster, interpret), units))
 
 
 def pad_rows(a, pad: int):
@@ -387,27 +285,25 @@ def reject_unused_options(cfg: TileConfig, kernel: str, fields: tuple[str, ...])
                      f"{', '.join(repr(getattr(cfg, f)) for f in changed)}): leave the default")
 
 
-def pipeline_stages(steps: int, max_stages: int, across_tiles: bool,
-                    delay_release: int = 0) -> tuple[int, bool]:
-  """(stages, pipelined across tiles) for a K loop of ``steps`` steps with room for
-  ``max_stages`` stages: as many stages as fit, chained across tiles when ``across_tiles`` and
-  that count divides ``steps`` (a pipeline of pipelines needs it) and no WGMMA stays in flight
-  across steps (``delay_release`` 0: Pallas cannot chain the others). Chaining never costs a
-  stage: on the H200 at 262144×512×512, 2 chained stages ran 249 µs, 3 per-tile ones 226 and 4
-  chained ones 217 (per-tile: 233)."""
+def pipeline_stages(steps: int, max_stages: int, delay_release: int = 0) -> tuple[int, bool]:
+  """(stages, chained across tiles) for Pallas's pipeline over a K loop of ``steps`` steps with
+  room for ``max_stages`` stages: as many stages as fit, chained across a CTA's tiles when that
+  count divides ``steps`` (a pipeline of pipelines needs it) and no WGMMA stays in flight across
+  steps (``delay_release`` 0: Pallas cannot chain the others). Chaining never costs a stage: on
+  the H200 at 262144×512×512, 2 chained stages ran 249 µs, 3 per-tile ones 226 and 4 chained
+  ones 217 (per-tile: 233)."""
   stages = min(max_stages, steps)
-  chained = across_tiles and steps % stages == 0
+  chained = steps % stages == 0
   return stages, chained and not delay_release_for(delay_release, stages)
 
 
 def stages_for(cfg: TileConfig, steps: int, max_stages: int) -> tuple[int, bool]:
-  """(stages, chained) of a kernel's K loop under ``cfg``: :func:`pipeline_stages`, or with
-  ping-pong consumers or ``pipeline="ring"`` as many stages as fit and ``chained`` False (a
-  hand-written ring runs across tiles by construction, so its stages need not divide the
-  steps)."""
-  if cfg.pingpong or cfg.pipeline == "ring":
+  """(stages, chained) of a kernel's K loop under ``cfg``: :func:`pipeline_stages`, or on the
+  shared ring (``pipeline="ring"``) as many stages as fit and ``chained`` False (the ring runs
+  across tiles by construction, so its stages need not divide the steps)."""
+  if cfg.pipeline == "ring":
     return max_stages, False
-  return pipeline_stages(steps, max_stages, cfg.pipeline_across_tiles, cfg.delay_release)
+  return pipeline_stages(steps, max_stages, cfg.delay_release)
 
 
 def delay_release_for(delay_release: int, stages: int) -> int:
@@ -419,13 +315,12 @@ def delay_release_for(delay_release: int, stages: int) -> int:
 def plan_delay_release(cfg: TileConfig, stages: int, a_in_registers: bool = False) -> int:
   """The WGMMA groups a kernel's consumers leave in flight across K steps under ``cfg``: 0 with
   an A operand in registers (a WGMMA left in flight still reads its A registers while the next
-  step loads new ones: wrong results on the H200 for M % 8 ≠ 0, where ``a_operand="auto"``
-  takes registers; session 7's full GPU run) or a one-stage ping-pong ring; with ping-pong
-  consumers ``cfg.delay_release`` (:func:`pingpong_k_loop` releases a step late); else
+  step loads new ones: wrong results on the H200 for M % 8 ≠ 0, where the A operand comes from
+  registers; session 7's full GPU run); on the ring ``cfg.delay_release`` with 2+ stages; else
   :func:`delay_release_for`."""
   if a_in_registers:
     return 0
-  if cfg.pingpong or cfg.pipeline == "ring":  # rings run across tiles: 2+ stages can delay
+  if cfg.pipeline == "ring":  # the ring runs across tiles: 2+ stages can delay
     return cfg.delay_release if stages > 1 else 0
   return delay_release_for(cfg.delay_release, stages)
 
@@ -488,8 +383,7 @@ def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: in
 
 
 # ------------------------------------------------------------------------------------------------
-# Hand-written rings (ping-pong consumers and the shared ring), fed by one TMA producer
-# warpgroup (wg 2) in a branch of its own.
+# The hand-written shared ring, fed by one TMA producer warpgroup (wg 2) in a branch of its own.
 
 CONSUMER_REGISTERS = 232  # (512 − 40) / 2 rounded down to 8, as the pipelines above
 PRODUCER_REGISTERS = 40
@@ -563,117 +457,6 @@ def ring_drain(ring, total_steps) -> None:
   @pl.loop(lax.max(total_steps - ring.stages, 0), total_steps)
   def _(step):
     plgpu.barrier_wait(ring.stage(step)[3])
-
-
-# ------------------------------------------------------------------------------------------------
-# Ping-pong consumers: each consumer warpgroup owns alternate output tiles and its own K-loop
-# ring, so one warpgroup's epilogue overlaps the other's WGMMAs (CUTLASS's "ping-pong" Hopper
-# schedule). One TMA producer warpgroup fills both rings in tile order.
-
-
-@dataclasses.dataclass(frozen=True)
-class PingPongRing:
-  """The two consumers' rings: ``x[c, s]`` (rows, tile_k) and ``w[c, s]`` (tile_k, tile_n) of
-  consumer c's stage s; ``produced[c·stages + s]`` completes when both TMA copies of the stage
-  landed, ``consumed[c·stages + s]`` when consumer c's WGMMA has read it. A consumer's K steps
-  are numbered across its tiles (global step g uses stage g mod stages), so the producer fills
-  a consumer's next tile while that consumer runs its epilogue."""
-  x: object
-  w: object
-  produced: object
-  consumed: object
-  stages: int
-
-  def of(self, consumer) -> "_ConsumerRing":
-    """Consumer ``consumer``'s ring, for :func:`ring_k_loop`, :func:`ring_produce` and
-    :func:`ring_drain`."""
-    return _ConsumerRing(self, consumer)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ConsumerRing:
-  rings: PingPongRing
-  consumer: object
-
-  @property
-  def stages(self) -> int:
-    return self.rings.stages
-
-  def stage(self, step):
-    r, c = self.rings, self.consumer
-    slot = lax.rem(step, r.stages)
-    index = c * r.stages + slot
-    return r.x.at[c, slot], r.w.at[c, slot], r.produced.at[index], r.consumed.at[index]
-
-
-def pingpong_stage_bytes(rows: int, tile_k: int, tile_n: int, dtype) -> int:
-  """SMEM of one stage in both rings."""
-  return 2 * (rows * tile_k + tile_k * tile_n) * jnp.dtype(dtype).itemsize
-
-
-def pingpong_ring_allocs(rows: int, tile_k: int, tile_n: int, dtype, stages: int, *,
-                         w_transposed: bool = False) -> dict:
-  """``pl.run_scoped`` allocations of a :class:`PingPongRing` (pass them as its fields); the w
-  stages are (tile_n, tile_k) with ``w_transposed`` (a GEMM with wᵀ, read through a transposed
-  view), else (tile_k, tile_n)."""
-  transforms = swizzle_transforms(tile_k, dtype)
-  w_block = (tile_n, tile_k) if w_transposed else (tile_k, tile_n)
-  return dict(
-      x=plgpu.SMEM((2, stages, rows, tile_k), dtype, transforms=transforms),
-      w=plgpu.SMEM((2, stages, *w_block), dtype, transforms=transforms),
-      produced=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # one per TMA copy
-      consumed=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
-
-
-def pingpong_k_loop(ring: PingPongRing, consumer, first_step, steps: int, carry, body=None, *,
-                    delay_release: int = 0):
-  """Consumer ``consumer``'s K loop on its own ring: :func:`ring_k_loop`."""
-  return ring_k_loop(ring.of(consumer), first_step, steps, carry, body,
-                     delay_release=delay_release)
-
-
-def pingpong_producer(ring: PingPongRing, units: int, axis: str, steps_per_unit: int,
-                      windows) -> None:
-  """The producer warpgroup's loop (the ``producer`` of :func:`warp_specialize`): over the CTA's
-  work units of ``plgpu.nd_loop((units,), collective_axes=axis)``, unit t to consumer t mod 2,
-  it loads ``windows(unit_index, s) -> (x_window, w_window)`` for s < ``steps_per_unit`` into
-  that consumer's ring, then drains both rings after the last unit."""
-
-  @plgpu.nd_loop((units,), collective_axes=axis)
-  def _(loop_info: plgpu.NDLoopInfo):
-    t = loop_info.local_index
-    consumer = lax.rem(t, 2)
-    first_step = lax.div(t, 2) * steps_per_unit
-
-    @pl.loop(0, steps_per_unit)
-    def _(s):
-      ring_produce(ring.of(consumer), first_step + s, *windows(loop_info.index, s))
-
-    @pl.when(t == loop_info.num_local_steps - 1)
-    def _():
-      for c in range(2):  # consumer c had the units t ≡ c (mod 2)
-        own_units = lax.div(loop_info.num_local_steps - c + 1, 2)
-        ring_drain(ring.of(c), own_units * steps_per_unit)
-
-
-def pingpong_consumer(units: int, axis: str, unit_fn, last_fn=None) -> None:
-  """A consumer warpgroup's loop (the ``consumers`` of :func:`warp_specialize`): over the same
-  units as
-  :func:`pingpong_producer`, runs ``unit_fn(unit_index, own_index)`` for the units t ≡ wg
-  (mod 2), ``own_index`` = t // 2 (its units before this one: its ring's first step is
-  ``own_index · steps_per_unit``); then ``last_fn(loop_info)`` after the CTA's last unit."""
-  wg = lax.axis_index("wg")
-
-  @plgpu.nd_loop((units,), collective_axes=axis)
-  def _(loop_info: plgpu.NDLoopInfo):
-    t = loop_info.local_index
-
-    @pl.when(lax.rem(t, 2) == wg)
-    def _():
-      unit_fn(loop_info.index, lax.div(t, 2))
-
-    if last_fn is not None:
-      pl.when(t == loop_info.num_local_steps - 1)(lambda: last_fn(loop_info))
 
 
 # ------------------------------------------------------------------------------------------------

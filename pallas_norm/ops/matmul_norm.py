@@ -16,8 +16,8 @@ rstd, never rebuilding x̂ from y by dividing by the scale (which may contain ze
 
 the column sums by a deterministic two-stage reduction (:func:`column_sum`). In the kernel
 implementations, dh and the column sums run as one Mosaic-GPU kernel
-(:mod:`pallas_norm.ops.matmul_norm_bwd_mgpu`, :data:`NORM_BACKWARD_KERNEL`; its per-CTA partial
-sums are added in a fixed order) where it takes the shape, else in XLA. The ``"xla"``
+(:mod:`pallas_norm.ops.matmul_norm_bwd_mgpu`; its per-CTA partial sums are added in a fixed
+order) where it takes the shape, else in XLA. The ``"xla"``
 implementation is the unfused reference differentiated by JAX.
 """
 
@@ -32,6 +32,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import _dispatch, _validate, reference
+from pallas_norm.ops import matmul_norm_bwd_mgpu, matmul_norm_mgpu
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
@@ -81,10 +82,6 @@ def _kernel_slower_reason(n: int, norm: str) -> str | None:
 
 
 def _kernel_unsupported_reason(x, w, residual, out_dtype, interpret: bool) -> str | None:
-  try:
-    from pallas_norm.ops import matmul_norm_mgpu
-  except ImportError as e:  # the kernel module is optional
-    return f"the Mosaic kernel is unavailable ({e})"
   m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
   reason = matmul_norm_mgpu.unsupported_reason(
       m, k, n, x.dtype, out_dtype or x.dtype, None if residual is None else residual.dtype)
@@ -125,34 +122,7 @@ def pairwise_sum(sums):
   return sums[0]
 
 
-def epilogue_forward_xla(x, w, dense_bias=None, residual=None, scale=None, bias=None, *,
-                         norm, eps, out_dtype=None, return_h=False, return_xhat=False,
-                         return_stats=False):
-  """The kernel's forward in plain XLA (same interface as ``matmul_norm_fwd``).
-
-  Used to test the custom_vjp independently of the kernel. f32 statistics (two-pass), products
-  at ``Precision.HIGHEST``. Returns ``(y, h, xhat, mean, rstd)`` like the kernel.
-  """
-  out_dtype = jnp.dtype(out_dtype or x.dtype)
-  h = jnp.matmul(x, w, preferred_element_type=_F32, precision=_HI)
-  if dense_bias is not None:
-    h = h + dense_bias.astype(_F32)
-  if residual is not None:
-    h = h + residual.astype(_F32)
-  stats = reference._row_stats(h, norm, eps)  # pylint: disable=protected-access
-  xhat = (h if stats.mean is None else h - stats.mean[:, None]) * stats.rstd[:, None]
-  y = xhat if scale is None else xhat * scale.astype(_F32)
-  if bias is not None:
-    y = y + bias.astype(_F32)
-  return (y.astype(out_dtype), h.astype(out_dtype) if return_h else None,
-          xhat.astype(out_dtype) if return_xhat else None,
-          stats.mean if return_stats else None, stats.rstd if return_stats else None)
-
-
 def _kernel_forward(implementation):
-  if implementation == "xla_epilogue":
-    return epilogue_forward_xla
-  from pallas_norm.ops import matmul_norm_mgpu
   return functools.partial(matmul_norm_mgpu.matmul_norm_fwd,
                            interpret=implementation == "interpret")
 
@@ -196,26 +166,6 @@ def _norm_backward(norm, dy, xhat, rstd, scale):
   return dh * rstd[:, None]
 
 
-NORM_BACKWARD_KERNEL: bool = True
-"""Whether the kernel implementations ("mosaic", "interpret") run dh and the column sums as one
-Mosaic-GPU kernel (:func:`pallas_norm.ops.matmul_norm_bwd_mgpu.norm_backward`) where it takes
-the shape, instead of XLA's passes. Read when the backward is traced. On by default for both
-norms: H200, 262144 rows, bf16 (``benchmarks/gpu_norm_backward.py``, session 7; dh plus the
-column sums of scale (and bias), kernel vs XLA's passes, µs; N = 2048 from an earlier version
-of the kernel, 2-6% slower at N ≤ 1024):
-
-============  ==========  ==========  ===========
-N             512         1024        2048
-============  ==========  ==========  ===========
-RMSNorm       297 / 351   591 / 681   1334 / 1331
-LayerNorm     316 / 416   616 / 796   1359 / 1564
-============  ==========  ==========  ===========
-
-The public op's fwd+bwd at K = 512: LayerNorm + residual 1173 vs 1269 µs (N = 512) and 2425 vs
-2592 (N = 1024); RMSNorm 1050 vs 1101 and 2105 vs 2203. (Session 6's one-warpgroup kernel was
-slower than XLA for LayerNorm, so it served RMSNorm only.)"""
-
-
 def _norm_backward_xla(norm, dy_out, dh_out, xhat, rstd, scale, sums):
   """(dh in float32, {sum name: column sum}) of the norm backward in XLA."""
   dy = dy_out.astype(_F32)
@@ -230,10 +180,12 @@ def _norm_backward_xla(norm, dy_out, dh_out, xhat, rstd, scale, sums):
 def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x_dtype) -> str | None:
   """Why the backward keeps XLA's passes instead of the norm-backward kernel (None: it need not).
 
-  The kernel writes dh in the cotangent's dtype: with an ``out_dtype`` other than x's, dh would
+  The kernel (dh and the column sums in one pass) was measured faster than XLA's passes for
+  both norms on the H200 (262144 rows, bf16, µs, kernel / XLA; N = 2048 from an earlier
+  version): RMSNorm 297 / 351 at N = 512, 591 / 681 at 1024, 1334 / 1331 at 2048; LayerNorm
+  316 / 416, 616 / 796, 1359 / 1564. The kernel writes dh in the cotangent's dtype: with an ``out_dtype`` other than x's, dh would
   be rounded twice on its way to the GEMMs (or overflow float16), so those calls keep XLA.
   M not a multiple of 8 would cost the kernel full copies of its inputs and of dh."""
-  from pallas_norm.ops import matmul_norm_bwd_mgpu
   if dy_out.dtype != xhat.dtype or (dh_out is not None and dh_out.dtype != xhat.dtype):
     return f"cotangents in {dy_out.dtype}, x̂ in {xhat.dtype}"
   if jnp.dtype(dy_out.dtype) != jnp.dtype(x_dtype):
@@ -246,7 +198,6 @@ def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x_dtype) -> str | N
 def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpret):
   """(dh in the cotangent's dtype, {sum name: column sum}) from the one-pass kernel; the
   per-CTA partial sums are added in a fixed order (deterministic bits on one GPU model)."""
-  from pallas_norm.ops import matmul_norm_bwd_mgpu
   dh, partials = matmul_norm_bwd_mgpu.norm_backward(
       dy_out, xhat, rstd, scale, dh_out, norm=norm, sums=sums, interpret=interpret)
   if not sums:
@@ -266,8 +217,7 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, sav
     dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
   sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
                if v is not None)
-  if (NORM_BACKWARD_KERNEL and implementation in ("mosaic", "interpret")
-      and _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x.dtype) is None):
+  if _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x.dtype) is None:
     dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
                                     interpret=implementation == "interpret")
   else:
@@ -279,8 +229,8 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, sav
   dh_in = dh.astype(x.dtype)
   # In x's dtype straight out of the GEMM (f32 accumulation all the same): asking for f32 and
   # converting made XLA emit a Triton GEMM fusion for dx, 247 µs against cuBLAS's 195 at
-  # 262144×512² bf16 on the H200 (benchmarks/gpu_weight_grad_forms.py, session 5). float32
-  # (the "xla_epilogue" test path) keeps HIGHEST: the default could round operands to TF32.
+  # 262144×512² bf16 on the H200 (benchmarks/gpu_weight_grad_forms.py, session 5). A float32
+  # dh keeps HIGHEST: the default could round operands to TF32.
   dx = jnp.matmul(dh_in, w.T, precision=_HI if dh_in.dtype == jnp.float32 else None)
   dw = jnp.matmul(x.T, dh_in, preferred_element_type=_F32, precision=_HI).astype(w.dtype)
   return dx, dw, ddense, dres, dscale, dbias

@@ -12,8 +12,8 @@ Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a CTA o
 ``tile_m`` rows × ``tile_n`` columns. A TMA producer warpgroup streams the K loop through a
 multi-stage SMEM ring (by default the hand-written :class:`pallas_norm.mgpu_common.SharedRing`,
 whose steps are numbered across the CTA's row blocks, so the producer fills the next row block's
-stages while the consumers run the epilogue and the exchange; ``TileConfig.pipeline="pallas"``:
-``plgpu.emit_pipeline_warp_specialized``) to two WGMMA consumer warpgroups, which split the CTA
+stages while the consumers run the epilogue and the exchange; with several N tiles per CTA
+``plgpu.emit_pipeline_warp_specialized``, ``TileConfig.pipeline="pallas"``) to two WGMMA consumer warpgroups, which split the CTA
 tile along M (``tile_m // 2`` rows each), so every row of a CTA
 belongs to exactly one warpgroup. A full row spans N, so when ``N > tile_n`` a *cluster* of
 ``c = N / tile_n`` CTAs (c ∈ {1, 2, 4, 8}) owns the same rows, CTA i the columns
@@ -45,19 +45,7 @@ y per element; interpret mode runs it with one CTA looping over all N tiles.
 
 On the shared ring with one N tile per CTA the residual tile's TMA loads are issued during the
 K loop, each chunk once the previous row block's y chunk has left SMEM (session 9: 3-7% faster
-than waiting for every store before the K loop). ``TileConfig.deferred_norm`` (opt-in, measured
-slower) instead normalizes each row block after the next one's K loop from a centered copy in
-SMEM, with the pull exchange double-buffered so that it completes during that K loop
-(:func:`_deferred_publish`, :func:`_deferred_collect`). ``TileConfig.overlap_norm`` (opt-in,
-measured 1.3-1.6× slower: it spills) keeps that block in registers instead and normalizes it
-chunk by chunk between the next K loop's WGMMAs (``overlap_row_block`` in :func:`_kernel`).
-
-Ping-pong consumers (``TileConfig.pingpong``, :func:`pingpong_config`; opt-in, measured slower:
-223 / 553 / 1125 µs against 176 / 500 / 1024 at 262144×512×{256, 512, 1024} on the H200):
-the row blocks are one warpgroup's rows and alternate between the two consumer warpgroups, each
-with its own K-loop ring (:class:`pallas_norm.mgpu_common.PingPongRing`), so one warpgroup's
-epilogue and cluster exchange overlap the other's WGMMAs instead of leaving the tensor cores idle
-(:func:`_pingpong_row_blocks`).
+than waiting for every store before the K loop).
 
 GPU interpret mode cannot read a peer CTA's shared memory, so the c > 1 exchange runs only on a
 GPU; everything else is the same code for c = 1, which interpret mode runs on the CPU. What was
@@ -89,7 +77,7 @@ from pallas_norm import mgpu_common
 from pallas_norm.mgpu_common import TileConfig
 
 __all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
-           "pingpong_config", "matmul_norm_fwd"]
+           "matmul_norm_fwd"]
 
 CLUSTER_SIZES = (1, 2, 4, 8)
 """CTAs that may share a row block (8 is the portable cluster limit on Hopper)."""
@@ -101,11 +89,6 @@ MAX_N_TILES = 4
 """N tiles one CTA loops over when a cluster of 8 is not wide enough (so N ≤ 8192)."""
 
 MAX_N = max(CLUSTER_SIZES) * MAX_N_TILES * MAX_TILE_N
-
-RESIDUAL_IN_K_LOOP = True
-"""Issue the residual tile's loads during the K loop (:func:`_kernel`'s
-``_residual_during_k_loop``); False restores session 8's wait for every store before the K loop
-(a switch for the dev A/B ``benchmarks/dev/matmul_norm_ring_ab.py --store-waits``)."""
 
 _SMEM_SLACK = 4096  # barriers + the scratch Mosaic reserves for cross-lane reductions.
 _EXTRA_SLOTS = 2  # staging slots for h / x̂ tiles: one being written while one is stored
@@ -134,9 +117,8 @@ class _Plan:
   n_tiles: int  # N tiles per CTA: the CTA's columns are n_tiles · tile_n
   stages: int
   num_clusters: int
-  multicast_x: bool
-  chained: bool = False  # a CTA's tiles run as one K-loop pipeline (pipeline_across_tiles)
-  exchange: str = "pull"  # see matmul_norm_fwd's ``exchange`` (the others are diagnostics)
+  chained: bool = False  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
+  exchange: str = "pull"  # see matmul_norm_fwd's ``exchange``
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
@@ -155,26 +137,9 @@ class _Plan:
     return tuple(e for e, on in (("h", self.return_h), ("xhat", self.return_xhat)) if on)
 
   @property
-  def deferred(self) -> bool:
-    """A row block's partials are published one row block before its normalization (the
-    double-buffered exchange of :func:`_deferred_publish`): TileConfig.deferred_norm (the block
-    waits in SMEM) or overlap_norm (in registers)."""
-    return self.cfg.deferred_norm or self.cfg.overlap_norm
-
-  @property
-  def overlap(self) -> bool:  # TileConfig.overlap_norm: see the kernel's overlap_row_block
-    return self.cfg.overlap_norm
-
-  @property
-  def io_buffers(self) -> int:  # residual-in / y-out tiles per warpgroup (2: deferred_norm)
-    return 2 if self.cfg.deferred_norm else 1
-
-  @property
   def n_loads(self) -> int:
-    """TMA copies per tile besides the K loop: vectors and residual (deferred: the vectors load
-    once, on their own barrier)."""
-    return (0 if self.deferred else len(self.vecs)) + (
-        (self.cfg.tile_n // self.cfg.epi_tile_n) * self.has_residual)
+    """TMA copies per tile besides the K loop: the vectors and the residual's chunks."""
+    return len(self.vecs) + (self.cfg.tile_n // self.cfg.epi_tile_n) * self.has_residual
 
   @property
   def n_reloads(self) -> int:  # TMA copies per N tile in the second pass (n_tiles > 1)
@@ -185,12 +150,8 @@ class _Plan:
     return self.n_tiles * self.cfg.tile_n
 
   @property
-  def m_iters(self) -> int:  # row blocks: of tile_m rows, or of one warpgroup's with pingpong
-    return -(-self.m // self.block_rows)
-
-  @property
-  def block_rows(self) -> int:
-    return self.cfg.wg_tile_m if self.cfg.pingpong else self.cfg.tile_m
+  def m_iters(self) -> int:  # row blocks of tile_m rows
+    return -(-self.m // self.cfg.tile_m)
 
   @property
   def k_iters(self) -> int:
@@ -276,42 +237,25 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
                     pipeline="ring" if n_tiles == 1 else "pallas")
 
 
-def pingpong_config(m: int, k: int, n: int) -> TileConfig:
-  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``): 32-wide K steps,
-  so that each consumer's ring gets 2-4 stages next to the epilogue buffers (64-wide ones
-  leave one at tile_n = 256). Not the default: slower than :func:`pick_config` on the H200 at
-  262144×512×N (1.27× at N = 256, 1.10× at 512 and 1024, 1.02× at 2048; likely because a
-  64-row tile streams the whole W tile per 64 rows; benchmarks/NOTES.md, session 4)."""
-  base = pick_config(m, k, n)
-  return dataclasses.replace(base, pingpong=True, pipeline="pallas",
-                             tile_k=32 if k % 32 == 0 else base.tile_k)
-
-
 def _smem_bytes_besides_pipeline(p: _Plan) -> int:
   cfg = p.cfg
   out_b = p.out_dtype.itemsize
-  io = p.io_buffers * 2 * cfg.wg_tile_m * cfg.tile_n * out_b
+  io = 2 * cfg.wg_tile_m * cfg.tile_n * out_b
   extra = 2 * _EXTRA_SLOTS * cfg.epi_tile_m * cfg.epi_tile_n * out_b if p.extras else 0
   vec = 2 * len(p.vecs) * cfg.tile_n * 4
-  stats = p.io_buffers * 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
+  stats = 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
   exchange = _exchange_smem_bytes(p)
   tile_stats = 2 * p.n_tiles * p.n_partials * cfg.wg_tile_m * 4 * (p.n_tiles > 1)
-  # Deferred: the partials kept per row block, and ~3.2 KB more of allocation alignment and
-  # barriers than the slack covers (Mosaic's count at 4096×512² with every output: 232576
-  # bytes where this sum said 228352; 5 KB keeps a margin).
-  deferred = (2 * 2 * p.n_partials * cfg.wg_tile_m * 4 + 5120) * p.deferred
-  return io + extra + vec + stats + exchange + tile_stats + deferred + _SMEM_SLACK
+  return io + extra + vec + stats + exchange + tile_stats + _SMEM_SLACK
 
 
-_UNUSED_OPTIONS = ("stats", "fence_reads", "a_operand", "epi_slots", "cluster_m", "stats_once",
-                   "grid_minor_dim", "grid_tile_width")
-"""TileConfig options of the pre-norm kernels that this kernel does not implement (its clusters
-share a row block along N and are sized by N; it reads no A tile outside WGMMA)."""
+_UNUSED_OPTIONS = ("stats_once", "grid_minor_dim", "grid_tile_width")
+"""TileConfig options of the pre-norm kernels that this kernel does not implement (its grid
+walks row blocks, each cluster owning whole rows)."""
 
 
 def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, return_h,
-               return_xhat, return_stats, cfg, interpret, multicast_x,
-               exchange="pull") -> _Plan:
+               return_xhat, return_stats, cfg, interpret, exchange="pull") -> _Plan:
   m, k = x_shape
   mgpu_common.reject_unused_options(cfg, "matmul_norm", _UNUSED_OPTIONS)
   cluster, n_tiles = _tiles_per_cta(n, cfg.tile_n, interpret)
@@ -327,44 +271,15 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
   plan = _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
                eps=float(eps), vecs=vecs, has_residual=has_residual, return_h=return_h,
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
-               n_tiles=n_tiles, stages=0, num_clusters=0, multicast_x=multicast_x and cluster > 1,
-               exchange=exchange)
-  if plan.deferred:
-    _check_deferred(plan)
-  if (cfg.pingpong or cfg.pipeline == "ring") and multicast_x:
-    raise ValueError("multicast_x needs Pallas's pipeline: it does not combine with pingpong "
-                     "or pipeline='ring'")
-  if cfg.pingpong:  # two rings of (rows of one warpgroup) x and w stages
-    stage_bytes = mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n,
-                                                   plan.dtype)
-  else:
-    stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
+               n_tiles=n_tiles, stages=0, num_clusters=0, exchange=exchange)
+  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
   free = mgpu_common.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
     raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
   stages, chained = mgpu_common.stages_for(
       cfg, plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes))
-  num_clusters = mgpu_common.persistent_clusters(cfg, cluster, plan.m_iters, interpret)
+  num_clusters = mgpu_common.persistent_clusters(cluster, plan.m_iters, interpret)
   return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
-
-
-def _check_deferred(plan: _Plan) -> None:
-  option = "overlap_norm" if plan.overlap else "deferred_norm"
-  why = []
-  if plan.cfg.pipeline != "ring" or plan.cfg.pingpong:
-    why.append("pipeline='ring' without pingpong")
-  if plan.n_tiles != 1:
-    why.append(f"one N tile per CTA (N = {plan.n} needs {plan.n_tiles})")
-  if plan.out_dtype != jnp.dtype(jnp.bfloat16):
-    why.append(f"a bfloat16 output (the waiting block is kept in it; got {plan.out_dtype.name})")
-  if plan.cluster > 1 and plan.exchange != "pull":
-    why.append(f"the pull exchange (got {plan.exchange!r})")
-  if plan.overlap and plan.extras:
-    why.append(f"y (and the statistics) as the only outputs (got {', '.join(plan.extras)})")
-  if plan.overlap and plan.cfg.delay_release:
-    why.append("no WGMMA in flight (delay_release=0)")
-  if why:
-    raise ValueError(f"TileConfig.{option} needs " + ", ".join(why))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -500,12 +415,6 @@ def _exchange_allocs(plan: _Plan):
         # once per thread): 128 · c arrivals hung the kernel on the H200.
         full=plgpu.Barrier(num_arrivals=plan.cluster, num_barriers=2),
         empty=cluster_bar())
-  if plan.deferred:  # part[w][parity][q], barriers 2·w + parity (see _deferred_publish)
-    part = tuple(tuple(tuple(plgpu.SMEM((rows,), jnp.float32) for _ in range(plan.n_partials))
-                       for _ in range(2)) for _ in range(2))
-    bar = functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",),
-                            num_barriers=4, num_arrivals=1)
-    return dict(part=part, full=bar(), empty=bar(), rows=plgpu.SMEM((2, 2, rows), jnp.float32))
   part = tuple(tuple(plgpu.SMEM((rows,), jnp.float32) for _ in range(plan.n_partials))
                for _ in range(2))
   return dict(part=part, full=cluster_bar(), empty=cluster_bar(),
@@ -518,8 +427,6 @@ def _exchange_smem_bytes(plan: _Plan) -> int:
   rows = plan.cfg.wg_tile_m
   if plan.exchange == "push":
     return 2 * plan.cluster * rows * _PACKET_COLS * 4
-  if plan.deferred:  # the partials of two row blocks, and the merged (rstd, mean) rows
-    return 2 * (2 * plan.n_partials + 2) * rows * 4
   return 2 * (plan.n_partials + 2) * rows * 4
 
 
@@ -586,17 +493,16 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
   """(mean or None, rstd) of full rows from this CTA's partials and those of its cluster peers.
 
   c = 1: just :func:`_merge_partials` of this CTA's. c > 1 with "push":
-  :func:`_push_row_stats`. Otherwise ("pull"), for the warpgroup's static index w:
+  :func:`_push_row_stats`. With "pull", for the warpgroup's static index w:
   wait until the peers have read the previous tile's partials (``empty``), write ours, arrive on
   ``full`` in every CTA and wait for all c arrivals, read the c partials through distributed
   shared memory (:func:`plgpu.cluster_ref`) in CTA order, arrive on ``empty``, and merge. Every
   CTA merges the same values in the same order, so all hold the same bits.
   """
-  if plan.cluster == 1 or plan.exchange == "local":  # "local": a timing diagnostic (wrong y)
+  if plan.cluster == 1:
     return _merge_partials(plan, [tuple(partials)])
   if plan.exchange == "push":
     return _push_row_stats(plan, partials, ex, wg, tile_index)
-  fence = _cluster_fence if plan.exchange == "pull" else (lambda: None)
   for w in range(2):
 
     @pl.when(wg == w)
@@ -610,17 +516,13 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
       for buf, v in zip(bufs, partials):
         buf[...] = v
       plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the arrive
-      fence()
+      _cluster_fence()
       plgpu.barrier_arrive(ex.full.at[w])
       plgpu.barrier_wait(ex.full.at[w])
-      fence()
-      if plan.exchange == "barrier_only":  # diagnostic: the barriers without the peer reads
-        per_cta = [tuple(partials)] * plan.cluster
-      else:
-        per_cta = _peer_partials(plan, bufs)
-      _merge_into_rows(plan, per_cta, ex, w)
+      _cluster_fence()
+      _merge_into_rows(plan, _peer_partials(plan, bufs), ex, w)
       plgpu.commit_smem()  # every thread's peer reads precede the arrive
-      fence()
+      _cluster_fence()
       plgpu.barrier_arrive(ex.empty.at[w])
 
   rstd = plgpu.load(ex.rows.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -629,74 +531,9 @@ def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
   return mean, rstd
 
 
-def _deferred_publish(plan: _Plan, partials, ex, own, wg, tile_index):
-  """Deferred normalization, first half of the exchange of row block t: keeps this CTA's
-  partials in ``own[wg, t % 2]`` (the normalization needs the slice mean) and, with a cluster,
-  writes them to ``part[w][t % 2]`` for the peers and arrives on ``full[2w + t % 2]`` in every
-  CTA. The partials of two row blocks are in flight, so the wait on ``empty`` (peers done
-  reading) is for row block t − 2, read a whole K loop ago."""
-  parity = lax.rem(tile_index, 2)
-  for q, v in enumerate(partials):
-    own[wg, parity, q] = v
-  if plan.cluster == 1 or plan.exchange == "local":
-    return
-  for w in range(2):
-    for par in range(2):
-
-      @pl.when((wg == w) & (parity == par))
-      def _publish(w=w, par=par):
-        pl.when(tile_index >= 2)(lambda: plgpu.barrier_wait(ex.empty.at[2 * w + par]))
-        for buf, v in zip(ex.part[w][par], partials):
-          buf[...] = v
-        plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the arrive
-        _cluster_fence()
-        plgpu.barrier_arrive(ex.full.at[2 * w + par])
-
-
-def _deferred_collect(plan: _Plan, ex, own, wg, tile_index):
-  """Second half: (mean or None, rstd, this CTA's slice mean or None) of row block t, merged
-  from the c CTAs' partials in CTA order (as :func:`_cluster_row_stats`), then ``empty``."""
-  parity = lax.rem(tile_index, 2)
-  mine = tuple(plgpu.load(own.at[wg, parity, q], layout=plgpu.Layout.WGMMA.reduce(1))
-               for q in range(plan.n_partials))
-  slice_mean = mine[0] if plan.norm == "layer" else None
-  if plan.cluster == 1 or plan.exchange == "local":
-    return (*_merge_partials(plan, [mine]), slice_mean)
-  for w in range(2):
-    for par in range(2):
-
-      @pl.when((wg == w) & (parity == par))
-      def _collect(w=w, par=par):
-        plgpu.barrier_wait(ex.full.at[2 * w + par])
-        _cluster_fence()
-        _merge_into_rows(plan, _peer_partials(plan, ex.part[w][par]), ex, w)
-        plgpu.commit_smem()  # every thread's peer reads precede the arrive
-        _cluster_fence()
-        plgpu.barrier_arrive(ex.empty.at[2 * w + par])
-
-  rstd = plgpu.load(ex.rows.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
-  mean = (plgpu.load(ex.rows.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
-          if plan.norm == "layer" else None)
-  return mean, rstd, slice_mean
-
-
-def _deferred_final_sync(plan: _Plan, ex, wg, tile_index):
-  """After the CTA's last row block t: waits until the peers read the partials of t and t − 1
-  (the two ``empty`` completions no later publish waited for)."""
-  if plan.cluster == 1 or plan.exchange == "local":
-    return
-  parity = lax.rem(tile_index, 2)
-  for w in range(2):
-    for par in range(2):
-
-      @pl.when((wg == w) & ((parity == par) | (tile_index >= 1)))
-      def _(w=w, par=par):
-        plgpu.barrier_wait(ex.empty.at[2 * w + par])
-
-
 def _cluster_final_sync(plan: _Plan, ex, wg):
   """Waits until the peers read the last tile's partials: no CTA exits while they may."""
-  if plan.cluster == 1 or plan.exchange == "local":
+  if plan.cluster == 1:
     return
   for w in range(2):
 
@@ -732,12 +569,8 @@ class _StoreGroups:
     self._extra_uses += 1
     return slot
 
-  exact = True  # False: the pre-session-9 waits (all but the newest group); dev A/B only
-
   def wait_until_read(self, buffer) -> None:
     newer = self.count - self._last[buffer] - 1 if buffer in self._last else self.count
-    if not self.exact and buffer[0] == "extra":
-      newer = _EXTRA_SLOTS - 1
     plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
 
 
@@ -763,8 +596,7 @@ def _kernel(*refs, plan: _Plan):
 
   def make_pipeline(body, compute_context, state=None):
     x_spec = plgpu.BlockSpec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
-                             memory_space=plgpu.SMEM,
-                             collective_axes=("cluster",) if plan.multicast_x else ())
+                             memory_space=plgpu.SMEM)
     w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=in_transforms,
                              memory_space=plgpu.SMEM)
     return mgpu_common.consumer_pipeline(body, compute_context, steps=plan.k_iters,
@@ -777,8 +609,6 @@ def _kernel(*refs, plan: _Plan):
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=(
-          mgpu_common.pingpong_ring_allocs(wg_m, tile_k, tile_n, plan.dtype, plan.stages)
-          if cfg.pingpong else
           mgpu_common.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
                                          x_transforms=in_transforms,
                                          w_transforms=in_transforms)
@@ -786,23 +616,14 @@ def _kernel(*refs, plan: _Plan):
           make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
       # Residual in, y out: the (rows, tile_n) tile of each consumer warpgroup, as column chunks
       # (a TMA copy needs a contiguous SMEM window).
-      # Deferred normalization: two of each, for consecutive row blocks.
-      io_bufs=plgpu.SMEM((plan.io_buffers, 2, chunks, wg_m, epi_n), plan.out_dtype,
-                         transforms=out_transforms),
+      io_smem=plgpu.SMEM((2, chunks, wg_m, epi_n), plan.out_dtype, transforms=out_transforms),
       extra_smem=(plgpu.SMEM((2, _EXTRA_SLOTS, epi_m, epi_n), plan.out_dtype,
                              transforms=out_transforms) if plan.extras else None),
       vec_smem=plgpu.SMEM((2, len(plan.vecs), tile_n), jnp.float32) if plan.vecs else None,
       # One arrival per TMA copy (each copy arrives with its byte count).
       load_barrier=(plgpu.Barrier(num_arrivals=plan.n_loads, num_barriers=2)
                     if plan.n_loads else None),
-      stat_bufs=(plgpu.SMEM((plan.io_buffers, 2, 2, wg_m), jnp.float32) if plan.n_stats
-                 else None),
-      # Deferred: this CTA's partials of the last two row blocks, and the vectors' own barrier
-      # (they load once).
-      own_partials=(plgpu.SMEM((2, 2, plan.n_partials, wg_m), jnp.float32) if plan.deferred
-                    else None),
-      vec_barrier=(plgpu.Barrier(num_arrivals=len(plan.vecs), num_barriers=2)
-                   if plan.deferred and plan.vecs else None),
+      stat_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32) if plan.n_stats else None,
       ex_allocs=_exchange_allocs(plan),
       # n_tiles > 1: each N tile's partials, and the barrier of the second pass's reloads.
       tile_stats=(plgpu.SMEM((2, plan.n_tiles, plan.n_partials, wg_m), jnp.float32)
@@ -811,10 +632,8 @@ def _kernel(*refs, plan: _Plan):
                       if plan.n_tiles > 1 else None),
       collective_axes="wg",
   )
-  def _scope(pipeline_allocs, io_bufs, extra_smem, vec_smem, load_barrier, stat_bufs, own_partials,
-             vec_barrier, ex_allocs, tile_stats, reload_barrier):
-    io_smem = io_bufs.at[0]  # the one io tile unless deferred
-    stat_smem = None if stat_bufs is None else stat_bufs.at[0]
+  def _scope(pipeline_allocs, io_smem, extra_smem, vec_smem, load_barrier, stat_smem, ex_allocs,
+             tile_stats, reload_barrier):
     ex = None if ex_allocs is None else _Exchange(**ex_allocs)
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster")
@@ -827,7 +646,7 @@ def _kernel(*refs, plan: _Plan):
                      layout=plgpu.Layout.WGMMA.reduce(0))
       return _colvec(v, (wg_m, epi_n))
 
-    def _h_chunk_fn(acc, io=None):
+    def _h_chunk_fn(acc):
       """``h_chunk(j)``: h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32.
 
       Each chunk is built once, replacing the accumulator (same registers): the statistics'
@@ -840,38 +659,35 @@ def _kernel(*refs, plan: _Plan):
         if "dense_bias" in plan.vecs:
           h = h + _vec("dense_bias", ns)
         if plan.has_residual:
-          r = plgpu.load((io_smem if io is None else io).at[wg, j], layout=plgpu.Layout.WGMMA)
+          r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
           h = h + r.astype(jnp.float32)
         return h
       return [build(j) for j in range(chunks)].__getitem__
 
-    def _store_stats(mean, rstd, row0, stats_ref=None):
-      """rstd (and mean) of the warpgroup's rows through ``stats_ref`` (default ``stat_smem``).
-      The copies join the next committed store group (the y chunk stores that always follow),
-      so the groups :class:`_StoreGroups` counts are the same in every CTA."""
+    def _store_stats(mean, rstd, row0):
+      """rstd (and mean) of the warpgroup's rows through ``stat_smem``. The copies join the next
+      committed store group (the y chunk stores that always follow), so the groups
+      :class:`_StoreGroups` counts are the same in every CTA."""
       if not plan.n_stats:
         return
-      stats_ref = stat_smem if stats_ref is None else stats_ref
       stats = [rstd] if mean is None else [rstd, mean]
       for i, v in enumerate(stats):
-        stats_ref[wg, i] = v
+        stat_smem[wg, i] = v
       plgpu.commit_smem()
 
       @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
       def _():
         for i in range(len(stats)):
-          plgpu.copy_smem_to_gmem(stats_ref.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)],
+          plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)],
                                   commit_group=False)
 
-    def _store_chunk(value, j, row0, col0, groups, io=None, key="io", also=()):
-      """y chunk j through ``io`` (default io_smem), in place: each thread overwrites elements
-      it has read. ``also``: buffers whose pending copies this store's group commits."""
-      io = io_smem if io is None else io
-      io[wg, j] = value.astype(plan.out_dtype)
+    def _store_chunk(value, j, row0, col0, groups):
+      """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
+      io_smem[wg, j] = value.astype(plan.out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(io.at[wg, j],
+      plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
                               y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
-      groups.committed((key, j), *also)
+      groups.committed(("io", j))
 
     def _store_extras(values, j, row0, col0, groups):
       """h / x̂ chunk j through the small slots, in turn; ``groups``: this epilogue's stores."""
@@ -970,9 +786,9 @@ def _kernel(*refs, plan: _Plan):
           _store_chunk(y, j, row0, col0, groups)
           _store_extras({"xhat": xhat}, j, row0, col0, groups)
 
-    def _prefetch_residual_chunk(j, row0, col0, io=None):
+    def _prefetch_residual_chunk(j, row0, col0):
       plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                              (io_smem if io is None else io).at[wg, j], load_barrier.at[wg])
+                              io_smem.at[wg, j], load_barrier.at[wg])
 
     def _prefetch_epilogue_inputs(row0, col0, residual=True):
       """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
@@ -986,239 +802,29 @@ def _kernel(*refs, plan: _Plan):
         plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
                                 load_barrier.at[wg])
 
-    def _residual_during_k_loop(k_step, row0, col0, io=None):
+    def _residual_during_k_loop(k_step, row0, col0):
       """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
       stored from the same io slot has left SMEM, so the wait for those stores overlaps the
-      WGMMAs just issued instead of holding the K loop's start. That store was the last
-      row block's (:func:`_epilogue`; deferred: two row blocks back, :func:`_finish_deferred`,
-      the last stores of its iteration); each y chunk store is followed by its chunk's h / x̂
-      stores (x̂ only when deferred), ``per_chunk`` groups in all, so the groups committed
-      after y chunk j are the rest."""
-      extras_after_y = tuple(e for e in plan.extras if e == "xhat") if plan.deferred else (
-          plan.extras)
-      per_chunk = 1 + len(extras_after_y) * (wg_m // epi_m)
+      WGMMAs just issued instead of holding the K loop's start. That store was the last row
+      block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
+      ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
+      per_chunk = 1 + len(plan.extras) * (wg_m // epi_m)
       for j in range(chunks):
         newer = per_chunk - 1 + (chunks - 1 - j) * per_chunk
 
         @pl.when(k_step == min(j, plan.k_iters - 1))
         def _(j=j, newer=newer):
           plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
-          _prefetch_residual_chunk(j, row0, col0, io)
+          _prefetch_residual_chunk(j, row0, col0)
 
-    def _stash_deferred(acc, io, row0, col0, tile_index, groups):
-      """Deferred normalization, right after row block t's K loop: h from the accumulator (and
-      the residual in ``io``), its partials published to the cluster, h stored if asked, and
-      the block kept in ``io`` in the output dtype, centered for LayerNorm (h − slice mean, so
-      a row with a large mean keeps its precision; RMSNorm: h) until :func:`_finish_deferred`
-      normalizes it after the next K loop."""
-      if plan.has_residual:
-        plgpu.barrier_wait(load_barrier.at[wg])
-      h_chunk = _h_chunk_fn(acc, io)
-      partials = _slice_partials(plan, h_chunk)
-      _deferred_publish(plan, partials, ex, own_partials, wg, tile_index)
-      shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
-      for j in range(chunks):
-        h = h_chunk(j)
-        if not plan.has_residual:  # io chunk j was last read by a y store two blocks back
-          groups.wait_until_read(("io_cur", j))
-        io[wg, j] = (h if shift_b is None else h - shift_b).astype(plan.out_dtype)
-        _store_extras({"h": h}, j, row0, col0, groups)
-      plgpu.commit_smem()  # the stash and own partials are read back by other threads' loads
-
-    def _finish_deferred(io, stats_ref, row0, col0, tile_index, groups, key):
-      """Row block t's statistics from the cluster, then y (and x̂, the statistics) from its
-      centered block in ``io``: h − mean = centered + (slice mean − mean), as the two-pass
-      epilogue does (:func:`_second_pass`)."""
-      mean, rstd, slice_mean = _deferred_collect(plan, ex, own_partials, wg, tile_index)
-      if plan.n_stats:
-        groups.wait_until_read(("stats", key))
-      _store_stats(mean, rstd, row0, stats_ref)
-      shape = (wg_m, epi_n)
-      rstd_b = _rowvec(rstd, shape)
-      offset_b = None if mean is None else _rowvec(slice_mean - mean, shape)
-      for j in range(chunks):
-        centered = plgpu.load(io.at[wg, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        xhat, y = _normalize_chunk(centered if offset_b is None else centered + offset_b,
-                                   rstd_b, pl.ds(j * epi_n, epi_n))
-        _store_chunk(y, j, row0, col0, groups, io=io, key=f"io_{key}",
-                     also=(("stats", key),) if j == 0 else ())
-        _store_extras({"xhat": xhat}, j, row0, col0, groups)
-
-    def mma_step(idxs, a_smem, b_smem, acc_ref, *, row0, residual, io=None):
+    def mma_step(idxs, a_smem, b_smem, acc_ref, *, row0, residual):
       """One K step's WGMMA for the warpgroup's rows; with ``residual``, the residual chunks
       due at this step (:func:`_residual_during_k_loop`) while the WGMMA runs."""
       plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
       if residual:
-        _residual_during_k_loop(idxs[0], row0, tile_col0(0), io)
+        _residual_during_k_loop(idxs[0], row0, tile_col0(0))
       plgpu.wgmma_wait(plan.delay_release)
       return acc_ref
-
-    def _load_vectors_once(tile_index, col0):
-      """deferred_norm / overlap_norm: the column vectors are the same in every row block, so
-      they load once, before the CTA's first K loop, on their own barrier."""
-      if plan.vecs:
-
-        @pl.when(tile_index == 0)
-        def _():
-          for i, v_gmem in enumerate(vec_gmems):
-            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                    vec_barrier.at[wg])
-
-    def deferred_row_block(m_idx, tile_index, loop_info):
-      """One row block with deferred normalization (``TileConfig.deferred_norm``): K loop t,
-      then :func:`_stash_deferred` of t, then :func:`_finish_deferred` of t − 1 (whose
-      partials the peers published a K loop ago), and after the CTA's last row block its own
-      finish at once. Row blocks alternate between the two io / statistics buffers."""
-      row0 = m_idx * cfg.tile_m + wg * wg_m
-      col0 = tile_col0(0)
-      buf = lax.rem(tile_index, 2)
-      io_cur, io_prev = io_bufs.at[buf], io_bufs.at[1 - buf]
-      stats_cur = stats_prev = None
-      if stat_bufs is not None:
-        stats_cur, stats_prev = stat_bufs.at[buf], stat_bufs.at[1 - buf]
-
-      _load_vectors_once(tile_index, col0)
-
-      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
-      def _acc_scope(acc_ref):
-        acc_ref = mgpu_common.ring_k_loop(
-            ring, tile_index * plan.k_iters, plan.k_iters, acc_ref,
-            functools.partial(mma_step, row0=row0, residual=plan.has_residual, io=io_cur),
-            delay_release=plan.delay_release)
-        if plan.delay_release:
-          plgpu.wgmma_wait(0)
-        if plan.vecs:
-          pl.when(tile_index == 0)(lambda: plgpu.barrier_wait(vec_barrier.at[wg]))
-        groups = _StoreGroups()
-        _stash_deferred(acc_ref[...], io_cur, row0, col0, tile_index, groups)
-
-        @pl.when(tile_index > 0)
-        def _():
-          _finish_deferred(io_prev, stats_prev, row0 - plan.num_clusters * cfg.tile_m, col0,
-                           tile_index - 1, groups, "prev")
-
-        @pl.when(tile_index == loop_info.num_local_steps - 1)
-        def _():
-          # ``groups`` counted the finish above as run; in a CTA's only row block it did not,
-          # so the counts below would let too many stores pend (a review found the x̂ slot
-          # overwritten under the stash's h store): drain them instead, once per such CTA.
-          pl.when(tile_index == 0)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-          _finish_deferred(io_cur, stats_cur, row0, col0, tile_index, groups, "cur")
-          _deferred_final_sync(plan, ex, wg, tile_index)
-
-    def _overlap_finish_chunk(centered, j, stats, row0, col0):
-      """overlap_norm: y chunk j of a waiting row block from its centered chunk (registers) and
-      the block's statistics (:func:`_deferred_collect`), stored through io chunk j."""
-      mean, rstd, slice_mean = stats
-      shape = (wg_m, epi_n)
-      h_minus_mean = centered.astype(jnp.float32)
-      if mean is not None:  # centered = h − slice mean
-        h_minus_mean = h_minus_mean + _rowvec(slice_mean - mean, shape)
-      _, y = _normalize_chunk(h_minus_mean, _rowvec(rstd, shape), pl.ds(j * epi_n, epi_n))
-      _store_chunk(y, j, row0, col0, _StoreGroups())
-
-    def _overlap_collect(tile_index, row0):
-      """The statistics of row block ``tile_index`` from the cluster; its rstd (and mean) go
-      out with the y chunk 0 store that follows. Every earlier store has left SMEM first (they
-      were issued a K loop ago), so io and the statistics buffer are free."""
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      stats = _deferred_collect(plan, ex, own_partials, wg, tile_index)
-      _store_stats(stats[0], stats[1], row0)
-      return stats
-
-    def overlap_k_loop(acc_ref, tile_index, row0, col0, prev):
-      """K loop of row block t (overlap_norm). With ``prev`` = (centered chunks, first row) of
-      row block t − 1, its statistics are collected after step 0's WGMMA is issued and its y
-      chunk j is normalized and stored after step j's, while that WGMMA runs; residual chunk j
-      of t then loads into io chunk j once y chunk j has left it (one step later). Without
-      ``prev`` (the CTA's first row block) the residual loads at step 0. The K steps after
-      those are a plain ring K loop."""
-      first_step = tile_index * plan.k_iters
-      lead = min(plan.k_iters, chunks + 1)  # steps that carry row block t − 1's work
-      stats, loaded = None, 0
-      for k in range(lead):
-        x_stage, w_stage, produced, consumed = ring.stage(first_step + k)
-        plgpu.barrier_wait(produced)
-        plgpu.wgmma(acc_ref, x_stage.at[pl.ds(wg * wg_m, wg_m)], w_stage)
-        if prev is None:
-          if k == 0 and plan.has_residual:
-            for j in range(chunks):
-              _prefetch_residual_chunk(j, row0, col0)
-        else:
-          stash, prev_row0 = prev
-          if k == 0:
-            stats = _overlap_collect(tile_index - 1, prev_row0)
-          if plan.has_residual and 0 < k and loaded < min(k, chunks):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # y chunks < k have left io
-            for j in range(loaded, min(k, chunks)):
-              _prefetch_residual_chunk(j, row0, col0)
-            loaded = min(k, chunks)
-          for j in range(k, chunks if k == lead - 1 else min(k + 1, chunks)):
-            _overlap_finish_chunk(stash[j], j, stats, prev_row0, col0)
-          if plan.has_residual and k == lead - 1 and loaded < chunks:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for j in range(loaded, chunks):
-              _prefetch_residual_chunk(j, row0, col0)
-            loaded = chunks
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(consumed)
-      mgpu_common.ring_k_loop(ring, first_step + lead, plan.k_iters - lead, acc_ref,
-                              functools.partial(mma_step, row0=row0, residual=False))
-
-    def overlap_row_block(m_idx, tile_index, loop_info, stash):
-      """One row block with overlap_norm: :func:`overlap_k_loop` (which finishes row block
-      t − 1 from ``stash``), then h, its partials (published to the cluster) and the new stash
-      (h − slice mean for LayerNorm, h for RMSNorm, in the output dtype), returned as the
-      row-block loop's carry. The CTA's last row block is finished at once."""
-      row0 = m_idx * cfg.tile_m + wg * wg_m
-      col0 = tile_col0(0)
-      _load_vectors_once(tile_index, col0)
-
-      def acc_scope(acc_ref):
-        prev = (stash, row0 - plan.num_clusters * cfg.tile_m)
-        pl.when(tile_index > 0)(lambda: overlap_k_loop(acc_ref, tile_index, row0, col0, prev))
-        pl.when(tile_index == 0)(lambda: overlap_k_loop(acc_ref, tile_index, row0, col0, None))
-        if plan.vecs:
-          pl.when(tile_index == 0)(lambda: plgpu.barrier_wait(vec_barrier.at[wg]))
-        if plan.has_residual:
-          plgpu.barrier_wait(load_barrier.at[wg])
-        h_chunk = _h_chunk_fn(acc_ref[...])
-        partials = _slice_partials(plan, h_chunk)
-        _deferred_publish(plan, partials, ex, own_partials, wg, tile_index)
-        shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
-        new = tuple((h_chunk(j) if shift_b is None else h_chunk(j) - shift_b
-                     ).astype(plan.out_dtype) for j in range(chunks))
-        if plan.has_residual:
-          plgpu.commit_smem()  # every thread read its residual before TMA refills io
-        return new
-
-      new_stash = pl.run_scoped(acc_scope, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
-
-      @pl.when(tile_index == loop_info.num_local_steps - 1)
-      def _():
-        stats = _overlap_collect(tile_index, row0)
-        for j in range(chunks):
-          _overlap_finish_chunk(new_stash[j], j, stats, row0, col0)
-        _deferred_final_sync(plan, ex, wg, tile_index)
-
-      return new_stash
-
-    def overlap_loop():
-      """The consumers' row-block loop with overlap_norm: the waiting block is its carry."""
-      init = tuple(plgpu.layout_cast(jnp.zeros((wg_m, epi_n), plan.out_dtype),
-                                     plgpu.Layout.WGMMA) for _ in range(chunks))
-
-      @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid", init_carry=init)
-      def _loop(loop_info, carry):
-        (m_idx,) = loop_info.index
-        return overlap_row_block(m_idx, loop_info.local_index, loop_info, carry)
-
-    if cfg.pingpong:
-      _pingpong_row_blocks(plan, mgpu_common.PingPongRing(**pipeline_allocs, stages=plan.stages),
-                           ex, x_gmem, w_gmem, tile_col0, _prefetch_epilogue_inputs, _epilogue,
-                           _first_pass, _second_pass)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      return
 
     ring = (mgpu_common.SharedRing(**pipeline_allocs, stages=plan.stages)
             if cfg.pipeline == "ring" else None)
@@ -1233,15 +839,11 @@ def _kernel(*refs, plan: _Plan):
         body(m_idx, loop_info.local_index, loop_info)
 
     def consumer_row_block(m_idx, tile_index, loop_info):
-      if plan.deferred:
-        deferred_row_block(m_idx, tile_index, loop_info)
-        return
       row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
 
       # On the ring with one N tile per CTA every row block ends in _epilogue, whose store
       # groups _residual_during_k_loop counts; elsewhere the residual waits for all stores.
-      residual_in_k_loop = (plan.has_residual and ring is not None and plan.n_tiles == 1
-                            and RESIDUAL_IN_K_LOOP)
+      residual_in_k_loop = plan.has_residual and ring is not None and plan.n_tiles == 1
 
       mma_body = functools.partial(mma_step, row0=row0, residual=residual_in_k_loop)
 
@@ -1298,66 +900,11 @@ def _kernel(*refs, plan: _Plan):
       row_block_loop(consumer_row_block)
     else:
       mgpu_common.warp_specialize(lambda: row_block_loop(producer_row_block),
-                                  overlap_loop if plan.overlap
-                                  else lambda: row_block_loop(consumer_row_block))
-
-    if not plan.deferred:  # (deferred: in the last row block)
-      _cluster_final_sync(plan, ex, wg)
+                                  lambda: row_block_loop(consumer_row_block))
+    _cluster_final_sync(plan, ex, wg)
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _pingpong_row_blocks(plan: _Plan, ring, ex, x_gmem, w_gmem, tile_col0, prefetch, epilogue,
-                         first_pass, second_pass):
-  """The row-block loops of ``TileConfig.pingpong``: the CTA's row blocks (of one warpgroup's
-  rows) alternate between the two consumer warpgroups, each with its own K-loop ring
-  (:class:`mgpu_common.PingPongRing`) filled by the producer in row-block order. While one
-  consumer runs its epilogue (and the cluster exchange, which pairs it with the same warpgroup
-  of every peer CTA, as those get the same row blocks), the other's WGMMAs keep the tensor cores
-  busy. The epilogue functions are the kernel's own; a consumer's ``tile_index`` is the count of
-  its own row blocks before this one."""
-  cfg = plan.cfg
-  wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
-  wg = lax.axis_index("wg")
-  steps_per_block = plan.n_tiles * plan.k_iters
-
-  def windows(index, s):  # step s of a row block: N tile s // k_iters, K step s % k_iters
-    (m_idx,) = index
-    ks = pl.ds(lax.rem(s, plan.k_iters) * tile_k, tile_k)
-    cols = pl.ds(tile_col0(lax.div(s, plan.k_iters)), tile_n)
-    return x_gmem.at[pl.ds(m_idx * wg_m, wg_m), ks], w_gmem.at[ks, cols]
-
-  def row_block(index, own_index):
-    (m_idx,) = index
-    row0 = m_idx * wg_m
-    for nt in range(plan.n_tiles):
-      col0 = tile_col0(nt)
-      prefetch(row0, col0)
-
-      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
-      def _acc_scope(acc_ref, nt=nt, col0=col0):
-        acc_ref = mgpu_common.pingpong_k_loop(
-            ring, wg, own_index * steps_per_block + nt * plan.k_iters, plan.k_iters, acc_ref,
-            delay_release=plan.delay_release)
-        if plan.n_tiles == 1:
-          epilogue(acc_ref[...], row0, col0, own_index)
-        else:
-          first_pass(acc_ref[...], row0, col0, nt)
-
-    if plan.n_tiles > 1:
-      second_pass(row0, own_index)
-
-  def final_sync(loop_info):
-    # No CTA exits while its peers may still read its partials (a consumer that had rows).
-    if ex is not None and plan.exchange != "local":
-      pl.when(loop_info.num_local_steps > wg)(lambda: plgpu.barrier_wait(ex.empty.at[wg]))
-
-  mgpu_common.warp_specialize(
-      lambda: mgpu_common.pingpong_producer(ring, plan.m_iters, "cluster_grid", steps_per_block,
-                                            windows),
-      lambda: mgpu_common.pingpong_consumer(plan.m_iters, "cluster_grid", row_block,
-                                            final_sync))
 
 
 def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
@@ -1382,18 +929,17 @@ def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
     raise ValueError(f"eps must be a positive float, got {eps!r}")
 
 
-EXCHANGES = ("pull", "push", "pull_nofence", "barrier_only", "local")
+EXCHANGES = ("pull", "push")
 
 
-def _pick_exchange(make_plan, multicast_x: bool) -> _Plan:
+def _pick_exchange(make_plan) -> _Plan:
   """The plan with the faster exchange measured on the H200 (benchmarks/NOTES.md, session 4):
   "push" for clusters of 2 where its inbox costs no pipeline stage (grid sweep, y only,
   262144×512×512: 465 vs 500 µs), else "pull" (with clusters of 4 and 8 push loses a stage and
-  is 3-10% slower). Pull also stays with ping-pong consumers (push measured no faster there:
-  550 vs 553 µs), with ``multicast_x`` (push has not run with it on a GPU), and when the push
-  inbox does not fit next to a caller's config. ``make_plan(exchange)`` builds one plan."""
+  is 3-10% slower), also when the push inbox does not fit next to a caller's config.
+  ``make_plan(exchange)`` builds one plan."""
   pull = make_plan("pull")
-  if pull.cluster != 2 or pull.cfg.pingpong or pull.deferred or multicast_x:
+  if pull.cluster != 2:
     return pull
   try:
     push = make_plan("push")
@@ -1406,7 +952,7 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
                     eps: float, out_dtype=None, return_h: bool = False,
                     return_xhat: bool = False, return_stats: bool = False,
                     interpret: bool = False, config: TileConfig | None = None,
-                    multicast_x: bool = False, exchange: str | None = None):
+                    exchange: str | None = None):
   """Forward of the post-norm GEMM as one Mosaic-GPU kernel (Hopper).
 
   Args:
@@ -1422,25 +968,15 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       uninitialized memory: :func:`pallas_norm.mgpu_common.interpret_params`). It runs one CTA
       per row block (it cannot read a peer CTA's shared memory), looping over up to 4 N tiles.
     config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
-    multicast_x: with a cluster, let the CTAs share each x tile through a TMA multicast
-      (needs Pallas's pipeline: the default config then uses it instead of the shared ring;
-      a config with ``pipeline="ring"`` raises ValueError; measured no faster, NOTES session 3).
     exchange: how a cluster's CTAs share their partial row statistics. None (the default):
       "push" for clusters of 2 when it costs no pipeline stage, else "pull"
-      (:func:`_pick_exchange`). "pull": each
-      reads its peers' partials through distributed shared memory, with
-      ``fence.acq_rel.cluster`` around the cluster barriers. "push": each sends its partials
-      into every peer's shared memory with ``st.async`` stores that complete the peer's
-      barrier; on the H200 it gives the same bits as pull (GPU tests, clusters of 2-8, RMS
-      and LayerNorm), 7% faster with clusters of 2 in the grid sweep (the benchmark suite's
-      forward: no change), but its inbox (4 KB per CTA of the cluster) costs a pipeline stage
-      with clusters of 4 and 8, where it is 3-10% slower (benchmarks/NOTES.md). Diagnostics for the benchmarks
-      (issue 5: what the exchange costs), never for results: "pull_nofence" skips the fences
-      (the barriers' CTA-scope ordering alone does not guarantee the peers' writes are
-      visible), "barrier_only" keeps the barriers and fences but skips the peer reads (each
-      CTA merges c copies of its own partials), "local" skips the exchange (each CTA
-      normalizes with its own slice's statistics); the last two give a wrong y whenever the
-      cluster has more than one CTA.
+      (:func:`_pick_exchange`). "pull": each reads its peers' partials through distributed
+      shared memory, with ``fence.acq_rel.cluster`` around the cluster barriers. "push": each
+      sends its partials into every peer's shared memory with ``st.async`` stores that complete
+      the peer's barrier; on the H200 it gives the same bits as pull (GPU tests, clusters of
+      2-8, RMS and LayerNorm), 7% faster with clusters of 2 in the grid sweep, but its inbox
+      (4 KB per CTA of the cluster) costs a pipeline stage with clusters of 4 and 8, where it
+      is 3-10% slower (benchmarks/NOTES.md).
 
   Returns:
     ``(y, h, xhat, mean, rstd)``: y (M, N); h (the pre-norm stream) and xhat = (h − mean)·rstd
@@ -1459,15 +995,13 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
   m, k = x.shape
   n = w.shape[1]
   cfg = config or pick_config(m, k, n)
-  if config is None and multicast_x:  # x's multicast needs Pallas's cluster-wide pipeline
-    cfg = dataclasses.replace(cfg, pipeline="pallas")
   vecs = tuple(name for name, v in vectors.items() if v is not None)
   padded_m = m + (-m % _ROW_ALIGN)
   make_plan = functools.partial(_make_plan, (padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs,
                                 residual is not None, return_h, return_xhat, return_stats, cfg,
-                                interpret, multicast_x)
+                                interpret)
   plan = (make_plan(exchange) if exchange is not None
-          else _pick_exchange(make_plan, multicast_x))
+          else _pick_exchange(make_plan))
   out_type = [jax.ShapeDtypeStruct((padded_m, n), out_dtype)]
   out_type += [jax.ShapeDtypeStruct((padded_m, n), out_dtype) for _ in plan.extras]
   out_type += [jax.ShapeDtypeStruct((padded_m,), jnp.float32) for _ in range(plan.n_stats)]

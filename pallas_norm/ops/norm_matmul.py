@@ -20,12 +20,9 @@ full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy
 For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
 epilogue (:mod:`pallas_norm.ops.norm_matmul_bwd_mgpu`); its two row scalars
 ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy and y,
-or, by default for LayerNorm up to K, N ≤ 512 (:data:`FUSED_ROW_TERMS`, where it was measured
-faster), from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
-XLA; their row-scaled cotangent ``rstd ⊙ dy`` (rounded to x's dtype) comes from an XLA pass over
-dy, or, with :data:`DX_WRITES_DY_SCALED` (opt-in, measured slower), from the dx kernel,
-which writes it from the dy tiles it already holds in SMEM. ``"lazy_xla"`` (tests only) runs the
-same math all in XLA, with the XLA row terms and the XLA dy_scaled (the reference for all).
+or, for LayerNorm up to K, N ≤ 512 (:func:`fused_row_terms_pay`, where it was measured faster),
+from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
+XLA.
 
 The ``"xla"`` implementation is the unfused reference (:func:`pallas_norm.reference.norm_matmul`)
 differentiated by JAX.
@@ -40,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_norm import _dispatch, _validate, reference
+from pallas_norm.ops import norm_matmul_bwd_mgpu, norm_matmul_mgpu
 
 _F32 = jnp.float32
 
@@ -61,10 +59,6 @@ def check_args(x, w, scale, bias, norm, eps, out_dtype) -> None:
 
 
 def _kernel_unsupported_reason(x, w, out_dtype=None) -> str | None:
-  try:
-    from pallas_norm.ops import norm_matmul_mgpu
-  except ImportError as e:  # the kernel module is optional until it lands
-    return f"the Mosaic kernel is unavailable ({e})"
   m = 1
   for d in x.shape[:-1]:
     m *= d
@@ -104,12 +98,11 @@ def fold_affine(w, scale, bias, norm):
   return w_gamma, col_sum, out_bias
 
 
-def lazy_forward_xla(x, w_gamma, col_sum, out_bias, *, norm, eps, out_dtype):
-  """The kernel's epilogue math in plain XLA (same interface as ``norm_matmul_fwd``).
-
-  Used to test the custom_vjp independently of the kernel. Two-pass statistics in f32.
-  """
-  stats = reference._row_stats(x.astype(_F32), norm, eps)
+def lazy_forward(x, w_gamma, col_sum, out_bias, *, norm, eps, out_dtype):
+  """The kernel's epilogue math in plain XLA (the interface of ``norm_matmul_fwd``): the GEMM
+  of x with W_γ accumulated in f32, then the row scaling (and mean correction) in f32. Two-pass
+  statistics in f32."""
+  stats = reference._row_stats(x.astype(_F32), norm, eps)  # pylint: disable=protected-access
   acc = jnp.matmul(x, w_gamma, preferred_element_type=_F32, precision=lax.Precision.HIGHEST)
   if norm == "layer":
     acc = acc - stats.mean[:, None] * col_sum[None, :]
@@ -120,9 +113,6 @@ def lazy_forward_xla(x, w_gamma, col_sum, out_bias, *, norm, eps, out_dtype):
 
 
 def _kernel_forward(implementation):
-  if implementation == "lazy_xla":
-    return lazy_forward_xla
-  from pallas_norm.ops import norm_matmul_mgpu
   return functools.partial(norm_matmul_mgpu.norm_matmul_fwd,
                            interpret=implementation == "interpret")
 
@@ -140,15 +130,10 @@ def _fused_fwd(x, w, scale, bias, norm, eps, out_dtype, implementation):
   return (y, mean, rstd), saved
 
 
-FUSED_ROW_TERMS: bool | None = None
-"""Whether the kernel backward computes dx's row terms (y_term, c_term) inside the dx kernel's K
-loop (``norm_matmul_dx(..., y=...)``) instead of in an XLA pass over dy and y before it. None
-(default): by shape, :func:`fused_row_terms_pay`; True / False force it. Read when the backward
-is traced (a jitted function keeps the path it was traced with). Calls whose y is not in x's
-dtype (an ``out_dtype`` other than x's) keep the XLA pass either way."""
-
 FUSED_ROW_TERMS_MAX_KN = 512
-"""Largest K and N where the fused row terms are the default (LayerNorm only). H200:
+"""Largest K and N where the backward computes dx's row terms (y_term, c_term) inside the dx
+kernel's K loop (``norm_matmul_dx(..., y=...)``) instead of in an XLA pass over dy and y before
+it (LayerNorm only). H200:
 
 * dx with its row terms alone (``benchmarks/gpu_norm_matmul_check.py --sections dx``):
   262144×512² LayerNorm 392 vs 424 µs (XLA pass + dx kernel), RMSNorm 366 vs 413; 65536×2048²
@@ -156,39 +141,13 @@ FUSED_ROW_TERMS_MAX_KN = 512
 * The public API's fwd+bwd at 262144×512² (``--sections train``, same run): LayerNorm 1062 vs
   1097 µs, but RMSNorm 946 vs 894: without col_sum, XLA fuses the row-terms pass with the
   weight gradients' pass over dy, so moving it into the kernel saves less than it costs there.
-* K = N = 1024 (``benchmarks/dev/fused_row_terms_kn1024.py``, session 7; LayerNorm, public
-  fwd+bwd): slower fused, 3253 vs 3194 µs without a bias (CUPTI) and 3637 vs 3440 with one
-  (wall clock); at 512² the same run ties without a bias (1099 vs 1100) and gains with one
-  (1153 vs 1176)."""
-
-
-DX_WRITES_DY_SCALED: bool = False
-"""Whether the kernel backward's dx kernel also writes ``dy_scaled = rstd ⊙ dy`` in x's dtype
-(``norm_matmul_dx(..., return_dy_scaled=True)``), which the weight gradients then read instead
-of computing it. Off: measured slower on the H200 (session 5, ``benchmarks/NOTES.md``). At
-262144×512² bf16 the dx kernel goes from 285 to 414 µs, since the staging and stores of dy_scaled
-sit between its WGMMAs, while the XLA pass it replaces costs ~125 µs. Through the public API,
-fwd+bwd is 951 vs 879 µs (RMSNorm) and 1182 vs 1051 µs (LayerNorm). Rerun with
-``benchmarks/gpu_norm_matmul_check.py --sections train,dx --quick`` (``*_dys`` rows).
-
-The idea, which the measurement refuted: XLA's elementwise pass that forms dy_scaled reads dy
-and writes dy_scaled (~125 µs of the ~344 µs XLA weight gradients at 262144×512² bf16 on the
-H200). The dx kernel already holds every dy tile in SMEM (its WGMMA A operand), so it was to
-scale and store it while the tensor cores run, in place of that pass's read and write; the
-stores are not hidden. What stays in XLA: the dW_γ GEMM reading dy_scaled, and the column sums (the
-LayerNorm rank-1 term reads dy_scaled, dbias reads dy) that XLA could fuse into the removed
-pass and may now run as reductions of their own (one M×N read each): the saving should be
-largest for RMSNorm without bias. The kernel pays SMEM for the staging (at 262144×512² its
-default takes 4 chained 32-wide stages instead of 3 unchained 64-wide ones with the row terms
-given; 4 chained 32-wide ones either way with the fused row terms). Read when the backward is
-traced; calls whose cotangent is not in x's dtype keep the XLA pass. The values are bit-equal
-to XLA's (one f32 product, one rounding), so the weight gradients do not change (dx only
-through the dx kernel's step width, where :func:`norm_matmul_bwd_mgpu.pick_config` takes
-32-wide steps for it)."""
+* K = N = 1024 (session 7; LayerNorm, public fwd+bwd): slower fused, 3253 vs 3194 µs without a
+  bias (CUPTI) and 3637 vs 3440 with one (wall clock); at 512² the same run ties without a bias
+  (1099 vs 1100) and gains with one (1153 vs 1176)."""
 
 
 def fused_row_terms_pay(k: int, n: int, norm: str) -> bool:
-  """The default of :data:`FUSED_ROW_TERMS` for x (M, k) @ w (k, n): LayerNorm up to
+  """Whether the dx kernel computes its own row terms for x (M, k) @ w (k, n): LayerNorm up to
   :data:`FUSED_ROW_TERMS_MAX_KN`."""
   return norm == "layer" and max(k, n) <= FUSED_ROW_TERMS_MAX_KN
 
@@ -226,13 +185,6 @@ def bias_cancellation(w_gamma, out_bias):
   return jnp.max(jnp.abs(out_bias) / jnp.maximum(spread, jnp.finfo(_F32).tiny))
 
 
-BIAS_GUARD: bool = True
-"""Whether the backward guards against the bias cancellation (:data:`BIAS_CANCELLATION_LIMIT`).
-False drops the ``lax.cond`` and always rebuilds y' from y: for measuring what the guard costs
-(``benchmarks/gpu_guard_cost.py``), not for use (dx is wrong when the bias cancels). Read when the
-backward is traced."""
-
-
 def _bias_cancels(w_gamma, out_bias):
   """The traced predicate of the guard: :func:`bias_cancellation` past the limit."""
   return bias_cancellation(w_gamma, out_bias) > BIAS_CANCELLATION_LIMIT
@@ -240,8 +192,8 @@ def _bias_cancels(w_gamma, out_bias):
 
 def _guarded(fast, exact, w_gamma, out_bias, *operands):
   """``exact(*operands)`` when the bias cancels, else ``fast(*operands)``, under ``lax.cond``;
-  just ``fast`` without a bias or with :data:`BIAS_GUARD` off."""
-  if out_bias is None or not BIAS_GUARD:
+  just ``fast`` without a bias."""
+  if out_bias is None:
     return fast(*operands)
   return lax.cond(_bias_cancels(w_gamma, out_bias), exact, fast, *operands)
 
@@ -267,43 +219,19 @@ def _guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
                   w_gamma, out_bias, fast)
 
 
-def _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean=None, c_term=None):
-  """dx = rstd ⊙ (dy @ W_γᵀ) − y_term ⊙ (x − mean) − c_term in XLA: the math (and argument
-  order) of :func:`pallas_norm.ops.norm_matmul_bwd_mgpu.norm_matmul_dx`."""
-  g = jnp.matmul(dy.astype(w_gamma.dtype), w_gamma.T, preferred_element_type=_F32,
-                 precision=lax.Precision.HIGHEST)
-  xc = x.astype(_F32) if mean is None else x.astype(_F32) - mean[:, None]
-  dx = rstd[:, None] * g - y_term[:, None] * xc
-  if c_term is not None:
-    dx = dx - c_term[:, None]
-  return dx.astype(x.dtype)
-
-
-def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
-  """(dx, dy_scaled or None): dx with no reduction over a full row of K, one GEMM plus a
-  per-row epilogue; with :data:`DX_WRITES_DY_SCALED`, also ``rstd ⊙ dy`` in x's dtype from the
-  dx kernel (None: :func:`_weight_grads` computes it)."""
-  if implementation == "lazy_xla":
-    y_term, c_term = _guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd)
-    return _input_grad_xla(dy, w_gamma, x, rstd, y_term, mean, c_term), None
+def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret):
+  """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue, the dx
+  kernel."""
   norm = "rms" if mean is None else "layer"
-  fused = (fused_row_terms_pay(x.shape[1], y.shape[1], norm) if FUSED_ROW_TERMS is None
-           else FUSED_ROW_TERMS)
-  # The kernel scales the dy it reads, in x's dtype: that is XLA's dy_scaled only when dy is
-  # already in x's dtype (an out_dtype other than x's rounds dy for the kernel).
-  dy_scaled = DX_WRITES_DY_SCALED and jnp.dtype(dy.dtype) == jnp.dtype(x.dtype)
-  from pallas_norm.ops import norm_matmul_bwd_mgpu
 
   def dx_kernel(**row_args):
-    out = norm_matmul_bwd_mgpu.norm_matmul_dx(
-        dy.astype(x.dtype), w_gamma, x, rstd, **row_args, return_dy_scaled=dy_scaled,
-        interpret=implementation == "interpret")
-    return out if dy_scaled else (out, None)
+    return norm_matmul_bwd_mgpu.norm_matmul_dx(dy.astype(x.dtype), w_gamma, x, rstd, **row_args,
+                                               interpret=interpret)
 
   def with_row_terms(terms):
     return dx_kernel(y_term=terms[0], mean=mean, c_term=terms[1])
 
-  if not (fused and y.dtype == dy.dtype == x.dtype):
+  if not (fused_row_terms_pay(x.shape[1], y.shape[1], norm) and y.dtype == dy.dtype == x.dtype):
     return with_row_terms(_guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd))
   # The kernel sums the rows of dy ⊙ (y − out_bias) and dy ⊙ col_sum in its K loop. With y
   # and dy in x's dtype it reads the very values the XLA pass would (no rounding of y).
@@ -312,18 +240,14 @@ def _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd
                   w_gamma, out_bias)
 
 
-def _weight_grads(dy, x, w, scale, bias, mean, rstd, dy_scaled=None):
+def _weight_grads(dy, x, w, scale, bias, mean, rstd):
   """(dw, dscale, dbias) from dW_γ = xᵀ (rstd ⊙ dy) − 1_K ⊗ Σ_i rstd_i mean_i dy_i (XLA).
 
   rstd ⊙ dy is rounded to x's dtype for the GEMM, and the rank-1 term is built from those
   same rounded values: for rows with a large mean both terms are large and must cancel, which
   they do only if they see the same numbers (else 15-44% errors in dw for bf16 rows of mean
-  100-250). ``dy_scaled``: those rounded values when the dx kernel wrote them
-  (:data:`DX_WRITES_DY_SCALED`); they must be ``(rstd[:, None] * dy.astype(f32)).astype(
-  x.dtype)`` bit for bit (the kernel's are). None: computed here, one elementwise pass over
-  dy."""
-  if dy_scaled is None:
-    dy_scaled = (rstd[:, None] * dy.astype(_F32)).astype(x.dtype)
+  100-250)."""
+  dy_scaled = (rstd[:, None] * dy.astype(_F32)).astype(x.dtype)
   dw_gamma = jnp.matmul(x.T, dy_scaled, preferred_element_type=_F32,
                         precision=lax.Precision.HIGHEST)
   if mean is not None:
@@ -343,8 +267,9 @@ def _fused_bwd(norm, eps, out_dtype, implementation, saved, cotangents):
   del norm, eps, out_dtype
   x, w, scale, bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
   dy = cotangents[0]  # the stats outputs are not differentiated (see norm_matmul)
-  dx, dy_scaled = _input_grad(implementation, dy, x, w_gamma, col_sum, out_bias, y, mean, rstd)
-  return (dx, *_weight_grads(dy, x, w, scale, bias, mean, rstd, dy_scaled))
+  dx = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd,
+                   interpret=implementation == "interpret")
+  return (dx, *_weight_grads(dy, x, w, scale, bias, mean, rstd))
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
