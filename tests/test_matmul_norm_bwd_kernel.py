@@ -13,9 +13,10 @@ from jax import export
 import numpy as np
 import pytest
 
-from pallas_norm import mgpu_common
-from pallas_norm.ops import matmul_norm as mn
-from pallas_norm.ops import matmul_norm_bwd_mgpu as mb
+from pallas_norm import mgpu
+from pallas_norm.ops.matmul_norm import api as mn
+from pallas_norm.ops.matmul_norm import mosaic_bwd as mb
+from pallas_norm.ops.matmul_norm import xla as mn_xla
 
 ALL_SUMS = ("dscale", "dbias", "ddense")
 DH_TOL = {jnp.dtype(jnp.bfloat16): 2 ** -8, jnp.dtype(jnp.float16): 2 ** -10}
@@ -88,7 +89,7 @@ def _run(args, norm, sums, interpret):
 def test_interpret_matches_oracle(m, n, norm, scale, dh_out, sums):
   args = _inputs(m + n, m, n, scale=scale, dh_out=dh_out)
   out = _run(args, norm, sums, interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check(out, _oracle(*args, norm), sums, jnp.bfloat16)
 
 
@@ -96,7 +97,7 @@ def test_interpret_two_accumulators_per_sum():
   """N = 4160: 65 chunks, so chunk 64 of the sum lands in row 0 of its second accumulator."""
   args = _inputs(3, 24, 4160)
   out = _run(args, "rms", ("dscale",), interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check(out, _oracle(*args, "rms"), ("dscale",), jnp.bfloat16)
 
 
@@ -117,7 +118,7 @@ def test_column_sums_keep_float32_accuracy():
 def test_interpret_float16():
   args = _inputs(5, 130, 128, jnp.float16, dh_out=True)
   out = _run(args, "layer", ALL_SUMS, interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check(out, _oracle(*args, "layer"), ALL_SUMS, jnp.float16)
 
 
@@ -133,7 +134,7 @@ def test_column_sums_as_accurate_as_xla(dtype):
   _, partials = mb.norm_backward(*args, norm="layer", sums=sums, interpret=True)
   got = np.asarray(partials, np.float64).sum(axis=(0, 1))
   _, want = _oracle(*args, "layer")
-  _, xla = mn._norm_backward_xla("layer", dy, dh_out, xhat, rstd, scale, sums)
+  _, xla = mn_xla.norm_backward("layer", dy, dh_out, xhat, rstd, scale, sums)
   for i, name in enumerate(sums):
     rel = lambda v, w=want[name]: np.max(np.abs(np.asarray(v, np.float64) - w)) / np.max(np.abs(w))  # noqa: E731
     assert rel(got[i]) <= 2 * rel(xla[name]) + 1e-7, (name, rel(got[i]), rel(xla[name]))
@@ -252,7 +253,7 @@ def _spy(monkeypatch):
 def _grads(x, w, vecs, residual, dy, dh_ct, norm, impl):
   def loss(x, w, residual, *vs):
     dense, scale, bias = vs
-    y, h = mn.matmul_norm(x, w, dense_bias=dense, residual=residual, scale=scale, bias=bias,
+    y, h = mn.matmul_norm(x, w, dense_bias=dense, residual=residual, scale=scale, norm_bias=bias,
                           norm=norm, return_h=True, implementation=impl)
     return (jnp.sum(y.astype(jnp.float32) * dy) + jnp.sum(h.astype(jnp.float32) * dh_ct))
   return jax.grad(loss, argnums=tuple(range(6)))(x, w, residual, *vecs)
@@ -274,7 +275,7 @@ def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
   calls = _spy(monkeypatch)
   got = _grads(x, w, vecs, residual, dy, dh_ct, norm, "interpret")
   assert calls == [ALL_SUMS]
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   monkeypatch.setattr(mn, "_norm_backward_kernel_reason", lambda *_: "forced off")
   want = _grads(x, w, vecs, residual, dy, dh_ct, norm, "interpret")
   assert len(calls) == 1

@@ -34,9 +34,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pallas_norm import mgpu_common, reference  # noqa: E402
-from pallas_norm.ops import matmul_norm as mn  # noqa: E402
-from pallas_norm.ops import matmul_norm_mgpu as mk  # noqa: E402
+from pallas_norm import mgpu, reference  # noqa: E402
+from pallas_norm.ops.matmul_norm import api as mn  # noqa: E402
+from pallas_norm.ops.matmul_norm import mosaic as mk  # noqa: E402
+from pallas_norm.ops.matmul_norm import xla as mn_xla  # noqa: E402
 
 # Outputs rounded to bf16 (8 significant bits) / f16 (11): max error relative to max |value|.
 OUT_TOL = {jnp.dtype(jnp.bfloat16): 8e-3, jnp.dtype(jnp.float16): 1.5e-3}
@@ -145,7 +146,7 @@ def test_forward_interpret(m, k, n, norm, use, dtype, return_h, return_xhat, ret
   args = _pick(args, use)
   out = _run_kernel(args, norm, return_h=return_h, return_xhat=return_xhat,
                     return_stats=return_stats, interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check_forward(out, args, norm, jnp.dtype(dtype), return_h, return_xhat, return_stats)
 
 
@@ -158,7 +159,7 @@ def test_forward_interpret_delay_release(m, k, n, norm):
   cfg = dataclasses.replace(mk.pick_config(m, k, n), delay_release=1)
   out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True,
                     interpret=True, config=cfg)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
 
 
@@ -186,7 +187,7 @@ def test_forward_interpret_ring(m, k, n, norm, use, delay, stages, extras):
   assert plan.stages == stages and plan.delay_release == delay and not plan.chained
   out = _run_kernel(args, norm, return_h=extras, return_xhat=extras, return_stats=extras,
                     interpret=True, config=cfg)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), extras, extras, extras)
 
 
@@ -207,7 +208,7 @@ def test_forward_interpret_large_row_mean(n):
   several N tiles the values kept between the passes are centered on each tile's mean."""
   args, _ = _inputs(5, 128, 64, n, jnp.bfloat16, mean_offset=1e3)
   out = _run_kernel(args, "layer", return_stats=True, return_xhat=True, interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check_forward(out, args, "layer", jnp.dtype(jnp.bfloat16), False, True, True)
 
 
@@ -227,8 +228,9 @@ def test_backward_interpret(norm, use, return_h):
       out = reference.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"],
                                   a["bias"], norm=norm, return_h=return_h)
     else:
-      out = mn.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"],
-                           a["bias"], norm=norm, return_h=return_h, implementation=impl)
+      out = mn.matmul_norm(a["x"], a["w"], dense_bias=a["dense_bias"], residual=a["residual"],
+                           scale=a["scale"], norm_bias=a["bias"], norm=norm, return_h=return_h,
+                           implementation=impl)
     y, h = out if return_h else (out, None)
     total = jnp.sum(y.astype(jnp.float32) * dy)
     return total if h is None else total + jnp.sum(h.astype(jnp.float32) * dh_ct)
@@ -237,7 +239,7 @@ def test_backward_interpret(norm, use, return_h):
   _interpret_can_run()
   got = jax.grad(loss, argnums=range(1, len(vals) + 1))("interpret", *vals)
   want = jax.grad(loss, argnums=range(1, len(vals) + 1))("reference", *vals)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   for nm, g, r in zip(names, got, want):
     assert g.dtype == args[nm].dtype, nm
     g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
@@ -268,7 +270,7 @@ def test_norm_backward_xla_matches_autodiff_f32(norm, m, n, mean_offset):
   and rstd (never rebuilt from y / γ, which has zeros), against jax.vjp of the f32 reference
   norm of h; rows of mean 1e3 too."""
   h, dy, dh_out, scale, xhat, rstd = _norm_backward_cases(m + n, m, n, norm, mean_offset)
-  dh, col = mn._norm_backward_xla(norm, dy, dh_out, xhat, rstd, scale, ("dscale", "dbias"))
+  dh, col = mn_xla.norm_backward(norm, dy, dh_out, xhat, rstd, scale, ("dscale", "dbias"))
   norm_fn = reference.layer_norm if norm == "layer" else reference.rms_norm
   bias = jnp.zeros((n,), jnp.float32)
   f = ((lambda h, s, b: norm_fn(h, s, b, eps=1e-6)) if norm == "layer"
@@ -285,15 +287,15 @@ def test_norm_backward_xla_matches_autodiff_f32(norm, m, n, mean_offset):
 def test_column_sum_is_two_stage_and_deterministic():
   """3000 rows: two full 1024-row blocks and a tail, against a float64 sum; bit-identical runs."""
   v = jax.random.normal(jax.random.key(0), (3000, 96), jnp.float32) + 3.0
-  got = mn.column_sum(v)
+  got = mn_xla.column_sum(v)
   np.testing.assert_allclose(got, np.asarray(v, np.float64).sum(axis=0), rtol=1e-5)
-  np.testing.assert_array_equal(np.asarray(jax.jit(mn.column_sum)(v)),
-                                np.asarray(jax.jit(mn.column_sum)(v)))
+  np.testing.assert_array_equal(np.asarray(jax.jit(mn_xla.column_sum)(v)),
+                                np.asarray(jax.jit(mn_xla.column_sum)(v)))
 
 
 def test_dscale_dbias_bits_repeat():
   _, dy, _, scale, xhat, rstd = _norm_backward_cases(4, 2100, 128, "layer")
-  run = jax.jit(lambda dy: mn._norm_backward_xla("layer", dy, None, xhat, rstd, scale,
+  run = jax.jit(lambda dy: mn_xla.norm_backward("layer", dy, None, xhat, rstd, scale,
                                                  ("dscale", "dbias"))[1])
   first, second = run(dy), run(dy)
   for name in ("dscale", "dbias"):
@@ -471,7 +473,7 @@ def test_default_exchange_is_the_measured_faster_one(n, cluster, want):
 def test_default_exchange_falls_back_to_pull_when_push_does_not_fit():
   """A caller's config with room for pull's partials but not for push's inbox runs with pull
   (exchange=None), instead of failing on an exchange the caller never asked for."""
-  cfg = mgpu_common.TileConfig(tile_m=128, tile_n=256, tile_k=32, max_concurrent_steps=2,
+  cfg = mgpu.TileConfig(tile_m=128, tile_n=256, tile_k=32, max_concurrent_steps=2,
                                epi_tile_m=64, epi_tile_n=256)
   x = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
@@ -568,7 +570,8 @@ def test_backward_gpu(m, k, n, norm):
     a = dict(args, **dict(zip(names, vals)))
     if impl == "reference":
       a = {nm: _f32(v) for nm, v in a.items()}
-    y = mn.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"], a["bias"],
+    y = mn.matmul_norm(a["x"], a["w"], dense_bias=a["dense_bias"], residual=a["residual"],
+                       scale=a["scale"], norm_bias=a["bias"],
                        norm=norm, implementation="xla" if impl == "reference" else impl)
     return jnp.sum(y.astype(jnp.float32) * dy)
 
@@ -587,7 +590,8 @@ def test_backward_gpu(m, k, n, norm):
 @pytest.mark.parametrize("n", [2560, 16384])
 def test_unsupported_n_falls_back_to_xla_gpu(n):
   args, _ = _inputs(n, 1024, 256, n)
-  a = {nm: args[nm] for nm in ("x", "w", "residual", "scale", "bias")}
+  a = {nm: args[nm] for nm in ("x", "w", "residual", "scale")}
+  a["norm_bias"] = args["bias"]
   y = mn.matmul_norm(**a, norm="layer")
   y_ref, _, _ = _reference(_pick(args, ("residual", "scale", "bias")), "layer")
   assert _rel_err(y, y_ref) < OUT_TOL[jnp.dtype(jnp.bfloat16)]

@@ -1,6 +1,6 @@
 """The lazy pre-norm GEMM kernels against the reference: the forward
-(pallas_norm.ops.norm_matmul_mgpu) and the dx kernel of the backward
-(pallas_norm.ops.norm_matmul_bwd_mgpu).
+(pallas_norm.ops.norm_matmul.mosaic) and the dx kernel of the backward
+(pallas_norm.ops.norm_matmul.mosaic_bwd).
 
 CPU tests run the Mosaic-GPU kernel in GPU interpret mode with the race detector on and every
 uninitialized buffer (SMEM and the outputs) filled with NaN, so an output element the kernel
@@ -26,12 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from pallas_norm import mgpu_common, reference
-from pallas_norm.mgpu_common import TileConfig
-from pallas_norm.ops import norm_matmul as nm
-from pallas_norm.ops import norm_matmul as nm_xla  # the lazy XLA forward
-from pallas_norm.ops import norm_matmul_bwd_mgpu as nmb
-from pallas_norm.ops import norm_matmul_mgpu as nmk
+from pallas_norm import mgpu, reference
+from pallas_norm.mgpu import TileConfig
+from pallas_norm.ops.norm_matmul import mosaic as nmk
+from pallas_norm.ops.norm_matmul import mosaic_bwd as nmb
+from pallas_norm.ops.norm_matmul import xla as nm_xla
 
 EPS = 1e-6
 
@@ -67,7 +66,7 @@ def _run_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None, in
                                       out_dtype=dtype, interpret=interpret, config=config)
   y = jax.block_until_ready(y)
   if interpret:
-    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+    assert not mgpu.races_found(), "the interpreter's race detector reported a race"
   y_ref, stats = reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32), scale,
                                        bias, norm=norm, eps=EPS, return_stats=True)
   assert y.shape == (m, n) and y.dtype == jnp.dtype(dtype)
@@ -138,7 +137,7 @@ def test_plain_gemm():
   """gemm (the benchmarks' GEMM-alone baseline) is x @ w, f32 accumulation."""
   x, w, _, _ = _inputs(3, 256, 128, 128, jnp.bfloat16)
   y = nmk.gemm(x, w, out_dtype=jnp.float32, interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   y_ref = x.astype(jnp.float32) @ w.astype(jnp.float32)
   assert _rel_err(y, y_ref) < 1e-5
 
@@ -245,7 +244,7 @@ def test_plan_fits_smem():
     stage = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * 2
     fixed = nmk._fixed_smem_bytes(cfg, jnp.bfloat16, plan.n_vecs, plan.n_stats)
     assert 2 <= plan.stages <= cfg.max_concurrent_steps
-    assert plan.stages * stage + fixed <= mgpu_common.SMEM_BYTES
+    assert plan.stages * stage + fixed <= mgpu.SMEM_BYTES
 
 
 @pytest.mark.parametrize("steps,max_stages,expected", [
@@ -256,11 +255,11 @@ def test_plan_fits_smem():
 def test_pipeline_stages(steps, max_stages, expected):
   """As many stages as fit; chained across tiles only when that count divides the K steps
   (a pipeline of pipelines needs it), so chaining never costs a stage."""
-  assert mgpu_common.pipeline_stages(steps, max_stages) == expected
+  assert mgpu.pipeline_stages(steps, max_stages) == expected
   # A WGMMA in flight across steps rules chaining out (Pallas cannot chain such pipelines),
   # except for a one-stage loop, which runs without the delay.
   stages = min(steps, max_stages)
-  assert mgpu_common.pipeline_stages(steps, max_stages, 1) == (
+  assert mgpu.pipeline_stages(steps, max_stages, 1) == (
       stages, expected[1] and stages == 1)
 
 
@@ -275,7 +274,7 @@ def test_ring_plan():
     plan = nmk._make_plan(m, k, n, jnp.bfloat16, jnp.bfloat16, "layer", EPS, True, cfg,
                           interpret=False)
     assert not plan.chained and plan.delay_release == 1
-    assert plan.stages == min(4, (mgpu_common.SMEM_BYTES - nmk._fixed_smem_bytes(
+    assert plan.stages == min(4, (mgpu.SMEM_BYTES - nmk._fixed_smem_bytes(
         cfg, jnp.bfloat16, plan.n_vecs, plan.n_stats)) // ((cfg.tile_m + cfg.tile_n) * 64 * 2))
   once = nmk.pick_config(262144, 512, 512)
   assert once.stats_once and once.pipeline == "pallas" and once.delay_release == 0
@@ -295,9 +294,9 @@ def test_dx_refuses_forward_only_options():
 def test_delay_release_option():
   with pytest.raises(ValueError, match="delay_release"):
     TileConfig(delay_release=True)
-  assert mgpu_common.delay_release_for(1, 4) == 1
-  assert mgpu_common.delay_release_for(1, 1) == 0
-  assert mgpu_common.delay_release_for(0, 4) == 0
+  assert mgpu.delay_release_for(1, 4) == 1
+  assert mgpu.delay_release_for(1, 1) == 0
+  assert mgpu.delay_release_for(0, 4) == 0
   with pytest.raises(ValueError, match="delay_release"):
     TileConfig(delay_release=2)
   plan = nmk._make_plan(262144, 512, 512, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False,
@@ -395,12 +394,12 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
                             out_bias=out_bias, col_sum=col_sum, interpret=interpret,
                             config=config)
   else:
-    y_term, c_term = nm._row_terms(dy, y, col_sum, out_bias, stats.rstd, k)
+    y_term, c_term = nm_xla.row_terms(dy, y, col_sum, out_bias, stats.rstd, k)
     dx = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, y_term, stats.mean, c_term,
                             interpret=interpret, config=config)
   dx = jax.block_until_ready(dx)
   if interpret:
-    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+    assert not mgpu.races_found(), "the interpreter's race detector reported a race"
   assert dx.shape == (m, k) and dx.dtype == jnp.dtype(dtype)
   assert bool(jnp.all(jnp.isfinite(dx))), "some outputs were never written (NaN-filled)"
   assert _rel_err(dx, dx_ref) < tol
@@ -508,12 +507,12 @@ def test_dx_fused_row_terms_agree_with_xla_row_terms(norm, bias_scale):
   dy = jax.random.normal(jax.random.key(8), (m, n), jnp.float32).astype(dtype)
   w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
   y, mean, rstd = nm_xla.lazy_forward(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
-                                      out_dtype=dtype)
+                                          out_dtype=dtype)
   cfg = TileConfig(tile_m=128, tile_n=64)  # 2 column tiles, 3 steps
   fused = nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, y=y, out_bias=out_bias,
                              col_sum=col_sum, interpret=True, config=cfg)
-  assert not mgpu_common.races_found()
-  y_term, c_term = nm._row_terms(dy, y, col_sum, out_bias, rstd, k)
+  assert not mgpu.races_found()
+  y_term, c_term = nm_xla.row_terms(dy, y, col_sum, out_bias, rstd, k)
   want = nmb.norm_matmul_dx(dy, w_gamma, x, rstd, y_term, mean, c_term, interpret=True,
                             config=cfg)
   assert bool(jnp.all(jnp.isfinite(fused)))
@@ -579,7 +578,7 @@ def test_dx_fused_plan_and_config():
   for cfg, stages in ((base, fused.stages), (dataclasses.replace(base, tile_k=32), k32.stages)):
     used = (stages * nmb._stage_bytes(cfg, jnp.bfloat16, True, 2)
             + nmb._fixed_smem_bytes(cfg, jnp.bfloat16, 2))
-    assert used <= mgpu_common.SMEM_BYTES
+    assert used <= mgpu.SMEM_BYTES
   small = nmb.pick_config(m, 128, 128, fused_row_terms=True)
   assert (small.tile_m, small.tile_n, small.tile_k) == (256, 128, 32)
   assert nmb.pick_config(m, 128, 128).tile_k == 64
@@ -635,17 +634,17 @@ def test_gpu_dx_configs(config, m):
 def test_resident_clusters_fit_the_gpcs():
   """Clusters must sit inside one GPC: on the H200, 30 clusters of 4 and 15 of 8 fit at once
   (measured), not 132 // 4 = 33 and 132 // 8 = 16."""
-  counts = [mgpu_common.resident_clusters(c, interpret=False) for c in (1, 2, 4, 8)]
-  if mgpu_common.num_sms(False) == 132:
+  counts = [mgpu.resident_clusters(c, interpret=False) for c in (1, 2, 4, 8)]
+  if mgpu.num_sms(False) == 132:
     assert counts == [132, 66, 30, 15]
   for c, count in zip((1, 2, 4, 8), counts):
-    assert 1 <= count * c <= mgpu_common.num_sms(False)
+    assert 1 <= count * c <= mgpu.num_sms(False)
 
 
 def test_persistent_clusters_respects_the_work():
-  assert mgpu_common.persistent_clusters(1, 5, interpret=False) == 5  # fewer units than SMs
-  assert mgpu_common.persistent_clusters(4, 1000, interpret=False) == (
-      mgpu_common.resident_clusters(4, interpret=False))
+  assert mgpu.persistent_clusters(1, 5, interpret=False) == 5  # fewer units than SMs
+  assert mgpu.persistent_clusters(4, 1000, interpret=False) == (
+      mgpu.resident_clusters(4, interpret=False))
 
 
 @pytest.mark.parametrize("m,k,n,once", [
@@ -662,6 +661,6 @@ def test_delay_release_off_with_register_a_operand():
   loads new ones (wrong y on the H200 for M % 8 != 0 with delay_release=1), so plans with a
   register A operand run with delay_release 0, forward and dx alike."""
   cfg = TileConfig(delay_release=1)
-  assert mgpu_common.plan_delay_release(cfg, 4) == 1
-  assert mgpu_common.plan_delay_release(cfg, 4, a_in_registers=True) == 0
-  assert mgpu_common.plan_delay_release(TileConfig(), 4, a_in_registers=True) == 0
+  assert mgpu.plan_delay_release(cfg, 4) == 1
+  assert mgpu.plan_delay_release(cfg, 4, a_in_registers=True) == 0
+  assert mgpu.plan_delay_release(TileConfig(), 4, a_in_registers=True) == 0

@@ -11,8 +11,11 @@ import pytest
 
 import pallas_norm
 from pallas_norm import reference
-from pallas_norm.ops import norm_matmul as nm
-from pallas_norm.ops import norm_matmul_bwd_mgpu as nmb
+from pallas_norm.ops.matmul_norm import configs as mn_configs
+from pallas_norm.ops.norm_matmul import api as nm
+from pallas_norm.ops.norm_matmul import configs as nm_configs
+from pallas_norm.ops.norm_matmul import mosaic_bwd as nmb
+from pallas_norm.ops.norm_matmul import xla as nm_xla
 
 # f32 inputs: the identities are exact algebra, so only f32 rounding separates the two paths.
 F32_TOL = dict(rtol=2e-4, atol=2e-4)
@@ -34,7 +37,8 @@ def _losses(norm, ct, use_scale, use_bias, implementation="interpret"):
 
   def fused(x, w, scale, bias):
     s, b = pick(scale, bias)
-    y = pallas_norm.norm_matmul(x, w, scale=s, bias=b, norm=norm, implementation=implementation)
+    y = pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm,
+                                implementation=implementation)
     return jnp.sum(y.astype(jnp.float32) * ct)
 
   def ref(x, w, scale, bias):
@@ -89,7 +93,7 @@ def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine):
   ct = ct.astype(jnp.bfloat16)
 
   def op(implementation):
-    return lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, bias=b, norm=norm,
+    return lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm,
                                                       implementation=implementation)
 
   f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
@@ -178,7 +182,7 @@ def _check_row_terms_route(monkeypatch, y_dtype, expected, k, n, norm="layer"):
   calls = _spy_on_dx_kernel(monkeypatch, run_kernel=False)
   m = 16
   x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
-  w_gamma, col_sum, out_bias = nm.fold_affine(w, scale, bias, norm)
+  w_gamma, col_sum, out_bias = nm_xla.fold_affine(w, scale, bias, norm)
   y = jnp.ones((m, n), y_dtype)
   rows = jnp.ones((m,), jnp.float32)
   dx = nm._input_grad(ct.astype(y_dtype), x, w_gamma, col_sum, out_bias, y,
@@ -193,7 +197,7 @@ def test_gpu_public_api_gradients(m, k, n, norm):
   """implementation="mosaic" (both kernels compiled) against the f32 reference's gradients."""
   x, w, scale, bias, ct = _inputs(m + n, m, k, n, jnp.bfloat16)
   ct = ct.astype(jnp.bfloat16)
-  op = lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, bias=b, norm=norm,
+  op = lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm,
                                                   implementation="mosaic")
   y, vjp = jax.vjp(op, x, w, scale, bias)
   grads = vjp(ct)
@@ -209,22 +213,21 @@ def test_gpu_public_api_gradients(m, k, n, norm):
 def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(monkeypatch):
   """implementation=None on a Hopper GPU: the kernel only at shapes where it was measured faster."""
   from pallas_norm import _dispatch
-  from pallas_norm.ops import matmul_norm as mn
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   ok = lambda _: None  # noqa: E731  (the kernel supports the call)
   pick = lambda reason: _dispatch.choose("op", None, ok, lambda: reason)
   # Thresholds from the H200's forward+backward measurements, per norm.
-  assert pick(nm._kernel_slower_reason(512, 512, "rms")) == "mosaic"
-  assert pick(nm._kernel_slower_reason(1024, 1024, "rms")) == "mosaic"
-  assert pick(nm._kernel_slower_reason(512, 2048, "rms")) == "xla"
-  assert pick(nm._kernel_slower_reason(1024, 1024, "layer")) == "mosaic"
-  assert pick(nm._kernel_slower_reason(2048, 512, "layer")) == "xla"
-  assert pick(mn._kernel_slower_reason(128, "rms")) == "mosaic"
-  assert pick(mn._kernel_slower_reason(512, "rms")) == "mosaic"
-  assert pick(mn._kernel_slower_reason(1024, "rms")) == "xla"
-  assert pick(mn._kernel_slower_reason(1024, "layer")) == "mosaic"
-  assert pick(mn._kernel_slower_reason(2048, "layer")) == "mosaic"
-  assert pick(mn._kernel_slower_reason(4096, "layer")) == "xla"
+  assert pick(nm_configs.kernel_slower_reason(512, 512, "rms")) == "mosaic"
+  assert pick(nm_configs.kernel_slower_reason(1024, 1024, "rms")) == "mosaic"
+  assert pick(nm_configs.kernel_slower_reason(512, 2048, "rms")) == "xla"
+  assert pick(nm_configs.kernel_slower_reason(1024, 1024, "layer")) == "mosaic"
+  assert pick(nm_configs.kernel_slower_reason(2048, 512, "layer")) == "xla"
+  assert pick(mn_configs.kernel_slower_reason(128, "rms")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(512, "rms")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(1024, "rms")) == "xla"
+  assert pick(mn_configs.kernel_slower_reason(1024, "layer")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(2048, "layer")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(4096, "layer")) == "xla"
   # An explicit request is honoured even where the kernel is slower.
   assert _dispatch.choose("op", "mosaic", ok, lambda: "slower") == "mosaic"
 
@@ -233,15 +236,15 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
 def test_returned_stats_carry_no_gradient_on_any_path(op):
   """The fused paths return statistics through lax.stop_gradient; the XLA path must too, or the
   same loss would differentiate differently on a CPU and on a Hopper GPU (review finding)."""
-  from pallas_norm.ops import matmul_norm as mn
+  from pallas_norm.ops.matmul_norm import api as mn
   x, w, scale, bias, _ = _inputs(21, 16, 64, 64, jnp.float32, mean_offset=1.0)
 
   def loss(x, with_stats):
     if op == "norm_matmul":
-      y, stats = nm.norm_matmul(x, w, scale=scale, bias=bias, norm="layer", return_stats=True,
+      y, stats = nm.norm_matmul(x, w, scale=scale, norm_bias=bias, norm="layer", return_stats=True,
                                 implementation="xla")
     else:
-      y, stats = mn.matmul_norm(x, w, scale=scale[:64], bias=bias[:64], norm="layer",
+      y, stats = mn.matmul_norm(x, w, scale=scale[:64], norm_bias=bias[:64], norm="layer",
                                 return_stats=True, implementation="xla")
     total = jnp.sum(y * y)
     return total + jnp.sum(stats.rstd) + jnp.sum(stats.mean) if with_stats else total
@@ -263,7 +266,7 @@ def test_dx_stays_accurate_when_the_bias_dwarfs_the_scale(norm, scale_size, bias
   scale = scale_size * (1.0 + 0.1 * jax.random.normal(ks[0], (128,), jnp.float32))
   bias = bias_size * jax.random.normal(ks[1], (128,), jnp.float32)
   w_gamma, out_bias = scale[:, None] * w.astype(jnp.float32), bias @ w.astype(jnp.float32)
-  assert float(nm.bias_cancellation(w_gamma, out_bias)) > nm.BIAS_CANCELLATION_LIMIT
+  assert float(nm_xla.bias_cancellation(w_gamma, out_bias)) > nm_xla.BIAS_CANCELLATION_LIMIT
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   _, vjp_ref = jax.vjp(lambda x: reference.norm_matmul(x, f32(w), scale, bias, norm=norm), f32(x))
   (dx_ref,) = vjp_ref(ct)
@@ -275,7 +278,7 @@ def _check_dx_accuracy_under_bias_cancellation(x, w, scale, bias, ct, norm, scal
                                                impls):
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   for impl in impls:
-    _, vjp = jax.vjp(lambda x: pallas_norm.norm_matmul(x, w, scale=scale, bias=bias, norm=norm,
+    _, vjp = jax.vjp(lambda x: pallas_norm.norm_matmul(x, w, scale=scale, norm_bias=bias, norm=norm,
                                                        implementation=impl), x)
     (dx,) = vjp(ct.astype(jnp.bfloat16))
     if scale_size == 0.0:
@@ -290,7 +293,7 @@ def test_bias_cancellation_is_small_for_usual_parameters():
   _, w, scale, bias, _ = _inputs(33, 8, 512, 512, jnp.bfloat16)
   wf = w.astype(jnp.float32)
   for b in (bias, bias / 0.3):
-    assert float(nm.bias_cancellation(scale[:, None] * wf, b @ wf)) < nm.BIAS_CANCELLATION_LIMIT / 4
+    assert float(nm_xla.bias_cancellation(scale[:, None] * wf, b @ wf)) < nm_xla.BIAS_CANCELLATION_LIMIT / 4
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ backward needs) and the row statistics (mean, rstd).
 
 Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a CTA owns a tile of
 ``tile_m`` rows × ``tile_n`` columns. A TMA producer warpgroup streams the K loop through a
-multi-stage SMEM ring (by default the hand-written :class:`pallas_norm.mgpu_common.SharedRing`,
+multi-stage SMEM ring (by default the hand-written :class:`pallas_norm.mgpu.SharedRing`,
 whose steps are numbered across the CTA's row blocks, so the producer fills the next row block's
 stages while the consumers run the epilogue and the exchange; with several N tiles per CTA
 ``plgpu.emit_pipeline_warp_specialized``, ``TileConfig.pipeline="pallas"``) to two WGMMA consumer warpgroups, which split the CTA
@@ -73,8 +73,8 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu_common
-from pallas_norm.mgpu_common import TileConfig
+from pallas_norm import mgpu
+from pallas_norm.mgpu import TileConfig
 
 __all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
            "matmul_norm_fwd"]
@@ -122,7 +122,7 @@ class _Plan:
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu_common.plan_delay_release(self.cfg, self.stages)
+    return mgpu.plan_delay_release(self.cfg, self.stages)
 
   @property
   def n_partials(self) -> int:  # per-row partial statistics exchanged in the cluster
@@ -194,9 +194,9 @@ def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
   """
   dtype = jnp.dtype(dtype)
   out_dtype = jnp.dtype(out_dtype or dtype)
-  if dtype not in mgpu_common.SUPPORTED_DTYPES:
+  if dtype not in mgpu.SUPPORTED_DTYPES:
     return f"x dtype {dtype.name} is not bfloat16 or float16"
-  if out_dtype not in mgpu_common.SUPPORTED_DTYPES:
+  if out_dtype not in mgpu.SUPPORTED_DTYPES:
     return f"out_dtype {out_dtype.name} is not bfloat16 or float16"
   if residual_dtype is not None and jnp.dtype(residual_dtype) != out_dtype:
     return (f"residual dtype {jnp.dtype(residual_dtype).name} differs from the output dtype "
@@ -257,7 +257,7 @@ walks row blocks, each cluster owning whole rows)."""
 def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, return_h,
                return_xhat, return_stats, cfg, interpret, exchange="pull") -> _Plan:
   m, k = x_shape
-  mgpu_common.reject_unused_options(cfg, "matmul_norm", _UNUSED_OPTIONS)
+  mgpu.reject_unused_options(cfg, "matmul_norm", _UNUSED_OPTIONS)
   cluster, n_tiles = _tiles_per_cta(n, cfg.tile_n, interpret)
   if n % cfg.tile_n or not cluster or n_tiles > MAX_N_TILES:
     raise ValueError(f"N = {n} must be tile_n = {cfg.tile_n} times a cluster size in "
@@ -273,12 +273,12 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
                n_tiles=n_tiles, stages=0, num_clusters=0, exchange=exchange)
   stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
-  free = mgpu_common.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
+  free = mgpu.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
-    raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
-  stages, chained = mgpu_common.stages_for(
+    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM")
+  stages, chained = mgpu.stages_for(
       cfg, plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes))
-  num_clusters = mgpu_common.persistent_clusters(cluster, plan.m_iters, interpret)
+  num_clusters = mgpu.persistent_clusters(cluster, plan.m_iters, interpret)
   return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
 
 
@@ -410,7 +410,7 @@ def _exchange_allocs(plan: _Plan):
   if plan.exchange == "push":
     return dict(
         inbox=plgpu.SMEM((2, plan.cluster, rows, _PACKET_COLS), jnp.float32,
-                         transforms=mgpu_common.swizzle_transforms(_PACKET_COLS, jnp.float32)),
+                         transforms=mgpu.swizzle_transforms(_PACKET_COLS, jnp.float32)),
         # In the warpgroup lowering a packet's store arrives once per sending warpgroup (not
         # once per thread): 128 · c arrivals hung the kernel on the H200.
         full=plgpu.Barrier(num_arrivals=plan.cluster, num_barriers=2),
@@ -591,15 +591,15 @@ def _kernel(*refs, plan: _Plan):
   wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
   epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
   chunks = tile_n // epi_n
-  in_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype)
-  out_transforms = mgpu_common.swizzle_transforms(epi_n, plan.out_dtype)
+  in_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
+  out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype)
 
   def make_pipeline(body, compute_context, state=None):
     x_spec = plgpu.BlockSpec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
                              memory_space=plgpu.SMEM)
     w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=in_transforms,
                              memory_space=plgpu.SMEM)
-    return mgpu_common.consumer_pipeline(body, compute_context, steps=plan.k_iters,
+    return mgpu.consumer_pipeline(body, compute_context, steps=plan.k_iters,
                                          delay_release=plan.delay_release,
                                          stages=plan.stages, in_specs=[x_spec, w_spec],
                                          pipeline_state=state)
@@ -609,7 +609,7 @@ def _kernel(*refs, plan: _Plan):
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=(
-          mgpu_common.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
+          mgpu.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
                                          x_transforms=in_transforms,
                                          w_transforms=in_transforms)
           if cfg.pipeline == "ring" else
@@ -826,7 +826,7 @@ def _kernel(*refs, plan: _Plan):
       plgpu.wgmma_wait(plan.delay_release)
       return acc_ref
 
-    ring = (mgpu_common.SharedRing(**pipeline_allocs, stages=plan.stages)
+    ring = (mgpu.SharedRing(**pipeline_allocs, stages=plan.stages)
             if cfg.pipeline == "ring" else None)
     steps_per_block = plan.n_tiles * plan.k_iters
 
@@ -864,13 +864,13 @@ def _kernel(*refs, plan: _Plan):
               _first_pass(acc_ref[...], row0, col0, t)
 
         if ring is not None:
-          compute_context(lambda acc, t=t: mgpu_common.ring_k_loop(
+          compute_context(lambda acc, t=t: mgpu.ring_k_loop(
               ring, tile_index * steps_per_block + t * plan.k_iters, plan.k_iters, acc,
               mma_body, delay_release=plan.delay_release))
           continue
         first = (tile_index == 0) & (t == 0)
         last = (tile_index == loop_info.num_local_steps - 1) & (t == plan.n_tiles - 1)
-        mgpu_common.run_tile_pipeline(
+        mgpu.run_tile_pipeline(
             functools.partial(make_pipeline, mma_body, compute_context),
             x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
             w_gmem.at[:, pl.ds(col0, tile_n)],
@@ -891,15 +891,15 @@ def _kernel(*refs, plan: _Plan):
       def _(s):  # N tile s // k_iters, K step s % k_iters
         ks = pl.ds(lax.rem(s, plan.k_iters) * tile_k, tile_k)
         cols = pl.ds(tile_col0(lax.div(s, plan.k_iters)), tile_n)
-        mgpu_common.ring_produce(ring, first_step + s, x_gmem.at[rows, ks], w_gmem.at[ks, cols])
+        mgpu.ring_produce(ring, first_step + s, x_gmem.at[rows, ks], w_gmem.at[ks, cols])
 
       last = tile_index == loop_info.num_local_steps - 1
-      pl.when(last)(lambda: mgpu_common.ring_drain(ring, first_step + steps_per_block))
+      pl.when(last)(lambda: mgpu.ring_drain(ring, first_step + steps_per_block))
 
     if ring is None:
       row_block_loop(consumer_row_block)
     else:
-      mgpu_common.warp_specialize(lambda: row_block_loop(producer_row_block),
+      mgpu.warp_specialize(lambda: row_block_loop(producer_row_block),
                                   lambda: row_block_loop(consumer_row_block))
     _cluster_final_sync(plan, ex, wg)
 
@@ -965,7 +965,7 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
     out_dtype: dtype of y, h and x̂ (default x.dtype), bfloat16 or float16.
     return_h, return_xhat, return_stats: which optional outputs to write.
     interpret: run in Pallas GPU interpret mode on any backend (race detection on, NaN-filled
-      uninitialized memory: :func:`pallas_norm.mgpu_common.interpret_params`). It runs one CTA
+      uninitialized memory: :func:`pallas_norm.mgpu.interpret_params`). It runs one CTA
       per row block (it cannot read a peer CTA's shared memory), looping over up to 4 N tiles.
     config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
     exchange: how a cluster's CTAs share their partial row statistics. None (the default):
@@ -1015,13 +1015,13 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu_common.interpret_params() if interpret else None,
+      interpret=mgpu.interpret_params() if interpret else None,
   )
   pad = -m % _ROW_ALIGN
-  args = [mgpu_common.pad_rows(x, pad), w]
+  args = [mgpu.pad_rows(x, pad), w]
   args += [vectors[name].astype(jnp.float32) for name in vecs]
   if residual is not None:
-    args.append(mgpu_common.pad_rows(residual, pad))
+    args.append(mgpu.pad_rows(residual, pad))
   outs = [o[:m] if pad else o for o in call(*args)]
   y = outs.pop(0)
   extras = {e: outs.pop(0) for e in plan.extras}

@@ -1,7 +1,7 @@
 """The norm backward of the post-norm GEMM (:mod:`pallas_norm.ops.matmul_norm`) as one
 Mosaic-GPU kernel (Hopper): dh and the column sums in one pass over the row blocks.
 
-Math (DESIGN.md, op 2; :func:`pallas_norm.ops.matmul_norm._norm_backward`): with
+Math (DESIGN.md, op 2; :func:`pallas_norm.ops.matmul_norm.xla.norm_backward`): with
 ``g = scale ⊙ dy`` and means over the N columns of a row,
 
     dh = rstd ⊙ (g − x̂ ⊙ mean_N(g ⊙ x̂) − mean_N(g)) (+ dh_out)      (RMS: no mean_N(g))
@@ -40,7 +40,7 @@ column sums: 334 / 474 at N = 512.
 
 Column sums are deterministic: each warpgroup's accumulators add its tiles in a fixed order and
 are written to ``(ctas, CONSUMERS, sums, N)`` at the end; the caller reduces those in a fixed
-pairwise order (:func:`pallas_norm.ops.matmul_norm.column_sum`'s stage 2). The partition of rows
+pairwise order (:func:`pallas_norm.ops.matmul_norm.xla.column_sum`'s stage 2). The partition of rows
 among CTAs depends on the SM count, so the bits are the same on every run on one GPU model.
 
 Shapes: any M ≥ 1 (TMA zero-fills rows past M, where dy = x̂ = 0 gives dh = 0 and adds nothing
@@ -61,7 +61,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu_common
+from pallas_norm import mgpu
 
 __all__ = ["SUMS", "unsupported_reason", "norm_backward"]
 
@@ -97,7 +97,7 @@ def _accs_per_sum(n: int) -> int:
 def unsupported_reason(m: int, n: int, dtype, n_sums: int = 3) -> str | None:
   """Why the kernel cannot run (M, N) with 16-bit ``dtype`` and ``n_sums`` column sums; None
   when it can."""
-  if jnp.dtype(dtype) not in mgpu_common.SUPPORTED_DTYPES:
+  if jnp.dtype(dtype) not in mgpu.SUPPORTED_DTYPES:
     return f"dtype {jnp.dtype(dtype)} (the kernel takes bfloat16 or float16)"
   if m < 1:
     return f"M = {m} (needs at least one row)"
@@ -204,8 +204,8 @@ def _one_hot_tiles(plan: _Plan) -> int:
 
 def _make_plan(m, n, dtype, norm, has_scale, has_dh_out, sums, interpret) -> _Plan:
   plan = _Plan(m, n, jnp.dtype(dtype), norm, has_scale, has_dh_out, tuple(sums), 1, 1)
-  ctas = max(1, min(mgpu_common.num_sms(interpret), plan.blocks))
-  fit = (mgpu_common.SMEM_BYTES - _fixed_bytes(plan)) // _stage_bytes(plan)
+  ctas = max(1, min(mgpu.num_sms(interpret), plan.blocks))
+  fit = (mgpu.SMEM_BYTES - _fixed_bytes(plan)) // _stage_bytes(plan)
   # A CTA's steps: two passes over the columns of each of its row blocks.
   steps = 2 * plan.steps_per_pass * (-(-plan.blocks // ctas))
   stages = max(1, min(MAX_STAGES, fit, steps))
@@ -244,7 +244,7 @@ def _kernel(*refs, plan: _Plan):
   steps, inv_n = plan.steps_per_pass, 1.0 / plan.n
   # Tiled (the SMEM layout of WGMMA operands); its TMA needs whole 8-row groups, hence M padded
   # to a multiple of 8.
-  transforms = mgpu_common.swizzle_transforms(CHUNK, plan.dtype)
+  transforms = mgpu.swizzle_transforms(CHUNK, plan.dtype)
   cta = lax.axis_index("cta")
 
   def step_coords(s):  # (local row block, pass, column step) of pipeline step s
@@ -270,11 +270,11 @@ def _kernel(*refs, plan: _Plan):
       # readout, once both warpgroups are past their last staging (``done``).
       sum_smem=plgpu.RefUnion(
           plgpu.SMEM((CONSUMERS, _staging_tiles(plan), WG_ROWS, CHUNK), _BF16,
-                     transforms=mgpu_common.swizzle_transforms(CHUNK, _BF16)),
+                     transforms=mgpu.swizzle_transforms(CHUNK, _BF16)),
           plgpu.SMEM((CONSUMERS, ACC_ROWS, CHUNK), _F32)),
       one_hot_smem=tuple(  # per A dtype
           plgpu.SMEM((CONSUMERS, plan.accs_per_sum, ACC_ROWS, WG_ROWS), dtype,
-                     transforms=mgpu_common.swizzle_transforms(WG_ROWS, dtype))
+                     transforms=mgpu.swizzle_transforms(WG_ROWS, dtype))
           for dtype in plan.one_hot_dtypes),
       # Each warpgroup's row sums over its columns, (row block parity, wg, Σg·x̂ / Σg).
       row_sum_smem=plgpu.SMEM((2, CONSUMERS, 2, WG_ROWS), _F32),
@@ -290,7 +290,7 @@ def _kernel(*refs, plan: _Plan):
     cols = pl.ds(wg * CHUNK, CHUNK)
     chunk_of = lambda c: c * CONSUMERS + wg  # noqa: E731
     wgmma = plgpu.Layout.WGMMA
-    zero_parts = (mgpu_common.lane_partial_zeros(WG_ROWS),) * 2
+    zero_parts = (mgpu.lane_partial_zeros(WG_ROWS),) * 2
 
     def stage_column_sums(j, values):
       """Write the SMEM operands of chunk j's column sums: each staged sum's bf16 parts
@@ -350,8 +350,8 @@ def _kernel(*refs, plan: _Plan):
 
       def first_pass(parts):  # this step's row sums, from zero at a row block's first step
         parts = lax.cond(c == 0, lambda: zero_parts, lambda: parts)
-        gx_part = parts[0] + mgpu_common.lane_partial_sum(g * xhat)
-        g_part = parts[1] + mgpu_common.lane_partial_sum(g) if plan.norm == "layer" else parts[1]
+        gx_part = parts[0] + mgpu.lane_partial_sum(g * xhat)
+        g_part = parts[1] + mgpu.lane_partial_sum(g) if plan.norm == "layer" else parts[1]
         return gx_part, g_part
 
       parts = lax.cond(p == 0, first_pass, lambda parts: parts, parts)
@@ -442,7 +442,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
     dh_out: optional (M, N) in dy's dtype, added to dh (the cotangent of a returned h).
     norm: "rms" or "layer".
     sums: which column sums to return, a sub-sequence of :data:`SUMS`.
-    interpret: run in Pallas GPU interpret mode (CPU), :func:`mgpu_common.interpret_params`.
+    interpret: run in Pallas GPU interpret mode (CPU), :func:`mgpu.interpret_params`.
 
   Returns:
     ``(dh, partials)``: dh (M, N) in dy's dtype; partials (ctas, :data:`CONSUMERS`, len(sums), N) float32
@@ -497,10 +497,10 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
           # No scratch: every reduction stays within a warp (a cross-warp one would fail to
           # compile rather than share one buffer between the two consumer warpgroups).
           reduction_scratch_bytes=0),
-      interpret=mgpu_common.interpret_params() if interpret else None,
+      interpret=mgpu.interpret_params() if interpret else None,
   )
   rstd_padded = jnp.pad(rstd.astype(_F32), (0, plan.blocks * plan.block_rows - m + pad))
-  tiles = [mgpu_common.pad_rows(a, pad) for a in (dy, xhat, dh_out) if a is not None]
+  tiles = [mgpu.pad_rows(a, pad) for a in (dy, xhat, dh_out) if a is not None]
   args = tiles + [rstd_padded] + ([] if scale is None else [scale.astype(_F32)[None, :]])
   outs = call(*args)
   dh = outs[0][:m - pad] if pad else outs[0]

@@ -78,8 +78,8 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu_common
-from pallas_norm.mgpu_common import TileConfig
+from pallas_norm import mgpu
+from pallas_norm.mgpu import TileConfig
 
 __all__ = ["TileConfig", "unsupported_reason", "pick_config", "norm_matmul_fwd", "gemm", "NORMS"]
 
@@ -91,7 +91,7 @@ _SMEM_SLACK = 4096  # barriers + the reduction scratch Mosaic reserves (2 KiB by
 
 def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
   """None if the kernel can run x: (m, k) @ w: (k, n) in ``dtype``, else why not."""
-  if jnp.dtype(dtype) not in mgpu_common.SUPPORTED_DTYPES:
+  if jnp.dtype(dtype) not in mgpu.SUPPORTED_DTYPES:
     return f"x dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
   if m < 1:
     return f"M = {m} rows: need at least 1"
@@ -156,8 +156,8 @@ def _chained_stages(cfg: TileConfig, k: int) -> int:
   """Stages of a chained pipeline for cfg, with the most SMEM any call takes besides the
   stages (LayerNorm, bias, bf16 output)."""
   stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * 2
-  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, jnp.bfloat16, 2, 2)
-  stages, chained = mgpu_common.pipeline_stages(max(k // cfg.tile_k, 1),
+  free = mgpu.SMEM_BYTES - _fixed_smem_bytes(cfg, jnp.bfloat16, 2, 2)
+  stages, chained = mgpu.pipeline_stages(max(k // cfg.tile_k, 1),
                                                 min(cfg.max_concurrent_steps, free // stage_bytes))
   return stages if chained else 0
 
@@ -183,7 +183,7 @@ class _Plan:
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu_common.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
+    return mgpu.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
 
   @property
   def n_vecs(self) -> int:  # col_sum and/or out_bias rows in the per-warpgroup vector buffer
@@ -238,10 +238,10 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
     raise ValueError("stats_once needs statistics: the plain GEMM has none")
   n_vecs = int(norm == "layer") + int(has_bias)
   stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * jnp.dtype(dtype).itemsize
-  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, out_dtype, n_vecs, _n_stats(norm))
+  free = mgpu.SMEM_BYTES - _fixed_smem_bytes(cfg, out_dtype, n_vecs, _n_stats(norm))
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
-    raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
-  stages, chained = mgpu_common.stages_for(
+    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM")
+  stages, chained = mgpu.stages_for(
       cfg, k // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes))
   # Work units of the persistent loop: (row block, N tile), or row blocks alone when a CTA
   # sweeps all N tiles of its row block (stats_once).
@@ -253,7 +253,7 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
   a_in_registers = not interpret and m % 8 != 0
   return _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
                eps=float(eps), has_bias=has_bias, cfg=cfg, stages=stages, chained=chained,
-               num_ctas=mgpu_common.persistent_clusters(1, units, interpret),
+               num_ctas=mgpu.persistent_clusters(1, units, interpret),
                a_in_registers=a_in_registers, epi_n=_epi_tile_n(cfg, out_dtype),
                out_slots=_out_slots(cfg, out_dtype))
 
@@ -268,7 +268,7 @@ def _rowvec(v, shape):
 
 
 def _init_stats(plan: _Plan):
-  zeros = mgpu_common.lane_partial_zeros(plan.cfg.wg_tile_m)
+  zeros = mgpu.lane_partial_zeros(plan.cfg.wg_tile_m)
   return (zeros,) if plan.norm == "rms" else (zeros, zeros, zeros)
 
 
@@ -281,14 +281,14 @@ def _update_stats(plan: _Plan, stats, x, k_idx):
   # shift at K step 0 and keeps it afterwards (select with a scalar predicate does not lower
   # with warpgroup semantics).
   first = jnp.asarray(k_idx == 0).astype(jnp.float32)  # k_idx is a Python int under disable_jit
-  cols = mgpu_common.lane_slices(x)
+  cols = mgpu.lane_slices(x)
   if plan.norm == "rms":
     (s2,) = stats
-    return (s2 + mgpu_common.tree_sum([c * c for c in cols]),)
+    return (s2 + mgpu.tree_sum([c * c for c in cols]),)
   shift, s1, s2 = stats
   shift = shift + first * cols[0]
   d = [c - shift for c in cols]
-  return (shift, s1 + mgpu_common.tree_sum(d), s2 + mgpu_common.tree_sum([v * v for v in d]))
+  return (shift, s1 + mgpu.tree_sum(d), s2 + mgpu.tree_sum([v * v for v in d]))
 
 
 def _finalize_stats(plan: _Plan, stats):
@@ -299,12 +299,12 @@ def _finalize_stats(plan: _Plan, stats):
     return None, lax.rsqrt(jnp.sum(s2, axis=1) * (1.0 / k) + eps)
   shift, s1, s2 = stats
   # Chan et al.: merge the (count, mean, M2) of the 8 lane columns, count = K / 8 each.
-  cnt = k // mgpu_common.LANE_COLS
+  cnt = k // mgpu.LANE_COLS
   lane_mean = shift + s1 * (1.0 / cnt)
   # s1 · (s1 / cnt), not s1² / cnt: s1² overflows float32 for rows of ~3e17 (K = 512) while
   # s2 and the result are still finite (a fresh-eyes review, session 8).
   lane_m2 = s2 - s1 * (s1 * (1.0 / cnt))
-  mean = jnp.sum(lane_mean, axis=1) * (1.0 / mgpu_common.LANE_COLS)
+  mean = jnp.sum(lane_mean, axis=1) * (1.0 / mgpu.LANE_COLS)
   dev = lane_mean - _rowvec(mean, lane_mean.shape)
   m2 = jnp.sum(lane_m2, axis=1) + jnp.sum(dev * dev, axis=1) * float(cnt)
   var = jnp.maximum(m2 * (1.0 / k), 0.0)
@@ -330,15 +330,15 @@ def _kernel(*refs, plan: _Plan):
   epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
   out_slots, chunks = plan.out_slots, (wg_m // epi_m) * (tile_n // epi_n)
   # x stages: tiled for WGMMA, or swizzle-only (2-D TMA, any M) when WGMMA reads registers.
-  x_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype,
+  x_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype,
                                                 tiled=not plan.a_in_registers)
-  w_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype)
+  w_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
   # y goes out untiled too: a tiled TMA store would need M % 8 == 0.
-  out_transforms = mgpu_common.swizzle_transforms(epi_n, plan.out_dtype, tiled=False)
+  out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype, tiled=False)
 
   def make_pipeline(body, compute_context, state=None):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-    return mgpu_common.consumer_pipeline(
+    return mgpu.consumer_pipeline(
         body, compute_context, steps=plan.k_iters, stages=plan.stages, pipeline_state=state,
         delay_release=plan.delay_release,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
@@ -349,7 +349,7 @@ def _kernel(*refs, plan: _Plan):
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=(
-          mgpu_common.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
+          mgpu.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
                                          x_transforms=x_transforms, w_transforms=w_transforms)
           if cfg.pipeline == "ring" else
           make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
@@ -460,11 +460,11 @@ def _kernel(*refs, plan: _Plan):
         return (acc_ref, *stats)
 
       if cfg.pipeline == "ring":
-        compute_context(lambda carry: mgpu_common.ring_k_loop(
+        compute_context(lambda carry: mgpu.ring_k_loop(
             ring, ring_step, plan.k_iters, carry, mma_body,
             delay_release=plan.delay_release))
         return
-      mgpu_common.run_tile_pipeline(
+      mgpu.run_tile_pipeline(
           functools.partial(make_pipeline, mma_body, compute_context),
           x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
           w_gmem.at[:, pl.ds(col0, tile_n)],
@@ -501,7 +501,7 @@ def _kernel(*refs, plan: _Plan):
                 loop_info.local_index == loop_info.num_local_steps - 1)
 
     if cfg.pipeline == "ring":
-      ring = mgpu_common.SharedRing(**pipeline_allocs, stages=plan.stages)
+      ring = mgpu.SharedRing(**pipeline_allocs, stages=plan.stages)
 
       def produce_tile(m_idx, n_idx, compute_stats, local_tile, first, last):
         del compute_stats, first
@@ -510,11 +510,11 @@ def _kernel(*refs, plan: _Plan):
         @pl.loop(0, plan.k_iters)
         def _(kk):
           ks = pl.ds(kk * tile_k, tile_k)
-          mgpu_common.ring_produce(ring, local_tile * plan.k_iters + kk, x_gmem.at[rows, ks],
+          mgpu.ring_produce(ring, local_tile * plan.k_iters + kk, x_gmem.at[rows, ks],
                                    w_gmem.at[ks, cols])
-        pl.when(last)(lambda: mgpu_common.ring_drain(ring, (local_tile + 1) * plan.k_iters))
+        pl.when(last)(lambda: mgpu.ring_drain(ring, (local_tile + 1) * plan.k_iters))
 
-      mgpu_common.warp_specialize(
+      mgpu.warp_specialize(
           lambda: for_each_tile(produce_tile),
           lambda: for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
               m_idx, n_idx, compute_stats=stats, first=first, last=last,
@@ -543,7 +543,7 @@ def _check_args(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype):
   for name, v in (("col_sum", col_sum), ("out_bias", out_bias)):
     if v is not None and (v.shape != (n,) or v.dtype != jnp.float32):
       raise ValueError(f"{name} must be float32 of shape ({n},), got {v.dtype}{v.shape}")
-  if jnp.dtype(out_dtype) not in (*mgpu_common.SUPPORTED_DTYPES, jnp.dtype(jnp.float32)):
+  if jnp.dtype(out_dtype) not in (*mgpu.SUPPORTED_DTYPES, jnp.dtype(jnp.float32)):
     raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
   if not (isinstance(eps, (int, float)) and eps > 0):
     raise ValueError(f"eps must be a positive float, got {eps!r}")
@@ -563,7 +563,7 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
     eps: positive float added to the variance (mean square for RMS).
     out_dtype: dtype of y: bfloat16, float16 or float32.
     interpret: run in Pallas GPU interpret mode on any backend (race detection on,
-      uninitialized memory NaN: :func:`pallas_norm.mgpu_common.interpret_params`).
+      uninitialized memory NaN: :func:`pallas_norm.mgpu.interpret_params`).
     config: tiling; default :func:`pick_config`.
 
   Returns:
@@ -624,7 +624,7 @@ def _call(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype, interpret, cfg):
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu_common.interpret_params() if interpret else None,
+      interpret=mgpu.interpret_params() if interpret else None,
   )
   args = [a for a in (x, w_gamma, col_sum, out_bias) if a is not None]
   outs = call(*args)

@@ -19,7 +19,7 @@ read untransposed from GMEM and handed to WGMMA as a transposed SMEM view (the B
 Where the row scalars come from (:func:`norm_matmul_dx`):
 
 * given (``y_term``, ``c_term``; ``norm_matmul``'s backward for RMSNorm and past K, N = 512):
-  XLA computes them in one pass over dy and y (``pallas_norm.ops.norm_matmul._row_terms``)
+  XLA computes them in one pass over dy and y (``pallas_norm.ops.norm_matmul.xla.row_terms``)
   before the kernel.
 * fused (``y``, ``out_bias``, ``col_sum``; ``norm_matmul``'s backward for LayerNorm up to
   K, N ≤ 512, :func:`pallas_norm.ops.norm_matmul.fused_row_terms_pay`): the kernel computes them itself, inside its K loop. The
@@ -33,7 +33,7 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   the default tiles from N ≈ 4096 on). After issuing a step's WGMMA, each consumer warpgroup
   loads its rows of the dy and y tiles into registers (WGMMA layout; for M % 8 ≠ 0 on the GPU
   the dy registers WGMMA reads) and adds, in f32, per-thread partial
-  row sums (rows, 8) (:func:`pallas_norm.mgpu_common.lane_partial_sum`, the pre-norm forward's
+  row sums (rows, 8) (:func:`pallas_norm.mgpu.lane_partial_sum`, the pre-norm forward's
   in-loop statistics technique) of ``dy ⊙ (y − out_bias)`` and, for LayerNorm, ``dy ⊙
   col_sum``, while the tensor core runs. The epilogue reduces them across lanes once per tile
   and forms ``y_term = rstd² · s_y / K`` and ``c_term = rstd · s_c / K`` from the saved rstd.
@@ -63,7 +63,7 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   log; no register spills). All GPU tests of the option passed on the H200
   (``..._gpu_tests.log``). Needs y in dy's dtype (``norm_matmul`` otherwise keeps the XLA pass).
 
-Kernel structure: the forward's (:mod:`pallas_norm.ops.norm_matmul_mgpu`), i.e. JAX's
+Kernel structure: the forward's (:mod:`pallas_norm.ops.norm_matmul.mosaic`), i.e. JAX's
 ``hopper_matmul_mgpu.py``: a persistent grid walks the (M, K) output tiles; a TMA producer
 warpgroup streams (tile_m, tile_k) tiles of dy and (tile_n, tile_k) tiles of w_gamma (the
 reduction runs over N in steps of tile_k) to two WGMMA consumer warpgroups that split the tile
@@ -90,9 +90,9 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu_common
-from pallas_norm.mgpu_common import TileConfig
-from pallas_norm.ops import norm_matmul_mgpu
+from pallas_norm import mgpu
+from pallas_norm.mgpu import TileConfig
+from pallas_norm.ops.norm_matmul import mosaic as forward
 
 __all__ = ["pick_config", "unsupported_reason", "norm_matmul_dx"]
 
@@ -109,7 +109,7 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
 
   The same shapes as the forward kernel (N and K multiples of 64, bfloat16/float16).
   """
-  return norm_matmul_mgpu.unsupported_reason(m, k, n, dtype)
+  return forward.unsupported_reason(m, k, n, dtype)
 
 
 def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> TileConfig:
@@ -123,7 +123,7 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> Til
   1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no load
   would overlap a WGMMA at all.
   """
-  fwd = norm_matmul_mgpu.pick_config(m, n, k)
+  fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
                    epi_tile_n=fwd.epi_tile_n)
@@ -153,7 +153,7 @@ class _Plan:
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu_common.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
+    return mgpu.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
 
   @property
   def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused,
@@ -206,26 +206,26 @@ def _stage_bytes(cfg: TileConfig, dtype, fused: bool, n_vecs: int) -> int:
 
 def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int) -> int:
   """Pipeline stages that fit in SMEM next to the epilogue's buffers (not capped)."""
-  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, _n_rows(layer, fused))
+  free = mgpu.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, _n_rows(layer, fused))
   return free // _stage_bytes(cfg, dtype, fused, n_vecs)
 
 
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False) -> _Plan:
-  mgpu_common.reject_unused_options(cfg, "dx", ("stats_once", "pipeline"))
+  mgpu.reject_unused_options(cfg, "dx", ("stats_once", "pipeline"))
   fit = _stages_that_fit(cfg, dtype, layer, fused, _n_vecs(layer, fused, has_bias))
   if min(cfg.max_concurrent_steps, fit) < 1:
-    raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM next to the "
+    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM next to the "
                      f"x tile of the epilogue"
                      + (" (with the y stage of the fused row terms)" if fused else ""))
   red_iters = n // cfg.tile_k
-  stages, chained = mgpu_common.stages_for(cfg, red_iters, min(cfg.max_concurrent_steps, fit))
+  stages, chained = mgpu.stages_for(cfg, red_iters, min(cfg.max_concurrent_steps, fit))
   units = -(-m // cfg.tile_m) * -(-k // cfg.tile_n)
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
                has_bias=fused and has_bias, cfg=cfg, stages=stages, chained=chained,
-               num_ctas=mgpu_common.persistent_clusters(1, units, interpret),
+               num_ctas=mgpu.persistent_clusters(1, units, interpret),
                # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
                a_in_registers=not interpret and m % 8 != 0,
-               epi_n=norm_matmul_mgpu._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
+               epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
                x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1))
 
 
@@ -237,7 +237,7 @@ def _init_row_sums(plan: _Plan) -> tuple:
   """Zero partials of rowsum(dy ⊙ (y − out_bias)) (+ rowsum(dy ⊙ col_sum) for LayerNorm)."""
   if not plan.fused:
     return ()
-  zeros = mgpu_common.lane_partial_zeros(plan.cfg.wg_tile_m)
+  zeros = mgpu.lane_partial_zeros(plan.cfg.wg_tile_m)
   return (zeros, zeros) if plan.layer else (zeros,)
 
 
@@ -250,9 +250,9 @@ def _update_row_sums(plan: _Plan, sums: tuple, dy, y, vec_stage) -> tuple:
 
   # y − out_bias per element, as XLA's pass: no cancellation of two large sums.
   y_gemm = y - col_vec(int(plan.layer)) if plan.has_bias else y
-  out = [sums[0] + mgpu_common.lane_partial_sum(dy * y_gemm)]
+  out = [sums[0] + mgpu.lane_partial_sum(dy * y_gemm)]
   if plan.layer:
-    out.append(sums[1] + mgpu_common.lane_partial_sum(dy * col_vec(0)))
+    out.append(sums[1] + mgpu.lane_partial_sum(dy * col_vec(0)))
   return tuple(out)
 
 
@@ -287,10 +287,10 @@ def _kernel(*refs, plan: _Plan):
   wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
   epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
   chunks_m, chunks_n = plan.chunks
-  dy_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype,
+  dy_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype,
                                                  tiled=not plan.a_in_registers)
-  w_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype)
-  x_transforms = mgpu_common.swizzle_transforms(epi_n, plan.dtype, tiled=False)
+  w_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
+  x_transforms = mgpu.swizzle_transforms(epi_n, plan.dtype, tiled=False)
 
   def make_pipeline(body, compute_context, state=None):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
@@ -300,7 +300,7 @@ def _kernel(*refs, plan: _Plan):
       in_specs.append(spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms))
       if plan.n_vecs:
         in_specs.append(spec((plan.n_vecs, tile_k), lambda kk: (0, kk)))
-    return mgpu_common.consumer_pipeline(
+    return mgpu.consumer_pipeline(
         body, compute_context, steps=plan.red_iters, stages=plan.stages, pipeline_state=state,
         delay_release=plan.delay_release, in_specs=in_specs)
 
@@ -407,7 +407,7 @@ def _kernel(*refs, plan: _Plan):
       # On the H200 it is what makes the fused path lose at K = 2048 (8 column tiles); reusing
       # the sums across column tiles would need a second pipeline without y (module docstring).
       block = pl.ds(m_idx * cfg.tile_m, cfg.tile_m)
-      mgpu_common.run_tile_pipeline(
+      mgpu.run_tile_pipeline(
           functools.partial(make_pipeline, mma_body, compute_context),
           dy_gmem.at[block, :],
           w_gmem.at[pl.ds(col0, tile_n), :],
@@ -558,6 +558,6 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu_common.interpret_params() if interpret else None,
+      interpret=mgpu.interpret_params() if interpret else None,
   )
   return call(dy, w_gamma, x, *fused_args, *rows)
