@@ -79,6 +79,14 @@ def _rel_err(got, want):
   return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
 
 
+def _pretend_132_sms(monkeypatch):
+  """Lowering for "cuda" on a machine without a GPU: an H100/H200's 132 SMs (2 CTAs in interpret
+  mode), wherever the kernels read the count."""
+  fake = lambda interpret: 2 if interpret else 132  # noqa: E731
+  monkeypatch.setattr(mgpu, "num_sms", fake)
+  monkeypatch.setattr(mgpu.device, "num_sms", fake)
+
+
 def _interpret_can_run():
   """Skips the calling test when the CPU client was created with too few threads (see above)."""
   if _CLIENT_THREADS < _INTERPRET_THREADS:
@@ -379,7 +387,7 @@ def test_kernel_lowers_for_hopper(monkeypatch):
   checks) for clusters of 1-8 CTAs, on any machine (jax.export for "cuda"); nothing runs.
   This is how the cluster exchange is checked before a GPU sees it."""
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16
   for m, k, n, norm in [(300, 64, 256, "layer"), (1000, 128, 512, "rms"),
                         (4096, 64, 1024, "layer"), (65536, 512, 2048, "layer"),
@@ -401,7 +409,7 @@ def test_exchange_variants_lower_for_hopper(monkeypatch, exchange, n, norm):
   """The "push" exchange also lowers for sm_90a with clusters of 4 and 8 (and 4 N tiles per
   CTA), where the default takes pull."""
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16
   structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 64), (64, n), (n,), (4096, n), (n,)]]
   f = jax.jit(lambda *a: mk.matmul_norm_fwd(*a, norm=norm, eps=1e-6, return_h=True,
@@ -415,7 +423,7 @@ def test_delay_release_lowers_for_hopper(monkeypatch):
   cluster of 4."""
   import dataclasses
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16
   cfg = dataclasses.replace(mk.pick_config(4096, 512, 1024), delay_release=1)
   structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 512), (512, 1024), (1024,)]]
@@ -430,7 +438,7 @@ def test_ring_lowers_for_hopper(monkeypatch, n, exchange, res):
   """TileConfig.pipeline = "ring" lowers for sm_90a with clusters of 2, 4 and 8 (4 N tiles per
   CTA at N = 8192), both exchanges, with and without a residual."""
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16
   cfg = dataclasses.replace(mk.pick_config(4096, 512, n), pipeline="ring", delay_release=1)
   structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 512), (512, n), (n,), (4096, n)]]

@@ -5,11 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax
-from jax import lax
 import jax.numpy as jnp
-import jax.experimental.pallas as pl
-import jax.experimental.pallas.mosaic_gpu as plgpu
 
 SMEM_BYTES = 227 * 1024
 """Shared memory one CTA may allocate on Hopper (sm_90a), in bytes."""

@@ -4,13 +4,8 @@ detection, NaN-filled uninitialized memory)."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
-
 import jax
-from jax import lax
 import jax.numpy as jnp
-import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm.mgpu.config import INTERPRET_NUM_CTAS

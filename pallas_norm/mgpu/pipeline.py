@@ -4,9 +4,7 @@ CTA's tiles) and the hand-written shared ring, both fed by one TMA producer warp
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 import jax.experimental.pallas as pl

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_norm import reference
-from pallas_norm.ops.norm_matmul import configs
 
 _F32 = jnp.float32
 _16BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
