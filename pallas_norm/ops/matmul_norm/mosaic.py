@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -578,6 +579,235 @@ class _StoreGroups:
 # The kernel.
 
 
+@dataclasses.dataclass(frozen=True)
+class _KernelRefs:
+  """What a consumer warpgroup's epilogue code reads in :func:`_kernel`: the plan, its static
+  tile sizes, the warpgroup and CTA indices, the exchange, and the SMEM and GMEM refs."""
+  plan: object
+  cfg: object
+  wg_m: object
+  tile_n: object
+  epi_m: object
+  epi_n: object
+  chunks: object
+  wg: object
+  cta: object
+  ex: object
+  io_smem: object
+  extra_smem: object
+  vec_smem: object
+  load_barrier: object
+  stat_smem: object
+  tile_stats: object
+  reload_barrier: object
+  y_gmem: object
+  extra_gmems: object
+  stat_gmems: object
+  res_gmem: object
+  vec_gmems: object
+
+
+def _row_block_io(c: "_KernelRefs"):
+  """The loads and stores of a consumer warpgroup's row-block epilogue: h from the
+  accumulator, the column vectors, the statistics and the y / h / x̂ chunks through SMEM."""
+  (plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem, extra_smem, vec_smem,
+   load_barrier, stat_smem, tile_stats, reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem,
+   vec_gmems) = (getattr(c, f.name) for f in dataclasses.fields(c))
+
+  def tile_col0(t):  # first column of this CTA's N tile t (fixed for the whole kernel)
+    return (cta * plan.n_tiles + t) * tile_n
+
+  def _vec(name, ns):
+    v = plgpu.load(vec_smem.at[wg, plan.vec_index(name), ns],
+                   layout=plgpu.Layout.WGMMA.reduce(0))
+    return _colvec(v, (wg_m, epi_n))
+
+  def _h_chunk_fn(acc):
+    """``h_chunk(j)``: h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32.
+
+    Each chunk is built once, replacing the accumulator (same registers): the statistics'
+    passes and the normalization then read registers only. Recomputing it on each use (3
+    uses for LayerNorm) re-read the dense bias and the residual from SMEM each time, which
+    cost 100 µs of 394 at 262144×512×512 (session 5, benchmarks/NOTES.md)."""
+    def build(j):
+      ns = pl.ds(j * epi_n, epi_n)
+      h = acc[:, j * epi_n:(j + 1) * epi_n]
+      if "dense_bias" in plan.vecs:
+        h = h + _vec("dense_bias", ns)
+      if plan.has_residual:
+        r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
+        h = h + r.astype(jnp.float32)
+      return h
+    return [build(j) for j in range(chunks)].__getitem__
+
+  def _store_stats(mean, rstd, row0):
+    """rstd (and mean) of the warpgroup's rows through ``stat_smem``. The copies join the next
+    committed store group (the y chunk stores that always follow), so the groups
+    :class:`_StoreGroups` counts are the same in every CTA."""
+    if not plan.n_stats:
+      return
+    stats = [rstd] if mean is None else [rstd, mean]
+    for i, v in enumerate(stats):
+      stat_smem[wg, i] = v
+    plgpu.commit_smem()
+
+    @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
+    def _():
+      for i in range(len(stats)):
+        plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)],
+                                commit_group=False)
+
+  def _store_chunk(value, j, row0, col0, groups):
+    """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
+    io_smem[wg, j] = value.astype(plan.out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
+                            y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
+    groups.committed(("io", j))
+
+  def _store_extras(values, j, row0, col0, groups):
+    """h / x̂ chunk j through the small slots, in turn; ``groups``: this epilogue's stores."""
+    for e in plan.extras:
+      if e not in values:
+        continue
+      for i in range(wg_m // epi_m):
+        s = groups.next_extra_slot()
+        groups.wait_until_read(("extra", s))
+        extra_smem[wg, s] = values[e][i * epi_m:(i + 1) * epi_m].astype(plan.out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            extra_smem.at[wg, s],
+            extra_gmems[e].at[pl.ds(row0 + i * epi_m, epi_m), pl.ds(col0 + j * epi_n, epi_n)])
+        groups.committed(("extra", s))
+
+  def _normalize_chunk(h_minus_mean, rstd_b, ns):
+    xhat = h_minus_mean * rstd_b
+    y = xhat
+    if "scale" in plan.vecs:
+      y = y * _vec("scale", ns)
+    if "bias" in plan.vecs:
+      y = y + _vec("bias", ns)
+    return xhat, y
+
+  def _wait_loads():
+    if not plan.has_residual:
+      # Earlier TMA stores from the staging buffers must have read them before we overwrite.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if plan.n_loads:
+      plgpu.barrier_wait(load_barrier.at[wg])
+
+  return types.SimpleNamespace(tile_col0=tile_col0, vec=_vec, h_chunk_fn=_h_chunk_fn, store_stats=_store_stats, store_chunk=_store_chunk, store_extras=_store_extras, normalize_chunk=_normalize_chunk, wait_loads=_wait_loads)
+
+
+def _row_block_epilogues(c: "_KernelRefs", io):
+  """The epilogues of a row block (one N tile per CTA, or the two passes over several) and
+  the TMA loads of their inputs, on top of :func:`_row_block_io`."""
+  (plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem, extra_smem, vec_smem,
+   load_barrier, stat_smem, tile_stats, reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem,
+   vec_gmems) = (getattr(c, f.name) for f in dataclasses.fields(c))
+  tile_col0, _vec, _h_chunk_fn, _store_stats, _store_chunk, _store_extras = (
+      io.tile_col0, io.vec, io.h_chunk_fn, io.store_stats, io.store_chunk, io.store_extras)
+  _normalize_chunk, _wait_loads = io.normalize_chunk, io.wait_loads
+
+  def _epilogue(acc, row0, col0, tile_index):
+    """One N tile per CTA: statistics, exchange, normalization, all from the accumulator."""
+    _wait_loads()
+    h_chunk = _h_chunk_fn(acc)
+    partials = _slice_partials(plan, h_chunk)
+    mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
+    _store_stats(mean, rstd, row0)
+    shape = (wg_m, epi_n)
+    rstd_b = _rowvec(rstd, shape)
+    shift_b = None if mean is None else _rowvec(mean, shape)
+    groups = _StoreGroups()
+    for j in range(chunks):
+      h = h_chunk(j)
+      xhat, y = _normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
+                                 pl.ds(j * epi_n, epi_n))
+      _store_chunk(y, j, row0, col0, groups)
+      _store_extras({"h": h, "xhat": xhat}, j, row0, col0, groups)
+
+  def _first_pass(acc, row0, col0, t):
+    """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
+    goes to y's place in global memory, in the output dtype: centered values keep their
+    precision for rows with a large mean. :func:`_second_pass` normalizes it."""
+    _wait_loads()
+    h_chunk = _h_chunk_fn(acc)
+    partials = _slice_partials(plan, h_chunk)
+    for q, v in enumerate(partials):
+      tile_stats[wg, t, q] = v
+    shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
+    groups = _StoreGroups()
+    for j in range(chunks):
+      h = h_chunk(j)
+      _store_chunk(h if shift_b is None else h - shift_b, j, row0, col0, groups)
+      _store_extras({"h": h}, j, row0, col0, groups)
+
+  def _second_pass(row0, tile_index):
+    """Merges the N tiles' partials, exchanges them in the cluster, then reloads each tile's
+    centered h from global memory and normalizes it in place."""
+    per_tile = [tuple(plgpu.load(tile_stats.at[wg, t, q], layout=plgpu.Layout.WGMMA.reduce(1))
+                      for q in range(plan.n_partials)) for t in range(plan.n_tiles)]
+    partials = _combine(plan, per_tile, tile_n)
+    mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
+    _store_stats(mean, rstd, row0)
+    shape = (wg_m, epi_n)
+    rstd_b = _rowvec(rstd, shape)
+    # The first pass's stores must have landed in global memory, not only left SMEM.
+    plgpu.wait_smem_to_gmem(0)
+    groups = _StoreGroups()
+    for t in range(plan.n_tiles):
+      col0 = tile_col0(t)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t − 1's stores read io_smem
+      for j in range(chunks):
+        plgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
+                                io_smem.at[wg, j], reload_barrier.at[wg])
+      for i, v_gmem in enumerate(vec_gmems):
+        plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                reload_barrier.at[wg])
+      plgpu.barrier_wait(reload_barrier.at[wg])
+      # centered = h − tile mean, so h − mean = centered + (tile mean − mean).
+      offset_b = None if mean is None else _rowvec(per_tile[t][0] - mean, shape)
+      for j in range(chunks):
+        centered = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        xhat, y = _normalize_chunk(centered if offset_b is None else centered + offset_b,
+                                   rstd_b, pl.ds(j * epi_n, epi_n))
+        _store_chunk(y, j, row0, col0, groups)
+        _store_extras({"xhat": xhat}, j, row0, col0, groups)
+
+  def _prefetch_residual_chunk(j, row0, col0):
+    plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
+                            io_smem.at[wg, j], load_barrier.at[wg])
+
+  def _prefetch_epilogue_inputs(row0, col0, residual=True):
+    """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
+    it) and the column vectors of a tile, by TMA while its K loop runs."""
+    if plan.has_residual and residual:
+      # The previous tile's stores read io_smem: they must finish before TMA refills it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for j in range(chunks):
+        _prefetch_residual_chunk(j, row0, col0)
+    for i, v_gmem in enumerate(vec_gmems):
+      plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                              load_barrier.at[wg])
+
+  def _residual_during_k_loop(k_step, row0, col0):
+    """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
+    stored from the same io slot has left SMEM, so the wait for those stores overlaps the
+    WGMMAs just issued instead of holding the K loop's start. That store was the last row
+    block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
+    ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
+    per_chunk = 1 + len(plan.extras) * (wg_m // epi_m)
+    for j in range(chunks):
+      newer = per_chunk - 1 + (chunks - 1 - j) * per_chunk
+
+      @pl.when(k_step == min(j, plan.k_iters - 1))
+      def _(j=j, newer=newer):
+        plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
+        _prefetch_residual_chunk(j, row0, col0)
+
+  return types.SimpleNamespace(epilogue=_epilogue, first_pass=_first_pass, second_pass=_second_pass, prefetch_residual_chunk=_prefetch_residual_chunk, prefetch_epilogue_inputs=_prefetch_epilogue_inputs, residual_during_k_loop=_residual_during_k_loop)
+
 def _kernel(*refs, plan: _Plan):
   cfg = plan.cfg
   it = iter(refs)
@@ -638,191 +868,19 @@ def _kernel(*refs, plan: _Plan):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cluster")
 
-    def tile_col0(t):  # first column of this CTA's N tile t (fixed for the whole kernel)
-      return (cta * plan.n_tiles + t) * tile_n
-
-    def _vec(name, ns):
-      v = plgpu.load(vec_smem.at[wg, plan.vec_index(name), ns],
-                     layout=plgpu.Layout.WGMMA.reduce(0))
-      return _colvec(v, (wg_m, epi_n))
-
-    def _h_chunk_fn(acc):
-      """``h_chunk(j)``: h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32.
-
-      Each chunk is built once, replacing the accumulator (same registers): the statistics'
-      passes and the normalization then read registers only. Recomputing it on each use (3
-      uses for LayerNorm) re-read the dense bias and the residual from SMEM each time, which
-      cost 100 µs of 394 at 262144×512×512 (session 5, benchmarks/NOTES.md)."""
-      def build(j):
-        ns = pl.ds(j * epi_n, epi_n)
-        h = acc[:, j * epi_n:(j + 1) * epi_n]
-        if "dense_bias" in plan.vecs:
-          h = h + _vec("dense_bias", ns)
-        if plan.has_residual:
-          r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
-          h = h + r.astype(jnp.float32)
-        return h
-      return [build(j) for j in range(chunks)].__getitem__
-
-    def _store_stats(mean, rstd, row0):
-      """rstd (and mean) of the warpgroup's rows through ``stat_smem``. The copies join the next
-      committed store group (the y chunk stores that always follow), so the groups
-      :class:`_StoreGroups` counts are the same in every CTA."""
-      if not plan.n_stats:
-        return
-      stats = [rstd] if mean is None else [rstd, mean]
-      for i, v in enumerate(stats):
-        stat_smem[wg, i] = v
-      plgpu.commit_smem()
-
-      @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
-      def _():
-        for i in range(len(stats)):
-          plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)],
-                                  commit_group=False)
-
-    def _store_chunk(value, j, row0, col0, groups):
-      """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
-      io_smem[wg, j] = value.astype(plan.out_dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
-                              y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
-      groups.committed(("io", j))
-
-    def _store_extras(values, j, row0, col0, groups):
-      """h / x̂ chunk j through the small slots, in turn; ``groups``: this epilogue's stores."""
-      for e in plan.extras:
-        if e not in values:
-          continue
-        for i in range(wg_m // epi_m):
-          s = groups.next_extra_slot()
-          groups.wait_until_read(("extra", s))
-          extra_smem[wg, s] = values[e][i * epi_m:(i + 1) * epi_m].astype(plan.out_dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              extra_smem.at[wg, s],
-              extra_gmems[e].at[pl.ds(row0 + i * epi_m, epi_m), pl.ds(col0 + j * epi_n, epi_n)])
-          groups.committed(("extra", s))
-
-    def _normalize_chunk(h_minus_mean, rstd_b, ns):
-      xhat = h_minus_mean * rstd_b
-      y = xhat
-      if "scale" in plan.vecs:
-        y = y * _vec("scale", ns)
-      if "bias" in plan.vecs:
-        y = y + _vec("bias", ns)
-      return xhat, y
-
-    def _wait_loads():
-      if not plan.has_residual:
-        # Earlier TMA stores from the staging buffers must have read them before we overwrite.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if plan.n_loads:
-        plgpu.barrier_wait(load_barrier.at[wg])
-
-    def _epilogue(acc, row0, col0, tile_index):
-      """One N tile per CTA: statistics, exchange, normalization, all from the accumulator."""
-      _wait_loads()
-      h_chunk = _h_chunk_fn(acc)
-      partials = _slice_partials(plan, h_chunk)
-      mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
-      _store_stats(mean, rstd, row0)
-      shape = (wg_m, epi_n)
-      rstd_b = _rowvec(rstd, shape)
-      shift_b = None if mean is None else _rowvec(mean, shape)
-      groups = _StoreGroups()
-      for j in range(chunks):
-        h = h_chunk(j)
-        xhat, y = _normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
-                                   pl.ds(j * epi_n, epi_n))
-        _store_chunk(y, j, row0, col0, groups)
-        _store_extras({"h": h, "xhat": xhat}, j, row0, col0, groups)
-
-    def _first_pass(acc, row0, col0, t):
-      """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
-      goes to y's place in global memory, in the output dtype: centered values keep their
-      precision for rows with a large mean. :func:`_second_pass` normalizes it."""
-      _wait_loads()
-      h_chunk = _h_chunk_fn(acc)
-      partials = _slice_partials(plan, h_chunk)
-      for q, v in enumerate(partials):
-        tile_stats[wg, t, q] = v
-      shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
-      groups = _StoreGroups()
-      for j in range(chunks):
-        h = h_chunk(j)
-        _store_chunk(h if shift_b is None else h - shift_b, j, row0, col0, groups)
-        _store_extras({"h": h}, j, row0, col0, groups)
-
-    def _second_pass(row0, tile_index):
-      """Merges the N tiles' partials, exchanges them in the cluster, then reloads each tile's
-      centered h from global memory and normalizes it in place."""
-      per_tile = [tuple(plgpu.load(tile_stats.at[wg, t, q], layout=plgpu.Layout.WGMMA.reduce(1))
-                        for q in range(plan.n_partials)) for t in range(plan.n_tiles)]
-      partials = _combine(plan, per_tile, tile_n)
-      mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
-      _store_stats(mean, rstd, row0)
-      shape = (wg_m, epi_n)
-      rstd_b = _rowvec(rstd, shape)
-      # The first pass's stores must have landed in global memory, not only left SMEM.
-      plgpu.wait_smem_to_gmem(0)
-      groups = _StoreGroups()
-      for t in range(plan.n_tiles):
-        col0 = tile_col0(t)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t − 1's stores read io_smem
-        for j in range(chunks):
-          plgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                                  io_smem.at[wg, j], reload_barrier.at[wg])
-        for i, v_gmem in enumerate(vec_gmems):
-          plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                  reload_barrier.at[wg])
-        plgpu.barrier_wait(reload_barrier.at[wg])
-        # centered = h − tile mean, so h − mean = centered + (tile mean − mean).
-        offset_b = None if mean is None else _rowvec(per_tile[t][0] - mean, shape)
-        for j in range(chunks):
-          centered = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-          xhat, y = _normalize_chunk(centered if offset_b is None else centered + offset_b,
-                                     rstd_b, pl.ds(j * epi_n, epi_n))
-          _store_chunk(y, j, row0, col0, groups)
-          _store_extras({"xhat": xhat}, j, row0, col0, groups)
-
-    def _prefetch_residual_chunk(j, row0, col0):
-      plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                              io_smem.at[wg, j], load_barrier.at[wg])
-
-    def _prefetch_epilogue_inputs(row0, col0, residual=True):
-      """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
-      it) and the column vectors of a tile, by TMA while its K loop runs."""
-      if plan.has_residual and residual:
-        # The previous tile's stores read io_smem: they must finish before TMA refills it.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for j in range(chunks):
-          _prefetch_residual_chunk(j, row0, col0)
-      for i, v_gmem in enumerate(vec_gmems):
-        plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                load_barrier.at[wg])
-
-    def _residual_during_k_loop(k_step, row0, col0):
-      """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
-      stored from the same io slot has left SMEM, so the wait for those stores overlaps the
-      WGMMAs just issued instead of holding the K loop's start. That store was the last row
-      block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
-      ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
-      per_chunk = 1 + len(plan.extras) * (wg_m // epi_m)
-      for j in range(chunks):
-        newer = per_chunk - 1 + (chunks - 1 - j) * per_chunk
-
-        @pl.when(k_step == min(j, plan.k_iters - 1))
-        def _(j=j, newer=newer):
-          plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
-          _prefetch_residual_chunk(j, row0, col0)
+    refs = _KernelRefs(plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem,
+                       extra_smem, vec_smem, load_barrier, stat_smem, tile_stats,
+                       reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem, vec_gmems)
+    io = _row_block_io(refs)
+    epi = _row_block_epilogues(refs, io)
+    tile_col0 = io.tile_col0
 
     def mma_step(idxs, a_smem, b_smem, acc_ref, *, row0, residual):
       """One K step's WGMMA for the warpgroup's rows; with ``residual``, the residual chunks
       due at this step (:func:`_residual_during_k_loop`) while the WGMMA runs."""
       plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
       if residual:
-        _residual_during_k_loop(idxs[0], row0, tile_col0(0))
+        epi.residual_during_k_loop(idxs[0], row0, tile_col0(0))
       plgpu.wgmma_wait(plan.delay_release)
       return acc_ref
 
@@ -851,7 +909,7 @@ def _kernel(*refs, plan: _Plan):
         col0 = tile_col0(t)
 
         def compute_context(eval_pipeline, t=t, col0=col0):
-          _prefetch_epilogue_inputs(row0, col0, residual=not residual_in_k_loop)
+          epi.prefetch_epilogue_inputs(row0, col0, residual=not residual_in_k_loop)
 
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
           def _acc_scope(acc_ref):
@@ -859,9 +917,9 @@ def _kernel(*refs, plan: _Plan):
             if plan.delay_release:
               plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
             if plan.n_tiles == 1:
-              _epilogue(acc_ref[...], row0, col0, tile_index)
+              epi.epilogue(acc_ref[...], row0, col0, tile_index)
             else:
-              _first_pass(acc_ref[...], row0, col0, t)
+              epi.first_pass(acc_ref[...], row0, col0, t)
 
         if ring is not None:
           compute_context(lambda acc, t=t: mgpu.ring_k_loop(
@@ -881,7 +939,7 @@ def _kernel(*refs, plan: _Plan):
 
         @pl.when(wg < 2)  # the consumer warpgroups; the producer moves on to the next row block
         def _():
-          _second_pass(row0, tile_index)
+          epi.second_pass(row0, tile_index)
 
     def producer_row_block(m_idx, tile_index, loop_info):
       rows = pl.ds(m_idx * cfg.tile_m, cfg.tile_m)
