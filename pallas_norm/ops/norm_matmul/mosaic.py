@@ -315,6 +315,37 @@ def _finalize_stats(plan: _Plan, stats):
 # The kernel.
 
 
+def _for_each_tile(plan: _Plan, visit):
+  """Calls ``visit(m_idx, n_idx, compute_stats, local_tile, first, last)`` for this CTA's
+  output tiles in order (``local_tile``: tiles it ran before; first/last: its first/last
+  tile). With stats_once a CTA sweeps all N tiles of its row blocks and only the first K
+  loop of a row block reads x for the statistics."""
+  cfg = plan.cfg
+  if cfg.stats_once:
+    @plgpu.nd_loop((plan.m_iters,), collective_axes="sm")
+    def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+      (m_idx,) = loop_info.index
+      before = loop_info.local_index * plan.n_iters
+      first_block = loop_info.local_index == 0
+      last_block = loop_info.local_index == loop_info.num_local_steps - 1
+      visit(m_idx, 0, True, before, first_block, last_block & (plan.n_iters == 1))
+      if plan.n_iters > 1:
+        pl.loop(1, plan.n_iters)(lambda n_idx: visit(
+            m_idx, n_idx, False, before + n_idx, False,
+            last_block & (n_idx == plan.n_iters - 1)))
+  else:
+    @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (lin_idx,) = loop_info.index
+      # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a
+      # strip, so N varies fastest when M is the strip dimension (0).
+      m_idx, n_idx = plgpu.planar_snake(
+          lin_idx, (plan.m_iters, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
+          cfg.grid_tile_width)
+      visit(m_idx, n_idx, True, loop_info.local_index, loop_info.local_index == 0,
+            loop_info.local_index == loop_info.num_local_steps - 1)
+
+
 def _kernel(*refs, plan: _Plan):
   cfg = plan.cfg
   it = iter(refs)
@@ -471,35 +502,6 @@ def _kernel(*refs, plan: _Plan):
           allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
           first=first, last=last)
 
-    def for_each_tile(visit):
-      """Calls ``visit(m_idx, n_idx, compute_stats, local_tile, first, last)`` for this CTA's
-      output tiles in order (``local_tile``: tiles it ran before; first/last: its first/last
-      tile). With stats_once a CTA sweeps all N tiles of its row blocks and only the first K
-      loop of a row block reads x for the statistics."""
-      if cfg.stats_once:
-        @plgpu.nd_loop((plan.m_iters,), collective_axes="sm")
-        def _row_block_loop(loop_info: plgpu.NDLoopInfo):
-          (m_idx,) = loop_info.index
-          before = loop_info.local_index * plan.n_iters
-          first_block = loop_info.local_index == 0
-          last_block = loop_info.local_index == loop_info.num_local_steps - 1
-          visit(m_idx, 0, True, before, first_block, last_block & (plan.n_iters == 1))
-          if plan.n_iters > 1:
-            pl.loop(1, plan.n_iters)(lambda n_idx: visit(
-                m_idx, n_idx, False, before + n_idx, False,
-                last_block & (n_idx == plan.n_iters - 1)))
-      else:
-        @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
-        def _tile_loop(loop_info: plgpu.NDLoopInfo):
-          (lin_idx,) = loop_info.index
-          # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a
-          # strip, so N varies fastest when M is the strip dimension (0).
-          m_idx, n_idx = plgpu.planar_snake(
-              lin_idx, (plan.m_iters, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
-              cfg.grid_tile_width)
-          visit(m_idx, n_idx, True, loop_info.local_index, loop_info.local_index == 0,
-                loop_info.local_index == loop_info.num_local_steps - 1)
-
     if cfg.pipeline == "ring":
       ring = mgpu.SharedRing(**pipeline_allocs, stages=plan.stages)
 
@@ -515,12 +517,12 @@ def _kernel(*refs, plan: _Plan):
         pl.when(last)(lambda: mgpu.ring_drain(ring, (local_tile + 1) * plan.k_iters))
 
       mgpu.warp_specialize(
-          lambda: for_each_tile(produce_tile),
-          lambda: for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
+          lambda: _for_each_tile(plan, produce_tile),
+          lambda: _for_each_tile(plan, lambda m_idx, n_idx, stats, local_tile, first, last: tile(
               m_idx, n_idx, compute_stats=stats, first=first, last=last,
               ring_step=local_tile * plan.k_iters)))
     else:
-      for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
+      _for_each_tile(plan, lambda m_idx, n_idx, stats, local_tile, first, last: tile(
           m_idx, n_idx, compute_stats=stats, first=first, last=last))
 
   # All TMA stores must land before the kernel exits.
