@@ -1,22 +1,24 @@
 """norm_matmul in XLA: the ``"xla"`` implementation, and the parts of the kernel backward that
 XLA runs (the row terms of dx, the bias-cancellation guard, the weight gradients).
 
-The ``"xla"`` implementation of RMSNorm uses the kernel's lazy form (DESIGN.md, op 1),
-``y = rstd ⊙ (x @ W_γ) + βᵀW``: the product reads x as it is, accumulates in float32 and scales
-the float32 result, where the unfused ``norm(x)·γ @ w`` rounds ``norm(x)·γ`` to x's dtype before
-the product. At 1024×1024 bf16 randn (w unscaled) the unfused form put ~1.4% of the outputs
-outside atol = rtol = 3e-2 of the float32 math, the lazy form none (``tests/test_norm_matmul_vjp.py
-::test_xla_rms_is_as_accurate_as_the_kernel``). Its backward keeps 16-bit GEMMs: the float32
-cotangent of the product is rounded to x's dtype first (:func:`_gemm_f32_out`), as the kernel
-backward's ``rstd ⊙ dy`` is. LayerNorm stays unfused: its lazy form subtracts ``mean ⊗ colsum(W_γ)``,
-whose gradient cancels against the GEMM's for rows with a large mean unless both see the same
-rounded values (what the kernel's custom backward, :func:`weight_grads`, ensures); plain autodiff
-of it gave 15-44% errors in dw for bf16 rows of mean 100-250.
+The ``"xla"`` implementation of a 16-bit RMSNorm call uses the kernel's lazy form (DESIGN.md,
+op 1), ``y = rstd ⊙ (x @ W_γ) + βᵀW``: the product reads x as it is and only its result is
+rounded, where the unfused ``norm(x)·γ @ w`` rounds every element of ``norm(x)·γ`` to x's dtype
+before the product, an error that the product sums over K. At 1024×1024 bf16 randn (w unscaled)
+the unfused form put ~1.4% of the outputs outside atol = rtol = 3e-2 of the float32 math, the
+lazy form none (``tests/test_norm_matmul_vjp.py::test_xla_rms_is_as_accurate_as_the_kernel``).
+The GEMM writes x's dtype, as the unfused one does, and the row scaling is one elementwise pass
+over the output instead of the unfused form's pass over x before the product (the same traffic
+at K = N); the output is rounded twice (after the product and after the scaling), ≤ 2⁻⁸
+relative. Autodiff keeps 16-bit GEMMs in the backward. LayerNorm stays unfused: its lazy form
+subtracts ``mean ⊗ colsum(W_γ)``, whose gradient must cancel against the GEMM's for rows with a
+large mean, which plain autodiff of it does not arrange (the kernel's custom backward,
+:func:`weight_grads`, builds both from the same rounded values; without that, dw was 15-44% off
+for bf16 rows of mean 100-250).
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -36,32 +38,11 @@ def norm_matmul(x, w, scale, norm_bias, *, norm, eps, out_dtype):
   x2 = x.reshape(-1, k)
   w_gamma, _, out_bias = fold_affine(w, scale, norm_bias, norm)
   stats = reference._row_stats(x2.astype(_F32), norm, eps)  # pylint: disable=protected-access
-  y = _gemm_f32_out(x2, w_gamma) * stats.rstd[:, None]
+  y = jnp.matmul(x2, w_gamma).astype(_F32) * stats.rstd[:, None]
   if out_bias is not None:
     y = y + out_bias
   y = y.astype(out_dtype or x.dtype).reshape(lead + (w.shape[1],))
   return y, reference.NormStats(None, stats.rstd.reshape(lead))
-
-
-@jax.custom_vjp
-def _gemm_f32_out(a, b):
-  """``a @ b`` of 16-bit operands with the float32 accumulator as the result."""
-  return jnp.matmul(a, b, preferred_element_type=_F32)
-
-
-def _gemm_f32_out_fwd(a, b):
-  return _gemm_f32_out(a, b), (a, b)
-
-
-def _gemm_f32_out_bwd(saved, g):
-  # The cotangent rounded to the operands' dtype: 16-bit GEMMs with f32 accumulation, written
-  # in that dtype (an f32 result made XLA emit a slower Triton GEMM, matmul_norm's backward).
-  a, b = saved
-  g = g.astype(a.dtype)
-  return jnp.matmul(g, b.T), jnp.matmul(a.T, g)
-
-
-_gemm_f32_out.defvjp(_gemm_f32_out_fwd, _gemm_f32_out_bwd)
 
 
 def fold_affine(w, scale, bias, norm):
