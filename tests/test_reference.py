@@ -498,9 +498,10 @@ def _numpy_case(rng, op):
   x = rng.standard_normal((3, 17)).astype(np.float32)
   g = (1 + 0.2 * rng.standard_normal(17)).astype(np.float32)
   w = rng.standard_normal((17, 5)).astype(np.float32)
-  if op in ("rms_norm", "layer_norm", "norm_matmul", "matmul_norm"):
-    args = {"rms_norm": (x, g), "layer_norm": (x, g, g - 1), "norm_matmul": (x, w, g),
-            "matmul_norm": (x, w)}[op]
+  if op == "norm_matmul":  # scale is keyword-only, as every argument after w
+    return (lambda x, w, g: pallas_norm.norm_matmul(x, w, scale=g)), (x, w, g)
+  if op in ("rms_norm", "layer_norm", "matmul_norm"):
+    args = {"rms_norm": (x, g), "layer_norm": (x, g, g - 1), "matmul_norm": (x, w)}[op]
     return getattr(pallas_norm, op), args
   name, kv_layout, max_seq_len = op.split("-")
   case = jagged_case(rng, jnp.float32, "inner_empty", kv_layout)
