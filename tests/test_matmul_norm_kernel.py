@@ -158,7 +158,7 @@ def test_forward_interpret(m, k, n, norm, use, dtype, return_h, return_xhat, ret
   _check_forward(out, args, norm, jnp.dtype(dtype), return_h, return_xhat, return_stats)
 
 
-@pytest.mark.parametrize("m,k,n,norm", [(300, 192, 256, "layer"), (77, 128, 512, "rms")])
+@pytest.mark.parametrize("m,k,n,norm", [(77, 128, 512, "rms")])
 def test_forward_interpret_delay_release(m, k, n, norm):
   """One WGMMA left in flight across K steps (TileConfig.delay_release), with one and with
   several N tiles per CTA, race detection on."""
@@ -174,11 +174,8 @@ def test_forward_interpret_delay_release(m, k, n, norm):
 @pytest.mark.parametrize("m,k,n,norm,use,delay,stages,extras", [
     (300, 256, 256, "layer", ("scale", "bias"), 1, 3, False),  # 3 stages over 4 K steps
     (77, 128, 512, "rms", ("scale",), 1, 2, True),  # 2 N tiles per CTA: two-pass epilogue
-    (300, 64, 768, "layer", ("dense_bias", "scale", "residual"), 0, 2, True),  # 4 tiles, 1 step
-    (520, 192, 64, "rms", ("bias", "residual"), 1, 2, True),  # 256-row CTA tiles (tile_n 64)
     # 2 N tiles per CTA with 3 stages over 8 steps per row block (the configuration measured
-    # slow on the H200, benchmarks/NOTES.md session 8), with and without the delay.
-    (300, 256, 512, "layer", ("scale", "bias"), 0, 3, False),
+    # slow on the H200, benchmarks/NOTES.md session 8).
     (300, 256, 512, "layer", ("scale", "bias"), 1, 3, False),
 ])
 def test_forward_interpret_ring(m, k, n, norm, use, delay, stages, extras):
@@ -278,13 +275,13 @@ def test_norm_backward_xla_matches_autodiff_f32(norm, m, n, mean_offset):
   and rstd (never rebuilt from y / γ, which has zeros), against jax.vjp of the f32 reference
   norm of h; rows of mean 1e3 too."""
   h, dy, dh_out, scale, xhat, rstd = _norm_backward_cases(m + n, m, n, norm, mean_offset)
-  dh, col = mn_xla.norm_backward(norm, dy, dh_out, xhat, rstd, scale, ("dscale", "dbias"))
+  dh, col = jax.jit(functools.partial(mn_xla.norm_backward, norm, sums=("dscale", "dbias")))(
+      dy, dh_out, xhat, rstd, scale)
   norm_fn = reference.layer_norm if norm == "layer" else reference.rms_norm
   bias = jnp.zeros((n,), jnp.float32)
   f = ((lambda h, s, b: norm_fn(h, s, b, eps=1e-6)) if norm == "layer"
        else (lambda h, s, b: norm_fn(h, s, eps=1e-6) + b))
-  _, vjp = jax.vjp(f, h, scale, bias)
-  want_dh, want_dscale, want_dbias = vjp(dy)
+  want_dh, want_dscale, want_dbias = jax.jit(lambda *a: jax.vjp(f, *a)[1](dy))(h, scale, bias)
   for name, g, r in (("dh", dh, want_dh + dh_out), ("dscale", col["dscale"], want_dscale),
                      ("dbias", col["dbias"], want_dbias)):
     assert np.all(np.isfinite(g)), name
@@ -389,9 +386,8 @@ def test_kernel_lowers_for_hopper(monkeypatch):
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
   _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16
-  for m, k, n, norm in [(300, 64, 256, "layer"), (1000, 128, 512, "rms"),
-                        (4096, 64, 1024, "layer"), (65536, 512, 2048, "layer"),
-                        (4096, 128, 3072, "rms"), (16384, 256, 8192, "layer")]:
+  for m, k, n, norm in [(1000, 128, 512, "rms"), (65536, 512, 2048, "layer"),
+                        (16384, 256, 8192, "layer")]:  # clusters of 2, 8, and 8 × 4 N tiles
     structs = [jax.ShapeDtypeStruct(s, d) for s, d in [((m, k), bf), ((k, n), bf), ((n,), bf),
                                                        ((m, n), bf), ((n,), bf), ((n,), bf)]]
 
@@ -403,8 +399,7 @@ def test_kernel_lowers_for_hopper(monkeypatch):
     assert "mosaic_gpu" in text, (m, k, n)
 
 
-@pytest.mark.parametrize("exchange,n,norm", [
-    ("push", 1024, "rms"), ("push", 8192, "rms")])
+@pytest.mark.parametrize("exchange,n,norm", [("push", 1024, "rms")])
 def test_exchange_variants_lower_for_hopper(monkeypatch, exchange, n, norm):
   """The "push" exchange also lowers for sm_90a with clusters of 4 and 8 (and 4 N tiles per
   CTA), where the default takes pull."""

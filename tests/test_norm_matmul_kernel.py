@@ -86,7 +86,6 @@ FORWARD_CASES = [
     # m, k, n, dtype, norm, mu, affine, config
     (1, 64, 64, jnp.bfloat16, "rms", 0.0, True, None),
     (77, 192, 128, jnp.bfloat16, "layer", 1e3, True, None),
-    (256, 128, 192, jnp.float16, "rms", 0.0, True, None),
     (77, 128, 64, jnp.float16, "layer", 1e3, False, None),
     (256, 64, 128, jnp.bfloat16, "layer", 0.0, True, None),
     # several tiles per CTA (2 CTAs in interpret mode), partial N tile (N = 320, tile_n = 192)
@@ -104,7 +103,6 @@ FORWARD_CASES = [
     # the in-loop statistics (rms, layer), and with statistics once per row block.
     (200, 256, 192, jnp.bfloat16, "layer", 1e3, True, TileConfig(
         tile_m=128, tile_n=64, max_concurrent_steps=2, delay_release=1)),
-    (77, 192, 128, jnp.float16, "rms", 0.0, False, TileConfig(delay_release=1)),
     (300, 128, 256, jnp.bfloat16, "layer", 0.0, True, TileConfig(
         tile_m=128, tile_n=64, stats_once=True, delay_release=1)),
     # K = 64: one step, so the pipeline runs without the delay (Pallas needs stages > delay).
