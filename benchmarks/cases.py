@@ -152,13 +152,10 @@ def _kernel_impl_fn(op_call: Callable, extras: dict, case: Case):
 
 
 def _our_gemm(case: Case, kernel: str):
-  """The pre-norm kernel with ``norm="none"``: our plain GEMM, forward only."""
+  """Our plain GEMM (the pre-norm kernel without statistics), forward only."""
   if case.mode != "fwd":
     raise NotImplementedError("our GEMM alone has no backward")
-  try:
-    from pallas_norm.ops import norm_matmul_mgpu
-  except ImportError as e:
-    raise NotImplementedError(f"the Mosaic GEMM is unavailable ({e})") from e
+  from pallas_norm.ops.norm_matmul import mosaic as norm_matmul_mgpu
   from pallas_norm import _dispatch
   if kernel == "mosaic" and not _dispatch.on_hopper_gpu():
     raise NotImplementedError("our GEMM needs a Hopper GPU (or --interpret)")
@@ -168,9 +165,7 @@ def _our_gemm(case: Case, kernel: str):
     raise NotImplementedError(reason)
 
   def ours(x, w):
-    return norm_matmul_mgpu.norm_matmul_fwd(x, w, None, None, norm="none", eps=1e-6,
-                                            out_dtype=x.dtype,
-                                            interpret=kernel == "interpret")[0]
+    return norm_matmul_mgpu.gemm(x, w, interpret=kernel == "interpret")
   return ours
 
 
@@ -204,7 +199,7 @@ def _norm_matmul(case: Case, kernel: str) -> Problem:
     return xs + (rand((k,), 0.1),) if norm == "layer" else xs
 
   def call(impl, x, w, scale, bias=None):
-    return pn.norm_matmul(x, w, scale, bias, norm=norm, implementation=impl)
+    return pn.norm_matmul(x, w, scale=scale, norm_bias=bias, norm=norm, implementation=impl)
 
   def ref(x, w, scale, bias=None):
     return reference.norm_matmul(x, w, scale, bias, norm=norm)
@@ -234,7 +229,8 @@ def _matmul_norm(case: Case, kernel: str) -> Problem:
 
   def call(impl, *args):
     x, w, residual, scale, bias = split(args)
-    return pn.matmul_norm(x, w, None, residual, scale, bias, norm=norm, implementation=impl)
+    return pn.matmul_norm(x, w, residual=residual, scale=scale, norm_bias=bias, norm=norm,
+                          implementation=impl)
 
   def ref(*args):
     x, w, residual, scale, bias = split(args)

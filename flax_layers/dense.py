@@ -7,7 +7,12 @@
   GEMM epilogue).
 
 Arguments follow ``flax.nnx.Linear`` (in_features, out_features, use_bias, kernel_init, ...) and
-``flax.nnx.LayerNorm`` (epsilon, use_scale, scale_init).
+``flax.nnx.LayerNorm`` (epsilon, use_scale, scale_init): ``bias`` is the dense layer's bias, as in
+``nnx.Linear``, and ``norm_bias`` the norm's β. Both layers default to LayerNorm, as
+``flax.nnx.LayerNorm`` is the norm Flax users reach for; pass ``norm="rms"`` for RMSNorm. As every
+Flax layer, a call returns one array; ``DenseNorm(..., return_h=True)`` (like
+:class:`flax_layers.RMSNorm` and :class:`flax_layers.LayerNorm`) also returns the pre-norm
+residual stream.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class NormDense(nnx.Module):
 
   Args:
     in_features: K. out_features: N. Positive integers (Python or NumPy ints).
-    norm: "rms" (default) or "layer".
+    norm: "layer" (default, as :class:`DenseNorm`) or "rms".
     epsilon: positive float of the norm (default 1e-6); stored as a Python float.
     use_scale: create ``norm_scale`` (K,) (gamma). use_norm_bias: create ``norm_bias`` (K,)
       (beta); default True for "layer", False for "rms".
@@ -63,7 +68,7 @@ class NormDense(nnx.Module):
     inputs, and NotImplementedError for a kernel implementation that does not exist.
   """
 
-  def __init__(self, in_features: int, out_features: int, *, norm: str = "rms",
+  def __init__(self, in_features: int, out_features: int, *, norm: str = "layer",
                epsilon: float = 1e-6, use_scale: bool = True, use_norm_bias: bool | None = None,
                use_bias: bool = True, dtype=None, param_dtype=jnp.float32,
                kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros,
@@ -92,7 +97,7 @@ class NormDense(nnx.Module):
     x_dtype = x.dtype
     x, kernel, scale, norm_bias, bias = _common.cast(cd, x, *params)
     with _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd, params):
-      y = pallas_norm.norm_matmul(x, kernel, scale, norm_bias, norm=self.norm,
+      y = pallas_norm.norm_matmul(x, kernel, scale=scale, norm_bias=norm_bias, norm=self.norm,
                                   eps=self.epsilon, implementation=self.implementation)
     return y if bias is None else y + bias
 
@@ -103,7 +108,8 @@ class DenseNorm(nnx.Module):
 
   Args:
     in_features: K. out_features: N. Positive integers (Python or NumPy ints).
-    norm: "layer" (default) or "rms". epsilon: positive float (default 1e-6).
+    norm: "layer" (default, as :class:`NormDense`) or "rms". epsilon: positive float (default
+      1e-6).
     use_bias: create the dense ``bias`` (N,), added before the norm.
     use_scale: create ``norm_scale`` (N,). use_norm_bias: create ``norm_bias`` (N,); default
       True for "layer", False for "rms".
@@ -151,6 +157,6 @@ class DenseNorm(nnx.Module):
                                   residual=residual)
     x, residual, kernel, bias, scale, norm_bias = _common.cast(cd, x, residual, *params)
     with hint:
-      return pallas_norm.matmul_norm(x, kernel, bias, residual, scale, norm_bias,
-                                     norm=self.norm, eps=self.epsilon, return_h=return_h,
-                                     implementation=self.implementation)
+      return pallas_norm.matmul_norm(x, kernel, dense_bias=bias, residual=residual, scale=scale,
+                                     norm_bias=norm_bias, norm=self.norm, eps=self.epsilon,
+                                     return_h=return_h, implementation=self.implementation)

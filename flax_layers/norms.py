@@ -2,7 +2,9 @@
 :func:`pallas_norm.layer_norm` (DESIGN.md, op 5).
 
 Arguments and parameter names follow ``flax.nnx.RMSNorm`` / ``flax.nnx.LayerNorm`` (``scale``,
-``bias``); the layers add ``implementation=`` and a fused residual add.
+``bias``); the layers add ``implementation=`` and a fused residual add. As every Flax layer, a
+call returns one array, also with a residual; ``return_h=True`` also returns the new residual
+stream ``h = x + residual``, as :class:`flax_layers.DenseNorm` does.
 """
 
 from __future__ import annotations
@@ -12,6 +14,14 @@ from flax import nnx
 
 import pallas_norm
 from flax_layers import _common
+from pallas_norm import _validate
+
+
+def _outputs(out, x, residual, return_h: bool):
+  """y, or (y, h): the ops return (y, h) exactly when a residual is given."""
+  _validate.flag("return_h", return_h)
+  y, h = out if residual is not None else (out, x)
+  return (y, h) if return_h else y
 
 
 class RMSNorm(nnx.Module):
@@ -52,15 +62,17 @@ class RMSNorm(nnx.Module):
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
                   if use_scale else None)
 
-  def __call__(self, x, residual=None):
-    """x: (..., N). Returns y (..., N) in the compute dtype; with ``residual`` (x's shape) the
-    tuple ``(y, x + residual)``, the sum being the new residual stream."""
+  def __call__(self, x, residual=None, return_h: bool = False):
+    """x: (..., N); residual: optional, x's shape, added before the norm. Returns y (..., N) in
+    the compute dtype, or ``(y, h)`` with ``return_h`` (h = x + residual, the new residual
+    stream; h = x without a residual)."""
     _common.check_last_dim(type(self).__name__, x, "num_features", self.num_features)
     scale = _common.value(self.scale)
     cd = _common.compute_dtype(self.dtype, x, residual, scale)
     x, residual, scale = _common.cast(cd, x, residual, scale)
-    return pallas_norm.rms_norm(x, scale, residual, eps=self.epsilon,
-                                implementation=self.implementation)
+    out = pallas_norm.rms_norm(x, scale, residual, eps=self.epsilon,
+                               implementation=self.implementation)
+    return _outputs(out, x, residual, return_h)
 
 
 class LayerNorm(nnx.Module):
@@ -87,11 +99,12 @@ class LayerNorm(nnx.Module):
     self.bias = (_common.param(rngs, bias_init, (num_features,), param_dtype)
                  if use_bias else None)
 
-  def __call__(self, x, residual=None):
-    """x: (..., N). Returns y, or ``(y, x + residual)`` with ``residual``, as :class:`RMSNorm`."""
+  def __call__(self, x, residual=None, return_h: bool = False):
+    """x: (..., N). Returns y, or ``(y, h)`` with ``return_h``, as :class:`RMSNorm`."""
     _common.check_last_dim(type(self).__name__, x, "num_features", self.num_features)
     scale, bias = _common.value(self.scale), _common.value(self.bias)
     cd = _common.compute_dtype(self.dtype, x, residual, scale, bias)
     x, residual, scale, bias = _common.cast(cd, x, residual, scale, bias)
-    return pallas_norm.layer_norm(x, scale, bias, residual, eps=self.epsilon,
-                                  implementation=self.implementation)
+    out = pallas_norm.layer_norm(x, scale, bias, residual, eps=self.epsilon,
+                                 implementation=self.implementation)
+    return _outputs(out, x, residual, return_h)

@@ -15,7 +15,10 @@ those names:
   debug level.
 * a sequence, e.g. ``("interpret", "xla")``: the first name that can run the call, in order
   (unlike None, regardless of speed). A model passes one to all its layers to get the kernels
-  wherever their shapes fit and XLA elsewhere.
+  wherever their shapes fit and XLA elsewhere. A kernel skipped for a reason of the process
+  rather than of the call (not a Hopper GPU, too few CPU threads for interpret mode,
+  ``jax_enable_x64``) is reported by a :class:`KernelSkippedWarning`, once per op, kernel and
+  reason per process: a user who asked for the kernel learns that it did not run.
 
 An op with kernels passes ``unsupported_reason(candidate)`` to :func:`choose`: None when the
 kernel implementation ``candidate`` ("mosaic" or "interpret") can run the call, or a string
@@ -27,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import warnings
 from typing import Callable
 
 import jax
@@ -36,6 +40,14 @@ INTERPRET_MIN_CPU_THREADS = 8
 """The CPU client threads GPU interpret mode needs (``PJRT_NPROC``): the kernels here run at most
 3 warpgroups per CTA, each as a CPU computation blocking on the others."""
 log = logging.getLogger("pallas_norm")
+
+
+class KernelSkippedWarning(RuntimeWarning):
+  """A kernel named in an ``implementation`` sequence cannot run in this process (its setup,
+  not the call's shapes), so a later name of the sequence ran instead."""
+
+
+_warned: set = set()  # (op, candidate, reason) already reported by a KernelSkippedWarning
 
 
 def check_implementation(implementation):
@@ -102,12 +114,16 @@ def choose(op: str, implementation,
   if implementation is None:
     return _choose_default(op, unsupported_reason, slower_reason)
   candidates = (implementation,) if isinstance(implementation, str) else implementation
-  reasons = []
+  reasons, skipped = [], []
   for candidate in candidates:
     reason = _cannot_run_reason(op, candidate, unsupported_reason)
     if reason is None:
+      if reasons:
+        _warn_skipped(op, candidate, skipped)
       return candidate
     reasons.append(f"{candidate!r}: {reason}")
+    if unsupported_reason is not None and reason in _process_reasons(candidate):
+      skipped.append((reasons[-1], reason))
   if candidates == ("interpret",) and unsupported_reason is not None and (
       not jax.config.jax_enable_x64) and unsupported_reason("interpret") is None:
     raise RuntimeError(f"{op}: implementation='interpret' cannot run here: {reasons[0]}")
@@ -121,6 +137,27 @@ X64_REASON = ("jax_enable_x64 is on: the Mosaic kernels are traced with int32 in
 the kernels failed inside their tracing under x64 since they were written)."""
 
 
+NOT_HOPPER_REASON = ("the default JAX device is not a Hopper GPU (sm_90a); use 'interpret' to run "
+                     "the kernel on another backend, or 'xla'")
+
+
+def _process_reasons(candidate: str) -> tuple:
+  """The reasons ``candidate`` cannot run that come from the process, not from the call."""
+  return (X64_REASON, NOT_HOPPER_REASON, interpret_threads_reason() if candidate == "interpret"
+          else None)
+
+
+def _warn_skipped(op: str, ran: str, skipped) -> None:
+  """One :class:`KernelSkippedWarning` per (op, kernel, reason) and process."""
+  for described, reason in skipped:
+    key = (op, described.split(":")[0], reason)
+    if key in _warned:
+      continue
+    _warned.add(key)
+    warnings.warn(f"{op}: implementation {described}; ran {ran!r} instead (reported once per "
+                  "process)", KernelSkippedWarning, stacklevel=4)
+
+
 def _cannot_run_reason(op: str, candidate: str, unsupported_reason) -> str | None:
   if candidate == "xla":
     return None
@@ -130,8 +167,7 @@ def _cannot_run_reason(op: str, candidate: str, unsupported_reason) -> str | Non
     return X64_REASON
   reason = unsupported_reason(candidate)
   if reason is None and candidate == "mosaic" and not on_hopper_gpu():
-    reason = ("the default JAX device is not a Hopper GPU (sm_90a); use 'interpret' to run the "
-              "kernel on another backend, or 'xla'")
+    reason = NOT_HOPPER_REASON
   if reason is None and candidate == "interpret":
     reason = interpret_threads_reason()
   return reason

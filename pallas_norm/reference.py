@@ -157,9 +157,10 @@ def _einsum(spec, a, b):
   return _contract(lambda x, y, **kw: jnp.einsum(spec, x, y, **kw), a, b)
 
 
-def norm_matmul(x, w, scale=None, bias=None, *, norm="rms", eps=1e-6, out_dtype=None,
+def norm_matmul(x, w, scale=None, norm_bias=None, *, norm="rms", eps=1e-6, out_dtype=None,
                 return_stats=False):
-  """Pre-norm GEMM ``y = norm(x)·scale (+ bias) @ w``; x (..., K), w (K, N), scale/bias (K,).
+  """Pre-norm GEMM ``y = (norm(x)·scale + norm_bias) @ w``; x (..., K), w (K, N), scale and
+  norm_bias (K,) (γ and β of the norm).
 
   ``norm(x)`` is rounded to the operands' dtype before the product, as an unfused XLA program
   does. Returns ``y`` (..., N), or ``(y, NormStats)`` with ``return_stats``.
@@ -167,16 +168,16 @@ def norm_matmul(x, w, scale=None, bias=None, *, norm="rms", eps=1e-6, out_dtype=
   sdt = _stat_dtype(x.dtype)
   xf = x.astype(sdt)
   stats = _row_stats(xf, norm, eps)
-  xn = _normalize(xf, stats, scale, bias, False).astype(jnp.result_type(x.dtype, w.dtype))
+  xn = _normalize(xf, stats, scale, norm_bias, False).astype(jnp.result_type(x.dtype, w.dtype))
   y = _dot(xn, w).astype(out_dtype or x.dtype)
   return (y, stats) if return_stats else y
 
 
-def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, norm="layer",
-                eps=1e-6, out_dtype=None, return_h=False, return_stats=False):
-  """Post-norm GEMM: ``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale (+ bias)``.
+def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, norm_bias=None, *,
+                norm="layer", eps=1e-6, out_dtype=None, return_h=False, return_stats=False):
+  """Post-norm GEMM: ``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale (+ norm_bias)``.
 
-  x (..., K), w (K, N), dense_bias/scale/bias (N,), residual (..., N). The GEMM is rounded to
+  x (..., K), w (K, N), dense_bias/scale/norm_bias (N,), residual (..., N). The GEMM is rounded to
   the operands' dtype as plain JAX writes it (:func:`_contract`; for 16-bit operands a float16
   product past 65504 is inf, where the kernels keep the float32 accumulator), then ``h`` is
   float32 for the statistics. Returns ``y``; with ``return_h`` and/or
@@ -189,7 +190,7 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, 
   if residual is not None:
     h = h + residual.astype(h.dtype)
   stats = _row_stats(h, norm, eps)
-  y = _normalize(h, stats, scale, bias, False).astype(out_dtype)
+  y = _normalize(h, stats, scale, norm_bias, False).astype(out_dtype)
   if not (return_h or return_stats):
     return y
   out = (y,)

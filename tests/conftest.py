@@ -1,5 +1,6 @@
 """Shared pytest setup: the `gpu` marker skips unless a Hopper GPU is the default device."""
 
+import gc
 import os
 import pathlib
 
@@ -16,6 +17,17 @@ from pallas_norm import _dispatch  # noqa: E402
 # (the tests that read them skip without them).
 DATA_DIR = pathlib.Path(os.environ.get(
     "PALLAS_NORM_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """Frees JAX's compiled programs and arrays while the session still runs. Under pytest-xdist a
+  worker still busy 5 s after the controller's shutdown message gets a SIGINT from execnet; the
+  worker's teardown spent that time collecting JAX garbage, so the SIGINT landed in JAX's
+  garbage-collection callback and printed a KeyboardInterrupt traceback after a passing run."""
+  del session, exitstatus
+  import jax  # noqa: PLC0415
+  jax.clear_caches()
+  gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -112,7 +112,7 @@ def test_quick_interpret_suite_writes_checked_results(tmp_path):
 
 def _scaled_norm_matmul(case):
   del case
-  return lambda x, w, scale: 1.1 * pn.norm_matmul(x, w, scale, implementation="xla")
+  return lambda x, w, scale: 1.1 * pn.norm_matmul(x, w, scale=scale, implementation="xla")
 
 
 def _absent(case):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from pallas_norm import mgpu_common, reference
+from pallas_norm import mgpu, reference
 from pallas_norm.ops.gdpa import mosaic_bwd as gb
 
 TOL = 1e-2
@@ -102,7 +102,7 @@ def _check(lengths, capacity, heads, d, activation, *, dtype=jnp.bfloat16, lkv=N
     out = bwd(q, k, v, do, pre, post)
   out = jax.block_until_ready(out)
   if interpret:
-    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+    assert not mgpu.races_found(), "the interpreter's race detector reported a race"
   dq, dk, dv, d_pre, d_post = out
   ref, scale_terms = _reference_grads(q, k, v, q_offsets, kv_offsets, do, activation, pre,
                                       post)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import export
 
 import pallas_norm as pn
-from pallas_norm import jagged, mgpu_common, reference
+from pallas_norm import jagged, mgpu, reference
 from pallas_norm.ops.gdpa import configs, mosaic
 
 TOL = 2e-2
@@ -63,7 +63,7 @@ def _check(q, k, v, q_offsets, kv_offsets, *, activation="fast_gelu", pre_scale=
                         out_dtype=out_dtype, config=config, interpret=interpret)
   out = jax.block_until_ready(out)
   if interpret:
-    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+    assert not mgpu.races_found(), "the interpreter's race detector reported a race"
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   max_seq_len = max(1, int(np.max(np.diff(np.asarray(q_offsets)))))  # padded oracle: small
   ref = reference.gdpa(f32(q), f32(k), f32(v), q_offsets, kv_offsets, activation=activation,

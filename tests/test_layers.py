@@ -284,12 +284,24 @@ def test_layer_norm_matches_reference_and_flax():
 
 
 @pytest.mark.parametrize("make", [_rms, _ln])
-def test_norm_residual_returns_sum(make):
+def test_norm_residual_returns_y_and_the_sum_on_request(make):
+  """As every Flax layer (and DenseNorm), a call returns one array, also with a residual;
+  return_h=True adds the new residual stream x + residual."""
   layer = make()
   x, r = _x(3, (4, N)), _x(4, (4, N))
-  y, s = layer(x, residual=r)
-  np.testing.assert_allclose(s, x + r, **F32_TOL)
+  y = layer(x, residual=r)
+  assert not isinstance(y, tuple)
   np.testing.assert_allclose(y, layer(x + r), **F32_TOL)
+  y2, s = layer(x, residual=r, return_h=True)
+  np.testing.assert_allclose(s, x + r, **F32_TOL)
+  np.testing.assert_array_equal(y2, y)
+  np.testing.assert_array_equal(layer(x, return_h=True)[1], x)
+
+
+def test_dense_layers_default_to_the_same_norm():
+  """NormDense and DenseNorm both default to LayerNorm (they used to differ: rms / layer)."""
+  rngs = nnx.Rngs(0)
+  assert NormDense(K, N, rngs=rngs).norm == DenseNorm(K, N, rngs=rngs).norm == "layer"
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])

@@ -13,9 +13,10 @@ from jax import export
 import numpy as np
 import pytest
 
-from pallas_norm import mgpu_common
-from pallas_norm.ops import matmul_norm as mn
-from pallas_norm.ops import matmul_norm_bwd_mgpu as mb
+from pallas_norm import mgpu
+from pallas_norm.ops.matmul_norm import api as mn
+from pallas_norm.ops.matmul_norm import mosaic_bwd as mb
+from pallas_norm.ops.matmul_norm import xla as mn_xla
 
 ALL_SUMS = ("dscale", "dbias", "ddense")
 DH_TOL = {jnp.dtype(jnp.bfloat16): 2 ** -8, jnp.dtype(jnp.float16): 2 ** -10}
@@ -66,10 +67,10 @@ def _check(out, oracle, sums, dtype):
                                err_msg=name)
 
 
-def _run(args, norm, sums, interpret, split=None):
+def _run(args, norm, sums, interpret):
   dy, xhat, rstd, scale, dh_out = args
   out = mb.norm_backward(dy, xhat, rstd, scale, dh_out, norm=norm, sums=sums,
-                         interpret=interpret, split=split)
+                         interpret=interpret)
   jax.block_until_ready(out)
   return out
 
@@ -78,18 +79,17 @@ def _run(args, norm, sums, interpret, split=None):
 # Interpret mode (CPU).
 
 
-@pytest.mark.parametrize("split", mb.SPLITS)
 @pytest.mark.parametrize("m,n,norm,scale,dh_out,sums", [
-    (1, 64, "rms", False, False, ()),  # one row, one chunk ("cols": warpgroup 1 has none)
-    (77, 192, "layer", True, True, ALL_SUMS),  # tail rows; "cols": the last step half past N
+    (1, 64, "rms", False, False, ()),  # one row, one chunk (warpgroup 1 has none)
+    (77, 192, "layer", True, True, ALL_SUMS),  # tail rows; the last step half past N
     (300, 128, "rms", True, False, ("dscale",)),  # row blocks not a multiple of the CTAs
     (512, 128, "layer", False, True, ("ddense", "dbias")),  # the stage ring wraps; sum order
     (256, 64, "layer", True, False, ("dbias",)),
 ])
-def test_interpret_matches_oracle(m, n, norm, scale, dh_out, sums, split):
+def test_interpret_matches_oracle(m, n, norm, scale, dh_out, sums):
   args = _inputs(m + n, m, n, scale=scale, dh_out=dh_out)
-  out = _run(args, norm, sums, interpret=True, split=split)
-  assert not mgpu_common.races_found()
+  out = _run(args, norm, sums, interpret=True)
+  assert not mgpu.races_found()
   _check(out, _oracle(*args, norm), sums, jnp.bfloat16)
 
 
@@ -97,7 +97,7 @@ def test_interpret_two_accumulators_per_sum():
   """N = 4160: 65 chunks, so chunk 64 of the sum lands in row 0 of its second accumulator."""
   args = _inputs(3, 24, 4160)
   out = _run(args, "rms", ("dscale",), interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check(out, _oracle(*args, "rms"), ("dscale",), jnp.bfloat16)
 
 
@@ -118,7 +118,7 @@ def test_column_sums_keep_float32_accuracy():
 def test_interpret_float16():
   args = _inputs(5, 130, 128, jnp.float16, dh_out=True)
   out = _run(args, "layer", ALL_SUMS, interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check(out, _oracle(*args, "layer"), ALL_SUMS, jnp.float16)
 
 
@@ -134,7 +134,7 @@ def test_column_sums_as_accurate_as_xla(dtype):
   _, partials = mb.norm_backward(*args, norm="layer", sums=sums, interpret=True)
   got = np.asarray(partials, np.float64).sum(axis=(0, 1))
   _, want = _oracle(*args, "layer")
-  _, xla = mn._norm_backward_xla("layer", dy, dh_out, xhat, rstd, scale, sums)
+  _, xla = mn_xla.norm_backward("layer", dy, dh_out, xhat, rstd, scale, sums)
   for i, name in enumerate(sums):
     rel = lambda v, w=want[name]: np.max(np.abs(np.asarray(v, np.float64) - w)) / np.max(np.abs(w))  # noqa: E731
     assert rel(got[i]) <= 2 * rel(xla[name]) + 1e-7, (name, rel(got[i]), rel(xla[name]))
@@ -197,7 +197,6 @@ def test_bad_arguments_raise(change, match):
 
 @pytest.mark.parametrize("change,error,match", [
     (dict(sums=None), ValueError, "sums must be"),
-    (dict(split="diagonal"), ValueError, "split must be"),
     (dict(dy="list"), TypeError, "dy must be an array"),
     (dict(rstd="complex"), TypeError, "rstd must be a real float"),
 ])
@@ -208,8 +207,7 @@ def test_bad_argument_types_raise(change, error, match):
   if change.get("rstd") == "complex":
     rstd = rstd.astype(jnp.complex64)
   with pytest.raises(error, match=match):
-    mb.norm_backward(dy, xhat, rstd, norm="rms", sums=change.get("sums", ()),
-                     split=change.get("split"), interpret=True)
+    mb.norm_backward(dy, xhat, rstd, norm="rms", sums=change.get("sums", ()), interpret=True)
 
 
 @pytest.mark.parametrize("m,n,dtype,n_sums,match", [
@@ -255,15 +253,16 @@ def _spy(monkeypatch):
 def _grads(x, w, vecs, residual, dy, dh_ct, norm, impl):
   def loss(x, w, residual, *vs):
     dense, scale, bias = vs
-    y, h = mn.matmul_norm(x, w, dense, residual, scale, bias, norm=norm, return_h=True,
-                          implementation=impl)
+    y, h = mn.matmul_norm(x, w, dense_bias=dense, residual=residual, scale=scale, norm_bias=bias,
+                          norm=norm, return_h=True, implementation=impl)
     return (jnp.sum(y.astype(jnp.float32) * dy) + jnp.sum(h.astype(jnp.float32) * dh_ct))
   return jax.grad(loss, argnums=tuple(range(6)))(x, w, residual, *vecs)
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
-  """Same kernel forward; backward by the norm kernel vs by XLA (NORM_BACKWARD_KERNEL off)."""
+  """Same kernel forward; backward by the norm kernel vs by XLA's passes (what the op runs where
+  the kernel does not take the shape, forced here)."""
   m, k, n = 80, 64, 128
   ks = jax.random.split(jax.random.key(11), 8)
   bf = jnp.bfloat16
@@ -274,11 +273,10 @@ def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
   dy = jax.random.normal(ks[6], (m, n), jnp.float32)
   dh_ct = jax.random.normal(ks[7], (m, n), jnp.float32)
   calls = _spy(monkeypatch)
-  monkeypatch.setattr(mn, "NORM_BACKWARD_KERNEL", True)
   got = _grads(x, w, vecs, residual, dy, dh_ct, norm, "interpret")
   assert calls == [ALL_SUMS]
-  assert not mgpu_common.races_found()
-  monkeypatch.setattr(mn, "NORM_BACKWARD_KERNEL", False)
+  assert not mgpu.races_found()
+  monkeypatch.setattr(mn, "_norm_backward_kernel_reason", lambda *_: "forced off")
   want = _grads(x, w, vecs, residual, dy, dh_ct, norm, "interpret")
   assert len(calls) == 1
   for i, (g, r) in enumerate(zip(got, want)):
@@ -294,7 +292,7 @@ def test_op_backward_default_uses_kernel_for_both_norms(monkeypatch, norm, used)
   w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / 8).astype(jnp.bfloat16)
   scale = jnp.ones((n,), jnp.float32)
   calls = _spy(monkeypatch)
-  jax.grad(lambda s: jnp.sum(mn.matmul_norm(x, w, None, None, s, None, norm=norm,
+  jax.grad(lambda s: jnp.sum(mn.matmul_norm(x, w, scale=s, norm=norm,
                                             implementation="interpret").astype(jnp.float32)))(
       scale)
   assert calls == ([("dscale",)] if used else [])
@@ -354,7 +352,6 @@ def test_lowers_for_hopper(m, n, norm, scale, dh_out, sums):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", mb.SPLITS)
 @pytest.mark.parametrize("m,n,norm,scale,dh_out,sums", [
     (262144, 512, "layer", True, True, ALL_SUMS),
     (262144, 512, "rms", True, False, ("dscale",)),
@@ -364,10 +361,10 @@ def test_lowers_for_hopper(m, n, norm, scale, dh_out, sums):
     (1024, 8192, "rms", True, False, ("dscale",)),
     (2048 + 8, 4160, "rms", True, False, ("dscale",)),  # N % 128 = 64, two accumulators
 ])
-def test_gpu_matches_oracle(m, n, norm, scale, dh_out, sums, split):
+def test_gpu_matches_oracle(m, n, norm, scale, dh_out, sums):
   args = _inputs(m, m, n, scale=scale, dh_out=dh_out)
-  out = _run(args, norm, sums, interpret=False, split=split)
-  again = _run(args, norm, sums, interpret=False, split=split)
+  out = _run(args, norm, sums, interpret=False)
+  again = _run(args, norm, sums, interpret=False)
   _check(out, _oracle(*args, norm), sums, jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(again[0]))
   if sums:

@@ -4,9 +4,9 @@
   with clusters of one CTA, one N tile (N ≤ 256) or a loop over up to 4 N tiles, forward
   against ``reference.matmul_norm`` in f32 and the backward through the custom_vjp on top of the
   interpret-mode forward.
-* CPU, XLA: the custom_vjp backward with the kernel's epilogue math in XLA as the forward
-  ("xla_epilogue"), in f32 against JAX's autodiff of the reference (chex), and the determinism of
-  the column sums.
+* CPU, XLA: the backward's norm part in XLA (what the kernel paths run where the norm-backward
+  kernel does not take the shape) in f32 against JAX's autodiff of the reference norm, and the
+  determinism of the column sums.
 * ``@pytest.mark.gpu``: clusters of 2-8 CTAs (the distributed-shared-memory exchange, which
   interpret mode cannot run), real M, N up to 8192 in the kernel and the XLA fallback beyond.
 """
@@ -34,9 +34,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pallas_norm import mgpu_common, reference  # noqa: E402
-from pallas_norm.ops import matmul_norm as mn  # noqa: E402
-from pallas_norm.ops import matmul_norm_mgpu as mk  # noqa: E402
+from pallas_norm import mgpu, reference  # noqa: E402
+from pallas_norm.ops.matmul_norm import api as mn  # noqa: E402
+from pallas_norm.ops.matmul_norm import mosaic as mk  # noqa: E402
+from pallas_norm.ops.matmul_norm import xla as mn_xla  # noqa: E402
 
 # Outputs rounded to bf16 (8 significant bits) / f16 (11): max error relative to max |value|.
 OUT_TOL = {jnp.dtype(jnp.bfloat16): 8e-3, jnp.dtype(jnp.float16): 1.5e-3}
@@ -76,6 +77,14 @@ def _reference(args, norm):
 def _rel_err(got, want):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+
+
+def _pretend_132_sms(monkeypatch):
+  """Lowering for "cuda" on a machine without a GPU: an H100/H200's 132 SMs (2 CTAs in interpret
+  mode), wherever the kernels read the count."""
+  fake = lambda interpret: 2 if interpret else 132  # noqa: E731
+  monkeypatch.setattr(mgpu, "num_sms", fake)
+  monkeypatch.setattr(mgpu.device, "num_sms", fake)
 
 
 def _interpret_can_run():
@@ -145,11 +154,11 @@ def test_forward_interpret(m, k, n, norm, use, dtype, return_h, return_xhat, ret
   args = _pick(args, use)
   out = _run_kernel(args, norm, return_h=return_h, return_xhat=return_xhat,
                     return_stats=return_stats, interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check_forward(out, args, norm, jnp.dtype(dtype), return_h, return_xhat, return_stats)
 
 
-@pytest.mark.parametrize("m,k,n,norm", [(300, 192, 256, "layer"), (77, 128, 512, "rms")])
+@pytest.mark.parametrize("m,k,n,norm", [(77, 128, 512, "rms")])
 def test_forward_interpret_delay_release(m, k, n, norm):
   """One WGMMA left in flight across K steps (TileConfig.delay_release), with one and with
   several N tiles per CTA, race detection on."""
@@ -158,18 +167,15 @@ def test_forward_interpret_delay_release(m, k, n, norm):
   cfg = dataclasses.replace(mk.pick_config(m, k, n), delay_release=1)
   out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True,
                     interpret=True, config=cfg)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
 
 
 @pytest.mark.parametrize("m,k,n,norm,use,delay,stages,extras", [
     (300, 256, 256, "layer", ("scale", "bias"), 1, 3, False),  # 3 stages over 4 K steps
     (77, 128, 512, "rms", ("scale",), 1, 2, True),  # 2 N tiles per CTA: two-pass epilogue
-    (300, 64, 768, "layer", ("dense_bias", "scale", "residual"), 0, 2, True),  # 4 tiles, 1 step
-    (520, 192, 64, "rms", ("bias", "residual"), 1, 2, True),  # 256-row CTA tiles (tile_n 64)
     # 2 N tiles per CTA with 3 stages over 8 steps per row block (the configuration measured
-    # slow on the H200, benchmarks/NOTES.md session 8), with and without the delay.
-    (300, 256, 512, "layer", ("scale", "bias"), 0, 3, False),
+    # slow on the H200, benchmarks/NOTES.md session 8).
     (300, 256, 512, "layer", ("scale", "bias"), 1, 3, False),
 ])
 def test_forward_interpret_ring(m, k, n, norm, use, delay, stages, extras):
@@ -182,195 +188,22 @@ def test_forward_interpret_ring(m, k, n, norm, use, delay, stages, extras):
                             max_concurrent_steps=stages)
   vecs = tuple(v for v in ("dense_bias", "scale", "bias") if v in use)
   plan = mk._make_plan((m, k), n, jnp.bfloat16, jnp.bfloat16, norm, 1e-5, vecs,
-                       "residual" in use, extras, extras, extras, cfg, True, False)
+                       "residual" in use, extras, extras, extras, cfg, True)
   assert plan.stages == stages and plan.delay_release == delay and not plan.chained
   out = _run_kernel(args, norm, return_h=extras, return_xhat=extras, return_stats=extras,
                     interpret=True, config=cfg)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), extras, extras, extras)
 
 
-@pytest.mark.parametrize("m,k,n,norm,use,delay,extras", [
-    # 3 row blocks on 2 CTAs: one CTA finishes a deferred block and its last one, the other
-    # has a single row block (stash and finish in the same iteration).
-    (300, 128, 256, "layer", ALL, 0, True),
-    # 6 row blocks, 3 per CTA: both io / statistics buffers reused, residual in the K loop.
-    (700, 64, 192, "rms", ("dense_bias", "scale", "residual"), 1, True),
-    # No residual: the stash waits for the y stores of two row blocks back.
-    (600, 128, 256, "layer", ("scale", "bias"), 1, True),
-    (520, 192, 64, "layer", ("bias", "residual"), 0, False),  # 256-row CTA tiles (tile_n 64)
-])
-def test_forward_interpret_deferred(m, k, n, norm, use, delay, extras):
-  """TileConfig.deferred_norm: each row block is normalized after the next one's K loop from a
-  centered bfloat16 copy (rows with a large mean: mean_offset), on two alternating buffers; race
-  detection on."""
-  args, _ = _inputs(m * 3 + k + n, m, k, n, jnp.bfloat16, mean_offset=30.0)
-  args = _pick(args, use)
-  cfg = dataclasses.replace(mk.pick_config(m, k, n), deferred_norm=True, tile_k=32,
-                            delay_release=delay)
-  out = _run_kernel(args, norm, return_h=extras, return_xhat=extras, return_stats=extras,
-                    interpret=True, config=cfg)
-  assert not mgpu_common.races_found()
-  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), extras, extras, extras)
-
-
-@pytest.mark.parametrize("m,k,n,norm,use,stats", [
-    # 3 row blocks on 2 CTAs; K = 128 has 2 steps for 4 chunks: the last step finishes
-    # chunks 1-3 and loads their residual chunks after their y stores.
-    (300, 128, 256, "layer", ALL, True),
-    # 6 row blocks, 3 per CTA; 8 K steps: one chunk per step, then a plain ring K loop.
-    (700, 512, 192, "rms", ("dense_bias", "scale", "residual"), True),
-    (600, 256, 256, "layer", ("scale", "bias"), False),  # no residual
-    (520, 192, 64, "layer", ("bias", "residual"), True),  # 256-row CTA tiles (tile_n 64)
-    (40, 64, 128, "rms", ("residual",), True),  # one row block: stashed and finished at once
-])
-def test_forward_interpret_overlap(m, k, n, norm, use, stats):
-  """TileConfig.overlap_norm: each row block waits in registers, centered (rows with a large
-  mean: mean_offset), and is normalized chunk by chunk during the next row block's K loop;
-  race detection on (the residual's TMA loads reuse io chunks that y chunks just left)."""
-  args, _ = _inputs(m * 5 + k + n, m, k, n, jnp.bfloat16, mean_offset=30.0)
-  args = _pick(args, use)
-  cfg = dataclasses.replace(mk.pick_config(m, k, n), overlap_norm=True)
-  assert cfg.pipeline == "ring"
-  out = _run_kernel(args, norm, return_stats=stats, interpret=True, config=cfg)
-  assert not mgpu_common.races_found()
-  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), False, False, stats)
-
-
-@pytest.mark.parametrize("change,flags,match", [
-    (dict(pipeline="pallas"), {}, "pipeline='ring'"),
-    (dict(delay_release=1), {}, "no WGMMA in flight"),
-    ({}, dict(return_h=True), "only outputs"),
-    ({}, dict(return_xhat=True), "only outputs"),
-    (dict(deferred_norm=True), {}, "choose one"),
-])
-def test_overlap_norm_refuses_what_it_cannot_do(change, flags, match):
-  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 256), jnp.bfloat16)
-  with pytest.raises(ValueError, match=match):
-    cfg = dataclasses.replace(mk.pick_config(64, 64, 256), overlap_norm=True, **change)
-    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, config=cfg, **flags)
-
-
-@pytest.mark.parametrize("change,match", [
-    (dict(pipeline="pallas"), "pipeline='ring'"),
-    (dict(tile_n=128), "one N tile per CTA"),  # N = 512 in 2 tiles of 128 in interpret mode
-])
-def test_deferred_norm_refuses_what_it_cannot_do(change, match):
-  cfg = dataclasses.replace(mk.pick_config(64, 64, 512), deferred_norm=True, **change)
-  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 512), jnp.bfloat16)
-  with pytest.raises(ValueError, match=match):
-    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, config=cfg)
-
-
-def test_deferred_norm_refuses_float16_out_and_push():
-  cfg = dataclasses.replace(mk.pick_config(64, 64, 256), deferred_norm=True)
-  x, w = jnp.ones((64, 64), jnp.float16), jnp.ones((64, 256), jnp.float16)
-  with pytest.raises(ValueError, match="bfloat16 output"):
-    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, config=cfg)
-  with pytest.raises(ValueError, match="pull exchange"):  # a cluster of 2 on a GPU
-    mk._make_plan((64, 64), 512, jnp.bfloat16, jnp.bfloat16, "rms", 1e-6, (), False, False,
-                  False, False, dataclasses.replace(mk.pick_config(64, 64, 512),
-                                                    deferred_norm=True), False, False, "push")
-
-
-def test_norm_matmul_kernels_refuse_deferred_norm():
-  from pallas_norm.ops import norm_matmul_mgpu as nmk
-  cfg = dataclasses.replace(nmk.pick_config(64, 64, 64), deferred_norm=True)
-  with pytest.raises(ValueError, match="deferred_norm"):
-    nmk._make_plan(64, 64, 64, jnp.bfloat16, jnp.bfloat16, "rms", 1e-6, False, cfg, True)
-
-
-@pytest.mark.parametrize("m,k,n,norm,use", [
-    (300, 128, 256, "layer", ALL),      # 5 row blocks of 64 on 2 CTAs: 3 and 2, alternating
-    (64, 64, 256, "rms", ("scale",)),   # one row block: the second consumer has none
-    (77, 64, 512, "layer", ALL),        # 2 N tiles per CTA: two-pass epilogue, 1-stage rings
-    (300, 64, 768, "rms", ("dense_bias", "scale", "residual")),  # 4 N tiles, 4-stage rings
-    (520, 192, 64, "layer", ("bias", "residual")),  # 128-row consumer tiles (tile_n 64)
-])
-def test_forward_interpret_pingpong(m, k, n, norm, use):
-  """Ping-pong consumers (TileConfig.pingpong): alternate row blocks per consumer warpgroup,
-  each with its own K-loop ring across its row blocks; race detection on."""
-  args, _ = _inputs(m * 3 + k + n, m, k, n, jnp.bfloat16, mean_offset=3.0)
-  args = _pick(args, use)
-  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True,
-                    interpret=True, config=mk.pingpong_config(m, k, n))
-  assert not mgpu_common.races_found()
-  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
-
-
-def test_forward_interpret_pingpong_delay_release():
-  """Ping-pong rings that release each stage a step late (one WGMMA in flight), with 2 N tiles
-  per CTA; race detection on."""
-  m, k, n = 200, 192, 512
-  args, _ = _inputs(m + k + n, m, k, n, jnp.bfloat16, mean_offset=3.0)
-  cfg = dataclasses.replace(mk.pingpong_config(m, k, n), delay_release=1)
-  out = _run_kernel(args, "layer", return_h=True, return_xhat=True, return_stats=True,
-                    interpret=True, config=cfg)
-  assert not mgpu_common.races_found()
-  _check_forward(out, args, "layer", jnp.dtype(jnp.bfloat16), True, True, True)
-
-
-def test_pingpong_plan():
-  """Ping-pong rings: stages need not divide the K steps (a ring runs across row blocks), the
-  row blocks are one warpgroup's rows, and the options it does not combine with are refused."""
-  bf = jnp.bfloat16
-  cfg = mk.pingpong_config(262144, 512, 1024)
-  plan = mk._make_plan((262144, 512), 1024, bf, bf, "layer", 1e-5, ("scale",), True, False,
-                       False, False, cfg, False, False)
-  assert plan.block_rows == 64 and plan.m_iters == 262144 // 64
-  assert plan.stages >= 2 and not plan.chained and plan.delay_release == 0
-  with pytest.raises(ValueError, match="multicast_x"):
-    mk._make_plan((262144, 512), 1024, bf, bf, "layer", 1e-5, ("scale",), True, False, False,
-                  False, cfg, False, True)
-  # A ping-pong ring can release its stages a step late (one WGMMA in flight).
-  delayed = mk._make_plan((262144, 512), 1024, bf, bf, "layer", 1e-5, ("scale",), True, False,
-                          False, False, dataclasses.replace(cfg, delay_release=1), False, False)
-  assert delayed.delay_release == 1
-
-
-@pytest.mark.parametrize("option", [dict(stats_once=True), dict(cluster_m=2),
-                                    dict(a_operand="registers"), dict(epi_slots=0),
-                                    dict(stats="reduce"), dict(grid_minor_dim="m")])
+@pytest.mark.parametrize("option", [dict(stats_once=True), dict(grid_minor_dim="m")])
 def test_options_of_other_kernels_are_refused(option):
-  """TileConfig options only the pre-norm kernels implement are refused here, with or without
-  pingpong, before any kernel runs (a review found them silently ignored)."""
-  import dataclasses
+  """TileConfig options only the pre-norm kernels implement are refused here before any kernel
+  runs (a review found them silently ignored)."""
   x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
-  for base in (mk.pick_config(64, 64, 64), mk.pingpong_config(64, 64, 64)):
-    with pytest.raises(ValueError, match=next(iter(option))):
-      mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True,
-                         config=dataclasses.replace(base, **option))
-
-
-def test_ring_refuses_multicast():
-  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
-  cfg = dataclasses.replace(mk.pick_config(64, 64, 64), pipeline="ring")
-  with pytest.raises(ValueError, match="multicast_x"):
-    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, multicast_x=True,
-                       config=cfg)
-
-
-def test_pingpong_refuses_multicast_even_for_one_cta():
-  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
-  with pytest.raises(ValueError, match="multicast_x"):
-    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True, multicast_x=True,
-                       config=mk.pingpong_config(64, 64, 64))
-
-
-@pytest.mark.parametrize("n,norm,exchange", [(256, "layer", "pull"), (512, "rms", "pull"),
-                                             (1024, "layer", "push"), (8192, "layer", "pull")])
-def test_pingpong_lowers_for_hopper(monkeypatch, n, norm, exchange):
-  """Ping-pong consumers lower for sm_90a with clusters of 1, 2, 4 and 8 (8 × 4 N tiles)."""
-  from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
-  bf = jnp.bfloat16
-  m, k = 65536 + 77, 512
-  cfg = mk.pingpong_config(m, k, n)
-  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(m, k), (k, n), (n,), (m, n), (n,), (n,)]]
-  f = jax.jit(lambda *a: mk.matmul_norm_fwd(*a, norm=norm, eps=1e-6, return_h=True,
-                                            return_xhat=True, return_stats=True, config=cfg,
-                                            exchange=exchange))
-  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
+  with pytest.raises(ValueError, match=next(iter(option))):
+    mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, interpret=True,
+                       config=dataclasses.replace(mk.pick_config(64, 64, 64), **option))
 
 
 @pytest.mark.parametrize("n", [256, 512])
@@ -380,7 +213,7 @@ def test_forward_interpret_large_row_mean(n):
   several N tiles the values kept between the passes are centered on each tile's mean."""
   args, _ = _inputs(5, 128, 64, n, jnp.bfloat16, mean_offset=1e3)
   out = _run_kernel(args, "layer", return_stats=True, return_xhat=True, interpret=True)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   _check_forward(out, args, "layer", jnp.dtype(jnp.bfloat16), False, True, True)
 
 
@@ -400,8 +233,9 @@ def test_backward_interpret(norm, use, return_h):
       out = reference.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"],
                                   a["bias"], norm=norm, return_h=return_h)
     else:
-      out = mn.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"],
-                           a["bias"], norm=norm, return_h=return_h, implementation=impl)
+      out = mn.matmul_norm(a["x"], a["w"], dense_bias=a["dense_bias"], residual=a["residual"],
+                           scale=a["scale"], norm_bias=a["bias"], norm=norm, return_h=return_h,
+                           implementation=impl)
     y, h = out if return_h else (out, None)
     total = jnp.sum(y.astype(jnp.float32) * dy)
     return total if h is None else total + jnp.sum(h.astype(jnp.float32) * dh_ct)
@@ -410,7 +244,7 @@ def test_backward_interpret(norm, use, return_h):
   _interpret_can_run()
   got = jax.grad(loss, argnums=range(1, len(vals) + 1))("interpret", *vals)
   want = jax.grad(loss, argnums=range(1, len(vals) + 1))("reference", *vals)
-  assert not mgpu_common.races_found()
+  assert not mgpu.races_found()
   for nm, g, r in zip(names, got, want):
     assert g.dtype == args[nm].dtype, nm
     g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
@@ -419,75 +253,58 @@ def test_backward_interpret(norm, use, return_h):
 
 
 # ------------------------------------------------------------------------------------------------
-# The custom_vjp backward with the epilogue in XLA (f32: only rounding separates the paths).
+# The norm part of the backward in XLA (f32: only rounding separates it from autodiff).
 
 
-def _vjp_grads(args, dy, dh_ct, norm, return_h, impl):
-  names = [nm for nm, v in args.items() if v is not None]
-
-  def loss(*vals):
-    a = dict(args, **dict(zip(names, vals)))
-    if impl == "reference":
-      out = reference.matmul_norm(*(a[nm] for nm in ("x", "w", "dense_bias", "residual",
-                                                     "scale", "bias")),
-                                  norm=norm, return_h=return_h)
-    else:
-      out = mn._fused_call(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"],
-                           a["bias"], norm, 1e-6, a["x"].dtype, return_h, False, impl)
-    y, h = out if return_h else (out, None)
-    total = jnp.sum(y * dy)
-    return total if h is None else total + jnp.sum(h * dh_ct)
-
-  return names, jax.grad(loss, argnums=range(len(names)))(*(args[nm] for nm in names))
+def _norm_backward_cases(seed, m, n, norm, mean_offset=0.0):
+  """h (f32), dy, dh_out, scale (zeros every 4th), and what the forward saves: x̂ and rstd."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  h = jax.random.normal(ks[0], (m, n), jnp.float32) + mean_offset
+  dy = jax.random.normal(ks[1], (m, n), jnp.float32)
+  dh_out = jax.random.normal(ks[2], (m, n), jnp.float32)
+  scale = (1.0 + 0.3 * jax.random.normal(ks[3], (n,), jnp.float32)).at[::4].set(0.0)
+  stats = reference._row_stats(h, norm, 1e-6)  # pylint: disable=protected-access
+  xhat = (h if stats.mean is None else h - stats.mean[:, None]) * stats.rstd[:, None]
+  return h, dy, dh_out, scale, xhat, stats.rstd
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
-@pytest.mark.parametrize("use,return_h", [(ALL, True), (ALL, False), (("scale", "bias"), False),
-                                          (("residual",), True), ((), False)])
-@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (77, 64, 192)])
-def test_backward_matches_autodiff_f32(norm, use, return_h, m, k, n):
-  args, dy = _inputs(m + n, m, k, n, jnp.float32, zero_every=4)
-  args = _pick(args, use)
-  dh_ct = jax.random.normal(jax.random.key(m), dy.shape, jnp.float32)
-  names, got = _vjp_grads(args, dy, dh_ct, norm, return_h, "xla_epilogue")
-  _, want = _vjp_grads(args, dy, dh_ct, norm, return_h, "reference")
-  for nm, g, r in zip(names, got, want):
-    scale_ = float(jnp.max(jnp.abs(r))) + 1e-6
-    chex.assert_trees_all_close(g / scale_, r / scale_, rtol=2e-4, atol=2e-4,
-                                custom_message=nm)
-
-
-@pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_backward_large_row_mean_f32(norm):
-  """h rows of mean 1e3 (LayerNorm) and γ with zeros: x̂ is saved, never rebuilt from y / γ."""
-  args, dy = _inputs(9, 64, 64, 128, jnp.float32, mean_offset=1e3, zero_every=3)
-  names, got = _vjp_grads(args, dy, None, norm, False, "xla_epilogue")
-  _, want = _vjp_grads(args, dy, None, norm, False, "reference")
-  for nm, g, r in zip(names, got, want):
-    assert np.all(np.isfinite(g)), nm
+@pytest.mark.parametrize("m,n,mean_offset", [(1, 64, 0.0), (77, 192, 0.0), (64, 128, 1e3)])
+def test_norm_backward_xla_matches_autodiff_f32(norm, m, n, mean_offset):
+  """dh (with the cotangent of a returned h) and the column sums of scale and bias, from x̂
+  and rstd (never rebuilt from y / γ, which has zeros), against jax.vjp of the f32 reference
+  norm of h; rows of mean 1e3 too."""
+  h, dy, dh_out, scale, xhat, rstd = _norm_backward_cases(m + n, m, n, norm, mean_offset)
+  dh, col = jax.jit(functools.partial(mn_xla.norm_backward, norm, sums=("dscale", "dbias")))(
+      dy, dh_out, xhat, rstd, scale)
+  norm_fn = reference.layer_norm if norm == "layer" else reference.rms_norm
+  bias = jnp.zeros((n,), jnp.float32)
+  f = ((lambda h, s, b: norm_fn(h, s, b, eps=1e-6)) if norm == "layer"
+       else (lambda h, s, b: norm_fn(h, s, eps=1e-6) + b))
+  want_dh, want_dscale, want_dbias = jax.jit(lambda *a: jax.vjp(f, *a)[1](dy))(h, scale, bias)
+  for name, g, r in (("dh", dh, want_dh + dh_out), ("dscale", col["dscale"], want_dscale),
+                     ("dbias", col["dbias"], want_dbias)):
+    assert np.all(np.isfinite(g)), name
     err = float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))
-    assert err < 2e-3, (nm, err)
+    assert err < 2e-3, (name, err)
 
 
 def test_column_sum_is_two_stage_and_deterministic():
   """3000 rows: two full 1024-row blocks and a tail, against a float64 sum; bit-identical runs."""
   v = jax.random.normal(jax.random.key(0), (3000, 96), jnp.float32) + 3.0
-  got = mn.column_sum(v)
+  got = mn_xla.column_sum(v)
   np.testing.assert_allclose(got, np.asarray(v, np.float64).sum(axis=0), rtol=1e-5)
-  np.testing.assert_array_equal(np.asarray(jax.jit(mn.column_sum)(v)),
-                                np.asarray(jax.jit(mn.column_sum)(v)))
+  np.testing.assert_array_equal(np.asarray(jax.jit(mn_xla.column_sum)(v)),
+                                np.asarray(jax.jit(mn_xla.column_sum)(v)))
 
 
 def test_dscale_dbias_bits_repeat():
-  args, dy = _inputs(4, 2100, 64, 128, jnp.float32)
-  grad = jax.jit(jax.grad(
-      lambda s, b: jnp.sum(mn._fused_call(args["x"], args["w"], None, None, s, b, "layer", 1e-6,
-                                          jnp.float32, False, False, "xla_epilogue") * dy),
-      argnums=(0, 1)))
-  first = grad(args["scale"], args["bias"])
-  second = grad(args["scale"], args["bias"])
-  for a, b in zip(first, second):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _, dy, _, scale, xhat, rstd = _norm_backward_cases(4, 2100, 128, "layer")
+  run = jax.jit(lambda dy: mn_xla.norm_backward("layer", dy, None, xhat, rstd, scale,
+                                                 ("dscale", "dbias"))[1])
+  first, second = run(dy), run(dy)
+  for name in ("dscale", "dbias"):
+    np.testing.assert_array_equal(np.asarray(first[name]), np.asarray(second[name]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -507,12 +324,11 @@ def test_unsupported_reasons():
 
 def test_pick_config_pipeline():
   """The shared ring where it was measured faster (one N tile per CTA), Pallas's pipeline with
-  several N tiles per CTA (measured slower there on the ring) and for multicast_x."""
+  several N tiles per CTA (measured slower there on the ring)."""
   for n in (256, 512, 1024, 2048):
     assert mk.pick_config(262144, 512, n).pipeline == "ring"
   for n in (4096, 8192):
     assert mk.pick_config(262144, 512, n).pipeline == "pallas"
-  assert mk.pingpong_config(262144, 512, 512).pipeline == "pallas"
 
 
 def test_pick_config_cluster_split():
@@ -568,11 +384,10 @@ def test_kernel_lowers_for_hopper(monkeypatch):
   checks) for clusters of 1-8 CTAs, on any machine (jax.export for "cuda"); nothing runs.
   This is how the cluster exchange is checked before a GPU sees it."""
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16
-  for m, k, n, norm in [(300, 64, 256, "layer"), (1000, 128, 512, "rms"),
-                        (4096, 64, 1024, "layer"), (65536, 512, 2048, "layer"),
-                        (4096, 128, 3072, "rms"), (16384, 256, 8192, "layer")]:
+  for m, k, n, norm in [(1000, 128, 512, "rms"), (65536, 512, 2048, "layer"),
+                        (16384, 256, 8192, "layer")]:  # clusters of 2, 8, and 8 × 4 N tiles
     structs = [jax.ShapeDtypeStruct(s, d) for s, d in [((m, k), bf), ((k, n), bf), ((n,), bf),
                                                        ((m, n), bf), ((n,), bf), ((n,), bf)]]
 
@@ -584,15 +399,12 @@ def test_kernel_lowers_for_hopper(monkeypatch):
     assert "mosaic_gpu" in text, (m, k, n)
 
 
-@pytest.mark.parametrize("exchange,n,norm", [
-    ("push", 512, "layer"), ("push", 1024, "rms"), ("push", 2048, "layer"),
-    ("push", 8192, "rms"), ("pull_nofence", 1024, "layer"), ("barrier_only", 1024, "layer"),
-    ("local", 1024, "layer")])
+@pytest.mark.parametrize("exchange,n,norm", [("push", 1024, "rms")])
 def test_exchange_variants_lower_for_hopper(monkeypatch, exchange, n, norm):
-  """The other cluster exchanges lower for sm_90a: "push" with clusters of 2, 4 and 8 (and 4
-  N tiles per CTA), and the timing diagnostics of the benchmarks' grid sweep."""
+  """The "push" exchange also lowers for sm_90a with clusters of 4 and 8 (and 4 N tiles per
+  CTA), where the default takes pull."""
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16
   structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 64), (64, n), (n,), (4096, n), (n,)]]
   f = jax.jit(lambda *a: mk.matmul_norm_fwd(*a, norm=norm, eps=1e-6, return_h=True,
@@ -606,7 +418,7 @@ def test_delay_release_lowers_for_hopper(monkeypatch):
   cluster of 4."""
   import dataclasses
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16
   cfg = dataclasses.replace(mk.pick_config(4096, 512, 1024), delay_release=1)
   structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 512), (512, 1024), (1024,)]]
@@ -621,52 +433,13 @@ def test_ring_lowers_for_hopper(monkeypatch, n, exchange, res):
   """TileConfig.pipeline = "ring" lowers for sm_90a with clusters of 2, 4 and 8 (4 N tiles per
   CTA at N = 8192), both exchanges, with and without a residual."""
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
+  _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16
   cfg = dataclasses.replace(mk.pick_config(4096, 512, n), pipeline="ring", delay_release=1)
   structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 512), (512, n), (n,), (4096, n)]]
   f = jax.jit(lambda x, w, b, r: mk.matmul_norm_fwd(
       x, w, residual=r if res else None, scale=b, norm="layer", eps=1e-6, config=cfg,
       exchange=exchange, return_h=res)[0])
-  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
-
-
-@pytest.mark.parametrize("n,res,norm,outputs", [(512, True, "layer", True),
-                                                (2048, False, "rms", True),
-                                                (2048, True, "layer", True),
-                                                (2048, True, "layer", False)])
-def test_deferred_norm_lowers_for_hopper(monkeypatch, n, res, norm, outputs):
-  """TileConfig.deferred_norm lowers for sm_90a with clusters of 2 and 8 (the double-buffered
-  pull exchange), with and without a residual, with all optional outputs or y only (SMEM
-  counted right: Mosaic refuses a kernel past 227 KiB)."""
-  from jax import export
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
-  bf = jnp.bfloat16
-  cfg = dataclasses.replace(mk.pick_config(4096, 512, n), deferred_norm=True, tile_k=32)
-  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 512), (512, n), (n,), (4096, n)]]
-  f = jax.jit(lambda x, w, b, r: mk.matmul_norm_fwd(
-      x, w, residual=r if res else None, scale=b, bias=b if norm == "layer" else None,
-      norm=norm, eps=1e-6, config=cfg, return_h=outputs, return_xhat=outputs,
-      return_stats=outputs))
-  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
-
-
-@pytest.mark.parametrize("n,k,res,norm,stats", [(512, 512, True, "layer", True),
-                                                (2048, 512, False, "rms", False),
-                                                (2048, 512, True, "layer", True),
-                                                (1024, 128, True, "layer", False)])
-def test_overlap_norm_lowers_for_hopper(monkeypatch, n, k, res, norm, stats):
-  """TileConfig.overlap_norm lowers for sm_90a with clusters of 2, 4 and 8 (the row-block loop
-  carries the waiting block in registers), K of 8 and 2 steps, with and without a residual
-  (Mosaic refuses a kernel past 227 KiB of SMEM)."""
-  from jax import export
-  monkeypatch.setattr(mgpu_common, "num_sms", lambda interpret: 2 if interpret else 132)
-  bf = jnp.bfloat16
-  cfg = dataclasses.replace(mk.pick_config(4096, k, n), overlap_norm=True)
-  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, k), (k, n), (n,), (4096, n)]]
-  f = jax.jit(lambda x, w, b, r: mk.matmul_norm_fwd(
-      x, w, residual=r if res else None, scale=b, bias=b if norm == "layer" else None,
-      norm=norm, eps=1e-6, config=cfg, return_stats=stats))
   assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
 
 
@@ -677,7 +450,7 @@ def test_push_exchange_inbox_is_counted_in_smem():
   cfg = mk.pick_config(262144, 512, 1024)
   plans = {ex: mk._make_plan((262144, 512), 1024, bf, bf, "layer", 1e-5,
                              ("dense_bias", "scale", "bias"), True, False, False, False, cfg,
-                             False, False, ex) for ex in ("pull", "push")}
+                             False, ex) for ex in ("pull", "push")}
   assert plans["pull"].cluster == plans["push"].cluster == 4
   extra = mk._smem_bytes_besides_pipeline(plans["push"]) - mk._smem_bytes_besides_pipeline(
       plans["pull"])
@@ -694,17 +467,16 @@ def test_default_exchange_is_the_measured_faster_one(n, cluster, want):
   cfg = mk.pick_config(262144, 512, n)
   make_plan = functools.partial(mk._make_plan, (262144, 512), n, bf, bf, "layer", 1e-5,
                                 ("dense_bias", "scale", "bias"), True, False, False, False, cfg,
-                                False, False)
-  plan = mk._pick_exchange(make_plan, multicast_x=False)
+                                False)
+  plan = mk._pick_exchange(make_plan)
   assert (plan.cluster, plan.exchange) == (cluster, want)
   assert plan.stages == make_plan("pull").stages
-  assert mk._pick_exchange(make_plan, multicast_x=True).exchange == "pull"  # not GPU-run
 
 
 def test_default_exchange_falls_back_to_pull_when_push_does_not_fit():
   """A caller's config with room for pull's partials but not for push's inbox runs with pull
   (exchange=None), instead of failing on an exchange the caller never asked for."""
-  cfg = mgpu_common.TileConfig(tile_m=128, tile_n=256, tile_k=32, max_concurrent_steps=2,
+  cfg = mgpu.TileConfig(tile_m=128, tile_n=256, tile_k=32, max_concurrent_steps=2,
                                epi_tile_m=64, epi_tile_n=256)
   x = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
@@ -766,21 +538,8 @@ def test_push_exchange_gives_pull_bits_gpu(m, k, n, norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,norm", [(8192 + 5, 512, 256, "layer"), (8192, 512, 1024, "rms"),
-                                        (4096, 512, 4096, "layer")])
-def test_forward_gpu_delay_release(m, k, n, norm):
-  """One WGMMA in flight across K steps, clusters of 1, 4 and 8 (2 N tiles per CTA)."""
-  import dataclasses
-  args, _ = _inputs(m + 5 * n, m, k, n, zero_every=7)
-  cfg = dataclasses.replace(mk.pick_config(m, k, n), delay_release=1)
-  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True, config=cfg)
-  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n,norm,exchange,delay", [
-    (8192 + 5, 512, 256, "layer", None, 1), (8192, 512, 512, "rms", "push", 1),
-    (8192, 512, 1024, "layer", "pull", 0), (8192 + 77, 256, 2048, "layer", None, 1),
+    (8192 + 5, 512, 256, "layer", None, 1), (8192, 512, 1024, "layer", "pull", 0),
     (4096, 512, 8192, "rms", None, 1)])
 def test_forward_gpu_ring(m, k, n, norm, exchange, delay):
   """The shared ring (pipeline="ring"), clusters of 1 to 8 (4 N tiles per CTA at N = 8192):
@@ -793,59 +552,6 @@ def test_forward_gpu_ring(m, k, n, norm, exchange, delay):
   default = _run_kernel(args, norm, config=mk.pick_config(m, k, n), **flags)
   for a, b in zip(out, default):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,norm,use,mean_offset", [
-    (8192 + 77, 512, 256, "layer", ALL, 0.0),              # one CTA
-    (8192 + 5, 512, 512, "rms", ("scale", "residual"), 0.0),  # clusters of 2
-    (8192, 512, 1024, "layer", ALL, 50.0),                 # 4; rows with a large mean
-    # 8; the stash without a residual (where io waits for the y stores of two blocks back)
-    (8192 + 77, 256, 2048, "layer", ("dense_bias", "scale", "bias"), 50.0),
-    (4096, 512, 2048, "rms", ("dense_bias", "scale", "residual"), 0.0),
-])
-def test_forward_gpu_deferred(m, k, n, norm, use, mean_offset):
-  """TileConfig.deferred_norm on clusters of 1 to 8: the cluster exchange of a row block's
-  statistics completes during the next K loop (two partial buffers in flight per warpgroup),
-  y from the centered copy with the cluster mean's offset; right against the reference."""
-  args, _ = _inputs(m + 7 * n, m, k, n, mean_offset=mean_offset, zero_every=5)
-  args = _pick(args, use)
-  cfg = dataclasses.replace(mk.pick_config(m, k, n), deferred_norm=True, tile_k=32)
-  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True, config=cfg)
-  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,norm,use,mean_offset", [
-    (8192 + 77, 512, 256, "layer", ALL, 0.0),              # one CTA
-    (8192 + 5, 512, 512, "rms", ("scale", "residual"), 0.0),  # clusters of 2
-    (8192, 512, 1024, "layer", ALL, 50.0),                 # 4; rows with a large mean
-    (8192 + 77, 256, 2048, "layer", ("dense_bias", "scale", "bias"), 50.0),  # 8, no residual
-    (4096, 512, 2048, "rms", ("dense_bias", "scale", "residual"), 0.0),
-    (4096 + 8, 128, 2048, "layer", ALL, 50.0),  # 2 K steps: chunks finished at the last one
-])
-def test_forward_gpu_overlap(m, k, n, norm, use, mean_offset):
-  """TileConfig.overlap_norm on clusters of 1 to 8: the exchange of a row block's statistics
-  completes during the next K loop, y from the centered block kept in registers; right
-  against the reference."""
-  args, _ = _inputs(m + 11 * n, m, k, n, mean_offset=mean_offset, zero_every=5)
-  args = _pick(args, use)
-  cfg = dataclasses.replace(mk.pick_config(m, k, n), overlap_norm=True)
-  out = _run_kernel(args, norm, return_stats=True, config=cfg)
-  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), False, False, True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,norm,exchange", [
-    (8192 + 77, 512, 256, "layer", "pull"), (8192, 512, 128, "rms", "pull"),
-    (8192 + 5, 512, 512, "layer", "pull"), (8192, 512, 1024, "rms", "push"),
-    (4096 + 64, 512, 2048, "layer", "pull"), (2048, 256, 8192, "layer", "pull")])
-def test_forward_gpu_pingpong(m, k, n, norm, exchange):
-  """Ping-pong consumers at real sizes, clusters of 1-8 (one CTA's last row block alone)."""
-  args, _ = _inputs(m + 7 * n, m, k, n, zero_every=7)
-  out = _run_kernel(args, norm, return_h=True, return_xhat=True, return_stats=True,
-                    config=mk.pingpong_config(m, k, n), exchange=exchange)
-  _check_forward(out, args, norm, jnp.dtype(jnp.bfloat16), True, True, True)
 
 
 @pytest.mark.gpu
@@ -867,7 +573,8 @@ def test_backward_gpu(m, k, n, norm):
     a = dict(args, **dict(zip(names, vals)))
     if impl == "reference":
       a = {nm: _f32(v) for nm, v in a.items()}
-    y = mn.matmul_norm(a["x"], a["w"], a["dense_bias"], a["residual"], a["scale"], a["bias"],
+    y = mn.matmul_norm(a["x"], a["w"], dense_bias=a["dense_bias"], residual=a["residual"],
+                       scale=a["scale"], norm_bias=a["bias"],
                        norm=norm, implementation="xla" if impl == "reference" else impl)
     return jnp.sum(y.astype(jnp.float32) * dy)
 
@@ -886,7 +593,8 @@ def test_backward_gpu(m, k, n, norm):
 @pytest.mark.parametrize("n", [2560, 16384])
 def test_unsupported_n_falls_back_to_xla_gpu(n):
   args, _ = _inputs(n, 1024, 256, n)
-  a = {nm: args[nm] for nm in ("x", "w", "residual", "scale", "bias")}
+  a = {nm: args[nm] for nm in ("x", "w", "residual", "scale")}
+  a["norm_bias"] = args["bias"]
   y = mn.matmul_norm(**a, norm="layer")
   y_ref, _, _ = _reference(_pick(args, ("residual", "scale", "bias")), "layer")
   assert _rel_err(y, y_ref) < OUT_TOL[jnp.dtype(jnp.bfloat16)]
@@ -894,30 +602,24 @@ def test_unsupported_n_falls_back_to_xla_gpu(n):
     mn.matmul_norm(**a, norm="layer", implementation="mosaic")
 
 
-@pytest.mark.parametrize("use_y,use_h", [(True, False), (False, True), (True, True)])
-def test_backward_with_an_unused_output_under_vmap(use_y, use_h):
-  """The custom_vjp takes symbolic zeros: with y or h unused, its gradients still match the
-  reference's, and jax.vmap over a batch of x gives the same as a loop over the batch."""
+def test_backward_with_an_unused_y():
+  """The custom_vjp takes symbolic zeros: with y unused (only the returned h in the loss), its
+  gradients still match the reference's (interpret-mode kernel, bf16)."""
   ks = jax.random.split(jax.random.key(31), 5)
-  xs = jax.random.normal(ks[0], (3, 16, 64), jnp.float32)
-  w = jax.random.normal(ks[1], (64, 128), jnp.float32) / 8
+  x = jax.random.normal(ks[0], (16, 64), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(ks[1], (64, 128), jnp.float32) / 8).astype(jnp.bfloat16)
   scale = jax.random.uniform(ks[2], (128,), jnp.float32, 0.5, 1.5)
   bias = 0.1 * jax.random.normal(ks[3], (128,), jnp.float32)
   ct = jax.random.normal(ks[4], (16, 128), jnp.float32)
 
-  def loss(x, w, scale, bias, impl):
-    if impl == "reference":
-      y, h = reference.matmul_norm(x, w, None, None, scale, bias, norm="layer", return_h=True)
-    else:
-      y, h = mn._fused_call(x, w, None, None, scale, bias, "layer", 1e-6, x.dtype, True,
-                            False, impl)
-    return (jnp.sum(y * ct) if use_y else 0.0) + (jnp.sum(h * ct) if use_h else 0.0)
+  def loss(x, w, scale, norm_bias, impl):
+    _, h = mn.matmul_norm(x, w, scale=scale, norm_bias=norm_bias, norm="layer", return_h=True,
+                          implementation=impl)
+    return jnp.sum(h.astype(jnp.float32) * ct)
 
-  grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-  batched = jax.vmap(lambda x: grad(x, w, scale, bias, "xla_epilogue"))(xs)
-  for i in range(xs.shape[0]):
-    one = grad(xs[i], w, scale, bias, "xla_epilogue")
-    want = grad(xs[i], w, scale, bias, "reference")
-    for b, g, r in zip(batched, one, want):
-      chex.assert_trees_all_close(b[i], g, rtol=1e-5, atol=1e-5)
-      chex.assert_trees_all_close(g, r, rtol=2e-4, atol=2e-4 * (float(jnp.max(jnp.abs(r))) + 1e-6))
+  _interpret_can_run()
+  got = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, scale, bias, "interpret")
+  want = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, scale, bias, "xla")
+  for g, r in zip(got, want):
+    chex.assert_trees_all_close(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                rtol=2e-2, atol=2e-2 * (float(jnp.max(jnp.abs(r))) + 1e-6))

@@ -1,6 +1,6 @@
 """The lazy pre-norm GEMM kernels against the reference: the forward
-(pallas_norm.ops.norm_matmul_mgpu) and the dx kernel of the backward
-(pallas_norm.ops.norm_matmul_bwd_mgpu).
+(pallas_norm.ops.norm_matmul.mosaic) and the dx kernel of the backward
+(pallas_norm.ops.norm_matmul.mosaic_bwd).
 
 CPU tests run the Mosaic-GPU kernel in GPU interpret mode with the race detector on and every
 uninitialized buffer (SMEM and the outputs) filled with NaN, so an output element the kernel
@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from pallas_norm import mgpu_common, reference
-from pallas_norm.mgpu_common import TileConfig
-from pallas_norm.ops import norm_matmul as nm
-from pallas_norm.ops import norm_matmul_bwd_mgpu as nmb
-from pallas_norm.ops import norm_matmul_mgpu as nmk
+from pallas_norm import mgpu, reference
+from pallas_norm.mgpu import TileConfig
+from pallas_norm.ops.norm_matmul import mosaic as nmk
+from pallas_norm.ops.norm_matmul import mosaic_bwd as nmb
+from pallas_norm.ops.norm_matmul import xla as nm_xla
 
 EPS = 1e-6
 
@@ -66,13 +66,7 @@ def _run_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None, in
                                       out_dtype=dtype, interpret=interpret, config=config)
   y = jax.block_until_ready(y)
   if interpret:
-    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
-  if norm == "none":  # the plain GEMM (benchmark baseline): x @ W_γ + out_bias, no statistics
-    y_ref = x.astype(jnp.float32) @ w_gamma.astype(jnp.float32)
-    y_ref = y_ref if out_bias is None else y_ref + out_bias
-    assert mean is None and rstd is None and bool(jnp.all(jnp.isfinite(y)))
-    assert _rel_err(y, y_ref) < y_tol
-    return
+    assert not mgpu.races_found(), "the interpreter's race detector reported a race"
   y_ref, stats = reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32), scale,
                                        bias, norm=norm, eps=EPS, return_stats=True)
   assert y.shape == (m, n) and y.dtype == jnp.dtype(dtype)
@@ -92,49 +86,27 @@ FORWARD_CASES = [
     # m, k, n, dtype, norm, mu, affine, config
     (1, 64, 64, jnp.bfloat16, "rms", 0.0, True, None),
     (77, 192, 128, jnp.bfloat16, "layer", 1e3, True, None),
-    (256, 128, 192, jnp.float16, "rms", 0.0, True, None),
     (77, 128, 64, jnp.float16, "layer", 1e3, False, None),
     (256, 64, 128, jnp.bfloat16, "layer", 0.0, True, None),
     # several tiles per CTA (2 CTAs in interpret mode), partial N tile (N = 320, tile_n = 192)
     (200, 128, 320, jnp.bfloat16, "rms", 0.0, False, None),
-    (256, 192, 192, jnp.bfloat16, "layer", 1e3, True, TileConfig(tile_m=128, tile_n=64,
-                                                                 stats="reduce")),
+    (256, 192, 192, jnp.bfloat16, "layer", 1e3, True, TileConfig(tile_m=128, tile_n=64)),
     # 256-row CTA tile (128 rows per warpgroup), narrow epilogue tiles, 5 rows
     (5, 128, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=256, tile_n=128,
                                                                epi_tile_n=32)),
-    # Clusters of 2 sharing w by multicast, 3 row blocks (the last cluster's second CTA has no
-    # rows); statistics once per row block (4 N tiles read them back); one slot per epilogue tile.
+    # 3 row blocks, statistics once per row block (4 N tiles read them back).
     (300, 128, 256, jnp.bfloat16, "layer", 1e3, True, TileConfig(
-        tile_m=128, tile_n=64, cluster_m=2, stats_once=True, epi_slots=0)),
-    # Clusters of 4, 5 row blocks: 3 CTAs of the second cluster have no rows.
-    (600, 64, 128, jnp.float16, "rms", 0.0, False, TileConfig(tile_m=128, tile_n=64,
-                                                              cluster_m=4)),
+        tile_m=128, tile_n=64, stats_once=True)),
     # K = 320 (5 steps): no stage count >= 2 divides it, so per-tile pipelines; 3 tiles per CTA.
     (300, 320, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64)),
-    # Chained pipelines switched off explicitly (the benchmark's A/B of the option).
-    (200, 128, 320, jnp.bfloat16, "layer", 0.0, True, TileConfig(pipeline_across_tiles=False)),
     # One WGMMA left in flight across K steps (stages released a step late, not chained); with
     # the in-loop statistics (rms, layer), and with statistics once per row block.
     (200, 256, 192, jnp.bfloat16, "layer", 1e3, True, TileConfig(
         tile_m=128, tile_n=64, max_concurrent_steps=2, delay_release=1)),
-    (77, 192, 128, jnp.float16, "rms", 0.0, False, TileConfig(delay_release=1)),
     (300, 128, 256, jnp.bfloat16, "layer", 0.0, True, TileConfig(
         tile_m=128, tile_n=64, stats_once=True, delay_release=1)),
     # K = 64: one step, so the pipeline runs without the delay (Pallas needs stages > delay).
     (100, 64, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(delay_release=1)),
-    # Ping-pong consumers: alternate (row block, N tile) units per consumer warpgroup, each
-    # with its own K-loop ring across its units (8 units on 2 CTAs; 1 unit: the second
-    # consumer idle; 3-step rings over 5-step K loops; 128-row consumer tiles).
-    (256, 64, 320, jnp.bfloat16, "layer", 1e2, True, TileConfig(
-        tile_m=128, tile_n=64, tile_k=32, pingpong=True)),
-    (64, 128, 64, jnp.float16, "rms", 0.0, False, TileConfig(tile_k=32, pingpong=True)),
-    (200, 320, 192, jnp.bfloat16, "layer", 0.0, True, TileConfig(
-        tile_n=192, max_concurrent_steps=3, pingpong=True)),
-    (77, 192, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(
-        tile_m=256, tile_n=128, tile_k=32, pingpong=True)),
-    # Ping-pong rings releasing each stage a step late (one WGMMA in flight).
-    (200, 256, 128, jnp.bfloat16, "layer", 1e2, True, TileConfig(
-        tile_m=256, tile_n=128, tile_k=32, pingpong=True, delay_release=1)),
     # The shared ring (the default where statistics run in every K loop, so the None rows
     # above run it with one WGMMA in flight): 3 stages over 5-step K loops numbered across 3
     # tiles per CTA, without the delay; with statistics once per row block and the delay; 2
@@ -159,14 +131,12 @@ def test_forward_matches_reference(m, k, n, dtype, norm, mu, affine, config):
   _run_and_check(m, k, n, dtype, norm, mu=mu, affine=affine, config=config)
 
 
-def test_plain_gemm_mode():
-  """norm="none" (the benchmarks' GEMM-alone baseline) is x @ w + out_bias."""
-  x, w, _, bias = _inputs(3, 256, 128, 128, jnp.bfloat16)
-  _, _, out_bias = _fold(w, None, bias, "none")
-  y, mean, rstd = nmk.norm_matmul_fwd(x, w, None, out_bias, norm="none", eps=EPS,
-                                      out_dtype=jnp.float32, interpret=True)
-  assert mean is None and rstd is None and not mgpu_common.races_found()
-  y_ref = x.astype(jnp.float32) @ w.astype(jnp.float32) + out_bias
+def test_plain_gemm():
+  """gemm (the benchmarks' GEMM-alone baseline) is x @ w, f32 accumulation."""
+  x, w, _, _ = _inputs(3, 256, 128, 128, jnp.bfloat16)
+  y = nmk.gemm(x, w, out_dtype=jnp.float32, interpret=True)
+  assert not mgpu.races_found()
+  y_ref = x.astype(jnp.float32) @ w.astype(jnp.float32)
   assert _rel_err(y, y_ref) < 1e-5
 
 
@@ -202,17 +172,6 @@ def test_layer_statistics_of_huge_rows_do_not_overflow():
                                        norm="layer", eps=EPS, return_stats=True)
   np.testing.assert_allclose(rstd, stats.rstd, rtol=1e-5)
   assert _rel_err(y, y_ref) < 1e-2
-
-
-def test_race_detector_sees_a_missing_proxy_fence():
-  """Negative control: without the fence after reading an x stage, the detector reports the
-  TMA refill of that stage as a race (so the race-free results above are meaningful)."""
-  x, w, _, _ = _inputs(2, 512, 128, 128, jnp.bfloat16, affine=False)
-  cfg = TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=2, fence_reads=False)
-  y, _, _ = nmk.norm_matmul_fwd(x, w, None, None, norm="rms", eps=EPS, out_dtype=jnp.bfloat16,
-                                interpret=True, config=cfg)
-  jax.block_until_ready(y)
-  assert mgpu_common.races_found()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,24 +215,14 @@ def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="K = 96"):
     call(jnp.ones((8, 96), jnp.bfloat16), jnp.ones((96, 64), jnp.bfloat16), None, None,
          norm="rms")
-  with pytest.raises(NotImplementedError, match="interpret"):
-    call(x, w, None, None, norm="rms", config=TileConfig(a_operand="registers"))
   with pytest.raises(ValueError, match="tile_m"):
     TileConfig(tile_m=64)
   with pytest.raises(ValueError, match="tile_n"):
     TileConfig(tile_n=96)
-  with pytest.raises(ValueError, match="cluster_m"):
-    TileConfig(cluster_m=3)
-  with pytest.raises(ValueError, match="epi_slots"):
-    TileConfig(epi_slots=-1)
   with pytest.raises(ValueError, match="pipeline"):
     TileConfig(pipeline="emit")
-  with pytest.raises(ValueError, match="pipeline='ring'"):
-    TileConfig(pipeline="ring", pingpong=True)
-  with pytest.raises(ValueError, match="pipeline='ring'"):
-    TileConfig(pipeline="ring", cluster_m=2)
-  with pytest.raises(ValueError, match="pipeline_across_tiles"):
-    TileConfig(pipeline="ring", pipeline_across_tiles=False)
+  with pytest.raises(TypeError):
+    TileConfig(pingpong=True)  # experiments are not options
 
 
 @pytest.mark.parametrize("n,tile_n", [(64, 64), (128, 128), (192, 192), (256, 256), (512, 256),
@@ -293,7 +242,7 @@ def test_plan_fits_smem():
     stage = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * 2
     fixed = nmk._fixed_smem_bytes(cfg, jnp.bfloat16, plan.n_vecs, plan.n_stats)
     assert 2 <= plan.stages <= cfg.max_concurrent_steps
-    assert plan.stages * stage + fixed <= mgpu_common.SMEM_BYTES
+    assert plan.stages * stage + fixed <= mgpu.SMEM_BYTES
 
 
 @pytest.mark.parametrize("steps,max_stages,expected", [
@@ -304,29 +253,12 @@ def test_plan_fits_smem():
 def test_pipeline_stages(steps, max_stages, expected):
   """As many stages as fit; chained across tiles only when that count divides the K steps
   (a pipeline of pipelines needs it), so chaining never costs a stage."""
-  assert mgpu_common.pipeline_stages(steps, max_stages, True) == expected
-  assert mgpu_common.pipeline_stages(steps, max_stages, False) == (min(steps, max_stages), False)
+  assert mgpu.pipeline_stages(steps, max_stages) == expected
   # A WGMMA in flight across steps rules chaining out (Pallas cannot chain such pipelines),
   # except for a one-stage loop, which runs without the delay.
   stages = min(steps, max_stages)
-  assert mgpu_common.pipeline_stages(steps, max_stages, True, 1) == (
+  assert mgpu.pipeline_stages(steps, max_stages, 1) == (
       stages, expected[1] and stages == 1)
-
-
-def test_pingpong_plan():
-  """Ping-pong rings need not divide the K steps; the options it does not combine with, and
-  untiled x (M % 8 != 0 on a GPU), are refused before any kernel runs."""
-  cfg = nmk.pingpong_config(262144, 512, 512)
-  plan = nmk._make_plan(262144, 512, 512, jnp.bfloat16, jnp.bfloat16, "layer", EPS, False, cfg,
-                        interpret=False)
-  assert plan.stages >= 3 and not plan.chained and plan.delay_release == 0
-  assert plan.m_iters == 262144 // 64
-  with pytest.raises(ValueError, match="M % 8"):
-    nmk._make_plan(262144 + 77, 512, 512, jnp.bfloat16, jnp.bfloat16, "layer", EPS, False, cfg,
-                   interpret=False)
-  with pytest.raises(ValueError, match="stats_once"):
-    nmk._make_plan(4096, 512, 512, jnp.bfloat16, jnp.bfloat16, "layer", EPS, False,
-                   TileConfig(pingpong=True, stats_once=True), interpret=False)
 
 
 def test_ring_plan():
@@ -340,22 +272,19 @@ def test_ring_plan():
     plan = nmk._make_plan(m, k, n, jnp.bfloat16, jnp.bfloat16, "layer", EPS, True, cfg,
                           interpret=False)
     assert not plan.chained and plan.delay_release == 1
-    assert plan.stages == min(4, (mgpu_common.SMEM_BYTES - nmk._fixed_smem_bytes(
+    assert plan.stages == min(4, (mgpu.SMEM_BYTES - nmk._fixed_smem_bytes(
         cfg, jnp.bfloat16, plan.n_vecs, plan.n_stats)) // ((cfg.tile_m + cfg.tile_n) * 64 * 2))
   once = nmk.pick_config(262144, 512, 512)
   assert once.stats_once and once.pipeline == "pallas" and once.delay_release == 0
   odd = nmk._make_plan(65536 + 77, 2048, 2048, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False,
                        nmk.pick_config(65536 + 77, 2048, 2048), interpret=False)
   assert odd.a_in_registers and odd.delay_release == 0
-  # The ping-pong config built from it goes back to Pallas's pipelines.
-  pp = nmk.pingpong_config(65536, 2048, 2048)
-  assert pp.pipeline == "pallas" and pp.delay_release == 0
 
 
 def test_dx_refuses_forward_only_options():
   x = jnp.ones((64, 64), jnp.bfloat16)
   r = jnp.ones((64,), jnp.float32)
-  for option in (dict(epi_slots=0), dict(stats="reduce"), dict(pipeline="ring")):
+  for option in (dict(stats_once=True), dict(pipeline="ring")):
     with pytest.raises(ValueError, match=next(iter(option))):
       nmb.norm_matmul_dx(x, x, x, r, r, interpret=True, config=TileConfig(**option))
 
@@ -363,9 +292,9 @@ def test_dx_refuses_forward_only_options():
 def test_delay_release_option():
   with pytest.raises(ValueError, match="delay_release"):
     TileConfig(delay_release=True)
-  assert mgpu_common.delay_release_for(1, 4) == 1
-  assert mgpu_common.delay_release_for(1, 1) == 0
-  assert mgpu_common.delay_release_for(0, 4) == 0
+  assert mgpu.delay_release_for(1, 4) == 1
+  assert mgpu.delay_release_for(1, 1) == 0
+  assert mgpu.delay_release_for(0, 4) == 0
   with pytest.raises(ValueError, match="delay_release"):
     TileConfig(delay_release=2)
   plan = nmk._make_plan(262144, 512, 512, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False,
@@ -385,25 +314,22 @@ def test_seed_shape_plan_is_chained():
 def _export_for_hopper(m, k, n, norm, dtype=jnp.bfloat16, config=None):
   spec = jax.ShapeDtypeStruct
   vec = spec((n,), jnp.float32)
-  fn = jax.jit(lambda x, w, c, b: nmk.norm_matmul_fwd(x, w, c, b, norm=norm, eps=EPS,
-                                                      out_dtype=dtype, config=config))
+  if norm is None:  # the plain GEMM
+    fn = jax.jit(lambda x, w, c, b: nmk.gemm(x, w, out_dtype=dtype, config=config))
+  else:
+    fn = jax.jit(lambda x, w, c, b: nmk.norm_matmul_fwd(x, w, c, b, norm=norm, eps=EPS,
+                                                        out_dtype=dtype, config=config))
   return export.export(fn, platforms=["cuda"])(
       spec((m, k), dtype), spec((k, n), dtype), vec if norm == "layer" else None, vec)
 
 
 @pytest.mark.parametrize("m,k,n,norm,config", [
     (262144, 512, 512, "layer", None),
-    (262144, 512, 512, "rms", TileConfig(stats="reduce", fence_reads=False)),
     (262144 + 77, 1024, 1024, "layer", None),  # M % 8 != 0: x untiled, WGMMA A from registers
-    (65536, 2048, 2048, "none", TileConfig(tile_m=256, tile_n=128, epi_tile_n=32)),
+    (65536, 2048, 2048, None, TileConfig(tile_m=256, tile_n=128, epi_tile_n=32)),
     (5, 128, 192, "rms", None),
-    (262144 + 77, 512, 512, "layer", TileConfig(cluster_m=2, stats_once=True, epi_slots=0)),
-    (262144, 1024, 1024, "rms", TileConfig(cluster_m=4, epi_tile_n=32, epi_slots=0)),
     (262144, 512, 512, "layer", TileConfig(delay_release=1)),
     (262144, 512, 512, "rms", TileConfig(epi_tile_n=32, stats_once=True, delay_release=1)),
-    (262144, 512, 512, "layer", nmk.pingpong_config(262144, 512, 512)),
-    (262144, 1024, 1024, "rms", nmk.pingpong_config(262144, 1024, 1024)),
-    (65536, 2048, 2048, "none", TileConfig(tile_m=256, tile_n=128, tile_k=32, pingpong=True)),
 ])
 def test_lowers_for_hopper(m, k, n, norm, config):
   """Mosaic's layout inference and lowering accept the kernel for sm_90a (runs on the CPU;
@@ -432,43 +358,15 @@ def test_gpu_layer_large_mean(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [
-    TileConfig(stats="reduce"), TileConfig(fence_reads=False), TileConfig(a_operand="registers"),
-    TileConfig(tile_m=256, tile_n=128), TileConfig(epi_tile_n=32, max_concurrent_steps=4),
-])
-def test_gpu_forward_configs(config):
-  _run_and_check(8192, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(8192, 512, 512), (8192 + 64, 512, 1024), (4096, 2048, 2048),
-                                   (64, 128, 128)])
-@pytest.mark.parametrize("norm", ["rms", "layer", "none"])
-def test_gpu_forward_pingpong(m, k, n, norm):
-  """Ping-pong consumers at real sizes (M % 8 == 0: x tiled for WGMMA), one unit per CTA too."""
-  _run_and_check(m, k, n, jnp.bfloat16, norm, config=nmk.pingpong_config(m, k, n),
-                 interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [
-    TileConfig(epi_slots=0), TileConfig(cluster_m=2), TileConfig(cluster_m=4),
-    TileConfig(stats_once=True), TileConfig(cluster_m=2, stats_once=True, epi_slots=0),
-    TileConfig(tile_m=256, tile_n=128, cluster_m=2, epi_slots=0),
-    TileConfig(pipeline_across_tiles=False), TileConfig(delay_release=1),
+    TileConfig(tile_m=256, tile_n=128), TileConfig(stats_once=True),
     TileConfig(epi_tile_n=32, stats_once=True, delay_release=1),
-    # The shared ring: without the delay; with stats once per row block; 3 stages over 8
-    # K steps (no divisor); 256-row tiles.
-    TileConfig(epi_tile_n=32, pipeline="ring"),
-    TileConfig(epi_tile_n=32, stats_once=True, pipeline="ring", delay_release=1),
     TileConfig(max_concurrent_steps=3, pipeline="ring", delay_release=1),
-    TileConfig(tile_m=256, tile_n=128, pipeline="ring", delay_release=1),
 ])
-@pytest.mark.parametrize("m", [8192, 8192 + 77])  # 64 or 65 row blocks (a cluster's tail)
-@pytest.mark.parametrize("norm", ["rms", "layer"])
-def test_gpu_forward_tuning_variants(config, m, norm):
-  """The variants the benchmark times (cluster multicast of w, statistics once per row block,
-  one output slot per epilogue tile) at real sizes, with partial clusters and M % 8 != 0."""
-  _run_and_check(m, 512, 1024, jnp.bfloat16, norm, config=config, interpret=False)
+@pytest.mark.parametrize("m", [8192, 8192 + 77])  # M % 8 != 0: x untiled, A from registers
+def test_gpu_forward_configs(config, m):
+  """The tile configs the defaults take at real sizes (statistics once per row block, the ring
+  with 3 stages over 8 K steps, 256-row tiles), also with M % 8 != 0."""
+  _run_and_check(m, 512, 1024, jnp.bfloat16, "layer", config=config, interpret=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -494,12 +392,12 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
                             out_bias=out_bias, col_sum=col_sum, interpret=interpret,
                             config=config)
   else:
-    y_term, c_term = nm._row_terms(dy, y, col_sum, out_bias, stats.rstd, k)
+    y_term, c_term = nm_xla.row_terms(dy, y, col_sum, out_bias, stats.rstd, k)
     dx = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, y_term, stats.mean, c_term,
                             interpret=interpret, config=config)
   dx = jax.block_until_ready(dx)
   if interpret:
-    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
+    assert not mgpu.races_found(), "the interpreter's race detector reported a race"
   assert dx.shape == (m, k) and dx.dtype == jnp.dtype(dtype)
   assert bool(jnp.all(jnp.isfinite(dx))), "some outputs were never written (NaN-filled)"
   assert _rel_err(dx, dx_ref) < tol
@@ -515,19 +413,11 @@ DX_CASES = [
     # large row means (f16 resolves them), 256-row tile, narrow epilogue tiles, 5 rows
     (5, 128, 192, jnp.float16, "layer", 1e3, True, TileConfig(tile_m=256, tile_n=128,
                                                               epi_tile_n=32)),
-    # clusters of 2 sharing the w tile by multicast; 3 row blocks (a cluster's tail)
-    (300, 128, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64,
-                                                                 cluster_m=2)),
+    # 3 row blocks, 2 column tiles on 2 CTAs
+    (300, 128, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64)),
     # one WGMMA in flight across reduction steps
     (200, 128, 256, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64,
                                                                  delay_release=1)),
-    # ping-pong consumers: 4 row blocks × 2 column tiles on 2 CTAs; one unit (M = 1)
-    (256, 128, 192, jnp.bfloat16, "layer", 1e2, True, TileConfig(
-        tile_m=128, tile_n=64, tile_k=32, pingpong=True)),
-    (1, 64, 128, jnp.float16, "rms", 0.0, False, TileConfig(tile_k=32, pingpong=True)),
-    # ping-pong rings releasing each stage a step late (one WGMMA in flight)
-    (256, 128, 192, jnp.bfloat16, "rms", 0.0, True, TileConfig(
-        tile_m=128, tile_n=64, tile_k=32, pingpong=True, delay_release=1)),
 ]
 
 
@@ -558,8 +448,6 @@ def test_dx_bad_arguments_raise():
     (262144 + 77, 1024, 1024, "rms", None),  # M % 8 != 0: dy untiled, WGMMA A from registers
     (65536, 2048, 2048, "layer", TileConfig(tile_m=256, tile_n=128, epi_tile_n=32)),
     (262144, 512, 512, "rms", TileConfig(delay_release=1)),
-    (262144, 512, 512, "layer", nmb.pingpong_config(262144, 512, 512)),
-    (65536, 2048, 2048, "rms", nmb.pingpong_config(65536, 2048, 2048)),
 ])
 def test_dx_lowers_for_hopper(m, k, n, norm, config):
   spec = jax.ShapeDtypeStruct
@@ -592,9 +480,7 @@ FUSED_DX_CASES = [
                                                                  epi_tile_n=32)),
     # pick_config's 32-wide steps at 256×128 tiles (64-wide ones would leave a single stage)
     (77, 128, 128, jnp.bfloat16, "rms", 0.0, True, None),
-    # clusters of 2 (w multicast, y per CTA); one WGMMA in flight across steps; 6 32-wide steps
-    (256, 128, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64,
-                                                                 cluster_m=2)),
+    # one WGMMA in flight across steps; 6 32-wide steps
     (77, 128, 256, jnp.float16, "rms", 0.0, False, TileConfig(
         tile_m=128, tile_n=64, max_concurrent_steps=2, delay_release=1)),
     (77, 192, 128, jnp.float16, "layer", 1e2, True, TileConfig(tile_m=128, tile_n=128,
@@ -618,29 +504,17 @@ def test_dx_fused_row_terms_agree_with_xla_row_terms(norm, bias_scale):
   bias = bias * bias_scale
   dy = jax.random.normal(jax.random.key(8), (m, n), jnp.float32).astype(dtype)
   w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
-  y, mean, rstd = nm.lazy_forward_xla(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
-                                      out_dtype=dtype)
+  y, mean, rstd = nm_xla.lazy_forward(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
+                                          out_dtype=dtype)
   cfg = TileConfig(tile_m=128, tile_n=64)  # 2 column tiles, 3 steps
   fused = nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, y=y, out_bias=out_bias,
                              col_sum=col_sum, interpret=True, config=cfg)
-  assert not mgpu_common.races_found()
-  y_term, c_term = nm._row_terms(dy, y, col_sum, out_bias, rstd, k)
-  want = nm._input_grad_xla(dy, w_gamma, x, rstd, y_term, mean, c_term)
+  assert not mgpu.races_found()
+  y_term, c_term = nm_xla.row_terms(dy, y, col_sum, out_bias, rstd, k)
+  want = nmb.norm_matmul_dx(dy, w_gamma, x, rstd, y_term, mean, c_term, interpret=True,
+                            config=cfg)
   assert bool(jnp.all(jnp.isfinite(fused)))
   assert _rel_err(fused, want) < 2e-3, _rel_err(fused, want)
-
-
-def test_dx_fused_race_detector_sees_a_missing_proxy_fence():
-  """Negative control: the consumers read every y stage (and dy stage) with generic loads; without
-  the fence before its release, the detector reports the TMA refill of the stage as a race."""
-  m, k, n = 256, 64, 256
-  x, w, _, _ = _inputs(4, m, k, n, jnp.bfloat16, affine=False)
-  dy = jax.random.normal(jax.random.key(5), (m, n), jnp.float32).astype(jnp.bfloat16)
-  rstd = jnp.ones((m,), jnp.float32)
-  cfg = TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=2, fence_reads=False)
-  dx = nmb.norm_matmul_dx(dy, w, x, rstd, y=dy, interpret=True, config=cfg)
-  jax.block_until_ready(dx)
-  assert mgpu_common.races_found()
 
 
 def test_dx_fused_bad_arguments_raise():
@@ -681,8 +555,6 @@ def test_dx_fused_bad_arguments_raise():
     call(r, mean=r, y=dy, col_sum=v.astype(jnp.bfloat16))
   with pytest.raises(TypeError, match="out_bias must be an array"):
     call(r, y=dy, out_bias=[0.0] * n)
-  with pytest.raises(ValueError, match="pingpong"):
-    call(r, y=dy, config=TileConfig(tile_k=32, pingpong=True))
 
 
 def test_dx_fused_plan_and_config():
@@ -694,7 +566,7 @@ def test_dx_fused_plan_and_config():
   assert base.tile_k == 64
   assert nmb.pick_config(m, 512, 512, fused_row_terms=True) == dataclasses.replace(base,
                                                                                   tile_k=32)
-  plan = lambda cfg, fused: nmb._make_plan(m, 512, 512, jnp.bfloat16, True, cfg, False, 1,
+  plan = lambda cfg, fused: nmb._make_plan(m, 512, 512, jnp.bfloat16, True, cfg, False,
                                            fused=fused, has_bias=True)
   assert (plan(base, False).stages, plan(base, False).chained) == (3, False)
   fused = plan(base, True)
@@ -704,7 +576,7 @@ def test_dx_fused_plan_and_config():
   for cfg, stages in ((base, fused.stages), (dataclasses.replace(base, tile_k=32), k32.stages)):
     used = (stages * nmb._stage_bytes(cfg, jnp.bfloat16, True, 2)
             + nmb._fixed_smem_bytes(cfg, jnp.bfloat16, 2))
-    assert used <= mgpu_common.SMEM_BYTES
+    assert used <= mgpu.SMEM_BYTES
   small = nmb.pick_config(m, 128, 128, fused_row_terms=True)
   assert (small.tile_m, small.tile_n, small.tile_k) == (256, 128, 32)
   assert nmb.pick_config(m, 128, 128).tile_k == 64
@@ -715,7 +587,6 @@ def test_dx_fused_plan_and_config():
     (262144 + 77, 1024, 1024, "rms", True, None),  # M % 8 != 0: dy and y untiled, A in registers
     (262144, 512, 512, "rms", False, TileConfig(tile_k=32)),
     (262144, 128, 128, "layer", False, None),  # 256×128 tiles, 32-wide steps (pick_config)
-    (262144, 512, 512, "layer", True, TileConfig(cluster_m=2)),
     (262144, 1024, 1024, "layer", True, TileConfig(delay_release=1)),
     (65536, 2048, 2048, "rms", True, TileConfig(tile_m=256, tile_n=128, tile_k=32)),
 ])
@@ -733,276 +604,45 @@ def test_dx_fused_row_terms_lower_for_hopper(m, k, n, norm, bias, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (262144, 512, 512), (1, 128, 128),
-                                   (8192, 320, 1024), (65536, 2048, 2048)])
-@pytest.mark.parametrize("norm", ["rms", "layer"])
-def test_gpu_dx(m, k, n, norm):
-  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_gpu_dx_large_mean(dtype):
-  _run_dx_and_check(4096 + 77, 512, 512, dtype, "layer", mu=1e3, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(8192, 512, 512), (4096, 2048, 2048), (64, 128, 128)])
-@pytest.mark.parametrize("norm", ["rms", "layer"])
-def test_gpu_dx_pingpong(m, k, n, norm):
-  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, config=nmb.pingpong_config(m, n, k),
-                    interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [TileConfig(tile_m=256, tile_n=128), TileConfig(epi_tile_n=32),
-                                    TileConfig(a_operand="registers"), TileConfig(cluster_m=2),
-                                    TileConfig(tile_m=256, tile_n=128, cluster_m=2),
-                                    TileConfig(delay_release=1)])
-@pytest.mark.parametrize("m", [8192, 8192 + 77])
-def test_gpu_dx_configs(config, m):
-  _run_dx_and_check(m, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(8192, 512, 512), (8192 + 77, 1024, 1024), (1, 128, 128),
-                                   (4096, 2048, 2048)])
-@pytest.mark.parametrize("norm", ["rms", "layer"])
-def test_gpu_dx_fused_row_terms(m, k, n, norm):
-  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False, fused=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_gpu_dx_fused_row_terms_large_mean(dtype):
-  _run_dx_and_check(4096 + 77, 512, 512, dtype, "layer", mu=1e3, interpret=False, fused=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [TileConfig(), TileConfig(tile_m=256, tile_n=128, tile_k=32),
-                                    TileConfig(epi_tile_n=32), TileConfig(fence_reads=False),
-                                    TileConfig(a_operand="registers"), TileConfig(cluster_m=2),
-                                    TileConfig(tile_k=32, cluster_m=2),
-                                    TileConfig(delay_release=1)])
-@pytest.mark.parametrize("m", [8192, 8192 + 77])
-@pytest.mark.parametrize("norm", ["rms", "layer"])
-def test_gpu_dx_fused_row_terms_configs(config, m, norm):
-  """The fused row terms under the tile configs the benchmark times (TileConfig(): 64-wide
-  steps, 2 stages), at real sizes, with M % 8 != 0 (dy and y untiled, A from registers) too."""
-  _run_dx_and_check(m, 512, 512, jnp.bfloat16, norm, config=config, interpret=False,
-                    fused=True)
-
-
-# ------------------------------------------------------------------------------------------------
-# return_dy_scaled: the dx kernel also writes dy_scaled = rstd ⊙ dy (x's dtype) for the weight
-# gradients, from the units of output column tile 0.
-
-
-def _dy_scaled_inputs(seed, m, k, n, dtype, norm, mu=0.0):
-  """dy, w_gamma, x and the XLA lazy forward's (rounded) y, mean, rstd, plus the fold."""
-  x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu)
-  dy = jax.random.normal(jax.random.key(seed + 1000), (m, n), jnp.float32).astype(dtype)
-  w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
-  y, mean, rstd = nm.lazy_forward_xla(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
-                                      out_dtype=dtype)
-  return dict(dy=dy, w_gamma=w_gamma, x=x, y=y, mean=mean, rstd=rstd, col_sum=col_sum,
-              out_bias=out_bias)
-
-
-def _dx_call(a, k, fused, interpret=True, **kwargs):
-  """norm_matmul_dx on the inputs ``a`` of :func:`_dy_scaled_inputs`, with the row terms given
-  (from the XLA pass) or fused (from y)."""
-  if fused:
-    return nmb.norm_matmul_dx(a["dy"], a["w_gamma"], a["x"], a["rstd"], mean=a["mean"],
-                              y=a["y"], out_bias=a["out_bias"], col_sum=a["col_sum"],
-                              interpret=interpret, **kwargs)
-  y_term, c_term = nm._row_terms(a["dy"], a["y"], a["col_sum"], a["out_bias"], a["rstd"], k)
-  return nmb.norm_matmul_dx(a["dy"], a["w_gamma"], a["x"], a["rstd"], y_term, a["mean"], c_term,
-                            interpret=interpret, **kwargs)
-
-
-def _run_dy_scaled_and_check(m, k, n, dtype, norm, fused, config=None, *, mu=0.0,
-                             x_prefetch_step=1, interpret=True):
-  """dy_scaled equals XLA's ``(rstd[:, None] * dy.astype(f32)).astype(x.dtype)`` bit for bit,
-  every element written (the outputs start NaN-filled in interpret mode), and dx equals the
-  option-off kernel's under the same config bit for bit; no races."""
-  a = _dy_scaled_inputs(m + k + n, m, k, n, dtype, norm, mu=mu)
-  cfg = config or nmb.pick_config(m, n, k, fused_row_terms=fused, dy_scaled=True)
-  call = lambda **kw: _dx_call(a, k, fused, interpret=interpret, config=cfg,
-                               x_prefetch_step=x_prefetch_step, **kw)
-  dx_off = jax.block_until_ready(call())
-  if interpret:
-    assert not mgpu_common.races_found(), "race without return_dy_scaled"
-  dx, dy_scaled = jax.block_until_ready(call(return_dy_scaled=True))
-  if interpret:
-    assert not mgpu_common.races_found(), "the interpreter's race detector reported a race"
-  want = (a["rstd"][:, None] * a["dy"].astype(jnp.float32)).astype(dtype)
-  assert dy_scaled.shape == (m, n) and dy_scaled.dtype == jnp.dtype(dtype)
-  assert bool(jnp.all(jnp.isfinite(dy_scaled))), "some dy_scaled elements were never written"
-  np.testing.assert_array_equal(np.asarray(dy_scaled.astype(jnp.float32)),
-                                np.asarray(want.astype(jnp.float32)))
-  assert bool(jnp.all(jnp.isfinite(dx)))
-  np.testing.assert_array_equal(np.asarray(dx.astype(jnp.float32)),
-                                np.asarray(dx_off.astype(jnp.float32)))
-
-
-# Every M in {1, 77, 256}, K and N in {64, 128, 192, 320}, both norms, both row-term paths,
-# both dtypes; tile_n = 64 gives several output column tiles per row block (only the first
-# writes dy_scaled; NaN-filled outputs show any element left unwritten) and several K steps.
-DY_SCALED_CASES = [
-    # m, k, n, dtype, norm, fused, config, x_prefetch_step
-    # M tail, 3 column tiles, 2 steps of 64; the prefetch's wait leaves 1 dy_scaled store
-    (77, 192, 128, jnp.bfloat16, "layer", False, TileConfig(tile_m=128, tile_n=64), 1),
-    # 2 row blocks × 5 column tiles on 2 CTAs (chained, rstd prefetched across row blocks),
-    # 4 steps of 32 (slots reused within a tile); prefetch at step 3 (3 stores left in flight)
-    (256, 320, 128, jnp.float16, "rms", True, TileConfig(tile_m=128, tile_n=64, tile_k=32), 3),
-    # one row, one step, one unit: pick_config's tiles for dy_scaled; prefetch at step 0
-    (1, 64, 64, jnp.bfloat16, "rms", False, None, 0),
-    # rows of mean 1e2, 2 column tiles, 5 steps of 64 (per-tile pipelines), fused row terms
-    (77, 128, 320, jnp.float16, "layer", True, TileConfig(tile_m=128, tile_n=64), 1),
-    # one WGMMA left in flight across steps (stages released a step late, not chained)
-    (256, 192, 128, jnp.float16, "rms", False, TileConfig(
-        tile_m=128, tile_n=64, max_concurrent_steps=2, delay_release=1), 1),
-    # clusters of 2 (each CTA writes its own rows), 2 column tiles, fused row terms
-    (256, 128, 128, jnp.bfloat16, "layer", True, TileConfig(tile_m=128, tile_n=64,
-                                                            cluster_m=2), 1),
-    # 256-row tiles (128 rows per warpgroup), narrow epilogue tiles, 2 column tiles
-    (77, 128, 64, jnp.bfloat16, "layer", False, TileConfig(tile_m=256, tile_n=64, tile_k=32,
-                                                           epi_tile_n=32), 1),
-    # pick_config's tiles (32-wide steps) with the fused row terms, one column tile
-    (256, 64, 192, jnp.float16, "layer", True, None, 1),
-]
-
-
-@pytest.mark.parametrize("m,k,n,dtype,norm,fused,config,step", DY_SCALED_CASES)
-def test_dx_dy_scaled_bit_exact(m, k, n, dtype, norm, fused, config, step):
-  _run_dy_scaled_and_check(m, k, n, dtype, norm, fused, config, x_prefetch_step=step,
-                           mu=1e2 if dtype == jnp.float16 and norm == "layer" else 0.0)
-
-
-def test_dx_dy_scaled_bad_arguments_raise():
-  """Refused before any kernel runs: a non-bool flag, pingpong, steps wider than one 128-byte
-  swizzle row (the staging slot's TMA box), and a config that no longer fits in SMEM."""
-  m, n, k = 8, 128, 128
-  dy = jnp.ones((m, n), jnp.bfloat16)
-  w = jnp.ones((k, n), jnp.bfloat16)
-  x = jnp.ones((m, k), jnp.bfloat16)
-  r = jnp.ones((m,), jnp.float32)
-  call = lambda **kw: nmb.norm_matmul_dx(dy, w, x, r, r, interpret=True, **kw)
-  with pytest.raises(TypeError, match="return_dy_scaled must be a bool"):
-    call(return_dy_scaled=1)
-  with pytest.raises(ValueError, match="pingpong"):
-    call(return_dy_scaled=True, config=TileConfig(tile_k=32, pingpong=True))
-  with pytest.raises(ValueError, match="tile_k <= 64"):
-    call(return_dy_scaled=True, config=TileConfig(tile_k=128))
-  with pytest.raises(ValueError, match="dy_scaled staging"):
-    nmb._make_plan(m, 4096, 4096, jnp.bfloat16, True, TileConfig(tile_m=256, tile_k=64),
-                   False, 1, fused=True, has_bias=True, dy_scaled=True)
-  # Without the option the same configs run as before (tile_k = 128 is fine for dx alone).
-  nmb._make_plan(m, n, k, jnp.bfloat16, True, TileConfig(tile_k=128), False, 1)
-
-
-def test_dx_dy_scaled_plan_and_config():
-  """SMEM: the staging slots (2 per warpgroup of (wg_tile_m, tile_k)) and the rstd rows count
-  in the budget. At 262144×512² bf16 (128×256 tiles): row terms given, 3 unchained 64-wide
-  stages without the option, 4 chained 32-wide with it (pick_config), 2 chained 64-wide if
-  forced; fused row terms, 4 chained 32-wide either way (1 stage if forced to 64-wide)."""
-  m = 262144
-  base = nmb.pick_config(m, 512, 512)
-  assert nmb.pick_config(m, 512, 512, dy_scaled=True) == dataclasses.replace(base, tile_k=32)
-  assert nmb.pick_config(m, 512, 512, fused_row_terms=True, dy_scaled=True) == (
-      dataclasses.replace(base, tile_k=32))
-
-  def plan(cfg, fused, dy_scaled):
-    return nmb._make_plan(m, 512, 512, jnp.bfloat16, True, cfg, False, 1, fused=fused,
-                          has_bias=True, dy_scaled=dy_scaled)
-
-  k32 = dataclasses.replace(base, tile_k=32)
-  expected = {  # (config, fused, dy_scaled): (stages, chained)
-      (base, False, False): (3, False), (k32, False, True): (4, True),
-      (base, False, True): (2, True), (k32, True, False): (4, True), (k32, True, True): (4, True),
-      (base, True, True): (1, True)}
-  for (cfg, fused, dy_scaled), want in expected.items():
-    p = plan(cfg, fused, dy_scaled)
-    assert (p.stages, p.chained) == want, (cfg.tile_k, fused, dy_scaled)
-    used = (p.stages * nmb._stage_bytes(cfg, jnp.bfloat16, fused, p.n_vecs)
-            + nmb._fixed_smem_bytes(cfg, jnp.bfloat16, p.n_rows, dy_scaled))
-    assert used <= mgpu_common.SMEM_BYTES
-  assert nmb._dy_scaled_smem_bytes(k32, jnp.bfloat16) == 2 * 2 * 64 * 32 * 2 + 2 * 2 * 64 * 4
-  # 256×128 tiles (K, N <= 128): 32-wide steps keep 4 stages next to 128-row slots.
-  small = nmb.pick_config(m, 128, 128, dy_scaled=True)
-  assert (small.tile_m, small.tile_n, small.tile_k) == (256, 128, 32)
-  assert nmb._make_plan(m, 128, 128, jnp.bfloat16, False, small, False, 1,
-                        dy_scaled=True).stages == 4
-
-
-@pytest.mark.parametrize("m,k,n,norm,fused,config", [
-    (262144, 512, 512, "layer", False, None),
-    (262144, 512, 512, "rms", True, None),
-    # M % 8 != 0: dy (and y) untiled, WGMMA A from the registers dy_scaled also scales
-    (262144 + 77, 1024, 1024, "rms", False, None),
-    (262144 + 77, 1024, 1024, "layer", True, None),
-    (262144, 128, 128, "layer", False, None),  # 256×128 tiles, 128-row staging slots
-    (262144, 512, 512, "layer", False, TileConfig(tile_k=64)),  # 64-wide steps, 2 stages
-    (262144, 512, 512, "layer", True, TileConfig(tile_k=32, cluster_m=2)),
-    (262144, 512, 512, "rms", False, TileConfig(delay_release=1)),
-    (65536, 2048, 2048, "rms", False, TileConfig(fence_reads=False)),
-])
-def test_dx_dy_scaled_lowers_for_hopper(m, k, n, norm, fused, config):
-  spec = jax.ShapeDtypeStruct
-  row, col = spec((m,), jnp.float32), spec((n,), jnp.float32)
-  layer_row = row if norm == "layer" else None
-  bf16 = lambda *shape: spec(shape, jnp.bfloat16)
-  if fused:
-    fn = jax.jit(lambda dy, w, x, r, mu, y, ob, cs: nmb.norm_matmul_dx(
-        dy, w, x, r, mean=mu, y=y, out_bias=ob, col_sum=cs, config=config,
-        return_dy_scaled=True))
-    args = (bf16(m, n), bf16(k, n), bf16(m, k), row, layer_row, bf16(m, n), col,
-            col if norm == "layer" else None)
-  else:
-    fn = jax.jit(lambda dy, w, x, r, yt, mu, ct: nmb.norm_matmul_dx(
-        dy, w, x, r, yt, mu, ct, config=config, return_dy_scaled=True))
-    args = (bf16(m, n), bf16(k, n), bf16(m, k), row, row, layer_row, layer_row)
-  exported = export.export(fn, platforms=["cuda"])(*args)
-  assert "mosaic_gpu" in exported.mlir_module()
-  assert [o.shape for o in exported.out_avals] == [(m, k), (m, n)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(8192, 512, 512), (8192 + 77, 1024, 1024)])
+                                   (65536, 2048, 2048)])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_gpu_dx_dy_scaled(m, k, n, norm, fused):
-  """At real sizes on the GPU (M % 8 != 0: dy untiled, A from registers): dy_scaled bit-equal
-  to XLA's on the GPU, dx bit-equal to the option-off kernel's under the same config."""
-  _run_dy_scaled_and_check(m, k, n, jnp.bfloat16, norm, fused, interpret=False)
+def test_gpu_dx(m, k, n, norm, fused):
+  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False, fused=fused)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [TileConfig(tile_k=64), TileConfig(tile_k=32, cluster_m=2),
-                                    TileConfig(tile_k=32, delay_release=1),
-                                    TileConfig(tile_m=256, tile_n=128, tile_k=32)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_dx_large_mean(fused):
+  _run_dx_and_check(4096 + 77, 512, 512, jnp.float16, "layer", mu=1e3, interpret=False,
+                    fused=fused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [TileConfig(tile_m=256, tile_n=128, tile_k=32),
+                                    TileConfig(epi_tile_n=32), TileConfig(delay_release=1)])
 @pytest.mark.parametrize("m", [8192, 8192 + 77])
-def test_gpu_dx_dy_scaled_configs(config, m):
-  _run_dy_scaled_and_check(m, 512, 512, jnp.bfloat16, "layer", False, config, interpret=False)
+def test_gpu_dx_configs(config, m):
+  """dx under other tilings at real sizes, with M % 8 != 0 (dy and y untiled, A from
+  registers) too; the fused row terms (one more input stream) on the same tiles."""
+  _run_dx_and_check(m, 512, 512, jnp.bfloat16, "layer", config=config, interpret=False,
+                    fused=True)
 
 
 def test_resident_clusters_fit_the_gpcs():
   """Clusters must sit inside one GPC: on the H200, 30 clusters of 4 and 15 of 8 fit at once
   (measured), not 132 // 4 = 33 and 132 // 8 = 16."""
-  counts = [mgpu_common.resident_clusters(c, interpret=False) for c in (1, 2, 4, 8)]
-  if mgpu_common.num_sms(False) == 132:
+  counts = [mgpu.resident_clusters(c, interpret=False) for c in (1, 2, 4, 8)]
+  if mgpu.num_sms(False) == 132:
     assert counts == [132, 66, 30, 15]
   for c, count in zip((1, 2, 4, 8), counts):
-    assert 1 <= count * c <= mgpu_common.num_sms(False)
+    assert 1 <= count * c <= mgpu.num_sms(False)
 
 
-def test_persistent_clusters_respects_max_clusters_and_work():
-  cfg = TileConfig()
-  assert mgpu_common.persistent_clusters(cfg, 1, 5, interpret=False) == 5  # fewer units than SMs
-  capped = TileConfig(max_clusters=7)
-  assert mgpu_common.persistent_clusters(capped, 4, 1000, interpret=False) == 7
-  with pytest.raises(ValueError, match="max_clusters"):
-    TileConfig(max_clusters=0)
+def test_persistent_clusters_respects_the_work():
+  assert mgpu.persistent_clusters(1, 5, interpret=False) == 5  # fewer units than SMs
+  assert mgpu.persistent_clusters(4, 1000, interpret=False) == (
+      mgpu.resident_clusters(4, interpret=False))
 
 
 @pytest.mark.parametrize("m,k,n,once", [
@@ -1019,6 +659,6 @@ def test_delay_release_off_with_register_a_operand():
   loads new ones (wrong y on the H200 for M % 8 != 0 with delay_release=1), so plans with a
   register A operand run with delay_release 0, forward and dx alike."""
   cfg = TileConfig(delay_release=1)
-  assert mgpu_common.plan_delay_release(cfg, 4) == 1
-  assert mgpu_common.plan_delay_release(cfg, 4, a_in_registers=True) == 0
-  assert mgpu_common.plan_delay_release(TileConfig(), 4, a_in_registers=True) == 0
+  assert mgpu.plan_delay_release(cfg, 4) == 1
+  assert mgpu.plan_delay_release(cfg, 4, a_in_registers=True) == 0
+  assert mgpu.plan_delay_release(TileConfig(), 4, a_in_registers=True) == 0

@@ -230,7 +230,8 @@ def test_norm_matmul_shapes_dtypes(ops, dtype, norm, x_shape, n, rng):
   w = rand(rng, (k, n), dtype, scale=k**-0.5)
   scale = rand(rng, (k,), dtype, loc=1.0, scale=0.2)
   bias = rand(rng, (k,), dtype, scale=0.2)
-  y, stats = ops.norm_matmul(x, w, scale, bias, norm=norm, eps=1e-5, return_stats=True)
+  y, stats = ops.norm_matmul(x, w, scale=scale, norm_bias=bias, norm=norm, eps=1e-5,
+                             return_stats=True)
   want_y, want_mean, want_rstd = npo.norm_matmul(x, w, scale, bias, norm=norm, eps=1e-5)
   chex.assert_shape(y, x_shape[:-1] + (n,))
   chex.assert_type(y, dtype)
@@ -251,7 +252,7 @@ def test_norm_matmul_affine_options(ops, norm, with_scale, with_bias, rng):
   x, w = rand(rng, (7, 17), jnp.float32, loc=-1.0), rand(rng, (17, 5), jnp.float32)
   scale = rand(rng, (17,), jnp.float32, loc=1.0, scale=0.3) if with_scale else None
   bias = rand(rng, (17,), jnp.float32, scale=0.3) if with_bias else None
-  y = ops.norm_matmul(x, w, scale, bias, norm=norm)
+  y = ops.norm_matmul(x, w, scale=scale, norm_bias=bias, norm=norm)
   assert not isinstance(y, tuple), "without return_stats norm_matmul returns y only"
   npo.assert_close(y, npo.norm_matmul(x, w, scale, bias, norm=norm)[0], TOL["float32"])
 
@@ -275,8 +276,9 @@ def test_matmul_norm_shapes_dtypes(ops, dtype, norm, x_shape, n, rng):
   res = rand(rng, x_shape[:-1] + (n,), dtype)
   scale = rand(rng, (n,), dtype, loc=1.0, scale=0.2)
   bias = rand(rng, (n,), dtype, scale=0.2)
-  y, h, stats = ops.matmul_norm(x, w, dense_bias, res, scale, bias, norm=norm, eps=1e-5,
-                                return_h=True, return_stats=True)
+  y, h, stats = ops.matmul_norm(x, w, dense_bias=dense_bias, residual=res, scale=scale,
+                                norm_bias=bias, norm=norm, eps=1e-5, return_h=True,
+                                return_stats=True)
   want_y, want_h, want_mean, want_rstd = npo.matmul_norm(x, w, dense_bias, res, scale, bias,
                                                          norm=norm, eps=1e-5)
   chex.assert_shape([y, h], x_shape[:-1] + (n,))
@@ -306,14 +308,17 @@ def test_matmul_norm_options(ops, norm, with_dense_bias, with_residual, affine, 
   scale = rand(rng, (n,), dt, loc=1.0, scale=0.3) if affine != "none" else None
   bias = rand(rng, (n,), dt, scale=0.3) if affine == "scale_bias" else None
   want_y, want_h, _, want_rstd = npo.matmul_norm(x, w, dense_bias, res, scale, bias, norm=norm)
-  y = ops.matmul_norm(x, w, dense_bias, res, scale, bias, norm=norm)
+  y = ops.matmul_norm(x, w, dense_bias=dense_bias, residual=res, scale=scale,
+                      norm_bias=bias, norm=norm)
   assert not isinstance(y, tuple)
   npo.assert_close(y, want_y, TOL["float32"], "y")
   # The optional outputs come in the order (y, h?, stats?).
-  y_h = ops.matmul_norm(x, w, dense_bias, res, scale, bias, norm=norm, return_h=True)
+  y_h = ops.matmul_norm(x, w, dense_bias=dense_bias, residual=res, scale=scale,
+                        norm_bias=bias, norm=norm, return_h=True)
   assert len(y_h) == 2
   npo.assert_close(y_h[1], want_h, TOL["float32"], "h")
-  y_s = ops.matmul_norm(x, w, dense_bias, res, scale, bias, norm=norm, return_stats=True)
+  y_s = ops.matmul_norm(x, w, dense_bias=dense_bias, residual=res, scale=scale,
+                        norm_bias=bias, norm=norm, return_stats=True)
   assert len(y_s) == 2 and isinstance(y_s[1], pallas_norm.NormStats)
   npo.assert_close(y_s[1].rstd, want_rstd, TOL["float32"], "rstd")
 
@@ -493,9 +498,10 @@ def _numpy_case(rng, op):
   x = rng.standard_normal((3, 17)).astype(np.float32)
   g = (1 + 0.2 * rng.standard_normal(17)).astype(np.float32)
   w = rng.standard_normal((17, 5)).astype(np.float32)
-  if op in ("rms_norm", "layer_norm", "norm_matmul", "matmul_norm"):
-    args = {"rms_norm": (x, g), "layer_norm": (x, g, g - 1), "norm_matmul": (x, w, g),
-            "matmul_norm": (x, w)}[op]
+  if op == "norm_matmul":  # scale is keyword-only, as every argument after w
+    return (lambda x, w, g: pallas_norm.norm_matmul(x, w, scale=g)), (x, w, g)
+  if op in ("rms_norm", "layer_norm", "matmul_norm"):
+    args = {"rms_norm": (x, g), "layer_norm": (x, g, g - 1), "matmul_norm": (x, w)}[op]
     return getattr(pallas_norm, op), args
   name, kv_layout, max_seq_len = op.split("-")
   case = jagged_case(rng, jnp.float32, "inner_empty", kv_layout)

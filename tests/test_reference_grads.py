@@ -234,9 +234,11 @@ def _public_cases(rng, dtype):
   return {
       "rms_norm": (lambda x, g, r: pallas_norm.rms_norm(x, g, r)[0], (x, g, res)),
       "layer_norm": (lambda x, g, b, r: pallas_norm.layer_norm(x, g, b, r)[0], (x, g, b, res)),
-      "norm_matmul": (lambda x, w, g, b: pallas_norm.norm_matmul(x, w, g, b, norm="layer"),
+      "norm_matmul": (lambda x, w, g, b: pallas_norm.norm_matmul(x, w, scale=g, norm_bias=b,
+                                                                   norm="layer"),
                       (x, w, g, b)),
-      "matmul_norm": (lambda x, w, r, g, b: pallas_norm.matmul_norm(x, w, None, r, g, b),
+      "matmul_norm": (lambda x, w, r, g, b: pallas_norm.matmul_norm(x, w, residual=r, scale=g,
+                                                                       norm_bias=b),
                       (x, w, res3, g3, b3)),
       "gdpa": (lambda q, k, v, qo, ko: pallas_norm.gdpa(q, k, v, qo, ko, activation="gelu"),
                qkv_offs),

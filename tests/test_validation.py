@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 import chex
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 
@@ -41,10 +43,11 @@ def good_args(op: str) -> dict:
     return dict(good_args("rms_norm"), bias=_arr((8,), seed=3))
   if op == "norm_matmul":
     return dict(x=_arr((2, 3, 8)), w=_arr((8, 5), seed=1), scale=_arr((8,), seed=2),
-                bias=_arr((8,), seed=3), norm="layer")
+                norm_bias=_arr((8,), seed=3), norm="layer")
   if op == "matmul_norm":
     return dict(x=_arr((3, 8)), w=_arr((8, 5), seed=1), dense_bias=_arr((5,), seed=2),
-                residual=_arr((3, 5), seed=3), scale=_arr((5,), seed=4), bias=_arr((5,), seed=5))
+                residual=_arr((3, 5), seed=3), scale=_arr((5,), seed=4),
+                norm_bias=_arr((5,), seed=5))
   if op == "gdpa":
     return dict(q=_arr((T, H, D)), k=_arr((B, L_KV, H, D), seed=1),
                 v=_arr((B, L_KV, H, D), seed=2), q_offsets=_off(Q_OFFSETS))
@@ -113,7 +116,7 @@ CASES = (
         ("w", _arr((8,)), ValueError, "w"),
         ("w", _arr((7, 5)), ValueError, "w"),
         ("scale", _arr((5,)), ValueError, "scale"),  # (K,), not (N,)
-        ("bias", _arr((5,)), ValueError, "bias"),
+        ("norm_bias", _arr((5,)), ValueError, "norm_bias"),
         ("norm", "batch", ValueError, "norm"),
         ("norm", "RMS", ValueError, "norm"),
         ("eps", 0, ValueError, "eps"),
@@ -130,7 +133,7 @@ CASES = (
         ("residual", _arr((3, 8)), ValueError, "residual"),
         ("residual", _arr((5,)), ValueError, "residual"),
         ("scale", _arr((8,)), ValueError, "scale"),  # (N,), not (K,)
-        ("bias", _arr((5,), jnp.int32), TypeError, "bias"),
+        ("norm_bias", _arr((5,), jnp.int32), TypeError, "norm_bias"),
         ("norm", "group", ValueError, "norm"),
         ("eps", -1.0, ValueError, "eps"),
         ("eps", True, TypeError, "eps"),
@@ -291,7 +294,8 @@ def test_interpret_on_a_cpu_client_with_too_few_threads_raises(monkeypatch):
   assert "PJRT_NPROC" in _dispatch.interpret_threads_reason()
   with pytest.raises(RuntimeError, match=r"some_op.*PJRT_NPROC=8"):
     _dispatch.choose("some_op", "interpret", lambda _: None)
-  assert _dispatch.choose("some_op", ("interpret", "xla"), lambda _: None) == "xla"
+  with pytest.warns(_dispatch.KernelSkippedWarning, match=r"some_op.*PJRT_NPROC.*ran 'xla'"):
+    assert _dispatch.choose("some_op", ("interpret", "xla"), lambda _: None) == "xla"
   # The kernel's own reason comes first: an unsupported call is still NotImplementedError.
   with pytest.raises(NotImplementedError, match="N = 3"):
     _dispatch.choose("some_op", "interpret", lambda _: "N = 3 is too small")
@@ -300,6 +304,25 @@ def test_interpret_on_a_cpu_client_with_too_few_threads_raises(monkeypatch):
   assert _dispatch.choose("some_op", "interpret", lambda _: None) == "interpret"
 
 
+def test_a_kernel_skipped_by_the_process_is_reported_once(monkeypatch):
+  """implementation=("interpret", "xla") with too few CPU threads for interpret mode used to run
+  XLA silently (issue 17): one KernelSkippedWarning per op, kernel and reason per process; a
+  kernel skipped for the call's shapes is not reported (models pass sequences on purpose)."""
+  monkeypatch.setattr(_dispatch, "interpret_threads_reason", lambda: "too few threads")
+  monkeypatch.setattr(_dispatch, "_warned", set())
+  x = jnp.ones((4, 64), jnp.bfloat16)
+  w = jnp.ones((64, 64), jnp.bfloat16)
+  with pytest.warns(_dispatch.KernelSkippedWarning, match="norm_matmul.*too few threads"):
+    pallas_norm.norm_matmul(x, w, implementation=("interpret", "xla"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    pallas_norm.norm_matmul(x, w, implementation=("interpret", "xla"))  # once per process
+    monkeypatch.setattr(_dispatch, "interpret_threads_reason", lambda: None)
+    odd = jnp.ones((64, 96), jnp.bfloat16)  # N = 96: the kernel does not take the shape
+    pallas_norm.norm_matmul(x, odd, implementation=("interpret", "xla"))
+
+
+@pytest.mark.filterwarnings("ignore::pallas_norm._dispatch.KernelSkippedWarning")
 def test_public_ops_take_an_implementation_sequence():
   x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)), jnp.bfloat16)
   w = jnp.asarray(np.random.default_rng(1).standard_normal((64, 64)) / 8, jnp.bfloat16)
@@ -554,6 +577,7 @@ def test_eps_floor_follows_the_dtype_jax_computes_in():
     assert pallas_norm.rms_norm(x, eps=1e-30).dtype == jnp.float64
 
 
+@pytest.mark.filterwarnings("ignore::pallas_norm._dispatch.KernelSkippedWarning")
 @pytest.mark.parametrize("op", ["matmul_norm", "norm_matmul"])
 def test_kernels_step_aside_under_x64(monkeypatch, op):
   """Under jax_enable_x64 the kernels cannot be traced (their int32 index arithmetic meets int64
@@ -577,10 +601,10 @@ def test_kernels_step_aside_under_x64(monkeypatch, op):
 
 
 def test_norm_matmul_kernel_refuses_an_out_dtype_it_cannot_write():
-  from pallas_norm.ops import norm_matmul as nm
+  from pallas_norm.ops.norm_matmul import api as nm
   x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
-  assert "float64" in nm._kernel_unsupported_reason(x, w, jnp.float64)
-  assert nm._kernel_unsupported_reason(x, w, jnp.float32) is None
+  assert "float64" in nm.kernel_unsupported_reason(x, w, jnp.float64)
+  assert nm.kernel_unsupported_reason(x, w, jnp.float32) is None
 
 
 def test_interpret_kernel_runs_under_disable_jit():

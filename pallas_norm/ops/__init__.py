@@ -1,2 +1,4 @@
-"""One module per op: argument checks, implementation choice and (once kernels land) the
-custom_vjp wiring. The math of each op is in :mod:`pallas_norm.reference`."""
+"""One folder per op: ``api`` (the public function: argument checks, implementation choice, the
+custom_vjp of the kernel path), ``xla`` (what XLA runs), ``mosaic`` / ``mosaic_bwd`` (the
+Mosaic-GPU kernels) and ``configs`` (thresholds measured on the H200), as each op has them. The
+math of each op is in :mod:`pallas_norm.reference`."""

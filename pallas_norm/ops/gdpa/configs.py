@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_norm import mgpu_common
+from pallas_norm import mgpu
 
 BLOCK_Q = 64
 """Query rows per consumer warpgroup step: the M of one WGMMA (one warpgroup owns 64 rows)."""
@@ -69,6 +69,6 @@ def pick_config(kv_rows: int, head_dim: int, dtype, out_dtype) -> Config | None:
   candidates = [Config(block_kv=block_kv, q_stages=stages) for stages in (2, 1)]
   candidates += [Config(block_kv=64, q_stages=stages, kv_stages=2) for stages in (2, 1)]
   for cfg in candidates:
-    if smem_bytes(kv_rows, head_dim, dtype, out_dtype, cfg) <= mgpu_common.SMEM_BYTES:
+    if smem_bytes(kv_rows, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
       return cfg
   return None

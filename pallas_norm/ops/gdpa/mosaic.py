@@ -51,7 +51,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_norm import mgpu_common, reference
+from pallas_norm import mgpu, reference
 from pallas_norm.ops.gdpa import configs
 from pallas_norm.ops.gdpa.configs import BLOCK_Q
 
@@ -96,7 +96,7 @@ def kv_rows(k, kv_offsets, max_kv_len) -> int:
 def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
   """None when the kernel can run these (validated) arguments, else why not."""
   dtype = jnp.dtype(q.dtype)
-  if dtype not in mgpu_common.SUPPORTED_DTYPES:
+  if dtype not in mgpu.SUPPORTED_DTYPES:
     return f"q dtype {dtype.name} is not bfloat16 or float16"
   out_dtype = jnp.dtype(out_dtype or dtype)
   if out_dtype not in _OUT_DTYPES:
@@ -217,7 +217,7 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
       scratch_types=_scratch(plan, head_dim, q.dtype, out_dtype),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu_common.interpret_params() if interpret else None,
+      interpret=mgpu.interpret_params() if interpret else None,
   )
   return call(table, scales, q, k, v)
 
@@ -238,7 +238,7 @@ class _Plan:
 
 
 def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
-  transforms = mgpu_common.swizzle_transforms(head_dim, dtype)
+  transforms = mgpu.swizzle_transforms(head_dim, dtype)
   chunks = max(1, head_dim * out_dtype.itemsize // 128)  # 128-byte column chunks of the output
   if plan.kv_stages is None:
     kv_shape, kv_barriers = (plan.kv_chunks,), plan.kv_chunks
@@ -254,9 +254,9 @@ def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
       k_smem=kv_smem(),
       v_smem=kv_smem(),
       p_smem=plgpu.SMEM((2, BLOCK_Q, plan.block_kv), dtype,
-                        transforms=mgpu_common.swizzle_transforms(plan.block_kv, dtype)),
+                        transforms=mgpu.swizzle_transforms(plan.block_kv, dtype)),
       o_smem=plgpu.SMEM((2, chunks, BLOCK_Q, head_dim // chunks), out_dtype,
-                        transforms=mgpu_common.swizzle_transforms(head_dim // chunks, out_dtype,
+                        transforms=mgpu.swizzle_transforms(head_dim // chunks, out_dtype,
                                                                   tiled=False)),
       q_ready=plgpu.Barrier(num_barriers=2 * plan.q_stages),
       q_free=plgpu.Barrier(num_barriers=2 * plan.q_stages),
@@ -297,7 +297,7 @@ class _Item:
 def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, plan: _Plan, **smem):
   item = _Item.read(table_ref, plan)
   kv = (_ResidentKV if plan.kv_stages is None else _StreamedKV)(plan, item, k_ref, v_ref, smem)
-  mgpu_common.warp_specialize(
+  mgpu.warp_specialize(
       lambda: _producer(plan, item, kv, q_ref, smem),
       lambda: _consumer(plan, item, kv, scales_ref, o_ref, smem))
 

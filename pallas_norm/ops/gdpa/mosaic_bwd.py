@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu_common, reference
+from pallas_norm import mgpu, reference
 
 __all__ = ["gdpa_bwd", "unsupported_reason", "act_and_grad", "BLOCK"]
 
@@ -155,7 +155,7 @@ def unsupported_reason(q, k, v, kv_offsets, max_seq_len=None, max_kv_len=None) -
   """
   del max_seq_len, max_kv_len, v
   dtype = jnp.dtype(q.dtype)
-  if dtype not in mgpu_common.SUPPORTED_DTYPES:
+  if dtype not in mgpu.SUPPORTED_DTYPES:
     return f"q dtype {dtype} is not bfloat16 or float16"
   t, _, d = q.shape
   if d not in HEAD_DIMS:
@@ -193,7 +193,7 @@ class _Plan:
 
 
 def _tiled(d: int, dtype):
-  return mgpu_common.swizzle_transforms(d, dtype)
+  return mgpu.swizzle_transforms(d, dtype)
 
 
 def _cdiv(a, b):
@@ -234,7 +234,7 @@ def _operand_smem(per_consumer: int, dtype):
 
 
 def _ring_allocs(d: int, dtype) -> dict:
-  """A :class:`mgpu_common.SharedRing` of two (BLOCK, D) tiles per stage."""
+  """A :class:`mgpu.SharedRing` of two (BLOCK, D) tiles per stage."""
   tile = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=_tiled(d, dtype))
   return dict(x=tile, w=tile,
               produced=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # one per TMA copy
@@ -243,10 +243,10 @@ def _ring_allocs(d: int, dtype) -> dict:
 
 def _produce_block(ring, step, is_tail, main, tail) -> None:
   """Producer: loads the two (BLOCK, D) GMEM windows ``main`` into global step ``step``'s stage
-  (:func:`mgpu_common.ring_produce`), or the zero-padded ``tail`` ones for the block that
+  (:func:`mgpu.ring_produce`), or the zero-padded ``tail`` ones for the block that
   reaches past the last offset."""
-  pl.when(is_tail)(lambda: mgpu_common.ring_produce(ring, step, *tail))
-  pl.when(jnp.logical_not(is_tail))(lambda: mgpu_common.ring_produce(ring, step, *main))
+  pl.when(is_tail)(lambda: mgpu.ring_produce(ring, step, *tail))
+  pl.when(jnp.logical_not(is_tail))(lambda: mgpu.ring_produce(ring, step, *main))
 
 
 def _sample_loop(first, count, body, carry):
@@ -291,7 +291,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
 
   def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
              dq_done):
-    ring = mgpu_common.SharedRing(stages=STAGES, **ring_allocs)
+    ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
       def sample(s, step):
@@ -305,7 +305,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
           _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
         return step + blocks
 
-      pl.when(is_item)(lambda: mgpu_common.ring_drain(
+      pl.when(is_item)(lambda: mgpu.ring_drain(
           ring, _sample_loop(first, count, sample, jnp.int32(0))))
 
     def consumer():
@@ -341,10 +341,10 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
                         dq_smem.at[wg], dq_ref.at[:, h, :], col0, q_lo, q_hi)
             return partials
 
-          partials = mgpu_common.ring_k_loop(ring, step, blocks, partials, body)
+          partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
           return step + blocks, partials
 
-        partials = ((mgpu_common.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
+        partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
         _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
         if plan.fuse_dq:  # the other consumer's last dQ WGMMA may still read this K tile
           plgpu.barrier_arrive(dq_done)
@@ -369,7 +369,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
         pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
             dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0]))
 
-    mgpu_common.warp_specialize(producer, consumer)
+    mgpu.warp_specialize(producer, consumer)
 
   pl.run_scoped(
       scoped,
@@ -491,8 +491,8 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
     # with the masked tiles: a masked score may be NaN (a padding row of packed k).
     # A in float32 for d post: the bfloat16 rounding of A is noise of ~2^-9 per term, as large
     # as the cancelling sum itself can be.
-    partials = (partials[0] + mgpu_common.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
-                partials[1] + mgpu_common.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
+    partials = (partials[0] + mgpu.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
+                partials[1] + mgpu.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
   if ready is None:
     plgpu.wgmma_wait(0)
   return partials
@@ -519,7 +519,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
     return (k_ref.at[:, h, :], v_ref.at[:, h, :]), *_block_span(lo, hi), lo, hi
 
   def scoped(ring_allocs, qdo_smem, qdo_barrier, op_smem):
-    ring = mgpu_common.SharedRing(stages=STAGES, **ring_allocs)
+    ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
       def sample(s, step):
@@ -530,14 +530,14 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
           rows = pl.ds((block0 + j) * BLOCK, BLOCK)
           main = (k_view.at[rows], v_view.at[rows])
           if plan.dense:
-            mgpu_common.ring_produce(ring, step + j, *main)
+            mgpu.ring_produce(ring, step + j, *main)
           else:
             tail = (k_tail_ref.at[:, h, :], v_view.at[rows])
             _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
         return step + blocks
 
       total = _sample_loop(first, count, sample, jnp.int32(0))
-      mgpu_common.ring_drain(ring, total)
+      mgpu.ring_drain(ring, total)
 
     def consumer():
       wg = lax.axis_index("wg")
@@ -562,7 +562,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
                      op_smem.at[wg, 0])
             return carry
 
-          mgpu_common.ring_k_loop(ring, step, blocks, (), body)
+          mgpu.ring_k_loop(ring, step, blocks, (), body)
           return step + blocks
 
         _sample_loop(first, count, sample, jnp.int32(0))
@@ -573,7 +573,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
 
       pl.run_scoped(with_acc, plgpu.ACC((BLOCK, d)))
 
-    mgpu_common.warp_specialize(producer, consumer)
+    mgpu.warp_specialize(producer, consumer)
 
   pl.run_scoped(
       scoped,
@@ -646,7 +646,7 @@ def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=mgpu_common.interpret_params() if interpret else None,
+      interpret=mgpu.interpret_params() if interpret else None,
   )
 
 

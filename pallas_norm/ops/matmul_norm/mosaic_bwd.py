@@ -1,7 +1,7 @@
 """The norm backward of the post-norm GEMM (:mod:`pallas_norm.ops.matmul_norm`) as one
 Mosaic-GPU kernel (Hopper): dh and the column sums in one pass over the row blocks.
 
-Math (DESIGN.md, op 2; :func:`pallas_norm.ops.matmul_norm._norm_backward`): with
+Math (DESIGN.md, op 2; :func:`pallas_norm.ops.matmul_norm.xla.norm_backward`): with
 ``g = scale ⊙ dy`` and means over the N columns of a row,
 
     dh = rstd ⊙ (g − x̂ ⊙ mean_N(g ⊙ x̂) − mean_N(g)) (+ dh_out)      (RMS: no mean_N(g))
@@ -14,8 +14,7 @@ dh) is ~187 µs at the suite's measured copy bandwidth.
 Kernel: a persistent grid of CTAs with a TMA producer warpgroup and two consumer warpgroups
 (:data:`CONSUMERS`), each holding (64, 64) tiles in the WGMMA register layout. A CTA walks row
 blocks of 64 rows; each pipeline step brings a (64, 128) tile of dy and x̂ (and dh_out), 64
-columns per warpgroup (:data:`SPLITS` "cols"; "rows", 128-row blocks with a warpgroup per 64
-rows, is kept for measurement). A row block is streamed twice: the first pass accumulates each
+columns per warpgroup. A row block is streamed twice: the first pass accumulates each
 row's Σ g ⊙ x̂ and Σ g (per-thread partial sums, reduced across lanes once; the two warpgroups'
 halves are added through SMEM at the end of the pass, behind an mbarrier); the second pass reads
 the tiles again (from L2: all CTAs' row blocks are 132 · 64 · N · 4 bytes, 17 MiB at N = 512)
@@ -36,14 +35,12 @@ two warpgroups reducing across warps at once corrupt each other's sums (session 
 Measured on the H200 (``benchmarks/gpu_norm_backward.py``, session 7; 262144 rows, bf16, µs,
 kernel vs XLA's passes): RMSNorm (dscale) 297 / 351 at N = 512, 591 / 681 at 1024; LayerNorm
 (dscale, dbias) 316 / 416, 616 / 796 (the final code, one ``commit_smem`` per second-pass step;
-an earlier version ran 1334 / 1331 and 1359 / 1564 at N = 2048). The "rows" split: 297 / 317
-µs at N = 512 but 711 / 734 at 1024 (its 128-row blocks of all CTAs, 34 MiB at N = 512,
-no longer stay in L2 between the passes). Session 6's one-warpgroup kernel with cross-warp
+an earlier version ran 1334 / 1331 and 1359 / 1564 at N = 2048). Session 6's one-warpgroup kernel with cross-warp
 column sums: 334 / 474 at N = 512.
 
 Column sums are deterministic: each warpgroup's accumulators add its tiles in a fixed order and
 are written to ``(ctas, CONSUMERS, sums, N)`` at the end; the caller reduces those in a fixed
-pairwise order (:func:`pallas_norm.ops.matmul_norm.column_sum`'s stage 2). The partition of rows
+pairwise order (:func:`pallas_norm.ops.matmul_norm.xla.column_sum`'s stage 2). The partition of rows
 among CTAs depends on the SM count, so the bits are the same on every run on one GPU model.
 
 Shapes: any M ≥ 1 (TMA zero-fills rows past M, where dy = x̂ = 0 gives dh = 0 and adds nothing
@@ -64,9 +61,9 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu_common
+from pallas_norm import mgpu
 
-__all__ = ["SUMS", "SPLITS", "DEFAULT_SPLIT", "unsupported_reason", "norm_backward"]
+__all__ = ["SUMS", "unsupported_reason", "norm_backward"]
 
 _F32 = jnp.float32
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -78,15 +75,6 @@ two warpgroups would share: wrong sums on the H200, ``benchmarks/dev/colsum_layo
 CHUNK = 64
 """Columns of a warpgroup's tile per step: one 128-byte swizzle span of 16-bit values (128
 would leave one pipeline stage next to the staging and output tiles)."""
-SPLITS = ("rows", "cols")
-"""How the two consumer warpgroups share a step. "rows": a (128, 64) step, 64 rows each; "cols":
-a (64, 128) step, 64 columns each, the row sums of a row block added across the warpgroups at
-the end of its first pass. "cols" halves the row block, so the L2 holds the blocks of every CTA
-between their two passes up to twice the N."""
-DEFAULT_SPLIT = "cols"
-"""The split :func:`norm_backward` uses (``split=None``): as fast at N = 512 and faster past it
-(session 7, H200, 262144 rows, RMSNorm: 297 vs 297 µs at N = 512, 591 vs 711 at 1024; an
-earlier version 1334 vs 1452 at 2048)."""
 ACC_ROWS = 64  # rows of one WGMMA accumulator: one chunk of a column sum per row
 MAX_ACCS = 3
 """WGMMA accumulators ((64, 64) float32, 32 registers per thread each) per consumer warpgroup
@@ -109,7 +97,7 @@ def _accs_per_sum(n: int) -> int:
 def unsupported_reason(m: int, n: int, dtype, n_sums: int = 3) -> str | None:
   """Why the kernel cannot run (M, N) with 16-bit ``dtype`` and ``n_sums`` column sums; None
   when it can."""
-  if jnp.dtype(dtype) not in mgpu_common.SUPPORTED_DTYPES:
+  if jnp.dtype(dtype) not in mgpu.SUPPORTED_DTYPES:
     return f"dtype {jnp.dtype(dtype)} (the kernel takes bfloat16 or float16)"
   if m < 1:
     return f"M = {m} (needs at least one row)"
@@ -130,17 +118,16 @@ class _Plan:
   has_scale: bool
   has_dh_out: bool
   sums: tuple[str, ...]
-  split: str  # "rows" or "cols", :data:`SPLITS`
   ctas: int
   stages: int
 
   @property
   def block_rows(self) -> int:  # rows of a CTA's row block
-    return CONSUMERS * WG_ROWS if self.split == "rows" else WG_ROWS
+    return WG_ROWS
 
   @property
-  def step_cols(self) -> int:  # columns of a pipeline step's tiles
-    return CHUNK if self.split == "rows" else CONSUMERS * CHUNK
+  def step_cols(self) -> int:  # columns of a pipeline step's tiles: one chunk per warpgroup
+    return CONSUMERS * CHUNK
 
   @property
   def chunks(self) -> int:  # 64-column chunks of N
@@ -215,10 +202,10 @@ def _one_hot_tiles(plan: _Plan) -> int:
   return plan.accs_per_sum * len(plan.one_hot_dtypes)
 
 
-def _make_plan(m, n, dtype, norm, has_scale, has_dh_out, sums, interpret, split) -> _Plan:
-  plan = _Plan(m, n, jnp.dtype(dtype), norm, has_scale, has_dh_out, tuple(sums), split, 1, 1)
-  ctas = max(1, min(mgpu_common.num_sms(interpret), plan.blocks))
-  fit = (mgpu_common.SMEM_BYTES - _fixed_bytes(plan)) // _stage_bytes(plan)
+def _make_plan(m, n, dtype, norm, has_scale, has_dh_out, sums, interpret) -> _Plan:
+  plan = _Plan(m, n, jnp.dtype(dtype), norm, has_scale, has_dh_out, tuple(sums), 1, 1)
+  ctas = max(1, min(mgpu.num_sms(interpret), plan.blocks))
+  fit = (mgpu.SMEM_BYTES - _fixed_bytes(plan)) // _stage_bytes(plan)
   # A CTA's steps: two passes over the columns of each of its row blocks.
   steps = 2 * plan.steps_per_pass * (-(-plan.blocks // ctas))
   stages = max(1, min(MAX_STAGES, fit, steps))
@@ -254,10 +241,10 @@ def _kernel(*refs, plan: _Plan):
   scale_gmem = next(it) if plan.has_scale else None  # (1, N) f32
   dh_gmem = next(it)
   sums_gmem = next(it) if plan.sums else None  # (ctas, CONSUMERS, accs, 64, 64) f32
-  steps, inv_n, by_cols = plan.steps_per_pass, 1.0 / plan.n, plan.split == "cols"
+  steps, inv_n = plan.steps_per_pass, 1.0 / plan.n
   # Tiled (the SMEM layout of WGMMA operands); its TMA needs whole 8-row groups, hence M padded
   # to a multiple of 8.
-  transforms = mgpu_common.swizzle_transforms(CHUNK, plan.dtype)
+  transforms = mgpu.swizzle_transforms(CHUNK, plan.dtype)
   cta = lax.axis_index("cta")
 
   def step_coords(s):  # (local row block, pass, column step) of pipeline step s
@@ -283,13 +270,13 @@ def _kernel(*refs, plan: _Plan):
       # readout, once both warpgroups are past their last staging (``done``).
       sum_smem=plgpu.RefUnion(
           plgpu.SMEM((CONSUMERS, _staging_tiles(plan), WG_ROWS, CHUNK), _BF16,
-                     transforms=mgpu_common.swizzle_transforms(CHUNK, _BF16)),
+                     transforms=mgpu.swizzle_transforms(CHUNK, _BF16)),
           plgpu.SMEM((CONSUMERS, ACC_ROWS, CHUNK), _F32)),
       one_hot_smem=tuple(  # per A dtype
           plgpu.SMEM((CONSUMERS, plan.accs_per_sum, ACC_ROWS, WG_ROWS), dtype,
-                     transforms=mgpu_common.swizzle_transforms(WG_ROWS, dtype))
+                     transforms=mgpu.swizzle_transforms(WG_ROWS, dtype))
           for dtype in plan.one_hot_dtypes),
-      # "cols": each warpgroup's row sums over its columns, (row block parity, wg, Σg·x̂ / Σg).
+      # Each warpgroup's row sums over its columns, (row block parity, wg, Σg·x̂ / Σg).
       row_sum_smem=plgpu.SMEM((2, CONSUMERS, 2, WG_ROWS), _F32),
       row_sums_ready=plgpu.Barrier(num_arrivals=CONSUMERS),
       done=plgpu.Barrier(num_arrivals=CONSUMERS),
@@ -299,11 +286,11 @@ def _kernel(*refs, plan: _Plan):
     stage_smem, readout_smem = sum_smem
     wg = lax.axis_index("wg")
     # This warpgroup's (64, 64) part of a step's tiles, and its 64-column chunk index.
-    rows = pl.ds(0 if by_cols else wg * WG_ROWS, WG_ROWS)
-    cols = pl.ds(wg * CHUNK if by_cols else 0, CHUNK)
-    chunk_of = (lambda c: c * CONSUMERS + wg) if by_cols else (lambda c: c)
+    rows = pl.ds(0, WG_ROWS)
+    cols = pl.ds(wg * CHUNK, CHUNK)
+    chunk_of = lambda c: c * CONSUMERS + wg  # noqa: E731
     wgmma = plgpu.Layout.WGMMA
-    zero_parts = (mgpu_common.lane_partial_zeros(WG_ROWS),) * 2
+    zero_parts = (mgpu.lane_partial_zeros(WG_ROWS),) * 2
 
     def stage_column_sums(j, values):
       """Write the SMEM operands of chunk j's column sums: each staged sum's bf16 parts
@@ -333,9 +320,9 @@ def _kernel(*refs, plan: _Plan):
             plgpu.wgmma(acc, one_hot[plan.dtype].at[wg, k], dy_tile)
 
     def row_means(r, gx_part, g_part):
-      """mean_N(g ⊙ x̂) and mean_N(g) of this warpgroup's rows, in the row layout."""
-      if not by_cols:
-        return jnp.sum(gx_part, axis=1) * inv_n, jnp.sum(g_part, axis=1) * inv_n
+      """mean_N(g ⊙ x̂) and mean_N(g) of the row block's rows (both warpgroups' column halves,
+      published at the end of the first pass), in the row layout."""
+      del gx_part, g_part
       # Both warpgroups add the two halves in the same order, so they agree on every bit.
       half = row_sum_smem.at[r % 2]
       load = lambda w, q: plgpu.load(half.at[w, q], layout=wgmma.reduce(1))  # noqa: E731
@@ -352,7 +339,7 @@ def _kernel(*refs, plan: _Plan):
       r, p, c = step_coords(s)
       j = chunk_of(c)
       valid = cta + r * plan.ctas < plan.blocks
-      in_n = j < plan.chunks  # "cols" with N % 128 = 64: the last step's second half is past N
+      in_n = j < plan.chunks  # N % 128 = 64: the last step's second half is past N
       tile = lambda ref: ref.at[rows, cols]  # noqa: E731
       load_f32 = lambda ref: plgpu.load(tile(ref), layout=wgmma).astype(_F32)  # noqa: E731
       dy, xhat = load_f32(dy_smem), load_f32(xhat_smem)  # zeros past N (TMA zero fill)
@@ -363,22 +350,22 @@ def _kernel(*refs, plan: _Plan):
 
       def first_pass(parts):  # this step's row sums, from zero at a row block's first step
         parts = lax.cond(c == 0, lambda: zero_parts, lambda: parts)
-        gx_part = parts[0] + mgpu_common.lane_partial_sum(g * xhat)
-        g_part = parts[1] + mgpu_common.lane_partial_sum(g) if plan.norm == "layer" else parts[1]
+        gx_part = parts[0] + mgpu.lane_partial_sum(g * xhat)
+        g_part = parts[1] + mgpu.lane_partial_sum(g) if plan.norm == "layer" else parts[1]
         return gx_part, g_part
 
       parts = lax.cond(p == 0, first_pass, lambda parts: parts, parts)
       gx_part, g_part = parts
-      if by_cols:
-        @pl.when((p == 0) & (c == steps - 1))
-        def _publish_row_sums():
-          row_sum_smem[r % 2, wg, 0] = jnp.sum(gx_part, axis=1)
-          row_sum_smem[r % 2, wg, 1] = jnp.sum(g_part, axis=1)
-          plgpu.barrier_arrive(row_sums_ready)
 
-        @pl.when((p == 1) & (c == 0))
-        def _await_row_sums():
-          plgpu.barrier_wait(row_sums_ready)
+      @pl.when((p == 0) & (c == steps - 1))
+      def _publish_row_sums():
+        row_sum_smem[r % 2, wg, 0] = jnp.sum(gx_part, axis=1)
+        row_sum_smem[r % 2, wg, 1] = jnp.sum(g_part, axis=1)
+        plgpu.barrier_arrive(row_sums_ready)
+
+      @pl.when((p == 1) & (c == 0))
+      def _await_row_sums():
+        plgpu.barrier_wait(row_sums_ready)
 
       second_pass = (p == 1) & valid & in_n
 
@@ -403,7 +390,7 @@ def _kernel(*refs, plan: _Plan):
         plgpu.commit_smem()
         if plan.sums:
           add_column_sums(accs, tile(dy_smem))
-        row0 = (cta + r * plan.ctas) * plan.block_rows + (0 if by_cols else wg * WG_ROWS)
+        row0 = (cta + r * plan.ctas) * plan.block_rows
         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
                                 dh_gmem.at[pl.ds(row0, WG_ROWS), pl.ds(j * CHUNK, CHUNK)])
         if plan.sums:  # the stage (dy) and the staged tiles are free once the WGMMAs are done
@@ -444,7 +431,7 @@ def _kernel(*refs, plan: _Plan):
 
 
 def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
-                  sums: tuple[str, ...] = (), interpret: bool = False, split: str | None = None):
+                  sums: tuple[str, ...] = (), interpret: bool = False):
   """dh and the column partial sums of the post-norm backward, one Mosaic-GPU kernel.
 
   Args:
@@ -455,9 +442,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
     dh_out: optional (M, N) in dy's dtype, added to dh (the cotangent of a returned h).
     norm: "rms" or "layer".
     sums: which column sums to return, a sub-sequence of :data:`SUMS`.
-    interpret: run in Pallas GPU interpret mode (CPU), :func:`mgpu_common.interpret_params`.
-    split: how the two consumer warpgroups share a step, one of :data:`SPLITS` (None:
-      :data:`DEFAULT_SPLIT`).
+    interpret: run in Pallas GPU interpret mode (CPU), :func:`mgpu.interpret_params`.
 
   Returns:
     ``(dh, partials)``: dh (M, N) in dy's dtype; partials (ctas, :data:`CONSUMERS`, len(sums), N) float32
@@ -465,14 +450,12 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
     empty). Sum them in a fixed order for deterministic bits.
 
   Raises:
-    ValueError: a shape, dtype, norm, sum name or split the kernel does not take
+    ValueError: a shape, dtype, norm or sum name the kernel does not take
       (:func:`unsupported_reason`).
     TypeError: an argument that is not an array, or rstd not a real float.
   """
   if norm not in ("rms", "layer"):
     raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
-  if split is not None and split not in SPLITS:
-    raise ValueError(f"split must be None or one of {SPLITS}, got {split!r}")
   if (not isinstance(sums, (tuple, list)) or any(s not in SUMS for s in sums)
       or len(set(sums)) != len(sums)):
     raise ValueError(f"sums must be distinct names from {SUMS}, got {sums!r}")
@@ -497,7 +480,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
   pad = -m % ROW_ALIGN
   m += pad
   plan = _make_plan(m, n, dy.dtype, norm, scale is not None, dh_out is not None, sums,
-                    interpret, split or DEFAULT_SPLIT)
+                    interpret)
   out_type = [jax.ShapeDtypeStruct((m, n), dy.dtype)]
   if sums:
     out_type.append(jax.ShapeDtypeStruct(
@@ -514,10 +497,10 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
           # No scratch: every reduction stays within a warp (a cross-warp one would fail to
           # compile rather than share one buffer between the two consumer warpgroups).
           reduction_scratch_bytes=0),
-      interpret=mgpu_common.interpret_params() if interpret else None,
+      interpret=mgpu.interpret_params() if interpret else None,
   )
   rstd_padded = jnp.pad(rstd.astype(_F32), (0, plan.blocks * plan.block_rows - m + pad))
-  tiles = [mgpu_common.pad_rows(a, pad) for a in (dy, xhat, dh_out) if a is not None]
+  tiles = [mgpu.pad_rows(a, pad) for a in (dy, xhat, dh_out) if a is not None]
   args = tiles + [rstd_padded] + ([] if scale is None else [scale.astype(_F32)[None, :]])
   outs = call(*args)
   dh = outs[0][:m - pad] if pad else outs[0]

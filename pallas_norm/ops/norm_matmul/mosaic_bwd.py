@@ -19,10 +19,10 @@ read untransposed from GMEM and handed to WGMMA as a transposed SMEM view (the B
 Where the row scalars come from (:func:`norm_matmul_dx`):
 
 * given (``y_term``, ``c_term``; ``norm_matmul``'s backward for RMSNorm and past K, N = 512):
-  XLA computes them in one pass over dy and y (``pallas_norm.ops.norm_matmul._row_terms``)
+  XLA computes them in one pass over dy and y (``pallas_norm.ops.norm_matmul.xla.row_terms``)
   before the kernel.
-* fused (``y``, ``out_bias``, ``col_sum``; ``norm_matmul.FUSED_ROW_TERMS``, by default for
-  LayerNorm up to K, N ≤ 512): the kernel computes them itself, inside its K loop. The
+* fused (``y``, ``out_bias``, ``col_sum``; ``norm_matmul``'s backward for LayerNorm up to
+  K, N ≤ 512, :func:`pallas_norm.ops.norm_matmul.fused_row_terms_pay`): the kernel computes them itself, inside its K loop. The
   reduction runs over N, the same dimension as the row sums, so each K step's (tile_m, tile_k)
   dy tile, already in SMEM as the WGMMA A operand, is all the row sums need next to the
   matching y tile. y streams through
@@ -31,9 +31,9 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   tile_k) block per step (tile_k·4 bytes per vector and stage: SMEM that does not grow with N,
   for one more TMA per step; whole vectors resident in SMEM, 8·N bytes, would cost a stage of
   the default tiles from N ≈ 4096 on). After issuing a step's WGMMA, each consumer warpgroup
-  loads its rows of the dy and y tiles into registers (WGMMA layout; with
-  ``a_operand="registers"`` the dy registers WGMMA reads) and adds, in f32, per-thread partial
-  row sums (rows, 8) (:func:`pallas_norm.mgpu_common.lane_partial_sum`, the pre-norm forward's
+  loads its rows of the dy and y tiles into registers (WGMMA layout; for M % 8 ≠ 0 on the GPU
+  the dy registers WGMMA reads) and adds, in f32, per-thread partial
+  row sums (rows, 8) (:func:`pallas_norm.mgpu.lane_partial_sum`, the pre-norm forward's
   in-loop statistics technique) of ``dy ⊙ (y − out_bias)`` and, for LayerNorm, ``dy ⊙
   col_sum``, while the tensor core runs. The epilogue reduces them across lanes once per tile
   and forms ``y_term = rstd² · s_y / K`` and ``c_term = rstd · s_c / K`` from the saved rstd.
@@ -61,46 +61,14 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   2048²) the fused one pays for the lost stage (2 stages of 64: +36 and +129 µs), streaming y
   (+24, +106) and the loads and sums (+44, +143), all per column tile (cost split in the same
   log; no register spills). All GPU tests of the option passed on the H200
-  (``..._gpu_tests.log``). Needs y in dy's dtype (``norm_matmul`` otherwise keeps the XLA pass);
-  does not combine with ``pingpong`` yet.
+  (``..._gpu_tests.log``). Needs y in dy's dtype (``norm_matmul`` otherwise keeps the XLA pass).
 
-dy_scaled (``return_dy_scaled``; ``norm_matmul.DX_WRITES_DY_SCALED``, opt-in, measured slower
-on the H200: the kernel 285 → 414 µs at 262144×512², more than the pass it removes): the kernel
-also writes ``dy_scaled = (rstd ⊙ dy)`` rounded to x's dtype, the operand of
-the weight gradients' GEMM ``dW_γ = xᵀ dy_scaled``, so that XLA's elementwise pass forming it
-(read dy, write dy_scaled: ~125 µs at 262144×512² bf16 on the H200) disappears. Every column
-tile of a row block streams that row block's whole dy (all N columns, over its K loop), so the
-units of output column tile 0 alone write it, each element exactly once. In their K loop, after
-issuing a step's WGMMA, each consumer warpgroup loads its rows of the dy tile into registers
-(the load the fused row terms make; shared with them, or with ``a_operand="registers"``),
-multiplies them in f32 by its rstd rows, rounds to x's dtype, writes them to one of
-:data:`DY_SCALED_SLOTS` SMEM staging slots and TMA-stores the slot to dy_scaled[rows, step
-columns] while the tensor core runs. Numerically this is XLA's ``(rstd[:, None] *
-dy.astype(f32)).astype(x.dtype)`` bit for bit (one f32 product, one rounding). The rstd rows
-come into registers once per tile, from a double-buffered SMEM copy whose TMA the previous tile
-issued (the CTA's first tile fetches its own). A slot is rewritten only once the store that
-read it is complete (``wait_smem_to_gmem(slots − 1, wait_read_only=True)``; between tiles an
-epilogue's dx stores always intervene), and the x-tile prefetch, which waits for the previous
-tile's dx stores, leaves the current tile's dy_scaled stores (the most recent ones) in flight.
-Staging slots are untiled swizzled (wg_tile_m, tile_k) tiles stored as plain 2-D TMA boxes,
-so rows past M are dropped for any M (needs tile_k · itemsize ≤ 128 bytes). SMEM: 2 slots of
-(wg_tile_m, tile_k) per warpgroup (32 KiB at 64-wide steps and 128-row tiles, 16 KiB at
-32-wide) plus 1 KiB of rstd rows; :func:`pick_config` then takes 32-wide steps, as for the
-fused row terms. At 262144×512² bf16 (128×256 tiles): row terms given, 3 unchained 64-wide
-stages without it, 4 chained 32-wide with it (2 chained 64-wide if forced); fused row terms, 4
-chained 32-wide stages either way (1 if forced to 64-wide). Not with ``pingpong``.
-
-With ``TileConfig.pingpong`` (:func:`pingpong_config`; opt-in, measured 1.53× slower on the H200
-at 262144×512², 448 vs 293 µs: benchmarks/NOTES.md, session 4) the consumers
-take alternate (one warpgroup's rows, column tile) units instead, each with its own K-loop ring
-(:class:`pallas_norm.mgpu_common.PingPongRing`), so one's epilogue overlaps the other's WGMMAs.
-
-Kernel structure: the forward's (:mod:`pallas_norm.ops.norm_matmul_mgpu`), i.e. JAX's
+Kernel structure: the forward's (:mod:`pallas_norm.ops.norm_matmul.mosaic`), i.e. JAX's
 ``hopper_matmul_mgpu.py``: a persistent grid walks the (M, K) output tiles; a TMA producer
 warpgroup streams (tile_m, tile_k) tiles of dy and (tile_n, tile_k) tiles of w_gamma (the
 reduction runs over N in steps of tile_k) to two WGMMA consumer warpgroups that split the tile
 along M. Each consumer owns an SMEM buffer of its (tile_m/2, tile_n) slice of x, cut into
-epilogue tiles: the x tile of the *next* output tile is fetched at K step ``x_prefetch_step``
+epilogue tiles: the x tile of the *next* output tile is fetched at K step :data:`X_PREFETCH_STEP`
 (after the previous epilogue's TMA stores have read the buffer), the epilogue overwrites each x
 epilogue tile in place with dx and stores it with TMA. The epilogue never waits for a store;
 every epilogue tile has its own SMEM slot.
@@ -108,7 +76,7 @@ every epilogue tile has its own SMEM slot.
 Shapes: the forward's (any M ≥ 1; N and K multiples of 64; bfloat16 or float16). The x and dx
 tiles go through untiled swizzled SMEM (plain 2-D TMA boxes: rows past M read as zeros and are
 never written). For M % 8 != 0 on the GPU the dy stages (and y stages) are untiled too and WGMMA
-takes A from registers (``TileConfig.a_operand``), as in the forward.
+takes A from registers, as in the forward.
 """
 
 from __future__ import annotations
@@ -122,13 +90,18 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu_common
-from pallas_norm.mgpu_common import TileConfig
-from pallas_norm.ops import norm_matmul_mgpu
+from pallas_norm import mgpu
+from pallas_norm.mgpu import TileConfig
+from pallas_norm.ops.norm_matmul import mosaic as forward
 
 __all__ = ["pick_config", "unsupported_reason", "norm_matmul_dx"]
 
 _SMEM_SLACK = 4096  # barriers + the scratch Mosaic reserves
+
+X_PREFETCH_STEP = 1
+"""The K step (over N) at which a consumer fetches the x tile and row vectors of its epilogue
+(clamped to the number of steps): late enough that the previous tile's dx stores have left the
+shared buffer, early enough to land before the epilogue."""
 
 
 def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
@@ -136,41 +109,28 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
 
   The same shapes as the forward kernel (N and K multiples of 64, bfloat16/float16).
   """
-  return norm_matmul_mgpu.unsupported_reason(m, k, n, dtype)
+  return forward.unsupported_reason(m, k, n, dtype)
 
 
-def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
-                dy_scaled: bool = False) -> TileConfig:
+def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
   K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options.
 
-  ``fused_row_terms`` (y streams through the pipeline too) or ``dy_scaled`` (the consumers
-  stage rstd ⊙ dy in SMEM, :func:`norm_matmul_dx`'s ``return_dy_scaled``): the same tiles,
-  with 32-wide reduction steps where the extra SMEM leaves room for fewer than 3 64-wide
-  stages (every default tile shape). For the fused row terms, on the H200 (2026-11-30, two
-  runs, 128×256 tiles) 4 stages of 32 against 2 of 64: 262144×512², 0.98 and 1.00× LayerNorm,
-  0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and 1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With
-  a single 64-wide stage (256×128 tiles) no load would overlap a WGMMA at all. ``dy_scaled``
-  takes the same rule untimed (its staging halves with the step width: at 128×256 tiles and
-  K = N = 512, 4 chained stages of 32 instead of 2 of 64).
+  ``fused_row_terms`` (y streams through the pipeline too): the same tiles, with 32-wide
+  reduction steps where the extra SMEM leaves room for fewer than 3 64-wide stages (every
+  default tile shape). On the H200 (2026-11-30, two runs, 128×256 tiles) 4 stages of 32 against
+  2 of 64: 262144×512², 0.98 and 1.00× LayerNorm, 0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and
+  1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no load
+  would overlap a WGMMA at all.
   """
-  fwd = norm_matmul_mgpu.pick_config(m, n, k)
+  fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
                    epi_tile_n=fwd.epi_tile_n)
   # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
-  if ((fused_row_terms or dy_scaled) and _stages_that_fit(
-      cfg, jnp.bfloat16, True, fused_row_terms, 2 if fused_row_terms else 0, dy_scaled) < 3):
+  if fused_row_terms and _stages_that_fit(cfg, jnp.bfloat16, True, True, 2) < 3:
     cfg = dataclasses.replace(cfg, tile_k=32)
   return cfg
-
-
-def pingpong_config(m: int, n: int, k: int) -> TileConfig:
-  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``; opt-in, 1.53×
-  slower than the default on the H200 at 262144×512²) and 32-wide reduction steps, so each
-  consumer's ring gets several stages."""
-  base = pick_config(m, n, k)
-  return dataclasses.replace(base, pingpong=True, tile_k=32 if n % 32 == 0 else base.tile_k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,18 +143,17 @@ class _Plan:
   layer: bool
   fused: bool  # the kernel computes y_term / c_term from y (fused row terms)
   has_bias: bool  # fused: out_bias is subtracted from y
-  dy_scaled: bool  # the column-tile-0 units also write rstd ⊙ dy (return_dy_scaled)
   cfg: TileConfig
   stages: int
-  chained: bool  # a CTA's tiles run as one K-loop pipeline (TileConfig.pipeline_across_tiles)
-  num_clusters: int  # persistent clusters of cfg.cluster_m CTAs
+  chained: bool  # a CTA's tiles run as one K-loop pipeline
+  num_ctas: int  # persistent CTAs
   a_in_registers: bool
   epi_n: int
   x_prefetch_step: int
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu_common.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
+    return mgpu.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
 
   @property
   def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused,
@@ -205,12 +164,8 @@ class _Plan:
     return _n_vecs(self.layer, self.fused, self.has_bias)
 
   @property
-  def m_iters(self) -> int:  # row blocks: of tile_m rows, or of one warpgroup's with pingpong
-    return -(-self.m // (self.cfg.wg_tile_m if self.cfg.pingpong else self.cfg.tile_m))
-
-  @property
-  def m_units(self) -> int:  # row-block groups, one per cluster
-    return -(-self.m_iters // self.cfg.cluster_m)
+  def m_iters(self) -> int:  # row blocks of tile_m rows
+    return -(-self.m // self.cfg.tile_m)
 
   @property
   def k_iters(self) -> int:  # output column tiles
@@ -233,97 +188,45 @@ def _n_vecs(layer: bool, fused: bool, has_bias: bool) -> int:
   return int(fused) * (int(layer) + int(has_bias))
 
 
-DY_SCALED_SLOTS = 2
-"""SMEM staging slots per consumer warpgroup for the dy_scaled stores (``return_dy_scaled``):
-a slot is rewritten two stores later, so each TMA store has a whole K step to read its slot."""
-
-
-def _dy_scaled_smem_bytes(cfg: TileConfig, dtype) -> int:
-  """SMEM of ``return_dy_scaled``: both warpgroups' staging slots of (wg_tile_m, tile_k) and
-  their double-buffered rstd rows (f32)."""
-  staging = 2 * DY_SCALED_SLOTS * cfg.wg_tile_m * cfg.tile_k * jnp.dtype(dtype).itemsize
-  return staging + 2 * 2 * cfg.wg_tile_m * 4
-
-
-def _fixed_smem_bytes(cfg: TileConfig, dtype, n_rows: int, dy_scaled: bool = False) -> int:
+def _fixed_smem_bytes(cfg: TileConfig, dtype, n_rows: int) -> int:
   x_tile = cfg.tile_m * cfg.tile_n * jnp.dtype(dtype).itemsize  # both warpgroups' x/dx slices
   rows = 2 * n_rows * cfg.wg_tile_m * 4
-  extra = _dy_scaled_smem_bytes(cfg, dtype) if dy_scaled else 0
-  return x_tile + rows + extra + _SMEM_SLACK
+  return x_tile + rows + _SMEM_SLACK
 
 
 def _stage_bytes(cfg: TileConfig, dtype, fused: bool, n_vecs: int) -> int:
   """SMEM of one pipeline stage: the dy and w tiles, and with the fused row terms the y tile and
   the (n_vecs, tile_k) f32 column-vector block."""
   itemsize = jnp.dtype(dtype).itemsize
-  if cfg.pingpong:
-    return mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n, dtype)
   stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
   if fused:
     stage += cfg.tile_m * cfg.tile_k * itemsize + n_vecs * cfg.tile_k * 4
   return stage
 
 
-def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int,
-                     dy_scaled: bool = False) -> int:
+def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int) -> int:
   """Pipeline stages that fit in SMEM next to the epilogue's buffers (not capped)."""
-  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, _n_rows(layer, fused),
-                                                    dy_scaled)
+  free = mgpu.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, _n_rows(layer, fused))
   return free // _stage_bytes(cfg, dtype, fused, n_vecs)
 
 
-def _check_dy_scaled(cfg: TileConfig, dtype) -> None:
-  """ValueError for the configs ``return_dy_scaled`` does not run with."""
-  if cfg.pingpong:
-    raise ValueError("return_dy_scaled does not run with TileConfig.pingpong yet: pass a config "
-                     "without pingpong")
-  if cfg.tile_k * jnp.dtype(dtype).itemsize > 128:
-    # The staging slot is stored by a plain 2-D TMA box (untiled, so rows past M are dropped for
-    # any M), whose swizzled rows hold at most 128 bytes.
-    raise ValueError(f"return_dy_scaled needs tile_k * itemsize <= 128 bytes (tile_k <= "
-                     f"{128 // jnp.dtype(dtype).itemsize} for {jnp.dtype(dtype).name}), got "
-                     f"tile_k = {cfg.tile_k}")
-
-
-def _make_plan(m, n, k, dtype, layer, cfg, interpret, x_prefetch_step, *, fused=False,
-               has_bias=False, dy_scaled=False) -> _Plan:
-  if cfg.stats_once:
-    raise ValueError("stats_once is a forward option: the dx kernel has no statistics")
-  mgpu_common.reject_unused_options(cfg, "dx", ("stats", "epi_slots", "pipeline",
-                                                "deferred_norm", "overlap_norm"))
-  if dy_scaled:
-    _check_dy_scaled(cfg, dtype)
-  if cfg.pingpong:
-    if fused:
-      raise ValueError("the fused row terms (y given) do not run with TileConfig.pingpong yet: "
-                       "pass y_term/c_term, or a config without pingpong")
-    norm_matmul_mgpu._check_pingpong(cfg, m, interpret)  # pylint: disable=protected-access
-  fit = _stages_that_fit(cfg, dtype, layer, fused, _n_vecs(layer, fused, has_bias), dy_scaled)
+def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False) -> _Plan:
+  mgpu.reject_unused_options(cfg, "dx", ("stats_once", "pipeline"))
+  fit = _stages_that_fit(cfg, dtype, layer, fused, _n_vecs(layer, fused, has_bias))
   if min(cfg.max_concurrent_steps, fit) < 1:
-    extras = [what for what, on in (("the y stage of the fused row terms", fused),
-                                    ("the dy_scaled staging slots", dy_scaled)) if on]
-    raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM next to the "
-                     f"x tile of the epilogue" + (f" (with {' and '.join(extras)})"
-                                                  if extras else ""))
-  stages, chained = mgpu_common.stages_for(
-      cfg, n // cfg.tile_k, min(cfg.max_concurrent_steps, fit))
-  block_rows = cfg.wg_tile_m if cfg.pingpong else cfg.tile_m
-  units = -(-(-(-m // block_rows)) // cfg.cluster_m) * -(-k // cfg.tile_n)
-  num_clusters = mgpu_common.persistent_clusters(cfg, cfg.cluster_m, units, interpret)
-  if cfg.a_operand == "auto":
-    a_in_registers = not interpret and m % 8 != 0
-  else:
-    a_in_registers = cfg.a_operand == "registers"
-  if a_in_registers and interpret:
-    raise NotImplementedError("a_operand='registers' does not run in GPU interpret mode (jax "
-                              "0.11.2 interprets WGMMA with both operands in SMEM only)")
-  epi_n = norm_matmul_mgpu._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
+    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM next to the "
+                     f"x tile of the epilogue"
+                     + (" (with the y stage of the fused row terms)" if fused else ""))
   red_iters = n // cfg.tile_k
+  stages, chained = mgpu.stages_for(cfg, red_iters, min(cfg.max_concurrent_steps, fit))
+  units = -(-m // cfg.tile_m) * -(-k // cfg.tile_n)
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
-               has_bias=fused and has_bias, dy_scaled=dy_scaled, cfg=cfg,
-               stages=stages, chained=chained, num_clusters=num_clusters,
-               a_in_registers=a_in_registers,
-               epi_n=epi_n, x_prefetch_step=min(max(x_prefetch_step, 0), red_iters - 1))
+               has_bias=fused and has_bias, cfg=cfg, stages=stages, chained=chained,
+               num_ctas=mgpu.persistent_clusters(1, units, interpret),
+               # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
+               a_in_registers=not interpret and m % 8 != 0,
+               epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
+               x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -334,7 +237,7 @@ def _init_row_sums(plan: _Plan) -> tuple:
   """Zero partials of rowsum(dy ⊙ (y − out_bias)) (+ rowsum(dy ⊙ col_sum) for LayerNorm)."""
   if not plan.fused:
     return ()
-  zeros = mgpu_common.lane_partial_zeros(plan.cfg.wg_tile_m)
+  zeros = mgpu.lane_partial_zeros(plan.cfg.wg_tile_m)
   return (zeros, zeros) if plan.layer else (zeros,)
 
 
@@ -347,9 +250,9 @@ def _update_row_sums(plan: _Plan, sums: tuple, dy, y, vec_stage) -> tuple:
 
   # y − out_bias per element, as XLA's pass: no cancellation of two large sums.
   y_gemm = y - col_vec(int(plan.layer)) if plan.has_bias else y
-  out = [sums[0] + mgpu_common.lane_partial_sum(dy * y_gemm)]
+  out = [sums[0] + mgpu.lane_partial_sum(dy * y_gemm)]
   if plan.layer:
-    out.append(sums[1] + mgpu_common.lane_partial_sum(dy * col_vec(0)))
+    out.append(sums[1] + mgpu.lane_partial_sum(dy * col_vec(0)))
   return tuple(out)
 
 
@@ -380,100 +283,57 @@ def _kernel(*refs, plan: _Plan):
   vec_gmem = next(it) if plan.n_vecs else None  # fused: [col_sum; out_bias] (n_vecs, N) f32
   row_gmems = [next(it) for _ in range(plan.n_rows)]  # rstd first, padded to whole row tiles
   dx_gmem = next(it)
-  dys_gmem = next(it) if plan.dy_scaled else None  # rstd ⊙ dy (M, N), x's dtype
   cfg = plan.cfg
   wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
   epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
   chunks_m, chunks_n = plan.chunks
-  dy_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype,
+  dy_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype,
                                                  tiled=not plan.a_in_registers)
-  w_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype)
-  x_transforms = mgpu_common.swizzle_transforms(epi_n, plan.dtype, tiled=False)
+  w_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
+  x_transforms = mgpu.swizzle_transforms(epi_n, plan.dtype, tiled=False)
 
   def make_pipeline(body, compute_context, state=None):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-    # The CTAs of a cluster share the column tile: each w tile reaches all by one multicast.
-    w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
     in_specs = [spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms),
-                spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms,
-                     collective_axes=w_axes)]
+                spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms)]
     if plan.fused:  # y in dy's blocks and layout; the step's slice of the column vectors
       in_specs.append(spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms))
       if plan.n_vecs:
         in_specs.append(spec((plan.n_vecs, tile_k), lambda kk: (0, kk)))
-    return mgpu_common.consumer_pipeline(
+    return mgpu.consumer_pipeline(
         body, compute_context, steps=plan.red_iters, stages=plan.stages, pipeline_state=state,
         delay_release=plan.delay_release, in_specs=in_specs)
 
   # The pipeline's GMEM operands beyond dy and w: all of y's columns, all of the vectors'.
   extra_gmems = [r for r in (y_gmem, vec_gmem) if r is not None]
-
   ignore = lambda *_, **__: None
-  # return_dy_scaled: per warpgroup, DY_SCALED_SLOTS staging slots of one K step's dy rows
-  # (untiled, so the TMA store drops rows past M for any M) and the rstd rows of two tiles (the
-  # next tile's arrive while this one runs), each buffer with its own barrier.
-  dys_allocs = dict(
-      dys_smem=plgpu.SMEM((2, DY_SCALED_SLOTS, wg_m, tile_k), plan.dtype,
-                          transforms=mgpu_common.swizzle_transforms(tile_k, plan.dtype,
-                                                                    tiled=False)),
-      dys_rstd_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32),
-      dys_rstd_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=4),
-  ) if plan.dy_scaled else {}
 
   @functools.partial(
       pl.run_scoped,
-      pipeline_allocs=(
-          mgpu_common.pingpong_ring_allocs(wg_m, tile_k, tile_n, plan.dtype, plan.stages,
-                                           w_transposed=True)
-          if cfg.pingpong else make_pipeline(ignore, ignore).get_allocations(
-              dy_gmem, w_gmem, *extra_gmems)),
+      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(dy_gmem, w_gmem,
+                                                                     *extra_gmems),
       x_smem=plgpu.SMEM((2, chunks_m * chunks_n, epi_m, epi_n), plan.dtype,
                         transforms=x_transforms),
       row_smem=plgpu.SMEM((2, plan.n_rows, wg_m), jnp.float32),
       # One arrival per TMA copy: the x epilogue tiles and the row vectors of a warpgroup.
       in_barrier=plgpu.Barrier(num_arrivals=chunks_m * chunks_n + plan.n_rows, num_barriers=2),
-      **dys_allocs,
       collective_axes="wg",
   )
-  def _scope(pipeline_allocs, x_smem, row_smem, in_barrier, dys_smem=None, dys_rstd_smem=None,
-             dys_rstd_barrier=None):
+  def _scope(pipeline_allocs, x_smem, row_smem, in_barrier):
     wg = lax.axis_index("wg")
-    cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
-    def unit_tile(lin_idx):  # (row-block unit, output column tile) of a linear unit index
-      return plgpu.planar_snake(
-          lin_idx, (plan.m_units, plan.k_iters), 0 if cfg.grid_minor_dim == "n" else 1,
-          cfg.grid_tile_width)
-
-    def wg_row0(m_idx):  # first row of this warpgroup in row block m_idx (not pingpong)
-      return m_idx * cfg.tile_m + wg * wg_m
-
-    def tile(m_idx, n_idx, first, last, pingpong_step=None, rstd_prefetch=None):
-      """One output tile: this warpgroup's rows of row block m_idx (with pingpong: the
-      warpgroup's own block of wg_m rows, K loop on its ring from ``pingpong_step``).
-      ``rstd_prefetch`` (return_dy_scaled): (local tile index, whether the CTA has a next
-      tile, that tile's row block)."""
-      row0 = m_idx * wg_m if cfg.pingpong else wg_row0(m_idx)
+    def tile(m_idx, n_idx, first, last):
+      """One output tile: this warpgroup's rows of row block m_idx, columns of column tile
+      n_idx; ``first``/``last``: the CTA's first/last tile (chained pipelines)."""
+      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
       col0 = n_idx * tile_n  # first column of x / dx
-      # return_dy_scaled: every column tile of a row block streams the same dy row block (all N
-      # columns over its K loop), so the units of column tile 0 alone write dy_scaled, and
-      # each element of it exactly once.
-      writes_dy_scaled = n_idx == 0
 
       def chunk_window(ref, ci, cj):
         return ref.at[pl.ds(row0 + ci * epi_m, epi_m), pl.ds(col0 + cj * epi_n, epi_n)]
 
       def prefetch_epilogue_inputs():
         # The previous tile's dx stores read x_smem: they must be done before it is refilled.
-        # A dy_scaled writer has issued one store per K step before this one since those; they
-        # are the most recent and may stay in flight (the count covers all of the thread's
-        # stores, oldest first).
-        if plan.dy_scaled and plan.x_prefetch_step:
-          pl.when(writes_dy_scaled)(lambda: plgpu.wait_smem_to_gmem(
-              plan.x_prefetch_step, wait_read_only=True))
-          pl.when(~writes_dy_scaled)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-        else:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         for ci in range(chunks_m):
           for cj in range(chunks_n):
             plgpu.copy_gmem_to_smem(chunk_window(x_gmem, ci, cj),
@@ -482,49 +342,13 @@ def _kernel(*refs, plan: _Plan):
           plgpu.copy_gmem_to_smem(r_gmem.at[pl.ds(row0, wg_m)], row_smem.at[wg, i],
                                   in_barrier.at[wg])
 
-      def tile_rstd():
-        """return_dy_scaled: this warpgroup's rstd rows of this tile in registers (the
-        epilogue's row layout), and the fetch of the next tile's, so that it arrives while
-        this tile runs (the first tile of a CTA fetches its own). Buffer = tile index mod 2."""
-        t, has_next, next_m_idx = rstd_prefetch
-        buf = lax.rem(t, 2)
-
-        def fetch(m, b):
-          plgpu.copy_gmem_to_smem(row_gmems[0].at[pl.ds(wg_row0(m), wg_m)],
-                                  dys_rstd_smem.at[wg, b], dys_rstd_barrier.at[2 * wg + b])
-
-        pl.when(t == 0)(lambda: fetch(m_idx, 0))
-        # The other buffer was last read (into registers) a tile ago; the commit_smem fences of
-        # that tile's epilogue order those reads before this TMA write.
-        pl.when(has_next)(lambda: fetch(next_m_idx, 1 - buf))
-        plgpu.barrier_wait(dys_rstd_barrier.at[2 * wg + buf])
-        return plgpu.load(dys_rstd_smem.at[wg, buf], layout=plgpu.Layout.WGMMA.reduce(1))
-
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
         def _acc_scope(acc_ref):
-          rstd = (tile_rstd(),) if plan.dy_scaled else ()
-          acc_ref, *rest = eval_pipeline((acc_ref, *rstd, *_init_row_sums(plan)))
+          acc_ref, *sums = eval_pipeline((acc_ref, *_init_row_sums(plan)))
           if plan.delay_release:
             plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
-          _epilogue(acc_ref[...], rest[len(rstd):])
-
-      def store_dy_scaled(dy, rstd, k_idx):
-        """rstd ⊙ dy of this step's (wg_m, tile_k) dy rows, rounded to x's dtype as XLA's
-        ``(rstd[:, None] * dy.astype(f32)).astype(x.dtype)`` (one f32 product, one rounding),
-        through a staging slot to dy_scaled[rows, step columns]. Rows past M: TMA drops them."""
-        slot = dys_smem.at[wg, lax.rem(k_idx, DY_SCALED_SLOTS)]
-        # The store that last read this slot is not among the DY_SCALED_SLOTS − 1 most recent
-        # stores of this thread (within a tile: the previous steps' stores are; across tiles:
-        # at least one dx store of an epilogue came between), so it has read it.
-        plgpu.wait_smem_to_gmem(DY_SCALED_SLOTS - 1, wait_read_only=True)
-        scaled = dy.astype(jnp.float32) * lax.broadcast_in_dim(rstd, dy.shape, [0])
-        slot[...] = scaled.astype(plan.dtype)
-        # Orders the writes above before the TMA store (async proxy); also fences this step's
-        # reads of the dy (and y) stage before its release.
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            slot, dys_gmem.at[pl.ds(row0, wg_m), pl.ds(k_idx * tile_k, tile_k)])
+          _epilogue(acc_ref[...], sums)
 
       def _epilogue(acc, sums):
         plgpu.barrier_wait(in_barrier.at[wg])
@@ -549,13 +373,11 @@ def _kernel(*refs, plan: _Plan):
 
       def mma_body(idxs, a_smem, b_smem, *stages_and_carry):
         # Pipeline body: (dy, w[, y[, vectors]]) stages of this step, then the carry
-        # (accumulator[, rstd rows of return_dy_scaled], partial row sums of the fused terms).
-        *fused_stages, (acc_ref, *rest) = stages_and_carry
-        rstd, sums = rest[:int(plan.dy_scaled)], rest[int(plan.dy_scaled):]
+        # (accumulator, partial row sums of the fused terms).
+        *fused_stages, (acc_ref, *sums) = stages_and_carry
         (k_idx,) = idxs
         pl.when(k_idx == plan.x_prefetch_step)(prefetch_epilogue_inputs)
-        own_rows = (lambda ref: ref) if cfg.pingpong else (
-            lambda ref: ref.at[pl.ds(wg * wg_m, wg_m)])
+        own_rows = lambda ref: ref.at[pl.ds(wg * wg_m, wg_m)]
         a_rows = own_rows(a_smem)
         b = b_smem.transpose((1, 0))  # (tile_k, tile_n) view of the (tile_n, tile_k) w tile
         dy = None  # the dy tile in registers, where this step reads it
@@ -573,34 +395,19 @@ def _kernel(*refs, plan: _Plan):
           y = plgpu.load(own_rows(y_smem), layout=plgpu.Layout.WGMMA)
           sums = _update_row_sums(plan, tuple(sums), dy.astype(jnp.float32),
                                   y.astype(jnp.float32), vec_smem[0] if vec_smem else None)
-        if plan.dy_scaled:
-          # While the tensor core runs, as the fused row terms (sharing their dy load).
-          pl.when(writes_dy_scaled)(lambda: store_dy_scaled(
-              dy if dy is not None else plgpu.load(a_rows, layout=plgpu.Layout.WGMMA),
-              rstd[0], k_idx))
-        if dy is not None and cfg.fence_reads:
+        if dy is not None:
           # Orders these generic-proxy reads before the TMA (async proxy) that will refill the
           # stages once the pipeline releases them (PTX memory model: WAR across proxies).
-          # A dy_scaled writer's commit above already did.
-          if plan.dy_scaled:
-            pl.when(~writes_dy_scaled)(plgpu.commit_smem)
-          else:
-            plgpu.commit_smem()
+          plgpu.commit_smem()
         plgpu.wgmma_wait(plan.delay_release)
-        return (acc_ref, *rstd, *sums)
+        return (acc_ref, *sums)
 
-      if cfg.pingpong:
-        compute_context(lambda acc: mgpu_common.pingpong_k_loop(
-            ring, wg, pingpong_step, plan.red_iters, acc, mma_body,
-            delay_release=plan.delay_release))
-        return
       # With the fused row terms, every column tile of a row block recomputes the same row
       # sums from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid).
-      # Acceptable for a first version, but not free: on the H200 it is what makes the fused
-      # path lose at K = 2048 (8 column tiles); reusing the sums across column tiles would
-      # need a second pipeline without y (module docstring).
+      # On the H200 it is what makes the fused path lose at K = 2048 (8 column tiles); reusing
+      # the sums across column tiles would need a second pipeline without y (module docstring).
       block = pl.ds(m_idx * cfg.tile_m, cfg.tile_m)
-      mgpu_common.run_tile_pipeline(
+      mgpu.run_tile_pipeline(
           functools.partial(make_pipeline, mma_body, compute_context),
           dy_gmem.at[block, :],
           w_gmem.at[pl.ds(col0, tile_n), :],
@@ -608,35 +415,13 @@ def _kernel(*refs, plan: _Plan):
           allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
           first=first, last=last)
 
-    units = plan.m_units * plan.k_iters
-    if cfg.pingpong:
-      ring = mgpu_common.PingPongRing(**pipeline_allocs, stages=plan.stages)
-
-      def windows(index, k):
-        m_idx, n_idx = unit_tile(index[0])
-        ks = pl.ds(k * tile_k, tile_k)
-        return (dy_gmem.at[pl.ds(m_idx * wg_m, wg_m), ks],
-                w_gmem.at[pl.ds(n_idx * tile_n, tile_n), ks])
-
-      def unit(index, own_index):
-        m_idx, n_idx = unit_tile(index[0])
-        tile(m_idx, n_idx, None, None, pingpong_step=own_index * plan.red_iters)
-
-      mgpu_common.warp_specialize(
-          lambda: mgpu_common.pingpong_producer(ring, units, "sm", plan.red_iters, windows),
-          lambda: mgpu_common.pingpong_consumer(units, "sm", unit))
-    else:
-      @plgpu.nd_loop((units,), collective_axes="sm")
-      def _tile_loop(loop_info: plgpu.NDLoopInfo):
-        m_unit, n_idx = unit_tile(loop_info.index[0])
-        t = loop_info.local_index
-        rstd_prefetch = None
-        if plan.dy_scaled:  # the CTA's next unit: nd_loop strides the units by the grid size
-          next_m_unit, _ = unit_tile(loop_info.index[0] + plan.num_clusters)
-          rstd_prefetch = (t, t + 1 < loop_info.num_local_steps,
-                           next_m_unit * cfg.cluster_m + cta)
-        tile(m_unit * cfg.cluster_m + cta, n_idx, first=t == 0,
-             last=t == loop_info.num_local_steps - 1, rstd_prefetch=rstd_prefetch)
+    @plgpu.nd_loop((plan.m_iters * plan.k_iters,), collective_axes="sm")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      m_idx, n_idx = plgpu.planar_snake(
+          loop_info.index[0], (plan.m_iters, plan.k_iters), 0 if cfg.grid_minor_dim == "n" else 1,
+          cfg.grid_tile_width)
+      t = loop_info.local_index
+      tile(m_idx, n_idx, first=t == 0, last=t == loop_info.num_local_steps - 1)
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -705,11 +490,9 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=Non
 
 
 def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *, y=None,
-                   out_bias=None, col_sum=None, return_dy_scaled: bool = False,
-                   interpret: bool = False, config: TileConfig | None = None,
-                   x_prefetch_step: int = 1):
-  """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``
-  (and, with ``return_dy_scaled``, the weight gradients' ``rstd ⊙ dy``).
+                   out_bias=None, col_sum=None, interpret: bool = False,
+                   config: TileConfig | None = None):
+  """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``.
 
   The row scalars come either precomputed (``y_term``, ``c_term``) or, with ``y`` given, from
   the kernel's own K loop (fused row terms: ``norm_matmul``'s default for LayerNorm up to K, N ≤
@@ -718,9 +501,8 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
 
     y_term = rstd² · rowsum(dy ⊙ (y − out_bias)) / K,   c_term = rstd · (dy · col_sum) / K
 
-  accumulated in float32 from the 16-bit dy and y, as
-  ``pallas_norm.ops.norm_matmul._row_terms`` does in XLA (same elementwise math; the summation
-  order differs).
+  accumulated in float32 from the 16-bit dy and y, as the XLA pass of ``norm_matmul``'s
+  backward does (same elementwise math; the summation order differs).
 
   Args:
     dy: (M, N) output cotangent, in x's dtype (bfloat16/float16).
@@ -733,71 +515,49 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
       given.
     y: (M, N) the forward's output in dy's dtype, or None. Given: the kernel computes y_term
       (and c_term) itself; then y_term and c_term must be None.
-    out_bias: (N,) float32 ``biasᵀ w`` that the forward added to y, or None (no bias); only
-      with y.
+    out_bias: (N,) float32 ``norm_biasᵀ w`` that the forward added to y, or None (no bias);
+      only with y.
     col_sum: (N,) float32 ``1ᵀ w_gamma`` (LayerNorm: given exactly when mean is); only with y.
-    return_dy_scaled: also return ``dy_scaled = (rstd[:, None] * dy.astype(float32)).astype(
-      x.dtype)``, bit for bit, written from the dy tiles the K loop holds in SMEM by the units
-      of output column tile 0 (module docstring). Opt-in; measured slower on the H200
-      (session 5). Its staging
-      SMEM may cost pipeline stages (:func:`pick_config` takes 32-wide steps for it); needs
-      tile_k · itemsize ≤ 128 bytes and no ``pingpong``. Any M (rows past M are not written).
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
-    config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given and
-      ``dy_scaled`` with return_dy_scaled); tile_n runs over K, tile_k over N. The fused row
-      terms and return_dy_scaled do not combine with ``pingpong``.
-    x_prefetch_step: the K step (over N) at which a consumer fetches the x tile and row vectors
-      of its epilogue (clamped to the number of steps); later steps give the previous tile's
-      dx stores more time to leave the shared buffer.
+    config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given);
+      tile_n runs over K, tile_k over N.
 
   Returns:
-    dx (M, K) in x's dtype; the products and sums run in float32. With return_dy_scaled,
-    ``(dx, dy_scaled)``, dy_scaled (M, N) in x's dtype.
+    dx (M, K) in x's dtype; the products and sums run in float32.
 
   Raises:
     ValueError: shapes the kernel does not support; rstd missing; a mix of the two row-term
       inputs (y_term/c_term with y, out_bias/col_sum without y), y_term missing without y,
       mean inconsistent with c_term (or, with y, with col_sum); row vectors not float32 (M,),
-      out_bias/col_sum not float32 (N,), y not (M, N); a config that does not fit in SMEM, or
-      pingpong with y or with return_dy_scaled; return_dy_scaled with tile_k · itemsize > 128
-      bytes. TypeError: mixed dtypes (dy, w_gamma, x; y not in dy's dtype), a vector or y that
-      is not an array, return_dy_scaled not a bool. NotImplementedError:
-      ``config.a_operand="registers"`` with ``interpret``.
+      out_bias/col_sum not float32 (N,), y not (M, N); a config that does not fit in SMEM.
+      TypeError: mixed dtypes (dy, w_gamma, x; y not in dy's dtype), a vector or y that is not
+      an array.
   """
   _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y, out_bias, col_sum)
-  if not isinstance(return_dy_scaled, bool):
-    raise TypeError(f"return_dy_scaled must be a bool, got {type(return_dy_scaled).__name__}")
   m, n = dy.shape
   k = w_gamma.shape[0]
   fused = y is not None
-  cfg = config or pick_config(m, n, k, fused_row_terms=fused, dy_scaled=return_dy_scaled)
+  cfg = config or pick_config(m, n, k, fused_row_terms=fused)
   if n % cfg.tile_k:
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
-  plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, x_prefetch_step,
-                    fused=fused, has_bias=out_bias is not None, dy_scaled=return_dy_scaled)
-  # Row vectors padded to whole row tiles (of whole clusters): their 1-D copies never leave the
-  # arrays.
-  m_pad = plan.m_units * cfg.cluster_m * cfg.tile_m
+  plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, fused=fused,
+                    has_bias=out_bias is not None)
+  # Row vectors padded to whole row tiles: their 1-D copies never leave the arrays.
+  m_pad = plan.m_iters * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
   rows = [jnp.pad(v, (0, m_pad - m)) for v in rows]
   # Fused: y, then the column vectors packed into one array (one TMA per step for both).
   fused_args = [y] if fused else []
   if plan.n_vecs:
     fused_args.append(jnp.stack([v for v in (col_sum, out_bias) if v is not None]))
-  cluster = (dict(cluster=(cfg.cluster_m,), cluster_names=("cluster",))
-             if cfg.cluster_m > 1 else {})
-  out_type = jax.ShapeDtypeStruct((m, k), plan.dtype)
-  if return_dy_scaled:
-    out_type = (out_type, jax.ShapeDtypeStruct((m, n), plan.dtype))
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
-      out_type=out_type,
-      grid=(plan.num_clusters,),
+      out_type=jax.ShapeDtypeStruct((m, k), plan.dtype),
+      grid=(plan.num_ctas,),
       grid_names=("sm",),
-      **cluster,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu_common.interpret_params() if interpret else None,
+      interpret=mgpu.interpret_params() if interpret else None,
   )
   return call(dy, w_gamma, x, *fused_args, *rows)

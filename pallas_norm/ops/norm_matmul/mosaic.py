@@ -24,16 +24,12 @@ computes mean/rstd, applies them and the column vectors (col_sum, out_bias, fetc
 the K loop runs) and stores y through SMEM with TMA; the statistics of a row block are written by
 the CTA that computes its first N tile.
 
-Statistics (``TileConfig.stats``):
-
-* ``"partial"`` (default): in the WGMMA layout each thread holds 2 adjacent columns of every 8,
-  so the A tile, cut into 8-column slices and summed, gives per-thread partial sums of shape
-  (rows, 8) with no cross-lane traffic in the K loop; lanes are reduced once per tile. LayerNorm
-  keeps, for each of those 8 "lane columns", sums of ``x − shift`` and ``(x − shift)²`` where
-  ``shift`` is that lane column's value in the first K tile, and merges the 8 (mean, M2) pairs
-  with Chan's formula in the epilogue.
-* ``"reduce"``: every A tile is reduced to a row vector inside the K loop (LayerNorm shifts each
-  row by the mean of its first K tile).
+Statistics: in the WGMMA layout each thread holds 2 adjacent columns of every 8, so the A tile,
+cut into 8-column slices and summed, gives per-thread partial sums of shape (rows, 8) with no
+cross-lane traffic in the K loop; lanes are reduced once per tile. LayerNorm keeps, for each of
+those 8 "lane columns", sums of ``x − shift`` and ``(x − shift)²`` where ``shift`` is that lane
+column's value in the first K tile, and merges the 8 (mean, M2) pairs with Chan's formula in the
+epilogue.
 
 Accuracy domain (LayerNorm): the statistics are shifted sums, so a large row mean does not
 cancel in the variance (rstd and mean match the two-pass f32 reference to ~1e-7 at any mean).
@@ -51,37 +47,24 @@ Shapes: any M ≥ 1 (the last row tile is partial: TMA zero-fills out-of-bounds 
 out-of-bounds writes, so rows past M are never written), K and N multiples of 64, x and w_gamma
 both bfloat16 or both float16. Mosaic's tiled TMA (the SMEM layout WGMMA reads) needs the row
 count of the GMEM array to be a multiple of 8; for other M the x stages are written by a plain
-2-D swizzled TMA and WGMMA takes its A operand from the registers the statistics load anyway
-(``TileConfig.a_operand``), and y always leaves through an untiled swizzled SMEM tile. The f32
+2-D swizzled TMA and WGMMA takes its A operand from the registers the statistics load anyway,
+and y always leaves through an untiled swizzled SMEM tile. The f32
 statistics leave through 1-D bulk copies that Mosaic clamps to the end of the array, in sizes
 that must be multiples of 16 bytes: for M % 4 != 0 they are written with up to 3 rows of padding
 and sliced.
 
 After the consumers read an x stage into registers (generic proxy), a proxy fence
 (``plgpu.commit_smem``) precedes the release of the stage to the TMA producer (async proxy), as
-the PTX memory model asks; ``TileConfig.fence_reads=False`` drops it for measurements.
+the PTX memory model asks (the interpreter's race detector flags its absence).
 
-Tuning options (``TileConfig``; the defaults are the configuration measured first on the H200):
+``TileConfig.stats_once`` (:func:`pick_config` sets it for many row blocks and several N tiles):
+the persistent loop hands out whole row blocks; a CTA sweeps the N tiles of its row block in
+turn, accumulating the statistics only in the first K loop, which leaves them in SMEM for the
+other N tiles' epilogues (their K loops are plain GEMMs). The statistics then cost once per row
+instead of once per N tile; x's row block is re-read from L2 for every N tile (tile_m × K bytes
+per CTA must stay resident).
 
-* ``epi_slots=0``: one output SMEM slot per epilogue tile, so the epilogue issues all its TMA
-  stores without waiting for earlier ones (the slots are reused one CTA tile later, after one
-  wait). At 128×256 tiles this leaves 3 pipeline stages, as the default 2 slots do.
-* ``cluster_m=2`` or ``4``: clusters of CTAs along M; each w tile reaches the cluster's CTAs by one
-  TMA multicast (``BlockSpec(collective_axes=("cluster",))``) and a stage is refilled once all
-  of them released it. At M ≫ N the w tiles are most of the L2 → SMEM operand traffic (at
-  (262144, 512, 512) and 128×256 tiles: w 1.07 GB, x 0.54 GB per call).
-* ``stats_once=True``: the persistent loop hands out whole row blocks; a CTA (cluster) sweeps the
-  N tiles of its row block(s) in turn, accumulating the statistics only in the first K loop,
-  which leaves them in SMEM for the other N tiles' epilogues (their K loops are plain GEMMs).
-  The statistics then cost once per row instead of once per N tile; x's row block is re-read
-  from L2 for every N tile (tile_m × K bytes per CTA must stay resident).
-* ``delay_release=1``: one WGMMA left in flight across K steps (stages released a step late;
-  the pipelines then run per tile). Measured 4-6% slower at 262144×512×512 on the H200.
-* ``pingpong=True`` (:func:`pingpong_config`): the work units are (one warpgroup's rows, N tile)
-  and alternate between the two consumer warpgroups, each with its own K-loop ring
-  (:class:`pallas_norm.mgpu_common.PingPongRing`), so one's statistics finish and epilogue
-  overlap the other's WGMMAs. Needs M % 8 == 0 on a GPU, no clusters, no ``stats_once``.
-  Measured 1.5-1.7× slower at 262144×512×512 on the H200 (benchmarks/NOTES.md, session 4).
+:func:`gemm` runs the same kernel without statistics: our plain GEMM, the benchmarks' baseline.
 """
 
 from __future__ import annotations
@@ -95,21 +78,20 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu_common
-from pallas_norm.mgpu_common import TileConfig
+from pallas_norm import mgpu
+from pallas_norm.mgpu import TileConfig
 
-__all__ = ["TileConfig", "unsupported_reason", "pick_config", "pingpong_config", "norm_matmul_fwd",
-           "NORMS"]
+__all__ = ["TileConfig", "unsupported_reason", "pick_config", "norm_matmul_fwd", "gemm", "NORMS"]
 
-NORMS = ("rms", "layer", "none")
-"""``norm`` values: RMSNorm, LayerNorm, or "none" (the plain GEMM, for benchmarks)."""
+NORMS = ("rms", "layer")
+"""``norm`` values: RMSNorm, LayerNorm."""
 
 _SMEM_SLACK = 4096  # barriers + the reduction scratch Mosaic reserves (2 KiB by default).
 
 
 def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
   """None if the kernel can run x: (m, k) @ w: (k, n) in ``dtype``, else why not."""
-  if jnp.dtype(dtype) not in mgpu_common.SUPPORTED_DTYPES:
+  if jnp.dtype(dtype) not in mgpu.SUPPORTED_DTYPES:
     return f"x dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
   if m < 1:
     return f"M = {m} rows: need at least 1"
@@ -146,7 +128,7 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   statistics overlap the tensor core. H200, session 8 (suite, ring vs Pallas's chained
   pipeline): RMSNorm 2994 vs 3185 µs at 262144×2048², 759 vs 801 at 65536×2048², 1528 vs
   1612 at 32768×4096²; LayerNorm from -1% (the check script's A/B) to +3% (the suite), noise
-  level. With ``stats_once`` (and for the plain GEMM, norm="none") the two were within ±3%, so
+  level. With ``stats_once`` (and for the plain GEMM, :func:`gemm`) the two were within ±3%, so
   those keep Pallas's pipeline.
   ``stats_once`` when N has several tiles, M at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row
   blocks, and the row blocks in flight fit :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
@@ -174,10 +156,9 @@ def _chained_stages(cfg: TileConfig, k: int) -> int:
   """Stages of a chained pipeline for cfg, with the most SMEM any call takes besides the
   stages (LayerNorm, bias, bf16 output)."""
   stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * 2
-  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, jnp.bfloat16, 2, 2)
-  stages, chained = mgpu_common.pipeline_stages(max(k // cfg.tile_k, 1),
-                                                min(cfg.max_concurrent_steps,
-                                                    free // stage_bytes), True)
+  free = mgpu.SMEM_BYTES - _fixed_smem_bytes(cfg, jnp.bfloat16, 2, 2)
+  stages, chained = mgpu.pipeline_stages(max(k // cfg.tile_k, 1),
+                                                min(cfg.max_concurrent_steps, free // stage_bytes))
   return stages if chained else 0
 
 
@@ -189,20 +170,20 @@ class _Plan:
   n: int
   dtype: jnp.dtype
   out_dtype: jnp.dtype
-  norm: str
+  norm: str | None  # None: the plain GEMM (:func:`gemm`)
   eps: float
   has_bias: bool
   cfg: TileConfig
   stages: int
-  chained: bool  # a CTA's tiles run as one K-loop pipeline (TileConfig.pipeline_across_tiles)
-  num_clusters: int  # persistent clusters of cfg.cluster_m CTAs (CTAs when cluster_m == 1)
+  chained: bool  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
+  num_ctas: int  # persistent CTAs
   a_in_registers: bool  # WGMMA reads x from registers (x stage TMA'd untiled: any M)
   epi_n: int  # epilogue tile width: one 128-byte swizzle span of out_dtype at most
   out_slots: int  # epilogue output slots per consumer warpgroup
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu_common.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
+    return mgpu.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
 
   @property
   def n_vecs(self) -> int:  # col_sum and/or out_bias rows in the per-warpgroup vector buffer
@@ -210,11 +191,11 @@ class _Plan:
 
   @property
   def n_stats(self) -> int:  # rstd (and mean) written per row
-    return {"rms": 1, "layer": 2, "none": 0}[self.norm]
+    return _n_stats(self.norm)
 
   @property
-  def m_iters(self) -> int:  # row blocks: of tile_m rows, or of one warpgroup's with pingpong
-    return -(-self.m // (self.cfg.wg_tile_m if self.cfg.pingpong else self.cfg.tile_m))
+  def m_iters(self) -> int:  # row blocks of tile_m rows
+    return -(-self.m // self.cfg.tile_m)
 
   @property
   def n_iters(self) -> int:
@@ -224,9 +205,9 @@ class _Plan:
   def k_iters(self) -> int:
     return self.k // self.cfg.tile_k
 
-  @property
-  def m_units(self) -> int:  # row-block groups, one per cluster (cluster_m row blocks each)
-    return -(-self.m_iters // self.cfg.cluster_m)
+
+def _n_stats(norm) -> int:
+  return {"rms": 1, "layer": 2, None: 0}[norm]
 
 
 def _epi_tile_n(cfg: TileConfig, out_dtype) -> int:
@@ -234,9 +215,14 @@ def _epi_tile_n(cfg: TileConfig, out_dtype) -> int:
   return min(cfg.epi_tile_n, 128 // jnp.dtype(out_dtype).itemsize)
 
 
+OUT_SLOTS = 2
+"""SMEM slots per consumer warpgroup for the epilogue's output tiles (JAX's Hopper matmul): an
+epilogue tile waits until the TMA store of the tile two before it has read its slot."""
+
+
 def _out_slots(cfg: TileConfig, out_dtype) -> int:
   chunks = (cfg.wg_tile_m * cfg.tile_n) // (cfg.epi_tile_m * _epi_tile_n(cfg, out_dtype))
-  return chunks if cfg.epi_slots == 0 else min(cfg.epi_slots, chunks)
+  return min(OUT_SLOTS, chunks)
 
 
 def _fixed_smem_bytes(cfg: TileConfig, out_dtype, n_vecs: int, n_stats: int) -> int:
@@ -247,68 +233,34 @@ def _fixed_smem_bytes(cfg: TileConfig, out_dtype, n_vecs: int, n_stats: int) -> 
   return out + vecs + stats + _SMEM_SLACK
 
 
-def _check_pingpong(cfg: TileConfig, m: int, interpret: bool) -> None:
-  """Ping-pong consumers (TileConfig.pingpong) run the plain per-tile path: no clusters, no
-  statistics once per row block, and x tiled for WGMMA (M % 8 == 0 on a GPU)."""
-  if cfg.cluster_m != 1 or cfg.stats_once:
-    raise ValueError("pingpong does not combine with cluster_m > 1 or stats_once")
-  if cfg.a_operand == "registers" or (not interpret and m % 8):
-    raise ValueError(f"pingpong reads x from tiled SMEM: it needs M % 8 == 0 (M = {m}) and "
-                     "a_operand != 'registers'")
-
-
-def pingpong_config(m: int, k: int, n: int) -> TileConfig:
-  """:func:`pick_config` with ping-pong consumers (``TileConfig.pingpong``; opt-in): 32-wide K
-  steps, so each consumer's ring gets 3-4 stages, and statistics in every tile (``stats_once``
-  is off). Measured slower on the H200 at 262144×512×512: GEMM 358 vs 214 µs, RMSNorm 362 vs
-  223 (a consumer's 64-row tile streams the whole W tile per 64 rows; benchmarks/NOTES.md)."""
-  base = pick_config(m, k, n)
-  return dataclasses.replace(base, pingpong=True, stats_once=False, cluster_m=1,
-                             pipeline="pallas", delay_release=0,
-                             tile_k=32 if k % 32 == 0 else base.tile_k)
-
-
 def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -> _Plan:
-  mgpu_common.reject_unused_options(cfg, "norm_matmul",
-                                    ("deferred_norm", "overlap_norm"))
+  if norm is None and cfg.stats_once:
+    raise ValueError("stats_once needs statistics: the plain GEMM has none")
   n_vecs = int(norm == "layer") + int(has_bias)
-  n_stats = {"rms": 1, "layer": 2, "none": 0}[norm]
-  itemsize = jnp.dtype(dtype).itemsize
-  if cfg.pingpong:
-    _check_pingpong(cfg, m, interpret)
-    stage_bytes = mgpu_common.pingpong_stage_bytes(cfg.wg_tile_m, cfg.tile_k, cfg.tile_n, dtype)
-  else:
-    stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * itemsize
-  free = mgpu_common.SMEM_BYTES - _fixed_smem_bytes(cfg, out_dtype, n_vecs, n_stats)
+  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * jnp.dtype(dtype).itemsize
+  free = mgpu.SMEM_BYTES - _fixed_smem_bytes(cfg, out_dtype, n_vecs, _n_stats(norm))
   if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
-    raise ValueError(f"{cfg} does not fit in {mgpu_common.SMEM_BYTES} bytes of SMEM")
-  stages, chained = mgpu_common.stages_for(
+    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM")
+  stages, chained = mgpu.stages_for(
       cfg, k // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes))
-  # Work units of the persistent loop: (row-block group, N tile), or row-block groups alone when
-  # a CTA sweeps all N tiles of its row block (stats_once); pingpong row blocks are one
-  # warpgroup's rows.
-  block_rows = cfg.wg_tile_m if cfg.pingpong else cfg.tile_m
-  m_units = -(-(-(-m // block_rows)) // cfg.cluster_m)
-  units = m_units if cfg.stats_once else m_units * -(-n // cfg.tile_n)
-  num_clusters = mgpu_common.persistent_clusters(cfg, cfg.cluster_m, units, interpret)
-  if cfg.a_operand == "auto":
-    # Interpret mode has no tiled-TMA restriction on M (and cannot run register-A WGMMA).
-    a_in_registers = not interpret and m % 8 != 0
-  else:
-    a_in_registers = cfg.a_operand == "registers"
-  if a_in_registers and interpret:
-    raise NotImplementedError("a_operand='registers' does not run in GPU interpret mode (jax "
-                              "0.11.2 interprets WGMMA with both operands in SMEM only)")
-  epi_n = _epi_tile_n(cfg, out_dtype)
+  # Work units of the persistent loop: (row block, N tile), or row blocks alone when a CTA
+  # sweeps all N tiles of its row block (stats_once).
+  m_iters = -(-m // cfg.tile_m)
+  units = m_iters if cfg.stats_once else m_iters * -(-n // cfg.tile_n)
+  # Mosaic's tiled TMA (the SMEM layout WGMMA reads A from) needs M % 8 == 0 on the GPU; other M
+  # stream x untiled and give WGMMA the registers the statistics load anyway. Interpret mode has
+  # no tiled-TMA restriction (and cannot run register-A WGMMA).
+  a_in_registers = not interpret and m % 8 != 0
   return _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
                eps=float(eps), has_bias=has_bias, cfg=cfg, stages=stages, chained=chained,
-               num_clusters=num_clusters, a_in_registers=a_in_registers, epi_n=epi_n,
+               num_ctas=mgpu.persistent_clusters(1, units, interpret),
+               a_in_registers=a_in_registers, epi_n=_epi_tile_n(cfg, out_dtype),
                out_slots=_out_slots(cfg, out_dtype))
 
 
 # ------------------------------------------------------------------------------------------------
-# Row statistics. Values live in the WGMMA register layout; only the finalize step reduces across
-# lanes (the "partial" mode) or every step does (the "reduce" mode).
+# Row statistics. Values live in the WGMMA register layout as per-thread partial sums; only the
+# finalize step reduces across lanes.
 
 
 def _rowvec(v, shape):
@@ -316,13 +268,7 @@ def _rowvec(v, shape):
 
 
 def _init_stats(plan: _Plan):
-  rows = plan.cfg.wg_tile_m
-  if plan.norm == "none":
-    return ()
-  if plan.cfg.stats == "partial":
-    zeros = mgpu_common.lane_partial_zeros(rows)
-  else:
-    zeros = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  zeros = mgpu.lane_partial_zeros(plan.cfg.wg_tile_m)
   return (zeros,) if plan.norm == "rms" else (zeros, zeros, zeros)
 
 
@@ -335,23 +281,14 @@ def _update_stats(plan: _Plan, stats, x, k_idx):
   # shift at K step 0 and keeps it afterwards (select with a scalar predicate does not lower
   # with warpgroup semantics).
   first = jnp.asarray(k_idx == 0).astype(jnp.float32)  # k_idx is a Python int under disable_jit
-  if plan.cfg.stats == "partial":
-    cols = mgpu_common.lane_slices(x)
-    if plan.norm == "rms":
-      (s2,) = stats
-      return (s2 + mgpu_common.tree_sum([c * c for c in cols]),)
-    shift, s1, s2 = stats
-    shift = shift + first * cols[0]
-    d = [c - shift for c in cols]
-    return (shift, s1 + mgpu_common.tree_sum(d),
-            s2 + mgpu_common.tree_sum([v * v for v in d]))
+  cols = mgpu.lane_slices(x)
   if plan.norm == "rms":
     (s2,) = stats
-    return (s2 + jnp.sum(x * x, axis=1),)
+    return (s2 + mgpu.tree_sum([c * c for c in cols]),)
   shift, s1, s2 = stats
-  shift = shift + first * (jnp.sum(x, axis=1) * (1.0 / x.shape[1]))
-  d = x - _rowvec(shift, x.shape)
-  return shift, s1 + jnp.sum(d, axis=1), s2 + jnp.sum(d * d, axis=1)
+  shift = shift + first * cols[0]
+  d = [c - shift for c in cols]
+  return (shift, s1 + mgpu.tree_sum(d), s2 + mgpu.tree_sum([v * v for v in d]))
 
 
 def _finalize_stats(plan: _Plan, stats):
@@ -359,29 +296,54 @@ def _finalize_stats(plan: _Plan, stats):
   k, eps = plan.k, plan.eps
   if plan.norm == "rms":
     (s2,) = stats
-    ss = jnp.sum(s2, axis=1) if plan.cfg.stats == "partial" else s2
-    return None, lax.rsqrt(ss * (1.0 / k) + eps)
+    return None, lax.rsqrt(jnp.sum(s2, axis=1) * (1.0 / k) + eps)
   shift, s1, s2 = stats
-  if plan.cfg.stats == "partial":
-    # Chan et al.: merge the (count, mean, M2) of the 8 lane columns, count = K / 8 each.
-    cnt = k // mgpu_common.LANE_COLS
-    lane_mean = shift + s1 * (1.0 / cnt)
-    # s1 · (s1 / cnt), not s1² / cnt: s1² overflows float32 for rows of ~3e17 (K = 512) while
-    # s2 and the result are still finite (a fresh-eyes review, session 8).
-    lane_m2 = s2 - s1 * (s1 * (1.0 / cnt))
-    mean = jnp.sum(lane_mean, axis=1) * (1.0 / mgpu_common.LANE_COLS)
-    dev = lane_mean - _rowvec(mean, lane_mean.shape)
-    m2 = jnp.sum(lane_m2, axis=1) + jnp.sum(dev * dev, axis=1) * float(cnt)
-  else:
-    d_mean = s1 * (1.0 / k)
-    mean = shift + d_mean
-    m2 = s2 - s1 * d_mean
+  # Chan et al.: merge the (count, mean, M2) of the 8 lane columns, count = K / 8 each.
+  cnt = k // mgpu.LANE_COLS
+  lane_mean = shift + s1 * (1.0 / cnt)
+  # s1 · (s1 / cnt), not s1² / cnt: s1² overflows float32 for rows of ~3e17 (K = 512) while
+  # s2 and the result are still finite (a fresh-eyes review, session 8).
+  lane_m2 = s2 - s1 * (s1 * (1.0 / cnt))
+  mean = jnp.sum(lane_mean, axis=1) * (1.0 / mgpu.LANE_COLS)
+  dev = lane_mean - _rowvec(mean, lane_mean.shape)
+  m2 = jnp.sum(lane_m2, axis=1) + jnp.sum(dev * dev, axis=1) * float(cnt)
   var = jnp.maximum(m2 * (1.0 / k), 0.0)
   return mean, lax.rsqrt(var + eps)
 
 
 # ------------------------------------------------------------------------------------------------
 # The kernel.
+
+
+def _for_each_tile(plan: _Plan, visit):
+  """Calls ``visit(m_idx, n_idx, compute_stats, local_tile, first, last)`` for this CTA's
+  output tiles in order (``local_tile``: tiles it ran before; first/last: its first/last
+  tile). With stats_once a CTA sweeps all N tiles of its row blocks and only the first K
+  loop of a row block reads x for the statistics."""
+  cfg = plan.cfg
+  if cfg.stats_once:
+    @plgpu.nd_loop((plan.m_iters,), collective_axes="sm")
+    def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+      (m_idx,) = loop_info.index
+      before = loop_info.local_index * plan.n_iters
+      first_block = loop_info.local_index == 0
+      last_block = loop_info.local_index == loop_info.num_local_steps - 1
+      visit(m_idx, 0, True, before, first_block, last_block & (plan.n_iters == 1))
+      if plan.n_iters > 1:
+        pl.loop(1, plan.n_iters)(lambda n_idx: visit(
+            m_idx, n_idx, False, before + n_idx, False,
+            last_block & (n_idx == plan.n_iters - 1)))
+  else:
+    @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (lin_idx,) = loop_info.index
+      # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a
+      # strip, so N varies fastest when M is the strip dimension (0).
+      m_idx, n_idx = plgpu.planar_snake(
+          lin_idx, (plan.m_iters, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
+          cfg.grid_tile_width)
+      visit(m_idx, n_idx, True, loop_info.local_index, loop_info.local_index == 0,
+            loop_info.local_index == loop_info.num_local_steps - 1)
 
 
 def _kernel(*refs, plan: _Plan):
@@ -391,7 +353,7 @@ def _kernel(*refs, plan: _Plan):
   c_gmem = next(it) if plan.norm == "layer" else None
   b_gmem = next(it) if plan.has_bias else None
   y_gmem = next(it)
-  rstd_gmem = next(it) if plan.norm != "none" else None
+  rstd_gmem = next(it) if plan.norm is not None else None
   mean_gmem = next(it) if plan.norm == "layer" else None
   vec_gmems = [r for r in (c_gmem, b_gmem) if r is not None]
 
@@ -399,31 +361,26 @@ def _kernel(*refs, plan: _Plan):
   epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
   out_slots, chunks = plan.out_slots, (wg_m // epi_m) * (tile_n // epi_n)
   # x stages: tiled for WGMMA, or swizzle-only (2-D TMA, any M) when WGMMA reads registers.
-  x_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype,
+  x_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype,
                                                 tiled=not plan.a_in_registers)
-  w_transforms = mgpu_common.swizzle_transforms(tile_k, plan.dtype)
+  w_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
   # y goes out untiled too: a tiled TMA store would need M % 8 == 0.
-  out_transforms = mgpu_common.swizzle_transforms(epi_n, plan.out_dtype, tiled=False)
+  out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype, tiled=False)
 
   def make_pipeline(body, compute_context, state=None):
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-    # The CTAs of a cluster share the N tile: each w tile reaches all of them by one multicast.
-    w_axes = ("cluster",) if cfg.cluster_m > 1 else ()
-    return mgpu_common.consumer_pipeline(
+    return mgpu.consumer_pipeline(
         body, compute_context, steps=plan.k_iters, stages=plan.stages, pipeline_state=state,
         delay_release=plan.delay_release,
         in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
-                  spec((tile_k, tile_n), lambda kk: (kk, 0), transforms=w_transforms,
-                       collective_axes=w_axes)])
+                  spec((tile_k, tile_n), lambda kk: (kk, 0), transforms=w_transforms)])
 
   ignore = lambda *_, **__: None
 
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=(
-          mgpu_common.pingpong_ring_allocs(wg_m, tile_k, tile_n, plan.dtype, plan.stages)
-          if cfg.pingpong else
-          mgpu_common.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
+          mgpu.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
                                          x_transforms=x_transforms, w_transforms=w_transforms)
           if cfg.pipeline == "ring" else
           make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
@@ -437,22 +394,15 @@ def _kernel(*refs, plan: _Plan):
   )
   def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, stat_smem):
     wg = lax.axis_index("wg")
-    cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
-    def tile(m_idx, n_idx, compute_stats: bool, first, last, pingpong_step=None,
-             ring_step=None):
+    def tile(m_idx, n_idx, compute_stats: bool, first, last, ring_step=None):
       """One (tile_m, tile_n) output tile. Without ``compute_stats`` the K loop is a plain GEMM
       and the epilogue reads the statistics that the row block's first N tile left in SMEM.
       ``first``/``last``: whether it is this CTA's first/last tile (chained pipelines). With
-      pingpong the tile is this warpgroup's alone (``wg_m`` rows of row block m_idx) and its K
-      loop runs on the warpgroup's ring from global step ``pingpong_step``; with
-      ``pipeline="ring"`` on the shared ring from global step ``ring_step``."""
-      if cfg.pingpong:
-        row0 = m_idx * wg_m
-      else:
-        row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
+      ``pipeline="ring"`` the K loop runs on the shared ring from global step ``ring_step``."""
+      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
       col0 = n_idx * tile_n
-      with_stats = compute_stats and plan.norm != "none"
+      with_stats = compute_stats and plan.norm is not None
 
       def compute_context(eval_pipeline):
         # The column vectors of this N tile arrive while the K loop runs.
@@ -492,7 +442,7 @@ def _kernel(*refs, plan: _Plan):
       def _epilogue(acc, stats):
         # Earlier TMA stores from out_smem / stat_smem must have read them before we overwrite.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if plan.norm != "none":
+        if plan.norm is not None:
           rstd, mean = _row_stats(stats)
           acc = acc * _rowvec(rstd, acc.shape)
           if mean is not None:
@@ -523,7 +473,7 @@ def _kernel(*refs, plan: _Plan):
       def mma_body(idxs, a_smem, b_smem, carry):
         (k_idx,) = idxs
         acc_ref, *stats = carry
-        a_rows = a_smem if cfg.pingpong else a_smem.at[pl.ds(wg * wg_m, wg_m)]
+        a_rows = a_smem.at[pl.ds(wg * wg_m, wg_m)]
         if plan.a_in_registers:
           x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA)
           plgpu.wgmma(acc_ref, x, b_smem)
@@ -533,105 +483,47 @@ def _kernel(*refs, plan: _Plan):
           x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA) if with_stats else None
         if with_stats:
           stats = _update_stats(plan, stats, x.astype(jnp.float32), k_idx)
-        if x is not None and cfg.fence_reads:
+        if x is not None:
           # Orders these generic-proxy reads before the TMA (async proxy) that will refill the
           # stage once the pipeline releases it (PTX memory model: WAR across proxies).
           plgpu.commit_smem()
         plgpu.wgmma_wait(plan.delay_release)
         return (acc_ref, *stats)
 
-      if cfg.pingpong:
-        compute_context(lambda carry: mgpu_common.pingpong_k_loop(
-            ring, wg, pingpong_step, plan.k_iters, carry, mma_body,
-            delay_release=plan.delay_release))
-        return
       if cfg.pipeline == "ring":
-        compute_context(lambda carry: mgpu_common.ring_k_loop(
+        compute_context(lambda carry: mgpu.ring_k_loop(
             ring, ring_step, plan.k_iters, carry, mma_body,
             delay_release=plan.delay_release))
         return
-      mgpu_common.run_tile_pipeline(
+      mgpu.run_tile_pipeline(
           functools.partial(make_pipeline, mma_body, compute_context),
           x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
           w_gmem.at[:, pl.ds(col0, tile_n)],
           allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
           first=first, last=last)
 
-    def unit_tile(lin_idx):  # (row block, N tile) of a linear work-unit index
-      return plgpu.planar_snake(
-          lin_idx, (plan.m_units, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
-          cfg.grid_tile_width)
+    if cfg.pipeline == "ring":
+      ring = mgpu.SharedRing(**pipeline_allocs, stages=plan.stages)
 
-    if cfg.pingpong:
-      ring = mgpu_common.PingPongRing(**pipeline_allocs, stages=plan.stages)
-      units = plan.m_units * plan.n_iters
+      def produce_tile(m_idx, n_idx, compute_stats, local_tile, first, last):
+        del compute_stats, first
+        rows, cols = pl.ds(m_idx * cfg.tile_m, cfg.tile_m), pl.ds(n_idx * tile_n, tile_n)
 
-      def windows(index, k):
-        m_idx, n_idx = unit_tile(index[0])
-        ks = pl.ds(k * tile_k, tile_k)
-        return (x_gmem.at[pl.ds(m_idx * wg_m, wg_m), ks],
-                w_gmem.at[ks, pl.ds(n_idx * tile_n, tile_n)])
+        @pl.loop(0, plan.k_iters)
+        def _(kk):
+          ks = pl.ds(kk * tile_k, tile_k)
+          mgpu.ring_produce(ring, local_tile * plan.k_iters + kk, x_gmem.at[rows, ks],
+                                   w_gmem.at[ks, cols])
+        pl.when(last)(lambda: mgpu.ring_drain(ring, (local_tile + 1) * plan.k_iters))
 
-      def unit(index, own_index):
-        m_idx, n_idx = unit_tile(index[0])
-        tile(m_idx, n_idx, compute_stats=True, first=None, last=None,
-             pingpong_step=own_index * plan.k_iters)
-
-      mgpu_common.warp_specialize(
-          lambda: mgpu_common.pingpong_producer(ring, units, "sm", plan.k_iters, windows),
-          lambda: mgpu_common.pingpong_consumer(units, "sm", unit))
+      mgpu.warp_specialize(
+          lambda: _for_each_tile(plan, produce_tile),
+          lambda: _for_each_tile(plan, lambda m_idx, n_idx, stats, local_tile, first, last: tile(
+              m_idx, n_idx, compute_stats=stats, first=first, last=last,
+              ring_step=local_tile * plan.k_iters)))
     else:
-      def for_each_tile(visit):
-        """Calls ``visit(m_idx, n_idx, compute_stats, local_tile, first, last)`` for this
-        CTA's output tiles in order (``local_tile``: tiles it ran before; first/last: its
-        first/last tile). With stats_once a cluster sweeps all N tiles of its row blocks and
-        only the first K loop of a row block reads x for the statistics."""
-        if cfg.stats_once:
-          @plgpu.nd_loop((plan.m_units,), collective_axes="sm")
-          def _row_block_loop(loop_info: plgpu.NDLoopInfo):
-            (m_unit,) = loop_info.index
-            m_idx = m_unit * cfg.cluster_m + cta
-            before = loop_info.local_index * plan.n_iters
-            first_block = loop_info.local_index == 0
-            last_block = loop_info.local_index == loop_info.num_local_steps - 1
-            visit(m_idx, 0, True, before, first_block, last_block & (plan.n_iters == 1))
-            if plan.n_iters > 1:
-              pl.loop(1, plan.n_iters)(lambda n_idx: visit(
-                  m_idx, n_idx, False, before + n_idx, False,
-                  last_block & (n_idx == plan.n_iters - 1)))
-        else:
-          @plgpu.nd_loop((plan.m_units * plan.n_iters,), collective_axes="sm")
-          def _tile_loop(loop_info: plgpu.NDLoopInfo):
-            (lin_idx,) = loop_info.index
-            # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a
-            # strip, so N varies fastest when M is the strip dimension (0).
-            m_unit, n_idx = unit_tile(lin_idx)
-            visit(m_unit * cfg.cluster_m + cta, n_idx, True, loop_info.local_index,
-                  loop_info.local_index == 0,
-                  loop_info.local_index == loop_info.num_local_steps - 1)
-
-      if cfg.pipeline == "ring":
-        ring = mgpu_common.SharedRing(**pipeline_allocs, stages=plan.stages)
-
-        def produce_tile(m_idx, n_idx, compute_stats, local_tile, first, last):
-          del compute_stats, first
-          rows, cols = pl.ds(m_idx * cfg.tile_m, cfg.tile_m), pl.ds(n_idx * tile_n, tile_n)
-
-          @pl.loop(0, plan.k_iters)
-          def _(kk):
-            ks = pl.ds(kk * tile_k, tile_k)
-            mgpu_common.ring_produce(ring, local_tile * plan.k_iters + kk, x_gmem.at[rows, ks],
-                                     w_gmem.at[ks, cols])
-          pl.when(last)(lambda: mgpu_common.ring_drain(ring, (local_tile + 1) * plan.k_iters))
-
-        mgpu_common.warp_specialize(
-            lambda: for_each_tile(produce_tile),
-            lambda: for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
-                m_idx, n_idx, compute_stats=stats, first=first, last=last,
-                ring_step=local_tile * plan.k_iters)))
-      else:
-        for_each_tile(lambda m_idx, n_idx, stats, local_tile, first, last: tile(
-            m_idx, n_idx, compute_stats=stats, first=first, last=last))
+      _for_each_tile(plan, lambda m_idx, n_idx, stats, local_tile, first, last: tile(
+          m_idx, n_idx, compute_stats=stats, first=first, last=last))
 
   # All TMA stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -653,7 +545,7 @@ def _check_args(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype):
   for name, v in (("col_sum", col_sum), ("out_bias", out_bias)):
     if v is not None and (v.shape != (n,) or v.dtype != jnp.float32):
       raise ValueError(f"{name} must be float32 of shape ({n},), got {v.dtype}{v.shape}")
-  if jnp.dtype(out_dtype) not in (*mgpu_common.SUPPORTED_DTYPES, jnp.dtype(jnp.float32)):
+  if jnp.dtype(out_dtype) not in (*mgpu.SUPPORTED_DTYPES, jnp.dtype(jnp.float32)):
     raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
   if not (isinstance(eps, (int, float)) and eps > 0):
     raise ValueError(f"eps must be a positive float, got {eps!r}")
@@ -668,17 +560,17 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
     w_gamma: (K, N) weight in x's dtype with the norm's scale folded in (``diag(scale) w``);
       N a multiple of 64.
     col_sum: (N,) float32 ``1ᵀ w_gamma`` (summed in f32) for ``norm="layer"``; None otherwise.
-    out_bias: (N,) float32 ``biasᵀ w`` or None.
-    norm: "rms", "layer", or "none" (plain GEMM ``x @ w_gamma (+ out_bias)``, for benchmarks).
+    out_bias: (N,) float32 ``norm_biasᵀ w`` or None.
+    norm: "rms" or "layer".
     eps: positive float added to the variance (mean square for RMS).
     out_dtype: dtype of y: bfloat16, float16 or float32.
     interpret: run in Pallas GPU interpret mode on any backend (race detection on,
-      uninitialized memory NaN: :func:`pallas_norm.mgpu_common.interpret_params`).
+      uninitialized memory NaN: :func:`pallas_norm.mgpu.interpret_params`).
     config: tiling; default :func:`pick_config`.
 
   Returns:
     ``(y, mean, rstd)``: y (M, N) out_dtype; mean (M,) float32 (None unless "layer"); rstd (M,)
-    float32 (None for "none"), where
+    float32, where
     rms: ``y = rstd ⊙_rows (x @ w_gamma) + out_bias``, rstd = rsqrt(mean(x²) + eps);
     layer: ``y = rstd ⊙_rows (x @ w_gamma − mean ⊗ col_sum) + out_bias``,
     rstd = rsqrt(var(x) + eps). Accuracy domain: see the module docstring.
@@ -687,14 +579,36 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
     ValueError: shapes/dtypes the kernel does not support (see :func:`unsupported_reason`),
       col_sum given or missing inconsistently with ``norm``, bad eps or norm, or a config that
       does not fit in SMEM. TypeError: x and w_gamma dtypes differ, or an unsupported
-      out_dtype. NotImplementedError: ``config.a_operand="registers"`` with ``interpret``.
+      out_dtype.
   """
   _check_args(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype)
   m, k = x.shape
+  return _call(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype, interpret,
+               config or pick_config(m, k, w_gamma.shape[1]))
+
+
+def gemm(x, w, *, out_dtype=None, interpret: bool = False, config: TileConfig | None = None):
+  """``x @ w`` by the pre-norm kernel without its statistics: our plain GEMM, what the fused
+  kernels are measured against (the benchmarks' GEMM baseline). x (M, K), w (K, N) bfloat16 or
+  float16 (K, N multiples of 64); y in ``out_dtype`` (default x's), f32 accumulation. Default
+  tiling: :func:`pick_config`'s tiles on Pallas's pipeline, in the GEMM's plain tile order.
+
+  Raises:
+    ValueError / TypeError: as :func:`norm_matmul_fwd`.
+  """
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  m, k = x.shape
+  n = w.shape[1]
+  _check_args(x, w, None, None, "rms", 1.0, out_dtype)
+  if config is None:
+    config = dataclasses.replace(pick_config(m, k, n), stats_once=False, pipeline="pallas",
+                                 delay_release=0)
+  return _call(x, w, None, None, None, 1.0, out_dtype, interpret, config)[0]
+
+
+def _call(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype, interpret, cfg):
+  m, k = x.shape
   n = w_gamma.shape[1]
-  cfg = config or pick_config(m, k, n)
-  if config is None and norm == "none":  # no statistics: the GEMM's plain tile order
-    cfg = dataclasses.replace(cfg, stats_once=False, pipeline="pallas", delay_release=0)
   if k % cfg.tile_k:
     raise ValueError(f"K = {k} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _make_plan(m, k, n, x.dtype, out_dtype, norm, eps, out_bias is not None, cfg,
@@ -704,22 +618,19 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
   m_stats = -(-m // 4) * 4
   out_type = [jax.ShapeDtypeStruct((m, n), plan.out_dtype)]
   out_type += [jax.ShapeDtypeStruct((m_stats,), jnp.float32)] * plan.n_stats
-  cluster = (dict(cluster=(cfg.cluster_m,), cluster_names=("cluster",))
-             if cfg.cluster_m > 1 else {})
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=tuple(out_type),
-      grid=(plan.num_clusters,),
+      grid=(plan.num_ctas,),
       grid_names=("sm",),
-      **cluster,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu_common.interpret_params() if interpret else None,
+      interpret=mgpu.interpret_params() if interpret else None,
   )
   args = [a for a in (x, w_gamma, col_sum, out_bias) if a is not None]
   outs = call(*args)
   y = outs[0]
-  rstd = outs[1][:m] if norm != "none" else None
+  rstd = outs[1][:m] if norm is not None else None
   mean = outs[2][:m] if norm == "layer" else None
   return y, mean, rstd

@@ -1,0 +1,224 @@
+"""The K-loop pipelines of the GEMM kernels: Pallas's warp-specialized pipeline (chained across a
+CTA's tiles) and the hand-written shared ring, both fed by one TMA producer warpgroup."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax import lax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_norm.mgpu.config import TileConfig
+
+
+def pipeline_stages(steps: int, max_stages: int, delay_release: int = 0) -> tuple[int, bool]:
+  """(stages, chained across tiles) for Pallas's pipeline over a K loop of ``steps`` steps with
+  room for ``max_stages`` stages: as many stages as fit, chained across a CTA's tiles when that
+  count divides ``steps`` (a pipeline of pipelines needs it) and no WGMMA stays in flight across
+  steps (``delay_release`` 0: Pallas cannot chain the others). Chaining never costs a stage: on
+  the H200 at 262144×512×512, 2 chained stages ran 249 µs, 3 per-tile ones 226 and 4 chained
+  ones 217 (per-tile: 233)."""
+  stages = min(max_stages, steps)
+  chained = steps % stages == 0
+  return stages, chained and not delay_release_for(delay_release, stages)
+
+
+def stages_for(cfg: TileConfig, steps: int, max_stages: int) -> tuple[int, bool]:
+  """(stages, chained) of a kernel's K loop under ``cfg``: :func:`pipeline_stages`, or on the
+  shared ring (``pipeline="ring"``) as many stages as fit and ``chained`` False (the ring runs
+  across tiles by construction, so its stages need not divide the steps)."""
+  if cfg.pipeline == "ring":
+    return max_stages, False
+  return pipeline_stages(steps, max_stages, cfg.delay_release)
+
+
+def delay_release_for(delay_release: int, stages: int) -> int:
+  """The ``delay_release`` a pipeline of ``stages`` stages can run: Pallas needs more stages
+  than steps of delay, so a one-stage (one-step) K loop runs with 0."""
+  return delay_release if stages > delay_release else 0
+
+
+def plan_delay_release(cfg: TileConfig, stages: int, a_in_registers: bool = False) -> int:
+  """The WGMMA groups a kernel's consumers leave in flight across K steps under ``cfg``: 0 with
+  an A operand in registers (a WGMMA left in flight still reads its A registers while the next
+  step loads new ones: wrong results on the H200 for M % 8 ≠ 0, where the A operand comes from
+  registers; session 7's full GPU run); on the ring ``cfg.delay_release`` with 2+ stages; else
+  :func:`delay_release_for`."""
+  if a_in_registers:
+    return 0
+  if cfg.pipeline == "ring":  # the ring runs across tiles: 2+ stages can delay
+    return cfg.delay_release if stages > 1 else 0
+  return delay_release_for(cfg.delay_release, stages)
+
+
+def tile_pipeline_state(first, last):
+  """The ``pipeline_state`` of one output tile's K loop when a CTA's tiles run as one pipeline:
+  START at its first tile (the producer issues the prologue), STOP at its last (it waits for
+  the last stages to be consumed), STEADY between. A CTA with a single tile gets START, which
+  skips that final wait: call :func:`drain_single_tile_pipeline` after the tile loop."""
+  state = jnp.where(first, plgpu.PipelinePipeline.START, plgpu.PipelinePipeline.STEADY)
+  return jnp.where(last & jnp.logical_not(first), plgpu.PipelinePipeline.STOP, state)
+
+
+def drain_single_tile_pipeline(pipeline_allocs, stages: int, single_tile):
+  """The producer's final wait that a START pipeline skips, for a CTA whose only tile ran with
+  state START (``single_tile``): the consumers' releases of the last ``stages`` steps (slots
+  0..stages-1, as the stage count divides the steps). Without it the barriers are left a
+  phase ahead of the producer, which the interpreter reports at deallocation."""
+  @pl.when(single_tile & (lax.axis_index("wg") == 2))  # the producer warpgroup
+  def _drain():
+    for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
+      for slot in range(stages):
+        plgpu.barrier_wait(barrier.at[slot])
+
+
+def run_tile_pipeline(pipeline_for, *gmem_refs, allocations, stages: int, chained: bool,
+                      first, last) -> None:
+  """Runs one output tile's K loop, ``pipeline_for(state)(*gmem_refs, allocations=...)``, as
+  part of the CTA's chain of tiles when ``chained`` (:func:`tile_pipeline_state`, then
+  :func:`drain_single_tile_pipeline` for a CTA whose only tile this is), else on its own."""
+  state = tile_pipeline_state(first, last) if chained else None
+  pipeline_for(state)(*gmem_refs, allocations=allocations)
+  if chained:
+    drain_single_tile_pipeline(allocations, stages, first & last)
+
+
+def consumer_pipeline(body, compute_context, *, steps: int, in_specs, stages: int,
+                      pipeline_state=None, delay_release: int = 0):
+  """The K-loop pipeline every GEMM kernel here uses: a TMA producer warpgroup feeding
+  ``in_specs`` stages to two WGMMA consumer warpgroups (axis "wg"), ``stages`` deep, with the
+  producer's registers cut to 40 so the consumers get the rest. ``pipeline_state`` (see
+  :func:`tile_pipeline_state`) chains the pipelines of consecutive tiles; None: each one
+  starts and drains on its own. ``delay_release`` (see :class:`TileConfig`) is set on every
+  input spec; the body must then leave that many WGMMA groups in flight
+  (``plgpu.wgmma_wait(delay_release)``) and the caller wait for all before reading the
+  accumulator."""
+  if delay_release:
+    in_specs = [dataclasses.replace(s, delay_release=delay_release) for s in in_specs]
+  return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(steps,),
+      memory_registers=40,
+      in_specs=in_specs,
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=stages,
+      compute_context=compute_context,
+      pipeline_state=pipeline_state,
+  )
+
+
+# ------------------------------------------------------------------------------------------------
+# The hand-written shared ring, fed by one TMA producer warpgroup (wg 2) in a branch of its own.
+
+CONSUMER_REGISTERS = 232  # (512 − 40) / 2 rounded down to 8, as the pipelines above
+PRODUCER_REGISTERS = 40
+
+
+def warp_specialize(producer, consumers) -> None:
+  """Runs ``producer()`` in the producer warpgroup (wg 2, registers cut to
+  :data:`PRODUCER_REGISTERS`) and ``consumers()`` in the two consumer warpgroups (raised to
+  :data:`CONSUMER_REGISTERS`): the split ``consumer_pipeline`` makes for Pallas's pipeline."""
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    producer()
+
+  @pl.when(wg < 2)
+  def _consumers():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    consumers()
+
+
+def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release: int = 0):
+  """Consumer: ``steps`` K steps from global step ``first_step`` of a hand-written ring (any
+  object with ``stage(step) -> (x_ref, w_ref, produced_barrier, consumed_barrier)``): waits
+  for each stage, runs ``body(idxs, x_stage, w_stage, carry) -> carry`` (the signature of a
+  pipeline body; default: one WGMMA into the accumulator ref ``carry``, then
+  ``plgpu.wgmma_wait(delay_release)``), then releases the stage. The body must leave at most
+  ``delay_release`` (0 or 1) WGMMA groups in flight: with 1, step s releases the stage of step
+  s − 1 (whose WGMMA the body's wait retired), and the loop ends with ``wgmma_wait(0)`` and the
+  last stage's release, so no WGMMA is in flight on return. Returns the carry."""
+  if body is None:
+    def body(idxs, x_stage, w_stage, acc):
+      del idxs
+      plgpu.wgmma(acc, x_stage, w_stage)
+      plgpu.wgmma_wait(delay_release)
+      return acc
+
+  def step_body(k, carry):
+    step = first_step + k
+    x_stage, w_stage, produced, consumed = ring.stage(step)
+    plgpu.barrier_wait(produced)
+    carry = body((k,), x_stage, w_stage, carry)
+    if not delay_release:
+      plgpu.barrier_arrive(consumed)
+    else:  # the WGMMA of step k - 1 has completed: its stage is free
+      pl.when(k > 0)(lambda: plgpu.barrier_arrive(ring.stage(step - 1)[3]))
+    return carry
+
+  carry = lax.fori_loop(0, steps, step_body, carry)
+  if delay_release:
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(ring.stage(first_step + steps - 1)[3])
+  return carry
+
+
+def ring_produce(ring, step, x_window, w_window) -> None:
+  """Producer: loads global step ``step`` (x and w windows in GMEM) into its stage of ``ring``
+  (as for :func:`ring_k_loop`, plus a ``stages`` count) once the stage's previous use was
+  released."""
+  x_ref, w_ref, produced, consumed = ring.stage(step)
+  pl.when(step >= ring.stages)(lambda: plgpu.barrier_wait(consumed))
+  plgpu.copy_gmem_to_smem(x_window, x_ref, produced)
+  plgpu.copy_gmem_to_smem(w_window, w_ref, produced)
+
+
+def ring_drain(ring, total_steps) -> None:
+  """Producer, after its last load: waits for the releases of the last ``stages`` of its
+  ``total_steps`` steps, so no barrier is left a phase ahead (and no stage is still being read
+  when the kernel's SMEM is reused)."""
+  @pl.loop(lax.max(total_steps - ring.stages, 0), total_steps)
+  def _(step):
+    plgpu.barrier_wait(ring.stage(step)[3])
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared ring (TileConfig.pipeline = "ring"): the cooperative schedule (both consumer warpgroups
+# work on one CTA tile, each on its rows) fed by a hand-written ring instead of Pallas's
+# emit_pipeline, so the K loops of a CTA's tiles form one pipeline whatever the stage count and
+# with a WGMMA left in flight across steps (cuBLAS's nvjet 128x256x64, 4 stages, does both).
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedRing:
+  """``x[s]`` (tile_m, tile_k) and ``w[s]`` (tile_k, tile_n) of stage s; ``produced[s]``
+  completes when both TMA copies landed, ``consumed[s]`` when both consumer warpgroups released
+  it. Steps are numbered across the CTA's tiles (its i-th tile's K step k is global step
+  i · k_steps + k, in stage step mod stages), so the producer fills the next tile's stages while
+  the consumers run the current one's epilogue. Every waiter waits for every phase of a barrier
+  in order, so the parities Mosaic tracks stay right."""
+  x: object
+  w: object
+  produced: object
+  consumed: object
+  stages: int
+
+  def stage(self, step):
+    """(x_ref, w_ref, produced, consumed) of global step ``step`` (:func:`ring_k_loop`)."""
+    slot = lax.rem(step, self.stages)
+    return self.x.at[slot], self.w.at[slot], self.produced.at[slot], self.consumed.at[slot]
+
+
+def shared_ring_allocs(tile_m: int, tile_k: int, tile_n: int, dtype, stages: int, *,
+                       x_transforms: tuple, w_transforms: tuple) -> dict:
+  """``pl.run_scoped`` allocations of a :class:`SharedRing` (pass them as its fields)."""
+  return dict(
+      x=plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=x_transforms),
+      w=plgpu.SMEM((stages, tile_k, tile_n), dtype, transforms=w_transforms),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one per TMA copy
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))  # one per consumer

@@ -1,0 +1,247 @@
+"""Post-norm GEMM with the norm in the epilogue (DESIGN.md, op 2):
+``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale (+ bias)``.
+
+The fused kernel (:mod:`pallas_norm.ops.matmul_norm.mosaic`) reduces each row's statistics across
+a cluster of CTAs that own different N slices of the same rows. Oracle:
+:func:`pallas_norm.reference.matmul_norm`.
+
+The backward (``custom_vjp``) saves x̂ = norm(h) before the affine (in the output dtype) and
+rstd, never rebuilding x̂ from y by dividing by the scale (which may contain zeros). With
+``g = scale ⊙ dy`` and means over the N columns of a row,
+
+    dh     = rstd ⊙ (g − mean_N(g) − x̂ ⊙ mean_N(g ⊙ x̂))    (RMS: no mean_N(g) term)
+             (+ the cotangent of the returned h, when h is an output)
+    dscale = Σ_i dy ⊙ x̂,  dbias = Σ_i dy,  d(dense_bias) = Σ_i dh,  d(residual) = dh,
+    dx     = dh @ wᵀ,  dw = xᵀ dh,
+
+the column sums by a deterministic two-stage reduction (:func:`.xla.column_sum`). In the kernel
+implementations, dh and the column sums run as one Mosaic-GPU kernel
+(:mod:`pallas_norm.ops.matmul_norm.mosaic_bwd`; its per-CTA partial sums are added in a fixed
+order) where it takes the shape, else in XLA. The ``"xla"``
+implementation is the unfused reference differentiated by JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from pallas_norm import _dispatch, _op, _validate, reference
+from pallas_norm.ops.matmul_norm import configs, mosaic, mosaic_bwd, xla
+
+_F32 = jnp.float32
+_HI = lax.Precision.HIGHEST
+
+
+def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=None,
+                norm: str = "layer", eps: float = 1e-6, out_dtype=None, return_h: bool = False,
+                return_stats: bool = False, implementation=None):
+  """Post-norm GEMM: ``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale (+ norm_bias)``.
+
+  Args:
+    x: (..., K) bfloat16/float16/float32 (float64 with jax_enable_x64). w: (K, N), same dtype.
+    dense_bias: optional (N,) bias of the dense layer, added to h (keyword-only, as every
+      argument after w). residual: optional (..., N) added to h.
+    scale, norm_bias: optional (N,) γ and β of the norm.
+    norm: "layer" (default) or "rms". eps: positive float (default 1e-6).
+    out_dtype: dtype of y and h (default x.dtype).
+    return_h: also return h, the pre-norm residual stream, in the output dtype.
+    return_stats: also return :class:`pallas_norm.NormStats` of h (float32; float64 for
+      float64 inputs). The statistics carry no gradient (``lax.stop_gradient``), with every
+      implementation.
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
+      (see :mod:`pallas_norm._dispatch`).
+      The kernel needs bfloat16/float16 x, w and outputs, K and N multiples of 64,
+      N = c · n_tiles · tile_n with c ∈ {1, 2, 4, 8}, n_tiles ≤ 4 and tile_n ≤ 256 (so
+      N ≤ 8192; past 2048 a multiple of 1024), a residual in the output dtype; "interpret"
+      runs one CTA per row block, so N ≤ 4 · tile_n. None falls back to XLA otherwise, with
+      the reason logged at debug level. The kernel paths are first-order reverse mode only.
+
+  Returns:
+    y (..., N); with ``return_h``/``return_stats`` the tuple ``(y, h?, stats?)``.
+
+  Raises:
+    TypeError: an argument that is not an array (jax.Array, NumPy array or tracer; e.g. a
+      ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes, or an argument after w passed
+      by position. ValueError: shapes, eps, norm or implementation.
+    NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run; a
+      forward-mode or second derivative of a kernel path.
+  """
+  check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype)
+  eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
+  _validate.flag("return_h", return_h)
+  _validate.flag("return_stats", return_stats)
+  chosen = _dispatch.choose(
+      "matmul_norm", implementation,
+      lambda candidate: kernel_unsupported_reason(x, w, residual, out_dtype,
+                                                  interpret=candidate == "interpret"),
+      lambda: configs.kernel_slower_reason(w.shape[1], norm))
+  if chosen == "xla":
+    out = reference.matmul_norm(x, w, dense_bias, residual, scale, norm_bias, norm=norm, eps=eps,
+                                out_dtype=out_dtype, return_h=return_h,
+                                return_stats=return_stats)
+    if return_stats:  # outputs, not a differentiable path, in every implementation
+      out = (*out[:-1], jax.tree.map(lax.stop_gradient, out[-1]))
+    return out
+  return _kernel_call(x, w, dense_bias, residual, scale, norm_bias, norm, eps,
+                      jnp.dtype(out_dtype or x.dtype), return_h, return_stats, chosen)
+
+
+def check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype) -> None:
+  """Validates the arguments of :func:`matmul_norm` (shared with the Flax layer)."""
+  _validate.float_array("x", x)
+  _validate.float_array("w", w, ndim=2)
+  if w.shape[0] != x.shape[-1]:
+    raise ValueError(f"w must have shape (K, N) with K = x.shape[-1] = {x.shape[-1]}, "
+                     f"got {tuple(w.shape)}")
+  if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+    raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+  n = w.shape[1]
+  _validate.optional_vector("dense_bias", dense_bias, n)
+  _validate.same_shape("residual", residual, x.shape[:-1] + (n,))
+  _validate.optional_vector("scale", scale, n)
+  _validate.optional_vector("norm_bias", norm_bias, n)
+  _validate.norm_kind(norm)
+  _validate.eps(eps, x.dtype)
+  _validate.out_dtype(out_dtype)
+
+
+def kernel_unsupported_reason(x, w, residual, out_dtype, interpret: bool) -> str | None:
+  m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+  reason = mosaic.unsupported_reason(
+      m, k, n, x.dtype, out_dtype or x.dtype, None if residual is None else residual.dtype)
+  if reason is None and interpret:
+    tiles = n // mosaic.pick_config(m, k, n).tile_n
+    if tiles > mosaic.MAX_N_TILES:
+      reason = (f"N = {n} needs {tiles} N tiles of one CTA in interpret mode (it cannot read a "
+                f"peer CTA's shared memory, so it runs a cluster of 1), at most "
+                f"{mosaic.MAX_N_TILES}")
+  return reason
+
+
+def _kernel_call(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype, return_h,
+                 return_stats, implementation):
+  lead, k, n = x.shape[:-1], x.shape[-1], w.shape[1]
+  res2d = None if residual is None else residual.reshape(-1, n)
+  y, h, mean, rstd = _fused(x.reshape(-1, k), w, dense_bias, res2d, scale, norm_bias, norm, eps,
+                            jnp.dtype(out_dtype), return_h, return_stats, implementation)
+  y = y.reshape(lead + (n,))
+  if not (return_h or return_stats):
+    return y
+  out = (y,)
+  if return_h:
+    out += (h.reshape(lead + (n,)),)
+  if return_stats:
+    out += (reference.NormStats(
+        None if mean is None else lax.stop_gradient(mean.reshape(lead)),
+        lax.stop_gradient(rstd.reshape(lead))),)
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels' custom_vjp: the forward kernel, then the norm-backward kernel (or XLA's passes)
+# and XLA's GEMMs.
+
+
+def _forward(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
+             return_stats, implementation, return_xhat):
+  forward = functools.partial(
+      mosaic.matmul_norm_fwd, norm=norm, eps=eps, out_dtype=out_dtype, return_h=return_h,
+      return_xhat=return_xhat, return_stats=return_stats,
+      interpret=implementation == "interpret")
+  return _op.first_order_only("matmul_norm", forward, x, w, dense_bias, residual, scale, bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _fused(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
+           return_stats, implementation):
+  y, h, _, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype,
+                                 return_h, return_stats, implementation, return_xhat=False)
+  return y, h, mean, rstd
+
+
+def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
+               return_stats, implementation):
+  # symbolic_zeros=True (see defvjp below) wraps each differentiable input.
+  x, w, dense_bias, residual, scale, bias = (
+      None if p is None else p.value for p in (x, w, dense_bias, residual, scale, bias))
+  y, h, xhat, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps,
+                                    out_dtype, return_h, True, implementation, return_xhat=True)
+  # A zero-size stand-in keeps the residual's dtype without keeping the residual alive.
+  residual_dtype = None if residual is None else jnp.zeros((0,), residual.dtype)
+  saved = (x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd)
+  if not return_stats:
+    mean, rstd = None, None
+  return (y, h, mean, rstd), saved
+
+
+def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x_dtype) -> str | None:
+  """Why the backward keeps XLA's passes instead of the norm-backward kernel (None: it need not).
+
+  The kernel (dh and the column sums in one pass) was measured faster than XLA's passes for
+  both norms on the H200 (262144 rows, bf16, µs, kernel / XLA; N = 2048 from an earlier
+  version): RMSNorm 297 / 351 at N = 512, 591 / 681 at 1024, 1334 / 1331 at 2048; LayerNorm
+  316 / 416, 616 / 796, 1359 / 1564. The kernel writes dh in the cotangent's dtype: with an ``out_dtype`` other than x's, dh would
+  be rounded twice on its way to the GEMMs (or overflow float16), so those calls keep XLA.
+  M not a multiple of 8 would cost the kernel full copies of its inputs and of dh."""
+  if dy_out.dtype != xhat.dtype or (dh_out is not None and dh_out.dtype != xhat.dtype):
+    return f"cotangents in {dy_out.dtype}, x̂ in {xhat.dtype}"
+  if jnp.dtype(dy_out.dtype) != jnp.dtype(x_dtype):
+    return f"cotangent in {dy_out.dtype}, x in {jnp.dtype(x_dtype)}"
+  if dy_out.shape[0] % mosaic_bwd.ROW_ALIGN:
+    return f"M = {dy_out.shape[0]} is not a multiple of {mosaic_bwd.ROW_ALIGN}"
+  return mosaic_bwd.unsupported_reason(*dy_out.shape, dy_out.dtype, len(sums))
+
+
+def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpret):
+  """(dh in the cotangent's dtype, {sum name: column sum}) from the one-pass kernel; the
+  per-CTA partial sums are added in a fixed order (deterministic bits on one GPU model)."""
+  backward = functools.partial(mosaic_bwd.norm_backward, norm=norm, sums=sums,
+                               interpret=interpret)
+  dh, partials = _op.first_order_only("matmul_norm", backward, dy_out, xhat, rstd, scale, dh_out)
+  if not sums:
+    return dh, {}
+  totals = xla.pairwise_sum(partials.reshape(-1, *partials.shape[2:]))
+  return dh, {name: totals[i] for i, name in enumerate(sums)}
+
+
+def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, saved,
+               cotangents):
+  del eps, out_dtype, return_stats
+  x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd = saved
+  dy_out, dh_out = cotangents[0], cotangents[1]  # the statistics carry no gradient
+  if not return_h or isinstance(dh_out, SymbolicZero):
+    dh_out = None  # h unused: no M × N array of zeros to read
+  if isinstance(dy_out, SymbolicZero):  # only h is used
+    dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
+  sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
+               if v is not None)
+  if _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x.dtype) is None:
+    dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
+                                    interpret=implementation == "interpret")
+  else:
+    dh, col = xla.norm_backward(norm, dy_out, dh_out, xhat, rstd, scale, sums)
+  dscale = None if scale is None else col["dscale"].astype(scale.dtype)
+  dbias = None if bias is None else col["dbias"].astype(bias.dtype)
+  ddense = None if dense_bias is None else col["ddense"].astype(dense_bias.dtype)
+  dres = None if residual_dtype is None else dh.astype(residual_dtype.dtype)
+  dh_in = dh.astype(x.dtype)
+  # In x's dtype straight out of the GEMM (f32 accumulation all the same): asking for f32 and
+  # converting made XLA emit a Triton GEMM fusion for dx, 247 µs against cuBLAS's 195 at
+  # 262144×512² bf16 on the H200 (benchmarks/gpu_weight_grad_forms.py, session 5). A float32
+  # dh keeps HIGHEST: the default could round operands to TF32.
+  dx = jnp.matmul(dh_in, w.T, precision=_HI if dh_in.dtype == jnp.float32 else None)
+  dw = jnp.matmul(x.T, dh_in, preferred_element_type=_F32, precision=_HI).astype(w.dtype)
+  return dx, dw, ddense, dres, dscale, dbias
+
+
+# Symbolic zeros: a returned h that the loss does not use gives no cotangent array, instead of
+# one of zeros that the backward would read.
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
+
+

@@ -1,0 +1,1089 @@
+"""Post-norm GEMM forward as a Pallas Mosaic-GPU kernel for Hopper (sm_90a) (DESIGN.md, op 2).
+
+For x (M, K) and w (K, N) it computes, with every statistic in f32 from the f32 accumulator::
+
+    h = x @ w (+ dense_bias) (+ residual)
+    y = norm(h) · scale (+ bias),   norm = RMSNorm or LayerNorm over the N columns of a row
+
+and optionally writes h (the pre-norm residual stream), x̂ = norm(h) before the affine (what the
+backward needs) and the row statistics (mean, rstd).
+
+Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a CTA owns a tile of
+``tile_m`` rows × ``tile_n`` columns. A TMA producer warpgroup streams the K loop through a
+multi-stage SMEM ring (by default the hand-written :class:`pallas_norm.mgpu.SharedRing`,
+whose steps are numbered across the CTA's row blocks, so the producer fills the next row block's
+stages while the consumers run the epilogue and the exchange; with several N tiles per CTA
+``plgpu.emit_pipeline_warp_specialized``, ``TileConfig.pipeline="pallas"``) to two WGMMA consumer warpgroups, which split the CTA
+tile along M (``tile_m // 2`` rows each), so every row of a CTA
+belongs to exactly one warpgroup. A full row spans N, so when ``N > tile_n`` a *cluster* of
+``c = N / tile_n`` CTAs (c ∈ {1, 2, 4, 8}) owns the same rows, CTA i the columns
+``[i·tile_n, (i+1)·tile_n)``. The grid is persistent: each cluster walks row blocks.
+
+Epilogue of one warpgroup (rows r, its CTA's N slice):
+
+1. ``h = acc + dense_bias + residual``; the residual tile was fetched by TMA into SMEM while the
+   K loop ran, h is recomputed chunk by chunk (64 columns) from the accumulator registers and
+   SMEM instead of being kept whole in registers.
+2. Per-row partials over the slice: LayerNorm the slice mean and ``M2 = Σ (h − mean_slice)²``
+   (two passes over registers), RMSNorm ``Σ h²``.
+3. :func:`_cluster_row_stats` exchanges the partials between the CTAs of the cluster through
+   distributed shared memory (the only code that differs between c = 1 and c > 1), and every CTA
+   merges the c partials in the same order (Chan et al. for LayerNorm: exact for rows with a
+   large mean, and identical bits in every CTA).
+4. Each CTA normalizes its own slice and stores y (written in place of the residual tile in
+   SMEM), h and x̂ (through two 64×64 staging slots), and CTA 0 of the cluster the statistics.
+
+Past N = 8 · 256 a CTA owns ``n_tiles`` ≤ 4 N tiles (N ≤ 8192). Hopper keeps the accumulator in
+registers and SMEM cannot hold several finished tiles next to the pipeline, so the epilogue
+splits in two passes. First pass, after each tile's K loop: the tile's partials go to SMEM and
+``h − tile mean`` (LayerNorm; RMSNorm: h) goes to y's place in global memory in the output
+dtype (centered, so a row with a large mean keeps its precision), plus h if asked. Second pass,
+after the last tile: merge the tiles' partials (Chan), exchange in the cluster, then reload each
+tile from global memory (L2) by TMA and normalize it in place
+(``h − mean = centered + (tile mean − mean)``). The second pass costs one more write and read of
+y per element; interpret mode runs it with one CTA looping over all N tiles.
+
+On the shared ring with one N tile per CTA the residual tile's TMA loads are issued during the
+K loop, each chunk once the previous row block's y chunk has left SMEM (session 9: 3-7% faster
+than waiting for every store before the K loop).
+
+GPU interpret mode cannot read a peer CTA's shared memory, so the c > 1 exchange runs only on a
+GPU; everything else is the same code for c = 1, which interpret mode runs on the CPU. What was
+checked on the CPU for c > 1: the kernel lowers for sm_90a through Mosaic's Python passes
+(layout inference, TMA and SMEM-size checks) with the CUDA plugin's bindings; Mosaic lowers a
+peer reference only for a whole SMEM allocation (not a slice of one), hence one allocation per
+(warpgroup, partial) and a branch on the static warpgroup index in the exchange.
+
+Shapes: any M ≥ 1 (TMA zero-fills rows past M and drops their stores; M is padded to a multiple
+of 8 rows first, a copy, because a TMA copy of an 8-row-tiled SMEM tile needs it), K a multiple
+of 64, N = c · n_tiles · tile_n with tile_n a multiple of 64 up to 256 (N ≤ 2048 in one tile
+per CTA, up to 8192 in 4); x and w bfloat16 or
+float16; y/h/x̂ bfloat16 or float16; a residual must have the output dtype. Other calls get a
+reason from :func:`unsupported_reason` and the public op falls back to XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_norm import mgpu
+from pallas_norm.mgpu import TileConfig
+
+__all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
+           "matmul_norm_fwd"]
+
+CLUSTER_SIZES = (1, 2, 4, 8)
+"""CTAs that may share a row block (8 is the portable cluster limit on Hopper)."""
+
+MAX_TILE_N = 256
+"""Widest N tile of one CTA (the largest WGMMA N; the accumulator lives in registers)."""
+
+MAX_N_TILES = 4
+"""N tiles one CTA loops over when a cluster of 8 is not wide enough (so N ≤ 8192)."""
+
+MAX_N = max(CLUSTER_SIZES) * MAX_N_TILES * MAX_TILE_N
+
+_SMEM_SLACK = 4096  # barriers + the scratch Mosaic reserves for cross-lane reductions.
+_EXTRA_SLOTS = 2  # staging slots for h / x̂ tiles: one being written while one is stored
+# A TMA copy into an 8-row-tiled SMEM tile needs the global row count to be a multiple of 8; the
+# rows past M in the last row tile are then zero-filled on load and dropped on store by TMA.
+_ROW_ALIGN = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one kernel instance."""
+  m: int
+  k: int
+  n: int
+  dtype: jnp.dtype
+  out_dtype: jnp.dtype
+  norm: str
+  eps: float
+  vecs: tuple[str, ...]  # which of "dense_bias", "scale", "bias" are given (in that order)
+  has_residual: bool
+  return_h: bool
+  return_xhat: bool
+  return_stats: bool
+  cfg: TileConfig
+  cluster: int
+  n_tiles: int  # N tiles per CTA: the CTA's columns are n_tiles · tile_n
+  stages: int
+  num_clusters: int
+  chained: bool = False  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
+  exchange: str = "pull"  # see matmul_norm_fwd's ``exchange``
+
+  @property
+  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
+    return mgpu.plan_delay_release(self.cfg, self.stages)
+
+  @property
+  def n_partials(self) -> int:  # per-row partial statistics exchanged in the cluster
+    return 2 if self.norm == "layer" else 1
+
+  @property
+  def n_stats(self) -> int:  # rstd (and mean) rows written
+    return (2 if self.norm == "layer" else 1) if self.return_stats else 0
+
+  @property
+  def extras(self) -> tuple[str, ...]:  # outputs staged through the small slots
+    return tuple(e for e, on in (("h", self.return_h), ("xhat", self.return_xhat)) if on)
+
+  @property
+  def n_loads(self) -> int:
+    """TMA copies per tile besides the K loop: the vectors and the residual's chunks."""
+    return len(self.vecs) + (self.cfg.tile_n // self.cfg.epi_tile_n) * self.has_residual
+
+  @property
+  def n_reloads(self) -> int:  # TMA copies per N tile in the second pass (n_tiles > 1)
+    return len(self.vecs) + self.cfg.tile_n // self.cfg.epi_tile_n
+
+  @property
+  def cta_cols(self) -> int:  # columns of a row that one CTA owns
+    return self.n_tiles * self.cfg.tile_n
+
+  @property
+  def m_iters(self) -> int:  # row blocks of tile_m rows
+    return -(-self.m // self.cfg.tile_m)
+
+  @property
+  def k_iters(self) -> int:
+    return self.k // self.cfg.tile_k
+
+  def vec_index(self, name: str) -> int:
+    return self.vecs.index(name)
+
+
+def _cluster_split(n: int) -> tuple[int, int, int] | None:
+  """(cluster, tile_n, n_tiles): the smallest cluster whose CTAs get one 64-multiple N tile of
+  ≤ 256 columns; past 8 · 256 columns, 8 CTAs of up to 4 N tiles each (the widest tile)."""
+  for c in CLUSTER_SIZES:
+    if n % c == 0 and (n // c) % 64 == 0 and n // c <= MAX_TILE_N:
+      return c, n // c, 1
+  c = max(CLUSTER_SIZES)
+  for tile_n in (256, 192, 128):
+    if n % (c * tile_n) == 0 and n // (c * tile_n) <= MAX_N_TILES:
+      return c, tile_n, n // (c * tile_n)
+  return None
+
+
+def _tiles_per_cta(n: int, tile_n: int, interpret: bool) -> tuple[int, int]:
+  """(cluster, n_tiles) for N tiles of ``tile_n``: the largest cluster that leaves at most
+  :data:`MAX_N_TILES` tiles per CTA, or one CTA in interpret mode (which cannot read a peer's
+  shared memory)."""
+  tiles = n // tile_n
+  if interpret:
+    return 1, tiles
+  fits = [c for c in CLUSTER_SIZES if tiles % c == 0 and tiles // c <= MAX_N_TILES]
+  c = min((c for c in fits if tiles // c == 1), default=max(fits, default=0))
+  return c, (tiles // c if c else 0)
+
+
+def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
+                       residual_dtype=None) -> str | None:
+  """None if the kernel can run x: (m, k) @ w: (k, n), else a sentence saying why not.
+
+  ``out_dtype`` defaults to ``dtype``; ``residual_dtype`` is None when there is no residual.
+  """
+  dtype = jnp.dtype(dtype)
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  if dtype not in mgpu.SUPPORTED_DTYPES:
+    return f"x dtype {dtype.name} is not bfloat16 or float16"
+  if out_dtype not in mgpu.SUPPORTED_DTYPES:
+    return f"out_dtype {out_dtype.name} is not bfloat16 or float16"
+  if residual_dtype is not None and jnp.dtype(residual_dtype) != out_dtype:
+    return (f"residual dtype {jnp.dtype(residual_dtype).name} differs from the output dtype "
+            f"{out_dtype.name} (the kernel writes y in place of the residual tile)")
+  if m < 1:
+    return f"M = {m} rows: need at least 1"
+  if k % 64 or k < 64:
+    return f"K = {k} is not a positive multiple of 64"
+  if n % 64 or n < 64:
+    return f"N = {n} is not a positive multiple of 64"
+  if _cluster_split(n) is None:
+    return (f"N = {n} does not split into a cluster of {list(CLUSTER_SIZES)} CTAs with at most "
+            f"{MAX_N_TILES} N tiles of a 64-multiple ≤ {MAX_TILE_N} columns each (N ≤ {MAX_N}; "
+            "past 2048 a multiple of 1024)")
+  return None
+
+
+def pick_config(m: int, k: int, n: int) -> TileConfig:
+  """Tiling for x (m, k) @ w (k, n): the CTA's N tile ``tile_n = N / cluster`` with the smallest
+  cluster in :data:`CLUSTER_SIZES` (past N = 2048: clusters of 8 CTAs looping over up to 4 N
+  tiles, :func:`_cluster_split`); 128 rows per CTA (64 per consumer warpgroup), 256 when the
+  tile is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
+  as many pipeline stages as SMEM holds (at most 4). With one N tile per CTA (N ≤ 2048) the
+  K loops run on the shared ring (``pipeline="ring"``, no WGMMA in flight). H200, session 8
+  (``benchmarks/results/dev/2026-12-01_s8_matmul_norm_ring_ab.log``, same bits as Pallas's
+  pipeline): LayerNorm at 262144×512×{512, 1024, 2048} 316 / 752 / 1466 → 271 / 578 / 1177
+  µs (y only), with a residual and h 475 / 1077 / 2123 → 442 / 917 / 1897; one WGMMA in
+  flight was slower with a residual (2 stages). With several N tiles per CTA the suite measured
+  the ring 1.1-3.6× slower for LayerNorm + residual (y only; e.g. 32768×4096² 1844 → 6572 µs,
+  not explained yet) while fwd+bwd got faster, so those keep Pallas's pipeline."""
+  del m, k
+  split = _cluster_split(n)
+  if split is None:
+    raise ValueError(f"N = {n}: {unsupported_reason(1, 64, n, jnp.bfloat16)}")
+  _, tile_n, n_tiles = split
+  return TileConfig(tile_m=256 if tile_n <= 128 else 128, tile_n=tile_n, tile_k=64,
+                    max_concurrent_steps=4, epi_tile_m=64, epi_tile_n=64,
+                    pipeline="ring" if n_tiles == 1 else "pallas")
+
+
+def _smem_bytes_besides_pipeline(p: _Plan) -> int:
+  cfg = p.cfg
+  out_b = p.out_dtype.itemsize
+  io = 2 * cfg.wg_tile_m * cfg.tile_n * out_b
+  extra = 2 * _EXTRA_SLOTS * cfg.epi_tile_m * cfg.epi_tile_n * out_b if p.extras else 0
+  vec = 2 * len(p.vecs) * cfg.tile_n * 4
+  stats = 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
+  exchange = _exchange_smem_bytes(p)
+  tile_stats = 2 * p.n_tiles * p.n_partials * cfg.wg_tile_m * 4 * (p.n_tiles > 1)
+  return io + extra + vec + stats + exchange + tile_stats + _SMEM_SLACK
+
+
+_UNUSED_OPTIONS = ("stats_once", "grid_minor_dim", "grid_tile_width")
+"""TileConfig options of the pre-norm kernels that this kernel does not implement (its grid
+walks row blocks, each cluster owning whole rows)."""
+
+
+def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, return_h,
+               return_xhat, return_stats, cfg, interpret, exchange="pull") -> _Plan:
+  m, k = x_shape
+  mgpu.reject_unused_options(cfg, "matmul_norm", _UNUSED_OPTIONS)
+  cluster, n_tiles = _tiles_per_cta(n, cfg.tile_n, interpret)
+  if n % cfg.tile_n or not cluster or n_tiles > MAX_N_TILES:
+    raise ValueError(f"N = {n} must be tile_n = {cfg.tile_n} times a cluster size in "
+                     f"{CLUSTER_SIZES} times at most {MAX_N_TILES} N tiles per CTA"
+                     + (" (interpret mode: a cluster of 1, it cannot read a peer CTA's shared "
+                        "memory)" if interpret else ""))
+  if k % cfg.tile_k:
+    raise ValueError(f"K = {k} is not a multiple of tile_k = {cfg.tile_k}")
+  if cfg.tile_n % cfg.epi_tile_n:
+    raise ValueError(f"epi_tile_n = {cfg.epi_tile_n} must divide tile_n = {cfg.tile_n}")
+  plan = _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
+               eps=float(eps), vecs=vecs, has_residual=has_residual, return_h=return_h,
+               return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
+               n_tiles=n_tiles, stages=0, num_clusters=0, exchange=exchange)
+  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
+  free = mgpu.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
+  if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
+    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM")
+  stages, chained = mgpu.stages_for(
+      cfg, plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes))
+  num_clusters = mgpu.persistent_clusters(cluster, plan.m_iters, interpret)
+  return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
+
+
+# ------------------------------------------------------------------------------------------------
+# Row statistics. Row vectors have the layout WGMMA.reduce(1) (one value per accumulator row).
+
+
+def _rowvec(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _colvec(v, shape):
+  return lax.broadcast_in_dim(v, shape, [1])
+
+
+def _slice_partials(plan: _Plan, h_chunk):
+  """Per-row partial statistics of this CTA's N slice, from ``h_chunk(j)`` (rows, epi_tile_n).
+
+  LayerNorm: (slice mean, Σ (h − slice mean)²), two passes over the chunks so a large row mean
+  never cancels. RMSNorm: (Σ h²,). Chunks are summed elementwise first: one cross-lane
+  reduction per statistic instead of one per chunk.
+  """
+  chunks = plan.cfg.tile_n // plan.cfg.epi_tile_n
+  if plan.norm == "rms":
+    s2 = None
+    for j in range(chunks):
+      h = h_chunk(j)
+      s2 = h * h if s2 is None else s2 + h * h
+    return (jnp.sum(s2, axis=1),)
+  s1 = None
+  for j in range(chunks):
+    h = h_chunk(j)
+    s1 = h if s1 is None else s1 + h
+  mean = jnp.sum(s1, axis=1) * (1.0 / plan.cfg.tile_n)
+  s2 = None
+  for j in range(chunks):
+    d = h_chunk(j) - _rowvec(mean, s1.shape)
+    s2 = d * d if s2 is None else s2 + d * d
+  return mean, jnp.sum(s2, axis=1)
+
+
+def _combine(plan: _Plan, parts, count: int):
+  """Partials of equal column counts ``count``, combined in list order into one partial.
+
+  RMSNorm: (Σ h²,) add up. LayerNorm: (mean_j, M2_j) merge with Chan et al.:
+  mean = Σ mean_j / p, M2 = Σ M2_j + count · Σ (mean_j − mean)².
+  """
+  if plan.norm == "rms":
+    ss = parts[0][0]
+    for (s,) in parts[1:]:
+      ss = ss + s
+    return (ss,)
+  mean = parts[0][0]
+  for mj, _ in parts[1:]:
+    mean = mean + mj
+  mean = mean * (1.0 / len(parts))
+  m2 = parts[0][1]
+  for _, m2j in parts[1:]:
+    m2 = m2 + m2j
+  if len(parts) > 1:
+    dev = None
+    for mj, _ in parts:
+      d2 = (mj - mean) * (mj - mean)
+      dev = d2 if dev is None else dev + d2
+    m2 = m2 + dev * float(count)
+  return mean, m2
+
+
+def _merge_partials(plan: _Plan, per_cta):
+  """(mean or None, rstd) of full rows from the partials of the c CTAs, merged in CTA order."""
+  merged = _combine(plan, per_cta, plan.cta_cols)
+  if plan.norm == "rms":
+    return None, lax.rsqrt(merged[0] * (1.0 / plan.n) + plan.eps)
+  mean, m2 = merged
+  var = jnp.maximum(m2 * (1.0 / plan.n), 0.0)
+  return mean, lax.rsqrt(var + plan.eps)
+
+
+def _cluster_fence():
+  """``fence.acq_rel.cluster``: orders this thread's shared-memory accesses at cluster scope.
+
+  The cluster barrier's remote arrive is a CTA-scope release and its wait a CTA-scope acquire,
+  so a fence on each side publishes the partials a CTA wrote to its peers' reads, and orders a
+  peer's reads before its "done reading" arrive.
+  """
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # needs the CUDA plugin
+
+  @plgpu.inline_mgpu()
+  def _fence(_ctx):
+    mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
+
+  _fence()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+  """SMEM and barriers of the cluster exchange (c > 1), per consumer warpgroup w.
+
+  "pull": ``part[w][q]``: this CTA's partial q, one (rows,) f32 allocation each: a peer reads
+  it whole (Mosaic lowers a peer reference only for a whole allocation, not a slice of one).
+  ``full``/``empty``: cluster barriers; ``full[w]`` completes when every CTA of the cluster
+  wrote its partials for the tile, ``empty[w]`` when every CTA finished reading all of them.
+  ``rows[w]``: (2, rows) f32 where the merged (rstd, mean) leave the static-w branch.
+
+  "push": ``inbox[w, j]``: the packet of cluster CTA j (see :data:`_PACKET_COLS`); ``full[w]``
+  a CTA-local barrier that completes when all c packets landed (each ``st.async`` packet
+  arrives once, with its byte count); ``empty[w]`` as for "pull".
+  """
+  full: object
+  empty: object
+  part: tuple | None = None
+  rows: object = None
+  inbox: object = None
+
+
+_PACKET_COLS = 8
+"""For the "push" exchange the partials of a warpgroup's rows travel to a peer as one (rows, 8)
+f32 tile, columns 0-3 the first partial and 4-7 the second (LayerNorm): ``st.async`` cannot
+send a row vector (its layout repeats each value in 4 lanes), and (rows, 8) is the smallest
+WGMMA-layout tile."""
+
+
+def _exchange_allocs(plan: _Plan):
+  if plan.cluster == 1:
+    return None
+  rows = plan.cfg.wg_tile_m
+  cluster_bar = functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",),
+                                  num_barriers=2, num_arrivals=1)
+  if plan.exchange == "push":
+    return dict(
+        inbox=plgpu.SMEM((2, plan.cluster, rows, _PACKET_COLS), jnp.float32,
+                         transforms=mgpu.swizzle_transforms(_PACKET_COLS, jnp.float32)),
+        # In the warpgroup lowering a packet's store arrives once per sending warpgroup (not
+        # once per thread): 128 · c arrivals hung the kernel on the H200.
+        full=plgpu.Barrier(num_arrivals=plan.cluster, num_barriers=2),
+        empty=cluster_bar())
+  part = tuple(tuple(plgpu.SMEM((rows,), jnp.float32) for _ in range(plan.n_partials))
+               for _ in range(2))
+  return dict(part=part, full=cluster_bar(), empty=cluster_bar(),
+              rows=plgpu.SMEM((2, 2, rows), jnp.float32))
+
+
+def _exchange_smem_bytes(plan: _Plan) -> int:
+  if plan.cluster == 1:
+    return 0
+  rows = plan.cfg.wg_tile_m
+  if plan.exchange == "push":
+    return 2 * plan.cluster * rows * _PACKET_COLS * 4
+  return 2 * (plan.n_partials + 2) * rows * 4
+
+
+def _pack(plan: _Plan, partials):
+  shape = (plan.cfg.wg_tile_m, _PACKET_COLS)
+  if plan.n_partials == 1:
+    return _rowvec(partials[0], shape)
+  col = lax.broadcasted_iota(jnp.int32, shape, 1)
+  return jnp.where(col < _PACKET_COLS // 2, _rowvec(partials[0], shape),
+                   _rowvec(partials[1], shape))
+
+
+def _unpack(plan: _Plan, packet):
+  """The partials of one packet (:func:`_pack`); a max over equal values is exact."""
+  if plan.n_partials == 1:
+    return (jnp.max(packet, axis=1),)
+  low = lax.broadcasted_iota(jnp.int32, packet.shape, 1) < _PACKET_COLS // 2
+  return (jnp.max(jnp.where(low, packet, -jnp.inf), axis=1),
+          jnp.max(jnp.where(low, -jnp.inf, packet), axis=1))
+
+
+def _push_row_stats(plan: _Plan, partials, ex, wg, tile_index):
+  """The "push" exchange: once the peers have read the previous tile's packets (``empty``),
+  send this CTA's packet into every CTA's inbox (its own included) with ``st.async`` stores
+  that complete the receiver's ``full`` barrier, wait for the own inbox, read it locally in CTA
+  order, and arrive on ``empty`` in every CTA. No thread waits on a remote load and no fence is
+  needed: the receiver's barrier counts the bytes as they land."""
+  cta = lax.axis_index("cluster")
+
+  @pl.when(tile_index > 0)
+  def _():
+    plgpu.barrier_wait(ex.empty.at[wg])
+
+  packet = _pack(plan, partials)
+  for j in range(plan.cluster):
+    plgpu.async_store_smem(packet, ex.inbox.at[wg, cta], ex.full.at[wg], cluster_idx=j,
+                           cluster_dim="cluster")
+  plgpu.barrier_wait(ex.full.at[wg])
+  per_cta = [_unpack(plan, plgpu.load(ex.inbox.at[wg, j], layout=plgpu.Layout.WGMMA))
+             for j in range(plan.cluster)]
+  mean, rstd = _merge_partials(plan, per_cta)
+  plgpu.commit_smem()  # warpgroup barrier: every thread has read the inbox before the arrive
+  plgpu.barrier_arrive(ex.empty.at[wg])
+  return mean, rstd
+
+
+def _peer_partials(plan: _Plan, bufs):
+  """The partials in ``bufs`` (one allocation per partial) of every CTA of the cluster, in CTA
+  order, read through distributed shared memory."""
+  return [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
+                                  plgpu.Layout.WGMMA.reduce(1)) for buf in bufs)
+          for j in range(plan.cluster)]
+
+
+def _merge_into_rows(plan: _Plan, per_cta, ex, w):
+  """Merges the CTAs' partials and leaves (rstd, mean) in ``ex.rows[w]`` for the warpgroup."""
+  mean, rstd = _merge_partials(plan, per_cta)
+  ex.rows[w, 0] = rstd
+  if mean is not None:
+    ex.rows[w, 1] = mean
+
+
+def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
+  """(mean or None, rstd) of full rows from this CTA's partials and those of its cluster peers.
+
+  c = 1: just :func:`_merge_partials` of this CTA's. c > 1 with "push":
+  :func:`_push_row_stats`. With "pull", for the warpgroup's static index w:
+  wait until the peers have read the previous tile's partials (``empty``), write ours, arrive on
+  ``full`` in every CTA and wait for all c arrivals, read the c partials through distributed
+  shared memory (:func:`plgpu.cluster_ref`) in CTA order, arrive on ``empty``, and merge. Every
+  CTA merges the same values in the same order, so all hold the same bits.
+  """
+  if plan.cluster == 1:
+    return _merge_partials(plan, [tuple(partials)])
+  if plan.exchange == "push":
+    return _push_row_stats(plan, partials, ex, wg, tile_index)
+  for w in range(2):
+
+    @pl.when(wg == w)
+    def _exchange():
+      bufs = ex.part[w]
+
+      @pl.when(tile_index > 0)
+      def _():
+        plgpu.barrier_wait(ex.empty.at[w])
+
+      for buf, v in zip(bufs, partials):
+        buf[...] = v
+      plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the arrive
+      _cluster_fence()
+      plgpu.barrier_arrive(ex.full.at[w])
+      plgpu.barrier_wait(ex.full.at[w])
+      _cluster_fence()
+      _merge_into_rows(plan, _peer_partials(plan, bufs), ex, w)
+      plgpu.commit_smem()  # every thread's peer reads precede the arrive
+      _cluster_fence()
+      plgpu.barrier_arrive(ex.empty.at[w])
+
+  rstd = plgpu.load(ex.rows.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+  mean = (plgpu.load(ex.rows.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
+          if plan.norm == "layer" else None)
+  return mean, rstd
+
+
+def _cluster_final_sync(plan: _Plan, ex, wg):
+  """Waits until the peers read the last tile's partials: no CTA exits while they may."""
+  if plan.cluster == 1:
+    return
+  for w in range(2):
+
+    @pl.when(wg == w)
+    def _():
+      plgpu.barrier_wait(ex.empty.at[w])
+
+
+class _StoreGroups:
+  """The TMA store groups one consumer warpgroup commits in one epilogue, in order.
+
+  Bulk store groups complete in commit order, so before refilling a staging buffer it is enough
+  to wait until the groups committed *after* the last store that read it are the only ones
+  pending: ``wait_smem_to_gmem(n)`` with n = those groups. Waiting for all but the newest one
+  (what the staging slots did before session 9) also waited for every y chunk stored in between.
+  A buffer this epilogue has not stored from was last read by an earlier epilogue's store, which
+  is older than all ``count`` groups committed here, so n = count is a safe bound for it.
+  """
+
+  def __init__(self):
+    self.count = 0
+    self._last = {}
+    self._extra_uses = 0
+
+  def committed(self, *buffers) -> None:
+    """One group committed; it holds the last stores from ``buffers``."""
+    for buffer in buffers:
+      self._last[buffer] = self.count
+    self.count += 1
+
+  def next_extra_slot(self) -> int:
+    slot = self._extra_uses % _EXTRA_SLOTS
+    self._extra_uses += 1
+    return slot
+
+  def wait_until_read(self, buffer) -> None:
+    newer = self.count - self._last[buffer] - 1 if buffer in self._last else self.count
+    plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel.
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelRefs:
+  """What a consumer warpgroup's epilogue code reads in :func:`_kernel`: the plan, its static
+  tile sizes, the warpgroup and CTA indices, the exchange, and the SMEM and GMEM refs."""
+  plan: object
+  cfg: object
+  wg_m: object
+  tile_n: object
+  epi_m: object
+  epi_n: object
+  chunks: object
+  wg: object
+  cta: object
+  ex: object
+  io_smem: object
+  extra_smem: object
+  vec_smem: object
+  load_barrier: object
+  stat_smem: object
+  tile_stats: object
+  reload_barrier: object
+  y_gmem: object
+  extra_gmems: object
+  stat_gmems: object
+  res_gmem: object
+  vec_gmems: object
+
+
+def _row_block_io(c: "_KernelRefs"):
+  """The loads and stores of a consumer warpgroup's row-block epilogue: h from the
+  accumulator, the column vectors, the statistics and the y / h / x̂ chunks through SMEM."""
+  (plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem, extra_smem, vec_smem,
+   load_barrier, stat_smem, tile_stats, reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem,
+   vec_gmems) = (getattr(c, f.name) for f in dataclasses.fields(c))
+
+  def tile_col0(t):  # first column of this CTA's N tile t (fixed for the whole kernel)
+    return (cta * plan.n_tiles + t) * tile_n
+
+  def _vec(name, ns):
+    v = plgpu.load(vec_smem.at[wg, plan.vec_index(name), ns],
+                   layout=plgpu.Layout.WGMMA.reduce(0))
+    return _colvec(v, (wg_m, epi_n))
+
+  def _h_chunk_fn(acc):
+    """``h_chunk(j)``: h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32.
+
+    Each chunk is built once, replacing the accumulator (same registers): the statistics'
+    passes and the normalization then read registers only. Recomputing it on each use (3
+    uses for LayerNorm) re-read the dense bias and the residual from SMEM each time, which
+    cost 100 µs of 394 at 262144×512×512 (session 5, benchmarks/NOTES.md)."""
+    def build(j):
+      ns = pl.ds(j * epi_n, epi_n)
+      h = acc[:, j * epi_n:(j + 1) * epi_n]
+      if "dense_bias" in plan.vecs:
+        h = h + _vec("dense_bias", ns)
+      if plan.has_residual:
+        r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
+        h = h + r.astype(jnp.float32)
+      return h
+    return [build(j) for j in range(chunks)].__getitem__
+
+  def _store_stats(mean, rstd, row0):
+    """rstd (and mean) of the warpgroup's rows through ``stat_smem``. The copies join the next
+    committed store group (the y chunk stores that always follow), so the groups
+    :class:`_StoreGroups` counts are the same in every CTA."""
+    if not plan.n_stats:
+      return
+    stats = [rstd] if mean is None else [rstd, mean]
+    for i, v in enumerate(stats):
+      stat_smem[wg, i] = v
+    plgpu.commit_smem()
+
+    @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
+    def _():
+      for i in range(len(stats)):
+        plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)],
+                                commit_group=False)
+
+  def _store_chunk(value, j, row0, col0, groups):
+    """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
+    io_smem[wg, j] = value.astype(plan.out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
+                            y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
+    groups.committed(("io", j))
+
+  def _store_extras(values, j, row0, col0, groups):
+    """h / x̂ chunk j through the small slots, in turn; ``groups``: this epilogue's stores."""
+    for e in plan.extras:
+      if e not in values:
+        continue
+      for i in range(wg_m // epi_m):
+        s = groups.next_extra_slot()
+        groups.wait_until_read(("extra", s))
+        extra_smem[wg, s] = values[e][i * epi_m:(i + 1) * epi_m].astype(plan.out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            extra_smem.at[wg, s],
+            extra_gmems[e].at[pl.ds(row0 + i * epi_m, epi_m), pl.ds(col0 + j * epi_n, epi_n)])
+        groups.committed(("extra", s))
+
+  def _normalize_chunk(h_minus_mean, rstd_b, ns):
+    xhat = h_minus_mean * rstd_b
+    y = xhat
+    if "scale" in plan.vecs:
+      y = y * _vec("scale", ns)
+    if "bias" in plan.vecs:
+      y = y + _vec("bias", ns)
+    return xhat, y
+
+  def _wait_loads():
+    if not plan.has_residual:
+      # Earlier TMA stores from the staging buffers must have read them before we overwrite.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if plan.n_loads:
+      plgpu.barrier_wait(load_barrier.at[wg])
+
+  return types.SimpleNamespace(tile_col0=tile_col0, vec=_vec, h_chunk_fn=_h_chunk_fn, store_stats=_store_stats, store_chunk=_store_chunk, store_extras=_store_extras, normalize_chunk=_normalize_chunk, wait_loads=_wait_loads)
+
+
+def _row_block_epilogues(c: "_KernelRefs", io):
+  """The epilogues of a row block (one N tile per CTA, or the two passes over several) and
+  the TMA loads of their inputs, on top of :func:`_row_block_io`."""
+  (plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem, extra_smem, vec_smem,
+   load_barrier, stat_smem, tile_stats, reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem,
+   vec_gmems) = (getattr(c, f.name) for f in dataclasses.fields(c))
+  tile_col0, _vec, _h_chunk_fn, _store_stats, _store_chunk, _store_extras = (
+      io.tile_col0, io.vec, io.h_chunk_fn, io.store_stats, io.store_chunk, io.store_extras)
+  _normalize_chunk, _wait_loads = io.normalize_chunk, io.wait_loads
+
+  def _epilogue(acc, row0, col0, tile_index):
+    """One N tile per CTA: statistics, exchange, normalization, all from the accumulator."""
+    _wait_loads()
+    h_chunk = _h_chunk_fn(acc)
+    partials = _slice_partials(plan, h_chunk)
+    mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
+    _store_stats(mean, rstd, row0)
+    shape = (wg_m, epi_n)
+    rstd_b = _rowvec(rstd, shape)
+    shift_b = None if mean is None else _rowvec(mean, shape)
+    groups = _StoreGroups()
+    for j in range(chunks):
+      h = h_chunk(j)
+      xhat, y = _normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
+                                 pl.ds(j * epi_n, epi_n))
+      _store_chunk(y, j, row0, col0, groups)
+      _store_extras({"h": h, "xhat": xhat}, j, row0, col0, groups)
+
+  def _first_pass(acc, row0, col0, t):
+    """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
+    goes to y's place in global memory, in the output dtype: centered values keep their
+    precision for rows with a large mean. :func:`_second_pass` normalizes it."""
+    _wait_loads()
+    h_chunk = _h_chunk_fn(acc)
+    partials = _slice_partials(plan, h_chunk)
+    for q, v in enumerate(partials):
+      tile_stats[wg, t, q] = v
+    shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
+    groups = _StoreGroups()
+    for j in range(chunks):
+      h = h_chunk(j)
+      _store_chunk(h if shift_b is None else h - shift_b, j, row0, col0, groups)
+      _store_extras({"h": h}, j, row0, col0, groups)
+
+  def _second_pass(row0, tile_index):
+    """Merges the N tiles' partials, exchanges them in the cluster, then reloads each tile's
+    centered h from global memory and normalizes it in place."""
+    per_tile = [tuple(plgpu.load(tile_stats.at[wg, t, q], layout=plgpu.Layout.WGMMA.reduce(1))
+                      for q in range(plan.n_partials)) for t in range(plan.n_tiles)]
+    partials = _combine(plan, per_tile, tile_n)
+    mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
+    _store_stats(mean, rstd, row0)
+    shape = (wg_m, epi_n)
+    rstd_b = _rowvec(rstd, shape)
+    # The first pass's stores must have landed in global memory, not only left SMEM.
+    plgpu.wait_smem_to_gmem(0)
+    groups = _StoreGroups()
+    for t in range(plan.n_tiles):
+      col0 = tile_col0(t)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t − 1's stores read io_smem
+      for j in range(chunks):
+        plgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
+                                io_smem.at[wg, j], reload_barrier.at[wg])
+      for i, v_gmem in enumerate(vec_gmems):
+        plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                                reload_barrier.at[wg])
+      plgpu.barrier_wait(reload_barrier.at[wg])
+      # centered = h − tile mean, so h − mean = centered + (tile mean − mean).
+      offset_b = None if mean is None else _rowvec(per_tile[t][0] - mean, shape)
+      for j in range(chunks):
+        centered = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        xhat, y = _normalize_chunk(centered if offset_b is None else centered + offset_b,
+                                   rstd_b, pl.ds(j * epi_n, epi_n))
+        _store_chunk(y, j, row0, col0, groups)
+        _store_extras({"xhat": xhat}, j, row0, col0, groups)
+
+  def _prefetch_residual_chunk(j, row0, col0):
+    plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
+                            io_smem.at[wg, j], load_barrier.at[wg])
+
+  def _prefetch_epilogue_inputs(row0, col0, residual=True):
+    """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
+    it) and the column vectors of a tile, by TMA while its K loop runs."""
+    if plan.has_residual and residual:
+      # The previous tile's stores read io_smem: they must finish before TMA refills it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for j in range(chunks):
+        _prefetch_residual_chunk(j, row0, col0)
+    for i, v_gmem in enumerate(vec_gmems):
+      plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
+                              load_barrier.at[wg])
+
+  def _residual_during_k_loop(k_step, row0, col0):
+    """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
+    stored from the same io slot has left SMEM, so the wait for those stores overlaps the
+    WGMMAs just issued instead of holding the K loop's start. That store was the last row
+    block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
+    ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
+    per_chunk = 1 + len(plan.extras) * (wg_m // epi_m)
+    for j in range(chunks):
+      newer = per_chunk - 1 + (chunks - 1 - j) * per_chunk
+
+      @pl.when(k_step == min(j, plan.k_iters - 1))
+      def _(j=j, newer=newer):
+        plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
+        _prefetch_residual_chunk(j, row0, col0)
+
+  return types.SimpleNamespace(epilogue=_epilogue, first_pass=_first_pass, second_pass=_second_pass, prefetch_residual_chunk=_prefetch_residual_chunk, prefetch_epilogue_inputs=_prefetch_epilogue_inputs, residual_during_k_loop=_residual_during_k_loop)
+
+def _kernel(*refs, plan: _Plan):
+  cfg = plan.cfg
+  it = iter(refs)
+  x_gmem, w_gmem = next(it), next(it)
+  vec_gmems = [next(it) for _ in plan.vecs]
+  res_gmem = next(it) if plan.has_residual else None
+  y_gmem = next(it)
+  extra_gmems = {e: next(it) for e in plan.extras}
+  stat_gmems = [next(it) for _ in range(plan.n_stats)]  # rstd, then mean (LayerNorm)
+
+  wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
+  epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+  chunks = tile_n // epi_n
+  in_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
+  out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype)
+
+  def make_pipeline(body, compute_context, state=None):
+    x_spec = plgpu.BlockSpec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
+                             memory_space=plgpu.SMEM)
+    w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=in_transforms,
+                             memory_space=plgpu.SMEM)
+    return mgpu.consumer_pipeline(body, compute_context, steps=plan.k_iters,
+                                         delay_release=plan.delay_release,
+                                         stages=plan.stages, in_specs=[x_spec, w_spec],
+                                         pipeline_state=state)
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=(
+          mgpu.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
+                                         x_transforms=in_transforms,
+                                         w_transforms=in_transforms)
+          if cfg.pipeline == "ring" else
+          make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
+      # Residual in, y out: the (rows, tile_n) tile of each consumer warpgroup, as column chunks
+      # (a TMA copy needs a contiguous SMEM window).
+      io_smem=plgpu.SMEM((2, chunks, wg_m, epi_n), plan.out_dtype, transforms=out_transforms),
+      extra_smem=(plgpu.SMEM((2, _EXTRA_SLOTS, epi_m, epi_n), plan.out_dtype,
+                             transforms=out_transforms) if plan.extras else None),
+      vec_smem=plgpu.SMEM((2, len(plan.vecs), tile_n), jnp.float32) if plan.vecs else None,
+      # One arrival per TMA copy (each copy arrives with its byte count).
+      load_barrier=(plgpu.Barrier(num_arrivals=plan.n_loads, num_barriers=2)
+                    if plan.n_loads else None),
+      stat_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32) if plan.n_stats else None,
+      ex_allocs=_exchange_allocs(plan),
+      # n_tiles > 1: each N tile's partials, and the barrier of the second pass's reloads.
+      tile_stats=(plgpu.SMEM((2, plan.n_tiles, plan.n_partials, wg_m), jnp.float32)
+                  if plan.n_tiles > 1 else None),
+      reload_barrier=(plgpu.Barrier(num_arrivals=plan.n_reloads, num_barriers=2)
+                      if plan.n_tiles > 1 else None),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, io_smem, extra_smem, vec_smem, load_barrier, stat_smem, ex_allocs,
+             tile_stats, reload_barrier):
+    ex = None if ex_allocs is None else _Exchange(**ex_allocs)
+    wg = lax.axis_index("wg")
+    cta = lax.axis_index("cluster")
+
+    refs = _KernelRefs(plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem,
+                       extra_smem, vec_smem, load_barrier, stat_smem, tile_stats,
+                       reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem, vec_gmems)
+    io = _row_block_io(refs)
+    epi = _row_block_epilogues(refs, io)
+    tile_col0 = io.tile_col0
+
+    def mma_step(idxs, a_smem, b_smem, acc_ref, *, row0, residual):
+      """One K step's WGMMA for the warpgroup's rows; with ``residual``, the residual chunks
+      due at this step (:func:`_residual_during_k_loop`) while the WGMMA runs."""
+      plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
+      if residual:
+        epi.residual_during_k_loop(idxs[0], row0, tile_col0(0))
+      plgpu.wgmma_wait(plan.delay_release)
+      return acc_ref
+
+    ring = (mgpu.SharedRing(**pipeline_allocs, stages=plan.stages)
+            if cfg.pipeline == "ring" else None)
+    steps_per_block = plan.n_tiles * plan.k_iters
+
+    def row_block_loop(body):
+      """``body(m_idx, tile_index, loop_info)`` for the cluster's row blocks in order
+      (``tile_index``: row blocks this cluster did before)."""
+      @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
+      def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+        (m_idx,) = loop_info.index
+        body(m_idx, loop_info.local_index, loop_info)
+
+    def consumer_row_block(m_idx, tile_index, loop_info):
+      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
+
+      # On the ring with one N tile per CTA every row block ends in _epilogue, whose store
+      # groups _residual_during_k_loop counts; elsewhere the residual waits for all stores.
+      residual_in_k_loop = plan.has_residual and ring is not None and plan.n_tiles == 1
+
+      mma_body = functools.partial(mma_step, row0=row0, residual=residual_in_k_loop)
+
+      for t in range(plan.n_tiles):
+        col0 = tile_col0(t)
+
+        def compute_context(eval_pipeline, t=t, col0=col0):
+          epi.prefetch_epilogue_inputs(row0, col0, residual=not residual_in_k_loop)
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
+          def _acc_scope(acc_ref):
+            acc_ref = eval_pipeline(acc_ref)
+            if plan.delay_release:
+              plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
+            if plan.n_tiles == 1:
+              epi.epilogue(acc_ref[...], row0, col0, tile_index)
+            else:
+              epi.first_pass(acc_ref[...], row0, col0, t)
+
+        if ring is not None:
+          compute_context(lambda acc, t=t: mgpu.ring_k_loop(
+              ring, tile_index * steps_per_block + t * plan.k_iters, plan.k_iters, acc,
+              mma_body, delay_release=plan.delay_release))
+          continue
+        first = (tile_index == 0) & (t == 0)
+        last = (tile_index == loop_info.num_local_steps - 1) & (t == plan.n_tiles - 1)
+        mgpu.run_tile_pipeline(
+            functools.partial(make_pipeline, mma_body, compute_context),
+            x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
+            w_gmem.at[:, pl.ds(col0, tile_n)],
+            allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
+            first=first, last=last)
+
+      if plan.n_tiles > 1:
+
+        @pl.when(wg < 2)  # the consumer warpgroups; the producer moves on to the next row block
+        def _():
+          epi.second_pass(row0, tile_index)
+
+    def producer_row_block(m_idx, tile_index, loop_info):
+      rows = pl.ds(m_idx * cfg.tile_m, cfg.tile_m)
+      first_step = tile_index * steps_per_block
+
+      @pl.loop(0, steps_per_block)
+      def _(s):  # N tile s // k_iters, K step s % k_iters
+        ks = pl.ds(lax.rem(s, plan.k_iters) * tile_k, tile_k)
+        cols = pl.ds(tile_col0(lax.div(s, plan.k_iters)), tile_n)
+        mgpu.ring_produce(ring, first_step + s, x_gmem.at[rows, ks], w_gmem.at[ks, cols])
+
+      last = tile_index == loop_info.num_local_steps - 1
+      pl.when(last)(lambda: mgpu.ring_drain(ring, first_step + steps_per_block))
+
+    if ring is None:
+      row_block_loop(consumer_row_block)
+    else:
+      mgpu.warp_specialize(lambda: row_block_loop(producer_row_block),
+                                  lambda: row_block_loop(consumer_row_block))
+    _cluster_final_sync(plan, ex, wg)
+
+  # All TMA stores must land before the kernel exits.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
+  if norm not in ("rms", "layer"):
+    raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    raise ValueError(f"x must be (M, K) and w (K, N), got {x.shape} and {w.shape}")
+  if x.dtype != w.dtype:
+    raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+  m, k = x.shape
+  n = w.shape[1]
+  reason = unsupported_reason(m, k, n, x.dtype, out_dtype,
+                              None if residual is None else residual.dtype)
+  if reason is not None:
+    raise ValueError(f"matmul_norm kernel cannot run this call: {reason}")
+  if residual is not None and residual.shape != (m, n):
+    raise ValueError(f"residual must have shape {(m, n)}, got {residual.shape}")
+  for name, v in vectors.items():
+    if v is not None and v.shape != (n,):
+      raise ValueError(f"{name} must have shape ({n},), got {v.shape}")
+  if not (isinstance(eps, (int, float)) and eps > 0):
+    raise ValueError(f"eps must be a positive float, got {eps!r}")
+
+
+EXCHANGES = ("pull", "push")
+
+
+def _pick_exchange(make_plan) -> _Plan:
+  """The plan with the faster exchange measured on the H200 (benchmarks/NOTES.md, session 4):
+  "push" for clusters of 2 where its inbox costs no pipeline stage (grid sweep, y only,
+  262144×512×512: 465 vs 500 µs), else "pull" (with clusters of 4 and 8 push loses a stage and
+  is 3-10% slower), also when the push inbox does not fit next to a caller's config.
+  ``make_plan(exchange)`` builds one plan."""
+  pull = make_plan("pull")
+  if pull.cluster != 2:
+    return pull
+  try:
+    push = make_plan("push")
+  except ValueError:  # the inbox does not fit in SMEM next to this config: pull still does
+    return pull
+  return push if push.stages >= pull.stages else pull
+
+
+def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None, *, norm: str,
+                    eps: float, out_dtype=None, return_h: bool = False,
+                    return_xhat: bool = False, return_stats: bool = False,
+                    interpret: bool = False, config: TileConfig | None = None,
+                    exchange: str | None = None):
+  """Forward of the post-norm GEMM as one Mosaic-GPU kernel (Hopper).
+
+  Args:
+    x: (M, K) bfloat16/float16; M ≥ 1, K a multiple of 64.
+    w: (K, N) in x's dtype; N = c · n_tiles · tile_n with c ∈ {1, 2, 4, 8}, n_tiles ≤ 4
+      (see :func:`pick_config`).
+    dense_bias, scale, bias: optional (N,) vectors (any float dtype; used in float32).
+    residual: optional (M, N) in the output dtype, added to h before the statistics.
+    norm: "rms" or "layer". eps: positive float.
+    out_dtype: dtype of y, h and x̂ (default x.dtype), bfloat16 or float16.
+    return_h, return_xhat, return_stats: which optional outputs to write.
+    interpret: run in Pallas GPU interpret mode on any backend (race detection on, NaN-filled
+      uninitialized memory: :func:`pallas_norm.mgpu.interpret_params`). It runs one CTA
+      per row block (it cannot read a peer CTA's shared memory), looping over up to 4 N tiles.
+    config: tiling (``tile_n`` is the N slice of one CTA); default :func:`pick_config`.
+    exchange: how a cluster's CTAs share their partial row statistics. None (the default):
+      "push" for clusters of 2 when it costs no pipeline stage, else "pull"
+      (:func:`_pick_exchange`). "pull": each reads its peers' partials through distributed
+      shared memory, with ``fence.acq_rel.cluster`` around the cluster barriers. "push": each
+      sends its partials into every peer's shared memory with ``st.async`` stores that complete
+      the peer's barrier; on the H200 it gives the same bits as pull (GPU tests, clusters of
+      2-8, RMS and LayerNorm), 7% faster with clusters of 2 in the grid sweep, but its inbox
+      (4 KB per CTA of the cluster) costs a pipeline stage with clusters of 4 and 8, where it
+      is 3-10% slower (benchmarks/NOTES.md).
+
+  Returns:
+    ``(y, h, xhat, mean, rstd)``: y (M, N); h (the pre-norm stream) and xhat = (h − mean)·rstd
+    (RMS: h·rstd) in out_dtype or None; mean (LayerNorm only) and rstd (M,) float32 or None.
+
+  Raises:
+    ValueError: shapes/dtypes the kernel does not support (:func:`unsupported_reason`), bad
+      norm/eps, a config that does not fit in SMEM, or more than 4 N tiles per CTA.
+    TypeError: x and w dtypes differ.
+  """
+  if exchange is not None and exchange not in EXCHANGES:
+    raise ValueError(f"exchange must be None or one of {EXCHANGES}, got {exchange!r}")
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  vectors = {"dense_bias": dense_bias, "scale": scale, "bias": bias}
+  _check_args(x, w, vectors, residual, norm, eps, out_dtype)
+  m, k = x.shape
+  n = w.shape[1]
+  cfg = config or pick_config(m, k, n)
+  vecs = tuple(name for name, v in vectors.items() if v is not None)
+  padded_m = m + (-m % _ROW_ALIGN)
+  make_plan = functools.partial(_make_plan, (padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs,
+                                residual is not None, return_h, return_xhat, return_stats, cfg,
+                                interpret)
+  plan = (make_plan(exchange) if exchange is not None
+          else _pick_exchange(make_plan))
+  out_type = [jax.ShapeDtypeStruct((padded_m, n), out_dtype)]
+  out_type += [jax.ShapeDtypeStruct((padded_m, n), out_dtype) for _ in plan.extras]
+  out_type += [jax.ShapeDtypeStruct((padded_m,), jnp.float32) for _ in range(plan.n_stats)]
+  call = plgpu.kernel(
+      functools.partial(_kernel, plan=plan),
+      out_type=tuple(out_type),
+      grid=(plan.num_clusters,),
+      grid_names=("cluster_grid",),
+      cluster=(plan.cluster,),
+      cluster_names=("cluster",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=mgpu.interpret_params() if interpret else None,
+  )
+  pad = -m % _ROW_ALIGN
+  args = [mgpu.pad_rows(x, pad), w]
+  args += [vectors[name].astype(jnp.float32) for name in vecs]
+  if residual is not None:
+    args.append(mgpu.pad_rows(residual, pad))
+  outs = [o[:m] if pad else o for o in call(*args)]
+  y = outs.pop(0)
+  extras = {e: outs.pop(0) for e in plan.extras}
+  rstd = outs.pop(0) if plan.n_stats else None
+  mean = outs.pop(0) if plan.n_stats == 2 else None
+  return y, extras.get("h"), extras.get("xhat"), mean, rstd
+

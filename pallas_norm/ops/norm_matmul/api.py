@@ -1,0 +1,184 @@
+"""Lazy pre-norm GEMM ``y = norm(x)·scale (+ bias) @ w`` (DESIGN.md, op 1).
+
+The fused path never materializes ``norm(x)``. The op folds the affine into the weight,
+
+    W_γ = diag(scale) w,   c = 1ᵀ W_γ  (N,),   b = biasᵀ w  (N,),
+
+and the kernel (:mod:`pallas_norm.ops.norm_matmul.mosaic`) accumulates the row statistics from the
+A tiles its K loop already streams, then applies in the epilogue
+
+    RMSNorm:   y = rstd ⊙_rows (x @ W_γ) + b
+    LayerNorm: y = rstd ⊙_rows (x @ W_γ − mean ⊗ c) + b.
+
+The backward (``custom_vjp``) uses the lazy identities of DESIGN.md, so nothing reduces over a
+full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy @ W_γᵀ``,
+
+    dx   = rstd ⊙ G − rstd ⊙ (dy·c)/K − rstd² ⊙ (x − mean) ⊙ s     (RMS: drop the c and mean terms)
+    dW_γ = xᵀ (rstd ⊙ dy) − 1_K ⊗ Σ_i rstd_i mean_i dy_i
+    dscale_k = Σ_n dW_γ[k, n] w[k, n], dw = diag(scale) dW_γ + bias ⊗ Σ_i dy_i, dbias = w Σ_i dy_i.
+
+For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
+epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`); its two row scalars
+``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy and y,
+or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`, where it was
+measured faster),
+from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
+XLA.
+
+The ``"xla"`` implementation is the unfused reference (:func:`pallas_norm.reference.norm_matmul`)
+differentiated by JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_norm import _dispatch, _op, _validate, reference
+from pallas_norm.ops.norm_matmul import configs, mosaic, mosaic_bwd, xla
+
+_F32 = jnp.float32
+
+
+def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: float = 1e-6,
+                out_dtype=None, return_stats: bool = False, implementation=None):
+  """Pre-norm GEMM ``y = (norm(x)·scale + norm_bias) @ w``.
+
+  Args:
+    x: (..., K) activations, bfloat16/float16/float32 (float64 with jax_enable_x64).
+    w: (K, N) weight, same dtype as x.
+    scale: optional (K,) γ of the norm (keyword-only, as every argument after w).
+    norm_bias: optional (K,) β of the norm (LayerNorm or RMSNorm), added before the product;
+      not a bias of the dense layer.
+    norm: "rms" (RMSNorm) or "layer" (LayerNorm).
+    eps: positive float (default 1e-6).
+    out_dtype: dtype of y (default x.dtype).
+    return_stats: also return :class:`pallas_norm.NormStats` (float32 mean (None for RMS), rstd;
+      shape x.shape[:-1]). The statistics are outputs for the caller's backward; they carry no
+      gradient (``lax.stop_gradient``), with every implementation, so a loss differentiates
+      the same on any backend.
+    implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
+      (see :mod:`pallas_norm._dispatch`). The kernel needs bfloat16/float16 with K and N
+      multiples of 64; None falls back to XLA otherwise. The kernel paths are first-order
+      reverse mode only (see :func:`pallas_norm._op.first_order_only`).
+
+  Returns:
+    y (..., N), or ``(y, stats)``.
+
+  Raises:
+    TypeError: an argument that is not an array (jax.Array, NumPy array or tracer; e.g. a
+      ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes, or an argument after w passed
+      by position. ValueError: shapes, eps, norm or implementation.
+    NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run; a
+      forward-mode or second derivative of a kernel path.
+  """
+  check_args(x, w, scale, norm_bias, norm, eps, out_dtype)
+  eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
+  _validate.flag("return_stats", return_stats)
+  chosen = _dispatch.choose("norm_matmul", implementation,
+                            lambda candidate: kernel_unsupported_reason(x, w, out_dtype),
+                            lambda: configs.kernel_slower_reason(x.shape[-1], w.shape[1], norm))
+  if chosen == "xla":
+    y, stats = xla.norm_matmul(x, w, scale, norm_bias, norm=norm, eps=eps, out_dtype=out_dtype)
+  else:
+    y, stats = _kernel_call(x, w, scale, norm_bias, norm, eps, jnp.dtype(out_dtype or x.dtype),
+                            chosen)
+  # The statistics are outputs, not a differentiable path, in every implementation.
+  return (y, jax.tree.map(lax.stop_gradient, stats)) if return_stats else y
+
+
+def check_args(x, w, scale, norm_bias, norm, eps, out_dtype) -> None:
+  """Validates the arguments of :func:`norm_matmul` (shared with the Flax layer)."""
+  _validate.float_array("x", x)
+  _validate.float_array("w", w, ndim=2)
+  if w.shape[0] != x.shape[-1]:
+    raise ValueError(f"w must have shape (K, N) with K = x.shape[-1] = {x.shape[-1]}, "
+                     f"got {tuple(w.shape)}")
+  if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+    raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+  _validate.optional_vector("scale", scale, x.shape[-1])
+  _validate.optional_vector("norm_bias", norm_bias, x.shape[-1])
+  _validate.norm_kind(norm)
+  _validate.eps(eps, x.dtype)
+  _validate.out_dtype(out_dtype)
+
+
+def kernel_unsupported_reason(x, w, out_dtype=None) -> str | None:
+  m = math.prod(x.shape[:-1])
+  # x's dtype is checked first (by the kernel's own check), so a float64 x without an
+  # out_dtype is reported as x's, not as the output's it defaults to.
+  reason = mosaic.unsupported_reason(m, x.shape[-1], w.shape[1], x.dtype)
+  if reason is None and out_dtype is not None and jnp.dtype(out_dtype) not in (
+      jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+    return f"out_dtype {jnp.dtype(out_dtype).name} is not bfloat16, float16 or float32"
+  return reason
+
+
+def _kernel_call(x, w, scale, norm_bias, norm, eps, out_dtype, implementation):
+  """(y, NormStats) from the kernels' custom_vjp on x flattened to 2-D."""
+  lead = x.shape[:-1]
+  y, mean, rstd = _fused(x.reshape(-1, x.shape[-1]), w, scale, norm_bias, norm, eps, out_dtype,
+                         implementation)
+  return y.reshape(lead + (w.shape[1],)), reference.NormStats(
+      None if mean is None else mean.reshape(lead), rstd.reshape(lead))
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels' custom_vjp: the forward kernel, then the dx kernel and XLA's weight gradients.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(x, w, scale, norm_bias, norm, eps, out_dtype, implementation):
+  return _fused_fwd(x, w, scale, norm_bias, norm, eps, out_dtype, implementation)[0]
+
+
+def _fused_fwd(x, w, scale, norm_bias, norm, eps, out_dtype, implementation):
+  w_gamma, col_sum, out_bias = xla.fold_affine(w, scale, norm_bias, norm)
+  forward = functools.partial(mosaic.norm_matmul_fwd, norm=norm, eps=eps, out_dtype=out_dtype,
+                              interpret=implementation == "interpret")
+  y, mean, rstd = _op.first_order_only("norm_matmul", forward, x, w_gamma, col_sum, out_bias)
+  saved = (x, w, scale, norm_bias, w_gamma, col_sum, out_bias, y, mean, rstd)
+  return (y, mean, rstd), saved
+
+
+def _fused_bwd(norm, eps, out_dtype, implementation, saved, cotangents):
+  del norm, eps, out_dtype
+  x, w, scale, norm_bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
+  dy = cotangents[0]  # the stats outputs are not differentiated (see norm_matmul)
+  dx = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd,
+                   interpret=implementation == "interpret")
+  return (dx, *xla.weight_grads(dy, x, w, scale, norm_bias, mean, rstd))
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret):
+  """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue, the dx
+  kernel."""
+  norm = "rms" if mean is None else "layer"
+
+  def dx_kernel(**row_args):
+    dx_call = functools.partial(mosaic_bwd.norm_matmul_dx, interpret=interpret)
+    names = tuple(row_args)
+    return _op.first_order_only(
+        "norm_matmul", lambda *a: dx_call(*a[:4], **dict(zip(names, a[4:]))),
+        dy.astype(x.dtype), w_gamma, x, rstd, *row_args.values())
+
+  def with_row_terms(terms):
+    return dx_kernel(y_term=terms[0], mean=mean, c_term=terms[1])
+
+  fused = configs.fused_row_terms_pay(x.shape[1], y.shape[1], norm)
+  if not (fused and y.dtype == dy.dtype == x.dtype):
+    return with_row_terms(
+        xla.guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd))
+  # The kernel sums the rows of dy ⊙ (y − out_bias) and dy ⊙ col_sum in its K loop. With y
+  # and dy in x's dtype it reads the very values the XLA pass would (no rounding of y).
+  return xla.guarded(
+      lambda: dx_kernel(mean=mean, y=y, out_bias=out_bias, col_sum=col_sum),
+      lambda: with_row_terms(xla.exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd)),
+      w_gamma, out_bias)

@@ -1,0 +1,42 @@
+"""When norm_matmul takes its kernels, and which of their paths: thresholds measured on the H200
+(benchmarks/results/nvidia-h200.md)."""
+
+from __future__ import annotations
+
+# Largest K and N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md)
+# measured the op faster than XLA's unfused one forward *and* forward+backward (training is the
+# use that matters). Session 3's suite (commit c22661a, 262144×1024²): LayerNorm forward 859 vs
+# 1044 µs, fwd+bwd 3145 vs 4529; RMSNorm forward 812 vs 977, fwd+bwd 2749 vs 2875 (it lost by 2%
+# before statistics once per row block became the default). At 262144×512×2048 both norms lose
+# forward+backward (RMS 3077 vs 2540 µs), so the limit stays at 1024 (issue 4).
+KERNEL_DEFAULT_MAX_KN = {"layer": 1024, "rms": 1024}
+
+
+def kernel_slower_reason(k: int, n: int, norm: str) -> str | None:
+  limit = KERNEL_DEFAULT_MAX_KN[norm]
+  if k > limit or n > limit:
+    return (f"K = {k}, N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA "
+            "in training on the H200 (pass implementation='mosaic' to force it)")
+  return None
+
+
+FUSED_ROW_TERMS_MAX_KN = 512
+"""Largest K and N where the backward computes dx's row terms (y_term, c_term) inside the dx
+kernel's K loop (``norm_matmul_dx(..., y=...)``) instead of in an XLA pass over dy and y before
+it (LayerNorm only). H200:
+
+* dx with its row terms alone (``benchmarks/gpu_norm_matmul_check.py --sections dx``):
+  262144×512² LayerNorm 392 vs 424 µs (XLA pass + dx kernel), RMSNorm 366 vs 413; 65536×2048²
+  1.14-1.27× slower (the kernel's extra y stream and sums are not hidden and cost a stage).
+* The public API's fwd+bwd at 262144×512² (``--sections train``, same run): LayerNorm 1062 vs
+  1097 µs, but RMSNorm 946 vs 894: without col_sum, XLA fuses the row-terms pass with the
+  weight gradients' pass over dy, so moving it into the kernel saves less than it costs there.
+* K = N = 1024 (session 7; LayerNorm, public fwd+bwd): slower fused, 3253 vs 3194 µs without a
+  bias (CUPTI) and 3637 vs 3440 with one (wall clock); at 512² the same run ties without a bias
+  (1099 vs 1100) and gains with one (1153 vs 1176)."""
+
+
+def fused_row_terms_pay(k: int, n: int, norm: str) -> bool:
+  """Whether the dx kernel computes its own row terms for x (M, k) @ w (k, n): LayerNorm up to
+  :data:`FUSED_ROW_TERMS_MAX_KN`."""
+  return norm == "layer" and max(k, n) <= FUSED_ROW_TERMS_MAX_KN

@@ -1,0 +1,163 @@
+"""norm_matmul in XLA: the ``"xla"`` implementation, and the parts of the kernel backward that
+XLA runs (the row terms of dx, the bias-cancellation guard, the weight gradients).
+
+The ``"xla"`` implementation of a 16-bit RMSNorm call uses the kernel's lazy form (DESIGN.md,
+op 1), ``y = rstd ⊙ (x @ W_γ) + βᵀW``: the product reads x as it is and only its result is
+rounded, where the unfused ``norm(x)·γ @ w`` rounds every element of ``norm(x)·γ`` to x's dtype
+before the product, an error that the product sums over K. At 1024×1024 bf16 randn (w unscaled)
+the unfused form put ~1.4% of the outputs outside atol = rtol = 3e-2 of the float32 math, the
+lazy form none (``tests/test_norm_matmul_vjp.py::test_xla_rms_is_as_accurate_as_the_kernel``).
+The GEMM writes x's dtype, as the unfused one does, and the row scaling is one elementwise pass
+over the output instead of the unfused form's pass over x before the product (the same traffic
+at K = N); the output is rounded twice (after the product and after the scaling), ≤ 2⁻⁸
+relative. Autodiff keeps 16-bit GEMMs in the backward. LayerNorm stays unfused: its lazy form
+subtracts ``mean ⊗ colsum(W_γ)``, whose gradient must cancel against the GEMM's for rows with a
+large mean, which plain autodiff of it does not arrange (the kernel's custom backward,
+:func:`weight_grads`, builds both from the same rounded values; without that, dw was 15-44% off
+for bf16 rows of mean 100-250).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_norm import reference
+
+_F32 = jnp.float32
+_16BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def norm_matmul(x, w, scale, norm_bias, *, norm, eps, out_dtype):
+  """(y (..., N), :class:`pallas_norm.NormStats`) in XLA; lazy for 16-bit RMSNorm (module
+  docstring), else :func:`pallas_norm.reference.norm_matmul`."""
+  if norm != "rms" or jnp.dtype(x.dtype) not in _16BIT:
+    return reference.norm_matmul(x, w, scale, norm_bias, norm=norm, eps=eps,
+                                 out_dtype=out_dtype, return_stats=True)
+  lead, k = x.shape[:-1], x.shape[-1]
+  x2 = x.reshape(-1, k)
+  w_gamma, _, out_bias = fold_affine(w, scale, norm_bias, norm)
+  stats = reference._row_stats(x2.astype(_F32), norm, eps)  # pylint: disable=protected-access
+  y = jnp.matmul(x2, w_gamma).astype(_F32) * stats.rstd[:, None]
+  if out_bias is not None:
+    y = y + out_bias
+  y = y.astype(out_dtype or x.dtype).reshape(lead + (w.shape[1],))
+  return y, reference.NormStats(None, stats.rstd.reshape(lead))
+
+
+def fold_affine(w, scale, bias, norm):
+  """The folded operands ``(W_γ in w.dtype, c (N,) f32 or None, b (N,) f32 or None)``."""
+  wf = w.astype(_F32)
+  w_gamma = w if scale is None else (scale.astype(_F32)[:, None] * wf).astype(w.dtype)
+  col_sum = jnp.sum(w_gamma.astype(_F32), axis=0) if norm == "layer" else None
+  out_bias = None if bias is None else jnp.matmul(bias.astype(_F32), wf,
+                                                  precision=lax.Precision.HIGHEST)
+  return w_gamma, col_sum, out_bias
+
+
+def lazy_forward(x, w_gamma, col_sum, out_bias, *, norm, eps, out_dtype):
+  """The kernel's epilogue math in plain XLA (the interface of ``norm_matmul_fwd``): the GEMM
+  of x with W_γ accumulated in f32, then the row scaling (and mean correction) in f32. Two-pass
+  statistics in f32."""
+  stats = reference._row_stats(x.astype(_F32), norm, eps)  # pylint: disable=protected-access
+  acc = jnp.matmul(x, w_gamma, preferred_element_type=_F32, precision=lax.Precision.HIGHEST)
+  if norm == "layer":
+    acc = acc - stats.mean[:, None] * col_sum[None, :]
+  y = acc * stats.rstd[:, None]
+  if out_bias is not None:
+    y = y + out_bias
+  return y.astype(out_dtype), stats.mean, stats.rstd
+
+
+# ------------------------------------------------------------------------------------------------
+# The XLA parts of the kernel backward (pallas_norm.ops.norm_matmul.api).
+
+
+def row_terms(dy, y, col_sum, out_bias, rstd, k):
+  """The per-row scalars of the dx epilogue, from one pass over dy and y (XLA fuses it).
+
+  y_term = rstd² · rowsum(dy ⊙ y') / K with y' = y − out_bias (that is rstd · mean_k(g ⊙ x̂)),
+  c_term = rstd · (dy · col_sum) / K (that is rstd · mean_k(g); LayerNorm only).
+  """
+  dyf = dy.astype(_F32)
+  y_gemm = y.astype(_F32) if out_bias is None else y.astype(_F32) - out_bias
+  y_term = rstd * rstd * (jnp.sum(dyf * y_gemm, axis=1) / k)
+  c_term = None if col_sum is None else rstd * (jnp.sum(dyf * col_sum, axis=1) / k)
+  return y_term, c_term
+
+
+BIAS_CANCELLATION_LIMIT = 16.0
+"""Largest :func:`bias_cancellation` for which the backward rebuilds y' = y − out_bias from the
+rounded output y. The rounding error of y is about |out_bias| · 2⁻⁹ per element, so relative to
+y' it grows with the ratio: measured dx errors (bf16, LayerNorm, K = N = 128) 0.3% at a ratio of
+~10, 1.3% at ~100 and 28% at ~1000 (a norm scale of 1e-3 next to a bias of 1), against 0.35% for
+XLA. Past the limit the backward recomputes y' exactly (one more XLA GEMM, under ``lax.cond``:
+it runs only then). On the H200 the conditional costs ~2% of fwd+bwd at 262144×512² when it does
+not fire (wall clock of back-to-back calls: RMSNorm with a bias 1142 vs 1118 µs, LayerNorm 1093 vs
+1075; ``benchmarks/gpu_guard_cost.py``, session 6); when it fires, the f32 GEMM adds ~350-550
+µs."""
+
+
+def bias_cancellation(w_gamma, out_bias):
+  """max_j |out_bias_j| / ‖W_γ[:, j]‖₂ (float32 scalar): how many times the norm bias's part
+  βᵀW of an output column exceeds the typical size of its normalized part y' = x̂ W_γ (x̂ rows
+  have unit mean square, so ‖W_γ[:, j]‖₂ is the size of y'_j for uncorrelated features)."""
+  spread = jnp.sqrt(jnp.sum(jnp.square(w_gamma.astype(_F32)), axis=0))
+  return jnp.max(jnp.abs(out_bias) / jnp.maximum(spread, jnp.finfo(_F32).tiny))
+
+
+def _bias_cancels(w_gamma, out_bias):
+  """The traced predicate of the guard: :func:`bias_cancellation` past the limit."""
+  return bias_cancellation(w_gamma, out_bias) > BIAS_CANCELLATION_LIMIT
+
+
+def guarded(fast, exact, w_gamma, out_bias, *operands):
+  """``exact(*operands)`` when the bias cancels, else ``fast(*operands)``, under ``lax.cond``;
+  just ``fast`` without a bias."""
+  if out_bias is None:
+    return fast(*operands)
+  return lax.cond(_bias_cancels(w_gamma, out_bias), exact, fast, *operands)
+
+
+def exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd):
+  """:func:`row_terms` from y' = rstd ⊙ (x @ W_γ − mean ⊗ col_sum) recomputed in f32 (one
+  GEMM), for when y − out_bias would cancel (:data:`BIAS_CANCELLATION_LIMIT`)."""
+  acc = jnp.matmul(x, w_gamma, preferred_element_type=_F32, precision=lax.Precision.HIGHEST)
+  if mean is not None:
+    acc = acc - mean[:, None] * col_sum[None, :]
+  return row_terms(dy, rstd[:, None] * acc, col_sum, None, rstd, x.shape[1])
+
+
+def guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
+  """:func:`row_terms` from y, or :func:`exact_row_terms` when the bias would cancel.
+
+  The terms from y are computed outside the ``lax.cond`` (and passed through it), so XLA can
+  still fuse their pass over dy with the weight gradients' (for RMSNorm that made it nearly
+  free, benchmarks/NOTES.md, session 4); only the exact GEMM is conditional."""
+  fast = row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
+  return guarded(lambda terms: terms,
+                 lambda _: exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd),
+                 w_gamma, out_bias, fast)
+
+
+def weight_grads(dy, x, w, scale, bias, mean, rstd):
+  """(dw, dscale, dbias) from dW_γ = xᵀ (rstd ⊙ dy) − 1_K ⊗ Σ_i rstd_i mean_i dy_i (XLA).
+
+  rstd ⊙ dy is rounded to x's dtype for the GEMM, and the rank-1 term is built from those
+  same rounded values: for rows with a large mean both terms are large and must cancel, which
+  they do only if they see the same numbers (else 15-44% errors in dw for bf16 rows of mean
+  100-250)."""
+  dy_scaled = (rstd[:, None] * dy.astype(_F32)).astype(x.dtype)
+  dw_gamma = jnp.matmul(x.T, dy_scaled, preferred_element_type=_F32,
+                        precision=lax.Precision.HIGHEST)
+  if mean is not None:
+    dw_gamma = dw_gamma - jnp.sum(mean[:, None] * dy_scaled.astype(_F32), axis=0)[None, :]
+  wf = w.astype(_F32)
+  dw = dw_gamma if scale is None else scale.astype(_F32)[:, None] * dw_gamma
+  dscale = None if scale is None else jnp.sum(dw_gamma * wf, axis=1).astype(scale.dtype)
+  dbias = None
+  if bias is not None:
+    dy_colsum = jnp.sum(dy.astype(_F32), axis=0)
+    dw = dw + bias.astype(_F32)[:, None] * dy_colsum[None, :]
+    dbias = (wf @ dy_colsum).astype(bias.dtype)
+  return dw.astype(w.dtype), dscale, dbias
