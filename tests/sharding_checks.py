@@ -124,10 +124,10 @@ def ops_xla():
   _compare_op(pn.layer_norm, dict(x=x, scale=gk, bias=bk, residual=None), {}, auto, **tol)
   # The op's returned statistics carry no gradient (the reference's do): the unsharded op
   # (XLA on the CPU) is the oracle for this case.
-  _compare_op(pn.norm_matmul, dict(x=x, w=w, scale=gk, bias=bk),
+  _compare_op(pn.norm_matmul, dict(x=x, w=w, scale=gk, norm_bias=bk),
               dict(norm="layer", return_stats=True), explicit, **tol, ref_op=pn.norm_matmul)
   two_axes = _mesh((2, 2), ("data", "model"))
-  _compare_op(pn.matmul_norm, dict(x=x, w=w, dense_bias=bn, residual=res_n, scale=gn, bias=bn),
+  _compare_op(pn.matmul_norm, dict(x=x, w=w, dense_bias=bn, residual=res_n, scale=gn, norm_bias=bn),
               dict(norm="layer", return_h=True), two_axes, axis=("data", "model"), **tol)
   # Jagged: 8 samples (one empty, one full) over 4 shards of 2 samples.
   lengths = np.array([3, 0, 6, 1, 2, 6, 5, 4])
@@ -166,8 +166,12 @@ def _kernel_vs_reference(op, mesh, implementation, x, rest, static, seed):
   2e-2, as tests/test_norm_matmul_vjp.py), every output written (finite), and no all-gather
   in the compiled program."""
   sharded = sharding.shard_rows(op, mesh)
-  f = lambda *a: sharded(*a, **static, implementation=implementation)
-  y_shape = jax.eval_shape(lambda *a: getattr(pn.reference, op.__name__)(*a, **static), x, *rest)
+  names = list(rest)  # the arguments after x are keyword-only in the ops
+  rest = tuple(rest.values())
+  ref_op = getattr(pn.reference, op.__name__)
+  f = lambda x, *a: sharded(x, **dict(zip(names, a)), **static, implementation=implementation)
+  ref = lambda x, *a: ref_op(x, **dict(zip(names, a)), **static)
+  y_shape = jax.eval_shape(ref, x, *rest)
   ct = _normal(jax.random.key(seed), y_shape.shape, x.dtype)
   xs = jax.device_put(x, NamedSharding(mesh, P("data")))
   compiled = jax.jit(lambda *a: (lambda y, vjp: (y, vjp(ct)))(*jax.vjp(f, *a))).lower(
@@ -175,8 +179,7 @@ def _kernel_vs_reference(op, mesh, implementation, x, rest, static, seed):
   assert "all-gather" not in compiled.as_text(), f"{op.__name__}: the program gathers"
   y, grads = compiled(xs, *rest)
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
-  y_ref, vjp_ref = jax.vjp(lambda *a: getattr(pn.reference, op.__name__)(*a, **static),
-                           f32(x), *map(f32, rest))
+  y_ref, vjp_ref = jax.vjp(ref, f32(x), *map(f32, rest))
   name = op.__name__
   assert y.dtype == x.dtype and bool(jnp.all(jnp.isfinite(y))), f"{name}: unwritten outputs"
   assert _rel(y, y_ref) < 1e-2, (name, "y", _rel(y, y_ref))
@@ -192,7 +195,7 @@ def _prenorm_inputs(m, k, n, seed):
   x = _normal(keys[0], (m, k), jnp.bfloat16)
   w = _normal(keys[1], (k, n), jnp.bfloat16, scale=k ** -0.5)
   scale, bias = 1 + _normal(keys[2], (k,), scale=0.1), _normal(keys[3], (k,), scale=0.1)
-  return x, (w, scale, bias)
+  return x, dict(w=w, scale=scale, norm_bias=bias)
 
 
 def ops_interpret():
@@ -203,13 +206,15 @@ def ops_interpret():
   mesh = _mesh((2,), ("data",))
   x, rest = _prenorm_inputs(128, 64, 64, 1)
   # Without shard_rows, XLA's partitioner gathers the sharded rows to call the kernel.
-  plain = jax.jit(lambda x, *r: pn.norm_matmul(x, *r, implementation="interpret")).lower(
-      jax.device_put(x, NamedSharding(mesh, P("data"))), *rest).compile()
+  plain = jax.jit(lambda x, r: pn.norm_matmul(x, **r, implementation="interpret")).lower(
+      jax.device_put(x, NamedSharding(mesh, P("data"))), rest).compile()
   assert "all-gather" in plain.as_text(), "expected the plain jit to gather x"
   _kernel_vs_reference(pn.norm_matmul, mesh, "interpret", x, rest, dict(norm="layer"), 5)
-  w, scale, bias = _prenorm_inputs(128, 64, 64, 6)[1]  # post-norm: K = N here
+  post = _prenorm_inputs(128, 64, 64, 6)[1]  # post-norm: K = N here
   residual = _normal(jax.random.key(7), (128, 64), jnp.bfloat16)
-  _kernel_vs_reference(pn.matmul_norm, mesh, "interpret", x, (w, None, residual, scale, bias),
+  _kernel_vs_reference(pn.matmul_norm, mesh, "interpret", x,
+                       dict(w=post["w"], residual=residual, scale=post["scale"],
+                            norm_bias=post["norm_bias"]),
                        dict(norm="layer"), 8)
 
 
@@ -224,10 +229,11 @@ def ops_mosaic():
   for norm in ("layer", "rms"):
     x, rest = _prenorm_inputs(m, 512, 512, 2)
     _kernel_vs_reference(pn.norm_matmul, mesh, "mosaic", x, rest, dict(norm=norm), 3)
-    w, scale, bias = _prenorm_inputs(m, 512, 1024, 4)[1][0], *(
+    w, scale, bias = _prenorm_inputs(m, 512, 1024, 4)[1]["w"], *(
         1 + _normal(jax.random.key(i), (1024,), scale=0.1) for i in (5, 6))
     residual = _normal(jax.random.key(7), (m, 1024), jnp.bfloat16)
-    _kernel_vs_reference(pn.matmul_norm, mesh, "mosaic", x, (w, None, residual, scale, bias),
+    _kernel_vs_reference(pn.matmul_norm, mesh, "mosaic", x,
+                         dict(w=w, residual=residual, scale=scale, norm_bias=bias),
                          dict(norm=norm), 8)
 
 
