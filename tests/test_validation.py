@@ -242,7 +242,7 @@ def test_validation_runs_before_any_computation(monkeypatch):
 
 
 def test_implementation_names():
-  assert set(pallas_norm.IMPLEMENTATIONS) == {"xla", "mosaic", "interpret"}
+  assert set(pallas_norm.IMPLEMENTATIONS) == {"xla", "mosaic", "triton", "interpret"}
 
 
 @pytest.mark.parametrize("implementation", ["mosaic", "interpret"])
