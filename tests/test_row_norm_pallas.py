@@ -160,7 +160,6 @@ def test_kernel_names_and_refusals_on_the_cpu():
 
 GPU_CASES = [
     ("layer", (8192, 2048), jnp.bfloat16, True, True, False, False),
-    ("rms", (8192, 2048), jnp.bfloat16, True, False, False, False),
     ("layer", (4, 1000, 1000), jnp.bfloat16, True, True, True, True),
     ("rms", (65536, 128), jnp.bfloat16, True, False, True, False),
     ("layer", (3000, 4096), jnp.float32, True, True, False, False),
@@ -171,7 +170,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("norm,shape,dtype,scale,bias,residual,zero_centered", GPU_CASES)
 def test_gpu_kernel_matches_reference(norm, shape, dtype, scale, bias, residual, zero_centered):
   """implementation="triton" on the GPU at real sizes: outputs and gradients vs the float32
-  reference; implementation=None gives the same gradients (it picks the kernel on Hopper)."""
+  reference."""
   x, vecs, dy, ds = _inputs(11, shape, dtype, scale=scale, bias=bias, residual=residual)
   got_out, got_grads = _outputs_and_grads(_op(norm, "triton", 1e-6, zero_centered), x, vecs, dy,
                                           ds)
@@ -183,7 +182,12 @@ def test_gpu_kernel_matches_reference(norm, shape, dtype, scale, bias, residual,
   for g, w in zip(got_grads, want_grads):
     if g is not None:
       _assert_close(g, w, tol, "grad")
-  _, default_grads = _outputs_and_grads(_op(norm, None, 1e-6, zero_centered), x, vecs, dy, ds)
-  for g, d in zip(got_grads, default_grads):
-    if g is not None:
-      np.testing.assert_array_equal(np.asarray(g), np.asarray(d))
+
+
+@pytest.mark.gpu
+def test_gpu_default_picks_the_kernel_where_measured_faster():
+  """implementation=None on a Hopper GPU: the kernel for the shapes it was measured faster at."""
+  from pallas_norm.ops import norms
+  x = jnp.ones((262144, 2048), jnp.bfloat16)
+  for op in ("rms_norm", "layer_norm"):
+    assert norms._check(x, None, None, None, 1e-6, None, None, op) == "triton", op
