@@ -5,8 +5,8 @@
 At the shapes of benchmarks/NOTES.md "Standalone norms" (bf16, grads of x, γ, β), checks the
 kernel path's output and gradients against the float32 reference, then times fwd+bwd of both
 paths with CUPTI (:func:`benchmarks.timing.measure_us`, median of 10 calls; the forward alone is
-XLA's on both paths). ``--variants`` times other tilings of the kernel instead
-(``row_norm_pallas.pick_config`` replaced for the run) at two shapes. A measurement that fails
+XLA's on both paths). ``--variants`` then also times other tilings of the kernel
+(``row_norm_pallas.pick_config`` replaced for the run) at two shapes, within ``--budget-s``. A measurement that fails
 is reported and the next one runs. Prints one line per measurement and writes ``row_norms.json`` to ``--out``
 (default ``$OUT`` or the working directory) after each one.
 """
@@ -116,7 +116,7 @@ def main(argv=None):
   t_end = time.monotonic() + args.budget_s
   dev = jax.devices()[0]
   results = {"jax": jax.__version__, "device": dev.device_kind, "rows": []}
-  path = os.path.join(args.out, "row_norms_variants.json" if args.variants else "row_norms.json")
+  path = os.path.join(args.out, "row_norms.json")
   print(f"jax {jax.__version__} {dev.device_kind}", flush=True)
 
   def attempt(fn, **row):
@@ -134,7 +134,7 @@ def main(argv=None):
       json.dump(results, fh, indent=1)
 
   for norm in ("layer", "rms"):
-    for m, n in SHAPES if not args.variants else ():
+    for m, n in SHAPES:
       if time.monotonic() > t_end:
         break
       for impl in ("triton", "xla"):
