@@ -155,6 +155,23 @@ def test_kernel_names_and_refusals_on_the_cpu():
     pallas_norm.rms_norm(x, residual=x.astype(jnp.bfloat16), implementation="interpret")
 
 
+def test_default_takes_the_kernel_only_where_measured_faster(monkeypatch):
+  """implementation=None's rule (row_norm_pallas.slower_reason), as on a Hopper GPU: LayerNorm,
+  bf16, no residual, 128 <= N <= 2048, >= 65536 rows; never RMSNorm; nothing off Hopper."""
+  from pallas_norm import _dispatch
+  reason = row_norm_pallas.slower_reason
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: False)
+  assert "Hopper" in reason("layer", (262144, 2048), jnp.bfloat16, False)
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  for shape in ((262144, 2048), (65536, 128), (4, 65536, 1000)):
+    assert reason("layer", shape, jnp.bfloat16, False) is None, shape
+  assert "rms" in reason("rms", (262144, 2048), jnp.bfloat16, False)
+  assert "bfloat16" in reason("layer", (262144, 2048), jnp.float32, False)
+  assert "residual" in reason("layer", (262144, 2048), jnp.bfloat16, True)
+  for shape in ((262144, 4096), (262144, 64), (1024, 2048)):
+    assert "N = " in reason("layer", shape, jnp.bfloat16, False), shape
+
+
 # ---- GPU (Triton lowering) ------------------------------------------------------------------
 
 
@@ -186,8 +203,13 @@ def test_gpu_kernel_matches_reference(norm, shape, dtype, scale, bias, residual,
 
 @pytest.mark.gpu
 def test_gpu_default_picks_the_kernel_where_measured_faster():
-  """implementation=None on a Hopper GPU: the kernel for the shapes it was measured faster at."""
+  """implementation=None on a Hopper GPU: the kernel for LayerNorm at the measured shapes,
+  XLA for RMSNorm (measured slower) and outside the measured domain."""
   from pallas_norm.ops import norms
   x = jnp.ones((262144, 2048), jnp.bfloat16)
-  for op in ("rms_norm", "layer_norm"):
-    assert norms._check(x, None, None, None, 1e-6, None, None, op) == "triton", op
+  assert norms._check(x, None, None, None, 1e-6, None, None, "layer_norm") == "triton"
+  assert norms._check(x, None, None, None, 1e-6, None, None, "rms_norm") == "xla"
+  for other in (x.astype(jnp.float32), jnp.ones((1024, 2048), jnp.bfloat16),
+                jnp.ones((65536, 4096), jnp.bfloat16)):
+    assert norms._check(other, None, None, None, 1e-6, None, None, "layer_norm") == "xla"
+  assert norms._check(x, None, None, x, 1e-6, None, None, "layer_norm") == "xla"
