@@ -191,13 +191,13 @@ def _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype
 
 @dataclasses.dataclass(frozen=True)
 class _Operands:
-  """Which optional operands a kernel instance has (static)."""
+  """Which optional operands a kernel instance has (static). With ``gamma`` (a scale) the
+  kernel also returns dscale partials, with ``dbias`` dbias partials."""
 
   norm: str
   residual: bool
   ds_out: bool
   gamma: bool
-  dscale: bool
   dbias: bool
 
   def input_names(self):
@@ -207,11 +207,11 @@ class _Operands:
     return names
 
   def output_names(self):
-    return ["ds"] + ["dscale_part"] * self.dscale + ["dbias_part"] * self.dbias
+    return ["ds"] + ["dscale_part"] * self.gamma + ["dbias_part"] * self.dbias
 
 
 def _row_block_grads(load_tile, load_row, gamma, ops: _Operands, n: int):
-  """One block of rows: (ds, x̂) in float32, from the loaded tiles (masked entries are 0)."""
+  """One block of rows: (ds, x̂, dy) in float32, from the loaded tiles (masked entries 0)."""
   s = load_tile("x")
   if ops.residual:
     s = s + load_tile("residual")
@@ -261,7 +261,7 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
     ds, xhat, dy = _row_block_grads(load_tile, load_row, gamma, ops, n)
     pltriton.store(r["ds"].at[tile_at], ds.astype(r["ds"].dtype), mask=mask)
     dscale_acc, dbias_acc = partials
-    if ops.dscale:
+    if ops.gamma:
       dscale_acc = dscale_acc + dy * xhat
     if ops.dbias:
       dbias_acc = dbias_acc + dy
@@ -269,7 +269,7 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
 
   zeros = jnp.zeros((block_m, n_pad), jnp.float32)
   partials = lax.fori_loop(0, rows_per_program // block_m, step,
-                           (zeros if ops.dscale else None, zeros if ops.dbias else None))
+                           (zeros if ops.gamma else None, zeros if ops.dbias else None))
   # One row of partials per program, reduced over its block rows once, after the loop.
   part_at = pid * n_pad + cols
   for name, acc in (("dscale_part", partials[0]), ("dbias_part", partials[1])):
@@ -284,7 +284,7 @@ def _backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, in
   rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
   programs = pl.cdiv(m, rows_per_program)
   part = jax.ShapeDtypeStruct((programs * n_pad,), jnp.float32)
-  out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * (ops.dscale + ops.dbias)
+  out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * (ops.gamma + ops.dbias)
   kernel = functools.partial(_backward_kernel, ops=ops, m=m, n=n, n_pad=n_pad,
                              block_m=cfg.block_m, rows_per_program=rows_per_program)
   outs = pl.pallas_call(
@@ -296,7 +296,7 @@ def _backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, in
   def column_sum(buf):
     return jnp.sum(buf.reshape(programs, n_pad)[:, :n], axis=0)
 
-  dscale = column_sum(parts.pop(0)) if ops.dscale else None
+  dscale = column_sum(parts.pop(0)) if ops.gamma else None
   dbias = column_sum(parts.pop(0)) if ops.dbias else None
   return ds, dscale, dbias
 
@@ -325,7 +325,7 @@ def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, saved, c
   n = x.shape[-1]
   m = math.prod(x.shape[:-1])
   ops = _Operands(norm=norm, residual=residual is not None, ds_out=ds_out is not None,
-                  gamma=scale is not None, dscale=scale is not None, dbias=bias is not None)
+                  gamma=scale is not None, dbias=bias is not None)
   gamma = _applied_scale(scale, zero_centered_scale, jnp.float32)
   tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
   inputs = tiles + ([gamma] if ops.gamma else []) + list(stats)
