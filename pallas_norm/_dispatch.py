@@ -1,18 +1,22 @@
 """Choosing an implementation for an op (tokamax-style: several implementations behind one API).
 
-Every public op takes ``implementation=None | "mosaic" | "xla" | "interpret"``, or a sequence of
-those names:
+Every public op takes ``implementation=None | "mosaic" | "triton" | "xla" | "interpret"``, or a
+sequence of those names. An op has at most one kernel, of one of two kinds (:data:`GPU_KERNELS`):
 
 * ``"xla"``: the plain-JAX reference (:mod:`pallas_norm.reference`), runs everywhere.
-* ``"mosaic"``: the Pallas Mosaic-GPU kernel, needs a Hopper GPU (sm_90a).
-* ``"interpret"``: the same kernel run in Pallas GPU interpret mode on any backend (slow; for
-  tests). On the CPU it needs ``PJRT_NPROC`` >= :data:`INTERPRET_MIN_CPU_THREADS` in the
+* ``"mosaic"``: a Pallas Mosaic-GPU kernel, needs a Hopper GPU (sm_90a).
+* ``"triton"``: a Pallas kernel with the Triton lowering (the name tokamax uses for the same
+  kind), needs an NVIDIA GPU of any generation Pallas' Triton backend supports; today only the
+  backward of ``rms_norm``/``layer_norm``.
+* ``"interpret"``: the op's kernel run in Pallas interpret mode on any backend (slow; for
+  tests): GPU interpret mode for a Mosaic kernel, ``pallas_call(interpret=True)`` for a Triton
+  one. A Mosaic kernel on the CPU needs ``PJRT_NPROC`` >= :data:`INTERPRET_MIN_CPU_THREADS` in the
   environment before JAX starts (the kernel's warpgroups run as concurrent CPU computations that
   wait on each other; with fewer threads they deadlock), else it raises RuntimeError.
-* ``None``: the Mosaic kernel when it exists, the default device is a Hopper GPU, the kernel
-  supports the arguments and it was measured faster than XLA at such shapes (see each op's
-  ``_kernel_slower_reason`` and ``benchmarks/results``); otherwise XLA, with the reason logged at
-  debug level.
+* ``None``: the op's kernel when it exists, the default device can run it (a Hopper GPU for
+  "mosaic", a CUDA GPU for "triton"), the kernel supports the arguments and it was measured
+  faster than XLA at such shapes (see each op's ``slower_reason`` and ``benchmarks/results``);
+  otherwise XLA, with the reason logged at debug level.
 * a sequence, e.g. ``("interpret", "xla")``: the first name that can run the call, in order
   (unlike None, regardless of speed). A model passes one to all its layers to get the kernels
   wherever their shapes fit and XLA elsewhere. A kernel skipped for a reason of the process
@@ -20,9 +24,9 @@ those names:
   ``jax_enable_x64``) is reported by a :class:`KernelSkippedWarning`, once per op, kernel and
   reason per process: a user who asked for the kernel learns that it did not run.
 
-An op with kernels passes ``unsupported_reason(candidate)`` to :func:`choose`: None when the
-kernel implementation ``candidate`` ("mosaic" or "interpret") can run the call, or a string
-saying why not.
+An op with a kernel passes ``unsupported_reason(candidate)`` to :func:`choose`: None when the
+kernel implementation ``candidate`` (its kernel's name or "interpret") can run the call, or a
+string saying why not; and ``kernel=`` the kind of its kernel ("mosaic" unless given).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from typing import Callable
 
 import jax
 
-IMPLEMENTATIONS = ("xla", "mosaic", "interpret")
+IMPLEMENTATIONS = ("xla", "mosaic", "triton", "interpret")
+GPU_KERNELS = ("mosaic", "triton")
+"""The kinds of GPU kernel an op can have (one each)."""
 INTERPRET_MIN_CPU_THREADS = 8
 """The CPU client threads GPU interpret mode needs (``PJRT_NPROC``): the kernels here run at most
 3 warpgroups per CTA, each as a CPU computation blocking on the others."""
@@ -92,15 +98,30 @@ def on_hopper_gpu() -> bool:
   return dev.platform == "gpu" and cc is not None and str(cc).startswith("9")
 
 
+@functools.cache
+def on_cuda_gpu() -> bool:
+  """True when the default JAX device is an NVIDIA (CUDA) GPU: where Pallas' Triton lowering
+  runs (ROCm is not claimed: nothing here was run there)."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  version = str(getattr(getattr(dev, "client", None), "platform_version", "")).lower()
+  return dev.platform == "gpu" and "rocm" not in version
+
+
 def choose(op: str, implementation,
            unsupported_reason: Callable[[str], str | None] | None = None,
-           slower_reason: Callable[[], str | None] | None = None) -> str:
-  """Returns "xla", "mosaic" or "interpret" for this call of ``op``.
+           slower_reason: Callable[[], str | None] | None = None,
+           kernel: str = "mosaic") -> str:
+  """Returns "xla", ``kernel`` or "interpret" for this call of ``op``.
 
   ``unsupported_reason`` is None for ops that have no kernel yet; otherwise
   ``unsupported_reason(candidate)`` returns None when the kernel implementation ``candidate``
-  can run these arguments, or why it cannot. ``slower_reason`` (consulted only for
-  ``implementation=None``) returns why XLA is measured faster for these shapes, or None.
+  (``kernel`` or "interpret") can run these arguments, or why it cannot. ``slower_reason``
+  (consulted only for ``implementation=None``) returns why XLA is measured faster for these
+  shapes on this device, or None. ``kernel`` is the kind of the op's kernel
+  (:data:`GPU_KERNELS`); asking for the other kind is an error like asking for a missing kernel.
 
   Raises:
     ValueError: ``implementation`` is not a known name or a sequence of them.
@@ -112,19 +133,19 @@ def choose(op: str, implementation,
   """
   implementation = check_implementation(implementation)
   if implementation is None:
-    return _choose_default(op, unsupported_reason, slower_reason)
+    return _choose_default(op, unsupported_reason, slower_reason, kernel)
   candidates = (implementation,) if isinstance(implementation, str) else implementation
   reasons, skipped = [], []
   for candidate in candidates:
-    reason = _cannot_run_reason(op, candidate, unsupported_reason)
+    reason = _cannot_run_reason(op, candidate, unsupported_reason, kernel)
     if reason is None:
       if reasons:
         _warn_skipped(op, candidate, skipped)
       return candidate
     reasons.append(f"{candidate!r}: {reason}")
-    if unsupported_reason is not None and reason in _process_reasons(candidate):
+    if unsupported_reason is not None and reason in _process_reasons(candidate, kernel):
       skipped.append((reasons[-1], reason))
-  if candidates == ("interpret",) and unsupported_reason is not None and (
+  if candidates == ("interpret",) and unsupported_reason is not None and kernel == "mosaic" and (
       not jax.config.jax_enable_x64) and unsupported_reason("interpret") is None:
     raise RuntimeError(f"{op}: implementation='interpret' cannot run here: {reasons[0]}")
   raise NotImplementedError(f"{op}: implementation={implementation!r} cannot run this call: "
@@ -139,12 +160,14 @@ the kernels failed inside their tracing under x64 since they were written)."""
 
 NOT_HOPPER_REASON = ("the default JAX device is not a Hopper GPU (sm_90a); use 'interpret' to run "
                      "the kernel on another backend, or 'xla'")
+NOT_CUDA_REASON = ("the default JAX device is not an NVIDIA GPU; use 'interpret' to run the "
+                   "kernel on another backend, or 'xla'")
 
 
-def _process_reasons(candidate: str) -> tuple:
+def _process_reasons(candidate: str, kernel: str) -> tuple:
   """The reasons ``candidate`` cannot run that come from the process, not from the call."""
-  return (X64_REASON, NOT_HOPPER_REASON, interpret_threads_reason() if candidate == "interpret"
-          else None)
+  return (X64_REASON, NOT_HOPPER_REASON, NOT_CUDA_REASON,
+          interpret_threads_reason() if candidate == "interpret" and kernel == "mosaic" else None)
 
 
 def _warn_skipped(op: str, ran: str, skipped) -> None:
@@ -158,31 +181,41 @@ def _warn_skipped(op: str, ran: str, skipped) -> None:
                   "process)", KernelSkippedWarning, stacklevel=4)
 
 
-def _cannot_run_reason(op: str, candidate: str, unsupported_reason) -> str | None:
+def _cannot_run_reason(op: str, candidate: str, unsupported_reason, kernel: str) -> str | None:
   if candidate == "xla":
     return None
   if unsupported_reason is None:
     return f"{op} has no kernel (only 'xla'); see the README's status table"
+  if candidate in GPU_KERNELS and candidate != kernel:
+    return f"{op} has no {candidate!r} kernel (its kernel is {kernel!r})"
   if jax.config.jax_enable_x64:
     return X64_REASON
   reason = unsupported_reason(candidate)
-  if reason is None and candidate == "mosaic" and not on_hopper_gpu():
-    reason = NOT_HOPPER_REASON
-  if reason is None and candidate == "interpret":
+  if reason is None and candidate in GPU_KERNELS:
+    reason = _device_reason(candidate)
+  if reason is None and candidate == "interpret" and kernel == "mosaic":
     reason = interpret_threads_reason()
   return reason
 
 
-def _choose_default(op: str, unsupported_reason, slower_reason) -> str:
+def _device_reason(kernel: str) -> str | None:
+  """Why the default device cannot run a kernel of this kind, or None."""
+  if kernel == "mosaic" and not on_hopper_gpu():
+    return NOT_HOPPER_REASON
+  if kernel == "triton" and not on_cuda_gpu():
+    return NOT_CUDA_REASON
+  return None
+
+
+def _choose_default(op: str, unsupported_reason, slower_reason, kernel: str) -> str:
   if unsupported_reason is None:
     return "xla"
-  if not on_hopper_gpu():
-    log.debug("%s: using XLA: the default device is not a Hopper GPU", op)
-    return "xla"
-  reason = X64_REASON if jax.config.jax_enable_x64 else unsupported_reason("mosaic")
+  reason = _device_reason(kernel)
+  if reason is None:
+    reason = X64_REASON if jax.config.jax_enable_x64 else unsupported_reason(kernel)
   if reason is None and slower_reason is not None:
     reason = slower_reason()
   if reason is not None:
     log.debug("%s: using XLA: %s", op, reason)
     return "xla"
-  return "mosaic"
+  return kernel

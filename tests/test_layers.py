@@ -551,7 +551,7 @@ def test_mosaic_without_kernel_raises(case):
 
 def test_unknown_implementation_raises():
   with pytest.raises(ValueError, match="implementation"):
-    _norm_dense(implementation="triton")(_x(0, (2, K)))
+    _norm_dense(implementation="cuda")(_x(0, (2, K)))
 
 
 @pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _calls()])

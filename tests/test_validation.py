@@ -123,7 +123,7 @@ CASES = (
         ("eps", float("nan"), ValueError, "eps"),
         ("eps", False, TypeError, "eps"),
         ("out_dtype", jnp.int32, TypeError, "out_dtype"),
-        ("implementation", "triton", ValueError, "implementation")]]
+        ("implementation", "cuda", ValueError, "implementation")]]
     + [("matmul_norm",) + c for c in [
         ("x", _arr((3, 8), jnp.uint8), TypeError, "x"),
         ("w", _arr((8, 5), jnp.float16), TypeError, "w"),
@@ -245,7 +245,7 @@ def test_validation_runs_before_any_computation(monkeypatch):
 
 
 def test_implementation_names():
-  assert set(pallas_norm.IMPLEMENTATIONS) == {"xla", "mosaic", "interpret"}
+  assert set(pallas_norm.IMPLEMENTATIONS) == {"xla", "mosaic", "triton", "interpret"}
 
 
 @pytest.mark.parametrize("implementation", ["mosaic", "interpret"])

@@ -1,12 +1,15 @@
 """Standalone row norms ``rms_norm`` and ``layer_norm`` (DESIGN.md, op 5).
 
-XLA already runs these near copy bandwidth, so only the XLA implementation exists; they are the
-building blocks of the Flax layers and the oracle shape of the fused ops.
+Two implementations: "xla" (the reference, differentiated by XLA's autodiff) and the Pallas
+backward kernel of :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU,
+"interpret" anywhere), which keeps XLA's forward. They are the building blocks of the Flax
+layers and the oracle shape of the fused ops.
 """
 
 from __future__ import annotations
 
 from pallas_norm import _dispatch, _validate, reference
+from pallas_norm.ops.norms import triton
 
 
 def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
@@ -17,7 +20,25 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   _validate.same_shape("residual", residual, x.shape)
   _validate.eps(eps, x.dtype)
   _validate.out_dtype(out_dtype)
-  return _dispatch.choose(op, implementation)
+  norm = "rms" if op == "rms_norm" else "layer"
+  residual_dtype = None if residual is None else residual.dtype
+  return _dispatch.choose(
+      op, implementation,
+      lambda _: triton.unsupported_reason(x.shape, x.dtype, residual_dtype),
+      lambda: triton.slower_reason(norm, x.shape, x.dtype, residual is not None),
+      kernel="triton")
+
+
+def _row_norm(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
+  if chosen != "xla":
+    return triton.row_norm(x, scale, bias, residual, norm=norm, eps=eps,
+                                    zero_centered_scale=zero_centered_scale,
+                                    out_dtype=out_dtype, interpret=chosen == "interpret")
+  if norm == "rms":
+    return reference.rms_norm(x, scale, residual, eps=eps,
+                              zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+  return reference.layer_norm(x, scale, bias, residual, eps=eps,
+                              zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
 
 
 def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
@@ -34,7 +55,12 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     eps: positive float added to the mean square (default 1e-6, the Flax default).
     zero_centered_scale: apply ``1 + scale`` instead of ``scale``.
     out_dtype: dtype of y (default x.dtype).
-    implementation: None or "xla" (see :mod:`pallas_norm._dispatch`).
+    implementation: None, "xla", "triton", "interpret" or a sequence of them (see
+      :mod:`pallas_norm._dispatch`). "triton" keeps XLA's forward and runs the gradient as one
+      Pallas kernel (Triton lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`),
+      "interpret" the same kernel in Pallas interpret mode; None picks it on a GPU only where
+      it was measured faster in training (forward + backward) than XLA's autodiff. The kernel
+      path supports reverse-mode autodiff only (``jax.jvp`` raises: it is a ``custom_vjp``).
 
   Returns:
     y (..., N), or ``(y, s)`` when ``residual`` is given (``s`` in x's dtype).
@@ -42,12 +68,12 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
   Raises:
     TypeError: non-arrays (e.g. a ``jax.ShapeDtypeStruct``), non-float arrays or dtypes.
     ValueError: shape mismatch, eps <= 0, unknown implementation. NotImplementedError: a kernel
-    implementation was requested.
+    implementation ("mosaic", or "triton"/"interpret" where the kernel cannot run the call: not
+    on an NVIDIA GPU, float64, N > 8192, a residual of another dtype than x) was requested.
   """
-  _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
+  chosen = _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
-  return reference.rms_norm(x, scale, residual, eps=eps, zero_centered_scale=zero_centered_scale,
-                            out_dtype=out_dtype)
+  return _row_norm(chosen, x, scale, None, residual, "rms", eps, zero_centered_scale, out_dtype)
 
 
 def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
@@ -58,7 +84,7 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   two-pass variance in float32. Arguments, returns and errors as :func:`rms_norm`, plus
   ``bias``: optional (N,) beta.
   """
-  _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
+  chosen = _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
-  return reference.layer_norm(x, scale, bias, residual, eps=eps,
-                              zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+  return _row_norm(chosen, x, scale, bias, residual, "layer", eps, zero_centered_scale,
+                   out_dtype)

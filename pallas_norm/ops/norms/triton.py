@@ -1,0 +1,359 @@
+"""``rms_norm`` / ``layer_norm`` for training: XLA forward, one-pass Pallas backward kernel.
+
+The forward is XLA's (it runs near copy bandwidth) and also returns the per-row statistics in
+float32. The backward is one Pallas kernel with the Triton lowering (any NVIDIA GPU that Pallas'
+Triton backend supports, not only Hopper; ``interpret=True`` runs it on the CPU). Each program
+owns a slab of rows and loops over blocks of ``block_m`` rows; per block it loads ``x`` (and
+``residual``), ``dy`` (and the cotangent of the residual stream ``s``), rebuilds ``x̂`` from the
+saved statistics, forms the two row sums in registers and writes ``ds`` once. ``dγ``/``dβ``
+partials stay in registers over the program's rows and are written once per program to a
+``(programs, N)`` float32 buffer that XLA sums afterwards (deterministic: no atomics).
+
+The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
+zero-centered) and ``r`` the rstd::
+
+    RMSNorm:   ds = r · (g − x̂ · mean(g ⊙ x̂))
+    LayerNorm: ds = r · (g − mean(g) − x̂ · mean(g ⊙ x̂))
+    ds += cotangent of s (with a residual);  dx = d residual = ds
+    dscale = Σ_rows dy ⊙ x̂,  dbias = Σ_rows dy
+
+LayerNorm's mean is saved as two float32 numbers per row, ``shift`` (the row's first element)
+and ``dmean`` (the mean of ``s − shift``), and ``x̂ = ((s − shift) − dmean) · r`` is rebuilt
+exactly as :func:`pallas_norm.reference.layer_norm` computes it: rows whose mean is large next
+to their spread keep their precision in the gradients too (a mean rounded to one float32 would
+cost up to ulp(mean)/std).
+
+Forward-mode autodiff (``jax.jvp``) is not defined for this path (a ``custom_vjp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+"""Dtypes of x (and residual) the kernel takes; float64 stays on XLA."""
+
+MAX_N = 8192
+"""Widest row the kernel holds in registers (one block of ``block_m`` full rows)."""
+
+MAX_ELEMENTS = 2**31 - 1
+"""The kernel indexes x with int32 element offsets."""
+
+INTERPRET_PROGRAMS = 3
+"""Programs in interpret mode: several, so slabs, the row loop and the partial sums are
+exercised (and rows that do not fill the last block)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """Tiling of the backward kernel.
+
+  Attributes:
+    block_m: rows per loop step (a power of 2); one step holds ``block_m × n_pad`` elements of
+      each operand in registers.
+    programs: grid size; each program owns ``cdiv(M, programs)`` rows (rounded up to a multiple
+      of ``block_m``) and writes one row of the dγ/dβ partial buffers.
+    num_warps: warps per program (Triton).
+  """
+
+  block_m: int
+  programs: int
+  num_warps: int
+
+
+def _gpu_core_count() -> int:
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def pick_config(m: int, n: int, interpret: bool) -> BackwardConfig:
+  """A tile of ~8K elements per step (full rows, padded to a power of 2), 4 programs per SM.
+
+  Several programs per SM keep enough loads in flight to cover memory latency (the kernel is
+  bandwidth-bound); ~8K elements per step over 8 warps is 32 registers per operand per thread.
+  """
+  n_pad = pl.next_power_of_2(n)
+  block_m = max(1, min(64, 8192 // n_pad))
+  num_warps = 4 if n_pad * block_m <= 2048 else (8 if n_pad <= 4096 else 16)
+  blocks = pl.cdiv(m, block_m)
+  programs = INTERPRET_PROGRAMS if interpret else 4 * _gpu_core_count()
+  return BackwardConfig(block_m=block_m, programs=max(1, min(programs, blocks)),
+                        num_warps=num_warps)
+
+
+def unsupported_reason(x_shape, x_dtype, residual_dtype=None) -> str | None:
+  """Why the backward kernel cannot run a call with these operands, or None.
+
+  Args:
+    x_shape: shape of x, (..., N).
+    x_dtype: dtype of x.
+    residual_dtype: dtype of the residual, or None without one.
+  """
+  n = x_shape[-1]
+  if jnp.dtype(x_dtype) not in KERNEL_DTYPES:
+    return f"the kernel takes bfloat16/float16/float32 x, got {jnp.dtype(x_dtype)}"
+  if residual_dtype is not None and jnp.dtype(residual_dtype) != jnp.dtype(x_dtype):
+    return (f"residual dtype {jnp.dtype(residual_dtype)} differs from x's {jnp.dtype(x_dtype)} "
+            "(the kernel writes one ds for both gradients)")
+  if n > MAX_N:
+    return f"N = {n}: the kernel holds full rows in registers, at most N = {MAX_N}"
+  if math.prod(x_shape) > MAX_ELEMENTS:
+    return f"x has {math.prod(x_shape)} elements, past the kernel's int32 offsets"
+  return None
+
+
+DEFAULT_DOMAIN = dict(norms=("layer",), dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048,
+                      min_rows=65536)
+"""Where ``implementation=None`` takes the kernel: what the H200 measured faster in training
+(benchmarks/NOTES.md "Standalone norms"): LayerNorm, bf16, no residual, N from 128 to 2048
+(1.65-1.91x faster than XLA's autodiff at N = 128, 512, 1024, 2048), at least 65536 rows.
+RMSNorm's kernel path was measured slower (2186 vs 1603 us at 262144x2048): never by default."""
+
+
+def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  """Why ``implementation=None`` keeps XLA's autodiff for this call, or None to use the kernel
+  (:data:`DEFAULT_DOMAIN`, measured on a Hopper GPU, the only one measured)."""
+  from pallas_norm import _dispatch  # the device query lives there
+  d = DEFAULT_DOMAIN
+  n, rows = x_shape[-1], math.prod(x_shape[:-1])
+  if not _dispatch.on_hopper_gpu():
+    return "the Pallas row-norm backward was measured only on a Hopper GPU (H200)"
+  if norm not in d["norms"]:
+    return f"the {norm} kernel path was measured slower than XLA's autodiff in training"
+  if jnp.dtype(x_dtype) not in d["dtypes"] or has_residual:
+    return "the kernel path was measured faster only for bfloat16 x without a residual"
+  if not (d["min_n"] <= n <= d["max_n"] and rows >= d["min_rows"]):
+    return (f"the kernel path was measured faster only for {d['min_n']} <= N <= {d['max_n']} "
+            f"and at least {d['min_rows']} rows, got N = {n}, {rows} rows")
+  return None
+
+
+# ----------------------------------------------------------------------------------------------
+# XLA forward that also returns the statistics the backward kernel rebuilds x̂ from.
+
+
+def _stat_dtype(dtype):
+  return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _applied_scale(scale, zero_centered_scale: bool, sdt):
+  if scale is None:
+    return None
+  s = scale.astype(sdt)
+  return 1 + s if zero_centered_scale else s
+
+
+def _layer_stats(s, eps):
+  """(centered rows, shift, dmean, rstd): the same operations as ``reference._center`` and
+  ``reference._row_stats`` (so y matches the reference), with the mean kept as shift + dmean."""
+  shift = s[..., 0]
+  d = s - shift[..., None]
+  dmean = jnp.mean(d, axis=-1)
+  centered = d - dmean[..., None]
+  rstd = lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1) + eps)
+  return centered, shift, dmean, rstd
+
+
+def _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
+  """``(outputs, stats)``: outputs as the reference's (``y`` or ``(y, s)``); stats a tuple of
+  (M,) float32 rows: ``(rstd,)`` for RMSNorm, ``(shift, dmean, rstd)`` for LayerNorm."""
+  sdt = _stat_dtype(x.dtype)
+  s = x.astype(sdt)
+  if residual is not None:
+    s = s + residual.astype(sdt)
+  if norm == "rms":
+    rstd = lax.rsqrt(jnp.mean(jnp.square(s), axis=-1) + eps)
+    y, stats = s * rstd[..., None], (rstd,)
+  else:
+    centered, shift, dmean, rstd = _layer_stats(s, eps)
+    y, stats = centered * rstd[..., None], (shift, dmean, rstd)
+  gamma = _applied_scale(scale, zero_centered_scale, sdt)
+  if gamma is not None:
+    y = y * gamma
+  if bias is not None:
+    y = y + bias.astype(sdt)
+  y = y.astype(out_dtype or x.dtype)
+  out = y if residual is None else (y, s.astype(x.dtype))
+  m = math.prod(x.shape[:-1])
+  return out, tuple(t.reshape(m) for t in stats)
+
+
+# ----------------------------------------------------------------------------------------------
+# The backward kernel.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operands:
+  """Which optional operands a kernel instance has (static). With ``gamma`` (a scale) the
+  kernel also returns dscale partials, with ``dbias`` dbias partials."""
+
+  norm: str
+  residual: bool
+  ds_out: bool
+  gamma: bool
+  dbias: bool
+
+  def input_names(self):
+    names = ["x"] + ["residual"] * self.residual + ["dy"] + ["ds_out"] * self.ds_out
+    names += ["gamma"] * self.gamma
+    names += ["shift", "dmean", "rstd"] if self.norm == "layer" else ["rstd"]
+    return names
+
+  def output_names(self):
+    return ["ds"] + ["dscale_part"] * self.gamma + ["dbias_part"] * self.dbias
+
+
+def _row_block_grads(load_tile, load_row, gamma, ops: _Operands, n: int):
+  """One block of rows: (ds, x̂, dy) in float32, from the loaded tiles (masked entries 0)."""
+  s = load_tile("x")
+  if ops.residual:
+    s = s + load_tile("residual")
+  rstd = load_row("rstd")[:, None]
+  if ops.norm == "layer":
+    s = (s - load_row("shift")[:, None]) - load_row("dmean")[:, None]
+  xhat = s * rstd
+  dy = load_tile("dy")
+  g = dy if gamma is None else dy * gamma[None, :]
+  # Padded columns and rows have dy = 0, so g = 0 there: they add nothing to either row sum
+  # or to the dγ/dβ partials, whatever x̂ holds there.
+  inner = g - xhat * (jnp.sum(g * xhat, axis=1, keepdims=True) / n)
+  if ops.norm == "layer":
+    inner = inner - jnp.sum(g, axis=1, keepdims=True) / n
+  ds = inner * rstd
+  if ops.ds_out:
+    ds = ds + load_tile("ds_out")
+  return ds, xhat, dy
+
+
+def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m: int,
+                     rows_per_program: int):
+  r = dict(zip(ops.input_names() + ops.output_names(), refs, strict=True))
+  pid = pl.program_id(0)
+  cols = jnp.arange(n_pad)
+  col_mask = cols < n
+  gamma = None
+  if ops.gamma:
+    gamma = pltriton.load(r["gamma"].at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
+
+  def step(i, partials):
+    rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
+    row_mask = rows < m
+    # Full rows (N a power of 2) need no column mask: a mask constant along the row keeps the
+    # loads and stores vectorized.
+    mask = jnp.broadcast_to(row_mask[:, None], (block_m, n_pad))
+    if n != n_pad:
+      mask = mask & col_mask[None, :]
+    tile_at = (rows[:, None], cols[None, :])
+
+    def load_tile(name):
+      return pltriton.load(r[name].at[tile_at], mask=mask, other=0.0).astype(jnp.float32)
+
+    def load_row(name):
+      return pltriton.load(r[name].at[rows], mask=row_mask, other=0.0)
+
+    ds, xhat, dy = _row_block_grads(load_tile, load_row, gamma, ops, n)
+    pltriton.store(r["ds"].at[tile_at], ds.astype(r["ds"].dtype), mask=mask)
+    dscale_acc, dbias_acc = partials
+    if ops.gamma:
+      dscale_acc = dscale_acc + dy * xhat
+    if ops.dbias:
+      dbias_acc = dbias_acc + dy
+    return dscale_acc, dbias_acc
+
+  zeros = jnp.zeros((block_m, n_pad), jnp.float32)
+  partials = lax.fori_loop(0, rows_per_program // block_m, step,
+                           (zeros if ops.gamma else None, zeros if ops.dbias else None))
+  # One row of partials per program, reduced over its block rows once, after the loop.
+  part_at = pid * n_pad + cols
+  for name, acc in (("dscale_part", partials[0]), ("dbias_part", partials[1])):
+    if acc is not None:
+      pltriton.store(r[name].at[part_at], jnp.sum(acc, axis=0), mask=col_mask)
+
+
+def _backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, inputs):
+  """Runs the kernel; returns (ds (M, N), dscale partial sum or None, dbias partial or None)."""
+  cfg = pick_config(m, n, interpret)
+  n_pad = pl.next_power_of_2(n)
+  rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
+  programs = pl.cdiv(m, rows_per_program)
+  part = jax.ShapeDtypeStruct((programs * n_pad,), jnp.float32)
+  out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * (ops.gamma + ops.dbias)
+  kernel = functools.partial(_backward_kernel, ops=ops, m=m, n=n, n_pad=n_pad,
+                             block_m=cfg.block_m, rows_per_program=rows_per_program)
+  outs = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
+      name=f"{ops.norm}_norm_backward")(*inputs)
+  ds, parts = outs[0], list(outs[1:])
+
+  def column_sum(buf):
+    return jnp.sum(buf.reshape(programs, n_pad)[:, :n], axis=0)
+
+  dscale = column_sum(parts.pop(0)) if ops.gamma else None
+  dbias = column_sum(parts.pop(0)) if ops.dbias else None
+  return ds, dscale, dbias
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret):
+  del interpret
+  return _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)[0]
+
+
+def _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
+                  interpret):
+  del interpret
+  out, stats = _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
+  return out, (x, scale, bias, residual, stats)
+
+
+def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
+  del eps, out_dtype
+  x, scale, bias, residual, stats = saved
+  dy, ds_out = (cotangent, None) if residual is None else cotangent
+  n = x.shape[-1]
+  m = math.prod(x.shape[:-1])
+  ops = _Operands(norm=norm, residual=residual is not None, ds_out=ds_out is not None,
+                  gamma=scale is not None, dbias=bias is not None)
+  gamma = _applied_scale(scale, zero_centered_scale, jnp.float32)
+  tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
+  inputs = tiles + ([gamma] if ops.gamma else []) + list(stats)
+  ds, dscale, dbias = _backward_call(ops, m, n, x.dtype, interpret, inputs)
+  ds = ds.reshape(x.shape)
+  return (ds, None if scale is None else dscale.astype(scale.dtype),
+          None if bias is None else dbias.astype(bias.dtype),
+          None if residual is None else ds)
+
+
+_row_norm.defvjp(_row_norm_fwd, _row_norm_bwd)
+
+
+def row_norm(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
+             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False):
+  """``reference.rms_norm`` (``norm="rms"``) or ``reference.layer_norm`` (``norm="layer"``)
+  whose gradient runs the Pallas backward kernel of this module.
+
+  Same arguments, outputs (``y``, or ``(y, s)`` with ``residual``) and dtypes as the reference;
+  no validation (the public ops validate and check :func:`unsupported_reason` first).
+  ``interpret=True`` runs the kernel in Pallas interpret mode (any backend).
+
+  Raises:
+    ValueError: ``norm`` is not "rms" or "layer", or a bias with ``norm="rms"``.
+  """
+  if norm not in ("rms", "layer"):
+    raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
+  if norm == "rms" and bias is not None:
+    raise ValueError("bias is a LayerNorm parameter; RMSNorm takes none")
+  return _row_norm(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
+                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret))

@@ -1,0 +1,215 @@
+"""rms_norm / layer_norm with the Pallas backward kernel (pallas_norm/ops/norms/triton.py).
+
+CPU tests run the kernel with ``implementation="interpret"`` (Pallas interpret mode, which fills
+every output it does not write with NaN: an element the kernel skips fails the finiteness and
+value checks) against the float32 reference differentiated by JAX (``jax.vjp`` of
+``pallas_norm.reference``) and, for rows with a large mean, a float64 NumPy closed form. Shapes
+are tiny and cover N not a power of two, rows that do not fill the last row block, several
+programs, leading batch dimensions. GPU tests (``gpu``) run the Triton-lowered kernel at real
+sizes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_norm
+from pallas_norm import reference
+from pallas_norm.ops.norms import triton as row_norm_pallas
+from _numpy_oracle import seed_of
+
+F32_TOL = 2e-5  # float32 kernel vs float32 autodiff: only the summation order differs
+BF16_TOL = 1e-2  # 16-bit outputs and gradients (rounding 2^-9) vs the float32 reference
+
+
+def _inputs(seed, shape, dtype, *, scale, bias, residual, mean=0.0):
+  keys = jax.random.split(jax.random.key(seed), 6)
+  n = shape[-1]
+  x = (mean + jax.random.normal(keys[0], shape, jnp.float32)).astype(dtype)
+  vecs = dict(
+      scale=(1 + 0.2 * jax.random.normal(keys[1], (n,))) if scale else None,
+      bias=0.1 * jax.random.normal(keys[2], (n,)) if bias else None,
+      residual=jax.random.normal(keys[3], shape, jnp.float32).astype(dtype) if residual else None)
+  dy = jax.random.normal(keys[4], shape, jnp.float32)
+  ds = jax.random.normal(keys[5], shape, jnp.float32) if residual else None
+  return x, vecs, dy, ds
+
+
+def _op(norm, impl, eps, zero_centered_scale, out_dtype=None):
+  def f(x, scale, bias, residual):
+    kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+    if norm == "rms":
+      if impl == "reference":
+        return reference.rms_norm(x, scale, residual, **kw)
+      return pallas_norm.rms_norm(x, scale, residual, implementation=impl, **kw)
+    if impl == "reference":
+      return reference.layer_norm(x, scale, bias, residual, **kw)
+    return pallas_norm.layer_norm(x, scale, bias, residual, implementation=impl, **kw)
+  return f
+
+
+def _outputs_and_grads(f, x, vecs, dy, ds):
+  """(outputs, grads of (x, scale, bias, residual)) under jit; cotangents cast to the outputs'
+  dtypes."""
+  @jax.jit
+  def run(x, scale, bias, residual, dy, ds):
+    out, vjp = jax.vjp(f, x, scale, bias, residual)
+    ct = dy.astype(out.dtype) if ds is None else (dy.astype(out[0].dtype), ds.astype(out[1].dtype))
+    return out, vjp(ct)
+  return run(x, vecs["scale"], vecs["bias"], vecs["residual"], dy, ds)
+
+
+def _upcast(tree):
+  return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+def _assert_close(got, want, tol, what):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  assert np.all(np.isfinite(got)), f"{what}: non-finite values (an unwritten output?)"
+  err = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+CASES = [
+    # norm, shape, dtype, scale, bias, residual, zero_centered, out_dtype
+    ("layer", (3, 13, 100), jnp.float32, True, True, True, False, None),
+    ("rms", (37, 64), jnp.bfloat16, True, False, True, True, None),
+    ("layer", (20, 256), jnp.bfloat16, False, False, False, False, jnp.float32),
+    ("rms", (5, 33), jnp.float32, False, False, False, False, None),
+    ("layer", (50, 24), jnp.float16, True, False, False, True, None),
+]
+
+
+@pytest.mark.parametrize("norm,shape,dtype,scale,bias,residual,zero_centered,out_dtype", CASES)
+def test_values_and_grads_match_reference(norm, shape, dtype, scale, bias, residual,
+                                          zero_centered, out_dtype):
+  """Outputs (y, and s with a residual) and the gradients of x, scale, bias and residual
+  through the public op, jitted, match jax.vjp of the float32 reference."""
+  x, vecs, dy, ds = _inputs(seed_of(f"{norm}{shape}{dtype}"), shape, dtype, scale=scale, bias=bias,
+                            residual=residual)
+  eps = 1e-5
+  got_out, got_grads = _outputs_and_grads(
+      _op(norm, "interpret", eps, zero_centered, out_dtype), x, vecs, dy, ds)
+  want_out, want_grads = _outputs_and_grads(
+      _op(norm, "reference", eps, zero_centered), *_upcast((x, vecs)), dy, ds)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  for i, (g, w) in enumerate(zip(jax.tree.leaves(got_out), jax.tree.leaves(want_out))):
+    assert g.dtype == ((out_dtype or dtype) if i == 0 else dtype)
+    _assert_close(g, w, tol, f"output {i}")
+  names = ("dx", "dscale", "dbias", "dresidual")
+  for name, g, w, arg in zip(names, got_grads, want_grads, (x, vecs["scale"], vecs["bias"],
+                                                            vecs["residual"])):
+    if arg is None:
+      continue
+    assert g.dtype == arg.dtype, name
+    _assert_close(g, w, tol, name)
+
+
+def _layer_norm_grads_f64(x, scale, bias, dy, eps):
+  """NumPy float64 closed form of LayerNorm's gradients: (dx, dscale, dbias)."""
+  x, scale, dy = (np.asarray(a, np.float64) for a in (x, scale, dy))
+  centered = x - x.mean(-1, keepdims=True)
+  rstd = 1 / np.sqrt((centered**2).mean(-1, keepdims=True) + eps)
+  xhat = centered * rstd
+  g = dy * scale
+  dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+  del bias  # dbias = Σ dy whatever β is
+  return dx, (dy * xhat).sum(0), dy.sum(0)
+
+
+def test_rows_with_a_large_mean_keep_their_precision():
+  """Rows with mean 1e4 and spread 1: the kernel rebuilds x̂ from the saved (shift, dmean)
+  pair, so its gradients match a float64 oracle to float32 accuracy (a mean rounded to one
+  float32 would put ulp(1e4)/std ~ 1e-3 into x̂)."""
+  x, vecs, dy, _ = _inputs(7, (24, 80), jnp.float32, scale=True, bias=True, residual=False,
+                           mean=1e4)
+  eps = 1e-6
+  _, grads = _outputs_and_grads(_op("layer", "interpret", eps, False), x, vecs, dy, None)
+  want = _layer_norm_grads_f64(x, vecs["scale"], vecs["bias"], dy, eps)
+  for name, g, w in zip(("dx", "dscale", "dbias"), grads, want):
+    _assert_close(g, w, 1e-5, name)
+
+
+def test_kernel_names_and_refusals_on_the_cpu():
+  """On the CPU: None and "xla" are XLA's autodiff; "triton" needs an NVIDIA GPU and "mosaic"
+  does not exist for these ops (NotImplementedError naming the op); a sequence falls through
+  to what can run; calls the kernel cannot run are refused with the reason, before any work."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("checks the CPU behaviour")
+  x = jnp.ones((4, 8), jnp.float32) + jnp.arange(8.0)
+  want = reference.layer_norm(x)
+  np.testing.assert_array_equal(pallas_norm.layer_norm(x), want)
+  np.testing.assert_array_equal(pallas_norm.layer_norm(x, implementation=("triton", "xla")), want)
+  with pytest.raises(NotImplementedError, match="layer_norm.*NVIDIA GPU"):
+    pallas_norm.layer_norm(x, implementation="triton")
+  with pytest.raises(NotImplementedError, match="rms_norm.*no 'mosaic' kernel"):
+    pallas_norm.rms_norm(x, implementation="mosaic")
+  wide = np.ones((2, row_norm_pallas.MAX_N + 1), np.float32)
+  with pytest.raises(NotImplementedError, match="N = 8193"):
+    pallas_norm.rms_norm(wide, implementation="interpret")
+  with pytest.raises(NotImplementedError, match="float64"):
+    pallas_norm.rms_norm(np.ones((2, 8)), implementation="interpret")
+  with pytest.raises(NotImplementedError, match="residual dtype"):
+    pallas_norm.rms_norm(x, residual=x.astype(jnp.bfloat16), implementation="interpret")
+
+
+def test_default_takes_the_kernel_only_where_measured_faster(monkeypatch):
+  """implementation=None's rule (row_norm_pallas.slower_reason), as on a Hopper GPU: LayerNorm,
+  bf16, no residual, 128 <= N <= 2048, >= 65536 rows; never RMSNorm; nothing off Hopper."""
+  from pallas_norm import _dispatch
+  reason = row_norm_pallas.slower_reason
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: False)
+  assert "Hopper" in reason("layer", (262144, 2048), jnp.bfloat16, False)
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  for shape in ((262144, 2048), (65536, 128), (4, 65536, 1000)):
+    assert reason("layer", shape, jnp.bfloat16, False) is None, shape
+  assert "rms" in reason("rms", (262144, 2048), jnp.bfloat16, False)
+  assert "bfloat16" in reason("layer", (262144, 2048), jnp.float32, False)
+  assert "residual" in reason("layer", (262144, 2048), jnp.bfloat16, True)
+  for shape in ((262144, 4096), (262144, 64), (1024, 2048)):
+    assert "N = " in reason("layer", shape, jnp.bfloat16, False), shape
+
+
+# ---- GPU (Triton lowering) ------------------------------------------------------------------
+
+
+GPU_CASES = [
+    ("layer", (8192, 2048), jnp.bfloat16, True, True, False, False),
+    ("layer", (4, 1000, 1000), jnp.bfloat16, True, True, True, True),
+    ("rms", (65536, 128), jnp.bfloat16, True, False, True, False),
+    ("layer", (3000, 4096), jnp.float32, True, True, False, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm,shape,dtype,scale,bias,residual,zero_centered", GPU_CASES)
+def test_gpu_kernel_matches_reference(norm, shape, dtype, scale, bias, residual, zero_centered):
+  """implementation="triton" on the GPU at real sizes: outputs and gradients vs the float32
+  reference."""
+  x, vecs, dy, ds = _inputs(11, shape, dtype, scale=scale, bias=bias, residual=residual)
+  got_out, got_grads = _outputs_and_grads(_op(norm, "triton", 1e-6, zero_centered), x, vecs, dy,
+                                          ds)
+  want_out, want_grads = _outputs_and_grads(_op(norm, "reference", 1e-6, zero_centered),
+                                            *_upcast((x, vecs)), dy, ds)
+  tol = F32_TOL * 10 if dtype == jnp.float32 else BF16_TOL
+  for g, w in zip(jax.tree.leaves(got_out), jax.tree.leaves(want_out)):
+    _assert_close(g, w, tol, "output")
+  for g, w in zip(got_grads, want_grads):
+    if g is not None:
+      _assert_close(g, w, tol, "grad")
+
+
+@pytest.mark.gpu
+def test_gpu_default_picks_the_kernel_where_measured_faster():
+  """implementation=None on a Hopper GPU: the kernel for LayerNorm at the measured shapes,
+  XLA for RMSNorm (measured slower) and outside the measured domain."""
+  from pallas_norm.ops import norms
+  x = jnp.ones((262144, 2048), jnp.bfloat16)
+  assert norms._check(x, None, None, None, 1e-6, None, None, "layer_norm") == "triton"
+  assert norms._check(x, None, None, None, 1e-6, None, None, "rms_norm") == "xla"
+  for other in (x.astype(jnp.float32), jnp.ones((1024, 2048), jnp.bfloat16),
+                jnp.ones((65536, 4096), jnp.bfloat16)):
+    assert norms._check(other, None, None, None, 1e-6, None, None, "layer_norm") == "xla"
+  assert norms._check(x, None, None, x, 1e-6, None, None, "layer_norm") == "xla"
