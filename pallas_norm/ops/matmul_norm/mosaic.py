@@ -28,8 +28,10 @@ Epilogue of one warpgroup (rows r, its CTA's N slice):
    (two passes over registers), RMSNorm ``Σ h²``.
 3. :func:`_cluster_row_stats` exchanges the partials between the CTAs of the cluster through
    distributed shared memory (the only code that differs between c = 1 and c > 1), and every CTA
-   merges the c partials in the same order (Chan et al. for LayerNorm: exact for rows with a
-   large mean, and identical bits in every CTA).
+   merges the c partials in the same order (Chan et al. for LayerNorm: the variance stays exact
+   for rows with a large mean, and the bits are identical in every CTA). The normalization
+   subtracts the merged mean rounded to float32, so y's error grows as ~5e-8·|mean|/std: within
+   2 bf16 ulps of XLA's up to |mean|/std = 1e4 (tested), ~0.05 at 1e6 (the stated domain).
 4. Each CTA normalizes its own slice and stores y (written in place of the residual tile in
    SMEM), h and x̂ (through two 64×64 staging slots), and CTA 0 of the cluster the statistics.
 
