@@ -63,6 +63,7 @@ the per-sample ``k``, ``v`` are split by samples and the offsets are per-shard l
 (:func:`split_jagged`)."""
 
 _JAGGED_OPS = ("gdpa", "flash_norm_attention")
+_OFFSET_ARGS = ("q_offsets", "kv_offsets")
 
 
 def shard_rows(op, mesh=None, axis="data"):
@@ -106,7 +107,9 @@ def shard_rows(op, mesh=None, axis="data"):
     num_shards = math.prod(the_mesh.shape[a] for a in _axis_names(axis))
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    arrays = {k: v for k, v in bound.arguments.items() if _validate.is_array(v)}
+    # NumPy scalars (eps=np.float32(1e-5)) are settings, passed through like Python numbers.
+    arrays = {k: v for k, v in bound.arguments.items()
+              if _validate.is_array(v) and not isinstance(v, np.generic)}
     static = {k: v for k, v in bound.arguments.items() if k not in arrays}
     _check_rows(name, arrays, num_shards, axis)
     if name in _JAGGED_OPS:
@@ -148,7 +151,12 @@ def _check_rows(name, arrays, num_shards, axis) -> None:
     x = arrays.get(arg)
     if x is None:
       continue
-    if x.ndim < 1 or x.shape[0] % num_shards:
+    if arg in _OFFSET_ARGS:
+      continue  # checked by _check_jagged, which says what per-shard offsets look like
+    if x.ndim < 2:  # a 1-D x is one row: its only axis holds the features, not rows
+      raise ValueError(f"{arg}: a row argument needs a leading rows axis and a feature axis "
+                       f"(ndim >= 2), got shape {tuple(x.shape)}; call the op unsharded")
+    if x.shape[0] % num_shards:
       raise ValueError(f"{arg}: its leading axis ({tuple(x.shape)}) must split evenly over the "
                        f"{num_shards} shards of mesh axis {axis!r}")
 

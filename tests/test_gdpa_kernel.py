@@ -256,3 +256,30 @@ def test_flash_norm_attention_chain_through_the_kernel():
   want = jax.grad(loss, argnums=range(4))(q, k, v, ln_scale, "xla")
   for g, w in zip(got, want):
     assert _rel_err(g, w) < TOL
+
+
+def test_edge_calls_found_by_review():
+  """Dense K/V with Lkv = 0 falls back to XLA's zeros in a sequence (the kernel refuses it);
+  a second derivative of the kernel path raises naming gdpa; bad traced offsets give NaN
+  gradients on the XLA path too, also where no row of any sample is left (all q and k, v)."""
+  q = jax.random.normal(jax.random.key(0), (64, 2, 64), jnp.bfloat16)
+  empty_kv = jnp.zeros((2, 0, 2, 64), jnp.bfloat16)
+  off = jnp.array([0, 3, 63], jnp.int32)
+  out = pn.gdpa(q, empty_kv, empty_kv, off, implementation=("interpret", "xla"))
+  assert out.shape == q.shape and not bool(jnp.any(out != 0))
+  assert "Lkv = 0" in mosaic.unsupported_reason(q, empty_kv, None, None, None)
+
+  k = jax.random.normal(jax.random.key(1), (1, 64, 2, 64), jnp.bfloat16)
+  first = lambda q: jnp.sum(pn.gdpa(q, k, k, jnp.array([0, 8], jnp.int32),  # noqa: E731
+                                    implementation="interpret").astype(jnp.float32))
+  with pytest.raises(NotImplementedError, match="gdpa"):
+    jax.grad(lambda q: jnp.sum(jax.grad(first)(q).astype(jnp.float32)))(q[:8])
+
+  kv = jax.random.normal(jax.random.key(2), (16, 2, 64), jnp.bfloat16) / 8
+  loss = lambda q, k, v, o, ko, s: jnp.sum(pn.gdpa(  # noqa: E731
+      q, k, v, o, ko, pre_scale=s, implementation="xla").astype(jnp.float32))
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 5)))(
+      q, kv, kv, jnp.array([0, 40, 30], jnp.int32), jnp.array([0, 0, 13], jnp.int32),
+      jnp.float32(0.9))
+  for g in grads:
+    assert bool(jnp.all(jnp.isnan(g)))

@@ -133,6 +133,9 @@ def test_shard_rows_errors_before_any_device_work():
     sharding.shard_rows(pn.matmul_norm, FOUR)(jnp.ones((8, 64)), w, residual=jnp.ones((6, 64)))
   with pytest.raises(ValueError, match="mesh: none given"):
     sharding.shard_rows(pn.rms_norm)(x)
+  # A 1-D x holds one row's features: splitting it would normalize slices of a row silently.
+  with pytest.raises(ValueError, match=r"x: a row argument needs .* \(ndim >= 2\)"):
+    sharding.shard_rows(pn.rms_norm, FOUR)(jnp.ones((64,)))
 
 
 def test_shard_rows_checks_each_shards_local_offsets():

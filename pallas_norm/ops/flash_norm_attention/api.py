@@ -72,6 +72,9 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
       slower_reason=lambda: gdpa_api.kernel_slower_reason(q, k, kv_offsets, max_kv_len, None))
   block = reference.flash_norm_attention if impl == "xla" else functools.partial(
       _gdpa_kernel_chain, gdpa_implementation=impl)
+  q, k, v, ln_scale, ln_bias, rms_scale = gdpa_api.poison_inputs_if_offsets_invalid(
+      (q, k, v, ln_scale, ln_bias, rms_scale), q_offsets, kv_offsets, q.shape[0], k.shape[0],
+      max_seq_len, max_kv_len)
   out = block(q, k, v, q_offsets, kv_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
               rms_scale=rms_scale, activation=activation, pre_scale=pre_scale,
               post_scale=post_scale, eps=eps, max_seq_len=max_seq_len, max_kv_len=max_kv_len,

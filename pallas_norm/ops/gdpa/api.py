@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from pallas_norm import _dispatch, _validate, reference
+from pallas_norm import _dispatch, _op, _validate, reference
 from pallas_norm.ops.gdpa import mosaic, mosaic_bwd, xla
 
 _F32 = jnp.float32
@@ -107,6 +107,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
                                                              out_dtype),
       slower_reason=lambda: kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype))
   if impl == "xla":
+    q, k, v, pre_scale, post_scale = poison_inputs_if_offsets_invalid(
+        (q, k, v, pre_scale, post_scale), q_offsets, kv_offsets, q.shape[0], k.shape[0],
+        max_seq_len, max_kv_len)
     out = xla.gdpa(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, activation=activation,
                    max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=out_dtype)
     return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
@@ -177,9 +180,10 @@ def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_se
                      max_kv_len, out_dtype, interpret, scale_grads):
   del max_seq_len, scale_grads  # the kernel's work list comes from the offsets themselves
   q_offsets, kv_offsets = offsets[:2]
-  out = mosaic.gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale,
-                        activation=activation, max_kv_len=max_kv_len, out_dtype=out_dtype,
-                        interpret=interpret)
+  forward = functools.partial(mosaic.gdpa_fwd, activation=activation, max_kv_len=max_kv_len,
+                              out_dtype=out_dtype, interpret=interpret)
+  out = _op.first_order_only("gdpa", forward, q, k, v, q_offsets, kv_offsets, pre_scale,
+                             post_scale)
   return out, (q, k, v, pre_scale, post_scale, offsets)
 
 
@@ -191,12 +195,19 @@ def _kernel_bwd_rule(activation, max_seq_len, max_kv_len, out_dtype, interpret, 
   kw = dict(activation=activation, pre_scale=pre_scale, post_scale=post_scale,
             max_seq_len=max_seq_len, max_kv_len=max_kv_len, interpret=interpret)
   if mosaic_bwd.unsupported_reason(q, k, v, kv_offsets, max_seq_len, max_kv_len) is None:
-    dq, dk, dv, d_pre, d_post = mosaic_bwd.gdpa_bwd(q, k, v, q_offsets, kv_offsets, d_out,
-                                                    scale_grads=scale_grads, **kw)
+    def backward(q, k, v, q_offsets, kv_offsets, d_out):
+      grads = mosaic_bwd.gdpa_bwd(q, k, v, q_offsets, kv_offsets, d_out,
+                                  scale_grads=scale_grads, **kw)
+      if grads[3] is None:  # numbers given by the caller: constants, cotangents dropped
+        grads = (*grads[:3], jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale))
+      return grads
+    dq, dk, dv, d_pre, d_post = _op.first_order_only("gdpa", backward, q, k, v, q_offsets,
+                                                     kv_offsets, d_out)
   else:  # shapes the backward kernel refuses: JAX's VJP of the XLA path
     dq, dk, dv, d_pre, d_post = _xla_backward(q, k, v, q_offsets, kv_offsets, d_out, **kw)
-  if d_pre is None:  # numbers given by the caller: constants, their cotangents are dropped
-    d_pre, d_post = jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale)
+  # Scales poisoned for bad traced offsets (NaN) give NaN scale gradients, whatever was masked.
+  d_pre = jnp.where(jnp.isnan(pre_scale), pre_scale, d_pre)
+  d_post = jnp.where(jnp.isnan(post_scale), post_scale, d_post)
   return dq, dk, dv, d_pre, d_post, None
 
 
@@ -231,6 +242,18 @@ def poison_if_offsets_invalid(out, q_offsets, kv_offsets, capacity, kv_capacity,
   if bad is None:
     return out
   return _validate.poison_if_invalid(out, bad, OFFSETS_INVALID_MESSAGE)
+
+
+def poison_inputs_if_offsets_invalid(inputs, q_offsets, kv_offsets, capacity, kv_capacity,
+                                     max_seq_len, max_kv_len):
+  """``inputs`` (q, k, v, scales, ...) poisoned like :func:`poison_if_offsets_invalid`, so that
+  their gradients are NaN too: masks downstream (rows outside every sample under bad offsets)
+  would otherwise send exact zeros back. Python-number scales stay numbers (no gradient)."""
+  bad = _offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len)
+  if bad is None:
+    return inputs
+  return tuple(a if a is None or not _validate.is_array(a) else
+               _validate.poison_if_invalid(a, bad, OFFSETS_INVALID_MESSAGE) for a in inputs)
 
 
 def _offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len):

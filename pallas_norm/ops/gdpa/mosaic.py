@@ -104,6 +104,8 @@ def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
   head_dim = q.shape[2]
   if head_dim not in _HEAD_DIMS:
     return f"head dim D = {head_dim} is not one of {_HEAD_DIMS}"
+  if kv_offsets is None and k.shape[1] == 0:
+    return "dense K/V length Lkv = 0 (no keys: XLA returns the zeros)"
   if kv_offsets is None and k.shape[1] % 64:
     return f"dense K/V length Lkv = {k.shape[1]} is not a multiple of 64"
   if q.shape[0] % ALIGN or (kv_offsets is not None and k.shape[0] % ALIGN):
