@@ -213,3 +213,14 @@ def test_gpu_default_picks_the_kernel_where_measured_faster():
                 jnp.ones((65536, 4096), jnp.bfloat16)):
     assert norms._check(other, None, None, None, 1e-6, None, None, "layer_norm") == "xla"
   assert norms._check(x, None, None, x, 1e-6, None, None, "layer_norm") == "xla"
+
+
+def test_second_order_raises_naming_the_op():
+  """The kernel path is first-order reverse mode only: a gradient of a gradient names the op
+  and the fix (it was a bare AssertionError from inside Pallas)."""
+  x = jax.random.normal(jax.random.key(0), (2, 64), jnp.bfloat16)
+  import pallas_norm as pn
+  first = lambda x: jnp.sum(pn.layer_norm(x, implementation="interpret").astype(jnp.float32))  # noqa: E731
+  assert jax.grad(first)(x).shape == x.shape
+  with pytest.raises(NotImplementedError, match="layer_norm"):
+    jax.grad(lambda x: jnp.sum(jax.grad(first)(x).astype(jnp.float32)))(x)

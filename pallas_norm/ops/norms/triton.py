@@ -35,6 +35,7 @@ import math
 import jax
 from jax import lax
 import jax.numpy as jnp
+from pallas_norm import _op
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -329,7 +330,9 @@ def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, saved, c
   gamma = _applied_scale(scale, zero_centered_scale, jnp.float32)
   tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
   inputs = tiles + ([gamma] if ops.gamma else []) + list(stats)
-  ds, dscale, dbias = _backward_call(ops, m, n, x.dtype, interpret, inputs)
+  op_name = "rms_norm" if norm == "rms" else "layer_norm"
+  ds, dscale, dbias = _op.first_order_only(
+      op_name, lambda *a: _backward_call(ops, m, n, x.dtype, interpret, list(a)), *inputs)
   ds = ds.reshape(x.shape)
   return (ds, None if scale is None else dscale.astype(scale.dtype),
           None if bias is None else dbias.astype(bias.dtype),
