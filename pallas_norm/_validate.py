@@ -44,6 +44,17 @@ def float_array(name: str, x, *, ndim: int | None = None, min_ndim: int = 1) -> 
     raise ValueError(f"{name} has an empty feature axis: shape {tuple(x.shape)}")
 
 
+def matmul_operands(x, w) -> None:
+  """x (..., K) and w (K, N) of a GEMM op: float arrays of one dtype with matching K."""
+  float_array("x", x)
+  float_array("w", w, ndim=2)
+  if w.shape[0] != x.shape[-1]:
+    raise ValueError(f"w must have shape (K, N) with K = x.shape[-1] = {x.shape[-1]}, "
+                     f"got {tuple(w.shape)}")
+  if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+    raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+
+
 def optional_vector(name: str, v, size: int) -> None:
   if v is None:
     return

@@ -96,10 +96,11 @@ def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, ln_scale, ln_bias, rms
   qf = jnp.where(jagged.valid_mask(q_offsets, t)[:, None], qf, 0)  # padding rows: never data
   ln_stats = reference._row_stats(qf, "layer", eps)
   u = reference._normalize(qf, ln_stats, ln_scale, ln_bias, False)
-  attn = gdpa_api.gdpa(u.astype(q.dtype).reshape(t, h, d), k, v, q_offsets, kv_offsets,
-                       activation=activation, pre_scale=pre_scale, post_scale=post_scale,
-                       max_seq_len=max_seq_len, max_kv_len=max_kv_len,
-                       implementation=gdpa_implementation)
+  attn = gdpa_api.kernel_path(u.astype(q.dtype).reshape(t, h, d), k, v, q_offsets, kv_offsets,
+                              activation=activation, pre_scale=pre_scale,
+                              post_scale=post_scale, max_seq_len=max_seq_len,
+                              max_kv_len=max_kv_len, out_dtype=None,
+                              implementation=gdpa_implementation)
   z = u + attn.reshape(t, h * d).astype(jnp.float32)
   rms_stats = reference._row_stats(z, "rms", eps)
   out = reference._normalize(z, rms_stats, rms_scale, None, False) + qf

@@ -114,6 +114,16 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
                    max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=out_dtype)
     return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
                                      max_seq_len, max_kv_len)
+  return kernel_path(q, k, v, q_offsets, kv_offsets, activation=activation,
+                     pre_scale=pre_scale, post_scale=post_scale, max_seq_len=max_seq_len,
+                     max_kv_len=max_kv_len, out_dtype=out_dtype, implementation=impl)
+
+
+def kernel_path(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
+                max_seq_len, max_kv_len, out_dtype, implementation):
+  """:func:`gdpa` after validation and the choice of a kernel implementation ("mosaic" or
+  "interpret"): bad traced offsets poisoned, then the kernels' ``custom_vjp``. For callers that
+  validated and chose already (``flash_norm_attention``'s chain)."""
   scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
   pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
   offsets = (q_offsets, kv_offsets, q_offsets, kv_offsets)  # forward's, then backward's
@@ -122,7 +132,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
     offsets, pre_scale, post_scale = _poisoned(bad, offsets, pre_scale, post_scale, q.shape[0],
                                                k.shape[0], max_seq_len, max_kv_len)
   return _kernel_gdpa(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
-                      max_kv_len, jnp.dtype(out_dtype or q.dtype), impl == "interpret",
+                      max_kv_len, jnp.dtype(out_dtype or q.dtype), implementation == "interpret",
                       scale_grads)
 
 

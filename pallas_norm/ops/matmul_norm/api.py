@@ -94,13 +94,7 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
 
 def check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype) -> None:
   """Validates the arguments of :func:`matmul_norm` (shared with the Flax layer)."""
-  _validate.float_array("x", x)
-  _validate.float_array("w", w, ndim=2)
-  if w.shape[0] != x.shape[-1]:
-    raise ValueError(f"w must have shape (K, N) with K = x.shape[-1] = {x.shape[-1]}, "
-                     f"got {tuple(w.shape)}")
-  if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
-    raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+  _validate.matmul_operands(x, w)
   n = w.shape[1]
   _validate.optional_vector("dense_bias", dense_bias, n)
   _validate.same_shape("residual", residual, x.shape[:-1] + (n,))

@@ -93,13 +93,7 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
 
 def check_args(x, w, scale, norm_bias, norm, eps, out_dtype) -> None:
   """Validates the arguments of :func:`norm_matmul` (shared with the Flax layer)."""
-  _validate.float_array("x", x)
-  _validate.float_array("w", w, ndim=2)
-  if w.shape[0] != x.shape[-1]:
-    raise ValueError(f"w must have shape (K, N) with K = x.shape[-1] = {x.shape[-1]}, "
-                     f"got {tuple(w.shape)}")
-  if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
-    raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+  _validate.matmul_operands(x, w)
   _validate.optional_vector("scale", scale, x.shape[-1])
   _validate.optional_vector("norm_bias", norm_bias, x.shape[-1])
   _validate.norm_kind(norm)
