@@ -224,7 +224,7 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   tile is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
   as many pipeline stages as SMEM holds (at most 4). With one N tile per CTA (N ≤ 2048) the
   K loops run on the shared ring (``pipeline="ring"``, no WGMMA in flight). H200, session 8
-  (``benchmarks/results/dev/2026-12-01_s8_matmul_norm_ring_ab.log``, same bits as Pallas's
+  (``git show 002e419:benchmarks/results/dev/2026-12-01_s8_matmul_norm_ring_ab.log``, same bits as Pallas's
   pipeline): LayerNorm at 262144×512×{512, 1024, 2048} 316 / 752 / 1466 → 271 / 578 / 1177
   µs (y only), with a residual and h 475 / 1077 / 2123 → 442 / 917 / 1897; one WGMMA in
   flight was slower with a residual (2 stages). With several N tiles per CTA the suite measured

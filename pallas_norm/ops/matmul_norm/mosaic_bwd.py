@@ -30,7 +30,7 @@ the one-hot's zero rows makes the same column of every other 64-column chunk NaN
 non-finite either way). No reduction crosses warps, so the kernel needs no Mosaic
 reduction scratch (``reduction_scratch_bytes=0``): that scratch is one buffer per kernel, and
 two warpgroups reducing across warps at once corrupt each other's sums (session 6,
-``benchmarks/dev/colsum_layouts.py``).
+``git show 002e419:benchmarks/dev/colsum_layouts.py``).
 
 Measured on the H200 (``benchmarks/gpu_norm_backward.py``, session 7; 262144 rows, bf16, µs,
 kernel vs XLA's passes): RMSNorm (dscale) 297 / 351 at N = 512, 591 / 681 at 1024; LayerNorm
@@ -71,7 +71,7 @@ WG_ROWS = 64  # rows of one consumer warpgroup (the WGMMA register layout)
 CONSUMERS = 2
 """Consumer warpgroups, each owning a (64, 64) part of every step. Two are safe because the
 column sums never go through Mosaic's cross-warp reductions (whose one SMEM scratch buffer per kernel
-two warpgroups would share: wrong sums on the H200, ``benchmarks/dev/colsum_layouts.py``)."""
+two warpgroups would share: wrong sums on the H200, ``git show 002e419:benchmarks/dev/colsum_layouts.py``)."""
 CHUNK = 64
 """Columns of a warpgroup's tile per step: one 128-byte swizzle span of 16-bit values (128
 would leave one pipeline stage next to the staging and output tiles)."""

@@ -53,7 +53,7 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   64-wide stage. :func:`pick_config` takes 32-wide steps for the fused row terms.
 
   Measured on the H200 (2026-11-30, bf16, CUPTI, two runs;
-  ``benchmarks/results/dev/2026-11-30_dx_fused_row_terms_timing.log``), against today's path
+  ``git show 002e419:benchmarks/results/dev/2026-11-30_dx_fused_row_terms_timing.log``), against today's path
   (the XLA pass, ~125 µs, then the dx kernel): 262144×512²: 0.92-0.94× LayerNorm (392 vs 424
   µs), 0.88-0.90× RMSNorm (366 vs 413); 65536×2048²: 1.25-1.27× LayerNorm (1135-1150 vs 907),
   1.14-1.23× RMSNorm: faster where a row block has 2 column tiles, slower with 8. The in-loop
