@@ -112,6 +112,25 @@ def test_streamed_kv_ring_wraps():
          config=configs.Config(block_kv=64, q_stages=1, kv_stages=2))
 
 
+def test_persistent_rounds_dense_kv():
+  """Many items per CTA (2 persistent CTAs in interpret mode, 2 heads, 9 samples): the next
+  item's K/V loaded into the other of two buffers while the current one runs, buffers reused
+  (the producer waits for both consumers' release), items with one q block (consumer 1 idle),
+  an empty sample, and ring positions carried across items."""
+  q, k, v, qo, _ = _problem(11, [70, 5, 64, 1, 0, 33, 130, 9, 17], 2, 64, lkv=128)
+  _check(q, k, v, qo, None, activation="silu", pre_scale=0.9,
+         config=configs.Config(block_kv=64, q_stages=1, kv_buffers=2))
+
+
+def test_persistent_rounds_jagged_kv_one_buffer():
+  """As above with jagged K/V (odd offsets, an empty K/V sample) and one K/V buffer (the next
+  load waits for the current item's release): the V edges zeroed per item in the shared
+  buffer."""
+  q, k, v, qo, ko = _problem(12, [9, 66, 3, 40, 1, 12], 2, 64, kv_lens=[3, 70, 0, 17, 64, 5])
+  _check(q, k, v, qo, ko, activation="fast_gelu", max_kv_len=70,
+         config=configs.Config(block_kv=64, q_stages=1, kv_buffers=1))
+
+
 def test_public_op_kernel_path_grads():
   """pn.gdpa with implementation="interpret": forward and backward by the kernels (the
   custom_vjp) give the XLA path's gradients, traced pre/post scales included."""
