@@ -6,22 +6,29 @@ softmax, keys past a sample's length masked to exactly zero.
 Work schedule (built in XLA from the offsets, traced or not, before the launch): one work item
 per (segment, head), where a segment is a sample (its q rows and its K/V) or a chunk of the
 padding rows past ``q_offsets[-1]`` (no keys: the kernel writes zeros there itself). Items are
-ordered by q length, longest first, so the long samples start in the first wave and the short
-ones fill the tail; the grid is that list (static size), and an empty item exits at once. So the
-work scales with the real tokens, not with B · max_seq_len.
+ordered by q length, longest first. So the work scales with the real tokens, not with
+B · max_seq_len.
 
-One CTA per item, three warpgroups in the layout of JAX's ``attention_mgpu.py``:
+The grid is persistent: one CTA per SM walks the items in rounds, round r taking item
+``r · CTAs + c`` for CTA c on even rounds and ``r · CTAs + (CTAs - 1 - c)`` on odd ones (a
+zig-zag, so with the items longest first every CTA gets a similar sum of lengths). A CTA has
+three warpgroups in the layout of JAX's ``attention_mgpu.py``; the ring positions of its
+barriers carry across the items, so one item's tail overlaps the next one's start:
 
-* warpgroup 2, the TMA producer: loads the item's K and V into SMEM once (they stay resident for
-  all of the sample's q blocks), then streams the q blocks, ``BLOCK_Q`` rows each, through a
-  ring of ``q_stages`` slots per consumer. Mosaic's tiled TMA (the layout WGMMA reads from SMEM)
-  needs GMEM row starts on the 8-row grid, so a sample's rows are read through a window that
-  starts at the aligned row at or before its first row (:data:`ALIGN`); the rows of the window
-  outside the sample belong to other samples or to padding and are never stored;
+* warpgroup 2, the TMA producer: per item, streams the q blocks, ``BLOCK_Q`` rows each, through
+  a ring of ``q_stages`` slots per consumer, and loads the *next* item's K and V into the other
+  of two SMEM buffers once the current item's first pair of q blocks is issued (they stay
+  resident for all of that sample's q blocks; a buffer is reloaded when both consumers have
+  released it). With one buffer (``Config.kv_buffers``) the next load follows the item's last q
+  block. Mosaic's tiled TMA (the layout WGMMA reads from SMEM) needs GMEM row starts on the
+  8-row grid, so a sample's rows are read through a window that starts at the aligned row at or
+  before its first row (:data:`ALIGN`); the rows of the window outside the sample belong to
+  other samples or to padding and are never stored;
 * warpgroups 0 and 1, the consumers, take the q blocks in turn (block i goes to i % 2). Per
   block and per ``block_kv`` keys: S = Q Kᵀ with WGMMA (f32 accumulator), ``act(pre_scale · S)``
   in registers, keys past the sample's length set to 0 with a select, P in q's dtype,
-  O += P V with WGMMA; ``post_scale · O`` in the epilogue.
+  O += P V with WGMMA; ``post_scale · O`` in the epilogue, whose TMA stores run while the
+  consumer starts its next block or item.
 
 The epilogue writes only the rows that belong to the item's segment (a q block may straddle
 other samples or the end of the array): the tile goes to SMEM in 128-byte column chunks with the
