@@ -113,11 +113,12 @@ def test_streamed_kv_ring_wraps():
 
 
 def test_persistent_rounds_dense_kv():
-  """Many items per CTA (2 persistent CTAs in interpret mode, 2 heads, 9 samples): the next
-  item's K/V loaded into the other of two buffers while the current one runs, buffers reused
-  (the producer waits for both consumers' release), items with one q block (consumer 1 idle),
-  an empty sample, and ring positions carried across items."""
-  q, k, v, qo, _ = _problem(11, [70, 5, 64, 1, 0, 33, 130, 9, 17], 2, 64, lkv=128)
+  """Many items per CTA (2 persistent CTAs in interpret mode, 9 samples and a padding chunk):
+  the next item's K/V loaded into the other of two buffers while the current one runs, buffers
+  reused (the producer waits for both consumers' release), items with one q block (consumer 1
+  idle), an empty sample, and ring positions carried across items."""
+  q, k, v, qo, _ = _problem(11, [70, 5, 64, 1, 0, 33, 130, 9, 17], 1, 64, lkv=128,
+                            capacity=344)
   _check(q, k, v, qo, None, activation="silu", pre_scale=0.9,
          config=configs.Config(block_kv=64, q_stages=1, kv_buffers=2))
 
@@ -126,7 +127,8 @@ def test_persistent_rounds_jagged_kv_one_buffer():
   """As above with jagged K/V (odd offsets, an empty K/V sample) and one K/V buffer (the next
   load waits for the current item's release): the V edges zeroed per item in the shared
   buffer."""
-  q, k, v, qo, ko = _problem(12, [9, 66, 3, 40, 1, 12], 2, 64, kv_lens=[3, 70, 0, 17, 64, 5])
+  q, k, v, qo, ko = _problem(12, [9, 66, 3, 40, 1, 12, 7], 1, 64,
+                               kv_lens=[3, 70, 0, 17, 64, 5, 9])
   _check(q, k, v, qo, ko, activation="fast_gelu", max_kv_len=70,
          config=configs.Config(block_kv=64, q_stages=1, kv_buffers=1))
 
