@@ -105,9 +105,10 @@ def test_jagged_kv_f16_unaligned_offsets():
 def test_streamed_kv_ring_wraps():
   """K/V streamed per q block (the path for K/V windows too long for SMEM): 3 q blocks over 2
   consumers, 150 keys (rows 3..152, off the 8-row grid at both ends, NaN padding after them)
-  in 3 blocks through 2-slot rings, so the producer waits on the consumers' releases; float32
+  in 3 blocks through 2-slot rings, so the producer waits on the consumers' releases; more
+  samples with keys than the 2 CTAs, so the rings' positions carry across items; float32
   output."""
-  q, k, v, qo, ko = _problem(9, [4, 129], 1, 64, kv_lens=[3, 150])
+  q, k, v, qo, ko = _problem(9, [4, 129, 9, 30, 1], 1, 64, kv_lens=[3, 150, 66, 1, 70])
   _check(q, k, v, qo, ko, activation="relu2", max_kv_len=160, out_dtype=jnp.float32,
          config=configs.Config(block_kv=64, q_stages=1, kv_stages=2))
 
