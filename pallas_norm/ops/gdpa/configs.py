@@ -55,8 +55,8 @@ def resident_kv_len(kv_len_bound: int) -> int:
 
 
 def smem_bytes(kv_rows: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
-  """SMEM of one CTA: K and V (resident, or each consumer's ring), each consumer's q ring, P
-  tile and output tile."""
+  """SMEM of one CTA: K and V (``kv_buffers`` resident windows, or each consumer's ring), each
+  consumer's q ring, P tile and output tile."""
   item = jnp.dtype(dtype).itemsize
   kv_blocks = (cfg.kv_buffers * kv_rows if cfg.kv_stages is None
                else 2 * cfg.kv_stages * cfg.block_kv)
