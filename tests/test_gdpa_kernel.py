@@ -105,11 +105,33 @@ def test_jagged_kv_f16_unaligned_offsets():
 def test_streamed_kv_ring_wraps():
   """K/V streamed per q block (the path for K/V windows too long for SMEM): 3 q blocks over 2
   consumers, 150 keys (rows 3..152, off the 8-row grid at both ends, NaN padding after them)
-  in 3 blocks through 2-slot rings, so the producer waits on the consumers' releases; float32
+  in 3 blocks through 2-slot rings, so the producer waits on the consumers' releases; more
+  samples with keys than the 2 CTAs, so the rings' positions carry across items; float32
   output."""
-  q, k, v, qo, ko = _problem(9, [4, 129], 1, 64, kv_lens=[3, 150])
+  q, k, v, qo, ko = _problem(9, [4, 129, 9, 30, 1], 1, 64, kv_lens=[3, 150, 66, 1, 70])
   _check(q, k, v, qo, ko, activation="relu2", max_kv_len=160, out_dtype=jnp.float32,
          config=configs.Config(block_kv=64, q_stages=1, kv_stages=2))
+
+
+def test_persistent_rounds_dense_kv():
+  """Many items per CTA (2 persistent CTAs in interpret mode, 9 samples and a padding chunk):
+  the next item's K/V loaded into the other of two buffers while the current one runs, buffers
+  reused (the producer waits for both consumers' release), items with one q block (consumer 1
+  idle), an empty sample, and ring positions carried across items."""
+  q, k, v, qo, _ = _problem(11, [70, 5, 64, 1, 0, 33, 130, 9, 17], 1, 64, lkv=128,
+                            capacity=344)
+  _check(q, k, v, qo, None, activation="silu", pre_scale=0.9,
+         config=configs.Config(block_kv=64, q_stages=1, kv_buffers=2))
+
+
+def test_persistent_rounds_jagged_kv_one_buffer():
+  """As above with jagged K/V (odd offsets, an empty K/V sample) and one K/V buffer (the next
+  load waits for the current item's release): the V edges zeroed per item in the shared
+  buffer."""
+  q, k, v, qo, ko = _problem(12, [9, 66, 3, 40, 1, 12, 7], 1, 64,
+                               kv_lens=[3, 70, 0, 17, 64, 5, 9])
+  _check(q, k, v, qo, ko, activation="fast_gelu", max_kv_len=70,
+         config=configs.Config(block_kv=64, q_stages=1, kv_buffers=1))
 
 
 def test_public_op_kernel_path_grads():

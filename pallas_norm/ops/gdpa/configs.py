@@ -28,11 +28,14 @@ class Config:
     kv_stages: None: a (sample, head)'s K/V window stays resident in SMEM for all its q blocks
       (loaded once). An int (>= 2): K/V are streamed per q block through a ring of that many
       key blocks per consumer (any K/V length; each q block re-reads them, mostly from L2).
+    kv_buffers: resident K/V buffers, 1 or 2: with 2 the producer loads the next work item's
+      K/V while the consumers run the current one. Ignored when K/V are streamed.
   """
 
   block_kv: int = 64
   q_stages: int = 2
   kv_stages: int | None = None
+  kv_buffers: int = 2
 
   def __post_init__(self):
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -41,6 +44,8 @@ class Config:
       raise ValueError(f"q_stages must be >= 1, got {self.q_stages}")
     if self.kv_stages is not None and self.kv_stages < 2:
       raise ValueError(f"kv_stages must be None or >= 2, got {self.kv_stages}")
+    if self.kv_buffers not in (1, 2):
+      raise ValueError(f"kv_buffers must be 1 or 2, got {self.kv_buffers}")
 
 
 def resident_kv_len(kv_len_bound: int) -> int:
@@ -50,10 +55,11 @@ def resident_kv_len(kv_len_bound: int) -> int:
 
 
 def smem_bytes(kv_rows: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
-  """SMEM of one CTA: K and V (resident, or each consumer's ring), each consumer's q ring, P
-  tile and output tile."""
+  """SMEM of one CTA: K and V (``kv_buffers`` resident windows, or each consumer's ring), each
+  consumer's q ring, P tile and output tile."""
   item = jnp.dtype(dtype).itemsize
-  kv_blocks = kv_rows if cfg.kv_stages is None else 2 * cfg.kv_stages * cfg.block_kv
+  kv_blocks = (cfg.kv_buffers * kv_rows if cfg.kv_stages is None
+               else 2 * cfg.kv_stages * cfg.block_kv)
   kv = 2 * kv_blocks * head_dim * item
   q = 2 * cfg.q_stages * BLOCK_Q * head_dim * item
   p = 2 * BLOCK_Q * cfg.block_kv * item
@@ -62,11 +68,14 @@ def smem_bytes(kv_rows: int, head_dim: int, dtype, out_dtype, cfg: Config) -> in
 
 
 def pick_config(kv_rows: int, head_dim: int, dtype, out_dtype) -> Config | None:
-  """Resident K/V when they fit: the widest key step that divides the window and the most q
-  stages (2, then 1) that fit in SMEM. Otherwise K/V streamed through 2-slot rings of 64-key
-  blocks. None when nothing fits."""
+  """Resident K/V when they fit, double-buffered if possible: two K/V buffers with the widest
+  key step that divides the window and 2 q stages, then 1, then key steps of 64 (a smaller P
+  tile); else one K/V buffer (2, then 1 q stages). Otherwise K/V streamed through 2-slot rings
+  of 64-key blocks. None when nothing fits."""
   block_kv = 128 if kv_rows % 128 == 0 else 64
   candidates = [Config(block_kv=block_kv, q_stages=stages) for stages in (2, 1)]
+  candidates += [Config(block_kv=64, q_stages=1)]
+  candidates += [Config(block_kv=block_kv, q_stages=stages, kv_buffers=1) for stages in (2, 1)]
   candidates += [Config(block_kv=64, q_stages=stages, kv_stages=2) for stages in (2, 1)]
   for cfg in candidates:
     if smem_bytes(kv_rows, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:

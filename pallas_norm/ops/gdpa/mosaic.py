@@ -6,22 +6,29 @@ softmax, keys past a sample's length masked to exactly zero.
 Work schedule (built in XLA from the offsets, traced or not, before the launch): one work item
 per (segment, head), where a segment is a sample (its q rows and its K/V) or a chunk of the
 padding rows past ``q_offsets[-1]`` (no keys: the kernel writes zeros there itself). Items are
-ordered by q length, longest first, so the long samples start in the first wave and the short
-ones fill the tail; the grid is that list (static size), and an empty item exits at once. So the
-work scales with the real tokens, not with B · max_seq_len.
+ordered by q length, longest first. So the work scales with the real tokens, not with
+B · max_seq_len.
 
-One CTA per item, three warpgroups in the layout of JAX's ``attention_mgpu.py``:
+The grid is persistent: one CTA per SM walks the items in rounds, round r taking item
+``r · CTAs + c`` for CTA c on even rounds and ``r · CTAs + (CTAs - 1 - c)`` on odd ones (a
+zig-zag, so with the items longest first every CTA gets a similar sum of lengths). A CTA has
+three warpgroups in the layout of JAX's ``attention_mgpu.py``; the ring positions of its
+barriers carry across the items, so one item's tail overlaps the next one's start:
 
-* warpgroup 2, the TMA producer: loads the item's K and V into SMEM once (they stay resident for
-  all of the sample's q blocks), then streams the q blocks, ``BLOCK_Q`` rows each, through a
-  ring of ``q_stages`` slots per consumer. Mosaic's tiled TMA (the layout WGMMA reads from SMEM)
-  needs GMEM row starts on the 8-row grid, so a sample's rows are read through a window that
-  starts at the aligned row at or before its first row (:data:`ALIGN`); the rows of the window
-  outside the sample belong to other samples or to padding and are never stored;
+* warpgroup 2, the TMA producer: per item, streams the q blocks, ``BLOCK_Q`` rows each, through
+  a ring of ``q_stages`` slots per consumer, and loads the *next* item's K and V into the other
+  of two SMEM buffers once the current item's first pair of q blocks is issued (they stay
+  resident for all of that sample's q blocks; a buffer is reloaded when both consumers have
+  released it). With one buffer (``Config.kv_buffers``) the next load follows the item's last q
+  block. Mosaic's tiled TMA (the layout WGMMA reads from SMEM) needs GMEM row starts on the
+  8-row grid, so a sample's rows are read through a window that starts at the aligned row at or
+  before its first row (:data:`ALIGN`); the rows of the window outside the sample belong to
+  other samples or to padding and are never stored;
 * warpgroups 0 and 1, the consumers, take the q blocks in turn (block i goes to i % 2). Per
   block and per ``block_kv`` keys: S = Q Kᵀ with WGMMA (f32 accumulator), ``act(pre_scale · S)``
   in registers, keys past the sample's length set to 0 with a select, P in q's dtype,
-  O += P V with WGMMA; ``post_scale · O`` in the epilogue.
+  O += P V with WGMMA; ``post_scale · O`` in the epilogue, whose TMA stores run while the
+  consumer starts its next block or item.
 
 The epilogue writes only the rows that belong to the item's segment (a q block may straddle
 other samples or the end of the array): the tile goes to SMEM in 128-byte column chunks with the
@@ -204,16 +211,20 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
   cfg = config or configs.pick_config(rows, head_dim, q.dtype, out_dtype)
   if rows % cfg.block_kv:
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide the K/V window of {rows} rows")
-  plan = _Plan(num_heads=num_heads, block_kv=cfg.block_kv, q_stages=cfg.q_stages,
-               kv_stages=cfg.kv_stages, kv_chunks=rows // cfg.block_kv,
-               jagged_kv=kv_offsets is not None, act=KERNEL_ACTIVATIONS[activation])
   table = work_items(q_offsets, kv_offsets, capacity, k.shape[0], rows)
+  num_items = table.shape[0] * num_heads
+  num_ctas = max(1, min(mgpu.num_sms(interpret), num_items))
+  plan = _Plan(num_heads=num_heads, num_segments=table.shape[0], num_ctas=num_ctas,
+               rounds=-(-num_items // num_ctas), block_kv=cfg.block_kv, q_stages=cfg.q_stages,
+               kv_stages=cfg.kv_stages, kv_buffers=cfg.kv_buffers,
+               kv_chunks=rows // cfg.block_kv, jagged_kv=kv_offsets is not None,
+               act=KERNEL_ACTIVATIONS[activation])
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=jax.ShapeDtypeStruct((capacity, num_heads, head_dim), out_dtype),
-      grid=(table.shape[0] * num_heads,),
-      grid_names=("item",),
+      grid=(num_ctas,),
+      grid_names=("cta",),
       num_threads=3,
       thread_name="wg",
       scratch_types=_scratch(plan, head_dim, q.dtype, out_dtype),
@@ -226,14 +237,20 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """Static facts of one kernel build. ``kv_stages`` None: a (sample, head)'s K/V are resident
-  in ``kv_chunks`` blocks of ``block_kv`` rows; else they stream per q block through a ring of
-  that many slots per consumer."""
+  """Static facts of one kernel build. ``num_ctas`` persistent CTAs walk the
+  ``num_segments · num_heads`` work items in ``rounds`` rounds. ``kv_stages`` None: a (sample,
+  head)'s K/V are resident in ``kv_chunks`` blocks of ``block_kv`` rows, in one of
+  ``kv_buffers`` buffers; else they stream per q block through a ring of that many slots per
+  consumer."""
 
   num_heads: int
+  num_segments: int
+  num_ctas: int
+  rounds: int
   block_kv: int
   q_stages: int
   kv_stages: int | None
+  kv_buffers: int
   kv_chunks: int
   jagged_kv: bool
   act: Callable
@@ -243,15 +260,15 @@ def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
   transforms = mgpu.swizzle_transforms(head_dim, dtype)
   chunks = max(1, head_dim * out_dtype.itemsize // 128)  # 128-byte column chunks of the output
   if plan.kv_stages is None:
-    kv_shape, kv_barriers = (plan.kv_chunks,), plan.kv_chunks
+    kv_shape = (plan.kv_buffers, plan.kv_chunks)
+    kv_free = plgpu.Barrier(num_arrivals=2, num_barriers=plan.kv_buffers)  # both consumers
   else:
-    kv_shape, kv_barriers = (2, plan.kv_stages), 2 * plan.kv_stages
+    kv_shape = (2, plan.kv_stages)
+    kv_free = plgpu.Barrier(num_barriers=2 * plan.kv_stages)
   kv_smem = lambda: plgpu.SMEM(kv_shape + (plan.block_kv, head_dim), dtype,  # noqa: E731
                                transforms=transforms)
-  streamed = {} if plan.kv_stages is None else dict(
-      kv_free=plgpu.Barrier(num_barriers=kv_barriers))
+  kv_barriers = kv_shape[0] * kv_shape[1]
   return dict(
-      **streamed,
       q_smem=plgpu.SMEM((2, plan.q_stages, BLOCK_Q, head_dim), dtype, transforms=transforms),
       k_smem=kv_smem(),
       v_smem=kv_smem(),
@@ -259,18 +276,20 @@ def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
                         transforms=mgpu.swizzle_transforms(plan.block_kv, dtype)),
       o_smem=plgpu.SMEM((2, chunks, BLOCK_Q, head_dim // chunks), out_dtype,
                         transforms=mgpu.swizzle_transforms(head_dim // chunks, out_dtype,
-                                                                  tiled=False)),
+                                                           tiled=False)),
       q_ready=plgpu.Barrier(num_barriers=2 * plan.q_stages),
       q_free=plgpu.Barrier(num_barriers=2 * plan.q_stages),
       k_ready=plgpu.Barrier(num_barriers=kv_barriers),
       v_ready=plgpu.Barrier(num_barriers=kv_barriers),
+      kv_free=kv_free,
       v_edges_zeroed=plgpu.Barrier(),
   )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Item:
-  """One CTA's work item, read from the table: a segment's rows and keys, and the head."""
+  """A work item, read from the table: a segment's rows and keys, and the head. Past the last
+  item (the final round of some CTAs) every count is 0."""
 
   head: jax.Array
   q_win: jax.Array
@@ -283,92 +302,138 @@ class _Item:
   kv_steps: jax.Array
 
   @classmethod
-  def read(cls, table_ref, plan: _Plan):
-    item = lax.axis_index("item")
-    segment = lax.div(item, plan.num_heads)
+  def read(cls, table_ref, plan: _Plan, round_):
+    """The item of this CTA in round ``round_``: rounds alternate direction over the CTAs
+    (zig-zag), so with the items sorted longest first every CTA gets a similar sum."""
+    cta = lax.axis_index("cta")
+    column = jnp.where(lax.rem(round_, 2) == 0, cta, plan.num_ctas - 1 - cta)
+    index = round_ * plan.num_ctas + column
+    valid = index < plan.num_segments * plan.num_heads
+    segment = jnp.minimum(lax.div(index, plan.num_heads), plan.num_segments - 1)
     col = lambda c: table_ref[segment, c]  # noqa: E731
-    return cls(head=lax.rem(item, plan.num_heads), q_win=pl.multiple_of(col(Q_WIN), ALIGN),
-               q_lo=col(Q_LO), q_hi=col(Q_HI), q_blocks=col(Q_BLOCKS), kv_win=col(KV_WIN),
-               kv_lo=col(KV_LO), kv_hi=col(KV_HI), kv_steps=pl.cdiv(col(KV_HI), plan.block_kv))
+    return cls(head=lax.rem(index, plan.num_heads), q_win=pl.multiple_of(col(Q_WIN), ALIGN),
+               q_lo=col(Q_LO), q_hi=col(Q_HI), q_blocks=jnp.where(valid, col(Q_BLOCKS), 0),
+               kv_win=col(KV_WIN), kv_lo=col(KV_LO), kv_hi=col(KV_HI),
+               kv_steps=pl.cdiv(col(KV_HI), plan.block_kv))
 
   def blocks_of(self, wg):
     """q blocks of consumer ``wg``: blocks wg, wg + 2, ... (its turns)."""
     return lax.div(self.q_blocks - wg + 1, 2)
 
+  @property
+  def loads_kv(self):
+    """Whether the item has q blocks and keys (else no K/V load, and its output is zeros)."""
+    return (self.q_blocks > 0) & (self.kv_steps > 0)
+
 
 def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, plan: _Plan, **smem):
-  item = _Item.read(table_ref, plan)
-  kv = (_ResidentKV if plan.kv_stages is None else _StreamedKV)(plan, item, k_ref, v_ref, smem)
+  item_at = functools.partial(_Item.read, table_ref, plan)
+  kv = (_ResidentKV if plan.kv_stages is None else _StreamedKV)(plan, k_ref, v_ref, smem)
   mgpu.warp_specialize(
-      lambda: _producer(plan, item, kv, q_ref, smem),
-      lambda: _consumer(plan, item, kv, scales_ref, o_ref, smem))
+      lambda: _producer(plan, item_at, kv, q_ref, smem),
+      lambda: _consumer(plan, item_at, kv, scales_ref, o_ref, smem))
 
 
-def _producer(plan: _Plan, item: _Item, kv, q_ref, smem) -> None:
-  """TMA warpgroup: K/V (once, or per q block), and the q blocks in pairs (block 2t + wg goes to
-  consumer wg), each consumer through its own ring of ``q_stages`` slots."""
+def _producer(plan: _Plan, item_at, kv, q_ref, smem) -> None:
+  """TMA warpgroup, round by round: the q blocks of the item in pairs (block 2t + wg goes to
+  consumer wg, through its own ring of ``q_stages`` slots) and K/V (the next item's resident
+  K/V once the first pair is issued, or each pair's streamed blocks). Ring positions carry
+  across the items."""
   q_smem, q_ready, q_free = smem["q_smem"], smem["q_ready"], smem["q_free"]
-  kv.produce_once()
 
-  @pl.loop(0, item.blocks_of(0))
-  def _pair(turn):
-    slot = lax.rem(turn, plan.q_stages)
-    for wg in range(2):
-      @pl.when(2 * turn + wg < item.q_blocks)
-      def _(wg=wg):
-        @pl.when(turn >= plan.q_stages)
-        def _():
-          plgpu.barrier_wait(q_free.at[wg * plan.q_stages + slot])
+  def round_(r, carry):
+    q_uses, kv_uses = carry
+    item, upcoming = item_at(r), item_at(r + 1)
 
-        rows = pl.ds(pl.multiple_of(item.q_win + (2 * turn + wg) * BLOCK_Q, ALIGN), BLOCK_Q)
-        plgpu.copy_gmem_to_smem(q_ref.at[rows, item.head], q_smem.at[wg, slot],
-                                q_ready.at[wg * plan.q_stages + slot])
-    kv.produce_pair(turn)
+    @pl.loop(0, item.blocks_of(0))
+    def _pair(turn):
+      for wg in range(2):
+        @pl.when(2 * turn + wg < item.q_blocks)
+        def _(wg=wg):
+          use = q_uses[wg] + turn
+          slot = wg * plan.q_stages + lax.rem(use, plan.q_stages)
 
+          @pl.when(use >= plan.q_stages)
+          def _():
+            plgpu.barrier_wait(q_free.at[slot])
+
+          rows = pl.ds(pl.multiple_of(item.q_win + (2 * turn + wg) * BLOCK_Q, ALIGN), BLOCK_Q)
+          plgpu.copy_gmem_to_smem(q_ref.at[rows, item.head],
+                                  q_smem.at[wg, lax.rem(use, plan.q_stages)], q_ready.at[slot])
+      kv.produce_pair(item, turn, kv_uses)
+      kv.prefetch_after_first_pair(upcoming, turn, kv_uses)
+
+    kv.prefetch_after_item(item, upcoming, kv_uses)
+    q_uses = tuple(q_uses[wg] + item.blocks_of(wg) for wg in range(2))
+    return q_uses, kv.producer_uses_after(item, upcoming, kv_uses)
+
+  zero = jnp.int32(0)
+  q_uses, kv_uses = pl.loop(0, plan.rounds, init_carry=((zero, zero), kv.producer_start(
+      item_at(0))))(round_)
   # Observe the releases no load waited for (the last use of each slot), so that every barrier
   # phase is consumed before the CTA ends (the interpreter checks it).
   for wg in range(2):
-    _drain_ring(q_free, wg, plan.q_stages, item.blocks_of(wg))
-  kv.drain()
+    _drain_ring(q_free, wg * plan.q_stages, plan.q_stages, q_uses[wg])
+  kv.drain(kv_uses)
 
 
-def _drain_ring(free, wg: int, stages: int, uses) -> None:
-  """Waits for the last ``min(stages, uses)`` releases of consumer ``wg``'s ring slots."""
+def _drain_ring(free, first: int, stages: int, uses) -> None:
+  """Waits for the last ``min(stages, uses)`` releases of the ring ``free[first:first +
+  stages]``."""
   @pl.loop(jnp.maximum(uses - stages, 0), uses)
   def _(use):
-    plgpu.barrier_wait(free.at[wg * stages + lax.rem(use, stages)])
+    plgpu.barrier_wait(free.at[first + lax.rem(use, stages)])
 
 
-def _consumer(plan: _Plan, item: _Item, kv, scales_ref, o_ref, smem) -> None:
-  """WGMMA warpgroup ``wg``: its q blocks, each Σ_k act(pre·Q Kᵀ) V, then post · O stored."""
+def _consumer(plan: _Plan, item_at, kv, scales_ref, o_ref, smem) -> None:
+  """WGMMA warpgroup ``wg``, round by round: its q blocks of the item, each Σ_k act(pre·Q Kᵀ) V,
+  then post · O stored. The store of an item's last block overlaps the next item's start."""
   wg = lax.axis_index("wg")
   q_smem, q_ready, q_free = smem["q_smem"], smem["q_ready"], smem["q_free"]
   pre_scale, post_scale = scales_ref[0], scales_ref[1]
-  kv.consume_once(wg)
 
-  @pl.loop(0, item.blocks_of(wg))
-  def _block(turn):
-    i = wg + 2 * turn
-    barrier = wg * plan.q_stages + lax.rem(turn, plan.q_stages)
-    plgpu.barrier_wait(q_ready.at[barrier])
-    out = _attend(plan, item, kv, wg, turn, q_smem.at[wg, lax.rem(turn, plan.q_stages)],
-                  smem["p_smem"].at[wg], pre_scale)
-    plgpu.barrier_arrive(q_free.at[barrier])
-    lo = jnp.maximum(item.q_lo - i * BLOCK_Q, 0)  # the sample's rows in this block: [lo, hi)
-    hi = jnp.minimum(item.q_hi - i * BLOCK_Q, BLOCK_Q)
-    _store_rows((out * post_scale).astype(smem["o_smem"].dtype), smem["o_smem"].at[wg], o_ref,
-                item.q_win + i * BLOCK_Q, lo, hi - lo, item.head)
+  def round_(r, carry):
+    q_use, kv_use = carry
+    item = item_at(r)
+    blocks = item.blocks_of(wg)
+    kv.acquire(item, wg, kv_use)
 
+    @pl.loop(0, blocks)
+    def _block(turn):
+      i = wg + 2 * turn
+      slot = lax.rem(q_use + turn, plan.q_stages)
+      plgpu.barrier_wait(q_ready.at[wg * plan.q_stages + slot])
+      out = _attend(plan, item, kv, wg, kv_use, turn, q_smem.at[wg, slot],
+                    smem["p_smem"].at[wg], pre_scale)
+      plgpu.barrier_arrive(q_free.at[wg * plan.q_stages + slot])
+
+      @pl.when(turn == blocks - 1)
+      def _():
+        kv.release_item(item, kv_use)
+
+      lo = jnp.maximum(item.q_lo - i * BLOCK_Q, 0)  # the sample's rows in this block: [lo, hi)
+      hi = jnp.minimum(item.q_hi - i * BLOCK_Q, BLOCK_Q)
+      _store_rows((out * post_scale).astype(smem["o_smem"].dtype), smem["o_smem"].at[wg],
+                  o_ref, item.q_win + i * BLOCK_Q, lo, hi - lo, item.head)
+
+    @pl.when(blocks == 0)
+    def _():
+      kv.release_item(item, kv_use)
+
+    return q_use + blocks, kv.consumer_use_after(item, wg, kv_use)
+
+  zero = jnp.int32(0)
+  pl.loop(0, plan.rounds, init_carry=(zero, zero))(round_)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
 
-def _attend(plan: _Plan, item: _Item, kv, wg, turn, q_tile, p_tile, pre_scale):
+def _attend(plan: _Plan, item: _Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_scale):
   """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32."""
 
   def accumulate(o_acc):
     @pl.loop(0, item.kv_steps)
     def _step(step):
-      k_tile, v_tile = kv.tiles(wg, turn, step)
+      k_tile, v_tile = kv.tiles(item, wg, kv_use, turn, step)
 
       def scores(s_acc):
         plgpu.wgmma(s_acc, q_tile, k_tile.transpose((1, 0)))
@@ -385,7 +450,7 @@ def _attend(plan: _Plan, item: _Item, kv, wg, turn, q_tile, p_tile, pre_scale):
       p_tile[...] = p.astype(p_tile.dtype)
       plgpu.commit_smem()
       plgpu.wgmma(o_acc, p_tile, v_tile)
-      kv.release(wg, turn, step)
+      kv.release(item, wg, kv_use, turn, step)
 
     return o_acc[...]
 
@@ -411,56 +476,95 @@ def _zero_v_rows_outside(plan: _Plan, item: _Item, tile, step) -> None:
 
 
 class _ResidentKV:
-  """K/V of the (sample, head) loaded once into ``kv_chunks`` blocks and kept for all its q
-  blocks. Jagged: consumer 0 zeroes the V rows outside the sample in the first and last
-  blocks, consumer 1 waits for it."""
+  """K/V of an item loaded once into ``kv_chunks`` blocks of one of ``kv_buffers`` buffers and
+  kept for all its q blocks. With two buffers the producer loads the next item's K/V while the
+  consumers run the current one. The position ("use") of an item's buffer is the count of
+  K/V-loading items before it; the buffer is freed when both consumers are done with it (one
+  arrival each, also from a consumer without q blocks in the item, which still waits for the
+  load so that it cannot arrive twice on one phase). Jagged: consumer 0 zeroes the V rows
+  outside the sample in the first and last blocks, consumer 1 waits for it."""
 
-  def __init__(self, plan, item, k_ref, v_ref, smem):
-    self.plan, self.item, self.k_ref, self.v_ref, self.smem = plan, item, k_ref, v_ref, smem
+  def __init__(self, plan, k_ref, v_ref, smem):
+    self.plan, self.k_ref, self.v_ref, self.smem = plan, k_ref, v_ref, smem
 
-  def produce_once(self):
-    plan, item, smem = self.plan, self.item, self.smem
+  def _barrier(self, use, step):
+    return lax.rem(use, self.plan.kv_buffers) * self.plan.kv_chunks + step
 
-    @pl.when(item.q_blocks > 0)
+  def _load(self, item, use):
+    """Loads ``item``'s K/V (if it has any) into buffer ``use``; returns the next use."""
+    plan, smem = self.plan, self.smem
+    buffer = lax.rem(use, plan.kv_buffers)
+
+    @pl.when(item.loads_kv)
     def _():
+      @pl.when(use >= plan.kv_buffers)
+      def _():
+        plgpu.barrier_wait(smem["kv_free"].at[buffer])
+
       for step in range(plan.kv_chunks):  # static: the resident K/V, only the item's blocks
         @pl.when(step < item.kv_steps)
         def _(step=step):
           for ref, name in ((self.k_ref, "k"), (self.v_ref, "v")):
             plgpu.copy_gmem_to_smem(_kv_block(plan, item, ref, step),
-                                    smem[f"{name}_smem"].at[step],
-                                    smem[f"{name}_ready"].at[step])
+                                    smem[f"{name}_smem"].at[buffer, step],
+                                    smem[f"{name}_ready"].at[self._barrier(use, step)])
 
-  def produce_pair(self, turn):
-    del turn
+    return use + item.loads_kv.astype(jnp.int32)
 
-  def drain(self):
-    pass
+  def producer_start(self, first):
+    """The first item's K/V; returns the producer's use count (loads issued)."""
+    return self._load(first, jnp.int32(0))
 
-  def consume_once(self, wg):
-    plan, item, smem = self.plan, self.item, self.smem
+  def produce_pair(self, item, turn, uses):
+    del item, turn, uses
 
-    @pl.when((item.blocks_of(wg) > 0) & (item.kv_steps > 0))
+  def prefetch_after_first_pair(self, upcoming, turn, uses):
+    if self.plan.kv_buffers == 2:
+      @pl.when(turn == 0)
+      def _():
+        self._load(upcoming, uses)
+
+  def prefetch_after_item(self, item, upcoming, uses):
+    # One buffer: the next load waits for this item's release, so it must follow all of its
+    # q loads. Two: when the item had no pair, the load is still due.
+    if self.plan.kv_buffers == 1:
+      self._load(upcoming, uses)
+    else:
+      @pl.when(item.q_blocks == 0)
+      def _():
+        self._load(upcoming, uses)
+
+  def producer_uses_after(self, item, upcoming, uses):
+    del item
+    return uses + upcoming.loads_kv.astype(jnp.int32)
+
+  def drain(self, uses):
+    _drain_ring(self.smem["kv_free"], 0, self.plan.kv_buffers, uses)
+
+  def acquire(self, item, wg, use):
+    plan, smem = self.plan, self.smem
+
+    @pl.when(item.loads_kv)
     def _():
       for step in range(plan.kv_chunks):
         @pl.when(step < item.kv_steps)
         def _(step=step):
-          plgpu.barrier_wait(smem["k_ready"].at[step])
-          plgpu.barrier_wait(smem["v_ready"].at[step])
+          plgpu.barrier_wait(smem["k_ready"].at[self._barrier(use, step)])
+          plgpu.barrier_wait(smem["v_ready"].at[self._barrier(use, step)])
       if plan.jagged_kv:
-        self._zero_v_edges(wg)
+        self._zero_v_edges(item, wg, lax.rem(use, plan.kv_buffers))
 
-  def _zero_v_edges(self, wg):
-    plan, item, smem = self.plan, self.item, self.smem
+  def _zero_v_edges(self, item, wg, buffer):
+    plan, smem = self.plan, self.smem
 
     @pl.when(wg == 0)
     def _zero():
       last = item.kv_steps - 1
-      _zero_v_rows_outside(plan, item, smem["v_smem"].at[0], 0)
+      _zero_v_rows_outside(plan, item, smem["v_smem"].at[buffer, 0], 0)
 
       @pl.when(last > 0)
       def _():
-        _zero_v_rows_outside(plan, item, smem["v_smem"].at[last], last)
+        _zero_v_rows_outside(plan, item, smem["v_smem"].at[buffer, last], last)
       plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
       plgpu.barrier_arrive(smem["v_edges_zeroed"])
 
@@ -468,38 +572,51 @@ class _ResidentKV:
     def _wait():
       plgpu.barrier_wait(smem["v_edges_zeroed"])
 
-  def tiles(self, wg, turn, step):
-    del wg, turn
-    return self.smem["k_smem"].at[step], self.smem["v_smem"].at[step]
+  def tiles(self, item, wg, use, turn, step):
+    del item, wg, turn
+    buffer = lax.rem(use, self.plan.kv_buffers)
+    return self.smem["k_smem"].at[buffer, step], self.smem["v_smem"].at[buffer, step]
 
-  def release(self, wg, turn, step):
-    del wg, turn, step
+  def release(self, item, wg, use, turn, step):
+    del item, wg, use, turn, step
+
+  def release_item(self, item, use):
+    """A consumer is done with the item's K/V (its WGMMAs have completed)."""
+    @pl.when(item.loads_kv)
+    def _():
+      plgpu.barrier_arrive(self.smem["kv_free"].at[lax.rem(use, self.plan.kv_buffers)])
+
+  def consumer_use_after(self, item, wg, use):
+    del wg
+    return use + item.loads_kv.astype(jnp.int32)
 
 
 class _StreamedKV:
   """K/V streamed per q block: each consumer has a ring of ``kv_stages`` slots that the
   producer fills with key blocks 0..kv_steps-1 of each of its q blocks, the two consumers'
-  blocks of a pair interleaved. A consumer zeroes the V rows outside the sample in its own
-  first and last block, and releases a slot once its P·V has read it."""
+  blocks of a pair interleaved; the ring positions ("uses", one per consumer) carry across the
+  items. A consumer zeroes the V rows outside the sample in its own first and last block, and
+  releases a slot once its P·V has read it."""
 
-  def __init__(self, plan, item, k_ref, v_ref, smem):
-    self.plan, self.item, self.k_ref, self.v_ref, self.smem = plan, item, k_ref, v_ref, smem
+  def __init__(self, plan, k_ref, v_ref, smem):
+    self.plan, self.k_ref, self.v_ref, self.smem = plan, k_ref, v_ref, smem
 
   def _slot(self, wg, use):
     return wg * self.plan.kv_stages + lax.rem(use, self.plan.kv_stages)
 
-  def produce_once(self):
-    pass
+  def producer_start(self, first):
+    del first
+    return (jnp.int32(0), jnp.int32(0))
 
-  def produce_pair(self, turn):
-    plan, item, smem = self.plan, self.item, self.smem
+  def produce_pair(self, item, turn, uses):
+    plan, smem = self.plan, self.smem
 
     @pl.loop(0, item.kv_steps)
     def _step(step):
-      use = turn * item.kv_steps + step
       for wg in range(2):
         @pl.when(2 * turn + wg < item.q_blocks)
         def _(wg=wg):
+          use = uses[wg] + turn * item.kv_steps + step
           slot = self._slot(wg, use)
 
           @pl.when(use >= plan.kv_stages)
@@ -512,17 +629,26 @@ class _StreamedKV:
                                     smem[f"{name}_smem"].at[wg, local],
                                     smem[f"{name}_ready"].at[slot])
 
-  def drain(self):
+  def prefetch_after_first_pair(self, upcoming, turn, uses):
+    del upcoming, turn, uses
+
+  def prefetch_after_item(self, item, upcoming, uses):
+    del item, upcoming, uses
+
+  def producer_uses_after(self, item, upcoming, uses):
+    del upcoming
+    return tuple(self.consumer_use_after(item, wg, uses[wg]) for wg in range(2))
+
+  def drain(self, uses):
     for wg in range(2):
-      _drain_ring(self.smem["kv_free"], wg, self.plan.kv_stages,
-                  self.item.blocks_of(wg) * self.item.kv_steps)
+      _drain_ring(self.smem["kv_free"], wg * self.plan.kv_stages, self.plan.kv_stages, uses[wg])
 
-  def consume_once(self, wg):
-    del wg
+  def acquire(self, item, wg, use):
+    del item, wg, use
 
-  def tiles(self, wg, turn, step):
-    plan, item, smem = self.plan, self.item, self.smem
-    use = turn * item.kv_steps + step
+  def tiles(self, item, wg, use, turn, step):
+    plan, smem = self.plan, self.smem
+    use = use + turn * item.kv_steps + step
     slot, local = self._slot(wg, use), lax.rem(use, plan.kv_stages)
     plgpu.barrier_wait(smem["k_ready"].at[slot])
     plgpu.barrier_wait(smem["v_ready"].at[slot])
@@ -534,10 +660,16 @@ class _StreamedKV:
         plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
     return smem["k_smem"].at[wg, local], v_tile
 
-  def release(self, wg, turn, step):
+  def release(self, item, wg, use, turn, step):
     plgpu.wgmma_wait(0)  # the P·V reading the slot is done
-    use = turn * self.item.kv_steps + step
+    use = use + turn * item.kv_steps + step
     plgpu.barrier_arrive(self.smem["kv_free"].at[self._slot(wg, use)])
+
+  def release_item(self, item, use):
+    del item, use
+
+  def consumer_use_after(self, item, wg, use):
+    return use + item.blocks_of(wg) * item.kv_steps
 
 
 def _store_rows(out, o_tiles, o_ref, row0, lo, rows, head):
