@@ -407,12 +407,12 @@ def _rowvec(v, shape):
 
 def _colvec(vec_smem, which: int, head: int, shape):
   """γ1 (0), β1 (1) or γ2 (2) of ``head``, broadcast over the rows of ``shape``."""
-  v = plgpu.load(vec_smem.at[which, head], (), layout=plgpu.Layout.WGMMA.reduce(0))
+  v = plgpu.load(vec_smem.at[which, head], layout=plgpu.Layout.WGMMA.reduce(0))
   return lax.broadcast_in_dim(v, shape, [1])
 
 
 def _load_f32(tile):
-  return plgpu.load(tile, (), layout=plgpu.Layout.WGMMA).astype(_F32)
+  return plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(_F32)
 
 
 def _layer_norm_stats(plan: _Plan, x_smem):
