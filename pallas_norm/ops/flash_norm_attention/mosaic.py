@@ -23,7 +23,7 @@ per sample, longest first, then chunks of padding rows); a CTA walks its sample'
   z_h = u_h (f32, in registers) + attn_h. After the last head: r2, then per head
   out_h = (u_h + attn_h)·r2·γ2 + q_h with u_h recomputed from the residual copy, stored with the
   row-exact TMA store (:func:`pallas_norm.mgpu.store.store_rows`), and the statistics
-  (μ1, r1, r2) as a (T, 8) float32 array (columns 0-2).
+  (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
 
 attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
 then the norms in XLA) does; the statistics and the residual sums are float32. With
@@ -54,9 +54,10 @@ from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
 _F32 = jnp.float32
 BLOCK_Q = 64
 """Query rows of a q block: the M of one WGMMA (one consumer warpgroup)."""
-STATS_COLS = 8
-"""Columns of the statistics output (T, 8): μ1, r1, r2, then zeros (a 32-byte row: the
-narrowest row a TMA store takes)."""
+STATS_COLS = 32
+"""Columns of the statistics output (T, 32): μ1, r1, r2, then zeros. A row of 128 bytes: the
+row-exact store starts TMA stores at any row of the SMEM tile, and TMA needs SMEM addresses
+aligned to 128 bytes (32-byte rows gave CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
 _HEAD_DIMS = (64, 128)
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -79,16 +80,17 @@ class Config:
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool,
                cfg: Config) -> int:
   """SMEM of one CTA: q twice (working and residual copies of the H tiles), the K/V ring, P,
-  the output tile (and attn's when its dtype differs), the statistics tile and γ1/β1/γ2."""
+  one store tile (out, attn and the statistics take turns in it: a RefUnion) and γ1/β1/γ2.
+  Every allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
   item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
   q = 2 * num_heads * BLOCK_Q * head_dim * item
   kv = 2 * cfg.kv_stages * cfg.block_kv * head_dim * item
   p = BLOCK_Q * cfg.block_kv * item
-  o = BLOCK_Q * head_dim * out_item
-  attn = BLOCK_Q * head_dim * item if save_attn and out_item != item else 0
-  stats = BLOCK_Q * STATS_COLS * 4
-  vecs = 3 * num_heads * head_dim * 4
-  return q + kv + p + o + attn + stats + vecs + 1024  # barriers and alignment
+  del save_attn  # attn's tile is the union's, never larger than out's or the statistics'
+  tile = max(BLOCK_Q * head_dim * max(out_item, item), BLOCK_Q * STATS_COLS * 4)
+  vecs = -(-3 * num_heads * head_dim * 4 // 1024) * 1024
+  reduction = 2048  # Pallas's cross-warp reduction scratch (the row sums)
+  return q + kv + p + tile + vecs + reduction + 1024  # + the barriers
 
 
 def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool,
@@ -169,8 +171,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
     interpret: run in Pallas GPU interpret mode (any backend).
 
   Returns:
-    ``(out, stats)`` or ``(out, stats, attn)``: out (T, H, D) in out_dtype; stats (T, 8)
-    float32 with μ1, r1, r2 in columns 0-2 (zeros without the LayerNorm, and on padding rows);
+    ``(out, stats)`` or ``(out, stats, attn)``: out (T, H, D) in out_dtype; stats (T, 3)
+    float32 with μ1, r1, r2 (the kernel writes (T, :data:`STATS_COLS`)) (zeros without the LayerNorm, and on padding rows);
     attn (T, H, D). Padding rows (past ``q_offsets[-1]``) are zeros.
   """
   capacity, num_heads, head_dim = q.shape
@@ -202,7 +204,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu.interpret_params() if interpret else None,
   )
-  return call(table, scales, affine.astype(_F32), q, k, v)
+  out, stats, *attn = call(table, scales, affine.astype(_F32), q, k, v)
+  return (out, stats[:, :3], *attn)
 
 
 PADDING = 7
@@ -222,19 +225,20 @@ def _work_table(q_offsets, capacity: int, batch: int, kv_len: int):
 def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
   heads, d = plan.num_heads, plan.head_dim
   tile = mgpu.swizzle_transforms(d, dtype)
-  extra = {}
-  if plan.save_attn and jnp.dtype(out_dtype) != jnp.dtype(dtype):
-    extra["attn_smem"] = store.row_store_smem(BLOCK_Q, d, dtype)
+  # The stores of out, attn and the statistics take turns (each store_rows first waits for the
+  # previous stores to have read SMEM), so they share one tile.
+  store_tiles = [store.row_store_smem(BLOCK_Q, d, out_dtype),
+                 store.row_store_smem(BLOCK_Q, STATS_COLS, _F32)]
+  if plan.save_attn:
+    store_tiles.append(store.row_store_smem(BLOCK_Q, d, dtype))
   return dict(
-      **extra,
+      store_tiles=plgpu.RefUnion(*store_tiles),
       x_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
       res_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
       k_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
       v_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
       p_smem=plgpu.SMEM((BLOCK_Q, plan.block_kv), dtype,
                         transforms=mgpu.swizzle_transforms(plan.block_kv, dtype)),
-      o_smem=store.row_store_smem(BLOCK_Q, d, out_dtype),
-      stats_smem=store.row_store_smem(BLOCK_Q, STATS_COLS, _F32),
       vec_smem=plgpu.SMEM((3, heads, d), _F32),
       vec_ready=plgpu.Barrier(),
       q_ready=plgpu.Barrier(num_barriers=2 * heads),
@@ -345,9 +349,9 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
 def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, attn_ref, smem) -> None:
   """Consumer warpgroup: every q block of the item (or zeros for a padding chunk)."""
   plgpu.barrier_wait(smem["vec_ready"])
-  attn_smem = smem.get("attn_smem", smem["o_smem"])
-  stores = _Stores(out_ref, stats_ref, attn_ref, smem["o_smem"].at[0], smem["stats_smem"].at[0],
-                   attn_smem.at[0])
+  o_tile, stats_tile, *attn_tile = smem["store_tiles"]
+  stores = _Stores(out_ref, stats_ref, attn_ref, o_tile.at[0], stats_tile.at[0],
+                   attn_tile[0].at[0] if attn_tile else None)
 
   @pl.when(item.padding)
   def _():
