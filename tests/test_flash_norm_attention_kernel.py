@@ -221,3 +221,20 @@ def test_gpu_gradients_at_issue_shape(heads):
       *(a.astype(F32) for a in args))
   for g, w in zip(got, want):
     assert bool(jnp.all(jnp.isfinite(g))) and _rel_err(g, w) < TOL
+
+
+def test_fused_bad_traced_offsets_give_nan():
+  """Traced offsets that break the jagged convention: the fused path answers with NaN in every
+  output row and every gradient (NaN scales, no pass over the data), as the GDPA kernel does."""
+  q, k, v, _, _ = _problem(8, [4, 12], 2, 64)
+  q = jnp.where(jnp.isnan(q), 0, q)
+
+  def loss(q, k, v, offsets):
+    out = pn.flash_norm_attention(q, k, v, offsets, implementation="interpret")
+    return jnp.sum(out.astype(F32)), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+      q, k, v, jnp.array([0, 4, 40], jnp.int32))  # last > T
+  assert bool(jnp.all(jnp.isnan(out)))
+  assert bool(jnp.all(jnp.isnan(grads[0][:16]))) and bool(jnp.all(jnp.isnan(grads[1])))
+  assert bool(jnp.all(jnp.isnan(grads[2])))

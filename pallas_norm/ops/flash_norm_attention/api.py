@@ -97,12 +97,16 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
           gdpa_api.kernel_slower_reason(q, k, kv_offsets, max_kv_len, None)))
   fused = impl != "xla" and fused_reason is None and (
       implementation is not None or fused_slower_reason(q, k, kv_offsets, out_dtype) is None)
-  if impl == "xla":
-    block = reference.flash_norm_attention
-  elif fused:
-    block = functools.partial(_fused_block, interpret=impl == "interpret")
-  else:
-    block = functools.partial(_gdpa_kernel_chain, gdpa_implementation=impl)
+  if fused:  # poisons bad traced offsets itself (NaN scales), with no pass over the data
+    out = _fused_block(q, k, v, q_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
+                       rms_scale=rms_scale, activation=activation, pre_scale=pre_scale,
+                       post_scale=post_scale, eps=eps, max_seq_len=max_seq_len,
+                       out_dtype=out_dtype, pre_layer_norm=pre_layer_norm,
+                       inner_residual=inner_residual, outer_residual=outer_residual,
+                       return_stats=return_stats, interpret=impl == "interpret")
+    return out if not return_stats else (out[0], jax.tree.map(lax.stop_gradient, out[1]))
+  block = reference.flash_norm_attention if impl == "xla" else functools.partial(
+      _gdpa_kernel_chain, gdpa_implementation=impl)
   q, k, v, ln_scale, ln_bias, rms_scale = gdpa_api.poison_inputs_if_offsets_invalid(
       (q, k, v, ln_scale, ln_bias, rms_scale), q_offsets, kv_offsets, q.shape[0], k.shape[0],
       max_seq_len, max_kv_len)
@@ -120,9 +124,12 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
 
 def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
   """Why ``implementation=None`` does not pick the fused kernel for a call it supports (None:
-  it does)."""
+  it does). The H200 measured the fused kernel alone faster than the unfused chain through the
+  op at the issue's shape (H = 2 and 4, forward), but the op with the fused kernel, forward and
+  forward+backward, is not measured yet (benchmarks/NOTES.md, "flash_norm_attention")."""
   del q, k, kv_offsets, out_dtype
-  return "the fused kernel is not yet measured against the chain on the H200"
+  return ("the fused kernel's op path (forward and forward+backward) is not yet measured "
+          "against the chain on the H200; pass implementation='mosaic' to force it")
 
 
 def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
@@ -141,27 +148,33 @@ def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale,
 # ------------------------------------------------------------------------------------------------
 # The fused kernel path: one custom_vjp, forward and backward rules side by side.
 
-def _fused_block(q, k, v, q_offsets, kv_offsets, *, ln_scale, ln_bias, rms_scale, activation,
-                 pre_scale, post_scale, eps, max_seq_len, max_kv_len, out_dtype, pre_layer_norm,
-                 inner_residual, outer_residual, return_stats, interpret):
-  """The block by the fused kernel (dense K/V: ``kv_offsets`` is None); the op's outputs."""
-  del kv_offsets, max_seq_len, max_kv_len
-  if isinstance(q_offsets, jax.core.Tracer):
-    # Offsets that break the jagged convention (the op poisons the results) made valid, so
-    # neither kernel walks rows outside the arrays.
-    bad = _validate.offsets_invalid(q_offsets, q.shape[0], None)
-    q_offsets = jnp.where(bad, gdpa_api._made_valid(q_offsets, q.shape[0], None), q_offsets)  # noqa: SLF001
+def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation, pre_scale,
+                 post_scale, eps, max_seq_len, out_dtype, pre_layer_norm, inner_residual,
+                 outer_residual, return_stats, interpret):
+  """The block by the fused kernel (dense K/V); the op's outputs.
+
+  Traced offsets that break the jagged convention are answered as the GDPA kernel path does
+  (:func:`pallas_norm.ops.gdpa.api._poisoned`): NaN scales, all rows padding in the forward
+  (the kernel writes them as 0 · post_scale = NaN), offsets made valid for the backward (NaN
+  gradients), and a checkify error."""
+  scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
+  offsets = (q_offsets, q_offsets)  # the forward's, the backward's
+  pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
+  bad = gdpa_api._offsets_invalid(q_offsets, None, q.shape[0], k.shape[0], max_seq_len, None)  # noqa: SLF001
+  if bad is not None:
+    (fwd, _, bwd, _), pre_scale, post_scale = gdpa_api._poisoned(  # noqa: SLF001
+        bad, (q_offsets, None), pre_scale, post_scale, q.shape[0], k.shape[0], max_seq_len,
+        None)
+    offsets = (fwd, bwd)
   heads, head_dim = q.shape[1:]
   ones, zeros = jnp.ones((heads * head_dim,), _F32), jnp.zeros((heads * head_dim,), _F32)
   affine = tuple(jnp.asarray(a, _F32) if a is not None else default
                  for a, default in ((ln_scale, ones), (ln_bias, zeros), (rms_scale, ones)))
-  scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
   static = _Static(activation=activation, eps=eps, pre_layer_norm=pre_layer_norm,
                    inner_residual=inner_residual, outer_residual=outer_residual,
                    out_dtype=jnp.dtype(out_dtype or q.dtype), interpret=interpret,
                    scale_grads=scale_grads)
-  out, stats = _fused(q, k, v, q_offsets, affine, jnp.asarray(pre_scale, _F32),
-                      jnp.asarray(post_scale, _F32), static)
+  out, stats = _fused(q, k, v, offsets, affine, pre_scale, post_scale, static)
   if not return_stats:
     return out
   ln_stats = reference.NormStats(stats[:, 0], stats[:, 1]) if pre_layer_norm else None
@@ -183,26 +196,26 @@ class _Static:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _fused(q, k, v, q_offsets, affine, pre_scale, post_scale, static):
-  return _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static, False)[:2]
+def _fused(q, k, v, offsets, affine, pre_scale, post_scale, static):
+  return _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, False)[:2]
 
 
-def _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static, save_attn):
+def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save_attn):
   heads, head_dim = q.shape[1:]
   forward = functools.partial(
       mosaic.flash_norm_attention_fwd, activation=static.activation, eps=static.eps,
       pre_layer_norm=static.pre_layer_norm, inner_residual=static.inner_residual,
       outer_residual=static.outer_residual, out_dtype=static.out_dtype, save_attn=save_attn,
       interpret=static.interpret)
-  return _op.first_order_only("flash_norm_attention", forward, q, k, v, q_offsets,
+  return _op.first_order_only("flash_norm_attention", forward, q, k, v, offsets[0],
                               jnp.stack(affine).reshape(3, heads, head_dim), pre_scale,
                               post_scale)
 
 
-def _fused_fwd_rule(q, k, v, q_offsets, affine, pre_scale, post_scale, static):
-  out, stats, attn = _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static,
+def _fused_fwd_rule(q, k, v, offsets, affine, pre_scale, post_scale, static):
+  out, stats, attn = _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static,
                                     True)
-  return (out, stats), (q, k, v, q_offsets, affine, pre_scale, post_scale, stats, attn)
+  return (out, stats), (q, k, v, offsets, affine, pre_scale, post_scale, stats, attn)
 
 
 def _fused_bwd_rule(static, saved, cotangents):
@@ -210,7 +223,8 @@ def _fused_bwd_rule(static, saved, cotangents):
   per-token rowsums over H·D, the cross-head reductions), the GDPA backward kernel between them.
   u is recomputed from q and the saved (μ1, r1), z from u and the saved attention output; the
   weight gradients are float32 column sums (deterministic)."""
-  q, k, v, q_offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, attn = saved
+  q, k, v, offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, attn = saved
+  q_offsets = offsets[1]
   d_out = cotangents[0]  # the statistics carry no gradient (the op stops it)
   t, heads, head_dim = q.shape
   valid = jagged.valid_mask(q_offsets, t)[:, None]

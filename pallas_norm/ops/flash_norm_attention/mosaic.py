@@ -23,7 +23,9 @@ per sample, longest first, then chunks of padding rows); a CTA walks its sample'
   z_h = u_h (f32, in registers) + attn_h. After the last head: r2, then per head
   out_h = (u_h + attn_h)·r2·γ2 + q_h with u_h recomputed from the residual copy, stored with the
   row-exact TMA store (:func:`pallas_norm.mgpu.store.store_rows`), and the statistics
-  (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
+  (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array). The loops over the
+  heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as the carry): unrolled
+  statically, the H = 4 kernel ran about 4× slower on the H200 (benchmarks/NOTES.md).
 
 attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
 then the norms in XLA) does; the statistics and the residual sums are float32. With
@@ -357,7 +359,7 @@ def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, attn_ref,
   def _():
     @pl.loop(0, item.q_blocks)
     def _block(block):
-      stores.zeros(plan, item.rows(block))
+      stores.zeros(plan, item.rows(block), scales_ref[1])
 
   @pl.when(jnp.logical_not(item.padding))
   def _():
@@ -386,22 +388,29 @@ class _Stores:
   def attn(self, tile, rows, head):
     store.store_rows(tile, self.attn_tile, lambda r, c: self.attn_ref.at[r, head, c], *rows)
 
-  def stats(self, columns: dict, rows):
-    """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are 0."""
+  def stats(self, columns: dict, rows, scale=None):
+    """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are
+    0 (times ``scale`` when given)."""
     col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, STATS_COLS), 1, layout=plgpu.Layout.WGMMA)
-    tile = jnp.zeros((BLOCK_Q, STATS_COLS), _F32)
-    tile = plgpu.layout_cast(tile, plgpu.Layout.WGMMA)
+    tile = plgpu.layout_cast(jnp.zeros((BLOCK_Q, STATS_COLS), _F32), plgpu.Layout.WGMMA)
+    if scale is not None:
+      tile = tile * scale
     for j, vec in columns.items():
       tile = jnp.where(col == j, lax.broadcast_in_dim(vec, tile.shape, [0]), tile)
     store.store_rows(tile, self.stats_tile, lambda r, c: self.stats_ref.at[r, c], *rows)
 
-  def zeros(self, plan: _Plan, rows):
+  def zeros(self, plan: _Plan, rows, post_scale):
+    """Padding rows: 0 · post_scale, so a NaN post_scale (the op's answer to bad traced offsets)
+    reaches every output."""
     zero = plgpu.layout_cast(jnp.zeros((BLOCK_Q, plan.head_dim), _F32), plgpu.Layout.WGMMA)
-    for head in range(plan.num_heads):
+    zero = zero * post_scale
+
+    @pl.loop(0, plan.num_heads)
+    def _(head):
       self.out(zero, rows, head)
       if plan.save_attn:
         self.attn(zero.astype(self.attn_ref.dtype), rows, head)
-    self.stats({}, rows)
+    self.stats({}, rows, post_scale)
 
 
 def _rowvec(v, shape):
@@ -419,18 +428,27 @@ def _load_f32(tile):
   return plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(_F32)
 
 
+def _sum_over_heads(plan: _Plan, tile_fn):
+  """Row sums over the H heads of ``tile_fn(head)`` (BLOCK_Q, D) f32: per-thread partial sums
+  in a dynamic loop over the heads (one copy of the code whatever H, nothing hoisted across
+  heads), reduced across lanes once."""
+  def add(head, partial):
+    return partial + mgpu.lane_partial_sum(tile_fn(head))
+  partial = lax.fori_loop(0, plan.num_heads, add, mgpu.lane_partial_zeros(BLOCK_Q))
+  return jnp.sum(partial, axis=1)
+
+
 def _layer_norm_stats(plan: _Plan, x_smem):
   """(μ1, r1) row vectors over the H tiles of the q block: the mean, then the centred second
   moment (two passes over SMEM, no cancellation for rows with a large mean)."""
-  features = plan.num_heads * plan.head_dim
-  total = sum(jnp.sum(_load_f32(x_smem.at[h]), axis=1) for h in range(plan.num_heads))
-  mean = total * (1.0 / features)
+  scale = 1.0 / (plan.num_heads * plan.head_dim)
+  mean = _sum_over_heads(plan, lambda h: _load_f32(x_smem.at[h])) * scale
 
   def centred_square(h):
-    x = _load_f32(x_smem.at[h])
-    return jnp.sum(jnp.square(x - _rowvec(mean, x.shape)), axis=1)
+    x = _load_f32(x_smem.at[h]) - _rowvec(mean, (BLOCK_Q, plan.head_dim))
+    return x * x
 
-  var = sum(centred_square(h) for h in range(plan.num_heads)) * (1.0 / features)
+  var = _sum_over_heads(plan, centred_square) * scale
   return mean, lax.rsqrt(var + plan.eps)
 
 
@@ -452,24 +470,25 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
     plgpu.barrier_wait(smem["q_ready"].at[barrier])
   stats = _layer_norm_stats(plan, x_smem) if plan.pre_layer_norm else None
 
-  sum_z2 = None
-  for head in range(plan.num_heads):
+  def attend(head):  # u_h → attention → attn_h over u_h; returns z_h² for Σz²
     u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
     if plan.pre_layer_norm:  # u_h over q_h: the A operand of the score WGMMA
-      x_smem[head] = u.astype(x_smem.dtype)
+      x_smem.at[head][...] = u.astype(x_smem.dtype)
       plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
     o = _attend_head(plan, x_smem.at[head], smem, block * plan.uses_per_block
                      + head * plan.kv_steps, pre_scale)
     attn = (o * post_scale).astype(x_smem.dtype)
-    x_smem[head] = attn  # the WGMMAs reading u_h are done (their result was read)
+    x_smem.at[head][...] = attn  # the WGMMAs reading u_h are done (their result was read)
     if plan.save_attn:
       stores.attn(attn, rows, head)
     z = u + attn.astype(_F32) if plan.inner_residual else attn.astype(_F32)
-    part = jnp.sum(z * z, axis=1)
-    sum_z2 = part if sum_z2 is None else sum_z2 + part
+    return z * z
 
-  rms_rstd = lax.rsqrt(sum_z2 * (1.0 / (plan.num_heads * plan.head_dim)) + plan.eps)
-  for head in range(plan.num_heads):
+  rms_rstd = lax.rsqrt(_sum_over_heads(plan, attend) * (1.0 / (plan.num_heads * plan.head_dim))
+                       + plan.eps)
+
+  @pl.loop(0, plan.num_heads)
+  def _epilogue(head):
     q = _load_f32(res_smem.at[head])
     z = _load_f32(x_smem.at[head])
     if plan.inner_residual:
@@ -478,6 +497,7 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
     if plan.outer_residual:
       out = out + q
     stores.out(out, rows, head)
+
   stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
   plgpu.barrier_arrive(smem["q_free"])  # x_smem and res_smem were read into registers
 
