@@ -499,7 +499,10 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
     stores.out(out, rows, head)
 
   stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
-  plgpu.barrier_arrive(smem["q_free"])  # x_smem and res_smem were read into registers
+  # x_smem and res_smem were read (and x_smem written) by the generic proxy: a proxy fence
+  # before the producer's TMA (async proxy) may overwrite them, as the PTX memory model asks.
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(smem["q_free"])
 
 
 def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
