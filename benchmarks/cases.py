@@ -297,6 +297,27 @@ def _attention(case: Case, kernel: str) -> Problem:
                  ("xla", kernel, *extras))
 
 
+def _unfused_chain(case: Case):
+  """The PFFN block unfused on the GPU: the norms in XLA around our GDPA kernel (what the op
+  ran on Hopper before the fused kernel), as the "chain" row of flash_norm_attention."""
+  from pallas_norm import _dispatch
+  if not _dispatch.on_hopper_gpu():
+    raise NotImplementedError("the unfused chain runs the GDPA kernel: needs a Hopper GPU")
+  lmax = case.dim("L")
+
+  def chain(q, k, v, q_offsets, ln_scale, ln_bias, rms_scale):
+    def attention(u):
+      return pn.gdpa(u, k, v, q_offsets, max_seq_len=lmax, implementation="mosaic")
+    return reference.flash_norm_block(
+        q, q_offsets, attention, ln_scale=ln_scale, ln_bias=ln_bias, rms_scale=rms_scale,
+        eps=1e-6, out_dtype=None, pre_layer_norm=True, inner_residual=True,
+        outer_residual=True, return_stats=False)
+  return chain
+
+
+register_impl("flash_norm_attention", "chain", _unfused_chain)
+
+
 def _norm(case: Case, kernel: str) -> Problem:
   m, n = case.dim("M"), case.dim("N")
   layer = case.op == "layer_norm"

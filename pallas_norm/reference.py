@@ -261,25 +261,50 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation="fast_gelu", pre_sca
 def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, ln_bias=None,
                          rms_scale=None, activation="fast_gelu", pre_scale=1.0, post_scale=1.0,
                          eps=1e-6, max_seq_len=None, max_kv_len=None, out_dtype=None,
+                         pre_layer_norm=True, inner_residual=True, outer_residual=True,
                          return_stats=False):
   """The Kunlun PFFN block (DESIGN.md, op 4), per token over all H·D features:
 
   ``u = LayerNorm(q)·ln_scale + ln_bias``; ``z = u + gdpa(u, k, v)``;
   ``out = RMSNorm(z)·rms_scale + q``. ln_scale, ln_bias, rms_scale have shape (H·D,).
-  ``u`` is rounded to q's dtype before it feeds the attention products. Returns (T, H, D),
-  zeros on padding rows; with ``return_stats`` also ``(NormStats of LN, NormStats of RMS)``.
+  ``u`` is rounded to q's dtype before it feeds the attention products. The switches of Meta's
+  megakernel (``fused_layernorm``, ``fused_q_residual_add``): ``pre_layer_norm=False`` makes
+  ``u = q`` (ln_scale and ln_bias unused), ``inner_residual=False`` makes
+  ``z = gdpa(u, k, v)``, ``outer_residual=False`` drops ``+ q``. Returns (T, H, D), zeros on
+  padding rows; with ``return_stats`` also ``(NormStats of LN or None, NormStats of RMS)``,
+  zeros on padding rows.
   """
+  def attention(u_in):
+    return _gdpa_acc(u_in, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
+                     max_seq_len, max_kv_len)
+
+  return flash_norm_block(q, q_offsets, attention, ln_scale=ln_scale, ln_bias=ln_bias,
+                          rms_scale=rms_scale, eps=eps, out_dtype=out_dtype,
+                          pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
+                          outer_residual=outer_residual, return_stats=return_stats)
+
+
+def flash_norm_block(q, q_offsets, attention, *, ln_scale, ln_bias, rms_scale, eps, out_dtype,
+                     pre_layer_norm, inner_residual, outer_residual, return_stats):
+  """:func:`flash_norm_attention` around any ``attention(u_in) -> (T, H, D)`` (u_in: u rounded
+  to q's dtype; the result is taken in the statistics dtype): the norms of the block, shared by
+  the reference and the unfused kernel chain."""
   t, h, d = q.shape
   sdt = _stat_dtype(q.dtype)
+  valid = jagged.valid_mask(q_offsets, t)
   qf = q.reshape(t, h * d).astype(sdt)
-  qf = jnp.where(jagged.valid_mask(q_offsets, t)[:, None], qf, 0)  # padding rows: never data
-  ln_stats = _row_stats(qf, "layer", eps)
-  u = _normalize(qf, ln_stats, ln_scale, ln_bias, False)
-  u_in = u.astype(q.dtype).reshape(t, h, d)
-  attn = _gdpa_acc(u_in, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
-                   max_seq_len, max_kv_len).reshape(t, h * d).astype(sdt)
-  z = u + attn
+  qf = jnp.where(valid[:, None], qf, 0)  # padding rows: never data
+  ln_stats = _row_stats(qf, "layer", eps) if pre_layer_norm else None
+  u = _normalize(qf, ln_stats, ln_scale, ln_bias, False) if pre_layer_norm else qf
+  attn = attention(u.astype(q.dtype).reshape(t, h, d)).reshape(t, h * d).astype(sdt)
+  z = u + attn if inner_residual else attn
   rms_stats = _row_stats(z, "rms", eps)
-  out = _normalize(z, rms_stats, rms_scale, None, False) + qf
+  out = _normalize(z, rms_stats, rms_scale, None, False)
+  if outer_residual:
+    out = out + qf
   out = _zero_padding(out.reshape(t, h, d), q_offsets).astype(out_dtype or q.dtype)
-  return (out, (ln_stats, rms_stats)) if return_stats else out
+  if not return_stats:
+    return out
+  zero_padding = lambda s: None if s is None else jnp.where(valid, s, 0)  # noqa: E731
+  return out, tuple(None if s is None else NormStats(*map(zero_padding, s))
+                    for s in (ln_stats, rms_stats))

@@ -1,20 +1,25 @@
 """The fused Kunlun PFFN block (DESIGN.md, op 4)::
 
-    u   = LayerNorm_{H·D}(q)·ln_scale + ln_bias
-    z   = u + gdpa(u, k, v)
-    out = RMSNorm_{H·D}(z)·rms_scale + q
+    u   = LayerNorm_{H·D}(q)·ln_scale + ln_bias     (pre_layer_norm; else u = q)
+    z   = u + gdpa(u, k, v)                          (inner_residual; else z = gdpa(u, k, v))
+    out = RMSNorm_{H·D}(z)·rms_scale + q            (outer_residual; else without + q)
 
 Both norms reduce over all heads of a token. Oracle:
 :func:`pallas_norm.reference.flash_norm_attention`.
 
-The fused kernel is not written yet (issue 21). Where the GDPA kernel supports the call, the
-kernel implementations ("mosaic", "interpret", and None on Hopper) run the unfused chain: the two
-norms in XLA around the GDPA kernel (:mod:`pallas_norm.ops.gdpa`), whose output is rounded to
-q's dtype before the inner residual adds it (the XLA path keeps it in float32).
+Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: one CTA owns
+every head of a q block) where it supports the call (dense K/V, H·D small enough for SMEM), in
+one ``custom_vjp`` whose backward recomputes u from q and the saved (μ1, r1), takes z from the
+saved attention output and the saved r2, and runs the GDPA backward kernel between the two norm
+backwards in XLA (:func:`_fused_bwd_rule`). Elsewhere, where the GDPA kernel supports the call,
+the unfused chain: the two norms in XLA around the GDPA kernel (:mod:`pallas_norm.ops.gdpa`).
+Both round the attention output to q's dtype before the inner residual adds it (the XLA path
+keeps it in float32).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,40 +27,54 @@ from jax import lax
 
 import jax.numpy as jnp
 
-from pallas_norm import _dispatch, _validate, jagged, reference
+from pallas_norm import _dispatch, _op, _validate, jagged, reference
+from pallas_norm.ops.flash_norm_attention import mosaic
 from pallas_norm.ops.gdpa import api as gdpa_api
 from pallas_norm.ops.gdpa import check_args as check_attention_args
 from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
+from pallas_norm.ops.gdpa import mosaic_bwd as gdpa_mosaic_bwd
 from pallas_norm.ops.gdpa import poison_if_offsets_invalid
+
+_F32 = jnp.float32
 
 
 def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, ln_bias=None,
                          rms_scale=None, activation: str = "fast_gelu", pre_scale: float = 1.0,
                          post_scale: float = 1.0, eps: float = 1e-6,
                          max_seq_len: int | None = None, max_kv_len: int | None = None,
-                         out_dtype=None, return_stats: bool = False, implementation=None):
+                         out_dtype=None, pre_layer_norm: bool = True, inner_residual: bool = True,
+                         outer_residual: bool = True, return_stats: bool = False,
+                         implementation=None):
   """PFFN block: LayerNorm → GDPA with inner residual → RMSNorm with outer residual.
 
   Args:
     q: (T, H, D) packed sequence tokens; k, v, q_offsets, kv_offsets, activation, pre_scale,
       post_scale, max_seq_len, max_kv_len: as :func:`pallas_norm.gdpa`.
-    ln_scale, ln_bias: optional (H·D,) affine of the LayerNorm.
+    ln_scale, ln_bias: optional (H·D,) affine of the LayerNorm (only with pre_layer_norm).
     rms_scale: optional (H·D,) gamma of the RMSNorm.
     eps: positive float for both norms (default 1e-6).
     out_dtype: default q.dtype.
-    return_stats: also return ``(ln_stats, rms_stats)`` (:class:`pallas_norm.NormStats`, (T,)),
-      which carry no gradient (``lax.stop_gradient``).
+    pre_layer_norm: LayerNorm q first (default); False: ``u = q``.
+    inner_residual: ``z = u + gdpa(u, k, v)`` (default); False: ``z = gdpa(u, k, v)``.
+    outer_residual: add q to the output (default).
+      (The switches of Meta's megakernel: ``out = RMSNorm(gdpa(q, k, v))`` is
+      ``pre_layer_norm=False, inner_residual=False, outer_residual=False``.)
+    return_stats: also return ``(ln_stats, rms_stats)`` (:class:`pallas_norm.NormStats`, (T,),
+      zeros on padding rows; ln_stats is None without the LayerNorm), which carry no gradient
+      (``lax.stop_gradient``).
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
-      can run the call; see :mod:`pallas_norm._dispatch`). The kernel names run the norms in
-      XLA around the GDPA kernel (the fused kernel is not written yet); None picks that on
-      Hopper where :func:`pallas_norm.gdpa` would pick its kernel.
+      can run the call; see :mod:`pallas_norm._dispatch`). The kernel names run the fused
+      kernel where it supports the call (:func:`mosaic.unsupported_reason`), else the norms in
+      XLA around the GDPA kernel; None picks the fused kernel on Hopper where it was measured
+      faster (:func:`fused_slower_reason`), else the chain where :func:`pallas_norm.gdpa` would
+      pick its kernel, else XLA.
 
   Returns:
     out (T, H, D), zeros on padding rows; or ``(out, (ln_stats, rms_stats))``.
 
   Raises:
-    TypeError, ValueError, NotImplementedError: as :func:`pallas_norm.gdpa`, plus eps and the
-    affine shapes.
+    TypeError, ValueError, NotImplementedError: as :func:`pallas_norm.gdpa`, plus eps, the
+    switches (bools), the affine shapes, and ln_scale/ln_bias given without the LayerNorm.
   """
   check_attention_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
                        max_seq_len, max_kv_len, out_dtype)
@@ -64,12 +83,28 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   _validate.optional_vector("ln_bias", ln_bias, features)
   _validate.optional_vector("rms_scale", rms_scale, features)
   eps = _validate.eps(eps, q.dtype)
-  _validate.flag("return_stats", return_stats)
+  for name, value in (("pre_layer_norm", pre_layer_norm), ("inner_residual", inner_residual),
+                      ("outer_residual", outer_residual), ("return_stats", return_stats)):
+    _validate.flag(name, value)
+  if not pre_layer_norm and (ln_scale is not None or ln_bias is not None):
+    raise ValueError("ln_scale and ln_bias apply only with pre_layer_norm=True")
+  fused_reason = mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
   impl = _dispatch.choose(
       "flash_norm_attention", implementation,
-      unsupported_reason=lambda _: gdpa_mosaic.unsupported_reason(q, k, kv_offsets, max_kv_len,
-                                                                  None),
-      slower_reason=lambda: gdpa_api.kernel_slower_reason(q, k, kv_offsets, max_kv_len, None))
+      unsupported_reason=lambda _: fused_reason and gdpa_mosaic.unsupported_reason(
+          q, k, kv_offsets, max_kv_len, None),
+      slower_reason=lambda: fused_slower_reason(q, k, kv_offsets, out_dtype) and (
+          gdpa_api.kernel_slower_reason(q, k, kv_offsets, max_kv_len, None)))
+  fused = impl != "xla" and fused_reason is None and (
+      implementation is not None or fused_slower_reason(q, k, kv_offsets, out_dtype) is None)
+  if fused:  # poisons bad traced offsets itself (NaN scales), with no pass over the data
+    out = _fused_block(q, k, v, q_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
+                       rms_scale=rms_scale, activation=activation, pre_scale=pre_scale,
+                       post_scale=post_scale, eps=eps, max_seq_len=max_seq_len,
+                       out_dtype=out_dtype, pre_layer_norm=pre_layer_norm,
+                       inner_residual=inner_residual, outer_residual=outer_residual,
+                       return_stats=return_stats, interpret=impl == "interpret")
+    return out if not return_stats else (out[0], jax.tree.map(lax.stop_gradient, out[1]))
   block = reference.flash_norm_attention if impl == "xla" else functools.partial(
       _gdpa_kernel_chain, gdpa_implementation=impl)
   q, k, v, ln_scale, ln_bias, rms_scale = gdpa_api.poison_inputs_if_offsets_invalid(
@@ -78,7 +113,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   out = block(q, k, v, q_offsets, kv_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
               rms_scale=rms_scale, activation=activation, pre_scale=pre_scale,
               post_scale=post_scale, eps=eps, max_seq_len=max_seq_len, max_kv_len=max_kv_len,
-              out_dtype=out_dtype, return_stats=return_stats)
+              out_dtype=out_dtype, pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
+              outer_residual=outer_residual, return_stats=return_stats)
   if return_stats:  # outputs, not a differentiable path, as in every op that returns them
     out = (out[0], jax.tree.map(lax.stop_gradient, out[1]))
   # Traced offsets that break the jagged convention give NaN, never a silent wrong answer.
@@ -86,23 +122,144 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
                                    max_seq_len, max_kv_len)
 
 
-def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, ln_scale, ln_bias, rms_scale,
-                       activation, pre_scale, post_scale, eps, max_seq_len, max_kv_len,
-                       out_dtype, return_stats, gdpa_implementation):
+def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
+  """Why ``implementation=None`` does not pick the fused kernel for a call it supports (None:
+  it does). The H200 measured the fused kernel alone faster than the unfused chain through the
+  op at the issue's shape (H = 2 and 4, forward), but the op with the fused kernel, forward and
+  forward+backward, is not measured yet (benchmarks/NOTES.md, "flash_norm_attention")."""
+  del q, k, kv_offsets, out_dtype
+  return ("the fused kernel's op path (forward and forward+backward) is not yet measured "
+          "against the chain on the H200; pass implementation='mosaic' to force it")
+
+
+def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
+                       max_seq_len, max_kv_len, gdpa_implementation, **block_options):
   """:func:`pallas_norm.reference.flash_norm_attention` with its attention through the GDPA
   kernel (``gdpa_implementation``: "mosaic" or "interpret"); same arguments and outputs."""
-  t, h, d = q.shape
-  qf = q.reshape(t, h * d).astype(jnp.float32)
-  qf = jnp.where(jagged.valid_mask(q_offsets, t)[:, None], qf, 0)  # padding rows: never data
-  ln_stats = reference._row_stats(qf, "layer", eps)
-  u = reference._normalize(qf, ln_stats, ln_scale, ln_bias, False)
-  attn = gdpa_api.kernel_path(u.astype(q.dtype).reshape(t, h, d), k, v, q_offsets, kv_offsets,
-                              activation=activation, pre_scale=pre_scale,
-                              post_scale=post_scale, max_seq_len=max_seq_len,
-                              max_kv_len=max_kv_len, out_dtype=None,
-                              implementation=gdpa_implementation)
-  z = u + attn.reshape(t, h * d).astype(jnp.float32)
-  rms_stats = reference._row_stats(z, "rms", eps)
-  out = reference._normalize(z, rms_stats, rms_scale, None, False) + qf
-  out = reference._zero_padding(out.reshape(t, h, d), q_offsets).astype(out_dtype or q.dtype)
-  return (out, (ln_stats, rms_stats)) if return_stats else out
+  def attention(u_in):
+    return gdpa_api.kernel_path(u_in, k, v, q_offsets, kv_offsets, activation=activation,
+                                pre_scale=pre_scale, post_scale=post_scale,
+                                max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=None,
+                                implementation=gdpa_implementation)
+
+  return reference.flash_norm_block(q, q_offsets, attention, **block_options)
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused kernel path: one custom_vjp, forward and backward rules side by side.
+
+def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation, pre_scale,
+                 post_scale, eps, max_seq_len, out_dtype, pre_layer_norm, inner_residual,
+                 outer_residual, return_stats, interpret):
+  """The block by the fused kernel (dense K/V); the op's outputs.
+
+  Traced offsets that break the jagged convention are answered as the GDPA kernel path does
+  (:func:`pallas_norm.ops.gdpa.api._poisoned`): NaN scales, all rows padding in the forward
+  (the kernel writes them as 0 · post_scale = NaN), offsets made valid for the backward (NaN
+  gradients), and a checkify error."""
+  scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
+  offsets = (q_offsets, q_offsets)  # the forward's, the backward's
+  pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
+  bad = gdpa_api._offsets_invalid(q_offsets, None, q.shape[0], k.shape[0], max_seq_len, None)  # noqa: SLF001
+  if bad is not None:
+    (fwd, _, bwd, _), pre_scale, post_scale = gdpa_api._poisoned(  # noqa: SLF001
+        bad, (q_offsets, None), pre_scale, post_scale, q.shape[0], k.shape[0], max_seq_len,
+        None)
+    offsets = (fwd, bwd)
+  heads, head_dim = q.shape[1:]
+  ones, zeros = jnp.ones((heads * head_dim,), _F32), jnp.zeros((heads * head_dim,), _F32)
+  affine = tuple(jnp.asarray(a, _F32) if a is not None else default
+                 for a, default in ((ln_scale, ones), (ln_bias, zeros), (rms_scale, ones)))
+  static = _Static(activation=activation, eps=eps, pre_layer_norm=pre_layer_norm,
+                   inner_residual=inner_residual, outer_residual=outer_residual,
+                   out_dtype=jnp.dtype(out_dtype or q.dtype), interpret=interpret,
+                   scale_grads=scale_grads)
+  out, stats = _fused(q, k, v, offsets, affine, pre_scale, post_scale, static)
+  if not return_stats:
+    return out
+  ln_stats = reference.NormStats(stats[:, 0], stats[:, 1]) if pre_layer_norm else None
+  return out, (ln_stats, reference.NormStats(None, stats[:, 2]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The fused path's static options (hashable: a nondiff argument of the custom_vjp)."""
+
+  activation: str
+  eps: float
+  pre_layer_norm: bool
+  inner_residual: bool
+  outer_residual: bool
+  out_dtype: jnp.dtype
+  interpret: bool
+  scale_grads: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _fused(q, k, v, offsets, affine, pre_scale, post_scale, static):
+  return _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, False)[:2]
+
+
+def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save_attn):
+  heads, head_dim = q.shape[1:]
+  forward = functools.partial(
+      mosaic.flash_norm_attention_fwd, activation=static.activation, eps=static.eps,
+      pre_layer_norm=static.pre_layer_norm, inner_residual=static.inner_residual,
+      outer_residual=static.outer_residual, out_dtype=static.out_dtype, save_attn=save_attn,
+      interpret=static.interpret)
+  return _op.first_order_only("flash_norm_attention", forward, q, k, v, offsets[0],
+                              jnp.stack(affine).reshape(3, heads, head_dim), pre_scale,
+                              post_scale)
+
+
+def _fused_fwd_rule(q, k, v, offsets, affine, pre_scale, post_scale, static):
+  out, stats, attn = _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static,
+                                    True)
+  return (out, stats), (q, k, v, offsets, affine, pre_scale, post_scale, stats, attn)
+
+
+def _fused_bwd_rule(static, saved, cotangents):
+  """The block's backward: the RMSNorm backward and the LayerNorm backward in XLA (each with its
+  per-token rowsums over H·D, the cross-head reductions), the GDPA backward kernel between them.
+  u is recomputed from q and the saved (μ1, r1), z from u and the saved attention output; the
+  weight gradients are float32 column sums (deterministic)."""
+  q, k, v, offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, attn = saved
+  q_offsets = offsets[1]
+  d_out = cotangents[0]  # the statistics carry no gradient (the op stops it)
+  t, heads, head_dim = q.shape
+  valid = jagged.valid_mask(q_offsets, t)[:, None]
+  rows = lambda a: a.reshape(t, heads * head_dim).astype(_F32)  # noqa: E731
+  g = jnp.where(valid, rows(d_out), 0)
+  qf = jnp.where(valid, rows(q), 0)
+  if static.pre_layer_norm:
+    x_hat = (qf - stats[:, :1]) * stats[:, 1:2]
+    u = x_hat * ln_scale + ln_bias
+  else:
+    u = qf
+  z = u + rows(attn) if static.inner_residual else rows(attn)
+  z_hat = z * stats[:, 2:3]
+  d_rms_scale = jnp.sum(g * z_hat, axis=0)
+  gz = g * rms_scale
+  dz = stats[:, 2:3] * (gz - z_hat * jnp.mean(gz * z_hat, axis=1, keepdims=True))
+  du_attn, dk, dv, d_pre, d_post = gdpa_mosaic_bwd.gdpa_bwd(
+      u.astype(q.dtype).reshape(q.shape), k, v, q_offsets, None,
+      dz.astype(q.dtype).reshape(q.shape), activation=static.activation, pre_scale=pre_scale,
+      post_scale=post_scale, interpret=static.interpret, scale_grads=static.scale_grads)
+  du = rows(du_attn) + dz if static.inner_residual else rows(du_attn)
+  dq = g if static.outer_residual else jnp.zeros_like(g)
+  d_ln_scale = d_ln_bias = jnp.zeros_like(ln_scale)
+  if static.pre_layer_norm:
+    d_ln_bias = jnp.sum(du, axis=0)
+    d_ln_scale = jnp.sum(du * x_hat, axis=0)
+    gu = du * ln_scale
+    dq = dq + stats[:, 1:2] * (gu - jnp.mean(gu, axis=1, keepdims=True)
+                               - x_hat * jnp.mean(gu * x_hat, axis=1, keepdims=True))
+  else:
+    dq = dq + du
+  dq = jnp.where(valid, dq, 0).reshape(q.shape).astype(q.dtype)
+  if d_pre is None:  # numbers given by the caller: constants, cotangents dropped
+    d_pre, d_post = jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale)
+  return (dq, dk, dv, None, (d_ln_scale, d_ln_bias, d_rms_scale), d_pre, d_post)
+
+
+_fused.defvjp(_fused_fwd_rule, _fused_bwd_rule)

@@ -1,0 +1,240 @@
+"""The fused FlashNormAttention kernel (pallas_norm.ops.flash_norm_attention) and the unfused
+chain, against the reference.
+
+CPU tests run the kernels in GPU interpret mode (race detector on, uninitialized SMEM and
+outputs NaN-filled, so a row the kernel never writes shows up as NaN); q's padding rows are NaN
+too. Lowering tests run Mosaic's lowering for sm_90a via ``jax.export`` (no GPU). ``gpu`` tests
+run the compiled kernel at the issue's sizes.
+
+The oracle is :func:`pallas_norm.reference.flash_norm_attention` on float32-upcast inputs.
+Tolerance: relative Frobenius error < 2e-2 (u, P and the attention output are rounded to bf16,
+as in the unfused chain), padding rows exactly zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import export
+
+import pallas_norm as pn
+from pallas_norm import jagged, mgpu, reference
+from pallas_norm.ops.flash_norm_attention import mosaic
+
+TOL = 2e-2
+F32 = jnp.float32
+
+
+def _rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _problem(seed, q_lens, heads, head_dim, lkv=64, *, large_mean_row=None):
+  """Random bf16 inputs, dense K/V; q's padding rows NaN; affines with some zeros in γ2."""
+  ks = jax.random.split(jax.random.key(seed), 6)
+  total = int(np.sum(q_lens))
+  capacity = -(-total // 8) * 8 + 8
+  q = jax.random.normal(ks[0], (capacity, heads, head_dim), F32)
+  if large_mean_row is not None:  # |mean| / std = 100: the two-pass variance must hold
+    q = q.at[large_mean_row].add(100.0)
+  q = q.astype(jnp.bfloat16).at[total:].set(jnp.nan)
+  q_offsets = jnp.asarray(jagged.offsets_from_lengths(np.asarray(q_lens)))
+  shape = (len(q_lens), lkv, heads, head_dim)
+  k = (head_dim ** -0.5 * jax.random.normal(ks[1], shape, F32)).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], shape, F32).astype(jnp.bfloat16)
+  f = heads * head_dim
+  affine = dict(ln_scale=1 + 0.2 * jax.random.normal(ks[3], (f,)),
+                ln_bias=0.2 * jax.random.normal(ks[4], (f,)),
+                rms_scale=(1 + 0.2 * jax.random.normal(ks[5], (f,))).at[::7].set(0.0))
+  return q, k, v, q_offsets, affine
+
+
+def _clean(q, q_offsets):
+  return jnp.where(jagged.valid_mask(q_offsets, q.shape[0])[:, None, None], q, 0)
+
+
+def _reference(q, k, v, q_offsets, **kw):
+  return reference.flash_norm_attention(_clean(q, q_offsets).astype(F32), k.astype(F32),
+                                        v.astype(F32), q_offsets, return_stats=True, **kw)
+
+
+def test_fused_forward_matches_reference():
+  """Output and statistics (μ1, r1, r2) of the fused kernel, through the op: an empty sample, a
+  sample over two q blocks, a row with a large mean, γ2 with zeros, NaN padding rows of q."""
+  q, k, v, qo, affine = _problem(0, [5, 70, 0, 9], 2, 64, large_mean_row=6)
+  kw = dict(affine, pre_scale=0.9, post_scale=1.1, eps=1e-5)
+  out, (ln, rms) = pn.flash_norm_attention(q, k, v, qo, return_stats=True,
+                                           implementation="interpret", **kw)
+  out = jax.block_until_ready(out)
+  assert not mgpu.races_found()
+  ref, (ln_ref, rms_ref) = _reference(q, k, v, qo, **kw)
+  total = int(qo[-1])
+  assert bool(jnp.all(jnp.isfinite(out))), "rows never written (NaN-filled) or NaN leaked"
+  assert not bool(jnp.any(out[total:] != 0)), "padding rows must be zeros"
+  assert _rel_err(out[:total], ref[:total]) < TOL
+  assert _rel_err(out[6], ref[6]) < TOL  # the large-mean row
+  for got, want in ((ln.mean, ln_ref.mean), (ln.rstd, ln_ref.rstd), (rms.rstd, rms_ref.rstd)):
+    assert _rel_err(got[:total], want[:total]) < TOL
+    assert not bool(jnp.any(got[total:] != 0))
+
+
+@pytest.mark.parametrize("switches", [(False, False, False), (True, False, True),
+                                      (True, True, False)])
+def test_fused_switches_match_reference(switches):
+  """The megakernel's switches: no LayerNorm / no inner residual / no outer residual."""
+  pre_layer_norm, inner_residual, outer_residual = switches
+  q, k, v, qo, affine = _problem(1, [3, 64, 20], 2, 64)
+  if not pre_layer_norm:
+    affine = dict(rms_scale=affine["rms_scale"])
+  kw = dict(affine, pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
+            outer_residual=outer_residual, activation="silu")
+  out, (ln, rms) = pn.flash_norm_attention(q, k, v, qo, return_stats=True,
+                                           implementation="interpret", **kw)
+  ref, (_, rms_ref) = _reference(q, k, v, qo, **kw)
+  total = int(qo[-1])
+  assert (ln is None) == (not pre_layer_norm)
+  assert not bool(jnp.any(out[total:] != 0))
+  assert _rel_err(out[:total], ref[:total]) < TOL
+  assert _rel_err(rms.rstd[:total], rms_ref.rstd[:total]) < TOL
+
+
+def test_fused_gradients_match_reference():
+  """The custom_vjp (norm backwards in XLA around the GDPA backward kernel) against the f32
+  reference's gradients: q, k, v, the three affines and a traced pre_scale."""
+  q, k, v, qo, affine = _problem(2, [5, 70, 9], 2, 64)
+  q = _clean(q, qo)  # a gradient at NaN inputs is NaN in the reference
+  weights = jnp.sin(jnp.arange(q.size, dtype=F32)).reshape(q.shape)
+
+  def loss(q, k, v, ln_scale, ln_bias, rms_scale, pre, impl):
+    out = pn.flash_norm_attention(q, k, v, qo, ln_scale=ln_scale, ln_bias=ln_bias,
+                                  rms_scale=rms_scale, pre_scale=pre, max_seq_len=80,
+                                  implementation=impl)
+    return jnp.sum(out.astype(F32) * weights)
+
+  args = (q, k, v, affine["ln_scale"], affine["ln_bias"], affine["rms_scale"], jnp.float32(0.9))
+  grad = jax.grad(loss, argnums=range(7))
+  got = grad(*args, "interpret")
+  want = grad(*(a.astype(F32) for a in args), "xla")
+  names = ("q", "k", "v", "ln_scale", "ln_bias", "rms_scale", "pre_scale")
+  for name, a, g, w in zip(names, args, got, want):
+    assert g.shape == a.shape and g.dtype == a.dtype, name
+    assert _rel_err(g, w) < TOL, name
+
+
+def test_chain_for_calls_the_fused_kernel_does_not_take():
+  """Jagged K/V is not the fused kernel's: the kernel names run the unfused chain (norms in
+  XLA around the GDPA kernel, whose gradients test_gdpa_bwd_kernel covers) as the reference."""
+  lens = [5, 60]
+  q, _, _, qo, affine = _problem(3, lens, 2, 64)
+  q = _clean(q, qo)
+  ks = jax.random.split(jax.random.key(4), 2)
+  kv_lens = np.array([40, 17])
+  ko = jnp.asarray(jagged.offsets_from_lengths(kv_lens))
+  k = (0.125 * jax.random.normal(ks[0], (64, 2, 64))).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[1], (64, 2, 64)).astype(jnp.bfloat16)
+  assert "jagged" in mosaic.unsupported_reason(q, k, ko, None)
+
+  out = pn.flash_norm_attention(q, k, v, qo, ko, max_seq_len=64, max_kv_len=64,
+                                implementation="interpret", **affine)
+  ref = reference.flash_norm_attention(q.astype(F32), k.astype(F32), v.astype(F32), qo, ko,
+                                       max_seq_len=64, max_kv_len=64, **affine)
+  assert not bool(jnp.any(out[65:] != 0)) and _rel_err(out[:65], ref[:65]) < TOL
+
+
+def test_dispatch_reasons():
+  """What the fused kernel refuses (then the chain or XLA runs), and the op's switch checks."""
+  bf = jnp.bfloat16
+  q = jnp.zeros((64, 4, 128), bf)
+  dense = jnp.zeros((2, 128, 4, 128), bf)
+  assert mosaic.unsupported_reason(q, dense, None, None) is None
+  assert "SMEM" in mosaic.unsupported_reason(jnp.zeros((64, 8, 128), bf),
+                                             jnp.zeros((2, 128, 8, 128), bf), None, None)
+  assert "multiple of 64" in mosaic.unsupported_reason(q, dense[:, :96], None, None)
+  assert "float32" in mosaic.unsupported_reason(q.astype(F32), dense, None, None)
+  offs = jnp.array([0, 10, 64], jnp.int32)
+  with pytest.raises(ValueError, match="pre_layer_norm"):
+    pn.flash_norm_attention(q, dense, dense, offs, ln_scale=jnp.ones(512),
+                            pre_layer_norm=False)
+  with pytest.raises(TypeError, match="inner_residual"):
+    pn.flash_norm_attention(q, dense, dense, offs, inner_residual="no")
+
+
+@pytest.mark.parametrize("heads,head_dim,save_attn,out_dtype",
+                         [(4, 128, True, None), (2, 128, False, jnp.float32)])
+def test_lowers_for_sm90a(heads, head_dim, save_attn, out_dtype):
+  """Mosaic's sm_90a lowering accepts the kernel (layouts, SMEM, TMA boxes) at real sizes."""
+  spec = jax.ShapeDtypeStruct
+  t, b = 4096, 16
+  fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
+      q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6, save_attn=save_attn,
+      out_dtype=out_dtype))
+  kv = spec((b, 128, heads, head_dim), jnp.bfloat16)
+  export.export(fn, platforms=["cuda"])(spec((t, heads, head_dim), jnp.bfloat16), kv, kv,
+                                        spec((b + 1,), jnp.int32),
+                                        spec((3, heads, head_dim), F32))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU, the issue's sizes (B=768, Lmax=512 density 0.5, D=128, dense K/V Lkv=128).
+
+def _pffn(seed, heads, density=0.5):
+  rng = np.random.default_rng(seed)
+  lens = np.full(768, 512) if density >= 1 else rng.integers(1, 513, size=768)
+  return _problem(seed, lens, heads, 128, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,density", [(4, 0.5), (2, 0.5), (4, 1.0)])
+def test_gpu_forward_at_issue_shape(heads, density):
+  q, k, v, qo, affine = _pffn(5, heads, density)
+  out, (ln, rms) = jax.jit(lambda *a: pn.flash_norm_attention(
+      *a, **affine, max_seq_len=512, return_stats=True, implementation="mosaic"))(q, k, v, qo)
+  ref, (ln_ref, rms_ref) = jax.jit(lambda *a: _reference(*a, **affine, max_seq_len=512))(
+      q, k, v, qo)
+  total = int(qo[-1])
+  assert bool(jnp.all(jnp.isfinite(out))) and not bool(jnp.any(out[total:] != 0))
+  assert _rel_err(out[:total], ref[:total]) < TOL
+  assert _rel_err(rms.rstd[:total], rms_ref.rstd[:total]) < TOL
+  assert _rel_err(ln.rstd[:total], ln_ref.rstd[:total]) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [4, 2])
+def test_gpu_gradients_at_issue_shape(heads):
+  """The fused path's gradients against the f32 XLA reference's."""
+  q, k, v, qo, affine = _pffn(6, heads)
+  q = _clean(q, qo)
+  weights = jax.random.normal(jax.random.key(7), q.shape, F32)
+
+  def loss(q, k, v, ln_scale, rms_scale, impl):
+    out = pn.flash_norm_attention(q, k, v, qo, ln_scale=ln_scale, ln_bias=affine["ln_bias"],
+                                  rms_scale=rms_scale, max_seq_len=512, implementation=impl)
+    return jnp.sum(out.astype(F32) * weights)
+
+  args = (q, k, v, affine["ln_scale"], affine["rms_scale"])
+  got = jax.jit(jax.grad(lambda *a: loss(*a, "mosaic"), argnums=range(5)))(*args)
+  want = jax.jit(jax.grad(lambda *a: loss(*a, "xla"), argnums=range(5)))(
+      *(a.astype(F32) for a in args))
+  for g, w in zip(got, want):
+    assert bool(jnp.all(jnp.isfinite(g))) and _rel_err(g, w) < TOL
+
+
+def test_fused_bad_traced_offsets_give_nan():
+  """Traced offsets that break the jagged convention: the fused path answers with NaN in every
+  output row and every gradient (NaN scales, no pass over the data), as the GDPA kernel does."""
+  q, k, v, _, _ = _problem(8, [4, 12], 2, 64)
+  q = jnp.where(jnp.isnan(q), 0, q)
+
+  def loss(q, k, v, offsets):
+    out = pn.flash_norm_attention(q, k, v, offsets, implementation="interpret")
+    return jnp.sum(out.astype(F32)), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+      q, k, v, jnp.array([0, 4, 40], jnp.int32))  # last > T
+  assert bool(jnp.all(jnp.isnan(out)))
+  assert bool(jnp.all(jnp.isnan(grads[0][:16]))) and bool(jnp.all(jnp.isnan(grads[1])))
+  assert bool(jnp.all(jnp.isnan(grads[2])))
