@@ -97,9 +97,11 @@ def _load_train_script():
   return module
 
 
-def _model_and_data(train, config: dict, implementation, num_batches: int = 1):
-  """(model, optimizer, batches): the Kunlun model in bf16 with f32 parameters and AdamW, and
-  ``num_batches`` synthetic batches of ``config["batch_size"]`` (device arrays)."""
+def _model_and_data(train, config: dict, implementation, num_batches: int = 1,
+                    compute_dtype: str = "bfloat16"):
+  """(model, optimizer, batches): the Kunlun model computing in ``compute_dtype`` with f32
+  parameters and AdamW, and ``num_batches`` synthetic batches of ``config["batch_size"]``
+  (device arrays)."""
   import jax.numpy as jnp
   from flax import nnx
 
@@ -113,7 +115,8 @@ def _model_and_data(train, config: dict, implementation, num_batches: int = 1):
   batches = _synthetic_batches(tuple(sorted(config.items())), num_batches)
   model_config = flax_layers.KunlunConfig(num_sparse_features=batches[0].sparse_ids.shape[1],
                                           num_dense_features=batches[0].dense.shape[1], **sizes)
-  model = flax_layers.KunlunModel(model_config, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+  model = flax_layers.KunlunModel(model_config, dtype=jnp.dtype(compute_dtype),
+                                  param_dtype=jnp.float32,
                                   rngs=nnx.Rngs(config["seed"]), implementation=implementation)
   optimizer = nnx.Optimizer(model, train.make_tx(config["lr"], config["weight_decay"]),
                             wrt=nnx.Param)
@@ -145,7 +148,8 @@ def _jitted_step(train, graphdef):
   def step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
     loss, grads = nnx.value_and_grad(train.loss_fn)(model, batch)
-    optimizer.update(model, grads)
+    with jax.named_scope("optimizer"):  # a label for kernel profiles (benchmarks.kernel_profile)
+      optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
   return step
@@ -191,6 +195,10 @@ ARMS = {"baseline": "xla", "xla": "xla", "default": None}
 """Arm -> the model's ``implementation``; "baseline" also traces under
 :func:`plain_jax_conversions`."""
 COMPONENTS = ("self_attention", "pffn", "seed_pool", "mlp")
+LOSS_REFERENCE = "f32"
+"""The arm that is trained but not timed: the baseline computing in float32 with its matmuls at
+``Precision.HIGHEST``. The timed arms' losses are compared with its losses, so that a drift
+from the baseline can be set against the baseline's own bf16 drift."""
 
 
 @contextlib.contextmanager
@@ -208,7 +216,17 @@ def plain_jax_conversions():
 
 
 def _trace_context(arm: str):
+  if arm == LOSS_REFERENCE:
+    stack = contextlib.ExitStack()
+    stack.enter_context(plain_jax_conversions())
+    stack.enter_context(_highest_precision())
+    return stack
   return plain_jax_conversions() if arm == "baseline" else contextlib.nullcontext()
+
+
+def _highest_precision():
+  import jax
+  return jax.default_matmul_precision("highest")
 
 
 _PARAMS_OF = {"self_attention": ("qkv", "attn_out"), "pffn": ("pffn",),
@@ -275,18 +293,23 @@ def component_programs(model, batch, seed: int = 0) -> dict:
   return programs
 
 
-def build_arms(config: dict, arms, loss_steps: int) -> dict:
+def build_arms(config: dict, arms, loss_steps: int, loss_reference: bool = False) -> dict:
   """arm -> {"batches": [...], "programs": {name: (jitted fn, args)}, "errors": {}}: the train
-  step and every component of :func:`component_programs`, not yet lowered."""
+  step and every component of :func:`component_programs`, not yet lowered; with
+  ``loss_reference`` also the step of :data:`LOSS_REFERENCE`."""
   from flax import nnx
 
   train = _load_train_script()
   built = {}
-  for arm in arms:
-    model, optimizer, batches = _model_and_data(train, config, ARMS[arm], max(1, loss_steps))
+  for arm in tuple(arms) + ((LOSS_REFERENCE,) if loss_reference else ()):
+    reference = arm == LOSS_REFERENCE
+    model, optimizer, batches = _model_and_data(
+        train, config, "xla" if reference else ARMS[arm], max(1, loss_steps),
+        compute_dtype="float32" if reference else "bfloat16")
     graphdef, state = nnx.split((model, optimizer))
     programs = {"step": (_jitted_step(train, graphdef), (state, batches[0]))}
-    programs.update(component_programs(model, batches[0]))
+    if not reference:
+      programs.update(component_programs(model, batches[0]))
     built[arm] = {"batches": batches, "programs": programs, "errors": {}}
   return built
 
@@ -299,7 +322,7 @@ def compile_programs(built: dict, names, log=print) -> None:
   lowered = []
   for arm, entry in built.items():
     with _trace_context(arm):
-      for name in names:
+      for name in (n for n in names if n in entry["programs"]):
         fn, args = entry["programs"][name]
         try:
           lowered.append((arm, name, fn.lower(*args), args))
@@ -358,40 +381,56 @@ def train_losses(step, state, batches, steps: int) -> list[float]:
 
 def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: int = 30,
                 loss_steps: int = 20, log=print, save=lambda result: None,
-                with_step: bool = True) -> dict:
-  """The measurement of the module doc, as a JSON-ready dict. The whole step first (compile,
-  time, losses; skipped without ``with_step``), then the components; ``save(result)`` is
-  called after each timed piece, so a run cut short keeps what it measured."""
+                with_step: bool = True, profile_iterations: int = 3) -> dict:
+  """The measurement of the module doc, as a JSON-ready dict: the whole step's programs are
+  compiled (in parallel), timed, profiled with CUPTI (GPU only) and trained for the losses
+  (with the float32 :data:`LOSS_REFERENCE`); then the components' programs are compiled, timed
+  (wall clock and CUPTI kernel sums). ``save(result)`` is called after each piece, so a run cut
+  short keeps what it measured. ``with_step=False``: the components only."""
   import jax
 
-  built = build_arms(config, arms, loss_steps if with_step else 1)
+  from benchmarks import timing
+
+  built = build_arms(config, arms, loss_steps if with_step else 1, loss_reference=with_step)
+  cupti = timing.default_timer() == "cupti"
   result = {
       "what": "Kunlun train step (issue 19): whole step and per-component forward+backward",
       "method": ("wall clock per call up to block_until_ready, arms interleaved with a "
-                 "rotating order, after 2 warm-up calls each; ms"),
+                 "rotating order, after 2 warm-up calls each; ms. cupti_kernel_ms: the sum of "
+                 f"the kernels' CUPTI times per call, mean of {profile_iterations} calls"),
       "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-      "git_commit": _git_commit(), "config": config, "samples_per_arm": samples, "loss_steps": loss_steps,
+      "git_commit": _git_commit(), "config": config, "samples_per_arm": samples,
+      "loss_steps": loss_steps,
       "arms": {arm: ("plain JAX: XLA ops and attention, autodiff (scatter-add) conversions"
                      if arm == "baseline" else f"implementation={ARMS[arm]!r}") for arm in arms},
-      "errors": {}, "rows": [], "losses": {}, "summary": {},
+      "errors": {}, "rows": [], "profiles": {}, "losses": {}, "summary": {},
   }
+  if with_step:
+    result["loss_reference"] = f"{LOSS_REFERENCE}: the baseline in float32, HIGHEST matmuls"
+  timed = {arm: built[arm] for arm in arms}
   for phase in (("step",) if with_step else (), tuple(components)):
     if not phase:
       continue
     t0 = time.perf_counter()
     compile_programs(built, phase, log)
-    log(f"compiled {len(arms) * len(phase)} programs in {time.perf_counter() - t0:.0f} s")
-    result["errors"] = {arm: built[arm]["errors"] for arm in arms if built[arm]["errors"]}
+    log(f"compiled {sum(p in b['programs'] for b in built.values() for p in phase)} programs "
+        f"in {time.perf_counter() - t0:.0f} s")
+    result["errors"] = {arm: built[arm]["errors"] for arm in built if built[arm]["errors"]}
     for piece in phase:
-      _time_piece(result, built, piece, samples, log)
+      _time_piece(result, timed, piece, samples, log)
       save(result)
-    if phase == ("step",):
-      for arm in arms:
-        if "step" in built[arm]:
-          step, (state, _) = built[arm]["step"]
-          result["losses"][arm] = train_losses(step, state, built[arm]["batches"], loss_steps)
-    result["summary"] = summary(result)
-    save(result)
+      if cupti:
+        _profile_piece(result, timed, piece, profile_iterations, log)
+        save(result)
+    if phase == ("step",):  # the losses before the components: a run cut short keeps them
+      for arm, entry in built.items():
+        if "step" in entry:
+          step, (state, _) = entry["step"]
+          result["losses"][arm] = train_losses(step, state, entry["batches"], loss_steps)
+      result["summary"] = summary(result)
+      save(result)
+  result["summary"] = summary(result)
+  save(result)
   return result
 
 
@@ -416,18 +455,54 @@ def _time_piece(result, built, piece, samples, log) -> None:
         f"p90 {row['p90_ms']:.2f}, min {row['min_ms']:.2f})")
 
 
+def _profile_piece(result, built, piece, iterations, log) -> None:
+  """CUPTI kernel sums of ``piece`` per arm into its rows; for the whole step also the
+  grouped profile (:func:`benchmarks.kernel_profile.profile`) into ``result["profiles"]``."""
+  from benchmarks import kernel_profile
+
+  rows = {r["arm"]: r for r in result["rows"] if r["component"] == piece}
+  for arm, row in rows.items():
+    compiled, args = built[arm][piece]
+    try:
+      kernels = kernel_profile.cupti_kernels(compiled, args, iterations)
+      hlo = compiled.as_text() if piece == "step" else ""
+      prof = kernel_profile.profile(kernels, iterations, hlo, top=30 if piece == "step" else 0)
+    except Exception as e:  # noqa: BLE001  (recorded; the wall clock still stands)
+      result["errors"].setdefault(arm, {})[f"{piece}/cupti"] = f"{type(e).__name__}: {e}"[:500]
+      log(f"{piece} {arm}: CUPTI failed: {e}")
+      continue
+    row["cupti_kernel_ms"] = prof["kernel_ms"]
+    row["cupti_by_kind"] = prof["by_kind"]
+    log(f"{piece:15s} {arm:9s} CUPTI kernels {prof['kernel_ms']:8.2f} ms "
+        f"({prof['kernels_per_call']:.0f} launches)")
+    if piece == "step":
+      result["profiles"][arm] = prof
+      for kind, ms in prof["by_kind"].items():
+        log(f"    {ms:8.2f}  {kind}")
+      for component, ms in prof["by_component"].items():
+        log(f"    {ms:8.2f}  [{component}]")
+
+
 def summary(result: dict) -> dict:
-  """Speed-ups of each arm against the baseline (median over median) and the largest loss
-  difference from the baseline's over the loss steps."""
-  med = {(r["component"], r["arm"]): r["median_ms"] for r in result["rows"]}
+  """Speed-ups of each arm against the baseline (median over median, and CUPTI kernel sum over
+  kernel sum), and each arm's largest and mean loss difference from the baseline's and from the
+  float32 reference's over the loss steps."""
   out = {}
-  for (piece, arm), ms in med.items():
-    if arm != "baseline" and (piece, "baseline") in med:
-      out[f"{piece}/{arm}_speedup"] = med[(piece, "baseline")] / ms
-  base = result["losses"].get("baseline")
-  for arm, losses in result["losses"].items():
-    if base and arm != "baseline":
-      out[f"loss/{arm}_max_abs_diff"] = float(np.max(np.abs(np.subtract(losses, base))))
+  for key, stat in (("", "median_ms"), ("cupti_", "cupti_kernel_ms")):
+    value = {(r["component"], r["arm"]): r[stat] for r in result["rows"] if stat in r}
+    for (piece, arm), ms in value.items():
+      if arm != "baseline" and (piece, "baseline") in value:
+        out[f"{piece}/{arm}_{key}speedup"] = value[(piece, "baseline")] / ms
+  losses = result["losses"]
+  for ref in ("baseline", LOSS_REFERENCE):
+    if ref not in losses:
+      continue
+    for arm, values in losses.items():
+      if arm not in (ref, LOSS_REFERENCE):
+        diff = np.abs(np.subtract(values, losses[ref]))
+        suffix = "" if ref == "baseline" else f"_vs_{ref}"
+        out[f"loss/{arm}_max_abs_diff{suffix}"] = float(np.max(diff))
+        out[f"loss/{arm}_mean_abs_diff{suffix}"] = float(np.mean(diff))
   return out
 
 
@@ -436,25 +511,44 @@ COMPONENT_NAMES = {"step": "whole train step (+ AdamW)", "self_attention": "one 
                    "mlp": "interaction MLP"}
 
 
-def markdown_table(result: dict) -> str:
-  """The README's table of a harness result: median ms (p10–p90) per component and arm, and
-  each arm's speed-up over the baseline (median over median)."""
+def markdown_table(result: dict, stat: str = "median_ms") -> str:
+  """The README's table of a harness result: per component and arm the wall-clock median ms
+  (p10–p90), or with ``stat="cupti_kernel_ms"`` the CUPTI kernel sum, and each arm's speed-up
+  over the baseline in that statistic."""
   arms = list(result["arms"])
-  cell = {(r["component"], r["arm"]): r for r in result["rows"]}
-  head = ["| forward + backward of | " + " | ".join(f"{a} ms" for a in arms) + " | " + " | ".join(
-      f"{a} speed-up" for a in arms if a != "baseline") + " |"]
+  cell = {(r["component"], r["arm"]): r for r in result["rows"] if stat in r}
+  what = "ms" if stat == "median_ms" else "kernel ms"
+  head = ["| forward + backward of | " + " | ".join(f"{a} {what}" for a in arms) + " | " +
+          " | ".join(f"{a} speed-up" for a in arms if a != "baseline") + " |"]
   head.append("|---|" + "---:|" * (2 * len(arms) - 1))
   lines = []
   for piece, name in COMPONENT_NAMES.items():
     if not any((piece, a) in cell for a in arms):
       continue
-    times = [f"{cell[piece, a]['median_ms']:.1f} ({cell[piece, a]['p10_ms']:.1f}–"
-             f"{cell[piece, a]['p90_ms']:.1f})" if (piece, a) in cell else "—" for a in arms]
-    ratios = [f"{cell[piece, 'baseline']['median_ms'] / cell[piece, a]['median_ms']:.2f}×"
+    times = [("—" if (piece, a) not in cell else
+              f"{cell[piece, a][stat]:.1f} ({cell[piece, a]['p10_ms']:.1f}–"
+              f"{cell[piece, a]['p90_ms']:.1f})" if stat == "median_ms" else
+              f"{cell[piece, a][stat]:.1f}") for a in arms]
+    ratios = [f"{cell[piece, 'baseline'][stat] / cell[piece, a][stat]:.2f}×"
               if (piece, a) in cell and (piece, "baseline") in cell else "—"
               for a in arms if a != "baseline"]
     lines.append(f"| {name} | " + " | ".join(times + ratios) + " |")
   return "\n".join(head + lines)
+
+
+def profile_table(result: dict, arm: str = "default", top: int = 30) -> str:
+  """The CUPTI profile of ``arm``'s step: ms by kind, by component, and the top kernels."""
+  prof = result.get("profiles", {}).get(arm)
+  if not prof:
+    return f"(no CUPTI profile of the {arm} step)"
+  lines = [f"{arm} step: {prof['kernel_ms']:.2f} ms of kernels, "
+           f"{prof['kernels_per_call']:.0f} launches"]
+  lines += [f"  {ms:8.2f}  {kind}" for kind, ms in prof["by_kind"].items()]
+  lines += [f"  {ms:8.2f}  [{component}]" for component, ms in prof["by_component"].items()]
+  for name, ms, count, kind, component, op_name in prof["top"][:top]:
+    lines.append(f"  {ms:7.3f} x{count:<4g} {kind[:12]:12s} {component[:14]:14s} {name[:60]}  "
+                 f"{op_name[-90:]}")
+  return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -466,6 +560,8 @@ def main(argv=None) -> int:
                  f"{','.join(ARMS)}")
   p.add_argument("--components", default=",".join(COMPONENTS),
                  help="comma-separated subset of " + ",".join(COMPONENTS) + " (or empty)")
+  p.add_argument("--profile-iterations", type=int, default=3,
+                 help="calls per CUPTI profile (GPU only)")
   p.add_argument("--no-step", action="store_true",
                  help="time the components only (no whole step, no losses)")
   p.add_argument("--out", type=pathlib.Path, default=None, help="JSON result file")
@@ -488,12 +584,17 @@ def main(argv=None) -> int:
 
   result = run_harness(build_config(args.tiny), arms, components, args.samples,
                        args.loss_steps, log=lambda m: print(m, flush=True), save=save,
-                       with_step=not args.no_step)
+                       with_step=not args.no_step,
+                       profile_iterations=args.profile_iterations)
   for key, value in result["summary"].items():
     print(f"{key}: {value:.4g}", flush=True)
   for arm, losses in result["losses"].items():
     print(f"losses {arm}: " + " ".join(f"{v:.5f}" for v in losses), flush=True)
+  for arm in result["profiles"]:
+    print(profile_table(result, arm, top=30 if arm == "default" else 12), flush=True)
   print(markdown_table(result), flush=True)
+  if any("cupti_kernel_ms" in r for r in result["rows"]):
+    print(markdown_table(result, "cupti_kernel_ms"), flush=True)
   return 0
 
 

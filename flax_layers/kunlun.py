@@ -181,20 +181,29 @@ class KunlunModel(nnx.Module):
     sparse_ids = jnp.mod(sparse_ids, c.sparse_vocab_size)
     seq_ids = jnp.mod(seq_ids, c.item_vocab_size)
     batch = sparse_ids.shape[0]
-    ctx = self._context(sparse_ids, dense)                     # (B, Nc·E)
-    summary = jax.nn.gelu(self.summary(ctx))                   # (B, summary_dim)
-    x = self._sequence_tokens(seq_ids, seq_offsets)            # (T, H, D)
+    # The named scopes label the parts in profiles (HLO op_name metadata); no effect on the math.
+    with jax.named_scope("context_tokens"):
+      ctx = self._context(sparse_ids, dense)                   # (B, Nc·E)
+    with jax.named_scope("kv_gen"):
+      summary = jax.nn.gelu(self.summary(ctx))                 # (B, summary_dim)
+    with jax.named_scope("sequence_tokens"):
+      x = self._sequence_tokens(seq_ids, seq_offsets)          # (T, H, D)
     for layer in range(c.num_layers):
-      kv = self.kv_gen[layer](summary).reshape(batch, 2, c.kv_len, c.num_heads, c.head_dim)
-      kv = kv.astype(x.dtype)
-      x = self.pffn[layer](x, seq_offsets, kv[:, 0], kv[:, 1], max_seq_len=c.max_seq_len)
-      x = self._self_attention(layer, x, seq_offsets)
-    pooled = self._seed_pool(x, seq_offsets)                   # (B, S·H·D)
-    z = jnp.concatenate([ctx, pooled.astype(ctx.dtype)], axis=-1)
-    h = jax.nn.gelu(self.mlp_in(z))
-    for block in self.mlp:
-      h = block(jax.nn.gelu(h), residual=h)
-    return self.head(h)[:, 0].astype(jnp.float32)
+      with jax.named_scope("kv_gen"):
+        kv = self.kv_gen[layer](summary).reshape(batch, 2, c.kv_len, c.num_heads, c.head_dim)
+        kv = kv.astype(x.dtype)
+      with jax.named_scope("pffn"):
+        x = self.pffn[layer](x, seq_offsets, kv[:, 0], kv[:, 1], max_seq_len=c.max_seq_len)
+      with jax.named_scope("self_attention"):
+        x = self._self_attention(layer, x, seq_offsets)
+    with jax.named_scope("seed_pool"):
+      pooled = self._seed_pool(x, seq_offsets)                 # (B, S·H·D)
+    with jax.named_scope("interaction_mlp"):
+      z = jnp.concatenate([ctx, pooled.astype(ctx.dtype)], axis=-1)
+      h = jax.nn.gelu(self.mlp_in(z))
+      for block in self.mlp:
+        h = block(jax.nn.gelu(h), residual=h)
+      return self.head(h)[:, 0].astype(jnp.float32)
 
   def _context(self, sparse_ids, dense):
     tokens = self.sparse_embed(sparse_ids)                     # (B, Fs, E)
