@@ -314,31 +314,37 @@ def build_arms(config: dict, arms, loss_steps: int, loss_reference: bool = False
   return built
 
 
-def compile_programs(built: dict, names, log=print) -> None:
-  """Lowers the programs ``names`` of every arm (the baseline's under
-  :func:`plain_jax_conversions`) and compiles them all in parallel threads; each compiled
+def compile_programs(built: dict, wanted: dict, log=print) -> None:
+  """Lowers the programs ``wanted[arm]`` (names) of each arm (the baseline's and the reference's
+  under :func:`_trace_context`) and compiles them all in parallel threads; each compiled
   program is stored as ``built[arm][name] = (compiled, args)``. A program that fails to build
-  is left out and its error recorded in ``built[arm]["errors"]``, so the others still run."""
+  is left out and its error recorded in ``built[arm]["errors"]``, so the others still run.
+  Logs when each program is ready (seconds since the lowering began)."""
+  t0 = time.perf_counter()
   lowered = []
-  for arm, entry in built.items():
+  for arm, names in wanted.items():
+    entry = built[arm]
     with _trace_context(arm):
-      for name in (n for n in names if n in entry["programs"]):
+      for name in names:
         fn, args = entry["programs"][name]
         try:
           lowered.append((arm, name, fn.lower(*args), args))
         except Exception as e:  # noqa: BLE001  (recorded; the other programs still run)
           entry["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+  log(f"lowered {len(lowered)} programs in {time.perf_counter() - t0:.0f} s")
   with concurrent.futures.ThreadPoolExecutor(8) as pool:
-    futures = [pool.submit(item[2].compile) for item in lowered]
-    for (arm, name, _, args), future in zip(lowered, futures):
+    futures = {pool.submit(item[2].compile): item for item in lowered}
+    for future in concurrent.futures.as_completed(futures):
+      arm, name, _, args = futures[future]
       try:
         built[arm][name] = (future.result(), args)
+        log(f"  {arm} {name} compiled at {time.perf_counter() - t0:.0f} s")
       except Exception as e:  # noqa: BLE001
         built[arm]["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
-  for arm, entry in built.items():
+  for arm, names in wanted.items():
     for name in names:
-      if name in entry["errors"]:
-        log(f"{arm} {name}: FAILED to build: {entry['errors'][name][:300]}")
+      if name in built[arm]["errors"]:
+        log(f"{arm} {name}: FAILED to build: {built[arm]['errors'][name][:300]}")
 
 
 def interleaved_times(programs: dict, samples: int, warmup: int = 2) -> dict:
@@ -382,11 +388,12 @@ def train_losses(step, state, batches, steps: int) -> list[float]:
 def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: int = 30,
                 loss_steps: int = 20, log=print, save=lambda result: None,
                 with_step: bool = True, profile_iterations: int = 3) -> dict:
-  """The measurement of the module doc, as a JSON-ready dict: the whole step's programs are
-  compiled (in parallel), timed, profiled with CUPTI (GPU only) and trained for the losses
-  (with the float32 :data:`LOSS_REFERENCE`); then the components' programs are compiled, timed
-  (wall clock and CUPTI kernel sums). ``save(result)`` is called after each piece, so a run cut
-  short keeps what it measured. ``with_step=False``: the components only."""
+  """The measurement of the module doc, as a JSON-ready dict: the arms' whole-step programs
+  are compiled (in parallel), timed, profiled with CUPTI (GPU only) and trained for the losses;
+  then the components' programs and the float32 :data:`LOSS_REFERENCE`'s step are compiled,
+  the components timed (wall clock and CUPTI kernel sums) and the reference trained.
+  ``save(result)`` is called after each piece, so a run cut short keeps what it measured.
+  ``with_step=False``: the components only."""
   import jax
 
   from benchmarks import timing
@@ -408,25 +415,25 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
   if with_step:
     result["loss_reference"] = f"{LOSS_REFERENCE}: the baseline in float32, HIGHEST matmuls"
   timed = {arm: built[arm] for arm in arms}
-  for phase in (("step",) if with_step else (), tuple(components)):
-    if not phase:
-      continue
+  # The float32 reference compiles with the components: the whole step's numbers come first.
+  stages = [({arm: ("step",) for arm in arms}, ("step",), arms)] if with_step else []
+  stages.append(({**{arm: tuple(components) for arm in arms},
+                  **({LOSS_REFERENCE: ("step",)} if with_step else {})}, tuple(components),
+                 (LOSS_REFERENCE,) if with_step else ()))
+  for wanted, pieces, trained in stages:
     t0 = time.perf_counter()
-    compile_programs(built, phase, log)
-    log(f"compiled {sum(p in b['programs'] for b in built.values() for p in phase)} programs "
-        f"in {time.perf_counter() - t0:.0f} s")
+    compile_programs(built, wanted, log)
+    log(f"compiled {sum(map(len, wanted.values()))} programs in {time.perf_counter() - t0:.0f} s")
     result["errors"] = {arm: built[arm]["errors"] for arm in built if built[arm]["errors"]}
-    for piece in phase:
+    for piece in pieces:
       _time_piece(result, timed, piece, samples, log)
       save(result)
       if cupti:
         _profile_piece(result, timed, piece, profile_iterations, log)
         save(result)
-    if phase == ("step",):  # the losses before the components: a run cut short keeps them
-      for arm, entry in built.items():
-        if "step" in entry:
-          step, (state, _) = entry["step"]
-          result["losses"][arm] = train_losses(step, state, entry["batches"], loss_steps)
+    for arm in (a for a in trained if "step" in built[a]):
+      step, (state, _) = built[arm]["step"]
+      result["losses"][arm] = train_losses(step, state, built[arm]["batches"], loss_steps)
       result["summary"] = summary(result)
       save(result)
   result["summary"] = summary(result)

@@ -25,7 +25,7 @@ import collections
 import re
 
 KINDS = (
-    ("GEMM", r"gemm|xmma|nvjet|cutlass|cublas|_dot_|dot_fusion"),
+    ("GEMM", r"gemm|xmma|nvjet|cutlass|cublas|splitk|split_k|_dot_|dot_fusion"),
     ("attention (cuDNN)", r"cudnn|sdpa|fmha|flash"),
     ("Pallas kernels", r"mosaic|pallas|gdpa|norm_backward"),
     ("gather/scatter", r"gather|scatter|dynamic.update|dynamic.slice|sort|cub::"),

@@ -3,6 +3,7 @@ differentiates the jagged conversions into scatter-adds and the library's arms d
 statistics, and the CLI's JSON."""
 
 import json
+import re
 import pathlib
 import sys
 
@@ -85,3 +86,40 @@ def test_components_differentiate_only_their_own_parameters():
   assert owners == {"self_attention": {("qkv", 0), ("attn_out", 0)}, "pffn": {("pffn", 0)},
                     "seed_pool": {("pool_kv",), ("seeds",)},
                     "mlp": {("mlp_in",), ("mlp",), ("head",)}}
+
+
+_HLO = """HloModule jit_step, is_scheduled=true
+ENTRY %main {
+  %loop_add_fusion.2 = f32[8]{0} fusion(%p), kind=kLoop, calls=%c1, metadata={op_name="jit(step)/jvp(pffn)/add"}
+  %custom-call.7 = bf16[8,8]{1,0} custom-call(%a, %b), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/transpose(jvp(self_attention))/dot_general"}
+  %input_reduce_fusion = f32[8]{0} fusion(%q), kind=kInput, calls=%c2, metadata={op_name="jit(step)/optimizer/reduce_sum"}
+  ROOT %copy-start.1 = f32[8]{0} copy(%r)
+}
+"""
+
+
+def test_kernel_profile_attributes_fusions_by_name_and_library_kernels_by_order():
+  from benchmarks import kernel_profile as kp
+  kernels = [("loop_add_fusion_2", 1.0), ("sm90_xmma_gemm_bf16bf16", 4.0),
+             ("splitk_reduce", 0.5), ("input_reduce_fusion", 2.0), ("mystery", 0.25),
+             ("loop_add_fusion_2", 1.0)]
+  prof = kp.profile(kernels, iterations=2, hlo_text=_HLO)
+  assert prof["kernel_ms"] == pytest.approx(4.375) and prof["kernels_per_call"] == 3
+  # The GEMM and the kernel after it belong to the custom call after the last fusion.
+  assert prof["by_component"] == {"self-attention": 2.25, "PFFN": 1.0,
+                                  "optimizer (AdamW)": 1.0, "rest": 0.125}
+  assert prof["by_kind"]["GEMM"] == 2.25  # with its split-K reduction
+  assert prof["by_kind"]["reductions (norm statistics, softmax, sums)"] == 1.0
+  assert prof["by_kind"]["elementwise (loop fusions)"] == 1.0
+  name, ms, count, kind, component, op_name = prof["top"][0]
+  assert (name, ms, count, component) == ("sm90_xmma_gemm_bf16bf16", 2.0, 0.5, "self-attention")
+
+
+def test_model_scopes_label_the_step():
+  """The model's and the step's named scopes reach the step's op names (what the profile
+  groups by; the compiled HLO's op_name metadata carries the same names): every component of
+  kernel_profile.COMPONENT_SCOPES is found in the tiny step."""
+  from benchmarks import kernel_profile as kp
+  fn, args = e2e.default_step(e2e._load_train_script(), e2e.build_config(tiny=True), "xla")
+  text = fn.lower(*args).as_text(debug_info=True)
+  assert all(re.search(pattern, text) for _, pattern in kp.COMPONENT_SCOPES)
