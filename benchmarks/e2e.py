@@ -16,13 +16,25 @@ Two uses:
 
   It times the whole step and, forward + backward (``jax.vjp`` of the inputs and the layer's
   parameters), one self-attention layer, one PFFN layer, the seed pooling and the interaction
-  MLP. Wall clock of each call up to ``block_until_ready``, the arms interleaved (A, B, C, then
-  the next round in a rotated order) so that clock and thermal drift hit every arm alike; median
-  and spread over ``--samples`` rounds. Wall clock rather than CUPTI kernel sums: the step's
-  launch gaps are part of what a user waits for, and CUPTI mis-times programs with a
-  ``lax.cond`` (the pre-norm GEMM's bias guard). Then ``--loss-steps`` training steps from the
-  same initial state on the same batches per arm: the losses must agree within bf16 noise.
-  Every program is compiled ahead, in parallel, before anything is timed.
+  MLP. Two instruments:
+
+  - wall clock of each call up to ``block_until_ready``, the arms interleaved (A, B, C, then
+    the next round in a rotated order) so that clock and thermal drift hit every arm alike;
+    median and spread over ``--samples`` rounds. It is what a user waits for, launch gaps and
+    host work included;
+  - on a GPU, CUPTI: the sum of every kernel's time per call (mean of
+    ``--profile-iterations`` calls; :mod:`benchmarks.kernel_profile`, which, unlike
+    ``profiler.measure``, does not refuse a program with a ``lax.cond``; whether CUPTI sees the
+    kernels of its branches is not checked), and for the whole step the
+    kernels grouped by kind (GEMMs, cuDNN attention, Pallas kernels, gathers/scatters, layout,
+    reductions, elementwise) and by model component (the model's named scopes), with the top
+    kernels. Wall clock minus kernel sum is what gaps and host work cost.
+
+  Then ``--loss-steps`` training steps from the same initial state on the same batches per
+  arm, and of a float32 reference (:data:`LOSS_REFERENCE`): each arm's distance from the
+  reference says whether its drift from the baseline exceeds the baseline's own bf16 drift.
+  Every program is compiled ahead, in parallel, before anything is timed; the whole step's
+  programs first, so that a run cut short keeps the step's numbers.
 
 ``make_step`` imports the model and its training script (``examples/train_kunlun.py``) lazily;
 anything missing makes the case "skipped" with the reason instead of stopping the suite.
