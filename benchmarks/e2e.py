@@ -401,9 +401,10 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
                 loss_steps: int = 20, log=print, save=lambda result: None,
                 with_step: bool = True, profile_iterations: int = 3) -> dict:
   """The measurement of the module doc, as a JSON-ready dict: the arms' whole-step programs
-  are compiled (in parallel), timed, profiled with CUPTI (GPU only) and trained for the losses;
-  then the components' programs and the float32 :data:`LOSS_REFERENCE`'s step are compiled,
-  the components timed (wall clock and CUPTI kernel sums) and the reference trained.
+  are compiled (in parallel), timed, trained for the losses and profiled with CUPTI (GPU
+  only); then the components' programs and the float32 :data:`LOSS_REFERENCE`'s step are
+  compiled, the components timed, the reference trained and the components' CUPTI kernel sums
+  taken.
   ``save(result)`` is called after each piece, so a run cut short keeps what it measured.
   ``with_step=False``: the components only."""
   import jax
@@ -440,12 +441,13 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
     for piece in pieces:
       _time_piece(result, timed, piece, samples, log)
       save(result)
-      if cupti:
-        _profile_piece(result, timed, piece, profile_iterations, log)
-        save(result)
     for arm in (a for a in trained if "step" in built[a]):
       step, (state, _) = built[arm]["step"]
       result["losses"][arm] = train_losses(step, state, built[arm]["batches"], loss_steps)
+      result["summary"] = summary(result)
+      save(result)
+    for piece in pieces if cupti else ():  # last: the newest instrument, the likeliest to fail
+      _profile_piece(result, timed, piece, profile_iterations, log)
       result["summary"] = summary(result)
       save(result)
   result["summary"] = summary(result)

@@ -122,8 +122,13 @@ class KunlunModel(nnx.Module):
     lkw = dict(kw, epsilon=c.epsilon, implementation=implementation)
     hd = c.token_dim
     ctx_dim = c.num_context_tokens * c.embed_dim
+    # The tables are read in param_dtype and the rows cast afterwards (_embed): their gradient is
+    # then a scatter-add in param_dtype. With the compute dtype, nnx.Embed casts the whole table
+    # and its gradient adds the rows' cotangents in bf16 (~T/max_seq_len of them per element
+    # of the recency table, every padding row onto row 0), then casts the whole table back.
+    ekw = dict(kw, dtype=None)
     # Context: one shared hashed-id table (the ids already carry their field through the hash).
-    self.sparse_embed = nnx.Embed(c.sparse_vocab_size, c.embed_dim, **kw)
+    self.sparse_embed = nnx.Embed(c.sparse_vocab_size, c.embed_dim, **ekw)
     self.dense_proj = (nnx.Linear(c.num_dense_features, c.embed_dim, **kw)
                        if c.num_dense_features else None)
     self.summary = NormDense(ctx_dim, c.summary_dim, norm="layer", **lkw)
@@ -131,8 +136,8 @@ class KunlunModel(nnx.Module):
     self.kv_gen = nnx.List([nnx.Linear(c.summary_dim, 2 * c.kv_len * hd, **kw)
                             for _ in range(c.num_layers)])
     # Sequence: item embedding plus a recency embedding (0 = most recent event).
-    self.item_embed = nnx.Embed(c.item_vocab_size, hd, **kw)
-    self.recency_embed = nnx.Embed(c.max_seq_len, hd, **kw)
+    self.item_embed = nnx.Embed(c.item_vocab_size, hd, **ekw)
+    self.recency_embed = nnx.Embed(c.max_seq_len, hd, **ekw)
     # The scales keep q·k and the Lkv-term sum near unit size at init (no softmax in GDPA).
     self.pffn = nnx.List([
         PFFNBlock(c.num_heads, c.head_dim, activation=c.activation,
@@ -206,12 +211,17 @@ class KunlunModel(nnx.Module):
       return self.head(h)[:, 0].astype(jnp.float32)
 
   def _context(self, sparse_ids, dense):
-    tokens = self.sparse_embed(sparse_ids)                     # (B, Fs, E)
+    tokens = self._embed(self.sparse_embed, sparse_ids)        # (B, Fs, E)
     if self.dense_proj is not None:
       dense = dense if self.dtype is None else dense.astype(self.dtype)
       dense_tok = self.dense_proj(dense)[:, None, :].astype(tokens.dtype)
       tokens = jnp.concatenate([tokens, dense_tok], axis=1)
     return tokens.reshape(tokens.shape[0], -1)
+
+  def _embed(self, table, ids):
+    """Rows of ``table`` (an nnx.Embed reading in param_dtype) in the compute dtype."""
+    rows = table(ids)
+    return rows if self.dtype is None else rows.astype(self.dtype)
 
   def _sequence_tokens(self, seq_ids, seq_offsets):
     c = self.config
@@ -219,7 +229,8 @@ class KunlunModel(nnx.Module):
     seg = jagged.segment_ids(seq_offsets, capacity)
     lens = jagged.lengths(seq_offsets)
     recency = jnp.take(lens, seg, mode="clip") - 1 - jagged.positions(seq_offsets, capacity)
-    x = self.item_embed(seq_ids) + self.recency_embed(jnp.clip(recency, 0, c.max_seq_len - 1))
+    x = (self._embed(self.item_embed, seq_ids)
+         + self._embed(self.recency_embed, jnp.clip(recency, 0, c.max_seq_len - 1)))
     x = _zero_padding_rows(x, seq_offsets)
     return x.reshape(capacity, c.num_heads, c.head_dim)
 

@@ -330,3 +330,29 @@ def test_default_model_matches_xla_on_the_gpu():
     g, w = np.asarray(g), np.asarray(w)
     assert np.all(np.isfinite(g))
     np.testing.assert_allclose(g, w, atol=0.05 * float(np.max(np.abs(w))) + 1e-6)
+
+
+def test_embedding_tables_are_read_in_param_dtype_and_cast_after():
+  """bf16 compute: the rows are gathered from the f32 tables and then cast (the same values as
+  casting the tables first), so the tables' gradients are f32 scatter-adds: no bf16
+  accumulation of the many cotangent rows that share a table row (every padding row shares
+  row 0; each recency row gets one row per sample)."""
+  model = _model(dtype=jnp.bfloat16, implementation="xla")
+  sparse_ids, dense, seq_ids, offsets = _inputs(3)
+  x = model._sequence_tokens(jnp.asarray(seq_ids), jnp.asarray(offsets))
+  rows = model.item_embed.embedding[...].astype(jnp.bfloat16)[seq_ids]
+  seg, pos = jagged.segment_ids(offsets, T), jagged.positions(offsets, T)
+  recency = np.clip(np.asarray(LENS)[np.minimum(seg, B - 1)] - 1 - pos, 0, CONFIG.max_seq_len - 1)
+  rows = rows + model.recency_embed.embedding[...].astype(jnp.bfloat16)[recency]
+  valid = np.arange(T) < offsets[-1]
+  expect = np.where(valid[:, None], np.asarray(rows, np.float32), 0.0)
+  assert x.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(x, np.float32).reshape(T, -1), expect)
+
+  def loss(m):
+    return jnp.sum(m(sparse_ids, dense, seq_ids, offsets))
+  jaxpr = str(jax.make_jaxpr(nnx.grad(loss))(model))
+  for table in (model.item_embed, model.recency_embed, model.sparse_embed):
+    rows, width = table.embedding.shape
+    assert f"f32[{rows},{width}] = scatter-add" in jaxpr
+    assert f"bf16[{rows},{width}] = scatter-add" not in jaxpr
