@@ -59,6 +59,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_norm import mgpu, reference
+from pallas_norm.mgpu import store
 from pallas_norm.ops.gdpa import configs
 from pallas_norm.ops.gdpa.configs import BLOCK_Q
 
@@ -258,7 +259,6 @@ class _Plan:
 
 def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
   transforms = mgpu.swizzle_transforms(head_dim, dtype)
-  chunks = max(1, head_dim * out_dtype.itemsize // 128)  # 128-byte column chunks of the output
   if plan.kv_stages is None:
     kv_shape = (plan.kv_buffers, plan.kv_chunks)
     kv_free = plgpu.Barrier(num_arrivals=2, num_barriers=plan.kv_buffers)  # both consumers
@@ -274,9 +274,7 @@ def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
       v_smem=kv_smem(),
       p_smem=plgpu.SMEM((2, BLOCK_Q, plan.block_kv), dtype,
                         transforms=mgpu.swizzle_transforms(plan.block_kv, dtype)),
-      o_smem=plgpu.SMEM((2, chunks, BLOCK_Q, head_dim // chunks), out_dtype,
-                        transforms=mgpu.swizzle_transforms(head_dim // chunks, out_dtype,
-                                                           tiled=False)),
+      o_smem=store.row_store_smem(BLOCK_Q, head_dim, out_dtype, count=2),
       q_ready=plgpu.Barrier(num_barriers=2 * plan.q_stages),
       q_free=plgpu.Barrier(num_barriers=2 * plan.q_stages),
       k_ready=plgpu.Barrier(num_barriers=kv_barriers),
@@ -413,8 +411,9 @@ def _consumer(plan: _Plan, item_at, kv, scales_ref, o_ref, smem) -> None:
 
       lo = jnp.maximum(item.q_lo - i * BLOCK_Q, 0)  # the sample's rows in this block: [lo, hi)
       hi = jnp.minimum(item.q_hi - i * BLOCK_Q, BLOCK_Q)
-      _store_rows((out * post_scale).astype(smem["o_smem"].dtype), smem["o_smem"].at[wg],
-                  o_ref, item.q_win + i * BLOCK_Q, lo, hi - lo, item.head)
+      store.store_rows((out * post_scale).astype(smem["o_smem"].dtype), smem["o_smem"].at[wg],
+                       lambda rows, cols: o_ref.at[rows, item.head, cols],
+                       item.q_win + i * BLOCK_Q, lo, hi - lo)
 
     @pl.when(blocks == 0)
     def _():
@@ -670,28 +669,3 @@ class _StreamedKV:
 
   def consumer_use_after(self, item, wg, use):
     return use + item.blocks_of(wg) * item.kv_steps
-
-
-def _store_rows(out, o_tiles, o_ref, row0, lo, rows, head):
-  """Writes rows ``[lo, lo + rows)`` (traced, within BLOCK_Q) of ``out`` (BLOCK_Q, D) to
-  ``o_ref[row0 + lo:row0 + lo + rows, head]``: one TMA store per set bit of ``rows`` and per
-  column chunk.
-
-  ``o_tiles`` (chunks, BLOCK_Q, D / chunks) holds the tile in column chunks of 128 bytes with
-  the 128-byte swizzle and no 8-row tiling, so a store may start at any row."""
-  chunks, _, chunk_cols = o_tiles.shape
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores read o_tiles
-  for c in range(chunks):
-    o_tiles[c] = out[:, c * chunk_cols:(c + 1) * chunk_cols]
-  plgpu.commit_smem()
-  offset = lo
-  size = BLOCK_Q
-  while size:
-    @pl.when((rows & size) != 0)
-    def _(size=size, offset=offset):
-      for c in range(chunks):
-        plgpu.copy_smem_to_gmem(
-            o_tiles.at[c, pl.ds(offset, size)],
-            o_ref.at[pl.ds(row0 + offset, size), head, pl.ds(c * chunk_cols, chunk_cols)])
-    offset = offset + (rows & size)
-    size //= 2
