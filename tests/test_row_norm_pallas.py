@@ -201,18 +201,30 @@ def test_gpu_kernel_matches_reference(norm, shape, dtype, scale, bias, residual,
       _assert_close(g, w, tol, "grad")
 
 
-@pytest.mark.gpu
-def test_gpu_default_picks_the_kernel_where_measured_faster():
-  """implementation=None on a Hopper GPU: the kernel for LayerNorm at the measured shapes,
-  XLA for RMSNorm (measured slower) and outside the measured domain."""
-  from pallas_norm.ops import norms
-  x = jnp.ones((262144, 2048), jnp.bfloat16)
-  assert norms._check(x, None, None, None, 1e-6, None, None, "layer_norm") == "triton"
-  assert norms._check(x, None, None, None, 1e-6, None, None, "rms_norm") == "xla"
-  for other in (x.astype(jnp.float32), jnp.ones((1024, 2048), jnp.bfloat16),
-                jnp.ones((65536, 4096), jnp.bfloat16)):
-    assert norms._check(other, None, None, None, 1e-6, None, None, "layer_norm") == "xla"
-  assert norms._check(x, None, None, x, 1e-6, None, None, "layer_norm") == "xla"
+def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
+  """implementation=None through the op's own check (``api._check``), as on a Hopper GPU (the
+  device queries patched, so this runs on the CPU too): the kernel for LayerNorm at the measured
+  shapes, XLA for RMSNorm (measured slower) and outside the measured domain."""
+  from pallas_norm import _dispatch
+  from pallas_norm.ops.norms import api as norms
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  monkeypatch.setattr(_dispatch, "on_cuda_gpu", lambda: True)
+
+  def chosen(op, shape, dtype=jnp.bfloat16, residual=False):
+    """The op's choice for operands of this shape, traced (no 1 GB array on the CPU)."""
+    out = []
+    def check(x):
+      out.append(norms._check(x, None, None, x if residual else None, 1e-6, None, None, op))
+      return x
+    jax.eval_shape(check, jax.ShapeDtypeStruct(shape, dtype))
+    return out[0]
+
+  assert chosen("layer_norm", (262144, 2048)) == "triton"
+  assert chosen("rms_norm", (262144, 2048)) == "xla"
+  assert chosen("layer_norm", (262144, 2048), jnp.float32) == "xla"
+  for shape in ((1024, 2048), (65536, 4096)):
+    assert chosen("layer_norm", shape) == "xla", shape
+  assert chosen("layer_norm", (262144, 2048), residual=True) == "xla"
 
 
 def test_second_order_raises_naming_the_op():
