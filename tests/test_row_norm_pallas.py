@@ -1,4 +1,4 @@
-"""rms_norm / layer_norm with the Pallas backward kernel (pallas_norm/ops/norms/triton.py).
+"""layer_norm with the Pallas backward kernel (pallas_norm/ops/norms/triton.py); rms_norm refuses it.
 
 CPU tests run the kernel with ``implementation="interpret"`` (Pallas interpret mode, which fills
 every output it does not write with NaN: an element the kernel skips fails the finiteness and
@@ -36,13 +36,9 @@ def _inputs(seed, shape, dtype, *, scale, bias, residual, mean=0.0):
   return x, vecs, dy, ds
 
 
-def _op(norm, impl, eps, zero_centered_scale, out_dtype=None):
+def _op(impl, eps, zero_centered_scale, out_dtype=None):
   def f(x, scale, bias, residual):
     kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
-    if norm == "rms":
-      if impl == "reference":
-        return reference.rms_norm(x, scale, residual, **kw)
-      return pallas_norm.rms_norm(x, scale, residual, implementation=impl, **kw)
     if impl == "reference":
       return reference.layer_norm(x, scale, bias, residual, **kw)
     return pallas_norm.layer_norm(x, scale, bias, residual, implementation=impl, **kw)
@@ -73,27 +69,27 @@ def _assert_close(got, want, tol, what):
 
 
 CASES = [
-    # norm, shape, dtype, scale, bias, residual, zero_centered, out_dtype
-    ("layer", (3, 13, 100), jnp.float32, True, True, True, False, None),
-    ("rms", (37, 64), jnp.bfloat16, True, False, True, True, None),
-    ("layer", (20, 256), jnp.bfloat16, False, False, False, False, jnp.float32),
-    ("rms", (5, 33), jnp.float32, False, False, False, False, None),
-    ("layer", (50, 24), jnp.float16, True, False, False, True, None),
+    # shape, dtype, scale, bias, residual, zero_centered, out_dtype
+    ((3, 13, 100), jnp.float32, True, True, True, False, None),
+    ((37, 64), jnp.bfloat16, True, False, True, True, None),
+    ((20, 256), jnp.bfloat16, False, False, False, False, jnp.float32),
+    ((5, 33), jnp.float32, False, False, False, False, None),
+    ((50, 24), jnp.float16, True, False, False, True, None),
 ]
 
 
-@pytest.mark.parametrize("norm,shape,dtype,scale,bias,residual,zero_centered,out_dtype", CASES)
-def test_values_and_grads_match_reference(norm, shape, dtype, scale, bias, residual,
-                                          zero_centered, out_dtype):
+@pytest.mark.parametrize("shape,dtype,scale,bias,residual,zero_centered,out_dtype", CASES)
+def test_values_and_grads_match_reference(shape, dtype, scale, bias, residual, zero_centered,
+                                          out_dtype):
   """Outputs (y, and s with a residual) and the gradients of x, scale, bias and residual
   through the public op, jitted, match jax.vjp of the float32 reference."""
-  x, vecs, dy, ds = _inputs(seed_of(f"{norm}{shape}{dtype}"), shape, dtype, scale=scale, bias=bias,
+  x, vecs, dy, ds = _inputs(seed_of(f"{shape}{dtype}"), shape, dtype, scale=scale, bias=bias,
                             residual=residual)
   eps = 1e-5
   got_out, got_grads = _outputs_and_grads(
-      _op(norm, "interpret", eps, zero_centered, out_dtype), x, vecs, dy, ds)
+      _op("interpret", eps, zero_centered, out_dtype), x, vecs, dy, ds)
   want_out, want_grads = _outputs_and_grads(
-      _op(norm, "reference", eps, zero_centered), *_upcast((x, vecs)), dy, ds)
+      _op("reference", eps, zero_centered), *_upcast((x, vecs)), dy, ds)
   tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
   for i, (g, w) in enumerate(zip(jax.tree.leaves(got_out), jax.tree.leaves(want_out))):
     assert g.dtype == ((out_dtype or dtype) if i == 0 else dtype)
@@ -126,7 +122,7 @@ def test_rows_with_a_large_mean_keep_their_precision():
   x, vecs, dy, _ = _inputs(7, (24, 80), jnp.float32, scale=True, bias=True, residual=False,
                            mean=1e4)
   eps = 1e-6
-  _, grads = _outputs_and_grads(_op("layer", "interpret", eps, False), x, vecs, dy, None)
+  _, grads = _outputs_and_grads(_op("interpret", eps, False), x, vecs, dy, None)
   want = _layer_norm_grads_f64(x, vecs["scale"], vecs["bias"], dy, eps)
   for name, g, w in zip(("dx", "dscale", "dbias"), grads, want):
     _assert_close(g, w, 1e-5, name)
@@ -135,7 +131,8 @@ def test_rows_with_a_large_mean_keep_their_precision():
 def test_kernel_names_and_refusals_on_the_cpu():
   """On the CPU: None and "xla" are XLA's autodiff; "triton" needs an NVIDIA GPU and "mosaic"
   does not exist for these ops (NotImplementedError naming the op); a sequence falls through
-  to what can run; calls the kernel cannot run are refused with the reason, before any work."""
+  to what can run; calls the kernel cannot run are refused with the reason, before any work:
+  every rms_norm call (its kernel path was measured slower than XLA's and removed)."""
   if jax.default_backend() != "cpu":
     pytest.skip("checks the CPU behaviour")
   x = jnp.ones((4, 8), jnp.float32) + jnp.arange(8.0)
@@ -146,52 +143,55 @@ def test_kernel_names_and_refusals_on_the_cpu():
     pallas_norm.layer_norm(x, implementation="triton")
   with pytest.raises(NotImplementedError, match="rms_norm.*no 'mosaic' kernel"):
     pallas_norm.rms_norm(x, implementation="mosaic")
+  for impl in ("triton", "interpret"):
+    with pytest.raises(NotImplementedError, match="rms_norm.*measured slower than XLA"):
+      pallas_norm.rms_norm(x, implementation=impl)
+  np.testing.assert_array_equal(
+      pallas_norm.rms_norm(x, implementation=("interpret", "xla")), reference.rms_norm(x))
   wide = np.ones((2, row_norm_pallas.MAX_N + 1), np.float32)
   with pytest.raises(NotImplementedError, match="N = 8193"):
-    pallas_norm.rms_norm(wide, implementation="interpret")
+    pallas_norm.layer_norm(wide, implementation="interpret")
   with pytest.raises(NotImplementedError, match="float64"):
-    pallas_norm.rms_norm(np.ones((2, 8)), implementation="interpret")
+    pallas_norm.layer_norm(np.ones((2, 8)), implementation="interpret")
   with pytest.raises(NotImplementedError, match="residual dtype"):
-    pallas_norm.rms_norm(x, residual=x.astype(jnp.bfloat16), implementation="interpret")
+    pallas_norm.layer_norm(x, residual=x.astype(jnp.bfloat16), implementation="interpret")
 
 
 def test_default_takes_the_kernel_only_where_measured_faster(monkeypatch):
-  """implementation=None's rule (row_norm_pallas.slower_reason), as on a Hopper GPU: LayerNorm,
-  bf16, no residual, 128 <= N <= 2048, >= 65536 rows; never RMSNorm; nothing off Hopper."""
+  """implementation=None's rule for LayerNorm (row_norm_pallas.slower_reason), as on a Hopper
+  GPU: bf16, no residual, 128 <= N <= 2048, >= 65536 rows; nothing off Hopper."""
   from pallas_norm import _dispatch
   reason = row_norm_pallas.slower_reason
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: False)
-  assert "Hopper" in reason("layer", (262144, 2048), jnp.bfloat16, False)
+  assert "Hopper" in reason((262144, 2048), jnp.bfloat16, False)
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   for shape in ((262144, 2048), (65536, 128), (4, 65536, 1000)):
-    assert reason("layer", shape, jnp.bfloat16, False) is None, shape
-  assert "rms" in reason("rms", (262144, 2048), jnp.bfloat16, False)
-  assert "bfloat16" in reason("layer", (262144, 2048), jnp.float32, False)
-  assert "residual" in reason("layer", (262144, 2048), jnp.bfloat16, True)
+    assert reason(shape, jnp.bfloat16, False) is None, shape
+  assert "bfloat16" in reason((262144, 2048), jnp.float32, False)
+  assert "residual" in reason((262144, 2048), jnp.bfloat16, True)
   for shape in ((262144, 4096), (262144, 64), (1024, 2048)):
-    assert "N = " in reason("layer", shape, jnp.bfloat16, False), shape
+    assert "N = " in reason(shape, jnp.bfloat16, False), shape
 
 
 # ---- GPU (Triton lowering) ------------------------------------------------------------------
 
 
 GPU_CASES = [
-    ("layer", (8192, 2048), jnp.bfloat16, True, True, False, False),
-    ("layer", (4, 1000, 1000), jnp.bfloat16, True, True, True, True),
-    ("rms", (65536, 128), jnp.bfloat16, True, False, True, False),
-    ("layer", (3000, 4096), jnp.float32, True, True, False, False),
+    ((8192, 2048), jnp.bfloat16, True, True, False, False),
+    ((4, 1000, 1000), jnp.bfloat16, True, True, True, True),
+    ((65536, 128), jnp.bfloat16, True, False, True, False),
+    ((3000, 4096), jnp.float32, True, True, False, False),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("norm,shape,dtype,scale,bias,residual,zero_centered", GPU_CASES)
-def test_gpu_kernel_matches_reference(norm, shape, dtype, scale, bias, residual, zero_centered):
+@pytest.mark.parametrize("shape,dtype,scale,bias,residual,zero_centered", GPU_CASES)
+def test_gpu_kernel_matches_reference(shape, dtype, scale, bias, residual, zero_centered):
   """implementation="triton" on the GPU at real sizes: outputs and gradients vs the float32
   reference."""
   x, vecs, dy, ds = _inputs(11, shape, dtype, scale=scale, bias=bias, residual=residual)
-  got_out, got_grads = _outputs_and_grads(_op(norm, "triton", 1e-6, zero_centered), x, vecs, dy,
-                                          ds)
-  want_out, want_grads = _outputs_and_grads(_op(norm, "reference", 1e-6, zero_centered),
+  got_out, got_grads = _outputs_and_grads(_op("triton", 1e-6, zero_centered), x, vecs, dy, ds)
+  want_out, want_grads = _outputs_and_grads(_op("reference", 1e-6, zero_centered),
                                             *_upcast((x, vecs)), dy, ds)
   tol = F32_TOL * 10 if dtype == jnp.float32 else BF16_TOL
   for g, w in zip(jax.tree.leaves(got_out), jax.tree.leaves(want_out)):
@@ -201,18 +201,30 @@ def test_gpu_kernel_matches_reference(norm, shape, dtype, scale, bias, residual,
       _assert_close(g, w, tol, "grad")
 
 
-@pytest.mark.gpu
-def test_gpu_default_picks_the_kernel_where_measured_faster():
-  """implementation=None on a Hopper GPU: the kernel for LayerNorm at the measured shapes,
-  XLA for RMSNorm (measured slower) and outside the measured domain."""
-  from pallas_norm.ops import norms
-  x = jnp.ones((262144, 2048), jnp.bfloat16)
-  assert norms._check(x, None, None, None, 1e-6, None, None, "layer_norm") == "triton"
-  assert norms._check(x, None, None, None, 1e-6, None, None, "rms_norm") == "xla"
-  for other in (x.astype(jnp.float32), jnp.ones((1024, 2048), jnp.bfloat16),
-                jnp.ones((65536, 4096), jnp.bfloat16)):
-    assert norms._check(other, None, None, None, 1e-6, None, None, "layer_norm") == "xla"
-  assert norms._check(x, None, None, x, 1e-6, None, None, "layer_norm") == "xla"
+def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
+  """implementation=None through the op's own check (``api._check``), as on a Hopper GPU (the
+  device queries patched, so this runs on the CPU too): the kernel for LayerNorm at the measured
+  shapes, XLA for RMSNorm (measured slower) and outside the measured domain."""
+  from pallas_norm import _dispatch
+  from pallas_norm.ops.norms import api as norms
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  monkeypatch.setattr(_dispatch, "on_cuda_gpu", lambda: True)
+
+  def chosen(op, shape, dtype=jnp.bfloat16, residual=False):
+    """The op's choice for operands of this shape, traced (no 1 GB array on the CPU)."""
+    out = []
+    def check(x):
+      out.append(norms._check(x, None, None, x if residual else None, 1e-6, None, None, op))
+      return x
+    jax.eval_shape(check, jax.ShapeDtypeStruct(shape, dtype))
+    return out[0]
+
+  assert chosen("layer_norm", (262144, 2048)) == "triton"
+  assert chosen("rms_norm", (262144, 2048)) == "xla"
+  assert chosen("layer_norm", (262144, 2048), jnp.float32) == "xla"
+  for shape in ((1024, 2048), (65536, 4096)):
+    assert chosen("layer_norm", shape) == "xla", shape
+  assert chosen("layer_norm", (262144, 2048), residual=True) == "xla"
 
 
 def test_second_order_raises_naming_the_op():

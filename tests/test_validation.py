@@ -619,3 +619,25 @@ def test_interpret_kernel_runs_under_disable_jit():
   want = pallas_norm.reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32),
                                            norm="layer")
   chex.assert_trees_all_close(got.astype(jnp.float32), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
+def test_kernel_path_validates_and_picks_its_config_once(op, monkeypatch):
+  """One call of the op on the kernel path, forward and backward traced (as on a Hopper GPU, so
+  nothing runs): the forward kernel's config is picked once and handed down, and the kernel
+  module does not check the arguments again (the op validated them)."""
+  import importlib
+  mosaic = importlib.import_module(f"pallas_norm.ops.{op}.mosaic")
+  picked, checked = [], []
+  real_pick = mosaic.pick_config
+  monkeypatch.setattr(mosaic, "pick_config",
+                      lambda *shape: picked.append(shape) or real_pick(*shape))
+  monkeypatch.setattr(mosaic, "_check_args", lambda *a: checked.append(a))
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  x, w = jnp.ones((4, 8, 128), jnp.bfloat16), jnp.ones((128, 256), jnp.bfloat16)
+  kw = dict(residual=jnp.ones((4, 8, 256), jnp.bfloat16)) if op == "matmul_norm" else {}
+  fn = getattr(pallas_norm, op)
+  loss = lambda x, w: jnp.sum(fn(x, w, implementation="mosaic", **kw).astype(F32))  # noqa: E731
+  jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+  # (M, K, N) is the forward's; norm_matmul's dx kernel derives its tiles from (M, N, K).
+  assert picked.count((32, 128, 256)) == 1 and not checked, (picked, len(checked))

@@ -106,24 +106,19 @@ def check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtyp
 
 
 def kernel_unsupported_reason(x, w, residual, out_dtype, interpret: bool) -> str | None:
-  m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
-  reason = mosaic.unsupported_reason(
-      m, k, n, x.dtype, out_dtype or x.dtype, None if residual is None else residual.dtype)
-  if reason is None and interpret:
-    tiles = n // mosaic.pick_config(m, k, n).tile_n
-    if tiles > mosaic.MAX_N_TILES:
-      reason = (f"N = {n} needs {tiles} N tiles of one CTA in interpret mode (it cannot read a "
-                f"peer CTA's shared memory, so it runs a cluster of 1), at most "
-                f"{mosaic.MAX_N_TILES}")
-  return reason
+  return mosaic.unsupported_reason(
+      math.prod(x.shape[:-1]), x.shape[-1], w.shape[1], x.dtype, out_dtype or x.dtype,
+      None if residual is None else residual.dtype, interpret=interpret)
 
 
 def _kernel_call(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype, return_h,
                  return_stats, implementation):
   lead, k, n = x.shape[:-1], x.shape[-1], w.shape[1]
   res2d = None if residual is None else residual.reshape(-1, n)
+  # The forward kernel's tiling, picked once per call (the custom_vjp's rules take it as is).
+  config = mosaic.pick_config(math.prod(lead), k, n)
   y, h, mean, rstd = _fused(x.reshape(-1, k), w, dense_bias, res2d, scale, norm_bias, norm, eps,
-                            jnp.dtype(out_dtype), return_h, return_stats, implementation)
+                            jnp.dtype(out_dtype), return_h, return_stats, implementation, config)
   y = y.reshape(lead + (n,))
   if not (return_h or return_stats):
     return y
@@ -143,29 +138,32 @@ def _kernel_call(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dt
 
 
 def _forward(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
-             return_stats, implementation, return_xhat):
+             return_stats, implementation, config, return_xhat):
+  """The forward kernel on arguments :func:`matmul_norm` validated (no second check)."""
   forward = functools.partial(
-      mosaic.matmul_norm_fwd, norm=norm, eps=eps, out_dtype=out_dtype, return_h=return_h,
+      mosaic.launch, norm=norm, eps=eps, out_dtype=out_dtype, return_h=return_h,
       return_xhat=return_xhat, return_stats=return_stats,
-      interpret=implementation == "interpret")
+      interpret=implementation == "interpret", config=config)
   return _op.first_order_only("matmul_norm", forward, x, w, dense_bias, residual, scale, bias)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
 def _fused(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
-           return_stats, implementation):
+           return_stats, implementation, config):
   y, h, _, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype,
-                                 return_h, return_stats, implementation, return_xhat=False)
+                                 return_h, return_stats, implementation, config,
+                                 return_xhat=False)
   return y, h, mean, rstd
 
 
 def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, return_h,
-               return_stats, implementation):
+               return_stats, implementation, config):
   # symbolic_zeros=True (see defvjp below) wraps each differentiable input.
   x, w, dense_bias, residual, scale, bias = (
       None if p is None else p.value for p in (x, w, dense_bias, residual, scale, bias))
   y, h, xhat, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps,
-                                    out_dtype, return_h, True, implementation, return_xhat=True)
+                                    out_dtype, return_h, True, implementation, config,
+                                    return_xhat=True)
   # A zero-size stand-in keeps the residual's dtype without keeping the residual alive.
   residual_dtype = None if residual is None else jnp.zeros((0,), residual.dtype)
   saved = (x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd)
@@ -204,9 +202,9 @@ def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpr
   return dh, {name: totals[i] for i, name in enumerate(sums)}
 
 
-def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, saved,
+def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, config, saved,
                cotangents):
-  del eps, out_dtype, return_stats
+  del eps, out_dtype, return_stats, config
   x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd = saved
   dy_out, dh_out = cotangents[0], cotangents[1]  # the statistics carry no gradient
   if not return_h or isinstance(dh_out, SymbolicZero):

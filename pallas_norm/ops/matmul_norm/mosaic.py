@@ -80,7 +80,7 @@ from pallas_norm import mgpu
 from pallas_norm.mgpu import TileConfig
 
 __all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
-           "matmul_norm_fwd"]
+           "matmul_norm_fwd", "launch"]
 
 CLUSTER_SIZES = (1, 2, 4, 8)
 """CTAs that may share a row block (8 is the portable cluster limit on Hopper)."""
@@ -190,10 +190,11 @@ def _tiles_per_cta(n: int, tile_n: int, interpret: bool) -> tuple[int, int]:
 
 
 def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
-                       residual_dtype=None) -> str | None:
+                       residual_dtype=None, interpret: bool = False) -> str | None:
   """None if the kernel can run x: (m, k) @ w: (k, n), else a sentence saying why not.
 
   ``out_dtype`` defaults to ``dtype``; ``residual_dtype`` is None when there is no residual.
+  ``interpret``: in interpret mode, which runs a cluster of 1 (:func:`_tiles_per_cta`).
   """
   dtype = jnp.dtype(dtype)
   out_dtype = jnp.dtype(out_dtype or dtype)
@@ -214,6 +215,9 @@ def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
     return (f"N = {n} does not split into a cluster of {list(CLUSTER_SIZES)} CTAs with at most "
             f"{MAX_N_TILES} N tiles of a 64-multiple ≤ {MAX_TILE_N} columns each (N ≤ {MAX_N}; "
             "past 2048 a multiple of 1024)")
+  if interpret and (tiles := n // _cluster_split(n)[1]) > MAX_N_TILES:
+    return (f"N = {n} needs {tiles} N tiles of one CTA in interpret mode (it cannot read a "
+            f"peer CTA's shared memory, so it runs a cluster of 1), at most {MAX_N_TILES}")
   return None
 
 
@@ -1050,15 +1054,29 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
   if exchange is not None and exchange not in EXCHANGES:
     raise ValueError(f"exchange must be None or one of {EXCHANGES}, got {exchange!r}")
   out_dtype = jnp.dtype(out_dtype or x.dtype)
-  vectors = {"dense_bias": dense_bias, "scale": scale, "bias": bias}
-  _check_args(x, w, vectors, residual, norm, eps, out_dtype)
+  _check_args(x, w, {"dense_bias": dense_bias, "scale": scale, "bias": bias}, residual, norm,
+              eps, out_dtype)
+  return launch(x, w, dense_bias, residual, scale, bias, norm=norm, eps=eps,
+                out_dtype=out_dtype, return_h=return_h, return_xhat=return_xhat,
+                return_stats=return_stats, interpret=interpret,
+                config=config or pick_config(x.shape[0], x.shape[1], w.shape[1]),
+                exchange=exchange)
+
+
+def launch(x, w, dense_bias, residual, scale, bias, *, norm: str, eps: float, out_dtype,
+           return_h: bool, return_xhat: bool, return_stats: bool, interpret: bool,
+           config: TileConfig, exchange: str | None = None):
+  """:func:`matmul_norm_fwd` on arguments its caller validated, with the ``config`` it picked:
+  the public op checks its arguments and the kernel's :func:`unsupported_reason` once and
+  computes the config once, then calls this. Same arguments and outputs (``out_dtype`` a
+  dtype); ValueError only from the plan (a config that does not fit)."""
   m, k = x.shape
   n = w.shape[1]
-  cfg = config or pick_config(m, k, n)
+  vectors = {"dense_bias": dense_bias, "scale": scale, "bias": bias}
   vecs = tuple(name for name, v in vectors.items() if v is not None)
   padded_m = m + (-m % _ROW_ALIGN)
   make_plan = functools.partial(_make_plan, (padded_m, k), n, x.dtype, out_dtype, norm, eps, vecs,
-                                residual is not None, return_h, return_xhat, return_stats, cfg,
+                                residual is not None, return_h, return_xhat, return_stats, config,
                                 interpret)
   plan = (make_plan(exchange) if exchange is not None
           else _pick_exchange(make_plan))

@@ -115,8 +115,10 @@ def kernel_unsupported_reason(x, w, out_dtype=None) -> str | None:
 def _kernel_call(x, w, scale, norm_bias, norm, eps, out_dtype, implementation):
   """(y, NormStats) from the kernels' custom_vjp on x flattened to 2-D."""
   lead = x.shape[:-1]
+  # The forward kernel's tiling, picked once per call (the custom_vjp's rules take it as is).
+  config = mosaic.pick_config(math.prod(lead), x.shape[-1], w.shape[1])
   y, mean, rstd = _fused(x.reshape(-1, x.shape[-1]), w, scale, norm_bias, norm, eps, out_dtype,
-                         implementation)
+                         implementation, config)
   return y.reshape(lead + (w.shape[1],)), reference.NormStats(
       None if mean is None else mean.reshape(lead), rstd.reshape(lead))
 
@@ -125,22 +127,23 @@ def _kernel_call(x, w, scale, norm_bias, norm, eps, out_dtype, implementation):
 # The kernels' custom_vjp: the forward kernel, then the dx kernel and XLA's weight gradients.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fused(x, w, scale, norm_bias, norm, eps, out_dtype, implementation):
-  return _fused_fwd(x, w, scale, norm_bias, norm, eps, out_dtype, implementation)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _fused(x, w, scale, norm_bias, norm, eps, out_dtype, implementation, config):
+  return _fused_fwd(x, w, scale, norm_bias, norm, eps, out_dtype, implementation, config)[0]
 
 
-def _fused_fwd(x, w, scale, norm_bias, norm, eps, out_dtype, implementation):
+def _fused_fwd(x, w, scale, norm_bias, norm, eps, out_dtype, implementation, config):
   w_gamma, col_sum, out_bias = xla.fold_affine(w, scale, norm_bias, norm)
-  forward = functools.partial(mosaic.norm_matmul_fwd, norm=norm, eps=eps, out_dtype=out_dtype,
-                              interpret=implementation == "interpret")
+  # The arguments were validated by norm_matmul (no second check in the kernel module).
+  forward = functools.partial(mosaic.launch, norm=norm, eps=eps, out_dtype=out_dtype,
+                              interpret=implementation == "interpret", config=config)
   y, mean, rstd = _op.first_order_only("norm_matmul", forward, x, w_gamma, col_sum, out_bias)
   saved = (x, w, scale, norm_bias, w_gamma, col_sum, out_bias, y, mean, rstd)
   return (y, mean, rstd), saved
 
 
-def _fused_bwd(norm, eps, out_dtype, implementation, saved, cotangents):
-  del norm, eps, out_dtype
+def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
+  del norm, eps, out_dtype, config  # the dx kernel picks its own tiling (its output is (M, K))
   x, w, scale, norm_bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
   dy = cotangents[0]  # the stats outputs are not differentiated (see norm_matmul)
   dx = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd,

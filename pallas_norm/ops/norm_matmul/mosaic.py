@@ -81,7 +81,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_norm import mgpu
 from pallas_norm.mgpu import TileConfig
 
-__all__ = ["TileConfig", "unsupported_reason", "pick_config", "norm_matmul_fwd", "gemm", "NORMS"]
+__all__ = ["TileConfig", "unsupported_reason", "pick_config", "norm_matmul_fwd", "gemm", "launch",
+           "NORMS"]
 
 NORMS = ("rms", "layer")
 """``norm`` values: RMSNorm, LayerNorm."""
@@ -583,8 +584,8 @@ def norm_matmul_fwd(x, w_gamma, col_sum, out_bias, *, norm: str, eps: float, out
   """
   _check_args(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype)
   m, k = x.shape
-  return _call(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype, interpret,
-               config or pick_config(m, k, w_gamma.shape[1]))
+  return launch(x, w_gamma, col_sum, out_bias, norm=norm, eps=eps, out_dtype=out_dtype,
+                interpret=interpret, config=config or pick_config(m, k, w_gamma.shape[1]))
 
 
 def gemm(x, w, *, out_dtype=None, interpret: bool = False, config: TileConfig | None = None):
@@ -603,10 +604,18 @@ def gemm(x, w, *, out_dtype=None, interpret: bool = False, config: TileConfig | 
   if config is None:
     config = dataclasses.replace(pick_config(m, k, n), stats_once=False, pipeline="pallas",
                                  delay_release=0)
-  return _call(x, w, None, None, None, 1.0, out_dtype, interpret, config)[0]
+  return launch(x, w, None, None, norm=None, eps=1.0, out_dtype=out_dtype, interpret=interpret,
+                config=config)[0]
 
 
-def _call(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype, interpret, cfg):
+def launch(x, w_gamma, col_sum, out_bias, *, norm: str | None, eps: float, out_dtype,
+           interpret: bool, config: TileConfig):
+  """:func:`norm_matmul_fwd` on arguments its caller validated, with the ``config`` it picked
+  (``norm=None``: the plain GEMM of :func:`gemm`): the public op checks its arguments and the
+  kernel's :func:`unsupported_reason` once and computes the config once, then calls this.
+  Same outputs; ValueError only from the plan (a config that does not fit, or K not a multiple
+  of its tile_k)."""
+  cfg = config
   m, k = x.shape
   n = w_gamma.shape[1]
   if k % cfg.tile_k:

@@ -1,4 +1,5 @@
-"""Standalone row norms :func:`rms_norm`, :func:`layer_norm` (DESIGN.md, op 5; XLA only)."""
+"""Standalone row norms :func:`rms_norm` (XLA) and :func:`layer_norm` (XLA, or the Pallas
+backward kernel); DESIGN.md, op 5."""
 
 from pallas_norm.ops.norms.api import layer_norm, rms_norm
 

@@ -1,9 +1,10 @@
 """Standalone row norms ``rms_norm`` and ``layer_norm`` (DESIGN.md, op 5).
 
-Two implementations: "xla" (the reference, differentiated by XLA's autodiff) and the Pallas
-backward kernel of :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU,
-"interpret" anywhere), which keeps XLA's forward. They are the building blocks of the Flax
-layers and the oracle shape of the fused ops.
+Two implementations of ``layer_norm``: "xla" (the reference, differentiated by XLA's autodiff)
+and the Pallas backward kernel of :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA
+GPU, "interpret" anywhere), which keeps XLA's forward. ``rms_norm`` is XLA only: its kernel
+path was measured slower than XLA's autodiff, and the kernel refuses it. They are the building
+blocks of the Flax layers and the oracle shape of the fused ops.
 """
 
 from __future__ import annotations
@@ -24,21 +25,9 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   residual_dtype = None if residual is None else residual.dtype
   return _dispatch.choose(
       op, implementation,
-      lambda _: triton.unsupported_reason(x.shape, x.dtype, residual_dtype),
-      lambda: triton.slower_reason(norm, x.shape, x.dtype, residual is not None),
+      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype, residual_dtype),
+      lambda: triton.slower_reason(x.shape, x.dtype, residual is not None),
       kernel="triton")
-
-
-def _row_norm(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
-  if chosen != "xla":
-    return triton.row_norm(x, scale, bias, residual, norm=norm, eps=eps,
-                                    zero_centered_scale=zero_centered_scale,
-                                    out_dtype=out_dtype, interpret=chosen == "interpret")
-  if norm == "rms":
-    return reference.rms_norm(x, scale, residual, eps=eps,
-                              zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
-  return reference.layer_norm(x, scale, bias, residual, eps=eps,
-                              zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
 
 
 def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
@@ -55,25 +44,25 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     eps: positive float added to the mean square (default 1e-6, the Flax default).
     zero_centered_scale: apply ``1 + scale`` instead of ``scale``.
     out_dtype: dtype of y (default x.dtype).
-    implementation: None, "xla", "triton", "interpret" or a sequence of them (see
-      :mod:`pallas_norm._dispatch`). "triton" keeps XLA's forward and runs the gradient as one
-      Pallas kernel (Triton lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`),
-      "interpret" the same kernel in Pallas interpret mode; None picks it on a GPU only where
-      it was measured faster in training (forward + backward) than XLA's autodiff. The kernel
-      path supports reverse-mode autodiff only (``jax.jvp`` raises: it is a ``custom_vjp``).
+    implementation: None, "xla", or a sequence of names (see :mod:`pallas_norm._dispatch`):
+      RMSNorm runs on XLA only. The Pallas backward kernel (:mod:`pallas_norm.ops.norms.triton`)
+      computes LayerNorm's gradient only: its RMSNorm form was measured slower than XLA's
+      autodiff (benchmarks/EXPERIMENTS.md), so "triton" and "interpret" raise
+      NotImplementedError here and a sequence such as ``("triton", "xla")`` runs XLA.
 
   Returns:
     y (..., N), or ``(y, s)`` when ``residual`` is given (``s`` in x's dtype).
 
   Raises:
     TypeError: non-arrays (e.g. a ``jax.ShapeDtypeStruct``), non-float arrays or dtypes.
-    ValueError: shape mismatch, eps <= 0, unknown implementation. NotImplementedError: a kernel
-    implementation ("mosaic", or "triton"/"interpret" where the kernel cannot run the call: not
-    on an NVIDIA GPU, float64, N > 8192, a residual of another dtype than x) was requested.
+    ValueError: shape mismatch, eps <= 0, unknown implementation.
+    NotImplementedError: a kernel implementation ("mosaic", "triton", "interpret") was
+      requested alone.
   """
-  chosen = _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
+  _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
-  return _row_norm(chosen, x, scale, None, residual, "rms", eps, zero_centered_scale, out_dtype)
+  return reference.rms_norm(x, scale, residual, eps=eps, zero_centered_scale=zero_centered_scale,
+                            out_dtype=out_dtype)
 
 
 def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
@@ -82,9 +71,24 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
 
   ``s = x + residual`` (or ``x``), ``y = (s − μ) · rsqrt(σ² + eps) · scale + bias`` with the
   two-pass variance in float32. Arguments, returns and errors as :func:`rms_norm`, plus
-  ``bias``: optional (N,) beta.
+  ``bias``: optional (N,) beta, and but for ``implementation``:
+
+  Args:
+    implementation: None, "xla", "triton", "interpret" or a sequence of them (see
+      :mod:`pallas_norm._dispatch`). "triton" keeps XLA's forward and runs the gradient as one
+      Pallas kernel (Triton lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`),
+      "interpret" the same kernel in Pallas interpret mode; None picks it on a GPU only where
+      it was measured faster in training (forward + backward) than XLA's autodiff. The kernel
+      path supports reverse-mode autodiff only (``jax.jvp`` raises: it is a ``custom_vjp``).
+
+  Raises:
+    NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
+      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, a residual of another
+      dtype than x), requested alone.
   """
   chosen = _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
-  return _row_norm(chosen, x, scale, bias, residual, "layer", eps, zero_centered_scale,
-                   out_dtype)
+  kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+  if chosen == "xla":
+    return reference.layer_norm(x, scale, bias, residual, **kw)
+  return triton.layer_norm(x, scale, bias, residual, interpret=chosen == "interpret", **kw)

@@ -1,4 +1,4 @@
-"""``rms_norm`` / ``layer_norm`` for training: XLA forward, one-pass Pallas backward kernel.
+"""``layer_norm`` for training: XLA forward, one-pass Pallas backward kernel.
 
 The forward is XLA's (it runs near copy bandwidth) and also returns the per-row statistics in
 float32. The backward is one Pallas kernel with the Triton lowering (any NVIDIA GPU that Pallas'
@@ -12,8 +12,7 @@ partials stay in registers over the program's rows and are written once per prog
 The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
 zero-centered) and ``r`` the rstd::
 
-    RMSNorm:   ds = r · (g − x̂ · mean(g ⊙ x̂))
-    LayerNorm: ds = r · (g − mean(g) − x̂ · mean(g ⊙ x̂))
+    ds = r · (g − mean(g) − x̂ · mean(g ⊙ x̂))
     ds += cotangent of s (with a residual);  dx = d residual = ds
     dscale = Σ_rows dy ⊙ x̂,  dbias = Σ_rows dy
 
@@ -22,6 +21,9 @@ and ``dmean`` (the mean of ``s − shift``), and ``x̂ = ((s − shift) − dmea
 exactly as :func:`pallas_norm.reference.layer_norm` computes it: rows whose mean is large next
 to their spread keep their precision in the gradients too (a mean rounded to one float32 would
 cost up to ulp(mean)/std).
+
+RMSNorm has no kernel path: the same kernel's RMSNorm form was measured slower than XLA's
+autodiff (benchmarks/EXPERIMENTS.md), so :func:`unsupported_reason` refuses it.
 
 Forward-mode autodiff (``jax.jvp``) is not defined for this path (a ``custom_vjp``).
 """
@@ -89,14 +91,22 @@ def pick_config(m: int, n: int, interpret: bool) -> BackwardConfig:
                         num_warps=num_warps)
 
 
-def unsupported_reason(x_shape, x_dtype, residual_dtype=None) -> str | None:
+RMS_REASON = ("rms_norm has no kernel path: its Pallas backward was measured slower than XLA's "
+              "autodiff on the H200 and removed (benchmarks/EXPERIMENTS.md); use 'xla'")
+"""Why ``rms_norm`` never runs the kernel (the kernel computes LayerNorm's backward only)."""
+
+
+def unsupported_reason(norm: str, x_shape, x_dtype, residual_dtype=None) -> str | None:
   """Why the backward kernel cannot run a call with these operands, or None.
 
   Args:
+    norm: "layer" (the kernel's norm) or "rms" (refused: :data:`RMS_REASON`).
     x_shape: shape of x, (..., N).
     x_dtype: dtype of x.
     residual_dtype: dtype of the residual, or None without one.
   """
+  if norm != "layer":
+    return RMS_REASON
   n = x_shape[-1]
   if jnp.dtype(x_dtype) not in KERNEL_DTYPES:
     return f"the kernel takes bfloat16/float16/float32 x, got {jnp.dtype(x_dtype)}"
@@ -110,24 +120,20 @@ def unsupported_reason(x_shape, x_dtype, residual_dtype=None) -> str | None:
   return None
 
 
-DEFAULT_DOMAIN = dict(norms=("layer",), dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048,
-                      min_rows=65536)
+DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048, min_rows=65536)
 """Where ``implementation=None`` takes the kernel: what the H200 measured faster in training
-(benchmarks/NOTES.md "Standalone norms"): LayerNorm, bf16, no residual, N from 128 to 2048
-(1.65-1.91x faster than XLA's autodiff at N = 128, 512, 1024, 2048), at least 65536 rows.
-RMSNorm's kernel path was measured slower (2186 vs 1603 us at 262144x2048): never by default."""
+(benchmarks/NOTES.md "Standalone norms"): bf16, no residual, N from 128 to 2048 (1.65-1.91x
+faster than XLA's autodiff at N = 128, 512, 1024, 2048), at least 65536 rows."""
 
 
-def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+def slower_reason(x_shape, x_dtype, has_residual: bool) -> str | None:
   """Why ``implementation=None`` keeps XLA's autodiff for this call, or None to use the kernel
   (:data:`DEFAULT_DOMAIN`, measured on a Hopper GPU, the only one measured)."""
   from pallas_norm import _dispatch  # the device query lives there
   d = DEFAULT_DOMAIN
   n, rows = x_shape[-1], math.prod(x_shape[:-1])
   if not _dispatch.on_hopper_gpu():
-    return "the Pallas row-norm backward was measured only on a Hopper GPU (H200)"
-  if norm not in d["norms"]:
-    return f"the {norm} kernel path was measured slower than XLA's autodiff in training"
+    return "the Pallas LayerNorm backward was measured only on a Hopper GPU (H200)"
   if jnp.dtype(x_dtype) not in d["dtypes"] or has_residual:
     return "the kernel path was measured faster only for bfloat16 x without a residual"
   if not (d["min_n"] <= n <= d["max_n"] and rows >= d["min_rows"]):
@@ -162,19 +168,15 @@ def _layer_stats(s, eps):
   return centered, shift, dmean, rstd
 
 
-def _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
-  """``(outputs, stats)``: outputs as the reference's (``y`` or ``(y, s)``); stats a tuple of
-  (M,) float32 rows: ``(rstd,)`` for RMSNorm, ``(shift, dmean, rstd)`` for LayerNorm."""
+def _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype):
+  """``(outputs, stats)``: outputs as the reference's (``y`` or ``(y, s)``); stats the (M,)
+  float32 rows ``(shift, dmean, rstd)``."""
   sdt = _stat_dtype(x.dtype)
   s = x.astype(sdt)
   if residual is not None:
     s = s + residual.astype(sdt)
-  if norm == "rms":
-    rstd = lax.rsqrt(jnp.mean(jnp.square(s), axis=-1) + eps)
-    y, stats = s * rstd[..., None], (rstd,)
-  else:
-    centered, shift, dmean, rstd = _layer_stats(s, eps)
-    y, stats = centered * rstd[..., None], (shift, dmean, rstd)
+  centered, shift, dmean, rstd = _layer_stats(s, eps)
+  y, stats = centered * rstd[..., None], (shift, dmean, rstd)
   gamma = _applied_scale(scale, zero_centered_scale, sdt)
   if gamma is not None:
     y = y * gamma
@@ -195,7 +197,6 @@ class _Operands:
   """Which optional operands a kernel instance has (static). With ``gamma`` (a scale) the
   kernel also returns dscale partials, with ``dbias`` dbias partials."""
 
-  norm: str
   residual: bool
   ds_out: bool
   gamma: bool
@@ -204,7 +205,7 @@ class _Operands:
   def input_names(self):
     names = ["x"] + ["residual"] * self.residual + ["dy"] + ["ds_out"] * self.ds_out
     names += ["gamma"] * self.gamma
-    names += ["shift", "dmean", "rstd"] if self.norm == "layer" else ["rstd"]
+    names += ["shift", "dmean", "rstd"]
     return names
 
   def output_names(self):
@@ -217,16 +218,13 @@ def _row_block_grads(load_tile, load_row, gamma, ops: _Operands, n: int):
   if ops.residual:
     s = s + load_tile("residual")
   rstd = load_row("rstd")[:, None]
-  if ops.norm == "layer":
-    s = (s - load_row("shift")[:, None]) - load_row("dmean")[:, None]
-  xhat = s * rstd
+  xhat = ((s - load_row("shift")[:, None]) - load_row("dmean")[:, None]) * rstd
   dy = load_tile("dy")
   g = dy if gamma is None else dy * gamma[None, :]
   # Padded columns and rows have dy = 0, so g = 0 there: they add nothing to either row sum
   # or to the dγ/dβ partials, whatever x̂ holds there.
-  inner = g - xhat * (jnp.sum(g * xhat, axis=1, keepdims=True) / n)
-  if ops.norm == "layer":
-    inner = inner - jnp.sum(g, axis=1, keepdims=True) / n
+  inner = (g - jnp.sum(g, axis=1, keepdims=True) / n
+           - xhat * (jnp.sum(g * xhat, axis=1, keepdims=True) / n))
   ds = inner * rstd
   if ops.ds_out:
     ds = ds + load_tile("ds_out")
@@ -291,7 +289,7 @@ def _backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, in
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
-      name=f"{ops.norm}_norm_backward")(*inputs)
+      name="layer_norm_backward")(*inputs)
   ds, parts = outs[0], list(outs[1:])
 
   def column_sum(buf):
@@ -306,57 +304,48 @@ def _backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, in
 # custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _layer_norm(x, scale, bias, residual, eps, zero_centered_scale, out_dtype, interpret):
   del interpret
-  return _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)[0]
+  return _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)[0]
 
 
-def _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
-                  interpret):
+def _layer_norm_fwd(x, scale, bias, residual, eps, zero_centered_scale, out_dtype, interpret):
   del interpret
-  out, stats = _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
+  out, stats = _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)
   return out, (x, scale, bias, residual, stats)
 
 
-def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
+def _layer_norm_bwd(eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
   del eps, out_dtype
   x, scale, bias, residual, stats = saved
   dy, ds_out = (cotangent, None) if residual is None else cotangent
   n = x.shape[-1]
   m = math.prod(x.shape[:-1])
-  ops = _Operands(norm=norm, residual=residual is not None, ds_out=ds_out is not None,
+  ops = _Operands(residual=residual is not None, ds_out=ds_out is not None,
                   gamma=scale is not None, dbias=bias is not None)
   gamma = _applied_scale(scale, zero_centered_scale, jnp.float32)
   tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
   inputs = tiles + ([gamma] if ops.gamma else []) + list(stats)
-  op_name = "rms_norm" if norm == "rms" else "layer_norm"
   ds, dscale, dbias = _op.first_order_only(
-      op_name, lambda *a: _backward_call(ops, m, n, x.dtype, interpret, list(a)), *inputs)
+      "layer_norm", lambda *a: _backward_call(ops, m, n, x.dtype, interpret, list(a)), *inputs)
   ds = ds.reshape(x.shape)
   return (ds, None if scale is None else dscale.astype(scale.dtype),
           None if bias is None else dbias.astype(bias.dtype),
           None if residual is None else ds)
 
 
-_row_norm.defvjp(_row_norm_fwd, _row_norm_bwd)
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-def row_norm(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
-             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False):
-  """``reference.rms_norm`` (``norm="rms"``) or ``reference.layer_norm`` (``norm="layer"``)
-  whose gradient runs the Pallas backward kernel of this module.
+def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float,
+               zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False):
+  """:func:`pallas_norm.reference.layer_norm` whose gradient runs the Pallas backward kernel of
+  this module.
 
   Same arguments, outputs (``y``, or ``(y, s)`` with ``residual``) and dtypes as the reference;
-  no validation (the public ops validate and check :func:`unsupported_reason` first).
+  no validation (the public op validates and checks :func:`unsupported_reason` first).
   ``interpret=True`` runs the kernel in Pallas interpret mode (any backend).
-
-  Raises:
-    ValueError: ``norm`` is not "rms" or "layer", or a bias with ``norm="rms"``.
   """
-  if norm not in ("rms", "layer"):
-    raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
-  if norm == "rms" and bias is not None:
-    raise ValueError("bias is a LayerNorm parameter; RMSNorm takes none")
-  return _row_norm(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
-                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret))
+  return _layer_norm(x, scale, bias, residual, float(eps), bool(zero_centered_scale),
+                     None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret))
