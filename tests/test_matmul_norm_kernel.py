@@ -413,25 +413,13 @@ def test_exchange_variants_lower_for_hopper(monkeypatch, exchange, n, norm):
   assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
 
 
-def test_delay_release_lowers_for_hopper(monkeypatch):
-  """TileConfig.delay_release = 1 (one WGMMA in flight across K steps) lowers for sm_90a with a
-  cluster of 4."""
-  import dataclasses
-  from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
-  _pretend_132_sms(monkeypatch)
-  bf = jnp.bfloat16
-  cfg = dataclasses.replace(mk.pick_config(4096, 512, 1024), delay_release=1)
-  structs = [jax.ShapeDtypeStruct(s, bf) for s in [(4096, 512), (512, 1024), (1024,)]]
-  f = jax.jit(lambda x, w, b: mk.matmul_norm_fwd(x, w, scale=b, norm="layer", eps=1e-6,
-                                                 config=cfg)[0])
-  assert "mosaic_gpu" in export.export(f, platforms=["cuda"])(*structs).mlir_module()
-
-
 @pytest.mark.parametrize("n,exchange,res", [(512, "push", True), (1024, "pull", False),
                                             (8192, "pull", True)])
 def test_ring_lowers_for_hopper(monkeypatch, n, exchange, res):
   """TileConfig.pipeline = "ring" lowers for sm_90a with clusters of 2, 4 and 8 (4 N tiles per
-  CTA at N = 8192), both exchanges, with and without a residual."""
+  CTA at N = 8192), both exchanges, with and without a residual, one WGMMA in flight
+  (TileConfig.delay_release = 1; at N = 1024 exactly pick_config's default for a cluster of 4
+  with delay_release = 1)."""
   from jax import export  # lowers for "cuda" without a GPU or the CUDA plugin
   _pretend_132_sms(monkeypatch)
   bf = jnp.bfloat16

@@ -172,32 +172,19 @@ def test_missing_column_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_taobao_loss_falls(data_dir):
-  args = train_kunlun.parse_args(TAOBAO + ["--data-dir", str(data_dir), "--steps", "30",
-                                           "--eval-every", "30"])
-  result = train_kunlun.train(args)
-  losses = np.array(result.losses)
-  assert losses.shape == (30,) and np.all(np.isfinite(losses))
-  assert losses[-5:].mean() < 0.5 * losses[:5].mean()
-  assert FINAL_RE.match(result.line) and "steps=30 " in result.line
-
-
-@pytest.mark.slow
-def test_synthetic_cli_runs(capsys):
-  code, out, _ = _run(["--steps", "3", "--batch-size", "16", "--max-seq-len", "8",
-                       "--eval-every", "3", "--implementation", "xla"], capsys)
+def test_synthetic_cli_runs_and_one_step_has_no_rate(capsys):
+  """The CLI on synthetic data with sizes from the flags: 3 steps give finite metrics and a
+  rate; one step is the compiling one: no examples/s (nan), not the compile time's rate. Both
+  runs share one model size, so the train step compiles once."""
+  sizes = ["--batch-size", "16", "--max-seq-len", "8", "--embed-dim", "8", "--head-dim", "4",
+           "--implementation", "xla"]
+  code, out, _ = _run(["--steps", "3", "--eval-every", "3"] + sizes, capsys)
   assert code == 0
   assert FINAL_RE.match(out[-1]) and "steps=3 " in out[-1], out[-1]
   values = dict(kv.split("=") for kv in out[-1].split()[1:])
   assert all(np.isfinite(float(values[k])) for k in ("train_loss", "val_logloss", "val_auc"))
   assert float(values["examples_per_s"]) > 0 and float(values["step_ms"]) > 0
-
-
-@pytest.mark.slow
-def test_one_step_has_no_rate_and_sizes_are_flags(capsys):
-  """One step is the compiling one: no examples/s (nan), not the compile time's rate."""
-  code, out, _ = _run(["--steps", "1", "--batch-size", "8", "--max-seq-len", "4",
-                       "--embed-dim", "8", "--head-dim", "4", "--implementation", "xla"], capsys)
+  code, out, _ = _run(["--steps", "1"] + sizes, capsys)
   assert code == 0 and FINAL_RE.match(out[-1]), out
   assert out[-1].endswith("step_ms=nan examples_per_s=nan")
   assert any(line.startswith("step 1: batch_loss=") for line in out), out
@@ -261,7 +248,11 @@ def _params(state):
 
 
 @pytest.mark.slow
-def test_checkpoint_round_trip_and_resume(data_dir, tmp_path, capsys):
+def test_taobao_loss_falls_checkpoints_and_resumes(data_dir, tmp_path, capsys):
+  """One test per train-step compile (tens of CPU-seconds each; the taobao model compiles
+  once here): the loss falls over 30 steps; a checkpoint restores bit for bit; --resume
+  continues from step 10 to 30 and lands where the uninterrupted run does; resuming with
+  another model config exits 2."""
   common = TAOBAO + ["--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path),
                      "--eval-every", "5"]
   first = train_kunlun.train(train_kunlun.parse_args(common + ["--steps", "10"]))
@@ -276,23 +267,23 @@ def test_checkpoint_round_trip_and_resume(data_dir, tmp_path, capsys):
   manager.close()
   for saved, back in zip(_params(first.state), _params(restored), strict=True):
     np.testing.assert_array_equal(saved, back)
-  # --resume continues from step 10 to 20 and lands where an uninterrupted run does.
-  code, out, _ = _run(common + ["--steps", "20", "--resume"], capsys)
-  assert code == 0 and FINAL_RE.match(out[-1]) and "steps=20 " in out[-1]
+  # --resume continues from step 10 to 30 and lands where an uninterrupted run does.
+  code, out, _ = _run(common + ["--steps", "30", "--resume"], capsys)
+  assert code == 0 and FINAL_RE.match(out[-1]) and "steps=30 " in out[-1]
   assert any("start_step=10 " in line for line in out)
-  resumed = train_kunlun.train(train_kunlun.parse_args(common + ["--steps", "20", "--resume"]))
-  assert resumed.losses == []  # already at step 20
+  resumed = train_kunlun.train(train_kunlun.parse_args(common + ["--steps", "30", "--resume"]))
+  assert resumed.losses == []  # already at step 30
   straight = train_kunlun.train(train_kunlun.parse_args(
-      TAOBAO + ["--data-dir", str(data_dir), "--steps", "20", "--eval-every", "20"]))
+      TAOBAO + ["--data-dir", str(data_dir), "--steps", "30", "--eval-every", "30"]))
+  losses = np.array(straight.losses)
+  assert losses.shape == (30,) and np.all(np.isfinite(losses))
+  assert losses[-5:].mean() < 0.5 * losses[:5].mean()
+  assert FINAL_RE.match(straight.line) and "steps=30 " in straight.line
   for a, b in zip(_params(straight.state), _params(resumed.state), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.slow
-def test_resume_with_another_config_exits_2(data_dir, tmp_path, capsys):
-  where = ["--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path)]
-  assert _run(TAOBAO + where + ["--steps", "2"], capsys)[0] == 0
+  # The checkpoint's model config differs from the one asked for: exit 2, one line.
+  capsys.readouterr()  # the progress bars of the runs above
   other = ["--data", "taobao", "--batch-size", "32", "--max-seq-len", "4", "--implementation",
-           "xla"]
-  code, _, err = _run(other + where + ["--steps", "4", "--resume"], capsys)
+           "xla", "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path)]
+  code, _, err = _run(other + ["--steps", "40", "--resume"], capsys)
   assert code == 2 and "max_seq_len" in err and err.count("\n") == 1
