@@ -37,7 +37,10 @@ class RMSNorm(nnx.Module):
     use_scale: create the (N,) ``scale`` parameter (gamma).
     scale_init: initializer of ``scale`` (default ones).
     rngs: ``nnx.Rngs`` for parameter initialization.
-    implementation: passed to the op: None, "xla", "mosaic", "interpret" or a sequence of them.
+    implementation: passed to the op (:func:`pallas_norm.rms_norm`): None, "xla", or a sequence
+      that ends in "xla". RMSNorm has no kernel (the Pallas backward kernel, "triton"/"interpret"
+      for LayerNorm, was measured slower for RMSNorm), so a kernel name alone raises
+      NotImplementedError and a sequence falls through to "xla".
 
   Raises:
     ValueError: at construction, for a num_features that is not a positive integer, an epsilon
@@ -80,6 +83,8 @@ class LayerNorm(nnx.Module):
 
   Arguments as :class:`RMSNorm`, plus ``use_bias`` (create the (N,) ``bias``, beta) and
   ``bias_init`` (default zeros). Statistics are float32 with a two-pass variance.
+  ``implementation`` may also name the Pallas backward kernel of :func:`pallas_norm.layer_norm`:
+  "triton" (an NVIDIA GPU) or "interpret".
 
   Raises: as :class:`RMSNorm` (the input's last dimension is checked against num_features with
   or without ``scale`` and ``bias``), the op being :func:`pallas_norm.layer_norm`.

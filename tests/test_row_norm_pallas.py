@@ -128,6 +128,8 @@ def test_rows_with_a_large_mean_keep_their_precision():
     _assert_close(g, w, 1e-5, name)
 
 
+# ("triton", "xla") on the CPU warns once per process that it ran XLA (tested in test_validation).
+@pytest.mark.filterwarnings("ignore::pallas_norm._dispatch.KernelSkippedWarning")
 def test_kernel_names_and_refusals_on_the_cpu():
   """On the CPU: None and "xla" are XLA's autodiff; "triton" needs an NVIDIA GPU and "mosaic"
   does not exist for these ops (NotImplementedError naming the op); a sequence falls through
