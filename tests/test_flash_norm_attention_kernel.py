@@ -223,18 +223,22 @@ def test_gpu_gradients_at_issue_shape(heads):
     assert bool(jnp.all(jnp.isfinite(g))) and _rel_err(g, w) < TOL
 
 
-def test_fused_bad_traced_offsets_give_nan():
+@pytest.mark.parametrize("bad_offsets,max_seq_len", [([0, 4, 40], None),  # last > T
+                                                     ([0, 4, 16], 8)])  # a sample > max_seq_len
+def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len):
   """Traced offsets that break the jagged convention: the fused path answers with NaN in every
   output row and every gradient (NaN scales, no pass over the data), as the GDPA kernel does."""
   q, k, v, _, _ = _problem(8, [4, 12], 2, 64)
   q = jnp.where(jnp.isnan(q), 0, q)
 
   def loss(q, k, v, offsets):
-    out = pn.flash_norm_attention(q, k, v, offsets, implementation="interpret")
+    out = pn.flash_norm_attention(q, k, v, offsets, max_seq_len=max_seq_len,
+                                  implementation="interpret")
     return jnp.sum(out.astype(F32)), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-      q, k, v, jnp.array([0, 4, 40], jnp.int32))  # last > T
+      q, k, v, jnp.array(bad_offsets, jnp.int32))
   assert bool(jnp.all(jnp.isnan(out)))
-  assert bool(jnp.all(jnp.isnan(grads[0][:16]))) and bool(jnp.all(jnp.isnan(grads[1])))
+  # Every row of dq, also those past the made-valid offsets (they may be real tokens).
+  assert bool(jnp.all(jnp.isnan(grads[0]))) and bool(jnp.all(jnp.isnan(grads[1])))
   assert bool(jnp.all(jnp.isnan(grads[2])))

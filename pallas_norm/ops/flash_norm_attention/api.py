@@ -256,7 +256,9 @@ def _fused_bwd_rule(static, saved, cotangents):
                                - x_hat * jnp.mean(gu * x_hat, axis=1, keepdims=True))
   else:
     dq = dq + du
-  dq = jnp.where(valid, dq, 0).reshape(q.shape).astype(q.dtype)
+  # Padding rows get 0 · post_scale: zero, or NaN where bad traced offsets poisoned the scales
+  # (the rows the made-valid offsets call padding may be real tokens of the caller's).
+  dq = jnp.where(valid, dq, 0 * post_scale).reshape(q.shape).astype(q.dtype)
   if d_pre is None:  # numbers given by the caller: constants, cotangents dropped
     d_pre, d_post = jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale)
   return (dq, dk, dv, None, (d_ln_scale, d_ln_bias, d_rms_scale), d_pre, d_post)
