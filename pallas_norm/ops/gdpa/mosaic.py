@@ -280,7 +280,9 @@ def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
       k_ready=plgpu.Barrier(num_barriers=kv_barriers),
       v_ready=plgpu.Barrier(num_barriers=kv_barriers),
       kv_free=kv_free,
-      v_edges_zeroed=plgpu.Barrier(),
+      # One per K/V buffer: with two, consumer 0 may zero (and arrive for) the next item's
+      # buffer before consumer 1 has waited for this item's, which one barrier cannot tell apart.
+      v_edges_zeroed=plgpu.Barrier(num_barriers=max(1, plan.kv_buffers)),
   )
 
 
@@ -565,11 +567,11 @@ class _ResidentKV:
       def _():
         _zero_v_rows_outside(plan, item, smem["v_smem"].at[buffer, last], last)
       plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
-      plgpu.barrier_arrive(smem["v_edges_zeroed"])
+      plgpu.barrier_arrive(smem["v_edges_zeroed"].at[buffer])
 
     @pl.when(wg == 1)
     def _wait():
-      plgpu.barrier_wait(smem["v_edges_zeroed"])
+      plgpu.barrier_wait(smem["v_edges_zeroed"].at[buffer])
 
   def tiles(self, item, wg, use, turn, step):
     del item, wg, turn
