@@ -60,8 +60,6 @@ STATS_COLS = 32
 """Columns of the statistics output (T, 32): μ1, r1, r2, then zeros. A row of 128 bytes: the
 row-exact store starts TMA stores at any row of the SMEM tile, and TMA needs SMEM addresses
 aligned to 128 bytes (32-byte rows gave CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
-_HEAD_DIMS = (64, 128)
-_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,15 +107,12 @@ def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool
 
 def unsupported_reason(q, k, kv_offsets, out_dtype, save_attn: bool = True) -> str | None:
   """None when the fused kernel can run these (validated) arguments, else why not."""
+  reason = gdpa_mosaic.operand_reason(q, out_dtype)
+  if reason is not None:
+    return reason
   dtype = jnp.dtype(q.dtype)
-  if dtype not in mgpu.SUPPORTED_DTYPES:
-    return f"q dtype {dtype.name} is not bfloat16 or float16"
   out_dtype = jnp.dtype(out_dtype or dtype)
-  if out_dtype not in _OUT_DTYPES:
-    return f"out_dtype {out_dtype.name} is not bfloat16, float16 or float32"
   t, heads, head_dim = q.shape
-  if head_dim not in _HEAD_DIMS:
-    return f"head dim D = {head_dim} is not one of {_HEAD_DIMS}"
   if kv_offsets is not None:
     return "jagged K/V: the fused kernel takes dense K/V only"
   if k.shape[1] == 0 or k.shape[1] % 64:

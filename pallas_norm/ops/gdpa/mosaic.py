@@ -101,17 +101,28 @@ def kv_rows(k, kv_offsets, max_kv_len) -> int:
   return configs.resident_kv_len((max_kv_len or k.shape[0]) + ALIGN - 1)
 
 
-def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
-  """None when the kernel can run these (validated) arguments, else why not."""
+def operand_reason(q, out_dtype) -> str | None:
+  """Why an attention kernel (this one or the fused flash_norm_attention kernel) cannot take
+  q's dtype, the output dtype or q's head dim, or None."""
   dtype = jnp.dtype(q.dtype)
   if dtype not in mgpu.SUPPORTED_DTYPES:
     return f"q dtype {dtype.name} is not bfloat16 or float16"
   out_dtype = jnp.dtype(out_dtype or dtype)
   if out_dtype not in _OUT_DTYPES:
     return f"out_dtype {out_dtype.name} is not bfloat16, float16 or float32"
+  if q.shape[2] not in _HEAD_DIMS:
+    return f"head dim D = {q.shape[2]} is not one of {_HEAD_DIMS}"
+  return None
+
+
+def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
+  """None when the kernel can run these (validated) arguments, else why not."""
+  reason = operand_reason(q, out_dtype)
+  if reason is not None:
+    return reason
+  dtype = jnp.dtype(q.dtype)
+  out_dtype = jnp.dtype(out_dtype or dtype)
   head_dim = q.shape[2]
-  if head_dim not in _HEAD_DIMS:
-    return f"head dim D = {head_dim} is not one of {_HEAD_DIMS}"
   if kv_offsets is None and k.shape[1] == 0:
     return "dense K/V length Lkv = 0 (no keys: XLA returns the zeros)"
   if kv_offsets is None and k.shape[1] % 64:
