@@ -297,6 +297,7 @@ def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
   )
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Item:
   """A work item, read from the table: a segment's rows and keys, and the head. Past the last
@@ -353,8 +354,8 @@ def _producer(plan: _Plan, item_at, kv, q_ref, smem) -> None:
   q_smem, q_ready, q_free = smem["q_smem"], smem["q_ready"], smem["q_free"]
 
   def round_(r, carry):
-    q_uses, kv_uses = carry
-    item, upcoming = item_at(r), item_at(r + 1)
+    q_uses, kv_uses, item = carry
+    upcoming = item_at(r + 1)
 
     @pl.loop(0, item.blocks_of(0))
     def _pair(turn):
@@ -376,11 +377,11 @@ def _producer(plan: _Plan, item_at, kv, q_ref, smem) -> None:
 
     kv.prefetch_after_item(item, upcoming, kv_uses)
     q_uses = tuple(q_uses[wg] + item.blocks_of(wg) for wg in range(2))
-    return q_uses, kv.producer_uses_after(item, upcoming, kv_uses)
+    return q_uses, kv.producer_uses_after(item, upcoming, kv_uses), upcoming
 
-  zero = jnp.int32(0)
-  q_uses, kv_uses = pl.loop(0, plan.rounds, init_carry=((zero, zero), kv.producer_start(
-      item_at(0))))(round_)
+  zero, first = jnp.int32(0), item_at(0)
+  q_uses, kv_uses, _ = pl.loop(0, plan.rounds, init_carry=(
+      (zero, zero), kv.producer_start(first), first))(round_)
   # Observe the releases no load waited for (the last use of each slot), so that every barrier
   # phase is consumed before the CTA ends (the interpreter checks it).
   for wg in range(2):
@@ -404,8 +405,8 @@ def _consumer(plan: _Plan, item_at, kv, scales_ref, o_ref, smem) -> None:
   pre_scale, post_scale = scales_ref[0], scales_ref[1]
 
   def round_(r, carry):
-    q_use, kv_use = carry
-    item = item_at(r)
+    q_use, kv_use, item = carry
+    upcoming = item_at(r + 1)  # read now: the table's latency hides behind this item
     blocks = item.blocks_of(wg)
     kv.acquire(item, wg, kv_use)
 
@@ -415,8 +416,9 @@ def _consumer(plan: _Plan, item_at, kv, scales_ref, o_ref, smem) -> None:
       slot = lax.rem(q_use + turn, plan.q_stages)
       plgpu.barrier_wait(q_ready.at[wg * plan.q_stages + slot])
       out = _attend(plan, item, kv, wg, kv_use, turn, q_smem.at[wg, slot],
-                    smem["p_smem"].at[wg], pre_scale)
-      plgpu.barrier_arrive(q_free.at[wg * plan.q_stages + slot])
+                    smem["p_smem"].at[wg], pre_scale,
+                    functools.partial(plgpu.barrier_arrive,
+                                      q_free.at[wg * plan.q_stages + slot]))
 
       @pl.when(turn == blocks - 1)
       def _():
@@ -432,15 +434,18 @@ def _consumer(plan: _Plan, item_at, kv, scales_ref, o_ref, smem) -> None:
     def _():
       kv.release_item(item, kv_use)
 
-    return q_use + blocks, kv.consumer_use_after(item, wg, kv_use)
+    return q_use + blocks, kv.consumer_use_after(item, wg, kv_use), upcoming
 
   zero = jnp.int32(0)
-  pl.loop(0, plan.rounds, init_carry=(zero, zero))(round_)
+  pl.loop(0, plan.rounds, init_carry=(zero, zero, item_at(0)))(round_)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
 
-def _attend(plan: _Plan, item: _Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_scale):
-  """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32."""
+def _attend(plan: _Plan, item: _Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_scale,
+            release_q):
+  """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32.
+  Calls ``release_q()`` once the q tile is no longer read (after the last score WGMMA), so the
+  producer can load the consumer's next q block during the activation and P·V."""
 
   def accumulate(o_acc):
     @pl.loop(0, item.kv_steps)
@@ -452,6 +457,7 @@ def _attend(plan: _Plan, item: _Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_
         return s_acc[...]  # waits for this WGMMA (and the previous step's P·V)
 
       s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      pl.when(step == item.kv_steps - 1)(release_q)
       p = plan.act(s * pre_scale)
       if plan.jagged_kv:  # keys outside the sample: exactly 0, whatever act(s) is there
         key = plgpu.broadcasted_iota(jnp.int32, p.shape, 1,
@@ -464,6 +470,7 @@ def _attend(plan: _Plan, item: _Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_
       plgpu.wgmma(o_acc, p_tile, v_tile)
       kv.release(item, wg, kv_use, turn, step)
 
+    pl.when(item.kv_steps == 0)(release_q)  # no keys: the tile was never read
     return o_acc[...]
 
   return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, q_tile.shape[-1]), _F32))
