@@ -262,11 +262,14 @@ def component_programs(model, batch, seed: int = 0) -> dict:
   import jax.numpy as jnp
   from flax import nnx
 
+  from pallas_norm import jagged
+
   c = model.config
   offsets, max_len = batch.seq_offsets, c.max_seq_len
   ctx = model._context(jnp.mod(batch.sparse_ids, c.sparse_vocab_size), batch.dense)
   summary = jax.nn.gelu(model.summary(ctx))
-  x = model._sequence_tokens(jnp.mod(batch.seq_ids, c.item_vocab_size), offsets)
+  rows = jagged.row_index(offsets, batch.seq_ids.shape[0])  # once per batch, as the model does
+  x = model._sequence_tokens(jnp.mod(batch.seq_ids, c.item_vocab_size), offsets, rows)
   kv = model.kv_gen[0](summary).reshape(-1, 2, c.kv_len, c.num_heads, c.head_dim).astype(x.dtype)
   pooled_width = c.num_seeds * c.token_dim
   z = jnp.concatenate([ctx, jnp.zeros((ctx.shape[0], pooled_width), ctx.dtype)], axis=-1)
@@ -279,10 +282,10 @@ def component_programs(model, batch, seed: int = 0) -> dict:
     return model.head(h)
 
   pieces = {
-      "self_attention": (lambda m, x: m._self_attention(0, x, offsets), (x,)),
+      "self_attention": (lambda m, x: m._self_attention(0, x, offsets, rows), (x,)),
       "pffn": (lambda m, x, k, v: m.pffn[0](x, offsets, k, v, max_seq_len=max_len),
                (x, kv[:, 0], kv[:, 1])),
-      "seed_pool": (lambda m, x: m._seed_pool(x, offsets), (x,)),
+      "seed_pool": (lambda m, x: m._seed_pool(x, offsets, rows), (x,)),
       "mlp": (mlp, (z,)),
   }
   programs = {}

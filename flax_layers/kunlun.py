@@ -186,13 +186,16 @@ class KunlunModel(nnx.Module):
     sparse_ids = jnp.mod(sparse_ids, c.sparse_vocab_size)
     seq_ids = jnp.mod(seq_ids, c.item_vocab_size)
     batch = sparse_ids.shape[0]
+    # Every jagged conversion of the batch shares one search of the offsets (and its
+    # derivatives reuse it).
+    rows = jagged.row_index(seq_offsets, seq_ids.shape[0])
     # The named scopes label the parts in profiles (HLO op_name metadata); no effect on the math.
     with jax.named_scope("context_tokens"):
       ctx = self._context(sparse_ids, dense)                   # (B, Nc·E)
     with jax.named_scope("kv_gen"):
       summary = jax.nn.gelu(self.summary(ctx))                 # (B, summary_dim)
     with jax.named_scope("sequence_tokens"):
-      x = self._sequence_tokens(seq_ids, seq_offsets)          # (T, H, D)
+      x = self._sequence_tokens(seq_ids, seq_offsets, rows)    # (T, H, D)
     for layer in range(c.num_layers):
       with jax.named_scope("kv_gen"):
         kv = self.kv_gen[layer](summary).reshape(batch, 2, c.kv_len, c.num_heads, c.head_dim)
@@ -200,9 +203,9 @@ class KunlunModel(nnx.Module):
       with jax.named_scope("pffn"):
         x = self.pffn[layer](x, seq_offsets, kv[:, 0], kv[:, 1], max_seq_len=c.max_seq_len)
       with jax.named_scope("self_attention"):
-        x = self._self_attention(layer, x, seq_offsets)
+        x = self._self_attention(layer, x, seq_offsets, rows)
     with jax.named_scope("seed_pool"):
-      pooled = self._seed_pool(x, seq_offsets)                 # (B, S·H·D)
+      pooled = self._seed_pool(x, seq_offsets, rows)           # (B, S·H·D)
     with jax.named_scope("interaction_mlp"):
       z = jnp.concatenate([ctx, pooled.astype(ctx.dtype)], axis=-1)
       h = jax.nn.gelu(self.mlp_in(z))
@@ -223,38 +226,44 @@ class KunlunModel(nnx.Module):
     rows = table(ids)
     return rows if self.dtype is None else rows.astype(self.dtype)
 
-  def _sequence_tokens(self, seq_ids, seq_offsets):
+  def _sequence_tokens(self, seq_ids, seq_offsets, rows=None):
+    """(T, H, D) item + recency embeddings; ``rows``: the batch's jagged.row_index."""
     c = self.config
     capacity = seq_ids.shape[0]
-    seg = jagged.segment_ids(seq_offsets, capacity)
+    seg, pos = jagged.row_index(seq_offsets, capacity) if rows is None else rows
     lens = jagged.lengths(seq_offsets)
-    recency = jnp.take(lens, seg, mode="clip") - 1 - jagged.positions(seq_offsets, capacity)
+    recency = jnp.take(lens, seg, mode="clip") - 1 - pos
     x = (self._embed(self.item_embed, seq_ids)
          + self._embed(self.recency_embed, jnp.clip(recency, 0, c.max_seq_len - 1)))
     x = _zero_padding_rows(x, seq_offsets)
     return x.reshape(capacity, c.num_heads, c.head_dim)
 
-  def _self_attention(self, layer, x, seq_offsets):
-    """Softmax self-attention over each sequence (padded layout), post-norm residual."""
+  def _self_attention(self, layer, x, seq_offsets, rows=None):
+    """Softmax self-attention over each sequence (padded layout), post-norm residual;
+    ``rows``: the batch's jagged.row_index (else computed here)."""
     c = self.config
     t, h, d = x.shape
     flat = x.reshape(t, h * d)
     qkv = self.qkv[layer](flat).reshape(t, 3, h, d)
     # One (B, L, H, D) operand each, in the layout the attention takes (no strided slices).
-    q, k, v = (jagged.to_padded(qkv[:, i], seq_offsets, c.max_seq_len) for i in range(3))
+    rows = jagged.row_index(seq_offsets, t) if rows is None else rows
+    q, k, v = (jagged.to_padded(qkv[:, i], seq_offsets, c.max_seq_len, rows=rows)
+               for i in range(3))
     lens = jagged.lengths(seq_offsets)
     o = softmax_attention(q, k, v, lens, lens, implementation=self.implementation)
-    o = jagged.from_padded(o, seq_offsets, t).reshape(t, h * d)
+    o = jagged.from_padded(o, seq_offsets, t, rows=rows).reshape(t, h * d)
     y = self.attn_out[layer](o, residual=flat.astype(o.dtype))
     return _zero_padding_rows(y, seq_offsets).reshape(t, h, d)
 
-  def _seed_pool(self, x, seq_offsets):
-    """Learnable seed queries attend to each sequence; empty sequences pool to exactly 0."""
+  def _seed_pool(self, x, seq_offsets, rows=None):
+    """Learnable seed queries attend to each sequence; empty sequences pool to exactly 0.
+    ``rows``: the batch's jagged.row_index (else computed here)."""
     c = self.config
     t, h, d = x.shape
     batch = seq_offsets.shape[0] - 1
     kv = self.pool_kv(x.reshape(t, h * d)).reshape(t, 2, h, d)
-    k, v = (jagged.to_padded(kv[:, i], seq_offsets, c.max_seq_len) for i in range(2))
+    rows = jagged.row_index(seq_offsets, t) if rows is None else rows
+    k, v = (jagged.to_padded(kv[:, i], seq_offsets, c.max_seq_len, rows=rows) for i in range(2))
     seeds = jnp.broadcast_to(self.seeds[...].astype(kv.dtype), (batch,) + self.seeds.shape)
     lens = jagged.lengths(seq_offsets)
     o = softmax_attention(seeds, k, v, None, lens,

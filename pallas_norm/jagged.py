@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "RowIndex",
+    "row_index",
     "segment_ids",
     "valid_mask",
     "positions",
@@ -94,12 +97,48 @@ def segment_ids(offsets: jax.Array, capacity: int) -> jax.Array:
   """Sample index of each packed row, shape (capacity,), int32.
 
   Padding rows (index >= offsets[-1]) get B (one past the last sample), so a gather with
-  ``mode="fill"`` or a mask from :func:`valid_mask` drops them.
+  ``mode="fill"`` or a mask from :func:`valid_mask` drops them. A batch converted several times
+  computes it once: :func:`row_index`.
   """
   rows = jnp.arange(capacity, dtype=jnp.int32)
   # side="right" maps a row equal to offsets[b] to sample b even when earlier samples are empty.
   return (jnp.searchsorted(offsets, rows, side="right") - 1).astype(jnp.int32).clip(
       0, offsets.shape[0] - 1)
+
+
+class RowIndex(NamedTuple):
+  """Per-row indices of one packed batch, shared by every conversion of that batch.
+
+  ``segment_ids`` (T,) int32: :func:`segment_ids`. ``positions`` (T,) int32: :func:`positions`.
+  Build it with :func:`row_index` once per batch and pass it as ``rows=`` to
+  :func:`to_padded` and :func:`from_padded`, which otherwise search the offsets on every call
+  (and again in their derivatives).
+  """
+
+  segment_ids: jax.Array
+  positions: jax.Array
+
+
+def row_index(offsets: jax.Array, capacity: int) -> RowIndex:
+  """The :class:`RowIndex` of a packed batch of static ``capacity`` rows (one search of the
+  offsets)."""
+  seg = segment_ids(offsets, operator.index(capacity))
+  starts = jnp.take(offsets, seg, mode="clip")
+  return RowIndex(seg, jnp.arange(capacity, dtype=jnp.int32) - starts)
+
+
+def _rows_for(rows: RowIndex | None, offsets, capacity: int, arg: str) -> RowIndex:
+  """``rows`` checked against the packed capacity, or computed when None."""
+  if rows is None:
+    return row_index(offsets, capacity)
+  if not isinstance(rows, RowIndex):
+    raise TypeError(f"rows must be a jagged.RowIndex (from jagged.row_index), got "
+                    f"{type(rows).__name__}")
+  for name, a in zip(rows._fields, rows):
+    if tuple(a.shape) != (capacity,) or a.dtype != jnp.int32:
+      raise ValueError(f"rows.{name} must be int32 of shape ({capacity},) (the {arg}), got "
+                       f"{a.dtype}{list(a.shape)}")
+  return rows
 
 
 def valid_mask(offsets: jax.Array, capacity: int) -> jax.Array:
@@ -109,12 +148,11 @@ def valid_mask(offsets: jax.Array, capacity: int) -> jax.Array:
 
 def positions(offsets: jax.Array, capacity: int) -> jax.Array:
   """Position of each packed row inside its own sample, shape (capacity,), int32."""
-  seg = segment_ids(offsets, capacity)
-  starts = jnp.take(offsets, seg, mode="clip")
-  return jnp.arange(capacity, dtype=jnp.int32) - starts
+  return row_index(offsets, capacity).positions
 
 
-def to_padded(values: jax.Array, offsets: jax.Array, max_len: int) -> jax.Array:
+def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
+              rows: RowIndex | None = None) -> jax.Array:
   """Packed ``(T, ...)`` -> padded ``(B, max_len, ...)``, zeros past each sample's length.
 
   Samples longer than ``max_len`` are truncated; the public ops check lengths against
@@ -122,23 +160,37 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int) -> jax.Array:
 
   Differentiable in ``values``: the gradient is :func:`from_padded` of the cotangent (a gather,
   since on the valid rows each conversion is the other's transpose), not the scatter-add that
-  autodiff of the forward gather would give. ``offsets`` get no gradient.
+  autodiff of the forward gather would give. ``offsets`` get no gradient. ``rows``: the
+  batch's :func:`row_index` (the derivatives need it), else computed here.
+
+  Raises:
+    TypeError / ValueError: ``rows`` that is not a :class:`RowIndex` of T int32 rows.
   """
-  return _to_padded_linear(values, offsets, operator.index(max_len))
+  rows = _rows_for(rows, offsets, values.shape[0], "values' T")
+  return _to_padded_linear(values, offsets, rows, operator.index(max_len))
 
 
-def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Array:
+def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, *,
+                rows: RowIndex | None = None) -> jax.Array:
   """Padded ``(B, L, ...)`` -> packed ``(capacity, ...)``, zeros in the padding rows.
 
   Positions at or past a sample's length (and rows of samples past ``L``) are never read; an
   empty padded tensor (``B·L == 0``) gives zeros. Differentiable in ``padded``: the gradient is
   :func:`to_padded` of the cotangent (a gather, zeros past each length), not a scatter-add.
+  ``rows``: the batch's :func:`row_index` of ``capacity`` rows, else computed here.
+
+  Raises:
+    TypeError / ValueError: ``rows`` that is not a :class:`RowIndex` of ``capacity`` int32 rows.
   """
-  return _from_padded_linear(padded, offsets, operator.index(capacity))
+  capacity = operator.index(capacity)
+  rows = _rows_for(rows, offsets, capacity, "capacity")
+  return _from_padded_linear(padded, offsets, rows, capacity)
 
 
-def _gather_to_padded(values, offsets, max_len):
-  """The forward of :func:`to_padded` as plain jnp (autodiff of it is a scatter-add)."""
+def _gather_to_padded(values, offsets, max_len, *, rows=None):
+  """The forward of :func:`to_padded` as plain jnp (autodiff of it is a scatter-add); ``rows``
+  is unused (the gather reads rows ``offsets[b] + l``)."""
+  del rows
   batch = offsets.shape[0] - 1
   shape = (batch, max_len) + values.shape[1:]
   if values.shape[0] == 0 or batch * max_len == 0:  # nothing to gather (take() would raise)
@@ -151,13 +203,12 @@ def _gather_to_padded(values, offsets, max_len):
   return jnp.where(mask, gathered, jnp.zeros((), values.dtype))
 
 
-def _gather_from_padded(padded, offsets, capacity):
+def _gather_from_padded(padded, offsets, capacity, *, rows=None):
   """The forward of :func:`from_padded` as plain jnp (autodiff of it is a scatter-add)."""
   batch, max_len = padded.shape[:2]
   if batch * max_len == 0 or capacity == 0:
     return jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
-  seg = segment_ids(offsets, capacity)
-  pos = positions(offsets, capacity)
+  seg, pos = row_index(offsets, capacity) if rows is None else rows
   valid = valid_mask(offsets, capacity) & (pos < max_len)
   flat = padded.reshape((batch * max_len,) + padded.shape[2:])
   idx = jnp.where(valid, seg * max_len + pos, 0)
@@ -166,22 +217,23 @@ def _gather_from_padded(padded, offsets, capacity):
   return jnp.where(mask, out, jnp.zeros((), padded.dtype))
 
 
-def _scatter_to_padded(values, offsets, max_len):
+def _scatter_to_padded(values, offsets, max_len, rows):
   """:func:`to_padded` written as a scatter-add (the same linear map; its transpose is a gather)."""
   batch, capacity = offsets.shape[0] - 1, values.shape[0]
   shape = (batch, max_len) + values.shape[1:]
   if capacity == 0 or batch * max_len == 0:
     return jnp.zeros(shape, values.dtype)
-  pos = positions(offsets, capacity)
+  seg, pos = rows
   valid = valid_mask(offsets, capacity) & (pos < max_len)
-  idx = jnp.where(valid, segment_ids(offsets, capacity) * max_len + pos, batch * max_len)
+  idx = jnp.where(valid, seg * max_len + pos, batch * max_len)
   flat = jnp.zeros((batch * max_len,) + values.shape[1:], values.dtype)
   return flat.at[idx].add(values, mode="drop").reshape(shape)
 
 
-def _scatter_from_padded(padded, offsets, capacity):
+def _scatter_from_padded(padded, offsets, capacity, rows):
   """:func:`from_padded` written as a scatter-add (the same linear map; its transpose is a
   gather)."""
+  del rows  # the scatter writes rows offsets[b] + l
   batch, max_len = padded.shape[:2]
   if batch * max_len == 0 or capacity == 0:
     return jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
@@ -194,23 +246,24 @@ def _scatter_from_padded(padded, offsets, capacity):
 
 
 def _linear_map(gather, scatter):
-  """``gather(x, offsets, out_size)`` whose tangent map is ``scatter``, the same linear map
-  written as a scatter-add. Reverse mode transposes the tangent map, and the transpose of a
-  scatter-add is a gather: so the gradient of each conversion is the other conversion, a
-  gather, where autodiff of ``gather`` would give a scatter-add (5-9 ms at B=768, L=512 on the
-  H200). Forward mode (jvp, hessians) stays available, unlike with a custom_vjp.
+  """``gather(x, offsets, out_size, rows=rows)`` whose tangent map is ``scatter``, the same
+  linear map written as a scatter-add. Reverse mode transposes the tangent map, and the
+  transpose of a scatter-add is a gather: so the gradient of each conversion is the other
+  conversion, a gather, where autodiff of ``gather`` would give a scatter-add (5-9 ms at B=768,
+  L=512 on the H200). Forward mode (jvp, hessians) stays available, unlike with a custom_vjp.
   ``to_padded`` and ``from_padded`` transpose each other on the valid rows (row
   ``offsets[b] + l`` <-> position ``(b, l)`` for ``l < min(length_b, max_len)``); every other
-  entry is a constant zero."""
+  entry is a constant zero. ``rows`` (the batch's :class:`RowIndex`, integer arrays: no
+  tangent) is passed in, so that the scatters' indices are not searched again."""
 
-  @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-  def convert(x, offsets, out_size):
-    return gather(x, offsets, out_size)
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+  def convert(x, offsets, rows, out_size):
+    return gather(x, offsets, out_size, rows=rows)
 
   @convert.defjvp
   def convert_jvp(out_size, primals, tangents):
-    x, offsets = primals
-    return convert(x, offsets, out_size), scatter(tangents[0], offsets, out_size)
+    x, offsets, rows = primals
+    return convert(x, offsets, rows, out_size), scatter(tangents[0], offsets, out_size, rows)
 
   return convert
 

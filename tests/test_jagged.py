@@ -227,6 +227,44 @@ def test_conversion_gradients_match_autodiff_of_the_plain_gathers(lens, max_len,
   np.testing.assert_array_equal(np.asarray(grad)[~kept], 0.0)
 
 
+def test_a_shared_row_index_gives_the_same_values_and_gradients_and_no_search(rng):
+  """rows=jagged.row_index(...) (one search per batch) changes nothing but the program: the
+  conversions and their gradients are bitwise those without it, and with it neither the
+  conversions nor their derivatives search the offsets again."""
+  lens = PATTERNS["inner_empty"]
+  cap, offsets = capacity(lens), jnp.asarray(np_offsets(lens))
+  values = jnp.asarray(rng.standard_normal((cap, 3)), jnp.float32)
+  weights = jnp.asarray(rng.standard_normal((len(lens), 5, 3)), jnp.float32)
+
+  def loss(values, rows):
+    padded = jagged.to_padded(values, offsets, 5, rows=rows)
+    return jnp.sum(jagged.from_padded(padded * weights, offsets, cap, rows=rows) ** 2)
+
+  rows = jagged.row_index(offsets, cap)
+  np.testing.assert_array_equal(rows.segment_ids, jagged.segment_ids(offsets, cap))
+  np.testing.assert_array_equal(rows.positions, jagged.positions(offsets, cap))
+  chex.assert_trees_all_equal(jax.value_and_grad(loss)(values, rows),
+                              jax.value_and_grad(loss)(values, None))
+  searches = lambda rows: str(jax.make_jaxpr(jax.grad(loss))(values, rows)).count(  # noqa: E731
+      " scan[")  # jnp.searchsorted's binary search
+  assert searches(rows) == 0 and searches(None) > 0
+
+
+@pytest.mark.parametrize("rows, error, match", [
+    ((np.zeros(4, np.int32),) * 2, TypeError, "rows must be a jagged.RowIndex"),
+    (jagged.RowIndex(jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32)), ValueError,
+     r"rows.segment_ids must be int32 of shape \(9,\)"),
+    (jagged.RowIndex(jnp.zeros(9, jnp.int32), jnp.zeros(9, jnp.float32)), ValueError,
+     "rows.positions must be int32"),
+])
+def test_a_row_index_of_another_batch_raises(rows, error, match):
+  offsets = jnp.asarray(np_offsets(PATTERNS["inner_empty"]))  # 9 tokens, capacity 9 here
+  with pytest.raises(error, match=match):
+    jagged.to_padded(jnp.ones((9, 2)), offsets, 4, rows=rows)
+  with pytest.raises(error, match=match):
+    jagged.from_padded(jnp.ones((4, 4, 2)), offsets, 9, rows=rows)
+
+
 def test_conversion_gradients_are_gathers_not_scatter_adds():
   """The point of the custom_vjp pair: XLA's scatter-add gradients cost 5-9 ms at B=768,
   L=512 on the H200, the gathers a fraction of that."""

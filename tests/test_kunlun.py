@@ -136,6 +136,22 @@ def test_gradients_finite_with_empty_sequences(model):
   assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
 
 
+def test_attentions_reuse_the_batch_row_index(model, monkeypatch):
+  """The model searches the offsets once per batch (jagged.row_index in __call__): the
+  self-attention and the seed pooling, forward and backward, search them no more."""
+  _, _, seq_ids, offsets = _inputs()
+  offsets = jnp.asarray(offsets)
+  x = jax.random.normal(jax.random.key(0), (T, CONFIG.num_heads, CONFIG.head_dim))
+  rows = jagged.row_index(offsets, T)
+  searches = []
+  real = jagged.segment_ids
+  monkeypatch.setattr(jagged, "segment_ids", lambda *a: searches.append(a) or real(*a))
+  loss = lambda x: (jnp.sum(model._self_attention(0, x, offsets, rows) ** 2)  # noqa: E731
+                    + jnp.sum(model._seed_pool(x, offsets, rows) ** 2))
+  jax.make_jaxpr(jax.grad(loss))(x)
+  assert not searches
+
+
 def test_bad_offsets_shape_raises(model):
   sparse, dense, ids, off = _inputs()
   with pytest.raises(ValueError, match="seq_offsets"):
