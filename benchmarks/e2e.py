@@ -8,11 +8,13 @@ Two uses:
 
   - ``baseline``: the model as plain JAX writes it: XLA ops, XLA softmax attention, and the
     jagged conversions differentiated by autodiff (the forward gathers' gradients are XLA
-    scatter-adds). It exists only here, as the reference (:func:`plain_jax_conversions`).
+    scatter-adds), its batches packed into B·max_seq_len rows. It exists only here, as the
+    reference (:func:`plain_jax_conversions`).
   - ``xla``: ``implementation="xla"``: XLA ops and attention, the library's conversions (whose
-    gradients are gathers).
+    gradients are gathers), the batches packed into the config's bucketed capacity
+    (:data:`FULL_CAPACITY_ARMS`): the same tokens in about half the rows.
   - ``default``: ``implementation=None``: the library's choice (Mosaic kernels where measured
-    faster, cuDNN's flash attention for the softmax attentions on the GPU).
+    faster, cuDNN's flash attention for the softmax attentions on the GPU), bucketed as ``xla``.
 
   It times the whole step and, forward + backward (``jax.vjp`` of the inputs and the layer's
   parameters), one self-attention layer, one PFFN layer, the seed pooling and the interaction
@@ -62,20 +64,23 @@ TRAIN_SCRIPT = REPO / "examples" / "train_kunlun.py"
 
 # Production-like sizes: the PFFN of the reference benchmarks (batch 768, jagged history up to
 # 512 events, 4 heads of 128, per-sample K/V of 128 keys) inside the whole model. Every key but
-# batch_size, seed, lr and weight_decay is a KunlunConfig field.
+# batch_size, seed, lr, weight_decay and token_buckets is a KunlunConfig field. token_buckets:
+# the library's arms pack the behaviour sequences into the smallest of that many static
+# capacities that holds every batch of the run (ads_data.bucket_capacity; lengths uniform on
+# [1, 512] fill about half of B·512); the FULL_CAPACITY_ARMS pack them into B·max_seq_len.
 PRODUCTION_CONFIG = {
-    "batch_size": 768, "seed": 0, "lr": 1e-3, "weight_decay": 1e-4,
+    "batch_size": 768, "seed": 0, "lr": 1e-3, "weight_decay": 1e-4, "token_buckets": 32,
     "max_seq_len": 512, "num_heads": 4, "head_dim": 128, "kv_len": 128, "num_layers": 2,
     "embed_dim": 64, "summary_dim": 512, "mlp_dim": 1024, "num_mlp_layers": 3, "num_seeds": 4,
     "sparse_vocab_size": 1 << 20, "item_vocab_size": 1 << 18,
 }
 TINY_CONFIG = {
-    "batch_size": 8, "seed": 0, "lr": 1e-3, "weight_decay": 1e-4,
+    "batch_size": 8, "seed": 0, "lr": 1e-3, "weight_decay": 1e-4, "token_buckets": 8,
     "max_seq_len": 32, "num_heads": 2, "head_dim": 16, "kv_len": 16, "num_layers": 1,
     "embed_dim": 16, "summary_dim": 32, "mlp_dim": 32, "num_mlp_layers": 1, "num_seeds": 2,
     "sparse_vocab_size": 1024, "item_vocab_size": 1024,
 }
-_NOT_MODEL = ("batch_size", "seed", "lr", "weight_decay")
+_NOT_MODEL = ("batch_size", "seed", "lr", "weight_decay", "token_buckets")
 
 
 class Unavailable(Exception):
@@ -110,10 +115,11 @@ def _load_train_script():
 
 
 def _model_and_data(train, config: dict, implementation, num_batches: int = 1,
-                    compute_dtype: str = "bfloat16"):
+                    compute_dtype: str = "bfloat16", token_buckets: int = 1):
   """(model, optimizer, batches): the Kunlun model computing in ``compute_dtype`` with f32
   parameters and AdamW, and ``num_batches`` synthetic batches of ``config["batch_size"]``
-  (device arrays)."""
+  (device arrays) packed into one capacity: the smallest of ``token_buckets`` that holds each
+  of them (1: B·max_seq_len, which splits evenly over devices)."""
   import jax.numpy as jnp
   from flax import nnx
 
@@ -124,7 +130,7 @@ def _model_and_data(train, config: dict, implementation, num_batches: int = 1,
   unknown = set(sizes) - model_fields
   if unknown:
     raise ValueError(f"config keys {sorted(unknown)} are not KunlunConfig fields")
-  batches = _synthetic_batches(tuple(sorted(config.items())), num_batches)
+  batches = _synthetic_batches(tuple(sorted(config.items())), num_batches, token_buckets)
   model_config = flax_layers.KunlunConfig(num_sparse_features=batches[0].sparse_ids.shape[1],
                                           num_dense_features=batches[0].dense.shape[1], **sizes)
   model = flax_layers.KunlunModel(model_config, dtype=jnp.dtype(compute_dtype),
@@ -136,8 +142,9 @@ def _model_and_data(train, config: dict, implementation, num_batches: int = 1,
 
 
 @functools.lru_cache(maxsize=2)
-def _synthetic_batches(config_items: tuple, num_batches: int) -> tuple:
-  """``num_batches`` synthetic batches (device arrays) of the config, shared by the arms."""
+def _synthetic_batches(config_items: tuple, num_batches: int, token_buckets: int) -> tuple:
+  """``num_batches`` synthetic batches (device arrays) of the config, shared by the arms, all
+  packed into the smallest of ``token_buckets`` capacities that holds the largest of them."""
   import jax
   import jax.numpy as jnp
 
@@ -146,9 +153,11 @@ def _synthetic_batches(config_items: tuple, num_batches: int) -> tuple:
   ds = ads_data.make_synthetic(batch_size * num_batches, max_seq_len=config["max_seq_len"],
                                sparse_vocab_size=config["sparse_vocab_size"],
                                item_vocab_size=config["item_vocab_size"], seed=config["seed"])
-  return tuple(jax.tree.map(jnp.asarray, ads_data.make_batch(
-      ds, np.arange(i * batch_size, (i + 1) * batch_size), config["max_seq_len"]))
-      for i in range(num_batches))
+  examples = [np.arange(i * batch_size, (i + 1) * batch_size) for i in range(num_batches)]
+  tokens = max(ads_data.batch_tokens(ds, idx, config["max_seq_len"]) for idx in examples)
+  capacity = ads_data.bucket_capacity(tokens, batch_size, config["max_seq_len"], token_buckets)
+  return tuple(jax.tree.map(jnp.asarray, ads_data.make_batch(ds, idx, config["max_seq_len"],
+                                                             capacity)) for idx in examples)
 
 
 def _jitted_step(train, graphdef):
@@ -171,7 +180,8 @@ def default_step(train, config: dict, implementation: str | None):
   """``(step, (state, batch))`` built from the training script's pieces; see the module doc."""
   from flax import nnx
 
-  model, optimizer, (batch,) = _model_and_data(train, config, implementation)
+  model, optimizer, (batch,) = _model_and_data(train, config, implementation,
+                                               token_buckets=config.get("token_buckets", 1))
   graphdef, state = nnx.split((model, optimizer))
   return _jitted_step(train, graphdef), (state, batch)
 
@@ -211,6 +221,10 @@ LOSS_REFERENCE = "f32"
 """The arm that is trained but not timed: the baseline computing in float32 with its matmuls at
 ``Precision.HIGHEST``. The timed arms' losses are compared with its losses, so that a drift
 from the baseline can be set against the baseline's own bf16 drift."""
+FULL_CAPACITY_ARMS = ("baseline", LOSS_REFERENCE)
+"""Arms whose batches pack the sequences into B·max_seq_len rows, as the plain pipeline does; the
+others pack them into the smallest of the config's ``token_buckets`` capacities that holds
+every batch of the run (the same tokens, fewer padding rows: equal losses)."""
 
 
 @contextlib.contextmanager
@@ -320,7 +334,8 @@ def build_arms(config: dict, arms, loss_steps: int, loss_reference: bool = False
     reference = arm == LOSS_REFERENCE
     model, optimizer, batches = _model_and_data(
         train, config, "xla" if reference else ARMS[arm], max(1, loss_steps),
-        compute_dtype="float32" if reference else "bfloat16")
+        compute_dtype="float32" if reference else "bfloat16",
+        token_buckets=1 if arm in FULL_CAPACITY_ARMS else config.get("token_buckets", 1))
     graphdef, state = nnx.split((model, optimizer))
     programs = {"step": (_jitted_step(train, graphdef), (state, batches[0]))}
     if not reference:
@@ -425,9 +440,16 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
       "git_commit": _git_commit(), "config": config, "samples_per_arm": samples,
       "loss_steps": loss_steps,
       "arms": {arm: ("plain JAX: XLA ops and attention, autodiff (scatter-add) conversions"
-                     if arm == "baseline" else f"implementation={ARMS[arm]!r}") for arm in arms},
+                     if arm == "baseline" else f"implementation={ARMS[arm]!r}")
+               + (", B·max_seq_len rows" if arm in FULL_CAPACITY_ARMS else
+                  f", capacity of {config.get('token_buckets', 1)} buckets") for arm in arms},
       "errors": {}, "rows": [], "profiles": {}, "losses": {}, "summary": {},
   }
+  # Packed rows of each arm's batches and the real tokens of each batch (the same for all).
+  result["capacity"] = {arm: int(built[arm]["batches"][0].seq_ids.shape[0]) for arm in built}
+  result["real_tokens"] = [int(b.seq_offsets[-1]) for b in built[arms[0]]["batches"]]
+  log(f"packed capacity per arm: {result['capacity']}; real tokens per batch "
+      f"{min(result['real_tokens'])}..{max(result['real_tokens'])}")
   if with_step:
     result["loss_reference"] = f"{LOSS_REFERENCE}: the baseline in float32, HIGHEST matmuls"
   timed = {arm: built[arm] for arm in arms}

@@ -23,9 +23,13 @@ Sources (``name``):
 * ``criteo``: ``criteo_sample.txt`` (label, I1–I13, C1–C26); context only (empty sequences);
   rows ``i % 5 == 4`` are the validation split.
 
-Batches (:class:`Batch`) have a fixed batch size B and a fixed packed capacity
-T = B · max_seq_len; sequences longer than max_seq_len keep their most recent max_seq_len items
-(the last ones: the Taobao sequences are taken to be oldest first).
+Batches (:class:`Batch`) have a fixed batch size B and a static packed capacity T, by default
+B · max_seq_len (every batch fits); sequences longer than max_seq_len keep their most recent
+max_seq_len items (the last ones: the Taobao sequences are taken to be oldest first). With
+lengths spread over [1, max_seq_len] a batch holds about half of B · max_seq_len real tokens, and
+every op on the token axis (GEMMs, norms, embeddings) runs over all T rows: ``token_buckets``
+packs each batch into the smallest of a few static capacities that holds it
+(:func:`bucket_capacity`), one compiled step per capacity used.
 """
 
 from __future__ import annotations
@@ -108,8 +112,8 @@ class AdsDataset:
 class Batch(NamedTuple):
   """One batch in static shapes (a pytree, so it can go straight into ``jax.jit``).
 
-  sparse_ids (B, Fs) int32; dense (B, Fd) float32; seq_ids (B·max_seq_len,) int32, padding 0;
-  seq_offsets (B+1,) int32; labels (B,) float32.
+  sparse_ids (B, Fs) int32; dense (B, Fd) float32; seq_ids (T,) int32 with T the static packed
+  capacity (default B·max_seq_len), padding 0; seq_offsets (B+1,) int32; labels (B,) float32.
   """
 
   sparse_ids: np.ndarray
@@ -131,14 +135,60 @@ def _gather_ranges(values, starts, lens):
 # Batching
 
 
-def make_batch(ds: AdsDataset, idx, max_seq_len: int) -> Batch:
+CAPACITY_ALIGN = 8
+"""Packed capacities are multiples of it (the GDPA kernels take token capacities that are)."""
+
+
+def bucket_capacity(num_tokens: int, batch_size: int, max_seq_len: int, buckets: int) -> int:
+  """The smallest of ``buckets`` static packed capacities that holds ``num_tokens`` rows: the
+  multiples of the bucket width ceil(B·max_seq_len / buckets) rounded up to
+  :data:`CAPACITY_ALIGN`, the largest capped at B·max_seq_len (which holds any batch).
+  ``buckets=1`` gives B·max_seq_len for every batch (one compiled step); more buckets waste
+  fewer rows (at most one bucket width) and compile one step per capacity that occurs.
+
+  Raises:
+    ValueError: ``buckets`` < 1, or ``num_tokens`` past B·max_seq_len.
+  """
+  full = batch_size * max_seq_len
+  if buckets < 1:
+    raise ValueError(f"buckets must be >= 1, got {buckets}")
+  if not 0 <= num_tokens <= full:
+    raise ValueError(f"num_tokens={num_tokens} is not in [0, B·max_seq_len = {full}]")
+  if buckets == 1:
+    return full
+  width = -(-full // buckets)
+  width = -(-width // CAPACITY_ALIGN) * CAPACITY_ALIGN
+  return min(full, max(1, -(-num_tokens // width)) * width)
+
+
+def batch_tokens(ds: AdsDataset, idx, max_seq_len: int) -> int:
+  """Real tokens of the examples ``idx`` after truncation to max_seq_len (what a batch packs)."""
+  idx = np.asarray(idx, dtype=np.int64)
+  lens = ds.seq_offsets[idx + 1] - ds.seq_offsets[idx]
+  return int(np.minimum(lens, max_seq_len).sum())
+
+
+def make_batch(ds: AdsDataset, idx, max_seq_len: int, capacity: int | None = None,
+               token_buckets: int = 1) -> Batch:
   """The examples ``idx`` as a :class:`Batch`, sequences truncated to their last max_seq_len
-  items and packed into capacity ``len(idx) · max_seq_len`` (padding ids are 0)."""
+  items and packed into ``capacity`` rows (padding ids are 0). ``capacity`` None: the smallest
+  of ``token_buckets`` capacities that holds the batch (:func:`bucket_capacity`; the default
+  single bucket is ``len(idx) · max_seq_len``).
+
+  Raises:
+    ValueError: the batch holds more tokens than ``capacity`` (never dropped silently).
+  """
   idx = np.asarray(idx, dtype=np.int64)
   ends = ds.seq_offsets[idx + 1]
   lens = np.minimum(ends - ds.seq_offsets[idx], max_seq_len)
+  num_tokens = int(lens.sum())
+  if capacity is None:
+    capacity = bucket_capacity(num_tokens, len(idx), max_seq_len, token_buckets)
+  elif num_tokens > capacity:
+    raise ValueError(f"capacity: the batch holds {num_tokens} tokens, more than its packed "
+                     f"capacity {capacity} (use a larger capacity or token_buckets)")
   values, offsets = _gather_ranges(ds.seq_values, ends - lens, lens)
-  seq_ids = np.zeros(len(idx) * max_seq_len, np.int32)
+  seq_ids = np.zeros(capacity, np.int32)
   seq_ids[:values.shape[0]] = values
   return Batch(ds.sparse[idx], ds.dense[idx], seq_ids, offsets.astype(np.int32),
                ds.labels[idx])
@@ -163,25 +213,27 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
 
 
 def train_batches(ds: AdsDataset, batch_size: int, max_seq_len: int, seed: int,
-                  start_step: int = 0) -> Iterator[Batch]:
-  """Endless training batches from step ``start_step`` (see :func:`batch_indices`)."""
+                  start_step: int = 0, token_buckets: int = 1) -> Iterator[Batch]:
+  """Endless training batches from step ``start_step`` (see :func:`batch_indices`), each packed
+  into the smallest of ``token_buckets`` capacities that holds it (:func:`make_batch`)."""
   if len(ds) == 0:
     raise DataFormatError("the training set is empty")
   step = start_step
   while True:
-    yield make_batch(ds, batch_indices(len(ds), batch_size, seed, step), max_seq_len)
+    yield make_batch(ds, batch_indices(len(ds), batch_size, seed, step), max_seq_len,
+                     token_buckets=token_buckets)
     step += 1
 
 
-def eval_batches(ds: AdsDataset, batch_size: int, max_seq_len: int
+def eval_batches(ds: AdsDataset, batch_size: int, max_seq_len: int, token_buckets: int = 1
                  ) -> Iterator[tuple[Batch, int]]:
   """``(batch, n_real)`` over the dataset in order; the last batch is filled up with copies of
-  example 0, and only its first n_real rows are real."""
+  example 0, and only its first n_real rows are real. Capacities as :func:`train_batches`."""
   for start in range(0, len(ds), batch_size):
     idx = np.arange(start, min(start + batch_size, len(ds)))
     n_real = idx.shape[0]
     idx = np.concatenate([idx, np.zeros(batch_size - n_real, np.int64)])
-    yield make_batch(ds, idx, max_seq_len), n_real
+    yield make_batch(ds, idx, max_seq_len, token_buckets=token_buckets), n_real
 
 
 # ---------------------------------------------------------------------------------------------

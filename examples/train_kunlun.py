@@ -10,6 +10,10 @@ and ``--resume`` continues from the latest saved step up to ``--steps`` in total
 depends only on (seed, step), so a resumed run sees the batches an uninterrupted one would).
 ``--devices N`` (default: every device) and ``--model-parallel M`` train data- and table-parallel
 on a mesh of N devices (:mod:`distributed`; ``--multi-host`` for several hosts).
+``--token-buckets K`` packs each batch's behaviour sequences into the smallest of K static
+capacities that holds them (:func:`ads_data.bucket_capacity`) instead of B · max_seq_len rows,
+of which lengths uniform on [1, max_seq_len] fill about half; each capacity that occurs compiles
+its own step (default: 16 on one GPU, 1 elsewhere, where compiling costs more than it saves).
 
 The progress bar shows the last batch's loss, the median step time and examples/s so far; the
 last line printed is machine-readable::
@@ -18,8 +22,9 @@ last line printed is machine-readable::
 
 train_loss is the mean over the last 10% of this run's steps (the ``step N:`` lines show the
 last batch's loss); step_ms is the median wall-clock time of a training step and
-examples_per_s the examples of all training steps over their total time, both after the first
-(compiling) step (nan for a single step). Missing or malformed data, a checkpoint of another
+examples_per_s the examples of all training steps over their total time, both without the
+compiling steps (the first, and with ``--token-buckets`` the first of each new capacity; nan
+for a single step). Missing or malformed data, a checkpoint of another
 model, or an ``--implementation`` with no kernel for the model's calls exit with status 2 and a
 one-line message.
 """
@@ -97,6 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
   p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                  help="compute dtype (parameters stay float32)")
+  p.add_argument("--token-buckets", default="auto",
+                 help="pack each batch's sequences into the smallest of this many static "
+                 "capacities (multiples of B*max-seq-len/K) that holds them, one compiled step "
+                 "per capacity used; 1: always B*max-seq-len. auto: 16 on one GPU, else 1 "
+                 "(several devices need 1)")
   distributed.add_arguments(p)
   args = p.parse_args(argv)
   for name in ("steps", "batch_size", "max_seq_len", "eval_every", "embed_dim", "head_dim",
@@ -106,7 +116,24 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
   distributed.check_arguments(p, args)
+  args.token_buckets = _token_buckets(p, args)
   return args
+
+
+def _token_buckets(parser, args) -> int:
+  """``--token-buckets`` as an int (see its help); exits through ``parser.error`` when bad."""
+  if args.token_buckets == "auto":
+    return 16 if args.devices == 1 and jax.default_backend() == "gpu" else 1
+  try:
+    buckets = int(args.token_buckets)
+  except ValueError:
+    buckets = 0
+  if buckets < 1:
+    parser.error(f"--token-buckets must be 'auto' or an int >= 1, got {args.token_buckets!r}")
+  if buckets > 1 and args.devices > 1:
+    parser.error("--token-buckets > 1 needs --devices 1 (the sharded batch splits its "
+                 "capacity evenly over the devices)")
+  return buckets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,12 +232,13 @@ def predict(graphdef, state, batch):
   return model(batch.sparse_ids, batch.dense, batch.seq_ids, batch.seq_offsets)
 
 
-def evaluate(graphdef, state, ds, batch_size, max_seq_len, predict_fn=predict
-             ) -> tuple[float, float]:
+def evaluate(graphdef, state, ds, batch_size, max_seq_len, predict_fn=predict,
+             token_buckets: int = 1) -> tuple[float, float]:
   """(log-loss, AUC) of the model on every example of ``ds``; ``predict_fn`` as
-  :func:`predict` (a sharded one for several devices)."""
+  :func:`predict` (a sharded one for several devices); batches packed as
+  :func:`ads_data.eval_batches` with ``token_buckets``."""
   logits = []
-  for batch, n_real in ads_data.eval_batches(ds, batch_size, max_seq_len):
+  for batch, n_real in ads_data.eval_batches(ds, batch_size, max_seq_len, token_buckets):
     logits.append(np.asarray(predict_fn(graphdef, state, batch))[:n_real])
   logits = np.concatenate(logits)
   return logloss(ds.labels, logits), auc(ds.labels, logits)
@@ -309,10 +337,12 @@ def train(args) -> TrainResult:
     tqdm.write(f"data={args.data} train={len(train_ds)} valid={len(valid_ds)} "
                f"start_step={start} steps={args.steps} batch={args.batch_size} "
                f"dtype={args.dtype} implementation={args.implementation} "
-               f"devices={args.devices}x(model {args.model_parallel})")
+               f"devices={args.devices}x(model {args.model_parallel}) "
+               f"token_buckets={args.token_buckets}")
     batches = ads_data.train_batches(train_ds, args.batch_size, args.max_seq_len, args.seed,
-                                     start_step=start)
+                                     start_step=start, token_buckets=args.token_buckets)
     losses, step_seconds = [], []
+    capacities = set()  # packed capacities whose step has compiled
     val = (float("nan"), float("nan"))
     with tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True) as bar:
       while step < args.steps:
@@ -320,7 +350,10 @@ def train(args) -> TrainResult:
         t0 = time.perf_counter()
         state, loss = runner.train_step(graphdef, state, batch)
         losses.append(float(loss))  # waits for the step
-        step_seconds.append(time.perf_counter() - t0)
+        # _speed drops the first step (it compiles); a later new capacity compiles too.
+        if not step_seconds or batch.seq_ids.shape[0] in capacities:
+          step_seconds.append(time.perf_counter() - t0)
+        capacities.add(batch.seq_ids.shape[0])
         step += 1
         bar.update(1)
         step_ms, rate = _speed(step_seconds, args.batch_size)
@@ -328,14 +361,14 @@ def train(args) -> TrainResult:
                         examples_per_s=f"{rate:.4g}", refresh=False)
         if step % args.eval_every == 0 or step == args.steps:
           val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
-                         runner.predict)
+                         runner.predict, args.token_buckets)
           tqdm.write(f"step {step}: batch_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
                      f"val_auc={val[1]:.4f}")
           if manager is not None:
             save_checkpoint(manager, step, state, config)
     if not losses:  # resumed at or past --steps: report the saved model
       val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
-                     runner.predict)
+                     runner.predict, args.token_buckets)
   finally:
     if manager is not None:
       manager.wait_until_finished()

@@ -33,6 +33,49 @@ def test_only_the_baseline_differentiates_conversions_into_scatter_adds():
   assert jagged.to_padded is not jagged._gather_to_padded
 
 
+def _ads_data():
+  e2e._load_train_script()  # puts examples/ on sys.path and imports ads_data
+  return sys.modules["ads_data"]
+
+
+def test_bucket_capacity_is_the_smallest_bucket_that_holds_the_tokens():
+  cap = _ads_data().bucket_capacity
+  # B·L = 256 in 8 buckets of 32 rows; empty batches still get one bucket.
+  assert [cap(n, 8, 32, 8) for n in (0, 1, 32, 33, 129, 256)] == [32, 32, 32, 64, 160, 256]
+  assert cap(3, 8, 32, 1) == 256  # one bucket: always B·L
+  # Widths round up to 8 rows (the kernels' alignment); the last bucket is B·L = 30 itself.
+  assert [cap(n, 5, 6, 4) for n in (7, 9, 25, 30)] == [8, 16, 30, 30]
+  with pytest.raises(ValueError, match="buckets must be >= 1"):
+    cap(3, 8, 32, 0)
+  with pytest.raises(ValueError, match="num_tokens=257"):
+    cap(257, 8, 32, 8)
+
+
+def test_make_batch_packs_into_the_capacity_and_never_drops_tokens():
+  ads_data = _ads_data()
+  ds = ads_data.make_synthetic(6, max_seq_len=8, sparse_vocab_size=64, item_vocab_size=64)
+  idx = np.arange(6)
+  tokens = ads_data.batch_tokens(ds, idx, 8)
+  full = ads_data.make_batch(ds, idx, 8)
+  assert full.seq_ids.shape == (48,) and int(full.seq_offsets[-1]) == tokens
+  bucketed = ads_data.make_batch(ds, idx, 8, token_buckets=6)  # buckets of 8 rows
+  assert bucketed.seq_ids.shape == (-(-tokens // 8) * 8,)
+  np.testing.assert_array_equal(bucketed.seq_offsets, full.seq_offsets)
+  np.testing.assert_array_equal(bucketed.seq_ids, full.seq_ids[:bucketed.seq_ids.shape[0]])
+  assert ads_data.make_batch(ds, idx, 8, capacity=tokens).seq_ids.shape == (tokens,)
+  with pytest.raises(ValueError, match=f"holds {tokens} tokens, more than its packed capacity"):
+    ads_data.make_batch(ds, idx, 8, capacity=tokens - 1)
+
+
+def test_token_buckets_flag():
+  parse = e2e._load_train_script().parse_args
+  assert parse(["--devices", "1"]).token_buckets == 1  # auto: 1 off a GPU
+  assert parse(["--devices", "1", "--token-buckets", "4"]).token_buckets == 4
+  for bad in (["--token-buckets", "0"], ["--token-buckets", "x"]):
+    with pytest.raises(SystemExit):
+      parse(["--devices", "1"] + bad)
+
+
 def test_interleaved_times_and_summary():
   calls = []
   programs = {name: (lambda name=name: calls.append(name), ()) for name in "abc"}

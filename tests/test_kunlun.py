@@ -136,6 +136,22 @@ def test_gradients_finite_with_empty_sequences(model):
   assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
 
 
+def test_a_smaller_packed_capacity_gives_the_same_logits_and_gradients(model, forward):
+  """Packing the same tokens into fewer rows (ads_data's token buckets: about half of
+  B·max_seq_len for uniform lengths) is the same model: logits and every parameter gradient
+  agree (f32; only summation orders differ)."""
+  sparse, dense, ids, off = _inputs(6)
+  small = int(off[-1]) + 2  # 2 padding rows instead of T - off[-1]
+  np.testing.assert_allclose(forward(model, sparse, dense, ids[:small], off),
+                             forward(model, sparse, dense, ids, off), rtol=1e-6, atol=1e-7)
+  grads = _grad(model, sparse, dense, ids[:small], off, _labels(7))
+  full = _grad(model, sparse, dense, ids, off, _labels(7))
+  for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads)),
+                             jax.tree.leaves(nnx.to_pure_dict(full)), strict=True):
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7,
+                               err_msg=jax.tree_util.keystr(path))
+
+
 def test_attentions_reuse_the_batch_row_index(model, monkeypatch):
   """The model searches the offsets once per batch (jagged.row_index in __call__): the
   self-attention and the seed pooling, forward and backward, search them no more."""
