@@ -417,19 +417,20 @@ def train_losses(step, state, batches, steps: int) -> list[float]:
 
 def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: int = 30,
                 loss_steps: int = 20, log=print, save=lambda result: None,
-                with_step: bool = True, profile_iterations: int = 3) -> dict:
+                with_step: bool = True, profile_iterations: int = 3,
+                loss_reference: bool = True) -> dict:
   """The measurement of the module doc, as a JSON-ready dict: the arms' whole-step programs
-  are compiled (in parallel), timed, trained for the losses and profiled with CUPTI (GPU
-  only); then the components' programs and the float32 :data:`LOSS_REFERENCE`'s step are
-  compiled, the components timed, the reference trained and the components' CUPTI kernel sums
-  taken.
-  ``save(result)`` is called after each piece, so a run cut short keeps what it measured.
-  ``with_step=False``: the components only."""
+  and (``loss_reference``) the float32 :data:`LOSS_REFERENCE`'s step are compiled in parallel,
+  the steps timed, every step trained for the losses and the arms' steps profiled with CUPTI
+  (GPU only); then the components' programs are compiled, timed and their CUPTI kernel sums
+  taken. ``save(result)`` is called after each piece, so a run cut short keeps what it
+  measured. ``with_step=False``: the components only."""
   import jax
 
   from benchmarks import timing
 
-  built = build_arms(config, arms, loss_steps if with_step else 1, loss_reference=with_step)
+  loss_reference = loss_reference and with_step
+  built = build_arms(config, arms, loss_steps if with_step else 1, loss_reference=loss_reference)
   cupti = timing.default_timer() == "cupti"
   result = {
       "what": "Kunlun train step (issue 19): whole step and per-component forward+backward",
@@ -450,14 +451,17 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
   result["real_tokens"] = [int(b.seq_offsets[-1]) for b in built[arms[0]]["batches"]]
   log(f"packed capacity per arm: {result['capacity']}; real tokens per batch "
       f"{min(result['real_tokens'])}..{max(result['real_tokens'])}")
-  if with_step:
+  if loss_reference:
     result["loss_reference"] = f"{LOSS_REFERENCE}: the baseline in float32, HIGHEST matmuls"
   timed = {arm: built[arm] for arm in arms}
-  # The float32 reference compiles with the components: the whole step's numbers come first.
-  stages = [({arm: ("step",) for arm in arms}, ("step",), arms)] if with_step else []
-  stages.append(({**{arm: tuple(components) for arm in arms},
-                  **({LOSS_REFERENCE: ("step",)} if with_step else {})}, tuple(components),
-                 (LOSS_REFERENCE,) if with_step else ()))
+  # The steps (the reference's too: compiling in parallel beats a second stage) come first, so
+  # that a run cut short keeps the whole step's numbers.
+  stages = []
+  if with_step:
+    trained = tuple(built)
+    stages.append(({arm: ("step",) for arm in trained}, ("step",), trained))
+  if components:
+    stages.append(({arm: tuple(components) for arm in arms}, tuple(components), ()))
   for wanted, pieces, trained in stages:
     t0 = time.perf_counter()
     compile_programs(built, wanted, log)
@@ -610,6 +614,9 @@ def main(argv=None) -> int:
                  help="calls per CUPTI profile (GPU only)")
   p.add_argument("--no-step", action="store_true",
                  help="time the components only (no whole step, no losses)")
+  p.add_argument("--loss-reference", action=argparse.BooleanOptionalAction, default=True,
+                 help=f"train the float32 reference ({LOSS_REFERENCE}) for the losses too (one "
+                 "more program to compile)")
   p.add_argument("--out", type=pathlib.Path, default=None, help="JSON result file")
   p.add_argument("--table", type=pathlib.Path, default=None,
                  help="print the README table of this JSON result and exit")
@@ -631,7 +638,8 @@ def main(argv=None) -> int:
   result = run_harness(build_config(args.tiny), arms, components, args.samples,
                        args.loss_steps, log=lambda m: print(m, flush=True), save=save,
                        with_step=not args.no_step,
-                       profile_iterations=args.profile_iterations)
+                       profile_iterations=args.profile_iterations,
+                       loss_reference=args.loss_reference)
   for key, value in result["summary"].items():
     print(f"{key}: {value:.4g}", flush=True)
   for arm, losses in result["losses"].items():
