@@ -99,7 +99,11 @@ def test_cli_writes_the_json(tmp_path):
   assert all(r["n"] == 2 and r["median_ms"] > 0 for r in result["rows"])
   losses = result["losses"]
   assert len(losses["baseline"]) == 2 and np.all(np.isfinite(losses["xla"]))
-  # Same math, the conversions' gradients summed in the same order: equal losses.
+  # The baseline packs B·L rows, the library's arms the bucket that holds every batch.
+  assert result["capacity"]["baseline"] == 8 * 32
+  assert max(result["real_tokens"]) <= result["capacity"]["xla"] < 8 * 32
+  # Same math, the conversions' gradients summed in the same order, fewer padding rows: equal
+  # losses.
   assert result["summary"]["loss/xla_max_abs_diff"] < 1e-6
   assert result["summary"]["step/xla_speedup"] > 0
 
