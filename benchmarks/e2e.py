@@ -322,10 +322,12 @@ def component_programs(model, batch, seed: int = 0) -> dict:
   return programs
 
 
-def build_arms(config: dict, arms, loss_steps: int, loss_reference: bool = False) -> dict:
+def build_arms(config: dict, arms, loss_steps: int, loss_reference: bool = False,
+               compute_dtype: str = "bfloat16") -> dict:
   """arm -> {"batches": [...], "programs": {name: (jitted fn, args)}, "errors": {}}: the train
-  step and every component of :func:`component_programs`, not yet lowered; with
-  ``loss_reference`` also the step of :data:`LOSS_REFERENCE`."""
+  step and every component of :func:`component_programs`, not yet lowered, the timed arms
+  computing in ``compute_dtype``; with ``loss_reference`` also the step of
+  :data:`LOSS_REFERENCE`."""
   from flax import nnx
 
   train = _load_train_script()
@@ -334,7 +336,7 @@ def build_arms(config: dict, arms, loss_steps: int, loss_reference: bool = False
     reference = arm == LOSS_REFERENCE
     model, optimizer, batches = _model_and_data(
         train, config, "xla" if reference else ARMS[arm], max(1, loss_steps),
-        compute_dtype="float32" if reference else "bfloat16",
+        compute_dtype="float32" if reference else compute_dtype,
         token_buckets=1 if arm in FULL_CAPACITY_ARMS else config.get("token_buckets", 1))
     graphdef, state = nnx.split((model, optimizer))
     programs = {"step": (_jitted_step(train, graphdef), (state, batches[0]))}
@@ -418,19 +420,21 @@ def train_losses(step, state, batches, steps: int) -> list[float]:
 def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: int = 30,
                 loss_steps: int = 20, log=print, save=lambda result: None,
                 with_step: bool = True, profile_iterations: int = 3,
-                loss_reference: bool = True) -> dict:
+                loss_reference: bool = True, compute_dtype: str = "bfloat16") -> dict:
   """The measurement of the module doc, as a JSON-ready dict: the arms' whole-step programs
   and (``loss_reference``) the float32 :data:`LOSS_REFERENCE`'s step are compiled in parallel,
   the steps timed, every step trained for the losses and the arms' steps profiled with CUPTI
   (GPU only); then the components' programs are compiled, timed and their CUPTI kernel sums
   taken. ``save(result)`` is called after each piece, so a run cut short keeps what it
-  measured. ``with_step=False``: the components only."""
+  measured. ``with_step=False``: the components only. ``compute_dtype``: the timed arms' (the
+  reference computes in float32)."""
   import jax
 
   from benchmarks import timing
 
   loss_reference = loss_reference and with_step
-  built = build_arms(config, arms, loss_steps if with_step else 1, loss_reference=loss_reference)
+  built = build_arms(config, arms, loss_steps if with_step else 1, loss_reference=loss_reference,
+                     compute_dtype=compute_dtype)
   cupti = timing.default_timer() == "cupti"
   result = {
       "what": "Kunlun train step (issue 19): whole step and per-component forward+backward",
@@ -438,7 +442,8 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
                  "rotating order, after 2 warm-up calls each; ms. cupti_kernel_ms: the sum of "
                  f"the kernels' CUPTI times per call, mean of {profile_iterations} calls"),
       "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-      "git_commit": _git_commit(), "config": config, "samples_per_arm": samples,
+      "git_commit": _git_commit(), "config": config, "compute_dtype": compute_dtype,
+      "samples_per_arm": samples,
       "loss_steps": loss_steps,
       "arms": {arm: ("plain JAX: XLA ops and attention, autodiff (scatter-add) conversions"
                      if arm == "baseline" else f"implementation={ARMS[arm]!r}")
@@ -614,6 +619,8 @@ def main(argv=None) -> int:
                  help="calls per CUPTI profile (GPU only)")
   p.add_argument("--no-step", action="store_true",
                  help="time the components only (no whole step, no losses)")
+  p.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                 help="the timed arms' compute dtype (parameters are float32)")
   p.add_argument("--loss-reference", action=argparse.BooleanOptionalAction, default=True,
                  help=f"train the float32 reference ({LOSS_REFERENCE}) for the losses too (one "
                  "more program to compile)")
@@ -639,7 +646,7 @@ def main(argv=None) -> int:
                        args.loss_steps, log=lambda m: print(m, flush=True), save=save,
                        with_step=not args.no_step,
                        profile_iterations=args.profile_iterations,
-                       loss_reference=args.loss_reference)
+                       loss_reference=args.loss_reference, compute_dtype=args.compute_dtype)
   for key, value in result["summary"].items():
     print(f"{key}: {value:.4g}", flush=True)
   for arm, losses in result["losses"].items():
