@@ -433,7 +433,8 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
   from benchmarks import timing
 
   loss_reference = loss_reference and with_step
-  built = build_arms(config, arms, loss_steps if with_step else 1, loss_reference=loss_reference,
+  # The loss steps' batches even without the step: their capacity is the one the step runs.
+  built = build_arms(config, arms, loss_steps, loss_reference=loss_reference,
                      compute_dtype=compute_dtype)
   cupti = timing.default_timer() == "cupti"
   result = {
