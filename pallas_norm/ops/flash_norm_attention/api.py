@@ -9,9 +9,10 @@ Both norms reduce over all heads of a token. Oracle:
 
 Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: one CTA owns
 every head of a q block) where it supports the call (dense K/V, H·D small enough for SMEM), in
-one ``custom_vjp`` whose backward recomputes u from q and the saved (μ1, r1), takes z from the
-saved attention output and the saved r2, and runs the GDPA backward kernel between the two norm
-backwards in XLA (:func:`_fused_bwd_rule`). Elsewhere, where the GDPA kernel supports the call,
+one ``custom_vjp`` whose backward is two one-pass row kernels (:mod:`.norm_bwd`: the RMSNorm
+backward, which also recomputes u from q and the saved (μ1, r1), and the LayerNorm backward,
+both reading the saved statistics and attention output) around the GDPA backward kernel.
+Elsewhere, where the GDPA kernel supports the call,
 the unfused chain: the two norms in XLA around the GDPA kernel (:mod:`pallas_norm.ops.gdpa`).
 Both round the attention output to q's dtype before the inner residual adds it (the XLA path
 keeps it in float32).
@@ -28,7 +29,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_norm import _dispatch, _op, _validate, jagged, reference
-from pallas_norm.ops.flash_norm_attention import mosaic
+from pallas_norm.ops.flash_norm_attention import mosaic, norm_bwd
 from pallas_norm.ops.gdpa import api as gdpa_api
 from pallas_norm.ops.gdpa import check_args as check_attention_args
 from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
@@ -88,7 +89,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     _validate.flag(name, value)
   if not pre_layer_norm and (ln_scale is not None or ln_bias is not None):
     raise ValueError("ln_scale and ln_bias apply only with pre_layer_norm=True")
-  fused_reason = mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
+  fused_reason = (mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
+                  or norm_bwd.unsupported_reason(q.shape))
   impl = _dispatch.choose(
       "flash_norm_attention", implementation,
       unsupported_reason=lambda _: fused_reason and gdpa_mosaic.unsupported_reason(
@@ -219,46 +221,43 @@ def _fused_fwd_rule(q, k, v, offsets, affine, pre_scale, post_scale, static):
 
 
 def _fused_bwd_rule(static, saved, cotangents):
-  """The block's backward: the RMSNorm backward and the LayerNorm backward in XLA (each with its
-  per-token rowsums over H·D, the cross-head reductions), the GDPA backward kernel between them.
-  u is recomputed from q and the saved (μ1, r1), z from u and the saved attention output; the
+  """The block's backward: the RMSNorm backward (one pass, :func:`norm_bwd.rms_backward`, which
+  also recomputes u from q and the saved (μ1, r1) for the GDPA backward), the GDPA backward
+  kernel, then the LayerNorm backward (one pass, :func:`norm_bwd.ln_backward`). The per-token
+  row sums over H·D (the cross-head reductions) are register reductions over full rows; the
   weight gradients are float32 column sums (deterministic)."""
   q, k, v, offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, attn = saved
   q_offsets = offsets[1]
   d_out = cotangents[0]  # the statistics carry no gradient (the op stops it)
   t, heads, head_dim = q.shape
-  valid = jagged.valid_mask(q_offsets, t)[:, None]
-  rows = lambda a: a.reshape(t, heads * head_dim).astype(_F32)  # noqa: E731
-  g = jnp.where(valid, rows(d_out), 0)
-  qf = jnp.where(valid, rows(q), 0)
-  if static.pre_layer_norm:
-    x_hat = (qf - stats[:, :1]) * stats[:, 1:2]
-    u = x_hat * ln_scale + ln_bias
-  else:
-    u = qf
-  z = u + rows(attn) if static.inner_residual else rows(attn)
-  z_hat = z * stats[:, 2:3]
-  d_rms_scale = jnp.sum(g * z_hat, axis=0)
-  gz = g * rms_scale
-  dz = stats[:, 2:3] * (gz - z_hat * jnp.mean(gz * z_hat, axis=1, keepdims=True))
+  rows = lambda a: a.reshape(t, heads * head_dim)  # noqa: E731
+  end = jnp.clip(q_offsets[-1], 0, t).astype(jnp.int32)
+  # Padding rows of dq get 0 · post_scale: zero, or NaN where bad traced offsets poisoned the
+  # scales (the rows the made-valid offsets call padding may be real tokens of the caller's).
+  pad = 0 * post_scale
+  dz, u, d_rms_scale = norm_bwd.rms_backward(
+      rows(d_out), rows(q), rows(attn), stats,
+      (ln_scale, ln_bias, rms_scale), end, pre_layer_norm=static.pre_layer_norm,
+      inner_residual=static.inner_residual, interpret=static.interpret)
   du_attn, dk, dv, d_pre, d_post = gdpa_mosaic_bwd.gdpa_bwd(
-      u.astype(q.dtype).reshape(q.shape), k, v, q_offsets, None,
-      dz.astype(q.dtype).reshape(q.shape), activation=static.activation, pre_scale=pre_scale,
-      post_scale=post_scale, interpret=static.interpret, scale_grads=static.scale_grads)
-  du = rows(du_attn) + dz if static.inner_residual else rows(du_attn)
-  dq = g if static.outer_residual else jnp.zeros_like(g)
-  d_ln_scale = d_ln_bias = jnp.zeros_like(ln_scale)
+      q if u is None else u.reshape(q.shape), k, v, q_offsets, None, dz.reshape(q.shape),
+      activation=static.activation, pre_scale=pre_scale, post_scale=post_scale,
+      interpret=static.interpret, scale_grads=static.scale_grads)
   if static.pre_layer_norm:
-    d_ln_bias = jnp.sum(du, axis=0)
-    d_ln_scale = jnp.sum(du * x_hat, axis=0)
-    gu = du * ln_scale
-    dq = dq + stats[:, 1:2] * (gu - jnp.mean(gu, axis=1, keepdims=True)
-                               - x_hat * jnp.mean(gu * x_hat, axis=1, keepdims=True))
-  else:
-    dq = dq + du
-  # Padding rows get 0 · post_scale: zero, or NaN where bad traced offsets poisoned the scales
-  # (the rows the made-valid offsets call padding may be real tokens of the caller's).
-  dq = jnp.where(valid, dq, 0 * post_scale).reshape(q.shape).astype(q.dtype)
+    dq, d_ln_scale, d_ln_bias = norm_bwd.ln_backward(
+        rows(du_attn), dz, rows(d_out), rows(q), stats, ln_scale, end, pad,
+        inner_residual=static.inner_residual, outer_residual=static.outer_residual,
+        interpret=static.interpret)
+  else:  # u = q: dq is the sum of the branches, one elementwise pass
+    d_ln_scale = d_ln_bias = jnp.zeros_like(ln_scale)
+    dq = rows(du_attn).astype(_F32)
+    if static.inner_residual:
+      dq = dq + dz.astype(_F32)
+    if static.outer_residual:
+      dq = dq + rows(d_out).astype(_F32)
+    valid = jagged.valid_mask(q_offsets, t)[:, None]
+    dq = jnp.where(valid, dq, pad)
+  dq = dq.reshape(q.shape).astype(q.dtype)
   if d_pre is None:  # numbers given by the caller: constants, cotangents dropped
     d_pre, d_post = jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale)
   return (dq, dk, dv, None, (d_ln_scale, d_ln_bias, d_rms_scale), d_pre, d_post)
