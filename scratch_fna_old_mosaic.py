@@ -1,0 +1,527 @@
+"""The FlashNormAttention forward as one Pallas Mosaic-GPU kernel for Hopper (sm_90a).
+
+Per token over all H·D features (DESIGN.md, op 4; :func:`pallas_norm.reference.flash_norm_attention`)::
+
+    u   = LayerNorm(q)·γ1 + β1              (pre_layer_norm; else u = q)
+    z   = u + post·act(pre·u_h K_hᵀ) V_h    (inner_residual; else z = the attention alone)
+    out = RMSNorm(z)·γ2 + q                 (outer_residual; else without + q)
+
+Design: one CTA owns every head of a q block, so both norms reduce inside the CTA (no cluster
+exchange). Work items are the GDPA kernel's (:func:`pallas_norm.ops.gdpa.mosaic.work_items`: one
+per sample, longest first, then chunks of padding rows); a CTA walks its sample's q blocks of
+``BLOCK_Q`` rows. Two warpgroups:
+
+* warpgroup 1, the TMA producer: per q block, the H tiles of q twice (a working copy and the
+  residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
+  ``kv_stages`` slots. The first ring slots of the next block load while the consumer finishes
+  the current one.
+* warpgroup 0, the consumer: the LayerNorm statistics (μ1, r1) of the block by two passes over
+  the H tiles in SMEM (mean, then the centred second moment: exact for rows with a large mean);
+  then per head: u_h = LN(q_h) written over the working copy of q_h (the A operand of the
+  score WGMMA; u never goes to GMEM), S = u_h K_hᵀ, act in registers, P through SMEM, O = P V_h,
+  attn_h = post·O rounded to q's dtype and written over u_h, Σz² accumulated across heads with
+  z_h = u_h (f32, in registers) + attn_h. After the last head: r2, then per head
+  out_h = (u_h + attn_h)·r2·γ2 + q_h with u_h recomputed from the residual copy, stored with the
+  row-exact TMA store (:func:`pallas_norm.mgpu.store.store_rows`), and the statistics
+  (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array). The loops over the
+  heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as the carry): unrolled
+  statically, the H = 4 kernel ran about 4× slower on the H200 (benchmarks/NOTES.md).
+
+attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
+then the norms in XLA) does; the statistics and the residual sums are float32. With
+``save_attn`` the kernel also writes attn (T, H, D) for the backward (the RMSNorm backward needs
+z; recomputing attn would cost a second attention pass).
+
+Dense K/V only (Lkv a multiple of 64); rows of a q block outside its sample are computed (their
+statistics are per row) but never stored. WGMMA reads P from SMEM, as the GDPA kernel does
+(GPU interpret mode has no register-A WGMMA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_norm import mgpu
+from pallas_norm.mgpu import store
+from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
+
+_F32 = jnp.float32
+BLOCK_Q = 64
+"""Query rows of a q block: the M of one WGMMA (one consumer warpgroup)."""
+STATS_COLS = 32
+"""Columns of the statistics output (T, 32): μ1, r1, r2, then zeros. A row of 128 bytes: the
+row-exact store starts TMA stores at any row of the SMEM tile, and TMA needs SMEM addresses
+aligned to 128 bytes (32-byte rows gave CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiling: ``block_kv`` keys per WGMMA step (64; P is BLOCK_Q × block_kv), ``kv_stages``
+  slots of the K/V ring (>= 2)."""
+
+  block_kv: int = 64
+  kv_stages: int = 2
+
+  def __post_init__(self):
+    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+      raise ValueError(f"block_kv must be a multiple of 64 in [64, 256], got {self.block_kv}")
+    if self.kv_stages < 2:
+      raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
+
+
+def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool,
+               cfg: Config) -> int:
+  """SMEM of one CTA: q twice (working and residual copies of the H tiles), the K/V ring, P,
+  one store tile (out, attn and the statistics take turns in it: a RefUnion) and γ1/β1/γ2.
+  Every allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
+  item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  q = 2 * num_heads * BLOCK_Q * head_dim * item
+  kv = 2 * cfg.kv_stages * cfg.block_kv * head_dim * item
+  p = BLOCK_Q * cfg.block_kv * item
+  del save_attn  # attn's tile is the union's, never larger than out's or the statistics'
+  tile = max(BLOCK_Q * head_dim * max(out_item, item), BLOCK_Q * STATS_COLS * 4)
+  vecs = -(-3 * num_heads * head_dim * 4 // 1024) * 1024
+  reduction = 2048  # Pallas's cross-warp reduction scratch (the row sums)
+  return q + kv + p + tile + vecs + reduction + 1024  # + the barriers
+
+
+def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool,
+                kv_len: int) -> Config | None:
+  """The deepest K/V ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block)
+  that fits in SMEM; None when none does."""
+  blocks = num_heads * kv_len // 64
+  for stages in (4, 3, 2):
+    cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)))
+    if smem_bytes(num_heads, head_dim, dtype, out_dtype, save_attn, cfg) <= mgpu.SMEM_BYTES:
+      return cfg
+  return None
+
+
+def unsupported_reason(q, k, kv_offsets, out_dtype, save_attn: bool = True) -> str | None:
+  """None when the fused kernel can run these (validated) arguments, else why not."""
+  reason = gdpa_mosaic.operand_reason(q, out_dtype)
+  if reason is not None:
+    return reason
+  dtype = jnp.dtype(q.dtype)
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  t, heads, head_dim = q.shape
+  if kv_offsets is not None:
+    return "jagged K/V: the fused kernel takes dense K/V only"
+  if k.shape[1] == 0 or k.shape[1] % 64:
+    return f"dense K/V length Lkv = {k.shape[1]} is not a positive multiple of 64"
+  if t % gdpa_mosaic.ALIGN:
+    return f"the token capacity T = {t} must be a multiple of {gdpa_mosaic.ALIGN}"
+  if pick_config(heads, head_dim, dtype, out_dtype, save_attn, k.shape[1]) is None:
+    return (f"H·D = {heads}·{head_dim}: the q block of all heads (twice) and the K/V ring do "
+            "not fit in SMEM")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static facts of one kernel build."""
+
+  num_heads: int
+  head_dim: int
+  kv_steps: int
+  block_kv: int
+  kv_stages: int
+  act: Callable
+  eps: float
+  pre_layer_norm: bool
+  inner_residual: bool
+  outer_residual: bool
+  save_attn: bool
+
+  @property
+  def uses_per_block(self) -> int:
+    """K/V ring slots one q block consumes: every head's key blocks."""
+    return self.num_heads * self.kv_steps
+
+
+def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, *,
+                             activation: str, eps: float, pre_layer_norm: bool = True,
+                             inner_residual: bool = True, outer_residual: bool = True,
+                             out_dtype=None, save_attn: bool = False,
+                             config: Config | None = None, interpret: bool = False):
+  """The fused forward (arguments validated by the op; see :func:`unsupported_reason`).
+
+  Args:
+    q: (T, H, D) bf16/f16 packed tokens; k, v: dense (B, Lkv, H, D), q's dtype.
+    q_offsets: int32 (B+1,) offsets of q.
+    affine: float32 (3, H, D): γ1, β1, γ2 (ones/zeros where the op has none).
+    pre_scale, post_scale: f32 scalars (0-d arrays, traced or not).
+    activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
+    eps: the norms' epsilon (static).
+    pre_layer_norm, inner_residual, outer_residual: the block's switches (static).
+    out_dtype: bf16, f16 or f32 (default q's dtype).
+    save_attn: also return attn = post·act(pre·u Kᵀ) V in q's dtype (for the backward).
+    config: tiling (default :func:`pick_config`).
+    interpret: run in Pallas GPU interpret mode (any backend).
+
+  Returns:
+    ``(out, stats)`` or ``(out, stats, attn)``: out (T, H, D) in out_dtype; stats (T, 3)
+    float32 with μ1, r1, r2 (the kernel writes (T, :data:`STATS_COLS`)) (zeros without the LayerNorm, and on padding rows);
+    attn (T, H, D). Padding rows (past ``q_offsets[-1]``) are zeros.
+  """
+  capacity, num_heads, head_dim = q.shape
+  out_dtype = jnp.dtype(out_dtype or q.dtype)
+  kv_len = k.shape[1]
+  cfg = config or pick_config(num_heads, head_dim, q.dtype, out_dtype, save_attn, kv_len)
+  if kv_len % cfg.block_kv:
+    raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
+  plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
+               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages,
+               act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
+               pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
+               outer_residual=outer_residual, save_attn=save_attn)
+  table = _work_table(q_offsets, capacity, k.shape[0], kv_len)
+  scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
+  out_type = [jax.ShapeDtypeStruct((capacity, num_heads, head_dim), out_dtype),
+              jax.ShapeDtypeStruct((capacity, STATS_COLS), _F32)]
+  if save_attn:
+    out_type.append(jax.ShapeDtypeStruct((capacity, num_heads, head_dim), q.dtype))
+  call = plgpu.kernel(
+      functools.partial(_kernel, plan=plan),
+      out_type=tuple(out_type),
+      grid=(table.shape[0],),
+      grid_names=("item",),
+      num_threads=2,
+      thread_name="wg",
+      scratch_types=_scratch(plan, q.dtype, out_dtype),
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=mgpu.interpret_params() if interpret else None,
+  )
+  out, stats, *attn = call(table, scales, affine.astype(_F32), q, k, v)
+  return (out, stats[:, :3], *attn)
+
+
+PADDING = 7
+"""Column of the work table appended to the GDPA kernel's: 1 for a chunk of padding rows."""
+
+
+def _work_table(q_offsets, capacity: int, batch: int, kv_len: int):
+  """The GDPA kernel's work items (one per sample, longest first, then the padding chunks),
+  with a :data:`PADDING` column: such items have no keys and store zeros."""
+  table = gdpa_mosaic.work_items(q_offsets, None, capacity, batch, kv_len)
+  end = jnp.clip(q_offsets[-1].astype(jnp.int32), 0, capacity)
+  first_row = table[:, gdpa_mosaic.Q_WIN] + table[:, gdpa_mosaic.Q_LO]
+  padding = (first_row >= end).astype(jnp.int32)
+  return jnp.concatenate([table, padding[:, None]], axis=1)
+
+
+def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
+  heads, d = plan.num_heads, plan.head_dim
+  tile = mgpu.swizzle_transforms(d, dtype)
+  # The stores of out, attn and the statistics take turns (each store_rows first waits for the
+  # previous stores to have read SMEM), so they share one tile.
+  store_tiles = [store.row_store_smem(BLOCK_Q, d, out_dtype),
+                 store.row_store_smem(BLOCK_Q, STATS_COLS, _F32)]
+  if plan.save_attn:
+    store_tiles.append(store.row_store_smem(BLOCK_Q, d, dtype))
+  return dict(
+      store_tiles=plgpu.RefUnion(*store_tiles),
+      x_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
+      res_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
+      k_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
+      v_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
+      p_smem=plgpu.SMEM((BLOCK_Q, plan.block_kv), dtype,
+                        transforms=mgpu.swizzle_transforms(plan.block_kv, dtype)),
+      vec_smem=plgpu.SMEM((3, heads, d), _F32),
+      vec_ready=plgpu.Barrier(),
+      q_ready=plgpu.Barrier(num_barriers=2 * heads),
+      q_free=plgpu.Barrier(),
+      k_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
+      v_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
+      kv_free=plgpu.Barrier(num_barriers=plan.kv_stages),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  """One CTA's work item: a sample's q rows ``[q_win + q_lo, q_win + q_hi)`` in ``q_blocks``
+  blocks from ``q_win``, its K/V index, and whether it is a padding chunk."""
+
+  q_win: jax.Array
+  q_lo: jax.Array
+  q_hi: jax.Array
+  q_blocks: jax.Array
+  sample: jax.Array
+  padding: jax.Array
+
+  @classmethod
+  def read(cls, table_ref):
+    col = lambda c: table_ref[lax.axis_index("item"), c]  # noqa: E731
+    return cls(q_win=pl.multiple_of(col(gdpa_mosaic.Q_WIN), gdpa_mosaic.ALIGN),
+               q_lo=col(gdpa_mosaic.Q_LO), q_hi=col(gdpa_mosaic.Q_HI),
+               q_blocks=col(gdpa_mosaic.Q_BLOCKS), sample=col(gdpa_mosaic.KV_WIN),
+               padding=col(PADDING) != 0)
+
+  def rows(self, block):
+    """(first GMEM row of q block ``block``, the sample's rows in it as [lo, lo + count))."""
+    lo = jnp.maximum(self.q_lo - block * BLOCK_Q, 0)
+    hi = jnp.minimum(self.q_hi - block * BLOCK_Q, BLOCK_Q)
+    return self.q_win + block * BLOCK_Q, lo, hi - lo
+
+
+def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, stats_ref,
+            *attn_ref, plan: _Plan, **smem):
+  item = _Item.read(table_ref)
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == 1)
+  def _producer():
+    plgpu.set_max_registers(mgpu.PRODUCER_REGISTERS, action="decrease")
+    _produce(plan, item, affine_ref, q_ref, k_ref, v_ref, smem)
+
+  @pl.when(wg == 0)
+  def _consumer():
+    plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
+    _consume(plan, item, scales_ref, out_ref, stats_ref, attn_ref[0] if attn_ref else None,
+             smem)
+
+
+def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) -> None:
+  """TMA warpgroup: γ1/β1/γ2 once; per q block, the first K/V ring slots, then (once the
+  consumer released the previous block) the H q tiles twice, then the remaining K/V blocks."""
+  plgpu.copy_gmem_to_smem(affine_ref, smem["vec_smem"], smem["vec_ready"])
+  per_block, stages = plan.uses_per_block, plan.kv_stages
+  prefetch = min(stages, per_block)
+
+  def load_kv(block, use):  # ring use number block·per_block + use: head, key block static
+    head, step = divmod(use, plan.kv_steps)
+    ring_use = block * per_block + use
+    slot = lax.rem(ring_use, stages)
+
+    @pl.when(ring_use >= stages)
+    def _():
+      plgpu.barrier_wait(smem["kv_free"].at[slot])
+
+    keys = pl.ds(step * plan.block_kv, plan.block_kv)
+    plgpu.copy_gmem_to_smem(k_ref.at[item.sample, keys, head], smem["k_smem"].at[slot],
+                            smem["k_ready"].at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[item.sample, keys, head], smem["v_smem"].at[slot],
+                            smem["v_ready"].at[slot])
+
+  @pl.when(jnp.logical_not(item.padding))
+  def _():
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      for use in range(prefetch):
+        load_kv(block, use)
+
+      @pl.when(block > 0)
+      def _():
+        plgpu.barrier_wait(smem["q_free"])
+
+      rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
+      for head in range(plan.num_heads):
+        for copy, name in enumerate(("x_smem", "res_smem")):
+          plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[head],
+                                  smem["q_ready"].at[2 * head + copy])
+      for use in range(prefetch, per_block):
+        load_kv(block, use)
+
+    # Observe the releases no load waited for, so every barrier phase is consumed.
+    @pl.when(item.q_blocks > 0)
+    def _():
+      plgpu.barrier_wait(smem["q_free"])
+
+    uses = item.q_blocks * per_block
+
+    @pl.loop(jnp.maximum(uses - stages, 0), uses)
+    def _(use):
+      plgpu.barrier_wait(smem["kv_free"].at[lax.rem(use, stages)])
+
+
+def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, attn_ref, smem) -> None:
+  """Consumer warpgroup: every q block of the item (or zeros for a padding chunk)."""
+  plgpu.barrier_wait(smem["vec_ready"])
+  o_tile, stats_tile, *attn_tile = smem["store_tiles"]
+  stores = _Stores(out_ref, stats_ref, attn_ref, o_tile.at[0], stats_tile.at[0],
+                   attn_tile[0].at[0] if attn_tile else None)
+
+  @pl.when(item.padding)
+  def _():
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      stores.zeros(plan, item.rows(block), scales_ref[1])
+
+  @pl.when(jnp.logical_not(item.padding))
+  def _():
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      _block_forward(plan, item, block, scales_ref, stores, smem)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stores:
+  """The consumer's row-exact stores of one q block: out and attn per head, the statistics."""
+
+  out_ref: object
+  stats_ref: object
+  attn_ref: object
+  o_tile: object
+  stats_tile: object
+  attn_tile: object
+
+  def out(self, tile, rows, head):
+    store.store_rows(tile.astype(self.out_ref.dtype), self.o_tile,
+                     lambda r, c: self.out_ref.at[r, head, c], *rows)
+
+  def attn(self, tile, rows, head):
+    store.store_rows(tile, self.attn_tile, lambda r, c: self.attn_ref.at[r, head, c], *rows)
+
+  def stats(self, columns: dict, rows, scale=None):
+    """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are
+    0 (times ``scale`` when given)."""
+    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, STATS_COLS), 1, layout=plgpu.Layout.WGMMA)
+    tile = plgpu.layout_cast(jnp.zeros((BLOCK_Q, STATS_COLS), _F32), plgpu.Layout.WGMMA)
+    if scale is not None:
+      tile = tile * scale
+    for j, vec in columns.items():
+      tile = jnp.where(col == j, lax.broadcast_in_dim(vec, tile.shape, [0]), tile)
+    store.store_rows(tile, self.stats_tile, lambda r, c: self.stats_ref.at[r, c], *rows)
+
+  def zeros(self, plan: _Plan, rows, post_scale):
+    """Padding rows: 0 · post_scale, so a NaN post_scale (the op's answer to bad traced offsets)
+    reaches every output."""
+    zero = plgpu.layout_cast(jnp.zeros((BLOCK_Q, plan.head_dim), _F32), plgpu.Layout.WGMMA)
+    zero = zero * post_scale
+
+    @pl.loop(0, plan.num_heads)
+    def _(head):
+      self.out(zero, rows, head)
+      if plan.save_attn:
+        self.attn(zero.astype(self.attn_ref.dtype), rows, head)
+    self.stats({}, rows, post_scale)
+
+
+def _rowvec(v, shape):
+  """A row vector (layout WGMMA.reduce(1)) broadcast over the columns of ``shape``."""
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _colvec(vec_smem, which: int, head: int, shape):
+  """γ1 (0), β1 (1) or γ2 (2) of ``head``, broadcast over the rows of ``shape``."""
+  v = plgpu.load(vec_smem.at[which, head], layout=plgpu.Layout.WGMMA.reduce(0))
+  return lax.broadcast_in_dim(v, shape, [1])
+
+
+def _load_f32(tile):
+  return plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(_F32)
+
+
+def _sum_over_heads(plan: _Plan, tile_fn):
+  """Row sums over the H heads of ``tile_fn(head)`` (BLOCK_Q, D) f32: per-thread partial sums
+  in a dynamic loop over the heads (one copy of the code whatever H, nothing hoisted across
+  heads), reduced across lanes once."""
+  def add(head, partial):
+    return partial + mgpu.lane_partial_sum(tile_fn(head))
+  partial = lax.fori_loop(0, plan.num_heads, add, mgpu.lane_partial_zeros(BLOCK_Q))
+  return jnp.sum(partial, axis=1)
+
+
+def _layer_norm_stats(plan: _Plan, x_smem):
+  """(μ1, r1) row vectors over the H tiles of the q block: the mean, then the centred second
+  moment (two passes over SMEM, no cancellation for rows with a large mean)."""
+  scale = 1.0 / (plan.num_heads * plan.head_dim)
+  mean = _sum_over_heads(plan, lambda h: _load_f32(x_smem.at[h])) * scale
+
+  def centred_square(h):
+    x = _load_f32(x_smem.at[h]) - _rowvec(mean, (BLOCK_Q, plan.head_dim))
+    return x * x
+
+  var = _sum_over_heads(plan, centred_square) * scale
+  return mean, lax.rsqrt(var + plan.eps)
+
+
+def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
+  """u_h in f32 from q_h (f32): LayerNorm with the block's (μ1, r1), γ1, β1; or q_h itself."""
+  if not plan.pre_layer_norm:
+    return x
+  mean, rstd = stats
+  u = (x - _rowvec(mean, x.shape)) * _rowvec(rstd, x.shape)
+  return u * _colvec(vec_smem, 0, head, x.shape) + _colvec(vec_smem, 1, head, x.shape)
+
+
+def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores, smem) -> None:
+  """One q block: statistics, per head u → attention → attn, then r2 and the stores."""
+  x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
+  pre_scale, post_scale = scales_ref[0], scales_ref[1]
+  rows = item.rows(block)
+  for barrier in range(2 * plan.num_heads):
+    plgpu.barrier_wait(smem["q_ready"].at[barrier])
+  stats = _layer_norm_stats(plan, x_smem) if plan.pre_layer_norm else None
+
+  def attend(head):  # u_h → attention → attn_h over u_h; returns z_h² for Σz²
+    u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
+    if plan.pre_layer_norm:  # u_h over q_h: the A operand of the score WGMMA
+      x_smem.at[head][...] = u.astype(x_smem.dtype)
+      plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
+    o = _attend_head(plan, x_smem.at[head], smem, block * plan.uses_per_block
+                     + head * plan.kv_steps, pre_scale)
+    attn = (o * post_scale).astype(x_smem.dtype)
+    x_smem.at[head][...] = attn  # the WGMMAs reading u_h are done (their result was read)
+    if plan.save_attn:
+      stores.attn(attn, rows, head)
+    z = u + attn.astype(_F32) if plan.inner_residual else attn.astype(_F32)
+    return z * z
+
+  rms_rstd = lax.rsqrt(_sum_over_heads(plan, attend) * (1.0 / (plan.num_heads * plan.head_dim))
+                       + plan.eps)
+
+  @pl.loop(0, plan.num_heads)
+  def _epilogue(head):
+    q = _load_f32(res_smem.at[head])
+    z = _load_f32(x_smem.at[head])
+    if plan.inner_residual:
+      z = z + _pre_norm(plan, q, stats, vec_smem, head)
+    out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
+    if plan.outer_residual:
+      out = out + q
+    stores.out(out, rows, head)
+
+  stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
+  # x_smem and res_smem were read (and x_smem written) by the generic proxy: a proxy fence
+  # before the producer's TMA (async proxy) may overwrite them, as the PTX memory model asks.
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(smem["q_free"])
+
+
+def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
+  """Σ over the key blocks of act(pre_scale · u_h K_hᵀ) V_h: (BLOCK_Q, D) f32. Key block
+  ``step`` sits in ring slot ``(first_use + step) % kv_stages``."""
+  p_tile = smem["p_smem"]
+
+  def accumulate(o_acc):
+    for step in range(plan.kv_steps):
+      slot = lax.rem(first_use + step, plan.kv_stages)
+      plgpu.barrier_wait(smem["k_ready"].at[slot])
+      plgpu.barrier_wait(smem["v_ready"].at[slot])
+
+      def scores(s_acc, slot=slot):
+        plgpu.wgmma(s_acc, u_tile, smem["k_smem"].at[slot].transpose((1, 0)))
+        return s_acc[...]  # waits for this WGMMA
+
+      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      # P goes through SMEM: the previous P·V has finished reading it (waited below).
+      p_tile[...] = plan.act(s * pre_scale).astype(p_tile.dtype)
+      plgpu.commit_smem()
+      plgpu.wgmma(o_acc, p_tile, smem["v_smem"].at[slot])
+      plgpu.wgmma_wait(0)  # the P·V reading the ring slot is done
+      plgpu.barrier_arrive(smem["kv_free"].at[slot])
+    return o_acc[...]
+
+  return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, plan.head_dim), _F32))
