@@ -240,6 +240,22 @@ def test_dispatch_reasons():
     pn.flash_norm_attention(q, dense, dense, offs, inner_residual="no")
 
 
+def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
+  """implementation=None's rule (api.fused_slower_reason): the fused kernel on Hopper for bf16,
+  H·D = 512, Lkv <= 128 (measured faster than the chain); elsewhere a reason."""
+  from pallas_norm import _dispatch
+  from pallas_norm.ops.flash_norm_attention import api
+  bf = jnp.bfloat16
+  q, dense = jnp.zeros((64, 4, 128), bf), jnp.zeros((2, 128, 4, 128), bf)
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: False)
+  assert "Hopper" in api.fused_slower_reason(q, dense, None, None)
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  assert api.fused_slower_reason(q, dense, None, None) is None
+  assert "H·D" in api.fused_slower_reason(q[:, :2], dense[:, :, :2], None, None)
+  assert "Lkv" in api.fused_slower_reason(q, jnp.zeros((2, 256, 4, 128), bf), None, None)
+  assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
+
+
 @pytest.mark.parametrize("heads,head_dim,save_attn,out_dtype",
                          [(4, 128, True, None), (2, 128, False, jnp.float32)])
 def test_lowers_for_sm90a(heads, head_dim, save_attn, out_dtype):

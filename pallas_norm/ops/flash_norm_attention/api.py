@@ -95,7 +95,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
       "flash_norm_attention", implementation,
       unsupported_reason=lambda _: fused_reason and gdpa_mosaic.unsupported_reason(
           q, k, kv_offsets, max_kv_len, None),
-      slower_reason=lambda: fused_slower_reason(q, k, kv_offsets, out_dtype) and (
+      slower_reason=lambda: (fused_reason or fused_slower_reason(q, k, kv_offsets, out_dtype))
+      and (
           gdpa_api.kernel_slower_reason(q, k, kv_offsets, max_kv_len, None)))
   fused = impl != "xla" and fused_reason is None and (
       implementation is not None or fused_slower_reason(q, k, kv_offsets, out_dtype) is None)
@@ -124,14 +125,27 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
                                    max_seq_len, max_kv_len)
 
 
+FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), features=(512,), max_kv_len=128)
+"""Where ``implementation=None`` takes the fused kernel: what the H200 measured faster than the
+unfused chain, forward and forward+backward (benchmarks/NOTES.md, "flash_norm_attention"):
+bf16 q, H·D = 512 (H = 4, D = 128), dense K/V of at most 128 keys."""
+
+
 def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
   """Why ``implementation=None`` does not pick the fused kernel for a call it supports (None:
-  it does). The H200 measured the fused kernel alone faster than the unfused chain through the
-  op at the issue's shape (H = 2 and 4, forward), but the op with the fused kernel, forward and
-  forward+backward, is not measured yet (benchmarks/NOTES.md, "flash_norm_attention")."""
-  del q, k, kv_offsets, out_dtype
-  return ("the fused kernel's op path (forward and forward+backward) is not yet measured "
-          "against the chain on the H200; pass implementation='mosaic' to force it")
+  it does): outside :data:`FUSED_DEFAULT_DOMAIN` or off Hopper, the chain was not measured
+  slower."""
+  del kv_offsets  # the fused kernel takes dense K/V only (mosaic.unsupported_reason)
+  d = FUSED_DEFAULT_DOMAIN
+  features = q.shape[1] * q.shape[2]
+  if not _dispatch.on_hopper_gpu():
+    return "the fused kernel was measured only on a Hopper GPU (H200)"
+  if (jnp.dtype(q.dtype) not in d["dtypes"] or jnp.dtype(out_dtype or q.dtype) != q.dtype
+      or features not in d["features"] or k.shape[1] > d["max_kv_len"]):
+    return (f"the fused kernel was measured faster than the chain only for bf16 q and output, "
+            f"H·D in {d['features']} and Lkv <= {d['max_kv_len']}; got {jnp.dtype(q.dtype)}, "
+            f"H·D = {features}, Lkv = {k.shape[1]}; pass implementation='mosaic' to force it")
+  return None
 
 
 def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
