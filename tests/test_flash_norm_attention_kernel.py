@@ -105,7 +105,7 @@ def test_fused_switches_match_reference(switches):
 def test_fused_gradients_match_reference():
   """The custom_vjp (the two row kernels of norm_bwd around the GDPA backward kernel) against
   the f32 reference's gradients: q, k, v, the three affines and a traced pre_scale."""
-  q, k, v, qo, affine = _problem(2, [5, 70, 9], 2, 64)
+  q, k, v, qo, affine = _problem(2, [5, 0, 70, 9], 2, 64)  # with an empty sample
   q = _clean(q, qo)  # a gradient at NaN inputs is NaN in the reference
   weights = jnp.sin(jnp.arange(q.size, dtype=F32)).reshape(q.shape)
 
@@ -314,6 +314,42 @@ def test_gpu_gradients_at_issue_shape(heads):
       *(a.astype(F32) for a in args))
   for g, w in zip(got, want):
     assert bool(jnp.all(jnp.isfinite(g))) and _rel_err(g, w) < TOL
+
+
+@pytest.mark.gpu
+def test_gpu_norm_backward_kernels():
+  """norm_bwd's row kernels compiled (Triton) at the issue's row count, H·D = 384 (masked
+  columns) and 512, bf16, against the same formulas in float32 XLA."""
+  rng = np.random.default_rng(12)
+  t, end = 202368, 200001
+  for n in (384, 512):
+    ks = jax.random.split(jax.random.key(n), 6)
+    g, q, attn, du = (jax.random.normal(kk, (t, n), F32).astype(jnp.bfloat16) for kk in ks[:4])
+    stats = jnp.stack([jax.random.normal(ks[4], (t,)), 1 + jax.random.uniform(ks[5], (t,)),
+                       0.5 + jax.random.uniform(ks[5], (t,))], axis=1)
+    affine = tuple(jnp.asarray(rng.normal(1.0, 0.2, n), F32) for _ in range(3))
+    got = jax.jit(lambda *a: norm_bwd.rms_backward(*a, pre_layer_norm=True,
+                                                   inner_residual=True))(
+        g, q, attn, stats, affine, end)
+    live = (jnp.arange(t) < end)[:, None]
+    gf, qf, af = (jnp.where(live, x.astype(F32), 0) for x in (g, q, attn))
+    u = jnp.where(live, (qf - stats[:, :1]) * stats[:, 1:2] * affine[0] + affine[1], 0)
+    z_hat = (u + af) * stats[:, 2:3]
+    gz = gf * affine[2]
+    dz = stats[:, 2:3] * (gz - z_hat * jnp.mean(gz * z_hat, axis=1, keepdims=True))
+    for a, b in ((got[0], dz), (got[1], u), (got[2], jnp.sum(gf * z_hat, axis=0))):
+      assert _rel_err(a, b) < 1e-2
+    dq, dg1, db1 = jax.jit(lambda *a: norm_bwd.ln_backward(
+        *a, inner_residual=True, outer_residual=True))(du, got[0], g, q, stats, affine[0], end,
+                                                       0.0)
+    duf = jnp.where(live, du.astype(F32) + got[0].astype(F32), 0)
+    x_hat = (qf - stats[:, :1]) * stats[:, 1:2]
+    gu = duf * affine[0]
+    want = jnp.where(live, stats[:, 1:2] * (gu - jnp.mean(gu, axis=1, keepdims=True) - x_hat
+                                            * jnp.mean(gu * x_hat, axis=1, keepdims=True)) + gf, 0)
+    assert _rel_err(dq, want) < 1e-2 and not bool(jnp.any(dq[end:] != 0))
+    assert _rel_err(dg1, jnp.sum(duf * x_hat, axis=0)) < 1e-2
+    assert _rel_err(db1, jnp.sum(duf, axis=0)) < 1e-2
 
 
 @pytest.mark.parametrize("bad_offsets,max_seq_len", [([0, 4, 40], None),  # last > T
