@@ -231,6 +231,7 @@ def test_dispatch_reasons():
   assert "SMEM" in mosaic.unsupported_reason(jnp.zeros((64, 8, 128), bf),
                                              jnp.zeros((2, 128, 8, 128), bf), None, None)
   assert "multiple of 64" in mosaic.unsupported_reason(q, dense[:, :96], None, None)
+  assert "zero token capacity" in mosaic.unsupported_reason(q[:0], dense, None, None)
   assert "float32" in mosaic.unsupported_reason(q.astype(F32), dense, None, None)
   offs = jnp.array([0, 10, 64], jnp.int32)
   with pytest.raises(ValueError, match="pre_layer_norm"):

@@ -114,6 +114,8 @@ def unsupported_reason(q, k, kv_offsets, out_dtype, save_attn: bool = True) -> s
   dtype = jnp.dtype(q.dtype)
   out_dtype = jnp.dtype(out_dtype or dtype)
   t, heads, head_dim = q.shape
+  if t == 0:
+    return "zero token capacity: no q block for the fused kernel"
   if kv_offsets is not None:
     return "jagged K/V: the fused kernel takes dense K/V only"
   if k.shape[1] == 0 or k.shape[1] % 64:
