@@ -51,11 +51,20 @@ def unsupported_reason(shape) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class RowConfig:
   """``block_m`` rows per loop step (a power of 2), ``steps`` loop steps per program (one row
-  of weight-gradient partials per program), ``num_warps`` warps per program."""
+  of weight-gradient partials per program), ``num_warps`` warps per program, ``num_stages``
+  Triton's software-pipelining depth (None: Triton's default)."""
 
   block_m: int
   steps: int
   num_warps: int
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    if self.block_m < 1 or self.block_m & (self.block_m - 1):
+      raise ValueError(f"block_m must be a power of 2, got {self.block_m}")
+    if self.steps < 1 or self.num_warps < 1:
+      raise ValueError(f"steps and num_warps must be positive, got {self.steps}, "
+                       f"{self.num_warps}")
 
 
 def pick_config(features: int, interpret: bool) -> RowConfig:
@@ -178,9 +187,9 @@ def _row_kernel(*refs, names, body, partials: int, n: int, capacity: int, cfg: R
 
 
 def _call(name, body, inputs: dict, outputs: dict, partials: int, n: int, capacity: int,
-          interpret: bool):
+          interpret: bool, cfg: RowConfig | None):
   """Runs :func:`_row_kernel` over all rows; returns the outputs and the column sums."""
-  cfg = pick_config(n, interpret)
+  cfg = cfg or pick_config(n, interpret)
   programs = pl.cdiv(capacity, cfg.block_m * cfg.steps)
   n_pad = pl.next_power_of_2(n)
   part = jax.ShapeDtypeStruct((programs * n_pad,), _F32)
@@ -190,7 +199,8 @@ def _call(name, body, inputs: dict, outputs: dict, partials: int, n: int, capaci
                              capacity=capacity, cfg=cfg)
   outs = _op.first_order_only("flash_norm_attention", lambda *a: pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret, name=name,
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps))(*a),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages))(*a),
       *inputs.values())
   tiles, parts = outs[:len(outputs)], outs[len(outputs):]
   sums = [jnp.sum(p.reshape(programs, n_pad)[:, :n], axis=0) for p in parts]
@@ -203,7 +213,7 @@ def _vectors(names, r, n):
 
 
 def rms_backward(g, q, attn, stats, affine, end, *, pre_layer_norm: bool, inner_residual: bool,
-                 interpret: bool = False):
+                 interpret: bool = False, config: RowConfig | None = None):
   """The RMSNorm backward and u for the GDPA backward, one pass.
 
   Args:
@@ -212,6 +222,7 @@ def rms_backward(g, q, attn, stats, affine, end, *, pre_layer_norm: bool, inner_
     stats: (T, 3) float32 (μ1, r1, r2) of the forward.
     affine: float32 (γ1, β1, γ2), each (N,).
     end: int32 scalar, the first padding row.
+    interpret: run in Pallas interpret mode; config: tiling (default :func:`pick_config`).
 
   Returns:
     ``(dz, u, dγ2)``: dz (T, N) and u (T, N) in q's dtype (u is None without the LayerNorm:
@@ -231,12 +242,12 @@ def rms_backward(g, q, attn, stats, affine, end, *, pre_layer_norm: bool, inner_
     return dict(dz=dz, **(dict(u=u) if pre_layer_norm else {})), (summand,)
 
   tiles, (d_gamma2,) = _call("fna_rms_backward", body, inputs, outputs, 1, n, capacity,
-                             interpret)
+                             interpret, config)
   return tiles[0], tiles[1] if pre_layer_norm else None, d_gamma2
 
 
 def ln_backward(du_attn, dz, g, q, stats, gamma1, end, pad, *, inner_residual: bool,
-                outer_residual: bool, interpret: bool = False):
+                outer_residual: bool, interpret: bool = False, config: RowConfig | None = None):
   """The LayerNorm backward with both residual branches, one pass.
 
   Args:
@@ -245,6 +256,7 @@ def ln_backward(du_attn, dz, g, q, stats, gamma1, end, pad, *, inner_residual: b
     g: (T, N) cotangent of the output (read with the outer residual; else may be None).
     q: (T, N); stats: (T, 3) float32 (μ1, r1, ·); gamma1: (N,) float32.
     end: int32 scalar, the first padding row; pad: float32 scalar written to dq's padding rows.
+    interpret, config: as :func:`rms_backward`.
 
   Returns:
     ``(dq, dγ1, dβ1)``: dq (T, N) in q's dtype, dγ1 and dβ1 (N,) float32.
@@ -264,5 +276,5 @@ def ln_backward(du_attn, dz, g, q, stats, gamma1, end, pad, *, inner_residual: b
     return dict(dq=dq), (d_scale, d_bias)
 
   (dq,), (d_gamma1, d_beta1) = _call("fna_ln_backward", body, inputs, outputs, 2, n,
-                                     capacity, interpret)
+                                     capacity, interpret, config)
   return dq, d_gamma1, d_beta1
