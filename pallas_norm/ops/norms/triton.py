@@ -38,6 +38,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from pallas_norm import _op
+from pallas_norm.ops.norms import xla
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -146,42 +147,13 @@ def slower_reason(x_shape, x_dtype, has_residual: bool) -> str | None:
 # XLA forward that also returns the statistics the backward kernel rebuilds x̂ from.
 
 
-def _stat_dtype(dtype):
-  return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-
-
-def _applied_scale(scale, zero_centered_scale: bool, sdt):
-  if scale is None:
-    return None
-  s = scale.astype(sdt)
-  return 1 + s if zero_centered_scale else s
-
-
-def _layer_stats(s, eps):
-  """(centered rows, shift, dmean, rstd): the same operations as ``reference._center`` and
-  ``reference._row_stats`` (so y matches the reference), with the mean kept as shift + dmean."""
-  shift = s[..., 0]
-  d = s - shift[..., None]
-  dmean = jnp.mean(d, axis=-1)
-  centered = d - dmean[..., None]
-  rstd = lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1) + eps)
-  return centered, shift, dmean, rstd
-
-
 def _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype):
-  """``(outputs, stats)``: outputs as the reference's (``y`` or ``(y, s)``); stats the (M,)
-  float32 rows ``(shift, dmean, rstd)``."""
-  sdt = _stat_dtype(x.dtype)
-  s = x.astype(sdt)
-  if residual is not None:
-    s = s + residual.astype(sdt)
-  centered, shift, dmean, rstd = _layer_stats(s, eps)
-  y, stats = centered * rstd[..., None], (shift, dmean, rstd)
-  gamma = _applied_scale(scale, zero_centered_scale, sdt)
-  if gamma is not None:
-    y = y * gamma
-  if bias is not None:
-    y = y + bias.astype(sdt)
+  """``(outputs, stats)``: outputs as the reference's (``y`` or ``(y, s)``, the same operations
+  as the XLA path :mod:`pallas_norm.ops.norms.xla`); stats the (M,) float32 rows
+  ``(shift, dmean, rstd)``."""
+  s = xla.residual_sum(x, residual)
+  stats = xla.row_stats(s, "layer", eps)
+  y = xla.affine(xla.normalized(s, stats), scale, bias, zero_centered_scale)
   y = y.astype(out_dtype or x.dtype)
   out = y if residual is None else (y, s.astype(x.dtype))
   m = math.prod(x.shape[:-1])
@@ -324,7 +296,7 @@ def _layer_norm_bwd(eps, zero_centered_scale, out_dtype, interpret, saved, cotan
   m = math.prod(x.shape[:-1])
   ops = _Operands(residual=residual is not None, ds_out=ds_out is not None,
                   gamma=scale is not None, dbias=bias is not None)
-  gamma = _applied_scale(scale, zero_centered_scale, jnp.float32)
+  gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
   tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
   inputs = tiles + ([gamma] if ops.gamma else []) + list(stats)
   ds, dscale, dbias = _op.first_order_only(
