@@ -16,9 +16,10 @@ Reverse mode transposes this linear map, which gives the backward a hand-written
     ds = r · (g − mean(g) − x̂ · mean(g ⊙ x̂))  (+ the cotangent of the returned s)
     dscale = Σ_rows dy ⊙ x̂,   dbias = Σ_rows dy
 
-two independent row sums that XLA fuses into one pass over (x, dy), and two column sums. XLA's
-autodiff of the reference instead chains dependent row reductions through the two-pass variance
-and the shift of :func:`pallas_norm.reference._center` (seven reductions for LayerNorm).
+two row sums over (x, dy) that feed ds in the same pass (applied as a chain, see
+:func:`_xhat_tangent`), and two column sums. XLA's autodiff of the reference instead makes
+seven reductions for LayerNorm, through the two-pass variance and the shift of
+:func:`pallas_norm.reference._center`.
 
 Why a ``custom_jvp`` and not a ``custom_vjp``: the same backward, and forward mode (``jax.jvp``,
 ``jax.hessian``, ``jax.jacfwd``) keeps working, as it did with plain autodiff; derivatives of
@@ -122,37 +123,47 @@ def _dot(t):
   return None if t is None or isinstance(t, SymbolicZero) else t
 
 
+def _xhat_tangent(s_dot, xhat, rstd, norm):
+  """``(ẋ̂, μ̇ or None, ṙ)`` for the tangent ``ṡ``, as a chain of row sums.
+
+  LayerNorm's map ``r · (I − 11ᵀ/N − x̂x̂ᵀ/N)`` is applied as ``r · P_x̂ (P_1 ṡ)``: center ``ṡ``
+  first (``u = ṡ − mean(ṡ)``), then remove its ``x̂`` part (``u − x̂ · mean(x̂ ⊙ u)``); the same
+  map, since ``x̂ ⊥ 1``. Its transpose, the backward, is then the chain ``v = g − x̂ · mean(x̂ ⊙
+  g)``, ``ds = r · (v − mean(v))``: each row sum is consumed by the next elementwise step, the
+  shape of XLA's forward LayerNorm fusion (mean, then the centered variance), and the final
+  centering leaves ``ds`` summing to zero over the row to rounding.
+  """
+  mean_dot = None
+  if norm == "layer":
+    mean_dot = jnp.mean(s_dot, axis=-1, keepdims=True)
+    s_dot = s_dot - mean_dot
+    mean_dot = mean_dot[..., 0]
+  proj = jnp.mean(xhat * s_dot, axis=-1, keepdims=True)
+  xhat_dot = rstd[..., None] * (s_dot - xhat * proj)
+  return xhat_dot, mean_dot, -jnp.square(rstd) * proj[..., 0]
+
+
 def _tangents(x, residual, scale, stats, x_dot, residual_dot, scale_dot, bias_dot, *, norm,
               zero_centered_scale, out_dtype):
   """The tangents of ``(y, s, NormStats)``: linear in the ``*_dot`` arguments (module
   docstring); ``x̂`` is rebuilt from x and the statistics."""
   sdt = stat_dtype(x.dtype)
   xhat = normalized(residual_sum(x, residual), stats)
+  rows = xhat.shape[:-1]
   y_dot = jnp.zeros(xhat.shape, sdt)
+  mean_dot, rstd_dot = jnp.zeros(rows, sdt), jnp.zeros(rows, sdt)
   s_dot = None
   if x_dot is not None or residual_dot is not None:
     parts = [t.astype(sdt) for t in (x_dot, residual_dot) if t is not None]
     s_dot = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-    # The two row sums of the tangent (their transposes are the backward's two row sums).
-    proj = jnp.mean(xhat * s_dot, axis=-1, keepdims=True)
-    xhat_dot = s_dot - xhat * proj
-    mean_dot = None
-    if norm == "layer":
-      mean_dot = jnp.mean(s_dot, axis=-1, keepdims=True)
-      xhat_dot = xhat_dot - mean_dot
-    xhat_dot = stats.rstd[..., None] * xhat_dot
+    y_dot, mean_dot, rstd_dot = _xhat_tangent(s_dot, xhat, stats.rstd, norm)
     gamma = applied_scale(scale, zero_centered_scale, sdt)
-    y_dot = xhat_dot if gamma is None else xhat_dot * gamma
-    rstd_dot = -jnp.square(stats.rstd) * proj[..., 0]
+    if gamma is not None:
+      y_dot = y_dot * gamma
   if scale_dot is not None:
     y_dot = y_dot + xhat * scale_dot.astype(sdt)
   if bias_dot is not None:
     y_dot = y_dot + bias_dot.astype(sdt)
-  rows = xhat.shape[:-1]
-  if s_dot is None:
-    mean_dot, rstd_dot = jnp.zeros(rows, sdt), jnp.zeros(rows, sdt)
-  else:
-    mean_dot = None if mean_dot is None else mean_dot[..., 0]
   stats_dot = reference.NormStats(None if norm == "rms" else mean_dot, rstd_dot)
   s_out_dot = None
   if residual is not None:
