@@ -3,8 +3,9 @@
 Two implementations of ``layer_norm``: "xla" (:mod:`pallas_norm.ops.norms.xla`: the reference's
 forward with a hand-written one-pass derivative, a ``custom_jvp``, on every backend) and the
 Pallas backward kernel of :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU,
-"interpret" anywhere), which keeps XLA's forward. ``rms_norm`` is XLA only: its kernel path was
-measured slower than XLA, and the kernel refuses it. They are the building blocks of the Flax
+"interpret" anywhere), which keeps XLA's forward. ``rms_norm`` is XLA only (the reference
+differentiated by autodiff): its kernel path and a hand-written rule were both measured slower,
+and the kernel refuses it. They are the building blocks of the Flax
 layers and the oracle shape of the fused ops.
 """
 
@@ -39,10 +40,8 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
 
   ``s = x + residual`` (or ``x``), ``y = s · rsqrt(mean(s²) + eps) · scale`` (``1 + scale`` with
   ``zero_centered_scale``). Statistics in float32 (float64 for float64 x), the values of
-  :func:`pallas_norm.reference.rms_norm`. The derivative is hand-written in the one-pass form
-  (:mod:`pallas_norm.ops.norms.xla`, DESIGN.md op 5): reverse mode makes two row sums in one
-  pass over (s, dy) and dscale as a column sum; forward mode (``jax.jvp``) and higher orders
-  work too.
+  :func:`pallas_norm.reference.rms_norm`, differentiated by JAX's autodiff (any order; a
+  hand-written one-pass rule measured slower for RMSNorm, :mod:`pallas_norm.ops.norms.xla`).
 
   Args:
     x: (..., N) bfloat16/float16/float32/float64.
@@ -84,9 +83,11 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
 
   ``s = x + residual`` (or ``x``), ``y = (s − μ) · rsqrt(σ² + eps) · scale + bias`` with the
   shifted two-pass variance in float32, the values of :func:`pallas_norm.reference.layer_norm`.
-  Derivatives as :func:`rms_norm`'s (one pass for the two row sums, dscale and dbias as column
-  sums). Arguments, returns and errors as :func:`rms_norm`, plus ``bias``: optional (N,) beta,
-  and but for ``implementation``:
+  The "xla" derivative is hand-written (:mod:`pallas_norm.ops.norms.xla`, DESIGN.md op 5): a
+  ``custom_jvp`` whose transpose makes the backward's two row sums in one pass over (s, dy) and
+  dscale/dbias as column sums; forward mode (``jax.jvp``) and higher orders work as with
+  autodiff. Arguments, returns and errors as :func:`rms_norm`, plus ``bias``: optional (N,)
+  beta, and but for ``implementation``:
 
   Args:
     implementation: None, "xla", "triton", "interpret" or a sequence of them (see

@@ -1,13 +1,14 @@
-"""The XLA path of the row norms: the reference's forward with a hand-written derivative.
+"""The XLA path of the row norms: the reference's forward, and for LayerNorm a hand-written
+derivative.
 
 :func:`normalize_rows` computes what :func:`pallas_norm.reference.rms_norm` /
-:func:`~pallas_norm.reference.layer_norm` compute (the same operations, so the same values),
-but its derivative is a ``jax.custom_jvp`` whose tangent map is written in the one-pass form
-(DESIGN.md, op 5). With ``s = x (+ residual)`` in the statistics dtype, ``r`` the rstd,
-``x̂ = (s − μ) · r`` (RMSNorm: ``s · r``) and ``γ`` the applied scale (``1 + scale`` when
-zero-centered)::
+:func:`~pallas_norm.reference.layer_norm` compute (the same operations, so the same values).
+RMSNorm is differentiated by JAX's autodiff. LayerNorm's derivative is a ``jax.custom_jvp``
+whose tangent map is written in the one-pass form (DESIGN.md, op 5). With ``s = x (+ residual)``
+in the statistics dtype, ``r`` the rstd, ``x̂ = (s − μ) · r`` and ``γ`` the applied scale
+(``1 + scale`` when zero-centered)::
 
-    ẋ̂ = r · (ṡ − mean(ṡ) − x̂ · mean(x̂ ⊙ ṡ))          (RMSNorm: no mean(ṡ) term)
+    ẋ̂ = r · (ṡ − mean(ṡ) − x̂ · mean(x̂ ⊙ ṡ))
     ẏ = ẋ̂ ⊙ γ + x̂ ⊙ γ̇ + β̇,   μ̇ = mean(ṡ),   ṙ = −r² · mean(x̂ ⊙ ṡ)
 
 Reverse mode transposes this linear map, which gives the backward a hand-written rule would
@@ -17,16 +18,19 @@ Reverse mode transposes this linear map, which gives the backward a hand-written
     dscale = Σ_rows dy ⊙ x̂,   dbias = Σ_rows dy
 
 two row sums over (x, dy) that feed ds in the same pass (applied as a chain, see
-:func:`_xhat_tangent`), and two column sums. XLA's autodiff of the reference instead makes
-seven reductions for LayerNorm, through the two-pass variance and the shift of
-:func:`pallas_norm.reference._center`.
+:func:`_xhat_tangent`), and two column sums. XLA's autodiff of the reference makes seven
+reductions instead, through the two-pass variance and the shift of
+:func:`pallas_norm.reference._center`: on the H200 (bf16, x of 1 GB, fwd+bwd) this rule takes
+2652-3220 µs where autodiff took 4354-4416 (1.37-1.64×; benchmarks/NOTES.md, "Standalone
+norms"). RMSNorm's autodiff already makes one row sum; the same rule for it measured 0.70-0.76×
+autodiff's speed and is not used (benchmarks/EXPERIMENTS.md).
 
 Why a ``custom_jvp`` and not a ``custom_vjp``: the same backward, and forward mode (``jax.jvp``,
 ``jax.hessian``, ``jax.jacfwd``) keeps working, as it did with plain autodiff; derivatives of
 any order are the derivatives of this jnp code. The tangent map rebuilds ``x̂`` from ``x`` (and
 the residual) and the float32 row statistics inside ``jax.checkpoint``, so what reverse mode
-keeps for the backward is x (, residual), the scale and the per-row statistics (LayerNorm's mean
-as the pair shift + dmean, as the reference computes it), never a float32 ``x̂`` of x's size.
+keeps for the backward is x (, residual), the scale and the per-row statistics (the mean as the
+pair shift + dmean, as the reference computes it), never a float32 ``x̂`` of x's size.
 """
 
 from __future__ import annotations
@@ -113,9 +117,9 @@ def _primal(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
   return (y, s_out, _norm_stats(stats)), stats
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7))
-def _normalize_rows(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
-  return _primal(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)[0]
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def _layer_norm_rows(x, scale, bias, residual, eps, zero_centered_scale, out_dtype):
+  return _primal(x, scale, bias, residual, "layer", eps, zero_centered_scale, out_dtype)[0]
 
 
 def _dot(t):
@@ -123,27 +127,24 @@ def _dot(t):
   return None if t is None or isinstance(t, SymbolicZero) else t
 
 
-def _xhat_tangent(s_dot, xhat, rstd, norm):
-  """``(ẋ̂, μ̇ or None, ṙ)`` for the tangent ``ṡ``, as a chain of row sums.
+def _xhat_tangent(s_dot, xhat, rstd):
+  """``(ẋ̂, μ̇, ṙ)`` for the tangent ``ṡ``, as a chain of row sums.
 
-  LayerNorm's map ``r · (I − 11ᵀ/N − x̂x̂ᵀ/N)`` is applied as ``r · P_x̂ (P_1 ṡ)``: center ``ṡ``
-  first (``u = ṡ − mean(ṡ)``), then remove its ``x̂`` part (``u − x̂ · mean(x̂ ⊙ u)``); the same
-  map, since ``x̂ ⊥ 1``. Its transpose, the backward, is then the chain ``v = g − x̂ · mean(x̂ ⊙
-  g)``, ``ds = r · (v − mean(v))``: each row sum is consumed by the next elementwise step, the
-  shape of XLA's forward LayerNorm fusion (mean, then the centered variance), and the final
-  centering leaves ``ds`` summing to zero over the row to rounding.
+  The map ``r · (I − 11ᵀ/N − x̂x̂ᵀ/N)`` is applied as ``r · P_x̂ (P_1 ṡ)``: center ``ṡ`` first
+  (``u = ṡ − mean(ṡ)``), then remove its ``x̂`` part (``u − x̂ · mean(x̂ ⊙ u)``); the same map,
+  since ``x̂ ⊥ 1``. Its transpose, the backward, is then the chain ``v = g − x̂ · mean(x̂ ⊙ g)``,
+  ``ds = r · (v − mean(v))``: each row sum is consumed by the next elementwise step, the shape
+  of XLA's forward LayerNorm (mean, then the centered variance), and the final centering leaves
+  ``ds`` summing to zero over the row to rounding.
   """
-  mean_dot = None
-  if norm == "layer":
-    mean_dot = jnp.mean(s_dot, axis=-1, keepdims=True)
-    s_dot = s_dot - mean_dot
-    mean_dot = mean_dot[..., 0]
-  proj = jnp.mean(xhat * s_dot, axis=-1, keepdims=True)
-  xhat_dot = rstd[..., None] * (s_dot - xhat * proj)
-  return xhat_dot, mean_dot, -jnp.square(rstd) * proj[..., 0]
+  mean_dot = jnp.mean(s_dot, axis=-1, keepdims=True)
+  centered_dot = s_dot - mean_dot
+  proj = jnp.mean(xhat * centered_dot, axis=-1, keepdims=True)
+  xhat_dot = rstd[..., None] * (centered_dot - xhat * proj)
+  return xhat_dot, mean_dot[..., 0], -jnp.square(rstd) * proj[..., 0]
 
 
-def _tangents(x, residual, scale, stats, x_dot, residual_dot, scale_dot, bias_dot, *, norm,
+def _tangents(x, residual, scale, stats, x_dot, residual_dot, scale_dot, bias_dot, *,
               zero_centered_scale, out_dtype):
   """The tangents of ``(y, s, NormStats)``: linear in the ``*_dot`` arguments (module
   docstring); ``x̂`` is rebuilt from x and the statistics."""
@@ -156,7 +157,7 @@ def _tangents(x, residual, scale, stats, x_dot, residual_dot, scale_dot, bias_do
   if x_dot is not None or residual_dot is not None:
     parts = [t.astype(sdt) for t in (x_dot, residual_dot) if t is not None]
     s_dot = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-    y_dot, mean_dot, rstd_dot = _xhat_tangent(s_dot, xhat, stats.rstd, norm)
+    y_dot, mean_dot, rstd_dot = _xhat_tangent(s_dot, xhat, stats.rstd)
     gamma = applied_scale(scale, zero_centered_scale, sdt)
     if gamma is not None:
       y_dot = y_dot * gamma
@@ -164,26 +165,25 @@ def _tangents(x, residual, scale, stats, x_dot, residual_dot, scale_dot, bias_do
     y_dot = y_dot + xhat * scale_dot.astype(sdt)
   if bias_dot is not None:
     y_dot = y_dot + bias_dot.astype(sdt)
-  stats_dot = reference.NormStats(None if norm == "rms" else mean_dot, rstd_dot)
+  stats_dot = reference.NormStats(mean_dot, rstd_dot)
   s_out_dot = None
   if residual is not None:
     s_out_dot = jnp.zeros(x.shape, x.dtype) if s_dot is None else s_dot.astype(x.dtype)
   return y_dot.astype(out_dtype), s_out_dot, stats_dot
 
 
-@_normalize_rows.defjvp
-def _normalize_rows_jvp(norm, eps, zero_centered_scale, out_dtype, primals, tangents):
+def _layer_norm_rows_jvp(eps, zero_centered_scale, out_dtype, primals, tangents):
   x, scale, bias, residual = primals
   x_dot, scale_dot, bias_dot, residual_dot = map(_dot, tangents)
-  out, stats = _primal(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
+  out, stats = _primal(x, scale, bias, residual, "layer", eps, zero_centered_scale, out_dtype)
   # Under jax.checkpoint, reverse mode keeps the arguments (x, residual, scale, the row
   # statistics) and rebuilds x̂ in the backward instead of keeping an x-sized float32 x̂.
   tangent_map = jax.checkpoint(functools.partial(
-      _tangents, norm=norm, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype))
+      _tangents, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype))
   return out, tangent_map(x, residual, scale, stats, x_dot, residual_dot, scale_dot, bias_dot)
 
 
-_normalize_rows.defjvp(_normalize_rows_jvp, symbolic_zeros=True)
+_layer_norm_rows.defjvp(_layer_norm_rows_jvp, symbolic_zeros=True)
 
 
 def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
@@ -201,12 +201,15 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
   Returns:
     ``y`` (..., N) in ``out_dtype``; ``s = x + residual`` in x's dtype, or None without a
     residual; :class:`pallas_norm.NormStats` in float32 (float64 for float64 x), shape
-    x.shape[:-1]. The values are those of :mod:`pallas_norm.reference` (the same operations);
-    the derivatives (any order, forward and reverse mode) come from the one-pass tangent map
-    of the module docstring, the statistics' included.
+    x.shape[:-1]. The values are those of :mod:`pallas_norm.reference` (the same operations).
+    Derivatives of any order, forward and reverse mode: LayerNorm's from the one-pass tangent
+    map of the module docstring (the statistics' included), RMSNorm's from autodiff.
 
   No validation: the public ops validate first.
   """
   out_dtype = jnp.dtype(out_dtype or x.dtype)
-  return _normalize_rows(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
-                         out_dtype)
+  if norm == "rms":  # autodiff: faster than the one-pass rule on the H200 (module docstring)
+    return _primal(x, scale, bias, residual, "rms", float(eps), bool(zero_centered_scale),
+                   out_dtype)[0]
+  return _layer_norm_rows(x, scale, bias, residual, float(eps), bool(zero_centered_scale),
+                          out_dtype)
