@@ -344,7 +344,10 @@ def _norm(case: Case, kernel: str) -> Problem:
 
 def _autodiff_norm(case: Case):
   """The reference differentiated by JAX's autodiff: what the row norms' "xla" implementation
-  was before its one-pass derivative (pallas_norm/ops/norms/xla.py), kept as that baseline."""
+  was before its one-pass derivative (pallas_norm/ops/norms/xla.py), kept as that baseline
+  (fwd+bwd only: the forward is the same operations as "xla"'s)."""
+  if case.mode != "fwd+bwd":
+    raise NotImplementedError("the forward is the 'xla' row's")
   if case.op == "layer_norm":
     return lambda x, scale, bias: reference.layer_norm(x, scale, bias)
   return lambda x, scale: reference.rms_norm(x, scale)
