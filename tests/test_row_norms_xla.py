@@ -9,6 +9,8 @@ for LayerNorm with a hand-written one-pass derivative (a custom_jvp; RMSNorm is 
   float32 statistics, out_dtype, gradients against the float32 reference within 16-bit
   rounding.
 * What reverse mode keeps for the backward: x (not an x-sized float32 x̂) and row statistics.
+* norm_matmul's and matmul_norm's "xla" LayerNorm (through the same rule): float64 values and
+  gradients equal the reference's autodiff.
 """
 
 import functools
@@ -168,3 +170,31 @@ def test_reverse_mode_keeps_x_and_row_statistics():
           if hasattr(a, "shape")]
   big = [k for k in kept if k[0] == x.shape]
   assert big == [(x.shape, jnp.dtype(jnp.bfloat16))], kept
+
+
+@pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
+def test_fused_ops_xla_layer_norm_takes_the_rule_with_the_references_values(op):
+  """The fused ops' "xla" implementations run their LayerNorm through the rule: outputs (h
+  too) and gradients of every argument equal the reference's autodiff in float64."""
+  with jax.enable_x64(True):
+    keys = jax.random.split(jax.random.key(5), 8)
+    m, k, n = 6, 12, 10
+    r = lambda i, shape, loc=0.0: loc + jax.random.normal(keys[i], shape, jnp.float64)  # noqa: E731
+    if op == "norm_matmul":
+      args = (r(0, (m, k), 0.3), r(1, (k, n)), r(2, (k,), 1.0), r(3, (k,)))
+      ours = lambda x, w, s, b: pn.norm_matmul(x, w, scale=s, norm_bias=b, norm="layer",  # noqa: E731
+                                               implementation="xla")
+      ref = lambda x, w, s, b: reference.norm_matmul(x, w, s, b, norm="layer")  # noqa: E731
+    else:
+      args = (r(0, (m, k)), r(1, (k, n)), r(2, (n,)), r(3, (m, n)), r(4, (n,), 1.0), r(5, (n,)))
+      ours = lambda *a: pn.matmul_norm(*a[:2], dense_bias=a[2], residual=a[3], scale=a[4],  # noqa: E731
+                                       norm_bias=a[5], implementation="xla", return_h=True)
+      ref = lambda *a: reference.matmul_norm(*a, norm="layer", return_h=True)  # noqa: E731
+
+    def loss(f):
+      def total(*a):
+        outs = f(*a)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return sum(jnp.sum(jnp.sin(o) * (i + 1)) for i, o in enumerate(outs))
+      return jax.jit(jax.value_and_grad(total, argnums=tuple(range(len(args)))))
+    chex.assert_trees_all_close(loss(ours)(*args), loss(ref)(*args), atol=F64_TOL, rtol=F64_TOL)
