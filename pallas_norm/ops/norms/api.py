@@ -5,8 +5,8 @@ forward with a hand-written one-pass derivative, a ``custom_jvp``, on every back
 Pallas backward kernel of :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU,
 "interpret" anywhere), which keeps XLA's forward. ``rms_norm`` is XLA only (the reference
 differentiated by autodiff): its kernel path and a hand-written rule were both measured slower,
-and the kernel refuses it. They are the building blocks of the Flax
-layers and the oracle shape of the fused ops.
+and the kernel refuses it. They are the building blocks of the Flax layers and the oracle shape
+of the fused ops.
 """
 
 from __future__ import annotations
