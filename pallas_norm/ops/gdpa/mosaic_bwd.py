@@ -19,7 +19,7 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per (sample, tile of
   Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops over every sample
   it overlaps. The scale-gradient partial sums come from the same registers.
-* **dQ fused** (:func:`_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
+* **dQ fused** (:func:`_issue_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
   shape): the dK/dV CTA of a (sample, head) holds every kv row, so dQ of a q block = dS K is
   complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway), meet
   at a barrier, and each computes and stores half of dQ's columns for the sample's rows. A few
@@ -66,10 +66,13 @@ the dQ loop, and each consumer's share of a CTA's kv tile (dK/dV) or q block (dQ
 TILE = 2 * BLOCK
 """Rows a CTA owns: kv rows in the dK/dV kernel, q rows in the dQ kernel (two consumers)."""
 
-STAGES = 2
-"""SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 (two-kernel
-version, benchmark shape) 2 stages ran 952 µs and 3 stages 968: the consumers, not the loads,
-set the pace, and the fused dK/dV/dQ kernel needs the SMEM."""
+STAGES = 3
+"""SMEM stages of each kernel's ring (two BLOCK × D tiles each): the dK/dV kernel at D = 128
+takes ~225 KB with 3 (of 227), measured faster than 2 (benchmarks/NOTES.md). Only with the
+scale-gradient partials at D = 128 (their cross-lane reduction's SMEM scratch does not fit
+beside 3) it runs :data:`MIN_STAGES`."""
+
+MIN_STAGES = 2
 
 HEAD_DIMS = (64, 128)
 """Head dims the kernels support: the two (BLOCK, D) float32 accumulators of a dK/dV consumer
@@ -116,10 +119,13 @@ def act_and_grad(activation: str, z, *, need_value: bool = True):
   (``act(z)`` is None when not ``need_value``). The derivatives are those of the jnp functions
   there (``jax.grad`` agrees: relu'(0) = 0, leaky_relu'(0) = 1)."""
   if activation == "fast_gelu":  # 0.5 z (1 + tanh(u)), u = c (z + 0.044715 z³)
-    t = jnp.tanh(_SQRT_2_OVER_PI * (z + _GELU_CUBIC * z * z * z))
+    # act' = ½(1 + t) + (1 − t²) · ½ z du/dz with u = z (c + c·a z²), so ½ z du/dz =
+    # z (½c + (3/2) c·a z²): z² shared and the constants folded (11 operations with the tanh).
+    zz = z * z
+    t = jnp.tanh(z * (_SQRT_2_OVER_PI + (_SQRT_2_OVER_PI * _GELU_CUBIC) * zz))
     half_one_t = 0.5 + 0.5 * t
-    grad = half_one_t + (0.5 * _SQRT_2_OVER_PI) * z * (1.0 - t * t) * (
-        1.0 + (3.0 * _GELU_CUBIC) * z * z)
+    half_z_du = z * (0.5 * _SQRT_2_OVER_PI + (1.5 * _SQRT_2_OVER_PI * _GELU_CUBIC) * zz)
+    grad = half_one_t + (1.0 - t * t) * half_z_du
     return (z * half_one_t if need_value else None), grad
   if activation == "gelu":  # 0.5 z (1 + erf(z / √2))
     cdf = 0.5 + 0.5 * erf_f32(z * _INV_SQRT_2)
@@ -187,6 +193,11 @@ class _Plan:
   sms: int            # CTAs a persistent grid may launch
 
   @property
+  def stages(self) -> int:
+    """Ring stages (:data:`STAGES`, :data:`MIN_STAGES` where 3 do not fit)."""
+    return MIN_STAGES if self.scale_grads and self.head_dim == 2 * BLOCK else STAGES
+
+  @property
   def fuse_dq(self) -> bool:
     """dQ inside the dK/dV kernel: a CTA holds every kv row of its (sample, head)."""
     return self.dense and self.kv_rows <= TILE and self.head_dim == 2 * BLOCK
@@ -251,12 +262,13 @@ def _operand_smem(per_consumer: int, dtype):
   return plgpu.SMEM((2, per_consumer, BLOCK, BLOCK), dtype, transforms=_tiled(BLOCK, dtype))
 
 
-def _ring_allocs(d: int, dtype) -> dict:
+def _ring_allocs(plan: _Plan) -> dict:
   """A :class:`mgpu.SharedRing` of two (BLOCK, D) tiles per stage."""
-  tile = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=_tiled(d, dtype))
+  d, dtype, stages = plan.head_dim, plan.dtype, plan.stages
+  tile = plgpu.SMEM((stages, BLOCK, d), dtype, transforms=_tiled(d, dtype))
   return dict(x=tile, w=tile,
-              produced=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # one per TMA copy
-              consumed=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES))  # one per consumer
+              produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one per TMA copy
+              consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))  # one per consumer
 
 
 def _produce_block(ring, step, is_tail, main, tail) -> None:
@@ -340,7 +352,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
 
   def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
              dq_done):
-    ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
+    ring = mgpu.SharedRing(stages=plan.stages, **ring_allocs)
 
     def producer():
       def round_(r, step):
@@ -386,15 +398,17 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
             (j,) = idxs
             col0 = (block0 + j) * BLOCK
             slot = lax.rem(step + j, 2)
-            valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
-            ready = ds_ready.at[slot] if plan.fuse_dq else None
-            partials = _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
-                                 (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
-                                 partials, ready)
+            valid = functools.partial(_box, ids, kv_lo - row0, kv_hi - row0, q_lo - col0,
+                                      q_hi - col0)
+            fused_dq = None
             if plan.fuse_dq:
-              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem, ready,
-                        dq_smem.at[wg], dq_ref.at[:, unit.h, :], col0, q_lo, q_hi)
-            return partials
+              store = functools.partial(_store_fused_dq, plan, scale=pre * post,
+                                        dq_smem=dq_smem.at[wg], dq_view=dq_ref.at[:, unit.h, :],
+                                        col0=col0, q_lo=q_lo, q_hi=q_hi)
+              fused_dq = (ds_ready.at[slot], op_smem.at[:, 1 + slot], kv_smem, store)
+            return _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
+                             (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
+                             partials, fused_dq)
 
           partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
           return step + blocks, partials
@@ -416,7 +430,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
           plgpu.copy_smem_to_gmem(smem, view.at[pl.ds(row0, BLOCK)])
         if plan.scale_grads:
           plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[unit.h, unit.pos, wg])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM free; the writes land later
 
       def round_(r, step):
         unit = unit_at(r)
@@ -433,12 +447,13 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
         return step + unit.steps
 
       pl.loop(0, plan.dkv_rounds, init_carry=jnp.int32(0))(round_)
+      plgpu.wait_smem_to_gmem(0)  # the last unit's stores complete before the kernel ends
 
     mgpu.warp_specialize(producer, consumer)
 
   pl.run_scoped(
       scoped,
-      _ring_allocs(d, dtype),
+      _ring_allocs(plan),
       plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
       _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
@@ -471,16 +486,14 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
     for c in range(d // BLOCK):
       plgpu.copy_smem_to_gmem(zero_smem, dq_view.at[pl.ds(lo + i * BLOCK, BLOCK),
                                                     pl.ds(c * BLOCK, BLOCK)])
-  plgpu.wait_smem_to_gmem(0)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, col0, q_lo,
-              q_hi) -> None:
+def _issue_fused_dq(dq_ref, ds_tiles, kv_smem, ready) -> None:
   """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK): once both
   consumers wrote their dSᵀ tile (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; each arrived on
-  ``ready`` in :func:`_dkv_step`), consumer w computes dQ[:, w·BLOCK:(w+1)·BLOCK] =
-  Σ_w' dSᵀ[w']ᵀ K[w'][:, cols] (every kv row is in the CTA) and stores the rows of the sample,
-  [q_lo, q_hi) ∩ the block. Reading the dQ accumulator waits for every WGMMA of the step.
+  ``ready``), issues consumer w's products dQ[:, w·BLOCK:(w+1)·BLOCK] = Σ_w' dSᵀ[w']ᵀ
+  K[w'][:, cols] (every kv row is in the CTA) into ``dq_ref``: two WGMMA groups.
 
   The dSᵀ tiles alternate between two slots by step: a consumer rewrites a slot two steps
   later, after the other consumer's arrival of the step between, which that consumer makes only
@@ -490,19 +503,21 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, co
   for half in range(2):  # static column slices of K's tiled SMEM
     @pl.when(wg == half)
     def _():
-      def issue(acc):
-        for w in range(2):
-          plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)),
-                      kv_smem.at[w, 0, :, pl.ds(half * BLOCK, BLOCK)])
-        return acc[...]
+      for w in range(2):
+        plgpu.wgmma(dq_ref, ds_tiles.at[w].transpose((1, 0)),
+                    kv_smem.at[w, 0, :, pl.ds(half * BLOCK, BLOCK)])
 
-      dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
-      dq_smem[...] = (dq * scale).astype(plan.dtype)
-      plgpu.commit_smem()
-      lo = jnp.maximum(q_lo - col0, 0)
-      _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
-                  dq_view.at[pl.ds(col0, BLOCK), pl.ds(half * BLOCK, BLOCK)])
+
+def _store_fused_dq(plan: _Plan, dq, scale, dq_smem, dq_view, col0, q_lo, q_hi) -> None:
+  """Stores consumer w's columns of a q block's dQ (:func:`_issue_fused_dq`), scaled, to the
+  rows of the sample, [q_lo, q_hi) ∩ the block."""
+  wg = lax.axis_index("wg")
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
+  dq_smem[...] = (dq * scale).astype(plan.dtype)
+  plgpu.commit_smem()
+  lo = jnp.maximum(q_lo - col0, 0)
+  _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
+              dq_view.at[pl.ds(col0, BLOCK), pl.ds(wg * BLOCK, BLOCK)])
 
 
 def _store_rows(tile, lo, count, window) -> None:
@@ -528,39 +543,57 @@ def _scores(a_smem, b_stage, da_smem, db_stage):
 
 
 def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
-              operand_smem, partials, ready=None):
+              operand_smem, partials, fused_dq=None):
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
   accumulator refs (the scales are applied once, at the store) and the scale-gradient row
-  partials. With fused dQ, arrives on ``ready`` once its dSᵀ tile is in SMEM and leaves the
-  WGMMAs in flight (:func:`_fused_dq` waits for them); else returns once the stage is no
-  longer read."""
+  partials; returns once no WGMMA of the step reads the stage. ``valid()`` gives the bool mask
+  of the tile's valid (kv row, q row) pairs (recomputed where used: no tile of it stays live).
+
+  The chain overlaps the tensor cores and the elementwise work: A and act' are computed from
+  Sᵀ while dAuᵀ is still in flight, the dV product is queued before dS is computed, and (fused
+  dQ: ``fused_dq = (ready, dSᵀ tiles of the slot, both consumers' K and V, store)``) dQ is
+  issued before dK and stored while dK runs."""
   dk_ref, dv_ref = acc_refs
-  s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
-  act, grad = act_and_grad(plan.activation, pre * s_t)
-  a_t = jnp.where(valid, act, 0.0).astype(plan.dtype)
-  ds_t = jnp.where(valid, da_t * grad, 0.0)
-  # WGMMA's A operand from SMEM (the interpreter has no register A; FA3's backward stages P
-  # and dS in SMEM too).
   a_smem, ds_smem = operand_smem
-  a_smem[...] = a_t
-  ds_smem[...] = ds_t.astype(plan.dtype)
-  plgpu.commit_smem()
-  if ready is not None:
+
+  def issue(s_ref, da_ref, *dq_ref):
+    plgpu.wgmma(s_ref, k_smem, q_stage.transpose((1, 0)))
+    plgpu.wgmma(da_ref, v_smem, do_stage.transpose((1, 0)))
+    s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # dAuᵀ may still be in flight
+    act, grad = act_and_grad(plan.activation, pre * s_t)
+    act = jnp.where(valid(), act, 0.0)
+    # WGMMA's A operand from SMEM (the interpreter has no register A; FA3's backward stages P
+    # and dS in SMEM too).
+    a_smem[...] = act.astype(plan.dtype)
+    plgpu.commit_smem()
+    plgpu.wgmma(dv_ref, a_smem, do_stage)
+    da_t = plgpu.wgmma_accumulator_load(da_ref, wait_n=1)  # dV may still be in flight
+    ds_t = jnp.where(valid(), da_t * grad, 0.0)
+    ds_smem[...] = ds_t.astype(plan.dtype)
+    plgpu.commit_smem()
+    new_partials = partials
+    if plan.scale_grads:
+      # d pre = post Σ (dAu ⊙ act') ⊙ Su;  d post = Σ A ⊙ dAu.
+      # Per-thread partial row sums (no cross-lane traffic in the loop); selects, not products
+      # with the masked tiles: a masked score may be NaN (a padding row of packed k).
+      # A in float32 for d post: the bfloat16 rounding of A is noise of ~2^-9 per term, as
+      # large as the cancelling sum itself can be.
+      new_partials = (
+          partials[0] + mgpu.lane_partial_sum(jnp.where(valid(), ds_t * s_t, 0.0)),
+          partials[1] + mgpu.lane_partial_sum(jnp.where(valid(), act * da_t, 0.0)))
+    if fused_dq is None:
+      plgpu.wgmma(dk_ref, ds_smem, q_stage)
+      return new_partials
+    ready, ds_tiles, kv_smem, store = fused_dq
     plgpu.barrier_arrive(ready)
-  plgpu.wgmma(dv_ref, a_smem, do_stage)
-  plgpu.wgmma(dk_ref, ds_smem, q_stage)
-  if plan.scale_grads:
-    # d pre = post Σ (dAu ⊙ act') ⊙ Su;  d post = Σ A ⊙ dAu.
-    # Per-thread partial row sums (no cross-lane traffic in the loop); selects, not products
-    # with the masked tiles: a masked score may be NaN (a padding row of packed k).
-    # A in float32 for d post: the bfloat16 rounding of A is noise of ~2^-9 per term, as large
-    # as the cancelling sum itself can be.
-    partials = (partials[0] + mgpu.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
-                partials[1] + mgpu.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
-  if ready is None:
-    plgpu.wgmma_wait(0)
-  return partials
+    _issue_fused_dq(dq_ref[0], ds_tiles, kv_smem, ready)
+    plgpu.wgmma(dk_ref, ds_smem, q_stage)
+    store(plgpu.wgmma_accumulator_load(dq_ref[0], wait_n=1))  # dK may still be in flight
+    return new_partials
+
+  accs = [plgpu.ACC((BLOCK, BLOCK))] * (2 if fused_dq is None else 3)
+  return pl.run_scoped(issue, *accs)  # waits for every WGMMA of the step at its end
 
 
 # ------------------------------------------------------------------------------------------------
@@ -584,7 +617,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
     return (k_ref.at[:, h, :], v_ref.at[:, h, :]), *_block_span(lo, hi), lo, hi
 
   def scoped(ring_allocs, qdo_smem, qdo_barrier, op_smem):
-    ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
+    ring = mgpu.SharedRing(stages=plan.stages, **ring_allocs)
 
     def producer():
       def sample(s, step):
@@ -642,7 +675,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
 
   pl.run_scoped(
       scoped,
-      _ring_allocs(d, dtype),
+      _ring_allocs(plan),
       plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its Q and dO copies
       _operand_smem(1, dtype),  # per consumer: dS
