@@ -11,19 +11,17 @@ sample b and head h, with ``Su = q kᵀ`` (the unscaled scores), ``S = pre·Su``
 Deterministic kernels (no atomics) in the shape of JAX's ``pallas/ops/gpu/attention_mgpu.py``
 backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of SMEM stages):
 
-* **dK/dV** (:func:`_dkv_kernel`), a persistent grid (one CTA per SM walking its units, the
-  ring's steps counted across them, so the producer loads the next unit's first q/dO blocks
-  while the consumers finish the current one): a unit is a kv tile of 128 rows of one head (64
-  per consumer warpgroup, K and V resident in SMEM), which loops over the q blocks (64 packed
-  rows) of the samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
+* **dK/dV** (:func:`_dkv_kernel`): a CTA owns a kv tile of 128 rows of one head (64 per consumer
+  warpgroup, K and V resident in SMEM) and loops over the q blocks (64 packed rows) of the
+  samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
   ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per (sample, tile of
   Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops over every sample
   it overlaps. The scale-gradient partial sums come from the same registers.
-* **dQ fused** (:func:`_issue_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
+* **dQ fused** (:func:`_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
   shape): the dK/dV CTA of a (sample, head) holds every kv row, so dQ of a q block = dS K is
   complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway), meet
   at a barrier, and each computes and stores half of dQ's columns for the sample's rows. A few
-  extra units write zeros over dq's padding rows.
+  extra CTAs write zeros over dq's padding rows.
 * **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
   head (64 per consumer) and loops over the kv blocks (64 rows) of every sample the block
   overlaps. Each dq row is written once by its block; rows of no sample (padding) come out as
@@ -38,9 +36,8 @@ the wrapper gathers (``*_tail``); rows of a neighbouring sample are real tokens 
 finite (a non-finite token makes the neighbour's gradients NaN too, not silently wrong ones).
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
-capacity T, except for writing zeros over dq's padding rows. The dK/dV units run longest
-first, in rounds that alternate direction over the CTAs (zig-zag), so long samples do not trail
-at the end and every CTA gets a similar sum.
+capacity T, except for writing zeros over dq's padding rows. The dK/dV tiles run
+longest first (the hardware schedules CTAs in order, so long samples do not trail at the end).
 """
 
 from __future__ import annotations
@@ -66,13 +63,10 @@ the dQ loop, and each consumer's share of a CTA's kv tile (dK/dV) or q block (dQ
 TILE = 2 * BLOCK
 """Rows a CTA owns: kv rows in the dK/dV kernel, q rows in the dQ kernel (two consumers)."""
 
-STAGES = 3
-"""SMEM stages of each kernel's ring (two BLOCK × D tiles each): the dK/dV kernel at D = 128
-takes ~225 KB with 3 (of 227), measured faster than 2 (benchmarks/NOTES.md). Only with the
-scale-gradient partials at D = 128 (their cross-lane reduction's SMEM scratch does not fit
-beside 3) it runs :data:`MIN_STAGES`."""
-
-MIN_STAGES = 2
+STAGES = 2
+"""SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 (two-kernel
+version, benchmark shape) 2 stages ran 952 µs and 3 stages 968: the consumers, not the loads,
+set the pace, and the fused dK/dV/dQ kernel needs the SMEM."""
 
 HEAD_DIMS = (64, 128)
 """Head dims the kernels support: the two (BLOCK, D) float32 accumulators of a dK/dV consumer
@@ -119,13 +113,10 @@ def act_and_grad(activation: str, z, *, need_value: bool = True):
   (``act(z)`` is None when not ``need_value``). The derivatives are those of the jnp functions
   there (``jax.grad`` agrees: relu'(0) = 0, leaky_relu'(0) = 1)."""
   if activation == "fast_gelu":  # 0.5 z (1 + tanh(u)), u = c (z + 0.044715 z³)
-    # act' = ½(1 + t) + (1 − t²) · ½ z du/dz with u = z (c + c·a z²), so ½ z du/dz =
-    # z (½c + (3/2) c·a z²): z² shared and the constants folded (11 operations with the tanh).
-    zz = z * z
-    t = jnp.tanh(z * (_SQRT_2_OVER_PI + (_SQRT_2_OVER_PI * _GELU_CUBIC) * zz))
+    t = jnp.tanh(_SQRT_2_OVER_PI * (z + _GELU_CUBIC * z * z * z))
     half_one_t = 0.5 + 0.5 * t
-    half_z_du = z * (0.5 * _SQRT_2_OVER_PI + (1.5 * _SQRT_2_OVER_PI * _GELU_CUBIC) * zz)
-    grad = half_one_t + (1.0 - t * t) * half_z_du
+    grad = half_one_t + (0.5 * _SQRT_2_OVER_PI) * z * (1.0 - t * t) * (
+        1.0 + (3.0 * _GELU_CUBIC) * z * z)
     return (z * half_one_t if need_value else None), grad
   if activation == "gelu":  # 0.5 z (1 + erf(z / √2))
     cdf = 0.5 + 0.5 * erf_f32(z * _INV_SQRT_2)
@@ -190,12 +181,6 @@ class _Plan:
   kv_tiles: int       # dense: kv tiles per sample; jagged: kv tiles of the packed rows
   activation: str
   scale_grads: bool   # write the partial sums of d pre_scale and d post_scale
-  sms: int            # CTAs a persistent grid may launch
-
-  @property
-  def stages(self) -> int:
-    """Ring stages (:data:`STAGES`, :data:`MIN_STAGES` where 3 do not fit)."""
-    return MIN_STAGES if self.scale_grads and self.head_dim == 2 * BLOCK else STAGES
 
   @property
   def fuse_dq(self) -> bool:
@@ -205,20 +190,6 @@ class _Plan:
   @property
   def dkv_items(self) -> int:
     return self.batch * self.kv_tiles if self.dense else self.kv_tiles
-
-  @property
-  def dkv_units(self) -> int:
-    """Units of the persistent dK/dV grid: (kv tile, head), then (fused dQ) the shares of
-    dq's padding rows to zero, :data:`DQ_ZERO_CTAS` per head."""
-    return self.heads * (self.dkv_items + (DQ_ZERO_CTAS if self.fuse_dq else 0))
-
-  @property
-  def dkv_ctas(self) -> int:
-    return max(1, min(self.sms, self.dkv_units))
-
-  @property
-  def dkv_rounds(self) -> int:
-    return _cdiv(self.dkv_units, self.dkv_ctas)
 
 
 def _tiled(d: int, dtype):
@@ -262,13 +233,12 @@ def _operand_smem(per_consumer: int, dtype):
   return plgpu.SMEM((2, per_consumer, BLOCK, BLOCK), dtype, transforms=_tiled(BLOCK, dtype))
 
 
-def _ring_allocs(plan: _Plan) -> dict:
+def _ring_allocs(d: int, dtype) -> dict:
   """A :class:`mgpu.SharedRing` of two (BLOCK, D) tiles per stage."""
-  d, dtype, stages = plan.head_dim, plan.dtype, plan.stages
-  tile = plgpu.SMEM((stages, BLOCK, d), dtype, transforms=_tiled(d, dtype))
+  tile = plgpu.SMEM((STAGES, BLOCK, d), dtype, transforms=_tiled(d, dtype))
   return dict(x=tile, w=tile,
-              produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one per TMA copy
-              consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))  # one per consumer
+              produced=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # one per TMA copy
+              consumed=plgpu.Barrier(num_arrivals=2, num_barriers=STAGES))  # one per consumer
 
 
 def _produce_block(ring, step, is_tail, main, tail) -> None:
@@ -288,45 +258,25 @@ def _sample_loop(first, count, body, carry):
 # dK / dV (and the scale-gradient partial sums).
 
 
-@dataclasses.dataclass(frozen=True)
-class _DkvUnit:
-  """A unit of the persistent dK/dV grid: one (kv tile, head), or (fused dQ) one share of dq's
-  padding rows to zero. ``count`` is 0 unless it is a kv tile; past the last unit nothing is
-  set."""
-  h: jax.Array
-  pos: jax.Array        # position in the work order (the scale partials' row)
-  is_item: jax.Array    # a kv tile, else a zeroing share or nothing
-  is_zero: jax.Array    # a share of dq's padding rows (fused dQ only)
-  item: jax.Array
-  first: jax.Array
-  count: jax.Array
-  steps: jax.Array      # q blocks of the tile's samples: ring steps it takes
-
-
-def _dkv_unit(plan: _Plan, order_ref, first_ref, count_ref, work_ref, round_) -> _DkvUnit:
-  """The unit of this CTA in round ``round_``: units are (position, head) in the work order
-  (longest first), rounds alternate direction over the CTAs (zig-zag)."""
-  cta, ctas = lax.axis_index("cta"), plan.dkv_ctas
-  index = round_ * ctas + jnp.where(lax.rem(round_, 2) == 0, cta, ctas - 1 - cta)
-  pos, h = lax.div(index, plan.heads), lax.rem(index, plan.heads)
-  is_item = pos < plan.dkv_items
-  is_zero = (pos >= plan.dkv_items) & (index < plan.dkv_units)
-  item = order_ref[jnp.minimum(pos, plan.dkv_items - 1)]
-  count = jnp.where(is_item, count_ref[item], 0)
-  return _DkvUnit(h=h, pos=pos, is_item=is_item, is_zero=is_zero, item=item,
-                  first=first_ref[item], count=count,
-                  steps=jnp.where(is_item, work_ref[item], 0))
-
-
-def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref, scales_ref,
-                q_ref, do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
-  """Persistent: each CTA walks its units (:func:`_dkv_unit`); the ring's steps count across
-  them, so the producer loads the next tile's first q/dO blocks during this one's epilogue."""
+def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
+                do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
   dk_ref, dv_ref = out_refs[:2]
   dq_ref = out_refs[2] if plan.fuse_dq else None
   partial_ref = out_refs[-1] if plan.scale_grads else None
   d, dtype = plan.head_dim, plan.dtype
-  unit_at = functools.partial(_dkv_unit, plan, order_ref, first_ref, count_ref, work_ref)
+  h = lax.axis_index("h")
+  cta = lax.axis_index("item")
+  is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that zeroes dq's padding rows
+  item = order_ref[jnp.minimum(cta, plan.dkv_items - 1)]
+  first, count = first_ref[item], count_ref[item]
+  if plan.dense:  # one sample; rows relative to it
+    kv_views = (k_ref.at[first, :, h, :], v_ref.at[first, :, h, :])
+    dkv_views = (dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :])
+    kv_base = lax.rem(item, plan.kv_tiles) * TILE
+  else:
+    kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
+    dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
+    kv_base = item * TILE
   tail_block = q_off_ref[plan.batch] // BLOCK  # the one q block that reaches past the last offset
 
   def q_span(s):
@@ -339,50 +289,33 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
       return 0, plan.kv_rows
     return kv_off_ref[s], kv_off_ref[s + 1]
 
-  def views(unit):
-    """(k, v views, dk, dv views, first kv row of the tile) of a kv-tile unit."""
-    h = unit.h
-    if plan.dense:  # one sample; rows relative to it
-      s = unit.first
-      return ((k_ref.at[s, :, h, :], v_ref.at[s, :, h, :]),
-              (dk_ref.at[s, :, h, :], dv_ref.at[s, :, h, :]),
-              lax.rem(unit.item, plan.kv_tiles) * TILE)
-    return ((k_ref.at[:, h, :], v_ref.at[:, h, :]), (dk_ref.at[:, h, :], dv_ref.at[:, h, :]),
-            unit.item * TILE)
-
   def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
              dq_done):
-    ring = mgpu.SharedRing(stages=plan.stages, **ring_allocs)
+    ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
-      def round_(r, step):
-        unit = unit_at(r)
+      def sample(s, step):
+        _, _, block0, blocks = q_span(s)
 
-        def sample(s, step):
-          _, _, block0, blocks = q_span(s)
+        @pl.loop(0, blocks)
+        def _(j):
+          rows = pl.ds((block0 + j) * BLOCK, BLOCK)
+          main = (q_ref.at[rows, h, :], do_ref.at[rows, h, :])
+          tail = (q_tail_ref.at[:, h, :], do_tail_ref.at[:, h, :])
+          _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
+        return step + blocks
 
-          @pl.loop(0, blocks)
-          def _(j):
-            rows = pl.ds((block0 + j) * BLOCK, BLOCK)
-            main = (q_ref.at[rows, unit.h, :], do_ref.at[rows, unit.h, :])
-            tail = (q_tail_ref.at[:, unit.h, :], do_tail_ref.at[:, unit.h, :])
-            _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
-          return step + blocks
-
-        return _sample_loop(unit.first, unit.count, sample, step)
-
-      mgpu.ring_drain(ring, pl.loop(0, plan.dkv_rounds, init_carry=jnp.int32(0))(round_))
+      pl.when(is_item)(lambda: mgpu.ring_drain(
+          ring, _sample_loop(first, count, sample, jnp.int32(0))))
 
     def consumer():
       wg = lax.axis_index("wg")
       k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
+      row0 = kv_base + wg * BLOCK
 
-      def tile(unit, first_step, dk_acc, dv_acc):
-        kv_views, dkv_views, kv_base = views(unit)
-        row0 = kv_base + wg * BLOCK
-        # The previous unit's dK/dV stores read these tiles: the unit ended waiting for them.
-        for view, smem in zip(kv_views, (k_smem, v_smem)):
-          plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], smem, kv_barrier.at[wg])
+      def with_accs(dk_acc, dv_acc):
+        for view, tile in zip(kv_views, (k_smem, v_smem)):
+          plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], tile, kv_barrier.at[wg])
         # Fused dQ reads the other consumer's K tile too: wait for both loads.
         for w in range(2) if plan.fuse_dq else (wg,):
           plgpu.barrier_wait(kv_barrier.at[w])
@@ -398,23 +331,21 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
             (j,) = idxs
             col0 = (block0 + j) * BLOCK
             slot = lax.rem(step + j, 2)
-            valid = functools.partial(_box, ids, kv_lo - row0, kv_hi - row0, q_lo - col0,
-                                      q_hi - col0)
-            fused_dq = None
+            valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
+            ready = ds_ready.at[slot] if plan.fuse_dq else None
+            partials = _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
+                                 (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
+                                 partials, ready)
             if plan.fuse_dq:
-              store = functools.partial(_store_fused_dq, plan, scale=pre * post,
-                                        dq_smem=dq_smem.at[wg], dq_view=dq_ref.at[:, unit.h, :],
-                                        col0=col0, q_lo=q_lo, q_hi=q_hi)
-              fused_dq = (ds_ready.at[slot], op_smem.at[:, 1 + slot], kv_smem, store)
-            return _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
-                             (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
-                             partials, fused_dq)
+              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem, ready,
+                        dq_smem.at[wg], dq_ref.at[:, h, :], col0, q_lo, q_hi)
+            return partials
 
           partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
           return step + blocks, partials
 
         partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
-        _, partials = _sample_loop(unit.first, unit.count, sample, (first_step, partials))
+        _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
         if plan.fuse_dq:  # the other consumer's last dQ WGMMA may still read this K tile
           plgpu.barrier_arrive(dq_done)
           plgpu.barrier_wait(dq_done)
@@ -422,38 +353,27 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
         k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
         v_smem[...] = (dv_acc[...] * post).astype(dtype)
         if plan.scale_grads:
-          # One cross-lane reduction per tile, not per step.
+          # One cross-lane reduction per CTA, not per step.
           partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
           partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
         plgpu.commit_smem()
-        for view, smem in zip(dkv_views, (k_smem, v_smem)):
-          plgpu.copy_smem_to_gmem(smem, view.at[pl.ds(row0, BLOCK)])
+        for view, tile in zip(dkv_views, (k_smem, v_smem)):
+          plgpu.copy_smem_to_gmem(tile, view.at[pl.ds(row0, BLOCK)])
         if plan.scale_grads:
-          plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[unit.h, unit.pos, wg])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM free; the writes land later
+          plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[h, cta, wg])
+        plgpu.wait_smem_to_gmem(0)
 
-      def round_(r, step):
-        unit = unit_at(r)
-
-        @pl.when(unit.is_item)
-        def _():
-          pl.run_scoped(functools.partial(tile, unit, step), plgpu.ACC((BLOCK, d)),
-                        plgpu.ACC((BLOCK, d)))
-
-        if plan.fuse_dq:
-          pl.when(unit.is_zero & (wg == 0))(lambda: _zero_dq_padding(
-              dq_ref.at[:, unit.h, :], q_off_ref[plan.batch], unit.pos - plan.dkv_items,
-              dq_smem.at[0]))
-        return step + unit.steps
-
-      pl.loop(0, plan.dkv_rounds, init_carry=jnp.int32(0))(round_)
-      plgpu.wait_smem_to_gmem(0)  # the last unit's stores complete before the kernel ends
+      pl.when(is_item)(lambda: pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)),
+                                             plgpu.ACC((BLOCK, d))))
+      if plan.fuse_dq:
+        pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
+            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0]))
 
     mgpu.warp_specialize(producer, consumer)
 
   pl.run_scoped(
       scoped,
-      _ring_allocs(plan),
+      _ring_allocs(d, dtype),
       plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
       _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
@@ -466,8 +386,8 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
 
 
 DQ_ZERO_CTAS = 16
-"""Units per head of the dK/dV grid that write zeros over dq's padding rows when dQ is fused
-into the dK/dV kernel (no kv tile owns those rows)."""
+"""CTAs per head that write zeros over dq's padding rows when dQ is fused into the dK/dV
+kernel (no other CTA owns those rows)."""
 
 
 def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
@@ -486,14 +406,16 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
     for c in range(d // BLOCK):
       plgpu.copy_smem_to_gmem(zero_smem, dq_view.at[pl.ds(lo + i * BLOCK, BLOCK),
                                                     pl.ds(c * BLOCK, BLOCK)])
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  plgpu.wait_smem_to_gmem(0)
 
 
-def _issue_fused_dq(dq_ref, ds_tiles, kv_smem, ready) -> None:
+def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, col0, q_lo,
+              q_hi) -> None:
   """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK): once both
   consumers wrote their dSᵀ tile (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; each arrived on
-  ``ready``), issues consumer w's products dQ[:, w·BLOCK:(w+1)·BLOCK] = Σ_w' dSᵀ[w']ᵀ
-  K[w'][:, cols] (every kv row is in the CTA) into ``dq_ref``: two WGMMA groups.
+  ``ready`` in :func:`_dkv_step`), consumer w computes dQ[:, w·BLOCK:(w+1)·BLOCK] =
+  Σ_w' dSᵀ[w']ᵀ K[w'][:, cols] (every kv row is in the CTA) and stores the rows of the sample,
+  [q_lo, q_hi) ∩ the block. Reading the dQ accumulator waits for every WGMMA of the step.
 
   The dSᵀ tiles alternate between two slots by step: a consumer rewrites a slot two steps
   later, after the other consumer's arrival of the step between, which that consumer makes only
@@ -503,21 +425,19 @@ def _issue_fused_dq(dq_ref, ds_tiles, kv_smem, ready) -> None:
   for half in range(2):  # static column slices of K's tiled SMEM
     @pl.when(wg == half)
     def _():
-      for w in range(2):
-        plgpu.wgmma(dq_ref, ds_tiles.at[w].transpose((1, 0)),
-                    kv_smem.at[w, 0, :, pl.ds(half * BLOCK, BLOCK)])
+      def issue(acc):
+        for w in range(2):
+          plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)),
+                      kv_smem.at[w, 0, :, pl.ds(half * BLOCK, BLOCK)])
+        return acc[...]
 
-
-def _store_fused_dq(plan: _Plan, dq, scale, dq_smem, dq_view, col0, q_lo, q_hi) -> None:
-  """Stores consumer w's columns of a q block's dQ (:func:`_issue_fused_dq`), scaled, to the
-  rows of the sample, [q_lo, q_hi) ∩ the block."""
-  wg = lax.axis_index("wg")
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
-  dq_smem[...] = (dq * scale).astype(plan.dtype)
-  plgpu.commit_smem()
-  lo = jnp.maximum(q_lo - col0, 0)
-  _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
-              dq_view.at[pl.ds(col0, BLOCK), pl.ds(wg * BLOCK, BLOCK)])
+      dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
+      dq_smem[...] = (dq * scale).astype(plan.dtype)
+      plgpu.commit_smem()
+      lo = jnp.maximum(q_lo - col0, 0)
+      _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
+                  dq_view.at[pl.ds(col0, BLOCK), pl.ds(half * BLOCK, BLOCK)])
 
 
 def _store_rows(tile, lo, count, window) -> None:
@@ -543,57 +463,39 @@ def _scores(a_smem, b_stage, da_smem, db_stage):
 
 
 def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
-              operand_smem, partials, fused_dq=None):
+              operand_smem, partials, ready=None):
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
   accumulator refs (the scales are applied once, at the store) and the scale-gradient row
-  partials; returns once no WGMMA of the step reads the stage. ``valid()`` gives the bool mask
-  of the tile's valid (kv row, q row) pairs (recomputed where used: no tile of it stays live).
-
-  The chain overlaps the tensor cores and the elementwise work: A and act' are computed from
-  Sᵀ while dAuᵀ is still in flight, the dV product is queued before dS is computed, and (fused
-  dQ: ``fused_dq = (ready, dSᵀ tiles of the slot, both consumers' K and V, store)``) dQ is
-  issued before dK and stored while dK runs."""
+  partials. With fused dQ, arrives on ``ready`` once its dSᵀ tile is in SMEM and leaves the
+  WGMMAs in flight (:func:`_fused_dq` waits for them); else returns once the stage is no
+  longer read."""
   dk_ref, dv_ref = acc_refs
+  s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
+  act, grad = act_and_grad(plan.activation, pre * s_t)
+  a_t = jnp.where(valid, act, 0.0).astype(plan.dtype)
+  ds_t = jnp.where(valid, da_t * grad, 0.0)
+  # WGMMA's A operand from SMEM (the interpreter has no register A; FA3's backward stages P
+  # and dS in SMEM too).
   a_smem, ds_smem = operand_smem
-
-  def issue(s_ref, da_ref, *dq_ref):
-    plgpu.wgmma(s_ref, k_smem, q_stage.transpose((1, 0)))
-    plgpu.wgmma(da_ref, v_smem, do_stage.transpose((1, 0)))
-    s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # dAuᵀ may still be in flight
-    act, grad = act_and_grad(plan.activation, pre * s_t)
-    act = jnp.where(valid(), act, 0.0)
-    # WGMMA's A operand from SMEM (the interpreter has no register A; FA3's backward stages P
-    # and dS in SMEM too).
-    a_smem[...] = act.astype(plan.dtype)
-    plgpu.commit_smem()
-    plgpu.wgmma(dv_ref, a_smem, do_stage)
-    da_t = plgpu.wgmma_accumulator_load(da_ref, wait_n=1)  # dV may still be in flight
-    ds_t = jnp.where(valid(), da_t * grad, 0.0)
-    ds_smem[...] = ds_t.astype(plan.dtype)
-    plgpu.commit_smem()
-    new_partials = partials
-    if plan.scale_grads:
-      # d pre = post Σ (dAu ⊙ act') ⊙ Su;  d post = Σ A ⊙ dAu.
-      # Per-thread partial row sums (no cross-lane traffic in the loop); selects, not products
-      # with the masked tiles: a masked score may be NaN (a padding row of packed k).
-      # A in float32 for d post: the bfloat16 rounding of A is noise of ~2^-9 per term, as
-      # large as the cancelling sum itself can be.
-      new_partials = (
-          partials[0] + mgpu.lane_partial_sum(jnp.where(valid(), ds_t * s_t, 0.0)),
-          partials[1] + mgpu.lane_partial_sum(jnp.where(valid(), act * da_t, 0.0)))
-    if fused_dq is None:
-      plgpu.wgmma(dk_ref, ds_smem, q_stage)
-      return new_partials
-    ready, ds_tiles, kv_smem, store = fused_dq
+  a_smem[...] = a_t
+  ds_smem[...] = ds_t.astype(plan.dtype)
+  plgpu.commit_smem()
+  if ready is not None:
     plgpu.barrier_arrive(ready)
-    _issue_fused_dq(dq_ref[0], ds_tiles, kv_smem, ready)
-    plgpu.wgmma(dk_ref, ds_smem, q_stage)
-    store(plgpu.wgmma_accumulator_load(dq_ref[0], wait_n=1))  # dK may still be in flight
-    return new_partials
-
-  accs = [plgpu.ACC((BLOCK, BLOCK))] * (2 if fused_dq is None else 3)
-  return pl.run_scoped(issue, *accs)  # waits for every WGMMA of the step at its end
+  plgpu.wgmma(dv_ref, a_smem, do_stage)
+  plgpu.wgmma(dk_ref, ds_smem, q_stage)
+  if plan.scale_grads:
+    # d pre = post Σ (dAu ⊙ act') ⊙ Su;  d post = Σ A ⊙ dAu.
+    # Per-thread partial row sums (no cross-lane traffic in the loop); selects, not products
+    # with the masked tiles: a masked score may be NaN (a padding row of packed k).
+    # A in float32 for d post: the bfloat16 rounding of A is noise of ~2^-9 per term, as large
+    # as the cancelling sum itself can be.
+    partials = (partials[0] + mgpu.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
+                partials[1] + mgpu.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
+  if ready is None:
+    plgpu.wgmma_wait(0)
+  return partials
 
 
 # ------------------------------------------------------------------------------------------------
@@ -617,7 +519,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
     return (k_ref.at[:, h, :], v_ref.at[:, h, :]), *_block_span(lo, hi), lo, hi
 
   def scoped(ring_allocs, qdo_smem, qdo_barrier, op_smem):
-    ring = mgpu.SharedRing(stages=plan.stages, **ring_allocs)
+    ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
       def sample(s, step):
@@ -675,7 +577,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
 
   pl.run_scoped(
       scoped,
-      _ring_allocs(plan),
+      _ring_allocs(d, dtype),
       plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its Q and dO copies
       _operand_smem(1, dtype),  # per consumer: dS
@@ -725,23 +627,22 @@ def _scale_array(pre_scale, post_scale):
   return jnp.stack([jnp.asarray(pre_scale, jnp.float32), jnp.asarray(post_scale, jnp.float32)])
 
 
-def _dkv_order(q_offsets, first, count):
-  """(dK/dV tiles, most q blocks first (ties keep their order); q blocks of each tile)."""
+def _dkv_order(plan: _Plan, q_offsets, first, count):
+  """dK/dV tiles, most q blocks first (ties keep their order)."""
   q_first, q_blocks = _block_span(q_offsets[:-1], q_offsets[1:])
   del q_first
   per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                            q_blocks.astype(jnp.int32)]))
-  work = (per_sample[first + count] - per_sample[first]).astype(jnp.int32)
-  return jnp.argsort(-work, stable=True).astype(jnp.int32), work
+  work = per_sample[first + count] - per_sample[first]
+  return jnp.argsort(-work, stable=True).astype(jnp.int32)
 
 
-def _call(kernel, plan: _Plan, grid: tuple[int, ...], grid_names: tuple[str, ...], out_type,
-          interpret: bool):
+def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
   return plgpu.kernel(
       functools.partial(kernel, plan=plan),
       out_type=out_type,
-      grid=grid,
-      grid_names=grid_names,
+      grid=(plan.heads, grid_items),
+      grid_names=("h", "item"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -795,8 +696,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
   if scale_grads is None:
     scale_grads = not all(isinstance(x, (int, float)) for x in (pre_scale, post_scale))
   plan = _Plan(batch=batch, heads=heads, head_dim=d, dtype=dtype, dense=dense, kv_rows=kv_rows,
-               kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads,
-               sms=mgpu.num_sms(interpret))
+               kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads)
   q_offsets = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.zeros((batch + 1,), jnp.int32) if dense else jnp.asarray(kv_offsets, jnp.int32)
   scales = _scale_array(pre_scale, post_scale)
@@ -807,14 +707,15 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     kv_first, kv_count = items // plan.kv_tiles, jnp.ones_like(items)
   else:
     kv_first, kv_count = _overlaps(kv_off, TILE, plan.dkv_items)
-  order, work = _dkv_order(q_offsets, kv_first, kv_count)
+  order = _dkv_order(plan, q_offsets, kv_first, kv_count)
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype)] * 2
   if plan.fuse_dq:
     out_type.append(jax.ShapeDtypeStruct(q.shape, dtype))
   if scale_grads:
     out_type.append(jax.ShapeDtypeStruct((heads, plan.dkv_items, 2, 2, BLOCK), jnp.float32))
-  dkv_outs = _call(_dkv_kernel, plan, (plan.dkv_ctas,), ("cta",), out_type, interpret)(
-      order, kv_first, kv_count, work, q_offsets, kv_off, scales, q, do, k, v,
+  grid_items = plan.dkv_items + (DQ_ZERO_CTAS if plan.fuse_dq else 0)
+  dkv_outs = _call(_dkv_kernel, plan, grid_items, out_type, interpret)(
+      order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
       _tail_block(q, q_offsets), _tail_block(do, q_offsets))
   dk, dv = dkv_outs[:2]
 
@@ -825,8 +726,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     q_first, q_count = _overlaps(q_offsets, TILE, q_blocks)
     # Dense k/v have no padding rows: a placeholder takes the tail's place.
     k_tail = jnp.zeros((BLOCK, heads, d), dtype) if dense else _tail_block(k, kv_off)
-    dq = _call(_dq_kernel, plan, (heads, q_blocks), ("h", "item"),
-               jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
+    dq = _call(_dq_kernel, plan, q_blocks, jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
         q_first, q_count, q_offsets, kv_off, scales, q, do, k, v, k_tail)
 
   if not scale_grads:
