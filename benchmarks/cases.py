@@ -342,6 +342,21 @@ def _norm(case: Case, kernel: str) -> Problem:
                  ref, 0.0, 0.0, ("xla", kernel, *extras))
 
 
+def _autodiff_norm(case: Case):
+  """The reference differentiated by JAX's autodiff: what the row norms' "xla" implementation
+  was before its one-pass derivative (pallas_norm/ops/norms/xla.py), kept as that baseline
+  (fwd+bwd only: the forward is the same operations as "xla"'s)."""
+  if case.mode != "fwd+bwd":
+    raise NotImplementedError("the forward is the 'xla' row's")
+  if case.op == "layer_norm":
+    return lambda x, scale, bias: reference.layer_norm(x, scale, bias)
+  return lambda x, scale: reference.rms_norm(x, scale)
+
+
+register_impl("rms_norm", "autodiff", _autodiff_norm)
+register_impl("layer_norm", "autodiff", _autodiff_norm)
+
+
 def build(case: Case, kernel: str = "mosaic") -> Problem:
   """The :class:`Problem` of ``case``; ``kernel`` names the kernel implementation to try
   ("mosaic" on a GPU, "interpret" on the CPU)."""

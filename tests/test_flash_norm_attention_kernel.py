@@ -22,7 +22,7 @@ from jax import export
 
 import pallas_norm as pn
 from pallas_norm import jagged, mgpu, reference
-from pallas_norm.ops.flash_norm_attention import mosaic
+from pallas_norm.ops.flash_norm_attention import mosaic, norm_bwd
 
 TOL = 2e-2
 F32 = jnp.float32
@@ -103,9 +103,9 @@ def test_fused_switches_match_reference(switches):
 
 
 def test_fused_gradients_match_reference():
-  """The custom_vjp (norm backwards in XLA around the GDPA backward kernel) against the f32
-  reference's gradients: q, k, v, the three affines and a traced pre_scale."""
-  q, k, v, qo, affine = _problem(2, [5, 70, 9], 2, 64)
+  """The custom_vjp (the two row kernels of norm_bwd around the GDPA backward kernel) against
+  the f32 reference's gradients: q, k, v, the three affines and a traced pre_scale."""
+  q, k, v, qo, affine = _problem(2, [5, 0, 70, 9], 2, 64)  # with an empty sample
   q = _clean(q, qo)  # a gradient at NaN inputs is NaN in the reference
   weights = jnp.sin(jnp.arange(q.size, dtype=F32)).reshape(q.shape)
 
@@ -123,6 +123,83 @@ def test_fused_gradients_match_reference():
   for name, a, g, w in zip(names, args, got, want):
     assert g.shape == a.shape and g.dtype == a.dtype, name
     assert _rel_err(g, w) < TOL, name
+
+
+@pytest.mark.parametrize("switches", [(True, True, True), (False, True, True),
+                                      (True, False, False)])
+def test_norm_backward_kernels_match_autodiff(switches):
+  """norm_bwd's two row kernels (interpret mode), with the attention replaced by attn = c·u (so
+  du_attn = c·dz), against autodiff of the reference block in float32: dq, dγ1, dβ1, dγ2, and
+  u and dz for the GDPA backward. H·D = 96 (masked columns), a row with a large mean, γ with
+  zeros, NaN padding rows in q (past ``end``), f32 kernels' inputs (the math, tight)."""
+  pre_layer_norm, inner_residual, outer_residual = switches
+  t, heads, head_dim, end, c = 40, 2, 48, 33, 0.7
+  n = heads * head_dim
+  ks = jax.random.split(jax.random.key(11), 5)
+  q = jax.random.normal(ks[0], (t, heads, head_dim), F32).at[3].add(100.0)
+  g = jax.random.normal(ks[1], (t, heads, head_dim), F32)
+  gamma1, beta1, gamma2 = (1 + 0.3 * jax.random.normal(ks[2], (n,))).at[::5].set(0.0), \
+      0.3 * jax.random.normal(ks[3], (n,)), (1 + 0.3 * jax.random.normal(ks[4], (n,))).at[::7].set(0.0)
+  qo = jnp.array([0, 12, end], jnp.int32)
+  opts = dict(eps=1e-5, out_dtype=None, pre_layer_norm=pre_layer_norm,
+              inner_residual=inner_residual, outer_residual=outer_residual)
+
+  def block(q, gamma1, beta1, gamma2, return_stats=False):
+    return reference.flash_norm_block(q, qo, lambda u: c * u, ln_scale=gamma1, ln_bias=beta1,
+                                      rms_scale=gamma2, return_stats=return_stats, **opts)
+
+  _, (ln, rms) = block(q, gamma1, beta1, gamma2, return_stats=True)
+  _, vjp = jax.vjp(block, q, gamma1, beta1, gamma2)
+  dq_ref, dg1_ref, db1_ref, dg2_ref = vjp(g)
+  zeros = jnp.zeros((t,), F32)
+  stats = jnp.stack([ln.mean, ln.rstd, rms.rstd] if ln else [zeros, zeros, rms.rstd], axis=1)
+  rows = lambda a: a.reshape(t, n)  # noqa: E731
+  q_in = rows(q).at[end:].set(jnp.nan)  # padding rows are never read as data
+  x_hat = (rows(q) - stats[:, :1]) * stats[:, 1:2]
+  u_want = jnp.where(jnp.arange(t)[:, None] < end,
+                     x_hat * gamma1 + beta1 if pre_layer_norm else rows(q), 0)
+  dz, u, dg2 = norm_bwd.rms_backward(rows(g), q_in, c * u_want, stats, (gamma1, beta1, gamma2),
+                                     jnp.int32(end), pre_layer_norm=pre_layer_norm,
+                                     inner_residual=inner_residual, interpret=True)
+  assert not bool(jnp.any(dz[end:] != 0))
+  assert _rel_err(dg2, dg2_ref) < 1e-4
+  if not pre_layer_norm:  # u = q: dq is the sum of the branches (the op does it in XLA)
+    assert u is None
+    dq = c * dz + (dz if inner_residual else 0) + (rows(g) if outer_residual else 0)
+    assert _rel_err(dq[:end], rows(dq_ref)[:end]) < 1e-4
+    return
+  assert _rel_err(u, u_want) < 1e-5
+  dq, dg1, db1 = norm_bwd.ln_backward(c * dz, dz, rows(g), q_in, stats, gamma1,
+                                      jnp.int32(end), jnp.float32(0.0),
+                                      inner_residual=inner_residual,
+                                      outer_residual=outer_residual, interpret=True)
+  assert not bool(jnp.any(dq[end:] != 0))
+  assert _rel_err(dq[:end], rows(dq_ref)[:end]) < 1e-4
+  assert _rel_err(dq[3], rows(dq_ref)[3]) < 1e-4  # the large-mean row
+  assert _rel_err(dg1, dg1_ref) < 1e-4 and _rel_err(db1, db1_ref) < 1e-4
+
+
+def test_norm_backward_lowers_for_triton():
+  """The two row kernels lower to Triton IR for an H200 (no GPU: an abstract device)."""
+  spec = jax.ShapeDtypeStruct
+  t, n, bf = 4096, 512, jnp.bfloat16
+
+  def backward(g, q, attn, stats, affine, du_attn):
+    dz, u, dg2 = norm_bwd.rms_backward(g, q, attn, stats, affine, 4000, pre_layer_norm=True,
+                                       inner_residual=True)
+    return (dz, u, dg2) + norm_bwd.ln_backward(du_attn, dz, g, q, stats, affine[0], 4000, 0.0,
+                                               inner_residual=True, outer_residual=True)
+
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                       platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  tile = spec((t, n), bf)
+  with jax.sharding.use_abstract_mesh(mesh):
+    exported = export.export(
+        jax.jit(backward), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            tile, tile, tile, spec((t, 3), F32), (spec((n,), F32),) * 3, tile)
+  assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 2
 
 
 def test_chain_for_calls_the_fused_kernel_does_not_take():
@@ -154,6 +231,7 @@ def test_dispatch_reasons():
   assert "SMEM" in mosaic.unsupported_reason(jnp.zeros((64, 8, 128), bf),
                                              jnp.zeros((2, 128, 8, 128), bf), None, None)
   assert "multiple of 64" in mosaic.unsupported_reason(q, dense[:, :96], None, None)
+  assert "zero token capacity" in mosaic.unsupported_reason(q[:0], dense, None, None)
   assert "float32" in mosaic.unsupported_reason(q.astype(F32), dense, None, None)
   offs = jnp.array([0, 10, 64], jnp.int32)
   with pytest.raises(ValueError, match="pre_layer_norm"):
@@ -161,6 +239,22 @@ def test_dispatch_reasons():
                             pre_layer_norm=False)
   with pytest.raises(TypeError, match="inner_residual"):
     pn.flash_norm_attention(q, dense, dense, offs, inner_residual="no")
+
+
+def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
+  """implementation=None's rule (api.fused_slower_reason): the fused kernel on Hopper for bf16,
+  H·D = 512, Lkv <= 128 (measured faster than the chain); elsewhere a reason."""
+  from pallas_norm import _dispatch
+  from pallas_norm.ops.flash_norm_attention import api
+  bf = jnp.bfloat16
+  q, dense = jnp.zeros((64, 4, 128), bf), jnp.zeros((2, 128, 4, 128), bf)
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: False)
+  assert "Hopper" in api.fused_slower_reason(q, dense, None, None)
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  assert api.fused_slower_reason(q, dense, None, None) is None
+  assert "H·D" in api.fused_slower_reason(q[:, :2], dense[:, :, :2], None, None)
+  assert "Lkv" in api.fused_slower_reason(q, jnp.zeros((2, 256, 4, 128), bf), None, None)
+  assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
 
 
 @pytest.mark.parametrize("heads,head_dim,save_attn,out_dtype",
@@ -221,6 +315,42 @@ def test_gpu_gradients_at_issue_shape(heads):
       *(a.astype(F32) for a in args))
   for g, w in zip(got, want):
     assert bool(jnp.all(jnp.isfinite(g))) and _rel_err(g, w) < TOL
+
+
+@pytest.mark.gpu
+def test_gpu_norm_backward_kernels():
+  """norm_bwd's row kernels compiled (Triton) at the issue's row count, H·D = 384 (masked
+  columns) and 512, bf16, against the same formulas in float32 XLA."""
+  rng = np.random.default_rng(12)
+  t, end = 202368, 200001
+  for n in (384, 512):
+    ks = jax.random.split(jax.random.key(n), 6)
+    g, q, attn, du = (jax.random.normal(kk, (t, n), F32).astype(jnp.bfloat16) for kk in ks[:4])
+    stats = jnp.stack([jax.random.normal(ks[4], (t,)), 1 + jax.random.uniform(ks[5], (t,)),
+                       0.5 + jax.random.uniform(ks[5], (t,))], axis=1)
+    affine = tuple(jnp.asarray(rng.normal(1.0, 0.2, n), F32) for _ in range(3))
+    got = jax.jit(lambda *a: norm_bwd.rms_backward(*a, pre_layer_norm=True,
+                                                   inner_residual=True))(
+        g, q, attn, stats, affine, end)
+    live = (jnp.arange(t) < end)[:, None]
+    gf, qf, af = (jnp.where(live, x.astype(F32), 0) for x in (g, q, attn))
+    u = jnp.where(live, (qf - stats[:, :1]) * stats[:, 1:2] * affine[0] + affine[1], 0)
+    z_hat = (u + af) * stats[:, 2:3]
+    gz = gf * affine[2]
+    dz = stats[:, 2:3] * (gz - z_hat * jnp.mean(gz * z_hat, axis=1, keepdims=True))
+    for a, b in ((got[0], dz), (got[1], u), (got[2], jnp.sum(gf * z_hat, axis=0))):
+      assert _rel_err(a, b) < 1e-2
+    dq, dg1, db1 = jax.jit(lambda *a: norm_bwd.ln_backward(
+        *a, inner_residual=True, outer_residual=True))(du, got[0], g, q, stats, affine[0], end,
+                                                       0.0)
+    duf = jnp.where(live, du.astype(F32) + got[0].astype(F32), 0)
+    x_hat = (qf - stats[:, :1]) * stats[:, 1:2]
+    gu = duf * affine[0]
+    want = jnp.where(live, stats[:, 1:2] * (gu - jnp.mean(gu, axis=1, keepdims=True) - x_hat
+                                            * jnp.mean(gu * x_hat, axis=1, keepdims=True)) + gf, 0)
+    assert _rel_err(dq, want) < 1e-2 and not bool(jnp.any(dq[end:] != 0))
+    assert _rel_err(dg1, jnp.sum(duf * x_hat, axis=0)) < 1e-2
+    assert _rel_err(db1, jnp.sum(duf, axis=0)) < 1e-2
 
 
 @pytest.mark.parametrize("bad_offsets,max_seq_len", [([0, 4, 40], None),  # last > T

@@ -9,9 +9,10 @@ Both norms reduce over all heads of a token. Oracle:
 
 Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: one CTA owns
 every head of a q block) where it supports the call (dense K/V, H·D small enough for SMEM), in
-one ``custom_vjp`` whose backward recomputes u from q and the saved (μ1, r1), takes z from the
-saved attention output and the saved r2, and runs the GDPA backward kernel between the two norm
-backwards in XLA (:func:`_fused_bwd_rule`). Elsewhere, where the GDPA kernel supports the call,
+one ``custom_vjp`` whose backward is two one-pass row kernels (:mod:`.norm_bwd`: the RMSNorm
+backward, which also recomputes u from q and the saved (μ1, r1), and the LayerNorm backward,
+both reading the saved statistics and attention output) around the GDPA backward kernel.
+Elsewhere, where the GDPA kernel supports the call,
 the unfused chain: the two norms in XLA around the GDPA kernel (:mod:`pallas_norm.ops.gdpa`).
 Both round the attention output to q's dtype before the inner residual adds it (the XLA path
 keeps it in float32).
@@ -28,7 +29,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_norm import _dispatch, _op, _validate, jagged, reference
-from pallas_norm.ops.flash_norm_attention import mosaic
+from pallas_norm.ops.flash_norm_attention import mosaic, norm_bwd
 from pallas_norm.ops.gdpa import api as gdpa_api
 from pallas_norm.ops.gdpa import check_args as check_attention_args
 from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
@@ -88,12 +89,14 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     _validate.flag(name, value)
   if not pre_layer_norm and (ln_scale is not None or ln_bias is not None):
     raise ValueError("ln_scale and ln_bias apply only with pre_layer_norm=True")
-  fused_reason = mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
+  fused_reason = (mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
+                  or norm_bwd.unsupported_reason(q.shape))
   impl = _dispatch.choose(
       "flash_norm_attention", implementation,
       unsupported_reason=lambda _: fused_reason and gdpa_mosaic.unsupported_reason(
           q, k, kv_offsets, max_kv_len, None),
-      slower_reason=lambda: fused_slower_reason(q, k, kv_offsets, out_dtype) and (
+      slower_reason=lambda: (fused_reason or fused_slower_reason(q, k, kv_offsets, out_dtype))
+      and (
           gdpa_api.kernel_slower_reason(q, k, kv_offsets, max_kv_len, None)))
   fused = impl != "xla" and fused_reason is None and (
       implementation is not None or fused_slower_reason(q, k, kv_offsets, out_dtype) is None)
@@ -122,14 +125,27 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
                                    max_seq_len, max_kv_len)
 
 
+FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), features=(512,), max_kv_len=128)
+"""Where ``implementation=None`` takes the fused kernel: what the H200 measured faster than the
+unfused chain, forward and forward+backward (benchmarks/NOTES.md, "flash_norm_attention"):
+bf16 q, H·D = 512 (H = 4, D = 128), dense K/V of at most 128 keys."""
+
+
 def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
   """Why ``implementation=None`` does not pick the fused kernel for a call it supports (None:
-  it does). The H200 measured the fused kernel alone faster than the unfused chain through the
-  op at the issue's shape (H = 2 and 4, forward), but the op with the fused kernel, forward and
-  forward+backward, is not measured yet (benchmarks/NOTES.md, "flash_norm_attention")."""
-  del q, k, kv_offsets, out_dtype
-  return ("the fused kernel's op path (forward and forward+backward) is not yet measured "
-          "against the chain on the H200; pass implementation='mosaic' to force it")
+  it does): outside :data:`FUSED_DEFAULT_DOMAIN` or off Hopper, the chain was not measured
+  slower."""
+  del kv_offsets  # the fused kernel takes dense K/V only (mosaic.unsupported_reason)
+  d = FUSED_DEFAULT_DOMAIN
+  features = q.shape[1] * q.shape[2]
+  if not _dispatch.on_hopper_gpu():
+    return "the fused kernel was measured only on a Hopper GPU (H200)"
+  if (jnp.dtype(q.dtype) not in d["dtypes"] or jnp.dtype(out_dtype or q.dtype) != q.dtype
+      or features not in d["features"] or k.shape[1] > d["max_kv_len"]):
+    return (f"the fused kernel was measured faster than the chain only for bf16 q and output, "
+            f"H·D in {d['features']} and Lkv <= {d['max_kv_len']}; got {jnp.dtype(q.dtype)}, "
+            f"H·D = {features}, Lkv = {k.shape[1]}; pass implementation='mosaic' to force it")
+  return None
 
 
 def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
@@ -219,46 +235,43 @@ def _fused_fwd_rule(q, k, v, offsets, affine, pre_scale, post_scale, static):
 
 
 def _fused_bwd_rule(static, saved, cotangents):
-  """The block's backward: the RMSNorm backward and the LayerNorm backward in XLA (each with its
-  per-token rowsums over H·D, the cross-head reductions), the GDPA backward kernel between them.
-  u is recomputed from q and the saved (μ1, r1), z from u and the saved attention output; the
+  """The block's backward: the RMSNorm backward (one pass, :func:`norm_bwd.rms_backward`, which
+  also recomputes u from q and the saved (μ1, r1) for the GDPA backward), the GDPA backward
+  kernel, then the LayerNorm backward (one pass, :func:`norm_bwd.ln_backward`). The per-token
+  row sums over H·D (the cross-head reductions) are register reductions over full rows; the
   weight gradients are float32 column sums (deterministic)."""
   q, k, v, offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, attn = saved
   q_offsets = offsets[1]
   d_out = cotangents[0]  # the statistics carry no gradient (the op stops it)
   t, heads, head_dim = q.shape
-  valid = jagged.valid_mask(q_offsets, t)[:, None]
-  rows = lambda a: a.reshape(t, heads * head_dim).astype(_F32)  # noqa: E731
-  g = jnp.where(valid, rows(d_out), 0)
-  qf = jnp.where(valid, rows(q), 0)
-  if static.pre_layer_norm:
-    x_hat = (qf - stats[:, :1]) * stats[:, 1:2]
-    u = x_hat * ln_scale + ln_bias
-  else:
-    u = qf
-  z = u + rows(attn) if static.inner_residual else rows(attn)
-  z_hat = z * stats[:, 2:3]
-  d_rms_scale = jnp.sum(g * z_hat, axis=0)
-  gz = g * rms_scale
-  dz = stats[:, 2:3] * (gz - z_hat * jnp.mean(gz * z_hat, axis=1, keepdims=True))
+  rows = lambda a: a.reshape(t, heads * head_dim)  # noqa: E731
+  end = jnp.clip(q_offsets[-1], 0, t).astype(jnp.int32)
+  # Padding rows of dq get 0 · post_scale: zero, or NaN where bad traced offsets poisoned the
+  # scales (the rows the made-valid offsets call padding may be real tokens of the caller's).
+  pad = 0 * post_scale
+  dz, u, d_rms_scale = norm_bwd.rms_backward(
+      rows(d_out), rows(q), rows(attn), stats,
+      (ln_scale, ln_bias, rms_scale), end, pre_layer_norm=static.pre_layer_norm,
+      inner_residual=static.inner_residual, interpret=static.interpret)
   du_attn, dk, dv, d_pre, d_post = gdpa_mosaic_bwd.gdpa_bwd(
-      u.astype(q.dtype).reshape(q.shape), k, v, q_offsets, None,
-      dz.astype(q.dtype).reshape(q.shape), activation=static.activation, pre_scale=pre_scale,
-      post_scale=post_scale, interpret=static.interpret, scale_grads=static.scale_grads)
-  du = rows(du_attn) + dz if static.inner_residual else rows(du_attn)
-  dq = g if static.outer_residual else jnp.zeros_like(g)
-  d_ln_scale = d_ln_bias = jnp.zeros_like(ln_scale)
+      q if u is None else u.reshape(q.shape), k, v, q_offsets, None, dz.reshape(q.shape),
+      activation=static.activation, pre_scale=pre_scale, post_scale=post_scale,
+      interpret=static.interpret, scale_grads=static.scale_grads)
   if static.pre_layer_norm:
-    d_ln_bias = jnp.sum(du, axis=0)
-    d_ln_scale = jnp.sum(du * x_hat, axis=0)
-    gu = du * ln_scale
-    dq = dq + stats[:, 1:2] * (gu - jnp.mean(gu, axis=1, keepdims=True)
-                               - x_hat * jnp.mean(gu * x_hat, axis=1, keepdims=True))
-  else:
-    dq = dq + du
-  # Padding rows get 0 · post_scale: zero, or NaN where bad traced offsets poisoned the scales
-  # (the rows the made-valid offsets call padding may be real tokens of the caller's).
-  dq = jnp.where(valid, dq, 0 * post_scale).reshape(q.shape).astype(q.dtype)
+    dq, d_ln_scale, d_ln_bias = norm_bwd.ln_backward(
+        rows(du_attn), dz, rows(d_out), rows(q), stats, ln_scale, end, pad,
+        inner_residual=static.inner_residual, outer_residual=static.outer_residual,
+        interpret=static.interpret)
+  else:  # u = q: dq is the sum of the branches, one elementwise pass
+    d_ln_scale = d_ln_bias = jnp.zeros_like(ln_scale)
+    dq = rows(du_attn).astype(_F32)
+    if static.inner_residual:
+      dq = dq + dz.astype(_F32)
+    if static.outer_residual:
+      dq = dq + rows(d_out).astype(_F32)
+    valid = jagged.valid_mask(q_offsets, t)[:, None]
+    dq = jnp.where(valid, dq, pad)
+  dq = dq.reshape(q.shape).astype(q.dtype)
   if d_pre is None:  # numbers given by the caller: constants, cotangents dropped
     d_pre, d_post = jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale)
   return (dq, dk, dv, None, (d_ln_scale, d_ln_bias, d_rms_scale), d_pre, d_post)

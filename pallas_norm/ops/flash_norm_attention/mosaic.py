@@ -20,7 +20,8 @@ per sample, longest first, then chunks of padding rows); a CTA walks its sample'
   then per head: u_h = LN(q_h) written over the working copy of q_h (the A operand of the
   score WGMMA; u never goes to GMEM), S = u_h K_hᵀ, act in registers, P through SMEM, O = P V_h,
   attn_h = post·O rounded to q's dtype and written over u_h, Σz² accumulated across heads with
-  z_h = u_h (f32, in registers) + attn_h. After the last head: r2, then per head
+  z_h = u_h + attn_h (u_h recomputed in f32 from the residual copy of q_h, not kept in
+  registers across the attention). After the last head: r2, then per head
   out_h = (u_h + attn_h)·r2·γ2 + q_h with u_h recomputed from the residual copy, stored with the
   row-exact TMA store (:func:`pallas_norm.mgpu.store.store_rows`), and the statistics
   (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array). The loops over the
@@ -113,6 +114,8 @@ def unsupported_reason(q, k, kv_offsets, out_dtype, save_attn: bool = True) -> s
   dtype = jnp.dtype(q.dtype)
   out_dtype = jnp.dtype(out_dtype or dtype)
   t, heads, head_dim = q.shape
+  if t == 0:
+    return "zero token capacity: no q block for the fused kernel"
   if kv_offsets is not None:
     return "jagged K/V: the fused kernel takes dense K/V only"
   if k.shape[1] == 0 or k.shape[1] % 64:
@@ -466,8 +469,8 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
   stats = _layer_norm_stats(plan, x_smem) if plan.pre_layer_norm else None
 
   def attend(head):  # u_h → attention → attn_h over u_h; returns z_h² for Σz²
-    u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
     if plan.pre_layer_norm:  # u_h over q_h: the A operand of the score WGMMA
+      u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
       x_smem.at[head][...] = u.astype(x_smem.dtype)
       plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
     o = _attend_head(plan, x_smem.at[head], smem, block * plan.uses_per_block
@@ -476,7 +479,10 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
     x_smem.at[head][...] = attn  # the WGMMAs reading u_h are done (their result was read)
     if plan.save_attn:
       stores.attn(attn, rows, head)
-    z = u + attn.astype(_F32) if plan.inner_residual else attn.astype(_F32)
+    z = attn.astype(_F32)
+    if plan.inner_residual:  # u_h again from the residual copy of q_h (as in the epilogue):
+      # an f32 u_h kept across the attention would hold 64 more registers per thread
+      z = z + _pre_norm(plan, _load_f32(res_smem.at[head]), stats, vec_smem, head)
     return z * z
 
   rms_rstd = lax.rsqrt(_sum_over_heads(plan, attend) * (1.0 / (plan.num_heads * plan.head_dim))

@@ -11,11 +11,9 @@ sample b and head h, with ``Su = q kᵀ`` (the unscaled scores), ``S = pre·Su``
 Deterministic kernels (no atomics) in the shape of JAX's ``pallas/ops/gpu/attention_mgpu.py``
 backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of SMEM stages):
 
-* **dK/dV** (:func:`_dkv_kernel`), a persistent grid (one CTA per SM walking its units, the
-  ring's steps counted across them, so the producer loads the next unit's first q/dO blocks
-  while the consumers finish the current one): a unit is a kv tile of 128 rows of one head (64
-  per consumer warpgroup, K and V resident in SMEM), which loops over the q blocks (64 packed
-  rows) of the samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
+* **dK/dV** (:func:`_dkv_kernel`): a CTA owns a kv tile of 128 rows of one head (64 per consumer
+  warpgroup, K and V resident in SMEM) and loops over the q blocks (64 packed rows) of the
+  samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
   ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per (sample, tile of
   Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops over every sample
   it overlaps. The scale-gradient partial sums come from the same registers.
@@ -23,7 +21,7 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   shape): the dK/dV CTA of a (sample, head) holds every kv row, so dQ of a q block = dS K is
   complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway), meet
   at a barrier, and each computes and stores half of dQ's columns for the sample's rows. A few
-  extra units write zeros over dq's padding rows.
+  extra CTAs write zeros over dq's padding rows.
 * **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
   head (64 per consumer) and loops over the kv blocks (64 rows) of every sample the block
   overlaps. Each dq row is written once by its block; rows of no sample (padding) come out as
@@ -38,9 +36,8 @@ the wrapper gathers (``*_tail``); rows of a neighbouring sample are real tokens 
 finite (a non-finite token makes the neighbour's gradients NaN too, not silently wrong ones).
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
-capacity T, except for writing zeros over dq's padding rows. The dK/dV units run longest
-first, in rounds that alternate direction over the CTAs (zig-zag), so long samples do not trail
-at the end and every CTA gets a similar sum.
+capacity T, except for writing zeros over dq's padding rows. The dK/dV tiles run
+longest first (the hardware schedules CTAs in order, so long samples do not trail at the end).
 """
 
 from __future__ import annotations
@@ -184,7 +181,6 @@ class _Plan:
   kv_tiles: int       # dense: kv tiles per sample; jagged: kv tiles of the packed rows
   activation: str
   scale_grads: bool   # write the partial sums of d pre_scale and d post_scale
-  sms: int            # CTAs a persistent grid may launch
 
   @property
   def fuse_dq(self) -> bool:
@@ -194,20 +190,6 @@ class _Plan:
   @property
   def dkv_items(self) -> int:
     return self.batch * self.kv_tiles if self.dense else self.kv_tiles
-
-  @property
-  def dkv_units(self) -> int:
-    """Units of the persistent dK/dV grid: (kv tile, head), then (fused dQ) the shares of
-    dq's padding rows to zero, :data:`DQ_ZERO_CTAS` per head."""
-    return self.heads * (self.dkv_items + (DQ_ZERO_CTAS if self.fuse_dq else 0))
-
-  @property
-  def dkv_ctas(self) -> int:
-    return max(1, min(self.sms, self.dkv_units))
-
-  @property
-  def dkv_rounds(self) -> int:
-    return _cdiv(self.dkv_units, self.dkv_ctas)
 
 
 def _tiled(d: int, dtype):
@@ -276,45 +258,25 @@ def _sample_loop(first, count, body, carry):
 # dK / dV (and the scale-gradient partial sums).
 
 
-@dataclasses.dataclass(frozen=True)
-class _DkvUnit:
-  """A unit of the persistent dK/dV grid: one (kv tile, head), or (fused dQ) one share of dq's
-  padding rows to zero. ``count`` is 0 unless it is a kv tile; past the last unit nothing is
-  set."""
-  h: jax.Array
-  pos: jax.Array        # position in the work order (the scale partials' row)
-  is_item: jax.Array    # a kv tile, else a zeroing share or nothing
-  is_zero: jax.Array    # a share of dq's padding rows (fused dQ only)
-  item: jax.Array
-  first: jax.Array
-  count: jax.Array
-  steps: jax.Array      # q blocks of the tile's samples: ring steps it takes
-
-
-def _dkv_unit(plan: _Plan, order_ref, first_ref, count_ref, work_ref, round_) -> _DkvUnit:
-  """The unit of this CTA in round ``round_``: units are (position, head) in the work order
-  (longest first), rounds alternate direction over the CTAs (zig-zag)."""
-  cta, ctas = lax.axis_index("cta"), plan.dkv_ctas
-  index = round_ * ctas + jnp.where(lax.rem(round_, 2) == 0, cta, ctas - 1 - cta)
-  pos, h = lax.div(index, plan.heads), lax.rem(index, plan.heads)
-  is_item = pos < plan.dkv_items
-  is_zero = (pos >= plan.dkv_items) & (index < plan.dkv_units)
-  item = order_ref[jnp.minimum(pos, plan.dkv_items - 1)]
-  count = jnp.where(is_item, count_ref[item], 0)
-  return _DkvUnit(h=h, pos=pos, is_item=is_item, is_zero=is_zero, item=item,
-                  first=first_ref[item], count=count,
-                  steps=jnp.where(is_item, work_ref[item], 0))
-
-
-def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref, scales_ref,
-                q_ref, do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
-  """Persistent: each CTA walks its units (:func:`_dkv_unit`); the ring's steps count across
-  them, so the producer loads the next tile's first q/dO blocks during this one's epilogue."""
+def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
+                do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
   dk_ref, dv_ref = out_refs[:2]
   dq_ref = out_refs[2] if plan.fuse_dq else None
   partial_ref = out_refs[-1] if plan.scale_grads else None
   d, dtype = plan.head_dim, plan.dtype
-  unit_at = functools.partial(_dkv_unit, plan, order_ref, first_ref, count_ref, work_ref)
+  h = lax.axis_index("h")
+  cta = lax.axis_index("item")
+  is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that zeroes dq's padding rows
+  item = order_ref[jnp.minimum(cta, plan.dkv_items - 1)]
+  first, count = first_ref[item], count_ref[item]
+  if plan.dense:  # one sample; rows relative to it
+    kv_views = (k_ref.at[first, :, h, :], v_ref.at[first, :, h, :])
+    dkv_views = (dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :])
+    kv_base = lax.rem(item, plan.kv_tiles) * TILE
+  else:
+    kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
+    dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
+    kv_base = item * TILE
   tail_block = q_off_ref[plan.batch] // BLOCK  # the one q block that reaches past the last offset
 
   def q_span(s):
@@ -327,50 +289,33 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
       return 0, plan.kv_rows
     return kv_off_ref[s], kv_off_ref[s + 1]
 
-  def views(unit):
-    """(k, v views, dk, dv views, first kv row of the tile) of a kv-tile unit."""
-    h = unit.h
-    if plan.dense:  # one sample; rows relative to it
-      s = unit.first
-      return ((k_ref.at[s, :, h, :], v_ref.at[s, :, h, :]),
-              (dk_ref.at[s, :, h, :], dv_ref.at[s, :, h, :]),
-              lax.rem(unit.item, plan.kv_tiles) * TILE)
-    return ((k_ref.at[:, h, :], v_ref.at[:, h, :]), (dk_ref.at[:, h, :], dv_ref.at[:, h, :]),
-            unit.item * TILE)
-
   def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
              dq_done):
     ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
-      def round_(r, step):
-        unit = unit_at(r)
+      def sample(s, step):
+        _, _, block0, blocks = q_span(s)
 
-        def sample(s, step):
-          _, _, block0, blocks = q_span(s)
+        @pl.loop(0, blocks)
+        def _(j):
+          rows = pl.ds((block0 + j) * BLOCK, BLOCK)
+          main = (q_ref.at[rows, h, :], do_ref.at[rows, h, :])
+          tail = (q_tail_ref.at[:, h, :], do_tail_ref.at[:, h, :])
+          _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
+        return step + blocks
 
-          @pl.loop(0, blocks)
-          def _(j):
-            rows = pl.ds((block0 + j) * BLOCK, BLOCK)
-            main = (q_ref.at[rows, unit.h, :], do_ref.at[rows, unit.h, :])
-            tail = (q_tail_ref.at[:, unit.h, :], do_tail_ref.at[:, unit.h, :])
-            _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
-          return step + blocks
-
-        return _sample_loop(unit.first, unit.count, sample, step)
-
-      mgpu.ring_drain(ring, pl.loop(0, plan.dkv_rounds, init_carry=jnp.int32(0))(round_))
+      pl.when(is_item)(lambda: mgpu.ring_drain(
+          ring, _sample_loop(first, count, sample, jnp.int32(0))))
 
     def consumer():
       wg = lax.axis_index("wg")
       k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
+      row0 = kv_base + wg * BLOCK
 
-      def tile(unit, first_step, dk_acc, dv_acc):
-        kv_views, dkv_views, kv_base = views(unit)
-        row0 = kv_base + wg * BLOCK
-        # The previous unit's dK/dV stores read these tiles: the unit ended waiting for them.
-        for view, smem in zip(kv_views, (k_smem, v_smem)):
-          plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], smem, kv_barrier.at[wg])
+      def with_accs(dk_acc, dv_acc):
+        for view, tile in zip(kv_views, (k_smem, v_smem)):
+          plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], tile, kv_barrier.at[wg])
         # Fused dQ reads the other consumer's K tile too: wait for both loads.
         for w in range(2) if plan.fuse_dq else (wg,):
           plgpu.barrier_wait(kv_barrier.at[w])
@@ -393,14 +338,14 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
                                  partials, ready)
             if plan.fuse_dq:
               _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem, ready,
-                        dq_smem.at[wg], dq_ref.at[:, unit.h, :], col0, q_lo, q_hi)
+                        dq_smem.at[wg], dq_ref.at[:, h, :], col0, q_lo, q_hi)
             return partials
 
           partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
           return step + blocks, partials
 
         partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
-        _, partials = _sample_loop(unit.first, unit.count, sample, (first_step, partials))
+        _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
         if plan.fuse_dq:  # the other consumer's last dQ WGMMA may still read this K tile
           plgpu.barrier_arrive(dq_done)
           plgpu.barrier_wait(dq_done)
@@ -408,31 +353,21 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
         k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
         v_smem[...] = (dv_acc[...] * post).astype(dtype)
         if plan.scale_grads:
-          # One cross-lane reduction per tile, not per step.
+          # One cross-lane reduction per CTA, not per step.
           partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
           partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
         plgpu.commit_smem()
-        for view, smem in zip(dkv_views, (k_smem, v_smem)):
-          plgpu.copy_smem_to_gmem(smem, view.at[pl.ds(row0, BLOCK)])
+        for view, tile in zip(dkv_views, (k_smem, v_smem)):
+          plgpu.copy_smem_to_gmem(tile, view.at[pl.ds(row0, BLOCK)])
         if plan.scale_grads:
-          plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[unit.h, unit.pos, wg])
+          plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[h, cta, wg])
         plgpu.wait_smem_to_gmem(0)
 
-      def round_(r, step):
-        unit = unit_at(r)
-
-        @pl.when(unit.is_item)
-        def _():
-          pl.run_scoped(functools.partial(tile, unit, step), plgpu.ACC((BLOCK, d)),
-                        plgpu.ACC((BLOCK, d)))
-
-        if plan.fuse_dq:
-          pl.when(unit.is_zero & (wg == 0))(lambda: _zero_dq_padding(
-              dq_ref.at[:, unit.h, :], q_off_ref[plan.batch], unit.pos - plan.dkv_items,
-              dq_smem.at[0]))
-        return step + unit.steps
-
-      pl.loop(0, plan.dkv_rounds, init_carry=jnp.int32(0))(round_)
+      pl.when(is_item)(lambda: pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)),
+                                             plgpu.ACC((BLOCK, d))))
+      if plan.fuse_dq:
+        pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
+            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0]))
 
     mgpu.warp_specialize(producer, consumer)
 
@@ -451,8 +386,8 @@ def _dkv_kernel(order_ref, first_ref, count_ref, work_ref, q_off_ref, kv_off_ref
 
 
 DQ_ZERO_CTAS = 16
-"""Units per head of the dK/dV grid that write zeros over dq's padding rows when dQ is fused
-into the dK/dV kernel (no kv tile owns those rows)."""
+"""CTAs per head that write zeros over dq's padding rows when dQ is fused into the dK/dV
+kernel (no other CTA owns those rows)."""
 
 
 def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
@@ -692,23 +627,22 @@ def _scale_array(pre_scale, post_scale):
   return jnp.stack([jnp.asarray(pre_scale, jnp.float32), jnp.asarray(post_scale, jnp.float32)])
 
 
-def _dkv_order(q_offsets, first, count):
-  """(dK/dV tiles, most q blocks first (ties keep their order); q blocks of each tile)."""
+def _dkv_order(plan: _Plan, q_offsets, first, count):
+  """dK/dV tiles, most q blocks first (ties keep their order)."""
   q_first, q_blocks = _block_span(q_offsets[:-1], q_offsets[1:])
   del q_first
   per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                            q_blocks.astype(jnp.int32)]))
-  work = (per_sample[first + count] - per_sample[first]).astype(jnp.int32)
-  return jnp.argsort(-work, stable=True).astype(jnp.int32), work
+  work = per_sample[first + count] - per_sample[first]
+  return jnp.argsort(-work, stable=True).astype(jnp.int32)
 
 
-def _call(kernel, plan: _Plan, grid: tuple[int, ...], grid_names: tuple[str, ...], out_type,
-          interpret: bool):
+def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
   return plgpu.kernel(
       functools.partial(kernel, plan=plan),
       out_type=out_type,
-      grid=grid,
-      grid_names=grid_names,
+      grid=(plan.heads, grid_items),
+      grid_names=("h", "item"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -762,8 +696,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
   if scale_grads is None:
     scale_grads = not all(isinstance(x, (int, float)) for x in (pre_scale, post_scale))
   plan = _Plan(batch=batch, heads=heads, head_dim=d, dtype=dtype, dense=dense, kv_rows=kv_rows,
-               kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads,
-               sms=mgpu.num_sms(interpret))
+               kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads)
   q_offsets = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.zeros((batch + 1,), jnp.int32) if dense else jnp.asarray(kv_offsets, jnp.int32)
   scales = _scale_array(pre_scale, post_scale)
@@ -774,14 +707,15 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     kv_first, kv_count = items // plan.kv_tiles, jnp.ones_like(items)
   else:
     kv_first, kv_count = _overlaps(kv_off, TILE, plan.dkv_items)
-  order, work = _dkv_order(q_offsets, kv_first, kv_count)
+  order = _dkv_order(plan, q_offsets, kv_first, kv_count)
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype)] * 2
   if plan.fuse_dq:
     out_type.append(jax.ShapeDtypeStruct(q.shape, dtype))
   if scale_grads:
     out_type.append(jax.ShapeDtypeStruct((heads, plan.dkv_items, 2, 2, BLOCK), jnp.float32))
-  dkv_outs = _call(_dkv_kernel, plan, (plan.dkv_ctas,), ("cta",), out_type, interpret)(
-      order, kv_first, kv_count, work, q_offsets, kv_off, scales, q, do, k, v,
+  grid_items = plan.dkv_items + (DQ_ZERO_CTAS if plan.fuse_dq else 0)
+  dkv_outs = _call(_dkv_kernel, plan, grid_items, out_type, interpret)(
+      order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
       _tail_block(q, q_offsets), _tail_block(do, q_offsets))
   dk, dv = dkv_outs[:2]
 
@@ -792,8 +726,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     q_first, q_count = _overlaps(q_offsets, TILE, q_blocks)
     # Dense k/v have no padding rows: a placeholder takes the tail's place.
     k_tail = jnp.zeros((BLOCK, heads, d), dtype) if dense else _tail_block(k, kv_off)
-    dq = _call(_dq_kernel, plan, (heads, q_blocks), ("h", "item"),
-               jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
+    dq = _call(_dq_kernel, plan, q_blocks, jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
         q_first, q_count, q_offsets, kv_off, scales, q, do, k, v, k_tail)
 
   if not scale_grads:

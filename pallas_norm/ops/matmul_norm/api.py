@@ -18,7 +18,8 @@ the column sums by a deterministic two-stage reduction (:func:`.xla.column_sum`)
 implementations, dh and the column sums run as one Mosaic-GPU kernel
 (:mod:`pallas_norm.ops.matmul_norm.mosaic_bwd`; its per-CTA partial sums are added in a fixed
 order) where it takes the shape, else in XLA. The ``"xla"``
-implementation is the unfused reference differentiated by JAX.
+implementation is the unfused reference's math (:func:`.xla.matmul_norm`): the GEMM
+differentiated by JAX, the norm by the one-pass rule of :mod:`pallas_norm.ops.norms.xla`.
 """
 
 from __future__ import annotations
@@ -82,9 +83,8 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
                                                   interpret=candidate == "interpret"),
       lambda: configs.kernel_slower_reason(w.shape[1], norm))
   if chosen == "xla":
-    out = reference.matmul_norm(x, w, dense_bias, residual, scale, norm_bias, norm=norm, eps=eps,
-                                out_dtype=out_dtype, return_h=return_h,
-                                return_stats=return_stats)
+    out = xla.matmul_norm(x, w, dense_bias, residual, scale, norm_bias, norm=norm, eps=eps,
+                          out_dtype=out_dtype, return_h=return_h, return_stats=return_stats)
     if return_stats:  # outputs, not a differentiable path, in every implementation
       out = (*out[:-1], jax.tree.map(lax.stop_gradient, out[-1]))
     return out

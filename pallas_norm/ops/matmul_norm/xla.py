@@ -1,12 +1,33 @@
-"""The parts of matmul_norm's kernel backward that XLA runs: the norm backward's passes (where
-the norm-backward kernel does not take the shape) and the deterministic column sums. The ``"xla"``
-implementation itself is :func:`pallas_norm.reference.matmul_norm`, differentiated by JAX."""
+"""matmul_norm in XLA: the ``"xla"`` implementation (:func:`matmul_norm`), and the parts of the
+kernel backward that XLA runs: the norm backward's passes (where the norm-backward kernel does not
+take the shape) and the deterministic column sums."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_norm import reference
+from pallas_norm.ops.norms import xla as norms_xla
+
 _F32 = jnp.float32
+
+def matmul_norm(x, w, dense_bias, residual, scale, norm_bias, *, norm, eps, out_dtype,
+                return_h, return_stats):
+  """:func:`pallas_norm.reference.matmul_norm` (the same values and outputs), with the norm's
+  derivative the one-pass rule of :mod:`pallas_norm.ops.norms.xla`: autodiff of the
+  reference's LayerNorm chains seven row reductions over h. The GEMM, the biases and the
+  residual are differentiated by JAX."""
+  out_dtype = out_dtype or x.dtype
+  h = reference._dot(x, w)  # pylint: disable=protected-access
+  for addend in (dense_bias, residual):
+    if addend is not None:
+      h = h + addend.astype(h.dtype)
+  y, _, stats = norms_xla.normalize_rows(h, scale, norm_bias, norm=norm, eps=eps,
+                                         out_dtype=out_dtype)
+  if not (return_h or return_stats):
+    return y
+  return (y,) + ((h.astype(out_dtype),) if return_h else ()) + ((stats,) if return_stats else ())
+
 
 COLUMN_SUM_BLOCK = 1024
 """Rows per first-stage block of :func:`column_sum`."""

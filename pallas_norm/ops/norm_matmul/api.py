@@ -25,8 +25,9 @@ measured faster),
 from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
 XLA.
 
-The ``"xla"`` implementation is the unfused reference (:func:`pallas_norm.reference.norm_matmul`)
-differentiated by JAX.
+The ``"xla"`` implementation is :func:`.xla.norm_matmul`: the unfused reference's math
+(:func:`pallas_norm.reference.norm_matmul`; the lazy form for 16-bit RMSNorm), differentiated by
+JAX but for the norm, which takes the one-pass rule of :mod:`pallas_norm.ops.norms.xla`.
 """
 
 from __future__ import annotations

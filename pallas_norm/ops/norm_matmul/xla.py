@@ -14,7 +14,9 @@ relative. Autodiff keeps 16-bit GEMMs in the backward. LayerNorm stays unfused: 
 subtracts ``mean ⊗ colsum(W_γ)``, whose gradient must cancel against the GEMM's for rows with a
 large mean, which plain autodiff of it does not arrange (the kernel's custom backward,
 :func:`weight_grads`, builds both from the same rounded values; without that, dw was 15-44% off
-for bf16 rows of mean 100-250).
+for bf16 rows of mean 100-250). The unfused form's norm takes the one-pass derivative of
+:mod:`pallas_norm.ops.norms.xla` (autodiff of the reference's LayerNorm chains seven row
+reductions).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_norm import reference
+from pallas_norm.ops.norms import xla as norms_xla
 
 _F32 = jnp.float32
 _16BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -32,8 +35,7 @@ def norm_matmul(x, w, scale, norm_bias, *, norm, eps, out_dtype):
   """(y (..., N), :class:`pallas_norm.NormStats`) in XLA; lazy for 16-bit RMSNorm (module
   docstring), else :func:`pallas_norm.reference.norm_matmul`."""
   if norm != "rms" or jnp.dtype(x.dtype) not in _16BIT:
-    return reference.norm_matmul(x, w, scale, norm_bias, norm=norm, eps=eps,
-                                 out_dtype=out_dtype, return_stats=True)
+    return _unfused(x, w, scale, norm_bias, norm=norm, eps=eps, out_dtype=out_dtype)
   lead, k = x.shape[:-1], x.shape[-1]
   x2 = x.reshape(-1, k)
   w_gamma, _, out_bias = fold_affine(w, scale, norm_bias, norm)
@@ -43,6 +45,15 @@ def norm_matmul(x, w, scale, norm_bias, *, norm, eps, out_dtype):
     y = y + out_bias
   y = y.astype(out_dtype or x.dtype).reshape(lead + (w.shape[1],))
   return y, reference.NormStats(None, stats.rstd.reshape(lead))
+
+
+def _unfused(x, w, scale, norm_bias, *, norm, eps, out_dtype):
+  """:func:`pallas_norm.reference.norm_matmul` (the same values: ``norm(x)·γ + β`` rounded to
+  x's dtype, then the product), with the norm's derivative the one-pass rule of
+  :mod:`pallas_norm.ops.norms.xla` instead of autodiff's chain of row reductions."""
+  xn, _, stats = norms_xla.normalize_rows(x, scale, norm_bias, norm=norm, eps=eps)
+  y = reference._dot(xn, w).astype(out_dtype or x.dtype)  # pylint: disable=protected-access
+  return y, stats
 
 
 def fold_affine(w, scale, bias, norm):

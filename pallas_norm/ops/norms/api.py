@@ -1,16 +1,18 @@
 """Standalone row norms ``rms_norm`` and ``layer_norm`` (DESIGN.md, op 5).
 
-Two implementations of ``layer_norm``: "xla" (the reference, differentiated by XLA's autodiff)
-and the Pallas backward kernel of :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA
-GPU, "interpret" anywhere), which keeps XLA's forward. ``rms_norm`` is XLA only: its kernel
-path was measured slower than XLA's autodiff, and the kernel refuses it. They are the building
-blocks of the Flax layers and the oracle shape of the fused ops.
+Two implementations of ``layer_norm``: "xla" (:mod:`pallas_norm.ops.norms.xla`: the reference's
+forward with a hand-written one-pass derivative, a ``custom_jvp``, on every backend) and the
+Pallas backward kernel of :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU,
+"interpret" anywhere), which keeps XLA's forward. ``rms_norm`` is XLA only (the reference
+differentiated by autodiff): its kernel path and a hand-written rule were both measured slower,
+and the kernel refuses it. They are the building blocks of the Flax layers and the oracle shape
+of the fused ops.
 """
 
 from __future__ import annotations
 
-from pallas_norm import _dispatch, _validate, reference
-from pallas_norm.ops.norms import triton
+from pallas_norm import _dispatch, _validate
+from pallas_norm.ops.norms import triton, xla
 
 
 def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
@@ -37,7 +39,9 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
   """RMSNorm over the last axis, with an optional fused residual add.
 
   ``s = x + residual`` (or ``x``), ``y = s · rsqrt(mean(s²) + eps) · scale`` (``1 + scale`` with
-  ``zero_centered_scale``). Statistics in float32.
+  ``zero_centered_scale``). Statistics in float32 (float64 for float64 x), the values of
+  :func:`pallas_norm.reference.rms_norm`, differentiated by JAX's autodiff (any order; a
+  hand-written one-pass rule measured slower for RMSNorm, :mod:`pallas_norm.ops.norms.xla`).
 
   Args:
     x: (..., N) bfloat16/float16/float32/float64.
@@ -63,8 +67,14 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
   """
   _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
-  return reference.rms_norm(x, scale, residual, eps=eps, zero_centered_scale=zero_centered_scale,
-                            out_dtype=out_dtype)
+  return _xla(x, scale, None, residual, "rms", eps, zero_centered_scale, out_dtype)
+
+
+def _xla(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
+  """The "xla" implementation's outputs (``y`` or ``(y, s)``), statistics dropped."""
+  y, s, _ = xla.normalize_rows(x, scale, bias, residual, norm=norm, eps=eps,
+                               zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+  return y if residual is None else (y, s)
 
 
 def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
@@ -72,16 +82,21 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   """LayerNorm over the last axis, with an optional fused residual add.
 
   ``s = x + residual`` (or ``x``), ``y = (s − μ) · rsqrt(σ² + eps) · scale + bias`` with the
-  two-pass variance in float32. Arguments, returns and errors as :func:`rms_norm`, plus
-  ``bias``: optional (N,) beta, and but for ``implementation``:
+  shifted two-pass variance in float32, the values of :func:`pallas_norm.reference.layer_norm`.
+  The "xla" derivative is hand-written (:mod:`pallas_norm.ops.norms.xla`, DESIGN.md op 5): a
+  ``custom_jvp`` whose transpose makes the backward's two row sums in one pass over (s, dy) and
+  dscale/dbias as column sums; forward mode (``jax.jvp``) and higher orders work as with
+  autodiff. Arguments, returns and errors as :func:`rms_norm`, plus ``bias``: optional (N,)
+  beta, and but for ``implementation``:
 
   Args:
     implementation: None, "xla", "triton", "interpret" or a sequence of them (see
       :mod:`pallas_norm._dispatch`). "triton" keeps XLA's forward and runs the gradient as one
       Pallas kernel (Triton lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`),
       "interpret" the same kernel in Pallas interpret mode; None picks it on a GPU only where
-      it was measured faster in training (forward + backward) than XLA's autodiff. The kernel
-      path supports reverse-mode autodiff only (``jax.jvp`` raises: it is a ``custom_vjp``).
+      it was measured faster in training (forward + backward) than "xla". The kernel path
+      supports first-order reverse mode only (it is a ``custom_vjp``: ``jax.jvp`` raises
+      TypeError, a second derivative NotImplementedError); "xla" supports every order.
 
   Raises:
     NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
@@ -92,5 +107,5 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   _validate.flag("zero_centered_scale", zero_centered_scale)
   kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
   if chosen == "xla":
-    return reference.layer_norm(x, scale, bias, residual, **kw)
+    return _xla(x, scale, bias, residual, "layer", **kw)
   return triton.layer_norm(x, scale, bias, residual, interpret=chosen == "interpret", **kw)

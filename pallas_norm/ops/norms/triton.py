@@ -25,7 +25,8 @@ cost up to ulp(mean)/std).
 RMSNorm has no kernel path: the same kernel's RMSNorm form was measured slower than XLA's
 autodiff (benchmarks/EXPERIMENTS.md), so :func:`unsupported_reason` refuses it.
 
-Forward-mode autodiff (``jax.jvp``) is not defined for this path (a ``custom_vjp``).
+Forward-mode autodiff (``jax.jvp``) is not defined for this path (a ``custom_vjp``); the "xla"
+path (:mod:`pallas_norm.ops.norms.xla`) has it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from pallas_norm import _op
+from pallas_norm.ops.norms import xla
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -123,7 +125,8 @@ def unsupported_reason(norm: str, x_shape, x_dtype, residual_dtype=None) -> str 
 DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048, min_rows=65536)
 """Where ``implementation=None`` takes the kernel: what the H200 measured faster in training
 (benchmarks/NOTES.md "Standalone norms"): bf16, no residual, N from 128 to 2048 (1.65-1.91x
-faster than XLA's autodiff at N = 128, 512, 1024, 2048), at least 65536 rows."""
+faster than XLA's autodiff at N = 128, 512, 1024, 2048; 1.09-1.27x faster than the "xla"
+path's one-pass rule at N = 128, 512, 2048 with x of 1 GB), at least 65536 rows."""
 
 
 def slower_reason(x_shape, x_dtype, has_residual: bool) -> str | None:
@@ -146,42 +149,13 @@ def slower_reason(x_shape, x_dtype, has_residual: bool) -> str | None:
 # XLA forward that also returns the statistics the backward kernel rebuilds x̂ from.
 
 
-def _stat_dtype(dtype):
-  return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-
-
-def _applied_scale(scale, zero_centered_scale: bool, sdt):
-  if scale is None:
-    return None
-  s = scale.astype(sdt)
-  return 1 + s if zero_centered_scale else s
-
-
-def _layer_stats(s, eps):
-  """(centered rows, shift, dmean, rstd): the same operations as ``reference._center`` and
-  ``reference._row_stats`` (so y matches the reference), with the mean kept as shift + dmean."""
-  shift = s[..., 0]
-  d = s - shift[..., None]
-  dmean = jnp.mean(d, axis=-1)
-  centered = d - dmean[..., None]
-  rstd = lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1) + eps)
-  return centered, shift, dmean, rstd
-
-
 def _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype):
-  """``(outputs, stats)``: outputs as the reference's (``y`` or ``(y, s)``); stats the (M,)
-  float32 rows ``(shift, dmean, rstd)``."""
-  sdt = _stat_dtype(x.dtype)
-  s = x.astype(sdt)
-  if residual is not None:
-    s = s + residual.astype(sdt)
-  centered, shift, dmean, rstd = _layer_stats(s, eps)
-  y, stats = centered * rstd[..., None], (shift, dmean, rstd)
-  gamma = _applied_scale(scale, zero_centered_scale, sdt)
-  if gamma is not None:
-    y = y * gamma
-  if bias is not None:
-    y = y + bias.astype(sdt)
+  """``(outputs, stats)``: outputs as the reference's (``y`` or ``(y, s)``, the same operations
+  as the XLA path :mod:`pallas_norm.ops.norms.xla`); stats the (M,) float32 rows
+  ``(shift, dmean, rstd)``."""
+  s = xla.residual_sum(x, residual)
+  stats = xla.row_stats(s, "layer", eps)
+  y = xla.affine(xla.normalized(s, stats), scale, bias, zero_centered_scale)
   y = y.astype(out_dtype or x.dtype)
   out = y if residual is None else (y, s.astype(x.dtype))
   m = math.prod(x.shape[:-1])
@@ -324,7 +298,7 @@ def _layer_norm_bwd(eps, zero_centered_scale, out_dtype, interpret, saved, cotan
   m = math.prod(x.shape[:-1])
   ops = _Operands(residual=residual is not None, ds_out=ds_out is not None,
                   gamma=scale is not None, dbias=bias is not None)
-  gamma = _applied_scale(scale, zero_centered_scale, jnp.float32)
+  gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
   tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
   inputs = tiles + ([gamma] if ops.gamma else []) + list(stats)
   ds, dscale, dbias = _op.first_order_only(

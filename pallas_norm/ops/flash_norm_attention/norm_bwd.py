@@ -1,0 +1,280 @@
+"""The two norm backwards of the fused block's custom_vjp, one pass over the rows each.
+
+Pallas kernels with the Triton lowering (``interpret=True`` runs them on the CPU). Rows are the
+block's tokens with all H·D features (the norms reduce across heads), so a row block holds full
+rows and both per-token row sums are register reductions; the weight gradients are per-program
+float32 partial column sums, summed by XLA afterwards (deterministic, no atomics). Nothing
+recomputes a statistic: the forward's (μ1, r1, r2) are read (DESIGN.md, op 4; the formulas of
+:func:`_rms_backward_rows` and :func:`_ln_backward_rows`).
+
+Passes and bytes (16-bit tensors of T × H·D, f32 statistics and partials aside):
+
+* :func:`rms_backward`, before the GDPA backward: reads dout, q, attn; writes dz and u (u only
+  with the LayerNorm; without it the GDPA backward takes q): 5 tensors, dγ2 in the same pass.
+* :func:`ln_backward`, after it: reads du_attn, dz (inner residual), dout (outer residual), q;
+  writes dq: 5 tensors, dγ1 and dβ1 in the same pass.
+
+Rows at or past ``end`` (the last offset: padding) read as zeros and are written as zeros (dz,
+u) or as ``pad`` (dq: ``0 · post_scale``, NaN where the op poisoned bad traced offsets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_norm import _op
+
+_F32 = jnp.float32
+MAX_ELEMENTS = 2**31 - 1
+"""The kernels index the (T, H·D) tensors with int32 element offsets."""
+MAX_FEATURES = 4096
+"""Widest row (H·D) a row block holds in registers."""
+
+
+def unsupported_reason(shape) -> str | None:
+  """Why the row kernels cannot take q of ``shape`` (T, H, D), or None."""
+  t, heads, head_dim = shape
+  if heads * head_dim > MAX_FEATURES:
+    return f"H·D = {heads * head_dim}: the norm backward holds rows of at most {MAX_FEATURES}"
+  if t * heads * head_dim > MAX_ELEMENTS:
+    return f"q has {t * heads * head_dim} elements, past the norm backward's int32 offsets"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+  """``block_m`` rows per loop step (a power of 2), ``steps`` loop steps per program (one row
+  of weight-gradient partials per program), ``num_warps`` warps per program, ``num_stages``
+  Triton's software-pipelining depth (None: Triton's default)."""
+
+  block_m: int
+  steps: int
+  num_warps: int
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    if self.block_m < 1 or self.block_m & (self.block_m - 1):
+      raise ValueError(f"block_m must be a power of 2, got {self.block_m}")
+    if self.steps < 1 or self.num_warps < 1:
+      raise ValueError(f"steps and num_warps must be positive, got {self.steps}, "
+                       f"{self.num_warps}")
+
+
+def pick_config(features: int, interpret: bool) -> RowConfig:
+  """~8K elements per step (full rows padded to a power of 2: 32 registers per operand and
+  thread with 8 warps) and 8 steps per program: many short programs (~1.6k at the issue's
+  shape, ~12 per SM), so occupancy rather than an in-program prefetch covers memory latency,
+  and 128 rows per partial row keep the partials (T / 128 × H·D f32) small."""
+  n_pad = pl.next_power_of_2(features)
+  block_m = max(1, min(16, 8192 // n_pad))
+  return RowConfig(block_m=block_m, steps=2 if interpret else 8,
+                   num_warps=4 if block_m * n_pad <= 2048 else 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Switches:
+  pre_layer_norm: bool
+  inner_residual: bool
+  outer_residual: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """One step's row block: loaders of full-row tiles and per-row values (zeros past ``end``)
+  and the store of a tile (rows below T)."""
+
+  rows: jax.Array
+  cols: jax.Array
+  live: jax.Array  # rows < end: the tokens
+  inside: jax.Array  # rows < T
+  col_mask: jax.Array | None
+
+  @classmethod
+  def at(cls, first_row, block_m, n, n_pad, end, capacity):
+    rows = first_row + jnp.arange(block_m)
+    cols = jnp.arange(n_pad)
+    return cls(rows=rows, cols=cols, live=rows < end, inside=rows < capacity,
+               col_mask=None if n == n_pad else cols < n)
+
+  def _mask(self, row_mask):
+    mask = jnp.broadcast_to(row_mask[:, None], (self.rows.shape[0], self.cols.shape[0]))
+    return mask if self.col_mask is None else mask & self.col_mask[None, :]
+
+  def tile(self, ref):
+    return pltriton.load(ref.at[self.rows[:, None], self.cols[None, :]],
+                         mask=self._mask(self.live), other=0.0).astype(_F32)
+
+  def row(self, ref):
+    return pltriton.load(ref.at[self.rows], mask=self.live, other=0.0)[:, None]
+
+  def store(self, ref, value):
+    pltriton.store(ref.at[self.rows[:, None], self.cols[None, :]], value.astype(ref.dtype),
+                   mask=self._mask(self.inside))
+
+
+def _col(ref, n, n_pad):
+  cols = jnp.arange(n_pad)
+  return pltriton.load(ref.at[cols], mask=cols < n, other=0.0)[None, :]
+
+
+def _rms_backward_rows(r, blk: _Rows, sw: _Switches, vecs, n: int):
+  """dz of one row block, u (f32, zeros on padding rows) and dγ2's summand ``g · ẑ``::
+
+      u = (q − μ1)·r1·γ1 + β1 (or q),   z = u + attn (or attn),   ẑ = z·r2
+      dz = r2 · (g·γ2 − ẑ · mean(g·γ2·ẑ))
+  """
+  gamma1, beta1, gamma2 = vecs
+  u = blk.tile(r["q"])
+  if sw.pre_layer_norm:
+    u = (u - blk.row(r["mean"])) * blk.row(r["rstd1"]) * gamma1 + beta1
+    u = jnp.where(blk.live[:, None], u, 0.0)  # β1 must not reach the padding rows
+  attn = blk.tile(r["attn"])
+  rstd2 = blk.row(r["rstd2"])
+  z_hat = ((u + attn) if sw.inner_residual else attn) * rstd2
+  g = blk.tile(r["g"])
+  gz = g * gamma2  # zero on masked rows and columns: they add nothing to the sums
+  dz = rstd2 * (gz - z_hat * (jnp.sum(gz * z_hat, axis=1, keepdims=True) / n))
+  return dz, u, g * z_hat
+
+
+def _ln_backward_rows(r, blk: _Rows, sw: _Switches, gamma1, pad, n: int):
+  """dq of one row block and the summands of dγ1 (``du · x̂``) and dβ1 (``du``)::
+
+      du = du_attn + dz (or du_attn),   x̂ = (q − μ1)·r1,   gu = du·γ1
+      dq = r1 · (gu − mean(gu) − x̂ · mean(gu·x̂)) + g (outer residual)
+  """
+  du = blk.tile(r["du_attn"])
+  if sw.inner_residual:
+    du = du + blk.tile(r["dz"])
+  rstd1 = blk.row(r["rstd1"])
+  x_hat = (blk.tile(r["q"]) - blk.row(r["mean"])) * rstd1
+  gu = du * gamma1
+  dq = rstd1 * (gu - jnp.sum(gu, axis=1, keepdims=True) / n
+                - x_hat * (jnp.sum(gu * x_hat, axis=1, keepdims=True) / n))
+  if sw.outer_residual:
+    dq = dq + blk.tile(r["g"])
+  return jnp.where(blk.live[:, None], dq, pad), du * x_hat, du
+
+
+def _row_kernel(*refs, names, body, partials: int, n: int, capacity: int, cfg: RowConfig):
+  """One program: ``cfg.steps`` row blocks; ``body(refs, block) -> ({output name: tile},
+  summands)``; the summands' column sums are accumulated over the steps and written once."""
+  r = dict(zip(names, refs, strict=True))
+  pid = pl.program_id(0)
+  n_pad = pl.next_power_of_2(n)
+  end = r["end"][0]
+
+  def step(i, accs):
+    first = (pid * cfg.steps + i) * cfg.block_m
+    blk = _Rows.at(first, cfg.block_m, n, n_pad, end, capacity)
+    stores, summands = body(r, blk)
+    for name, value in stores.items():
+      blk.store(r[name], value)
+    return tuple(a + s for a, s in zip(accs, summands))
+
+  zeros = jnp.zeros((cfg.block_m, n_pad), _F32)
+  accs = lax.fori_loop(0, cfg.steps, step, (zeros,) * partials)
+  cols = jnp.arange(n_pad)
+  for j, acc in enumerate(accs):
+    pltriton.store(r[f"part{j}"].at[pid * n_pad + cols], jnp.sum(acc, axis=0), mask=cols < n)
+
+
+def _call(name, body, inputs: dict, outputs: dict, partials: int, n: int, capacity: int,
+          interpret: bool, cfg: RowConfig | None):
+  """Runs :func:`_row_kernel` over all rows; returns the outputs and the column sums."""
+  cfg = cfg or pick_config(n, interpret)
+  programs = pl.cdiv(capacity, cfg.block_m * cfg.steps)
+  n_pad = pl.next_power_of_2(n)
+  part = jax.ShapeDtypeStruct((programs * n_pad,), _F32)
+  out_shape = list(outputs.values()) + [part] * partials
+  names = list(inputs) + list(outputs) + [f"part{j}" for j in range(partials)]
+  kernel = functools.partial(_row_kernel, names=names, body=body, partials=partials, n=n,
+                             capacity=capacity, cfg=cfg)
+  outs = _op.first_order_only("flash_norm_attention", lambda *a: pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(programs,), interpret=interpret, name=name,
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages))(*a),
+      *inputs.values())
+  tiles, parts = outs[:len(outputs)], outs[len(outputs):]
+  sums = [jnp.sum(p.reshape(programs, n_pad)[:, :n], axis=0) for p in parts]
+  return list(tiles), sums
+
+
+def _vectors(names, r, n):
+  n_pad = pl.next_power_of_2(n)
+  return tuple(_col(r[name], n, n_pad) for name in names)
+
+
+def rms_backward(g, q, attn, stats, affine, end, *, pre_layer_norm: bool, inner_residual: bool,
+                 interpret: bool = False, config: RowConfig | None = None):
+  """The RMSNorm backward and u for the GDPA backward, one pass.
+
+  Args:
+    g: (T, N) cotangent of the output (N = H·D), 16-bit; q, attn: (T, N) in q's dtype (attn
+      as the forward kernel saved it).
+    stats: (T, 3) float32 (μ1, r1, r2) of the forward.
+    affine: float32 (γ1, β1, γ2), each (N,).
+    end: int32 scalar, the first padding row.
+    interpret: run in Pallas interpret mode; config: tiling (default :func:`pick_config`).
+
+  Returns:
+    ``(dz, u, dγ2)``: dz (T, N) and u (T, N) in q's dtype (u is None without the LayerNorm:
+    u = q), dγ2 (N,) float32; padding rows of dz and u are zeros.
+  """
+  capacity, n = q.shape
+  sw = _Switches(pre_layer_norm, inner_residual, True)
+  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32), g=g, q=q, attn=attn,
+                mean=stats[:, 0], rstd1=stats[:, 1], rstd2=stats[:, 2], gamma1=affine[0],
+                beta1=affine[1], gamma2=affine[2])
+  tile = jax.ShapeDtypeStruct((capacity, n), q.dtype)
+  outputs = dict(dz=tile, **(dict(u=tile) if pre_layer_norm else {}))
+
+  def body(r, blk):
+    dz, u, summand = _rms_backward_rows(
+        r, blk, sw, _vectors(("gamma1", "beta1", "gamma2"), r, n), n)
+    return dict(dz=dz, **(dict(u=u) if pre_layer_norm else {})), (summand,)
+
+  tiles, (d_gamma2,) = _call("fna_rms_backward", body, inputs, outputs, 1, n, capacity,
+                             interpret, config)
+  return tiles[0], tiles[1] if pre_layer_norm else None, d_gamma2
+
+
+def ln_backward(du_attn, dz, g, q, stats, gamma1, end, pad, *, inner_residual: bool,
+                outer_residual: bool, interpret: bool = False, config: RowConfig | None = None):
+  """The LayerNorm backward with both residual branches, one pass.
+
+  Args:
+    du_attn: (T, N) gradient of u through the attention (the GDPA backward's dq).
+    dz: (T, N) the RMSNorm backward's dz (read with the inner residual; else may be None).
+    g: (T, N) cotangent of the output (read with the outer residual; else may be None).
+    q: (T, N); stats: (T, 3) float32 (μ1, r1, ·); gamma1: (N,) float32.
+    end: int32 scalar, the first padding row; pad: float32 scalar written to dq's padding rows.
+    interpret, config: as :func:`rms_backward`.
+
+  Returns:
+    ``(dq, dγ1, dβ1)``: dq (T, N) in q's dtype, dγ1 and dβ1 (N,) float32.
+  """
+  capacity, n = q.shape
+  sw = _Switches(True, inner_residual, outer_residual)
+  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32),
+                pad=jnp.reshape(pad, (1,)).astype(_F32), du_attn=du_attn,
+                **(dict(dz=dz) if inner_residual else {}),
+                **(dict(g=g) if outer_residual else {}),
+                q=q, mean=stats[:, 0], rstd1=stats[:, 1], gamma1=gamma1)
+  outputs = dict(dq=jax.ShapeDtypeStruct((capacity, n), q.dtype))
+
+  def body(r, blk):
+    dq, d_scale, d_bias = _ln_backward_rows(r, blk, sw, _vectors(("gamma1",), r, n)[0],
+                                            r["pad"][0], n)
+    return dict(dq=dq), (d_scale, d_bias)
+
+  (dq,), (d_gamma1, d_beta1) = _call("fna_ln_backward", body, inputs, outputs, 2, n,
+                                     capacity, interpret, config)
+  return dq, d_gamma1, d_beta1
