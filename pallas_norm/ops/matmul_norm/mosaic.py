@@ -78,6 +78,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu
 from pallas_norm.mgpu import TileConfig
+from pallas_norm.mgpu import gemm as gemm_core
 
 __all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
            "matmul_norm_fwd", "launch"]
@@ -93,7 +94,6 @@ MAX_N_TILES = 4
 
 MAX_N = max(CLUSTER_SIZES) * MAX_N_TILES * MAX_TILE_N
 
-_SMEM_SLACK = 4096  # barriers + the scratch Mosaic reserves for cross-lane reductions.
 _EXTRA_SLOTS = 2  # staging slots for h / x̂ tiles: one being written while one is stored
 # A TMA copy into an 8-row-tiled SMEM tile needs the global row count to be a multiple of 8; the
 # rows past M in the last row tile are then zero-filled on load and dropped on store by TMA.
@@ -118,14 +118,21 @@ class _Plan:
   cfg: TileConfig
   cluster: int
   n_tiles: int  # N tiles per CTA: the CTA's columns are n_tiles · tile_n
-  stages: int
   num_clusters: int
-  chained: bool = False  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
   exchange: str = "pull"  # see matmul_norm_fwd's ``exchange``
+  kloop: gemm_core.KLoop | None = None  # set by _make_plan once the SMEM is known
+
+  @property
+  def stages(self) -> int:
+    return self.kloop.stages
+
+  @property
+  def chained(self) -> bool:  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
+    return self.kloop.chained
 
   @property
   def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu.plan_delay_release(self.cfg, self.stages)
+    return self.kloop.delay_release
 
   @property
   def n_partials(self) -> int:  # per-row partial statistics exchanged in the cluster
@@ -244,16 +251,38 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
                     pipeline="ring" if n_tiles == 1 else "pallas")
 
 
-def _smem_bytes_besides_pipeline(p: _Plan) -> int:
-  cfg = p.cfg
-  out_b = p.out_dtype.itemsize
-  io = 2 * cfg.wg_tile_m * cfg.tile_n * out_b
-  extra = 2 * _EXTRA_SLOTS * cfg.epi_tile_m * cfg.epi_tile_n * out_b if p.extras else 0
-  vec = 2 * len(p.vecs) * cfg.tile_n * 4
-  stats = 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
-  exchange = _exchange_smem_bytes(p)
-  tile_stats = 2 * p.n_tiles * p.n_partials * cfg.wg_tile_m * 4 * (p.n_tiles > 1)
-  return io + extra + vec + stats + exchange + tile_stats + _SMEM_SLACK
+def _streams(cfg: TileConfig, dtype) -> list[gemm_core.Stream]:
+  """x (tile_m, tile_k) and w (tile_k, tile_n) per K step (M is padded to whole 8-row groups,
+  so both are tiled for WGMMA)."""
+  transforms = mgpu.swizzle_transforms(cfg.tile_k, dtype)
+  return [gemm_core.Stream((cfg.tile_m, cfg.tile_k), dtype, 1, transforms),
+          gemm_core.Stream((cfg.tile_k, cfg.tile_n), dtype, 0, transforms)]
+
+
+def _smem(plan: _Plan) -> dict:
+  """SMEM besides the stages, per consumer warpgroup: the residual-in / y-out tile as column
+  chunks (a TMA copy needs a contiguous SMEM window), the h / x̂ staging slots, the column
+  vectors, the statistics, the cluster exchange, and with several N tiles per CTA each tile's
+  partials and the barrier of the second pass's reloads. Load barriers: one arrival per TMA
+  copy (each copy arrives with its byte count)."""
+  cfg = plan.cfg
+  wg_m, epi_m, epi_n = cfg.wg_tile_m, cfg.epi_tile_m, cfg.epi_tile_n
+  out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype)
+  multi = plan.n_tiles > 1
+  return dict(
+      io_smem=plgpu.SMEM((2, cfg.tile_n // epi_n, wg_m, epi_n), plan.out_dtype,
+                         transforms=out_transforms),
+      extra_smem=(plgpu.SMEM((2, _EXTRA_SLOTS, epi_m, epi_n), plan.out_dtype,
+                             transforms=out_transforms) if plan.extras else None),
+      vec_smem=plgpu.SMEM((2, len(plan.vecs), cfg.tile_n), jnp.float32) if plan.vecs else None,
+      load_barrier=(plgpu.Barrier(num_arrivals=plan.n_loads, num_barriers=2)
+                    if plan.n_loads else None),
+      stat_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32) if plan.n_stats else None,
+      ex_allocs=_exchange_allocs(plan),
+      tile_stats=(plgpu.SMEM((2, plan.n_tiles, plan.n_partials, wg_m), jnp.float32)
+                  if multi else None),
+      reload_barrier=(plgpu.Barrier(num_arrivals=plan.n_reloads, num_barriers=2)
+                      if multi else None))
 
 
 _UNUSED_OPTIONS = ("stats_once", "grid_minor_dim", "grid_tile_width")
@@ -278,15 +307,10 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
   plan = _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
                eps=float(eps), vecs=vecs, has_residual=has_residual, return_h=return_h,
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
-               n_tiles=n_tiles, stages=0, num_clusters=0, exchange=exchange)
-  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
-  free = mgpu.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
-  if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
-    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM")
-  stages, chained = mgpu.stages_for(
-      cfg, plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes))
+               n_tiles=n_tiles, num_clusters=0, exchange=exchange)
+  kloop = gemm_core.plan_k_loop(cfg, _streams(cfg, plan.dtype), plan.k_iters, _smem(plan))
   num_clusters = mgpu.persistent_clusters(cluster, plan.m_iters, interpret)
-  return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
+  return dataclasses.replace(plan, kloop=kloop, num_clusters=num_clusters)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -426,15 +450,6 @@ def _exchange_allocs(plan: _Plan):
                for _ in range(2))
   return dict(part=part, full=cluster_bar(), empty=cluster_bar(),
               rows=plgpu.SMEM((2, 2, rows), jnp.float32))
-
-
-def _exchange_smem_bytes(plan: _Plan) -> int:
-  if plan.cluster == 1:
-    return 0
-  rows = plan.cfg.wg_tile_m
-  if plan.exchange == "push":
-    return 2 * plan.cluster * rows * _PACKET_COLS * 4
-  return 2 * (plan.n_partials + 2) * rows * 4
 
 
 def _pack(plan: _Plan, partials):
@@ -814,6 +829,75 @@ def _row_block_epilogues(c: "_KernelRefs", io):
 
   return types.SimpleNamespace(epilogue=_epilogue, first_pass=_first_pass, second_pass=_second_pass, prefetch_residual_chunk=_prefetch_residual_chunk, prefetch_epilogue_inputs=_prefetch_epilogue_inputs, residual_during_k_loop=_residual_during_k_loop)
 
+def _row_block_schedule(plan: _Plan) -> gemm_core.Schedule:
+  """Each cluster walks row blocks; a CTA runs its ``n_tiles`` N tiles of a row block in turn
+  (``Tile.kind``: the tile's index t in the CTA), then ``end_unit((m_idx, row blocks before))``."""
+  def schedule(visit, end_unit):
+    @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
+    def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+      (m_idx,) = loop_info.index
+      tile_index = loop_info.local_index  # row blocks this cluster did before
+      for t in range(plan.n_tiles):
+        visit(gemm_core.Tile(
+            m_idx, t, tile_index if plan.n_tiles == 1 else tile_index * plan.n_tiles + t,
+            (tile_index == 0) & (t == 0),
+            (tile_index == loop_info.num_local_steps - 1) & (t == plan.n_tiles - 1), kind=t))
+      end_unit((m_idx, tile_index))
+  return schedule
+
+
+class _RowNormHooks(gemm_core.Hooks):
+  """The post-norm forward on the GEMM body: the epilogue inputs (residual tile, column
+  vectors) loaded by TMA while the K loop runs (on the ring with one N tile per CTA the
+  residual chunks during it, :func:`_row_block_epilogues`), and the row-norm epilogue (with the
+  cluster exchange; with several N tiles per CTA the first pass per tile and the second pass
+  per row block). SMEM: :func:`_smem`."""
+
+  def __init__(self, plan: _Plan, wg, refs, gmems):
+    self.plan, self.wg = plan, wg
+    cfg = plan.cfg
+    ex = None if refs["ex_allocs"] is None else _Exchange(**refs["ex_allocs"])
+    self.ex = ex
+    kernel_refs = _KernelRefs(
+        plan, cfg, cfg.wg_tile_m, cfg.tile_n, cfg.epi_tile_m, cfg.epi_tile_n,
+        cfg.tile_n // cfg.epi_tile_n, wg, lax.axis_index("cluster"), ex, refs["io_smem"],
+        refs["extra_smem"], refs["vec_smem"], refs["load_barrier"], refs["stat_smem"],
+        refs["tile_stats"], refs["reload_barrier"], *gmems)
+    self.io = _row_block_io(kernel_refs)
+    self.epi = _row_block_epilogues(kernel_refs, self.io)
+    # On the ring with one N tile per CTA every row block ends in _epilogue, whose store groups
+    # _residual_during_k_loop counts; elsewhere the residual waits for all stores.
+    self.residual_in_k_loop = plan.has_residual and cfg.pipeline == "ring" and plan.n_tiles == 1
+
+  def _row0(self, m_idx):  # first row of this warpgroup
+    return m_idx * self.plan.cfg.tile_m + self.wg * self.plan.cfg.wg_tile_m
+
+  def before_k_loop(self, tile):
+    self.epi.prefetch_epilogue_inputs(self._row0(tile.m_idx), self.io.tile_col0(tile.kind),
+                                      residual=not self.residual_in_k_loop)
+
+  def k_step(self, tile, step, carry):
+    if self.residual_in_k_loop:
+      self.epi.residual_during_k_loop(step.k_idx, self._row0(tile.m_idx), self.io.tile_col0(0))
+    return carry
+
+  def epilogue(self, tile, acc, carry):
+    row0, col0 = self._row0(tile.m_idx), self.io.tile_col0(tile.kind)
+    if self.plan.n_tiles == 1:
+      self.epi.epilogue(acc, row0, col0, tile.index)
+    else:
+      self.epi.first_pass(acc, row0, col0, tile.kind)
+
+  def end_unit(self, unit):
+    m_idx, tile_index = unit
+    if self.plan.n_tiles > 1:
+      # The consumer warpgroups; the producer moves on to the next row block.
+      pl.when(self.wg < 2)(lambda: self.epi.second_pass(self._row0(m_idx), tile_index))
+
+  def finish(self):
+    _cluster_final_sync(self.plan, self.ex, self.wg)
+
+
 def _kernel(*refs, plan: _Plan):
   cfg = plan.cfg
   it = iter(refs)
@@ -823,152 +907,14 @@ def _kernel(*refs, plan: _Plan):
   y_gmem = next(it)
   extra_gmems = {e: next(it) for e in plan.extras}
   stat_gmems = [next(it) for _ in range(plan.n_stats)]  # rstd, then mean (LayerNorm)
-
-  wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
-  epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
-  chunks = tile_n // epi_n
-  in_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
-  out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype)
-
-  def make_pipeline(body, compute_context, state=None):
-    x_spec = plgpu.BlockSpec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
-                             memory_space=plgpu.SMEM)
-    w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=in_transforms,
-                             memory_space=plgpu.SMEM)
-    return mgpu.consumer_pipeline(body, compute_context, steps=plan.k_iters,
-                                         delay_release=plan.delay_release,
-                                         stages=plan.stages, in_specs=[x_spec, w_spec],
-                                         pipeline_state=state)
-
-  ignore = lambda *_, **__: None
-
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=(
-          mgpu.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
-                                         x_transforms=in_transforms,
-                                         w_transforms=in_transforms)
-          if cfg.pipeline == "ring" else
-          make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
-      # Residual in, y out: the (rows, tile_n) tile of each consumer warpgroup, as column chunks
-      # (a TMA copy needs a contiguous SMEM window).
-      io_smem=plgpu.SMEM((2, chunks, wg_m, epi_n), plan.out_dtype, transforms=out_transforms),
-      extra_smem=(plgpu.SMEM((2, _EXTRA_SLOTS, epi_m, epi_n), plan.out_dtype,
-                             transforms=out_transforms) if plan.extras else None),
-      vec_smem=plgpu.SMEM((2, len(plan.vecs), tile_n), jnp.float32) if plan.vecs else None,
-      # One arrival per TMA copy (each copy arrives with its byte count).
-      load_barrier=(plgpu.Barrier(num_arrivals=plan.n_loads, num_barriers=2)
-                    if plan.n_loads else None),
-      stat_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32) if plan.n_stats else None,
-      ex_allocs=_exchange_allocs(plan),
-      # n_tiles > 1: each N tile's partials, and the barrier of the second pass's reloads.
-      tile_stats=(plgpu.SMEM((2, plan.n_tiles, plan.n_partials, wg_m), jnp.float32)
-                  if plan.n_tiles > 1 else None),
-      reload_barrier=(plgpu.Barrier(num_arrivals=plan.n_reloads, num_barriers=2)
-                      if plan.n_tiles > 1 else None),
-      collective_axes="wg",
-  )
-  def _scope(pipeline_allocs, io_smem, extra_smem, vec_smem, load_barrier, stat_smem, ex_allocs,
-             tile_stats, reload_barrier):
-    ex = None if ex_allocs is None else _Exchange(**ex_allocs)
-    wg = lax.axis_index("wg")
-    cta = lax.axis_index("cluster")
-
-    refs = _KernelRefs(plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem,
-                       extra_smem, vec_smem, load_barrier, stat_smem, tile_stats,
-                       reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem, vec_gmems)
-    io = _row_block_io(refs)
-    epi = _row_block_epilogues(refs, io)
-    tile_col0 = io.tile_col0
-
-    def mma_step(idxs, a_smem, b_smem, acc_ref, *, row0, residual):
-      """One K step's WGMMA for the warpgroup's rows; with ``residual``, the residual chunks
-      due at this step (:func:`_residual_during_k_loop`) while the WGMMA runs."""
-      plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
-      if residual:
-        epi.residual_during_k_loop(idxs[0], row0, tile_col0(0))
-      plgpu.wgmma_wait(plan.delay_release)
-      return acc_ref
-
-    ring = (mgpu.SharedRing(**pipeline_allocs, stages=plan.stages)
-            if cfg.pipeline == "ring" else None)
-    steps_per_block = plan.n_tiles * plan.k_iters
-
-    def row_block_loop(body):
-      """``body(m_idx, tile_index, loop_info)`` for the cluster's row blocks in order
-      (``tile_index``: row blocks this cluster did before)."""
-      @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
-      def _row_block_loop(loop_info: plgpu.NDLoopInfo):
-        (m_idx,) = loop_info.index
-        body(m_idx, loop_info.local_index, loop_info)
-
-    def consumer_row_block(m_idx, tile_index, loop_info):
-      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
-
-      # On the ring with one N tile per CTA every row block ends in _epilogue, whose store
-      # groups _residual_during_k_loop counts; elsewhere the residual waits for all stores.
-      residual_in_k_loop = plan.has_residual and ring is not None and plan.n_tiles == 1
-
-      mma_body = functools.partial(mma_step, row0=row0, residual=residual_in_k_loop)
-
-      for t in range(plan.n_tiles):
-        col0 = tile_col0(t)
-
-        def compute_context(eval_pipeline, t=t, col0=col0):
-          epi.prefetch_epilogue_inputs(row0, col0, residual=not residual_in_k_loop)
-
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
-          def _acc_scope(acc_ref):
-            acc_ref = eval_pipeline(acc_ref)
-            if plan.delay_release:
-              plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
-            if plan.n_tiles == 1:
-              epi.epilogue(acc_ref[...], row0, col0, tile_index)
-            else:
-              epi.first_pass(acc_ref[...], row0, col0, t)
-
-        if ring is not None:
-          compute_context(lambda acc, t=t: mgpu.ring_k_loop(
-              ring, tile_index * steps_per_block + t * plan.k_iters, plan.k_iters, acc,
-              mma_body, delay_release=plan.delay_release))
-          continue
-        first = (tile_index == 0) & (t == 0)
-        last = (tile_index == loop_info.num_local_steps - 1) & (t == plan.n_tiles - 1)
-        mgpu.run_tile_pipeline(
-            functools.partial(make_pipeline, mma_body, compute_context),
-            x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
-            w_gmem.at[:, pl.ds(col0, tile_n)],
-            allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
-            first=first, last=last)
-
-      if plan.n_tiles > 1:
-
-        @pl.when(wg < 2)  # the consumer warpgroups; the producer moves on to the next row block
-        def _():
-          epi.second_pass(row0, tile_index)
-
-    def producer_row_block(m_idx, tile_index, loop_info):
-      rows = pl.ds(m_idx * cfg.tile_m, cfg.tile_m)
-      first_step = tile_index * steps_per_block
-
-      @pl.loop(0, steps_per_block)
-      def _(s):  # N tile s // k_iters, K step s % k_iters
-        ks = pl.ds(lax.rem(s, plan.k_iters) * tile_k, tile_k)
-        cols = pl.ds(tile_col0(lax.div(s, plan.k_iters)), tile_n)
-        mgpu.ring_produce(ring, first_step + s, x_gmem.at[rows, ks], w_gmem.at[ks, cols])
-
-      last = tile_index == loop_info.num_local_steps - 1
-      pl.when(last)(lambda: mgpu.ring_drain(ring, first_step + steps_per_block))
-
-    if ring is None:
-      row_block_loop(consumer_row_block)
-    else:
-      mgpu.warp_specialize(lambda: row_block_loop(producer_row_block),
-                                  lambda: row_block_loop(consumer_row_block))
-    _cluster_final_sync(plan, ex, wg)
-
-  # All TMA stores must land before the kernel exits.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  cta = lax.axis_index("cluster")
+  gemm_core.run(
+      plan.kloop, gmems=(x_gmem, w_gmem),
+      windows=lambda t: [pl.ds(t.m_idx * cfg.tile_m, cfg.tile_m),
+                         pl.ds((cta * plan.n_tiles + t.kind) * cfg.tile_n, cfg.tile_n)],
+      schedule=_row_block_schedule(plan), smem=_smem(plan),
+      hooks_for=lambda wg, refs: _RowNormHooks(
+          plan, wg, refs, (y_gmem, extra_gmems, stat_gmems, res_gmem, vec_gmems)))
 
 
 def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
@@ -1083,18 +1029,8 @@ def launch(x, w, dense_bias, residual, scale, bias, *, norm: str, eps: float, ou
   out_type = [jax.ShapeDtypeStruct((padded_m, n), out_dtype)]
   out_type += [jax.ShapeDtypeStruct((padded_m, n), out_dtype) for _ in plan.extras]
   out_type += [jax.ShapeDtypeStruct((padded_m,), jnp.float32) for _ in range(plan.n_stats)]
-  call = plgpu.kernel(
-      functools.partial(_kernel, plan=plan),
-      out_type=tuple(out_type),
-      grid=(plan.num_clusters,),
-      grid_names=("cluster_grid",),
-      cluster=(plan.cluster,),
-      cluster_names=("cluster",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu.interpret_params() if interpret else None,
-  )
+  call = gemm_core.kernel(functools.partial(_kernel, plan=plan), tuple(out_type),
+                          num_ctas=plan.num_clusters, interpret=interpret, cluster=plan.cluster)
   pad = -m % _ROW_ALIGN
   args = [mgpu.pad_rows(x, pad), w]
   args += [vectors[name].astype(jnp.float32) for name in vecs]
