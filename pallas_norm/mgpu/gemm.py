@@ -123,6 +123,28 @@ def plan_k_loop(cfg: TileConfig, streams, steps: int, hook_smem, *,
                a_in_registers=a_in_registers)
 
 
+class KLoopFacts:
+  """For a kernel's plan with a ``kloop`` field: the K loop's stages, chaining, WGMMA groups in
+  flight across steps and register A operand as plan attributes."""
+  kloop: KLoop
+
+  @property
+  def stages(self) -> int:
+    return self.kloop.stages
+
+  @property
+  def chained(self) -> bool:  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
+    return self.kloop.chained
+
+  @property
+  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
+    return self.kloop.delay_release
+
+  @property
+  def a_in_registers(self) -> bool:  # WGMMA reads A from registers (A stages untiled: any M)
+    return self.kloop.a_in_registers
+
+
 @dataclasses.dataclass(frozen=True)
 class Tile:
   """One output tile of a schedule: row block ``m_idx``, column tile ``n_idx``; ``index``: the

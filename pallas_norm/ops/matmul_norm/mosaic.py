@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +100,7 @@ _ROW_ALIGN = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(gemm_core.KLoopFacts):
   """Static facts of one kernel instance."""
   m: int
   k: int
@@ -121,18 +120,6 @@ class _Plan:
   num_clusters: int
   exchange: str = "pull"  # see matmul_norm_fwd's ``exchange``
   kloop: gemm_core.KLoop | None = None  # set by _make_plan once the SMEM is known
-
-  @property
-  def stages(self) -> int:
-    return self.kloop.stages
-
-  @property
-  def chained(self) -> bool:  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
-    return self.kloop.chained
-
-  @property
-  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return self.kloop.delay_release
 
   @property
   def n_partials(self) -> int:  # per-row partial statistics exchanged in the cluster
@@ -600,235 +587,6 @@ class _StoreGroups:
 # The kernel.
 
 
-@dataclasses.dataclass(frozen=True)
-class _KernelRefs:
-  """What a consumer warpgroup's epilogue code reads in :func:`_kernel`: the plan, its static
-  tile sizes, the warpgroup and CTA indices, the exchange, and the SMEM and GMEM refs."""
-  plan: object
-  cfg: object
-  wg_m: object
-  tile_n: object
-  epi_m: object
-  epi_n: object
-  chunks: object
-  wg: object
-  cta: object
-  ex: object
-  io_smem: object
-  extra_smem: object
-  vec_smem: object
-  load_barrier: object
-  stat_smem: object
-  tile_stats: object
-  reload_barrier: object
-  y_gmem: object
-  extra_gmems: object
-  stat_gmems: object
-  res_gmem: object
-  vec_gmems: object
-
-
-def _row_block_io(c: "_KernelRefs"):
-  """The loads and stores of a consumer warpgroup's row-block epilogue: h from the
-  accumulator, the column vectors, the statistics and the y / h / x̂ chunks through SMEM."""
-  (plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem, extra_smem, vec_smem,
-   load_barrier, stat_smem, tile_stats, reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem,
-   vec_gmems) = (getattr(c, f.name) for f in dataclasses.fields(c))
-
-  def tile_col0(t):  # first column of this CTA's N tile t (fixed for the whole kernel)
-    return (cta * plan.n_tiles + t) * tile_n
-
-  def _vec(name, ns):
-    v = plgpu.load(vec_smem.at[wg, plan.vec_index(name), ns],
-                   layout=plgpu.Layout.WGMMA.reduce(0))
-    return _colvec(v, (wg_m, epi_n))
-
-  def _h_chunk_fn(acc):
-    """``h_chunk(j)``: h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32.
-
-    Each chunk is built once, replacing the accumulator (same registers): the statistics'
-    passes and the normalization then read registers only. Recomputing it on each use (3
-    uses for LayerNorm) re-read the dense bias and the residual from SMEM each time, which
-    cost 100 µs of 394 at 262144×512×512 (session 5, benchmarks/NOTES.md)."""
-    def build(j):
-      ns = pl.ds(j * epi_n, epi_n)
-      h = acc[:, j * epi_n:(j + 1) * epi_n]
-      if "dense_bias" in plan.vecs:
-        h = h + _vec("dense_bias", ns)
-      if plan.has_residual:
-        r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
-        h = h + r.astype(jnp.float32)
-      return h
-    return [build(j) for j in range(chunks)].__getitem__
-
-  def _store_stats(mean, rstd, row0):
-    """rstd (and mean) of the warpgroup's rows through ``stat_smem``. The copies join the next
-    committed store group (the y chunk stores that always follow), so the groups
-    :class:`_StoreGroups` counts are the same in every CTA."""
-    if not plan.n_stats:
-      return
-    stats = [rstd] if mean is None else [rstd, mean]
-    for i, v in enumerate(stats):
-      stat_smem[wg, i] = v
-    plgpu.commit_smem()
-
-    @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
-    def _():
-      for i in range(len(stats)):
-        plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)],
-                                commit_group=False)
-
-  def _store_chunk(value, j, row0, col0, groups):
-    """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
-    io_smem[wg, j] = value.astype(plan.out_dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
-                            y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
-    groups.committed(("io", j))
-
-  def _store_extras(values, j, row0, col0, groups):
-    """h / x̂ chunk j through the small slots, in turn; ``groups``: this epilogue's stores."""
-    for e in plan.extras:
-      if e not in values:
-        continue
-      for i in range(wg_m // epi_m):
-        s = groups.next_extra_slot()
-        groups.wait_until_read(("extra", s))
-        extra_smem[wg, s] = values[e][i * epi_m:(i + 1) * epi_m].astype(plan.out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            extra_smem.at[wg, s],
-            extra_gmems[e].at[pl.ds(row0 + i * epi_m, epi_m), pl.ds(col0 + j * epi_n, epi_n)])
-        groups.committed(("extra", s))
-
-  def _normalize_chunk(h_minus_mean, rstd_b, ns):
-    xhat = h_minus_mean * rstd_b
-    y = xhat
-    if "scale" in plan.vecs:
-      y = y * _vec("scale", ns)
-    if "bias" in plan.vecs:
-      y = y + _vec("bias", ns)
-    return xhat, y
-
-  def _wait_loads():
-    if not plan.has_residual:
-      # Earlier TMA stores from the staging buffers must have read them before we overwrite.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if plan.n_loads:
-      plgpu.barrier_wait(load_barrier.at[wg])
-
-  return types.SimpleNamespace(tile_col0=tile_col0, vec=_vec, h_chunk_fn=_h_chunk_fn, store_stats=_store_stats, store_chunk=_store_chunk, store_extras=_store_extras, normalize_chunk=_normalize_chunk, wait_loads=_wait_loads)
-
-
-def _row_block_epilogues(c: "_KernelRefs", io):
-  """The epilogues of a row block (one N tile per CTA, or the two passes over several) and
-  the TMA loads of their inputs, on top of :func:`_row_block_io`."""
-  (plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem, extra_smem, vec_smem,
-   load_barrier, stat_smem, tile_stats, reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem,
-   vec_gmems) = (getattr(c, f.name) for f in dataclasses.fields(c))
-  tile_col0, _vec, _h_chunk_fn, _store_stats, _store_chunk, _store_extras = (
-      io.tile_col0, io.vec, io.h_chunk_fn, io.store_stats, io.store_chunk, io.store_extras)
-  _normalize_chunk, _wait_loads = io.normalize_chunk, io.wait_loads
-
-  def _epilogue(acc, row0, col0, tile_index):
-    """One N tile per CTA: statistics, exchange, normalization, all from the accumulator."""
-    _wait_loads()
-    h_chunk = _h_chunk_fn(acc)
-    partials = _slice_partials(plan, h_chunk)
-    mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
-    _store_stats(mean, rstd, row0)
-    shape = (wg_m, epi_n)
-    rstd_b = _rowvec(rstd, shape)
-    shift_b = None if mean is None else _rowvec(mean, shape)
-    groups = _StoreGroups()
-    for j in range(chunks):
-      h = h_chunk(j)
-      xhat, y = _normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
-                                 pl.ds(j * epi_n, epi_n))
-      _store_chunk(y, j, row0, col0, groups)
-      _store_extras({"h": h, "xhat": xhat}, j, row0, col0, groups)
-
-  def _first_pass(acc, row0, col0, t):
-    """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
-    goes to y's place in global memory, in the output dtype: centered values keep their
-    precision for rows with a large mean. :func:`_second_pass` normalizes it."""
-    _wait_loads()
-    h_chunk = _h_chunk_fn(acc)
-    partials = _slice_partials(plan, h_chunk)
-    for q, v in enumerate(partials):
-      tile_stats[wg, t, q] = v
-    shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
-    groups = _StoreGroups()
-    for j in range(chunks):
-      h = h_chunk(j)
-      _store_chunk(h if shift_b is None else h - shift_b, j, row0, col0, groups)
-      _store_extras({"h": h}, j, row0, col0, groups)
-
-  def _second_pass(row0, tile_index):
-    """Merges the N tiles' partials, exchanges them in the cluster, then reloads each tile's
-    centered h from global memory and normalizes it in place."""
-    per_tile = [tuple(plgpu.load(tile_stats.at[wg, t, q], layout=plgpu.Layout.WGMMA.reduce(1))
-                      for q in range(plan.n_partials)) for t in range(plan.n_tiles)]
-    partials = _combine(plan, per_tile, tile_n)
-    mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
-    _store_stats(mean, rstd, row0)
-    shape = (wg_m, epi_n)
-    rstd_b = _rowvec(rstd, shape)
-    # The first pass's stores must have landed in global memory, not only left SMEM.
-    plgpu.wait_smem_to_gmem(0)
-    groups = _StoreGroups()
-    for t in range(plan.n_tiles):
-      col0 = tile_col0(t)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t − 1's stores read io_smem
-      for j in range(chunks):
-        plgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                                io_smem.at[wg, j], reload_barrier.at[wg])
-      for i, v_gmem in enumerate(vec_gmems):
-        plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                reload_barrier.at[wg])
-      plgpu.barrier_wait(reload_barrier.at[wg])
-      # centered = h − tile mean, so h − mean = centered + (tile mean − mean).
-      offset_b = None if mean is None else _rowvec(per_tile[t][0] - mean, shape)
-      for j in range(chunks):
-        centered = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        xhat, y = _normalize_chunk(centered if offset_b is None else centered + offset_b,
-                                   rstd_b, pl.ds(j * epi_n, epi_n))
-        _store_chunk(y, j, row0, col0, groups)
-        _store_extras({"xhat": xhat}, j, row0, col0, groups)
-
-  def _prefetch_residual_chunk(j, row0, col0):
-    plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                            io_smem.at[wg, j], load_barrier.at[wg])
-
-  def _prefetch_epilogue_inputs(row0, col0, residual=True):
-    """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
-    it) and the column vectors of a tile, by TMA while its K loop runs."""
-    if plan.has_residual and residual:
-      # The previous tile's stores read io_smem: they must finish before TMA refills it.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      for j in range(chunks):
-        _prefetch_residual_chunk(j, row0, col0)
-    for i, v_gmem in enumerate(vec_gmems):
-      plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                              load_barrier.at[wg])
-
-  def _residual_during_k_loop(k_step, row0, col0):
-    """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
-    stored from the same io slot has left SMEM, so the wait for those stores overlaps the
-    WGMMAs just issued instead of holding the K loop's start. That store was the last row
-    block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
-    ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
-    per_chunk = 1 + len(plan.extras) * (wg_m // epi_m)
-    for j in range(chunks):
-      newer = per_chunk - 1 + (chunks - 1 - j) * per_chunk
-
-      @pl.when(k_step == min(j, plan.k_iters - 1))
-      def _(j=j, newer=newer):
-        plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
-        _prefetch_residual_chunk(j, row0, col0)
-
-  return types.SimpleNamespace(epilogue=_epilogue, first_pass=_first_pass, second_pass=_second_pass, prefetch_residual_chunk=_prefetch_residual_chunk, prefetch_epilogue_inputs=_prefetch_epilogue_inputs, residual_during_k_loop=_residual_during_k_loop)
-
 def _row_block_schedule(plan: _Plan) -> gemm_core.Schedule:
   """Each cluster walks row blocks; a CTA runs its ``n_tiles`` N tiles of a row block in turn
   (``Tile.kind``: the tile's index t in the CTA), then ``end_unit((m_idx, row blocks before))``."""
@@ -849,50 +607,235 @@ def _row_block_schedule(plan: _Plan) -> gemm_core.Schedule:
 class _RowNormHooks(gemm_core.Hooks):
   """The post-norm forward on the GEMM body: the epilogue inputs (residual tile, column
   vectors) loaded by TMA while the K loop runs (on the ring with one N tile per CTA the
-  residual chunks during it, :func:`_row_block_epilogues`), and the row-norm epilogue (with the
-  cluster exchange; with several N tiles per CTA the first pass per tile and the second pass
-  per row block). SMEM: :func:`_smem`."""
+  residual chunks during it), and the row-norm epilogue (with the cluster exchange; with
+  several N tiles per CTA the first pass per tile and the second pass per row block). SMEM:
+  :func:`_smem`."""
 
-  def __init__(self, plan: _Plan, wg, refs, gmems):
-    self.plan, self.wg = plan, wg
-    cfg = plan.cfg
-    ex = None if refs["ex_allocs"] is None else _Exchange(**refs["ex_allocs"])
-    self.ex = ex
-    kernel_refs = _KernelRefs(
-        plan, cfg, cfg.wg_tile_m, cfg.tile_n, cfg.epi_tile_m, cfg.epi_tile_n,
-        cfg.tile_n // cfg.epi_tile_n, wg, lax.axis_index("cluster"), ex, refs["io_smem"],
-        refs["extra_smem"], refs["vec_smem"], refs["load_barrier"], refs["stat_smem"],
-        refs["tile_stats"], refs["reload_barrier"], *gmems)
-    self.io = _row_block_io(kernel_refs)
-    self.epi = _row_block_epilogues(kernel_refs, self.io)
+  def __init__(self, plan: _Plan, wg, cta, refs, gmems):
+    cfg = self.cfg = plan.cfg
+    self.plan, self.wg, self.cta = plan, wg, cta
+    self.wg_m, self.tile_n, self.epi_m, self.epi_n = (cfg.wg_tile_m, cfg.tile_n, cfg.epi_tile_m,
+                                                      cfg.epi_tile_n)
+    self.chunks = cfg.tile_n // cfg.epi_tile_n
+    self.ex = None if refs["ex_allocs"] is None else _Exchange(**refs["ex_allocs"])
+    for name in ("io_smem", "extra_smem", "vec_smem", "load_barrier", "stat_smem", "tile_stats",
+                 "reload_barrier"):
+      setattr(self, name, refs[name])
+    (self.y_gmem, self.extra_gmems, self.stat_gmems, self.res_gmem, self.vec_gmems) = gmems
     # On the ring with one N tile per CTA every row block ends in _epilogue, whose store groups
     # _residual_during_k_loop counts; elsewhere the residual waits for all stores.
     self.residual_in_k_loop = plan.has_residual and cfg.pipeline == "ring" and plan.n_tiles == 1
+
+  def tile_col0(self, t):  # first column of this CTA's N tile t (fixed for the whole kernel)
+    return (self.cta * self.plan.n_tiles + t) * self.tile_n
+
+  def _chunk(self, gmem, row0, col0, j):  # the warpgroup's rows of column chunk j of a tile
+    return gmem.at[pl.ds(row0, self.wg_m), pl.ds(col0 + j * self.epi_n, self.epi_n)]
+
+  def _vec(self, name, ns):
+    v = plgpu.load(self.vec_smem.at[self.wg, self.plan.vec_index(name), ns],
+                   layout=plgpu.Layout.WGMMA.reduce(0))
+    return _colvec(v, (self.wg_m, self.epi_n))
+
+  def _h_chunk_fn(self, acc):
+    """``h_chunk(j)``: h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32.
+
+    Each chunk is built once, replacing the accumulator (same registers): the statistics'
+    passes and the normalization then read registers only. Recomputing it on each use (3
+    uses for LayerNorm) re-read the dense bias and the residual from SMEM each time, which
+    cost 100 µs of 394 at 262144×512×512 (session 5, benchmarks/NOTES.md)."""
+    def build(j):
+      ns = pl.ds(j * self.epi_n, self.epi_n)
+      h = acc[:, j * self.epi_n:(j + 1) * self.epi_n]
+      if "dense_bias" in self.plan.vecs:
+        h = h + self._vec("dense_bias", ns)
+      if self.plan.has_residual:
+        r = plgpu.load(self.io_smem.at[self.wg, j], layout=plgpu.Layout.WGMMA)
+        h = h + r.astype(jnp.float32)
+      return h
+    return [build(j) for j in range(self.chunks)].__getitem__
+
+  def _store_stats(self, mean, rstd, row0):
+    """rstd (and mean) of the warpgroup's rows through ``stat_smem``. The copies join the next
+    committed store group (the y chunk stores that always follow), so the groups
+    :class:`_StoreGroups` counts are the same in every CTA."""
+    if not self.plan.n_stats:
+      return
+    stats = [rstd] if mean is None else [rstd, mean]
+    for i, v in enumerate(stats):
+      self.stat_smem[self.wg, i] = v
+    plgpu.commit_smem()
+
+    @pl.when(self.cta == 0)  # every CTA of the cluster holds the same bits: one writes them
+    def _():
+      for i in range(len(stats)):
+        plgpu.copy_smem_to_gmem(self.stat_smem.at[self.wg, i],
+                                self.stat_gmems[i].at[pl.ds(row0, self.wg_m)],
+                                commit_group=False)
+
+  def _store_chunk(self, value, j, row0, col0, groups):
+    """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
+    self.io_smem[self.wg, j] = value.astype(self.plan.out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(self.io_smem.at[self.wg, j], self._chunk(self.y_gmem, row0, col0, j))
+    groups.committed(("io", j))
+
+  def _store_extras(self, values, j, row0, col0, groups):
+    """h / x̂ chunk j through the small slots, in turn; ``groups``: this epilogue's stores."""
+    for e in self.plan.extras:
+      if e not in values:
+        continue
+      for i in range(self.wg_m // self.epi_m):
+        s = groups.next_extra_slot()
+        groups.wait_until_read(("extra", s))
+        rows = slice(i * self.epi_m, (i + 1) * self.epi_m)
+        self.extra_smem[self.wg, s] = values[e][rows].astype(self.plan.out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            self.extra_smem.at[self.wg, s],
+            self.extra_gmems[e].at[pl.ds(row0 + i * self.epi_m, self.epi_m),
+                                   pl.ds(col0 + j * self.epi_n, self.epi_n)])
+        groups.committed(("extra", s))
+
+  def _normalize_chunk(self, h_minus_mean, rstd_b, ns):
+    xhat = h_minus_mean * rstd_b
+    y = xhat
+    if "scale" in self.plan.vecs:
+      y = y * self._vec("scale", ns)
+    if "bias" in self.plan.vecs:
+      y = y + self._vec("bias", ns)
+    return xhat, y
+
+  def _wait_loads(self):
+    if not self.plan.has_residual:
+      # Earlier TMA stores from the staging buffers must have read them before we overwrite.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if self.plan.n_loads:
+      plgpu.barrier_wait(self.load_barrier.at[self.wg])
+
+  def _epilogue(self, acc, row0, col0, tile_index):
+    """One N tile per CTA: statistics, exchange, normalization, all from the accumulator."""
+    self._wait_loads()
+    h_chunk = self._h_chunk_fn(acc)
+    partials = _slice_partials(self.plan, h_chunk)
+    mean, rstd = _cluster_row_stats(self.plan, partials, self.ex, self.wg, tile_index)
+    self._store_stats(mean, rstd, row0)
+    shape = (self.wg_m, self.epi_n)
+    rstd_b = _rowvec(rstd, shape)
+    shift_b = None if mean is None else _rowvec(mean, shape)
+    groups = _StoreGroups()
+    for j in range(self.chunks):
+      h = h_chunk(j)
+      xhat, y = self._normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
+                                      pl.ds(j * self.epi_n, self.epi_n))
+      self._store_chunk(y, j, row0, col0, groups)
+      self._store_extras({"h": h, "xhat": xhat}, j, row0, col0, groups)
+
+  def _first_pass(self, acc, row0, col0, t):
+    """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
+    goes to y's place in global memory, in the output dtype: centered values keep their
+    precision for rows with a large mean. :func:`_second_pass` normalizes it."""
+    self._wait_loads()
+    h_chunk = self._h_chunk_fn(acc)
+    partials = _slice_partials(self.plan, h_chunk)
+    for q, v in enumerate(partials):
+      self.tile_stats[self.wg, t, q] = v
+    shift_b = None if self.plan.norm == "rms" else _rowvec(partials[0], (self.wg_m, self.epi_n))
+    groups = _StoreGroups()
+    for j in range(self.chunks):
+      h = h_chunk(j)
+      self._store_chunk(h if shift_b is None else h - shift_b, j, row0, col0, groups)
+      self._store_extras({"h": h}, j, row0, col0, groups)
+
+  def _second_pass(self, row0, tile_index):
+    """Merges the N tiles' partials, exchanges them in the cluster, then reloads each tile's
+    centered h from global memory and normalizes it in place."""
+    per_tile = [tuple(plgpu.load(self.tile_stats.at[self.wg, t, q],
+                                 layout=plgpu.Layout.WGMMA.reduce(1))
+                      for q in range(self.plan.n_partials)) for t in range(self.plan.n_tiles)]
+    partials = _combine(self.plan, per_tile, self.tile_n)
+    mean, rstd = _cluster_row_stats(self.plan, partials, self.ex, self.wg, tile_index)
+    self._store_stats(mean, rstd, row0)
+    shape = (self.wg_m, self.epi_n)
+    rstd_b = _rowvec(rstd, shape)
+    # The first pass's stores must have landed in global memory, not only left SMEM.
+    plgpu.wait_smem_to_gmem(0)
+    groups = _StoreGroups()
+    for t in range(self.plan.n_tiles):
+      col0 = self.tile_col0(t)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t − 1's stores read self.io_smem
+      for j in range(self.chunks):
+        plgpu.copy_gmem_to_smem(self._chunk(self.y_gmem, row0, col0, j),
+                                self.io_smem.at[self.wg, j], self.reload_barrier.at[self.wg])
+      for i, v_gmem in enumerate(self.vec_gmems):
+        plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, self.tile_n)], self.vec_smem.at[self.wg, i],
+                                self.reload_barrier.at[self.wg])
+      plgpu.barrier_wait(self.reload_barrier.at[self.wg])
+      # centered = h − tile mean, so h − mean = centered + (tile mean − mean).
+      offset_b = None if mean is None else _rowvec(per_tile[t][0] - mean, shape)
+      for j in range(self.chunks):
+        centered = plgpu.load(self.io_smem.at[self.wg, j], layout=plgpu.Layout.WGMMA)
+        centered = centered.astype(jnp.float32)
+        xhat, y = self._normalize_chunk(centered if offset_b is None else centered + offset_b,
+                                        rstd_b, pl.ds(j * self.epi_n, self.epi_n))
+        self._store_chunk(y, j, row0, col0, groups)
+        self._store_extras({"xhat": xhat}, j, row0, col0, groups)
+
+  def _prefetch_residual_chunk(self, j, row0, col0):
+    plgpu.copy_gmem_to_smem(self._chunk(self.res_gmem, row0, col0, j),
+                            self.io_smem.at[self.wg, j], self.load_barrier.at[self.wg])
+
+  def _prefetch_epilogue_inputs(self, row0, col0, residual=True):
+    """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
+    it) and the column vectors of a tile, by TMA while its K loop runs."""
+    if self.plan.has_residual and residual:
+      # The previous tile's stores read self.io_smem: they must finish before TMA refills it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for j in range(self.chunks):
+        self._prefetch_residual_chunk(j, row0, col0)
+    for i, v_gmem in enumerate(self.vec_gmems):
+      plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, self.tile_n)], self.vec_smem.at[self.wg, i],
+                              self.load_barrier.at[self.wg])
+
+  def _residual_during_k_loop(self, k_step, row0, col0):
+    """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
+    stored from the same io slot has left SMEM, so the wait for those stores overlaps the
+    WGMMAs just issued instead of holding the K loop's start. That store was the last row
+    block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
+    ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
+    per_chunk = 1 + len(self.plan.extras) * (self.wg_m // self.epi_m)
+    for j in range(self.chunks):
+      newer = per_chunk - 1 + (self.chunks - 1 - j) * per_chunk
+
+      @pl.when(k_step == min(j, self.plan.k_iters - 1))
+      def _(j=j, newer=newer):
+        plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
+        self._prefetch_residual_chunk(j, row0, col0)
 
   def _row0(self, m_idx):  # first row of this warpgroup
     return m_idx * self.plan.cfg.tile_m + self.wg * self.plan.cfg.wg_tile_m
 
   def before_k_loop(self, tile):
-    self.epi.prefetch_epilogue_inputs(self._row0(tile.m_idx), self.io.tile_col0(tile.kind),
+    self._prefetch_epilogue_inputs(self._row0(tile.m_idx), self.tile_col0(tile.kind),
                                       residual=not self.residual_in_k_loop)
 
   def k_step(self, tile, step, carry):
     if self.residual_in_k_loop:
-      self.epi.residual_during_k_loop(step.k_idx, self._row0(tile.m_idx), self.io.tile_col0(0))
+      self._residual_during_k_loop(step.k_idx, self._row0(tile.m_idx), self.tile_col0(0))
     return carry
 
   def epilogue(self, tile, acc, carry):
-    row0, col0 = self._row0(tile.m_idx), self.io.tile_col0(tile.kind)
+    row0, col0 = self._row0(tile.m_idx), self.tile_col0(tile.kind)
     if self.plan.n_tiles == 1:
-      self.epi.epilogue(acc, row0, col0, tile.index)
+      self._epilogue(acc, row0, col0, tile.index)
     else:
-      self.epi.first_pass(acc, row0, col0, tile.kind)
+      self._first_pass(acc, row0, col0, tile.kind)
 
   def end_unit(self, unit):
     m_idx, tile_index = unit
     if self.plan.n_tiles > 1:
       # The consumer warpgroups; the producer moves on to the next row block.
-      pl.when(self.wg < 2)(lambda: self.epi.second_pass(self._row0(m_idx), tile_index))
+      pl.when(self.wg < 2)(lambda: self._second_pass(self._row0(m_idx), tile_index))
 
   def finish(self):
     _cluster_final_sync(self.plan, self.ex, self.wg)
@@ -914,7 +857,7 @@ def _kernel(*refs, plan: _Plan):
                          pl.ds((cta * plan.n_tiles + t.kind) * cfg.tile_n, cfg.tile_n)],
       schedule=_row_block_schedule(plan), smem=_smem(plan),
       hooks_for=lambda wg, refs: _RowNormHooks(
-          plan, wg, refs, (y_gmem, extra_gmems, stat_gmems, res_gmem, vec_gmems)))
+          plan, wg, cta, refs, (y_gmem, extra_gmems, stat_gmems, res_gmem, vec_gmems)))
 
 
 def _check_args(x, w, vectors, residual, norm, eps, out_dtype):

@@ -162,7 +162,7 @@ def _chained_stages(cfg: TileConfig, k: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(gemm_core.KLoopFacts):
   """Static facts of one kernel instance."""
   m: int
   k: int
@@ -177,22 +177,6 @@ class _Plan:
   num_ctas: int  # persistent CTAs
   epi_n: int  # epilogue tile width: one 128-byte swizzle span of out_dtype at most
   out_slots: int  # epilogue output slots per consumer warpgroup
-
-  @property
-  def stages(self) -> int:
-    return self.kloop.stages
-
-  @property
-  def chained(self) -> bool:  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
-    return self.kloop.chained
-
-  @property
-  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return self.kloop.delay_release
-
-  @property
-  def a_in_registers(self) -> bool:  # WGMMA reads x from registers (x stage TMA'd untiled)
-    return self.kloop.a_in_registers
 
   @property
   def n_vecs(self) -> int:  # col_sum and/or out_bias rows in the per-warpgroup vector buffer

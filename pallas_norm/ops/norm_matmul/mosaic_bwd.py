@@ -133,7 +133,7 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> Til
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(gemm_core.KLoopFacts):
   """Static facts of one kernel instance (reduction over n, output (m, k))."""
   m: int
   n: int
@@ -147,22 +147,6 @@ class _Plan:
   num_ctas: int  # persistent CTAs
   epi_n: int
   x_prefetch_step: int
-
-  @property
-  def stages(self) -> int:
-    return self.kloop.stages
-
-  @property
-  def chained(self) -> bool:  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
-    return self.kloop.chained
-
-  @property
-  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return self.kloop.delay_release
-
-  @property
-  def a_in_registers(self) -> bool:
-    return self.kloop.a_in_registers
 
   @property
   def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused,
