@@ -487,6 +487,11 @@ FUSED_DX_CASES = [
         tile_m=128, tile_n=64, max_concurrent_steps=2, delay_release=1)),
     (77, 192, 128, jnp.float16, "layer", 1e2, True, TileConfig(tile_m=128, tile_n=128,
                                                                tile_k=32)),
+    # the shared ring with the y and vector streams: 3 stages over 4 steps numbered across 3
+    # column tiles per CTA, one WGMMA in flight
+    (77, 192, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(
+        tile_m=128, tile_n=64, tile_k=32, max_concurrent_steps=3, pipeline="ring",
+        delay_release=1)),
 ]
 
 

@@ -8,16 +8,16 @@ For x (M, K) and w (K, N) it computes, with every statistic in f32 from the f32 
 and optionally writes h (the pre-norm residual stream), x̂ = norm(h) before the affine (what the
 backward needs) and the row statistics (mean, rstd).
 
-Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a CTA owns a tile of
-``tile_m`` rows × ``tile_n`` columns. A TMA producer warpgroup streams the K loop through a
-multi-stage SMEM ring (by default the hand-written :class:`pallas_norm.mgpu.SharedRing`,
-whose steps are numbered across the CTA's row blocks, so the producer fills the next row block's
-stages while the consumers run the epilogue and the exchange; with several N tiles per CTA
-``plgpu.emit_pipeline_warp_specialized``, ``TileConfig.pipeline="pallas"``) to two WGMMA consumer warpgroups, which split the CTA
-tile along M (``tile_m // 2`` rows each), so every row of a CTA
-belongs to exactly one warpgroup. A full row spans N, so when ``N > tile_n`` a *cluster* of
-``c = N / tile_n`` CTAs (c ∈ {1, 2, 4, 8}) owns the same rows, CTA i the columns
-``[i·tile_n, (i+1)·tile_n)``. The grid is persistent: each cluster walks row blocks.
+Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` (a TMA producer warpgroup, two
+WGMMA consumer warpgroups that split a CTA tile of ``tile_m`` rows × ``tile_n`` columns along M,
+so every row of a CTA belongs to exactly one warpgroup) with the hooks of :class:`_RowNormHooks`.
+A full row spans N, so when ``N > tile_n`` a *cluster* of ``c = N / tile_n`` CTAs (c ∈ {1, 2, 4,
+8}) owns the same rows, CTA i the columns ``[i·tile_n, (i+1)·tile_n)``. The grid is persistent:
+each cluster walks row blocks. With one N tile per CTA the K loop runs on the shared ring, its
+steps numbered across the CTA's row blocks, so the producer fills the next row block's stages
+while the consumers run the epilogue and the exchange. With several N tiles per CTA it runs on
+Pallas's pipeline (``TileConfig.pipeline="pallas"``): the one exception to the ring, which
+measured 1.1-3.6× slower there, not understood (``benchmarks/EXPERIMENTS.md``).
 
 Epilogue of one warpgroup (rows r, its CTA's N slice):
 

@@ -9,20 +9,16 @@ Computes, for x (M, K) and a weight with the norm's affine already folded in
 without ever writing norm(x) (DESIGN.md, op 1). The row statistics come from the A tiles that
 the K loop already holds in shared memory; the epilogue applies them to the f32 accumulator.
 
-Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a persistent grid of one
-CTA per SM walks the (M, N) output tiles; in each CTA a TMA producer warpgroup streams
-(tile_m, tile_k) tiles of x and (tile_k, tile_n) tiles of w through a multi-stage SMEM pipeline
-(``plgpu.emit_pipeline_warp_specialized``, or the hand-written shared ring of
-``TileConfig.pipeline="ring"``, the default where the statistics run in every K loop) to two
-WGMMA consumer warpgroups. The consumers split
-the CTA tile along M, so each row's statistics are accumulated by exactly one warpgroup: after
-issuing the WGMMA of a step, a consumer loads its rows of the A tile from SMEM into registers (the
-WGMMA register layout) and accumulates the statistics while the tensor core runs, then waits for
-the WGMMA (``wgmma_wait(0)``: no WGMMA is left in flight across pipeline steps, unless
-``TileConfig.delay_release`` = 1 leaves one). The epilogue
-computes mean/rstd, applies them and the column vectors (col_sum, out_bias, fetched by TMA while
-the K loop runs) and stores y through SMEM with TMA; the statistics of a row block are written by
-the CTA that computes its first N tile.
+Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` (persistent grid over the (M, N)
+output tiles, a TMA producer warpgroup, two WGMMA consumer warpgroups that split a tile along M,
+so each row's statistics are accumulated by exactly one warpgroup) with the hooks of
+:class:`_LazyNormHooks`: after issuing a K step's WGMMA, a consumer loads its rows of the A tile
+from SMEM into registers (the WGMMA layout) and accumulates the statistics while the tensor core
+runs; the epilogue computes mean/rstd, applies them and the column vectors (col_sum, out_bias,
+fetched by TMA while the K loop runs) and stores y through SMEM with TMA; the statistics of a
+row block are written by the CTA that computes its first N tile. The K loop runs on the shared
+ring with one WGMMA in flight where the statistics run in every K loop (:func:`pick_config`),
+else on Pallas's pipeline.
 
 Statistics: in the WGMMA layout each thread holds 2 adjacent columns of every 8, so the A tile,
 cut into 8-column slices and summed, gives per-thread partial sums of shape (rows, 8) with no

@@ -52,26 +52,18 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   of 3 unchained), 32-wide ones 32.25 KiB (4 chained stages); 256×128 tiles would keep a single
   64-wide stage. :func:`pick_config` takes 32-wide steps for the fused row terms.
 
-  Measured on the H200 (2026-11-30, bf16, CUPTI, two runs;
-  ``git show 002e419:benchmarks/results/dev/2026-11-30_dx_fused_row_terms_timing.log``), against today's path
-  (the XLA pass, ~125 µs, then the dx kernel): 262144×512²: 0.92-0.94× LayerNorm (392 vs 424
-  µs), 0.88-0.90× RMSNorm (366 vs 413); 65536×2048²: 1.25-1.27× LayerNorm (1135-1150 vs 907),
-  1.14-1.23× RMSNorm: faster where a row block has 2 column tiles, slower with 8. The in-loop
-  work is not hidden under the WGMMAs: next to the dx kernel alone (293 µs at 512², 761 at
-  2048²) the fused one pays for the lost stage (2 stages of 64: +36 and +129 µs), streaming y
-  (+24, +106) and the loads and sums (+44, +143), all per column tile (cost split in the same
-  log; no register spills). All GPU tests of the option passed on the H200
-  (``..._gpu_tests.log``). Needs y in dy's dtype (``norm_matmul`` otherwise keeps the XLA pass).
+  On the H200 the fused terms win where a row block has 2 column tiles (262144×512²) and lose
+  with 8 (65536×2048²): ``benchmarks/NOTES.md``, pre-norm backward. Needs y in dy's dtype
+  (``norm_matmul`` otherwise keeps the XLA pass).
 
-Kernel structure: the forward's (:mod:`pallas_norm.ops.norm_matmul.mosaic`), i.e. JAX's
-``hopper_matmul_mgpu.py``: a persistent grid walks the (M, K) output tiles; a TMA producer
-warpgroup streams (tile_m, tile_k) tiles of dy and (tile_n, tile_k) tiles of w_gamma (the
-reduction runs over N in steps of tile_k) to two WGMMA consumer warpgroups that split the tile
-along M. Each consumer owns an SMEM buffer of its (tile_m/2, tile_n) slice of x, cut into
-epilogue tiles: the x tile of the *next* output tile is fetched at K step :data:`X_PREFETCH_STEP`
-(after the previous epilogue's TMA stores have read the buffer), the epilogue overwrites each x
-epilogue tile in place with dx and stores it with TMA. The epilogue never waits for a store;
-every epilogue tile has its own SMEM slot.
+Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` over the (M, K) output tiles
+(A: dy (tile_m, tile_k); B: w_gamma (tile_n, tile_k), read transposed; the reduction runs over N
+in steps of tile_k) with the hooks of :class:`_DxHooks`. Each consumer owns an SMEM buffer of
+its (tile_m/2, tile_n) slice of x, cut into epilogue tiles and fetched at K step
+:data:`X_PREFETCH_STEP` (after the previous epilogue's TMA stores have read the buffer); the
+epilogue overwrites each x epilogue tile in place with dx and stores it with TMA. The epilogue
+never waits for a store; every epilogue tile has its own SMEM slot. The K loop runs on Pallas's
+pipeline by default, or on the shared ring (``TileConfig.pipeline="ring"``).
 
 Shapes: the forward's (any M ≥ 1; N and K multiples of 64; bfloat16 or float16). The x and dx
 tiles go through untiled swizzled SMEM (plain 2-D TMA boxes: rows past M read as zeros and are
