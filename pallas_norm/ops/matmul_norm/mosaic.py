@@ -604,12 +604,10 @@ def _row_block_schedule(plan: _Plan) -> gemm_core.Schedule:
   return schedule
 
 
-class _RowNormHooks(gemm_core.Hooks):
-  """The post-norm forward on the GEMM body: the epilogue inputs (residual tile, column
-  vectors) loaded by TMA while the K loop runs (on the ring with one N tile per CTA the
-  residual chunks during it), and the row-norm epilogue (with the cluster exchange; with
-  several N tiles per CTA the first pass per tile and the second pass per row block). SMEM:
-  :func:`_smem`."""
+class _RowTileIO:
+  """A consumer warpgroup's loads and stores of the post-norm epilogue: h from the
+  accumulator, the residual tile and column vectors by TMA (before or during the K loop), the
+  statistics and the y / h / x̂ chunks through SMEM. SMEM: :func:`_smem`."""
 
   def __init__(self, plan: _Plan, wg, cta, refs, gmems):
     cfg = self.cfg = plan.cfg
@@ -713,6 +711,45 @@ class _RowNormHooks(gemm_core.Hooks):
     if self.plan.n_loads:
       plgpu.barrier_wait(self.load_barrier.at[self.wg])
 
+  def _prefetch_residual_chunk(self, j, row0, col0):
+    plgpu.copy_gmem_to_smem(self._chunk(self.res_gmem, row0, col0, j),
+                            self.io_smem.at[self.wg, j], self.load_barrier.at[self.wg])
+
+  def _prefetch_epilogue_inputs(self, row0, col0, residual=True):
+    """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
+    it) and the column vectors of a tile, by TMA while its K loop runs."""
+    if self.plan.has_residual and residual:
+      # The previous tile's stores read self.io_smem: they must finish before TMA refills it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for j in range(self.chunks):
+        self._prefetch_residual_chunk(j, row0, col0)
+    for i, v_gmem in enumerate(self.vec_gmems):
+      plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, self.tile_n)], self.vec_smem.at[self.wg, i],
+                              self.load_barrier.at[self.wg])
+
+  def _residual_during_k_loop(self, k_step, row0, col0):
+    """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
+    stored from the same io slot has left SMEM, so the wait for those stores overlaps the
+    WGMMAs just issued instead of holding the K loop's start. That store was the last row
+    block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
+    ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
+    per_chunk = 1 + len(self.plan.extras) * (self.wg_m // self.epi_m)
+    for j in range(self.chunks):
+      newer = per_chunk - 1 + (self.chunks - 1 - j) * per_chunk
+
+      @pl.when(k_step == min(j, self.plan.k_iters - 1))
+      def _(j=j, newer=newer):
+        plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
+        self._prefetch_residual_chunk(j, row0, col0)
+
+
+class _RowNormHooks(_RowTileIO, gemm_core.Hooks):
+  """The post-norm forward on the GEMM body: the epilogue inputs (residual tile, column
+  vectors) loaded by TMA while the K loop runs (on the ring with one N tile per CTA the
+  residual chunks during it), and the row-norm epilogue (with the cluster exchange; with
+  several N tiles per CTA the first pass per tile and the second pass per row block). SMEM:
+  :func:`_smem`."""
+
   def _epilogue(self, acc, row0, col0, tile_index):
     """One N tile per CTA: statistics, exchange, normalization, all from the accumulator."""
     self._wait_loads()
@@ -780,37 +817,6 @@ class _RowNormHooks(gemm_core.Hooks):
                                         rstd_b, pl.ds(j * self.epi_n, self.epi_n))
         self._store_chunk(y, j, row0, col0, groups)
         self._store_extras({"xhat": xhat}, j, row0, col0, groups)
-
-  def _prefetch_residual_chunk(self, j, row0, col0):
-    plgpu.copy_gmem_to_smem(self._chunk(self.res_gmem, row0, col0, j),
-                            self.io_smem.at[self.wg, j], self.load_barrier.at[self.wg])
-
-  def _prefetch_epilogue_inputs(self, row0, col0, residual=True):
-    """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
-    it) and the column vectors of a tile, by TMA while its K loop runs."""
-    if self.plan.has_residual and residual:
-      # The previous tile's stores read self.io_smem: they must finish before TMA refills it.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      for j in range(self.chunks):
-        self._prefetch_residual_chunk(j, row0, col0)
-    for i, v_gmem in enumerate(self.vec_gmems):
-      plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, self.tile_n)], self.vec_smem.at[self.wg, i],
-                              self.load_barrier.at[self.wg])
-
-  def _residual_during_k_loop(self, k_step, row0, col0):
-    """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
-    stored from the same io slot has left SMEM, so the wait for those stores overlaps the
-    WGMMAs just issued instead of holding the K loop's start. That store was the last row
-    block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
-    ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
-    per_chunk = 1 + len(self.plan.extras) * (self.wg_m // self.epi_m)
-    for j in range(self.chunks):
-      newer = per_chunk - 1 + (self.chunks - 1 - j) * per_chunk
-
-      @pl.when(k_step == min(j, self.plan.k_iters - 1))
-      def _(j=j, newer=newer):
-        plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
-        self._prefetch_residual_chunk(j, row0, col0)
 
   def _row0(self, m_idx):  # first row of this warpgroup
     return m_idx * self.plan.cfg.tile_m + self.wg * self.plan.cfg.wg_tile_m
