@@ -221,13 +221,9 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   tiles, :func:`_cluster_split`); 128 rows per CTA (64 per consumer warpgroup), 256 when the
   tile is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
   as many pipeline stages as SMEM holds (at most 4). With one N tile per CTA (N ≤ 2048) the
-  K loops run on the shared ring (``pipeline="ring"``, no WGMMA in flight). H200, session 8
-  (``git show 002e419:benchmarks/results/dev/2026-12-01_s8_matmul_norm_ring_ab.log``, same bits as Pallas's
-  pipeline): LayerNorm at 262144×512×{512, 1024, 2048} 316 / 752 / 1466 → 271 / 578 / 1177
-  µs (y only), with a residual and h 475 / 1077 / 2123 → 442 / 917 / 1897; one WGMMA in
-  flight was slower with a residual (2 stages). With several N tiles per CTA the suite measured
-  the ring 1.1-3.6× slower for LayerNorm + residual (y only; e.g. 32768×4096² 1844 → 6572 µs,
-  not explained yet) while fwd+bwd got faster, so those keep Pallas's pipeline."""
+  K loops run on the shared ring (``pipeline="ring"``, no WGMMA in flight: one in flight was
+  slower with a residual); with several N tiles per CTA on Pallas's pipeline, where the ring
+  measured 1.1-3.6× slower (``benchmarks/NOTES.md``, post-norm forward)."""
   del m, k
   split = _cluster_split(n)
   if split is None:

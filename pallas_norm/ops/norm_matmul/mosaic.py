@@ -120,15 +120,14 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4). When the
   statistics run in every K loop (not ``stats_once``) the stages come from the shared ring
   with one WGMMA in flight (``pipeline="ring"``, ``delay_release=1``), which lets the
-  statistics overlap the tensor core. H200, session 8 (suite, ring vs Pallas's chained
-  pipeline): RMSNorm 2994 vs 3185 µs at 262144×2048², 759 vs 801 at 65536×2048², 1528 vs
-  1612 at 32768×4096²; LayerNorm from -1% (the check script's A/B) to +3% (the suite), noise
-  level. With ``stats_once`` (and for the plain GEMM, :func:`gemm`) the two were within ±3%, so
-  those keep Pallas's pipeline.
+  statistics overlap the tensor core (faster on the H200 for RMSNorm, noise level for
+  LayerNorm); with ``stats_once`` (and for the plain GEMM, :func:`gemm`) the two were within
+  ±3%, and those keep Pallas's pipeline (``benchmarks/NOTES.md``, pre-norm forward).
   ``stats_once`` when N has several tiles, M at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row
-  blocks, and the row blocks in flight fit :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
-  steps where 64×64 does not (chained pipelines need one: at 128×256 tiles and K = 512,
-  64×64 slots leave 3 stages, which chain only as 2; 64×32 ones leave 4).
+  blocks, and the row blocks in flight fit :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles
+  64×64, or 64×32 when that leaves room for a stage count that divides the K steps where 64×64
+  does not (chained pipelines need one: at 128×256 tiles and K = 512, 64×64 slots leave 3
+  stages, which chain only as 2; 64×32 ones leave 4).
   """
   tile_n = _pick_tile_n(n)
   tile_m = 256 if tile_n <= 128 else 128
