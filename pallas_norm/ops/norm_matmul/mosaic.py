@@ -84,6 +84,7 @@ __all__ = ["TileConfig", "unsupported_reason", "pick_config", "norm_matmul_fwd",
 NORMS = ("rms", "layer")
 """``norm`` values: RMSNorm, LayerNorm."""
 
+
 def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
   """None if the kernel can run x: (m, k) @ w: (k, n) in ``dtype``, else why not."""
   if jnp.dtype(dtype) not in mgpu.SUPPORTED_DTYPES:
