@@ -146,6 +146,29 @@ class KLoopFacts:
 
 
 @dataclasses.dataclass(frozen=True)
+class NormGemmPlan(KLoopFacts):
+  """The static facts a fused GEMM kernel's plan starts with (subclasses add theirs and a
+  ``kloop``): x (m, k) @ w (k, n) in ``dtype``, the output dtype, the norm and its eps, the
+  tiling."""
+  m: int
+  k: int
+  n: int
+  dtype: jnp.dtype
+  out_dtype: jnp.dtype
+  norm: str | None
+  eps: float
+  cfg: TileConfig
+
+  @property
+  def m_iters(self) -> int:  # row blocks of tile_m rows
+    return -(-self.m // self.cfg.tile_m)
+
+  @property
+  def k_iters(self) -> int:  # K steps of one tile
+    return self.k // self.cfg.tile_k
+
+
+@dataclasses.dataclass(frozen=True)
 class Tile:
   """One output tile of a schedule: row block ``m_idx``, column tile ``n_idx``; ``index``: the
   tiles this CTA ran before (its ring steps start at ``index · steps``); ``first``/``last``:

@@ -100,21 +100,13 @@ _ROW_ALIGN = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan(gemm_core.KLoopFacts):
+class _Plan(gemm_core.NormGemmPlan):
   """Static facts of one kernel instance."""
-  m: int
-  k: int
-  n: int
-  dtype: jnp.dtype
-  out_dtype: jnp.dtype
-  norm: str
-  eps: float
   vecs: tuple[str, ...]  # which of "dense_bias", "scale", "bias" are given (in that order)
   has_residual: bool
   return_h: bool
   return_xhat: bool
   return_stats: bool
-  cfg: TileConfig
   cluster: int
   n_tiles: int  # N tiles per CTA: the CTA's columns are n_tiles · tile_n
   num_clusters: int
@@ -145,14 +137,6 @@ class _Plan(gemm_core.KLoopFacts):
   @property
   def cta_cols(self) -> int:  # columns of a row that one CTA owns
     return self.n_tiles * self.cfg.tile_n
-
-  @property
-  def m_iters(self) -> int:  # row blocks of tile_m rows
-    return -(-self.m // self.cfg.tile_m)
-
-  @property
-  def k_iters(self) -> int:
-    return self.k // self.cfg.tile_k
 
   def vec_index(self, name: str) -> int:
     return self.vecs.index(name)

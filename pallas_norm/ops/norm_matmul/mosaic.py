@@ -158,17 +158,9 @@ def _chained_stages(cfg: TileConfig, k: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan(gemm_core.KLoopFacts):
-  """Static facts of one kernel instance."""
-  m: int
-  k: int
-  n: int
-  dtype: jnp.dtype
-  out_dtype: jnp.dtype
-  norm: str | None  # None: the plain GEMM (:func:`gemm`)
-  eps: float
+class _Plan(gemm_core.NormGemmPlan):
+  """Static facts of one kernel instance (``norm`` None: the plain GEMM, :func:`gemm`)."""
   has_bias: bool
-  cfg: TileConfig
   kloop: gemm_core.KLoop
   num_ctas: int  # persistent CTAs
   epi_n: int  # epilogue tile width: one 128-byte swizzle span of out_dtype at most
@@ -183,16 +175,8 @@ class _Plan(gemm_core.KLoopFacts):
     return _n_stats(self.norm)
 
   @property
-  def m_iters(self) -> int:  # row blocks of tile_m rows
-    return -(-self.m // self.cfg.tile_m)
-
-  @property
   def n_iters(self) -> int:
     return -(-self.n // self.cfg.tile_n)
-
-  @property
-  def k_iters(self) -> int:
-    return self.k // self.cfg.tile_k
 
 
 def _n_stats(norm) -> int:
