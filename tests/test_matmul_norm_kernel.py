@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pallas_norm import mgpu, reference  # noqa: E402
+from pallas_norm.mgpu import gemm as gemm_core  # noqa: E402
 from pallas_norm.ops.matmul_norm import api as mn  # noqa: E402
 from pallas_norm.ops.matmul_norm import mosaic as mk  # noqa: E402
 from pallas_norm.ops.matmul_norm import xla as mn_xla  # noqa: E402
@@ -440,8 +441,8 @@ def test_push_exchange_inbox_is_counted_in_smem():
                              ("dense_bias", "scale", "bias"), True, False, False, False, cfg,
                              False, ex) for ex in ("pull", "push")}
   assert plans["pull"].cluster == plans["push"].cluster == 4
-  extra = mk._smem_bytes_besides_pipeline(plans["push"]) - mk._smem_bytes_besides_pipeline(
-      plans["pull"])
+  extra = (gemm_core.smem_bytes(mk._smem(plans["push"]))
+           - gemm_core.smem_bytes(mk._smem(plans["pull"])))
   assert extra == 2 * 4 * 64 * 8 * 4 - 2 * (2 + 2) * 64 * 4
   assert plans["push"].stages == plans["pull"].stages - 1
 

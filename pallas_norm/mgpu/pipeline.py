@@ -135,14 +135,14 @@ def warp_specialize(producer, consumers) -> None:
 
 
 def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release: int = 0):
-  """Consumer: ``steps`` K steps from global step ``first_step`` of a hand-written ring (any
-  object with ``stage(step) -> (x_ref, w_ref, produced_barrier, consumed_barrier)``): waits
-  for each stage, runs ``body(idxs, x_stage, w_stage, carry) -> carry`` (the signature of a
-  pipeline body; default: one WGMMA into the accumulator ref ``carry``, then
-  ``plgpu.wgmma_wait(delay_release)``), then releases the stage. The body must leave at most
-  ``delay_release`` (0 or 1) WGMMA groups in flight: with 1, step s releases the stage of step
-  s − 1 (whose WGMMA the body's wait retired), and the loop ends with ``wgmma_wait(0)`` and the
-  last stage's release, so no WGMMA is in flight on return. Returns the carry."""
+  """Consumer: ``steps`` K steps from global step ``first_step`` of a hand-written ring (a
+  :class:`SharedRing`): waits for each stage, runs ``body(idxs, *stage_buffers, carry) ->
+  carry`` (the signature of a pipeline body; default: one WGMMA of
+  the x and w stages into the accumulator ref ``carry``, then ``plgpu.wgmma_wait(delay_release)``),
+  then releases the stage. The body must leave at most ``delay_release`` (0 or 1) WGMMA groups
+  in flight: with 1, step s releases the stage of step s − 1 (whose WGMMA the body's wait
+  retired), and the loop ends with ``wgmma_wait(0)`` and the last stage's release, so no WGMMA
+  is in flight on return. Returns the carry."""
   if body is None:
     def body(idxs, x_stage, w_stage, acc):
       del idxs
@@ -152,9 +152,9 @@ def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release
 
   def step_body(k, carry):
     step = first_step + k
-    x_stage, w_stage, produced, consumed = ring.stage(step)
+    buffers, produced, consumed = ring.stage_buffers(step)
     plgpu.barrier_wait(produced)
-    carry = body((k,), x_stage, w_stage, carry)
+    carry = body((k,), *buffers, carry)
     if not delay_release:
       plgpu.barrier_arrive(consumed)
     else:  # the WGMMA of step k - 1 has completed: its stage is free
@@ -168,14 +168,14 @@ def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release
   return carry
 
 
-def ring_produce(ring, step, x_window, w_window) -> None:
-  """Producer: loads global step ``step`` (x and w windows in GMEM) into its stage of ``ring``
-  (as for :func:`ring_k_loop`, plus a ``stages`` count) once the stage's previous use was
-  released."""
-  x_ref, w_ref, produced, consumed = ring.stage(step)
+def ring_produce(ring, step, *windows) -> None:
+  """Producer: loads global step ``step`` (the GMEM ``windows`` of x, w and the ring's extra
+  streams, in that order) into its stage of ``ring`` (as for :func:`ring_k_loop`, plus a
+  ``stages`` count) once the stage's previous use was released."""
+  buffers, produced, consumed = ring.stage_buffers(step)
   pl.when(step >= ring.stages)(lambda: plgpu.barrier_wait(consumed))
-  plgpu.copy_gmem_to_smem(x_window, x_ref, produced)
-  plgpu.copy_gmem_to_smem(w_window, w_ref, produced)
+  for window, buffer in zip(windows, buffers, strict=True):
+    plgpu.copy_gmem_to_smem(window, buffer, produced)
 
 
 def ring_drain(ring, total_steps) -> None:
@@ -196,29 +196,45 @@ def ring_drain(ring, total_steps) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SharedRing:
-  """``x[s]`` (tile_m, tile_k) and ``w[s]`` (tile_k, tile_n) of stage s; ``produced[s]``
-  completes when both TMA copies landed, ``consumed[s]`` when both consumer warpgroups released
-  it. Steps are numbered across the CTA's tiles (its i-th tile's K step k is global step
-  i · k_steps + k, in stage step mod stages), so the producer fills the next tile's stages while
-  the consumers run the current one's epilogue. Every waiter waits for every phase of a barrier
-  in order, so the parities Mosaic tracks stay right."""
+  """``x[s]`` (tile_m, tile_k) and ``w[s]`` (tile_k, tile_n) of stage s, and the stage's block
+  of each ``extra`` stream; ``produced[s]`` completes when every TMA copy of the stage landed,
+  ``consumed[s]`` when both consumer warpgroups released it. Steps are numbered across the
+  CTA's tiles (its i-th tile's K step k is global step i · k_steps + k, in stage step mod
+  stages), so the producer fills the next tile's stages while the consumers run the current
+  one's epilogue. Every waiter waits for every phase of a barrier in order, so the parities
+  Mosaic tracks stay right."""
   x: object
   w: object
   produced: object
   consumed: object
   stages: int
+  extra: tuple = ()
 
   def stage(self, step):
-    """(x_ref, w_ref, produced, consumed) of global step ``step`` (:func:`ring_k_loop`)."""
+    """(x_ref, w_ref, produced, consumed) of global step ``step``."""
+    (x, w, *_), produced, consumed = self.stage_buffers(step)
+    return x, w, produced, consumed
+
+  def stage_buffers(self, step):
+    """(buffers, produced, consumed) of global step ``step``: the buffers of x, w, then of the
+    extra streams (:func:`ring_k_loop`, :func:`ring_produce`)."""
     slot = lax.rem(step, self.stages)
-    return self.x.at[slot], self.w.at[slot], self.produced.at[slot], self.consumed.at[slot]
+    buffers = (self.x.at[slot], self.w.at[slot], *(e.at[slot] for e in self.extra))
+    return buffers, self.produced.at[slot], self.consumed.at[slot]
 
 
-def shared_ring_allocs(tile_m: int, tile_k: int, tile_n: int, dtype, stages: int, *,
-                       x_transforms: tuple, w_transforms: tuple) -> dict:
-  """``pl.run_scoped`` allocations of a :class:`SharedRing` (pass them as its fields)."""
-  return dict(
-      x=plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=x_transforms),
-      w=plgpu.SMEM((stages, tile_k, tile_n), dtype, transforms=w_transforms),
-      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one per TMA copy
-      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))  # one per consumer
+def shared_ring_allocs(stages: int, x: tuple, w: tuple, *extra: tuple) -> dict:
+  """``pl.run_scoped`` allocations of a :class:`SharedRing` of ``stages`` stages (pass them as
+  its fields): ``x``, ``w`` and each ``extra`` stream given as (block shape, dtype, transforms)
+  of one stage."""
+  stage = lambda block, dtype, transforms: plgpu.SMEM((stages, *block), dtype,
+                                                      transforms=transforms)
+  allocs = dict(
+      x=stage(*x),
+      w=stage(*w),
+      # one arrival per TMA copy of a stage, one per consumer
+      produced=plgpu.Barrier(num_arrivals=2 + len(extra), num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+  if extra:
+    allocs["extra"] = tuple(stage(*e) for e in extra)
+  return allocs

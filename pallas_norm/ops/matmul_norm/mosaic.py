@@ -8,16 +8,16 @@ For x (M, K) and w (K, N) it computes, with every statistic in f32 from the f32 
 and optionally writes h (the pre-norm residual stream), x̂ = norm(h) before the affine (what the
 backward needs) and the row statistics (mean, rstd).
 
-Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a CTA owns a tile of
-``tile_m`` rows × ``tile_n`` columns. A TMA producer warpgroup streams the K loop through a
-multi-stage SMEM ring (by default the hand-written :class:`pallas_norm.mgpu.SharedRing`,
-whose steps are numbered across the CTA's row blocks, so the producer fills the next row block's
-stages while the consumers run the epilogue and the exchange; with several N tiles per CTA
-``plgpu.emit_pipeline_warp_specialized``, ``TileConfig.pipeline="pallas"``) to two WGMMA consumer warpgroups, which split the CTA
-tile along M (``tile_m // 2`` rows each), so every row of a CTA
-belongs to exactly one warpgroup. A full row spans N, so when ``N > tile_n`` a *cluster* of
-``c = N / tile_n`` CTAs (c ∈ {1, 2, 4, 8}) owns the same rows, CTA i the columns
-``[i·tile_n, (i+1)·tile_n)``. The grid is persistent: each cluster walks row blocks.
+Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` (a TMA producer warpgroup, two
+WGMMA consumer warpgroups that split a CTA tile of ``tile_m`` rows × ``tile_n`` columns along M,
+so every row of a CTA belongs to exactly one warpgroup) with the hooks of :class:`_RowNormHooks`.
+A full row spans N, so when ``N > tile_n`` a *cluster* of ``c = N / tile_n`` CTAs (c ∈ {1, 2, 4,
+8}) owns the same rows, CTA i the columns ``[i·tile_n, (i+1)·tile_n)``. The grid is persistent:
+each cluster walks row blocks. With one N tile per CTA the K loop runs on the shared ring, its
+steps numbered across the CTA's row blocks, so the producer fills the next row block's stages
+while the consumers run the epilogue and the exchange. With several N tiles per CTA it runs on
+Pallas's pipeline (``TileConfig.pipeline="pallas"``): the one exception to the ring, which
+measured 1.1-3.6× slower there, not understood (``benchmarks/EXPERIMENTS.md``).
 
 Epilogue of one warpgroup (rows r, its CTA's N slice):
 
@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +77,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu
 from pallas_norm.mgpu import TileConfig
+from pallas_norm.mgpu import gemm as gemm_core
 
 __all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
            "matmul_norm_fwd", "launch"]
@@ -93,7 +93,6 @@ MAX_N_TILES = 4
 
 MAX_N = max(CLUSTER_SIZES) * MAX_N_TILES * MAX_TILE_N
 
-_SMEM_SLACK = 4096  # barriers + the scratch Mosaic reserves for cross-lane reductions.
 _EXTRA_SLOTS = 2  # staging slots for h / x̂ tiles: one being written while one is stored
 # A TMA copy into an 8-row-tiled SMEM tile needs the global row count to be a multiple of 8; the
 # rows past M in the last row tile are then zero-filled on load and dropped on store by TMA.
@@ -101,31 +100,18 @@ _ROW_ALIGN = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(gemm_core.NormGemmPlan):
   """Static facts of one kernel instance."""
-  m: int
-  k: int
-  n: int
-  dtype: jnp.dtype
-  out_dtype: jnp.dtype
-  norm: str
-  eps: float
   vecs: tuple[str, ...]  # which of "dense_bias", "scale", "bias" are given (in that order)
   has_residual: bool
   return_h: bool
   return_xhat: bool
   return_stats: bool
-  cfg: TileConfig
   cluster: int
   n_tiles: int  # N tiles per CTA: the CTA's columns are n_tiles · tile_n
-  stages: int
   num_clusters: int
-  chained: bool = False  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
   exchange: str = "pull"  # see matmul_norm_fwd's ``exchange``
-
-  @property
-  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu.plan_delay_release(self.cfg, self.stages)
+  kloop: gemm_core.KLoop | None = None  # set by _make_plan once the SMEM is known
 
   @property
   def n_partials(self) -> int:  # per-row partial statistics exchanged in the cluster
@@ -151,14 +137,6 @@ class _Plan:
   @property
   def cta_cols(self) -> int:  # columns of a row that one CTA owns
     return self.n_tiles * self.cfg.tile_n
-
-  @property
-  def m_iters(self) -> int:  # row blocks of tile_m rows
-    return -(-self.m // self.cfg.tile_m)
-
-  @property
-  def k_iters(self) -> int:
-    return self.k // self.cfg.tile_k
 
   def vec_index(self, name: str) -> int:
     return self.vecs.index(name)
@@ -227,13 +205,9 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   tiles, :func:`_cluster_split`); 128 rows per CTA (64 per consumer warpgroup), 256 when the
   tile is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
   as many pipeline stages as SMEM holds (at most 4). With one N tile per CTA (N ≤ 2048) the
-  K loops run on the shared ring (``pipeline="ring"``, no WGMMA in flight). H200, session 8
-  (``git show 002e419:benchmarks/results/dev/2026-12-01_s8_matmul_norm_ring_ab.log``, same bits as Pallas's
-  pipeline): LayerNorm at 262144×512×{512, 1024, 2048} 316 / 752 / 1466 → 271 / 578 / 1177
-  µs (y only), with a residual and h 475 / 1077 / 2123 → 442 / 917 / 1897; one WGMMA in
-  flight was slower with a residual (2 stages). With several N tiles per CTA the suite measured
-  the ring 1.1-3.6× slower for LayerNorm + residual (y only; e.g. 32768×4096² 1844 → 6572 µs,
-  not explained yet) while fwd+bwd got faster, so those keep Pallas's pipeline."""
+  K loops run on the shared ring (``pipeline="ring"``, no WGMMA in flight: one in flight was
+  slower with a residual); with several N tiles per CTA on Pallas's pipeline, where the ring
+  measured 1.1-3.6× slower (``benchmarks/NOTES.md``, post-norm forward)."""
   del m, k
   split = _cluster_split(n)
   if split is None:
@@ -244,16 +218,38 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
                     pipeline="ring" if n_tiles == 1 else "pallas")
 
 
-def _smem_bytes_besides_pipeline(p: _Plan) -> int:
-  cfg = p.cfg
-  out_b = p.out_dtype.itemsize
-  io = 2 * cfg.wg_tile_m * cfg.tile_n * out_b
-  extra = 2 * _EXTRA_SLOTS * cfg.epi_tile_m * cfg.epi_tile_n * out_b if p.extras else 0
-  vec = 2 * len(p.vecs) * cfg.tile_n * 4
-  stats = 2 * 2 * cfg.wg_tile_m * 4 * bool(p.n_stats)
-  exchange = _exchange_smem_bytes(p)
-  tile_stats = 2 * p.n_tiles * p.n_partials * cfg.wg_tile_m * 4 * (p.n_tiles > 1)
-  return io + extra + vec + stats + exchange + tile_stats + _SMEM_SLACK
+def _streams(cfg: TileConfig, dtype) -> list[gemm_core.Stream]:
+  """x (tile_m, tile_k) and w (tile_k, tile_n) per K step (M is padded to whole 8-row groups,
+  so both are tiled for WGMMA)."""
+  transforms = mgpu.swizzle_transforms(cfg.tile_k, dtype)
+  return [gemm_core.Stream((cfg.tile_m, cfg.tile_k), dtype, 1, transforms),
+          gemm_core.Stream((cfg.tile_k, cfg.tile_n), dtype, 0, transforms)]
+
+
+def _smem(plan: _Plan) -> dict:
+  """SMEM besides the stages, per consumer warpgroup: the residual-in / y-out tile as column
+  chunks (a TMA copy needs a contiguous SMEM window), the h / x̂ staging slots, the column
+  vectors, the statistics, the cluster exchange, and with several N tiles per CTA each tile's
+  partials and the barrier of the second pass's reloads. Load barriers: one arrival per TMA
+  copy (each copy arrives with its byte count)."""
+  cfg = plan.cfg
+  wg_m, epi_m, epi_n = cfg.wg_tile_m, cfg.epi_tile_m, cfg.epi_tile_n
+  out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype)
+  multi = plan.n_tiles > 1
+  return dict(
+      io_smem=plgpu.SMEM((2, cfg.tile_n // epi_n, wg_m, epi_n), plan.out_dtype,
+                         transforms=out_transforms),
+      extra_smem=(plgpu.SMEM((2, _EXTRA_SLOTS, epi_m, epi_n), plan.out_dtype,
+                             transforms=out_transforms) if plan.extras else None),
+      vec_smem=plgpu.SMEM((2, len(plan.vecs), cfg.tile_n), jnp.float32) if plan.vecs else None,
+      load_barrier=(plgpu.Barrier(num_arrivals=plan.n_loads, num_barriers=2)
+                    if plan.n_loads else None),
+      stat_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32) if plan.n_stats else None,
+      ex_allocs=_exchange_allocs(plan),
+      tile_stats=(plgpu.SMEM((2, plan.n_tiles, plan.n_partials, wg_m), jnp.float32)
+                  if multi else None),
+      reload_barrier=(plgpu.Barrier(num_arrivals=plan.n_reloads, num_barriers=2)
+                      if multi else None))
 
 
 _UNUSED_OPTIONS = ("stats_once", "grid_minor_dim", "grid_tile_width")
@@ -278,15 +274,10 @@ def _make_plan(x_shape, n, dtype, out_dtype, norm, eps, vecs, has_residual, retu
   plan = _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
                eps=float(eps), vecs=vecs, has_residual=has_residual, return_h=return_h,
                return_xhat=return_xhat, return_stats=return_stats, cfg=cfg, cluster=cluster,
-               n_tiles=n_tiles, stages=0, num_clusters=0, exchange=exchange)
-  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * plan.dtype.itemsize
-  free = mgpu.SMEM_BYTES - _smem_bytes_besides_pipeline(plan)
-  if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
-    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM")
-  stages, chained = mgpu.stages_for(
-      cfg, plan.k_iters, min(cfg.max_concurrent_steps, free // stage_bytes))
+               n_tiles=n_tiles, num_clusters=0, exchange=exchange)
+  kloop = gemm_core.plan_k_loop(cfg, _streams(cfg, plan.dtype), plan.k_iters, _smem(plan))
   num_clusters = mgpu.persistent_clusters(cluster, plan.m_iters, interpret)
-  return dataclasses.replace(plan, stages=stages, chained=chained, num_clusters=num_clusters)
+  return dataclasses.replace(plan, kloop=kloop, num_clusters=num_clusters)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -426,15 +417,6 @@ def _exchange_allocs(plan: _Plan):
                for _ in range(2))
   return dict(part=part, full=cluster_bar(), empty=cluster_bar(),
               rows=plgpu.SMEM((2, 2, rows), jnp.float32))
-
-
-def _exchange_smem_bytes(plan: _Plan) -> int:
-  if plan.cluster == 1:
-    return 0
-  rows = plan.cfg.wg_tile_m
-  if plan.exchange == "push":
-    return 2 * plan.cluster * rows * _PACKET_COLS * 4
-  return 2 * (plan.n_partials + 2) * rows * 4
 
 
 def _pack(plan: _Plan, partials):
@@ -585,50 +567,55 @@ class _StoreGroups:
 # The kernel.
 
 
-@dataclasses.dataclass(frozen=True)
-class _KernelRefs:
-  """What a consumer warpgroup's epilogue code reads in :func:`_kernel`: the plan, its static
-  tile sizes, the warpgroup and CTA indices, the exchange, and the SMEM and GMEM refs."""
-  plan: object
-  cfg: object
-  wg_m: object
-  tile_n: object
-  epi_m: object
-  epi_n: object
-  chunks: object
-  wg: object
-  cta: object
-  ex: object
-  io_smem: object
-  extra_smem: object
-  vec_smem: object
-  load_barrier: object
-  stat_smem: object
-  tile_stats: object
-  reload_barrier: object
-  y_gmem: object
-  extra_gmems: object
-  stat_gmems: object
-  res_gmem: object
-  vec_gmems: object
+def _row_block_schedule(plan: _Plan) -> gemm_core.Schedule:
+  """Each cluster walks row blocks; a CTA runs its ``n_tiles`` N tiles of a row block in turn
+  (``Tile.kind``: the tile's index t in the CTA), then ``end_unit((m_idx, row blocks before))``."""
+  def schedule(visit, end_unit):
+    @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
+    def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+      (m_idx,) = loop_info.index
+      tile_index = loop_info.local_index  # row blocks this cluster did before
+      for t in range(plan.n_tiles):
+        visit(gemm_core.Tile(
+            m_idx, t, tile_index if plan.n_tiles == 1 else tile_index * plan.n_tiles + t,
+            (tile_index == 0) & (t == 0),
+            (tile_index == loop_info.num_local_steps - 1) & (t == plan.n_tiles - 1), kind=t))
+      end_unit((m_idx, tile_index))
+  return schedule
 
 
-def _row_block_io(c: "_KernelRefs"):
-  """The loads and stores of a consumer warpgroup's row-block epilogue: h from the
-  accumulator, the column vectors, the statistics and the y / h / x̂ chunks through SMEM."""
-  (plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem, extra_smem, vec_smem,
-   load_barrier, stat_smem, tile_stats, reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem,
-   vec_gmems) = (getattr(c, f.name) for f in dataclasses.fields(c))
+class _RowTileIO:
+  """A consumer warpgroup's loads and stores of the post-norm epilogue: h from the
+  accumulator, the residual tile and column vectors by TMA (before or during the K loop), the
+  statistics and the y / h / x̂ chunks through SMEM. SMEM: :func:`_smem`."""
 
-  def tile_col0(t):  # first column of this CTA's N tile t (fixed for the whole kernel)
-    return (cta * plan.n_tiles + t) * tile_n
+  def __init__(self, plan: _Plan, wg, cta, refs, gmems):
+    cfg = self.cfg = plan.cfg
+    self.plan, self.wg, self.cta = plan, wg, cta
+    self.wg_m, self.tile_n, self.epi_m, self.epi_n = (cfg.wg_tile_m, cfg.tile_n, cfg.epi_tile_m,
+                                                      cfg.epi_tile_n)
+    self.chunks = cfg.tile_n // cfg.epi_tile_n
+    self.ex = None if refs["ex_allocs"] is None else _Exchange(**refs["ex_allocs"])
+    for name in ("io_smem", "extra_smem", "vec_smem", "load_barrier", "stat_smem", "tile_stats",
+                 "reload_barrier"):
+      setattr(self, name, refs[name])
+    (self.y_gmem, self.extra_gmems, self.stat_gmems, self.res_gmem, self.vec_gmems) = gmems
+    # On the ring with one N tile per CTA every row block ends in _epilogue, whose store groups
+    # _residual_during_k_loop counts; elsewhere the residual waits for all stores.
+    self.residual_in_k_loop = plan.has_residual and cfg.pipeline == "ring" and plan.n_tiles == 1
 
-  def _vec(name, ns):
-    v = plgpu.load(vec_smem.at[wg, plan.vec_index(name), ns],
+  def tile_col0(self, t):  # first column of this CTA's N tile t (fixed for the whole kernel)
+    return (self.cta * self.plan.n_tiles + t) * self.tile_n
+
+  def _chunk(self, gmem, row0, col0, j):  # the warpgroup's rows of column chunk j of a tile
+    return gmem.at[pl.ds(row0, self.wg_m), pl.ds(col0 + j * self.epi_n, self.epi_n)]
+
+  def _vec(self, name, ns):
+    v = plgpu.load(self.vec_smem.at[self.wg, self.plan.vec_index(name), ns],
                    layout=plgpu.Layout.WGMMA.reduce(0))
-    return _colvec(v, (wg_m, epi_n))
+    return _colvec(v, (self.wg_m, self.epi_n))
 
-  def _h_chunk_fn(acc):
+  def _h_chunk_fn(self, acc):
     """``h_chunk(j)``: h of columns [j·epi_n, (j+1)·epi_n) of the tile, f32.
 
     Each chunk is built once, replacing the accumulator (same registers): the statistics'
@@ -636,183 +623,209 @@ def _row_block_io(c: "_KernelRefs"):
     uses for LayerNorm) re-read the dense bias and the residual from SMEM each time, which
     cost 100 µs of 394 at 262144×512×512 (session 5, benchmarks/NOTES.md)."""
     def build(j):
-      ns = pl.ds(j * epi_n, epi_n)
-      h = acc[:, j * epi_n:(j + 1) * epi_n]
-      if "dense_bias" in plan.vecs:
-        h = h + _vec("dense_bias", ns)
-      if plan.has_residual:
-        r = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA)
+      ns = pl.ds(j * self.epi_n, self.epi_n)
+      h = acc[:, j * self.epi_n:(j + 1) * self.epi_n]
+      if "dense_bias" in self.plan.vecs:
+        h = h + self._vec("dense_bias", ns)
+      if self.plan.has_residual:
+        r = plgpu.load(self.io_smem.at[self.wg, j], layout=plgpu.Layout.WGMMA)
         h = h + r.astype(jnp.float32)
       return h
-    return [build(j) for j in range(chunks)].__getitem__
+    return [build(j) for j in range(self.chunks)].__getitem__
 
-  def _store_stats(mean, rstd, row0):
+  def _store_stats(self, mean, rstd, row0):
     """rstd (and mean) of the warpgroup's rows through ``stat_smem``. The copies join the next
     committed store group (the y chunk stores that always follow), so the groups
     :class:`_StoreGroups` counts are the same in every CTA."""
-    if not plan.n_stats:
+    if not self.plan.n_stats:
       return
     stats = [rstd] if mean is None else [rstd, mean]
     for i, v in enumerate(stats):
-      stat_smem[wg, i] = v
+      self.stat_smem[self.wg, i] = v
     plgpu.commit_smem()
 
-    @pl.when(cta == 0)  # every CTA of the cluster holds the same bits: one writes them
+    @pl.when(self.cta == 0)  # every CTA of the cluster holds the same bits: one writes them
     def _():
       for i in range(len(stats)):
-        plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], stat_gmems[i].at[pl.ds(row0, wg_m)],
+        plgpu.copy_smem_to_gmem(self.stat_smem.at[self.wg, i],
+                                self.stat_gmems[i].at[pl.ds(row0, self.wg_m)],
                                 commit_group=False)
 
-  def _store_chunk(value, j, row0, col0, groups):
+  def _store_chunk(self, value, j, row0, col0, groups):
     """y chunk j through io_smem, in place: each thread overwrites elements it has read."""
-    io_smem[wg, j] = value.astype(plan.out_dtype)
+    self.io_smem[self.wg, j] = value.astype(self.plan.out_dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(io_smem.at[wg, j],
-                            y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)])
+    plgpu.copy_smem_to_gmem(self.io_smem.at[self.wg, j], self._chunk(self.y_gmem, row0, col0, j))
     groups.committed(("io", j))
 
-  def _store_extras(values, j, row0, col0, groups):
+  def _store_extras(self, values, j, row0, col0, groups):
     """h / x̂ chunk j through the small slots, in turn; ``groups``: this epilogue's stores."""
-    for e in plan.extras:
+    for e in self.plan.extras:
       if e not in values:
         continue
-      for i in range(wg_m // epi_m):
+      for i in range(self.wg_m // self.epi_m):
         s = groups.next_extra_slot()
         groups.wait_until_read(("extra", s))
-        extra_smem[wg, s] = values[e][i * epi_m:(i + 1) * epi_m].astype(plan.out_dtype)
+        rows = slice(i * self.epi_m, (i + 1) * self.epi_m)
+        self.extra_smem[self.wg, s] = values[e][rows].astype(self.plan.out_dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            extra_smem.at[wg, s],
-            extra_gmems[e].at[pl.ds(row0 + i * epi_m, epi_m), pl.ds(col0 + j * epi_n, epi_n)])
+            self.extra_smem.at[self.wg, s],
+            self.extra_gmems[e].at[pl.ds(row0 + i * self.epi_m, self.epi_m),
+                                   pl.ds(col0 + j * self.epi_n, self.epi_n)])
         groups.committed(("extra", s))
 
-  def _normalize_chunk(h_minus_mean, rstd_b, ns):
+  def _normalize_chunk(self, h_minus_mean, rstd_b, ns):
     xhat = h_minus_mean * rstd_b
     y = xhat
-    if "scale" in plan.vecs:
-      y = y * _vec("scale", ns)
-    if "bias" in plan.vecs:
-      y = y + _vec("bias", ns)
+    if "scale" in self.plan.vecs:
+      y = y * self._vec("scale", ns)
+    if "bias" in self.plan.vecs:
+      y = y + self._vec("bias", ns)
     return xhat, y
 
-  def _wait_loads():
-    if not plan.has_residual:
+  def _wait_loads(self):
+    if not self.plan.has_residual:
       # Earlier TMA stores from the staging buffers must have read them before we overwrite.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if plan.n_loads:
-      plgpu.barrier_wait(load_barrier.at[wg])
+    if self.plan.n_loads:
+      plgpu.barrier_wait(self.load_barrier.at[self.wg])
 
-  return types.SimpleNamespace(tile_col0=tile_col0, vec=_vec, h_chunk_fn=_h_chunk_fn, store_stats=_store_stats, store_chunk=_store_chunk, store_extras=_store_extras, normalize_chunk=_normalize_chunk, wait_loads=_wait_loads)
+  def _prefetch_residual_chunk(self, j, row0, col0):
+    plgpu.copy_gmem_to_smem(self._chunk(self.res_gmem, row0, col0, j),
+                            self.io_smem.at[self.wg, j], self.load_barrier.at[self.wg])
 
-
-def _row_block_epilogues(c: "_KernelRefs", io):
-  """The epilogues of a row block (one N tile per CTA, or the two passes over several) and
-  the TMA loads of their inputs, on top of :func:`_row_block_io`."""
-  (plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem, extra_smem, vec_smem,
-   load_barrier, stat_smem, tile_stats, reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem,
-   vec_gmems) = (getattr(c, f.name) for f in dataclasses.fields(c))
-  tile_col0, _vec, _h_chunk_fn, _store_stats, _store_chunk, _store_extras = (
-      io.tile_col0, io.vec, io.h_chunk_fn, io.store_stats, io.store_chunk, io.store_extras)
-  _normalize_chunk, _wait_loads = io.normalize_chunk, io.wait_loads
-
-  def _epilogue(acc, row0, col0, tile_index):
-    """One N tile per CTA: statistics, exchange, normalization, all from the accumulator."""
-    _wait_loads()
-    h_chunk = _h_chunk_fn(acc)
-    partials = _slice_partials(plan, h_chunk)
-    mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
-    _store_stats(mean, rstd, row0)
-    shape = (wg_m, epi_n)
-    rstd_b = _rowvec(rstd, shape)
-    shift_b = None if mean is None else _rowvec(mean, shape)
-    groups = _StoreGroups()
-    for j in range(chunks):
-      h = h_chunk(j)
-      xhat, y = _normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
-                                 pl.ds(j * epi_n, epi_n))
-      _store_chunk(y, j, row0, col0, groups)
-      _store_extras({"h": h, "xhat": xhat}, j, row0, col0, groups)
-
-  def _first_pass(acc, row0, col0, t):
-    """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
-    goes to y's place in global memory, in the output dtype: centered values keep their
-    precision for rows with a large mean. :func:`_second_pass` normalizes it."""
-    _wait_loads()
-    h_chunk = _h_chunk_fn(acc)
-    partials = _slice_partials(plan, h_chunk)
-    for q, v in enumerate(partials):
-      tile_stats[wg, t, q] = v
-    shift_b = None if plan.norm == "rms" else _rowvec(partials[0], (wg_m, epi_n))
-    groups = _StoreGroups()
-    for j in range(chunks):
-      h = h_chunk(j)
-      _store_chunk(h if shift_b is None else h - shift_b, j, row0, col0, groups)
-      _store_extras({"h": h}, j, row0, col0, groups)
-
-  def _second_pass(row0, tile_index):
-    """Merges the N tiles' partials, exchanges them in the cluster, then reloads each tile's
-    centered h from global memory and normalizes it in place."""
-    per_tile = [tuple(plgpu.load(tile_stats.at[wg, t, q], layout=plgpu.Layout.WGMMA.reduce(1))
-                      for q in range(plan.n_partials)) for t in range(plan.n_tiles)]
-    partials = _combine(plan, per_tile, tile_n)
-    mean, rstd = _cluster_row_stats(plan, partials, ex, wg, tile_index)
-    _store_stats(mean, rstd, row0)
-    shape = (wg_m, epi_n)
-    rstd_b = _rowvec(rstd, shape)
-    # The first pass's stores must have landed in global memory, not only left SMEM.
-    plgpu.wait_smem_to_gmem(0)
-    groups = _StoreGroups()
-    for t in range(plan.n_tiles):
-      col0 = tile_col0(t)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t − 1's stores read io_smem
-      for j in range(chunks):
-        plgpu.copy_gmem_to_smem(y_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                                io_smem.at[wg, j], reload_barrier.at[wg])
-      for i, v_gmem in enumerate(vec_gmems):
-        plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                reload_barrier.at[wg])
-      plgpu.barrier_wait(reload_barrier.at[wg])
-      # centered = h − tile mean, so h − mean = centered + (tile mean − mean).
-      offset_b = None if mean is None else _rowvec(per_tile[t][0] - mean, shape)
-      for j in range(chunks):
-        centered = plgpu.load(io_smem.at[wg, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        xhat, y = _normalize_chunk(centered if offset_b is None else centered + offset_b,
-                                   rstd_b, pl.ds(j * epi_n, epi_n))
-        _store_chunk(y, j, row0, col0, groups)
-        _store_extras({"xhat": xhat}, j, row0, col0, groups)
-
-  def _prefetch_residual_chunk(j, row0, col0):
-    plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(row0, wg_m), pl.ds(col0 + j * epi_n, epi_n)],
-                            io_smem.at[wg, j], load_barrier.at[wg])
-
-  def _prefetch_epilogue_inputs(row0, col0, residual=True):
+  def _prefetch_epilogue_inputs(self, row0, col0, residual=True):
     """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
     it) and the column vectors of a tile, by TMA while its K loop runs."""
-    if plan.has_residual and residual:
-      # The previous tile's stores read io_smem: they must finish before TMA refills it.
+    if self.plan.has_residual and residual:
+      # The previous tile's stores read self.io_smem: they must finish before TMA refills it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      for j in range(chunks):
-        _prefetch_residual_chunk(j, row0, col0)
-    for i, v_gmem in enumerate(vec_gmems):
-      plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                              load_barrier.at[wg])
+      for j in range(self.chunks):
+        self._prefetch_residual_chunk(j, row0, col0)
+    for i, v_gmem in enumerate(self.vec_gmems):
+      plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, self.tile_n)], self.vec_smem.at[self.wg, i],
+                              self.load_barrier.at[self.wg])
 
-  def _residual_during_k_loop(k_step, row0, col0):
+  def _residual_during_k_loop(self, k_step, row0, col0):
     """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
     stored from the same io slot has left SMEM, so the wait for those stores overlaps the
     WGMMAs just issued instead of holding the K loop's start. That store was the last row
     block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
     ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
-    per_chunk = 1 + len(plan.extras) * (wg_m // epi_m)
-    for j in range(chunks):
-      newer = per_chunk - 1 + (chunks - 1 - j) * per_chunk
+    per_chunk = 1 + len(self.plan.extras) * (self.wg_m // self.epi_m)
+    for j in range(self.chunks):
+      newer = per_chunk - 1 + (self.chunks - 1 - j) * per_chunk
 
-      @pl.when(k_step == min(j, plan.k_iters - 1))
+      @pl.when(k_step == min(j, self.plan.k_iters - 1))
       def _(j=j, newer=newer):
         plgpu.wait_smem_to_gmem(newer, wait_read_only=True)
-        _prefetch_residual_chunk(j, row0, col0)
+        self._prefetch_residual_chunk(j, row0, col0)
 
-  return types.SimpleNamespace(epilogue=_epilogue, first_pass=_first_pass, second_pass=_second_pass, prefetch_residual_chunk=_prefetch_residual_chunk, prefetch_epilogue_inputs=_prefetch_epilogue_inputs, residual_during_k_loop=_residual_during_k_loop)
+
+class _RowNormHooks(_RowTileIO, gemm_core.Hooks):
+  """The post-norm forward on the GEMM body: the epilogue inputs (residual tile, column
+  vectors) loaded by TMA while the K loop runs (on the ring with one N tile per CTA the
+  residual chunks during it), and the row-norm epilogue (with the cluster exchange; with
+  several N tiles per CTA the first pass per tile and the second pass per row block). SMEM:
+  :func:`_smem`."""
+
+  def _epilogue(self, acc, row0, col0, tile_index):
+    """One N tile per CTA: statistics, exchange, normalization, all from the accumulator."""
+    self._wait_loads()
+    h_chunk = self._h_chunk_fn(acc)
+    partials = _slice_partials(self.plan, h_chunk)
+    mean, rstd = _cluster_row_stats(self.plan, partials, self.ex, self.wg, tile_index)
+    self._store_stats(mean, rstd, row0)
+    shape = (self.wg_m, self.epi_n)
+    rstd_b = _rowvec(rstd, shape)
+    shift_b = None if mean is None else _rowvec(mean, shape)
+    groups = _StoreGroups()
+    for j in range(self.chunks):
+      h = h_chunk(j)
+      xhat, y = self._normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
+                                      pl.ds(j * self.epi_n, self.epi_n))
+      self._store_chunk(y, j, row0, col0, groups)
+      self._store_extras({"h": h, "xhat": xhat}, j, row0, col0, groups)
+
+  def _first_pass(self, acc, row0, col0, t):
+    """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
+    goes to y's place in global memory, in the output dtype: centered values keep their
+    precision for rows with a large mean. :func:`_second_pass` normalizes it."""
+    self._wait_loads()
+    h_chunk = self._h_chunk_fn(acc)
+    partials = _slice_partials(self.plan, h_chunk)
+    for q, v in enumerate(partials):
+      self.tile_stats[self.wg, t, q] = v
+    shift_b = None if self.plan.norm == "rms" else _rowvec(partials[0], (self.wg_m, self.epi_n))
+    groups = _StoreGroups()
+    for j in range(self.chunks):
+      h = h_chunk(j)
+      self._store_chunk(h if shift_b is None else h - shift_b, j, row0, col0, groups)
+      self._store_extras({"h": h}, j, row0, col0, groups)
+
+  def _second_pass(self, row0, tile_index):
+    """Merges the N tiles' partials, exchanges them in the cluster, then reloads each tile's
+    centered h from global memory and normalizes it in place."""
+    per_tile = [tuple(plgpu.load(self.tile_stats.at[self.wg, t, q],
+                                 layout=plgpu.Layout.WGMMA.reduce(1))
+                      for q in range(self.plan.n_partials)) for t in range(self.plan.n_tiles)]
+    partials = _combine(self.plan, per_tile, self.tile_n)
+    mean, rstd = _cluster_row_stats(self.plan, partials, self.ex, self.wg, tile_index)
+    self._store_stats(mean, rstd, row0)
+    shape = (self.wg_m, self.epi_n)
+    rstd_b = _rowvec(rstd, shape)
+    # The first pass's stores must have landed in global memory, not only left SMEM.
+    plgpu.wait_smem_to_gmem(0)
+    groups = _StoreGroups()
+    for t in range(self.plan.n_tiles):
+      col0 = self.tile_col0(t)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t − 1's stores read self.io_smem
+      for j in range(self.chunks):
+        plgpu.copy_gmem_to_smem(self._chunk(self.y_gmem, row0, col0, j),
+                                self.io_smem.at[self.wg, j], self.reload_barrier.at[self.wg])
+      for i, v_gmem in enumerate(self.vec_gmems):
+        plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, self.tile_n)], self.vec_smem.at[self.wg, i],
+                                self.reload_barrier.at[self.wg])
+      plgpu.barrier_wait(self.reload_barrier.at[self.wg])
+      # centered = h − tile mean, so h − mean = centered + (tile mean − mean).
+      offset_b = None if mean is None else _rowvec(per_tile[t][0] - mean, shape)
+      for j in range(self.chunks):
+        centered = plgpu.load(self.io_smem.at[self.wg, j], layout=plgpu.Layout.WGMMA)
+        centered = centered.astype(jnp.float32)
+        xhat, y = self._normalize_chunk(centered if offset_b is None else centered + offset_b,
+                                        rstd_b, pl.ds(j * self.epi_n, self.epi_n))
+        self._store_chunk(y, j, row0, col0, groups)
+        self._store_extras({"xhat": xhat}, j, row0, col0, groups)
+
+  def _row0(self, m_idx):  # first row of this warpgroup
+    return m_idx * self.plan.cfg.tile_m + self.wg * self.plan.cfg.wg_tile_m
+
+  def before_k_loop(self, tile):
+    self._prefetch_epilogue_inputs(self._row0(tile.m_idx), self.tile_col0(tile.kind),
+                                      residual=not self.residual_in_k_loop)
+
+  def k_step(self, tile, step, carry):
+    if self.residual_in_k_loop:
+      self._residual_during_k_loop(step.k_idx, self._row0(tile.m_idx), self.tile_col0(0))
+    return carry
+
+  def epilogue(self, tile, acc, carry):
+    row0, col0 = self._row0(tile.m_idx), self.tile_col0(tile.kind)
+    if self.plan.n_tiles == 1:
+      self._epilogue(acc, row0, col0, tile.index)
+    else:
+      self._first_pass(acc, row0, col0, tile.kind)
+
+  def end_unit(self, unit):
+    m_idx, tile_index = unit
+    if self.plan.n_tiles > 1:
+      # The consumer warpgroups; the producer moves on to the next row block.
+      pl.when(self.wg < 2)(lambda: self._second_pass(self._row0(m_idx), tile_index))
+
+  def finish(self):
+    _cluster_final_sync(self.plan, self.ex, self.wg)
+
 
 def _kernel(*refs, plan: _Plan):
   cfg = plan.cfg
@@ -823,152 +836,14 @@ def _kernel(*refs, plan: _Plan):
   y_gmem = next(it)
   extra_gmems = {e: next(it) for e in plan.extras}
   stat_gmems = [next(it) for _ in range(plan.n_stats)]  # rstd, then mean (LayerNorm)
-
-  wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
-  epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
-  chunks = tile_n // epi_n
-  in_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
-  out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype)
-
-  def make_pipeline(body, compute_context, state=None):
-    x_spec = plgpu.BlockSpec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
-                             memory_space=plgpu.SMEM)
-    w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=in_transforms,
-                             memory_space=plgpu.SMEM)
-    return mgpu.consumer_pipeline(body, compute_context, steps=plan.k_iters,
-                                         delay_release=plan.delay_release,
-                                         stages=plan.stages, in_specs=[x_spec, w_spec],
-                                         pipeline_state=state)
-
-  ignore = lambda *_, **__: None
-
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=(
-          mgpu.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
-                                         x_transforms=in_transforms,
-                                         w_transforms=in_transforms)
-          if cfg.pipeline == "ring" else
-          make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
-      # Residual in, y out: the (rows, tile_n) tile of each consumer warpgroup, as column chunks
-      # (a TMA copy needs a contiguous SMEM window).
-      io_smem=plgpu.SMEM((2, chunks, wg_m, epi_n), plan.out_dtype, transforms=out_transforms),
-      extra_smem=(plgpu.SMEM((2, _EXTRA_SLOTS, epi_m, epi_n), plan.out_dtype,
-                             transforms=out_transforms) if plan.extras else None),
-      vec_smem=plgpu.SMEM((2, len(plan.vecs), tile_n), jnp.float32) if plan.vecs else None,
-      # One arrival per TMA copy (each copy arrives with its byte count).
-      load_barrier=(plgpu.Barrier(num_arrivals=plan.n_loads, num_barriers=2)
-                    if plan.n_loads else None),
-      stat_smem=plgpu.SMEM((2, 2, wg_m), jnp.float32) if plan.n_stats else None,
-      ex_allocs=_exchange_allocs(plan),
-      # n_tiles > 1: each N tile's partials, and the barrier of the second pass's reloads.
-      tile_stats=(plgpu.SMEM((2, plan.n_tiles, plan.n_partials, wg_m), jnp.float32)
-                  if plan.n_tiles > 1 else None),
-      reload_barrier=(plgpu.Barrier(num_arrivals=plan.n_reloads, num_barriers=2)
-                      if plan.n_tiles > 1 else None),
-      collective_axes="wg",
-  )
-  def _scope(pipeline_allocs, io_smem, extra_smem, vec_smem, load_barrier, stat_smem, ex_allocs,
-             tile_stats, reload_barrier):
-    ex = None if ex_allocs is None else _Exchange(**ex_allocs)
-    wg = lax.axis_index("wg")
-    cta = lax.axis_index("cluster")
-
-    refs = _KernelRefs(plan, cfg, wg_m, tile_n, epi_m, epi_n, chunks, wg, cta, ex, io_smem,
-                       extra_smem, vec_smem, load_barrier, stat_smem, tile_stats,
-                       reload_barrier, y_gmem, extra_gmems, stat_gmems, res_gmem, vec_gmems)
-    io = _row_block_io(refs)
-    epi = _row_block_epilogues(refs, io)
-    tile_col0 = io.tile_col0
-
-    def mma_step(idxs, a_smem, b_smem, acc_ref, *, row0, residual):
-      """One K step's WGMMA for the warpgroup's rows; with ``residual``, the residual chunks
-      due at this step (:func:`_residual_during_k_loop`) while the WGMMA runs."""
-      plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * wg_m, wg_m)], b_smem)
-      if residual:
-        epi.residual_during_k_loop(idxs[0], row0, tile_col0(0))
-      plgpu.wgmma_wait(plan.delay_release)
-      return acc_ref
-
-    ring = (mgpu.SharedRing(**pipeline_allocs, stages=plan.stages)
-            if cfg.pipeline == "ring" else None)
-    steps_per_block = plan.n_tiles * plan.k_iters
-
-    def row_block_loop(body):
-      """``body(m_idx, tile_index, loop_info)`` for the cluster's row blocks in order
-      (``tile_index``: row blocks this cluster did before)."""
-      @plgpu.nd_loop((plan.m_iters,), collective_axes="cluster_grid")
-      def _row_block_loop(loop_info: plgpu.NDLoopInfo):
-        (m_idx,) = loop_info.index
-        body(m_idx, loop_info.local_index, loop_info)
-
-    def consumer_row_block(m_idx, tile_index, loop_info):
-      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
-
-      # On the ring with one N tile per CTA every row block ends in _epilogue, whose store
-      # groups _residual_during_k_loop counts; elsewhere the residual waits for all stores.
-      residual_in_k_loop = plan.has_residual and ring is not None and plan.n_tiles == 1
-
-      mma_body = functools.partial(mma_step, row0=row0, residual=residual_in_k_loop)
-
-      for t in range(plan.n_tiles):
-        col0 = tile_col0(t)
-
-        def compute_context(eval_pipeline, t=t, col0=col0):
-          epi.prefetch_epilogue_inputs(row0, col0, residual=not residual_in_k_loop)
-
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
-          def _acc_scope(acc_ref):
-            acc_ref = eval_pipeline(acc_ref)
-            if plan.delay_release:
-              plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
-            if plan.n_tiles == 1:
-              epi.epilogue(acc_ref[...], row0, col0, tile_index)
-            else:
-              epi.first_pass(acc_ref[...], row0, col0, t)
-
-        if ring is not None:
-          compute_context(lambda acc, t=t: mgpu.ring_k_loop(
-              ring, tile_index * steps_per_block + t * plan.k_iters, plan.k_iters, acc,
-              mma_body, delay_release=plan.delay_release))
-          continue
-        first = (tile_index == 0) & (t == 0)
-        last = (tile_index == loop_info.num_local_steps - 1) & (t == plan.n_tiles - 1)
-        mgpu.run_tile_pipeline(
-            functools.partial(make_pipeline, mma_body, compute_context),
-            x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
-            w_gmem.at[:, pl.ds(col0, tile_n)],
-            allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
-            first=first, last=last)
-
-      if plan.n_tiles > 1:
-
-        @pl.when(wg < 2)  # the consumer warpgroups; the producer moves on to the next row block
-        def _():
-          epi.second_pass(row0, tile_index)
-
-    def producer_row_block(m_idx, tile_index, loop_info):
-      rows = pl.ds(m_idx * cfg.tile_m, cfg.tile_m)
-      first_step = tile_index * steps_per_block
-
-      @pl.loop(0, steps_per_block)
-      def _(s):  # N tile s // k_iters, K step s % k_iters
-        ks = pl.ds(lax.rem(s, plan.k_iters) * tile_k, tile_k)
-        cols = pl.ds(tile_col0(lax.div(s, plan.k_iters)), tile_n)
-        mgpu.ring_produce(ring, first_step + s, x_gmem.at[rows, ks], w_gmem.at[ks, cols])
-
-      last = tile_index == loop_info.num_local_steps - 1
-      pl.when(last)(lambda: mgpu.ring_drain(ring, first_step + steps_per_block))
-
-    if ring is None:
-      row_block_loop(consumer_row_block)
-    else:
-      mgpu.warp_specialize(lambda: row_block_loop(producer_row_block),
-                                  lambda: row_block_loop(consumer_row_block))
-    _cluster_final_sync(plan, ex, wg)
-
-  # All TMA stores must land before the kernel exits.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  cta = lax.axis_index("cluster")
+  gemm_core.run(
+      plan.kloop, gmems=(x_gmem, w_gmem),
+      windows=lambda t: [pl.ds(t.m_idx * cfg.tile_m, cfg.tile_m),
+                         pl.ds((cta * plan.n_tiles + t.kind) * cfg.tile_n, cfg.tile_n)],
+      schedule=_row_block_schedule(plan), smem=_smem(plan),
+      hooks_for=lambda wg, refs: _RowNormHooks(
+          plan, wg, cta, refs, (y_gmem, extra_gmems, stat_gmems, res_gmem, vec_gmems)))
 
 
 def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
@@ -1083,18 +958,8 @@ def launch(x, w, dense_bias, residual, scale, bias, *, norm: str, eps: float, ou
   out_type = [jax.ShapeDtypeStruct((padded_m, n), out_dtype)]
   out_type += [jax.ShapeDtypeStruct((padded_m, n), out_dtype) for _ in plan.extras]
   out_type += [jax.ShapeDtypeStruct((padded_m,), jnp.float32) for _ in range(plan.n_stats)]
-  call = plgpu.kernel(
-      functools.partial(_kernel, plan=plan),
-      out_type=tuple(out_type),
-      grid=(plan.num_clusters,),
-      grid_names=("cluster_grid",),
-      cluster=(plan.cluster,),
-      cluster_names=("cluster",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu.interpret_params() if interpret else None,
-  )
+  call = gemm_core.kernel(functools.partial(_kernel, plan=plan), tuple(out_type),
+                          num_ctas=plan.num_clusters, interpret=interpret, cluster=plan.cluster)
   pad = -m % _ROW_ALIGN
   args = [mgpu.pad_rows(x, pad), w]
   args += [vectors[name].astype(jnp.float32) for name in vecs]

@@ -9,20 +9,16 @@ Computes, for x (M, K) and a weight with the norm's affine already folded in
 without ever writing norm(x) (DESIGN.md, op 1). The row statistics come from the A tiles that
 the K loop already holds in shared memory; the epilogue applies them to the f32 accumulator.
 
-Kernel structure (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``): a persistent grid of one
-CTA per SM walks the (M, N) output tiles; in each CTA a TMA producer warpgroup streams
-(tile_m, tile_k) tiles of x and (tile_k, tile_n) tiles of w through a multi-stage SMEM pipeline
-(``plgpu.emit_pipeline_warp_specialized``, or the hand-written shared ring of
-``TileConfig.pipeline="ring"``, the default where the statistics run in every K loop) to two
-WGMMA consumer warpgroups. The consumers split
-the CTA tile along M, so each row's statistics are accumulated by exactly one warpgroup: after
-issuing the WGMMA of a step, a consumer loads its rows of the A tile from SMEM into registers (the
-WGMMA register layout) and accumulates the statistics while the tensor core runs, then waits for
-the WGMMA (``wgmma_wait(0)``: no WGMMA is left in flight across pipeline steps, unless
-``TileConfig.delay_release`` = 1 leaves one). The epilogue
-computes mean/rstd, applies them and the column vectors (col_sum, out_bias, fetched by TMA while
-the K loop runs) and stores y through SMEM with TMA; the statistics of a row block are written by
-the CTA that computes its first N tile.
+Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` (persistent grid over the (M, N)
+output tiles, a TMA producer warpgroup, two WGMMA consumer warpgroups that split a tile along M,
+so each row's statistics are accumulated by exactly one warpgroup) with the hooks of
+:class:`_LazyNormHooks`: after issuing a K step's WGMMA, a consumer loads its rows of the A tile
+from SMEM into registers (the WGMMA layout) and accumulates the statistics while the tensor core
+runs; the epilogue computes mean/rstd, applies them and the column vectors (col_sum, out_bias,
+fetched by TMA while the K loop runs) and stores y through SMEM with TMA; the statistics of a
+row block are written by the CTA that computes its first N tile. The K loop runs on the shared
+ring with one WGMMA in flight where the statistics run in every K loop (:func:`pick_config`),
+else on Pallas's pipeline.
 
 Statistics: in the WGMMA layout each thread holds 2 adjacent columns of every 8, so the A tile,
 cut into 8-column slices and summed, gives per-thread partial sums of shape (rows, 8) with no
@@ -80,14 +76,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu
 from pallas_norm.mgpu import TileConfig
+from pallas_norm.mgpu import gemm as gemm_core
 
 __all__ = ["TileConfig", "unsupported_reason", "pick_config", "norm_matmul_fwd", "gemm", "launch",
            "NORMS"]
 
 NORMS = ("rms", "layer")
 """``norm`` values: RMSNorm, LayerNorm."""
-
-_SMEM_SLACK = 4096  # barriers + the reduction scratch Mosaic reserves (2 KiB by default).
 
 
 def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
@@ -126,15 +121,14 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4). When the
   statistics run in every K loop (not ``stats_once``) the stages come from the shared ring
   with one WGMMA in flight (``pipeline="ring"``, ``delay_release=1``), which lets the
-  statistics overlap the tensor core. H200, session 8 (suite, ring vs Pallas's chained
-  pipeline): RMSNorm 2994 vs 3185 µs at 262144×2048², 759 vs 801 at 65536×2048², 1528 vs
-  1612 at 32768×4096²; LayerNorm from -1% (the check script's A/B) to +3% (the suite), noise
-  level. With ``stats_once`` (and for the plain GEMM, :func:`gemm`) the two were within ±3%, so
-  those keep Pallas's pipeline.
+  statistics overlap the tensor core (faster on the H200 for RMSNorm, noise level for
+  LayerNorm); with ``stats_once`` (and for the plain GEMM, :func:`gemm`) the two were within
+  ±3%, and those keep Pallas's pipeline (``benchmarks/NOTES.md``, pre-norm forward).
   ``stats_once`` when N has several tiles, M at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row
-  blocks, and the row blocks in flight fit :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles 64×64, or 64×32 when that leaves room for a stage count that divides the K
-  steps where 64×64 does not (chained pipelines need one: at 128×256 tiles and K = 512,
-  64×64 slots leave 3 stages, which chain only as 2; 64×32 ones leave 4).
+  blocks, and the row blocks in flight fit :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles
+  64×64, or 64×32 when that leaves room for a stage count that divides the K steps where 64×64
+  does not (chained pipelines need one: at 128×256 tiles and K = 512, 64×64 slots leave 3
+  stages, which chain only as 2; 64×32 ones leave 4).
   """
   tile_n = _pick_tile_n(n)
   tile_m = 256 if tile_n <= 128 else 128
@@ -156,35 +150,21 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
 def _chained_stages(cfg: TileConfig, k: int) -> int:
   """Stages of a chained pipeline for cfg, with the most SMEM any call takes besides the
   stages (LayerNorm, bias, bf16 output)."""
-  stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * 2
-  free = mgpu.SMEM_BYTES - _fixed_smem_bytes(cfg, jnp.bfloat16, 2, 2)
+  fit = gemm_core.fit_stages(cfg, _streams(cfg, jnp.bfloat16, False),
+                             _smem(cfg, jnp.bfloat16, 2, 2))
   stages, chained = mgpu.pipeline_stages(max(k // cfg.tile_k, 1),
-                                                min(cfg.max_concurrent_steps, free // stage_bytes))
+                                         min(cfg.max_concurrent_steps, fit))
   return stages if chained else 0
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-  """Static facts of one kernel instance."""
-  m: int
-  k: int
-  n: int
-  dtype: jnp.dtype
-  out_dtype: jnp.dtype
-  norm: str | None  # None: the plain GEMM (:func:`gemm`)
-  eps: float
+class _Plan(gemm_core.NormGemmPlan):
+  """Static facts of one kernel instance (``norm`` None: the plain GEMM, :func:`gemm`)."""
   has_bias: bool
-  cfg: TileConfig
-  stages: int
-  chained: bool  # a CTA's tiles run as one K-loop pipeline (Pallas's pipeline)
+  kloop: gemm_core.KLoop
   num_ctas: int  # persistent CTAs
-  a_in_registers: bool  # WGMMA reads x from registers (x stage TMA'd untiled: any M)
   epi_n: int  # epilogue tile width: one 128-byte swizzle span of out_dtype at most
   out_slots: int  # epilogue output slots per consumer warpgroup
-
-  @property
-  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
 
   @property
   def n_vecs(self) -> int:  # col_sum and/or out_bias rows in the per-warpgroup vector buffer
@@ -195,16 +175,8 @@ class _Plan:
     return _n_stats(self.norm)
 
   @property
-  def m_iters(self) -> int:  # row blocks of tile_m rows
-    return -(-self.m // self.cfg.tile_m)
-
-  @property
   def n_iters(self) -> int:
     return -(-self.n // self.cfg.tile_n)
-
-  @property
-  def k_iters(self) -> int:
-    return self.k // self.cfg.tile_k
 
 
 def _n_stats(norm) -> int:
@@ -226,37 +198,47 @@ def _out_slots(cfg: TileConfig, out_dtype) -> int:
   return min(OUT_SLOTS, chunks)
 
 
-def _fixed_smem_bytes(cfg: TileConfig, out_dtype, n_vecs: int, n_stats: int) -> int:
+def _streams(cfg: TileConfig, dtype, a_in_registers: bool) -> list[gemm_core.Stream]:
+  """x (tile_m, tile_k) and w (tile_k, tile_n) per K step. The x stages are tiled for WGMMA,
+  or swizzle-only (a plain 2-D TMA box: any M) when WGMMA reads x from registers."""
+  return [gemm_core.Stream((cfg.tile_m, cfg.tile_k), dtype, 1, mgpu.swizzle_transforms(
+              cfg.tile_k, dtype, tiled=not a_in_registers)),
+          gemm_core.Stream((cfg.tile_k, cfg.tile_n), dtype, 0,
+                           mgpu.swizzle_transforms(cfg.tile_k, dtype))]
+
+
+def _smem(cfg: TileConfig, out_dtype, n_vecs: int, n_stats: int) -> dict:
+  """SMEM besides the stages, per consumer warpgroup: the epilogue's output slots (untiled, so
+  a TMA store needs no M % 8 == 0), the N tile's column vectors and their barrier (one
+  arrival per vector copy), the row statistics of the row block."""
   epi_n = _epi_tile_n(cfg, out_dtype)
-  out = 2 * _out_slots(cfg, out_dtype) * cfg.epi_tile_m * epi_n * jnp.dtype(out_dtype).itemsize
-  vecs = 2 * n_vecs * cfg.tile_n * 4
-  stats = 2 * n_stats * cfg.wg_tile_m * 4
-  return out + vecs + stats + _SMEM_SLACK
+  return dict(
+      out_smem=plgpu.SMEM((2, _out_slots(cfg, out_dtype), cfg.epi_tile_m, epi_n), out_dtype,
+                          transforms=mgpu.swizzle_transforms(epi_n, out_dtype, tiled=False)),
+      vec_smem=plgpu.SMEM((2, n_vecs, cfg.tile_n), jnp.float32) if n_vecs else None,
+      vec_barrier=plgpu.Barrier(num_arrivals=n_vecs, num_barriers=2) if n_vecs else None,
+      stat_smem=plgpu.SMEM((2, n_stats, cfg.wg_tile_m), jnp.float32) if n_stats else None)
 
 
 def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -> _Plan:
   if norm is None and cfg.stats_once:
     raise ValueError("stats_once needs statistics: the plain GEMM has none")
   n_vecs = int(norm == "layer") + int(has_bias)
-  stage_bytes = (cfg.tile_m * cfg.tile_k + cfg.tile_k * cfg.tile_n) * jnp.dtype(dtype).itemsize
-  free = mgpu.SMEM_BYTES - _fixed_smem_bytes(cfg, out_dtype, n_vecs, _n_stats(norm))
-  if min(cfg.max_concurrent_steps, free // stage_bytes) < 1:
-    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM")
-  stages, chained = mgpu.stages_for(
-      cfg, k // cfg.tile_k, min(cfg.max_concurrent_steps, free // stage_bytes))
-  # Work units of the persistent loop: (row block, N tile), or row blocks alone when a CTA
-  # sweeps all N tiles of its row block (stats_once).
-  m_iters = -(-m // cfg.tile_m)
-  units = m_iters if cfg.stats_once else m_iters * -(-n // cfg.tile_n)
   # Mosaic's tiled TMA (the SMEM layout WGMMA reads A from) needs M % 8 == 0 on the GPU; other M
   # stream x untiled and give WGMMA the registers the statistics load anyway. Interpret mode has
   # no tiled-TMA restriction (and cannot run register-A WGMMA).
   a_in_registers = not interpret and m % 8 != 0
+  kloop = gemm_core.plan_k_loop(cfg, _streams(cfg, dtype, a_in_registers), k // cfg.tile_k,
+                                _smem(cfg, jnp.dtype(out_dtype), n_vecs, _n_stats(norm)),
+                                a_in_registers=a_in_registers)
+  # Work units of the persistent loop: (row block, N tile), or row blocks alone when a CTA
+  # sweeps all N tiles of its row block (stats_once).
+  m_iters = -(-m // cfg.tile_m)
+  units = m_iters if cfg.stats_once else m_iters * -(-n // cfg.tile_n)
   return _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), out_dtype=jnp.dtype(out_dtype), norm=norm,
-               eps=float(eps), has_bias=has_bias, cfg=cfg, stages=stages, chained=chained,
+               eps=float(eps), has_bias=has_bias, cfg=cfg, kloop=kloop,
                num_ctas=mgpu.persistent_clusters(1, units, interpret),
-               a_in_registers=a_in_registers, epi_n=_epi_tile_n(cfg, out_dtype),
-               out_slots=_out_slots(cfg, out_dtype))
+               epi_n=_epi_tile_n(cfg, out_dtype), out_slots=_out_slots(cfg, out_dtype))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,38 +295,117 @@ def _finalize_stats(plan: _Plan, stats):
 
 
 # ------------------------------------------------------------------------------------------------
-# The kernel.
+# The kernel: the GEMM body of pallas_norm.mgpu.gemm with the statistics and lazy-norm hooks.
 
 
-def _for_each_tile(plan: _Plan, visit):
-  """Calls ``visit(m_idx, n_idx, compute_stats, local_tile, first, last)`` for this CTA's
-  output tiles in order (``local_tile``: tiles it ran before; first/last: its first/last
-  tile). With stats_once a CTA sweeps all N tiles of its row blocks and only the first K
-  loop of a row block reads x for the statistics."""
-  cfg = plan.cfg
-  if cfg.stats_once:
+def _row_block_schedule(plan: _Plan) -> gemm_core.Schedule:
+  """stats_once: a CTA sweeps all N tiles of its row blocks; only the first N tile's K loop
+  reads x for the statistics (``Tile.kind`` True), the others read them back from SMEM."""
+  def schedule(visit, end_unit):
+    del end_unit
+
     @plgpu.nd_loop((plan.m_iters,), collective_axes="sm")
     def _row_block_loop(loop_info: plgpu.NDLoopInfo):
       (m_idx,) = loop_info.index
       before = loop_info.local_index * plan.n_iters
       first_block = loop_info.local_index == 0
       last_block = loop_info.local_index == loop_info.num_local_steps - 1
-      visit(m_idx, 0, True, before, first_block, last_block & (plan.n_iters == 1))
+      visit(gemm_core.Tile(m_idx, 0, before, first_block, last_block & (plan.n_iters == 1),
+                           kind=True))
       if plan.n_iters > 1:
-        pl.loop(1, plan.n_iters)(lambda n_idx: visit(
-            m_idx, n_idx, False, before + n_idx, False,
-            last_block & (n_idx == plan.n_iters - 1)))
-  else:
-    @plgpu.nd_loop((plan.m_iters * plan.n_iters,), collective_axes="sm")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      (lin_idx,) = loop_info.index
-      # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a
-      # strip, so N varies fastest when M is the strip dimension (0).
-      m_idx, n_idx = plgpu.planar_snake(
-          lin_idx, (plan.m_iters, plan.n_iters), 0 if cfg.grid_minor_dim == "n" else 1,
-          cfg.grid_tile_width)
-      visit(m_idx, n_idx, True, loop_info.local_index, loop_info.local_index == 0,
-            loop_info.local_index == loop_info.num_local_steps - 1)
+        pl.loop(1, plan.n_iters)(lambda n_idx: visit(gemm_core.Tile(
+            m_idx, n_idx, before + n_idx, False, last_block & (n_idx == plan.n_iters - 1),
+            kind=False)))
+  return schedule
+
+
+class _LazyNormHooks(gemm_core.Hooks):
+  """The pre-norm forward on the GEMM body: the row statistics of each K step's A tile (tiles
+  of kind True), the column vectors loaded while the K loop runs, and the lazy-norm epilogue
+  (``rstd ⊙ acc − mean·rstd ⊗ col_sum + out_bias``, stored through SMEM slots by TMA). SMEM:
+  :func:`_smem`."""
+
+  def __init__(self, plan: _Plan, wg, refs, y_gmem, stat_gmems, vec_gmems):
+    self.plan, self.wg, self.y_gmem, self.vec_gmems = plan, wg, y_gmem, vec_gmems
+    self.stat_gmems = stat_gmems  # rstd, mean (None: not written)
+    self.out_smem, self.vec_smem = refs["out_smem"], refs["vec_smem"]
+    self.vec_barrier, self.stat_smem = refs["vec_barrier"], refs["stat_smem"]
+
+  def _with_stats(self, tile) -> bool:
+    return tile.kind and self.plan.norm is not None
+
+  def _row0(self, tile):  # first row of this warpgroup
+    return tile.m_idx * self.plan.cfg.tile_m + self.wg * self.plan.cfg.wg_tile_m
+
+  def before_k_loop(self, tile):
+    # The column vectors of this N tile arrive while the K loop runs.
+    tile_n = self.plan.cfg.tile_n
+    for i, v_gmem in enumerate(self.vec_gmems):
+      plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(tile.n_idx * tile_n, tile_n)],
+                              self.vec_smem.at[self.wg, i], self.vec_barrier.at[self.wg])
+
+  def init_carry(self, tile):
+    return _init_stats(self.plan) if self._with_stats(tile) else ()
+
+  def k_step(self, tile, step, carry):
+    if not self._with_stats(tile):
+      return carry
+    return _update_stats(self.plan, carry, step.a().astype(jnp.float32), step.k_idx)
+
+  def _row_stats(self, tile, stats):
+    """(rstd, mean or None) of this warpgroup's rows; stat_smem holds them afterwards."""
+    plan, wg, stat_smem = self.plan, self.wg, self.stat_smem
+    if not self._with_stats(tile):
+      load = lambda i: plgpu.load(stat_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
+      return load(0), (load(1) if plan.norm == "layer" else None)
+    mean, rstd = _finalize_stats(plan, stats)
+    row_vecs = [rstd] if mean is None else [rstd, mean]
+    for i, v in enumerate(row_vecs):
+      stat_smem[wg, i] = v
+    plgpu.commit_smem()
+    row0 = self._row0(tile)
+
+    # Every N tile has the statistics; the first one writes them (unless all its rows are
+    # past M: a bulk copy clamped to 0 bytes is best not issued).
+    @pl.when((tile.n_idx == 0) & (row0 < plan.m))
+    def _store_stats():
+      for i, dst in enumerate(self.stat_gmems[:len(row_vecs)]):
+        plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], dst.at[pl.ds(row0, plan.cfg.wg_tile_m)])
+
+    return rstd, mean
+
+  def epilogue(self, tile, acc, stats):
+    plan, wg, cfg = self.plan, self.wg, self.plan.cfg
+    wg_m, tile_n, epi_m, epi_n = cfg.wg_tile_m, cfg.tile_n, cfg.epi_tile_m, plan.epi_n
+    out_slots, chunks = plan.out_slots, (wg_m // epi_m) * (tile_n // epi_n)
+    row0, col0 = self._row0(tile), tile.n_idx * tile_n
+    # Earlier TMA stores from out_smem / stat_smem must have read them before we overwrite.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if plan.norm is not None:
+      rstd, mean = self._row_stats(tile, stats)
+      acc = acc * _rowvec(rstd, acc.shape)
+      if mean is not None:
+        neg_mean_rstd = _rowvec(-mean * rstd, acc.shape)
+    if plan.n_vecs:
+      plgpu.barrier_wait(self.vec_barrier.at[wg])
+    col_vec = lambda i, ns: lax.broadcast_in_dim(plgpu.load(
+        self.vec_smem.at[wg, i, ns], layout=plgpu.Layout.WGMMA.reduce(0)), (epi_m, epi_n), [1])
+    for ei in range(wg_m // epi_m):
+      for ej in range(tile_n // epi_n):
+        ms, ns = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
+        y = acc[ms, ns]
+        if plan.norm == "layer":  # vector 0: col_sum
+          y = y + neg_mean_rstd[ms, ns] * col_vec(0, ns)
+        if plan.has_bias:  # the last vector: out_bias
+          y = y + col_vec(plan.n_vecs - 1, ns)
+        slot = (ei * (tile_n // epi_n) + ej) % out_slots
+        if out_slots < chunks:  # else every slot was freed by the wait above
+          plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
+        self.out_smem[wg, slot] = y.astype(plan.out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            self.out_smem.at[wg, slot],
+            self.y_gmem.at[pl.ds(row0 + ei * epi_m, epi_m), pl.ds(col0 + ej * epi_n, epi_n)])
 
 
 def _kernel(*refs, plan: _Plan):
@@ -357,177 +418,15 @@ def _kernel(*refs, plan: _Plan):
   rstd_gmem = next(it) if plan.norm is not None else None
   mean_gmem = next(it) if plan.norm == "layer" else None
   vec_gmems = [r for r in (c_gmem, b_gmem) if r is not None]
-
-  wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
-  epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
-  out_slots, chunks = plan.out_slots, (wg_m // epi_m) * (tile_n // epi_n)
-  # x stages: tiled for WGMMA, or swizzle-only (2-D TMA, any M) when WGMMA reads registers.
-  x_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype,
-                                                tiled=not plan.a_in_registers)
-  w_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
-  # y goes out untiled too: a tiled TMA store would need M % 8 == 0.
-  out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype, tiled=False)
-
-  def make_pipeline(body, compute_context, state=None):
-    spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-    return mgpu.consumer_pipeline(
-        body, compute_context, steps=plan.k_iters, stages=plan.stages, pipeline_state=state,
-        delay_release=plan.delay_release,
-        in_specs=[spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
-                  spec((tile_k, tile_n), lambda kk: (kk, 0), transforms=w_transforms)])
-
-  ignore = lambda *_, **__: None
-
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=(
-          mgpu.shared_ring_allocs(cfg.tile_m, tile_k, tile_n, plan.dtype, plan.stages,
-                                         x_transforms=x_transforms, w_transforms=w_transforms)
-          if cfg.pipeline == "ring" else
-          make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem)),
-      out_smem=plgpu.SMEM((2, out_slots, epi_m, epi_n), plan.out_dtype,
-                          transforms=out_transforms),
-      vec_smem=plgpu.SMEM((2, plan.n_vecs, tile_n), jnp.float32) if plan.n_vecs else None,
-      vec_barrier=(plgpu.Barrier(num_arrivals=plan.n_vecs, num_barriers=2)
-                   if plan.n_vecs else None),  # one arrival per vector copy
-      stat_smem=plgpu.SMEM((2, plan.n_stats, wg_m), jnp.float32) if plan.n_stats else None,
-      collective_axes="wg",
-  )
-  def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, stat_smem):
-    wg = lax.axis_index("wg")
-
-    def tile(m_idx, n_idx, compute_stats: bool, first, last, ring_step=None):
-      """One (tile_m, tile_n) output tile. Without ``compute_stats`` the K loop is a plain GEMM
-      and the epilogue reads the statistics that the row block's first N tile left in SMEM.
-      ``first``/``last``: whether it is this CTA's first/last tile (chained pipelines). With
-      ``pipeline="ring"`` the K loop runs on the shared ring from global step ``ring_step``."""
-      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
-      col0 = n_idx * tile_n
-      with_stats = compute_stats and plan.norm is not None
-
-      def compute_context(eval_pipeline):
-        # The column vectors of this N tile arrive while the K loop runs.
-        if plan.n_vecs:
-          for i, v_gmem in enumerate(vec_gmems):
-            plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(col0, tile_n)], vec_smem.at[wg, i],
-                                    vec_barrier.at[wg])
-
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
-        def _acc_scope(acc_ref):
-          init = _init_stats(plan) if with_stats else ()
-          acc_ref, *stats = eval_pipeline((acc_ref, *init))
-          if plan.delay_release:
-            plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
-          _epilogue(acc_ref[...], stats)
-
-      def _row_stats(stats):
-        """(rstd, mean or None) of this warpgroup's rows; stat_smem holds them afterwards."""
-        if not with_stats:
-          load = lambda i: plgpu.load(stat_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
-          return load(0), (load(1) if plan.norm == "layer" else None)
-        mean, rstd = _finalize_stats(plan, stats)
-        row_vecs = [rstd] if mean is None else [rstd, mean]
-        for i, v in enumerate(row_vecs):
-          stat_smem[wg, i] = v
-        plgpu.commit_smem()
-
-        # Every N tile has the statistics; the first one writes them (unless all its rows
-        # are past M: a bulk copy clamped to 0 bytes is best not issued).
-        @pl.when((n_idx == 0) & (row0 < plan.m))
-        def _store_stats():
-          for i, dst in enumerate((rstd_gmem, mean_gmem)[:len(row_vecs)]):
-            plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], dst.at[pl.ds(row0, wg_m)])
-
-        return rstd, mean
-
-      def _epilogue(acc, stats):
-        # Earlier TMA stores from out_smem / stat_smem must have read them before we overwrite.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if plan.norm is not None:
-          rstd, mean = _row_stats(stats)
-          acc = acc * _rowvec(rstd, acc.shape)
-          if mean is not None:
-            neg_mean_rstd = _rowvec(-mean * rstd, acc.shape)
-        if plan.n_vecs:
-          plgpu.barrier_wait(vec_barrier.at[wg])
-        for ei in range(wg_m // epi_m):
-          for ej in range(tile_n // epi_n):
-            ms, ns = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
-            y = acc[ms, ns]
-            vec_i = 0
-            if plan.norm == "layer":
-              c = plgpu.load(vec_smem.at[wg, vec_i, ns], layout=plgpu.Layout.WGMMA.reduce(0))
-              y = y + neg_mean_rstd[ms, ns] * lax.broadcast_in_dim(c, y.shape, [1])
-              vec_i += 1
-            if plan.has_bias:
-              b = plgpu.load(vec_smem.at[wg, vec_i, ns], layout=plgpu.Layout.WGMMA.reduce(0))
-              y = y + lax.broadcast_in_dim(b, y.shape, [1])
-            slot = (ei * (tile_n // epi_n) + ej) % out_slots
-            if out_slots < chunks:  # else every slot was freed by the wait above
-              plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
-            out_smem[wg, slot] = y.astype(plan.out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                out_smem.at[wg, slot],
-                y_gmem.at[pl.ds(row0 + ei * epi_m, epi_m), pl.ds(col0 + ej * epi_n, epi_n)])
-
-      def mma_body(idxs, a_smem, b_smem, carry):
-        (k_idx,) = idxs
-        acc_ref, *stats = carry
-        a_rows = a_smem.at[pl.ds(wg * wg_m, wg_m)]
-        if plan.a_in_registers:
-          x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA)
-          plgpu.wgmma(acc_ref, x, b_smem)
-        else:
-          plgpu.wgmma(acc_ref, a_rows, b_smem)
-          # Loads while the tensor core works on the WGMMA just issued (both only read a_rows).
-          x = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA) if with_stats else None
-        if with_stats:
-          stats = _update_stats(plan, stats, x.astype(jnp.float32), k_idx)
-        if x is not None:
-          # Orders these generic-proxy reads before the TMA (async proxy) that will refill the
-          # stage once the pipeline releases it (PTX memory model: WAR across proxies).
-          plgpu.commit_smem()
-        plgpu.wgmma_wait(plan.delay_release)
-        return (acc_ref, *stats)
-
-      if cfg.pipeline == "ring":
-        compute_context(lambda carry: mgpu.ring_k_loop(
-            ring, ring_step, plan.k_iters, carry, mma_body,
-            delay_release=plan.delay_release))
-        return
-      mgpu.run_tile_pipeline(
-          functools.partial(make_pipeline, mma_body, compute_context),
-          x_gmem.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m), :],
-          w_gmem.at[:, pl.ds(col0, tile_n)],
-          allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
-          first=first, last=last)
-
-    if cfg.pipeline == "ring":
-      ring = mgpu.SharedRing(**pipeline_allocs, stages=plan.stages)
-
-      def produce_tile(m_idx, n_idx, compute_stats, local_tile, first, last):
-        del compute_stats, first
-        rows, cols = pl.ds(m_idx * cfg.tile_m, cfg.tile_m), pl.ds(n_idx * tile_n, tile_n)
-
-        @pl.loop(0, plan.k_iters)
-        def _(kk):
-          ks = pl.ds(kk * tile_k, tile_k)
-          mgpu.ring_produce(ring, local_tile * plan.k_iters + kk, x_gmem.at[rows, ks],
-                                   w_gmem.at[ks, cols])
-        pl.when(last)(lambda: mgpu.ring_drain(ring, (local_tile + 1) * plan.k_iters))
-
-      mgpu.warp_specialize(
-          lambda: _for_each_tile(plan, produce_tile),
-          lambda: _for_each_tile(plan, lambda m_idx, n_idx, stats, local_tile, first, last: tile(
-              m_idx, n_idx, compute_stats=stats, first=first, last=last,
-              ring_step=local_tile * plan.k_iters)))
-    else:
-      _for_each_tile(plan, lambda m_idx, n_idx, stats, local_tile, first, last: tile(
-          m_idx, n_idx, compute_stats=stats, first=first, last=last))
-
-  # All TMA stores must land before the kernel exits.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  gemm_core.run(
+      plan.kloop, gmems=(x_gmem, w_gmem),
+      windows=lambda t: [pl.ds(t.m_idx * cfg.tile_m, cfg.tile_m),
+                         pl.ds(t.n_idx * cfg.tile_n, cfg.tile_n)],
+      schedule=(_row_block_schedule(plan) if cfg.stats_once
+                else gemm_core.tile_grid(plan.m_iters, plan.n_iters, cfg, kind=True)),
+      smem=_smem(cfg, plan.out_dtype, plan.n_vecs, plan.n_stats),
+      hooks_for=lambda wg, refs: _LazyNormHooks(plan, wg, refs, y_gmem, (rstd_gmem, mean_gmem),
+                                                vec_gmems))
 
 
 def _check_args(x, w_gamma, col_sum, out_bias, norm, eps, out_dtype):
@@ -627,16 +526,8 @@ def launch(x, w_gamma, col_sum, out_bias, *, norm: str | None, eps: float, out_d
   m_stats = -(-m // 4) * 4
   out_type = [jax.ShapeDtypeStruct((m, n), plan.out_dtype)]
   out_type += [jax.ShapeDtypeStruct((m_stats,), jnp.float32)] * plan.n_stats
-  call = plgpu.kernel(
-      functools.partial(_kernel, plan=plan),
-      out_type=tuple(out_type),
-      grid=(plan.num_ctas,),
-      grid_names=("sm",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu.interpret_params() if interpret else None,
-  )
+  call = gemm_core.kernel(functools.partial(_kernel, plan=plan), tuple(out_type),
+                          num_ctas=plan.num_ctas, interpret=interpret)
   args = [a for a in (x, w_gamma, col_sum, out_bias) if a is not None]
   outs = call(*args)
   y = outs[0]

@@ -52,26 +52,18 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   of 3 unchained), 32-wide ones 32.25 KiB (4 chained stages); 256×128 tiles would keep a single
   64-wide stage. :func:`pick_config` takes 32-wide steps for the fused row terms.
 
-  Measured on the H200 (2026-11-30, bf16, CUPTI, two runs;
-  ``git show 002e419:benchmarks/results/dev/2026-11-30_dx_fused_row_terms_timing.log``), against today's path
-  (the XLA pass, ~125 µs, then the dx kernel): 262144×512²: 0.92-0.94× LayerNorm (392 vs 424
-  µs), 0.88-0.90× RMSNorm (366 vs 413); 65536×2048²: 1.25-1.27× LayerNorm (1135-1150 vs 907),
-  1.14-1.23× RMSNorm: faster where a row block has 2 column tiles, slower with 8. The in-loop
-  work is not hidden under the WGMMAs: next to the dx kernel alone (293 µs at 512², 761 at
-  2048²) the fused one pays for the lost stage (2 stages of 64: +36 and +129 µs), streaming y
-  (+24, +106) and the loads and sums (+44, +143), all per column tile (cost split in the same
-  log; no register spills). All GPU tests of the option passed on the H200
-  (``..._gpu_tests.log``). Needs y in dy's dtype (``norm_matmul`` otherwise keeps the XLA pass).
+  On the H200 the fused terms win where a row block has 2 column tiles (262144×512²) and lose
+  with 8 (65536×2048²): ``benchmarks/NOTES.md``, pre-norm backward. Needs y in dy's dtype
+  (``norm_matmul`` otherwise keeps the XLA pass).
 
-Kernel structure: the forward's (:mod:`pallas_norm.ops.norm_matmul.mosaic`), i.e. JAX's
-``hopper_matmul_mgpu.py``: a persistent grid walks the (M, K) output tiles; a TMA producer
-warpgroup streams (tile_m, tile_k) tiles of dy and (tile_n, tile_k) tiles of w_gamma (the
-reduction runs over N in steps of tile_k) to two WGMMA consumer warpgroups that split the tile
-along M. Each consumer owns an SMEM buffer of its (tile_m/2, tile_n) slice of x, cut into
-epilogue tiles: the x tile of the *next* output tile is fetched at K step :data:`X_PREFETCH_STEP`
-(after the previous epilogue's TMA stores have read the buffer), the epilogue overwrites each x
-epilogue tile in place with dx and stores it with TMA. The epilogue never waits for a store;
-every epilogue tile has its own SMEM slot.
+Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` over the (M, K) output tiles
+(A: dy (tile_m, tile_k); B: w_gamma (tile_n, tile_k), read transposed; the reduction runs over N
+in steps of tile_k) with the hooks of :class:`_DxHooks`. Each consumer owns an SMEM buffer of
+its (tile_m/2, tile_n) slice of x, cut into epilogue tiles and fetched at K step
+:data:`X_PREFETCH_STEP` (after the previous epilogue's TMA stores have read the buffer); the
+epilogue overwrites each x epilogue tile in place with dx and stores it with TMA. The epilogue
+never waits for a store; every epilogue tile has its own SMEM slot. The K loop runs on Pallas's
+pipeline by default, or on the shared ring (``TileConfig.pipeline="ring"``).
 
 Shapes: the forward's (any M ≥ 1; N and K multiples of 64; bfloat16 or float16). The x and dx
 tiles go through untiled swizzled SMEM (plain 2-D TMA boxes: rows past M read as zeros and are
@@ -92,11 +84,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu
 from pallas_norm.mgpu import TileConfig
+from pallas_norm.mgpu import gemm as gemm_core
 from pallas_norm.ops.norm_matmul import mosaic as forward
 
 __all__ = ["pick_config", "unsupported_reason", "norm_matmul_dx"]
-
-_SMEM_SLACK = 4096  # barriers + the scratch Mosaic reserves
 
 X_PREFETCH_STEP = 1
 """The K step (over N) at which a consumer fetches the x tile and row vectors of its epilogue
@@ -134,7 +125,7 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> Til
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(gemm_core.KLoopFacts):
   """Static facts of one kernel instance (reduction over n, output (m, k))."""
   m: int
   n: int
@@ -144,16 +135,10 @@ class _Plan:
   fused: bool  # the kernel computes y_term / c_term from y (fused row terms)
   has_bias: bool  # fused: out_bias is subtracted from y
   cfg: TileConfig
-  stages: int
-  chained: bool  # a CTA's tiles run as one K-loop pipeline
+  kloop: gemm_core.KLoop
   num_ctas: int  # persistent CTAs
-  a_in_registers: bool
   epi_n: int
   x_prefetch_step: int
-
-  @property
-  def delay_release(self) -> int:  # WGMMA groups left in flight across K steps (TileConfig)
-    return mgpu.plan_delay_release(self.cfg, self.stages, self.a_in_registers)
 
   @property
   def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused,
@@ -188,43 +173,57 @@ def _n_vecs(layer: bool, fused: bool, has_bias: bool) -> int:
   return int(fused) * (int(layer) + int(has_bias))
 
 
-def _fixed_smem_bytes(cfg: TileConfig, dtype, n_rows: int) -> int:
-  x_tile = cfg.tile_m * cfg.tile_n * jnp.dtype(dtype).itemsize  # both warpgroups' x/dx slices
-  rows = 2 * n_rows * cfg.wg_tile_m * 4
-  return x_tile + rows + _SMEM_SLACK
-
-
-def _stage_bytes(cfg: TileConfig, dtype, fused: bool, n_vecs: int) -> int:
-  """SMEM of one pipeline stage: the dy and w tiles, and with the fused row terms the y tile and
-  the (n_vecs, tile_k) f32 column-vector block."""
-  itemsize = jnp.dtype(dtype).itemsize
-  stage = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * itemsize
+def _streams(cfg: TileConfig, dtype, a_in_registers: bool, fused: bool,
+             n_vecs: int) -> list[gemm_core.Stream]:
+  """Per reduction step: dy (tile_m, tile_k) and w_gamma (tile_n, tile_k) (WGMMA reads it
+  transposed); with the fused row terms y in dy's blocks and layout, and the step's (n_vecs,
+  tile_k) f32 block of [col_sum; out_bias]. dy (and y) stages are untiled when WGMMA reads A
+  from registers."""
+  dy = gemm_core.Stream((cfg.tile_m, cfg.tile_k), dtype, 1, mgpu.swizzle_transforms(
+      cfg.tile_k, dtype, tiled=not a_in_registers))
+  streams = [dy, gemm_core.Stream((cfg.tile_n, cfg.tile_k), dtype, 1,
+                                  mgpu.swizzle_transforms(cfg.tile_k, dtype))]
   if fused:
-    stage += cfg.tile_m * cfg.tile_k * itemsize + n_vecs * cfg.tile_k * 4
-  return stage
+    streams.append(dy)
+    if n_vecs:
+      streams.append(gemm_core.Stream((n_vecs, cfg.tile_k), jnp.float32, 1))
+  return streams
+
+
+def _smem(cfg: TileConfig, dtype, n_rows: int) -> dict:
+  """SMEM besides the stages, per consumer warpgroup: its (tile_m/2, tile_n) slice of x as
+  untiled epilogue tiles (dx overwrites them in place), the row vectors, and the barrier their
+  TMA copies arrive on (one arrival per copy)."""
+  epi_n = forward._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
+  chunks = (cfg.wg_tile_m // cfg.epi_tile_m) * (cfg.tile_n // epi_n)
+  return dict(
+      x_smem=plgpu.SMEM((2, chunks, cfg.epi_tile_m, epi_n), dtype,
+                        transforms=mgpu.swizzle_transforms(epi_n, dtype, tiled=False)),
+      row_smem=plgpu.SMEM((2, n_rows, cfg.wg_tile_m), jnp.float32),
+      in_barrier=plgpu.Barrier(num_arrivals=chunks + n_rows, num_barriers=2))
 
 
 def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int) -> int:
   """Pipeline stages that fit in SMEM next to the epilogue's buffers (not capped)."""
-  free = mgpu.SMEM_BYTES - _fixed_smem_bytes(cfg, dtype, _n_rows(layer, fused))
-  return free // _stage_bytes(cfg, dtype, fused, n_vecs)
+  return gemm_core.fit_stages(cfg, _streams(cfg, dtype, False, fused, n_vecs),
+                              _smem(cfg, dtype, _n_rows(layer, fused)))
 
 
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False) -> _Plan:
-  mgpu.reject_unused_options(cfg, "dx", ("stats_once", "pipeline"))
-  fit = _stages_that_fit(cfg, dtype, layer, fused, _n_vecs(layer, fused, has_bias))
-  if min(cfg.max_concurrent_steps, fit) < 1:
-    raise ValueError(f"{cfg} does not fit in {mgpu.SMEM_BYTES} bytes of SMEM next to the "
-                     f"x tile of the epilogue"
-                     + (" (with the y stage of the fused row terms)" if fused else ""))
+  mgpu.reject_unused_options(cfg, "dx", ("stats_once",))
+  has_bias = fused and has_bias
+  # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
+  a_in_registers = not interpret and m % 8 != 0
   red_iters = n // cfg.tile_k
-  stages, chained = mgpu.stages_for(cfg, red_iters, min(cfg.max_concurrent_steps, fit))
+  kloop = gemm_core.plan_k_loop(
+      cfg, _streams(cfg, dtype, a_in_registers, fused, _n_vecs(layer, fused, has_bias)),
+      red_iters, _smem(cfg, dtype, _n_rows(layer, fused)), a_in_registers=a_in_registers,
+      what=" next to the x tile of the epilogue"
+      + (" (with the y stage of the fused row terms)" if fused else ""))
   units = -(-m // cfg.tile_m) * -(-k // cfg.tile_n)
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
-               has_bias=fused and has_bias, cfg=cfg, stages=stages, chained=chained,
+               has_bias=has_bias, cfg=cfg, kloop=kloop,
                num_ctas=mgpu.persistent_clusters(1, units, interpret),
-               # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
-               a_in_registers=not interpret and m % 8 != 0,
                epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
                x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1))
 
@@ -273,7 +272,82 @@ def _epilogue_rows(plan: _Plan, rows: list, sums: tuple):
 
 
 # ------------------------------------------------------------------------------------------------
-# The kernel.
+# The kernel: the GEMM body of pallas_norm.mgpu.gemm with the row-term and dx epilogue hooks.
+
+
+class _DxHooks(gemm_core.Hooks):
+  """dx on the GEMM body: the x tile and row vectors of the epilogue fetched at reduction step
+  :data:`X_PREFETCH_STEP`, the fused row terms' partial sums of each step's dy and y tiles,
+  and the epilogue ``rstd ⊙ acc − y_term ⊙ (x − mean) − c_term`` written over the x tile in
+  SMEM and stored by TMA. SMEM: :func:`_smem`."""
+
+  def __init__(self, plan: _Plan, wg, refs, x_gmem, row_gmems, dx_gmem):
+    self.plan, self.wg, self.x_gmem, self.row_gmems, self.dx_gmem = (plan, wg, x_gmem,
+                                                                     row_gmems, dx_gmem)
+    self.x_smem, self.row_smem, self.in_barrier = (refs["x_smem"], refs["row_smem"],
+                                                   refs["in_barrier"])
+
+  def _chunk_window(self, ref, tile, ci, cj):
+    cfg, epi_m, epi_n = self.plan.cfg, self.plan.cfg.epi_tile_m, self.plan.epi_n
+    row0 = tile.m_idx * cfg.tile_m + self.wg * cfg.wg_tile_m  # first row of this warpgroup
+    col0 = tile.n_idx * cfg.tile_n  # first column of x / dx
+    return ref.at[pl.ds(row0 + ci * epi_m, epi_m), pl.ds(col0 + cj * epi_n, epi_n)]
+
+  def _prefetch_epilogue_inputs(self, tile):
+    plan, wg = self.plan, self.wg
+    chunks_m, chunks_n = plan.chunks
+    # The previous tile's dx stores read x_smem: they must be done before it is refilled.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for ci in range(chunks_m):
+      for cj in range(chunks_n):
+        plgpu.copy_gmem_to_smem(self._chunk_window(self.x_gmem, tile, ci, cj),
+                                self.x_smem.at[wg, ci * chunks_n + cj], self.in_barrier.at[wg])
+    row0 = tile.m_idx * plan.cfg.tile_m + wg * plan.cfg.wg_tile_m
+    for i, r_gmem in enumerate(self.row_gmems):
+      plgpu.copy_gmem_to_smem(r_gmem.at[pl.ds(row0, plan.cfg.wg_tile_m)],
+                              self.row_smem.at[wg, i], self.in_barrier.at[wg])
+
+  def k_step_start(self, tile, k_idx):
+    pl.when(k_idx == self.plan.x_prefetch_step)(lambda: self._prefetch_epilogue_inputs(tile))
+
+  def init_carry(self, tile):
+    return _init_row_sums(self.plan)
+
+  def k_step(self, tile, step, sums):
+    # With the fused row terms, every column tile of a row block recomputes the same row sums
+    # from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid). On the
+    # H200 it is what makes the fused path lose at K = 2048 (8 column tiles); reusing the sums
+    # across column tiles would need a second pipeline without y (module docstring).
+    if not self.plan.fused:
+      return sums
+    y_smem, *vec_smem = step.stages[2:]
+    dy = step.a()  # loads while the tensor core works on the WGMMA just issued
+    y = step.load(y_smem)
+    return _update_row_sums(self.plan, sums, dy.astype(jnp.float32), y.astype(jnp.float32),
+                            vec_smem[0] if vec_smem else None)
+
+  def epilogue(self, tile, acc, sums):
+    plan, wg = self.plan, self.wg
+    epi_m, epi_n = plan.cfg.epi_tile_m, plan.epi_n
+    chunks_m, chunks_n = plan.chunks
+    plgpu.barrier_wait(self.in_barrier.at[wg])
+    rows = [plgpu.load(self.row_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
+            for i in range(plan.n_rows)]
+    bcast = lambda v: None if v is None else lax.broadcast_in_dim(v, acc.shape, [0])
+    rstd, y_term, mean, c_term = map(bcast, _epilogue_rows(plan, rows, sums))
+    for ci in range(chunks_m):
+      for cj in range(chunks_n):
+        ms, ns = slice(ci * epi_m, (ci + 1) * epi_m), slice(cj * epi_n, (cj + 1) * epi_n)
+        slot = self.x_smem.at[wg, ci * chunks_n + cj]
+        xv = plgpu.load(slot, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        if plan.layer:
+          xv = xv - mean[ms, ns]
+        dx = acc[ms, ns] * rstd[ms, ns] - y_term[ms, ns] * xv
+        if plan.layer:
+          dx = dx - c_term[ms, ns]
+        slot[...] = dx.astype(plan.dtype)  # in place: each thread rewrites what it read
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(slot, self._chunk_window(self.dx_gmem, tile, ci, cj))
 
 
 def _kernel(*refs, plan: _Plan):
@@ -284,147 +358,16 @@ def _kernel(*refs, plan: _Plan):
   row_gmems = [next(it) for _ in range(plan.n_rows)]  # rstd first, padded to whole row tiles
   dx_gmem = next(it)
   cfg = plan.cfg
-  wg_m, tile_n, tile_k = cfg.wg_tile_m, cfg.tile_n, cfg.tile_k
-  epi_m, epi_n = cfg.epi_tile_m, plan.epi_n
-  chunks_m, chunks_n = plan.chunks
-  dy_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype,
-                                                 tiled=not plan.a_in_registers)
-  w_transforms = mgpu.swizzle_transforms(tile_k, plan.dtype)
-  x_transforms = mgpu.swizzle_transforms(epi_n, plan.dtype, tiled=False)
-
-  def make_pipeline(body, compute_context, state=None):
-    spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-    in_specs = [spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms),
-                spec((tile_n, tile_k), lambda kk: (0, kk), transforms=w_transforms)]
-    if plan.fused:  # y in dy's blocks and layout; the step's slice of the column vectors
-      in_specs.append(spec((cfg.tile_m, tile_k), lambda kk: (0, kk), transforms=dy_transforms))
-      if plan.n_vecs:
-        in_specs.append(spec((plan.n_vecs, tile_k), lambda kk: (0, kk)))
-    return mgpu.consumer_pipeline(
-        body, compute_context, steps=plan.red_iters, stages=plan.stages, pipeline_state=state,
-        delay_release=plan.delay_release, in_specs=in_specs)
-
-  # The pipeline's GMEM operands beyond dy and w: all of y's columns, all of the vectors'.
-  extra_gmems = [r for r in (y_gmem, vec_gmem) if r is not None]
-  ignore = lambda *_, **__: None
-
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(dy_gmem, w_gmem,
-                                                                     *extra_gmems),
-      x_smem=plgpu.SMEM((2, chunks_m * chunks_n, epi_m, epi_n), plan.dtype,
-                        transforms=x_transforms),
-      row_smem=plgpu.SMEM((2, plan.n_rows, wg_m), jnp.float32),
-      # One arrival per TMA copy: the x epilogue tiles and the row vectors of a warpgroup.
-      in_barrier=plgpu.Barrier(num_arrivals=chunks_m * chunks_n + plan.n_rows, num_barriers=2),
-      collective_axes="wg",
-  )
-  def _scope(pipeline_allocs, x_smem, row_smem, in_barrier):
-    wg = lax.axis_index("wg")
-
-    def tile(m_idx, n_idx, first, last):
-      """One output tile: this warpgroup's rows of row block m_idx, columns of column tile
-      n_idx; ``first``/``last``: the CTA's first/last tile (chained pipelines)."""
-      row0 = m_idx * cfg.tile_m + wg * wg_m  # first row of this warpgroup
-      col0 = n_idx * tile_n  # first column of x / dx
-
-      def chunk_window(ref, ci, cj):
-        return ref.at[pl.ds(row0 + ci * epi_m, epi_m), pl.ds(col0 + cj * epi_n, epi_n)]
-
-      def prefetch_epilogue_inputs():
-        # The previous tile's dx stores read x_smem: they must be done before it is refilled.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for ci in range(chunks_m):
-          for cj in range(chunks_n):
-            plgpu.copy_gmem_to_smem(chunk_window(x_gmem, ci, cj),
-                                    x_smem.at[wg, ci * chunks_n + cj], in_barrier.at[wg])
-        for i, r_gmem in enumerate(row_gmems):
-          plgpu.copy_gmem_to_smem(r_gmem.at[pl.ds(row0, wg_m)], row_smem.at[wg, i],
-                                  in_barrier.at[wg])
-
-      def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, tile_n), jnp.float32))
-        def _acc_scope(acc_ref):
-          acc_ref, *sums = eval_pipeline((acc_ref, *_init_row_sums(plan)))
-          if plan.delay_release:
-            plgpu.wgmma_wait(0)  # the last step's WGMMA is still in flight
-          _epilogue(acc_ref[...], sums)
-
-      def _epilogue(acc, sums):
-        plgpu.barrier_wait(in_barrier.at[wg])
-        rows = [plgpu.load(row_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
-                for i in range(plan.n_rows)]
-        bcast = lambda v: lax.broadcast_in_dim(v, acc.shape, [0])
-        rstd, y_term, mean, c_term = map(
-            lambda v: None if v is None else bcast(v), _epilogue_rows(plan, rows, sums))
-        for ci in range(chunks_m):
-          for cj in range(chunks_n):
-            ms, ns = slice(ci * epi_m, (ci + 1) * epi_m), slice(cj * epi_n, (cj + 1) * epi_n)
-            slot = x_smem.at[wg, ci * chunks_n + cj]
-            xv = plgpu.load(slot, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            if plan.layer:
-              xv = xv - mean[ms, ns]
-            dx = acc[ms, ns] * rstd[ms, ns] - y_term[ms, ns] * xv
-            if plan.layer:
-              dx = dx - c_term[ms, ns]
-            slot[...] = dx.astype(plan.dtype)  # in place: each thread rewrites what it read
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(slot, chunk_window(dx_gmem, ci, cj))
-
-      def mma_body(idxs, a_smem, b_smem, *stages_and_carry):
-        # Pipeline body: (dy, w[, y[, vectors]]) stages of this step, then the carry
-        # (accumulator, partial row sums of the fused terms).
-        *fused_stages, (acc_ref, *sums) = stages_and_carry
-        (k_idx,) = idxs
-        pl.when(k_idx == plan.x_prefetch_step)(prefetch_epilogue_inputs)
-        own_rows = lambda ref: ref.at[pl.ds(wg * wg_m, wg_m)]
-        a_rows = own_rows(a_smem)
-        b = b_smem.transpose((1, 0))  # (tile_k, tile_n) view of the (tile_n, tile_k) w tile
-        dy = None  # the dy tile in registers, where this step reads it
-        if plan.a_in_registers:
-          dy = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA)
-          plgpu.wgmma(acc_ref, dy, b)
-        else:
-          plgpu.wgmma(acc_ref, a_rows, b)
-        if plan.fused:
-          # Loads while the tensor core works on the WGMMA just issued (both only read the
-          # stages), as the forward's in-loop statistics.
-          y_smem, *vec_smem = fused_stages
-          if dy is None:
-            dy = plgpu.load(a_rows, layout=plgpu.Layout.WGMMA)
-          y = plgpu.load(own_rows(y_smem), layout=plgpu.Layout.WGMMA)
-          sums = _update_row_sums(plan, tuple(sums), dy.astype(jnp.float32),
-                                  y.astype(jnp.float32), vec_smem[0] if vec_smem else None)
-        if dy is not None:
-          # Orders these generic-proxy reads before the TMA (async proxy) that will refill the
-          # stages once the pipeline releases them (PTX memory model: WAR across proxies).
-          plgpu.commit_smem()
-        plgpu.wgmma_wait(plan.delay_release)
-        return (acc_ref, *sums)
-
-      # With the fused row terms, every column tile of a row block recomputes the same row
-      # sums from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid).
-      # On the H200 it is what makes the fused path lose at K = 2048 (8 column tiles); reusing
-      # the sums across column tiles would need a second pipeline without y (module docstring).
-      block = pl.ds(m_idx * cfg.tile_m, cfg.tile_m)
-      mgpu.run_tile_pipeline(
-          functools.partial(make_pipeline, mma_body, compute_context),
-          dy_gmem.at[block, :],
-          w_gmem.at[pl.ds(col0, tile_n), :],
-          *([y_gmem.at[block, :]] if plan.fused else []), *([vec_gmem] if plan.n_vecs else []),
-          allocations=pipeline_allocs, stages=plan.stages, chained=plan.chained,
-          first=first, last=last)
-
-    @plgpu.nd_loop((plan.m_iters * plan.k_iters,), collective_axes="sm")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      m_idx, n_idx = plgpu.planar_snake(
-          loop_info.index[0], (plan.m_iters, plan.k_iters), 0 if cfg.grid_minor_dim == "n" else 1,
-          cfg.grid_tile_width)
-      t = loop_info.local_index
-      tile(m_idx, n_idx, first=t == 0, last=t == loop_info.num_local_steps - 1)
-
-  # All TMA stores must land before the kernel exits.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  # The streams' GMEM operands beyond dy and w: all of y's columns, all of the vectors'.
+  gmems = [r for r in (dy_gmem, w_gmem, y_gmem, vec_gmem) if r is not None]
+  block = lambda t: pl.ds(t.m_idx * cfg.tile_m, cfg.tile_m)
+  gemm_core.run(
+      plan.kloop, gmems=gmems,
+      windows=lambda t: [block(t), pl.ds(t.n_idx * cfg.tile_n, cfg.tile_n), block(t), None][
+          :len(gmems)],
+      schedule=gemm_core.tile_grid(plan.m_iters, plan.k_iters, cfg),
+      smem=_smem(cfg, plan.dtype, plan.n_rows),
+      hooks_for=lambda wg, refs: _DxHooks(plan, wg, refs, x_gmem, row_gmems, dx_gmem))
 
 
 def _check_vector(name, v, size) -> None:
@@ -550,14 +493,7 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   fused_args = [y] if fused else []
   if plan.n_vecs:
     fused_args.append(jnp.stack([v for v in (col_sum, out_bias) if v is not None]))
-  call = plgpu.kernel(
-      functools.partial(_kernel, plan=plan),
-      out_type=jax.ShapeDtypeStruct((m, k), plan.dtype),
-      grid=(plan.num_ctas,),
-      grid_names=("sm",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=mgpu.interpret_params() if interpret else None,
-  )
+  call = gemm_core.kernel(functools.partial(_kernel, plan=plan),
+                          jax.ShapeDtypeStruct((m, k), plan.dtype), num_ctas=plan.num_ctas,
+                          interpret=interpret)
   return call(dy, w_gamma, x, *fused_args, *rows)
