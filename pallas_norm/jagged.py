@@ -114,17 +114,49 @@ def positions(offsets: jax.Array, capacity: int) -> jax.Array:
   return jnp.arange(capacity, dtype=jnp.int32) - starts
 
 
+def _check_conversion(name: str, values, offsets, capacity: int, size_name: str,
+                      size: int) -> None:
+  """Checks the arguments of :func:`to_padded` / :func:`from_padded`: ``offsets`` a 1-D integer
+  array (B+1,) and, when concrete (not traced under ``jax.jit``), following the jagged
+  convention for ``capacity`` rows; ``size`` (max_len or capacity) non-negative. The gathers
+  clip their indices, so offsets past the capacity or a batch that disagrees with the padded
+  tensor would otherwise give silently wrong rows."""
+  if not hasattr(values, "shape") or not hasattr(offsets, "dtype") or not hasattr(
+      offsets, "shape"):
+    raise TypeError(f"{name}: values and offsets must be arrays, got {type(values).__name__} "
+                    f"and {type(offsets).__name__}")
+  if not jnp.issubdtype(offsets.dtype, jnp.integer) or offsets.ndim != 1 or (
+      offsets.shape[0] < 1):
+    raise TypeError(f"{name}: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
+                    f"{offsets.dtype} of shape {tuple(offsets.shape)}")
+  if size < 0:
+    raise ValueError(f"{name}: {size_name} must be >= 0, got {size}")
+  if isinstance(offsets, jax.core.Tracer):
+    return  # traced values cannot raise; the public ops poison their outputs instead
+  host = np.asarray(offsets)
+  if host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > capacity:
+    raise ValueError(f"{name}: offsets must start at 0, never decrease and end at most at the "
+                     f"packed capacity {capacity}, got {host.tolist()}")
+
+
 def to_padded(values: jax.Array, offsets: jax.Array, max_len: int) -> jax.Array:
   """Packed ``(T, ...)`` -> padded ``(B, max_len, ...)``, zeros past each sample's length.
 
   Samples longer than ``max_len`` are truncated; the public ops check lengths against
   ``max_len`` whenever the offsets are concrete. A zero capacity (``T == 0``) gives zeros.
 
+  Raises:
+    TypeError: offsets that are not a 1-D integer array; a non-integer ``max_len``.
+    ValueError: a negative ``max_len``; concrete offsets that break the jagged convention
+      (first 0, non-decreasing, last <= T). Traced offsets are not checked.
+
   Differentiable in ``values``: the gradient is :func:`from_padded` of the cotangent (a gather,
   since on the valid rows each conversion is the other's transpose), not the scatter-add that
   autodiff of the forward gather would give. ``offsets`` get no gradient.
   """
-  return _to_padded_linear(values, offsets, operator.index(max_len))
+  max_len = operator.index(max_len)
+  _check_conversion("to_padded", values, offsets, values.shape[0], "max_len", max_len)
+  return _to_padded_linear(values, offsets, max_len)
 
 
 def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Array:
@@ -133,8 +165,19 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int) -> jax.Arr
   Positions at or past a sample's length (and rows of samples past ``L``) are never read; an
   empty padded tensor (``B·L == 0``) gives zeros. Differentiable in ``padded``: the gradient is
   :func:`to_padded` of the cotangent (a gather, zeros past each length), not a scatter-add.
+
+  Raises:
+    TypeError: offsets that are not a 1-D integer array; a non-integer ``capacity``.
+    ValueError: ``padded`` with fewer than 2 dimensions or another batch than the offsets'
+      B; a negative ``capacity``; concrete offsets that break the jagged convention (first 0,
+      non-decreasing, last <= capacity). Traced offsets are not checked.
   """
-  return _from_padded_linear(padded, offsets, operator.index(capacity))
+  capacity = operator.index(capacity)
+  _check_conversion("from_padded", padded, offsets, capacity, "capacity", capacity)
+  if padded.ndim < 2 or padded.shape[0] != offsets.shape[0] - 1:
+    raise ValueError(f"from_padded: padded must have shape (B, L, ...) with B = "
+                     f"len(offsets) - 1 = {offsets.shape[0] - 1}, got {tuple(padded.shape)}")
+  return _from_padded_linear(padded, offsets, capacity)
 
 
 def _gather_to_padded(values, offsets, max_len):
