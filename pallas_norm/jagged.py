@@ -151,6 +151,31 @@ def positions(offsets: jax.Array, capacity: int) -> jax.Array:
   return row_index(offsets, capacity).positions
 
 
+def _check_conversion(name: str, values, offsets, capacity: int, size_name: str,
+                      size: int) -> None:
+  """Checks the arguments of :func:`to_padded` / :func:`from_padded`: ``offsets`` a 1-D integer
+  array (B+1,) and, when concrete (not traced under ``jax.jit``), following the jagged
+  convention for ``capacity`` rows; ``size`` (max_len or capacity) non-negative. The gathers
+  clip their indices, so offsets past the capacity or a batch that disagrees with the padded
+  tensor would otherwise give silently wrong rows."""
+  if not hasattr(values, "shape") or not hasattr(offsets, "dtype") or not hasattr(
+      offsets, "shape"):
+    raise TypeError(f"{name}: values and offsets must be arrays, got {type(values).__name__} "
+                    f"and {type(offsets).__name__}")
+  if not jnp.issubdtype(offsets.dtype, jnp.integer) or offsets.ndim != 1 or (
+      offsets.shape[0] < 1):
+    raise TypeError(f"{name}: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
+                    f"{offsets.dtype} of shape {tuple(offsets.shape)}")
+  if size < 0:
+    raise ValueError(f"{name}: {size_name} must be >= 0, got {size}")
+  if isinstance(offsets, jax.core.Tracer):
+    return  # traced values cannot raise; the public ops poison their outputs instead
+  host = np.asarray(offsets)
+  if host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > capacity:
+    raise ValueError(f"{name}: offsets must start at 0, never decrease and end at most at the "
+                     f"packed capacity {capacity}, got {host.tolist()}")
+
+
 def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
               rows: RowIndex | None = None) -> jax.Array:
   """Packed ``(T, ...)`` -> padded ``(B, max_len, ...)``, zeros past each sample's length.
@@ -164,10 +189,16 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
   batch's :func:`row_index` (the derivatives need it), else computed here.
 
   Raises:
-    TypeError / ValueError: ``rows`` that is not a :class:`RowIndex` of T int32 rows.
+    TypeError: offsets that are not a 1-D integer array; a non-integer ``max_len``; ``rows``
+      that is not a :class:`RowIndex`.
+    ValueError: a negative ``max_len``; concrete offsets that break the jagged convention
+      (first 0, non-decreasing, last <= T); ``rows`` not of T int32 rows. Traced offsets are
+      not checked.
   """
+  max_len = operator.index(max_len)
+  _check_conversion("to_padded", values, offsets, values.shape[0], "max_len", max_len)
   rows = _rows_for(rows, offsets, values.shape[0], "values' T")
-  return _to_padded_linear(values, offsets, rows, operator.index(max_len))
+  return _to_padded_linear(values, offsets, rows, max_len)
 
 
 def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, *,
@@ -180,9 +211,18 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, *,
   ``rows``: the batch's :func:`row_index` of ``capacity`` rows, else computed here.
 
   Raises:
-    TypeError / ValueError: ``rows`` that is not a :class:`RowIndex` of ``capacity`` int32 rows.
+    TypeError: offsets that are not a 1-D integer array; a non-integer ``capacity``; ``rows``
+      that is not a :class:`RowIndex`.
+    ValueError: ``padded`` with fewer than 2 dimensions or another batch than the offsets'
+      B; a negative ``capacity``; concrete offsets that break the jagged convention (first 0,
+      non-decreasing, last <= capacity); ``rows`` not of ``capacity`` int32 rows. Traced
+      offsets are not checked.
   """
   capacity = operator.index(capacity)
+  _check_conversion("from_padded", padded, offsets, capacity, "capacity", capacity)
+  if padded.ndim < 2 or padded.shape[0] != offsets.shape[0] - 1:
+    raise ValueError(f"from_padded: padded must have shape (B, L, ...) with B = "
+                     f"len(offsets) - 1 = {offsets.shape[0] - 1}, got {tuple(padded.shape)}")
   rows = _rows_for(rows, offsets, capacity, "capacity")
   return _from_padded_linear(padded, offsets, rows, capacity)
 

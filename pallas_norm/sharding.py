@@ -63,6 +63,7 @@ the per-sample ``k``, ``v`` are split by samples and the offsets are per-shard l
 (:func:`split_jagged`)."""
 
 _JAGGED_OPS = ("gdpa", "flash_norm_attention")
+_SETTINGS = ("eps",)  # static arguments of the ops that may come as concrete 0-d arrays
 _OFFSET_ARGS = ("q_offsets", "kv_offsets")
 
 
@@ -107,9 +108,11 @@ def shard_rows(op, mesh=None, axis="data"):
     num_shards = math.prod(the_mesh.shape[a] for a in _axis_names(axis))
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    # NumPy scalars (eps=np.float32(1e-5)) are settings, passed through like Python numbers.
+    # NumPy scalars (eps=np.float32(1e-5)) and eps in any form are settings, passed through
+    # like Python numbers (eps=jnp.float32(1e-5) as a shard_map operand reached the op's static
+    # eps check as a per-shard array and failed inside JAX while printing it).
     arrays = {k: v for k, v in bound.arguments.items()
-              if _validate.is_array(v) and not isinstance(v, np.generic)}
+              if _validate.is_array(v) and not isinstance(v, np.generic) and k not in _SETTINGS}
     static = {k: v for k, v in bound.arguments.items() if k not in arrays}
     _check_rows(name, arrays, num_shards, axis)
     if name in _JAGGED_OPS:
@@ -221,8 +224,7 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
   values = np.asarray(values)
   offsets = np.asarray(offsets)
   batch = _validate.offsets("offsets", offsets, values.shape[0])
-  if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or (
-      num_shards < 1 or batch % num_shards):
+  if not _is_count(num_shards) or batch % num_shards:
     raise ValueError(f"num_shards must be a positive divisor of the batch B = {batch}, got "
                      f"{num_shards!r}")
   if shard_capacity is None:
@@ -244,6 +246,12 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
   return out, local.reshape(-1)
 
 
+def _is_count(num_shards) -> bool:
+  """A positive Python or NumPy int (not a bool, float or string)."""
+  return not isinstance(num_shards, bool) and isinstance(num_shards, (int, np.integer)) and (
+      num_shards >= 1)
+
+
 def join_jagged(values, local_offsets, num_shards: int, capacity: int | None = None):
   """The inverse of :func:`split_jagged`: one packed batch from per-shard blocks (host-side).
 
@@ -263,7 +271,8 @@ def join_jagged(values, local_offsets, num_shards: int, capacity: int | None = N
   """
   values = np.asarray(values)
   blocks = np.asarray(local_offsets)
-  if num_shards < 1 or values.shape[0] % num_shards or blocks.shape[0] % num_shards:
+  if not _is_count(num_shards) or values.shape[0] % num_shards or (
+      blocks.shape[0] % num_shards):
     raise ValueError(f"values ({values.shape[0]} rows) and local_offsets "
                      f"({blocks.shape[0]}) must split into num_shards={num_shards} blocks")
   shard_rows_ = values.shape[0] // num_shards

@@ -261,6 +261,13 @@ def test_edge_calls_found_by_review():
   out = pn.gdpa(q, empty_kv, empty_kv, off, implementation=("interpret", "xla"))
   assert out.shape == q.shape and not bool(jnp.any(out != 0))
   assert "Lkv = 0" in mosaic.unsupported_reason(q, empty_kv, None, None, None)
+  # T = 0 (a multiple of 8) reached the kernel: ZeroDivisionError in interpret mode, also from
+  # a sequence and from flash_norm_attention's chain (review finding).
+  dense = q[None, :].reshape(1, 64, 2, 64)
+  assert "T = 0" in mosaic.unsupported_reason(q[:0], dense, None, None, None)
+  zero = jnp.zeros((2,), jnp.int32)
+  for op in (pn.gdpa, pn.flash_norm_attention):
+    assert op(q[:0], dense, dense, zero, implementation=("interpret", "xla")).shape == (0, 2, 64)
 
   k = jax.random.normal(jax.random.key(1), (1, 64, 2, 64), jnp.bfloat16)
   first = lambda q: jnp.sum(pn.gdpa(q, k, k, jnp.array([0, 8], jnp.int32),  # noqa: E731

@@ -192,6 +192,30 @@ def test_to_padded_under_jit_with_traced_offsets(rng):
   np.testing.assert_array_equal(got[sum(lens):], 0.0)
 
 
+@pytest.mark.parametrize("call,match", [
+    (lambda v, p: jagged.to_padded(v, jnp.asarray([0, 2, 9], jnp.int32), 7), "capacity 6"),
+    (lambda v, p: jagged.to_padded(v, jnp.asarray([0, 4, 2], jnp.int32), 4), "never decrease"),
+    (lambda v, p: jagged.to_padded(v, jnp.asarray([2, 4, 6], jnp.int32), 2), "start at 0"),
+    (lambda v, p: jagged.to_padded(v, jnp.asarray([0, 2, 5], jnp.int32), -1), "max_len"),
+    (lambda v, p: jagged.from_padded(p, jnp.asarray([0, 2, 4, 6], jnp.int32), 6), "B = "),
+    (lambda v, p: jagged.from_padded(p[:1], jnp.asarray([0, 2, 5], jnp.int32), 6), "B = "),
+    (lambda v, p: jagged.from_padded(p, jnp.asarray([0, 2, 5], jnp.int32), 3), "capacity 3"),
+], ids=["past_capacity", "decreasing", "first_not_0", "negative_max_len", "padded_batch_short",
+        "padded_batch_long", "capacity_short"])
+def test_conversions_reject_concrete_offsets_that_would_clip(call, match, rng):
+  """Both gathers clip their indices: offsets past the capacity, decreasing ones or a padded
+  batch other than the offsets' B gave silently repeated or dropped rows; concrete ones raise."""
+  values = jnp.asarray(rng.standard_normal((6, 2)), jnp.float32)
+  padded = jnp.asarray(rng.standard_normal((2, 3, 2)), jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    call(values, padded)
+
+
+def test_conversions_reject_non_integer_offsets():
+  with pytest.raises(TypeError, match="offsets"):
+    jagged.to_padded(jnp.ones((6, 2)), jnp.asarray([0.0, 2.0, 5.0]), 3)
+
+
 # ---------------------------------------------------------------------------------------------
 # Derivatives of the conversions: each is the other's transpose, so the backward is a gather;
 # forward mode still works (a custom_jvp whose tangent map is a scatter-add).

@@ -155,6 +155,12 @@ def test_kernel_names_and_refusals_on_the_cpu():
     pallas_norm.layer_norm(np.ones((2, 8)), implementation="interpret")
   with pytest.raises(NotImplementedError, match="residual dtype"):
     pallas_norm.layer_norm(x, residual=x.astype(jnp.bfloat16), implementation="interpret")
+  # No rows: the kernel's gradient failed with ZeroDivisionError (review finding).
+  with pytest.raises(NotImplementedError, match="no rows"):
+    pallas_norm.layer_norm(x[:0], implementation="interpret")
+  grad = jax.grad(lambda x: jnp.sum(pallas_norm.layer_norm(x, implementation=("interpret",
+                                                                              "xla"))))(x[:0])
+  assert grad.shape == (0, 8)
 
 
 def test_default_takes_the_kernel_only_where_measured_faster(monkeypatch):

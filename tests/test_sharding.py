@@ -101,6 +101,9 @@ def test_split_jagged_errors_name_the_argument():
     sharding.split_jagged(values, offsets.astype(np.float32), 2)
   with pytest.raises(ValueError, match=r"local_offsets \(shard 1\)"):
     sharding.join_jagged(values[:8], np.array([0, 2, 3, 0, 3, 1], np.int32), 2)
+  for bad in ("2", 2.0, 0, True):  # "2" and 2.0 failed inside NumPy/Python (review finding)
+    with pytest.raises(ValueError, match="num_shards"):
+      sharding.join_jagged(values[:8], np.array([0, 2, 3, 0, 3, 1], np.int32), bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +119,10 @@ def test_shard_rows_on_one_device_is_the_op():
   want = pn.reference.norm_matmul(x, w, norm="layer", return_stats=True)
   for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+  # eps as a concrete JAX scalar (the ops take it) is a setting, not a replicated operand.
+  np.testing.assert_allclose(
+      sharding.shard_rows(pn.rms_norm, mesh)(x, eps=jnp.float32(1e-3)),
+      pn.reference.rms_norm(x, eps=1e-3), rtol=1e-6)
   with jax.set_mesh(mesh):  # the mesh from the context
     np.testing.assert_allclose(sharding.shard_rows(pn.rms_norm)(x), pn.reference.rms_norm(x),
                                rtol=1e-6)

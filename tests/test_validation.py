@@ -159,6 +159,7 @@ CASES = (
         ("max_seq_len", 3.0, ValueError, "max_seq_len"),
         ("max_seq_len", True, ValueError, "max_seq_len"),
         ("max_kv_len", 4, ValueError, "max_kv_len"),  # only with jagged k/v
+        ("kv_offsets", 8, TypeError, "kv_offsets"),  # gdpa(q, k, v, off, 8): max_seq_len?
         ("activation", "tanh", ValueError, "activation"),
         ("activation", "GELU", ValueError, "activation"),
         ("pre_scale", float("nan"), ValueError, "pre_scale"),

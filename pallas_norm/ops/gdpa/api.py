@@ -29,6 +29,12 @@ def check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale
   """Validates the attention arguments shared by :func:`gdpa` and ``flash_norm_attention``."""
   _validate.float_array("q", q, ndim=3)
   t, h, d = q.shape
+  if kv_offsets is not None and not _validate.is_array(kv_offsets):
+    # Checked before k's rank, which kv_offsets decides: gdpa(q, k, v, off, 8) (max_seq_len
+    # passed by position) would otherwise be reported as a 4-D k that should be 3-D.
+    raise TypeError(f"kv_offsets must be an int32 array of shape (B+1,) or None, got "
+                    f"{type(kv_offsets).__name__} (the arguments after kv_offsets are "
+                    "keyword-only)")
   if kv_offsets is None:
     _validate.float_array("k", k, ndim=4)
     _validate.float_array("v", v, ndim=4)

@@ -123,6 +123,8 @@ def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
   dtype = jnp.dtype(q.dtype)
   out_dtype = jnp.dtype(out_dtype or dtype)
   head_dim = q.shape[2]
+  if q.shape[0] == 0:  # a block of 0 rows: the kernel's buffers and TMA windows need >= 1
+    return "zero token capacity T = 0 (no q rows: XLA returns the empty output)"
   if kv_offsets is None and k.shape[1] == 0:
     return "dense K/V length Lkv = 0 (no keys: XLA returns the zeros)"
   if kv_offsets is None and k.shape[1] % 64:

@@ -100,8 +100,8 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
 
   Raises:
     NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
-      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, a residual of another
-      dtype than x), requested alone.
+      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows, a residual of
+      another dtype than x), requested alone.
   """
   chosen = _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)

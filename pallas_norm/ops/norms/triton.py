@@ -115,6 +115,8 @@ def unsupported_reason(norm: str, x_shape, x_dtype, residual_dtype=None) -> str 
   if residual_dtype is not None and jnp.dtype(residual_dtype) != jnp.dtype(x_dtype):
     return (f"residual dtype {jnp.dtype(residual_dtype)} differs from x's {jnp.dtype(x_dtype)} "
             "(the kernel writes one ds for both gradients)")
+  if math.prod(x_shape[:-1]) == 0:  # a grid of 0 row blocks: interpret mode divides by it
+    return "x has no rows (XLA returns the empty gradient)"
   if n > MAX_N:
     return f"N = {n}: the kernel holds full rows in registers, at most N = {MAX_N}"
   if math.prod(x_shape) > MAX_ELEMENTS:
