@@ -11,10 +11,14 @@ os.environ.setdefault("PJRT_NPROC", "8")
 
 # The suite's programs are tiny and most run once, so XLA:CPU's LLVM optimization costs more
 # than it saves: at level 0 (XLA's HLO passes still run; no fast-math at either level) the Kunlun
-# model tests and norm_matmul's dx interpret tests took 72 instead of 97 CPU-seconds. Set before
-# JAX starts; the subprocesses the tests start (benchmarks, tests/sharding_checks.py) inherit it.
+# model tests and norm_matmul's dx interpret tests took 72 instead of 97 CPU-seconds. Only where
+# JAX runs on the CPU alone (the flag would also lower the GPU backend's LLVM level): no NVIDIA
+# device node, or JAX_PLATFORMS=cpu. Set before JAX starts; the subprocesses the tests start
+# (benchmarks, tests/sharding_checks.py) inherit it.
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+_PLATFORMS = os.environ.get("JAX_PLATFORMS")
+_CPU_ONLY = _PLATFORMS == "cpu" or (not _PLATFORMS and not os.path.exists("/dev/nvidiactl"))
+if _CPU_ONLY and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
 
 import pytest  # noqa: E402
