@@ -9,6 +9,18 @@ import pathlib
 # core), so on a 2-core CI machine interpret kernels would deadlock. Set before jax starts.
 os.environ.setdefault("PJRT_NPROC", "8")
 
+# The suite's programs are tiny and most run once, so XLA:CPU's LLVM optimization costs more
+# than it saves: at level 0 (XLA's HLO passes still run; no fast-math at either level) the Kunlun
+# model tests and norm_matmul's dx interpret tests took 72 instead of 97 CPU-seconds. Only where
+# JAX runs on the CPU alone (the flag would also lower the GPU backend's LLVM level): no NVIDIA
+# device node, or JAX_PLATFORMS=cpu. Set before JAX starts; the subprocesses the tests start
+# (benchmarks, tests/sharding_checks.py) inherit it.
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+_PLATFORMS = os.environ.get("JAX_PLATFORMS")
+_CPU_ONLY = _PLATFORMS == "cpu" or (not _PLATFORMS and not os.path.exists("/dev/nvidiactl"))
+if _CPU_ONLY and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
+
 import pytest  # noqa: E402
 
 from pallas_norm import _dispatch  # noqa: E402
@@ -31,6 +43,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
+  # The `slow` tests (tens of CPU-seconds each) first: pytest-xdist hands tests out in this
+  # order, so the long ones start early and the short ones fill the gaps, instead of one
+  # worker finishing a long test alone at the end. Stable: files keep their order otherwise.
+  items.sort(key=lambda item: "slow" not in item.keywords)
   if _dispatch.on_hopper_gpu():
     return
   skip_gpu = pytest.mark.skip(reason="needs a Hopper GPU (sm_90a); run `pytest -m gpu` on one")

@@ -2,6 +2,7 @@
 differentiates the jagged conversions into scatter-adds and the library's arms do not, the
 statistics, and the CLI's JSON."""
 
+import functools
 import json
 import re
 import pathlib
@@ -17,10 +18,18 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import e2e  # noqa: E402
 
 
-def _seed_pool_program(arm):
+@functools.cache
+def _tiny_programs(arm):
+  """e2e.component_programs of the tiny model for ``arm``, built once per arm in the module
+  (not shared between arms: jax caches a jitted program's trace, and the baseline's differs
+  from the xla arm's only by the trace context)."""
   train = e2e._load_train_script()
   model, _, (batch,) = e2e._model_and_data(train, e2e.build_config(tiny=True), e2e.ARMS[arm])
-  fn, args = e2e.component_programs(model, batch)["seed_pool"]
+  return e2e.component_programs(model, batch)
+
+
+def _seed_pool_program(arm):
+  fn, args = _tiny_programs(arm)["seed_pool"]
   with e2e._trace_context(arm):
     return str(jax.make_jaxpr(fn)(*args))
 
@@ -126,9 +135,7 @@ def test_components_differentiate_only_their_own_parameters():
   """Zero gradients of the other parameters (the embedding tables, ~1.3 GB at production)
   would be written by every component program and inflate its time."""
   from flax import nnx
-  train = e2e._load_train_script()
-  model, _, (batch,) = e2e._model_and_data(train, e2e.build_config(tiny=True), "xla")
-  programs = e2e.component_programs(model, batch)
+  programs = _tiny_programs("xla")
   owners = {name: {path[:2] if path[0] in e2e._PER_LAYER else path[:1]
                    for path, _ in nnx.to_flat_state(args[0])}
             for name, (_, args) in programs.items()}

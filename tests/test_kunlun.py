@@ -81,13 +81,13 @@ def test_samples_are_independent(model, forward):
   np.testing.assert_array_equal(forward(model, sparse, dense, padded, off), base)
 
 
-def test_bf16_compute_keeps_f32_params_and_stays_close():
+def test_bf16_compute_keeps_f32_params_and_stays_close(model, forward):
   bf16 = _model(dtype=jnp.bfloat16, implementation="xla")
   params = jax.tree.leaves(nnx.state(bf16, nnx.Param))
   assert all(p.dtype == jnp.float32 for p in params)
   inputs = _inputs(5)
-  y16 = nnx.jit(lambda m, *a: m(*a))(bf16, *inputs)
-  y32 = nnx.jit(lambda m, *a: m(*a))(_model(implementation="xla"), *inputs)
+  y16 = forward(bf16, *inputs)
+  y32 = forward(model, *inputs)  # the module's f32 model: same parameters (nnx.Rngs(0))
   assert y16.dtype == jnp.float32 and np.all(np.isfinite(y16))
   # Logits of order 1e-1 after ~15 bf16 layers: agree to 0.1 absolute.
   np.testing.assert_allclose(y16, y32, atol=0.1)
@@ -278,9 +278,12 @@ def test_kernel_where_it_fits_xla_elsewhere(monkeypatch):
             rng.integers(1, 64, T).astype(np.int32), jagged.offsets_from_lengths(LENS))
   build = lambda impl: KunlunModel(KERNEL_CONFIG, implementation=impl, dtype=jnp.bfloat16,  # noqa: E731
                                    rngs=nnx.Rngs(4))  # same parameters: a fresh Rngs each
-  want = build("xla")(*inputs)
+  # Under jit: the whole model is one compile (eagerly, each op compiled on its own cost 1.5x
+  # the CPU time); the implementation is static, so each model traces and chooses anew.
+  forward = nnx.jit(lambda m, *a: m(*a))
+  want = forward(build("xla"), *inputs)
   chosen.clear()
-  got = build(("interpret", "xla"))(*inputs)
+  got = forward(build(("interpret", "xla")), *inputs)
   assert ("norm_matmul", "interpret") in chosen and ("matmul_norm", "interpret") in chosen
   assert ("norm_matmul", "xla") in chosen  # the head: N = 1
   # The PFFN: the norms around the GDPA kernel where its shapes fit, else XLA.
