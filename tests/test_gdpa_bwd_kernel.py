@@ -75,8 +75,13 @@ def _reference_grads(q, k, v, q_offsets, kv_offsets, do, activation, pre, post):
                           max_kv_len=max_kv_len)
 
   do = jnp.nan_to_num(f32(do))  # the reference ignores dO's padding rows, NaN or not
-  o, vjp = jax.vjp(fn, f32(q), f32(k), f32(v), jnp.float32(pre), jnp.float32(post))
-  grads = vjp(do)
+  # Jitted: one compiled program instead of one per eager op (most of the oracle's CPU time).
+  @jax.jit
+  def output_and_grads(*primals):
+    o, vjp = jax.vjp(fn, *primals)
+    return o, vjp(do)
+
+  o, grads = output_and_grads(f32(q), f32(k), f32(v), jnp.float32(pre), jnp.float32(post))
   # The scale gradients are sums of ~T·H·D terms of both signs that cancel: their error is
   # judged against the size of those terms, sqrt(Σ term²), not only against the sum. Terms:
   # d post = Σ (o / post) ⊙ dO, d pre = Σ (dq / pre) ⊙ q (= Σ dS ⊙ q kᵀ).

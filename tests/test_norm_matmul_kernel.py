@@ -18,6 +18,7 @@ relative error < 1e-4; mean error < 1e-4 · (|mean| + std).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -35,7 +36,11 @@ from pallas_norm.ops.norm_matmul import xla as nm_xla
 
 EPS = 1e-6
 
+# Inputs, folds and oracles run jitted: one compiled program per case instead of one per eager
+# op (eager dispatch compiled each op for each new shape: about half of a case's CPU time).
 
+
+@functools.partial(jax.jit, static_argnames=("norm",))
 def _fold(w, scale, bias, norm):
   """diag(scale)·w in w's dtype, col_sum = 1ᵀ(that) in f32 (layer), out_bias = biasᵀ w (f32)."""
   wf = w.astype(jnp.float32)
@@ -45,6 +50,7 @@ def _fold(w, scale, bias, norm):
   return w_gamma, col_sum, out_bias
 
 
+@functools.partial(jax.jit, static_argnames=("m", "k", "n", "dtype", "mu", "affine"))
 def _inputs(seed, m, k, n, dtype, *, mu=0.0, affine=True):
   ks = jax.random.split(jax.random.key(seed), 4)
   x = (mu + jax.random.normal(ks[0], (m, k), jnp.float32)).astype(dtype)
@@ -59,6 +65,9 @@ def _rel_err(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+_reference = jax.jit(reference.norm_matmul, static_argnames=("norm", "eps", "return_stats"))
+
+
 def _run_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None, interpret=True,
                    seed=0, y_tol=1e-2):
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
@@ -68,8 +77,8 @@ def _run_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None, in
   y = jax.block_until_ready(y)
   if interpret:
     assert not mgpu.races_found(), "the interpreter's race detector reported a race"
-  y_ref, stats = reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32), scale,
-                                       bias, norm=norm, eps=EPS, return_stats=True)
+  y_ref, stats = _reference(x.astype(jnp.float32), w.astype(jnp.float32), scale, bias,
+                            norm=norm, eps=EPS, return_stats=True)
   assert y.shape == (m, n) and y.dtype == jnp.dtype(dtype)
   assert bool(jnp.all(jnp.isfinite(y))), "some outputs were never written (NaN-filled)"
   assert _rel_err(y, y_ref) < y_tol
@@ -375,6 +384,17 @@ def test_gpu_forward_configs(config, m):
 # The dx kernel of the backward: dx = rstd ⊙ (dy @ W_γᵀ) − y_term ⊙ (x − mean) − c_term.
 
 
+@functools.partial(jax.jit, static_argnames=("norm",))
+def _reference_forward_and_dx(x, w, scale, bias, dy, *, norm):
+  """y, statistics and dx = (∂y/∂x)ᵀ dy of the f32 reference on the upcast inputs."""
+  xf, wf, dyf = (a.astype(jnp.float32) for a in (x, w, dy))
+  forward = lambda xf: reference.norm_matmul(xf, wf, scale, bias, norm=norm, eps=EPS,
+                                             return_stats=True)
+  (y, stats), vjp = jax.vjp(forward, xf)
+  (dx_ref,) = vjp((dyf, jax.tree.map(jnp.zeros_like, stats)))
+  return y, stats, dx_ref
+
+
 def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
                       interpret=True, seed=0, tol=1e-2, fused=False):
   """The dx kernel, fed the reference forward's y and statistics, against jax.grad of the
@@ -383,11 +403,7 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
   forward kernel returns it), out_bias and col_sum."""
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
   dy = jax.random.normal(jax.random.key(seed + 1000), (m, n), jnp.float32).astype(dtype)
-  xf, wf, dyf = (a.astype(jnp.float32) for a in (x, w, dy))
-  forward = lambda xf: reference.norm_matmul(xf, wf, scale, bias, norm=norm, eps=EPS,
-                                             return_stats=True)
-  (y, stats), vjp = jax.vjp(forward, xf)
-  (dx_ref,) = vjp((dyf, jax.tree.map(jnp.zeros_like, stats)))
+  y, stats, dx_ref = _reference_forward_and_dx(x, w, scale, bias, dy, norm=norm)
   w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
   if fused:
     dx = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, mean=stats.mean, y=y.astype(dtype),
