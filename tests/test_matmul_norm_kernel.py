@@ -45,9 +45,6 @@ OUT_TOL = {jnp.dtype(jnp.bfloat16): 8e-3, jnp.dtype(jnp.float16): 1.5e-3}
 STAT_RTOL = 1e-4  # f32 statistics: the kernel and XLA only sum in different orders
 
 
-# Inputs and the oracle run jitted: one compiled program per case instead of one per eager op
-# (eager dispatch compiled each op for each new shape).
-@functools.partial(jax.jit, static_argnames=("m", "k", "n", "dtype", "mean_offset", "zero_every"))
 def _inputs(seed, m, k, n, dtype=jnp.bfloat16, mean_offset=0.0, zero_every=0):
   """Random x, w, dense_bias, residual, scale (γ), bias (β), dy; h rows have mean ≈ offset."""
   ks = jax.random.split(jax.random.key(seed), 7)
@@ -71,7 +68,6 @@ def _f32(a):
   return None if a is None else jnp.asarray(a, jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("norm",))
 def _reference(args, norm):
   """reference.matmul_norm in f32 on the (already rounded) inputs: (y, h, stats)."""
   a = {name: _f32(v) for name, v in args.items()}
