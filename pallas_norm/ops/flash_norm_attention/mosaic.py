@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 from pallas_norm import mgpu
 from pallas_norm.mgpu import store
+from pallas_norm.ops.gdpa import configs as gdpa_configs
 from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
 
 _F32 = jnp.float32
@@ -72,8 +73,7 @@ class Config:
   kv_stages: int = 2
 
   def __post_init__(self):
-    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-      raise ValueError(f"block_kv must be a multiple of 64 in [64, 256], got {self.block_kv}")
+    gdpa_configs.check_block_kv(self.block_kv)
     if self.kv_stages < 2:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
 

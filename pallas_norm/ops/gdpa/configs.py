@@ -16,6 +16,13 @@ PAD_CHUNK_BLOCKS = 8
 item each, so a large spare capacity is spread over many CTAs instead of one."""
 
 
+def check_block_kv(block_kv: int) -> None:
+  """Keys per WGMMA step of the attention kernels: a multiple of 64 (the 128-byte swizzle of a
+  bf16 row) up to 256 (the largest WGMMA N)."""
+  if block_kv % 64 or not 64 <= block_kv <= 256:
+    raise ValueError(f"block_kv must be a multiple of 64 in [64, 256], got {block_kv}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling of the GDPA forward kernel.
@@ -38,8 +45,7 @@ class Config:
   kv_buffers: int = 2
 
   def __post_init__(self):
-    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-      raise ValueError(f"block_kv must be a multiple of 64 in [64, 256], got {self.block_kv}")
+    check_block_kv(self.block_kv)
     if self.q_stages < 1:
       raise ValueError(f"q_stages must be >= 1, got {self.q_stages}")
     if self.kv_stages is not None and self.kv_stages < 2:
