@@ -40,3 +40,17 @@ def fused_row_terms_pay(k: int, n: int, norm: str) -> bool:
   """Whether the dx kernel computes its own row terms for x (M, k) @ w (k, n): LayerNorm up to
   :data:`FUSED_ROW_TERMS_MAX_KN`."""
   return norm == "layer" and max(k, n) <= FUSED_ROW_TERMS_MAX_KN
+
+
+def x_hat_pays(k: int, n: int, norm: str) -> bool:
+  """Whether the backward takes x̂ from the dx kernel (``norm_matmul_dx(...,
+  return_x_hat=True)``) and forms dW_γ = x̂ᵀ dy, instead of scaling dy in an XLA pass
+  (``rstd ⊙ dy``, M × N written and read again by the GEMM; RMSNorm only,
+  :func:`.xla.rms_weight_grads`).
+
+  Bytes per row (16-bit): x̂ costs 2K written by the dx kernel; it saves the scaled dy's 2N
+  written. LayerNorm always takes x̂ (the uncentered form also needs the rank-1 term
+  ``Σ_i rstd_i mean_i dy_i``, one more column reduction over M × N, whose cancellation for
+  rows with a large mean needs matching roundings); RMSNorm where K ≤ N. Chosen from those
+  bytes; not measured on the H200 yet (benchmarks/NOTES.md, pre-norm backward)."""
+  return norm == "layer" or k <= n

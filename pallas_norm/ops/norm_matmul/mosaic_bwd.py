@@ -82,7 +82,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu
+from pallas_norm import _validate, mgpu
 from pallas_norm.mgpu import TileConfig
 from pallas_norm.mgpu import gemm as gemm_core
 from pallas_norm.ops.norm_matmul import mosaic as forward
@@ -103,7 +103,8 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
   return forward.unsupported_reason(m, k, n, dtype)
 
 
-def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> TileConfig:
+def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
+                x_hat: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
   K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options.
 
@@ -112,14 +113,17 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> Til
   default tile shape). On the H200 (2026-11-30, two runs, 128×256 tiles) 4 stages of 32 against
   2 of 64: 262144×512², 0.98 and 1.00× LayerNorm, 0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and
   1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no load
-  would overlap a WGMMA at all.
+  would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes x̂): the same rule with the
+  x̂ slot's SMEM counted (at 128×256 tiles it leaves 2 64-wide stages where 3 fitted).
   """
   fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
                    epi_tile_n=fwd.epi_tile_n)
   # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
-  if fused_row_terms and _stages_that_fit(cfg, jnp.bfloat16, True, True, 2) < 3:
+  n_vecs = _n_vecs(True, fused_row_terms, True)
+  if ((fused_row_terms or x_hat)
+      and _stages_that_fit(cfg, jnp.bfloat16, True, fused_row_terms, n_vecs, x_hat) < 3):
     cfg = dataclasses.replace(cfg, tile_k=32)
   return cfg
 
@@ -134,6 +138,7 @@ class _Plan(gemm_core.KLoopFacts):
   layer: bool
   fused: bool  # the kernel computes y_term / c_term from y (fused row terms)
   has_bias: bool  # fused: out_bias is subtracted from y
+  x_hat: bool  # the epilogue also writes x̂ = (x − mean) ⊙ rstd, the weight gradients' operand
   cfg: TileConfig
   kloop: gemm_core.KLoop
   num_ctas: int  # persistent CTAs
@@ -190,26 +195,31 @@ def _streams(cfg: TileConfig, dtype, a_in_registers: bool, fused: bool,
   return streams
 
 
-def _smem(cfg: TileConfig, dtype, n_rows: int) -> dict:
+def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat: bool = False) -> dict:
   """SMEM besides the stages, per consumer warpgroup: its (tile_m/2, tile_n) slice of x as
-  untiled epilogue tiles (dx overwrites them in place), the row vectors, and the barrier their
-  TMA copies arrive on (one arrival per copy)."""
+  untiled epilogue tiles (dx overwrites them in place), the row vectors, the barrier their
+  TMA copies arrive on (one arrival per copy) and, with ``x_hat``, one epilogue tile's slot for
+  x̂ (its TMA store reads it while the next epilogue tile is computed)."""
   epi_n = forward._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   chunks = (cfg.wg_tile_m // cfg.epi_tile_m) * (cfg.tile_n // epi_n)
+  tile_transforms = mgpu.swizzle_transforms(epi_n, dtype, tiled=False)
   return dict(
-      x_smem=plgpu.SMEM((2, chunks, cfg.epi_tile_m, epi_n), dtype,
-                        transforms=mgpu.swizzle_transforms(epi_n, dtype, tiled=False)),
+      x_smem=plgpu.SMEM((2, chunks, cfg.epi_tile_m, epi_n), dtype, transforms=tile_transforms),
+      x_hat_smem=(plgpu.SMEM((2, cfg.epi_tile_m, epi_n), dtype, transforms=tile_transforms)
+                  if x_hat else None),
       row_smem=plgpu.SMEM((2, n_rows, cfg.wg_tile_m), jnp.float32),
       in_barrier=plgpu.Barrier(num_arrivals=chunks + n_rows, num_barriers=2))
 
 
-def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int) -> int:
+def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int,
+                     x_hat: bool = False) -> int:
   """Pipeline stages that fit in SMEM next to the epilogue's buffers (not capped)."""
   return gemm_core.fit_stages(cfg, _streams(cfg, dtype, False, fused, n_vecs),
-                              _smem(cfg, dtype, _n_rows(layer, fused)))
+                              _smem(cfg, dtype, _n_rows(layer, fused), x_hat))
 
 
-def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False) -> _Plan:
+def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False,
+               x_hat=False) -> _Plan:
   mgpu.reject_unused_options(cfg, "dx", ("stats_once",))
   has_bias = fused and has_bias
   # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
@@ -217,12 +227,13 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
   red_iters = n // cfg.tile_k
   kloop = gemm_core.plan_k_loop(
       cfg, _streams(cfg, dtype, a_in_registers, fused, _n_vecs(layer, fused, has_bias)),
-      red_iters, _smem(cfg, dtype, _n_rows(layer, fused)), a_in_registers=a_in_registers,
-      what=" next to the x tile of the epilogue"
-      + (" (with the y stage of the fused row terms)" if fused else ""))
+      red_iters, _smem(cfg, dtype, _n_rows(layer, fused), x_hat),
+      a_in_registers=a_in_registers, what=" next to the x tile of the epilogue"
+      + (" (with the y stage of the fused row terms)" if fused else "")
+      + (" (with the x̂ slot)" if x_hat else ""))
   units = -(-m // cfg.tile_m) * -(-k // cfg.tile_n)
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
-               has_bias=has_bias, cfg=cfg, kloop=kloop,
+               has_bias=has_bias, x_hat=x_hat, cfg=cfg, kloop=kloop,
                num_ctas=mgpu.persistent_clusters(1, units, interpret),
                epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
                x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1))
@@ -281,11 +292,13 @@ class _DxHooks(gemm_core.Hooks):
   and the epilogue ``rstd ⊙ acc − y_term ⊙ (x − mean) − c_term`` written over the x tile in
   SMEM and stored by TMA. SMEM: :func:`_smem`."""
 
-  def __init__(self, plan: _Plan, wg, refs, x_gmem, row_gmems, dx_gmem):
+  def __init__(self, plan: _Plan, wg, refs, x_gmem, row_gmems, dx_gmem, x_hat_gmem):
     self.plan, self.wg, self.x_gmem, self.row_gmems, self.dx_gmem = (plan, wg, x_gmem,
                                                                      row_gmems, dx_gmem)
+    self.x_hat_gmem = x_hat_gmem
     self.x_smem, self.row_smem, self.in_barrier = (refs["x_smem"], refs["row_smem"],
                                                    refs["in_barrier"])
+    self.x_hat_smem = refs["x_hat_smem"]
 
   def _chunk_window(self, ref, tile, ci, cj):
     cfg, epi_m, epi_n = self.plan.cfg, self.plan.cfg.epi_tile_m, self.plan.epi_n
@@ -345,8 +358,16 @@ class _DxHooks(gemm_core.Hooks):
         dx = acc[ms, ns] * rstd[ms, ns] - y_term[ms, ns] * xv
         if plan.layer:
           dx = dx - c_term[ms, ns]
+        if plan.x_hat:
+          # The x̂ slot is free once the store issued for it one epilogue tile ago has read it
+          # (only the dx store issued after that one may still be pending).
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          self.x_hat_smem.at[wg][...] = (xv * rstd[ms, ns]).astype(plan.dtype)
         slot[...] = dx.astype(plan.dtype)  # in place: each thread rewrites what it read
         plgpu.commit_smem()
+        if plan.x_hat:
+          plgpu.copy_smem_to_gmem(self.x_hat_smem.at[wg],
+                                  self._chunk_window(self.x_hat_gmem, tile, ci, cj))
         plgpu.copy_smem_to_gmem(slot, self._chunk_window(self.dx_gmem, tile, ci, cj))
 
 
@@ -357,6 +378,7 @@ def _kernel(*refs, plan: _Plan):
   vec_gmem = next(it) if plan.n_vecs else None  # fused: [col_sum; out_bias] (n_vecs, N) f32
   row_gmems = [next(it) for _ in range(plan.n_rows)]  # rstd first, padded to whole row tiles
   dx_gmem = next(it)
+  x_hat_gmem = next(it) if plan.x_hat else None
   cfg = plan.cfg
   # The streams' GMEM operands beyond dy and w: all of y's columns, all of the vectors'.
   gmems = [r for r in (dy_gmem, w_gmem, y_gmem, vec_gmem) if r is not None]
@@ -366,8 +388,9 @@ def _kernel(*refs, plan: _Plan):
       windows=lambda t: [block(t), pl.ds(t.n_idx * cfg.tile_n, cfg.tile_n), block(t), None][
           :len(gmems)],
       schedule=gemm_core.tile_grid(plan.m_iters, plan.k_iters, cfg),
-      smem=_smem(cfg, plan.dtype, plan.n_rows),
-      hooks_for=lambda wg, refs: _DxHooks(plan, wg, refs, x_gmem, row_gmems, dx_gmem))
+      smem=_smem(cfg, plan.dtype, plan.n_rows, plan.x_hat),
+      hooks_for=lambda wg, refs: _DxHooks(plan, wg, refs, x_gmem, row_gmems, dx_gmem,
+                                          x_hat_gmem))
 
 
 def _check_vector(name, v, size) -> None:
@@ -433,8 +456,8 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=Non
 
 
 def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *, y=None,
-                   out_bias=None, col_sum=None, interpret: bool = False,
-                   config: TileConfig | None = None):
+                   out_bias=None, col_sum=None, return_x_hat: bool = False,
+                   interpret: bool = False, config: TileConfig | None = None):
   """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``.
 
   The row scalars come either precomputed (``y_term``, ``c_term``) or, with ``y`` given, from
@@ -461,12 +484,17 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
     out_bias: (N,) float32 ``norm_biasᵀ w`` that the forward added to y, or None (no bias);
       only with y.
     col_sum: (N,) float32 ``1ᵀ w_gamma`` (LayerNorm: given exactly when mean is); only with y.
+    return_x_hat: also return the normalized input ``x̂ = (x − mean) ⊙ rstd`` (RMSNorm:
+      ``x ⊙ rstd``), written by the same epilogue from the x tile it already holds, so the
+      weight gradients become the plain GEMM ``dW_γ = x̂ᵀ dy`` (DESIGN.md, op 1) with no pass
+      of their own over dy.
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
     config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given);
       tile_n runs over K, tile_k over N.
 
   Returns:
-    dx (M, K) in x's dtype; the products and sums run in float32.
+    dx (M, K) in x's dtype; the products and sums run in float32. With ``return_x_hat``,
+    ``(dx, x̂)``, x̂ (M, K) in x's dtype (rounded once from float32).
 
   Raises:
     ValueError: shapes the kernel does not support; rstd missing; a mix of the two row-term
@@ -477,14 +505,16 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
       an array.
   """
   _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y, out_bias, col_sum)
+  _validate.flag("return_x_hat", return_x_hat)
+  return_x_hat = bool(return_x_hat)
   m, n = dy.shape
   k = w_gamma.shape[0]
   fused = y is not None
-  cfg = config or pick_config(m, n, k, fused_row_terms=fused)
+  cfg = config or pick_config(m, n, k, fused_row_terms=fused, x_hat=return_x_hat)
   if n % cfg.tile_k:
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, fused=fused,
-                    has_bias=out_bias is not None)
+                    has_bias=out_bias is not None, x_hat=return_x_hat)
   # Row vectors padded to whole row tiles: their 1-D copies never leave the arrays.
   m_pad = plan.m_iters * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
@@ -493,7 +523,8 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   fused_args = [y] if fused else []
   if plan.n_vecs:
     fused_args.append(jnp.stack([v for v in (col_sum, out_bias) if v is not None]))
+  out = jax.ShapeDtypeStruct((m, k), plan.dtype)
   call = gemm_core.kernel(functools.partial(_kernel, plan=plan),
-                          jax.ShapeDtypeStruct((m, k), plan.dtype), num_ctas=plan.num_ctas,
+                          (out, out) if return_x_hat else out, num_ctas=plan.num_ctas,
                           interpret=interpret)
   return call(dy, w_gamma, x, *fused_args, *rows)
