@@ -691,6 +691,18 @@ def test_gpu_dx(m, k, n, norm, fused):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm,fused", [
+    (4096 + 77, 512, 512, "layer", True),  # the default at 512²: fused row terms
+    (8192, 512, 2048, "layer", False),
+    (8192 + 77, 512, 2048, "rms", False),  # M % 8 != 0: dy untiled, A from registers
+    (4096, 512, 512, "rms", False),
+])
+def test_gpu_dx_x_hat(m, k, n, norm, fused):
+  """dx and x̂ from the same epilogue at real sizes (the backward's default with x̂)."""
+  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False, fused=fused, x_hat=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_dx_large_mean(fused):
   _run_dx_and_check(4096 + 77, 512, 512, jnp.float16, "layer", mu=1e3, interpret=False,
