@@ -139,6 +139,7 @@ class _Plan(gemm_core.KLoopFacts):
   fused: bool  # the kernel computes y_term / c_term from y (fused row terms)
   has_bias: bool  # fused: out_bias is subtracted from y
   x_hat: bool  # the epilogue also writes x̂ = (x − mean) ⊙ rstd, the weight gradients' operand
+  x_hat_ones: bool  # x̂ has a block of ones columns after its k_iters · tile_n columns
   cfg: TileConfig
   kloop: gemm_core.KLoop
   num_ctas: int  # persistent CTAs
@@ -168,6 +169,10 @@ class _Plan(gemm_core.KLoopFacts):
   @property
   def chunks(self) -> tuple[int, int]:  # epilogue tiles per warpgroup (along M, along K)
     return self.cfg.wg_tile_m // self.cfg.epi_tile_m, self.cfg.tile_n // self.epi_n
+
+  @property
+  def x_hat_width(self) -> int:  # x̂'s columns: K, or K padded to whole tiles + the ones block
+    return self.k_iters * self.cfg.tile_n + self.epi_n if self.x_hat_ones else self.k
 
 
 def _n_rows(layer: bool, fused: bool) -> int:
@@ -219,7 +224,7 @@ def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: i
 
 
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False,
-               x_hat=False) -> _Plan:
+               x_hat=False, x_hat_ones=False) -> _Plan:
   mgpu.reject_unused_options(cfg, "dx", ("stats_once",))
   has_bias = fused and has_bias
   # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
@@ -233,7 +238,8 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
       + (" (with the x̂ slot)" if x_hat else ""))
   units = -(-m // cfg.tile_m) * -(-k // cfg.tile_n)
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
-               has_bias=has_bias, x_hat=x_hat, cfg=cfg, kloop=kloop,
+               has_bias=has_bias, x_hat=x_hat, x_hat_ones=x_hat and x_hat_ones, cfg=cfg,
+               kloop=kloop,
                num_ctas=mgpu.persistent_clusters(1, units, interpret),
                epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
                x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1))
@@ -339,10 +345,28 @@ class _DxHooks(gemm_core.Hooks):
     return _update_row_sums(self.plan, sums, dy.astype(jnp.float32), y.astype(jnp.float32),
                             vec_smem[0] if vec_smem else None)
 
+  def _store_ones_block(self, tile):
+    """The last column tile of a row block also stores x̂'s ones block (all ones, one epilogue
+    tile wide, after the padded K columns) for its rows, from the x̂ slot: no store is pending
+    here (the x prefetch waited for the previous tile's), and the first x̂ of this epilogue
+    waits for these."""
+    plan, wg = self.plan, self.wg
+    epi_m, epi_n = plan.cfg.epi_tile_m, plan.epi_n
+    cols = lax.broadcasted_iota(jnp.int32, (epi_m, epi_n), 1)
+    self.x_hat_smem.at[wg][...] = plgpu.layout_cast(
+        jnp.where(cols >= 0, 1.0, 0.0).astype(plan.dtype), plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    row0 = tile.m_idx * plan.cfg.tile_m + wg * plan.cfg.wg_tile_m
+    for ci in range(plan.chunks[0]):
+      plgpu.copy_smem_to_gmem(self.x_hat_smem.at[wg], self.x_hat_gmem.at[
+          pl.ds(row0 + ci * epi_m, epi_m), pl.ds(plan.x_hat_width - epi_n, epi_n)])
+
   def epilogue(self, tile, acc, sums):
     plan, wg = self.plan, self.wg
     epi_m, epi_n = plan.cfg.epi_tile_m, plan.epi_n
     chunks_m, chunks_n = plan.chunks
+    if plan.x_hat_ones:
+      pl.when(tile.n_idx == plan.k_iters - 1)(lambda: self._store_ones_block(tile))
     plgpu.barrier_wait(self.in_barrier.at[wg])
     rows = [plgpu.load(self.row_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
             for i in range(plan.n_rows)]
@@ -360,8 +384,10 @@ class _DxHooks(gemm_core.Hooks):
           dx = dx - c_term[ms, ns]
         if plan.x_hat:
           # The x̂ slot is free once the store issued for it one epilogue tile ago has read it
-          # (only the dx store issued after that one may still be pending).
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          # (only the dx store issued after that one may still be pending); in the first
+          # epilogue tile, once the ones block's stores have (all that is pending then).
+          first = ci == 0 and cj == 0
+          plgpu.wait_smem_to_gmem(0 if first and plan.x_hat_ones else 1, wait_read_only=True)
           self.x_hat_smem.at[wg][...] = (xv * rstd[ms, ns]).astype(plan.dtype)
         slot[...] = dx.astype(plan.dtype)  # in place: each thread rewrites what it read
         plgpu.commit_smem()
@@ -457,7 +483,8 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=Non
 
 def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *, y=None,
                    out_bias=None, col_sum=None, return_x_hat: bool = False,
-                   interpret: bool = False, config: TileConfig | None = None):
+                   x_hat_ones: bool = False, interpret: bool = False,
+                   config: TileConfig | None = None):
   """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``.
 
   The row scalars come either precomputed (``y_term``, ``c_term``) or, with ``y`` given, from
@@ -488,13 +515,18 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
       ``x ⊙ rstd``), written by the same epilogue from the x tile it already holds, so the
       weight gradients become the plain GEMM ``dW_γ = x̂ᵀ dy`` (DESIGN.md, op 1) with no pass
       of their own over dy.
+    x_hat_ones: with ``return_x_hat``, x̂ gets one more block of columns, all ones (one
+      epilogue tile wide), after K padded to whole column tiles (columns past K up to there
+      hold the normalized zero padding, finite): then the last row of ``x̂ᵀ dy`` is
+      ``Σ_i dy_i`` (the column sums a norm bias's gradient needs), from the same GEMM.
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
     config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given);
       tile_n runs over K, tile_k over N.
 
   Returns:
     dx (M, K) in x's dtype; the products and sums run in float32. With ``return_x_hat``,
-    ``(dx, x̂)``, x̂ (M, K) in x's dtype (rounded once from float32).
+    ``(dx, x̂)``, x̂ (M, K) in x's dtype (rounded once from float32); with ``x_hat_ones`` too,
+    x̂ (M, K') whose first K columns are x̂ and last column is ones.
 
   Raises:
     ValueError: shapes the kernel does not support; rstd missing; a mix of the two row-term
@@ -506,6 +538,9 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   """
   _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y, out_bias, col_sum)
   _validate.flag("return_x_hat", return_x_hat)
+  _validate.flag("x_hat_ones", x_hat_ones)
+  if x_hat_ones and not return_x_hat:
+    raise ValueError("x_hat_ones needs return_x_hat=True (it shapes the returned x̂)")
   return_x_hat = bool(return_x_hat)
   m, n = dy.shape
   k = w_gamma.shape[0]
@@ -514,7 +549,8 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   if n % cfg.tile_k:
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, fused=fused,
-                    has_bias=out_bias is not None, x_hat=return_x_hat)
+                    has_bias=out_bias is not None, x_hat=return_x_hat,
+                    x_hat_ones=bool(x_hat_ones))
   # Row vectors padded to whole row tiles: their 1-D copies never leave the arrays.
   m_pad = plan.m_iters * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
@@ -524,7 +560,9 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   if plan.n_vecs:
     fused_args.append(jnp.stack([v for v in (col_sum, out_bias) if v is not None]))
   out = jax.ShapeDtypeStruct((m, k), plan.dtype)
+  x_hat_out = jax.ShapeDtypeStruct((m, plan.x_hat_width), plan.dtype)
   call = gemm_core.kernel(functools.partial(_kernel, plan=plan),
-                          (out, out) if return_x_hat else out, num_ctas=plan.num_ctas,
+                          (out, x_hat_out) if return_x_hat else out, num_ctas=plan.num_ctas,
                           interpret=interpret)
   return call(dy, w_gamma, x, *fused_args, *rows)
+

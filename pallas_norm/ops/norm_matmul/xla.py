@@ -164,8 +164,15 @@ def rms_weight_grads(dy, x, w, scale, bias, rstd):
 def weight_grads_from_x_hat(dy, x_hat, w, scale, bias):
   """(dw, dscale, dbias) from dW_γ = x̂ᵀ dy, with x̂ = (x − mean) ⊙ rstd (RMSNorm: x ⊙ rstd) as
   the dx kernel writes it (``norm_matmul_dx(..., return_x_hat=True)``): one GEMM, no pass
-  over dy to scale it and no rank-1 correction (x̂ is centered, so nothing cancels)."""
-  return affine_grads(_transposed_product(x_hat, dy), dy, w, scale, bias)
+  over dy to scale it and no rank-1 correction (x̂ is centered, so nothing cancels).
+
+  x̂ wider than w's K rows (``x_hat_ones``: its last column is ones) makes the product's last
+  row Σ_i dy_i, the column sums of dy that a bias's gradients need, in the same GEMM instead
+  of a reduction pass over dy (f32 accumulation of exact products, as that pass would)."""
+  k = w.shape[0]
+  product = _transposed_product(x_hat, dy)
+  dy_colsum = product[-1] if x_hat.shape[1] > k else None
+  return affine_grads(product[:k], dy, w, scale, bias, dy_colsum)
 
 
 def _transposed_product(a, b):
@@ -174,16 +181,17 @@ def _transposed_product(a, b):
                          precision=lax.Precision.HIGHEST)
 
 
-def affine_grads(dw_gamma, dy, w, scale, bias):
+def affine_grads(dw_gamma, dy, w, scale, bias, dy_colsum=None):
   """(dw, dscale, dbias) from dW_γ (K, N) float32 (W_γ = diag(scale) w, out_bias = biasᵀ w):
   dw = diag(scale) dW_γ + bias ⊗ Σ_i dy_i, dscale_k = Σ_n dW_γ[k, n] w[k, n],
-  dbias = w Σ_i dy_i."""
+  dbias = w Σ_i dy_i; Σ_i dy_i (N,) f32 is reduced from dy unless ``dy_colsum`` gives it."""
   wf = w.astype(_F32)
   dw = dw_gamma if scale is None else scale.astype(_F32)[:, None] * dw_gamma
   dscale = None if scale is None else jnp.sum(dw_gamma * wf, axis=1).astype(scale.dtype)
   dbias = None
   if bias is not None:
-    dy_colsum = jnp.sum(dy.astype(_F32), axis=0)
+    if dy_colsum is None:
+      dy_colsum = jnp.sum(dy.astype(_F32), axis=0)
     dw = dw + bias.astype(_F32)[:, None] * dy_colsum[None, :]
     dbias = (wf @ dy_colsum).astype(bias.dtype)
   return dw.astype(w.dtype), dscale, dbias
