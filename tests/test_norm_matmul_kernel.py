@@ -466,7 +466,8 @@ def test_dx_kernel_matches_autodiff(m, k, n, dtype, norm, mu, affine, config):
 # partial column tile and several tiles per CTA (the x̂ slot reused across tiles), large row
 # means, the fused row terms on the shared ring.
 # With x_hat_ones the ones block follows K padded to whole column tiles (K = 320, tile_n 192:
-# 64 padding columns, then the block), stored by each row block's last column tile.
+# 64 padding columns, then the block), stored by each row block's last column tile. One x̂ slot
+# per warpgroup but where two cost no stage (the fused cases).
 X_HAT_CASES = [
     # m, k, n, dtype, norm, mu, config, fused, ones
     (200, 320, 128, jnp.bfloat16, "rms", 0.0, None, False, True),
@@ -475,7 +476,9 @@ X_HAT_CASES = [
     (77, 192, 128, jnp.bfloat16, "layer", 0.0, TileConfig(
         tile_m=128, tile_n=64, tile_k=32, max_concurrent_steps=3, pipeline="ring",
         delay_release=1), True, True),
-    (77, 128, 128, jnp.bfloat16, "layer", 0.0, TileConfig(tile_m=128, tile_n=64), True, False),
+    # 2 x̂ slots (fused, 32-wide steps leave room) used in turn by 4 epilogue tiles per tile
+    (77, 128, 128, jnp.bfloat16, "layer", 0.0, TileConfig(tile_m=128, tile_n=128, tile_k=32,
+                                                          epi_tile_n=32), True, False),
 ]
 
 

@@ -56,6 +56,15 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   with 8 (65536×2048²): ``benchmarks/NOTES.md``, pre-norm backward. Needs y in dy's dtype
   (``norm_matmul`` otherwise keeps the XLA pass).
 
+x̂ as a second output (``return_x_hat``; ``norm_matmul``'s backward for LayerNorm, and RMSNorm
+with K ≤ N): the epilogue has each x tile in registers with rstd and mean, so it also writes
+x̂ = (x − mean) ⊙ rstd, and the weight gradients are the plain GEMM dW_γ = x̂ᵀ dy instead of a
+GEMM of ``rstd ⊙ dy`` scaled by an XLA pass (M × N written and read again) with a rank-1
+correction (a column sum over M × N). x̂ goes through :data:`X_HAT_SLOTS` SMEM slots per
+warpgroup (one where two would cost a pipeline stage) and TMA stores, interleaved with dx's.
+``x_hat_ones`` appends a block of ones columns, so the same GEMM's last row is Σ_i dy_i (the
+column sums of a norm bias's gradients).
+
 Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` over the (M, K) output tiles
 (A: dy (tile_m, tile_k); B: w_gamma (tile_n, tile_k), read transposed; the reduction runs over N
 in steps of tile_k) with the hooks of :class:`_DxHooks`. Each consumer owns an SMEM buffer of
@@ -140,6 +149,7 @@ class _Plan(gemm_core.KLoopFacts):
   has_bias: bool  # fused: out_bias is subtracted from y
   x_hat: bool  # the epilogue also writes x̂ = (x − mean) ⊙ rstd, the weight gradients' operand
   x_hat_ones: bool  # x̂ has a block of ones columns after its k_iters · tile_n columns
+  x_hat_slots: int  # x̂ staging slots per consumer warpgroup (0 without x̂)
   cfg: TileConfig
   kloop: gemm_core.KLoop
   num_ctas: int  # persistent CTAs
@@ -200,18 +210,18 @@ def _streams(cfg: TileConfig, dtype, a_in_registers: bool, fused: bool,
   return streams
 
 
-def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat: bool = False) -> dict:
+def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat_slots: int = 0) -> dict:
   """SMEM besides the stages, per consumer warpgroup: its (tile_m/2, tile_n) slice of x as
   untiled epilogue tiles (dx overwrites them in place), the row vectors, the barrier their
-  TMA copies arrive on (one arrival per copy) and, with ``x_hat``, one epilogue tile's slot for
-  x̂ (its TMA store reads it while the next epilogue tile is computed)."""
+  TMA copies arrive on (one arrival per copy) and ``x_hat_slots`` epilogue tiles' slots for
+  x̂ (their TMA stores read them while the next epilogue tiles are computed)."""
   epi_n = forward._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   chunks = (cfg.wg_tile_m // cfg.epi_tile_m) * (cfg.tile_n // epi_n)
   tile_transforms = mgpu.swizzle_transforms(epi_n, dtype, tiled=False)
   return dict(
       x_smem=plgpu.SMEM((2, chunks, cfg.epi_tile_m, epi_n), dtype, transforms=tile_transforms),
-      x_hat_smem=(plgpu.SMEM((2, cfg.epi_tile_m, epi_n), dtype, transforms=tile_transforms)
-                  if x_hat else None),
+      x_hat_smem=(plgpu.SMEM((2, x_hat_slots, cfg.epi_tile_m, epi_n), dtype,
+                             transforms=tile_transforms) if x_hat_slots else None),
       row_smem=plgpu.SMEM((2, n_rows, cfg.wg_tile_m), jnp.float32),
       in_barrier=plgpu.Barrier(num_arrivals=chunks + n_rows, num_barriers=2))
 
@@ -220,7 +230,22 @@ def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: i
                      x_hat: bool = False) -> int:
   """Pipeline stages that fit in SMEM next to the epilogue's buffers (not capped)."""
   return gemm_core.fit_stages(cfg, _streams(cfg, dtype, False, fused, n_vecs),
-                              _smem(cfg, dtype, _n_rows(layer, fused), x_hat))
+                              _smem(cfg, dtype, _n_rows(layer, fused), int(x_hat)))
+
+
+X_HAT_SLOTS = 2
+"""x̂ slots per consumer warpgroup where they cost no pipeline stage (else 1): an epilogue tile
+waits, before it writes its x̂, for the store of the x̂ written ``X_HAT_SLOTS`` tiles before
+(with one slot, the store issued just before: its read-out is not hidden by the little work of
+one epilogue tile)."""
+
+
+def _x_hat_slots(cfg: TileConfig, dtype, streams, n_rows: int) -> int:
+  """:data:`X_HAT_SLOTS` when the stages that fit next to them are as many as next to one."""
+  def stages(slots):
+    return min(cfg.max_concurrent_steps,
+               gemm_core.fit_stages(cfg, streams, _smem(cfg, dtype, n_rows, slots)))
+  return X_HAT_SLOTS if stages(X_HAT_SLOTS) >= stages(1) else 1
 
 
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False,
@@ -230,16 +255,17 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
   # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
   a_in_registers = not interpret and m % 8 != 0
   red_iters = n // cfg.tile_k
+  streams = _streams(cfg, dtype, a_in_registers, fused, _n_vecs(layer, fused, has_bias))
+  x_hat_slots = _x_hat_slots(cfg, dtype, streams, _n_rows(layer, fused)) if x_hat else 0
   kloop = gemm_core.plan_k_loop(
-      cfg, _streams(cfg, dtype, a_in_registers, fused, _n_vecs(layer, fused, has_bias)),
-      red_iters, _smem(cfg, dtype, _n_rows(layer, fused), x_hat),
+      cfg, streams, red_iters, _smem(cfg, dtype, _n_rows(layer, fused), x_hat_slots),
       a_in_registers=a_in_registers, what=" next to the x tile of the epilogue"
       + (" (with the y stage of the fused row terms)" if fused else "")
       + (" (with the x̂ slot)" if x_hat else ""))
   units = -(-m // cfg.tile_m) * -(-k // cfg.tile_n)
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
-               has_bias=has_bias, x_hat=x_hat, x_hat_ones=x_hat and x_hat_ones, cfg=cfg,
-               kloop=kloop,
+               has_bias=has_bias, x_hat=x_hat, x_hat_ones=x_hat and x_hat_ones,
+               x_hat_slots=x_hat_slots, cfg=cfg, kloop=kloop,
                num_ctas=mgpu.persistent_clusters(1, units, interpret),
                epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
                x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1))
@@ -347,18 +373,18 @@ class _DxHooks(gemm_core.Hooks):
 
   def _store_ones_block(self, tile):
     """The last column tile of a row block also stores x̂'s ones block (all ones, one epilogue
-    tile wide, after the padded K columns) for its rows, from the x̂ slot: no store is pending
+    tile wide, after the padded K columns) for its rows, from x̂ slot 0: no store is pending
     here (the x prefetch waited for the previous tile's), and the first x̂ of this epilogue
-    waits for these."""
+    (slot 0 too) waits for these."""
     plan, wg = self.plan, self.wg
     epi_m, epi_n = plan.cfg.epi_tile_m, plan.epi_n
     cols = lax.broadcasted_iota(jnp.int32, (epi_m, epi_n), 1)
-    self.x_hat_smem.at[wg][...] = plgpu.layout_cast(
+    self.x_hat_smem.at[wg, 0][...] = plgpu.layout_cast(
         jnp.where(cols >= 0, 1.0, 0.0).astype(plan.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
     row0 = tile.m_idx * plan.cfg.tile_m + wg * plan.cfg.wg_tile_m
     for ci in range(plan.chunks[0]):
-      plgpu.copy_smem_to_gmem(self.x_hat_smem.at[wg], self.x_hat_gmem.at[
+      plgpu.copy_smem_to_gmem(self.x_hat_smem.at[wg, 0], self.x_hat_gmem.at[
           pl.ds(row0 + ci * epi_m, epi_m), pl.ds(plan.x_hat_width - epi_n, epi_n)])
 
   def epilogue(self, tile, acc, sums):
@@ -383,17 +409,19 @@ class _DxHooks(gemm_core.Hooks):
         if plan.layer:
           dx = dx - c_term[ms, ns]
         if plan.x_hat:
-          # The x̂ slot is free once the store issued for it one epilogue tile ago has read it
-          # (only the dx store issued after that one may still be pending); in the first
-          # epilogue tile, once the ones block's stores have (all that is pending then).
-          first = ci == 0 and cj == 0
-          plgpu.wait_smem_to_gmem(0 if first and plan.x_hat_ones else 1, wait_read_only=True)
-          self.x_hat_smem.at[wg][...] = (xv * rstd[ms, ns]).astype(plan.dtype)
+          # Two stores per epilogue tile (x̂, then dx): x̂ slot c % slots is free once the x̂
+          # store of tile c − slots has read it, i.e. when at most the 2·slots − 1 stores
+          # issued after it are pending; in the first tile, once the ones block's stores have
+          # (all that is pending then: the x prefetch waited for the previous tile's).
+          c = ci * chunks_n + cj
+          x_hat_slot = self.x_hat_smem.at[wg, c % plan.x_hat_slots]
+          plgpu.wait_smem_to_gmem(0 if c == 0 and plan.x_hat_ones else 2 * plan.x_hat_slots - 1,
+                                  wait_read_only=True)
+          x_hat_slot[...] = (xv * rstd[ms, ns]).astype(plan.dtype)
         slot[...] = dx.astype(plan.dtype)  # in place: each thread rewrites what it read
         plgpu.commit_smem()
         if plan.x_hat:
-          plgpu.copy_smem_to_gmem(self.x_hat_smem.at[wg],
-                                  self._chunk_window(self.x_hat_gmem, tile, ci, cj))
+          plgpu.copy_smem_to_gmem(x_hat_slot, self._chunk_window(self.x_hat_gmem, tile, ci, cj))
         plgpu.copy_smem_to_gmem(slot, self._chunk_window(self.dx_gmem, tile, ci, cj))
 
 
@@ -414,7 +442,7 @@ def _kernel(*refs, plan: _Plan):
       windows=lambda t: [block(t), pl.ds(t.n_idx * cfg.tile_n, cfg.tile_n), block(t), None][
           :len(gmems)],
       schedule=gemm_core.tile_grid(plan.m_iters, plan.k_iters, cfg),
-      smem=_smem(cfg, plan.dtype, plan.n_rows, plan.x_hat),
+      smem=_smem(cfg, plan.dtype, plan.n_rows, plan.x_hat_slots),
       hooks_for=lambda wg, refs: _DxHooks(plan, wg, refs, x_gmem, row_gmems, dx_gmem,
                                           x_hat_gmem))
 
