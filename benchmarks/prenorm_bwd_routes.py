@@ -1,9 +1,11 @@
 """A/B of the pre-norm backward's routes in one process (issue 22).
 
-``norm_matmul``'s kernel backward takes two decisions from :mod:`pallas_norm.ops.norm_matmul.configs`:
+``norm_matmul``'s kernel backward takes its decisions from :mod:`pallas_norm.ops.norm_matmul.configs`:
 where dW_γ's operand comes from (``x_hat_pays``: x̂ written by the dx kernel, or ``rstd ⊙ dy``
-scaled by XLA; the latter for RMSNorm only) and where dx's row terms come from
-(``fused_row_terms_pay``: the dx kernel's K loop, or an XLA pass over dy and y). This times the
+scaled by XLA; the latter for RMSNorm only), where dx's row terms come from
+(``fused_row_terms_pay``: the dx kernel's K loop, or an XLA pass over dy and y) and, with a
+norm bias, where Σ_i dy_i comes from (``ones_column_pays``: x̂'s ones column in dW_γ's GEMM, or
+an XLA column reduction). This times the
 public fwd+bwd (the suite's wrapper, inputs and cotangent, ``implementation="mosaic"``) under
 each route, same process, same inputs, and checks every route's outputs against the first
 route's (relative Frobenius < 2e-2). Wall clock of back-to-back calls (the LayerNorm cases have
@@ -32,31 +34,34 @@ from benchmarks import run
 from benchmarks import timing
 from pallas_norm.ops.norm_matmul import configs
 
-_DEFAULT_X_HAT, _DEFAULT_FUSED = configs.x_hat_pays, configs.fused_row_terms_pay
+_DEFAULTS = (configs.x_hat_pays, configs.fused_row_terms_pay, configs.ones_column_pays)
 
-# route name -> (x_hat_pays, fused_row_terms_pay) replacements (None: the default rule)
+# route name -> (x_hat_pays, fused_row_terms_pay, ones_column_pays) replacements (None: the
+# default rule)
 ROUTES = {
-    "default": (None, None),
+    "default": (None, None, None),
     # RMSNorm's weight gradients from XLA's scaled dy (main's route at K = N)
-    "scaled_dy": (lambda k, n, norm: norm == "layer", None),
+    "scaled_dy": (lambda k, n, norm: norm == "layer", None, None),
     # the row terms in the dx kernel wherever a row block has at most 2 column tiles (K <= 512),
     # for both norms: the fused path measured faster at 512² with 2 column tiles, slower with 8
-    "fused_k512": (None, lambda k, n, norm: k <= 512),
+    "fused_k512": (None, lambda k, n, norm: k <= 512, None),
+    # Σ_i dy_i (norm bias) from XLA's column reduction instead of x̂'s ones column in the GEMM
+    "no_ones_column": (None, None, lambda k, n: False),
 }
 
 # (norm, M, K, N, routes): the routes that differ from the default at that shape
 CASES = (
+    ("layer", 262144, 512, 512, ("default", "no_ones_column")),
     ("rms", 262144, 512, 512, ("default", "scaled_dy", "fused_k512")),
-    ("layer", 262144, 512, 2048, ("default", "fused_k512")),
+    ("layer", 262144, 512, 2048, ("default", "fused_k512", "no_ones_column")),
 )
 TINY_CASES = (("rms", 256, 128, 128, ("default", "scaled_dy", "fused_k512")),
-              ("layer", 256, 128, 256, ("default", "fused_k512")))
+              ("layer", 256, 128, 256, ("default", "fused_k512", "no_ones_column")))
 
 
 def _set_route(route: str) -> None:
-  x_hat, fused = ROUTES[route]
-  configs.x_hat_pays = x_hat or _DEFAULT_X_HAT
-  configs.fused_row_terms_pay = fused or _DEFAULT_FUSED
+  rules = [rule or default for rule, default in zip(ROUTES[route], _DEFAULTS)]
+  configs.x_hat_pays, configs.fused_row_terms_pay, configs.ones_column_pays = rules
 
 
 def _rel(a, b) -> float:

@@ -54,3 +54,13 @@ def x_hat_pays(k: int, n: int, norm: str) -> bool:
   rows with a large mean needs matching roundings); RMSNorm where K ≤ N. Chosen from those
   bytes; not measured on the H200 yet (benchmarks/NOTES.md, pre-norm backward)."""
   return norm == "layer" or k <= n
+
+
+def ones_column_pays(k: int, n: int) -> bool:
+  """Whether, with x̂ and a norm bias, x̂ ends with a ones block (``norm_matmul_dx(...,
+  x_hat_ones=True)``) so that dW_γ's GEMM also gives Σ_i dy_i, instead of a column reduction
+  over dy (M × N read). The GEMM grows by one epilogue tile of K (32 or 64 rows of its
+  output: 6-12% at K = 512, M × 64 bytes more read) against 2N bytes per row of dy read:
+  fewer bytes at every K, N ≥ 64. Chosen from those bytes; not measured on the H200 yet."""
+  del k, n
+  return True
