@@ -23,10 +23,10 @@ epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`); its two row scalars
 or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`, where it was
 measured faster),
 from the dx kernel's own K loop, which then streams y next to dy. The weight gradients are XLA
-GEMMs: for LayerNorm (and RMSNorm with K ≤ N, :func:`.configs.x_hat_pays`) the dx kernel's
+GEMMs: for LayerNorm (and RMSNorm with K < N, :func:`.configs.x_hat_pays`) the dx kernel's
 epilogue also writes the normalized input x̂ = (x − mean) ⊙ rstd from the x tile it holds, and
 dW_γ = x̂ᵀ dy is one GEMM with nothing to scale or correct (with a norm bias, x̂ ends with a
-ones column, so the same GEMM gives Σ_i dy_i for the bias's terms); otherwise (RMSNorm, K > N)
+ones column, so the same GEMM gives Σ_i dy_i for the bias's terms); otherwise (RMSNorm, K ≥ N)
 dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass.
 
 The ``"xla"`` implementation is :func:`.xla.norm_matmul`: the unfused reference's math

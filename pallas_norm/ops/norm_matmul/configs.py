@@ -48,12 +48,15 @@ def x_hat_pays(k: int, n: int, norm: str) -> bool:
   (``rstd ⊙ dy``, M × N written and read again by the GEMM; RMSNorm only,
   :func:`.xla.rms_weight_grads`).
 
-  Bytes per row (16-bit): x̂ costs 2K written by the dx kernel; it saves the scaled dy's 2N
-  written. LayerNorm always takes x̂ (the uncentered form also needs the rank-1 term
+  Bytes per row (16-bit): x̂ costs 2K written by the dx kernel (in its epilogue, which the
+  tensor core waits for: ~60-80 µs at 262144×512² by the bytes); it saves the scaled dy's 2N
+  written by XLA. LayerNorm always takes x̂ (the uncentered form also needs the rank-1 term
   ``Σ_i rstd_i mean_i dy_i``, one more column reduction over M × N, whose cancellation for
-  rows with a large mean needs matching roundings); RMSNorm where K ≤ N. Chosen from those
-  bytes; not measured on the H200 yet (benchmarks/NOTES.md, pre-norm backward)."""
-  return norm == "layer" or k <= n
+  rows with a large mean needs matching roundings); RMSNorm where K < N, the bytes saved more
+  than those added (at K = N it is a wash by the bytes, and the kernel's write, unlike XLA's,
+  delays the tensor core). Chosen from those bytes; not measured on the H200 yet
+  (benchmarks/NOTES.md, pre-norm backward)."""
+  return norm == "layer" or k < n
 
 
 def ones_column_pays(k: int, n: int) -> bool:

@@ -57,7 +57,7 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   (``norm_matmul`` otherwise keeps the XLA pass).
 
 x̂ as a second output (``return_x_hat``; ``norm_matmul``'s backward for LayerNorm, and RMSNorm
-with K ≤ N): the epilogue has each x tile in registers with rstd and mean, so it also writes
+with K < N): the epilogue has each x tile in registers with rstd and mean, so it also writes
 x̂ = (x − mean) ⊙ rstd, and the weight gradients are the plain GEMM dW_γ = x̂ᵀ dy instead of a
 GEMM of ``rstd ⊙ dy`` scaled by an XLA pass (M × N written and read again) with a rank-1
 correction (a column sum over M × N). x̂ goes through :data:`X_HAT_SLOTS` SMEM slots per

@@ -153,8 +153,8 @@ def guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
 
 def rms_weight_grads(dy, x, w, scale, bias, rstd):
   """RMSNorm's (dw, dscale, dbias) from dW_γ = xᵀ (rstd ⊙ dy) (XLA), rstd ⊙ dy rounded to x's
-  dtype for the GEMM: the backward's choice where K > N, where this scaled dy (M × N) is
-  smaller than the x̂ (M × K) of :func:`weight_grads_from_x_hat`. (LayerNorm always takes x̂:
+  dtype for the GEMM: the backward's choice where K ≥ N, where this scaled dy (M × N) is
+  no larger than the x̂ (M × K) of :func:`weight_grads_from_x_hat`. (LayerNorm always takes x̂:
   its uncentered form would subtract 1_K ⊗ Σ_i rstd_i mean_i dy_i, two large terms that
   cancel for rows with a large mean.)"""
   dy_scaled = (rstd[:, None] * dy.astype(_F32)).astype(x.dtype)
