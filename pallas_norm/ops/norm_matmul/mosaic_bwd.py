@@ -122,8 +122,8 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
   default tile shape). On the H200 (2026-11-30, two runs, 128×256 tiles) 4 stages of 32 against
   2 of 64: 262144×512², 0.98 and 1.00× LayerNorm, 0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and
   1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no load
-  would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes x̂): the same rule with the
-  x̂ slot's SMEM counted (at 128×256 tiles it leaves 2 64-wide stages where 3 fitted).
+  would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes x̂): the same rule with one
+  x̂ slot's SMEM counted (at the default tiles of 262144×512×512 and ×2048 it changes nothing).
   """
   fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
