@@ -17,17 +17,6 @@ large mean, which plain autodiff of it does not arrange (the kernel's custom bac
 for bf16 rows of mean 100-250). The unfused form's norm takes the one-pass derivative of
 :mod:`pallas_norm.ops.norms.xla` (autodiff of the reference's LayerNorm chains seven row
 reductions).
-
-Rounded operands: the kernels read ``W_γ`` and the dw GEMM reads ``rstd ⊙ dy`` in x's dtype,
-and the terms that must cancel against those products (``col_sum = 1ᵀW_γ``, the rank-1 term of
-dW_γ) must sum the same rounded values. Under ``jit`` XLA:GPU does not guarantee that for
-``v.astype(bf16).astype(f32)``: with its default ``xla_allow_excess_precision`` the
-simplify-fp-conversions pass turns the ``f32 → bf16 → f32`` pair into the unrounded f32 value.
-A col_sum of the unrounded ``diag(scale)·w`` is off by W_γ's rounding summed over K, which the
-lazy form multiplies by the row mean: for LayerNorm rows of mean 1e3 that predicts y 190% off
-in bf16 and 20% in f16, what the jitted kernel tests measured on the H200 (and what XLA:CPU
-gives for float16 when it runs the pass: ``tests/test_norm_matmul_kernel.py``). So those sums
-read the stored array through :func:`_stored`.
 """
 
 from __future__ import annotations
@@ -68,9 +57,18 @@ def _unfused(x, w, scale, norm_bias, *, norm, eps, out_dtype):
 
 
 def _stored(v):
-  """``v`` as the array in memory, for sums that must see its rounded values: XLA:GPU widens
-  ``v.astype(f32)`` of a just-rounded ``v`` to the unrounded value (module docstring), but no
-  pass looks through an optimization barrier."""
+  """``v`` (just rounded to a 16-bit dtype) as the array in memory, for a sum that must see the
+  values a kernel or GEMM reads: ``col_sum = 1ᵀW_γ`` and the rank-1 term of dW_γ cancel
+  against products of the rounded operands, for rows with a large mean.
+
+  Under ``jit`` XLA:GPU does not keep ``v.astype(f32)`` rounded: with its default
+  ``xla_allow_excess_precision`` the simplify-fp-conversions pass turns the pair
+  ``f32 → bf16 → f32`` into the unrounded f32 value. A col_sum of the unrounded
+  ``diag(scale)·w`` is off by W_γ's rounding summed over K, which the lazy form multiplies by
+  the row mean: for LayerNorm rows of mean 1e3 y is then 190% off in bf16 and 20% in f16 (the
+  jitted kernel tests on the H200; XLA:CPU does the same for float16 when it runs the pass,
+  ``tests/test_norm_matmul_kernel.py``). No pass looks through an optimization barrier (XLA:GPU
+  removes it only after scheduling)."""
   return lax.optimization_barrier(v)
 
 
@@ -176,8 +174,7 @@ def weight_grads(dy, x, w, scale, bias, mean, rstd):
   rstd ⊙ dy is rounded to x's dtype for the GEMM, and the rank-1 term is built from those
   same rounded values: for rows with a large mean both terms are large and must cancel, which
   they do only if they see the same numbers (else 15-44% errors in dw for bf16 rows of mean
-  100-250). The rank-1 term reads the stored rounded array (:func:`_stored`), which XLA:GPU
-  cannot widen back to f32 under jit."""
+  100-250)."""
   dy_scaled = (rstd[:, None] * dy.astype(_F32)).astype(x.dtype)
   dw_gamma = jnp.matmul(x.T, dy_scaled, preferred_element_type=_F32,
                         precision=lax.Precision.HIGHEST)
