@@ -193,7 +193,7 @@ def test_gpu_public_api_gradients(m, k, n, norm):
   x, w, scale, bias, ct = _inputs(m + n, m, k, n, jnp.bfloat16)
   ct = ct.astype(jnp.bfloat16)
   op = lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm,
-                                                  implementation=implementation)
+                                                  implementation="mosaic")
   y, vjp = jax.vjp(op, x, w, scale, bias)
   grads = vjp(ct)
   f32 = lambda a: a.astype(jnp.float32)
@@ -205,8 +205,8 @@ def test_gpu_public_api_gradients(m, k, n, norm):
     assert _rel(g, g_ref) < 2e-2, (name, _rel(g, g_ref))
 
 
-def jitted_layer_large_mean_errors(m=4096 + 77, k=512, n=512, mean_offset=250.0,
-                                   implementation="mosaic"):
+def _jitted_layer_large_mean_errors(m=4096 + 77, k=512, n=512, mean_offset=250.0,
+                                    implementation="mosaic"):
   """Relative errors of y, dx, dw, dscale, dbias of the public op (both kernels) run as one
   jitted program, LayerNorm rows of mean ``mean_offset``, against the f32 reference."""
   x, w, scale, bias, ct = _inputs(41, m, k, n, jnp.bfloat16, mean_offset=mean_offset)
@@ -229,10 +229,11 @@ def jitted_layer_large_mean_errors(m=4096 + 77, k=512, n=512, mean_offset=250.0,
 
 @pytest.mark.gpu
 def test_gpu_jitted_layer_large_mean():
-  """Under jit XLA:GPU may widen a value rounded to bf16 back to its unrounded f32 (the
-  simplify-fp-conversions pass), so the fold's col_sum and the rank-1 term of dW_γ must read the
-  stored rounded arrays (ops/norm_matmul/xla.py); rows of mean 250 multiply any mismatch."""
-  errors = jitted_layer_large_mean_errors()
+  """The public op as one jitted program on the GPU, where XLA may widen a value rounded to bf16
+  back to its unrounded f32 (simplify-fp-conversions): every sum that must cancel against a
+  product of rounded operands (the fold's col_sum, xla._stored) reads the stored array; rows of
+  mean 250 multiply any mismatch."""
+  errors = _jitted_layer_large_mean_errors()
   assert errors.pop("y") < 1e-2
   for name, err in errors.items():
     assert err < 2e-2, (name, err)
