@@ -377,6 +377,19 @@ def test_gpu_layer_large_mean(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [
+    TileConfig(stats_once=True), TileConfig(max_concurrent_steps=3, pipeline="ring",
+                                            delay_release=1)])
+def test_gpu_layer_large_mean_configs(config):
+  """Rows of mean 1e3 (where an error of the shift or the statistics, invisible at mean 0, is
+  multiplied by the mean) through the other schedules at M % 8 == 0 (x stages tiled for WGMMA):
+  statistics once per row block (later N tiles read them from SMEM), and the shared ring with
+  a WGMMA in flight over several tiles per CTA."""
+  _run_and_check(8192, 512, 1024, jnp.bfloat16, "layer", mu=1e3, config=config,
+                 interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
     TileConfig(tile_m=256, tile_n=128), TileConfig(stats_once=True),
     TileConfig(epi_tile_n=32, stats_once=True, delay_release=1),
     TileConfig(max_concurrent_steps=3, pipeline="ring", delay_release=1),
