@@ -270,7 +270,10 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
   # Thresholds from the H200's forward+backward measurements, per norm.
   assert pick(nm_configs.kernel_slower_reason(512, 512, "rms")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(1024, 1024, "rms")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(512, 2048, "rms")) == "xla"
+  # RMSNorm at K = 512, N = 2048: faster with x̂ (2854 vs 3384 µs); LayerNorm slower there.
+  assert pick(nm_configs.kernel_slower_reason(512, 2048, "rms")) == "mosaic"
+  assert pick(nm_configs.kernel_slower_reason(1024, 2048, "rms")) == "xla"
+  assert pick(nm_configs.kernel_slower_reason(512, 2048, "layer")) == "xla"
   assert pick(nm_configs.kernel_slower_reason(1024, 1024, "layer")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(2048, 512, "layer")) == "xla"
   assert pick(mn_configs.kernel_slower_reason(128, "rms")) == "mosaic"
