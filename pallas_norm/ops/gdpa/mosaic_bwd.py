@@ -214,7 +214,8 @@ def _block_span(lo, hi):
 
 def _tile_ids():
   """(row ids, column ids) of a (BLOCK, BLOCK) WGMMA tile as vectors in the accumulator's row
-  and column layouts: 2 + 16 registers a thread, where two int32 tiles would take 64."""
+  and column layouts: 2 + 16 registers a thread keeps across the loop, where two int32 tiles
+  would take 64."""
   rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
                            plgpu.Layout.WGMMA.reduce(1))
   cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
@@ -231,30 +232,6 @@ def _box(ids, row_lo, row_hi, col_lo, col_hi):
   col_ok = jnp.where((cols >= col_lo) & (cols < col_hi), 1.0, 0.0)
   return (lax.broadcast_in_dim(row_ok, shape, [0]) * lax.broadcast_in_dim(col_ok, shape, [1])
           > 0.5)
-
-
-def _inside(bounds):
-  """Whether a (BLOCK, BLOCK) tile lies wholly inside the box ``bounds`` = (row_lo, row_hi,
-  col_lo, col_hi) (relative to the tile, as for :func:`_box`): it needs no mask."""
-  row_lo, row_hi, col_lo, col_hi = bounds
-  return (row_lo <= 0) & (row_hi >= BLOCK) & (col_lo <= 0) & (col_hi >= BLOCK)
-
-
-def _store_operands(bounds, pairs) -> None:
-  """``tile[...] = value`` (in the tile's dtype) for each (SMEM tile, (BLOCK, BLOCK) value) of
-  ``pairs``, zeros outside the box ``bounds`` (see :func:`_box`). A tile wholly inside the box
-  (a sample's interior q blocks against a full kv tile: most steps) skips the mask, so the
-  row/column ids are built only in the edge blocks and not held across the step loop."""
-  @pl.when(_inside(bounds))
-  def _():
-    for tile, value in pairs:
-      tile[...] = value.astype(tile.dtype)
-
-  @pl.when(jnp.logical_not(_inside(bounds)))
-  def _():
-    valid = _box(_tile_ids(), *bounds)
-    for tile, value in pairs:
-      tile[...] = jnp.where(valid, value, 0.0).astype(tile.dtype)
 
 
 def _operand_smem(per_consumer: int, dtype):
@@ -349,6 +326,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
         for w in range(2) if plan.fuse_dq else (wg,):
           plgpu.barrier_wait(kv_barrier.at[w])
         pre, post = scales_ref[0], scales_ref[1]
+        ids = _tile_ids()
 
         def sample(s, carry):
           step, partials = carry
@@ -359,9 +337,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
             (j,) = idxs
             col0 = (block0 + j) * BLOCK
             slot = lax.rem(step + j, 2)
-            bounds = (kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
+            valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
             ready = ds_ready.at[slot] if plan.fuse_dq else None
-            partials = _dkv_step(plan, pre, bounds, k_smem, v_smem, q_stage, do_stage,
+            partials = _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
                                  (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
                                  partials, ready)
             if plan.fuse_dq:
@@ -490,7 +468,7 @@ def _scores(a_smem, b_stage, da_smem, db_stage):
   return pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)), plgpu.ACC((BLOCK, BLOCK)))
 
 
-def _dkv_step(plan: _Plan, pre, bounds, k_smem, v_smem, q_stage, do_stage, acc_refs,
+def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
               operand_smem, partials, ready=None):
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
@@ -501,11 +479,13 @@ def _dkv_step(plan: _Plan, pre, bounds, k_smem, v_smem, q_stage, do_stage, acc_r
   dk_ref, dv_ref = acc_refs
   s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
   act, grad = act_and_grad(plan.activation, pre * s_t)
-  ds_t = da_t * grad
+  a_t = jnp.where(valid, act, 0.0).astype(plan.dtype)
+  ds_t = jnp.where(valid, da_t * grad, 0.0)
   # WGMMA's A operand from SMEM (the interpreter has no register A; FA3's backward stages P
   # and dS in SMEM too).
   a_smem, ds_smem = operand_smem
-  _store_operands(bounds, ((a_smem, act), (ds_smem, ds_t)))
+  a_smem[...] = a_t
+  ds_smem[...] = ds_t.astype(plan.dtype)
   plgpu.commit_smem()
   if ready is not None:
     plgpu.barrier_arrive(ready)
@@ -517,7 +497,6 @@ def _dkv_step(plan: _Plan, pre, bounds, k_smem, v_smem, q_stage, do_stage, acc_r
     # with the masked tiles: a masked score may be NaN (a padding row of packed k).
     # A in float32 for d post: the bfloat16 rounding of A is noise of ~2^-9 per term, as large
     # as the cancelling sum itself can be.
-    valid = _box(_tile_ids(), *bounds)
     partials = (partials[0] + mgpu.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
                 partials[1] + mgpu.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
   if ready is None:
@@ -578,6 +557,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
       plgpu.copy_gmem_to_smem(do_ref.at[pl.ds(row0, BLOCK), h, :], do_smem, qdo_barrier.at[wg])
       plgpu.barrier_wait(qdo_barrier.at[wg])
       pre = scales_ref[0]
+      ids = _tile_ids()
 
       def store(tile, lo, hi):
         """dq rows [row0 + lo, row0 + hi) from rows [lo, hi) of the (BLOCK, D) tile."""
@@ -598,8 +578,8 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
             if not plan.dense:
               _zero_k_edges(k_stage, k_edges_zeroed.at[lax.rem(step + j, STAGES)], col0,
                             kv_lo, kv_hi)
-            bounds = (q_lo - row0, q_hi - row0, kv_lo - col0, kv_hi - col0)
-            _dq_step(plan, pre, bounds, q_smem, do_smem, k_stage, v_stage, dq_acc,
+            valid = _box(ids, q_lo - row0, q_hi - row0, kv_lo - col0, kv_hi - col0)
+            _dq_step(plan, pre, valid, q_smem, do_smem, k_stage, v_stage, dq_acc,
                      op_smem.at[wg, 0])
             return carry
 
@@ -650,14 +630,14 @@ def _zero_k_edges(k_stage, zeroed, col0, kv_lo, kv_hi) -> None:
     pl.when(wg == 1)(lambda: plgpu.barrier_wait(zeroed))
 
 
-def _dq_step(plan: _Plan, pre, bounds, q_smem, do_smem, k_stage, v_stage, dq_ref,
+def _dq_step(plan: _Plan, pre, valid, q_smem, do_smem, k_stage, v_stage, dq_ref,
              ds_smem) -> None:
   """One kv block of a dQ consumer: ``S = Q Kᵀ``, ``dAu = dO Vᵀ``, then
   ``dQ += (dAu ⊙ act'(pre·S)) K`` into the accumulator ref (the scales are applied once, at
   the store); returns once the stage is no longer read."""
   s, da = _scores(q_smem, k_stage, do_smem, v_stage)
   _, grad = act_and_grad(plan.activation, pre * s, need_value=False)
-  _store_operands(bounds, ((ds_smem, da * grad),))
+  ds_smem[...] = jnp.where(valid, da * grad, 0.0).astype(plan.dtype)
   plgpu.commit_smem()
   plgpu.wgmma(dq_ref, ds_smem, k_stage)
   plgpu.wgmma_wait(0)
