@@ -40,14 +40,14 @@ EPS = 1e-6
 # op (eager dispatch compiled each op for each new shape: about half of a case's CPU time).
 
 
-@functools.partial(jax.jit, static_argnames=("norm",))
-def _fold(w, scale, bias, norm):
-  """diag(scale)·w in w's dtype, col_sum = 1ᵀ(that) in f32 (layer), out_bias = biasᵀ w (f32)."""
-  wf = w.astype(jnp.float32)
-  w_gamma = w if scale is None else (scale[:, None] * wf).astype(w.dtype)
-  col_sum = jnp.sum(w_gamma.astype(jnp.float32), axis=0) if norm == "layer" else None
-  out_bias = None if bias is None else bias @ wf
-  return w_gamma, col_sum, out_bias
+# diag(scale)·w in w's dtype, col_sum = 1ᵀ(that) in f32 (layer), out_bias = biasᵀ w (f32): the
+# public op's fold, jitted as a user's program would run it.
+_fold = jax.jit(nm_xla.fold_affine, static_argnames=("norm",))
+
+EXCESS_PRECISION = {"xla_cpu_experimental_onednn_custom_call": True}
+"""Compiler options under which XLA:CPU runs simplify-fp-conversions, the pass XLA:GPU runs by
+default (``xla_allow_excess_precision``): it turns ``v.astype(f16).astype(f32)`` into the
+unrounded v (on the CPU only for float16)."""
 
 
 @functools.partial(jax.jit, static_argnames=("m", "k", "n", "dtype", "mu", "affine"))
@@ -69,9 +69,9 @@ _reference = jax.jit(reference.norm_matmul, static_argnames=("norm", "eps", "ret
 
 
 def _run_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None, interpret=True,
-                   seed=0, y_tol=1e-2):
+                   seed=0, y_tol=1e-2, fold=_fold):
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
-  w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
+  w_gamma, col_sum, out_bias = fold(w, scale, bias, norm)
   y, mean, rstd = nmk.norm_matmul_fwd(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
                                       out_dtype=dtype, interpret=interpret, config=config)
   y = jax.block_until_ready(y)
@@ -139,6 +139,14 @@ FORWARD_CASES = [
 @pytest.mark.parametrize("m,k,n,dtype,norm,mu,affine,config", FORWARD_CASES)
 def test_forward_matches_reference(m, k, n, dtype, norm, mu, affine, config):
   _run_and_check(m, k, n, dtype, norm, mu=mu, affine=affine, config=config)
+
+
+def test_layer_large_mean_with_the_fold_compiled_like_xla_gpu():
+  """col_sum must sum the W_γ the kernel reads, also where XLA widens the fold's f32 → f16 → f32
+  pair (XLA:GPU under jit): summing the unrounded diag(scale)·w made y 19% off here (bf16 on the
+  H200: 190%; the lazy form multiplies col_sum's error by the row mean)."""
+  fold = jax.jit(nm_xla.fold_affine, static_argnames=("norm",), compiler_options=EXCESS_PRECISION)
+  _run_and_check(77, 128, 64, jnp.float16, "layer", mu=1e3, fold=fold)
 
 
 def test_plain_gemm():
@@ -365,6 +373,19 @@ def test_gpu_forward(m, k, n, norm):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_gpu_layer_large_mean(dtype):
   _run_and_check(4096 + 77, 512, 512, dtype, "layer", mu=1e3, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    TileConfig(stats_once=True), TileConfig(max_concurrent_steps=3, pipeline="ring",
+                                            delay_release=1)])
+def test_gpu_layer_large_mean_configs(config):
+  """Rows of mean 1e3 (where an error of the shift or the statistics, invisible at mean 0, is
+  multiplied by the mean) through the other schedules at M % 8 == 0 (x stages tiled for WGMMA):
+  statistics once per row block (later N tiles read them from SMEM), and the shared ring with
+  a WGMMA in flight over several tiles per CTA."""
+  _run_and_check(8192, 512, 1024, jnp.bfloat16, "layer", mu=1e3, config=config,
+                 interpret=False)
 
 
 @pytest.mark.gpu

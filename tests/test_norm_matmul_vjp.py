@@ -205,6 +205,40 @@ def test_gpu_public_api_gradients(m, k, n, norm):
     assert _rel(g, g_ref) < 2e-2, (name, _rel(g, g_ref))
 
 
+def _jitted_layer_large_mean_errors(m=4096 + 77, k=512, n=512, mean_offset=250.0,
+                                    implementation="mosaic"):
+  """Relative errors of y, dx, dw, dscale, dbias of the public op (both kernels) run as one
+  jitted program, LayerNorm rows of mean ``mean_offset``, against the f32 reference."""
+  x, w, scale, bias, ct = _inputs(41, m, k, n, jnp.bfloat16, mean_offset=mean_offset)
+  ct = ct.astype(jnp.bfloat16)
+  op = lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm="layer",
+                                                  implementation=implementation)
+
+  @jax.jit
+  def run(x, w, scale, bias, ct):
+    y, vjp = jax.vjp(op, x, w, scale, bias)
+    return y, vjp(ct)
+
+  y, grads = run(x, w, scale, bias, ct)
+  f32 = lambda a: a.astype(jnp.float32)
+  y_ref, vjp_ref = jax.vjp(lambda *a: reference.norm_matmul(*a, norm="layer"), f32(x), f32(w),
+                           scale, bias)
+  names = ["y", "dx", "dw", "dscale", "dbias"]
+  return dict(zip(names, (_rel(g, r) for g, r in zip([y, *grads], [y_ref, *vjp_ref(f32(ct))]))))
+
+
+@pytest.mark.gpu
+def test_gpu_jitted_layer_large_mean():
+  """The public op as one jitted program on the GPU, where XLA may widen a value rounded to bf16
+  back to its unrounded f32 (simplify-fp-conversions): every sum that must cancel against a
+  product of rounded operands (the fold's col_sum, xla._stored) reads the stored array; rows of
+  mean 250 multiply any mismatch."""
+  errors = _jitted_layer_large_mean_errors()
+  assert errors.pop("y") < 1e-2
+  for name, err in errors.items():
+    assert err < 2e-2, (name, err)
+
+
 def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(monkeypatch):
   """implementation=None on a Hopper GPU: the kernel only at shapes where it was measured faster."""
   from pallas_norm import _dispatch

@@ -56,11 +56,28 @@ def _unfused(x, w, scale, norm_bias, *, norm, eps, out_dtype):
   return y, stats
 
 
+def _stored(v):
+  """``v`` (just rounded to a 16-bit dtype) as the array in memory, for a sum that must see the
+  values a kernel or GEMM reads: ``col_sum = 1ᵀW_γ`` and the rank-1 term of dW_γ cancel
+  against products of the rounded operands, for rows with a large mean.
+
+  Under ``jit`` XLA:GPU does not keep ``v.astype(f32)`` rounded: with its default
+  ``xla_allow_excess_precision`` the simplify-fp-conversions pass turns the pair
+  ``f32 → bf16 → f32`` into the unrounded f32 value. A col_sum of the unrounded
+  ``diag(scale)·w`` is off by W_γ's rounding summed over K, which the lazy form multiplies by
+  the row mean: for LayerNorm rows of mean 1e3 y is then 190% off in bf16 and 20% in f16 (the
+  jitted kernel tests on the H200; XLA:CPU does the same for float16 when it runs the pass,
+  ``tests/test_norm_matmul_kernel.py``). No pass looks through an optimization barrier (XLA:GPU
+  removes it only after scheduling)."""
+  return lax.optimization_barrier(v)
+
+
 def fold_affine(w, scale, bias, norm):
-  """The folded operands ``(W_γ in w.dtype, c (N,) f32 or None, b (N,) f32 or None)``."""
+  """The folded operands ``(W_γ in w.dtype, c (N,) f32 or None, b (N,) f32 or None)``: c is
+  the column sums of the stored W_γ (:func:`_stored`), the rounded values the kernels read."""
   wf = w.astype(_F32)
   w_gamma = w if scale is None else (scale.astype(_F32)[:, None] * wf).astype(w.dtype)
-  col_sum = jnp.sum(w_gamma.astype(_F32), axis=0) if norm == "layer" else None
+  col_sum = jnp.sum(_stored(w_gamma).astype(_F32), axis=0) if norm == "layer" else None
   out_bias = None if bias is None else jnp.matmul(bias.astype(_F32), wf,
                                                   precision=lax.Precision.HIGHEST)
   return w_gamma, col_sum, out_bias
@@ -162,7 +179,8 @@ def weight_grads(dy, x, w, scale, bias, mean, rstd):
   dw_gamma = jnp.matmul(x.T, dy_scaled, preferred_element_type=_F32,
                         precision=lax.Precision.HIGHEST)
   if mean is not None:
-    dw_gamma = dw_gamma - jnp.sum(mean[:, None] * dy_scaled.astype(_F32), axis=0)[None, :]
+    dw_gamma = dw_gamma - jnp.sum(mean[:, None] * _stored(dy_scaled).astype(_F32),
+                                  axis=0)[None, :]
   wf = w.astype(_F32)
   dw = dw_gamma if scale is None else scale.astype(_F32)[:, None] * dw_gamma
   dscale = None if scale is None else jnp.sum(dw_gamma * wf, axis=1).astype(scale.dtype)
