@@ -24,14 +24,18 @@ SUM_TOL = {"dscale": 1e-5, "dbias": 1e-5, "ddense": 1e-5}
 
 
 def _inputs(seed, m, n, dtype=jnp.bfloat16, scale=True, dh_out=False):
-  ks = jax.random.split(jax.random.key(seed), 5)
-  dy = jax.random.normal(ks[0], (m, n), jnp.float32).astype(dtype)
-  xhat = jax.random.normal(ks[1], (m, n), jnp.float32).astype(dtype)
-  rstd = jax.random.uniform(ks[2], (m,), jnp.float32, 0.5, 2.0)
+  """dy, x̂, rstd, scale, dh_out from NumPy's generator (drawn in float32, rounded to ``dtype``):
+  JAX's would compile a program per shape."""
+  rng = np.random.default_rng(seed)
+  dy = jnp.asarray(rng.standard_normal((m, n), np.float32).astype(dtype))
+  xhat = jnp.asarray(rng.standard_normal((m, n), np.float32).astype(dtype))
+  rstd = jnp.asarray(rng.uniform(0.5, 2.0, m).astype(np.float32))
   s = None
   if scale:  # with zeros: dh must not depend on dividing by the scale
-    s = jax.random.uniform(ks[3], (n,), jnp.float32, 0.1, 1.0).at[::7].set(0.0)
-  d = jax.random.normal(ks[4], (m, n), jnp.float32).astype(dtype) if dh_out else None
+    s = rng.uniform(0.1, 1.0, n).astype(np.float32)
+    s[::7] = 0.0
+    s = jnp.asarray(s)
+  d = jnp.asarray(rng.standard_normal((m, n), np.float32).astype(dtype)) if dh_out else None
   return dy, xhat, rstd, s, d
 
 
@@ -69,8 +73,8 @@ def _check(out, oracle, sums, dtype):
 
 def _run(args, norm, sums, interpret):
   dy, xhat, rstd, scale, dh_out = args
-  out = mb.norm_backward(dy, xhat, rstd, scale, dh_out, norm=norm, sums=sums,
-                         interpret=interpret)
+  out = jax.jit(lambda *a: mb.norm_backward(*a, norm=norm, sums=sums, interpret=interpret))(
+      dy, xhat, rstd, scale, dh_out)
   jax.block_until_ready(out)
   return out
 

@@ -36,8 +36,10 @@ from pallas_norm.ops.norm_matmul import xla as nm_xla
 
 EPS = 1e-6
 
-# Inputs, folds and oracles run jitted: one compiled program per case instead of one per eager
-# op (eager dispatch compiled each op for each new shape: about half of a case's CPU time).
+# Every XLA program costs a compile (~30 ms for the smallest on the CPU, ~0.8 s for JAX's
+# random generator at the cases' shapes): inputs come from NumPy's generator, folds, oracles and
+# kernel calls run jitted (one program per case instead of one per eager op) and the checks run
+# in NumPy.
 
 
 # diag(scale)·w in w's dtype, col_sum = 1ᵀ(that) in f32 (layer), out_bias = biasᵀ w (f32): the
@@ -50,14 +52,22 @@ default (``xla_allow_excess_precision``): it turns ``v.astype(f16).astype(f32)``
 unrounded v (on the CPU only for float16)."""
 
 
-@functools.partial(jax.jit, static_argnames=("m", "k", "n", "dtype", "mu", "affine"))
+def _normal(rng, shape, scale=1.0, shift=0.0, dtype=np.float32):
+  """shift + scale · N(0, 1) drawn in float32, rounded to ``dtype`` (NumPy, no XLA program)."""
+  return jnp.asarray((shift + scale * rng.standard_normal(shape, np.float32)).astype(dtype))
+
+
 def _inputs(seed, m, k, n, dtype, *, mu=0.0, affine=True):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  x = (mu + jax.random.normal(ks[0], (m, k), jnp.float32)).astype(dtype)
-  w = (jax.random.normal(ks[1], (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-  scale = 1.0 + 0.2 * jax.random.normal(ks[2], (k,), jnp.float32) if affine else None
-  bias = 0.2 * jax.random.normal(ks[3], (k,), jnp.float32) if affine else None
+  rng = np.random.default_rng(seed)
+  x = _normal(rng, (m, k), shift=mu, dtype=dtype)
+  w = _normal(rng, (k, n), scale=k ** -0.5, dtype=dtype)
+  scale = _normal(rng, (k,), scale=0.2, shift=1.0) if affine else None
+  bias = _normal(rng, (k,), scale=0.2) if affine else None
   return x, w, scale, bias
+
+
+def _all_finite(a) -> bool:
+  return bool(np.isfinite(np.asarray(a, np.float32)).all())
 
 
 def _rel_err(a, b):
@@ -65,27 +75,31 @@ def _rel_err(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-_reference = jax.jit(reference.norm_matmul, static_argnames=("norm", "eps", "return_stats"))
+@functools.partial(jax.jit, static_argnames=("norm", "eps", "return_stats"))
+def _reference(x, w, scale, bias, *, norm, eps, return_stats):
+  """reference.norm_matmul on float32-upcast x and w."""
+  return reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32), scale, bias,
+                               norm=norm, eps=eps, return_stats=return_stats)
 
 
 def _run_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None, interpret=True,
                    seed=0, y_tol=1e-2, fold=_fold):
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
   w_gamma, col_sum, out_bias = fold(w, scale, bias, norm)
-  y, mean, rstd = nmk.norm_matmul_fwd(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
-                                      out_dtype=dtype, interpret=interpret, config=config)
+  y, mean, rstd = jax.jit(lambda x, w_gamma, col_sum, out_bias: nmk.norm_matmul_fwd(
+      x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS, out_dtype=dtype, interpret=interpret,
+      config=config))(x, w_gamma, col_sum, out_bias)
   y = jax.block_until_ready(y)
   if interpret:
     assert not mgpu.races_found(), "the interpreter's race detector reported a race"
-  y_ref, stats = _reference(x.astype(jnp.float32), w.astype(jnp.float32), scale, bias,
-                            norm=norm, eps=EPS, return_stats=True)
+  y_ref, stats = _reference(x, w, scale, bias, norm=norm, eps=EPS, return_stats=True)
   assert y.shape == (m, n) and y.dtype == jnp.dtype(dtype)
-  assert bool(jnp.all(jnp.isfinite(y))), "some outputs were never written (NaN-filled)"
+  assert _all_finite(y), "some outputs were never written (NaN-filled)"
   assert _rel_err(y, y_ref) < y_tol
   np.testing.assert_allclose(rstd, stats.rstd, rtol=1e-4)
   if norm == "layer":
-    std = 1.0 / np.asarray(stats.rstd)
-    assert np.all(np.abs(np.asarray(mean) - stats.mean) <= 1e-4 * (np.abs(stats.mean) + std))
+    ref_mean, std = np.asarray(stats.mean), 1.0 / np.asarray(stats.rstd)
+    assert np.all(np.abs(np.asarray(mean) - ref_mean) <= 1e-4 * (np.abs(ref_mean) + std))
   else:
     assert mean is None
 
@@ -152,10 +166,19 @@ def test_layer_large_mean_with_the_fold_compiled_like_xla_gpu():
 def test_plain_gemm():
   """gemm (the benchmarks' GEMM-alone baseline) is x @ w, f32 accumulation."""
   x, w, _, _ = _inputs(3, 256, 128, 128, jnp.bfloat16)
-  y = nmk.gemm(x, w, out_dtype=jnp.float32, interpret=True)
+  y = jax.block_until_ready(jax.jit(lambda x, w: nmk.gemm(x, w, out_dtype=jnp.float32,
+                                                           interpret=True))(x, w))
   assert not mgpu.races_found()
-  y_ref = x.astype(jnp.float32) @ w.astype(jnp.float32)
+  y_ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
   assert _rel_err(y, y_ref) < 1e-5
+
+
+def _layer_forward_f32_out(x, w, col_sum):
+  """The LayerNorm forward kernel without the affine, float32 output, in interpret mode."""
+  out = jax.jit(lambda x, w, col_sum: nmk.norm_matmul_fwd(
+      x, w, col_sum, None, norm="layer", eps=EPS, out_dtype=jnp.float32, interpret=True))(
+          x, w, col_sum)
+  return jax.block_until_ready(out)
 
 
 @pytest.mark.parametrize("ratio,tol", [(1e2, 1e-4), (1e3, 1e-3)])
@@ -168,10 +191,8 @@ def test_layer_accuracy_domain(ratio, tol):
   m, k, n = 128, 256, 128
   x, w, _, _ = _inputs(1, m, k, n, jnp.float16, mu=ratio, affine=False)
   _, col_sum, _ = _fold(w, None, None, "layer")
-  y, mean, rstd = nmk.norm_matmul_fwd(x, w, col_sum, None, norm="layer", eps=EPS,
-                                      out_dtype=jnp.float32, interpret=True)
-  y_ref, stats = reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32),
-                                       norm="layer", eps=EPS, return_stats=True)
+  y, mean, rstd = _layer_forward_f32_out(x, w, col_sum)
+  y_ref, stats = _reference(x, w, None, None, norm="layer", eps=EPS, return_stats=True)
   assert _rel_err(y, y_ref) < tol
   np.testing.assert_allclose(rstd, stats.rstd, rtol=1e-5)
   np.testing.assert_allclose(mean, stats.mean, rtol=1e-6)
@@ -180,14 +201,12 @@ def test_layer_accuracy_domain(ratio, tol):
 def test_layer_statistics_of_huge_rows_do_not_overflow():
   """Rows of ~3e17 (K = 512): Σ(x − shift)² is still finite in float32 but (Σ(x − shift))² is
   not; the lane merge must not square the sum first (a review found rstd = 1/√eps there)."""
-  k1, k2 = jax.random.split(jax.random.key(2))
-  x = (jax.random.normal(k1, (64, 512)) * 3e17).astype(jnp.bfloat16)
-  w = (jax.random.normal(k2, (512, 64)) / 22.6).astype(jnp.bfloat16)
+  rng = np.random.default_rng(2)
+  x = _normal(rng, (64, 512), scale=3e17, dtype=jnp.bfloat16)
+  w = _normal(rng, (512, 64), scale=1 / 22.6, dtype=jnp.bfloat16)
   _, col_sum, _ = _fold(w, None, None, "layer")
-  y, mean, rstd = nmk.norm_matmul_fwd(x, w, col_sum, None, norm="layer", eps=EPS,
-                                      out_dtype=jnp.float32, interpret=True)
-  y_ref, stats = reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32),
-                                       norm="layer", eps=EPS, return_stats=True)
+  y, mean, rstd = _layer_forward_f32_out(x, w, col_sum)
+  y_ref, stats = _reference(x, w, None, None, norm="layer", eps=EPS, return_stats=True)
   np.testing.assert_allclose(rstd, stats.rstd, rtol=1e-5)
   assert _rel_err(y, y_ref) < 1e-2
 
@@ -426,38 +445,42 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
   checked against (x − mean) · rstd in f32 to its rounding; ``x_hat_ones``: with its block of
   ones columns at the end (the padding columns between finite)."""
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
-  dy = jax.random.normal(jax.random.key(seed + 1000), (m, n), jnp.float32).astype(dtype)
+  dy = _normal(np.random.default_rng(seed + 1000), (m, n), dtype=dtype)
   y, stats, dx_ref = _reference_forward_and_dx(x, w, scale, bias, dy, norm=norm)
   w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
-  if fused:
-    out = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, mean=stats.mean, y=y.astype(dtype),
-                             out_bias=out_bias, col_sum=col_sum, return_x_hat=x_hat,
-                             x_hat_ones=x_hat_ones, interpret=interpret, config=config)
-  else:
-    y_term, c_term = nm_xla.row_terms(dy, y, col_sum, out_bias, stats.rstd, k)
-    out = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, y_term, stats.mean, c_term,
-                             return_x_hat=x_hat, x_hat_ones=x_hat_ones, interpret=interpret,
-                             config=config)
-  dx, x_hat_out = jax.block_until_ready(out) if x_hat else (jax.block_until_ready(out), None)
+
+  def dx_kernel(dy, w_gamma, x, y, rstd, mean, col_sum, out_bias):
+    if fused:
+      return nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, y=y.astype(dtype),
+                                out_bias=out_bias, col_sum=col_sum, return_x_hat=x_hat,
+                                x_hat_ones=x_hat_ones, interpret=interpret, config=config)
+    y_term, c_term = nm_xla.row_terms(dy, y, col_sum, out_bias, rstd, k)
+    return nmb.norm_matmul_dx(dy, w_gamma, x, rstd, y_term, mean, c_term, return_x_hat=x_hat,
+                              x_hat_ones=x_hat_ones, interpret=interpret, config=config)
+
+  out = jax.block_until_ready(jax.jit(dx_kernel)(dy, w_gamma, x, y, stats.rstd, stats.mean,
+                                                 col_sum, out_bias))
+  dx, x_hat_out = out if x_hat else (out, None)
   if interpret:
     assert not mgpu.races_found(), "the interpreter's race detector reported a race"
   assert dx.shape == (m, k) and dx.dtype == jnp.dtype(dtype)
-  assert bool(jnp.all(jnp.isfinite(dx))), "some outputs were never written (NaN-filled)"
+  assert _all_finite(dx), "some outputs were never written (NaN-filled)"
   assert _rel_err(dx, dx_ref) < tol
   if x_hat:
-    centered = x.astype(jnp.float32) - (0.0 if stats.mean is None else stats.mean[:, None])
-    want = centered * stats.rstd[:, None]
+    mean = 0.0 if stats.mean is None else np.asarray(stats.mean)[:, None]
+    want = (np.asarray(x, np.float32) - mean) * np.asarray(stats.rstd)[:, None]
     assert x_hat_out.dtype == jnp.dtype(dtype)
-    assert bool(jnp.all(jnp.isfinite(x_hat_out))), "some x̂ outputs were never written"
+    x_hat_out = np.asarray(x_hat_out, np.float32)
+    assert np.isfinite(x_hat_out).all(), "some x̂ outputs were never written"
     if x_hat_ones:
       assert x_hat_out.shape[0] == m and x_hat_out.shape[1] > k
-      assert bool(jnp.all(x_hat_out[:, -1] == 1)), "the ones column was not written"
+      assert np.all(x_hat_out[:, -1] == 1), "the ones column was not written"
       x_hat_out = x_hat_out[:, :k]
     assert x_hat_out.shape == (m, k)
     # One rounding of an f32 value to dtype: within half an ulp (2⁻⁹ relative for bf16).
     ulp = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
-    err = jnp.abs(x_hat_out.astype(jnp.float32) - want)
-    assert bool(jnp.all(err <= ulp * jnp.abs(want) + 1e-6)), float(jnp.max(err))
+    err = np.abs(x_hat_out - want)
+    assert np.all(err <= ulp * np.abs(want) + 1e-6), float(np.max(err))
 
 
 DX_CASES = [
@@ -620,22 +643,25 @@ def test_dx_fused_row_terms_agree_with_xla_row_terms(norm, bias_scales):
   sums would cancel). Each kernel is compiled once for all the bias scales."""
   m, k, n, dtype = 77, 128, 192, jnp.bfloat16
   x, w, scale, bias = _inputs(7, m, k, n, dtype)
-  dy = jax.random.normal(jax.random.key(8), (m, n), jnp.float32).astype(dtype)
+  dy = _normal(np.random.default_rng(8), (m, n), dtype=dtype)
   cfg = TileConfig(tile_m=128, tile_n=64)  # 2 column tiles, 3 steps
   fused_dx = jax.jit(lambda dy, w_gamma, x, rstd, mean, y, out_bias, col_sum: nmb.norm_matmul_dx(
       dy, w_gamma, x, rstd, mean=mean, y=y, out_bias=out_bias, col_sum=col_sum, interpret=True,
       config=cfg))
   dx = jax.jit(lambda dy, w_gamma, x, rstd, y_term, mean, c_term: nmb.norm_matmul_dx(
       dy, w_gamma, x, rstd, y_term, mean, c_term, interpret=True, config=cfg))
+  forward = jax.jit(lambda x, w_gamma, col_sum, out_bias: nm_xla.lazy_forward(
+      x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS, out_dtype=dtype))
+  row_terms = jax.jit(lambda dy, y, col_sum, out_bias, rstd: nm_xla.row_terms(
+      dy, y, col_sum, out_bias, rstd, k))
   for bias_scale in bias_scales:
     w_gamma, col_sum, out_bias = _fold(w, scale, bias * bias_scale, norm)
-    y, mean, rstd = nm_xla.lazy_forward(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
-                                        out_dtype=dtype)
+    y, mean, rstd = forward(x, w_gamma, col_sum, out_bias)
     fused = jax.block_until_ready(fused_dx(dy, w_gamma, x, rstd, mean, y, out_bias, col_sum))
     assert not mgpu.races_found()
-    y_term, c_term = nm_xla.row_terms(dy, y, col_sum, out_bias, rstd, k)
+    y_term, c_term = row_terms(dy, y, col_sum, out_bias, rstd)
     want = dx(dy, w_gamma, x, rstd, y_term, mean, c_term)
-    assert bool(jnp.all(jnp.isfinite(fused))), bias_scale
+    assert _all_finite(fused), bias_scale
     assert _rel_err(fused, want) < 2e-3, (bias_scale, _rel_err(fused, want))
 
 
