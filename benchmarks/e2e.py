@@ -323,11 +323,11 @@ def component_programs(model, batch, seed: int = 0) -> dict:
 
 
 def build_arms(config: dict, arms, loss_steps: int, loss_reference: bool = False,
-               compute_dtype: str = "bfloat16") -> dict:
+               compute_dtype: str = "bfloat16", with_components: bool = True) -> dict:
   """arm -> {"batches": [...], "programs": {name: (jitted fn, args)}, "errors": {}}: the train
-  step and every component of :func:`component_programs`, not yet lowered, the timed arms
-  computing in ``compute_dtype``; with ``loss_reference`` also the step of
-  :data:`LOSS_REFERENCE`."""
+  step and (``with_components``) every component of :func:`component_programs`, not yet
+  lowered, the timed arms computing in ``compute_dtype``; with ``loss_reference`` also the step
+  of :data:`LOSS_REFERENCE`."""
   from flax import nnx
 
   train = _load_train_script()
@@ -340,7 +340,7 @@ def build_arms(config: dict, arms, loss_steps: int, loss_reference: bool = False
         token_buckets=1 if arm in FULL_CAPACITY_ARMS else config.get("token_buckets", 1))
     graphdef, state = nnx.split((model, optimizer))
     programs = {"step": (_jitted_step(train, graphdef), (state, batches[0]))}
-    if not reference:
+    if with_components and not reference:  # tracing them costs seconds even when unused
       programs.update(component_programs(model, batches[0]))
     built[arm] = {"batches": batches, "programs": programs, "errors": {}}
   return built
@@ -435,7 +435,7 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
   loss_reference = loss_reference and with_step
   # The loss steps' batches even without the step: their capacity is the one the step runs.
   built = build_arms(config, arms, loss_steps, loss_reference=loss_reference,
-                     compute_dtype=compute_dtype)
+                     compute_dtype=compute_dtype, with_components=bool(components))
   cupti = timing.default_timer() == "cupti"
   result = {
       "what": "Kunlun train step (issue 19): whole step and per-component forward+backward",
