@@ -154,8 +154,7 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   x_hat = configs.x_hat_pays(x.shape[1], y.shape[1], "layer" if mean is not None else "rms")
   out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd,
                     interpret=implementation == "interpret", x_hat=x_hat,
-                    x_hat_ones=(x_hat and norm_bias is not None
-                                and configs.ones_column_pays(x.shape[1], y.shape[1])))
+                    x_hat_ones=x_hat and norm_bias is not None)
   if x_hat:
     dx, x_hat = out
     return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias))

@@ -62,16 +62,11 @@ def x_hat_pays(k: int, n: int, norm: str) -> bool:
   ``Σ_i rstd_i mean_i dy_i``, one more column reduction over M × N, whose cancellation for
   rows with a large mean needs matching roundings); RMSNorm where K < N, the bytes saved more
   than those added (at K = N it is a wash by the bytes, and the kernel's write, unlike XLA's,
-  delays the tensor core). Chosen from those bytes; not measured on the H200 yet
-  (benchmarks/NOTES.md, pre-norm backward)."""
+  delays the tensor core). Chosen from those bytes; on the H200 x̂ was faster for LayerNorm at
+  512² and 512×2048 and for RMSNorm at 512×2048 (benchmarks/NOTES.md, pre-norm backward); RMSNorm
+  at K = N keeps the scaled dy, not yet timed against x̂.
+
+  With x̂ and a norm bias, x̂ always ends with a ones block (``x_hat_ones``), so dW_γ's GEMM
+  also gives Σ_i dy_i instead of a column reduction over dy: fewer bytes at every K, N ≥ 64
+  (one more epilogue tile of the GEMM against 2N bytes per row of dy read)."""
   return norm == "layer" or k < n
-
-
-def ones_column_pays(k: int, n: int) -> bool:
-  """Whether, with x̂ and a norm bias, x̂ ends with a ones block (``norm_matmul_dx(...,
-  x_hat_ones=True)``) so that dW_γ's GEMM also gives Σ_i dy_i, instead of a column reduction
-  over dy (M × N read). The GEMM grows by one epilogue tile of K (32 or 64 rows of its
-  output: 6-12% at K = 512, M × 64 bytes more read) against 2N bytes per row of dy read:
-  fewer bytes at every K, N ≥ 64. Chosen from those bytes; not measured on the H200 yet."""
-  del k, n
-  return True
