@@ -427,23 +427,20 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, co
   later, after the other consumer's arrival of the step between, which that consumer makes only
   after its dQ WGMMA of this step (the one that reads the slot) completed."""
   plgpu.barrier_wait(ready)
-  wg = lax.axis_index("wg")
-  for half in range(2):  # static column slices of K's tiled SMEM
-    @pl.when(wg == half)
-    def _():
-      def issue(acc):
-        for w in range(2):
-          plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)),
-                      kv_smem.at[w, 0, :, pl.ds(half * BLOCK, BLOCK)])
-        return acc[...]
+  cols = pl.ds(pl.multiple_of(lax.axis_index("wg") * BLOCK, BLOCK), BLOCK)  # this consumer's half
 
-      dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
-      dq_smem[...] = (dq * scale).astype(plan.dtype)
-      plgpu.commit_smem()
-      lo = jnp.maximum(q_lo - col0, 0)
-      _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
-                  dq_view.at[pl.ds(col0, BLOCK), pl.ds(half * BLOCK, BLOCK)])
+  def issue(acc):
+    for w in range(2):
+      plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0, :, cols])
+    return acc[...]
+
+  dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
+  dq_smem[...] = (dq * scale).astype(plan.dtype)
+  plgpu.commit_smem()
+  lo = jnp.maximum(q_lo - col0, 0)
+  _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
+              dq_view.at[pl.ds(col0, BLOCK), cols])
 
 
 def _store_rows(tile, lo, count, window) -> None:
