@@ -64,18 +64,25 @@ row-exact store starts TMA stores at any row of the SMEM tile, and TMA needs SME
 aligned to 128 bytes (32-byte rows gave CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
 
 
+SCHEDULES = ("serial", "chained", "overlapped")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling: ``block_kv`` keys per WGMMA step (64; P is BLOCK_Q × block_kv), ``kv_stages``
-  slots of the K/V ring (>= 2)."""
+  slots of the K/V ring (>= 2), ``schedule`` of the WGMMAs of one head (:func:`_attend_head`;
+  one of :data:`SCHEDULES`)."""
 
   block_kv: int = 64
   kv_stages: int = 2
+  schedule: str = "serial"
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
     if self.kv_stages < 2:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool,
@@ -137,6 +144,7 @@ class _Plan:
   kv_steps: int
   block_kv: int
   kv_stages: int
+  schedule: str
   act: Callable
   eps: float
   pre_layer_norm: bool
@@ -182,7 +190,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   if kv_len % cfg.block_kv:
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
-               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages,
+               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, schedule=cfg.schedule,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_attn=save_attn)
@@ -508,26 +516,81 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
 
 def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
   """Σ over the key blocks of act(pre_scale · u_h K_hᵀ) V_h: (BLOCK_Q, D) f32. Key block
-  ``step`` sits in ring slot ``(first_use + step) % kv_stages``."""
+  ``step`` sits in ring slot ``(first_use + step) % kv_stages``.
+
+  Schedules (:attr:`Config.schedule`): "serial" runs each step's score WGMMA, act, then its
+  P·V WGMMA to completion; "chained" issues the next step's score WGMMA right behind the P·V
+  one (the tensor cores run both back to back, one wait for the two); "overlapped" issues the
+  next scores before the P·V and waits only for the scores (``wait_n=1``), so the next act runs
+  while the P·V is in flight (FA3's intra-warpgroup overlap)."""
   p_tile = smem["p_smem"]
+  slot_of = lambda step: lax.rem(first_use + step, plan.kv_stages)  # noqa: E731
 
-  def accumulate(o_acc):
+  def issue_scores(s_acc, step):
+    plgpu.barrier_wait(smem["k_ready"].at[slot_of(step)])
+    plgpu.wgmma(s_acc, u_tile, smem["k_smem"].at[slot_of(step)].transpose((1, 0)))
+
+  def write_p(s):
+    # P goes through SMEM: the previous P·V has finished reading it (waited before).
+    p_tile[...] = plan.act(s * pre_scale).astype(p_tile.dtype)
+    plgpu.commit_smem()
+
+  def issue_pv(o_acc, step):
+    plgpu.barrier_wait(smem["v_ready"].at[slot_of(step)])
+    plgpu.wgmma(o_acc, p_tile, smem["v_smem"].at[slot_of(step)])
+
+  def release(step):  # the P·V reading the ring slot is done (waited before)
+    plgpu.barrier_arrive(smem["kv_free"].at[slot_of(step)])
+
+  def first_scores(s_acc):
+    issue_scores(s_acc, 0)
+    return s_acc[...]  # waits for this WGMMA
+
+  def serial(o_acc):
     for step in range(plan.kv_steps):
-      slot = lax.rem(first_use + step, plan.kv_stages)
-      plgpu.barrier_wait(smem["k_ready"].at[slot])
-      plgpu.barrier_wait(smem["v_ready"].at[slot])
-
-      def scores(s_acc, slot=slot):
-        plgpu.wgmma(s_acc, u_tile, smem["k_smem"].at[slot].transpose((1, 0)))
-        return s_acc[...]  # waits for this WGMMA
-
-      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
-      # P goes through SMEM: the previous P·V has finished reading it (waited below).
-      p_tile[...] = plan.act(s * pre_scale).astype(p_tile.dtype)
-      plgpu.commit_smem()
-      plgpu.wgmma(o_acc, p_tile, smem["v_smem"].at[slot])
-      plgpu.wgmma_wait(0)  # the P·V reading the ring slot is done
-      plgpu.barrier_arrive(smem["kv_free"].at[slot])
+      s = pl.run_scoped(lambda s_acc, step=step: (issue_scores(s_acc, step), s_acc[...])[1],
+                        plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      write_p(s)
+      issue_pv(o_acc, step)
+      plgpu.wgmma_wait(0)
+      release(step)
     return o_acc[...]
 
-  return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, plan.head_dim), _F32))
+  def chained(o_acc):
+    s = pl.run_scoped(first_scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+    for step in range(plan.kv_steps):
+      write_p(s)
+      issue_pv(o_acc, step)
+      if step + 1 < plan.kv_steps:
+        def next_scores(s_acc, step=step):
+          issue_scores(s_acc, step + 1)
+          return s_acc[...]  # waits for the P·V and these scores
+        s = pl.run_scoped(next_scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      else:
+        plgpu.wgmma_wait(0)
+      release(step)
+    return o_acc[...]
+
+  def overlapped(o_acc):
+    s = pl.run_scoped(first_scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+    for step in range(plan.kv_steps):
+      p = plan.act(s * pre_scale).astype(p_tile.dtype)  # overlaps the previous P·V
+      if step > 0:
+        plgpu.wgmma_wait(0)  # the previous P·V has read P and its ring slot
+        release(step - 1)
+      p_tile[...] = p
+      plgpu.commit_smem()
+      if step + 1 < plan.kv_steps:
+        def next_scores(s_acc, step=step):
+          issue_scores(s_acc, step + 1)
+          issue_pv(o_acc, step)
+          return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # the scores, not the P·V
+        s = pl.run_scoped(next_scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      else:
+        issue_pv(o_acc, step)
+    plgpu.wgmma_wait(0)
+    release(plan.kv_steps - 1)
+    return o_acc[...]
+
+  body = dict(serial=serial, chained=chained, overlapped=overlapped)[plan.schedule]
+  return pl.run_scoped(body, plgpu.ACC((BLOCK_Q, plan.head_dim), _F32))
