@@ -107,17 +107,20 @@ def test_fused_switches_match_reference(switches):
   assert _rel_err(rms.rstd[:total], rms_ref.rstd[:total]) < TOL
 
 
-@pytest.mark.parametrize("schedule", ["chained", "overlapped"])
-def test_fused_schedules_match_serial(schedule):
-  """The WGMMA schedules of one head (mosaic.Config.schedule) over three key blocks give the
-  serial schedule's outputs bit for bit (same arithmetic, another order of issue and waits),
-  with attn saved; the serial one matches the reference."""
+@pytest.mark.parametrize("schedule,early_q_release", [("chained", False), ("overlapped", False),
+                                                      ("serial", True), ("overlapped", True)])
+def test_fused_schedules_match_serial(schedule, early_q_release):
+  """The WGMMA schedules of one head (mosaic.Config.schedule) over three key blocks and the
+  per-head release of the q tiles give the serial schedule's outputs bit for bit (same
+  arithmetic, another order of issue and waits), with attn saved; the serial one matches the
+  reference."""
   q, k, v, qo, affine = _problem(3, [70, 0, 9], 2, 64, lkv=192)
   a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(3, 2, 64)
-  run = lambda schedule: jax.block_until_ready(mosaic.flash_norm_attention_fwd(  # noqa: E731
-      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6, save_attn=True,
-      config=mosaic.Config(schedule=schedule), interpret=True))
-  got, want = run(schedule), run("serial")
+  run = lambda cfg: jax.block_until_ready(mosaic.flash_norm_attention_fwd(  # noqa: E731
+      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6, save_attn=True, config=cfg,
+      interpret=True))
+  got = run(mosaic.Config(schedule=schedule, early_q_release=early_q_release))
+  want = run(mosaic.Config())
   assert not mgpu.races_found()
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
@@ -285,7 +288,8 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
 @pytest.mark.parametrize("heads,head_dim,save_attn,out_dtype,schedule",
                          [(4, 128, True, None, "serial"), (2, 128, False, jnp.float32, "serial"),
                           (4, 128, True, None, "chained"), (4, 128, True, None, "overlapped")])
-def test_lowers_for_sm90a(heads, head_dim, save_attn, out_dtype, schedule):
+@pytest.mark.parametrize("early_q_release", [False, True])
+def test_lowers_for_sm90a(heads, head_dim, save_attn, out_dtype, schedule, early_q_release):
   """Mosaic's sm_90a lowering accepts the kernel (layouts, SMEM, TMA boxes) at real sizes."""
   spec = jax.ShapeDtypeStruct
   t, b = 4096, 16
@@ -293,7 +297,8 @@ def test_lowers_for_sm90a(heads, head_dim, save_attn, out_dtype, schedule):
                            128)
   fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
       q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6, save_attn=save_attn,
-      out_dtype=out_dtype, config=dataclasses.replace(cfg, schedule=schedule)))
+      out_dtype=out_dtype, config=dataclasses.replace(cfg, schedule=schedule,
+                                                  early_q_release=early_q_release)))
   kv = spec((b, 128, heads, head_dim), jnp.bfloat16)
   export.export(fn, platforms=["cuda"])(spec((t, heads, head_dim), jnp.bfloat16), kv, kv,
                                         spec((b + 1,), jnp.int32),

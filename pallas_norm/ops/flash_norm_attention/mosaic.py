@@ -71,11 +71,14 @@ SCHEDULES = ("serial", "chained", "overlapped")
 class Config:
   """Tiling: ``block_kv`` keys per WGMMA step (64; P is BLOCK_Q × block_kv), ``kv_stages``
   slots of the K/V ring (>= 2), ``schedule`` of the WGMMAs of one head (:func:`_attend_head`;
-  one of :data:`SCHEDULES`)."""
+  one of :data:`SCHEDULES`); ``early_q_release``: the epilogue hands each head's q tiles back
+  to the producer as soon as it has read them (the next block's q loads during the rest of the
+  epilogue), else all of them after the statistics' store."""
 
   block_kv: int = 64
   kv_stages: int = 2
   schedule: str = "serial"
+  early_q_release: bool = False
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
@@ -145,6 +148,7 @@ class _Plan:
   block_kv: int
   kv_stages: int
   schedule: str
+  early_q_release: bool
   act: Callable
   eps: float
   pre_layer_norm: bool
@@ -191,6 +195,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
                block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, schedule=cfg.schedule,
+               early_q_release=cfg.early_q_release,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_attn=save_attn)
@@ -250,7 +255,7 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
       vec_smem=plgpu.SMEM((3, heads, d), _F32),
       vec_ready=plgpu.Barrier(),
       q_ready=plgpu.Barrier(num_barriers=2 * heads),
-      q_free=plgpu.Barrier(),
+      q_free=plgpu.Barrier(num_barriers=heads),
       k_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       v_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       kv_free=plgpu.Barrier(num_barriers=plan.kv_stages),
@@ -330,12 +335,13 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
       for use in range(prefetch):
         load_kv(block, use)
 
-      @pl.when(block > 0)
-      def _():
-        plgpu.barrier_wait(smem["q_free"])
-
       rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
       for head in range(plan.num_heads):
+        if plan.early_q_release or head == 0:
+          @pl.when(block > 0)
+          def _(head=head):  # the consumer's epilogue has read both copies of these tiles
+            plgpu.barrier_wait(smem["q_free"].at[head])
+
         for copy, name in enumerate(("x_smem", "res_smem")):
           plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[head],
                                   smem["q_ready"].at[2 * head + copy])
@@ -345,7 +351,8 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
     # Observe the releases no load waited for, so every barrier phase is consumed.
     @pl.when(item.q_blocks > 0)
     def _():
-      plgpu.barrier_wait(smem["q_free"])
+      for head in range(plan.num_heads if plan.early_q_release else 1):
+        plgpu.barrier_wait(smem["q_free"].at[head])
 
     uses = item.q_blocks * per_block
 
@@ -505,13 +512,21 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
     out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
     if plan.outer_residual:
       out = out + q
+    if plan.early_q_release:  # head's tiles are read: the next block's may load over them
+      _release_q(smem, head)
     stores.out(out, rows, head)
 
   stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
-  # x_smem and res_smem were read (and x_smem written) by the generic proxy: a proxy fence
-  # before the producer's TMA (async proxy) may overwrite them, as the PTX memory model asks.
+  if not plan.early_q_release:
+    _release_q(smem, 0)
+
+
+def _release_q(smem, barrier) -> None:
+  """Hands q tiles back to the producer. x_smem and res_smem were read (and x_smem written) by
+  the generic proxy: a proxy fence before the producer's TMA (async proxy) may overwrite them,
+  as the PTX memory model asks."""
   plgpu.commit_smem()
-  plgpu.barrier_arrive(smem["q_free"])
+  plgpu.barrier_arrive(smem["q_free"].at[barrier])
 
 
 def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
