@@ -261,8 +261,7 @@ def row_variants(r: Runner, sets: list) -> dict:
   return best
 
 
-def _op_fwd_bwd(p, interpret):
-  impl = "interpret" if interpret else "mosaic"
+def _op_fwd_bwd(p, impl):
 
   def run(q, k, v, offsets, affine, ct):
     def block(q, k, v, g1, b1, g2):
@@ -274,8 +273,8 @@ def _op_fwd_bwd(p, interpret):
 
 
 def op_runs(r: Runner, heads: int, sets: list, variants: dict) -> None:
-  """The op's forward+backward per {name: (forward Config or None, {kernel: row spec})},
-  checked against the float32 XLA reference's gradients."""
+  """The op's forward+backward per {name: (forward Config or None, {kernel: row spec})}
+  ("chain": the default dispatch), checked against the float32 XLA reference's gradients."""
   p = sets[0]
   args = (p["q"], p["k"], p["v"], p["offsets"], p["affine"], p["ct"])
   total = int(p["offsets"][-1])
@@ -290,7 +289,9 @@ def op_runs(r: Runner, heads: int, sets: list, variants: dict) -> None:
       for kernel, spec in rows.items():  # the op calls norm_bwd.<kernel> through the module
         cfg = _row_config(spec, heads * p["q"].shape[2], r.tiny)
         setattr(norm_bwd, kernel, functools.partial(getattr(norm_bwd, kernel), config=cfg))
-      fn = _op_fwd_bwd(p, r.tiny)
+      # "chain": implementation=None, which at H·D outside FUSED_DEFAULT_DOMAIN (H = 2) runs
+      # the norms in XLA around the GDPA kernel (on the CPU: XLA).
+      fn = _op_fwd_bwd(p, None if name == "chain" else "interpret" if r.tiny else "mosaic")
       t0 = time.monotonic()
       got = jax.block_until_ready(fn(*args))
       compile_s = time.monotonic() - t0
@@ -356,6 +357,8 @@ def main(argv=None):
     rows = {k: v for k, v in winners.get("rows", {}).items() if v != ROW_VARIANTS[0]}
     if best_fwd not in (None, "serial") or rows:
       op_variants["winners"] = (configs.get(best_fwd), rows)
+    if heads == 2:  # decides FUSED_DEFAULT_DOMAIN at H·D = 256
+      op_variants["chain"] = (None, {})
     op_runs(r, heads, sets, op_variants)
     del sets
   log(step="end", left_s=round(r.left(), 1))
