@@ -107,25 +107,43 @@ def test_fused_switches_match_reference(switches):
   assert _rel_err(rms.rstd[:total], rms_ref.rstd[:total]) < TOL
 
 
-@pytest.mark.parametrize("schedule,early_q_release", [("chained", False), ("overlapped", False),
-                                                      ("serial", True), ("overlapped", True)])
-def test_fused_schedules_match_serial(schedule, early_q_release):
-  """The WGMMA schedules of one head (mosaic.Config.schedule) over three key blocks and the
-  per-head release of the q tiles give the serial schedule's outputs bit for bit (same
-  arithmetic, another order of issue and waits), with attn saved; the serial one matches the
-  reference."""
+@pytest.mark.parametrize("schedule,early_q_release,norm_warpgroup", [
+    ("chained", False, False), ("overlapped", False, False), ("serial", True, False),
+    ("overlapped", True, False), ("serial", False, True), ("overlapped", True, True)])
+def test_fused_schedules_match_serial(schedule, early_q_release, norm_warpgroup):
+  """The WGMMA schedules of one head (mosaic.Config.schedule) over three key blocks, the
+  per-head release of the q tiles and the attention warpgroup give the default config's outputs
+  bit for bit (same arithmetic, another order of issue and waits), with attn saved."""
+  _check_variant_matches_default(dict(schedule=schedule, early_q_release=early_q_release,
+                                      norm_warpgroup=norm_warpgroup))
+
+
+def test_norm_warpgroup_without_layer_norm_matches_default():
+  """The attention warpgroup variant with the switches off (u = q, no inner residual) and no
+  attn output."""
+  _check_variant_matches_default(dict(norm_warpgroup=True), pre_layer_norm=False,
+                                 inner_residual=False, save_attn=False)
+
+
+def _check_variant_matches_default(variant, *, save_attn=True, **switches):
+  """mosaic.Config(**variant) against the default Config, bit for bit (samples of 70 rows, none
+  and 9, Lkv = 192: three key blocks); the default against the reference."""
   q, k, v, qo, affine = _problem(3, [70, 0, 9], 2, 64, lkv=192)
   a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(3, 2, 64)
   run = lambda cfg: jax.block_until_ready(mosaic.flash_norm_attention_fwd(  # noqa: E731
-      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6, save_attn=True, config=cfg,
-      interpret=True))
-  got = run(mosaic.Config(schedule=schedule, early_q_release=early_q_release))
+      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6, save_attn=save_attn,
+      config=cfg, interpret=True, **switches))
+  got = run(mosaic.Config(**variant))
   want = run(mosaic.Config())
   assert not mgpu.races_found()
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
   total = int(qo[-1])
-  ref = _reference(q, k, v, qo, **affine, pre_scale=0.9, post_scale=1.1)[0]
+  if switches.get("pre_layer_norm", True):
+    ref = _reference(q, k, v, qo, **affine, pre_scale=0.9, post_scale=1.1, **switches)[0]
+  else:
+    ref = _reference(q, k, v, qo, rms_scale=affine["rms_scale"], pre_scale=0.9,
+                     post_scale=1.1, **switches)[0]
   assert _rel_err(want[0][:total], ref[:total]) < TOL
 
 
@@ -285,20 +303,22 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
 
 
-@pytest.mark.parametrize("heads,head_dim,save_attn,out_dtype,schedule",
-                         [(4, 128, True, None, "serial"), (2, 128, False, jnp.float32, "serial"),
-                          (4, 128, True, None, "chained"), (4, 128, True, None, "overlapped")])
-@pytest.mark.parametrize("early_q_release", [False, True])
-def test_lowers_for_sm90a(heads, head_dim, save_attn, out_dtype, schedule, early_q_release):
-  """Mosaic's sm_90a lowering accepts the kernel (layouts, SMEM, TMA boxes) at real sizes."""
+@pytest.mark.parametrize("heads,head_dim,save_attn,out_dtype,variant", [
+    (4, 128, True, None, {}), (2, 128, False, jnp.float32, {}),
+    (4, 128, True, None, dict(schedule="chained")),
+    (4, 128, True, None, dict(schedule="overlapped", early_q_release=True)),
+    (4, 128, True, None, dict(norm_warpgroup=True, early_q_release=True)),
+    (4, 128, False, None, dict(norm_warpgroup=True, schedule="overlapped"))])
+def test_lowers_for_sm90a(heads, head_dim, save_attn, out_dtype, variant):
+  """Mosaic's sm_90a lowering accepts the kernel (layouts, SMEM, TMA boxes) at real sizes, with
+  the default config and the variants of mosaic.Config."""
   spec = jax.ShapeDtypeStruct
   t, b = 4096, 16
   cfg = mosaic.pick_config(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16, save_attn,
                            128)
   fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
       q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6, save_attn=save_attn,
-      out_dtype=out_dtype, config=dataclasses.replace(cfg, schedule=schedule,
-                                                  early_q_release=early_q_release)))
+      out_dtype=out_dtype, config=dataclasses.replace(cfg, **variant)))
   kv = spec((b, 128, heads, head_dim), jnp.bfloat16)
   export.export(fn, platforms=["cuda"])(spec((t, heads, head_dim), jnp.bfloat16), kv, kv,
                                         spec((b + 1,), jnp.int32),

@@ -53,6 +53,19 @@ ROW_VARIANTS = [  # (elements per step, steps per program, warps, Triton stages;
 ]
 
 
+FWD_VARIANTS = ("serial", "chained", "overlapped", "serial+early", "overlapped+early", "nwg",
+                "nwg+early", "nwg+overlapped+early")
+"""Forward configs by name: the schedule (serial, chained, overlapped), "early" for
+early_q_release, "nwg" for norm_warpgroup (mosaic.Config)."""
+
+
+def _variant(base, name):
+  parts = name.split("+")
+  schedule = next((p for p in parts if p in mosaic.SCHEDULES), "serial")
+  return dataclasses.replace(base, schedule=schedule, early_q_release="early" in parts,
+                             norm_warpgroup="nwg" in parts)
+
+
 class Log:
   def __init__(self, path):
     self.path, self.rows = path, []
@@ -337,16 +350,11 @@ def main(argv=None):
     base = mosaic.pick_config(heads, p["q"].shape[2], p["q"].dtype, p["q"].dtype, True,
                               p["k"].shape[1])
     if heads == 4:
-      configs = {f"{s}{'+early' if e else ''}": dataclasses.replace(
-          base, schedule=s, early_q_release=e)
-          for e, s in ((False, "serial"), (False, "chained"), (False, "overlapped"),
-                       (True, "serial"), (True, "overlapped"))}
+      configs = {name: _variant(base, name) for name in FWD_VARIANTS}
     else:  # the default and the H = 4 winner
       configs = {"serial": base}
       if winners.get("fwd") not in (None, "serial"):
-        w = winners["fwd"]
-        configs[w] = dataclasses.replace(base, schedule=w.split("+")[0],
-                                         early_q_release=w.endswith("+early"))
+        configs[winners["fwd"]] = _variant(base, winners["fwd"])
     best_fwd = forward_variants(r, heads, configs, sets)
     if heads == 4:
       winners["fwd"] = best_fwd

@@ -73,12 +73,15 @@ class Config:
   slots of the K/V ring (>= 2), ``schedule`` of the WGMMAs of one head (:func:`_attend_head`;
   one of :data:`SCHEDULES`); ``early_q_release``: the epilogue hands each head's q tiles back
   to the producer as soon as it has read them (the next block's q loads during the rest of the
-  epilogue), else all of them after the statistics' store."""
+  epilogue), else all of them after the statistics' store; ``norm_warpgroup``: a second
+  consumer warpgroup runs the attention (WGMMAs) while the first does the norm work (u_h, z_h,
+  the epilogue, the stores), handing tiles over per head through barriers."""
 
   block_kv: int = 64
   kv_stages: int = 2
   schedule: str = "serial"
   early_q_release: bool = False
+  norm_warpgroup: bool = False
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
@@ -149,12 +152,18 @@ class _Plan:
   kv_stages: int
   schedule: str
   early_q_release: bool
+  norm_warpgroup: bool
   act: Callable
   eps: float
   pre_layer_norm: bool
   inner_residual: bool
   outer_residual: bool
   save_attn: bool
+
+  @property
+  def consumers(self) -> int:
+    """Consumer warpgroups: the norm one (0) and, with ``norm_warpgroup``, the attention one."""
+    return 2 if self.norm_warpgroup else 1
 
   @property
   def uses_per_block(self) -> int:
@@ -195,7 +204,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
                block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, schedule=cfg.schedule,
-               early_q_release=cfg.early_q_release,
+               early_q_release=cfg.early_q_release, norm_warpgroup=cfg.norm_warpgroup,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_attn=save_attn)
@@ -210,7 +219,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
       out_type=tuple(out_type),
       grid=(table.shape[0],),
       grid_names=("item",),
-      num_threads=2,
+      num_threads=plan.consumers + 1,
       thread_name="wg",
       scratch_types=_scratch(plan, q.dtype, out_dtype),
       compiler_params=plgpu.CompilerParams(
@@ -259,6 +268,8 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
       k_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       v_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       kv_free=plgpu.Barrier(num_barriers=plan.kv_stages),
+      **(dict(u_ready=plgpu.Barrier(num_barriers=heads),
+              attn_ready=plgpu.Barrier(num_barriers=heads)) if plan.norm_warpgroup else {}),
   )
 
 
@@ -294,7 +305,7 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
   item = _Item.read(table_ref)
   wg = lax.axis_index("wg")
 
-  @pl.when(wg == 1)
+  @pl.when(wg == plan.consumers)
   def _producer():
     plgpu.set_max_registers(mgpu.PRODUCER_REGISTERS, action="decrease")
     _produce(plan, item, affine_ref, q_ref, k_ref, v_ref, smem)
@@ -304,6 +315,12 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
     plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
     _consume(plan, item, scales_ref, out_ref, stats_ref, attn_ref[0] if attn_ref else None,
              smem)
+
+  if plan.norm_warpgroup:
+    @pl.when(wg == 1)
+    def _attention():
+      plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
+      _consume_attention(plan, item, scales_ref, smem)
 
 
 def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) -> None:
@@ -483,15 +500,25 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
     plgpu.barrier_wait(smem["q_ready"].at[barrier])
   stats = _layer_norm_stats(plan, x_smem) if plan.pre_layer_norm else None
 
-  def attend(head):  # u_h → attention → attn_h over u_h; returns z_h² for Σz²
-    if plan.pre_layer_norm:  # u_h over q_h: the A operand of the score WGMMA
+  def write_u(head):  # u_h over q_h: the A operand of the score WGMMA
+    if plan.pre_layer_norm:
       u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
       x_smem.at[head][...] = u.astype(x_smem.dtype)
       plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
-    o = _attend_head(plan, x_smem.at[head], smem, block * plan.uses_per_block
-                     + head * plan.kv_steps, pre_scale)
-    attn = (o * post_scale).astype(x_smem.dtype)
-    x_smem.at[head][...] = attn  # the WGMMAs reading u_h are done (their result was read)
+
+  if plan.norm_warpgroup:  # every u_h at once: the attention warpgroup takes them in turn
+    @pl.loop(0, plan.num_heads)
+    def _publish(head):
+      write_u(head)
+      plgpu.barrier_arrive(smem["u_ready"].at[head])
+
+  def attend(head):  # u_h → attention → attn_h over u_h; returns z_h² for Σz²
+    if plan.norm_warpgroup:
+      plgpu.barrier_wait(smem["attn_ready"].at[head])
+      attn = plgpu.load(x_smem.at[head], layout=plgpu.Layout.WGMMA)
+    else:
+      write_u(head)
+      attn = _head_attention(plan, x_smem, head, block, smem, pre_scale, post_scale)
     if plan.save_attn:
       stores.attn(attn, rows, head)
     z = attn.astype(_F32)
@@ -527,6 +554,31 @@ def _release_q(smem, barrier) -> None:
   as the PTX memory model asks."""
   plgpu.commit_smem()
   plgpu.barrier_arrive(smem["q_free"].at[barrier])
+
+
+def _head_attention(plan: _Plan, x_smem, head, block, smem, pre_scale, post_scale):
+  """attn_h = post_scale · Σ act(pre_scale · u_h K_hᵀ) V_h of one q block, in q's dtype,
+  written over u_h (the WGMMAs reading u_h are done: their result was read) and returned."""
+  o = _attend_head(plan, x_smem.at[head], smem, block * plan.uses_per_block
+                   + head * plan.kv_steps, pre_scale)
+  attn = (o * post_scale).astype(x_smem.dtype)
+  x_smem.at[head][...] = attn
+  return attn
+
+
+def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
+  """The attention warpgroup (``norm_warpgroup``): per q block and head, waits for u_h from the
+  norm warpgroup, runs the head's attention and hands attn_h back in u_h's tile."""
+  @pl.when(jnp.logical_not(item.padding))
+  def _():
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      @pl.loop(0, plan.num_heads)
+      def _head(head):
+        plgpu.barrier_wait(smem["u_ready"].at[head])
+        _head_attention(plan, smem["x_smem"], head, block, smem, scales_ref[0], scales_ref[1])
+        plgpu.commit_smem()  # before the producer's TMA may overwrite the tile (next block)
+        plgpu.barrier_arrive(smem["attn_ready"].at[head])
 
 
 def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
