@@ -28,6 +28,10 @@ per sample, longest first, then chunks of padding rows); a CTA walks its sample'
   heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as the carry): unrolled
   statically, the H = 4 kernel ran about 4× slower on the H200 (benchmarks/NOTES.md).
 
+:class:`Config` holds variants of this schedule for a GPU A/B: the order of one head's WGMMAs
+(``schedule``), per-head release of the q tiles (``early_q_release``) and a third warpgroup
+that runs the attention while warpgroup 0 keeps the norm work (``norm_warpgroup``).
+
 attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
 then the norms in XLA) does; the statistics and the residual sums are float32. With
 ``save_attn`` the kernel also writes attn (T, H, D) for the backward (the RMSNorm backward needs
