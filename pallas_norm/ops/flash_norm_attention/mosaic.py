@@ -580,6 +580,8 @@ def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
       @pl.loop(0, plan.num_heads)
       def _head(head):
         plgpu.barrier_wait(smem["u_ready"].at[head])
+        if not plan.pre_layer_norm:  # WGMMA reads q_h as TMA wrote it: observe that load too
+          plgpu.barrier_wait(smem["q_ready"].at[2 * head])
         _head_attention(plan, smem["x_smem"], head, block, smem, scales_ref[0], scales_ref[1])
         plgpu.commit_smem()  # before the producer's TMA may overwrite the tile (next block)
         plgpu.barrier_arrive(smem["attn_ready"].at[head])
