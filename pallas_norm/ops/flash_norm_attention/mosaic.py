@@ -225,6 +225,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
       grid_names=("item",),
       num_threads=plan.consumers + 1,
       thread_name="wg",
+      kernel_name=_kernel_name(cfg),
       scratch_types=_scratch(plan, q.dtype, out_dtype),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -232,6 +233,15 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   )
   out, stats, *attn = call(table, scales, affine.astype(_F32), q, k, v)
   return (out, stats[:, :3], *attn)
+
+
+def _kernel_name(cfg: Config) -> str:
+  """The kernel's name in profiles and Mosaic's dumps: ``fna_fwd`` and the config's fields that
+  differ from the defaults (so an A/B's ptxas reports can be told apart)."""
+  default = Config()
+  tags = [f"{f.name}_{getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+          if getattr(cfg, f.name) != getattr(default, f.name)]
+  return "_".join(["fna_fwd", *tags]).lower()
 
 
 PADDING = 7
