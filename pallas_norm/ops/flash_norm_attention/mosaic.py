@@ -68,7 +68,7 @@ row-exact store starts TMA stores at any row of the SMEM tile, and TMA needs SME
 aligned to 128 bytes (32-byte rows gave CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
 
 
-SCHEDULES = ("serial", "chained", "overlapped")
+SCHEDULES = ("serial", "overlapped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -602,10 +602,9 @@ def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
   ``step`` sits in ring slot ``(first_use + step) % kv_stages``.
 
   Schedules (:attr:`Config.schedule`): "serial" runs each step's score WGMMA, act, then its
-  P·V WGMMA to completion; "chained" issues the next step's score WGMMA right behind the P·V
-  one (the tensor cores run both back to back, one wait for the two); "overlapped" issues the
-  next scores before the P·V and waits only for the scores (``wait_n=1``), so the next act runs
-  while the P·V is in flight (FA3's intra-warpgroup overlap)."""
+  P·V WGMMA to completion; "overlapped" issues the next scores before the P·V and waits only
+  for the scores (``wait_n=1``), so the next act runs while the P·V is in flight (FA3's
+  intra-warpgroup overlap)."""
   p_tile = smem["p_smem"]
   slot_of = lambda step: lax.rem(first_use + step, plan.kv_stages)  # noqa: E731
 
@@ -625,37 +624,22 @@ def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
   def release(step):  # the P·V reading the ring slot is done (waited before)
     plgpu.barrier_arrive(smem["kv_free"].at[slot_of(step)])
 
-  def first_scores(s_acc):
-    issue_scores(s_acc, 0)
-    return s_acc[...]  # waits for this WGMMA
+  def scores(step):  # issued and waited for
+    def run(s_acc):
+      issue_scores(s_acc, step)
+      return s_acc[...]
+    return pl.run_scoped(run, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
 
   def serial(o_acc):
     for step in range(plan.kv_steps):
-      s = pl.run_scoped(lambda s_acc, step=step: (issue_scores(s_acc, step), s_acc[...])[1],
-                        plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
-      write_p(s)
+      write_p(scores(step))
       issue_pv(o_acc, step)
       plgpu.wgmma_wait(0)
       release(step)
     return o_acc[...]
 
-  def chained(o_acc):
-    s = pl.run_scoped(first_scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
-    for step in range(plan.kv_steps):
-      write_p(s)
-      issue_pv(o_acc, step)
-      if step + 1 < plan.kv_steps:
-        def next_scores(s_acc, step=step):
-          issue_scores(s_acc, step + 1)
-          return s_acc[...]  # waits for the P·V and these scores
-        s = pl.run_scoped(next_scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
-      else:
-        plgpu.wgmma_wait(0)
-      release(step)
-    return o_acc[...]
-
   def overlapped(o_acc):
-    s = pl.run_scoped(first_scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+    s = scores(0)
     for step in range(plan.kv_steps):
       p = plan.act(s * pre_scale).astype(p_tile.dtype)  # overlaps the previous P·V
       if step > 0:
@@ -675,5 +659,5 @@ def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
     release(plan.kv_steps - 1)
     return o_acc[...]
 
-  body = dict(serial=serial, chained=chained, overlapped=overlapped)[plan.schedule]
+  body = dict(serial=serial, overlapped=overlapped)[plan.schedule]
   return pl.run_scoped(body, plgpu.ACC((BLOCK_Q, plan.head_dim), _F32))
