@@ -153,6 +153,53 @@ def test_float16_dense_kv_64():
   _check([64, 1], 72, 1, 64, "gelu", dtype=jnp.float16, lkv=64, seed=2, pre=1.1, post=0.6)
 
 
+def _poison_kv(k, v, kv_offsets, samples):
+  """k, v with some keys and values of each of ``samples`` NaN / inf (dense), or every packed
+  row of those samples NaN (jagged)."""
+  for s in samples:
+    if kv_offsets is None:
+      k, v = k.at[s, 3].set(jnp.nan), v.at[s, 5].set(jnp.inf)
+    else:
+      rows = slice(int(kv_offsets[s]), int(kv_offsets[s + 1]))
+      k, v = k.at[rows].set(jnp.nan), v.at[rows].set(jnp.nan)
+  return k, v
+
+
+@pytest.mark.parametrize("kv", ["dense", "jagged"])
+def test_nan_kv_stays_in_its_sample(kv):
+  """A NaN or inf in one sample's K/V reaches no gradient of another sample, as in the
+  reference. Samples 1 (its q rows share a q block with samples 0 and 3) and 2 (no q rows)
+  poisoned; D = 64, so dQ runs in the dQ kernel (an accumulator per sample, empty samples
+  skipped). Jagged: sample 1's keys share kv blocks with its neighbours' (the dQ kernel zeroes
+  K's rows outside the sample in SMEM). The fused dQ (dense, D = 128) holds one sample's K and
+  stores only its rows by construction."""
+  lengths, poisoned = [5, 40, 0, 27], (1, 2)
+  kw = (dict(lkv=64) if kv == "dense" else dict(kv_lengths=[3, 9, 5, 70], kv_capacity=88))
+  q, k, v, q_offsets, kv_offsets, do = _inputs(4, lengths, 80, 1, 64, jnp.bfloat16, **kw)
+  k, v = _poison_kv(k, v, kv_offsets, poisoned)
+  grads = gb.gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, activation="silu", pre_scale=0.7,
+                      post_scale=1.3, interpret=True)
+  grads = jax.block_until_ready(grads)
+  assert not mgpu.races_found(), "the interpreter's race detector reported a race"
+  ref, _ = _reference_grads(q, k, v, q_offsets, kv_offsets, do, "silu", 0.7, 1.3)
+  q_rows = np.ones(q.shape[0], bool)  # other samples' rows and dq's padding rows
+  kv_rows = np.ones(k.shape[0], bool)
+  for s in poisoned:
+    q_rows[int(q_offsets[s]):int(q_offsets[s + 1])] = False
+    if kv_offsets is None:
+      kv_rows[s] = False
+    else:
+      kv_rows[int(kv_offsets[s]):int(kv_offsets[s + 1])] = False
+  if kv_offsets is not None:
+    kv_rows[int(kv_offsets[-1]):] = False  # NaN padding: its (zero) gradient checked elsewhere
+  for name, got, want, rows in zip(("dq", "dk", "dv"), grads[:3], ref[:3],
+                                   (q_rows, kv_rows, kv_rows)):
+    got = np.asarray(got, np.float32)[rows]
+    assert np.all(np.isfinite(got)), f"{name}: NaN/inf outside the poisoned samples"
+    assert _rel_err(got, np.asarray(want)[rows]) < TOL, name
+  assert not np.any(np.asarray(grads[0][int(q_offsets[-1]):], np.float32))
+
+
 @pytest.mark.parametrize("activation", ["relu2", "leaky_relu"])
 def test_piecewise_activations(activation):
   """The kernels with the piecewise activations (relu and identity: the derivative test and

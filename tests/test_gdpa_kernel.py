@@ -115,6 +115,27 @@ def test_streamed_kv_ring_wraps():
          config=configs.Config(block_kv=64, q_stages=1, kv_stages=2))
 
 
+def test_nan_kv_stays_in_its_sample():
+  """A NaN in the packed K/V of samples 1 (q rows sharing q blocks with samples 0 and 3; keys
+  sharing 8-row windows and key blocks with its neighbours') and 2 (no q rows) reaches no
+  output row of another sample, as in the reference. (Dense K/V: a work item reads only its
+  sample's K/V and stores only its rows.)"""
+  q, k, v, qo, ko = _problem(13, [5, 40, 0, 27], 1, 64, kv_lens=[3, 9, 5, 70])
+  for s in (1, 2):
+    rows = slice(int(ko[s]), int(ko[s + 1]))
+    k, v = k.at[rows].set(jnp.nan), v.at[rows].set(jnp.nan)
+  out = jax.block_until_ready(mosaic.gdpa_fwd(q, k, v, qo, ko, jnp.float32(0.7),
+                                              jnp.float32(1.3), activation="silu",
+                                              max_kv_len=None, interpret=True))
+  assert not mgpu.races_found(), "the interpreter's race detector reported a race"
+  ref = reference.gdpa(*(x.astype(jnp.float32) for x in (q, k, v)), qo, ko, activation="silu",
+                       pre_scale=0.7, post_scale=1.3, max_seq_len=40)
+  rows = np.r_[0:5, 45:q.shape[0]]  # samples 0 and 3, and the padding rows
+  got = np.asarray(out, np.float32)[rows]
+  assert np.all(np.isfinite(got)), "NaN/inf outside the poisoned samples"
+  assert _rel_err(got, np.asarray(ref)[rows]) < TOL
+
+
 def test_persistent_rounds_dense_kv():
   """Many items per CTA (2 persistent CTAs in interpret mode, 9 samples and a padding chunk):
   the next item's K/V loaded into the other of two buffers while the current one runs, buffers

@@ -40,14 +40,14 @@ EPS = 1e-6
 # op (eager dispatch compiled each op for each new shape: about half of a case's CPU time).
 
 
-@functools.partial(jax.jit, static_argnames=("norm",))
-def _fold(w, scale, bias, norm):
-  """diag(scale)·w in w's dtype, col_sum = 1ᵀ(that) in f32 (layer), out_bias = biasᵀ w (f32)."""
-  wf = w.astype(jnp.float32)
-  w_gamma = w if scale is None else (scale[:, None] * wf).astype(w.dtype)
-  col_sum = jnp.sum(w_gamma.astype(jnp.float32), axis=0) if norm == "layer" else None
-  out_bias = None if bias is None else bias @ wf
-  return w_gamma, col_sum, out_bias
+# diag(scale)·w in w's dtype, col_sum = 1ᵀ(that) in f32 (layer), out_bias = biasᵀ w (f32): the
+# public op's fold, jitted as a user's program would run it.
+_fold = jax.jit(nm_xla.fold_affine, static_argnames=("norm",))
+
+EXCESS_PRECISION = {"xla_cpu_experimental_onednn_custom_call": True}
+"""Compiler options under which XLA:CPU runs simplify-fp-conversions, the pass XLA:GPU runs by
+default (``xla_allow_excess_precision``): it turns ``v.astype(f16).astype(f32)`` into the
+unrounded v (on the CPU only for float16)."""
 
 
 @functools.partial(jax.jit, static_argnames=("m", "k", "n", "dtype", "mu", "affine"))
@@ -69,9 +69,9 @@ _reference = jax.jit(reference.norm_matmul, static_argnames=("norm", "eps", "ret
 
 
 def _run_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None, interpret=True,
-                   seed=0, y_tol=1e-2):
+                   seed=0, y_tol=1e-2, fold=_fold):
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
-  w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
+  w_gamma, col_sum, out_bias = fold(w, scale, bias, norm)
   y, mean, rstd = nmk.norm_matmul_fwd(x, w_gamma, col_sum, out_bias, norm=norm, eps=EPS,
                                       out_dtype=dtype, interpret=interpret, config=config)
   y = jax.block_until_ready(y)
@@ -139,6 +139,14 @@ FORWARD_CASES = [
 @pytest.mark.parametrize("m,k,n,dtype,norm,mu,affine,config", FORWARD_CASES)
 def test_forward_matches_reference(m, k, n, dtype, norm, mu, affine, config):
   _run_and_check(m, k, n, dtype, norm, mu=mu, affine=affine, config=config)
+
+
+def test_layer_large_mean_with_the_fold_compiled_like_xla_gpu():
+  """col_sum must sum the W_γ the kernel reads, also where XLA widens the fold's f32 → f16 → f32
+  pair (XLA:GPU under jit): summing the unrounded diag(scale)·w made y 19% off here (bf16 on the
+  H200: 190%; the lazy form multiplies col_sum's error by the row mean)."""
+  fold = jax.jit(nm_xla.fold_affine, static_argnames=("norm",), compiler_options=EXCESS_PRECISION)
+  _run_and_check(77, 128, 64, jnp.float16, "layer", mu=1e3, fold=fold)
 
 
 def test_plain_gemm():
@@ -369,6 +377,19 @@ def test_gpu_layer_large_mean(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [
+    TileConfig(stats_once=True), TileConfig(max_concurrent_steps=3, pipeline="ring",
+                                            delay_release=1)])
+def test_gpu_layer_large_mean_configs(config):
+  """Rows of mean 1e3 (where an error of the shift or the statistics, invisible at mean 0, is
+  multiplied by the mean) through the other schedules at M % 8 == 0 (x stages tiled for WGMMA):
+  statistics once per row block (later N tiles read them from SMEM), and the shared ring with
+  a WGMMA in flight over several tiles per CTA."""
+  _run_and_check(8192, 512, 1024, jnp.bfloat16, "layer", mu=1e3, config=config,
+                 interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
     TileConfig(tile_m=256, tile_n=128), TileConfig(stats_once=True),
     TileConfig(epi_tile_n=32, stats_once=True, delay_release=1),
     TileConfig(max_concurrent_steps=3, pipeline="ring", delay_release=1),
@@ -396,29 +417,47 @@ def _reference_forward_and_dx(x, w, scale, bias, dy, *, norm):
 
 
 def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
-                      interpret=True, seed=0, tol=1e-2, fused=False):
+                      interpret=True, seed=0, tol=1e-2, fused=False, x_hat=False,
+                      x_hat_ones=False):
   """The dx kernel, fed the reference forward's y and statistics, against jax.grad of the
   f32 reference (the cotangent is rounded to ``dtype`` first, so both see the same dy).
   ``fused``: the kernel computes the row terms itself from y (rounded to ``dtype``, as the
-  forward kernel returns it), out_bias and col_sum."""
+  forward kernel returns it), out_bias and col_sum. ``x_hat``: the kernel also returns x̂,
+  checked against (x − mean) · rstd in f32 to its rounding; ``x_hat_ones``: with its block of
+  ones columns at the end (the padding columns between finite)."""
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
   dy = jax.random.normal(jax.random.key(seed + 1000), (m, n), jnp.float32).astype(dtype)
   y, stats, dx_ref = _reference_forward_and_dx(x, w, scale, bias, dy, norm=norm)
   w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
   if fused:
-    dx = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, mean=stats.mean, y=y.astype(dtype),
-                            out_bias=out_bias, col_sum=col_sum, interpret=interpret,
-                            config=config)
+    out = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, mean=stats.mean, y=y.astype(dtype),
+                             out_bias=out_bias, col_sum=col_sum, return_x_hat=x_hat,
+                             x_hat_ones=x_hat_ones, interpret=interpret, config=config)
   else:
     y_term, c_term = nm_xla.row_terms(dy, y, col_sum, out_bias, stats.rstd, k)
-    dx = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, y_term, stats.mean, c_term,
-                            interpret=interpret, config=config)
-  dx = jax.block_until_ready(dx)
+    out = nmb.norm_matmul_dx(dy, w_gamma, x, stats.rstd, y_term, stats.mean, c_term,
+                             return_x_hat=x_hat, x_hat_ones=x_hat_ones, interpret=interpret,
+                             config=config)
+  dx, x_hat_out = jax.block_until_ready(out) if x_hat else (jax.block_until_ready(out), None)
   if interpret:
     assert not mgpu.races_found(), "the interpreter's race detector reported a race"
   assert dx.shape == (m, k) and dx.dtype == jnp.dtype(dtype)
   assert bool(jnp.all(jnp.isfinite(dx))), "some outputs were never written (NaN-filled)"
   assert _rel_err(dx, dx_ref) < tol
+  if x_hat:
+    centered = x.astype(jnp.float32) - (0.0 if stats.mean is None else stats.mean[:, None])
+    want = centered * stats.rstd[:, None]
+    assert x_hat_out.dtype == jnp.dtype(dtype)
+    assert bool(jnp.all(jnp.isfinite(x_hat_out))), "some x̂ outputs were never written"
+    if x_hat_ones:
+      assert x_hat_out.shape[0] == m and x_hat_out.shape[1] > k
+      assert bool(jnp.all(x_hat_out[:, -1] == 1)), "the ones column was not written"
+      x_hat_out = x_hat_out[:, :k]
+    assert x_hat_out.shape == (m, k)
+    # One rounding of an f32 value to dtype: within half an ulp (2⁻⁹ relative for bf16).
+    ulp = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
+    err = jnp.abs(x_hat_out.astype(jnp.float32) - want)
+    assert bool(jnp.all(err <= ulp * jnp.abs(want) + 1e-6)), float(jnp.max(err))
 
 
 DX_CASES = [
@@ -444,6 +483,59 @@ def test_dx_kernel_matches_autodiff(m, k, n, dtype, norm, mu, affine, config):
   _run_dx_and_check(m, k, n, dtype, norm, mu=mu, affine=affine, config=config)
 
 
+# x̂ as a second output of the dx epilogue (the weight gradients' GEMM operand): M tails, a
+# partial column tile and several tiles per CTA (the x̂ slot reused across tiles), large row
+# means, the fused row terms on the shared ring.
+# With x_hat_ones the ones block follows K padded to whole column tiles (K = 320, tile_n 192:
+# 64 padding columns, then the block), stored by each row block's last column tile. One x̂ slot
+# per warpgroup but where two cost no stage (the fused cases).
+X_HAT_CASES = [
+    # m, k, n, dtype, norm, mu, config, fused, ones
+    (200, 320, 128, jnp.bfloat16, "rms", 0.0, None, False, True),
+    (5, 128, 192, jnp.float16, "layer", 1e3, TileConfig(tile_m=256, tile_n=128, epi_tile_n=32),
+     False, True),
+    (77, 192, 128, jnp.bfloat16, "layer", 0.0, TileConfig(
+        tile_m=128, tile_n=64, tile_k=32, max_concurrent_steps=3, pipeline="ring",
+        delay_release=1), True, True),
+    # 2 x̂ slots (fused, 32-wide steps leave room) used in turn by 4 epilogue tiles per tile
+    (77, 128, 128, jnp.bfloat16, "layer", 0.0, TileConfig(tile_m=128, tile_n=128, tile_k=32,
+                                                          epi_tile_n=32), True, False),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,norm,mu,config,fused,ones", X_HAT_CASES)
+def test_dx_kernel_returns_x_hat(m, k, n, dtype, norm, mu, config, fused, ones):
+  _run_dx_and_check(m, k, n, dtype, norm, mu=mu, config=config, fused=fused, x_hat=True,
+                    x_hat_ones=ones)
+
+
+@pytest.mark.parametrize("m,k,n,norm,fused,ones", [
+    # the default at 512²: fused row terms, 32-wide steps, ones column (a norm bias)
+    (262144, 512, 512, "layer", True, True),
+    (262144, 512, 2048, "layer", False, True),
+    (262144 + 77, 512, 2048, "rms", False, False),  # M % 8 != 0: dy untiled, A from registers
+])
+def test_dx_with_x_hat_lowers_for_hopper(m, k, n, norm, fused, ones):
+  spec = jax.ShapeDtypeStruct
+  row, col = spec((m,), jnp.float32), spec((n,), jnp.float32)
+  layer_row = row if norm == "layer" else None
+  if fused:
+    fn = lambda dy, w, x, r, mu, y, ob, cs: nmb.norm_matmul_dx(
+        dy, w, x, r, mean=mu, y=y, out_bias=ob, col_sum=cs, return_x_hat=True,
+        x_hat_ones=ones)
+    extra = (layer_row, spec((m, n), jnp.bfloat16), col, col if norm == "layer" else None)
+  else:
+    fn = lambda dy, w, x, r, yt, mu, ct: nmb.norm_matmul_dx(dy, w, x, r, yt, mu, ct,
+                                                            return_x_hat=True, x_hat_ones=ones)
+    extra = (row, layer_row, layer_row)
+  exported = export.export(jax.jit(fn), platforms=["cuda"])(
+      spec((m, n), jnp.bfloat16), spec((k, n), jnp.bfloat16), spec((m, k), jnp.bfloat16), row,
+      *extra)
+  assert "mosaic_gpu" in exported.mlir_module()
+  # 128×256 tiles, 64×32 epilogue tiles: a 32-column ones block after K = 512
+  assert [a.shape for a in exported.out_avals] == [(m, k), (m, k + 32 if ones else k)]
+
+
 def test_dx_bad_arguments_raise():
   dy = jnp.ones((8, 64), jnp.bfloat16)
   w = jnp.ones((128, 64), jnp.bfloat16)
@@ -459,6 +551,10 @@ def test_dx_bad_arguments_raise():
     nmb.norm_matmul_dx(dy.astype(jnp.float16), w, x, r, r, interpret=True)
   with pytest.raises(ValueError, match="K = 96"):
     nmb.norm_matmul_dx(dy, w[:96], x[:, :96], r, r, interpret=True)
+  with pytest.raises(ValueError, match="x_hat_ones needs return_x_hat"):
+    nmb.norm_matmul_dx(dy, w, x, r, r, x_hat_ones=True, interpret=True)
+  with pytest.raises(TypeError, match="return_x_hat"):
+    nmb.norm_matmul_dx(dy, w, x, r, r, return_x_hat="yes", interpret=True)
 
 
 @pytest.mark.parametrize("m,k,n,norm,config", [
@@ -635,6 +731,20 @@ def test_dx_fused_row_terms_lower_for_hopper(m, k, n, norm, bias, config):
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_dx(m, k, n, norm, fused):
   _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False, fused=fused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm,fused", [
+    (4096 + 77, 512, 512, "layer", True),  # the default at 512²: fused row terms
+    (8192, 512, 2048, "layer", False),
+    (8192 + 77, 512, 2048, "rms", False),  # M % 8 != 0: dy untiled, A from registers
+    (4096, 512, 512, "rms", False),
+])
+def test_gpu_dx_x_hat(m, k, n, norm, fused):
+  """dx and x̂ from the same epilogue at real sizes (the backward's default with x̂; LayerNorm
+  with the ones column, as with a norm bias)."""
+  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False, fused=fused, x_hat=True,
+                    x_hat_ones=norm == "layer")
 
 
 @pytest.mark.gpu

@@ -486,14 +486,19 @@ def _kv_block(plan: _Plan, item: _Item, ref, step):
   return ref.at[item.kv_win, pl.ds(step * plan.block_kv, plan.block_kv), item.head]
 
 
-def _zero_v_rows_outside(plan: _Plan, item: _Item, tile, step) -> None:
-  """Zeroes the rows of V block ``step`` that are not the sample's keys [kv_lo, kv_hi) (rows of
-  other samples or K/V padding, maybe NaN, and 0 · NaN = NaN in P·V)."""
-  rows = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0,
-                                layout=plgpu.Layout.WGMMA) + step * plan.block_kv
+def zero_rows_outside(tile, first_row, lo, hi) -> None:
+  """Zeroes the rows of an SMEM ``tile`` (rows, cols) whose index ``first_row + i`` is not in
+  [lo, hi): rows of other samples or of the padding in a block a WGMMA multiplies by a masked
+  (zero) operand, which may be NaN, and 0 · NaN = NaN. A load, a select and a store of the tile
+  by one warpgroup; the caller commits (``plgpu.commit_smem``) before a WGMMA reads it."""
+  rows = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0, layout=plgpu.Layout.WGMMA) + first_row
   values = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
-  tile[...] = jnp.where((rows >= item.kv_lo) & (rows < item.kv_hi), values,
-                        jnp.zeros_like(values))
+  tile[...] = jnp.where((rows >= lo) & (rows < hi), values, jnp.zeros_like(values))
+
+
+def _zero_v_rows_outside(plan: _Plan, item: _Item, tile, step) -> None:
+  """Zeroes the rows of V block ``step`` that are not the sample's keys [kv_lo, kv_hi)."""
+  zero_rows_outside(tile, step * plan.block_kv, item.kv_lo, item.kv_hi)
 
 
 class _ResidentKV:

@@ -23,17 +23,21 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   at a barrier, and each computes and stores half of dQ's columns for the sample's rows. A few
   extra CTAs write zeros over dq's padding rows.
 * **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
-  head (64 per consumer) and loops over the kv blocks (64 rows) of every sample the block
-  overlaps. Each dq row is written once by its block; rows of no sample (padding) come out as
-  exact zeros.
+  head (64 per consumer) and loops over the kv blocks (64 rows) of every sample with q rows in
+  the block, into an accumulator of that sample's own, of which it stores the sample's rows.
+  Each dq row is written once; rows of no sample (padding) are written as zeros.
 
 Q and kv blocks are *aligned* (block i covers packed rows [64·i, 64·i + 64)) because Mosaic's
 tiled TMA, which the swizzled WGMMA operands need, addresses rows in groups of 8; rows of a
 block that belong to another sample are masked out of every product with selects. A select
-cannot stop ``0 · NaN`` inside a WGMMA, so the one block that reaches past the last offset
-(padding rows, never data: they may hold anything) is read from a small zero-padded copy that
-the wrapper gathers (``*_tail``); rows of a neighbouring sample are real tokens and must be
-finite (a non-finite token makes the neighbour's gradients NaN too, not silently wrong ones).
+cannot stop ``0 · NaN`` inside a WGMMA, so a non-finite K or V token must not meet another
+sample's rows in a product: the one block that reaches past the last offset (padding rows,
+never data) is read from a small zero-padded copy that the wrapper gathers (``*_tail``); the
+dQ kernel zeroes packed K's rows outside the sample in SMEM before dS·K, and keeps one
+accumulator per sample (dS's zero rows of the other samples times a NaN key fill those rows
+with NaN, which are never stored). Not so for q and dO: a non-finite q or dO token of one
+sample reaches dK/dV of the samples whose q blocks share its aligned 64-row block (the dK/dV
+loop's products Aᵀ dO and dSᵀ Q), as a NaN, never a silently wrong value.
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
 capacity T, except for writing zeros over dq's padding rows. The dK/dV tiles run
@@ -53,6 +57,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu, reference
+from pallas_norm.mgpu.store import row_store_smem, store_rows
+from pallas_norm.ops.gdpa.mosaic import zero_rows_outside
 
 __all__ = ["gdpa_bwd", "unsupported_reason", "act_and_grad", "BLOCK"]
 
@@ -511,14 +517,18 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
   tail_block = None if plan.dense else kv_off_ref[plan.batch] // BLOCK
 
   def kv_span(s):
-    """(views of k and v, first kv block, blocks, valid rows [lo, hi)) of sample s."""
+    """(views of k and v, first kv block, blocks, valid rows [lo, hi)) of sample s; no blocks
+    for a sample without q rows (its keys meet no row of dq)."""
+    has_q = q_off_ref[s + 1] > q_off_ref[s]
     if plan.dense:
       views = (k_ref.at[s, :, h, :], v_ref.at[s, :, h, :])
-      return views, 0, _cdiv(plan.kv_rows, BLOCK), 0, plan.kv_rows
+      blocks = jnp.where(has_q, _cdiv(plan.kv_rows, BLOCK), 0)
+      return views, 0, blocks, 0, plan.kv_rows
     lo, hi = kv_off_ref[s], kv_off_ref[s + 1]
-    return (k_ref.at[:, h, :], v_ref.at[:, h, :]), *_block_span(lo, hi), lo, hi
+    block0, blocks = _block_span(lo, hi)
+    return (k_ref.at[:, h, :], v_ref.at[:, h, :]), block0, jnp.where(has_q, blocks, 0), lo, hi
 
-  def scoped(ring_allocs, qdo_smem, qdo_barrier, op_smem):
+  def scoped(ring_allocs, qdo_smem, qdo_barrier, op_smem, dq_smem, k_edges_zeroed):
     ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
@@ -549,29 +559,44 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
       pre = scales_ref[0]
       ids = _tile_ids()
 
-      def with_acc(dq_acc):
-        def sample(s, step):
-          q_lo, q_hi = q_off_ref[s], q_off_ref[s + 1]
-          _, block0, blocks, kv_lo, kv_hi = kv_span(s)
+      def store(tile, lo, hi):
+        """dq rows [row0 + lo, row0 + hi) from rows [lo, hi) of the (BLOCK, D) tile."""
+        store_rows(tile.astype(dtype), dq_smem.at[wg], lambda rows, cols: dq_ref.at[rows, h, cols],
+                   row0, lo, hi - lo)
 
+      def sample(s, step):
+        """dQ of the rows of sample s in this consumer's block, in an accumulator of its own:
+        the WGMMA also fills the rows of other samples (dS rows of 0 times K), NaN where K
+        is, and those rows are not stored."""
+        q_lo, q_hi = q_off_ref[s], q_off_ref[s + 1]
+        _, block0, blocks, kv_lo, kv_hi = kv_span(s)
+
+        def with_acc(dq_acc):
           def body(idxs, k_stage, v_stage, carry):
             (j,) = idxs
             col0 = (block0 + j) * BLOCK
+            if not plan.dense:
+              _zero_k_edges(k_stage, k_edges_zeroed.at[lax.rem(step + j, STAGES)], col0,
+                            kv_lo, kv_hi)
             valid = _box(ids, q_lo - row0, q_hi - row0, kv_lo - col0, kv_hi - col0)
             _dq_step(plan, pre, valid, q_smem, do_smem, k_stage, v_stage, dq_acc,
                      op_smem.at[wg, 0])
             return carry
 
           mgpu.ring_k_loop(ring, step, blocks, (), body)
-          return step + blocks
+          lo = jnp.clip(q_lo - row0, 0, BLOCK)
+          hi = jnp.clip(q_hi - row0, 0, BLOCK)
+          pl.when(hi > lo)(lambda: store(dq_acc[...] * (pre * scales_ref[1]), lo, hi))
 
-        _sample_loop(first, count, sample, jnp.int32(0))
-        q_smem[...] = (dq_acc[...] * (pre * scales_ref[1])).astype(dtype)  # Q is no longer read
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[pl.ds(row0, BLOCK), h, :])
-        plgpu.wait_smem_to_gmem(0)
+        pl.run_scoped(with_acc, plgpu.ACC((BLOCK, d)))
+        return step + blocks
 
-      pl.run_scoped(with_acc, plgpu.ACC((BLOCK, d)))
+      _sample_loop(first, count, sample, jnp.int32(0))
+      # Rows past the last offset belong to no sample: zeros.
+      lo = jnp.clip(q_off_ref[plan.batch] - row0, 0, BLOCK)
+      zeros = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
+      pl.when(lo < BLOCK)(lambda: store(zeros, lo, BLOCK))
+      plgpu.wait_smem_to_gmem(0)
 
     mgpu.warp_specialize(producer, consumer)
 
@@ -581,8 +606,28 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
       plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its Q and dO copies
       _operand_smem(1, dtype),  # per consumer: dS
+      row_store_smem(BLOCK, d, dtype, count=2),  # per consumer: its dq rows on the way out
+      plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # per stage: K's edge rows zeroed
       collective_axes="wg",
   )
+
+
+def _zero_k_edges(k_stage, zeroed, col0, kv_lo, kv_hi) -> None:
+  """Packed k: a kv block that reaches outside the sample's keys [kv_lo, kv_hi) holds rows of
+  other samples (real tokens, maybe NaN); dS is 0 there but 0 · NaN = NaN in dS·K, so consumer
+  0 zeroes those rows of the (shared) K stage and arrives on ``zeroed``, consumer 1 waits for
+  it. Both run before their first read of the stage; the forward does the same to V."""
+  wg = lax.axis_index("wg")
+
+  @pl.when((col0 < kv_lo) | (col0 + BLOCK > kv_hi))
+  def _():
+    @pl.when(wg == 0)
+    def _zero():
+      zero_rows_outside(k_stage, col0, kv_lo, kv_hi)
+      plgpu.commit_smem()  # the generic-proxy writes, before WGMMA (async proxy) reads them
+      plgpu.barrier_arrive(zeroed)
+
+    pl.when(wg == 1)(lambda: plgpu.barrier_wait(zeroed))
 
 
 def _dq_step(plan: _Plan, pre, valid, q_smem, do_smem, k_stage, v_stage, dq_ref,
@@ -662,7 +707,9 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     q_offsets: int32 (B+1,) offsets of q; kv_offsets: int32 (B+1,) offsets of packed k/v, or
       None for dense k/v. The caller has validated them (:func:`pallas_norm.ops.gdpa.check_args`).
     do: (T, H, D) cotangent of the output (cast to q's dtype). Its padding rows and those of q
-      (and of packed k/v) may hold anything; rows of real tokens must be finite.
+      (and of packed k/v) may hold anything. A non-finite k/v token reaches only
+      its sample's gradients; a non-finite q or dO token also makes dk/dv NaN for the samples whose
+      q rows share its aligned 64-row block.
     activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
     pre_scale, post_scale: real scalars: Python numbers or 0-d arrays (traced ones included).
     max_seq_len, max_kv_len: accepted for the common interface; the kernels do not need them.

@@ -22,8 +22,12 @@ epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`); its two row scalars
 ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy and y,
 or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`, where it was
 measured faster),
-from the dx kernel's own K loop, which then streams y next to dy. dW_γ and the rest stay in
-XLA.
+from the dx kernel's own K loop, which then streams y next to dy. The weight gradients are XLA
+GEMMs: for LayerNorm (and RMSNorm with K < N, :func:`.configs.x_hat_pays`) the dx kernel's
+epilogue also writes the normalized input x̂ = (x − mean) ⊙ rstd from the x tile it holds, and
+dW_γ = x̂ᵀ dy is one GEMM with nothing to scale or correct (with a norm bias, x̂ ends with a
+ones column, so the same GEMM gives Σ_i dy_i for the bias's terms); otherwise (RMSNorm, K ≥ N)
+dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass.
 
 The ``"xla"`` implementation is :func:`.xla.norm_matmul`: the unfused reference's math
 (:func:`pallas_norm.reference.norm_matmul`; the lazy form for 16-bit RMSNorm), differentiated by
@@ -147,21 +151,30 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   del norm, eps, out_dtype, config  # the dx kernel picks its own tiling (its output is (M, K))
   x, w, scale, norm_bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
   dy = cotangents[0]  # the stats outputs are not differentiated (see norm_matmul)
-  dx = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd,
-                   interpret=implementation == "interpret")
-  return (dx, *xla.weight_grads(dy, x, w, scale, norm_bias, mean, rstd))
+  x_hat = configs.x_hat_pays(x.shape[1], y.shape[1], "layer" if mean is not None else "rms")
+  out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd,
+                    interpret=implementation == "interpret", x_hat=x_hat,
+                    x_hat_ones=(x_hat and norm_bias is not None
+                                and configs.ones_column_pays(x.shape[1], y.shape[1])))
+  if x_hat:
+    dx, x_hat = out
+    return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias))
+  return (out, *xla.rms_weight_grads(dy, x, w, scale, norm_bias, rstd))
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret):
+def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, x_hat,
+                x_hat_ones=False):
   """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue, the dx
-  kernel."""
+  kernel; ``(dx, x̂)`` with ``x_hat`` (the same epilogue writes x̂; with ``x_hat_ones`` x̂ ends
+  with a ones column, so dW_γ's GEMM also sums dy's columns for the bias's gradients)."""
   norm = "rms" if mean is None else "layer"
 
   def dx_kernel(**row_args):
-    dx_call = functools.partial(mosaic_bwd.norm_matmul_dx, interpret=interpret)
+    dx_call = functools.partial(mosaic_bwd.norm_matmul_dx, return_x_hat=x_hat,
+                                x_hat_ones=x_hat_ones, interpret=interpret)
     names = tuple(row_args)
     return _op.first_order_only(
         "norm_matmul", lambda *a: dx_call(*a[:4], **dict(zip(names, a[4:]))),

@@ -11,10 +11,18 @@ from __future__ import annotations
 # forward+backward (RMS 3077 vs 2540 µs), so the limit stays at 1024 (issue 4).
 KERNEL_DEFAULT_MAX_KN = {"layer": 1024, "rms": 1024}
 
+RMS_WIDE_MAX_K, RMS_WIDE_MAX_N = 512, 2048
+"""RMSNorm also takes the kernel for K ≤ 512 up to N = 2048, where the backward's x̂ (M × K)
+replaces XLA's scaled dy (M × N). H200, 2026-12-02 (CUPTI, bf16, 262144×512×2048, the suite):
+fwd+bwd 2853.9 vs XLA's 3383.5 µs, forward 853 vs 851 (the suite at c22661a). LayerNorm at the
+same shape stays on XLA: fwd+bwd 3271.9 vs 2925.5 with x̂ (its row terms still take an XLA
+pass over dy and y, M × 2048 each)."""
+
 
 def kernel_slower_reason(k: int, n: int, norm: str) -> str | None:
   limit = KERNEL_DEFAULT_MAX_KN[norm]
-  if k > limit or n > limit:
+  wide_rms = norm == "rms" and k <= RMS_WIDE_MAX_K and n <= RMS_WIDE_MAX_N
+  if (k > limit or n > limit) and not wide_rms:
     return (f"K = {k}, N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA "
             "in training on the H200 (pass implementation='mosaic' to force it)")
   return None
@@ -40,3 +48,30 @@ def fused_row_terms_pay(k: int, n: int, norm: str) -> bool:
   """Whether the dx kernel computes its own row terms for x (M, k) @ w (k, n): LayerNorm up to
   :data:`FUSED_ROW_TERMS_MAX_KN`."""
   return norm == "layer" and max(k, n) <= FUSED_ROW_TERMS_MAX_KN
+
+
+def x_hat_pays(k: int, n: int, norm: str) -> bool:
+  """Whether the backward takes x̂ from the dx kernel (``norm_matmul_dx(...,
+  return_x_hat=True)``) and forms dW_γ = x̂ᵀ dy, instead of scaling dy in an XLA pass
+  (``rstd ⊙ dy``, M × N written and read again by the GEMM; RMSNorm only,
+  :func:`.xla.rms_weight_grads`).
+
+  Bytes per row (16-bit): x̂ costs 2K written by the dx kernel (in its epilogue, which the
+  tensor core waits for: ~60-80 µs at 262144×512² by the bytes); it saves the scaled dy's 2N
+  written by XLA. LayerNorm always takes x̂ (the uncentered form also needs the rank-1 term
+  ``Σ_i rstd_i mean_i dy_i``, one more column reduction over M × N, whose cancellation for
+  rows with a large mean needs matching roundings); RMSNorm where K < N, the bytes saved more
+  than those added (at K = N it is a wash by the bytes, and the kernel's write, unlike XLA's,
+  delays the tensor core). Chosen from those bytes; not measured on the H200 yet
+  (benchmarks/NOTES.md, pre-norm backward)."""
+  return norm == "layer" or k < n
+
+
+def ones_column_pays(k: int, n: int) -> bool:
+  """Whether, with x̂ and a norm bias, x̂ ends with a ones block (``norm_matmul_dx(...,
+  x_hat_ones=True)``) so that dW_γ's GEMM also gives Σ_i dy_i, instead of a column reduction
+  over dy (M × N read). The GEMM grows by one epilogue tile of K (32 or 64 rows of its
+  output: 6-12% at K = 512, M × 64 bytes more read) against 2N bytes per row of dy read:
+  fewer bytes at every K, N ≥ 64. Chosen from those bytes; not measured on the H200 yet."""
+  del k, n
+  return True

@@ -56,6 +56,15 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   with 8 (65536×2048²): ``benchmarks/NOTES.md``, pre-norm backward. Needs y in dy's dtype
   (``norm_matmul`` otherwise keeps the XLA pass).
 
+x̂ as a second output (``return_x_hat``; ``norm_matmul``'s backward for LayerNorm, and RMSNorm
+with K < N): the epilogue has each x tile in registers with rstd and mean, so it also writes
+x̂ = (x − mean) ⊙ rstd, and the weight gradients are the plain GEMM dW_γ = x̂ᵀ dy instead of a
+GEMM of ``rstd ⊙ dy`` scaled by an XLA pass (M × N written and read again) with a rank-1
+correction (a column sum over M × N). x̂ goes through :data:`X_HAT_SLOTS` SMEM slots per
+warpgroup (one where two would cost a pipeline stage) and TMA stores, interleaved with dx's.
+``x_hat_ones`` appends a block of ones columns, so the same GEMM's last row is Σ_i dy_i (the
+column sums of a norm bias's gradients).
+
 Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` over the (M, K) output tiles
 (A: dy (tile_m, tile_k); B: w_gamma (tile_n, tile_k), read transposed; the reduction runs over N
 in steps of tile_k) with the hooks of :class:`_DxHooks`. Each consumer owns an SMEM buffer of
@@ -82,7 +91,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_norm import mgpu
+from pallas_norm import _validate, mgpu
 from pallas_norm.mgpu import TileConfig
 from pallas_norm.mgpu import gemm as gemm_core
 from pallas_norm.ops.norm_matmul import mosaic as forward
@@ -103,7 +112,8 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
   return forward.unsupported_reason(m, k, n, dtype)
 
 
-def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> TileConfig:
+def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
+                x_hat: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
   K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options.
 
@@ -112,14 +122,17 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False) -> Til
   default tile shape). On the H200 (2026-11-30, two runs, 128×256 tiles) 4 stages of 32 against
   2 of 64: 262144×512², 0.98 and 1.00× LayerNorm, 0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and
   1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no load
-  would overlap a WGMMA at all.
+  would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes x̂): the same rule with one
+  x̂ slot's SMEM counted (at the default tiles of 262144×512×512 and ×2048 it changes nothing).
   """
   fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
                    epi_tile_n=fwd.epi_tile_n)
   # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
-  if fused_row_terms and _stages_that_fit(cfg, jnp.bfloat16, True, True, 2) < 3:
+  n_vecs = _n_vecs(True, fused_row_terms, True)
+  if ((fused_row_terms or x_hat)
+      and _stages_that_fit(cfg, jnp.bfloat16, True, fused_row_terms, n_vecs, x_hat) < 3):
     cfg = dataclasses.replace(cfg, tile_k=32)
   return cfg
 
@@ -134,6 +147,9 @@ class _Plan(gemm_core.KLoopFacts):
   layer: bool
   fused: bool  # the kernel computes y_term / c_term from y (fused row terms)
   has_bias: bool  # fused: out_bias is subtracted from y
+  x_hat: bool  # the epilogue also writes x̂ = (x − mean) ⊙ rstd, the weight gradients' operand
+  x_hat_ones: bool  # x̂ has a block of ones columns after its k_iters · tile_n columns
+  x_hat_slots: int  # x̂ staging slots per consumer warpgroup (0 without x̂)
   cfg: TileConfig
   kloop: gemm_core.KLoop
   num_ctas: int  # persistent CTAs
@@ -164,6 +180,10 @@ class _Plan(gemm_core.KLoopFacts):
   def chunks(self) -> tuple[int, int]:  # epilogue tiles per warpgroup (along M, along K)
     return self.cfg.wg_tile_m // self.cfg.epi_tile_m, self.cfg.tile_n // self.epi_n
 
+  @property
+  def x_hat_width(self) -> int:  # x̂'s columns: K, or K padded to whole tiles + the ones block
+    return self.k_iters * self.cfg.tile_n + self.epi_n if self.x_hat_ones else self.k
+
 
 def _n_rows(layer: bool, fused: bool) -> int:
   return (1 if fused else 2) * (2 if layer else 1)
@@ -190,39 +210,62 @@ def _streams(cfg: TileConfig, dtype, a_in_registers: bool, fused: bool,
   return streams
 
 
-def _smem(cfg: TileConfig, dtype, n_rows: int) -> dict:
+def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat_slots: int = 0) -> dict:
   """SMEM besides the stages, per consumer warpgroup: its (tile_m/2, tile_n) slice of x as
-  untiled epilogue tiles (dx overwrites them in place), the row vectors, and the barrier their
-  TMA copies arrive on (one arrival per copy)."""
+  untiled epilogue tiles (dx overwrites them in place), the row vectors, the barrier their
+  TMA copies arrive on (one arrival per copy) and ``x_hat_slots`` epilogue tiles' slots for
+  x̂ (their TMA stores read them while the next epilogue tiles are computed)."""
   epi_n = forward._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   chunks = (cfg.wg_tile_m // cfg.epi_tile_m) * (cfg.tile_n // epi_n)
+  tile_transforms = mgpu.swizzle_transforms(epi_n, dtype, tiled=False)
   return dict(
-      x_smem=plgpu.SMEM((2, chunks, cfg.epi_tile_m, epi_n), dtype,
-                        transforms=mgpu.swizzle_transforms(epi_n, dtype, tiled=False)),
+      x_smem=plgpu.SMEM((2, chunks, cfg.epi_tile_m, epi_n), dtype, transforms=tile_transforms),
+      x_hat_smem=(plgpu.SMEM((2, x_hat_slots, cfg.epi_tile_m, epi_n), dtype,
+                             transforms=tile_transforms) if x_hat_slots else None),
       row_smem=plgpu.SMEM((2, n_rows, cfg.wg_tile_m), jnp.float32),
       in_barrier=plgpu.Barrier(num_arrivals=chunks + n_rows, num_barriers=2))
 
 
-def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int) -> int:
+def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int,
+                     x_hat: bool = False) -> int:
   """Pipeline stages that fit in SMEM next to the epilogue's buffers (not capped)."""
   return gemm_core.fit_stages(cfg, _streams(cfg, dtype, False, fused, n_vecs),
-                              _smem(cfg, dtype, _n_rows(layer, fused)))
+                              _smem(cfg, dtype, _n_rows(layer, fused), int(x_hat)))
 
 
-def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False) -> _Plan:
+X_HAT_SLOTS = 2
+"""x̂ slots per consumer warpgroup where they cost no pipeline stage (else 1): an epilogue tile
+waits, before it writes its x̂, for the store of the x̂ written ``X_HAT_SLOTS`` tiles before
+(with one slot, the store issued just before: its read-out is not hidden by the little work of
+one epilogue tile)."""
+
+
+def _x_hat_slots(cfg: TileConfig, dtype, streams, n_rows: int) -> int:
+  """:data:`X_HAT_SLOTS` when the stages that fit next to them are as many as next to one."""
+  def stages(slots):
+    return min(cfg.max_concurrent_steps,
+               gemm_core.fit_stages(cfg, streams, _smem(cfg, dtype, n_rows, slots)))
+  return X_HAT_SLOTS if stages(X_HAT_SLOTS) >= stages(1) else 1
+
+
+def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False,
+               x_hat=False, x_hat_ones=False) -> _Plan:
   mgpu.reject_unused_options(cfg, "dx", ("stats_once",))
   has_bias = fused and has_bias
   # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
   a_in_registers = not interpret and m % 8 != 0
   red_iters = n // cfg.tile_k
+  streams = _streams(cfg, dtype, a_in_registers, fused, _n_vecs(layer, fused, has_bias))
+  x_hat_slots = _x_hat_slots(cfg, dtype, streams, _n_rows(layer, fused)) if x_hat else 0
   kloop = gemm_core.plan_k_loop(
-      cfg, _streams(cfg, dtype, a_in_registers, fused, _n_vecs(layer, fused, has_bias)),
-      red_iters, _smem(cfg, dtype, _n_rows(layer, fused)), a_in_registers=a_in_registers,
-      what=" next to the x tile of the epilogue"
-      + (" (with the y stage of the fused row terms)" if fused else ""))
+      cfg, streams, red_iters, _smem(cfg, dtype, _n_rows(layer, fused), x_hat_slots),
+      a_in_registers=a_in_registers, what=" next to the x tile of the epilogue"
+      + (" (with the y stage of the fused row terms)" if fused else "")
+      + (" (with the x̂ slot)" if x_hat else ""))
   units = -(-m // cfg.tile_m) * -(-k // cfg.tile_n)
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
-               has_bias=has_bias, cfg=cfg, kloop=kloop,
+               has_bias=has_bias, x_hat=x_hat, x_hat_ones=x_hat and x_hat_ones,
+               x_hat_slots=x_hat_slots, cfg=cfg, kloop=kloop,
                num_ctas=mgpu.persistent_clusters(1, units, interpret),
                epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
                x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1))
@@ -281,11 +324,13 @@ class _DxHooks(gemm_core.Hooks):
   and the epilogue ``rstd ⊙ acc − y_term ⊙ (x − mean) − c_term`` written over the x tile in
   SMEM and stored by TMA. SMEM: :func:`_smem`."""
 
-  def __init__(self, plan: _Plan, wg, refs, x_gmem, row_gmems, dx_gmem):
+  def __init__(self, plan: _Plan, wg, refs, x_gmem, row_gmems, dx_gmem, x_hat_gmem):
     self.plan, self.wg, self.x_gmem, self.row_gmems, self.dx_gmem = (plan, wg, x_gmem,
                                                                      row_gmems, dx_gmem)
+    self.x_hat_gmem = x_hat_gmem
     self.x_smem, self.row_smem, self.in_barrier = (refs["x_smem"], refs["row_smem"],
                                                    refs["in_barrier"])
+    self.x_hat_smem = refs["x_hat_smem"]
 
   def _chunk_window(self, ref, tile, ci, cj):
     cfg, epi_m, epi_n = self.plan.cfg, self.plan.cfg.epi_tile_m, self.plan.epi_n
@@ -326,10 +371,28 @@ class _DxHooks(gemm_core.Hooks):
     return _update_row_sums(self.plan, sums, dy.astype(jnp.float32), y.astype(jnp.float32),
                             vec_smem[0] if vec_smem else None)
 
+  def _store_ones_block(self, tile):
+    """The last column tile of a row block also stores x̂'s ones block (all ones, one epilogue
+    tile wide, after the padded K columns) for its rows, from x̂ slot 0: no store is pending
+    here (the x prefetch waited for the previous tile's), and the first x̂ of this epilogue
+    (slot 0 too) waits for these."""
+    plan, wg = self.plan, self.wg
+    epi_m, epi_n = plan.cfg.epi_tile_m, plan.epi_n
+    cols = lax.broadcasted_iota(jnp.int32, (epi_m, epi_n), 1)
+    self.x_hat_smem.at[wg, 0][...] = plgpu.layout_cast(
+        jnp.where(cols >= 0, 1.0, 0.0).astype(plan.dtype), plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    row0 = tile.m_idx * plan.cfg.tile_m + wg * plan.cfg.wg_tile_m
+    for ci in range(plan.chunks[0]):
+      plgpu.copy_smem_to_gmem(self.x_hat_smem.at[wg, 0], self.x_hat_gmem.at[
+          pl.ds(row0 + ci * epi_m, epi_m), pl.ds(plan.x_hat_width - epi_n, epi_n)])
+
   def epilogue(self, tile, acc, sums):
     plan, wg = self.plan, self.wg
     epi_m, epi_n = plan.cfg.epi_tile_m, plan.epi_n
     chunks_m, chunks_n = plan.chunks
+    if plan.x_hat_ones:
+      pl.when(tile.n_idx == plan.k_iters - 1)(lambda: self._store_ones_block(tile))
     plgpu.barrier_wait(self.in_barrier.at[wg])
     rows = [plgpu.load(self.row_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
             for i in range(plan.n_rows)]
@@ -345,8 +408,20 @@ class _DxHooks(gemm_core.Hooks):
         dx = acc[ms, ns] * rstd[ms, ns] - y_term[ms, ns] * xv
         if plan.layer:
           dx = dx - c_term[ms, ns]
+        if plan.x_hat:
+          # Two stores per epilogue tile (x̂, then dx): x̂ slot c % slots is free once the x̂
+          # store of tile c − slots has read it, i.e. when at most the 2·slots − 1 stores
+          # issued after it are pending; in the first tile, once the ones block's stores have
+          # (all that is pending then: the x prefetch waited for the previous tile's).
+          c = ci * chunks_n + cj
+          x_hat_slot = self.x_hat_smem.at[wg, c % plan.x_hat_slots]
+          plgpu.wait_smem_to_gmem(0 if c == 0 and plan.x_hat_ones else 2 * plan.x_hat_slots - 1,
+                                  wait_read_only=True)
+          x_hat_slot[...] = (xv * rstd[ms, ns]).astype(plan.dtype)
         slot[...] = dx.astype(plan.dtype)  # in place: each thread rewrites what it read
         plgpu.commit_smem()
+        if plan.x_hat:
+          plgpu.copy_smem_to_gmem(x_hat_slot, self._chunk_window(self.x_hat_gmem, tile, ci, cj))
         plgpu.copy_smem_to_gmem(slot, self._chunk_window(self.dx_gmem, tile, ci, cj))
 
 
@@ -357,6 +432,7 @@ def _kernel(*refs, plan: _Plan):
   vec_gmem = next(it) if plan.n_vecs else None  # fused: [col_sum; out_bias] (n_vecs, N) f32
   row_gmems = [next(it) for _ in range(plan.n_rows)]  # rstd first, padded to whole row tiles
   dx_gmem = next(it)
+  x_hat_gmem = next(it) if plan.x_hat else None
   cfg = plan.cfg
   # The streams' GMEM operands beyond dy and w: all of y's columns, all of the vectors'.
   gmems = [r for r in (dy_gmem, w_gmem, y_gmem, vec_gmem) if r is not None]
@@ -366,8 +442,9 @@ def _kernel(*refs, plan: _Plan):
       windows=lambda t: [block(t), pl.ds(t.n_idx * cfg.tile_n, cfg.tile_n), block(t), None][
           :len(gmems)],
       schedule=gemm_core.tile_grid(plan.m_iters, plan.k_iters, cfg),
-      smem=_smem(cfg, plan.dtype, plan.n_rows),
-      hooks_for=lambda wg, refs: _DxHooks(plan, wg, refs, x_gmem, row_gmems, dx_gmem))
+      smem=_smem(cfg, plan.dtype, plan.n_rows, plan.x_hat_slots),
+      hooks_for=lambda wg, refs: _DxHooks(plan, wg, refs, x_gmem, row_gmems, dx_gmem,
+                                          x_hat_gmem))
 
 
 def _check_vector(name, v, size) -> None:
@@ -433,7 +510,8 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=Non
 
 
 def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *, y=None,
-                   out_bias=None, col_sum=None, interpret: bool = False,
+                   out_bias=None, col_sum=None, return_x_hat: bool = False,
+                   x_hat_ones: bool = False, interpret: bool = False,
                    config: TileConfig | None = None):
   """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``.
 
@@ -461,12 +539,22 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
     out_bias: (N,) float32 ``norm_biasᵀ w`` that the forward added to y, or None (no bias);
       only with y.
     col_sum: (N,) float32 ``1ᵀ w_gamma`` (LayerNorm: given exactly when mean is); only with y.
+    return_x_hat: also return the normalized input ``x̂ = (x − mean) ⊙ rstd`` (RMSNorm:
+      ``x ⊙ rstd``), written by the same epilogue from the x tile it already holds, so the
+      weight gradients become the plain GEMM ``dW_γ = x̂ᵀ dy`` (DESIGN.md, op 1) with no pass
+      of their own over dy.
+    x_hat_ones: with ``return_x_hat``, x̂ gets one more block of columns, all ones (one
+      epilogue tile wide), after K padded to whole column tiles (columns past K up to there
+      hold the normalized zero padding, finite): then the last row of ``x̂ᵀ dy`` is
+      ``Σ_i dy_i`` (the column sums a norm bias's gradient needs), from the same GEMM.
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
     config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given);
       tile_n runs over K, tile_k over N.
 
   Returns:
-    dx (M, K) in x's dtype; the products and sums run in float32.
+    dx (M, K) in x's dtype; the products and sums run in float32. With ``return_x_hat``,
+    ``(dx, x̂)``, x̂ (M, K) in x's dtype (rounded once from float32); with ``x_hat_ones`` too,
+    x̂ (M, K') whose first K columns are x̂ and last column is ones.
 
   Raises:
     ValueError: shapes the kernel does not support; rstd missing; a mix of the two row-term
@@ -477,14 +565,20 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
       an array.
   """
   _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y, out_bias, col_sum)
+  _validate.flag("return_x_hat", return_x_hat)
+  _validate.flag("x_hat_ones", x_hat_ones)
+  if x_hat_ones and not return_x_hat:
+    raise ValueError("x_hat_ones needs return_x_hat=True (it shapes the returned x̂)")
+  return_x_hat = bool(return_x_hat)
   m, n = dy.shape
   k = w_gamma.shape[0]
   fused = y is not None
-  cfg = config or pick_config(m, n, k, fused_row_terms=fused)
+  cfg = config or pick_config(m, n, k, fused_row_terms=fused, x_hat=return_x_hat)
   if n % cfg.tile_k:
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, fused=fused,
-                    has_bias=out_bias is not None)
+                    has_bias=out_bias is not None, x_hat=return_x_hat,
+                    x_hat_ones=bool(x_hat_ones))
   # Row vectors padded to whole row tiles: their 1-D copies never leave the arrays.
   m_pad = plan.m_iters * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
@@ -493,7 +587,10 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   fused_args = [y] if fused else []
   if plan.n_vecs:
     fused_args.append(jnp.stack([v for v in (col_sum, out_bias) if v is not None]))
+  out = jax.ShapeDtypeStruct((m, k), plan.dtype)
+  x_hat_out = jax.ShapeDtypeStruct((m, plan.x_hat_width), plan.dtype)
   call = gemm_core.kernel(functools.partial(_kernel, plan=plan),
-                          jax.ShapeDtypeStruct((m, k), plan.dtype), num_ctas=plan.num_ctas,
+                          (out, x_hat_out) if return_x_hat else out, num_ctas=plan.num_ctas,
                           interpret=interpret)
   return call(dy, w_gamma, x, *fused_args, *rows)
+

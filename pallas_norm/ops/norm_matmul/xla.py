@@ -12,9 +12,9 @@ over the output instead of the unfused form's pass over x before the product (th
 at K = N); the output is rounded twice (after the product and after the scaling), ≤ 2⁻⁸
 relative. Autodiff keeps 16-bit GEMMs in the backward. LayerNorm stays unfused: its lazy form
 subtracts ``mean ⊗ colsum(W_γ)``, whose gradient must cancel against the GEMM's for rows with a
-large mean, which plain autodiff of it does not arrange (the kernel's custom backward,
-:func:`weight_grads`, builds both from the same rounded values; without that, dw was 15-44% off
-for bf16 rows of mean 100-250). The unfused form's norm takes the one-pass derivative of
+large mean, which plain autodiff of it does not arrange (the kernel's custom backward forms
+dW_γ = x̂ᵀ dy from the centered x̂, :func:`weight_grads_from_x_hat`; built from uncentered x
+without matching roundings, dw was 15-44% off for bf16 rows of mean 100-250). The unfused form's norm takes the one-pass derivative of
 :mod:`pallas_norm.ops.norms.xla` (autodiff of the reference's LayerNorm chains seven row
 reductions).
 """
@@ -56,11 +56,29 @@ def _unfused(x, w, scale, norm_bias, *, norm, eps, out_dtype):
   return y, stats
 
 
+def _stored(v):
+  """``v`` (just rounded to a 16-bit dtype) as the array in memory, for a sum that must see the
+  values a kernel or GEMM reads: ``col_sum = 1ᵀW_γ`` cancels against products of the
+  rounded W_γ, for rows with a large mean (the backward's dW_γ = x̂ᵀ dy has no such sum: x̂
+  is centered).
+
+  Under ``jit`` XLA:GPU does not keep ``v.astype(f32)`` rounded: with its default
+  ``xla_allow_excess_precision`` the simplify-fp-conversions pass turns the pair
+  ``f32 → bf16 → f32`` into the unrounded f32 value. A col_sum of the unrounded
+  ``diag(scale)·w`` is off by W_γ's rounding summed over K, which the lazy form multiplies by
+  the row mean: for LayerNorm rows of mean 1e3 y is then 190% off in bf16 and 20% in f16 (the
+  jitted kernel tests on the H200; XLA:CPU does the same for float16 when it runs the pass,
+  ``tests/test_norm_matmul_kernel.py``). No pass looks through an optimization barrier (XLA:GPU
+  removes it only after scheduling)."""
+  return lax.optimization_barrier(v)
+
+
 def fold_affine(w, scale, bias, norm):
-  """The folded operands ``(W_γ in w.dtype, c (N,) f32 or None, b (N,) f32 or None)``."""
+  """The folded operands ``(W_γ in w.dtype, c (N,) f32 or None, b (N,) f32 or None)``: c is
+  the column sums of the stored W_γ (:func:`_stored`), the rounded values the kernels read."""
   wf = w.astype(_F32)
   w_gamma = w if scale is None else (scale.astype(_F32)[:, None] * wf).astype(w.dtype)
-  col_sum = jnp.sum(w_gamma.astype(_F32), axis=0) if norm == "layer" else None
+  col_sum = jnp.sum(_stored(w_gamma).astype(_F32), axis=0) if norm == "layer" else None
   out_bias = None if bias is None else jnp.matmul(bias.astype(_F32), wf,
                                                   precision=lax.Precision.HIGHEST)
   return w_gamma, col_sum, out_bias
@@ -151,24 +169,47 @@ def guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
                  w_gamma, out_bias, fast)
 
 
-def weight_grads(dy, x, w, scale, bias, mean, rstd):
-  """(dw, dscale, dbias) from dW_γ = xᵀ (rstd ⊙ dy) − 1_K ⊗ Σ_i rstd_i mean_i dy_i (XLA).
-
-  rstd ⊙ dy is rounded to x's dtype for the GEMM, and the rank-1 term is built from those
-  same rounded values: for rows with a large mean both terms are large and must cancel, which
-  they do only if they see the same numbers (else 15-44% errors in dw for bf16 rows of mean
-  100-250)."""
+def rms_weight_grads(dy, x, w, scale, bias, rstd):
+  """RMSNorm's (dw, dscale, dbias) from dW_γ = xᵀ (rstd ⊙ dy) (XLA), rstd ⊙ dy rounded to x's
+  dtype for the GEMM: the backward's choice where K ≥ N, where this scaled dy (M × N) is
+  no larger than the x̂ (M × K) of :func:`weight_grads_from_x_hat`. (LayerNorm always takes x̂:
+  its uncentered form would subtract 1_K ⊗ Σ_i rstd_i mean_i dy_i, two large terms that
+  cancel for rows with a large mean.)"""
   dy_scaled = (rstd[:, None] * dy.astype(_F32)).astype(x.dtype)
-  dw_gamma = jnp.matmul(x.T, dy_scaled, preferred_element_type=_F32,
-                        precision=lax.Precision.HIGHEST)
-  if mean is not None:
-    dw_gamma = dw_gamma - jnp.sum(mean[:, None] * dy_scaled.astype(_F32), axis=0)[None, :]
+  return affine_grads(_transposed_product(x, dy_scaled), dy, w, scale, bias)
+
+
+def weight_grads_from_x_hat(dy, x_hat, w, scale, bias):
+  """(dw, dscale, dbias) from dW_γ = x̂ᵀ dy, with x̂ = (x − mean) ⊙ rstd (RMSNorm: x ⊙ rstd) as
+  the dx kernel writes it (``norm_matmul_dx(..., return_x_hat=True)``): one GEMM, no pass
+  over dy to scale it and no rank-1 correction (x̂ is centered, so nothing cancels).
+
+  x̂ wider than w's K rows (``x_hat_ones``: its last column is ones) makes the product's last
+  row Σ_i dy_i, the column sums of dy that a bias's gradients need, in the same GEMM instead
+  of a reduction pass over dy (f32 accumulation of exact products, as that pass would)."""
+  k = w.shape[0]
+  product = _transposed_product(x_hat, dy)
+  dy_colsum = product[-1] if x_hat.shape[1] > k else None
+  return affine_grads(product[:k], dy, w, scale, bias, dy_colsum)
+
+
+def _transposed_product(a, b):
+  """aᵀ b (float32) for a (M, K), b (M, N): the GEMM contracts the rows (no transpose pass)."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32,
+                         precision=lax.Precision.HIGHEST)
+
+
+def affine_grads(dw_gamma, dy, w, scale, bias, dy_colsum=None):
+  """(dw, dscale, dbias) from dW_γ (K, N) float32 (W_γ = diag(scale) w, out_bias = biasᵀ w):
+  dw = diag(scale) dW_γ + bias ⊗ Σ_i dy_i, dscale_k = Σ_n dW_γ[k, n] w[k, n],
+  dbias = w Σ_i dy_i; Σ_i dy_i (N,) f32 is reduced from dy unless ``dy_colsum`` gives it."""
   wf = w.astype(_F32)
   dw = dw_gamma if scale is None else scale.astype(_F32)[:, None] * dw_gamma
   dscale = None if scale is None else jnp.sum(dw_gamma * wf, axis=1).astype(scale.dtype)
   dbias = None
   if bias is not None:
-    dy_colsum = jnp.sum(dy.astype(_F32), axis=0)
+    if dy_colsum is None:
+      dy_colsum = jnp.sum(dy.astype(_F32), axis=0)
     dw = dw + bias.astype(_F32)[:, None] * dy_colsum[None, :]
     dbias = (wf @ dy_colsum).astype(bias.dtype)
   return dw.astype(w.dtype), dscale, dbias

@@ -1,13 +1,15 @@
 """``layer_norm`` for training: XLA forward, one-pass Pallas backward kernel.
 
-The forward is XLA's (it runs near copy bandwidth) and also returns the per-row statistics in
-float32. The backward is one Pallas kernel with the Triton lowering (any NVIDIA GPU that Pallas'
-Triton backend supports, not only Hopper; ``interpret=True`` runs it on the CPU). Each program
-owns a slab of rows and loops over blocks of ``block_m`` rows; per block it loads ``x`` (and
-``residual``), ``dy`` (and the cotangent of the residual stream ``s``), rebuilds ``x̂`` from the
-saved statistics, forms the two row sums in registers and writes ``ds`` once. ``dγ``/``dβ``
-partials stay in registers over the program's rows and are written once per program to a
-``(programs, N)`` float32 buffer that XLA sums afterwards (deterministic: no atomics).
+The forward is XLA's (one fused pass near copy bandwidth) and returns nothing but the outputs:
+handing the per-row statistics to the backward split it into three passes on the H200
+(benchmarks/NOTES.md, "Standalone norms"). The backward is one Pallas kernel with the Triton
+lowering (any NVIDIA GPU that Pallas' Triton backend supports, not only Hopper;
+``interpret=True`` runs it on the CPU). Each program owns a slab of rows and loops over blocks of
+``block_m`` full rows; per block it loads ``x`` (and ``residual``), ``dy`` (and the cotangent of
+the residual stream ``s``), recomputes the row statistics and ``x̂`` from the rows it holds in
+registers, forms the two row sums and writes ``ds`` once. ``dγ``/``dβ`` partials stay in
+registers over the program's rows and are written once per program to a ``(programs, N)``
+float32 buffer that XLA sums afterwards (deterministic: no atomics).
 
 The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
 zero-centered) and ``r`` the rstd::
@@ -16,11 +18,11 @@ zero-centered) and ``r`` the rstd::
     ds += cotangent of s (with a residual);  dx = d residual = ds
     dscale = Σ_rows dy ⊙ x̂,  dbias = Σ_rows dy
 
-LayerNorm's mean is saved as two float32 numbers per row, ``shift`` (the row's first element)
-and ``dmean`` (the mean of ``s − shift``), and ``x̂ = ((s − shift) − dmean) · r`` is rebuilt
-exactly as :func:`pallas_norm.reference.layer_norm` computes it: rows whose mean is large next
-to their spread keep their precision in the gradients too (a mean rounded to one float32 would
-cost up to ulp(mean)/std).
+The statistics are recomputed as :func:`pallas_norm.reference.layer_norm` computes them: the
+row shifted by its first element, the mean of the shifted values (``dmean``), the two-pass
+variance, ``x̂ = ((s − shift) − dmean) · r``: rows whose mean is large next to their spread keep
+their precision in the gradients too (a mean rounded to one float32 would cost up to
+ulp(mean)/std).
 
 RMSNorm has no kernel path: the same kernel's RMSNorm form was measured slower than XLA's
 autodiff (benchmarks/EXPERIMENTS.md), so :func:`unsupported_reason` refuses it.
@@ -152,16 +154,14 @@ def slower_reason(x_shape, x_dtype, has_residual: bool) -> str | None:
 
 
 def _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype):
-  """``(outputs, stats)``: outputs as the reference's (``y`` or ``(y, s)``, the same operations
-  as the XLA path :mod:`pallas_norm.ops.norms.xla`); stats the (M,) float32 rows
-  ``(shift, dmean, rstd)``."""
+  """The reference's outputs (``y`` or ``(y, s)``) by the same operations as the XLA path
+  (:mod:`pallas_norm.ops.norms.xla`). Nothing else leaves it: the statistics stay inside
+  XLA's one fused pass, and the kernel recomputes them."""
   s = xla.residual_sum(x, residual)
   stats = xla.row_stats(s, "layer", eps)
   y = xla.affine(xla.normalized(s, stats), scale, bias, zero_centered_scale)
   y = y.astype(out_dtype or x.dtype)
-  out = y if residual is None else (y, s.astype(x.dtype))
-  m = math.prod(x.shape[:-1])
-  return out, tuple(t.reshape(m) for t in stats)
+  return y if residual is None else (y, s.astype(x.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,20 +181,32 @@ class _Operands:
   def input_names(self):
     names = ["x"] + ["residual"] * self.residual + ["dy"] + ["ds_out"] * self.ds_out
     names += ["gamma"] * self.gamma
-    names += ["shift", "dmean", "rstd"]
     return names
 
   def output_names(self):
     return ["ds"] + ["dscale_part"] * self.gamma + ["dbias_part"] * self.dbias
 
 
-def _row_block_grads(load_tile, load_row, gamma, ops: _Operands, n: int):
+def _normalized_block(s, cols, n: int, eps: float):
+  """(x̂, rstd (block_m, 1)) of a block of full rows (masked entries 0), by the operations of
+  :func:`pallas_norm.ops.norms.xla.row_stats`: shift by the row's first element, the mean of
+  the shifted values, the two-pass variance. The rows are in registers: the statistics cost
+  row sums, no memory traffic."""
+  shift = jnp.sum(jnp.where(cols[None, :] == 0, s, 0.0), axis=1, keepdims=True)
+  inside = cols[None, :] < n  # padded columns stay 0 through the centering
+  d = jnp.where(inside, s - shift, 0.0)
+  dmean = jnp.sum(d, axis=1, keepdims=True) / n
+  centered = jnp.where(inside, d - dmean, 0.0)
+  rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1, keepdims=True) / n + eps)
+  return centered * rstd, rstd
+
+
+def _row_block_grads(load_tile, cols, gamma, ops: _Operands, n: int, eps: float):
   """One block of rows: (ds, x̂, dy) in float32, from the loaded tiles (masked entries 0)."""
   s = load_tile("x")
   if ops.residual:
     s = s + load_tile("residual")
-  rstd = load_row("rstd")[:, None]
-  xhat = ((s - load_row("shift")[:, None]) - load_row("dmean")[:, None]) * rstd
+  xhat, rstd = _normalized_block(s, cols, n, eps)
   dy = load_tile("dy")
   g = dy if gamma is None else dy * gamma[None, :]
   # Padded columns and rows have dy = 0, so g = 0 there: they add nothing to either row sum
@@ -208,7 +220,7 @@ def _row_block_grads(load_tile, load_row, gamma, ops: _Operands, n: int):
 
 
 def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m: int,
-                     rows_per_program: int):
+                     rows_per_program: int, eps: float):
   r = dict(zip(ops.input_names() + ops.output_names(), refs, strict=True))
   pid = pl.program_id(0)
   cols = jnp.arange(n_pad)
@@ -230,10 +242,7 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
     def load_tile(name):
       return pltriton.load(r[name].at[tile_at], mask=mask, other=0.0).astype(jnp.float32)
 
-    def load_row(name):
-      return pltriton.load(r[name].at[rows], mask=row_mask, other=0.0)
-
-    ds, xhat, dy = _row_block_grads(load_tile, load_row, gamma, ops, n)
+    ds, xhat, dy = _row_block_grads(load_tile, cols, gamma, ops, n, eps)
     pltriton.store(r["ds"].at[tile_at], ds.astype(r["ds"].dtype), mask=mask)
     dscale_acc, dbias_acc = partials
     if ops.gamma:
@@ -252,7 +261,8 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
       pltriton.store(r[name].at[part_at], jnp.sum(acc, axis=0), mask=col_mask)
 
 
-def _backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, inputs):
+def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpret: bool,
+                   inputs):
   """Runs the kernel; returns (ds (M, N), dscale partial sum or None, dbias partial or None)."""
   cfg = pick_config(m, n, interpret)
   n_pad = pl.next_power_of_2(n)
@@ -261,7 +271,7 @@ def _backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, in
   part = jax.ShapeDtypeStruct((programs * n_pad,), jnp.float32)
   out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * (ops.gamma + ops.dbias)
   kernel = functools.partial(_backward_kernel, ops=ops, m=m, n=n, n_pad=n_pad,
-                             block_m=cfg.block_m, rows_per_program=rows_per_program)
+                             block_m=cfg.block_m, rows_per_program=rows_per_program, eps=eps)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
@@ -283,18 +293,18 @@ def _backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, in
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _layer_norm(x, scale, bias, residual, eps, zero_centered_scale, out_dtype, interpret):
   del interpret
-  return _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)[0]
+  return _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)
 
 
 def _layer_norm_fwd(x, scale, bias, residual, eps, zero_centered_scale, out_dtype, interpret):
   del interpret
-  out, stats = _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)
-  return out, (x, scale, bias, residual, stats)
+  out = _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)
+  return out, (x, scale, bias, residual)
 
 
 def _layer_norm_bwd(eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
-  del eps, out_dtype
-  x, scale, bias, residual, stats = saved
+  del out_dtype
+  x, scale, bias, residual = saved
   dy, ds_out = (cotangent, None) if residual is None else cotangent
   n = x.shape[-1]
   m = math.prod(x.shape[:-1])
@@ -302,9 +312,10 @@ def _layer_norm_bwd(eps, zero_centered_scale, out_dtype, interpret, saved, cotan
                   gamma=scale is not None, dbias=bias is not None)
   gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
   tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
-  inputs = tiles + ([gamma] if ops.gamma else []) + list(stats)
+  inputs = tiles + ([gamma] if ops.gamma else [])
   ds, dscale, dbias = _op.first_order_only(
-      "layer_norm", lambda *a: _backward_call(ops, m, n, x.dtype, interpret, list(a)), *inputs)
+      "layer_norm", lambda *a: _backward_call(ops, m, n, eps, x.dtype, interpret, list(a)),
+      *inputs)
   ds = ds.reshape(x.shape)
   return (ds, None if scale is None else dscale.astype(scale.dtype),
           None if bias is None else dbias.astype(bias.dtype),
