@@ -28,6 +28,10 @@ per sample, longest first, then chunks of padding rows); a CTA walks its sample'
   heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as the carry): unrolled
   statically, the H = 4 kernel ran about 4× slower on the H200 (benchmarks/NOTES.md).
 
+:class:`Config` holds variants of this schedule for a GPU A/B: the order of one head's WGMMAs
+(``schedule``), per-head release of the q tiles (``early_q_release``) and a third warpgroup
+that runs the attention while warpgroup 0 keeps the norm work (``norm_warpgroup``).
+
 attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
 then the norms in XLA) does; the statistics and the residual sums are float32. With
 ``save_attn`` the kernel also writes attn (T, H, D) for the backward (the RMSNorm backward needs
@@ -64,18 +68,31 @@ row-exact store starts TMA stores at any row of the SMEM tile, and TMA needs SME
 aligned to 128 bytes (32-byte rows gave CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
 
 
+SCHEDULES = ("serial", "overlapped")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling: ``block_kv`` keys per WGMMA step (64; P is BLOCK_Q × block_kv), ``kv_stages``
-  slots of the K/V ring (>= 2)."""
+  slots of the K/V ring (>= 2), ``schedule`` of the WGMMAs of one head (:func:`_attend_head`;
+  one of :data:`SCHEDULES`); ``early_q_release``: the epilogue hands each head's q tiles back
+  to the producer as soon as it has read them (the next block's q loads during the rest of the
+  epilogue), else all of them after the statistics' store; ``norm_warpgroup``: a second
+  consumer warpgroup runs the attention (WGMMAs) while the first does the norm work (u_h, z_h,
+  the epilogue, the stores), handing tiles over per head through barriers."""
 
   block_kv: int = 64
   kv_stages: int = 2
+  schedule: str = "serial"
+  early_q_release: bool = False
+  norm_warpgroup: bool = False
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
     if self.kv_stages < 2:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool,
@@ -137,12 +154,20 @@ class _Plan:
   kv_steps: int
   block_kv: int
   kv_stages: int
+  schedule: str
+  early_q_release: bool
+  norm_warpgroup: bool
   act: Callable
   eps: float
   pre_layer_norm: bool
   inner_residual: bool
   outer_residual: bool
   save_attn: bool
+
+  @property
+  def consumers(self) -> int:
+    """Consumer warpgroups: the norm one (0) and, with ``norm_warpgroup``, the attention one."""
+    return 2 if self.norm_warpgroup else 1
 
   @property
   def uses_per_block(self) -> int:
@@ -182,7 +207,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   if kv_len % cfg.block_kv:
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
-               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages,
+               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, schedule=cfg.schedule,
+               early_q_release=cfg.early_q_release, norm_warpgroup=cfg.norm_warpgroup,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_attn=save_attn)
@@ -197,8 +223,9 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
       out_type=tuple(out_type),
       grid=(table.shape[0],),
       grid_names=("item",),
-      num_threads=2,
+      num_threads=plan.consumers + 1,
       thread_name="wg",
+      kernel_name=_kernel_name(cfg),
       scratch_types=_scratch(plan, q.dtype, out_dtype),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -206,6 +233,15 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   )
   out, stats, *attn = call(table, scales, affine.astype(_F32), q, k, v)
   return (out, stats[:, :3], *attn)
+
+
+def _kernel_name(cfg: Config) -> str:
+  """The kernel's name in profiles and Mosaic's dumps: ``fna_fwd`` and the config's fields that
+  differ from the defaults (so an A/B's ptxas reports can be told apart)."""
+  default = Config()
+  tags = [f"{f.name}_{getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+          if getattr(cfg, f.name) != getattr(default, f.name)]
+  return "_".join(["fna_fwd", *tags]).lower()
 
 
 PADDING = 7
@@ -242,10 +278,12 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
       vec_smem=plgpu.SMEM((3, heads, d), _F32),
       vec_ready=plgpu.Barrier(),
       q_ready=plgpu.Barrier(num_barriers=2 * heads),
-      q_free=plgpu.Barrier(),
+      q_free=plgpu.Barrier(num_barriers=heads),
       k_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       v_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       kv_free=plgpu.Barrier(num_barriers=plan.kv_stages),
+      **(dict(u_ready=plgpu.Barrier(num_barriers=heads),
+              attn_ready=plgpu.Barrier(num_barriers=heads)) if plan.norm_warpgroup else {}),
   )
 
 
@@ -281,7 +319,7 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
   item = _Item.read(table_ref)
   wg = lax.axis_index("wg")
 
-  @pl.when(wg == 1)
+  @pl.when(wg == plan.consumers)
   def _producer():
     plgpu.set_max_registers(mgpu.PRODUCER_REGISTERS, action="decrease")
     _produce(plan, item, affine_ref, q_ref, k_ref, v_ref, smem)
@@ -291,6 +329,12 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
     plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
     _consume(plan, item, scales_ref, out_ref, stats_ref, attn_ref[0] if attn_ref else None,
              smem)
+
+  if plan.norm_warpgroup:
+    @pl.when(wg == 1)
+    def _attention():
+      plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
+      _consume_attention(plan, item, scales_ref, smem)
 
 
 def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) -> None:
@@ -322,12 +366,13 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
       for use in range(prefetch):
         load_kv(block, use)
 
-      @pl.when(block > 0)
-      def _():
-        plgpu.barrier_wait(smem["q_free"])
-
       rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
       for head in range(plan.num_heads):
+        if plan.early_q_release or head == 0:
+          @pl.when(block > 0)
+          def _(head=head):  # the consumer's epilogue has read both copies of these tiles
+            plgpu.barrier_wait(smem["q_free"].at[head])
+
         for copy, name in enumerate(("x_smem", "res_smem")):
           plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[head],
                                   smem["q_ready"].at[2 * head + copy])
@@ -337,7 +382,8 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
     # Observe the releases no load waited for, so every barrier phase is consumed.
     @pl.when(item.q_blocks > 0)
     def _():
-      plgpu.barrier_wait(smem["q_free"])
+      for head in range(plan.num_heads if plan.early_q_release else 1):
+        plgpu.barrier_wait(smem["q_free"].at[head])
 
     uses = item.q_blocks * per_block
 
@@ -468,15 +514,25 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
     plgpu.barrier_wait(smem["q_ready"].at[barrier])
   stats = _layer_norm_stats(plan, x_smem) if plan.pre_layer_norm else None
 
-  def attend(head):  # u_h → attention → attn_h over u_h; returns z_h² for Σz²
-    if plan.pre_layer_norm:  # u_h over q_h: the A operand of the score WGMMA
+  def write_u(head):  # u_h over q_h: the A operand of the score WGMMA
+    if plan.pre_layer_norm:
       u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
       x_smem.at[head][...] = u.astype(x_smem.dtype)
       plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
-    o = _attend_head(plan, x_smem.at[head], smem, block * plan.uses_per_block
-                     + head * plan.kv_steps, pre_scale)
-    attn = (o * post_scale).astype(x_smem.dtype)
-    x_smem.at[head][...] = attn  # the WGMMAs reading u_h are done (their result was read)
+
+  if plan.norm_warpgroup:  # every u_h at once: the attention warpgroup takes them in turn
+    @pl.loop(0, plan.num_heads)
+    def _publish(head):
+      write_u(head)
+      plgpu.barrier_arrive(smem["u_ready"].at[head])
+
+  def attend(head):  # u_h → attention → attn_h over u_h; returns z_h² for Σz²
+    if plan.norm_warpgroup:
+      plgpu.barrier_wait(smem["attn_ready"].at[head])
+      attn = plgpu.load(x_smem.at[head], layout=plgpu.Layout.WGMMA)
+    else:
+      write_u(head)
+      attn = _head_attention(plan, x_smem, head, block, smem, pre_scale, post_scale)
     if plan.save_attn:
       stores.attn(attn, rows, head)
     z = attn.astype(_F32)
@@ -497,37 +553,111 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
     out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
     if plan.outer_residual:
       out = out + q
+    if plan.early_q_release:  # head's tiles are read: the next block's may load over them
+      _release_q(smem, head)
     stores.out(out, rows, head)
 
   stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
-  # x_smem and res_smem were read (and x_smem written) by the generic proxy: a proxy fence
-  # before the producer's TMA (async proxy) may overwrite them, as the PTX memory model asks.
+  if not plan.early_q_release:
+    _release_q(smem, 0)
+
+
+def _release_q(smem, barrier) -> None:
+  """Hands q tiles back to the producer. x_smem and res_smem were read (and x_smem written) by
+  the generic proxy: a proxy fence before the producer's TMA (async proxy) may overwrite them,
+  as the PTX memory model asks."""
   plgpu.commit_smem()
-  plgpu.barrier_arrive(smem["q_free"])
+  plgpu.barrier_arrive(smem["q_free"].at[barrier])
+
+
+def _head_attention(plan: _Plan, x_smem, head, block, smem, pre_scale, post_scale):
+  """attn_h = post_scale · Σ act(pre_scale · u_h K_hᵀ) V_h of one q block, in q's dtype,
+  written over u_h (the WGMMAs reading u_h are done: their result was read) and returned."""
+  o = _attend_head(plan, x_smem.at[head], smem, block * plan.uses_per_block
+                   + head * plan.kv_steps, pre_scale)
+  attn = (o * post_scale).astype(x_smem.dtype)
+  x_smem.at[head][...] = attn
+  return attn
+
+
+def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
+  """The attention warpgroup (``norm_warpgroup``): per q block and head, waits for u_h from the
+  norm warpgroup, runs the head's attention and hands attn_h back in u_h's tile."""
+  @pl.when(jnp.logical_not(item.padding))
+  def _():
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      @pl.loop(0, plan.num_heads)
+      def _head(head):
+        plgpu.barrier_wait(smem["u_ready"].at[head])
+        if not plan.pre_layer_norm:  # WGMMA reads q_h as TMA wrote it: observe that load too
+          plgpu.barrier_wait(smem["q_ready"].at[2 * head])
+        _head_attention(plan, smem["x_smem"], head, block, smem, scales_ref[0], scales_ref[1])
+        plgpu.commit_smem()  # before the producer's TMA may overwrite the tile (next block)
+        plgpu.barrier_arrive(smem["attn_ready"].at[head])
 
 
 def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
   """Σ over the key blocks of act(pre_scale · u_h K_hᵀ) V_h: (BLOCK_Q, D) f32. Key block
-  ``step`` sits in ring slot ``(first_use + step) % kv_stages``."""
+  ``step`` sits in ring slot ``(first_use + step) % kv_stages``.
+
+  Schedules (:attr:`Config.schedule`): "serial" runs each step's score WGMMA, act, then its
+  P·V WGMMA to completion; "overlapped" issues the next scores before the P·V and waits only
+  for the scores (``wait_n=1``), so the next act runs while the P·V is in flight (FA3's
+  intra-warpgroup overlap)."""
   p_tile = smem["p_smem"]
+  slot_of = lambda step: lax.rem(first_use + step, plan.kv_stages)  # noqa: E731
 
-  def accumulate(o_acc):
+  def issue_scores(s_acc, step):
+    plgpu.barrier_wait(smem["k_ready"].at[slot_of(step)])
+    plgpu.wgmma(s_acc, u_tile, smem["k_smem"].at[slot_of(step)].transpose((1, 0)))
+
+  def write_p(s):
+    # P goes through SMEM: the previous P·V has finished reading it (waited before).
+    p_tile[...] = plan.act(s * pre_scale).astype(p_tile.dtype)
+    plgpu.commit_smem()
+
+  def issue_pv(o_acc, step):
+    plgpu.barrier_wait(smem["v_ready"].at[slot_of(step)])
+    plgpu.wgmma(o_acc, p_tile, smem["v_smem"].at[slot_of(step)])
+
+  def release(step):  # the P·V reading the ring slot is done (waited before)
+    plgpu.barrier_arrive(smem["kv_free"].at[slot_of(step)])
+
+  def scores(step):  # issued and waited for
+    def run(s_acc):
+      issue_scores(s_acc, step)
+      return s_acc[...]
+    return pl.run_scoped(run, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+
+  def serial(o_acc):
     for step in range(plan.kv_steps):
-      slot = lax.rem(first_use + step, plan.kv_stages)
-      plgpu.barrier_wait(smem["k_ready"].at[slot])
-      plgpu.barrier_wait(smem["v_ready"].at[slot])
-
-      def scores(s_acc, slot=slot):
-        plgpu.wgmma(s_acc, u_tile, smem["k_smem"].at[slot].transpose((1, 0)))
-        return s_acc[...]  # waits for this WGMMA
-
-      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
-      # P goes through SMEM: the previous P·V has finished reading it (waited below).
-      p_tile[...] = plan.act(s * pre_scale).astype(p_tile.dtype)
-      plgpu.commit_smem()
-      plgpu.wgmma(o_acc, p_tile, smem["v_smem"].at[slot])
-      plgpu.wgmma_wait(0)  # the P·V reading the ring slot is done
-      plgpu.barrier_arrive(smem["kv_free"].at[slot])
+      write_p(scores(step))
+      issue_pv(o_acc, step)
+      plgpu.wgmma_wait(0)
+      release(step)
     return o_acc[...]
 
-  return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, plan.head_dim), _F32))
+  def overlapped(o_acc):
+    s = scores(0)
+    for step in range(plan.kv_steps):
+      p = plan.act(s * pre_scale).astype(p_tile.dtype)  # overlaps the previous P·V
+      if step > 0:
+        plgpu.wgmma_wait(0)  # the previous P·V has read P and its ring slot
+        release(step - 1)
+      p_tile[...] = p
+      plgpu.commit_smem()
+      if step + 1 < plan.kv_steps:
+        def next_scores(s_acc, step=step):
+          issue_scores(s_acc, step + 1)
+          issue_pv(o_acc, step)
+          return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # the scores, not the P·V
+        s = pl.run_scoped(next_scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      else:
+        issue_pv(o_acc, step)
+    plgpu.wgmma_wait(0)
+    release(plan.kv_steps - 1)
+    return o_acc[...]
+
+  body = dict(serial=serial, overlapped=overlapped)[plan.schedule]
+  return pl.run_scoped(body, plgpu.ACC((BLOCK_Q, plan.head_dim), _F32))
