@@ -9,28 +9,31 @@ Per token over all H·D features (DESIGN.md, op 4; :func:`pallas_norm.reference.
 Design: one CTA owns every head of a q block, so both norms reduce inside the CTA (no cluster
 exchange). Work items are the GDPA kernel's (:func:`pallas_norm.ops.gdpa.mosaic.work_items`: one
 per sample, longest first, then chunks of padding rows); a CTA walks its sample's q blocks of
-``BLOCK_Q`` rows. Two warpgroups:
+``BLOCK_Q`` rows. Three warpgroups, as the reference megakernel splits MMA warps from norm
+warps:
 
-* warpgroup 1, the TMA producer: per q block, the H tiles of q twice (a working copy and the
-  residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
-  ``kv_stages`` slots. The first ring slots of the next block load while the consumer finishes
-  the current one.
-* warpgroup 0, the consumer: the LayerNorm statistics (μ1, r1) of the block by two passes over
-  the H tiles in SMEM (mean, then the centred second moment: exact for rows with a large mean);
-  then per head: u_h = LN(q_h) written over the working copy of q_h (the A operand of the
-  score WGMMA; u never goes to GMEM), S = u_h K_hᵀ, act in registers, P through SMEM, O = P V_h,
-  attn_h = post·O rounded to q's dtype and written over u_h, Σz² accumulated across heads with
-  z_h = u_h + attn_h (u_h recomputed in f32 from the residual copy of q_h, not kept in
-  registers across the attention). After the last head: r2, then per head
-  out_h = (u_h + attn_h)·r2·γ2 + q_h with u_h recomputed from the residual copy, stored with the
-  row-exact TMA store (:func:`pallas_norm.mgpu.store.store_rows`), and the statistics
-  (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array). The loops over the
-  heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as the carry): unrolled
-  statically, the H = 4 kernel ran about 4× slower on the H200 (benchmarks/NOTES.md).
+* the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
+  and the residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
+  ``kv_stages`` slots. The first ring slots of the next block load while the consumers finish
+  the current one; the next block's q tiles of a head load as soon as the epilogue has read
+  them (one ``q_free`` barrier per head).
+* the norm warpgroup (:data:`NORM_WG`): the LayerNorm statistics (μ1, r1) of the block by two
+  passes over the H tiles in SMEM (mean, then the centred second moment: exact for rows with a
+  large mean), then every u_h = LN(q_h) written over the working copy of q_h (u never goes to
+  GMEM), each handed to the attention warpgroup (``u_ready``); per head, once attn_h is back
+  (``attn_ready``), Σz² across heads with z_h = u_h + attn_h (u_h recomputed in f32 from the
+  residual copy of q_h). After the last head: r2, then per head
+  out_h = (u_h + attn_h)·r2·γ2 + q_h, stored with the row-exact TMA store
+  (:func:`pallas_norm.mgpu.store.store_rows`), the head's q tiles released, and the statistics
+  (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
+* the attention warpgroup (:data:`ATTENTION_WG`): per head, S = u_h K_hᵀ, act in registers,
+  P through SMEM, O = P V_h per key block (each step's WGMMAs run to completion), then
+  attn_h = post·O rounded to q's dtype, written over u_h.
 
-:class:`Config` holds variants of this schedule for a GPU A/B: the order of one head's WGMMAs
-(``schedule``), per-head release of the q tiles (``early_q_release``) and a third warpgroup
-that runs the attention while warpgroup 0 keeps the norm work (``norm_warpgroup``).
+The loops over the heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as
+the carry): unrolled statically, the H = 4 kernel ran about 4× slower on the H200. The
+single-consumer schedule and an overlapped WGMMA order (next scores issued before the P·V) were
+measured slower than this one (benchmarks/EXPERIMENTS.md).
 
 attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
 then the norms in XLA) does; the statistics and the residual sums are float32. With
@@ -68,31 +71,22 @@ row-exact store starts TMA stores at any row of the SMEM tile, and TMA needs SME
 aligned to 128 bytes (32-byte rows gave CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
 
 
-SCHEDULES = ("serial", "overlapped")
+NORM_WG, ATTENTION_WG, PRODUCER_WG = 0, 1, 2
+"""The warpgroups of the kernel (see the module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling: ``block_kv`` keys per WGMMA step (64; P is BLOCK_Q × block_kv), ``kv_stages``
-  slots of the K/V ring (>= 2), ``schedule`` of the WGMMAs of one head (:func:`_attend_head`;
-  one of :data:`SCHEDULES`); ``early_q_release``: the epilogue hands each head's q tiles back
-  to the producer as soon as it has read them (the next block's q loads during the rest of the
-  epilogue), else all of them after the statistics' store; ``norm_warpgroup``: a second
-  consumer warpgroup runs the attention (WGMMAs) while the first does the norm work (u_h, z_h,
-  the epilogue, the stores), handing tiles over per head through barriers."""
+  slots of the K/V ring (>= 2)."""
 
   block_kv: int = 64
   kv_stages: int = 2
-  schedule: str = "serial"
-  early_q_release: bool = False
-  norm_warpgroup: bool = False
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
     if self.kv_stages < 2:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
-    if self.schedule not in SCHEDULES:
-      raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool,
@@ -154,20 +148,12 @@ class _Plan:
   kv_steps: int
   block_kv: int
   kv_stages: int
-  schedule: str
-  early_q_release: bool
-  norm_warpgroup: bool
   act: Callable
   eps: float
   pre_layer_norm: bool
   inner_residual: bool
   outer_residual: bool
   save_attn: bool
-
-  @property
-  def consumers(self) -> int:
-    """Consumer warpgroups: the norm one (0) and, with ``norm_warpgroup``, the attention one."""
-    return 2 if self.norm_warpgroup else 1
 
   @property
   def uses_per_block(self) -> int:
@@ -207,9 +193,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   if kv_len % cfg.block_kv:
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
-               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, schedule=cfg.schedule,
-               early_q_release=cfg.early_q_release, norm_warpgroup=cfg.norm_warpgroup,
-               act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
+               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_attn=save_attn)
   table = _work_table(q_offsets, capacity, k.shape[0], kv_len)
@@ -223,7 +207,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
       out_type=tuple(out_type),
       grid=(table.shape[0],),
       grid_names=("item",),
-      num_threads=plan.consumers + 1,
+      num_threads=3,
       thread_name="wg",
       kernel_name=_kernel_name(cfg),
       scratch_types=_scratch(plan, q.dtype, out_dtype),
@@ -282,8 +266,8 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
       k_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       v_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       kv_free=plgpu.Barrier(num_barriers=plan.kv_stages),
-      **(dict(u_ready=plgpu.Barrier(num_barriers=heads),
-              attn_ready=plgpu.Barrier(num_barriers=heads)) if plan.norm_warpgroup else {}),
+      u_ready=plgpu.Barrier(num_barriers=heads),
+      attn_ready=plgpu.Barrier(num_barriers=heads),
   )
 
 
@@ -319,27 +303,27 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
   item = _Item.read(table_ref)
   wg = lax.axis_index("wg")
 
-  @pl.when(wg == plan.consumers)
+  @pl.when(wg == PRODUCER_WG)
   def _producer():
     plgpu.set_max_registers(mgpu.PRODUCER_REGISTERS, action="decrease")
     _produce(plan, item, affine_ref, q_ref, k_ref, v_ref, smem)
 
-  @pl.when(wg == 0)
-  def _consumer():
+  @pl.when(wg == NORM_WG)
+  def _norms():
     plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
     _consume(plan, item, scales_ref, out_ref, stats_ref, attn_ref[0] if attn_ref else None,
              smem)
 
-  if plan.norm_warpgroup:
-    @pl.when(wg == 1)
-    def _attention():
-      plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
-      _consume_attention(plan, item, scales_ref, smem)
+  @pl.when(wg == ATTENTION_WG)
+  def _attention():
+    plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
+    _consume_attention(plan, item, scales_ref, smem)
 
 
 def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) -> None:
   """TMA warpgroup: γ1/β1/γ2 once; per q block, the first K/V ring slots, then (once the
-  consumer released the previous block) the H q tiles twice, then the remaining K/V blocks."""
+  epilogue released that head's tiles of the previous block) the H q tiles twice, then the
+  remaining K/V blocks."""
   plgpu.copy_gmem_to_smem(affine_ref, smem["vec_smem"], smem["vec_ready"])
   per_block, stages = plan.uses_per_block, plan.kv_stages
   prefetch = min(stages, per_block)
@@ -368,10 +352,9 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
 
       rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
       for head in range(plan.num_heads):
-        if plan.early_q_release or head == 0:
-          @pl.when(block > 0)
-          def _(head=head):  # the consumer's epilogue has read both copies of these tiles
-            plgpu.barrier_wait(smem["q_free"].at[head])
+        @pl.when(block > 0)
+        def _(head=head):  # the epilogue has read both copies of these tiles
+          plgpu.barrier_wait(smem["q_free"].at[head])
 
         for copy, name in enumerate(("x_smem", "res_smem")):
           plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[head],
@@ -382,7 +365,7 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
     # Observe the releases no load waited for, so every barrier phase is consumed.
     @pl.when(item.q_blocks > 0)
     def _():
-      for head in range(plan.num_heads if plan.early_q_release else 1):
+      for head in range(plan.num_heads):
         plgpu.barrier_wait(smem["q_free"].at[head])
 
     uses = item.q_blocks * per_block
@@ -393,7 +376,7 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
 
 
 def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, attn_ref, smem) -> None:
-  """Consumer warpgroup: every q block of the item (or zeros for a padding chunk)."""
+  """The norm warpgroup: every q block of the item (or zeros for a padding chunk)."""
   plgpu.barrier_wait(smem["vec_ready"])
   o_tile, stats_tile, *attn_tile = smem["store_tiles"]
   stores = _Stores(out_ref, stats_ref, attn_ref, o_tile.at[0], stats_tile.at[0],
@@ -409,7 +392,7 @@ def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, attn_ref,
   def _():
     @pl.loop(0, item.q_blocks)
     def _block(block):
-      _block_forward(plan, item, block, scales_ref, stores, smem)
+      _block_forward(plan, item, block, stores, smem)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
@@ -505,39 +488,30 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
   return u * _colvec(vec_smem, 0, head, x.shape) + _colvec(vec_smem, 1, head, x.shape)
 
 
-def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores, smem) -> None:
-  """One q block: statistics, per head u → attention → attn, then r2 and the stores."""
+def _block_forward(plan: _Plan, item: _Item, block, stores: _Stores, smem) -> None:
+  """The norm warpgroup's q block: statistics, every u_h handed to the attention warpgroup,
+  per head attn_h back → Σz², then r2, the epilogue and the stores."""
   x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
-  pre_scale, post_scale = scales_ref[0], scales_ref[1]
   rows = item.rows(block)
   for barrier in range(2 * plan.num_heads):
     plgpu.barrier_wait(smem["q_ready"].at[barrier])
   stats = _layer_norm_stats(plan, x_smem) if plan.pre_layer_norm else None
 
-  def write_u(head):  # u_h over q_h: the A operand of the score WGMMA
+  @pl.loop(0, plan.num_heads)
+  def _publish(head):  # every u_h at once (over q_h): the attention warpgroup takes them in turn
     if plan.pre_layer_norm:
       u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
       x_smem.at[head][...] = u.astype(x_smem.dtype)
       plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
+    plgpu.barrier_arrive(smem["u_ready"].at[head])
 
-  if plan.norm_warpgroup:  # every u_h at once: the attention warpgroup takes them in turn
-    @pl.loop(0, plan.num_heads)
-    def _publish(head):
-      write_u(head)
-      plgpu.barrier_arrive(smem["u_ready"].at[head])
-
-  def attend(head):  # u_h → attention → attn_h over u_h; returns z_h² for Σz²
-    if plan.norm_warpgroup:
-      plgpu.barrier_wait(smem["attn_ready"].at[head])
-      attn = plgpu.load(x_smem.at[head], layout=plgpu.Layout.WGMMA)
-    else:
-      write_u(head)
-      attn = _head_attention(plan, x_smem, head, block, smem, pre_scale, post_scale)
+  def attend(head):  # attn_h back over u_h; returns z_h² for Σz²
+    plgpu.barrier_wait(smem["attn_ready"].at[head])
+    attn = plgpu.load(x_smem.at[head], layout=plgpu.Layout.WGMMA)
     if plan.save_attn:
       stores.attn(attn, rows, head)
     z = attn.astype(_F32)
-    if plan.inner_residual:  # u_h again from the residual copy of q_h (as in the epilogue):
-      # an f32 u_h kept across the attention would hold 64 more registers per thread
+    if plan.inner_residual:  # u_h again from the residual copy of q_h (as in the epilogue)
       z = z + _pre_norm(plan, _load_f32(res_smem.at[head]), stats, vec_smem, head)
     return z * z
 
@@ -553,36 +527,23 @@ def _block_forward(plan: _Plan, item: _Item, block, scales_ref, stores: _Stores,
     out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
     if plan.outer_residual:
       out = out + q
-    if plan.early_q_release:  # head's tiles are read: the next block's may load over them
-      _release_q(smem, head)
+    _release_q(smem, head)  # the head's tiles are read: the next block's may load over them
     stores.out(out, rows, head)
 
   stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
-  if not plan.early_q_release:
-    _release_q(smem, 0)
 
 
-def _release_q(smem, barrier) -> None:
-  """Hands q tiles back to the producer. x_smem and res_smem were read (and x_smem written) by
-  the generic proxy: a proxy fence before the producer's TMA (async proxy) may overwrite them,
-  as the PTX memory model asks."""
+def _release_q(smem, head) -> None:
+  """Hands a head's q tiles back to the producer. x_smem and res_smem were read (and x_smem
+  written) by the generic proxy: a proxy fence before the producer's TMA (async proxy) may
+  overwrite them, as the PTX memory model asks."""
   plgpu.commit_smem()
-  plgpu.barrier_arrive(smem["q_free"].at[barrier])
-
-
-def _head_attention(plan: _Plan, x_smem, head, block, smem, pre_scale, post_scale):
-  """attn_h = post_scale · Σ act(pre_scale · u_h K_hᵀ) V_h of one q block, in q's dtype,
-  written over u_h (the WGMMAs reading u_h are done: their result was read) and returned."""
-  o = _attend_head(plan, x_smem.at[head], smem, block * plan.uses_per_block
-                   + head * plan.kv_steps, pre_scale)
-  attn = (o * post_scale).astype(x_smem.dtype)
-  x_smem.at[head][...] = attn
-  return attn
+  plgpu.barrier_arrive(smem["q_free"].at[head])
 
 
 def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
-  """The attention warpgroup (``norm_warpgroup``): per q block and head, waits for u_h from the
-  norm warpgroup, runs the head's attention and hands attn_h back in u_h's tile."""
+  """The attention warpgroup: per q block and head, waits for u_h from the norm warpgroup,
+  runs the head's attention and hands attn_h back in u_h's tile."""
   @pl.when(jnp.logical_not(item.padding))
   def _():
     @pl.loop(0, item.q_blocks)
@@ -592,72 +553,38 @@ def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
         plgpu.barrier_wait(smem["u_ready"].at[head])
         if not plan.pre_layer_norm:  # WGMMA reads q_h as TMA wrote it: observe that load too
           plgpu.barrier_wait(smem["q_ready"].at[2 * head])
-        _head_attention(plan, smem["x_smem"], head, block, smem, scales_ref[0], scales_ref[1])
-        plgpu.commit_smem()  # before the producer's TMA may overwrite the tile (next block)
+        x_tile = smem["x_smem"].at[head]
+        o = _attend_head(plan, x_tile, smem, block * plan.uses_per_block + head * plan.kv_steps,
+                         scales_ref[0])
+        # attn_h over u_h: the WGMMAs reading u_h are done (their result was read).
+        x_tile[...] = (o * scales_ref[1]).astype(x_tile.dtype)
+        plgpu.commit_smem()  # before WGMMA or the producer's TMA (async proxy) use the tile
         plgpu.barrier_arrive(smem["attn_ready"].at[head])
 
 
 def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
   """Σ over the key blocks of act(pre_scale · u_h K_hᵀ) V_h: (BLOCK_Q, D) f32. Key block
-  ``step`` sits in ring slot ``(first_use + step) % kv_stages``.
-
-  Schedules (:attr:`Config.schedule`): "serial" runs each step's score WGMMA, act, then its
-  P·V WGMMA to completion; "overlapped" issues the next scores before the P·V and waits only
-  for the scores (``wait_n=1``), so the next act runs while the P·V is in flight (FA3's
-  intra-warpgroup overlap)."""
+  ``step`` sits in ring slot ``(first_use + step) % kv_stages``; each step's score WGMMA, act
+  and P·V WGMMA run to completion before the slot is released."""
   p_tile = smem["p_smem"]
-  slot_of = lambda step: lax.rem(first_use + step, plan.kv_stages)  # noqa: E731
 
-  def issue_scores(s_acc, step):
-    plgpu.barrier_wait(smem["k_ready"].at[slot_of(step)])
-    plgpu.wgmma(s_acc, u_tile, smem["k_smem"].at[slot_of(step)].transpose((1, 0)))
-
-  def write_p(s):
-    # P goes through SMEM: the previous P·V has finished reading it (waited before).
-    p_tile[...] = plan.act(s * pre_scale).astype(p_tile.dtype)
-    plgpu.commit_smem()
-
-  def issue_pv(o_acc, step):
-    plgpu.barrier_wait(smem["v_ready"].at[slot_of(step)])
-    plgpu.wgmma(o_acc, p_tile, smem["v_smem"].at[slot_of(step)])
-
-  def release(step):  # the P·V reading the ring slot is done (waited before)
-    plgpu.barrier_arrive(smem["kv_free"].at[slot_of(step)])
-
-  def scores(step):  # issued and waited for
-    def run(s_acc):
-      issue_scores(s_acc, step)
-      return s_acc[...]
-    return pl.run_scoped(run, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
-
-  def serial(o_acc):
+  def body(o_acc):
     for step in range(plan.kv_steps):
-      write_p(scores(step))
-      issue_pv(o_acc, step)
-      plgpu.wgmma_wait(0)
-      release(step)
-    return o_acc[...]
+      slot = lax.rem(first_use + step, plan.kv_stages)
 
-  def overlapped(o_acc):
-    s = scores(0)
-    for step in range(plan.kv_steps):
-      p = plan.act(s * pre_scale).astype(p_tile.dtype)  # overlaps the previous P·V
-      if step > 0:
-        plgpu.wgmma_wait(0)  # the previous P·V has read P and its ring slot
-        release(step - 1)
-      p_tile[...] = p
+      def scores(s_acc, slot=slot):
+        plgpu.barrier_wait(smem["k_ready"].at[slot])
+        plgpu.wgmma(s_acc, u_tile, smem["k_smem"].at[slot].transpose((1, 0)))
+        return s_acc[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      # P goes through SMEM: the previous P·V has finished reading it (waited for).
+      p_tile[...] = plan.act(s * pre_scale).astype(p_tile.dtype)
       plgpu.commit_smem()
-      if step + 1 < plan.kv_steps:
-        def next_scores(s_acc, step=step):
-          issue_scores(s_acc, step + 1)
-          issue_pv(o_acc, step)
-          return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # the scores, not the P·V
-        s = pl.run_scoped(next_scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
-      else:
-        issue_pv(o_acc, step)
-    plgpu.wgmma_wait(0)
-    release(plan.kv_steps - 1)
+      plgpu.barrier_wait(smem["v_ready"].at[slot])
+      plgpu.wgmma(o_acc, p_tile, smem["v_smem"].at[slot])
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(smem["kv_free"].at[slot])  # the P·V reading the slot is done
     return o_acc[...]
 
-  body = dict(serial=serial, overlapped=overlapped)[plan.schedule]
   return pl.run_scoped(body, plgpu.ACC((BLOCK_Q, plan.head_dim), _F32))

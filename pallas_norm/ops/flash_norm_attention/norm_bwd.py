@@ -68,14 +68,16 @@ class RowConfig:
 
 
 def pick_config(features: int, interpret: bool) -> RowConfig:
-  """~8K elements per step (full rows padded to a power of 2: 32 registers per operand and
-  thread with 8 warps) and 8 steps per program: many short programs (~1.6k at the issue's
-  shape, ~12 per SM), so occupancy rather than an in-program prefetch covers memory latency,
-  and 128 rows per partial row keep the partials (T / 128 × H·D f32) small."""
+  """Both kernels' tiling: ~4K elements per step (full rows padded to a power of 2: 8 rows of
+  H·D = 512; 32 registers per operand and thread with 4 warps), 16 steps per program (one row
+  of weight-gradient partials per 128 rows at H·D = 512, so the partials stay small), no
+  Triton software pipelining: many short programs (~1.5k at the issue's shape, ~11 per SM), so
+  occupancy rather than an in-program prefetch covers memory latency. Fastest of the seven
+  tilings the H200 timed for each kernel (benchmarks/NOTES.md, EXPERIMENTS.md); in interpret
+  mode 2 steps, so that small tests cover several programs."""
   n_pad = pl.next_power_of_2(features)
-  block_m = max(1, min(16, 8192 // n_pad))
-  return RowConfig(block_m=block_m, steps=2 if interpret else 8,
-                   num_warps=4 if block_m * n_pad <= 2048 else 8)
+  return RowConfig(block_m=max(1, min(16, 4096 // n_pad)), steps=2 if interpret else 16,
+                   num_warps=4, num_stages=1)
 
 
 @dataclasses.dataclass(frozen=True)
