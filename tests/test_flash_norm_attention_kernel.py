@@ -112,38 +112,65 @@ def test_fused_switches_match_reference(switches):
   assert _rel_err(rms.rstd[:total], rms_ref.rstd[:total]) < TOL
 
 
-@pytest.mark.parametrize("switches,save_attn", [
-    (dict(), True), (dict(pre_layer_norm=False, inner_residual=False), False)])
-def test_fused_ring_depth_matches_default(switches, save_attn):
+@pytest.mark.parametrize("switches", [dict(), dict(pre_layer_norm=False, inner_residual=False)])
+def test_fused_ring_depth_matches_default(switches):
   """A 2-slot K/V ring (the H = 4 kernel's) against the default 4-slot one at this shape, bit
   for bit (same arithmetic; the ring wraps at other key blocks and the producer waits for
-  releases), over three key blocks per head; also with the LayerNorm and the inner residual
-  off (the attention warpgroup then reads q_h as TMA wrote it) and no attn output."""
-  _check_variant_matches_default(dict(kv_stages=2), save_attn=save_attn, **switches)
+  releases), over three key blocks per head, with the backward's residuals z and u (checked
+  against their definitions); also with the LayerNorm and the inner residual off (the
+  attention warpgroup then reads q_h as TMA wrote it). The op's forward-only tests cover the
+  kernel without the residuals."""
+  _check_variant_matches_default(dict(kv_stages=2), **switches)
 
 
-def _check_variant_matches_default(variant, *, save_attn=True, **switches):
+def _check_variant_matches_default(variant, **switches):
   """``variant`` of the default Config against it, bit for bit (samples of 70 rows, none
-  and 9, Lkv = 192: three key blocks); the default against the reference."""
+  and 9, Lkv = 192: three key blocks); the default and its z and u against the reference."""
   q, k, v, qo, affine = _problem(3, [70, 0, 9], 2, 64, lkv=192)
   a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(3, 2, 64)
   run = lambda cfg: jax.block_until_ready(mosaic.flash_norm_attention_fwd(  # noqa: E731
-      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6, save_attn=save_attn,
-      config=cfg, interpret=True, **switches))
-  default = mosaic.pick_config(2, 64, q.dtype, q.dtype, save_attn, k.shape[1])
+      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6,
+      save_residuals=True, config=cfg, interpret=True, **switches))
+  default = mosaic.pick_config(2, 64, q.dtype, q.dtype, True, k.shape[1])
   assert default.kv_stages > 2
   got = run(dataclasses.replace(default, **variant))
   want = run(default)
   assert not mgpu.races_found()
+  assert len(got) == 4
   for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    if w is not None:
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
   total = int(qo[-1])
-  if switches.get("pre_layer_norm", True):
-    ref = _reference(q, k, v, qo, **affine, pre_scale=0.9, post_scale=1.1, **switches)[0]
-  else:
-    ref = _reference(q, k, v, qo, rms_scale=affine["rms_scale"], pre_scale=0.9,
-                     post_scale=1.1, **switches)[0]
+  pre_layer_norm = switches.get("pre_layer_norm", True)
+  kw = dict(affine, pre_scale=0.9, post_scale=1.1, **switches)
+  if not pre_layer_norm:
+    kw = dict(kw, ln_scale=None, ln_bias=None)
+  ref = _reference(q, k, v, qo, **kw)[0]
   assert _rel_err(want[0][:total], ref[:total]) < TOL
+  _check_residuals(want, q, k, v, qo, kw)
+
+
+def _check_residuals(outputs, q, k, v, qo, kw):
+  """The forward's saved z and u against the reference's u and u + gdpa(u) (the attention
+  through reference.gdpa), zeros on padding rows."""
+  _, stats, z, u = outputs
+  total = int(qo[-1])
+  qf = _clean(q, qo).astype(F32)
+  t, h, d = q.shape
+  if kw.get("pre_layer_norm", True):
+    x_hat = (qf.reshape(t, h * d) - stats[:, :1]) * stats[:, 1:2]
+    u_want = (x_hat * kw["ln_scale"] + kw["ln_bias"]).reshape(q.shape)
+    assert _rel_err(u[:total], u_want[:total]) < TOL
+    assert not bool(jnp.any(u[total:] != 0))
+  else:
+    assert u is None
+    u_want = qf
+  attn = jax.jit(lambda u: reference.gdpa(
+      u.astype(q.dtype).astype(F32), k.astype(F32), v.astype(F32), qo, activation="fast_gelu",
+      pre_scale=kw["pre_scale"], post_scale=kw["post_scale"]))(u_want)
+  z_want = attn + u_want if kw.get("inner_residual", True) else attn
+  assert _rel_err(z[:total], z_want[:total]) < TOL
+  assert not bool(jnp.any(z[total:] != 0))
 
 
 def test_fused_gradients_match_reference():
@@ -174,8 +201,8 @@ def test_fused_gradients_match_reference():
 def test_norm_backward_kernels_match_autodiff(switches):
   """norm_bwd's two row kernels (interpret mode), with the attention replaced by attn = c·u (so
   du_attn = c·dz), against autodiff of the reference block in float32: dq, dγ1, dβ1, dγ2, and
-  u and dz for the GDPA backward. H·D = 96 (masked columns), a row with a large mean, γ with
-  zeros, NaN padding rows in q (past ``end``), f32 kernels' inputs (the math, tight)."""
+  dz for the GDPA backward. H·D = 96 (masked columns), a row with a large mean, γ with zeros,
+  NaN padding rows in q and z (past ``end``), f32 kernels' inputs (the math, tight)."""
   pre_layer_norm, inner_residual, outer_residual = switches
   t, heads, head_dim, end, c = 40, 2, 48, 33, 0.7
   n = heads * head_dim
@@ -202,17 +229,15 @@ def test_norm_backward_kernels_match_autodiff(switches):
   x_hat = (rows(q) - stats[:, :1]) * stats[:, 1:2]
   u_want = jnp.where(jnp.arange(t)[:, None] < end,
                      x_hat * gamma1 + beta1 if pre_layer_norm else rows(q), 0)
-  dz, u, dg2 = norm_bwd.rms_backward(rows(g), q_in, c * u_want, stats, (gamma1, beta1, gamma2),
-                                     jnp.int32(end), pre_layer_norm=pre_layer_norm,
-                                     inner_residual=inner_residual, interpret=True)
+  z = ((1 + c) * u_want if inner_residual else c * u_want).at[end:].set(jnp.nan)
+  dz, dg2 = norm_bwd.rms_backward(rows(g), z, stats[:, 2], gamma2, jnp.int32(end),
+                                  interpret=True)
   assert not bool(jnp.any(dz[end:] != 0))
   assert _rel_err(dg2, dg2_ref) < 1e-4
   if not pre_layer_norm:  # u = q: dq is the sum of the branches (the op does it in XLA)
-    assert u is None
     dq = c * dz + (dz if inner_residual else 0) + (rows(g) if outer_residual else 0)
     assert _rel_err(dq[:end], rows(dq_ref)[:end]) < 1e-4
     return
-  assert _rel_err(u, u_want) < 1e-5
   dq, dg1, db1 = norm_bwd.ln_backward(c * dz, dz, rows(g), q_in, stats, gamma1,
                                       jnp.int32(end), jnp.float32(0.0),
                                       inner_residual=inner_residual,
@@ -228,11 +253,10 @@ def test_norm_backward_lowers_for_triton():
   spec = jax.ShapeDtypeStruct
   t, n, bf = 4096, 512, jnp.bfloat16
 
-  def backward(g, q, attn, stats, affine, du_attn):
-    dz, u, dg2 = norm_bwd.rms_backward(g, q, attn, stats, affine, 4000, pre_layer_norm=True,
-                                       inner_residual=True)
-    return (dz, u, dg2) + norm_bwd.ln_backward(du_attn, dz, g, q, stats, affine[0], 4000, 0.0,
-                                               inner_residual=True, outer_residual=True)
+  def backward(g, q, z, stats, affine, du_attn):
+    dz, dg2 = norm_bwd.rms_backward(g, z, stats[:, 2], affine[2], 4000)
+    return (dz, dg2) + norm_bwd.ln_backward(du_attn, dz, g, q, stats, affine[0], 4000, 0.0,
+                                            inner_residual=True, outer_residual=True)
 
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                        platform="cuda")
@@ -302,17 +326,17 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
 
 
-@pytest.mark.parametrize("heads,head_dim,save_attn,out_dtype", [
+@pytest.mark.parametrize("heads,head_dim,save_residuals,out_dtype", [
     (4, 128, True, None), (2, 128, False, jnp.float32)])
-def test_lowers_for_sm90a(heads, head_dim, save_attn, out_dtype):
+def test_lowers_for_sm90a(heads, head_dim, save_residuals, out_dtype):
   """Mosaic's sm_90a lowering accepts the kernel (layouts, SMEM, TMA boxes) at real sizes."""
   spec = jax.ShapeDtypeStruct
   t, b = 4096, 16
-  cfg = mosaic.pick_config(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16, save_attn,
-                           128)
+  cfg = mosaic.pick_config(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16,
+                           save_residuals, 128)
   fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
-      q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6, save_attn=save_attn,
-      out_dtype=out_dtype, config=cfg))
+      q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6,
+      save_residuals=save_residuals, out_dtype=out_dtype, config=cfg))
   kv = spec((b, 128, heads, head_dim), jnp.bfloat16)
   export.export(fn, platforms=["cuda"])(spec((t, heads, head_dim), jnp.bfloat16), kv, kv,
                                         spec((b + 1,), jnp.int32),
@@ -372,20 +396,17 @@ def test_gpu_norm_backward_kernels():
   t, end = 202368, 200001
   for n in (384, 512):
     ks = jax.random.split(jax.random.key(n), 6)
-    g, q, attn, du = (jax.random.normal(kk, (t, n), F32).astype(jnp.bfloat16) for kk in ks[:4])
+    g, q, z, du = (jax.random.normal(kk, (t, n), F32).astype(jnp.bfloat16) for kk in ks[:4])
     stats = jnp.stack([jax.random.normal(ks[4], (t,)), 1 + jax.random.uniform(ks[5], (t,)),
                        0.5 + jax.random.uniform(ks[5], (t,))], axis=1)
     affine = tuple(jnp.asarray(rng.normal(1.0, 0.2, n), F32) for _ in range(3))
-    got = jax.jit(lambda *a: norm_bwd.rms_backward(*a, pre_layer_norm=True,
-                                                   inner_residual=True))(
-        g, q, attn, stats, affine, end)
+    got = jax.jit(norm_bwd.rms_backward)(g, z, stats[:, 2], affine[2], end)
     live = (jnp.arange(t) < end)[:, None]
-    gf, qf, af = (jnp.where(live, x.astype(F32), 0) for x in (g, q, attn))
-    u = jnp.where(live, (qf - stats[:, :1]) * stats[:, 1:2] * affine[0] + affine[1], 0)
-    z_hat = (u + af) * stats[:, 2:3]
+    gf, qf, zf = (jnp.where(live, x.astype(F32), 0) for x in (g, q, z))
+    z_hat = zf * stats[:, 2:3]
     gz = gf * affine[2]
     dz = stats[:, 2:3] * (gz - z_hat * jnp.mean(gz * z_hat, axis=1, keepdims=True))
-    for a, b in ((got[0], dz), (got[1], u), (got[2], jnp.sum(gf * z_hat, axis=0))):
+    for a, b in ((got[0], dz), (got[1], jnp.sum(gf * z_hat, axis=0))):
       assert _rel_err(a, b) < 1e-2
     dq, dg1, db1 = jax.jit(lambda *a: norm_bwd.ln_backward(
         *a, inner_residual=True, outer_residual=True))(du, got[0], g, q, stats, affine[0], end,

@@ -9,9 +9,9 @@ Both norms reduce over all heads of a token. Oracle:
 
 Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: one CTA owns
 every head of a q block) where it supports the call (dense K/V, H·D small enough for SMEM), in
-one ``custom_vjp`` whose backward is two one-pass row kernels (:mod:`.norm_bwd`: the RMSNorm
-backward, which also recomputes u from q and the saved (μ1, r1), and the LayerNorm backward,
-both reading the saved statistics and attention output) around the GDPA backward kernel.
+one ``custom_vjp`` whose forward also saves z and u, and whose backward is two one-pass row
+kernels (:mod:`.norm_bwd`: the RMSNorm backward from z, and the LayerNorm backward, both
+reading the saved statistics) around the GDPA backward kernel (which takes the saved u).
 Elsewhere, where the GDPA kernel supports the call,
 the unfused chain: the two norms in XLA around the GDPA kernel (:mod:`pallas_norm.ops.gdpa`).
 Both round the attention output to q's dtype before the inner residual adds it (the XLA path
@@ -216,31 +216,31 @@ def _fused(q, k, v, offsets, affine, pre_scale, post_scale, static):
   return _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, False)[:2]
 
 
-def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save_attn):
+def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save_residuals):
   heads, head_dim = q.shape[1:]
   forward = functools.partial(
       mosaic.flash_norm_attention_fwd, activation=static.activation, eps=static.eps,
       pre_layer_norm=static.pre_layer_norm, inner_residual=static.inner_residual,
-      outer_residual=static.outer_residual, out_dtype=static.out_dtype, save_attn=save_attn,
-      interpret=static.interpret)
+      outer_residual=static.outer_residual, out_dtype=static.out_dtype,
+      save_residuals=save_residuals, interpret=static.interpret)
   return _op.first_order_only("flash_norm_attention", forward, q, k, v, offsets[0],
                               jnp.stack(affine).reshape(3, heads, head_dim), pre_scale,
                               post_scale)
 
 
 def _fused_fwd_rule(q, k, v, offsets, affine, pre_scale, post_scale, static):
-  out, stats, attn = _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static,
+  out, stats, z, u = _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static,
                                     True)
-  return (out, stats), (q, k, v, offsets, affine, pre_scale, post_scale, stats, attn)
+  return (out, stats), (q, k, v, offsets, affine, pre_scale, post_scale, stats, z, u)
 
 
 def _fused_bwd_rule(static, saved, cotangents):
-  """The block's backward: the RMSNorm backward (one pass, :func:`norm_bwd.rms_backward`, which
-  also recomputes u from q and the saved (μ1, r1) for the GDPA backward), the GDPA backward
-  kernel, then the LayerNorm backward (one pass, :func:`norm_bwd.ln_backward`). The per-token
-  row sums over H·D (the cross-head reductions) are register reductions over full rows; the
-  weight gradients are float32 column sums (deterministic)."""
-  q, k, v, offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, attn = saved
+  """The block's backward: the RMSNorm backward (one pass over dout and the saved z,
+  :func:`norm_bwd.rms_backward`), the GDPA backward kernel on the saved u (q without the
+  LayerNorm), then the LayerNorm backward (one pass, :func:`norm_bwd.ln_backward`). The
+  per-token row sums over H·D (the cross-head reductions) are register reductions over full
+  rows; the weight gradients are float32 column sums (deterministic)."""
+  q, k, v, offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, z, u = saved
   q_offsets = offsets[1]
   d_out = cotangents[0]  # the statistics carry no gradient (the op stops it)
   t, heads, head_dim = q.shape
@@ -249,12 +249,10 @@ def _fused_bwd_rule(static, saved, cotangents):
   # Padding rows of dq get 0 · post_scale: zero, or NaN where bad traced offsets poisoned the
   # scales (the rows the made-valid offsets call padding may be real tokens of the caller's).
   pad = 0 * post_scale
-  dz, u, d_rms_scale = norm_bwd.rms_backward(
-      rows(d_out), rows(q), rows(attn), stats,
-      (ln_scale, ln_bias, rms_scale), end, pre_layer_norm=static.pre_layer_norm,
-      inner_residual=static.inner_residual, interpret=static.interpret)
+  dz, d_rms_scale = norm_bwd.rms_backward(rows(d_out), rows(z), stats[:, 2], rms_scale, end,
+                                          interpret=static.interpret)
   du_attn, dk, dv, d_pre, d_post = gdpa_mosaic_bwd.gdpa_bwd(
-      q if u is None else u.reshape(q.shape), k, v, q_offsets, None, dz.reshape(q.shape),
+      q if u is None else u, k, v, q_offsets, None, dz.reshape(q.shape),
       activation=static.activation, pre_scale=pre_scale, post_scale=post_scale,
       interpret=static.interpret, scale_grads=static.scale_grads)
   if static.pre_layer_norm:

@@ -37,8 +37,10 @@ measured slower than this one (benchmarks/EXPERIMENTS.md).
 
 attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
 then the norms in XLA) does; the statistics and the residual sums are float32. With
-``save_attn`` the kernel also writes attn (T, H, D) for the backward (the RMSNorm backward needs
-z; recomputing attn would cost a second attention pass).
+``save_residuals`` the kernel also writes, in q's dtype, z (the RMSNorm backward's input:
+recomputing attn would cost a second attention pass) and u (the GDPA backward's q; with the
+LayerNorm only), both from registers the norm warpgroup holds anyway: u_h while the attention
+warpgroup runs head 0, z_h after its Σz² term.
 
 Dense K/V only (Lkv a multiple of 64); rows of a q block outside its sample are computed (their
 statistics are per row) but never stored. WGMMA reads P from SMEM, as the GDPA kernel does
@@ -89,35 +91,36 @@ class Config:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
 
 
-def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool,
+def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, save_residuals: bool,
                cfg: Config) -> int:
   """SMEM of one CTA: q twice (working and residual copies of the H tiles), the K/V ring, P,
-  one store tile (out, attn and the statistics take turns in it: a RefUnion) and γ1/β1/γ2.
+  one store tile (out, z, u and the statistics take turns in it: a RefUnion) and γ1/β1/γ2.
   Every allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
   item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
   q = 2 * num_heads * BLOCK_Q * head_dim * item
   kv = 2 * cfg.kv_stages * cfg.block_kv * head_dim * item
   p = BLOCK_Q * cfg.block_kv * item
-  del save_attn  # attn's tile is the union's, never larger than out's or the statistics'
+  del save_residuals  # z's and u's tile is the union's, never larger than out's or stats'
   tile = max(BLOCK_Q * head_dim * max(out_item, item), BLOCK_Q * STATS_COLS * 4)
   vecs = -(-3 * num_heads * head_dim * 4 // 1024) * 1024
   reduction = 2048  # Pallas's cross-warp reduction scratch (the row sums)
   return q + kv + p + tile + vecs + reduction + 1024  # + the barriers
 
 
-def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, save_attn: bool,
+def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, save_residuals: bool,
                 kv_len: int) -> Config | None:
   """The deepest K/V ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block)
   that fits in SMEM; None when none does."""
   blocks = num_heads * kv_len // 64
   for stages in (4, 3, 2):
     cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)))
-    if smem_bytes(num_heads, head_dim, dtype, out_dtype, save_attn, cfg) <= mgpu.SMEM_BYTES:
+    if smem_bytes(num_heads, head_dim, dtype, out_dtype, save_residuals,
+                  cfg) <= mgpu.SMEM_BYTES:
       return cfg
   return None
 
 
-def unsupported_reason(q, k, kv_offsets, out_dtype, save_attn: bool = True) -> str | None:
+def unsupported_reason(q, k, kv_offsets, out_dtype, save_residuals: bool = True) -> str | None:
   """None when the fused kernel can run these (validated) arguments, else why not."""
   reason = gdpa_mosaic.operand_reason(q, out_dtype)
   if reason is not None:
@@ -133,7 +136,7 @@ def unsupported_reason(q, k, kv_offsets, out_dtype, save_attn: bool = True) -> s
     return f"dense K/V length Lkv = {k.shape[1]} is not a positive multiple of 64"
   if t % gdpa_mosaic.ALIGN:
     return f"the token capacity T = {t} must be a multiple of {gdpa_mosaic.ALIGN}"
-  if pick_config(heads, head_dim, dtype, out_dtype, save_attn, k.shape[1]) is None:
+  if pick_config(heads, head_dim, dtype, out_dtype, save_residuals, k.shape[1]) is None:
     return (f"H·D = {heads}·{head_dim}: the q block of all heads (twice) and the K/V ring do "
             "not fit in SMEM")
   return None
@@ -153,7 +156,7 @@ class _Plan:
   pre_layer_norm: bool
   inner_residual: bool
   outer_residual: bool
-  save_attn: bool
+  save_residuals: bool
 
   @property
   def uses_per_block(self) -> int:
@@ -164,7 +167,7 @@ class _Plan:
 def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, *,
                              activation: str, eps: float, pre_layer_norm: bool = True,
                              inner_residual: bool = True, outer_residual: bool = True,
-                             out_dtype=None, save_attn: bool = False,
+                             out_dtype=None, save_residuals: bool = False,
                              config: Config | None = None, interpret: bool = False):
   """The fused forward (arguments validated by the op; see :func:`unsupported_reason`).
 
@@ -177,31 +180,36 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
     eps: the norms' epsilon (static).
     pre_layer_norm, inner_residual, outer_residual: the block's switches (static).
     out_dtype: bf16, f16 or f32 (default q's dtype).
-    save_attn: also return attn = post·act(pre·u Kᵀ) V in q's dtype (for the backward).
+    save_residuals: also return, in q's dtype, z = u + attn (or attn without the inner
+      residual; attn = post·act(pre·u Kᵀ) V rounded to q's dtype) and, with the LayerNorm, u
+      (for the backward).
     config: tiling (default :func:`pick_config`).
     interpret: run in Pallas GPU interpret mode (any backend).
 
   Returns:
-    ``(out, stats)`` or ``(out, stats, attn)``: out (T, H, D) in out_dtype; stats (T, 3)
-    float32 with μ1, r1, r2 (the kernel writes (T, :data:`STATS_COLS`)) (zeros without the LayerNorm, and on padding rows);
-    attn (T, H, D). Padding rows (past ``q_offsets[-1]``) are zeros.
+    ``(out, stats)`` or ``(out, stats, z, u)``: out (T, H, D) in out_dtype; stats (T, 3)
+    float32 with μ1, r1, r2 (the kernel writes (T, :data:`STATS_COLS`); μ1, r1 zeros without
+    the LayerNorm); z, u (T, H, D) (u None without the LayerNorm). Padding rows (past
+    ``q_offsets[-1]``) are zeros in every output.
   """
   capacity, num_heads, head_dim = q.shape
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   kv_len = k.shape[1]
-  cfg = config or pick_config(num_heads, head_dim, q.dtype, out_dtype, save_attn, kv_len)
+  cfg = config or pick_config(num_heads, head_dim, q.dtype, out_dtype, save_residuals, kv_len)
   if kv_len % cfg.block_kv:
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
-               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
+               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages,
+               act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
-               outer_residual=outer_residual, save_attn=save_attn)
+               outer_residual=outer_residual, save_residuals=save_residuals)
   table = _work_table(q_offsets, capacity, k.shape[0], kv_len)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   out_type = [jax.ShapeDtypeStruct((capacity, num_heads, head_dim), out_dtype),
               jax.ShapeDtypeStruct((capacity, STATS_COLS), _F32)]
-  if save_attn:
-    out_type.append(jax.ShapeDtypeStruct((capacity, num_heads, head_dim), q.dtype))
+  residual = jax.ShapeDtypeStruct((capacity, num_heads, head_dim), q.dtype)
+  if save_residuals:  # z, then u with the LayerNorm
+    out_type += [residual] * (2 if pre_layer_norm else 1)
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=tuple(out_type),
@@ -215,8 +223,10 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu.interpret_params() if interpret else None,
   )
-  out, stats, *attn = call(table, scales, affine.astype(_F32), q, k, v)
-  return (out, stats[:, :3], *attn)
+  out, stats, *saved = call(table, scales, affine.astype(_F32), q, k, v)
+  if not save_residuals:
+    return out, stats[:, :3]
+  return out, stats[:, :3], saved[0], saved[1] if pre_layer_norm else None
 
 
 def _kernel_name(cfg: Config) -> str:
@@ -245,11 +255,11 @@ def _work_table(q_offsets, capacity: int, batch: int, kv_len: int):
 def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
   heads, d = plan.num_heads, plan.head_dim
   tile = mgpu.swizzle_transforms(d, dtype)
-  # The stores of out, attn and the statistics take turns (each store_rows first waits for the
+  # The stores of out, z, u and the statistics take turns (each store_rows first waits for the
   # previous stores to have read SMEM), so they share one tile.
   store_tiles = [store.row_store_smem(BLOCK_Q, d, out_dtype),
                  store.row_store_smem(BLOCK_Q, STATS_COLS, _F32)]
-  if plan.save_attn:
+  if plan.save_residuals:
     store_tiles.append(store.row_store_smem(BLOCK_Q, d, dtype))
   return dict(
       store_tiles=plgpu.RefUnion(*store_tiles),
@@ -299,7 +309,7 @@ class _Item:
 
 
 def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, stats_ref,
-            *attn_ref, plan: _Plan, **smem):
+            *saved_refs, plan: _Plan, **smem):
   item = _Item.read(table_ref)
   wg = lax.axis_index("wg")
 
@@ -311,8 +321,7 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
   @pl.when(wg == NORM_WG)
   def _norms():
     plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
-    _consume(plan, item, scales_ref, out_ref, stats_ref, attn_ref[0] if attn_ref else None,
-             smem)
+    _consume(plan, item, scales_ref, out_ref, stats_ref, saved_refs, smem)
 
   @pl.when(wg == ATTENTION_WG)
   def _attention():
@@ -375,12 +384,14 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
       plgpu.barrier_wait(smem["kv_free"].at[lax.rem(use, stages)])
 
 
-def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, attn_ref, smem) -> None:
+def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, saved_refs,
+             smem) -> None:
   """The norm warpgroup: every q block of the item (or zeros for a padding chunk)."""
   plgpu.barrier_wait(smem["vec_ready"])
-  o_tile, stats_tile, *attn_tile = smem["store_tiles"]
-  stores = _Stores(out_ref, stats_ref, attn_ref, o_tile.at[0], stats_tile.at[0],
-                   attn_tile[0].at[0] if attn_tile else None)
+  o_tile, stats_tile, *saved_tile = smem["store_tiles"]
+  z_ref, u_ref = (*saved_refs, None, None)[:2]
+  stores = _Stores(out_ref, stats_ref, z_ref, u_ref, o_tile.at[0], stats_tile.at[0],
+                   saved_tile[0].at[0] if saved_tile else None)
 
   @pl.when(item.padding)
   def _():
@@ -399,21 +410,26 @@ def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, attn_ref,
 
 @dataclasses.dataclass(frozen=True)
 class _Stores:
-  """The consumer's row-exact stores of one q block: out and attn per head, the statistics."""
+  """The norm warpgroup's row-exact stores of one q block: out, z and u per head (z and u, the
+  backward's residuals, only when saved; u only with the LayerNorm), the statistics."""
 
   out_ref: object
   stats_ref: object
-  attn_ref: object
+  z_ref: object
+  u_ref: object
   o_tile: object
   stats_tile: object
-  attn_tile: object
+  saved_tile: object
 
   def out(self, tile, rows, head):
     store.store_rows(tile.astype(self.out_ref.dtype), self.o_tile,
                      lambda r, c: self.out_ref.at[r, head, c], *rows)
 
-  def attn(self, tile, rows, head):
-    store.store_rows(tile, self.attn_tile, lambda r, c: self.attn_ref.at[r, head, c], *rows)
+  def saved(self, ref, tile, rows, head):
+    """z or u (``ref``; nothing when None) of ``head``, in q's dtype."""
+    if ref is not None:
+      store.store_rows(tile.astype(ref.dtype), self.saved_tile,
+                       lambda r, c: ref.at[r, head, c], *rows)
 
   def stats(self, columns: dict, rows, scale=None):
     """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are
@@ -435,8 +451,8 @@ class _Stores:
     @pl.loop(0, plan.num_heads)
     def _(head):
       self.out(zero, rows, head)
-      if plan.save_attn:
-        self.attn(zero.astype(self.attn_ref.dtype), rows, head)
+      self.saved(self.z_ref, zero, rows, head)
+      self.saved(self.u_ref, zero, rows, head)
     self.stats({}, rows, post_scale)
 
 
@@ -501,18 +517,19 @@ def _block_forward(plan: _Plan, item: _Item, block, stores: _Stores, smem) -> No
   def _publish(head):  # every u_h at once (over q_h): the attention warpgroup takes them in turn
     if plan.pre_layer_norm:
       u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
-      x_smem.at[head][...] = u.astype(x_smem.dtype)
+      u = u.astype(x_smem.dtype)
+      x_smem.at[head][...] = u
       plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
     plgpu.barrier_arrive(smem["u_ready"].at[head])
+    if plan.pre_layer_norm:  # while the attention warpgroup runs: the norm one would wait
+      stores.saved(stores.u_ref, u, rows, head)
 
   def attend(head):  # attn_h back over u_h; returns z_h² for Σz²
     plgpu.barrier_wait(smem["attn_ready"].at[head])
-    attn = plgpu.load(x_smem.at[head], layout=plgpu.Layout.WGMMA)
-    if plan.save_attn:
-      stores.attn(attn, rows, head)
-    z = attn.astype(_F32)
+    z = _load_f32(x_smem.at[head])  # attn_h
     if plan.inner_residual:  # u_h again from the residual copy of q_h (as in the epilogue)
       z = z + _pre_norm(plan, _load_f32(res_smem.at[head]), stats, vec_smem, head)
+    stores.saved(stores.z_ref, z, rows, head)
     return z * z
 
   rms_rstd = lax.rsqrt(_sum_over_heads(plan, attend) * (1.0 / (plan.num_heads * plan.head_dim))

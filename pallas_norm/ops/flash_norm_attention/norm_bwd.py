@@ -9,13 +9,13 @@ recomputes a statistic: the forward's (μ1, r1, r2) are read (DESIGN.md, op 4; t
 
 Passes and bytes (16-bit tensors of T × H·D, f32 statistics and partials aside):
 
-* :func:`rms_backward`, before the GDPA backward: reads dout, q, attn; writes dz and u (u only
-  with the LayerNorm; without it the GDPA backward takes q): 5 tensors, dγ2 in the same pass.
+* :func:`rms_backward`, before the GDPA backward: reads dout and z (saved by the forward kernel,
+  as is u, the GDPA backward's q); writes dz: 3 tensors, dγ2 in the same pass.
 * :func:`ln_backward`, after it: reads du_attn, dz (inner residual), dout (outer residual), q;
   writes dq: 5 tensors, dγ1 and dβ1 in the same pass.
 
-Rows at or past ``end`` (the last offset: padding) read as zeros and are written as zeros (dz,
-u) or as ``pad`` (dq: ``0 · post_scale``, NaN where the op poisoned bad traced offsets).
+Rows at or past ``end`` (the last offset: padding) read as zeros and are written as zeros (dz)
+or as ``pad`` (dq: ``0 · post_scale``, NaN where the op poisoned bad traced offsets).
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ def pick_config(features: int, interpret: bool) -> RowConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Switches:
-  pre_layer_norm: bool
   inner_residual: bool
   outer_residual: bool
 
@@ -126,24 +125,18 @@ def _col(ref, n, n_pad):
   return pltriton.load(ref.at[cols], mask=cols < n, other=0.0)[None, :]
 
 
-def _rms_backward_rows(r, blk: _Rows, sw: _Switches, vecs, n: int):
-  """dz of one row block, u (f32, zeros on padding rows) and dγ2's summand ``g · ẑ``::
+def _rms_backward_rows(r, blk: _Rows, gamma2, n: int):
+  """dz of one row block and dγ2's summand ``g · ẑ``, with ẑ = z·r2 (z as the forward saved
+  it: u + attn, or attn without the inner residual)::
 
-      u = (q − μ1)·r1·γ1 + β1 (or q),   z = u + attn (or attn),   ẑ = z·r2
       dz = r2 · (g·γ2 − ẑ · mean(g·γ2·ẑ))
   """
-  gamma1, beta1, gamma2 = vecs
-  u = blk.tile(r["q"])
-  if sw.pre_layer_norm:
-    u = (u - blk.row(r["mean"])) * blk.row(r["rstd1"]) * gamma1 + beta1
-    u = jnp.where(blk.live[:, None], u, 0.0)  # β1 must not reach the padding rows
-  attn = blk.tile(r["attn"])
   rstd2 = blk.row(r["rstd2"])
-  z_hat = ((u + attn) if sw.inner_residual else attn) * rstd2
+  z_hat = blk.tile(r["z"]) * rstd2
   g = blk.tile(r["g"])
   gz = g * gamma2  # zero on masked rows and columns: they add nothing to the sums
   dz = rstd2 * (gz - z_hat * (jnp.sum(gz * z_hat, axis=1, keepdims=True) / n))
-  return dz, u, g * z_hat
+  return dz, g * z_hat
 
 
 def _ln_backward_rows(r, blk: _Rows, sw: _Switches, gamma1, pad, n: int):
@@ -214,38 +207,33 @@ def _vectors(names, r, n):
   return tuple(_col(r[name], n, n_pad) for name in names)
 
 
-def rms_backward(g, q, attn, stats, affine, end, *, pre_layer_norm: bool, inner_residual: bool,
-                 interpret: bool = False, config: RowConfig | None = None):
-  """The RMSNorm backward and u for the GDPA backward, one pass.
+def rms_backward(g, z, rstd2, gamma2, end, *, interpret: bool = False,
+                 config: RowConfig | None = None):
+  """The RMSNorm backward, one pass: dz = r2 · (g·γ2 − ẑ · mean(g·γ2·ẑ)), ẑ = z·r2.
 
   Args:
-    g: (T, N) cotangent of the output (N = H·D), 16-bit; q, attn: (T, N) in q's dtype (attn
-      as the forward kernel saved it).
-    stats: (T, 3) float32 (μ1, r1, r2) of the forward.
-    affine: float32 (γ1, β1, γ2), each (N,).
+    g: (T, N) cotangent of the output (N = H·D), 16-bit; z: (T, N) the RMSNorm's input as the
+      forward kernel saved it (q's dtype).
+    rstd2: (T,) float32 r2 of the forward.
+    gamma2: (N,) float32 γ2.
     end: int32 scalar, the first padding row.
     interpret: run in Pallas interpret mode; config: tiling (default :func:`pick_config`).
 
   Returns:
-    ``(dz, u, dγ2)``: dz (T, N) and u (T, N) in q's dtype (u is None without the LayerNorm:
-    u = q), dγ2 (N,) float32; padding rows of dz and u are zeros.
+    ``(dz, dγ2)``: dz (T, N) in z's dtype (zeros on padding rows), dγ2 (N,) float32.
   """
-  capacity, n = q.shape
-  sw = _Switches(pre_layer_norm, inner_residual, True)
-  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32), g=g, q=q, attn=attn,
-                mean=stats[:, 0], rstd1=stats[:, 1], rstd2=stats[:, 2], gamma1=affine[0],
-                beta1=affine[1], gamma2=affine[2])
-  tile = jax.ShapeDtypeStruct((capacity, n), q.dtype)
-  outputs = dict(dz=tile, **(dict(u=tile) if pre_layer_norm else {}))
+  capacity, n = z.shape
+  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32), g=g, z=z, rstd2=rstd2,
+                gamma2=gamma2)
+  outputs = dict(dz=jax.ShapeDtypeStruct((capacity, n), z.dtype))
 
   def body(r, blk):
-    dz, u, summand = _rms_backward_rows(
-        r, blk, sw, _vectors(("gamma1", "beta1", "gamma2"), r, n), n)
-    return dict(dz=dz, **(dict(u=u) if pre_layer_norm else {})), (summand,)
+    dz, summand = _rms_backward_rows(r, blk, _vectors(("gamma2",), r, n)[0], n)
+    return dict(dz=dz), (summand,)
 
-  tiles, (d_gamma2,) = _call("fna_rms_backward", body, inputs, outputs, 1, n, capacity,
+  (dz,), (d_gamma2,) = _call("fna_rms_backward", body, inputs, outputs, 1, n, capacity,
                              interpret, config)
-  return tiles[0], tiles[1] if pre_layer_norm else None, d_gamma2
+  return dz, d_gamma2
 
 
 def ln_backward(du_attn, dz, g, q, stats, gamma1, end, pad, *, inner_residual: bool,
@@ -264,7 +252,7 @@ def ln_backward(du_attn, dz, g, q, stats, gamma1, end, pad, *, inner_residual: b
     ``(dq, dγ1, dβ1)``: dq (T, N) in q's dtype, dγ1 and dβ1 (N,) float32.
   """
   capacity, n = q.shape
-  sw = _Switches(True, inner_residual, outer_residual)
+  sw = _Switches(inner_residual, outer_residual)
   inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32),
                 pad=jnp.reshape(pad, (1,)).astype(_F32), du_attn=du_attn,
                 **(dict(dz=dz) if inner_residual else {}),
