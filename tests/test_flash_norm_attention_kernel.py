@@ -25,6 +25,7 @@ from jax import export
 import pallas_norm as pn
 from pallas_norm import jagged, mgpu, reference
 from pallas_norm.ops.flash_norm_attention import mosaic, norm_bwd
+from pallas_norm.ops.gdpa import mosaic_bwd as gdpa_mosaic_bwd
 
 TOL = 2e-2
 F32 = jnp.float32
@@ -238,35 +239,68 @@ def test_norm_backward_kernels_match_autodiff(switches):
     dq = c * dz + (dz if inner_residual else 0) + (rows(g) if outer_residual else 0)
     assert _rel_err(dq[:end], rows(dq_ref)[:end]) < 1e-4
     return
-  dq, dg1, db1 = norm_bwd.ln_backward(c * dz, dz, rows(g), q_in, stats, gamma1,
-                                      jnp.int32(end), jnp.float32(0.0),
-                                      inner_residual=inner_residual,
-                                      outer_residual=outer_residual, interpret=True)
+  du = c * dz + dz if inner_residual else c * dz  # the GDPA backward's dq (+ dO)
+  dq, dg1, db1 = norm_bwd.ln_backward(du, rows(g), q_in, stats, gamma1, jnp.int32(end),
+                                      jnp.float32(0.0), outer_residual=outer_residual,
+                                      interpret=True)
   assert not bool(jnp.any(dq[end:] != 0))
   assert _rel_err(dq[:end], rows(dq_ref)[:end]) < 1e-4
   assert _rel_err(dq[3], rows(dq_ref)[3]) < 1e-4  # the large-mean row
   assert _rel_err(dg1, dg1_ref) < 1e-4 and _rel_err(db1, db1_ref) < 1e-4
 
 
-def test_norm_backward_lowers_for_triton():
-  """The two row kernels lower to Triton IR for an H200 (no GPU: an abstract device)."""
+def test_gdpa_backward_adds_do_to_dq():
+  """The GDPA backward's ``add_do_to_dq`` (the inner residual's gradient, which the fused
+  block's backward uses) at D = 128, Lkv = 64: dQ fused into the dK/dV kernel, dO read from
+  the ring stage (the FNA gradient test covers D = 64, the separate dQ kernel). dq is
+  dq + dO rounded once; dk, dv unchanged; padding rows zero."""
+  lens = [5, 70, 0, 9]
+  q, k, v, qo, _ = _problem(9, lens, 1, 128, 64)
+  q = _clean(q, qo)
+  do = _clean(jnp.asarray(np.random.default_rng(10).standard_normal(q.shape, np.float32),
+                          jnp.bfloat16), qo)
+  run = lambda add: jax.jit(lambda *a: gdpa_mosaic_bwd.gdpa_bwd(  # noqa: E731
+      *a, activation="fast_gelu", pre_scale=0.9, post_scale=1.1, interpret=True,
+      add_do_to_dq=add))(q, k, v, qo, None, do)
+  plain, with_do = run(False), run(True)
+  assert not mgpu.races_found()  # dO's ring stage: read by the consumers, then reloaded by TMA
+  total = int(qo[-1])
+  want = plain[0].astype(F32) + do.astype(F32)
+  assert _rel_err(with_do[0][:total], want[:total]) < 1e-2
+  assert not bool(jnp.any(with_do[0][total:] != 0))
+  for got, ref in zip(with_do[1:3], plain[1:3]):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+def test_fused_forward_backward_lowers_for_hopper(monkeypatch):
+  """The op's forward+backward on the fused path at the issue's H = 4, D = 128 lowers for an
+  H200 (no GPU: an abstract device, the dispatch told it is on Hopper): the forward kernel
+  saving z and u, both row kernels (Triton) and the GDPA backward adding dO to its fused dQ."""
+  from pallas_norm import _dispatch
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   spec = jax.ShapeDtypeStruct
-  t, n, bf = 4096, 512, jnp.bfloat16
-
-  def backward(g, q, z, stats, affine, du_attn):
-    dz, dg2 = norm_bwd.rms_backward(g, z, stats[:, 2], affine[2], 4000)
-    return (dz, dg2) + norm_bwd.ln_backward(du_attn, dz, g, q, stats, affine[0], 4000, 0.0,
-                                            inner_residual=True, outer_residual=True)
-
+  t, b, heads, head_dim = 4096, 16, 4, 128
+  bf = jnp.bfloat16
+  f = heads * head_dim
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                        platform="cuda")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  tile = spec((t, n), bf)
+
+  def fwd_bwd(q, k, v, qo, g1, b1, g2, ct):
+    block = lambda q, k, v, g1, b1, g2: pn.flash_norm_attention(  # noqa: E731
+        q, k, v, qo, ln_scale=g1, ln_bias=b1, rms_scale=g2, max_seq_len=512,
+        implementation="mosaic")
+    out, pull = jax.vjp(block, q, k, v, g1, b1, g2)
+    return out, pull(ct)
+
+  kv = spec((b, 128, heads, head_dim), bf)
+  vec = spec((f,), F32)
   with jax.sharding.use_abstract_mesh(mesh):
     exported = export.export(
-        jax.jit(backward), platforms=["cuda"],
+        jax.jit(fwd_bwd), platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            tile, tile, tile, spec((t, 3), F32), (spec((n,), F32),) * 3, tile)
+            spec((t, heads, head_dim), bf), kv, kv, spec((b + 1,), jnp.int32), vec, vec, vec,
+            spec((t, heads, head_dim), bf))
   assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 2
 
 
@@ -326,10 +360,11 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
 
 
-@pytest.mark.parametrize("heads,head_dim,save_residuals,out_dtype", [
-    (4, 128, True, None), (2, 128, False, jnp.float32)])
-def test_lowers_for_sm90a(heads, head_dim, save_residuals, out_dtype):
-  """Mosaic's sm_90a lowering accepts the kernel (layouts, SMEM, TMA boxes) at real sizes."""
+def test_forward_lowers_for_sm90a():
+  """Mosaic's sm_90a lowering accepts the forward kernel (layouts, SMEM, TMA boxes) at real
+  sizes without the residuals and with a float32 output (the training form at H = 4:
+  test_fused_forward_backward_lowers_for_hopper)."""
+  heads, head_dim, save_residuals, out_dtype = 2, 128, False, jnp.float32
   spec = jax.ShapeDtypeStruct
   t, b = 4096, 16
   cfg = mosaic.pick_config(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16,
@@ -408,10 +443,9 @@ def test_gpu_norm_backward_kernels():
     dz = stats[:, 2:3] * (gz - z_hat * jnp.mean(gz * z_hat, axis=1, keepdims=True))
     for a, b in ((got[0], dz), (got[1], jnp.sum(gf * z_hat, axis=0))):
       assert _rel_err(a, b) < 1e-2
-    dq, dg1, db1 = jax.jit(lambda *a: norm_bwd.ln_backward(
-        *a, inner_residual=True, outer_residual=True))(du, got[0], g, q, stats, affine[0], end,
-                                                       0.0)
-    duf = jnp.where(live, du.astype(F32) + got[0].astype(F32), 0)
+    dq, dg1, db1 = jax.jit(lambda *a: norm_bwd.ln_backward(*a, outer_residual=True))(
+        du, g, q, stats, affine[0], end, 0.0)
+    duf = jnp.where(live, du.astype(F32), 0)
     x_hat = (qf - stats[:, :1]) * stats[:, 1:2]
     gu = duf * affine[0]
     want = jnp.where(live, stats[:, 1:2] * (gu - jnp.mean(gu, axis=1, keepdims=True) - x_hat

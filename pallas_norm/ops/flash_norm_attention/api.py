@@ -11,7 +11,8 @@ Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: 
 every head of a q block) where it supports the call (dense K/V, H·D small enough for SMEM), in
 one ``custom_vjp`` whose forward also saves z and u, and whose backward is two one-pass row
 kernels (:mod:`.norm_bwd`: the RMSNorm backward from z, and the LayerNorm backward, both
-reading the saved statistics) around the GDPA backward kernel (which takes the saved u).
+reading the saved statistics) around the GDPA backward kernel (which takes the saved u and
+adds dz to its dq for the inner residual).
 Elsewhere, where the GDPA kernel supports the call,
 the unfused chain: the two norms in XLA around the GDPA kernel (:mod:`pallas_norm.ops.gdpa`).
 Both round the attention output to q's dtype before the inner residual adds it (the XLA path
@@ -237,7 +238,8 @@ def _fused_fwd_rule(q, k, v, offsets, affine, pre_scale, post_scale, static):
 def _fused_bwd_rule(static, saved, cotangents):
   """The block's backward: the RMSNorm backward (one pass over dout and the saved z,
   :func:`norm_bwd.rms_backward`), the GDPA backward kernel on the saved u (q without the
-  LayerNorm), then the LayerNorm backward (one pass, :func:`norm_bwd.ln_backward`). The
+  LayerNorm), whose dq is du (dz added inside it for the inner residual), then the LayerNorm
+  backward (one pass, :func:`norm_bwd.ln_backward`). The
   per-token row sums over H·D (the cross-head reductions) are register reductions over full
   rows; the weight gradients are float32 column sums (deterministic)."""
   q, k, v, offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, z, u = saved
@@ -251,20 +253,18 @@ def _fused_bwd_rule(static, saved, cotangents):
   pad = 0 * post_scale
   dz, d_rms_scale = norm_bwd.rms_backward(rows(d_out), rows(z), stats[:, 2], rms_scale, end,
                                           interpret=static.interpret)
-  du_attn, dk, dv, d_pre, d_post = gdpa_mosaic_bwd.gdpa_bwd(
+  du, dk, dv, d_pre, d_post = gdpa_mosaic_bwd.gdpa_bwd(
       q if u is None else u, k, v, q_offsets, None, dz.reshape(q.shape),
       activation=static.activation, pre_scale=pre_scale, post_scale=post_scale,
-      interpret=static.interpret, scale_grads=static.scale_grads)
+      interpret=static.interpret, scale_grads=static.scale_grads,
+      add_do_to_dq=static.inner_residual)
   if static.pre_layer_norm:
     dq, d_ln_scale, d_ln_bias = norm_bwd.ln_backward(
-        rows(du_attn), dz, rows(d_out), rows(q), stats, ln_scale, end, pad,
-        inner_residual=static.inner_residual, outer_residual=static.outer_residual,
-        interpret=static.interpret)
-  else:  # u = q: dq is the sum of the branches, one elementwise pass
+        rows(du), rows(d_out), rows(q), stats, ln_scale, end, pad,
+        outer_residual=static.outer_residual, interpret=static.interpret)
+  else:  # u = q: dq is du plus the outer branch, one elementwise pass
     d_ln_scale = d_ln_bias = jnp.zeros_like(ln_scale)
-    dq = rows(du_attn).astype(_F32)
-    if static.inner_residual:
-      dq = dq + dz.astype(_F32)
+    dq = rows(du).astype(_F32)
     if static.outer_residual:
       dq = dq + rows(d_out).astype(_F32)
     valid = jagged.valid_mask(q_offsets, t)[:, None]

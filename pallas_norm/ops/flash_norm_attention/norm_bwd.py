@@ -11,8 +11,8 @@ Passes and bytes (16-bit tensors of T × H·D, f32 statistics and partials aside
 
 * :func:`rms_backward`, before the GDPA backward: reads dout and z (saved by the forward kernel,
   as is u, the GDPA backward's q); writes dz: 3 tensors, dγ2 in the same pass.
-* :func:`ln_backward`, after it: reads du_attn, dz (inner residual), dout (outer residual), q;
-  writes dq: 5 tensors, dγ1 and dβ1 in the same pass.
+* :func:`ln_backward`, after it: reads du (the GDPA backward's dq, which adds dz for the inner
+  residual), dout (outer residual), q; writes dq: 4 tensors, dγ1 and dβ1 in the same pass.
 
 Rows at or past ``end`` (the last offset: padding) read as zeros and are written as zeros (dz)
 or as ``pad`` (dq: ``0 · post_scale``, NaN where the op poisoned bad traced offsets).
@@ -81,12 +81,6 @@ def pick_config(features: int, interpret: bool) -> RowConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Switches:
-  inner_residual: bool
-  outer_residual: bool
-
-
-@dataclasses.dataclass(frozen=True)
 class _Rows:
   """One step's row block: loaders of full-row tiles and per-row values (zeros past ``end``)
   and the store of a tile (rows below T)."""
@@ -139,21 +133,19 @@ def _rms_backward_rows(r, blk: _Rows, gamma2, n: int):
   return dz, g * z_hat
 
 
-def _ln_backward_rows(r, blk: _Rows, sw: _Switches, gamma1, pad, n: int):
+def _ln_backward_rows(r, blk: _Rows, outer_residual: bool, gamma1, pad, n: int):
   """dq of one row block and the summands of dγ1 (``du · x̂``) and dβ1 (``du``)::
 
-      du = du_attn + dz (or du_attn),   x̂ = (q − μ1)·r1,   gu = du·γ1
+      x̂ = (q − μ1)·r1,   gu = du·γ1
       dq = r1 · (gu − mean(gu) − x̂ · mean(gu·x̂)) + g (outer residual)
   """
-  du = blk.tile(r["du_attn"])
-  if sw.inner_residual:
-    du = du + blk.tile(r["dz"])
+  du = blk.tile(r["du"])
   rstd1 = blk.row(r["rstd1"])
   x_hat = (blk.tile(r["q"]) - blk.row(r["mean"])) * rstd1
   gu = du * gamma1
   dq = rstd1 * (gu - jnp.sum(gu, axis=1, keepdims=True) / n
                 - x_hat * (jnp.sum(gu * x_hat, axis=1, keepdims=True) / n))
-  if sw.outer_residual:
+  if outer_residual:
     dq = dq + blk.tile(r["g"])
   return jnp.where(blk.live[:, None], dq, pad), du * x_hat, du
 
@@ -236,13 +228,12 @@ def rms_backward(g, z, rstd2, gamma2, end, *, interpret: bool = False,
   return dz, d_gamma2
 
 
-def ln_backward(du_attn, dz, g, q, stats, gamma1, end, pad, *, inner_residual: bool,
-                outer_residual: bool, interpret: bool = False, config: RowConfig | None = None):
-  """The LayerNorm backward with both residual branches, one pass.
+def ln_backward(du, g, q, stats, gamma1, end, pad, *, outer_residual: bool,
+                interpret: bool = False, config: RowConfig | None = None):
+  """The LayerNorm backward with the outer residual, one pass.
 
   Args:
-    du_attn: (T, N) gradient of u through the attention (the GDPA backward's dq).
-    dz: (T, N) the RMSNorm backward's dz (read with the inner residual; else may be None).
+    du: (T, N) gradient of u: the GDPA backward's dq (with dz added for the inner residual).
     g: (T, N) cotangent of the output (read with the outer residual; else may be None).
     q: (T, N); stats: (T, 3) float32 (μ1, r1, ·); gamma1: (N,) float32.
     end: int32 scalar, the first padding row; pad: float32 scalar written to dq's padding rows.
@@ -252,17 +243,15 @@ def ln_backward(du_attn, dz, g, q, stats, gamma1, end, pad, *, inner_residual: b
     ``(dq, dγ1, dβ1)``: dq (T, N) in q's dtype, dγ1 and dβ1 (N,) float32.
   """
   capacity, n = q.shape
-  sw = _Switches(inner_residual, outer_residual)
   inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32),
-                pad=jnp.reshape(pad, (1,)).astype(_F32), du_attn=du_attn,
-                **(dict(dz=dz) if inner_residual else {}),
+                pad=jnp.reshape(pad, (1,)).astype(_F32), du=du,
                 **(dict(g=g) if outer_residual else {}),
                 q=q, mean=stats[:, 0], rstd1=stats[:, 1], gamma1=gamma1)
   outputs = dict(dq=jax.ShapeDtypeStruct((capacity, n), q.dtype))
 
   def body(r, blk):
-    dq, d_scale, d_bias = _ln_backward_rows(r, blk, sw, _vectors(("gamma1",), r, n)[0],
-                                            r["pad"][0], n)
+    dq, d_scale, d_bias = _ln_backward_rows(r, blk, outer_residual,
+                                            _vectors(("gamma1",), r, n)[0], r["pad"][0], n)
     return dict(dq=dq), (d_scale, d_bias)
 
   (dq,), (d_gamma1, d_beta1) = _call("fna_ln_backward", body, inputs, outputs, 2, n,

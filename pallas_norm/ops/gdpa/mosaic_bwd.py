@@ -187,6 +187,7 @@ class _Plan:
   kv_tiles: int       # dense: kv tiles per sample; jagged: kv tiles of the packed rows
   activation: str
   scale_grads: bool   # write the partial sums of d pre_scale and d post_scale
+  add_do_to_dq: bool = False  # write dq + dO (gdpa_bwd's keyword)
 
   @property
   def fuse_dq(self) -> bool:
@@ -344,7 +345,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
                                  partials, ready)
             if plan.fuse_dq:
               _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem, ready,
-                        dq_smem.at[wg], dq_ref.at[:, h, :], col0, q_lo, q_hi)
+                        dq_smem.at[wg], dq_ref.at[:, h, :], col0, q_lo, q_hi, do_stage)
             return partials
 
           partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
@@ -416,7 +417,7 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
 
 
 def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, col0, q_lo,
-              q_hi) -> None:
+              q_hi, do_stage) -> None:
   """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK): once both
   consumers wrote their dSᵀ tile (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; each arrived on
   ``ready`` in :func:`_dkv_step`), consumer w computes dQ[:, w·BLOCK:(w+1)·BLOCK] =
@@ -434,9 +435,11 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, co
       plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0, :, cols])
     return acc[...]
 
-  dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)))
+  dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK))) * scale
+  if plan.add_do_to_dq:  # the step's dO tile (its ring stage), this consumer's half
+    dq = dq + plgpu.load(do_stage.at[:, cols], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
-  dq_smem[...] = (dq * scale).astype(plan.dtype)
+  dq_smem[...] = dq.astype(plan.dtype)
   plgpu.commit_smem()
   lo = jnp.maximum(q_lo - col0, 0)
   _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
@@ -583,7 +586,13 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
           mgpu.ring_k_loop(ring, step, blocks, (), body)
           lo = jnp.clip(q_lo - row0, 0, BLOCK)
           hi = jnp.clip(q_hi - row0, 0, BLOCK)
-          pl.when(hi > lo)(lambda: store(dq_acc[...] * (pre * scales_ref[1]), lo, hi))
+          def store_dq():
+            dq = dq_acc[...] * (pre * scales_ref[1])
+            if plan.add_do_to_dq:
+              dq = dq + plgpu.load(do_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            store(dq, lo, hi)
+
+          pl.when(hi > lo)(store_dq)
 
         pl.run_scoped(with_acc, plgpu.ACC((BLOCK, d)))
         return step + blocks
@@ -694,7 +703,8 @@ def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
 
 def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu",
              pre_scale=1.0, post_scale=1.0, max_seq_len=None, max_kv_len=None,
-             interpret: bool = False, scale_grads: bool | None = None):
+             interpret: bool = False, scale_grads: bool | None = None,
+             add_do_to_dq: bool = False):
   """Gradients of :func:`pallas_norm.reference.gdpa` with respect to q, k, v and the scales.
 
   Args:
@@ -713,9 +723,13 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
     scale_grads: whether to compute the scale gradients; None: when a scale is not a Python
       number (the op passes False for scales its caller gave as numbers, even as arrays).
+    add_do_to_dq: return ``dq + do`` in place of dq (the gradient of ``u + gdpa(u, k, v)``
+      with respect to u, for FlashNormAttention's inner residual: dO is in SMEM at every dq
+      step, so the sum costs no pass over the tensors; rounded to q's dtype once).
 
   Returns:
-    ``(dq, dk, dv, d_pre_scale, d_post_scale)``: dq like q (zeros on padding rows), dk and dv
+    ``(dq, dk, dv, d_pre_scale, d_post_scale)``: dq like q (zeros on padding rows; with
+    ``add_do_to_dq``, dq + do on the sample rows), dk and dv
     like k (zeros on padded rows of packed k/v), the products accumulated in float32. The scale
     gradients are float32 0-d arrays, or both None without ``scale_grads`` (then the kernels
     skip their partial sums).
@@ -740,7 +754,8 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
   if scale_grads is None:
     scale_grads = not all(isinstance(x, (int, float)) for x in (pre_scale, post_scale))
   plan = _Plan(batch=batch, heads=heads, head_dim=d, dtype=dtype, dense=dense, kv_rows=kv_rows,
-               kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads)
+               kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads,
+               add_do_to_dq=add_do_to_dq)
   q_offsets = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.zeros((batch + 1,), jnp.int32) if dense else jnp.asarray(kv_offsets, jnp.int32)
   scales = _scale_array(pre_scale, post_scale)
