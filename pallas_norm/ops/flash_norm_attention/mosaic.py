@@ -19,8 +19,9 @@ warps:
   them (one ``q_free`` barrier per head).
 * the norm warpgroup (:data:`NORM_WG`): the LayerNorm statistics (μ1, r1) of the block by two
   passes over the H tiles in SMEM (mean, then the centred second moment: exact for rows with a
-  large mean), then every u_h = LN(q_h) written over the working copy of q_h (u never goes to
-  GMEM), each handed to the attention warpgroup (``u_ready``); per head, once attn_h is back
+  large mean), then every u_h = LN(q_h) written over the working copy of q_h (the attention
+  reads u from SMEM; it goes to GMEM only as a residual for the backward), each handed to the
+  attention warpgroup (``u_ready``); per head, once attn_h is back
   (``attn_ready``), Σz² across heads with z_h = u_h + attn_h (u_h recomputed in f32 from the
   residual copy of q_h). After the last head: r2, then per head
   out_h = (u_h + attn_h)·r2·γ2 + q_h, stored with the row-exact TMA store
