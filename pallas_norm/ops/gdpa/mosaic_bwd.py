@@ -27,17 +27,21 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   the block, into an accumulator of that sample's own, of which it stores the sample's rows.
   Each dq row is written once; rows of no sample (padding) are written as zeros.
 
-Q and kv blocks are *aligned* (block i covers packed rows [64·i, 64·i + 64)) because Mosaic's
-tiled TMA, which the swizzled WGMMA operands need, addresses rows in groups of 8; rows of a
+Mosaic's tiled TMA, which the swizzled WGMMA operands need, addresses rows in groups of 8, so
+a block's first row must be a multiple of 8. The dK/dV loop reads a sample's q rows [lo, hi) in
+blocks of 64 from lo rounded down to 8 (``_q_window``, as the forward's windows; rounding to 64
+costs ~9% more q-block steps at lengths uniform on [1, 512]); the kv tiles and the dQ kernel's
+blocks are aligned to their size (block i covers packed rows [64·i, 64·i + 64)). Rows of a
 block that belong to another sample are masked out of every product with selects. A select
 cannot stop ``0 · NaN`` inside a WGMMA, so a non-finite K or V token must not meet another
-sample's rows in a product: the one block that reaches past the last offset (padding rows,
-never data) is read from a small zero-padded copy that the wrapper gathers (``*_tail``); the
-dQ kernel zeroes packed K's rows outside the sample in SMEM before dS·K, and keeps one
-accumulator per sample (dS's zero rows of the other samples times a NaN key fill those rows
-with NaN, which are never stored). Not so for q and dO: a non-finite q or dO token of one
-sample reaches dK/dV of the samples whose q blocks share its aligned 64-row block (the dK/dV
-loop's products Aᵀ dO and dSᵀ Q), as a NaN, never a silently wrong value.
+sample's rows in a product: the q blocks that reach past the last offset (padding rows, never
+data) are read from a small zero-padded copy that the wrapper gathers (``_q_tail``; for packed
+k, ``k_tail``); the dQ kernel zeroes packed K's rows outside the sample in SMEM before dS·K,
+and keeps one accumulator per sample (dS's zero rows of the other samples times a NaN key fill
+those rows with NaN, which are never stored). Not so for q and dO: a non-finite q or dO token
+of one sample reaches dK/dV of the samples whose q blocks include its row (the dK/dV loop's
+products Aᵀ dO and dSᵀ Q: the up to 7 rows before a sample's first and the up to 63 after its
+last), as a NaN, never a silently wrong value.
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
 capacity T, except for writing zeros over dq's padding rows. The dK/dV tiles run
@@ -212,6 +216,21 @@ def _block_span(lo, hi):
   return first, jnp.where(hi > lo, _cdiv(hi, BLOCK) - first, 0)
 
 
+def _q_window(lo, hi):
+  """(first row, number of BLOCK-row blocks) of the q window of rows [lo, hi): it starts at lo
+  rounded down to :data:`ROW_ALIGN` (the tiled TMA's row granule), not to BLOCK, so a sample
+  pays for at most 7 rows before its first (as the forward's windows); 0 blocks if empty."""
+  win = lo - lax.rem(lo, ROW_ALIGN)
+  return win, jnp.where(hi > lo, _cdiv(hi - win, BLOCK), 0)
+
+
+def _q_tail_base(end):
+  """First row of the zero-padded copy of q and dO (2·BLOCK rows, :func:`_q_tail`) that the
+  q blocks reaching past row ``end`` (the last offset) read instead: such a block starts at a
+  multiple of ROW_ALIGN in (end − BLOCK, end), so within [base, base + BLOCK]."""
+  return jnp.maximum(end - lax.rem(end, ROW_ALIGN) - BLOCK, 0)
+
+
 def _tile_ids():
   """(row ids, column ids) of a (BLOCK, BLOCK) WGMMA tile as vectors in the accumulator's row
   and column layouts: 2 + 16 registers a thread keeps across the loop, where two int32 tiles
@@ -283,12 +302,13 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
     kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
     dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
     kv_base = item * TILE
-  tail_block = q_off_ref[plan.batch] // BLOCK  # the one q block that reaches past the last offset
+  q_end = q_off_ref[plan.batch]  # blocks reaching past it read the zero-padded tail copy
+  tail_base = _q_tail_base(q_end)
 
   def q_span(s):
-    """(valid q rows [lo, hi), first aligned q block, blocks) of sample s."""
+    """(valid q rows [lo, hi), first row of its q window, blocks) of sample s."""
     lo, hi = q_off_ref[s], q_off_ref[s + 1]
-    return (lo, hi, *_block_span(lo, hi))
+    return (lo, hi, *_q_window(lo, hi))
 
   def kv_range(s):
     if plan.dense:
@@ -301,14 +321,16 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
 
     def producer():
       def sample(s, step):
-        _, _, block0, blocks = q_span(s)
+        _, _, win, blocks = q_span(s)
 
         @pl.loop(0, blocks)
         def _(j):
-          rows = pl.ds((block0 + j) * BLOCK, BLOCK)
+          row = win + j * BLOCK
+          rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
           main = (q_ref.at[rows, h, :], do_ref.at[rows, h, :])
-          tail = (q_tail_ref.at[:, h, :], do_tail_ref.at[:, h, :])
-          _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
+          tail_rows = pl.ds(pl.multiple_of(row - tail_base, ROW_ALIGN), BLOCK)
+          tail = (q_tail_ref.at[tail_rows, h, :], do_tail_ref.at[tail_rows, h, :])
+          _produce_block(ring, step + j, row + BLOCK > q_end, main, tail)
         return step + blocks
 
       pl.when(is_item)(lambda: mgpu.ring_drain(
@@ -330,12 +352,12 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
 
         def sample(s, carry):
           step, partials = carry
-          q_lo, q_hi, block0, blocks = q_span(s)
+          q_lo, q_hi, win, blocks = q_span(s)
           kv_lo, kv_hi = kv_range(s)
 
           def body(idxs, q_stage, do_stage, partials):
             (j,) = idxs
-            col0 = (block0 + j) * BLOCK
+            col0 = win + j * BLOCK
             slot = lax.rem(step + j, 2)
             valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
             ready = ds_ready.at[slot] if plan.fuse_dq else None
@@ -367,7 +389,10 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
           plgpu.copy_smem_to_gmem(tile, view.at[pl.ds(row0, BLOCK)])
         if plan.scale_grads:
           plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[h, cta, wg])
-        plgpu.wait_smem_to_gmem(0)
+        # Only SMEM must outlive the stores: waiting for their reads, not their writes, lets
+        # the CTA retire and the next one start ~the HBM write latency earlier (CUTLASS's
+        # epilogues end the same way; the grid's end makes the writes visible).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       pl.when(is_item)(lambda: pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)),
                                              plgpu.ACC((BLOCK, d))))
@@ -412,7 +437,7 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
     for c in range(d // BLOCK):
       plgpu.copy_smem_to_gmem(zero_smem, dq_view.at[pl.ds(lo + i * BLOCK, BLOCK),
                                                     pl.ds(c * BLOCK, BLOCK)])
-  plgpu.wait_smem_to_gmem(0)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, col0, q_lo,
@@ -593,7 +618,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
       lo = jnp.clip(q_off_ref[plan.batch] - row0, 0, BLOCK)
       zeros = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
       pl.when(lo < BLOCK)(lambda: store(zeros, lo, BLOCK))
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     mgpu.warp_specialize(producer, consumer)
 
@@ -657,12 +682,19 @@ def _overlaps(offsets, block_rows: int, n_blocks: int):
   return first, jnp.maximum(stop - first, 0)
 
 
-def _tail_block(x, offsets):
-  """The (BLOCK, H, D) aligned block of ``x`` that holds row ``offsets[-1]``, rows at or past
-  that offset zeroed (a gather of BLOCK rows, not a pass over ``x``)."""
-  rows = offsets[-1] // BLOCK * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+def _tail_block(x, offsets, first=None, count=BLOCK):
+  """Rows [first, first + count) of ``x`` (default: the aligned BLOCK that holds row
+  ``offsets[-1]``), rows at or past ``offsets[-1]`` zeroed (a gather, not a pass over ``x``)."""
+  if first is None:
+    first = offsets[-1] // BLOCK * BLOCK
+  rows = first + jnp.arange(count, dtype=jnp.int32)
   block = jnp.take(x, jnp.minimum(rows, x.shape[0] - 1), axis=0)
   return jnp.where((rows < offsets[-1])[:, None, None], block, jnp.zeros((), x.dtype))
+
+
+def _q_tail(x, q_offsets):
+  """The zero-padded 2·BLOCK rows of q or dO from :func:`_q_tail_base` (dK/dV kernel)."""
+  return _tail_block(x, q_offsets, _q_tail_base(q_offsets[-1]), 2 * BLOCK)
 
 
 def _scale_array(pre_scale, post_scale):
@@ -671,8 +703,7 @@ def _scale_array(pre_scale, post_scale):
 
 def _dkv_order(plan: _Plan, q_offsets, first, count):
   """dK/dV tiles, most q blocks first (ties keep their order)."""
-  q_first, q_blocks = _block_span(q_offsets[:-1], q_offsets[1:])
-  del q_first
+  _, q_blocks = _q_window(q_offsets[:-1], q_offsets[1:])
   per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                            q_blocks.astype(jnp.int32)]))
   work = per_sample[first + count] - per_sample[first]
@@ -706,7 +737,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     do: (T, H, D) cotangent of the output (cast to q's dtype). Its padding rows and those of q
       (and of packed k/v) may hold anything. A non-finite k/v token reaches only
       its sample's gradients; a non-finite q or dO token also makes dk/dv NaN for the samples whose
-      q rows share its aligned 64-row block.
+      q blocks read its row (up to 7 rows before a sample's first and 63 after its last).
     activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
     pre_scale, post_scale: real scalars: Python numbers or 0-d arrays (traced ones included).
     max_seq_len, max_kv_len: accepted for the common interface; the kernels do not need them.
@@ -760,7 +791,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
   grid_items = plan.dkv_items + (DQ_ZERO_CTAS if plan.fuse_dq else 0)
   dkv_outs = _call(_dkv_kernel, plan, grid_items, out_type, interpret)(
       order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
-      _tail_block(q, q_offsets), _tail_block(do, q_offsets))
+      _q_tail(q, q_offsets), _q_tail(do, q_offsets))
   dk, dv = dkv_outs[:2]
 
   if plan.fuse_dq:
