@@ -85,13 +85,9 @@ def _check_rows(results):
 
 
 def test_quick_interpret_suite_writes_checked_results(tmp_path):
-  # One timed call per implementation: each interpret-mode call takes seconds. In this process
-  # (a subprocess would pay ~4 CPU-s of imports); the exit status of the command line is
-  # test_wrong_output_exits_3_after_writing_everything's.
-  run.main(["--interpret", "--quick", "--only", QUICK_SUBSET, "--iterations", "1",
-            "--results-dir", str(tmp_path)])
-  [path] = tmp_path.glob("*.json")
-  results = json.loads(path.read_text())
+  # One timed call per implementation: each interpret-mode call takes seconds.
+  results, path, _ = _run_suite(tmp_path, "--interpret", "--quick", "--only", QUICK_SUBSET,
+                                "--iterations", "1", timeout=600)
   assert results["timer"] == "wall" and results["backend"] == "cpu"
   assert results["flags"]["interpret"] and results["flags"]["tiny"]
   for key in ("jax_version", "device", "date", "git_commit", "tolerance", "wall_s"):
