@@ -126,10 +126,11 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
                                    max_seq_len, max_kv_len)
 
 
-FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), features=(512,), max_kv_len=128)
+FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), features=(256, 512),
+                            max_kv_len=128)
 """Where ``implementation=None`` takes the fused kernel: what the H200 measured faster than the
 unfused chain, forward and forward+backward (benchmarks/NOTES.md, "flash_norm_attention"):
-bf16 q, H·D = 512 (H = 4, D = 128), dense K/V of at most 128 keys."""
+bf16 q, H·D = 512 or 256 (H = 4 or 2, D = 128), dense K/V of at most 128 keys."""
 
 
 def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
