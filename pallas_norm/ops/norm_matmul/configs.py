@@ -19,12 +19,26 @@ same shape stays on XLA: fwd+bwd 3271.9 vs 2925.5 with x̂ (its row terms still 
 pass over dy and y, M × 2048 each)."""
 
 
-def kernel_slower_reason(k: int, n: int, norm: str) -> str | None:
+KERNEL_DEFAULT_MIN_M = 65536
+"""Fewest rows (M, the product of x's leading dimensions) at which ``implementation=None`` takes
+the kernel: the smallest M the H200 measured it faster than XLA in training (65536×2048², the
+suite; the other rows are at 262144). Below it the persistent grid has fewer row blocks than
+SMs (M = 768 is 6 row blocks of 128) and the backward's fixed costs dominate, where XLA's cuBLAS
+picks small tiles: the Kunlun train step's interaction MLP (M = 768, the batch) trained 0.87×
+(CUPTI) with the kernels (`benchmarks/results/logs/2026-12-02_s14_train_step.log`)."""
+
+
+def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
+  """Why ``implementation=None`` keeps XLA for x (M, K) @ w (K, N), or None to take the kernel."""
   limit = KERNEL_DEFAULT_MAX_KN[norm]
   wide_rms = norm == "rms" and k <= RMS_WIDE_MAX_K and n <= RMS_WIDE_MAX_N
   if (k > limit or n > limit) and not wide_rms:
     return (f"K = {k}, N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA "
             "in training on the H200 (pass implementation='mosaic' to force it)")
+  if m < KERNEL_DEFAULT_MIN_M:
+    return (f"M = {m}: below {KERNEL_DEFAULT_MIN_M} rows the Mosaic kernel was not measured "
+            "faster than XLA in training (slower at M = 768 on the H200; pass "
+            "implementation='mosaic' to force it)")
   return None
 
 
