@@ -128,6 +128,22 @@ def test_rows_with_a_large_mean_keep_their_precision():
     _assert_close(g, w, 1e-5, name)
 
 
+@pytest.mark.parametrize("config", [
+    row_norm_pallas.BackwardConfig(block_m=1, programs=7, num_warps=4, num_stages=1),
+    row_norm_pallas.BackwardConfig(block_m=4, programs=2, num_warps=8),
+])
+def test_other_tilings_give_the_same_gradients(monkeypatch, config):
+  """The kernel under tilings other than pick_config's (one row per step and more programs than
+  steps; blocks past the rows of a short last slab), as the GPU tilings under test take them:
+  the same values as the reference."""
+  x, vecs, dy, ds = _inputs(8, (45, 96), jnp.bfloat16, scale=True, bias=True, residual=True)
+  monkeypatch.setattr(row_norm_pallas, "pick_config", lambda m, n, interpret: config)
+  _, got = _outputs_and_grads(_op("interpret", 1e-5, False), x, vecs, dy, ds)
+  _, want = _outputs_and_grads(_op("reference", 1e-5, False), *_upcast((x, vecs)), dy, ds)
+  for name, g, w in zip(("dx", "dscale", "dbias", "dresidual"), got, want):
+    _assert_close(g, w, BF16_TOL, name)
+
+
 # ("triton", "xla") on the CPU warns once per process that it ran XLA (tested in test_validation).
 @pytest.mark.filterwarnings("ignore::pallas_norm._dispatch.KernelSkippedWarning")
 def test_kernel_names_and_refusals_on_the_cpu():
