@@ -382,10 +382,11 @@ def test_row_kernel_refuses_what_it_cannot_run():
   assert mn._norm_backward_kernel_reason(odd, None, odd, ALL_SUMS, bf, "triton") is None
 
 
-@pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_op_backward_with_row_kernel_matches_xla_backward(monkeypatch, norm):
+def test_op_backward_with_row_kernel_matches_xla_backward(monkeypatch):
   """The op's backward with configs.norm_backward_kernel = "triton": the same gradients as XLA's
-  passes, with every column sum and the cotangent of h (one forward, the rule run twice)."""
+  passes, with every column sum and the cotangent of h (one forward, the rule run twice;
+  LayerNorm only: RMSNorm's form differs by the mean term, tested on the kernel alone)."""
+  norm = "layer"
   monkeypatch.setattr(mn.configs, "norm_backward_kernel", lambda *_: "triton")
   rows_calls, real = [], norms_triton.norm_backward
   monkeypatch.setattr(norms_triton, "norm_backward",
