@@ -27,6 +27,10 @@ ulp(mean)/std).
 RMSNorm has no kernel path: the same kernel's RMSNorm form was measured slower than XLA's
 autodiff (benchmarks/EXPERIMENTS.md), so :func:`unsupported_reason` refuses it.
 
+The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
+norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
+them, with Σ dh as a third column sum.
+
 Forward-mode autodiff (``jax.jvp``) is not defined for this path (a ``custom_vjp``); the "xla"
 path (:mod:`pallas_norm.ops.norms.xla`) has it.
 """
