@@ -1,4 +1,4 @@
-"""``layer_norm`` for training: XLA forward, one-pass Pallas backward kernel.
+"""``layer_norm`` and ``rms_norm`` for training: XLA forward, one-pass Pallas backward kernel.
 
 The forward is XLA's (one fused pass near copy bandwidth) and returns nothing but the outputs:
 handing the per-row statistics to the backward split it into three passes on the H200
@@ -14,7 +14,7 @@ float32 buffer that XLA sums afterwards (deterministic: no atomics).
 The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
 zero-centered) and ``r`` the rstd::
 
-    ds = r · (g − mean(g) − x̂ · mean(g ⊙ x̂))
+    ds = r · (g − mean(g) − x̂ · mean(g ⊙ x̂))          (RMSNorm: no mean(g))
     ds += cotangent of s (with a residual);  dx = d residual = ds
     dscale = Σ_rows dy ⊙ x̂,  dbias = Σ_rows dy
 
@@ -22,10 +22,10 @@ The statistics are recomputed as :func:`pallas_norm.reference.layer_norm` comput
 row shifted by its first element, the mean of the shifted values (``dmean``), the two-pass
 variance, ``x̂ = ((s − shift) − dmean) · r``: rows whose mean is large next to their spread keep
 their precision in the gradients too (a mean rounded to one float32 would cost up to
-ulp(mean)/std).
-
-RMSNorm has no kernel path: the same kernel's RMSNorm form was measured slower than XLA's
-autodiff (benchmarks/EXPERIMENTS.md), so :func:`unsupported_reason` refuses it.
+ulp(mean)/std). RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
+read rstd saved by the forward (splitting XLA's forward) was 0.73× of XLA's autodiff and was
+removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's, and
+``implementation=None`` keeps XLA for RMSNorm until it is measured faster.
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
 norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
@@ -101,22 +101,17 @@ def pick_config(m: int, n: int, interpret: bool) -> BackwardConfig:
                         num_warps=num_warps)
 
 
-RMS_REASON = ("rms_norm has no kernel path: its Pallas backward was measured slower than XLA's "
-              "autodiff on the H200 and removed (benchmarks/EXPERIMENTS.md); use 'xla'")
-"""Why ``rms_norm`` never runs the kernel (the kernel computes LayerNorm's backward only)."""
-
-
 def unsupported_reason(norm: str, x_shape, x_dtype, residual_dtype=None) -> str | None:
   """Why the backward kernel cannot run a call with these operands, or None.
 
   Args:
-    norm: "layer" (the kernel's norm) or "rms" (refused: :data:`RMS_REASON`).
+    norm: "layer" or "rms".
     x_shape: shape of x, (..., N).
     x_dtype: dtype of x.
     residual_dtype: dtype of the residual, or None without one.
   """
-  if norm != "layer":
-    return RMS_REASON
+  if norm not in ("layer", "rms"):
+    return f"norm {norm!r} (the kernel computes LayerNorm's and RMSNorm's backward)"
   n = x_shape[-1]
   if jnp.dtype(x_dtype) not in KERNEL_DTYPES:
     return f"the kernel takes bfloat16/float16/float32 x, got {jnp.dtype(x_dtype)}"
@@ -139,12 +134,22 @@ faster than XLA's autodiff at N = 128, 512, 1024, 2048; 1.09-1.27x faster than t
 path's one-pass rule at N = 128, 512, 2048 with x of 1 GB), at least 65536 rows."""
 
 
-def slower_reason(x_shape, x_dtype, has_residual: bool) -> str | None:
-  """Why ``implementation=None`` keeps XLA's autodiff for this call, or None to use the kernel
-  (:data:`DEFAULT_DOMAIN`, measured on a Hopper GPU, the only one measured)."""
+RMS_SLOWER_REASON = (
+    "rms_norm's kernel path (statistics recomputed from the rows, like LayerNorm's) is not yet "
+    "measured faster than XLA's autodiff; an earlier form that saved rstd from the forward was "
+    "0.73x of it (benchmarks/EXPERIMENTS.md)")
+"""Why ``implementation=None`` keeps XLA for ``rms_norm`` (``"triton"`` runs the kernel)."""
+
+
+def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  """Why ``implementation=None`` keeps XLA for this call, or None to use the kernel
+  (:data:`DEFAULT_DOMAIN` for LayerNorm, measured on a Hopper GPU, the only one measured;
+  RMSNorm never yet: :data:`RMS_SLOWER_REASON`)."""
   from pallas_norm import _dispatch  # the device query lives there
   d = DEFAULT_DOMAIN
   n, rows = x_shape[-1], math.prod(x_shape[:-1])
+  if norm == "rms":
+    return RMS_SLOWER_REASON
   if not _dispatch.on_hopper_gpu():
     return "the Pallas LayerNorm backward was measured only on a Hopper GPU (H200)"
   if jnp.dtype(x_dtype) not in d["dtypes"] or has_residual:
@@ -159,12 +164,12 @@ def slower_reason(x_shape, x_dtype, has_residual: bool) -> str | None:
 # XLA forward that also returns the statistics the backward kernel rebuilds x̂ from.
 
 
-def _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype):
+def _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
   """The reference's outputs (``y`` or ``(y, s)``) by the same operations as the XLA path
   (:mod:`pallas_norm.ops.norms.xla`). Nothing else leaves it: the statistics stay inside
   XLA's one fused pass, and the kernel recomputes them."""
   s = xla.residual_sum(x, residual)
-  stats = xla.row_stats(s, "layer", eps)
+  stats = xla.row_stats(s, norm, eps)
   y = xla.affine(xla.normalized(s, stats), scale, bias, zero_centered_scale)
   y = y.astype(out_dtype or x.dtype)
   return y if residual is None else (y, s.astype(x.dtype))
@@ -203,11 +208,14 @@ class _Operands:
     return ["ds"] + self.partial_names()
 
 
-def _normalized_block(s, cols, n: int, eps: float):
+def _normalized_block(s, cols, n: int, eps: float, norm: str):
   """(x̂, rstd (block_m, 1)) of a block of full rows (masked entries 0), by the operations of
-  :func:`pallas_norm.ops.norms.xla.row_stats`: shift by the row's first element, the mean of
-  the shifted values, the two-pass variance. The rows are in registers: the statistics cost
-  row sums, no memory traffic."""
+  :func:`pallas_norm.ops.norms.xla.row_stats`: for LayerNorm the shift by the row's first
+  element, the mean of the shifted values, the two-pass variance; for RMSNorm the mean square.
+  The rows are in registers: the statistics cost row sums, no memory traffic."""
+  if norm == "rms":  # masked entries are 0: they add nothing to the mean square
+    rstd = lax.rsqrt(jnp.sum(s * s, axis=1, keepdims=True) / n + eps)
+    return s * rstd, rstd
   shift = jnp.sum(jnp.where(cols[None, :] == 0, s, 0.0), axis=1, keepdims=True)
   inside = cols[None, :] < n  # padded columns stay 0 through the centering
   d = jnp.where(inside, s - shift, 0.0)
@@ -225,7 +233,7 @@ def _row_block_grads(load_tile, load_row, cols, gamma, ops: _Operands, n: int, e
     s = load_tile("x")
     if ops.residual:
       s = s + load_tile("residual")
-    xhat, rstd = _normalized_block(s, cols, n, eps)
+    xhat, rstd = _normalized_block(s, cols, n, eps, ops.norm)
   dy = load_tile("dy")
   g = dy if gamma is None else dy * gamma[None, :]
   # Padded columns and rows have dy = 0, so g = 0 there: they add nothing to either row sum
@@ -305,31 +313,32 @@ def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpr
 # custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _layer_norm(x, scale, bias, residual, eps, zero_centered_scale, out_dtype, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret):
   del interpret
-  return _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)
+  return _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
 
 
-def _layer_norm_fwd(x, scale, bias, residual, eps, zero_centered_scale, out_dtype, interpret):
+def _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
+                  interpret):
   del interpret
-  out = _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)
+  out = _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
   return out, (x, scale, bias, residual)
 
 
-def _layer_norm_bwd(eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
+def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
   del out_dtype
   x, scale, bias, residual = saved
   dy, ds_out = (cotangent, None) if residual is None else cotangent
   n = x.shape[-1]
   m = math.prod(x.shape[:-1])
   ops = _Operands(residual=residual is not None, ds_out=ds_out is not None,
-                  gamma=scale is not None, dbias=bias is not None)
+                  gamma=scale is not None, dbias=bias is not None, norm=norm)
   gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
   tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
   inputs = tiles + ([gamma] if ops.gamma else [])
   ds, sums = _op.first_order_only(
-      "layer_norm", lambda *a: _backward_call(ops, m, n, eps, x.dtype, interpret, list(a)),
+      f"{norm}_norm", lambda *a: _backward_call(ops, m, n, eps, x.dtype, interpret, list(a)),
       *inputs)
   dscale = sums.pop(0) if ops.gamma else None
   dbias = sums.pop(0) if ops.dbias else None
@@ -339,20 +348,21 @@ def _layer_norm_bwd(eps, zero_centered_scale, out_dtype, interpret, saved, cotan
           None if residual is None else ds)
 
 
-_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+_row_norm.defvjp(_row_norm_fwd, _row_norm_bwd)
 
 
-def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float,
-               zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False):
-  """:func:`pallas_norm.reference.layer_norm` whose gradient runs the Pallas backward kernel of
-  this module.
+def row_norm(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
+             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False):
+  """:func:`pallas_norm.reference.layer_norm` (``norm="layer"``) or
+  :func:`pallas_norm.reference.rms_norm` (``norm="rms"``, no bias) whose gradient runs the
+  Pallas backward kernel of this module.
 
   Same arguments, outputs (``y``, or ``(y, s)`` with ``residual``) and dtypes as the reference;
   no validation (the public op validates and checks :func:`unsupported_reason` first).
   ``interpret=True`` runs the kernel in Pallas interpret mode (any backend).
   """
-  return _layer_norm(x, scale, bias, residual, float(eps), bool(zero_centered_scale),
-                     None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret))
+  return _row_norm(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
+                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret))
 
 
 # ----------------------------------------------------------------------------------------------
