@@ -32,7 +32,8 @@ KERNEL_DEFAULT_MIN_M = 65536
 the kernel: the smallest M the H200 measured it faster than XLA in training (65536×2048², the
 suite; the other rows are at 262144). At M = 768 the persistent grid has 6 row blocks of 128
 for 132 SMs, where cuBLAS picks small tiles: the Kunlun train step's interaction MLP (M = 768,
-the batch) trained 0.87× (CUPTI) with the kernels (`benchmarks/results/logs/2026-12-02_s14_train_step.log`)."""
+the batch) trained 0.87× (CUPTI) with the kernels
+(`benchmarks/results/logs/2026-12-02_s14_train_step.log`)."""
 
 
 def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
