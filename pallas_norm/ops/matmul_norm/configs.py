@@ -16,12 +16,12 @@ from __future__ import annotations
 KERNEL_DEFAULT_MAX_N = {"layer": 2048, "rms": 512}
 
 
-KERNEL_DEFAULT_MIN_M = 65536
-"""Fewest rows (M) at which ``implementation=None`` takes the kernel: the smallest M the H200
-measured it faster than XLA in training (65536×2048², the suite). The Kunlun train step's
-interaction MLP (three LayerNorm + residual layers at 768×1024×1024: 6 row blocks, 6 clusters of
-4 CTAs on 132 SMs) trained 0.87× (CUPTI) with the kernels
-(`benchmarks/results/logs/2026-12-02_s14_train_step.log`)."""
+KERNEL_DEFAULT_MIN_M = 4096
+"""Fewest rows (M) at which ``implementation=None`` takes the kernel. H200, LayerNorm + residual
+at K = N = 1024 (the Kunlun model's interaction MLP), fwd+bwd, CUPTI µs, XLA vs kernel
+(`benchmarks/results/logs/2026-12-02_s15_gemm3_ab.log`): M = 768 51.4 vs 55.7 (slower: 6 row
+blocks, 6 clusters of 4 CTAs on 132 SMs; the train step's MLP trained 0.87× with the kernels,
+`2026-12-02_s14_train_step.log`), M = 4096 160.2 vs 97.8, M = 16384 336.4 vs 246.0."""
 
 
 def kernel_slower_reason(m: int, n: int, norm: str) -> str | None:
@@ -31,16 +31,6 @@ def kernel_slower_reason(m: int, n: int, norm: str) -> str | None:
     return (f"N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA in "
             "training on the H200 (pass implementation='mosaic' to force it)")
   if m < KERNEL_DEFAULT_MIN_M:
-    return (f"M = {m}: below {KERNEL_DEFAULT_MIN_M} rows the Mosaic kernel was not measured "
-            "faster than XLA in training (slower at M = 768 on the H200; pass "
-            "implementation='mosaic' to force it)")
+    return (f"M = {m}: below {KERNEL_DEFAULT_MIN_M} rows the Mosaic kernel is measured slower "
+            "than XLA in training on the H200 (pass implementation='mosaic' to force it)")
   return None
-
-
-def norm_backward_kernel(m: int, n: int, norm: str) -> str:
-  """Which one-pass kernel computes the backward's dh and column sums: "mosaic"
-  (:mod:`.mosaic_bwd`, two passes over each 64-row block, the second from L2; ~1.6× its bytes
-  floor at 262144×512) or "triton" (:func:`pallas_norm.ops.norms.triton.norm_backward`: full
-  rows in registers, one pass; not yet timed). The Mosaic kernel until the H200 says otherwise."""
-  del m, n, norm
-  return "mosaic"
