@@ -140,6 +140,14 @@ def test_dense_kv_fused_dq_traced_scales():
   _check([1, 63, 65, 0], 264, 1, 128, "fast_gelu", lkv=128, traced_scales=True)
 
 
+def test_q_windows_start_off_the_block_grid():
+  """The dK/dV loop's q windows start at a sample's first row rounded down to 8, not to 64:
+  offsets 0, 70, 83, 88 (windows at rows 0, 64, 80), so the last block of each of the three
+  samples reaches past the last offset and reads the zero-padded tail copy at a different row
+  of it (40, 40, 56); NaN padding rows 88..135 must reach no gradient."""
+  _check([70, 13, 5, 0], 136, 1, 128, "fast_gelu", lkv=128, seed=3)
+
+
 def test_jagged_kv_head_dim_128():
   """Packed k/v with NaN padding rows (which must not reach the scale gradients either): kv
   tiles shared by samples, a sample with no keys, a kv tile past the last offset; two heads,

@@ -40,9 +40,10 @@ def _run_checks(*groups):
       result.stdout[-2000:] + result.stderr[-6000:])
 
 
+# Two processes, each paying ~3 CPU-s of start-up (Python, JAX, the library): the op groups
+# share one, training (the longest) has the other, so that -n 2 runs them side by side.
 @pytest.mark.parametrize("groups", [
-    ("ops_xla", "embedding"),  # one process: the two short groups share its start-up
-    pytest.param(("ops_interpret",), marks=pytest.mark.slow),
+    pytest.param(("ops_xla", "embedding", "ops_interpret"), marks=pytest.mark.slow),
     pytest.param(("training",), marks=pytest.mark.slow)], ids=lambda g: "+".join(g))
 def test_on_8_cpu_devices(groups):
   """See each group's docstring in tests/sharding_checks.py."""

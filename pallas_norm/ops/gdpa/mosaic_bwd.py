@@ -19,25 +19,30 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   it overlaps. The scale-gradient partial sums come from the same registers.
 * **dQ fused** (:func:`_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
   shape): the dK/dV CTA of a (sample, head) holds every kv row, so dQ of a q block = dS K is
-  complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway), meet
-  at a barrier, and each computes and stores half of dQ's columns for the sample's rows. A few
+  complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway);
+  consumer 0 hands its tile over through a barrier and goes on, consumer 1 computes and stores
+  all of dQ's columns for the sample's rows (so the consumers do not meet every step). A few
   extra CTAs write zeros over dq's padding rows.
 * **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
   head (64 per consumer) and loops over the kv blocks (64 rows) of every sample with q rows in
   the block, into an accumulator of that sample's own, of which it stores the sample's rows.
   Each dq row is written once; rows of no sample (padding) are written as zeros.
 
-Q and kv blocks are *aligned* (block i covers packed rows [64·i, 64·i + 64)) because Mosaic's
-tiled TMA, which the swizzled WGMMA operands need, addresses rows in groups of 8; rows of a
+Mosaic's tiled TMA, which the swizzled WGMMA operands need, addresses rows in groups of 8, so
+a block's first row must be a multiple of 8. The dK/dV loop reads a sample's q rows [lo, hi) in
+blocks of 64 from lo rounded down to 8 (``_q_window``, as the forward's windows; rounding to 64
+costs ~9% more q-block steps at lengths uniform on [1, 512]); the kv tiles and the dQ kernel's
+blocks are aligned to their size (block i covers packed rows [64·i, 64·i + 64)). Rows of a
 block that belong to another sample are masked out of every product with selects. A select
 cannot stop ``0 · NaN`` inside a WGMMA, so a non-finite K or V token must not meet another
-sample's rows in a product: the one block that reaches past the last offset (padding rows,
-never data) is read from a small zero-padded copy that the wrapper gathers (``*_tail``); the
-dQ kernel zeroes packed K's rows outside the sample in SMEM before dS·K, and keeps one
-accumulator per sample (dS's zero rows of the other samples times a NaN key fill those rows
-with NaN, which are never stored). Not so for q and dO: a non-finite q or dO token of one
-sample reaches dK/dV of the samples whose q blocks share its aligned 64-row block (the dK/dV
-loop's products Aᵀ dO and dSᵀ Q), as a NaN, never a silently wrong value.
+sample's rows in a product: the q blocks that reach past the last offset (padding rows, never
+data) are read from a small zero-padded copy that the wrapper gathers (``_q_tail``; for packed
+k, ``k_tail``); the dQ kernel zeroes packed K's rows outside the sample in SMEM before dS·K,
+and keeps one accumulator per sample (dS's zero rows of the other samples times a NaN key fill
+those rows with NaN, which are never stored). Not so for q and dO: a non-finite q or dO token
+of one sample reaches dK/dV of the samples whose q blocks include its row (the dK/dV loop's
+products Aᵀ dO and dSᵀ Q: the up to 7 rows before a sample's first and the up to 63 after its
+last), as a NaN, never a silently wrong value.
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
 capacity T, except for writing zeros over dq's padding rows. The dK/dV tiles run
@@ -212,6 +217,21 @@ def _block_span(lo, hi):
   return first, jnp.where(hi > lo, _cdiv(hi, BLOCK) - first, 0)
 
 
+def _q_window(lo, hi):
+  """(first row, number of BLOCK-row blocks) of the q window of rows [lo, hi): it starts at lo
+  rounded down to :data:`ROW_ALIGN` (the tiled TMA's row granule), not to BLOCK, so a sample
+  pays for at most 7 rows before its first (as the forward's windows); 0 blocks if empty."""
+  win = lo - lax.rem(lo, ROW_ALIGN)
+  return win, jnp.where(hi > lo, _cdiv(hi - win, BLOCK), 0)
+
+
+def _q_tail_base(end):
+  """First row of the zero-padded copy of q and dO (2·BLOCK rows, :func:`_q_tail`) that the
+  q blocks reaching past row ``end`` (the last offset) read instead: such a block starts at a
+  multiple of ROW_ALIGN in (end − BLOCK, end), so within [base, base + BLOCK]."""
+  return jnp.maximum(end - lax.rem(end, ROW_ALIGN) - BLOCK, 0)
+
+
 def _tile_ids():
   """(row ids, column ids) of a (BLOCK, BLOCK) WGMMA tile as vectors in the accumulator's row
   and column layouts: 2 + 16 registers a thread keeps across the loop, where two int32 tiles
@@ -283,12 +303,13 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
     kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
     dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
     kv_base = item * TILE
-  tail_block = q_off_ref[plan.batch] // BLOCK  # the one q block that reaches past the last offset
+  q_end = q_off_ref[plan.batch]  # blocks reaching past it read the zero-padded tail copy
+  tail_base = _q_tail_base(q_end)
 
   def q_span(s):
-    """(valid q rows [lo, hi), first aligned q block, blocks) of sample s."""
+    """(valid q rows [lo, hi), first row of its q window, blocks) of sample s."""
     lo, hi = q_off_ref[s], q_off_ref[s + 1]
-    return (lo, hi, *_block_span(lo, hi))
+    return (lo, hi, *_q_window(lo, hi))
 
   def kv_range(s):
     if plan.dense:
@@ -296,55 +317,66 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
     return kv_off_ref[s], kv_off_ref[s + 1]
 
   def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
-             dq_done):
+             ds_free):
     ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
       def sample(s, step):
-        _, _, block0, blocks = q_span(s)
+        _, _, win, blocks = q_span(s)
 
         @pl.loop(0, blocks)
         def _(j):
-          rows = pl.ds((block0 + j) * BLOCK, BLOCK)
+          row = win + j * BLOCK
+          rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
           main = (q_ref.at[rows, h, :], do_ref.at[rows, h, :])
-          tail = (q_tail_ref.at[:, h, :], do_tail_ref.at[:, h, :])
-          _produce_block(ring, step + j, block0 + j == tail_block, main, tail)
+          tail_rows = pl.ds(pl.multiple_of(row - tail_base, ROW_ALIGN), BLOCK)
+          tail = (q_tail_ref.at[tail_rows, h, :], do_tail_ref.at[tail_rows, h, :])
+          _produce_block(ring, step + j, row + BLOCK > q_end, main, tail)
         return step + blocks
 
       pl.when(is_item)(lambda: mgpu.ring_drain(
           ring, _sample_loop(first, count, sample, jnp.int32(0))))
 
-    def consumer():
-      wg = lax.axis_index("wg")
+    def consume(wg: int):
+      """Consumer ``wg`` (static: SMEM addresses known at compile time). With fused dQ the
+      roles differ: consumer 0 hands its dSᵀ tile of each step to consumer 1 (``ds_ready``)
+      and goes on; consumer 1 computes all of dQ's columns from both tiles and frees consumer
+      0's slot (``ds_free``), so neither waits for the other within a step and the consumer
+      ahead runs its elementwise work while the other's WGMMAs use the tensor cores."""
       k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
       row0 = kv_base + wg * BLOCK
+      computes_dq = plan.fuse_dq and wg == 1
 
       def with_accs(dk_acc, dv_acc):
+        if computes_dq:  # both dSᵀ slots start free (consumer 0 waits for every phase)
+          for slot in range(2):
+            plgpu.barrier_arrive(ds_free.at[slot])
         for view, tile in zip(kv_views, (k_smem, v_smem)):
           plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], tile, kv_barrier.at[wg])
         # Fused dQ reads the other consumer's K tile too: wait for both loads.
-        for w in range(2) if plan.fuse_dq else (wg,):
+        for w in range(2) if computes_dq else (wg,):
           plgpu.barrier_wait(kv_barrier.at[w])
         pre, post = scales_ref[0], scales_ref[1]
         ids = _tile_ids()
 
         def sample(s, carry):
           step, partials = carry
-          q_lo, q_hi, block0, blocks = q_span(s)
+          q_lo, q_hi, win, blocks = q_span(s)
           kv_lo, kv_hi = kv_range(s)
 
           def body(idxs, q_stage, do_stage, partials):
             (j,) = idxs
-            col0 = (block0 + j) * BLOCK
+            col0 = win + j * BLOCK
             slot = lax.rem(step + j, 2)
             valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
-            ready = ds_ready.at[slot] if plan.fuse_dq else None
+            hand_off = (ds_free.at[slot], ds_ready.at[slot]) if plan.fuse_dq and wg == 0 else None
             partials = _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
                                  (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
-                                 partials, ready)
-            if plan.fuse_dq:
-              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem, ready,
-                        dq_smem.at[wg], dq_ref.at[:, h, :], col0, q_lo, q_hi)
+                                 partials, hand_off, in_flight=computes_dq)
+            if computes_dq:
+              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem,
+                        (ds_ready.at[slot], ds_free.at[slot]), dq_smem, dq_ref.at[:, h, :], col0,
+                        q_lo, q_hi)
             return partials
 
           partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
@@ -352,9 +384,11 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
 
         partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
         _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
-        if plan.fuse_dq:  # the other consumer's last dQ WGMMA may still read this K tile
-          plgpu.barrier_arrive(dq_done)
-          plgpu.barrier_wait(dq_done)
+        if plan.fuse_dq and wg == 0:
+          # Consumer 1's last dQ WGMMAs may still read this K tile: wait until it freed both
+          # slots (the last phase of each; also every waiter must see every phase).
+          for slot in range(2):
+            plgpu.barrier_wait(ds_free.at[slot])
         # K and V are no longer read: their SMEM stages the outputs.
         k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
         v_smem[...] = (dv_acc[...] * post).astype(dtype)
@@ -367,13 +401,20 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
           plgpu.copy_smem_to_gmem(tile, view.at[pl.ds(row0, BLOCK)])
         if plan.scale_grads:
           plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[h, cta, wg])
-        plgpu.wait_smem_to_gmem(0)
+        # Only SMEM must outlive the stores: waiting for their reads, not their writes, lets
+        # the CTA retire and the next one start ~the HBM write latency earlier (CUTLASS's
+        # epilogues end the same way; the grid's end makes the writes visible).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      pl.when(is_item)(lambda: pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)),
-                                             plgpu.ACC((BLOCK, d))))
+      pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
+
+    def consumer():
+      wg = lax.axis_index("wg")
+      for w in range(2):  # one copy of the loop per consumer, each with its static index
+        pl.when(is_item & (wg == w))(functools.partial(consume, w))
       if plan.fuse_dq:
         pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
-            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0]))
+            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem))
 
     mgpu.warp_specialize(producer, consumer)
 
@@ -384,9 +425,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
       _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
       plgpu.SMEM((2, 2, BLOCK), jnp.float32),
-      plgpu.SMEM((2, BLOCK, BLOCK), dtype),  # per consumer: its dq tile (unswizzled)
-      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both dSᵀ tiles of a slot written
-      plgpu.Barrier(num_arrivals=2),  # both consumers' dQ WGMMAs done: K's SMEM can be reused
+      plgpu.SMEM((BLOCK, d), dtype),  # consumer 1's dq tile (unswizzled)
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 0's dSᵀ tile of a slot written
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 1's dQ read it: slot free
       collective_axes="wg",
   )
 
@@ -403,44 +444,43 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
   share = _cdiv(_cdiv(capacity - total, DQ_ZERO_CTAS), BLOCK) * BLOCK
   lo = total + index * share
   blocks = _cdiv(jnp.maximum(jnp.minimum(lo + share, capacity) - lo, 0), BLOCK)
-  zero_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK, BLOCK), zero_smem.dtype),
+  cols = zero_smem.shape[1]
+  zero_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK, cols), zero_smem.dtype),
                                      plgpu.Layout.WGMMA)
   plgpu.commit_smem()
 
   @pl.loop(0, blocks)
   def _(i):
-    for c in range(d // BLOCK):
+    for c in range(d // cols):
       plgpu.copy_smem_to_gmem(zero_smem, dq_view.at[pl.ds(lo + i * BLOCK, BLOCK),
-                                                    pl.ds(c * BLOCK, BLOCK)])
-  plgpu.wait_smem_to_gmem(0)
+                                                    pl.ds(c * cols, cols)])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, ready, dq_smem, dq_view, col0, q_lo,
-              q_hi) -> None:
-  """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK): once both
-  consumers wrote their dSᵀ tile (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; each arrived on
-  ``ready`` in :func:`_dkv_step`), consumer w computes dQ[:, w·BLOCK:(w+1)·BLOCK] =
-  Σ_w' dSᵀ[w']ᵀ K[w'][:, cols] (every kv row is in the CTA) and stores the rows of the sample,
-  [q_lo, q_hi) ∩ the block. Reading the dQ accumulator waits for every WGMMA of the step.
-
-  The dSᵀ tiles alternate between two slots by step: a consumer rewrites a slot two steps
-  later, after the other consumer's arrival of the step between, which that consumer makes only
-  after its dQ WGMMA of this step (the one that reads the slot) completed."""
+def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_smem, dq_view, col0,
+              q_lo, q_hi) -> None:
+  """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK), run by
+  consumer 1 after issuing its dV/dK WGMMAs: once consumer 0's dSᵀ tile is in SMEM (the
+  ``ready`` barrier of ``slot_barriers = (ready, free)``), dQ = Σ_w dSᵀ[w]ᵀ K[w] over both
+  consumers' tiles (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; every kv row is in the CTA),
+  all D columns, stored for the rows of the sample, [q_lo, q_hi) ∩ the block. Reading the dQ
+  accumulator waits for every WGMMA of the step; then ``free`` lets consumer 0 rewrite its
+  slot (two steps later: the dSᵀ tiles alternate between two slots)."""
+  ready, free = slot_barriers
   plgpu.barrier_wait(ready)
-  cols = pl.ds(pl.multiple_of(lax.axis_index("wg") * BLOCK, BLOCK), BLOCK)  # this consumer's half
 
   def issue(acc):
     for w in range(2):
-      plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0, :, cols])
+      plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0])
     return acc[...]
 
-  dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)))
+  dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, plan.head_dim)))
+  plgpu.barrier_arrive(free)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
   dq_smem[...] = (dq * scale).astype(plan.dtype)
   plgpu.commit_smem()
   lo = jnp.maximum(q_lo - col0, 0)
-  _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo,
-              dq_view.at[pl.ds(col0, BLOCK), cols])
+  _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo, dq_view.at[pl.ds(col0, BLOCK)])
 
 
 def _store_rows(tile, lo, count, window) -> None:
@@ -466,13 +506,13 @@ def _scores(a_smem, b_stage, da_smem, db_stage):
 
 
 def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
-              operand_smem, partials, ready=None):
+              operand_smem, partials, hand_off=None, *, in_flight=False):
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
   accumulator refs (the scales are applied once, at the store) and the scale-gradient row
-  partials. With fused dQ, arrives on ``ready`` once its dSᵀ tile is in SMEM and leaves the
-  WGMMAs in flight (:func:`_fused_dq` waits for them); else returns once the stage is no
-  longer read."""
+  partials. ``hand_off = (free, ready)`` (fused dQ, consumer 0): waits on ``free`` before
+  writing its dSᵀ tile, arrives on ``ready`` once it is in SMEM. Returns once the stage is no
+  longer read, or with the WGMMAs ``in_flight`` (:func:`_fused_dq` waits for them)."""
   dk_ref, dv_ref = acc_refs
   s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
   act, grad = act_and_grad(plan.activation, pre * s_t)
@@ -482,10 +522,12 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
   # and dS in SMEM too).
   a_smem, ds_smem = operand_smem
   a_smem[...] = a_t
+  if hand_off is not None:
+    plgpu.barrier_wait(hand_off[0])
   ds_smem[...] = ds_t.astype(plan.dtype)
   plgpu.commit_smem()
-  if ready is not None:
-    plgpu.barrier_arrive(ready)
+  if hand_off is not None:
+    plgpu.barrier_arrive(hand_off[1])
   plgpu.wgmma(dv_ref, a_smem, do_stage)
   plgpu.wgmma(dk_ref, ds_smem, q_stage)
   if plan.scale_grads:
@@ -496,7 +538,7 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
     # as the cancelling sum itself can be.
     partials = (partials[0] + mgpu.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
                 partials[1] + mgpu.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
-  if ready is None:
+  if not in_flight:
     plgpu.wgmma_wait(0)
   return partials
 
@@ -593,7 +635,7 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
       lo = jnp.clip(q_off_ref[plan.batch] - row0, 0, BLOCK)
       zeros = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
       pl.when(lo < BLOCK)(lambda: store(zeros, lo, BLOCK))
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     mgpu.warp_specialize(producer, consumer)
 
@@ -657,12 +699,19 @@ def _overlaps(offsets, block_rows: int, n_blocks: int):
   return first, jnp.maximum(stop - first, 0)
 
 
-def _tail_block(x, offsets):
-  """The (BLOCK, H, D) aligned block of ``x`` that holds row ``offsets[-1]``, rows at or past
-  that offset zeroed (a gather of BLOCK rows, not a pass over ``x``)."""
-  rows = offsets[-1] // BLOCK * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+def _tail_block(x, offsets, first=None, count=BLOCK):
+  """Rows [first, first + count) of ``x`` (default: the aligned BLOCK that holds row
+  ``offsets[-1]``), rows at or past ``offsets[-1]`` zeroed (a gather, not a pass over ``x``)."""
+  if first is None:
+    first = offsets[-1] // BLOCK * BLOCK
+  rows = first + jnp.arange(count, dtype=jnp.int32)
   block = jnp.take(x, jnp.minimum(rows, x.shape[0] - 1), axis=0)
   return jnp.where((rows < offsets[-1])[:, None, None], block, jnp.zeros((), x.dtype))
+
+
+def _q_tail(x, q_offsets):
+  """The zero-padded 2·BLOCK rows of q or dO from :func:`_q_tail_base` (dK/dV kernel)."""
+  return _tail_block(x, q_offsets, _q_tail_base(q_offsets[-1]), 2 * BLOCK)
 
 
 def _scale_array(pre_scale, post_scale):
@@ -671,8 +720,7 @@ def _scale_array(pre_scale, post_scale):
 
 def _dkv_order(plan: _Plan, q_offsets, first, count):
   """dK/dV tiles, most q blocks first (ties keep their order)."""
-  q_first, q_blocks = _block_span(q_offsets[:-1], q_offsets[1:])
-  del q_first
+  _, q_blocks = _q_window(q_offsets[:-1], q_offsets[1:])
   per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                            q_blocks.astype(jnp.int32)]))
   work = per_sample[first + count] - per_sample[first]
@@ -706,7 +754,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     do: (T, H, D) cotangent of the output (cast to q's dtype). Its padding rows and those of q
       (and of packed k/v) may hold anything. A non-finite k/v token reaches only
       its sample's gradients; a non-finite q or dO token also makes dk/dv NaN for the samples whose
-      q rows share its aligned 64-row block.
+      q blocks read its row (up to 7 rows before a sample's first and 63 after its last).
     activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
     pre_scale, post_scale: real scalars: Python numbers or 0-d arrays (traced ones included).
     max_seq_len, max_kv_len: accepted for the common interface; the kernels do not need them.
@@ -760,7 +808,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
   grid_items = plan.dkv_items + (DQ_ZERO_CTAS if plan.fuse_dq else 0)
   dkv_outs = _call(_dkv_kernel, plan, grid_items, out_type, interpret)(
       order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
-      _tail_block(q, q_offsets), _tail_block(do, q_offsets))
+      _q_tail(q, q_offsets), _q_tail(do, q_offsets))
   dk, dv = dkv_outs[:2]
 
   if plan.fuse_dq:
