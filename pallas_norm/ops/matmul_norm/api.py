@@ -81,7 +81,7 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       "matmul_norm", implementation,
       lambda candidate: kernel_unsupported_reason(x, w, residual, out_dtype,
                                                   interpret=candidate == "interpret"),
-      lambda: configs.kernel_slower_reason(w.shape[1], norm))
+      lambda: configs.kernel_slower_reason(math.prod(x.shape[:-1]), w.shape[1], norm))
   if chosen == "xla":
     out = xla.matmul_norm(x, w, dense_bias, residual, scale, norm_bias, norm=norm, eps=eps,
                           out_dtype=out_dtype, return_h=return_h, return_stats=return_stats)

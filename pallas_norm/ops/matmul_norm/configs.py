@@ -16,9 +16,21 @@ from __future__ import annotations
 KERNEL_DEFAULT_MAX_N = {"layer": 2048, "rms": 512}
 
 
-def kernel_slower_reason(n: int, norm: str) -> str | None:
+KERNEL_DEFAULT_MIN_M = 4096
+"""Fewest rows (M) at which ``implementation=None`` takes the kernel. H200, LayerNorm + residual
+at K = N = 1024 (the Kunlun model's interaction MLP), fwd+bwd, CUPTI µs, XLA vs kernel
+(`benchmarks/results/logs/2026-12-02_s15_gemm3_ab.log`): M = 768 51.4 vs 55.7 (slower: 6 row
+blocks, 6 clusters of 4 CTAs on 132 SMs; the train step's MLP trained 0.87× with the kernels,
+`2026-12-02_s14_train_step.log`), M = 4096 160.2 vs 97.8, M = 16384 336.4 vs 246.0."""
+
+
+def kernel_slower_reason(m: int, n: int, norm: str) -> str | None:
+  """Why ``implementation=None`` keeps XLA for M rows of width N, or None to take the kernel."""
   limit = KERNEL_DEFAULT_MAX_N[norm]
   if n > limit:
     return (f"N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA in "
             "training on the H200 (pass implementation='mosaic' to force it)")
+  if m < KERNEL_DEFAULT_MIN_M:
+    return (f"M = {m}: below {KERNEL_DEFAULT_MIN_M} rows the Mosaic kernel is measured slower "
+            "than XLA in training on the H200 (pass implementation='mosaic' to force it)")
   return None

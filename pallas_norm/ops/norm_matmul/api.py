@@ -84,9 +84,11 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
   check_args(x, w, scale, norm_bias, norm, eps, out_dtype)
   eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
   _validate.flag("return_stats", return_stats)
-  chosen = _dispatch.choose("norm_matmul", implementation,
-                            lambda candidate: kernel_unsupported_reason(x, w, out_dtype),
-                            lambda: configs.kernel_slower_reason(x.shape[-1], w.shape[1], norm))
+  chosen = _dispatch.choose(
+      "norm_matmul", implementation,
+      lambda candidate: kernel_unsupported_reason(x, w, out_dtype),
+      lambda: configs.kernel_slower_reason(math.prod(x.shape[:-1]), x.shape[-1], w.shape[1],
+                                           norm))
   if chosen == "xla":
     y, stats = xla.norm_matmul(x, w, scale, norm_bias, norm=norm, eps=eps, out_dtype=out_dtype)
   else:

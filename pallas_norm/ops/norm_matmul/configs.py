@@ -5,10 +5,11 @@ from __future__ import annotations
 
 # Largest K and N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md)
 # measured the op faster than XLA's unfused one forward *and* forward+backward (training is the
-# use that matters). Session 3's suite (commit c22661a, 262144×1024²): LayerNorm forward 859 vs
-# 1044 µs, fwd+bwd 3145 vs 4529; RMSNorm forward 812 vs 977, fwd+bwd 2749 vs 2875 (it lost by 2%
-# before statistics once per row block became the default). At 262144×512×2048 both norms lose
-# forward+backward (RMS 3077 vs 2540 µs), so the limit stays at 1024 (issue 4).
+# use that matters; two exceptions below train faster with a forward that ties). Session 3's
+# suite (commit c22661a, 262144×1024²): LayerNorm forward 859 vs 1044 µs, fwd+bwd 3145 vs 4529;
+# RMSNorm forward 812 vs 977, fwd+bwd 2749 vs 2875 (it lost by 2% before statistics once per row
+# block became the default). At 262144×512×2048 both norms lose forward+backward (RMS 3077 vs
+# 2540 µs), so the limit stays at 1024 (issue 4).
 KERNEL_DEFAULT_MAX_KN = {"layer": 1024, "rms": 1024}
 
 RMS_WIDE_MAX_K, RMS_WIDE_MAX_N = 512, 2048
@@ -19,12 +20,33 @@ same shape stays on XLA: fwd+bwd 3271.9 vs 2925.5 with x̂ (its row terms still 
 pass over dy and y, M × 2048 each)."""
 
 
-def kernel_slower_reason(k: int, n: int, norm: str) -> str | None:
+LAYER_SQUARE_MAX_KN = 2048
+"""LayerNorm also takes the kernel for K = N up to 2048: there it trains faster than XLA although
+the forward ties (H200, the suite, bf16, µs, kernel vs XLA, fwd+bwd / fwd): 262144×2048²
+11484 vs 12544 / 3426 vs 3399, 65536×2048² 2729 vs 3115 / 881 vs 850 (commit c22661a, before
+the x̂ backward that took 8–16% off LayerNorm's training elsewhere). At K = 512, N = 2048 it
+trains slower (3272 vs 2925), so the rule is K = N, the shapes measured."""
+
+KERNEL_DEFAULT_MIN_M = 65536
+"""Fewest rows (M, the product of x's leading dimensions) at which ``implementation=None`` takes
+the kernel: the smallest M the H200 measured it faster than XLA in training (65536×2048², the
+suite). Below, LayerNorm at K = 576, N = 512 (the Kunlun model's K/V summary) trained slower at
+every M measured, fwd+bwd wall clock of back-to-back calls (the kernel path's bias guard defeats
+CUPTI), µs, XLA vs kernel: M = 768 154.6 vs 227.7, 4096 182.8 vs 233.2, 16384 176.6 vs 274.1
+(`benchmarks/results/logs/2026-12-02_s15_gemm3_ab.log`)."""
+
+
+def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
+  """Why ``implementation=None`` keeps XLA for x (M, K) @ w (K, N), or None to take the kernel."""
   limit = KERNEL_DEFAULT_MAX_KN[norm]
   wide_rms = norm == "rms" and k <= RMS_WIDE_MAX_K and n <= RMS_WIDE_MAX_N
-  if (k > limit or n > limit) and not wide_rms:
+  square_layer = norm == "layer" and k == n <= LAYER_SQUARE_MAX_KN
+  if (k > limit or n > limit) and not (wide_rms or square_layer):
     return (f"K = {k}, N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA "
             "in training on the H200 (pass implementation='mosaic' to force it)")
+  if m < KERNEL_DEFAULT_MIN_M:
+    return (f"M = {m}: below {KERNEL_DEFAULT_MIN_M} rows the Mosaic kernel is measured slower "
+            "than XLA in training on the H200 (pass implementation='mosaic' to force it)")
   return None
 
 
