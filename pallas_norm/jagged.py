@@ -25,6 +25,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
+
+from pallas_norm import _validate
 
 __all__ = [
     "RowIndex",
@@ -152,12 +155,13 @@ def positions(offsets: jax.Array, capacity: int) -> jax.Array:
 
 
 def _check_conversion(name: str, values, offsets, capacity: int, size_name: str,
-                      size: int) -> None:
+                      size: int) -> np.ndarray | None:
   """Checks the arguments of :func:`to_padded` / :func:`from_padded`: ``offsets`` a 1-D integer
   array (B+1,) and, when concrete (not traced under ``jax.jit``), following the jagged
   convention for ``capacity`` rows; ``size`` (max_len or capacity) non-negative. The gathers
   clip their indices, so offsets past the capacity or a batch that disagrees with the padded
-  tensor would otherwise give silently wrong rows."""
+  tensor would otherwise give silently wrong rows. Returns the concrete offsets (NumPy), or
+  None for traced ones (see :func:`_traced_invalid`)."""
   if not hasattr(values, "shape") or not hasattr(offsets, "dtype") or not hasattr(
       offsets, "shape"):
     raise TypeError(f"{name}: values and offsets must be arrays, got {type(values).__name__} "
@@ -169,19 +173,60 @@ def _check_conversion(name: str, values, offsets, capacity: int, size_name: str,
   if size < 0:
     raise ValueError(f"{name}: {size_name} must be >= 0, got {size}")
   if isinstance(offsets, jax.core.Tracer):
-    return  # traced values cannot raise; the public ops poison their outputs instead
+    return None  # traced values cannot raise: the conversions poison their outputs instead
   host = np.asarray(offsets)
   if host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > capacity:
     raise ValueError(f"{name}: offsets must start at 0, never decrease and end at most at the "
                      f"packed capacity {capacity}, got {host.tolist()}")
+  return host
+
+
+def _check_lengths(name: str, host: np.ndarray | None, max_len: int, max_len_name: str) -> None:
+  """Concrete offsets whose longest sample fits the padded length (the gathers would silently
+  drop the rows past it)."""
+  if host is None or host.shape[0] < 2:
+    return
+  longest = int(np.max(np.diff(host)))
+  if longest > max_len:
+    raise ValueError(f"{name}: a sample of offsets has {longest} rows, more than "
+                     f"{max_len_name}={max_len}")
+
+
+OFFSETS_INVALID_MESSAGE = (
+    "jagged conversion: traced offsets break the jagged convention (first != 0, decreasing, last "
+    "past the packed capacity, or a sample longer than the padded length); the output and the "
+    "gradients are NaN")
+
+
+def _traced_invalid(offsets, capacity: int, max_len: int):
+  """None for concrete offsets (checked already); for traced ones a scalar bool, True when they
+  break the jagged convention for ``capacity`` packed rows and padded length ``max_len`` (a few
+  scalar reductions over the B+1 offsets), also a checkify debug check of it."""
+  if not isinstance(offsets, jax.core.Tracer):
+    return None
+  bad = _validate.offsets_invalid(offsets, capacity, max_len)
+  checkify.debug_check(jnp.logical_not(bad), OFFSETS_INVALID_MESSAGE)
+  return bad
+
+
+def _poison(a, bad):
+  """``a`` times 1, or times NaN where ``bad``: a multiply (unlike a select) is linear in ``a``,
+  so forward mode sees NaN tangents and reverse mode NaN cotangents, with no custom_vjp."""
+  if bad is None or not jnp.issubdtype(a.dtype, jnp.inexact):
+    return a
+  return a * jnp.where(bad, jnp.nan, 1.0).astype(a.dtype)
 
 
 def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
               rows: RowIndex | None = None) -> jax.Array:
   """Packed ``(T, ...)`` -> padded ``(B, max_len, ...)``, zeros past each sample's length.
 
-  Samples longer than ``max_len`` are truncated; the public ops check lengths against
-  ``max_len`` whenever the offsets are concrete. A zero capacity (``T == 0``) gives zeros.
+  Samples are never truncated: concrete offsets with a sample longer than ``max_len`` raise.
+  Traced offsets (under ``jax.jit`` / ``vmap``) cannot raise: when they break the jagged
+  convention (first != 0, decreasing, last > T, a sample longer than ``max_len``) a float output
+  is all NaN, and so are the tangents and the gradient of ``values`` (also a
+  :func:`jax.experimental.checkify.debug_check` error under ``checkify``); integer values cannot
+  hold NaN and are not poisoned. A zero capacity (``T == 0``) gives zeros.
 
   Differentiable in ``values``: the gradient is :func:`from_padded` of the cotangent (a gather,
   since on the valid rows each conversion is the other's transpose), not the scatter-add that
@@ -192,21 +237,27 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
     TypeError: offsets that are not a 1-D integer array; a non-integer ``max_len``; ``rows``
       that is not a :class:`RowIndex`.
     ValueError: a negative ``max_len``; concrete offsets that break the jagged convention
-      (first 0, non-decreasing, last <= T); ``rows`` not of T int32 rows. Traced offsets are
-      not checked.
+      (first 0, non-decreasing, last <= T) or hold a sample longer than ``max_len``; ``rows``
+      not of T int32 rows. Traced offsets are not checked here but poison the output (above).
   """
   max_len = operator.index(max_len)
-  _check_conversion("to_padded", values, offsets, values.shape[0], "max_len", max_len)
+  host = _check_conversion("to_padded", values, offsets, values.shape[0], "max_len", max_len)
+  _check_lengths("to_padded", host, max_len, "max_len")
   rows = _rows_for(rows, offsets, values.shape[0], "values' T")
-  return _to_padded_linear(values, offsets, rows, max_len)
+  bad = _traced_invalid(offsets, values.shape[0], max_len)
+  return _to_padded_linear(values, offsets, rows, bad, max_len)
 
 
 def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, *,
                 rows: RowIndex | None = None) -> jax.Array:
   """Padded ``(B, L, ...)`` -> packed ``(capacity, ...)``, zeros in the padding rows.
 
-  Positions at or past a sample's length (and rows of samples past ``L``) are never read; an
-  empty padded tensor (``B·L == 0``) gives zeros. Differentiable in ``padded``: the gradient is
+  Positions at or past a sample's length are never read; an empty padded tensor
+  (``B·L == 0``) gives zeros. A sample longer than ``L`` would lose rows: concrete offsets
+  raise, and traced ones (under ``jax.jit`` / ``vmap``) that break the jagged convention (first
+  != 0, decreasing, last > capacity, a sample longer than ``L``) make a float output all NaN,
+  and its tangents and the gradient of ``padded`` too (also a checkify debug check).
+  Differentiable in ``padded``: the gradient is
   :func:`to_padded` of the cotangent (a gather, zeros past each length), not a scatter-add.
   ``rows``: the batch's :func:`row_index` of ``capacity`` rows, else computed here.
 
@@ -215,16 +266,18 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, *,
       that is not a :class:`RowIndex`.
     ValueError: ``padded`` with fewer than 2 dimensions or another batch than the offsets'
       B; a negative ``capacity``; concrete offsets that break the jagged convention (first 0,
-      non-decreasing, last <= capacity); ``rows`` not of ``capacity`` int32 rows. Traced
-      offsets are not checked.
+      non-decreasing, last <= capacity) or hold a sample longer than ``L``; ``rows`` not of
+      ``capacity`` int32 rows. Traced offsets are not checked here but poison the output.
   """
   capacity = operator.index(capacity)
-  _check_conversion("from_padded", padded, offsets, capacity, "capacity", capacity)
+  host = _check_conversion("from_padded", padded, offsets, capacity, "capacity", capacity)
   if padded.ndim < 2 or padded.shape[0] != offsets.shape[0] - 1:
     raise ValueError(f"from_padded: padded must have shape (B, L, ...) with B = "
                      f"len(offsets) - 1 = {offsets.shape[0] - 1}, got {tuple(padded.shape)}")
+  _check_lengths("from_padded", host, padded.shape[1], "L (padded.shape[1])")
   rows = _rows_for(rows, offsets, capacity, "capacity")
-  return _from_padded_linear(padded, offsets, rows, capacity)
+  bad = _traced_invalid(offsets, capacity, padded.shape[1])
+  return _from_padded_linear(padded, offsets, rows, bad, capacity)
 
 
 def _gather_to_padded(values, offsets, max_len, *, rows=None):
@@ -294,16 +347,19 @@ def _linear_map(gather, scatter):
   ``to_padded`` and ``from_padded`` transpose each other on the valid rows (row
   ``offsets[b] + l`` <-> position ``(b, l)`` for ``l < min(length_b, max_len)``); every other
   entry is a constant zero. ``rows`` (the batch's :class:`RowIndex`, integer arrays: no
-  tangent) is passed in, so that the scatters' indices are not searched again."""
+  tangent) is passed in, so that the scatters' indices are not searched again. ``bad`` (None,
+  or a traced bool from :func:`_traced_invalid`) multiplies the output, the tangent and, through
+  the transpose, the cotangent by NaN where the offsets are invalid (:func:`_poison`)."""
 
-  @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-  def convert(x, offsets, rows, out_size):
-    return gather(x, offsets, out_size, rows=rows)
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+  def convert(x, offsets, rows, bad, out_size):
+    return _poison(gather(x, offsets, out_size, rows=rows), bad)
 
   @convert.defjvp
   def convert_jvp(out_size, primals, tangents):
-    x, offsets, rows = primals
-    return convert(x, offsets, rows, out_size), scatter(tangents[0], offsets, out_size, rows)
+    x, offsets, rows, bad = primals
+    tangent = _poison(scatter(_poison(tangents[0], bad), offsets, out_size, rows), bad)
+    return convert(x, offsets, rows, bad, out_size), tangent
 
   return convert
 

@@ -168,17 +168,76 @@ def test_from_padded_ignores_positions_past_each_length(lens, rng):
   np.testing.assert_array_equal(jagged.to_padded(packed, offsets, max_len), clean)
 
 
-def test_to_padded_truncates_long_samples(rng):
-  lens, max_len = [5, 1, 3], 2
-  values = rng.standard_normal((sum(lens) + PAD, 3)).astype(np.float32)
+def test_conversions_reject_concrete_samples_longer_than_the_padded_length(rng):
+  """A sample longer than max_len (to_padded) or L (from_padded) silently lost its rows past
+  it (review, issue 17); concrete offsets raise, naming the argument. Exactly fitting is fine."""
+  lens = [5, 1, 3]
+  values = jnp.asarray(rng.standard_normal((sum(lens) + PAD, 3)), jnp.float32)
   offsets = jnp.asarray(np_offsets(lens))
-  padded = jagged.to_padded(jnp.asarray(values), offsets, max_len)
-  np.testing.assert_array_equal(padded, np_to_padded(values, lens, max_len))
-  # from_padded of a truncated tensor: rows past max_len of their sample come back as zeros.
-  packed = np.asarray(jagged.from_padded(padded, offsets, sum(lens) + PAD))
-  keep = np_positions(lens) < max_len
-  np.testing.assert_array_equal(packed[:sum(lens)][keep], values[:sum(lens)][keep])
-  np.testing.assert_array_equal(packed[:sum(lens)][~keep], 0.0)
+  with pytest.raises(ValueError, match="to_padded: a sample of offsets has 5 rows, more than "
+                     "max_len=4"):
+    jagged.to_padded(values, offsets, 4)
+  with pytest.raises(ValueError, match=r"from_padded: a sample of offsets has 5 rows, more "
+                     r"than L \(padded.shape\[1\]\)=4"):
+    jagged.from_padded(jnp.ones((3, 4, 3)), offsets, sum(lens) + PAD)
+  with pytest.raises(ValueError, match="more than max_len=0"):
+    jagged.to_padded(values, offsets, 0)
+  padded = jagged.to_padded(values, offsets, 5)  # the longest sample fits exactly
+  np.testing.assert_array_equal(padded, np_to_padded(np.asarray(values), lens, 5))
+  np.testing.assert_array_equal(jagged.from_padded(padded, offsets, sum(lens) + PAD)[:9],
+                                values[:9])
+
+
+# Traced offsets that break the convention: (offsets, max_len) with a capacity of 10 rows.
+BAD_TRACED = {
+    "decreasing": ([0, 5, 3, 8], 5),
+    "first_not_0": ([1, 3, 3, 8], 5),
+    "past_capacity": ([0, 3, 3, 11], 8),
+    "longer_than_max_len": ([0, 3, 3, 8], 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRACED))
+def test_traced_invalid_offsets_poison_outputs_and_gradients(case, rng):
+  """Under jax.jit bad offsets cannot raise; to_padded gave plausible rows for non-monotone
+  offsets (review, issue 17). Now both conversions give NaN outputs, NaN gradients and NaN
+  tangents, with or without a shared row index; the same jitted function is exact on good
+  offsets."""
+  off, max_len = BAD_TRACED[case]
+  bad, good = jnp.asarray(off, jnp.int32), jnp.asarray([0, 3, 3, 4], jnp.int32)
+  values = jnp.asarray(rng.standard_normal((10, 2)), jnp.float32)
+  padded = jnp.asarray(rng.standard_normal((3, max_len, 2)), jnp.float32)
+
+  def both(values, padded, offsets, shared):
+    rows = jagged.row_index(offsets, 10) if shared else None
+    to = lambda v: jagged.to_padded(v, offsets, max_len, rows=rows)  # noqa: E731
+    fro = lambda p: jagged.from_padded(p, offsets, 10, rows=rows)  # noqa: E731
+    return (to(values), fro(padded), jax.grad(lambda v: to(v).sum())(values),
+            jax.grad(lambda p: fro(p).sum())(padded), jax.jvp(to, (values,), (values,))[1],
+            jax.jvp(fro, (padded,), (padded,))[1])
+
+  run = jax.jit(both, static_argnums=3)
+  for shared in (False, True):
+    for name, a in zip(["to_padded", "from_padded", "grad values", "grad padded",
+                        "jvp to_padded", "jvp from_padded"], run(values, padded, bad, shared)):
+      assert np.all(np.isnan(np.asarray(a))), (name, a)
+    out = run(values, padded, good, shared)
+    np.testing.assert_array_equal(out[0], np_to_padded(np.asarray(values), [3, 0, 1], max_len))
+    np.testing.assert_array_equal(out[1][:4], np.asarray(padded)[[0, 0, 0, 2], [0, 1, 2, 0]])
+    np.testing.assert_array_equal(out[1][4:], 0.0)
+    np.testing.assert_array_equal(out[2], np.r_[np.ones(4), np.zeros(6)][:, None] * [1, 1])
+
+
+def test_traced_invalid_offsets_raise_under_checkify(rng):
+  from jax.experimental import checkify
+  values = jnp.asarray(rng.standard_normal((10, 2)), jnp.float32)
+  f = checkify.checkify(jax.jit(lambda o: jagged.to_padded(values, o, 5)))
+  err, _ = f(jnp.asarray([0, 5, 3, 8], jnp.int32))
+  with pytest.raises(checkify.JaxRuntimeError, match="traced offsets break the jagged"):
+    err.throw()
+  err, out = f(jnp.asarray([0, 5, 5, 8], jnp.int32))
+  assert err.get() is None
+  np.testing.assert_array_equal(out[0, :5], values[:5])
 
 
 def test_to_padded_under_jit_with_traced_offsets(rng):
@@ -221,12 +280,12 @@ def test_conversions_reject_non_integer_offsets():
 # forward mode still works (a custom_jvp whose tangent map is a scatter-add).
 
 
-@pytest.mark.parametrize("max_len", [2, 7], ids=["truncating", "padding"])
-def test_conversion_gradients_match_autodiff_of_the_plain_gathers(lens, max_len, rng):
+@pytest.mark.parametrize("extra", [0, 2], ids=["exact", "padding"])
+def test_conversion_gradients_match_autodiff_of_the_plain_gathers(lens, extra, rng):
   """vjp of to_padded / from_padded equals autodiff of the same gathers (a scatter-add), padding
   rows and positions past each length included (exact: each entry sums at most one term); the
   jvp of these linear maps is the map of the tangent."""
-  cap = capacity(lens)
+  cap, max_len = capacity(lens), max(lens) + extra
   offsets = jnp.asarray(np_offsets(lens))
   values = jnp.asarray(rng.standard_normal((cap, 2, 3)), jnp.float32)
   padded = jnp.asarray(rng.standard_normal((len(lens), max_len, 2, 3)), jnp.float32)
@@ -251,9 +310,9 @@ def test_conversion_gradients_match_autodiff_of_the_plain_gathers(lens, max_len,
     assert np.any(np.asarray(grad) != 0) or sum(lens) == 0
     # Forward mode: a linear map's tangent is the map itself (its scatter-add form).
     np.testing.assert_array_equal(tangent, jax.jit(plain)(tangent_in))
-  # The packed gradient is zero on padding rows and on rows past max_len of their sample.
+  # The packed gradient is zero on padding rows.
   (grad,) = jax.vjp(pairs[0][0], values)[1](padded)
-  kept = np.concatenate([np_positions(lens) < max_len, np.zeros(PAD, bool)])
+  kept = np.concatenate([np.ones(sum(lens), bool), np.zeros(PAD, bool)])
   np.testing.assert_array_equal(np.asarray(grad)[~kept], 0.0)
 
 
@@ -290,9 +349,9 @@ def test_a_shared_row_index_gives_the_same_values_and_gradients_and_no_search(rn
 def test_a_row_index_of_another_batch_raises(rows, error, match):
   offsets = jnp.asarray(np_offsets(PATTERNS["inner_empty"]))  # 9 tokens, capacity 9 here
   with pytest.raises(error, match=match):
-    jagged.to_padded(jnp.ones((9, 2)), offsets, 4, rows=rows)
+    jagged.to_padded(jnp.ones((9, 2)), offsets, 5, rows=rows)
   with pytest.raises(error, match=match):
-    jagged.from_padded(jnp.ones((4, 4, 2)), offsets, 9, rows=rows)
+    jagged.from_padded(jnp.ones((4, 5, 2)), offsets, 9, rows=rows)
 
 
 def test_conversion_gradients_are_gathers_not_scatter_adds():
@@ -300,7 +359,7 @@ def test_conversion_gradients_are_gathers_not_scatter_adds():
   L=512 on the H200, the gathers a fraction of that."""
   offsets = jnp.asarray(np_offsets(PATTERNS["inner_empty"]))
   cap = capacity(PATTERNS["inner_empty"])
-  round_trip = lambda v: jnp.sum(jagged.from_padded(jagged.to_padded(v, offsets, 4), offsets,  # noqa: E731
+  round_trip = lambda v: jnp.sum(jagged.from_padded(jagged.to_padded(v, offsets, 5), offsets,  # noqa: E731
                                                     cap) ** 2)
   jaxpr = str(jax.make_jaxpr(jax.grad(round_trip))(jnp.ones((cap, 2), jnp.float32)))
   assert "gather" in jaxpr and "scatter" not in jaxpr
