@@ -97,13 +97,13 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
       Pallas kernel (Triton lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`),
       "interpret" the same kernel in Pallas interpret mode; None picks it on a GPU only where
       it was measured faster in training (forward + backward) than "xla". The kernel path
-      supports first-order reverse mode only (it is a ``custom_vjp``: ``jax.jvp`` raises
-      TypeError, a second derivative NotImplementedError); "xla" supports every order.
+      supports first-order reverse mode only (it is a ``custom_vjp``: ``jax.jvp`` raises JAX's
+      TypeError "can't apply forward-mode autodiff (jvp) to a custom_vjp function", a second
+      derivative NotImplementedError naming the op); "xla" supports every order.
 
   Raises:
     NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
-      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows, a residual of
-      another dtype than x), requested alone.
+      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows), requested alone.
   """
   chosen = _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
