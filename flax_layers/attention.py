@@ -50,11 +50,12 @@ class GDPA(nnx.Module):
   Raises:
     ValueError: at construction, for num_heads or head_dim that is not a positive integer, an
       unknown activation, a non-finite pre_scale or post_scale or an unknown implementation; at
-      call time, when q is not of shape (T, num_heads, head_dim).
+      call time, when q is not of shape (T, num_heads, head_dim) or q_offsets is not 1-D.
     TypeError: at construction, for a pre_scale or post_scale that is not a real scalar (a
       number or a 0-d integer or floating array) or a dtype that is neither None nor a floating
-      dtype; at call time, for a non-array q, k or v, or an argument after v passed
-      positionally (they are keyword-only).
+      dtype; at call time, for a non-array q, q_offsets, k or v, a q_offsets that is not of an
+      integer dtype (checked first, naming the layer's order (q, q_offsets, k, v)), or an
+      argument after v passed positionally (they are keyword-only).
     At call time also as :func:`pallas_norm.gdpa` for other bad inputs.
   """
 
@@ -77,6 +78,7 @@ class GDPA(nnx.Module):
     The arguments after ``v`` are keyword-only, as in :class:`PFFNBlock` (the two layers once
     took them in different positional orders, so ``layer(q, off, k, v, 8)`` meant kv_offsets=8
     here and max_seq_len=8 there); a positional one raises Python's TypeError."""
+    _check_offsets(self, q_offsets)
     _check_heads(self, "q", q)
     _check_arrays(self, k=k, v=v)
     cd = _common.compute_dtype(self.dtype, q, k, v)
@@ -85,6 +87,22 @@ class GDPA(nnx.Module):
                             pre_scale=self.pre_scale, post_scale=self.post_scale,
                             max_seq_len=max_seq_len, max_kv_len=max_kv_len,
                             implementation=self.implementation)
+
+
+def _check_offsets(layer, q_offsets):
+  """The layer's second argument must be q_offsets, a 1-D integer array. Checked first: the
+  layers take (q, q_offsets, k, v) where the ops take (q, k, v, q_offsets), and a call in the
+  ops' order failed on v ("v must have 4 dimensions, got shape (3,)")."""
+  name = type(layer).__name__
+  order = (f"{name} takes (q, q_offsets, k, v), unlike pallas_norm.gdpa's (q, k, v, q_offsets)")
+  shape = _common.shape_of(name, "q_offsets", q_offsets)
+  dtype = jnp.dtype(q_offsets.dtype)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name}: q_offsets (the second argument) must be a 1-D integer array, got "
+                    f"dtype {dtype} and shape {shape}; {order}")
+  if len(shape) != 1:
+    raise ValueError(f"{name}: q_offsets (the second argument) must be a 1-D integer array, got "
+                     f"shape {shape}; {order}")
 
 
 def _check_arrays(layer, **arrays):
@@ -152,6 +170,7 @@ class PFFNBlock(nnx.Module):
     """q_tokens: (T, H, D) packed with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) (or
     packed with ``kv_offsets``). Returns (T, H, D) in the compute dtype, zeros on padding rows.
     The arguments after ``v`` are keyword-only (see :meth:`GDPA.__call__`)."""
+    _check_offsets(self, q_offsets)
     _check_heads(self, "q_tokens", q_tokens)
     _check_arrays(self, k=k, v=v)
     affines = [_common.value(p) for p in (self.ln_scale, self.ln_bias, self.rms_scale)]

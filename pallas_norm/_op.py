@@ -1,10 +1,17 @@
 """What every op's kernel path shares below the implementation choice (:mod:`._dispatch`).
 
-:func:`first_order_only`: the kernel paths are ``custom_vjp``s whose rules call Mosaic-GPU
-kernels, which have no derivative of their own. Differentiating them again (``jax.jvp``,
-``jax.hessian``, a gradient of a gradient) used to fail deep inside JAX ("Differentiation rule
-for 'mpmd_map' not implemented"); each kernel call goes through this wrapper, so such a
-derivative raises a NotImplementedError that names the op and says what to use instead.
+:func:`first_order_only`: the kernel paths are ``custom_vjp``s whose rules call Pallas kernels
+(Mosaic GPU, or Triton for ``layer_norm``'s backward), which have no derivative of their own.
+Differentiating them again (``jax.hessian``, a gradient of a gradient) used to fail deep inside
+JAX ("Differentiation rule for 'mpmd_map' not implemented"); each kernel call goes through this
+wrapper, so such a derivative raises a NotImplementedError that names the op and says what to
+use instead.
+
+Plain forward mode (``jax.jvp``, ``jax.jacfwd``) of a kernel path never reaches this wrapper: JAX
+runs the ``custom_vjp``'s forward rule on the primals only and then raises its own TypeError
+("can't apply forward-mode autodiff (jvp) to a custom_vjp function") when it evaluates, or under
+``jax.jit`` lowers, the linear part -- outside the op, so the op cannot reword it. The fix is the
+same: ``implementation="xla"``.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import jax
 
 SECOND_ORDER_HINT = (
-    "the Mosaic kernels have first-order reverse-mode derivatives only (jax.grad, jax.vjp); "
+    "its kernel paths have first-order reverse-mode derivatives only (jax.grad, jax.vjp); "
     "for jax.jvp, jax.hessian or a gradient of a gradient pass implementation='xla'")
 
 

@@ -71,6 +71,18 @@ def same_shape(name: str, v, shape) -> None:
     raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(v.shape)}")
 
 
+def residual(residual, x, shape) -> None:
+  """An optional residual added to a stream in x's dtype: a float array of ``shape`` and of x's
+  dtype. Another dtype would be rounded to x's dtype in the sum (or the returned stream would
+  disagree with the y computed from it), so it raises TypeError naming ``residual``."""
+  if residual is None:
+    return
+  same_shape("residual", residual, shape)
+  if jnp.dtype(residual.dtype) != jnp.dtype(x.dtype):
+    raise TypeError(f"residual must have x's dtype {jnp.dtype(x.dtype).name}, got "
+                    f"{jnp.dtype(residual.dtype).name} (cast one of them)")
+
+
 def eps(value, dtype=None) -> float:
   """A positive finite static eps for statistics in float64 (float64 inputs, ``dtype``) or else
   float32, returned as a Python float. TypeError for a non-number, ValueError otherwise.

@@ -76,7 +76,11 @@ def shard_rows(op, mesh=None, axis="data"):
   arrays are replicated, and every other argument (``norm``, ``eps``, ``implementation``, ...)
   is passed through to each shard's call. Every output is split by rows like the activations.
   Works eagerly and under ``jax.jit``; gradients of replicated parameters are summed over the
-  shards (see the module docstring).
+  shards (see the module docstring). The ``shard_map`` runs under a ``jax.jit`` of its own (one
+  per mesh and settings), so an eager ``jax.vjp``/``jax.grad`` works too (JAX's eager transpose
+  of a bare ``shard_map`` failed on a cotangent not split by rows). With a mesh of explicit axes
+  (``jax.make_mesh``'s default) the outputs are explicitly sharded, and JAX wants a loss computed
+  on them outside ``jax.jit`` (its ``jnp.sum`` in a ``jax.grad``) under ``jax.set_mesh(mesh)``.
 
   Jagged ops (``gdpa``, ``flash_norm_attention``): ``q`` holds S blocks of T/S packed rows, ``k``
   and ``v`` the B samples in order (B/S per shard), and ``q_offsets`` (and ``kv_offsets``) the S
@@ -125,11 +129,31 @@ def shard_rows(op, mesh=None, axis="data"):
       arrays = {k: jax.reshard(v, jax.NamedSharding(the_mesh, specs[k]))
                 for k, v in arrays.items()}
 
+    return _jitted(the_mesh, static, specs)(arrays)
+
+  jitted_cache = {}
+
+  def _jitted(the_mesh, static, specs):
+    """The shard_map under a jax.jit, one per mesh and settings (uncached when a setting is
+    unhashable). Without the jit, an eager jax.grad/jax.vjp transposed the shard_map eagerly and
+    failed inside JAX on a cotangent that is not split like out_specs ("in_specs passed to
+    shard_map ... does not match"); under jit XLA reshards it."""
+    key = (the_mesh, tuple(static.items()))
+    try:
+      hash(key)
+    except TypeError:
+      key = None
+    if key in jitted_cache:
+      return jitted_cache[key]
+
     def per_shard(local):
       return op(**local, **static)
 
-    return jax.shard_map(per_shard, mesh=the_mesh, in_specs=(specs,), out_specs=P(axis),
-                         check_vma=False)(arrays)
+    fn = jax.jit(jax.shard_map(per_shard, mesh=the_mesh, in_specs=(specs,), out_specs=P(axis),
+                               check_vma=False))
+    if key is not None:
+      jitted_cache[key] = fn
+    return fn
 
   return sharded
 

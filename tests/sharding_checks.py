@@ -142,6 +142,30 @@ def ops_xla():
   ln_g, ln_b, rms_g = (1 + _normal(next(keys), (h * d,), scale=0.1) for _ in range(3))
   _compare_op(pn.flash_norm_attention, dict(args, ln_scale=ln_g, ln_bias=ln_b, rms_scale=rms_g),
               dict(max_seq_len=max_len), auto, jagged=(offsets, cap), **tol)
+  _eager_gradients()
+
+
+def _eager_gradients():
+  """Outside jax.jit: jax.vjp with a cotangent that is not split by rows (it failed inside
+  JAX's eager shard_map transpose, "in_specs ... does not match", before shard_rows ran its
+  shard_map under a jit) and jax.grad equal the reference's. With an explicit mesh the
+  loss's own sum needs jax.set_mesh outside jit, as any explicitly sharded array does."""
+  keys = iter(jax.random.split(jax.random.key(5), 4))
+  x, w = _normal(next(keys), (8, 16)), _normal(next(keys), (16, 8), scale=0.25)
+  ct = _normal(next(keys), (8, 8))
+  want_y, vjp_ref = jax.vjp(lambda x, w: pn.reference.norm_matmul(x, w), x, w)
+  want = vjp_ref(ct)
+  for mesh in (_mesh((4,), ("data",), EXPLICIT), _mesh((4,), ("data",))):
+    f = sharding.shard_rows(pn.norm_matmul, mesh)
+    y, vjp = jax.vjp(f, x, w)
+    _close(y, want_y, 2e-5, 2e-5, "eager shard_rows forward")
+    for name, got, ref in zip("xw", vjp(ct), want, strict=True):
+      _close(got, ref, 2e-5, 2e-5, f"eager shard_rows vjp d{name}")
+    with jax.set_mesh(mesh):
+      got = jax.grad(lambda w: jnp.sum(f(x, w) * ct))(w)
+    _close(got, want[1], 2e-5, 2e-5, "eager shard_rows grad dw")
+  got = jax.grad(lambda w: jnp.sum(f(x, w) * ct))(w)  # the auto mesh needs no set_mesh
+  _close(got, want[1], 2e-5, 2e-5, "eager shard_rows grad dw (auto mesh, no set_mesh)")
 
 
 def _allow_interpret_on_several_devices():

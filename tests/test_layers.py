@@ -402,6 +402,22 @@ def test_attention_layers_check_head_shape():
 
 
 @pytest.mark.parametrize("make", [lambda: GDPA(H, D), _pffn], ids=["gdpa", "pffn"])
+def test_attention_layers_name_q_offsets_when_called_in_the_ops_order(make):
+  """Review: GDPA(H, D)(q, k, v, offsets), the op's order, failed with "v must have 4
+  dimensions, got shape (3,)". The layers check q_offsets first, naming it and their order."""
+  q, k, v = _attention_inputs()
+  layer, name = make(), ("GDPA" if make is not _pffn else "PFFNBlock")
+  with pytest.raises(TypeError, match=rf"{name}: q_offsets \(the second argument\) must be a "
+                                      r"1-D integer array.*\(q, q_offsets, k, v\)"):
+    layer(q, k, v, _offsets())
+  with pytest.raises(ValueError, match=rf"{name}: q_offsets .*got shape \(1, {len(LENS) + 1}\)"):
+    layer(q, _offsets()[None], k, v)
+  with pytest.raises(TypeError, match=rf"{name}: q_offsets must be an array"):
+    layer(q, np.asarray(_offsets()).tolist(), k, v)
+  assert layer(q, _offsets(), k, v).shape == q.shape  # the layer's order still runs
+
+
+@pytest.mark.parametrize("make", [lambda: GDPA(H, D), _pffn], ids=["gdpa", "pffn"])
 def test_attention_layer_arguments_after_v_are_keyword_only(make):
   """GDPA took (kv_offsets, max_seq_len) and PFFNBlock (max_seq_len, kv_offsets) after v, so
   layer(q, off, k, v, 5) meant different things (review finding); now it is Python's TypeError

@@ -424,6 +424,22 @@ def test_second_order_derivatives_of_the_kernels_say_what_to_use(op, derivative)
   jax.make_jaxpr(jax.grad(f))(x)  # first order still traces
 
 
+@pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
+def test_forward_mode_of_the_kernels_raises_jax_type_error(op):
+  """Review: plain jax.jvp of a kernel path never reaches the op's own NotImplementedError (JAX
+  runs the custom_vjp's forward rule on the primals, then raises its TypeError on the linear
+  part, under jax.jit when it lowers). Documented (the ops' Raises, README Limitations); this
+  pins the documented behaviour. Lowered only: no kernel runs."""
+  w = jnp.ones((64, 64), jnp.bfloat16)
+  call = getattr(pallas_norm, op)
+  x = jnp.ones((16, 64), jnp.bfloat16)
+  jvp = lambda impl: jax.jit(lambda x: jax.jvp(  # noqa: E731
+      lambda x: call(x, w, implementation=impl), (x,), (x,)))
+  with pytest.raises(TypeError, match="forward-mode autodiff"):
+    jvp("interpret").lower(x)
+  jvp("xla").lower(x)  # the fix the docs give
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", ["NormDense", "DenseNorm"])
 def test_gpu_checkpoint_around_a_layer(layer):

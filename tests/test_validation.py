@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pallas_norm
-from pallas_norm import _dispatch, _validate
+from pallas_norm import _dispatch, _validate, reference
 
 F32 = jnp.float32
 T, H, D, B = 7, 2, 4, 3          # q (T, H, D), B samples
@@ -87,6 +87,7 @@ NORM_CASES = [
     ("residual", _arr((3, 7)), ValueError, "residual"),
     ("residual", _arr((8,)), ValueError, "residual"),
     ("residual", _arr((3, 8), jnp.int8), TypeError, "residual"),
+    ("residual", _arr((3, 8), jnp.bfloat16), TypeError, "residual"),  # x float32 (review)
     ("eps", 0.0, ValueError, "eps"),
     ("eps", -1e-6, ValueError, "eps"),
     ("eps", float("nan"), ValueError, "eps"),
@@ -132,6 +133,7 @@ CASES = (
         ("dense_bias", _arr((5,), jnp.int32), TypeError, "dense_bias"),
         ("residual", _arr((3, 8)), ValueError, "residual"),
         ("residual", _arr((5,)), ValueError, "residual"),
+        ("residual", _arr((3, 5), jnp.bfloat16), TypeError, "residual"),  # x float32
         ("scale", _arr((8,)), ValueError, "scale"),  # (N,), not (K,)
         ("norm_bias", _arr((5,), jnp.int32), TypeError, "norm_bias"),
         ("norm", "group", ValueError, "norm"),
@@ -374,6 +376,31 @@ def test_jit_shape_and_dtype_errors_still_raise(change, exc, text):
   with pytest.raises(exc) as info:
     jax.jit(pallas_norm.gdpa)(**args)
   assert_names(info.value, text)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "matmul_norm"])
+def test_residual_of_another_dtype_raises_naming_it(op):
+  """Review: rms_norm(x_f16, None, residual_f32) returned a residual stream s that overflowed to
+  inf while y was finite; matmul_norm(x_f32, w_f32, residual=r_bf16) ran. Both raise TypeError
+  naming residual, also under jax.jit; x's dtype still runs and matches the reference."""
+  args = good_args(op)
+  x16 = args["x"].astype(jnp.float16)
+  if op == "matmul_norm":
+    args.update(x=x16, w=args["w"].astype(jnp.float16), dense_bias=None)
+  else:
+    args.update(x=x16, scale=None)
+  good_residual = args["residual"].astype(jnp.float16)
+  for call in (op_fn(op), jax.jit(op_fn(op))):
+    with pytest.raises(TypeError) as info:
+      call(**dict(args, residual=jnp.full(good_residual.shape, 7e4, jnp.float32)))
+    assert_names(info.value, "residual")
+  args["residual"] = good_residual
+  out = op_fn(op)(**args, implementation="xla")
+  want = getattr(reference, op)(**args)
+  for got, ref in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+    assert got.dtype == ref.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("op", ["gdpa", "flash_norm_attention"])

@@ -103,7 +103,10 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
     TypeError: dtypes; a non-array q, k, v or offsets; a pre_scale or post_scale that is not a
     real scalar (also under ``jax.jit``: a traced scale must be 0-d, integer or floating).
     ValueError: shapes, offsets (when concrete), activation, non-finite concrete scales, lengths
-    over max_seq_len/max_kv_len. NotImplementedError: kernel implementation not available.
+    over max_seq_len/max_kv_len. NotImplementedError: kernel implementation not available; a
+    second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path. Forward mode
+    (``jax.jvp``, ``jax.jacfwd``) of a kernel path raises JAX's own TypeError "can't apply
+    forward-mode autodiff (jvp) to a custom_vjp function": pass ``implementation="xla"``.
   """
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)

@@ -47,7 +47,8 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
   Args:
     x: (..., K) bfloat16/float16/float32 (float64 with jax_enable_x64). w: (K, N), same dtype.
     dense_bias: optional (N,) bias of the dense layer, added to h (keyword-only, as every
-      argument after w). residual: optional (..., N) added to h.
+      argument after w). residual: optional (..., N) added to h, in x's dtype (another
+      dtype: TypeError).
     scale, norm_bias: optional (N,) γ and β of the norm.
     norm: "layer" (default) or "rms". eps: positive float (default 1e-6).
     out_dtype: dtype of y and h (default x.dtype).
@@ -71,7 +72,10 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes, or an argument after w passed
       by position. ValueError: shapes, eps, norm or implementation.
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run; a
-      forward-mode or second derivative of a kernel path.
+      second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path.
+      Forward mode (``jax.jvp``, ``jax.jacfwd``) of a kernel path raises JAX's own TypeError
+      "can't apply forward-mode autodiff (jvp) to a custom_vjp function" (under ``jax.jit``
+      when it lowers): pass ``implementation="xla"`` for those.
   """
   check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype)
   eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
@@ -97,7 +101,7 @@ def check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtyp
   _validate.matmul_operands(x, w)
   n = w.shape[1]
   _validate.optional_vector("dense_bias", dense_bias, n)
-  _validate.same_shape("residual", residual, x.shape[:-1] + (n,))
+  _validate.residual(residual, x, x.shape[:-1] + (n,))
   _validate.optional_vector("scale", scale, n)
   _validate.optional_vector("norm_bias", norm_bias, n)
   _validate.norm_kind(norm)

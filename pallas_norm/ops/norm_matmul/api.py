@@ -79,7 +79,10 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
       ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes, or an argument after w passed
       by position. ValueError: shapes, eps, norm or implementation.
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run; a
-      forward-mode or second derivative of a kernel path.
+      second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path.
+      Forward mode (``jax.jvp``, ``jax.jacfwd``) of a kernel path raises JAX's own TypeError
+      "can't apply forward-mode autodiff (jvp) to a custom_vjp function" (under ``jax.jit``
+      when it lowers): pass ``implementation="xla"`` for those.
   """
   check_args(x, w, scale, norm_bias, norm, eps, out_dtype)
   eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float

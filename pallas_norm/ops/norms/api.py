@@ -20,7 +20,7 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   n = x.shape[-1]
   _validate.optional_vector("scale", scale, n)
   _validate.optional_vector("bias", bias, n)
-  _validate.same_shape("residual", residual, x.shape)
+  _validate.residual(residual, x, x.shape)
   _validate.eps(eps, x.dtype)
   _validate.out_dtype(out_dtype)
   norm = "rms" if op == "rms_norm" else "layer"
@@ -46,7 +46,8 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
   Args:
     x: (..., N) bfloat16/float16/float32/float64.
     scale: optional (N,) gamma.
-    residual: optional array of x's shape, added before the norm.
+    residual: optional array of x's shape and dtype (another dtype: TypeError), added before
+      the norm.
     eps: positive float added to the mean square (default 1e-6, the Flax default).
     zero_centered_scale: apply ``1 + scale`` instead of ``scale``.
     out_dtype: dtype of y (default x.dtype).
@@ -60,7 +61,8 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     y (..., N), or ``(y, s)`` when ``residual`` is given (``s`` in x's dtype).
 
   Raises:
-    TypeError: non-arrays (e.g. a ``jax.ShapeDtypeStruct``), non-float arrays or dtypes.
+    TypeError: non-arrays (e.g. a ``jax.ShapeDtypeStruct``), non-float arrays or dtypes, a
+      residual of another dtype than x.
     ValueError: shape mismatch, eps <= 0, unknown implementation.
     NotImplementedError: a kernel implementation ("mosaic", "triton", "interpret") was
       requested alone.
@@ -95,13 +97,13 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
       Pallas kernel (Triton lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`),
       "interpret" the same kernel in Pallas interpret mode; None picks it on a GPU only where
       it was measured faster in training (forward + backward) than "xla". The kernel path
-      supports first-order reverse mode only (it is a ``custom_vjp``: ``jax.jvp`` raises
-      TypeError, a second derivative NotImplementedError); "xla" supports every order.
+      supports first-order reverse mode only (it is a ``custom_vjp``: ``jax.jvp`` raises JAX's
+      TypeError "can't apply forward-mode autodiff (jvp) to a custom_vjp function", a second
+      derivative NotImplementedError naming the op); "xla" supports every order.
 
   Raises:
     NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
-      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows, a residual of
-      another dtype than x), requested alone.
+      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows), requested alone.
   """
   chosen = _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
