@@ -132,7 +132,7 @@ def _check_variant_matches_default(variant, **switches):
   run = lambda cfg: jax.block_until_ready(mosaic.flash_norm_attention_fwd(  # noqa: E731
       q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6,
       save_residuals=True, config=cfg, interpret=True, **switches))
-  default = mosaic.pick_config(2, 64, q.dtype, q.dtype, True, k.shape[1])
+  default = mosaic.pick_config(2, 64, q.dtype, q.dtype, k.shape[1])
   assert default.kv_stages > 2
   got = run(dataclasses.replace(default, **variant))
   want = run(default)
@@ -368,8 +368,7 @@ def test_forward_lowers_for_sm90a():
   heads, head_dim, save_residuals, out_dtype = 2, 128, False, jnp.float32
   spec = jax.ShapeDtypeStruct
   t, b = 4096, 16
-  cfg = mosaic.pick_config(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16,
-                           save_residuals, 128)
+  cfg = mosaic.pick_config(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16, 128)
   fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
       q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6,
       save_residuals=save_residuals, out_dtype=out_dtype, config=cfg))

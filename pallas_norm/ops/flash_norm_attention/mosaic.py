@@ -92,8 +92,7 @@ class Config:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
 
 
-def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, save_residuals: bool,
-               cfg: Config) -> int:
+def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
   """SMEM of one CTA: q twice (working and residual copies of the H tiles), the K/V ring, P,
   one store tile (out, z, u and the statistics take turns in it: a RefUnion) and γ1/β1/γ2.
   Every allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
@@ -101,27 +100,25 @@ def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, save_residuals: 
   q = 2 * num_heads * BLOCK_Q * head_dim * item
   kv = 2 * cfg.kv_stages * cfg.block_kv * head_dim * item
   p = BLOCK_Q * cfg.block_kv * item
-  del save_residuals  # z's and u's tile is the union's, never larger than out's or stats'
+  # z's and u's tile is the union's, never larger than out's or the statistics'
   tile = max(BLOCK_Q * head_dim * max(out_item, item), BLOCK_Q * STATS_COLS * 4)
   vecs = -(-3 * num_heads * head_dim * 4 // 1024) * 1024
   reduction = 2048  # Pallas's cross-warp reduction scratch (the row sums)
   return q + kv + p + tile + vecs + reduction + 1024  # + the barriers
 
 
-def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, save_residuals: bool,
-                kv_len: int) -> Config | None:
+def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int) -> Config | None:
   """The deepest K/V ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block)
   that fits in SMEM; None when none does."""
   blocks = num_heads * kv_len // 64
   for stages in (4, 3, 2):
     cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)))
-    if smem_bytes(num_heads, head_dim, dtype, out_dtype, save_residuals,
-                  cfg) <= mgpu.SMEM_BYTES:
+    if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
       return cfg
   return None
 
 
-def unsupported_reason(q, k, kv_offsets, out_dtype, save_residuals: bool = True) -> str | None:
+def unsupported_reason(q, k, kv_offsets, out_dtype) -> str | None:
   """None when the fused kernel can run these (validated) arguments, else why not."""
   reason = gdpa_mosaic.operand_reason(q, out_dtype)
   if reason is not None:
@@ -137,7 +134,7 @@ def unsupported_reason(q, k, kv_offsets, out_dtype, save_residuals: bool = True)
     return f"dense K/V length Lkv = {k.shape[1]} is not a positive multiple of 64"
   if t % gdpa_mosaic.ALIGN:
     return f"the token capacity T = {t} must be a multiple of {gdpa_mosaic.ALIGN}"
-  if pick_config(heads, head_dim, dtype, out_dtype, save_residuals, k.shape[1]) is None:
+  if pick_config(heads, head_dim, dtype, out_dtype, k.shape[1]) is None:
     return (f"H·D = {heads}·{head_dim}: the q block of all heads (twice) and the K/V ring do "
             "not fit in SMEM")
   return None
@@ -196,7 +193,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   capacity, num_heads, head_dim = q.shape
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   kv_len = k.shape[1]
-  cfg = config or pick_config(num_heads, head_dim, q.dtype, out_dtype, save_residuals, kv_len)
+  cfg = config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len)
   if kv_len % cfg.block_kv:
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,

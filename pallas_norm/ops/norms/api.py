@@ -24,10 +24,9 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   _validate.eps(eps, x.dtype)
   _validate.out_dtype(out_dtype)
   norm = "rms" if op == "rms_norm" else "layer"
-  residual_dtype = None if residual is None else residual.dtype
   # RMSNorm has no kernel path (triton.RMS_REASON): every kernel name is refused as such.
   unsupported = None if norm == "rms" else (
-      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype, residual_dtype))
+      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype))
   return _dispatch.choose(
       op, implementation, unsupported,
       lambda: triton.slower_reason(x.shape, x.dtype, residual is not None),

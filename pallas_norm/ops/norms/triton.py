@@ -100,23 +100,19 @@ RMS_REASON = ("rms_norm has no kernel path: its Pallas backward was measured slo
 """Why ``rms_norm`` never runs the kernel (the kernel computes LayerNorm's backward only)."""
 
 
-def unsupported_reason(norm: str, x_shape, x_dtype, residual_dtype=None) -> str | None:
+def unsupported_reason(norm: str, x_shape, x_dtype) -> str | None:
   """Why the backward kernel cannot run a call with these operands, or None.
 
   Args:
     norm: "layer" (the kernel's norm) or "rms" (refused: :data:`RMS_REASON`).
     x_shape: shape of x, (..., N).
-    x_dtype: dtype of x.
-    residual_dtype: dtype of the residual, or None without one.
+    x_dtype: dtype of x (a residual has it too: the ops' validation).
   """
   if norm != "layer":
     return RMS_REASON
   n = x_shape[-1]
   if jnp.dtype(x_dtype) not in KERNEL_DTYPES:
     return f"the kernel takes bfloat16/float16/float32 x, got {jnp.dtype(x_dtype)}"
-  if residual_dtype is not None and jnp.dtype(residual_dtype) != jnp.dtype(x_dtype):
-    return (f"residual dtype {jnp.dtype(residual_dtype)} differs from x's {jnp.dtype(x_dtype)} "
-            "(the kernel writes one ds for both gradients)")
   if math.prod(x_shape[:-1]) == 0:  # a grid of 0 row blocks: interpret mode divides by it
     return "x has no rows (XLA returns the empty gradient)"
   if n > MAX_N:
