@@ -124,8 +124,13 @@ class RowIndex(NamedTuple):
 
 def row_index(offsets: jax.Array, capacity: int) -> RowIndex:
   """The :class:`RowIndex` of a packed batch of static ``capacity`` rows (one search of the
-  offsets)."""
-  seg = segment_ids(offsets, operator.index(capacity))
+  offsets).
+
+  Raises:
+    TypeError: ``capacity`` is not an integer.
+  """
+  capacity = _static_size("row_index", "capacity", capacity)
+  seg = segment_ids(offsets, capacity)
   starts = jnp.take(offsets, seg, mode="clip")
   return RowIndex(seg, jnp.arange(capacity, dtype=jnp.int32) - starts)
 
@@ -152,6 +157,28 @@ def valid_mask(offsets: jax.Array, capacity: int) -> jax.Array:
 def positions(offsets: jax.Array, capacity: int) -> jax.Array:
   """Position of each packed row inside its own sample, shape (capacity,), int32."""
   return row_index(offsets, capacity).positions
+
+
+def _static_size(name: str, size_name: str, size) -> int:
+  """``size`` (a Python or NumPy integer, or a concrete integer scalar array) as a Python int;
+  TypeError naming ``size_name`` otherwise (``operator.index``'s own message names nothing)."""
+  try:
+    if isinstance(size, bool):
+      raise TypeError
+    return operator.index(size)
+  except TypeError:
+    raise TypeError(f"{name}: {size_name} must be an int (static), got {size!r}") from None
+
+
+def _array_arg(name: str, arg_name: str, a, min_ndim: int) -> None:
+  """TypeError naming ``arg_name`` when ``a`` is not an array, ValueError when it has fewer than
+  ``min_ndim`` dimensions (checked before its shape is read)."""
+  if not _validate.is_array(a):
+    raise TypeError(f"{name}: {arg_name} must be an array (a jax.Array or numpy.ndarray), got "
+                    f"{type(a).__name__}")
+  if a.ndim < min_ndim:
+    raise ValueError(f"{name}: {arg_name} must have at least {min_ndim} dimension(s), got shape "
+                     f"{tuple(a.shape)}")
 
 
 def _check_conversion(name: str, values, offsets, capacity: int, size_name: str,
@@ -234,13 +261,15 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
   batch's :func:`row_index` (the derivatives need it), else computed here.
 
   Raises:
-    TypeError: offsets that are not a 1-D integer array; a non-integer ``max_len``; ``rows``
-      that is not a :class:`RowIndex`.
-    ValueError: a negative ``max_len``; concrete offsets that break the jagged convention
-      (first 0, non-decreasing, last <= T) or hold a sample longer than ``max_len``; ``rows``
-      not of T int32 rows. Traced offsets are not checked here but poison the output (above).
+    TypeError: values or offsets that are not arrays; offsets that are not a 1-D integer
+      array; a non-integer ``max_len``; ``rows`` that is not a :class:`RowIndex`.
+    ValueError: a 0-d ``values``; a negative ``max_len``; concrete offsets that break the
+      jagged convention (first 0, non-decreasing, last <= T) or hold a sample longer than
+      ``max_len``; ``rows`` not of T int32 rows. Traced offsets are not checked here but
+      poison the output (above).
   """
-  max_len = operator.index(max_len)
+  _array_arg("to_padded", "values", values, 1)
+  max_len = _static_size("to_padded", "max_len", max_len)
   host = _check_conversion("to_padded", values, offsets, values.shape[0], "max_len", max_len)
   _check_lengths("to_padded", host, max_len, "max_len")
   rows = _rows_for(rows, offsets, values.shape[0], "values' T")
@@ -262,14 +291,15 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, *,
   ``rows``: the batch's :func:`row_index` of ``capacity`` rows, else computed here.
 
   Raises:
-    TypeError: offsets that are not a 1-D integer array; a non-integer ``capacity``; ``rows``
-      that is not a :class:`RowIndex`.
+    TypeError: padded or offsets that are not arrays; offsets that are not a 1-D integer
+      array; a non-integer ``capacity``; ``rows`` that is not a :class:`RowIndex`.
     ValueError: ``padded`` with fewer than 2 dimensions or another batch than the offsets'
       B; a negative ``capacity``; concrete offsets that break the jagged convention (first 0,
       non-decreasing, last <= capacity) or hold a sample longer than ``L``; ``rows`` not of
       ``capacity`` int32 rows. Traced offsets are not checked here but poison the output.
   """
-  capacity = operator.index(capacity)
+  _array_arg("from_padded", "padded", padded, 2)
+  capacity = _static_size("from_padded", "capacity", capacity)
   host = _check_conversion("from_padded", padded, offsets, capacity, "capacity", capacity)
   if padded.ndim < 2 or padded.shape[0] != offsets.shape[0] - 1:
     raise ValueError(f"from_padded: padded must have shape (B, L, ...) with B = "
