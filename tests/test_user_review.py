@@ -124,3 +124,36 @@ def test_train_kunlun_rejects_bad_flags_with_exit_2(argv, message, capsys):
     train_kunlun.parse_args(argv)
   assert exit_info.value.code == 2
   assert f"{message} must" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# jagged conversions with rows= of another batch
+
+
+def _conversions(values, offsets, rows):
+  """to_padded and from_padded of one batch, with the given RowIndex."""
+  padded = jagged.to_padded(values, offsets, 5, rows=rows)
+  return padded, jagged.from_padded(padded, offsets, values.shape[0], rows=rows)
+
+
+@pytest.mark.parametrize("other", [[0, 5, 5, 8], [0, 2, 3, 8], [0, 3, 3, 9], [0, 3, 8, 8]])
+def test_a_row_index_of_other_offsets_raises_or_poisons(other):
+  """rows= is searched once per batch and reused (KunlunModel); a RowIndex of another batch of
+  the same capacity gave the right forward values (the gathers read the offsets) but gradients
+  from the other batch's rows, silently (review). Concrete: ValueError; traced: NaN values and
+  gradients, as for bad traced offsets. The right RowIndex gives what rows=None gives."""
+  values = jax.random.normal(jax.random.key(0), (10, 3))
+  wrong = jagged.row_index(jnp.asarray(other, jnp.int32), 10)
+  with pytest.raises(ValueError, match="rows is not the jagged.row_index"):
+    _conversions(values, OFFSETS, wrong)
+
+  def loss(v, o, rows):
+    padded, packed = _conversions(v, o, rows)
+    return jnp.sum(padded * jnp.arange(padded.size).reshape(padded.shape)) + jnp.sum(packed ** 2)
+
+  grad = jax.jit(jax.value_and_grad(loss))
+  value, g = grad(values, OFFSETS, wrong)
+  assert bool(jnp.isnan(value)) and bool(jnp.isnan(g).all())
+  right = jagged.row_index(OFFSETS, 10)
+  np.testing.assert_allclose(grad(values, OFFSETS, right)[1],
+                             jax.grad(loss)(values, OFFSETS, None), rtol=1e-6)
