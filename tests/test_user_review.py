@@ -157,3 +157,40 @@ def test_a_row_index_of_other_offsets_raises_or_poisons(other):
   right = jagged.row_index(OFFSETS, 10)
   np.testing.assert_allclose(grad(values, OFFSETS, right)[1],
                              jax.grad(loss)(values, OFFSETS, None), rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Flax parameters passed straight to the ops (the validation accepts them: _validate.is_array)
+
+
+def test_as_arrays_converts_array_likes_only():
+  from pallas_norm import _validate
+  param, array = nnx.Param(jnp.ones(3)), np.ones(2)
+  converted = _validate.as_arrays(param, array, None, 1.5)
+  assert isinstance(converted[0], jax.Array) and converted[1] is array
+  assert converted[2] is None and converted[3] == 1.5
+
+
+_PARAM_KERNEL_FIX = ("kernel path + nnx.Param argument + gradient crashes inside JAX/Pallas; "
+                     "the one-line fix in the op's api (_validate.as_arrays) is proposed in "
+                     "/work/prompts/review6_findings.md (the op folder has another owner)")
+
+
+@pytest.mark.xfail(strict=True, reason=_PARAM_KERNEL_FIX)
+@pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
+def test_kernel_path_gradient_with_an_nnx_param_weight(op):
+  """A Flax module that passes its nnx.Param weight straight to the op (``pn.matmul_norm(x,
+  self.w)``) trains on the XLA path but failed on the kernel path (the default for such shapes
+  on a Hopper GPU): "Error interpreting argument to custom_jvp_call as a JAX value ...
+  CustomVJPPrimal" (matmul_norm), "Input specs and input gmem refs must have the same pytree
+  structure" (norm_matmul, inside the Pallas pipeline) (review)."""
+  x = jax.random.normal(jax.random.key(0), (8, 64), jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(1), (64, 64)) / 8).astype(jnp.bfloat16)
+  fn = getattr(pn, op)
+
+  def loss(w, implementation):
+    return fn(x, nnx.Param(w), implementation=implementation).astype(jnp.float32).sum()
+
+  got = jax.grad(loss)(w, "interpret").astype(jnp.float32)
+  want = jax.grad(loss)(w, "xla").astype(jnp.float32)
+  np.testing.assert_allclose(got, want, atol=0.1, rtol=0.05)
