@@ -16,7 +16,7 @@ ops on rows split over several devices.
 """
 
 from pallas_norm import jagged, reference
-from pallas_norm._dispatch import IMPLEMENTATIONS
+from pallas_norm._dispatch import IMPLEMENTATIONS, KernelSkippedWarning
 from pallas_norm.ops.flash_norm_attention import flash_norm_attention
 from pallas_norm.ops.gdpa import gdpa
 from pallas_norm.ops.matmul_norm import matmul_norm
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACTIVATIONS",
     "IMPLEMENTATIONS",
+    "KernelSkippedWarning",
     "NormStats",
     "flash_norm_attention",
     "gdpa",

@@ -194,3 +194,11 @@ def test_kernel_path_gradient_with_an_nnx_param_weight(op):
   got = jax.grad(loss)(w, "interpret").astype(jnp.float32)
   want = jax.grad(loss)(w, "xla").astype(jnp.float32)
   np.testing.assert_allclose(got, want, atol=0.1, rtol=0.05)
+
+
+def test_kernel_skipped_warning_is_public():
+  """The README tells users about KernelSkippedWarning, which lived only in the private
+  pallas_norm._dispatch: no public name to filter it by (review)."""
+  from pallas_norm import _dispatch
+  assert pn.KernelSkippedWarning is _dispatch.KernelSkippedWarning
+  assert "KernelSkippedWarning" in pn.__all__
