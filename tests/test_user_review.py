@@ -147,16 +147,19 @@ def test_a_row_index_of_other_offsets_raises_or_poisons(other):
   with pytest.raises(ValueError, match="rows is not the jagged.row_index"):
     _conversions(values, OFFSETS, wrong)
 
-  def loss(v, o, rows):
-    padded, packed = _conversions(v, o, rows)
-    return jnp.sum(padded * jnp.arange(padded.size).reshape(padded.shape)) + jnp.sum(packed ** 2)
-
-  grad = jax.jit(jax.value_and_grad(loss))
-  value, g = grad(values, OFFSETS, wrong)
+  value, g = _conversions_grad(values, OFFSETS, wrong)
   assert bool(jnp.isnan(value)) and bool(jnp.isnan(g).all())
   right = jagged.row_index(OFFSETS, 10)
-  np.testing.assert_allclose(grad(values, OFFSETS, right)[1],
-                             jax.grad(loss)(values, OFFSETS, None), rtol=1e-6)
+  np.testing.assert_allclose(_conversions_grad(values, OFFSETS, right)[1],
+                             jax.grad(_conversions_loss)(values, OFFSETS, None), rtol=1e-6)
+
+
+def _conversions_loss(values, offsets, rows):
+  padded, packed = _conversions(values, offsets, rows)
+  return jnp.sum(padded * jnp.arange(padded.size).reshape(padded.shape)) + jnp.sum(packed ** 2)
+
+
+_conversions_grad = jax.jit(jax.value_and_grad(_conversions_loss))  # one compile for every case
 
 
 # ------------------------------------------------------------------------------------------------
