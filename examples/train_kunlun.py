@@ -113,6 +113,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                "valid_examples"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
+  if args.max_seq_len < 2:  # ads_data.load's bound (the synthetic lengths); was a traceback
+    p.error("--max-seq-len must be >= 2")
+  if not (np.isfinite(args.lr) and args.lr > 0):  # nan trained silently to a nan log-loss
+    p.error(f"--lr must be a positive finite number, got {args.lr}")
+  if not (np.isfinite(args.weight_decay) and args.weight_decay >= 0):
+    p.error(f"--weight-decay must be a non-negative finite number, got {args.weight_decay}")
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
   distributed.check_arguments(p, args)

@@ -101,10 +101,12 @@ class KunlunModel(nnx.Module):
     rngs: ``nnx.Rngs`` for initialization.
     implementation: passed to every pallas-norm op: None, "xla", "mosaic", "interpret", or a
       sequence tried in order per call, e.g. ("mosaic", "xla"): the kernels in every layer
-      whose shapes they support and XLA in the others (the PFFN has no kernel yet; the dense
-      layers need K and N multiples of 64). The softmax self-attention and the seed pooling
-      run cuDNN's flash attention on an NVIDIA GPU for None and for choices that include
-      "mosaic", XLA's attention otherwise (:func:`flax_layers.attention.softmax_attention`).
+      whose shapes they support and XLA in the others (the dense layers need bf16/f16 and K,
+      N multiples of 64; the PFFN's kernels bf16/f16, head_dim 64 or 128 and kv_len a
+      multiple of 64; see the README's status table). The softmax self-attention and the
+      seed pooling run cuDNN's flash attention on an NVIDIA GPU for None and for choices that
+      include "mosaic", XLA's attention otherwise
+      (:func:`flax_layers.attention.softmax_attention`).
 
   Raises:
     TypeError: at construction, for a dtype that is neither None nor a floating dtype, or a
@@ -177,8 +179,9 @@ class KunlunModel(nnx.Module):
     Raises:
       TypeError: non-integer ids; seq_offsets that is not an int32 array.
       ValueError: ids/dense/offsets of inconsistent shapes; concrete seq_offsets that do not
-        start at 0, decrease, end past T or hold a sequence longer than max_seq_len (under
-        ``jax.jit`` those values are not checked here; the PFFN op then returns NaN).
+        start at 0, decrease, end past T or hold a sequence longer than max_seq_len. Under
+        ``jax.jit`` those values cannot raise: every logit is NaN instead, and so are the
+        gradients (also a :func:`jax.experimental.checkify.debug_check` error).
     """
     c = self.config
     _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets)
@@ -211,7 +214,8 @@ class KunlunModel(nnx.Module):
       h = jax.nn.gelu(self.mlp_in(z))
       for block in self.mlp:
         h = block(jax.nn.gelu(h), residual=h)
-      return self.head(h)[:, 0].astype(jnp.float32)
+      logits = self.head(h)[:, 0].astype(jnp.float32)
+    return _poison_if_offsets_invalid(logits, seq_offsets, seq_ids.shape[0], c.max_seq_len)
 
   def _context(self, sparse_ids, dense):
     tokens = self._embed(self.sparse_embed, sparse_ids)        # (B, Fs, E)
@@ -271,6 +275,22 @@ class KunlunModel(nnx.Module):
     # With no valid key the softmax is uniform over masked (zero) values; make that explicit.
     o = jnp.where((lens > 0)[:, None, None, None], o, jnp.zeros((), o.dtype))
     return o.reshape(batch, -1)
+
+
+OFFSETS_INVALID_MESSAGE = (
+    "KunlunModel: traced seq_offsets break the jagged convention (first 0, non-decreasing, last "
+    "<= len(seq_ids), no length over KunlunConfig.max_seq_len); the logits are NaN")
+
+
+def _poison_if_offsets_invalid(logits, seq_offsets, capacity: int, max_seq_len: int):
+  """Every logit NaN (values and gradients) when traced ``seq_offsets`` are invalid. The PFFN op
+  already returns NaN tokens for them, but the seed pooling zeroes the samples whose length is
+  <= 0, so offsets such as [3, 3, 3] (first != 0) or [0, 0, -1] gave finite, plausible logits.
+  Concrete offsets were checked by :func:`_check_model_inputs`."""
+  if not isinstance(seq_offsets, jax.core.Tracer):
+    return logits
+  bad = _validate.offsets_invalid(seq_offsets, capacity, max_seq_len)
+  return _validate.poison_if_invalid(logits, bad, OFFSETS_INVALID_MESSAGE)
 
 
 def _zero_padding_rows(x, offsets):

@@ -1,6 +1,8 @@
 """pallas-norm: LayerNorm/RMSNorm fused into the GEMM and attention kernels of JAX training.
 
-Public ops (each takes ``implementation=None | "xla" | "mosaic" | "interpret"``):
+Public ops (each takes ``implementation=``: None, "xla", its kernel's name -- "mosaic", or
+"triton" for ``layer_norm``; ``rms_norm`` has none -- "interpret", or a sequence of them tried in
+order; see :mod:`pallas_norm._dispatch` and the README's status table):
 
 * :func:`rms_norm`, :func:`layer_norm`: standalone row norms with optional residual add.
 * :func:`norm_matmul`: lazy pre-norm GEMM ``norm(x) @ w``.
@@ -9,11 +11,12 @@ Public ops (each takes ``implementation=None | "xla" | "mosaic" | "interpret"``)
 * :func:`flash_norm_attention`: the Kunlun PFFN block, LN → GDPA (+u) → RMSNorm (+q).
 
 :mod:`pallas_norm.reference` holds the plain-JAX math of each; :mod:`pallas_norm.jagged` the
-packed-offsets convention for variable-length sequences.
+packed-offsets convention for variable-length sequences; :mod:`pallas_norm.sharding` runs the
+ops on rows split over several devices.
 """
 
 from pallas_norm import jagged, reference
-from pallas_norm._dispatch import IMPLEMENTATIONS
+from pallas_norm._dispatch import IMPLEMENTATIONS, KernelSkippedWarning
 from pallas_norm.ops.flash_norm_attention import flash_norm_attention
 from pallas_norm.ops.gdpa import gdpa
 from pallas_norm.ops.matmul_norm import matmul_norm
@@ -26,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACTIVATIONS",
     "IMPLEMENTATIONS",
+    "KernelSkippedWarning",
     "NormStats",
     "flash_norm_attention",
     "gdpa",

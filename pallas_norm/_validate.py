@@ -24,6 +24,18 @@ def is_array(x) -> bool:
       x, "__jax_array__")
 
 
+def as_arrays(*args):
+  """``args`` with the array-likes that only convert to arrays (``__jax_array__``, e.g. a Flax
+  ``nnx.Param``) replaced by ``jnp.asarray`` of them; arrays, tracers, NumPy arrays, None and
+  other values pass through unchanged. For the ops to call on their validated arguments before
+  a ``custom_vjp``: it flattens its arguments as pytrees, and an ``nnx.Param`` is a pytree node,
+  so under a gradient the kernel (or a ``custom_jvp`` inside the rule) received a Param holding
+  JAX's internal ``CustomVJPPrimal`` and failed deep inside JAX or Pallas."""
+  return tuple(a if a is None or isinstance(a, (jax.Array, jax.core.Tracer, np.ndarray,
+                                                np.generic)) or not is_array(a)
+               else jnp.asarray(a) for a in args)
+
+
 def _dtype_of(name: str, x):
   if not is_array(x):
     raise TypeError(f"{name} must be an array, got {type(x).__name__} (a jax.Array or "

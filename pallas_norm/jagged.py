@@ -124,16 +124,25 @@ class RowIndex(NamedTuple):
 
 def row_index(offsets: jax.Array, capacity: int) -> RowIndex:
   """The :class:`RowIndex` of a packed batch of static ``capacity`` rows (one search of the
-  offsets)."""
-  seg = segment_ids(offsets, operator.index(capacity))
+  offsets).
+
+  Raises:
+    TypeError: ``capacity`` is not an integer.
+  """
+  capacity = _static_size("row_index", "capacity", capacity)
+  seg = segment_ids(offsets, capacity)
   starts = jnp.take(offsets, seg, mode="clip")
   return RowIndex(seg, jnp.arange(capacity, dtype=jnp.int32) - starts)
 
 
-def _rows_for(rows: RowIndex | None, offsets, capacity: int, arg: str) -> RowIndex:
-  """``rows`` checked against the packed capacity, or computed when None."""
+def _rows_for(rows: RowIndex | None, offsets, capacity: int, arg: str):
+  """``(rows, mismatch)``: ``rows`` checked against the packed capacity (computed when None),
+  and None or, when ``rows`` or ``offsets`` are traced, a traced bool that is True when
+  ``rows`` was not built from ``offsets`` (:func:`_rows_mismatch`). Concrete ones that
+  disagree raise ValueError: the forward gathers read ``offsets`` and the derivatives ``rows``,
+  so a RowIndex of another batch gave the right values with silently wrong gradients."""
   if rows is None:
-    return row_index(offsets, capacity)
+    return row_index(offsets, capacity), None
   if not isinstance(rows, RowIndex):
     raise TypeError(f"rows must be a jagged.RowIndex (from jagged.row_index), got "
                     f"{type(rows).__name__}")
@@ -141,7 +150,35 @@ def _rows_for(rows: RowIndex | None, offsets, capacity: int, arg: str) -> RowInd
     if tuple(a.shape) != (capacity,) or a.dtype != jnp.int32:
       raise ValueError(f"rows.{name} must be int32 of shape ({capacity},) (the {arg}), got "
                        f"{a.dtype}{list(a.shape)}")
-  return rows
+  if capacity == 0:
+    return rows, None
+  if any(isinstance(a, jax.core.Tracer) for a in (offsets, *rows)):
+    mismatch = _rows_mismatch(jnp, rows, offsets, capacity)
+    checkify.debug_check(jnp.logical_not(mismatch), ROWS_MISMATCH_MESSAGE)
+    return rows, mismatch
+  if _rows_mismatch(np, tuple(map(np.asarray, rows)), np.asarray(offsets), capacity):
+    raise ValueError(ROWS_MISMATCH)
+  return rows, None
+
+
+ROWS_MISMATCH = "rows is not the jagged.row_index of these offsets (a RowIndex of another batch)"
+ROWS_MISMATCH_MESSAGE = f"jagged conversion: {ROWS_MISMATCH}; the output and the gradients are NaN"
+
+
+def _rows_mismatch(xp, rows, offsets, capacity: int):
+  """True when ``rows`` (segment ids, positions) is not the row index of valid ``offsets``, in
+  2B + 1 lookups instead of a search: each non-empty sample's first row must have its sample
+  id and position 0, its last row its sample id, and the first padding row (if any) the id B.
+  With the rows of valid offsets, these pin every offset (``xp``: NumPy or jax.numpy)."""
+  seg, pos = rows
+  batch = offsets.shape[0] - 1
+  starts, ends = offsets[:-1], offsets[1:]
+  samples = xp.arange(batch)
+  first = xp.clip(starts, 0, capacity - 1)
+  last = xp.clip(ends - 1, 0, capacity - 1)
+  wrong = (ends > starts) & ((seg[first] != samples) | (pos[first] != 0) | (seg[last] != samples))
+  padding = xp.clip(offsets[-1], 0, capacity - 1)
+  return xp.any(wrong) | ((offsets[-1] < capacity) & (seg[padding] != batch))
 
 
 def valid_mask(offsets: jax.Array, capacity: int) -> jax.Array:
@@ -152,6 +189,28 @@ def valid_mask(offsets: jax.Array, capacity: int) -> jax.Array:
 def positions(offsets: jax.Array, capacity: int) -> jax.Array:
   """Position of each packed row inside its own sample, shape (capacity,), int32."""
   return row_index(offsets, capacity).positions
+
+
+def _static_size(name: str, size_name: str, size) -> int:
+  """``size`` (a Python or NumPy integer, or a concrete integer scalar array) as a Python int;
+  TypeError naming ``size_name`` otherwise (``operator.index``'s own message names nothing)."""
+  try:
+    if isinstance(size, bool):
+      raise TypeError
+    return operator.index(size)
+  except TypeError:
+    raise TypeError(f"{name}: {size_name} must be an int (static), got {size!r}") from None
+
+
+def _array_arg(name: str, arg_name: str, a, min_ndim: int) -> None:
+  """TypeError naming ``arg_name`` when ``a`` is not an array, ValueError when it has fewer than
+  ``min_ndim`` dimensions (checked before its shape is read)."""
+  if not _validate.is_array(a):
+    raise TypeError(f"{name}: {arg_name} must be an array (a jax.Array or numpy.ndarray), got "
+                    f"{type(a).__name__}")
+  if a.ndim < min_ndim:
+    raise ValueError(f"{name}: {arg_name} must have at least {min_ndim} dimension(s), got shape "
+                     f"{tuple(a.shape)}")
 
 
 def _check_conversion(name: str, values, offsets, capacity: int, size_name: str,
@@ -209,6 +268,11 @@ def _traced_invalid(offsets, capacity: int, max_len: int):
   return bad
 
 
+def _either(a, b):
+  """``a | b`` for optional traced bools (None: known False)."""
+  return b if a is None else a if b is None else a | b
+
+
 def _poison(a, bad):
   """``a`` times 1, or times NaN where ``bad``: a multiply (unlike a select) is linear in ``a``,
   so forward mode sees NaN tangents and reverse mode NaN cotangents, with no custom_vjp."""
@@ -234,17 +298,21 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
   batch's :func:`row_index` (the derivatives need it), else computed here.
 
   Raises:
-    TypeError: offsets that are not a 1-D integer array; a non-integer ``max_len``; ``rows``
-      that is not a :class:`RowIndex`.
-    ValueError: a negative ``max_len``; concrete offsets that break the jagged convention
-      (first 0, non-decreasing, last <= T) or hold a sample longer than ``max_len``; ``rows``
-      not of T int32 rows. Traced offsets are not checked here but poison the output (above).
+    TypeError: values or offsets that are not arrays; offsets that are not a 1-D integer
+      array; a non-integer ``max_len``; ``rows`` that is not a :class:`RowIndex`.
+    ValueError: a 0-d ``values``; a negative ``max_len``; concrete offsets that break the
+      jagged convention (first 0, non-decreasing, last <= T) or hold a sample longer than
+      ``max_len``; ``rows`` not of T int32 rows, or (concrete) not the row index of
+      ``offsets``. Traced offsets are not checked here but poison the output (above), and so
+      do traced ``rows`` that are not the row index of ``offsets`` (a RowIndex of another
+      batch would give the right values but wrong gradients).
   """
-  max_len = operator.index(max_len)
+  _array_arg("to_padded", "values", values, 1)
+  max_len = _static_size("to_padded", "max_len", max_len)
   host = _check_conversion("to_padded", values, offsets, values.shape[0], "max_len", max_len)
   _check_lengths("to_padded", host, max_len, "max_len")
-  rows = _rows_for(rows, offsets, values.shape[0], "values' T")
-  bad = _traced_invalid(offsets, values.shape[0], max_len)
+  rows, mismatch = _rows_for(rows, offsets, values.shape[0], "values' T")
+  bad = _either(_traced_invalid(offsets, values.shape[0], max_len), mismatch)
   return _to_padded_linear(values, offsets, rows, bad, max_len)
 
 
@@ -262,21 +330,23 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, *,
   ``rows``: the batch's :func:`row_index` of ``capacity`` rows, else computed here.
 
   Raises:
-    TypeError: offsets that are not a 1-D integer array; a non-integer ``capacity``; ``rows``
-      that is not a :class:`RowIndex`.
+    TypeError: padded or offsets that are not arrays; offsets that are not a 1-D integer
+      array; a non-integer ``capacity``; ``rows`` that is not a :class:`RowIndex`.
     ValueError: ``padded`` with fewer than 2 dimensions or another batch than the offsets'
       B; a negative ``capacity``; concrete offsets that break the jagged convention (first 0,
       non-decreasing, last <= capacity) or hold a sample longer than ``L``; ``rows`` not of
-      ``capacity`` int32 rows. Traced offsets are not checked here but poison the output.
+      ``capacity`` int32 rows, or (concrete) not the row index of ``offsets``. Traced offsets
+      (and traced ``rows`` of another batch) are not checked here but poison the output.
   """
-  capacity = operator.index(capacity)
+  _array_arg("from_padded", "padded", padded, 2)
+  capacity = _static_size("from_padded", "capacity", capacity)
   host = _check_conversion("from_padded", padded, offsets, capacity, "capacity", capacity)
   if padded.ndim < 2 or padded.shape[0] != offsets.shape[0] - 1:
     raise ValueError(f"from_padded: padded must have shape (B, L, ...) with B = "
                      f"len(offsets) - 1 = {offsets.shape[0] - 1}, got {tuple(padded.shape)}")
   _check_lengths("from_padded", host, padded.shape[1], "L (padded.shape[1])")
-  rows = _rows_for(rows, offsets, capacity, "capacity")
-  bad = _traced_invalid(offsets, capacity, padded.shape[1])
+  rows, mismatch = _rows_for(rows, offsets, capacity, "capacity")
+  bad = _either(_traced_invalid(offsets, capacity, padded.shape[1]), mismatch)
   return _from_padded_linear(padded, offsets, rows, bad, capacity)
 
 

@@ -138,7 +138,10 @@ def shard_rows(op, mesh=None, axis="data"):
     unhashable). Without the jit, an eager jax.grad/jax.vjp transposed the shard_map eagerly and
     failed inside JAX on a cotangent that is not split like out_specs ("in_specs passed to
     shard_map ... does not match"); under jit XLA reshards it."""
-    key = (the_mesh, tuple(static.items()))
+    # Each setting with its type: True == 1 == 1.0 (same hash), so a call with return_h=1 or
+    # max_seq_len=8.0, which the op refuses, would otherwise reuse a program traced with a valid
+    # value and skip the op's checks.
+    key = (the_mesh, tuple((k, type(v), v) for k, v in static.items()))
     try:
       hash(key)
     except TypeError:
@@ -242,8 +245,9 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
 
   Raises:
     TypeError, ValueError: offsets that break the jagged convention (:mod:`pallas_norm.jagged`);
-      num_shards not a positive divisor of B; T not a multiple of S without a shard_capacity;
-      a shard whose samples hold more rows than shard_capacity.
+      num_shards not a positive divisor of B; a shard_capacity that is not a non-negative int;
+      T not a multiple of S without a shard_capacity; a shard whose samples hold more rows
+      than shard_capacity.
   """
   values = np.asarray(values)
   offsets = np.asarray(offsets)
@@ -251,6 +255,8 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
   if not _is_count(num_shards) or batch % num_shards:
     raise ValueError(f"num_shards must be a positive divisor of the batch B = {batch}, got "
                      f"{num_shards!r}")
+  if shard_capacity is not None:
+    shard_capacity = _row_count("shard_capacity", shard_capacity)
   if shard_capacity is None:
     if values.shape[0] % num_shards:
       raise ValueError(f"values: {values.shape[0]} rows do not split into {num_shards} equal "
@@ -268,6 +274,16 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
     out[s * shard_capacity:s * shard_capacity + rows] = values[block[0]:block[-1]]
     local[s] = block - block[0]
   return out, local.reshape(-1)
+
+
+def _row_count(name: str, value) -> int:
+  """A static number of rows: a non-negative Python or NumPy int (TypeError for a bool, float
+  or string, ValueError for a negative one, naming ``name``)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be a non-negative int (rows), got {value!r}")
+  if value < 0:
+    raise ValueError(f"{name} must be a non-negative int (rows), got {value!r}")
+  return int(value)
 
 
 def _is_count(num_shards) -> bool:
@@ -291,7 +307,8 @@ def join_jagged(values, local_offsets, num_shards: int, capacity: int | None = N
 
   Raises:
     TypeError, ValueError: a block of local offsets that breaks the jagged convention within
-      its C rows; rows that do not split into S blocks; more rows than ``capacity``.
+      its C rows; rows that do not split into S blocks; a capacity that is not a non-negative
+      int; more rows than ``capacity``.
   """
   values = np.asarray(values)
   blocks = np.asarray(local_offsets)
@@ -305,7 +322,7 @@ def join_jagged(values, local_offsets, num_shards: int, capacity: int | None = N
     _validate.offsets(f"local_offsets (shard {s})", block, shard_rows_)
   lengths = np.diff(blocks, axis=1).reshape(-1)
   offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-  capacity = values.shape[0] if capacity is None else capacity
+  capacity = values.shape[0] if capacity is None else _row_count("capacity", capacity)
   if offsets[-1] > capacity:
     raise ValueError(f"capacity: the shards hold {offsets[-1]} rows, more than {capacity}")
   out = np.zeros((capacity,) + values.shape[1:], values.dtype)

@@ -1,0 +1,207 @@
+"""Defects found by a new user's review (session 16): each test failed before its fix.
+
+Tiny shapes, XLA paths only (the whole file costs a few CPU-seconds)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_layers as fl
+import pallas_norm as pn
+from pallas_norm import jagged, sharding
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import train_kunlun  # noqa: E402
+
+OFFSETS = jnp.array([0, 3, 3, 8], jnp.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# jagged conversions: bad sizes and non-array values raised Python/JAX errors naming no argument.
+
+
+@pytest.mark.parametrize("call, error, name", [
+    (lambda v: jagged.to_padded(v, OFFSETS, 5.0), TypeError, "max_len"),
+    (lambda v: jagged.to_padded(v, OFFSETS, "5"), TypeError, "max_len"),
+    (lambda v: jagged.from_padded(v.reshape(3, 5, 2)[:, :5], OFFSETS, 10.0), TypeError,
+     "capacity"),
+    (lambda v: jagged.row_index(OFFSETS, 10.0), TypeError, "capacity"),
+    (lambda v: jagged.to_padded(np.float32(1.0), OFFSETS, 5), ValueError, "values"),
+    (lambda v: jagged.to_padded([[1.0]] * 10, OFFSETS, 5), TypeError, "values"),
+    (lambda v: jagged.from_padded([[1.0]] * 3, OFFSETS, 10), TypeError, "padded"),
+])
+def test_jagged_conversions_name_a_bad_argument(call, error, name):
+  """to_padded(v, off, 5.0) raised "'float' object cannot be interpreted as an integer", a 0-d
+  values IndexError and a list AttributeError (review)."""
+  values = jax.random.normal(jax.random.key(0), (10, 3))
+  with pytest.raises(error, match=f"{name} must"):
+    call(values)
+
+
+# ------------------------------------------------------------------------------------------------
+# sharding helpers
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(shard_capacity=-1), ValueError), (dict(shard_capacity=6.0), TypeError),
+    (dict(shard_capacity=True), TypeError)])
+def test_split_jagged_checks_shard_capacity(kwargs, error):
+  """shard_capacity=-1 raised NumPy's 'negative dimensions are not allowed', 6.0 "'float' object
+  cannot be interpreted as an integer" (review)."""
+  values = np.ones((10, 2), np.float32)
+  with pytest.raises(error, match="shard_capacity must"):
+    sharding.split_jagged(values, np.array([0, 3, 3, 8], np.int32), 1, **kwargs)
+
+
+@pytest.mark.parametrize("capacity, error", [(-1, ValueError), (10.0, TypeError)])
+def test_join_jagged_checks_capacity(capacity, error):
+  values = np.ones((10, 2), np.float32)
+  with pytest.raises(error, match="capacity must"):
+    sharding.join_jagged(values, np.array([0, 3, 3, 8], np.int32), 1, capacity)
+
+
+@pytest.mark.parametrize("first, second", [
+    (dict(return_h=True), dict(return_h=1)),          # True == 1: the cached program ran
+    (dict(return_h=False), dict(return_h=0)),
+    (dict(eps=1), dict(eps=True))])
+def test_shard_rows_validates_settings_that_compare_equal_to_cached_ones(first, second):
+  """shard_rows caches its jitted shard_map per settings, keyed by ==: after a call with
+  return_h=True, return_h=1 (which the op refuses) reused that program and ran (review)."""
+  mesh = jax.make_mesh((1,), ("data",))
+  op = sharding.shard_rows(pn.matmul_norm, mesh)
+  x = jax.random.normal(jax.random.key(0), (4, 8))
+  w = jax.random.normal(jax.random.key(1), (8, 8))
+  op(x, w, **first)
+  with pytest.raises(TypeError):
+    op(x, w, **second)
+
+
+# ------------------------------------------------------------------------------------------------
+# KunlunModel under jit with traced offsets that break the jagged convention
+
+
+def test_kunlun_logits_are_nan_for_invalid_traced_offsets():
+  """Under jax.jit the model cannot raise for bad seq_offsets; its docstring promised NaN. The
+  PFFN op's NaN tokens were masked away by the seed pooling of samples whose length is <= 0,
+  so offsets [3, 3, 3] (first != 0) or [0, 0, -1] gave finite, plausible logits and a finite
+  loss (only the gradients were NaN) (review). One compiled forward for every case."""
+  config = fl.KunlunConfig(num_sparse_features=1, num_dense_features=0, sparse_vocab_size=8,
+                           item_vocab_size=8, embed_dim=4, head_dim=4, kv_len=2, num_layers=1,
+                           max_seq_len=4, num_seeds=1, summary_dim=4, mlp_dim=4,
+                           num_mlp_layers=0)
+  model = fl.KunlunModel(config, rngs=nnx.Rngs(0), implementation="xla")
+  sparse, dense = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 0), jnp.float32)
+  seq_ids = jnp.arange(8, dtype=jnp.int32)
+  forward = nnx.jit(lambda m, o: m(sparse, dense, seq_ids, o))
+  for offsets in ([3, 3, 3], [0, 0, -1], [0, 9, 9], [0, 5, 5]):
+    logits = forward(model, jnp.asarray(offsets, jnp.int32))
+    assert bool(jnp.isnan(logits).all()), (offsets, logits)
+  for offsets in ([0, 0, 4], [0, 4, 8], [0, 0, 0]):
+    logits = forward(model, jnp.asarray(offsets, jnp.int32))
+    assert bool(jnp.isfinite(logits).all()), (offsets, logits)
+
+
+# ------------------------------------------------------------------------------------------------
+# examples/train_kunlun.py
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-seq-len", "1"], "--max-seq-len"),          # was a traceback from ads_data.load
+    (["--lr", "nan"], "--lr"),                          # trained silently to val_logloss=nan
+    (["--lr=-1e-3"], "--lr"),
+    (["--weight-decay", "inf"], "--weight-decay")])
+def test_train_kunlun_rejects_bad_flags_with_exit_2(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    train_kunlun.parse_args(argv)
+  assert exit_info.value.code == 2
+  assert f"{message} must" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# jagged conversions with rows= of another batch
+
+
+def _conversions(values, offsets, rows):
+  """to_padded and from_padded of one batch, with the given RowIndex."""
+  padded = jagged.to_padded(values, offsets, 5, rows=rows)
+  return padded, jagged.from_padded(padded, offsets, values.shape[0], rows=rows)
+
+
+@pytest.mark.parametrize("other", [[0, 5, 5, 8], [0, 2, 3, 8], [0, 3, 3, 9], [0, 3, 8, 8]])
+def test_a_row_index_of_other_offsets_raises_or_poisons(other):
+  """rows= is searched once per batch and reused (KunlunModel); a RowIndex of another batch of
+  the same capacity gave the right forward values (the gathers read the offsets) but gradients
+  from the other batch's rows, silently (review). Concrete: ValueError; traced: NaN values and
+  gradients, as for bad traced offsets. The right RowIndex gives what rows=None gives."""
+  values = jax.random.normal(jax.random.key(0), (10, 3))
+  wrong = jagged.row_index(jnp.asarray(other, jnp.int32), 10)
+  with pytest.raises(ValueError, match="rows is not the jagged.row_index"):
+    _conversions(values, OFFSETS, wrong)
+
+  value, g = _conversions_grad(values, OFFSETS, wrong)
+  assert bool(jnp.isnan(value)) and bool(jnp.isnan(g).all())
+  right = jagged.row_index(OFFSETS, 10)
+  np.testing.assert_allclose(_conversions_grad(values, OFFSETS, right)[1],
+                             jax.grad(_conversions_loss)(values, OFFSETS, None), rtol=1e-6)
+
+
+def _conversions_loss(values, offsets, rows):
+  padded, packed = _conversions(values, offsets, rows)
+  return jnp.sum(padded * jnp.arange(padded.size).reshape(padded.shape)) + jnp.sum(packed ** 2)
+
+
+_conversions_grad = jax.jit(jax.value_and_grad(_conversions_loss))  # one compile for every case
+
+
+# ------------------------------------------------------------------------------------------------
+# Flax parameters passed straight to the ops (the validation accepts them: _validate.is_array)
+
+
+def test_as_arrays_converts_array_likes_only():
+  from pallas_norm import _validate
+  param, array = nnx.Param(jnp.ones(3)), np.ones(2)
+  converted = _validate.as_arrays(param, array, None, 1.5)
+  assert isinstance(converted[0], jax.Array) and converted[1] is array
+  assert converted[2] is None and converted[3] == 1.5
+
+
+_PARAM_KERNEL_FIX = ("kernel path + nnx.Param argument + gradient crashes inside JAX/Pallas; "
+                     "the one-line fix in the op's api (_validate.as_arrays) is proposed in "
+                     "/work/prompts/review6_findings.md (the op folder has another owner)")
+
+
+@pytest.mark.xfail(strict=True, reason=_PARAM_KERNEL_FIX)
+@pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
+def test_kernel_path_gradient_with_an_nnx_param_weight(op):
+  """A Flax module that passes its nnx.Param weight straight to the op (``pn.matmul_norm(x,
+  self.w)``) trains on the XLA path but failed on the kernel path (the default for such shapes
+  on a Hopper GPU): "Error interpreting argument to custom_jvp_call as a JAX value ...
+  CustomVJPPrimal" (matmul_norm), "Input specs and input gmem refs must have the same pytree
+  structure" (norm_matmul, inside the Pallas pipeline) (review)."""
+  x = jax.random.normal(jax.random.key(0), (8, 64), jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(1), (64, 64)) / 8).astype(jnp.bfloat16)
+  fn = getattr(pn, op)
+
+  def loss(w, implementation):
+    return fn(x, nnx.Param(w), implementation=implementation).astype(jnp.float32).sum()
+
+  got = jax.grad(loss)(w, "interpret").astype(jnp.float32)
+  want = jax.grad(loss)(w, "xla").astype(jnp.float32)
+  np.testing.assert_allclose(got, want, atol=0.1, rtol=0.05)
+
+
+def test_kernel_skipped_warning_is_public():
+  """The README tells users about KernelSkippedWarning, which lived only in the private
+  pallas_norm._dispatch: no public name to filter it by (review)."""
+  from pallas_norm import _dispatch
+  assert pn.KernelSkippedWarning is _dispatch.KernelSkippedWarning
+  assert "KernelSkippedWarning" in pn.__all__
