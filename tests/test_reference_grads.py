@@ -119,17 +119,15 @@ def fna_affines(rng, dtype=jnp.float64):
           rand(rng, (H * D,), dtype, loc=1.0, scale=0.3))
 
 
-# The activations this module defines itself (leaky_relu's slope, relu2's square), one per
-# formulation; the others are jax.nn's functions, whose derivatives are JAX's, reached through
-# the same `ACTIVATIONS[activation]` call (their values are checked in test_reference.py). All
-# four (k/v layout, formulation) pairs are covered with the default activation in fwd and rev
-# mode below.
-ACTIVATION_CASES = [("leaky_relu", "dense", None), ("relu2", "jagged", MAX_SEQ_LEN)]
+# Every activation once, cycling through the (k/v layout, formulation) pairs; all four pairs
+# are covered again with the default activation in fwd and rev mode below.
+ACTIVATION_CASES = [(a, ("dense", "jagged")[i % 2], (None, MAX_SEQ_LEN)[i // 2 % 2])
+                    for i, a in enumerate(sorted(reference.ACTIVATIONS))]
 
 
 @pytest.mark.parametrize("activation,kv_layout,max_seq_len", ACTIVATION_CASES)
 def test_gdpa_grads(x64, rng, activation, kv_layout, max_seq_len):
-  """Our activations, through the token-gather (max_seq_len None) or padded formulation."""
+  """Every activation, through the token-gather (max_seq_len None) or padded formulation."""
   case = attention_case(rng, kv_layout)
   f = functools.partial(reference.gdpa, q_offsets=case["q_offsets"],
                         kv_offsets=case["kv_offsets"], activation=activation, pre_scale=0.6,
