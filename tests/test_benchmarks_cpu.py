@@ -22,13 +22,14 @@ from benchmarks import cases, report, run, timing  # pytest's pythonpath has the
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# Every op of --quick in one variant and, but for norm_matmul, one mode: short enough for CI.
-# The attention ops run forward only: flash_norm_attention's fwd+bwd (and its limit, gdpa's)
-# cost ~80% of the whole test in interpret mode, and the fwd+bwd rows' plumbing is the same as
-# norm_matmul's. layer_norm fwd+bwd runs the row-norm kernel (rms_norm has none).
-# test_every_case_runs_at_tiny_shapes runs all of them.
-QUICK_SUBSET = (r"norm_matmul/rms/|matmul_norm/layer\+res/.*fwd\+bwd|gdpa/.*fwd$"
-                r"|flash_norm_attention/.*fwd$|layer_norm/.*fwd\+bwd")
+# The GEMM ops and the row norm of --quick in one variant and, but for norm_matmul, one mode:
+# short enough for CI. layer_norm fwd+bwd runs the row-norm kernel (rms_norm has none). The
+# attention ops' rows run XLA alone (test_attention_cases_check_and_time_their_xla_rows): in
+# interpret mode their kernels cost ~40% of this test (gdpa's ~9 s a call), and the
+# benchmark's kernel plumbing (cases._kernel_impl_fn, the same for every op) runs here; the
+# kernels themselves are tested in tests/test_gdpa_kernel.py and
+# tests/test_flash_norm_attention_kernel.py. test_every_case_runs_at_tiny_shapes runs all.
+QUICK_SUBSET = r"norm_matmul/rms/|matmul_norm/layer\+res/.*fwd\+bwd|layer_norm/.*fwd\+bwd"
 KERNEL_STATUSES = {"ok", "n/a", "wrong"}  # "error" means the suite could not run a kernel
 
 
@@ -96,8 +97,7 @@ def test_quick_interpret_suite_writes_checked_results(tmp_path):
   assert ceilings["copy_GBps"] > 0 and ceilings["gemm_TFLOPs"] > 0
   by_case = _check_rows(results)
   ops = {r["op"] for r in results["rows"]}
-  assert ops == {"gemm", "norm_matmul", "matmul_norm", "gdpa", "flash_norm_attention",
-                 "layer_norm"}
+  assert ops == {"gemm", "norm_matmul", "matmul_norm", "layer_norm"}
   assert {r["mode"] for r in results["rows"]} == {"fwd", "fwd+bwd"}
   assert all("interpret" in impls for name, impls in by_case.items()
              if not name.startswith("gemm"))
@@ -112,6 +112,18 @@ def test_quick_interpret_suite_writes_checked_results(tmp_path):
   assert path.with_suffix(".md").read_text() == md
   assert "| norm_matmul rms | 256x128x128 |" in report.readme_table(results, "fwd")
   assert "| matmul_norm layer+res | 256x128x128 |" in report.readme_table(results, "fwd+bwd")
+
+
+def test_attention_cases_check_and_time_their_xla_rows(tmp_path):
+  """The attention cases' inputs, oracle check and timing, and PFFN's limit (GDPA alone),
+  XLA alone (in process: nothing interpret-mode to hang)."""
+  results = run.main(["--tiny", "--quick", "--only", r"^flash_norm_attention/.*/fwd$", "--impls",
+                      "none", "--no-plot", "--no-e2e", "--results-dir", str(tmp_path),
+                      "--iterations", "1"])
+  by_case = _check_rows(results)
+  assert {r["op"] for r in results["rows"]} == {"gdpa", "flash_norm_attention"}
+  [fna] = [name for name in by_case if name.startswith("flash_norm_attention/")]
+  assert by_case[fna]["xla"]["limit_case"].startswith("gdpa/")
 
 
 def _scaled_norm_matmul(case):
