@@ -121,7 +121,7 @@ def test_fused_ring_depth_matches_default(switches):
   against their definitions); also with the LayerNorm and the inner residual off (the
   attention warpgroup then reads q_h as TMA wrote it). The op's forward-only tests cover the
   kernel without the residuals."""
-  _check_variant_matches_default(dict(kv_stages=2), **switches)
+  _check_variant_matches_default(dict(kv_stages=2, q_stages=2), **switches)
 
 
 def _check_variant_matches_default(variant, **switches):
@@ -133,7 +133,7 @@ def _check_variant_matches_default(variant, **switches):
       q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6,
       save_residuals=True, config=cfg, interpret=True, **switches))
   default = mosaic.pick_config(2, 64, q.dtype, q.dtype, k.shape[1])
-  assert default.kv_stages > 2
+  assert default.kv_stages > 2 and default.q_stages > 2
   got = run(dataclasses.replace(default, **variant))
   want = run(default)
   assert not mgpu.races_found()
