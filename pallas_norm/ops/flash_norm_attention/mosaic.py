@@ -333,10 +333,12 @@ class _QStream:
   first the item's statistics pass over block 0 (H tiles, with the LayerNorm only) and its
   first ``u_slots`` u tiles; then per q block b, ``per_block`` uses from :meth:`base`:
 
-  * ``STATS``: the H tiles of block b + 1 for its statistics (with the LayerNorm only),
-  * ``U``: per head h, the q tile of the u written once z_h of block b is back
-    (:meth:`_Plan.next_u`: block b or b + 1),
-  * ``EPILOGUE``: the H tiles of block b for the outer residual.
+  * per head h < H − u_slots, the q tile of the u written once z_h of block b is back
+    (:meth:`_Plan.next_u`: u_{h + u_slots} of block b),
+  * the H tiles of block b + 1 for its statistics (with the LayerNorm only): late, so that
+    the u tiles of block b are not queued behind them, early enough for
+  * per head h >= H − u_slots, the q tile of the next u: of block b + 1,
+  * the H tiles of block b for the outer residual of the epilogue.
 
   In the item's last block the uses of block b + 1 load block b again and are read by nobody
   (released at once), so that every block has the same uses."""
@@ -358,8 +360,13 @@ class _QStream:
   def base(self, block):
     return self.prologue + block * self.per_block
 
-  def u_use(self, block, head):
-    return self.base(block) + self.stats_uses + head
+  def stats_use(self, block):
+    """The first of the statistics pass's uses."""
+    return self.base(block) + self.plan.num_heads - self.plan.u_slots
+
+  def u_use(self, block, head, ahead: int):
+    """The use of the u tile written once z_h is back (``ahead``: that u is of block b + 1)."""
+    return self.base(block) + head + (self.stats_uses if ahead else 0)
 
   def epilogue_use(self, block, head):
     return self.base(block) + self.stats_uses + self.plan.num_heads + head
@@ -463,11 +470,12 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
     @pl.loop(0, item.q_blocks)
     def _block(block):
       following = jnp.minimum(block + 1, last)  # the last block loads itself again
-      for head in range(stream.stats_uses):
-        load_q(stream.base(block) + head, following, head)
       for head in range(heads):
         ahead, u_head = plan.next_u(head)
-        load_q(stream.u_use(block, head), jnp.minimum(block + ahead, last), u_head)
+        if head == heads - plan.u_slots:  # before the first u of block b + 1
+          for j in range(stream.stats_uses):
+            load_q(stream.stats_use(block) + j, following, j)
+        load_q(stream.u_use(block, head, ahead), jnp.minimum(block + ahead, last), u_head)
         if head + 1 < heads:
           load_kv(block, head + 1)
         else:
@@ -535,6 +543,25 @@ class _Stores:
     if ref is not None:
       store.store_rows(tile.astype(ref.dtype), self.saved_tile,
                        lambda r, c: ref.at[r, head, c], *rows)
+
+  def saved_from_smem(self, ref, tile, smem_tile, rows, head):
+    """As :meth:`saved`, but a block whose 64 rows are all the sample's is one TMA store
+    straight from ``smem_tile`` (its z tile or u slot, holding ``tile`` in q's dtype), with no
+    register pass through the shared store tile. The caller waits for its SMEM read
+    (``wait_smem_to_gmem``) before that SMEM is written again."""
+    if ref is None:
+      return
+    row0, lo, count = rows
+    full = jnp.logical_and(lo == 0, count == BLOCK_Q)
+
+    @pl.when(full)
+    def _():
+      block_rows = pl.ds(pl.multiple_of(row0, gdpa_mosaic.ALIGN), BLOCK_Q)
+      plgpu.copy_smem_to_gmem(smem_tile, ref.at[block_rows, head])
+
+    @pl.when(jnp.logical_not(full))
+    def _():
+      self.saved(ref, tile, rows, head)
 
   def stats(self, columns: dict, rows, scale=None):
     """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are
@@ -621,22 +648,28 @@ def _u_slot(plan: _Plan, block, head):
 
 
 def _publish_u(plan: _Plan, item: _Item, stream: _QStream, stores: _Stores, use, block, head,
-               stats, smem) -> None:
+               stats, smem, then=lambda: None) -> None:
   """u_h of ``block`` from the q tile of ring use ``use`` into its u slot, handed to the
-  attention warpgroup (``u_ready``); then saved (with the LayerNorm) for the backward."""
+  attention warpgroup (``u_ready``); then ``then()`` (the caller's stores) and u saved (with
+  the LayerNorm) for the backward: stores wait for the previous stores' SMEM reads, so none
+  runs before the attention has its u."""
   u = _pre_norm(plan, stream.read(use, smem), stats, smem["vec_smem"], head)
   u = u.astype(smem["u_smem"].dtype)
-  smem["u_smem"].at[_u_slot(plan, block, head)][...] = u
-  plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
+  u_tile = smem["u_smem"].at[_u_slot(plan, block, head)]
+  if plan.save_residuals and plan.pre_layer_norm:  # a TMA store of the slot's last u done
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  u_tile[...] = u
+  plgpu.commit_smem()  # generic-proxy writes, before WGMMA or TMA (async proxy) read them
   plgpu.barrier_arrive(smem["u_ready"].at[head])
+  then()
   if plan.pre_layer_norm:  # off the attention's path: it has this u already
-    stores.saved(stores.u_ref, u, item.rows(block), head)
+    stores.saved_from_smem(stores.u_ref, u, u_tile, item.rows(block), head)
 
 
 def _norm_item(plan: _Plan, item: _Item, stores: _Stores, smem) -> None:
-  """The norm warpgroup's item: block 0's statistics and first u tiles, then per q block the
-  next block's statistics, per head Σz² and the next u tile, r2, the epilogue, the
-  statistics' store (:class:`_QStream` is the order of the q tiles it reads)."""
+  """The norm warpgroup's item: block 0's statistics and first u tiles, then per q block: per
+  head Σz² and the next u tile, with the next block's statistics before its first u; r2, the
+  epilogue, the statistics' store (:class:`_QStream` is the order of the q tiles it reads)."""
   stream = _QStream(plan)
   heads, scale = plan.num_heads, 1.0 / (plan.num_heads * plan.head_dim)
   z_smem, vec_smem = smem["z_smem"], smem["vec_smem"]
@@ -647,50 +680,54 @@ def _norm_item(plan: _Plan, item: _Item, stores: _Stores, smem) -> None:
 
   def block_body(block, stats):
     rows = item.rows(block)
-    stats_next = (_layer_norm_stats(plan, stream, stream.base(block), smem)
-                  if plan.pre_layer_norm else None)  # of block b + 1 (b itself in the last)
 
-    def head_body(head, partial, ahead: int):
-      """z_h back: its Σz² term and its save, then the u tile its u slot takes next (of
-      block b + ``ahead``, ``u_slots`` heads further on)."""
+    def head_body(head, partial, ahead: int, u_stats):
+      """z_h back: the u tile its u slot takes next (of block b + ``ahead``, ``u_slots``
+      heads further on), then z_h's save; its Σz² term."""
       plgpu.barrier_wait(smem["z_ready"].at[head])
       z = _load_f32(z_smem.at[head])
-      stores.saved(stores.z_ref, z, rows, head)
-      use = stream.u_use(block, head)
+      use = stream.u_use(block, head, ahead)
       u_head = head + plan.u_slots - ahead * heads
+      save_z = lambda: stores.saved_from_smem(  # noqa: E731
+          stores.z_ref, z, z_smem.at[head], rows, head)
       if not ahead:
-        _publish_u(plan, item, stream, stores, use, block, u_head, stats, smem)
+        _publish_u(plan, item, stream, stores, use, block, u_head, u_stats, smem, save_z)
       else:
         @pl.when(block < last)
         def _():
-          _publish_u(plan, item, stream, stores, use, block + 1, u_head, stats_next, smem)
+          _publish_u(plan, item, stream, stores, use, block + 1, u_head, u_stats, smem, save_z)
 
         @pl.when(block == last)
         def _():  # the stream's use of a block past the item: nobody reads it
           stream.take(use, smem)
           stream.release(use, smem)
+          save_z()
 
       return partial + mgpu.lane_partial_sum(z * z)
 
-    # Heads whose next u is of this block, then those whose next u is of the next block.
-    partial = mgpu.lane_partial_zeros(BLOCK_Q)
-    for ahead, (lo, hi) in enumerate(((0, heads - plan.u_slots), (heads - plan.u_slots, heads))):
-      partial = lax.fori_loop(lo, hi, functools.partial(head_body, ahead=ahead), partial)
+    # Heads whose next u is of this block; the next block's statistics (of block b itself in
+    # the last block: unused); the heads whose next u is of the next block.
+    split = heads - plan.u_slots
+    partial = lax.fori_loop(0, split, functools.partial(head_body, ahead=0, u_stats=stats),
+                            mgpu.lane_partial_zeros(BLOCK_Q))
+    stats_next = (_layer_norm_stats(plan, stream, stream.stats_use(block), smem)
+                  if plan.pre_layer_norm else None)
+    partial = lax.fori_loop(split, heads,
+                            functools.partial(head_body, ahead=1, u_stats=stats_next), partial)
     rms_rstd = lax.rsqrt(jnp.sum(partial, axis=1) * scale + plan.eps)
 
     @pl.loop(0, heads)
     def _epilogue(head):
       q = stream.read(stream.epilogue_use(block, head), smem)
       z = _load_f32(z_smem.at[head])
+      out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
+      if plan.outer_residual:
+        out = out + q
+      stores.out(out, rows, head)  # first waits for the earlier stores' reads: z_h's TMA too
 
       @pl.when(block < last)
       def _():  # z_h is read: the attention may write the next block's over it
         plgpu.barrier_arrive(smem["z_free"].at[head])
-
-      out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
-      if plan.outer_residual:
-        out = out + q
-      stores.out(out, rows, head)
 
     stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
     return stats_next
