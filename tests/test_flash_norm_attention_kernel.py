@@ -115,14 +115,13 @@ def test_fused_switches_match_reference(switches):
 
 @pytest.mark.parametrize("switches", [dict(), dict(pre_layer_norm=False, inner_residual=False)])
 def test_fused_ring_depth_matches_default(switches):
-  """2-slot K/V and q rings (the H = 4 kernel's) against the default 4- and 3-slot ones at
-  this shape, bit for bit (same arithmetic; the rings wrap at other uses and the producer
-  waits for releases), over three key blocks per head (more key blocks than K/V slots: the
-  producer's order of q and K/V loads must not deadlock), with the backward's residuals z and
-  u (checked against their definitions); also with the LayerNorm and the inner residual off
-  (u = q copied through the u ring, no statistics uses in the q stream). The op's
-  forward-only tests cover the kernel without the residuals."""
-  _check_variant_matches_default(dict(kv_stages=2, q_stages=2), **switches)
+  """A 2-slot K/V ring (the H = 4 kernel's) against the default 4-slot one at this shape, bit
+  for bit (same arithmetic; the ring wraps at other key blocks and the producer waits for
+  releases), over three key blocks per head, with the backward's residuals z and u (checked
+  against their definitions); also with the LayerNorm and the inner residual off (the
+  attention warpgroup then reads q_h as TMA wrote it). The op's forward-only tests cover the
+  kernel without the residuals."""
+  _check_variant_matches_default(dict(kv_stages=2), **switches)
 
 
 def _check_variant_matches_default(variant, **switches):
@@ -134,7 +133,7 @@ def _check_variant_matches_default(variant, **switches):
       q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6,
       save_residuals=True, config=cfg, interpret=True, **switches))
   default = mosaic.pick_config(2, 64, q.dtype, q.dtype, k.shape[1])
-  assert default.kv_stages > 2 and default.q_stages > 2
+  assert default.kv_stages > 2
   got = run(dataclasses.replace(default, **variant))
   want = run(default)
   assert not mgpu.races_found()

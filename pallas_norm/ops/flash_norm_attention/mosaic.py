@@ -10,37 +10,40 @@ Design: one CTA owns every head of a q block, so both norms reduce inside the CT
 exchange). Work items are the GDPA kernel's (:func:`pallas_norm.ops.gdpa.mosaic.work_items`: one
 per sample, longest first, then chunks of padding rows); a CTA walks its sample's q blocks of
 ``BLOCK_Q`` rows. Three warpgroups, as the reference megakernel splits MMA warps from norm
-warps, and SMEM laid out so that the attention warpgroup never waits for a block boundary:
+warps:
 
-* the producer (:data:`PRODUCER_WG`, TMA): each head's K_h/V_h in ``block_kv``-row blocks
-  through a ring of ``kv_stages`` slots, and q tiles (one head of one q block) through a ring
-  of ``q_stages`` slots, in the order the norm warpgroup reads them (:func:`_q_stream`): q is
-  streamed, never held for a whole block (each tile is read three times per block, from L2 but
-  the first).
-* the norm warpgroup (:data:`NORM_WG`): per q block b, while the attention runs: the LayerNorm
-  statistics (μ1, r1) of block b + 1 (per-head mean and centred sum of squares merged across
-  heads, Chan's formula: exact for rows with a large mean); per head, once z_h of block b is
-  back (``z_ready``), its Σz² term, and the next u tile (u_h = LN(q_h) into a ring of
-  :data:`U_SLOTS` tiles, ``u_ready``: of block b, or of block b + 1 for the last heads); then
-  r2 and out_h = z_h·r2·γ2 + q_h per head, each stored with the row-exact TMA store
-  (:func:`pallas_norm.mgpu.store.store_rows`), each z tile handed back (``z_free``), and the
-  statistics (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
+* the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
+  and the residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
+  ``kv_stages`` slots. The first ring slots of the next block load while the consumers finish
+  the current one; the next block's q tiles of a head load as soon as the epilogue has read
+  them (one ``q_free`` barrier per head).
+* the norm warpgroup (:data:`NORM_WG`): the LayerNorm statistics (μ1, r1) of the block by two
+  passes over the H tiles in SMEM (mean, then the centred second moment: exact for rows with a
+  large mean), then every u_h = LN(q_h) written over the working copy of q_h (the attention
+  reads u from SMEM; it goes to GMEM only as a residual for the backward), each handed to the
+  attention warpgroup (``u_ready``); per head, once attn_h is back
+  (``attn_ready``), Σz² across heads with z_h = u_h + attn_h (u_h recomputed in f32 from the
+  residual copy of q_h). After the last head: r2, then per head
+  out_h = (u_h + attn_h)·r2·γ2 + q_h, stored with the row-exact TMA store
+  (:func:`pallas_norm.mgpu.store.store_rows`), the head's q tiles released, and the statistics
+  (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
 * the attention warpgroup (:data:`ATTENTION_WG`): per head, S = u_h K_hᵀ, act in registers,
   P through SMEM, O = P V_h per key block (each step's WGMMAs run to completion), then
-  z_h = u_h + post·O rounded once to q's dtype into the head's z tile (one per head: the
-  RMSNorm needs every head's z before any output).
+  attn_h = post·O rounded to q's dtype, written over u_h.
 
-The loops over the heads are dynamic (``lax.fori_loop``/``pl.loop``): unrolled statically, the
-H = 4 kernel ran about 4× slower on the H200. The single-consumer schedule, an overlapped
-WGMMA order (next scores issued before the P·V) and a kernel holding the q block twice in SMEM
-(whose attention warpgroup waited at every block boundary for the epilogue, the next q block's
-load and its statistics) were measured slower (benchmarks/EXPERIMENTS.md).
+The loops over the heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as
+the carry): unrolled statically, the H = 4 kernel ran about 4× slower on the H200. The
+single-consumer schedule, an overlapped WGMMA order (next scores issued before the P·V) and q
+streamed through a ring instead of held twice (the next block's statistics and first u tiles
+made during the current block's attention: faster forward-only, slower in training) were
+measured slower than this one (benchmarks/EXPERIMENTS.md).
 
-z = u + attn is rounded once to q's dtype (u as the attention read it, in q's dtype), so the
-RMSNorm and its backward see the same z; the statistics and the residual sums are float32.
-With ``save_residuals`` the kernel also writes, in q's dtype, z (the RMSNorm backward's input:
+attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
+then the norms in XLA) does; the statistics and the residual sums are float32. With
+``save_residuals`` the kernel also writes, in q's dtype, z (the RMSNorm backward's input:
 recomputing attn would cost a second attention pass) and u (the GDPA backward's q; with the
-LayerNorm only), both from registers the norm warpgroup holds anyway.
+LayerNorm only), both from registers the norm warpgroup holds anyway: u_h while the attention
+warpgroup runs head 0, z_h after its Σz² term.
 
 Dense K/V only (Lkv a multiple of 64); rows of a q block outside its sample are computed (their
 statistics are per row) but never stored. WGMMA reads P from SMEM, as the GDPA kernel does
@@ -71,9 +74,7 @@ STATS_COLS = 32
 """Columns of the statistics output (T, 32): μ1, r1, r2, then zeros. A row of 128 bytes: the
 row-exact store starts TMA stores at any row of the SMEM tile, and TMA needs SMEM addresses
 aligned to 128 bytes (32-byte rows gave CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
-U_SLOTS = 2
-"""Tiles of the u ring (fewer when H is smaller): u of the next head is written while the
-attention reads the current one."""
+
 
 NORM_WG, ATTENTION_WG, PRODUCER_WG = 0, 1, 2
 """The warpgroups of the kernel (see the module docstring)."""
@@ -82,44 +83,40 @@ NORM_WG, ATTENTION_WG, PRODUCER_WG = 0, 1, 2
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling: ``block_kv`` keys per WGMMA step (64; P is BLOCK_Q × block_kv), ``kv_stages``
-  slots of the K/V ring (>= 2), ``q_stages`` slots of the q ring (>= 2)."""
+  slots of the K/V ring (>= 2)."""
 
   block_kv: int = 64
   kv_stages: int = 2
-  q_stages: int = 2
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
     if self.kv_stages < 2:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
-    if self.q_stages < 2:
-      raise ValueError(f"q_stages must be >= 2, got {self.q_stages}")
 
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
-  """SMEM of one CTA: a z tile per head, the u ring, the q ring, the K/V ring, P, one store
-  tile (out, z, u and the statistics take turns in it: a RefUnion) and γ1/β1/γ2. Every
-  allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
+  """SMEM of one CTA: q twice (working and residual copies of the H tiles), the K/V ring, P,
+  one store tile (out, z, u and the statistics take turns in it: a RefUnion) and γ1/β1/γ2.
+  Every allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
   item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
-  tiles = (num_heads + min(U_SLOTS, num_heads) + cfg.q_stages) * BLOCK_Q * head_dim * item
+  q = 2 * num_heads * BLOCK_Q * head_dim * item
   kv = 2 * cfg.kv_stages * cfg.block_kv * head_dim * item
   p = BLOCK_Q * cfg.block_kv * item
   # z's and u's tile is the union's, never larger than out's or the statistics'
   tile = max(BLOCK_Q * head_dim * max(out_item, item), BLOCK_Q * STATS_COLS * 4)
   vecs = -(-3 * num_heads * head_dim * 4 // 1024) * 1024
   reduction = 2048  # Pallas's cross-warp reduction scratch (the row sums)
-  return tiles + kv + p + tile + vecs + reduction + 1024  # + the barriers
+  return q + kv + p + tile + vecs + reduction + 1024  # + the barriers
 
 
 def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int) -> Config | None:
-  """The deepest K/V ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block),
-  then the deepest q ring (3 or 2 slots), that fit in SMEM; None when none does."""
+  """The deepest K/V ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block)
+  that fits in SMEM; None when none does."""
   blocks = num_heads * kv_len // 64
   for stages in (4, 3, 2):
-    for q_stages in (3, 2):
-      cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)), q_stages=q_stages)
-      if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
-        return cfg
+    cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)))
+    if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
+      return cfg
   return None
 
 
@@ -140,8 +137,8 @@ def unsupported_reason(q, k, kv_offsets, out_dtype) -> str | None:
   if t % gdpa_mosaic.ALIGN:
     return f"the token capacity T = {t} must be a multiple of {gdpa_mosaic.ALIGN}"
   if pick_config(heads, head_dim, dtype, out_dtype, k.shape[1]) is None:
-    return (f"H·D = {heads}·{head_dim}: a z tile per head, the u and q rings and the K/V ring "
-            "do not fit in SMEM")
+    return (f"H·D = {heads}·{head_dim}: the q block of all heads (twice) and the K/V ring do "
+            "not fit in SMEM")
   return None
 
 
@@ -154,7 +151,6 @@ class _Plan:
   kv_steps: int
   block_kv: int
   kv_stages: int
-  q_stages: int
   act: Callable
   eps: float
   pre_layer_norm: bool
@@ -167,15 +163,7 @@ class _Plan:
     """K/V ring slots one q block consumes: every head's key blocks."""
     return self.num_heads * self.kv_steps
 
-  @property
-  def u_slots(self) -> int:
-    return min(U_SLOTS, self.num_heads)
 
-  def next_u(self, head):
-    """The u tile written once ``head``'s z is back (its u slot is free): (blocks ahead 0 or
-    1, head), ``u_slots`` heads further on."""
-    ahead = head + self.u_slots
-    return ahead // self.num_heads, ahead % self.num_heads
 def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, *,
                              activation: str, eps: float, pre_layer_norm: bool = True,
                              inner_residual: bool = True, outer_residual: bool = True,
@@ -212,7 +200,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   if kv_len % cfg.block_kv:
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
-               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, q_stages=cfg.q_stages,
+               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_residuals=save_residuals)
@@ -276,23 +264,21 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
     store_tiles.append(store.row_store_smem(BLOCK_Q, d, dtype))
   return dict(
       store_tiles=plgpu.RefUnion(*store_tiles),
-      z_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
-      u_smem=plgpu.SMEM((plan.u_slots, BLOCK_Q, d), dtype, transforms=tile),
-      q_smem=plgpu.SMEM((plan.q_stages, BLOCK_Q, d), dtype, transforms=tile),
+      x_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
+      res_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
       k_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
       v_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
       p_smem=plgpu.SMEM((BLOCK_Q, plan.block_kv), dtype,
                         transforms=mgpu.swizzle_transforms(plan.block_kv, dtype)),
       vec_smem=plgpu.SMEM((3, heads, d), _F32),
       vec_ready=plgpu.Barrier(),
-      q_ready=plgpu.Barrier(num_barriers=plan.q_stages),
-      q_free=plgpu.Barrier(num_barriers=plan.q_stages),
+      q_ready=plgpu.Barrier(num_barriers=2 * heads),
+      q_free=plgpu.Barrier(num_barriers=heads),
       k_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       v_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       kv_free=plgpu.Barrier(num_barriers=plan.kv_stages),
       u_ready=plgpu.Barrier(num_barriers=heads),
-      z_ready=plgpu.Barrier(num_barriers=heads),
-      z_free=plgpu.Barrier(num_barriers=heads),
+      attn_ready=plgpu.Barrier(num_barriers=heads),
   )
 
 
@@ -316,97 +302,11 @@ class _Item:
                q_blocks=col(gdpa_mosaic.Q_BLOCKS), sample=col(gdpa_mosaic.KV_WIN),
                padding=col(PADDING) != 0)
 
-  @property
-  def has_blocks(self):
-    return jnp.logical_and(jnp.logical_not(self.padding), self.q_blocks > 0)
-
   def rows(self, block):
     """(first GMEM row of q block ``block``, the sample's rows in it as [lo, lo + count))."""
     lo = jnp.maximum(self.q_lo - block * BLOCK_Q, 0)
     hi = jnp.minimum(self.q_hi - block * BLOCK_Q, BLOCK_Q)
     return self.q_win + block * BLOCK_Q, lo, hi - lo
-
-
-@dataclasses.dataclass(frozen=True)
-class _QStream:
-  """The order of the q ring's uses, which the producer loads and the norm warpgroup reads:
-  first the item's statistics pass over block 0 (H tiles, with the LayerNorm only) and its
-  first ``u_slots`` u tiles; then per q block b, ``per_block`` uses from :meth:`base`:
-
-  * per head h < H − u_slots, the q tile of the u written once z_h of block b is back
-    (:meth:`_Plan.next_u`: u_{h + u_slots} of block b),
-  * the H tiles of block b + 1 for its statistics (with the LayerNorm only): late, so that
-    the u tiles of block b are not queued behind them, early enough for
-  * per head h >= H − u_slots, the q tile of the next u: of block b + 1,
-  * the H tiles of block b for the outer residual of the epilogue.
-
-  In the item's last block the uses of block b + 1 load block b again and are read by nobody
-  (released at once), so that every block has the same uses."""
-
-  plan: _Plan
-
-  @property
-  def stats_uses(self) -> int:
-    return self.plan.num_heads if self.plan.pre_layer_norm else 0
-
-  @property
-  def prologue(self) -> int:
-    return self.stats_uses + self.plan.u_slots
-
-  @property
-  def per_block(self) -> int:
-    return self.stats_uses + 2 * self.plan.num_heads
-
-  def base(self, block):
-    return self.prologue + block * self.per_block
-
-  def stats_use(self, block):
-    """The first of the statistics pass's uses."""
-    return self.base(block) + self.plan.num_heads - self.plan.u_slots
-
-  def u_use(self, block, head, ahead: int):
-    """The use of the u tile written once z_h is back (``ahead``: that u is of block b + 1)."""
-    return self.base(block) + head + (self.stats_uses if ahead else 0)
-
-  def epilogue_use(self, block, head):
-    return self.base(block) + self.stats_uses + self.plan.num_heads + head
-
-  def total(self, blocks):
-    return self.base(blocks)
-
-  def slot(self, use):
-    return lax.rem(use, self.plan.q_stages)
-
-  def load(self, use, q_ref, item: _Item, block, head, smem) -> None:
-    """Producer: q tile (``block``, ``head``) into the slot of ``use``, once its previous
-    use was released."""
-    slot = self.slot(use)
-
-    @pl.when(use >= self.plan.q_stages)
-    def _():
-      plgpu.barrier_wait(smem["q_free"].at[slot])
-
-    rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem["q_smem"].at[slot],
-                            smem["q_ready"].at[slot])
-
-  def take(self, use, smem):
-    """Norm warpgroup: waits for the tile of ``use``; returns its SMEM ref."""
-    slot = self.slot(use)
-    plgpu.barrier_wait(smem["q_ready"].at[slot])
-    return smem["q_smem"].at[slot]
-
-  def read(self, use, smem):
-    """Norm warpgroup: the tile of ``use`` in float32 registers; its slot released."""
-    x = _load_f32(self.take(use, smem))
-    self.release(use, smem)
-    return x
-
-  def release(self, use, smem) -> None:
-    """The slot was read by the generic proxy: a proxy fence before the producer's TMA (async
-    proxy) may overwrite it, as the PTX memory model asks."""
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(smem["q_free"].at[self.slot(use)])
 
 
 def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, stats_ref,
@@ -431,66 +331,52 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
 
 
 def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) -> None:
-  """TMA warpgroup: γ1/β1/γ2 once; then the q tiles in :class:`_QStream`'s order with each
-  head's K/V blocks between them: head h + 1's after the q tile of the u that head h's z
-  frees, so that no load waits for a release that needs a load queued behind it (a K/V load
-  may wait for the attention to have read the slot: the u tile that head needs was queued
-  before it)."""
+  """TMA warpgroup: γ1/β1/γ2 once; per q block, the first K/V ring slots, then (once the
+  epilogue released that head's tiles of the previous block) the H q tiles twice, then the
+  remaining K/V blocks."""
   plgpu.copy_gmem_to_smem(affine_ref, smem["vec_smem"], smem["vec_ready"])
-  heads, per_block, stages = plan.num_heads, plan.uses_per_block, plan.kv_stages
-  stream = _QStream(plan)
-  last = item.q_blocks - 1
+  per_block, stages = plan.uses_per_block, plan.kv_stages
+  prefetch = min(stages, per_block)
 
-  def load_kv(block, head):  # ring use number block·per_block + head·kv_steps + step
-    for step in range(plan.kv_steps):
-      ring_use = block * per_block + head * plan.kv_steps + step
-      slot = lax.rem(ring_use, stages)
+  def load_kv(block, use):  # ring use number block·per_block + use: head, key block static
+    head, step = divmod(use, plan.kv_steps)
+    ring_use = block * per_block + use
+    slot = lax.rem(ring_use, stages)
 
-      @pl.when(ring_use >= stages)
-      def _():
-        plgpu.barrier_wait(smem["kv_free"].at[slot])
+    @pl.when(ring_use >= stages)
+    def _():
+      plgpu.barrier_wait(smem["kv_free"].at[slot])
 
-      keys = pl.ds(step * plan.block_kv, plan.block_kv)
-      plgpu.copy_gmem_to_smem(k_ref.at[item.sample, keys, head], smem["k_smem"].at[slot],
-                              smem["k_ready"].at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[item.sample, keys, head], smem["v_smem"].at[slot],
-                              smem["v_ready"].at[slot])
+    keys = pl.ds(step * plan.block_kv, plan.block_kv)
+    plgpu.copy_gmem_to_smem(k_ref.at[item.sample, keys, head], smem["k_smem"].at[slot],
+                            smem["k_ready"].at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[item.sample, keys, head], smem["v_smem"].at[slot],
+                            smem["v_ready"].at[slot])
 
-  def load_q(use, block, head):
-    stream.load(use, q_ref, item, block, head, smem)
-
-  @pl.when(item.has_blocks)
+  @pl.when(jnp.logical_not(item.padding))
   def _():
-    for head in range(stream.stats_uses):
-      load_q(head, 0, head)
-    for head in range(plan.u_slots):
-      load_q(stream.stats_uses + head, 0, head)
-    load_kv(0, 0)  # after the q tiles u_0 needs: its later key blocks wait for the attention
-
     @pl.loop(0, item.q_blocks)
     def _block(block):
-      following = jnp.minimum(block + 1, last)  # the last block loads itself again
-      for head in range(heads):
-        ahead, u_head = plan.next_u(head)
-        if head == heads - plan.u_slots:  # before the first u of block b + 1
-          for j in range(stream.stats_uses):
-            load_q(stream.stats_use(block) + j, following, j)
-        load_q(stream.u_use(block, head, ahead), jnp.minimum(block + ahead, last), u_head)
-        if head + 1 < heads:
-          load_kv(block, head + 1)
-        else:
-          @pl.when(block < last)
-          def _():
-            load_kv(block + 1, 0)
-      for head in range(heads):
-        load_q(stream.epilogue_use(block, head), block, head)
+      for use in range(prefetch):
+        load_kv(block, use)
+
+      rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
+      for head in range(plan.num_heads):
+        @pl.when(block > 0)
+        def _(head=head):  # the epilogue has read both copies of these tiles
+          plgpu.barrier_wait(smem["q_free"].at[head])
+
+        for copy, name in enumerate(("x_smem", "res_smem")):
+          plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[head],
+                                  smem["q_ready"].at[2 * head + copy])
+      for use in range(prefetch, per_block):
+        load_kv(block, use)
 
     # Observe the releases no load waited for, so every barrier phase is consumed.
-    q_uses = stream.total(item.q_blocks)
-
-    @pl.loop(jnp.maximum(q_uses - plan.q_stages, 0), q_uses)
-    def _(use):
-      plgpu.barrier_wait(smem["q_free"].at[stream.slot(use)])
+    @pl.when(item.q_blocks > 0)
+    def _():
+      for head in range(plan.num_heads):
+        plgpu.barrier_wait(smem["q_free"].at[head])
 
     uses = item.q_blocks * per_block
 
@@ -514,9 +400,11 @@ def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, saved_ref
     def _block(block):
       stores.zeros(plan, item.rows(block), scales_ref[1])
 
-  @pl.when(item.has_blocks)
+  @pl.when(jnp.logical_not(item.padding))
   def _():
-    _norm_item(plan, item, stores, smem)
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      _block_forward(plan, item, block, stores, smem)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
@@ -543,25 +431,6 @@ class _Stores:
     if ref is not None:
       store.store_rows(tile.astype(ref.dtype), self.saved_tile,
                        lambda r, c: ref.at[r, head, c], *rows)
-
-  def saved_from_smem(self, ref, tile, smem_tile, rows, head):
-    """As :meth:`saved`, but a block whose 64 rows are all the sample's is one TMA store
-    straight from ``smem_tile`` (its z tile or u slot, holding ``tile`` in q's dtype), with no
-    register pass through the shared store tile. The caller waits for its SMEM read
-    (``wait_smem_to_gmem``) before that SMEM is written again."""
-    if ref is None:
-      return
-    row0, lo, count = rows
-    full = jnp.logical_and(lo == 0, count == BLOCK_Q)
-
-    @pl.when(full)
-    def _():
-      block_rows = pl.ds(pl.multiple_of(row0, gdpa_mosaic.ALIGN), BLOCK_Q)
-      plgpu.copy_smem_to_gmem(smem_tile, ref.at[block_rows, head])
-
-    @pl.when(jnp.logical_not(full))
-    def _():
-      self.saved(ref, tile, rows, head)
 
   def stats(self, columns: dict, rows, scale=None):
     """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are
@@ -593,7 +462,7 @@ def _rowvec(v, shape):
   return lax.broadcast_in_dim(v, shape, [0])
 
 
-def _colvec(vec_smem, which: int, head, shape):
+def _colvec(vec_smem, which: int, head: int, shape):
   """γ1 (0), β1 (1) or γ2 (2) of ``head``, broadcast over the rows of ``shape``."""
   v = plgpu.load(vec_smem.at[which, head], layout=plgpu.Layout.WGMMA.reduce(0))
   return lax.broadcast_in_dim(v, shape, [1])
@@ -603,34 +472,28 @@ def _load_f32(tile):
   return plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(_F32)
 
 
-def _row_sum(x):
-  """Row sums of a (BLOCK_Q, D) f32 tile: per-thread partial sums, then across lanes once."""
-  return jnp.sum(mgpu.lane_partial_sum(x), axis=1)
+def _sum_over_heads(plan: _Plan, tile_fn):
+  """Row sums over the H heads of ``tile_fn(head)`` (BLOCK_Q, D) f32: per-thread partial sums
+  in a dynamic loop over the heads (one copy of the code whatever H, nothing hoisted across
+  heads), reduced across lanes once."""
+  def add(head, partial):
+    return partial + mgpu.lane_partial_sum(tile_fn(head))
+  partial = lax.fori_loop(0, plan.num_heads, add, mgpu.lane_partial_zeros(BLOCK_Q))
+  return jnp.sum(partial, axis=1)
 
 
-def _layer_norm_stats(plan: _Plan, stream: _QStream, first_use, smem):
-  """(μ1, r1) row vectors of a q block from its H tiles (ring uses ``first_use + h``): per
-  head the mean and the centred sum of squares M2 of the tile, merged across heads with Chan's
-  formula (equal counts D): exact for rows with a large mean, one read of each tile."""
-  d = plan.head_dim
+def _layer_norm_stats(plan: _Plan, x_smem):
+  """(μ1, r1) row vectors over the H tiles of the q block: the mean, then the centred second
+  moment (two passes over SMEM, no cancellation for rows with a large mean)."""
+  scale = 1.0 / (plan.num_heads * plan.head_dim)
+  mean = _sum_over_heads(plan, lambda h: _load_f32(x_smem.at[h])) * scale
 
-  def head_moments(use):
-    x = stream.read(use, smem)
-    mean = _row_sum(x) * (1.0 / d)
-    centred = x - _rowvec(mean, x.shape)
-    return mean, _row_sum(centred * centred)
+  def centred_square(h):
+    x = _load_f32(x_smem.at[h]) - _rowvec(mean, (BLOCK_Q, plan.head_dim))
+    return x * x
 
-  def merge(head, carry):  # the first `head` heads (count head·D) with this one (count D)
-    mean, m2 = carry
-    mean_h, m2_h = head_moments(first_use + head)
-    before = head.astype(_F32)
-    delta = mean_h - mean
-    mean = mean + delta * (1.0 / (before + 1.0))
-    m2 = m2 + m2_h + delta * delta * (d * before / (before + 1.0))
-    return mean, m2
-
-  mean, m2 = lax.fori_loop(1, plan.num_heads, merge, head_moments(first_use))
-  return mean, lax.rsqrt(m2 * (1.0 / (plan.num_heads * d)) + plan.eps)
+  var = _sum_over_heads(plan, centred_square) * scale
+  return mean, lax.rsqrt(var + plan.eps)
 
 
 def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
@@ -642,124 +505,79 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
   return u * _colvec(vec_smem, 0, head, x.shape) + _colvec(vec_smem, 1, head, x.shape)
 
 
-def _u_slot(plan: _Plan, block, head):
-  """The u ring slot of (``block``, ``head``): the attention reads u tiles in this order."""
-  return lax.rem(block * plan.num_heads + head, plan.u_slots)
+def _block_forward(plan: _Plan, item: _Item, block, stores: _Stores, smem) -> None:
+  """The norm warpgroup's q block: statistics, every u_h handed to the attention warpgroup,
+  per head attn_h back → Σz², then r2, the epilogue and the stores."""
+  x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
+  rows = item.rows(block)
+  for barrier in range(2 * plan.num_heads):
+    plgpu.barrier_wait(smem["q_ready"].at[barrier])
+  stats = _layer_norm_stats(plan, x_smem) if plan.pre_layer_norm else None
+
+  @pl.loop(0, plan.num_heads)
+  def _publish(head):  # every u_h at once (over q_h): the attention warpgroup takes them in turn
+    if plan.pre_layer_norm:
+      u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
+      u = u.astype(x_smem.dtype)
+      x_smem.at[head][...] = u
+      plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
+    plgpu.barrier_arrive(smem["u_ready"].at[head])
+    if plan.pre_layer_norm:  # while the attention warpgroup runs: the norm one would wait
+      stores.saved(stores.u_ref, u, rows, head)
+
+  def attend(head):  # attn_h back over u_h; returns z_h² for Σz²
+    plgpu.barrier_wait(smem["attn_ready"].at[head])
+    z = _load_f32(x_smem.at[head])  # attn_h
+    if plan.inner_residual:  # u_h again from the residual copy of q_h (as in the epilogue)
+      z = z + _pre_norm(plan, _load_f32(res_smem.at[head]), stats, vec_smem, head)
+    stores.saved(stores.z_ref, z, rows, head)
+    return z * z
+
+  rms_rstd = lax.rsqrt(_sum_over_heads(plan, attend) * (1.0 / (plan.num_heads * plan.head_dim))
+                       + plan.eps)
+
+  @pl.loop(0, plan.num_heads)
+  def _epilogue(head):
+    q = _load_f32(res_smem.at[head])
+    z = _load_f32(x_smem.at[head])
+    if plan.inner_residual:
+      z = z + _pre_norm(plan, q, stats, vec_smem, head)
+    out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
+    if plan.outer_residual:
+      out = out + q
+    _release_q(smem, head)  # the head's tiles are read: the next block's may load over them
+    stores.out(out, rows, head)
+
+  stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
 
 
-def _publish_u(plan: _Plan, item: _Item, stream: _QStream, stores: _Stores, use, block, head,
-               stats, smem, then=lambda: None) -> None:
-  """u_h of ``block`` from the q tile of ring use ``use`` into its u slot, handed to the
-  attention warpgroup (``u_ready``); then ``then()`` (the caller's stores) and u saved (with
-  the LayerNorm) for the backward: stores wait for the previous stores' SMEM reads, so none
-  runs before the attention has its u."""
-  u = _pre_norm(plan, stream.read(use, smem), stats, smem["vec_smem"], head)
-  u = u.astype(smem["u_smem"].dtype)
-  u_tile = smem["u_smem"].at[_u_slot(plan, block, head)]
-  if plan.save_residuals and plan.pre_layer_norm:  # a TMA store of the slot's last u done
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  u_tile[...] = u
-  plgpu.commit_smem()  # generic-proxy writes, before WGMMA or TMA (async proxy) read them
-  plgpu.barrier_arrive(smem["u_ready"].at[head])
-  then()
-  if plan.pre_layer_norm:  # off the attention's path: it has this u already
-    stores.saved_from_smem(stores.u_ref, u, u_tile, item.rows(block), head)
-
-
-def _norm_item(plan: _Plan, item: _Item, stores: _Stores, smem) -> None:
-  """The norm warpgroup's item: block 0's statistics and first u tiles, then per q block: per
-  head Σz² and the next u tile, with the next block's statistics before its first u; r2, the
-  epilogue, the statistics' store (:class:`_QStream` is the order of the q tiles it reads)."""
-  stream = _QStream(plan)
-  heads, scale = plan.num_heads, 1.0 / (plan.num_heads * plan.head_dim)
-  z_smem, vec_smem = smem["z_smem"], smem["vec_smem"]
-  last = item.q_blocks - 1
-  stats0 = _layer_norm_stats(plan, stream, 0, smem) if plan.pre_layer_norm else None
-  for head in range(plan.u_slots):
-    _publish_u(plan, item, stream, stores, stream.stats_uses + head, 0, head, stats0, smem)
-
-  def block_body(block, stats):
-    rows = item.rows(block)
-
-    def head_body(head, partial, ahead: int, u_stats):
-      """z_h back: the u tile its u slot takes next (of block b + ``ahead``, ``u_slots``
-      heads further on), then z_h's save; its Σz² term."""
-      plgpu.barrier_wait(smem["z_ready"].at[head])
-      z = _load_f32(z_smem.at[head])
-      use = stream.u_use(block, head, ahead)
-      u_head = head + plan.u_slots - ahead * heads
-      save_z = lambda: stores.saved_from_smem(  # noqa: E731
-          stores.z_ref, z, z_smem.at[head], rows, head)
-      if not ahead:
-        _publish_u(plan, item, stream, stores, use, block, u_head, u_stats, smem, save_z)
-      else:
-        @pl.when(block < last)
-        def _():
-          _publish_u(plan, item, stream, stores, use, block + 1, u_head, u_stats, smem, save_z)
-
-        @pl.when(block == last)
-        def _():  # the stream's use of a block past the item: nobody reads it
-          stream.take(use, smem)
-          stream.release(use, smem)
-          save_z()
-
-      return partial + mgpu.lane_partial_sum(z * z)
-
-    # Heads whose next u is of this block; the next block's statistics (of block b itself in
-    # the last block: unused); the heads whose next u is of the next block.
-    split = heads - plan.u_slots
-    partial = lax.fori_loop(0, split, functools.partial(head_body, ahead=0, u_stats=stats),
-                            mgpu.lane_partial_zeros(BLOCK_Q))
-    stats_next = (_layer_norm_stats(plan, stream, stream.stats_use(block), smem)
-                  if plan.pre_layer_norm else None)
-    partial = lax.fori_loop(split, heads,
-                            functools.partial(head_body, ahead=1, u_stats=stats_next), partial)
-    rms_rstd = lax.rsqrt(jnp.sum(partial, axis=1) * scale + plan.eps)
-
-    @pl.loop(0, heads)
-    def _epilogue(head):
-      q = stream.read(stream.epilogue_use(block, head), smem)
-      z = _load_f32(z_smem.at[head])
-      out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
-      if plan.outer_residual:
-        out = out + q
-      stores.out(out, rows, head)  # first waits for the earlier stores' reads: z_h's TMA too
-
-      @pl.when(block < last)
-      def _():  # z_h is read: the attention may write the next block's over it
-        plgpu.barrier_arrive(smem["z_free"].at[head])
-
-    stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
-    return stats_next
-
-  lax.fori_loop(0, item.q_blocks, block_body, stats0)
+def _release_q(smem, head) -> None:
+  """Hands a head's q tiles back to the producer. x_smem and res_smem were read (and x_smem
+  written) by the generic proxy: a proxy fence before the producer's TMA (async proxy) may
+  overwrite them, as the PTX memory model asks."""
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(smem["q_free"].at[head])
 
 
 def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
   """The attention warpgroup: per q block and head, waits for u_h from the norm warpgroup,
-  runs the head's attention and writes z_h = u_h + attn_h into the head's z tile."""
-  @pl.when(item.has_blocks)
+  runs the head's attention and hands attn_h back in u_h's tile."""
+  @pl.when(jnp.logical_not(item.padding))
   def _():
     @pl.loop(0, item.q_blocks)
     def _block(block):
       @pl.loop(0, plan.num_heads)
       def _head(head):
         plgpu.barrier_wait(smem["u_ready"].at[head])
-        u_tile = smem["u_smem"].at[_u_slot(plan, block, head)]
-        o = _attend_head(plan, u_tile, smem, block * plan.uses_per_block + head * plan.kv_steps,
+        if not plan.pre_layer_norm:  # WGMMA reads q_h as TMA wrote it: observe that load too
+          plgpu.barrier_wait(smem["q_ready"].at[2 * head])
+        x_tile = smem["x_smem"].at[head]
+        o = _attend_head(plan, x_tile, smem, block * plan.uses_per_block + head * plan.kv_steps,
                          scales_ref[0])
-        z = o * scales_ref[1]
-        if plan.inner_residual:  # the WGMMAs reading u_h are done (their result was read)
-          z = z + _load_f32(u_tile)
-        z_tile = smem["z_smem"].at[head]
-
-        @pl.when(block > 0)
-        def _():  # the epilogue has read the previous block's z_h
-          plgpu.barrier_wait(smem["z_free"].at[head])
-
-        z_tile[...] = z.astype(z_tile.dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(smem["z_ready"].at[head])
+        # attn_h over u_h: the WGMMAs reading u_h are done (their result was read).
+        x_tile[...] = (o * scales_ref[1]).astype(x_tile.dtype)
+        plgpu.commit_smem()  # before WGMMA or the producer's TMA (async proxy) use the tile
+        plgpu.barrier_arrive(smem["attn_ready"].at[head])
 
 
 def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_norm import _op
+from pallas_norm import _op, mgpu
 
 _F32 = jnp.float32
 MAX_ELEMENTS = 2**31 - 1
@@ -70,17 +70,24 @@ class RowConfig:
                        f"{self.num_warps}")
 
 
-def pick_config(features: int, interpret: bool) -> RowConfig:
+PROGRAMS_PER_SM = 8
+"""Programs per SM of :func:`pick_config`'s grid."""
+
+
+def pick_config(features: int, interpret: bool, capacity: int) -> RowConfig:
   """Both kernels' tiling: ~4K elements per step (full rows padded to a power of 2: 8 rows of
-  H·D = 512; 32 registers per operand and thread with 4 warps), 16 steps per program (one row
-  of weight-gradient partials per 128 rows at H·D = 512, so the partials stay small), no
-  Triton software pipelining: many short programs (~1.5k at the issue's shape, ~11 per SM), so
-  occupancy rather than an in-program prefetch covers memory latency. Fastest of the seven
-  tilings the H200 timed for each kernel (benchmarks/NOTES.md, EXPERIMENTS.md); in interpret
-  mode 2 steps, so that small tests cover several programs."""
+  H·D = 512; 32 registers per operand and thread with 4 warps) and a grid of
+  :data:`PROGRAMS_PER_SM` programs per SM, each over a contiguous slab of ``capacity`` rows
+  (one row of weight-gradient partials per program, so the partials stay small), Triton's
+  default pipelining. Faster than 16-step programs on the H200 (benchmarks/NOTES.md,
+  EXPERIMENTS.md); in interpret mode 2 steps, so that small tests cover several programs."""
   n_pad = pl.next_power_of_2(features)
-  return RowConfig(block_m=max(1, min(16, 4096 // n_pad)), steps=2 if interpret else 16,
-                   num_warps=4, num_stages=1)
+  block_m = max(1, min(16, 4096 // n_pad))
+  if interpret:
+    return RowConfig(block_m=block_m, steps=2, num_warps=4, num_stages=1)
+  programs = PROGRAMS_PER_SM * mgpu.num_sms(False)
+  return RowConfig(block_m=block_m, steps=max(1, pl.cdiv(pl.cdiv(capacity, block_m), programs)),
+                   num_warps=4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +192,7 @@ def _row_kernel(*refs, names, body, partials: int, n: int, capacity: int, cfg: R
 def _call(name, body, inputs: dict, outputs: dict, partials: int, n: int, capacity: int,
           interpret: bool, cfg: RowConfig | None):
   """Runs :func:`_row_kernel` over all rows; returns the outputs and the column sums."""
-  cfg = cfg or pick_config(n, interpret)
+  cfg = cfg or pick_config(n, interpret, capacity)
   programs = pl.cdiv(capacity, cfg.block_m * cfg.steps)
   n_pad = pl.next_power_of_2(n)
   part = jax.ShapeDtypeStruct((programs * n_pad,), _F32)
