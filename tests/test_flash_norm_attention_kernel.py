@@ -231,8 +231,12 @@ def test_norm_backward_kernels_match_autodiff(switches):
   u_want = jnp.where(jnp.arange(t)[:, None] < end,
                      x_hat * gamma1 + beta1 if pre_layer_norm else rows(q), 0)
   z = ((1 + c) * u_want if inner_residual else c * u_want).at[end:].set(jnp.nan)
-  dz, dg2 = norm_bwd.rms_backward(rows(g), z, stats[:, 2], gamma2, jnp.int32(end),
+  # The forward's (T, 32) layout: the kernels read their columns in place, the rest is junk.
+  stats32 = jnp.concatenate([stats, jnp.full((t, 29), jnp.nan, F32)], axis=1)
+  dz, dg2 = norm_bwd.rms_backward(rows(g), z, stats32, gamma2, jnp.int32(end),
                                   interpret=True)
+  with pytest.raises(ValueError, match="stats"):  # a column slice: the old (T,) argument
+    norm_bwd.rms_backward(rows(g), z, stats[:, 2], gamma2, jnp.int32(end), interpret=True)
   assert not bool(jnp.any(dz[end:] != 0))
   assert _rel_err(dg2, dg2_ref) < 1e-4
   if not pre_layer_norm:  # u = q: dq is the sum of the branches (the op does it in XLA)
@@ -240,7 +244,7 @@ def test_norm_backward_kernels_match_autodiff(switches):
     assert _rel_err(dq[:end], rows(dq_ref)[:end]) < 1e-4
     return
   du = c * dz + dz if inner_residual else c * dz  # the GDPA backward's dq (+ dO)
-  dq, dg1, db1 = norm_bwd.ln_backward(du, rows(g), q_in, stats, gamma1, jnp.int32(end),
+  dq, dg1, db1 = norm_bwd.ln_backward(du, rows(g), q_in, stats32, gamma1, jnp.int32(end),
                                       jnp.float32(0.0), outer_residual=outer_residual,
                                       interpret=True)
   assert not bool(jnp.any(dq[end:] != 0))
@@ -435,7 +439,7 @@ def test_gpu_norm_backward_kernels():
     stats = jnp.stack([jax.random.normal(ks[4], (t,)), 1 + jax.random.uniform(ks[5], (t,)),
                        0.5 + jax.random.uniform(ks[5], (t,))], axis=1)
     affine = tuple(jnp.asarray(rng.normal(1.0, 0.2, n), F32) for _ in range(3))
-    got = jax.jit(norm_bwd.rms_backward)(g, z, stats[:, 2], affine[2], end)
+    got = jax.jit(norm_bwd.rms_backward)(g, z, stats, affine[2], end)
     live = (jnp.arange(t) < end)[:, None]
     gf, qf, zf = (jnp.where(live, x.astype(F32), 0) for x in (g, q, z))
     z_hat = zf * stats[:, 2:3]

@@ -215,7 +215,8 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _fused(q, k, v, offsets, affine, pre_scale, post_scale, static):
-  return _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, False)[:2]
+  out, stats = _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, False)
+  return out, stats[:, :3]
 
 
 def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save_residuals):
@@ -233,7 +234,8 @@ def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save
 def _fused_fwd_rule(q, k, v, offsets, affine, pre_scale, post_scale, static):
   out, stats, z, u = _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static,
                                     True)
-  return (out, stats), (q, k, v, offsets, affine, pre_scale, post_scale, stats, z, u)
+  # The backward reads the statistics' columns in place from the kernel's (T, 32) array.
+  return (out, stats[:, :3]), (q, k, v, offsets, affine, pre_scale, post_scale, stats, z, u)
 
 
 def _fused_bwd_rule(static, saved, cotangents):
@@ -252,7 +254,7 @@ def _fused_bwd_rule(static, saved, cotangents):
   # Padding rows of dq get 0 · post_scale: zero, or NaN where bad traced offsets poisoned the
   # scales (the rows the made-valid offsets call padding may be real tokens of the caller's).
   pad = 0 * post_scale
-  dz, d_rms_scale = norm_bwd.rms_backward(rows(d_out), rows(z), stats[:, 2], rms_scale, end,
+  dz, d_rms_scale = norm_bwd.rms_backward(rows(d_out), rows(z), stats, rms_scale, end,
                                           interpret=static.interpret)
   du, dk, dv, d_pre, d_post = gdpa_mosaic_bwd.gdpa_bwd(
       q if u is None else u, k, v, q_offsets, None, dz.reshape(q.shape),

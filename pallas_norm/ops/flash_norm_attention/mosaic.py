@@ -33,7 +33,9 @@ warps:
 
 The loops over the heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as
 the carry): unrolled statically, the H = 4 kernel ran about 4× slower on the H200. The
-single-consumer schedule and an overlapped WGMMA order (next scores issued before the P·V) were
+single-consumer schedule, an overlapped WGMMA order (next scores issued before the P·V) and q
+streamed through a ring instead of held twice (the next block's statistics and first u tiles
+made during the current block's attention: faster forward-only, slower in training) were
 measured slower than this one (benchmarks/EXPERIMENTS.md).
 
 attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
@@ -185,9 +187,10 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
     interpret: run in Pallas GPU interpret mode (any backend).
 
   Returns:
-    ``(out, stats)`` or ``(out, stats, z, u)``: out (T, H, D) in out_dtype; stats (T, 3)
-    float32 with μ1, r1, r2 (the kernel writes (T, :data:`STATS_COLS`); μ1, r1 zeros without
-    the LayerNorm); z, u (T, H, D) (u None without the LayerNorm). Padding rows (past
+    ``(out, stats)`` or ``(out, stats, z, u)``: out (T, H, D) in out_dtype; stats
+    (T, :data:`STATS_COLS`) float32 with μ1, r1, r2 in columns 0-2 (μ1, r1 zeros without the
+    LayerNorm; the row kernels of the backward read the columns in place, no slice pass);
+    z, u (T, H, D) (u None without the LayerNorm). Padding rows (past
     ``q_offsets[-1]``) are zeros in every output.
   """
   capacity, num_heads, head_dim = q.shape
@@ -223,8 +226,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   )
   out, stats, *saved = call(table, scales, affine.astype(_F32), q, k, v)
   if not save_residuals:
-    return out, stats[:, :3]
-  return out, stats[:, :3], saved[0], saved[1] if pre_layer_norm else None
+    return out, stats
+  return out, stats, saved[0], saved[1] if pre_layer_norm else None
 
 
 def _kernel_name(cfg: Config) -> str:

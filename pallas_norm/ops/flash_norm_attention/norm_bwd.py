@@ -29,13 +29,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_norm import _op
+from pallas_norm import _op, mgpu
 
 _F32 = jnp.float32
 MAX_ELEMENTS = 2**31 - 1
 """The kernels index the (T, H·D) tensors with int32 element offsets."""
 MAX_FEATURES = 4096
 """Widest row (H·D) a row block holds in registers."""
+MEAN1, RSTD1, RSTD2 = 0, 1, 2
+"""Columns of the forward's statistics array (T, C): μ1, r1, r2 (C >= 3; the forward kernel
+writes C = 32, read in place)."""
 
 
 def unsupported_reason(shape) -> str | None:
@@ -43,7 +46,7 @@ def unsupported_reason(shape) -> str | None:
   t, heads, head_dim = shape
   if heads * head_dim > MAX_FEATURES:
     return f"H·D = {heads * head_dim}: the norm backward holds rows of at most {MAX_FEATURES}"
-  if t * heads * head_dim > MAX_ELEMENTS:
+  if t * max(heads * head_dim, 32) > MAX_ELEMENTS:  # q, and the forward's (T, 32) statistics
     return f"q has {t * heads * head_dim} elements, past the norm backward's int32 offsets"
   return None
 
@@ -67,17 +70,24 @@ class RowConfig:
                        f"{self.num_warps}")
 
 
-def pick_config(features: int, interpret: bool) -> RowConfig:
+PROGRAMS_PER_SM = 8
+"""Programs per SM of :func:`pick_config`'s grid."""
+
+
+def pick_config(features: int, interpret: bool, capacity: int) -> RowConfig:
   """Both kernels' tiling: ~4K elements per step (full rows padded to a power of 2: 8 rows of
-  H·D = 512; 32 registers per operand and thread with 4 warps), 16 steps per program (one row
-  of weight-gradient partials per 128 rows at H·D = 512, so the partials stay small), no
-  Triton software pipelining: many short programs (~1.5k at the issue's shape, ~11 per SM), so
-  occupancy rather than an in-program prefetch covers memory latency. Fastest of the seven
-  tilings the H200 timed for each kernel (benchmarks/NOTES.md, EXPERIMENTS.md); in interpret
-  mode 2 steps, so that small tests cover several programs."""
+  H·D = 512; 32 registers per operand and thread with 4 warps) and a grid of
+  :data:`PROGRAMS_PER_SM` programs per SM, each over a contiguous slab of ``capacity`` rows
+  (one row of weight-gradient partials per program, so the partials stay small), Triton's
+  default pipelining. Faster than 16-step programs on the H200 (benchmarks/NOTES.md,
+  EXPERIMENTS.md); in interpret mode 2 steps, so that small tests cover several programs."""
   n_pad = pl.next_power_of_2(features)
-  return RowConfig(block_m=max(1, min(16, 4096 // n_pad)), steps=2 if interpret else 16,
-                   num_warps=4, num_stages=1)
+  block_m = max(1, min(16, 4096 // n_pad))
+  if interpret:
+    return RowConfig(block_m=block_m, steps=2, num_warps=4, num_stages=1)
+  programs = PROGRAMS_PER_SM * mgpu.num_sms(False)
+  return RowConfig(block_m=block_m, steps=max(1, pl.cdiv(pl.cdiv(capacity, block_m), programs)),
+                   num_warps=4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +116,10 @@ class _Rows:
     return pltriton.load(ref.at[self.rows[:, None], self.cols[None, :]],
                          mask=self._mask(self.live), other=0.0).astype(_F32)
 
-  def row(self, ref):
-    return pltriton.load(ref.at[self.rows], mask=self.live, other=0.0)[:, None]
+  def column(self, ref, col: int, cols: int):
+    """Column ``col`` of a row-major (T, ``cols``) array given flat (``ref``), per row:
+    (block_m, 1), read in place (one 32-byte sector per row)."""
+    return pltriton.load(ref.at[self.rows * cols + col], mask=self.live, other=0.0)[:, None]
 
   def store(self, ref, value):
     pltriton.store(ref.at[self.rows[:, None], self.cols[None, :]], value.astype(ref.dtype),
@@ -119,13 +131,13 @@ def _col(ref, n, n_pad):
   return pltriton.load(ref.at[cols], mask=cols < n, other=0.0)[None, :]
 
 
-def _rms_backward_rows(r, blk: _Rows, gamma2, n: int):
+def _rms_backward_rows(r, blk: _Rows, gamma2, n: int, stats_cols: int):
   """dz of one row block and dγ2's summand ``g · ẑ``, with ẑ = z·r2 (z as the forward saved
   it: u + attn, or attn without the inner residual)::
 
       dz = r2 · (g·γ2 − ẑ · mean(g·γ2·ẑ))
   """
-  rstd2 = blk.row(r["rstd2"])
+  rstd2 = blk.column(r["stats"], RSTD2, stats_cols)
   z_hat = blk.tile(r["z"]) * rstd2
   g = blk.tile(r["g"])
   gz = g * gamma2  # zero on masked rows and columns: they add nothing to the sums
@@ -133,15 +145,16 @@ def _rms_backward_rows(r, blk: _Rows, gamma2, n: int):
   return dz, g * z_hat
 
 
-def _ln_backward_rows(r, blk: _Rows, outer_residual: bool, gamma1, pad, n: int):
+def _ln_backward_rows(r, blk: _Rows, outer_residual: bool, gamma1, pad, n: int,
+                      stats_cols: int):
   """dq of one row block and the summands of dγ1 (``du · x̂``) and dβ1 (``du``)::
 
       x̂ = (q − μ1)·r1,   gu = du·γ1
       dq = r1 · (gu − mean(gu) − x̂ · mean(gu·x̂)) + g (outer residual)
   """
   du = blk.tile(r["du"])
-  rstd1 = blk.row(r["rstd1"])
-  x_hat = (blk.tile(r["q"]) - blk.row(r["mean"])) * rstd1
+  rstd1 = blk.column(r["stats"], RSTD1, stats_cols)
+  x_hat = (blk.tile(r["q"]) - blk.column(r["stats"], MEAN1, stats_cols)) * rstd1
   gu = du * gamma1
   dq = rstd1 * (gu - jnp.sum(gu, axis=1, keepdims=True) / n
                 - x_hat * (jnp.sum(gu * x_hat, axis=1, keepdims=True) / n))
@@ -169,14 +182,17 @@ def _row_kernel(*refs, names, body, partials: int, n: int, capacity: int, cfg: R
   zeros = jnp.zeros((cfg.block_m, n_pad), _F32)
   accs = lax.fori_loop(0, cfg.steps, step, (zeros,) * partials)
   cols = jnp.arange(n_pad)
+  # Column-major partials (n_pad, programs): XLA then sums contiguous rows (one warp per
+  # feature), not the columns of (programs, n_pad), which it did slowly (benchmarks/NOTES.md).
   for j, acc in enumerate(accs):
-    pltriton.store(r[f"part{j}"].at[pid * n_pad + cols], jnp.sum(acc, axis=0), mask=cols < n)
+    pltriton.store(r[f"part{j}"].at[cols * pl.num_programs(0) + pid], jnp.sum(acc, axis=0),
+                   mask=cols < n)
 
 
 def _call(name, body, inputs: dict, outputs: dict, partials: int, n: int, capacity: int,
           interpret: bool, cfg: RowConfig | None):
   """Runs :func:`_row_kernel` over all rows; returns the outputs and the column sums."""
-  cfg = cfg or pick_config(n, interpret)
+  cfg = cfg or pick_config(n, interpret, capacity)
   programs = pl.cdiv(capacity, cfg.block_m * cfg.steps)
   n_pad = pl.next_power_of_2(n)
   part = jax.ShapeDtypeStruct((programs * n_pad,), _F32)
@@ -190,7 +206,7 @@ def _call(name, body, inputs: dict, outputs: dict, partials: int, n: int, capaci
                                               num_stages=cfg.num_stages))(*a),
       *inputs.values())
   tiles, parts = outs[:len(outputs)], outs[len(outputs):]
-  sums = [jnp.sum(p.reshape(programs, n_pad)[:, :n], axis=0) for p in parts]
+  sums = [jnp.sum(p.reshape(n_pad, programs)[:n], axis=1) for p in parts]
   return list(tiles), sums
 
 
@@ -199,33 +215,46 @@ def _vectors(names, r, n):
   return tuple(_col(r[name], n, n_pad) for name in names)
 
 
-def rms_backward(g, z, rstd2, gamma2, end, *, interpret: bool = False,
+def rms_backward(g, z, stats, gamma2, end, *, interpret: bool = False,
                  config: RowConfig | None = None):
   """The RMSNorm backward, one pass: dz = r2 · (g·γ2 − ẑ · mean(g·γ2·ẑ)), ẑ = z·r2.
 
   Args:
     g: (T, N) cotangent of the output (N = H·D), 16-bit; z: (T, N) the RMSNorm's input as the
       forward kernel saved it (q's dtype).
-    rstd2: (T,) float32 r2 of the forward.
+    stats: (T, C) float32, C >= 3, the forward's statistics: r2 in column :data:`RSTD2`.
     gamma2: (N,) float32 γ2.
     end: int32 scalar, the first padding row.
     interpret: run in Pallas interpret mode; config: tiling (default :func:`pick_config`).
 
   Returns:
     ``(dz, dγ2)``: dz (T, N) in z's dtype (zeros on padding rows), dγ2 (N,) float32.
+
+  Raises:
+    ValueError: stats is not float32 of shape (T, >= 3).
   """
   capacity, n = z.shape
-  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32), g=g, z=z, rstd2=rstd2,
-                gamma2=gamma2)
+  stats_cols = _check_stats(stats, capacity)
+  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32), g=g, z=z,
+                stats=stats.reshape(-1), gamma2=gamma2)
   outputs = dict(dz=jax.ShapeDtypeStruct((capacity, n), z.dtype))
 
   def body(r, blk):
-    dz, summand = _rms_backward_rows(r, blk, _vectors(("gamma2",), r, n)[0], n)
+    dz, summand = _rms_backward_rows(r, blk, _vectors(("gamma2",), r, n)[0], n, stats_cols)
     return dict(dz=dz), (summand,)
 
   (dz,), (d_gamma2,) = _call("fna_rms_backward", body, inputs, outputs, 1, n, capacity,
                              interpret, config)
   return dz, d_gamma2
+
+
+def _check_stats(stats, capacity: int) -> int:
+  """The column count of the statistics array (T, C); ValueError unless float32 (T, >= 3)."""
+  if stats.ndim != 2 or stats.shape[0] != capacity or stats.shape[1] < 3 or (
+      stats.dtype != _F32):
+    raise ValueError(f"stats must be float32 (T={capacity}, >= 3), got {stats.dtype} "
+                     f"{stats.shape}")
+  return stats.shape[1]
 
 
 def ln_backward(du, g, q, stats, gamma1, end, pad, *, outer_residual: bool,
@@ -235,23 +264,29 @@ def ln_backward(du, g, q, stats, gamma1, end, pad, *, outer_residual: bool,
   Args:
     du: (T, N) gradient of u: the GDPA backward's dq (with dz added for the inner residual).
     g: (T, N) cotangent of the output (read with the outer residual; else may be None).
-    q: (T, N); stats: (T, 3) float32 (μ1, r1, ·); gamma1: (N,) float32.
+    q: (T, N); stats: (T, C) float32, C >= 3: μ1, r1 in columns :data:`MEAN1`,
+      :data:`RSTD1`; gamma1: (N,) float32.
     end: int32 scalar, the first padding row; pad: float32 scalar written to dq's padding rows.
     interpret, config: as :func:`rms_backward`.
 
   Returns:
     ``(dq, dγ1, dβ1)``: dq (T, N) in q's dtype, dγ1 and dβ1 (N,) float32.
+
+  Raises:
+    ValueError: stats is not float32 of shape (T, >= 3).
   """
   capacity, n = q.shape
+  stats_cols = _check_stats(stats, capacity)
   inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32),
                 pad=jnp.reshape(pad, (1,)).astype(_F32), du=du,
                 **(dict(g=g) if outer_residual else {}),
-                q=q, mean=stats[:, 0], rstd1=stats[:, 1], gamma1=gamma1)
+                q=q, stats=stats.reshape(-1), gamma1=gamma1)
   outputs = dict(dq=jax.ShapeDtypeStruct((capacity, n), q.dtype))
 
   def body(r, blk):
     dq, d_scale, d_bias = _ln_backward_rows(r, blk, outer_residual,
-                                            _vectors(("gamma1",), r, n)[0], r["pad"][0], n)
+                                            _vectors(("gamma1",), r, n)[0], r["pad"][0], n,
+                                            stats_cols)
     return dict(dq=dq), (d_scale, d_bias)
 
   (dq,), (d_gamma1, d_beta1) = _call("fna_ln_backward", body, inputs, outputs, 2, n,
