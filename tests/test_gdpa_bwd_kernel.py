@@ -162,6 +162,20 @@ def test_float16_dense_kv_64():
   _check([64, 1], 72, 1, 64, "gelu", dtype=jnp.float16, lkv=64, seed=2, pre=1.1, post=0.6)
 
 
+@pytest.mark.parametrize("lengths,capacity,heads,d,lkv", [
+    ([0, 130, 1, 0, 64, 7], 264, 2, 128, 128),
+    ([9, 0, 71], 96, 2, 64, 192),
+])
+def test_persistent_grid_many_items(lengths, capacity, heads, d, lkv):
+  """The persistent dK/dV grid walks more items than it has CTAs (interpret mode launches
+  :data:`pallas_norm.mgpu.INTERPRET_NUM_CTAS`): every CTA takes several (kv tile, head) items
+  in zig-zag rounds, the ring's steps and the barriers' phases carried across them. Empty
+  samples (items without q blocks, both among the long items' heads and last), lengths that are
+  not multiples of the block, and dq's padding shares (fused dQ: 12 tile items + 32 shares on
+  2 CTAs); Lkv = 192 at D = 64 gives two kv tiles per sample (the dQ kernel's path)."""
+  _check(lengths, capacity, heads, d, "fast_gelu", lkv=lkv, seed=5)
+
+
 def _poison_kv(k, v, kv_offsets, samples):
   """k, v with some keys and values of each of ``samples`` NaN / inf (dense), or every packed
   row of those samples NaN (jagged)."""
