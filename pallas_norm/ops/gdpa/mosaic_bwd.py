@@ -198,6 +198,7 @@ class _Plan:
   scale_grads: bool   # write the partial sums of d pre_scale and d post_scale
   add_do_to_dq: bool = False  # write dq + dO (gdpa_bwd's keyword)
   sms: int = 132      # CTAs the persistent dK/dV grid may launch (one per SM)
+  k_buffers: int = 1  # K tiles per consumer (dK/dV kernel); with 2 the next item's K loads early
 
   @property
   def fuse_dq(self) -> bool:
@@ -368,7 +369,7 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
               (dk_ref.at[s, :, h, :], dv_ref.at[s, :, h, :]))
     return (k_ref.at[:, h, :], v_ref.at[:, h, :]), (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
 
-  def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
+  def scoped(ring_allocs, kv_smem, v_barrier, k_barrier, op_smem, partial_smem, dq_smem, ds_ready,
              ds_free):
     ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
 
@@ -393,29 +394,29 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
 
       mgpu.ring_drain(ring, lax.fori_loop(0, plan.dkv_rounds, round_, jnp.int32(0)))
 
-    def consume(wg: int, item, first_step):
+    def consume(wg: int, item, upcoming, k_buf, first_step):
       """Consumer ``wg`` (static: SMEM addresses known at compile time) on a tile item whose
-      q-block steps start at ring step ``first_step``. With fused dQ the roles differ:
-      consumer 0 hands its dSᵀ tile of each step to consumer 1 (``ds_ready``) and goes on;
-      consumer 1 computes all of dQ's columns from both tiles and frees consumer 0's slot
-      (``ds_free``), so neither waits for the other within a step and the consumer ahead runs
-      its elementwise work while the other's WGMMAs use the tensor cores."""
-      k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
-      kv_views, dkv_views = views(item)
+      K tile is in K buffer ``k_buf`` and whose q-block steps start at ring step
+      ``first_step``; ``upcoming`` is its next item (its V loads during this one's epilogue).
+      With fused dQ the roles differ: consumer 0 hands its dSᵀ tile of each step to consumer
+      1 (``ds_ready``) and goes on; consumer 1 computes all of dQ's columns from both tiles
+      and frees consumer 0's slot (``ds_free``), so neither waits for the other within a step
+      and the consumer ahead runs its elementwise work while the other's WGMMAs use the tensor
+      cores."""
+      k_smem, v_smem = kv_smem.at[wg, 1 + k_buf], kv_smem.at[wg, 0]
+      _, dkv_views = views(item)
       row0 = item.kv_base + wg * BLOCK
       computes_dq = plan.fuse_dq and wg == 1
 
       def with_accs(dk_acc, dv_acc):
-        # The previous item's dK/dV stores read these tiles: it ended waiting for them.
-        for view, tile in zip(kv_views, (k_smem, v_smem)):
-          plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], tile, kv_barrier.at[wg])
-        # Fused dQ reads the other consumer's K tile too: wait for both loads.
-        for w in range(2) if computes_dq else (wg,):
-          plgpu.barrier_wait(kv_barrier.at[w])
+        plgpu.barrier_wait(v_barrier.at[wg])
+        plgpu.barrier_wait(k_barrier.at[wg, k_buf])
         if computes_dq:
-          # Both dSᵀ slots start free (consumer 0 waits for every phase). Only after the wait
-          # for consumer 0's K load: it follows consumer 0's last waits on these barriers for
-          # the previous item, so no arrival here completes a phase it has not waited for.
+          # Fused dQ reads the other consumer's K tile too: wait for its load. Then both dSᵀ
+          # slots start free (consumer 0 waits for every phase). Only after that wait: the
+          # load follows consumer 0's last waits on these barriers for the previous item, so
+          # no arrival here completes a phase it has not waited for.
+          plgpu.barrier_wait(k_barrier.at[0, k_buf])
           for slot in range(2):
             plgpu.barrier_arrive(ds_free.at[slot])
         pre, post = scales_ref[0], scales_ref[1]
@@ -436,7 +437,7 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
                                  (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
                                  partials, hand_off, in_flight=computes_dq)
             if computes_dq:
-              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem,
+              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem.at[:, 1 + k_buf],
                         (ds_ready.at[slot], ds_free.at[slot]), dq_smem,
                         dq_ref.at[:, item.h, :], col0, q_lo, q_hi, do_stage)
             return partials
@@ -447,20 +448,27 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
         partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
         _, partials = _sample_loop(item.first, item.count, sample, (first_step, partials))
         if plan.fuse_dq and wg == 0:
-          # Consumer 1's last dQ WGMMAs may still read this K tile: wait until it freed both
-          # slots (the last phase of each; also every waiter must see every phase).
+          # Consumer 1's last dQ WGMMAs may still read this K tile and the dSᵀ slots: wait
+          # until it freed both slots (the last phase of each; every waiter sees every phase).
           for slot in range(2):
             plgpu.barrier_wait(ds_free.at[slot])
-        # K and V are no longer read: their SMEM stages the outputs.
+        # V, the Aᵀ and dSᵀ tiles are no longer read: the next item's V loads now, while dV
+        # leaves through the operand tiles (BLOCK columns each) and dK through the K tile.
+        pl.when(upcoming.is_tile)(lambda: load_v(wg, upcoming))
+        dv = dv_acc[...] * post
+        dv_tiles = [op_smem.at[wg, c] for c in range(d // BLOCK)]
+        for c, tile in enumerate(dv_tiles):
+          tile[...] = dv[:, c * BLOCK:(c + 1) * BLOCK].astype(dtype)
         k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
-        v_smem[...] = (dv_acc[...] * post).astype(dtype)
         if plan.scale_grads:
           # One cross-lane reduction per item, not per step.
           partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
           partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
         plgpu.commit_smem()
-        for view, tile in zip(dkv_views, (k_smem, v_smem)):
-          plgpu.copy_smem_to_gmem(tile, view.at[pl.ds(row0, BLOCK)])
+        rows = pl.ds(row0, BLOCK)
+        plgpu.copy_smem_to_gmem(k_smem, dkv_views[0].at[rows])
+        for c, tile in enumerate(dv_tiles):
+          plgpu.copy_smem_to_gmem(tile, dkv_views[1].at[rows, pl.ds(c * BLOCK, BLOCK)])
         if plan.scale_grads:
           plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[item.h, item.pos, wg])
         # Only SMEM must outlive the stores before the next item reuses it: waiting for their
@@ -470,10 +478,40 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
 
       pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
 
+    def load_k(wg: int, item, k_buf) -> None:
+      view = views(item)[0][0]
+      plgpu.copy_gmem_to_smem(view.at[pl.ds(item.kv_base + wg * BLOCK, BLOCK)],
+                              kv_smem.at[wg, 1 + k_buf], k_barrier.at[wg, k_buf])
+
+    def load_v(wg: int, item) -> None:
+      view = views(item)[0][1]
+      plgpu.copy_gmem_to_smem(view.at[pl.ds(item.kv_base + wg * BLOCK, BLOCK)],
+                              kv_smem.at[wg, 0], v_barrier.at[wg])
+
     def consumer_rounds(wg: int):
+      """The items of this CTA. Tile items come first (rounds 0, 1, ...): the first loads
+      its own K and V; later ones find V loading since the previous item's epilogue and,
+      with two K buffers (alternating by round), K loading since the previous item's start
+      (the buffer held the K of the item before, whose dK stores it staged and whose
+      epilogue waited for their reads)."""
       def round_(r, step):
-        item = item_at(r)
-        pl.when(item.is_tile)(functools.partial(consume, wg, item, step))
+        item, upcoming = item_at(r), item_at(r + 1)
+        k_buf = lax.rem(r, plan.k_buffers)
+
+        @pl.when(item.is_tile)
+        def _():
+          @pl.when(r == 0)
+          def _():
+            load_v(wg, item)
+            if plan.k_buffers == 2:
+              load_k(wg, item, k_buf)
+
+          if plan.k_buffers == 2:
+            pl.when(upcoming.is_tile)(lambda: load_k(wg, upcoming, 1 - k_buf))
+          else:
+            load_k(wg, item, k_buf)
+          consume(wg, item, upcoming, k_buf, step)
+
         if plan.fuse_dq and wg == 1:  # consumer 1 owns the dq staging tile
           pl.when(item.is_zero)(lambda: _zero_dq_padding(
               dq_ref.at[:, item.h, :], q_end, item.pos - plan.dkv_items, dq_smem))
@@ -488,19 +526,41 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
 
     mgpu.warp_specialize(producer, consumer)
 
-  pl.run_scoped(
-      scoped,
+  pl.run_scoped(scoped, *_dkv_smem(plan), collective_axes="wg")
+
+
+def _dkv_smem(plan: _Plan) -> tuple:
+  """The dK/dV kernel's SMEM and barriers, in :func:`_dkv_kernel`'s ``scoped`` order."""
+  d, dtype = plan.head_dim, plan.dtype
+  return (
       _ring_allocs(d, dtype),
-      plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
-      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
+      # per consumer: V, then K in plan.k_buffers buffers
+      plgpu.SMEM((2, 1 + plan.k_buffers, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
+      plgpu.Barrier(num_barriers=2),  # per consumer: its V copy
+      plgpu.Barrier(num_barriers=(2, plan.k_buffers)),  # per consumer and buffer: its K copy
       _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
       plgpu.SMEM((2, 2, BLOCK), jnp.float32),
       plgpu.SMEM((BLOCK, d), dtype),  # consumer 1's dq tile (unswizzled)
       plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 0's dSᵀ tile of a slot written
       plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 1's dQ read it: slot free
-      collective_axes="wg",
   )
 
+
+def _dkv_smem_bytes(head_dim: int, dtype, k_buffers: int, scale_grads: bool) -> int:
+  """SMEM of the dK/dV kernel's buffers (barriers aside; with ``scale_grads`` the 2 KB that
+  Mosaic reserves for any reduction): ring, V and K tiles, operand tiles, partials, dq tile."""
+  tile = BLOCK * head_dim * jnp.dtype(dtype).itemsize
+  operand = BLOCK * BLOCK * jnp.dtype(dtype).itemsize
+  partials = 2 * 2 * BLOCK * 4
+  reduction = plgpu.CompilerParams().reduction_scratch_bytes if scale_grads else 0
+  return (2 * STAGES * tile + 2 * (1 + k_buffers) * tile + 6 * operand + partials + tile
+          + reduction)
+
+
+DKV_SMEM_BYTES = mgpu.SMEM_BYTES - 1024
+"""What :func:`_dkv_smem_bytes` may count (the barriers and alignment take the rest): two K
+buffers fit at D = 128 in bfloat16 (230,400 bytes) unless the scale-gradient sums' reduction
+scratch is needed too; D = 64 always has room."""
 
 DQ_ZERO_SHARES = 16
 """Items per head of the dK/dV grid that write zeros over dq's padding rows when dQ is fused
@@ -529,12 +589,13 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_smem, dq_view, col0,
+def _fused_dq(plan: _Plan, scale, ds_tiles, k_tiles, slot_barriers, dq_smem, dq_view, col0,
               q_lo, q_hi, do_stage) -> None:
   """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK), run by
   consumer 1 after issuing its dV/dK WGMMAs: once consumer 0's dSᵀ tile is in SMEM (the
   ``ready`` barrier of ``slot_barriers = (ready, free)``), dQ = Σ_w dSᵀ[w]ᵀ K[w] over both
-  consumers' tiles (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; every kv row is in the CTA),
+  consumers' tiles (``ds_tiles[w]``: BLOCK kv × BLOCK q rows, ``k_tiles[w]``: BLOCK kv rows ×
+  D; every kv row is in the CTA),
   all D columns, stored for the rows of the sample, [q_lo, q_hi) ∩ the block. Reading the dQ
   accumulator waits for every WGMMA of the step; then ``free`` lets consumer 0 rewrite its
   slot (two steps later: the dSᵀ tiles alternate between two slots). With
@@ -544,7 +605,7 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_smem, dq_
 
   def issue(acc):
     for w in range(2):
-      plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0])
+      plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), k_tiles.at[w])
     return acc[...]
 
   dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, plan.head_dim)))
@@ -883,7 +944,8 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     scale_grads = not all(isinstance(x, (int, float)) for x in (pre_scale, post_scale))
   plan = _Plan(batch=batch, heads=heads, head_dim=d, dtype=dtype, dense=dense, kv_rows=kv_rows,
                kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads,
-               add_do_to_dq=add_do_to_dq, sms=mgpu.num_sms(interpret))
+               add_do_to_dq=add_do_to_dq, sms=mgpu.num_sms(interpret),
+               k_buffers=2 if _dkv_smem_bytes(d, dtype, 2, scale_grads) <= DKV_SMEM_BYTES else 1)
   q_offsets = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.zeros((batch + 1,), jnp.int32) if dense else jnp.asarray(kv_offsets, jnp.int32)
   scales = _scale_array(pre_scale, post_scale)
