@@ -394,10 +394,10 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
 
       mgpu.ring_drain(ring, lax.fori_loop(0, plan.dkv_rounds, round_, jnp.int32(0)))
 
-    def consume(wg: int, item, upcoming, k_buf, first_step):
-      """Consumer ``wg`` (static: SMEM addresses known at compile time) on a tile item whose
-      K tile is in K buffer ``k_buf`` and whose q-block steps start at ring step
-      ``first_step``; ``upcoming`` is its next item (its V loads during this one's epilogue).
+    def consume(wg: int, item, round_, k_buf, first_step):
+      """Consumer ``wg`` (static: SMEM addresses known at compile time) on the tile item of
+      round ``round_``, whose K tile is in K buffer ``k_buf`` and whose q-block steps start at
+      ring step ``first_step``; the next round's item's V loads during this one's epilogue.
       With fused dQ the roles differ: consumer 0 hands its dSᵀ tile of each step to consumer
       1 (``ds_ready``) and goes on; consumer 1 computes all of dQ's columns from both tiles
       and frees consumer 0's slot (``ds_free``), so neither waits for the other within a step
@@ -454,6 +454,8 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
             plgpu.barrier_wait(ds_free.at[slot])
         # V, the Aᵀ and dSᵀ tiles are no longer read: the next item's V loads now, while dV
         # leaves through the operand tiles (BLOCK columns each) and dK through the K tile.
+        # (Its table row is read again here rather than kept in registers across the steps.)
+        upcoming = item_at(round_ + 1)
         pl.when(upcoming.is_tile)(lambda: load_v(wg, upcoming))
         dv = dv_acc[...] * post
         dv_tiles = [op_smem.at[wg, c] for c in range(d // BLOCK)]
@@ -510,7 +512,7 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
             pl.when(upcoming.is_tile)(lambda: load_k(wg, upcoming, 1 - k_buf))
           else:
             load_k(wg, item, k_buf)
-          consume(wg, item, upcoming, k_buf, step)
+          consume(wg, item, r, k_buf, step)
 
         if plan.fuse_dq and wg == 1:  # consumer 1 owns the dq staging tile
           pl.when(item.is_zero)(lambda: _zero_dq_padding(
