@@ -11,11 +11,9 @@ sample b and head h, with ``Su = q kᵀ`` (the unscaled scores), ``S = pre·Su``
 Deterministic kernels (no atomics) in the shape of JAX's ``pallas/ops/gpu/attention_mgpu.py``
 backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of SMEM stages):
 
-* **dK/dV** (:func:`_dkv_kernel`), a persistent grid (one CTA per SM walking its work items,
-  the ring's steps counted across them, so the producer loads the next item's first q/dO
-  blocks while the consumers finish the current one): an item is a kv tile of 128 rows of one
-  head (64 per consumer warpgroup, K and V resident in SMEM), which loops over the q blocks
-  (64 packed rows) of the samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
+* **dK/dV** (:func:`_dkv_kernel`): a CTA owns a kv tile of 128 rows of one head (64 per consumer
+  warpgroup, K and V resident in SMEM) and loops over the q blocks (64 packed rows) of the
+  samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
   ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per (sample, tile of
   Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops over every sample
   it overlaps. The scale-gradient partial sums come from the same registers.
@@ -24,7 +22,7 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway);
   consumer 0 hands its tile over through a barrier and goes on, consumer 1 computes and stores
   all of dQ's columns for the sample's rows (so the consumers do not meet every step). A few
-  extra items write zeros over dq's padding rows.
+  extra CTAs write zeros over dq's padding rows.
 * **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
   head (64 per consumer) and loops over the kv blocks (64 rows) of every sample with q rows in
   the block, into an accumulator of that sample's own, of which it stores the sample's rows.
@@ -47,10 +45,8 @@ products Aᵀ dO and dSᵀ Q: the up to 7 rows before a sample's first and the u
 last), as a NaN, never a silently wrong value.
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
-capacity T, except for writing zeros over dq's padding rows. The dK/dV items run longest
-first, in rounds that alternate direction over the CTAs (zig-zag, as the forward), so long
-samples do not trail at the end and every CTA gets a similar sum. The dQ kernel's grid is not
-persistent (one CTA per aligned q block and head).
+capacity T, except for writing zeros over dq's padding rows. The dK/dV tiles run
+longest first (the hardware schedules CTAs in order, so long samples do not trail at the end).
 """
 
 from __future__ import annotations
@@ -197,8 +193,6 @@ class _Plan:
   activation: str
   scale_grads: bool   # write the partial sums of d pre_scale and d post_scale
   add_do_to_dq: bool = False  # write dq + dO (gdpa_bwd's keyword)
-  sms: int = 132      # CTAs the persistent dK/dV grid may launch (one per SM)
-  k_buffers: int = 1  # K tiles per consumer (dK/dV kernel); with 2 the next item's K loads early
 
   @property
   def fuse_dq(self) -> bool:
@@ -207,22 +201,7 @@ class _Plan:
 
   @property
   def dkv_items(self) -> int:
-    """kv tiles (of one head)."""
     return self.batch * self.kv_tiles if self.dense else self.kv_tiles
-
-  @property
-  def dkv_work_items(self) -> int:
-    """Items of the persistent dK/dV grid: (kv tile, head), then (fused dQ)
-    :data:`DQ_ZERO_SHARES` shares per head of dq's padding rows to zero."""
-    return self.heads * (self.dkv_items + (DQ_ZERO_SHARES if self.fuse_dq else 0))
-
-  @property
-  def dkv_ctas(self) -> int:
-    return max(1, min(self.sms, self.dkv_work_items))
-
-  @property
-  def dkv_rounds(self) -> int:
-    return _cdiv(self.dkv_work_items, self.dkv_ctas)
 
 
 def _tiled(d: int, dtype):
@@ -306,47 +285,25 @@ def _sample_loop(first, count, body, carry):
 # dK / dV (and the scale-gradient partial sums).
 
 
-@dataclasses.dataclass(frozen=True)
-class _DkvItem:
-  """A work item of the persistent dK/dV grid, read from one table row: a (kv tile, head), or
-  (fused dQ) a share of dq's padding rows to zero. Past the last item nothing is set."""
-  h: jax.Array
-  pos: jax.Array      # position of the kv tile in the work order (the scale partials' row)
-  is_tile: jax.Array  # a (kv tile, head)
-  is_zero: jax.Array  # a share of dq's padding rows (fused dQ only)
-  first: jax.Array    # first sample of the tile (dense: its sample)
-  count: jax.Array    # samples of the tile
-  kv_base: jax.Array  # first kv row of the tile (dense: relative to the sample)
-  steps: jax.Array    # q-block steps of the tile (0 unless is_tile)
-
-  @classmethod
-  def read(cls, plan: _Plan, table_ref, round_):
-    """The item of this CTA in round ``round_``: item ``i`` is the kv tile at position
-    ``i // H`` of the work order (most q blocks first) and head ``i % H``; rounds alternate
-    direction over the CTAs (zig-zag, as the forward), so every CTA gets a similar sum."""
-    cta, ctas = lax.axis_index("cta"), plan.dkv_ctas
-    index = round_ * ctas + jnp.where(lax.rem(round_, 2) == 0, cta, ctas - 1 - cta)
-    pos, h = lax.div(index, plan.heads), lax.rem(index, plan.heads)
-    is_tile = pos < plan.dkv_items
-    row = jnp.minimum(pos, plan.dkv_items - 1)
-    col = lambda c: table_ref[row, c]  # noqa: E731  (independent loads)
-    return cls(h=h, pos=pos, is_tile=is_tile,
-               is_zero=jnp.logical_not(is_tile) & (index < plan.dkv_work_items),
-               first=col(0), count=jnp.where(is_tile, col(1), 0), kv_base=col(2) * TILE,
-               steps=jnp.where(is_tile, col(3), 0))
-
-
-def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_ref, v_ref,
-                q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
-  """Persistent: each CTA walks its items (:class:`_DkvItem`). The ring's steps count across
-  the items, so the producer loads the next item's first q/dO blocks while the consumers finish
-  the current one; an item's dK/dV stores run while the next one starts (the K/V tiles that
-  stage them are reloaded once the stores have read them)."""
+def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
+                do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
   dk_ref, dv_ref = out_refs[:2]
   dq_ref = out_refs[2] if plan.fuse_dq else None
   partial_ref = out_refs[-1] if plan.scale_grads else None
   d, dtype = plan.head_dim, plan.dtype
-  item_at = functools.partial(_DkvItem.read, plan, table_ref)
+  h = lax.axis_index("h")
+  cta = lax.axis_index("item")
+  is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that zeroes dq's padding rows
+  item = order_ref[jnp.minimum(cta, plan.dkv_items - 1)]
+  first, count = first_ref[item], count_ref[item]
+  if plan.dense:  # one sample; rows relative to it
+    kv_views = (k_ref.at[first, :, h, :], v_ref.at[first, :, h, :])
+    dkv_views = (dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :])
+    kv_base = lax.rem(item, plan.kv_tiles) * TILE
+  else:
+    kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
+    dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
+    kv_base = item * TILE
   q_end = q_off_ref[plan.batch]  # blocks reaching past it read the zero-padded tail copy
   tail_base = _q_tail_base(q_end)
 
@@ -360,65 +317,46 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
       return 0, plan.kv_rows
     return kv_off_ref[s], kv_off_ref[s + 1]
 
-  def views(item):
-    """(k, v views), (dk, dv views) of a tile item's head (dense: of its sample)."""
-    h = item.h
-    if plan.dense:
-      s = item.first
-      return ((k_ref.at[s, :, h, :], v_ref.at[s, :, h, :]),
-              (dk_ref.at[s, :, h, :], dv_ref.at[s, :, h, :]))
-    return (k_ref.at[:, h, :], v_ref.at[:, h, :]), (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
-
-  def scoped(ring_allocs, kv_smem, v_barrier, k_barrier, op_smem, partial_smem, dq_smem, ds_ready,
+  def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
              ds_free):
     ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
 
     def producer():
-      def round_(r, step):
-        item = item_at(r)
+      def sample(s, step):
+        _, _, win, blocks = q_span(s)
 
-        def sample(s, step):
-          _, _, win, blocks = q_span(s)
+        @pl.loop(0, blocks)
+        def _(j):
+          row = win + j * BLOCK
+          rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
+          main = (q_ref.at[rows, h, :], do_ref.at[rows, h, :])
+          tail_rows = pl.ds(pl.multiple_of(row - tail_base, ROW_ALIGN), BLOCK)
+          tail = (q_tail_ref.at[tail_rows, h, :], do_tail_ref.at[tail_rows, h, :])
+          _produce_block(ring, step + j, row + BLOCK > q_end, main, tail)
+        return step + blocks
 
-          @pl.loop(0, blocks)
-          def _(j):
-            row = win + j * BLOCK
-            rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
-            main = (q_ref.at[rows, item.h, :], do_ref.at[rows, item.h, :])
-            tail_rows = pl.ds(pl.multiple_of(row - tail_base, ROW_ALIGN), BLOCK)
-            tail = (q_tail_ref.at[tail_rows, item.h, :], do_tail_ref.at[tail_rows, item.h, :])
-            _produce_block(ring, step + j, row + BLOCK > q_end, main, tail)
-          return step + blocks
+      pl.when(is_item)(lambda: mgpu.ring_drain(
+          ring, _sample_loop(first, count, sample, jnp.int32(0))))
 
-        return _sample_loop(item.first, item.count, sample, step)
-
-      mgpu.ring_drain(ring, lax.fori_loop(0, plan.dkv_rounds, round_, jnp.int32(0)))
-
-    def consume(wg: int, item, round_, k_buf, first_step):
-      """Consumer ``wg`` (static: SMEM addresses known at compile time) on the tile item of
-      round ``round_``, whose K tile is in K buffer ``k_buf`` and whose q-block steps start at
-      ring step ``first_step``; the next round's item's V loads during this one's epilogue.
-      With fused dQ the roles differ: consumer 0 hands its dSᵀ tile of each step to consumer
-      1 (``ds_ready``) and goes on; consumer 1 computes all of dQ's columns from both tiles
-      and frees consumer 0's slot (``ds_free``), so neither waits for the other within a step
-      and the consumer ahead runs its elementwise work while the other's WGMMAs use the tensor
-      cores."""
-      k_smem, v_smem = kv_smem.at[wg, 1 + k_buf], kv_smem.at[wg, 0]
-      _, dkv_views = views(item)
-      row0 = item.kv_base + wg * BLOCK
+    def consume(wg: int):
+      """Consumer ``wg`` (static: SMEM addresses known at compile time). With fused dQ the
+      roles differ: consumer 0 hands its dSᵀ tile of each step to consumer 1 (``ds_ready``)
+      and goes on; consumer 1 computes all of dQ's columns from both tiles and frees consumer
+      0's slot (``ds_free``), so neither waits for the other within a step and the consumer
+      ahead runs its elementwise work while the other's WGMMAs use the tensor cores."""
+      k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
+      row0 = kv_base + wg * BLOCK
       computes_dq = plan.fuse_dq and wg == 1
 
       def with_accs(dk_acc, dv_acc):
-        plgpu.barrier_wait(v_barrier.at[wg])
-        plgpu.barrier_wait(k_barrier.at[wg, k_buf])
-        if computes_dq:
-          # Fused dQ reads the other consumer's K tile too: wait for its load. Then both dSᵀ
-          # slots start free (consumer 0 waits for every phase). Only after that wait: the
-          # load follows consumer 0's last waits on these barriers for the previous item, so
-          # no arrival here completes a phase it has not waited for.
-          plgpu.barrier_wait(k_barrier.at[0, k_buf])
+        if computes_dq:  # both dSᵀ slots start free (consumer 0 waits for every phase)
           for slot in range(2):
             plgpu.barrier_arrive(ds_free.at[slot])
+        for view, tile in zip(kv_views, (k_smem, v_smem)):
+          plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], tile, kv_barrier.at[wg])
+        # Fused dQ reads the other consumer's K tile too: wait for both loads.
+        for w in range(2) if computes_dq else (wg,):
+          plgpu.barrier_wait(kv_barrier.at[w])
         pre, post = scales_ref[0], scales_ref[1]
         ids = _tile_ids()
 
@@ -437,148 +375,77 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
                                  (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
                                  partials, hand_off, in_flight=computes_dq)
             if computes_dq:
-              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem.at[:, 1 + k_buf],
-                        (ds_ready.at[slot], ds_free.at[slot]), dq_smem,
-                        dq_ref.at[:, item.h, :], col0, q_lo, q_hi, do_stage)
+              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem,
+                        (ds_ready.at[slot], ds_free.at[slot]), dq_smem, dq_ref.at[:, h, :], col0,
+                        q_lo, q_hi, do_stage)
             return partials
 
           partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
           return step + blocks, partials
 
         partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
-        _, partials = _sample_loop(item.first, item.count, sample, (first_step, partials))
+        _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
         if plan.fuse_dq and wg == 0:
-          # Consumer 1's last dQ WGMMAs may still read this K tile and the dSᵀ slots: wait
-          # until it freed both slots (the last phase of each; every waiter sees every phase).
+          # Consumer 1's last dQ WGMMAs may still read this K tile: wait until it freed both
+          # slots (the last phase of each; also every waiter must see every phase).
           for slot in range(2):
             plgpu.barrier_wait(ds_free.at[slot])
-        # V, the Aᵀ and dSᵀ tiles are no longer read: the next item's V loads now, while dV
-        # leaves through the operand tiles (BLOCK columns each) and dK through the K tile.
-        # (Its table row is read again here rather than kept in registers across the steps.)
-        upcoming = item_at(round_ + 1)
-        pl.when(upcoming.is_tile)(lambda: load_v(wg, upcoming))
-        dv = dv_acc[...] * post
-        dv_tiles = [op_smem.at[wg, c] for c in range(d // BLOCK)]
-        for c, tile in enumerate(dv_tiles):
-          tile[...] = dv[:, c * BLOCK:(c + 1) * BLOCK].astype(dtype)
+        # K and V are no longer read: their SMEM stages the outputs.
         k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
+        v_smem[...] = (dv_acc[...] * post).astype(dtype)
         if plan.scale_grads:
-          # One cross-lane reduction per item, not per step.
+          # One cross-lane reduction per CTA, not per step.
           partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
           partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
         plgpu.commit_smem()
-        rows = pl.ds(row0, BLOCK)
-        plgpu.copy_smem_to_gmem(k_smem, dkv_views[0].at[rows])
-        for c, tile in enumerate(dv_tiles):
-          plgpu.copy_smem_to_gmem(tile, dkv_views[1].at[rows, pl.ds(c * BLOCK, BLOCK)])
+        for view, tile in zip(dkv_views, (k_smem, v_smem)):
+          plgpu.copy_smem_to_gmem(tile, view.at[pl.ds(row0, BLOCK)])
         if plan.scale_grads:
-          plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[item.h, item.pos, wg])
-        # Only SMEM must outlive the stores before the next item reuses it: waiting for their
-        # reads, not their writes, lets the next item start ~the HBM write latency earlier
-        # (CUTLASS's epilogues do the same; the grid's end makes the writes visible).
+          plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[h, cta, wg])
+        # Only SMEM must outlive the stores: waiting for their reads, not their writes, lets
+        # the CTA retire and the next one start ~the HBM write latency earlier (CUTLASS's
+        # epilogues end the same way; the grid's end makes the writes visible).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
 
-    def load_k(wg: int, item, k_buf) -> None:
-      view = views(item)[0][0]
-      plgpu.copy_gmem_to_smem(view.at[pl.ds(item.kv_base + wg * BLOCK, BLOCK)],
-                              kv_smem.at[wg, 1 + k_buf], k_barrier.at[wg, k_buf])
-
-    def load_v(wg: int, item) -> None:
-      view = views(item)[0][1]
-      plgpu.copy_gmem_to_smem(view.at[pl.ds(item.kv_base + wg * BLOCK, BLOCK)],
-                              kv_smem.at[wg, 0], v_barrier.at[wg])
-
-    def consumer_rounds(wg: int):
-      """The items of this CTA. Tile items come first (rounds 0, 1, ...): the first loads
-      its own K and V; later ones find V loading since the previous item's epilogue and,
-      with two K buffers (alternating by round), K loading since the previous item's start
-      (the buffer held the K of the item before, whose dK stores it staged and whose
-      epilogue waited for their reads)."""
-      def round_(r, step):
-        item, upcoming = item_at(r), item_at(r + 1)
-        k_buf = lax.rem(r, plan.k_buffers)
-
-        @pl.when(item.is_tile)
-        def _():
-          @pl.when(r == 0)
-          def _():
-            load_v(wg, item)
-            if plan.k_buffers == 2:
-              load_k(wg, item, k_buf)
-
-          if plan.k_buffers == 2:
-            pl.when(upcoming.is_tile)(lambda: load_k(wg, upcoming, 1 - k_buf))
-          else:
-            load_k(wg, item, k_buf)
-          consume(wg, item, r, k_buf, step)
-
-        if plan.fuse_dq and wg == 1:  # consumer 1 owns the dq staging tile
-          pl.when(item.is_zero)(lambda: _zero_dq_padding(
-              dq_ref.at[:, item.h, :], q_end, item.pos - plan.dkv_items, dq_smem))
-        return step + item.steps
-
-      lax.fori_loop(0, plan.dkv_rounds, round_, jnp.int32(0))
-
     def consumer():
       wg = lax.axis_index("wg")
-      for w in range(2):  # one copy of the loops per consumer, each with its static index
-        pl.when(wg == w)(functools.partial(consumer_rounds, w))
+      for w in range(2):  # one copy of the loop per consumer, each with its static index
+        pl.when(is_item & (wg == w))(functools.partial(consume, w))
+      if plan.fuse_dq:
+        pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
+            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem))
 
     mgpu.warp_specialize(producer, consumer)
 
-  pl.run_scoped(scoped, *_dkv_smem(plan), collective_axes="wg")
-
-
-def _dkv_smem(plan: _Plan) -> tuple:
-  """The dK/dV kernel's SMEM and barriers, in :func:`_dkv_kernel`'s ``scoped`` order."""
-  d, dtype = plan.head_dim, plan.dtype
-  return (
+  pl.run_scoped(
+      scoped,
       _ring_allocs(d, dtype),
-      # per consumer: V, then K in plan.k_buffers buffers
-      plgpu.SMEM((2, 1 + plan.k_buffers, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
-      plgpu.Barrier(num_barriers=2),  # per consumer: its V copy
-      plgpu.Barrier(num_barriers=(2, plan.k_buffers)),  # per consumer and buffer: its K copy
+      plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
       _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
       plgpu.SMEM((2, 2, BLOCK), jnp.float32),
       plgpu.SMEM((BLOCK, d), dtype),  # consumer 1's dq tile (unswizzled)
       plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 0's dSᵀ tile of a slot written
       plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 1's dQ read it: slot free
+      collective_axes="wg",
   )
 
 
-def _dkv_smem_bytes(head_dim: int, dtype, k_buffers: int, scale_grads: bool) -> int:
-  """SMEM of the dK/dV kernel's buffers (barriers aside; with ``scale_grads`` the 2 KB that
-  Mosaic reserves for any reduction): ring, V and K tiles, operand tiles, partials, dq tile."""
-  tile = BLOCK * head_dim * jnp.dtype(dtype).itemsize
-  operand = BLOCK * BLOCK * jnp.dtype(dtype).itemsize
-  partials = 2 * 2 * BLOCK * 4
-  reduction = plgpu.CompilerParams().reduction_scratch_bytes if scale_grads else 0
-  return (2 * STAGES * tile + 2 * (1 + k_buffers) * tile + 6 * operand + partials + tile
-          + reduction)
-
-
-DKV_SMEM_BYTES = mgpu.SMEM_BYTES - 1024
-"""What :func:`_dkv_smem_bytes` may count (the barriers and alignment take the rest): two K
-buffers fit at D = 128 in bfloat16 (230,400 bytes) unless the scale-gradient sums' reduction
-scratch is needed too; D = 64 always has room."""
-
-DQ_ZERO_SHARES = 16
-"""Items per head of the dK/dV grid that write zeros over dq's padding rows when dQ is fused
-into the dK/dV kernel (no kv tile owns those rows)."""
+DQ_ZERO_CTAS = 16
+"""CTAs per head that write zeros over dq's padding rows when dQ is fused into the dK/dV
+kernel (no other CTA owns those rows)."""
 
 
 def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
-  """Writes zeros over share ``index`` (of :data:`DQ_ZERO_SHARES`) of the padding rows
-  [total, T) of one head's dq (T, D), in whole BLOCK-row stores (clipped at T), staged in
-  ``zero_smem`` (consumer 1's dq tile, whose earlier stores the wait below lets finish)."""
+  """Writes zeros over share ``index`` (of :data:`DQ_ZERO_CTAS`) of the padding rows
+  [total, T) of one head's dq (T, D), in whole BLOCK-row stores (clipped at T)."""
   capacity, d = dq_view.shape
-  share = _cdiv(_cdiv(capacity - total, DQ_ZERO_SHARES), BLOCK) * BLOCK
+  share = _cdiv(_cdiv(capacity - total, DQ_ZERO_CTAS), BLOCK) * BLOCK
   lo = total + index * share
   blocks = _cdiv(jnp.maximum(jnp.minimum(lo + share, capacity) - lo, 0), BLOCK)
   cols = zero_smem.shape[1]
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   zero_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK, cols), zero_smem.dtype),
                                      plgpu.Layout.WGMMA)
   plgpu.commit_smem()
@@ -591,13 +458,12 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fused_dq(plan: _Plan, scale, ds_tiles, k_tiles, slot_barriers, dq_smem, dq_view, col0,
+def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_smem, dq_view, col0,
               q_lo, q_hi, do_stage) -> None:
   """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK), run by
   consumer 1 after issuing its dV/dK WGMMAs: once consumer 0's dSᵀ tile is in SMEM (the
   ``ready`` barrier of ``slot_barriers = (ready, free)``), dQ = Σ_w dSᵀ[w]ᵀ K[w] over both
-  consumers' tiles (``ds_tiles[w]``: BLOCK kv × BLOCK q rows, ``k_tiles[w]``: BLOCK kv rows ×
-  D; every kv row is in the CTA),
+  consumers' tiles (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; every kv row is in the CTA),
   all D columns, stored for the rows of the sample, [q_lo, q_hi) ∩ the block. Reading the dQ
   accumulator waits for every WGMMA of the step; then ``free`` lets consumer 0 rewrite its
   slot (two steps later: the dSᵀ tiles alternate between two slots). With
@@ -607,7 +473,7 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, k_tiles, slot_barriers, dq_smem, dq_
 
   def issue(acc):
     for w in range(2):
-      plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), k_tiles.at[w])
+      plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0])
     return acc[...]
 
   dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, plan.head_dim)))
@@ -863,28 +729,21 @@ def _scale_array(pre_scale, post_scale):
   return jnp.stack([jnp.asarray(pre_scale, jnp.float32), jnp.asarray(post_scale, jnp.float32)])
 
 
-def _dkv_table(plan: _Plan, q_offsets, first, count):
-  """(dkv_items, 4) int32 rows (first sample, sample count, kv tile index, q-block steps) of
-  the kv tiles, most q-block steps first (ties keep their order): one row per item, so the
-  kernel reads an item's fields with independent loads. The tile index (dense: within its
-  sample) is multiplied by TILE in the kernel, so Mosaic knows the row is tile-aligned."""
+def _dkv_order(plan: _Plan, q_offsets, first, count):
+  """dK/dV tiles, most q blocks first (ties keep their order)."""
   _, q_blocks = _q_window(q_offsets[:-1], q_offsets[1:])
   per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                            q_blocks.astype(jnp.int32)]))
-  steps = (per_sample[first + count] - per_sample[first]).astype(jnp.int32)
-  tiles = jnp.arange(plan.dkv_items, dtype=jnp.int32)
-  kv_tile = lax.rem(tiles, plan.kv_tiles) if plan.dense else tiles
-  table = jnp.stack([first.astype(jnp.int32), count.astype(jnp.int32), kv_tile, steps], axis=1)
-  return table[jnp.argsort(-steps, stable=True)]
+  work = per_sample[first + count] - per_sample[first]
+  return jnp.argsort(-work, stable=True).astype(jnp.int32)
 
 
-def _call(kernel, plan: _Plan, grid: dict, out_type, interpret: bool):
-  """``kernel`` on the named ``grid`` ({name: size}) of CTAs of 3 warpgroups."""
+def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
   return plgpu.kernel(
       functools.partial(kernel, plan=plan),
       out_type=out_type,
-      grid=tuple(grid.values()),
-      grid_names=tuple(grid),
+      grid=(plan.heads, grid_items),
+      grid_names=("h", "item"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -946,8 +805,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     scale_grads = not all(isinstance(x, (int, float)) for x in (pre_scale, post_scale))
   plan = _Plan(batch=batch, heads=heads, head_dim=d, dtype=dtype, dense=dense, kv_rows=kv_rows,
                kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads,
-               add_do_to_dq=add_do_to_dq, sms=mgpu.num_sms(interpret),
-               k_buffers=2 if _dkv_smem_bytes(d, dtype, 2, scale_grads) <= DKV_SMEM_BYTES else 1)
+               add_do_to_dq=add_do_to_dq)
   q_offsets = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.zeros((batch + 1,), jnp.int32) if dense else jnp.asarray(kv_offsets, jnp.int32)
   scales = _scale_array(pre_scale, post_scale)
@@ -958,14 +816,15 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     kv_first, kv_count = items // plan.kv_tiles, jnp.ones_like(items)
   else:
     kv_first, kv_count = _overlaps(kv_off, TILE, plan.dkv_items)
-  table = _dkv_table(plan, q_offsets, kv_first, kv_count)
+  order = _dkv_order(plan, q_offsets, kv_first, kv_count)
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype)] * 2
   if plan.fuse_dq:
     out_type.append(jax.ShapeDtypeStruct(q.shape, dtype))
   if scale_grads:
     out_type.append(jax.ShapeDtypeStruct((heads, plan.dkv_items, 2, 2, BLOCK), jnp.float32))
-  dkv_outs = _call(_dkv_kernel, plan, {"cta": plan.dkv_ctas}, out_type, interpret)(
-      table, q_offsets, kv_off, scales, q, do, k, v,
+  grid_items = plan.dkv_items + (DQ_ZERO_CTAS if plan.fuse_dq else 0)
+  dkv_outs = _call(_dkv_kernel, plan, grid_items, out_type, interpret)(
+      order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
       _q_tail(q, q_offsets), _q_tail(do, q_offsets))
   dk, dv = dkv_outs[:2]
 
@@ -976,8 +835,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     q_first, q_count = _overlaps(q_offsets, TILE, q_blocks)
     # Dense k/v have no padding rows: a placeholder takes the tail's place.
     k_tail = jnp.zeros((BLOCK, heads, d), dtype) if dense else _tail_block(k, kv_off)
-    dq = _call(_dq_kernel, plan, {"h": heads, "item": q_blocks},
-               jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
+    dq = _call(_dq_kernel, plan, q_blocks, jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
         q_first, q_count, q_offsets, kv_off, scales, q, do, k, v, k_tail)
 
   if not scale_grads:
