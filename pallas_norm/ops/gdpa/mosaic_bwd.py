@@ -464,25 +464,31 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_smem, dq_
   consumer 1 after issuing its dV/dK WGMMAs: once consumer 0's dSᵀ tile is in SMEM (the
   ``ready`` barrier of ``slot_barriers = (ready, free)``), dQ = Σ_w dSᵀ[w]ᵀ K[w] over both
   consumers' tiles (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; every kv row is in the CTA),
-  all D columns, stored for the rows of the sample, [q_lo, q_hi) ∩ the block. Reading the dQ
-  accumulator waits for every WGMMA of the step; then ``free`` lets consumer 0 rewrite its
-  slot (two steps later: the dSᵀ tiles alternate between two slots). With
+  all D columns (in BLOCK-column halves), stored for the rows of the sample, [q_lo, q_hi) ∩
+  the block. Reading the dQ accumulator waits for every WGMMA of the step; after the last half
+  ``free`` lets consumer 0 rewrite its slot (two steps later: the dSᵀ tiles alternate between
+  two slots). With
   ``plan.add_do_to_dq``, dQ + dO (``do_stage``, the step's ring stage)."""
   ready, free = slot_barriers
   plgpu.barrier_wait(ready)
+  # One column half of D at a time (m64n64 WGMMAs): 32 accumulator registers live, not 64,
+  # beside the dK/dV accumulators (the consumer's register budget is what ptxas spills).
+  for half in range(plan.head_dim // BLOCK):
+    cols = pl.ds(half * BLOCK, BLOCK)
 
-  def issue(acc):
-    for w in range(2):
-      plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0])
-    return acc[...]
+    def issue(acc, cols=cols):
+      for w in range(2):
+        plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0, :, cols])
+      return acc[...]
 
-  dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, plan.head_dim)))
-  plgpu.barrier_arrive(free)
-  dq = dq * scale
-  if plan.add_do_to_dq:
-    dq = dq + plgpu.load(do_stage, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
-  dq_smem[...] = dq.astype(plan.dtype)
+    dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK))) * scale
+    if half == plan.head_dim // BLOCK - 1:
+      plgpu.barrier_arrive(free)
+    if plan.add_do_to_dq:
+      dq = dq + plgpu.load(do_stage.at[:, cols], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    if half == 0:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
+    dq_smem.at[:, cols][...] = dq.astype(plan.dtype)
   plgpu.commit_smem()
   lo = jnp.maximum(q_lo - col0, 0)
   _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo, dq_view.at[pl.ds(col0, BLOCK)])
