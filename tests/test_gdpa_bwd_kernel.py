@@ -166,13 +166,11 @@ def test_float16_dense_kv_64():
     ([0, 130, 1, 0, 64, 7], 264, 2, 128, 128),
     ([9, 0, 71], 96, 2, 64, 192),
 ])
-def test_persistent_grid_many_items(lengths, capacity, heads, d, lkv):
-  """The persistent dK/dV grid walks more items than it has CTAs (interpret mode launches
-  :data:`pallas_norm.mgpu.INTERPRET_NUM_CTAS`): every CTA takes several (kv tile, head) items
-  in zig-zag rounds, the ring's steps and the barriers' phases carried across them. Empty
-  samples (items without q blocks, both among the long items' heads and last), lengths that are
-  not multiples of the block, and dq's padding shares (fused dQ: 12 tile items + 32 shares on
-  2 CTAs); Lkv = 192 at D = 64 gives two kv tiles per sample (the dQ kernel's path)."""
+def test_many_items_and_empty_samples(lengths, capacity, heads, d, lkv):
+  """Many (kv tile, head) items over two heads, ordered by their q blocks: empty samples (items
+  without q blocks, among the long items and last), lengths that are not multiples of the
+  block, dq's padding rows (fused dQ: 12 tile items + 32 zeroing CTAs); Lkv = 192 at D = 64
+  gives two kv tiles per sample (the dQ kernel's path)."""
   _check(lengths, capacity, heads, d, "fast_gelu", lkv=lkv, seed=5)
 
 
