@@ -285,8 +285,8 @@ def _sample_loop(first, count, body, carry):
 # dK / dV (and the scale-gradient partial sums).
 
 
-def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_ref, v_ref,
-                q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
+def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
+                do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
   dk_ref, dv_ref = out_refs[:2]
   dq_ref = out_refs[2] if plan.fuse_dq else None
   partial_ref = out_refs[-1] if plan.scale_grads else None
@@ -294,15 +294,16 @@ def _dkv_kernel(table_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, do_ref, k_r
   h = lax.axis_index("h")
   cta = lax.axis_index("item")
   is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that zeroes dq's padding rows
-  # The CTA's row of the work table: independent loads (not order -> first -> count).
-  row = jnp.minimum(cta, plan.dkv_items - 1)
-  first, count, kv_base = table_ref[row, 0], table_ref[row, 1], table_ref[row, 2] * TILE
+  item = order_ref[jnp.minimum(cta, plan.dkv_items - 1)]
+  first, count = first_ref[item], count_ref[item]
   if plan.dense:  # one sample; rows relative to it
     kv_views = (k_ref.at[first, :, h, :], v_ref.at[first, :, h, :])
     dkv_views = (dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :])
+    kv_base = lax.rem(item, plan.kv_tiles) * TILE
   else:
     kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
     dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
+    kv_base = item * TILE
   q_end = q_off_ref[plan.batch]  # blocks reaching past it read the zero-padded tail copy
   tail_base = _q_tail_base(q_end)
 
@@ -463,31 +464,25 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_smem, dq_
   consumer 1 after issuing its dV/dK WGMMAs: once consumer 0's dSᵀ tile is in SMEM (the
   ``ready`` barrier of ``slot_barriers = (ready, free)``), dQ = Σ_w dSᵀ[w]ᵀ K[w] over both
   consumers' tiles (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; every kv row is in the CTA),
-  all D columns (in BLOCK-column halves), stored for the rows of the sample, [q_lo, q_hi) ∩
-  the block. Reading the dQ accumulator waits for every WGMMA of the step; after the last half
-  ``free`` lets consumer 0 rewrite its slot (two steps later: the dSᵀ tiles alternate between
-  two slots). With
+  all D columns, stored for the rows of the sample, [q_lo, q_hi) ∩ the block. Reading the dQ
+  accumulator waits for every WGMMA of the step; then ``free`` lets consumer 0 rewrite its
+  slot (two steps later: the dSᵀ tiles alternate between two slots). With
   ``plan.add_do_to_dq``, dQ + dO (``do_stage``, the step's ring stage)."""
   ready, free = slot_barriers
   plgpu.barrier_wait(ready)
-  # One column half of D at a time (m64n64 WGMMAs): 32 accumulator registers live, not 64,
-  # beside the dK/dV accumulators (the consumer's register budget is what ptxas spills).
-  for half in range(plan.head_dim // BLOCK):
-    cols = pl.ds(half * BLOCK, BLOCK)
 
-    def issue(acc, cols=cols):
-      for w in range(2):
-        plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0, :, cols])
-      return acc[...]
+  def issue(acc):
+    for w in range(2):
+      plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0])
+    return acc[...]
 
-    dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK))) * scale
-    if half == plan.head_dim // BLOCK - 1:
-      plgpu.barrier_arrive(free)
-    if plan.add_do_to_dq:
-      dq = dq + plgpu.load(do_stage.at[:, cols], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-    if half == 0:
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
-    dq_smem.at[:, cols][...] = dq.astype(plan.dtype)
+  dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, plan.head_dim)))
+  plgpu.barrier_arrive(free)
+  dq = dq * scale
+  if plan.add_do_to_dq:
+    dq = dq + plgpu.load(do_stage, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
+  dq_smem[...] = dq.astype(plan.dtype)
   plgpu.commit_smem()
   lo = jnp.maximum(q_lo - col0, 0)
   _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo, dq_view.at[pl.ds(col0, BLOCK)])
@@ -734,19 +729,13 @@ def _scale_array(pre_scale, post_scale):
   return jnp.stack([jnp.asarray(pre_scale, jnp.float32), jnp.asarray(post_scale, jnp.float32)])
 
 
-def _dkv_table(plan: _Plan, q_offsets, first, count):
-  """(dkv_items, 3) int32 rows (first sample, sample count, kv tile index) of the dK/dV tiles,
-  most q blocks first (ties keep their order): CTA i reads row i with independent loads. The
-  tile index (dense: within its sample) is multiplied by TILE in the kernel, so Mosaic knows
-  the kv row is tile-aligned."""
+def _dkv_order(plan: _Plan, q_offsets, first, count):
+  """dK/dV tiles, most q blocks first (ties keep their order)."""
   _, q_blocks = _q_window(q_offsets[:-1], q_offsets[1:])
   per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                            q_blocks.astype(jnp.int32)]))
   work = per_sample[first + count] - per_sample[first]
-  tiles = jnp.arange(plan.dkv_items, dtype=jnp.int32)
-  kv_tile = lax.rem(tiles, plan.kv_tiles) if plan.dense else tiles
-  table = jnp.stack([first.astype(jnp.int32), count.astype(jnp.int32), kv_tile], axis=1)
-  return table[jnp.argsort(-work, stable=True)]
+  return jnp.argsort(-work, stable=True).astype(jnp.int32)
 
 
 def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
@@ -827,7 +816,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     kv_first, kv_count = items // plan.kv_tiles, jnp.ones_like(items)
   else:
     kv_first, kv_count = _overlaps(kv_off, TILE, plan.dkv_items)
-  table = _dkv_table(plan, q_offsets, kv_first, kv_count)
+  order = _dkv_order(plan, q_offsets, kv_first, kv_count)
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype)] * 2
   if plan.fuse_dq:
     out_type.append(jax.ShapeDtypeStruct(q.shape, dtype))
@@ -835,7 +824,7 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     out_type.append(jax.ShapeDtypeStruct((heads, plan.dkv_items, 2, 2, BLOCK), jnp.float32))
   grid_items = plan.dkv_items + (DQ_ZERO_CTAS if plan.fuse_dq else 0)
   dkv_outs = _call(_dkv_kernel, plan, grid_items, out_type, interpret)(
-      table, q_offsets, kv_off, scales, q, do, k, v,
+      order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
       _q_tail(q, q_offsets), _q_tail(do, q_offsets))
   dk, dv = dkv_outs[:2]
 
