@@ -162,6 +162,18 @@ def test_float16_dense_kv_64():
   _check([64, 1], 72, 1, 64, "gelu", dtype=jnp.float16, lkv=64, seed=2, pre=1.1, post=0.6)
 
 
+@pytest.mark.parametrize("lengths,capacity,heads,d,lkv", [
+    ([0, 130, 1, 0, 64, 7], 264, 2, 128, 128),
+    ([9, 0, 71], 96, 2, 64, 192),
+])
+def test_many_items_and_empty_samples(lengths, capacity, heads, d, lkv):
+  """Many (kv tile, head) items over two heads, ordered by their q blocks: empty samples (items
+  without q blocks, among the long items and last), lengths that are not multiples of the
+  block, dq's padding rows (fused dQ: 12 tile items + 32 zeroing CTAs); Lkv = 192 at D = 64
+  gives two kv tiles per sample (the dQ kernel's path)."""
+  _check(lengths, capacity, heads, d, "fast_gelu", lkv=lkv, seed=5)
+
+
 def _poison_kv(k, v, kv_offsets, samples):
   """k, v with some keys and values of each of ``samples`` NaN / inf (dense), or every packed
   row of those samples NaN (jagged)."""
