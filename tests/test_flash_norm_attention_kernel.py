@@ -93,10 +93,10 @@ def test_fused_forward_matches_reference():
     assert not bool(jnp.any(got[total:] != 0))
 
 
-@pytest.mark.parametrize("switches", [(False, False, False), (True, False, True),
-                                      (True, True, False)])
+@pytest.mark.parametrize("switches", [(False, False, False), (True, True, False)])
 def test_fused_switches_match_reference(switches):
-  """The megakernel's switches: no LayerNorm / no inner residual / no outer residual."""
+  """The megakernel's switches: all off, and the outer residual off alone (with the default,
+  all on, in test_fused_forward_matches_reference, each switch runs both ways)."""
   pre_layer_norm, inner_residual, outer_residual = switches
   q, k, v, qo, affine = _problem(1, [3, 64, 20], 2, 64)
   if not pre_layer_norm:
@@ -459,11 +459,12 @@ def test_gpu_norm_backward_kernels():
     assert _rel_err(db1, jnp.sum(duf, axis=0)) < 1e-2
 
 
-@pytest.mark.parametrize("bad_offsets,max_seq_len", [([0, 4, 40], None),  # last > T
-                                                     ([0, 4, 16], 8)])  # a sample > max_seq_len
+@pytest.mark.parametrize("bad_offsets,max_seq_len", [([0, 4, 40], None)])  # last > T
 def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len):
   """Traced offsets that break the jagged convention: the fused path answers with NaN in every
-  output row and every gradient (NaN scales, no pass over the data), as the GDPA kernel does."""
+  output row and every gradient (NaN scales, no pass over the data), as the GDPA kernel does.
+  Every condition that raises the flag (past capacity, a sample longer than max_seq_len) is
+  tested on its own in test_traced_offsets.py and test_jagged.py; one trips the poison here."""
   q, k, v, _, _ = _problem(8, [4, 12], 2, 64)
   q = jnp.where(jnp.isnan(q), 0, q)
 
