@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Every op of --quick in one variant and, but for norm_matmul, one mode: short enough for CI.
 # The attention ops run forward only: flash_norm_attention's fwd+bwd (and its limit, gdpa's)
 # cost ~80% of the whole test in interpret mode, and the fwd+bwd rows' plumbing is the same as
-# norm_matmul's. layer_norm fwd+bwd runs the row-norm kernel (rms_norm has none).
+# norm_matmul's. layer_norm fwd+bwd runs the row-norm kernel (rms_norm's is the same kernel).
 # test_every_case_runs_at_tiny_shapes runs all of them.
 QUICK_SUBSET = (r"norm_matmul/rms/|matmul_norm/layer\+res/.*fwd\+bwd|gdpa/.*fwd$"
                 r"|flash_norm_attention/.*fwd$|layer_norm/.*fwd\+bwd")

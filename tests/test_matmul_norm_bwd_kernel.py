@@ -17,6 +17,7 @@ from pallas_norm import mgpu
 from pallas_norm.ops.matmul_norm import api as mn
 from pallas_norm.ops.matmul_norm import mosaic_bwd as mb
 from pallas_norm.ops.matmul_norm import xla as mn_xla
+from pallas_norm.ops.norms import triton as norms_triton
 
 ALL_SUMS = ("dscale", "dbias", "ddense")
 DH_TOL = {jnp.dtype(jnp.bfloat16): 2 ** -8, jnp.dtype(jnp.float16): 2 ** -10}
@@ -254,30 +255,33 @@ def _spy(monkeypatch):
   return calls
 
 
-@pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
-  """The op's default backward runs the norm kernel for both norms; against the same forward's
-  backward by XLA's passes (what the op runs where the kernel does not take the shape, forced
-  here). One forward (jax.vjp), its backward rule run twice."""
-  m, k, n = 80, 64, 128
-  ks = jax.random.split(jax.random.key(11), 8)
+def _op_pullback(seed, m, k, n, norm):
+  """The pullback of one interpret-mode forward of the op with every optional operand and h
+  returned (bf16), and random cotangents of (y, h)."""
+  ks = jax.random.split(jax.random.key(seed), 8)
   bf = jnp.bfloat16
   x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(bf)
   w = (jax.random.normal(ks[1], (k, n), jnp.float32) / 8).astype(bf)
   residual = jax.random.normal(ks[2], (m, n), jnp.float32).astype(bf)
   vecs = tuple(jax.random.normal(kk, (n,), jnp.float32) * 0.5 + 1.0 for kk in ks[3:6])
-  dy = jax.random.normal(ks[6], (m, n), jnp.float32)
-  dh_ct = jax.random.normal(ks[7], (m, n), jnp.float32)
-  calls = _spy(monkeypatch)
 
   def op(x, w, residual, dense, scale, bias):
     return mn.matmul_norm(x, w, dense_bias=dense, residual=residual, scale=scale, norm_bias=bias,
                           norm=norm, return_h=True, implementation="interpret")
 
+  _, pullback = jax.vjp(op, x, w, residual, *vecs)
+  return pullback, tuple(jax.random.normal(kk, (m, n), jnp.float32).astype(bf) for kk in ks[6:])
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_op_backward_uses_kernel_and_matches_xla_backward(monkeypatch, norm):
+  """The op's default backward runs the norm kernel for both norms; against the same forward's
+  backward by XLA's passes (what the op runs where the kernel does not take the shape, forced
+  here). One forward (jax.vjp), its backward rule run twice."""
+  calls = _spy(monkeypatch)
   # The custom_vjp's backward rule runs when the pullback is called, so each call below picks
   # the norm backward anew (kernel first, then XLA's passes).
-  (y, h), pullback = jax.vjp(op, x, w, residual, *vecs)
-  cotangents = (dy.astype(y.dtype), dh_ct.astype(h.dtype))
+  pullback, cotangents = _op_pullback(11, 80, 64, 128, norm)
   got = pullback(cotangents)
   assert calls == [ALL_SUMS]
   assert not mgpu.races_found()
@@ -324,6 +328,82 @@ def test_op_backward_with_float16_output_keeps_xla_and_stays_finite(monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------------
+# The one-pass row kernel with the Triton lowering (pallas_norm.ops.norms.triton.norm_backward),
+# the other candidate for the op's norm backward (configs.norm_backward_kernel).
+
+
+def _run_rows(args, norm, sums, interpret):
+  dy, xhat, rstd, scale, dh_out = args
+  out = jax.jit(lambda *a: norms_triton.norm_backward(*a, norm=norm, sums=sums,
+                                                      interpret=interpret))(
+      dy, xhat, rstd, scale, dh_out)
+  return jax.block_until_ready(out)
+
+
+def _check_rows(out, oracle, sums, dtype):
+  """The row kernel's (dh, {name: column sum}) against the float64 oracle (same tolerances)."""
+  dh, got_sums = out
+  assert dh.dtype == jnp.dtype(dtype) and sorted(got_sums) == sorted(sums)
+  dh = np.asarray(dh, np.float64)
+  assert np.all(np.isfinite(dh))  # an unwritten element would be NaN in interpret mode
+  err = np.max(np.abs(dh - oracle[0])) / np.max(np.abs(oracle[0]))
+  assert err < DH_TOL[jnp.dtype(dtype)], err
+  for name in sums:
+    want = oracle[1][name]
+    assert got_sums[name].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got_sums[name], np.float64), want,
+                               atol=SUM_TOL[name] * np.max(np.abs(want)), err_msg=name)
+
+
+@pytest.mark.parametrize("m,n,norm,scale,dh_out,sums,dtype", [
+    (1, 64, "rms", False, False, (), jnp.bfloat16),  # one row
+    (77, 192, "layer", True, True, ALL_SUMS, jnp.bfloat16),  # N not a power of 2, tail rows
+    (300, 128, "rms", True, False, ("dscale",), jnp.bfloat16),
+    (130, 128, "layer", False, True, ("ddense", "dbias"), jnp.float16),  # the order asked for
+    (40, 64, "layer", True, False, (), jnp.bfloat16),  # a scale without its sum
+])
+def test_row_kernel_interpret_matches_oracle(m, n, norm, scale, dh_out, sums, dtype):
+  args = _inputs(m + n + 1, m, n, dtype, scale=scale, dh_out=dh_out)
+  _check_rows(_run_rows(args, norm, sums, interpret=True), _oracle(*args, norm), sums, dtype)
+
+
+def test_row_kernel_refuses_what_it_cannot_run():
+  bf = jnp.bfloat16
+  dy = jnp.zeros((8, 64), bf)
+  with pytest.raises(ValueError, match="norm must be"):
+    norms_triton.norm_backward(dy, dy, jnp.ones((8,)), norm="batch")
+  with pytest.raises(ValueError, match="sums must be"):
+    norms_triton.norm_backward(dy, dy, jnp.ones((8,)), norm="rms", sums=("dgamma",))
+  assert "at most N" in norms_triton.saved_stats_unsupported_reason(8, 16384, bf)
+  assert "float64" in norms_triton.saved_stats_unsupported_reason(8, 64, jnp.float64)
+  assert norms_triton.saved_stats_unsupported_reason(8, 8192, bf) is None
+  # The op's gate: any M (no 8-row alignment), N up to 8192 with every sum.
+  odd = jnp.zeros((13, 8192), bf)
+  assert mn._norm_backward_kernel_reason(odd, None, odd, ALL_SUMS, bf, "triton") is None
+
+
+def test_op_backward_with_row_kernel_matches_xla_backward(monkeypatch):
+  """The op's backward with configs.norm_backward_kernel = "triton": the same gradients as XLA's
+  passes, with every column sum and the cotangent of h (one forward, the rule run twice;
+  LayerNorm only: RMSNorm's form differs by the mean term, tested on the kernel alone)."""
+  norm = "layer"
+  monkeypatch.setattr(mn.configs, "norm_backward_kernel", lambda *_: "triton")
+  rows_calls, real = [], norms_triton.norm_backward
+  monkeypatch.setattr(norms_triton, "norm_backward",
+                      lambda *a, **kw: rows_calls.append(kw["sums"]) or real(*a, **kw))
+
+  pullback, cotangents = _op_pullback(12, 40, 64, 192, norm)
+  got = pullback(cotangents)
+  assert rows_calls == [ALL_SUMS]
+  monkeypatch.setattr(mn, "_norm_backward_kernel_reason", lambda *_: "forced off")
+  want = pullback(cotangents)
+  assert len(rows_calls) == 1
+  for i, (g, r) in enumerate(zip(got, want)):
+    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+    assert np.linalg.norm(g - r) / np.linalg.norm(r) < 4e-3, i
+
+
+# ------------------------------------------------------------------------------------------------
 # Lowering for sm_90a on the CPU (Mosaic's Python passes: layout inference, SMEM, TMA).
 
 
@@ -364,6 +444,22 @@ def test_gpu_matches_oracle(m, n, norm, scale, dh_out, sums):
   np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(again[0]))
   if sums:
     np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(again[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,norm,scale,dh_out,sums", [
+    (262144, 512, "layer", True, True, ALL_SUMS),
+    (262144, 2048, "rms", True, False, ("dscale",)),
+    (8192 + 77, 1024, "layer", True, False, ALL_SUMS),
+    (3, 8192, "rms", False, True, ("ddense",)),
+])
+def test_gpu_row_kernel_matches_oracle(m, n, norm, scale, dh_out, sums):
+  args = _inputs(m, m, n, scale=scale, dh_out=dh_out)
+  out = _run_rows(args, norm, sums, interpret=False)
+  again = _run_rows(args, norm, sums, interpret=False)
+  _check_rows(out, _oracle(*args, norm), sums, jnp.bfloat16)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(again)):  # deterministic bits
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("use_y,use_h,norm", [(True, False, "rms"), (False, True, "layer")])

@@ -34,6 +34,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import _dispatch, _op, _validate, reference
 from pallas_norm.ops.matmul_norm import configs, mosaic, mosaic_bwd, xla
+from pallas_norm.ops.norms import triton as norms_triton
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
@@ -176,27 +177,37 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   return (y, h, mean, rstd), saved
 
 
-def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x_dtype) -> str | None:
-  """Why the backward keeps XLA's passes instead of the norm-backward kernel (None: it need not).
+def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x_dtype,
+                                 kernel="mosaic") -> str | None:
+  """Why the backward keeps XLA's passes instead of the norm-backward kernel ``kernel``
+  ("mosaic" or "triton", :func:`.configs.norm_backward_kernel`; None: it need not).
 
-  The kernel (dh and the column sums in one pass) was measured faster than XLA's passes for
-  both norms on the H200 (262144 rows, bf16, µs, kernel / XLA; N = 2048 from an earlier
+  The Mosaic kernel (dh and the column sums in one pass) was measured faster than XLA's passes
+  for both norms on the H200 (262144 rows, bf16, µs, kernel / XLA; N = 2048 from an earlier
   version): RMSNorm 297 / 351 at N = 512, 591 / 681 at 1024, 1334 / 1331 at 2048; LayerNorm
-  316 / 416, 616 / 796, 1359 / 1564. The kernel writes dh in the cotangent's dtype: with an ``out_dtype`` other than x's, dh would
-  be rounded twice on its way to the GEMMs (or overflow float16), so those calls keep XLA.
-  M not a multiple of 8 would cost the kernel full copies of its inputs and of dh."""
+  316 / 416, 616 / 796, 1359 / 1564. A kernel writes dh in the cotangent's dtype: with an
+  ``out_dtype`` other than x's, dh would be rounded twice on its way to the GEMMs (or overflow
+  float16), so those calls keep XLA. M not a multiple of 8 would cost the Mosaic kernel full
+  copies of its inputs and of dh."""
   if dy_out.dtype != xhat.dtype or (dh_out is not None and dh_out.dtype != xhat.dtype):
     return f"cotangents in {dy_out.dtype}, x̂ in {xhat.dtype}"
   if jnp.dtype(dy_out.dtype) != jnp.dtype(x_dtype):
     return f"cotangent in {dy_out.dtype}, x in {jnp.dtype(x_dtype)}"
+  if kernel == "triton":
+    return norms_triton.saved_stats_unsupported_reason(*dy_out.shape, dy_out.dtype)
   if dy_out.shape[0] % mosaic_bwd.ROW_ALIGN:
     return f"M = {dy_out.shape[0]} is not a multiple of {mosaic_bwd.ROW_ALIGN}"
   return mosaic_bwd.unsupported_reason(*dy_out.shape, dy_out.dtype, len(sums))
 
 
-def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpret):
-  """(dh in the cotangent's dtype, {sum name: column sum}) from the one-pass kernel; the
-  per-CTA partial sums are added in a fixed order (deterministic bits on one GPU model)."""
+def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpret, kernel):
+  """(dh in the cotangent's dtype, {sum name: column sum}) from the one-pass kernel
+  ``kernel``; its per-CTA (per-program) partial sums are added in a fixed order (deterministic
+  bits on one GPU model)."""
+  if kernel == "triton":
+    backward = functools.partial(norms_triton.norm_backward, norm=norm, sums=sums,
+                                 interpret=interpret)
+    return _op.first_order_only("matmul_norm", backward, dy_out, xhat, rstd, scale, dh_out)
   backward = functools.partial(mosaic_bwd.norm_backward, norm=norm, sums=sums,
                                interpret=interpret)
   dh, partials = _op.first_order_only("matmul_norm", backward, dy_out, xhat, rstd, scale, dh_out)
@@ -217,9 +228,10 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, con
     dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
   sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
                if v is not None)
-  if _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x.dtype) is None:
+  kernel = configs.norm_backward_kernel(*dy_out.shape, norm)
+  if _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x.dtype, kernel) is None:
     dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
-                                    interpret=implementation == "interpret")
+                                    interpret=implementation == "interpret", kernel=kernel)
   else:
     dh, col = xla.norm_backward(norm, dy_out, dh_out, xhat, rstd, scale, sums)
   dscale = None if scale is None else col["dscale"].astype(scale.dtype)
