@@ -63,7 +63,10 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       N = c · n_tiles · tile_n with c ∈ {1, 2, 4, 8}, n_tiles ≤ 4 and tile_n ≤ 256 (so
       N ≤ 8192; past 2048 a multiple of 1024), a residual in the output dtype; "interpret"
       runs one CTA per row block, so N ≤ 4 · tile_n. None falls back to XLA otherwise, with
-      the reason logged at debug level. The kernel paths are first-order reverse mode only.
+      the reason logged at debug level; where the forward alone and training were measured
+      fastest on different paths, None runs a call that is not differentiated on one and a
+      differentiated call on the other (as a kernel path, it then has no forward mode). The
+      kernel paths are first-order reverse mode only.
 
   Returns:
     y (..., N); with ``return_h``/``return_stats`` the tuple ``(y, h?, stats?)``.
@@ -82,19 +85,28 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
   eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
   _validate.flag("return_h", return_h)
   _validate.flag("return_stats", return_stats)
-  chosen = _dispatch.choose(
+  m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+  forward, training = _dispatch.choose_by_use(
       "matmul_norm", implementation,
       lambda candidate: kernel_unsupported_reason(x, w, residual, out_dtype,
                                                   interpret=candidate == "interpret"),
-      lambda: configs.kernel_slower_reason(math.prod(x.shape[:-1]), w.shape[1], norm))
-  if chosen == "xla":
+      lambda: configs.kernel_slower_reason(m, k, n, norm),
+      lambda: configs.kernel_slower_forward_reason(m, k, n, norm))
+
+  def run(chosen, x, w, dense_bias, residual, scale, norm_bias):
+    if chosen != "xla":
+      return _kernel_call(x, w, dense_bias, residual, scale, norm_bias, norm, eps,
+                          jnp.dtype(out_dtype or x.dtype), return_h, return_stats, chosen)
     out = xla.matmul_norm(x, w, dense_bias, residual, scale, norm_bias, norm=norm, eps=eps,
                           out_dtype=out_dtype, return_h=return_h, return_stats=return_stats)
     if return_stats:  # outputs, not a differentiable path, in every implementation
       out = (*out[:-1], jax.tree.map(lax.stop_gradient, out[-1]))
     return out
-  return _kernel_call(x, w, dense_bias, residual, scale, norm_bias, norm, eps,
-                      jnp.dtype(out_dtype or x.dtype), return_h, return_stats, chosen)
+
+  args = (x, w, dense_bias, residual, scale, norm_bias)
+  if forward == training:
+    return run(training, *args)
+  return _op.by_use(functools.partial(run, forward), functools.partial(run, training), *args)
 
 
 def check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype) -> None:
