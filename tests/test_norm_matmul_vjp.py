@@ -372,6 +372,43 @@ def test_forward_alone_and_training_run_their_own_paths(monkeypatch, op, uses):
   chex.assert_trees_all_equal(grads, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm,k,n,uses", [("rms", 1024, 1024, ("mosaic", "xla")),
+                                           ("layer", 512, 4096, ("xla", "mosaic"))])
+def test_gpu_default_runs_each_use_on_its_path(norm, k, n, uses):
+  """matmul_norm with implementation=None where the forward alone and training take different
+  paths (configs): jitted, the forward equals the forward path's and the gradients the training
+  path's to rounding, and both match the f32 reference."""
+  from pallas_norm.ops.matmul_norm import api as mn
+  from pallas_norm import _dispatch
+  m = 4096
+  x, w, scale, bias, ct = _inputs(m + k + n, m, k, n, jnp.bfloat16)
+  scale, bias = _inputs(n, 1, n, 1, jnp.float32)[2:4]
+  args = (x, w, scale, bias if norm == "layer" else None)
+  ct = ct.astype(jnp.bfloat16)
+  assert _dispatch.choose_by_use(
+      "matmul_norm", None, lambda _: None,
+      lambda: mn_configs.kernel_slower_reason(m, k, n, norm),
+      lambda: mn_configs.kernel_slower_forward_reason(m, k, n, norm)) == uses
+
+  def op(impl):
+    return lambda x, w, s, b: mn.matmul_norm(x, w, scale=s, norm_bias=b, norm=norm,
+                                             implementation=impl)
+
+  def vjp(impl):
+    return jax.jit(lambda *a: jax.vjp(op(impl), *a)[1](ct))(*args)
+
+  y = jax.jit(op(None))(*args)
+  assert _rel(y, jax.jit(op(uses[0]))(*args)) < 1e-3
+  f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+  y_ref, vjp_ref = jax.vjp(lambda *a: reference.matmul_norm(a[0], a[1], None, None, *a[2:],
+                                                            norm=norm), *map(f32, args))
+  assert _rel(y, y_ref) < 1e-2
+  for g, g_path, g_ref in zip(vjp(None), vjp(uses[1]), vjp_ref(f32(ct))):
+    if g_ref is not None:
+      assert _rel(g, g_path) < 1e-3 and _rel(g, g_ref) < 2e-2
+
+
 @pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
 def test_returned_stats_carry_no_gradient_on_any_path(op):
   """The fused paths return statistics through lax.stop_gradient; the XLA path must too, or the
