@@ -15,9 +15,10 @@ rstd, never rebuilding x̂ from y by dividing by the scale (which may contain ze
     dx     = dh @ wᵀ,  dw = xᵀ dh,
 
 the column sums by a deterministic two-stage reduction (:func:`.xla.column_sum`). In the kernel
-implementations, dh and the column sums run as one Mosaic-GPU kernel
-(:mod:`pallas_norm.ops.matmul_norm.mosaic_bwd`; its per-CTA partial sums are added in a fixed
-order) where it takes the shape, else in XLA. The ``"xla"``
+implementations, dh and the column sums run as one Pallas kernel with the Triton lowering
+(:func:`pallas_norm.ops.norms.triton.norm_backward`, ``layer_norm``'s backward kernel given x̂
+and rstd; its per-program partial sums are added in a fixed order) where it takes the shape,
+else in XLA. The ``"xla"``
 implementation is the unfused reference's math (:func:`.xla.matmul_norm`): the GEMM
 differentiated by JAX, the norm by the one-pass rule of :mod:`pallas_norm.ops.norms.xla`.
 """
@@ -33,7 +34,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import _dispatch, _op, _validate, reference
-from pallas_norm.ops.matmul_norm import configs, mosaic, mosaic_bwd, xla
+from pallas_norm.ops.matmul_norm import configs, mosaic, xla
 from pallas_norm.ops.norms import triton as norms_triton
 
 _F32 = jnp.float32
@@ -189,44 +190,30 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   return (y, h, mean, rstd), saved
 
 
-def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x_dtype,
-                                 kernel="mosaic") -> str | None:
-  """Why the backward keeps XLA's passes instead of the norm-backward kernel ``kernel``
-  ("mosaic" or "triton", :func:`.configs.norm_backward_kernel`; None: it need not).
+def _norm_backward_kernel_reason(dy_out, dh_out, xhat, x_dtype) -> str | None:
+  """Why the backward keeps XLA's passes instead of the one-pass norm-backward kernel
+  (:func:`pallas_norm.ops.norms.triton.norm_backward`), or None.
 
-  The Mosaic kernel (dh and the column sums in one pass) was measured faster than XLA's passes
-  for both norms on the H200 (262144 rows, bf16, µs, kernel / XLA; N = 2048 from an earlier
-  version): RMSNorm 297 / 351 at N = 512, 591 / 681 at 1024, 1334 / 1331 at 2048; LayerNorm
-  316 / 416, 616 / 796, 1359 / 1564. A kernel writes dh in the cotangent's dtype: with an
-  ``out_dtype`` other than x's, dh would be rounded twice on its way to the GEMMs (or overflow
-  float16), so those calls keep XLA. M not a multiple of 8 would cost the Mosaic kernel full
-  copies of its inputs and of dh."""
+  The kernel (full rows in registers, every tensor read once) was measured on the H200 against
+  XLA's passes and the Mosaic kernel it replaced (262144 rows, bf16, µs; EXPERIMENTS.md):
+  LayerNorm 260.5 (Mosaic 320.7, XLA 416) at N = 512, 977.1 (1337.8, 1564) at 2048; RMSNorm
+  248.1 (300.9, 351) at 512. It writes dh in the cotangent's dtype: with an ``out_dtype``
+  other than x's, dh would be rounded twice on its way to the GEMMs (or overflow float16), so
+  those calls keep XLA."""
   if dy_out.dtype != xhat.dtype or (dh_out is not None and dh_out.dtype != xhat.dtype):
     return f"cotangents in {dy_out.dtype}, x̂ in {xhat.dtype}"
   if jnp.dtype(dy_out.dtype) != jnp.dtype(x_dtype):
     return f"cotangent in {dy_out.dtype}, x in {jnp.dtype(x_dtype)}"
-  if kernel == "triton":
-    return norms_triton.saved_stats_unsupported_reason(*dy_out.shape, dy_out.dtype)
-  if dy_out.shape[0] % mosaic_bwd.ROW_ALIGN:
-    return f"M = {dy_out.shape[0]} is not a multiple of {mosaic_bwd.ROW_ALIGN}"
-  return mosaic_bwd.unsupported_reason(*dy_out.shape, dy_out.dtype, len(sums))
+  return norms_triton.saved_stats_unsupported_reason(*dy_out.shape, dy_out.dtype)
 
 
-def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpret, kernel):
-  """(dh in the cotangent's dtype, {sum name: column sum}) from the one-pass kernel
-  ``kernel``; its per-CTA (per-program) partial sums are added in a fixed order (deterministic
-  bits on one GPU model)."""
-  if kernel == "triton":
-    backward = functools.partial(norms_triton.norm_backward, norm=norm, sums=sums,
-                                 interpret=interpret)
-    return _op.first_order_only("matmul_norm", backward, dy_out, xhat, rstd, scale, dh_out)
-  backward = functools.partial(mosaic_bwd.norm_backward, norm=norm, sums=sums,
+def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpret):
+  """(dh in the cotangent's dtype, {sum name: column sum}) from the one-pass kernel; its
+  per-program partial sums are added by XLA in a fixed order (deterministic bits on one GPU
+  model)."""
+  backward = functools.partial(norms_triton.norm_backward, norm=norm, sums=sums,
                                interpret=interpret)
-  dh, partials = _op.first_order_only("matmul_norm", backward, dy_out, xhat, rstd, scale, dh_out)
-  if not sums:
-    return dh, {}
-  totals = xla.pairwise_sum(partials.reshape(-1, *partials.shape[2:]))
-  return dh, {name: totals[i] for i, name in enumerate(sums)}
+  return _op.first_order_only("matmul_norm", backward, dy_out, xhat, rstd, scale, dh_out)
 
 
 def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, config, saved,
@@ -240,10 +227,9 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, con
     dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
   sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
                if v is not None)
-  kernel = configs.norm_backward_kernel(*dy_out.shape, norm)
-  if _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x.dtype, kernel) is None:
+  if _norm_backward_kernel_reason(dy_out, dh_out, xhat, x.dtype) is None:
     dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
-                                    interpret=implementation == "interpret", kernel=kernel)
+                                    interpret=implementation == "interpret")
   else:
     dh, col = xla.norm_backward(norm, dy_out, dh_out, xhat, rstd, scale, sums)
   dscale = None if scale is None else col["dscale"].astype(scale.dtype)

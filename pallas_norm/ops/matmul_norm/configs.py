@@ -70,12 +70,3 @@ def _small_m_reason(m: int) -> str | None:
     return (f"M = {m}: below {KERNEL_DEFAULT_MIN_M} rows the Mosaic kernel is measured slower "
             "than XLA in training on the H200 (pass implementation='mosaic' to force it)")
   return None
-
-
-def norm_backward_kernel(m: int, n: int, norm: str) -> str:
-  """Which one-pass kernel computes the backward's dh and column sums: "mosaic"
-  (:mod:`.mosaic_bwd`, two passes over each 64-row block, the second from L2; ~1.6× its bytes
-  floor at 262144×512) or "triton" (:func:`pallas_norm.ops.norms.triton.norm_backward`: full
-  rows in registers, one pass; not yet timed). The Mosaic kernel until the H200 says otherwise."""
-  del m, n, norm
-  return "mosaic"
