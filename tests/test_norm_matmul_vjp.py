@@ -324,7 +324,10 @@ def test_default_forward_alone_takes_the_path_measured_faster_forward(monkeypatc
   assert uses(mn_configs, m, 512, 4096, "layer") == ("xla", "mosaic")
   # matmul_norm RMSNorm: forward 872 vs 969 at 1024², 1096 vs 1266 at 512×2048; trains slower.
   assert uses(mn_configs, m, 1024, 1024, "rms") == ("mosaic", "xla")
-  assert uses(mn_configs, m, 512, 2048, "rms") == ("mosaic", "xla")
+  # RMSNorm at 512×2048 trains with the kernel since its norm backward is the row kernel
+  # (3832.5 vs 4127.7 µs); at 1024² a tie keeps XLA for training.
+  assert uses(mn_configs, m, 512, 2048, "rms") == ("mosaic", "mosaic")
+  assert uses(mn_configs, m, 1024, 2048, "rms") == ("mosaic", "xla")
   assert uses(mn_configs, m, 2048, 2048, "rms") == ("xla", "xla")
   assert uses(mn_configs, m, 512, 512, "rms") == ("mosaic", "mosaic")
   assert uses(mn_configs, m, 2048, 2048, "layer") == ("mosaic", "mosaic")

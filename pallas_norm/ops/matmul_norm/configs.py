@@ -13,7 +13,8 @@ from __future__ import annotations
 # since session 7's norm-backward kernel (session 10: fwd+bwd 222 vs 247 µs at 128², 421 vs 470
 # at 256², 1037 vs 1039 at 512²); at 1024² and 512×2048 fwd+bwd loses (3162 vs 2980, 4270 vs
 # 4102) although the forward wins (872 vs 969, 1096 vs 1266). Training only: the forward alone
-# follows :func:`kernel_slower_forward_reason`.
+# follows :func:`kernel_slower_forward_reason`; both norms also train with the kernel at K ≤ 512
+# on wider rows (LAYER_WIDE_TRAINING_*, RMS_WIDE_TRAINING_*).
 KERNEL_DEFAULT_MAX_N = {"layer": 2048, "rms": 512}
 
 
@@ -30,7 +31,15 @@ LAYER_WIDE_TRAINING_MAX_K, LAYER_WIDE_TRAINING_MAX_N = 512, 4096
 H200, the suite, 262144×512×4096 LayerNorm + residual, CUPTI µs, kernel vs XLA: fwd+bwd 13302.8
 vs 14565.4, forward 4903.6 vs 3218.0 (a CTA loops over 2 N tiles). So a forward that is not
 differentiated runs XLA there and training the kernel (:func:`kernel_slower_forward_reason`).
-Past K = 512 (32768×4096², 16384×8192²) and at N = 8192 XLA trains faster."""
+Past K = 512 (32768×4096², 16384×8192²) and at N = 8192 XLA trains faster. Session 16 (the norm
+backward by the row kernel, `2026-12-02_s16_gemm4_ab.log`): implementation=None 12312.6 vs XLA
+14249.5 µs fwd+bwd, forward alone 3247.6 for both (it runs XLA's)."""
+
+RMS_WIDE_TRAINING_MAX_K, RMS_WIDE_TRAINING_MAX_N = 512, 2048
+"""RMSNorm also trains with the kernel at K ≤ 512 up to N = 2048, since its norm backward is the
+one-pass row kernel: H200, session 16 (`benchmarks/results/logs/2026-12-02_s16_gemm4_ab.log`),
+CUPTI µs, fwd+bwd kernel vs XLA: 262144×512×2048 3832.5 vs 4127.7 (4269.9 with the Mosaic norm
+backward); at 1024² a tie, 3023.5 vs 3016.0, so XLA trains there."""
 
 RMS_FORWARD_MAX_K, RMS_FORWARD_MAX_N = 1024, 2048
 """RMSNorm's forward alone takes the kernel up to K ≤ 1024, N ≤ 2048 although it trains slower
@@ -44,9 +53,9 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
   """Why ``implementation=None`` keeps XLA to train (forward+backward) x (M, K) @ w (K, N),
   or None to take the kernel."""
   limit = KERNEL_DEFAULT_MAX_N[norm]
-  wide_layer = (norm == "layer" and k <= LAYER_WIDE_TRAINING_MAX_K
-                and n <= LAYER_WIDE_TRAINING_MAX_N)
-  if n > limit and not wide_layer:
+  wide = {"layer": (LAYER_WIDE_TRAINING_MAX_K, LAYER_WIDE_TRAINING_MAX_N),
+          "rms": (RMS_WIDE_TRAINING_MAX_K, RMS_WIDE_TRAINING_MAX_N)}[norm]
+  if n > limit and not (k <= wide[0] and n <= wide[1]):
     return (f"K = {k}, N = {n}: the {norm} Mosaic kernel is measured slower than XLA in "
             "training on the H200 (pass implementation='mosaic' to force it)")
   return _small_m_reason(m)

@@ -18,15 +18,18 @@ zero-centered) and ``r`` the rstd::
     ds += cotangent of s (with a residual);  dx = d residual = ds
     dscale = Σ_rows dy ⊙ x̂,  dbias = Σ_rows dy
 
-The statistics are recomputed as :func:`pallas_norm.reference.layer_norm` computes them: the
-row shifted by its first element, the mean of the shifted values (``dmean``), the two-pass
-variance, ``x̂ = ((s − shift) − dmean) · r``: rows whose mean is large next to their spread keep
-their precision in the gradients too (a mean rounded to one float32 would cost up to
-ulp(mean)/std). RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
+The statistics are recomputed from the row shifted by its first element, as
+:func:`pallas_norm.reference.layer_norm` shifts it: the mean of the shifted values (``dmean``)
+and, beside it, their mean square (the variance as their difference, one dependent row
+reduction fewer than the reference's two passes; the shift keeps it accurate),
+``x̂ = ((s − shift) − dmean) · r``: rows whose mean is large next to their spread keep their
+precision in the gradients too (a mean rounded to one float32 would cost up to ulp(mean)/std).
+RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
 read rstd saved by the forward (splitting XLA's forward) was 0.73× of XLA's autodiff and was
-removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's and ties XLA's
-autodiff on the H200 (1622.9 vs 1611.8 µs fwd+bwd at 262144×2048), so ``implementation=None``
-keeps XLA for RMSNorm.
+removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's and was 1.04×
+faster than XLA's autodiff in one call at 262144×2048 (1559.6 vs 1624.2 µs fwd+bwd; a tie with
+another tiling), not yet at other shapes, so ``implementation=None`` keeps XLA for RMSNorm
+(:data:`RMS_SLOWER_REASON`).
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
 norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
@@ -59,11 +62,14 @@ MAX_N = 8192
 MAX_ELEMENTS = 2**31 - 1
 """The kernel indexes x with int32 element offsets."""
 
-STEP_ELEMENTS = 4096
-"""Elements per loop step (``block_m`` full rows) of :func:`pick_config`."""
-
-PROGRAMS_PER_SM = 8
-"""Programs per streaming multiprocessor in :func:`pick_config`'s grid."""
+TILINGS = {"layer": (2048, 8), "rms": (4096, 12), "saved": (4096, 8)}
+"""(elements per loop step, programs per SM) of :func:`pick_config`, per kernel: statistics
+recomputed for LayerNorm or RMSNorm, or given (``saved``, :func:`norm_backward`). H200, bf16,
+262144 rows, CUPTI µs (``benchmarks/EXPERIMENTS.md``; 05:47 and 06:20 A/Bs of session 16):
+``layer_norm`` fwd+bwd at N = 2048 1916.9 with (2048, 8) against 2073.5 with (4096, 8) in the
+same call (more live values per element than RMSNorm: the shift, the centered rows); ``rms_norm``
+1559.6 with (4096, 12) against 1732.7 with (4096, 8); the saved-statistics kernel alone 260.5 µs
+at N = 512 and 977.1 at 2048 with (4096, 8), the best of the five tilings that call tried."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs, the row loop and the partial sums are
@@ -93,23 +99,20 @@ def _gpu_core_count() -> int:
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def pick_config(m: int, n: int, interpret: bool) -> BackwardConfig:
-  """A step of ~4096 elements (full rows, padded to a power of 2) over 4 warps, 8 programs per SM.
-
-  Measured on the H200 (262144 rows, bf16, CUPTI; ``benchmarks/EXPERIMENTS.md``): the norm
-  backward given x̂ took 260.5 µs at N = 512 and 977.1 at N = 2048 (LayerNorm), 1.34-1.44×
-  faster than ~8K elements over 8 warps with 4 programs per SM, and ahead of shorter programs
-  (16 steps each) and 8K-element steps with 8 warps; ``layer_norm`` fwd+bwd 2334.8 → 2086.1 µs
-  at 262144×2048. Rows wider than 4096 (one row per step) keep the earlier tiling, the one
-  measured there: 16 warps, 4 programs per SM (``layer_norm`` fwd+bwd 2233.5 vs XLA's 3310.8
-  µs at 65536×8192).
+def pick_config(m: int, n: int, interpret: bool, kind: str = "saved") -> BackwardConfig:
+  """Full rows (padded to a power of 2) over 4 warps, the step's elements and the programs per
+  SM from :data:`TILINGS` by ``kind`` ("layer" or "rms": the statistics recomputed; "saved":
+  given). Rows wider than 4096 (one row per step) keep the earlier tiling, the one measured
+  there: 16 warps, 4 programs per SM (``layer_norm`` fwd+bwd 2256.8 vs XLA's 3310.8 µs at
+  65536×8192). Several programs per SM keep loads in flight (the kernel is bandwidth-bound);
+  the winners were measured, not derived (``benchmarks/EXPERIMENTS.md``).
   """
+  elements, per_sm = TILINGS[kind]
   n_pad = pl.next_power_of_2(n)
-  block_m = max(1, min(64, STEP_ELEMENTS // n_pad))
-  wide = n_pad > STEP_ELEMENTS
+  block_m = max(1, min(64, elements // n_pad))
+  wide = n_pad > 4096
   blocks = pl.cdiv(m, block_m)
-  programs = (INTERPRET_PROGRAMS if interpret
-              else (4 if wide else PROGRAMS_PER_SM) * _gpu_core_count())
+  programs = INTERPRET_PROGRAMS if interpret else (4 if wide else per_sm) * _gpu_core_count()
   return BackwardConfig(block_m=block_m, programs=max(1, min(programs, blocks)),
                         num_warps=16 if wide else 4)
 
@@ -136,17 +139,20 @@ def unsupported_reason(norm: str, x_shape, x_dtype) -> str | None:
   return None
 
 
-DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048, min_rows=65536)
+DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=8192, min_rows=65536)
 """Where ``implementation=None`` takes the kernel: what the H200 measured faster in training
-(benchmarks/NOTES.md "Standalone norms"): bf16, no residual, N from 128 to 2048 (1.65-1.91x
+(benchmarks/NOTES.md "Standalone norms"): bf16, no residual, N from 128 to 8192 (1.65-1.91x
 faster than XLA's autodiff at N = 128, 512, 1024, 2048; 1.09-1.27x faster than the "xla"
-path's one-pass rule at N = 128, 512, 2048 with x of 1 GB), at least 65536 rows."""
+path's one-pass rule at N = 128, 512, 2048 with x of 1 GB; 1143.1 vs 1681.3 µs at 65536×4096,
+2256.8 vs 3310.8 at 65536×8192), at least 65536 rows."""
 
 
 RMS_SLOWER_REASON = (
-    "rms_norm's kernel path (statistics recomputed from the rows) ties XLA's autodiff on the "
-    "H200 (fwd+bwd 1622.9 vs 1611.8 us at 262144x2048 bf16); an earlier form that saved rstd "
-    "from the forward was 0.73x of it (benchmarks/EXPERIMENTS.md)")
+    "rms_norm's kernel path (statistics recomputed from the rows) is not measured faster than "
+    "XLA's autodiff at enough shapes on the H200 (fwd+bwd at 262144x2048 bf16: 1622.9 vs 1611.8 "
+    "us with the tiling of the LayerNorm kernel, 1559.6 vs 1624.2 with its own in another call); "
+    "an earlier form that saved rstd from the forward was 0.73x of it "
+    "(benchmarks/EXPERIMENTS.md)")
 """Why ``implementation=None`` keeps XLA for ``rms_norm`` (``"triton"`` runs the kernel)."""
 
 
@@ -218,10 +224,14 @@ class _Operands:
 
 
 def _normalized_block(s, cols, n: int, eps: float, norm: str):
-  """(x̂, rstd (block_m, 1)) of a block of full rows (masked entries 0), by the operations of
-  :func:`pallas_norm.ops.norms.xla.row_stats`: for LayerNorm the shift by the row's first
-  element, the mean of the shifted values, the two-pass variance; for RMSNorm the mean square.
-  The rows are in registers: the statistics cost row sums, no memory traffic."""
+  """(x̂, rstd (block_m, 1)) of a block of full rows (masked entries 0). LayerNorm: the row
+  shifted by its first element (as :func:`pallas_norm.ops.norms.xla.row_stats` shifts it), then
+  the shifted moments Σd and Σd² side by side, var = Σd²/n − dmean²: one dependent row
+  reduction fewer than the forward's two-pass variance (H200, ``layer_norm`` fwd+bwd at
+  262144×2048: 1992.0 vs 2073.5 µs in one call). The shift keeps |dmean| within a few spreads
+  of 0, so the difference loses at most a few bits of float32 (x̂ agrees with the forward's to
+  ~1e-6). RMSNorm: the mean square. The rows are in registers: the statistics cost row sums,
+  no memory traffic."""
   if norm == "rms":  # masked entries are 0: they add nothing to the mean square
     rstd = lax.rsqrt(jnp.sum(s * s, axis=1, keepdims=True) / n + eps)
     return s * rstd, rstd
@@ -229,9 +239,9 @@ def _normalized_block(s, cols, n: int, eps: float, norm: str):
   inside = cols[None, :] < n  # padded columns stay 0 through the centering
   d = jnp.where(inside, s - shift, 0.0)
   dmean = jnp.sum(d, axis=1, keepdims=True) / n
-  centered = jnp.where(inside, d - dmean, 0.0)
-  rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1, keepdims=True) / n + eps)
-  return centered * rstd, rstd
+  var = jnp.maximum(jnp.sum(d * d, axis=1, keepdims=True) / n - dmean * dmean, 0.0)
+  rstd = lax.rsqrt(var + eps)
+  return jnp.where(inside, d - dmean, 0.0) * rstd, rstd
 
 
 def _row_block_grads(load_tile, load_row, cols, gamma, ops: _Operands, n: int, eps: float):
@@ -300,7 +310,7 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
 def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpret: bool,
                    inputs):
   """Runs the kernel; returns (ds (M, N), [column sum of each of ``ops.partial_names()``])."""
-  cfg = pick_config(m, n, interpret)
+  cfg = pick_config(m, n, interpret, "saved" if ops.saved_stats else ops.norm)
   n_pad = pl.next_power_of_2(n)
   rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
   programs = pl.cdiv(m, rows_per_program)
