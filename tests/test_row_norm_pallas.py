@@ -190,13 +190,20 @@ def test_kernel_names_and_refusals_on_the_cpu():
 
 
 def test_default_takes_the_kernel_only_where_measured_faster(monkeypatch):
-  """implementation=None's rule for LayerNorm (row_norm_pallas.slower_reason), as on a Hopper
-  GPU: bf16, no residual, 128 <= N <= 8192, >= 65536 rows; nothing off Hopper."""
+  """implementation=None's rule (row_norm_pallas.slower_reason), as on a Hopper GPU: LayerNorm
+  for bf16, no residual, 128 <= N <= 8192, >= 65536 rows; RMSNorm for 128 <= N <= 2048, >=
+  262144 rows (slower at 65536×8192); nothing off Hopper."""
   from pallas_norm import _dispatch
   reason = functools.partial(row_norm_pallas.slower_reason, "layer")
-  assert row_norm_pallas.slower_reason("rms", (262144, 2048), jnp.bfloat16, False) == (
-      row_norm_pallas.RMS_SLOWER_REASON)
+  rms = functools.partial(row_norm_pallas.slower_reason, "rms")
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  for shape in ((262144, 2048), (1048576, 512), (4194304, 128)):
+    assert rms(shape, jnp.bfloat16, False) is None, shape
+  for shape in ((65536, 8192), (65536, 2048), (262144, 4096)):
+    assert "N = " in rms(shape, jnp.bfloat16, False), shape
+  assert "residual" in rms((262144, 2048), jnp.bfloat16, True)
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: False)
+  assert "Hopper" in rms((262144, 2048), jnp.bfloat16, False)
   assert "Hopper" in reason((262144, 2048), jnp.bfloat16, False)
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   for shape in ((262144, 2048), (65536, 128), (4, 65536, 1000)):
@@ -242,7 +249,7 @@ def test_gpu_kernel_matches_reference(shape, dtype, scale, bias, residual, zero_
 def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
   """implementation=None through the op's own check (``api._check``), as on a Hopper GPU (the
   device queries patched, so this runs on the CPU too): the kernel for LayerNorm at the measured
-  shapes, XLA for RMSNorm (not measured faster) and outside the measured domain."""
+  shapes, for RMSNorm at N <= 2048, XLA outside the measured domains."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.norms import api as norms
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
@@ -258,7 +265,8 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
     return out[0]
 
   assert chosen("layer_norm", (262144, 2048)) == "triton"
-  assert chosen("rms_norm", (262144, 2048)) == "xla"
+  assert chosen("rms_norm", (262144, 2048)) == "triton"
+  assert chosen("rms_norm", (65536, 8192)) == "xla"
   assert chosen("layer_norm", (262144, 2048), jnp.float32) == "xla"
   assert chosen("layer_norm", (65536, 4096)) == "triton"
   for shape in ((1024, 2048), (65536, 64)):

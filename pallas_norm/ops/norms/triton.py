@@ -26,10 +26,9 @@ reduction fewer than the reference's two passes; the shift keeps it accurate),
 precision in the gradients too (a mean rounded to one float32 would cost up to ulp(mean)/std).
 RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
 read rstd saved by the forward (splitting XLA's forward) was 0.73× of XLA's autodiff and was
-removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's and was 1.04×
-faster than XLA's autodiff in one call at 262144×2048 (1559.6 vs 1624.2 µs fwd+bwd; a tie with
-another tiling), not yet at other shapes, so ``implementation=None`` keeps XLA for RMSNorm
-(:data:`RMS_SLOWER_REASON`).
+removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's and, with its
+own tiling, trains 1.03-1.17× faster than XLA's autodiff at N = 128-2048 on the H200, so
+``implementation=None`` takes it there (:data:`RMS_DOMAIN`).
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
 norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
@@ -147,26 +146,23 @@ path's one-pass rule at N = 128, 512, 2048 with x of 1 GB; 1143.1 vs 1681.3 µs 
 2256.8 vs 3310.8 at 65536×8192), at least 65536 rows."""
 
 
-RMS_SLOWER_REASON = (
-    "rms_norm's kernel path (statistics recomputed from the rows) is not measured faster than "
-    "XLA's autodiff at enough shapes on the H200 (fwd+bwd at 262144x2048 bf16: 1622.9 vs 1611.8 "
-    "us with the tiling of the LayerNorm kernel, 1559.6 vs 1624.2 with its own in another call); "
-    "an earlier form that saved rstd from the forward was 0.73x of it "
-    "(benchmarks/EXPERIMENTS.md)")
-"""Why ``implementation=None`` keeps XLA for ``rms_norm`` (``"triton"`` runs the kernel)."""
+RMS_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048, min_rows=262144)
+"""Where ``implementation=None`` takes the kernel for ``rms_norm``: H200, session 16's late call
+(``2026-12-02_s16_gemm4_late_ab.log``), fwd+bwd µs, kernel vs XLA's autodiff: 1558.3 vs 1611.1
+at 262144×2048, 1574.3 vs 1660.8 at 1048576×512, 1495.8 vs 1748.8 at 4194304×128; slower at
+65536×8192 (1893.0 vs 1581.6, where the kernel keeps the wide-row tiling). bf16 without a
+residual, at least 262144 rows (the fewest measured)."""
 
 
 def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
   """Why ``implementation=None`` keeps XLA for this call, or None to use the kernel
-  (:data:`DEFAULT_DOMAIN` for LayerNorm, measured on a Hopper GPU, the only one measured;
-  RMSNorm never yet: :data:`RMS_SLOWER_REASON`)."""
+  (:data:`DEFAULT_DOMAIN` for LayerNorm, :data:`RMS_DOMAIN` for RMSNorm, measured on a Hopper
+  GPU, the only one measured)."""
   from pallas_norm import _dispatch  # the device query lives there
-  d = DEFAULT_DOMAIN
+  d = RMS_DOMAIN if norm == "rms" else DEFAULT_DOMAIN
   n, rows = x_shape[-1], math.prod(x_shape[:-1])
-  if norm == "rms":
-    return RMS_SLOWER_REASON
   if not _dispatch.on_hopper_gpu():
-    return "the Pallas LayerNorm backward was measured only on a Hopper GPU (H200)"
+    return "the Pallas row-norm backward was measured only on a Hopper GPU (H200)"
   if jnp.dtype(x_dtype) not in d["dtypes"] or has_residual:
     return "the kernel path was measured faster only for bfloat16 x without a residual"
   if not (d["min_n"] <= n <= d["max_n"] and rows >= d["min_rows"]):
