@@ -90,8 +90,8 @@ VARIANTS = {
 
 
 def _variant_config(elements, per_sm, warps):
-  def pick(m, n, interpret):
-    cfg = DEFAULT_PICK(m, n, interpret)
+  def pick(m, n, interpret, kind="layer"):
+    cfg = DEFAULT_PICK(m, n, interpret, kind)
     n_pad = 1 << (n - 1).bit_length()
     block_m = max(1, min(64, elements // n_pad))
     programs = per_sm * int(getattr(jax.devices()[0], "core_count", 132))

@@ -16,7 +16,9 @@ sequence of those names. An op has at most one kernel, of one of two kinds (:dat
 * ``None``: the op's kernel when it exists, the default device can run it (a Hopper GPU for
   "mosaic", a CUDA GPU for "triton"), the kernel supports the arguments and it was measured
   faster than XLA at such shapes (see each op's ``slower_reason`` and ``benchmarks/results``);
-  otherwise XLA, with the reason logged at debug level.
+  otherwise XLA, with the reason logged at debug level. Where the forward alone and training
+  (forward+backward) were measured fastest on different paths, the op asks
+  :func:`choose_by_use` and runs each use on its own path (:func:`pallas_norm._op.by_use`).
 * a sequence, e.g. ``("interpret", "xla")``: the first name that can run the call, in order
   (unlike None, regardless of speed). A model passes one to all its layers to get the kernels
   wherever their shapes fit and XLA elsewhere. A kernel skipped for a reason of the process
@@ -150,6 +152,24 @@ def choose(op: str, implementation,
     raise RuntimeError(f"{op}: implementation='interpret' cannot run here: {reasons[0]}")
   raise NotImplementedError(f"{op}: implementation={implementation!r} cannot run this call: "
                             + "; ".join(reasons))
+
+
+def choose_by_use(op: str, implementation,
+                  unsupported_reason: Callable[[str], str | None] | None,
+                  slower_reason: Callable[[], str | None] | None,
+                  slower_forward_reason: Callable[[], str | None] | None,
+                  kernel: str = "mosaic") -> tuple[str, str]:
+  """``(forward, training)``: the implementation for a call that is not differentiated and the
+  one for a call under reverse-mode differentiation (its forward and backward).
+
+  ``implementation=None`` chooses each as :func:`choose` does, training by ``slower_reason``
+  (measured forward+backward) and the forward alone by ``slower_forward_reason`` (measured
+  forward); any other ``implementation`` gives ``(choose(...),) * 2``. Raises as :func:`choose`.
+  """
+  training = choose(op, implementation, unsupported_reason, slower_reason, kernel)
+  if implementation is not None or unsupported_reason is None:
+    return training, training
+  return choose(op, None, unsupported_reason, slower_forward_reason, kernel), training
 
 
 X64_REASON = ("jax_enable_x64 is on: the Mosaic kernels are traced with int32 index arithmetic "

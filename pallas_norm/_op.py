@@ -12,6 +12,10 @@ runs the ``custom_vjp``'s forward rule on the primals only and then raises its o
 ("can't apply forward-mode autodiff (jvp) to a custom_vjp function") when it evaluates, or under
 ``jax.jit`` lowers, the linear part -- outside the op, so the op cannot reword it. The fix is the
 same: ``implementation="xla"``.
+
+:func:`by_use`: one call that runs one implementation when it is not differentiated and another
+under reverse-mode differentiation (``implementation=None`` where the forward alone and training
+were measured fastest on different paths, :func:`pallas_norm._dispatch.choose_by_use`).
 """
 
 from __future__ import annotations
@@ -38,4 +42,28 @@ def first_order_only(op: str, kernel, *args):
     del primals, tangents
     raise NotImplementedError(f"{op}: {SECOND_ORDER_HINT}")
 
+  return call(*args)
+
+
+def by_use(forward, training, *args):
+  """``forward(*args)`` when the call is not differentiated; under reverse mode (``jax.grad``,
+  ``jax.vjp``) ``training``'s forward and its backward (``jax.vjp(training, *args)``).
+
+  ``args`` are the differentiable inputs (arrays or None); both functions close over nothing
+  traced and return the same structure, shapes and dtypes (their values may differ by
+  rounding: the forward of an evaluation and of a training step can then differ in the last
+  bit of a 16-bit output). Being a ``custom_vjp``, the result has no forward-mode derivative
+  (``jax.jvp`` raises JAX's TypeError), as every kernel path.
+  """
+  @jax.custom_vjp
+  def call(*args):
+    return forward(*args)
+
+  def call_fwd(*args):
+    return jax.vjp(training, *args)  # (outputs, the backward as a pytree of its residuals)
+
+  def call_bwd(backward, cotangents):
+    return backward(cotangents)
+
+  call.defvjp(call_fwd, call_bwd)
   return call(*args)

@@ -23,7 +23,7 @@ from benchmarks import cases, report, run, timing  # pytest's pythonpath has the
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The GEMM ops and the row norm of --quick in one variant and, but for norm_matmul, one mode:
-# short enough for CI. layer_norm fwd+bwd runs the row-norm kernel (rms_norm has none). The
+# short enough for CI. layer_norm fwd+bwd runs the row-norm kernel (rms_norm's is the same). The
 # attention ops' rows run XLA alone (test_attention_cases_check_and_time_their_xla_rows): in
 # interpret mode their kernels cost ~40% of this test (gdpa's ~9 s a call), and the
 # benchmark's kernel plumbing (cases._kernel_impl_fn, the same for every op) runs here; the

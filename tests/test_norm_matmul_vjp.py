@@ -285,24 +285,131 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
   assert pick(nm_configs.kernel_slower_reason(65536, 2048, 2048, "layer")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(m, 2048, 2048, "rms")) == "xla"
   assert pick(nm_configs.kernel_slower_reason(m, 4096, 4096, "layer")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(m, 128, "rms")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(m, 512, "rms")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(m, 1024, "rms")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(m, 1024, "layer")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(m, 2048, "layer")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(m, 4096, "layer")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(65536, 2048, "layer")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(m, 512, 128, "rms")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(m, 512, 512, "rms")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(m, 1024, 1024, "rms")) == "xla"
+  assert pick(mn_configs.kernel_slower_reason(m, 1024, 1024, "layer")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(m, 512, 2048, "layer")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(m, 1024, 4096, "layer")) == "xla"
+  # LayerNorm at K = 512, N = 4096 trains faster with the kernel (13303 vs 14565 µs).
+  assert pick(mn_configs.kernel_slower_reason(m, 512, 4096, "layer")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(m // 2, 512, 8192, "layer")) == "xla"
+  assert pick(mn_configs.kernel_slower_reason(65536, 512, 2048, "layer")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(65536, 1024, 1024, "layer")) == "mosaic"
   # Small M (the Kunlun model's batch-sized layers, M = 768): the post-norm kernel trains
   # slower at M = 768 and faster from 4096 (LayerNorm + residual, 1024²: 97.8 vs 160.2 µs); the
   # pre-norm kernel slower through 16384 (LayerNorm, K = 576, N = 512).
-  assert pick(mn_configs.kernel_slower_reason(768, 1024, "layer")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(4096, 1024, "layer")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(768, 1024, 1024, "layer")) == "xla"
+  assert pick(mn_configs.kernel_slower_reason(4096, 1024, 1024, "layer")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(768, 576, 512, "layer")) == "xla"
   assert pick(nm_configs.kernel_slower_reason(16384, 576, 512, "layer")) == "xla"
   assert pick(nm_configs.kernel_slower_reason(768, 512, 1024, "rms")) == "xla"
   # An explicit request is honoured even where the kernel is slower.
   assert _dispatch.choose("op", "mosaic", ok, lambda: "slower") == "mosaic"
+
+
+def test_default_forward_alone_takes_the_path_measured_faster_forward(monkeypatch):
+  """implementation=None on a Hopper GPU: a call that is not differentiated follows the forward's
+  measurements where they disagree with training's (H200, the suite, M = 262144)."""
+  from pallas_norm import _dispatch
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  ok = lambda _: None  # noqa: E731
+
+  def uses(configs, *dims):
+    return _dispatch.choose_by_use("op", None, ok, lambda: configs.kernel_slower_reason(*dims),
+                                   lambda: configs.kernel_slower_forward_reason(*dims))
+
+  m = 262144
+  # matmul_norm LayerNorm at 512×4096: forward 4904 (kernel) vs 3218, fwd+bwd 13303 vs 14565.
+  assert uses(mn_configs, m, 512, 4096, "layer") == ("xla", "mosaic")
+  # matmul_norm RMSNorm: forward 872 vs 969 at 1024², 1096 vs 1266 at 512×2048; trains slower.
+  assert uses(mn_configs, m, 1024, 1024, "rms") == ("mosaic", "xla")
+  # RMSNorm at 512×2048 trains with the kernel since its norm backward is the row kernel
+  # (3832.5 vs 4127.7 µs); at 1024² a tie keeps XLA for training.
+  assert uses(mn_configs, m, 512, 2048, "rms") == ("mosaic", "mosaic")
+  assert uses(mn_configs, m, 1024, 2048, "rms") == ("mosaic", "xla")
+  assert uses(mn_configs, m, 2048, 2048, "rms") == ("xla", "xla")
+  assert uses(mn_configs, m, 512, 512, "rms") == ("mosaic", "mosaic")
+  assert uses(mn_configs, m, 2048, 2048, "layer") == ("mosaic", "mosaic")
+  assert uses(mn_configs, 768, 1024, 1024, "rms") == ("xla", "xla")
+  # norm_matmul RMSNorm at K = N = 2048: forward 2994 vs 3291 (65536 rows: 759 vs 820).
+  assert uses(nm_configs, m, 2048, 2048, "rms") == ("mosaic", "xla")
+  assert uses(nm_configs, 65536, 2048, 2048, "rms") == ("mosaic", "xla")
+  assert uses(nm_configs, m, 4096, 4096, "rms") == ("xla", "xla")
+  assert uses(nm_configs, m, 512, 2048, "layer") == ("xla", "xla")
+  assert uses(nm_configs, m, 1024, 1024, "layer") == ("mosaic", "mosaic")
+  # An explicit implementation is used for both.
+  assert _dispatch.choose_by_use("op", "xla", ok, lambda: None, lambda: "slower") == ("xla", "xla")
+
+
+@pytest.mark.parametrize("op,uses", [("norm_matmul", ("xla", "interpret")),
+                                     ("matmul_norm", ("interpret", "xla"))])
+def test_forward_alone_and_training_run_their_own_paths(monkeypatch, op, uses):
+  """Where implementation=None picks different paths for the two uses, the op's value is the
+  forward path's and its gradients (jit, grad) are the training path's, with return_stats."""
+  from pallas_norm import _dispatch
+  from pallas_norm.ops.matmul_norm import api as mn
+  monkeypatch.setattr(_dispatch, "choose_by_use", lambda *a, **k: uses)
+  x, w, scale, bias, ct = _inputs(31, 64, 64, 128, jnp.bfloat16)
+  if op == "matmul_norm":
+    scale, bias = scale.astype(jnp.bfloat16)[:64], bias.astype(jnp.bfloat16)[:64]
+    w = w[:, :64]
+    ct = ct[:, :64]
+
+  def call(impl, x, w, scale, bias):
+    if op == "norm_matmul":
+      return nm.norm_matmul(x, w, scale=scale, norm_bias=bias, norm="layer", return_stats=True,
+                            implementation=impl)
+    return mn.matmul_norm(x, w, scale=scale, norm_bias=bias, norm="layer", return_stats=True,
+                          implementation=impl)
+
+  def loss(impl, *args):
+    y, stats = call(impl, *args)
+    return jnp.sum(y.astype(jnp.float32) * ct) + jnp.sum(stats.rstd)
+
+  args = (x, w, scale, bias)
+  both = jax.jit(lambda *a: call(None, *a))(*args)
+  chex.assert_trees_all_equal(both, jax.jit(lambda *a: call(uses[0], *a))(*args))
+  grads = jax.jit(jax.grad(lambda *a: loss(None, *a), argnums=(0, 1, 2, 3)))(*args)
+  want = jax.jit(jax.grad(lambda *a: loss(uses[1], *a), argnums=(0, 1, 2, 3)))(*args)
+  chex.assert_trees_all_equal(grads, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm,k,n,uses", [("rms", 1024, 1024, ("mosaic", "xla")),
+                                           ("layer", 512, 4096, ("xla", "mosaic"))])
+def test_gpu_default_runs_each_use_on_its_path(norm, k, n, uses):
+  """matmul_norm with implementation=None where the forward alone and training take different
+  paths (configs): jitted, the forward equals the forward path's and the gradients the training
+  path's to rounding, and both match the f32 reference."""
+  from pallas_norm.ops.matmul_norm import api as mn
+  from pallas_norm import _dispatch
+  m = 4096
+  x, w, scale, bias, ct = _inputs(m + k + n, m, k, n, jnp.bfloat16)
+  scale, bias = _inputs(n, 1, n, 1, jnp.float32)[2:4]
+  args = (x, w, scale, bias if norm == "layer" else None)
+  ct = ct.astype(jnp.bfloat16)
+  assert _dispatch.choose_by_use(
+      "matmul_norm", None, lambda _: None,
+      lambda: mn_configs.kernel_slower_reason(m, k, n, norm),
+      lambda: mn_configs.kernel_slower_forward_reason(m, k, n, norm)) == uses
+
+  def op(impl):
+    return lambda x, w, s, b: mn.matmul_norm(x, w, scale=s, norm_bias=b, norm=norm,
+                                             implementation=impl)
+
+  def vjp(impl):
+    return jax.jit(lambda *a: jax.vjp(op(impl), *a)[1](ct))(*args)
+
+  y = jax.jit(op(None))(*args)
+  assert _rel(y, jax.jit(op(uses[0]))(*args)) < 1e-3
+  f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+  y_ref, vjp_ref = jax.vjp(lambda *a: reference.matmul_norm(a[0], a[1], None, None, *a[2:],
+                                                            norm=norm), *map(f32, args))
+  assert _rel(y, y_ref) < 1e-2
+  for g, g_path, g_ref in zip(vjp(None), vjp(uses[1]), vjp_ref(f32(ct))):
+    if g_ref is not None:
+      assert _rel(g, g_path) < 1e-3 and _rel(g, g_ref) < 2e-2
 
 
 @pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])

@@ -1,4 +1,4 @@
-"""layer_norm with the Pallas backward kernel (pallas_norm/ops/norms/triton.py); rms_norm refuses it.
+"""layer_norm and rms_norm with the Pallas backward kernel (pallas_norm/ops/norms/triton.py).
 
 CPU tests run the kernel with ``implementation="interpret"`` (Pallas interpret mode, which fills
 every output it does not write with NaN: an element the kernel skips fails the finiteness and
@@ -8,6 +8,8 @@ are tiny and cover N not a power of two, rows that do not fill the last row bloc
 programs, leading batch dimensions. GPU tests (``gpu``) run the Triton-lowered kernel at real
 sizes.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +38,15 @@ def _inputs(seed, shape, dtype, *, scale, bias, residual, mean=0.0):
   return x, vecs, dy, ds
 
 
-def _op(impl, eps, zero_centered_scale, out_dtype=None):
+def _op(impl, eps, zero_centered_scale, out_dtype=None, norm="layer"):
+  """The op as f(x, scale, bias, residual); RMSNorm ignores bias (pass None)."""
   def f(x, scale, bias, residual):
     kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+    if norm == "rms":
+      assert bias is None
+      fn = reference.rms_norm if impl == "reference" else functools.partial(
+          pallas_norm.rms_norm, implementation=impl)
+      return fn(x, scale, residual, **kw)
     if impl == "reference":
       return reference.layer_norm(x, scale, bias, residual, **kw)
     return pallas_norm.layer_norm(x, scale, bias, residual, implementation=impl, **kw)
@@ -69,27 +77,29 @@ def _assert_close(got, want, tol, what):
 
 
 CASES = [
-    # shape, dtype, scale, bias, residual, zero_centered, out_dtype
-    ((3, 13, 100), jnp.float32, True, True, True, False, None),
-    ((37, 64), jnp.bfloat16, True, False, True, True, None),
-    ((20, 256), jnp.bfloat16, False, False, False, False, jnp.float32),
-    ((5, 33), jnp.float32, False, False, False, False, None),
-    ((50, 24), jnp.float16, True, False, False, True, None),
+    # shape, dtype, scale, bias, residual, zero_centered, out_dtype, norm
+    ((3, 13, 100), jnp.float32, True, True, True, False, None, "layer"),
+    ((37, 64), jnp.bfloat16, True, False, True, True, None, "layer"),
+    ((20, 256), jnp.bfloat16, False, False, False, False, jnp.float32, "layer"),
+    ((5, 33), jnp.float32, False, False, False, False, None, "layer"),
+    ((50, 24), jnp.float16, True, False, False, True, None, "layer"),
+    ((3, 13, 100), jnp.float32, True, False, True, False, None, "rms"),
+    ((37, 64), jnp.bfloat16, True, False, False, True, None, "rms"),
 ]
 
 
-@pytest.mark.parametrize("shape,dtype,scale,bias,residual,zero_centered,out_dtype", CASES)
+@pytest.mark.parametrize("shape,dtype,scale,bias,residual,zero_centered,out_dtype,norm", CASES)
 def test_values_and_grads_match_reference(shape, dtype, scale, bias, residual, zero_centered,
-                                          out_dtype):
+                                          out_dtype, norm):
   """Outputs (y, and s with a residual) and the gradients of x, scale, bias and residual
   through the public op, jitted, match jax.vjp of the float32 reference."""
-  x, vecs, dy, ds = _inputs(seed_of(f"{shape}{dtype}"), shape, dtype, scale=scale, bias=bias,
-                            residual=residual)
+  x, vecs, dy, ds = _inputs(seed_of(f"{shape}{dtype}{norm}"), shape, dtype, scale=scale,
+                            bias=bias, residual=residual)
   eps = 1e-5
   got_out, got_grads = _outputs_and_grads(
-      _op("interpret", eps, zero_centered, out_dtype), x, vecs, dy, ds)
+      _op("interpret", eps, zero_centered, out_dtype, norm), x, vecs, dy, ds)
   want_out, want_grads = _outputs_and_grads(
-      _op("reference", eps, zero_centered), *_upcast((x, vecs)), dy, ds)
+      _op("reference", eps, zero_centered, norm=norm), *_upcast((x, vecs)), dy, ds)
   tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
   for i, (g, w) in enumerate(zip(jax.tree.leaves(got_out), jax.tree.leaves(want_out))):
     assert g.dtype == ((out_dtype or dtype) if i == 0 else dtype)
@@ -128,13 +138,28 @@ def test_rows_with_a_large_mean_keep_their_precision():
     _assert_close(g, w, 1e-5, name)
 
 
+@pytest.mark.parametrize("config", [
+    row_norm_pallas.BackwardConfig(block_m=1, programs=7, num_warps=4, num_stages=1),
+    row_norm_pallas.BackwardConfig(block_m=4, programs=2, num_warps=8),
+])
+def test_other_tilings_give_the_same_gradients(monkeypatch, config):
+  """The kernel under tilings other than pick_config's (one row per step and more programs than
+  steps; blocks past the rows of a short last slab), as the GPU tilings under test take them:
+  the same values as the reference."""
+  x, vecs, dy, ds = _inputs(8, (45, 96), jnp.bfloat16, scale=True, bias=True, residual=True)
+  monkeypatch.setattr(row_norm_pallas, "pick_config", lambda m, n, interpret, kind: config)
+  _, got = _outputs_and_grads(_op("interpret", 1e-5, False), x, vecs, dy, ds)
+  _, want = _outputs_and_grads(_op("reference", 1e-5, False), *_upcast((x, vecs)), dy, ds)
+  for name, g, w in zip(("dx", "dscale", "dbias", "dresidual"), got, want):
+    _assert_close(g, w, BF16_TOL, name)
+
+
 # ("triton", "xla") on the CPU warns once per process that it ran XLA (tested in test_validation).
 @pytest.mark.filterwarnings("ignore::pallas_norm._dispatch.KernelSkippedWarning")
 def test_kernel_names_and_refusals_on_the_cpu():
   """On the CPU: None and "xla" are XLA's autodiff; "triton" needs an NVIDIA GPU and "mosaic"
   does not exist for these ops (NotImplementedError naming the op); a sequence falls through
-  to what can run; calls the kernel cannot run are refused with the reason, before any work:
-  every rms_norm call (its kernel path was measured slower than XLA's and removed)."""
+  to what can run; calls the kernel cannot run are refused with the reason, before any work."""
   if jax.default_backend() != "cpu":
     pytest.skip("checks the CPU behaviour")
   x = jnp.ones((4, 8), jnp.float32) + jnp.arange(8.0)
@@ -143,11 +168,11 @@ def test_kernel_names_and_refusals_on_the_cpu():
   np.testing.assert_array_equal(pallas_norm.layer_norm(x, implementation=("triton", "xla")), want)
   with pytest.raises(NotImplementedError, match="layer_norm.*NVIDIA GPU"):
     pallas_norm.layer_norm(x, implementation="triton")
-  for impl in ("mosaic", "triton", "interpret"):
-    with pytest.raises(NotImplementedError, match=r"rms_norm has no kernel \(only 'xla'\)"):
-      pallas_norm.rms_norm(x, implementation=impl)
-  np.testing.assert_array_equal(
-      pallas_norm.rms_norm(x, implementation=("interpret", "xla")), reference.rms_norm(x))
+  np.testing.assert_array_equal(pallas_norm.rms_norm(x), reference.rms_norm(x))
+  with pytest.raises(NotImplementedError, match="rms_norm.*NVIDIA GPU"):
+    pallas_norm.rms_norm(x, implementation="triton")
+  with pytest.raises(NotImplementedError, match="rms_norm has no 'mosaic' kernel"):
+    pallas_norm.rms_norm(x, implementation="mosaic")
   wide = np.ones((2, row_norm_pallas.MAX_N + 1), np.float32)
   with pytest.raises(NotImplementedError, match="N = 8193"):
     pallas_norm.layer_norm(wide, implementation="interpret")
@@ -165,18 +190,28 @@ def test_kernel_names_and_refusals_on_the_cpu():
 
 
 def test_default_takes_the_kernel_only_where_measured_faster(monkeypatch):
-  """implementation=None's rule for LayerNorm (row_norm_pallas.slower_reason), as on a Hopper
-  GPU: bf16, no residual, 128 <= N <= 2048, >= 65536 rows; nothing off Hopper."""
+  """implementation=None's rule (row_norm_pallas.slower_reason), as on a Hopper GPU: LayerNorm
+  for bf16, no residual, 128 <= N <= 8192, >= 65536 rows; RMSNorm for 128 <= N <= 2048, >=
+  262144 rows (slower at 65536×8192); nothing off Hopper."""
   from pallas_norm import _dispatch
-  reason = row_norm_pallas.slower_reason
+  reason = functools.partial(row_norm_pallas.slower_reason, "layer")
+  rms = functools.partial(row_norm_pallas.slower_reason, "rms")
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  for shape in ((262144, 2048), (1048576, 512), (4194304, 128)):
+    assert rms(shape, jnp.bfloat16, False) is None, shape
+  for shape in ((65536, 8192), (65536, 2048), (262144, 4096)):
+    assert "N = " in rms(shape, jnp.bfloat16, False), shape
+  assert "residual" in rms((262144, 2048), jnp.bfloat16, True)
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: False)
+  assert "Hopper" in rms((262144, 2048), jnp.bfloat16, False)
   assert "Hopper" in reason((262144, 2048), jnp.bfloat16, False)
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   for shape in ((262144, 2048), (65536, 128), (4, 65536, 1000)):
     assert reason(shape, jnp.bfloat16, False) is None, shape
   assert "bfloat16" in reason((262144, 2048), jnp.float32, False)
   assert "residual" in reason((262144, 2048), jnp.bfloat16, True)
-  for shape in ((262144, 4096), (262144, 64), (1024, 2048)):
+  assert reason((65536, 8192), jnp.bfloat16, False) is None
+  for shape in ((262144, 64), (1024, 2048)):
     assert "N = " in reason(shape, jnp.bfloat16, False), shape
 
 
@@ -184,21 +219,24 @@ def test_default_takes_the_kernel_only_where_measured_faster(monkeypatch):
 
 
 GPU_CASES = [
-    ((8192, 2048), jnp.bfloat16, True, True, False, False),
-    ((4, 1000, 1000), jnp.bfloat16, True, True, True, True),
-    ((65536, 128), jnp.bfloat16, True, False, True, False),
-    ((3000, 4096), jnp.float32, True, True, False, False),
+    ((8192, 2048), jnp.bfloat16, True, True, False, False, "layer"),
+    ((4, 1000, 1000), jnp.bfloat16, True, True, True, True, "layer"),
+    ((65536, 128), jnp.bfloat16, True, False, True, False, "layer"),
+    ((3000, 4096), jnp.float32, True, True, False, False, "layer"),
+    ((8192, 2048), jnp.bfloat16, True, False, False, False, "rms"),
+    ((4, 1000, 1000), jnp.bfloat16, True, False, True, True, "rms"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,dtype,scale,bias,residual,zero_centered", GPU_CASES)
-def test_gpu_kernel_matches_reference(shape, dtype, scale, bias, residual, zero_centered):
+@pytest.mark.parametrize("shape,dtype,scale,bias,residual,zero_centered,norm", GPU_CASES)
+def test_gpu_kernel_matches_reference(shape, dtype, scale, bias, residual, zero_centered, norm):
   """implementation="triton" on the GPU at real sizes: outputs and gradients vs the float32
   reference."""
   x, vecs, dy, ds = _inputs(11, shape, dtype, scale=scale, bias=bias, residual=residual)
-  got_out, got_grads = _outputs_and_grads(_op("triton", 1e-6, zero_centered), x, vecs, dy, ds)
-  want_out, want_grads = _outputs_and_grads(_op("reference", 1e-6, zero_centered),
+  got_out, got_grads = _outputs_and_grads(_op("triton", 1e-6, zero_centered, norm=norm),
+                                          x, vecs, dy, ds)
+  want_out, want_grads = _outputs_and_grads(_op("reference", 1e-6, zero_centered, norm=norm),
                                             *_upcast((x, vecs)), dy, ds)
   tol = F32_TOL * 10 if dtype == jnp.float32 else BF16_TOL
   for g, w in zip(jax.tree.leaves(got_out), jax.tree.leaves(want_out)):
@@ -211,7 +249,7 @@ def test_gpu_kernel_matches_reference(shape, dtype, scale, bias, residual, zero_
 def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
   """implementation=None through the op's own check (``api._check``), as on a Hopper GPU (the
   device queries patched, so this runs on the CPU too): the kernel for LayerNorm at the measured
-  shapes, XLA for RMSNorm (measured slower) and outside the measured domain."""
+  shapes, for RMSNorm at N <= 2048, XLA outside the measured domains."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.norms import api as norms
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
@@ -227,9 +265,11 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
     return out[0]
 
   assert chosen("layer_norm", (262144, 2048)) == "triton"
-  assert chosen("rms_norm", (262144, 2048)) == "xla"
+  assert chosen("rms_norm", (262144, 2048)) == "triton"
+  assert chosen("rms_norm", (65536, 8192)) == "xla"
   assert chosen("layer_norm", (262144, 2048), jnp.float32) == "xla"
-  for shape in ((1024, 2048), (65536, 4096)):
+  assert chosen("layer_norm", (65536, 4096)) == "triton"
+  for shape in ((1024, 2048), (65536, 64)):
     assert chosen("layer_norm", shape) == "xla", shape
   assert chosen("layer_norm", (262144, 2048), residual=True) == "xla"
 

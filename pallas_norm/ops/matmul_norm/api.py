@@ -15,9 +15,10 @@ rstd, never rebuilding x̂ from y by dividing by the scale (which may contain ze
     dx     = dh @ wᵀ,  dw = xᵀ dh,
 
 the column sums by a deterministic two-stage reduction (:func:`.xla.column_sum`). In the kernel
-implementations, dh and the column sums run as one Mosaic-GPU kernel
-(:mod:`pallas_norm.ops.matmul_norm.mosaic_bwd`; its per-CTA partial sums are added in a fixed
-order) where it takes the shape, else in XLA. The ``"xla"``
+implementations, dh and the column sums run as one Pallas kernel with the Triton lowering
+(:func:`pallas_norm.ops.norms.triton.norm_backward`, ``layer_norm``'s backward kernel given x̂
+and rstd; its per-program partial sums are added in a fixed order) where it takes the shape,
+else in XLA. The ``"xla"``
 implementation is the unfused reference's math (:func:`.xla.matmul_norm`): the GEMM
 differentiated by JAX, the norm by the one-pass rule of :mod:`pallas_norm.ops.norms.xla`.
 """
@@ -33,7 +34,8 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import _dispatch, _op, _validate, reference
-from pallas_norm.ops.matmul_norm import configs, mosaic, mosaic_bwd, xla
+from pallas_norm.ops.matmul_norm import configs, mosaic, xla
+from pallas_norm.ops.norms import triton as norms_triton
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
@@ -62,7 +64,10 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       N = c · n_tiles · tile_n with c ∈ {1, 2, 4, 8}, n_tiles ≤ 4 and tile_n ≤ 256 (so
       N ≤ 8192; past 2048 a multiple of 1024), a residual in the output dtype; "interpret"
       runs one CTA per row block, so N ≤ 4 · tile_n. None falls back to XLA otherwise, with
-      the reason logged at debug level. The kernel paths are first-order reverse mode only.
+      the reason logged at debug level; where the forward alone and training were measured
+      fastest on different paths, None runs a call that is not differentiated on one and a
+      differentiated call on the other (as a kernel path, it then has no forward mode). The
+      kernel paths are first-order reverse mode only.
 
   Returns:
     y (..., N); with ``return_h``/``return_stats`` the tuple ``(y, h?, stats?)``.
@@ -81,19 +86,28 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
   eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
   _validate.flag("return_h", return_h)
   _validate.flag("return_stats", return_stats)
-  chosen = _dispatch.choose(
+  m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+  forward, training = _dispatch.choose_by_use(
       "matmul_norm", implementation,
       lambda candidate: kernel_unsupported_reason(x, w, residual, out_dtype,
                                                   interpret=candidate == "interpret"),
-      lambda: configs.kernel_slower_reason(math.prod(x.shape[:-1]), w.shape[1], norm))
-  if chosen == "xla":
+      lambda: configs.kernel_slower_reason(m, k, n, norm),
+      lambda: configs.kernel_slower_forward_reason(m, k, n, norm))
+
+  def run(chosen, x, w, dense_bias, residual, scale, norm_bias):
+    if chosen != "xla":
+      return _kernel_call(x, w, dense_bias, residual, scale, norm_bias, norm, eps,
+                          jnp.dtype(out_dtype or x.dtype), return_h, return_stats, chosen)
     out = xla.matmul_norm(x, w, dense_bias, residual, scale, norm_bias, norm=norm, eps=eps,
                           out_dtype=out_dtype, return_h=return_h, return_stats=return_stats)
     if return_stats:  # outputs, not a differentiable path, in every implementation
       out = (*out[:-1], jax.tree.map(lax.stop_gradient, out[-1]))
     return out
-  return _kernel_call(x, w, dense_bias, residual, scale, norm_bias, norm, eps,
-                      jnp.dtype(out_dtype or x.dtype), return_h, return_stats, chosen)
+
+  args = (x, w, dense_bias, residual, scale, norm_bias)
+  if forward == training:
+    return run(training, *args)
+  return _op.by_use(functools.partial(run, forward), functools.partial(run, training), *args)
 
 
 def check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype) -> None:
@@ -176,34 +190,30 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   return (y, h, mean, rstd), saved
 
 
-def _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x_dtype) -> str | None:
-  """Why the backward keeps XLA's passes instead of the norm-backward kernel (None: it need not).
+def _norm_backward_kernel_reason(dy_out, dh_out, xhat, x_dtype) -> str | None:
+  """Why the backward keeps XLA's passes instead of the one-pass norm-backward kernel
+  (:func:`pallas_norm.ops.norms.triton.norm_backward`), or None.
 
-  The kernel (dh and the column sums in one pass) was measured faster than XLA's passes for
-  both norms on the H200 (262144 rows, bf16, µs, kernel / XLA; N = 2048 from an earlier
-  version): RMSNorm 297 / 351 at N = 512, 591 / 681 at 1024, 1334 / 1331 at 2048; LayerNorm
-  316 / 416, 616 / 796, 1359 / 1564. The kernel writes dh in the cotangent's dtype: with an ``out_dtype`` other than x's, dh would
-  be rounded twice on its way to the GEMMs (or overflow float16), so those calls keep XLA.
-  M not a multiple of 8 would cost the kernel full copies of its inputs and of dh."""
+  The kernel (full rows in registers, every tensor read once) was measured on the H200 against
+  XLA's passes and the Mosaic kernel it replaced (262144 rows, bf16, µs; EXPERIMENTS.md):
+  LayerNorm 260.5 (Mosaic 320.7, XLA 416) at N = 512, 977.1 (1337.8, 1564) at 2048; RMSNorm
+  248.1 (300.9, 351) at 512. It writes dh in the cotangent's dtype: with an ``out_dtype``
+  other than x's, dh would be rounded twice on its way to the GEMMs (or overflow float16), so
+  those calls keep XLA."""
   if dy_out.dtype != xhat.dtype or (dh_out is not None and dh_out.dtype != xhat.dtype):
     return f"cotangents in {dy_out.dtype}, x̂ in {xhat.dtype}"
   if jnp.dtype(dy_out.dtype) != jnp.dtype(x_dtype):
     return f"cotangent in {dy_out.dtype}, x in {jnp.dtype(x_dtype)}"
-  if dy_out.shape[0] % mosaic_bwd.ROW_ALIGN:
-    return f"M = {dy_out.shape[0]} is not a multiple of {mosaic_bwd.ROW_ALIGN}"
-  return mosaic_bwd.unsupported_reason(*dy_out.shape, dy_out.dtype, len(sums))
+  return norms_triton.saved_stats_unsupported_reason(*dy_out.shape, dy_out.dtype)
 
 
 def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpret):
-  """(dh in the cotangent's dtype, {sum name: column sum}) from the one-pass kernel; the
-  per-CTA partial sums are added in a fixed order (deterministic bits on one GPU model)."""
-  backward = functools.partial(mosaic_bwd.norm_backward, norm=norm, sums=sums,
+  """(dh in the cotangent's dtype, {sum name: column sum}) from the one-pass kernel; its
+  per-program partial sums are added by XLA in a fixed order (deterministic bits on one GPU
+  model)."""
+  backward = functools.partial(norms_triton.norm_backward, norm=norm, sums=sums,
                                interpret=interpret)
-  dh, partials = _op.first_order_only("matmul_norm", backward, dy_out, xhat, rstd, scale, dh_out)
-  if not sums:
-    return dh, {}
-  totals = xla.pairwise_sum(partials.reshape(-1, *partials.shape[2:]))
-  return dh, {name: totals[i] for i, name in enumerate(sums)}
+  return _op.first_order_only("matmul_norm", backward, dy_out, xhat, rstd, scale, dh_out)
 
 
 def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, config, saved,
@@ -217,7 +227,7 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, con
     dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
   sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
                if v is not None)
-  if _norm_backward_kernel_reason(dy_out, dh_out, xhat, sums, x.dtype) is None:
+  if _norm_backward_kernel_reason(dy_out, dh_out, xhat, x.dtype) is None:
     dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
                                     interpret=implementation == "interpret")
   else:

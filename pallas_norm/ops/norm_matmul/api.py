@@ -68,8 +68,11 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
       the same on any backend.
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
       (see :mod:`pallas_norm._dispatch`). The kernel needs bfloat16/float16 with K and N
-      multiples of 64; None falls back to XLA otherwise. The kernel paths are first-order
-      reverse mode only (see :func:`pallas_norm._op.first_order_only`).
+      multiples of 64; None falls back to XLA otherwise, and where the forward alone and
+      training were measured fastest on different paths it runs a call that is not
+      differentiated on one and a differentiated call on the other (as a kernel path, it then
+      has no forward mode). The kernel paths are first-order reverse mode only (see
+      :func:`pallas_norm._op.first_order_only`).
 
   Returns:
     y (..., N), or ``(y, stats)``.
@@ -87,18 +90,27 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
   check_args(x, w, scale, norm_bias, norm, eps, out_dtype)
   eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
   _validate.flag("return_stats", return_stats)
-  chosen = _dispatch.choose(
+  m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+  forward, training = _dispatch.choose_by_use(
       "norm_matmul", implementation,
       lambda candidate: kernel_unsupported_reason(x, w, out_dtype),
-      lambda: configs.kernel_slower_reason(math.prod(x.shape[:-1]), x.shape[-1], w.shape[1],
-                                           norm))
-  if chosen == "xla":
-    y, stats = xla.norm_matmul(x, w, scale, norm_bias, norm=norm, eps=eps, out_dtype=out_dtype)
-  else:
-    y, stats = _kernel_call(x, w, scale, norm_bias, norm, eps, jnp.dtype(out_dtype or x.dtype),
-                            chosen)
-  # The statistics are outputs, not a differentiable path, in every implementation.
-  return (y, jax.tree.map(lax.stop_gradient, stats)) if return_stats else y
+      lambda: configs.kernel_slower_reason(m, k, n, norm),
+      lambda: configs.kernel_slower_forward_reason(m, k, n, norm))
+
+  def run(chosen, x, w, scale, norm_bias):
+    if chosen == "xla":
+      y, stats = xla.norm_matmul(x, w, scale, norm_bias, norm=norm, eps=eps,
+                                 out_dtype=out_dtype)
+    else:
+      y, stats = _kernel_call(x, w, scale, norm_bias, norm, eps,
+                              jnp.dtype(out_dtype or x.dtype), chosen)
+    # The statistics are outputs, not a differentiable path, in every implementation.
+    return (y, jax.tree.map(lax.stop_gradient, stats)) if return_stats else y
+
+  if forward == training:
+    return run(training, x, w, scale, norm_bias)
+  return _op.by_use(functools.partial(run, forward), functools.partial(run, training),
+                    x, w, scale, norm_bias)
 
 
 def check_args(x, w, scale, norm_bias, norm, eps, out_dtype) -> None:

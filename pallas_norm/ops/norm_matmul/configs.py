@@ -27,6 +27,12 @@ the forward ties (H200, the suite, bf16, µs, kernel vs XLA, fwd+bwd / fwd): 262
 the x̂ backward that took 8–16% off LayerNorm's training elsewhere). At K = 512, N = 2048 it
 trains slower (3272 vs 2925), so the rule is K = N, the shapes measured."""
 
+RMS_FORWARD_MAX_KN = 2048
+"""RMSNorm's forward alone also takes the kernel for K = N up to 2048, where it trains slower:
+H200, the suite, CUPTI µs, kernel vs XLA, forward / fwd+bwd: 262144×2048² 2994.5 vs 3291.3 /
+10640.2 vs 9892.2, 65536×2048² 758.9 vs 819.8 / 2421.1 vs 2407.9. At 32768×4096² the forward
+loses (1528.2 vs 1496.0)."""
+
 KERNEL_DEFAULT_MIN_M = 65536
 """Fewest rows (M, the product of x's leading dimensions) at which ``implementation=None`` takes
 the kernel: the smallest M the H200 measured it faster than XLA in training (65536×2048², the
@@ -37,13 +43,27 @@ CUPTI), µs, XLA vs kernel: M = 768 154.6 vs 227.7, 4096 182.8 vs 233.2, 16384 1
 
 
 def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
-  """Why ``implementation=None`` keeps XLA for x (M, K) @ w (K, N), or None to take the kernel."""
+  """Why ``implementation=None`` keeps XLA to train (forward+backward) x (M, K) @ w (K, N), or
+  None to take the kernel."""
   limit = KERNEL_DEFAULT_MAX_KN[norm]
   wide_rms = norm == "rms" and k <= RMS_WIDE_MAX_K and n <= RMS_WIDE_MAX_N
   square_layer = norm == "layer" and k == n <= LAYER_SQUARE_MAX_KN
   if (k > limit or n > limit) and not (wide_rms or square_layer):
     return (f"K = {k}, N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA "
             "in training on the H200 (pass implementation='mosaic' to force it)")
+  return _small_m_reason(m)
+
+
+def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | None:
+  """Why ``implementation=None`` keeps XLA for a forward of x (M, K) @ w (K, N) that is not
+  differentiated, or None to take the kernel: where training takes it, and RMSNorm at K = N ≤
+  :data:`RMS_FORWARD_MAX_KN`."""
+  if norm == "rms" and k == n <= RMS_FORWARD_MAX_KN:
+    return _small_m_reason(m)
+  return kernel_slower_reason(m, k, n, norm)
+
+
+def _small_m_reason(m: int) -> str | None:
   if m < KERNEL_DEFAULT_MIN_M:
     return (f"M = {m}: below {KERNEL_DEFAULT_MIN_M} rows the Mosaic kernel is measured slower "
             "than XLA in training on the H200 (pass implementation='mosaic' to force it)")

@@ -1,12 +1,12 @@
 """Standalone row norms ``rms_norm`` and ``layer_norm`` (DESIGN.md, op 5).
 
-Two implementations of ``layer_norm``: "xla" (:mod:`pallas_norm.ops.norms.xla`: the reference's
-forward with a hand-written one-pass derivative, a ``custom_jvp``, on every backend) and the
-Pallas backward kernel of :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU,
-"interpret" anywhere), which keeps XLA's forward. ``rms_norm`` is XLA only (the reference
-differentiated by autodiff): its kernel path and a hand-written rule were both measured slower,
-and the kernel refuses it. They are the building blocks of the Flax layers and the oracle shape
-of the fused ops.
+Two implementations each: "xla" (:mod:`pallas_norm.ops.norms.xla`: the reference's forward;
+``layer_norm`` with a hand-written one-pass derivative, a ``custom_jvp``, ``rms_norm``
+differentiated by autodiff, on every backend) and the Pallas backward kernel of
+:mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU, "interpret" anywhere), which
+keeps XLA's forward and recomputes the row statistics. ``implementation=None`` takes the kernel
+for each where it was measured faster. They are the
+building blocks of the Flax layers and the oracle shape of the fused ops.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   _validate.eps(eps, x.dtype)
   _validate.out_dtype(out_dtype)
   norm = "rms" if op == "rms_norm" else "layer"
-  # RMSNorm has no kernel path (triton.RMS_REASON): every kernel name is refused as such.
-  unsupported = None if norm == "rms" else (
-      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype))
   return _dispatch.choose(
-      op, implementation, unsupported,
-      lambda: triton.slower_reason(x.shape, x.dtype, residual is not None),
+      op, implementation,
+      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype),
+      lambda: triton.slower_reason(norm, x.shape, x.dtype, residual is not None),
       kernel="triton")
 
 
@@ -39,8 +37,9 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
 
   ``s = x + residual`` (or ``x``), ``y = s · rsqrt(mean(s²) + eps) · scale`` (``1 + scale`` with
   ``zero_centered_scale``). Statistics in float32 (float64 for float64 x), the values of
-  :func:`pallas_norm.reference.rms_norm`, differentiated by JAX's autodiff (any order; a
-  hand-written one-pass rule measured slower for RMSNorm, :mod:`pallas_norm.ops.norms.xla`).
+  :func:`pallas_norm.reference.rms_norm`; "xla" differentiates them by JAX's autodiff (any
+  order; a hand-written one-pass rule measured slower for RMSNorm,
+  :mod:`pallas_norm.ops.norms.xla`).
 
   Args:
     x: (..., N) bfloat16/float16/float32/float64.
@@ -50,11 +49,14 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     eps: positive float added to the mean square (default 1e-6, the Flax default).
     zero_centered_scale: apply ``1 + scale`` instead of ``scale``.
     out_dtype: dtype of y (default x.dtype).
-    implementation: None, "xla", or a sequence of names (see :mod:`pallas_norm._dispatch`):
-      RMSNorm runs on XLA only. The Pallas backward kernel (:mod:`pallas_norm.ops.norms.triton`)
-      computes LayerNorm's gradient only: its RMSNorm form was measured slower than XLA's
-      autodiff (benchmarks/EXPERIMENTS.md), so "triton" and "interpret" raise
-      NotImplementedError here and a sequence such as ``("triton", "xla")`` runs XLA.
+    implementation: None, "xla", "triton", "interpret" or a sequence of them (see
+      :mod:`pallas_norm._dispatch`). "triton" keeps XLA's forward and runs the gradient as one
+      Pallas kernel that recomputes rstd from the rows it holds (Triton lowering, any NVIDIA
+      GPU; :mod:`pallas_norm.ops.norms.triton`), "interpret" the same kernel in Pallas
+      interpret mode. None picks the kernel on a Hopper GPU where it was measured faster in
+      training than XLA's autodiff (bf16 without residual, 128 ≤ N ≤ 2048, ≥ 262144 rows:
+      :data:`pallas_norm.ops.norms.triton.RMS_DOMAIN`), else XLA.
+      The kernel path supports first-order reverse mode only.
 
   Returns:
     y (..., N), or ``(y, s)`` when ``residual`` is given (``s`` in x's dtype).
@@ -63,12 +65,21 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     TypeError: non-arrays (e.g. a ``jax.ShapeDtypeStruct``), non-float arrays or dtypes, a
       residual of another dtype than x.
     ValueError: shape mismatch, eps <= 0, unknown implementation.
-    NotImplementedError: a kernel implementation ("mosaic", "triton", "interpret") was
-      requested alone.
+    NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
+      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows, a residual of
+      another dtype than x), requested alone.
   """
-  _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
+  chosen = _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
-  return _xla(x, scale, None, residual, "rms", eps, zero_centered_scale, out_dtype)
+  return _run(chosen, x, scale, None, residual, "rms", eps, zero_centered_scale, out_dtype)
+
+
+def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
+  kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+  if chosen == "xla":
+    return _xla(x, scale, bias, residual, norm, **kw)
+  return triton.row_norm(x, scale, bias, residual, norm=norm, interpret=chosen == "interpret",
+                         **kw)
 
 
 def _xla(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
@@ -101,12 +112,8 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
       derivative NotImplementedError naming the op); "xla" supports every order.
 
   Raises:
-    NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
-      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows), requested alone.
+    NotImplementedError: as :func:`rms_norm`.
   """
   chosen = _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
-  kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
-  if chosen == "xla":
-    return _xla(x, scale, bias, residual, "layer", **kw)
-  return triton.layer_norm(x, scale, bias, residual, interpret=chosen == "interpret", **kw)
+  return _run(chosen, x, scale, bias, residual, "layer", eps, zero_centered_scale, out_dtype)

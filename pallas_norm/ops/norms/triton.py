@@ -1,4 +1,4 @@
-"""``layer_norm`` for training: XLA forward, one-pass Pallas backward kernel.
+"""``layer_norm`` and ``rms_norm`` for training: XLA forward, one-pass Pallas backward kernel.
 
 The forward is XLA's (one fused pass near copy bandwidth) and returns nothing but the outputs:
 handing the per-row statistics to the backward split it into three passes on the H200
@@ -14,18 +14,25 @@ float32 buffer that XLA sums afterwards (deterministic: no atomics).
 The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
 zero-centered) and ``r`` the rstd::
 
-    ds = r · (g − mean(g) − x̂ · mean(g ⊙ x̂))
+    ds = r · (g − mean(g) − x̂ · mean(g ⊙ x̂))          (RMSNorm: no mean(g))
     ds += cotangent of s (with a residual);  dx = d residual = ds
     dscale = Σ_rows dy ⊙ x̂,  dbias = Σ_rows dy
 
-The statistics are recomputed as :func:`pallas_norm.reference.layer_norm` computes them: the
-row shifted by its first element, the mean of the shifted values (``dmean``), the two-pass
-variance, ``x̂ = ((s − shift) − dmean) · r``: rows whose mean is large next to their spread keep
-their precision in the gradients too (a mean rounded to one float32 would cost up to
-ulp(mean)/std).
+The statistics are recomputed from the row shifted by its first element, as
+:func:`pallas_norm.reference.layer_norm` shifts it: the mean of the shifted values (``dmean``)
+and, beside it, their mean square (the variance as their difference, one dependent row
+reduction fewer than the reference's two passes; the shift keeps it accurate),
+``x̂ = ((s − shift) − dmean) · r``: rows whose mean is large next to their spread keep their
+precision in the gradients too (a mean rounded to one float32 would cost up to ulp(mean)/std).
+RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
+read rstd saved by the forward (splitting XLA's forward) was 0.73× of XLA's autodiff and was
+removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's and, with its
+own tiling, trains 1.03-1.17× faster than XLA's autodiff at N = 128-2048 on the H200, so
+``implementation=None`` takes it there (:data:`RMS_DOMAIN`).
 
-RMSNorm has no kernel path: the same kernel's RMSNorm form was measured slower than XLA's
-autodiff (benchmarks/EXPERIMENTS.md), so :func:`unsupported_reason` refuses it.
+The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
+norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
+them, with Σ dh as a third column sum.
 
 Forward-mode autodiff (``jax.jvp``) is not defined for this path (a ``custom_vjp``); the "xla"
 path (:mod:`pallas_norm.ops.norms.xla`) has it.
@@ -54,6 +61,15 @@ MAX_N = 8192
 MAX_ELEMENTS = 2**31 - 1
 """The kernel indexes x with int32 element offsets."""
 
+TILINGS = {"layer": (2048, 8), "rms": (4096, 12), "saved": (4096, 8)}
+"""(elements per loop step, programs per SM) of :func:`pick_config`, per kernel: statistics
+recomputed for LayerNorm or RMSNorm, or given (``saved``, :func:`norm_backward`). H200, bf16,
+262144 rows, CUPTI µs (``benchmarks/EXPERIMENTS.md``; 05:47 and 06:20 A/Bs of session 16):
+``layer_norm`` fwd+bwd at N = 2048 1916.9 with (2048, 8) against 2073.5 with (4096, 8) in the
+same call (more live values per element than RMSNorm: the shift, the centered rows); ``rms_norm``
+1559.6 with (4096, 12) against 1732.7 with (4096, 8); the saved-statistics kernel alone 260.5 µs
+at N = 512 and 977.1 at 2048 with (4096, 8), the best of the five tilings that call tried."""
+
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs, the row loop and the partial sums are
 exercised (and rows that do not fill the last block)."""
@@ -69,47 +85,47 @@ class BackwardConfig:
     programs: grid size; each program owns ``cdiv(M, programs)`` rows (rounded up to a multiple
       of ``block_m``) and writes one row of the dγ/dβ partial buffers.
     num_warps: warps per program (Triton).
+    num_stages: Triton's software-pipelining depth of the row loop (None: Triton's default).
   """
 
   block_m: int
   programs: int
   num_warps: int
+  num_stages: int | None = None
 
 
 def _gpu_core_count() -> int:
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def pick_config(m: int, n: int, interpret: bool) -> BackwardConfig:
-  """A tile of ~8K elements per step (full rows, padded to a power of 2), 4 programs per SM.
-
-  Several programs per SM keep enough loads in flight to cover memory latency (the kernel is
-  bandwidth-bound); ~8K elements per step over 8 warps is 32 registers per operand per thread.
+def pick_config(m: int, n: int, interpret: bool, kind: str = "saved") -> BackwardConfig:
+  """Full rows (padded to a power of 2) over 4 warps, the step's elements and the programs per
+  SM from :data:`TILINGS` by ``kind`` ("layer" or "rms": the statistics recomputed; "saved":
+  given). Rows wider than 4096 (one row per step) keep the earlier tiling, the one measured
+  there: 16 warps, 4 programs per SM (``layer_norm`` fwd+bwd 2256.8 vs XLA's 3310.8 µs at
+  65536×8192). Several programs per SM keep loads in flight (the kernel is bandwidth-bound);
+  the winners were measured, not derived (``benchmarks/EXPERIMENTS.md``).
   """
+  elements, per_sm = TILINGS[kind]
   n_pad = pl.next_power_of_2(n)
-  block_m = max(1, min(64, 8192 // n_pad))
-  num_warps = 4 if n_pad * block_m <= 2048 else (8 if n_pad <= 4096 else 16)
+  block_m = max(1, min(64, elements // n_pad))
+  wide = n_pad > 4096
   blocks = pl.cdiv(m, block_m)
-  programs = INTERPRET_PROGRAMS if interpret else 4 * _gpu_core_count()
+  programs = INTERPRET_PROGRAMS if interpret else (4 if wide else per_sm) * _gpu_core_count()
   return BackwardConfig(block_m=block_m, programs=max(1, min(programs, blocks)),
-                        num_warps=num_warps)
-
-
-RMS_REASON = ("rms_norm has no kernel path: its Pallas backward was measured slower than XLA's "
-              "autodiff on the H200 and removed (benchmarks/EXPERIMENTS.md); use 'xla'")
-"""Why ``rms_norm`` never runs the kernel (the kernel computes LayerNorm's backward only)."""
+                        num_warps=16 if wide else 4)
 
 
 def unsupported_reason(norm: str, x_shape, x_dtype) -> str | None:
   """Why the backward kernel cannot run a call with these operands, or None.
 
   Args:
-    norm: "layer" (the kernel's norm) or "rms" (refused: :data:`RMS_REASON`).
+    norm: "layer" or "rms".
     x_shape: shape of x, (..., N).
     x_dtype: dtype of x (a residual has it too: the ops' validation).
   """
-  if norm != "layer":
-    return RMS_REASON
+  if norm not in ("layer", "rms"):
+    return f"norm {norm!r} (the kernel computes LayerNorm's and RMSNorm's backward)"
   n = x_shape[-1]
   if jnp.dtype(x_dtype) not in KERNEL_DTYPES:
     return f"the kernel takes bfloat16/float16/float32 x, got {jnp.dtype(x_dtype)}"
@@ -122,21 +138,31 @@ def unsupported_reason(norm: str, x_shape, x_dtype) -> str | None:
   return None
 
 
-DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048, min_rows=65536)
+DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=8192, min_rows=65536)
 """Where ``implementation=None`` takes the kernel: what the H200 measured faster in training
-(benchmarks/NOTES.md "Standalone norms"): bf16, no residual, N from 128 to 2048 (1.65-1.91x
+(benchmarks/NOTES.md "Standalone norms"): bf16, no residual, N from 128 to 8192 (1.65-1.91x
 faster than XLA's autodiff at N = 128, 512, 1024, 2048; 1.09-1.27x faster than the "xla"
-path's one-pass rule at N = 128, 512, 2048 with x of 1 GB), at least 65536 rows."""
+path's one-pass rule at N = 128, 512, 2048 with x of 1 GB; 1143.1 vs 1681.3 µs at 65536×4096,
+2256.8 vs 3310.8 at 65536×8192), at least 65536 rows."""
 
 
-def slower_reason(x_shape, x_dtype, has_residual: bool) -> str | None:
-  """Why ``implementation=None`` keeps XLA's autodiff for this call, or None to use the kernel
-  (:data:`DEFAULT_DOMAIN`, measured on a Hopper GPU, the only one measured)."""
+RMS_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048, min_rows=262144)
+"""Where ``implementation=None`` takes the kernel for ``rms_norm``: H200, session 16's late call
+(``2026-12-02_s16_gemm4_late_ab.log``), fwd+bwd µs, kernel vs XLA's autodiff: 1558.3 vs 1611.1
+at 262144×2048, 1574.3 vs 1660.8 at 1048576×512, 1495.8 vs 1748.8 at 4194304×128; slower at
+65536×8192 (1893.0 vs 1581.6, where the kernel keeps the wide-row tiling). bf16 without a
+residual, at least 262144 rows (the fewest measured)."""
+
+
+def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  """Why ``implementation=None`` keeps XLA for this call, or None to use the kernel
+  (:data:`DEFAULT_DOMAIN` for LayerNorm, :data:`RMS_DOMAIN` for RMSNorm, measured on a Hopper
+  GPU, the only one measured)."""
   from pallas_norm import _dispatch  # the device query lives there
-  d = DEFAULT_DOMAIN
+  d = RMS_DOMAIN if norm == "rms" else DEFAULT_DOMAIN
   n, rows = x_shape[-1], math.prod(x_shape[:-1])
   if not _dispatch.on_hopper_gpu():
-    return "the Pallas LayerNorm backward was measured only on a Hopper GPU (H200)"
+    return "the Pallas row-norm backward was measured only on a Hopper GPU (H200)"
   if jnp.dtype(x_dtype) not in d["dtypes"] or has_residual:
     return "the kernel path was measured faster only for bfloat16 x without a residual"
   if not (d["min_n"] <= n <= d["max_n"] and rows >= d["min_rows"]):
@@ -149,12 +175,12 @@ def slower_reason(x_shape, x_dtype, has_residual: bool) -> str | None:
 # XLA forward that also returns the statistics the backward kernel rebuilds x̂ from.
 
 
-def _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype):
+def _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
   """The reference's outputs (``y`` or ``(y, s)``) by the same operations as the XLA path
   (:mod:`pallas_norm.ops.norms.xla`). Nothing else leaves it: the statistics stay inside
   XLA's one fused pass, and the kernel recomputes them."""
   s = xla.residual_sum(x, residual)
-  stats = xla.row_stats(s, "layer", eps)
+  stats = xla.row_stats(s, norm, eps)
   y = xla.affine(xla.normalized(s, stats), scale, bias, zero_centered_scale)
   y = y.astype(out_dtype or x.dtype)
   return y if residual is None else (y, s.astype(x.dtype))
@@ -167,48 +193,69 @@ def _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype):
 @dataclasses.dataclass(frozen=True)
 class _Operands:
   """Which optional operands a kernel instance has (static). With ``gamma`` (a scale) the
-  kernel also returns dscale partials, with ``dbias`` dbias partials."""
+  kernel also returns dscale partials, with ``dbias`` dbias partials, with ``ddense`` partials
+  of Σ ds. ``saved_stats``: the first input is x̂ itself and the rows' rstd is an input (the
+  post-norm GEMM's backward, whose forward saved them), instead of x whose statistics the
+  kernel recomputes. ``norm``: "layer", or "rms" (only with ``saved_stats``: no mean term)."""
 
   residual: bool
   ds_out: bool
   gamma: bool
   dbias: bool
+  saved_stats: bool = False
+  norm: str = "layer"
+  ddense: bool = False
 
   def input_names(self):
-    names = ["x"] + ["residual"] * self.residual + ["dy"] + ["ds_out"] * self.ds_out
-    names += ["gamma"] * self.gamma
+    names = ["x"] + ["residual"] * self.residual + ["rstd"] * self.saved_stats + ["dy"]
+    names += ["ds_out"] * self.ds_out + ["gamma"] * self.gamma
     return names
 
+  def partial_names(self):
+    return (["dscale_part"] * self.gamma + ["dbias_part"] * self.dbias
+            + ["ddense_part"] * self.ddense)
+
   def output_names(self):
-    return ["ds"] + ["dscale_part"] * self.gamma + ["dbias_part"] * self.dbias
+    return ["ds"] + self.partial_names()
 
 
-def _normalized_block(s, cols, n: int, eps: float):
-  """(x̂, rstd (block_m, 1)) of a block of full rows (masked entries 0), by the operations of
-  :func:`pallas_norm.ops.norms.xla.row_stats`: shift by the row's first element, the mean of
-  the shifted values, the two-pass variance. The rows are in registers: the statistics cost
-  row sums, no memory traffic."""
+def _normalized_block(s, cols, n: int, eps: float, norm: str):
+  """(x̂, rstd (block_m, 1)) of a block of full rows (masked entries 0). LayerNorm: the row
+  shifted by its first element (as :func:`pallas_norm.ops.norms.xla.row_stats` shifts it), then
+  the shifted moments Σd and Σd² side by side, var = Σd²/n − dmean²: one dependent row
+  reduction fewer than the forward's two-pass variance (H200, ``layer_norm`` fwd+bwd at
+  262144×2048: 1992.0 vs 2073.5 µs in one call). The shift keeps |dmean| within a few spreads
+  of 0, so the difference loses at most a few bits of float32 (x̂ agrees with the forward's to
+  ~1e-6). RMSNorm: the mean square. The rows are in registers: the statistics cost row sums,
+  no memory traffic."""
+  if norm == "rms":  # masked entries are 0: they add nothing to the mean square
+    rstd = lax.rsqrt(jnp.sum(s * s, axis=1, keepdims=True) / n + eps)
+    return s * rstd, rstd
   shift = jnp.sum(jnp.where(cols[None, :] == 0, s, 0.0), axis=1, keepdims=True)
   inside = cols[None, :] < n  # padded columns stay 0 through the centering
   d = jnp.where(inside, s - shift, 0.0)
   dmean = jnp.sum(d, axis=1, keepdims=True) / n
-  centered = jnp.where(inside, d - dmean, 0.0)
-  rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1, keepdims=True) / n + eps)
-  return centered * rstd, rstd
+  var = jnp.maximum(jnp.sum(d * d, axis=1, keepdims=True) / n - dmean * dmean, 0.0)
+  rstd = lax.rsqrt(var + eps)
+  return jnp.where(inside, d - dmean, 0.0) * rstd, rstd
 
 
-def _row_block_grads(load_tile, cols, gamma, ops: _Operands, n: int, eps: float):
+def _row_block_grads(load_tile, load_row, cols, gamma, ops: _Operands, n: int, eps: float):
   """One block of rows: (ds, x̂, dy) in float32, from the loaded tiles (masked entries 0)."""
-  s = load_tile("x")
-  if ops.residual:
-    s = s + load_tile("residual")
-  xhat, rstd = _normalized_block(s, cols, n, eps)
+  if ops.saved_stats:
+    xhat, rstd = load_tile("x"), load_row("rstd")
+  else:
+    s = load_tile("x")
+    if ops.residual:
+      s = s + load_tile("residual")
+    xhat, rstd = _normalized_block(s, cols, n, eps, ops.norm)
   dy = load_tile("dy")
   g = dy if gamma is None else dy * gamma[None, :]
   # Padded columns and rows have dy = 0, so g = 0 there: they add nothing to either row sum
-  # or to the dγ/dβ partials, whatever x̂ holds there.
-  inner = (g - jnp.sum(g, axis=1, keepdims=True) / n
-           - xhat * (jnp.sum(g * xhat, axis=1, keepdims=True) / n))
+  # or to the column partials, whatever x̂ holds there.
+  inner = g - xhat * (jnp.sum(g * xhat, axis=1, keepdims=True) / n)
+  if ops.norm == "layer":
+    inner = inner - jnp.sum(g, axis=1, keepdims=True) / n
   ds = inner * rstd
   if ops.ds_out:
     ds = ds + load_tile("ds_out")
@@ -238,97 +285,164 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
     def load_tile(name):
       return pltriton.load(r[name].at[tile_at], mask=mask, other=0.0).astype(jnp.float32)
 
-    ds, xhat, dy = _row_block_grads(load_tile, cols, gamma, ops, n, eps)
+    def load_row(name):  # rows past M read 1: their x̂ and dy are 0 anyway
+      return pltriton.load(r[name].at[rows], mask=row_mask, other=1.0)[:, None]
+
+    ds, xhat, dy = _row_block_grads(load_tile, load_row, cols, gamma, ops, n, eps)
     pltriton.store(r["ds"].at[tile_at], ds.astype(r["ds"].dtype), mask=mask)
-    dscale_acc, dbias_acc = partials
-    if ops.gamma:
-      dscale_acc = dscale_acc + dy * xhat
-    if ops.dbias:
-      dbias_acc = dbias_acc + dy
-    return dscale_acc, dbias_acc
+    summands = {"dscale_part": lambda: dy * xhat, "dbias_part": lambda: dy,
+                "ddense_part": lambda: ds}
+    return tuple(acc + summands[name]() for name, acc in zip(ops.partial_names(), partials))
 
   zeros = jnp.zeros((block_m, n_pad), jnp.float32)
   partials = lax.fori_loop(0, rows_per_program // block_m, step,
-                           (zeros if ops.gamma else None, zeros if ops.dbias else None))
+                           (zeros,) * len(ops.partial_names()))
   # One row of partials per program, reduced over its block rows once, after the loop.
   part_at = pid * n_pad + cols
-  for name, acc in (("dscale_part", partials[0]), ("dbias_part", partials[1])):
-    if acc is not None:
-      pltriton.store(r[name].at[part_at], jnp.sum(acc, axis=0), mask=col_mask)
+  for name, acc in zip(ops.partial_names(), partials):
+    pltriton.store(r[name].at[part_at], jnp.sum(acc, axis=0), mask=col_mask)
 
 
 def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpret: bool,
                    inputs):
-  """Runs the kernel; returns (ds (M, N), dscale partial sum or None, dbias partial or None)."""
-  cfg = pick_config(m, n, interpret)
+  """Runs the kernel; returns (ds (M, N), [column sum of each of ``ops.partial_names()``])."""
+  cfg = pick_config(m, n, interpret, "saved" if ops.saved_stats else ops.norm)
   n_pad = pl.next_power_of_2(n)
   rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
   programs = pl.cdiv(m, rows_per_program)
   part = jax.ShapeDtypeStruct((programs * n_pad,), jnp.float32)
-  out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * (ops.gamma + ops.dbias)
+  out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * len(ops.partial_names())
   kernel = functools.partial(_backward_kernel, ops=ops, m=m, n=n, n_pad=n_pad,
                              block_m=cfg.block_m, rows_per_program=rows_per_program, eps=eps)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
-      name="layer_norm_backward")(*inputs)
-  ds, parts = outs[0], list(outs[1:])
-
-  def column_sum(buf):
-    return jnp.sum(buf.reshape(programs, n_pad)[:, :n], axis=0)
-
-  dscale = column_sum(parts.pop(0)) if ops.gamma else None
-  dbias = column_sum(parts.pop(0)) if ops.dbias else None
-  return ds, dscale, dbias
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages),
+      name="norm_backward" if ops.saved_stats else "layer_norm_backward")(*inputs)
+  # The programs' partial rows, summed by XLA (a fixed reduction: no atomics).
+  sums = [jnp.sum(buf.reshape(programs, n_pad)[:, :n], axis=0) for buf in outs[1:]]
+  return outs[0], sums
 
 
 # ----------------------------------------------------------------------------------------------
 # custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _layer_norm(x, scale, bias, residual, eps, zero_centered_scale, out_dtype, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret):
   del interpret
-  return _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)
+  return _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
 
 
-def _layer_norm_fwd(x, scale, bias, residual, eps, zero_centered_scale, out_dtype, interpret):
+def _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
+                  interpret):
   del interpret
-  out = _forward(x, scale, bias, residual, eps, zero_centered_scale, out_dtype)
+  out = _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
   return out, (x, scale, bias, residual)
 
 
-def _layer_norm_bwd(eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
+def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
   del out_dtype
   x, scale, bias, residual = saved
   dy, ds_out = (cotangent, None) if residual is None else cotangent
   n = x.shape[-1]
   m = math.prod(x.shape[:-1])
   ops = _Operands(residual=residual is not None, ds_out=ds_out is not None,
-                  gamma=scale is not None, dbias=bias is not None)
+                  gamma=scale is not None, dbias=bias is not None, norm=norm)
   gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
   tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
   inputs = tiles + ([gamma] if ops.gamma else [])
-  ds, dscale, dbias = _op.first_order_only(
-      "layer_norm", lambda *a: _backward_call(ops, m, n, eps, x.dtype, interpret, list(a)),
+  ds, sums = _op.first_order_only(
+      f"{norm}_norm", lambda *a: _backward_call(ops, m, n, eps, x.dtype, interpret, list(a)),
       *inputs)
+  dscale = sums.pop(0) if ops.gamma else None
+  dbias = sums.pop(0) if ops.dbias else None
   ds = ds.reshape(x.shape)
   return (ds, None if scale is None else dscale.astype(scale.dtype),
           None if bias is None else dbias.astype(bias.dtype),
           None if residual is None else ds)
 
 
-_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+_row_norm.defvjp(_row_norm_fwd, _row_norm_bwd)
 
 
-def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float,
-               zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False):
-  """:func:`pallas_norm.reference.layer_norm` whose gradient runs the Pallas backward kernel of
-  this module.
+def row_norm(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
+             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False):
+  """:func:`pallas_norm.reference.layer_norm` (``norm="layer"``) or
+  :func:`pallas_norm.reference.rms_norm` (``norm="rms"``, no bias) whose gradient runs the
+  Pallas backward kernel of this module.
 
   Same arguments, outputs (``y``, or ``(y, s)`` with ``residual``) and dtypes as the reference;
   no validation (the public op validates and checks :func:`unsupported_reason` first).
   ``interpret=True`` runs the kernel in Pallas interpret mode (any backend).
   """
-  return _layer_norm(x, scale, bias, residual, float(eps), bool(zero_centered_scale),
-                     None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret))
+  return _row_norm(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
+                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret))
+
+
+# ----------------------------------------------------------------------------------------------
+# The same kernel given x̂ and rstd: the norm backward of the post-norm GEMM (matmul_norm).
+
+SAVED_STATS_SUMS = ("dscale", "dbias", "ddense")
+"""Column sums :func:`norm_backward` can return: Σ dy ⊙ x̂, Σ dy, Σ dh (float32)."""
+
+
+def saved_stats_unsupported_reason(m: int, n: int, dtype) -> str | None:
+  """Why :func:`norm_backward` cannot take (M, N) operands of ``dtype``, or None."""
+  if jnp.dtype(dtype) not in KERNEL_DTYPES:
+    return f"the kernel takes bfloat16/float16/float32, got {jnp.dtype(dtype)}"
+  if m < 1:
+    return f"M = {m} (needs at least one row)"
+  if n > MAX_N:
+    return f"N = {n}: the kernel holds full rows in registers, at most N = {MAX_N}"
+  if m * n > MAX_ELEMENTS:
+    return f"{m} x {n} elements, past the kernel's int32 offsets"
+  return None
+
+
+def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
+                  sums: tuple[str, ...] = (), interpret: bool = False):
+  """dh and column sums of ``y = x̂·scale (+ bias)`` given the forward's x̂ and rstd, one pass.
+
+  With ``g = scale ⊙ dy`` and means over the N columns of a row (DESIGN.md, op 2)::
+
+      dh = rstd ⊙ (g − x̂ ⊙ mean_N(g ⊙ x̂) − mean_N(g)) (+ dh_out)      (RMS: no mean_N(g))
+
+  One program per slab of rows reads dy, x̂ (and dh_out) once, writes dh once and keeps the
+  column sums' partials in registers (as :func:`layer_norm`'s backward does).
+
+  Args:
+    dy: (M, N) cotangent of y; xhat: (M, N) x̂ in dy's dtype; rstd: (M,) float32.
+    scale: optional (N,) γ (used in float32). dh_out: optional (M, N), added to dh.
+    norm: "layer" or "rms".
+    sums: a sub-sequence of :data:`SAVED_STATS_SUMS`.
+    interpret: Pallas interpret mode (any backend).
+
+  Returns:
+    ``(dh in dy's dtype, {sum name: (N,) float32 column sum})``.
+
+  Raises:
+    ValueError: an unknown norm or sum name, or operands :func:`saved_stats_unsupported_reason`
+      refuses. The caller (:mod:`pallas_norm.ops.matmul_norm.api`) checks shapes and dtypes.
+  """
+  if norm not in ("layer", "rms"):
+    raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
+  if any(q not in SAVED_STATS_SUMS for q in sums) or len(set(sums)) != len(sums):
+    raise ValueError(f"sums must be distinct names from {SAVED_STATS_SUMS}, got {sums!r}")
+  m, n = dy.shape
+  if reason := saved_stats_unsupported_reason(m, n, dy.dtype):
+    raise ValueError(f"norm_backward kernel: {reason}")
+  ops = _Operands(residual=False, ds_out=dh_out is not None, gamma="dscale" in sums,
+                  dbias="dbias" in sums, saved_stats=True, norm=norm, ddense="ddense" in sums)
+  # γ enters g whether or not dscale is asked for: without the sum, the kernel's "gamma" input
+  # is still needed, so the dscale partial comes along (and is dropped) when a scale is given.
+  if scale is not None and not ops.gamma:
+    ops = dataclasses.replace(ops, gamma=True)
+  inputs = [xhat, rstd.astype(jnp.float32), dy] + ([dh_out] if dh_out is not None else [])
+  if ops.gamma:
+    inputs.append(jnp.ones((n,), jnp.float32) if scale is None else scale.astype(jnp.float32))
+  dh, partials = _backward_call(ops, m, n, 0.0, dy.dtype, interpret, inputs)
+  by_name = dict(zip(("dscale", "dbias", "ddense"),
+                     [partials.pop(0) if flag else None
+                      for flag in (ops.gamma, ops.dbias, ops.ddense)]))
+  return dh, {q: by_name[q] for q in sums}
