@@ -172,8 +172,9 @@ def choose_by_use(op: str, implementation,
   return choose(op, None, unsupported_reason, slower_forward_reason, kernel), training
 
 
-X64_REASON = ("jax_enable_x64 is on: the Mosaic kernels are traced with int32 index arithmetic "
-              "only (loop indices become int64 under x64); use 'xla' or turn x64 off")
+X64_REASON = ("jax_enable_x64 is on: the kernels (Mosaic GPU and Triton lowerings) are traced "
+              "with int32 index arithmetic only (loop indices become int64 under x64); use "
+              "'xla' or turn x64 off")
 """Why no kernel runs while ``jax_enable_x64`` is set (found by a fresh-eyes review, session 8:
 the kernels failed inside their tracing under x64 since they were written)."""
 

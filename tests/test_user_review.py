@@ -174,12 +174,6 @@ def test_as_arrays_converts_array_likes_only():
   assert converted[2] is None and converted[3] == 1.5
 
 
-_PARAM_KERNEL_FIX = ("kernel path + nnx.Param argument + gradient crashes inside JAX/Pallas; "
-                     "the one-line fix in the op's api (_validate.as_arrays) is proposed in "
-                     "/work/prompts/review6_findings.md (the op folder has another owner)")
-
-
-@pytest.mark.xfail(strict=True, reason=_PARAM_KERNEL_FIX)
 @pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
 def test_kernel_path_gradient_with_an_nnx_param_weight(op):
   """A Flax module that passes its nnx.Param weight straight to the op (``pn.matmul_norm(x,

@@ -83,6 +83,8 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       when it lowers): pass ``implementation="xla"`` for those.
   """
   check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype)
+  x, w, dense_bias, residual, scale, norm_bias = _validate.as_arrays(
+      x, w, dense_bias, residual, scale, norm_bias)
   eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
   _validate.flag("return_h", return_h)
   _validate.flag("return_stats", return_stats)

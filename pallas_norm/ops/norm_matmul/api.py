@@ -88,6 +88,7 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
       when it lowers): pass ``implementation="xla"`` for those.
   """
   check_args(x, w, scale, norm_bias, norm, eps, out_dtype)
+  x, w, scale, norm_bias = _validate.as_arrays(x, w, scale, norm_bias)
   eps = float(eps)  # a validated numpy/jax scalar too: the kernels take a Python float
   _validate.flag("return_stats", return_stats)
   m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
