@@ -37,10 +37,9 @@ class RMSNorm(nnx.Module):
     use_scale: create the (N,) ``scale`` parameter (gamma).
     scale_init: initializer of ``scale`` (default ones).
     rngs: ``nnx.Rngs`` for parameter initialization.
-    implementation: passed to the op (:func:`pallas_norm.rms_norm`): None, "xla", or a sequence
-      that ends in "xla". RMSNorm has no kernel (the Pallas backward kernel, "triton"/"interpret"
-      for LayerNorm, was measured slower for RMSNorm), so a kernel name alone raises
-      NotImplementedError and a sequence falls through to "xla".
+    implementation: passed to the op (:func:`pallas_norm.rms_norm`): None, "xla", "triton"
+      (the Pallas backward kernel, XLA's forward; an NVIDIA GPU), "interpret" (that kernel in
+      Pallas interpret mode) or a sequence of them; "mosaic" has no RMSNorm kernel.
 
   Raises:
     ValueError: at construction, for a num_features that is not a positive integer, an epsilon

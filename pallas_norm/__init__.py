@@ -1,7 +1,7 @@
 """pallas-norm: LayerNorm/RMSNorm fused into the GEMM and attention kernels of JAX training.
 
 Public ops (each takes ``implementation=``: None, "xla", its kernel's name -- "mosaic", or
-"triton" for ``layer_norm``; ``rms_norm`` has none -- "interpret", or a sequence of them tried in
+"triton" for ``layer_norm`` and ``rms_norm`` -- "interpret", or a sequence of them tried in
 order; see :mod:`pallas_norm._dispatch` and the README's status table):
 
 * :func:`rms_norm`, :func:`layer_norm`: standalone row norms with optional residual add.

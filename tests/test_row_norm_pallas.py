@@ -138,6 +138,24 @@ def test_rows_with_a_large_mean_keep_their_precision():
     _assert_close(g, w, 1e-5, name)
 
 
+def test_rows_whose_first_element_is_an_outlier_keep_their_precision():
+  """float32 rows whose first element (the kernel's shift) lies ~sqrt(N) spreads from their
+  mean: the shifted moments' variance Σd²/N − dmean² cancels ~N·ulp; the kernel must match the
+  float64 oracle to float32 accuracy as the "xla" path does (review 7: 2.3e-4 at N = 2048)."""
+  n = 1024
+  rng = np.random.default_rng(3)
+  x = 3.0 + 0.01 * rng.standard_normal((4, n)).astype(np.float32)
+  x[:, 0] = 3.0 + 0.01 * np.sqrt(n) * np.array([10.0, 30.0, 100.0, 300.0])
+  x, vecs, dy = jnp.asarray(x), dict(scale=jnp.asarray(1 + 0.2 * rng.standard_normal(n),
+                                                         jnp.float32),
+                                     bias=None, residual=None), jnp.asarray(
+      rng.standard_normal((4, n)), jnp.float32)
+  _, grads = _outputs_and_grads(_op("interpret", 1e-6, False), x, vecs, dy, None)
+  want = _layer_norm_grads_f64(x, vecs["scale"], np.zeros(n), dy, 1e-6)
+  for name, g, w in zip(("dx", "dscale"), grads, want):
+    _assert_close(g, w, 1e-5, name)
+
+
 @pytest.mark.parametrize("config", [
     row_norm_pallas.BackwardConfig(block_m=1, programs=7, num_warps=4, num_stages=1),
     row_norm_pallas.BackwardConfig(block_m=4, programs=2, num_warps=8),

@@ -66,8 +66,8 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
       residual of another dtype than x.
     ValueError: shape mismatch, eps <= 0, unknown implementation.
     NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
-      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows, a residual of
-      another dtype than x), requested alone.
+      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows), requested
+      alone.
   """
   chosen = _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)

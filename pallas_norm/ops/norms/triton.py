@@ -196,7 +196,9 @@ class _Operands:
   kernel also returns dscale partials, with ``dbias`` dbias partials, with ``ddense`` partials
   of Σ ds. ``saved_stats``: the first input is x̂ itself and the rows' rstd is an input (the
   post-norm GEMM's backward, whose forward saved them), instead of x whose statistics the
-  kernel recomputes. ``norm``: "layer", or "rms" (only with ``saved_stats``: no mean term)."""
+  kernel recomputes. ``norm``: "layer", or "rms" (only with ``saved_stats``: no mean term).
+  ``two_pass``: LayerNorm's variance by the centered rows' second pass (see
+  :func:`_normalized_block`)."""
 
   residual: bool
   ds_out: bool
@@ -205,6 +207,7 @@ class _Operands:
   saved_stats: bool = False
   norm: str = "layer"
   ddense: bool = False
+  two_pass: bool = False
 
   def input_names(self):
     names = ["x"] + ["residual"] * self.residual + ["rstd"] * self.saved_stats + ["dy"]
@@ -219,14 +222,17 @@ class _Operands:
     return ["ds"] + self.partial_names()
 
 
-def _normalized_block(s, cols, n: int, eps: float, norm: str):
+def _normalized_block(s, cols, n: int, eps: float, norm: str, two_pass: bool = False):
   """(x̂, rstd (block_m, 1)) of a block of full rows (masked entries 0). LayerNorm: the row
   shifted by its first element (as :func:`pallas_norm.ops.norms.xla.row_stats` shifts it), then
   the shifted moments Σd and Σd² side by side, var = Σd²/n − dmean²: one dependent row
   reduction fewer than the forward's two-pass variance (H200, ``layer_norm`` fwd+bwd at
-  262144×2048: 1992.0 vs 2073.5 µs in one call). The shift keeps |dmean| within a few spreads
-  of 0, so the difference loses at most a few bits of float32 (x̂ agrees with the forward's to
-  ~1e-6). RMSNorm: the mean square. The rows are in registers: the statistics cost row sums,
+  262144×2048: 1992.0 vs 2073.5 µs in one call). The difference cancels ~dmean²/var ulps, and
+  the shift (the row's first element) can lie up to sqrt(n - 1) spreads from the mean (an
+  outlier first element): up to n·2^-24 relative error in var (2.3e-4 in the gradients at
+  n = 2048, review 7), below bfloat16's rounding of ds but not float16's or float32's, so
+  those (``two_pass``) centre the rows before the second sum, as the forward does. RMSNorm: the
+  mean square. The rows are in registers: the statistics cost row sums,
   no memory traffic."""
   if norm == "rms":  # masked entries are 0: they add nothing to the mean square
     rstd = lax.rsqrt(jnp.sum(s * s, axis=1, keepdims=True) / n + eps)
@@ -235,9 +241,13 @@ def _normalized_block(s, cols, n: int, eps: float, norm: str):
   inside = cols[None, :] < n  # padded columns stay 0 through the centering
   d = jnp.where(inside, s - shift, 0.0)
   dmean = jnp.sum(d, axis=1, keepdims=True) / n
-  var = jnp.maximum(jnp.sum(d * d, axis=1, keepdims=True) / n - dmean * dmean, 0.0)
+  centered = jnp.where(inside, d - dmean, 0.0)
+  if two_pass:
+    var = jnp.sum(centered * centered, axis=1, keepdims=True) / n
+  else:
+    var = jnp.maximum(jnp.sum(d * d, axis=1, keepdims=True) / n - dmean * dmean, 0.0)
   rstd = lax.rsqrt(var + eps)
-  return jnp.where(inside, d - dmean, 0.0) * rstd, rstd
+  return centered * rstd, rstd
 
 
 def _row_block_grads(load_tile, load_row, cols, gamma, ops: _Operands, n: int, eps: float):
@@ -248,7 +258,7 @@ def _row_block_grads(load_tile, load_row, cols, gamma, ops: _Operands, n: int, e
     s = load_tile("x")
     if ops.residual:
       s = s + load_tile("residual")
-    xhat, rstd = _normalized_block(s, cols, n, eps, ops.norm)
+    xhat, rstd = _normalized_block(s, cols, n, eps, ops.norm, ops.two_pass)
   dy = load_tile("dy")
   g = dy if gamma is None else dy * gamma[None, :]
   # Padded columns and rows have dy = 0, so g = 0 there: they add nothing to either row sum
@@ -348,7 +358,8 @@ def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, saved, c
   n = x.shape[-1]
   m = math.prod(x.shape[:-1])
   ops = _Operands(residual=residual is not None, ds_out=ds_out is not None,
-                  gamma=scale is not None, dbias=bias is not None, norm=norm)
+                  gamma=scale is not None, dbias=bias is not None, norm=norm,
+                  two_pass=jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16))
   gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
   tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
   inputs = tiles + ([gamma] if ops.gamma else [])
