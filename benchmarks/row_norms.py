@@ -8,8 +8,8 @@ paths with CUPTI (:func:`benchmarks.timing.measure_us`, median of 10 calls; the 
 XLA's on both paths). ``--variants`` then also times other tilings of the kernel
 (``pallas_norm.ops.norms.triton.pick_config`` replaced for the run) at two shapes, within ``--budget-s``. A measurement that fails
 is reported and the next one runs. Prints one line per measurement and writes ``row_norms.json`` to ``--out``
-(default ``$OUT`` or the working directory) after each one. RMSNorm has no kernel path any more
-(measured slower than XLA's autodiff: benchmarks/EXPERIMENTS.md), so only LayerNorm is timed.
+(default ``$OUT`` or the working directory) after each one. Only LayerNorm is timed here;
+rms_norm's kernel path (recomputed rstd) was measured with session 16's A/B (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

@@ -77,5 +77,5 @@ def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | Non
 def _small_m_reason(m: int) -> str | None:
   if m < KERNEL_DEFAULT_MIN_M:
     return (f"M = {m}: below {KERNEL_DEFAULT_MIN_M} rows the Mosaic kernel is measured slower "
-            "than XLA in training on the H200 (pass implementation='mosaic' to force it)")
+            "than XLA on the H200 (pass implementation='mosaic' to force it)")
   return None
