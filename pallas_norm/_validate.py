@@ -235,33 +235,20 @@ def offsets_invalid(off, capacity: int, max_len: int | None):
   return bad
 
 
-@jax.custom_vjp
-def _nan_where(bad, x):
-  return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
-
-
-def _nan_where_fwd(bad, x):
-  return _nan_where(bad, x), bad
-
-
-def _nan_where_bwd(bad, cotangent):
-  # The cotangent is poisoned too: a plain `where` would send zeros upstream, so a train step on
-  # bad offsets would get a NaN loss but finite (zero) gradients and go on silently.
-  return None, jnp.where(bad, jnp.asarray(jnp.nan, cotangent.dtype), cotangent)
-
-
-_nan_where.defvjp(_nan_where_fwd, _nan_where_bwd)
+def nan_if(bad, a):
+  """``a`` times 1, or times NaN where the traced scalar ``bad`` (None: known False) is True;
+  arrays that cannot hold NaN pass unchanged. A multiply (unlike a select) is linear in ``a``,
+  so forward mode sees NaN tangents and reverse mode NaN cotangents, with no custom rule: a
+  train step on bad offsets gets NaN gradients, never finite (zero) ones."""
+  if bad is None or not jnp.issubdtype(a.dtype, jnp.inexact):
+    return a
+  return a * jnp.where(bad, jnp.nan, 1.0).astype(a.dtype)
 
 
 def poison_if_invalid(out, bad, message: str):
   """``out`` (a pytree of arrays) turned into NaN, values and gradients, where the traced scalar
-  ``bad`` is True; also a :func:`jax.experimental.checkify.debug_check`, so a caller that wraps
-  its step in ``checkify.checkify`` gets ``message`` as an error instead of NaN."""
+  ``bad`` is True (:func:`nan_if`); also a :func:`jax.experimental.checkify.debug_check`, so a
+  caller that wraps its step in ``checkify.checkify`` gets ``message`` as an error instead of
+  NaN."""
   checkify.debug_check(jnp.logical_not(bad), message)
-
-  def poison(a):
-    if not jnp.issubdtype(a.dtype, jnp.inexact):
-      return a
-    return _nan_where(bad, a)
-
-  return jax.tree.map(poison, out)
+  return jax.tree.map(lambda a: nan_if(bad, a), out)

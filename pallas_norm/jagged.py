@@ -273,14 +273,6 @@ def _either(a, b):
   return b if a is None else a if b is None else a | b
 
 
-def _poison(a, bad):
-  """``a`` times 1, or times NaN where ``bad``: a multiply (unlike a select) is linear in ``a``,
-  so forward mode sees NaN tangents and reverse mode NaN cotangents, with no custom_vjp."""
-  if bad is None or not jnp.issubdtype(a.dtype, jnp.inexact):
-    return a
-  return a * jnp.where(bad, jnp.nan, 1.0).astype(a.dtype)
-
-
 def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
               rows: RowIndex | None = None) -> jax.Array:
   """Packed ``(T, ...)`` -> padded ``(B, max_len, ...)``, zeros past each sample's length.
@@ -419,16 +411,18 @@ def _linear_map(gather, scatter):
   entry is a constant zero. ``rows`` (the batch's :class:`RowIndex`, integer arrays: no
   tangent) is passed in, so that the scatters' indices are not searched again. ``bad`` (None,
   or a traced bool from :func:`_traced_invalid`) multiplies the output, the tangent and, through
-  the transpose, the cotangent by NaN where the offsets are invalid (:func:`_poison`)."""
+  the transpose, the cotangent by NaN where the offsets are invalid
+  (:func:`pallas_norm._validate.nan_if`)."""
 
   @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
   def convert(x, offsets, rows, bad, out_size):
-    return _poison(gather(x, offsets, out_size, rows=rows), bad)
+    return _validate.nan_if(bad, gather(x, offsets, out_size, rows=rows))
 
   @convert.defjvp
   def convert_jvp(out_size, primals, tangents):
     x, offsets, rows, bad = primals
-    tangent = _poison(scatter(_poison(tangents[0], bad), offsets, out_size, rows), bad)
+    tangent = _validate.nan_if(
+        bad, scatter(_validate.nan_if(bad, tangents[0]), offsets, out_size, rows))
     return convert(x, offsets, rows, bad, out_size), tangent
 
   return convert

@@ -49,10 +49,10 @@ def column_sum(v):
     parts.append(jnp.sum(blocks, axis=1))
   if m % COLUMN_SUM_BLOCK or not m:
     parts.append(jnp.sum(v[full:], axis=0, keepdims=True))
-  return pairwise_sum(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+  return _pairwise_sum(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
 
 
-def pairwise_sum(sums):
+def _pairwise_sum(sums):
   """Σ over the first axis of ``sums`` in a fixed pairwise tree (same bits on every run)."""
   while sums.shape[0] > 1:
     half = sums.shape[0] // 2

@@ -98,7 +98,7 @@ def _gpu_core_count() -> int:
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def pick_config(m: int, n: int, interpret: bool, kind: str = "saved") -> BackwardConfig:
+def pick_config(m: int, n: int, interpret: bool, kind: str) -> BackwardConfig:
   """Full rows (padded to a power of 2) over 4 warps, the step's elements and the programs per
   SM from :data:`TILINGS` by ``kind`` ("layer" or "rms": the statistics recomputed; "saved":
   given). Rows wider than 4096 (one row per step) keep the earlier tiling, the one measured
