@@ -93,10 +93,11 @@ def test_fused_forward_matches_reference():
     assert not bool(jnp.any(got[total:] != 0))
 
 
-@pytest.mark.parametrize("switches", [(False, False, False), (True, True, False)])
+@pytest.mark.parametrize("switches", [(False, False, False)])
 def test_fused_switches_match_reference(switches):
-  """The megakernel's switches: all off, and the outer residual off alone (with the default,
-  all on, in test_fused_forward_matches_reference, each switch runs both ways)."""
+  """The megakernel's switches all off (with the default, all on, in
+  test_fused_forward_matches_reference, each switch runs both ways; the outer residual adds q,
+  not u, which the default's LayerNorm tells apart)."""
   pre_layer_norm, inner_residual, outer_residual = switches
   q, k, v, qo, affine = _problem(1, [3, 64, 20], 2, 64)
   if not pre_layer_norm:

@@ -132,14 +132,6 @@ def _check(lengths, capacity, heads, d, activation, *, dtype=jnp.bfloat16, lkv=N
     assert d_pre is None and d_post is None
 
 
-def test_dense_kv_fused_dq_traced_scales():
-  """The fused path (dQ inside the dK/dV kernel: dense Lkv ≤ 128, D = 128). Lengths 1, 63, 65,
-  0 (q blocks shared by samples: partial-row dq stores; a block past the last offset),
-  capacity 264 > 129 tokens with NaN padding (several zeroing CTAs), traced array scales under
-  jit (their gradients from the kernel's partial sums)."""
-  _check([1, 63, 65, 0], 264, 1, 128, "fast_gelu", lkv=128, traced_scales=True)
-
-
 def test_q_windows_start_off_the_block_grid():
   """The dK/dV loop's q windows start at a sample's first row rounded down to 8, not to 64:
   offsets 0, 70, 83, 88 (windows at rows 0, 64, 80), so the last block of each of the three
@@ -169,9 +161,11 @@ def test_float16_dense_kv_64():
 def test_many_items_and_empty_samples(lengths, capacity, heads, d, lkv):
   """Many (kv tile, head) items over two heads, ordered by their q blocks: empty samples (items
   without q blocks, among the long items and last), lengths that are not multiples of the
-  block, dq's padding rows (fused dQ: 12 tile items + 32 zeroing CTAs); Lkv = 192 at D = 64
-  gives two kv tiles per sample (the dQ kernel's path)."""
-  _check(lengths, capacity, heads, d, "fast_gelu", lkv=lkv, seed=5)
+  block, q blocks shared by samples (partial-row dq stores), a q block past the last offset,
+  dq's NaN padding rows (fused dQ: 12 tile items + 32 zeroing CTAs); Lkv = 192 at D = 64
+  gives two kv tiles per sample (the dQ kernel's path). Traced array scales under jit (their
+  gradients from the kernels' partial sums)."""
+  _check(lengths, capacity, heads, d, "fast_gelu", lkv=lkv, seed=5, traced_scales=True)
 
 
 def _poison_kv(k, v, kv_offsets, samples):
