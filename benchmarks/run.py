@@ -325,7 +325,9 @@ def precompile(preps: list[Prepared], workers: int, deadline: float = math.inf,
   import concurrent.futures as cf
   t0 = time.monotonic()
   timed_tasks, other_tasks = [], []
-  key = jax.eval_shape(lambda: jax.random.key(0))
+  # A concrete key: making it compiles JAX's eager seeding programs, which the input makers
+  # run per set (jax.random.key(seed)); else the first timed case compiled them.
+  key = jax.random.key(0)
   for p in preps:
     try:
       args, outs = abstract_io(p.prob, p.case.mode)

@@ -362,16 +362,13 @@ def _export_for_hopper(m, k, n, norm, dtype=jnp.bfloat16, config=None):
 
 
 @pytest.mark.parametrize("m,k,n,norm,config", [
-    (262144, 512, 512, "layer", None),
-    (262144 + 77, 1024, 1024, "layer", None),  # M % 8 != 0: x untiled, WGMMA A from registers
     (65536, 2048, 2048, None, TileConfig(tile_m=256, tile_n=128, epi_tile_n=32)),
-    (5, 128, 192, "rms", None),
-    (262144, 512, 512, "layer", TileConfig(delay_release=1)),
-    (262144, 512, 512, "rms", TileConfig(epi_tile_n=32, stats_once=True, delay_release=1)),
 ])
 def test_lowers_for_hopper(m, k, n, norm, config):
   """Mosaic's layout inference and lowering accept the kernel for sm_90a (runs on the CPU;
-  PTX generation and ptxas run only on the GPU)."""
+  PTX generation and ptxas run only on the GPU). Only the plain GEMM (the benchmarks' baseline),
+  which no ``gpu`` test runs: the pre-norm forward's variants are compiled by the ``gpu`` tests
+  below (the README's testing section: lowering tests a GPU test duplicates go)."""
   exported = _export_for_hopper(m, k, n, norm, config=config)
   assert "mosaic_gpu" in exported.mlir_module()
 
@@ -487,12 +484,9 @@ DX_CASES = [
     # m, k, n, dtype, norm, mu, affine, config
     (77, 192, 128, jnp.bfloat16, "layer", 0.0, True, None),  # M tail, tile_n 192 over K
     (1, 64, 64, jnp.bfloat16, "rms", 0.0, True, None),
-    # K = 320 with tile_n 192: a partial column tile (x reads past K are zeros, dx stores clipped);
-    # several tiles per CTA, so the x buffer is refilled after the previous tile's stores.
-    (200, 320, 128, jnp.bfloat16, "rms", 0.0, False, None),
-    # large row means (f16 resolves them), 256-row tile, narrow epilogue tiles, 5 rows
-    (5, 128, 192, jnp.float16, "layer", 1e3, True, TileConfig(tile_m=256, tile_n=128,
-                                                              epi_tile_n=32)),
+    # K = 320 with tile_n 192 (a partial column tile, several tiles per CTA) and large row means
+    # through 256-row tiles with narrow epilogue tiles: X_HAT_CASES' first two (the same kernel
+    # inputs; without the affine only the XLA row terms differ).
     # 3 row blocks, 2 column tiles on 2 CTAs
     (300, 128, 128, jnp.bfloat16, "layer", 0.0, True, TileConfig(tile_m=128, tile_n=64)),
     # one WGMMA in flight across reduction steps
@@ -538,7 +532,9 @@ def test_dx_kernel_returns_x_hat(m, k, n, dtype, norm, mu, config, fused, ones):
     (262144, 512, 2048, "layer", False, True),
     (262144 + 77, 512, 2048, "rms", False, False),  # M % 8 != 0: dy untiled, A from registers
 ])
-def test_dx_with_x_hat_lowers_for_hopper(m, k, n, norm, fused, ones):
+def test_dx_with_x_hat_output_shapes(m, k, n, norm, fused, ones):
+  """x̂'s columns at the default tiles: K, then a block of ones as wide as an epilogue tile.
+  Shapes only (jax.eval_shape, nothing lowered): test_gpu_dx_x_hat compiles these paths."""
   spec = jax.ShapeDtypeStruct
   row, col = spec((m,), jnp.float32), spec((n,), jnp.float32)
   layer_row = row if norm == "layer" else None
@@ -551,12 +547,10 @@ def test_dx_with_x_hat_lowers_for_hopper(m, k, n, norm, fused, ones):
     fn = lambda dy, w, x, r, yt, mu, ct: nmb.norm_matmul_dx(dy, w, x, r, yt, mu, ct,
                                                             return_x_hat=True, x_hat_ones=ones)
     extra = (row, layer_row, layer_row)
-  exported = export.export(jax.jit(fn), platforms=["cuda"])(
-      spec((m, n), jnp.bfloat16), spec((k, n), jnp.bfloat16), spec((m, k), jnp.bfloat16), row,
-      *extra)
-  assert "mosaic_gpu" in exported.mlir_module()
+  out = jax.eval_shape(fn, spec((m, n), jnp.bfloat16), spec((k, n), jnp.bfloat16),
+                       spec((m, k), jnp.bfloat16), row, *extra)
   # 128×256 tiles, 64×32 epilogue tiles: a 32-column ones block after K = 512
-  assert [a.shape for a in exported.out_avals] == [(m, k), (m, k + 32 if ones else k)]
+  assert [a.shape for a in out] == [(m, k), (m, k + 32 if ones else k)]
 
 
 def test_dx_bad_arguments_raise():
@@ -578,24 +572,6 @@ def test_dx_bad_arguments_raise():
     nmb.norm_matmul_dx(dy, w, x, r, r, x_hat_ones=True, interpret=True)
   with pytest.raises(TypeError, match="return_x_hat"):
     nmb.norm_matmul_dx(dy, w, x, r, r, return_x_hat="yes", interpret=True)
-
-
-@pytest.mark.parametrize("m,k,n,norm,config", [
-    (262144, 512, 512, "layer", None),
-    (262144 + 77, 1024, 1024, "rms", None),  # M % 8 != 0: dy untiled, WGMMA A from registers
-    (65536, 2048, 2048, "layer", TileConfig(tile_m=256, tile_n=128, epi_tile_n=32)),
-    (262144, 512, 512, "rms", TileConfig(delay_release=1)),
-])
-def test_dx_lowers_for_hopper(m, k, n, norm, config):
-  spec = jax.ShapeDtypeStruct
-  vec = spec((m,), jnp.float32)
-  layer_vec = vec if norm == "layer" else None
-  fn = jax.jit(lambda dy, w, x, r, yt, mu, ct: nmb.norm_matmul_dx(dy, w, x, r, yt, mu, ct,
-                                                                  config=config))
-  exported = export.export(fn, platforms=["cuda"])(
-      spec((m, n), jnp.bfloat16), spec((k, n), jnp.bfloat16), spec((m, k), jnp.bfloat16), vec,
-      vec, layer_vec, layer_vec)
-  assert "mosaic_gpu" in exported.mlir_module()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -635,12 +611,13 @@ def test_dx_fused_row_terms_match_autodiff(m, k, n, dtype, norm, mu, affine, con
   _run_dx_and_check(m, k, n, dtype, norm, mu=mu, affine=affine, config=config, fused=True)
 
 
-@pytest.mark.parametrize("norm,bias_scales", [("rms", (1.0,)), ("layer", (1.0, 30.0))])
+@pytest.mark.parametrize("norm,bias_scales", [("layer", (1.0, 30.0))])
 def test_dx_fused_row_terms_agree_with_xla_row_terms(norm, bias_scales):
   """Same inputs, row terms from the kernel's K loop vs from the XLA pass (``_row_terms``): the
   same f32 math in another summation order, so dx agrees to output rounding. A large β (30:
   |out_bias| ≫ the spread of y) checks that y − out_bias is formed per element (two large
-  sums would cancel). Each kernel is compiled once for all the bias scales."""
+  sums would cancel). Each kernel is compiled once for all the bias scales. LayerNorm only:
+  RMSNorm's row terms are LayerNorm's without c_term (FUSED_DX_CASES check them)."""
   m, k, n, dtype = 77, 128, 192, jnp.bfloat16
   x, w, scale, bias = _inputs(7, m, k, n, dtype)
   dy = _normal(np.random.default_rng(8), (m, n), dtype=dtype)
@@ -730,13 +707,10 @@ def test_dx_fused_plan_and_config():
   assert nmb.pick_config(m, 128, 128).tile_k == 64
 
 
+# RMSNorm without a norm bias: no vector stream at all, a variant no gpu test runs (they
+# compile the others: defaults, M % 8 != 0, 256×128 tiles, a WGMMA in flight).
 @pytest.mark.parametrize("m,k,n,norm,bias,config", [
-    (262144, 512, 512, "layer", True, None),
-    (262144 + 77, 1024, 1024, "rms", True, None),  # M % 8 != 0: dy and y untiled, A in registers
     (262144, 512, 512, "rms", False, TileConfig(tile_k=32)),
-    (262144, 128, 128, "layer", False, None),  # 256×128 tiles, 32-wide steps (pick_config)
-    (262144, 1024, 1024, "layer", True, TileConfig(delay_release=1)),
-    (65536, 2048, 2048, "rms", True, TileConfig(tile_m=256, tile_n=128, tile_k=32)),
 ])
 def test_dx_fused_row_terms_lower_for_hopper(m, k, n, norm, bias, config):
   spec = jax.ShapeDtypeStruct
