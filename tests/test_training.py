@@ -178,7 +178,7 @@ def test_synthetic_cli_runs_and_one_step_has_no_rate(capsys):
   runs share one model size, so the train step compiles once."""
   # Two batches of the validation set (all 2048 examples: 128 predict calls per evaluation).
   sizes = ["--batch-size", "16", "--max-seq-len", "8", "--embed-dim", "8", "--head-dim", "4",
-           "--implementation", "xla", "--valid-examples", "32"]
+           "--implementation", "xla", "--valid-examples", "32", "--dtype", "float32"]
   code, out, _ = _run(["--steps", "3", "--eval-every", "3"] + sizes, capsys)
   assert code == 0
   assert FINAL_RE.match(out[-1]) and "steps=3 " in out[-1], out[-1]
