@@ -79,8 +79,21 @@ def _erf(x):
   return jnp.where(x >= 0, y, -y)
 
 
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_CUBIC = 0.044715
+
+
+def _fast_gelu(z):
+  """jax.nn.gelu(z, approximate=True) = ½ z (1 + tanh(c (z + a z³))) written around z² with
+  the constants folded (one multiply or multiply-add per line, 5 operations and the tanh; the
+  jax form takes 8): it runs on every score."""
+  t = jnp.tanh(z * (_SQRT_2_OVER_PI + (_SQRT_2_OVER_PI * _GELU_CUBIC) * (z * z)))
+  return z * (0.5 + 0.5 * t)
+
+
 KERNEL_ACTIVATIONS = {
     **reference.ACTIVATIONS,
+    "fast_gelu": _fast_gelu,
     # Same functions written with what Mosaic GPU lowers: jax.nn.gelu(approximate=False) uses
     # erfc, and jax.nn.relu is a custom_jvp (neither lowers inside a warpgroup kernel).
     "gelu": lambda s: 0.5 * s * (1.0 + _erf(s * _SQRT_HALF)),
