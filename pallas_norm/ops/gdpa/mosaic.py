@@ -207,36 +207,30 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
     kv_win, kv_lo, kv_hi = _window(kv_offsets[:-1], kv_end)
   kv = [jnp.concatenate([col, no_keys]) for col in (kv_win, kv_lo, kv_hi)]
   table = jnp.stack([q_win, q_lo, q_hi, q_blocks, *kv], axis=1)
-  return permute_rows(table, descending_ranks(q_hi - q_lo))
+  return sort_rows_descending(table, q_hi - q_lo)
 
 
 RANK_BY_COMPARISON_MAX = 4096
-"""Largest key count that :func:`descending_ranks` ranks by comparing all pairs (one fusion over
-N² pairs, N² ≤ 16.8M); above it, a sort."""
+"""Most rows that :func:`sort_rows_descending` orders by comparing all pairs of keys (fusions
+over N² pairs, N² ≤ 16.8M); above it, a sort."""
 
 
-def descending_ranks(keys):
-  """Position of each key when sorted in descending order, ties in index order: the inverse
-  of ``argsort(-keys, stable=True)``, int32 of keys' length.
+def sort_rows_descending(table, keys):
+  """``table[argsort(-keys, stable=True)]``: the rows of a small int32 table (N,) or (N, C),
+  largest key first, ties in index order.
 
-  For the work tables (a few thousand keys at most) the rank is a count of the keys ahead of
-  each, one XLA fusion over all pairs; a sort of ~800 keys is several tiny kernels on the GPU
-  (~11 µs measured in the forward, more than the pairs' count costs)."""
+  For the work tables (a few thousand rows at most) without a sort: XLA's sort of ~800 keys is
+  several small kernels on the GPU (~11 µs measured in the forward). Instead each row's rank
+  is the count of the keys ahead of it (one fusion over the pairs) and the sorted table a sum
+  over one-hot (position, row) pairs (one fusion)."""
   n = keys.shape[0]
   if n > RANK_BY_COMPARISON_MAX:
-    return jnp.zeros((n,), jnp.int32).at[jnp.argsort(-keys, stable=True)].set(
-        jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+    return table[jnp.argsort(-keys, stable=True)]
   index = jnp.arange(n, dtype=jnp.int32)
   mine, other = keys[:, None], keys[None, :]
   ahead = (other > mine) | ((other == mine) & (index[None, :] < index[:, None]))
-  return jnp.sum(ahead, axis=1, dtype=jnp.int32)
-
-
-def permute_rows(table, ranks):
-  """``out[ranks[i]] = table[i]`` for a permutation ``ranks`` (int32 (N,)) of a small int32
-  table (N,) or (N, C): a sum over one-hot pairs (one fusion), not a scatter."""
-  index = jnp.arange(ranks.shape[0], dtype=jnp.int32)
-  hit = ranks[None, :] == index[:, None]  # [position, source row]
+  rank = jnp.sum(ahead, axis=1, dtype=jnp.int32)
+  hit = rank[None, :] == index[:, None]  # [position, source row]
   if table.ndim == 1:
     return jnp.sum(jnp.where(hit, table[None, :], 0), axis=1, dtype=table.dtype)
   return jnp.sum(jnp.where(hit[:, :, None], table[None, :, :], 0), axis=1, dtype=table.dtype)

@@ -63,7 +63,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu, reference
 from pallas_norm.mgpu.store import row_store_smem, store_rows
-from pallas_norm.ops.gdpa.mosaic import descending_ranks, permute_rows, zero_rows_outside
+from pallas_norm.ops.gdpa.mosaic import sort_rows_descending, zero_rows_outside
 
 __all__ = ["gdpa_bwd", "unsupported_reason", "act_and_grad", "BLOCK"]
 
@@ -821,7 +821,7 @@ def _dkv_order(plan: _Plan, q_offsets, first, count):
     per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32), q_blocks]))
     work = per_sample[first + count] - per_sample[first]
   tiles = jnp.arange(work.shape[0], dtype=jnp.int32)
-  return permute_rows(tiles, descending_ranks(work))
+  return sort_rows_descending(tiles, work)
 
 
 def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
