@@ -204,12 +204,6 @@ class _Plan:
     return self.dense and self.kv_rows <= TILE and self.head_dim == 2 * BLOCK
 
   @property
-  def every_kv_row_valid(self) -> bool:
-    """Every row of every dK/dV tile is a key of its sample (dense k/v whose Lkv fills whole
-    tiles): the step's masks need only the q columns."""
-    return self.dense and self.kv_rows % TILE == 0
-
-  @property
   def dkv_items(self) -> int:
     return self.batch * self.kv_tiles if self.dense else self.kv_tiles
 
@@ -254,19 +248,15 @@ def _tile_ids():
   return rows, cols
 
 
-def _box(ids, row_lo, row_hi, col_lo, col_hi, *, rows_valid: bool = False):
+def _box(ids, row_lo, row_hi, col_lo, col_hi):
   """Bool (BLOCK, BLOCK) mask of rows in [row_lo, row_hi) and cols in [col_lo, col_hi), the
-  bounds relative to the tile's first row/col; ``ids`` from :func:`_tile_ids`. ``rows_valid``
-  (static): every row is known to be inside, so only the columns are tested (one op less per
-  element)."""
+  bounds relative to the tile's first row/col; ``ids`` from :func:`_tile_ids`."""
   rows, cols = ids
   shape = (BLOCK, BLOCK)
-  col_ok = lax.broadcast_in_dim(jnp.where((cols >= col_lo) & (cols < col_hi), 1.0, 0.0),
-                                shape, [1])
-  if rows_valid:
-    return col_ok > 0.5
   row_ok = jnp.where((rows >= row_lo) & (rows < row_hi), 1.0, 0.0)
-  return lax.broadcast_in_dim(row_ok, shape, [0]) * col_ok > 0.5
+  col_ok = jnp.where((cols >= col_lo) & (cols < col_hi), 1.0, 0.0)
+  return (lax.broadcast_in_dim(row_ok, shape, [0]) * lax.broadcast_in_dim(col_ok, shape, [1])
+          > 0.5)
 
 
 def _operand_smem(per_consumer: int, dtype):
@@ -394,8 +384,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
             (j,) = idxs
             col0 = win + j * BLOCK
             slot = lax.rem(step + j, 2)
-            valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0,
-                         rows_valid=plan.every_kv_row_valid)
+            valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
             hand_off = (ds_free.at[slot], ds_ready.at[slot]) if plan.fuse_dq and wg == 0 else None
             partials = _dkv_step(plan, pre, valid, k_smem, v_smem, q_stage, do_stage,
                                  (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
