@@ -216,13 +216,15 @@ over N² pairs, N² ≤ 16.8M); above it, a sort."""
 
 
 def sort_rows_descending(table, keys):
-  """``table[argsort(-keys, stable=True)]``: the rows of a small int32 table (N,) or (N, C),
-  largest key first, ties in index order.
+  """``table[argsort(-keys, stable=True)]``: the rows of a small table (N,) or (N, C), largest
+  key first, ties in index order.
 
   For the work tables (a few thousand rows at most) without a sort: XLA's sort of ~800 keys is
   several small kernels on the GPU (~11 µs measured in the forward). Instead each row's rank
-  is the count of the keys ahead of it (one fusion over the pairs) and the sorted table a sum
-  over one-hot (position, row) pairs (one fusion)."""
+  is the count of the keys ahead of it (one fusion over the pairs), the order a sum over the
+  one-hot (position, row) pairs (one fusion), and the table gathered in that order. (A one-hot
+  sum over (position, row, column) in place of the gather took 8.3 µs on the H200: XLA reduces
+  the middle of three axes poorly.)"""
   n = keys.shape[0]
   if n > RANK_BY_COMPARISON_MAX:
     return table[jnp.argsort(-keys, stable=True)]
@@ -230,10 +232,9 @@ def sort_rows_descending(table, keys):
   mine, other = keys[:, None], keys[None, :]
   ahead = (other > mine) | ((other == mine) & (index[None, :] < index[:, None]))
   rank = jnp.sum(ahead, axis=1, dtype=jnp.int32)
-  hit = rank[None, :] == index[:, None]  # [position, source row]
-  if table.ndim == 1:
-    return jnp.sum(jnp.where(hit, table[None, :], 0), axis=1, dtype=table.dtype)
-  return jnp.sum(jnp.where(hit[:, :, None], table[None, :, :], 0), axis=1, dtype=table.dtype)
+  order = jnp.sum(jnp.where(rank[None, :] == index[:, None], index[None, :], 0), axis=1,
+                  dtype=jnp.int32)  # [position] -> source row
+  return table[order]
 
 
 def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activation: str,

@@ -322,36 +322,25 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
     return kv_off_ref[s], kv_off_ref[s + 1]
 
   def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
-             ds_free, dq_free):
+             ds_free):
     ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
-    dq_stores = _DqStores(dq_smem, dq_free, dq_ref.at[:, h, :]) if plan.fuse_dq else None
 
     def producer():
-      def sample(s, carry):
-        q_lo, q_hi, win, blocks = q_span(s)
+      def sample(s, step):
+        _, _, win, blocks = q_span(s)
 
-        def block(j, carry):
-          step, pending = carry
+        @pl.loop(0, blocks)
+        def _(j):
           row = win + j * BLOCK
           rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
           main = (q_ref.at[rows, h, :], do_ref.at[rows, h, :])
           tail_rows = pl.ds(pl.multiple_of(row - tail_base, ROW_ALIGN), BLOCK)
           tail = (q_tail_ref.at[tail_rows, h, :], do_tail_ref.at[tail_rows, h, :])
-          _produce_block(ring, step, row + BLOCK > q_end, main, tail)
-          if dq_stores is not None:
-            pending = dq_stores.after_load(step, pending, row, q_lo, q_hi)
-          return step + 1, pending
+          _produce_block(ring, step + j, row + BLOCK > q_end, main, tail)
+        return step + blocks
 
-        return lax.fori_loop(0, blocks, block, carry)
-
-      def run():
-        pending = dq_stores.no_pending() if dq_stores is not None else ()
-        steps, pending = _sample_loop(first, count, sample, (jnp.int32(0), pending))
-        mgpu.ring_drain(ring, steps)
-        if dq_stores is not None:
-          dq_stores.drain(steps, pending)
-
-      pl.when(is_item)(run)
+      pl.when(is_item)(lambda: mgpu.ring_drain(
+          ring, _sample_loop(first, count, sample, jnp.int32(0))))
 
     def consume(wg: int):
       """Consumer ``wg`` (static: SMEM addresses known at compile time). With fused dQ the
@@ -391,14 +380,15 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
                                  partials, hand_off, in_flight=computes_dq)
             if computes_dq:
               _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem,
-                        (ds_ready.at[slot], ds_free.at[slot]), dq_stores, step + j, do_stage)
+                        (ds_ready.at[slot], ds_free.at[slot]), dq_smem, dq_ref.at[:, h, :], col0,
+                        q_lo, q_hi, do_stage)
             return partials
 
           partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
           return step + blocks, partials
 
         partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
-        steps, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
+        _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
         if plan.fuse_dq and wg == 0:
           # Consumer 1's last dQ WGMMAs may still read this K tile: wait until it freed both
           # slots (the last phase of each; also every waiter must see every phase).
@@ -420,8 +410,6 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
         # the CTA retire and the next one start ~the HBM write latency earlier (CUTLASS's
         # epilogues end the same way; the grid's end makes the writes visible).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if computes_dq:
-          dq_stores.consumer_drain(steps)
 
       pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
 
@@ -431,7 +419,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
         pl.when(is_item & (wg == w))(functools.partial(consume, w))
       if plan.fuse_dq:
         pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
-            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0]))
+            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem))
 
     mgpu.warp_specialize(producer, consumer)
 
@@ -442,10 +430,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
       _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
       plgpu.SMEM((2, 2, BLOCK), jnp.float32),
-      plgpu.SMEM((STAGES, BLOCK, d), dtype),  # consumer 1's dq tiles, one per ring stage
+      plgpu.SMEM((BLOCK, d), dtype),  # consumer 1's dq tile (unswizzled)
       plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 0's dSᵀ tile of a slot written
       plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 1's dQ read it: slot free
-      plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # the producer stored a dq tile
       collective_axes="wg",
   )
 
@@ -475,17 +462,16 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_stores: _DqStores,
-              step, do_stage) -> None:
+def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_smem, dq_view, col0,
+              q_lo, q_hi, do_stage) -> None:
   """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK), run by
   consumer 1 after issuing its dV/dK WGMMAs: once consumer 0's dSᵀ tile is in SMEM (the
   ``ready`` barrier of ``slot_barriers = (ready, free)``), dQ = Σ_w dSᵀ[w]ᵀ K[w] over both
   consumers' tiles (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; every kv row is in the CTA),
-  all D columns, written to the dq tile of global step ``step`` (the producer stores the
-  sample's rows of it: :class:`_DqStores`). Reading the dQ accumulator waits for every WGMMA of
-  the step; then ``free`` lets consumer 0 rewrite its slot (two steps later: the dSᵀ tiles
-  alternate between two slots). With ``plan.add_do_to_dq``, dQ + dO (``do_stage``, the step's
-  ring stage)."""
+  all D columns, stored for the rows of the sample, [q_lo, q_hi) ∩ the block. Reading the dQ
+  accumulator waits for every WGMMA of the step; then ``free`` lets consumer 0 rewrite its
+  slot (two steps later: the dSᵀ tiles alternate between two slots). With
+  ``plan.add_do_to_dq``, dQ + dO (``do_stage``, the step's ring stage)."""
   ready, free = slot_barriers
   plgpu.barrier_wait(ready)
 
@@ -499,64 +485,11 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_stores: _
   dq = dq * scale
   if plan.add_do_to_dq:
     dq = dq + plgpu.load(do_stage, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-  dq_stores.write(step, dq.astype(plan.dtype))
-
-
-@dataclasses.dataclass(frozen=True)
-class _DqStores:
-  """The fused dQ's tiles leave through the producer warpgroup, so consumer 1 keeps neither the
-  store ladder's scalars nor its waits. dq tile ``t`` of :data:`STAGES` (unswizzled, any row
-  may start a TMA store) holds the dq block of global ring step ``i`` with ``i % STAGES = t``.
-  Consumer 1 writes it before it releases the step's ring stage; the producer, once its wait
-  for that release (in :func:`mgpu.ring_produce` of step ``i + STAGES``) returned, stores the
-  block's sample rows and arrives on ``free[t]`` when the stores have read the tile; consumer 1
-  waits for that before writing tile ``t`` again. Every arrival is waited for once: consumer 1
-  waits at step ``i >= STAGES`` and, at the end, for the last ``STAGES`` steps' stores."""
-
-  tiles: object  # (STAGES, BLOCK, D) SMEM
-  free: object   # STAGES barriers, one arrival (the producer)
-  dq_view: object  # (T, D) GMEM dq of the CTA's head
-
-  def no_pending(self):
-    """The producer's loop state: (first row, lo, count) of the last STAGES steps' blocks,
-    oldest first."""
-    zero = jnp.int32(0)
-    return ((zero, zero, zero),) * STAGES
-
-  def after_load(self, step, pending, row, q_lo, q_hi):
-    """Producer, right after loading global step ``step`` (block rows [row, row + BLOCK) of the
-    sample's rows [q_lo, q_hi)): stores the block of step ``step - STAGES``."""
-    pl.when(step >= STAGES)(lambda: self._store(step - STAGES, pending[0]))
-    lo = jnp.maximum(q_lo - row, 0)
-    return (*pending[1:], (row, lo, jnp.minimum(q_hi - row, BLOCK) - lo))
-
-  def drain(self, steps, pending):
-    """Producer, after :func:`mgpu.ring_drain`: stores the blocks of the last STAGES steps."""
-    for age, block in enumerate(pending):
-      step = steps - STAGES + age
-      pl.when(step >= 0)(functools.partial(self._store, step, block))
-
-  def _store(self, step, block):
-    row, lo, count = block
-    slot = lax.rem(step, STAGES)
-    _store_rows(self.tiles.at[slot], lo, count, self.dq_view.at[pl.ds(row, BLOCK)])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    plgpu.barrier_arrive(self.free.at[slot])
-
-  def write(self, step, dq):
-    """Consumer 1: the dq block of global step ``step`` into its tile (waiting for the stores
-    of step ``step - STAGES`` to have read it)."""
-    slot = lax.rem(step, STAGES)
-    pl.when(step >= STAGES)(lambda: plgpu.barrier_wait(self.free.at[slot]))
-    self.tiles.at[slot][...] = dq
-    plgpu.commit_smem()
-
-  def consumer_drain(self, steps):
-    """Consumer 1, at the end: waits for the stores of the last STAGES steps."""
-    for age in range(STAGES):
-      step = steps - STAGES + age
-      pl.when(step >= 0)(lambda step=step: plgpu.barrier_wait(
-          self.free.at[lax.rem(step, STAGES)]))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
+  dq_smem[...] = dq.astype(plan.dtype)
+  plgpu.commit_smem()
+  lo = jnp.maximum(q_lo - col0, 0)
+  _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo, dq_view.at[pl.ds(col0, BLOCK)])
 
 
 def _store_rows(tile, lo, count, window) -> None:
