@@ -303,3 +303,16 @@ def test_edge_calls_found_by_review():
       jnp.float32(0.9))
   for g in grads:
     assert bool(jnp.all(jnp.isnan(g)))
+
+
+@pytest.mark.parametrize("n", [1, 7, 300, mosaic.RANK_BY_COMPARISON_MAX + 5])
+def test_work_table_order_is_a_stable_descending_sort(n):
+  """The work tables' order by pair counts (and the sort above RANK_BY_COMPARISON_MAX) is
+  ``argsort(-keys, stable=True)``, ties (many at small key ranges) in index order."""
+  rng = np.random.default_rng(n)
+  keys = jnp.asarray(rng.integers(0, 9, n), jnp.int32)
+  table = jnp.asarray(rng.integers(-3, 1 << 20, (n, 7)), jnp.int32)
+  want = np.asarray(table)[np.argsort(-np.asarray(keys), kind="stable")]
+  sort = jax.jit(mosaic.sort_rows_descending)
+  np.testing.assert_array_equal(sort(table, keys), want)
+  np.testing.assert_array_equal(sort(table[:, 3], keys), want[:, 3])

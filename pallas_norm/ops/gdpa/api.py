@@ -164,12 +164,25 @@ def _poisoned(bad, offsets, pre_scale, post_scale, capacity, kv_capacity, max_se
 
 
 def _made_valid(off, capacity: int, max_len: int | None):
-  """Offsets that follow the jagged convention, as close to ``off`` as a clip allows."""
-  off = jax.lax.cummax(jnp.clip(off, 0, capacity)).at[0].set(0)
+  """Offsets that follow the jagged convention, as close to ``off`` as a clip allows.
+
+  Computed on every call with traced offsets. Up to mosaic.RANK_BY_COMPARISON_MAX offsets the
+  running max and the prefix sum are reductions over the (i, j ≤ i) pairs, one fusion each:
+  XLA's cummax and cumsum ran as reduce-window kernels of 3.6 and 2.8 µs on the H200 at
+  B = 768."""
+  off = jnp.clip(off, 0, capacity)
+  n = off.shape[0]
+  pairwise = n <= mosaic.RANK_BY_COMPARISON_MAX
+  upto = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]  # [i, j]: j <= i
+  off = (jnp.max(jnp.where(upto, off[None, :], 0), axis=1) if pairwise
+         else jax.lax.cummax(off)).at[0].set(0)
   lengths = jnp.diff(off)
   if max_len is not None:
     lengths = jnp.minimum(lengths, max_len)
-  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
+  lengths = jnp.concatenate([jnp.zeros((1,), lengths.dtype), lengths])
+  total = (jnp.sum(jnp.where(upto, lengths[None, :], 0), axis=1) if pairwise
+           else jnp.cumsum(lengths))
+  return total.astype(jnp.int32)
 
 
 def kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
