@@ -86,6 +86,24 @@ it (LayerNorm only). H200:
   (1099 vs 1100) and gains with one (1153 vs 1176)."""
 
 
+EPILOGUE_ROW_SUMS_NORMS = ("layer",)
+"""Norms whose backward takes the dx kernel with the row sums in its epilogue
+(``norm_matmul_dx(..., row_sums_in_epilogue=True)``) wherever K splits over a cluster
+(K ≤ 2048). Chosen from the passes it removes, not measured yet: for LayerNorm the y stream of
+the fused row terms (K, N ≤ 512) or the XLA row-terms pass over dy and y (2 × 1.07 GB at
+262144×512×2048), and the bias guard's ``lax.cond`` with its exact GEMM (nothing rebuilds y'
+from the rounded y); it costs the cluster exchange of two row sums per row block. RMSNorm keeps
+the XLA pass, which fuses with the weight gradients' scaling of dy."""
+
+
+def epilogue_row_sums(k: int, n: int, norm: str) -> bool:
+  """Whether the dx kernel sums dx's rows in its epilogue for x (M, k) @ w (k, n): the norms
+  of :data:`EPILOGUE_ROW_SUMS_NORMS` (the kernel itself needs k ≤ 2048 split over a cluster,
+  ``mosaic_bwd.row_sums_unsupported_reason``)."""
+  del k, n
+  return norm in EPILOGUE_ROW_SUMS_NORMS
+
+
 def fused_row_terms_pay(k: int, n: int, norm: str) -> bool:
   """Whether the dx kernel computes its own row terms for x (M, k) @ w (k, n): LayerNorm up to
   :data:`FUSED_ROW_TERMS_MAX_KN`."""
