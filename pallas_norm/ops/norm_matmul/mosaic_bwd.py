@@ -154,7 +154,10 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
   x̂ slot's SMEM counted (at the default tiles of 262144×512×512 and ×2048 it changes nothing).
   ``row_sums`` (the row sums in the epilogue): the column tile is K's share of one CTA of the
   cluster (:func:`row_sums_unsupported_reason`), 128 rows per CTA (one 64-row epilogue tile per
-  warpgroup, whose row vectors the exchange sends whole), and the same rule for tile_k.
+  warpgroup, whose row vectors the exchange sends whole), the same rule for tile_k, and the
+  shared ring (its steps numbered across the CTA's row blocks, so the next row block's stages
+  load while the epilogue and the exchange run: the post-norm forward's choice for one column
+  tile per CTA, 11-23% faster there than Pallas's pipeline; not measured here).
   """
   fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
@@ -164,7 +167,7 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
     split = _k_split(k, interpret)
     if split is None:
       raise ValueError(row_sums_unsupported_reason(m, n, k, jnp.bfloat16, interpret))
-    cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64)
+    cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64, pipeline="ring")
   # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
   n_vecs = _n_vecs(True, fused_row_terms, True)
   if ((fused_row_terms or x_hat)
