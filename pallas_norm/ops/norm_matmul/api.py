@@ -25,7 +25,8 @@ across the CTAs of a cluster that share the rows (nothing reads y). Elsewhere it
 scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy
 and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from the dx
 kernel's own K loop, which then streams y next to dy. The weight gradients are XLA
-GEMMs: for LayerNorm (and RMSNorm with K < N, :func:`.configs.x_hat_pays`) the dx kernel's
+GEMMs: with the row sums in the epilogue, for LayerNorm and for RMSNorm with K < N
+(:func:`.configs.x_hat_pays`) the dx kernel's
 epilogue also writes the normalized input x̂ = (x − mean) ⊙ rstd from the x tile it holds, and
 dW_γ = x̂ᵀ dy is one GEMM with nothing to scale or correct (with a norm bias, x̂ ends with a
 ones column, so the same GEMM gives Σ_i dy_i for the bias's terms); otherwise (RMSNorm, K ≥ N)
@@ -171,10 +172,15 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   del norm, eps, out_dtype, config  # the dx kernel picks its own tiling (its output is (M, K))
   x, w, scale, norm_bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
   dy = cotangents[0]  # the stats outputs are not differentiated (see norm_matmul)
-  x_hat = configs.x_hat_pays(x.shape[1], y.shape[1], "layer" if mean is not None else "rms")
-  out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd,
-                    interpret=implementation == "interpret", x_hat=x_hat,
-                    x_hat_ones=x_hat and norm_bias is not None)
+  norm = "layer" if mean is not None else "rms"
+  interpret = implementation == "interpret"
+  (m, k), n = x.shape, y.shape[1]
+  # With the row sums in the dx epilogue no pass over dy is left in XLA but the weight
+  # gradients' scaling of dy, which x̂ from the same epilogue replaces.
+  x_hat = (_takes_row_sums(m, k, n, norm, x.dtype, interpret)
+           or configs.x_hat_pays(k, n, norm))
+  out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret=interpret,
+                    x_hat=x_hat, x_hat_ones=x_hat and norm_bias is not None)
   if x_hat:
     dx, x_hat = out
     return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias))
@@ -182,6 +188,13 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _takes_row_sums(m, k, n, norm, dtype, interpret) -> bool:
+  """Whether the dx kernel sums dx's rows over K in its epilogue for x (m, k) @ w (k, n): where
+  configs takes it and the kernel can (K split over a cluster)."""
+  return (configs.epilogue_row_sums(k, n, norm)
+          and mosaic_bwd.row_sums_unsupported_reason(m, n, k, dtype, interpret) is None)
 
 
 def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, x_hat,
@@ -201,8 +214,7 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, x_h
         "norm_matmul", lambda *a: dx_call(*a[:4], **dict(zip(names, a[4:]))),
         dy.astype(x.dtype), w_gamma, x, rstd, *row_args.values())
 
-  if (configs.epilogue_row_sums(k, n, norm) and mosaic_bwd.row_sums_unsupported_reason(
-      m, n, k, x.dtype, interpret) is None):
+  if _takes_row_sums(m, k, n, norm, x.dtype, interpret):
     # The row sums over K in the epilogue: no y, no row-terms pass, no bias guard.
     return dx_kernel(row_sums=True, mean=mean)
 
