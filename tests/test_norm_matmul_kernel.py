@@ -434,19 +434,24 @@ def _reference_forward_and_dx(x, w, scale, bias, dy, *, norm):
 
 def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
                       interpret=True, seed=0, tol=1e-2, fused=False, x_hat=False,
-                      x_hat_ones=False):
+                      x_hat_ones=False, row_sums=False):
   """The dx kernel, fed the reference forward's y and statistics, against jax.grad of the
   f32 reference (the cotangent is rounded to ``dtype`` first, so both see the same dy).
   ``fused``: the kernel computes the row terms itself from y (rounded to ``dtype``, as the
   forward kernel returns it), out_bias and col_sum. ``x_hat``: the kernel also returns x̂,
   checked against (x − mean) · rstd in f32 to its rounding; ``x_hat_ones``: with its block of
-  ones columns at the end (the padding columns between finite)."""
+  ones columns at the end (the padding columns between finite). ``row_sums``: the kernel
+  forms the row sums over K in its epilogue (no y, no row terms given)."""
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
   dy = _normal(np.random.default_rng(seed + 1000), (m, n), dtype=dtype)
   y, stats, dx_ref = _reference_forward_and_dx(x, w, scale, bias, dy, norm=norm)
   w_gamma, col_sum, out_bias = _fold(w, scale, bias, norm)
 
   def dx_kernel(dy, w_gamma, x, y, rstd, mean, col_sum, out_bias):
+    if row_sums:
+      return nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, row_sums_in_epilogue=True,
+                                return_x_hat=x_hat, x_hat_ones=x_hat_ones, interpret=interpret,
+                                config=config)
     if fused:
       return nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, y=y.astype(dtype),
                                 out_bias=out_bias, col_sum=col_sum, return_x_hat=x_hat,
@@ -798,3 +803,77 @@ def test_delay_release_off_with_register_a_operand():
   assert mgpu.plan_delay_release(cfg, 4) == 1
   assert mgpu.plan_delay_release(cfg, 4, a_in_registers=True) == 0
   assert mgpu.plan_delay_release(TileConfig(), 4, a_in_registers=True) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The row sums in the dx epilogue: dx = rstd ⊙ (G − mean_K(G) − x̂ ⊙ mean_K(G ⊙ x̂)) from the
+# accumulator and the x tile, summed across the cluster's CTAs (one CTA in interpret mode: K ≤
+# 256; the clusters of 2-8 lower below and run in the GPU tests).
+
+ROW_SUMS_CASES = [
+    # m, k, n, dtype, norm, mu, config, x_hat, ones
+    (77, 192, 128, jnp.bfloat16, "layer", 0.0, None, False, False),  # M tail, tile_n 192
+    (1, 64, 64, jnp.bfloat16, "rms", 0.0, None, True, False),  # one row, one step
+    # 3 row blocks on 2 CTAs (x refilled after the previous block's stores), x̂ with the ones
+    # block, 5 reduction steps
+    (300, 256, 320, jnp.bfloat16, "layer", 0.0, None, True, True),
+    # rows of mean 1e3 (f16 resolves them), one WGMMA in flight across steps
+    (77, 128, 192, jnp.float16, "layer", 1e3, TileConfig(tile_m=128, tile_n=128,
+                                                         delay_release=1), True, False),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,norm,mu,config,x_hat,ones", ROW_SUMS_CASES)
+def test_dx_kernel_row_sums_in_epilogue(m, k, n, dtype, norm, mu, config, x_hat, ones):
+  _run_dx_and_check(m, k, n, dtype, norm, mu=mu, config=config, x_hat=x_hat, x_hat_ones=ones,
+                    row_sums=True)
+
+
+@pytest.mark.parametrize("m,k,n,norm,ones", [
+    (262144, 512, 512, "layer", True),  # cluster of 2 (push), the ones block
+    (262144 + 77, 1024, 1024, "rms", False),  # cluster of 4 (pull), A from registers
+    (65536, 2048, 512, "layer", False),  # cluster of 8
+])
+def test_dx_row_sums_lower_for_hopper(monkeypatch, m, k, n, norm, ones):
+  """The row sums' cluster exchange lowers for sm_90a (jax.export for "cuda"; nothing runs)."""
+  fake = lambda interpret: 2 if interpret else 132  # noqa: E731  an H100/H200's 132 SMs
+  monkeypatch.setattr(mgpu, "num_sms", fake)
+  monkeypatch.setattr(mgpu.device, "num_sms", fake)
+  spec = jax.ShapeDtypeStruct
+  row = spec((m,), jnp.float32)
+  fn = lambda dy, w, x, r, mu: nmb.norm_matmul_dx(  # noqa: E731
+      dy, w, x, r, mean=mu, return_x_hat=True, x_hat_ones=ones, row_sums_in_epilogue=True)
+  exported = export.export(jax.jit(fn), platforms=["cuda"])(
+      spec((m, n), jnp.bfloat16), spec((k, n), jnp.bfloat16), spec((m, k), jnp.bfloat16), row,
+      row if norm == "layer" else None)
+  assert "mosaic_gpu" in exported.mlir_module()
+  assert [a.shape for a in exported.out_avals] == [(m, k), (m, k + 32 if ones else k)]
+
+
+def test_dx_row_sums_bad_arguments_raise():
+  dy = jnp.ones((8, 64), jnp.bfloat16)
+  w = jnp.ones((512, 64), jnp.bfloat16)
+  x = jnp.ones((8, 512), jnp.bfloat16)
+  r = jnp.ones((8,), jnp.float32)
+  with pytest.raises(ValueError, match="y_term must be None with row_sums_in_epilogue"):
+    nmb.norm_matmul_dx(dy, w[:128], x[:, :128], r, r, row_sums_in_epilogue=True,
+                       interpret=True)
+  with pytest.raises(ValueError, match="interpret mode: a cluster of 1"):
+    nmb.norm_matmul_dx(dy, w, x, r, row_sums_in_epilogue=True, interpret=True)
+  with pytest.raises(ValueError, match="K = 4096 does not split"):
+    nmb.norm_matmul_dx(jnp.ones((8, 64), jnp.bfloat16), jnp.ones((4096, 64), jnp.bfloat16),
+                       jnp.ones((8, 4096), jnp.bfloat16), r, row_sums_in_epilogue=True)
+  with pytest.raises(TypeError, match="row_sums_in_epilogue"):
+    nmb.norm_matmul_dx(dy, w[:128], x[:, :128], r, row_sums_in_epilogue="yes", interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm,x_hat", [
+    (4096 + 77, 512, 512, "layer", True),  # cluster of 2, the backward's default at 512²
+    (8192, 1024, 512, "rms", False),  # cluster of 4
+    (8192 + 77, 2048, 512, "layer", True),  # cluster of 8, M % 8 != 0
+])
+def test_gpu_dx_row_sums(m, k, n, norm, x_hat):
+  """The row sums in the dx epilogue with their cluster exchange, at real sizes."""
+  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False, x_hat=x_hat,
+                    x_hat_ones=x_hat and norm == "layer", row_sums=True)

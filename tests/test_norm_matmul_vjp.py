@@ -80,9 +80,9 @@ def _rel(a, b):
 def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine, lead):
   """pallas_norm.norm_matmul(implementation="interpret"): y and (dx, dw, dscale, dbias) within
   bf16 tolerance (relative Frobenius 2e-2; y 1e-2) of implementation="xla" and of the f32
-  reference. Forward and backward each run once (jax.vjp): interpret mode is slow. The row
-  terms come from the dx kernel's K loop for this LayerNorm call and from the XLA pass for the
-  RMSNorm one (the defaults at these shapes). The RMSNorm call has leading dimensions ``lead``
+  reference. Forward and backward each run once (jax.vjp): interpret mode is slow. dx's row
+  sums come from the dx kernel's epilogue for this LayerNorm call and its row terms from the
+  XLA pass for the RMSNorm one (the defaults at these shapes). The RMSNorm call has leading dimensions ``lead``
   (x (2, 4, 8, K)): flattened for the kernels, restored in y and dx."""
   x, w, scale, bias, ct = _inputs(21 + m, m, k, n, jnp.bfloat16)
   if lead:
@@ -146,11 +146,13 @@ def _traced(expected, with_bias=True):
 
 def _spy_on_dx_kernel(monkeypatch, run_kernel=True):
   """Replaces norm_matmul_dx by a wrapper that records which row-term inputs each call got:
-  "y" (fused row terms) or "y_term" (the XLA pass); without ``run_kernel`` it returns zeros."""
+  "y" (fused row terms), "y_term" (the XLA pass) or "row_sums" (the row sums in the
+  epilogue); without ``run_kernel`` it returns zeros."""
   calls, real = [], nmb.norm_matmul_dx
 
   def spy(dy, w_gamma, x, *args, **kwargs):
-    calls.append("y" if kwargs.get("y") is not None else "y_term")
+    calls.append("row_sums" if kwargs.get("row_sums_in_epilogue") else
+                 "y" if kwargs.get("y") is not None else "y_term")
     if run_kernel:
       return real(dy, w_gamma, x, *args, **kwargs)
     return (jnp.zeros_like(x),) * 2 if kwargs.get("return_x_hat") else jnp.zeros_like(x)
@@ -177,7 +179,12 @@ def test_row_terms_default_by_shape(monkeypatch, k, n, norm, expected):
   _check_row_terms_route(monkeypatch, jnp.bfloat16, expected, k, n, norm)
 
 
-def _check_row_terms_route(monkeypatch, y_dtype, expected, k, n, norm="layer"):
+def _check_row_terms_route(monkeypatch, y_dtype, expected, k, n, norm="layer",
+                           epilogue_row_sums=False):
+  """The route of dx's row terms; ``epilogue_row_sums``: as configs chooses it (else the row
+  terms' routes where the epilogue's row sums are not taken)."""
+  if not epilogue_row_sums:
+    monkeypatch.setattr(nm_configs, "epilogue_row_sums", lambda k, n, norm: False)
   calls = _spy_on_dx_kernel(monkeypatch, run_kernel=False)
   m = 16
   x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
@@ -274,10 +281,13 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
   m = 262144
   assert pick(nm_configs.kernel_slower_reason(m, 512, 512, "rms")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(m, 1024, 1024, "rms")) == "mosaic"
-  # RMSNorm at K = 512, N = 2048: faster with x̂ (2854 vs 3384 µs); LayerNorm slower there.
+  # K = 512, N = 2048: RMSNorm faster with x̂ (2854 vs 3384 µs), LayerNorm with the row sums
+  # in the dx epilogue (2636 vs 2938 µs); LayerNorm's forward alone stays on XLA (932 vs 881).
   assert pick(nm_configs.kernel_slower_reason(m, 512, 2048, "rms")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(m, 1024, 2048, "rms")) == "xla"
-  assert pick(nm_configs.kernel_slower_reason(m, 512, 2048, "layer")) == "xla"
+  assert pick(nm_configs.kernel_slower_reason(m, 512, 2048, "layer")) == "mosaic"
+  assert pick(nm_configs.kernel_slower_forward_reason(m, 512, 2048, "layer")) == "xla"
+  assert pick(nm_configs.kernel_slower_forward_reason(m, 512, 2048, "rms")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(m, 1024, 1024, "layer")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(m, 2048, 512, "layer")) == "xla"
   # LayerNorm at K = N = 2048 trains faster (11484 vs 12544 µs), the forward ties.
@@ -336,7 +346,8 @@ def test_default_forward_alone_takes_the_path_measured_faster_forward(monkeypatc
   assert uses(nm_configs, m, 2048, 2048, "rms") == ("mosaic", "xla")
   assert uses(nm_configs, 65536, 2048, 2048, "rms") == ("mosaic", "xla")
   assert uses(nm_configs, m, 4096, 4096, "rms") == ("xla", "xla")
-  assert uses(nm_configs, m, 512, 2048, "layer") == ("xla", "xla")
+  # norm_matmul LayerNorm at 512×2048: forward 881 (XLA) vs 932, fwd+bwd 2636 (kernel) vs 2938.
+  assert uses(nm_configs, m, 512, 2048, "layer") == ("xla", "mosaic")
   assert uses(nm_configs, m, 1024, 1024, "layer") == ("mosaic", "mosaic")
   # An explicit implementation is used for both.
   assert _dispatch.choose_by_use("op", "xla", ok, lambda: None, lambda: "slower") == ("xla", "xla")
@@ -568,3 +579,50 @@ def test_gpu_checkpoint_around_a_layer(layer):
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2,
                                atol=1e-2 * float(jnp.max(jnp.abs(a.astype(jnp.float32)))))
+
+
+@pytest.mark.parametrize("k,n,norm,interpret,expected", [
+    (512, 512, "layer", False, ["row_sums"]), (2048, 512, "layer", False, ["row_sums"]),
+    (512, 2048, "layer", False, ["row_sums"]), (128, 192, "layer", True, ["row_sums"]),
+    # past what one CTA per column tile of a cluster of 8 covers (K > 2048), or a cluster in
+    # interpret mode (K > 256): the row terms' routes, with the bias guard
+    (4096, 512, "layer", False, ["y_term"]), (512, 512, "layer", True, FUSED_WITH_GUARD),
+    (512, 512, "rms", False, ["row_sums"]), (4096, 512, "rms", False, ["y_term"])])
+def test_epilogue_row_sums_route_by_shape(monkeypatch, k, n, norm, interpret, expected):
+  """dx takes the row sums in the dx kernel's epilogue wherever K splits over a cluster (no y,
+  no bias guard: one kernel call traced even with a norm bias; configs.epilogue_row_sums), the
+  row terms' routes elsewhere. Traced only: no kernel runs."""
+  calls = _spy_on_dx_kernel(monkeypatch, run_kernel=False)
+  m = 16
+  x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
+  w_gamma, col_sum, out_bias = nm_xla.fold_affine(w, scale, bias, norm)
+  rows = jnp.ones((m,), jnp.float32)
+  jax.make_jaxpr(lambda *a: nm._input_grad(*a, interpret=interpret, x_hat=False))(
+      ct.astype(jnp.bfloat16), x, w_gamma, col_sum, out_bias, jnp.ones((m, n), jnp.bfloat16),
+      None if norm == "rms" else rows, rows)
+  assert calls == expected
+
+
+@pytest.mark.parametrize("k,n,norm,x_hat", [(512, 512, "rms", True), (4096, 512, "rms", False),
+                                            (4096, 512, "layer", True)])
+def test_weight_grads_take_x_hat_with_the_row_sums(monkeypatch, k, n, norm, x_hat):
+  """On a GPU (interpret=False) the weight gradients take x̂ wherever the dx kernel sums its
+  rows in the epilogue (RMSNorm at K = N too: no XLA pass over dy is left to fuse the scaling
+  into), else by configs.x_hat_pays. Traced only: no kernel runs."""
+  seen = []
+
+  def spy(dy, w_gamma, x, *args, **kwargs):
+    seen.append(kwargs.get("return_x_hat"))
+    return (jnp.zeros((x.shape[0], x.shape[1] + 64), x.dtype),) * 2 if kwargs.get(
+        "return_x_hat") else jnp.zeros_like(x)
+
+  monkeypatch.setattr(nmb, "norm_matmul_dx", spy)
+  m = 16
+  x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
+  w_gamma, col_sum, out_bias = nm_xla.fold_affine(w, scale, bias, norm)
+  rows = jnp.ones((m,), jnp.float32)
+  saved = (x, w, scale, None, w_gamma, col_sum, None, jnp.ones((m, n), jnp.bfloat16),
+           None if norm == "rms" else rows, rows)
+  jax.make_jaxpr(lambda ct: nm._fused_bwd(norm, 1e-6, None, "mosaic", None, saved,
+                                          (ct, None, None)))(ct.astype(jnp.bfloat16))
+  assert seen == [x_hat]

@@ -7,6 +7,8 @@
 * :mod:`.gemm`: the persistent warp-specialized GEMM body the fused GEMM kernels run through
   hooks (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``), imported as a module.
 * :mod:`.row_stats`: per-thread partial row sums in the WGMMA register layout.
+* :mod:`.exchange`: per-row partial sums shared by the CTAs of a cluster (the post-norm
+  forward's row statistics, the pre-norm dx kernel's row sums), imported as a module.
 * :mod:`.store`: epilogue stores through SMEM.
 
 The names are re-exported here, so kernels use ``mgpu.TileConfig``, ``mgpu.ring_k_loop`` and so

@@ -77,6 +77,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu
 from pallas_norm.mgpu import TileConfig
+from pallas_norm.mgpu import exchange as cluster_exchange
 from pallas_norm.mgpu import gemm as gemm_core
 
 __all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
@@ -355,180 +356,31 @@ def _merge_partials(plan: _Plan, per_cta):
   return mean, lax.rsqrt(var + plan.eps)
 
 
-def _cluster_fence():
-  """``fence.acq_rel.cluster``: orders this thread's shared-memory accesses at cluster scope.
-
-  The cluster barrier's remote arrive is a CTA-scope release and its wait a CTA-scope acquire,
-  so a fence on each side publishes the partials a CTA wrote to its peers' reads, and orders a
-  peer's reads before its "done reading" arrive.
-  """
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # needs the CUDA plugin
-
-  @plgpu.inline_mgpu()
-  def _fence(_ctx):
-    mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
-
-  _fence()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Exchange:
-  """SMEM and barriers of the cluster exchange (c > 1), per consumer warpgroup w.
-
-  "pull": ``part[w][q]``: this CTA's partial q, one (rows,) f32 allocation each: a peer reads
-  it whole (Mosaic lowers a peer reference only for a whole allocation, not a slice of one).
-  ``full``/``empty``: cluster barriers; ``full[w]`` completes when every CTA of the cluster
-  wrote its partials for the tile, ``empty[w]`` when every CTA finished reading all of them.
-  ``rows[w]``: (2, rows) f32 where the merged (rstd, mean) leave the static-w branch.
-
-  "push": ``inbox[w, j]``: the packet of cluster CTA j (see :data:`_PACKET_COLS`); ``full[w]``
-  a CTA-local barrier that completes when all c packets landed (each ``st.async`` packet
-  arrives once, with its byte count); ``empty[w]`` as for "pull".
-  """
-  full: object
-  empty: object
-  part: tuple | None = None
-  rows: object = None
-  inbox: object = None
-
-
-_PACKET_COLS = 8
-"""For the "push" exchange the partials of a warpgroup's rows travel to a peer as one (rows, 8)
-f32 tile, columns 0-3 the first partial and 4-7 the second (LayerNorm): ``st.async`` cannot
-send a row vector (its layout repeats each value in 4 lanes), and (rows, 8) is the smallest
-WGMMA-layout tile."""
+def _exchange_spec(plan: _Plan) -> cluster_exchange.Spec:
+  return cluster_exchange.Spec(cluster=plan.cluster, rows=plan.cfg.wg_tile_m,
+                               n_partials=plan.n_partials, exchange=plan.exchange)
 
 
 def _exchange_allocs(plan: _Plan):
-  if plan.cluster == 1:
-    return None
-  rows = plan.cfg.wg_tile_m
-  cluster_bar = functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",),
-                                  num_barriers=2, num_arrivals=1)
-  if plan.exchange == "push":
-    return dict(
-        inbox=plgpu.SMEM((2, plan.cluster, rows, _PACKET_COLS), jnp.float32,
-                         transforms=mgpu.swizzle_transforms(_PACKET_COLS, jnp.float32)),
-        # In the warpgroup lowering a packet's store arrives once per sending warpgroup (not
-        # once per thread): 128 · c arrivals hung the kernel on the H200.
-        full=plgpu.Barrier(num_arrivals=plan.cluster, num_barriers=2),
-        empty=cluster_bar())
-  part = tuple(tuple(plgpu.SMEM((rows,), jnp.float32) for _ in range(plan.n_partials))
-               for _ in range(2))
-  return dict(part=part, full=cluster_bar(), empty=cluster_bar(),
-              rows=plgpu.SMEM((2, 2, rows), jnp.float32))
-
-
-def _pack(plan: _Plan, partials):
-  shape = (plan.cfg.wg_tile_m, _PACKET_COLS)
-  if plan.n_partials == 1:
-    return _rowvec(partials[0], shape)
-  col = lax.broadcasted_iota(jnp.int32, shape, 1)
-  return jnp.where(col < _PACKET_COLS // 2, _rowvec(partials[0], shape),
-                   _rowvec(partials[1], shape))
-
-
-def _unpack(plan: _Plan, packet):
-  """The partials of one packet (:func:`_pack`); a max over equal values is exact."""
-  if plan.n_partials == 1:
-    return (jnp.max(packet, axis=1),)
-  low = lax.broadcasted_iota(jnp.int32, packet.shape, 1) < _PACKET_COLS // 2
-  return (jnp.max(jnp.where(low, packet, -jnp.inf), axis=1),
-          jnp.max(jnp.where(low, -jnp.inf, packet), axis=1))
-
-
-def _push_row_stats(plan: _Plan, partials, ex, wg, tile_index):
-  """The "push" exchange: once the peers have read the previous tile's packets (``empty``),
-  send this CTA's packet into every CTA's inbox (its own included) with ``st.async`` stores
-  that complete the receiver's ``full`` barrier, wait for the own inbox, read it locally in CTA
-  order, and arrive on ``empty`` in every CTA. No thread waits on a remote load and no fence is
-  needed: the receiver's barrier counts the bytes as they land."""
-  cta = lax.axis_index("cluster")
-
-  @pl.when(tile_index > 0)
-  def _():
-    plgpu.barrier_wait(ex.empty.at[wg])
-
-  packet = _pack(plan, partials)
-  for j in range(plan.cluster):
-    plgpu.async_store_smem(packet, ex.inbox.at[wg, cta], ex.full.at[wg], cluster_idx=j,
-                           cluster_dim="cluster")
-  plgpu.barrier_wait(ex.full.at[wg])
-  per_cta = [_unpack(plan, plgpu.load(ex.inbox.at[wg, j], layout=plgpu.Layout.WGMMA))
-             for j in range(plan.cluster)]
-  mean, rstd = _merge_partials(plan, per_cta)
-  plgpu.commit_smem()  # warpgroup barrier: every thread has read the inbox before the arrive
-  plgpu.barrier_arrive(ex.empty.at[wg])
-  return mean, rstd
-
-
-def _peer_partials(plan: _Plan, bufs):
-  """The partials in ``bufs`` (one allocation per partial) of every CTA of the cluster, in CTA
-  order, read through distributed shared memory."""
-  return [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
-                                  plgpu.Layout.WGMMA.reduce(1)) for buf in bufs)
-          for j in range(plan.cluster)]
-
-
-def _merge_into_rows(plan: _Plan, per_cta, ex, w):
-  """Merges the CTAs' partials and leaves (rstd, mean) in ``ex.rows[w]`` for the warpgroup."""
-  mean, rstd = _merge_partials(plan, per_cta)
-  ex.rows[w, 0] = rstd
-  if mean is not None:
-    ex.rows[w, 1] = mean
+  return cluster_exchange.allocs(_exchange_spec(plan))
 
 
 def _cluster_row_stats(plan: _Plan, partials, ex, wg, tile_index):
-  """(mean or None, rstd) of full rows from this CTA's partials and those of its cluster peers.
+  """(mean or None, rstd) of full rows from this CTA's partials and those of its cluster peers
+  (:func:`pallas_norm.mgpu.exchange.cluster_row_sums`), merged by :func:`_merge_partials` in
+  CTA order: every CTA holds the same bits."""
+  def merge(per_cta):  # (rstd,) or (rstd, mean): the order the pull exchange leaves them in
+    mean, rstd = _merge_partials(plan, per_cta)
+    return (rstd,) if mean is None else (rstd, mean)
 
-  c = 1: just :func:`_merge_partials` of this CTA's. c > 1 with "push":
-  :func:`_push_row_stats`. With "pull", for the warpgroup's static index w:
-  wait until the peers have read the previous tile's partials (``empty``), write ours, arrive on
-  ``full`` in every CTA and wait for all c arrivals, read the c partials through distributed
-  shared memory (:func:`plgpu.cluster_ref`) in CTA order, arrive on ``empty``, and merge. Every
-  CTA merges the same values in the same order, so all hold the same bits.
-  """
-  if plan.cluster == 1:
-    return _merge_partials(plan, [tuple(partials)])
-  if plan.exchange == "push":
-    return _push_row_stats(plan, partials, ex, wg, tile_index)
-  for w in range(2):
-
-    @pl.when(wg == w)
-    def _exchange():
-      bufs = ex.part[w]
-
-      @pl.when(tile_index > 0)
-      def _():
-        plgpu.barrier_wait(ex.empty.at[w])
-
-      for buf, v in zip(bufs, partials):
-        buf[...] = v
-      plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the arrive
-      _cluster_fence()
-      plgpu.barrier_arrive(ex.full.at[w])
-      plgpu.barrier_wait(ex.full.at[w])
-      _cluster_fence()
-      _merge_into_rows(plan, _peer_partials(plan, bufs), ex, w)
-      plgpu.commit_smem()  # every thread's peer reads precede the arrive
-      _cluster_fence()
-      plgpu.barrier_arrive(ex.empty.at[w])
-
-  rstd = plgpu.load(ex.rows.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
-  mean = (plgpu.load(ex.rows.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
-          if plan.norm == "layer" else None)
-  return mean, rstd
+  merged = cluster_exchange.cluster_row_sums(_exchange_spec(plan), partials, ex, wg,
+                                             tile_index, merge)
+  return (merged[1] if len(merged) == 2 else None), merged[0]
 
 
 def _cluster_final_sync(plan: _Plan, ex, wg):
   """Waits until the peers read the last tile's partials: no CTA exits while they may."""
-  if plan.cluster == 1:
-    return
-  for w in range(2):
-
-    @pl.when(wg == w)
-    def _():
-      plgpu.barrier_wait(ex.empty.at[w])
+  cluster_exchange.final_sync(_exchange_spec(plan), ex, wg)
 
 
 class _StoreGroups:
@@ -595,7 +447,8 @@ class _RowTileIO:
     self.wg_m, self.tile_n, self.epi_m, self.epi_n = (cfg.wg_tile_m, cfg.tile_n, cfg.epi_tile_m,
                                                       cfg.epi_tile_n)
     self.chunks = cfg.tile_n // cfg.epi_tile_n
-    self.ex = None if refs["ex_allocs"] is None else _Exchange(**refs["ex_allocs"])
+    self.ex = (None if refs["ex_allocs"] is None
+               else cluster_exchange.Exchange(**refs["ex_allocs"]))
     for name in ("io_smem", "extra_smem", "vec_smem", "load_barrier", "stat_smem", "tile_stats",
                  "reload_barrier"):
       setattr(self, name, refs[name])
@@ -868,7 +721,7 @@ def _check_args(x, w, vectors, residual, norm, eps, out_dtype):
     raise ValueError(f"eps must be a positive float, got {eps!r}")
 
 
-EXCHANGES = ("pull", "push")
+EXCHANGES = cluster_exchange.EXCHANGES
 
 
 def _pick_exchange(make_plan) -> _Plan:

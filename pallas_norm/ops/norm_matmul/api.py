@@ -18,12 +18,15 @@ full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy
     dscale_k = Σ_n dW_γ[k, n] w[k, n], dw = diag(scale) dW_γ + bias ⊗ Σ_i dy_i, dbias = w Σ_i dy_i.
 
 For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
-epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`); its two row scalars
-``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy and y,
-or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`, where it was
-measured faster),
-from the dx kernel's own K loop, which then streams y next to dy. The weight gradients are XLA
-GEMMs: for LayerNorm (and RMSNorm with K < N, :func:`.configs.x_hat_pays`) the dx kernel's
+epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`). Where :func:`.configs.epilogue_row_sums`
+takes it, the epilogue forms the row sums itself, as the post-norm backward does:
+``s = rowsum(G ⊙ x̂)`` and ``dy·c = rowsum(G)``, from the accumulator and the x tile, summed
+across the CTAs of a cluster that share the rows (nothing reads y). Elsewhere its two row
+scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy
+and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from the dx
+kernel's own K loop, which then streams y next to dy. The weight gradients are XLA
+GEMMs: with the row sums in the epilogue, for LayerNorm and for RMSNorm with K < N
+(:func:`.configs.x_hat_pays`) the dx kernel's
 epilogue also writes the normalized input x̂ = (x − mean) ⊙ rstd from the x tile it holds, and
 dW_γ = x̂ᵀ dy is one GEMM with nothing to scale or correct (with a norm bias, x̂ ends with a
 ones column, so the same GEMM gives Σ_i dy_i for the bias's terms); otherwise (RMSNorm, K ≥ N)
@@ -169,10 +172,15 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   del norm, eps, out_dtype, config  # the dx kernel picks its own tiling (its output is (M, K))
   x, w, scale, norm_bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
   dy = cotangents[0]  # the stats outputs are not differentiated (see norm_matmul)
-  x_hat = configs.x_hat_pays(x.shape[1], y.shape[1], "layer" if mean is not None else "rms")
-  out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd,
-                    interpret=implementation == "interpret", x_hat=x_hat,
-                    x_hat_ones=x_hat and norm_bias is not None)
+  norm = "layer" if mean is not None else "rms"
+  interpret = implementation == "interpret"
+  (m, k), n = x.shape, y.shape[1]
+  # With the row sums in the dx epilogue no pass over dy is left in XLA but the weight
+  # gradients' scaling of dy, which x̂ from the same epilogue replaces.
+  x_hat = (_takes_row_sums(m, k, n, norm, x.dtype, interpret)
+           or configs.x_hat_pays(k, n, norm))
+  out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret=interpret,
+                    x_hat=x_hat, x_hat_ones=x_hat and norm_bias is not None)
   if x_hat:
     dx, x_hat = out
     return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias))
@@ -182,25 +190,38 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+def _takes_row_sums(m, k, n, norm, dtype, interpret) -> bool:
+  """Whether the dx kernel sums dx's rows over K in its epilogue for x (m, k) @ w (k, n): where
+  configs takes it and the kernel can (K split over a cluster)."""
+  return (configs.epilogue_row_sums(k, n, norm)
+          and mosaic_bwd.row_sums_unsupported_reason(m, n, k, dtype, interpret) is None)
+
+
 def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, x_hat,
                 x_hat_ones=False):
   """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue, the dx
   kernel; ``(dx, x̂)`` with ``x_hat`` (the same epilogue writes x̂; with ``x_hat_ones`` x̂ ends
   with a ones column, so dW_γ's GEMM also sums dy's columns for the bias's gradients)."""
   norm = "rms" if mean is None else "layer"
+  (m, k), n = x.shape, y.shape[1]
 
-  def dx_kernel(**row_args):
+  def dx_kernel(row_sums=False, **row_args):
     dx_call = functools.partial(mosaic_bwd.norm_matmul_dx, return_x_hat=x_hat,
-                                x_hat_ones=x_hat_ones, interpret=interpret)
+                                x_hat_ones=x_hat_ones, row_sums_in_epilogue=row_sums,
+                                interpret=interpret)
     names = tuple(row_args)
     return _op.first_order_only(
         "norm_matmul", lambda *a: dx_call(*a[:4], **dict(zip(names, a[4:]))),
         dy.astype(x.dtype), w_gamma, x, rstd, *row_args.values())
 
+  if _takes_row_sums(m, k, n, norm, x.dtype, interpret):
+    # The row sums over K in the epilogue: no y, no row-terms pass, no bias guard.
+    return dx_kernel(row_sums=True, mean=mean)
+
   def with_row_terms(terms):
     return dx_kernel(y_term=terms[0], mean=mean, c_term=terms[1])
 
-  fused = configs.fused_row_terms_pay(x.shape[1], y.shape[1], norm)
+  fused = configs.fused_row_terms_pay(k, n, norm)
   if not (fused and y.dtype == dy.dtype == x.dtype):
     return with_row_terms(
         xla.guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd))

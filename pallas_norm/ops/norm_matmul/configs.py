@@ -12,12 +12,15 @@ from __future__ import annotations
 # 2540 µs), so the limit stays at 1024 (issue 4).
 KERNEL_DEFAULT_MAX_KN = {"layer": 1024, "rms": 1024}
 
-RMS_WIDE_MAX_K, RMS_WIDE_MAX_N = 512, 2048
-"""RMSNorm also takes the kernel for K ≤ 512 up to N = 2048, where the backward's x̂ (M × K)
-replaces XLA's scaled dy (M × N). H200, 2026-12-02 (CUPTI, bf16, 262144×512×2048, the suite):
-fwd+bwd 2853.9 vs XLA's 3383.5 µs, forward 853 vs 851 (the suite at c22661a). LayerNorm at the
-same shape stays on XLA: fwd+bwd 3271.9 vs 2925.5 with x̂ (its row terms still take an XLA
-pass over dy and y, M × 2048 each)."""
+WIDE_MAX_K, WIDE_MAX_N = 512, 2048
+"""Both norms also train with the kernel for K ≤ 512 up to N = 2048, where the backward's x̂
+(M × K) replaces XLA's scaled dy (M × N). H200, bf16, 262144×512×2048, fwd+bwd µs: RMSNorm
+2853.9 vs XLA's 3383.5 (CUPTI, the suite, 2026-12-02); LayerNorm, once the dx kernel summed its
+rows in its epilogue (:func:`epilogue_row_sums`), 2636.1 vs 2938.2 CUPTI, 3081.4 vs 3235.7 wall
+clock (session 17, ``benchmarks/results/logs/2026-12-02_s17_gemm5_ab.log``; before, with the
+XLA row-terms pass and the bias guard, 3540.1 wall clock). Their forward alone ties or loses
+there (RMSNorm 853 vs 851, LayerNorm 932 vs 881, the suite at c22661a), so a forward that is
+not differentiated runs XLA for LayerNorm (:func:`kernel_slower_forward_reason`)."""
 
 
 LAYER_SQUARE_MAX_KN = 2048
@@ -46,9 +49,9 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
   """Why ``implementation=None`` keeps XLA to train (forward+backward) x (M, K) @ w (K, N), or
   None to take the kernel."""
   limit = KERNEL_DEFAULT_MAX_KN[norm]
-  wide_rms = norm == "rms" and k <= RMS_WIDE_MAX_K and n <= RMS_WIDE_MAX_N
+  wide = k <= WIDE_MAX_K and n <= WIDE_MAX_N
   square_layer = norm == "layer" and k == n <= LAYER_SQUARE_MAX_KN
-  if (k > limit or n > limit) and not (wide_rms or square_layer):
+  if (k > limit or n > limit) and not (wide or square_layer):
     return (f"K = {k}, N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA "
             "in training on the H200 (pass implementation='mosaic' to force it)")
   return _small_m_reason(m)
@@ -57,9 +60,15 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
 def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | None:
   """Why ``implementation=None`` keeps XLA for a forward of x (M, K) @ w (K, N) that is not
   differentiated, or None to take the kernel: where training takes it, and RMSNorm at K = N ≤
-  :data:`RMS_FORWARD_MAX_KN`."""
+  :data:`RMS_FORWARD_MAX_KN`; not LayerNorm past K, N ≤ 1024 but for K = N (the wide shapes of
+  :data:`WIDE_MAX_K`, where only training is faster on the kernel)."""
   if norm == "rms" and k == n <= RMS_FORWARD_MAX_KN:
     return _small_m_reason(m)
+  limit = KERNEL_DEFAULT_MAX_KN[norm]
+  if norm == "layer" and k != n and max(k, n) > limit:
+    return (f"K = {k}, N = {n}: the forward alone of the layer Mosaic kernel is measured slower "
+            "than XLA's there on the H200 (it trains faster: pass implementation='mosaic' to "
+            "force it)")
   return kernel_slower_reason(m, k, n, norm)
 
 
@@ -84,6 +93,27 @@ it (LayerNorm only). H200:
 * K = N = 1024 (session 7; LayerNorm, public fwd+bwd): slower fused, 3253 vs 3194 µs without a
   bias (CUPTI) and 3637 vs 3440 with one (wall clock); at 512² the same run ties without a bias
   (1099 vs 1100) and gains with one (1153 vs 1176)."""
+
+
+EPILOGUE_ROW_SUMS_NORMS = ("layer", "rms")
+"""Norms whose backward takes the dx kernel with the row sums in its epilogue
+(``norm_matmul_dx(..., row_sums_in_epilogue=True)``) wherever K splits over a cluster
+(K ≤ 2048), and x̂ from it for the weight gradients. It removes the y stream of the fused row
+terms or the XLA row-terms pass over dy and y, and the bias guard's ``lax.cond`` with its exact
+GEMM (nothing rebuilds y' from the rounded y); it costs the cluster exchange of the row sums.
+H200, bf16, M = 262144, fwd+bwd µs (session 17, ``benchmarks/results/logs/
+2026-12-02_s17_gemm5_ab.log``), against the routes before it: LayerNorm 512² 931.2 CUPTI /
+967.2 wall clock vs 1059.9 wall (inductor 976), 512×2048 2636.1 / 3081.4 vs 3540.1 wall;
+RMSNorm 512² (with x̂ for dW_γ) 818.5 / 854.7 vs 908.5 / 920.7 (the XLA row-terms pass fused
+with the scaling of dy; inductor 961)."""
+
+
+def epilogue_row_sums(k: int, n: int, norm: str) -> bool:
+  """Whether the dx kernel sums dx's rows in its epilogue for x (M, k) @ w (k, n) (and the
+  weight gradients take its x̂): the norms of :data:`EPILOGUE_ROW_SUMS_NORMS` (the kernel
+  itself needs k ≤ 2048 split over a cluster, ``mosaic_bwd.row_sums_unsupported_reason``)."""
+  del k, n
+  return norm in EPILOGUE_ROW_SUMS_NORMS
 
 
 def fused_row_terms_pay(k: int, n: int, norm: str) -> bool:

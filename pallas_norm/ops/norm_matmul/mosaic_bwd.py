@@ -93,10 +93,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import _validate, mgpu
 from pallas_norm.mgpu import TileConfig
+from pallas_norm.mgpu import exchange as cluster_exchange
 from pallas_norm.mgpu import gemm as gemm_core
+from pallas_norm.ops.matmul_norm import mosaic as post_norm
 from pallas_norm.ops.norm_matmul import mosaic as forward
 
-__all__ = ["pick_config", "unsupported_reason", "norm_matmul_dx"]
+__all__ = ["pick_config", "unsupported_reason", "row_sums_unsupported_reason", "norm_matmul_dx"]
 
 X_PREFETCH_STEP = 1
 """The K step (over N) at which a consumer fetches the x tile and row vectors of its epilogue
@@ -112,8 +114,34 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
   return forward.unsupported_reason(m, k, n, dtype)
 
 
+def _k_split(k: int, interpret: bool) -> tuple[int, int] | None:
+  """(cluster, tile_n) for the epilogue row sums: the post-norm forward's split of a row
+  (:func:`pallas_norm.ops.matmul_norm.mosaic._cluster_split`) with one column tile per CTA;
+  in interpret mode (no peer SMEM) a cluster of 1. None where K does not split so."""
+  split = post_norm._cluster_split(k)  # pylint: disable=protected-access
+  if split is None or split[2] != 1 or (interpret and split[0] != 1):
+    return None
+  return split[0], split[1]
+
+
+def row_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool = False
+                                ) -> str | None:
+  """None if the kernel can compute dx with the row sums in its epilogue
+  (``norm_matmul_dx(..., row_sums_in_epilogue=True)``), else why not: the kernel's shapes, and
+  K split over a cluster of 1, 2, 4 or 8 CTAs of one column tile (a multiple of 64 up to 256)
+  each, so K ≤ 2048; in interpret mode K ≤ 256 (one CTA: it cannot read a peer's SMEM)."""
+  if (reason := unsupported_reason(m, n, k, dtype)) is not None:
+    return reason
+  if _k_split(k, interpret) is None:
+    return (f"K = {k} does not split into one column tile (a multiple of 64 up to 256) per CTA "
+            "of a cluster of 1, 2, 4 or 8" + (" (interpret mode: a cluster of 1, K ≤ 256)"
+                                              if interpret else ""))
+  return None
+
+
 def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
-                x_hat: bool = False) -> TileConfig:
+                x_hat: bool = False, row_sums: bool = False,
+                interpret: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
   K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options.
 
@@ -124,11 +152,22 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
   1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no load
   would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes x̂): the same rule with one
   x̂ slot's SMEM counted (at the default tiles of 262144×512×512 and ×2048 it changes nothing).
+  ``row_sums`` (the row sums in the epilogue): the column tile is K's share of one CTA of the
+  cluster (:func:`row_sums_unsupported_reason`), 128 rows per CTA (one 64-row epilogue tile per
+  warpgroup, whose row vectors the exchange sends whole), the same rule for tile_k, and the
+  shared ring (its steps numbered across the CTA's row blocks, so the next row block's stages
+  load while the epilogue and the exchange run: the post-norm forward's choice for one column
+  tile per CTA, 11-23% faster there than Pallas's pipeline; not measured here).
   """
   fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
                    epi_tile_n=fwd.epi_tile_n)
+  if row_sums:
+    split = _k_split(k, interpret)
+    if split is None:
+      raise ValueError(row_sums_unsupported_reason(m, n, k, jnp.bfloat16, interpret))
+    cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64, pipeline="ring")
   # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
   n_vecs = _n_vecs(True, fused_row_terms, True)
   if ((fused_row_terms or x_hat)
@@ -152,13 +191,21 @@ class _Plan(gemm_core.KLoopFacts):
   x_hat_slots: int  # x̂ staging slots per consumer warpgroup (0 without x̂)
   cfg: TileConfig
   kloop: gemm_core.KLoop
-  num_ctas: int  # persistent CTAs
+  num_ctas: int  # persistent CTAs (row sums: clusters)
   epi_n: int
   x_prefetch_step: int
+  row_sums: bool = False  # the row sums over K in the epilogue (no y, y_term, c_term)
+  cluster: int = 1  # row sums: CTAs sharing a row block, one column tile each
+  exchange: str = "pull"  # row sums: how the cluster's CTAs share them (mgpu.exchange)
 
   @property
-  def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused,
-    return _n_rows(self.layer, self.fused)  # rstd (+ mean)
+  def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused
+    return _n_rows(self.layer, self.fused or self.row_sums)  # or row sums, rstd (+ mean)
+
+  @property
+  def exchange_spec(self) -> cluster_exchange.Spec:  # row sums: rowsum(G) (LayerNorm), rowsum(G ⊙ x̂)
+    return cluster_exchange.Spec(cluster=self.cluster, rows=self.cfg.wg_tile_m,
+                                 n_partials=1 + int(self.layer), exchange=self.exchange)
 
   @property
   def n_vecs(self) -> int:  # fused: column vectors streamed per step, col_sum (+ out_bias)
@@ -210,11 +257,13 @@ def _streams(cfg: TileConfig, dtype, a_in_registers: bool, fused: bool,
   return streams
 
 
-def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat_slots: int = 0) -> dict:
+def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat_slots: int = 0,
+          exchange_allocs: dict | None = None) -> dict:
   """SMEM besides the stages, per consumer warpgroup: its (tile_m/2, tile_n) slice of x as
   untiled epilogue tiles (dx overwrites them in place), the row vectors, the barrier their
   TMA copies arrive on (one arrival per copy) and ``x_hat_slots`` epilogue tiles' slots for
-  x̂ (their TMA stores read them while the next epilogue tiles are computed)."""
+  x̂ (their TMA stores read them while the next epilogue tiles are computed); with the row
+  sums in the epilogue, the cluster exchange's (:func:`pallas_norm.mgpu.exchange.allocs`)."""
   epi_n = forward._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   chunks = (cfg.wg_tile_m // cfg.epi_tile_m) * (cfg.tile_n // epi_n)
   tile_transforms = mgpu.swizzle_transforms(epi_n, dtype, tiled=False)
@@ -223,7 +272,8 @@ def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat_slots: int = 0) -> dict:
       x_hat_smem=(plgpu.SMEM((2, x_hat_slots, cfg.epi_tile_m, epi_n), dtype,
                              transforms=tile_transforms) if x_hat_slots else None),
       row_smem=plgpu.SMEM((2, n_rows, cfg.wg_tile_m), jnp.float32),
-      in_barrier=plgpu.Barrier(num_arrivals=chunks + n_rows, num_barriers=2))
+      in_barrier=plgpu.Barrier(num_arrivals=chunks + n_rows, num_barriers=2),
+      exchange_allocs=exchange_allocs)
 
 
 def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int,
@@ -249,26 +299,54 @@ def _x_hat_slots(cfg: TileConfig, dtype, streams, n_rows: int) -> int:
 
 
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False,
-               x_hat=False, x_hat_ones=False) -> _Plan:
-  mgpu.reject_unused_options(cfg, "dx", ("stats_once",))
+               x_hat=False, x_hat_ones=False, row_sums=False, exchange="pull") -> _Plan:
+  mgpu.reject_unused_options(cfg, "dx", ("stats_once",) + (
+      ("grid_minor_dim", "grid_tile_width") if row_sums else ()))
   has_bias = fused and has_bias
   # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
   a_in_registers = not interpret and m % 8 != 0
   red_iters = n // cfg.tile_k
+  k_tiles = -(-k // cfg.tile_n)
+  if row_sums and (k_tiles * cfg.tile_n != k or k_tiles not in post_norm.CLUSTER_SIZES
+                   or cfg.epi_tile_m != cfg.wg_tile_m or (interpret and k_tiles != 1)):
+    raise ValueError(f"row sums in the epilogue need K = {k} split into 1, 2, 4 or 8 column tiles "
+                     f"of tile_n = {cfg.tile_n} (one per CTA of the cluster; 1 in interpret "
+                     f"mode) and epi_tile_m = tile_m / 2, got {cfg}")
+  cluster = k_tiles if row_sums else 1
+  spec = cluster_exchange.Spec(cluster=cluster, rows=cfg.wg_tile_m, n_partials=1 + int(layer),
+                               exchange=exchange)
+  n_rows = _n_rows(layer, fused or row_sums)
   streams = _streams(cfg, dtype, a_in_registers, fused, _n_vecs(layer, fused, has_bias))
-  x_hat_slots = _x_hat_slots(cfg, dtype, streams, _n_rows(layer, fused)) if x_hat else 0
+  x_hat_slots = _x_hat_slots(cfg, dtype, streams, n_rows) if x_hat else 0
   kloop = gemm_core.plan_k_loop(
-      cfg, streams, red_iters, _smem(cfg, dtype, _n_rows(layer, fused), x_hat_slots),
+      cfg, streams, red_iters,
+      _smem(cfg, dtype, n_rows, x_hat_slots, cluster_exchange.allocs(spec)),
       a_in_registers=a_in_registers, what=" next to the x tile of the epilogue"
       + (" (with the y stage of the fused row terms)" if fused else "")
       + (" (with the x̂ slot)" if x_hat else ""))
-  units = -(-m // cfg.tile_m) * -(-k // cfg.tile_n)
+  m_iters = -(-m // cfg.tile_m)
   return _Plan(m=m, n=n, k=k, dtype=jnp.dtype(dtype), layer=layer, fused=fused,
                has_bias=has_bias, x_hat=x_hat, x_hat_ones=x_hat and x_hat_ones,
                x_hat_slots=x_hat_slots, cfg=cfg, kloop=kloop,
-               num_ctas=mgpu.persistent_clusters(1, units, interpret),
+               num_ctas=mgpu.persistent_clusters(cluster, m_iters * (1 if row_sums else k_tiles),
+                                                 interpret),
                epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
-               x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1))
+               x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1), row_sums=row_sums,
+               cluster=cluster, exchange=exchange)
+
+
+def _pick_exchange(make_plan) -> _Plan:
+  """The row sums' exchange, by the post-norm forward's rule
+  (:func:`pallas_norm.ops.matmul_norm.mosaic._pick_exchange`): "push" for clusters of 2 where
+  its inbox costs no pipeline stage, else "pull"."""
+  pull = make_plan(exchange="pull")
+  if pull.cluster != 2:
+    return pull
+  try:
+    push = make_plan(exchange="push")
+  except ValueError:  # the inbox does not fit in SMEM next to this config: pull still does
+    return pull
+  return push if push.stages >= pull.stages else pull
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,6 +409,8 @@ class _DxHooks(gemm_core.Hooks):
     self.x_smem, self.row_smem, self.in_barrier = (refs["x_smem"], refs["row_smem"],
                                                    refs["in_barrier"])
     self.x_hat_smem = refs["x_hat_smem"]
+    self.ex = (None if refs["exchange_allocs"] is None
+               else cluster_exchange.Exchange(**refs["exchange_allocs"]))
 
   def _chunk_window(self, ref, tile, ci, cj):
     cfg, epi_m, epi_n = self.plan.cfg, self.plan.cfg.epi_tile_m, self.plan.epi_n
@@ -387,42 +467,113 @@ class _DxHooks(gemm_core.Hooks):
       plgpu.copy_smem_to_gmem(self.x_hat_smem.at[wg, 0], self.x_hat_gmem.at[
           pl.ds(row0 + ci * epi_m, epi_m), pl.ds(plan.x_hat_width - epi_n, epi_n)])
 
+  def _wait_rows(self):
+    """The epilogue's row vectors (TMA'd with the x tile), layout WGMMA.reduce(1)."""
+    plgpu.barrier_wait(self.in_barrier.at[self.wg])
+    return [plgpu.load(self.row_smem.at[self.wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
+            for i in range(self.plan.n_rows)]
+
+  def _store(self, tile, ci, cj, dx, x_hat):
+    """Writes epilogue tile (ci, cj)'s dx over its x slot (each thread rewrites what it read)
+    and x̂ (when asked) into an x̂ slot, and stores both by TMA."""
+    plan, wg = self.plan, self.wg
+    slot = self.x_smem.at[wg, ci * plan.chunks[1] + cj]
+    if plan.x_hat:
+      # Two stores per epilogue tile (x̂, then dx): x̂ slot c % slots is free once the x̂
+      # store of tile c − slots has read it, i.e. when at most the 2·slots − 1 stores
+      # issued after it are pending; in the first tile, once the ones block's stores have
+      # (all that is pending then: the x prefetch waited for the previous tile's).
+      c = ci * plan.chunks[1] + cj
+      x_hat_slot = self.x_hat_smem.at[wg, c % plan.x_hat_slots]
+      plgpu.wait_smem_to_gmem(0 if c == 0 and plan.x_hat_ones else 2 * plan.x_hat_slots - 1,
+                              wait_read_only=True)
+      x_hat_slot[...] = x_hat.astype(plan.dtype)
+    slot[...] = dx.astype(plan.dtype)
+    plgpu.commit_smem()
+    if plan.x_hat:
+      plgpu.copy_smem_to_gmem(x_hat_slot, self._chunk_window(self.x_hat_gmem, tile, ci, cj))
+    plgpu.copy_smem_to_gmem(slot, self._chunk_window(self.dx_gmem, tile, ci, cj))
+
   def epilogue(self, tile, acc, sums):
     plan, wg = self.plan, self.wg
-    epi_m, epi_n = plan.cfg.epi_tile_m, plan.epi_n
-    chunks_m, chunks_n = plan.chunks
     if plan.x_hat_ones:
       pl.when(tile.n_idx == plan.k_iters - 1)(lambda: self._store_ones_block(tile))
-    plgpu.barrier_wait(self.in_barrier.at[wg])
-    rows = [plgpu.load(self.row_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
-            for i in range(plan.n_rows)]
+    if plan.row_sums:
+      self._row_sums_epilogue(tile, acc)
+      return
+    epi_m, epi_n = plan.cfg.epi_tile_m, plan.epi_n
+    chunks_m, chunks_n = plan.chunks
     bcast = lambda v: None if v is None else lax.broadcast_in_dim(v, acc.shape, [0])
-    rstd, y_term, mean, c_term = map(bcast, _epilogue_rows(plan, rows, sums))
+    rstd, y_term, mean, c_term = map(bcast, _epilogue_rows(plan, self._wait_rows(), sums))
     for ci in range(chunks_m):
       for cj in range(chunks_n):
         ms, ns = slice(ci * epi_m, (ci + 1) * epi_m), slice(cj * epi_n, (cj + 1) * epi_n)
-        slot = self.x_smem.at[wg, ci * chunks_n + cj]
-        xv = plgpu.load(slot, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        xv = plgpu.load(self.x_smem.at[wg, ci * chunks_n + cj],
+                        layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         if plan.layer:
           xv = xv - mean[ms, ns]
         dx = acc[ms, ns] * rstd[ms, ns] - y_term[ms, ns] * xv
         if plan.layer:
           dx = dx - c_term[ms, ns]
-        if plan.x_hat:
-          # Two stores per epilogue tile (x̂, then dx): x̂ slot c % slots is free once the x̂
-          # store of tile c − slots has read it, i.e. when at most the 2·slots − 1 stores
-          # issued after it are pending; in the first tile, once the ones block's stores have
-          # (all that is pending then: the x prefetch waited for the previous tile's).
-          c = ci * chunks_n + cj
-          x_hat_slot = self.x_hat_smem.at[wg, c % plan.x_hat_slots]
-          plgpu.wait_smem_to_gmem(0 if c == 0 and plan.x_hat_ones else 2 * plan.x_hat_slots - 1,
-                                  wait_read_only=True)
-          x_hat_slot[...] = (xv * rstd[ms, ns]).astype(plan.dtype)
-        slot[...] = dx.astype(plan.dtype)  # in place: each thread rewrites what it read
-        plgpu.commit_smem()
-        if plan.x_hat:
-          plgpu.copy_smem_to_gmem(x_hat_slot, self._chunk_window(self.x_hat_gmem, tile, ci, cj))
-        plgpu.copy_smem_to_gmem(slot, self._chunk_window(self.dx_gmem, tile, ci, cj))
+        self._store(tile, ci, cj, dx, xv * rstd[ms, ns] if plan.x_hat else None)
+
+  def _row_sums_epilogue(self, tile, acc):
+    """dx = rstd ⊙ (G − mean_K(G) − x̂ ⊙ mean_K(G ⊙ x̂)) (RMSNorm: no mean_K(G) term), G the
+    accumulator: the CTA's partial row sums over its column tile, summed with its cluster
+    peers' (:func:`pallas_norm.mgpu.exchange.cluster_row_sums`, every CTA adds them in CTA
+    order), x̂ = (x − mean) ⊙ rstd in f32 from the x tile (the pre-norm backward of DESIGN.md
+    written as the post-norm one's: nothing reads y, so no rounded y' cancels)."""
+    plan, wg, epi_n = self.plan, self.wg, self.plan.epi_n
+    rows = self._wait_rows()
+    shape = (plan.cfg.wg_tile_m, epi_n)
+    bcast = lambda v: lax.broadcast_in_dim(v, shape, [0])
+    rstd = bcast(rows[0])
+    mean = bcast(rows[1]) if plan.layer else None
+
+    def chunk(cj):  # (x̂, G) of column chunk cj, f32
+      xv = plgpu.load(self.x_smem.at[wg, cj], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+      return (xv - mean if plan.layer else xv) * rstd, acc[:, cj * epi_n:(cj + 1) * epi_n]
+
+    s_g = s_gx = None
+    for cj in range(plan.chunks[1]):  # elementwise first: one cross-lane sum per row sum
+      x_hat, g = chunk(cj)
+      s_gx = g * x_hat if s_gx is None else s_gx + g * x_hat
+      s_g = g if s_g is None else s_g + g
+    partials = (jnp.sum(s_gx, axis=1),) + ((jnp.sum(s_g, axis=1),) if plan.layer else ())
+    sums = cluster_exchange.cluster_row_sums(plan.exchange_spec, partials, self.ex, wg,
+                                             tile.index, _sum_in_cta_order)
+    gx_mean = bcast(sums[0] * (1.0 / plan.k))
+    g_mean = bcast(sums[1] * (1.0 / plan.k)) if plan.layer else None
+    for cj in range(plan.chunks[1]):
+      x_hat, g = chunk(cj)
+      d = g - x_hat * gx_mean
+      self._store(tile, 0, cj, (d - g_mean if plan.layer else d) * rstd, x_hat)
+
+  def finish(self):
+    if self.plan.row_sums:
+      cluster_exchange.final_sync(self.plan.exchange_spec, self.ex, self.wg)
+
+
+def _sum_in_cta_order(per_cta) -> tuple:
+  """The CTAs' partial row sums added in CTA order (the same bits in every CTA)."""
+  out = list(per_cta[0])
+  for part in per_cta[1:]:
+    out = [a + b for a, b in zip(out, part)]
+  return tuple(out)
+
+
+def _row_block_schedule(m_iters: int, cta) -> gemm_core.Schedule:
+  """The row sums' schedule: each cluster walks row blocks, CTA ``cta`` of the cluster taking
+  column tile ``cta`` of each (one tile per work unit)."""
+  def schedule(visit, end_unit):
+    del end_unit
+
+    @plgpu.nd_loop((m_iters,), collective_axes="cluster_grid")
+    def _row_block_loop(loop_info: plgpu.NDLoopInfo):
+      (m_idx,) = loop_info.index
+      i = loop_info.local_index
+      visit(gemm_core.Tile(m_idx, cta, i, i == 0, i == loop_info.num_local_steps - 1))
+  return schedule
 
 
 def _kernel(*refs, plan: _Plan):
@@ -437,12 +588,15 @@ def _kernel(*refs, plan: _Plan):
   # The streams' GMEM operands beyond dy and w: all of y's columns, all of the vectors'.
   gmems = [r for r in (dy_gmem, w_gmem, y_gmem, vec_gmem) if r is not None]
   block = lambda t: pl.ds(t.m_idx * cfg.tile_m, cfg.tile_m)
+  schedule = (_row_block_schedule(plan.m_iters, lax.axis_index("cluster")) if plan.row_sums
+              else gemm_core.tile_grid(plan.m_iters, plan.k_iters, cfg))
   gemm_core.run(
       plan.kloop, gmems=gmems,
       windows=lambda t: [block(t), pl.ds(t.n_idx * cfg.tile_n, cfg.tile_n), block(t), None][
           :len(gmems)],
-      schedule=gemm_core.tile_grid(plan.m_iters, plan.k_iters, cfg),
-      smem=_smem(cfg, plan.dtype, plan.n_rows, plan.x_hat_slots),
+      schedule=schedule,
+      smem=_smem(cfg, plan.dtype, plan.n_rows, plan.x_hat_slots,
+                 cluster_exchange.allocs(plan.exchange_spec)),
       hooks_for=lambda wg, refs: _DxHooks(plan, wg, refs, x_gmem, row_gmems, dx_gmem,
                                           x_hat_gmem))
 
@@ -457,9 +611,17 @@ def _check_vector(name, v, size) -> None:
     raise ValueError(f"{name} must be float32 of shape ({size},), got {v.dtype}{v.shape}")
 
 
-def _check_row_terms(dy, y_term, mean, c_term, y, out_bias, col_sum) -> None:
-  """The two ways to give the row scalars: y_term (+ mean, c_term), or y (+ out_bias, mean,
-  col_sum) for the fused row terms; never a mix."""
+def _check_row_terms(dy, y_term, mean, c_term, y, out_bias, col_sum, row_sums=False) -> None:
+  """The three ways to give the row scalars: y_term (+ mean, c_term), y (+ out_bias, mean,
+  col_sum) for the fused row terms, or none of them with the row sums in the epilogue; never a
+  mix."""
+  if row_sums:
+    for name, v in (("y_term", y_term), ("c_term", c_term), ("y", y), ("out_bias", out_bias),
+                    ("col_sum", col_sum)):
+      if v is not None:
+        raise ValueError(f"{name} must be None with row_sums_in_epilogue=True: the epilogue "
+                         "sums the rows of dy @ w_gammaᵀ itself")
+    return
   if y is None:
     for name, v in (("out_bias", out_bias), ("col_sum", col_sum)):
       if v is not None:
@@ -486,7 +648,7 @@ def _check_row_terms(dy, y_term, mean, c_term, y, out_bias, col_sum) -> None:
 
 
 def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=None,
-                col_sum=None):
+                col_sum=None, row_sums=False, interpret=False):
   if dy.ndim != 2 or w_gamma.ndim != 2 or x.ndim != 2:
     raise ValueError(f"dy (M, N), w_gamma (K, N) and x (M, K) must be 2-D, got {dy.shape}, "
                      f"{w_gamma.shape}, {x.shape}")
@@ -498,11 +660,13 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=Non
   if not dy.dtype == w_gamma.dtype == x.dtype:
     raise TypeError(f"dy, w_gamma and x must share a dtype, got {dy.dtype}, {w_gamma.dtype}, "
                     f"{x.dtype}")
-  if (reason := unsupported_reason(m, n, k, x.dtype)) is not None:
+  reason = (row_sums_unsupported_reason(m, n, k, x.dtype, interpret) if row_sums
+            else unsupported_reason(m, n, k, x.dtype))
+  if reason is not None:
     raise ValueError(f"norm_matmul dx kernel cannot run this call: {reason}")
   if rstd is None:
     raise ValueError("rstd is required (the forward's saved rstd, float32 (M,))")
-  _check_row_terms(dy, y_term, mean, c_term, y, out_bias, col_sum)
+  _check_row_terms(dy, y_term, mean, c_term, y, out_bias, col_sum, row_sums)
   for name, v in (("rstd", rstd), ("y_term", y_term), ("mean", mean), ("c_term", c_term)):
     _check_vector(name, v, m)
   for name, v in (("out_bias", out_bias), ("col_sum", col_sum)):
@@ -511,9 +675,17 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=Non
 
 def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *, y=None,
                    out_bias=None, col_sum=None, return_x_hat: bool = False,
-                   x_hat_ones: bool = False, interpret: bool = False,
-                   config: TileConfig | None = None):
+                   x_hat_ones: bool = False, row_sums_in_epilogue: bool = False,
+                   interpret: bool = False, config: TileConfig | None = None):
   """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``.
+
+  With ``row_sums_in_epilogue`` the kernel needs no row scalars: with G = dy @ w_gammaᵀ and
+  x̂ = (x − mean) ⊙ rstd, ``dx = rstd ⊙ (G − mean_K(G) − x̂ ⊙ mean_K(G ⊙ x̂))`` (RMSNorm:
+  without mean_K(G)), the same value (``y_term = rstd · mean_K(G ⊙ x̂)``, ``c_term = rstd ·
+  mean_K(G)``), its two row sums over K taken in the epilogue from the accumulator and the x
+  tile, across the CTAs of a cluster that share the rows (K = cluster × tile_n, the post-norm
+  forward's split and exchange); nothing reads y, so nothing cancels however large the norm
+  bias's part of y.
 
   The row scalars come either precomputed (``y_term``, ``c_term``) or, with ``y`` given, from
   the kernel's own K loop (fused row terms: ``norm_matmul``'s default for LayerNorm up to K, N ≤
@@ -543,6 +715,10 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
       ``x ⊙ rstd``), written by the same epilogue from the x tile it already holds, so the
       weight gradients become the plain GEMM ``dW_γ = x̂ᵀ dy`` (DESIGN.md, op 1) with no pass
       of their own over dy.
+    row_sums_in_epilogue: the row sums in the epilogue (above); then y_term, c_term, y,
+      out_bias and col_sum must be None (mean is still given for LayerNorm). Needs K split
+      into one column tile per CTA of a cluster of 1, 2, 4 or 8 (K ≤ 2048; K ≤ 256 in
+      interpret mode): :func:`row_sums_unsupported_reason`.
     x_hat_ones: with ``return_x_hat``, x̂ gets one more block of columns, all ones (one
       epilogue tile wide), after K padded to whole column tiles (columns past K up to there
       hold the normalized zero padding, finite): then the last row of ``x̂ᵀ dy`` is
@@ -557,14 +733,18 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
     x̂ (M, K') whose first K columns are x̂ and last column is ones.
 
   Raises:
-    ValueError: shapes the kernel does not support; rstd missing; a mix of the two row-term
-      inputs (y_term/c_term with y, out_bias/col_sum without y), y_term missing without y,
+    ValueError: shapes the kernel does not support; rstd missing; a mix of the row-term
+      inputs (y_term/c_term with y, out_bias/col_sum without y, any of them with
+      row_sums_in_epilogue), y_term missing without y or row_sums_in_epilogue,
       mean inconsistent with c_term (or, with y, with col_sum); row vectors not float32 (M,),
       out_bias/col_sum not float32 (N,), y not (M, N); a config that does not fit in SMEM.
       TypeError: mixed dtypes (dy, w_gamma, x; y not in dy's dtype), a vector or y that is not
       an array.
   """
-  _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y, out_bias, col_sum)
+  _validate.flag("row_sums_in_epilogue", row_sums_in_epilogue)
+  row_sums = bool(row_sums_in_epilogue)
+  _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y, out_bias, col_sum, row_sums,
+              interpret)
   _validate.flag("return_x_hat", return_x_hat)
   _validate.flag("x_hat_ones", x_hat_ones)
   if x_hat_ones and not return_x_hat:
@@ -573,12 +753,14 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   m, n = dy.shape
   k = w_gamma.shape[0]
   fused = y is not None
-  cfg = config or pick_config(m, n, k, fused_row_terms=fused, x_hat=return_x_hat)
+  cfg = config or pick_config(m, n, k, fused_row_terms=fused, x_hat=return_x_hat,
+                              row_sums=row_sums, interpret=interpret)
   if n % cfg.tile_k:
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
-  plan = _make_plan(m, n, k, x.dtype, mean is not None, cfg, interpret, fused=fused,
-                    has_bias=out_bias is not None, x_hat=return_x_hat,
-                    x_hat_ones=bool(x_hat_ones))
+  plan = _pick_exchange(functools.partial(
+      _make_plan, m, n, k, x.dtype, mean is not None, cfg, interpret, fused=fused,
+      has_bias=out_bias is not None, x_hat=return_x_hat, x_hat_ones=bool(x_hat_ones),
+      row_sums=row_sums))
   # Row vectors padded to whole row tiles: their 1-D copies never leave the arrays.
   m_pad = plan.m_iters * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
@@ -591,6 +773,6 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   x_hat_out = jax.ShapeDtypeStruct((m, plan.x_hat_width), plan.dtype)
   call = gemm_core.kernel(functools.partial(_kernel, plan=plan),
                           (out, x_hat_out) if return_x_hat else out, num_ctas=plan.num_ctas,
-                          interpret=interpret)
+                          interpret=interpret, cluster=plan.cluster if row_sums else None)
   return call(dy, w_gamma, x, *fused_args, *rows)
 
