@@ -181,10 +181,10 @@ def test_row_terms_default_by_shape(monkeypatch, k, n, norm, expected):
 
 def _check_row_terms_route(monkeypatch, y_dtype, expected, k, n, norm="layer",
                            epilogue_row_sums=False):
-  """The route of dx's row terms; ``epilogue_row_sums``: as configs chooses it (else the row
+  """The route of dx's row terms; ``epilogue_row_sums``: as the op chooses it (else the row
   terms' routes where the epilogue's row sums are not taken)."""
   if not epilogue_row_sums:
-    monkeypatch.setattr(nm_configs, "epilogue_row_sums", lambda k, n, norm: False)
+    monkeypatch.setattr(nm, "_takes_row_sums", lambda *args: False)
   calls = _spy_on_dx_kernel(monkeypatch, run_kernel=False)
   m = 16
   x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
@@ -590,7 +590,7 @@ def test_gpu_checkpoint_around_a_layer(layer):
     (512, 512, "rms", False, ["row_sums"]), (4096, 512, "rms", False, ["y_term"])])
 def test_epilogue_row_sums_route_by_shape(monkeypatch, k, n, norm, interpret, expected):
   """dx takes the row sums in the dx kernel's epilogue wherever K splits over a cluster (no y,
-  no bias guard: one kernel call traced even with a norm bias; configs.epilogue_row_sums), the
+  no bias guard: one kernel call traced even with a norm bias; api._takes_row_sums), the
   row terms' routes elsewhere. Traced only: no kernel runs."""
   calls = _spy_on_dx_kernel(monkeypatch, run_kernel=False)
   m = 16

@@ -18,8 +18,8 @@ full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy
     dscale_k = Σ_n dW_γ[k, n] w[k, n], dw = diag(scale) dW_γ + bias ⊗ Σ_i dy_i, dbias = w Σ_i dy_i.
 
 For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
-epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`). Where :func:`.configs.epilogue_row_sums`
-takes it, the epilogue forms the row sums itself, as the post-norm backward does:
+epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`). Where the kernel can
+(:func:`_takes_row_sums`), the epilogue forms the row sums itself, as the post-norm backward does:
 ``s = rowsum(G ⊙ x̂)`` and ``dy·c = rowsum(G)``, from the accumulator and the x tile, summed
 across the CTAs of a cluster that share the rows (nothing reads y). Elsewhere its two row
 scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy
@@ -177,7 +177,7 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   (m, k), n = x.shape, y.shape[1]
   # With the row sums in the dx epilogue no pass over dy is left in XLA but the weight
   # gradients' scaling of dy, which x̂ from the same epilogue replaces.
-  x_hat = (_takes_row_sums(m, k, n, norm, x.dtype, interpret)
+  x_hat = (_takes_row_sums(m, k, n, x.dtype, interpret)
            or configs.x_hat_pays(k, n, norm))
   out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret=interpret,
                     x_hat=x_hat, x_hat_ones=x_hat and norm_bias is not None)
@@ -190,11 +190,14 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _takes_row_sums(m, k, n, norm, dtype, interpret) -> bool:
-  """Whether the dx kernel sums dx's rows over K in its epilogue for x (m, k) @ w (k, n): where
-  configs takes it and the kernel can (K split over a cluster)."""
-  return (configs.epilogue_row_sums(k, n, norm)
-          and mosaic_bwd.row_sums_unsupported_reason(m, n, k, dtype, interpret) is None)
+def _takes_row_sums(m, k, n, dtype, interpret) -> bool:
+  """Whether the dx kernel sums dx's rows over K in its epilogue for x (m, k) @ w (k, n), for
+  either norm: wherever the kernel can (K split over a cluster, K ≤ 2048), and then the weight
+  gradients take its x̂. It removes the y stream of the fused row terms or the XLA row-terms pass
+  over dy and y, and the bias guard's ``lax.cond`` with its exact GEMM (nothing rebuilds y' from
+  the rounded y); it costs the cluster exchange of the row sums. Measured on the H200 against
+  the routes before it in ``benchmarks/NOTES.md`` ("Pre-norm backward")."""
+  return mosaic_bwd.row_sums_unsupported_reason(m, n, k, dtype, interpret) is None
 
 
 def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, x_hat,
@@ -214,7 +217,7 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, x_h
         "norm_matmul", lambda *a: dx_call(*a[:4], **dict(zip(names, a[4:]))),
         dy.astype(x.dtype), w_gamma, x, rstd, *row_args.values())
 
-  if _takes_row_sums(m, k, n, norm, x.dtype, interpret):
+  if _takes_row_sums(m, k, n, x.dtype, interpret):
     # The row sums over K in the epilogue: no y, no row-terms pass, no bias guard.
     return dx_kernel(row_sums=True, mean=mean)
 

@@ -16,7 +16,7 @@ WIDE_MAX_K, WIDE_MAX_N = 512, 2048
 """Both norms also train with the kernel for K ≤ 512 up to N = 2048, where the backward's x̂
 (M × K) replaces XLA's scaled dy (M × N). H200, bf16, 262144×512×2048, fwd+bwd µs: RMSNorm
 2853.9 vs XLA's 3383.5 (CUPTI, the suite, 2026-12-02); LayerNorm, once the dx kernel summed its
-rows in its epilogue (:func:`epilogue_row_sums`), 2636.1 vs 2938.2 CUPTI, 3081.4 vs 3235.7 wall
+rows in its epilogue (``api._takes_row_sums``), 2636.1 vs 2938.2 CUPTI, 3081.4 vs 3235.7 wall
 clock (session 17, ``benchmarks/results/logs/2026-12-02_s17_gemm5_ab.log``; before, with the
 XLA row-terms pass and the bias guard, 3540.1 wall clock). Their forward alone ties or loses
 there (RMSNorm 853 vs 851, LayerNorm 932 vs 881, the suite at c22661a), so a forward that is
@@ -93,27 +93,6 @@ it (LayerNorm only). H200:
 * K = N = 1024 (session 7; LayerNorm, public fwd+bwd): slower fused, 3253 vs 3194 µs without a
   bias (CUPTI) and 3637 vs 3440 with one (wall clock); at 512² the same run ties without a bias
   (1099 vs 1100) and gains with one (1153 vs 1176)."""
-
-
-EPILOGUE_ROW_SUMS_NORMS = ("layer", "rms")
-"""Norms whose backward takes the dx kernel with the row sums in its epilogue
-(``norm_matmul_dx(..., row_sums_in_epilogue=True)``) wherever K splits over a cluster
-(K ≤ 2048), and x̂ from it for the weight gradients. It removes the y stream of the fused row
-terms or the XLA row-terms pass over dy and y, and the bias guard's ``lax.cond`` with its exact
-GEMM (nothing rebuilds y' from the rounded y); it costs the cluster exchange of the row sums.
-H200, bf16, M = 262144, fwd+bwd µs (session 17, ``benchmarks/results/logs/
-2026-12-02_s17_gemm5_ab.log``), against the routes before it: LayerNorm 512² 931.2 CUPTI /
-967.2 wall clock vs 1059.9 wall (inductor 976), 512×2048 2636.1 / 3081.4 vs 3540.1 wall;
-RMSNorm 512² (with x̂ for dW_γ) 818.5 / 854.7 vs 908.5 / 920.7 (the XLA row-terms pass fused
-with the scaling of dy; inductor 961)."""
-
-
-def epilogue_row_sums(k: int, n: int, norm: str) -> bool:
-  """Whether the dx kernel sums dx's rows in its epilogue for x (M, k) @ w (k, n) (and the
-  weight gradients take its x̂): the norms of :data:`EPILOGUE_ROW_SUMS_NORMS` (the kernel
-  itself needs k ≤ 2048 split over a cluster, ``mosaic_bwd.row_sums_unsupported_reason``)."""
-  del k, n
-  return norm in EPILOGUE_ROW_SUMS_NORMS
 
 
 def fused_row_terms_pay(k: int, n: int, norm: str) -> bool:
