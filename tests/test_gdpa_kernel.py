@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 import pallas_norm as pn
 from pallas_norm import jagged, mgpu, reference
-from pallas_norm.ops.gdpa import configs, mosaic
+from pallas_norm.ops.gdpa import api as gdpa_api, configs, mosaic
 
 TOL = 2e-2
 
@@ -316,3 +316,18 @@ def test_work_table_order_is_a_stable_descending_sort(n):
   sort = jax.jit(mosaic.sort_rows_descending)
   np.testing.assert_array_equal(sort(table, keys), want)
   np.testing.assert_array_equal(sort(table[:, 3], keys), want[:, 3])
+
+
+@pytest.mark.parametrize("n", [2, 9, mosaic.RANK_BY_COMPARISON_MAX + 2])
+@pytest.mark.parametrize("max_len", [None, 5])
+def test_made_valid_offsets_match_cummax_and_cumsum(n, max_len):
+  """_made_valid's pairwise running max and prefix sum (and the cummax/cumsum above
+  RANK_BY_COMPARISON_MAX offsets) against numpy: offsets out of [0, capacity] and decreasing."""
+  rng = np.random.default_rng(n)
+  off = rng.integers(-20, 200, n).astype(np.int32)
+  clipped = np.maximum.accumulate(np.clip(off, 0, 150))
+  clipped[0] = 0
+  lengths = np.diff(clipped) if max_len is None else np.minimum(np.diff(clipped), max_len)
+  want = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  got = jax.jit(gdpa_api._made_valid, static_argnums=(1, 2))(jnp.asarray(off), 150, max_len)
+  np.testing.assert_array_equal(got, want)
