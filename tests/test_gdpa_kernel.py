@@ -331,3 +331,12 @@ def test_made_valid_offsets_match_cummax_and_cumsum(n, max_len):
   want = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
   got = jax.jit(gdpa_api._made_valid, static_argnums=(1, 2))(jnp.asarray(off), 150, max_len)
   np.testing.assert_array_equal(got, want)
+
+
+def test_made_valid_above_the_pairwise_limit_builds_no_pairs():
+  """Above RANK_BY_COMPARISON_MAX offsets no (n, n) array is built (eager under vmap nothing
+  would remove it: 10 GB of pairs at 100k samples)."""
+  n = mosaic.RANK_BY_COMPARISON_MAX + 2
+  jaxpr = jax.make_jaxpr(lambda o: gdpa_api._made_valid(o, 150, 5))(jnp.zeros((n,), jnp.int32))
+  shapes = [v.aval.shape for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars]
+  assert all(len(s) < 2 for s in shapes), shapes
