@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 import pallas_norm as pn
 from pallas_norm import jagged, mgpu, reference
-from pallas_norm.ops.gdpa import configs, mosaic
+from pallas_norm.ops.gdpa import api as gdpa_api, configs, mosaic
 
 TOL = 2e-2
 
@@ -84,8 +84,10 @@ def _check(q, k, v, q_offsets, kv_offsets, *, activation="fast_gelu", pre_scale=
 
 def test_activations_kernel_forms_match_reference():
   """The kernel's rewritten activations (gelu's erf, relu without custom_jvp) are the same
-  functions as the reference's, over the range scores take."""
-  s = jnp.linspace(-12.0, 12.0, 4001, dtype=jnp.float32)
+  functions as the reference's, over the range scores take and far in the tails (fast_gelu's
+  fold around z² overflows to inf there: still no NaN where the reference is finite)."""
+  s = jnp.concatenate([jnp.linspace(-12.0, 12.0, 4001, dtype=jnp.float32),
+                       jnp.array([-1e30, -1e10, -1e4, 1e4, 1e10, 1e30], jnp.float32)])
   for name, fn in reference.ACTIVATIONS.items():
     np.testing.assert_allclose(mosaic.KERNEL_ACTIVATIONS[name](s), fn(s), rtol=1e-6,
                                atol=1e-6, err_msg=name)  # A&S erf: < 1.5e-7 · |s|/2
@@ -316,3 +318,27 @@ def test_work_table_order_is_a_stable_descending_sort(n):
   sort = jax.jit(mosaic.sort_rows_descending)
   np.testing.assert_array_equal(sort(table, keys), want)
   np.testing.assert_array_equal(sort(table[:, 3], keys), want[:, 3])
+
+
+@pytest.mark.parametrize("n", [2, 9, mosaic.RANK_BY_COMPARISON_MAX + 2])
+@pytest.mark.parametrize("max_len", [None, 5])
+def test_made_valid_offsets_match_cummax_and_cumsum(n, max_len):
+  """_made_valid's pairwise running max and prefix sum (and the cummax/cumsum above
+  RANK_BY_COMPARISON_MAX offsets) against numpy: offsets out of [0, capacity] and decreasing."""
+  rng = np.random.default_rng(n)
+  off = rng.integers(-20, 200, n).astype(np.int32)
+  clipped = np.maximum.accumulate(np.clip(off, 0, 150))
+  clipped[0] = 0
+  lengths = np.diff(clipped) if max_len is None else np.minimum(np.diff(clipped), max_len)
+  want = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  got = jax.jit(gdpa_api._made_valid, static_argnums=(1, 2))(jnp.asarray(off), 150, max_len)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_made_valid_above_the_pairwise_limit_builds_no_pairs():
+  """Above RANK_BY_COMPARISON_MAX offsets no (n, n) array is built (eager under vmap nothing
+  would remove it: 10 GB of pairs at 100k samples)."""
+  n = mosaic.RANK_BY_COMPARISON_MAX + 2
+  jaxpr = jax.make_jaxpr(lambda o: gdpa_api._made_valid(o, 150, 5))(jnp.zeros((n,), jnp.int32))
+  shapes = [v.aval.shape for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars]
+  assert all(len(s) < 2 for s in shapes), shapes

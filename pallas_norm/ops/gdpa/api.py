@@ -173,7 +173,8 @@ def _made_valid(off, capacity: int, max_len: int | None):
   off = jnp.clip(off, 0, capacity)
   n = off.shape[0]
   pairwise = n <= mosaic.RANK_BY_COMPARISON_MAX
-  upto = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]  # [i, j]: j <= i
+  # [i, j]: j <= i. Only where used: eager (e.g. under vmap without jit) nothing removes it.
+  upto = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None] if pairwise else None
   off = (jnp.max(jnp.where(upto, off[None, :], 0), axis=1) if pairwise
          else jax.lax.cummax(off)).at[0].set(0)
   lengths = jnp.diff(off)

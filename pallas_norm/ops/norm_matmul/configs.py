@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pallas_norm.ops.matmul_norm import mosaic as post_norm
+
 # Largest K and N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md)
 # measured the op faster than XLA's unfused one forward *and* forward+backward (training is the
 # use that matters; two exceptions below train faster with a forward that ties). Session 3's
@@ -20,7 +22,9 @@ rows in its epilogue (``api._takes_row_sums``), 2636.1 vs 2938.2 CUPTI, 3081.4 v
 clock (session 17, ``benchmarks/results/logs/2026-12-02_s17_gemm5_ab.log``; before, with the
 XLA row-terms pass and the bias guard, 3540.1 wall clock). Their forward alone ties or loses
 there (RMSNorm 853 vs 851, LayerNorm 932 vs 881, the suite at c22661a), so a forward that is
-not differentiated runs XLA for LayerNorm (:func:`kernel_slower_forward_reason`)."""
+not differentiated runs XLA for LayerNorm (:func:`kernel_slower_forward_reason`). LayerNorm
+takes them only where K splits over a cluster (:func:`_k_splits`; not K = 320, 448): elsewhere
+its backward has the XLA row-terms pass and the bias guard again."""
 
 
 LAYER_SQUARE_MAX_KN = 2048
@@ -49,12 +53,21 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
   """Why ``implementation=None`` keeps XLA to train (forward+backward) x (M, K) @ w (K, N), or
   None to take the kernel."""
   limit = KERNEL_DEFAULT_MAX_KN[norm]
-  wide = k <= WIDE_MAX_K and n <= WIDE_MAX_N
+  # LayerNorm's wide shapes train faster only with the row sums in the dx epilogue, which
+  # needs K split into one column tile per CTA of a cluster (K = 320 or 448 does not split).
+  wide = k <= WIDE_MAX_K and n <= WIDE_MAX_N and (norm == "rms" or _k_splits(k))
   square_layer = norm == "layer" and k == n <= LAYER_SQUARE_MAX_KN
   if (k > limit or n > limit) and not (wide or square_layer):
     return (f"K = {k}, N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA "
             "in training on the H200 (pass implementation='mosaic' to force it)")
   return _small_m_reason(m)
+
+
+def _k_splits(k: int) -> bool:
+  """Whether K splits into one column tile per CTA of a cluster, as the dx kernel's row sums in
+  the epilogue need (``mosaic_bwd.row_sums_unsupported_reason`` on a GPU)."""
+  split = post_norm._cluster_split(k)  # pylint: disable=protected-access
+  return split is not None and split[2] == 1
 
 
 def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | None:
