@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pallas_norm.ops.matmul_norm import mosaic as post_norm
+from pallas_norm.ops.norm_matmul import mosaic_bwd
 
 # Largest K and N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md)
 # measured the op faster than XLA's unfused one forward *and* forward+backward (training is the
@@ -65,9 +66,8 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
 
 def _k_splits(k: int) -> bool:
   """Whether K splits into one column tile per CTA of a cluster, as the dx kernel's row sums in
-  the epilogue need (``mosaic_bwd.row_sums_unsupported_reason`` on a GPU)."""
-  split = post_norm._cluster_split(k)  # pylint: disable=protected-access
-  return split is not None and split[2] == 1
+  the epilogue need on a GPU (the kernel's own rule, ``mosaic_bwd._k_split``)."""
+  return mosaic_bwd._k_split(k, interpret=False) is not None  # pylint: disable=protected-access
 
 
 def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | None:

@@ -157,7 +157,7 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
   warpgroup, whose row vectors the exchange sends whole), the same rule for tile_k, and the
   shared ring (its steps numbered across the CTA's row blocks, so the next row block's stages
   load while the epilogue and the exchange run: the post-norm forward's choice for one column
-  tile per CTA, 11-23% faster there than Pallas's pipeline; not measured here).
+  tile per CTA; here too: Pallas's pipeline with 32-wide steps measured slower, EXPERIMENTS.md).
   """
   fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
