@@ -380,8 +380,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
                                  partials, hand_off, in_flight=computes_dq)
             if computes_dq:
               _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_smem,
-                        (ds_ready.at[slot], ds_free.at[slot]), dq_smem, dq_ref.at[:, h, :], col0,
-                        q_lo, q_hi, do_stage)
+                        (ds_ready.at[slot], ds_free.at[slot]), dq_smem.at[0],
+                        lambda rows, cols: dq_ref.at[rows, h, cols], col0, q_lo, q_hi,
+                        do_stage)
             return partials
 
           partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
@@ -419,7 +420,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
         pl.when(is_item & (wg == w))(functools.partial(consume, w))
       if plan.fuse_dq:
         pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
-            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem))
+            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0, 0]))
 
     mgpu.warp_specialize(producer, consumer)
 
@@ -430,7 +431,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
       _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
       plgpu.SMEM((2, 2, BLOCK), jnp.float32),
-      plgpu.SMEM((BLOCK, d), dtype),  # consumer 1's dq tile (unswizzled)
+      # Consumer 1's dq tile: swizzled column chunks (an unswizzled tile of 256-byte rows took
+      # 8-way SMEM bank conflicts on every register store), any TMA row start.
+      row_store_smem(BLOCK, d, dtype),
       plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 0's dSᵀ tile of a slot written
       plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 1's dQ read it: slot free
       collective_axes="wg",
@@ -462,16 +465,17 @@ def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_smem, dq_view, col0,
+def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_chunks, dq_at, col0,
               q_lo, q_hi, do_stage) -> None:
   """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK), run by
   consumer 1 after issuing its dV/dK WGMMAs: once consumer 0's dSᵀ tile is in SMEM (the
   ``ready`` barrier of ``slot_barriers = (ready, free)``), dQ = Σ_w dSᵀ[w]ᵀ K[w] over both
   consumers' tiles (``ds_tiles[w]``: BLOCK kv × BLOCK q rows; every kv row is in the CTA),
-  all D columns, stored for the rows of the sample, [q_lo, q_hi) ∩ the block. Reading the dQ
-  accumulator waits for every WGMMA of the step; then ``free`` lets consumer 0 rewrite its
-  slot (two steps later: the dSᵀ tiles alternate between two slots). With
-  ``plan.add_do_to_dq``, dQ + dO (``do_stage``, the step's ring stage)."""
+  all D columns, stored for the rows of the sample, [q_lo, q_hi) ∩ the block, through
+  ``dq_chunks`` (a tile of :func:`mgpu.store.row_store_smem`) to ``dq_at(rows, cols)``, dq's
+  GMEM view of the head. Reading the dQ accumulator waits for every WGMMA of the step; then
+  ``free`` lets consumer 0 rewrite its slot (two steps later: the dSᵀ tiles alternate between
+  two slots). With ``plan.add_do_to_dq``, dQ + dO (``do_stage``, the step's ring stage)."""
   ready, free = slot_barriers
   plgpu.barrier_wait(ready)
 
@@ -485,24 +489,10 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_smem, dq_
   dq = dq * scale
   if plan.add_do_to_dq:
     dq = dq + plgpu.load(do_stage, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores
-  dq_smem[...] = dq.astype(plan.dtype)
-  plgpu.commit_smem()
   lo = jnp.maximum(q_lo - col0, 0)
-  _store_rows(dq_smem, lo, jnp.minimum(q_hi - col0, BLOCK) - lo, dq_view.at[pl.ds(col0, BLOCK)])
-
-
-def _store_rows(tile, lo, count, window) -> None:
-  """TMA-stores rows [lo, lo + count) of an unswizzled SMEM ``tile`` to the same rows of the
-  GMEM ``window`` (count dynamic, 0 ≤ count ≤ rows): descriptors have static box sizes, so a
-  ladder of power-of-two stores (JAX's ``ragged_dot_mgpu.py``)."""
-  size = tile.shape[0]
-  while size >= 1:
-    @pl.when((count & size) != 0)
-    def _():
-      plgpu.copy_smem_to_gmem(tile.at[pl.ds(lo, size)], window.at[pl.ds(lo, size)])
-    lo = lo + (count & size)
-    size //= 2
+  # store_rows first waits for the previous block's stores to have read the chunks.
+  store_rows(dq.astype(plan.dtype), dq_chunks, dq_at, col0, lo,
+             jnp.minimum(q_hi - col0, BLOCK) - lo)
 
 
 def _scores(a_smem, b_stage, da_smem, db_stage):
