@@ -281,7 +281,10 @@ def _produce_block(ring, step, is_tail, main, tail) -> None:
 
 
 def _sample_loop(first, count, body, carry):
-  """``carry = body(sample, carry)`` for samples first .. first + count - 1 (dynamic)."""
+  """``carry = body(sample, carry)`` for samples first .. first + count - 1 (``count``
+  dynamic, or the Python int 1: then one call, no loop)."""
+  if isinstance(count, int) and count == 1:
+    return body(first, carry)
   return lax.fori_loop(0, count, lambda i, c: body(first + i, c), carry)
 
 
@@ -299,7 +302,10 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
   cta = lax.axis_index("item")
   is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that zeroes dq's padding rows
   item = order_ref[jnp.minimum(cta, plan.dkv_items - 1)]
-  first, count = first_ref[item], count_ref[item]
+  if plan.dense:  # a tile of one sample: first_ref and count_ref are not read
+    first, count = item // plan.kv_tiles, 1
+  else:
+    first, count = first_ref[item], count_ref[item]
   if plan.dense:  # one sample; rows relative to it
     kv_views = (k_ref.at[first, :, h, :], v_ref.at[first, :, h, :])
     dkv_views = (dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :])
@@ -724,11 +730,12 @@ def _scale_array(pre_scale, post_scale):
 
 
 def _dkv_order(plan: _Plan, q_offsets, first, count):
-  """dK/dV tiles, most q blocks first (ties keep their order)."""
+  """dK/dV tiles, most q blocks first (ties keep their order). ``first``, ``count``: each
+  tile's samples (jagged k/v; None for dense k/v, whose tile i is of sample i // kv_tiles)."""
   _, q_blocks = _q_window(q_offsets[:-1], q_offsets[1:])
   q_blocks = q_blocks.astype(jnp.int32)
-  if plan.dense:  # one sample per tile: no prefix sum
-    work = q_blocks[first]
+  if plan.dense:  # tile i is of sample i // kv_tiles: no gather, no prefix sum
+    work = q_blocks if plan.kv_tiles == 1 else jnp.repeat(q_blocks, plan.kv_tiles)
   else:
     per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32), q_blocks]))
     work = per_sample[first + count] - per_sample[first]
@@ -805,16 +812,18 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
                kv_tiles=_cdiv(kv_rows, TILE), activation=activation, scale_grads=scale_grads,
                add_do_to_dq=add_do_to_dq)
   q_offsets = jnp.asarray(q_offsets, jnp.int32)
-  kv_off = jnp.zeros((batch + 1,), jnp.int32) if dense else jnp.asarray(kv_offsets, jnp.int32)
+  # Dense k/v: no kv offsets; q_offsets stands in for the kernels' unread kv_offsets input (a
+  # placeholder array of its own would be one more XLA kernel per call).
+  kv_off = q_offsets if dense else jnp.asarray(kv_offsets, jnp.int32)
   scales = _scale_array(pre_scale, post_scale)
 
   # dK / dV.
-  if dense:
-    items = jnp.arange(plan.dkv_items, dtype=jnp.int32)
-    kv_first, kv_count = items // plan.kv_tiles, jnp.ones_like(items)
+  if dense:  # tile i is of sample i // kv_tiles (the kernel's rule): no tables to build
+    order = _dkv_order(plan, q_offsets, None, None)
+    kv_first = kv_count = order  # placeholders, not read
   else:
     kv_first, kv_count = _overlaps(kv_off, TILE, plan.dkv_items)
-  order = _dkv_order(plan, q_offsets, kv_first, kv_count)
+    order = _dkv_order(plan, q_offsets, kv_first, kv_count)
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype)] * 2
   if plan.fuse_dq:
     out_type.append(jax.ShapeDtypeStruct(q.shape, dtype))
