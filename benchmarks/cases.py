@@ -244,8 +244,8 @@ def _matmul_norm(case: Case, kernel: str) -> Problem:
 
 def attention_lengths(case: Case) -> np.ndarray:
   """Per-sample query lengths, uniform on [1, L] (density ~0.5), fixed per shape; all L for
-  the "full" variant (density 1.0)."""
-  if case.variant == "full":
+  the "full" variants (density 1.0: "full", "jagged_kv_full")."""
+  if case.variant in ("full", "jagged_kv_full"):
     return np.full(case.dim("B"), case.dim("L"))
   rng = np.random.default_rng(case.dim("B") * 7919 + case.dim("L"))
   return rng.integers(1, case.dim("L") + 1, size=case.dim("B"))
@@ -257,8 +257,9 @@ def _attention(case: Case, kernel: str) -> Problem:
   capacity = -(-int(lens.sum()) // 128) * 128  # T: sum of lengths rounded up to 128
   offsets = jagged.offsets_from_lengths(lens)
   fused = case.op == "flash_norm_attention"
-  # "jagged_kv": GDPA as self-attention, K/V packed like q with its offsets (KV = L).
-  self_attention = case.variant == "jagged_kv"
+  # "jagged_kv", "jagged_kv_full": GDPA as self-attention, K/V packed like q with its offsets
+  # (KV = L).
+  self_attention = case.variant in ("jagged_kv", "jagged_kv_full")
   kv_shape = (capacity, h, d) if self_attention else (b, lkv, h, d)
 
   def make_set(rand):
@@ -393,10 +394,15 @@ PRE_SHAPES = [(262144, 512, 512), (262144, 128, 128), (262144, 512, 2048), (6553
 # at N=8192 so that ten timed outputs of the fwd+bwd case stay well inside 139 GB.
 POST_SHAPES = PRE_SHAPES + [(262144, 512, 4096), (131072, 512, 8192)]
 ATTN_CONFIGS = [(h, lmax) for lmax in (256, 512, 1024) for h in (2, 4, 8)]
-# GDPA only: density 1.0 ("full") and jagged K/V self-attention ("jagged_kv", KV = L; the kernel
-# keeps a sample's K/V in SMEM, which at D = 128 holds up to L = 128, so L512 measures XLA only).
+# GDPA only (issue 20: H in {2, 4, 8}, densities 0.5 and 1.0, dense and jagged K/V): density
+# 1.0 with dense K/V ("full"), and jagged K/V self-attention ("jagged_kv", KV = L) at density
+# 0.5 and 1.0 ("jagged_kv_full"). The kernel keeps a sample's K/V in SMEM, which at D = 128
+# holds up to L = 128 (the jagged rows at every H); at L512 it streams them, which
+# implementation=None leaves to XLA until measured.
 GDPA_VARIANT_CONFIGS = ([("full", h, 512, ATTN_LKV) for h in (2, 4, 8)]
-                        + [("jagged_kv", 4, lmax, lmax) for lmax in (128, 512)])
+                        + [("jagged_kv", h, 128, 128) for h in (2, 4, 8)]
+                        + [("jagged_kv", 4, 512, 512)]
+                        + [("jagged_kv_full", h, 128, 128) for h in (2, 4, 8)])
 QUICK_ATTN = (4, 512)
 NORM_NS = (128, 512, 2048, 8192, 32768)
 QUICK_NORM_N = 2048
