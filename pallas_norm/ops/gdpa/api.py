@@ -187,14 +187,14 @@ def _made_valid(off, capacity: int, max_len: int | None):
 
 
 def kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
-  """Why XLA is the default for a call the kernel supports (None: the kernel is). The H200
-  suite measured the resident-K/V kernel forward 2.6-4.0x faster than XLA through the op at every
-  case it ran, before the op's extra poison pass was removed (benchmarks/NOTES.md, "gdpa
-  forward"); the streamed-K/V path (K/V windows too long for SMEM) is not measured yet.
+  """Why XLA is the default for a call the kernel supports (None: the kernel is). None for
+  every such call: the H200 suite measured the kernels faster than XLA through the op, forward
+  and forward+backward, at every GDPA case it ran, K/V streamed per q block (too long for SMEM)
+  included (``benchmarks/results``, the GDPA rows; ``benchmarks/NOTES.md``). Kept as the
+  dispatch's hook (``flash_norm_attention``'s unfused chain asks it too) for a shape measured
+  slower later.
   """
-  if mosaic.streams_kv(q, k, kv_offsets, max_kv_len, out_dtype):
-    return ("K/V too long to stay in SMEM: the kernel would stream them, which is not yet "
-            "measured against XLA on the H200 (pass implementation='mosaic' to force it)")
+  del q, k, kv_offsets, max_kv_len, out_dtype
   return None
 
 
