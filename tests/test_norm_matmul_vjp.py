@@ -77,15 +77,26 @@ def _rel(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-@pytest.mark.parametrize("m,k,n,norm,use_affine,lead", [(77, 128, 192, "layer", True, ()),
-                                                        (64, 64, 128, "rms", False, (2, 4))])
-def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine, lead):
+FUSED_WITH_GUARD = ["y_term", "y"]
+"""The dx kernel calls traced for fused row terms when the norm has a bias: lax.cond traces the
+bias-cancellation guard's exact branch (row terms given) and then the fused one (y given); at
+run time only one runs."""
+
+
+@pytest.mark.parametrize("m,k,n,norm,use_affine,lead,route", [
+    (77, 320, 192, "layer", True, (), FUSED_WITH_GUARD),
+    (64, 320, 128, "rms", False, (2, 4), ["y_term"])])
+def test_public_api_interpret_matches_xla(monkeypatch, m, k, n, norm, use_affine, lead, route):
   """pallas_norm.norm_matmul(implementation="interpret"): y and (dx, dw, dscale, dbias) within
   bf16 tolerance (relative Frobenius 2e-2; y 1e-2) of implementation="xla" and of the f32
-  reference. Forward and backward each run once (jax.vjp): interpret mode is slow. dx's row
-  sums come from the dx kernel's epilogue for this LayerNorm call and its row terms from the
-  XLA pass for the RMSNorm one (the defaults at these shapes). The RMSNorm call has leading dimensions ``lead``
+  reference. Forward and backward each run once (jax.vjp): interpret mode is slow. K = 320
+  splits over no cluster, so dx takes the row terms' routes (``route``, as traced): the fused
+  row terms for this LayerNorm call (the bias guard's other branch traced, not run), the XLA
+  pass for the RMSNorm one, whose weight gradients come from XLA's scaled dy (x̂ would be wider
+  than dy). The row sums in the epilogue (K ≤ 256 in interpret mode) run through the op in
+  test_lazy_backward_16bit_large_row_mean. The RMSNorm call has leading dimensions ``lead``
   (x (2, 4, 8, K)): flattened for the kernels, restored in y and dx."""
+  calls = _spy_on_dx_kernel(monkeypatch)
   x, w, scale, bias, ct = _inputs(21 + m, m, k, n, jnp.bfloat16)
   if lead:
     x, ct = x.reshape(*lead, -1, k), ct.reshape(*lead, -1, n)
@@ -109,6 +120,7 @@ def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine, lead):
       y_interp, grads_interp = y, grads
       assert bool(jnp.all(jnp.isfinite(y))), "the forward kernel left outputs unwritten"
   assert _rel(y_interp, y) < 1e-2
+  assert calls == route
   names = ["dx", "dw", "dscale", "dbias"]
   for name, g, g_xla, g_ref in zip(names, grads_interp, grads, grads_ref):
     if g_ref is None:
@@ -133,12 +145,6 @@ def _check_against_f32_reference(y, grads, x, w, scale, bias, ct, norm):
     top = float(jnp.max(jnp.abs(r)))
     chex.assert_trees_all_close(f32(g) / top, r / top, atol=2e-2, rtol=0, custom_message=name)
     assert _rel(g, r) < 2e-2, (name, _rel(g, r))
-
-
-FUSED_WITH_GUARD = ["y_term", "y"]
-"""The dx kernel calls traced for fused row terms when the norm has a bias: lax.cond traces the
-bias-cancellation guard's exact branch (row terms given) and then the fused one (y given); at
-run time only one runs."""
 
 
 def _traced(expected, with_bias=True):
