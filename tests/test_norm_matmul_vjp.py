@@ -226,10 +226,12 @@ def test_weight_grads_take_x_hat_by_shape(monkeypatch, k, n, norm, x_hat):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 1024, 320)])
+@pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 320, 320)])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_gpu_public_api_gradients(m, k, n, norm):
-  """implementation="mosaic" (both kernels compiled) against the f32 reference's gradients."""
+  """implementation="mosaic" (both kernels compiled) against the f32 reference's gradients. dx
+  takes the row sums in its epilogue at K = 512 (a cluster of 2); K = 320 splits over no
+  cluster: the fused row terms (LayerNorm) and the XLA row-terms pass (RMSNorm)."""
   x, w, scale, bias, ct = _inputs(m + n, m, k, n, jnp.bfloat16)
   ct = ct.astype(jnp.bfloat16)
   op = lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm,
