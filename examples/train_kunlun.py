@@ -123,6 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--weight-decay must be a non-negative finite number, got {args.weight_decay}")
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
+  if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and (
+      not args.checkpoint_dir.is_dir()):  # Orbax failed on it only at the first save
+    p.error(f"--checkpoint-dir must be a directory, got the file {args.checkpoint_dir}")
   distributed.check_arguments(p, args)
   args.token_buckets = _token_buckets(p, args)
   return args
