@@ -133,9 +133,9 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   tile_n = _pick_tile_n(n)
   tile_m = 256 if tile_n <= 128 else 128
   # Several N tiles and many row blocks: a CTA sweeps its row block's N tiles and computes the
-  # statistics once (H200, 262144×K×K, rms: 230 vs 239 µs at K = 512, 820 vs 840 at 1024);
-  # with few row blocks sweeping would leave SMs idle, and when the row blocks in flight
-  # outgrow L2 their re-reads go to HBM (K = 2048: 3365 vs 3177 µs).
+  # statistics once (faster at K = 512 and 1024); with few row blocks sweeping would leave SMs
+  # idle, and when the row blocks in flight outgrow L2 their re-reads go to HBM (slower at
+  # K = 2048). Measured: benchmarks/NOTES.md, "Pre-norm forward".
   stats_once = (-(-n // tile_n) > 1 and -(-m // tile_m) >= STATS_ONCE_MIN_ROW_BLOCKS
                 and 132 * tile_m * k * 2 <= STATS_ONCE_MAX_X_BYTES)
   # Statistics in every K loop: the shared ring with a WGMMA in flight, so the statistics'
@@ -285,7 +285,7 @@ def _finalize_stats(plan: _Plan, stats):
   cnt = k // mgpu.LANE_COLS
   lane_mean = shift + s1 * (1.0 / cnt)
   # s1 · (s1 / cnt), not s1² / cnt: s1² overflows float32 for rows of ~3e17 (K = 512) while
-  # s2 and the result are still finite (a fresh-eyes review, session 8).
+  # s2 and the result are still finite.
   lane_m2 = s2 - s1 * (s1 * (1.0 / cnt))
   mean = jnp.sum(lane_mean, axis=1) * (1.0 / mgpu.LANE_COLS)
   dev = lane_mean - _rowvec(mean, lane_mean.shape)

@@ -147,10 +147,9 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
 
   ``fused_row_terms`` (y streams through the pipeline too): the same tiles, with 32-wide
   reduction steps where the extra SMEM leaves room for fewer than 3 64-wide stages (every
-  default tile shape). On the H200 (2026-11-30, two runs, 128×256 tiles) 4 stages of 32 against
-  2 of 64: 262144×512², 0.98 and 1.00× LayerNorm, 0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and
-  1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no load
-  would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes x̂): the same rule with one
+  default tile shape): a deeper pipeline of narrower steps tied or won against 2 stages of 64
+  (measured: ``benchmarks/EXPERIMENTS.md``, pre-norm GEMM). With a single 64-wide stage
+  (256×128 tiles) no load would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes x̂): the same rule with one
   x̂ slot's SMEM counted (at the default tiles of 262144×512×512 and ×2048 it changes nothing).
   ``row_sums`` (the row sums in the epilogue): the column tile is K's share of one CTA of the
   cluster (:func:`row_sums_unsupported_reason`), 128 rows per CTA (one 64-row epilogue tile per
@@ -440,8 +439,8 @@ class _DxHooks(gemm_core.Hooks):
 
   def k_step(self, tile, step, sums):
     # With the fused row terms, every column tile of a row block recomputes the same row sums
-    # from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid). On the
-    # H200 it is what makes the fused path lose at K = 2048 (8 column tiles); reusing the sums
+    # from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid). It is
+    # what makes the fused path lose at K = 2048 (8 column tiles; configs.py); reusing the sums
     # across column tiles would need a second pipeline without y (module docstring).
     if not self.plan.fused:
       return sums
