@@ -71,8 +71,8 @@ in steps of tile_k) with the hooks of :class:`_DxHooks`. Each consumer owns an S
 its (tile_m/2, tile_n) slice of x, cut into epilogue tiles and fetched at K step
 :data:`X_PREFETCH_STEP` (after the previous epilogue's TMA stores have read the buffer); the
 epilogue overwrites each x epilogue tile in place with dx and stores it with TMA. The epilogue
-never waits for a store; every epilogue tile has its own SMEM slot. The K loop runs on Pallas's
-pipeline by default, or on the shared ring (``TileConfig.pipeline="ring"``).
+never waits for a store; every epilogue tile has its own SMEM slot. The K loop runs on the
+shared ring (:class:`pallas_norm.mgpu.SharedRing`), its steps numbered across the CTA's tiles.
 
 Shapes: the forward's (any M ≥ 1; N and K multiples of 64; bfloat16 or float16). The x and dx
 tiles go through untiled swizzled SMEM (plain 2-D TMA boxes: rows past M read as zeros and are
@@ -143,7 +143,9 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
                 x_hat: bool = False, row_sums: bool = False,
                 interpret: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
-  K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options.
+  K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options,
+  on the shared ring without a WGMMA in flight (it ties or beats Pallas's pipeline here:
+  ``benchmarks/EXPERIMENTS.md``, Pallas's pipeline).
 
   ``fused_row_terms`` (y streams through the pipeline too): the same tiles, with 32-wide
   reduction steps where the extra SMEM leaves room for fewer than 3 64-wide stages (every
@@ -155,18 +157,18 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
   cluster (:func:`row_sums_unsupported_reason`), 128 rows per CTA (one 64-row epilogue tile per
   warpgroup, whose row vectors the exchange sends whole), the same rule for tile_k, and the
   shared ring (its steps numbered across the CTA's row blocks, so the next row block's stages
-  load while the epilogue and the exchange run: the post-norm forward's choice for one column
-  tile per CTA; here too: Pallas's pipeline with 32-wide steps measured slower, EXPERIMENTS.md).
+  load while the epilogue and the exchange run; Pallas's pipeline with 32-wide steps measured
+  slower, EXPERIMENTS.md).
   """
   fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
-                   epi_tile_n=fwd.epi_tile_n)
+                   epi_tile_n=fwd.epi_tile_n, pipeline="ring")
   if row_sums:
     split = _k_split(k, interpret)
     if split is None:
       raise ValueError(row_sums_unsupported_reason(m, n, k, jnp.bfloat16, interpret))
-    cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64, pipeline="ring")
+    cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64)
   # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
   n_vecs = _n_vecs(True, fused_row_terms, True)
   if ((fused_row_terms or x_hat)
