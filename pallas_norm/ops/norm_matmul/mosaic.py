@@ -120,9 +120,10 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4), all from
   the shared ring with one WGMMA in flight (``pipeline="ring"``, ``delay_release=1``), which
   lets the statistics overlap the tensor core where they run in every K loop (faster for
-  RMSNorm, noise level for LayerNorm) and ties or beats Pallas's pipeline with ``stats_once``
-  and for the plain GEMM (:func:`gemm`) (measured: ``benchmarks/NOTES.md``, "Pre-norm forward";
-  ``benchmarks/EXPERIMENTS.md``, Pallas's pipeline). ``stats_once`` when N has several tiles, M
+  RMSNorm, noise level for LayerNorm), is 1-2% faster than Pallas's pipeline with
+  ``stats_once`` and ties it for the plain GEMM (:func:`gemm`) (measured:
+  ``benchmarks/NOTES.md``, "Pre-norm forward"; ``benchmarks/EXPERIMENTS.md``, Pallas's
+  pipeline). ``stats_once`` when N has several tiles, M
   at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row blocks, and the row blocks in flight fit
   :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles 64×64, or 64×32 when that leaves room for a
   stage count that divides the K steps where 64×64 does not (at 128×256 tiles and K = 512,
