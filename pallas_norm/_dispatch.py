@@ -175,8 +175,8 @@ def choose_by_use(op: str, implementation,
 X64_REASON = ("jax_enable_x64 is on: the kernels (Mosaic GPU and Triton lowerings) are traced "
               "with int32 index arithmetic only (loop indices become int64 under x64); use "
               "'xla' or turn x64 off")
-"""Why no kernel runs while ``jax_enable_x64`` is set (found by a fresh-eyes review, session 8:
-the kernels failed inside their tracing under x64 since they were written)."""
+"""Why no kernel runs while ``jax_enable_x64`` is set (the kernels fail inside their tracing under
+x64: their index arithmetic is int32)."""
 
 
 NOT_HOPPER_REASON = ("the default JAX device is not a Hopper GPU (sm_90a); use 'interpret' to run "

@@ -131,8 +131,8 @@ FORWARD_CASES = [
         tile_m=128, tile_n=64, stats_once=True, delay_release=1)),
     # K = 64: one step, so the pipeline runs without the delay (Pallas needs stages > delay).
     (100, 64, 128, jnp.bfloat16, "rms", 0.0, True, TileConfig(delay_release=1)),
-    # The shared ring (the default where statistics run in every K loop, so the None rows
-    # above run it with one WGMMA in flight): 3 stages over 5-step K loops numbered across 3
+    # The shared ring (the default, so the None rows above run it with one WGMMA in flight):
+    # 3 stages over 5-step K loops numbered across 3
     # tiles per CTA, without the delay; with statistics once per row block and the delay; 2
     # stages with the delay (the producer refills a stage only after the next step's WGMMA
     # was issued); a one-step K loop; one tile per CTA (2 tiles on the 2 interpret CTAs: the
@@ -300,10 +300,10 @@ def test_pipeline_stages(steps, max_stages, expected):
 
 
 def test_ring_plan():
-  """Where the statistics run in every K loop, the default plan takes the shared ring: as many
-  stages as fit whether or not they divide the K steps (never chained through Pallas), with
-  one WGMMA in flight, except with x in registers (M % 8 != 0 on a GPU). With stats_once it
-  keeps Pallas's chained pipeline."""
+  """The default plan takes the shared ring: as many stages as fit whether or not they divide
+  the K steps (never chained through Pallas), with one WGMMA in flight, except with x in
+  registers (M % 8 != 0 on a GPU); with stats_once too, and for dx without the fused row
+  terms."""
   for m, k, n in ((262144, 2048, 2048), (65536, 2048, 2048), (262144, 320, 256)):
     cfg = nmk.pick_config(m, k, n)
     assert not cfg.stats_once and cfg.pipeline == "ring" and cfg.delay_release == 1
@@ -314,7 +314,8 @@ def test_ring_plan():
     assert plan.stages == min(4, (mgpu.SMEM_BYTES - gemm_core.SMEM_SLACK - fixed)
                               // ((cfg.tile_m + cfg.tile_n) * 64 * 2))
   once = nmk.pick_config(262144, 512, 512)
-  assert once.stats_once and once.pipeline == "pallas" and once.delay_release == 0
+  assert once.stats_once and once.pipeline == "ring" and once.delay_release == 1
+  assert nmb.pick_config(262144, 512, 576, x_hat=True).pipeline == "ring"
   odd = nmk._make_plan(65536 + 77, 2048, 2048, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False,
                        nmk.pick_config(65536 + 77, 2048, 2048), interpret=False)
   assert odd.a_in_registers and odd.delay_release == 0
@@ -340,13 +341,13 @@ def test_delay_release_option():
   assert plan.delay_release == 1 and not plan.chained
 
 
-def test_seed_shape_plan_is_chained():
-  """The seed shape (statistics once per row block) keeps Pallas's pipeline, chained (4
-  stages divide 8 steps)."""
+def test_seed_shape_plan_has_four_stages():
+  """The seed shape (statistics once per row block) takes 64×32 epilogue tiles, which leave
+  room for 4 ring stages (64×64 ones leave 3)."""
   cfg = nmk.pick_config(262144, 512, 512)
   plan = nmk._make_plan(262144, 512, 512, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False, cfg,
                         interpret=False)
-  assert plan.chained and plan.k_iters % plan.stages == 0 and plan.stages >= 2
+  assert cfg.epi_tile_n == 32 and plan.stages == 4 and not plan.chained
 
 
 def _export_for_hopper(m, k, n, norm, dtype=jnp.bfloat16, config=None):
@@ -689,20 +690,20 @@ def test_dx_fused_bad_arguments_raise():
 
 def test_dx_fused_plan_and_config():
   """SMEM: the y stage (and the vectors' block) shrink the pipeline; at K = N = 512 the default
-  128×256 tiles keep 2 chained stages of 64-wide steps (64.5 KiB each; 3 unchained without y),
-  4 of 32-wide ones, which pick_config takes for the fused row terms (measured faster)."""
+  128×256 tiles keep 2 ring stages of 64-wide steps (64.5 KiB each; 3 without y), 4 of 32-wide
+  ones, which pick_config takes for the fused row terms (measured faster)."""
   m = 262144
   base = nmb.pick_config(m, 512, 512)
   assert base.tile_k == 64
-  assert nmb.pick_config(m, 512, 512, fused_row_terms=True) == dataclasses.replace(base,
-                                                                                  tile_k=32)
+  assert nmb.pick_config(m, 512, 512, fused_row_terms=True) == dataclasses.replace(
+      base, tile_k=32, pipeline="pallas")
   plan = lambda cfg, fused: nmb._make_plan(m, 512, 512, jnp.bfloat16, True, cfg, False,
                                            fused=fused, has_bias=True)
   assert (plan(base, False).stages, plan(base, False).chained) == (3, False)
   fused = plan(base, True)
-  assert (fused.stages, fused.chained, fused.n_rows, fused.n_vecs) == (2, True, 2, 2)
+  assert (fused.stages, fused.chained, fused.n_rows, fused.n_vecs) == (2, False, 2, 2)
   k32 = plan(dataclasses.replace(base, tile_k=32), True)
-  assert (k32.stages, k32.chained) == (4, True)
+  assert (k32.stages, k32.chained) == (4, False)
   for cfg, stages in ((base, fused.stages), (dataclasses.replace(base, tile_k=32), k32.stages)):
     used = (stages * sum(st.nbytes for st in nmb._streams(cfg, jnp.bfloat16, False, True, 2))
             + gemm_core.smem_bytes(nmb._smem(cfg, jnp.bfloat16, 2)))

@@ -51,10 +51,9 @@ def num_sms(interpret: bool) -> int:
 
 RESIDENT_SHARE = {4: 120 / 132, 8: 120 / 132}
 """Share of the SMs that clusters of 4 and 8 CTAs can fill at once: a cluster must sit in one
-GPC, and GPCs have uneven SM counts (some are harvested). Measured on the H200 (132 SMs,
-2026-11-30, ``gpu_matmul_norm_check.py --grid-sweep``, post-norm 262144×512×N): clusters of 4:
-33 launched → 1683 µs, 32 → 1718, 30 → 1022, 29 → 1039; clusters of 8: 16 → 3648, 15 → 2167,
-14 → 2260. So 30 clusters of 4 and 15 of 8 fit at once, and one more runs as a second wave.
+GPC, and GPCs have uneven SM counts (some are harvested). On the H200 (132 SMs) 30 clusters of
+4 and 15 of 8 fit at once, and one more runs as a second wave that costs ~1.6× (measured by a
+sweep of the launched count: ``benchmarks/EXPERIMENTS.md``, post-norm GEMM, ``max_clusters``).
 Other chips may differ."""
 
 

@@ -1,5 +1,7 @@
-"""The K-loop pipelines of the GEMM kernels: Pallas's warp-specialized pipeline (chained across a
-CTA's tiles) and the hand-written shared ring, both fed by one TMA producer warpgroup."""
+"""The K-loop pipelines of the GEMM kernels: the hand-written shared ring (the fused kernels'
+default) and Pallas's warp-specialized pipeline (chained across a CTA's tiles; where it is still
+the default: :class:`pallas_norm.mgpu.config.TileConfig`), both fed by one TMA producer
+warpgroup."""
 
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ def pipeline_stages(steps: int, max_stages: int, delay_release: int = 0) -> tupl
   """(stages, chained across tiles) for Pallas's pipeline over a K loop of ``steps`` steps with
   room for ``max_stages`` stages: as many stages as fit, chained across a CTA's tiles when that
   count divides ``steps`` (a pipeline of pipelines needs it) and no WGMMA stays in flight across
-  steps (``delay_release`` 0: Pallas cannot chain the others). Chaining never costs a stage: on
-  the H200 at 262144×512×512, 2 chained stages ran 249 µs, 3 per-tile ones 226 and 4 chained
-  ones 217 (per-tile: 233)."""
+  steps (``delay_release`` 0: Pallas cannot chain the others). Chaining never costs a stage:
+  pipeline depth mattered more than chaining (measured: ``benchmarks/EXPERIMENTS.md``, pre-norm
+  GEMM, chaining at the cost of a stage)."""
   stages = min(max_stages, steps)
   chained = steps % stages == 0
   return stages, chained and not delay_release_for(delay_release, stages)
@@ -44,7 +46,7 @@ def plan_delay_release(cfg: TileConfig, stages: int, a_in_registers: bool = Fals
   """The WGMMA groups a kernel's consumers leave in flight across K steps under ``cfg``: 0 with
   an A operand in registers (a WGMMA left in flight still reads its A registers while the next
   step loads new ones: wrong results on the H200 for M % 8 ≠ 0, where the A operand comes from
-  registers; session 7's full GPU run); on the ring ``cfg.delay_release`` with 2+ stages; else
+  registers; ``benchmarks/EXPERIMENTS.md``, ``a_operand``); on the ring ``cfg.delay_release`` with 2+ stages; else
   :func:`delay_release_for`."""
   if a_in_registers:
     return 0

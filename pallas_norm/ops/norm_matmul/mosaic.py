@@ -17,8 +17,7 @@ from SMEM into registers (the WGMMA layout) and accumulates the statistics while
 runs; the epilogue computes mean/rstd, applies them and the column vectors (col_sum, out_bias,
 fetched by TMA while the K loop runs) and stores y through SMEM with TMA; the statistics of a
 row block are written by the CTA that computes its first N tile. The K loop runs on the shared
-ring with one WGMMA in flight where the statistics run in every K loop (:func:`pick_config`),
-else on Pallas's pipeline.
+ring (:class:`pallas_norm.mgpu.SharedRing`) with one WGMMA in flight (:func:`pick_config`).
 
 Statistics: in the WGMMA layout each thread holds 2 adjacent columns of every 8, so the A tile,
 cut into 8-column slices and summed, gives per-thread partial sums of shape (rows, 8) with no
@@ -118,38 +117,36 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   tile_n: the widest WGMMA N in {256, 192, 128, 64} that wastes the least padding on N (so
   N = 64/128/192 get one N tile). tile_m: 128 rows (64 per consumer warpgroup), 256 when the N
   tile is at most 128 wide (keeps the accumulator at 128 registers per thread). tile_k 64 (one
-  128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4). When the
-  statistics run in every K loop (not ``stats_once``) the stages come from the shared ring
-  with one WGMMA in flight (``pipeline="ring"``, ``delay_release=1``), which lets the
-  statistics overlap the tensor core (faster on the H200 for RMSNorm, noise level for
-  LayerNorm); with ``stats_once`` (and for the plain GEMM, :func:`gemm`) the two were within
-  ±3%, and those keep Pallas's pipeline (``benchmarks/NOTES.md``, pre-norm forward).
-  ``stats_once`` when N has several tiles, M at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row
-  blocks, and the row blocks in flight fit :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles
-  64×64, or 64×32 when that leaves room for a stage count that divides the K steps where 64×64
-  does not (chained pipelines need one: at 128×256 tiles and K = 512, 64×64 slots leave 3
-  stages, which chain only as 2; 64×32 ones leave 4).
+  128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4), all from
+  the shared ring with one WGMMA in flight (``pipeline="ring"``, ``delay_release=1``), which
+  lets the statistics overlap the tensor core where they run in every K loop (faster for
+  RMSNorm, noise level for LayerNorm) and is 1-2% faster than Pallas's pipeline with
+  ``stats_once`` (measured: ``benchmarks/NOTES.md``, "Pre-norm forward";
+  ``benchmarks/EXPERIMENTS.md``, Pallas's pipeline). ``stats_once`` when N has several tiles, M
+  at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row blocks, and the row blocks in flight fit
+  :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles 64×64, or 64×32 when that leaves room for a
+  stage count that divides the K steps where 64×64 does not (at 128×256 tiles and K = 512,
+  64×64 slots leave 3 stages, 64×32 ones 4): the rule of Pallas's chained pipelines, kept
+  because these are the tilings measured on the ring.
   """
   tile_n = _pick_tile_n(n)
   tile_m = 256 if tile_n <= 128 else 128
   # Several N tiles and many row blocks: a CTA sweeps its row block's N tiles and computes the
-  # statistics once (H200, 262144×K×K, rms: 230 vs 239 µs at K = 512, 820 vs 840 at 1024);
-  # with few row blocks sweeping would leave SMs idle, and when the row blocks in flight
-  # outgrow L2 their re-reads go to HBM (K = 2048: 3365 vs 3177 µs).
+  # statistics once (faster at K = 512 and 1024); with few row blocks sweeping would leave SMs
+  # idle, and when the row blocks in flight outgrow L2 their re-reads go to HBM (slower at
+  # K = 2048). Measured: benchmarks/NOTES.md, "Pre-norm forward".
   stats_once = (-(-n // tile_n) > 1 and -(-m // tile_m) >= STATS_ONCE_MIN_ROW_BLOCKS
                 and 132 * tile_m * k * 2 <= STATS_ONCE_MAX_X_BYTES)
-  # Statistics in every K loop: the shared ring with a WGMMA in flight, so the statistics'
-  # loads and sums overlap the tensor core (see the docstring for the measurements).
-  ring = dict(pipeline="ring", delay_release=1) if not stats_once else {}
   base = TileConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
-                    epi_tile_m=64, epi_tile_n=64, stats_once=stats_once, **ring)
+                    epi_tile_m=64, epi_tile_n=64, stats_once=stats_once, pipeline="ring",
+                    delay_release=1)
   narrow = dataclasses.replace(base, epi_tile_n=32)
   return narrow if _chained_stages(narrow, k) > _chained_stages(base, k) else base
 
 
 def _chained_stages(cfg: TileConfig, k: int) -> int:
-  """Stages of a chained pipeline for cfg, with the most SMEM any call takes besides the
-  stages (LayerNorm, bias, bf16 output)."""
+  """Stages of a chained pipeline for cfg (Pallas's rule: a count that divides the K steps), with
+  the most SMEM any call takes besides the stages (LayerNorm, bias, bf16 output)."""
   fit = gemm_core.fit_stages(cfg, _streams(cfg, jnp.bfloat16, False),
                              _smem(cfg, jnp.bfloat16, 2, 2))
   stages, chained = mgpu.pipeline_stages(max(k // cfg.tile_k, 1),
@@ -285,7 +282,7 @@ def _finalize_stats(plan: _Plan, stats):
   cnt = k // mgpu.LANE_COLS
   lane_mean = shift + s1 * (1.0 / cnt)
   # s1 · (s1 / cnt), not s1² / cnt: s1² overflows float32 for rows of ~3e17 (K = 512) while
-  # s2 and the result are still finite (a fresh-eyes review, session 8).
+  # s2 and the result are still finite.
   lane_m2 = s2 - s1 * (s1 * (1.0 / cnt))
   mean = jnp.sum(lane_mean, axis=1) * (1.0 / mgpu.LANE_COLS)
   dev = lane_mean - _rowvec(mean, lane_mean.shape)
@@ -491,7 +488,8 @@ def gemm(x, w, *, out_dtype=None, interpret: bool = False, config: TileConfig | 
   """``x @ w`` by the pre-norm kernel without its statistics: our plain GEMM, what the fused
   kernels are measured against (the benchmarks' GEMM baseline). x (M, K), w (K, N) bfloat16 or
   float16 (K, N multiples of 64); y in ``out_dtype`` (default x's), f32 accumulation. Default
-  tiling: :func:`pick_config`'s tiles on Pallas's pipeline, in the GEMM's plain tile order.
+  tiling: :func:`pick_config`'s tiles on Pallas's pipeline (the ring tied it; the plain GEMM
+  kept its measured default), in the GEMM's plain tile order.
 
   Raises:
     ValueError / TypeError: as :func:`norm_matmul_fwd`.

@@ -71,8 +71,8 @@ in steps of tile_k) with the hooks of :class:`_DxHooks`. Each consumer owns an S
 its (tile_m/2, tile_n) slice of x, cut into epilogue tiles and fetched at K step
 :data:`X_PREFETCH_STEP` (after the previous epilogue's TMA stores have read the buffer); the
 epilogue overwrites each x epilogue tile in place with dx and stores it with TMA. The epilogue
-never waits for a store; every epilogue tile has its own SMEM slot. The K loop runs on Pallas's
-pipeline by default, or on the shared ring (``TileConfig.pipeline="ring"``).
+never waits for a store; every epilogue tile has its own SMEM slot. The K loop runs on the
+shared ring (:class:`pallas_norm.mgpu.SharedRing`), its steps numbered across the CTA's tiles.
 
 Shapes: the forward's (any M ≥ 1; N and K multiples of 64; bfloat16 or float16). The x and dx
 tiles go through untiled swizzled SMEM (plain 2-D TMA boxes: rows past M read as zeros and are
@@ -143,31 +143,36 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
                 x_hat: bool = False, row_sums: bool = False,
                 interpret: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
-  K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options.
+  K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options,
+  on the shared ring without a WGMMA in flight (faster than Pallas's pipeline, and than the
+  ring with one in flight: ``benchmarks/EXPERIMENTS.md``, Pallas's pipeline).
 
   ``fused_row_terms`` (y streams through the pipeline too): the same tiles, with 32-wide
   reduction steps where the extra SMEM leaves room for fewer than 3 64-wide stages (every
-  default tile shape). On the H200 (2026-11-30, two runs, 128×256 tiles) 4 stages of 32 against
-  2 of 64: 262144×512², 0.98 and 1.00× LayerNorm, 0.98 and 0.99× RMSNorm; 65536×2048², 0.99 and
-  1.01× LayerNorm, 0.93 and 0.95× RMSNorm. With a single 64-wide stage (256×128 tiles) no load
-  would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes x̂): the same rule with one
-  x̂ slot's SMEM counted (at the default tiles of 262144×512×512 and ×2048 it changes nothing).
+  default tile shape): a deeper pipeline of narrower steps tied or won against 2 stages of 64
+  (measured: ``benchmarks/EXPERIMENTS.md``, pre-norm GEMM). With a single 64-wide stage
+  (256×128 tiles) no load would overlap a WGMMA at all. These stay on Pallas's pipeline (their
+  default before the ring's A/B, which did not time them on the ring). ``x_hat`` (the epilogue
+  also writes x̂): the same rule with one x̂ slot's SMEM counted (at the default tiles of
+  262144×512×512 and ×2048 it changes nothing).
   ``row_sums`` (the row sums in the epilogue): the column tile is K's share of one CTA of the
   cluster (:func:`row_sums_unsupported_reason`), 128 rows per CTA (one 64-row epilogue tile per
   warpgroup, whose row vectors the exchange sends whole), the same rule for tile_k, and the
   shared ring (its steps numbered across the CTA's row blocks, so the next row block's stages
-  load while the epilogue and the exchange run: the post-norm forward's choice for one column
-  tile per CTA; here too: Pallas's pipeline with 32-wide steps measured slower, EXPERIMENTS.md).
+  load while the epilogue and the exchange run; Pallas's pipeline with 32-wide steps measured
+  slower, EXPERIMENTS.md).
   """
   fwd = forward.pick_config(m, n, k)
   cfg = TileConfig(tile_m=fwd.tile_m, tile_n=fwd.tile_n, tile_k=fwd.tile_k,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
-                   epi_tile_n=fwd.epi_tile_n)
+                   epi_tile_n=fwd.epi_tile_n, pipeline="ring")
   if row_sums:
     split = _k_split(k, interpret)
     if split is None:
       raise ValueError(row_sums_unsupported_reason(m, n, k, jnp.bfloat16, interpret))
-    cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64, pipeline="ring")
+    cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64)
+  elif fused_row_terms:
+    cfg = dataclasses.replace(cfg, pipeline="pallas")
   # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
   n_vecs = _n_vecs(True, fused_row_terms, True)
   if ((fused_row_terms or x_hat)
@@ -440,8 +445,8 @@ class _DxHooks(gemm_core.Hooks):
 
   def k_step(self, tile, step, sums):
     # With the fused row terms, every column tile of a row block recomputes the same row sums
-    # from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid). On the
-    # H200 it is what makes the fused path lose at K = 2048 (8 column tiles); reusing the sums
+    # from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid). It is
+    # what makes the fused path lose at K = 2048 (8 column tiles; configs.py); reusing the sums
     # across column tiles would need a second pipeline without y (module docstring).
     if not self.plan.fused:
       return sums

@@ -121,10 +121,9 @@ rounded output y. The rounding error of y is about |out_bias| · 2⁻⁹ per ele
 y' it grows with the ratio: measured dx errors (bf16, LayerNorm, K = N = 128) 0.3% at a ratio of
 ~10, 1.3% at ~100 and 28% at ~1000 (a norm scale of 1e-3 next to a bias of 1), against 0.35% for
 XLA. Past the limit the backward recomputes y' exactly (one more XLA GEMM, under ``lax.cond``:
-it runs only then). On the H200 the conditional costs ~2% of fwd+bwd at 262144×512² when it does
-not fire (wall clock of back-to-back calls: RMSNorm with a bias 1142 vs 1118 µs, LayerNorm 1093 vs
-1075; ``benchmarks/results/logs/2026-11-30_s6_guard_cost.log``); when it fires, the f32 GEMM
-adds ~350-550 µs. Where the dx kernel sums the rows in its epilogue there is no guard (nothing
+it runs only then). When it does not fire the conditional costs ~2% of fwd+bwd at 262144×512²,
+and defeats CUPTI's per-kernel timing (measured: ``benchmarks/NOTES.md``, "Pre-norm backward",
+bias guard). Where the dx kernel sums the rows in its epilogue there is no guard (nothing
 rebuilds y' from y)."""
 
 
@@ -163,7 +162,7 @@ def guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd):
 
   The terms from y are computed outside the ``lax.cond`` (and passed through it), so XLA can
   still fuse their pass over dy with the weight gradients' (for RMSNorm that made it nearly
-  free, benchmarks/NOTES.md, session 4); only the exact GEMM is conditional."""
+  free, benchmarks/NOTES.md, "Pre-norm backward"); only the exact GEMM is conditional."""
   fast = row_terms(dy, y, col_sum, out_bias, rstd, x.shape[1])
   return guarded(lambda terms: terms,
                  lambda _: exact_row_terms(dy, x, w_gamma, col_sum, mean, rstd),

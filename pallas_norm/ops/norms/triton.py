@@ -1,8 +1,8 @@
 """``layer_norm`` and ``rms_norm`` for training: XLA forward, one-pass Pallas backward kernel.
 
 The forward is XLA's (one fused pass near copy bandwidth) and returns nothing but the outputs:
-handing the per-row statistics to the backward split it into three passes on the H200
-(benchmarks/NOTES.md, "Standalone norms"). The backward is one Pallas kernel with the Triton
+handing the per-row statistics to the backward split it into three passes (measured:
+benchmarks/NOTES.md, "Standalone norms"). The backward is one Pallas kernel with the Triton
 lowering (any NVIDIA GPU that Pallas' Triton backend supports, not only Hopper;
 ``interpret=True`` runs it on the CPU). Each program owns a slab of rows and loops over blocks of
 ``block_m`` full rows; per block it loads ``x`` (and ``residual``), ``dy`` (and the cotangent of
@@ -27,7 +27,7 @@ precision in the gradients too (a mean rounded to one float32 would cost up to u
 RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
 read rstd saved by the forward (splitting XLA's forward) was 0.73× of XLA's autodiff and was
 removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's and, with its
-own tiling, trains 1.03-1.17× faster than XLA's autodiff at N = 128-2048 on the H200, so
+own tiling, trains faster than XLA's autodiff at N = 128-2048 with at least 262144 rows, so
 ``implementation=None`` takes it there (:data:`RMS_DOMAIN`).
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
@@ -63,12 +63,11 @@ MAX_ELEMENTS = 2**31 - 1
 
 TILINGS = {"layer": (2048, 8), "rms": (4096, 12), "saved": (4096, 8)}
 """(elements per loop step, programs per SM) of :func:`pick_config`, per kernel: statistics
-recomputed for LayerNorm or RMSNorm, or given (``saved``, :func:`norm_backward`). H200, bf16,
-262144 rows, CUPTI µs (``benchmarks/EXPERIMENTS.md``; 05:47 and 06:20 A/Bs of session 16):
-``layer_norm`` fwd+bwd at N = 2048 1916.9 with (2048, 8) against 2073.5 with (4096, 8) in the
-same call (more live values per element than RMSNorm: the shift, the centered rows); ``rms_norm``
-1559.6 with (4096, 12) against 1732.7 with (4096, 8); the saved-statistics kernel alone 260.5 µs
-at N = 512 and 977.1 at 2048 with (4096, 8), the best of the five tilings that call tried."""
+recomputed for LayerNorm or RMSNorm, or given (``saved``, :func:`norm_backward`): each the
+fastest tiling measured for its kernel. LayerNorm takes half the elements per step of RMSNorm
+(more live values per element: the shift, the centered rows); RMSNorm's lighter body keeps 12
+programs per SM busy (measured: ``benchmarks/NOTES.md``, "Tilings and RMSNorm through the
+kernel", and ``benchmarks/EXPERIMENTS.md``)."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs, the row loop and the partial sums are
@@ -102,9 +101,9 @@ def pick_config(m: int, n: int, interpret: bool, kind: str) -> BackwardConfig:
   """Full rows (padded to a power of 2) over 4 warps, the step's elements and the programs per
   SM from :data:`TILINGS` by ``kind`` ("layer" or "rms": the statistics recomputed; "saved":
   given). Rows wider than 4096 (one row per step) keep the earlier tiling, the one measured
-  there: 16 warps, 4 programs per SM (``layer_norm`` fwd+bwd 2256.8 vs XLA's 3310.8 µs at
-  65536×8192). Several programs per SM keep loads in flight (the kernel is bandwidth-bound);
-  the winners were measured, not derived (``benchmarks/EXPERIMENTS.md``).
+  there: 16 warps, 4 programs per SM (faster than XLA at 65536×8192; ``benchmarks/NOTES.md``,
+  "Tilings and RMSNorm through the kernel"). Several programs per SM keep loads in flight (the kernel is
+  bandwidth-bound); the winners were measured, not derived (``benchmarks/EXPERIMENTS.md``).
   """
   elements, per_sm = TILINGS[kind]
   n_pad = pl.next_power_of_2(n)
@@ -140,18 +139,16 @@ def unsupported_reason(norm: str, x_shape, x_dtype) -> str | None:
 
 DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=8192, min_rows=65536)
 """Where ``implementation=None`` takes the kernel: what the H200 measured faster in training
-(benchmarks/NOTES.md "Standalone norms"): bf16, no residual, N from 128 to 8192 (1.65-1.91x
-faster than XLA's autodiff at N = 128, 512, 1024, 2048; 1.09-1.27x faster than the "xla"
-path's one-pass rule at N = 128, 512, 2048 with x of 1 GB; 1143.1 vs 1681.3 µs at 65536×4096,
-2256.8 vs 3310.8 at 65536×8192), at least 65536 rows."""
+than both XLA's autodiff and the "xla" path's one-pass rule: bf16, no residual, N from 128 to
+8192, at least 65536 rows (measured: benchmarks/NOTES.md, "The Pallas backward kernel" and
+"Tilings and RMSNorm through the kernel")."""
 
 
 RMS_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048, min_rows=262144)
-"""Where ``implementation=None`` takes the kernel for ``rms_norm``: H200, session 16's late call
-(``2026-12-02_s16_gemm4_late_ab.log``), fwd+bwd µs, kernel vs XLA's autodiff: 1558.3 vs 1611.1
-at 262144×2048, 1574.3 vs 1660.8 at 1048576×512, 1495.8 vs 1748.8 at 4194304×128; slower at
-65536×8192 (1893.0 vs 1581.6, where the kernel keeps the wide-row tiling). bf16 without a
-residual, at least 262144 rows (the fewest measured)."""
+"""Where ``implementation=None`` takes the kernel for ``rms_norm``: where it trained faster than
+XLA's autodiff (N = 128, 512, 2048, x of 1 GB); slower at 65536×8192, where the kernel keeps
+the wide-row tiling. bf16 without a residual, at least 262144 rows (the fewest measured).
+Measured: ``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel"."""
 
 
 def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
@@ -226,11 +223,11 @@ def _normalized_block(s, cols, n: int, eps: float, norm: str, two_pass: bool = F
   """(x̂, rstd (block_m, 1)) of a block of full rows (masked entries 0). LayerNorm: the row
   shifted by its first element (as :func:`pallas_norm.ops.norms.xla.row_stats` shifts it), then
   the shifted moments Σd and Σd² side by side, var = Σd²/n − dmean²: one dependent row
-  reduction fewer than the forward's two-pass variance (H200, ``layer_norm`` fwd+bwd at
-  262144×2048: 1992.0 vs 2073.5 µs in one call). The difference cancels ~dmean²/var ulps, and
+  reduction fewer than the forward's two-pass variance (faster; ``benchmarks/NOTES.md``,
+  "Tilings and RMSNorm through the kernel"). The difference cancels ~dmean²/var ulps, and
   the shift (the row's first element) can lie up to sqrt(n - 1) spreads from the mean (an
   outlier first element): up to n·2^-24 relative error in var (2.3e-4 in the gradients at
-  n = 2048, review 7), below bfloat16's rounding of ds but not float16's or float32's, so
+  n = 2048), below bfloat16's rounding of ds but not float16's or float32's, so
   those (``two_pass``) centre the rows before the second sum, as the forward does. RMSNorm: the
   mean square. The rows are in registers: the statistics cost row sums,
   no memory traffic."""

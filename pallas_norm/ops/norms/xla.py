@@ -20,10 +20,10 @@ Reverse mode transposes this linear map, which gives the backward a hand-written
 two row sums over (x, dy) that feed ds in the same pass (applied as a chain, see
 :func:`_xhat_tangent`), and two column sums. XLA's autodiff of the reference makes seven
 reductions instead, through the two-pass variance and the shift of
-:func:`pallas_norm.reference._center`: on the H200 (bf16, x of 1 GB, fwd+bwd) this rule takes
-2652-3220 µs where autodiff took 4354-4416 (1.37-1.64×; benchmarks/NOTES.md, "Standalone
-norms"). RMSNorm's autodiff already makes one row sum; the same rule for it measured 0.70-0.76×
-autodiff's speed and is not used (benchmarks/EXPERIMENTS.md).
+:func:`pallas_norm.reference._center`; with this rule XLA trains LayerNorm 1.37-1.64× faster
+(measured: benchmarks/NOTES.md, "The XLA path's one-pass rule"). RMSNorm's autodiff already
+makes one row sum; the same rule for it was slower than autodiff and is not used
+(benchmarks/EXPERIMENTS.md).
 
 Why a ``custom_jvp`` and not a ``custom_vjp``: the same backward, and forward mode (``jax.jvp``,
 ``jax.hessian``, ``jax.jacfwd``) keeps working, as it did with plain autodiff; derivatives of
