@@ -142,8 +142,9 @@ INTERPRET_CASES = [
     (77, 64, 192, "layer", ALL, jnp.bfloat16, True, True, True),
     (1, 128, 64, "rms", (), jnp.bfloat16, False, False, True),
     (256, 128, 256, "layer", ("scale", "residual"), jnp.float16, False, False, False),
-    # 3 row blocks on 2 persistent CTAs: the second tile of a CTA reuses every buffer.
-    (300, 64, 256, "rms", ("dense_bias", "scale", "residual"), jnp.bfloat16, True, False, True),
+    # 3 row blocks on 2 persistent CTAs: the second tile of a CTA reuses every buffer; y, h and
+    # x̂ through the residual tile's slots, the next residual loaded behind their stores.
+    (300, 64, 256, "rms", ("dense_bias", "scale", "residual"), jnp.bfloat16, True, True, True),
     # N = 64: 256-row CTA tiles (128 rows per warpgroup), h staged in 64-row pieces.
     (77, 64, 64, "layer", ("bias",), jnp.bfloat16, True, True, True),
     # Several N tiles per CTA (2 of 256, 4 of 192): the two-pass epilogue through y's memory
@@ -424,16 +425,17 @@ def test_default_exchange_is_the_measured_faster_one(n, cluster, want):
 def test_default_exchange_falls_back_to_pull_when_push_does_not_fit():
   """A caller's config with room for pull's partials but not for push's inbox runs with pull
   (exchange=None), instead of failing on an exchange the caller never asked for."""
-  cfg = mgpu.TileConfig(tile_m=128, tile_n=256, tile_k=32, max_concurrent_steps=2,
-                               epi_tile_m=64, epi_tile_n=256)
-  x = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
+  # One 144 KiB stage (256 × 192 of x, 192 × 128 of w) fits next to pull's SMEM, not push's.
+  cfg = mgpu.TileConfig(tile_m=256, tile_n=128, tile_k=192, max_concurrent_steps=2,
+                        epi_tile_m=64, epi_tile_n=64)
+  x = jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((768, 256), jnp.bfloat16)
   run = lambda ex: jax.eval_shape(lambda x, w: mk.matmul_norm_fwd(
       x, w, norm="rms", eps=1e-6, return_xhat=True, config=cfg, exchange=ex), x, w)
   with pytest.raises(ValueError, match="SMEM"):
     run("push")
   y = run(None)[0]
-  assert y.shape == (4096, 512)
+  assert y.shape == (4096, 256)
 
 
 def test_exchange_name_is_checked():
