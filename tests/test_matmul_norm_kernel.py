@@ -407,6 +407,26 @@ def test_push_exchange_inbox_is_counted_in_smem():
   assert plans["push"].stages == plans["pull"].stages - 1
 
 
+@pytest.mark.parametrize("n,residual", [(512, False), (512, True), (2048, True), (4096, True)])
+def test_h_and_xhat_cost_no_pipeline_stage(n, residual):
+  """With one N tile per CTA, h and x̂ leave through the y tile's slots, so the training
+  forward (x̂) keeps the stages of a forward that writes y alone (two extra staging slots cost
+  the third stage at tile 128 × 256); with several N tiles (N = 4096) the two-pass epilogue
+  keeps its slots and may have fewer stages."""
+  bf = jnp.bfloat16
+  cfg = mk.pick_config(262144, 512, n)
+  plan = functools.partial(mk._make_plan, (262144, 512), n, bf, bf, "layer", 1e-5,
+                           ("scale", "bias"), residual)
+  y_only = plan(False, False, False, cfg, False)
+  training = plan(False, True, True, cfg, False)
+  with_h = plan(True, True, True, cfg, False)
+  if n <= 2048:
+    assert y_only.stages == training.stages == with_h.stages == 3
+    assert "extra_smem" not in {k for k, v in mk._smem(with_h).items() if v is not None}
+  else:
+    assert y_only.n_tiles > 1 and mk._smem(with_h)["extra_smem"] is not None
+
+
 @pytest.mark.parametrize("n,cluster,want", [(512, 2, "push"), (1024, 4, "pull"),
                                               (2048, 8, "pull")])
 def test_default_exchange_is_the_measured_faster_one(n, cluster, want):
