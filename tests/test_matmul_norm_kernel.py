@@ -142,8 +142,9 @@ INTERPRET_CASES = [
     (77, 64, 192, "layer", ALL, jnp.bfloat16, True, True, True),
     (1, 128, 64, "rms", (), jnp.bfloat16, False, False, True),
     (256, 128, 256, "layer", ("scale", "residual"), jnp.float16, False, False, False),
-    # 3 row blocks on 2 persistent CTAs: the second tile of a CTA reuses every buffer.
-    (300, 64, 256, "rms", ("dense_bias", "scale", "residual"), jnp.bfloat16, True, False, True),
+    # 3 row blocks on 2 persistent CTAs: the second tile of a CTA reuses every buffer; y, h and
+    # x̂ through the residual tile's slots, the next residual loaded behind their stores.
+    (300, 64, 256, "rms", ("dense_bias", "scale", "residual"), jnp.bfloat16, True, True, True),
     # N = 64: 256-row CTA tiles (128 rows per warpgroup), h staged in 64-row pieces.
     (77, 64, 64, "layer", ("bias",), jnp.bfloat16, True, True, True),
     # Several N tiles per CTA (2 of 256, 4 of 192): the two-pass epilogue through y's memory
@@ -406,6 +407,26 @@ def test_push_exchange_inbox_is_counted_in_smem():
   assert plans["push"].stages == plans["pull"].stages - 1
 
 
+@pytest.mark.parametrize("n,residual", [(512, False), (512, True), (2048, True), (4096, True)])
+def test_h_and_xhat_cost_no_pipeline_stage(n, residual):
+  """With one N tile per CTA, h and x̂ leave through the y tile's slots, so the training
+  forward (x̂) keeps the stages of a forward that writes y alone (two extra staging slots cost
+  the third stage at tile 128 × 256); with several N tiles (N = 4096) the two-pass epilogue
+  keeps its slots and may have fewer stages."""
+  bf = jnp.bfloat16
+  cfg = mk.pick_config(262144, 512, n)
+  plan = functools.partial(mk._make_plan, (262144, 512), n, bf, bf, "layer", 1e-5,
+                           ("scale", "bias"), residual)
+  y_only = plan(False, False, False, cfg, False)
+  training = plan(False, True, True, cfg, False)
+  with_h = plan(True, True, True, cfg, False)
+  if n <= 2048:
+    assert y_only.stages == training.stages == with_h.stages == 3
+    assert "extra_smem" not in {k for k, v in mk._smem(with_h).items() if v is not None}
+  else:
+    assert y_only.n_tiles > 1 and mk._smem(with_h)["extra_smem"] is not None
+
+
 @pytest.mark.parametrize("n,cluster,want", [(512, 2, "push"), (1024, 4, "pull"),
                                               (2048, 8, "pull")])
 def test_default_exchange_is_the_measured_faster_one(n, cluster, want):
@@ -424,16 +445,17 @@ def test_default_exchange_is_the_measured_faster_one(n, cluster, want):
 def test_default_exchange_falls_back_to_pull_when_push_does_not_fit():
   """A caller's config with room for pull's partials but not for push's inbox runs with pull
   (exchange=None), instead of failing on an exchange the caller never asked for."""
-  cfg = mgpu.TileConfig(tile_m=128, tile_n=256, tile_k=32, max_concurrent_steps=2,
-                               epi_tile_m=64, epi_tile_n=256)
-  x = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
+  # One 144 KiB stage (256 × 192 of x, 192 × 128 of w) fits next to pull's SMEM, not push's.
+  cfg = mgpu.TileConfig(tile_m=256, tile_n=128, tile_k=192, max_concurrent_steps=2,
+                        epi_tile_m=64, epi_tile_n=64)
+  x = jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((768, 256), jnp.bfloat16)
   run = lambda ex: jax.eval_shape(lambda x, w: mk.matmul_norm_fwd(
       x, w, norm="rms", eps=1e-6, return_xhat=True, config=cfg, exchange=ex), x, w)
   with pytest.raises(ValueError, match="SMEM"):
     run("push")
   y = run(None)[0]
-  assert y.shape == (4096, 512)
+  assert y.shape == (4096, 256)
 
 
 def test_exchange_name_is_checked():

@@ -32,8 +32,10 @@ Epilogue of one warpgroup (rows r, its CTA's N slice):
    for rows with a large mean, and the bits are identical in every CTA). The normalization
    subtracts the merged mean rounded to float32, so y's error grows as ~5e-8·|mean|/std: within
    2 bf16 ulps of XLA's up to |mean|/std = 1e4 (tested), ~0.05 at 1e6 (the stated domain).
-4. Each CTA normalizes its own slice and stores y (written in place of the residual tile in
-   SMEM), h and x̂ (through two 64×64 staging slots), and CTA 0 of the cluster the statistics.
+4. Each CTA normalizes its own slice and stores y, then h and x̂, chunk j of each through
+   chunk j's slot of the residual tile in SMEM (every residual chunk is in registers by then),
+   and CTA 0 of the cluster the statistics. No SMEM besides the tile: staging slots for h / x̂
+   cost the K loop one of its three pipeline stages at tile_n = 256 (benchmarks/NOTES.md).
 
 Past N = 8 · 256 a CTA owns ``n_tiles`` ≤ 4 N tiles (N ≤ 8192). Hopper keeps the accumulator in
 registers and SMEM cannot hold several finished tiles next to the pipeline, so the epilogue
@@ -94,7 +96,7 @@ MAX_N_TILES = 4
 
 MAX_N = max(CLUSTER_SIZES) * MAX_N_TILES * MAX_TILE_N
 
-_EXTRA_SLOTS = 2  # staging slots for h / x̂ tiles: one being written while one is stored
+_EXTRA_SLOTS = 2  # two-pass epilogue's staging slots for h / x̂: one written while one is stored
 # A TMA copy into an 8-row-tiled SMEM tile needs the global row count to be a multiple of 8; the
 # rows past M in the last row tile are then zero-filled on load and dropped on store by TMA.
 _ROW_ALIGN = 8
@@ -123,7 +125,7 @@ class _Plan(gemm_core.NormGemmPlan):
     return (2 if self.norm == "layer" else 1) if self.return_stats else 0
 
   @property
-  def extras(self) -> tuple[str, ...]:  # outputs staged through the small slots
+  def extras(self) -> tuple[str, ...]:  # the optional M × N outputs besides y
     return tuple(e for e, on in (("h", self.return_h), ("xhat", self.return_xhat)) if on)
 
   @property
@@ -229,10 +231,11 @@ def _streams(cfg: TileConfig, dtype) -> list[gemm_core.Stream]:
 
 def _smem(plan: _Plan) -> dict:
   """SMEM besides the stages, per consumer warpgroup: the residual-in / y-out tile as column
-  chunks (a TMA copy needs a contiguous SMEM window), the h / x̂ staging slots, the column
-  vectors, the statistics, the cluster exchange, and with several N tiles per CTA each tile's
-  partials and the barrier of the second pass's reloads. Load barriers: one arrival per TMA
-  copy (each copy arrives with its byte count)."""
+  chunks (a TMA copy needs a contiguous SMEM window; with one N tile per CTA h and x̂ go out
+  through its chunks too), the column vectors, the statistics, the cluster exchange, and with
+  several N tiles per CTA the h / x̂ staging slots, each tile's partials and the barrier of the
+  second pass's reloads. Load barriers: one arrival per TMA copy (each copy arrives with its
+  byte count)."""
   cfg = plan.cfg
   wg_m, epi_m, epi_n = cfg.wg_tile_m, cfg.epi_tile_m, cfg.epi_tile_n
   out_transforms = mgpu.swizzle_transforms(epi_n, plan.out_dtype)
@@ -241,7 +244,7 @@ def _smem(plan: _Plan) -> dict:
       io_smem=plgpu.SMEM((2, cfg.tile_n // epi_n, wg_m, epi_n), plan.out_dtype,
                          transforms=out_transforms),
       extra_smem=(plgpu.SMEM((2, _EXTRA_SLOTS, epi_m, epi_n), plan.out_dtype,
-                             transforms=out_transforms) if plan.extras else None),
+                             transforms=out_transforms) if plan.extras and multi else None),
       vec_smem=plgpu.SMEM((2, len(plan.vecs), cfg.tile_n), jnp.float32) if plan.vecs else None,
       load_barrier=(plgpu.Barrier(num_arrivals=plan.n_loads, num_barriers=2)
                     if plan.n_loads else None),
@@ -561,14 +564,13 @@ class _RowTileIO:
                               self.load_barrier.at[self.wg])
 
   def _residual_during_k_loop(self, k_step, row0, col0):
-    """Issues residual chunk j at K step min(j, last step), each once the y chunk j last
-    stored from the same io slot has left SMEM, so the wait for those stores overlaps the
-    WGMMAs just issued instead of holding the K loop's start. That store was the last row
-    block's (:func:`_epilogue`); each y chunk store is followed by its chunk's h / x̂ stores,
-    ``per_chunk`` groups in all, so the groups committed after y chunk j are the rest."""
-    per_chunk = 1 + len(self.plan.extras) * (self.wg_m // self.epi_m)
+    """Issues residual chunk j at K step min(j, last step), each once the last store from
+    slot j has left SMEM, so the wait for those stores overlaps the WGMMAs just issued instead
+    of holding the K loop's start. That store was the last row block's last output's chunk j
+    (:func:`_epilogue`: one group per chunk, output after output), so the groups committed
+    after it are that output's chunks after j."""
     for j in range(self.chunks):
-      newer = per_chunk - 1 + (self.chunks - 1 - j) * per_chunk
+      newer = self.chunks - 1 - j
 
       @pl.when(k_step == min(j, self.plan.k_iters - 1))
       def _(j=j, newer=newer):
@@ -593,13 +595,26 @@ class _RowNormHooks(_RowTileIO, gemm_core.Hooks):
     shape = (self.wg_m, self.epi_n)
     rstd_b = _rowvec(rstd, shape)
     shift_b = None if mean is None else _rowvec(mean, shape)
-    groups = _StoreGroups()
-    for j in range(self.chunks):
+
+    def value(name, j):
       h = h_chunk(j)
+      if name == "h":
+        return h
       xhat, y = self._normalize_chunk(h if shift_b is None else h - shift_b, rstd_b,
                                       pl.ds(j * self.epi_n, self.epi_n))
-      self._store_chunk(y, j, row0, col0, groups)
-      self._store_extras({"h": h, "xhat": xhat}, j, row0, col0, groups)
+      return y if name == "y" else xhat
+
+    # Output after output, chunk j of each through slot j of io_smem: y in place of the residual
+    # (each thread overwrites elements it has read), the next output's chunk j once the store
+    # that read slot j left it, with the other chunks' stores (chunks − 1 groups) still going.
+    for o, name in enumerate(("y",) + self.plan.extras):
+      gmem = self.y_gmem if name == "y" else self.extra_gmems[name]
+      for j in range(self.chunks):
+        if o:
+          plgpu.wait_smem_to_gmem(self.chunks - 1, wait_read_only=True)
+        self.io_smem[self.wg, j] = value(name, j).astype(self.plan.out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(self.io_smem.at[self.wg, j], self._chunk(gmem, row0, col0, j))
 
   def _first_pass(self, acc, row0, col0, t):
     """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)

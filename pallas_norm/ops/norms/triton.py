@@ -61,13 +61,13 @@ MAX_N = 8192
 MAX_ELEMENTS = 2**31 - 1
 """The kernel indexes x with int32 element offsets."""
 
-TILINGS = {"layer": (2048, 8), "rms": (4096, 12), "saved": (4096, 8)}
-"""(elements per loop step, programs per SM) of :func:`pick_config`, per kernel: statistics
-recomputed for LayerNorm or RMSNorm, or given (``saved``, :func:`norm_backward`): each the
-fastest tiling measured for its kernel. LayerNorm takes half the elements per step of RMSNorm
-(more live values per element: the shift, the centered rows); RMSNorm's lighter body keeps 12
-programs per SM busy (measured: ``benchmarks/NOTES.md``, "Tilings and RMSNorm through the
-kernel", and ``benchmarks/EXPERIMENTS.md``)."""
+TILINGS = {"layer": (2048, 8), "rms": (4096, 12)}
+"""(elements per loop step, programs per SM) of :func:`pick_config`, per norm, with the
+statistics recomputed or given (:func:`norm_backward`): each the fastest tiling measured for
+its norm. LayerNorm takes half the elements per step of RMSNorm (more live values per element:
+the shift, the centered rows); RMSNorm's lighter body keeps 12 programs per SM busy (measured:
+``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel" and the post-norm backward,
+and ``benchmarks/EXPERIMENTS.md``)."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs, the row loop and the partial sums are
@@ -97,15 +97,16 @@ def _gpu_core_count() -> int:
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def pick_config(m: int, n: int, interpret: bool, kind: str) -> BackwardConfig:
+def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
   """Full rows (padded to a power of 2) over 4 warps, the step's elements and the programs per
-  SM from :data:`TILINGS` by ``kind`` ("layer" or "rms": the statistics recomputed; "saved":
-  given). Rows wider than 4096 (one row per step) keep the earlier tiling, the one measured
-  there: 16 warps, 4 programs per SM (faster than XLA at 65536×8192; ``benchmarks/NOTES.md``,
-  "Tilings and RMSNorm through the kernel"). Several programs per SM keep loads in flight (the kernel is
-  bandwidth-bound); the winners were measured, not derived (``benchmarks/EXPERIMENTS.md``).
+  SM from :data:`TILINGS` by ``norm`` ("layer" or "rms"), whether the kernel recomputes the
+  statistics or is given them. Rows wider than 4096 (one row per step) keep the earlier tiling,
+  the one measured there: 16 warps, 4 programs per SM (faster than XLA at 65536×8192;
+  ``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel"). Several programs per SM
+  keep loads in flight (the kernel is bandwidth-bound); the winners were measured, not derived
+  (``benchmarks/EXPERIMENTS.md``).
   """
-  elements, per_sm = TILINGS[kind]
+  elements, per_sm = TILINGS[norm]
   n_pad = pl.next_power_of_2(n)
   block_m = max(1, min(64, elements // n_pad))
   wide = n_pad > 4096
@@ -313,7 +314,7 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
 def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpret: bool,
                    inputs):
   """Runs the kernel; returns (ds (M, N), [column sum of each of ``ops.partial_names()``])."""
-  cfg = pick_config(m, n, interpret, "saved" if ops.saved_stats else ops.norm)
+  cfg = pick_config(m, n, interpret, ops.norm)
   n_pad = pl.next_power_of_2(n)
   rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
   programs = pl.cdiv(m, rows_per_program)
