@@ -3,8 +3,10 @@ chain, against the reference.
 
 CPU tests run the kernels in GPU interpret mode (race detector on, uninitialized SMEM and
 outputs NaN-filled, so a row the kernel never writes shows up as NaN); q's padding rows are NaN
-too. Lowering tests run Mosaic's lowering for sm_90a via ``jax.export`` (no GPU). ``gpu`` tests
-run the compiled kernel at the issue's sizes.
+too. Interpret mode cannot read a peer CTA's shared memory, so the fused kernel (a cluster of H
+CTAs, one per head) runs there with H = 1 (all of its math but the cluster exchange). Lowering
+tests run Mosaic's lowering for sm_90a via ``jax.export`` (no GPU) at H = 2, 4, 8. ``gpu``
+tests run the compiled kernel at the issue's sizes at H = 2, 4, 8 (the exchange).
 
 The oracle is :func:`pallas_norm.reference.flash_norm_attention` on float32-upcast inputs.
 Tolerance: relative Frobenius error < 2e-2 (u, P and the attention output are rounded to bf16,
@@ -76,7 +78,7 @@ def _reference(q, k, v, q_offsets, **kw):
 def test_fused_forward_matches_reference():
   """Output and statistics (μ1, r1, r2) of the fused kernel, through the op: an empty sample, a
   sample over two q blocks, a row with a large mean, γ2 with zeros, NaN padding rows of q."""
-  q, k, v, qo, affine = _problem(0, [5, 70, 0, 9], 2, 64, large_mean_row=6)
+  q, k, v, qo, affine = _problem(0, [5, 70, 0, 9], 1, 64, large_mean_row=6)
   kw = dict(affine, pre_scale=0.9, post_scale=1.1, eps=1e-5)
   out, (ln, rms) = jax.jit(lambda q, k, v, qo: pn.flash_norm_attention(
       q, k, v, qo, return_stats=True, implementation="interpret", **kw))(q, k, v, qo)
@@ -99,7 +101,7 @@ def test_fused_switches_match_reference(switches):
   test_fused_forward_matches_reference, each switch runs both ways; the outer residual adds q,
   not u, which the default's LayerNorm tells apart)."""
   pre_layer_norm, inner_residual, outer_residual = switches
-  q, k, v, qo, affine = _problem(1, [3, 64, 20], 2, 64)
+  q, k, v, qo, affine = _problem(1, [3, 64, 20], 1, 64)
   if not pre_layer_norm:
     affine = dict(rms_scale=affine["rms_scale"])
   kw = dict(affine, pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
@@ -116,13 +118,13 @@ def test_fused_switches_match_reference(switches):
 
 @pytest.mark.parametrize("variant,switches", [
     (dict(kv_stages=2), dict()), (None, dict(pre_layer_norm=False, inner_residual=False))])
-def test_fused_ring_depth_matches_default(variant, switches):
-  """A 2-slot K/V ring (the H = 4 kernel's) against the default 4-slot one at this shape, bit
-  for bit (same arithmetic; the ring wraps at other key blocks and the producer waits for
-  releases), over three key blocks per head, with the backward's residuals z and u (checked
-  against their definitions); also, default ring only (the ring depth is orthogonal to the
-  switches), with the LayerNorm and the inner residual off (the attention warpgroup then reads
-  q_h as TMA wrote it). The op's forward-only tests cover the kernel without the residuals."""
+def test_fused_kv_form_matches_default(variant, switches):
+  """K/V streamed per q block through 2-slot rings (the GDPA kernel's form for long K/V)
+  against the default resident K/V, bit for bit (same arithmetic, other loads and waits), over
+  three key blocks, with the backward's residuals z and u (checked against their definitions);
+  also, default form only (orthogonal to the switches), with the LayerNorm and the inner
+  residual off (the WGMMA then reads q_h as TMA wrote it). The op's forward-only tests cover
+  the kernel without the residuals."""
   _check_variant_matches_default(variant, **switches)
 
 
@@ -130,13 +132,13 @@ def _check_variant_matches_default(variant, **switches):
   """``variant`` of the default Config (if not None) against it, bit for bit (samples of 70
   rows, none and 9, Lkv = 192: three key blocks); the default and its z and u against the
   reference."""
-  q, k, v, qo, affine = _problem(3, [70, 0, 9], 2, 64, lkv=192)
-  a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(3, 2, 64)
+  q, k, v, qo, affine = _problem(3, [70, 0, 9], 1, 64, lkv=192)
+  a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(3, 1, 64)
   run = lambda cfg: jax.block_until_ready(mosaic.flash_norm_attention_fwd(  # noqa: E731
       q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6,
       save_residuals=True, config=cfg, interpret=True, **switches))
-  default = mosaic.pick_config(2, 64, q.dtype, q.dtype, k.shape[1])
-  assert default.kv_stages > 2
+  default = mosaic.pick_config(1, 64, q.dtype, q.dtype, k.shape[1])
+  assert default.kv_stages is None  # resident
   want = run(default)
   assert len(want) == 4
   if variant is not None:
@@ -181,7 +183,7 @@ def _check_residuals(outputs, q, k, v, qo, kw):
 def test_fused_gradients_match_reference():
   """The custom_vjp (the two row kernels of norm_bwd around the GDPA backward kernel) against
   the f32 reference's gradients: q, k, v, the three affines and a traced pre_scale."""
-  q, k, v, qo, affine = _problem(2, [5, 0, 70, 9], 2, 64)  # with an empty sample
+  q, k, v, qo, affine = _problem(2, [5, 0, 70, 9], 1, 64)  # with an empty sample
   q = _clean(q, qo)  # a gradient at NaN inputs is NaN in the reference
   weights = jnp.sin(jnp.arange(q.size, dtype=F32)).reshape(q.shape)
 
@@ -307,8 +309,12 @@ def test_dispatch_reasons():
   q = jnp.zeros((64, 4, 128), bf)
   dense = jnp.zeros((2, 128, 4, 128), bf)
   assert mosaic.unsupported_reason(q, dense, None, None) is None
-  assert "SMEM" in mosaic.unsupported_reason(jnp.zeros((64, 8, 128), bf),
-                                             jnp.zeros((2, 128, 8, 128), bf), None, None)
+  assert mosaic.unsupported_reason(jnp.zeros((64, 8, 128), bf),
+                                   jnp.zeros((2, 128, 8, 128), bf), None, None) is None
+  assert "H = 3" in mosaic.unsupported_reason(jnp.zeros((64, 3, 128), bf),
+                                              jnp.zeros((2, 128, 3, 128), bf), None, None)
+  assert "interpret" in mosaic.unsupported_reason(q, dense, None, None, interpret=True)
+  assert mosaic.unsupported_reason(q[:, :1], dense[:, :, :1], None, None, interpret=True) is None
   assert "multiple of 64" in mosaic.unsupported_reason(q, dense[:, :96], None, None)
   assert "zero token capacity" in mosaic.unsupported_reason(q[:0], dense, None, None)
   assert "float32" in mosaic.unsupported_reason(q.astype(F32), dense, None, None)
@@ -337,17 +343,19 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
 
 
-def test_forward_lowers_for_sm90a():
-  """Mosaic's sm_90a lowering accepts the forward kernel (layouts, SMEM, TMA boxes) at real
-  sizes without the residuals and with a float32 output, which no ``gpu`` test runs (the
-  training form at H = 4 and the forward at H = 2 and 4 compile there)."""
-  heads, head_dim, save_residuals, out_dtype = 2, 128, False, jnp.float32
+@pytest.mark.parametrize("heads,save_residuals,out_dtype,switches", [
+    (2, False, jnp.float32, {}), (4, True, None, {}),
+    (8, True, None, dict(pre_layer_norm=False, inner_residual=False))])
+def test_forward_lowers_for_sm90a(heads, save_residuals, out_dtype, switches):
+  """Mosaic's sm_90a lowering accepts the forward kernel (clusters of H CTAs, the exchange's
+  DSMEM reads and cluster barriers, SMEM within the limit, TMA boxes) at real sizes: a float32
+  output (no ``gpu`` test runs it), the training form, and H = 8 with one exchange per block."""
+  head_dim = 128
   spec = jax.ShapeDtypeStruct
   t, b = 4096, 16
-  cfg = mosaic.pick_config(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16, 128)
   fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
       q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6,
-      save_residuals=save_residuals, out_dtype=out_dtype, config=cfg))
+      save_residuals=save_residuals, out_dtype=out_dtype, **switches))
   kv = spec((b, 128, heads, head_dim), jnp.bfloat16)
   export.export(fn, platforms=["cuda"])(spec((t, heads, head_dim), jnp.bfloat16), kv, kv,
                                         spec((b + 1,), jnp.int32),
@@ -364,7 +372,7 @@ def _pffn(seed, heads, density=0.5):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,density", [(4, 0.5), (2, 0.5), (4, 1.0)])
+@pytest.mark.parametrize("heads,density", [(4, 0.5), (2, 0.5), (8, 0.5), (4, 1.0)])
 def test_gpu_forward_at_issue_shape(heads, density):
   q, k, v, qo, affine = _pffn(5, heads, density)
   out, (ln, rms) = jax.jit(lambda *a: pn.flash_norm_attention(
@@ -379,7 +387,39 @@ def test_gpu_forward_at_issue_shape(heads, density):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", [4, 2])
+@pytest.mark.parametrize("heads", [2, 4, 8])
+def test_gpu_residuals_and_switches(heads):
+  """The cluster exchange in the training form (z, u and the statistics saved; two exchanges
+  per q block) and with every switch off (one exchange), against the reference: 96 samples of
+  up to 300 rows (partial q blocks, 8-row windows), a row with a large mean, γ2 with zeros."""
+  lens = np.random.default_rng(9).integers(1, 300, size=96)
+  q, k, v, qo, affine = _problem(9, lens, heads, 128, 128, large_mean_row=3)
+  a = jnp.stack([affine[n] for n in ("ln_scale", "ln_bias", "rms_scale")]).reshape(
+      3, heads, 128)
+  run = lambda **switches: jax.jit(lambda q, k, v, qo, a: (  # noqa: E731
+      mosaic.flash_norm_attention_fwd(q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu",
+                                      eps=1e-6, **switches)))(q, k, v, qo, a)
+  outputs = run(save_residuals=True)
+  kw = dict(affine, pre_scale=0.9, post_scale=1.1)
+  ref, (ln_ref, rms_ref) = _reference(q, k, v, qo, **kw)
+  total = int(qo[-1])
+  out, stats = outputs[:2]
+  assert bool(jnp.all(jnp.isfinite(out))) and not bool(jnp.any(out[total:] != 0))
+  assert not bool(jnp.any(stats[total:] != 0))
+  assert _rel_err(out[:total], ref[:total]) < TOL and _rel_err(out[3], ref[3]) < TOL
+  for column, want in enumerate((ln_ref.mean, ln_ref.rstd, rms_ref.rstd)):
+    assert _rel_err(stats[:total, column], want[:total]) < TOL
+  _check_residuals(outputs, q, k, v, qo, kw)
+  off = dict(pre_layer_norm=False, inner_residual=False, outer_residual=False)
+  out, stats = run(**off)
+  ref, (_, rms_ref) = _reference(q, k, v, qo, rms_scale=affine["rms_scale"], pre_scale=0.9,
+                                 post_scale=1.1, **off)
+  assert not bool(jnp.any(out[total:] != 0)) and _rel_err(out[:total], ref[:total]) < TOL
+  assert _rel_err(stats[:total, 2], rms_ref.rstd[:total]) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [4, 2, 8])
 def test_gpu_gradients_at_issue_shape(heads):
   """The fused path's gradients against the f32 XLA reference's."""
   q, k, v, qo, affine = _pffn(6, heads)
@@ -437,7 +477,7 @@ def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len):
   output row and every gradient (NaN scales, no pass over the data), as the GDPA kernel does.
   Every condition that raises the flag (past capacity, a sample longer than max_seq_len) is
   tested on its own in test_traced_offsets.py and test_jagged.py; one trips the poison here."""
-  q, k, v, _, _ = _problem(8, [4, 12], 2, 64)
+  q, k, v, _, _ = _problem(8, [4, 12], 1, 64)
   q = jnp.where(jnp.isnan(q), 0, q)
 
   def loss(q, k, v, offsets):

@@ -7,8 +7,9 @@
 Both norms reduce over all heads of a token. Oracle:
 :func:`pallas_norm.reference.flash_norm_attention`.
 
-Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: one CTA owns
-every head of a q block) where it supports the call (dense K/V, H·D small enough for SMEM), in
+Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: a cluster of H
+CTAs, one per head of the same q rows, exchanging the norms' row sums) where it supports the
+call (dense K/V, H in 1, 2, 4, 8; interpret mode H = 1), in
 one ``custom_vjp`` whose forward also saves z and u, and whose backward is two one-pass row
 kernels (:mod:`.norm_bwd`: the RMSNorm backward from z, and the LayerNorm backward, both
 reading the saved statistics) around the GDPA backward kernel (which takes the saved u and
@@ -90,16 +91,19 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     _validate.flag(name, value)
   if not pre_layer_norm and (ln_scale is not None or ln_bias is not None):
     raise ValueError("ln_scale and ln_bias apply only with pre_layer_norm=True")
-  fused_reason = (mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
-                  or norm_bwd.unsupported_reason(q.shape))
+  def fused_reason(candidate):  # interpret mode runs clusters of one CTA only (H = 1)
+    return (mosaic.unsupported_reason(q, k, kv_offsets, out_dtype,
+                                      interpret=candidate == "interpret")
+            or norm_bwd.unsupported_reason(q.shape))
+
   impl = _dispatch.choose(
       "flash_norm_attention", implementation,
-      unsupported_reason=lambda _: fused_reason and gdpa_mosaic.unsupported_reason(
-          q, k, kv_offsets, max_kv_len, None),
-      slower_reason=lambda: (fused_reason or fused_slower_reason(q, k, kv_offsets, out_dtype))
-      and (
+      unsupported_reason=lambda candidate: fused_reason(candidate) and (
+          gdpa_mosaic.unsupported_reason(q, k, kv_offsets, max_kv_len, None)),
+      slower_reason=lambda: (fused_reason("mosaic")
+                             or fused_slower_reason(q, k, kv_offsets, out_dtype)) and (
           gdpa_api.kernel_slower_reason(q, k, kv_offsets, max_kv_len, None)))
-  fused = impl != "xla" and fused_reason is None and (
+  fused = impl != "xla" and fused_reason(impl) is None and (
       implementation is not None or fused_slower_reason(q, k, kv_offsets, out_dtype) is None)
   if fused:  # poisons bad traced offsets itself (NaN scales), with no pass over the data
     out = _fused_block(q, k, v, q_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
