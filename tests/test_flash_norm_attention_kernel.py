@@ -386,36 +386,44 @@ def test_gpu_forward_at_issue_shape(heads, density):
   assert _rel_err(ln.rstd[:total], ln_ref.rstd[:total]) < TOL
 
 
+_ALL_OFF = dict(pre_layer_norm=False, inner_residual=False, outer_residual=False)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", [2, 4, 8])
-def test_gpu_residuals_and_switches(heads):
-  """The cluster exchange in the training form (z, u and the statistics saved; two exchanges
-  per q block) and with every switch off (one exchange), against the reference: 96 samples of
-  up to 300 rows (partial q blocks, 8-row windows), a row with a large mean, γ2 with zeros."""
-  lens = np.random.default_rng(9).integers(1, 300, size=96)
-  q, k, v, qo, affine = _problem(9, lens, heads, 128, 128, large_mean_row=3)
-  a = jnp.stack([affine[n] for n in ("ln_scale", "ln_bias", "rms_scale")]).reshape(
-      3, heads, 128)
-  run = lambda **switches: jax.jit(lambda q, k, v, qo, a: (  # noqa: E731
-      mosaic.flash_norm_attention_fwd(q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu",
-                                      eps=1e-6, **switches)))(q, k, v, qo, a)
-  outputs = run(save_residuals=True)
-  kw = dict(affine, pre_scale=0.9, post_scale=1.1)
+@pytest.mark.parametrize("heads,switches", [(2, {}), (4, _ALL_OFF), (8, {}), (8, _ALL_OFF)],
+                         ids=["h2", "h4_off", "h8", "h8_off"])
+def test_gpu_training_form_and_switches(heads, switches):
+  """The cluster exchange in the training form (z, u and the statistics saved) with the
+  LayerNorm (two exchanges per q block) or with every switch off (one), against the reference:
+  96 samples of up to 300 rows (partial q blocks, 8-row windows), a row with a large mean, γ2
+  with zeros. (The op's forward at H = 4 with the LayerNorm: test_gpu_forward_at_issue_shape.)"""
+  _check_training_form(heads, 128, np.random.default_rng(9).integers(1, 300, size=96),
+                       switches)
+
+
+def _check_training_form(heads, head_dim, lens, switches, interpret=False):
+  """The forward kernel with the residuals saved against the reference: out (a large-mean row,
+  row 3), the statistics, z and u; zeros on padding rows."""
+  q, k, v, qo, affine = _problem(9, lens, heads, head_dim, 128, large_mean_row=3)
+  if switches:
+    affine = dict(rms_scale=affine["rms_scale"])
+  ones = jnp.ones(heads * head_dim, F32)
+  a = jnp.stack([affine.get("ln_scale", ones), affine.get("ln_bias", 0 * ones),
+                 affine["rms_scale"]]).reshape(3, heads, head_dim)
+  outputs = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
+      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6, save_residuals=True,
+      interpret=interpret, **switches))(q, k, v, qo, a)
+  kw = dict(affine, pre_scale=0.9, post_scale=1.1, **switches)
   ref, (ln_ref, rms_ref) = _reference(q, k, v, qo, **kw)
   total = int(qo[-1])
   out, stats = outputs[:2]
   assert bool(jnp.all(jnp.isfinite(out))) and not bool(jnp.any(out[total:] != 0))
   assert not bool(jnp.any(stats[total:] != 0))
   assert _rel_err(out[:total], ref[:total]) < TOL and _rel_err(out[3], ref[3]) < TOL
-  for column, want in enumerate((ln_ref.mean, ln_ref.rstd, rms_ref.rstd)):
+  wanted = {2: rms_ref.rstd} if switches else {0: ln_ref.mean, 1: ln_ref.rstd, 2: rms_ref.rstd}
+  for column, want in wanted.items():
     assert _rel_err(stats[:total, column], want[:total]) < TOL
   _check_residuals(outputs, q, k, v, qo, kw)
-  off = dict(pre_layer_norm=False, inner_residual=False, outer_residual=False)
-  out, stats = run(**off)
-  ref, (_, rms_ref) = _reference(q, k, v, qo, rms_scale=affine["rms_scale"], pre_scale=0.9,
-                                 post_scale=1.1, **off)
-  assert not bool(jnp.any(out[total:] != 0)) and _rel_err(out[:total], ref[:total]) < TOL
-  assert _rel_err(stats[:total, 2], rms_ref.rstd[:total]) < TOL
 
 
 @pytest.mark.gpu
