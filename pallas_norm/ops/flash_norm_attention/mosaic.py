@@ -372,14 +372,15 @@ class _BlockNorms:
     z = (o * self.post_scale).astype(self.dtype).astype(_F32)  # attn, rounded as the chain's
     if plan.inner_residual:
       z = z + self._pre_norm(x.astype(_F32), ln_stats)
-    (rms_rstd,) = self._exchange((_row_sum(z * z),), wg,
-                                 (count + 1) * plan.exchanges_per_block - 1, self._merge_rms)
+    squares = _row_sum(z * z)
+    if self.z_ref is not None:  # its TMA store runs during the exchange
+      self._store(self.z_ref, 2, z, item, block, wg)
+    (rms_rstd,) = self._exchange((squares,), wg, (count + 1) * plan.exchanges_per_block - 1,
+                                 self._merge_rms)
     out = z * _rowvec(rms_rstd, z.shape) * self._colvec(2, z.shape)
     if plan.outer_residual:
       out = out + x.astype(_F32)
     self._store(self.out_ref, 0, out, item, block, wg)
-    if self.z_ref is not None:
-      self._store(self.z_ref, 2, z, item, block, wg)
     columns = {2: rms_rstd, **(dict(enumerate(ln_stats)) if ln_stats is not None else {})}
 
     @pl.when(item.head == 0)  # every CTA of the cluster holds the same statistics
