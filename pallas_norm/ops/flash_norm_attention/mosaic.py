@@ -26,8 +26,8 @@ norms hook into the GDPA consumer around its attention step (:class:`_BlockNorms
 3. attn_h = post·O rounded to q's dtype (as the unfused chain rounds it), z_h = u_h + attn_h
    (u_h recomputed in f32 from q_h), per-row Σz_h² exchanged → r2; out_h = z_h·r2·γ2_h + q_h
    stored for the segment's rows by the row-exact TMA store
-   (:func:`pallas_norm.mgpu.store.store_rows`), the statistics (μ1, r1, r2) by CTA 0 (every
-   CTA holds the same bits: each merges the same partials in the same order).
+   (:func:`pallas_norm.mgpu.store.store_rows`), the statistics (μ1, r1, r2) by one CTA, in turn
+   (every CTA holds the same bits: each merges the same partials in the same order).
 
 With ``save_residuals`` the kernel also writes, in q's dtype, z (the RMSNorm backward's input)
 and u (the GDPA backward's q; with the LayerNorm only). Padding rows (past ``q_offsets[-1]``,
@@ -383,7 +383,9 @@ class _BlockNorms:
     self._store(self.out_ref, 0, out, item, block, wg)
     columns = {2: rms_rstd, **(dict(enumerate(ln_stats)) if ln_stats is not None else {})}
 
-    @pl.when(item.head == 0)  # every CTA of the cluster holds the same statistics
+    # Every CTA of the cluster holds the same statistics: the CTAs take turns storing them, so
+    # no one CTA is always the last to reach the next exchange.
+    @pl.when(item.head == lax.rem(count, plan.num_heads))
     def _():
       self._store_stats(columns, item, block, wg)
 
