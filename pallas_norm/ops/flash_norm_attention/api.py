@@ -7,9 +7,8 @@
 Both norms reduce over all heads of a token. Oracle:
 :func:`pallas_norm.reference.flash_norm_attention`.
 
-Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: a cluster of H
-CTAs, one per head of the same q rows, exchanging the norms' row sums) where it supports the
-call (dense K/V, H in 1, 2, 4, 8; interpret mode H = 1), in
+Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: one CTA owns
+every head of a q block) where it supports the call (dense K/V, H·D small enough for SMEM), in
 one ``custom_vjp`` whose forward also saves z and u, and whose backward is two one-pass row
 kernels (:mod:`.norm_bwd`: the RMSNorm backward from z, and the LayerNorm backward, both
 reading the saved statistics) around the GDPA backward kernel (which takes the saved u and
@@ -31,7 +30,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_norm import _dispatch, _op, _validate, jagged, reference
-from pallas_norm.ops.flash_norm_attention import mosaic, norm_bwd
+from pallas_norm.ops.flash_norm_attention import cluster, mosaic, norm_bwd
 from pallas_norm.ops.gdpa import api as gdpa_api
 from pallas_norm.ops.gdpa import check_args as check_attention_args
 from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
@@ -91,9 +90,9 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     _validate.flag(name, value)
   if not pre_layer_norm and (ln_scale is not None or ln_bias is not None):
     raise ValueError("ln_scale and ln_bias apply only with pre_layer_norm=True")
-  def fused_reason(candidate):  # interpret mode runs clusters of one CTA only (H = 1)
-    return (mosaic.unsupported_reason(q, k, kv_offsets, out_dtype,
-                                      interpret=candidate == "interpret")
+
+  def fused_reason(candidate):
+    return (_forward_reason(q, k, kv_offsets, out_dtype, candidate == "interpret")
             or norm_bwd.unsupported_reason(q.shape))
 
   impl = _dispatch.choose(
@@ -128,6 +127,22 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   # Traced offsets that break the jagged convention give NaN, never a silent wrong answer.
   return poison_if_offsets_invalid(out, q_offsets, kv_offsets, q.shape[0], k.shape[0],
                                    max_seq_len, max_kv_len)
+
+
+_CLUSTER_FORWARD = False
+"""This branch's A/B switch (not an option): the forward kernel as a cluster of H CTAs
+(:mod:`.cluster`, awaiting its GPU measurement) instead of one CTA per q block (:mod:`.mosaic`).
+Both take the same arguments and return the same residuals for the backward."""
+
+
+def _forward_kernel():
+  return cluster if _CLUSTER_FORWARD else mosaic
+
+
+def _forward_reason(q, k, kv_offsets, out_dtype, interpret: bool) -> str | None:
+  if _CLUSTER_FORWARD:  # interpret mode runs clusters of one CTA only (H = 1)
+    return cluster.unsupported_reason(q, k, kv_offsets, out_dtype, interpret=interpret)
+  return mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
 
 
 FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), features=(256, 512),
@@ -226,7 +241,7 @@ def _fused(q, k, v, offsets, affine, pre_scale, post_scale, static):
 def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save_residuals):
   heads, head_dim = q.shape[1:]
   forward = functools.partial(
-      mosaic.flash_norm_attention_fwd, activation=static.activation, eps=static.eps,
+      _forward_kernel().flash_norm_attention_fwd, activation=static.activation, eps=static.eps,
       pre_layer_norm=static.pre_layer_norm, inner_residual=static.inner_residual,
       outer_residual=static.outer_residual, out_dtype=static.out_dtype,
       save_residuals=save_residuals, interpret=static.interpret)

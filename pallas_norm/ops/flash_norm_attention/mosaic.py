@@ -6,44 +6,55 @@ Per token over all H·D features (DESIGN.md, op 4; :func:`pallas_norm.reference.
     z   = u + post·act(pre·u_h K_hᵀ) V_h    (inner_residual; else z = the attention alone)
     out = RMSNorm(z)·γ2 + q                 (outer_residual; else without + q)
 
-Design: a cluster of H CTAs per group of SMs, CTA h of the cluster owning head h of the same q
-rows (H ∈ :data:`CLUSTER_SIZES`). Each CTA runs the GDPA kernel's schedule
-(:mod:`pallas_norm.ops.gdpa.mosaic`): a persistent walk over the work items (one per sample,
-longest first, then chunks of padding rows; every CTA of a cluster walks the same items, the
-cluster index on the grid picks them, the CTA's place in the cluster is the head), a TMA
-producer warpgroup (q blocks through a ring per consumer, K_h/V_h resident for the sample's
-q blocks, the next sample's loaded during the current one), and two consumer warpgroups that
-take the q blocks in turn, so one's norms and exchange waits overlap the other's WGMMAs. The
-norms hook into the GDPA consumer around its attention step (:class:`_BlockNorms`), per q block:
+Design: one CTA owns every head of a q block, so both norms reduce inside the CTA (no cluster
+exchange). Work items are the GDPA kernel's (:func:`pallas_norm.ops.gdpa.mosaic.work_items`: one
+per sample, longest first, then chunks of padding rows); a CTA walks its sample's q blocks of
+``BLOCK_Q`` rows. Three warpgroups, as the reference megakernel splits MMA warps from norm
+warps:
 
-1. q_h from the ring slot into registers; per row, the head's mean and centred sum of squares
-   (exact for rows with a large mean), exchanged with the cluster's other heads through
-   distributed shared memory (:func:`pallas_norm.mgpu.exchange.cluster_row_sums`) and merged
-   with Chan's formula into (μ1, r1); u_h = (q_h − μ1)·r1·γ1_h + β1_h written over q_h's slot in
-   q's dtype (the score WGMMA's A operand; u never goes to GMEM except as the backward's
-   residual). q_h stays in registers for the residuals.
-2. GDPA's attention on u_h: S = u_h K_hᵀ, act, P·V, per key block.
-3. attn_h = post·O rounded to q's dtype (as the unfused chain rounds it), z_h = u_h + attn_h
-   (u_h recomputed in f32 from q_h), per-row Σz_h² exchanged → r2; out_h = z_h·r2·γ2_h + q_h
-   stored for the segment's rows by the row-exact TMA store
-   (:func:`pallas_norm.mgpu.store.store_rows`), the statistics (μ1, r1, r2) by one CTA, in turn
-   (every CTA holds the same bits: each merges the same partials in the same order).
+* the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
+  and the residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
+  ``kv_stages`` slots. The first ring slots of the next block load while the consumers finish
+  the current one; the next block's q tiles of a head load as soon as the epilogue has read
+  them (one ``q_free`` barrier per head).
+* the norm warpgroup (:data:`NORM_WG`): the LayerNorm statistics (μ1, r1) of the block by two
+  passes over the H tiles in SMEM (mean, then the centred second moment: exact for rows with a
+  large mean), then every u_h = LN(q_h) written over the working copy of q_h (the attention
+  reads u from SMEM; it goes to GMEM only as a residual for the backward), each handed to the
+  attention warpgroup (``u_ready``); per head, once attn_h is back
+  (``attn_ready``), Σz² across heads with z_h = u_h + attn_h (u_h recomputed in f32 from the
+  residual copy of q_h). After the last head: r2, then per head
+  out_h = (u_h + attn_h)·r2·γ2 + q_h, stored with the row-exact TMA store
+  (:func:`pallas_norm.mgpu.store.store_rows`), the head's q tiles released, and the statistics
+  (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
+* the attention warpgroup (:data:`ATTENTION_WG`): per head, S = u_h K_hᵀ, act in registers,
+  P through SMEM, O = P V_h per key block (each step's WGMMAs run to completion), then
+  attn_h = post·O rounded to q's dtype, written over u_h.
 
-With ``save_residuals`` the kernel also writes, in q's dtype, z (the RMSNorm backward's input)
-and u (the GDPA backward's q; with the LayerNorm only). Padding rows (past ``q_offsets[-1]``,
-the padding chunks, which have no keys) get 0·post_scale in every output (NaN where the op
-poisoned bad traced offsets with NaN scales). Rows of a q block outside its sample are computed
-(their statistics are per row) but never stored.
+The loops over the heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as
+the carry): unrolled statically, the H = 4 kernel ran about 4× slower on the H200. The
+single-consumer schedule, an overlapped WGMMA order (next scores issued before the P·V) and q
+streamed through a ring instead of held twice (the next block's statistics and first u tiles
+made during the current block's attention: faster forward-only, slower in training) were
+measured slower than this one (benchmarks/EXPERIMENTS.md).
 
-Dense K/V only. GPU interpret mode cannot read a peer CTA's shared memory, so it runs only
-H = 1 (a cluster of one CTA, no exchange); the exchange at H = 2, 4, 8 runs on the GPU, and its
-sm_90a lowering is checked with ``jax.export`` on the CPU.
+attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
+then the norms in XLA) does; the statistics and the residual sums are float32. With
+``save_residuals`` the kernel also writes, in q's dtype, z (the RMSNorm backward's input:
+recomputing attn would cost a second attention pass) and u (the GDPA backward's q; with the
+LayerNorm only), both from registers the norm warpgroup holds anyway: u_h while the attention
+warpgroup runs head 0, z_h after its Σz² term.
+
+Dense K/V only (Lkv a multiple of 64); rows of a q block outside its sample are computed (their
+statistics are per row) but never stored. WGMMA reads P from SMEM, as the GDPA kernel does
+(GPU interpret mode has no register-A WGMMA).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 from jax import lax
@@ -52,60 +63,82 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_norm import mgpu
-from pallas_norm.mgpu import exchange as cluster_exchange
 from pallas_norm.mgpu import store
 from pallas_norm.ops.gdpa import configs as gdpa_configs
 from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
 
 _F32 = jnp.float32
-BLOCK_Q = gdpa_configs.BLOCK_Q
+BLOCK_Q = 64
 """Query rows of a q block: the M of one WGMMA (one consumer warpgroup)."""
 STATS_COLS = 32
 """Columns of the statistics output (T, 32): μ1, r1, r2, then zeros. A row of 128 bytes: the
 row-exact store starts TMA stores at any row of the SMEM tile, and TMA needs SMEM addresses
 aligned to 128 bytes (32-byte rows gave CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
-CLUSTER_SIZES = (1, 2, 4, 8)
-"""Heads H the kernel takes: one CTA per head in a cluster (8 is Hopper's portable limit)."""
-Config = gdpa_configs.Config
-"""The tiling: the GDPA kernel's (key step, q ring depth, resident or streamed K/V)."""
 
 
-_EXCHANGE = "pull"
-"""How the CTAs of a cluster share their row partials (:data:`pallas_norm.mgpu.exchange.EXCHANGES`;
-an A/B switch of this branch, not an option)."""
+NORM_WG, ATTENTION_WG, PRODUCER_WG = 0, 1, 2
+"""The warpgroups of the kernel (see the module docstring)."""
 
 
-def _extra_smem_bytes(num_heads: int, head_dim: int) -> int:
-  """SMEM of the norms on top of the GDPA kernel's: γ1/β1/γ2 of the head, Pallas's scratch for
-  the row reductions, and with H > 1 the exchange's buffers ("pull": partials and merged rows;
-  "push": an inbox of H packets per consumer) and barriers (each allocation rounded up to 1 KB).
-  The store tiles of out, z, u and the statistics share the GDPA kernel's output tiles (a
-  RefUnion no larger than them)."""
-  vecs = -(-3 * head_dim * 4 // 1024) * 1024
-  if num_heads == 1:
-    exchange = 0
-  elif _EXCHANGE == "push":
-    exchange = 2 * num_heads * BLOCK_Q * cluster_exchange.PACKET_COLS * 4 + 1024
-  else:
-    exchange = 2 * 2 * 1024 + 1024 + 1024
-  return vecs + 2048 + exchange + 1024
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tiling: ``block_kv`` keys per WGMMA step (64; P is BLOCK_Q × block_kv), ``kv_stages``
+  slots of the K/V ring (>= 2)."""
+
+  block_kv: int = 64
+  kv_stages: int = 2
+
+  def __post_init__(self):
+    gdpa_configs.check_block_kv(self.block_kv)
+    if self.kv_stages < 2:
+      raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
+
+
+def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
+  """SMEM of one CTA: q twice (working and residual copies of the H tiles), the K/V ring, P,
+  one store tile (out, z, u and the statistics take turns in it: a RefUnion) and γ1/β1/γ2.
+  Every allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
+  item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  q = 2 * num_heads * BLOCK_Q * head_dim * item
+  kv = 2 * cfg.kv_stages * cfg.block_kv * head_dim * item
+  p = BLOCK_Q * cfg.block_kv * item
+  # z's and u's tile is the union's, never larger than out's or the statistics'
+  tile = max(BLOCK_Q * head_dim * max(out_item, item), BLOCK_Q * STATS_COLS * 4)
+  vecs = -(-3 * num_heads * head_dim * 4 // 1024) * 1024
+  reduction = 2048  # Pallas's cross-warp reduction scratch (the row sums)
+  return q + kv + p + tile + vecs + reduction + 1024  # + the barriers
 
 
 def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int) -> Config | None:
-  """The GDPA kernel's tiling rule (:func:`pallas_norm.ops.gdpa.configs.pick_config`) with the
-  norms' SMEM added; None when nothing fits."""
-  return gdpa_configs.pick_config(kv_len, head_dim, dtype, out_dtype,
-                                  extra_bytes=_extra_smem_bytes(num_heads, head_dim))
+  """The deepest K/V ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block)
+  that fits in SMEM; None when none does."""
+  blocks = num_heads * kv_len // 64
+  for stages in (4, 3, 2):
+    cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)))
+    if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
+      return cfg
+  return None
 
 
-def unsupported_reason(q, k, kv_offsets, out_dtype, *, interpret: bool = False) -> str | None:
+def unsupported_reason(q, k, kv_offsets, out_dtype) -> str | None:
   """None when the fused kernel can run these (validated) arguments, else why not."""
+  reason = dense_kv_reason(q, k, kv_offsets, out_dtype)
+  if reason is not None:
+    return reason
+  heads, head_dim = q.shape[1:]
+  if pick_config(heads, head_dim, q.dtype, jnp.dtype(out_dtype or q.dtype), k.shape[1]) is None:
+    return (f"H·D = {heads}·{head_dim}: the q block of all heads (twice) and the K/V ring do "
+            "not fit in SMEM")
+  return None
+
+
+def dense_kv_reason(q, k, kv_offsets, out_dtype) -> str | None:
+  """Why a fused forward kernel (this one or :mod:`.cluster`) cannot take these operands (q's
+  and the output's dtypes, D, dense K/V, the capacity), SMEM aside; or None."""
   reason = gdpa_mosaic.operand_reason(q, out_dtype)
   if reason is not None:
     return reason
-  dtype = jnp.dtype(q.dtype)
-  out_dtype = jnp.dtype(out_dtype or dtype)
-  t, heads, head_dim = q.shape
+  t = q.shape[0]
   if t == 0:
     return "zero token capacity: no q block for the fused kernel"
   if kv_offsets is not None:
@@ -114,24 +147,19 @@ def unsupported_reason(q, k, kv_offsets, out_dtype, *, interpret: bool = False) 
     return f"dense K/V length Lkv = {k.shape[1]} is not a positive multiple of 64"
   if t % gdpa_mosaic.ALIGN:
     return f"the token capacity T = {t} must be a multiple of {gdpa_mosaic.ALIGN}"
-  if heads not in CLUSTER_SIZES:
-    return f"H = {heads} heads: the kernel runs a cluster of H CTAs, H in {CLUSTER_SIZES}"
-  if interpret and heads > 1:
-    return (f"H = {heads}: interpret mode cannot read a peer CTA's shared memory, so it runs "
-            "only H = 1 (a cluster of one CTA)")
-  if pick_config(heads, head_dim, dtype, out_dtype, k.shape[1]) is None:
-    return f"no tiling fits in SMEM with D = {head_dim}"  # unreachable for D <= 128
   return None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """Static facts of one kernel build: the GDPA schedule of one head (``attention``: its items
-  are the segments, its CTAs the clusters) and the norms'."""
+  """Static facts of one kernel build."""
 
-  attention: gdpa_mosaic.Plan
   num_heads: int
   head_dim: int
+  kv_steps: int
+  block_kv: int
+  kv_stages: int
+  act: Callable
   eps: float
   pre_layer_norm: bool
   inner_residual: bool
@@ -139,13 +167,9 @@ class _Plan:
   save_residuals: bool
 
   @property
-  def exchanges_per_block(self) -> int:
-    """Cluster exchanges per q block: the LayerNorm's (mean, M2), then Σz²."""
-    return 2 if self.pre_layer_norm else 1
-
-  def exchange_spec(self, n_partials: int) -> cluster_exchange.Spec:
-    return cluster_exchange.Spec(cluster=self.num_heads, rows=BLOCK_Q, n_partials=n_partials,
-                                 exchange=_EXCHANGE)
+  def uses_per_block(self) -> int:
+    """K/V ring slots one q block consumes: every head's key blocks."""
+    return self.num_heads * self.kv_steps
 
 
 def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, *,
@@ -156,8 +180,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   """The fused forward (arguments validated by the op; see :func:`unsupported_reason`).
 
   Args:
-    q: (T, H, D) bf16/f16 packed tokens, H in :data:`CLUSTER_SIZES` (1 in interpret mode);
-      k, v: dense (B, Lkv, H, D), q's dtype.
+    q: (T, H, D) bf16/f16 packed tokens; k, v: dense (B, Lkv, H, D), q's dtype.
     q_offsets: int32 (B+1,) offsets of q.
     affine: float32 (3, H, D): γ1, β1, γ2 (ones/zeros where the op has none).
     pre_scale, post_scale: f32 scalars (0-d arrays, traced or not).
@@ -177,94 +200,291 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
     LayerNorm; the row kernels of the backward read the columns in place, no slice pass);
     z, u (T, H, D) (u None without the LayerNorm). Padding rows (past
     ``q_offsets[-1]``) are zeros in every output.
-
-  Raises:
-    ValueError: a ``config`` whose block_kv does not divide Lkv.
   """
   capacity, num_heads, head_dim = q.shape
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   kv_len = k.shape[1]
-  cfg = config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len)
-  if kv_len % cfg.block_kv:
-    raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
-  table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
-  num_clusters = mgpu.persistent_clusters(num_heads, table.shape[0], interpret)
-  attention = gdpa_mosaic.Plan(
-      num_heads=1, num_segments=table.shape[0], num_ctas=num_clusters,
-      rounds=-(-table.shape[0] // num_clusters), block_kv=cfg.block_kv, q_stages=cfg.q_stages,
-      kv_stages=cfg.kv_stages, kv_buffers=cfg.kv_buffers, kv_chunks=kv_len // cfg.block_kv,
-      jagged_kv=False, act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation])
-  plan = _Plan(attention=attention, num_heads=num_heads, head_dim=head_dim, eps=float(eps),
+  cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len),
+                       kv_len)
+  plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
+               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages,
+               act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_residuals=save_residuals)
+  table = _work_table(q_offsets, capacity, k.shape[0], kv_len)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
-  out_type = [jax.ShapeDtypeStruct((capacity, num_heads, head_dim), out_dtype),
-              jax.ShapeDtypeStruct((capacity, STATS_COLS), _F32)]
-  residual = jax.ShapeDtypeStruct((capacity, num_heads, head_dim), q.dtype)
-  if save_residuals:  # z, then u with the LayerNorm
-    out_type += [residual] * (2 if pre_layer_norm else 1)
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
-      out_type=tuple(out_type),
-      grid=(num_clusters,),
-      grid_names=("cta",),  # the GDPA schedule's CTA index: here the cluster's
-      cluster=(num_heads,),
-      cluster_names=("cluster",),
+      out_type=output_types(q, out_dtype, pre_layer_norm, save_residuals),
+      grid=(table.shape[0],),
+      grid_names=("item",),
       num_threads=3,
       thread_name="wg",
-      kernel_name="fna_fwd",
+      kernel_name=_kernel_name(cfg),
       scratch_types=_scratch(plan, q.dtype, out_dtype),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu.interpret_params() if interpret else None,
   )
-  # (H, 3, D): one head's γ1, β1, γ2 are one TMA box
-  head_affine = jnp.swapaxes(affine.astype(_F32), 0, 1)
-  out, stats, *saved = call(table, scales, head_affine, q, k, v)
+  return forward_outputs(call(table, scales, affine.astype(_F32), q, k, v), pre_layer_norm,
+                         save_residuals)
+
+
+def checked_config(cfg, kv_len: int):
+  """``cfg`` (a tiling with ``block_kv``), if its key step divides Lkv = ``kv_len``.
+
+  Raises:
+    ValueError: it does not.
+  """
+  if kv_len % cfg.block_kv:
+    raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
+  return cfg
+
+
+def output_types(q, out_dtype, pre_layer_norm: bool, save_residuals: bool) -> tuple:
+  """The forward kernels' outputs: out, the statistics, then z and (with the LayerNorm) u when
+  the residuals are saved."""
+  types = [jax.ShapeDtypeStruct(q.shape, out_dtype),
+           jax.ShapeDtypeStruct((q.shape[0], STATS_COLS), _F32)]
+  if save_residuals:  # z, then u with the LayerNorm
+    types += [jax.ShapeDtypeStruct(q.shape, q.dtype)] * (2 if pre_layer_norm else 1)
+  return tuple(types)
+
+
+def forward_outputs(results, pre_layer_norm: bool, save_residuals: bool):
+  """A forward kernel's results (:func:`output_types`) as :func:`flash_norm_attention_fwd`
+  returns them."""
+  out, stats, *saved = results
   if not save_residuals:
     return out, stats
   return out, stats, saved[0], saved[1] if pre_layer_norm else None
 
 
+def _kernel_name(cfg: Config) -> str:
+  """The kernel's name in profiles and Mosaic's dumps: ``fna_fwd`` and the config's fields that
+  differ from the defaults (so an A/B's ptxas reports can be told apart)."""
+  default = Config()
+  tags = [f"{f.name}_{getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+          if getattr(cfg, f.name) != getattr(default, f.name)]
+  return "_".join(["fna_fwd", *tags]).lower()
+
+
+PADDING = 7
+"""Column of the work table appended to the GDPA kernel's: 1 for a chunk of padding rows."""
+
+
+def _work_table(q_offsets, capacity: int, batch: int, kv_len: int):
+  """The GDPA kernel's work items (one per sample, longest first, then the padding chunks),
+  with a :data:`PADDING` column: such items have no keys and store zeros."""
+  table = gdpa_mosaic.work_items(q_offsets, None, capacity, batch, kv_len)
+  end = jnp.clip(q_offsets[-1].astype(jnp.int32), 0, capacity)
+  first_row = table[:, gdpa_mosaic.Q_WIN] + table[:, gdpa_mosaic.Q_LO]
+  padding = (first_row >= end).astype(jnp.int32)
+  return jnp.concatenate([table, padding[:, None]], axis=1)
+
+
 def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
-  smem = gdpa_mosaic.scratch(plan.attention, plan.head_dim, dtype, out_dtype)
-  del smem["o_smem"]  # the stores' tiles below take its place
-  d = plan.head_dim
-  # A consumer's stores of out, the statistics, z and u take turns (each store_rows first waits
-  # for the previous stores to have read SMEM), so they share one tile per consumer: a RefUnion
-  # each (one union for both would alias the two consumers' tiles).
-  kinds = [(d, out_dtype), (STATS_COLS, _F32)] + [(d, dtype)] * plan.save_residuals
-  store_tiles = tuple(plgpu.RefUnion(*(store.row_store_smem(BLOCK_Q, cols, kind_dtype)
-                                       for cols, kind_dtype in kinds)) for _ in range(2))
-  smem.update(store_tiles=store_tiles,
-              vec_smem=plgpu.SMEM((3, d), _F32), vec_ready=plgpu.Barrier())
-  exchange = cluster_exchange.allocs(plan.exchange_spec(plan.exchanges_per_block))
-  if exchange is not None:
-    smem["exchange"] = exchange
-  return smem
+  heads, d = plan.num_heads, plan.head_dim
+  tile = mgpu.swizzle_transforms(d, dtype)
+  # The stores of out, z, u and the statistics take turns (each store_rows first waits for the
+  # previous stores to have read SMEM), so they share one tile.
+  store_tiles = [store.row_store_smem(BLOCK_Q, d, out_dtype),
+                 store.row_store_smem(BLOCK_Q, STATS_COLS, _F32)]
+  if plan.save_residuals:
+    store_tiles.append(store.row_store_smem(BLOCK_Q, d, dtype))
+  return dict(
+      store_tiles=plgpu.RefUnion(*store_tiles),
+      x_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
+      res_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
+      k_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
+      v_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
+      p_smem=plgpu.SMEM((BLOCK_Q, plan.block_kv), dtype,
+                        transforms=mgpu.swizzle_transforms(plan.block_kv, dtype)),
+      vec_smem=plgpu.SMEM((3, heads, d), _F32),
+      vec_ready=plgpu.Barrier(),
+      q_ready=plgpu.Barrier(num_barriers=2 * heads),
+      q_free=plgpu.Barrier(num_barriers=heads),
+      k_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
+      v_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
+      kv_free=plgpu.Barrier(num_barriers=plan.kv_stages),
+      u_ready=plgpu.Barrier(num_barriers=heads),
+      attn_ready=plgpu.Barrier(num_barriers=heads),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  """One CTA's work item: a sample's q rows ``[q_win + q_lo, q_win + q_hi)`` in ``q_blocks``
+  blocks from ``q_win``, its K/V index, and whether it is a padding chunk."""
+
+  q_win: jax.Array
+  q_lo: jax.Array
+  q_hi: jax.Array
+  q_blocks: jax.Array
+  sample: jax.Array
+  padding: jax.Array
+
+  @classmethod
+  def read(cls, table_ref):
+    col = lambda c: table_ref[lax.axis_index("item"), c]  # noqa: E731
+    return cls(q_win=pl.multiple_of(col(gdpa_mosaic.Q_WIN), gdpa_mosaic.ALIGN),
+               q_lo=col(gdpa_mosaic.Q_LO), q_hi=col(gdpa_mosaic.Q_HI),
+               q_blocks=col(gdpa_mosaic.Q_BLOCKS), sample=col(gdpa_mosaic.KV_WIN),
+               padding=col(PADDING) != 0)
+
+  def rows(self, block):
+    """(first GMEM row of q block ``block``, the sample's rows in it as [lo, lo + count))."""
+    lo = jnp.maximum(self.q_lo - block * BLOCK_Q, 0)
+    hi = jnp.minimum(self.q_hi - block * BLOCK_Q, BLOCK_Q)
+    return self.q_win + block * BLOCK_Q, lo, hi - lo
 
 
 def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, stats_ref,
             *saved_refs, plan: _Plan, **smem):
-  head = lax.axis_index("cluster")
-  attention = plan.attention
+  item = _Item.read(table_ref)
+  wg = lax.axis_index("wg")
 
-  def item_at(round_):  # the cluster's item; this CTA's head
-    return dataclasses.replace(gdpa_mosaic.Item.read(table_ref, attention, round_), head=head)
+  @pl.when(wg == PRODUCER_WG)
+  def _producer():
+    plgpu.set_max_registers(mgpu.PRODUCER_REGISTERS, action="decrease")
+    _produce(plan, item, affine_ref, q_ref, k_ref, v_ref, smem)
 
-  kv = gdpa_mosaic.kv_pipeline(attention, k_ref, v_ref, smem)
+  @pl.when(wg == NORM_WG)
+  def _norms():
+    plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
+    _consume(plan, item, scales_ref, out_ref, stats_ref, saved_refs, smem)
 
-  def produce():
-    plgpu.copy_gmem_to_smem(affine_ref.at[head], smem["vec_smem"], smem["vec_ready"])
-    gdpa_mosaic.producer(attention, item_at, kv, q_ref, smem)
+  @pl.when(wg == ATTENTION_WG)
+  def _attention():
+    plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
+    _consume_attention(plan, item, scales_ref, smem)
 
-  def consume():
-    plgpu.barrier_wait(smem["vec_ready"])
-    norms = _BlockNorms(plan, (out_ref, stats_ref, *saved_refs), smem, q_ref.dtype,
-                        scales_ref[1])
-    gdpa_mosaic.consumer(attention, item_at, kv, scales_ref[0], norms, smem)
 
-  mgpu.warp_specialize(produce, consume)
+def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) -> None:
+  """TMA warpgroup: γ1/β1/γ2 once; per q block, the first K/V ring slots, then (once the
+  epilogue released that head's tiles of the previous block) the H q tiles twice, then the
+  remaining K/V blocks."""
+  plgpu.copy_gmem_to_smem(affine_ref, smem["vec_smem"], smem["vec_ready"])
+  per_block, stages = plan.uses_per_block, plan.kv_stages
+  prefetch = min(stages, per_block)
+
+  def load_kv(block, use):  # ring use number block·per_block + use: head, key block static
+    head, step = divmod(use, plan.kv_steps)
+    ring_use = block * per_block + use
+    slot = lax.rem(ring_use, stages)
+
+    @pl.when(ring_use >= stages)
+    def _():
+      plgpu.barrier_wait(smem["kv_free"].at[slot])
+
+    keys = pl.ds(step * plan.block_kv, plan.block_kv)
+    plgpu.copy_gmem_to_smem(k_ref.at[item.sample, keys, head], smem["k_smem"].at[slot],
+                            smem["k_ready"].at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[item.sample, keys, head], smem["v_smem"].at[slot],
+                            smem["v_ready"].at[slot])
+
+  @pl.when(jnp.logical_not(item.padding))
+  def _():
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      for use in range(prefetch):
+        load_kv(block, use)
+
+      rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
+      for head in range(plan.num_heads):
+        @pl.when(block > 0)
+        def _(head=head):  # the epilogue has read both copies of these tiles
+          plgpu.barrier_wait(smem["q_free"].at[head])
+
+        for copy, name in enumerate(("x_smem", "res_smem")):
+          plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[head],
+                                  smem["q_ready"].at[2 * head + copy])
+      for use in range(prefetch, per_block):
+        load_kv(block, use)
+
+    # Observe the releases no load waited for, so every barrier phase is consumed.
+    @pl.when(item.q_blocks > 0)
+    def _():
+      for head in range(plan.num_heads):
+        plgpu.barrier_wait(smem["q_free"].at[head])
+
+    uses = item.q_blocks * per_block
+
+    @pl.loop(jnp.maximum(uses - stages, 0), uses)
+    def _(use):
+      plgpu.barrier_wait(smem["kv_free"].at[lax.rem(use, stages)])
+
+
+def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, saved_refs,
+             smem) -> None:
+  """The norm warpgroup: every q block of the item (or zeros for a padding chunk)."""
+  plgpu.barrier_wait(smem["vec_ready"])
+  o_tile, stats_tile, *saved_tile = smem["store_tiles"]
+  z_ref, u_ref = (*saved_refs, None, None)[:2]
+  stores = _Stores(out_ref, stats_ref, z_ref, u_ref, o_tile.at[0], stats_tile.at[0],
+                   saved_tile[0].at[0] if saved_tile else None)
+
+  @pl.when(item.padding)
+  def _():
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      stores.zeros(plan, item.rows(block), scales_ref[1])
+
+  @pl.when(jnp.logical_not(item.padding))
+  def _():
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      _block_forward(plan, item, block, stores, smem)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stores:
+  """The norm warpgroup's row-exact stores of one q block: out, z and u per head (z and u, the
+  backward's residuals, only when saved; u only with the LayerNorm), the statistics."""
+
+  out_ref: object
+  stats_ref: object
+  z_ref: object
+  u_ref: object
+  o_tile: object
+  stats_tile: object
+  saved_tile: object
+
+  def out(self, tile, rows, head):
+    store.store_rows(tile.astype(self.out_ref.dtype), self.o_tile,
+                     lambda r, c: self.out_ref.at[r, head, c], *rows)
+
+  def saved(self, ref, tile, rows, head):
+    """z or u (``ref``; nothing when None) of ``head``, in q's dtype."""
+    if ref is not None:
+      store.store_rows(tile.astype(ref.dtype), self.saved_tile,
+                       lambda r, c: ref.at[r, head, c], *rows)
+
+  def stats(self, columns: dict, rows, scale=None):
+    """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are
+    0 (times ``scale`` when given)."""
+    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, STATS_COLS), 1, layout=plgpu.Layout.WGMMA)
+    tile = plgpu.layout_cast(jnp.zeros((BLOCK_Q, STATS_COLS), _F32), plgpu.Layout.WGMMA)
+    if scale is not None:
+      tile = tile * scale
+    for j, vec in columns.items():
+      tile = jnp.where(col == j, lax.broadcast_in_dim(vec, tile.shape, [0]), tile)
+    store.store_rows(tile, self.stats_tile, lambda r, c: self.stats_ref.at[r, c], *rows)
+
+  def zeros(self, plan: _Plan, rows, post_scale):
+    """Padding rows: 0 · post_scale, so a NaN post_scale (the op's answer to bad traced offsets)
+    reaches every output."""
+    zero = plgpu.layout_cast(jnp.zeros((BLOCK_Q, plan.head_dim), _F32), plgpu.Layout.WGMMA)
+    zero = zero * post_scale
+
+    @pl.loop(0, plan.num_heads)
+    def _(head):
+      self.out(zero, rows, head)
+      self.saved(self.z_ref, zero, rows, head)
+      self.saved(self.u_ref, zero, rows, head)
+    self.stats({}, rows, post_scale)
 
 
 def _rowvec(v, shape):
@@ -272,136 +492,147 @@ def _rowvec(v, shape):
   return lax.broadcast_in_dim(v, shape, [0])
 
 
-def _row_sum(x):
-  """Row sums of a (BLOCK_Q, D) f32 tile in the WGMMA layout: per-thread partial sums of the
-  8-column slices, then one reduction across lanes."""
-  return jnp.sum(mgpu.lane_partial_sum(x), axis=1)
+def _colvec(vec_smem, which: int, head: int, shape):
+  """γ1 (0), β1 (1) or γ2 (2) of ``head``, broadcast over the rows of ``shape``."""
+  v = plgpu.load(vec_smem.at[which, head], layout=plgpu.Layout.WGMMA.reduce(0))
+  return lax.broadcast_in_dim(v, shape, [1])
 
 
-class _BlockNorms:
-  """The norms around the GDPA consumer's attention step (the hooks of
-  :class:`pallas_norm.ops.gdpa.mosaic.OutputStore`), for consumer warpgroup ``wg``."""
+def _load_f32(tile):
+  return plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(_F32)
 
-  def __init__(self, plan: _Plan, out_refs, smem, dtype, post_scale):
-    self.plan, self.dtype, self.post_scale = plan, dtype, post_scale
-    self.out_ref, self.stats_ref, *saved = out_refs
-    self.z_ref, self.u_ref = (*saved, None, None)[:2]
-    self.store_tiles = smem["store_tiles"]
-    self.vec_smem = smem["vec_smem"]
-    self.ex = (cluster_exchange.Exchange(**smem["exchange"]) if "exchange" in smem else None)
 
-  def _exchange(self, partials: tuple, wg, index, merge):
-    """``merge`` of the cluster's per-row partials (exchange ``index`` of the warpgroup)."""
-    ex = self.ex
-    if ex is not None and ex.part is not None and len(ex.part[0]) > len(partials):
-      ex = dataclasses.replace(ex, part=tuple(part[:len(partials)] for part in ex.part))
-    return cluster_exchange.cluster_row_sums(self.plan.exchange_spec(len(partials)), partials,
-                                             ex, wg, index, merge)
+def _sum_over_heads(plan: _Plan, tile_fn):
+  """Row sums over the H heads of ``tile_fn(head)`` (BLOCK_Q, D) f32: per-thread partial sums
+  in a dynamic loop over the heads (one copy of the code whatever H, nothing hoisted across
+  heads), reduced across lanes once."""
+  def add(head, partial):
+    return partial + mgpu.lane_partial_sum(tile_fn(head))
+  partial = lax.fori_loop(0, plan.num_heads, add, mgpu.lane_partial_zeros(BLOCK_Q))
+  return jnp.sum(partial, axis=1)
 
-  def _colvec(self, which: int, shape):
-    """γ1 (0), β1 (1) or γ2 (2) of the head, broadcast over the rows of ``shape``."""
-    v = plgpu.load(self.vec_smem.at[which], layout=plgpu.Layout.WGMMA.reduce(0))
-    return lax.broadcast_in_dim(v, shape, [1])
 
-  def _merge_layer_norm(self, per_cta):
-    """(μ1, r1) from each head's (mean, centred sum of squares) over D features (Chan's
-    parallel variance: every head has the same count)."""
-    heads, d = len(per_cta), self.plan.head_dim
-    mean = mgpu.tree_sum([m for m, _ in per_cta]) * (1.0 / heads)
-    m2 = mgpu.tree_sum([m2 + d * jnp.square(m - mean) for m, m2 in per_cta])
-    return mean, lax.rsqrt(m2 * (1.0 / (heads * d)) + self.plan.eps)
+def _layer_norm_stats(plan: _Plan, x_smem):
+  """(μ1, r1) row vectors over the H tiles of the q block: the mean, then the centred second
+  moment (two passes over SMEM, no cancellation for rows with a large mean)."""
+  scale = 1.0 / (plan.num_heads * plan.head_dim)
+  mean = _sum_over_heads(plan, lambda h: _load_f32(x_smem.at[h])) * scale
 
-  def _merge_rms(self, per_cta):
-    heads, d = len(per_cta), self.plan.head_dim
-    squares = mgpu.tree_sum([s for s, *_ in per_cta])
-    return (lax.rsqrt(squares * (1.0 / (heads * d)) + self.plan.eps),)
+  def centred_square(h):
+    x = _load_f32(x_smem.at[h]) - _rowvec(mean, (BLOCK_Q, plan.head_dim))
+    return x * x
 
-  def _pre_norm(self, x, stats):
-    """u_h in f32 from q_h (f32): the LayerNorm with the row's (μ1, r1), γ1, β1; or q_h."""
-    if stats is None:
-      return x
-    mean, rstd = stats
-    u = (x - _rowvec(mean, x.shape)) * _rowvec(rstd, x.shape)
-    return u * self._colvec(0, x.shape) + self._colvec(1, x.shape)
+  var = _sum_over_heads(plan, centred_square) * scale
+  return mean, lax.rsqrt(var + plan.eps)
 
-  def _padding_or(self, item, value):
-    """``value``, or 0·post_scale on a padding chunk's rows (NaN when the op poisoned the
-    scales)."""
-    rows = plgpu.broadcasted_iota(jnp.int32, value.shape, 0, layout=plgpu.Layout.WGMMA)
-    padding = rows < jnp.where(item.kv_steps == 0, BLOCK_Q, 0)  # all rows or none
-    return jnp.where(padding, (0 * self.post_scale).astype(value.dtype), value)
 
-  def _store_rows(self, kind: int, tile, dst_at, item, block, wg):
-    """:func:`store.store_rows` of the segment's rows of ``tile`` through consumer ``wg``'s
-    store tile of ``kind`` (0: out, 1: statistics, 2: z and u)."""
-    for w, tiles in enumerate(self.store_tiles):
-      @pl.when(wg == w)
-      def _(tiles=tiles):
-        store.store_rows(tile, tiles[kind].at[0], dst_at, *gdpa_mosaic.block_rows(item, block))
+def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
+  """u_h in f32 from q_h (f32): LayerNorm with the block's (μ1, r1), γ1, β1; or q_h itself."""
+  if not plan.pre_layer_norm:
+    return x
+  mean, rstd = stats
+  u = (x - _rowvec(mean, x.shape)) * _rowvec(rstd, x.shape)
+  return u * _colvec(vec_smem, 0, head, x.shape) + _colvec(vec_smem, 1, head, x.shape)
 
-  def _store(self, ref, kind: int, value, item, block, wg):
-    self._store_rows(kind, self._padding_or(item, value).astype(ref.dtype),
-                     lambda rows, cols: ref.at[rows, item.head, cols], item, block, wg)
 
-  def before_attention(self, item, block, q_tile, wg, count):
-    """q_h into registers (kept for the residuals), the LayerNorm statistics by the cluster
-    exchange, u_h over q_h's slot (and saved for the backward). Returns (q_h, (μ1, r1))."""
-    plan = self.plan
-    if not (plan.pre_layer_norm or plan.inner_residual or plan.outer_residual):
-      return None, None
-    x = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA)
-    if not plan.pre_layer_norm:  # the WGMMA reads q_h as TMA wrote it
-      return x, None
-    xf = x.astype(_F32)
-    head_mean = _row_sum(xf) * (1.0 / plan.head_dim)
-    centred = xf - _rowvec(head_mean, xf.shape)
-    stats = self._exchange((head_mean, _row_sum(centred * centred)), wg,
-                           count * plan.exchanges_per_block, self._merge_layer_norm)
-    u = self._pre_norm(xf, stats).astype(q_tile.dtype)
-    q_tile[...] = u
-    plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
-    if self.u_ref is not None:
-      self._store(self.u_ref, 2, u, item, block, wg)
-    keep = x if (plan.inner_residual or plan.outer_residual) else None
-    return keep, stats
+def _block_forward(plan: _Plan, item: _Item, block, stores: _Stores, smem) -> None:
+  """The norm warpgroup's q block: statistics, every u_h handed to the attention warpgroup,
+  per head attn_h back → Σz², then r2, the epilogue and the stores."""
+  x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
+  rows = item.rows(block)
+  for barrier in range(2 * plan.num_heads):
+    plgpu.barrier_wait(smem["q_ready"].at[barrier])
+  stats = _layer_norm_stats(plan, x_smem) if plan.pre_layer_norm else None
 
-  def after_attention(self, item, block, o, before, wg, count):
-    """z_h = u_h + attn_h, r2 by the cluster exchange, out_h = z_h·r2·γ2 + q_h; the stores."""
-    plan = self.plan
-    x, ln_stats = before
-    z = (o * self.post_scale).astype(self.dtype).astype(_F32)  # attn, rounded as the chain's
+  @pl.loop(0, plan.num_heads)
+  def _publish(head):  # every u_h at once (over q_h): the attention warpgroup takes them in turn
+    if plan.pre_layer_norm:
+      u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
+      u = u.astype(x_smem.dtype)
+      x_smem.at[head][...] = u
+      plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
+    plgpu.barrier_arrive(smem["u_ready"].at[head])
+    if plan.pre_layer_norm:  # while the attention warpgroup runs: the norm one would wait
+      stores.saved(stores.u_ref, u, rows, head)
+
+  def attend(head):  # attn_h back over u_h; returns z_h² for Σz²
+    plgpu.barrier_wait(smem["attn_ready"].at[head])
+    z = _load_f32(x_smem.at[head])  # attn_h
+    if plan.inner_residual:  # u_h again from the residual copy of q_h (as in the epilogue)
+      z = z + _pre_norm(plan, _load_f32(res_smem.at[head]), stats, vec_smem, head)
+    stores.saved(stores.z_ref, z, rows, head)
+    return z * z
+
+  rms_rstd = lax.rsqrt(_sum_over_heads(plan, attend) * (1.0 / (plan.num_heads * plan.head_dim))
+                       + plan.eps)
+
+  @pl.loop(0, plan.num_heads)
+  def _epilogue(head):
+    q = _load_f32(res_smem.at[head])
+    z = _load_f32(x_smem.at[head])
     if plan.inner_residual:
-      z = z + self._pre_norm(x.astype(_F32), ln_stats)
-    squares = _row_sum(z * z)
-    if self.z_ref is not None:  # its TMA store runs during the exchange
-      self._store(self.z_ref, 2, z, item, block, wg)
-    (rms_rstd,) = self._exchange((squares,), wg, (count + 1) * plan.exchanges_per_block - 1,
-                                 self._merge_rms)
-    out = z * _rowvec(rms_rstd, z.shape) * self._colvec(2, z.shape)
+      z = z + _pre_norm(plan, q, stats, vec_smem, head)
+    out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
     if plan.outer_residual:
-      out = out + x.astype(_F32)
-    self._store(self.out_ref, 0, out, item, block, wg)
-    columns = {2: rms_rstd, **(dict(enumerate(ln_stats)) if ln_stats is not None else {})}
+      out = out + q
+    _release_q(smem, head)  # the head's tiles are read: the next block's may load over them
+    stores.out(out, rows, head)
 
-    # Every CTA of the cluster holds the same statistics: the CTAs take turns storing them, so
-    # no one CTA is always the last to reach the next exchange.
-    @pl.when(item.head == lax.rem(count, plan.num_heads))
-    def _():
-      self._store_stats(columns, item, block, wg)
+  stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
 
-  def _store_stats(self, columns: dict, item, block, wg):
-    """``columns``: {column: row vector}; the other columns 0 (0·post_scale on padding)."""
-    shape = (BLOCK_Q, STATS_COLS)
-    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-    tile = plgpu.layout_cast(jnp.zeros(shape, _F32), plgpu.Layout.WGMMA)
-    for j, vec in columns.items():
-      tile = jnp.where(col == j, _rowvec(vec, shape), tile)
-    self._store_rows(1, self._padding_or(item, tile),
-                     lambda rows, cols: self.stats_ref.at[rows, cols], item, block, wg)
 
-  def finish(self, wg, count):
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
-    if self.ex is not None:
-      @pl.when(count > 0)  # no CTA exits while its peers may still read its partials
-      def _():
-        cluster_exchange.final_sync(self.plan.exchange_spec(1), self.ex, wg)
+def _release_q(smem, head) -> None:
+  """Hands a head's q tiles back to the producer. x_smem and res_smem were read (and x_smem
+  written) by the generic proxy: a proxy fence before the producer's TMA (async proxy) may
+  overwrite them, as the PTX memory model asks."""
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(smem["q_free"].at[head])
+
+
+def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
+  """The attention warpgroup: per q block and head, waits for u_h from the norm warpgroup,
+  runs the head's attention and hands attn_h back in u_h's tile."""
+  @pl.when(jnp.logical_not(item.padding))
+  def _():
+    @pl.loop(0, item.q_blocks)
+    def _block(block):
+      @pl.loop(0, plan.num_heads)
+      def _head(head):
+        plgpu.barrier_wait(smem["u_ready"].at[head])
+        if not plan.pre_layer_norm:  # WGMMA reads q_h as TMA wrote it: observe that load too
+          plgpu.barrier_wait(smem["q_ready"].at[2 * head])
+        x_tile = smem["x_smem"].at[head]
+        o = _attend_head(plan, x_tile, smem, block * plan.uses_per_block + head * plan.kv_steps,
+                         scales_ref[0])
+        # attn_h over u_h: the WGMMAs reading u_h are done (their result was read).
+        x_tile[...] = (o * scales_ref[1]).astype(x_tile.dtype)
+        plgpu.commit_smem()  # before WGMMA or the producer's TMA (async proxy) use the tile
+        plgpu.barrier_arrive(smem["attn_ready"].at[head])
+
+
+def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
+  """Σ over the key blocks of act(pre_scale · u_h K_hᵀ) V_h: (BLOCK_Q, D) f32. Key block
+  ``step`` sits in ring slot ``(first_use + step) % kv_stages``; each step's score WGMMA, act
+  and P·V WGMMA run to completion before the slot is released."""
+  p_tile = smem["p_smem"]
+
+  def body(o_acc):
+    for step in range(plan.kv_steps):
+      slot = lax.rem(first_use + step, plan.kv_stages)
+
+      def scores(s_acc, slot=slot):
+        plgpu.barrier_wait(smem["k_ready"].at[slot])
+        plgpu.wgmma(s_acc, u_tile, smem["k_smem"].at[slot].transpose((1, 0)))
+        return s_acc[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, plan.block_kv), _F32))
+      # P goes through SMEM: the previous P·V has finished reading it (waited for).
+      p_tile[...] = plan.act(s * pre_scale).astype(p_tile.dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_wait(smem["v_ready"].at[slot])
+      plgpu.wgmma(o_acc, p_tile, smem["v_smem"].at[slot])
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(smem["kv_free"].at[slot])  # the P·V reading the slot is done
+    return o_acc[...]
+
+  return pl.run_scoped(body, plgpu.ACC((BLOCK_Q, plan.head_dim), _F32))
