@@ -479,6 +479,32 @@ def test_cluster_kv_form_matches_default(variant, switches):
   _check_variant_matches_default(cluster, 1, variant, **switches)
 
 
+@pytest.mark.parametrize("heads", [2, 4, 8])
+def test_cluster_merges_match_whole_rows(heads):
+  """The cluster kernel's merges of the per-head row partials (what each CTA computes after the
+  exchange, which interpret mode cannot run) against the whole rows' statistics in float64:
+  rows of H·D features with |mean| / std up to 1e3 (past what bf16 q resolves: 8 bits), so
+  the LayerNorm's merge must not cancel; heads in CTA order. Tolerance: the f32 rounding of the
+  head means (ulp(100) ≈ 8e-6 against head-mean spreads ≈ 1e-2) in the between-head term."""
+  rng = np.random.default_rng(heads)
+  d, eps = 64, 1e-6
+  rows = (rng.standard_normal((16, heads * d)) * np.logspace(-1, 1, 16)[:, None]
+          + np.linspace(-100, 100, 16)[:, None]).astype(np.float32)
+  per_head = rows.reshape(16, heads, d).astype(np.float64)
+  means = per_head.mean(axis=2)
+  m2s = np.square(per_head - means[..., None]).sum(axis=2)
+  per_cta = [(jnp.asarray(means[:, h], F32), jnp.asarray(m2s[:, h], F32)) for h in range(heads)]
+  mean, rstd = cluster.merge_layer_norm(per_cta, d, eps)
+  whole = rows.astype(np.float64)
+  np.testing.assert_allclose(mean, whole.mean(axis=1), rtol=1e-6)
+  np.testing.assert_allclose(rstd, 1 / np.sqrt(whole.var(axis=1) + eps), rtol=5e-4)
+  squares = np.square(per_head).sum(axis=2)
+  (rms_rstd,) = cluster.merge_rms([(jnp.asarray(squares[:, h], F32),) for h in range(heads)],
+                                  d, eps)
+  np.testing.assert_allclose(rms_rstd, 1 / np.sqrt(np.square(whole).mean(axis=1) + eps),
+                             rtol=1e-5)
+
+
 def test_cluster_dispatch_reasons(monkeypatch):
   """What the cluster kernel takes: H in 1, 2, 4, 8 (H = 8 fits: one head per CTA); only H = 1
   in interpret mode, where the op then runs the chain."""

@@ -226,6 +226,23 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
   mgpu.warp_specialize(produce, consume)
 
 
+def merge_layer_norm(per_cta, head_dim: int, eps: float):
+  """(μ1, r1) of the rows from each head's partials (mean, centred sum of squares) over its
+  ``head_dim`` features, in CTA order: Chan's parallel variance (every head has the same count),
+  exact for rows with a large mean."""
+  heads = len(per_cta)
+  mean = mgpu.tree_sum([m for m, _ in per_cta]) * (1.0 / heads)
+  m2 = mgpu.tree_sum([m2 + head_dim * jnp.square(m - mean) for m, m2 in per_cta])
+  return mean, lax.rsqrt(m2 * (1.0 / (heads * head_dim)) + eps)
+
+
+def merge_rms(per_cta, head_dim: int, eps: float):
+  """(r2,) of the rows from each head's partial sum of squares (the first partial), in CTA
+  order."""
+  squares = mgpu.tree_sum([s for s, *_ in per_cta])
+  return (lax.rsqrt(squares * (1.0 / (len(per_cta) * head_dim)) + eps),)
+
+
 def _rowvec(v, shape):
   """A row vector (layout WGMMA.reduce(1)) broadcast over the columns of ``shape``."""
   return lax.broadcast_in_dim(v, shape, [0])
@@ -248,6 +265,9 @@ class _BlockNorms:
     self.store_tiles = smem["store_tiles"]
     self.vec_smem = smem["vec_smem"]
     self.ex = (cluster_exchange.Exchange(**smem["exchange"]) if "exchange" in smem else None)
+    self._merge_layer_norm = functools.partial(merge_layer_norm, head_dim=plan.head_dim,
+                                               eps=plan.eps)
+    self._merge_rms = functools.partial(merge_rms, head_dim=plan.head_dim, eps=plan.eps)
 
   def _exchange(self, partials: tuple, wg, index, merge):
     """``merge`` of the cluster's per-row partials (exchange ``index`` of the warpgroup)."""
@@ -261,19 +281,6 @@ class _BlockNorms:
     """γ1 (0), β1 (1) or γ2 (2) of the head, broadcast over the rows of ``shape``."""
     v = plgpu.load(self.vec_smem.at[which], layout=plgpu.Layout.WGMMA.reduce(0))
     return lax.broadcast_in_dim(v, shape, [1])
-
-  def _merge_layer_norm(self, per_cta):
-    """(μ1, r1) from each head's (mean, centred sum of squares) over D features (Chan's
-    parallel variance: every head has the same count)."""
-    heads, d = len(per_cta), self.plan.head_dim
-    mean = mgpu.tree_sum([m for m, _ in per_cta]) * (1.0 / heads)
-    m2 = mgpu.tree_sum([m2 + d * jnp.square(m - mean) for m, m2 in per_cta])
-    return mean, lax.rsqrt(m2 * (1.0 / (heads * d)) + self.plan.eps)
-
-  def _merge_rms(self, per_cta):
-    heads, d = len(per_cta), self.plan.head_dim
-    squares = mgpu.tree_sum([s for s, *_ in per_cta])
-    return (lax.rsqrt(squares * (1.0 / (heads * d)) + self.plan.eps),)
 
   def _pre_norm(self, x, stats):
     """u_h in f32 from q_h (f32): the LayerNorm with the row's (μ1, r1), γ1, β1; or q_h."""
