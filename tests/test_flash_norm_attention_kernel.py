@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import export
 
 import pallas_norm as pn
-from pallas_norm import jagged, mgpu, reference
+from pallas_norm import _dispatch, jagged, mgpu, reference
 from pallas_norm.ops.flash_norm_attention import api as fna_api
 from pallas_norm.ops.flash_norm_attention import cluster, mosaic, norm_bwd
 from pallas_norm.ops.gdpa import mosaic_bwd as gdpa_mosaic_bwd
@@ -79,7 +79,8 @@ def test_fused_forward_matches_reference(kernel, heads, monkeypatch):
   """Output and statistics (μ1, r1, r2) of the fused kernel (one CTA per q block, or the
   cluster kernel at H = 1), through the op: an empty sample, a sample over two q blocks, a row
   with a large mean, γ2 with zeros, NaN padding rows of q."""
-  monkeypatch.setattr(fna_api, "_CLUSTER_FORWARD", kernel == "cluster")
+  if kernel == "cluster":
+    _route_to_cluster(monkeypatch)
   q, k, v, qo, affine = _problem(0, [5, 70, 0, 9], heads, 64, large_mean_row=6)
   kw = dict(affine, pre_scale=0.9, post_scale=1.1, eps=1e-5)
   out, (ln, rms) = jax.jit(lambda q, k, v, qo: pn.flash_norm_attention(
@@ -445,7 +446,8 @@ def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len, kernel, mon
   with either forward kernel (the cluster one at H = 1).
   Every condition that raises the flag (past capacity, a sample longer than max_seq_len) is
   tested on its own in test_traced_offsets.py and test_jagged.py; one trips the poison here."""
-  monkeypatch.setattr(fna_api, "_CLUSTER_FORWARD", kernel == "cluster")
+  if kernel == "cluster":
+    _route_to_cluster(monkeypatch)
   q, k, v, _, _ = _problem(8, [4, 12], 2 if kernel == "mosaic" else 1, 64)
   q = jnp.where(jnp.isnan(q), 0, q)
 
@@ -464,7 +466,8 @@ def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len, kernel, mon
 
 # ------------------------------------------------------------------------------------------------
 # The forward as a cluster of H CTAs, one per head (pallas_norm.ops.flash_norm_attention.cluster,
-# behind the branch's switch api._CLUSTER_FORWARD until the GPU measures it). Interpret mode
+# which the op runs where the one-CTA kernel does not fit; tests route other calls to it by
+# monkeypatching the op's router). Interpret mode
 # cannot read a peer CTA's shared memory, so the CPU runs it at H = 1 (all its math but the
 # cluster exchange); the exchange at H = 2, 4, 8: lowering here, results in the gpu tests.
 
@@ -505,6 +508,12 @@ def test_cluster_merges_match_whole_rows(heads):
                              rtol=1e-5)
 
 
+def _route_to_cluster(monkeypatch):
+  """The op's fused path runs the cluster kernel (where it can) instead of the one-CTA one."""
+  monkeypatch.setattr(fna_api, "_forward_kernel", lambda q, k, kv_offsets, out_dtype, interpret: (
+      "cluster", cluster.unsupported_reason(q, k, kv_offsets, out_dtype, interpret=interpret)))
+
+
 def test_cluster_dispatch_reasons(monkeypatch):
   """What the cluster kernel takes: H in 1, 2, 4, 8 (H = 8 fits: one head per CTA); only H = 1
   in interpret mode, where the op then runs the chain."""
@@ -518,8 +527,17 @@ def test_cluster_dispatch_reasons(monkeypatch):
   assert "interpret" in cluster.unsupported_reason(q, dense, None, None, interpret=True)
   assert cluster.unsupported_reason(q[:, :1], dense[:, :, :1], None, None, interpret=True) is None
   assert "jagged" in cluster.unsupported_reason(q, dense[0], jnp.zeros(3, jnp.int32), None)
-  monkeypatch.setattr(fna_api, "_CLUSTER_FORWARD", True)
-  assert "interpret" in fna_api._forward_reason(q, dense, None, None, True)  # noqa: SLF001
+  route = fna_api._forward_kernel  # noqa: SLF001
+  h8, dense8 = jnp.zeros((64, 8, 128), bf), jnp.zeros((2, 128, 8, 128), bf)
+  assert route(q, dense, None, None, False) == ("mosaic", None)  # where the one-CTA kernel fits
+  assert route(h8, dense8, None, None, False) == ("cluster", None)
+  assert "interpret" in route(h8, dense8, None, None, True)[1]
+  # implementation=None: never the cluster kernel until the GPU measures it (in the measured
+  # domain the one-CTA kernel fits; were it not to, the chain runs)
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  assert fna_api.fused_slower_reason(q, dense, None, None) is None
+  monkeypatch.setattr(mosaic, "unsupported_reason", lambda *a: "too large")
+  assert "cluster" in fna_api.fused_slower_reason(q, dense, None, None)
 
 
 @pytest.mark.parametrize("heads,save_residuals,out_dtype,switches", [
@@ -544,7 +562,7 @@ def test_cluster_lowers_for_sm90a(heads, save_residuals, out_dtype, switches):
 @pytest.mark.parametrize("heads,density", [(4, 0.5), (2, 0.5), (8, 0.5)])
 def test_gpu_cluster_forward_at_issue_shape(heads, density, monkeypatch):
   """The op's forward and statistics with the cluster forward (its exchange at H = 2, 4, 8)."""
-  monkeypatch.setattr(fna_api, "_CLUSTER_FORWARD", True)
+  _route_to_cluster(monkeypatch)
   test_gpu_forward_at_issue_shape(heads, density)
 
 
@@ -593,5 +611,5 @@ def _check_cluster_training_form(heads, head_dim, lens, switches, interpret=Fals
 def test_gpu_cluster_gradients_at_issue_shape(heads, monkeypatch):
   """The op's gradients with the cluster forward (its saved z, u and statistics feed the
   unchanged backward) against the f32 XLA reference's."""
-  monkeypatch.setattr(fna_api, "_CLUSTER_FORWARD", True)
+  _route_to_cluster(monkeypatch)
   test_gpu_gradients_at_issue_shape(heads)

@@ -1,7 +1,9 @@
 """The FlashNormAttention forward as a cluster of H CTAs, one Pallas Mosaic-GPU kernel for Hopper
 (sm_90a): the alternative to :mod:`.mosaic` (one CTA owns every head of a q block), with the
-same arguments and outputs; the op runs it when ``api._CLUSTER_FORWARD`` is set (this branch's
-switch until the GPU measures it).
+same arguments and outputs. The op runs it where that kernel does not fit (e.g. H·D = 1024:
+H = 8, D = 128), with ``implementation="mosaic"``; ``implementation=None`` keeps the chain
+there until the GPU measures it (it is interpret-tested at H = 1 and lowering-checked at
+H = 2, 4, 8; its GPU tests wait for a GPU session).
 
 Per token over all H·D features (DESIGN.md, op 4; :func:`pallas_norm.reference.flash_norm_attention`)::
 
@@ -71,9 +73,11 @@ Config = gdpa_configs.Config
 """The tiling: the GDPA kernel's (key step, q ring depth, resident or streamed K/V)."""
 
 
-_EXCHANGE = "pull"
-"""How the CTAs of a cluster share their row partials (:data:`pallas_norm.mgpu.exchange.EXCHANGES`;
-an A/B switch of this branch, not an option)."""
+def _exchange_mode(num_heads: int) -> str:
+  """How the CTAs of a cluster share their row partials (:data:`pallas_norm.mgpu.exchange.
+  EXCHANGES`): "pull" (the "push" inbox costs the second K/V buffer at H = 4; not measured)."""
+  del num_heads
+  return "pull"
 
 
 def _extra_smem_bytes(num_heads: int, head_dim: int) -> int:
@@ -85,7 +89,7 @@ def _extra_smem_bytes(num_heads: int, head_dim: int) -> int:
   vecs = -(-3 * head_dim * 4 // 1024) * 1024
   if num_heads == 1:
     exchange = 0
-  elif _EXCHANGE == "push":
+  elif _exchange_mode(num_heads) == "push":
     exchange = 2 * num_heads * BLOCK_Q * cluster_exchange.PACKET_COLS * 4 + 1024
   else:
     exchange = 2 * 2 * 1024 + 1024 + 1024
@@ -136,7 +140,7 @@ class _Plan:
 
   def exchange_spec(self, n_partials: int) -> cluster_exchange.Spec:
     return cluster_exchange.Spec(cluster=self.num_heads, rows=BLOCK_Q, n_partials=n_partials,
-                                 exchange=_EXCHANGE)
+                                 exchange=_exchange_mode(self.num_heads))
 
 
 def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, *,
