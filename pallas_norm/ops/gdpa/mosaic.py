@@ -268,10 +268,10 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
   num_items = table.shape[0] * num_heads
   num_ctas = max(1, min(mgpu.num_sms(interpret), num_items))
   plan = Plan(num_heads=num_heads, num_segments=table.shape[0], num_ctas=num_ctas,
-               rounds=-(-num_items // num_ctas), block_kv=cfg.block_kv, q_stages=cfg.q_stages,
-               kv_stages=cfg.kv_stages, kv_buffers=cfg.kv_buffers,
-               kv_chunks=rows // cfg.block_kv, jagged_kv=kv_offsets is not None,
-               act=KERNEL_ACTIVATIONS[activation])
+              rounds=-(-num_items // num_ctas), block_kv=cfg.block_kv, q_stages=cfg.q_stages,
+              kv_stages=cfg.kv_stages, kv_buffers=cfg.kv_buffers,
+              kv_chunks=rows // cfg.block_kv, jagged_kv=kv_offsets is not None,
+              act=KERNEL_ACTIVATIONS[activation])
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
