@@ -223,9 +223,9 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
 
   def consume():
     plgpu.barrier_wait(smem["vec_ready"])
-    norms = _BlockNorms(plan, (out_ref, stats_ref, *saved_refs), smem, q_ref.dtype,
-                        scales_ref[1])
-    gdpa_mosaic.consumer(attention, item_at, kv, scales_ref[0], norms, smem)
+    norms_for = functools.partial(_BlockNorms, plan, (out_ref, stats_ref, *saved_refs), smem,
+                                  q_ref.dtype)
+    gdpa_mosaic.consumer(attention, item_at, kv, scales_ref, norms_for, smem)
 
   mgpu.warp_specialize(produce, consume)
 

@@ -384,8 +384,8 @@ def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, plan: Plan, **
   kv = kv_pipeline(plan, k_ref, v_ref, smem)
   mgpu.warp_specialize(
       lambda: producer(plan, item_at, kv, q_ref, smem),
-      lambda: consumer(plan, item_at, kv, scales_ref[0],
-                       OutputStore(o_ref, smem["o_smem"], scales_ref[1]), smem))
+      lambda: consumer(plan, item_at, kv, scales_ref,
+                       functools.partial(OutputStore, o_ref, smem["o_smem"]), smem))
 
 
 def kv_pipeline(plan: Plan, k_ref, v_ref, smem):
@@ -393,11 +393,17 @@ def kv_pipeline(plan: Plan, k_ref, v_ref, smem):
   return (_ResidentKV if plan.kv_stages is None else _StreamedKV)(plan, k_ref, v_ref, smem)
 
 
+def _segment_bounds(item: Item, block):
+  """The segment's rows in q block ``block`` of the item: [lo, hi)."""
+  lo = jnp.maximum(item.q_lo - block * BLOCK_Q, 0)
+  hi = jnp.minimum(item.q_hi - block * BLOCK_Q, BLOCK_Q)
+  return lo, hi
+
+
 def block_rows(item: Item, block):
   """(first GMEM row of q block ``block`` of the item, the segment's rows in it as
   [lo, lo + count)): what an epilogue may store."""
-  lo = jnp.maximum(item.q_lo - block * BLOCK_Q, 0)
-  hi = jnp.minimum(item.q_hi - block * BLOCK_Q, BLOCK_Q)
+  lo, hi = _segment_bounds(item, block)
   return item.q_win + block * BLOCK_Q, lo, hi - lo
 
 
@@ -420,9 +426,10 @@ class OutputStore:
 
   def after_attention(self, item, block, o, before, wg, count):
     del before, count
+    lo, hi = _segment_bounds(item, block)
     store.store_rows((o * self.post_scale).astype(self.o_smem.dtype), self.o_smem.at[wg],
                      lambda rows, cols: self.o_ref.at[rows, item.head, cols],
-                     *block_rows(item, block))
+                     item.q_win + block * BLOCK_Q, lo, hi - lo)
 
   def finish(self, wg, count):
     del wg, count
@@ -480,12 +487,14 @@ def _drain_ring(free, first: int, stages: int, uses) -> None:
     plgpu.barrier_wait(free.at[first + lax.rem(use, stages)])
 
 
-def consumer(plan: Plan, item_at, kv, pre_scale, epilogue, smem) -> None:
+def consumer(plan: Plan, item_at, kv, scales_ref, epilogue_for, smem) -> None:
   """WGMMA warpgroup ``wg``, round by round: its q blocks of the item, each Σ_k act(pre·Q Kᵀ) V
-  between the ``epilogue``'s hooks (:class:`OutputStore`: post · O stored). The store of an
-  item's last block overlaps the next item's start."""
+  between the hooks of ``epilogue_for(post_scale)`` (:class:`OutputStore`: post · O stored).
+  The store of an item's last block overlaps the next item's start."""
   wg = lax.axis_index("wg")
   q_smem, q_ready, q_free = smem["q_smem"], smem["q_ready"], smem["q_free"]
+  pre_scale, post_scale = scales_ref[0], scales_ref[1]
+  epilogue = epilogue_for(post_scale)
 
   def round_(r, carry):
     q_use, kv_use, item = carry
