@@ -113,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                "valid_examples"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
+  if args.seed < 0:  # NumPy's generators take no negative seed (was a traceback)
+    p.error(f"--seed must be >= 0, got {args.seed}")
   if args.max_seq_len < 2:  # ads_data.load's bound (the synthetic lengths); was a traceback
     p.error("--max-seq-len must be >= 2")
   if not (np.isfinite(args.lr) and args.lr > 0):  # nan trained silently to a nan log-loss
@@ -121,6 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--weight-decay must be a non-negative finite number, got {args.weight_decay}")
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
+  if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and (
+      not args.checkpoint_dir.is_dir()):  # Orbax failed on it only at the first save
+    p.error(f"--checkpoint-dir must be a directory, got the file {args.checkpoint_dir}")
   distributed.check_arguments(p, args)
   args.token_buckets = _token_buckets(p, args)
   return args

@@ -61,6 +61,17 @@ def cast(dtype, *arrays):
   return tuple(None if a is None else a.astype(dtype) for a in arrays)
 
 
+def check_switches(layer: str, **switches) -> None:
+  """The layer's on/off arguments (``use_scale``, ``use_bias``, ...) are bools (or NumPy bools;
+  None where a switch has a default rule, passed here only when set): a string such as "no" is
+  truthy and would silently create the parameter. TypeError naming the layer's argument."""
+  for name, value in switches.items():
+    try:
+      _validate.flag(name, value)
+    except TypeError as e:
+      raise TypeError(f"{layer}: {e}") from e
+
+
 def check_norm(norm: str) -> None:
   if norm not in ("rms", "layer"):
     raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")

@@ -141,8 +141,9 @@ class PFFNBlock(nnx.Module):
 
   Raises: as :class:`GDPA` (the query argument being ``q_tokens``), plus at construction
   ValueError for an epsilon that is not positive and finite (in float32) and TypeError for a
-  non-number epsilon or a param_dtype that is not a floating dtype (bfloat16, float16, float32,
-  float64); at call time also as :func:`pallas_norm.flash_norm_attention`.
+  non-number epsilon, a use_scale/use_bias that is not a bool, or a param_dtype that is not a
+  floating dtype (bfloat16, float16, float32, float64); at call time also as
+  :func:`pallas_norm.flash_norm_attention`.
   """
 
   def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
@@ -158,6 +159,7 @@ class PFFNBlock(nnx.Module):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
+    _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias)
     features = self.num_heads * self.head_dim
     make = lambda init, use: (_common.param(rngs, init, (features,), param_dtype)  # noqa: E731
                               if use else None)

@@ -61,8 +61,9 @@ class NormDense(nnx.Module):
     ValueError: at construction, for in_features or out_features that is not a positive
       integer, an unknown norm, an epsilon that is not positive and finite (in float32) or an
       unknown implementation; at call time, when the input's last dimension is not in_features.
-    TypeError: at construction, for a non-number epsilon, a dtype that is neither None nor a
-      floating dtype, or a param_dtype that is not a floating dtype (bfloat16, float16, float32,
+    TypeError: at construction, for a non-number epsilon, a use_scale/use_bias/use_norm_bias
+      that is not a bool (use_norm_bias: or None), a dtype that is neither None nor a floating
+      dtype, or a param_dtype that is not a floating dtype (bfloat16, float16, float32,
       float64); at call time, for a non-array x.
     At call time also ValueError/TypeError from :func:`pallas_norm.norm_matmul` for other bad
     inputs, and NotImplementedError for a kernel implementation that does not exist.
@@ -82,6 +83,8 @@ class NormDense(nnx.Module):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
+    _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias,
+                           **({} if use_norm_bias is None else {"use_norm_bias": use_norm_bias}))
     self.norm_scale, self.norm_bias = _norm_params(
         rngs, norm, in_features, use_scale, use_norm_bias, scale_init, norm_bias_init,
         param_dtype)
@@ -137,6 +140,8 @@ class DenseNorm(nnx.Module):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
+    _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias,
+                           **({} if use_norm_bias is None else {"use_norm_bias": use_norm_bias}))
     self.kernel = _common.param(rngs, kernel_init, (in_features, out_features), param_dtype)
     self.bias = (_common.param(rngs, bias_init, (out_features,), param_dtype)
                  if use_bias else None)

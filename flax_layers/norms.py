@@ -45,9 +45,9 @@ class RMSNorm(nnx.Module):
     ValueError: at construction, for a num_features that is not a positive integer, an epsilon
       that is not positive and finite (in float32) or an unknown implementation; at call time,
       when the input's last dimension is not num_features (with or without ``scale``).
-    TypeError: at construction, for a non-number epsilon, a dtype that is neither None nor a
-      floating dtype, or a param_dtype that is not a floating dtype (bfloat16, float16, float32,
-      float64); at call time, for a non-array x.
+    TypeError: at construction, for a non-number epsilon, a use_scale/use_bias that is not a
+      bool, a dtype that is neither None nor a floating dtype, or a param_dtype that is not a
+      floating dtype (bfloat16, float16, float32, float64); at call time, for a non-array x.
     At call time also ValueError/TypeError from :func:`pallas_norm.rms_norm` for other bad inputs
     (e.g. a residual of another shape), and NotImplementedError for a kernel implementation that
     does not exist.
@@ -61,6 +61,7 @@ class RMSNorm(nnx.Module):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
+    _common.check_switches(type(self).__name__, use_scale=use_scale)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
                   if use_scale else None)
 
@@ -98,6 +99,7 @@ class LayerNorm(nnx.Module):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
+    _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
                   if use_scale else None)
     self.bias = (_common.param(rngs, bias_init, (num_features,), param_dtype)

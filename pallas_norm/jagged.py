@@ -96,13 +96,48 @@ def _check_lengths_dtype(dtype, lens) -> None:
     raise TypeError(f"lengths must have an integer dtype, got {np.dtype(dtype)}: {lens!r}")
 
 
+def _check_index_args(name: str, offsets, capacity) -> int:
+  """The arguments of the index helpers (:func:`segment_ids`, :func:`valid_mask`,
+  :func:`positions`, :func:`row_index`): ``capacity`` a static non-negative int, returned as a
+  Python int; ``offsets`` a 1-D integer array and, when concrete, following the jagged
+  convention for ``capacity`` rows (first 0, non-decreasing, last <= capacity). Traced offsets
+  (under ``jax.jit``/``vmap``) cannot raise and are not checked: the indices of offsets that
+  break the convention are meaningless (the conversions and ops poison their outputs instead).
+  Without the check, a capacity below offsets[-1] gave a mask of all True, offsets not starting
+  at 0 negative positions, decreasing ones negative lengths, float offsets a silent search."""
+  capacity = _static_size(name, "capacity", capacity)
+  if capacity < 0:
+    raise ValueError(f"{name}: capacity must be >= 0, got {capacity}")
+  if not _validate.is_array(offsets) or not jnp.issubdtype(offsets.dtype, jnp.integer) or (
+      jnp.dtype(offsets.dtype) == jnp.dtype(bool)) or offsets.ndim != 1 or offsets.shape[0] < 1:
+    raise TypeError(f"{name}: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
+                    f"{getattr(offsets, 'dtype', type(offsets).__name__)} of shape "
+                    f"{tuple(getattr(offsets, 'shape', ()))}")
+  if not isinstance(offsets, jax.core.Tracer):
+    host = np.asarray(offsets)
+    if host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > capacity:
+      raise ValueError(f"{name}: offsets must start at 0, never decrease and end at most at the "
+                       f"packed capacity {capacity}, got {host.tolist()}")
+  return capacity
+
+
 def segment_ids(offsets: jax.Array, capacity: int) -> jax.Array:
   """Sample index of each packed row, shape (capacity,), int32.
 
   Padding rows (index >= offsets[-1]) get B (one past the last sample), so a gather with
   ``mode="fill"`` or a mask from :func:`valid_mask` drops them. A batch converted several times
   computes it once: :func:`row_index`.
+
+  Raises:
+    TypeError: offsets that are not a 1-D integer array; a non-integer ``capacity``.
+    ValueError: a negative ``capacity``; concrete offsets that break the jagged convention for
+      ``capacity`` rows (traced ones are not checked).
   """
+  capacity = _check_index_args("segment_ids", offsets, capacity)
+  return _segment_ids(offsets, capacity)
+
+
+def _segment_ids(offsets, capacity: int):
   rows = jnp.arange(capacity, dtype=jnp.int32)
   # side="right" maps a row equal to offsets[b] to sample b even when earlier samples are empty.
   return (jnp.searchsorted(offsets, rows, side="right") - 1).astype(jnp.int32).clip(
@@ -127,10 +162,14 @@ def row_index(offsets: jax.Array, capacity: int) -> RowIndex:
   offsets).
 
   Raises:
-    TypeError: ``capacity`` is not an integer.
+    TypeError, ValueError: as :func:`segment_ids`.
   """
-  capacity = _static_size("row_index", "capacity", capacity)
-  seg = segment_ids(offsets, capacity)
+  capacity = _check_index_args("row_index", offsets, capacity)
+  return _row_index(offsets, capacity)
+
+
+def _row_index(offsets, capacity: int) -> RowIndex:
+  seg = _segment_ids(offsets, capacity)
   starts = jnp.take(offsets, seg, mode="clip")
   return RowIndex(seg, jnp.arange(capacity, dtype=jnp.int32) - starts)
 
@@ -142,7 +181,7 @@ def _rows_for(rows: RowIndex | None, offsets, capacity: int, arg: str):
   disagree raise ValueError: the forward gathers read ``offsets`` and the derivatives ``rows``,
   so a RowIndex of another batch gave the right values with silently wrong gradients."""
   if rows is None:
-    return row_index(offsets, capacity), None
+    return _row_index(offsets, capacity), None
   if not isinstance(rows, RowIndex):
     raise TypeError(f"rows must be a jagged.RowIndex (from jagged.row_index), got "
                     f"{type(rows).__name__}")
@@ -182,13 +221,23 @@ def _rows_mismatch(xp, rows, offsets, capacity: int):
 
 
 def valid_mask(offsets: jax.Array, capacity: int) -> jax.Array:
-  """True for real tokens, False for padding rows; shape (capacity,)."""
+  """True for real tokens, False for padding rows; shape (capacity,).
+
+  Raises: as :func:`segment_ids`."""
+  capacity = _check_index_args("valid_mask", offsets, capacity)
+  return _valid_mask(offsets, capacity)
+
+
+def _valid_mask(offsets, capacity: int):
   return jnp.arange(capacity, dtype=jnp.int32) < offsets[-1]
 
 
 def positions(offsets: jax.Array, capacity: int) -> jax.Array:
-  """Position of each packed row inside its own sample, shape (capacity,), int32."""
-  return row_index(offsets, capacity).positions
+  """Position of each packed row inside its own sample, shape (capacity,), int32.
+
+  Raises: as :func:`segment_ids`."""
+  capacity = _check_index_args("positions", offsets, capacity)
+  return _row_index(offsets, capacity).positions
 
 
 def _static_size(name: str, size_name: str, size) -> int:
@@ -363,8 +412,8 @@ def _gather_from_padded(padded, offsets, capacity, *, rows=None):
   batch, max_len = padded.shape[:2]
   if batch * max_len == 0 or capacity == 0:
     return jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
-  seg, pos = row_index(offsets, capacity) if rows is None else rows
-  valid = valid_mask(offsets, capacity) & (pos < max_len)
+  seg, pos = _row_index(offsets, capacity) if rows is None else rows
+  valid = _valid_mask(offsets, capacity) & (pos < max_len)
   flat = padded.reshape((batch * max_len,) + padded.shape[2:])
   idx = jnp.where(valid, seg * max_len + pos, 0)
   out = jnp.take(flat, idx, axis=0, mode="clip")
@@ -379,7 +428,7 @@ def _scatter_to_padded(values, offsets, max_len, rows):
   if capacity == 0 or batch * max_len == 0:
     return jnp.zeros(shape, values.dtype)
   seg, pos = rows
-  valid = valid_mask(offsets, capacity) & (pos < max_len)
+  valid = _valid_mask(offsets, capacity) & (pos < max_len)
   idx = jnp.where(valid, seg * max_len + pos, batch * max_len)
   flat = jnp.zeros((batch * max_len,) + values.shape[1:], values.dtype)
   return flat.at[idx].add(values, mode="drop").reshape(shape)

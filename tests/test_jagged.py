@@ -403,3 +403,35 @@ def test_zero_capacity_gives_empty_outputs_and_zero_gradients(op, kind):
     assert g.shape == primal.shape
     if kind == "q" or primal is k:
       np.testing.assert_array_equal(g, 0.0)
+
+
+@pytest.mark.parametrize("offsets, cap, error, match", [
+    ([0, 3, 3, 8], 6, ValueError, "offsets"),        # last offset past the capacity
+    ([0, 5, 3, 8], 10, ValueError, "offsets"),       # decreasing
+    ([2, 5, 8], 10, ValueError, "offsets"),          # first offset not 0
+    (np.array([0.0, 3.0, 8.0]), 10, TypeError, "offsets"),
+    ([[0, 3, 8]], 10, TypeError, "offsets"),         # not 1-D
+    ([0, 3, 8], 10.0, TypeError, "capacity"),
+    ([0, 3, 8], -1, ValueError, "capacity"),
+])
+@pytest.mark.parametrize("helper", ["segment_ids", "valid_mask", "positions", "row_index"])
+def test_index_helpers_reject_offsets_that_break_the_convention(helper, offsets, cap, error,
+                                                                match):
+  """segment_ids, valid_mask, positions and row_index returned silently wrong indices for
+  concrete offsets that break the jagged convention (review 9): capacity 6 < offsets[-1] = 8
+  gave a mask of all True, offsets starting at 2 negative positions, decreasing offsets a
+  sample of negative length; float offsets and a float capacity were searched as they were."""
+  offsets = jnp.asarray(np.asarray(offsets, np.int32) if isinstance(offsets, list) else offsets)
+  with pytest.raises(error, match=match):
+    getattr(jagged, helper)(offsets, cap)
+
+
+def test_index_helpers_take_traced_offsets_unchecked():
+  """Under jax.jit the values cannot raise (the conversions and ops poison instead); the helpers
+  still trace and return the indices of valid offsets."""
+  offsets = jnp.asarray([0, 3, 3, 8], jnp.int32)
+  seg, pos, mask = jax.jit(lambda o: (jagged.segment_ids(o, 10), jagged.positions(o, 10),
+                                      jagged.valid_mask(o, 10)))(offsets)
+  np.testing.assert_array_equal(seg, [0, 0, 0, 2, 2, 2, 2, 2, 3, 3])
+  np.testing.assert_array_equal(pos, [0, 1, 2, 0, 1, 2, 3, 4, 0, 1])
+  np.testing.assert_array_equal(mask, [True] * 8 + [False] * 2)

@@ -160,8 +160,11 @@ def test_attentions_reuse_the_batch_row_index(model, monkeypatch):
   x = jax.random.normal(jax.random.key(0), (T, CONFIG.num_heads, CONFIG.head_dim))
   rows = jagged.row_index(offsets, T)
   searches = []
-  real = jagged.segment_ids
-  monkeypatch.setattr(jagged, "segment_ids", lambda *a: searches.append(a) or real(*a))
+  real = jagged._segment_ids  # every search of the offsets, public helpers' and conversions'
+  monkeypatch.setattr(jagged, "_segment_ids", lambda *a: searches.append(a) or real(*a))
+  jax.make_jaxpr(lambda o: jagged.to_padded(x, o, CONFIG.max_seq_len))(offsets)
+  assert searches, "the patch must see a conversion's own search (else the test cannot fail)"
+  searches.clear()
   loss = lambda x: (jnp.sum(model._self_attention(0, x, offsets, rows) ** 2)  # noqa: E731
                     + jnp.sum(model._seed_pool(x, offsets, rows) ** 2))
   jax.make_jaxpr(jax.grad(loss))(x)

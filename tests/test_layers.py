@@ -129,6 +129,21 @@ def test_bad_construction_raises(make):
     make()
 
 
+@pytest.mark.parametrize("make, name", [
+    (lambda: RMSNorm(K, use_scale="no", rngs=nnx.Rngs(0)), "use_scale"),
+    (lambda: LayerNorm(K, use_bias="False", rngs=nnx.Rngs(0)), "use_bias"),
+    (lambda: NormDense(K, N, use_norm_bias="no", rngs=nnx.Rngs(0)), "use_norm_bias"),
+    (lambda: NormDense(K, N, use_bias=None, rngs=nnx.Rngs(0)), "use_bias"),
+    (lambda: DenseNorm(K, N, use_scale=1, rngs=nnx.Rngs(0)), "use_scale"),
+    (lambda: PFFNBlock(H, D, use_bias="no", rngs=nnx.Rngs(0)), "use_bias"),
+])
+def test_non_bool_switches_raise_when_the_layer_is_built(make, name):
+  """use_scale="no" or use_bias="False" is truthy and silently created the parameter (review 9),
+  where the ops' own switches (return_h, zero_centered_scale, ...) raise TypeError."""
+  with pytest.raises(TypeError, match=f"{name} must be a bool"):
+    make()
+
+
 # ---------------------------------------------------------------------------------------------
 # Argument checks: errors name the layer's own arguments (not the op's internal ones)
 

@@ -3,6 +3,8 @@ reference: the public API with ``implementation="interpret"`` (forward kernel + 
 interpret mode on the CPU) against ``implementation="xla"`` and the f32 reference, and the
 backward's XLA parts (row terms, weight gradients, the bias-cancellation guard) on their own."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -75,15 +77,26 @@ def _rel(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-@pytest.mark.parametrize("m,k,n,norm,use_affine,lead", [(77, 128, 192, "layer", True, ()),
-                                                        (64, 64, 128, "rms", False, (2, 4))])
-def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine, lead):
+FUSED_WITH_GUARD = ["y_term", "y"]
+"""The dx kernel calls traced for fused row terms when the norm has a bias: lax.cond traces the
+bias-cancellation guard's exact branch (row terms given) and then the fused one (y given); at
+run time only one runs."""
+
+
+@pytest.mark.parametrize("m,k,n,norm,use_affine,lead,route", [
+    (77, 320, 192, "layer", True, (), FUSED_WITH_GUARD),
+    (64, 320, 128, "rms", False, (2, 4), ["y_term"])])
+def test_public_api_interpret_matches_xla(monkeypatch, m, k, n, norm, use_affine, lead, route):
   """pallas_norm.norm_matmul(implementation="interpret"): y and (dx, dw, dscale, dbias) within
   bf16 tolerance (relative Frobenius 2e-2; y 1e-2) of implementation="xla" and of the f32
-  reference. Forward and backward each run once (jax.vjp): interpret mode is slow. dx's row
-  sums come from the dx kernel's epilogue for this LayerNorm call and its row terms from the
-  XLA pass for the RMSNorm one (the defaults at these shapes). The RMSNorm call has leading dimensions ``lead``
+  reference. Forward and backward each run once (jax.vjp): interpret mode is slow. K = 320
+  splits over no cluster, so dx takes the row terms' routes (``route``, as traced): the fused
+  row terms for this LayerNorm call (the bias guard's other branch traced, not run), the XLA
+  pass for the RMSNorm one, whose weight gradients come from XLA's scaled dy (x̂ would be wider
+  than dy). The row sums in the epilogue (K ≤ 256 in interpret mode) run through the op in
+  test_lazy_backward_16bit_large_row_mean. The RMSNorm call has leading dimensions ``lead``
   (x (2, 4, 8, K)): flattened for the kernels, restored in y and dx."""
+  calls = _spy_on_dx_kernel(monkeypatch)
   x, w, scale, bias, ct = _inputs(21 + m, m, k, n, jnp.bfloat16)
   if lead:
     x, ct = x.reshape(*lead, -1, k), ct.reshape(*lead, -1, n)
@@ -107,6 +120,7 @@ def test_public_api_interpret_matches_xla(m, k, n, norm, use_affine, lead):
       y_interp, grads_interp = y, grads
       assert bool(jnp.all(jnp.isfinite(y))), "the forward kernel left outputs unwritten"
   assert _rel(y_interp, y) < 1e-2
+  assert calls == route
   names = ["dx", "dw", "dscale", "dbias"]
   for name, g, g_xla, g_ref in zip(names, grads_interp, grads, grads_ref):
     if g_ref is None:
@@ -131,12 +145,6 @@ def _check_against_f32_reference(y, grads, x, w, scale, bias, ct, norm):
     top = float(jnp.max(jnp.abs(r)))
     chex.assert_trees_all_close(f32(g) / top, r / top, atol=2e-2, rtol=0, custom_message=name)
     assert _rel(g, r) < 2e-2, (name, _rel(g, r))
-
-
-FUSED_WITH_GUARD = ["y_term", "y"]
-"""The dx kernel calls traced for fused row terms when the norm has a bias: lax.cond traces the
-bias-cancellation guard's exact branch (row terms given) and then the fused one (y given); at
-run time only one runs."""
 
 
 def _traced(expected, with_bias=True):
@@ -218,10 +226,12 @@ def test_weight_grads_take_x_hat_by_shape(monkeypatch, k, n, norm, x_hat):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 1024, 320)])
+@pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 320, 320)])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_gpu_public_api_gradients(m, k, n, norm):
-  """implementation="mosaic" (both kernels compiled) against the f32 reference's gradients."""
+  """implementation="mosaic" (both kernels compiled) against the f32 reference's gradients. dx
+  takes the row sums in its epilogue at K = 512 (a cluster of 2); K = 320 splits over no
+  cluster: the fused row terms (LayerNorm) and the XLA row-terms pass (RMSNorm)."""
   x, w, scale, bias, ct = _inputs(m + n, m, k, n, jnp.bfloat16)
   ct = ct.astype(jnp.bfloat16)
   op = lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm,
@@ -457,11 +467,14 @@ def test_returned_stats_carry_no_gradient_on_any_path(op):
 ])
 def test_dx_stays_accurate_when_the_bias_dwarfs_the_scale(norm, scale_size, bias_size):
   """y' = y − βᵀW rebuilt from the rounded y cancels when |βᵀW| ≫ ‖W_γ[:, j]‖; past
-  BIAS_CANCELLATION_LIMIT the backward recomputes y' exactly, so dx stays as accurate as XLA's."""
-  x, w, _, _, ct = _inputs(31, 64, 128, 128, jnp.bfloat16)
+  BIAS_CANCELLATION_LIMIT the backward recomputes y' exactly, so dx stays as accurate as XLA's.
+  K = 320: in interpret mode K ≤ 256 takes the row sums in the dx epilogue, which read no y and
+  have no guard; at 320 LayerNorm takes the fused row terms, RMSNorm the XLA row-terms pass."""
+  k = 320
+  x, w, _, _, ct = _inputs(31, 64, k, 128, jnp.bfloat16)
   ks = jax.random.split(jax.random.key(32), 2)
-  scale = scale_size * (1.0 + 0.1 * jax.random.normal(ks[0], (128,), jnp.float32))
-  bias = bias_size * jax.random.normal(ks[1], (128,), jnp.float32)
+  scale = scale_size * (1.0 + 0.1 * jax.random.normal(ks[0], (k,), jnp.float32))
+  bias = bias_size * jax.random.normal(ks[1], (k,), jnp.float32)
   w_gamma, out_bias = scale[:, None] * w.astype(jnp.float32), bias @ w.astype(jnp.float32)
   assert float(nm_xla.bias_cancellation(w_gamma, out_bias)) > nm_xla.BIAS_CANCELLATION_LIMIT
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
@@ -471,13 +484,20 @@ def test_dx_stays_accurate_when_the_bias_dwarfs_the_scale(norm, scale_size, bias
                                              ("interpret",))
 
 
+@functools.partial(jax.jit, static_argnames=("norm", "impl"))
+def _kernel_dx(x, w, scale, bias, ct, *, norm, impl):
+  """dx of the public op as one program: the cases of a norm share its compile (the guard's
+  lax.cond picks the branch from the values)."""
+  _, vjp = jax.vjp(lambda x: pallas_norm.norm_matmul(x, w, scale=scale, norm_bias=bias, norm=norm,
+                                                     implementation=impl), x)
+  return vjp(ct.astype(jnp.bfloat16))[0]
+
+
 def _check_dx_accuracy_under_bias_cancellation(x, w, scale, bias, ct, norm, scale_size, dx_ref,
                                                impls):
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   for impl in impls:
-    _, vjp = jax.vjp(lambda x: pallas_norm.norm_matmul(x, w, scale=scale, norm_bias=bias, norm=norm,
-                                                       implementation=impl), x)
-    (dx,) = vjp(ct.astype(jnp.bfloat16))
+    dx = _kernel_dx(x, w, scale, bias, ct, norm=norm, impl=impl)
     if scale_size == 0.0:
       assert float(jnp.max(jnp.abs(f32(dx)))) == 0.0, impl
     else:
@@ -496,11 +516,14 @@ def test_bias_cancellation_is_small_for_usual_parameters():
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_gpu_dx_stays_accurate_when_the_bias_dwarfs_the_scale(norm):
-  """The lax.cond of the bias-cancellation guard around the dx kernel, on the GPU."""
-  x, w, _, _, ct = _inputs(34, 4096 + 77, 512, 512, jnp.bfloat16)
+  """The lax.cond of the bias-cancellation guard around the dx kernel, on the GPU. K = 320: it
+  splits over no cluster, so the row sums in the dx epilogue (no guard: K = 512 took them) do
+  not run; LayerNorm takes the fused row terms, RMSNorm the XLA row-terms pass."""
+  k = 320
+  x, w, _, _, ct = _inputs(34, 4096 + 77, k, 512, jnp.bfloat16)
   ks = jax.random.split(jax.random.key(35), 2)
-  scale = 1e-3 * (1.0 + 0.1 * jax.random.normal(ks[0], (512,), jnp.float32))
-  bias = jax.random.normal(ks[1], (512,), jnp.float32)
+  scale = 1e-3 * (1.0 + 0.1 * jax.random.normal(ks[0], (k,), jnp.float32))
+  bias = jax.random.normal(ks[1], (k,), jnp.float32)
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   _, vjp_ref = jax.vjp(lambda x: reference.norm_matmul(x, f32(w), scale, bias, norm=norm), f32(x))
   (dx_ref,) = vjp_ref(ct)

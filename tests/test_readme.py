@@ -23,3 +23,19 @@ def test_ci_runs_the_readme_test_command():
   test_command = next(b.strip() for b in _blocks("bash") if "pytest" in b)
   ci_lines = [line.strip() for line in CI.read_text().splitlines()]
   assert test_command in ci_lines
+
+
+def test_readme_python_examples_run_on_two_devices():
+  """The README's sharding example on a machine of 2 devices (review 9): it split a jagged batch
+  of B = 3 samples over jax.device_count() shards, so it ran only on 1 or 3 devices and raised
+  "num_shards must be a positive divisor of the batch B = 3" on 2, 4 or 8 GPUs. In a
+  subprocess: the device count is fixed when JAX starts."""
+  import os
+  import subprocess
+  import sys
+  script = "\n".join(_blocks("python")) + "\nassert jax.device_count() == 2\n"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu", PYTHONPATH=str(README.parent))
+  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]

@@ -529,8 +529,8 @@ def test_public_ops_accept_numpy_inputs(op, rng):
     (reference.matmul_norm, lambda x: (x, jnp.ones((4, 3)))),
 ])
 def test_unknown_norm_is_rejected(fn, args):
-  """A norm the reference does not define (e.g. the kernels' internal "none") is a ValueError,
-  not a silent LayerNorm."""
+  """A norm the reference does not define (e.g. "none", once an internal kernel mode) is a
+  ValueError, not a silent LayerNorm."""
   x = jax.random.normal(jax.random.key(0), (2, 4))
   with pytest.raises(ValueError, match="norm"):
     fn(*args(x), norm="none")

@@ -118,7 +118,10 @@ def test_kunlun_logits_are_nan_for_invalid_traced_offsets():
     (["--max-seq-len", "1"], "--max-seq-len"),          # was a traceback from ads_data.load
     (["--lr", "nan"], "--lr"),                          # trained silently to val_logloss=nan
     (["--lr=-1e-3"], "--lr"),
-    (["--weight-decay", "inf"], "--weight-decay")])
+    (["--weight-decay", "inf"], "--weight-decay"),
+    (["--seed", "-1"], "--seed"),                       # was NumPy's traceback (review 9)
+    # a file: Orbax's NotADirectoryError after the first steps had trained (review 9)
+    (["--checkpoint-dir", str(ROOT / "README.md")], "--checkpoint-dir")])
 def test_train_kunlun_rejects_bad_flags_with_exit_2(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     train_kunlun.parse_args(argv)

@@ -123,8 +123,9 @@ y' it grows with the ratio: measured dx errors (bf16, LayerNorm, K = N = 128) 0.
 XLA. Past the limit the backward recomputes y' exactly (one more XLA GEMM, under ``lax.cond``:
 it runs only then). On the H200 the conditional costs ~2% of fwd+bwd at 262144×512² when it does
 not fire (wall clock of back-to-back calls: RMSNorm with a bias 1142 vs 1118 µs, LayerNorm 1093 vs
-1075; ``benchmarks/gpu_guard_cost.py``, session 6); when it fires, the f32 GEMM adds ~350-550
-µs."""
+1075; ``benchmarks/results/logs/2026-11-30_s6_guard_cost.log``); when it fires, the f32 GEMM
+adds ~350-550 µs. Where the dx kernel sums the rows in its epilogue there is no guard (nothing
+rebuilds y' from y)."""
 
 
 def bias_cancellation(w_gamma, out_bias):
