@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from jax import export
 
 import pallas_norm as pn
-from pallas_norm import jagged, mgpu, reference
-from pallas_norm.ops.flash_norm_attention import mosaic, norm_bwd
+from pallas_norm import _dispatch, jagged, mgpu, reference
+from pallas_norm.ops.flash_norm_attention import api as fna_api
+from pallas_norm.ops.flash_norm_attention import cluster, mosaic, norm_bwd
 from pallas_norm.ops.gdpa import mosaic_bwd as gdpa_mosaic_bwd
 
 TOL = 2e-2
@@ -73,10 +74,14 @@ def _reference(q, k, v, q_offsets, **kw):
   return oracle(q, k, v)
 
 
-def test_fused_forward_matches_reference():
-  """Output and statistics (μ1, r1, r2) of the fused kernel, through the op: an empty sample, a
-  sample over two q blocks, a row with a large mean, γ2 with zeros, NaN padding rows of q."""
-  q, k, v, qo, affine = _problem(0, [5, 70, 0, 9], 2, 64, large_mean_row=6)
+@pytest.mark.parametrize("kernel,heads", [("mosaic", 2), ("cluster", 1)])
+def test_fused_forward_matches_reference(kernel, heads, monkeypatch):
+  """Output and statistics (μ1, r1, r2) of the fused kernel (one CTA per q block, or the
+  cluster kernel at H = 1), through the op: an empty sample, a sample over two q blocks, a row
+  with a large mean, γ2 with zeros, NaN padding rows of q."""
+  if kernel == "cluster":
+    _route_to_cluster(monkeypatch)
+  q, k, v, qo, affine = _problem(0, [5, 70, 0, 9], heads, 64, large_mean_row=6)
   kw = dict(affine, pre_scale=0.9, post_scale=1.1, eps=1e-5)
   out, (ln, rms) = jax.jit(lambda q, k, v, qo: pn.flash_norm_attention(
       q, k, v, qo, return_stats=True, implementation="interpret", **kw))(q, k, v, qo)
@@ -123,20 +128,22 @@ def test_fused_ring_depth_matches_default(variant, switches):
   against their definitions); also, default ring only (the ring depth is orthogonal to the
   switches), with the LayerNorm and the inner residual off (the attention warpgroup then reads
   q_h as TMA wrote it). The op's forward-only tests cover the kernel without the residuals."""
-  _check_variant_matches_default(variant, **switches)
+  _check_variant_matches_default(mosaic, 2, variant, **switches)
 
 
-def _check_variant_matches_default(variant, **switches):
-  """``variant`` of the default Config (if not None) against it, bit for bit (samples of 70
-  rows, none and 9, Lkv = 192: three key blocks); the default and its z and u against the
-  reference."""
-  q, k, v, qo, affine = _problem(3, [70, 0, 9], 2, 64, lkv=192)
-  a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(3, 2, 64)
-  run = lambda cfg: jax.block_until_ready(mosaic.flash_norm_attention_fwd(  # noqa: E731
+def _check_variant_matches_default(module, heads, variant, **switches):
+  """``variant`` of the default Config of the forward kernel ``module`` (if not None) against
+  it, bit for bit (samples of 70 rows, none and 9, Lkv = 192: three key blocks); the default
+  and its z and u against the reference."""
+  q, k, v, qo, affine = _problem(3, [70, 0, 9], heads, 64, lkv=192)
+  a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(
+      3, heads, 64)
+  run = lambda cfg: jax.block_until_ready(module.flash_norm_attention_fwd(  # noqa: E731
       q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6,
       save_residuals=True, config=cfg, interpret=True, **switches))
-  default = mosaic.pick_config(2, 64, q.dtype, q.dtype, k.shape[1])
-  assert default.kv_stages > 2
+  default = module.pick_config(heads, 64, q.dtype, q.dtype, k.shape[1])
+  # one CTA per q block: a 4-slot K/V ring at this shape; the cluster kernel: resident K/V
+  assert default.kv_stages > 2 if module is mosaic else default.kv_stages is None
   want = run(default)
   assert len(want) == 4
   if variant is not None:
@@ -431,13 +438,17 @@ def test_gpu_norm_backward_kernels():
     assert _rel_err(db1, jnp.sum(duf, axis=0)) < 1e-2
 
 
-@pytest.mark.parametrize("bad_offsets,max_seq_len", [([0, 4, 40], None)])  # last > T
-def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len):
+@pytest.mark.parametrize("bad_offsets,max_seq_len,kernel", [
+    ([0, 4, 40], None, "mosaic"), ([0, 4, 40], None, "cluster")])  # last > T
+def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len, kernel, monkeypatch):
   """Traced offsets that break the jagged convention: the fused path answers with NaN in every
-  output row and every gradient (NaN scales, no pass over the data), as the GDPA kernel does.
+  output row and every gradient (NaN scales, no pass over the data), as the GDPA kernel does;
+  with either forward kernel (the cluster one at H = 1).
   Every condition that raises the flag (past capacity, a sample longer than max_seq_len) is
   tested on its own in test_traced_offsets.py and test_jagged.py; one trips the poison here."""
-  q, k, v, _, _ = _problem(8, [4, 12], 2, 64)
+  if kernel == "cluster":
+    _route_to_cluster(monkeypatch)
+  q, k, v, _, _ = _problem(8, [4, 12], 2 if kernel == "mosaic" else 1, 64)
   q = jnp.where(jnp.isnan(q), 0, q)
 
   def loss(q, k, v, offsets):
@@ -451,3 +462,154 @@ def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len):
   # Every row of dq, also those past the made-valid offsets (they may be real tokens).
   assert bool(jnp.all(jnp.isnan(grads[0]))) and bool(jnp.all(jnp.isnan(grads[1])))
   assert bool(jnp.all(jnp.isnan(grads[2])))
+
+
+# ------------------------------------------------------------------------------------------------
+# The forward as a cluster of H CTAs, one per head (pallas_norm.ops.flash_norm_attention.cluster,
+# which the op runs where the one-CTA kernel does not fit; tests route other calls to it by
+# monkeypatching the op's router). Interpret mode
+# cannot read a peer CTA's shared memory, so the CPU runs it at H = 1 (all its math but the
+# cluster exchange); the exchange at H = 2, 4, 8: lowering here, results in the gpu tests.
+
+
+@pytest.mark.parametrize("variant,switches", [
+    (dict(kv_stages=2), dict()), (None, dict(pre_layer_norm=False, inner_residual=False))])
+def test_cluster_kv_form_matches_default(variant, switches):
+  """The cluster kernel with K/V streamed per q block through 2-slot rings (the GDPA kernel's
+  form for long K/V) against its default resident K/V, bit for bit, over three key blocks,
+  with the backward's residuals z and u (against their definitions); also, default form only,
+  with the LayerNorm and the inner residual off (the WGMMA then reads q_h as TMA wrote it)."""
+  _check_variant_matches_default(cluster, 1, variant, **switches)
+
+
+@pytest.mark.parametrize("heads", [2, 4, 8])
+def test_cluster_merges_match_whole_rows(heads):
+  """The cluster kernel's merges of the per-head row partials (what each CTA computes after the
+  exchange, which interpret mode cannot run) against the whole rows' statistics in float64:
+  rows of H·D features with |mean| / std up to 1e3 (past what bf16 q resolves: 8 bits), so
+  the LayerNorm's merge must not cancel; heads in CTA order. Tolerance: the f32 rounding of the
+  head means (ulp(100) ≈ 8e-6 against head-mean spreads ≈ 1e-2) in the between-head term."""
+  rng = np.random.default_rng(heads)
+  d, eps = 64, 1e-6
+  rows = (rng.standard_normal((16, heads * d)) * np.logspace(-1, 1, 16)[:, None]
+          + np.linspace(-100, 100, 16)[:, None]).astype(np.float32)
+  per_head = rows.reshape(16, heads, d).astype(np.float64)
+  means = per_head.mean(axis=2)
+  m2s = np.square(per_head - means[..., None]).sum(axis=2)
+  per_cta = [(jnp.asarray(means[:, h], F32), jnp.asarray(m2s[:, h], F32)) for h in range(heads)]
+  mean, rstd = cluster.merge_layer_norm(per_cta, d, eps)
+  whole = rows.astype(np.float64)
+  np.testing.assert_allclose(mean, whole.mean(axis=1), rtol=1e-6)
+  np.testing.assert_allclose(rstd, 1 / np.sqrt(whole.var(axis=1) + eps), rtol=5e-4)
+  squares = np.square(per_head).sum(axis=2)
+  (rms_rstd,) = cluster.merge_rms([(jnp.asarray(squares[:, h], F32),) for h in range(heads)],
+                                  d, eps)
+  np.testing.assert_allclose(rms_rstd, 1 / np.sqrt(np.square(whole).mean(axis=1) + eps),
+                             rtol=1e-5)
+
+
+def _route_to_cluster(monkeypatch):
+  """The op's fused path runs the cluster kernel (where it can) instead of the one-CTA one."""
+  monkeypatch.setattr(fna_api, "_forward_kernel", lambda q, k, kv_offsets, out_dtype, interpret: (
+      "cluster", cluster.unsupported_reason(q, k, kv_offsets, out_dtype, interpret=interpret)))
+
+
+def test_cluster_dispatch_reasons(monkeypatch):
+  """What the cluster kernel takes: H in 1, 2, 4, 8 (H = 8 fits: one head per CTA); only H = 1
+  in interpret mode, where the op then runs the chain."""
+  bf = jnp.bfloat16
+  q, dense = jnp.zeros((64, 4, 128), bf), jnp.zeros((2, 128, 4, 128), bf)
+  assert cluster.unsupported_reason(q, dense, None, None) is None
+  assert cluster.unsupported_reason(jnp.zeros((64, 8, 128), bf),
+                                    jnp.zeros((2, 128, 8, 128), bf), None, None) is None
+  assert "H = 3" in cluster.unsupported_reason(jnp.zeros((64, 3, 128), bf),
+                                               jnp.zeros((2, 128, 3, 128), bf), None, None)
+  assert "interpret" in cluster.unsupported_reason(q, dense, None, None, interpret=True)
+  assert cluster.unsupported_reason(q[:, :1], dense[:, :, :1], None, None, interpret=True) is None
+  assert "jagged" in cluster.unsupported_reason(q, dense[0], jnp.zeros(3, jnp.int32), None)
+  route = fna_api._forward_kernel  # noqa: SLF001
+  h8, dense8 = jnp.zeros((64, 8, 128), bf), jnp.zeros((2, 128, 8, 128), bf)
+  assert route(q, dense, None, None, False) == ("mosaic", None)  # where the one-CTA kernel fits
+  assert route(h8, dense8, None, None, False) == ("cluster", None)
+  assert "interpret" in route(h8, dense8, None, None, True)[1]
+  # implementation=None: never the cluster kernel until the GPU measures it (in the measured
+  # domain the one-CTA kernel fits; were it not to, the chain runs)
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  assert fna_api.fused_slower_reason(q, dense, None, None) is None
+  monkeypatch.setattr(mosaic, "unsupported_reason", lambda *a: "too large")
+  assert "cluster" in fna_api.fused_slower_reason(q, dense, None, None)
+
+
+@pytest.mark.parametrize("heads,save_residuals,out_dtype,switches", [
+    (2, False, jnp.float32, {}), (4, True, None, {}),
+    (8, True, None, dict(pre_layer_norm=False, inner_residual=False))])
+def test_cluster_lowers_for_sm90a(heads, save_residuals, out_dtype, switches):
+  """Mosaic's sm_90a lowering accepts the cluster kernel (clusters of H CTAs, the exchange's
+  DSMEM reads and cluster barriers, SMEM within the limit, TMA boxes) at real sizes: a float32
+  output, the training form, and H = 8 with one exchange per block."""
+  head_dim, t, b = 128, 4096, 16
+  spec = jax.ShapeDtypeStruct
+  fn = jax.jit(lambda q, k, v, qo, a: cluster.flash_norm_attention_fwd(
+      q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6,
+      save_residuals=save_residuals, out_dtype=out_dtype, **switches))
+  kv = spec((b, 128, heads, head_dim), jnp.bfloat16)
+  export.export(fn, platforms=["cuda"])(spec((t, heads, head_dim), jnp.bfloat16), kv, kv,
+                                        spec((b + 1,), jnp.int32),
+                                        spec((3, heads, head_dim), F32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,density", [(4, 0.5), (2, 0.5), (8, 0.5)])
+def test_gpu_cluster_forward_at_issue_shape(heads, density, monkeypatch):
+  """The op's forward and statistics with the cluster forward (its exchange at H = 2, 4, 8)."""
+  _route_to_cluster(monkeypatch)
+  test_gpu_forward_at_issue_shape(heads, density)
+
+
+_ALL_OFF = dict(pre_layer_norm=False, inner_residual=False, outer_residual=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,switches", [(2, {}), (4, _ALL_OFF), (8, {}), (8, _ALL_OFF)],
+                         ids=["h2", "h4_off", "h8", "h8_off"])
+def test_gpu_cluster_training_form_and_switches(heads, switches):
+  """The cluster exchange in the training form (z, u and the statistics saved) with the
+  LayerNorm (two exchanges per q block) or with every switch off (one), against the reference:
+  96 samples of up to 300 rows (partial q blocks, 8-row windows), a row with a large mean, γ2
+  with zeros."""
+  _check_cluster_training_form(heads, 128, np.random.default_rng(9).integers(1, 300, size=96),
+                               switches)
+
+
+def _check_cluster_training_form(heads, head_dim, lens, switches, interpret=False):
+  """The cluster kernel with the residuals saved against the reference: out (a large-mean
+  row, row 3), the statistics, z and u; zeros on padding rows."""
+  q, k, v, qo, affine = _problem(9, lens, heads, head_dim, 128, large_mean_row=3)
+  if switches:
+    affine = dict(rms_scale=affine["rms_scale"])
+  ones = jnp.ones(heads * head_dim, F32)
+  a = jnp.stack([affine.get("ln_scale", ones), affine.get("ln_bias", 0 * ones),
+                 affine["rms_scale"]]).reshape(3, heads, head_dim)
+  outputs = jax.jit(lambda q, k, v, qo, a: cluster.flash_norm_attention_fwd(
+      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6, save_residuals=True,
+      interpret=interpret, **switches))(q, k, v, qo, a)
+  kw = dict(affine, pre_scale=0.9, post_scale=1.1, **switches)
+  ref, (ln_ref, rms_ref) = _reference(q, k, v, qo, **kw)
+  total = int(qo[-1])
+  out, stats = outputs[:2]
+  assert bool(jnp.all(jnp.isfinite(out))) and not bool(jnp.any(out[total:] != 0))
+  assert not bool(jnp.any(stats[total:] != 0))
+  assert _rel_err(out[:total], ref[:total]) < TOL and _rel_err(out[3], ref[3]) < TOL
+  wanted = {2: rms_ref.rstd} if switches else {0: ln_ref.mean, 1: ln_ref.rstd, 2: rms_ref.rstd}
+  for column, want in wanted.items():
+    assert _rel_err(stats[:total, column], want[:total]) < TOL
+  _check_residuals(outputs, q, k, v, qo, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [4, 2, 8])
+def test_gpu_cluster_gradients_at_issue_shape(heads, monkeypatch):
+  """The op's gradients with the cluster forward (its saved z, u and statistics feed the
+  unchanged backward) against the f32 XLA reference's."""
+  _route_to_cluster(monkeypatch)
+  test_gpu_gradients_at_issue_shape(heads)

@@ -8,7 +8,10 @@ Both norms reduce over all heads of a token. Oracle:
 :func:`pallas_norm.reference.flash_norm_attention`.
 
 Kernel paths ("mosaic", "interpret"): the fused forward kernel (:mod:`.mosaic`: one CTA owns
-every head of a q block) where it supports the call (dense K/V, H·D small enough for SMEM), in
+every head of a q block) where it supports the call (dense K/V, H·D small enough for SMEM);
+where that one does not fit, the cluster kernel (:mod:`.cluster`: a cluster of H CTAs, one
+per head, H in 1, 2, 4, 8; the GDPA kernel's schedule with the norms' row sums exchanged
+through distributed shared memory), each in
 one ``custom_vjp`` whose forward also saves z and u, and whose backward is two one-pass row
 kernels (:mod:`.norm_bwd`: the RMSNorm backward from z, and the LayerNorm backward, both
 reading the saved statistics) around the GDPA backward kernel (which takes the saved u and
@@ -30,7 +33,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_norm import _dispatch, _op, _validate, jagged, reference
-from pallas_norm.ops.flash_norm_attention import mosaic, norm_bwd
+from pallas_norm.ops.flash_norm_attention import cluster, mosaic, norm_bwd
 from pallas_norm.ops.gdpa import api as gdpa_api
 from pallas_norm.ops.gdpa import check_args as check_attention_args
 from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
@@ -90,16 +93,19 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     _validate.flag(name, value)
   if not pre_layer_norm and (ln_scale is not None or ln_bias is not None):
     raise ValueError("ln_scale and ln_bias apply only with pre_layer_norm=True")
-  fused_reason = (mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
-                  or norm_bwd.unsupported_reason(q.shape))
+
+  def fused_reason(candidate):
+    return (_forward_kernel(q, k, kv_offsets, out_dtype, candidate == "interpret")[1]
+            or norm_bwd.unsupported_reason(q.shape))
+
   impl = _dispatch.choose(
       "flash_norm_attention", implementation,
-      unsupported_reason=lambda _: fused_reason and gdpa_mosaic.unsupported_reason(
-          q, k, kv_offsets, max_kv_len, None),
-      slower_reason=lambda: (fused_reason or fused_slower_reason(q, k, kv_offsets, out_dtype))
-      and (
+      unsupported_reason=lambda candidate: fused_reason(candidate) and (
+          gdpa_mosaic.unsupported_reason(q, k, kv_offsets, max_kv_len, None)),
+      slower_reason=lambda: (fused_reason("mosaic")
+                             or fused_slower_reason(q, k, kv_offsets, out_dtype)) and (
           gdpa_api.kernel_slower_reason(q, k, kv_offsets, max_kv_len, None)))
-  fused = impl != "xla" and fused_reason is None and (
+  fused = impl != "xla" and fused_reason(impl) is None and (
       implementation is not None or fused_slower_reason(q, k, kv_offsets, out_dtype) is None)
   if fused:  # poisons bad traced offsets itself (NaN scales), with no pass over the data
     out = _fused_block(q, k, v, q_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
@@ -107,7 +113,9 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
                        post_scale=post_scale, eps=eps, max_seq_len=max_seq_len,
                        out_dtype=out_dtype, pre_layer_norm=pre_layer_norm,
                        inner_residual=inner_residual, outer_residual=outer_residual,
-                       return_stats=return_stats, interpret=impl == "interpret")
+                       return_stats=return_stats, interpret=impl == "interpret",
+                       forward=_forward_kernel(q, k, kv_offsets, out_dtype,
+                                               impl == "interpret")[0])
     return out if not return_stats else (out[0], jax.tree.map(lax.stop_gradient, out[1]))
   block = reference.flash_norm_attention if impl == "xla" else functools.partial(
       _gdpa_kernel_chain, gdpa_implementation=impl)
@@ -126,6 +134,24 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
                                    max_seq_len, max_kv_len)
 
 
+FORWARD_KERNELS = {"mosaic": mosaic, "cluster": cluster}
+"""The fused forward kernels by name; both take the same arguments and save the same residuals
+for the backward."""
+
+
+def _forward_kernel(q, k, kv_offsets, out_dtype, interpret: bool):
+  """``(name, None)``: the fused forward kernel of :data:`FORWARD_KERNELS` for this call,
+  "mosaic" (one CTA per q block, measured) where it fits, else "cluster" (a cluster of H CTAs,
+  for larger H·D; interpret mode runs it at H = 1 only). ``(None, why)`` when neither can."""
+  reason = mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
+  if reason is None:
+    return "mosaic", None
+  cluster_reason = cluster.unsupported_reason(q, k, kv_offsets, out_dtype, interpret=interpret)
+  if cluster_reason is None:
+    return "cluster", None
+  return None, f"{reason}; the cluster kernel: {cluster_reason}"
+
+
 FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), features=(256, 512),
                             max_kv_len=128)
 """Where ``implementation=None`` takes the fused kernel: what the H200 measured faster than the
@@ -136,8 +162,7 @@ bf16 q, H·D = 512 or 256 (H = 4 or 2, D = 128), dense K/V of at most 128 keys."
 def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
   """Why ``implementation=None`` does not pick the fused kernel for a call it supports (None:
   it does): outside :data:`FUSED_DEFAULT_DOMAIN` or off Hopper, the chain was not measured
-  slower."""
-  del kv_offsets  # the fused kernel takes dense K/V only (mosaic.unsupported_reason)
+  slower; where only the cluster kernel fits, it was not measured at all."""
   d = FUSED_DEFAULT_DOMAIN
   features = q.shape[1] * q.shape[2]
   if not _dispatch.on_hopper_gpu():
@@ -147,6 +172,9 @@ def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
     return (f"the fused kernel was measured faster than the chain only for bf16 q and output, "
             f"H·D in {d['features']} and Lkv <= {d['max_kv_len']}; got {jnp.dtype(q.dtype)}, "
             f"H·D = {features}, Lkv = {k.shape[1]}; pass implementation='mosaic' to force it")
+  if mosaic.unsupported_reason(q, k, kv_offsets, out_dtype) is not None:
+    return ("only the cluster kernel (ops/flash_norm_attention/cluster.py) takes this call, and "
+            "it has not been measured on the GPU yet; pass implementation='mosaic' to force it")
   return None
 
 
@@ -168,7 +196,7 @@ def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale,
 
 def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation, pre_scale,
                  post_scale, eps, max_seq_len, out_dtype, pre_layer_norm, inner_residual,
-                 outer_residual, return_stats, interpret):
+                 outer_residual, return_stats, interpret, forward):
   """The block by the fused kernel (dense K/V); the op's outputs.
 
   Traced offsets that break the jagged convention are answered as the GDPA kernel path does
@@ -191,7 +219,7 @@ def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation
   static = _Static(activation=activation, eps=eps, pre_layer_norm=pre_layer_norm,
                    inner_residual=inner_residual, outer_residual=outer_residual,
                    out_dtype=jnp.dtype(out_dtype or q.dtype), interpret=interpret,
-                   scale_grads=scale_grads)
+                   scale_grads=scale_grads, forward=forward)
   out, stats = _fused(q, k, v, offsets, affine, pre_scale, post_scale, static)
   if not return_stats:
     return out
@@ -211,6 +239,7 @@ class _Static:
   out_dtype: jnp.dtype
   interpret: bool
   scale_grads: bool
+  forward: str  # a key of FORWARD_KERNELS
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -222,7 +251,8 @@ def _fused(q, k, v, offsets, affine, pre_scale, post_scale, static):
 def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save_residuals):
   heads, head_dim = q.shape[1:]
   forward = functools.partial(
-      mosaic.flash_norm_attention_fwd, activation=static.activation, eps=static.eps,
+      FORWARD_KERNELS[static.forward].flash_norm_attention_fwd, activation=static.activation,
+      eps=static.eps,
       pre_layer_norm=static.pre_layer_norm, inner_residual=static.inner_residual,
       outer_residual=static.outer_residual, out_dtype=static.out_dtype,
       save_residuals=save_residuals, interpret=static.interpret)

@@ -122,12 +122,23 @@ def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int) ->
 
 def unsupported_reason(q, k, kv_offsets, out_dtype) -> str | None:
   """None when the fused kernel can run these (validated) arguments, else why not."""
+  reason = dense_kv_reason(q, k, kv_offsets, out_dtype)
+  if reason is not None:
+    return reason
+  heads, head_dim = q.shape[1:]
+  if pick_config(heads, head_dim, q.dtype, jnp.dtype(out_dtype or q.dtype), k.shape[1]) is None:
+    return (f"H·D = {heads}·{head_dim}: the q block of all heads (twice) and the K/V ring do "
+            "not fit in SMEM")
+  return None
+
+
+def dense_kv_reason(q, k, kv_offsets, out_dtype) -> str | None:
+  """Why a fused forward kernel (this one or :mod:`.cluster`) cannot take these operands (q's
+  and the output's dtypes, D, dense K/V, the capacity), SMEM aside; or None."""
   reason = gdpa_mosaic.operand_reason(q, out_dtype)
   if reason is not None:
     return reason
-  dtype = jnp.dtype(q.dtype)
-  out_dtype = jnp.dtype(out_dtype or dtype)
-  t, heads, head_dim = q.shape
+  t = q.shape[0]
   if t == 0:
     return "zero token capacity: no q block for the fused kernel"
   if kv_offsets is not None:
@@ -136,9 +147,6 @@ def unsupported_reason(q, k, kv_offsets, out_dtype) -> str | None:
     return f"dense K/V length Lkv = {k.shape[1]} is not a positive multiple of 64"
   if t % gdpa_mosaic.ALIGN:
     return f"the token capacity T = {t} must be a multiple of {gdpa_mosaic.ALIGN}"
-  if pick_config(heads, head_dim, dtype, out_dtype, k.shape[1]) is None:
-    return (f"H·D = {heads}·{head_dim}: the q block of all heads (twice) and the K/V ring do "
-            "not fit in SMEM")
   return None
 
 
@@ -196,9 +204,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   capacity, num_heads, head_dim = q.shape
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   kv_len = k.shape[1]
-  cfg = config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len)
-  if kv_len % cfg.block_kv:
-    raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
+  cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len),
+                       kv_len)
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
                block_kv=cfg.block_kv, kv_stages=cfg.kv_stages,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
@@ -206,14 +213,9 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
                outer_residual=outer_residual, save_residuals=save_residuals)
   table = _work_table(q_offsets, capacity, k.shape[0], kv_len)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
-  out_type = [jax.ShapeDtypeStruct((capacity, num_heads, head_dim), out_dtype),
-              jax.ShapeDtypeStruct((capacity, STATS_COLS), _F32)]
-  residual = jax.ShapeDtypeStruct((capacity, num_heads, head_dim), q.dtype)
-  if save_residuals:  # z, then u with the LayerNorm
-    out_type += [residual] * (2 if pre_layer_norm else 1)
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
-      out_type=tuple(out_type),
+      out_type=output_types(q, out_dtype, pre_layer_norm, save_residuals),
       grid=(table.shape[0],),
       grid_names=("item",),
       num_threads=3,
@@ -224,7 +226,35 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu.interpret_params() if interpret else None,
   )
-  out, stats, *saved = call(table, scales, affine.astype(_F32), q, k, v)
+  return forward_outputs(call(table, scales, affine.astype(_F32), q, k, v), pre_layer_norm,
+                         save_residuals)
+
+
+def checked_config(cfg, kv_len: int):
+  """``cfg`` (a tiling with ``block_kv``), if its key step divides Lkv = ``kv_len``.
+
+  Raises:
+    ValueError: it does not.
+  """
+  if kv_len % cfg.block_kv:
+    raise ValueError(f"block_kv = {cfg.block_kv} does not divide Lkv = {kv_len}")
+  return cfg
+
+
+def output_types(q, out_dtype, pre_layer_norm: bool, save_residuals: bool) -> tuple:
+  """The forward kernels' outputs: out, the statistics, then z and (with the LayerNorm) u when
+  the residuals are saved."""
+  types = [jax.ShapeDtypeStruct(q.shape, out_dtype),
+           jax.ShapeDtypeStruct((q.shape[0], STATS_COLS), _F32)]
+  if save_residuals:  # z, then u with the LayerNorm
+    types += [jax.ShapeDtypeStruct(q.shape, q.dtype)] * (2 if pre_layer_norm else 1)
+  return tuple(types)
+
+
+def forward_outputs(results, pre_layer_norm: bool, save_residuals: bool):
+  """A forward kernel's results (:func:`output_types`) as :func:`flash_norm_attention_fwd`
+  returns them."""
+  out, stats, *saved = results
   if not save_residuals:
     return out, stats
   return out, stats, saved[0], saved[1] if pre_layer_norm else None

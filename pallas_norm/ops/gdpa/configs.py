@@ -73,17 +73,19 @@ def smem_bytes(kv_rows: int, head_dim: int, dtype, out_dtype, cfg: Config) -> in
   return kv + q + p + o + 1024  # barriers and alignment
 
 
-def pick_config(kv_rows: int, head_dim: int, dtype, out_dtype) -> Config | None:
+def pick_config(kv_rows: int, head_dim: int, dtype, out_dtype,
+                extra_bytes: int = 0) -> Config | None:
   """Resident K/V when they fit, double-buffered if possible: two K/V buffers with the widest
   key step that divides the window and 2 q stages, then 1, then key steps of 64 (a smaller P
   tile); else one K/V buffer (2, then 1 q stages). Otherwise K/V streamed through 2-slot rings
-  of 64-key blocks. None when nothing fits."""
+  of 64-key blocks. None when nothing fits. ``extra_bytes``: SMEM a fused kernel adds to this
+  kernel's (the flash_norm_attention kernel's norm vectors and cluster exchange)."""
   block_kv = 128 if kv_rows % 128 == 0 else 64
   candidates = [Config(block_kv=block_kv, q_stages=stages) for stages in (2, 1)]
   candidates += [Config(block_kv=64, q_stages=1)]
   candidates += [Config(block_kv=block_kv, q_stages=stages, kv_buffers=1) for stages in (2, 1)]
   candidates += [Config(block_kv=64, q_stages=stages, kv_stages=2) for stages in (2, 1)]
   for cfg in candidates:
-    if smem_bytes(kv_rows, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
+    if smem_bytes(kv_rows, head_dim, dtype, out_dtype, cfg) + extra_bytes <= mgpu.SMEM_BYTES:
       return cfg
   return None

@@ -267,11 +267,11 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
   table = work_items(q_offsets, kv_offsets, capacity, k.shape[0], rows)
   num_items = table.shape[0] * num_heads
   num_ctas = max(1, min(mgpu.num_sms(interpret), num_items))
-  plan = _Plan(num_heads=num_heads, num_segments=table.shape[0], num_ctas=num_ctas,
-               rounds=-(-num_items // num_ctas), block_kv=cfg.block_kv, q_stages=cfg.q_stages,
-               kv_stages=cfg.kv_stages, kv_buffers=cfg.kv_buffers,
-               kv_chunks=rows // cfg.block_kv, jagged_kv=kv_offsets is not None,
-               act=KERNEL_ACTIVATIONS[activation])
+  plan = Plan(num_heads=num_heads, num_segments=table.shape[0], num_ctas=num_ctas,
+              rounds=-(-num_items // num_ctas), block_kv=cfg.block_kv, q_stages=cfg.q_stages,
+              kv_stages=cfg.kv_stages, kv_buffers=cfg.kv_buffers,
+              kv_chunks=rows // cfg.block_kv, jagged_kv=kv_offsets is not None,
+              act=KERNEL_ACTIVATIONS[activation])
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
@@ -280,7 +280,7 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
       grid_names=("cta",),
       num_threads=3,
       thread_name="wg",
-      scratch_types=_scratch(plan, head_dim, q.dtype, out_dtype),
+      scratch_types=scratch(plan, head_dim, q.dtype, out_dtype),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu.interpret_params() if interpret else None,
@@ -289,7 +289,7 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class Plan:
   """Static facts of one kernel build. ``num_ctas`` persistent CTAs walk the
   ``num_segments · num_heads`` work items in ``rounds`` rounds. ``kv_stages`` None: a (sample,
   head)'s K/V are resident in ``kv_chunks`` blocks of ``block_kv`` rows, in one of
@@ -309,7 +309,7 @@ class _Plan:
   act: Callable
 
 
-def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
+def scratch(plan: Plan, head_dim: int, dtype, out_dtype) -> dict:
   transforms = mgpu.swizzle_transforms(head_dim, dtype)
   if plan.kv_stages is None:
     kv_shape = (plan.kv_buffers, plan.kv_chunks)
@@ -340,7 +340,7 @@ def _scratch(plan: _Plan, head_dim: int, dtype, out_dtype) -> dict:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _Item:
+class Item:
   """A work item, read from the table: a segment's rows and keys, and the head. Past the last
   item (the final round of some CTAs) every count is 0."""
 
@@ -355,7 +355,7 @@ class _Item:
   kv_steps: jax.Array
 
   @classmethod
-  def read(cls, table_ref, plan: _Plan, round_):
+  def read(cls, table_ref, plan: Plan, round_):
     """The item of this CTA in round ``round_``: rounds alternate direction over the CTAs
     (zig-zag), so with the items sorted longest first every CTA gets a similar sum."""
     cta = lax.axis_index("cta")
@@ -379,15 +379,64 @@ class _Item:
     return (self.q_blocks > 0) & (self.kv_steps > 0)
 
 
-def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, plan: _Plan, **smem):
-  item_at = functools.partial(_Item.read, table_ref, plan)
-  kv = (_ResidentKV if plan.kv_stages is None else _StreamedKV)(plan, k_ref, v_ref, smem)
+def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, plan: Plan, **smem):
+  item_at = functools.partial(Item.read, table_ref, plan)
+  kv = kv_pipeline(plan, k_ref, v_ref, smem)
   mgpu.warp_specialize(
-      lambda: _producer(plan, item_at, kv, q_ref, smem),
-      lambda: _consumer(plan, item_at, kv, scales_ref, o_ref, smem))
+      lambda: producer(plan, item_at, kv, q_ref, smem),
+      lambda: consumer(plan, item_at, kv, scales_ref,
+                       functools.partial(OutputStore, o_ref, smem["o_smem"]), smem))
 
 
-def _producer(plan: _Plan, item_at, kv, q_ref, smem) -> None:
+def kv_pipeline(plan: Plan, k_ref, v_ref, smem):
+  """The K/V loads and waits of the plan: resident (:class:`_ResidentKV`) or streamed."""
+  return (_ResidentKV if plan.kv_stages is None else _StreamedKV)(plan, k_ref, v_ref, smem)
+
+
+def _segment_bounds(item: Item, block):
+  """The segment's rows in q block ``block`` of the item: [lo, hi)."""
+  lo = jnp.maximum(item.q_lo - block * BLOCK_Q, 0)
+  hi = jnp.minimum(item.q_hi - block * BLOCK_Q, BLOCK_Q)
+  return lo, hi
+
+
+def block_rows(item: Item, block):
+  """(first GMEM row of q block ``block`` of the item, the segment's rows in it as
+  [lo, lo + count)): what an epilogue may store."""
+  lo, hi = _segment_bounds(item, block)
+  return item.q_win + block * BLOCK_Q, lo, hi - lo
+
+
+class OutputStore:
+  """The GDPA consumer's block epilogue: post · O of the segment's rows, stored row-exactly
+  through the consumer's tile of ``o_smem`` (:func:`pallas_norm.mgpu.store.store_rows`).
+
+  The hooks a :func:`consumer` calls, which a fused kernel may replace (the flash_norm_attention
+  kernel normalizes q before the attention and O after it): ``before_attention(item, block,
+  q_tile, wg, count)`` once the q block is in SMEM (its result is handed to the next hook),
+  ``after_attention(item, block, o, before, wg, count)`` with O (f32, not yet scaled) once its
+  WGMMAs are done, ``finish(wg, count)`` after the last block; ``count`` is the number of q
+  blocks the warpgroup ran before (``finish``: in all)."""
+
+  def __init__(self, o_ref, o_smem, post_scale):
+    self.o_ref, self.o_smem, self.post_scale = o_ref, o_smem, post_scale
+
+  def before_attention(self, item, block, q_tile, wg, count):
+    del item, block, q_tile, wg, count
+
+  def after_attention(self, item, block, o, before, wg, count):
+    del before, count
+    lo, hi = _segment_bounds(item, block)
+    store.store_rows((o * self.post_scale).astype(self.o_smem.dtype), self.o_smem.at[wg],
+                     lambda rows, cols: self.o_ref.at[rows, item.head, cols],
+                     item.q_win + block * BLOCK_Q, lo, hi - lo)
+
+  def finish(self, wg, count):
+    del wg, count
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+
+
+def producer(plan: Plan, item_at, kv, q_ref, smem) -> None:
   """TMA warpgroup, round by round: the q blocks of the item in pairs (block 2t + wg goes to
   consumer wg, through its own ring of ``q_stages`` slots) and K/V (the next item's resident
   K/V once the first pair is issued, or each pair's streamed blocks). Ring positions carry
@@ -438,12 +487,14 @@ def _drain_ring(free, first: int, stages: int, uses) -> None:
     plgpu.barrier_wait(free.at[first + lax.rem(use, stages)])
 
 
-def _consumer(plan: _Plan, item_at, kv, scales_ref, o_ref, smem) -> None:
-  """WGMMA warpgroup ``wg``, round by round: its q blocks of the item, each Σ_k act(pre·Q Kᵀ) V,
-  then post · O stored. The store of an item's last block overlaps the next item's start."""
+def consumer(plan: Plan, item_at, kv, scales_ref, epilogue_for, smem) -> None:
+  """WGMMA warpgroup ``wg``, round by round: its q blocks of the item, each Σ_k act(pre·Q Kᵀ) V
+  between the hooks of ``epilogue_for(post_scale)`` (:class:`OutputStore`: post · O stored).
+  The store of an item's last block overlaps the next item's start."""
   wg = lax.axis_index("wg")
   q_smem, q_ready, q_free = smem["q_smem"], smem["q_ready"], smem["q_free"]
   pre_scale, post_scale = scales_ref[0], scales_ref[1]
+  epilogue = epilogue_for(post_scale)
 
   def round_(r, carry):
     q_use, kv_use, item = carry
@@ -456,8 +507,9 @@ def _consumer(plan: _Plan, item_at, kv, scales_ref, o_ref, smem) -> None:
       i = wg + 2 * turn
       slot = lax.rem(q_use + turn, plan.q_stages)
       plgpu.barrier_wait(q_ready.at[wg * plan.q_stages + slot])
-      out = _attend(plan, item, kv, wg, kv_use, turn, q_smem.at[wg, slot],
-                    smem["p_smem"].at[wg], pre_scale,
+      q_tile = q_smem.at[wg, slot]
+      before = epilogue.before_attention(item, i, q_tile, wg, q_use + turn)
+      out = _attend(plan, item, kv, wg, kv_use, turn, q_tile, smem["p_smem"].at[wg], pre_scale,
                     functools.partial(plgpu.barrier_arrive,
                                       q_free.at[wg * plan.q_stages + slot]))
 
@@ -465,11 +517,7 @@ def _consumer(plan: _Plan, item_at, kv, scales_ref, o_ref, smem) -> None:
       def _():
         kv.release_item(item, kv_use)
 
-      lo = jnp.maximum(item.q_lo - i * BLOCK_Q, 0)  # the sample's rows in this block: [lo, hi)
-      hi = jnp.minimum(item.q_hi - i * BLOCK_Q, BLOCK_Q)
-      store.store_rows((out * post_scale).astype(smem["o_smem"].dtype), smem["o_smem"].at[wg],
-                       lambda rows, cols: o_ref.at[rows, item.head, cols],
-                       item.q_win + i * BLOCK_Q, lo, hi - lo)
+      epilogue.after_attention(item, i, out, before, wg, q_use + turn)
 
     @pl.when(blocks == 0)
     def _():
@@ -478,11 +526,11 @@ def _consumer(plan: _Plan, item_at, kv, scales_ref, o_ref, smem) -> None:
     return q_use + blocks, kv.consumer_use_after(item, wg, kv_use), upcoming
 
   zero = jnp.int32(0)
-  pl.loop(0, plan.rounds, init_carry=(zero, zero, item_at(0)))(round_)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+  q_uses, _, _ = pl.loop(0, plan.rounds, init_carry=(zero, zero, item_at(0)))(round_)
+  epilogue.finish(wg, q_uses)
 
 
-def _attend(plan: _Plan, item: _Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_scale,
+def _attend(plan: Plan, item: Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_scale,
             release_q):
   """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32.
   Calls ``release_q()`` once the q tile is no longer read (after the last score WGMMA), so the
@@ -517,7 +565,7 @@ def _attend(plan: _Plan, item: _Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_
   return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, q_tile.shape[-1]), _F32))
 
 
-def _kv_block(plan: _Plan, item: _Item, ref, step):
+def _kv_block(plan: Plan, item: Item, ref, step):
   """The GMEM box of key block ``step`` of the item's K/V window."""
   if plan.jagged_kv:
     rows = pl.ds(pl.multiple_of(item.kv_win + step * plan.block_kv, ALIGN), plan.block_kv)
@@ -535,7 +583,7 @@ def zero_rows_outside(tile, first_row, lo, hi) -> None:
   tile[...] = jnp.where((rows >= lo) & (rows < hi), values, jnp.zeros_like(values))
 
 
-def _zero_v_rows_outside(plan: _Plan, item: _Item, tile, step) -> None:
+def _zero_v_rows_outside(plan: Plan, item: Item, tile, step) -> None:
   """Zeroes the rows of V block ``step`` that are not the sample's keys [kv_lo, kv_hi)."""
   zero_rows_outside(tile, step * plan.block_kv, item.kv_lo, item.kv_hi)
 
