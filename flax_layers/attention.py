@@ -74,6 +74,8 @@ class GDPA(nnx.Module):
     """q: (T, H, D) packed tokens with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) per
     sample (or packed (Tkv, H, D) with ``kv_offsets``). ``max_seq_len``: static bound on the
     sequence lengths (the XLA path pads to it). Returns (T, H, D), zeros on padding rows.
+    Pass ``max_seq_len`` in training: without it the XLA path (every non-Hopper backend) gathers
+    K/V per token, O(T·Lkv·H·D) memory (tens of GB at the PFFN shape; ``pallas_norm.gdpa``).
 
     The arguments after ``v`` are keyword-only, as in :class:`PFFNBlock` (the two layers once
     took them in different positional orders, so ``layer(q, off, k, v, 8)`` meant kv_offsets=8
@@ -171,7 +173,8 @@ class PFFNBlock(nnx.Module):
                max_seq_len: int | None = None, max_kv_len: int | None = None):
     """q_tokens: (T, H, D) packed with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) (or
     packed with ``kv_offsets``). Returns (T, H, D) in the compute dtype, zeros on padding rows.
-    The arguments after ``v`` are keyword-only (see :meth:`GDPA.__call__`)."""
+    Pass ``max_seq_len`` in training, as for :meth:`GDPA.__call__` (without it the XLA path
+    gathers K/V per token). The arguments after ``v`` are keyword-only (see :meth:`GDPA.__call__`)."""
     _check_offsets(self, q_offsets)
     _check_heads(self, "q_tokens", q_tokens)
     _check_arrays(self, k=k, v=v)
