@@ -73,26 +73,20 @@ Config = gdpa_configs.Config
 """The tiling: the GDPA kernel's (key step, q ring depth, resident or streamed K/V)."""
 
 
-def _exchange_mode(num_heads: int) -> str:
-  """How the CTAs of a cluster share their row partials (:data:`pallas_norm.mgpu.exchange.
-  EXCHANGES`): "pull" (the "push" inbox costs the second K/V buffer at H = 4; not measured)."""
-  del num_heads
-  return "pull"
+EXCHANGE = "pull"
+"""How the CTAs of a cluster share their row partials (:data:`pallas_norm.mgpu.exchange.EXCHANGES`):
+"pull". "push" needs an inbox of H packets per consumer, which at H = 4 costs the second K/V
+buffer (``benchmarks/EXPERIMENTS.md``, FNA cluster exchange)."""
 
 
 def _extra_smem_bytes(num_heads: int, head_dim: int) -> int:
   """SMEM of the norms on top of the GDPA kernel's: γ1/β1/γ2 of the head, Pallas's scratch for
-  the row reductions, and with H > 1 the exchange's buffers ("pull": partials and merged rows;
-  "push": an inbox of H packets per consumer) and barriers (each allocation rounded up to 1 KB).
+  the row reductions, and with H > 1 the exchange's buffers (partials and merged rows) and
+  barriers (each allocation rounded up to 1 KB).
   The store tiles of out, z, u and the statistics share the GDPA kernel's output tiles (a
   RefUnion no larger than them)."""
   vecs = -(-3 * head_dim * 4 // 1024) * 1024
-  if num_heads == 1:
-    exchange = 0
-  elif _exchange_mode(num_heads) == "push":
-    exchange = 2 * num_heads * BLOCK_Q * cluster_exchange.PACKET_COLS * 4 + 1024
-  else:
-    exchange = 2 * 2 * 1024 + 1024 + 1024
+  exchange = 0 if num_heads == 1 else 2 * 2 * 1024 + 1024 + 1024
   return vecs + 2048 + exchange + 1024
 
 
@@ -140,7 +134,7 @@ class _Plan:
 
   def exchange_spec(self, n_partials: int) -> cluster_exchange.Spec:
     return cluster_exchange.Spec(cluster=self.num_heads, rows=BLOCK_Q, n_partials=n_partials,
-                                 exchange=_exchange_mode(self.num_heads))
+                                 exchange=EXCHANGE)
 
 
 def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, *,
