@@ -80,7 +80,7 @@ steps (LayerNorm) and 12 programs per SM (RMSNorm) were measured fastest
 (benchmarks/NOTES.md, "Tilings and RMSNorm through the kernel")."""
 
 
-def pick_config(features: int, interpret: bool, capacity: int, kernel: str = "rms") -> RowConfig:
+def pick_config(features: int, interpret: bool, capacity: int, kernel: str) -> RowConfig:
   """The tiling of ``kernel`` ("rms" or "ln"): :data:`TILINGS`' elements per step and programs
   per SM, each program over a contiguous slab of ``capacity`` rows (one row of weight-gradient
   partials per program, so the partials stay small), 4 warps, Triton's default pipelining;
