@@ -70,14 +70,14 @@ class RowConfig:
                        f"{self.num_warps}")
 
 
-TILINGS = {"rms": (4096, 12), "ln": (2048, 8)}
+TILINGS = {"rms": (4096, 8), "ln": (2048, 8)}
 """(elements per loop step, programs per SM) of :func:`pick_config`, per kernel: full rows
-padded to a power of 2 over 4 warps (at H·D = 512, 8 rows a step for the RMSNorm backward, 4
-for the LayerNorm one, whose body holds more live values per element: three input tiles and two
-row sums); each program loops over a contiguous slab of rows. The same rule as the standalone
-norms' backward kernel, :data:`pallas_norm.ops.norms.triton.TILINGS`, where 2048-element
-steps (LayerNorm) and 12 programs per SM (RMSNorm) were measured fastest
-(benchmarks/NOTES.md, "Tilings and RMSNorm through the kernel")."""
+padded to a power of 2 over 4 warps, each program looping over a contiguous slab of rows. At
+H·D = 512 that is 8 rows a step for the RMSNorm backward and 4 for the LayerNorm one, whose body
+holds more live values per element (three input tiles, two row sums). Each the fastest of the
+tilings measured on the H200 at the issue's rows (benchmarks/NOTES.md, "flash_norm_attention";
+the others are rows of benchmarks/EXPERIMENTS.md); the standalone norms' backward kernel
+measured the same rule for LayerNorm (:data:`pallas_norm.ops.norms.triton.TILINGS`)."""
 
 
 def pick_config(features: int, interpret: bool, capacity: int, kernel: str) -> RowConfig:
