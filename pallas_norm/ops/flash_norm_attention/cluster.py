@@ -3,10 +3,10 @@
 same arguments and outputs. The op runs it where that kernel does not fit (H·D = 1024: H = 8,
 D = 128, where ``implementation=None`` takes it: measured faster than the unfused chain,
 forward and forward+backward). Where both fit the one-CTA kernel runs: at H = 4 this one
-measured 1.7× slower (benchmarks/NOTES.md, "flash_norm_attention", session 19: two cluster
-exchanges and the stores on each consumer's path per q block, with two consumers per CTA to
-hide them). Interpret-tested at H = 1, lowering-checked at H = 2, 4, 8, GPU-tested at H = 2, 4,
-8.
+measured 1.7× slower (benchmarks/NOTES.md, "flash_norm_attention": the two cluster exchanges
+per q block, about half of the difference to the GDPA kernel alone, and the norms' elementwise
+work, both on the two attention consumers, which the one-CTA kernel gives to a warpgroup of its
+own). Interpret-tested at H = 1, lowering-checked at H = 2, 4, 8, GPU-tested at H = 2, 4, 8.
 
 Per token over all H·D features (DESIGN.md, op 4; :func:`pallas_norm.reference.flash_norm_attention`)::
 
