@@ -131,6 +131,15 @@ def test_fused_ring_depth_matches_default(variant, switches):
   _check_variant_matches_default(mosaic, 2, variant, **switches)
 
 
+@pytest.mark.parametrize("switches", [dict(), dict(pre_layer_norm=False, inner_residual=False)])
+def test_fused_two_q_buffers_match_default(switches):
+  """Two q buffers (Config.q_buffers: the next block's q tiles, statistics and u tiles made
+  before the current block's epilogue) against one, bit for bit, with z and u, over a sample of
+  four q blocks (each buffer reused) and one of a single block; with the LayerNorm and the inner
+  residual off too (the attention then waits for q itself, in the block's buffer)."""
+  _check_variant_matches_default(mosaic, 2, dict(q_buffers=2), (200, 0, 9), **switches)
+
+
 def _check_variant_matches_default(module, heads, variant, lens=(70, 0, 9), lkv=192,
                                    **switches):
   """``variant`` of the default Config of the forward kernel ``module`` (if not None) against
@@ -347,14 +356,21 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
 
 
-def test_forward_lowers_for_sm90a():
+@pytest.mark.parametrize("save_residuals,out_dtype,q_buffers", [
+    (False, jnp.float32, 1), (True, None, 2)])
+def test_forward_lowers_for_sm90a(save_residuals, out_dtype, q_buffers):
   """Mosaic's sm_90a lowering accepts the forward kernel (layouts, SMEM, TMA boxes) at real
   sizes without the residuals and with a float32 output, which no ``gpu`` test runs (the
-  training form at H = 4 and the forward at H = 2 and 4 compile there)."""
-  heads, head_dim, save_residuals, out_dtype = 2, 128, False, jnp.float32
+  training form at H = 4 and the forward at H = 2 and 4 compile there), and with two q
+  buffers in the training form at H = 2 (223 KB of SMEM with a 2-slot K/V ring)."""
+  heads, head_dim = 2, 128
   spec = jax.ShapeDtypeStruct
   t, b = 4096, 16
   cfg = mosaic.pick_config(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16, 128)
+  if q_buffers > 1:
+    cfg = dataclasses.replace(cfg, kv_stages=2, q_buffers=q_buffers)
+    assert mosaic.smem_bytes(heads, head_dim, jnp.bfloat16, jnp.bfloat16, cfg) <= mgpu.SMEM_BYTES
+    assert mosaic.smem_bytes(heads, head_dim, jnp.bfloat16, F32, cfg) > mgpu.SMEM_BYTES
   fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
       q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6,
       save_residuals=save_residuals, out_dtype=out_dtype, config=cfg))
@@ -386,6 +402,27 @@ def test_gpu_forward_at_issue_shape(heads, density):
   assert _rel_err(out[:total], ref[:total]) < TOL
   assert _rel_err(rms.rstd[:total], rms_ref.rstd[:total]) < TOL
   assert _rel_err(ln.rstd[:total], ln_ref.rstd[:total]) < TOL
+
+
+@pytest.mark.gpu
+def test_gpu_two_q_buffers_match_default():
+  """Two q buffers (Config.q_buffers, with a 2-slot K/V ring) at H = 2, the issue's shape, in
+  the training form: out, the statistics, z and u bit for bit against the default tiling."""
+  heads = 2
+  q, k, v, qo, affine = _pffn(8, heads)
+  a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(
+      3, heads, 128)
+  default = mosaic.pick_config(heads, 128, q.dtype, q.dtype, 128)
+  run = lambda cfg: jax.jit(lambda *x: mosaic.flash_norm_attention_fwd(  # noqa: E731
+      *x, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6, save_residuals=True,
+      config=cfg))(q, k, v)
+  want = run(default)
+  got = run(dataclasses.replace(default, kv_stages=2, q_buffers=2))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  total = int(qo[-1])
+  ref = jax.jit(lambda *x: _reference(*x, **affine, max_seq_len=512))(q, k, v, qo)[0]
+  assert _rel_err(want[0][:total], ref[:total]) < TOL
 
 
 @pytest.mark.gpu

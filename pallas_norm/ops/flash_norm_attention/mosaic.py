@@ -31,6 +31,12 @@ warps:
   P through SMEM, O = P V_h per key block (each step's WGMMAs run to completion), then
   attn_h = post·O rounded to q's dtype, written over u_h.
 
+With two q buffers (:class:`Config` ``q_buffers``, where the SMEM allows: H·D ≤ 256 at
+D = 128, with a 2-slot K/V ring) the producer loads block b + 1's q tiles first, during block
+b, and the norm warpgroup makes block b + 1's statistics and u tiles as soon as block b's Σz²
+is complete, before block b's epilogue and stores (:func:`_pipelined_blocks`), so the attention
+warpgroup goes from block b's last head to block b + 1's first without waiting for them.
+
 The loops over the heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as
 the carry): unrolled statically, the H = 4 kernel ran about 4× slower on the H200. The
 single-consumer schedule, an overlapped WGMMA order (next scores issued before the P·V) and q
@@ -83,15 +89,22 @@ NORM_WG, ATTENTION_WG, PRODUCER_WG = 0, 1, 2
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling: ``block_kv`` keys per WGMMA step (64; P is BLOCK_Q × block_kv), ``kv_stages``
-  slots of the K/V ring (>= 2)."""
+  slots of the K/V ring (>= 2), ``q_buffers`` q blocks held at once (1 or 2). With 2 the
+  producer loads block b + 1's q tiles while block b runs, and the norm warpgroup makes block
+  b + 1's statistics and u tiles before block b's epilogue, so the attention warpgroup does not
+  wait at block boundaries for the epilogue, the q loads and the statistics (twice the q SMEM:
+  H·D ≤ 256 at D = 128)."""
 
   block_kv: int = 64
   kv_stages: int = 2
+  q_buffers: int = 1
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
     if self.kv_stages < 2:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
+    if self.q_buffers not in (1, 2):
+      raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
 
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
@@ -99,14 +112,15 @@ def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> 
   one store tile (out, z, u and the statistics take turns in it: a RefUnion) and γ1/β1/γ2.
   Every allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
   item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
-  q = 2 * num_heads * BLOCK_Q * head_dim * item
+  q = 2 * cfg.q_buffers * num_heads * BLOCK_Q * head_dim * item
   kv = 2 * cfg.kv_stages * cfg.block_kv * head_dim * item
   p = BLOCK_Q * cfg.block_kv * item
   # z's and u's tile is the union's, never larger than out's or the statistics'
   tile = max(BLOCK_Q * head_dim * max(out_item, item), BLOCK_Q * STATS_COLS * 4)
   vecs = -(-3 * num_heads * head_dim * 4 // 1024) * 1024
   reduction = 2048  # Pallas's cross-warp reduction scratch (the row sums)
-  return q + kv + p + tile + vecs + reduction + 1024  # + the barriers
+  stats = 1024 * (cfg.q_buffers > 1)  # (μ1, r1) of the held blocks
+  return q + kv + p + tile + vecs + reduction + stats + 1024  # + the barriers
 
 
 def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int) -> Config | None:
@@ -159,6 +173,7 @@ class _Plan:
   kv_steps: int
   block_kv: int
   kv_stages: int
+  q_buffers: int
   act: Callable
   eps: float
   pre_layer_norm: bool
@@ -170,6 +185,13 @@ class _Plan:
   def uses_per_block(self) -> int:
     """K/V ring slots one q block consumes: every head's key blocks."""
     return self.num_heads * self.kv_steps
+
+  def tile(self, block, head):
+    """Index of q block ``block``'s tile of ``head`` in x_smem/res_smem (and of its per-tile
+    barriers): buffer ``block % q_buffers``."""
+    if self.q_buffers == 1:
+      return head
+    return lax.rem(block, self.q_buffers) * self.num_heads + head
 
 
 def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, *,
@@ -207,7 +229,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len),
                        kv_len)
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
-               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages,
+               block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, q_buffers=cfg.q_buffers,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_residuals=save_residuals)
@@ -292,23 +314,27 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
                  store.row_store_smem(BLOCK_Q, STATS_COLS, _F32)]
   if plan.save_residuals:
     store_tiles.append(store.row_store_smem(BLOCK_Q, d, dtype))
+  tiles = plan.q_buffers * heads
+  extra = {} if plan.q_buffers == 1 else dict(
+      stats_smem=plgpu.SMEM((plan.q_buffers, 2, BLOCK_Q), _F32))
   return dict(
       store_tiles=plgpu.RefUnion(*store_tiles),
-      x_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
-      res_smem=plgpu.SMEM((heads, BLOCK_Q, d), dtype, transforms=tile),
+      x_smem=plgpu.SMEM((tiles, BLOCK_Q, d), dtype, transforms=tile),
+      res_smem=plgpu.SMEM((tiles, BLOCK_Q, d), dtype, transforms=tile),
       k_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
       v_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
       p_smem=plgpu.SMEM((BLOCK_Q, plan.block_kv), dtype,
                         transforms=mgpu.swizzle_transforms(plan.block_kv, dtype)),
       vec_smem=plgpu.SMEM((3, heads, d), _F32),
       vec_ready=plgpu.Barrier(),
-      q_ready=plgpu.Barrier(num_barriers=2 * heads),
-      q_free=plgpu.Barrier(num_barriers=heads),
+      q_ready=plgpu.Barrier(num_barriers=2 * tiles),
+      q_free=plgpu.Barrier(num_barriers=tiles),
       k_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       v_ready=plgpu.Barrier(num_barriers=plan.kv_stages),
       kv_free=plgpu.Barrier(num_barriers=plan.kv_stages),
-      u_ready=plgpu.Barrier(num_barriers=heads),
-      attn_ready=plgpu.Barrier(num_barriers=heads),
+      u_ready=plgpu.Barrier(num_barriers=tiles),
+      attn_ready=plgpu.Barrier(num_barriers=tiles),
+      **extra,
   )
 
 
@@ -383,30 +409,44 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
     plgpu.copy_gmem_to_smem(v_ref.at[item.sample, keys, head], smem["v_smem"].at[slot],
                             smem["v_ready"].at[slot])
 
+  def load_q(block):
+    rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
+    for head in range(plan.num_heads):
+      tile = plan.tile(block, head)
+
+      @pl.when(block > plan.q_buffers - 1)
+      def _(tile=tile):  # the epilogue of the block before in this buffer read both copies
+        plgpu.barrier_wait(smem["q_free"].at[tile])
+
+      for copy, name in enumerate(("x_smem", "res_smem")):
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[tile],
+                                smem["q_ready"].at[2 * tile + copy])
+
   @pl.when(jnp.logical_not(item.padding))
   def _():
     @pl.loop(0, item.q_blocks)
     def _block(block):
+      if plan.q_buffers > 1:  # the q tiles first: they load during the previous block
+        load_q(block)
       for use in range(prefetch):
         load_kv(block, use)
-
-      rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
-      for head in range(plan.num_heads):
-        @pl.when(block > 0)
-        def _(head=head):  # the epilogue has read both copies of these tiles
-          plgpu.barrier_wait(smem["q_free"].at[head])
-
-        for copy, name in enumerate(("x_smem", "res_smem")):
-          plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[head],
-                                  smem["q_ready"].at[2 * head + copy])
+      if plan.q_buffers == 1:  # after the first K/V slots: the epilogue frees the q tiles late
+        load_q(block)
       for use in range(prefetch, per_block):
         load_kv(block, use)
 
-    # Observe the releases no load waited for, so every barrier phase is consumed.
-    @pl.when(item.q_blocks > 0)
-    def _():
-      for head in range(plan.num_heads):
-        plgpu.barrier_wait(smem["q_free"].at[head])
+    # Observe the releases no load waited for (the last block of each buffer), so every
+    # barrier phase is consumed.
+    if plan.q_buffers == 1:
+      @pl.when(item.q_blocks > 0)
+      def _():
+        for head in range(plan.num_heads):
+          plgpu.barrier_wait(smem["q_free"].at[head])
+    else:
+      @pl.loop(jnp.maximum(item.q_blocks - plan.q_buffers, 0), item.q_blocks)
+      def _(block):
+        for head in range(plan.num_heads):
+          plgpu.barrier_wait(smem["q_free"].at[plan.tile(block, head)])
 
     uses = item.q_blocks * per_block
 
@@ -432,9 +472,12 @@ def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, saved_ref
 
   @pl.when(jnp.logical_not(item.padding))
   def _():
-    @pl.loop(0, item.q_blocks)
-    def _block(block):
-      _block_forward(plan, item, block, stores, smem)
+    if plan.q_buffers == 1:
+      @pl.loop(0, item.q_blocks)
+      def _block(block):
+        _block_forward(plan, item, block, stores, smem)
+    else:
+      _pipelined_blocks(plan, item, stores, smem)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
@@ -512,14 +555,14 @@ def _sum_over_heads(plan: _Plan, tile_fn):
   return jnp.sum(partial, axis=1)
 
 
-def _layer_norm_stats(plan: _Plan, x_smem):
-  """(μ1, r1) row vectors over the H tiles of the q block: the mean, then the centred second
-  moment (two passes over SMEM, no cancellation for rows with a large mean)."""
+def _layer_norm_stats(plan: _Plan, tile_of):
+  """(μ1, r1) row vectors over the H tiles ``tile_of(head)`` of the q block: the mean, then the
+  centred second moment (two passes over SMEM, no cancellation for rows with a large mean)."""
   scale = 1.0 / (plan.num_heads * plan.head_dim)
-  mean = _sum_over_heads(plan, lambda h: _load_f32(x_smem.at[h])) * scale
+  mean = _sum_over_heads(plan, lambda h: _load_f32(tile_of(h))) * scale
 
   def centred_square(h):
-    x = _load_f32(x_smem.at[h]) - _rowvec(mean, (BLOCK_Q, plan.head_dim))
+    x = _load_f32(tile_of(h)) - _rowvec(mean, (BLOCK_Q, plan.head_dim))
     return x * x
 
   var = _sum_over_heads(plan, centred_square) * scale
@@ -538,55 +581,116 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
 def _block_forward(plan: _Plan, item: _Item, block, stores: _Stores, smem) -> None:
   """The norm warpgroup's q block: statistics, every u_h handed to the attention warpgroup,
   per head attn_h back → Σz², then r2, the epilogue and the stores."""
-  x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
   rows = item.rows(block)
-  for barrier in range(2 * plan.num_heads):
-    plgpu.barrier_wait(smem["q_ready"].at[barrier])
-  stats = _layer_norm_stats(plan, x_smem) if plan.pre_layer_norm else None
+  stats = _block_prologue(plan, block, rows, stores, smem)
+  rms_rstd = _block_rms_rstd(plan, block, rows, stats, stores, smem)
+  _block_epilogue(plan, block, rows, stats, rms_rstd, stores, smem)
+
+
+def _pipelined_blocks(plan: _Plan, item: _Item, stores: _Stores, smem) -> None:
+  """The norm warpgroup's q blocks with two q buffers: block b + 1's statistics and u tiles
+  are made as soon as block b's Σz² is complete, before block b's epilogue, so the attention
+  warpgroup goes on to block b + 1 without waiting for that epilogue. The statistics (μ1, r1)
+  of a held block wait in ``stats_smem`` (values do not leave a conditional)."""
+  def prologue(block):
+    stats = _block_prologue(plan, block, item.rows(block), stores, smem)
+    if stats is not None:
+      for j, vec in enumerate(stats):
+        smem["stats_smem"][lax.rem(block, plan.q_buffers), j] = vec
+      plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the reads
+
+  def held_stats(block):
+    if not plan.pre_layer_norm:
+      return None
+    return tuple(plgpu.load(smem["stats_smem"].at[lax.rem(block, plan.q_buffers), j],
+                            layout=plgpu.Layout.WGMMA.reduce(1)) for j in range(2))
+
+  @pl.when(item.q_blocks > 0)
+  def _():
+    prologue(0)
+
+  @pl.loop(0, item.q_blocks)
+  def _block(block):
+    rows = item.rows(block)
+    stats = held_stats(block)
+    rms_rstd = _block_rms_rstd(plan, block, rows, stats, stores, smem)
+
+    @pl.when(block + 1 < item.q_blocks)
+    def _():
+      prologue(block + 1)
+
+    _block_epilogue(plan, block, rows, held_stats(block), rms_rstd, stores, smem)
+
+
+def _block_prologue(plan: _Plan, block, rows, stores: _Stores, smem):
+  """Waits for the block's q tiles, makes the LayerNorm statistics (μ1, r1) (None without the
+  LayerNorm) and hands every u_h to the attention warpgroup (over q_h), saving u."""
+  x_smem, vec_smem = smem["x_smem"], smem["vec_smem"]
+  for head in range(plan.num_heads):
+    for copy in range(2):
+      plgpu.barrier_wait(smem["q_ready"].at[2 * plan.tile(block, head) + copy])
+  stats = (_layer_norm_stats(plan, lambda h: x_smem.at[plan.tile(block, h)])
+           if plan.pre_layer_norm else None)
 
   @pl.loop(0, plan.num_heads)
   def _publish(head):  # every u_h at once (over q_h): the attention warpgroup takes them in turn
+    tile = plan.tile(block, head)
     if plan.pre_layer_norm:
-      u = _pre_norm(plan, _load_f32(x_smem.at[head]), stats, vec_smem, head)
+      u = _pre_norm(plan, _load_f32(x_smem.at[tile]), stats, vec_smem, head)
       u = u.astype(x_smem.dtype)
-      x_smem.at[head][...] = u
+      x_smem.at[tile][...] = u
       plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
-    plgpu.barrier_arrive(smem["u_ready"].at[head])
+    plgpu.barrier_arrive(smem["u_ready"].at[tile])
     if plan.pre_layer_norm:  # while the attention warpgroup runs: the norm one would wait
       stores.saved(stores.u_ref, u, rows, head)
 
+  return stats
+
+
+def _block_rms_rstd(plan: _Plan, block, rows, stats, stores: _Stores, smem):
+  """Per head, once attn_h is back: z_h = u_h + attn_h (z saved) and Σz²; returns r2."""
+  x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
+
   def attend(head):  # attn_h back over u_h; returns z_h² for Σz²
-    plgpu.barrier_wait(smem["attn_ready"].at[head])
-    z = _load_f32(x_smem.at[head])  # attn_h
+    tile = plan.tile(block, head)
+    plgpu.barrier_wait(smem["attn_ready"].at[tile])
+    z = _load_f32(x_smem.at[tile])  # attn_h
     if plan.inner_residual:  # u_h again from the residual copy of q_h (as in the epilogue)
-      z = z + _pre_norm(plan, _load_f32(res_smem.at[head]), stats, vec_smem, head)
+      z = z + _pre_norm(plan, _load_f32(res_smem.at[tile]), stats, vec_smem, head)
     stores.saved(stores.z_ref, z, rows, head)
     return z * z
 
-  rms_rstd = lax.rsqrt(_sum_over_heads(plan, attend) * (1.0 / (plan.num_heads * plan.head_dim))
-                       + plan.eps)
+  return lax.rsqrt(_sum_over_heads(plan, attend) * (1.0 / (plan.num_heads * plan.head_dim))
+                   + plan.eps)
+
+
+def _block_epilogue(plan: _Plan, block, rows, stats, rms_rstd, stores: _Stores, smem) -> None:
+  """out_h = z_h·r2·γ2 (+ q_h) per head, each head's q tiles released after it, and the
+  statistics stored."""
+  x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
 
   @pl.loop(0, plan.num_heads)
   def _epilogue(head):
-    q = _load_f32(res_smem.at[head])
-    z = _load_f32(x_smem.at[head])
+    tile = plan.tile(block, head)
+    q = _load_f32(res_smem.at[tile])
+    z = _load_f32(x_smem.at[tile])
     if plan.inner_residual:
       z = z + _pre_norm(plan, q, stats, vec_smem, head)
     out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
     if plan.outer_residual:
       out = out + q
-    _release_q(smem, head)  # the head's tiles are read: the next block's may load over them
+    _release_q(smem, tile)  # the head's tiles are read: the next block's may load over them
     stores.out(out, rows, head)
 
   stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
 
 
-def _release_q(smem, head) -> None:
-  """Hands a head's q tiles back to the producer. x_smem and res_smem were read (and x_smem
+def _release_q(smem, tile) -> None:
+  """Hands a head's q tiles (``tile``) back to the producer. x_smem and res_smem were read (and x_smem
   written) by the generic proxy: a proxy fence before the producer's TMA (async proxy) may
   overwrite them, as the PTX memory model asks."""
   plgpu.commit_smem()
-  plgpu.barrier_arrive(smem["q_free"].at[head])
+  plgpu.barrier_arrive(smem["q_free"].at[tile])
 
 
 def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
@@ -598,16 +702,17 @@ def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
     def _block(block):
       @pl.loop(0, plan.num_heads)
       def _head(head):
-        plgpu.barrier_wait(smem["u_ready"].at[head])
+        tile = plan.tile(block, head)
+        plgpu.barrier_wait(smem["u_ready"].at[tile])
         if not plan.pre_layer_norm:  # WGMMA reads q_h as TMA wrote it: observe that load too
-          plgpu.barrier_wait(smem["q_ready"].at[2 * head])
-        x_tile = smem["x_smem"].at[head]
+          plgpu.barrier_wait(smem["q_ready"].at[2 * tile])
+        x_tile = smem["x_smem"].at[tile]
         o = _attend_head(plan, x_tile, smem, block * plan.uses_per_block + head * plan.kv_steps,
                          scales_ref[0])
         # attn_h over u_h: the WGMMAs reading u_h are done (their result was read).
         x_tile[...] = (o * scales_ref[1]).astype(x_tile.dtype)
         plgpu.commit_smem()  # before WGMMA or the producer's TMA (async proxy) use the tile
-        plgpu.barrier_arrive(smem["attn_ready"].at[head])
+        plgpu.barrier_arrive(smem["attn_ready"].at[tile])
 
 
 def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
