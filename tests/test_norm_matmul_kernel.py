@@ -302,8 +302,7 @@ def test_pipeline_stages(steps, max_stages, expected):
 def test_ring_plan():
   """The default plan takes the shared ring: as many stages as fit whether or not they divide
   the K steps (never chained through Pallas), with one WGMMA in flight, except with x in
-  registers (M % 8 != 0 on a GPU); with stats_once too, and for dx without the fused row
-  terms."""
+  registers (M % 8 != 0 on a GPU); with stats_once too, and for the plain GEMM and dx."""
   for m, k, n in ((262144, 2048, 2048), (65536, 2048, 2048), (262144, 320, 256)):
     cfg = nmk.pick_config(m, k, n)
     assert not cfg.stats_once and cfg.pipeline == "ring" and cfg.delay_release == 1
@@ -695,8 +694,8 @@ def test_dx_fused_plan_and_config():
   m = 262144
   base = nmb.pick_config(m, 512, 512)
   assert base.tile_k == 64
-  assert nmb.pick_config(m, 512, 512, fused_row_terms=True) == dataclasses.replace(
-      base, tile_k=32, pipeline="pallas")
+  assert nmb.pick_config(m, 512, 512, fused_row_terms=True) == dataclasses.replace(base,
+                                                                                  tile_k=32)
   plan = lambda cfg, fused: nmb._make_plan(m, 512, 512, jnp.bfloat16, True, cfg, False,
                                            fused=fused, has_bias=True)
   assert (plan(base, False).stages, plan(base, False).chained) == (3, False)

@@ -120,9 +120,10 @@ def pick_config(m: int, k: int, n: int) -> TileConfig:
   128-byte swizzle row of bf16), as many pipeline stages as fit in SMEM (at most 4), all from
   the shared ring with one WGMMA in flight (``pipeline="ring"``, ``delay_release=1``), which
   lets the statistics overlap the tensor core where they run in every K loop (faster for
-  RMSNorm, noise level for LayerNorm) and is 1-2% faster than Pallas's pipeline with
-  ``stats_once`` (measured: ``benchmarks/NOTES.md``, "Pre-norm forward";
-  ``benchmarks/EXPERIMENTS.md``, Pallas's pipeline). ``stats_once`` when N has several tiles, M
+  RMSNorm, noise level for LayerNorm), is 1-2% faster than Pallas's pipeline with
+  ``stats_once`` and ties it for the plain GEMM (:func:`gemm`) (measured:
+  ``benchmarks/NOTES.md``, "Pre-norm forward"; ``benchmarks/EXPERIMENTS.md``, Pallas's
+  pipeline). ``stats_once`` when N has several tiles, M
   at least :data:`STATS_ONCE_MIN_ROW_BLOCKS` row blocks, and the row blocks in flight fit
   :data:`STATS_ONCE_MAX_X_BYTES`. Epilogue tiles 64×64, or 64×32 when that leaves room for a
   stage count that divides the K steps where 64×64 does not (at 128×256 tiles and K = 512,
@@ -488,8 +489,7 @@ def gemm(x, w, *, out_dtype=None, interpret: bool = False, config: TileConfig | 
   """``x @ w`` by the pre-norm kernel without its statistics: our plain GEMM, what the fused
   kernels are measured against (the benchmarks' GEMM baseline). x (M, K), w (K, N) bfloat16 or
   float16 (K, N multiples of 64); y in ``out_dtype`` (default x's), f32 accumulation. Default
-  tiling: :func:`pick_config`'s tiles on Pallas's pipeline (the ring tied it; the plain GEMM
-  kept its measured default), in the GEMM's plain tile order.
+  tiling: :func:`pick_config`'s, without the statistics, in the GEMM's plain tile order.
 
   Raises:
     ValueError / TypeError: as :func:`norm_matmul_fwd`.
@@ -499,8 +499,7 @@ def gemm(x, w, *, out_dtype=None, interpret: bool = False, config: TileConfig | 
   n = w.shape[1]
   _check_args(x, w, None, None, "rms", 1.0, out_dtype)
   if config is None:
-    config = dataclasses.replace(pick_config(m, k, n), stats_once=False, pipeline="pallas",
-                                 delay_release=0)
+    config = dataclasses.replace(pick_config(m, k, n), stats_once=False)
   return launch(x, w, None, None, norm=None, eps=1.0, out_dtype=out_dtype, interpret=interpret,
                 config=config)[0]
 

@@ -151,10 +151,9 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
   reduction steps where the extra SMEM leaves room for fewer than 3 64-wide stages (every
   default tile shape): a deeper pipeline of narrower steps tied or won against 2 stages of 64
   (measured: ``benchmarks/EXPERIMENTS.md``, pre-norm GEMM). With a single 64-wide stage
-  (256×128 tiles) no load would overlap a WGMMA at all. These stay on Pallas's pipeline (their
-  default before the ring's A/B, which did not time them on the ring). ``x_hat`` (the epilogue
-  also writes x̂): the same rule with one x̂ slot's SMEM counted (at the default tiles of
-  262144×512×512 and ×2048 it changes nothing).
+  (256×128 tiles) no load would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes
+  x̂): the same rule with one x̂ slot's SMEM counted (at the default tiles of 262144×512×512 and
+  ×2048 it changes nothing).
   ``row_sums`` (the row sums in the epilogue): the column tile is K's share of one CTA of the
   cluster (:func:`row_sums_unsupported_reason`), 128 rows per CTA (one 64-row epilogue tile per
   warpgroup, whose row vectors the exchange sends whole), the same rule for tile_k, and the
@@ -171,8 +170,6 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
     if split is None:
       raise ValueError(row_sums_unsupported_reason(m, n, k, jnp.bfloat16, interpret))
     cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64)
-  elif fused_row_terms:
-    cfg = dataclasses.replace(cfg, pipeline="pallas")
   # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
   n_vecs = _n_vecs(True, fused_row_terms, True)
   if ((fused_row_terms or x_hat)
