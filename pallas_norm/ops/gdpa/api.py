@@ -168,8 +168,8 @@ def _made_valid(off, capacity: int, max_len: int | None):
 
   Computed on every call with traced offsets. Up to mosaic.RANK_BY_COMPARISON_MAX offsets the
   running max and the prefix sum are reductions over the (i, j ≤ i) pairs, one fusion each:
-  XLA's cummax and cumsum ran as reduce-window kernels of 3.6 and 2.8 µs on the H200 at
-  B = 768."""
+  XLA's cummax and cumsum ran as slower reduce-window kernels on the H200
+  (``benchmarks/NOTES.md``, "gdpa backward")."""
   off = jnp.clip(off, 0, capacity)
   n = off.shape[0]
   pairwise = n <= mosaic.RANK_BY_COMPARISON_MAX

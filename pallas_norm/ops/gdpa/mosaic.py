@@ -220,11 +220,11 @@ def sort_rows_descending(table, keys):
   key first, ties in index order.
 
   For the work tables (a few thousand rows at most) without a sort: XLA's sort of ~800 keys is
-  several small kernels on the GPU (~11 µs measured in the forward). Instead each row's rank
-  is the count of the keys ahead of it (one fusion over the pairs), the order a sum over the
-  one-hot (position, row) pairs (one fusion), and the table gathered in that order. (A one-hot
-  sum over (position, row, column) in place of the gather took 8.3 µs on the H200: XLA reduces
-  the middle of three axes poorly.)"""
+  several small kernels on the GPU. Instead each row's rank is the count of the keys ahead of
+  it (one fusion over the pairs), the order a sum over the one-hot (position, row) pairs (one
+  fusion), and the table gathered in that order. (A one-hot sum over (position, row, column)
+  in place of the gather was itself a slow kernel: XLA reduces the middle of three axes poorly;
+  ``benchmarks/EXPERIMENTS.md``, GDPA forward.)"""
   n = keys.shape[0]
   if n > RANK_BY_COMPARISON_MAX:
     return table[jnp.argsort(-keys, stable=True)]

@@ -75,9 +75,10 @@ TILE = 2 * BLOCK
 """Rows a CTA owns: kv rows in the dK/dV kernel, q rows in the dQ kernel (two consumers)."""
 
 STAGES = 2
-"""SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 (two-kernel
-version, benchmark shape) 2 stages ran 952 µs and 3 stages 968: the consumers, not the loads,
-set the pace, and the fused dK/dV/dQ kernel needs the SMEM."""
+"""SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 a third stage
+never helped the non-persistent grid the product runs (``benchmarks/EXPERIMENTS.md``, GDPA
+backward): the consumers, not the loads, set the pace, and the fused dK/dV/dQ kernel needs the
+SMEM."""
 
 HEAD_DIMS = (64, 128)
 """Head dims the kernels support: the two (BLOCK, D) float32 accumulators of a dK/dV consumer
@@ -703,7 +704,7 @@ def _overlaps(offsets, block_rows: int, n_blocks: int):
   counted too; their loops are empty)."""
   starts = jnp.arange(n_blocks, dtype=jnp.int32) * block_rows
   # "compare_all": one fusion. The default binary search ("scan") is a loop of ~2·log2(B)
-  # tiny kernels on the GPU (~20 µs per call at B = 768, measured in the H200 run).
+  # tiny kernels on the GPU.
   search = functools.partial(jnp.searchsorted, method="compare_all")
   first = search(offsets[1:], starts, side="right").astype(jnp.int32)
   stop = search(offsets[:-1], starts + block_rows, side="left").astype(jnp.int32)

@@ -48,9 +48,8 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   (stage buffers shared, barriers of its own), which is not written.
 
   SMEM: one (tile_m, tile_k) y stage per pipeline stage. At the default 128×256 tiles, bf16,
-  64-wide steps take 64.5 KiB per stage instead of 48 (K = N = 512: 2 chained stages instead
-  of 3 unchained), 32-wide ones 32.25 KiB (4 chained stages); 256×128 tiles would keep a single
-  64-wide stage. :func:`pick_config` takes 32-wide steps for the fused row terms.
+  64-wide steps take 64.5 KiB per stage instead of 48 (K = N = 512: 2 stages instead of 3),
+  32-wide ones 32.25 KiB (4 stages); 256×128 tiles would keep a single 64-wide stage. :func:`pick_config` takes 32-wide steps for the fused row terms.
 
   On the H200 the fused terms win where a row block has 2 column tiles (262144×512²) and lose
   with 8 (65536×2048²): ``benchmarks/NOTES.md``, pre-norm backward. Needs y in dy's dtype
