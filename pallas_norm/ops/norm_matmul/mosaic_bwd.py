@@ -143,8 +143,9 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
                 interpret: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
   K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options,
-  on the shared ring without a WGMMA in flight (faster than Pallas's pipeline, and than the
-  ring with one in flight: ``benchmarks/EXPERIMENTS.md``, Pallas's pipeline).
+  on the shared ring without a WGMMA in flight (faster than Pallas's pipeline, tied with it for
+  the fused row terms, and faster than the ring with one in flight: ``benchmarks/EXPERIMENTS.md``,
+  Pallas's pipeline).
 
   ``fused_row_terms`` (y streams through the pipeline too): the same tiles, with 32-wide
   reduction steps where the extra SMEM leaves room for fewer than 3 64-wide stages (every
