@@ -15,7 +15,10 @@ rstd, never rebuilding x̂ from y by dividing by the scale (which may contain ze
     dx     = dh @ wᵀ,  dw = xᵀ dh,
 
 the column sums by a deterministic two-stage reduction (:func:`.xla.column_sum`). In the kernel
-implementations, dh and the column sums run as one Pallas kernel with the Triton lowering
+implementations, bfloat16 with K a multiple of 256 and N ≤ 4096 and neither a dense bias nor a
+cotangent of h, dh, dx and dγ/dβ's column sums come from one Mosaic kernel
+(:func:`pallas_norm.ops.matmul_norm.mosaic_bwd.dh_dx`: dh built as the dx GEMM's A operand);
+otherwise dh and the column sums run as one Pallas kernel with the Triton lowering
 (:func:`pallas_norm.ops.norms.triton.norm_backward`, ``layer_norm``'s backward kernel given x̂
 and rstd; its per-program partial sums are added in a fixed order) where it takes the shape,
 else in XLA. The ``"xla"``
