@@ -85,6 +85,15 @@ def test_unsupported_reasons():
     mb.dh_dx(*_inputs(0, 64, 64, 128), norm="rms", norm_bias=False, interpret=True)
 
 
+def test_pre_pass_needs_the_shared_ring():
+  """The GEMM body's pre-pass runs on the shared ring only (its own barriers, no w stage)."""
+  from pallas_norm.mgpu import gemm as gemm_core
+  cfg = mgpu.TileConfig(pipeline="pallas")
+  with pytest.raises(ValueError, match="pre-pass needs the shared ring"):
+    gemm_core.plan_k_loop(cfg, mb._streams(cfg), 8, {}, pre_pass=True)
+  assert mb._make_plan(256, 512, 512, True, True, True).kloop.pre_pass
+
+
 @pytest.mark.parametrize("norm,norm_bias", [("rms", False), ("layer", True)])
 def test_lowers_for_hopper(monkeypatch, norm, norm_bias):
   """The suite's shape lowers for sm_90a (jax.export for "cuda"; nothing runs), with the
