@@ -171,6 +171,9 @@ def test_op_backward_keeps_row_kernel_with_a_dense_bias(monkeypatch):
   assert "dense bias" in mn._fused_dx_reason(bf, None, jnp.zeros(64), bf, bf, bf, True)
   assert "bfloat16 only" in mn._fused_dx_reason(bf.astype(jnp.float16), None, None, bf, bf,
                                                 bf, True)
+  wide = jnp.zeros((8, 1024), BF)
+  assert "measured only" in mn._fused_dx_reason(wide, None, None, jnp.zeros((8, 256), BF),
+                                                jnp.zeros((256, 1024), BF), wide, True)
 
 
 @pytest.mark.gpu

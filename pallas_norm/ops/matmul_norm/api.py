@@ -15,8 +15,8 @@ rstd, never rebuilding x̂ from y by dividing by the scale (which may contain ze
     dx     = dh @ wᵀ,  dw = xᵀ dh,
 
 the column sums by a deterministic two-stage reduction (:func:`.xla.column_sum`). In the kernel
-implementations, bfloat16 with K a multiple of 256 and N ≤ 4096 and neither a dense bias nor a
-cotangent of h, dh, dx and dγ/dβ's column sums come from one Mosaic kernel
+implementations, bfloat16 with K a multiple of 256 and K, N ≤ 512 (where it was measured:
+:data:`.configs.FUSED_BACKWARD_MAX_N`) and neither a dense bias nor a cotangent of h, dh, dx and dγ/dβ's column sums come from one Mosaic kernel
 (:func:`pallas_norm.ops.matmul_norm.mosaic_bwd.dh_dx`: dh built as the dx GEMM's A operand);
 otherwise dh and the column sums run as one Pallas kernel with the Triton lowering
 (:func:`pallas_norm.ops.norms.triton.norm_backward`, ``layer_norm``'s backward kernel given x̂
@@ -231,7 +231,8 @@ def _fused_dx_reason(dy_out, dh_out, dense_bias, x, w, xhat, interpret) -> str |
   if dtypes != {jnp.dtype(jnp.bfloat16)}:
     return f"dtypes {sorted(map(str, dtypes))}: the fused kernel is bfloat16 only"
   m, n = dy_out.shape
-  return mosaic_bwd.unsupported_reason(m, n, x.shape[1], dy_out.dtype, interpret)
+  return (mosaic_bwd.unsupported_reason(m, n, x.shape[1], dy_out.dtype, interpret)
+          or configs.fused_backward_slower_reason(x.shape[1], n))
 
 
 def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, config, saved,
