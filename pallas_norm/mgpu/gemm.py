@@ -19,12 +19,6 @@ A kernel adds its work through :class:`Hooks`:
 * ``before_k_loop``: TMA loads of what the epilogue needs, issued while the K loop runs;
 * ``k_step_start`` / ``k_step``: work of each K step before the WGMMA is issued, and after it
   while the tensor core runs (the pre-norm row statistics of the A tile, the dx row terms);
-* ``a_operand``: WGMMA's A operand of a K step built in registers from the step's stages (the
-  post-norm backward's dh from dy and x̂): the operand transform before each WGMMA;
-* ``pre_pass``: for tiles with ``Tile.pre_pass`` (shared ring only), a pass over the same K
-  steps before the tile's K loop, through the same stages but without w (the ring loads every
-  stream but w, whose stage buffer the pass may use as scratch): the post-norm backward's row
-  sums over N before it builds dh;
 * ``epilogue``: the f32 accumulator and the K loop's carry, once per tile;
 * ``end_unit`` (called by the schedule) and ``finish``: after a work unit and at the end.
 
@@ -104,7 +98,6 @@ class KLoop:
   chained: bool
   delay_release: int
   a_in_registers: bool
-  pre_pass: bool = False
 
   @property
   def ring(self) -> bool:
@@ -119,21 +112,18 @@ def fit_stages(cfg: TileConfig, streams, hook_smem) -> int:
 
 
 def plan_k_loop(cfg: TileConfig, streams, steps: int, hook_smem, *,
-                a_in_registers: bool = False, pre_pass: bool = False, what: str = "") -> KLoop:
+                a_in_registers: bool = False, what: str = "") -> KLoop:
   """The :class:`KLoop` of ``steps`` K steps of ``streams`` next to the kernel's other SMEM
   allocations ``hook_smem``: as many stages as fit (at most ``cfg.max_concurrent_steps``; see
-  :func:`pallas_norm.mgpu.pipeline.stages_for`). ``pre_pass``: some tiles run a pre-pass
-  (:class:`Hooks`; the shared ring only). ValueError when not one stage fits (``what`` ends the
-  message) or a pre-pass is asked of Pallas's pipeline."""
-  if pre_pass and cfg.pipeline != "ring":
-    raise ValueError(f"a pre-pass needs the shared ring, got pipeline={cfg.pipeline!r}")
+  :func:`pallas_norm.mgpu.pipeline.stages_for`). ValueError when not one stage fits (``what``
+  ends the message)."""
   fit = min(cfg.max_concurrent_steps, fit_stages(cfg, streams, hook_smem))
   if fit < 1:
     raise ValueError(f"{cfg} does not fit in {SMEM_BYTES} bytes of SMEM{what}")
   stages, chained = pipeline.stages_for(cfg, steps, fit)
   return KLoop(cfg=cfg, streams=tuple(streams), steps=steps, stages=stages, chained=chained,
                delay_release=pipeline.plan_delay_release(cfg, stages, a_in_registers),
-               a_in_registers=a_in_registers, pre_pass=pre_pass)
+               a_in_registers=a_in_registers)
 
 
 class KLoopFacts:
@@ -184,22 +174,14 @@ class NormGemmPlan(KLoopFacts):
 @dataclasses.dataclass(frozen=True)
 class Tile:
   """One output tile of a schedule: row block ``m_idx``, column tile ``n_idx``; ``index``: the
-  tiles this CTA ran before (its ring steps start at ``index · steps``, or at ``first_step``
-  when given); ``first``/``last``: whether it is the CTA's first/last tile; ``kind``: the
-  kernel's static tag for it; ``pre_pass`` (static): the tile runs :meth:`Hooks.pre_pass`
-  first, on the ``steps`` ring steps before its first K step."""
+  tiles this CTA ran before (its ring steps start at ``index · steps``); ``first``/``last``:
+  whether it is the CTA's first/last tile; ``kind``: the kernel's static tag for it."""
   m_idx: object
   n_idx: object
   index: object
   first: object
   last: object
   kind: object = None
-  pre_pass: bool = False
-  first_step: object = None
-
-  def ring_step(self, steps: int):
-    """The ring step of this tile's first K step (after its pre-pass steps, if any)."""
-    return self.index * steps if self.first_step is None else self.first_step
 
 
 class KStep:
@@ -240,18 +222,6 @@ class Hooks:
 
   def k_step_start(self, tile: Tile, k_idx) -> None:
     """Consumer, at the start of K step ``k_idx``, before its WGMMA is issued."""
-
-  def a_operand(self, tile: Tile, step: KStep, carry: tuple):
-    """Consumer: WGMMA's A operand of K step ``step`` as registers (this warpgroup's rows, WGMMA
-    layout, the operand dtype) built from the step's stages, or None for the A stage itself."""
-    del tile, step, carry
-
-  def pre_pass(self, tile: Tile, run_steps) -> None:
-    """Consumer, before the K loop of a tile with ``Tile.pre_pass``: ``run_steps(body, carry)``
-    runs the pass's K steps, ``body(step: KStep, carry) -> carry`` at each (the stage of w is
-    not loaded), and returns the carry. Results for the K loop stay on the hooks object (the
-    same trace as the K loop's)."""
-    raise NotImplementedError
 
   def k_step(self, tile: Tile, step: KStep, carry: tuple) -> tuple:
     """Consumer, after K step ``step``'s WGMMA was issued, while the tensor core runs."""
@@ -322,8 +292,7 @@ def run(kloop: KLoop, *, gmems, windows: Callable[[Tile], list], schedule: Sched
 
   if kloop.ring:
     pipeline_allocs = pipeline.shared_ring_allocs(
-        kloop.stages, *((s.block, s.dtype, s.transforms) for s in kloop.streams),
-        pre_pass=kloop.pre_pass)
+        kloop.stages, *((s.block, s.dtype, s.transforms) for s in kloop.streams))
   else:
     ignore = lambda *_, **__: None
     pipeline_allocs = make_pipeline(ignore, ignore).get_allocations(*gmems)
@@ -343,10 +312,7 @@ def run(kloop: KLoop, *, gmems, windows: Callable[[Tile], list], schedule: Sched
         hooks.k_step_start(tile, k_idx)
         step = KStep(k_idx, stages, pl.ds(wg * wg_m, wg_m))
         b = stages[1] if b_stream.k_axis == 0 else stages[1].transpose((1, 0))
-        a = hooks.a_operand(tile, step, tuple(carry))
-        if a is None:
-          a = step.a() if kloop.a_in_registers else stages[0].at[step.rows]
-        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma(acc_ref, step.a() if kloop.a_in_registers else stages[0].at[step.rows], b)
         carry = hooks.k_step(tile, step, tuple(carry))
         if step.read_smem:
           plgpu.commit_smem()  # fence the stage reads before the producer refills the stage
@@ -354,21 +320,8 @@ def run(kloop: KLoop, *, gmems, windows: Callable[[Tile], list], schedule: Sched
         return (acc_ref, *carry)
       return body
 
-    def pre_pass_steps(tile, body, carry):
-      def step_body(idxs, *stages_and_carry):
-        *stages, carry = stages_and_carry
-        step = KStep(idxs[0], stages, pl.ds(wg * wg_m, wg_m))
-        carry = body(step, carry)
-        if step.read_smem:
-          plgpu.commit_smem()  # fence the stage reads before the producer refills the stage
-        return carry
-      return pipeline.ring_k_loop(ring, tile.ring_step(kloop.steps) - kloop.steps, kloop.steps,
-                                  carry, step_body, pre=True)
-
     def compute_context(tile, eval_pipeline):
       hooks.before_k_loop(tile)
-      if tile.pre_pass:
-        hooks.pre_pass(tile, functools.partial(pre_pass_steps, tile))
 
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, cfg.tile_n), jnp.float32))
       def _acc_scope(acc_ref):
@@ -380,7 +333,7 @@ def run(kloop: KLoop, *, gmems, windows: Callable[[Tile], list], schedule: Sched
     def consume(tile):
       if ring is not None:
         compute_context(tile, lambda carry: pipeline.ring_k_loop(
-            ring, tile.ring_step(kloop.steps), kloop.steps, carry, mma_body(tile),
+            ring, tile.index * kloop.steps, kloop.steps, carry, mma_body(tile),
             delay_release=kloop.delay_release))
         return
       tile_refs = [s.window(g, o, None) for s, g, o in zip(kloop.streams, gmems, windows(tile))]
@@ -392,21 +345,14 @@ def run(kloop: KLoop, *, gmems, windows: Callable[[Tile], list], schedule: Sched
 
     def produce(tile):
       others = windows(tile)
-      first = tile.ring_step(kloop.steps)
 
-      def load_steps(first_step, pre):
-        @pl.loop(0, kloop.steps)
-        def _(kk):
-          ks = pl.ds(kk * tile_k, tile_k)
-          pipeline.ring_produce(ring, first_step + kk,
-                                *(None if pre and i == 1 else s.window(g, o, ks)
-                                  for i, (s, g, o) in enumerate(zip(kloop.streams, gmems,
-                                                                     others))),
-                                pre=pre)
-      if tile.pre_pass:
-        load_steps(first - kloop.steps, True)
-      load_steps(first, False)
-      pl.when(tile.last)(lambda: pipeline.ring_drain(ring, first + kloop.steps))
+      @pl.loop(0, kloop.steps)
+      def _(kk):
+        ks = pl.ds(kk * tile_k, tile_k)
+        pipeline.ring_produce(ring, tile.index * kloop.steps + kk,
+                              *(s.window(g, o, ks)
+                                for s, g, o in zip(kloop.streams, gmems, others)))
+      pl.when(tile.last)(lambda: pipeline.ring_drain(ring, (tile.index + 1) * kloop.steps))
 
     if ring is None:
       schedule(consume, hooks.end_unit)

@@ -136,8 +136,7 @@ def warp_specialize(producer, consumers) -> None:
     consumers()
 
 
-def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release: int = 0,
-                pre: bool = False):
+def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release: int = 0):
   """Consumer: ``steps`` K steps from global step ``first_step`` of a hand-written ring (a
   :class:`SharedRing`): waits for each stage, runs ``body(idxs, *stage_buffers, carry) ->
   carry`` (the signature of a pipeline body; default: one WGMMA of
@@ -145,8 +144,7 @@ def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release
   then releases the stage. The body must leave at most ``delay_release`` (0 or 1) WGMMA groups
   in flight: with 1, step s releases the stage of step s − 1 (whose WGMMA the body's wait
   retired), and the loop ends with ``wgmma_wait(0)`` and the last stage's release, so no WGMMA
-  is in flight on return. ``pre``: the steps of a tile's pre-pass (:func:`ring_produce` with
-  ``pre``: no w stage loaded). Returns the carry."""
+  is in flight on return. Returns the carry."""
   if body is None:
     def body(idxs, x_stage, w_stage, acc):
       del idxs
@@ -156,7 +154,7 @@ def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release
 
   def step_body(k, carry):
     step = first_step + k
-    buffers, produced, consumed = ring.stage_buffers(step, pre=pre)
+    buffers, produced, consumed = ring.stage_buffers(step)
     plgpu.barrier_wait(produced)
     carry = body((k,), *buffers, carry)
     if not delay_release:
@@ -172,18 +170,13 @@ def ring_k_loop(ring, first_step, steps: int, carry, body=None, *, delay_release
   return carry
 
 
-def ring_produce(ring, step, *windows, pre: bool = False) -> None:
+def ring_produce(ring, step, *windows) -> None:
   """Producer: loads global step ``step`` (the GMEM ``windows`` of x, w and the ring's extra
   streams, in that order) into its stage of ``ring`` (as for :func:`ring_k_loop`, plus a
-  ``stages`` count) once the stage's previous use was released. ``pre``: a pre-pass step, whose
-  w window is None (not loaded: the consumers may use that stage buffer as scratch) and whose
-  copies arrive on the stage's ``produced_pre`` barrier."""
-  buffers, produced, consumed = ring.stage_buffers(step, pre=pre)
+  ``stages`` count) once the stage's previous use was released."""
+  buffers, produced, consumed = ring.stage_buffers(step)
   pl.when(step >= ring.stages)(lambda: plgpu.barrier_wait(consumed))
-  for i, (window, buffer) in enumerate(zip(windows, buffers, strict=True)):
-    if pre and i == 1:
-      assert window is None, "a pre-pass step loads no w stage"
-      continue
+  for window, buffer in zip(windows, buffers, strict=True):
     plgpu.copy_gmem_to_smem(window, buffer, produced)
 
 
@@ -211,36 +204,31 @@ class SharedRing:
   CTA's tiles (its i-th tile's K step k is global step i · k_steps + k, in stage step mod
   stages), so the producer fills the next tile's stages while the consumers run the current
   one's epilogue. Every waiter waits for every phase of a barrier in order, so the parities
-  Mosaic tracks stay right. ``produced_pre[s]`` (rings with a pre-pass, None otherwise): as
-  ``produced[s]`` for the pre-pass steps, which load every stream but w (one arrival fewer)."""
+  Mosaic tracks stay right."""
   x: object
   w: object
   produced: object
   consumed: object
   stages: int
   extra: tuple = ()
-  produced_pre: object = None
 
   def stage(self, step):
     """(x_ref, w_ref, produced, consumed) of global step ``step``."""
     (x, w, *_), produced, consumed = self.stage_buffers(step)
     return x, w, produced, consumed
 
-  def stage_buffers(self, step, pre: bool = False):
+  def stage_buffers(self, step):
     """(buffers, produced, consumed) of global step ``step``: the buffers of x, w, then of the
-    extra streams (:func:`ring_k_loop`, :func:`ring_produce`); ``pre``: a pre-pass step, whose
-    copies arrive on ``produced_pre``."""
+    extra streams (:func:`ring_k_loop`, :func:`ring_produce`)."""
     slot = lax.rem(step, self.stages)
     buffers = (self.x.at[slot], self.w.at[slot], *(e.at[slot] for e in self.extra))
-    produced = self.produced_pre if pre else self.produced
-    return buffers, produced.at[slot], self.consumed.at[slot]
+    return buffers, self.produced.at[slot], self.consumed.at[slot]
 
 
-def shared_ring_allocs(stages: int, x: tuple, w: tuple, *extra: tuple,
-                       pre_pass: bool = False) -> dict:
+def shared_ring_allocs(stages: int, x: tuple, w: tuple, *extra: tuple) -> dict:
   """``pl.run_scoped`` allocations of a :class:`SharedRing` of ``stages`` stages (pass them as
   its fields): ``x``, ``w`` and each ``extra`` stream given as (block shape, dtype, transforms)
-  of one stage; with ``pre_pass`` the barriers of the pre-pass steps too."""
+  of one stage."""
   stage = lambda block, dtype, transforms: plgpu.SMEM((stages, *block), dtype,
                                                       transforms=transforms)
   allocs = dict(
@@ -251,6 +239,4 @@ def shared_ring_allocs(stages: int, x: tuple, w: tuple, *extra: tuple,
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
   if extra:
     allocs["extra"] = tuple(stage(*e) for e in extra)
-  if pre_pass:  # every stream but w
-    allocs["produced_pre"] = plgpu.Barrier(num_arrivals=1 + len(extra), num_barriers=stages)
   return allocs

@@ -15,10 +15,7 @@ rstd, never rebuilding x̂ from y by dividing by the scale (which may contain ze
     dx     = dh @ wᵀ,  dw = xᵀ dh,
 
 the column sums by a deterministic two-stage reduction (:func:`.xla.column_sum`). In the kernel
-implementations, bfloat16 with K a multiple of 256 and K, N ≤ 512 (where it was measured:
-:data:`.configs.FUSED_BACKWARD_MAX_N`) and neither a dense bias nor a cotangent of h, dh, dx and dγ/dβ's column sums come from one Mosaic kernel
-(:func:`pallas_norm.ops.matmul_norm.mosaic_bwd.dh_dx`: dh built as the dx GEMM's A operand);
-otherwise dh and the column sums run as one Pallas kernel with the Triton lowering
+implementations, dh and the column sums run as one Pallas kernel with the Triton lowering
 (:func:`pallas_norm.ops.norms.triton.norm_backward`, ``layer_norm``'s backward kernel given x̂
 and rstd; its per-program partial sums are added in a fixed order) where it takes the shape,
 else in XLA. The ``"xla"``
@@ -37,7 +34,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import _dispatch, _op, _validate, reference
-from pallas_norm.ops.matmul_norm import configs, mosaic, mosaic_bwd, xla
+from pallas_norm.ops.matmul_norm import configs, mosaic, xla
 from pallas_norm.ops.norms import triton as norms_triton
 
 _F32 = jnp.float32
@@ -221,20 +218,6 @@ def _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums, interpr
   return _op.first_order_only("matmul_norm", backward, dy_out, xhat, rstd, scale, dh_out)
 
 
-def _fused_dx_reason(dy_out, dh_out, dense_bias, x, w, xhat, interpret) -> str | None:
-  """Why the backward keeps the norm-backward kernel and XLA's dx GEMM instead of the fused
-  kernel (:func:`pallas_norm.ops.matmul_norm.mosaic_bwd.dh_dx`: dh built as the dx GEMM's A
-  operand), or None."""
-  if dh_out is not None or dense_bias is not None:
-    return "a cotangent of h or a dense bias (the fused kernel has neither term)"
-  dtypes = {jnp.dtype(a.dtype) for a in (dy_out, xhat, x, w)}
-  if dtypes != {jnp.dtype(jnp.bfloat16)}:
-    return f"dtypes {sorted(map(str, dtypes))}: the fused kernel is bfloat16 only"
-  m, n = dy_out.shape
-  return (mosaic_bwd.unsupported_reason(m, n, x.shape[1], dy_out.dtype, interpret)
-          or configs.fused_backward_slower_reason(x.shape[1], n))
-
-
 def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, config, saved,
                cotangents):
   del eps, out_dtype, return_stats, config
@@ -246,16 +229,6 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, con
     dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
   sums = tuple(name for name, v in (("dscale", scale), ("dbias", bias), ("ddense", dense_bias))
                if v is not None)
-  interpret = implementation == "interpret"
-  if _fused_dx_reason(dy_out, dh_out, dense_bias, x, w, xhat, interpret) is None:
-    dx, dh, parts = mosaic_bwd.dh_dx(dy_out, xhat, w, rstd, scale, norm=norm,
-                                     norm_bias=bias is not None, interpret=interpret)
-    col = mosaic_bwd.column_sums(parts, dy_out.shape[1], bias is not None)
-    dw = jnp.matmul(x.T, dh, preferred_element_type=_F32, precision=_HI).astype(w.dtype)
-    dscale = None if scale is None else col["dscale"].astype(scale.dtype)
-    dbias = None if bias is None else col["dbias"].astype(bias.dtype)
-    dres = None if residual_dtype is None else dh.astype(residual_dtype.dtype)
-    return dx, dw, None, dres, dscale, dbias
   if _norm_backward_kernel_reason(dy_out, dh_out, xhat, x.dtype) is None:
     dh, col = _norm_backward_kernel(norm, dy_out, dh_out, xhat, rstd, scale, sums,
                                     interpret=implementation == "interpret")

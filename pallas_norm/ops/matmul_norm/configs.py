@@ -49,23 +49,6 @@ H200, the suite, CUPTI µs, kernel vs XLA, forward / fwd+bwd: 262144×1024² 871
 ties or loses (65536×2048² 790.5 vs 804.7, 262144×2048² 3342.7 vs 3223.1)."""
 
 
-FUSED_BACKWARD_MAX_K, FUSED_BACKWARD_MAX_N = 512, 512
-"""The kernel paths' backward takes the fused kernel (:mod:`.mosaic_bwd`: dh built as the dx
-GEMM's A operand) up to K, N ≤ 512, where it was measured (H200, session 19: RESULT PENDING).
-Wider rows are not measured: a row block's dy and x̂ (128 rows × N, 256 KB at N = 512) are read
-again from L2 by each of its K / 256 column tiles, and at N = 1024 the 132 CTAs' row blocks
-(67 MB) no longer fit in L2."""
-
-
-def fused_backward_slower_reason(k: int, n: int) -> str | None:
-  """Why the kernel paths' backward keeps the row kernel and cuBLAS's dx instead of the fused
-  kernel at x (M, K) @ w (K, N), or None."""
-  if k > FUSED_BACKWARD_MAX_K or n > FUSED_BACKWARD_MAX_N:
-    return (f"K = {k}, N = {n}: the fused backward is measured only up to K, N ≤ "
-            f"{FUSED_BACKWARD_MAX_K}, {FUSED_BACKWARD_MAX_N}")
-  return None
-
-
 def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
   """Why ``implementation=None`` keeps XLA to train (forward+backward) x (M, K) @ w (K, N),
   or None to take the kernel."""
