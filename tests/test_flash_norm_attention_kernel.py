@@ -132,11 +132,12 @@ def test_fused_ring_depth_matches_default(variant, switches):
   _check_variant_matches_default(mosaic, 2, variant, **switches)
 
 
-def _check_variant_matches_default(module, heads, variant, **switches):
+def _check_variant_matches_default(module, heads, variant, lens=(70, 0, 9), lkv=192,
+                                   **switches):
   """``variant`` of the default Config of the forward kernel ``module`` (if not None) against
-  it, bit for bit (samples of 70 rows, none and 9, Lkv = 192: three key blocks); the default
-  and its z and u against the reference."""
-  q, k, v, qo, affine = _problem(3, [70, 0, 9], heads, 64, lkv=192)
+  it, bit for bit (samples of ``lens`` rows, Lkv = 192 by default: three key blocks); the
+  default and its z and u against the reference."""
+  q, k, v, qo, affine = _problem(3, list(lens), heads, 64, lkv=lkv)
   a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(
       3, heads, 64)
   run = lambda cfg: jax.block_until_ready(module.flash_norm_attention_fwd(  # noqa: E731
@@ -330,7 +331,7 @@ def test_dispatch_reasons():
 
 def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   """implementation=None's rule (api.fused_slower_reason): the fused kernel on Hopper for bf16,
-  H·D = 512 or 256, Lkv <= 128 (measured faster than the chain); elsewhere a reason."""
+  H·D = 256, 512 or 1024, Lkv <= 128 (measured faster than the chain); elsewhere a reason."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.flash_norm_attention import api
   bf = jnp.bfloat16
@@ -341,6 +342,8 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert api.fused_slower_reason(q, dense, None, None) is None
   assert api.fused_slower_reason(q[:, :2], dense[:, :, :2], None, None) is None  # H = 2
   assert "H·D" in api.fused_slower_reason(q[:, :1], dense[:, :, :1], None, None)
+  h8, dense8 = jnp.zeros((64, 8, 128), bf), jnp.zeros((2, 128, 8, 128), bf)  # cluster kernel
+  assert api.fused_slower_reason(h8, dense8, None, None) is None
   assert "Lkv" in api.fused_slower_reason(q, jnp.zeros((2, 256, 4, 128), bf), None, None)
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
 
@@ -479,8 +482,14 @@ def test_cluster_kv_form_matches_default(variant, switches):
   """The cluster kernel with K/V streamed per q block through 2-slot rings (the GDPA kernel's
   form for long K/V) against its default resident K/V, bit for bit, over three key blocks,
   with the backward's residuals z and u (against their definitions); also, default form only,
-  with the LayerNorm and the inner residual off (the WGMMA then reads q_h as TMA wrote it)."""
-  _check_variant_matches_default(cluster, 1, variant, **switches)
+  with the LayerNorm and the inner residual off (the WGMMA then reads q_h as TMA wrote it, and
+  the consumer reads it for the outer residual), with one key block per head and samples that
+  make a consumer reuse a q slot (the producer's TMA must not overwrite the tile before that
+  read: the race detector flagged it before the fence)."""
+  if variant is not None:
+    _check_variant_matches_default(cluster, 1, variant, **switches)
+  else:
+    _check_variant_matches_default(cluster, 1, None, (79, 79, 80, 31, 14, 74), 64, **switches)
 
 
 @pytest.mark.parametrize("heads", [2, 4, 8])
@@ -533,12 +542,9 @@ def test_cluster_dispatch_reasons(monkeypatch):
   assert route(q, dense, None, None, False) == ("mosaic", None)  # where the one-CTA kernel fits
   assert route(h8, dense8, None, None, False) == ("cluster", None)
   assert "interpret" in route(h8, dense8, None, None, True)[1]
-  # implementation=None: never the cluster kernel until the GPU measures it (in the measured
-  # domain the one-CTA kernel fits; were it not to, the chain runs)
+  # implementation=None at H = 8 on Hopper: the cluster kernel (measured faster than the chain)
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
-  assert fna_api.fused_slower_reason(q, dense, None, None) is None
-  monkeypatch.setattr(mosaic, "unsupported_reason", lambda *a: "too large")
-  assert "cluster" in fna_api.fused_slower_reason(q, dense, None, None)
+  assert fna_api.fused_slower_reason(h8, dense8, None, None) is None
 
 
 @pytest.mark.parametrize("heads,save_residuals,out_dtype,switches", [

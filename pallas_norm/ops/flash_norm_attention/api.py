@@ -141,8 +141,10 @@ for the backward."""
 
 def _forward_kernel(q, k, kv_offsets, out_dtype, interpret: bool):
   """``(name, None)``: the fused forward kernel of :data:`FORWARD_KERNELS` for this call,
-  "mosaic" (one CTA per q block, measured) where it fits, else "cluster" (a cluster of H CTAs,
-  for larger H·D; interpret mode runs it at H = 1 only). ``(None, why)`` when neither can."""
+  "mosaic" (one CTA per q block) where it fits, else "cluster" (a cluster of H CTAs, for larger
+  H·D; interpret mode runs it at H = 1 only). ``(None, why)`` when neither can. Where both
+  fit, the one-CTA kernel: at H = 4 (issue shape) the cluster kernel measured 1.7× slower
+  (benchmarks/NOTES.md, "flash_norm_attention", session 19)."""
   reason = mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
   if reason is None:
     return "mosaic", None
@@ -152,17 +154,18 @@ def _forward_kernel(q, k, kv_offsets, out_dtype, interpret: bool):
   return None, f"{reason}; the cluster kernel: {cluster_reason}"
 
 
-FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), features=(256, 512),
+FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), features=(256, 512, 1024),
                             max_kv_len=128)
 """Where ``implementation=None`` takes the fused kernel: what the H200 measured faster than the
 unfused chain, forward and forward+backward (benchmarks/NOTES.md, "flash_norm_attention"):
-bf16 q, H·D = 512 or 256 (H = 4 or 2, D = 128), dense K/V of at most 128 keys."""
+bf16 q, H·D = 256 or 512 (H = 2 or 4, D = 128: the one-CTA kernel) or 1024 (H = 8, D = 128:
+the cluster kernel, the only one that fits there), dense K/V of at most 128 keys."""
 
 
 def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
   """Why ``implementation=None`` does not pick the fused kernel for a call it supports (None:
   it does): outside :data:`FUSED_DEFAULT_DOMAIN` or off Hopper, the chain was not measured
-  slower; where only the cluster kernel fits, it was not measured at all."""
+  slower."""
   d = FUSED_DEFAULT_DOMAIN
   features = q.shape[1] * q.shape[2]
   if not _dispatch.on_hopper_gpu():
@@ -172,9 +175,6 @@ def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
     return (f"the fused kernel was measured faster than the chain only for bf16 q and output, "
             f"H·D in {d['features']} and Lkv <= {d['max_kv_len']}; got {jnp.dtype(q.dtype)}, "
             f"H·D = {features}, Lkv = {k.shape[1]}; pass implementation='mosaic' to force it")
-  if mosaic.unsupported_reason(q, k, kv_offsets, out_dtype) is not None:
-    return ("only the cluster kernel (ops/flash_norm_attention/cluster.py) takes this call, and "
-            "it has not been measured on the GPU yet; pass implementation='mosaic' to force it")
   return None
 
 

@@ -1,9 +1,12 @@
 """The FlashNormAttention forward as a cluster of H CTAs, one Pallas Mosaic-GPU kernel for Hopper
 (sm_90a): the alternative to :mod:`.mosaic` (one CTA owns every head of a q block), with the
-same arguments and outputs. The op runs it where that kernel does not fit (e.g. H·D = 1024:
-H = 8, D = 128), with ``implementation="mosaic"``; ``implementation=None`` keeps the chain
-there until the GPU measures it (it is interpret-tested at H = 1 and lowering-checked at
-H = 2, 4, 8; its GPU tests wait for a GPU session).
+same arguments and outputs. The op runs it where that kernel does not fit (H·D = 1024: H = 8,
+D = 128, where ``implementation=None`` takes it: measured faster than the unfused chain,
+forward and forward+backward). Where both fit the one-CTA kernel runs: at H = 4 this one
+measured 1.7× slower (benchmarks/NOTES.md, "flash_norm_attention": the two cluster exchanges
+per q block, about half of the difference to the GDPA kernel alone, and the norms' elementwise
+work, both on the two attention consumers, which the one-CTA kernel gives to a warpgroup of its
+own). Interpret-tested at H = 1, lowering-checked at H = 2, 4, 8, GPU-tested at H = 2, 4, 8.
 
 Per token over all H·D features (DESIGN.md, op 4; :func:`pallas_norm.reference.flash_norm_attention`)::
 
@@ -315,6 +318,10 @@ class _BlockNorms:
       return None, None
     x = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA)
     if not plan.pre_layer_norm:  # the WGMMA reads q_h as TMA wrote it
+      # Our generic-proxy reads of the slot, ordered before the producer's TMA (async proxy)
+      # overwrites it once the attention releases the slot (GPU interpret mode's race detector
+      # caught the unordered pair with one key block per head).
+      plgpu.commit_smem()
       return x, None
     xf = x.astype(_F32)
     head_mean = _row_sum(xf) * (1.0 / plan.head_dim)

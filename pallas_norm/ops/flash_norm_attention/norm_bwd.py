@@ -70,22 +70,27 @@ class RowConfig:
                        f"{self.num_warps}")
 
 
-PROGRAMS_PER_SM = 8
-"""Programs per SM of :func:`pick_config`'s grid."""
+TILINGS = {"rms": (4096, 8), "ln": (2048, 8)}
+"""(elements per loop step, programs per SM) of :func:`pick_config`, per kernel: full rows
+padded to a power of 2 over 4 warps, each program looping over a contiguous slab of rows. At
+H·D = 512 that is 8 rows a step for the RMSNorm backward and 4 for the LayerNorm one, whose body
+holds more live values per element (three input tiles, two row sums). Each the fastest of the
+tilings measured on the H200 at the issue's rows (benchmarks/NOTES.md, "flash_norm_attention";
+the others are rows of benchmarks/EXPERIMENTS.md); the standalone norms' backward kernel
+measured the same rule for LayerNorm (:data:`pallas_norm.ops.norms.triton.TILINGS`)."""
 
 
-def pick_config(features: int, interpret: bool, capacity: int) -> RowConfig:
-  """Both kernels' tiling: ~4K elements per step (full rows padded to a power of 2: 8 rows of
-  H·D = 512; 32 registers per operand and thread with 4 warps) and a grid of
-  :data:`PROGRAMS_PER_SM` programs per SM, each over a contiguous slab of ``capacity`` rows
-  (one row of weight-gradient partials per program, so the partials stay small), Triton's
-  default pipelining. Faster than 16-step programs on the H200 (benchmarks/NOTES.md,
-  EXPERIMENTS.md); in interpret mode 2 steps, so that small tests cover several programs."""
+def pick_config(features: int, interpret: bool, capacity: int, kernel: str) -> RowConfig:
+  """The tiling of ``kernel`` ("rms" or "ln"): :data:`TILINGS`' elements per step and programs
+  per SM, each program over a contiguous slab of ``capacity`` rows (one row of weight-gradient
+  partials per program, so the partials stay small), 4 warps, Triton's default pipelining;
+  in interpret mode 2 steps, so that small tests cover several programs."""
+  elements, per_sm = TILINGS[kernel]
   n_pad = pl.next_power_of_2(features)
-  block_m = max(1, min(16, 4096 // n_pad))
+  block_m = max(1, min(16, elements // n_pad))
   if interpret:
     return RowConfig(block_m=block_m, steps=2, num_warps=4, num_stages=1)
-  programs = PROGRAMS_PER_SM * mgpu.num_sms(False)
+  programs = per_sm * mgpu.num_sms(False)
   return RowConfig(block_m=block_m, steps=max(1, pl.cdiv(pl.cdiv(capacity, block_m), programs)),
                    num_warps=4)
 
@@ -163,18 +168,21 @@ def _ln_backward_rows(r, blk: _Rows, outer_residual: bool, gamma1, pad, n: int,
   return jnp.where(blk.live[:, None], dq, pad), du * x_hat, du
 
 
-def _row_kernel(*refs, names, body, partials: int, n: int, capacity: int, cfg: RowConfig):
-  """One program: ``cfg.steps`` row blocks; ``body(refs, block) -> ({output name: tile},
-  summands)``; the summands' column sums are accumulated over the steps and written once."""
+def _row_kernel(*refs, names, body, vectors, partials: int, n: int, capacity: int,
+                cfg: RowConfig):
+  """One program: ``cfg.steps`` row blocks; ``body(refs, block, vecs) -> ({output name: tile},
+  summands)``, ``vecs`` the (1, n_pad) rows of the ``vectors`` inputs (γ), loaded once before
+  the loop; the summands' column sums are accumulated over the steps and written once."""
   r = dict(zip(names, refs, strict=True))
   pid = pl.program_id(0)
   n_pad = pl.next_power_of_2(n)
   end = r["end"][0]
+  vecs = tuple(_col(r[name], n, n_pad) for name in vectors)
 
   def step(i, accs):
     first = (pid * cfg.steps + i) * cfg.block_m
     blk = _Rows.at(first, cfg.block_m, n, n_pad, end, capacity)
-    stores, summands = body(r, blk)
+    stores, summands = body(r, blk, vecs)
     for name, value in stores.items():
       blk.store(r[name], value)
     return tuple(a + s for a, s in zip(accs, summands))
@@ -182,37 +190,32 @@ def _row_kernel(*refs, names, body, partials: int, n: int, capacity: int, cfg: R
   zeros = jnp.zeros((cfg.block_m, n_pad), _F32)
   accs = lax.fori_loop(0, cfg.steps, step, (zeros,) * partials)
   cols = jnp.arange(n_pad)
-  # Column-major partials (n_pad, programs): XLA then sums contiguous rows (one warp per
-  # feature), not the columns of (programs, n_pad), which it did slowly (benchmarks/NOTES.md).
+  # One (partials, n_pad, programs) buffer: XLA sums its contiguous rows (one warp per
+  # feature, not the columns of a (programs, n_pad) array, which it did slowly:
+  # benchmarks/NOTES.md), every partial in one reduction kernel.
+  programs = pl.num_programs(0)
   for j, acc in enumerate(accs):
-    pltriton.store(r[f"part{j}"].at[cols * pl.num_programs(0) + pid], jnp.sum(acc, axis=0),
+    pltriton.store(r["partials"].at[(j * n_pad + cols) * programs + pid], jnp.sum(acc, axis=0),
                    mask=cols < n)
 
 
-def _call(name, body, inputs: dict, outputs: dict, partials: int, n: int, capacity: int,
-          interpret: bool, cfg: RowConfig | None):
+def _call(name, body, vectors, inputs: dict, outputs: dict, partials: int, n: int,
+          capacity: int, interpret: bool, cfg: RowConfig):
   """Runs :func:`_row_kernel` over all rows; returns the outputs and the column sums."""
-  cfg = cfg or pick_config(n, interpret, capacity)
   programs = pl.cdiv(capacity, cfg.block_m * cfg.steps)
   n_pad = pl.next_power_of_2(n)
-  part = jax.ShapeDtypeStruct((programs * n_pad,), _F32)
-  out_shape = list(outputs.values()) + [part] * partials
-  names = list(inputs) + list(outputs) + [f"part{j}" for j in range(partials)]
-  kernel = functools.partial(_row_kernel, names=names, body=body, partials=partials, n=n,
-                             capacity=capacity, cfg=cfg)
+  out_shape = list(outputs.values()) + [
+      jax.ShapeDtypeStruct((partials * n_pad * programs,), _F32)]
+  names = list(inputs) + list(outputs) + ["partials"]
+  kernel = functools.partial(_row_kernel, names=names, body=body, vectors=vectors,
+                             partials=partials, n=n, capacity=capacity, cfg=cfg)
   outs = _op.first_order_only("flash_norm_attention", lambda *a: pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret, name=name,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages))(*a),
       *inputs.values())
-  tiles, parts = outs[:len(outputs)], outs[len(outputs):]
-  sums = [jnp.sum(p.reshape(n_pad, programs)[:n], axis=1) for p in parts]
-  return list(tiles), sums
-
-
-def _vectors(names, r, n):
-  n_pad = pl.next_power_of_2(n)
-  return tuple(_col(r[name], n, n_pad) for name in names)
+  sums = jnp.sum(outs[-1].reshape(partials, n_pad, programs)[:, :n], axis=2)
+  return list(outs[:-1]), list(sums)
 
 
 def rms_backward(g, z, stats, gamma2, end, *, interpret: bool = False,
@@ -239,12 +242,13 @@ def rms_backward(g, z, stats, gamma2, end, *, interpret: bool = False,
                 stats=stats.reshape(-1), gamma2=gamma2)
   outputs = dict(dz=jax.ShapeDtypeStruct((capacity, n), z.dtype))
 
-  def body(r, blk):
-    dz, summand = _rms_backward_rows(r, blk, _vectors(("gamma2",), r, n)[0], n, stats_cols)
+  def body(r, blk, vecs):
+    dz, summand = _rms_backward_rows(r, blk, vecs[0], n, stats_cols)
     return dict(dz=dz), (summand,)
 
-  (dz,), (d_gamma2,) = _call("fna_rms_backward", body, inputs, outputs, 1, n, capacity,
-                             interpret, config)
+  cfg = config or pick_config(n, interpret, capacity, "rms")
+  (dz,), (d_gamma2,) = _call("fna_rms_backward", body, ("gamma2",), inputs, outputs, 1, n,
+                             capacity, interpret, cfg)
   return dz, d_gamma2
 
 
@@ -283,12 +287,12 @@ def ln_backward(du, g, q, stats, gamma1, end, pad, *, outer_residual: bool,
                 q=q, stats=stats.reshape(-1), gamma1=gamma1)
   outputs = dict(dq=jax.ShapeDtypeStruct((capacity, n), q.dtype))
 
-  def body(r, blk):
-    dq, d_scale, d_bias = _ln_backward_rows(r, blk, outer_residual,
-                                            _vectors(("gamma1",), r, n)[0], r["pad"][0], n,
+  def body(r, blk, vecs):
+    dq, d_scale, d_bias = _ln_backward_rows(r, blk, outer_residual, vecs[0], r["pad"][0], n,
                                             stats_cols)
     return dict(dq=dq), (d_scale, d_bias)
 
-  (dq,), (d_gamma1, d_beta1) = _call("fna_ln_backward", body, inputs, outputs, 2, n,
-                                     capacity, interpret, config)
+  cfg = config or pick_config(n, interpret, capacity, "ln")
+  (dq,), (d_gamma1, d_beta1) = _call("fna_ln_backward", body, ("gamma1",), inputs, outputs, 2,
+                                     n, capacity, interpret, cfg)
   return dq, d_gamma1, d_beta1
