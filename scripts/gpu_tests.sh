@@ -3,9 +3,15 @@
 # on a Hopper GPU and keeps a log: $OUT/gpu_tests.log when OUT is set, else
 # benchmarks/results/gpu_tests.log. Extra arguments go to pytest (e.g. -k norm_matmul, -x).
 # Compiling the kernels is most of the time, so the tests run in GPU_TEST_WORKERS pytest-xdist
-# processes (default 6) sharing the one GPU, each allowed a slice of its memory and no
-# preallocation. Verbose (-v): each test's result is logged as it finishes, so a run cut by a
-# time limit still shows which tests passed. Exit status: pytest's.
+# processes (default 6) sharing the one GPU, each allowed an equal slice of 84% of its memory
+# and no preallocation, handed out one by one longest first (--maxschedchunk 1 and
+# tests/conftest.py's order): xdist's default queues a batch of consecutive tests per worker,
+# which left the FNA file's long compiles to one worker at the end. XLA's GEMM autotuning is
+# off (--xla_gpu_autotune_level=0): the tests check values, not speed, and autotuning
+# compiles and times candidate GEMMs of every oracle and XLA program. Verbose (-v): each
+# test's result is logged as it finishes, and its duration appended to gpu_test_times.tsv
+# beside the log, so a run cut by a time limit still shows which tests passed and what they
+# cost. Exit status: pytest's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -20,9 +26,13 @@ commit="${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 } 2>&1 | tee "$log"
 workers="${GPU_TEST_WORKERS:-6}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.14}"
-python3 -m pytest -m gpu -v -p no:cacheprovider -n "$workers" --durations=15 "$@" 2>&1 \
-  | tee -a "$log"
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(
+  python3 -c "print(round(0.84 / max(1, $workers), 3))")}"
+export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0"
+export PALLAS_NORM_TEST_TIMES="$log_dir/gpu_test_times.tsv"
+: > "$PALLAS_NORM_TEST_TIMES"
+python3 -m pytest -m gpu -v -p no:cacheprovider -n "$workers" --maxschedchunk 1 \
+  --durations=30 "$@" 2>&1 | tee -a "$log"
 status=${PIPESTATUS[0]}
 echo "# pytest exit status $status" | tee -a "$log"
 exit "$status"

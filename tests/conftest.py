@@ -42,17 +42,59 @@ def pytest_sessionfinish(session, exitstatus):
   gc.collect()
 
 
+# Seconds the longest case of each GPU test took on the H200 with 6 workers (pytest's
+# --durations of benchmarks/results/logs/2026-12-02_s17_gpu_tests.log; the cluster FNA tests,
+# new since, estimated from their compiles). Only an order: the GPU suite's time is mostly
+# compiling, so scripts/gpu_tests.sh hands the tests out one by one (--maxschedchunk 1) longest
+# first, and the short ones fill the gaps at the end. Tests not listed go after these.
+GPU_TEST_SECONDS = {
+    "test_gpu_gradients_at_issue_shape": 126,
+    "test_gpu_cluster_gradients_at_issue_shape": 100,
+    "test_gpu_default_runs_each_use_on_its_path": 72,
+    "test_gpu_row_kernel_matches_oracle": 57,
+    "test_forward_gpu": 53,
+    "test_gpu_benchmark_shape_dense": 52,
+    "test_forward_gpu_ring": 50,
+    "test_gpu_public_api_gradients": 50,
+    "test_push_exchange_gives_pull_bits_gpu": 50,
+    "test_backward_gpu": 47,
+    "test_gpu_forward_at_issue_shape": 45,
+    "test_gpu_cluster_training_form_and_switches": 40,
+    "test_gpu_cluster_forward_at_issue_shape": 30,
+}
+
+
+def _gpu_seconds(item) -> float:
+  if "gpu" not in item.keywords:
+    return 0.0
+  return GPU_TEST_SECONDS.get(getattr(item, "originalname", item.name), 0.0)
+
+
 def pytest_collection_modifyitems(config, items):
-  # The `slow` tests (tens of CPU-seconds each) first: pytest-xdist hands tests out in this
-  # order, so the long ones start early and the short ones fill the gaps, instead of one
-  # worker finishing a long test alone at the end. Stable: files keep their order otherwise.
-  items.sort(key=lambda item: "slow" not in item.keywords)
+  # The `slow` tests (tens of CPU-seconds each) first, and the GPU tests longest first:
+  # pytest-xdist hands tests out in this order, so the long ones start early and the short
+  # ones fill the gaps, instead of one worker finishing a long test alone at the end. Stable:
+  # files keep their order otherwise.
+  items.sort(key=lambda item: ("slow" not in item.keywords, -_gpu_seconds(item)))
   if _dispatch.on_hopper_gpu():
     return
   skip_gpu = pytest.mark.skip(reason="needs a Hopper GPU (sm_90a); run `pytest -m gpu` on one")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip_gpu)
+
+
+def pytest_runtest_logreport(report):
+  """With PALLAS_NORM_TEST_TIMES set (scripts/gpu_tests.sh sets it), the controller appends each
+  test's duration as it finishes ("seconds<TAB>outcome<TAB>test id"), so a run that a time
+  limit cuts still says what each finished test cost (pytest's --durations prints only at the
+  end). Under pytest-xdist the workers' reports reach the controller's hook too: only the
+  controller (no PYTEST_XDIST_WORKER) writes."""
+  path = os.environ.get("PALLAS_NORM_TEST_TIMES")
+  if not path or "PYTEST_XDIST_WORKER" in os.environ or report.when != "call":
+    return
+  with open(path, "a") as f:
+    f.write(f"{report.duration:.1f}\t{report.outcome}\t{report.nodeid}\n")
 
 
 @pytest.fixture(scope="session")

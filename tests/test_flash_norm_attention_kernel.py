@@ -26,6 +26,7 @@ import pallas_norm as pn
 from pallas_norm import _dispatch, jagged, mgpu, reference
 from pallas_norm.ops.flash_norm_attention import api as fna_api
 from pallas_norm.ops.flash_norm_attention import cluster, mosaic, norm_bwd
+from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
 from pallas_norm.ops.gdpa import mosaic_bwd as gdpa_mosaic_bwd
 
 TOL = 2e-2
@@ -656,3 +657,27 @@ def test_gpu_cluster_gradients_at_issue_shape(heads, monkeypatch):
   unchanged backward) against the f32 XLA reference's."""
   _route_to_cluster(monkeypatch)
   test_gpu_gradients_at_issue_shape(heads)
+
+
+@pytest.mark.parametrize("n", [2, 9, gdpa_mosaic.RANK_BY_COMPARISON_MAX + 2])
+@pytest.mark.parametrize("max_len", [None, 5])
+def test_made_valid_offsets_match_cummax_and_cumsum(n, max_len):
+  """_made_valid's pairwise running max and prefix sum (and the cummax/cumsum above
+  RANK_BY_COMPARISON_MAX offsets) against numpy: offsets out of [0, capacity] and decreasing."""
+  rng = np.random.default_rng(n)
+  off = rng.integers(-20, 200, n).astype(np.int32)
+  clipped = np.maximum.accumulate(np.clip(off, 0, 150))
+  clipped[0] = 0
+  lengths = np.diff(clipped) if max_len is None else np.minimum(np.diff(clipped), max_len)
+  want = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  got = jax.jit(fna_api._made_valid, static_argnums=(1, 2))(jnp.asarray(off), 150, max_len)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_made_valid_above_the_pairwise_limit_builds_no_pairs():
+  """Above RANK_BY_COMPARISON_MAX offsets no (n, n) array is built (eager under vmap nothing
+  would remove it: 10 GB of pairs at 100k samples)."""
+  n = gdpa_mosaic.RANK_BY_COMPARISON_MAX + 2
+  jaxpr = jax.make_jaxpr(lambda o: fna_api._made_valid(o, 150, 5))(jnp.zeros((n,), jnp.int32))
+  shapes = [v.aval.shape for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars]
+  assert all(len(s) < 2 for s in shapes), shapes

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 import pallas_norm as pn
 from pallas_norm import jagged, mgpu, reference
-from pallas_norm.ops.gdpa import api as gdpa_api, configs, mosaic
+from pallas_norm.ops.gdpa import configs, mosaic
 
 TOL = 2e-2
 
@@ -256,9 +256,10 @@ def test_gpu_jagged_kv(max_kv_len):
 def test_invalid_traced_offsets_poison_every_row_and_gradient():
   """Under jit, offsets that break the convention (first != 0 leaves rows 0..3 outside every
   sample) give NaN in every output row on the kernel path too, with no extra pass over the
-  output, and NaN gradients on every real row (the backward runs on the offsets made valid,
-  with NaN scales), never the zeros that empty samples give. One forward kernel run for both
-  (the op's output is the custom_vjp's forward rule's)."""
+  output, and NaN in every row of every gradient: the backward runs on the forward's all-empty
+  samples with NaN scales, so dq's padding rows (0 · pre · post) and dk, dv (zero accumulators
+  times the scales) are NaN, never the zeros that empty samples give. One forward kernel run for
+  both (the op's output is the custom_vjp's forward rule's)."""
   q, k, v, _, _ = _problem(8, [8], 1, 64, lkv=64, capacity=16)
   q = jnp.where(jnp.isnan(q), 0, q)
 
@@ -269,7 +270,7 @@ def test_invalid_traced_offsets_poison_every_row_and_gradient():
   (_, out), (dq, dk, dv) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
       q, k, v, jnp.array([4, 12], jnp.int32))
   assert bool(jnp.all(jnp.isnan(out)))
-  assert bool(jnp.all(jnp.isnan(dq[:12]))) and bool(jnp.all(jnp.isnan(dk)))
+  assert bool(jnp.all(jnp.isnan(dq))) and bool(jnp.all(jnp.isnan(dk)))
   assert bool(jnp.all(jnp.isnan(dv)))
 
 
@@ -320,25 +321,30 @@ def test_work_table_order_is_a_stable_descending_sort(n):
   np.testing.assert_array_equal(sort(table[:, 3], keys), want[:, 3])
 
 
-@pytest.mark.parametrize("n", [2, 9, mosaic.RANK_BY_COMPARISON_MAX + 2])
-@pytest.mark.parametrize("max_len", [None, 5])
-def test_made_valid_offsets_match_cummax_and_cumsum(n, max_len):
-  """_made_valid's pairwise running max and prefix sum (and the cummax/cumsum above
-  RANK_BY_COMPARISON_MAX offsets) against numpy: offsets out of [0, capacity] and decreasing."""
-  rng = np.random.default_rng(n)
-  off = rng.integers(-20, 200, n).astype(np.int32)
-  clipped = np.maximum.accumulate(np.clip(off, 0, 150))
-  clipped[0] = 0
-  lengths = np.diff(clipped) if max_len is None else np.minimum(np.diff(clipped), max_len)
-  want = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-  got = jax.jit(gdpa_api._made_valid, static_argnums=(1, 2))(jnp.asarray(off), 150, max_len)
-  np.testing.assert_array_equal(got, want)
 
 
-def test_made_valid_above_the_pairwise_limit_builds_no_pairs():
-  """Above RANK_BY_COMPARISON_MAX offsets no (n, n) array is built (eager under vmap nothing
-  would remove it: 10 GB of pairs at 100k samples)."""
-  n = mosaic.RANK_BY_COMPARISON_MAX + 2
-  jaxpr = jax.make_jaxpr(lambda o: gdpa_api._made_valid(o, 150, 5))(jnp.zeros((n,), jnp.int32))
-  shapes = [v.aval.shape for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars]
-  assert all(len(s) < 2 for s in shapes), shapes
+def test_work_items_samples_longest_first_then_padding_chunks():
+  """The work table's first B rows are the samples, longest first (ties in sample order), as
+  the backward's dense tile order reads them (their KV_WIN is the sample); then the padding
+  chunks in row order, covering [q_offsets[-1], T) exactly."""
+  lengths = np.array([5, 0, 130, 5, 64, 0, 77, 130])
+  offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  capacity = 1400
+  table = np.asarray(jax.jit(mosaic.work_items, static_argnums=(2, 3, 4))(
+      jnp.asarray(offsets), None, capacity, len(lengths), 128))
+  batch = len(lengths)
+  np.testing.assert_array_equal(table[:batch, mosaic.KV_WIN],
+                                np.argsort(-lengths, kind="stable"))
+  first = table[:, mosaic.Q_WIN] + table[:, mosaic.Q_LO]
+  size = table[:, mosaic.Q_HI] - table[:, mosaic.Q_LO]
+  order = np.argsort(-lengths, kind="stable")
+  np.testing.assert_array_equal(size[:batch], lengths[order])
+  real = lengths[order] > 0  # an empty sample's window says nothing (lo = hi = 0)
+  np.testing.assert_array_equal(first[:batch][real], offsets[:-1][order][real])
+  chunks = size[batch:] > 0
+  assert np.all(np.diff(first[batch:][chunks]) > 0)  # row order
+  covered = np.zeros(capacity, bool)
+  for lo, n in zip(first[batch:][chunks], size[batch:][chunks]):
+    assert not covered[lo:lo + n].any()
+    covered[lo:lo + n] = True
+  assert covered[offsets[-1]:].all() and not covered[:offsets[-1]].any()

@@ -302,8 +302,8 @@ def test_pipeline_stages(steps, max_stages, expected):
 def test_ring_plan():
   """The default plan takes the shared ring: as many stages as fit whether or not they divide
   the K steps (never chained through Pallas), with one WGMMA in flight, except with x in
-  registers (M % 8 != 0 on a GPU); with stats_once too, and for dx without the fused row
-  terms."""
+  registers (M % 8 != 0 on a GPU); with stats_once too; the plain GEMM and dx (with or without
+  the fused row terms) without a WGMMA in flight."""
   for m, k, n in ((262144, 2048, 2048), (65536, 2048, 2048), (262144, 320, 256)):
     cfg = nmk.pick_config(m, k, n)
     assert not cfg.stats_once and cfg.pipeline == "ring" and cfg.delay_release == 1
@@ -316,6 +316,9 @@ def test_ring_plan():
   once = nmk.pick_config(262144, 512, 512)
   assert once.stats_once and once.pipeline == "ring" and once.delay_release == 1
   assert nmb.pick_config(262144, 512, 576, x_hat=True).pipeline == "ring"
+  for cfg in (nmk.gemm_config(262144, 512, 512), nmk.gemm_config(262144, 512, 2048),
+              nmb.pick_config(262144, 512, 448, fused_row_terms=True, x_hat=True)):
+    assert cfg.pipeline == "ring" and cfg.delay_release == 0 and not cfg.stats_once
   odd = nmk._make_plan(65536 + 77, 2048, 2048, jnp.bfloat16, jnp.bfloat16, "rms", EPS, False,
                        nmk.pick_config(65536 + 77, 2048, 2048), interpret=False)
   assert odd.a_in_registers and odd.delay_release == 0
@@ -695,8 +698,8 @@ def test_dx_fused_plan_and_config():
   m = 262144
   base = nmb.pick_config(m, 512, 512)
   assert base.tile_k == 64
-  assert nmb.pick_config(m, 512, 512, fused_row_terms=True) == dataclasses.replace(
-      base, tile_k=32, pipeline="pallas")
+  assert nmb.pick_config(m, 512, 512, fused_row_terms=True) == dataclasses.replace(base,
+                                                                                  tile_k=32)
   plan = lambda cfg, fused: nmb._make_plan(m, 512, 512, jnp.bfloat16, True, cfg, False,
                                            fused=fused, has_bias=True)
   assert (plan(base, False).stages, plan(base, False).chained) == (3, False)

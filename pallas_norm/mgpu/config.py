@@ -50,12 +50,11 @@ class TileConfig:
     pipeline: how the K loops are fed. "ring": one hand-written ring both consumers read
       (:class:`SharedRing`), numbered across the CTA's tiles, so it is always chained, takes
       any stage count, and can keep a WGMMA in flight (``delay_release`` = 1), as cuBLAS's
-      cooperative 128×256 kernel does: the default K loop of the fused kernels. "pallas":
-      ``plgpu.emit_pipeline_warp_specialized`` (chained across a CTA's tiles when the stages
-      divide the K steps and ``delay_release`` is 0): the post-norm forward with several N
-      tiles per CTA, where the ring measured slower (not understood), and the plain GEMM and
-      the dx kernel with fused row terms, not yet measured on the ring
-      (``benchmarks/EXPERIMENTS.md``).
+      cooperative 128×256 kernel does: what every kernel's ``pick_config`` takes, but for one
+      exception. "pallas": ``plgpu.emit_pipeline_warp_specialized`` (chained across a CTA's
+      tiles when the stages divide the K steps and ``delay_release`` is 0): the post-norm
+      forward with several N tiles per CTA, where the ring measured slower (not understood;
+      ``benchmarks/EXPERIMENTS.md``).
 
   A kernel refuses a non-default value of an option it does not implement, with a ValueError
   from :func:`reject_unused_options`.

@@ -6,11 +6,10 @@ SM, or one cluster per group of SMs) walks work units from a *schedule*; each ou
 it along M (``tile_m // 2`` rows each, so every row belongs to exactly one warpgroup) while a TMA
 producer warpgroup streams the K loop's operands through SMEM stages: on the shared ring
 (:class:`pallas_norm.mgpu.pipeline.SharedRing`, ``TileConfig.pipeline="ring"``, steps numbered
-across the CTA's tiles: the fused kernels' default) or through Pallas's
+across the CTA's tiles: every default K loop but one) or through Pallas's
 ``emit_pipeline_warp_specialized`` (``pipeline="pallas"``, chained across the CTA's tiles when the
 stages divide the steps: the post-norm forward with several N tiles per CTA, where the ring
-measured slower, and the plain GEMM and the fused-row-terms dx, not yet measured on the ring;
-:class:`pallas_norm.mgpu.config.TileConfig`).
+measured slower, ``pallas_norm.ops.matmul_norm.mosaic``).
 
 A kernel adds its work through :class:`Hooks`:
 

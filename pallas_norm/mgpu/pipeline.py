@@ -1,7 +1,7 @@
-"""The K-loop pipelines of the GEMM kernels: the hand-written shared ring (the fused kernels'
-default) and Pallas's warp-specialized pipeline (chained across a CTA's tiles; where it is still
-the default: :class:`pallas_norm.mgpu.config.TileConfig`), both fed by one TMA producer
-warpgroup."""
+"""The K-loop pipelines of the GEMM kernels: the hand-written shared ring (every default K loop
+but one) and Pallas's warp-specialized pipeline (chained across a CTA's tiles; the post-norm
+forward with several N tiles per CTA, where the ring measured slower), both fed by one TMA
+producer warpgroup."""
 
 from __future__ import annotations
 

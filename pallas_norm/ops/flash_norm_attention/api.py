@@ -201,16 +201,17 @@ def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation
 
   Traced offsets that break the jagged convention are answered as the GDPA kernel path does
   (:func:`pallas_norm.ops.gdpa.api._poisoned`): NaN scales, all rows padding in the forward
-  (the kernel writes them as 0 · post_scale = NaN), offsets made valid for the backward (NaN
-  gradients), and a checkify error."""
+  (the kernel writes them as 0 · post_scale = NaN), and a checkify error; the backward runs on
+  offsets made valid (:func:`_made_valid`), so that the norm weights' gradients, sums over the
+  real rows, are NaN too."""
   scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
   offsets = (q_offsets, q_offsets)  # the forward's, the backward's
   pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
   bad = gdpa_api._offsets_invalid(q_offsets, None, q.shape[0], k.shape[0], max_seq_len, None)  # noqa: SLF001
   if bad is not None:
-    (fwd, _, bwd, _), pre_scale, post_scale = gdpa_api._poisoned(  # noqa: SLF001
-        bad, (q_offsets, None), pre_scale, post_scale, q.shape[0], k.shape[0], max_seq_len,
-        None)
+    fwd, pre_scale, post_scale = gdpa_api._poisoned(  # noqa: SLF001
+        bad, q_offsets, pre_scale, post_scale)
+    bwd = jnp.where(bad, _made_valid(q_offsets, q.shape[0], max_seq_len), q_offsets)
     offsets = (fwd, bwd)
   heads, head_dim = q.shape[1:]
   ones, zeros = jnp.ones((heads * head_dim,), _F32), jnp.zeros((heads * head_dim,), _F32)
@@ -225,6 +226,31 @@ def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation
     return out
   ln_stats = reference.NormStats(stats[:, 0], stats[:, 1]) if pre_layer_norm else None
   return out, (ln_stats, reference.NormStats(None, stats[:, 2]))
+
+
+def _made_valid(off, capacity: int, max_len: int | None):
+  """Offsets that follow the jagged convention, as close to ``off`` as a clip allows: the
+  fused backward's under bad traced offsets (its norm weights' gradients sum over the rows these
+  offsets call real, so they come out NaN).
+
+  Computed on every call with traced offsets. Up to gdpa_mosaic.RANK_BY_COMPARISON_MAX offsets
+  the running max and the prefix sum are reductions over the (i, j ≤ i) pairs, one fusion each:
+  XLA's cummax and cumsum ran as slower reduce-window kernels on the H200 (``benchmarks/NOTES.md``,
+  "gdpa backward")."""
+  off = jnp.clip(off, 0, capacity)
+  n = off.shape[0]
+  pairwise = n <= gdpa_mosaic.RANK_BY_COMPARISON_MAX
+  # [i, j]: j <= i. Only where used: eager (e.g. under vmap without jit) nothing removes it.
+  upto = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None] if pairwise else None
+  off = (jnp.max(jnp.where(upto, off[None, :], 0), axis=1) if pairwise
+         else jax.lax.cummax(off)).at[0].set(0)
+  lengths = jnp.diff(off)
+  if max_len is not None:
+    lengths = jnp.minimum(lengths, max_len)
+  lengths = jnp.concatenate([jnp.zeros((1,), lengths.dtype), lengths])
+  total = (jnp.sum(jnp.where(upto, lengths[None, :], 0), axis=1) if pairwise
+           else jnp.cumsum(lengths))
+  return total.astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

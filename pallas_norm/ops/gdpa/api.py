@@ -135,55 +135,25 @@ def kernel_path(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_s
   validated and chose already (``flash_norm_attention``'s chain)."""
   scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
   pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
-  offsets = (q_offsets, kv_offsets, q_offsets, kv_offsets)  # forward's, then backward's
   bad = _offsets_invalid(q_offsets, kv_offsets, q.shape[0], k.shape[0], max_seq_len, max_kv_len)
   if bad is not None:
-    offsets, pre_scale, post_scale = _poisoned(bad, offsets, pre_scale, post_scale, q.shape[0],
-                                               k.shape[0], max_seq_len, max_kv_len)
-  return _kernel_gdpa(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
-                      max_kv_len, jnp.dtype(out_dtype or q.dtype), implementation == "interpret",
-                      scale_grads)
+    q_offsets, pre_scale, post_scale = _poisoned(bad, q_offsets, pre_scale, post_scale)
+  return _kernel_gdpa(q, k, v, pre_scale, post_scale, (q_offsets, kv_offsets), activation,
+                      max_seq_len, max_kv_len, jnp.dtype(out_dtype or q.dtype),
+                      implementation == "interpret", scale_grads)
 
 
-def _poisoned(bad, offsets, pre_scale, post_scale, capacity, kv_capacity, max_seq_len,
-              max_kv_len):
+def _poisoned(bad, q_offsets, pre_scale, post_scale):
   """The kernel path's answer to traced offsets that break the jagged convention, with no pass
-  over the output: NaN scales, all-empty samples in the forward (the kernel then writes every
-  row as padding, times the NaN scale) and, in the backward, the offsets made valid (clipped,
-  non-decreasing, lengths capped), so the real rows give NaN gradients instead of the zeros
-  empty samples would give. Also a checkify error (``jax.experimental.checkify``)."""
+  over the output: NaN scales and all-empty samples (q offsets all 0), for the forward and the
+  backward alike. The kernels then write every row as padding, 0 · scale = NaN: the output,
+  dq (0 · pre · post) and dk, dv (a zero accumulator times the scales), and the scale
+  gradients are made NaN by the backward rule. With every q sample empty no kernel reads a key
+  by the (unchecked) kv offsets. Also a checkify error (``jax.experimental.checkify``)."""
   checkify.debug_check(jnp.logical_not(bad), OFFSETS_INVALID_MESSAGE)
-  q_off, kv_off = offsets[:2]
   nan = jnp.float32(jnp.nan)
-  fwd_q = jnp.where(bad, jnp.zeros_like(q_off), q_off)
-  bwd_q = jnp.where(bad, _made_valid(q_off, capacity, max_seq_len), q_off)
-  bwd_kv = kv_off if kv_off is None else jnp.where(
-      bad, _made_valid(kv_off, kv_capacity, max_kv_len), kv_off)
-  return ((fwd_q, kv_off, bwd_q, bwd_kv), jnp.where(bad, nan, pre_scale),
+  return (jnp.where(bad, jnp.zeros_like(q_offsets), q_offsets), jnp.where(bad, nan, pre_scale),
           jnp.where(bad, nan, post_scale))
-
-
-def _made_valid(off, capacity: int, max_len: int | None):
-  """Offsets that follow the jagged convention, as close to ``off`` as a clip allows.
-
-  Computed on every call with traced offsets. Up to mosaic.RANK_BY_COMPARISON_MAX offsets the
-  running max and the prefix sum are reductions over the (i, j ≤ i) pairs, one fusion each:
-  XLA's cummax and cumsum ran as reduce-window kernels of 3.6 and 2.8 µs on the H200 at
-  B = 768."""
-  off = jnp.clip(off, 0, capacity)
-  n = off.shape[0]
-  pairwise = n <= mosaic.RANK_BY_COMPARISON_MAX
-  # [i, j]: j <= i. Only where used: eager (e.g. under vmap without jit) nothing removes it.
-  upto = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None] if pairwise else None
-  off = (jnp.max(jnp.where(upto, off[None, :], 0), axis=1) if pairwise
-         else jax.lax.cummax(off)).at[0].set(0)
-  lengths = jnp.diff(off)
-  if max_len is not None:
-    lengths = jnp.minimum(lengths, max_len)
-  lengths = jnp.concatenate([jnp.zeros((1,), lengths.dtype), lengths])
-  total = (jnp.sum(jnp.where(upto, lengths[None, :], 0), axis=1) if pairwise
-           else jnp.cumsum(lengths))
-  return total.astype(jnp.int32)
 
 
 def kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
@@ -212,32 +182,42 @@ def _kernel_gdpa(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_le
 def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
                      max_kv_len, out_dtype, interpret, scale_grads):
   del max_seq_len, scale_grads  # the kernel's work list comes from the offsets themselves
-  q_offsets, kv_offsets = offsets[:2]
-  forward = functools.partial(mosaic.gdpa_fwd, activation=activation, max_kv_len=max_kv_len,
-                              out_dtype=out_dtype, interpret=interpret)
+  q_offsets, kv_offsets = offsets
+  # Built once: the backward reads its dense tile order from it (no second sort).
+  table = mosaic.work_items(q_offsets, kv_offsets, q.shape[0], k.shape[0],
+                            mosaic.kv_rows(k, kv_offsets, max_kv_len))
+
+  def forward(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, table):
+    return mosaic.gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale,
+                           activation=activation, max_kv_len=max_kv_len, out_dtype=out_dtype,
+                           work_table=table, interpret=interpret)
+
   out = _op.first_order_only("gdpa", forward, q, k, v, q_offsets, kv_offsets, pre_scale,
-                             post_scale)
-  return out, (q, k, v, pre_scale, post_scale, offsets)
+                             post_scale, table)
+  return out, (q, k, v, pre_scale, post_scale, offsets, table)
 
 
 def _kernel_bwd_rule(activation, max_seq_len, max_kv_len, out_dtype, interpret, scale_grads,
                      saved, d_out):
   del out_dtype
-  q, k, v, pre_scale, post_scale, offsets = saved
-  q_offsets, kv_offsets = offsets[2:]
+  q, k, v, pre_scale, post_scale, offsets, table = saved
+  q_offsets, kv_offsets = offsets
   kw = dict(activation=activation, pre_scale=pre_scale, post_scale=post_scale,
             max_seq_len=max_seq_len, max_kv_len=max_kv_len, interpret=interpret)
   if mosaic_bwd.unsupported_reason(q, k, v, kv_offsets, max_seq_len, max_kv_len) is None:
-    def backward(q, k, v, q_offsets, kv_offsets, d_out):
+    def backward(q, k, v, q_offsets, kv_offsets, d_out, table):
       grads = mosaic_bwd.gdpa_bwd(q, k, v, q_offsets, kv_offsets, d_out,
-                                  scale_grads=scale_grads, **kw)
+                                  scale_grads=scale_grads, work_table=table, **kw)
       if grads[3] is None:  # numbers given by the caller: constants, cotangents dropped
         grads = (*grads[:3], jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale))
       return grads
     dq, dk, dv, d_pre, d_post = _op.first_order_only("gdpa", backward, q, k, v, q_offsets,
-                                                     kv_offsets, d_out)
-  else:  # shapes the backward kernel refuses: JAX's VJP of the XLA path
+                                                     kv_offsets, d_out, table)
+  else:  # shapes the backward kernel refuses (none that the forward kernel takes today)
     dq, dk, dv, d_pre, d_post = _xla_backward(q, k, v, q_offsets, kv_offsets, d_out, **kw)
+    # Poisoned offsets are all-empty samples here, whose masks would give zeros: NaN instead.
+    poisoned = jnp.isnan(pre_scale * post_scale)
+    dq, dk, dv = (jnp.where(poisoned, jnp.nan, g).astype(g.dtype) for g in (dq, dk, dv))
   # Scales poisoned for bad traced offsets (NaN) give NaN scale gradients, whatever was masked.
   d_pre = jnp.where(jnp.isnan(pre_scale), pre_scale, d_pre)
   d_post = jnp.where(jnp.isnan(post_scale), post_scale, d_post)

@@ -176,10 +176,13 @@ def _window(start, end):
 
 
 def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_rows: int):
-  """The (items, 7) int32 work table, longest q first; columns :data:`Q_WIN` ... :data:`KV_HI`.
+  """The (items, 7) int32 work table; columns :data:`Q_WIN` ... :data:`KV_HI`.
 
-  Rows: the B samples, then the padding chunks of :data:`configs.PAD_CHUNK_BLOCKS` q blocks
-  covering ``[q_offsets[-1], capacity)``, which have no keys (the kernel writes zeros). A
+  Rows: the B samples, longest q first (ties in sample order), then the padding chunks of
+  :data:`configs.PAD_CHUNK_BLOCKS` q blocks covering ``[q_offsets[-1], capacity)`` in row
+  order, which have no keys (the kernel writes zeros; cheaper than a sample of their length,
+  so they come last). Row i < B is a sample: the backward's dense tile order reads it
+  (:func:`pallas_norm.ops.gdpa.mosaic_bwd.gdpa_bwd`'s ``work_table``). A
   sample's q rows are ``[Q_WIN + Q_LO, Q_WIN + Q_HI)``, read in ``Q_BLOCKS`` blocks of
   ``BLOCK_Q`` rows from ``Q_WIN``. Dense K/V: ``KV_WIN`` is the sample index, keys
   ``[0, Lkv)``; jagged: keys ``[KV_WIN + KV_LO, KV_WIN + KV_HI)``. Offsets are clamped into
@@ -207,7 +210,8 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
     kv_win, kv_lo, kv_hi = _window(kv_offsets[:-1], kv_end)
   kv = [jnp.concatenate([col, no_keys]) for col in (kv_win, kv_lo, kv_hi)]
   table = jnp.stack([q_win, q_lo, q_hi, q_blocks, *kv], axis=1)
-  return sort_rows_descending(table, q_hi - q_lo)
+  samples = sort_rows_descending(table[:batch], (q_hi - q_lo)[:batch])
+  return jnp.concatenate([samples, table[batch:]])
 
 
 RANK_BY_COMPARISON_MAX = 4096
@@ -220,11 +224,11 @@ def sort_rows_descending(table, keys):
   key first, ties in index order.
 
   For the work tables (a few thousand rows at most) without a sort: XLA's sort of ~800 keys is
-  several small kernels on the GPU (~11 µs measured in the forward). Instead each row's rank
-  is the count of the keys ahead of it (one fusion over the pairs), the order a sum over the
-  one-hot (position, row) pairs (one fusion), and the table gathered in that order. (A one-hot
-  sum over (position, row, column) in place of the gather took 8.3 µs on the H200: XLA reduces
-  the middle of three axes poorly.)"""
+  several small kernels on the GPU. Instead each row's rank is the count of the keys ahead of
+  it (one fusion over the pairs), the order a sum over the one-hot (position, row) pairs (one
+  fusion), and the table gathered in that order. (A one-hot sum over (position, row, column)
+  in place of the gather was itself a slow kernel: XLA reduces the middle of three axes poorly;
+  ``benchmarks/EXPERIMENTS.md``, GDPA forward.)"""
   n = keys.shape[0]
   if n > RANK_BY_COMPARISON_MAX:
     return table[jnp.argsort(-keys, stable=True)]
@@ -239,7 +243,7 @@ def sort_rows_descending(table, keys):
 
 def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activation: str,
              max_kv_len: int | None, out_dtype=None, config: configs.Config | None = None,
-             interpret: bool = False):
+             work_table=None, interpret: bool = False):
   """GDPA forward by the kernel (arguments validated by the op; see :func:`unsupported_reason`).
 
   Args:
@@ -250,6 +254,8 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
     max_kv_len: static bound on jagged K/V lengths (default Tkv).
     out_dtype: bf16, f16 or f32 (default q's dtype).
     config: tiling (default :func:`configs.pick_config`).
+    work_table: :func:`work_items` of these arguments, if the caller built it (the op keeps
+      it for the backward); default: built here.
     interpret: run in Pallas GPU interpret mode (any backend).
 
   Returns:
@@ -264,7 +270,8 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
   cfg = config or configs.pick_config(rows, head_dim, q.dtype, out_dtype)
   if rows % cfg.block_kv:
     raise ValueError(f"block_kv = {cfg.block_kv} does not divide the K/V window of {rows} rows")
-  table = work_items(q_offsets, kv_offsets, capacity, k.shape[0], rows)
+  table = (work_items(q_offsets, kv_offsets, capacity, k.shape[0], rows) if work_table is None
+           else work_table)
   num_items = table.shape[0] * num_heads
   num_ctas = max(1, min(mgpu.num_sms(interpret), num_items))
   plan = Plan(num_heads=num_heads, num_segments=table.shape[0], num_ctas=num_ctas,

@@ -22,11 +22,12 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway);
   consumer 0 hands its tile over through a barrier and goes on, consumer 1 computes and stores
   all of dQ's columns for the sample's rows (so the consumers do not meet every step). A few
-  extra CTAs write zeros over dq's padding rows.
+  extra CTAs write dq's padding rows.
 * **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
   head (64 per consumer) and loops over the kv blocks (64 rows) of every sample with q rows in
   the block, into an accumulator of that sample's own, of which it stores the sample's rows.
-  Each dq row is written once; rows of no sample (padding) are written as zeros.
+  Each dq row is written once; rows of no sample (padding) are written as 0 · pre · post
+  (zeros; NaN when the op poisoned the scales, as the forward's 0 · post_scale).
 
 Mosaic's tiled TMA, which the swizzled WGMMA operands need, addresses rows in groups of 8, so
 a block's first row must be a multiple of 8. The dK/dV loop reads a sample's q rows [lo, hi) in
@@ -45,7 +46,7 @@ products Aᵀ dO and dSᵀ Q: the up to 7 rows before a sample's first and the u
 last), as a NaN, never a silently wrong value.
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
-capacity T, except for writing zeros over dq's padding rows. The dK/dV tiles run
+capacity T, except for writing dq's padding rows. The dK/dV tiles run
 longest first (the hardware schedules CTAs in order, so long samples do not trail at the end).
 """
 
@@ -63,7 +64,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu, reference
 from pallas_norm.mgpu.store import row_store_smem, store_rows
-from pallas_norm.ops.gdpa.mosaic import sort_rows_descending, zero_rows_outside
+from pallas_norm.ops.gdpa.mosaic import (KV_WIN, sort_rows_descending, work_items,
+                                         zero_rows_outside)
 
 __all__ = ["gdpa_bwd", "unsupported_reason", "act_and_grad", "BLOCK"]
 
@@ -75,9 +77,10 @@ TILE = 2 * BLOCK
 """Rows a CTA owns: kv rows in the dK/dV kernel, q rows in the dQ kernel (two consumers)."""
 
 STAGES = 2
-"""SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 (two-kernel
-version, benchmark shape) 2 stages ran 952 µs and 3 stages 968: the consumers, not the loads,
-set the pace, and the fused dK/dV/dQ kernel needs the SMEM."""
+"""SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 a third stage
+never helped the non-persistent grid the product runs (``benchmarks/EXPERIMENTS.md``, GDPA
+backward): the consumers, not the loads, set the pace, and the fused dK/dV/dQ kernel needs the
+SMEM."""
 
 HEAD_DIMS = (64, 128)
 """Head dims the kernels support: the two (BLOCK, D) float32 accumulators of a dK/dV consumer
@@ -300,17 +303,20 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
   d, dtype = plan.head_dim, plan.dtype
   h = lax.axis_index("h")
   cta = lax.axis_index("item")
-  is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that zeroes dq's padding rows
-  item = order_ref[jnp.minimum(cta, plan.dkv_items - 1)]
-  if plan.dense:  # a tile of one sample: first_ref and count_ref are not read
-    first, count = item // plan.kv_tiles, 1
-  else:
-    first, count = first_ref[item], count_ref[item]
-  if plan.dense:  # one sample; rows relative to it
+  is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that writes dq's padding rows
+  position = jnp.minimum(cta, plan.dkv_items - 1)
+  if plan.dense:  # one sample's tile; rows relative to it. first_ref and count_ref: not read
+    # order_ref is the forward's work table: rows 0 .. B-1 are the samples, longest first,
+    # each sample's kv tiles at consecutive positions.
+    row = position if plan.kv_tiles == 1 else lax.div(position, plan.kv_tiles)
+    first, count = order_ref[row, KV_WIN], 1
+    # Traced, also for one tile: consumer 1's rows lie past an Lkv of 64 (TMA reads zeros).
+    kv_base = lax.rem(position, plan.kv_tiles) * TILE
     kv_views = (k_ref.at[first, :, h, :], v_ref.at[first, :, h, :])
     dkv_views = (dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :])
-    kv_base = lax.rem(item, plan.kv_tiles) * TILE
   else:
+    item = order_ref[position]
+    first, count = first_ref[item], count_ref[item]
     kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
     dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
     kv_base = item * TILE
@@ -425,8 +431,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       for w in range(2):  # one copy of the loop per consumer, each with its static index
         pl.when(is_item & (wg == w))(functools.partial(consume, w))
       if plan.fuse_dq:
-        pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _zero_dq_padding(
-            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0, 0]))
+        pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _fill_dq_padding(
+            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0, 0],
+            _padding_value(scales_ref)))
 
     mgpu.warp_specialize(producer, consumer)
 
@@ -447,26 +454,34 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
 
 
 DQ_ZERO_CTAS = 16
-"""CTAs per head that write zeros over dq's padding rows when dQ is fused into the dK/dV
-kernel (no other CTA owns those rows)."""
+"""CTAs per head that write dq's padding rows when dQ is fused into the dK/dV kernel (no
+other CTA owns those rows)."""
 
 
-def _zero_dq_padding(dq_view, total, index, zero_smem) -> None:
-  """Writes zeros over share ``index`` (of :data:`DQ_ZERO_CTAS`) of the padding rows
-  [total, T) of one head's dq (T, D), in whole BLOCK-row stores (clipped at T)."""
+def _padding_value(scales_ref):
+  """dq's value on padding rows: 0 · pre · post, as the forward writes 0 · post_scale there.
+  Zero for finite scales; NaN when the op poisoned the scales (bad traced offsets: every
+  sample is then empty, and every row of dq must come out NaN)."""
+  return 0.0 * jnp.abs(scales_ref[0] * scales_ref[1])
+
+
+def _fill_dq_padding(dq_view, total, index, fill_smem, value) -> None:
+  """Writes ``value`` (:func:`_padding_value`) over share ``index`` (of :data:`DQ_ZERO_CTAS`)
+  of the padding rows [total, T) of one head's dq (T, D), in whole BLOCK-row stores (clipped at
+  T)."""
   capacity, d = dq_view.shape
   share = _cdiv(_cdiv(capacity - total, DQ_ZERO_CTAS), BLOCK) * BLOCK
   lo = total + index * share
   blocks = _cdiv(jnp.maximum(jnp.minimum(lo + share, capacity) - lo, 0), BLOCK)
-  cols = zero_smem.shape[1]
-  zero_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK, cols), zero_smem.dtype),
-                                     plgpu.Layout.WGMMA)
+  cols = fill_smem.shape[1]
+  fill_smem[...] = plgpu.layout_cast(jnp.full((BLOCK, cols), value, jnp.float32),
+                                     plgpu.Layout.WGMMA).astype(fill_smem.dtype)
   plgpu.commit_smem()
 
   @pl.loop(0, blocks)
   def _(i):
     for c in range(d // cols):
-      plgpu.copy_smem_to_gmem(zero_smem, dq_view.at[pl.ds(lo + i * BLOCK, BLOCK),
+      plgpu.copy_smem_to_gmem(fill_smem, dq_view.at[pl.ds(lo + i * BLOCK, BLOCK),
                                                     pl.ds(c * cols, cols)])
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -642,10 +657,11 @@ def _dq_kernel(first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref, d
         return step + blocks
 
       _sample_loop(first, count, sample, jnp.int32(0))
-      # Rows past the last offset belong to no sample: zeros.
+      # Rows past the last offset belong to no sample (:func:`_padding_value`).
       lo = jnp.clip(q_off_ref[plan.batch] - row0, 0, BLOCK)
-      zeros = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
-      pl.when(lo < BLOCK)(lambda: store(zeros, lo, BLOCK))
+      fill = plgpu.layout_cast(jnp.full((BLOCK, d), _padding_value(scales_ref), jnp.float32),
+                               plgpu.Layout.WGMMA)
+      pl.when(lo < BLOCK)(lambda: store(fill, lo, BLOCK))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     mgpu.warp_specialize(producer, consumer)
@@ -703,7 +719,7 @@ def _overlaps(offsets, block_rows: int, n_blocks: int):
   counted too; their loops are empty)."""
   starts = jnp.arange(n_blocks, dtype=jnp.int32) * block_rows
   # "compare_all": one fusion. The default binary search ("scan") is a loop of ~2·log2(B)
-  # tiny kernels on the GPU (~20 µs per call at B = 768, measured in the H200 run).
+  # tiny kernels on the GPU.
   search = functools.partial(jnp.searchsorted, method="compare_all")
   first = search(offsets[1:], starts, side="right").astype(jnp.int32)
   stop = search(offsets[:-1], starts + block_rows, side="left").astype(jnp.int32)
@@ -729,16 +745,14 @@ def _scale_array(pre_scale, post_scale):
   return jnp.stack([jnp.asarray(pre_scale, jnp.float32), jnp.asarray(post_scale, jnp.float32)])
 
 
-def _dkv_order(plan: _Plan, q_offsets, first, count):
-  """dK/dV tiles, most q blocks first (ties keep their order). ``first``, ``count``: each
-  tile's samples (jagged k/v; None for dense k/v, whose tile i is of sample i // kv_tiles)."""
+def _jagged_dkv_order(q_offsets, first, count):
+  """Packed k/v: the dK/dV tiles, most q blocks first (ties keep their order); ``first``,
+  ``count``: each tile's samples (:func:`_overlaps`). (Dense k/v read theirs from the forward's
+  work table.)"""
   _, q_blocks = _q_window(q_offsets[:-1], q_offsets[1:])
-  q_blocks = q_blocks.astype(jnp.int32)
-  if plan.dense:  # tile i is of sample i // kv_tiles: no gather, no prefix sum
-    work = q_blocks if plan.kv_tiles == 1 else jnp.repeat(q_blocks, plan.kv_tiles)
-  else:
-    per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32), q_blocks]))
-    work = per_sample[first + count] - per_sample[first]
+  per_sample = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                           q_blocks.astype(jnp.int32)]))
+  work = per_sample[first + count] - per_sample[first]
   tiles = jnp.arange(work.shape[0], dtype=jnp.int32)
   return sort_rows_descending(tiles, work)
 
@@ -759,7 +773,7 @@ def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
 def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu",
              pre_scale=1.0, post_scale=1.0, max_seq_len=None, max_kv_len=None,
              interpret: bool = False, scale_grads: bool | None = None,
-             add_do_to_dq: bool = False):
+             add_do_to_dq: bool = False, work_table=None):
   """Gradients of :func:`pallas_norm.reference.gdpa` with respect to q, k, v and the scales.
 
   Args:
@@ -781,11 +795,15 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     add_do_to_dq: return ``dq + do`` in place of dq (the gradient of ``u + gdpa(u, k, v)``
       with respect to u, for FlashNormAttention's inner residual: dO is in SMEM at every dq
       step, so the sum costs no pass over the tensors; rounded to q's dtype once).
+    work_table: dense k/v: the forward's work table of the same offsets
+      (:func:`pallas_norm.ops.gdpa.mosaic.work_items`), whose sample rows, longest first, are
+      the dK/dV tiles' order; default (and for packed k/v, which do not read it): built here.
 
   Returns:
-    ``(dq, dk, dv, d_pre_scale, d_post_scale)``: dq like q (zeros on padding rows; with
-    ``add_do_to_dq``, dq + do on the sample rows), dk and dv
-    like k (zeros on padded rows of packed k/v), the products accumulated in float32. The scale
+    ``(dq, dk, dv, d_pre_scale, d_post_scale)``: dq like q (on padding rows 0 · pre · post:
+    zeros for finite scales, NaN for NaN ones; with ``add_do_to_dq``, dq + do on the sample
+    rows), dk and dv like k (zeros on padded rows of packed k/v, also 0 · the scales), the
+    products accumulated in float32. The scale
     gradients are float32 0-d arrays, or both None without ``scale_grads`` (then the kernels
     skip their partial sums).
 
@@ -818,12 +836,13 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
   scales = _scale_array(pre_scale, post_scale)
 
   # dK / dV.
-  if dense:  # tile i is of sample i // kv_tiles (the kernel's rule): no tables to build
-    order = _dkv_order(plan, q_offsets, None, None)
-    kv_first = kv_count = order  # placeholders, not read
+  if dense:  # the samples' rows of the forward's work table, longest first
+    order = (work_items(q_offsets, None, t, batch, kv_rows) if work_table is None
+             else work_table)
+    kv_first = kv_count = q_offsets  # placeholders, not read
   else:
     kv_first, kv_count = _overlaps(kv_off, TILE, plan.dkv_items)
-    order = _dkv_order(plan, q_offsets, kv_first, kv_count)
+    order = _jagged_dkv_order(q_offsets, kv_first, kv_count)
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype)] * 2
   if plan.fuse_dq:
     out_type.append(jax.ShapeDtypeStruct(q.shape, dtype))

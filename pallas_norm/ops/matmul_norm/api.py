@@ -196,10 +196,9 @@ def _norm_backward_kernel_reason(dy_out, dh_out, xhat, x_dtype) -> str | None:
   """Why the backward keeps XLA's passes instead of the one-pass norm-backward kernel
   (:func:`pallas_norm.ops.norms.triton.norm_backward`), or None.
 
-  The kernel (full rows in registers, every tensor read once) was measured on the H200 against
-  XLA's passes and the Mosaic kernel it replaced (262144 rows, bf16, µs; EXPERIMENTS.md):
-  LayerNorm 260.5 (Mosaic 320.7, XLA 416) at N = 512, 977.1 (1337.8, 1564) at 2048; RMSNorm
-  248.1 (300.9, 351) at 512. It writes dh in the cotangent's dtype: with an ``out_dtype``
+  The kernel (full rows in registers, every tensor read once) was measured faster on the H200
+  than XLA's passes and than the Mosaic kernel it replaced, for both norms at N = 512 and
+  LayerNorm at 2048 (``benchmarks/NOTES.md``, "Post-norm backward"). It writes dh in the cotangent's dtype: with an ``out_dtype``
   other than x's, dh would be rounded twice on its way to the GEMMs (or overflow float16), so
   those calls keep XLA."""
   if dy_out.dtype != xhat.dtype or (dh_out is not None and dh_out.dtype != xhat.dtype):
@@ -240,9 +239,9 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, con
   dres = None if residual_dtype is None else dh.astype(residual_dtype.dtype)
   dh_in = dh.astype(x.dtype)
   # In x's dtype straight out of the GEMM (f32 accumulation all the same): asking for f32 and
-  # converting made XLA emit a Triton GEMM fusion for dx, 247 µs against cuBLAS's 195 at
-  # 262144×512² bf16 on the H200 (benchmarks/gpu_weight_grad_forms.py, session 5). A float32
-  # dh keeps HIGHEST: the default could round operands to TF32.
+  # converting made XLA emit a Triton GEMM fusion for dx, a third slower than cuBLAS on the
+  # H200 (benchmarks/NOTES.md, "Post-norm backward"). A float32 dh keeps HIGHEST: the default
+  # could round operands to TF32.
   dx = jnp.matmul(dh_in, w.T, precision=_HI if dh_in.dtype == jnp.float32 else None)
   dw = jnp.matmul(x.T, dh_in, preferred_element_type=_F32, precision=_HI).astype(w.dtype)
   return dx, dw, ddense, dres, dscale, dbias

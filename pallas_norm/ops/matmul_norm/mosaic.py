@@ -48,8 +48,8 @@ tile from global memory (L2) by TMA and normalize it in place
 y per element; interpret mode runs it with one CTA looping over all N tiles.
 
 On the shared ring with one N tile per CTA the residual tile's TMA loads are issued during the
-K loop, each chunk once the previous row block's y chunk has left SMEM (session 9: 3-7% faster
-than waiting for every store before the K loop).
+K loop, each chunk once the previous row block's y chunk has left SMEM (faster than waiting for
+every store before the K loop: ``benchmarks/NOTES.md``, "Post-norm forward").
 
 GPU interpret mode cannot read a peer CTA's shared memory, so the c > 1 exchange runs only on a
 GPU; everything else is the same code for c = 1, which interpret mode runs on the CPU. What was
@@ -392,7 +392,7 @@ class _StoreGroups:
   Bulk store groups complete in commit order, so before refilling a staging buffer it is enough
   to wait until the groups committed *after* the last store that read it are the only ones
   pending: ``wait_smem_to_gmem(n)`` with n = those groups. Waiting for all but the newest one
-  (what the staging slots did before session 9) also waited for every y chunk stored in between.
+  would also wait for every y chunk stored in between.
   A buffer this epilogue has not stored from was last read by an earlier epilogue's store, which
   is older than all ``count`` groups committed here, so n = count is a safe bound for it.
   """
@@ -476,8 +476,8 @@ class _RowTileIO:
 
     Each chunk is built once, replacing the accumulator (same registers): the statistics'
     passes and the normalization then read registers only. Recomputing it on each use (3
-    uses for LayerNorm) re-read the dense bias and the residual from SMEM each time, which
-    cost 100 µs of 394 at 262144×512×512 (session 5, benchmarks/NOTES.md)."""
+    uses for LayerNorm) re-read the dense bias and the residual from SMEM each time, a fifth
+    of the kernel's time with both (benchmarks/NOTES.md, "Post-norm forward")."""
     def build(j):
       ns = pl.ds(j * self.epi_n, self.epi_n)
       h = acc[:, j * self.epi_n:(j + 1) * self.epi_n]
@@ -740,10 +740,10 @@ EXCHANGES = cluster_exchange.EXCHANGES
 
 
 def _pick_exchange(make_plan) -> _Plan:
-  """The plan with the faster exchange measured on the H200 (benchmarks/NOTES.md, session 4):
-  "push" for clusters of 2 where its inbox costs no pipeline stage (grid sweep, y only,
-  262144×512×512: 465 vs 500 µs), else "pull" (with clusters of 4 and 8 push loses a stage and
-  is 3-10% slower), also when the push inbox does not fit next to a caller's config.
+  """The plan with the faster exchange measured on the H200 (benchmarks/NOTES.md, "Post-norm
+  forward"): "push" for clusters of 2 where its inbox costs no pipeline stage, else "pull" (with
+  clusters of 4 and 8 push loses a stage and is slower), also when the push inbox does not fit
+  next to a caller's config.
   ``make_plan(exchange)`` builds one plan."""
   pull = make_plan("pull")
   if pull.cluster != 2:

@@ -488,8 +488,7 @@ def gemm(x, w, *, out_dtype=None, interpret: bool = False, config: TileConfig | 
   """``x @ w`` by the pre-norm kernel without its statistics: our plain GEMM, what the fused
   kernels are measured against (the benchmarks' GEMM baseline). x (M, K), w (K, N) bfloat16 or
   float16 (K, N multiples of 64); y in ``out_dtype`` (default x's), f32 accumulation. Default
-  tiling: :func:`pick_config`'s tiles on Pallas's pipeline (the ring tied it; the plain GEMM
-  kept its measured default), in the GEMM's plain tile order.
+  tiling: :func:`gemm_config`.
 
   Raises:
     ValueError / TypeError: as :func:`norm_matmul_fwd`.
@@ -498,11 +497,16 @@ def gemm(x, w, *, out_dtype=None, interpret: bool = False, config: TileConfig | 
   m, k = x.shape
   n = w.shape[1]
   _check_args(x, w, None, None, "rms", 1.0, out_dtype)
-  if config is None:
-    config = dataclasses.replace(pick_config(m, k, n), stats_once=False, pipeline="pallas",
-                                 delay_release=0)
   return launch(x, w, None, None, norm=None, eps=1.0, out_dtype=out_dtype, interpret=interpret,
-                config=config)[0]
+                config=config or gemm_config(m, k, n))[0]
+
+
+def gemm_config(m: int, k: int, n: int) -> TileConfig:
+  """:func:`pick_config`'s tiles without the statistics, on the shared ring without a WGMMA in
+  flight: with nothing to overlap in the K loop, one WGMMA in flight was slightly slower than
+  none on the H200, and none tied Pallas's pipeline (``benchmarks/NOTES.md``, "Our GEMM
+  alone")."""
+  return dataclasses.replace(pick_config(m, k, n), stats_once=False, delay_release=0)
 
 
 def launch(x, w_gamma, col_sum, out_bias, *, norm: str | None, eps: float, out_dtype,

@@ -48,9 +48,8 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   (stage buffers shared, barriers of its own), which is not written.
 
   SMEM: one (tile_m, tile_k) y stage per pipeline stage. At the default 128×256 tiles, bf16,
-  64-wide steps take 64.5 KiB per stage instead of 48 (K = N = 512: 2 chained stages instead
-  of 3 unchained), 32-wide ones 32.25 KiB (4 chained stages); 256×128 tiles would keep a single
-  64-wide stage. :func:`pick_config` takes 32-wide steps for the fused row terms.
+  64-wide steps take 64.5 KiB per stage instead of 48 (K = N = 512: 2 stages instead of 3),
+  32-wide ones 32.25 KiB (4 stages); 256×128 tiles would keep a single 64-wide stage. :func:`pick_config` takes 32-wide steps for the fused row terms.
 
   On the H200 the fused terms win where a row block has 2 column tiles (262144×512²) and lose
   with 8 (65536×2048²): ``benchmarks/NOTES.md``, pre-norm backward. Needs y in dy's dtype
@@ -144,17 +143,17 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
                 interpret: bool = False) -> TileConfig:
   """Tiling for dx (m, k) = dy (m, n) @ w_gammaᵀ: the forward's tile shape for the output width
   K in place of N (tile_n over K, tile_k over the reduction N), without its forward-only options,
-  on the shared ring without a WGMMA in flight (faster than Pallas's pipeline, and than the
-  ring with one in flight: ``benchmarks/EXPERIMENTS.md``, Pallas's pipeline).
+  on the shared ring without a WGMMA in flight (faster than Pallas's pipeline, tied with it for
+  the fused row terms, and faster than the ring with one in flight: ``benchmarks/EXPERIMENTS.md``,
+  Pallas's pipeline).
 
   ``fused_row_terms`` (y streams through the pipeline too): the same tiles, with 32-wide
   reduction steps where the extra SMEM leaves room for fewer than 3 64-wide stages (every
   default tile shape): a deeper pipeline of narrower steps tied or won against 2 stages of 64
   (measured: ``benchmarks/EXPERIMENTS.md``, pre-norm GEMM). With a single 64-wide stage
-  (256×128 tiles) no load would overlap a WGMMA at all. These stay on Pallas's pipeline (their
-  default before the ring's A/B, which did not time them on the ring). ``x_hat`` (the epilogue
-  also writes x̂): the same rule with one x̂ slot's SMEM counted (at the default tiles of
-  262144×512×512 and ×2048 it changes nothing).
+  (256×128 tiles) no load would overlap a WGMMA at all. ``x_hat`` (the epilogue also writes
+  x̂): the same rule with one x̂ slot's SMEM counted (at the default tiles of 262144×512×512 and
+  ×2048 it changes nothing).
   ``row_sums`` (the row sums in the epilogue): the column tile is K's share of one CTA of the
   cluster (:func:`row_sums_unsupported_reason`), 128 rows per CTA (one 64-row epilogue tile per
   warpgroup, whose row vectors the exchange sends whole), the same rule for tile_k, and the
@@ -171,8 +170,6 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
     if split is None:
       raise ValueError(row_sums_unsupported_reason(m, n, k, jnp.bfloat16, interpret))
     cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64)
-  elif fused_row_terms:
-    cfg = dataclasses.replace(cfg, pipeline="pallas")
   # The most SMEM any such call takes besides the stages: LayerNorm (with out_bias), 16-bit.
   n_vecs = _n_vecs(True, fused_row_terms, True)
   if ((fused_row_terms or x_hat)
