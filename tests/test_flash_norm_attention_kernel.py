@@ -152,7 +152,8 @@ def _check_variant_matches_default(module, heads, variant, lens=(70, 0, 9), lkv=
   run = lambda cfg: jax.block_until_ready(module.flash_norm_attention_fwd(  # noqa: E731
       q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6,
       save_residuals=True, config=cfg, interpret=True, **switches))
-  default = module.pick_config(heads, 64, q.dtype, q.dtype, k.shape[1])
+  training = dict(save_residuals=True) if module is mosaic else {}
+  default = module.pick_config(heads, 64, q.dtype, q.dtype, k.shape[1], **training)
   # one CTA per q block: a 4-slot K/V ring at this shape; the cluster kernel: resident K/V
   assert default.kv_stages > 2 if module is mosaic else default.kv_stages is None
   want = run(default)
@@ -357,6 +358,18 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
 
 
+def test_default_config_two_q_buffers_for_inference_only():
+  """The inference form takes two q buffers (2-slot K/V ring) where they fit (H·D = 256 at
+  D = 128, bf16 out), the training form and larger H·D keep one buffer and the deepest ring."""
+  bf = jnp.bfloat16
+  infer = mosaic.pick_config(2, 128, bf, bf, 128)
+  assert (infer.q_buffers, infer.kv_stages) == (2, 2)
+  train = mosaic.pick_config(2, 128, bf, bf, 128, save_residuals=True)
+  assert train.q_buffers == 1 and train.kv_stages == 4
+  assert mosaic.pick_config(4, 128, bf, bf, 128).q_buffers == 1
+  assert mosaic.pick_config(2, 128, bf, F32, 128).q_buffers == 1  # f32 out: no room
+
+
 @pytest.mark.parametrize("save_residuals,out_dtype,q_buffers", [
     (False, jnp.float32, 1), (True, None, 2)])
 def test_forward_lowers_for_sm90a(save_residuals, out_dtype, q_buffers):
@@ -384,9 +397,9 @@ def test_forward_lowers_for_sm90a(save_residuals, out_dtype, q_buffers):
 # ------------------------------------------------------------------------------------------------
 # GPU, the issue's sizes (B=768, Lmax=512 density 0.5, D=128, dense K/V Lkv=128).
 
-def _pffn(seed, heads, density=0.5):
+def _pffn(seed, heads, density=0.5, samples=768):
   rng = np.random.default_rng(seed)
-  lens = np.full(768, 512) if density >= 1 else rng.integers(1, 513, size=768)
+  lens = np.full(samples, 512) if density >= 1 else rng.integers(1, 513, size=samples)
   return _problem(seed, lens, heads, 128, 128)
 
 
@@ -413,7 +426,7 @@ def test_gpu_two_q_buffers_match_default():
   q, k, v, qo, affine = _pffn(8, heads)
   a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(
       3, heads, 128)
-  default = mosaic.pick_config(heads, 128, q.dtype, q.dtype, 128)
+  default = mosaic.pick_config(heads, 128, q.dtype, q.dtype, 128, save_residuals=True)
   run = lambda cfg: jax.jit(lambda *x: mosaic.flash_norm_attention_fwd(  # noqa: E731
       *x, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6, save_residuals=True,
       config=cfg))(q, k, v)
@@ -429,8 +442,10 @@ def test_gpu_two_q_buffers_match_default():
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [4, 2])
 def test_gpu_gradients_at_issue_shape(heads):
-  """The fused path's gradients against the f32 XLA reference's."""
-  q, k, v, qo, affine = _pffn(6, heads)
+  """The fused path's gradients against the f32 XLA reference's. At H = 8 on half the samples:
+  the reference's padded gradients need ~19 GB there (XLA's memory analysis), more than a
+  GPU test worker's share of the device."""
+  q, k, v, qo, affine = _pffn(6, heads, samples=384 if heads == 8 else 768)
   q = _clean(q, qo)
   weights = jax.random.normal(jax.random.key(7), q.shape, F32)
 
