@@ -123,6 +123,7 @@ def test_bf16_compute_keeps_f32_params():
     lambda: NormDense(K, -1, rngs=nnx.Rngs(0)),
     lambda: GDPA(H, D, activation="softmax"),
     lambda: PFFNBlock(H, D, activation="tanh", rngs=nnx.Rngs(0)),
+    lambda: GDPA(H, D, activation=["gelu"]),  # unhashable: was a TypeError from the dict lookup
 ])
 def test_bad_construction_raises(make):
   with pytest.raises(ValueError):

@@ -164,6 +164,7 @@ CASES = (
         ("kv_offsets", 8, TypeError, "kv_offsets"),  # gdpa(q, k, v, off, 8): max_seq_len?
         ("activation", "tanh", ValueError, "activation"),
         ("activation", "GELU", ValueError, "activation"),
+        ("activation", ["gelu"], ValueError, "activation"),  # unhashable: was "unhashable type"
         ("pre_scale", float("nan"), ValueError, "pre_scale"),
         ("pre_scale", float("inf"), ValueError, "pre_scale"),
         ("pre_scale", jnp.asarray([1.0, 2.0]), TypeError, "pre_scale"),
@@ -189,6 +190,7 @@ CASES = (
         ("ln_bias", _arr((H * D,), jnp.int32), TypeError, "ln_bias"),
         ("rms_scale", _arr((H * D + 1,)), ValueError, "rms_scale"),
         ("activation", "softmax", ValueError, "activation"),
+        ("activation", {"name": "gelu"}, ValueError, "activation"),
         ("pre_scale", float("nan"), ValueError, "pre_scale"),
         ("eps", 0.0, ValueError, "eps"),
         ("eps", True, TypeError, "eps"),
