@@ -473,11 +473,14 @@ def test_shape_dtype_struct_input_raises_type_error(make):
   assert out.shape == (3, N)
 
 
-def test_dense_norm_non_array_residual_raises_type_error():
-  layer = DenseNorm(8, 16, rngs=nnx.Rngs(0), implementation="xla")
-  x = jnp.ones((4, 8), jnp.float32)
-  with pytest.raises(TypeError, match="DenseNorm: residual must be an array"):
-    layer(x, residual=[[0.0] * 16] * 4)
+@pytest.mark.parametrize("make", [_rms, _ln, _dense_norm], ids=["rms", "ln", "dense_norm"])
+def test_non_array_residual_raises_type_error(make):
+  """RMSNorm and LayerNorm failed on a list residual with AttributeError ('list' object has no
+  attribute 'dtype') in their compute-dtype rule."""
+  layer = make()
+  x = _x(0, (4, K if isinstance(layer, DenseNorm) else N))
+  with pytest.raises(TypeError, match=f"{type(layer).__name__}: residual must be an array"):
+    layer(x, residual=[[0.0] * N] * 4)
 
 
 # ---------------------------------------------------------------------------------------------
