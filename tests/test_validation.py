@@ -104,6 +104,9 @@ NORM_CASES = [
     ("out_dtype", jnp.float64, TypeError, "jax_enable_x64"),  # would silently be float32
     ("implementation", "cuda", ValueError, "implementation"),
     ("implementation", "XLA", ValueError, "implementation"),
+    # A NumPy array is not a sequence of names: ("xla", "triton") as one raised NumPy's
+    # "truth value of an array ... is ambiguous" (and ["xla"] was accepted by accident).
+    ("implementation", np.array(["xla", "triton"]), ValueError, "implementation"),
 ]
 CASES = (
     [("rms_norm",) + c for c in NORM_CASES]
