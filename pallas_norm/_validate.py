@@ -171,7 +171,9 @@ def activation(value, names) -> None:
 
 
 def norm_kind(value) -> None:
-  if value not in NORMS:
+  """``value`` is "rms" or "layer" (a string; a NumPy array of names made the membership test
+  raise NumPy's "truth value ... is ambiguous", or pass one name by its elementwise ==)."""
+  if not isinstance(value, str) or value not in NORMS:
     raise ValueError(f"norm must be one of {NORMS}, got {value!r}")
 
 

@@ -130,6 +130,13 @@ def test_bad_construction_raises(make):
     make()
 
 
+def test_norm_that_is_not_a_string_raises_naming_norm():
+  """A NumPy array of names raised NumPy's "truth value ... is ambiguous" (a ValueError that
+  named nothing)."""
+  with pytest.raises(ValueError, match="norm must be"):
+    NormDense(K, N, norm=np.array(["rms", "layer"]), rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("make, name", [
     (lambda: RMSNorm(K, use_scale="no", rngs=nnx.Rngs(0)), "use_scale"),
     (lambda: LayerNorm(K, use_bias="False", rngs=nnx.Rngs(0)), "use_bias"),

@@ -123,6 +123,7 @@ CASES = (
         ("norm_bias", _arr((5,)), ValueError, "norm_bias"),
         ("norm", "batch", ValueError, "norm"),
         ("norm", "RMS", ValueError, "norm"),
+        ("norm", np.array(["rms", "layer"]), ValueError, "norm"),  # was NumPy's "ambiguous"
         ("eps", 0, ValueError, "eps"),
         ("eps", float("nan"), ValueError, "eps"),
         ("eps", False, TypeError, "eps"),
@@ -140,6 +141,7 @@ CASES = (
         ("scale", _arr((8,)), ValueError, "scale"),  # (N,), not (K,)
         ("norm_bias", _arr((5,), jnp.int32), TypeError, "norm_bias"),
         ("norm", "group", ValueError, "norm"),
+        ("norm", np.array(["layer"]), ValueError, "norm"),  # passed, by NumPy's ==, as "layer"
         ("eps", -1.0, ValueError, "eps"),
         ("eps", True, TypeError, "eps"),
         ("implementation", "cuda", ValueError, "implementation")]]
