@@ -73,8 +73,8 @@ def check_switches(layer: str, **switches) -> None:
 
 
 def check_norm(norm: str) -> None:
-  if norm not in ("rms", "layer"):
-    raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
+  """The layer's ``norm``: the ops' rule (:func:`pallas_norm._validate.norm_kind`)."""
+  _validate.norm_kind(norm)
 
 
 def check_features(name: str, value_) -> int:

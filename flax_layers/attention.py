@@ -28,9 +28,7 @@ def _check_config(num_heads, head_dim, activation, pre_scale, post_scale):
   """The checked (num_heads, head_dim); raises for a bad config when the layer is built."""
   num_heads = _common.check_features("num_heads", num_heads)
   head_dim = _common.check_features("head_dim", head_dim)
-  if activation not in pallas_norm.ACTIVATIONS:
-    raise ValueError(f"activation must be one of {sorted(pallas_norm.ACTIVATIONS)}, "
-                     f"got {activation!r}")
+  _validate.activation(activation, pallas_norm.ACTIVATIONS)
   _validate.finite_scalar("pre_scale", pre_scale)
   _validate.finite_scalar("post_scale", post_scale)
   return num_heads, head_dim

@@ -177,7 +177,8 @@ class KunlunModel(nnx.Module):
       (B,) float32 logits.
 
     Raises:
-      TypeError: non-integer ids; seq_offsets that is not an int32 array.
+      TypeError: non-integer ids; a dense that is not an array; seq_offsets that is not an
+        int32 array.
       ValueError: ids/dense/offsets of inconsistent shapes; concrete seq_offsets that do not
         start at 0, decrease, end past T or hold a sequence longer than max_seq_len. Under
         ``jax.jit`` those values cannot raise: every logit is NaN instead, and so are the
@@ -307,8 +308,10 @@ def _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets) -> None:
                      f"{tuple(sparse_ids.shape)}")
   if sparse_ids.shape[0] < 1:
     raise ValueError("sparse_ids must hold at least one example (B >= 1)")
-  if not hasattr(dense, "shape") or tuple(dense.shape) != (sparse_ids.shape[0],
-                                                            c.num_dense_features):
+  if not _validate.is_array(dense):
+    raise TypeError(f"dense must be an array, got {type(dense).__name__} (a jax.Array or "
+                    "numpy.ndarray of shape (B, Fd))")
+  if tuple(dense.shape) != (sparse_ids.shape[0], c.num_dense_features):
     raise ValueError(f"dense must have shape (B, {c.num_dense_features}) = "
                      f"({sparse_ids.shape[0]}, {c.num_dense_features}), got "
                      f"{tuple(getattr(dense, 'shape', ()))}")

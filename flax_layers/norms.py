@@ -17,9 +17,19 @@ from flax_layers import _common
 from pallas_norm import _validate
 
 
+def _check_call(layer, x, residual, return_h) -> None:
+  """The call's arguments, before the compute-dtype rule reads their dtypes (a list residual
+  failed there with AttributeError): x's last dimension, a residual that is an array (its shape
+  is the op's check), a bool return_h."""
+  name = type(layer).__name__
+  _common.check_last_dim(name, x, "num_features", layer.num_features)
+  if residual is not None:
+    _common.shape_of(name, "residual", residual)
+  _validate.flag("return_h", return_h)
+
+
 def _outputs(out, x, residual, return_h: bool):
   """y, or (y, h): the ops return (y, h) exactly when a residual is given."""
-  _validate.flag("return_h", return_h)
   y, h = out if residual is not None else (out, x)
   return (y, h) if return_h else y
 
@@ -47,7 +57,8 @@ class RMSNorm(nnx.Module):
       when the input's last dimension is not num_features (with or without ``scale``).
     TypeError: at construction, for a non-number epsilon, a use_scale/use_bias that is not a
       bool, a dtype that is neither None nor a floating dtype, or a param_dtype that is not a
-      floating dtype (bfloat16, float16, float32, float64); at call time, for a non-array x.
+      floating dtype (bfloat16, float16, float32, float64); at call time, for a non-array x or
+      residual, or a return_h that is not a bool.
     At call time also ValueError/TypeError from :func:`pallas_norm.rms_norm` for other bad inputs
     (e.g. a residual of another shape), and NotImplementedError for a kernel implementation that
     does not exist.
@@ -69,7 +80,7 @@ class RMSNorm(nnx.Module):
     """x: (..., N); residual: optional, x's shape, added before the norm. Returns y (..., N) in
     the compute dtype, or ``(y, h)`` with ``return_h`` (h = x + residual, the new residual
     stream; h = x without a residual)."""
-    _common.check_last_dim(type(self).__name__, x, "num_features", self.num_features)
+    _check_call(self, x, residual, return_h)
     scale = _common.value(self.scale)
     cd = _common.compute_dtype(self.dtype, x, residual, scale)
     x, residual, scale = _common.cast(cd, x, residual, scale)
@@ -107,7 +118,7 @@ class LayerNorm(nnx.Module):
 
   def __call__(self, x, residual=None, return_h: bool = False):
     """x: (..., N). Returns y, or ``(y, h)`` with ``return_h``, as :class:`RMSNorm`."""
-    _common.check_last_dim(type(self).__name__, x, "num_features", self.num_features)
+    _check_call(self, x, residual, return_h)
     scale, bias = _common.value(self.scale), _common.value(self.bias)
     cd = _common.compute_dtype(self.dtype, x, residual, scale, bias)
     x, residual, scale, bias = _common.cast(cd, x, residual, scale, bias)

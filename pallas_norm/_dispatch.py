@@ -65,7 +65,10 @@ def check_implementation(implementation):
   Raises:
     ValueError: an unknown name, an empty sequence, or another type.
   """
-  if implementation is None or implementation in IMPLEMENTATIONS:
+  # The type first: a NumPy array compared with the names raised NumPy's "truth value ... is
+  # ambiguous" instead of this function's error.
+  if implementation is None or (isinstance(implementation, str)
+                                and implementation in IMPLEMENTATIONS):
     return implementation
   if isinstance(implementation, (list, tuple)) and implementation and all(
       isinstance(i, str) and i in IMPLEMENTATIONS for i in implementation):

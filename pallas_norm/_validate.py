@@ -162,8 +162,18 @@ def finite_scalar(name: str, value) -> None:
     raise ValueError(f"{name} must be finite, got {value!r}")
 
 
+def activation(value, names) -> None:
+  """``value`` is one of the activation ``names`` (a string): ValueError naming ``activation``
+  otherwise. Checked as a string first: an unhashable value (a list, a dict) made the
+  membership test against the name table raise "unhashable type" without naming the argument."""
+  if not isinstance(value, str) or value not in names:
+    raise ValueError(f"activation must be one of {sorted(names)}, got {value!r}")
+
+
 def norm_kind(value) -> None:
-  if value not in NORMS:
+  """``value`` is "rms" or "layer" (a string; a NumPy array of names made the membership test
+  raise NumPy's "truth value ... is ambiguous", or pass one name by its elementwise ==)."""
+  if not isinstance(value, str) or value not in NORMS:
     raise ValueError(f"norm must be one of {NORMS}, got {value!r}")
 
 

@@ -215,6 +215,9 @@ def test_out_of_range_ids_are_hashed_into_the_tables(model, forward):
     ("sparse_ids", lambda s, d, i, o: (s[:, :2], d, i, o), ValueError, "sparse_ids"),
     ("sparse_ids", lambda s, d, i, o: (s.astype(np.float32), d, i, o), TypeError, "sparse_ids"),
     ("dense", lambda s, d, i, o: (s, d[:, :1], i, o), ValueError, "dense"),
+    # A nested list of the right shape was reported as "dense must have shape (B, Fd) ... got ()".
+    ("dense_list", lambda s, d, i, o: (s, d.tolist(), i, o), TypeError,
+     "dense must be an array, got list"),
     ("seq_ids", lambda s, d, i, o: (s, d, i.reshape(B, -1), o), ValueError, "seq_ids"),
     ("seq_offsets", lambda s, d, i, o: (s, d, i, list(o)), TypeError, "seq_offsets"),
     # The jagged rule of the PFFN op, checked by the model so that errors name seq_offsets

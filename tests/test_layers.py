@@ -123,10 +123,18 @@ def test_bf16_compute_keeps_f32_params():
     lambda: NormDense(K, -1, rngs=nnx.Rngs(0)),
     lambda: GDPA(H, D, activation="softmax"),
     lambda: PFFNBlock(H, D, activation="tanh", rngs=nnx.Rngs(0)),
+    lambda: GDPA(H, D, activation=["gelu"]),  # unhashable: was a TypeError from the dict lookup
 ])
 def test_bad_construction_raises(make):
   with pytest.raises(ValueError):
     make()
+
+
+def test_norm_that_is_not_a_string_raises_naming_norm():
+  """A NumPy array of names raised NumPy's "truth value ... is ambiguous" (a ValueError that
+  named nothing)."""
+  with pytest.raises(ValueError, match="norm must be"):
+    NormDense(K, N, norm=np.array(["rms", "layer"]), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("make, name", [
@@ -472,11 +480,14 @@ def test_shape_dtype_struct_input_raises_type_error(make):
   assert out.shape == (3, N)
 
 
-def test_dense_norm_non_array_residual_raises_type_error():
-  layer = DenseNorm(8, 16, rngs=nnx.Rngs(0), implementation="xla")
-  x = jnp.ones((4, 8), jnp.float32)
-  with pytest.raises(TypeError, match="DenseNorm: residual must be an array"):
-    layer(x, residual=[[0.0] * 16] * 4)
+@pytest.mark.parametrize("make", [_rms, _ln, _dense_norm], ids=["rms", "ln", "dense_norm"])
+def test_non_array_residual_raises_type_error(make):
+  """RMSNorm and LayerNorm failed on a list residual with AttributeError ('list' object has no
+  attribute 'dtype') in their compute-dtype rule."""
+  layer = make()
+  x = _x(0, (4, K if isinstance(layer, DenseNorm) else N))
+  with pytest.raises(TypeError, match=f"{type(layer).__name__}: residual must be an array"):
+    layer(x, residual=[[0.0] * N] * 4)
 
 
 # ---------------------------------------------------------------------------------------------

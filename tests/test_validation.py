@@ -104,6 +104,9 @@ NORM_CASES = [
     ("out_dtype", jnp.float64, TypeError, "jax_enable_x64"),  # would silently be float32
     ("implementation", "cuda", ValueError, "implementation"),
     ("implementation", "XLA", ValueError, "implementation"),
+    # A NumPy array is not a sequence of names: ("xla", "triton") as one raised NumPy's
+    # "truth value of an array ... is ambiguous" (and ["xla"] was accepted by accident).
+    ("implementation", np.array(["xla", "triton"]), ValueError, "implementation"),
 ]
 CASES = (
     [("rms_norm",) + c for c in NORM_CASES]
@@ -120,6 +123,7 @@ CASES = (
         ("norm_bias", _arr((5,)), ValueError, "norm_bias"),
         ("norm", "batch", ValueError, "norm"),
         ("norm", "RMS", ValueError, "norm"),
+        ("norm", np.array(["rms", "layer"]), ValueError, "norm"),  # was NumPy's "ambiguous"
         ("eps", 0, ValueError, "eps"),
         ("eps", float("nan"), ValueError, "eps"),
         ("eps", False, TypeError, "eps"),
@@ -137,6 +141,7 @@ CASES = (
         ("scale", _arr((8,)), ValueError, "scale"),  # (N,), not (K,)
         ("norm_bias", _arr((5,), jnp.int32), TypeError, "norm_bias"),
         ("norm", "group", ValueError, "norm"),
+        ("norm", np.array(["layer"]), ValueError, "norm"),  # passed, by NumPy's ==, as "layer"
         ("eps", -1.0, ValueError, "eps"),
         ("eps", True, TypeError, "eps"),
         ("implementation", "cuda", ValueError, "implementation")]]
@@ -164,6 +169,7 @@ CASES = (
         ("kv_offsets", 8, TypeError, "kv_offsets"),  # gdpa(q, k, v, off, 8): max_seq_len?
         ("activation", "tanh", ValueError, "activation"),
         ("activation", "GELU", ValueError, "activation"),
+        ("activation", ["gelu"], ValueError, "activation"),  # unhashable: was "unhashable type"
         ("pre_scale", float("nan"), ValueError, "pre_scale"),
         ("pre_scale", float("inf"), ValueError, "pre_scale"),
         ("pre_scale", jnp.asarray([1.0, 2.0]), TypeError, "pre_scale"),
@@ -189,6 +195,7 @@ CASES = (
         ("ln_bias", _arr((H * D,), jnp.int32), TypeError, "ln_bias"),
         ("rms_scale", _arr((H * D + 1,)), ValueError, "rms_scale"),
         ("activation", "softmax", ValueError, "activation"),
+        ("activation", {"name": "gelu"}, ValueError, "activation"),
         ("pre_scale", float("nan"), ValueError, "pre_scale"),
         ("eps", 0.0, ValueError, "eps"),
         ("eps", True, TypeError, "eps"),

@@ -63,9 +63,7 @@ def check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale
     if kv_batch != batch:
       raise ValueError(f"kv_offsets must describe B = {batch} samples like q_offsets, "
                        f"got {kv_batch}")
-  if activation not in reference.ACTIVATIONS:
-    raise ValueError(f"activation must be one of {sorted(reference.ACTIVATIONS)}, "
-                     f"got {activation!r}")
+  _validate.activation(activation, reference.ACTIVATIONS)
   _validate.finite_scalar("pre_scale", pre_scale)
   _validate.finite_scalar("post_scale", post_scale)
   _validate.out_dtype(out_dtype)

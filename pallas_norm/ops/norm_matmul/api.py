@@ -65,8 +65,8 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
     norm: "rms" (RMSNorm) or "layer" (LayerNorm).
     eps: positive float (default 1e-6).
     out_dtype: dtype of y (default x.dtype).
-    return_stats: also return :class:`pallas_norm.NormStats` (float32 mean (None for RMS), rstd;
-      shape x.shape[:-1]). The statistics are outputs for the caller's backward; they carry no
+    return_stats: also return :class:`pallas_norm.NormStats` (mean (None for RMS), rstd; float32,
+      float64 for float64 x; shape x.shape[:-1]). The statistics are outputs for the caller's backward; they carry no
       gradient (``lax.stop_gradient``), with every implementation, so a loss differentiates
       the same on any backend.
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
