@@ -123,9 +123,9 @@ def _check_heads(layer, name, q):
 class PFFNBlock(nnx.Module):
   """The Kunlun personalized FFN block, per token over all H·D features::
 
-      u   = LayerNorm(q)·ln_scale + ln_bias
-      z   = u + post_scale · act(pre_scale · u kᵀ) v
-      out = RMSNorm(z)·rms_scale + q
+      u   = LayerNorm(q)·ln_scale + ln_bias     (pre_layer_norm; else u = q)
+      z   = u + post_scale · act(pre_scale · u kᵀ) v     (inner_residual; else without u +)
+      out = RMSNorm(z)·rms_scale + q     (outer_residual; else without + q)
 
   Args:
     num_heads: H. head_dim: D. Positive integers.
@@ -138,10 +138,13 @@ class PFFNBlock(nnx.Module):
     rngs: ``nnx.Rngs``.
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
       can run the call; see :mod:`pallas_norm._dispatch`).
+    pre_layer_norm, inner_residual, outer_residual: bools (default True), the op's switches
+      (:func:`pallas_norm.flash_norm_attention`); without the LayerNorm the block has no
+      ``ln_scale``/``ln_bias``.
 
   Raises: as :class:`GDPA` (the query argument being ``q_tokens``), plus at construction
   ValueError for an epsilon that is not positive and finite (in float32) and TypeError for a
-  non-number epsilon, a use_scale/use_bias that is not a bool, or a param_dtype that is not a
+  non-number epsilon, a use_scale/use_bias or a switch that is not a bool, or a param_dtype that is not a
   floating dtype (bfloat16, float16, float32, float64); at call time also as
   :func:`pallas_norm.flash_norm_attention`.
   """
@@ -150,9 +153,15 @@ class PFFNBlock(nnx.Module):
                pre_scale: float = 1.0, post_scale: float = 1.0, epsilon: float = 1e-6,
                use_scale: bool = True, use_bias: bool = True, dtype=None,
                param_dtype=jnp.float32, scale_init=nnx.initializers.ones,
-               bias_init=nnx.initializers.zeros, rngs: nnx.Rngs, implementation=None):
+               bias_init=nnx.initializers.zeros, rngs: nnx.Rngs, implementation=None,
+               pre_layer_norm: bool = True, inner_residual: bool = True,
+               outer_residual: bool = True):
     self.num_heads, self.head_dim = _check_config(num_heads, head_dim, activation, pre_scale,
                                                   post_scale)
+    _common.check_switches(type(self).__name__, pre_layer_norm=pre_layer_norm,
+                           inner_residual=inner_residual, outer_residual=outer_residual)
+    self.pre_layer_norm = pre_layer_norm
+    self.inner_residual, self.outer_residual = inner_residual, outer_residual
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
@@ -163,8 +172,8 @@ class PFFNBlock(nnx.Module):
     features = self.num_heads * self.head_dim
     make = lambda init, use: (_common.param(rngs, init, (features,), param_dtype)  # noqa: E731
                               if use else None)
-    self.ln_scale = make(scale_init, use_scale)
-    self.ln_bias = make(bias_init, use_bias)
+    self.ln_scale = make(scale_init, use_scale and pre_layer_norm)
+    self.ln_bias = make(bias_init, use_bias and pre_layer_norm)
     self.rms_scale = make(scale_init, use_scale)
 
   def __call__(self, q_tokens, q_offsets, k, v, *, kv_offsets=None,
@@ -183,7 +192,9 @@ class PFFNBlock(nnx.Module):
         q, k, v, q_offsets, kv_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
         rms_scale=rms_scale, activation=self.activation, pre_scale=self.pre_scale,
         post_scale=self.post_scale, eps=self.epsilon, max_seq_len=max_seq_len,
-        max_kv_len=max_kv_len, implementation=self.implementation)
+        max_kv_len=max_kv_len, implementation=self.implementation,
+        pre_layer_norm=self.pre_layer_norm, inner_residual=self.inner_residual,
+        outer_residual=self.outer_residual)
 
 
 def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):

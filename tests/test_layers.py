@@ -144,6 +144,7 @@ def test_norm_that_is_not_a_string_raises_naming_norm():
     (lambda: NormDense(K, N, use_bias=None, rngs=nnx.Rngs(0)), "use_bias"),
     (lambda: DenseNorm(K, N, use_scale=1, rngs=nnx.Rngs(0)), "use_scale"),
     (lambda: PFFNBlock(H, D, use_bias="no", rngs=nnx.Rngs(0)), "use_bias"),
+    (lambda: PFFNBlock(H, D, outer_residual="no", rngs=nnx.Rngs(0)), "outer_residual"),
 ])
 def test_non_bool_switches_raise_when_the_layer_is_built(make, name):
   """use_scale="no" or use_bias="False" is truthy and silently created the parameter (review 9),
@@ -407,6 +408,25 @@ def test_pffn_matches_reference_and_composition():
   valid = np.arange(CAPACITY) < sum(LENS)
   np.testing.assert_allclose(y[valid], composed[valid], **F32_TOL)
   assert not np.any(np.asarray(y[~valid]))
+
+
+@pytest.mark.parametrize("pre_layer_norm,inner_residual,outer_residual", [
+    (False, True, True), (True, False, True), (True, True, False), (False, False, False)])
+def test_pffn_switches_match_reference(pre_layer_norm, inner_residual, outer_residual):
+  """The block's switches reach the op: values against the reference with the same switches;
+  without the LayerNorm the block has no ln_scale/ln_bias."""
+  switches = dict(pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
+                  outer_residual=outer_residual)
+  layer = _pffn(**switches)
+  p = _params(layer)
+  assert set(p) == ({"ln_scale", "ln_bias", "rms_scale"} if pre_layer_norm else {"rms_scale"})
+  q, k, v = _attention_inputs(21)
+  off = _offsets()
+  y = layer(q, off, k, v, max_seq_len=MAX_LEN)
+  want = reference.flash_norm_attention(q, k, v, off, ln_scale=p.get("ln_scale"),
+                                        ln_bias=p.get("ln_bias"), rms_scale=p["rms_scale"],
+                                        pre_scale=D ** -0.5, post_scale=0.5, **switches)
+  np.testing.assert_allclose(y, want, **F32_TOL)
 
 
 def test_attention_layers_check_head_shape():
