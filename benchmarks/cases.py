@@ -397,8 +397,8 @@ ATTN_CONFIGS = [(h, lmax) for lmax in (256, 512, 1024) for h in (2, 4, 8)]
 # GDPA only (issue 20: H in {2, 4, 8}, densities 0.5 and 1.0, dense and jagged K/V): density
 # 1.0 with dense K/V ("full"), and jagged K/V self-attention ("jagged_kv", KV = L) at density
 # 0.5 and 1.0 ("jagged_kv_full"). The kernel keeps a sample's K/V in SMEM, which at D = 128
-# holds up to L = 128 (the jagged rows at every H); at L512 it streams them, which
-# implementation=None leaves to XLA until measured.
+# holds up to L = 128 (the jagged rows at every H); at L512 it streams them per q block, measured
+# faster than XLA there too (implementation=None takes it: gdpa.api.kernel_slower_reason).
 GDPA_VARIANT_CONFIGS = ([("full", h, 512, ATTN_LKV) for h in (2, 4, 8)]
                         + [("jagged_kv", h, 128, 128) for h in (2, 4, 8)]
                         + [("jagged_kv", 4, 512, 512)]

@@ -7,7 +7,7 @@ sequence of those names. An op has at most one kernel, of one of two kinds (:dat
 * ``"mosaic"``: a Pallas Mosaic-GPU kernel, needs a Hopper GPU (sm_90a).
 * ``"triton"``: a Pallas kernel with the Triton lowering (the name tokamax uses for the same
   kind), needs an NVIDIA GPU of any generation Pallas' Triton backend supports; today only the
-  backward of ``layer_norm``.
+  backward of ``layer_norm`` and ``rms_norm``.
 * ``"interpret"``: the op's kernel run in Pallas interpret mode on any backend (slow; for
   tests): GPU interpret mode for a Mosaic kernel, ``pallas_call(interpret=True)`` for a Triton
   one. A Mosaic kernel on the CPU needs ``PJRT_NPROC`` >= :data:`INTERPRET_MIN_CPU_THREADS` in the

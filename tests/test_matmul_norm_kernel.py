@@ -30,7 +30,6 @@ else:
   os.environ.setdefault("PJRT_NPROC", str(_INTERPRET_THREADS))
   _CLIENT_THREADS = int(os.environ["PJRT_NPROC"])
 
-import chex  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -2,7 +2,7 @@
 
 * :mod:`.config`: :class:`TileConfig`, the tiling of a warp-specialized GEMM kernel.
 * :mod:`.device`: SM counts, resident clusters, SMEM swizzles, GPU interpret mode
-  (:func:`interpret_params`, :func:`races_found`, :func:`reset_interpret_state`).
+  (:func:`interpret_params`, :func:`races_found`).
 * :mod:`.pipeline`: the K-loop pipelines (Pallas's, chained across tiles, and the shared ring).
 * :mod:`.gemm`: the persistent warp-specialized GEMM body the fused GEMM kernels run through
   hooks (after JAX's ``pallas/ops/gpu/hopper_matmul_mgpu.py``), imported as a module.
@@ -18,8 +18,8 @@ on.
 from pallas_norm.mgpu.config import (INTERPRET_NUM_CTAS, SMEM_BYTES, SUPPORTED_DTYPES,
                                      TileConfig, reject_unused_options)
 from pallas_norm.mgpu.device import (RESIDENT_SHARE, interpret_params, num_sms, pad_rows,
-                                     persistent_clusters, races_found, reset_interpret_state,
-                                     resident_clusters, swizzle_transforms)
+                                     persistent_clusters, races_found, resident_clusters,
+                                     swizzle_transforms)
 from pallas_norm.mgpu.pipeline import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, SharedRing,
                                        delay_release_for, pipeline_stages, plan_delay_release,
                                        ring_drain, ring_k_loop, ring_produce, warp_specialize)

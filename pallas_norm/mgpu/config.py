@@ -46,9 +46,9 @@ class TileConfig:
       in JAX's ``hopper_matmul_mgpu.py``) the tensor cores keep working on step s while the
       consumer waits for step s + 1's stage, and each stage is released one step later. Pallas's
       pipeline cannot chain such K loops across tiles; a K loop with one step runs with 0
-      (:func:`delay_release_for`).
+      (:func:`pallas_norm.mgpu.pipeline.delay_release_for`).
     pipeline: how the K loops are fed. "ring": one hand-written ring both consumers read
-      (:class:`SharedRing`), numbered across the CTA's tiles, so it is always chained, takes
+      (:class:`pallas_norm.mgpu.pipeline.SharedRing`), numbered across the CTA's tiles, so it is always chained, takes
       any stage count, and can keep a WGMMA in flight (``delay_release`` = 1), as cuBLAS's
       cooperative 128×256 kernel does: what every kernel's ``pick_config`` takes, but for one
       exception. "pallas": ``plgpu.emit_pipeline_warp_specialized`` (chained across a CTA's

@@ -32,12 +32,6 @@ def races_found() -> bool:
   return bool(races is not None and races.races_found)
 
 
-def reset_interpret_state() -> None:
-  """Clears the interpreter's global state (needed after a kernel raised in interpret mode)."""
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-
-
 def num_sms(interpret: bool) -> int:
   """Persistent CTAs to launch: the SM count of the default GPU (132 when the default device
   is not a GPU), or :data:`INTERPRET_NUM_CTAS` in interpret mode."""

@@ -144,7 +144,7 @@ def _forward_kernel(q, k, kv_offsets, out_dtype, interpret: bool):
   "mosaic" (one CTA per q block) where it fits, else "cluster" (a cluster of H CTAs, for larger
   H·D; interpret mode runs it at H = 1 only). ``(None, why)`` when neither can. Where both
   fit, the one-CTA kernel: at H = 4 (issue shape) the cluster kernel measured 1.7× slower
-  (benchmarks/NOTES.md, "flash_norm_attention", session 19)."""
+  (benchmarks/NOTES.md, "flash_norm_attention")."""
   reason = mosaic.unsupported_reason(q, k, kv_offsets, out_dtype)
   if reason is None:
     return "mosaic", None

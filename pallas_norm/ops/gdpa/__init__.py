@@ -1,7 +1,7 @@
 """Generalized dot-product attention over jagged queries (DESIGN.md, op 3; Meta's GDPA).
 
 ``api`` (the public op), ``xla`` (the XLA path), ``mosaic`` (the Hopper forward kernel),
-``configs`` (its tiling).
+``mosaic_bwd`` (the backward kernels), ``configs`` (the forward kernel's tiling).
 """
 
 from pallas_norm.ops.gdpa.api import check_args, gdpa, poison_if_offsets_invalid

@@ -113,7 +113,8 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
 
 
 def check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype) -> None:
-  """Validates the arguments of :func:`matmul_norm` (shared with the Flax layer)."""
+  """Validates the arguments of :func:`matmul_norm`, once per call: the forward kernel does not
+  check them again."""
   _validate.matmul_operands(x, w)
   n = w.shape[1]
   _validate.optional_vector("dense_bias", dense_bias, n)

@@ -552,7 +552,7 @@ class _RowTileIO:
                             self.io_smem.at[self.wg, j], self.load_barrier.at[self.wg])
 
   def _prefetch_epilogue_inputs(self, row0, col0, residual=True):
-    """The residual tile (unless ``residual`` is False: :func:`_residual_during_k_loop` loads
+    """The residual tile (unless ``residual`` is False: :meth:`_residual_during_k_loop` loads
     it) and the column vectors of a tile, by TMA while its K loop runs."""
     if self.plan.has_residual and residual:
       # The previous tile's stores read self.io_smem: they must finish before TMA refills it.
@@ -567,7 +567,7 @@ class _RowTileIO:
     """Issues residual chunk j at K step min(j, last step), each once the last store from
     slot j has left SMEM, so the wait for those stores overlaps the WGMMAs just issued instead
     of holding the K loop's start. That store was the last row block's last output's chunk j
-    (:func:`_epilogue`: one group per chunk, output after output), so the groups committed
+    (:meth:`_RowNormHooks._epilogue`: one group per chunk, output after output), so the groups committed
     after it are that output's chunks after j."""
     for j in range(self.chunks):
       newer = self.chunks - 1 - j
@@ -619,7 +619,7 @@ class _RowNormHooks(_RowTileIO, gemm_core.Hooks):
   def _first_pass(self, acc, row0, col0, t):
     """N tile t of several: its partials go to SMEM and ``h − tile mean`` (LayerNorm; RMS: h)
     goes to y's place in global memory, in the output dtype: centered values keep their
-    precision for rows with a large mean. :func:`_second_pass` normalizes it."""
+    precision for rows with a large mean. :meth:`_second_pass` normalizes it."""
     self._wait_loads()
     h_chunk = self._h_chunk_fn(acc)
     partials = _slice_partials(self.plan, h_chunk)

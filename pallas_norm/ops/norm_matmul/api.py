@@ -118,7 +118,8 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
 
 
 def check_args(x, w, scale, norm_bias, norm, eps, out_dtype) -> None:
-  """Validates the arguments of :func:`norm_matmul` (shared with the Flax layer)."""
+  """Validates the arguments of :func:`norm_matmul`, once per call: the forward kernel does not
+  check them again."""
   _validate.matmul_operands(x, w)
   _validate.optional_vector("scale", scale, x.shape[-1])
   _validate.optional_vector("norm_bias", norm_bias, x.shape[-1])

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from pallas_norm.ops.matmul_norm import mosaic as post_norm
 from pallas_norm.ops.norm_matmul import mosaic_bwd
 
 # Largest K and N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md)

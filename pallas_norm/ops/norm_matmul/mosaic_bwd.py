@@ -18,11 +18,16 @@ read untransposed from GMEM and handed to WGMMA as a transposed SMEM view (the B
 
 Where the row scalars come from (:func:`norm_matmul_dx`):
 
-* given (``y_term``, ``c_term``; ``norm_matmul``'s backward for RMSNorm and past K, N = 512):
-  XLA computes them in one pass over dy and y (``pallas_norm.ops.norm_matmul.xla.row_terms``)
-  before the kernel.
-* fused (``y``, ``out_bias``, ``col_sum``; ``norm_matmul``'s backward for LayerNorm up to
-  K, N ≤ 512, :func:`pallas_norm.ops.norm_matmul.fused_row_terms_pay`): the kernel computes them itself, inside its K loop. The
+* the row sums in the epilogue (``row_sums_in_epilogue=True``; ``norm_matmul``'s backward for
+  both norms wherever K splits into one column tile per CTA of a cluster, K ≤ 2048:
+  :func:`row_sums_unsupported_reason`): no row scalars are given; the epilogue sums
+  ``G ⊙ x̂`` (and, for LayerNorm, ``G``) over K across the cluster (see :func:`norm_matmul_dx`).
+* given (``y_term``, ``c_term``; ``norm_matmul``'s backward where K does not split so,
+  except in the fused case below): XLA computes them in one pass over dy and y
+  (``pallas_norm.ops.norm_matmul.xla.row_terms``) before the kernel.
+* fused (``y``, ``out_bias``, ``col_sum``; where K does not split so, for LayerNorm up to
+  K, N ≤ 512, :func:`pallas_norm.ops.norm_matmul.configs.fused_row_terms_pay`): the kernel
+  computes them itself, inside its K loop. The
   reduction runs over N, the same dimension as the row sums, so each K step's (tile_m, tile_k)
   dy tile, already in SMEM as the WGMMA A operand, is all the row sums need next to the
   matching y tile. y streams through

@@ -84,20 +84,6 @@ def fold_affine(w, scale, bias, norm):
   return w_gamma, col_sum, out_bias
 
 
-def lazy_forward(x, w_gamma, col_sum, out_bias, *, norm, eps, out_dtype):
-  """The kernel's epilogue math in plain XLA (the interface of ``norm_matmul_fwd``): the GEMM
-  of x with W_γ accumulated in f32, then the row scaling (and mean correction) in f32. Two-pass
-  statistics in f32."""
-  stats = reference._row_stats(x.astype(_F32), norm, eps)  # pylint: disable=protected-access
-  acc = jnp.matmul(x, w_gamma, preferred_element_type=_F32, precision=lax.Precision.HIGHEST)
-  if norm == "layer":
-    acc = acc - stats.mean[:, None] * col_sum[None, :]
-  y = acc * stats.rstd[:, None]
-  if out_bias is not None:
-    y = y + out_bias
-  return y.astype(out_dtype), stats.mean, stats.rstd
-
-
 # ------------------------------------------------------------------------------------------------
 # The XLA parts of the kernel backward (pallas_norm.ops.norm_matmul.api).
 

@@ -1,5 +1,6 @@
-"""Standalone row norms :func:`rms_norm` (XLA) and :func:`layer_norm` (XLA, or the Pallas
-backward kernel); DESIGN.md, op 5."""
+"""Standalone row norms :func:`rms_norm` and :func:`layer_norm` (DESIGN.md, op 5): ``api`` (the
+public ops), ``xla`` (XLA's forward and derivatives) and ``triton`` (the one-pass Pallas backward
+kernel of both, with the Triton lowering; also the post-norm GEMM's norm backward)."""
 
 from pallas_norm.ops.norms.api import layer_norm, rms_norm
 

@@ -418,7 +418,7 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
       dh = rstd ⊙ (g − x̂ ⊙ mean_N(g ⊙ x̂) − mean_N(g)) (+ dh_out)      (RMS: no mean_N(g))
 
   One program per slab of rows reads dy, x̂ (and dh_out) once, writes dh once and keeps the
-  column sums' partials in registers (as :func:`layer_norm`'s backward does).
+  column sums' partials in registers (as :func:`pallas_norm.layer_norm`'s backward does).
 
   Args:
     dy: (M, N) cotangent of y; xhat: (M, N) x̂ in dy's dtype; rstd: (M,) float32.
