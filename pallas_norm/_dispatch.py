@@ -169,6 +169,9 @@ def choose_by_use(op: str, implementation,
   (measured forward+backward) and the forward alone by ``slower_forward_reason`` (measured
   forward); any other ``implementation`` gives ``(choose(...),) * 2``. Raises as :func:`choose`.
   """
+  if unsupported_reason is not None:
+    # Asked once per candidate: both uses share the kernel's answer for these arguments.
+    unsupported_reason = functools.cache(unsupported_reason)
   training = choose(op, implementation, unsupported_reason, slower_reason, kernel)
   if implementation is not None or unsupported_reason is None:
     return training, training

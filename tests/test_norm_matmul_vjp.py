@@ -369,6 +369,16 @@ def test_default_forward_alone_takes_the_path_measured_faster_forward(monkeypatc
   assert _dispatch.choose_by_use("op", "xla", ok, lambda: None, lambda: "slower") == ("xla", "xla")
 
 
+def test_choose_by_use_asks_the_kernel_once(monkeypatch):
+  """implementation=None: the two uses share one answer of the kernel's unsupported_reason."""
+  from pallas_norm import _dispatch
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  asked = []
+  uses = _dispatch.choose_by_use("op", None, lambda c: asked.append(c), lambda: None,
+                                 lambda: "slower")
+  assert uses == ("xla", "mosaic") and asked == ["mosaic"], (uses, asked)
+
+
 @pytest.mark.parametrize("op,uses", [("norm_matmul", ("xla", "interpret")),
                                      ("matmul_norm", ("interpret", "xla"))])
 def test_forward_alone_and_training_run_their_own_paths(monkeypatch, op, uses):
