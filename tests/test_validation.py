@@ -677,3 +677,25 @@ def test_kernel_path_validates_and_picks_its_config_once(op, monkeypatch):
   jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
   # (M, K, N) is the forward's; norm_matmul's dx kernel derives its tiles from (M, N, K).
   assert picked.count((32, 128, 256)) == 1 and not checked, (picked, len(checked))
+
+
+def test_gdpa_kernel_path_hands_its_config_down(monkeypatch):
+  """pn.gdpa on the kernel path (forward and backward traced as on a Hopper GPU, nothing runs):
+  the op picks the forward kernel's tiling and passes it to the kernel, which picks none."""
+  from pallas_norm.ops.gdpa import configs as gdpa_configs, mosaic as gdpa_mosaic
+  handed, picked = [], []
+  real_fwd, real_pick = gdpa_mosaic.gdpa_fwd, gdpa_configs.pick_config
+  monkeypatch.setattr(gdpa_mosaic, "gdpa_fwd", lambda *a, config=None, **kw: (
+      handed.append(config) or real_fwd(*a, config=config, **kw)))
+  monkeypatch.setattr(gdpa_configs, "pick_config",
+                      lambda *a, **kw: picked.append(a) or real_pick(*a, **kw))
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  q = jnp.ones((128, 2, 64), jnp.bfloat16)
+  kv = jnp.ones((2, 128, 2, 64), jnp.bfloat16)
+  offsets = jnp.array([0, 60, 128], jnp.int32)
+  loss = lambda q: jnp.sum(pallas_norm.gdpa(q, kv, kv, offsets, implementation="mosaic")  # noqa: E731
+                           .astype(F32))
+  jax.make_jaxpr(jax.grad(loss))(q)
+  want = real_pick(128, 64, jnp.bfloat16, jnp.bfloat16)
+  # One pick by unsupported_reason (does one fit?), one by the op's forward rule.
+  assert handed == [want] and len(picked) == 2, (handed, picked)

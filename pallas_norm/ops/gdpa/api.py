@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from pallas_norm import _dispatch, _op, _validate, reference
-from pallas_norm.ops.gdpa import mosaic, mosaic_bwd, xla
+from pallas_norm.ops.gdpa import configs, mosaic, mosaic_bwd, xla
 
 _F32 = jnp.float32
 
@@ -181,14 +181,17 @@ def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_se
                      max_kv_len, out_dtype, interpret, scale_grads):
   del max_seq_len, scale_grads  # the kernel's work list comes from the offsets themselves
   q_offsets, kv_offsets = offsets
+  rows = mosaic.kv_rows(k, kv_offsets, max_kv_len)
   # Built once: the backward reads its dense tile order from it (no second sort).
-  table = mosaic.work_items(q_offsets, kv_offsets, q.shape[0], k.shape[0],
-                            mosaic.kv_rows(k, kv_offsets, max_kv_len))
+  table = mosaic.work_items(q_offsets, kv_offsets, q.shape[0], k.shape[0], rows)
+  # The forward kernel's tiling, picked here once and handed down (unsupported_reason only
+  # asked whether one fits).
+  config = configs.pick_config(rows, q.shape[2], q.dtype, out_dtype)
 
   def forward(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, table):
     return mosaic.gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale,
                            activation=activation, max_kv_len=max_kv_len, out_dtype=out_dtype,
-                           work_table=table, interpret=interpret)
+                           config=config, work_table=table, interpret=interpret)
 
   out = _op.first_order_only("gdpa", forward, q, k, v, q_offsets, kv_offsets, pre_scale,
                              post_scale, table)
