@@ -83,7 +83,7 @@ from pallas_norm.mgpu import exchange as cluster_exchange
 from pallas_norm.mgpu import gemm as gemm_core
 
 __all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
-           "matmul_norm_fwd", "launch"]
+           "matmul_norm_fwd", "launch", "cluster_split"]
 
 CLUSTER_SIZES = (1, 2, 4, 8)
 """CTAs that may share a row block (8 is the portable cluster limit on Hopper)."""
@@ -145,7 +145,7 @@ class _Plan(gemm_core.NormGemmPlan):
     return self.vecs.index(name)
 
 
-def _cluster_split(n: int) -> tuple[int, int, int] | None:
+def cluster_split(n: int) -> tuple[int, int, int] | None:
   """(cluster, tile_n, n_tiles): the smallest cluster whose CTAs get one 64-multiple N tile of
   ≤ 256 columns; past 8 · 256 columns, 8 CTAs of up to 4 N tiles each (the widest tile)."""
   for c in CLUSTER_SIZES:
@@ -192,11 +192,11 @@ def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
     return f"K = {k} is not a positive multiple of 64"
   if n % 64 or n < 64:
     return f"N = {n} is not a positive multiple of 64"
-  if _cluster_split(n) is None:
+  if cluster_split(n) is None:
     return (f"N = {n} does not split into a cluster of {list(CLUSTER_SIZES)} CTAs with at most "
             f"{MAX_N_TILES} N tiles of a 64-multiple ≤ {MAX_TILE_N} columns each (N ≤ {MAX_N}; "
             "past 2048 a multiple of 1024)")
-  if interpret and (tiles := n // _cluster_split(n)[1]) > MAX_N_TILES:
+  if interpret and (tiles := n // cluster_split(n)[1]) > MAX_N_TILES:
     return (f"N = {n} needs {tiles} N tiles of one CTA in interpret mode (it cannot read a "
             f"peer CTA's shared memory, so it runs a cluster of 1), at most {MAX_N_TILES}")
   return None
@@ -205,14 +205,14 @@ def unsupported_reason(m: int, k: int, n: int, dtype, out_dtype=None,
 def pick_config(m: int, k: int, n: int) -> TileConfig:
   """Tiling for x (m, k) @ w (k, n): the CTA's N tile ``tile_n = N / cluster`` with the smallest
   cluster in :data:`CLUSTER_SIZES` (past N = 2048: clusters of 8 CTAs looping over up to 4 N
-  tiles, :func:`_cluster_split`); 128 rows per CTA (64 per consumer warpgroup), 256 when the
+  tiles, :func:`cluster_split`); 128 rows per CTA (64 per consumer warpgroup), 256 when the
   tile is at most 128 wide (both keep the accumulator at 128 registers per thread); tile_k 64;
   as many pipeline stages as SMEM holds (at most 4). With one N tile per CTA (N ≤ 2048) the
   K loops run on the shared ring (``pipeline="ring"``, no WGMMA in flight: one in flight was
   slower with a residual); with several N tiles per CTA on Pallas's pipeline, where the ring
   measured 1.1-3.6× slower (``benchmarks/NOTES.md``, post-norm forward)."""
   del m, k
-  split = _cluster_split(n)
+  split = cluster_split(n)
   if split is None:
     raise ValueError(f"N = {n}: {unsupported_reason(1, 64, n, jnp.bfloat16)}")
   _, tile_n, n_tiles = split

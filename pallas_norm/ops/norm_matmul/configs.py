@@ -58,8 +58,8 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
 
 def _k_splits(k: int) -> bool:
   """Whether K splits into one column tile per CTA of a cluster, as the dx kernel's row sums in
-  the epilogue need on a GPU (the kernel's own rule, ``mosaic_bwd._k_split``)."""
-  return mosaic_bwd._k_split(k, interpret=False) is not None  # pylint: disable=protected-access
+  the epilogue need on a GPU (the kernel's own rule, ``mosaic_bwd.k_split``)."""
+  return mosaic_bwd.k_split(k, interpret=False) is not None
 
 
 def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | None:

@@ -118,11 +118,11 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
   return forward.unsupported_reason(m, k, n, dtype)
 
 
-def _k_split(k: int, interpret: bool) -> tuple[int, int] | None:
+def k_split(k: int, interpret: bool) -> tuple[int, int] | None:
   """(cluster, tile_n) for the epilogue row sums: the post-norm forward's split of a row
-  (:func:`pallas_norm.ops.matmul_norm.mosaic._cluster_split`) with one column tile per CTA;
+  (:func:`pallas_norm.ops.matmul_norm.mosaic.cluster_split`) with one column tile per CTA;
   in interpret mode (no peer SMEM) a cluster of 1. None where K does not split so."""
-  split = post_norm._cluster_split(k)  # pylint: disable=protected-access
+  split = post_norm.cluster_split(k)
   if split is None or split[2] != 1 or (interpret and split[0] != 1):
     return None
   return split[0], split[1]
@@ -136,7 +136,7 @@ def row_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool =
   each, so K ≤ 2048; in interpret mode K ≤ 256 (one CTA: it cannot read a peer's SMEM)."""
   if (reason := unsupported_reason(m, n, k, dtype)) is not None:
     return reason
-  if _k_split(k, interpret) is None:
+  if k_split(k, interpret) is None:
     return (f"K = {k} does not split into one column tile (a multiple of 64 up to 256) per CTA "
             "of a cluster of 1, 2, 4 or 8" + (" (interpret mode: a cluster of 1, K ≤ 256)"
                                               if interpret else ""))
@@ -171,7 +171,7 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
                    epi_tile_n=fwd.epi_tile_n, pipeline="ring")
   if row_sums:
-    split = _k_split(k, interpret)
+    split = k_split(k, interpret)
     if split is None:
       raise ValueError(row_sums_unsupported_reason(m, n, k, jnp.bfloat16, interpret))
     cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64)
