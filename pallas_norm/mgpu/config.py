@@ -33,11 +33,6 @@ class TileConfig:
       K has fewer steps).
     epi_tile_m, epi_tile_n: the epilogue stores the output through SMEM in tiles of this size;
       must divide (tile_m // 2, tile_n).
-    grid_minor_dim: the output-tile dimension that varies fastest over the persistent loop.
-      "n" sweeps the N tiles of a row block (strips of ``grid_tile_width`` row blocks) before the
-      next one: CTAs running at the same time share x tiles, so x is read from HBM about once and
-      w stays in L2 (right for M ≫ N). "m" sweeps M first (JAX's Hopper matmul default).
-    grid_tile_width: strip width of :func:`plgpu.planar_snake` over the tile grid.
     stats_once: (pre-norm forward) a CTA computes all N tiles of a row block in turn,
       accumulating the row statistics only in the K loop of the first one (later ones read them
       back from SMEM), so the statistics cost once per row instead of once per N tile. Needs the
@@ -66,8 +61,6 @@ class TileConfig:
   max_concurrent_steps: int = 4
   epi_tile_m: int = 64
   epi_tile_n: int = 64
-  grid_minor_dim: Literal["m", "n"] = "n"
-  grid_tile_width: int = 1
   stats_once: bool = False
   delay_release: int = 0
   pipeline: Literal["pallas", "ring"] = "pallas"
@@ -89,10 +82,6 @@ class TileConfig:
     if self.tile_n % self.epi_tile_n or self.epi_tile_n % 8:
       raise ValueError(f"epi_tile_n={self.epi_tile_n} must be a multiple of 8 dividing "
                        f"tile_n = {self.tile_n}")
-    if self.grid_minor_dim not in ("m", "n"):
-      raise ValueError(f"grid_minor_dim must be 'm' or 'n', got {self.grid_minor_dim!r}")
-    if self.grid_tile_width < 1:
-      raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
     if self.pipeline not in ("pallas", "ring"):
       raise ValueError(f"pipeline must be 'pallas' or 'ring', got {self.pipeline!r}")
 

@@ -243,10 +243,10 @@ Schedule = Callable[[Callable[[Tile], None], Callable[[object], None]], None]
 ``end_unit(unit)`` after each work unit's tiles where the kernel has work there."""
 
 
-def tile_grid(m_iters: int, n_iters: int, cfg: TileConfig, kind=None) -> Schedule:
+def tile_grid(m_iters: int, n_iters: int, kind=None) -> Schedule:
   """The schedule of a persistent grid over the (m_iters, n_iters) output tiles in
-  :func:`plgpu.planar_snake` order (``cfg.grid_minor_dim`` varies fastest, in strips of
-  ``cfg.grid_tile_width``); one tile per work unit."""
+  :func:`plgpu.planar_snake` order, the N tiles of a row block first (M first measured slower:
+  ``benchmarks/EXPERIMENTS.md``); one tile per work unit."""
   def schedule(visit, end_unit):
     del end_unit
 
@@ -254,10 +254,10 @@ def tile_grid(m_iters: int, n_iters: int, cfg: TileConfig, kind=None) -> Schedul
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (lin_idx,) = loop_info.index
       # planar_snake cuts its `minor_dim` into strips and walks the other dim inside a
-      # strip, so N varies fastest when M is the strip dimension (0).
-      m_idx, n_idx = plgpu.planar_snake(lin_idx, (m_iters, n_iters),
-                                        0 if cfg.grid_minor_dim == "n" else 1,
-                                        cfg.grid_tile_width)
+      # strip; M the strip dimension (0), strips one row block wide: N varies fastest,
+      m_idx, n_idx = plgpu.planar_snake(lin_idx, (m_iters, n_iters), 0, 1)
+      # so CTAs running at once share x tiles and w stays in L2 (M first, JAX's Hopper
+      # matmul default, measured slower: benchmarks/EXPERIMENTS.md).
       visit(Tile(m_idx, n_idx, loop_info.local_index, loop_info.local_index == 0,
                  loop_info.local_index == loop_info.num_local_steps - 1, kind))
   return schedule

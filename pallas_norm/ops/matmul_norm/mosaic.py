@@ -256,7 +256,7 @@ def _smem(plan: _Plan) -> dict:
                       if multi else None))
 
 
-_UNUSED_OPTIONS = ("stats_once", "grid_minor_dim", "grid_tile_width")
+_UNUSED_OPTIONS = ("stats_once",)
 """TileConfig options of the pre-norm kernels that this kernel does not implement (its grid
 walks row blocks, each cluster owning whole rows)."""
 

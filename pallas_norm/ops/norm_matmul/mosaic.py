@@ -420,7 +420,7 @@ def _kernel(*refs, plan: _Plan):
       windows=lambda t: [pl.ds(t.m_idx * cfg.tile_m, cfg.tile_m),
                          pl.ds(t.n_idx * cfg.tile_n, cfg.tile_n)],
       schedule=(_row_block_schedule(plan) if cfg.stats_once
-                else gemm_core.tile_grid(plan.m_iters, plan.n_iters, cfg, kind=True)),
+                else gemm_core.tile_grid(plan.m_iters, plan.n_iters, kind=True)),
       smem=_smem(cfg, plan.out_dtype, plan.n_vecs, plan.n_stats),
       hooks_for=lambda wg, refs: _LazyNormHooks(plan, wg, refs, y_gmem, (rstd_gmem, mean_gmem),
                                                 vec_gmems))

@@ -307,8 +307,8 @@ def _x_hat_slots(cfg: TileConfig, dtype, streams, n_rows: int) -> int:
 
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False,
                x_hat=False, x_hat_ones=False, row_sums=False, exchange="pull") -> _Plan:
-  mgpu.reject_unused_options(cfg, "dx", ("stats_once",) + (
-      ("grid_minor_dim", "grid_tile_width") if row_sums else ()))
+  # stats_once is the pre-norm forward's alone.
+  mgpu.reject_unused_options(cfg, "dx", ("stats_once",))
   has_bias = fused and has_bias
   # As in the forward: A from registers for M % 8 ≠ 0 on the GPU.
   a_in_registers = not interpret and m % 8 != 0
@@ -596,7 +596,7 @@ def _kernel(*refs, plan: _Plan):
   gmems = [r for r in (dy_gmem, w_gmem, y_gmem, vec_gmem) if r is not None]
   block = lambda t: pl.ds(t.m_idx * cfg.tile_m, cfg.tile_m)
   schedule = (_row_block_schedule(plan.m_iters, lax.axis_index("cluster")) if plan.row_sums
-              else gemm_core.tile_grid(plan.m_iters, plan.k_iters, cfg))
+              else gemm_core.tile_grid(plan.m_iters, plan.k_iters))
   gemm_core.run(
       plan.kloop, gmems=gmems,
       windows=lambda t: [block(t), pl.ds(t.n_idx * cfg.tile_n, cfg.tile_n), block(t), None][
