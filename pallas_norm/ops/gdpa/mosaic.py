@@ -146,7 +146,7 @@ def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
     return (f"the token capacities T = {q.shape[0]}" + ("" if kv_offsets is None else
             f", Tkv = {k.shape[0]}") + f" must be multiples of {ALIGN} (Mosaic's tiled TMA)")
   if configs.pick_config(kv_rows(k, kv_offsets, max_kv_len), head_dim, dtype, out_dtype) is None:
-    return f"no tiling fits in SMEM with D = {head_dim}"  # unreachable for D <= 128
+    return f"no tiling fits in SMEM with D = {head_dim}"  # f32 out, D 128, > 128 K/V rows
   return None
 
 
