@@ -75,12 +75,6 @@ Config = gdpa_configs.Config
 """The tiling: the GDPA kernel's (key step, q ring depth, resident or streamed K/V)."""
 
 
-EXCHANGE = "pull"
-"""How the CTAs of a cluster share their row partials (:data:`pallas_norm.mgpu.exchange.EXCHANGES`):
-"pull". "push" needs an inbox of H packets per consumer, which at H = 4 costs the second K/V
-buffer (``benchmarks/EXPERIMENTS.md``, FNA cluster exchange)."""
-
-
 def _extra_smem_bytes(num_heads: int, head_dim: int) -> int:
   """SMEM of the norms on top of the GDPA kernel's: γ1/β1/γ2 of the head, Pallas's scratch for
   the row reductions, and with H > 1 the exchange's buffers (partials and merged rows) and
@@ -135,8 +129,10 @@ class _Plan:
     return 2 if self.pre_layer_norm else 1
 
   def exchange_spec(self, n_partials: int) -> cluster_exchange.Spec:
+    # "pull": "push" needs an inbox of H packets per consumer, which at H = 4 costs the second
+    # K/V buffer (``benchmarks/EXPERIMENTS.md``, FNA cluster exchange).
     return cluster_exchange.Spec(cluster=self.num_heads, rows=BLOCK_Q, n_partials=n_partials,
-                                 exchange=EXCHANGE)
+                                 exchange="pull")
 
 
 def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, *,
