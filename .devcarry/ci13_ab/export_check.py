@@ -4,7 +4,10 @@ the CPU interpret-mode outputs of the same ops. Writes one file per case under O
                  backend_config included (the serialized kernel module, locations included);
   <case>.npz:    the interpret-mode outputs (forward and gradients), where the case runs on CPU.
 Run from the worktree root: PYTHONPATH=$PWD PJRT_NPROC=8 python .devcarry/ci13_ab/export_check.py OUT [--no-run]
-Compare two OUT folders with `diff -r` (the .npz byte-equal, e.g. cmp)."""
+Compare two OUT folders with `diff -r` (the .npz byte-equal, e.g. cmp). Names after OUT run only
+the cases that start with them. --no-loc strips every location (the kernels' IR alone). With
+locations, run one case per process (names after OUT): JAX's trace caches keep the call sites
+of the first trace of a shared function, so a case's locations depend on the cases before it."""
 import hashlib
 import os
 import re
