@@ -123,7 +123,7 @@ def test_fused_switches_match_reference(switches):
 @pytest.mark.parametrize("variant,switches", [
     (dict(kv_stages=2), dict()), (None, dict(pre_layer_norm=False, inner_residual=False))])
 def test_fused_ring_depth_matches_default(variant, switches):
-  """A 2-slot K/V ring (the H = 4 kernel's) against the default 4-slot one at this shape, bit
+  """A 2-slot K/V ring (the H = 4 kernel's) against a 4-slot one at this shape, bit
   for bit (same arithmetic; the ring wraps at other key blocks and the producer waits for
   releases), over three key blocks per head, with the backward's residuals z and u (checked
   against their definitions); also, default ring only (the ring depth is orthogonal to the
@@ -143,7 +143,7 @@ def test_fused_two_q_buffers_match_default(switches):
 
 def _check_variant_matches_default(module, heads, variant, lens=(70, 0, 9), lkv=192,
                                    **switches):
-  """``variant`` of the default Config of the forward kernel ``module`` (if not None) against
+  """``variant`` of a base Config of the forward kernel ``module`` (if not None) against
   it, bit for bit (samples of ``lens`` rows, Lkv = 192 by default: three key blocks); the
   default and its z and u against the reference."""
   q, k, v, qo, affine = _problem(3, list(lens), heads, 64, lkv=lkv)
@@ -152,10 +152,11 @@ def _check_variant_matches_default(module, heads, variant, lens=(70, 0, 9), lkv=
   run = lambda cfg: jax.block_until_ready(module.flash_norm_attention_fwd(  # noqa: E731
       q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6,
       save_residuals=True, config=cfg, interpret=True, **switches))
-  training = dict(save_residuals=True) if module is mosaic else {}
-  default = module.pick_config(heads, 64, q.dtype, q.dtype, k.shape[1], **training)
-  # one CTA per q block: a 4-slot K/V ring at this shape; the cluster kernel: resident K/V
-  assert default.kv_stages > 2 if module is mosaic else default.kv_stages is None
+  if module is mosaic:  # one q buffer and a 4-slot K/V ring: the base the variants change
+    default = mosaic.Config(block_kv=64, kv_stages=4)
+  else:  # the cluster kernel's own pick: resident K/V
+    default = module.pick_config(heads, 64, q.dtype, q.dtype, k.shape[1])
+    assert default.kv_stages is None
   want = run(default)
   assert len(want) == 4
   if variant is not None:
@@ -358,14 +359,13 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
 
 
-def test_default_config_two_q_buffers_for_inference_only():
-  """The inference form takes two q buffers (2-slot K/V ring) where they fit (H·D = 256 at
-  D = 128, bf16 out), the training form and larger H·D keep one buffer and the deepest ring."""
+def test_default_config_two_q_buffers_where_they_fit():
+  """Two q buffers (2-slot K/V ring) where they fit (H·D = 256 at D = 128, bf16 out), for the
+  inference and the training form alike; larger H·D and a float32 output keep one buffer and
+  the deepest ring that fits."""
   bf = jnp.bfloat16
-  infer = mosaic.pick_config(2, 128, bf, bf, 128)
-  assert (infer.q_buffers, infer.kv_stages) == (2, 2)
-  train = mosaic.pick_config(2, 128, bf, bf, 128, save_residuals=True)
-  assert train.q_buffers == 1 and train.kv_stages == 4
+  cfg = mosaic.pick_config(2, 128, bf, bf, 128)
+  assert (cfg.q_buffers, cfg.kv_stages) == (2, 2)
   assert mosaic.pick_config(4, 128, bf, bf, 128).q_buffers == 1
   assert mosaic.pick_config(2, 128, bf, F32, 128).q_buffers == 1  # f32 out: no room
 
@@ -420,18 +420,20 @@ def test_gpu_forward_at_issue_shape(heads, density):
 
 @pytest.mark.gpu
 def test_gpu_two_q_buffers_match_default():
-  """Two q buffers (Config.q_buffers, with a 2-slot K/V ring) at H = 2, the issue's shape, in
-  the training form: out, the statistics, z and u bit for bit against the default tiling."""
+  """The default tiling at H = 2, the issue's shape (two q buffers, a 2-slot K/V ring), in the
+  training form: out, the statistics, z and u bit for bit against one q buffer with a 4-slot
+  ring."""
   heads = 2
   q, k, v, qo, affine = _pffn(8, heads)
   a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(
       3, heads, 128)
-  default = mosaic.pick_config(heads, 128, q.dtype, q.dtype, 128, save_residuals=True)
+  default = mosaic.pick_config(heads, 128, q.dtype, q.dtype, 128)
   run = lambda cfg: jax.jit(lambda *x: mosaic.flash_norm_attention_fwd(  # noqa: E731
       *x, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6, save_residuals=True,
       config=cfg))(q, k, v)
   want = run(default)
-  got = run(dataclasses.replace(default, kv_stages=2, q_buffers=2))
+  assert (default.q_buffers, default.kv_stages) == (2, 2)
+  got = run(dataclasses.replace(default, kv_stages=4, q_buffers=1))
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
   total = int(qo[-1])

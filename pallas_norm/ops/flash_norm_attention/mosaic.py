@@ -123,17 +123,14 @@ def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> 
   return q + kv + p + tile + vecs + reduction + stats + 1024  # + the barriers
 
 
-def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int, *,
-                save_residuals: bool = False) -> Config | None:
-  """The inference form: two q buffers with a 2-slot K/V ring where they fit in SMEM (H·D ≤ 256
-  at D = 128; measured faster on the H200: benchmarks/NOTES.md, "flash_norm_attention").
-  Otherwise, and for the training form (``save_residuals``; its gain with two buffers was small
-  and its saved z/u with two buffers are not yet checked on a GPU), the deepest K/V ring (4, 3
-  or 2 slots of 64 keys, at most the key blocks of a q block) that fits; None when none does."""
-  if not save_residuals:
-    cfg = Config(block_kv=64, kv_stages=2, q_buffers=2)
-    if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
-      return cfg
+def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int) -> Config | None:
+  """Two q buffers with a 2-slot K/V ring where they fit in SMEM (H·D ≤ 256 at D = 128; measured
+  faster on the H200 in both forms: benchmarks/NOTES.md, "flash_norm_attention"). Otherwise
+  the deepest K/V ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block) that
+  fits; None when none does."""
+  cfg = Config(block_kv=64, kv_stages=2, q_buffers=2)
+  if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
+    return cfg
   blocks = num_heads * kv_len // 64
   for stages in (4, 3, 2):
     cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)))
@@ -234,8 +231,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   capacity, num_heads, head_dim = q.shape
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   kv_len = k.shape[1]
-  cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len,
-                                             save_residuals=save_residuals), kv_len)
+  cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len),
+                       kv_len)
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
                block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, q_buffers=cfg.q_buffers,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
