@@ -22,10 +22,13 @@ rotation over 2 input sets):
          SM, warps) tilings; "main" is TILINGS' (layer 2048×8, rms 4096×12, 4 warps).
   mnfwd  matmul_norm's training forward kernel alone (y, x̂, stats) at 262144×1024², rms and
          layer+res: default (cluster 4 × 256 columns), c8 (cluster 8 × 128 columns, 256 rows),
-         delay1 (one WGMMA in flight), k32 (32-wide K steps, up to 6 stages).
-  nmfwd  norm_matmul LayerNorm's forward kernel alone at 262144×1024²: default (stats_once),
-         no_once (statistics in every K loop), delay0; and its dW_γ GEMM with the ones block
-         (x̂ (M, K+64)ᵀ dy) vs without it plus XLA's Σ dy column sum.
+         delay1 (one WGMMA in flight), epi32 (32-wide output chunks: y's store of a chunk has
+         longer to leave SMEM before x̂ reuses it), k32 (32-wide K steps, up to 6 stages).
+  nmfwd  norm_matmul's forward kernel alone at 262144×1024²: default (stats_once on the ring,
+         one WGMMA in flight), pallas (stats_once on Pallas's pipeline: main's kernel before
+         the ring), and for LayerNorm no_once (statistics in every K loop), delay0; and
+         LayerNorm's dW_γ GEMM with the ones block (x̂ (M, K+64)ᵀ dy) vs without it plus XLA's
+         Σ dy column sum.
   route  the re-routed / bounding shapes, "xla" vs "mosaic": norm_matmul rms M×2048² at
          M = 65536, 131072, 262144 (the new rule takes M <= 65536), matmul_norm rms
          65536×1024² (the new rule takes M >= 262144).
@@ -388,6 +391,7 @@ def mn_fwd_variants(m, k, n, tiny):
   out = {"default": base,
          "c8": dataclasses.replace(base, tile_m=256, tile_n=128),
          "delay1": dataclasses.replace(base, delay_release=1),
+         "epi32": dataclasses.replace(base, epi_tile_n=32),
          "k32": dataclasses.replace(base, tile_k=32, max_concurrent_steps=6)}
   if tiny:
     out.pop("c8")  # interpret mode runs clusters of 1
@@ -443,36 +447,44 @@ def part_mnfwd(args, res, t_end):
 
 def part_nmfwd(args, res, t_end):
   m, k, n = (256, 128, 128) if args.tiny else (262144, 1024, 1024)
-  if time.monotonic() > t_end:
-    log("part=nmfwd: skipped (budget)")
-    return
   base = nm_mosaic.pick_config(m, k, n)
-  cfgs = {"default": base, "no_once": dataclasses.replace(base, stats_once=False),
-          "delay0": dataclasses.replace(base, delay_release=0)}
+  # "pallas": the statistics-once forward on Pallas's pipeline, none in flight: the kernel of
+  # main before the ring became its default (1e9eefb, where LayerNorm 1024² trained in 2833.8 µs
+  # against the suite's 3000.5 today; the dx kernel and XLA's glue export identically).
+  pallas = dataclasses.replace(base, pipeline="pallas", delay_release=0)
+  variants = {"layer": {"default": base, "pallas": pallas,
+                        "no_once": dataclasses.replace(base, stats_once=False),
+                        "delay0": dataclasses.replace(base, delay_release=0)},
+              "rms": {"default": base, "pallas": pallas}}
+  for norm, cfgs in variants.items():
+    if time.monotonic() > t_end:
+      log(f"part=nmfwd {norm}: skipped (budget)")
+      continue
 
-  def make_fn(cfg):
-    def fn(x, w, scale, bias):
-      w_gamma, col_sum, out_bias = nm_xla.fold_affine(w, scale, bias, "layer")
-      y, _, _ = nm_mosaic.launch(x, w_gamma, col_sum, out_bias, norm="layer", eps=1e-6,
-                                 out_dtype=jnp.bfloat16, interpret=args.tiny, config=cfg)
-      return (y,)
-    return fn
+    def make_fn(cfg, norm=norm):
+      def fn(x, w, scale, bias):
+        w_gamma, col_sum, out_bias = nm_xla.fold_affine(w, scale, bias if norm == "layer"
+                                                        else None, norm)
+        y, _, _ = nm_mosaic.launch(x, w_gamma, col_sum, out_bias, norm=norm, eps=1e-6,
+                                   out_dtype=jnp.bfloat16, interpret=args.tiny, config=cfg)
+        return (y,)
+      return fn
 
-  def ref(x, w, scale, bias):
-    return (reference.norm_matmul(x, w, scale, bias, norm="layer"),)
+    def ref(x, w, scale, bias, norm=norm):
+      return (reference.norm_matmul(x, w, scale, bias if norm == "layer" else None, norm=norm),)
 
-  def make_sets():
-    out = []
-    for i in range(2):
-      kk = jax.random.split(jax.random.key(300 + i), 4)
-      out.append((randn(kk[0], (m, k)), randn(kk[1], (k, n), k ** -0.5),
-                  jax.random.uniform(kk[2], (k,), F32, 0.1, 1.1),
-                  jax.random.normal(kk[3], (k,), F32) * 0.1))
-    return out
+    def make_sets():
+      out = []
+      for i in range(2):
+        kk = jax.random.split(jax.random.key(300 + i), 4)
+        out.append((randn(kk[0], (m, k)), randn(kk[1], (k, n), k ** -0.5),
+                    jax.random.uniform(kk[2], (k,), F32, 0.1, 1.1),
+                    jax.random.normal(kk[3], (k,), F32) * 0.1))
+      return out
 
-  run_variants("nmfwd", f"norm_matmul_fwd/layer/{m}x{k}x{n}",
-               [Variant(name, make_fn(cfg)) for name, cfg in cfgs.items()], make_sets, ref,
-               args, res)
+    run_variants("nmfwd", f"norm_matmul_fwd/{norm}/{m}x{k}x{n}",
+                 [Variant(name, make_fn(cfg)) for name, cfg in cfgs.items()], make_sets, ref,
+                 args, res)
   if time.monotonic() > t_end:
     log("part=nmfwd dW: skipped (budget)")
     return
