@@ -1,6 +1,6 @@
 """gemm22 A/B (issue 22): the fused GEMMs' training at 262144×1024² (and 512²), one GPU process.
 
-    PYTHONPATH=$PWD python3 .devcarry/gemm22_ab/ab.py [--budget-s 190] [--parts op,nb,mnfwd,nmfwd,route]
+    PYTHONPATH=$PWD python3 .devcarry/gemm22_ab/ab.py [--budget-s 170] [--parts op,nb,mnfwd,nmfwd,route]
     PYTHONPATH=$PWD PJRT_NPROC=8 python3 .devcarry/gemm22_ab/ab.py --tiny   # CPU smoke (interpret)
 
 One tree (this branch), main's behaviour by configuration: this branch changes no kernel and no
@@ -523,7 +523,7 @@ PARTS = {"op": lambda a, r, t: run_cases("op", OP_SPECS, a, r, t),
 
 def main(argv=None):
   p = argparse.ArgumentParser()
-  p.add_argument("--budget-s", type=float, default=190.0)
+  p.add_argument("--budget-s", type=float, default=170.0)
   p.add_argument("--parts", default=",".join(PARTS))
   p.add_argument("--tiny", action="store_true", help="CPU-sized shapes, interpret mode, wall")
   p.add_argument("--out", default=os.environ.get("OUT", "."))
