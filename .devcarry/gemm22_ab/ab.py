@@ -1,6 +1,6 @@
 """gemm22 A/B (issue 22): the fused GEMMs' training at 262144×1024² (and 512²), one GPU process.
 
-    PYTHONPATH=$PWD python3 .devcarry/gemm22_ab/ab.py [--budget-s 170] [--parts op,nb,mnfwd,nmfwd,route]
+    PYTHONPATH=$PWD python3 .devcarry/gemm22_ab/ab.py [--budget-s 170] [--parts op,nmfwd,dx,nb,mnfwd,route]
     PYTHONPATH=$PWD PJRT_NPROC=8 python3 .devcarry/gemm22_ab/ab.py --tiny   # CPU smoke (interpret)
 
 One tree (this branch), main's behaviour by configuration: this branch changes no kernel and no
@@ -8,7 +8,7 @@ tiling, only ``implementation=None``'s domain (``configs.kernel_slower_reason``)
 default at a re-routed shape is the "xla" row and the branch's the "mosaic" row (the script
 logs the route the branch's configs take for each case).
 
-Parts, in priority order (a part starts only with budget left; each lowers its programs, then
+Parts, run in this order (a part starts only with budget left; each lowers its programs, then
 compiles them in threads; every output is checked against the f32 reference before timing;
 variants interleaved A,B,A,B over ROUNDS rounds; CUPTI per-kernel lists, benchmarks.timing's
 rotation over 2 input sets):
@@ -17,6 +17,15 @@ rotation over 2 input sets):
          262144×512² (matmul_norm layer+res): "mosaic" (main's kernels = the branch's) and
          "xla"; the per-kernel list of each (where the time goes); the path the branch's
          implementation=None trains on is logged (main: XLA for matmul_norm rms 1024²).
+  nmfwd  norm_matmul's forward kernel alone at 262144×1024²: default (stats_once on the ring,
+         one WGMMA in flight), pallas (stats_once on Pallas's pipeline: main's kernel before
+         the ring), and for LayerNorm no_once (statistics in every K loop), delay0; and
+         LayerNorm's dW_γ GEMM with the ones block (x̂ (M, K+32)ᵀ dy) vs without it plus XLA's
+         Σ dy column sum.
+  dx     norm_matmul's dx kernel alone (row sums in the epilogue, x̂ out; LayerNorm's with its
+         ones block) at 262144×1024², both norms: default, k32 (32-wide N steps, up to 6
+         stages), epi64 (64-wide output chunks), delay1 (one WGMMA in flight); LayerNorm also
+         without the ones block (its time includes XLA's concatenation, as an upper bound).
   nb     matmul_norm's norm backward alone (norms.triton.norm_backward, x̂ and rstd given) at
          262144×1024, both norms with the suite's sums, under (elements per step, programs per
          SM, warps) tilings; "main" is TILINGS' (layer 2048×8, rms 4096×12, 4 warps).
@@ -24,11 +33,6 @@ rotation over 2 input sets):
          layer+res: default (cluster 4 × 256 columns), c8 (cluster 8 × 128 columns, 256 rows),
          delay1 (one WGMMA in flight), epi32 (32-wide output chunks: y's store of a chunk has
          longer to leave SMEM before x̂ reuses it), k32 (32-wide K steps, up to 6 stages).
-  nmfwd  norm_matmul's forward kernel alone at 262144×1024²: default (stats_once on the ring,
-         one WGMMA in flight), pallas (stats_once on Pallas's pipeline: main's kernel before
-         the ring), and for LayerNorm no_once (statistics in every K loop), delay0; and
-         LayerNorm's dW_γ GEMM with the ones block (x̂ (M, K+64)ᵀ dy) vs without it plus XLA's
-         Σ dy column sum.
   route  the re-routed / bounding shapes, "xla" vs "mosaic": norm_matmul rms M×2048² at
          M = 65536, 131072, 262144 (the new rule takes M <= 65536), matmul_norm rms
          65536×1024² (the new rule takes M >= 262144).
@@ -61,6 +65,7 @@ from pallas_norm import reference
 from pallas_norm.mgpu import TileConfig
 from pallas_norm.ops.matmul_norm import mosaic as mn_mosaic
 from pallas_norm.ops.norm_matmul import mosaic as nm_mosaic
+from pallas_norm.ops.norm_matmul import mosaic_bwd as nm_bwd
 from pallas_norm.ops.norm_matmul import xla as nm_xla
 from pallas_norm.ops.norms import triton as T
 
@@ -263,6 +268,7 @@ class Variant:
   name: str
   fn: object  # (inputs...) -> outputs, traced under ``patches``
   patches: dict = dataclasses.field(default_factory=dict)
+  view: object = None  # outputs -> what the check compares with the reference (not timed)
 
 
 def run_variants(part, case, variants, make_sets, ref_fn, args, res, tol=R.TOLERANCE,
@@ -291,6 +297,8 @@ def run_variants(part, case, variants, make_sets, ref_fn, args, res, tol=R.TOLER
     else:
       try:
         out = fn(*sets[0])
+        if v.view is not None:
+          out = v.view(out)
         err = R.rel_err(R._err_parts(tuple(out), tuple(ref)))
         row.update(err=float(f"{err:.2e}"), status="ok" if err < tol else "wrong")
         if err < tol:
@@ -489,7 +497,10 @@ def part_nmfwd(args, res, t_end):
     log("part=nmfwd dW: skipped (budget)")
     return
 
-  # dW_γ = x̂ᵀ dy and Σ_i dy_i: the ones block (main) vs a K-wide x̂ and XLA's column sum.
+  # dW_γ = x̂ᵀ dy and Σ_i dy_i: the ones block (main: as wide as the dx kernel's epilogue
+  # chunk) vs a K-wide x̂ and XLA's column sum.
+  ones_w = nm_bwd.pick_config(m, n, k, x_hat=True, row_sums=True,
+                              interpret=args.tiny).epi_tile_n
   def ones_block(xhat_ones, dy):
     p = nm_xla._transposed_product(xhat_ones, dy)
     return p[:k], p[-1]
@@ -505,7 +516,7 @@ def part_nmfwd(args, res, t_end):
     for i in range(2):
       kk = jax.random.split(jax.random.key(400 + i), 2)
       xh = randn(kk[0], (m, k))
-      out.append((jnp.concatenate([xh, jnp.ones((m, 64), xh.dtype)], axis=1),
+      out.append((jnp.concatenate([xh, jnp.ones((m, ones_w), xh.dtype)], axis=1),
                   randn(kk[1], (m, n))))
     return out
 
@@ -516,8 +527,68 @@ def part_nmfwd(args, res, t_end):
                make_dw_sets, ref_dw, args, res, workers=1)
 
 
+# --- dx: the pre-norm op's dx kernel (row sums in the epilogue, x̂ with its ones block) ---
+
+
+def part_dx(args, res, t_end):
+  m, k, n = (256, 128, 128) if args.tiny else (262144, 1024, 1024)
+  base = nm_bwd.pick_config(m, n, k, x_hat=True, row_sums=True, interpret=args.tiny)
+  cfgs = {"default": base, "k32": dataclasses.replace(base, tile_k=32, max_concurrent_steps=6),
+          "epi64": dataclasses.replace(base, epi_tile_n=64),
+          "delay1": dataclasses.replace(base, delay_release=1)}
+  for norm in ("layer", "rms"):
+    if time.monotonic() > t_end:
+      log(f"part=dx {norm}: skipped (budget)")
+      continue
+
+    def make_fn(cfg, norm=norm):
+      def fn(dy, w_gamma, x, rstd, mean):
+        return nm_bwd.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean if norm == "layer" else None,
+                                     return_x_hat=True, x_hat_ones=norm == "layer",
+                                     row_sums_in_epilogue=True, interpret=args.tiny, config=cfg)
+      return fn
+
+    def ref(dy, w_gamma, x, rstd, mean, norm=norm):
+      xc = x - mean[:, None] if norm == "layer" else x
+      xhat = xc * rstd[:, None]
+      g = dy @ w_gamma.T
+      inner = g - xhat * jnp.mean(g * xhat, axis=1, keepdims=True)
+      if norm == "layer":
+        inner = inner - jnp.mean(g, axis=1, keepdims=True)
+      # The third leaf: the ones block's largest distance from 1 (0; LayerNorm only).
+      return inner * rstd[:, None], xhat, jnp.zeros((), F32)
+
+    def make_sets(norm=norm):
+      out = []
+      for i in range(2):
+        kk = jax.random.split(jax.random.key(500 + i), 3)
+        x = randn(kk[0], (m, k), 1.0, 0.3)
+        xf = x.astype(F32)
+        mean = jnp.mean(xf, axis=1) if norm == "layer" else jnp.zeros((m,), F32)
+        xc = xf - mean[:, None] if norm == "layer" else xf
+        rstd = lax.rsqrt(jnp.mean(xc * xc, axis=1) + 1e-6)
+        out.append((randn(kk[1], (m, n)), randn(kk[2], (k, n), k ** -0.5), x, rstd, mean))
+      return out
+
+    def view(out):  # x̂'s K columns, and how far its ones block is from 1
+      dx, xhat = out
+      ones = (jnp.max(jnp.abs(xhat[:, k:].astype(F32) - 1.0)) if xhat.shape[1] > k
+              else jnp.zeros((), F32))
+      return dx, xhat[:, :k], ones
+
+    variants = [Variant(name, make_fn(cfg), view=view) for name, cfg in cfgs.items()]
+    if norm == "layer":
+      def no_ones(dy, w_gamma, x, rstd, mean):
+        dx, xhat = nm_bwd.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, return_x_hat=True,
+                                         row_sums_in_epilogue=True, interpret=args.tiny,
+                                         config=base)
+        return dx, jnp.concatenate([xhat, jnp.ones((m, base.epi_tile_n), xhat.dtype)], axis=1)
+      variants.append(Variant("no_ones (+concat)", no_ones, view=view))
+    run_variants("dx", f"norm_matmul_dx/{norm}/{m}x{k}x{n}", variants, make_sets, ref, args, res)
+
+
 PARTS = {"op": lambda a, r, t: run_cases("op", OP_SPECS, a, r, t),
-         "nb": part_nb, "mnfwd": part_mnfwd, "nmfwd": part_nmfwd,
+         "nmfwd": part_nmfwd, "dx": part_dx, "nb": part_nb, "mnfwd": part_mnfwd,
          "route": lambda a, r, t: run_cases("route", ROUTE_SPECS, a, r, t)}
 
 
