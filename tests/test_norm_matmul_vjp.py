@@ -306,11 +306,22 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
   # LayerNorm at K = N = 2048 trains faster (11484 vs 12544 µs), the forward ties.
   assert pick(nm_configs.kernel_slower_reason(m, 2048, 2048, "layer")) == "mosaic"
   assert pick(nm_configs.kernel_slower_reason(65536, 2048, 2048, "layer")) == "mosaic"
+  # RMSNorm at K = N = 2048: faster at 65536 rows (2406 vs 2519 µs), slower at 262144 (10640
+  # vs 9892): the rule is by M too.
   assert pick(nm_configs.kernel_slower_reason(m, 2048, 2048, "rms")) == "xla"
+  assert pick(nm_configs.kernel_slower_reason(65536, 2048, 2048, "rms")) == "mosaic"
+  assert pick(nm_configs.kernel_slower_reason(131072, 2048, 2048, "rms")) == "xla"
+  assert pick(nm_configs.kernel_slower_reason(32768, 2048, 2048, "rms")) == "xla"  # small M
+  assert pick(nm_configs.kernel_slower_reason(65536, 1024, 2048, "rms")) == "xla"
   assert pick(nm_configs.kernel_slower_reason(m, 4096, 4096, "layer")) == "xla"
   assert pick(mn_configs.kernel_slower_reason(m, 512, 128, "rms")) == "mosaic"
   assert pick(mn_configs.kernel_slower_reason(m, 512, 512, "rms")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(m, 1024, 1024, "rms")) == "xla"
+  # RMSNorm at K = N = 1024 trains faster with the kernel at 262144 rows (2878 vs 2995 µs),
+  # the one M measured there.
+  assert pick(mn_configs.kernel_slower_reason(m, 1024, 1024, "rms")) == "mosaic"
+  assert pick(mn_configs.kernel_slower_reason(65536, 1024, 1024, "rms")) == "xla"
+  assert pick(mn_configs.kernel_slower_reason(m, 1024, 2048, "rms")) == "xla"
+  assert pick(mn_configs.kernel_slower_reason(m, 2048, 1024, "rms")) == "xla"
   assert pick(mn_configs.kernel_slower_reason(m, 1024, 1024, "layer")) == "mosaic"
   assert pick(mn_configs.kernel_slower_reason(m, 512, 2048, "layer")) == "mosaic"
   assert pick(mn_configs.kernel_slower_reason(m, 1024, 4096, "layer")) == "xla"
@@ -345,19 +356,22 @@ def test_default_forward_alone_takes_the_path_measured_faster_forward(monkeypatc
   m = 262144
   # matmul_norm LayerNorm at 512×4096: forward 4904 (kernel) vs 3218, fwd+bwd 13303 vs 14565.
   assert uses(mn_configs, m, 512, 4096, "layer") == ("xla", "mosaic")
-  # matmul_norm RMSNorm: forward 872 vs 969 at 1024², 1096 vs 1266 at 512×2048; trains slower.
-  assert uses(mn_configs, m, 1024, 1024, "rms") == ("mosaic", "xla")
+  # matmul_norm RMSNorm: forward 872 vs 969 at 1024², 1096 vs 1266 at 512×2048; at 1024²
+  # it also trains faster (2878 vs 2995 µs at 262144 rows, the M measured), at 1024×2048 slower.
+  assert uses(mn_configs, m, 1024, 1024, "rms") == ("mosaic", "mosaic")
+  assert uses(mn_configs, 65536, 1024, 1024, "rms") == ("mosaic", "xla")
   # RMSNorm at 512×2048 trains with the kernel since its norm backward is the row kernel
-  # (3832.5 vs 4127.7 µs); at 1024² a tie keeps XLA for training.
+  # (3832.5 vs 4127.7 µs).
   assert uses(mn_configs, m, 512, 2048, "rms") == ("mosaic", "mosaic")
   assert uses(mn_configs, m, 1024, 2048, "rms") == ("mosaic", "xla")
   assert uses(mn_configs, m, 2048, 2048, "rms") == ("xla", "xla")
   assert uses(mn_configs, m, 512, 512, "rms") == ("mosaic", "mosaic")
   assert uses(mn_configs, m, 2048, 2048, "layer") == ("mosaic", "mosaic")
   assert uses(mn_configs, 768, 1024, 1024, "rms") == ("xla", "xla")
-  # norm_matmul RMSNorm at K = N = 2048: forward 2994 vs 3291 (65536 rows: 759 vs 820).
+  # norm_matmul RMSNorm at K = N = 2048: forward 2994 vs 3291 (65536 rows: 759 vs 820);
+  # training faster at 65536 rows only (2406 vs 2519; 262144: 10640 vs 9892).
   assert uses(nm_configs, m, 2048, 2048, "rms") == ("mosaic", "xla")
-  assert uses(nm_configs, 65536, 2048, 2048, "rms") == ("mosaic", "xla")
+  assert uses(nm_configs, 65536, 2048, 2048, "rms") == ("mosaic", "mosaic")
   assert uses(nm_configs, m, 4096, 4096, "rms") == ("xla", "xla")
   # norm_matmul LayerNorm at 512×2048: forward 881 (XLA) vs 932, fwd+bwd 2636 (kernel) vs 2938.
   assert uses(nm_configs, m, 512, 2048, "layer") == ("xla", "mosaic")

@@ -6,10 +6,11 @@ from __future__ import annotations
 # Widest N, per norm, at which the op trained (forward+backward) faster than XLA's unfused one
 # without losing more than run-to-run spread forward. LayerNorm (+ residual): N ≤ 2048, where a
 # CTA holds one N tile on the shared ring; at N = 4096 a CTA loops over N tiles and the forward
-# loses. RMSNorm: N ≤ 512; at 1024² and 512×2048 training lost although the forward won (the
-# training forward also writes x̂). Training only: the forward alone follows
+# loses. RMSNorm: N ≤ 512; at 1024×2048 training lost although the forward won (the training
+# forward also writes x̂). Training only: the forward alone follows
 # :func:`kernel_slower_forward_reason`; both norms also train with the kernel at K ≤ 512 on
-# wider rows (LAYER_WIDE_TRAINING_*, RMS_WIDE_TRAINING_*).
+# wider rows (LAYER_WIDE_TRAINING_*, RMS_WIDE_TRAINING_*), RMSNorm at K = N = 1024 with enough
+# rows (RMS_SQUARE_TRAINING_*).
 KERNEL_DEFAULT_MAX_N = {"layer": 2048, "rms": 512}
 
 
@@ -27,7 +28,13 @@ Past K = 512 and at N = 8192 XLA trains faster."""
 
 RMS_WIDE_TRAINING_MAX_K, RMS_WIDE_TRAINING_MAX_N = 512, 2048
 """RMSNorm also trains with the kernel at K ≤ 512 up to N = 2048, since its norm backward is the
-one-pass row kernel; at 1024² the two tie, so XLA trains there."""
+one-pass row kernel."""
+
+RMS_SQUARE_TRAINING_KN, RMS_SQUARE_TRAINING_MIN_M = 1024, 262144
+"""RMSNorm also trains with the kernel at K = N = 1024 from 262144 rows, the one M measured at
+that shape, where it trained faster than XLA once the training forward had dropped its staging
+slots (before, the two tied). Fewer rows there were not measured and keep XLA. Measured:
+``benchmarks/NOTES.md``, "Post-norm forward", routing."""
 
 RMS_FORWARD_MAX_K, RMS_FORWARD_MAX_N = 1024, 2048
 """RMSNorm's forward alone takes the kernel up to K ≤ 1024, N ≤ 2048 although it trains slower
@@ -42,6 +49,12 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
   wide = {"layer": (LAYER_WIDE_TRAINING_MAX_K, LAYER_WIDE_TRAINING_MAX_N),
           "rms": (RMS_WIDE_TRAINING_MAX_K, RMS_WIDE_TRAINING_MAX_N)}[norm]
   if n > limit and not (k <= wide[0] and n <= wide[1]):
+    if norm == "rms" and k == n == RMS_SQUARE_TRAINING_KN:
+      if m >= RMS_SQUARE_TRAINING_MIN_M:
+        return None
+      return (f"M = {m}, K = N = {k}: the rms Mosaic kernel trains faster than XLA there only "
+              f"from the {RMS_SQUARE_TRAINING_MIN_M} rows measured on the H200 (pass "
+              "implementation='mosaic' to force it)")
     return (f"K = {k}, N = {n}: the {norm} Mosaic kernel is measured slower than XLA in "
             "training on the H200 (pass implementation='mosaic' to force it)")
   return _small_m_reason(m)

@@ -30,10 +30,15 @@ the forward ties. The rule is K = N, the shapes measured (262144 and 65536 rows)
 N = 2048 the same route trained slower (measured: ``benchmarks/NOTES.md``, "Pre-norm forward"
 and "Pre-norm backward")."""
 
+RMS_SQUARE_MAX_KN, RMS_SQUARE_MAX_M = 2048, 65536
+"""RMSNorm also trains with the kernel for K = N up to 2048 with at most 65536 rows: at
+65536×2048² it trained faster than XLA, at 262144×2048² slower (the rule is by shape and M, the
+two M measured; measured: ``benchmarks/NOTES.md``, "Pre-norm backward")."""
+
 RMS_FORWARD_MAX_KN = 2048
-"""RMSNorm's forward alone also takes the kernel for K = N up to 2048, where its training is
-slower than XLA's but its forward faster; at K = N = 4096 the forward loses too (measured:
-``benchmarks/NOTES.md``, "Pre-norm forward")."""
+"""RMSNorm's forward alone also takes the kernel for K = N up to 2048, also where its training
+is slower than XLA's (past :data:`RMS_SQUARE_MAX_M` rows) but its forward faster; at K = N =
+4096 the forward loses too (measured: ``benchmarks/NOTES.md``, "Pre-norm forward")."""
 
 KERNEL_DEFAULT_MIN_M = 65536
 """Fewest rows (M, the product of x's leading dimensions) at which ``implementation=None`` takes
@@ -51,7 +56,12 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
   # needs K split into one column tile per CTA of a cluster (K = 320 or 448 does not split).
   wide = k <= WIDE_MAX_K and n <= WIDE_MAX_N and (norm == "rms" or _k_splits(k))
   square_layer = norm == "layer" and k == n <= LAYER_SQUARE_MAX_KN
-  if (k > limit or n > limit) and not (wide or square_layer):
+  square_rms = norm == "rms" and k == n <= RMS_SQUARE_MAX_KN and m <= RMS_SQUARE_MAX_M
+  if (k > limit or n > limit) and not (wide or square_layer or square_rms):
+    if norm == "rms" and k == n <= RMS_SQUARE_MAX_KN:
+      return (f"M = {m}, K = N = {k}: past {RMS_SQUARE_MAX_M} rows the rms Mosaic kernel is "
+              "measured slower than XLA in training on the H200 (pass implementation='mosaic' "
+              "to force it)")
     return (f"K = {k}, N = {n}: past {limit} the {norm} Mosaic kernel is measured slower than XLA "
             "in training on the H200 (pass implementation='mosaic' to force it)")
   return _small_m_reason(m)
