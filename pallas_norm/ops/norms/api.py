@@ -26,7 +26,7 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   norm = "rms" if op == "rms_norm" else "layer"
   return _dispatch.choose(
       op, implementation,
-      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype),
+      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype, residual is not None),
       lambda: triton.slower_reason(norm, x.shape, x.dtype, residual is not None),
       kernel="triton")
 

@@ -48,7 +48,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from pallas_norm import _op
-from pallas_norm.ops.norms import xla
+from pallas_norm.ops.norms import triton_fwd, xla
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -61,7 +61,8 @@ MAX_N = 8192
 MAX_ELEMENTS = 2**31 - 1
 """The kernel indexes x with int32 element offsets."""
 
-TILINGS = {"layer": (2048, 8), "rms": (4096, 12)}
+TILINGS = {"layer": (2048, 8), "rms": (4096, 12), "layer_given": (4096, 12),
+           "rms_given": (4096, 12)}
 """(elements per loop step, programs per SM) of :func:`pick_config`, per norm, with the
 statistics recomputed or given (:func:`norm_backward`): each the fastest tiling measured for
 its norm. LayerNorm takes half the elements per step of RMSNorm (more live values per element:
@@ -116,13 +117,28 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
                         num_warps=16 if wide else 4)
 
 
-def unsupported_reason(norm: str, x_shape, x_dtype) -> str | None:
-  """Why the backward kernel cannot run a call with these operands, or None.
+CHUNKED_TILING = (4096, 2, 8)
+"""(columns per chunk, programs per SM, warps) of the backward of rows wider than :data:`MAX_N`
+(one row per step, :func:`pick_chunked_config`): a guess, not yet measured against others."""
+
+
+def pick_chunked_config(m: int, n: int, interpret: bool) -> triton_fwd.RowTiling:
+  """One row per step in chunks of :data:`CHUNKED_TILING` columns."""
+  chunk, per_sm, warps = CHUNKED_TILING
+  programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
+  return triton_fwd.RowTiling(block_m=1, chunk=min(chunk, pl.next_power_of_2(n)),
+                              programs=max(1, min(programs, m)), num_warps=warps)
+
+
+def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) -> str | None:
+  """Why the kernels cannot run a call with these operands, or None.
 
   Args:
     norm: "layer" or "rms".
     x_shape: shape of x, (..., N).
     x_dtype: dtype of x (a residual has it too: the ops' validation).
+    has_residual: whether a residual is added (rows wider than :data:`MAX_N` run through the
+      forward kernel, which takes none).
   """
   if norm not in ("layer", "rms"):
     return f"norm {norm!r} (the kernel computes LayerNorm's and RMSNorm's backward)"
@@ -131,41 +147,61 @@ def unsupported_reason(norm: str, x_shape, x_dtype) -> str | None:
     return f"the kernel takes bfloat16/float16/float32 x, got {jnp.dtype(x_dtype)}"
   if math.prod(x_shape[:-1]) == 0:  # a grid of 0 row blocks: interpret mode divides by it
     return "x has no rows (XLA returns the empty gradient)"
-  if n > MAX_N:
-    return f"N = {n}: the kernel holds full rows in registers, at most N = {MAX_N}"
+  if n > MAX_N and has_residual:
+    return (f"N = {n} with a residual: rows wider than {MAX_N} run through the forward kernel "
+            "(in chunks), which adds no residual")
   if math.prod(x_shape) > MAX_ELEMENTS:
     return f"x has {math.prod(x_shape)} elements, past the kernel's int32 offsets"
   return None
 
 
-DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=8192, min_rows=65536)
-"""Where ``implementation=None`` takes the kernel: what the H200 measured faster in training
-than both XLA's autodiff and the "xla" path's one-pass rule: bf16, no residual, N from 128 to
-8192, at least 65536 rows (measured: benchmarks/NOTES.md, "The Pallas backward kernel" and
-"Tilings and RMSNorm through the kernel")."""
+KERNEL_DOMAINS = {
+    # norm: ((min N, max N, min rows, forward), ...) for bfloat16 x without a residual
+    "layer": ((128, 8192, 65536, "xla"),),
+    "rms": ((128, 2048, 262144, "xla"),),
+}
+"""Where ``implementation=None`` takes the kernels, per norm, and with which forward: "xla"
+(XLA's fused forward; the backward kernel recomputes the statistics) or "kernel" (the forward
+kernel of :mod:`pallas_norm.ops.norms.triton_fwd`, whose statistics the backward reads; the
+only forward for N > :data:`MAX_N`). Each row is where the H200 measured that path faster in
+training than the "xla" implementation: bf16 without a residual (``benchmarks/NOTES.md``,
+"Standalone norms"). The first row that holds a call decides. Outside them XLA runs; an explicit
+"triton"/"interpret" takes :func:`forward_path`'s forward."""
 
 
-RMS_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048, min_rows=262144)
-"""Where ``implementation=None`` takes the kernel for ``rms_norm``: where it trained faster than
-XLA's autodiff (N = 128, 512, 2048, x of 1 GB); slower at 65536×8192, where the kernel keeps
-the wide-row tiling. bf16 without a residual, at least 262144 rows (the fewest measured).
-Measured: ``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel"."""
+def _domain_row(norm: str, n: int, rows: int):
+  for min_n, max_n, min_rows, forward in KERNEL_DOMAINS[norm]:
+    if min_n <= n <= max_n and rows >= min_rows:
+      return forward
+  return None
+
+
+def forward_path(norm: str, x_shape, has_residual: bool) -> str:
+  """The forward the kernel path runs for this call: "kernel" (the forward kernel) or "xla":
+  the one of :data:`KERNEL_DOMAINS` where a row holds the call; else the forward kernel only
+  where nothing else serves (rows wider than :data:`MAX_N`, no residual)."""
+  n, rows = x_shape[-1], math.prod(x_shape[:-1])
+  if has_residual:
+    return "xla"
+  if n > MAX_N:
+    return "kernel"
+  return _domain_row(norm, n, rows) or "xla"
 
 
 def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
-  """Why ``implementation=None`` keeps XLA for this call, or None to use the kernel
-  (:data:`DEFAULT_DOMAIN` for LayerNorm, :data:`RMS_DOMAIN` for RMSNorm, measured on a Hopper
-  GPU, the only one measured)."""
+  """Why ``implementation=None`` keeps XLA for this call, or None to use the kernels
+  (:data:`KERNEL_DOMAINS`, measured on a Hopper GPU, the only one measured)."""
   from pallas_norm import _dispatch  # the device query lives there
-  d = RMS_DOMAIN if norm == "rms" else DEFAULT_DOMAIN
   n, rows = x_shape[-1], math.prod(x_shape[:-1])
   if not _dispatch.on_hopper_gpu():
-    return "the Pallas row-norm backward was measured only on a Hopper GPU (H200)"
-  if jnp.dtype(x_dtype) not in d["dtypes"] or has_residual:
+    return "the Pallas row-norm kernels were measured only on a Hopper GPU (H200)"
+  if jnp.dtype(x_dtype) != jnp.dtype(jnp.bfloat16) or has_residual:
     return "the kernel path was measured faster only for bfloat16 x without a residual"
-  if not (d["min_n"] <= n <= d["max_n"] and rows >= d["min_rows"]):
-    return (f"the kernel path was measured faster only for {d['min_n']} <= N <= {d['max_n']} "
-            f"and at least {d['min_rows']} rows, got N = {n}, {rows} rows")
+  if _domain_row(norm, n, rows) is None:
+    spans = ", ".join(f"{lo} <= N <= {hi} with at least {r} rows"
+                      for lo, hi, r, _ in KERNEL_DOMAINS[norm])
+    return (f"the kernel path was measured faster only for {spans or 'no shape'}, "
+            f"got N = {n}, {rows} rows")
   return None
 
 
@@ -194,7 +230,10 @@ class _Operands:
   kernel also returns dscale partials, with ``dbias`` dbias partials, with ``ddense`` partials
   of Σ ds. ``saved_stats``: the first input is x̂ itself and the rows' rstd is an input (the
   post-norm GEMM's backward, whose forward saved them), instead of x whose statistics the
-  kernel recomputes. ``norm``: "layer", or "rms" (only with ``saved_stats``: no mean term).
+  kernel recomputes. ``given_stats``: the first input is x and the rows' statistics are
+  inputs (``rstd``, and LayerNorm's ``shift`` and ``dmean``: the forward kernel's,
+  :mod:`pallas_norm.ops.norms.triton_fwd`), so x̂ costs no row reduction. ``norm``: "layer" or
+  "rms".
   ``two_pass``: LayerNorm's variance by the centered rows' second pass (see
   :func:`_normalized_block`)."""
 
@@ -206,9 +245,12 @@ class _Operands:
   norm: str = "layer"
   ddense: bool = False
   two_pass: bool = False
+  given_stats: bool = False
 
   def input_names(self):
-    names = ["x"] + ["residual"] * self.residual + ["rstd"] * self.saved_stats + ["dy"]
+    names = ["x"] + ["residual"] * self.residual
+    names += ["rstd"] * (self.saved_stats or self.given_stats)
+    names += ["shift", "dmean"] * (self.given_stats and self.norm == "layer") + ["dy"]
     names += ["ds_out"] * self.ds_out + ["gamma"] * self.gamma
     return names
 
@@ -251,7 +293,11 @@ def _normalized_block(s, cols, n: int, eps: float, norm: str, two_pass: bool = F
 def _row_block_grads(load_tile, load_row, cols, gamma, ops: _Operands, n: int, eps: float):
   """One block of rows: (ds, x̂, dy) in float32, from the loaded tiles (masked entries 0)."""
   if ops.saved_stats:
-    xhat, rstd = load_tile("x"), load_row("rstd")
+    xhat, rstd = load_tile("x"), load_row("rstd")[:, None]
+  elif ops.given_stats:
+    stats = tuple(load_row(q) if q in ops.input_names() else None
+                  for q in ("shift", "dmean", "rstd"))
+    xhat, rstd = triton_fwd.normalized_with(load_tile("x"), cols, n, stats), stats[2][:, None]
   else:
     s = load_tile("x")
     if ops.residual:
@@ -294,7 +340,7 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
       return pltriton.load(r[name].at[tile_at], mask=mask, other=0.0).astype(jnp.float32)
 
     def load_row(name):  # rows past M read 1: their x̂ and dy are 0 anyway
-      return pltriton.load(r[name].at[rows], mask=row_mask, other=1.0)[:, None]
+      return pltriton.load(r[name].at[rows], mask=row_mask, other=1.0)
 
     ds, xhat, dy = _row_block_grads(load_tile, load_row, cols, gamma, ops, n, eps)
     pltriton.store(r["ds"].at[tile_at], ds.astype(r["ds"].dtype), mask=mask)
@@ -311,10 +357,103 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
     pltriton.store(r[name].at[part_at], jnp.sum(acc, axis=0), mask=col_mask)
 
 
+def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_fwd.RowTiling,
+                             rows_per_program: int, interpret: bool):
+  """The backward of rows too wide for registers, given the forward kernel's statistics: per
+  block of rows, pass 1 walks the rows in chunks for Σ g ⊙ x̂ (and Σ g), pass 2 reads the chunks
+  again (from L2), writes ds and adds the chunk's column sums into the program's row of the
+  partial buffers (global memory: a row of N floats does not fit in registers)."""
+  r = dict(zip(ops.input_names() + ops.output_names(), refs, strict=True))
+  pid = pl.program_id(0)
+  block_m, chunk = cfg.block_m, cfg.chunk
+  chunks = pl.cdiv(n, chunk)
+  base = jnp.arange(chunk)
+  names = ops.partial_names()
+
+  def sync():
+    # The partial rows are read back after other threads of the program stored them. Interpret
+    # mode runs sequentially and has no barrier.
+    if not interpret:
+      pltriton.debug_barrier()
+
+  def zero(k, carry):
+    cols = k * chunk + base
+    for name in names:
+      pltriton.store(r[name].at[pid * n + cols], jnp.zeros((chunk,), jnp.float32),
+                     mask=cols < n)
+    return carry
+
+  lax.fori_loop(0, chunks, zero, 0)
+  sync()
+
+  def step(i, carry):
+    rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
+    row_mask = rows < m
+    stats = tuple(pltriton.load(r[q].at[rows], mask=row_mask, other=1.0)
+                  if q in r else None for q in ("shift", "dmean", "rstd"))
+
+    def tiles(k):
+      cols = k * chunk + base
+      mask = row_mask[:, None] & (cols < n)[None, :]
+      at = (rows[:, None], cols[None, :])
+      load = lambda q: pltriton.load(r[q].at[at], mask=mask, other=0.0).astype(jnp.float32)  # noqa: E731
+      xhat = triton_fwd.normalized_with(load("x"), cols, n, stats)
+      dy = load("dy")
+      g = dy
+      if ops.gamma:
+        g = dy * pltriton.load(r["gamma"].at[cols], mask=cols < n, other=0.0)[None, :]
+      return cols, mask, at, xhat, dy, g
+
+    def row_sums(k, acc):
+      _, _, _, xhat, _, g = tiles(k)
+      return acc[0] + jnp.sum(g * xhat, axis=1), acc[1] + jnp.sum(g, axis=1)
+
+    zero_rows = jnp.zeros((block_m,), jnp.float32)
+    gx, gs = lax.fori_loop(0, chunks, row_sums, (zero_rows, zero_rows))
+    rstd = stats[2][:, None]
+    gx = (gx / n)[:, None]
+    gs = (gs / n)[:, None] if ops.norm == "layer" else 0.0
+
+    def write(k, carry):
+      cols, mask, at, xhat, dy, g = tiles(k)
+      ds = (g - xhat * gx - gs) * rstd
+      pltriton.store(r["ds"].at[at], ds.astype(r["ds"].dtype), mask=mask)
+      summands = {"dscale_part": lambda: dy * xhat, "dbias_part": lambda: dy}
+      for name in names:
+        part_at = pid * n + cols
+        acc = pltriton.load(r[name].at[part_at], mask=cols < n, other=0.0)
+        pltriton.store(r[name].at[part_at], acc + jnp.sum(summands[name](), axis=0),
+                       mask=cols < n)
+      return carry
+
+    lax.fori_loop(0, chunks, write, 0)
+    sync()
+    return carry
+
+  lax.fori_loop(0, rows_per_program // block_m, step, 0)
+
+
+def _chunked_backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, inputs):
+  """(ds (M, N), [column sums]) by :func:`_chunked_backward_kernel`."""
+  cfg = pick_chunked_config(m, n, interpret)
+  rows_per_program, programs = triton_fwd.slab_rows(m, cfg)
+  part = jax.ShapeDtypeStruct((programs * n,), jnp.float32)
+  out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * len(ops.partial_names())
+  kernel = functools.partial(_chunked_backward_kernel, ops=ops, m=m, n=n, cfg=cfg,
+                             rows_per_program=rows_per_program, interpret=interpret)
+  outs = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
+      name=f"{ops.norm}_norm_backward_chunked")(*inputs)
+  return outs[0], [jnp.sum(buf.reshape(programs, n), axis=0) for buf in outs[1:]]
+
+
 def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpret: bool,
                    inputs):
   """Runs the kernel; returns (ds (M, N), [column sum of each of ``ops.partial_names()``])."""
-  cfg = pick_config(m, n, interpret, ops.norm)
+  if ops.given_stats and n >= triton_fwd.CHUNKED_MIN_N:
+    return _chunked_backward_call(ops, m, n, ds_dtype, interpret, inputs)
+  cfg = pick_config(m, n, interpret, ops.norm + "_given" * ops.given_stats)
   n_pad = pl.next_power_of_2(n)
   rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
   programs = pl.cdiv(m, rows_per_program)
@@ -336,30 +475,42 @@ def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpr
 # custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret):
-  del interpret
-  return _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret,
+              forward):
+  return _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
+                       interpret, forward)[0]
 
 
 def _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
-                  interpret):
-  del interpret
+                  interpret, forward):
+  if forward == "kernel":  # the forward kernel: y and the statistics the backward reads
+    y, stats = triton_fwd.forward(x, scale, bias, norm=norm, eps=eps,
+                                  zero_centered_scale=zero_centered_scale, out_dtype=out_dtype,
+                                  interpret=interpret)
+    return y, (x, scale, bias, residual, stats)
   out = _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
-  return out, (x, scale, bias, residual)
+  return out, (x, scale, bias, residual, None)
 
 
-def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
-  del out_dtype
-  x, scale, bias, residual = saved
+def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, forward, saved,
+                  cotangent):
+  del out_dtype, forward
+  x, scale, bias, residual, stats = saved
   dy, ds_out = (cotangent, None) if residual is None else cotangent
   n = x.shape[-1]
   m = math.prod(x.shape[:-1])
   ops = _Operands(residual=residual is not None, ds_out=ds_out is not None,
                   gamma=scale is not None, dbias=bias is not None, norm=norm,
-                  two_pass=jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16))
+                  two_pass=jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16),
+                  given_stats=stats is not None)
   gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
-  tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
+  rows = []
+  if stats is not None:
+    rows = [stats.rstd] + ([stats.shift, stats.dmean] if norm == "layer" else [])
+  tiles = ([t.reshape(m, n) for t in (x, residual) if t is not None]
+           + [t.reshape(m) for t in rows]
+           + [t.reshape(m, n) for t in (dy, ds_out) if t is not None])
   inputs = tiles + ([gamma] if ops.gamma else [])
   ds, sums = _op.first_order_only(
       f"{norm}_norm", lambda *a: _backward_call(ops, m, n, eps, x.dtype, interpret, list(a)),
@@ -376,17 +527,30 @@ _row_norm.defvjp(_row_norm_fwd, _row_norm_bwd)
 
 
 def row_norm(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
-             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False):
+             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False,
+             forward: str | None = None):
   """:func:`pallas_norm.reference.layer_norm` (``norm="layer"``) or
   :func:`pallas_norm.reference.rms_norm` (``norm="rms"``, no bias) whose gradient runs the
   Pallas backward kernel of this module.
 
   Same arguments, outputs (``y``, or ``(y, s)`` with ``residual``) and dtypes as the reference;
   no validation (the public op validates and checks :func:`unsupported_reason` first).
-  ``interpret=True`` runs the kernel in Pallas interpret mode (any backend).
+  ``interpret=True`` runs the kernels in Pallas interpret mode (any backend). ``forward``:
+  "kernel" (the forward kernel of :mod:`pallas_norm.ops.norms.triton_fwd`, no residual; the
+  backward reads its statistics), "xla" (XLA's forward; the backward recomputes them, rows up
+  to :data:`MAX_N`), or None for :func:`forward_path`'s choice.
   """
+  forward = forward or forward_path(norm, x.shape, residual is not None)
+  if forward not in ("kernel", "xla"):
+    raise ValueError(f"forward must be 'kernel', 'xla' or None, got {forward!r}")
+  if forward == "kernel" and residual is not None:
+    raise ValueError("the forward kernel adds no residual: forward='xla'")
+  if forward == "xla" and x.shape[-1] >= triton_fwd.CHUNKED_MIN_N:
+    raise ValueError(f"rows of {x.shape[-1]} elements need the forward kernel's statistics "
+                     "(the backward walks them in chunks): forward='kernel'")
   return _row_norm(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
-                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret))
+                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret),
+                   forward)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,238 @@
+"""The row norms' forward as one Pallas kernel (Triton lowering) that also returns the float32
+row statistics, for the backward kernel of :mod:`pallas_norm.ops.norms.triton` to read.
+
+XLA's forward is one fused pass only while nothing but ``y`` leaves it: handing the statistics
+over split it into three passes (``benchmarks/NOTES.md``, "Standalone norms"). This kernel reads
+x once (rows up to :data:`CHUNKED_MIN_N` held in registers) and writes y and, per row, ``rstd``
+(RMSNorm) or ``(shift, dmean, rstd)`` (LayerNorm, the pair of
+:class:`pallas_norm.ops.norms.xla.RowStats`: the row's first element and the mean of the row
+shifted by it, so rows with a large mean keep their precision in the backward): 12 bytes a row
+at most, next to 2N for x.
+
+Two bodies, chosen by the tiling's ``chunk`` (:func:`pick_config`):
+
+* full rows (``chunk >= n_pad``): each step loads ``block_m`` full rows, computes the statistics
+  with the reference's operations (the shifted two-pass variance) in registers, writes y.
+* chunked rows (wider rows, which do not fit in registers): per row block, pass 1 walks the row
+  in chunks of ``chunk`` columns and merges the chunks' (count, mean, M2) of the shifted row by
+  Chan's pairwise formula (each chunk's M2 two-pass in registers: no cancellation); pass 2 reads
+  the chunks again (from L2: the block was just read) and writes y.
+
+No residual: a call with a residual keeps XLA's forward (the ops' dispatch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_norm.ops.norms import xla
+
+CHUNKED_MIN_N = 8193
+"""Rows at least this wide are walked in chunks (forward and backward); narrower rows are held
+whole in registers (the backward kernel's ``MAX_N``)."""
+
+TILINGS = {"full": (4096, 8, 4), "chunked": (4096, 2, 8)}
+"""Forward tilings: full rows (elements per step, programs per SM, warps) and chunked rows
+(columns per chunk, programs per SM, warps), one row per step. Not yet measured against others
+(``benchmarks/NOTES.md``, "Standalone norms")."""
+
+INTERPRET_PROGRAMS = 3
+"""Programs in interpret mode: several, so slabs and rows short of a full block are exercised."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTiling:
+  """Tiling of a row kernel over slabs of full rows.
+
+  Attributes:
+    block_m: rows per step (a power of 2).
+    chunk: columns per load (a power of 2); ``>= n_pad``: the rows are held whole.
+    programs: grid size; program ``p`` owns rows ``[p·R, (p+1)·R)``, R a multiple of block_m.
+    num_warps: warps per program (Triton).
+  """
+
+  block_m: int
+  chunk: int
+  programs: int
+  num_warps: int
+
+
+def gpu_core_count() -> int:
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def pick_config(m: int, n: int, interpret: bool) -> RowTiling:
+  """Full rows over :data:`TILINGS` ["full"] below :data:`CHUNKED_MIN_N`, else one row per step
+  in chunks (:data:`TILINGS` ["chunked"])."""
+  n_pad = pl.next_power_of_2(n)
+  if n >= CHUNKED_MIN_N:
+    chunk, per_sm, warps = TILINGS["chunked"]
+    block_m = 1
+  else:
+    elements, per_sm, warps = TILINGS["full"]
+    chunk, block_m = n_pad, max(1, min(64, elements // n_pad))
+  programs = INTERPRET_PROGRAMS if interpret else per_sm * gpu_core_count()
+  return RowTiling(block_m=block_m, chunk=min(chunk, n_pad),
+                   programs=max(1, min(programs, pl.cdiv(m, block_m))), num_warps=warps)
+
+
+def slab_rows(m: int, cfg: RowTiling) -> tuple[int, int]:
+  """(rows per program, programs): slabs of whole row blocks covering M."""
+  rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
+  return rows_per_program, pl.cdiv(m, rows_per_program)
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics of a block of full rows (masked entries are 0).
+
+
+def full_row_stats(s, cols, n: int, eps: float, norm: str):
+  """(x̂, (shift, dmean, rstd) each (block_m,), shift = dmean = None for RMSNorm): the
+  reference's operations (:func:`pallas_norm.ops.norms.xla.row_stats`)."""
+  if norm == "rms":
+    rstd = lax.rsqrt(jnp.sum(s * s, axis=1) / n + eps)
+    return s * rstd[:, None], (None, None, rstd)
+  shift = jnp.sum(jnp.where(cols[None, :] == 0, s, 0.0), axis=1)
+  inside = cols[None, :] < n
+  d = jnp.where(inside, s - shift[:, None], 0.0)
+  dmean = jnp.sum(d, axis=1) / n
+  centered = jnp.where(inside, d - dmean[:, None], 0.0)
+  rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1) / n + eps)
+  return centered * rstd[:, None], (shift, dmean, rstd)
+
+
+def normalized_with(s, cols, n: int, stats):
+  """x̂ of a tile of rows from its statistics (masked columns 0), as
+  :func:`pallas_norm.ops.norms.xla.normalized` rounds it."""
+  shift, dmean, rstd = stats
+  if shift is None:
+    return s * rstd[:, None]
+  centered = (s - shift[:, None]) - dmean[:, None]
+  return jnp.where(cols[None, :] < n, centered, 0.0) * rstd[:, None]
+
+
+def chunked_row_stats(load_chunk, n: int, chunk: int, eps: float, norm: str, block_m: int):
+  """(shift, dmean, rstd), each (block_m,), of rows read in chunks by ``load_chunk(k)`` ->
+  (tile (block_m, chunk) in float32, its column indices). LayerNorm merges the chunks'
+  (count, mean, M2) of the shifted rows by Chan's formula."""
+  chunks = pl.cdiv(n, chunk)
+  zero = jnp.zeros((block_m,), jnp.float32)
+  if norm == "rms":
+    def add_squares(k, acc):
+      s, _ = load_chunk(k)
+      return acc + jnp.sum(s * s, axis=1)
+    ssq = lax.fori_loop(0, chunks, add_squares, zero)
+    return None, None, lax.rsqrt(ssq / n + eps)
+  s0, cols0 = load_chunk(0)
+  shift = jnp.sum(jnp.where(cols0[None, :] == 0, s0, 0.0), axis=1)
+
+  def merge(k, carry):
+    count, mean, m2 = carry
+    s, cols = load_chunk(k)
+    inside = cols[None, :] < n
+    count_k = jnp.minimum(chunk, n - k * chunk).astype(jnp.float32)
+    d = jnp.where(inside, s - shift[:, None], 0.0)
+    mean_k = jnp.sum(d, axis=1) / count_k
+    centered = jnp.where(inside, d - mean_k[:, None], 0.0)
+    m2_k = jnp.sum(centered * centered, axis=1)
+    total = count + count_k
+    delta = mean_k - mean
+    return (total, mean + delta * (count_k / total),
+            m2 + m2_k + delta * delta * (count * count_k / total))
+
+  _, dmean, m2 = lax.fori_loop(0, chunks, merge, (jnp.float32(0.0), zero, zero))
+  return shift, dmean, lax.rsqrt(m2 / n + eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel.
+
+
+def _forward_kernel(*refs, norm: str, has_gamma: bool, has_beta: bool, m: int, n: int,
+                    cfg: RowTiling, rows_per_program: int, eps: float):
+  names = (["x"] + ["gamma"] * has_gamma + ["beta"] * has_beta + ["y", "rstd"]
+           + ["shift", "dmean"] * (norm == "layer"))
+  r = dict(zip(names, refs, strict=True))
+  pid = pl.program_id(0)
+  block_m, chunk = cfg.block_m, cfg.chunk
+  base_cols = jnp.arange(chunk)
+
+  def load_vec(name, cols):
+    return pltriton.load(r[name].at[cols], mask=cols < n, other=0.0).astype(jnp.float32)
+
+  def step(i, _):
+    rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
+    row_mask = rows < m
+
+    def at(k):
+      cols = k * chunk + base_cols
+      mask = row_mask[:, None] & (cols < n)[None, :]
+      return (rows[:, None], cols[None, :]), mask, cols
+
+    def load_chunk(k):
+      idx, mask, cols = at(k)
+      return pltriton.load(r["x"].at[idx], mask=mask, other=0.0).astype(jnp.float32), cols
+
+    def store_y(k, xhat, cols):
+      idx, mask, _ = at(k)
+      y = xhat * load_vec("gamma", cols)[None, :] if has_gamma else xhat
+      if has_beta:
+        y = y + load_vec("beta", cols)[None, :]
+      pltriton.store(r["y"].at[idx], y.astype(r["y"].dtype), mask=mask)
+
+    if chunk >= n:  # full rows: one load
+      s, cols = load_chunk(0)
+      xhat, stats = full_row_stats(s, cols, n, eps, norm)
+      store_y(0, xhat, cols)
+    else:
+      stats = chunked_row_stats(load_chunk, n, chunk, eps, norm, block_m)
+
+      def write(k, carry):
+        s, cols = load_chunk(k)
+        store_y(k, normalized_with(s, cols, n, stats), cols)
+        return carry
+      lax.fori_loop(0, pl.cdiv(n, chunk), write, 0)
+    for name, value in zip(("shift", "dmean", "rstd"), stats):
+      if value is not None:
+        pltriton.store(r[name].at[rows], value, mask=row_mask)
+    return 0
+
+  lax.fori_loop(0, rows_per_program // block_m, step, 0)
+
+
+def forward(x, scale=None, bias=None, *, norm: str, eps: float, zero_centered_scale: bool,
+            out_dtype=None, interpret: bool = False):
+  """``(y, stats)``: y as :func:`pallas_norm.reference.layer_norm` / ``rms_norm`` (no residual),
+  and :class:`pallas_norm.ops.norms.xla.RowStats` in float32, of shape x.shape[:-1].
+
+  No validation: the public ops validate and check ``triton.unsupported_reason`` first.
+  """
+  n = x.shape[-1]
+  lead = x.shape[:-1]
+  m = x.size // n
+  cfg = pick_config(m, n, interpret)
+  rows_per_program, programs = slab_rows(m, cfg)
+  gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
+  vecs = [v for v in (gamma, None if bias is None else bias.astype(jnp.float32))
+          if v is not None]
+  row = jax.ShapeDtypeStruct((m,), jnp.float32)
+  out_shape = ([jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype or x.dtype)), row]
+               + [row, row] * (norm == "layer"))
+  kernel = functools.partial(_forward_kernel, norm=norm, has_gamma=gamma is not None,
+                             has_beta=bias is not None, m=m, n=n, cfg=cfg,
+                             rows_per_program=rows_per_program, eps=eps)
+  outs = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
+      name=f"{norm}_norm_forward")(x.reshape(m, n), *vecs)
+  y, rstd = outs[0].reshape(x.shape), outs[1].reshape(lead)
+  if norm == "rms":
+    return y, xla.RowStats(None, None, rstd)
+  return y, xla.RowStats(outs[2].reshape(lead), outs[3].reshape(lead), rstd)
