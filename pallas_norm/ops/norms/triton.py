@@ -117,17 +117,21 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
                         num_warps=16 if wide else 4)
 
 
-CHUNKED_TILING = (4096, 2, 8)
-"""(columns per chunk, programs per SM, warps) of the backward of rows wider than :data:`MAX_N`
-(one row per step, :func:`pick_chunked_config`): a guess, not yet measured against others."""
+CHUNKED_TILING = (4096, 2, 2, 8)
+"""(columns per chunk, rows per step, programs per SM, warps) of the backward of rows of at
+least ``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`). Each program's rows of the
+step are read twice (the second time from L2: programs × rows × N × 4 bytes must stay there),
+and its column partials are added once per step (L2 traffic ∝ 1 / rows per step). A guess,
+not yet measured against others."""
 
 
 def pick_chunked_config(m: int, n: int, interpret: bool) -> triton_fwd.RowTiling:
-  """One row per step in chunks of :data:`CHUNKED_TILING` columns."""
-  chunk, per_sm, warps = CHUNKED_TILING
+  """:data:`CHUNKED_TILING`, the chunk at most the padded row."""
+  chunk, block_m, per_sm, warps = CHUNKED_TILING
   programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
-  return triton_fwd.RowTiling(block_m=1, chunk=min(chunk, pl.next_power_of_2(n)),
-                              programs=max(1, min(programs, m)), num_warps=warps)
+  return triton_fwd.RowTiling(block_m=block_m, chunk=min(chunk, pl.next_power_of_2(n)),
+                              programs=max(1, min(programs, pl.cdiv(m, block_m))),
+                              num_warps=warps)
 
 
 def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) -> str | None:
@@ -361,30 +365,31 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
                              rows_per_program: int, interpret: bool):
   """The backward of rows too wide for registers, given the forward kernel's statistics: per
   block of rows, pass 1 walks the rows in chunks for Σ g ⊙ x̂ (and Σ g), pass 2 reads the chunks
-  again (from L2), writes ds and adds the chunk's column sums into the program's row of the
-  partial buffers (global memory: a row of N floats does not fit in registers)."""
+  again (from L2), writes ds and adds the block's column sums of the chunk into the program's
+  row of the partial buffers (global memory: a row of N floats does not fit in registers) by
+  atomic adds: half the L2 traffic of a load and a store, and no barrier. Only this program
+  adds to its row, each column from the same thread in loop order: the sums are deterministic.
+  The partial rows are ``chunks · chunk`` wide (no mask: interpret mode's atomics take none;
+  the padded columns add zeros)."""
   r = dict(zip(ops.input_names() + ops.output_names(), refs, strict=True))
   pid = pl.program_id(0)
   block_m, chunk = cfg.block_m, cfg.chunk
   chunks = pl.cdiv(n, chunk)
+  width = chunks * chunk
   base = jnp.arange(chunk)
   names = ops.partial_names()
 
-  def sync():
-    # The partial rows are read back after other threads of the program stored them. Interpret
-    # mode runs sequentially and has no barrier.
-    if not interpret:
-      pltriton.debug_barrier()
+  def part_at(k):
+    return pl.ds(pid * width + k * chunk, chunk)
 
   def zero(k, carry):
-    cols = k * chunk + base
     for name in names:
-      pltriton.store(r[name].at[pid * n + cols], jnp.zeros((chunk,), jnp.float32),
-                     mask=cols < n)
+      pltriton.store(r[name].at[part_at(k)], jnp.zeros((chunk,), jnp.float32))
     return carry
 
   lax.fori_loop(0, chunks, zero, 0)
-  sync()
+  if not interpret:  # other threads add to what these stored (interpret mode is sequential)
+    pltriton.debug_barrier()
 
   def step(i, carry):
     rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
@@ -420,14 +425,10 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
       pltriton.store(r["ds"].at[at], ds.astype(r["ds"].dtype), mask=mask)
       summands = {"dscale_part": lambda: dy * xhat, "dbias_part": lambda: dy}
       for name in names:
-        part_at = pid * n + cols
-        acc = pltriton.load(r[name].at[part_at], mask=cols < n, other=0.0)
-        pltriton.store(r[name].at[part_at], acc + jnp.sum(summands[name](), axis=0),
-                       mask=cols < n)
+        pltriton.atomic_add(r[name], part_at(k), jnp.sum(summands[name](), axis=0))
       return carry
 
     lax.fori_loop(0, chunks, write, 0)
-    sync()
     return carry
 
   lax.fori_loop(0, rows_per_program // block_m, step, 0)
@@ -437,7 +438,8 @@ def _chunked_backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: 
   """(ds (M, N), [column sums]) by :func:`_chunked_backward_kernel`."""
   cfg = pick_chunked_config(m, n, interpret)
   rows_per_program, programs = triton_fwd.slab_rows(m, cfg)
-  part = jax.ShapeDtypeStruct((programs * n,), jnp.float32)
+  width = pl.cdiv(n, cfg.chunk) * cfg.chunk
+  part = jax.ShapeDtypeStruct((programs * width,), jnp.float32)
   out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * len(ops.partial_names())
   kernel = functools.partial(_chunked_backward_kernel, ops=ops, m=m, n=n, cfg=cfg,
                              rows_per_program=rows_per_program, interpret=interpret)
@@ -445,7 +447,7 @@ def _chunked_backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: 
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
       name=f"{ops.norm}_norm_backward_chunked")(*inputs)
-  return outs[0], [jnp.sum(buf.reshape(programs, n), axis=0) for buf in outs[1:]]
+  return outs[0], [jnp.sum(buf.reshape(programs, width)[:, :n], axis=0) for buf in outs[1:]]
 
 
 def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpret: bool,

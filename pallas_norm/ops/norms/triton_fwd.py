@@ -93,18 +93,26 @@ def slab_rows(m: int, cfg: RowTiling) -> tuple[int, int]:
 # Statistics of a block of full rows (masked entries are 0).
 
 
-def full_row_stats(s, cols, n: int, eps: float, norm: str):
-  """(x̂, (shift, dmean, rstd) each (block_m,), shift = dmean = None for RMSNorm): the
-  reference's operations (:func:`pallas_norm.ops.norms.xla.row_stats`)."""
+def full_row_stats(s, cols, n: int, eps: float, norm: str, shift=None, two_pass: bool = True):
+  """(x̂, (shift, dmean, rstd) each (block_m,), shift = dmean = None for RMSNorm) of full rows
+  ``s`` (block_m, n_pad). LayerNorm: ``shift`` (block_m,) is the rows' first elements (loaded
+  apart: a row reduction fewer); ``two_pass`` the reference's operations
+  (:func:`pallas_norm.ops.norms.xla.row_stats`), else the shifted moments Σd and Σd² side by
+  side, var = Σd²/n − dmean² (one dependent row reduction fewer; its cancellation, up to
+  n·2^-24 relative in var for a first element far from the mean, is below bfloat16's rounding:
+  the backward kernel's argument, ``triton._normalized_block``)."""
   if norm == "rms":
     rstd = lax.rsqrt(jnp.sum(s * s, axis=1) / n + eps)
     return s * rstd[:, None], (None, None, rstd)
-  shift = jnp.sum(jnp.where(cols[None, :] == 0, s, 0.0), axis=1)
   inside = cols[None, :] < n
   d = jnp.where(inside, s - shift[:, None], 0.0)
   dmean = jnp.sum(d, axis=1) / n
   centered = jnp.where(inside, d - dmean[:, None], 0.0)
-  rstd = lax.rsqrt(jnp.sum(centered * centered, axis=1) / n + eps)
+  if two_pass:
+    var = jnp.sum(centered * centered, axis=1) / n
+  else:
+    var = jnp.maximum(jnp.sum(d * d, axis=1) / n - dmean * dmean, 0.0)
+  rstd = lax.rsqrt(var + eps)
   return centered * rstd[:, None], (shift, dmean, rstd)
 
 
@@ -118,10 +126,11 @@ def normalized_with(s, cols, n: int, stats):
   return jnp.where(cols[None, :] < n, centered, 0.0) * rstd[:, None]
 
 
-def chunked_row_stats(load_chunk, n: int, chunk: int, eps: float, norm: str, block_m: int):
+def chunked_row_stats(load_chunk, n: int, chunk: int, eps: float, norm: str, block_m: int,
+                      shift=None):
   """(shift, dmean, rstd), each (block_m,), of rows read in chunks by ``load_chunk(k)`` ->
-  (tile (block_m, chunk) in float32, its column indices). LayerNorm merges the chunks'
-  (count, mean, M2) of the shifted rows by Chan's formula."""
+  (tile (block_m, chunk) in float32, its column indices). LayerNorm (``shift`` the rows' first
+  elements) merges the chunks' (count, mean, M2) of the shifted rows by Chan's formula."""
   chunks = pl.cdiv(n, chunk)
   zero = jnp.zeros((block_m,), jnp.float32)
   if norm == "rms":
@@ -130,8 +139,6 @@ def chunked_row_stats(load_chunk, n: int, chunk: int, eps: float, norm: str, blo
       return acc + jnp.sum(s * s, axis=1)
     ssq = lax.fori_loop(0, chunks, add_squares, zero)
     return None, None, lax.rsqrt(ssq / n + eps)
-  s0, cols0 = load_chunk(0)
-  shift = jnp.sum(jnp.where(cols0[None, :] == 0, s0, 0.0), axis=1)
 
   def merge(k, carry):
     count, mean, m2 = carry
@@ -156,7 +163,7 @@ def chunked_row_stats(load_chunk, n: int, chunk: int, eps: float, norm: str, blo
 
 
 def _forward_kernel(*refs, norm: str, has_gamma: bool, has_beta: bool, m: int, n: int,
-                    cfg: RowTiling, rows_per_program: int, eps: float):
+                    cfg: RowTiling, rows_per_program: int, eps: float, two_pass: bool):
   names = (["x"] + ["gamma"] * has_gamma + ["beta"] * has_beta + ["y", "rstd"]
            + ["shift", "dmean"] * (norm == "layer"))
   r = dict(zip(names, refs, strict=True))
@@ -187,12 +194,16 @@ def _forward_kernel(*refs, norm: str, has_gamma: bool, has_beta: bool, m: int, n
         y = y + load_vec("beta", cols)[None, :]
       pltriton.store(r["y"].at[idx], y.astype(r["y"].dtype), mask=mask)
 
+    shift = None
+    if norm == "layer":  # the rows' first elements
+      shift = pltriton.load(r["x"].at[rows, jnp.zeros_like(rows)], mask=row_mask,
+                            other=0.0).astype(jnp.float32)
     if chunk >= n:  # full rows: one load
       s, cols = load_chunk(0)
-      xhat, stats = full_row_stats(s, cols, n, eps, norm)
+      xhat, stats = full_row_stats(s, cols, n, eps, norm, shift, two_pass)
       store_y(0, xhat, cols)
     else:
-      stats = chunked_row_stats(load_chunk, n, chunk, eps, norm, block_m)
+      stats = chunked_row_stats(load_chunk, n, chunk, eps, norm, block_m, shift)
 
       def write(k, carry):
         s, cols = load_chunk(k)
@@ -227,7 +238,8 @@ def forward(x, scale=None, bias=None, *, norm: str, eps: float, zero_centered_sc
                + [row, row] * (norm == "layer"))
   kernel = functools.partial(_forward_kernel, norm=norm, has_gamma=gamma is not None,
                              has_beta=bias is not None, m=m, n=n, cfg=cfg,
-                             rows_per_program=rows_per_program, eps=eps)
+                             rows_per_program=rows_per_program, eps=eps,
+                             two_pass=jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16))
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
