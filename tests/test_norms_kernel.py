@@ -192,8 +192,8 @@ def test_kernel_names_and_refusals_on_the_cpu():
   with pytest.raises(NotImplementedError, match="rms_norm has no 'mosaic' kernel"):
     pallas_norm.rms_norm(x, implementation="mosaic")
   wide = np.ones((2, row_norm_pallas.MAX_N + 1), np.float32)
-  with pytest.raises(NotImplementedError, match="N = 8193"):
-    pallas_norm.layer_norm(wide, implementation="interpret")
+  with pytest.raises(NotImplementedError, match="N = 8193 with a residual"):
+    pallas_norm.layer_norm(wide, residual=wide, implementation="interpret")
   with pytest.raises(NotImplementedError, match="float64"):
     pallas_norm.layer_norm(np.ones((2, 8)), implementation="interpret")
   # A residual of another dtype is refused by the shared validation, before the dispatch.
@@ -302,3 +302,140 @@ def test_second_order_raises_naming_the_op():
   with pytest.raises(NotImplementedError, match="layer_norm: its kernel paths") as info:
     jax.grad(lambda x: jnp.sum(jax.grad(first)(x).astype(jnp.float32)))(x)
   assert "Mosaic" not in str(info.value)  # its kernel is Triton (review)
+
+
+# ---- The forward kernel (pallas_norm/ops/norms/triton_fwd.py) and the backward reading its
+# statistics (full rows and chunked rows) ----------------------------------------------------
+
+from pallas_norm.ops.norms import triton_fwd  # noqa: E402
+from pallas_norm.ops.norms import xla as norms_xla  # noqa: E402
+
+
+def _chunked(monkeypatch, chunk, block_m, min_n=64):
+  """Rows of at least ``min_n`` elements through the chunked kernels, ``chunk`` columns a
+  load, ``block_m`` rows a step (the GPU's chunked paths at CPU sizes)."""
+  monkeypatch.setattr(triton_fwd, "CHUNKED_MIN_N", min_n)
+  monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "chunked": (chunk, 2, 4)})
+  monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING", (chunk, block_m, 2, 4))
+
+
+def _kernel_path(norm, eps, zero_centered, out_dtype=None):
+  def f(x, scale, bias, residual):
+    assert residual is None
+    return row_norm_pallas.row_norm(x, scale, bias if norm == "layer" else None, norm=norm,
+                                    eps=eps, zero_centered_scale=zero_centered,
+                                    out_dtype=out_dtype, interpret=True, forward="kernel")
+  return f
+
+
+FWD_CASES = [
+    # shape, dtype, scale, bias, zero_centered, out_dtype, norm, chunking (chunk, block_m) or None
+    ((3, 13, 100), jnp.float32, True, True, False, None, "layer", None),
+    ((37, 64), jnp.bfloat16, True, True, True, None, "layer", None),
+    ((20, 256), jnp.bfloat16, False, False, False, jnp.float32, "layer", None),
+    ((50, 24), jnp.float16, True, False, False, None, "layer", None),
+    ((3, 13, 100), jnp.float32, True, False, False, None, "rms", None),
+    ((37, 64), jnp.bfloat16, True, False, True, None, "rms", None),
+    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2)),
+    ((2, 7, 96), jnp.bfloat16, True, True, True, None, "layer", (32, 1)),
+    ((13, 100), jnp.float32, True, False, False, None, "rms", (32, 2)),
+    ((9, 128), jnp.bfloat16, False, False, False, jnp.float32, "rms", (64, 4)),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,scale,bias,zero_centered,out_dtype,norm,chunking",
+                         FWD_CASES)
+def test_forward_kernel_path_matches_reference(monkeypatch, shape, dtype, scale, bias,
+                                               zero_centered, out_dtype, norm, chunking):
+  """forward="kernel": y and the gradients of x, scale and bias through the forward kernel and
+  the backward kernel reading its statistics, jitted, against jax.vjp of the float32 reference;
+  full rows and rows walked in chunks (the last chunk short, rows short of the last block, one
+  and several rows a step). Interpret mode fills what a kernel leaves unwritten with NaN."""
+  if chunking:
+    _chunked(monkeypatch, *chunking)
+  x, vecs, dy, _ = _inputs(seed_of(f"fwd{shape}{dtype}{norm}{chunking}"), shape, dtype,
+                           scale=scale, bias=bias, residual=False)
+  eps = 1e-5
+  got_out, got_grads = _outputs_and_grads(_kernel_path(norm, eps, zero_centered, out_dtype),
+                                          x, vecs, dy, None)
+  want_out, want_grads = _outputs_and_grads(
+      _op("reference", eps, zero_centered, norm=norm), *_upcast((x, vecs)), dy, None)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  assert got_out.dtype == (out_dtype or dtype)
+  _assert_close(got_out, want_out, tol, "y")
+  for name, g, w, arg in zip(("dx", "dscale", "dbias"), got_grads, want_grads,
+                             (x, vecs["scale"], vecs["bias"])):
+    if arg is None or (name == "dbias" and norm == "rms"):
+      continue
+    assert g.dtype == arg.dtype, name
+    _assert_close(g, w, tol, name)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("chunking", [None, (32, 2)])
+def test_forward_kernel_statistics_match_the_xla_paths(monkeypatch, norm, chunking):
+  """The row statistics the forward kernel hands the backward: (shift, dmean, rstd) as
+  :func:`pallas_norm.ops.norms.xla.row_stats` computes them from float32 x (the shift exactly
+  the row's first element), float32, of x's leading shape."""
+  if chunking:
+    _chunked(monkeypatch, *chunking)
+  x = 0.5 + jax.random.normal(jax.random.key(5), (3, 11, 100), jnp.float32)
+  _, stats = triton_fwd.forward(x, None, None, norm=norm, eps=1e-5, zero_centered_scale=False,
+                                interpret=True)
+  want = norms_xla.row_stats(x, norm, 1e-5)
+  for name, got, ref in zip(("shift", "dmean", "rstd"), stats, want):
+    if ref is None:
+      assert got is None, name
+      continue
+    assert got.shape == x.shape[:-1] and got.dtype == jnp.float32, name
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-6, atol=1e-6,
+                               err_msg=name)
+  if norm == "layer":
+    np.testing.assert_array_equal(np.asarray(stats.shift), np.asarray(x[..., 0]))
+
+
+@pytest.mark.parametrize("chunking", [None, (32, 2)])
+def test_forward_kernel_path_keeps_the_precision_of_rows_with_a_large_mean(monkeypatch,
+                                                                           chunking):
+  """Rows with mean 1e4 and spread 1 through the forward kernel (the chunks' moments merged by
+  Chan's formula when chunked) and the backward reading (shift, dmean, rstd): float32
+  gradients match the float64 closed form to float32 accuracy."""
+  if chunking:
+    _chunked(monkeypatch, *chunking)
+  x, vecs, dy, _ = _inputs(17, (24, 80), jnp.float32, scale=True, bias=True, residual=False,
+                           mean=1e4)
+  eps = 1e-6
+  _, grads = _outputs_and_grads(_kernel_path("layer", eps, False), x, vecs, dy, None)
+  want = _layer_norm_grads_f64(x, vecs["scale"], vecs["bias"], dy, eps)
+  for name, g, w in zip(("dx", "dscale", "dbias"), grads, want):
+    _assert_close(g, w, 1e-5, name)
+
+
+def test_forward_paths_and_refusals(monkeypatch):
+  """forward_path: the forward kernel for rows wider than MAX_N (no other forward serves them),
+  XLA's with a residual, else KERNEL_DOMAINS' forward; row_norm refuses the combinations no
+  kernel serves; the public op runs rows wider than MAX_N (chunked) but refuses them with a
+  residual."""
+  fp = row_norm_pallas.forward_path
+  assert fp("rms", (16384, 32768), False) == "kernel"
+  assert fp("layer", (262144, 2048), True) == "xla"
+  assert fp("layer", (262144, 2048), False) == "xla"
+  monkeypatch.setattr(row_norm_pallas, "KERNEL_DOMAINS",
+                      {"layer": ((128, 8192, 65536, "kernel"),), "rms": ()})
+  assert fp("layer", (262144, 2048), False) == "kernel"
+  assert fp("layer", (1024, 2048), False) == "xla"
+  assert fp("rms", (262144, 2048), False) == "xla"
+  x = jnp.ones((4, 64), jnp.float32)
+  with pytest.raises(ValueError, match="no residual"):
+    row_norm_pallas.row_norm(x, residual=x, norm="layer", eps=1e-6, forward="kernel")
+  with pytest.raises(ValueError, match="forward='kernel'"):
+    row_norm_pallas.row_norm(jnp.ones((2, 8193)), norm="rms", eps=1e-6, forward="xla")
+  wide = jax.random.normal(jax.random.key(2), (2, row_norm_pallas.MAX_N + 1), jnp.float32)
+  with pytest.raises(NotImplementedError, match="N = 8193 with a residual"):
+    pallas_norm.layer_norm(wide, residual=wide, implementation="interpret")
+  scale = 1 + 0.1 * jax.random.normal(jax.random.key(3), (wide.shape[-1],))
+  got = jax.grad(lambda x, s: jnp.sum(jnp.sin(pallas_norm.rms_norm(
+      x, s, implementation="interpret"))), (0, 1))(wide, scale)
+  want = jax.grad(lambda x, s: jnp.sum(jnp.sin(reference.rms_norm(x, s))), (0, 1))(wide, scale)
+  for g, w in zip(got, want):
+    _assert_close(g, w, F32_TOL, "grad")
