@@ -2,10 +2,12 @@
 
 Two implementations each: "xla" (:mod:`pallas_norm.ops.norms.xla`: the reference's forward;
 ``layer_norm`` with a hand-written one-pass derivative, a ``custom_jvp``, ``rms_norm``
-differentiated by autodiff, on every backend) and the Pallas backward kernel of
-:mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU, "interpret" anywhere), which
-keeps XLA's forward and recomputes the row statistics. ``implementation=None`` takes the kernel
-for each where it was measured faster. They are the
+differentiated by autodiff, on every backend) and the Pallas kernels of
+:mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU, "interpret" anywhere): the
+backward kernel after XLA's forward (recomputing the row statistics) or after the forward kernel
+of :mod:`pallas_norm.ops.norms.triton_fwd` (reading them). ``implementation=None`` takes the
+kernels for each where they were measured faster (one table,
+:data:`pallas_norm.ops.norms.triton.KERNEL_DOMAINS`). They are the
 building blocks of the Flax layers and the oracle shape of the fused ops.
 """
 
@@ -50,12 +52,13 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     zero_centered_scale: apply ``1 + scale`` instead of ``scale``.
     out_dtype: dtype of y (default x.dtype).
     implementation: None, "xla", "triton", "interpret" or a sequence of them (see
-      :mod:`pallas_norm._dispatch`). "triton" keeps XLA's forward and runs the gradient as one
-      Pallas kernel that recomputes rstd from the rows it holds (Triton lowering, any NVIDIA
-      GPU; :mod:`pallas_norm.ops.norms.triton`), "interpret" the same kernel in Pallas
-      interpret mode. None picks the kernel on a Hopper GPU where it was measured faster in
-      training than XLA's autodiff (bf16 without residual, 128 ≤ N ≤ 2048, ≥ 262144 rows:
-      :data:`pallas_norm.ops.norms.triton.RMS_DOMAIN`), else XLA.
+      :mod:`pallas_norm._dispatch`). "triton" runs the gradient as one Pallas kernel (Triton
+      lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`) after XLA's forward (the
+      kernel recomputes rstd from the rows it holds) or after the forward kernel that hands it
+      rstd (:func:`pallas_norm.ops.norms.triton.forward_path`; rows wider than 8192 always,
+      walked in chunks, no residual there); "interpret" the same kernels in Pallas interpret
+      mode. None picks the kernels on a Hopper GPU where they were measured faster in training
+      than XLA (:data:`pallas_norm.ops.norms.triton.KERNEL_DOMAINS`), else XLA.
       The kernel path supports first-order reverse mode only.
 
   Returns:
@@ -66,8 +69,8 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
       residual of another dtype than x.
     ValueError: shape mismatch, eps <= 0, unknown implementation.
     NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
-      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows), requested
-      alone.
+      cannot run the call (not on an NVIDIA GPU, float64, N > 8192 with a residual, no rows),
+      requested alone.
   """
   chosen = _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)

@@ -1,15 +1,22 @@
-"""``layer_norm`` and ``rms_norm`` for training: XLA forward, one-pass Pallas backward kernel.
+"""``layer_norm`` and ``rms_norm`` for training: one-pass Pallas backward kernel after XLA's
+forward or after the forward kernel of :mod:`pallas_norm.ops.norms.triton_fwd`.
 
-The forward is XLA's (one fused pass near copy bandwidth) and returns nothing but the outputs:
-handing the per-row statistics to the backward split it into three passes (measured:
-benchmarks/NOTES.md, "Standalone norms"). The backward is one Pallas kernel with the Triton
+Two forwards (:func:`forward_path`, :data:`KERNEL_DOMAINS`): XLA's (one fused pass near copy
+bandwidth) returns nothing but the outputs, since handing the per-row statistics to the
+backward split it into three passes (measured: benchmarks/NOTES.md, "Standalone norms"), and
+the backward recomputes them; the forward kernel returns them (float32, a few bytes a row) and
+the backward reads them (``given_stats``: x̂ costs no row reduction). Rows wider than
+:data:`MAX_N` take the forward kernel and a backward that walks them in chunks
+(:func:`_chunked_backward_kernel`). The backward is one Pallas kernel with the Triton
 lowering (any NVIDIA GPU that Pallas' Triton backend supports, not only Hopper;
 ``interpret=True`` runs it on the CPU). Each program owns a slab of rows and loops over blocks of
 ``block_m`` full rows; per block it loads ``x`` (and ``residual``), ``dy`` (and the cotangent of
 the residual stream ``s``), recomputes the row statistics and ``x̂`` from the rows it holds in
 registers, forms the two row sums and writes ``ds`` once. ``dγ``/``dβ`` partials stay in
 registers over the program's rows and are written once per program to a ``(programs, N)``
-float32 buffer that XLA sums afterwards (deterministic: no atomics).
+float32 buffer that XLA sums afterwards (deterministic). The chunked kernel of wider rows adds
+them per step into that buffer instead (atomic adds, each address from one thread only: still
+deterministic).
 
 The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
 zero-centered) and ``r`` the rstd::
@@ -28,7 +35,9 @@ RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
 read rstd saved by the forward (splitting XLA's forward) was 0.73× of XLA's autodiff and was
 removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's and, with its
 own tiling, trains faster than XLA's autodiff at N = 128-2048 with at least 262144 rows, so
-``implementation=None`` takes it there (:data:`RMS_DOMAIN`).
+``implementation=None`` takes it there (:data:`KERNEL_DOMAINS`). After the forward kernel the
+statistics come from it (``shift``, ``dmean``, ``rstd``, the reference's two-pass values for
+16/32-bit floats): the forward is one kernel there, not XLA's split fusion.
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
 norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
