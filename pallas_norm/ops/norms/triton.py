@@ -428,7 +428,8 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
     gx = (gx / n)[:, None]
     gs = (gs / n)[:, None] if ops.norm == "layer" else 0.0
 
-    def write(k, carry):
+    def write(j, carry):  # last chunk first: the most recently read, likeliest in L2
+      k = chunks - 1 - j
       cols, mask, at, xhat, dy, g = tiles(k)
       ds = (g - xhat * gx - gs) * rstd
       pltriton.store(r["ds"].at[at], ds.astype(r["ds"].dtype), mask=mask)

@@ -16,7 +16,8 @@ Two bodies, chosen by the tiling's ``chunk`` (:func:`pick_config`):
 * chunked rows (wider rows, which do not fit in registers): per row block, pass 1 walks the row
   in chunks of ``chunk`` columns and merges the chunks' (count, mean, M2) of the shifted row by
   Chan's pairwise formula (each chunk's M2 two-pass in registers: no cancellation); pass 2 reads
-  the chunks again (from L2: the block was just read) and writes y.
+  the chunks again, last first (from L2: the block was just read, its last chunk most
+  recently) and writes y.
 
 No residual: a call with a residual keeps XLA's forward (the ops' dispatch).
 """
@@ -205,7 +206,8 @@ def _forward_kernel(*refs, norm: str, has_gamma: bool, has_beta: bool, m: int, n
     else:
       stats = chunked_row_stats(load_chunk, n, chunk, eps, norm, block_m, shift)
 
-      def write(k, carry):
+      def write(j, carry):  # last chunk first: the most recently read, likeliest in L2
+        k = pl.cdiv(n, chunk) - 1 - j
         s, cols = load_chunk(k)
         store_y(k, normalized_with(s, cols, n, stats), cols)
         return carry
