@@ -311,12 +311,13 @@ from pallas_norm.ops.norms import triton_fwd  # noqa: E402
 from pallas_norm.ops.norms import xla as norms_xla  # noqa: E402
 
 
-def _chunked(monkeypatch, chunk, block_m, min_n=64):
+def _chunked(monkeypatch, chunk, block_m, registers=False, min_n=64):
   """Rows of at least ``min_n`` elements through the chunked kernels, ``chunk`` columns a
-  load, ``block_m`` rows a step (the GPU's chunked paths at CPU sizes)."""
+  load, ``block_m`` rows a step, the backward's column partials in registers or added to
+  memory (the GPU's chunked paths at CPU sizes)."""
   monkeypatch.setattr(triton_fwd, "CHUNKED_MIN_N", min_n)
   monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "chunked": (chunk, 2, 4)})
-  monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING", (chunk, block_m, 2, 4))
+  monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING", (chunk, block_m, 2, 4, registers))
 
 
 def _kernel_path(norm, eps, zero_centered, out_dtype=None):
@@ -340,6 +341,8 @@ FWD_CASES = [
     ((2, 7, 96), jnp.bfloat16, True, True, True, None, "layer", (32, 1)),
     ((13, 100), jnp.float32, True, False, False, None, "rms", (32, 2)),
     ((9, 128), jnp.bfloat16, False, False, False, jnp.float32, "rms", (64, 4)),
+    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, True)),
+    ((2, 7, 96), jnp.bfloat16, True, False, False, None, "rms", (32, 1, True)),
 ]
 
 
@@ -394,7 +397,7 @@ def test_forward_kernel_statistics_match_the_xla_paths(monkeypatch, norm, chunki
     np.testing.assert_array_equal(np.asarray(stats.shift), np.asarray(x[..., 0]))
 
 
-@pytest.mark.parametrize("chunking", [None, (32, 2)])
+@pytest.mark.parametrize("chunking", [None, (32, 2), (32, 2, True)])
 def test_forward_kernel_path_keeps_the_precision_of_rows_with_a_large_mean(monkeypatch,
                                                                            chunking):
   """Rows with mean 1e4 and spread 1 through the forward kernel (the chunks' moments merged by

@@ -126,21 +126,22 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
                         num_warps=16 if wide else 4)
 
 
-CHUNKED_TILING = (4096, 2, 2, 8)
-"""(columns per chunk, rows per step, programs per SM, warps) of the backward of rows of at
-least ``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`). Each program's rows of the
-step are read twice (the second time from L2: programs × rows × N × 4 bytes must stay there),
-and its column partials are added once per step (L2 traffic ∝ 1 / rows per step). A guess,
-not yet measured against others."""
+CHUNKED_TILING = (4096, 2, 2, 8, False)
+"""(columns per chunk, rows per step, programs per SM, warps, column partials in registers) of
+the backward of rows of at least ``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`,
+:func:`_chunked_backward_kernel`). Each program's rows of the step are read twice (the second
+time from L2: programs × rows × N × 4 bytes should stay there); its column partials are added
+once per step (L2 traffic ∝ 1 / rows per step) or, in registers, cost N / threads registers
+each. A guess, not yet measured against others."""
 
 
 def pick_chunked_config(m: int, n: int, interpret: bool) -> triton_fwd.RowTiling:
   """:data:`CHUNKED_TILING`, the chunk at most the padded row."""
-  chunk, block_m, per_sm, warps = CHUNKED_TILING
+  chunk, block_m, per_sm, warps, registers = CHUNKED_TILING
   programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
   return triton_fwd.RowTiling(block_m=block_m, chunk=min(chunk, pl.next_power_of_2(n)),
                               programs=max(1, min(programs, pl.cdiv(m, block_m))),
-                              num_warps=warps)
+                              num_warps=warps, register_partials=registers)
 
 
 def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) -> str | None:
@@ -372,35 +373,42 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
 
 def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_fwd.RowTiling,
                              rows_per_program: int, interpret: bool):
-  """The backward of rows too wide for registers, given the forward kernel's statistics: per
-  block of rows, pass 1 walks the rows in chunks for Σ g ⊙ x̂ (and Σ g), pass 2 reads the chunks
-  again (from L2), writes ds and adds the block's column sums of the chunk into the program's
-  row of the partial buffers (global memory: a row of N floats does not fit in registers) by
-  atomic adds: half the L2 traffic of a load and a store, and no barrier. Only this program
-  adds to its row, each column from the same thread in loop order: the sums are deterministic.
+  """The backward of rows too wide for registers, given the forward kernel's statistics.
+
+  Per block of rows, pass 1 walks the rows in chunks accumulating g ⊙ x̂ (and g) elementwise
+  (no reduction, so no barrier, inside the walk) for the row sums; pass 2 reads the chunks
+  again, last first (from L2), writes ds and accumulates the chunk's column sums (dγ, dβ):
+
+  * ``cfg.register_partials``: the chunk walk is unrolled and every chunk's column sums stay
+    in registers over the program's rows (N / threads floats per partial per thread), stored
+    once per program;
+  * else they are added per step into the program's row of the partial buffers (global memory)
+    by atomic adds: half the L2 traffic of a load and a store, and no barrier. Only this
+    program adds to its row, each column from the same thread in loop order: deterministic.
+
   The partial rows are ``chunks · chunk`` wide (no mask: interpret mode's atomics take none;
   the padded columns add zeros)."""
   r = dict(zip(ops.input_names() + ops.output_names(), refs, strict=True))
   pid = pl.program_id(0)
-  block_m, chunk = cfg.block_m, cfg.chunk
+  block_m, chunk, unrolled = cfg.block_m, cfg.chunk, cfg.register_partials
   chunks = pl.cdiv(n, chunk)
-  width = chunks * chunk
   base = jnp.arange(chunk)
   names = ops.partial_names()
 
   def part_at(k):
-    return pl.ds(pid * width + k * chunk, chunk)
+    return pl.ds(pid * chunks * chunk + k * chunk, chunk)
 
-  def zero(k, carry):
-    for name in names:
-      pltriton.store(r[name].at[part_at(k)], jnp.zeros((chunk,), jnp.float32))
-    return carry
+  if not unrolled:
+    def zero(k, carry):
+      for name in names:
+        pltriton.store(r[name].at[part_at(k)], jnp.zeros((chunk,), jnp.float32))
+      return carry
 
-  lax.fori_loop(0, chunks, zero, 0)
-  if not interpret:  # other threads add to what these stored (interpret mode is sequential)
-    pltriton.debug_barrier()
+    lax.fori_loop(0, chunks, zero, 0)
+    if not interpret:  # other threads add to what these stored (interpret mode is sequential)
+      pltriton.debug_barrier()
 
-  def step(i, carry):
+  def step(i, partials):
     rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
     row_mask = rows < m
     stats = tuple(pltriton.load(r[q].at[rows], mask=row_mask, other=1.0)
@@ -416,32 +424,41 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
       g = dy
       if ops.gamma:
         g = dy * pltriton.load(r["gamma"].at[cols], mask=cols < n, other=0.0)[None, :]
-      return cols, mask, at, xhat, dy, g
+      return at, mask, xhat, dy, g
 
-    def row_sums(k, acc):
-      _, _, _, xhat, _, g = tiles(k)
-      return acc[0] + jnp.sum(g * xhat, axis=1), acc[1] + jnp.sum(g, axis=1)
+    def accumulate(k, acc):
+      _, _, xhat, _, g = tiles(k)
+      return acc[0] + g * xhat, acc[1] + g
 
-    zero_rows = jnp.zeros((block_m,), jnp.float32)
-    gx, gs = lax.fori_loop(0, chunks, row_sums, (zero_rows, zero_rows))
+    zeros = jnp.zeros((block_m, chunk), jnp.float32)
+    gx, gs = triton_fwd.chunk_loop(chunks, accumulate, (zeros, zeros))
     rstd = stats[2][:, None]
-    gx = (gx / n)[:, None]
-    gs = (gs / n)[:, None] if ops.norm == "layer" else 0.0
+    gx = (jnp.sum(gx, axis=1) / n)[:, None]
+    gs = (jnp.sum(gs, axis=1) / n)[:, None] if ops.norm == "layer" else 0.0
 
-    def write(j, carry):  # last chunk first: the most recently read, likeliest in L2
+    def write(j, partials):  # last chunk first: the most recently read, likeliest in L2
       k = chunks - 1 - j
-      cols, mask, at, xhat, dy, g = tiles(k)
+      at, mask, xhat, dy, g = tiles(k)
       ds = (g - xhat * gx - gs) * rstd
       pltriton.store(r["ds"].at[at], ds.astype(r["ds"].dtype), mask=mask)
-      summands = {"dscale_part": lambda: dy * xhat, "dbias_part": lambda: dy}
-      for name in names:
-        pltriton.atomic_add(r[name], part_at(k), jnp.sum(summands[name](), axis=0))
-      return carry
+      sums = {"dscale_part": lambda: jnp.sum(dy * xhat, axis=0),
+              "dbias_part": lambda: jnp.sum(dy, axis=0)}
+      if not unrolled:
+        for name in names:
+          pltriton.atomic_add(r[name], part_at(k), sums[name]())
+        return partials
+      return tuple(tuple(acc + sums[name]() if c == k else acc for c, acc in enumerate(accs))
+                   for name, accs in zip(names, partials))
 
-    lax.fori_loop(0, chunks, write, 0)
-    return carry
+    return triton_fwd.chunk_loop(chunks, write, partials, unrolled or None)
 
-  lax.fori_loop(0, rows_per_program // block_m, step, 0)
+  init = ()
+  if unrolled:
+    init = tuple(tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(chunks)) for _ in names)
+  partials = lax.fori_loop(0, rows_per_program // block_m, step, init)
+  for name, accs in zip(names, partials):
+    for k, acc in enumerate(accs):
+      pltriton.store(r[name].at[part_at(k)], acc)
 
 
 def _chunked_backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, inputs):

@@ -14,8 +14,9 @@ Two bodies, chosen by the tiling's ``chunk`` (:func:`pick_config`):
 * full rows (``chunk >= n_pad``): each step loads ``block_m`` full rows, computes the statistics
   with the reference's operations (the shifted two-pass variance) in registers, writes y.
 * chunked rows (wider rows, which do not fit in registers): per row block, pass 1 walks the row
-  in chunks of ``chunk`` columns and merges the chunks' (count, mean, M2) of the shifted row by
-  Chan's pairwise formula (each chunk's M2 two-pass in registers: no cancellation); pass 2 reads
+  in chunks of ``chunk`` columns (:func:`chunked_row_stats`: elementwise moments for bf16 and
+  RMSNorm, Chan's merge of the chunks' two-pass moments for LayerNorm of 16/32-bit floats);
+  pass 2 reads
   the chunks again, last first (from L2: the block was just read, its last chunk most
   recently) and writes y.
 
@@ -57,12 +58,16 @@ class RowTiling:
     chunk: columns per load (a power of 2); ``>= n_pad``: the rows are held whole.
     programs: grid size; program ``p`` owns rows ``[p·R, (p+1)·R)``, R a multiple of block_m.
     num_warps: warps per program (Triton).
+    register_partials: the chunked backward's column partials in registers over the program's
+      rows (chunk loops unrolled), else added to global memory per step
+      (``triton._chunked_backward_kernel``).
   """
 
   block_m: int
   chunk: int
   programs: int
   num_warps: int
+  register_partials: bool = False
 
 
 def gpu_core_count() -> int:
@@ -88,6 +93,25 @@ def slab_rows(m: int, cfg: RowTiling) -> tuple[int, int]:
   """(rows per program, programs): slabs of whole row blocks covering M."""
   rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
   return rows_per_program, pl.cdiv(m, rows_per_program)
+
+
+MAX_UNROLLED_CHUNKS = 16
+"""Chunk walks of at most this many chunks are unrolled (:func:`chunk_loop`)."""
+
+
+def chunk_loop(count: int, body, init, unrolled: bool | None = None):
+  """``body(k, carry)`` for k = 0..count-1: a Python loop when ``unrolled`` (default: count at
+  most :data:`MAX_UNROLLED_CHUNKS`), else ``lax.fori_loop``. Unrolled, k is static and the
+  loads of later chunks can be issued before earlier chunks' arithmetic (a loop keeps one chunk
+  in flight per warp); values per chunk may live in registers."""
+  if unrolled is None:
+    unrolled = count <= MAX_UNROLLED_CHUNKS
+  if not unrolled:
+    return lax.fori_loop(0, count, body, init)
+  carry = init
+  for k in range(count):
+    carry = body(k, carry)
+  return carry
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,18 +152,31 @@ def normalized_with(s, cols, n: int, stats):
 
 
 def chunked_row_stats(load_chunk, n: int, chunk: int, eps: float, norm: str, block_m: int,
-                      shift=None):
+                      shift=None, two_pass: bool = True):
   """(shift, dmean, rstd), each (block_m,), of rows read in chunks by ``load_chunk(k)`` ->
-  (tile (block_m, chunk) in float32, its column indices). LayerNorm (``shift`` the rows' first
-  elements) merges the chunks' (count, mean, M2) of the shifted rows by Chan's formula."""
+  (tile (block_m, chunk) in float32, its column indices). RMSNorm, and LayerNorm without
+  ``two_pass``: elementwise sums over the chunks (Σs², or the moments Σd, Σd² of the rows
+  shifted by ``shift``, their first elements), reduced once after the walk (no reduction, so no
+  barrier, inside it). LayerNorm with ``two_pass`` merges the chunks' (count, mean, M2) of the
+  shifted rows by Chan's formula (each chunk's M2 centred in registers: no cancellation)."""
   chunks = pl.cdiv(n, chunk)
-  zero = jnp.zeros((block_m,), jnp.float32)
+  tile = jnp.zeros((block_m, chunk), jnp.float32)
   if norm == "rms":
     def add_squares(k, acc):
       s, _ = load_chunk(k)
-      return acc + jnp.sum(s * s, axis=1)
-    ssq = lax.fori_loop(0, chunks, add_squares, zero)
+      return acc + s * s
+    ssq = jnp.sum(chunk_loop(chunks, add_squares, tile), axis=1)
     return None, None, lax.rsqrt(ssq / n + eps)
+  if not two_pass:
+    def add_moments(k, acc):
+      s, cols = load_chunk(k)
+      d = jnp.where(cols[None, :] < n, s - shift[:, None], 0.0)
+      return acc[0] + d, acc[1] + d * d
+    d1, d2 = chunk_loop(chunks, add_moments, (tile, tile))
+    dmean = jnp.sum(d1, axis=1) / n
+    var = jnp.maximum(jnp.sum(d2, axis=1) / n - dmean * dmean, 0.0)
+    return shift, dmean, lax.rsqrt(var + eps)
+  zero = jnp.zeros((block_m,), jnp.float32)
 
   def merge(k, carry):
     count, mean, m2 = carry
@@ -204,14 +241,14 @@ def _forward_kernel(*refs, norm: str, has_gamma: bool, has_beta: bool, m: int, n
       xhat, stats = full_row_stats(s, cols, n, eps, norm, shift, two_pass)
       store_y(0, xhat, cols)
     else:
-      stats = chunked_row_stats(load_chunk, n, chunk, eps, norm, block_m, shift)
+      stats = chunked_row_stats(load_chunk, n, chunk, eps, norm, block_m, shift, two_pass)
 
       def write(j, carry):  # last chunk first: the most recently read, likeliest in L2
         k = pl.cdiv(n, chunk) - 1 - j
         s, cols = load_chunk(k)
         store_y(k, normalized_with(s, cols, n, stats), cols)
         return carry
-      lax.fori_loop(0, pl.cdiv(n, chunk), write, 0)
+      chunk_loop(pl.cdiv(n, chunk), write, 0)
     for name, value in zip(("shift", "dmean", "rstd"), stats):
       if value is not None:
         pltriton.store(r[name].at[rows], value, mask=row_mask)
