@@ -45,22 +45,39 @@ from pallas_norm.ops.norms import triton_fwd as TF
 MAIN_DOMAINS = {"layer": (128, 8192, 65536), "rms": (128, 2048, 262144)}
 ROUNDS, ITERS = 3, 5
 
-# name: (applies to (norm, n, mode), patches {(module, attribute): value})
+# name: (applies to (norm, n, mode), patches {(module, attribute): value}). Forward tilings are
+# timed in "fwd", backward tilings in "fwd+bwd" (under the default forward tiling).
+FWD, BWD = "fwd", "fwd+bwd"
 VARIANTS = {
-    "k_fwd8k_w8": (lambda norm, n, mode: n <= 8192,
+    # forward, full rows: 8192 elements a step, 8 warps, 4 programs per SM
+    "f_8k_x4_w8": (lambda norm, n, mode: mode == FWD and n <= 8192,
                    {(TF, "TILINGS"): {**TF.TILINGS, "full": (8192, 4, 8)}}),
-    "k_bwd2k_x8": (lambda norm, n, mode: n <= 2048 and mode == "fwd+bwd",
-                   {(T, "TILINGS"): {**T.TILINGS, "layer_given": (2048, 8),
-                                     "rms_given": (2048, 8)}}),
-    "k_chunked": (lambda norm, n, mode: n == 8192,
+    # forward, N = 8192 in chunks (default chunked tiling)
+    "f_chunked": (lambda norm, n, mode: mode == FWD and n == 8192,
                   {(TF, "CHUNKED_MIN_N"): 8192}),
-    "k_c4k_b1_x4": (lambda norm, n, mode: n >= 8192,
-                    {(TF, "CHUNKED_MIN_N"): 8192, (TF, "TILINGS"):
-                     {**TF.TILINGS, "chunked": (4096, 4, 8)},
-                     (T, "CHUNKED_TILING"): (4096, 1, 4, 8)}),
-    "k_c8k_b2_x1": (lambda norm, n, mode: n > 8192,
-                    {(TF, "TILINGS"): {**TF.TILINGS, "chunked": (8192, 2, 16)},
-                     (T, "CHUNKED_TILING"): (8192, 2, 1, 16)}),
+    # forward in chunks: 4 programs per SM / 8192-column chunks over 16 warps
+    "f_c4k_x4": (lambda norm, n, mode: mode == FWD and n > 8192,
+                 {(TF, "TILINGS"): {**TF.TILINGS, "chunked": (4096, 4, 8)}}),
+    "f_c8k_w16": (lambda norm, n, mode: mode == FWD and n > 8192,
+                  {(TF, "TILINGS"): {**TF.TILINGS, "chunked": (8192, 2, 16)}}),
+    # backward reading the statistics, full rows: 2048 elements a step, 8 programs per SM
+    "b_2k_x8": (lambda norm, n, mode: mode == BWD and n <= 2048,
+                {(T, "TILINGS"): {**T.TILINGS, "layer_given": (2048, 8),
+                                  "rms_given": (2048, 8)}}),
+    # N = 8192 in chunks (forward and backward): default; column partials in registers
+    "b_chunked": (lambda norm, n, mode: mode == BWD and n == 8192,
+                  {(TF, "CHUNKED_MIN_N"): 8192}),
+    "b_chunked_reg": (lambda norm, n, mode: mode == BWD and n == 8192,
+                      {(TF, "CHUNKED_MIN_N"): 8192,
+                       (T, "CHUNKED_TILING"): (2048, 1, 2, 8, True)}),
+    # chunked backward: one row a step, 4 programs per SM / 8192-column chunks, 2 rows, 16
+    # warps, 1 program per SM / RMSNorm: partials in registers, 16 warps
+    "b_c4k_b1_x4": (lambda norm, n, mode: mode == BWD and n > 8192,
+                    {(T, "CHUNKED_TILING"): (4096, 1, 4, 8, False)}),
+    "b_c8k_b2_x1": (lambda norm, n, mode: mode == BWD and n > 8192,
+                    {(T, "CHUNKED_TILING"): (8192, 2, 1, 16, False)}),
+    "b_reg_c4k_w16": (lambda norm, n, mode: mode == BWD and n > 8192 and norm == "rms",
+                      {(T, "CHUNKED_TILING"): (4096, 1, 1, 16, True)}),
 }
 
 
@@ -154,7 +171,7 @@ def main(argv=None):
   if args.tiny:  # reach the chunked paths at tiny widths
     TF.CHUNKED_MIN_N = 1024
     TF.TILINGS = {**TF.TILINGS, "chunked": (256, 2, 4)}
-    T.CHUNKED_TILING = (256, 2, 2, 4)
+    T.CHUNKED_TILING = (256, 2, 2, 4, False)
   cases = [c for c in suite_cases(args.tiny) if not args.only or re.search(args.only, c.name)]
   dev = jax.devices()[0]
   results = {"device": dev.device_kind, "jax": jax.__version__, "timer": timer,
