@@ -14,8 +14,8 @@ lowering (any NVIDIA GPU that Pallas' Triton backend supports, not only Hopper;
 the residual stream ``s``), recomputes the row statistics and ``x̂`` from the rows it holds in
 registers, forms the two row sums and writes ``ds`` once. ``dγ``/``dβ`` partials stay in
 registers over the program's rows and are written once per program to a ``(programs, N)``
-float32 buffer that XLA sums afterwards (deterministic). The chunked kernel of wider rows adds
-them per step into that buffer instead (atomic adds, each address from one thread only: still
+float32 buffer that XLA sums afterwards (deterministic). The chunked kernel of wider rows keeps
+them in registers too or adds them per step into that buffer (its program's row only: still
 deterministic).
 
 The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
@@ -382,12 +382,12 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
   * ``cfg.register_partials``: the chunk walk is unrolled and every chunk's column sums stay
     in registers over the program's rows (N / threads floats per partial per thread), stored
     once per program;
-  * else they are added per step into the program's row of the partial buffers (global memory)
-    by atomic adds: half the L2 traffic of a load and a store, and no barrier. Only this
-    program adds to its row, each column from the same thread in loop order: deterministic.
+  * else they are added per step into the program's row of the partial buffers (global memory,
+    L2), a load and a store per step, after a barrier: a column may be stored by one thread and
+    loaded by another in the next step. (Pallas' atomic adds are acquire-release: a fence
+    each.) Only this program touches its row: deterministic.
 
-  The partial rows are ``chunks · chunk`` wide (no mask: interpret mode's atomics take none;
-  the padded columns add zeros)."""
+  The partial rows are ``chunks · chunk`` wide (padded columns add zeros)."""
   r = dict(zip(ops.input_names() + ops.output_names(), refs, strict=True))
   pid = pl.program_id(0)
   block_m, chunk, unrolled = cfg.block_m, cfg.chunk, cfg.register_partials
@@ -405,8 +405,6 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
       return carry
 
     lax.fori_loop(0, chunks, zero, 0)
-    if not interpret:  # other threads add to what these stored (interpret mode is sequential)
-      pltriton.debug_barrier()
 
   def step(i, partials):
     rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
@@ -436,6 +434,9 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
     gx = (jnp.sum(gx, axis=1) / n)[:, None]
     gs = (jnp.sum(gs, axis=1) / n)[:, None] if ops.norm == "layer" else 0.0
 
+    if not unrolled and not interpret:  # the partial rows stored before (interpret mode is
+      pltriton.debug_barrier()          # sequential and has no barrier)
+
     def write(j, partials):  # last chunk first: the most recently read, likeliest in L2
       k = chunks - 1 - j
       at, mask, xhat, dy, g = tiles(k)
@@ -445,7 +446,8 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
               "dbias_part": lambda: jnp.sum(dy, axis=0)}
       if not unrolled:
         for name in names:
-          pltriton.atomic_add(r[name], part_at(k), sums[name]())
+          ref = r[name].at[part_at(k)]
+          pltriton.store(ref, pltriton.load(ref) + sums[name]())
         return partials
       return tuple(tuple(acc + sums[name]() if c == k else acc for c, acc in enumerate(accs))
                    for name, accs in zip(names, partials))
