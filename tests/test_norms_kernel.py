@@ -280,7 +280,9 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
       out.append(norms._check(x, None, None, x if residual else None, 1e-6, None, None, op))
       return x
     jax.eval_shape(check, jax.ShapeDtypeStruct(shape, dtype))
-    return out[0]
+    forward_use, training = out[0]
+    assert forward_use == "xla", "no forward kernel domain measured yet"
+    return training
 
   assert chosen("layer_norm", (262144, 2048)) == "triton"
   assert chosen("rms_norm", (262144, 2048)) == "triton"
@@ -476,3 +478,45 @@ def test_gpu_forward_kernel_path_matches_reference(shape, dtype, norm, bias):
   for name, g, w in zip(("dx", "dscale", "dbias"), got_grads, want_grads):
     if g is not None:
       _assert_close(g, w, tol, name)
+
+
+def test_default_forward_use_reads_forward_domains(monkeypatch):
+  """implementation=None for a call that is not differentiated: the forward kernel only where
+  FORWARD_DOMAINS holds (as on a Hopper GPU, device queries patched); an explicit
+  implementation runs one path for both uses."""
+  from pallas_norm import _dispatch
+  from pallas_norm.ops.norms import api as norms
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  monkeypatch.setattr(_dispatch, "on_cuda_gpu", lambda: True)
+  monkeypatch.setattr(row_norm_pallas, "FORWARD_DOMAINS", {"layer": (), "rms": ((128, 512, 1024),)})
+
+  def chosen(op, shape, implementation=None):
+    out = []
+    jax.eval_shape(lambda x: out.append(norms._check(x, None, None, None, 1e-6, None,
+                                                     implementation, op)) or x,
+                   jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+    return out[0]
+
+  assert chosen("rms_norm", (4096, 512)) == ("triton", "xla")
+  assert chosen("rms_norm", (4096, 2048)) == ("xla", "xla")
+  assert chosen("layer_norm", (4096, 512)) == ("xla", "xla")
+  assert chosen("rms_norm", (4096, 512), "triton") == ("triton", "triton")
+
+
+def test_forward_use_runs_the_forward_kernel_and_training_its_own_path(monkeypatch):
+  """By use (``_op.by_use``): a forward-use kernel with an XLA training path gives the
+  reference's values undifferentiated and the reference's gradients differentiated."""
+  from pallas_norm.ops.norms import api as norms
+  x, vecs, dy, _ = _inputs(21, (40, 96), jnp.float32, scale=True, bias=False, residual=False)
+  calls = []
+  real = triton_fwd.forward
+  monkeypatch.setattr(triton_fwd, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+  f = lambda x, s: norms._run(("interpret", "xla"), x, s, None, None, "rms", 1e-5, False, None)  # noqa: E731
+  _assert_close(jax.jit(f)(x, vecs["scale"]), reference.rms_norm(x, vecs["scale"], eps=1e-5),
+                F32_TOL, "y")
+  assert calls, "the forward use did not run the forward kernel"
+  got = jax.grad(lambda x, s: jnp.sum(jnp.sin(f(x, s))), (0, 1))(x, vecs["scale"])
+  want = jax.grad(lambda x, s: jnp.sum(jnp.sin(reference.rms_norm(x, s, eps=1e-5))),
+                  (0, 1))(x, vecs["scale"])
+  for g, w in zip(got, want):
+    _assert_close(g, w, F32_TOL, "grad")

@@ -13,7 +13,9 @@ building blocks of the Flax layers and the oracle shape of the fused ops.
 
 from __future__ import annotations
 
-from pallas_norm import _dispatch, _validate
+import functools
+
+from pallas_norm import _dispatch, _op, _validate
 from pallas_norm.ops.norms import triton, xla
 
 
@@ -26,10 +28,12 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   _validate.eps(eps, x.dtype)
   _validate.out_dtype(out_dtype)
   norm = "rms" if op == "rms_norm" else "layer"
-  return _dispatch.choose(
+  has_residual = residual is not None
+  return _dispatch.choose_by_use(
       op, implementation,
-      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype, residual is not None),
-      lambda: triton.slower_reason(norm, x.shape, x.dtype, residual is not None),
+      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype, has_residual),
+      lambda: triton.slower_reason(norm, x.shape, x.dtype, has_residual),
+      lambda: triton.slower_forward_reason(norm, x.shape, x.dtype, has_residual),
       kernel="triton")
 
 
@@ -78,11 +82,30 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
 
 
 def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
+  """The outputs by ``chosen = (forward use, training)`` (:func:`_dispatch.choose_by_use`).
+  Training takes the kernels' path with :func:`triton.forward_path`'s forward. A call that is
+  not differentiated runs the forward kernel where the forward use chose the kernels
+  (:data:`triton.FORWARD_DOMAINS`, or "triton"/"interpret" asked for), else XLA's forward;
+  where that is not the training path's forward, :func:`_op.by_use` runs each use on its
+  own."""
   kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
-  if chosen == "xla":
-    return _xla(x, scale, bias, residual, norm, **kw)
-  return triton.row_norm(x, scale, bias, residual, norm=norm, interpret=chosen == "interpret",
-                         **kw)
+
+  def run(impl, forward, x, scale, bias, residual):
+    if impl == "xla":
+      return _xla(x, scale, bias, residual, norm, **kw)
+    return triton.row_norm(x, scale, bias, residual, norm=norm, interpret=impl == "interpret",
+                           forward=forward, **kw)
+
+  forward_use, training = chosen
+  args = (x, scale, bias, residual)
+  training_forward = "xla" if training == "xla" else triton.forward_path(
+      norm, x.shape, residual is not None)
+  # The forward kernel adds no residual: with one, both uses run XLA's forward.
+  use_forward = "xla" if forward_use == "xla" or residual is not None else "kernel"
+  if use_forward == training_forward:  # both uses run the same forward: one path
+    return run(training, None, *args)
+  return _op.by_use(functools.partial(run, forward_use, use_forward),
+                    functools.partial(run, training, None), *args)
 
 
 def _xla(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):

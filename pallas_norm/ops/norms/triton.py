@@ -202,21 +202,41 @@ def forward_path(norm: str, x_shape, has_residual: bool) -> str:
   return _domain_row(norm, n, rows) or "xla"
 
 
-def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
-  """Why ``implementation=None`` keeps XLA for this call, or None to use the kernels
-  (:data:`KERNEL_DOMAINS`, measured on a Hopper GPU, the only one measured)."""
+FORWARD_DOMAINS = {
+    # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual
+    "layer": (),
+    "rms": (),
+}
+"""Where ``implementation=None`` runs a call that is not differentiated (inference) through the
+forward kernel: where the H200 measured it faster than XLA's forward alone. None measured yet
+(``benchmarks/NOTES.md``, "Standalone norms")."""
+
+
+def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> str | None:
   from pallas_norm import _dispatch  # the device query lives there
   n, rows = x_shape[-1], math.prod(x_shape[:-1])
   if not _dispatch.on_hopper_gpu():
     return "the Pallas row-norm kernels were measured only on a Hopper GPU (H200)"
   if jnp.dtype(x_dtype) != jnp.dtype(jnp.bfloat16) or has_residual:
-    return "the kernel path was measured faster only for bfloat16 x without a residual"
-  if _domain_row(norm, n, rows) is None:
+    return f"the {what} was measured faster only for bfloat16 x without a residual"
+  if not any(lo <= n <= hi and rows >= r for lo, hi, r, *_ in rows_of_norm):
     spans = ", ".join(f"{lo} <= N <= {hi} with at least {r} rows"
-                      for lo, hi, r, _ in KERNEL_DOMAINS[norm])
-    return (f"the kernel path was measured faster only for {spans or 'no shape'}, "
+                      for lo, hi, r, *_ in rows_of_norm)
+    return (f"the {what} was measured faster only for {spans or 'no shape'}, "
             f"got N = {n}, {rows} rows")
   return None
+
+
+def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  """Why ``implementation=None`` keeps XLA for this call in training, or None to use the
+  kernels (:data:`KERNEL_DOMAINS`, measured on a Hopper GPU, the only one measured)."""
+  return _slower(KERNEL_DOMAINS[norm], "kernel path", x_shape, x_dtype, has_residual)
+
+
+def slower_forward_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  """Why ``implementation=None`` keeps XLA for this call when it is not differentiated, or None
+  to run the forward kernel (:data:`FORWARD_DOMAINS`)."""
+  return _slower(FORWARD_DOMAINS[norm], "forward kernel", x_shape, x_dtype, has_residual)
 
 
 # ----------------------------------------------------------------------------------------------
