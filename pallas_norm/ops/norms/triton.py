@@ -434,7 +434,7 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
 
     def tiles(k):
       cols = k * chunk + base
-      mask = row_mask[:, None] & (cols < n)[None, :]
+      mask = triton_fwd.tile_mask(row_mask, cols, n)
       at = (rows[:, None], cols[None, :])
       load = lambda q: pltriton.load(r[q].at[at], mask=mask, other=0.0).astype(jnp.float32)  # noqa: E731
       xhat = triton_fwd.normalized_with(load("x"), cols, n, stats)

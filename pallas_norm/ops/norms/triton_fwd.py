@@ -118,6 +118,18 @@ def chunk_loop(count: int, body, init, unrolled: bool | None = None):
 # Statistics of a block of full rows (masked entries are 0).
 
 
+def tile_mask(row_mask, cols, n: int):
+  """The mask of a (rows, cols) tile: by rows alone where no chunk reaches past N (constant
+  along the row: the loads and stores stay vectorized), else also by columns."""
+  mask = jnp.broadcast_to(row_mask[:, None], (row_mask.shape[0], cols.shape[0]))
+  return mask if n % cols.shape[0] == 0 else mask & (cols < n)[None, :]
+
+
+def _inside(cols, n: int, value):
+  """``value`` with the columns past N zeroed (as is, where no chunk reaches past N)."""
+  return value if n % cols.shape[0] == 0 else jnp.where(cols[None, :] < n, value, 0.0)
+
+
 def full_row_stats(s, cols, n: int, eps: float, norm: str, shift=None, two_pass: bool = True):
   """(x̂, (shift, dmean, rstd) each (block_m,), shift = dmean = None for RMSNorm) of full rows
   ``s`` (block_m, n_pad). LayerNorm: ``shift`` (block_m,) is the rows' first elements (loaded
@@ -129,10 +141,9 @@ def full_row_stats(s, cols, n: int, eps: float, norm: str, shift=None, two_pass:
   if norm == "rms":
     rstd = lax.rsqrt(jnp.sum(s * s, axis=1) / n + eps)
     return s * rstd[:, None], (None, None, rstd)
-  inside = cols[None, :] < n
-  d = jnp.where(inside, s - shift[:, None], 0.0)
+  d = _inside(cols, n, s - shift[:, None])
   dmean = jnp.sum(d, axis=1) / n
-  centered = jnp.where(inside, d - dmean[:, None], 0.0)
+  centered = _inside(cols, n, d - dmean[:, None])
   if two_pass:
     var = jnp.sum(centered * centered, axis=1) / n
   else:
@@ -147,8 +158,7 @@ def normalized_with(s, cols, n: int, stats):
   shift, dmean, rstd = stats
   if shift is None:
     return s * rstd[:, None]
-  centered = (s - shift[:, None]) - dmean[:, None]
-  return jnp.where(cols[None, :] < n, centered, 0.0) * rstd[:, None]
+  return _inside(cols, n, (s - shift[:, None]) - dmean[:, None]) * rstd[:, None]
 
 
 def chunked_row_stats(load_chunk, n: int, chunk: int, eps: float, norm: str, block_m: int,
@@ -170,7 +180,7 @@ def chunked_row_stats(load_chunk, n: int, chunk: int, eps: float, norm: str, blo
   if not two_pass:
     def add_moments(k, acc):
       s, cols = load_chunk(k)
-      d = jnp.where(cols[None, :] < n, s - shift[:, None], 0.0)
+      d = _inside(cols, n, s - shift[:, None])
       return acc[0] + d, acc[1] + d * d
     d1, d2 = chunk_loop(chunks, add_moments, (tile, tile))
     dmean = jnp.sum(d1, axis=1) / n
@@ -212,14 +222,18 @@ def _forward_kernel(*refs, norm: str, has_gamma: bool, has_beta: bool, m: int, n
   def load_vec(name, cols):
     return pltriton.load(r[name].at[cols], mask=cols < n, other=0.0).astype(jnp.float32)
 
+  full = chunk >= n
+  vecs = {}
+  if full:  # γ and β once per program
+    vecs = {q: load_vec(q, base_cols) for q in ("gamma", "beta") if q in r}
+
   def step(i, _):
     rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
     row_mask = rows < m
 
     def at(k):
       cols = k * chunk + base_cols
-      mask = row_mask[:, None] & (cols < n)[None, :]
-      return (rows[:, None], cols[None, :]), mask, cols
+      return (rows[:, None], cols[None, :]), tile_mask(row_mask, cols, n), cols
 
     def load_chunk(k):
       idx, mask, cols = at(k)
@@ -227,16 +241,17 @@ def _forward_kernel(*refs, norm: str, has_gamma: bool, has_beta: bool, m: int, n
 
     def store_y(k, xhat, cols):
       idx, mask, _ = at(k)
-      y = xhat * load_vec("gamma", cols)[None, :] if has_gamma else xhat
+      vec = lambda q: vecs[q] if full else load_vec(q, cols)  # noqa: E731
+      y = xhat * vec("gamma")[None, :] if has_gamma else xhat
       if has_beta:
-        y = y + load_vec("beta", cols)[None, :]
+        y = y + vec("beta")[None, :]
       pltriton.store(r["y"].at[idx], y.astype(r["y"].dtype), mask=mask)
 
     shift = None
     if norm == "layer":  # the rows' first elements
       shift = pltriton.load(r["x"].at[rows, jnp.zeros_like(rows)], mask=row_mask,
                             other=0.0).astype(jnp.float32)
-    if chunk >= n:  # full rows: one load
+    if full:  # full rows: one load
       s, cols = load_chunk(0)
       xhat, stats = full_row_stats(s, cols, n, eps, norm, shift, two_pass)
       store_y(0, xhat, cols)
