@@ -49,9 +49,10 @@ ROUNDS, ITERS = 3, 5
 # timed in "fwd", backward tilings in "fwd+bwd" (under the default forward tiling).
 FWD, BWD = "fwd", "fwd+bwd"
 VARIANTS = {
-    # forward, full rows: 8192 elements a step, 8 warps, 4 programs per SM
+    # forward, full rows: 8192 elements a step, 8 warps, 4 programs per SM (N = 8192: 8 warps)
     "f_8k_x4_w8": (lambda norm, n, mode: mode == FWD and n <= 8192,
-                   {(TF, "TILINGS"): {**TF.TILINGS, "full": (8192, 4, 8)}}),
+                   {(TF, "TILINGS"): {**TF.TILINGS, "full": (8192, 4, 8),
+                                      "wide": (8192, 4, 8)}}),
     # forward, N = 8192 in chunks (default chunked tiling)
     "f_chunked": (lambda norm, n, mode: mode == FWD and n == 8192,
                   {(TF, "CHUNKED_MIN_N"): 8192}),

@@ -40,9 +40,10 @@ CHUNKED_MIN_N = 8193
 """Rows at least this wide are walked in chunks (forward and backward); narrower rows are held
 whole in registers (the backward kernel's ``MAX_N``)."""
 
-TILINGS = {"full": (4096, 8, 4), "chunked": (4096, 2, 8)}
-"""Forward tilings: full rows (elements per step, programs per SM, warps) and chunked rows
-(columns per chunk, programs per SM, warps), one row per step. Not yet measured against others
+TILINGS = {"full": (4096, 8, 4), "wide": (8192, 4, 16), "chunked": (4096, 2, 8)}
+"""Forward tilings, each (elements per step, programs per SM, warps): full rows up to 4096
+elements, full rows wider than 4096 (one a step; the backward's wide tiling), and chunked rows
+(the chunk's columns; one row a step). Not yet measured against others
 (``benchmarks/NOTES.md``, "Standalone norms")."""
 
 INTERPRET_PROGRAMS = 3
@@ -75,14 +76,14 @@ def gpu_core_count() -> int:
 
 
 def pick_config(m: int, n: int, interpret: bool) -> RowTiling:
-  """Full rows over :data:`TILINGS` ["full"] below :data:`CHUNKED_MIN_N`, else one row per step
-  in chunks (:data:`TILINGS` ["chunked"])."""
+  """Full rows over :data:`TILINGS` ["full"] (["wide"] past 4096) below :data:`CHUNKED_MIN_N`,
+  else one row per step in chunks (:data:`TILINGS` ["chunked"])."""
   n_pad = pl.next_power_of_2(n)
   if n >= CHUNKED_MIN_N:
     chunk, per_sm, warps = TILINGS["chunked"]
     block_m = 1
   else:
-    elements, per_sm, warps = TILINGS["full"]
+    elements, per_sm, warps = TILINGS["full" if n_pad <= 4096 else "wide"]
     chunk, block_m = n_pad, max(1, min(64, elements // n_pad))
   programs = INTERPRET_PROGRAMS if interpret else per_sm * gpu_core_count()
   return RowTiling(block_m=block_m, chunk=min(chunk, n_pad),
