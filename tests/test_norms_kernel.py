@@ -483,7 +483,7 @@ def test_gpu_forward_kernel_path_matches_reference(shape, dtype, norm, bias):
 def test_default_forward_use_reads_forward_domains(monkeypatch):
   """implementation=None for a call that is not differentiated: the forward kernel only where
   FORWARD_DOMAINS holds (as on a Hopper GPU, device queries patched); an explicit
-  implementation runs one path for both uses."""
+  implementation runs one path for both uses (forward use None)."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.norms import api as norms
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
@@ -500,7 +500,7 @@ def test_default_forward_use_reads_forward_domains(monkeypatch):
   assert chosen("rms_norm", (4096, 512)) == ("triton", "xla")
   assert chosen("rms_norm", (4096, 2048)) == ("xla", "xla")
   assert chosen("layer_norm", (4096, 512)) == ("xla", "xla")
-  assert chosen("rms_norm", (4096, 512), "triton") == ("triton", "triton")
+  assert chosen("rms_norm", (4096, 512), "triton") == (None, "triton")
 
 
 def test_forward_use_runs_the_forward_kernel_and_training_its_own_path(monkeypatch):

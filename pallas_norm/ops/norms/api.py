@@ -29,12 +29,14 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   _validate.out_dtype(out_dtype)
   norm = "rms" if op == "rms_norm" else "layer"
   has_residual = residual is not None
-  return _dispatch.choose_by_use(
+  forward, training = _dispatch.choose_by_use(
       op, implementation,
       lambda _: triton.unsupported_reason(norm, x.shape, x.dtype, has_residual),
       lambda: triton.slower_reason(norm, x.shape, x.dtype, has_residual),
       lambda: triton.slower_forward_reason(norm, x.shape, x.dtype, has_residual),
       kernel="triton")
+  # An implementation asked for runs one path for both uses (its forward: forward_path's).
+  return (None if implementation is not None else forward), training
 
 
 def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
@@ -82,12 +84,12 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
 
 
 def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
-  """The outputs by ``chosen = (forward use, training)`` (:func:`_dispatch.choose_by_use`).
-  Training takes the kernels' path with :func:`triton.forward_path`'s forward. A call that is
-  not differentiated runs the forward kernel where the forward use chose the kernels
-  (:data:`triton.FORWARD_DOMAINS`, or "triton"/"interpret" asked for), else XLA's forward;
-  where that is not the training path's forward, :func:`_op.by_use` runs each use on its
-  own."""
+  """The outputs by ``chosen = (forward use, training)`` (:func:`_check`). Training takes the
+  kernels' path with :func:`triton.forward_path`'s forward. Under ``implementation=None`` a
+  call that is not differentiated runs the forward kernel where the forward use chose the
+  kernels (:data:`triton.FORWARD_DOMAINS`), else XLA's forward; where that is not the training
+  path's forward, :func:`_op.by_use` runs each use on its own. Forward use None: the training
+  path for both."""
   kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
 
   def run(impl, forward, x, scale, bias, residual):
@@ -102,7 +104,7 @@ def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_d
       norm, x.shape, residual is not None)
   # The forward kernel adds no residual: with one, both uses run XLA's forward.
   use_forward = "xla" if forward_use == "xla" or residual is not None else "kernel"
-  if use_forward == training_forward:  # both uses run the same forward: one path
+  if forward_use is None or use_forward == training_forward:  # one path
     return run(training, None, *args)
   return _op.by_use(functools.partial(run, forward_use, use_forward),
                     functools.partial(run, training, None), *args)
