@@ -287,7 +287,25 @@ def summary(results):
     lines.append(f"| {case} | " + " | ".join(cell.get(i, "") for i in
                                              ("main", "xla", "kernel", "xfwd"))
                  + f" | {best['impl'] + ' ' + format(best['us'], '.1f') if best else ''} |")
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines) + "\n\n" + proposals(by_case) + "\n"
+
+
+def proposals(by_case):
+  """Per case, the fastest correct path and what the dispatch tables would say: fwd+bwd ->
+  triton.KERNEL_DOMAINS (forward "kernel" for kernel/variants, "xla" for xfwd/main's kernel),
+  fwd -> triton.FORWARD_DOMAINS; a variant winning names the tiling to adopt."""
+  out = ["Fastest per case (vs XLA; a KERNEL_DOMAINS / FORWARD_DOMAINS row where a kernel wins):"]
+  for case, rows in by_case.items():
+    timed = {r["impl"]: r["us"] for r in rows if r.get("us")}
+    if not timed or "xla" not in timed:
+      out.append(f"  {case}: no XLA time")
+      continue
+    best = min(timed, key=timed.get)
+    ratio = timed[best] / timed["xla"]
+    kind = {"xla": "xla", "main": "main's path (keep the table)",
+            "xfwd": "the kernel after XLA's forward"}.get(best, "forward-kernel path")
+    out.append(f"  {case}: {best} {timed[best]:.1f} us ({ratio:.3f}x XLA) -> {kind}")
+  return "\n".join(out)
 
 
 if __name__ == "__main__":
