@@ -153,19 +153,19 @@ def _traced(expected, with_bias=True):
 
 
 def _spy_on_dx_kernel(monkeypatch, run_kernel=True):
-  """Replaces norm_matmul_dx by a wrapper that records which row-term inputs each call got:
-  "y" (fused row terms), "y_term" (the XLA pass) or "row_sums" (the row sums in the
-  epilogue); without ``run_kernel`` it returns zeros."""
-  calls, real = [], nmb.norm_matmul_dx
+  """Replaces the dx kernel's launch (what the op's backward calls) by a wrapper that records
+  which row-term inputs each call got: "y" (fused row terms), "y_term" (the XLA pass) or
+  "row_sums" (the row sums in the epilogue); without ``run_kernel`` it returns zeros."""
+  calls, real = [], nmb.launch
 
   def spy(dy, w_gamma, x, *args, **kwargs):
-    calls.append("row_sums" if kwargs.get("row_sums_in_epilogue") else
+    calls.append("row_sums" if kwargs.get("row_sums") else
                  "y" if kwargs.get("y") is not None else "y_term")
     if run_kernel:
       return real(dy, w_gamma, x, *args, **kwargs)
-    return (jnp.zeros_like(x),) * 2 if kwargs.get("return_x_hat") else jnp.zeros_like(x)
+    return (jnp.zeros_like(x),) * 2 if kwargs.get("x_hat") else jnp.zeros_like(x)
 
-  monkeypatch.setattr(nmb, "norm_matmul_dx", spy)
+  monkeypatch.setattr(nmb, "launch", spy)
   return calls
 
 
@@ -187,12 +187,8 @@ def test_row_terms_default_by_shape(monkeypatch, k, n, norm, expected):
   _check_row_terms_route(monkeypatch, jnp.bfloat16, expected, k, n, norm)
 
 
-def _check_row_terms_route(monkeypatch, y_dtype, expected, k, n, norm="layer",
-                           epilogue_row_sums=False):
-  """The route of dx's row terms; ``epilogue_row_sums``: as the op chooses it (else the row
-  terms' routes where the epilogue's row sums are not taken)."""
-  if not epilogue_row_sums:
-    monkeypatch.setattr(nm, "_takes_row_sums", lambda *args: False)
+def _check_row_terms_route(monkeypatch, y_dtype, expected, k, n, norm="layer"):
+  """The route of dx's row terms where the epilogue's row sums are not taken."""
   calls = _spy_on_dx_kernel(monkeypatch, run_kernel=False)
   m = 16
   x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
@@ -200,7 +196,8 @@ def _check_row_terms_route(monkeypatch, y_dtype, expected, k, n, norm="layer",
   y = jnp.ones((m, n), y_dtype)
   rows = jnp.ones((m,), jnp.float32)
   dx = nm._input_grad(ct.astype(y_dtype), x, w_gamma, col_sum, out_bias, y,
-                      None if norm == "rms" else rows, rows, interpret=False, x_hat=False)
+                      None if norm == "rms" else rows, rows, interpret=False, row_sums=False,
+                      x_hat=False)
   assert calls == _traced(expected) and dx.shape == x.shape
 
 
@@ -213,10 +210,10 @@ def test_weight_grads_take_x_hat_by_shape(monkeypatch, k, n, norm, x_hat):
   kwargs_seen = []
 
   def spy(dy, w_gamma, x, *args, **kwargs):
-    kwargs_seen.append(kwargs.get("return_x_hat"))
-    return (jnp.zeros_like(x),) * 2 if kwargs.get("return_x_hat") else jnp.zeros_like(x)
+    kwargs_seen.append(kwargs.get("x_hat"))
+    return (jnp.zeros_like(x),) * 2 if kwargs.get("x_hat") else jnp.zeros_like(x)
 
-  monkeypatch.setattr(nmb, "norm_matmul_dx", spy)
+  monkeypatch.setattr(nmb, "launch", spy)
   x, w, scale, bias, _ = _inputs(3, 16, k, n, jnp.bfloat16)
   grads = jax.grad(lambda x, w: pallas_norm.norm_matmul(
       x, w, scale=scale, norm_bias=bias, norm=norm, implementation="interpret").astype(
@@ -636,7 +633,9 @@ def test_epilogue_row_sums_route_by_shape(monkeypatch, k, n, norm, interpret, ex
   x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
   w_gamma, col_sum, out_bias = nm_xla.fold_affine(w, scale, bias, norm)
   rows = jnp.ones((m,), jnp.float32)
-  jax.make_jaxpr(lambda *a: nm._input_grad(*a, interpret=interpret, x_hat=False))(
+  row_sums = nm._takes_row_sums(m, k, n, x.dtype, interpret)
+  jax.make_jaxpr(lambda *a: nm._input_grad(*a, interpret=interpret, row_sums=row_sums,
+                                           x_hat=False))(
       ct.astype(jnp.bfloat16), x, w_gamma, col_sum, out_bias, jnp.ones((m, n), jnp.bfloat16),
       None if norm == "rms" else rows, rows)
   assert calls == expected
@@ -651,11 +650,11 @@ def test_weight_grads_take_x_hat_with_the_row_sums(monkeypatch, k, n, norm, x_ha
   seen = []
 
   def spy(dy, w_gamma, x, *args, **kwargs):
-    seen.append(kwargs.get("return_x_hat"))
+    seen.append(kwargs.get("x_hat"))
     return (jnp.zeros((x.shape[0], x.shape[1] + 64), x.dtype),) * 2 if kwargs.get(
-        "return_x_hat") else jnp.zeros_like(x)
+        "x_hat") else jnp.zeros_like(x)
 
-  monkeypatch.setattr(nmb, "norm_matmul_dx", spy)
+  monkeypatch.setattr(nmb, "launch", spy)
   m = 16
   x, w, scale, bias, ct = _inputs(3, m, k, n, jnp.bfloat16)
   w_gamma, col_sum, out_bias = nm_xla.fold_affine(w, scale, bias, norm)

@@ -679,9 +679,12 @@ def test_kernel_path_validates_and_picks_its_config_once(op, monkeypatch):
   assert picked.count((32, 128, 256)) == 1 and not checked, (picked, len(checked))
 
 
-def test_gdpa_kernel_path_hands_its_config_down(monkeypatch):
-  """pn.gdpa on the kernel path (forward and backward traced as on a Hopper GPU, nothing runs):
-  the op picks the forward kernel's tiling and passes it to the kernel, which picks none."""
+@pytest.mark.parametrize("op", ["gdpa", "flash_norm_attention"])
+def test_gdpa_kernel_path_hands_its_config_down(op, monkeypatch):
+  """pn.gdpa on the kernel path, and flash_norm_attention's unfused chain around the GDPA kernel
+  (jagged K/V: the fused kernels take dense K/V only), forward and backward traced as on a
+  Hopper GPU (nothing runs): the op picks the forward kernel's tiling once (the dispatch's
+  question whether one fits) and passes it to the kernel, which picks none."""
   from pallas_norm.ops.gdpa import configs as gdpa_configs, mosaic as gdpa_mosaic
   handed, picked = [], []
   real_fwd, real_pick = gdpa_mosaic.gdpa_fwd, gdpa_configs.pick_config
@@ -691,11 +694,37 @@ def test_gdpa_kernel_path_hands_its_config_down(monkeypatch):
                       lambda *a, **kw: picked.append(a) or real_pick(*a, **kw))
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   q = jnp.ones((128, 2, 64), jnp.bfloat16)
-  kv = jnp.ones((2, 128, 2, 64), jnp.bfloat16)
   offsets = jnp.array([0, 60, 128], jnp.int32)
-  loss = lambda q: jnp.sum(pallas_norm.gdpa(q, kv, kv, offsets, implementation="mosaic")  # noqa: E731
+  if op == "gdpa":
+    kv, kv_offsets, kv_rows = jnp.ones((2, 128, 2, 64), jnp.bfloat16), None, 128
+  else:  # packed K/V: a window of Tkv + 7 rows, rounded up to 64
+    kv, kv_offsets, kv_rows = jnp.ones((128, 2, 64), jnp.bfloat16), offsets, 192
+  fn = getattr(pallas_norm, op)
+  loss = lambda q: jnp.sum(fn(q, kv, kv, offsets, kv_offsets, implementation="mosaic")  # noqa: E731
                            .astype(F32))
   jax.make_jaxpr(jax.grad(loss))(q)
-  want = real_pick(128, 64, jnp.bfloat16, jnp.bfloat16)
-  # One pick by unsupported_reason (does one fit?), one by the op's forward rule.
-  assert handed == [want] and len(picked) == 2, (handed, picked)
+  want = real_pick(kv_rows, 64, jnp.bfloat16, jnp.bfloat16)
+  assert handed == [want] and len(picked) == 1, (handed, picked)
+
+
+def test_norm_matmul_backward_decides_its_dx_route_once(monkeypatch):
+  """norm_matmul's backward on the kernel path (traced as on a Hopper GPU, nothing runs): it asks
+  once whether the dx kernel sums its rows in the epilogue, picks the dx kernel's tiling once,
+  and calls the kernel module's launch, which checks nothing again (the op validated)."""
+  from pallas_norm.ops.norm_matmul import mosaic_bwd
+  asked, picked, checked = [], [], []
+  real_ask, real_pick = mosaic_bwd.row_sums_unsupported_reason, mosaic_bwd.pick_config
+  monkeypatch.setattr(mosaic_bwd, "row_sums_unsupported_reason",
+                      lambda *a, **kw: asked.append(a) or real_ask(*a, **kw))
+  monkeypatch.setattr(mosaic_bwd, "pick_config",
+                      lambda *a, **kw: picked.append((a, kw)) or real_pick(*a, **kw))
+  monkeypatch.setattr(mosaic_bwd, "_check_args", lambda *a: checked.append(a))
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  x, w = jnp.ones((4, 8, 128), jnp.bfloat16), jnp.ones((128, 256), jnp.bfloat16)
+  bias = jnp.ones((128,), jnp.bfloat16)
+  loss = lambda x, w: jnp.sum(pallas_norm.norm_matmul(  # noqa: E731
+      x, w, norm_bias=bias, norm="layer", implementation="mosaic").astype(F32))
+  jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+  want = ((32, 256, 128), dict(fused_row_terms=False, x_hat=True, row_sums=True,
+                               interpret=False))
+  assert len(asked) == 1 and picked == [want] and not checked, (asked, picked, len(checked))

@@ -1,6 +1,7 @@
 """Shared pieces of the Pallas Mosaic-GPU (Hopper, sm_90a) kernels of pallas-norm.
 
-* :mod:`.config`: :class:`TileConfig`, the tiling of a warp-specialized GEMM kernel.
+* :mod:`.config`: :class:`TileConfig`, the tiling of a warp-specialized GEMM kernel, and
+  :func:`cluster_split`, how the CTAs of a cluster share a row of output columns.
 * :mod:`.device`: SM counts, resident clusters, SMEM swizzles, GPU interpret mode
   (:func:`interpret_params`, :func:`races_found`).
 * :mod:`.pipeline`: the K-loop pipelines (Pallas's, chained across tiles, and the shared ring).
@@ -15,8 +16,9 @@ The names are re-exported here, so kernels use ``mgpu.TileConfig``, ``mgpu.ring_
 on.
 """
 
-from pallas_norm.mgpu.config import (INTERPRET_NUM_CTAS, SMEM_BYTES, SUPPORTED_DTYPES,
-                                     TileConfig, reject_unused_options)
+from pallas_norm.mgpu.config import (CLUSTER_SIZES, INTERPRET_NUM_CTAS, MAX_N_TILES,
+                                     MAX_TILE_N, SMEM_BYTES, SUPPORTED_DTYPES, TileConfig,
+                                     cluster_split, reject_unused_options)
 from pallas_norm.mgpu.device import (RESIDENT_SHARE, interpret_params, num_sms, pad_rows,
                                      persistent_clusters, races_found, resident_clusters,
                                      swizzle_transforms)

@@ -1,4 +1,5 @@
-"""The tiling of the warp-specialized GEMM kernels: :class:`TileConfig` (tiling knobs only)."""
+"""The tiling of the warp-specialized GEMM kernels: :class:`TileConfig` (tiling knobs only), and
+:func:`cluster_split`, how the CTAs of a cluster share a row of output columns."""
 
 from __future__ import annotations
 
@@ -16,6 +17,30 @@ the CPU run stays short (interpret mode runs the CTAs one after the other)."""
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Operand dtypes of the WGMMA kernels."""
+
+CLUSTER_SIZES = (1, 2, 4, 8)
+"""CTAs that may share a row block (8 is the portable cluster limit on Hopper)."""
+
+MAX_TILE_N = 256
+"""Widest N tile of one CTA (the largest WGMMA N; the accumulator lives in registers)."""
+
+MAX_N_TILES = 4
+"""N tiles one CTA loops over when a cluster of 8 is not wide enough (so N ≤ 8192)."""
+
+
+def cluster_split(n: int) -> tuple[int, int, int] | None:
+  """(cluster, tile_n, n_tiles): how the CTAs of a cluster share a row of ``n`` output columns
+  (the post-norm forward's N; the pre-norm dx kernel's K): the smallest cluster whose CTAs get
+  one 64-multiple N tile of ≤ 256 columns; past 8 · 256 columns, 8 CTAs of up to 4 N tiles each
+  (the widest tile). None where ``n`` does not split so."""
+  for c in CLUSTER_SIZES:
+    if n % c == 0 and (n // c) % 64 == 0 and n // c <= MAX_TILE_N:
+      return c, n // c, 1
+  c = max(CLUSTER_SIZES)
+  for tile_n in (256, 192, 128):
+    if n % (c * tile_n) == 0 and n // (c * tile_n) <= MAX_N_TILES:
+      return c, tile_n, n // (c * tile_n)
+  return None
 
 
 @dataclasses.dataclass(frozen=True)

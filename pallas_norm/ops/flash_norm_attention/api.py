@@ -98,10 +98,12 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     return (_forward_kernel(q, k, kv_offsets, out_dtype, candidate == "interpret")[1]
             or norm_bwd.unsupported_reason(q.shape))
 
+  # The GDPA kernel's tiling for the chain, or why it cannot run: asked once, then handed down.
+  gdpa_tiling = functools.cache(
+      lambda: gdpa_mosaic.tiling_or_reason(q, k, kv_offsets, max_kv_len, None))
   impl = _dispatch.choose(
       "flash_norm_attention", implementation,
-      unsupported_reason=lambda candidate: fused_reason(candidate) and (
-          gdpa_mosaic.unsupported_reason(q, k, kv_offsets, max_kv_len, None)),
+      unsupported_reason=lambda candidate: fused_reason(candidate) and gdpa_tiling()[1],
       slower_reason=lambda: (fused_reason("mosaic")
                              or fused_slower_reason(q, k, kv_offsets, out_dtype)) and (
           gdpa_api.kernel_slower_reason(q, k, kv_offsets, max_kv_len, None)))
@@ -118,7 +120,7 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
                                                impl == "interpret")[0])
     return out if not return_stats else (out[0], jax.tree.map(lax.stop_gradient, out[1]))
   block = reference.flash_norm_attention if impl == "xla" else functools.partial(
-      _gdpa_kernel_chain, gdpa_implementation=impl)
+      _gdpa_kernel_chain, gdpa_implementation=impl, gdpa_config=gdpa_tiling()[0])
   q, k, v, ln_scale, ln_bias, rms_scale = gdpa_api.poison_inputs_if_offsets_invalid(
       (q, k, v, ln_scale, ln_bias, rms_scale), q_offsets, kv_offsets, q.shape[0], k.shape[0],
       max_seq_len, max_kv_len)
@@ -179,14 +181,16 @@ def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
 
 
 def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
-                       max_seq_len, max_kv_len, gdpa_implementation, **block_options):
+                       max_seq_len, max_kv_len, gdpa_implementation, gdpa_config,
+                       **block_options):
   """:func:`pallas_norm.reference.flash_norm_attention` with its attention through the GDPA
-  kernel (``gdpa_implementation``: "mosaic" or "interpret"); same arguments and outputs."""
+  kernel (``gdpa_implementation``: "mosaic" or "interpret"; ``gdpa_config``: its tiling, as
+  the dispatch found it); same arguments and outputs."""
   def attention(u_in):
     return gdpa_api.kernel_path(u_in, k, v, q_offsets, kv_offsets, activation=activation,
                                 pre_scale=pre_scale, post_scale=post_scale,
                                 max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=None,
-                                implementation=gdpa_implementation)
+                                implementation=gdpa_implementation, config=gdpa_config)
 
   return reference.flash_norm_block(q, q_offsets, attention, **block_options)
 
@@ -310,17 +314,22 @@ def _fused_bwd_rule(static, saved, cotangents):
   # Padding rows of dq get 0 · post_scale: zero, or NaN where bad traced offsets poisoned the
   # scales (the rows the made-valid offsets call padding may be real tokens of the caller's).
   pad = 0 * post_scale
-  dz, d_rms_scale = norm_bwd.rms_backward(rows(d_out), rows(z), stats, rms_scale, end,
-                                          interpret=static.interpret)
+  # Each kernel call goes through _op.first_order_only (no second derivative).
+  dz, d_rms_scale = _op.first_order_only(
+      "flash_norm_attention", functools.partial(norm_bwd.rms_backward,
+                                                interpret=static.interpret),
+      rows(d_out), rows(z), stats, rms_scale, end)
   du, dk, dv, d_pre, d_post = gdpa_mosaic_bwd.gdpa_bwd(
       q if u is None else u, k, v, q_offsets, None, dz.reshape(q.shape),
       activation=static.activation, pre_scale=pre_scale, post_scale=post_scale,
       interpret=static.interpret, scale_grads=static.scale_grads,
       add_do_to_dq=static.inner_residual)
   if static.pre_layer_norm:
-    dq, d_ln_scale, d_ln_bias = norm_bwd.ln_backward(
-        rows(du), rows(d_out), rows(q), stats, ln_scale, end, pad,
-        outer_residual=static.outer_residual, interpret=static.interpret)
+    dq, d_ln_scale, d_ln_bias = _op.first_order_only(
+        "flash_norm_attention", functools.partial(
+            norm_bwd.ln_backward, outer_residual=static.outer_residual,
+            interpret=static.interpret),
+        rows(du), rows(d_out), rows(q), stats, ln_scale, end, pad)
   else:  # u = q: dq is du plus the outer branch, one elementwise pass
     d_ln_scale = d_ln_bias = jnp.zeros_like(ln_scale)
     dq = rows(du).astype(_F32)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_norm import _op, mgpu
+from pallas_norm import mgpu
 
 _F32 = jnp.float32
 MAX_ELEMENTS = 2**31 - 1
@@ -209,11 +209,10 @@ def _call(name, body, vectors, inputs: dict, outputs: dict, partials: int, n: in
   names = list(inputs) + list(outputs) + ["partials"]
   kernel = functools.partial(_row_kernel, names=names, body=body, vectors=vectors,
                              partials=partials, n=n, capacity=capacity, cfg=cfg)
-  outs = _op.first_order_only("flash_norm_attention", lambda *a: pl.pallas_call(
+  outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret, name=name,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                              num_stages=cfg.num_stages))(*a),
-      *inputs.values())
+                                              num_stages=cfg.num_stages))(*inputs.values())
   sums = jnp.sum(outs[-1].reshape(partials, n_pad, programs)[:, :n], axis=2)
   return list(outs[:-1]), list(sums)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from pallas_norm import _dispatch, _op, _validate, reference
-from pallas_norm.ops.gdpa import configs, mosaic, mosaic_bwd, xla
+from pallas_norm.ops.gdpa import mosaic, mosaic_bwd, xla
 
 _F32 = jnp.float32
 
@@ -108,10 +108,12 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   """
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)
+  # The kernel's tiling, or why it cannot run the call: asked once, for the dispatch, and the
+  # tiling handed down to the kernel.
+  tiling = functools.cache(
+      lambda: mosaic.tiling_or_reason(q, k, kv_offsets, max_kv_len, out_dtype))
   impl = _dispatch.choose(
-      "gdpa", implementation,
-      unsupported_reason=lambda _: mosaic.unsupported_reason(q, k, kv_offsets, max_kv_len,
-                                                             out_dtype),
+      "gdpa", implementation, unsupported_reason=lambda _: tiling()[1],
       slower_reason=lambda: kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype))
   if impl == "xla":
     q, k, v, pre_scale, post_scale = poison_inputs_if_offsets_invalid(
@@ -123,14 +125,16 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
                                      max_seq_len, max_kv_len)
   return kernel_path(q, k, v, q_offsets, kv_offsets, activation=activation,
                      pre_scale=pre_scale, post_scale=post_scale, max_seq_len=max_seq_len,
-                     max_kv_len=max_kv_len, out_dtype=out_dtype, implementation=impl)
+                     max_kv_len=max_kv_len, out_dtype=out_dtype, implementation=impl,
+                     config=tiling()[0])
 
 
 def kernel_path(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
-                max_seq_len, max_kv_len, out_dtype, implementation):
+                max_seq_len, max_kv_len, out_dtype, implementation, config):
   """:func:`gdpa` after validation and the choice of a kernel implementation ("mosaic" or
   "interpret"): bad traced offsets poisoned, then the kernels' ``custom_vjp``. For callers that
-  validated and chose already (``flash_norm_attention``'s chain)."""
+  validated and chose already (``flash_norm_attention``'s chain). ``config``: the forward
+  kernel's tiling, :func:`mosaic.tiling_or_reason`'s for these arguments."""
   scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
   pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
   bad = _offsets_invalid(q_offsets, kv_offsets, q.shape[0], k.shape[0], max_seq_len, max_kv_len)
@@ -138,7 +142,7 @@ def kernel_path(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_s
     q_offsets, pre_scale, post_scale = _poisoned(bad, q_offsets, pre_scale, post_scale)
   return _kernel_gdpa(q, k, v, pre_scale, post_scale, (q_offsets, kv_offsets), activation,
                       max_seq_len, max_kv_len, jnp.dtype(out_dtype or q.dtype),
-                      implementation == "interpret", scale_grads)
+                      implementation == "interpret", scale_grads, config)
 
 
 def _poisoned(bad, q_offsets, pre_scale, post_scale):
@@ -170,23 +174,20 @@ def kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
 # The kernel path: one custom_vjp, forward and backward rules side by side. The scales are f32
 # 0-d arrays (traced ones get gradients); the offsets are integer inputs (no cotangent).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
 def _kernel_gdpa(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len, max_kv_len,
-                 out_dtype, interpret, scale_grads):
+                 out_dtype, interpret, scale_grads, config):
   return _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
-                          max_kv_len, out_dtype, interpret, scale_grads)[0]
+                          max_kv_len, out_dtype, interpret, scale_grads, config)[0]
 
 
 def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
-                     max_kv_len, out_dtype, interpret, scale_grads):
+                     max_kv_len, out_dtype, interpret, scale_grads, config):
   del max_seq_len, scale_grads  # the kernel's work list comes from the offsets themselves
   q_offsets, kv_offsets = offsets
   rows = mosaic.kv_rows(k, kv_offsets, max_kv_len)
   # Built once: the backward reads its dense tile order from it (no second sort).
   table = mosaic.work_items(q_offsets, kv_offsets, q.shape[0], k.shape[0], rows)
-  # The forward kernel's tiling, picked here once and handed down (unsupported_reason only
-  # asked whether one fits).
-  config = configs.pick_config(rows, q.shape[2], q.dtype, out_dtype)
 
   def forward(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, table):
     return mosaic.gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale,
@@ -199,8 +200,8 @@ def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_se
 
 
 def _kernel_bwd_rule(activation, max_seq_len, max_kv_len, out_dtype, interpret, scale_grads,
-                     saved, d_out):
-  del out_dtype
+                     config, saved, d_out):
+  del out_dtype, config  # the backward kernel's tiles are its own constants
   q, k, v, pre_scale, post_scale, offsets, table = saved
   q_offsets, kv_offsets = offsets
   kw = dict(activation=activation, pre_scale=pre_scale, post_scale=post_scale,

@@ -130,32 +130,38 @@ def operand_reason(q, out_dtype) -> str | None:
 
 def unsupported_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
   """None when the kernel can run these (validated) arguments, else why not."""
+  return tiling_or_reason(q, k, kv_offsets, max_kv_len, out_dtype)[1]
+
+
+def tiling_or_reason(q, k, kv_offsets, max_kv_len, out_dtype):
+  """``(config, None)``: the tiling the kernel runs these (validated) arguments with
+  (:func:`configs.pick_config`); ``(None, why)`` when it cannot run them. The op asks this once,
+  for the dispatch, and hands the config down to :func:`gdpa_fwd`."""
   reason = operand_reason(q, out_dtype)
   if reason is not None:
-    return reason
+    return None, reason
   dtype = jnp.dtype(q.dtype)
   out_dtype = jnp.dtype(out_dtype or dtype)
   head_dim = q.shape[2]
   if q.shape[0] == 0:  # a block of 0 rows: the kernel's buffers and TMA windows need >= 1
-    return "zero token capacity T = 0 (no q rows: XLA returns the empty output)"
+    return None, "zero token capacity T = 0 (no q rows: XLA returns the empty output)"
   if kv_offsets is None and k.shape[1] == 0:
-    return "dense K/V length Lkv = 0 (no keys: XLA returns the zeros)"
+    return None, "dense K/V length Lkv = 0 (no keys: XLA returns the zeros)"
   if kv_offsets is None and k.shape[1] % 64:
-    return f"dense K/V length Lkv = {k.shape[1]} is not a multiple of 64"
+    return None, f"dense K/V length Lkv = {k.shape[1]} is not a multiple of 64"
   if q.shape[0] % ALIGN or (kv_offsets is not None and k.shape[0] % ALIGN):
-    return (f"the token capacities T = {q.shape[0]}" + ("" if kv_offsets is None else
-            f", Tkv = {k.shape[0]}") + f" must be multiples of {ALIGN} (Mosaic's tiled TMA)")
-  if configs.pick_config(kv_rows(k, kv_offsets, max_kv_len), head_dim, dtype, out_dtype) is None:
-    return f"no tiling fits in SMEM with D = {head_dim}"  # f32 out, D 128, > 128 K/V rows
-  return None
+    return None, (f"the token capacities T = {q.shape[0]}" + ("" if kv_offsets is None else
+                  f", Tkv = {k.shape[0]}") + f" must be multiples of {ALIGN} (Mosaic's tiled TMA)")
+  cfg = configs.pick_config(kv_rows(k, kv_offsets, max_kv_len), head_dim, dtype, out_dtype)
+  if cfg is None:  # f32 out, D 128, > 128 K/V rows
+    return None, f"no tiling fits in SMEM with D = {head_dim}"
+  return cfg, None
 
 
 def streams_kv(q, k, kv_offsets, max_kv_len, out_dtype) -> bool:
   """Whether the default tiling streams K/V per q block (the K/V window does not fit in SMEM)
   instead of keeping it resident, for arguments the kernel supports."""
-  cfg = configs.pick_config(kv_rows(k, kv_offsets, max_kv_len), q.shape[2], q.dtype,
-                            jnp.dtype(out_dtype or q.dtype))
-  return cfg.kv_stages is not None
+  return tiling_or_reason(q, k, kv_offsets, max_kv_len, out_dtype)[0].kv_stages is not None
 
 
 ALIGN = 8
@@ -253,7 +259,8 @@ def gdpa_fwd(q, k, v, q_offsets, kv_offsets, pre_scale, post_scale, *, activatio
     activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
     max_kv_len: static bound on jagged K/V lengths (default Tkv).
     out_dtype: bf16, f16 or f32 (default q's dtype).
-    config: tiling (default :func:`configs.pick_config`).
+    config: tiling (the op hands down :func:`tiling_or_reason`'s; default
+      :func:`configs.pick_config`).
     work_table: :func:`work_items` of these arguments, if the caller built it (the op keeps
       it for the backward); default: built here.
     interpret: run in Pallas GPU interpret mode (any backend).

@@ -81,18 +81,10 @@ from pallas_norm import mgpu
 from pallas_norm.mgpu import TileConfig
 from pallas_norm.mgpu import exchange as cluster_exchange
 from pallas_norm.mgpu import gemm as gemm_core
+from pallas_norm.mgpu.config import CLUSTER_SIZES, MAX_N_TILES, MAX_TILE_N, cluster_split
 
 __all__ = ["TileConfig", "CLUSTER_SIZES", "MAX_TILE_N", "unsupported_reason", "pick_config",
-           "matmul_norm_fwd", "launch", "cluster_split"]
-
-CLUSTER_SIZES = (1, 2, 4, 8)
-"""CTAs that may share a row block (8 is the portable cluster limit on Hopper)."""
-
-MAX_TILE_N = 256
-"""Widest N tile of one CTA (the largest WGMMA N; the accumulator lives in registers)."""
-
-MAX_N_TILES = 4
-"""N tiles one CTA loops over when a cluster of 8 is not wide enough (so N ≤ 8192)."""
+           "matmul_norm_fwd", "launch"]
 
 MAX_N = max(CLUSTER_SIZES) * MAX_N_TILES * MAX_TILE_N
 
@@ -143,19 +135,6 @@ class _Plan(gemm_core.NormGemmPlan):
 
   def vec_index(self, name: str) -> int:
     return self.vecs.index(name)
-
-
-def cluster_split(n: int) -> tuple[int, int, int] | None:
-  """(cluster, tile_n, n_tiles): the smallest cluster whose CTAs get one 64-multiple N tile of
-  ≤ 256 columns; past 8 · 256 columns, 8 CTAs of up to 4 N tiles each (the widest tile)."""
-  for c in CLUSTER_SIZES:
-    if n % c == 0 and (n // c) % 64 == 0 and n // c <= MAX_TILE_N:
-      return c, n // c, 1
-  c = max(CLUSTER_SIZES)
-  for tile_n in (256, 192, 128):
-    if n % (c * tile_n) == 0 and n // (c * tile_n) <= MAX_N_TILES:
-      return c, tile_n, n // (c * tile_n)
-  return None
 
 
 def _tiles_per_cta(n: int, tile_n: int, interpret: bool) -> tuple[int, int]:

@@ -170,18 +170,19 @@ def _fused_fwd(x, w, scale, norm_bias, norm, eps, out_dtype, implementation, con
 
 
 def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
-  del norm, eps, out_dtype, config  # the dx kernel picks its own tiling (its output is (M, K))
+  del norm, eps, out_dtype, config  # the dx kernel's tiling is its own (its output is (M, K))
   x, w, scale, norm_bias, w_gamma, col_sum, out_bias, y, mean, rstd = saved
   dy = cotangents[0]  # the stats outputs are not differentiated (see norm_matmul)
   norm = "layer" if mean is not None else "rms"
   interpret = implementation == "interpret"
   (m, k), n = x.shape, y.shape[1]
+  # Asked once per backward: the dx kernel's route (and so its tiling) follows from it.
+  row_sums = _takes_row_sums(m, k, n, x.dtype, interpret)
   # With the row sums in the dx epilogue no pass over dy is left in XLA but the weight
   # gradients' scaling of dy, which x̂ from the same epilogue replaces.
-  x_hat = (_takes_row_sums(m, k, n, x.dtype, interpret)
-           or configs.x_hat_pays(k, n, norm))
+  x_hat = row_sums or configs.x_hat_pays(k, n, norm)
   out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret=interpret,
-                    x_hat=x_hat, x_hat_ones=x_hat and norm_bias is not None)
+                    row_sums=row_sums, x_hat=x_hat, x_hat_ones=x_hat and norm_bias is not None)
   if x_hat:
     dx, x_hat = out
     return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias))
@@ -201,24 +202,28 @@ def _takes_row_sums(m, k, n, dtype, interpret) -> bool:
   return mosaic_bwd.row_sums_unsupported_reason(m, n, k, dtype, interpret) is None
 
 
-def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, x_hat,
+def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row_sums, x_hat,
                 x_hat_ones=False):
   """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue, the dx
-  kernel; ``(dx, x̂)`` with ``x_hat`` (the same epilogue writes x̂; with ``x_hat_ones`` x̂ ends
-  with a ones column, so dW_γ's GEMM also sums dy's columns for the bias's gradients)."""
+  kernel, with its row sums in the epilogue where ``row_sums`` (:func:`_takes_row_sums`);
+  ``(dx, x̂)`` with ``x_hat`` (the same epilogue writes x̂; with ``x_hat_ones`` x̂ ends with a
+  ones column, so dW_γ's GEMM also sums dy's columns for the bias's gradients)."""
   norm = "rms" if mean is None else "layer"
   (m, k), n = x.shape, y.shape[1]
 
   def dx_kernel(row_sums=False, **row_args):
-    dx_call = functools.partial(mosaic_bwd.norm_matmul_dx, return_x_hat=x_hat,
-                                x_hat_ones=x_hat_ones, row_sums_in_epilogue=row_sums,
-                                interpret=interpret)
+    # The route is chosen here, so the tiling is picked here, once; the kernel module's
+    # launch checks nothing again (the op validated the arguments).
+    config = mosaic_bwd.pick_config(m, n, k, fused_row_terms="y" in row_args, x_hat=x_hat,
+                                    row_sums=row_sums, interpret=interpret)
+    launch = functools.partial(mosaic_bwd.launch, x_hat=x_hat, x_hat_ones=x_hat_ones,
+                               row_sums=row_sums, interpret=interpret, config=config)
     names = tuple(row_args)
     return _op.first_order_only(
-        "norm_matmul", lambda *a: dx_call(*a[:4], **dict(zip(names, a[4:]))),
+        "norm_matmul", lambda *a: launch(*a[:4], **dict(zip(names, a[4:]))),
         dy.astype(x.dtype), w_gamma, x, rstd, *row_args.values())
 
-  if _takes_row_sums(m, k, n, x.dtype, interpret):
+  if row_sums:
     # The row sums over K in the epilogue: no y, no row-terms pass, no bias guard.
     return dx_kernel(row_sums=True, mean=mean)
 

@@ -1,9 +1,10 @@
 """When norm_matmul takes its kernels, and which of their paths: thresholds measured on the H200
-(benchmarks/results/nvidia-h200.md)."""
+(benchmarks/results/nvidia-h200.md); and the split of K the dx kernel's row sums need
+(:func:`k_split`), which those limits ask too."""
 
 from __future__ import annotations
 
-from pallas_norm.ops.norm_matmul import mosaic_bwd
+from pallas_norm import mgpu
 
 # Largest K and N, per norm, at which the H200 benchmark (benchmarks/results/nvidia-h200.md)
 # measured the op faster than XLA's unfused one forward *and* forward+backward (training is the
@@ -56,10 +57,21 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
   return _small_m_reason(m)
 
 
+def k_split(k: int, interpret: bool) -> tuple[int, int] | None:
+  """(cluster, tile_n) for the dx kernel's row sums in its epilogue
+  (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`): the post-norm forward's split of a row
+  (:func:`pallas_norm.mgpu.cluster_split`) with one column tile per CTA; in interpret mode (no
+  peer SMEM) a cluster of 1. None where K does not split so."""
+  split = mgpu.cluster_split(k)
+  if split is None or split[2] != 1 or (interpret and split[0] != 1):
+    return None
+  return split[0], split[1]
+
+
 def _k_splits(k: int) -> bool:
   """Whether K splits into one column tile per CTA of a cluster, as the dx kernel's row sums in
-  the epilogue need on a GPU (the kernel's own rule, ``mosaic_bwd.k_split``)."""
-  return mosaic_bwd.k_split(k, interpret=False) is not None
+  the epilogue need on a GPU (:func:`k_split`)."""
+  return k_split(k, interpret=False) is not None
 
 
 def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | None:

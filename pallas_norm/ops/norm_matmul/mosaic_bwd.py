@@ -99,10 +99,11 @@ from pallas_norm import _validate, mgpu
 from pallas_norm.mgpu import TileConfig
 from pallas_norm.mgpu import exchange as cluster_exchange
 from pallas_norm.mgpu import gemm as gemm_core
-from pallas_norm.ops.matmul_norm import mosaic as post_norm
+from pallas_norm.ops.norm_matmul import configs
 from pallas_norm.ops.norm_matmul import mosaic as forward
 
-__all__ = ["pick_config", "unsupported_reason", "row_sums_unsupported_reason", "norm_matmul_dx"]
+__all__ = ["pick_config", "unsupported_reason", "row_sums_unsupported_reason", "norm_matmul_dx",
+           "launch"]
 
 X_PREFETCH_STEP = 1
 """The K step (over N) at which a consumer fetches the x tile and row vectors of its epilogue
@@ -118,16 +119,6 @@ def unsupported_reason(m: int, n: int, k: int, dtype) -> str | None:
   return forward.unsupported_reason(m, k, n, dtype)
 
 
-def k_split(k: int, interpret: bool) -> tuple[int, int] | None:
-  """(cluster, tile_n) for the epilogue row sums: the post-norm forward's split of a row
-  (:func:`pallas_norm.ops.matmul_norm.mosaic.cluster_split`) with one column tile per CTA;
-  in interpret mode (no peer SMEM) a cluster of 1. None where K does not split so."""
-  split = post_norm.cluster_split(k)
-  if split is None or split[2] != 1 or (interpret and split[0] != 1):
-    return None
-  return split[0], split[1]
-
-
 def row_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool = False
                                 ) -> str | None:
   """None if the kernel can compute dx with the row sums in its epilogue
@@ -136,7 +127,7 @@ def row_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool =
   each, so K ≤ 2048; in interpret mode K ≤ 256 (one CTA: it cannot read a peer's SMEM)."""
   if (reason := unsupported_reason(m, n, k, dtype)) is not None:
     return reason
-  if k_split(k, interpret) is None:
+  if configs.k_split(k, interpret) is None:
     return (f"K = {k} does not split into one column tile (a multiple of 64 up to 256) per CTA "
             "of a cluster of 1, 2, 4 or 8" + (" (interpret mode: a cluster of 1, K ≤ 256)"
                                               if interpret else ""))
@@ -171,7 +162,7 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
                    epi_tile_n=fwd.epi_tile_n, pipeline="ring")
   if row_sums:
-    split = k_split(k, interpret)
+    split = configs.k_split(k, interpret)
     if split is None:
       raise ValueError(row_sums_unsupported_reason(m, n, k, jnp.bfloat16, interpret))
     cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64)
@@ -314,7 +305,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
   a_in_registers = not interpret and m % 8 != 0
   red_iters = n // cfg.tile_k
   k_tiles = -(-k // cfg.tile_n)
-  if row_sums and (k_tiles * cfg.tile_n != k or k_tiles not in post_norm.CLUSTER_SIZES
+  if row_sums and (k_tiles * cfg.tile_n != k or k_tiles not in mgpu.CLUSTER_SIZES
                    or cfg.epi_tile_m != cfg.wg_tile_m or (interpret and k_tiles != 1)):
     raise ValueError(f"row sums in the epilogue need K = {k} split into 1, 2, 4 or 8 column tiles "
                      f"of tile_n = {cfg.tile_n} (one per CTA of the cluster; 1 in interpret "
@@ -756,18 +747,31 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   _validate.flag("x_hat_ones", x_hat_ones)
   if x_hat_ones and not return_x_hat:
     raise ValueError("x_hat_ones needs return_x_hat=True (it shapes the returned x̂)")
-  return_x_hat = bool(return_x_hat)
+  m, n = dy.shape
+  cfg = config or pick_config(m, n, w_gamma.shape[0], fused_row_terms=y is not None,
+                              x_hat=bool(return_x_hat), row_sums=row_sums, interpret=interpret)
+  return launch(dy, w_gamma, x, rstd, y_term=y_term, mean=mean, c_term=c_term, y=y,
+                out_bias=out_bias, col_sum=col_sum, x_hat=bool(return_x_hat),
+                x_hat_ones=bool(x_hat_ones), row_sums=row_sums, interpret=interpret, config=cfg)
+
+
+def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None, out_bias=None,
+           col_sum=None, x_hat: bool, x_hat_ones: bool, row_sums: bool, interpret: bool,
+           config: TileConfig):
+  """:func:`norm_matmul_dx` on arguments its caller validated, with the ``config`` it picked
+  (:func:`pick_config` for the route it chose: ``row_sums``, the fused row terms (``y`` given)
+  or given row terms; ``x_hat`` is ``return_x_hat``): ``norm_matmul``'s backward decides the
+  route and the tiling once, then calls this. Same outputs; ValueError only from the plan (a
+  config that does not fit, or N not a multiple of its tile_k)."""
+  cfg = config
   m, n = dy.shape
   k = w_gamma.shape[0]
   fused = y is not None
-  cfg = config or pick_config(m, n, k, fused_row_terms=fused, x_hat=return_x_hat,
-                              row_sums=row_sums, interpret=interpret)
   if n % cfg.tile_k:
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _pick_exchange(functools.partial(
       _make_plan, m, n, k, x.dtype, mean is not None, cfg, interpret, fused=fused,
-      has_bias=out_bias is not None, x_hat=return_x_hat, x_hat_ones=bool(x_hat_ones),
-      row_sums=row_sums))
+      has_bias=out_bias is not None, x_hat=x_hat, x_hat_ones=x_hat_ones, row_sums=row_sums))
   # Row vectors padded to whole row tiles: their 1-D copies never leave the arrays.
   m_pad = plan.m_iters * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
@@ -779,7 +783,7 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   out = jax.ShapeDtypeStruct((m, k), plan.dtype)
   x_hat_out = jax.ShapeDtypeStruct((m, plan.x_hat_width), plan.dtype)
   call = gemm_core.kernel(functools.partial(_kernel, plan=plan),
-                          (out, x_hat_out) if return_x_hat else out, num_ctas=plan.num_ctas,
+                          (out, x_hat_out) if x_hat else out, num_ctas=plan.num_ctas,
                           interpret=interpret, cluster=plan.cluster if row_sums else None)
   return call(dy, w_gamma, x, *fused_args, *rows)
 
