@@ -10,6 +10,7 @@ sizes.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -266,8 +267,11 @@ def test_gpu_kernel_matches_reference(shape, dtype, scale, bias, residual, zero_
 
 def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
   """implementation=None through the op's own check (``api._check``), as on a Hopper GPU (the
-  device queries patched, so this runs on the CPU too): the kernel for LayerNorm at the measured
-  shapes, for RMSNorm at N <= 2048, XLA outside the measured domains."""
+  device queries patched, so this runs on the CPU too): (forward use, training) per
+  FORWARD_DOMAINS and KERNEL_DOMAINS, the H200's winners per suite shape: LayerNorm trains
+  through the kernels at N = 128-8192 and runs the forward kernel alone at N = 128, 2048-32768;
+  RMSNorm trains through them at N = 128-2048 and runs the forward kernel alone past 8192; XLA
+  outside the measured domains."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.norms import api as norms
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
@@ -280,18 +284,21 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
       out.append(norms._check(x, None, None, x if residual else None, 1e-6, None, None, op))
       return x
     jax.eval_shape(check, jax.ShapeDtypeStruct(shape, dtype))
-    forward_use, training = out[0]
-    assert forward_use == "xla", "no forward kernel domain measured yet"
-    return training
+    return out[0]
 
-  assert chosen("layer_norm", (262144, 2048)) == "triton"
-  assert chosen("rms_norm", (262144, 2048)) == "triton"
-  assert chosen("rms_norm", (65536, 8192)) == "xla"
-  assert chosen("layer_norm", (262144, 2048), jnp.float32) == "xla"
-  assert chosen("layer_norm", (65536, 4096)) == "triton"
+  kernels, xla_both = ("triton", "triton"), ("xla", "xla")
+  for shape in ((262144, 2048), (4194304, 128), (65536, 8192), (65536, 4096)):
+    assert chosen("layer_norm", shape) == kernels, shape
+  assert chosen("layer_norm", (1048576, 512)) == ("xla", "triton")
+  assert chosen("layer_norm", (16384, 32768)) == ("triton", "xla")
+  assert chosen("rms_norm", (16384, 32768)) == ("triton", "xla")
+  for shape in ((262144, 2048), (1048576, 512), (4194304, 128)):
+    assert chosen("rms_norm", shape) == ("xla", "triton"), shape
+  assert chosen("rms_norm", (65536, 8192)) == xla_both
+  assert chosen("layer_norm", (262144, 2048), jnp.float32) == xla_both
   for shape in ((1024, 2048), (65536, 64)):
-    assert chosen("layer_norm", shape) == "xla", shape
-  assert chosen("layer_norm", (262144, 2048), residual=True) == "xla"
+    assert chosen("layer_norm", shape) == xla_both, shape
+  assert chosen("layer_norm", (262144, 2048), residual=True) == xla_both
 
 
 def test_second_order_raises_naming_the_op():
@@ -319,7 +326,8 @@ def _chunked(monkeypatch, chunk, block_m, registers=False, min_n=64):
   memory (the GPU's chunked paths at CPU sizes)."""
   monkeypatch.setattr(triton_fwd, "CHUNKED_MIN_N", min_n)
   monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "chunked": (chunk, 2, 4)})
-  monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING", (chunk, block_m, 2, 4, registers))
+  monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING",
+                      dict.fromkeys(("layer", "rms"), (chunk, block_m, 2, 4, registers)))
 
 
 def _kernel_path(norm, eps, zero_centered, out_dtype=None):
@@ -376,6 +384,50 @@ def test_forward_kernel_path_matches_reference(monkeypatch, shape, dtype, scale,
     _assert_close(g, w, tol, name)
 
 
+GRID_CASES = [
+    # shape, dtype, norm, bias, chunked (forward tiling: a program per row block)
+    ((37, 64), jnp.bfloat16, "layer", True, False),
+    ((3, 13, 100), jnp.float32, "layer", True, False),
+    ((37, 64), jnp.bfloat16, "rms", False, False),
+    ((13, 100), jnp.float32, "layer", True, True),
+    ((2, 7, 96), jnp.bfloat16, "rms", False, True),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,norm,bias,chunked", GRID_CASES)
+def test_forward_kernel_one_program_per_row_block(monkeypatch, shape, dtype, norm, bias,
+                                                  chunked):
+  """Forward tilings with programs per SM None (a grid over the row blocks, no row loop): y,
+  the statistics and the gradients as with the slab tiling, against the float32 reference;
+  several programs, the last block short of rows."""
+  if chunked:
+    _chunked(monkeypatch, 32, 2)
+  monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "full": (256, None, 4),
+                                              "chunked": (32, None, 4)})
+  m, n = math.prod(shape[:-1]), shape[-1]
+  cfg = triton_fwd.pick_config(m, n, interpret=True)
+  assert cfg.programs == -(-m // cfg.block_m) > 1
+  assert triton_fwd.slab_rows(m, cfg) == (cfg.block_m, cfg.programs)
+  x, vecs, dy, _ = _inputs(seed_of(f"grid{shape}{dtype}{norm}"), shape, dtype, scale=True,
+                           bias=bias, residual=False)
+  got_out, got_grads = _outputs_and_grads(_kernel_path(norm, 1e-5, False), x, vecs, dy, None)
+  want_out, want_grads = _outputs_and_grads(_op("reference", 1e-5, False, norm=norm),
+                                            *_upcast((x, vecs)), dy, None)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  _assert_close(got_out, want_out, tol, "y")
+  for name, g, w, arg in zip(("dx", "dscale", "dbias"), got_grads, want_grads,
+                             (x, vecs["scale"], vecs["bias"])):
+    if arg is not None and not (name == "dbias" and norm == "rms"):
+      _assert_close(g, w, tol, name)
+  _, stats = triton_fwd.forward(x.astype(jnp.float32), None, None, norm=norm, eps=1e-5,
+                                zero_centered_scale=False, interpret=True)
+  want = norms_xla.row_stats(x.astype(jnp.float32), norm, 1e-5)
+  for name, got, ref in zip(("shift", "dmean", "rstd"), stats, want):
+    if ref is not None:
+      np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-6, atol=1e-6,
+                                 err_msg=name)
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 @pytest.mark.parametrize("chunking", [None, (32, 2)])
 def test_forward_kernel_statistics_match_the_xla_paths(monkeypatch, norm, chunking):
@@ -424,10 +476,12 @@ def test_forward_paths_and_refusals(monkeypatch):
   fp = row_norm_pallas.forward_path
   assert fp("rms", (16384, 32768), False) == "kernel"
   assert fp("layer", (262144, 2048), True) == "xla"
-  assert fp("layer", (262144, 2048), False) == "xla"
-  monkeypatch.setattr(row_norm_pallas, "KERNEL_DOMAINS",
-                      {"layer": ((128, 8192, 65536, "kernel"),), "rms": ()})
   assert fp("layer", (262144, 2048), False) == "kernel"
+  assert fp("rms", (262144, 2048), False) == "kernel"
+  assert fp("rms", (65536, 8192), False) == "xla"
+  monkeypatch.setattr(row_norm_pallas, "KERNEL_DOMAINS",
+                      {"layer": ((128, 8192, 65536, "xla"),), "rms": ()})
+  assert fp("layer", (262144, 2048), False) == "xla"
   assert fp("layer", (1024, 2048), False) == "xla"
   assert fp("rms", (262144, 2048), False) == "xla"
   x = jnp.ones((4, 64), jnp.float32)

@@ -33,11 +33,11 @@ reduction fewer than the reference's two passes; the shift keeps it accurate),
 precision in the gradients too (a mean rounded to one float32 would cost up to ulp(mean)/std).
 RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
 read rstd saved by the forward (splitting XLA's forward) was 0.73× of XLA's autodiff and was
-removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's and, with its
-own tiling, trains faster than XLA's autodiff at N = 128-2048 with at least 262144 rows, so
-``implementation=None`` takes it there (:data:`KERNEL_DOMAINS`). After the forward kernel the
-statistics come from it (``shift``, ``dmean``, ``rstd``, the reference's two-pass values for
-16/32-bit floats): the forward is one kernel there, not XLA's split fusion.
+removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's (after XLA's
+forward). After the forward kernel the statistics come from it (``shift``, ``dmean``,
+``rstd``, the reference's two-pass values for 16/32-bit floats): the forward is one kernel
+there, not XLA's split fusion, and that path trains fastest where the kernels beat XLA
+(LayerNorm at N = 128-8192, RMSNorm at N = 128-2048: :data:`KERNEL_DOMAINS`).
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
 norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
@@ -70,14 +70,18 @@ MAX_N = 8192
 MAX_ELEMENTS = 2**31 - 1
 """The kernel indexes x with int32 element offsets."""
 
-TILINGS = {"layer": (2048, 8), "rms": (4096, 12), "layer_given": (4096, 12),
-           "rms_given": (4096, 12)}
-"""(elements per loop step, programs per SM) of :func:`pick_config`, per norm, with the
-statistics recomputed or given (:func:`norm_backward`): each the fastest tiling measured for
-its norm. LayerNorm takes half the elements per step of RMSNorm (more live values per element:
-the shift, the centered rows); RMSNorm's lighter body keeps 12 programs per SM busy (measured:
-``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel" and the post-norm backward,
-and ``benchmarks/EXPERIMENTS.md``)."""
+TILINGS = {"layer": ((8192, 2048, 8),), "rms": ((8192, 4096, 12),),
+           "layer_given": ((128, 4096, 12), (8192, 2048, 8)),
+           "rms_given": ((8192, 4096, 12),)}
+"""Rows of (widest padded N, elements per loop step, programs per SM) of :func:`pick_config`,
+the first whose N holds the call, per norm, with the statistics recomputed, given by the
+forward kernel (``_given``) or saved (:func:`norm_backward`, the recomputing kinds' tilings):
+each the fastest tiling measured for its norm. LayerNorm takes half the elements per step of
+RMSNorm (more live values per element: the shift, the centered rows) except given the
+statistics at N = 128, where 32-row steps over 12 programs per SM won; RMSNorm's lighter body
+keeps 12 programs per SM busy (measured: ``benchmarks/NOTES.md``, "Tilings and RMSNorm
+through the kernel", "Standalone norms" and the post-norm backward, and
+``benchmarks/EXPERIMENTS.md``)."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs, the row loop and the partial sums are
@@ -110,14 +114,14 @@ def _gpu_core_count() -> int:
 def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
   """Full rows (padded to a power of 2) over 4 warps, the step's elements and the programs per
   SM from :data:`TILINGS` by ``norm`` ("layer" or "rms"), whether the kernel recomputes the
-  statistics or is given them. Rows wider than 4096 (one row per step) keep the earlier tiling,
+  statistics or is given them, by N. Rows wider than 4096 (one row per step) keep the earlier tiling,
   the one measured there: 16 warps, 4 programs per SM (faster than XLA at 65536×8192;
   ``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel"). Several programs per SM
   keep loads in flight (the kernel is bandwidth-bound); the winners were measured, not derived
   (``benchmarks/EXPERIMENTS.md``).
   """
-  elements, per_sm = TILINGS[norm]
   n_pad = pl.next_power_of_2(n)
+  elements, per_sm = next((e, p) for max_n, e, p in TILINGS[norm] if n_pad <= max_n)
   block_m = max(1, min(64, elements // n_pad))
   wide = n_pad > 4096
   blocks = pl.cdiv(m, block_m)
@@ -126,18 +130,20 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
                         num_warps=16 if wide else 4)
 
 
-CHUNKED_TILING = (4096, 2, 2, 8, False)
-"""(columns per chunk, rows per step, programs per SM, warps, column partials in registers) of
-the backward of rows of at least ``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`,
-:func:`_chunked_backward_kernel`). Each program's rows of the step are read twice (the second
-time from L2: programs × rows × N × 4 bytes should stay there); its column partials are added
-once per step (L2 traffic ∝ 1 / rows per step) or, in registers, cost N / threads registers
-each. A guess, not yet measured against others."""
+CHUNKED_TILING = {"rms": (4096, 1, 1, 16, True), "layer": (8192, 2, 1, 16, False)}
+"""(columns per chunk, rows per step, programs per SM, warps, column partials in registers),
+per norm, of the backward of rows of at least ``triton_fwd.CHUNKED_MIN_N``
+(:func:`pick_chunked_config`, :func:`_chunked_backward_kernel`). Each program's rows of the
+step are read twice (the second time from L2: programs × rows × N × 4 bytes should stay
+there, hence one program per SM); its column partials are added once per step (L2 traffic ∝
+1 / rows per step) or, in registers, cost N / threads registers each (RMSNorm's one partial
+fits; LayerNorm's two were not tried). The fastest measured (``benchmarks/EXPERIMENTS.md``);
+both slower than XLA in training (:data:`KERNEL_DOMAINS`)."""
 
 
-def pick_chunked_config(m: int, n: int, interpret: bool) -> triton_fwd.RowTiling:
-  """:data:`CHUNKED_TILING`, the chunk at most the padded row."""
-  chunk, block_m, per_sm, warps, registers = CHUNKED_TILING
+def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fwd.RowTiling:
+  """:data:`CHUNKED_TILING` [norm], the chunk at most the padded row."""
+  chunk, block_m, per_sm, warps, registers = CHUNKED_TILING[norm]
   programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
   return triton_fwd.RowTiling(block_m=block_m, chunk=min(chunk, pl.next_power_of_2(n)),
                               programs=max(1, min(programs, pl.cdiv(m, block_m))),
@@ -171,8 +177,8 @@ def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) 
 
 KERNEL_DOMAINS = {
     # norm: ((min N, max N, min rows, forward), ...) for bfloat16 x without a residual
-    "layer": ((128, 8192, 65536, "xla"),),
-    "rms": ((128, 2048, 262144, "xla"),),
+    "layer": ((128, 8192, 65536, "kernel"),),
+    "rms": ((128, 2048, 262144, "kernel"),),
 }
 """Where ``implementation=None`` takes the kernels, per norm, and with which forward: "xla"
 (XLA's fused forward; the backward kernel recomputes the statistics) or "kernel" (the forward
@@ -204,12 +210,14 @@ def forward_path(norm: str, x_shape, has_residual: bool) -> str:
 
 FORWARD_DOMAINS = {
     # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual
-    "layer": (),
-    "rms": (),
+    "layer": ((128, 128, 4194304), (2048, 8192, 65536), (8193, 32768, 16384)),
+    "rms": ((8193, 32768, 16384),),
 }
 """Where ``implementation=None`` runs a call that is not differentiated (inference) through the
-forward kernel: where the H200 measured it faster than XLA's forward alone. None measured yet
-(``benchmarks/NOTES.md``, "Standalone norms")."""
+forward kernel: where the H200 measured it faster than XLA's forward alone by more than 1%
+(closer is the measurement's spread: RMSNorm at 1048576×512, 0.994×, stays XLA), from N = 128
+to 32768 (``benchmarks/NOTES.md``, "Standalone norms"). LayerNorm at N = 512 and RMSNorm up to
+8192 measured slower than XLA's forward."""
 
 
 def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> str | None:
@@ -485,7 +493,7 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
 
 def _chunked_backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, inputs):
   """(ds (M, N), [column sums]) by :func:`_chunked_backward_kernel`."""
-  cfg = pick_chunked_config(m, n, interpret)
+  cfg = pick_chunked_config(m, n, interpret, ops.norm)
   rows_per_program, programs = triton_fwd.slab_rows(m, cfg)
   width = pl.cdiv(n, cfg.chunk) * cfg.chunk
   part = jax.ShapeDtypeStruct((programs * width,), jnp.float32)

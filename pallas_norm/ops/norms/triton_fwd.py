@@ -40,11 +40,13 @@ CHUNKED_MIN_N = 8193
 """Rows at least this wide are walked in chunks (forward and backward); narrower rows are held
 whole in registers (the backward kernel's ``MAX_N``)."""
 
-TILINGS = {"full": (4096, 8, 4), "wide": (8192, 4, 16), "chunked": (4096, 2, 8)}
+TILINGS = {"full": (4096, 8, 4), "wide": (8192, 4, 8), "chunked": (8192, 2, 16)}
 """Forward tilings, each (elements per step, programs per SM, warps): full rows up to 4096
-elements, full rows wider than 4096 (one a step; the backward's wide tiling), and chunked rows
-(the chunk's columns; one row a step). Not yet measured against others
-(``benchmarks/NOTES.md``, "Standalone norms")."""
+elements, full rows wider than 4096 (one a step), and chunked rows (the chunk's columns; one
+row a step). Programs per SM None: one program per row block (a grid over the blocks, no row
+loop: the GPU keeps as many in flight as fit, as XLA's and inductor's row kernels do; the
+forward has no column partials to hold per program). "wide" and "chunked" are the fastest
+measured (``benchmarks/NOTES.md``, "Standalone norms"; ``benchmarks/EXPERIMENTS.md``)."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs and rows short of a full block are exercised."""
@@ -77,7 +79,8 @@ def gpu_core_count() -> int:
 
 def pick_config(m: int, n: int, interpret: bool) -> RowTiling:
   """Full rows over :data:`TILINGS` ["full"] (["wide"] past 4096) below :data:`CHUNKED_MIN_N`,
-  else one row per step in chunks (:data:`TILINGS` ["chunked"])."""
+  else one row per step in chunks (:data:`TILINGS` ["chunked"]). Programs per SM None: a
+  program per row block, in interpret mode too."""
   n_pad = pl.next_power_of_2(n)
   if n >= CHUNKED_MIN_N:
     chunk, per_sm, warps = TILINGS["chunked"]
@@ -85,7 +88,10 @@ def pick_config(m: int, n: int, interpret: bool) -> RowTiling:
   else:
     elements, per_sm, warps = TILINGS["full" if n_pad <= 4096 else "wide"]
     chunk, block_m = n_pad, max(1, min(64, elements // n_pad))
-  programs = INTERPRET_PROGRAMS if interpret else per_sm * gpu_core_count()
+  if per_sm is None:  # a program per row block
+    programs = pl.cdiv(m, block_m)
+  else:
+    programs = INTERPRET_PROGRAMS if interpret else per_sm * gpu_core_count()
   return RowTiling(block_m=block_m, chunk=min(chunk, n_pad),
                    programs=max(1, min(programs, pl.cdiv(m, block_m))), num_warps=warps)
 
