@@ -1,6 +1,8 @@
 """A/B of the standalone norms (issue 22) at every suite shape, one GPU process.
 
     PYTHONPATH=$PWD python3 .devcarry/norms22_ab/ab.py [--budget-s 240] [--only RE] [--no-variants]
+        [--variants RE]
+    e.g. LayerNorm alone: --only '^layer_norm/' 
     PYTHONPATH=$PWD PJRT_NPROC=8 python3 .devcarry/norms22_ab/ab.py --tiny   # CPU smoke (interpret)
 
 Cases: benchmarks.cases' rms_norm / layer_norm at x of 1 GB (M = 2^29 / N, N in NORM_NS), bf16,
@@ -48,39 +50,56 @@ MAIN_DOMAINS = {"layer": (128, 8192, 65536), "rms": (128, 2048, 262144)}
 ROUNDS, ITERS = 3, 5
 
 # name: (applies to (norm, n, mode), patches {(module, attribute): value}). Forward tilings are
-# timed in "fwd", backward tilings in "fwd+bwd" (under the default forward tiling).
+# timed in "fwd", backward tilings in "fwd+bwd". The default tilings are session 20's winners
+# (f_8k_x4_w8's "wide", f_c8k_w16, b_2k_x8 past N = 128 for LayerNorm, b_reg_c4k_w16 for
+# RMSNorm's and b_c8k_b2_x1 for LayerNorm's chunked backward); these are the next candidates.
+# Hypothesis behind the "grid" ones: a persistent slab of 8 programs per SM x 4 warps only runs
+# at once if the kernel needs <= 64 registers a thread; LayerNorm's body likely needs more, so
+# part of the programs run as a second, thin wave. A program per row block (programs per SM
+# None) lets the GPU keep as many in flight as fit, with no tail.
 FWD, BWD = "fwd", "fwd+bwd"
+
+
+def _fwd(**tilings):
+  return {(TF, "TILINGS"): {**TF.TILINGS, **tilings}}
+
+
 VARIANTS = {
-    # forward, full rows: 8192 elements a step, 8 warps, 4 programs per SM (N = 8192: 8 warps)
-    "f_8k_x4_w8": (lambda norm, n, mode: mode == FWD and n <= 8192,
-                   {(TF, "TILINGS"): {**TF.TILINGS, "full": (8192, 4, 8),
-                                      "wide": (8192, 4, 8)}}),
-    # forward, N = 8192 in chunks (default chunked tiling)
-    "f_chunked": (lambda norm, n, mode: mode == FWD and n == 8192,
-                  {(TF, "CHUNKED_MIN_N"): 8192}),
-    # forward in chunks: 4 programs per SM / 8192-column chunks over 16 warps
-    "f_c4k_x4": (lambda norm, n, mode: mode == FWD and n > 8192,
-                 {(TF, "TILINGS"): {**TF.TILINGS, "chunked": (4096, 4, 8)}}),
-    "f_c8k_w16": (lambda norm, n, mode: mode == FWD and n > 8192,
-                  {(TF, "TILINGS"): {**TF.TILINGS, "chunked": (8192, 2, 16)}}),
-    # backward reading the statistics, full rows: 2048 elements a step, 8 programs per SM
-    "b_2k_x8": (lambda norm, n, mode: mode == BWD and n <= 2048,
-                {(T, "TILINGS"): {**T.TILINGS, "layer_given": (2048, 8),
-                                  "rms_given": (2048, 8)}}),
-    # N = 8192 in chunks (forward and backward): default; column partials in registers
-    "b_chunked": (lambda norm, n, mode: mode == BWD and n == 8192,
-                  {(TF, "CHUNKED_MIN_N"): 8192}),
-    "b_chunked_reg": (lambda norm, n, mode: mode == BWD and n == 8192,
-                      {(TF, "CHUNKED_MIN_N"): 8192,
-                       (T, "CHUNKED_TILING"): (2048, 1, 2, 8, True)}),
-    # chunked backward: one row a step, 4 programs per SM / 8192-column chunks, 2 rows, 16
-    # warps, 1 program per SM / RMSNorm: partials in registers, 16 warps
-    "b_c4k_b1_x4": (lambda norm, n, mode: mode == BWD and n > 8192,
-                    {(T, "CHUNKED_TILING"): (4096, 1, 4, 8, False)}),
-    "b_c8k_b2_x1": (lambda norm, n, mode: mode == BWD and n > 8192,
-                    {(T, "CHUNKED_TILING"): (8192, 2, 1, 16, False)}),
-    "b_reg_c4k_w16": (lambda norm, n, mode: mode == BWD and n > 8192 and norm == "rms",
-                      {(T, "CHUNKED_TILING"): (4096, 1, 1, 16, True)}),
+    # forward alone, full rows: a program per row block of 4096 / 2048 / 8192 elements
+    "f_grid_4k": (lambda norm, n, mode: mode == FWD and n <= 4096,
+                  _fwd(full=(4096, None, 4))),
+    "f_grid_2k": (lambda norm, n, mode: mode == FWD and n <= 2048,
+                  _fwd(full=(2048, None, 4))),
+    "f_grid_8k_w8": (lambda norm, n, mode: mode == FWD and n <= 8192,
+                     _fwd(full=(8192, None, 8), wide=(8192, None, 8))),
+    # forward alone, the slab at 4 programs per SM (if it beats 8, the tail-wave hypothesis)
+    "f_4k_x4": (lambda norm, n, mode: mode == FWD and n <= 4096, _fwd(full=(4096, 4, 4))),
+    # forward alone, chunked rows: a program per row
+    "f_grid_c8k_w16": (lambda norm, n, mode: mode == FWD and n > 8192,
+                       _fwd(chunked=(8192, None, 16))),
+    "f_grid_c4k_w8": (lambda norm, n, mode: mode == FWD and n > 8192,
+                      _fwd(chunked=(4096, None, 8))),
+    # training: the forward kernel a program per row block, default backward
+    "fb_grid_4k": (lambda norm, n, mode: mode == BWD and n <= 4096,
+                   _fwd(full=(4096, None, 4))),
+    "fb_grid_8k_w8": (lambda norm, n, mode: mode == BWD and n == 8192,
+                      _fwd(wide=(8192, None, 8))),
+    "fb_grid_c8k_w16": (lambda norm, n, mode: mode == BWD and n > 8192,
+                        _fwd(chunked=(8192, None, 16))),
+    # training, LayerNorm's backward given the statistics at fewer programs per SM (all
+    # resident: the tail-wave hypothesis for the backward's slab)
+    "b_4k_x6": (lambda norm, n, mode: mode == BWD and n <= 2048 and norm == "layer",
+                {(T, "TILINGS"): {**T.TILINGS, "layer_given": ((8192, 4096, 6),)}}),
+    "b_2k_x4": (lambda norm, n, mode: mode == BWD and n <= 2048 and norm == "layer",
+                {(T, "TILINGS"): {**T.TILINGS, "layer_given": ((8192, 2048, 4),)}}),
+    # training, LayerNorm's chunked backward: one row a step, one program per SM (half the
+    # L2 working set of b_c8k_b2_x1), and with the grid forward
+    "b_c8k_b1_x1": (lambda norm, n, mode: mode == BWD and n > 8192 and norm == "layer",
+                    {(T, "CHUNKED_TILING"): {**T.CHUNKED_TILING,
+                                             "layer": (8192, 1, 1, 16, False)}}),
+    "b_c4k_b1_x1": (lambda norm, n, mode: mode == BWD and n > 8192 and norm == "layer",
+                    {(T, "CHUNKED_TILING"): {**T.CHUNKED_TILING,
+                                             "layer": (4096, 1, 1, 16, False)}}),
 }
 
 
@@ -124,14 +143,16 @@ def op_fn(case, impl, interpret):
   return path("kernel")
 
 
-def impls_of(case, variants: bool, interpret: bool):
+def impls_of(case, variants, interpret: bool):
+  """The baselines and, with ``variants`` (True or a regex on names), the variants that apply."""
   norm = "rms" if case.op == "rms_norm" else "layer"
   m, n = case.dim("M"), case.dim("N")
   out = ["main", "xla", "kernel"]
   if n < TF.CHUNKED_MIN_N and not main_takes_kernel(norm, m, n) and case.mode == "fwd+bwd":
     out.append("xfwd")
   if variants:
-    out += [v for v, (ok, _) in VARIANTS.items() if ok(norm, n, case.mode)]
+    out += [v for v, (ok, _) in VARIANTS.items() if ok(norm, n, case.mode)
+            and (variants is True or re.search(variants, v))]
   return out
 
 
@@ -165,6 +186,7 @@ def main(argv=None):
   p.add_argument("--budget-s", type=float, default=240.0)
   p.add_argument("--only", default=None, help="regex on case names")
   p.add_argument("--no-variants", action="store_true")
+  p.add_argument("--variants", default=None, help="regex on variant names (default: all)")
   p.add_argument("--tiny", action="store_true", help="CPU-sized shapes, interpret mode, wall")
   p.add_argument("--out", default=os.environ.get("OUT", "."))
   args = p.parse_args(argv)
@@ -174,7 +196,7 @@ def main(argv=None):
   if args.tiny:  # reach the chunked paths at tiny widths
     TF.CHUNKED_MIN_N = 1024
     TF.TILINGS = {**TF.TILINGS, "chunked": (256, 2, 4)}
-    T.CHUNKED_TILING = (256, 2, 2, 4, False)
+    T.CHUNKED_TILING = dict.fromkeys(("layer", "rms"), (256, 2, 2, 4, False))
   cases = [c for c in suite_cases(args.tiny) if not args.only or re.search(args.only, c.name)]
   dev = jax.devices()[0]
   results = {"device": dev.device_kind, "jax": jax.__version__, "timer": timer,
@@ -193,7 +215,8 @@ def main(argv=None):
     abstract = jax.eval_shape(lambda: R.make_inputs(prob, case.mode,
                                                     C.DeviceRandom(jax.random.key(0))))
     lowered = {}
-    for impl in impls_of(case, not args.no_variants, interpret):
+    variants = False if args.no_variants else (args.variants or True)
+    for impl in impls_of(case, variants, interpret):
       try:
         lowered[impl] = lower(case, impl, prob, abstract, interpret)
       except Exception as e:  # noqa: BLE001
