@@ -322,12 +322,17 @@ from pallas_norm.ops.norms import xla as norms_xla  # noqa: E402
 
 def _chunked(monkeypatch, chunk, block_m, registers=False, min_n=64):
   """Rows of at least ``min_n`` elements through the chunked kernels, ``chunk`` columns a
-  load, ``block_m`` rows a step, the backward's column partials in registers or added to
-  memory (the GPU's chunked paths at CPU sizes)."""
+  load, ``block_m`` rows a step, the backward's column partials in registers (True), added to
+  memory (False) or summed apart ("apart": a program per row block) (the GPU's chunked paths
+  at CPU sizes)."""
+  sums = "apart" if registers == "apart" else "registers" if registers else "memory"
   monkeypatch.setattr(triton_fwd, "CHUNKED_MIN_N", min_n)
   monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "chunked": (chunk, 2, 4)})
-  monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING",
-                      dict.fromkeys(("layer", "rms"), (chunk, block_m, 2, 4, registers)))
+  monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING", dict.fromkeys(
+      ("layer", "rms"), (chunk, block_m, None if sums == "apart" else 2, 4, sums)))
+  # Column sums apart: blocks of 64 columns (the last short at N = 100), 4 rows a step, so
+  # the 3 interpret programs make 2 row splits, the last short of a step.
+  monkeypatch.setattr(row_norm_pallas, "COLUMN_SUM_TILING", (64, 4, 8))
 
 
 def _kernel_path(norm, eps, zero_centered, out_dtype=None):
@@ -353,6 +358,10 @@ FWD_CASES = [
     ((9, 128), jnp.bfloat16, False, False, False, jnp.float32, "rms", (64, 4)),
     ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, True)),
     ((2, 7, 96), jnp.bfloat16, True, False, False, None, "rms", (32, 1, True)),
+    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, "apart")),
+    ((2, 7, 96), jnp.bfloat16, True, True, True, None, "layer", (32, 1, "apart")),
+    ((13, 100), jnp.float32, True, False, False, None, "rms", (32, 1, "apart")),
+    ((9, 100), jnp.float32, False, True, False, None, "layer", (32, 2, "apart")),
 ]
 
 
@@ -451,7 +460,7 @@ def test_forward_kernel_statistics_match_the_xla_paths(monkeypatch, norm, chunki
     np.testing.assert_array_equal(np.asarray(stats.shift), np.asarray(x[..., 0]))
 
 
-@pytest.mark.parametrize("chunking", [None, (32, 2), (32, 2, True)])
+@pytest.mark.parametrize("chunking", [None, (32, 2), (32, 2, True), (32, 2, "apart")])
 def test_forward_kernel_path_keeps_the_precision_of_rows_with_a_large_mean(monkeypatch,
                                                                            chunking):
   """Rows with mean 1e4 and spread 1 through the forward kernel (the chunks' moments merged by

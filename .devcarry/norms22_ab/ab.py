@@ -96,10 +96,27 @@ VARIANTS = {
     # L2 working set of b_c8k_b2_x1), and with the grid forward
     "b_c8k_b1_x1": (lambda norm, n, mode: mode == BWD and n > 8192 and norm == "layer",
                     {(T, "CHUNKED_TILING"): {**T.CHUNKED_TILING,
-                                             "layer": (8192, 1, 1, 16, False)}}),
+                                             "layer": (8192, 1, 1, 16, "memory")}}),
     "b_c4k_b1_x1": (lambda norm, n, mode: mode == BWD and n > 8192 and norm == "layer",
                     {(T, "CHUNKED_TILING"): {**T.CHUNKED_TILING,
-                                             "layer": (4096, 1, 1, 16, False)}}),
+                                             "layer": (4096, 1, 1, 16, "memory")}}),
+    # training, chunked rows: the column sums apart (a second kernel, column blocks x row
+    # splits), the row kernel a program per row (no partials; the GPU overlaps rows' phases)
+    "b_apart_c8k_w16": (lambda norm, n, mode: mode == BWD and n > 8192,
+                        {(T, "CHUNKED_TILING"): dict.fromkeys(
+                            ("layer", "rms"), (8192, 1, None, 16, "apart"))}),
+    "b_apart_c4k_w8": (lambda norm, n, mode: mode == BWD and n > 8192,
+                       {(T, "CHUNKED_TILING"): dict.fromkeys(
+                           ("layer", "rms"), (4096, 1, None, 8, "apart"))}),
+    "b_apart_c4k_w8_cs512": (lambda norm, n, mode: mode == BWD and n > 8192,
+                             {(T, "CHUNKED_TILING"): dict.fromkeys(
+                                 ("layer", "rms"), (4096, 1, None, 8, "apart")),
+                              (T, "COLUMN_SUM_TILING"): (512, 8, 4)}),
+    # ... and the forward a program per row too
+    "fb_grid_apart": (lambda norm, n, mode: mode == BWD and n > 8192,
+                      {**_fwd(chunked=(8192, None, 16)),
+                       (T, "CHUNKED_TILING"): dict.fromkeys(
+                           ("layer", "rms"), (4096, 1, None, 8, "apart"))}),
 }
 
 
@@ -196,7 +213,7 @@ def main(argv=None):
   if args.tiny:  # reach the chunked paths at tiny widths
     TF.CHUNKED_MIN_N = 1024
     TF.TILINGS = {**TF.TILINGS, "chunked": (256, 2, 4)}
-    T.CHUNKED_TILING = dict.fromkeys(("layer", "rms"), (256, 2, 2, 4, False))
+    T.CHUNKED_TILING = dict.fromkeys(("layer", "rms"), (256, 2, 2, 4, "memory"))
   cases = [c for c in suite_cases(args.tiny) if not args.only or re.search(args.only, c.name)]
   dev = jax.devices()[0]
   results = {"device": dev.device_kind, "jax": jax.__version__, "timer": timer,

@@ -130,24 +130,36 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
                         num_warps=16 if wide else 4)
 
 
-CHUNKED_TILING = {"rms": (4096, 1, 1, 16, True), "layer": (8192, 2, 1, 16, False)}
-"""(columns per chunk, rows per step, programs per SM, warps, column partials in registers),
-per norm, of the backward of rows of at least ``triton_fwd.CHUNKED_MIN_N``
-(:func:`pick_chunked_config`, :func:`_chunked_backward_kernel`). Each program's rows of the
-step are read twice (the second time from L2: programs × rows × N × 4 bytes should stay
-there, hence one program per SM); its column partials are added once per step (L2 traffic ∝
-1 / rows per step) or, in registers, cost N / threads registers each (RMSNorm's one partial
-fits; LayerNorm's two were not tried). The fastest measured (``benchmarks/EXPERIMENTS.md``);
-both slower than XLA in training (:data:`KERNEL_DOMAINS`)."""
+CHUNKED_TILING = {"rms": (4096, 1, 1, 16, "registers"), "layer": (8192, 2, 1, 16, "memory")}
+"""(columns per chunk, rows per step, programs per SM, warps, column sums), per norm, of the
+backward of rows of at least ``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`,
+:func:`_chunked_backward_kernel`). Each program's rows of the step are read twice (the second
+time from L2: programs × rows × N × 4 bytes should stay there, hence one program per SM); its
+column partials are added once per step to memory (L2 traffic ∝ 1 / rows per step), kept in
+registers (N / threads registers each: RMSNorm's one partial fits; LayerNorm's two were not
+tried) or summed "apart" by :func:`_column_sums_call` (then programs per SM None: a program per
+row block). The fastest measured (``benchmarks/EXPERIMENTS.md``); both slower than XLA in
+training (:data:`KERNEL_DOMAINS`)."""
+
+COLUMN_SUM_TILING = (256, 16, 8)
+"""(columns per program, rows per step, programs per SM) of :func:`_column_sums_call`: each
+program sums a column block over a split of the rows (its registers hold rows × columns
+partials), the splits' rows summed by XLA. Not yet measured against others."""
 
 
 def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fwd.RowTiling:
   """:data:`CHUNKED_TILING` [norm], the chunk at most the padded row."""
-  chunk, block_m, per_sm, warps, registers = CHUNKED_TILING[norm]
-  programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
+  chunk, block_m, per_sm, warps, sums = CHUNKED_TILING[norm]
+  if sums not in ("memory", "registers", "apart") or (per_sm is None) != (sums == "apart"):
+    raise ValueError(f"chunked tiling {CHUNKED_TILING[norm]}: column sums 'memory' or "
+                     "'registers' with programs per SM, or 'apart' with None")
+  if per_sm is None:  # a program per row block
+    programs = pl.cdiv(m, block_m)
+  else:
+    programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
   return triton_fwd.RowTiling(block_m=block_m, chunk=min(chunk, pl.next_power_of_2(n)),
                               programs=max(1, min(programs, pl.cdiv(m, block_m))),
-                              num_warps=warps, register_partials=registers)
+                              num_warps=warps, column_sums=sums)
 
 
 def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) -> str | None:
@@ -407,26 +419,28 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
   (no reduction, so no barrier, inside the walk) for the row sums; pass 2 reads the chunks
   again, last first (from L2), writes ds and accumulates the chunk's column sums (dγ, dβ):
 
-  * ``cfg.register_partials``: the chunk walk is unrolled and every chunk's column sums stay
+  * ``cfg.column_sums == "registers"``: the chunk walk is unrolled and every chunk's column sums stay
     in registers over the program's rows (N / threads floats per partial per thread), stored
     once per program;
   * else they are added per step into the program's row of the partial buffers (global memory,
     L2), a load and a store per step, after a barrier: a column may be stored by one thread and
     loaded by another in the next step. (Pallas' atomic adds are acquire-release: a fence
-    each.) Only this program touches its row: deterministic.
+    each.) Only this program touches its row: deterministic;
+  * "apart": none here (:func:`_column_sums_call` sums them).
 
   The partial rows are ``chunks · chunk`` wide (padded columns add zeros)."""
-  r = dict(zip(ops.input_names() + ops.output_names(), refs, strict=True))
+  r = dict(zip(ops.input_names() + ["ds"] + (
+      [] if cfg.column_sums == "apart" else ops.partial_names()), refs, strict=True))
   pid = pl.program_id(0)
-  block_m, chunk, unrolled = cfg.block_m, cfg.chunk, cfg.register_partials
+  block_m, chunk, unrolled = cfg.block_m, cfg.chunk, cfg.column_sums == "registers"
   chunks = pl.cdiv(n, chunk)
   base = jnp.arange(chunk)
-  names = ops.partial_names()
+  names = [] if cfg.column_sums == "apart" else ops.partial_names()
 
   def part_at(k):
     return pl.ds(pid * chunks * chunk + k * chunk, chunk)
 
-  if not unrolled:
+  if names and not unrolled:
     def zero(k, carry):
       for name in names:
         pltriton.store(r[name].at[part_at(k)], jnp.zeros((chunk,), jnp.float32))
@@ -462,8 +476,8 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
     gx = (jnp.sum(gx, axis=1) / n)[:, None]
     gs = (jnp.sum(gs, axis=1) / n)[:, None] if ops.norm == "layer" else 0.0
 
-    if not unrolled and not interpret:  # the partial rows stored before (interpret mode is
-      pltriton.debug_barrier()          # sequential and has no barrier)
+    if names and not unrolled and not interpret:  # the partial rows stored before (interpret
+      pltriton.debug_barrier()                    # mode is sequential and has no barrier)
 
     def write(j, partials):  # last chunk first: the most recently read, likeliest in L2
       k = chunks - 1 - j
@@ -492,19 +506,78 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
 
 
 def _chunked_backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, inputs):
-  """(ds (M, N), [column sums]) by :func:`_chunked_backward_kernel`."""
+  """(ds (M, N), [column sums]) by :func:`_chunked_backward_kernel` (and
+  :func:`_column_sums_call` where the tiling sums the columns apart)."""
   cfg = pick_chunked_config(m, n, interpret, ops.norm)
+  apart = cfg.column_sums == "apart"
   rows_per_program, programs = triton_fwd.slab_rows(m, cfg)
   width = pl.cdiv(n, cfg.chunk) * cfg.chunk
   part = jax.ShapeDtypeStruct((programs * width,), jnp.float32)
-  out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * len(ops.partial_names())
+  partials = 0 if apart else len(ops.partial_names())
+  out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * partials
   kernel = functools.partial(_chunked_backward_kernel, ops=ops, m=m, n=n, cfg=cfg,
                              rows_per_program=rows_per_program, interpret=interpret)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
       name=f"{ops.norm}_norm_backward_chunked")(*inputs)
+  if apart:
+    return outs[0], _column_sums_call(ops, m, n, interpret, dict(zip(ops.input_names(), inputs)))
   return outs[0], [jnp.sum(buf.reshape(programs, width)[:, :n], axis=0) for buf in outs[1:]]
+
+
+def _column_sums_kernel(*refs, names, sums, m: int, n: int, width: int, block_m: int,
+                        rows_per_split: int):
+  """Σ_rows dy ⊙ x̂ and/or Σ_rows dy of one column block over one split of the rows, x̂ from
+  the given statistics; rows × columns partials in registers, reduced over the rows once."""
+  r = dict(zip(names + sums, refs, strict=True))
+  cols = pl.program_id(0) * width + jnp.arange(width)
+  first = pl.program_id(1) * rows_per_split
+
+  def step(i, acc):
+    rows = first + i * block_m + jnp.arange(block_m)
+    row_mask = rows < m
+    mask = triton_fwd.tile_mask(row_mask, cols, n)
+    at = (rows[:, None], cols[None, :])
+    stats = tuple(pltriton.load(r[q].at[rows], mask=row_mask, other=1.0) if q in r else None
+                  for q in ("shift", "dmean", "rstd"))
+    x = pltriton.load(r["x"].at[at], mask=mask, other=0.0).astype(jnp.float32)
+    dy = pltriton.load(r["dy"].at[at], mask=mask, other=0.0).astype(jnp.float32)
+    # dy is 0 outside the mask, so x̂ there adds nothing.
+    summand = {"dscale_part": lambda: dy * triton_fwd.normalized_with(x, cols, n, stats),
+               "dbias_part": lambda: dy}
+    return tuple(a + summand[q]() for q, a in zip(sums, acc))
+
+  zeros = jnp.zeros((block_m, width), jnp.float32)
+  acc = lax.fori_loop(0, rows_per_split // block_m, step, (zeros,) * len(sums))
+  at = pl.program_id(1) * pl.num_programs(0) * width + cols
+  for q, a in zip(sums, acc):
+    pltriton.store(r[q].at[at], jnp.sum(a, axis=0))
+
+
+def _column_sums_call(ops: _Operands, m: int, n: int, interpret: bool, arrays):
+  """[Σ dy ⊙ x̂ (with a scale), Σ dy (with a bias)] over the rows, (N,) float32, from x, dy and
+  the forward kernel's statistics (``arrays`` by :meth:`_Operands.input_names`): a grid of
+  column blocks × row splits (:data:`COLUMN_SUM_TILING`), the splits summed by XLA."""
+  sums = ops.partial_names()
+  if not sums:
+    return []
+  width, block_m, per_sm = COLUMN_SUM_TILING
+  width = min(width, pl.next_power_of_2(n))
+  blocks = pl.cdiv(n, width)
+  programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
+  splits = max(1, min(pl.cdiv(programs, blocks), pl.cdiv(m, block_m)))
+  rows_per_split = pl.cdiv(pl.cdiv(m, splits), block_m) * block_m
+  splits = pl.cdiv(m, rows_per_split)
+  names = [q for q in ("x", "rstd", "shift", "dmean", "dy") if q in arrays]
+  part = jax.ShapeDtypeStruct((splits * blocks * width,), jnp.float32)
+  kernel = functools.partial(_column_sums_kernel, names=names, sums=sums, m=m, n=n,
+                             width=width, block_m=block_m, rows_per_split=rows_per_split)
+  outs = pl.pallas_call(
+      kernel, out_shape=[part] * len(sums), grid=(blocks, splits), interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=4),
+      name=f"{ops.norm}_norm_column_sums")(*[arrays[q] for q in names])
+  return [jnp.sum(buf.reshape(splits, blocks * width)[:, :n], axis=0) for buf in outs]
 
 
 def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpret: bool,

@@ -61,16 +61,18 @@ class RowTiling:
     chunk: columns per load (a power of 2); ``>= n_pad``: the rows are held whole.
     programs: grid size; program ``p`` owns rows ``[p·R, (p+1)·R)``, R a multiple of block_m.
     num_warps: warps per program (Triton).
-    register_partials: the chunked backward's column partials in registers over the program's
-      rows (chunk loops unrolled), else added to global memory per step
-      (``triton._chunked_backward_kernel``).
+    column_sums: where the chunked backward keeps its column sums (dγ, dβ;
+      ``triton._chunked_backward_kernel``): "memory" (added per step to the program's row of a
+      partial buffer), "registers" (over the program's rows, chunk loops unrolled) or "apart"
+      (a second kernel, ``triton._column_sums_call``: the row kernel then needs no partials and
+      runs a program per row block).
   """
 
   block_m: int
   chunk: int
   programs: int
   num_warps: int
-  register_partials: bool = False
+  column_sums: str = "memory"
 
 
 def gpu_core_count() -> int:
