@@ -320,16 +320,18 @@ from pallas_norm.ops.norms import triton_fwd  # noqa: E402
 from pallas_norm.ops.norms import xla as norms_xla  # noqa: E402
 
 
-def _chunked(monkeypatch, chunk, block_m, registers=False, min_n=64):
+def _chunked(monkeypatch, chunk, block_m, registers=False, hints=False, min_n=64):
   """Rows of at least ``min_n`` elements through the chunked kernels, ``chunk`` columns a
   load, ``block_m`` rows a step, the backward's column partials in registers (True), added to
   memory (False) or summed apart ("apart": a program per row block) (the GPU's chunked paths
-  at CPU sizes)."""
+  at CPU sizes); ``hints``: both kernels' L2 hints (no effect in interpret mode but the
+  lowering of the arguments)."""
   sums = "apart" if registers == "apart" else "registers" if registers else "memory"
   monkeypatch.setattr(triton_fwd, "CHUNKED_MIN_N", min_n)
-  monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "chunked": (chunk, 2, 4)})
+  monkeypatch.setattr(triton_fwd, "TILINGS",
+                      {**triton_fwd.TILINGS, "chunked": (chunk, 2, 4, hints)})
   monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING", dict.fromkeys(
-      ("layer", "rms"), (chunk, block_m, None if sums == "apart" else 2, 4, sums)))
+      ("layer", "rms"), (chunk, block_m, None if sums == "apart" else 2, 4, sums, hints)))
   # Column sums apart: blocks of 64 columns (the last short at N = 100), 4 rows a step, so
   # the 3 interpret programs make 2 row splits, the last short of a step.
   monkeypatch.setattr(row_norm_pallas, "COLUMN_SUM_TILING", (64, 4, 8))
@@ -362,6 +364,8 @@ FWD_CASES = [
     ((2, 7, 96), jnp.bfloat16, True, True, True, None, "layer", (32, 1, "apart")),
     ((13, 100), jnp.float32, True, False, False, None, "rms", (32, 1, "apart")),
     ((9, 100), jnp.float32, False, True, False, None, "layer", (32, 2, "apart")),
+    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, False, True)),
+    ((2, 7, 96), jnp.bfloat16, True, False, False, None, "rms", (32, 1, True, True)),
 ]
 
 
@@ -541,6 +545,43 @@ def test_gpu_forward_kernel_path_matches_reference(shape, dtype, norm, bias):
   for name, g, w in zip(("dx", "dscale", "dbias"), got_grads, want_grads):
     if g is not None:
       _assert_close(g, w, tol, name)
+
+
+GPU_TILING_CASES = [
+    # shape, norm, forward TILINGS patch, CHUNKED_TILING patch (both norms)
+    ((65536, 128), "layer", {"full": (4096, None, 4)}, None),
+    ((8192, 2048), "rms", {"full": (2048, None, 4)}, None),
+    ((2048, 8192), "layer", {"wide": (8192, None, 8)}, None),
+    ((512, 32768), "layer", {"chunked": (8192, None, 16, True)}, (4096, 1, None, 8, "apart", True)),
+    ((512, 32768), "rms", {"chunked": (8192, 2, 16, True)}, (8192, 1, None, 16, "apart")),
+    ((300, 10000), "layer", {}, (4096, 2, 1, 16, "memory", True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,norm,fwd_tiling,chunked_tiling", GPU_TILING_CASES)
+def test_gpu_forward_kernel_path_under_candidate_tilings(monkeypatch, shape, norm, fwd_tiling,
+                                                         chunked_tiling):
+  """The A/B's candidate tilings on the GPU: a program per row block (forward), column sums
+  apart (chunked backward), L2 hints; y and the gradients vs the float32 reference."""
+  monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, **fwd_tiling})
+  if chunked_tiling:
+    monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING",
+                        dict.fromkeys(("layer", "rms"), chunked_tiling))
+  x, vecs, dy, _ = _inputs(29, shape, jnp.bfloat16, scale=True, bias=norm == "layer",
+                           residual=False)
+
+  def path(x, scale, bias, residual):
+    del residual
+    return row_norm_pallas.row_norm(x, scale, bias, norm=norm, eps=1e-6, forward="kernel")
+
+  got_out, got_grads = _outputs_and_grads(path, x, vecs, dy, None)
+  want_out, want_grads = _outputs_and_grads(_op("reference", 1e-6, False, norm=norm),
+                                            *_upcast((x, vecs)), dy, None)
+  _assert_close(got_out, want_out, BF16_TOL, "y")
+  for name, g, w in zip(("dx", "dscale", "dbias"), got_grads, want_grads):
+    if g is not None:
+      _assert_close(g, w, BF16_TOL, name)
 
 
 def test_default_forward_use_reads_forward_domains(monkeypatch):

@@ -11,7 +11,7 @@ Implementations (one process, interleaved rounds A,B,C,A,B,C,...; CUPTI kernel s
 benchmarks.timing; two input sets rotated):
 
   main     main's implementation=None: the backward kernel after XLA's forward where main's
-           domains (MAIN_DOMAINS) hold, else XLA
+           domains (MAIN_DOMAINS) hold, else XLA (fwd+bwd only: main's forward is XLA's)
   xla      implementation="xla"
   kernel   this branch's forward kernel + the backward kernel reading its statistics
            (triton.row_norm(forward="kernel"); rows >= 8193 in chunks)
@@ -74,6 +74,11 @@ VARIANTS = {
                      _fwd(full=(8192, None, 8), wide=(8192, None, 8))),
     # forward alone, the slab at 4 programs per SM (if it beats 8, the tail-wave hypothesis)
     "f_4k_x4": (lambda norm, n, mode: mode == FWD and n <= 4096, _fwd(full=(4096, 4, 4))),
+    # forward alone, chunked rows: L2 hints (pass 1 evict_last, pass 2 evict_first)
+    "f_hints": (lambda norm, n, mode: mode == FWD and n > 8192,
+                _fwd(chunked=(*TF.TILINGS["chunked"][:3], True))),
+    "f_grid_c8k_w16_hints": (lambda norm, n, mode: mode == FWD and n > 8192,
+                             _fwd(chunked=(8192, None, 16, True))),
     # forward alone, chunked rows: a program per row
     "f_grid_c8k_w16": (lambda norm, n, mode: mode == FWD and n > 8192,
                        _fwd(chunked=(8192, None, 16))),
@@ -112,6 +117,15 @@ VARIANTS = {
                              {(T, "CHUNKED_TILING"): dict.fromkeys(
                                  ("layer", "rms"), (4096, 1, None, 8, "apart")),
                               (T, "COLUMN_SUM_TILING"): (512, 8, 4)}),
+    # training, chunked rows: L2 hints in both kernels (default tilings)
+    "fb_hints": (lambda norm, n, mode: mode == BWD and n > 8192,
+                 {**_fwd(chunked=(*TF.TILINGS["chunked"][:3], True)),
+                  (T, "CHUNKED_TILING"): {q: (*t[:5], True)
+                                          for q, t in T.CHUNKED_TILING.items()}}),
+    "fb_grid_apart_hints": (lambda norm, n, mode: mode == BWD and n > 8192,
+                            {**_fwd(chunked=(8192, None, 16, True)),
+                             (T, "CHUNKED_TILING"): dict.fromkeys(
+                                 ("layer", "rms"), (4096, 1, None, 8, "apart", True))}),
     # ... and the forward a program per row too
     "fb_grid_apart": (lambda norm, n, mode: mode == BWD and n > 8192,
                       {**_fwd(chunked=(8192, None, 16)),
@@ -164,7 +178,8 @@ def impls_of(case, variants, interpret: bool):
   """The baselines and, with ``variants`` (True or a regex on names), the variants that apply."""
   norm = "rms" if case.op == "rms_norm" else "layer"
   m, n = case.dim("M"), case.dim("N")
-  out = ["main", "xla", "kernel"]
+  out = ["main", "xla", "kernel"] if case.mode == "fwd+bwd" else ["xla", "kernel"]  # main's
+  # forward is XLA's
   if n < TF.CHUNKED_MIN_N and not main_takes_kernel(norm, m, n) and case.mode == "fwd+bwd":
     out.append("xfwd")
   if variants:

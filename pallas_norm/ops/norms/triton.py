@@ -131,8 +131,8 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
 
 
 CHUNKED_TILING = {"rms": (4096, 1, 1, 16, "registers"), "layer": (8192, 2, 1, 16, "memory")}
-"""(columns per chunk, rows per step, programs per SM, warps, column sums), per norm, of the
-backward of rows of at least ``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`,
+"""(columns per chunk, rows per step, programs per SM, warps, column sums[, L2 hints:
+``triton_fwd.RowTiling.l2_hints``, default off]), per norm, of the backward of rows of at least ``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`,
 :func:`_chunked_backward_kernel`). Each program's rows of the step are read twice (the second
 time from L2: programs × rows × N × 4 bytes should stay there, hence one program per SM); its
 column partials are added once per step to memory (L2 traffic ∝ 1 / rows per step), kept in
@@ -149,7 +149,7 @@ partials), the splits' rows summed by XLA. Not yet measured against others."""
 
 def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fwd.RowTiling:
   """:data:`CHUNKED_TILING` [norm], the chunk at most the padded row."""
-  chunk, block_m, per_sm, warps, sums = CHUNKED_TILING[norm]
+  chunk, block_m, per_sm, warps, sums, *hints = CHUNKED_TILING[norm]
   if sums not in ("memory", "registers", "apart") or (per_sm is None) != (sums == "apart"):
     raise ValueError(f"chunked tiling {CHUNKED_TILING[norm]}: column sums 'memory' or "
                      "'registers' with programs per SM, or 'apart' with None")
@@ -159,7 +159,8 @@ def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fw
     programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
   return triton_fwd.RowTiling(block_m=block_m, chunk=min(chunk, pl.next_power_of_2(n)),
                               programs=max(1, min(programs, pl.cdiv(m, block_m))),
-                              num_warps=warps, column_sums=sums)
+                              num_warps=warps, column_sums=sums,
+                              l2_hints=bool(hints and hints[0]))
 
 
 def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) -> str | None:
@@ -454,11 +455,13 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
     stats = tuple(pltriton.load(r[q].at[rows], mask=row_mask, other=1.0)
                   if q in r else None for q in ("shift", "dmean", "rstd"))
 
-    def tiles(k):
+    def tiles(k, evict):
       cols = k * chunk + base
       mask = triton_fwd.tile_mask(row_mask, cols, n)
       at = (rows[:, None], cols[None, :])
-      load = lambda q: pltriton.load(r[q].at[at], mask=mask, other=0.0).astype(jnp.float32)  # noqa: E731
+      policy = evict if cfg.l2_hints else None
+      load = lambda q: pltriton.load(r[q].at[at], mask=mask, other=0.0,  # noqa: E731
+                                     eviction_policy=policy).astype(jnp.float32)
       xhat = triton_fwd.normalized_with(load("x"), cols, n, stats)
       dy = load("dy")
       g = dy
@@ -467,7 +470,7 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
       return at, mask, xhat, dy, g
 
     def accumulate(k, acc):
-      _, _, xhat, _, g = tiles(k)
+      _, _, xhat, _, g = tiles(k, "evict_last")  # read again by the second pass
       return acc[0] + g * xhat, acc[1] + g
 
     zeros = jnp.zeros((block_m, chunk), jnp.float32)
@@ -481,7 +484,7 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
 
     def write(j, partials):  # last chunk first: the most recently read, likeliest in L2
       k = chunks - 1 - j
-      at, mask, xhat, dy, g = tiles(k)
+      at, mask, xhat, dy, g = tiles(k, "evict_first")
       ds = (g - xhat * gx - gs) * rstd
       pltriton.store(r["ds"].at[at], ds.astype(r["ds"].dtype), mask=mask)
       sums = {"dscale_part": lambda: jnp.sum(dy * xhat, axis=0),

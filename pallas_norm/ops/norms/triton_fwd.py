@@ -41,7 +41,8 @@ CHUNKED_MIN_N = 8193
 whole in registers (the backward kernel's ``MAX_N``)."""
 
 TILINGS = {"full": (4096, 8, 4), "wide": (8192, 4, 8), "chunked": (8192, 2, 16)}
-"""Forward tilings, each (elements per step, programs per SM, warps): full rows up to 4096
+"""Forward tilings, each (elements per step, programs per SM, warps[, L2 hints (chunked rows:
+:class:`RowTiling` ``l2_hints``, default off)]): full rows up to 4096
 elements, full rows wider than 4096 (one a step), and chunked rows (the chunk's columns; one
 row a step). Programs per SM None: one program per row block (a grid over the blocks, no row
 loop: the GPU keeps as many in flight as fit, as XLA's and inductor's row kernels do; the
@@ -66,6 +67,9 @@ class RowTiling:
       partial buffer), "registers" (over the program's rows, chunk loops unrolled) or "apart"
       (a second kernel, ``triton._column_sums_call``: the row kernel then needs no partials and
       runs a program per row block).
+    l2_hints: chunked rows' loads tell L2 to keep the first pass's lines (``evict_last``) and
+      drop the second pass's (``evict_first``), as inductor's looped reductions do, so the
+      second pass finds the row in L2.
   """
 
   block_m: int
@@ -73,6 +77,7 @@ class RowTiling:
   programs: int
   num_warps: int
   column_sums: str = "memory"
+  l2_hints: bool = False
 
 
 def gpu_core_count() -> int:
@@ -85,17 +90,18 @@ def pick_config(m: int, n: int, interpret: bool) -> RowTiling:
   program per row block, in interpret mode too."""
   n_pad = pl.next_power_of_2(n)
   if n >= CHUNKED_MIN_N:
-    chunk, per_sm, warps = TILINGS["chunked"]
+    chunk, per_sm, warps, *hints = TILINGS["chunked"]
     block_m = 1
   else:
-    elements, per_sm, warps = TILINGS["full" if n_pad <= 4096 else "wide"]
+    elements, per_sm, warps, *hints = TILINGS["full" if n_pad <= 4096 else "wide"]
     chunk, block_m = n_pad, max(1, min(64, elements // n_pad))
   if per_sm is None:  # a program per row block
     programs = pl.cdiv(m, block_m)
   else:
     programs = INTERPRET_PROGRAMS if interpret else per_sm * gpu_core_count()
   return RowTiling(block_m=block_m, chunk=min(chunk, n_pad),
-                   programs=max(1, min(programs, pl.cdiv(m, block_m))), num_warps=warps)
+                   programs=max(1, min(programs, pl.cdiv(m, block_m))), num_warps=warps,
+                   l2_hints=bool(hints and hints[0]))
 
 
 def slab_rows(m: int, cfg: RowTiling) -> tuple[int, int]:
@@ -244,9 +250,11 @@ def _forward_kernel(*refs, norm: str, has_gamma: bool, has_beta: bool, m: int, n
       cols = k * chunk + base_cols
       return (rows[:, None], cols[None, :]), tile_mask(row_mask, cols, n), cols
 
-    def load_chunk(k):
+    def load_chunk(k, evict=None):
       idx, mask, cols = at(k)
-      return pltriton.load(r["x"].at[idx], mask=mask, other=0.0).astype(jnp.float32), cols
+      x = pltriton.load(r["x"].at[idx], mask=mask, other=0.0,
+                        eviction_policy=evict if cfg.l2_hints else None)
+      return x.astype(jnp.float32), cols
 
     def store_y(k, xhat, cols):
       idx, mask, _ = at(k)
@@ -265,11 +273,12 @@ def _forward_kernel(*refs, norm: str, has_gamma: bool, has_beta: bool, m: int, n
       xhat, stats = full_row_stats(s, cols, n, eps, norm, shift, two_pass)
       store_y(0, xhat, cols)
     else:
-      stats = chunked_row_stats(load_chunk, n, chunk, eps, norm, block_m, shift, two_pass)
+      stats = chunked_row_stats(functools.partial(load_chunk, evict="evict_last"), n, chunk,
+                                eps, norm, block_m, shift, two_pass)
 
       def write(j, carry):  # last chunk first: the most recently read, likeliest in L2
         k = pl.cdiv(n, chunk) - 1 - j
-        s, cols = load_chunk(k)
+        s, cols = load_chunk(k, "evict_first")
         store_y(k, normalized_with(s, cols, n, stats), cols)
         return carry
       chunk_loop(pl.cdiv(n, chunk), write, 0)
