@@ -68,6 +68,8 @@ VARIANTS = {
     # forward alone, full rows: a program per row block of 4096 / 2048 / 8192 elements
     "f_grid_4k": (lambda norm, n, mode: mode == FWD and n <= 4096,
                   _fwd(full=(4096, None, 4))),
+    "f_grid_4k_w8": (lambda norm, n, mode: mode == FWD and n <= 4096,
+                     _fwd(full=(4096, None, 8))),
     "f_grid_2k": (lambda norm, n, mode: mode == FWD and n <= 2048,
                   _fwd(full=(2048, None, 4))),
     "f_grid_8k_w8": (lambda norm, n, mode: mode == FWD and n <= 8192,
