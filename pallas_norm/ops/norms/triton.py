@@ -15,8 +15,9 @@ the residual stream ``s``), recomputes the row statistics and ``x̂`` from the r
 registers, forms the two row sums and writes ``ds`` once. ``dγ``/``dβ`` partials stay in
 registers over the program's rows and are written once per program to a ``(programs, N)``
 float32 buffer that XLA sums afterwards (deterministic). The chunked kernel of wider rows keeps
-them in registers too or adds them per step into that buffer (its program's row only: still
-deterministic).
+them in registers too, adds them per step into that buffer (its program's row only: still
+deterministic) or leaves them to a second kernel over column blocks × row splits
+(:func:`_column_sums_call`; the row kernel then runs a program per row block).
 
 The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
 zero-centered) and ``r`` the rstd::
