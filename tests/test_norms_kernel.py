@@ -269,9 +269,9 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
   """implementation=None through the op's own check (``api._check``), as on a Hopper GPU (the
   device queries patched, so this runs on the CPU too): (forward use, training) per
   FORWARD_DOMAINS and KERNEL_DOMAINS, the H200's winners per suite shape: LayerNorm trains
-  through the kernels at N = 128-8192 and runs the forward kernel alone at N = 128, 2048-32768;
-  RMSNorm trains through them at N = 128-2048 and runs the forward kernel alone past 8192; XLA
-  outside the measured domains."""
+  through the kernels and runs the forward kernel alone at every suite N (128-32768); RMSNorm
+  trains through them at N = 128-2048 and runs the forward kernel alone past 8192; XLA outside
+  the measured domains."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.norms import api as norms
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
@@ -287,10 +287,9 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
     return out[0]
 
   kernels, xla_both = ("triton", "triton"), ("xla", "xla")
-  for shape in ((262144, 2048), (4194304, 128), (65536, 8192), (65536, 4096)):
+  for shape in ((262144, 2048), (4194304, 128), (65536, 8192), (65536, 4096), (1048576, 512),
+                (16384, 32768)):
     assert chosen("layer_norm", shape) == kernels, shape
-  assert chosen("layer_norm", (1048576, 512)) == ("xla", "triton")
-  assert chosen("layer_norm", (16384, 32768)) == ("triton", "xla")
   assert chosen("rms_norm", (16384, 32768)) == ("triton", "xla")
   for shape in ((262144, 2048), (1048576, 512), (4194304, 128)):
     assert chosen("rms_norm", shape) == ("xla", "triton"), shape
@@ -320,16 +319,15 @@ from pallas_norm.ops.norms import triton_fwd  # noqa: E402
 from pallas_norm.ops.norms import xla as norms_xla  # noqa: E402
 
 
-def _chunked(monkeypatch, chunk, block_m, registers=False, hints=False, min_n=64):
+def _chunked(monkeypatch, chunk, block_m, sums="registers", hints=False, min_n=64):
   """Rows of at least ``min_n`` elements through the chunked kernels, ``chunk`` columns a
-  load, ``block_m`` rows a step, the backward's column partials in registers (True), added to
-  memory (False) or summed apart ("apart": a program per row block) (the GPU's chunked paths
-  at CPU sizes); ``hints``: both kernels' L2 hints (no effect in interpret mode but the
-  lowering of the arguments)."""
-  sums = "apart" if registers == "apart" else "registers" if registers else "memory"
+  load, ``block_m`` rows a step, the backward's column partials in registers ("registers") or
+  summed apart ("apart": a program per row block) (the GPU's chunked paths at CPU sizes);
+  ``hints``: both kernels' L2 hints (no effect in interpret mode but the lowering of the
+  arguments)."""
   monkeypatch.setattr(triton_fwd, "CHUNKED_MIN_N", min_n)
-  monkeypatch.setattr(triton_fwd, "TILINGS",
-                      {**triton_fwd.TILINGS, "chunked": (chunk, 2, 4, hints)})
+  monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "chunked": dict.fromkeys(
+      ("layer", "rms"), (chunk, 2, 4, hints))})
   monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING", dict.fromkeys(
       ("layer", "rms"), (chunk, block_m, None if sums == "apart" else 2, 4, sums, hints)))
   # Column sums apart: blocks of 64 columns (the last short at N = 100), 4 rows a step, so
@@ -358,14 +356,12 @@ FWD_CASES = [
     ((2, 7, 96), jnp.bfloat16, True, True, True, None, "layer", (32, 1)),
     ((13, 100), jnp.float32, True, False, False, None, "rms", (32, 2)),
     ((9, 128), jnp.bfloat16, False, False, False, jnp.float32, "rms", (64, 4)),
-    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, True)),
-    ((2, 7, 96), jnp.bfloat16, True, False, False, None, "rms", (32, 1, True)),
     ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, "apart")),
     ((2, 7, 96), jnp.bfloat16, True, True, True, None, "layer", (32, 1, "apart")),
     ((13, 100), jnp.float32, True, False, False, None, "rms", (32, 1, "apart")),
     ((9, 100), jnp.float32, False, True, False, None, "layer", (32, 2, "apart")),
-    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, False, True)),
-    ((2, 7, 96), jnp.bfloat16, True, False, False, None, "rms", (32, 1, True, True)),
+    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, "apart", True)),
+    ((2, 7, 96), jnp.bfloat16, True, False, False, None, "rms", (32, 1, "registers", True)),
 ]
 
 
@@ -416,9 +412,9 @@ def test_forward_kernel_one_program_per_row_block(monkeypatch, shape, dtype, nor
   if chunked:
     _chunked(monkeypatch, 32, 2)
   monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "full": (256, None, 4),
-                                              "chunked": (32, None, 4)})
+                                              "chunked": {norm: (32, None, 4)}})
   m, n = math.prod(shape[:-1]), shape[-1]
-  cfg = triton_fwd.pick_config(m, n, interpret=True)
+  cfg = triton_fwd.pick_config(m, n, interpret=True, norm=norm)
   assert cfg.programs == -(-m // cfg.block_m) > 1
   assert triton_fwd.slab_rows(m, cfg) == (cfg.block_m, cfg.programs)
   x, vecs, dy, _ = _inputs(seed_of(f"grid{shape}{dtype}{norm}"), shape, dtype, scale=True,
@@ -464,7 +460,7 @@ def test_forward_kernel_statistics_match_the_xla_paths(monkeypatch, norm, chunki
     np.testing.assert_array_equal(np.asarray(stats.shift), np.asarray(x[..., 0]))
 
 
-@pytest.mark.parametrize("chunking", [None, (32, 2), (32, 2, True), (32, 2, "apart")])
+@pytest.mark.parametrize("chunking", [None, (32, 2), (32, 2, "apart", True)])
 def test_forward_kernel_path_keeps_the_precision_of_rows_with_a_large_mean(monkeypatch,
                                                                            chunking):
   """Rows with mean 1e4 and spread 1 through the forward kernel (the chunks' moments merged by
@@ -547,27 +543,21 @@ def test_gpu_forward_kernel_path_matches_reference(shape, dtype, norm, bias):
       _assert_close(g, w, tol, name)
 
 
-GPU_TILING_CASES = [
-    # shape, norm, forward TILINGS patch, CHUNKED_TILING patch (both norms)
-    ((65536, 128), "layer", {"full": (4096, None, 4)}, None),
-    ((8192, 2048), "rms", {"full": (2048, None, 4)}, None),
-    ((2048, 8192), "layer", {"wide": (8192, None, 8)}, None),
-    ((512, 32768), "layer", {"chunked": (8192, None, 16, True)}, (4096, 1, None, 8, "apart", True)),
-    ((512, 32768), "rms", {"chunked": (8192, 2, 16, True)}, (8192, 1, None, 16, "apart")),
-    ((300, 10000), "layer", {}, (4096, 2, 1, 16, "memory", True)),
+GPU_DEFAULT_CASES = [
+    # shape, norm: the suite's N at fewer rows, each default tiling (pick_config's rows)
+    ((65536, 128), "layer"), ((65536, 512), "rms"), ((8192, 2048), "layer"),
+    ((2048, 8192), "layer"), ((512, 32768), "layer"), ((512, 32768), "rms"),
+    ((300, 10000), "layer"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,norm,fwd_tiling,chunked_tiling", GPU_TILING_CASES)
-def test_gpu_forward_kernel_path_under_candidate_tilings(monkeypatch, shape, norm, fwd_tiling,
-                                                         chunked_tiling):
-  """The A/B's candidate tilings on the GPU: a program per row block (forward), column sums
-  apart (chunked backward), L2 hints; y and the gradients vs the float32 reference."""
-  monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, **fwd_tiling})
-  if chunked_tiling:
-    monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING",
-                        dict.fromkeys(("layer", "rms"), chunked_tiling))
+@pytest.mark.parametrize("shape,norm", GPU_DEFAULT_CASES)
+def test_gpu_forward_kernel_path_default_tilings(shape, norm):
+  """The default tilings on the GPU (:func:`test_default_tilings_are_the_measured_winners`):
+  a program per row block for full rows up to 4096, the slab past it, LayerNorm's chunked rows
+  a program per row with L2 hints and the column sums apart, RMSNorm's chunked slab with the
+  sums in registers; y and the gradients vs the float32 reference."""
   x, vecs, dy, _ = _inputs(29, shape, jnp.bfloat16, scale=True, bias=norm == "layer",
                            residual=False)
 
@@ -582,6 +572,33 @@ def test_gpu_forward_kernel_path_under_candidate_tilings(monkeypatch, shape, nor
   for name, g, w in zip(("dx", "dscale", "dbias"), got_grads, want_grads):
     if g is not None:
       _assert_close(g, w, BF16_TOL, name)
+
+
+def test_default_tilings_are_the_measured_winners(monkeypatch):
+  """The forward kernel's and the chunked backward's default tilings at the suite's shapes
+  (132 SMs, as the H200), the H200 A/B's winners (benchmarks/NOTES.md, "Standalone norms"):
+  full rows up to 4096 a program per 4096-element row block over 4 warps (both norms, both
+  uses); 8192 the slab of 4 programs per SM over 8 warps; LayerNorm's chunked rows a program
+  per row (16 warps, L2 hints), its backward 4096-column chunks a program per row (8 warps,
+  hints) with the column sums apart; RMSNorm's chunked slab (2 per SM) and its backward's one
+  program per SM with the sums in registers."""
+  monkeypatch.setattr(triton_fwd, "gpu_core_count", lambda: 132)
+  monkeypatch.setattr(row_norm_pallas, "_gpu_core_count", lambda: 132)
+  tiling = triton_fwd.RowTiling
+  for norm in ("layer", "rms"):
+    for m, n, block_m in ((4194304, 128, 32), (1048576, 512, 8), (262144, 2048, 2)):
+      assert triton_fwd.pick_config(m, n, False, norm) == tiling(
+          block_m=block_m, chunk=n, programs=m // block_m, num_warps=4), (norm, n)
+    assert triton_fwd.pick_config(65536, 8192, False, norm) == tiling(
+        block_m=1, chunk=8192, programs=4 * 132, num_warps=8)
+  assert triton_fwd.pick_config(16384, 32768, False, "layer") == tiling(
+      block_m=1, chunk=8192, programs=16384, num_warps=16, l2_hints=True)
+  assert triton_fwd.pick_config(16384, 32768, False, "rms") == tiling(
+      block_m=1, chunk=8192, programs=2 * 132, num_warps=16)
+  assert row_norm_pallas.pick_chunked_config(16384, 32768, False, "layer") == tiling(
+      block_m=1, chunk=4096, programs=16384, num_warps=8, column_sums="apart", l2_hints=True)
+  assert row_norm_pallas.pick_chunked_config(16384, 32768, False, "rms") == tiling(
+      block_m=1, chunk=4096, programs=132, num_warps=16, column_sums="registers")
 
 
 def test_default_forward_use_reads_forward_domains(monkeypatch):

@@ -50,13 +50,11 @@ MAIN_DOMAINS = {"layer": (128, 8192, 65536), "rms": (128, 2048, 262144)}
 ROUNDS, ITERS = 3, 5
 
 # name: (applies to (norm, n, mode), patches {(module, attribute): value}). Forward tilings are
-# timed in "fwd", backward tilings in "fwd+bwd". The default tilings are session 20's winners
-# (f_8k_x4_w8's "wide", f_c8k_w16, b_2k_x8 past N = 128 for LayerNorm, b_reg_c4k_w16 for
-# RMSNorm's and b_c8k_b2_x1 for LayerNorm's chunked backward); these are the next candidates.
-# Hypothesis behind the "grid" ones: a persistent slab of 8 programs per SM x 4 warps only runs
-# at once if the kernel needs <= 64 registers a thread; LayerNorm's body likely needs more, so
-# part of the programs run as a second, thin wave. A program per row block (programs per SM
-# None) lets the GPU keep as many in flight as fit, with no tail.
+# timed in "fwd", backward tilings in "fwd+bwd". The defaults are norms22b's winners (full rows
+# up to 4096 a program per 4096-element block, LayerNorm's chunked rows a program per row with
+# L2 hints and the column sums apart); the variants left are the open questions: 2048-element
+# blocks at N = 128 (LayerNorm's forward-alone winner there, untimed in training) and RMSNorm's
+# chunked rows in LayerNorm's winning forms (untimed for RMSNorm).
 FWD, BWD = "fwd", "fwd+bwd"
 
 
@@ -64,75 +62,24 @@ def _fwd(**tilings):
   return {(TF, "TILINGS"): {**TF.TILINGS, **tilings}}
 
 
+def _chunked_fwd(norm, tiling):
+  return _fwd(chunked={**TF.TILINGS["chunked"], norm: tiling})
+
+
 VARIANTS = {
-    # forward alone, full rows: a program per row block of 4096 / 2048 / 8192 elements
-    "f_grid_4k": (lambda norm, n, mode: mode == FWD and n <= 4096,
-                  _fwd(full=(4096, None, 4))),
-    "f_grid_4k_w8": (lambda norm, n, mode: mode == FWD and n <= 4096,
-                     _fwd(full=(4096, None, 8))),
-    "f_grid_2k": (lambda norm, n, mode: mode == FWD and n <= 2048,
-                  _fwd(full=(2048, None, 4))),
-    "f_grid_8k_w8": (lambda norm, n, mode: mode == FWD and n <= 8192,
-                     _fwd(full=(8192, None, 8), wide=(8192, None, 8))),
-    # forward alone, the slab at 4 programs per SM (if it beats 8, the tail-wave hypothesis)
-    "f_4k_x4": (lambda norm, n, mode: mode == FWD and n <= 4096, _fwd(full=(4096, 4, 4))),
-    # forward alone, chunked rows: L2 hints (pass 1 evict_last, pass 2 evict_first)
-    "f_hints": (lambda norm, n, mode: mode == FWD and n > 8192,
-                _fwd(chunked=(*TF.TILINGS["chunked"][:3], True))),
-    "f_grid_c8k_w16_hints": (lambda norm, n, mode: mode == FWD and n > 8192,
-                             _fwd(chunked=(8192, None, 16, True))),
-    # forward alone, chunked rows: a program per row
-    "f_grid_c8k_w16": (lambda norm, n, mode: mode == FWD and n > 8192,
-                       _fwd(chunked=(8192, None, 16))),
-    "f_grid_c4k_w8": (lambda norm, n, mode: mode == FWD and n > 8192,
-                      _fwd(chunked=(4096, None, 8))),
-    # training: the forward kernel a program per row block, default backward
-    "fb_grid_4k": (lambda norm, n, mode: mode == BWD and n <= 4096,
-                   _fwd(full=(4096, None, 4))),
-    "fb_grid_8k_w8": (lambda norm, n, mode: mode == BWD and n == 8192,
-                      _fwd(wide=(8192, None, 8))),
-    "fb_grid_c8k_w16": (lambda norm, n, mode: mode == BWD and n > 8192,
-                        _fwd(chunked=(8192, None, 16))),
-    # training, LayerNorm's backward given the statistics at fewer programs per SM (all
-    # resident: the tail-wave hypothesis for the backward's slab)
-    "b_4k_x6": (lambda norm, n, mode: mode == BWD and n <= 2048 and norm == "layer",
-                {(T, "TILINGS"): {**T.TILINGS, "layer_given": ((8192, 4096, 6),)}}),
-    "b_2k_x4": (lambda norm, n, mode: mode == BWD and n <= 2048 and norm == "layer",
-                {(T, "TILINGS"): {**T.TILINGS, "layer_given": ((8192, 2048, 4),)}}),
-    # training, LayerNorm's chunked backward: one row a step, one program per SM (half the
-    # L2 working set of b_c8k_b2_x1), and with the grid forward
-    "b_c8k_b1_x1": (lambda norm, n, mode: mode == BWD and n > 8192 and norm == "layer",
-                    {(T, "CHUNKED_TILING"): {**T.CHUNKED_TILING,
-                                             "layer": (8192, 1, 1, 16, "memory")}}),
-    "b_c4k_b1_x1": (lambda norm, n, mode: mode == BWD and n > 8192 and norm == "layer",
-                    {(T, "CHUNKED_TILING"): {**T.CHUNKED_TILING,
-                                             "layer": (4096, 1, 1, 16, "memory")}}),
-    # training, chunked rows: the column sums apart (a second kernel, column blocks x row
-    # splits), the row kernel a program per row (no partials; the GPU overlaps rows' phases)
-    "b_apart_c8k_w16": (lambda norm, n, mode: mode == BWD and n > 8192,
-                        {(T, "CHUNKED_TILING"): dict.fromkeys(
-                            ("layer", "rms"), (8192, 1, None, 16, "apart"))}),
-    "b_apart_c4k_w8": (lambda norm, n, mode: mode == BWD and n > 8192,
-                       {(T, "CHUNKED_TILING"): dict.fromkeys(
-                           ("layer", "rms"), (4096, 1, None, 8, "apart"))}),
-    "b_apart_c4k_w8_cs512": (lambda norm, n, mode: mode == BWD and n > 8192,
-                             {(T, "CHUNKED_TILING"): dict.fromkeys(
-                                 ("layer", "rms"), (4096, 1, None, 8, "apart")),
-                              (T, "COLUMN_SUM_TILING"): (512, 8, 4)}),
-    # training, chunked rows: L2 hints in both kernels (default tilings)
-    "fb_hints": (lambda norm, n, mode: mode == BWD and n > 8192,
-                 {**_fwd(chunked=(*TF.TILINGS["chunked"][:3], True)),
-                  (T, "CHUNKED_TILING"): {q: (*t[:5], True)
-                                          for q, t in T.CHUNKED_TILING.items()}}),
-    "fb_grid_apart_hints": (lambda norm, n, mode: mode == BWD and n > 8192,
-                            {**_fwd(chunked=(8192, None, 16, True)),
-                             (T, "CHUNKED_TILING"): dict.fromkeys(
-                                 ("layer", "rms"), (4096, 1, None, 8, "apart", True))}),
-    # ... and the forward a program per row too
-    "fb_grid_apart": (lambda norm, n, mode: mode == BWD and n > 8192,
-                      {**_fwd(chunked=(8192, None, 16)),
-                       (T, "CHUNKED_TILING"): dict.fromkeys(
-                           ("layer", "rms"), (4096, 1, None, 8, "apart"))}),
+    # full rows at N = 128: a program per 2048-element row block, both uses
+    "grid_2k": (lambda norm, n, mode: n <= 128, _fwd(full=(2048, None, 4))),
+    # RMSNorm's chunked rows: a program per row (+ L2 hints), forward alone and in training
+    # with the column sums apart (LayerNorm's winners)
+    "rms_f_grid_c8k_w16": (lambda norm, n, mode: mode == FWD and n > 8192 and norm == "rms",
+                           _chunked_fwd("rms", (8192, None, 16))),
+    "rms_f_grid_c8k_w16_hints": (
+        lambda norm, n, mode: mode == FWD and n > 8192 and norm == "rms",
+        _chunked_fwd("rms", (8192, None, 16, True))),
+    "rms_fb_grid_apart_hints": (
+        lambda norm, n, mode: mode == BWD and n > 8192 and norm == "rms",
+        {**_chunked_fwd("rms", (8192, None, 16, True)),
+         (T, "CHUNKED_TILING"): {**T.CHUNKED_TILING, "rms": (4096, 1, None, 8, "apart", True)}}),
 }
 
 
@@ -229,8 +176,9 @@ def main(argv=None):
   timer = "wall" if args.tiny else timing.default_timer()
   if args.tiny:  # reach the chunked paths at tiny widths
     TF.CHUNKED_MIN_N = 1024
-    TF.TILINGS = {**TF.TILINGS, "chunked": (256, 2, 4)}
-    T.CHUNKED_TILING = dict.fromkeys(("layer", "rms"), (256, 2, 2, 4, "memory"))
+    TF.TILINGS = {**TF.TILINGS, "chunked": {"layer": (256, None, 4, True), "rms": (256, 2, 4)}}
+    T.CHUNKED_TILING = {"layer": (256, 1, None, 4, "apart", True),
+                        "rms": (256, 2, 2, 4, "registers")}
   cases = [c for c in suite_cases(args.tiny) if not args.only or re.search(args.only, c.name)]
   dev = jax.devices()[0]
   results = {"device": dev.device_kind, "jax": jax.__version__, "timer": timer,

@@ -15,9 +15,8 @@ the residual stream ``s``), recomputes the row statistics and ``x̂`` from the r
 registers, forms the two row sums and writes ``ds`` once. ``dγ``/``dβ`` partials stay in
 registers over the program's rows and are written once per program to a ``(programs, N)``
 float32 buffer that XLA sums afterwards (deterministic). The chunked kernel of wider rows keeps
-them in registers too, adds them per step into that buffer (its program's row only: still
-deterministic) or leaves them to a second kernel over column blocks × row splits
-(:func:`_column_sums_call`; the row kernel then runs a program per row block).
+them in registers too (RMSNorm) or leaves them to a second kernel over column blocks × row
+splits (:func:`_column_sums_call`; the row kernel then runs a program per row block: LayerNorm).
 
 The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
 zero-centered) and ``r`` the rstd::
@@ -38,7 +37,7 @@ removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's (
 forward). After the forward kernel the statistics come from it (``shift``, ``dmean``,
 ``rstd``, the reference's two-pass values for 16/32-bit floats): the forward is one kernel
 there, not XLA's split fusion, and that path trains fastest where the kernels beat XLA
-(LayerNorm at N = 128-8192, RMSNorm at N = 128-2048: :data:`KERNEL_DOMAINS`).
+(LayerNorm at N = 128-32768, RMSNorm at N = 128-2048: :data:`KERNEL_DOMAINS`).
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
 norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
@@ -131,16 +130,17 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
                         num_warps=16 if wide else 4)
 
 
-CHUNKED_TILING = {"rms": (4096, 1, 1, 16, "registers"), "layer": (8192, 2, 1, 16, "memory")}
+CHUNKED_TILING = {"rms": (4096, 1, 1, 16, "registers"), "layer": (4096, 1, None, 8, "apart", True)}
 """(columns per chunk, rows per step, programs per SM, warps, column sums[, L2 hints:
-``triton_fwd.RowTiling.l2_hints``, default off]), per norm, of the backward of rows of at least ``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`,
-:func:`_chunked_backward_kernel`). Each program's rows of the step are read twice (the second
-time from L2: programs × rows × N × 4 bytes should stay there, hence one program per SM); its
-column partials are added once per step to memory (L2 traffic ∝ 1 / rows per step), kept in
-registers (N / threads registers each: RMSNorm's one partial fits; LayerNorm's two were not
-tried) or summed "apart" by :func:`_column_sums_call` (then programs per SM None: a program per
-row block). The fastest measured (``benchmarks/EXPERIMENTS.md``); both slower than XLA in
-training (:data:`KERNEL_DOMAINS`)."""
+``triton_fwd.RowTiling.l2_hints``]), per norm, of the backward of rows of at least
+``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`, :func:`_chunked_backward_kernel`).
+Each program's rows of the step are read twice (the second time from L2). RMSNorm keeps its one
+column partial in registers (N / threads registers each) over a slab, one program per SM (the
+rows × N × 4 bytes of all programs should stay in L2); LayerNorm's two are summed "apart" by
+:func:`_column_sums_call`, the row kernel a program per row block (programs per SM None) with
+L2 hints (the first pass keeps its lines, the second drops them). The fastest measured on the
+H200 (``benchmarks/NOTES.md``, "Standalone norms"; ``benchmarks/EXPERIMENTS.md``): LayerNorm's
+trains faster than XLA at 16384×32768 (:data:`KERNEL_DOMAINS`), RMSNorm's slower."""
 
 COLUMN_SUM_TILING = (256, 16, 8)
 """(columns per program, rows per step, programs per SM) of :func:`_column_sums_call`: each
@@ -151,9 +151,9 @@ partials), the splits' rows summed by XLA. Not yet measured against others."""
 def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fwd.RowTiling:
   """:data:`CHUNKED_TILING` [norm], the chunk at most the padded row."""
   chunk, block_m, per_sm, warps, sums, *hints = CHUNKED_TILING[norm]
-  if sums not in ("memory", "registers", "apart") or (per_sm is None) != (sums == "apart"):
-    raise ValueError(f"chunked tiling {CHUNKED_TILING[norm]}: column sums 'memory' or "
-                     "'registers' with programs per SM, or 'apart' with None")
+  if sums not in ("registers", "apart") or (per_sm is None) != (sums == "apart"):
+    raise ValueError(f"chunked tiling {CHUNKED_TILING[norm]}: column sums 'registers' with "
+                     "programs per SM, or 'apart' with None")
   if per_sm is None:  # a program per row block
     programs = pl.cdiv(m, block_m)
   else:
@@ -191,7 +191,7 @@ def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) 
 
 KERNEL_DOMAINS = {
     # norm: ((min N, max N, min rows, forward), ...) for bfloat16 x without a residual
-    "layer": ((128, 8192, 65536, "kernel"),),
+    "layer": ((128, 8192, 65536, "kernel"), (8193, 32768, 16384, "kernel")),
     "rms": ((128, 2048, 262144, "kernel"),),
 }
 """Where ``implementation=None`` takes the kernels, per norm, and with which forward: "xla"
@@ -224,14 +224,15 @@ def forward_path(norm: str, x_shape, has_residual: bool) -> str:
 
 FORWARD_DOMAINS = {
     # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual
-    "layer": ((128, 128, 4194304), (2048, 8192, 65536), (8193, 32768, 16384)),
+    "layer": ((128, 8192, 65536), (8193, 32768, 16384)),
     "rms": ((8193, 32768, 16384),),
 }
 """Where ``implementation=None`` runs a call that is not differentiated (inference) through the
 forward kernel: where the H200 measured it faster than XLA's forward alone by more than 1%
-(closer is the measurement's spread: RMSNorm at 1048576×512, 0.994×, stays XLA), from N = 128
-to 32768 (``benchmarks/NOTES.md``, "Standalone norms"). LayerNorm at N = 512 and RMSNorm up to
-8192 measured slower than XLA's forward."""
+(closer is the measurement's spread: RMSNorm at 1048576×512, 0.994×, stays XLA), at the suite's
+shapes from N = 128 to 32768 (``benchmarks/NOTES.md``, "Standalone norms"): LayerNorm at every
+one (the training domains' rows), RMSNorm only past 8192. The rows reach past the measured
+shapes to as many rows as the fewest measured in their N range."""
 
 
 def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> str | None:
@@ -414,41 +415,29 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
 
 
 def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_fwd.RowTiling,
-                             rows_per_program: int, interpret: bool):
+                             rows_per_program: int):
   """The backward of rows too wide for registers, given the forward kernel's statistics.
 
   Per block of rows, pass 1 walks the rows in chunks accumulating g ⊙ x̂ (and g) elementwise
   (no reduction, so no barrier, inside the walk) for the row sums; pass 2 reads the chunks
   again, last first (from L2), writes ds and accumulates the chunk's column sums (dγ, dβ):
 
-  * ``cfg.column_sums == "registers"``: the chunk walk is unrolled and every chunk's column sums stay
-    in registers over the program's rows (N / threads floats per partial per thread), stored
-    once per program;
-  * else they are added per step into the program's row of the partial buffers (global memory,
-    L2), a load and a store per step, after a barrier: a column may be stored by one thread and
-    loaded by another in the next step. (Pallas' atomic adds are acquire-release: a fence
-    each.) Only this program touches its row: deterministic;
+  * ``cfg.column_sums == "registers"``: the chunk walk is unrolled and every chunk's column sums
+    stay in registers over the program's rows (N / threads floats per partial per thread),
+    stored once per program to its row of the partial buffers (deterministic);
   * "apart": none here (:func:`_column_sums_call` sums them).
 
   The partial rows are ``chunks · chunk`` wide (padded columns add zeros)."""
-  r = dict(zip(ops.input_names() + ["ds"] + (
-      [] if cfg.column_sums == "apart" else ops.partial_names()), refs, strict=True))
+  unrolled = cfg.column_sums == "registers"
+  names = ops.partial_names() if unrolled else []
+  r = dict(zip(ops.input_names() + ["ds"] + names, refs, strict=True))
   pid = pl.program_id(0)
-  block_m, chunk, unrolled = cfg.block_m, cfg.chunk, cfg.column_sums == "registers"
+  block_m, chunk = cfg.block_m, cfg.chunk
   chunks = pl.cdiv(n, chunk)
   base = jnp.arange(chunk)
-  names = [] if cfg.column_sums == "apart" else ops.partial_names()
 
   def part_at(k):
     return pl.ds(pid * chunks * chunk + k * chunk, chunk)
-
-  if names and not unrolled:
-    def zero(k, carry):
-      for name in names:
-        pltriton.store(r[name].at[part_at(k)], jnp.zeros((chunk,), jnp.float32))
-      return carry
-
-    lax.fori_loop(0, chunks, zero, 0)
 
   def step(i, partials):
     rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
@@ -480,9 +469,6 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
     gx = (jnp.sum(gx, axis=1) / n)[:, None]
     gs = (jnp.sum(gs, axis=1) / n)[:, None] if ops.norm == "layer" else 0.0
 
-    if names and not unrolled and not interpret:  # the partial rows stored before (interpret
-      pltriton.debug_barrier()                    # mode is sequential and has no barrier)
-
     def write(j, partials):  # last chunk first: the most recently read, likeliest in L2
       k = chunks - 1 - j
       at, mask, xhat, dy, g = tiles(k, "evict_first")
@@ -490,19 +476,12 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
       pltriton.store(r["ds"].at[at], ds.astype(r["ds"].dtype), mask=mask)
       sums = {"dscale_part": lambda: jnp.sum(dy * xhat, axis=0),
               "dbias_part": lambda: jnp.sum(dy, axis=0)}
-      if not unrolled:
-        for name in names:
-          ref = r[name].at[part_at(k)]
-          pltriton.store(ref, pltriton.load(ref) + sums[name]())
-        return partials
       return tuple(tuple(acc + sums[name]() if c == k else acc for c, acc in enumerate(accs))
                    for name, accs in zip(names, partials))
 
     return triton_fwd.chunk_loop(chunks, write, partials, unrolled or None)
 
-  init = ()
-  if unrolled:
-    init = tuple(tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(chunks)) for _ in names)
+  init = tuple(tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(chunks)) for _ in names)
   partials = lax.fori_loop(0, rows_per_program // block_m, step, init)
   for name, accs in zip(names, partials):
     for k, acc in enumerate(accs):
@@ -520,7 +499,7 @@ def _chunked_backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: 
   partials = 0 if apart else len(ops.partial_names())
   out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * partials
   kernel = functools.partial(_chunked_backward_kernel, ops=ops, m=m, n=n, cfg=cfg,
-                             rows_per_program=rows_per_program, interpret=interpret)
+                             rows_per_program=rows_per_program)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),

@@ -40,14 +40,20 @@ CHUNKED_MIN_N = 8193
 """Rows at least this wide are walked in chunks (forward and backward); narrower rows are held
 whole in registers (the backward kernel's ``MAX_N``)."""
 
-TILINGS = {"full": (4096, 8, 4), "wide": (8192, 4, 8), "chunked": (8192, 2, 16)}
+TILINGS = {"full": (4096, None, 4), "wide": (8192, 4, 8),
+           "chunked": {"layer": (8192, None, 16, True), "rms": (8192, 2, 16)}}
 """Forward tilings, each (elements per step, programs per SM, warps[, L2 hints (chunked rows:
-:class:`RowTiling` ``l2_hints``, default off)]): full rows up to 4096
-elements, full rows wider than 4096 (one a step), and chunked rows (the chunk's columns; one
-row a step). Programs per SM None: one program per row block (a grid over the blocks, no row
-loop: the GPU keeps as many in flight as fit, as XLA's and inductor's row kernels do; the
-forward has no column partials to hold per program). "wide" and "chunked" are the fastest
-measured (``benchmarks/NOTES.md``, "Standalone norms"; ``benchmarks/EXPERIMENTS.md``)."""
+:class:`RowTiling` ``l2_hints``)]): full rows up to 4096 elements (both norms), full rows wider
+than 4096 (one a step), and chunked rows per norm (the chunk's columns; one row a step).
+Programs per SM None: one program per row block (a grid over the blocks, no row loop: the GPU
+keeps as many in flight as fit, as XLA's and inductor's row kernels do; the forward has no
+column partials to hold per program). The same tilings serve the forward alone and training.
+Each the fastest measured on the H200 (``benchmarks/NOTES.md``, "Standalone norms";
+``benchmarks/EXPERIMENTS.md``): "full" in training for both norms at N = 128-2048 and for
+LayerNorm's forward alone at N = 512 (within 0.6% of the winner at 2048; 3% behind 2048-element
+steps at N = 128), "wide" at 8192 (a program per row block lost), LayerNorm's chunked rows
+(a program per row, L2 hints) at 32768 in both uses; RMSNorm's chunked rows keep the slab
+(its forward alone measured so; the grid form not measured for RMSNorm)."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs and rows short of a full block are exercised."""
@@ -63,10 +69,9 @@ class RowTiling:
     programs: grid size; program ``p`` owns rows ``[p·R, (p+1)·R)``, R a multiple of block_m.
     num_warps: warps per program (Triton).
     column_sums: where the chunked backward keeps its column sums (dγ, dβ;
-      ``triton._chunked_backward_kernel``): "memory" (added per step to the program's row of a
-      partial buffer), "registers" (over the program's rows, chunk loops unrolled) or "apart"
-      (a second kernel, ``triton._column_sums_call``: the row kernel then needs no partials and
-      runs a program per row block).
+      ``triton._chunked_backward_kernel``): "registers" (over the program's rows, chunk loops
+      unrolled) or "apart" (a second kernel, ``triton._column_sums_call``: the row kernel then
+      needs no partials and runs a program per row block); None for the forward (none).
     l2_hints: chunked rows' loads tell L2 to keep the first pass's lines (``evict_last``) and
       drop the second pass's (``evict_first``), as inductor's looped reductions do, so the
       second pass finds the row in L2.
@@ -76,7 +81,7 @@ class RowTiling:
   chunk: int
   programs: int
   num_warps: int
-  column_sums: str = "memory"
+  column_sums: str | None = None
   l2_hints: bool = False
 
 
@@ -84,13 +89,13 @@ def gpu_core_count() -> int:
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def pick_config(m: int, n: int, interpret: bool) -> RowTiling:
+def pick_config(m: int, n: int, interpret: bool, norm: str) -> RowTiling:
   """Full rows over :data:`TILINGS` ["full"] (["wide"] past 4096) below :data:`CHUNKED_MIN_N`,
-  else one row per step in chunks (:data:`TILINGS` ["chunked"]). Programs per SM None: a
+  else one row per step in chunks (:data:`TILINGS` ["chunked"][norm]). Programs per SM None: a
   program per row block, in interpret mode too."""
   n_pad = pl.next_power_of_2(n)
   if n >= CHUNKED_MIN_N:
-    chunk, per_sm, warps, *hints = TILINGS["chunked"]
+    chunk, per_sm, warps, *hints = TILINGS["chunked"][norm]
     block_m = 1
   else:
     elements, per_sm, warps, *hints = TILINGS["full" if n_pad <= 4096 else "wide"]
@@ -300,7 +305,7 @@ def forward(x, scale=None, bias=None, *, norm: str, eps: float, zero_centered_sc
   n = x.shape[-1]
   lead = x.shape[:-1]
   m = x.size // n
-  cfg = pick_config(m, n, interpret)
+  cfg = pick_config(m, n, interpret, norm)
   rows_per_program, programs = slab_rows(m, cfg)
   gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
   vecs = [v for v in (gamma, None if bias is None else bias.astype(jnp.float32))
