@@ -479,19 +479,20 @@ def test_forward_kernel_path_keeps_the_precision_of_rows_with_a_large_mean(monke
 
 def test_forward_paths_and_refusals(monkeypatch):
   """forward_path: the forward kernel for rows wider than MAX_N (no other forward serves them),
-  XLA's with a residual, else KERNEL_DOMAINS' forward; row_norm refuses the combinations no
-  kernel serves; the public op runs rows wider than MAX_N (chunked) but refuses them with a
-  residual."""
+  XLA's with a residual, the forward kernel where KERNEL_DOMAINS holds, else XLA's; row_norm
+  refuses the combinations no kernel serves; the public op runs rows wider than MAX_N
+  (chunked) but refuses them with a residual."""
   fp = row_norm_pallas.forward_path
   assert fp("rms", (16384, 32768), False) == "kernel"
   assert fp("layer", (262144, 2048), True) == "xla"
   assert fp("layer", (262144, 2048), False) == "kernel"
   assert fp("rms", (262144, 2048), False) == "kernel"
   assert fp("rms", (65536, 8192), False) == "xla"
-  monkeypatch.setattr(row_norm_pallas, "KERNEL_DOMAINS",
-                      {"layer": ((128, 8192, 65536, "xla"),), "rms": ()})
-  assert fp("layer", (262144, 2048), False) == "xla"
+  assert fp("layer", (16384, 32768), False) == "kernel"
   assert fp("layer", (1024, 2048), False) == "xla"
+  monkeypatch.setattr(row_norm_pallas, "KERNEL_DOMAINS",
+                      {"layer": ((128, 8192, 65536),), "rms": ()})
+  assert fp("layer", (262144, 2048), False) == "kernel"
   assert fp("rms", (262144, 2048), False) == "xla"
   x = jnp.ones((4, 64), jnp.float32)
   with pytest.raises(ValueError, match="no residual"):

@@ -190,36 +190,31 @@ def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) 
 
 
 KERNEL_DOMAINS = {
-    # norm: ((min N, max N, min rows, forward), ...) for bfloat16 x without a residual
-    "layer": ((128, 8192, 65536, "kernel"), (8193, 32768, 16384, "kernel")),
-    "rms": ((128, 2048, 262144, "kernel"),),
+    # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual
+    "layer": ((128, 8192, 65536), (8193, 32768, 16384)),
+    "rms": ((128, 2048, 262144),),
 }
-"""Where ``implementation=None`` takes the kernels, per norm, and with which forward: "xla"
-(XLA's fused forward; the backward kernel recomputes the statistics) or "kernel" (the forward
-kernel of :mod:`pallas_norm.ops.norms.triton_fwd`, whose statistics the backward reads; the
-only forward for N > :data:`MAX_N`). Each row is where the H200 measured that path faster in
-training than the "xla" implementation: bf16 without a residual (``benchmarks/NOTES.md``,
-"Standalone norms"). The first row that holds a call decides. Outside them XLA runs; an explicit
-"triton"/"interpret" takes :func:`forward_path`'s forward."""
+"""Where ``implementation=None`` trains through the kernels, per norm: the forward kernel of
+:mod:`pallas_norm.ops.norms.triton_fwd` and the backward reading its statistics. Each row is
+where the H200 measured that path faster in training than the "xla" implementation: bf16
+without a residual (``benchmarks/NOTES.md``, "Standalone norms"). Outside them XLA runs; an
+explicit "triton"/"interpret" takes :func:`forward_path`'s forward."""
 
 
-def _domain_row(norm: str, n: int, rows: int):
-  for min_n, max_n, min_rows, forward in KERNEL_DOMAINS[norm]:
-    if min_n <= n <= max_n and rows >= min_rows:
-      return forward
-  return None
+def _in_domain(norm: str, n: int, rows: int) -> bool:
+  return any(lo <= n <= hi and rows >= r for lo, hi, r in KERNEL_DOMAINS[norm])
 
 
 def forward_path(norm: str, x_shape, has_residual: bool) -> str:
-  """The forward the kernel path runs for this call: "kernel" (the forward kernel) or "xla":
-  the one of :data:`KERNEL_DOMAINS` where a row holds the call; else the forward kernel only
-  where nothing else serves (rows wider than :data:`MAX_N`, no residual)."""
+  """The forward the kernel path runs for this call: "kernel" (the forward kernel, whose
+  statistics the backward reads) where :data:`KERNEL_DOMAINS` holds the call or nothing else
+  serves (rows wider than :data:`MAX_N`); "xla" (XLA's fused forward, the backward recomputing
+  the statistics) with a residual (the forward kernel adds none) or elsewhere (measured slower
+  than XLA either way)."""
   n, rows = x_shape[-1], math.prod(x_shape[:-1])
   if has_residual:
     return "xla"
-  if n > MAX_N:
-    return "kernel"
-  return _domain_row(norm, n, rows) or "xla"
+  return "kernel" if n > MAX_N or _in_domain(norm, n, rows) else "xla"
 
 
 FORWARD_DOMAINS = {
