@@ -10,6 +10,7 @@ sizes.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -192,8 +193,8 @@ def test_kernel_names_and_refusals_on_the_cpu():
   with pytest.raises(NotImplementedError, match="rms_norm has no 'mosaic' kernel"):
     pallas_norm.rms_norm(x, implementation="mosaic")
   wide = np.ones((2, row_norm_pallas.MAX_N + 1), np.float32)
-  with pytest.raises(NotImplementedError, match="N = 8193"):
-    pallas_norm.layer_norm(wide, implementation="interpret")
+  with pytest.raises(NotImplementedError, match="N = 8193 with a residual"):
+    pallas_norm.layer_norm(wide, residual=wide, implementation="interpret")
   with pytest.raises(NotImplementedError, match="float64"):
     pallas_norm.layer_norm(np.ones((2, 8)), implementation="interpret")
   # A residual of another dtype is refused by the shared validation, before the dispatch.
@@ -266,8 +267,11 @@ def test_gpu_kernel_matches_reference(shape, dtype, scale, bias, residual, zero_
 
 def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
   """implementation=None through the op's own check (``api._check``), as on a Hopper GPU (the
-  device queries patched, so this runs on the CPU too): the kernel for LayerNorm at the measured
-  shapes, for RMSNorm at N <= 2048, XLA outside the measured domains."""
+  device queries patched, so this runs on the CPU too): (forward use, training) per
+  FORWARD_DOMAINS and KERNEL_DOMAINS, the H200's winners per suite shape: LayerNorm trains
+  through the kernels and runs the forward kernel alone at every suite N (128-32768); RMSNorm
+  trains through them at N = 128-2048 and runs the forward kernel alone past 8192; XLA outside
+  the measured domains."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.norms import api as norms
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
@@ -282,14 +286,18 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
     jax.eval_shape(check, jax.ShapeDtypeStruct(shape, dtype))
     return out[0]
 
-  assert chosen("layer_norm", (262144, 2048)) == "triton"
-  assert chosen("rms_norm", (262144, 2048)) == "triton"
-  assert chosen("rms_norm", (65536, 8192)) == "xla"
-  assert chosen("layer_norm", (262144, 2048), jnp.float32) == "xla"
-  assert chosen("layer_norm", (65536, 4096)) == "triton"
+  kernels, xla_both = ("triton", "triton"), ("xla", "xla")
+  for shape in ((262144, 2048), (4194304, 128), (65536, 8192), (65536, 4096), (1048576, 512),
+                (16384, 32768)):
+    assert chosen("layer_norm", shape) == kernels, shape
+  assert chosen("rms_norm", (16384, 32768)) == ("triton", "xla")
+  for shape in ((262144, 2048), (1048576, 512), (4194304, 128)):
+    assert chosen("rms_norm", shape) == ("xla", "triton"), shape
+  assert chosen("rms_norm", (65536, 8192)) == xla_both
+  assert chosen("layer_norm", (262144, 2048), jnp.float32) == xla_both
   for shape in ((1024, 2048), (65536, 64)):
-    assert chosen("layer_norm", shape) == "xla", shape
-  assert chosen("layer_norm", (262144, 2048), residual=True) == "xla"
+    assert chosen("layer_norm", shape) == xla_both, shape
+  assert chosen("layer_norm", (262144, 2048), residual=True) == xla_both
 
 
 def test_second_order_raises_naming_the_op():
@@ -302,3 +310,335 @@ def test_second_order_raises_naming_the_op():
   with pytest.raises(NotImplementedError, match="layer_norm: its kernel paths") as info:
     jax.grad(lambda x: jnp.sum(jax.grad(first)(x).astype(jnp.float32)))(x)
   assert "Mosaic" not in str(info.value)  # its kernel is Triton (review)
+
+
+# ---- The forward kernel (pallas_norm/ops/norms/triton_fwd.py) and the backward reading its
+# statistics (full rows and chunked rows) ----------------------------------------------------
+
+from pallas_norm.ops.norms import triton_fwd  # noqa: E402
+from pallas_norm.ops.norms import xla as norms_xla  # noqa: E402
+
+
+def _chunked(monkeypatch, chunk, block_m, sums="registers", hints=False, min_n=64):
+  """Rows of at least ``min_n`` elements through the chunked kernels, ``chunk`` columns a
+  load, ``block_m`` rows a step, the backward's column partials in registers ("registers") or
+  summed apart ("apart": a program per row block) (the GPU's chunked paths at CPU sizes);
+  ``hints``: both kernels' L2 hints (no effect in interpret mode but the lowering of the
+  arguments)."""
+  monkeypatch.setattr(triton_fwd, "CHUNKED_MIN_N", min_n)
+  monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "chunked": dict.fromkeys(
+      ("layer", "rms"), (chunk, 2, 4, hints))})
+  monkeypatch.setattr(row_norm_pallas, "CHUNKED_TILING", dict.fromkeys(
+      ("layer", "rms"), (chunk, block_m, None if sums == "apart" else 2, 4, sums, hints)))
+  # Column sums apart: blocks of 64 columns (the last short at N = 100), 4 rows a step, so
+  # the 3 interpret programs make 2 row splits, the last short of a step.
+  monkeypatch.setattr(row_norm_pallas, "COLUMN_SUM_TILING", (64, 4, 8))
+
+
+def _kernel_path(norm, eps, zero_centered, out_dtype=None):
+  def f(x, scale, bias, residual):
+    assert residual is None
+    return row_norm_pallas.row_norm(x, scale, bias if norm == "layer" else None, norm=norm,
+                                    eps=eps, zero_centered_scale=zero_centered,
+                                    out_dtype=out_dtype, interpret=True, forward="kernel")
+  return f
+
+
+FWD_CASES = [
+    # shape, dtype, scale, bias, zero_centered, out_dtype, norm, chunking (chunk, block_m) or None
+    ((3, 13, 100), jnp.float32, True, True, False, None, "layer", None),
+    ((37, 64), jnp.bfloat16, True, True, True, None, "layer", None),
+    ((20, 256), jnp.bfloat16, False, False, False, jnp.float32, "layer", None),
+    ((50, 24), jnp.float16, True, False, False, None, "layer", None),
+    ((3, 13, 100), jnp.float32, True, False, False, None, "rms", None),
+    ((37, 64), jnp.bfloat16, True, False, True, None, "rms", None),
+    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2)),
+    ((2, 7, 96), jnp.bfloat16, True, True, True, None, "layer", (32, 1)),
+    ((13, 100), jnp.float32, True, False, False, None, "rms", (32, 2)),
+    ((9, 128), jnp.bfloat16, False, False, False, jnp.float32, "rms", (64, 4)),
+    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, "apart")),
+    ((2, 7, 96), jnp.bfloat16, True, True, True, None, "layer", (32, 1, "apart")),
+    ((13, 100), jnp.float32, True, False, False, None, "rms", (32, 1, "apart")),
+    ((9, 100), jnp.float32, False, True, False, None, "layer", (32, 2, "apart")),
+    ((13, 100), jnp.float32, True, True, False, None, "layer", (32, 2, "apart", True)),
+    ((2, 7, 96), jnp.bfloat16, True, False, False, None, "rms", (32, 1, "registers", True)),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,scale,bias,zero_centered,out_dtype,norm,chunking",
+                         FWD_CASES)
+def test_forward_kernel_path_matches_reference(monkeypatch, shape, dtype, scale, bias,
+                                               zero_centered, out_dtype, norm, chunking):
+  """forward="kernel": y and the gradients of x, scale and bias through the forward kernel and
+  the backward kernel reading its statistics, jitted, against jax.vjp of the float32 reference;
+  full rows and rows walked in chunks (the last chunk short, rows short of the last block, one
+  and several rows a step). Interpret mode fills what a kernel leaves unwritten with NaN."""
+  if chunking:
+    _chunked(monkeypatch, *chunking)
+  x, vecs, dy, _ = _inputs(seed_of(f"fwd{shape}{dtype}{norm}{chunking}"), shape, dtype,
+                           scale=scale, bias=bias, residual=False)
+  eps = 1e-5
+  got_out, got_grads = _outputs_and_grads(_kernel_path(norm, eps, zero_centered, out_dtype),
+                                          x, vecs, dy, None)
+  want_out, want_grads = _outputs_and_grads(
+      _op("reference", eps, zero_centered, norm=norm), *_upcast((x, vecs)), dy, None)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  assert got_out.dtype == (out_dtype or dtype)
+  _assert_close(got_out, want_out, tol, "y")
+  for name, g, w, arg in zip(("dx", "dscale", "dbias"), got_grads, want_grads,
+                             (x, vecs["scale"], vecs["bias"])):
+    if arg is None or (name == "dbias" and norm == "rms"):
+      continue
+    assert g.dtype == arg.dtype, name
+    _assert_close(g, w, tol, name)
+
+
+GRID_CASES = [
+    # shape, dtype, norm, bias, chunked (forward tiling: a program per row block)
+    ((37, 64), jnp.bfloat16, "layer", True, False),
+    ((3, 13, 100), jnp.float32, "layer", True, False),
+    ((37, 64), jnp.bfloat16, "rms", False, False),
+    ((13, 100), jnp.float32, "layer", True, True),
+    ((2, 7, 96), jnp.bfloat16, "rms", False, True),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,norm,bias,chunked", GRID_CASES)
+def test_forward_kernel_one_program_per_row_block(monkeypatch, shape, dtype, norm, bias,
+                                                  chunked):
+  """Forward tilings with programs per SM None (a grid over the row blocks, no row loop): y,
+  the statistics and the gradients as with the slab tiling, against the float32 reference;
+  several programs, the last block short of rows."""
+  if chunked:
+    _chunked(monkeypatch, 32, 2)
+  monkeypatch.setattr(triton_fwd, "TILINGS", {**triton_fwd.TILINGS, "full": (256, None, 4),
+                                              "chunked": {norm: (32, None, 4)}})
+  m, n = math.prod(shape[:-1]), shape[-1]
+  cfg = triton_fwd.pick_config(m, n, interpret=True, norm=norm)
+  assert cfg.programs == -(-m // cfg.block_m) > 1
+  assert triton_fwd.slab_rows(m, cfg) == (cfg.block_m, cfg.programs)
+  x, vecs, dy, _ = _inputs(seed_of(f"grid{shape}{dtype}{norm}"), shape, dtype, scale=True,
+                           bias=bias, residual=False)
+  got_out, got_grads = _outputs_and_grads(_kernel_path(norm, 1e-5, False), x, vecs, dy, None)
+  want_out, want_grads = _outputs_and_grads(_op("reference", 1e-5, False, norm=norm),
+                                            *_upcast((x, vecs)), dy, None)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  _assert_close(got_out, want_out, tol, "y")
+  for name, g, w, arg in zip(("dx", "dscale", "dbias"), got_grads, want_grads,
+                             (x, vecs["scale"], vecs["bias"])):
+    if arg is not None and not (name == "dbias" and norm == "rms"):
+      _assert_close(g, w, tol, name)
+  _, stats = triton_fwd.forward(x.astype(jnp.float32), None, None, norm=norm, eps=1e-5,
+                                zero_centered_scale=False, interpret=True)
+  want = norms_xla.row_stats(x.astype(jnp.float32), norm, 1e-5)
+  for name, got, ref in zip(("shift", "dmean", "rstd"), stats, want):
+    if ref is not None:
+      np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-6, atol=1e-6,
+                                 err_msg=name)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("chunking", [None, (32, 2)])
+def test_forward_kernel_statistics_match_the_xla_paths(monkeypatch, norm, chunking):
+  """The row statistics the forward kernel hands the backward: (shift, dmean, rstd) as
+  :func:`pallas_norm.ops.norms.xla.row_stats` computes them from float32 x (the shift exactly
+  the row's first element), float32, of x's leading shape."""
+  if chunking:
+    _chunked(monkeypatch, *chunking)
+  x = 0.5 + jax.random.normal(jax.random.key(5), (3, 11, 100), jnp.float32)
+  _, stats = triton_fwd.forward(x, None, None, norm=norm, eps=1e-5, zero_centered_scale=False,
+                                interpret=True)
+  want = norms_xla.row_stats(x, norm, 1e-5)
+  for name, got, ref in zip(("shift", "dmean", "rstd"), stats, want):
+    if ref is None:
+      assert got is None, name
+      continue
+    assert got.shape == x.shape[:-1] and got.dtype == jnp.float32, name
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-6, atol=1e-6,
+                               err_msg=name)
+  if norm == "layer":
+    np.testing.assert_array_equal(np.asarray(stats.shift), np.asarray(x[..., 0]))
+
+
+@pytest.mark.parametrize("chunking", [None, (32, 2), (32, 2, "apart", True)])
+def test_forward_kernel_path_keeps_the_precision_of_rows_with_a_large_mean(monkeypatch,
+                                                                           chunking):
+  """Rows with mean 1e4 and spread 1 through the forward kernel (the chunks' moments merged by
+  Chan's formula when chunked) and the backward reading (shift, dmean, rstd): float32
+  gradients match the float64 closed form to float32 accuracy."""
+  if chunking:
+    _chunked(monkeypatch, *chunking)
+  x, vecs, dy, _ = _inputs(17, (24, 80), jnp.float32, scale=True, bias=True, residual=False,
+                           mean=1e4)
+  eps = 1e-6
+  _, grads = _outputs_and_grads(_kernel_path("layer", eps, False), x, vecs, dy, None)
+  want = _layer_norm_grads_f64(x, vecs["scale"], vecs["bias"], dy, eps)
+  for name, g, w in zip(("dx", "dscale", "dbias"), grads, want):
+    _assert_close(g, w, 1e-5, name)
+
+
+def test_forward_paths_and_refusals(monkeypatch):
+  """forward_path: the forward kernel for rows wider than MAX_N (no other forward serves them),
+  XLA's with a residual, the forward kernel where KERNEL_DOMAINS holds, else XLA's; row_norm
+  refuses the combinations no kernel serves; the public op runs rows wider than MAX_N
+  (chunked) but refuses them with a residual."""
+  fp = row_norm_pallas.forward_path
+  assert fp("rms", (16384, 32768), False) == "kernel"
+  assert fp("layer", (262144, 2048), True) == "xla"
+  assert fp("layer", (262144, 2048), False) == "kernel"
+  assert fp("rms", (262144, 2048), False) == "kernel"
+  assert fp("rms", (65536, 8192), False) == "xla"
+  assert fp("layer", (16384, 32768), False) == "kernel"
+  assert fp("layer", (1024, 2048), False) == "xla"
+  monkeypatch.setattr(row_norm_pallas, "KERNEL_DOMAINS",
+                      {"layer": ((128, 8192, 65536),), "rms": ()})
+  assert fp("layer", (262144, 2048), False) == "kernel"
+  assert fp("rms", (262144, 2048), False) == "xla"
+  x = jnp.ones((4, 64), jnp.float32)
+  with pytest.raises(ValueError, match="no residual"):
+    row_norm_pallas.row_norm(x, residual=x, norm="layer", eps=1e-6, forward="kernel")
+  with pytest.raises(ValueError, match="forward='kernel'"):
+    row_norm_pallas.row_norm(jnp.ones((2, 8193)), norm="rms", eps=1e-6, forward="xla")
+  wide = jax.random.normal(jax.random.key(2), (2, row_norm_pallas.MAX_N + 1), jnp.float32)
+  with pytest.raises(NotImplementedError, match="N = 8193 with a residual"):
+    pallas_norm.layer_norm(wide, residual=wide, implementation="interpret")
+  scale = 1 + 0.1 * jax.random.normal(jax.random.key(3), (wide.shape[-1],))
+  got = jax.grad(lambda x, s: jnp.sum(jnp.sin(pallas_norm.rms_norm(
+      x, s, implementation="interpret"))), (0, 1))(wide, scale)
+  want = jax.grad(lambda x, s: jnp.sum(jnp.sin(reference.rms_norm(x, s))), (0, 1))(wide, scale)
+  for g, w in zip(got, want):
+    _assert_close(g, w, F32_TOL, "grad")
+
+
+GPU_FWD_CASES = [
+    # shape, dtype, norm, bias, forward
+    ((8192, 2048), jnp.bfloat16, "layer", True),
+    ((8192, 2048), jnp.bfloat16, "rms", False),
+    ((65536, 128), jnp.bfloat16, "layer", True),
+    ((4, 1000, 1000), jnp.bfloat16, "layer", True),
+    ((2048, 8192), jnp.bfloat16, "rms", False),
+    ((512, 32768), jnp.bfloat16, "layer", True),
+    ((512, 32768), jnp.bfloat16, "rms", False),
+    ((300, 10000), jnp.float32, "layer", True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype,norm,bias", GPU_FWD_CASES)
+def test_gpu_forward_kernel_path_matches_reference(shape, dtype, norm, bias):
+  """forward="kernel" on the GPU (Triton lowering) at real sizes, full rows and (N > 8192)
+  chunked rows: y and the gradients of x, scale, bias vs the float32 reference."""
+  x, vecs, dy, _ = _inputs(13, shape, dtype, scale=True, bias=bias, residual=False)
+
+  def path(x, scale, bias, residual):
+    del residual
+    return row_norm_pallas.row_norm(x, scale, bias, norm=norm, eps=1e-6, forward="kernel")
+
+  got_out, got_grads = _outputs_and_grads(path, x, vecs, dy, None)
+  want_out, want_grads = _outputs_and_grads(_op("reference", 1e-6, False, norm=norm),
+                                            *_upcast((x, vecs)), dy, None)
+  tol = F32_TOL * 10 if dtype == jnp.float32 else BF16_TOL
+  _assert_close(got_out, want_out, tol, "y")
+  for name, g, w in zip(("dx", "dscale", "dbias"), got_grads, want_grads):
+    if g is not None:
+      _assert_close(g, w, tol, name)
+
+
+GPU_DEFAULT_CASES = [
+    # shape, norm: the suite's N at fewer rows, each default tiling (pick_config's rows)
+    ((65536, 128), "layer"), ((65536, 512), "rms"), ((8192, 2048), "layer"),
+    ((2048, 8192), "layer"), ((512, 32768), "layer"), ((512, 32768), "rms"),
+    ((300, 10000), "layer"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,norm", GPU_DEFAULT_CASES)
+def test_gpu_forward_kernel_path_default_tilings(shape, norm):
+  """The default tilings on the GPU (:func:`test_default_tilings_are_the_measured_winners`):
+  a program per row block for full rows up to 4096, the slab past it, LayerNorm's chunked rows
+  a program per row with L2 hints and the column sums apart, RMSNorm's chunked slab with the
+  sums in registers; y and the gradients vs the float32 reference."""
+  x, vecs, dy, _ = _inputs(29, shape, jnp.bfloat16, scale=True, bias=norm == "layer",
+                           residual=False)
+
+  def path(x, scale, bias, residual):
+    del residual
+    return row_norm_pallas.row_norm(x, scale, bias, norm=norm, eps=1e-6, forward="kernel")
+
+  got_out, got_grads = _outputs_and_grads(path, x, vecs, dy, None)
+  want_out, want_grads = _outputs_and_grads(_op("reference", 1e-6, False, norm=norm),
+                                            *_upcast((x, vecs)), dy, None)
+  _assert_close(got_out, want_out, BF16_TOL, "y")
+  for name, g, w in zip(("dx", "dscale", "dbias"), got_grads, want_grads):
+    if g is not None:
+      _assert_close(g, w, BF16_TOL, name)
+
+
+def test_default_tilings_are_the_measured_winners(monkeypatch):
+  """The forward kernel's and the chunked backward's default tilings at the suite's shapes
+  (132 SMs, as the H200), the H200 A/B's winners (benchmarks/NOTES.md, "Standalone norms"):
+  full rows up to 4096 a program per 4096-element row block over 4 warps (both norms, both
+  uses); 8192 the slab of 4 programs per SM over 8 warps; LayerNorm's chunked rows a program
+  per row (16 warps, L2 hints), its backward 4096-column chunks a program per row (8 warps,
+  hints) with the column sums apart; RMSNorm's chunked slab (2 per SM) and its backward's one
+  program per SM with the sums in registers."""
+  monkeypatch.setattr(triton_fwd, "gpu_core_count", lambda: 132)
+  monkeypatch.setattr(row_norm_pallas, "_gpu_core_count", lambda: 132)
+  tiling = triton_fwd.RowTiling
+  for norm in ("layer", "rms"):
+    for m, n, block_m in ((4194304, 128, 32), (1048576, 512, 8), (262144, 2048, 2)):
+      assert triton_fwd.pick_config(m, n, False, norm) == tiling(
+          block_m=block_m, chunk=n, programs=m // block_m, num_warps=4), (norm, n)
+    assert triton_fwd.pick_config(65536, 8192, False, norm) == tiling(
+        block_m=1, chunk=8192, programs=4 * 132, num_warps=8)
+  assert triton_fwd.pick_config(16384, 32768, False, "layer") == tiling(
+      block_m=1, chunk=8192, programs=16384, num_warps=16, l2_hints=True)
+  assert triton_fwd.pick_config(16384, 32768, False, "rms") == tiling(
+      block_m=1, chunk=8192, programs=2 * 132, num_warps=16)
+  assert row_norm_pallas.pick_chunked_config(16384, 32768, False, "layer") == tiling(
+      block_m=1, chunk=4096, programs=16384, num_warps=8, column_sums="apart", l2_hints=True)
+  assert row_norm_pallas.pick_chunked_config(16384, 32768, False, "rms") == tiling(
+      block_m=1, chunk=4096, programs=132, num_warps=16, column_sums="registers")
+
+
+def test_default_forward_use_reads_forward_domains(monkeypatch):
+  """implementation=None for a call that is not differentiated: the forward kernel only where
+  FORWARD_DOMAINS holds (as on a Hopper GPU, device queries patched); an explicit
+  implementation runs one path for both uses (forward use None)."""
+  from pallas_norm import _dispatch
+  from pallas_norm.ops.norms import api as norms
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  monkeypatch.setattr(_dispatch, "on_cuda_gpu", lambda: True)
+  monkeypatch.setattr(row_norm_pallas, "FORWARD_DOMAINS", {"layer": (), "rms": ((128, 512, 1024),)})
+
+  def chosen(op, shape, implementation=None):
+    out = []
+    jax.eval_shape(lambda x: out.append(norms._check(x, None, None, None, 1e-6, None,
+                                                     implementation, op)) or x,
+                   jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+    return out[0]
+
+  assert chosen("rms_norm", (4096, 512)) == ("triton", "xla")
+  assert chosen("rms_norm", (4096, 2048)) == ("xla", "xla")
+  assert chosen("layer_norm", (4096, 512)) == ("xla", "xla")
+  assert chosen("rms_norm", (4096, 512), "triton") == (None, "triton")
+
+
+def test_forward_use_runs_the_forward_kernel_and_training_its_own_path(monkeypatch):
+  """By use (``_op.by_use``): a forward-use kernel with an XLA training path gives the
+  reference's values undifferentiated and the reference's gradients differentiated."""
+  from pallas_norm.ops.norms import api as norms
+  x, vecs, dy, _ = _inputs(21, (40, 96), jnp.float32, scale=True, bias=False, residual=False)
+  calls = []
+  real = triton_fwd.forward
+  monkeypatch.setattr(triton_fwd, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+  f = lambda x, s: norms._run(("interpret", "xla"), x, s, None, None, "rms", 1e-5, False, None)  # noqa: E731
+  _assert_close(jax.jit(f)(x, vecs["scale"]), reference.rms_norm(x, vecs["scale"], eps=1e-5),
+                F32_TOL, "y")
+  assert calls, "the forward use did not run the forward kernel"
+  got = jax.grad(lambda x, s: jnp.sum(jnp.sin(f(x, s))), (0, 1))(x, vecs["scale"])
+  want = jax.grad(lambda x, s: jnp.sum(jnp.sin(reference.rms_norm(x, s, eps=1e-5))),
+                  (0, 1))(x, vecs["scale"])
+  for g, w in zip(got, want):
+    _assert_close(g, w, F32_TOL, "grad")

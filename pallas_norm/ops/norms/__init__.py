@@ -1,6 +1,7 @@
 """Standalone row norms :func:`rms_norm` and :func:`layer_norm` (DESIGN.md, op 5): ``api`` (the
-public ops), ``xla`` (XLA's forward and derivatives) and ``triton`` (the one-pass Pallas backward
-kernel of both, with the Triton lowering; also the post-norm GEMM's norm backward)."""
+public ops), ``xla`` (XLA's forward and derivatives), ``triton`` (the one-pass Pallas backward kernel of
+both, with the Triton lowering; also the post-norm GEMM's norm backward) and ``triton_fwd`` (the
+forward kernel that hands the backward its row statistics)."""
 
 from pallas_norm.ops.norms.api import layer_norm, rms_norm
 

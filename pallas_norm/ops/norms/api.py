@@ -2,16 +2,20 @@
 
 Two implementations each: "xla" (:mod:`pallas_norm.ops.norms.xla`: the reference's forward;
 ``layer_norm`` with a hand-written one-pass derivative, a ``custom_jvp``, ``rms_norm``
-differentiated by autodiff, on every backend) and the Pallas backward kernel of
-:mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU, "interpret" anywhere), which
-keeps XLA's forward and recomputes the row statistics. ``implementation=None`` takes the kernel
-for each where it was measured faster. They are the
+differentiated by autodiff, on every backend) and the Pallas kernels of
+:mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU, "interpret" anywhere): the
+backward kernel after XLA's forward (recomputing the row statistics) or after the forward kernel
+of :mod:`pallas_norm.ops.norms.triton_fwd` (reading them). ``implementation=None`` takes the
+kernels for each where they were measured faster (one table,
+:data:`pallas_norm.ops.norms.triton.KERNEL_DOMAINS`). They are the
 building blocks of the Flax layers and the oracle shape of the fused ops.
 """
 
 from __future__ import annotations
 
-from pallas_norm import _dispatch, _validate
+import functools
+
+from pallas_norm import _dispatch, _op, _validate
 from pallas_norm.ops.norms import triton, xla
 
 
@@ -24,11 +28,15 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   _validate.eps(eps, x.dtype)
   _validate.out_dtype(out_dtype)
   norm = "rms" if op == "rms_norm" else "layer"
-  return _dispatch.choose(
+  has_residual = residual is not None
+  forward, training = _dispatch.choose_by_use(
       op, implementation,
-      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype),
-      lambda: triton.slower_reason(norm, x.shape, x.dtype, residual is not None),
+      lambda _: triton.unsupported_reason(norm, x.shape, x.dtype, has_residual),
+      lambda: triton.slower_reason(norm, x.shape, x.dtype, has_residual),
+      lambda: triton.slower_forward_reason(norm, x.shape, x.dtype, has_residual),
       kernel="triton")
+  # An implementation asked for runs one path for both uses (its forward: forward_path's).
+  return (None if implementation is not None else forward), training
 
 
 def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
@@ -50,12 +58,13 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     zero_centered_scale: apply ``1 + scale`` instead of ``scale``.
     out_dtype: dtype of y (default x.dtype).
     implementation: None, "xla", "triton", "interpret" or a sequence of them (see
-      :mod:`pallas_norm._dispatch`). "triton" keeps XLA's forward and runs the gradient as one
-      Pallas kernel that recomputes rstd from the rows it holds (Triton lowering, any NVIDIA
-      GPU; :mod:`pallas_norm.ops.norms.triton`), "interpret" the same kernel in Pallas
-      interpret mode. None picks the kernel on a Hopper GPU where it was measured faster in
-      training than XLA's autodiff (bf16 without residual, 128 ≤ N ≤ 2048, ≥ 262144 rows:
-      :data:`pallas_norm.ops.norms.triton.RMS_DOMAIN`), else XLA.
+      :mod:`pallas_norm._dispatch`). "triton" runs the gradient as one Pallas kernel (Triton
+      lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`) after XLA's forward (the
+      kernel recomputes rstd from the rows it holds) or after the forward kernel that hands it
+      rstd (:func:`pallas_norm.ops.norms.triton.forward_path`; rows wider than 8192 always,
+      walked in chunks, no residual there); "interpret" the same kernels in Pallas interpret
+      mode. None picks the kernels on a Hopper GPU where they were measured faster in training
+      than XLA (:data:`pallas_norm.ops.norms.triton.KERNEL_DOMAINS`), else XLA.
       The kernel path supports first-order reverse mode only.
 
   Returns:
@@ -66,8 +75,8 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
       residual of another dtype than x.
     ValueError: shape mismatch, eps <= 0, unknown implementation.
     NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
-      cannot run the call (not on an NVIDIA GPU, float64, N > 8192, no rows), requested
-      alone.
+      cannot run the call (not on an NVIDIA GPU, float64, N > 8192 with a residual, no rows),
+      requested alone.
   """
   chosen = _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
@@ -75,11 +84,30 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
 
 
 def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
+  """The outputs by ``chosen = (forward use, training)`` (:func:`_check`). Training takes the
+  kernels' path with :func:`triton.forward_path`'s forward. Under ``implementation=None`` a
+  call that is not differentiated runs the forward kernel where the forward use chose the
+  kernels (:data:`triton.FORWARD_DOMAINS`), else XLA's forward; where that is not the training
+  path's forward, :func:`_op.by_use` runs each use on its own. Forward use None: the training
+  path for both."""
   kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
-  if chosen == "xla":
-    return _xla(x, scale, bias, residual, norm, **kw)
-  return triton.row_norm(x, scale, bias, residual, norm=norm, interpret=chosen == "interpret",
-                         **kw)
+
+  def run(impl, forward, x, scale, bias, residual):
+    if impl == "xla":
+      return _xla(x, scale, bias, residual, norm, **kw)
+    return triton.row_norm(x, scale, bias, residual, norm=norm, interpret=impl == "interpret",
+                           forward=forward, **kw)
+
+  forward_use, training = chosen
+  args = (x, scale, bias, residual)
+  training_forward = "xla" if training == "xla" else triton.forward_path(
+      norm, x.shape, residual is not None)
+  # The forward kernel adds no residual: with one, both uses run XLA's forward.
+  use_forward = "xla" if forward_use == "xla" or residual is not None else "kernel"
+  if forward_use is None or use_forward == training_forward:  # one path
+    return run(training, None, *args)
+  return _op.by_use(functools.partial(run, forward_use, use_forward),
+                    functools.partial(run, training, None), *args)
 
 
 def _xla(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):

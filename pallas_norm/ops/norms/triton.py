@@ -1,15 +1,22 @@
-"""``layer_norm`` and ``rms_norm`` for training: XLA forward, one-pass Pallas backward kernel.
+"""``layer_norm`` and ``rms_norm`` for training: one-pass Pallas backward kernel after XLA's
+forward or after the forward kernel of :mod:`pallas_norm.ops.norms.triton_fwd`.
 
-The forward is XLA's (one fused pass near copy bandwidth) and returns nothing but the outputs:
-handing the per-row statistics to the backward split it into three passes (measured:
-benchmarks/NOTES.md, "Standalone norms"). The backward is one Pallas kernel with the Triton
+Two forwards (:func:`forward_path`, :data:`KERNEL_DOMAINS`): XLA's (one fused pass near copy
+bandwidth) returns nothing but the outputs, since handing the per-row statistics to the
+backward split it into three passes (measured: benchmarks/NOTES.md, "Standalone norms"), and
+the backward recomputes them; the forward kernel returns them (float32, a few bytes a row) and
+the backward reads them (``given_stats``: x̂ costs no row reduction). Rows wider than
+:data:`MAX_N` take the forward kernel and a backward that walks them in chunks
+(:func:`_chunked_backward_kernel`). The backward is one Pallas kernel with the Triton
 lowering (any NVIDIA GPU that Pallas' Triton backend supports, not only Hopper;
 ``interpret=True`` runs it on the CPU). Each program owns a slab of rows and loops over blocks of
 ``block_m`` full rows; per block it loads ``x`` (and ``residual``), ``dy`` (and the cotangent of
 the residual stream ``s``), recomputes the row statistics and ``x̂`` from the rows it holds in
 registers, forms the two row sums and writes ``ds`` once. ``dγ``/``dβ`` partials stay in
 registers over the program's rows and are written once per program to a ``(programs, N)``
-float32 buffer that XLA sums afterwards (deterministic: no atomics).
+float32 buffer that XLA sums afterwards (deterministic). The chunked kernel of wider rows keeps
+them in registers too (RMSNorm) or leaves them to a second kernel over column blocks × row
+splits (:func:`_column_sums_call`; the row kernel then runs a program per row block: LayerNorm).
 
 The math (DESIGN.md, op 5), with ``g = dy · γ`` (``γ`` the applied scale, ``1 + scale`` when
 zero-centered) and ``r`` the rstd::
@@ -26,9 +33,11 @@ reduction fewer than the reference's two passes; the shift keeps it accurate),
 precision in the gradients too (a mean rounded to one float32 would cost up to ulp(mean)/std).
 RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
 read rstd saved by the forward (splitting XLA's forward) was 0.73× of XLA's autodiff and was
-removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's and, with its
-own tiling, trains faster than XLA's autodiff at N = 128-2048 with at least 262144 rows, so
-``implementation=None`` takes it there (:data:`RMS_DOMAIN`).
+removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's (after XLA's
+forward). After the forward kernel the statistics come from it (``shift``, ``dmean``,
+``rstd``, the reference's two-pass values for 16/32-bit floats): the forward is one kernel
+there, not XLA's split fusion, and that path trains fastest where the kernels beat XLA
+(LayerNorm at N = 128-32768, RMSNorm at N = 128-2048: :data:`KERNEL_DOMAINS`).
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
 norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
@@ -48,7 +57,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from pallas_norm import _op
-from pallas_norm.ops.norms import xla
+from pallas_norm.ops.norms import triton_fwd, xla
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -61,13 +70,18 @@ MAX_N = 8192
 MAX_ELEMENTS = 2**31 - 1
 """The kernel indexes x with int32 element offsets."""
 
-TILINGS = {"layer": (2048, 8), "rms": (4096, 12)}
-"""(elements per loop step, programs per SM) of :func:`pick_config`, per norm, with the
-statistics recomputed or given (:func:`norm_backward`): each the fastest tiling measured for
-its norm. LayerNorm takes half the elements per step of RMSNorm (more live values per element:
-the shift, the centered rows); RMSNorm's lighter body keeps 12 programs per SM busy (measured:
-``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel" and the post-norm backward,
-and ``benchmarks/EXPERIMENTS.md``)."""
+TILINGS = {"layer": ((8192, 2048, 8),), "rms": ((8192, 4096, 12),),
+           "layer_given": ((128, 4096, 12), (8192, 2048, 8)),
+           "rms_given": ((8192, 4096, 12),)}
+"""Rows of (widest padded N, elements per loop step, programs per SM) of :func:`pick_config`,
+the first whose N holds the call, per norm, with the statistics recomputed, given by the
+forward kernel (``_given``) or saved (:func:`norm_backward`, the recomputing kinds' tilings):
+each the fastest tiling measured for its norm. LayerNorm takes half the elements per step of
+RMSNorm (more live values per element: the shift, the centered rows) except given the
+statistics at N = 128, where 32-row steps over 12 programs per SM won; RMSNorm's lighter body
+keeps 12 programs per SM busy (measured: ``benchmarks/NOTES.md``, "Tilings and RMSNorm
+through the kernel", "Standalone norms" and the post-norm backward, and
+``benchmarks/EXPERIMENTS.md``)."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs, the row loop and the partial sums are
@@ -100,14 +114,14 @@ def _gpu_core_count() -> int:
 def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
   """Full rows (padded to a power of 2) over 4 warps, the step's elements and the programs per
   SM from :data:`TILINGS` by ``norm`` ("layer" or "rms"), whether the kernel recomputes the
-  statistics or is given them. Rows wider than 4096 (one row per step) keep the earlier tiling,
+  statistics or is given them, by N. Rows wider than 4096 (one row per step) keep the earlier tiling,
   the one measured there: 16 warps, 4 programs per SM (faster than XLA at 65536×8192;
   ``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel"). Several programs per SM
   keep loads in flight (the kernel is bandwidth-bound); the winners were measured, not derived
   (``benchmarks/EXPERIMENTS.md``).
   """
-  elements, per_sm = TILINGS[norm]
   n_pad = pl.next_power_of_2(n)
+  elements, per_sm = next((e, p) for max_n, e, p in TILINGS[norm] if n_pad <= max_n)
   block_m = max(1, min(64, elements // n_pad))
   wide = n_pad > 4096
   blocks = pl.cdiv(m, block_m)
@@ -116,13 +130,49 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
                         num_warps=16 if wide else 4)
 
 
-def unsupported_reason(norm: str, x_shape, x_dtype) -> str | None:
-  """Why the backward kernel cannot run a call with these operands, or None.
+CHUNKED_TILING = {"rms": (4096, 1, 1, 16, "registers"), "layer": (4096, 1, None, 8, "apart", True)}
+"""(columns per chunk, rows per step, programs per SM, warps, column sums[, L2 hints:
+``triton_fwd.RowTiling.l2_hints``]), per norm, of the backward of rows of at least
+``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`, :func:`_chunked_backward_kernel`).
+Each program's rows of the step are read twice (the second time from L2). RMSNorm keeps its one
+column partial in registers (N / threads registers each) over a slab, one program per SM (the
+rows × N × 4 bytes of all programs should stay in L2); LayerNorm's two are summed "apart" by
+:func:`_column_sums_call`, the row kernel a program per row block (programs per SM None) with
+L2 hints (the first pass keeps its lines, the second drops them). The fastest measured on the
+H200 (``benchmarks/NOTES.md``, "Standalone norms"; ``benchmarks/EXPERIMENTS.md``): LayerNorm's
+trains faster than XLA at 16384×32768 (:data:`KERNEL_DOMAINS`), RMSNorm's slower."""
+
+COLUMN_SUM_TILING = (256, 16, 8)
+"""(columns per program, rows per step, programs per SM) of :func:`_column_sums_call`: each
+program sums a column block over a split of the rows (its registers hold rows × columns
+partials), the splits' rows summed by XLA. Not yet measured against others."""
+
+
+def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fwd.RowTiling:
+  """:data:`CHUNKED_TILING` [norm], the chunk at most the padded row."""
+  chunk, block_m, per_sm, warps, sums, *hints = CHUNKED_TILING[norm]
+  if sums not in ("registers", "apart") or (per_sm is None) != (sums == "apart"):
+    raise ValueError(f"chunked tiling {CHUNKED_TILING[norm]}: column sums 'registers' with "
+                     "programs per SM, or 'apart' with None")
+  if per_sm is None:  # a program per row block
+    programs = pl.cdiv(m, block_m)
+  else:
+    programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
+  return triton_fwd.RowTiling(block_m=block_m, chunk=min(chunk, pl.next_power_of_2(n)),
+                              programs=max(1, min(programs, pl.cdiv(m, block_m))),
+                              num_warps=warps, column_sums=sums,
+                              l2_hints=bool(hints and hints[0]))
+
+
+def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) -> str | None:
+  """Why the kernels cannot run a call with these operands, or None.
 
   Args:
     norm: "layer" or "rms".
     x_shape: shape of x, (..., N).
     x_dtype: dtype of x (a residual has it too: the ops' validation).
+    has_residual: whether a residual is added (rows wider than :data:`MAX_N` run through the
+      forward kernel, which takes none).
   """
   if norm not in ("layer", "rms"):
     return f"norm {norm!r} (the kernel computes LayerNorm's and RMSNorm's backward)"
@@ -131,42 +181,80 @@ def unsupported_reason(norm: str, x_shape, x_dtype) -> str | None:
     return f"the kernel takes bfloat16/float16/float32 x, got {jnp.dtype(x_dtype)}"
   if math.prod(x_shape[:-1]) == 0:  # a grid of 0 row blocks: interpret mode divides by it
     return "x has no rows (XLA returns the empty gradient)"
-  if n > MAX_N:
-    return f"N = {n}: the kernel holds full rows in registers, at most N = {MAX_N}"
+  if n > MAX_N and has_residual:
+    return (f"N = {n} with a residual: rows wider than {MAX_N} run through the forward kernel "
+            "(in chunks), which adds no residual")
   if math.prod(x_shape) > MAX_ELEMENTS:
     return f"x has {math.prod(x_shape)} elements, past the kernel's int32 offsets"
   return None
 
 
-DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=8192, min_rows=65536)
-"""Where ``implementation=None`` takes the kernel: what the H200 measured faster in training
-than both XLA's autodiff and the "xla" path's one-pass rule: bf16, no residual, N from 128 to
-8192, at least 65536 rows (measured: benchmarks/NOTES.md, "The Pallas backward kernel" and
-"Tilings and RMSNorm through the kernel")."""
+KERNEL_DOMAINS = {
+    # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual
+    "layer": ((128, 8192, 65536), (8193, 32768, 16384)),
+    "rms": ((128, 2048, 262144),),
+}
+"""Where ``implementation=None`` trains through the kernels, per norm: the forward kernel of
+:mod:`pallas_norm.ops.norms.triton_fwd` and the backward reading its statistics. Each row is
+where the H200 measured that path faster in training than the "xla" implementation: bf16
+without a residual (``benchmarks/NOTES.md``, "Standalone norms"). Outside them XLA runs; an
+explicit "triton"/"interpret" takes :func:`forward_path`'s forward."""
 
 
-RMS_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), min_n=128, max_n=2048, min_rows=262144)
-"""Where ``implementation=None`` takes the kernel for ``rms_norm``: where it trained faster than
-XLA's autodiff (N = 128, 512, 2048, x of 1 GB); slower at 65536×8192, where the kernel keeps
-the wide-row tiling. bf16 without a residual, at least 262144 rows (the fewest measured).
-Measured: ``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel"."""
+def _in_domain(norm: str, n: int, rows: int) -> bool:
+  return any(lo <= n <= hi and rows >= r for lo, hi, r in KERNEL_DOMAINS[norm])
+
+
+def forward_path(norm: str, x_shape, has_residual: bool) -> str:
+  """The forward the kernel path runs for this call: "kernel" (the forward kernel, whose
+  statistics the backward reads) where :data:`KERNEL_DOMAINS` holds the call or nothing else
+  serves (rows wider than :data:`MAX_N`); "xla" (XLA's fused forward, the backward recomputing
+  the statistics) with a residual (the forward kernel adds none) or elsewhere (measured slower
+  than XLA either way)."""
+  n, rows = x_shape[-1], math.prod(x_shape[:-1])
+  if has_residual:
+    return "xla"
+  return "kernel" if n > MAX_N or _in_domain(norm, n, rows) else "xla"
+
+
+FORWARD_DOMAINS = {
+    # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual
+    "layer": ((128, 8192, 65536), (8193, 32768, 16384)),
+    "rms": ((8193, 32768, 16384),),
+}
+"""Where ``implementation=None`` runs a call that is not differentiated (inference) through the
+forward kernel: where the H200 measured it faster than XLA's forward alone by more than 1%
+(closer is the measurement's spread: RMSNorm at 1048576×512, 0.994×, stays XLA), at the suite's
+shapes from N = 128 to 32768 (``benchmarks/NOTES.md``, "Standalone norms"): LayerNorm at every
+one (the training domains' rows), RMSNorm only past 8192. The rows reach past the measured
+shapes to as many rows as the fewest measured in their N range."""
+
+
+def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  from pallas_norm import _dispatch  # the device query lives there
+  n, rows = x_shape[-1], math.prod(x_shape[:-1])
+  if not _dispatch.on_hopper_gpu():
+    return "the Pallas row-norm kernels were measured only on a Hopper GPU (H200)"
+  if jnp.dtype(x_dtype) != jnp.dtype(jnp.bfloat16) or has_residual:
+    return f"the {what} was measured faster only for bfloat16 x without a residual"
+  if not any(lo <= n <= hi and rows >= r for lo, hi, r, *_ in rows_of_norm):
+    spans = ", ".join(f"{lo} <= N <= {hi} with at least {r} rows"
+                      for lo, hi, r, *_ in rows_of_norm)
+    return (f"the {what} was measured faster only for {spans or 'no shape'}, "
+            f"got N = {n}, {rows} rows")
+  return None
 
 
 def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
-  """Why ``implementation=None`` keeps XLA for this call, or None to use the kernel
-  (:data:`DEFAULT_DOMAIN` for LayerNorm, :data:`RMS_DOMAIN` for RMSNorm, measured on a Hopper
-  GPU, the only one measured)."""
-  from pallas_norm import _dispatch  # the device query lives there
-  d = RMS_DOMAIN if norm == "rms" else DEFAULT_DOMAIN
-  n, rows = x_shape[-1], math.prod(x_shape[:-1])
-  if not _dispatch.on_hopper_gpu():
-    return "the Pallas row-norm backward was measured only on a Hopper GPU (H200)"
-  if jnp.dtype(x_dtype) not in d["dtypes"] or has_residual:
-    return "the kernel path was measured faster only for bfloat16 x without a residual"
-  if not (d["min_n"] <= n <= d["max_n"] and rows >= d["min_rows"]):
-    return (f"the kernel path was measured faster only for {d['min_n']} <= N <= {d['max_n']} "
-            f"and at least {d['min_rows']} rows, got N = {n}, {rows} rows")
-  return None
+  """Why ``implementation=None`` keeps XLA for this call in training, or None to use the
+  kernels (:data:`KERNEL_DOMAINS`, measured on a Hopper GPU, the only one measured)."""
+  return _slower(KERNEL_DOMAINS[norm], "kernel path", x_shape, x_dtype, has_residual)
+
+
+def slower_forward_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  """Why ``implementation=None`` keeps XLA for this call when it is not differentiated, or None
+  to run the forward kernel (:data:`FORWARD_DOMAINS`)."""
+  return _slower(FORWARD_DOMAINS[norm], "forward kernel", x_shape, x_dtype, has_residual)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,7 +282,10 @@ class _Operands:
   kernel also returns dscale partials, with ``dbias`` dbias partials, with ``ddense`` partials
   of Σ ds. ``saved_stats``: the first input is x̂ itself and the rows' rstd is an input (the
   post-norm GEMM's backward, whose forward saved them), instead of x whose statistics the
-  kernel recomputes. ``norm``: "layer", or "rms" (only with ``saved_stats``: no mean term).
+  kernel recomputes. ``given_stats``: the first input is x and the rows' statistics are
+  inputs (``rstd``, and LayerNorm's ``shift`` and ``dmean``: the forward kernel's,
+  :mod:`pallas_norm.ops.norms.triton_fwd`), so x̂ costs no row reduction. ``norm``: "layer" or
+  "rms".
   ``two_pass``: LayerNorm's variance by the centered rows' second pass (see
   :func:`_normalized_block`)."""
 
@@ -206,9 +297,12 @@ class _Operands:
   norm: str = "layer"
   ddense: bool = False
   two_pass: bool = False
+  given_stats: bool = False
 
   def input_names(self):
-    names = ["x"] + ["residual"] * self.residual + ["rstd"] * self.saved_stats + ["dy"]
+    names = ["x"] + ["residual"] * self.residual
+    names += ["rstd"] * (self.saved_stats or self.given_stats)
+    names += ["shift", "dmean"] * (self.given_stats and self.norm == "layer") + ["dy"]
     names += ["ds_out"] * self.ds_out + ["gamma"] * self.gamma
     return names
 
@@ -251,7 +345,11 @@ def _normalized_block(s, cols, n: int, eps: float, norm: str, two_pass: bool = F
 def _row_block_grads(load_tile, load_row, cols, gamma, ops: _Operands, n: int, eps: float):
   """One block of rows: (ds, x̂, dy) in float32, from the loaded tiles (masked entries 0)."""
   if ops.saved_stats:
-    xhat, rstd = load_tile("x"), load_row("rstd")
+    xhat, rstd = load_tile("x"), load_row("rstd")[:, None]
+  elif ops.given_stats:
+    stats = tuple(load_row(q) if q in ops.input_names() else None
+                  for q in ("shift", "dmean", "rstd"))
+    xhat, rstd = triton_fwd.normalized_with(load_tile("x"), cols, n, stats), stats[2][:, None]
   else:
     s = load_tile("x")
     if ops.residual:
@@ -294,7 +392,7 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
       return pltriton.load(r[name].at[tile_at], mask=mask, other=0.0).astype(jnp.float32)
 
     def load_row(name):  # rows past M read 1: their x̂ and dy are 0 anyway
-      return pltriton.load(r[name].at[rows], mask=row_mask, other=1.0)[:, None]
+      return pltriton.load(r[name].at[rows], mask=row_mask, other=1.0)
 
     ds, xhat, dy = _row_block_grads(load_tile, load_row, cols, gamma, ops, n, eps)
     pltriton.store(r["ds"].at[tile_at], ds.astype(r["ds"].dtype), mask=mask)
@@ -311,10 +409,161 @@ def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m:
     pltriton.store(r[name].at[part_at], jnp.sum(acc, axis=0), mask=col_mask)
 
 
+def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_fwd.RowTiling,
+                             rows_per_program: int):
+  """The backward of rows too wide for registers, given the forward kernel's statistics.
+
+  Per block of rows, pass 1 walks the rows in chunks accumulating g ⊙ x̂ (and g) elementwise
+  (no reduction, so no barrier, inside the walk) for the row sums; pass 2 reads the chunks
+  again, last first (from L2), writes ds and accumulates the chunk's column sums (dγ, dβ):
+
+  * ``cfg.column_sums == "registers"``: the chunk walk is unrolled and every chunk's column sums
+    stay in registers over the program's rows (N / threads floats per partial per thread),
+    stored once per program to its row of the partial buffers (deterministic);
+  * "apart": none here (:func:`_column_sums_call` sums them).
+
+  The partial rows are ``chunks · chunk`` wide (padded columns add zeros)."""
+  unrolled = cfg.column_sums == "registers"
+  names = ops.partial_names() if unrolled else []
+  r = dict(zip(ops.input_names() + ["ds"] + names, refs, strict=True))
+  pid = pl.program_id(0)
+  block_m, chunk = cfg.block_m, cfg.chunk
+  chunks = pl.cdiv(n, chunk)
+  base = jnp.arange(chunk)
+
+  def part_at(k):
+    return pl.ds(pid * chunks * chunk + k * chunk, chunk)
+
+  def step(i, partials):
+    rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
+    row_mask = rows < m
+    stats = tuple(pltriton.load(r[q].at[rows], mask=row_mask, other=1.0)
+                  if q in r else None for q in ("shift", "dmean", "rstd"))
+
+    def tiles(k, evict):
+      cols = k * chunk + base
+      mask = triton_fwd.tile_mask(row_mask, cols, n)
+      at = (rows[:, None], cols[None, :])
+      policy = evict if cfg.l2_hints else None
+      load = lambda q: pltriton.load(r[q].at[at], mask=mask, other=0.0,  # noqa: E731
+                                     eviction_policy=policy).astype(jnp.float32)
+      xhat = triton_fwd.normalized_with(load("x"), cols, n, stats)
+      dy = load("dy")
+      g = dy
+      if ops.gamma:
+        g = dy * pltriton.load(r["gamma"].at[cols], mask=cols < n, other=0.0)[None, :]
+      return at, mask, xhat, dy, g
+
+    def accumulate(k, acc):
+      _, _, xhat, _, g = tiles(k, "evict_last")  # read again by the second pass
+      return acc[0] + g * xhat, acc[1] + g
+
+    zeros = jnp.zeros((block_m, chunk), jnp.float32)
+    gx, gs = triton_fwd.chunk_loop(chunks, accumulate, (zeros, zeros))
+    rstd = stats[2][:, None]
+    gx = (jnp.sum(gx, axis=1) / n)[:, None]
+    gs = (jnp.sum(gs, axis=1) / n)[:, None] if ops.norm == "layer" else 0.0
+
+    def write(j, partials):  # last chunk first: the most recently read, likeliest in L2
+      k = chunks - 1 - j
+      at, mask, xhat, dy, g = tiles(k, "evict_first")
+      ds = (g - xhat * gx - gs) * rstd
+      pltriton.store(r["ds"].at[at], ds.astype(r["ds"].dtype), mask=mask)
+      sums = {"dscale_part": lambda: jnp.sum(dy * xhat, axis=0),
+              "dbias_part": lambda: jnp.sum(dy, axis=0)}
+      return tuple(tuple(acc + sums[name]() if c == k else acc for c, acc in enumerate(accs))
+                   for name, accs in zip(names, partials))
+
+    return triton_fwd.chunk_loop(chunks, write, partials, unrolled or None)
+
+  init = tuple(tuple(jnp.zeros((chunk,), jnp.float32) for _ in range(chunks)) for _ in names)
+  partials = lax.fori_loop(0, rows_per_program // block_m, step, init)
+  for name, accs in zip(names, partials):
+    for k, acc in enumerate(accs):
+      pltriton.store(r[name].at[part_at(k)], acc)
+
+
+def _chunked_backward_call(ops: _Operands, m: int, n: int, ds_dtype, interpret: bool, inputs):
+  """(ds (M, N), [column sums]) by :func:`_chunked_backward_kernel` (and
+  :func:`_column_sums_call` where the tiling sums the columns apart)."""
+  cfg = pick_chunked_config(m, n, interpret, ops.norm)
+  apart = cfg.column_sums == "apart"
+  rows_per_program, programs = triton_fwd.slab_rows(m, cfg)
+  width = pl.cdiv(n, cfg.chunk) * cfg.chunk
+  part = jax.ShapeDtypeStruct((programs * width,), jnp.float32)
+  partials = 0 if apart else len(ops.partial_names())
+  out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * partials
+  kernel = functools.partial(_chunked_backward_kernel, ops=ops, m=m, n=n, cfg=cfg,
+                             rows_per_program=rows_per_program)
+  outs = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps),
+      name=f"{ops.norm}_norm_backward_chunked")(*inputs)
+  if apart:
+    return outs[0], _column_sums_call(ops, m, n, interpret, dict(zip(ops.input_names(), inputs)))
+  return outs[0], [jnp.sum(buf.reshape(programs, width)[:, :n], axis=0) for buf in outs[1:]]
+
+
+def _column_sums_kernel(*refs, names, sums, m: int, n: int, width: int, block_m: int,
+                        rows_per_split: int):
+  """Σ_rows dy ⊙ x̂ and/or Σ_rows dy of one column block over one split of the rows, x̂ from
+  the given statistics; rows × columns partials in registers, reduced over the rows once."""
+  r = dict(zip(names + sums, refs, strict=True))
+  cols = pl.program_id(0) * width + jnp.arange(width)
+  first = pl.program_id(1) * rows_per_split
+
+  def step(i, acc):
+    rows = first + i * block_m + jnp.arange(block_m)
+    row_mask = rows < m
+    mask = triton_fwd.tile_mask(row_mask, cols, n)
+    at = (rows[:, None], cols[None, :])
+    stats = tuple(pltriton.load(r[q].at[rows], mask=row_mask, other=1.0) if q in r else None
+                  for q in ("shift", "dmean", "rstd"))
+    x = pltriton.load(r["x"].at[at], mask=mask, other=0.0).astype(jnp.float32)
+    dy = pltriton.load(r["dy"].at[at], mask=mask, other=0.0).astype(jnp.float32)
+    # dy is 0 outside the mask, so x̂ there adds nothing.
+    summand = {"dscale_part": lambda: dy * triton_fwd.normalized_with(x, cols, n, stats),
+               "dbias_part": lambda: dy}
+    return tuple(a + summand[q]() for q, a in zip(sums, acc))
+
+  zeros = jnp.zeros((block_m, width), jnp.float32)
+  acc = lax.fori_loop(0, rows_per_split // block_m, step, (zeros,) * len(sums))
+  at = pl.program_id(1) * pl.num_programs(0) * width + cols
+  for q, a in zip(sums, acc):
+    pltriton.store(r[q].at[at], jnp.sum(a, axis=0))
+
+
+def _column_sums_call(ops: _Operands, m: int, n: int, interpret: bool, arrays):
+  """[Σ dy ⊙ x̂ (with a scale), Σ dy (with a bias)] over the rows, (N,) float32, from x, dy and
+  the forward kernel's statistics (``arrays`` by :meth:`_Operands.input_names`): a grid of
+  column blocks × row splits (:data:`COLUMN_SUM_TILING`), the splits summed by XLA."""
+  sums = ops.partial_names()
+  if not sums:
+    return []
+  width, block_m, per_sm = COLUMN_SUM_TILING
+  width = min(width, pl.next_power_of_2(n))
+  blocks = pl.cdiv(n, width)
+  programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
+  splits = max(1, min(pl.cdiv(programs, blocks), pl.cdiv(m, block_m)))
+  rows_per_split = pl.cdiv(pl.cdiv(m, splits), block_m) * block_m
+  splits = pl.cdiv(m, rows_per_split)
+  names = [q for q in ("x", "rstd", "shift", "dmean", "dy") if q in arrays]
+  part = jax.ShapeDtypeStruct((splits * blocks * width,), jnp.float32)
+  kernel = functools.partial(_column_sums_kernel, names=names, sums=sums, m=m, n=n,
+                             width=width, block_m=block_m, rows_per_split=rows_per_split)
+  outs = pl.pallas_call(
+      kernel, out_shape=[part] * len(sums), grid=(blocks, splits), interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=4),
+      name=f"{ops.norm}_norm_column_sums")(*[arrays[q] for q in names])
+  return [jnp.sum(buf.reshape(splits, blocks * width)[:, :n], axis=0) for buf in outs]
+
+
 def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpret: bool,
                    inputs):
   """Runs the kernel; returns (ds (M, N), [column sum of each of ``ops.partial_names()``])."""
-  cfg = pick_config(m, n, interpret, ops.norm)
+  if ops.given_stats and n >= triton_fwd.CHUNKED_MIN_N:
+    return _chunked_backward_call(ops, m, n, ds_dtype, interpret, inputs)
+  cfg = pick_config(m, n, interpret, ops.norm + "_given" * ops.given_stats)
   n_pad = pl.next_power_of_2(n)
   rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
   programs = pl.cdiv(m, rows_per_program)
@@ -336,30 +585,42 @@ def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpr
 # custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret):
-  del interpret
-  return _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret,
+              forward):
+  return _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
+                       interpret, forward)[0]
 
 
 def _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
-                  interpret):
-  del interpret
+                  interpret, forward):
+  if forward == "kernel":  # the forward kernel: y and the statistics the backward reads
+    y, stats = triton_fwd.forward(x, scale, bias, norm=norm, eps=eps,
+                                  zero_centered_scale=zero_centered_scale, out_dtype=out_dtype,
+                                  interpret=interpret)
+    return y, (x, scale, bias, residual, stats)
   out = _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
-  return out, (x, scale, bias, residual)
+  return out, (x, scale, bias, residual, None)
 
 
-def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, saved, cotangent):
-  del out_dtype
-  x, scale, bias, residual = saved
+def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, forward, saved,
+                  cotangent):
+  del out_dtype, forward
+  x, scale, bias, residual, stats = saved
   dy, ds_out = (cotangent, None) if residual is None else cotangent
   n = x.shape[-1]
   m = math.prod(x.shape[:-1])
   ops = _Operands(residual=residual is not None, ds_out=ds_out is not None,
                   gamma=scale is not None, dbias=bias is not None, norm=norm,
-                  two_pass=jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16))
+                  two_pass=jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16),
+                  given_stats=stats is not None)
   gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
-  tiles = [t.reshape(m, n) for t in (x, residual, dy, ds_out) if t is not None]
+  rows = []
+  if stats is not None:
+    rows = [stats.rstd] + ([stats.shift, stats.dmean] if norm == "layer" else [])
+  tiles = ([t.reshape(m, n) for t in (x, residual) if t is not None]
+           + [t.reshape(m) for t in rows]
+           + [t.reshape(m, n) for t in (dy, ds_out) if t is not None])
   inputs = tiles + ([gamma] if ops.gamma else [])
   ds, sums = _op.first_order_only(
       f"{norm}_norm", lambda *a: _backward_call(ops, m, n, eps, x.dtype, interpret, list(a)),
@@ -376,17 +637,30 @@ _row_norm.defvjp(_row_norm_fwd, _row_norm_bwd)
 
 
 def row_norm(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
-             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False):
+             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False,
+             forward: str | None = None):
   """:func:`pallas_norm.reference.layer_norm` (``norm="layer"``) or
   :func:`pallas_norm.reference.rms_norm` (``norm="rms"``, no bias) whose gradient runs the
   Pallas backward kernel of this module.
 
   Same arguments, outputs (``y``, or ``(y, s)`` with ``residual``) and dtypes as the reference;
   no validation (the public op validates and checks :func:`unsupported_reason` first).
-  ``interpret=True`` runs the kernel in Pallas interpret mode (any backend).
+  ``interpret=True`` runs the kernels in Pallas interpret mode (any backend). ``forward``:
+  "kernel" (the forward kernel of :mod:`pallas_norm.ops.norms.triton_fwd`, no residual; the
+  backward reads its statistics), "xla" (XLA's forward; the backward recomputes them, rows up
+  to :data:`MAX_N`), or None for :func:`forward_path`'s choice.
   """
+  forward = forward or forward_path(norm, x.shape, residual is not None)
+  if forward not in ("kernel", "xla"):
+    raise ValueError(f"forward must be 'kernel', 'xla' or None, got {forward!r}")
+  if forward == "kernel" and residual is not None:
+    raise ValueError("the forward kernel adds no residual: forward='xla'")
+  if forward == "xla" and x.shape[-1] >= triton_fwd.CHUNKED_MIN_N:
+    raise ValueError(f"rows of {x.shape[-1]} elements need the forward kernel's statistics "
+                     "(the backward walks them in chunks): forward='kernel'")
   return _row_norm(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
-                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret))
+                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret),
+                   forward)
 
 
 # ----------------------------------------------------------------------------------------------
