@@ -207,8 +207,8 @@ def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation
   Traced offsets that break the jagged convention are answered as the GDPA kernel path does
   (:func:`pallas_norm.ops.gdpa.api.poisoned_kernel_inputs`): NaN scales, all rows padding in
   the forward (the kernel writes them as 0 · post_scale = NaN), and a checkify error; the
-  backward runs on offsets made valid (:func:`_made_valid`), so that the norm weights' gradients, sums over the
-  real rows, are NaN too."""
+  backward runs on offsets made valid (:func:`_made_valid`), so that the norm weights'
+  gradients, sums over the real rows, are NaN too."""
   scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
   offsets = (q_offsets, q_offsets)  # the forward's, the backward's
   pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
