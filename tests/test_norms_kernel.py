@@ -19,6 +19,8 @@ import pytest
 
 import pallas_norm
 from pallas_norm import reference
+from pallas_norm.ops.norms import api as norms_api
+from pallas_norm.ops.norms import configs as norms_configs
 from pallas_norm.ops.norms import triton as row_norm_pallas
 from _numpy_oracle import seed_of
 
@@ -209,12 +211,12 @@ def test_kernel_names_and_refusals_on_the_cpu():
 
 
 def test_default_takes_the_kernel_only_where_measured_faster(monkeypatch):
-  """implementation=None's rule (row_norm_pallas.slower_reason), as on a Hopper GPU: LayerNorm
+  """implementation=None's rule (norms_api.slower_reason), as on a Hopper GPU: LayerNorm
   for bf16, no residual, 128 <= N <= 8192, >= 65536 rows; RMSNorm for 128 <= N <= 2048, >=
   262144 rows (slower at 65536×8192); nothing off Hopper."""
   from pallas_norm import _dispatch
-  reason = functools.partial(row_norm_pallas.slower_reason, "layer")
-  rms = functools.partial(row_norm_pallas.slower_reason, "rms")
+  reason = functools.partial(norms_api.slower_reason, "layer")
+  rms = functools.partial(norms_api.slower_reason, "rms")
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   for shape in ((262144, 2048), (1048576, 512), (4194304, 128)):
     assert rms(shape, jnp.bfloat16, False) is None, shape
@@ -338,9 +340,9 @@ def _chunked(monkeypatch, chunk, block_m, sums="registers", hints=False, min_n=6
 def _kernel_path(norm, eps, zero_centered, out_dtype=None):
   def f(x, scale, bias, residual):
     assert residual is None
-    return row_norm_pallas.row_norm(x, scale, bias if norm == "layer" else None, norm=norm,
-                                    eps=eps, zero_centered_scale=zero_centered,
-                                    out_dtype=out_dtype, interpret=True, forward="kernel")
+    return norms_api.row_norm(x, scale, bias if norm == "layer" else None, norm=norm, eps=eps,
+                              zero_centered_scale=zero_centered, out_dtype=out_dtype,
+                              interpret=True, forward="kernel")
   return f
 
 
@@ -482,7 +484,7 @@ def test_forward_paths_and_refusals(monkeypatch):
   XLA's with a residual, the forward kernel where KERNEL_DOMAINS holds, else XLA's; row_norm
   refuses the combinations no kernel serves; the public op runs rows wider than MAX_N
   (chunked) but refuses them with a residual."""
-  fp = row_norm_pallas.forward_path
+  fp = norms_api.forward_path
   assert fp("rms", (16384, 32768), False) == "kernel"
   assert fp("layer", (262144, 2048), True) == "xla"
   assert fp("layer", (262144, 2048), False) == "kernel"
@@ -490,15 +492,15 @@ def test_forward_paths_and_refusals(monkeypatch):
   assert fp("rms", (65536, 8192), False) == "xla"
   assert fp("layer", (16384, 32768), False) == "kernel"
   assert fp("layer", (1024, 2048), False) == "xla"
-  monkeypatch.setattr(row_norm_pallas, "KERNEL_DOMAINS",
+  monkeypatch.setattr(norms_configs, "KERNEL_DOMAINS",
                       {"layer": ((128, 8192, 65536),), "rms": ()})
   assert fp("layer", (262144, 2048), False) == "kernel"
   assert fp("rms", (262144, 2048), False) == "xla"
   x = jnp.ones((4, 64), jnp.float32)
   with pytest.raises(ValueError, match="no residual"):
-    row_norm_pallas.row_norm(x, residual=x, norm="layer", eps=1e-6, forward="kernel")
+    norms_api.row_norm(x, residual=x, norm="layer", eps=1e-6, forward="kernel")
   with pytest.raises(ValueError, match="forward='kernel'"):
-    row_norm_pallas.row_norm(jnp.ones((2, 8193)), norm="rms", eps=1e-6, forward="xla")
+    norms_api.row_norm(jnp.ones((2, 8193)), norm="rms", eps=1e-6, forward="xla")
   wide = jax.random.normal(jax.random.key(2), (2, row_norm_pallas.MAX_N + 1), jnp.float32)
   with pytest.raises(NotImplementedError, match="N = 8193 with a residual"):
     pallas_norm.layer_norm(wide, residual=wide, implementation="interpret")
@@ -532,7 +534,7 @@ def test_gpu_forward_kernel_path_matches_reference(shape, dtype, norm, bias):
 
   def path(x, scale, bias, residual):
     del residual
-    return row_norm_pallas.row_norm(x, scale, bias, norm=norm, eps=1e-6, forward="kernel")
+    return norms_api.row_norm(x, scale, bias, norm=norm, eps=1e-6, forward="kernel")
 
   got_out, got_grads = _outputs_and_grads(path, x, vecs, dy, None)
   want_out, want_grads = _outputs_and_grads(_op("reference", 1e-6, False, norm=norm),
@@ -564,7 +566,7 @@ def test_gpu_forward_kernel_path_default_tilings(shape, norm):
 
   def path(x, scale, bias, residual):
     del residual
-    return row_norm_pallas.row_norm(x, scale, bias, norm=norm, eps=1e-6, forward="kernel")
+    return norms_api.row_norm(x, scale, bias, norm=norm, eps=1e-6, forward="kernel")
 
   got_out, got_grads = _outputs_and_grads(path, x, vecs, dy, None)
   want_out, want_grads = _outputs_and_grads(_op("reference", 1e-6, False, norm=norm),
@@ -610,7 +612,8 @@ def test_default_forward_use_reads_forward_domains(monkeypatch):
   from pallas_norm.ops.norms import api as norms
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   monkeypatch.setattr(_dispatch, "on_cuda_gpu", lambda: True)
-  monkeypatch.setattr(row_norm_pallas, "FORWARD_DOMAINS", {"layer": (), "rms": ((128, 512, 1024),)})
+  monkeypatch.setattr(norms_configs, "FORWARD_DOMAINS",
+                      {"layer": (), "rms": ((128, 512, 1024),)})
 
   def chosen(op, shape, implementation=None):
     out = []

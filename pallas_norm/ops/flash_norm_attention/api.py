@@ -38,7 +38,8 @@ from pallas_norm.ops.gdpa import api as gdpa_api
 from pallas_norm.ops.gdpa import check_args as check_attention_args
 from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
 from pallas_norm.ops.gdpa import mosaic_bwd as gdpa_mosaic_bwd
-from pallas_norm.ops.gdpa import poison_if_offsets_invalid
+from pallas_norm.ops.gdpa import (offsets_invalid, poison_if_offsets_invalid,
+                                  poisoned_kernel_inputs)
 
 _F32 = jnp.float32
 
@@ -204,17 +205,16 @@ def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation
   """The block by the fused kernel (dense K/V); the op's outputs.
 
   Traced offsets that break the jagged convention are answered as the GDPA kernel path does
-  (:func:`pallas_norm.ops.gdpa.api._poisoned`): NaN scales, all rows padding in the forward
-  (the kernel writes them as 0 · post_scale = NaN), and a checkify error; the backward runs on
-  offsets made valid (:func:`_made_valid`), so that the norm weights' gradients, sums over the
-  real rows, are NaN too."""
+  (:func:`pallas_norm.ops.gdpa.api.poisoned_kernel_inputs`): NaN scales, all rows padding in
+  the forward (the kernel writes them as 0 · post_scale = NaN), and a checkify error; the
+  backward runs on offsets made valid (:func:`_made_valid`), so that the norm weights'
+  gradients, sums over the real rows, are NaN too."""
   scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
   offsets = (q_offsets, q_offsets)  # the forward's, the backward's
   pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
-  bad = gdpa_api._offsets_invalid(q_offsets, None, q.shape[0], k.shape[0], max_seq_len, None)  # noqa: SLF001
+  bad = offsets_invalid(q_offsets, None, q.shape[0], k.shape[0], max_seq_len, None)
   if bad is not None:
-    fwd, pre_scale, post_scale = gdpa_api._poisoned(  # noqa: SLF001
-        bad, q_offsets, pre_scale, post_scale)
+    fwd, pre_scale, post_scale = poisoned_kernel_inputs(bad, q_offsets, pre_scale, post_scale)
     bwd = jnp.where(bad, _made_valid(q_offsets, q.shape[0], max_seq_len), q_offsets)
     offsets = (fwd, bwd)
   heads, head_dim = q.shape[1:]

@@ -4,6 +4,8 @@
 ``mosaic_bwd`` (the backward kernels), ``configs`` (the forward kernel's tiling).
 """
 
-from pallas_norm.ops.gdpa.api import check_args, gdpa, poison_if_offsets_invalid
+from pallas_norm.ops.gdpa.api import (check_args, gdpa, offsets_invalid,
+                                      poison_if_offsets_invalid, poisoned_kernel_inputs)
 
-__all__ = ["gdpa", "check_args", "poison_if_offsets_invalid"]
+__all__ = ["gdpa", "check_args", "offsets_invalid", "poison_if_offsets_invalid",
+           "poisoned_kernel_inputs"]

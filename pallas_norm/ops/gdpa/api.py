@@ -137,20 +137,23 @@ def kernel_path(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_s
   kernel's tiling, :func:`mosaic.tiling_or_reason`'s for these arguments."""
   scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
   pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
-  bad = _offsets_invalid(q_offsets, kv_offsets, q.shape[0], k.shape[0], max_seq_len, max_kv_len)
+  bad = offsets_invalid(q_offsets, kv_offsets, q.shape[0], k.shape[0], max_seq_len, max_kv_len)
   if bad is not None:
-    q_offsets, pre_scale, post_scale = _poisoned(bad, q_offsets, pre_scale, post_scale)
+    q_offsets, pre_scale, post_scale = poisoned_kernel_inputs(bad, q_offsets, pre_scale,
+                                                              post_scale)
   return _kernel_gdpa(q, k, v, pre_scale, post_scale, (q_offsets, kv_offsets), activation,
                       max_seq_len, max_kv_len, jnp.dtype(out_dtype or q.dtype),
                       implementation == "interpret", scale_grads, config)
 
 
-def _poisoned(bad, q_offsets, pre_scale, post_scale):
-  """The kernel path's answer to traced offsets that break the jagged convention, with no pass
-  over the output: NaN scales and all-empty samples (q offsets all 0), for the forward and the
-  backward alike. The kernels then write every row as padding, 0 · scale = NaN: the output,
-  dq (0 · pre · post) and dk, dv (a zero accumulator times the scales), and the scale
-  gradients are made NaN by the backward rule. With every q sample empty no kernel reads a key
+def poisoned_kernel_inputs(bad, q_offsets, pre_scale, post_scale):
+  """(q_offsets, pre_scale, post_scale) as the kernel path takes them where ``bad`` (a traced
+  bool, :func:`offsets_invalid`): its answer to traced offsets that break the jagged convention,
+  with no pass over the output: NaN scales and all-empty samples (q offsets all 0), for the
+  forward and the backward alike (``flash_norm_attention``'s fused kernel answers so too).
+  The kernels then write every row as padding, 0 · scale = NaN: the output, dq
+  (0 · pre · post) and dk, dv (a zero accumulator times the scales), and the scale gradients
+  are made NaN by the backward rule. With every q sample empty no kernel reads a key
   by the (unchecked) kv offsets. Also a checkify error (``jax.experimental.checkify``)."""
   checkify.debug_check(jnp.logical_not(bad), OFFSETS_INVALID_MESSAGE)
   nan = jnp.float32(jnp.nan)
@@ -253,7 +256,7 @@ def poison_if_offsets_invalid(out, q_offsets, kv_offsets, capacity, kv_capacity,
   """NaN everywhere, in the output and in the gradients, when traced offsets break the jagged
   convention (see :func:`pallas_norm._validate.offsets_invalid`), and a checkify error under
   ``jax.experimental.checkify.checkify``; concrete offsets were already checked."""
-  bad = _offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len)
+  bad = offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len)
   if bad is None:
     return out
   return _validate.poison_if_invalid(out, bad, OFFSETS_INVALID_MESSAGE)
@@ -264,16 +267,17 @@ def poison_inputs_if_offsets_invalid(inputs, q_offsets, kv_offsets, capacity, kv
   """``inputs`` (q, k, v, scales, ...) poisoned like :func:`poison_if_offsets_invalid`, so that
   their gradients are NaN too: masks downstream (rows outside every sample under bad offsets)
   would otherwise send exact zeros back. Python-number scales stay numbers (no gradient)."""
-  bad = _offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len)
+  bad = offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len)
   if bad is None:
     return inputs
   return tuple(a if a is None or not _validate.is_array(a) else
                _validate.poison_if_invalid(a, bad, OFFSETS_INVALID_MESSAGE) for a in inputs)
 
 
-def _offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len):
-  """A traced bool, True when traced offsets break the jagged convention; None when no offsets
-  are traced (concrete ones were checked by :func:`check_args`)."""
+def offsets_invalid(q_offsets, kv_offsets, capacity, kv_capacity, max_seq_len, max_kv_len):
+  """A traced bool, True when traced offsets break the jagged convention
+  (:func:`pallas_norm._validate.offsets_invalid` of each); None when no offsets are traced
+  (concrete ones were checked by :func:`check_args`). Shared with ``flash_norm_attention``."""
   traced = [o for o in (q_offsets, kv_offsets) if isinstance(o, jax.core.Tracer)]
   if not traced:
     return None

@@ -6,17 +6,27 @@ differentiated by autodiff, on every backend) and the Pallas kernels of
 :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU, "interpret" anywhere): the
 backward kernel after XLA's forward (recomputing the row statistics) or after the forward kernel
 of :mod:`pallas_norm.ops.norms.triton_fwd` (reading them). ``implementation=None`` takes the
-kernels for each where they were measured faster (one table,
-:data:`pallas_norm.ops.norms.triton.KERNEL_DOMAINS`). They are the
-building blocks of the Flax layers and the oracle shape of the fused ops.
+kernels for each where they were measured faster (the tables of
+:mod:`pallas_norm.ops.norms.configs`: ``KERNEL_DOMAINS`` in training, ``FORWARD_DOMAINS`` not
+differentiated). They are the building blocks of the Flax layers and the oracle shape of the
+fused ops.
+
+Here: the ops, the dispatch questions (:func:`forward_path`, :func:`slower_reason`,
+:func:`slower_forward_reason`) and the kernel path's ``custom_vjp`` (:func:`row_norm`, whose
+backward runs :func:`pallas_norm.ops.norms.triton.row_backward` through
+``_op.first_order_only``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+
+import jax
+import jax.numpy as jnp
 
 from pallas_norm import _dispatch, _op, _validate
-from pallas_norm.ops.norms import triton, xla
+from pallas_norm.ops.norms import configs, triton, triton_fwd, xla
 
 
 def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
@@ -32,8 +42,8 @@ def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
   forward, training = _dispatch.choose_by_use(
       op, implementation,
       lambda _: triton.unsupported_reason(norm, x.shape, x.dtype, has_residual),
-      lambda: triton.slower_reason(norm, x.shape, x.dtype, has_residual),
-      lambda: triton.slower_forward_reason(norm, x.shape, x.dtype, has_residual),
+      lambda: slower_reason(norm, x.shape, x.dtype, has_residual),
+      lambda: slower_forward_reason(norm, x.shape, x.dtype, has_residual),
       kernel="triton")
   # An implementation asked for runs one path for both uses (its forward: forward_path's).
   return (None if implementation is not None else forward), training
@@ -61,10 +71,10 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
       :mod:`pallas_norm._dispatch`). "triton" runs the gradient as one Pallas kernel (Triton
       lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`) after XLA's forward (the
       kernel recomputes rstd from the rows it holds) or after the forward kernel that hands it
-      rstd (:func:`pallas_norm.ops.norms.triton.forward_path`; rows wider than 8192 always,
+      rstd (:func:`forward_path`; rows wider than 8192 always,
       walked in chunks, no residual there); "interpret" the same kernels in Pallas interpret
       mode. None picks the kernels on a Hopper GPU where they were measured faster in training
-      than XLA (:data:`pallas_norm.ops.norms.triton.KERNEL_DOMAINS`), else XLA.
+      than XLA (:data:`pallas_norm.ops.norms.configs.KERNEL_DOMAINS`), else XLA.
       The kernel path supports first-order reverse mode only.
 
   Returns:
@@ -85,9 +95,9 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
 
 def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
   """The outputs by ``chosen = (forward use, training)`` (:func:`_check`). Training takes the
-  kernels' path with :func:`triton.forward_path`'s forward. Under ``implementation=None`` a
+  kernels' path with :func:`forward_path`'s forward. Under ``implementation=None`` a
   call that is not differentiated runs the forward kernel where the forward use chose the
-  kernels (:data:`triton.FORWARD_DOMAINS`), else XLA's forward; where that is not the training
+  kernels (:data:`configs.FORWARD_DOMAINS`), else XLA's forward; where that is not the training
   path's forward, :func:`_op.by_use` runs each use on its own. Forward use None: the training
   path for both."""
   kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
@@ -95,12 +105,12 @@ def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_d
   def run(impl, forward, x, scale, bias, residual):
     if impl == "xla":
       return _xla(x, scale, bias, residual, norm, **kw)
-    return triton.row_norm(x, scale, bias, residual, norm=norm, interpret=impl == "interpret",
-                           forward=forward, **kw)
+    return row_norm(x, scale, bias, residual, norm=norm, interpret=impl == "interpret",
+                    forward=forward, **kw)
 
   forward_use, training = chosen
   args = (x, scale, bias, residual)
-  training_forward = "xla" if training == "xla" else triton.forward_path(
+  training_forward = "xla" if training == "xla" else forward_path(
       norm, x.shape, residual is not None)
   # The forward kernel adds no residual: with one, both uses run XLA's forward.
   use_forward = "xla" if forward_use == "xla" or residual is not None else "kernel"
@@ -145,3 +155,132 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   chosen = _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
   return _run(chosen, x, scale, bias, residual, "layer", eps, zero_centered_scale, out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Where implementation=None takes the kernels (the tables: configs.py).
+
+
+def _in_domain(norm: str, n: int, rows: int) -> bool:
+  return any(lo <= n <= hi and rows >= r for lo, hi, r in configs.KERNEL_DOMAINS[norm])
+
+
+def forward_path(norm: str, x_shape, has_residual: bool) -> str:
+  """The forward the kernel path runs for this call: "kernel" (the forward kernel, whose
+  statistics the backward reads) where :data:`configs.KERNEL_DOMAINS` holds the call or nothing
+  else serves (rows wider than :data:`triton.MAX_N`); "xla" (XLA's fused forward, the backward
+  recomputing the statistics) with a residual (the forward kernel adds none) or elsewhere
+  (measured slower than XLA either way)."""
+  n, rows = x_shape[-1], math.prod(x_shape[:-1])
+  if has_residual:
+    return "xla"
+  return "kernel" if n > triton.MAX_N or _in_domain(norm, n, rows) else "xla"
+
+
+def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  n, rows = x_shape[-1], math.prod(x_shape[:-1])
+  if not _dispatch.on_hopper_gpu():
+    return "the Pallas row-norm kernels were measured only on a Hopper GPU (H200)"
+  if jnp.dtype(x_dtype) != jnp.dtype(jnp.bfloat16) or has_residual:
+    return f"the {what} was measured faster only for bfloat16 x without a residual"
+  if not any(lo <= n <= hi and rows >= r for lo, hi, r, *_ in rows_of_norm):
+    spans = ", ".join(f"{lo} <= N <= {hi} with at least {r} rows"
+                      for lo, hi, r, *_ in rows_of_norm)
+    return (f"the {what} was measured faster only for {spans or 'no shape'}, "
+            f"got N = {n}, {rows} rows")
+  return None
+
+
+def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  """Why ``implementation=None`` keeps XLA for this call in training, or None to use the
+  kernels (:data:`configs.KERNEL_DOMAINS`, measured on a Hopper GPU, the only one measured)."""
+  return _slower(configs.KERNEL_DOMAINS[norm], "kernel path", x_shape, x_dtype, has_residual)
+
+
+def slower_forward_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
+  """Why ``implementation=None`` keeps XLA for this call when it is not differentiated, or None
+  to run the forward kernel (:data:`configs.FORWARD_DOMAINS`)."""
+  return _slower(configs.FORWARD_DOMAINS[norm], "forward kernel", x_shape, x_dtype,
+                 has_residual)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel path: a custom_vjp over XLA's forward or the forward kernel; its backward runs the
+# backward kernel through _op.first_order_only.
+
+
+def _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
+  """The reference's outputs (``y`` or ``(y, s)``) by the same operations as the XLA path
+  (:mod:`pallas_norm.ops.norms.xla`). Nothing else leaves it: the statistics stay inside
+  XLA's one fused pass, and the kernel recomputes them."""
+  s = xla.residual_sum(x, residual)
+  stats = xla.row_stats(s, norm, eps)
+  y = xla.affine(xla.normalized(s, stats), scale, bias, zero_centered_scale)
+  y = y.astype(out_dtype or x.dtype)
+  return y if residual is None else (y, s.astype(x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret,
+              forward):
+  return _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
+                       interpret, forward)[0]
+
+
+def _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
+                  interpret, forward):
+  if forward == "kernel":  # the forward kernel: y and the statistics the backward reads
+    y, stats = triton_fwd.forward(x, scale, bias, norm=norm, eps=eps,
+                                  zero_centered_scale=zero_centered_scale, out_dtype=out_dtype,
+                                  interpret=interpret)
+    return y, (x, scale, bias, residual, stats)
+  out = _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
+  return out, (x, scale, bias, residual, None)
+
+
+def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, forward, saved,
+                  cotangent):
+  del out_dtype, forward
+  x, scale, bias, residual, stats = saved
+  dy, ds_out = (cotangent, None) if residual is None else cotangent
+  launch, inputs = triton.row_backward(x, scale, bias, residual, stats, dy, ds_out, norm=norm,
+                                       eps=eps, zero_centered_scale=zero_centered_scale,
+                                       interpret=interpret)
+  ds, sums = _op.first_order_only(f"{norm}_norm", launch, *inputs)
+  dscale = sums.pop(0) if scale is not None else None
+  dbias = sums.pop(0) if bias is not None else None
+  ds = ds.reshape(x.shape)
+  return (ds, None if scale is None else dscale.astype(scale.dtype),
+          None if bias is None else dbias.astype(bias.dtype),
+          None if residual is None else ds)
+
+
+_row_norm.defvjp(_row_norm_fwd, _row_norm_bwd)
+
+
+def row_norm(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
+             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False,
+             forward: str | None = None):
+  """:func:`pallas_norm.reference.layer_norm` (``norm="layer"``) or
+  :func:`pallas_norm.reference.rms_norm` (``norm="rms"``, no bias) whose gradient runs the
+  Pallas backward kernel of :mod:`pallas_norm.ops.norms.triton` (:func:`triton.row_backward`,
+  which refuses a second derivative).
+
+  Same arguments, outputs (``y``, or ``(y, s)`` with ``residual``) and dtypes as the reference;
+  no validation (the public op validates and checks :func:`triton.unsupported_reason` first).
+  ``interpret=True`` runs the kernels in Pallas interpret mode (any backend). ``forward``:
+  "kernel" (the forward kernel of :mod:`pallas_norm.ops.norms.triton_fwd`, no residual; the
+  backward reads its statistics), "xla" (XLA's forward; the backward recomputes them, rows up
+  to :data:`triton.MAX_N`), or None for :func:`forward_path`'s choice.
+  """
+  forward = forward or forward_path(norm, x.shape, residual is not None)
+  if forward not in ("kernel", "xla"):
+    raise ValueError(f"forward must be 'kernel', 'xla' or None, got {forward!r}")
+  if forward == "kernel" and residual is not None:
+    raise ValueError("the forward kernel adds no residual: forward='xla'")
+  if forward == "xla" and x.shape[-1] >= triton_fwd.CHUNKED_MIN_N:
+    raise ValueError(f"rows of {x.shape[-1]} elements need the forward kernel's statistics "
+                     "(the backward walks them in chunks): forward='kernel'")
+  return _row_norm(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
+                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret),
+                   forward)

@@ -1,7 +1,8 @@
 """``layer_norm`` and ``rms_norm`` for training: one-pass Pallas backward kernel after XLA's
 forward or after the forward kernel of :mod:`pallas_norm.ops.norms.triton_fwd`.
 
-Two forwards (:func:`forward_path`, :data:`KERNEL_DOMAINS`): XLA's (one fused pass near copy
+Two forwards (:func:`pallas_norm.ops.norms.api.forward_path`, by
+:data:`pallas_norm.ops.norms.configs.KERNEL_DOMAINS`): XLA's (one fused pass near copy
 bandwidth) returns nothing but the outputs, since handing the per-row statistics to the
 backward split it into three passes (measured: benchmarks/NOTES.md, "Standalone norms"), and
 the backward recomputes them; the forward kernel returns them (float32, a few bytes a row) and
@@ -37,14 +38,17 @@ removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's (
 forward). After the forward kernel the statistics come from it (``shift``, ``dmean``,
 ``rstd``, the reference's two-pass values for 16/32-bit floats): the forward is one kernel
 there, not XLA's split fusion, and that path trains fastest where the kernels beat XLA
-(LayerNorm at N = 128-32768, RMSNorm at N = 128-2048: :data:`KERNEL_DOMAINS`).
+(LayerNorm at N = 128-32768, RMSNorm at N = 128-2048: ``configs.KERNEL_DOMAINS``).
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
 norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
 them, with Σ dh as a third column sum.
 
-Forward-mode autodiff (``jax.jvp``) is not defined for this path (a ``custom_vjp``); the "xla"
-path (:mod:`pallas_norm.ops.norms.xla`) has it.
+This module holds the kernels, their tilings and their launch functions (:func:`row_backward`,
+:func:`norm_backward`); the kernel path's ``custom_vjp`` (``row_norm``), which calls the launch
+through ``_op.first_order_only``, and the dispatch questions are in
+:mod:`pallas_norm.ops.norms.api`. Forward-mode autodiff (``jax.jvp``) is not defined for that
+path; the "xla" path (:mod:`pallas_norm.ops.norms.xla`) has it.
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ import math
 import jax
 from jax import lax
 import jax.numpy as jnp
-from pallas_norm import _op
 from pallas_norm.ops.norms import triton_fwd, xla
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -140,7 +143,7 @@ rows × N × 4 bytes of all programs should stay in L2); LayerNorm's two are sum
 :func:`_column_sums_call`, the row kernel a program per row block (programs per SM None) with
 L2 hints (the first pass keeps its lines, the second drops them). The fastest measured on the
 H200 (``benchmarks/NOTES.md``, "Standalone norms"; ``benchmarks/EXPERIMENTS.md``): LayerNorm's
-trains faster than XLA at 16384×32768 (:data:`KERNEL_DOMAINS`), RMSNorm's slower."""
+trains faster than XLA at 16384×32768 (``configs.KERNEL_DOMAINS``), RMSNorm's slower."""
 
 COLUMN_SUM_TILING = (256, 16, 8)
 """(columns per program, rows per step, programs per SM) of :func:`_column_sums_call`: each
@@ -187,89 +190,6 @@ def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) 
   if math.prod(x_shape) > MAX_ELEMENTS:
     return f"x has {math.prod(x_shape)} elements, past the kernel's int32 offsets"
   return None
-
-
-KERNEL_DOMAINS = {
-    # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual
-    "layer": ((128, 8192, 65536), (8193, 32768, 16384)),
-    "rms": ((128, 2048, 262144),),
-}
-"""Where ``implementation=None`` trains through the kernels, per norm: the forward kernel of
-:mod:`pallas_norm.ops.norms.triton_fwd` and the backward reading its statistics. Each row is
-where the H200 measured that path faster in training than the "xla" implementation: bf16
-without a residual (``benchmarks/NOTES.md``, "Standalone norms"). Outside them XLA runs; an
-explicit "triton"/"interpret" takes :func:`forward_path`'s forward."""
-
-
-def _in_domain(norm: str, n: int, rows: int) -> bool:
-  return any(lo <= n <= hi and rows >= r for lo, hi, r in KERNEL_DOMAINS[norm])
-
-
-def forward_path(norm: str, x_shape, has_residual: bool) -> str:
-  """The forward the kernel path runs for this call: "kernel" (the forward kernel, whose
-  statistics the backward reads) where :data:`KERNEL_DOMAINS` holds the call or nothing else
-  serves (rows wider than :data:`MAX_N`); "xla" (XLA's fused forward, the backward recomputing
-  the statistics) with a residual (the forward kernel adds none) or elsewhere (measured slower
-  than XLA either way)."""
-  n, rows = x_shape[-1], math.prod(x_shape[:-1])
-  if has_residual:
-    return "xla"
-  return "kernel" if n > MAX_N or _in_domain(norm, n, rows) else "xla"
-
-
-FORWARD_DOMAINS = {
-    # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual
-    "layer": ((128, 8192, 65536), (8193, 32768, 16384)),
-    "rms": ((8193, 32768, 16384),),
-}
-"""Where ``implementation=None`` runs a call that is not differentiated (inference) through the
-forward kernel: where the H200 measured it faster than XLA's forward alone by more than 1%
-(closer is the measurement's spread: RMSNorm at 1048576×512, 0.994×, stays XLA), at the suite's
-shapes from N = 128 to 32768 (``benchmarks/NOTES.md``, "Standalone norms"): LayerNorm at every
-one (the training domains' rows), RMSNorm only past 8192. The rows reach past the measured
-shapes to as many rows as the fewest measured in their N range."""
-
-
-def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> str | None:
-  from pallas_norm import _dispatch  # the device query lives there
-  n, rows = x_shape[-1], math.prod(x_shape[:-1])
-  if not _dispatch.on_hopper_gpu():
-    return "the Pallas row-norm kernels were measured only on a Hopper GPU (H200)"
-  if jnp.dtype(x_dtype) != jnp.dtype(jnp.bfloat16) or has_residual:
-    return f"the {what} was measured faster only for bfloat16 x without a residual"
-  if not any(lo <= n <= hi and rows >= r for lo, hi, r, *_ in rows_of_norm):
-    spans = ", ".join(f"{lo} <= N <= {hi} with at least {r} rows"
-                      for lo, hi, r, *_ in rows_of_norm)
-    return (f"the {what} was measured faster only for {spans or 'no shape'}, "
-            f"got N = {n}, {rows} rows")
-  return None
-
-
-def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
-  """Why ``implementation=None`` keeps XLA for this call in training, or None to use the
-  kernels (:data:`KERNEL_DOMAINS`, measured on a Hopper GPU, the only one measured)."""
-  return _slower(KERNEL_DOMAINS[norm], "kernel path", x_shape, x_dtype, has_residual)
-
-
-def slower_forward_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
-  """Why ``implementation=None`` keeps XLA for this call when it is not differentiated, or None
-  to run the forward kernel (:data:`FORWARD_DOMAINS`)."""
-  return _slower(FORWARD_DOMAINS[norm], "forward kernel", x_shape, x_dtype, has_residual)
-
-
-# ----------------------------------------------------------------------------------------------
-# XLA forward that also returns the statistics the backward kernel rebuilds x̂ from.
-
-
-def _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
-  """The reference's outputs (``y`` or ``(y, s)``) by the same operations as the XLA path
-  (:mod:`pallas_norm.ops.norms.xla`). Nothing else leaves it: the statistics stay inside
-  XLA's one fused pass, and the kernel recomputes them."""
-  s = xla.residual_sum(x, residual)
-  stats = xla.row_stats(s, norm, eps)
-  y = xla.affine(xla.normalized(s, stats), scale, bias, zero_centered_scale)
-  y = y.astype(out_dtype or x.dtype)
-  return y if residual is None else (y, s.astype(x.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -582,32 +502,22 @@ def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpr
 
 
 # ----------------------------------------------------------------------------------------------
-# custom_vjp
+# The row norms' backward (the custom_vjp of :mod:`pallas_norm.ops.norms.api` launches it).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype, interpret,
-              forward):
-  return _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
-                       interpret, forward)[0]
+def row_backward(x, scale, bias, residual, stats, dy, ds_out, *, norm: str, eps: float,
+                 zero_centered_scale: bool, interpret: bool):
+  """The backward of ``layer_norm``/``rms_norm``'s kernel path as ``(launch, inputs)``.
 
-
-def _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
-                  interpret, forward):
-  if forward == "kernel":  # the forward kernel: y and the statistics the backward reads
-    y, stats = triton_fwd.forward(x, scale, bias, norm=norm, eps=eps,
-                                  zero_centered_scale=zero_centered_scale, out_dtype=out_dtype,
-                                  interpret=interpret)
-    return y, (x, scale, bias, residual, stats)
-  out = _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
-  return out, (x, scale, bias, residual, None)
-
-
-def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, forward, saved,
-                  cotangent):
-  del out_dtype, forward
-  x, scale, bias, residual, stats = saved
-  dy, ds_out = (cotangent, None) if residual is None else cotangent
+  ``launch(*inputs)`` runs the kernel (or the chunked kernels of rows wider than
+  :data:`MAX_N`) and returns ``(ds (M, N) in x's dtype, [Σ dy ⊙ x̂ with a scale, Σ dy with a
+  bias])``, the column sums (N,) float32. ``inputs``: x (and ``residual``) as (M, N) rows,
+  the forward kernel's statistics (``stats``: its ``rstd``, and LayerNorm's ``shift`` and
+  ``dmean``; None: the kernel recomputes them from x) as (M,), ``dy`` (and ``ds_out``, the
+  cotangent of s) as (M, N), and the applied scale in float32. The two come apart so that the
+  caller wraps the launch alone in ``_op.first_order_only`` over exactly these inputs. No
+  validation (the public ops check :func:`unsupported_reason` first).
+  """
   n = x.shape[-1]
   m = math.prod(x.shape[:-1])
   ops = _Operands(residual=residual is not None, ds_out=ds_out is not None,
@@ -622,46 +532,11 @@ def _row_norm_bwd(norm, eps, zero_centered_scale, out_dtype, interpret, forward,
            + [t.reshape(m) for t in rows]
            + [t.reshape(m, n) for t in (dy, ds_out) if t is not None])
   inputs = tiles + ([gamma] if ops.gamma else [])
-  ds, sums = _op.first_order_only(
-      f"{norm}_norm", lambda *a: _backward_call(ops, m, n, eps, x.dtype, interpret, list(a)),
-      *inputs)
-  dscale = sums.pop(0) if ops.gamma else None
-  dbias = sums.pop(0) if ops.dbias else None
-  ds = ds.reshape(x.shape)
-  return (ds, None if scale is None else dscale.astype(scale.dtype),
-          None if bias is None else dbias.astype(bias.dtype),
-          None if residual is None else ds)
 
+  def launch(*inputs):
+    return _backward_call(ops, m, n, eps, x.dtype, interpret, list(inputs))
 
-_row_norm.defvjp(_row_norm_fwd, _row_norm_bwd)
-
-
-def row_norm(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
-             zero_centered_scale: bool = False, out_dtype=None, interpret: bool = False,
-             forward: str | None = None):
-  """:func:`pallas_norm.reference.layer_norm` (``norm="layer"``) or
-  :func:`pallas_norm.reference.rms_norm` (``norm="rms"``, no bias) whose gradient runs the
-  Pallas backward kernel of this module.
-
-  Same arguments, outputs (``y``, or ``(y, s)`` with ``residual``) and dtypes as the reference;
-  no validation (the public op validates and checks :func:`unsupported_reason` first).
-  ``interpret=True`` runs the kernels in Pallas interpret mode (any backend). ``forward``:
-  "kernel" (the forward kernel of :mod:`pallas_norm.ops.norms.triton_fwd`, no residual; the
-  backward reads its statistics), "xla" (XLA's forward; the backward recomputes them, rows up
-  to :data:`MAX_N`), or None for :func:`forward_path`'s choice.
-  """
-  forward = forward or forward_path(norm, x.shape, residual is not None)
-  if forward not in ("kernel", "xla"):
-    raise ValueError(f"forward must be 'kernel', 'xla' or None, got {forward!r}")
-  if forward == "kernel" and residual is not None:
-    raise ValueError("the forward kernel adds no residual: forward='xla'")
-  if forward == "xla" and x.shape[-1] >= triton_fwd.CHUNKED_MIN_N:
-    raise ValueError(f"rows of {x.shape[-1]} elements need the forward kernel's statistics "
-                     "(the backward walks them in chunks): forward='kernel'")
-  return _row_norm(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
-                   None if out_dtype is None else jnp.dtype(out_dtype), bool(interpret),
-                   forward)
-
+  return launch, inputs
 
 # ----------------------------------------------------------------------------------------------
 # The same kernel given x̂ and rstd: the norm backward of the post-norm GEMM (matmul_norm).
