@@ -208,6 +208,14 @@ def static_positive_int(name: str, value) -> None:
     raise ValueError(f"{name} must be a positive Python int (static), got {value!r}")
 
 
+def within_capacity(bound, capacity: int) -> int | None:
+  """A validated static length bound (max_seq_len, max_kv_len; None stays None) as a Python
+  int of at most the packed capacity (and at least 1): no sample can hold more rows than its
+  capacity, so a larger bound never binds, but the XLA paths size their padded layout by it
+  (2**31 overflowed JAX's int32 shapes, 2**40 killed the process with SIGFPE)."""
+  return None if bound is None else max(1, min(int(bound), capacity))
+
+
 def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
             max_len_name: str = "max_seq_len") -> int:
   """Checks a jagged offsets vector; returns the batch size B (= len(offsets) - 1)."""

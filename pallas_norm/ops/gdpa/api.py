@@ -108,6 +108,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   """
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)
+  max_seq_len, max_kv_len = bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len)
   # The kernel's tiling, or why it cannot run the call: asked once, for the dispatch, and the
   # tiling handed down to the kernel.
   tiling = functools.cache(
@@ -127,6 +128,13 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
                      pre_scale=pre_scale, post_scale=post_scale, max_seq_len=max_seq_len,
                      max_kv_len=max_kv_len, out_dtype=out_dtype, implementation=impl,
                      config=tiling()[0])
+
+
+def bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len):
+  """The validated ``max_seq_len`` and ``max_kv_len`` capped at the packed capacities of q and
+  (jagged) k/v (:func:`pallas_norm._validate.within_capacity`)."""
+  return (_validate.within_capacity(max_seq_len, q.shape[0]),
+          None if kv_offsets is None else _validate.within_capacity(max_kv_len, k.shape[0]))
 
 
 def kernel_path(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
