@@ -107,8 +107,13 @@ def eps(value, dtype=None) -> float:
     value = float(value)  # a concrete numpy/jax float scalar
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"eps must be a positive float (a static Python number), got {value!r}")
-  if not (float(value) > 0 and np.isfinite(value)):
+  try:  # a Python int past float's range, a Fraction: NumPy's isfinite named no argument
+    as_float = float(value)
+  except OverflowError:
+    as_float = float("inf")
+  if not (as_float > 0 and np.isfinite(as_float)):
     raise ValueError(f"eps must be a positive finite float, got {value!r}")
+  value = as_float
   # The dtype JAX computes in: a NumPy float64 input is float32 without jax_enable_x64.
   canonical = None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
   stat = np.float64 if canonical == jnp.float64 else np.float32

@@ -6,6 +6,7 @@ Each op has one valid call (`GOOD`, checked to run); each case changes one argum
 
 from __future__ import annotations
 
+import fractions
 import functools
 import re
 import warnings
@@ -744,3 +745,19 @@ def test_attention_bounds_past_the_capacity_act_as_the_capacity(op, bound):
   got = fn(**args, max_seq_len=bound, **({"max_kv_len": bound} if op == "gdpa_jagged" else {}),
            implementation="xla")
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("eps, error", [
+    (10**400, ValueError), (fractions.Fraction(1, 10**6), None), (-(10**400), ValueError)],
+    ids=["int-past-float", "fraction", "negative-int-past-float"])
+def test_eps_of_other_real_types(eps, error):
+  """eps=10**400 raised Python's OverflowError "int too large to convert to float" and a
+  Fraction NumPy's "ufunc 'isfinite' not supported", neither naming eps (review11). A Fraction
+  is a real number: it works."""
+  x = _arr((3, 8))
+  if error is None:
+    np.testing.assert_allclose(pallas_norm.rms_norm(x, eps=eps, implementation="xla"),
+                               reference.rms_norm(x, eps=1e-6), rtol=1e-6)
+    return
+  with pytest.raises(error, match="eps must"):
+    pallas_norm.rms_norm(x, eps=eps, implementation="xla")
