@@ -84,8 +84,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
     pre_scale, post_scale: finite real scalars (default 1): numbers or 0-d integer/floating
       arrays, traced ones included (an array of another shape would broadcast, so it raises).
     max_seq_len: static bound on q lengths; makes the XLA path use a padded (B, max_seq_len)
-      layout (fast). Without it the XLA path gathers K/V per token (O(T·Lkv·H·D) memory).
-    max_kv_len: static bound on jagged k/v lengths (default Tkv).
+      layout (fast). Without it the XLA path gathers K/V per token (O(T·Lkv·H·D) memory). A
+      bound past T acts as T (no sample can be longer).
+    max_kv_len: static bound on jagged k/v lengths (default Tkv; a bound past Tkv acts as Tkv).
     out_dtype: output dtype (default q.dtype).
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
       can run the call; see :mod:`pallas_norm._dispatch`).
