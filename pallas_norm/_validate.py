@@ -107,8 +107,13 @@ def eps(value, dtype=None) -> float:
     value = float(value)  # a concrete numpy/jax float scalar
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"eps must be a positive float (a static Python number), got {value!r}")
-  if not (float(value) > 0 and np.isfinite(value)):
+  try:  # a Python int past float's range, a Fraction: NumPy's isfinite named no argument
+    as_float = float(value)
+  except OverflowError:
+    as_float = float("inf")
+  if not (as_float > 0 and np.isfinite(as_float)):
     raise ValueError(f"eps must be a positive finite float, got {value!r}")
+  value = as_float
   # The dtype JAX computes in: a NumPy float64 input is float32 without jax_enable_x64.
   canonical = None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
   stat = np.float64 if canonical == jnp.float64 else np.float32
@@ -206,6 +211,14 @@ def static_positive_int(name: str, value) -> None:
     return
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
     raise ValueError(f"{name} must be a positive Python int (static), got {value!r}")
+
+
+def within_capacity(bound, capacity: int) -> int | None:
+  """A validated static length bound (max_seq_len, max_kv_len; None stays None) as a Python
+  int of at most the packed capacity (and at least 1): no sample can hold more rows than its
+  capacity, so a larger bound never binds, but the XLA paths size their padded layout by it
+  (2**31 overflowed JAX's int32 shapes, 2**40 killed the process with SIGFPE)."""
+  return None if bound is None else max(1, min(int(bound), capacity))
 
 
 def offsets(name: str, off, capacity: int, *, max_len: int | None = None,

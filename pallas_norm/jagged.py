@@ -43,7 +43,27 @@ __all__ = [
 
 
 def lengths(offsets: jax.Array) -> jax.Array:
-  """Per-sample lengths ``offsets[1:] - offsets[:-1]``, shape (B,), int32."""
+  """Per-sample lengths ``offsets[1:] - offsets[:-1]``, shape (B,), offsets' integer dtype.
+
+  Raises:
+    TypeError: offsets that are not a 1-D integer array of shape (B+1,).
+    ValueError: concrete offsets that do not start at 0 or decrease (they gave negative
+      lengths). Traced offsets (under ``jax.jit``) are checked for dtype and shape only.
+  """
+  if not _validate.is_array(offsets) or not jnp.issubdtype(offsets.dtype, jnp.integer) or (
+      jnp.dtype(offsets.dtype) == jnp.dtype(bool)) or offsets.ndim != 1 or offsets.shape[0] < 1:
+    raise TypeError(f"lengths: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
+                    f"{getattr(offsets, 'dtype', type(offsets).__name__)} of shape "
+                    f"{tuple(getattr(offsets, 'shape', ()))}")
+  if not isinstance(offsets, jax.core.Tracer):
+    host = np.asarray(offsets)
+    if host[0] != 0 or np.any(np.diff(host) < 0):
+      raise ValueError(f"lengths: offsets must start at 0 and never decrease, got "
+                       f"{host.tolist()}")
+  return _lengths(offsets)
+
+
+def _lengths(offsets):
   return offsets[1:] - offsets[:-1]
 
 
@@ -401,7 +421,7 @@ def _gather_to_padded(values, offsets, max_len, *, rows=None):
     return jnp.zeros(shape, values.dtype)
   pos = jnp.arange(max_len, dtype=jnp.int32)
   rows = offsets[:-1, None] + pos[None, :]  # (B, max_len)
-  inside = pos[None, :] < lengths(offsets)[:, None]
+  inside = pos[None, :] < _lengths(offsets)[:, None]
   gathered = jnp.take(values, rows.reshape(-1), axis=0, mode="clip").reshape(shape)
   mask = inside.reshape(inside.shape + (1,) * (values.ndim - 1))
   return jnp.where(mask, gathered, jnp.zeros((), values.dtype))
@@ -443,7 +463,7 @@ def _scatter_from_padded(padded, offsets, capacity, rows):
     return jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
   pos = jnp.arange(max_len, dtype=jnp.int32)
   rows = offsets[:-1, None] + pos[None, :]  # (B, max_len)
-  rows = jnp.where(pos[None, :] < lengths(offsets)[:, None], rows, capacity).reshape(-1)
+  rows = jnp.where(pos[None, :] < _lengths(offsets)[:, None], rows, capacity).reshape(-1)
   flat = padded.reshape((batch * max_len,) + padded.shape[2:])
   out = jnp.zeros((capacity,) + padded.shape[2:], padded.dtype)
   return out.at[rows].add(flat, mode="drop")

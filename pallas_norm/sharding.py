@@ -244,13 +244,14 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
     local_offsets (S·(B/S + 1),) int32, block s being those samples' offsets minus their first.
 
   Raises:
+    TypeError: traced values or offsets (under ``jax.jit``: this runs on the host).
     TypeError, ValueError: offsets that break the jagged convention (:mod:`pallas_norm.jagged`);
       num_shards not a positive divisor of B; a shard_capacity that is not a non-negative int;
       T not a multiple of S without a shard_capacity; a shard whose samples hold more rows
       than shard_capacity.
   """
-  values = np.asarray(values)
-  offsets = np.asarray(offsets)
+  values = _host_array("split_jagged", "values", values, min_ndim=1)
+  offsets = _host_array("split_jagged", "offsets", offsets)
   batch = _validate.offsets("offsets", offsets, values.shape[0])
   if not _is_count(num_shards) or batch % num_shards:
     raise ValueError(f"num_shards must be a positive divisor of the batch B = {batch}, got "
@@ -274,6 +275,19 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
     out[s * shard_capacity:s * shard_capacity + rows] = values[block[0]:block[-1]]
     local[s] = block - block[0]
   return out, local.reshape(-1)
+
+
+def _host_array(fn: str, name: str, a, min_ndim: int = 0) -> np.ndarray:
+  """``a`` as a NumPy array, for the host-side helpers: a traced array (under ``jax.jit``)
+  raised JAX's TracerArrayConversionError, and a 0-d values an IndexError, naming nothing."""
+  if isinstance(a, jax.core.Tracer):
+    raise TypeError(f"{fn}: {name} must be concrete (a NumPy or jax array); it is traced "
+                    f"({a.dtype}{list(a.shape)}): {fn} runs on the host, in the input "
+                    "pipeline, not under jax.jit")
+  a = np.asarray(a)
+  if a.ndim < min_ndim:
+    raise ValueError(f"{fn}: {name} must have a leading rows axis, got shape {a.shape}")
+  return a
 
 
 def _row_count(name: str, value) -> int:
@@ -306,12 +320,13 @@ def join_jagged(values, local_offsets, num_shards: int, capacity: int | None = N
     (B+1,) int32 global offsets.
 
   Raises:
+    TypeError: traced values or local_offsets (under ``jax.jit``: this runs on the host).
     TypeError, ValueError: a block of local offsets that breaks the jagged convention within
       its C rows; rows that do not split into S blocks; a capacity that is not a non-negative
       int; more rows than ``capacity``.
   """
-  values = np.asarray(values)
-  blocks = np.asarray(local_offsets)
+  values = _host_array("join_jagged", "values", values, min_ndim=1)
+  blocks = _host_array("join_jagged", "local_offsets", local_offsets)
   if not _is_count(num_shards) or values.shape[0] % num_shards or (
       blocks.shape[0] % num_shards):
     raise ValueError(f"values ({values.shape[0]} rows) and local_offsets "

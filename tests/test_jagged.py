@@ -58,6 +58,26 @@ def test_offsets_from_lengths_and_back(lens):
   np.testing.assert_array_equal(jagged.lengths(jnp.asarray(offsets)), lens)
 
 
+@pytest.mark.parametrize("bad, error", [
+    ([0, 3, 3, 8], TypeError), (jnp.array([0.0, 3.0]), TypeError),
+    (jnp.array([True, False]), TypeError), (jnp.zeros((2, 3), jnp.int32), TypeError),
+    (jnp.int32(3), TypeError), (jnp.array([0, 5, 3, 8], jnp.int32), ValueError),
+    (jnp.array([1, 3], jnp.int32), ValueError)],
+    ids=["list", "float", "bool", "2-d", "0-d", "decreasing", "first-not-0"])
+def test_lengths_rejects_bad_offsets(bad, error):
+  """lengths() checked nothing: decreasing offsets gave negative lengths, float or 2-D offsets
+  garbage, a list a bare "unsupported operand" TypeError (review11)."""
+  with pytest.raises(error, match="lengths: offsets must"):
+    jagged.lengths(bad)
+
+
+def test_lengths_of_traced_offsets_checks_only_dtype_and_shape():
+  f = jax.jit(jagged.lengths)
+  np.testing.assert_array_equal(f(jnp.array([0, 5, 3], jnp.int32)), [5, -2])
+  with pytest.raises(TypeError, match="lengths: offsets must"):
+    f(jnp.array([0.0, 1.0]))
+
+
 @pytest.mark.parametrize("bad", [[[1, 2], [3, 4]], [2, -1, 3], 5])
 def test_offsets_from_lengths_rejects_bad_lengths(bad):
   with pytest.raises(ValueError, match="lengths"):

@@ -91,6 +91,34 @@ def test_split_jagged_blocks_hold_their_samples_with_local_offsets(lengths, shar
   assert not joined[offsets[-1]:].any()
 
 
+_LOCAL = np.array([0, 3, 3, 0, 5, 7], np.int32)
+
+
+@pytest.mark.parametrize("fn, arg", [
+    (lambda v, o: sharding.split_jagged(v, np.asarray(o), 2), "values"),
+    (lambda v, o: sharding.split_jagged(np.ones((10, 2)), jnp.asarray(o) + v[0, 0].astype(int),
+                                        2), "offsets"),
+    (lambda v, o: sharding.join_jagged(v, _LOCAL, 2), "values"),
+    (lambda v, o: sharding.join_jagged(np.ones((10, 2)), jnp.asarray(_LOCAL) +
+                                       v[0, 0].astype(int), 2), "local_offsets")],
+    ids=["split-values", "split-offsets", "join-values", "join-local_offsets"])
+def test_split_and_join_jagged_name_a_traced_argument(fn, arg):
+  """Under jax.jit they raised JAX's TracerArrayConversionError about __array__, naming no
+  argument (review11): they are host-side helpers of the input pipeline."""
+  values, offsets = _jagged(0, [3, 0, 5, 2])
+  with pytest.raises(TypeError, match=f"{arg} must be concrete"):
+    jax.jit(lambda v: fn(v, offsets)[1])(jnp.asarray(values))
+
+
+@pytest.mark.parametrize("fn", [lambda o: sharding.split_jagged(np.float32(1.0), o, 2),
+                                lambda o: sharding.join_jagged(np.float32(1.0), _LOCAL, 2)],
+                         ids=["split", "join"])
+def test_split_and_join_jagged_name_0d_values(fn):
+  """A 0-d values raised IndexError "tuple index out of range" (review11)."""
+  with pytest.raises(ValueError, match="values must"):
+    fn(np.asarray(_jagged(0, [3, 0, 5, 2])[1]))
+
+
 def test_split_jagged_errors_name_the_argument():
   values, offsets = _jagged(0, [3, 0, 5, 2])
   with pytest.raises(ValueError, match="num_shards"):

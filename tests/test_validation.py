@@ -6,6 +6,7 @@ Each op has one valid call (`GOOD`, checked to run); each case changes one argum
 
 from __future__ import annotations
 
+import fractions
 import functools
 import re
 import warnings
@@ -728,3 +729,35 @@ def test_norm_matmul_backward_decides_its_dx_route_once(monkeypatch):
   want = ((32, 256, 128), dict(fused_row_terms=False, x_hat=True, row_sums=True,
                                interpret=False))
   assert len(asked) == 1 and picked == [want] and not checked, (asked, picked, len(checked))
+
+
+@pytest.mark.parametrize("bound", [T + 1, 2**31, 2**40])
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+def test_attention_bounds_past_the_capacity_act_as_the_capacity(op, bound):
+  """max_seq_len / max_kv_len are upper bounds, and a sample never holds more rows than its
+  packed capacity. Bounds far past it sized the XLA path's padded layout by the bound: 2**31
+  raised JAX's OverflowError naming no argument, 2**40 killed the process with SIGFPE, 10**7 sat
+  on gigabytes for a 7-row batch (review11). They now act as the capacity."""
+  args = good_args(op)
+  fn = op_fn(op)
+  want = fn(**args, max_seq_len=T, **({"max_kv_len": TKV} if op == "gdpa_jagged" else {}),
+            implementation="xla")
+  got = fn(**args, max_seq_len=bound, **({"max_kv_len": bound} if op == "gdpa_jagged" else {}),
+           implementation="xla")
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("eps, error", [
+    (10**400, ValueError), (fractions.Fraction(1, 10**6), None), (-(10**400), ValueError)],
+    ids=["int-past-float", "fraction", "negative-int-past-float"])
+def test_eps_of_other_real_types(eps, error):
+  """eps=10**400 raised Python's OverflowError "int too large to convert to float" and a
+  Fraction NumPy's "ufunc 'isfinite' not supported", neither naming eps (review11). A Fraction
+  is a real number: it works."""
+  x = _arr((3, 8))
+  if error is None:
+    np.testing.assert_allclose(pallas_norm.rms_norm(x, eps=eps, implementation="xla"),
+                               reference.rms_norm(x, eps=1e-6), rtol=1e-6)
+    return
+  with pytest.raises(error, match="eps must"):
+    pallas_norm.rms_norm(x, eps=eps, implementation="xla")

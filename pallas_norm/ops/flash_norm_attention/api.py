@@ -84,6 +84,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   """
   check_attention_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
                        max_seq_len, max_kv_len, out_dtype)
+  max_seq_len, max_kv_len = gdpa_api.bounds_within_capacity(q, k, kv_offsets, max_seq_len,
+                                                            max_kv_len)
   features = q.shape[1] * q.shape[2]
   _validate.optional_vector("ln_scale", ln_scale, features)
   _validate.optional_vector("ln_bias", ln_bias, features)

@@ -84,8 +84,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
     pre_scale, post_scale: finite real scalars (default 1): numbers or 0-d integer/floating
       arrays, traced ones included (an array of another shape would broadcast, so it raises).
     max_seq_len: static bound on q lengths; makes the XLA path use a padded (B, max_seq_len)
-      layout (fast). Without it the XLA path gathers K/V per token (O(T·Lkv·H·D) memory).
-    max_kv_len: static bound on jagged k/v lengths (default Tkv).
+      layout (fast). Without it the XLA path gathers K/V per token (O(T·Lkv·H·D) memory). A
+      bound past T acts as T (no sample can be longer).
+    max_kv_len: static bound on jagged k/v lengths (default Tkv; a bound past Tkv acts as Tkv).
     out_dtype: output dtype (default q.dtype).
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
       can run the call; see :mod:`pallas_norm._dispatch`).
@@ -108,6 +109,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   """
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)
+  max_seq_len, max_kv_len = bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len)
   # The kernel's tiling, or why it cannot run the call: asked once, for the dispatch, and the
   # tiling handed down to the kernel.
   tiling = functools.cache(
@@ -127,6 +129,13 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
                      pre_scale=pre_scale, post_scale=post_scale, max_seq_len=max_seq_len,
                      max_kv_len=max_kv_len, out_dtype=out_dtype, implementation=impl,
                      config=tiling()[0])
+
+
+def bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len):
+  """The validated ``max_seq_len`` and ``max_kv_len`` capped at the packed capacities of q and
+  (jagged) k/v (:func:`pallas_norm._validate.within_capacity`)."""
+  return (_validate.within_capacity(max_seq_len, q.shape[0]),
+          None if kv_offsets is None else _validate.within_capacity(max_kv_len, k.shape[0]))
 
 
 def kernel_path(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
