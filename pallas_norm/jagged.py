@@ -50,11 +50,7 @@ def lengths(offsets: jax.Array) -> jax.Array:
     ValueError: concrete offsets that do not start at 0 or decrease (they gave negative
       lengths). Traced offsets (under ``jax.jit``) are checked for dtype and shape only.
   """
-  if not _validate.is_array(offsets) or not jnp.issubdtype(offsets.dtype, jnp.integer) or (
-      jnp.dtype(offsets.dtype) == jnp.dtype(bool)) or offsets.ndim != 1 or offsets.shape[0] < 1:
-    raise TypeError(f"lengths: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
-                    f"{getattr(offsets, 'dtype', type(offsets).__name__)} of shape "
-                    f"{tuple(getattr(offsets, 'shape', ()))}")
+  _check_offsets_kind("lengths", offsets)
   if not isinstance(offsets, jax.core.Tracer):
     host = np.asarray(offsets)
     if host[0] != 0 or np.any(np.diff(host) < 0):
@@ -128,11 +124,7 @@ def _check_index_args(name: str, offsets, capacity) -> int:
   capacity = _static_size(name, "capacity", capacity)
   if capacity < 0:
     raise ValueError(f"{name}: capacity must be >= 0, got {capacity}")
-  if not _validate.is_array(offsets) or not jnp.issubdtype(offsets.dtype, jnp.integer) or (
-      jnp.dtype(offsets.dtype) == jnp.dtype(bool)) or offsets.ndim != 1 or offsets.shape[0] < 1:
-    raise TypeError(f"{name}: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
-                    f"{getattr(offsets, 'dtype', type(offsets).__name__)} of shape "
-                    f"{tuple(getattr(offsets, 'shape', ()))}")
+  _check_offsets_kind(name, offsets)
   if not isinstance(offsets, jax.core.Tracer):
     host = np.asarray(offsets)
     if host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > capacity:
@@ -499,3 +491,12 @@ def _linear_map(gather, scatter):
 
 _to_padded_linear = _linear_map(_gather_to_padded, _scatter_to_padded)
 _from_padded_linear = _linear_map(_gather_from_padded, _scatter_from_padded)
+
+
+def _check_offsets_kind(name: str, offsets) -> None:
+  """TypeError naming ``name`` unless ``offsets`` is a 1-D integer array of at least one entry."""
+  if not _validate.is_array(offsets) or not jnp.issubdtype(offsets.dtype, jnp.integer) or (
+      jnp.dtype(offsets.dtype) == jnp.dtype(bool)) or offsets.ndim != 1 or offsets.shape[0] < 1:
+    raise TypeError(f"{name}: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
+                    f"{getattr(offsets, 'dtype', type(offsets).__name__)} of shape "
+                    f"{tuple(getattr(offsets, 'shape', ()))}")
