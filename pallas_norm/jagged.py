@@ -353,7 +353,8 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
   Raises:
     TypeError: values or offsets that are not arrays; offsets that are not a 1-D integer
       array; a non-integer ``max_len``; ``rows`` that is not a :class:`RowIndex`.
-    ValueError: a 0-d ``values``; a negative ``max_len``; concrete offsets that break the
+    ValueError: a 0-d ``values``; a negative ``max_len``, or one that gives more than 2**31
+      padded rows (B · max_len: the rows are indexed in int32); concrete offsets that break the
       jagged convention (first 0, non-decreasing, last <= T) or hold a sample longer than
       ``max_len``; ``rows`` not of T int32 rows, or (concrete) not the row index of
       ``offsets``. Traced offsets are not checked here but poison the output (above), and so
@@ -363,6 +364,9 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
   _array_arg("to_padded", "values", values, 1)
   max_len = _static_size("to_padded", "max_len", max_len)
   host = _check_conversion("to_padded", values, offsets, values.shape[0], "max_len", max_len)
+  if (offsets.shape[0] - 1) * max_len > 2**31:  # the padded rows are indexed in int32
+    raise ValueError(f"to_padded: max_len = {max_len} gives {offsets.shape[0] - 1} × {max_len} "
+                     f"padded rows, past the 2**31 that int32 row indices reach")
   _check_lengths("to_padded", host, max_len, "max_len")
   rows, mismatch = _rows_for(rows, offsets, values.shape[0], "values' T")
   bad = _either(_traced_invalid(offsets, values.shape[0], max_len), mismatch)

@@ -455,3 +455,15 @@ def test_index_helpers_take_traced_offsets_unchecked():
   np.testing.assert_array_equal(seg, [0, 0, 0, 2, 2, 2, 2, 2, 3, 3])
   np.testing.assert_array_equal(pos, [0, 1, 2, 0, 1, 2, 3, 4, 0, 1])
   np.testing.assert_array_equal(mask, [True] * 8 + [False] * 2)
+
+
+@pytest.mark.parametrize("max_len", [2**31 + 1, 2**40])
+def test_to_padded_refuses_more_padded_rows_than_int32_indexes(max_len):
+  """B · max_len past 2**31 padded rows: a ValueError naming max_len before anything is built
+  (2**40 killed the process with SIGFPE; review11's finding). 2**31 rows of one sample are the
+  largest padded layout int32 row indices reach."""
+  values, offsets = jnp.ones((4, 2), jnp.float32), jnp.array([0, 4], jnp.int32)
+  with pytest.raises(ValueError, match="max_len"):
+    jagged.to_padded(values, offsets, max_len)
+  with pytest.raises(ValueError, match="max_len"):
+    jagged.to_padded(values, jnp.array([0, 2, 4], jnp.int32), 2**30 + 1)
