@@ -128,17 +128,23 @@ def _layer_norm_grads_f64(x, scale, bias, dy, eps):
   return dx, (dy * xhat).sum(0), dy.sum(0)
 
 
+def _check_large_mean_grads(seed: int, make_op):
+  """float32 LayerNorm rows with mean 1e4 and spread 1 through ``make_op(eps)``: dx, dscale and
+  dbias against the float64 closed form to 1e-5."""
+  x, vecs, dy, _ = _inputs(seed, (24, 80), jnp.float32, scale=True, bias=True, residual=False,
+                           mean=1e4)
+  eps = 1e-6
+  _, grads = _outputs_and_grads(make_op(eps), x, vecs, dy, None)
+  want = _layer_norm_grads_f64(x, vecs["scale"], vecs["bias"], dy, eps)
+  for name, g, w in zip(("dx", "dscale", "dbias"), grads, want):
+    _assert_close(g, w, 1e-5, name)
+
+
 def test_rows_with_a_large_mean_keep_their_precision():
   """Rows with mean 1e4 and spread 1: the kernel rebuilds x̂ from the saved (shift, dmean)
   pair, so its gradients match a float64 oracle to float32 accuracy (a mean rounded to one
   float32 would put ulp(1e4)/std ~ 1e-3 into x̂)."""
-  x, vecs, dy, _ = _inputs(7, (24, 80), jnp.float32, scale=True, bias=True, residual=False,
-                           mean=1e4)
-  eps = 1e-6
-  _, grads = _outputs_and_grads(_op("interpret", eps, False), x, vecs, dy, None)
-  want = _layer_norm_grads_f64(x, vecs["scale"], vecs["bias"], dy, eps)
-  for name, g, w in zip(("dx", "dscale", "dbias"), grads, want):
-    _assert_close(g, w, 1e-5, name)
+  _check_large_mean_grads(7, lambda eps: _op("interpret", eps, False))
 
 
 def test_rows_whose_first_element_is_an_outlier_keep_their_precision():
@@ -470,13 +476,7 @@ def test_forward_kernel_path_keeps_the_precision_of_rows_with_a_large_mean(monke
   gradients match the float64 closed form to float32 accuracy."""
   if chunking:
     _chunked(monkeypatch, *chunking)
-  x, vecs, dy, _ = _inputs(17, (24, 80), jnp.float32, scale=True, bias=True, residual=False,
-                           mean=1e4)
-  eps = 1e-6
-  _, grads = _outputs_and_grads(_kernel_path("layer", eps, False), x, vecs, dy, None)
-  want = _layer_norm_grads_f64(x, vecs["scale"], vecs["bias"], dy, eps)
-  for name, g, w in zip(("dx", "dscale", "dbias"), grads, want):
-    _assert_close(g, w, 1e-5, name)
+  _check_large_mean_grads(17, lambda eps: _kernel_path("layer", eps, False))
 
 
 def test_forward_paths_and_refusals(monkeypatch):

@@ -161,8 +161,8 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
 # Where implementation=None takes the kernels (the tables: configs.py).
 
 
-def _in_domain(norm: str, n: int, rows: int) -> bool:
-  return any(lo <= n <= hi and rows >= r for lo, hi, r in configs.KERNEL_DOMAINS[norm])
+def _covers(domains, n: int, rows: int) -> bool:
+  return any(lo <= n <= hi and rows >= r for lo, hi, r in domains)
 
 
 def forward_path(norm: str, x_shape, has_residual: bool) -> str:
@@ -174,7 +174,7 @@ def forward_path(norm: str, x_shape, has_residual: bool) -> str:
   n, rows = x_shape[-1], math.prod(x_shape[:-1])
   if has_residual:
     return "xla"
-  return "kernel" if n > triton.MAX_N or _in_domain(norm, n, rows) else "xla"
+  return "kernel" if n > triton.MAX_N or _covers(configs.KERNEL_DOMAINS[norm], n, rows) else "xla"
 
 
 def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> str | None:
@@ -183,9 +183,8 @@ def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> st
     return "the Pallas row-norm kernels were measured only on a Hopper GPU (H200)"
   if jnp.dtype(x_dtype) != jnp.dtype(jnp.bfloat16) or has_residual:
     return f"the {what} was measured faster only for bfloat16 x without a residual"
-  if not any(lo <= n <= hi and rows >= r for lo, hi, r, *_ in rows_of_norm):
-    spans = ", ".join(f"{lo} <= N <= {hi} with at least {r} rows"
-                      for lo, hi, r, *_ in rows_of_norm)
+  if not _covers(rows_of_norm, n, rows):
+    spans = ", ".join(f"{lo} <= N <= {hi} with at least {r} rows" for lo, hi, r in rows_of_norm)
     return (f"the {what} was measured faster only for {spans or 'no shape'}, "
             f"got N = {n}, {rows} rows")
   return None
