@@ -142,12 +142,14 @@ def flag(name: str, value) -> None:
     raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
-def finite_scalar(name: str, value) -> None:
+def finite_scalar(name: str, value, dtype=None) -> None:
   """A real scalar: a Python/NumPy number or a 0-d array of an integer or floating dtype
   (bools and complex numbers are not). TypeError naming ``name`` for anything else, e.g. an
   array of another shape, which would broadcast into a silently different result; ValueError
-  for a concrete non-finite value. A traced value (under ``jax.jit``) is checked for its shape
-  and dtype only."""
+  for a concrete value that is not finite in float64, or, given the inputs' ``dtype``, in the
+  dtype the ops compute it in (float32 unless ``dtype`` is float64, as for :func:`eps`): the
+  kernels cast the scales to float32, and 1e39 became inf there. A traced value (under
+  ``jax.jit``) is checked for its shape and dtype only."""
   if hasattr(value, "dtype") and hasattr(value, "shape"):
     dt = jnp.dtype(value.dtype)
     real = (jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.floating)) and (
@@ -161,10 +163,17 @@ def finite_scalar(name: str, value) -> None:
     raise TypeError(f"{name} must be a real scalar, got {value!r}")
   try:
     f = float(value)
+  except OverflowError:  # a Python int past float's range: Python named no argument
+    f = float("inf")
   except (TypeError, ValueError) as e:
     raise TypeError(f"{name} must be a real scalar, got {value!r}") from e
   if not np.isfinite(f):
     raise ValueError(f"{name} must be finite, got {value!r}")
+  if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) != jnp.float64:
+    with np.errstate(over="ignore"):
+      if not np.isfinite(np.float32(f)):
+        raise ValueError(f"{name} must be finite in float32 (the dtype the ops compute it in "
+                         f"for {jnp.dtype(dtype).name} inputs), got {value!r}")
 
 
 def activation(value, names) -> None:

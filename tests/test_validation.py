@@ -761,3 +761,54 @@ def test_eps_of_other_real_types(eps, error):
     return
   with pytest.raises(error, match="eps must"):
     pallas_norm.rms_norm(x, eps=eps, implementation="xla")
+
+
+@pytest.mark.parametrize("op", ["gdpa", "flash_norm_attention"])
+@pytest.mark.parametrize("arg", ["pre_scale", "post_scale"])
+@pytest.mark.parametrize("value", [10**400, -(10**400), 1e39, np.float64(-1e39)],
+                         ids=["int-past-float", "negative-int-past-float", "past-float32",
+                              "np-past-float32"])
+def test_scales_past_the_compute_dtype_raise_naming_them(op, arg, value):
+  """pre_scale=10**400 raised Python's OverflowError "int too large to convert to float"
+  naming no argument, and 1e39 (finite as a Python float, inf in the float32 every path
+  computes the scales in for non-float64 q: the kernels cast them to float32, the XLA path
+  multiplies a float32 product by them) passed and gave an output of ±inf and NaN (review12).
+  As for eps: a ValueError naming the scale."""
+  with pytest.raises(ValueError, match=arg):
+    op_fn(op)(**good_args(op), **{arg: value}, implementation="xla")
+
+
+def test_scales_finite_in_float64_run_with_float64_q():
+  """The float32 bound applies to float32 statistics only: a float64 q computes in float64,
+  where pre_scale=1e39 is an ordinary number (as eps=1e39 is there)."""
+  with jax.enable_x64(True):
+    args = {name: a.astype(jnp.float64) if name in "qkv" else a
+            for name, a in good_args("gdpa").items()}
+    got = pallas_norm.gdpa(**args, post_scale=1e39, activation="identity", implementation="xla")
+    want = reference.gdpa(**args, post_scale=1e39, activation="identity")
+  np.testing.assert_allclose(got, want, rtol=1e-12)
+  assert bool(jnp.all(jnp.isfinite(got)))
+
+
+def test_layer_scales_past_float_raise_naming_them():
+  """The layers validate their scales at construction: 10**400 raised OverflowError there."""
+  import flax_layers as fl  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="pre_scale"):
+    fl.GDPA(H, D, pre_scale=10**400)
+  with pytest.raises(ValueError, match="post_scale"):
+    fl.PFFNBlock(H, D, post_scale=-(10**400), rngs=nnx.Rngs(0))
+
+
+def test_flash_norm_attention_without_heads_raises_naming_q():
+  """q of shape (T, 0, D): the block normalizes over H·D = 0 features, as a norm of an empty
+  feature axis (which rms_norm/layer_norm refuse with a ValueError naming x); it raised
+  IndexError "index is out of bounds for axis 1 with size 0" from inside the reference's
+  LayerNorm (review12). gdpa itself returns the empty (T, 0, D) output."""
+  args = good_args("gdpa")
+  empty = {name: a[..., :0, :] if name in "qkv" else a for name, a in args.items()}
+  assert pallas_norm.gdpa(**empty, implementation="xla").shape == (T, 0, D)
+  with pytest.raises(ValueError, match=r"\bq\b"):
+    pallas_norm.flash_norm_attention(**empty, implementation="xla")
+  with pytest.raises(ValueError, match=r"\bq\b"):
+    pallas_norm.flash_norm_attention(**empty, pre_layer_norm=False, implementation="xla")

@@ -64,8 +64,8 @@ def check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale
       raise ValueError(f"kv_offsets must describe B = {batch} samples like q_offsets, "
                        f"got {kv_batch}")
   _validate.activation(activation, reference.ACTIVATIONS)
-  _validate.finite_scalar("pre_scale", pre_scale)
-  _validate.finite_scalar("post_scale", post_scale)
+  _validate.finite_scalar("pre_scale", pre_scale, q.dtype)
+  _validate.finite_scalar("post_scale", post_scale, q.dtype)
   _validate.out_dtype(out_dtype)
 
 
@@ -101,8 +101,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   Raises:
     TypeError: dtypes; a non-array q, k, v or offsets; a pre_scale or post_scale that is not a
     real scalar (also under ``jax.jit``: a traced scale must be 0-d, integer or floating).
-    ValueError: shapes, offsets (when concrete), activation, non-finite concrete scales, lengths
-    over max_seq_len/max_kv_len. NotImplementedError: kernel implementation not available; a
+    ValueError: shapes, offsets (when concrete), activation, concrete scales that are not
+    finite (in float32, what every path computes them in, unless q is float64), lengths over
+    max_seq_len/max_kv_len. NotImplementedError: kernel implementation not available; a
     second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path. Forward mode
     (``jax.jvp``, ``jax.jacfwd``) of a kernel path raises JAX's own TypeError "can't apply
     forward-mode autodiff (jvp) to a custom_vjp function": pass ``implementation="xla"``.
