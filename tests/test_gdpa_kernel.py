@@ -348,3 +348,20 @@ def test_work_items_samples_longest_first_then_padding_chunks():
     assert not covered[lo:lo + n].any()
     covered[lo:lo + n] = True
   assert covered[offsets[-1]:].all() and not covered[:offsets[-1]].any()
+
+
+def test_zero_heads_fall_back_to_xla_not_zero_division():
+  """q of shape (T, 0, D) (H = 0, a valid call whose output is empty) reached the kernel, whose
+  interpret mode raised ZeroDivisionError from Pallas' block padding, also from a sequence
+  ("interpret", "xla") that should fall back (review12); on Hopper implementation=None would
+  take the kernel too. The kernel refuses it with NotImplementedError; a sequence gives XLA's
+  empty output."""
+  q = jnp.zeros((16, 0, 64), jnp.bfloat16)
+  dense = jnp.zeros((2, 64, 0, 64), jnp.bfloat16)
+  jagged_kv = jnp.zeros((16, 0, 64), jnp.bfloat16)
+  off = jnp.array([0, 5, 14], jnp.int32)
+  for k, kv_off in ((dense, None), (jagged_kv, off)):
+    with pytest.raises(NotImplementedError, match="H = 0"):
+      pn.gdpa(q, k, k, off, kv_off, implementation="interpret")
+    out = pn.gdpa(q, k, k, off, kv_off, implementation=("interpret", "xla"))
+    assert out.shape == q.shape and out.dtype == q.dtype
