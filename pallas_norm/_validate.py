@@ -95,6 +95,22 @@ def residual(residual, x, shape) -> None:
                     f"{jnp.dtype(residual.dtype).name} (cast one of them)")
 
 
+def _float_or_inf(value) -> float:
+  """``float(value)``, inf for a Python int past float's range (NumPy's isfinite and Python's
+  OverflowError would name no argument)."""
+  try:
+    return float(value)
+  except OverflowError:
+    return float("inf")
+
+
+def _compute_dtype(dtype):
+  """The float dtype the ops compute a scalar in for inputs of ``dtype``: float64 only for
+  float64 inputs (a NumPy float64 input is float32 without jax_enable_x64), else float32."""
+  canonical = None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+  return np.float64 if canonical == jnp.float64 else np.float32
+
+
 def eps(value, dtype=None) -> float:
   """A positive finite static eps for statistics in float64 (float64 inputs, ``dtype``) or else
   float32, returned as a Python float. TypeError for a non-number, ValueError otherwise.
@@ -107,16 +123,11 @@ def eps(value, dtype=None) -> float:
     value = float(value)  # a concrete numpy/jax float scalar
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"eps must be a positive float (a static Python number), got {value!r}")
-  try:  # a Python int past float's range, a Fraction: NumPy's isfinite named no argument
-    as_float = float(value)
-  except OverflowError:
-    as_float = float("inf")
+  as_float = _float_or_inf(value)
   if not (as_float > 0 and np.isfinite(as_float)):
     raise ValueError(f"eps must be a positive finite float, got {value!r}")
   value = as_float
-  # The dtype JAX computes in: a NumPy float64 input is float32 without jax_enable_x64.
-  canonical = None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
-  stat = np.float64 if canonical == jnp.float64 else np.float32
+  stat = _compute_dtype(dtype)
   with np.errstate(over="ignore"):  # an overflow to inf is the error reported just below
     rounded = stat(value)
   name = np.dtype(stat).name
@@ -162,14 +173,12 @@ def finite_scalar(name: str, value, dtype=None) -> None:
   if isinstance(value, (str, bytes, bool, np.bool_)):
     raise TypeError(f"{name} must be a real scalar, got {value!r}")
   try:
-    f = float(value)
-  except OverflowError:  # a Python int past float's range: Python named no argument
-    f = float("inf")
+    f = _float_or_inf(value)
   except (TypeError, ValueError) as e:
     raise TypeError(f"{name} must be a real scalar, got {value!r}") from e
   if not np.isfinite(f):
     raise ValueError(f"{name} must be finite, got {value!r}")
-  if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) != jnp.float64:
+  if dtype is not None and _compute_dtype(dtype) == np.float32:
     with np.errstate(over="ignore"):
       if not np.isfinite(np.float32(f)):
         raise ValueError(f"{name} must be finite in float32 (the dtype the ops compute it in "

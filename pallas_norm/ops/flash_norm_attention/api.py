@@ -105,7 +105,7 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
 
   # The GDPA kernel's tiling for the chain, or why it cannot run: asked once, then handed down.
   gdpa_tiling = functools.cache(
-      lambda: gdpa_api.kernel_tiling_or_reason(q, k, kv_offsets, max_kv_len, None))
+      lambda: gdpa_mosaic.tiling_or_reason(q, k, kv_offsets, max_kv_len, None))
   impl = _dispatch.choose(
       "flash_norm_attention", implementation,
       unsupported_reason=lambda candidate: fused_reason(candidate) and gdpa_tiling()[1],

@@ -113,8 +113,8 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   max_seq_len, max_kv_len = bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len)
   # The kernel's tiling, or why it cannot run the call: asked once, for the dispatch, and the
   # tiling handed down to the kernel.
-  tiling = functools.cache(lambda: kernel_tiling_or_reason(q, k, kv_offsets, max_kv_len,
-                                                           out_dtype))
+  tiling = functools.cache(
+      lambda: mosaic.tiling_or_reason(q, k, kv_offsets, max_kv_len, out_dtype))
   impl = _dispatch.choose(
       "gdpa", implementation, unsupported_reason=lambda _: tiling()[1],
       slower_reason=lambda: kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype))
@@ -130,15 +130,6 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
                      pre_scale=pre_scale, post_scale=post_scale, max_seq_len=max_seq_len,
                      max_kv_len=max_kv_len, out_dtype=out_dtype, implementation=impl,
                      config=tiling()[0])
-
-
-def kernel_tiling_or_reason(q, k, kv_offsets, max_kv_len, out_dtype):
-  """:func:`mosaic.tiling_or_reason`, with the shapes it leaves to the op refused first: no
-  heads (H = 0; a valid call, XLA's output is empty) gave Pallas' interpret mode a
-  ZeroDivisionError, also from a sequence that should fall back to XLA."""
-  if q.shape[1] == 0:
-    return None, "no heads (H = 0): XLA returns the empty output"
-  return mosaic.tiling_or_reason(q, k, kv_offsets, max_kv_len, out_dtype)
 
 
 def bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len):
