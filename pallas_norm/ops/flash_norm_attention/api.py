@@ -286,7 +286,7 @@ def _fused_bwd_rule(static, saved, cotangents):
   d_out = cotangents[0]  # the statistics carry no gradient (the op stops it)
   t, heads, head_dim = q.shape
   rows = lambda a: a.reshape(t, heads * head_dim)  # noqa: E731
-  end = jnp.clip(q_offsets[-1], 0, t).astype(jnp.int32)
+  end = q_offsets[-1]  # the row kernels clip it to [0, T]
   # Padding rows of dq are zero, or NaN where bad traced offsets poisoned the scales (then every
   # row is padding): the GDPA backward's 0 · pre · post, which the LayerNorm backward leaves in
   # place (it writes dq over du, rows below end only); without the LayerNorm, 0 · post_scale.

@@ -238,7 +238,7 @@ def rms_backward(g, z, stats, gamma2, end, *, interpret: bool = False,
       forward kernel saved it (q's dtype).
     stats: (T, C) float32, C >= 3, the forward's statistics: r2 in column :data:`RSTD2`.
     gamma2: (N,) float32 γ2.
-    end: int32 scalar, the first padding row.
+    end: int32 scalar, the first padding row (clipped to [0, T]).
     interpret: run in Pallas interpret mode; config: tiling (default :func:`pick_config`).
 
   Returns:
@@ -250,7 +250,7 @@ def rms_backward(g, z, stats, gamma2, end, *, interpret: bool = False,
   """
   capacity, n = z.shape
   stats_cols = _check_stats(stats, capacity)
-  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32), g=g, z=z,
+  inputs = dict(end=_end(end, capacity), g=g, z=z,
                 stats=stats.reshape(-1), gamma2=gamma2)
   outputs = dict(dz=jax.ShapeDtypeStruct((capacity, n), z.dtype))
 
@@ -262,6 +262,12 @@ def rms_backward(g, z, stats, gamma2, end, *, interpret: bool = False,
   (dz,), (d_gamma2,) = _call("fna_rms_backward", body, ("gamma2",), inputs, outputs, 1, n,
                              interpret, cfg)
   return dz, d_gamma2
+
+
+def _end(end, capacity: int):
+  """``end`` clipped to [0, T] as the kernels' (1,) int32 input: rows past T are never
+  touched."""
+  return jnp.clip(jnp.reshape(end, (1,)).astype(jnp.int32), 0, capacity)
 
 
 def _check_stats(stats, capacity: int) -> int:
@@ -284,7 +290,7 @@ def ln_backward(du, g, q, stats, gamma1, end, *, outer_residual: bool,
     g: (T, N) cotangent of the output (read with the outer residual; else may be None).
     q: (T, N); stats: (T, C) float32, C >= 3: μ1, r1 in columns :data:`MEAN1`,
       :data:`RSTD1`; gamma1: (N,) float32.
-    end: int32 scalar, the first padding row.
+    end: int32 scalar, the first padding row (clipped to [0, T]).
     interpret, config: as :func:`rms_backward`.
 
   Returns:
@@ -298,7 +304,7 @@ def ln_backward(du, g, q, stats, gamma1, end, *, outer_residual: bool,
   stats_cols = _check_stats(stats, capacity)
   if du.dtype != q.dtype:
     raise ValueError(f"du must have q's dtype {q.dtype} (dq is written over it), got {du.dtype}")
-  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32), du=du,
+  inputs = dict(end=_end(end, capacity), du=du,
                 **(dict(g=g) if outer_residual else {}),
                 q=q, stats=stats.reshape(-1), gamma1=gamma1)
   outputs = dict(dq=jax.ShapeDtypeStruct((capacity, n), q.dtype))
