@@ -1,14 +1,15 @@
 """fnarows A/B (issue 21): FlashNormAttention fwd+bwd, main's tree vs this tree, one device call.
 
     PYTHONPATH=$PWD python3 .devcarry/fnarows_ab/ab.py [--control .devcarry/b/main] \
-        [--budget-s 180] [--heads 4,2] --out $OUT
+        [--budget-s 175] [--cases H4,H4pad,H2] [--no-rows] --out $OUT
     PYTHONPATH=$PWD PJRT_NPROC=8 python3 .devcarry/fnarows_ab/ab.py --tiny --control /work/main \
         --out /tmp/fnarows_tiny   # CPU smoke (interpret mode, tiny shapes, wall clock)
 
 What differs: the backward's row kernels (norm_bwd) work on the rows below the last offset only:
 the RMSNorm backward leaves dz's padding rows unwritten, the LayerNorm backward writes dq over
 du (aliased; padding rows keep the GDPA backward's 0·pre·post), and the grid splits the live
-rows instead of the capacity.
+rows instead of the capacity; the backward runs on the forward's offsets (no made-valid offsets:
+the validity's N² fusions gone).
 
 Each tree runs in its own worker process (PYTHONPATH = tree first, then this tree for the
 benchmarks package), with ~45% of the GPU's memory. Cases (priority order; ``--cases``):
@@ -275,7 +276,7 @@ class Worker:
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--control", default=".devcarry/b/main")
-  p.add_argument("--budget-s", type=float, default=180)
+  p.add_argument("--budget-s", type=float, default=175)
   p.add_argument("--cases", default="H4,H4pad,H2")
   p.add_argument("--no-rows", action="store_true", help="skip the row kernels' tiling part")
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp/fnarows_ab"))
