@@ -26,7 +26,6 @@ import pallas_norm as pn
 from pallas_norm import _dispatch, jagged, mgpu, reference
 from pallas_norm.ops.flash_norm_attention import api as fna_api
 from pallas_norm.ops.flash_norm_attention import cluster, mosaic, norm_bwd
-from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
 from pallas_norm.ops.gdpa import mosaic_bwd as gdpa_mosaic_bwd
 
 TOL = 2e-2
@@ -227,7 +226,9 @@ def test_norm_backward_kernels_match_autodiff(switches):
   """norm_bwd's two row kernels (interpret mode), with the attention replaced by attn = c·u (so
   du_attn = c·dz), against autodiff of the reference block in float32: dq, dγ1, dβ1, dγ2, and
   dz for the GDPA backward. H·D = 96 (masked columns), a row with a large mean, γ with zeros,
-  NaN padding rows in q and z (past ``end``), f32 kernels' inputs (the math, tight)."""
+  NaN padding rows in q and z (past ``end``), f32 kernels' inputs (the math, tight). Rows past
+  ``end`` are neither read nor written: dz's stay unwritten (the GDPA backward never reads
+  them), dq's keep du's (dq is written over it)."""
   pre_layer_norm, inner_residual, outer_residual = switches
   t, heads, head_dim, end, c = 40, 2, 48, 33, 0.7
   n = heads * head_dim
@@ -261,17 +262,16 @@ def test_norm_backward_kernels_match_autodiff(switches):
                                   interpret=True)
   with pytest.raises(ValueError, match="stats"):  # a column slice: the old (T,) argument
     norm_bwd.rms_backward(rows(g), z, stats[:, 2], gamma2, jnp.int32(end), interpret=True)
-  assert not bool(jnp.any(dz[end:] != 0))
   assert _rel_err(dg2, dg2_ref) < 1e-4
   if not pre_layer_norm:  # u = q: dq is the sum of the branches (the op does it in XLA)
     dq = c * dz + (dz if inner_residual else 0) + (rows(g) if outer_residual else 0)
     assert _rel_err(dq[:end], rows(dq_ref)[:end]) < 1e-4
     return
   du = c * dz + dz if inner_residual else c * dz  # the GDPA backward's dq (+ dO)
+  du = du.at[end:].set(0.25)  # the GDPA backward's padding rows (0 · pre · post), a marker here
   dq, dg1, db1 = norm_bwd.ln_backward(du, rows(g), q_in, stats32, gamma1, jnp.int32(end),
-                                      jnp.float32(0.0), outer_residual=outer_residual,
-                                      interpret=True)
-  assert not bool(jnp.any(dq[end:] != 0))
+                                      outer_residual=outer_residual, interpret=True)
+  assert bool(jnp.all(dq[end:] == 0.25)), "dq's padding rows are du's"
   assert _rel_err(dq[:end], rows(dq_ref)[:end]) < 1e-4
   assert _rel_err(dq[3], rows(dq_ref)[3]) < 1e-4  # the large-mean row
   assert _rel_err(dg1, dg1_ref) < 1e-4 and _rel_err(db1, db1_ref) < 1e-4
@@ -482,16 +482,17 @@ def test_gpu_norm_backward_kernels():
     z_hat = zf * stats[:, 2:3]
     gz = gf * affine[2]
     dz = stats[:, 2:3] * (gz - z_hat * jnp.mean(gz * z_hat, axis=1, keepdims=True))
-    for a, b in ((got[0], dz), (got[1], jnp.sum(gf * z_hat, axis=0))):
+    for a, b in ((got[0][:end], dz[:end]), (got[1], jnp.sum(gf * z_hat, axis=0))):
       assert _rel_err(a, b) < 1e-2
     dq, dg1, db1 = jax.jit(lambda *a: norm_bwd.ln_backward(*a, outer_residual=True))(
-        du, g, q, stats, affine[0], end, 0.0)
+        du, g, q, stats, affine[0], end)
     duf = jnp.where(live, du.astype(F32), 0)
     x_hat = (qf - stats[:, :1]) * stats[:, 1:2]
     gu = duf * affine[0]
     want = jnp.where(live, stats[:, 1:2] * (gu - jnp.mean(gu, axis=1, keepdims=True) - x_hat
                                             * jnp.mean(gu * x_hat, axis=1, keepdims=True)) + gf, 0)
-    assert _rel_err(dq, want) < 1e-2 and not bool(jnp.any(dq[end:] != 0))
+    assert _rel_err(dq[:end], want[:end]) < 1e-2
+    assert bool(jnp.all(dq[end:] == du[end:])), "dq's padding rows are du's (written over it)"
     assert _rel_err(dg1, jnp.sum(duf * x_hat, axis=0)) < 1e-2
     assert _rel_err(db1, jnp.sum(duf, axis=0)) < 1e-2
 
@@ -509,17 +510,18 @@ def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len, kernel, mon
   q, k, v, _, _ = _problem(8, [4, 12], 2 if kernel == "mosaic" else 1, 64)
   q = jnp.where(jnp.isnan(q), 0, q)
 
-  def loss(q, k, v, offsets):
-    out = pn.flash_norm_attention(q, k, v, offsets, max_seq_len=max_seq_len,
-                                  implementation="interpret")
+  def loss(q, k, v, offsets, ln_scale, rms_scale):
+    out = pn.flash_norm_attention(q, k, v, offsets, ln_scale=ln_scale, rms_scale=rms_scale,
+                                  max_seq_len=max_seq_len, implementation="interpret")
     return jnp.sum(out.astype(F32)), out
 
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-      q, k, v, jnp.array(bad_offsets, jnp.int32))
+  gamma = jnp.ones((q.shape[1] * q.shape[2],), F32)
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4, 5), has_aux=True))(
+      q, k, v, jnp.array(bad_offsets, jnp.int32), gamma, gamma)
   assert bool(jnp.all(jnp.isnan(out)))
-  # Every row of dq, also those past the made-valid offsets (they may be real tokens).
-  assert bool(jnp.all(jnp.isnan(grads[0]))) and bool(jnp.all(jnp.isnan(grads[1])))
-  assert bool(jnp.all(jnp.isnan(grads[2])))
+  # Every row of dq (all rows are padding under the poison), dk, dv and the norm weights'.
+  for g in grads:
+    assert bool(jnp.all(jnp.isnan(g)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -676,25 +678,3 @@ def test_gpu_cluster_gradients_at_issue_shape(heads, monkeypatch):
   test_gpu_gradients_at_issue_shape(heads)
 
 
-@pytest.mark.parametrize("n", [2, 9, gdpa_mosaic.RANK_BY_COMPARISON_MAX + 2])
-@pytest.mark.parametrize("max_len", [None, 5])
-def test_made_valid_offsets_match_cummax_and_cumsum(n, max_len):
-  """_made_valid's pairwise running max and prefix sum (and the cummax/cumsum above
-  RANK_BY_COMPARISON_MAX offsets) against numpy: offsets out of [0, capacity] and decreasing."""
-  rng = np.random.default_rng(n)
-  off = rng.integers(-20, 200, n).astype(np.int32)
-  clipped = np.maximum.accumulate(np.clip(off, 0, 150))
-  clipped[0] = 0
-  lengths = np.diff(clipped) if max_len is None else np.minimum(np.diff(clipped), max_len)
-  want = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-  got = jax.jit(fna_api._made_valid, static_argnums=(1, 2))(jnp.asarray(off), 150, max_len)
-  np.testing.assert_array_equal(got, want)
-
-
-def test_made_valid_above_the_pairwise_limit_builds_no_pairs():
-  """Above RANK_BY_COMPARISON_MAX offsets no (n, n) array is built (eager under vmap nothing
-  would remove it: 10 GB of pairs at 100k samples)."""
-  n = gdpa_mosaic.RANK_BY_COMPARISON_MAX + 2
-  jaxpr = jax.make_jaxpr(lambda o: fna_api._made_valid(o, 150, 5))(jnp.zeros((n,), jnp.int32))
-  shapes = [v.aval.shape for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars]
-  assert all(len(s) < 2 for s in shapes), shapes

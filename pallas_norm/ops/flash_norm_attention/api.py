@@ -210,17 +210,16 @@ def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation
 
   Traced offsets that break the jagged convention are answered as the GDPA kernel path does
   (:func:`pallas_norm.ops.gdpa.api.poisoned_kernel_inputs`): NaN scales, all rows padding in
-  the forward (the kernel writes them as 0 · post_scale = NaN), and a checkify error; the
-  backward runs on offsets made valid (:func:`_made_valid`), so that the norm weights'
-  gradients, sums over the real rows, are NaN too."""
+  the forward (the kernel writes them as 0 · post_scale = NaN), and a checkify error. The
+  backward runs on the same (all-empty) offsets: the GDPA backward writes every row of du, dk
+  and dv as 0 · the scales = NaN, and the norm weights' gradients get 0 · post_scale added
+  (NaN), so no second set of offsets is made."""
   scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
-  offsets = (q_offsets, q_offsets)  # the forward's, the backward's
   pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
   bad = offsets_invalid(q_offsets, None, q.shape[0], k.shape[0], max_seq_len, None)
   if bad is not None:
-    fwd, pre_scale, post_scale = poisoned_kernel_inputs(bad, q_offsets, pre_scale, post_scale)
-    bwd = jnp.where(bad, _made_valid(q_offsets, q.shape[0], max_seq_len), q_offsets)
-    offsets = (fwd, bwd)
+    q_offsets, pre_scale, post_scale = poisoned_kernel_inputs(bad, q_offsets, pre_scale,
+                                                              post_scale)
   heads, head_dim = q.shape[1:]
   ones, zeros = jnp.ones((heads * head_dim,), _F32), jnp.zeros((heads * head_dim,), _F32)
   affine = tuple(jnp.asarray(a, _F32) if a is not None else default
@@ -229,36 +228,11 @@ def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation
                    inner_residual=inner_residual, outer_residual=outer_residual,
                    out_dtype=jnp.dtype(out_dtype or q.dtype), interpret=interpret,
                    scale_grads=scale_grads, forward=forward)
-  out, stats = _fused(q, k, v, offsets, affine, pre_scale, post_scale, static)
+  out, stats = _fused(q, k, v, q_offsets, affine, pre_scale, post_scale, static)
   if not return_stats:
     return out
   ln_stats = reference.NormStats(stats[:, 0], stats[:, 1]) if pre_layer_norm else None
   return out, (ln_stats, reference.NormStats(None, stats[:, 2]))
-
-
-def _made_valid(off, capacity: int, max_len: int | None):
-  """Offsets that follow the jagged convention, as close to ``off`` as a clip allows: the
-  fused backward's under bad traced offsets (its norm weights' gradients sum over the rows these
-  offsets call real, so they come out NaN).
-
-  Computed on every call with traced offsets. Up to gdpa_mosaic.RANK_BY_COMPARISON_MAX offsets
-  the running max and the prefix sum are reductions over the (i, j ≤ i) pairs, one fusion each:
-  XLA's cummax and cumsum ran as slower reduce-window kernels on the H200 (``benchmarks/NOTES.md``,
-  "gdpa backward")."""
-  off = jnp.clip(off, 0, capacity)
-  n = off.shape[0]
-  pairwise = n <= gdpa_mosaic.RANK_BY_COMPARISON_MAX
-  # [i, j]: j <= i. Only where used: eager (e.g. under vmap without jit) nothing removes it.
-  upto = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None] if pairwise else None
-  off = (jnp.max(jnp.where(upto, off[None, :], 0), axis=1) if pairwise
-         else jax.lax.cummax(off)).at[0].set(0)
-  lengths = jnp.diff(off)
-  if max_len is not None:
-    lengths = jnp.minimum(lengths, max_len)
-  lengths = jnp.concatenate([jnp.zeros((1,), lengths.dtype), lengths])
-  total = (jnp.sum(jnp.where(upto, lengths[None, :], 0), axis=1) if pairwise
-           else jnp.cumsum(lengths))
-  return total.astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,12 +251,13 @@ class _Static:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _fused(q, k, v, offsets, affine, pre_scale, post_scale, static):
-  out, stats = _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, False)
+def _fused(q, k, v, q_offsets, affine, pre_scale, post_scale, static):
+  out, stats = _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static, False)
   return out, stats[:, :3]
 
 
-def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save_residuals):
+def _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static,
+                   save_residuals):
   heads, head_dim = q.shape[1:]
   forward = functools.partial(
       FORWARD_KERNELS[static.forward].flash_norm_attention_fwd, activation=static.activation,
@@ -290,16 +265,16 @@ def _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static, save
       pre_layer_norm=static.pre_layer_norm, inner_residual=static.inner_residual,
       outer_residual=static.outer_residual, out_dtype=static.out_dtype,
       save_residuals=save_residuals, interpret=static.interpret)
-  return _op.first_order_only("flash_norm_attention", forward, q, k, v, offsets[0],
+  return _op.first_order_only("flash_norm_attention", forward, q, k, v, q_offsets,
                               jnp.stack(affine).reshape(3, heads, head_dim), pre_scale,
                               post_scale)
 
 
-def _fused_fwd_rule(q, k, v, offsets, affine, pre_scale, post_scale, static):
-  out, stats, z, u = _fused_forward(q, k, v, offsets, affine, pre_scale, post_scale, static,
+def _fused_fwd_rule(q, k, v, q_offsets, affine, pre_scale, post_scale, static):
+  out, stats, z, u = _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static,
                                     True)
   # The backward reads the statistics' columns in place from the kernel's (T, 32) array.
-  return (out, stats[:, :3]), (q, k, v, offsets, affine, pre_scale, post_scale, stats, z, u)
+  return (out, stats[:, :3]), (q, k, v, q_offsets, affine, pre_scale, post_scale, stats, z, u)
 
 
 def _fused_bwd_rule(static, saved, cotangents):
@@ -309,14 +284,16 @@ def _fused_bwd_rule(static, saved, cotangents):
   backward (one pass, :func:`norm_bwd.ln_backward`). The
   per-token row sums over H·D (the cross-head reductions) are register reductions over full
   rows; the weight gradients are float32 column sums (deterministic)."""
-  q, k, v, offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, z, u = saved
-  q_offsets = offsets[1]
+  q, k, v, q_offsets, (ln_scale, ln_bias, rms_scale), pre_scale, post_scale, stats, z, u = saved
   d_out = cotangents[0]  # the statistics carry no gradient (the op stops it)
   t, heads, head_dim = q.shape
   rows = lambda a: a.reshape(t, heads * head_dim)  # noqa: E731
-  end = jnp.clip(q_offsets[-1], 0, t).astype(jnp.int32)
-  # Padding rows of dq get 0 · post_scale: zero, or NaN where bad traced offsets poisoned the
-  # scales (the rows the made-valid offsets call padding may be real tokens of the caller's).
+  end = q_offsets[-1]  # the row kernels clip it to [0, T]
+  # Padding rows of dq are zero, or NaN where bad traced offsets poisoned the scales (then every
+  # row is padding): the GDPA backward's 0 · pre · post, which the LayerNorm backward leaves in
+  # place (it writes dq over du, rows below end only); without the LayerNorm, 0 · post_scale.
+  # The norm weights' gradients get it added too: NaN under the poison (their sums then run
+  # over no rows), else ± 0 (XLA folds the add into the partial sums' reduction).
   pad = 0 * post_scale
   # Each kernel call goes through _op.first_order_only (no second derivative).
   dz, d_rms_scale = _op.first_order_only(
@@ -333,7 +310,7 @@ def _fused_bwd_rule(static, saved, cotangents):
         "flash_norm_attention", functools.partial(
             norm_bwd.ln_backward, outer_residual=static.outer_residual,
             interpret=static.interpret),
-        rows(du), rows(d_out), rows(q), stats, ln_scale, end, pad)
+        rows(du), rows(d_out), rows(q), stats, ln_scale, end)
   else:  # u = q: dq is du plus the outer branch, one elementwise pass
     d_ln_scale = d_ln_bias = jnp.zeros_like(ln_scale)
     dq = rows(du).astype(_F32)
@@ -344,7 +321,8 @@ def _fused_bwd_rule(static, saved, cotangents):
   dq = dq.reshape(q.shape).astype(q.dtype)
   if d_pre is None:  # numbers given by the caller: constants, cotangents dropped
     d_pre, d_post = jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale)
-  return (dq, dk, dv, None, (d_ln_scale, d_ln_bias, d_rms_scale), d_pre, d_post)
+  d_affine = tuple(g + pad for g in (d_ln_scale, d_ln_bias, d_rms_scale))
+  return (dq, dk, dv, None, d_affine, d_pre, d_post)
 
 
 _fused.defvjp(_fused_fwd_rule, _fused_bwd_rule)

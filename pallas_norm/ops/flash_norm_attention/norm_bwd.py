@@ -14,8 +14,13 @@ Passes and bytes (16-bit tensors of T × H·D, f32 statistics and partials aside
 * :func:`ln_backward`, after it: reads du (the GDPA backward's dq, which adds dz for the inner
   residual), dout (outer residual), q; writes dq: 4 tensors, dγ1 and dβ1 in the same pass.
 
-Rows at or past ``end`` (the last offset: padding) read as zeros and are written as zeros (dz)
-or as ``pad`` (dq: ``0 · post_scale``, NaN where the op poisoned bad traced offsets).
+Work scales with the tokens, not with the capacity T: each kernel splits the rows below ``end``
+(the last offset) over a fixed grid of programs (a per-program row count computed from ``end`` in
+the kernel, so the split, and the partial sums' order, depend only on ``end``), and rows at or
+past ``end`` (padding) are neither read nor written: dz's padding rows are left unwritten (the
+GDPA backward never reads dO there: its q blocks that reach past the last offset read a
+zero-padded copy), dq is written over du (an aliased buffer), whose padding rows the GDPA
+backward wrote as ``0 · pre · post`` (zeros; NaN where the op poisoned bad traced offsets).
 """
 
 from __future__ import annotations
@@ -53,20 +58,21 @@ def unsupported_reason(shape) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class RowConfig:
-  """``block_m`` rows per loop step (a power of 2), ``steps`` loop steps per program (one row
-  of weight-gradient partials per program), ``num_warps`` warps per program, ``num_stages``
-  Triton's software-pipelining depth (None: Triton's default)."""
+  """``block_m`` rows per loop step (a power of 2), ``programs`` programs (the grid; each
+  loops over a contiguous slab of the rows below ``end`` and writes one row of weight-gradient
+  partials), ``num_warps`` warps per program, ``num_stages`` Triton's software-pipelining depth
+  (None: Triton's default)."""
 
   block_m: int
-  steps: int
+  programs: int
   num_warps: int
   num_stages: int | None = None
 
   def __post_init__(self):
     if self.block_m < 1 or self.block_m & (self.block_m - 1):
       raise ValueError(f"block_m must be a power of 2, got {self.block_m}")
-    if self.steps < 1 or self.num_warps < 1:
-      raise ValueError(f"steps and num_warps must be positive, got {self.steps}, "
+    if self.programs < 1 or self.num_warps < 1:
+      raise ValueError(f"programs and num_warps must be positive, got {self.programs}, "
                        f"{self.num_warps}")
 
 
@@ -82,36 +88,35 @@ measured the same rule for LayerNorm (:data:`pallas_norm.ops.norms.triton.TILING
 
 def pick_config(features: int, interpret: bool, capacity: int, kernel: str) -> RowConfig:
   """The tiling of ``kernel`` ("rms" or "ln"): :data:`TILINGS`' elements per step and programs
-  per SM, each program over a contiguous slab of ``capacity`` rows (one row of weight-gradient
-  partials per program, so the partials stay small), 4 warps, Triton's default pipelining;
-  in interpret mode 2 steps, so that small tests cover several programs."""
+  per SM (no more programs than row blocks in ``capacity``; one row of weight-gradient partials
+  per program, so the partials stay small), 4 warps, Triton's default pipelining; in interpret
+  mode a program per 2 row blocks of the capacity, so that small tests cover several programs
+  (and, with fewer tokens, programs with nothing to do)."""
   elements, per_sm = TILINGS[kernel]
   n_pad = pl.next_power_of_2(features)
   block_m = max(1, min(16, elements // n_pad))
+  blocks = max(1, pl.cdiv(capacity, block_m))
   if interpret:
-    return RowConfig(block_m=block_m, steps=2, num_warps=4, num_stages=1)
-  programs = per_sm * mgpu.num_sms(False)
-  return RowConfig(block_m=block_m, steps=max(1, pl.cdiv(pl.cdiv(capacity, block_m), programs)),
+    return RowConfig(block_m=block_m, programs=pl.cdiv(blocks, 2), num_warps=4, num_stages=1)
+  return RowConfig(block_m=block_m, programs=min(blocks, per_sm * mgpu.num_sms(False)),
                    num_warps=4)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Rows:
   """One step's row block: loaders of full-row tiles and per-row values (zeros past ``end``)
-  and the store of a tile (rows below T)."""
+  and the store of a tile (rows below ``end`` only)."""
 
   rows: jax.Array
   cols: jax.Array
-  live: jax.Array  # rows < end: the tokens
-  inside: jax.Array  # rows < T
+  live: jax.Array  # rows < end: the tokens (end <= T)
   col_mask: jax.Array | None
 
   @classmethod
-  def at(cls, first_row, block_m, n, n_pad, end, capacity):
+  def at(cls, first_row, block_m, n, n_pad, end):
     rows = first_row + jnp.arange(block_m)
     cols = jnp.arange(n_pad)
-    return cls(rows=rows, cols=cols, live=rows < end, inside=rows < capacity,
-               col_mask=None if n == n_pad else cols < n)
+    return cls(rows=rows, cols=cols, live=rows < end, col_mask=None if n == n_pad else cols < n)
 
   def _mask(self, row_mask):
     mask = jnp.broadcast_to(row_mask[:, None], (self.rows.shape[0], self.cols.shape[0]))
@@ -128,7 +133,7 @@ class _Rows:
 
   def store(self, ref, value):
     pltriton.store(ref.at[self.rows[:, None], self.cols[None, :]], value.astype(ref.dtype),
-                   mask=self._mask(self.inside))
+                   mask=self._mask(self.live))
 
 
 def _col(ref, n, n_pad):
@@ -150,8 +155,7 @@ def _rms_backward_rows(r, blk: _Rows, gamma2, n: int, stats_cols: int):
   return dz, g * z_hat
 
 
-def _ln_backward_rows(r, blk: _Rows, outer_residual: bool, gamma1, pad, n: int,
-                      stats_cols: int):
+def _ln_backward_rows(r, blk: _Rows, outer_residual: bool, gamma1, n: int, stats_cols: int):
   """dq of one row block and the summands of dγ1 (``du · x̂``) and dβ1 (``du``)::
 
       x̂ = (q − μ1)·r1,   gu = du·γ1
@@ -165,30 +169,34 @@ def _ln_backward_rows(r, blk: _Rows, outer_residual: bool, gamma1, pad, n: int,
                 - x_hat * (jnp.sum(gu * x_hat, axis=1, keepdims=True) / n))
   if outer_residual:
     dq = dq + blk.tile(r["g"])
-  return jnp.where(blk.live[:, None], dq, pad), du * x_hat, du
+  return dq, du * x_hat, du
 
 
-def _row_kernel(*refs, names, body, vectors, partials: int, n: int, capacity: int,
-                cfg: RowConfig):
-  """One program: ``cfg.steps`` row blocks; ``body(refs, block, vecs) -> ({output name: tile},
-  summands)``, ``vecs`` the (1, n_pad) rows of the ``vectors`` inputs (γ), loaded once before
-  the loop; the summands' column sums are accumulated over the steps and written once."""
+def _row_kernel(*refs, names, body, vectors, partials: int, n: int, cfg: RowConfig):
+  """One program: its slab of the row blocks below ``end`` (``cdiv(blocks, programs)`` blocks a
+  program, so the last programs may have fewer or none: they skip the loop);
+  ``body(refs, block, vecs) -> ({output name: tile}, summands)``, ``vecs`` the (1, n_pad) rows
+  of the ``vectors`` inputs (γ), loaded once before the loop; the summands' column sums are
+  accumulated over the steps and written once."""
   r = dict(zip(names, refs, strict=True))
   pid = pl.program_id(0)
   n_pad = pl.next_power_of_2(n)
   end = r["end"][0]
   vecs = tuple(_col(r[name], n, n_pad) for name in vectors)
+  blocks = (end + cfg.block_m - 1) // cfg.block_m
+  per_program = (blocks + cfg.programs - 1) // cfg.programs
+  first_block = pid * per_program
+  steps = jnp.clip(blocks - first_block, 0, per_program)
 
   def step(i, accs):
-    first = (pid * cfg.steps + i) * cfg.block_m
-    blk = _Rows.at(first, cfg.block_m, n, n_pad, end, capacity)
+    blk = _Rows.at((first_block + i) * cfg.block_m, cfg.block_m, n, n_pad, end)
     stores, summands = body(r, blk, vecs)
     for name, value in stores.items():
       blk.store(r[name], value)
     return tuple(a + s for a, s in zip(accs, summands))
 
   zeros = jnp.zeros((cfg.block_m, n_pad), _F32)
-  accs = lax.fori_loop(0, cfg.steps, step, (zeros,) * partials)
+  accs = lax.fori_loop(0, steps, step, (zeros,) * partials)
   cols = jnp.arange(n_pad)
   # One (partials, n_pad, programs) buffer: XLA sums its contiguous rows (one warp per
   # feature, not the columns of a (programs, n_pad) array, which it did slowly:
@@ -200,17 +208,21 @@ def _row_kernel(*refs, names, body, vectors, partials: int, n: int, capacity: in
 
 
 def _call(name, body, vectors, inputs: dict, outputs: dict, partials: int, n: int,
-          capacity: int, interpret: bool, cfg: RowConfig):
-  """Runs :func:`_row_kernel` over all rows; returns the outputs and the column sums."""
-  programs = pl.cdiv(capacity, cfg.block_m * cfg.steps)
+          interpret: bool, cfg: RowConfig, aliases=None):
+  """Runs :func:`_row_kernel` over the rows below ``end``; returns the outputs and the column
+  sums. ``aliases``: {input name: output name} written in place of that input (rows the kernel
+  does not write keep the input's values)."""
+  programs = cfg.programs
   n_pad = pl.next_power_of_2(n)
   out_shape = list(outputs.values()) + [
       jax.ShapeDtypeStruct((partials * n_pad * programs,), _F32)]
   names = list(inputs) + list(outputs) + ["partials"]
   kernel = functools.partial(_row_kernel, names=names, body=body, vectors=vectors,
-                             partials=partials, n=n, capacity=capacity, cfg=cfg)
+                             partials=partials, n=n, cfg=cfg)
+  aliases = {list(inputs).index(i): list(outputs).index(o) for i, o in (aliases or {}).items()}
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret, name=name,
+      input_output_aliases=aliases,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                               num_stages=cfg.num_stages))(*inputs.values())
   sums = jnp.sum(outs[-1].reshape(partials, n_pad, programs)[:, :n], axis=2)
@@ -226,18 +238,19 @@ def rms_backward(g, z, stats, gamma2, end, *, interpret: bool = False,
       forward kernel saved it (q's dtype).
     stats: (T, C) float32, C >= 3, the forward's statistics: r2 in column :data:`RSTD2`.
     gamma2: (N,) float32 γ2.
-    end: int32 scalar, the first padding row.
+    end: int32 scalar, the first padding row (clipped to [0, T]).
     interpret: run in Pallas interpret mode; config: tiling (default :func:`pick_config`).
 
   Returns:
-    ``(dz, dγ2)``: dz (T, N) in z's dtype (zeros on padding rows), dγ2 (N,) float32.
+    ``(dz, dγ2)``: dz (T, N) in z's dtype, its padding rows (at or past ``end``) not written
+    (undefined: the GDPA backward never reads them), dγ2 (N,) float32.
 
   Raises:
     ValueError: stats is not float32 of shape (T, >= 3).
   """
   capacity, n = z.shape
   stats_cols = _check_stats(stats, capacity)
-  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32), g=g, z=z,
+  inputs = dict(end=_end(end, capacity), g=g, z=z,
                 stats=stats.reshape(-1), gamma2=gamma2)
   outputs = dict(dz=jax.ShapeDtypeStruct((capacity, n), z.dtype))
 
@@ -247,8 +260,14 @@ def rms_backward(g, z, stats, gamma2, end, *, interpret: bool = False,
 
   cfg = config or pick_config(n, interpret, capacity, "rms")
   (dz,), (d_gamma2,) = _call("fna_rms_backward", body, ("gamma2",), inputs, outputs, 1, n,
-                             capacity, interpret, cfg)
+                             interpret, cfg)
   return dz, d_gamma2
+
+
+def _end(end, capacity: int):
+  """``end`` clipped to [0, T] as the kernels' (1,) int32 input: rows past T are never
+  touched."""
+  return jnp.clip(jnp.reshape(end, (1,)).astype(jnp.int32), 0, capacity)
 
 
 def _check_stats(stats, capacity: int) -> int:
@@ -260,38 +279,41 @@ def _check_stats(stats, capacity: int) -> int:
   return stats.shape[1]
 
 
-def ln_backward(du, g, q, stats, gamma1, end, pad, *, outer_residual: bool,
+def ln_backward(du, g, q, stats, gamma1, end, *, outer_residual: bool,
                 interpret: bool = False, config: RowConfig | None = None):
   """The LayerNorm backward with the outer residual, one pass.
 
   Args:
-    du: (T, N) gradient of u: the GDPA backward's dq (with dz added for the inner residual).
+    du: (T, N) gradient of u in q's dtype: the GDPA backward's dq (with dz added for the inner
+      residual); dq is written over it (an aliased buffer: under jit, pass a du nothing else
+      reads, or XLA copies it first), so dq's padding rows are du's.
     g: (T, N) cotangent of the output (read with the outer residual; else may be None).
     q: (T, N); stats: (T, C) float32, C >= 3: μ1, r1 in columns :data:`MEAN1`,
       :data:`RSTD1`; gamma1: (N,) float32.
-    end: int32 scalar, the first padding row; pad: float32 scalar written to dq's padding rows.
+    end: int32 scalar, the first padding row (clipped to [0, T]).
     interpret, config: as :func:`rms_backward`.
 
   Returns:
-    ``(dq, dγ1, dβ1)``: dq (T, N) in q's dtype, dγ1 and dβ1 (N,) float32.
+    ``(dq, dγ1, dβ1)``: dq (T, N) in q's dtype (rows at or past ``end``: du's, untouched),
+    dγ1 and dβ1 (N,) float32.
 
   Raises:
     ValueError: stats is not float32 of shape (T, >= 3).
   """
   capacity, n = q.shape
   stats_cols = _check_stats(stats, capacity)
-  inputs = dict(end=jnp.reshape(end, (1,)).astype(jnp.int32),
-                pad=jnp.reshape(pad, (1,)).astype(_F32), du=du,
+  if du.dtype != q.dtype:
+    raise ValueError(f"du must have q's dtype {q.dtype} (dq is written over it), got {du.dtype}")
+  inputs = dict(end=_end(end, capacity), du=du,
                 **(dict(g=g) if outer_residual else {}),
                 q=q, stats=stats.reshape(-1), gamma1=gamma1)
   outputs = dict(dq=jax.ShapeDtypeStruct((capacity, n), q.dtype))
 
   def body(r, blk, vecs):
-    dq, d_scale, d_bias = _ln_backward_rows(r, blk, outer_residual, vecs[0], r["pad"][0], n,
-                                            stats_cols)
+    dq, d_scale, d_bias = _ln_backward_rows(r, blk, outer_residual, vecs[0], n, stats_cols)
     return dict(dq=dq), (d_scale, d_bias)
 
   cfg = config or pick_config(n, interpret, capacity, "ln")
   (dq,), (d_gamma1, d_beta1) = _call("fna_ln_backward", body, ("gamma1",), inputs, outputs, 2,
-                                     n, capacity, interpret, cfg)
+                                     n, interpret, cfg, aliases=dict(du="dq"))
   return dq, d_gamma1, d_beta1
