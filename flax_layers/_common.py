@@ -89,12 +89,16 @@ def check_features(name: str, value_) -> int:
   return size
 
 
-def check_epsilon(layer: str, epsilon) -> float:
+def check_epsilon(layer: str, epsilon, dtype=None) -> float:
   """``epsilon`` as a Python float, checked when the layer is built by the ops' own eps rule
-  (:func:`pallas_norm._validate.eps`): TypeError for a non-number, ValueError for a value that is
-  not positive and finite in float32; the message names the layer's ``epsilon``."""
+  (:func:`pallas_norm._validate.eps`) for the statistics' dtype of the layer's compute ``dtype``:
+  float64 for ``float64`` (with x64), float32 for any other. ``dtype=None`` (the inputs decide)
+  takes the loosest rule that some input could meet — float64's with x64 on, else float32's —
+  and the op checks ``eps`` again against its actual inputs. TypeError for a non-number,
+  ValueError for a value that is not positive and finite in that dtype (or below its floor);
+  the message names the layer's ``epsilon``."""
   try:
-    _validate.eps(epsilon)
+    _validate.eps(epsilon, jnp.float64 if dtype is None else dtype)
   except (TypeError, ValueError) as e:
     raise type(e)(f"{layer}: invalid epsilon: {e}") from e
   return float(epsilon)

@@ -142,10 +142,11 @@ class PFFNBlock(nnx.Module):
       (:func:`pallas_norm.flash_norm_attention`); without the LayerNorm the block has no
       ``ln_scale``/``ln_bias``.
 
-  Raises: as :class:`GDPA` (the query argument being ``q_tokens``), plus at construction
-  ValueError for an epsilon that is not positive and finite (in float32) and TypeError for a
-  non-number epsilon, a use_scale/use_bias or a switch that is not a bool, or a param_dtype that is not a
-  floating dtype (bfloat16, float16, float32, float64); at call time also as
+  Raises: as :class:`GDPA` (the query argument being ``q_tokens``), plus at construction ValueError
+  for an epsilon that is not positive and finite (in float32, or float64 where the layer computes
+  in float64 with x64; see `_common.check_epsilon`) and TypeError for a non-number epsilon, a
+  use_scale/use_bias or a switch that is not a bool, or a param_dtype that is not a floating dtype
+  (bfloat16, float16, float32, float64); at call time also as
   :func:`pallas_norm.flash_norm_attention`.
   """
 
@@ -164,8 +165,8 @@ class PFFNBlock(nnx.Module):
     self.inner_residual, self.outer_residual = inner_residual, outer_residual
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
-    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias)

@@ -58,9 +58,10 @@ class NormDense(nnx.Module):
   Parameters: ``kernel`` (K, N), ``bias`` (N,), ``norm_scale`` (K,), ``norm_bias`` (K,).
 
   Raises:
-    ValueError: at construction, for in_features or out_features that is not a positive
-      integer, an unknown norm, an epsilon that is not positive and finite (in float32) or an
-      unknown implementation; at call time, when the input's last dimension is not in_features.
+    ValueError: at construction, for in_features or out_features that is not a positive integer, an
+      unknown norm, an epsilon that is not positive and finite (in float32, or float64 where the
+      layer computes in float64 with x64; see `_common.check_epsilon`) or an unknown
+      implementation; at call time, when the input's last dimension is not in_features.
     TypeError: at construction, for a non-number epsilon, a use_scale/use_bias/use_norm_bias
       that is not a bool (use_norm_bias: or None), a dtype that is neither None nor a floating
       dtype, or a param_dtype that is not a floating dtype (bfloat16, float16, float32,
@@ -79,8 +80,8 @@ class NormDense(nnx.Module):
     out_features = _common.check_features("out_features", out_features)
     self.in_features, self.out_features = in_features, out_features
     self.norm = norm
-    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias,
@@ -136,8 +137,8 @@ class DenseNorm(nnx.Module):
     out_features = _common.check_features("out_features", out_features)
     self.in_features, self.out_features = in_features, out_features
     self.norm = norm
-    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias,

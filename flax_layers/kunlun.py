@@ -77,7 +77,7 @@ class KunlunConfig:
       if size is None or size < minimum:
         raise ValueError(f"KunlunConfig.{f.name} must be an int >= {minimum}, got {v!r}")
       object.__setattr__(self, f.name, size)
-    try:  # the ops' own eps rule: positive and finite in float32
+    try:  # the ops' own eps rule (the loosest: the layers built from the config check theirs)
       object.__setattr__(self, "epsilon", _common.check_epsilon("KunlunConfig", self.epsilon))
     except (TypeError, ValueError) as e:
       raise type(e)(f"KunlunConfig.epsilon: {e}") from e

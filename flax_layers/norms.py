@@ -52,9 +52,10 @@ class RMSNorm(nnx.Module):
       Pallas interpret mode) or a sequence of them; "mosaic" has no RMSNorm kernel.
 
   Raises:
-    ValueError: at construction, for a num_features that is not a positive integer, an epsilon
-      that is not positive and finite (in float32) or an unknown implementation; at call time,
-      when the input's last dimension is not num_features (with or without ``scale``).
+    ValueError: at construction, for a num_features that is not a positive integer, an epsilon that
+      is not positive and finite (in float32, or float64 where the layer computes in float64 with
+      x64; see `_common.check_epsilon`) or an unknown implementation; at call time, when the
+      input's last dimension is not num_features (with or without ``scale``).
     TypeError: at construction, for a non-number epsilon, a use_scale/use_bias that is not a
       bool, a dtype that is neither None nor a floating dtype, or a param_dtype that is not a
       floating dtype (bfloat16, float16, float32, float64); at call time, for a non-array x or
@@ -68,8 +69,8 @@ class RMSNorm(nnx.Module):
                param_dtype=jnp.float32, use_scale: bool = True,
                scale_init=nnx.initializers.ones, rngs: nnx.Rngs, implementation=None):
     self.num_features = _common.check_features("num_features", num_features)
-    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     _common.check_switches(type(self).__name__, use_scale=use_scale)
@@ -106,8 +107,8 @@ class LayerNorm(nnx.Module):
                bias_init=nnx.initializers.zeros, scale_init=nnx.initializers.ones,
                rngs: nnx.Rngs, implementation=None):
     self.num_features = _common.check_features("num_features", num_features)
-    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
+    self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)
     _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias)

@@ -226,6 +226,37 @@ def test_good_epsilon_is_a_python_float(make, epsilon):
   assert type(layer.epsilon) is float and layer.epsilon == float(epsilon)
 
 
+def test_epsilon_is_checked_in_the_layers_compute_dtype():
+  """With x64, a float64 layer takes an epsilon that only float64 statistics can hold (1e-50 is
+  0 in float32) and gives the float64 reference's values; a bf16/float32 layer still refuses it
+  when built, and a layer without a dtype leaves the check to the op, which names eps for
+  float32 inputs."""
+  tiny = 1e-50
+  with jax.enable_x64(True):
+    q, k, v = (a.astype(jnp.float64) for a in _attention_inputs(22))
+    off = _offsets()
+    pffn = _pffn(epsilon=tiny, dtype=jnp.float64, param_dtype=jnp.float64)
+    p = _params(pffn)
+    want = reference.flash_norm_attention(q, k, v, off, ln_scale=p["ln_scale"],
+                                          ln_bias=p["ln_bias"], rms_scale=p["rms_scale"],
+                                          pre_scale=D ** -0.5, post_scale=0.5, eps=tiny)
+    got = pffn(q, off, k, v, max_seq_len=MAX_LEN)
+    assert got.dtype == jnp.float64
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    rms = _rms(epsilon=tiny, dtype=jnp.float64, param_dtype=jnp.float64)
+    x = _x(23, (3, N)).astype(jnp.float64)
+    want = reference.rms_norm(x, _params(rms)["scale"], eps=tiny)
+    np.testing.assert_allclose(rms(x), want, rtol=1e-12, atol=1e-12)
+    for make in _EPSILON_LAYERS:
+      for dtype in (jnp.bfloat16, jnp.float32):
+        with pytest.raises(ValueError, match="invalid epsilon: eps must be"):
+          make(epsilon=tiny, dtype=dtype)
+    loose = _pffn(epsilon=tiny)  # no dtype: the inputs decide at call time
+    with pytest.raises(ValueError, match="eps"):
+      loose(*(a.astype(jnp.float32) for a in (q,)), off, k.astype(jnp.float32),
+            v.astype(jnp.float32), max_seq_len=MAX_LEN)
+
+
 def test_array_epsilon_works_under_jit():
   # A concrete jax scalar epsilon used to become a tracer under nnx.jit, which the op rejects.
   layer = RMSNorm(N, epsilon=jnp.float32(1e-5), rngs=nnx.Rngs(0))
