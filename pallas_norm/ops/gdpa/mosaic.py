@@ -523,11 +523,10 @@ def consumer(plan: Plan, item_at, kv, scales_ref, epilogue_for, smem) -> None:
       i = wg + 2 * turn
       slot = lax.rem(q_use + turn, plan.q_stages)
       plgpu.barrier_wait(q_ready.at[wg * plan.q_stages + slot])
-      q_tile = q_smem.at[wg, slot]
-      before = epilogue.before_attention(item, i, q_tile, wg, q_use + turn)
-      out = _attend(plan, item, kv, wg, kv_use, turn, q_tile, smem["p_smem"].at[wg], pre_scale,
-                    functools.partial(plgpu.barrier_arrive,
-                                      q_free.at[wg * plan.q_stages + slot]))
+      before = epilogue.before_attention(item, i, q_smem.at[wg, slot], wg, q_use + turn)
+      out = _attend(plan, item, kv, wg, kv_use, turn, (q_smem.at[wg], slot), smem["p_smem"],
+                    pre_scale, functools.partial(plgpu.barrier_arrive,
+                                                 q_free.at[wg * plan.q_stages + slot]))
 
       @pl.when(turn == blocks - 1)
       def _():
@@ -546,15 +545,33 @@ def consumer(plan: Plan, item_at, kv, scales_ref, epilogue_for, smem) -> None:
   epilogue.finish(wg, q_uses)
 
 
-def _attend(plan: Plan, item: Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_scale,
+def opaque_zero(count):
+  """0 for any ``count`` (a non-negative int32 loop count) below 2**30, which LLVM cannot prove.
+
+  An SMEM tile whose address is fixed per warpgroup (the P tile; the q tile of a one-slot
+  ring, the dense-K/V tiling's), indexed at a constant, has its WGMMA descriptors and
+  per-thread store addresses (8 to 16 64-bit values each) hoisted by LLVM out of every loop;
+  they then live across the activation, the consumer's register peak, and ptxas spilled the
+  round's state (the next item, ring phases) around them. Indexed through this inside the
+  loop that uses it, the tile's addresses are recomputed there from one base, as the K/V
+  ring slots' are."""
+  return lax.shift_right_logical(count, 30)
+
+
+def _attend(plan: Plan, item: Item, kv, wg, kv_use, turn, q_slot, p_smem, pre_scale,
             release_q):
   """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32.
-  Calls ``release_q()`` once the q tile is no longer read (after the last score WGMMA), so the
-  producer can load the consumer's next q block during the activation and P·V."""
+  ``q_slot``: (the consumer's q ring (stages, BLOCK_Q, D), the block's slot in it); ``p_smem``:
+  both consumers' P tiles. Calls ``release_q()`` once the q tile is no longer read (after the
+  last score WGMMA), so the producer can load the consumer's next q block during the activation
+  and P·V."""
+  q_ring, slot = q_slot
 
   def accumulate(o_acc):
     @pl.loop(0, item.kv_steps)
     def _step(step):
+      zero = opaque_zero(step)
+      q_tile, p_tile = q_ring.at[slot + zero], p_smem.at[wg + zero]
       k_tile, v_tile = kv.tiles(item, wg, kv_use, turn, step)
 
       def scores(s_acc):
@@ -578,7 +595,7 @@ def _attend(plan: Plan, item: Item, kv, wg, kv_use, turn, q_tile, p_tile, pre_sc
     pl.when(item.kv_steps == 0)(release_q)  # no keys: the tile was never read
     return o_acc[...]
 
-  return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, q_tile.shape[-1]), _F32))
+  return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, q_ring.shape[-1]), _F32))
 
 
 def _kv_block(plan: Plan, item: Item, ref, step):
