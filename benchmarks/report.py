@@ -259,8 +259,9 @@ def _runs_of(part: dict) -> list[dict]:
 
 def merge(parts: list[dict]) -> dict:
   """One result from several runs on one device: the first run's metadata and ceilings, every
-  run's rows (a later run's row replaces an earlier one of the same case and implementation),
-  and ``merged_from``: every run behind the parts, in order (a part that is itself a merge
+  run's rows (a later run's row replaces an earlier one of the same case and implementation,
+  except a row the later run skipped, which keeps the earlier measurement), and
+  ``merged_from``: every run behind the parts, in order (a part that is itself a merge
   contributes its whole list, so merging into the main file keeps its history)."""
   devices = {p.get("device") for p in parts}
   if len(devices) != 1:
@@ -269,7 +270,10 @@ def merge(parts: list[dict]) -> dict:
   rows: dict[tuple[str, str], dict] = {}
   for p in parts:
     for r in p["rows"]:
-      rows[(r["case"], r["impl"])] = r
+      key = (r["case"], r["impl"])
+      if r.get("status") == "skipped" and key in rows:
+        continue  # a case a later run had no time for is not a new result
+      rows[key] = r
   merged["rows"] = list(rows.values())
   merged["merged_from"] = [run for p in parts for run in _runs_of(p)]
   return merged

@@ -532,3 +532,14 @@ def test_merge_keeps_every_run_behind_a_merged_part():
   assert {r["case"]: r["time_us"] for r in merged["rows"]} == {"x": 4.0, "y": 3.0}
   with pytest.raises(ValueError, match="different devices"):
     report.merge([first, dict(_run_result("d", []), device="H100")])
+
+
+def test_merge_keeps_a_measured_row_over_a_later_skipped_one():
+  """A later run that skipped a case (its time budget spent) leaves the earlier measurement;
+  a skipped row still fills a case no earlier run measured."""
+  later = _run_result("b", [("x", "xla", None), ("z", "xla", None)])
+  for r in later["rows"]:
+    r["status"] = "skipped"
+  merged = report.merge([_run_result("a", [("x", "xla", 1.0)]), later])
+  got = {r["case"]: (r["time_us"], r.get("status")) for r in merged["rows"]}
+  assert got == {"x": (1.0, None), "z": (None, "skipped")}
