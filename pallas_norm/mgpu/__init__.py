@@ -23,7 +23,8 @@ from pallas_norm.mgpu.device import (RESIDENT_SHARE, interpret_params, num_sms, 
                                      persistent_clusters, races_found, resident_clusters,
                                      swizzle_transforms)
 from pallas_norm.mgpu.pipeline import (CONSUMER_REGISTERS, PRODUCER_REGISTERS, SharedRing,
-                                       delay_release_for, pipeline_stages, plan_delay_release,
-                                       ring_drain, ring_k_loop, ring_produce, warp_specialize)
+                                       delay_release_for, opaque_zero, pipeline_stages,
+                                       plan_delay_release, ring_drain, ring_k_loop, ring_produce,
+                                       warp_specialize)
 from pallas_norm.mgpu.row_stats import (LANE_COLS, lane_partial_sum, lane_partial_zeros,
                                         lane_slices, tree_sum)

@@ -119,6 +119,19 @@ CONSUMER_REGISTERS = 232  # (512 − 40) / 2 rounded down to 8, as the pipelines
 PRODUCER_REGISTERS = 40
 
 
+def opaque_zero(count):
+  """0 for any ``count`` (a non-negative int32 loop count) below 2**30, which LLVM cannot prove.
+
+  An SMEM tile whose address is fixed in a loop (GDPA's P tile; the q tile of a one-slot
+  ring; the backward's resident K/V tiles), indexed at a constant, has its WGMMA descriptors and
+  per-thread store addresses (8 to 16 64-bit values each) hoisted by LLVM out of every loop;
+  they then live across the activation, the consumer's register peak, and ptxas spilled the
+  round's state (the next item, ring phases) around them. Indexed through this inside the
+  loop that uses it, the tile's addresses are recomputed there from one base, as the K/V
+  ring slots' are."""
+  return lax.shift_right_logical(count, 30)
+
+
 def warp_specialize(producer, consumers) -> None:
   """Runs ``producer()`` in the producer warpgroup (wg 2, registers cut to
   :data:`PRODUCER_REGISTERS`) and ``consumers()`` in the two consumer warpgroups (raised to

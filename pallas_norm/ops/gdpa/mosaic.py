@@ -545,19 +545,6 @@ def consumer(plan: Plan, item_at, kv, scales_ref, epilogue_for, smem) -> None:
   epilogue.finish(wg, q_uses)
 
 
-def opaque_zero(count):
-  """0 for any ``count`` (a non-negative int32 loop count) below 2**30, which LLVM cannot prove.
-
-  An SMEM tile whose address is fixed per warpgroup (the P tile; the q tile of a one-slot
-  ring, the dense-K/V tiling's), indexed at a constant, has its WGMMA descriptors and
-  per-thread store addresses (8 to 16 64-bit values each) hoisted by LLVM out of every loop;
-  they then live across the activation, the consumer's register peak, and ptxas spilled the
-  round's state (the next item, ring phases) around them. Indexed through this inside the
-  loop that uses it, the tile's addresses are recomputed there from one base, as the K/V
-  ring slots' are."""
-  return lax.shift_right_logical(count, 30)
-
-
 def _attend(plan: Plan, item: Item, kv, wg, kv_use, turn, q_slot, p_smem, pre_scale,
             release_q):
   """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32.
@@ -570,7 +557,7 @@ def _attend(plan: Plan, item: Item, kv, wg, kv_use, turn, q_slot, p_smem, pre_sc
   def accumulate(o_acc):
     @pl.loop(0, item.kv_steps)
     def _step(step):
-      zero = opaque_zero(step)
+      zero = mgpu.opaque_zero(step)
       q_tile, p_tile = q_ring.at[slot + zero], p_smem.at[wg + zero]
       k_tile, v_tile = kv.tiles(item, wg, kv_use, turn, step)
 

@@ -385,13 +385,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
             (j,) = idxs
             col0 = win + j * BLOCK
             slot = lax.rem(step + j, 2)
-            # The resident K/V tiles through an index that is 0 for any real step count but
-            # that the compiler cannot prove 0: at static addresses LLVM hoists their WGMMA
-            # descriptors out of the loop, a dozen 64-bit values live across the step that
-            # ptxas spilled and reloaded every step; addresses known only here are
-            # recomputed from one base each step, as the ring stages' are.
-            opaque0 = lax.shift_right_logical(step + j, 30)
-            kv_tiles = kv_smem.at[pl.ds(opaque0, 2)]
+            # The resident K/V tiles through an opaque 0: at static addresses their WGMMA
+            # descriptors were hoisted out of the loop and spilled (mgpu.opaque_zero).
+            kv_tiles = kv_smem.at[pl.ds(mgpu.opaque_zero(step + j), 2)]
             valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
             hand_off = (ds_free.at[slot], ds_ready.at[slot]) if plan.fuse_dq and wg == 0 else None
             partials = _dkv_step(plan, pre, valid, kv_tiles.at[wg, 0], kv_tiles.at[wg, 1],
