@@ -220,6 +220,46 @@ def test_fused_gradients_match_reference():
     assert _rel_err(g, w) < TOL, name
 
 
+@pytest.mark.parametrize("switches", [(True, True, True), (False, True, False)])
+def test_fused_gradients_ignore_nan_padding_rows(switches):
+  """The backward's row kernels work on live rows only (dz's padding rows unwritten, NaN in
+  interpret mode): NaN in the padding rows of q and of the cotangent, with traced scales, gives
+  the gradients of zero padding bit for bit (dq's padding rows 0, every parameter and scale
+  gradient finite) and the f32 reference's (review13: test_fused_gradients_match_reference
+  cleans q's padding first)."""
+  pre_layer_norm, inner_residual, outer_residual = switches
+  q, k, v, qo, affine = _problem(5, [5, 0, 9], 2, 64)  # q's padding rows NaN, T = 24
+  if not pre_layer_norm:
+    affine = dict(rms_scale=affine["rms_scale"])
+  total = 14
+  weights = jnp.cos(jnp.arange(q.size, dtype=F32)).reshape(q.shape)
+  nan_weights = weights.at[total:].set(jnp.nan)
+  switch_kw = dict(pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
+                   outer_residual=outer_residual)
+
+  def grads(q, k, v, affine, pre, post, w, impl):
+    def block(q, k, v, affine, pre, post):
+      return pn.flash_norm_attention(q, k, v, qo, pre_scale=pre, post_scale=post,
+                                     max_seq_len=16, implementation=impl, **affine, **switch_kw)
+    out, vjp = jax.vjp(block, q, k, v, affine, pre, post)
+    return vjp(w.astype(out.dtype))
+
+  run = jax.jit(grads, static_argnums=7)
+  scales = (jnp.float32(0.9), jnp.float32(1.1))
+  got = run(q, k, v, affine, *scales, nan_weights, "interpret")
+  clean = run(_clean(q, qo), k, v, affine, *scales, weights.at[total:].set(0), "interpret")
+  want = run(_clean(q, qo).astype(F32), k.astype(F32), v.astype(F32), affine, *scales,
+             weights.at[total:].set(0), "xla")
+  for g, c in zip(jax.tree.leaves(got), jax.tree.leaves(clean)):
+    assert bool(jnp.all(jnp.isfinite(g))), "NaN from a padding row leaked into a gradient"
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(c, np.float32))
+  assert not bool(jnp.any(got[0][total:] != 0)), "dq's padding rows must be 0"
+  for name, g, w in zip(("q", "k", "v"), got[:3], want[:3]):
+    assert _rel_err(g[:total], w[:total]) < TOL, name
+  for name in affine:
+    assert _rel_err(got[3][name], want[3][name]) < TOL, name
+
+
 @pytest.mark.parametrize("switches", [(True, True, True), (False, True, True),
                                       (True, False, False)])
 def test_norm_backward_kernels_match_autodiff(switches):
