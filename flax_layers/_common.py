@@ -89,6 +89,13 @@ def check_features(name: str, value_) -> int:
   return size
 
 
+def rule_dtype(dtype):
+  """The inputs' dtype whose rule (:mod:`pallas_norm._validate`) checks a layer's static
+  scalars (epsilon, the attention scales) when it is built: the compute ``dtype``, or for
+  ``None`` (the inputs decide) float64, the loosest — float32 unless x64 is on."""
+  return jnp.float64 if dtype is None else dtype
+
+
 def check_epsilon(layer: str, epsilon, dtype=None) -> float:
   """``epsilon`` as a Python float, checked when the layer is built by the ops' own eps rule
   (:func:`pallas_norm._validate.eps`) for the statistics' dtype of the layer's compute ``dtype``:
@@ -98,7 +105,7 @@ def check_epsilon(layer: str, epsilon, dtype=None) -> float:
   ValueError for a value that is not positive and finite in that dtype (or below its floor);
   the message names the layer's ``epsilon``."""
   try:
-    _validate.eps(epsilon, jnp.float64 if dtype is None else dtype)
+    _validate.eps(epsilon, rule_dtype(dtype))
   except (TypeError, ValueError) as e:
     raise type(e)(f"{layer}: invalid epsilon: {e}") from e
   return float(epsilon)

@@ -27,14 +27,12 @@ log = logging.getLogger("pallas_norm")
 def _check_config(num_heads, head_dim, activation, pre_scale, post_scale, dtype):
   """The checked (num_heads, head_dim); raises for a bad config when the layer is built. The
   scales are checked as the ops check them for inputs of the compute ``dtype`` (finite in
-  float32 unless it is float64 with x64), by epsilon's rule (:func:`_common.check_epsilon`):
-  ``dtype=None`` takes the loosest, float64's with x64 on, else float32's."""
+  float32 unless it is float64 with x64), by epsilon's rule (:func:`_common.rule_dtype`)."""
   num_heads = _common.check_features("num_heads", num_heads)
   head_dim = _common.check_features("head_dim", head_dim)
   _validate.activation(activation, pallas_norm.ACTIVATIONS)
-  scale_dtype = jnp.float64 if dtype is None else dtype
-  _validate.finite_scalar("pre_scale", pre_scale, scale_dtype)
-  _validate.finite_scalar("post_scale", post_scale, scale_dtype)
+  _validate.finite_scalar("pre_scale", pre_scale, _common.rule_dtype(dtype))
+  _validate.finite_scalar("post_scale", post_scale, _common.rule_dtype(dtype))
   return num_heads, head_dim
 
 
