@@ -1,21 +1,26 @@
-"""spills A/B: the FNA cluster forward kernel (H·D = 1024), main vs this branch.
+"""spills A/B: the FNA cluster forward kernel (H·D = 1024) and the post-norm forward at
+262144x512x2048 (3 ring stages), main vs this branch.
 
     PYTHONPATH=$PWD python3 .devcarry/spills_ab/ab.py --out $OUT [--control .devcarry/b/main]
-        [--budget-s 200] [--rounds 3] [--cases fna8,fna8t] [--ptxas]
+        [--budget-s 200] [--rounds 3] [--cases fna8,fna8t,mn2048] [--ptxas]
     PYTHONPATH=$PWD PJRT_NPROC=8 python3 .devcarry/spills_ab/ab.py --tiny --out /tmp/x   # CPU
 
 The branch: the kernel's cluster exchange names its peers through opaque_zero (exchange.Spec.
 peer_addresses_in_loop: the 32 peer addresses are no longer hoisted to the kernel's start and
 spilled) and u_h's recomputation after the attention no longer reuses the f32 u_h of before it
 (kept live across the attention). ptxas (on the CPU, ptxas_all.py), H=8: 292/356 -> 56/56 B
-(inference form), 288/368 -> 96/116 B (training form).
+(inference form), 288/368 -> 96/116 B (training form). And the GEMM producer's ring step made
+opaque when the stage count is not a power of two (pallas_norm/mgpu/gemm.py: no 64-bit
+induction variables per unrolled K step in the producer's 40 registers): the post-norm forward
+layer+res 262144x512x2048 76/140 -> 0/0 B (training form 76/144 -> 40/104).
 
 Trees, not switches: the control is main's tree (``--control``, default ``.devcarry/b/main``
 relative to the tree root; ``--tiny`` makes it from ``git archive main`` when absent), the
 candidate is the tree this script sits in. Each tree runs in its own worker subprocess
 (PYTHONPATH = that tree); both compile their programs at once (threads inside each), check
-every output against the f32 oracle (pallas_norm.reference.flash_norm_attention on the first
-samples: samples are independent; out and the statistics; padding rows must be 0) and hash
+every output against the f32 oracle (pallas_norm.reference: the FNA block on the first 48
+samples, out and the statistics, padding rows must be 0; the post-norm GEMM on the first 4096
+rows; samples and rows are independent) and hash
 their outputs (main's and the branch's should match bit for bit), then the parent times the
 cases interleaved over ``--rounds`` rounds (A,B then B,A), CUPTI per-kernel lists (wall clock
 in --tiny), inputs rotated over two sets.
@@ -25,7 +30,10 @@ what the op runs at H = 8, D = 128; fast_gelu, pre/post scale 1, eps 1e-6):
   fna8:   inference form: B=768, H=8, Lmax=512 (lengths uniform on [1, 512], the suite's
           draw), D=128, dense K/V Lkv=128.
   fna8t:  the training form (save_residuals: z and u written too), same shapes.
---tiny: H=1 (interpret mode runs the cluster kernel only as a cluster of one), B=4, Lmax=130.
+  mn2048: pallas_norm.matmul_norm layer+res (LayerNorm with residual) forward, 262144x512x2048
+          (its tiling: 3 ring stages, a cluster of 8 CTAs per row block); oracle on 4096 rows.
+--tiny: H=1 (interpret mode runs the cluster kernel only as a cluster of one), B=4, Lmax=130;
+matmul_norm at 256x128x256.
 
 Output: lines as they come ($OUT/ab.log), $OUT/ab.json. ``--ptxas`` dumps each worker's Mosaic
 kernels' ptxas reports into a temp folder and prints registers, spills and the C7519/C7512
@@ -52,7 +60,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))  # .devcarry/spills_ab/ab.py -> tree root
 PREFIX = "@@ "
-CASES = ("fna8", "fna8t")
+CASES = ("fna8", "fna8t", "mn2048")
 TOL = 2e-2
 
 
@@ -119,12 +127,35 @@ def _worker(args):
     pad_zero = not bool(jnp.any(o[fna_total:] != 0))
     return errs, pad_zero, bool(jnp.all(jnp.isfinite(o)))
 
+  # --- post-norm forward (matmul_norm layer+res) -----------------------------------------------
+  mm, mk, mn_ = (256, 128, 256) if tiny else (262144, 512, 2048)
+  mn_rows = mm if tiny else 4096
+
+  def mn_set(seed):
+    r = np.random.default_rng(seed)
+    return tuple(jax.device_put(x) for x in (
+        normal(r, (mm, mk)), normal(r, (mk, mn_), mk ** -0.5), normal(r, (mm, mn_)),
+        normal(r, (mn_,), 0.1, 1.0), normal(r, (mn_,), 0.1)))
+
+  def mn_fn(x, w, res, scale, bias):
+    return pn.matmul_norm(x, w, residual=res, scale=scale, norm_bias=bias, norm="layer",
+                          implementation="interpret" if tiny else "mosaic")
+
+  def mn_check(out, args_):
+    x, w, res, scale, bias = args_
+    n = mn_rows
+    ref = jax.jit(lambda x, w, res, s, b: reference.matmul_norm(
+        x.astype(f32), w.astype(f32), None, res.astype(f32), s.astype(f32), b.astype(f32),
+        norm="layer"))(x[:n], w, res[:n], scale, bias)
+    return [rel(out[:n], ref)], True, bool(jnp.all(jnp.isfinite(out)))
+
   def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
   specs = {"fna8": (fna_fn(False), fna_set, fna_check),
-           "fna8t": (fna_fn(True), fna_set, fna_check)}
+           "fna8t": (fna_fn(True), fna_set, fna_check),
+           "mn2048": (jax.jit(mn_fn), mn_set, mn_check)}
   cases = args.cases.split(",")
   sets = {c: [specs[c][1](10 * i + 1) for i in range(2)] for c in cases}
   fns = {c: specs[c][0] for c in cases}
