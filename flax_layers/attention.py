@@ -24,13 +24,17 @@ from flax_layers import _common
 log = logging.getLogger("pallas_norm")
 
 
-def _check_config(num_heads, head_dim, activation, pre_scale, post_scale):
-  """The checked (num_heads, head_dim); raises for a bad config when the layer is built."""
+def _check_config(num_heads, head_dim, activation, pre_scale, post_scale, dtype):
+  """The checked (num_heads, head_dim); raises for a bad config when the layer is built. The
+  scales are checked as the ops check them for inputs of the compute ``dtype`` (finite in
+  float32 unless it is float64 with x64), by epsilon's rule (:func:`_common.check_epsilon`):
+  ``dtype=None`` takes the loosest, float64's with x64 on, else float32's."""
   num_heads = _common.check_features("num_heads", num_heads)
   head_dim = _common.check_features("head_dim", head_dim)
   _validate.activation(activation, pallas_norm.ACTIVATIONS)
-  _validate.finite_scalar("pre_scale", pre_scale)
-  _validate.finite_scalar("post_scale", post_scale)
+  scale_dtype = jnp.float64 if dtype is None else dtype
+  _validate.finite_scalar("pre_scale", pre_scale, scale_dtype)
+  _validate.finite_scalar("post_scale", post_scale, scale_dtype)
   return num_heads, head_dim
 
 
@@ -47,7 +51,9 @@ class GDPA(nnx.Module):
 
   Raises:
     ValueError: at construction, for num_heads or head_dim that is not a positive integer, an
-      unknown activation, a non-finite pre_scale or post_scale or an unknown implementation; at
+      unknown activation, a pre_scale or post_scale that is not finite (in float32, or float64
+      where the layer computes in float64 with x64; the rule of epsilon, see
+      `_common.check_epsilon`) or an unknown implementation; at
       call time, when q is not of shape (T, num_heads, head_dim) or q_offsets is not 1-D.
     TypeError: at construction, for a pre_scale or post_scale that is not a real scalar (a
       number or a 0-d integer or floating array) or a dtype that is neither None nor a floating
@@ -60,11 +66,11 @@ class GDPA(nnx.Module):
   def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
                pre_scale: float = 1.0, post_scale: float = 1.0, dtype=None,
                implementation=None):
+    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.num_heads, self.head_dim = _check_config(num_heads, head_dim, activation, pre_scale,
-                                                  post_scale)
+                                                  post_scale, self.dtype)
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
-    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.implementation = _common.check_implementation(implementation)
 
   def __call__(self, q, q_offsets, k, v, *, kv_offsets=None, max_seq_len: int | None = None,
@@ -157,15 +163,15 @@ class PFFNBlock(nnx.Module):
                bias_init=nnx.initializers.zeros, rngs: nnx.Rngs, implementation=None,
                pre_layer_norm: bool = True, inner_residual: bool = True,
                outer_residual: bool = True):
+    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.num_heads, self.head_dim = _check_config(num_heads, head_dim, activation, pre_scale,
-                                                  post_scale)
+                                                  post_scale, self.dtype)
     _common.check_switches(type(self).__name__, pre_layer_norm=pre_layer_norm,
                            inner_residual=inner_residual, outer_residual=outer_residual)
     self.pre_layer_norm = pre_layer_norm
     self.inner_residual, self.outer_residual = inner_residual, outer_residual
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
-    self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)

@@ -257,6 +257,30 @@ def test_epsilon_is_checked_in_the_layers_compute_dtype():
             v.astype(jnp.float32), max_seq_len=MAX_LEN)
 
 
+@pytest.mark.parametrize("name", ["pre_scale", "post_scale"])
+def test_attention_scales_are_checked_in_the_layers_compute_dtype(name):
+  """As epsilon: a bf16/float16/float32 GDPA or PFFNBlock refuses, when built, a scale that is
+  inf in float32 (the dtype the ops compute it in for such inputs), naming it; it used to build
+  and raise only at the first call. A float64 layer (x64) takes 1e39 and computes with it; a
+  layer without a dtype keeps the loosest rule (float64's with x64, else float32's)."""
+  makers = (lambda **kw: GDPA(H, D, **kw), lambda **kw: PFFNBlock(H, D, rngs=nnx.Rngs(0), **kw))
+  for make in makers:
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+      with pytest.raises(ValueError, match=f"{name} must be finite in float32"):
+        make(dtype=dtype, **{name: 1e39})
+    with pytest.raises(ValueError, match=f"{name} must be finite in float32"):
+      make(**{name: 1e39})  # no dtype, x64 off: the inputs cannot be float64
+  with jax.enable_x64(True):
+    q, k, v = (a.astype(jnp.float64) for a in _attention_inputs(24))
+    off = _offsets()
+    for make in makers:
+      make(**{name: 1e39})  # no dtype: float64 inputs may come
+    layer = GDPA(H, D, pre_scale=1e39, post_scale=1e-39, dtype=jnp.float64)
+    want = reference.gdpa(q, k, v, off, pre_scale=1e39, post_scale=1e-39)
+    np.testing.assert_allclose(layer(q, off, k, v, max_seq_len=MAX_LEN), want, rtol=1e-12,
+                               atol=1e-12)
+
+
 def test_array_epsilon_works_under_jit():
   # A concrete jax scalar epsilon used to become a tracer under nnx.jit, which the op rejects.
   layer = RMSNorm(N, epsilon=jnp.float32(1e-5), rngs=nnx.Rngs(0))
