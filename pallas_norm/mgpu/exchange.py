@@ -32,6 +32,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm.mgpu.device import swizzle_transforms
+from pallas_norm.mgpu.pipeline import opaque_zero
 
 EXCHANGES = ("pull", "push")
 
@@ -45,11 +46,14 @@ tile."""
 @dataclasses.dataclass(frozen=True)
 class Spec:
   """Static facts of one exchange: ``cluster`` CTAs, ``rows`` per consumer warpgroup,
-  ``n_partials`` (1 or 2) row vectors per row, and the ``exchange`` mode."""
+  ``n_partials`` (1 or 2) row vectors per row, the ``exchange`` mode, and for "pull" whether
+  the peer addresses are recomputed at each read (``peer_addresses_in_loop``, see
+  :func:`_peer_partials`)."""
   cluster: int
   rows: int
   n_partials: int
   exchange: str = "pull"
+  peer_addresses_in_loop: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +157,21 @@ def _push(spec: Spec, partials, ex: Exchange, wg, tile_index, merge: Merge) -> t
   return merged
 
 
-def _peer_partials(spec: Spec, bufs):
+def _peer_partials(spec: Spec, bufs, tile_index):
   """The partials in ``bufs`` (one allocation per partial) of every CTA of the cluster, in CTA
-  order, read through distributed shared memory."""
-  return [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j})[...],
+  order, read through distributed shared memory.
+
+  With ``spec.peer_addresses_in_loop`` peer j is named as ``j + opaque_zero(tile_index)``.
+  With a constant j the peer addresses (``mapa`` of each buffer for each of the c peers, per
+  warpgroup: 32 at c = 8 with two partials) are loop-invariant: LLVM computes them all once at
+  the kernel's start, and where registers are short ptxas spills them (the FNA cluster forward
+  at H = 8: 33 stores once, and a reload per peer address in every q block, on the exchange's
+  critical path). Named through the tile's index, each is recomputed where it is read (one
+  ``mapa``). Not the default: ptxas measured the pre-norm dx kernel's row sums (c = 2, 4)
+  spilling more with it (RMSNorm 0 -> 12/40 B at c = 2, 0 -> 8/8 B at c = 4) and the post-norm
+  forward (c = 4, 8) no better."""
+  zero = opaque_zero(tile_index) if spec.peer_addresses_in_loop else 0
+  return [tuple(plgpu.layout_cast(plgpu.cluster_ref(buf, {"cluster": j + zero})[...],
                                   plgpu.Layout.WGMMA.reduce(1)) for buf in bufs)
           for j in range(spec.cluster)]
 
@@ -193,7 +208,7 @@ def cluster_row_sums(spec: Spec, partials, ex: Exchange | None, wg, tile_index,
       plgpu.barrier_arrive(ex.full.at[w])
       plgpu.barrier_wait(ex.full.at[w])
       _cluster_fence()
-      for q, v in enumerate(merge(_peer_partials(spec, bufs))):
+      for q, v in enumerate(merge(_peer_partials(spec, bufs, tile_index))):
         ex.rows[w, q] = v
       plgpu.commit_smem()  # every thread's peer reads precede the arrive
       _cluster_fence()

@@ -348,7 +348,14 @@ def run(kloop: KLoop, *, gmems, windows: Callable[[Tile], list], schedule: Sched
       @pl.loop(0, kloop.steps)
       def _(kk):
         ks = pl.ds(kk * tile_k, tile_k)
-        pipeline.ring_produce(ring, tile.index * kloop.steps + kk,
+        step = tile.index * kloop.steps + kk
+        if kloop.stages & (kloop.stages - 1):
+          # step mod stages is a multiply for 3 stages: on the affine step LLVM unrolled the
+          # loop into one 64-bit induction variable per step (its rem in 64 bits), which the
+          # producer's 40 registers could not hold (the post-norm forward at 262144x512x2048
+          # spilled 76/140 B). An opaque step leaves one 32-bit rem per step.
+          step = step | pipeline.opaque_zero(step)
+        pipeline.ring_produce(ring, step,
                               *(s.window(g, o, ks)
                                 for s, g, o in zip(kloop.streams, gmems, others)))
       pl.when(tile.last)(lambda: pipeline.ring_drain(ring, (tile.index + 1) * kloop.steps))

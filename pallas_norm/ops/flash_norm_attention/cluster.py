@@ -131,8 +131,9 @@ class _Plan:
   def exchange_spec(self, n_partials: int) -> cluster_exchange.Spec:
     # "pull": "push" needs an inbox of H packets per consumer, which at H = 4 costs the second
     # K/V buffer (``benchmarks/EXPERIMENTS.md``, FNA cluster exchange).
+    # Peer addresses recomputed at each read: hoisted, ptxas spilled them (exchange.py).
     return cluster_exchange.Spec(cluster=self.num_heads, rows=BLOCK_Q, n_partials=n_partials,
-                                 exchange="pull")
+                                 exchange="pull", peer_addresses_in_loop=True)
 
 
 def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, *,
@@ -239,6 +240,22 @@ def merge_rms(per_cta, head_dim: int, eps: float):
   return (lax.rsqrt(squares * (1.0 / (len(per_cta) * head_dim)) + eps),)
 
 
+def _recomputed(stats, count):
+  """The LayerNorm's row statistics ``stats`` (or None) as the same bits, ORed with
+  ``opaque_zero(count)``, for u_h's recomputation after the attention.
+
+  Before the attention u_h = (q_h − μ1)·r1 is computed in f32 from q_h and (μ1, r1) in
+  registers; after it the inner residual computes the same expression from the same values, so
+  LLVM kept the first result, 64 f32 registers per thread next to q_h's 32, live across the
+  attention (the consumer's register peak), and ptxas spilled around the key loop in every q
+  block. Statistics LLVM cannot prove equal make the second a computation of its own."""
+  if stats is None:
+    return None
+  zero = mgpu.opaque_zero(count)
+  return tuple(lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.int32) | zero, _F32)
+               for v in stats)
+
+
 def _rowvec(v, shape):
   """A row vector (layout WGMMA.reduce(1)) broadcast over the columns of ``shape``."""
   return lax.broadcast_in_dim(v, shape, [0])
@@ -337,7 +354,7 @@ class _BlockNorms:
     x, ln_stats = before
     z = (o * self.post_scale).astype(self.dtype).astype(_F32)  # attn, rounded as the chain's
     if plan.inner_residual:
-      z = z + self._pre_norm(x.astype(_F32), ln_stats)
+      z = z + self._pre_norm(x.astype(_F32), _recomputed(ln_stats, count))
     squares = _row_sum(z * z)
     if self.z_ref is not None:  # its TMA store runs during the exchange
       self._store(self.z_ref, 2, z, item, block, wg)
