@@ -238,7 +238,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_residuals=save_residuals)
-  table = _work_table(q_offsets, capacity, k.shape[0], kv_len)
+  table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
@@ -296,20 +296,6 @@ def _kernel_name(cfg: Config) -> str:
   return "_".join(["fna_fwd", *tags]).lower()
 
 
-PADDING = 7
-"""Column of the work table appended to the GDPA kernel's: 1 for a chunk of padding rows."""
-
-
-def _work_table(q_offsets, capacity: int, batch: int, kv_len: int):
-  """The GDPA kernel's work items (one per sample, longest first, then the padding chunks),
-  with a :data:`PADDING` column: such items have no keys and store zeros."""
-  table = gdpa_mosaic.work_items(q_offsets, None, capacity, batch, kv_len)
-  end = jnp.clip(q_offsets[-1].astype(jnp.int32), 0, capacity)
-  first_row = table[:, gdpa_mosaic.Q_WIN] + table[:, gdpa_mosaic.Q_LO]
-  padding = (first_row >= end).astype(jnp.int32)
-  return jnp.concatenate([table, padding[:, None]], axis=1)
-
-
 def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
   heads, d = plan.num_heads, plan.head_dim
   tile = mgpu.swizzle_transforms(d, dtype)
@@ -361,7 +347,7 @@ class _Item:
     return cls(q_win=pl.multiple_of(col(gdpa_mosaic.Q_WIN), gdpa_mosaic.ALIGN),
                q_lo=col(gdpa_mosaic.Q_LO), q_hi=col(gdpa_mosaic.Q_HI),
                q_blocks=col(gdpa_mosaic.Q_BLOCKS), sample=col(gdpa_mosaic.KV_WIN),
-               padding=col(PADDING) != 0)
+               padding=col(gdpa_mosaic.PADDING) != 0)
 
   def rows(self, block):
     """(first GMEM row of q block ``block``, the sample's rows in it as [lo, lo + count))."""

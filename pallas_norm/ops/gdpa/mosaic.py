@@ -173,7 +173,7 @@ that start at the 8-aligned row at or before the sample's first row; ``lo`` says
 sample starts in its window."""
 
 # Columns of the work-item table.
-Q_WIN, Q_LO, Q_HI, Q_BLOCKS, KV_WIN, KV_LO, KV_HI = range(7)
+Q_WIN, Q_LO, Q_HI, Q_BLOCKS, KV_WIN, KV_LO, KV_HI, PADDING = range(8)
 
 
 def _window(start, end):
@@ -184,7 +184,7 @@ def _window(start, end):
 
 
 def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_rows: int):
-  """The (items, 7) int32 work table; columns :data:`Q_WIN` ... :data:`KV_HI`.
+  """The (items, 8) int32 work table; columns :data:`Q_WIN` ... :data:`PADDING`.
 
   Rows: the B samples, longest q first (ties in sample order), then the padding chunks of
   :data:`configs.PAD_CHUNK_BLOCKS` q blocks covering ``[q_offsets[-1], capacity)`` in row
@@ -195,7 +195,11 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
   ``BLOCK_Q`` rows from ``Q_WIN``. Dense K/V: ``KV_WIN`` is the sample index, keys
   ``[0, Lkv)``; jagged: keys ``[KV_WIN + KV_LO, KV_WIN + KV_HI)``. Offsets are clamped into
   range, so invalid traced offsets cannot make the kernel touch memory outside its arrays (the
-  op poisons such outputs with NaN anyway).
+  op poisons such outputs with NaN anyway). ``PADDING`` is 1 where the item's first q row is at
+  or past ``q_offsets[-1]`` (every padding chunk; an empty sample there, which has no blocks):
+  the fused norm kernel writes zeros for such items. It is computed before the samples are
+  sorted, as a column they carry: computed from the sorted table it made XLA fuse the sort's
+  gather into a slow concatenate.
   """
   q_offsets = q_offsets.astype(jnp.int32)
   batch = q_offsets.shape[0] - 1
@@ -208,6 +212,7 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
                           jnp.minimum(pad_start + chunk, capacity)])
   q_win, q_lo, q_hi = _window(starts, ends)
   q_blocks = pl.cdiv(q_hi, BLOCK_Q)
+  padding = (q_win + q_lo >= end).astype(jnp.int32)
   no_keys = jnp.zeros((pad_start.shape[0],), jnp.int32)
   if kv_offsets is None:
     kv_win, kv_lo = jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,), jnp.int32)
@@ -217,7 +222,7 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
     kv_end = jnp.clip(kv_offsets[1:], kv_offsets[:-1], kv_offsets[:-1] + num_kv_rows - ALIGN + 1)
     kv_win, kv_lo, kv_hi = _window(kv_offsets[:-1], kv_end)
   kv = [jnp.concatenate([col, no_keys]) for col in (kv_win, kv_lo, kv_hi)]
-  table = jnp.stack([q_win, q_lo, q_hi, q_blocks, *kv], axis=1)
+  table = jnp.stack([q_win, q_lo, q_hi, q_blocks, *kv, padding], axis=1)
   samples = sort_rows_descending(table[:batch], (q_hi - q_lo)[:batch])
   return jnp.concatenate([samples, table[batch:]])
 
