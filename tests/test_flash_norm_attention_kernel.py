@@ -154,6 +154,7 @@ def test_fused_switches_match_reference(switches):
   assert _rel_err(rms.rstd[:total], rms_ref.rstd[:total]) < TOL
 
 
+@pytest.mark.slow  # 15-20 s: xdist hands it out early
 @pytest.mark.parametrize("variants,switches", [
     ([dict(kv_stages=2), dict(q_buffers=2)], dict()),
     ([dict(q_buffers=2)], dict(pre_layer_norm=False, inner_residual=False))],
@@ -233,6 +234,7 @@ def _check_residuals(outputs, q, k, v, qo, kw):
   assert not bool(jnp.any(z[total:] != 0))
 
 
+@pytest.mark.slow  # 15-20 s: xdist hands it out early
 def test_fused_gradients_match_reference():
   """The custom_vjp (the two row kernels of norm_bwd around the GDPA backward kernel) against
   the f32 reference's gradients: q, k, v, the three affines and traced pre_scale and post_scale.
