@@ -412,8 +412,9 @@ def test_chain_for_calls_the_fused_kernel_does_not_take():
   v = jax.random.normal(ks[1], (64, 2, 64)).astype(jnp.bfloat16)
   assert "jagged" in mosaic.unsupported_reason(q, k, ko, None)
 
-  out = pn.flash_norm_attention(q, k, v, qo, ko, max_seq_len=64, max_kv_len=64,
-                                implementation="interpret", **affine)
+  out = jax.jit(lambda q, k, v: pn.flash_norm_attention(  # one program, not one per eager op
+      q, k, v, qo, ko, max_seq_len=64, max_kv_len=64, implementation="interpret", **affine))(
+          q, k, v)
   ref = jax.jit(lambda q, k, v: reference.flash_norm_attention(
       q.astype(F32), k.astype(F32), v.astype(F32), qo, ko, max_seq_len=64, max_kv_len=64,
       **affine))(q, k, v)
