@@ -198,8 +198,7 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
   op poisons such outputs with NaN anyway). ``PADDING`` is 1 where the item's first q row is at
   or past ``q_offsets[-1]`` (every padding chunk; an empty sample there, which has no blocks):
   the fused norm kernel writes zeros for such items. It is computed before the samples are
-  sorted, as a column they carry: computed from the sorted table it made XLA fuse the sort's
-  gather into a slow concatenate.
+  sorted, as a column they carry, so both kernels share this one table builder.
   """
   q_offsets = q_offsets.astype(jnp.int32)
   batch = q_offsets.shape[0] - 1
