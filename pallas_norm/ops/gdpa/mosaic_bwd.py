@@ -449,9 +449,10 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       def round_(r, first_step):
         item = item_at(r)
         row0 = item.kv_base + wg * BLOCK
-        # The barriers of the item loop through an opaque index: their addresses, hoisted out
-        # of the loop by LLVM, were spilled.
-        zero = mgpu.opaque_zero(r)
+        # The barriers of the item loop through an opaque index (of the step count: LLVM
+        # bounds the round by the static round count): their addresses, hoisted out of the
+        # loop by LLVM, were spilled.
+        zero = mgpu.opaque_zero(first_step)
         # Fused dQ reads the other consumer's K tile too: wait for both loads.
         for w in range(2) if computes_dq else (wg,):
           plgpu.barrier_wait(kv_barrier.at[w + zero])
@@ -465,13 +466,16 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
             q_lo, q_hi, win, blocks = q_span(s)
             kv_lo, kv_hi = kv_range(s)
 
-            def body(idxs, q_stage, do_stage, partials):
+            def body(idxs, q_stage, do_stage, carry):
+              # The global step carried (not step + j): the loop's end value is then the
+              # carry, and the item's first step is not held across the loop for the sum.
+              g, partials = carry
               (j,) = idxs
               col0 = win + j * BLOCK
-              slot = lax.rem(step + j, 2)
+              slot = lax.rem(g, 2)
               # The resident K/V tiles through an opaque 0: at static addresses their WGMMA
               # descriptors were hoisted out of the loop and spilled (mgpu.opaque_zero).
-              kv_tiles = kv_smem.at[pl.ds(mgpu.opaque_zero(step + j), 2)]
+              kv_tiles = kv_smem.at[pl.ds(mgpu.opaque_zero(g), 2)]
               valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
               hand_off = ((ds_free.at[slot], ds_ready.at[slot]) if plan.fuse_dq and wg == 0
                           else None)
@@ -481,17 +485,16 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
                                    partials, hand_off, in_flight=computes_dq)
               if computes_dq:
                 # The head recomputed in the step, not held across it.
-                head_in_step = lambda: _item_index(plan, r + mgpu.opaque_zero(step + j))[1]
+                head_in_step = lambda: _item_index(plan, r + mgpu.opaque_zero(g))[1]
                 # The dq tile too (its per-thread store addresses were hoisted and spilled).
                 _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_tiles,
                           (ds_ready.at[slot], ds_free.at[slot]),
-                          dq_smem.at[mgpu.opaque_zero(step + j)],
+                          dq_smem.at[mgpu.opaque_zero(g)],
                           lambda rows, cols: dq_ref.at[rows, head_in_step(), cols], col0, q_lo,
                           q_hi, do_stage)
-              return partials
+              return g + 1, partials
 
-            partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
-            return step + blocks, partials
+            return mgpu.ring_k_loop(ring, step, blocks, (step, partials), body)
 
           partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
           end_step, partials = _sample_loop(item.first, item.count, sample,
@@ -527,10 +530,10 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
 
         return pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
 
-      _item_rounds(plan, round_, jnp.int32(0))
+      total = _item_rounds(plan, round_, jnp.int32(0))
       if plan.fuse_dq and wg == 0:
         for slot in range(2):  # the last phase of each slot (every waiter sees every phase)
-          plgpu.barrier_wait(ds_free.at[slot])
+          plgpu.barrier_wait(ds_free.at[slot + mgpu.opaque_zero(total)])
       # Only SMEM must outlive the stores: waiting for their reads, not their writes, lets
       # the CTA retire ~the HBM write latency earlier (CUTLASS's epilogues end the same way;
       # the grid's end makes the writes visible).
