@@ -162,10 +162,32 @@ def test_many_items_and_empty_samples(lengths, capacity, heads, d, lkv):
   """Many (kv tile, head) items over two heads, ordered by their q blocks: empty samples (items
   without q blocks, among the long items and last), lengths that are not multiples of the
   block, q blocks shared by samples (partial-row dq stores), a q block past the last offset,
-  dq's NaN padding rows (fused dQ: 12 tile items + 32 zeroing CTAs); Lkv = 192 at D = 64
+  dq's NaN padding rows (fused dQ: 12 items over interpret mode's 2 persistent CTAs, the
+  padding rows stored by their producers); Lkv = 192 at D = 64
   gives two kv tiles per sample (the dQ kernel's path). Traced array scales under jit (their
   gradients from the kernels' partial sums)."""
   _check(lengths, capacity, heads, d, "fast_gelu", lkv=lkv, seed=5, traced_scales=True)
+
+
+@pytest.mark.parametrize("kv", ["dense", "jagged"])
+def test_persistent_items_over_three_ctas(kv, monkeypatch):
+  """The persistent dK/dV grid with 3 CTAs (interpret mode's default is 2), so each CTA runs
+  several items in zig-zag rounds and the last round leaves CTAs idle: dense (fused dQ) 9
+  samples × 2 heads = 18 items, 6 rounds; jagged 7 kv tiles × 1 head, 3 rounds, the last with
+  one item. Empty samples among long and short ones (items without q blocks, whose K/V are
+  still loaded and whose dk/dv are zeros), a 264-row sample (5 q blocks), q blocks shared by
+  samples, and 200 padding rows of dq (dense: 8 units of 64 rows over the CTAs' rounds, the
+  producer's stores). Traced scales: the scale gradients from per-item partial slots. Against
+  the f32 oracle with the module's tolerances (relative Frobenius error < 1e-2; scale
+  gradients within 1e-2 · (|reference| + the root sum of squares of their terms))."""
+  monkeypatch.setattr(gb.mgpu, "num_sms", lambda interpret: 3)
+  lengths = [0, 130, 1, 0, 64, 7, 264, 9, 0]
+  capacity = sum(lengths) // 8 * 8 + 200
+  if kv == "dense":
+    _check(lengths, capacity, 2, 128, "fast_gelu", lkv=128, seed=7, traced_scales=True)
+  else:
+    _check(lengths[:7], sum(lengths[:7]) // 8 * 8 + 64, 1, 128, "silu",
+           kv_lengths=[40, 0, 300, 3, 70, 128, 5], kv_capacity=840, seed=8, traced_scales=True)
 
 
 def _poison_kv(k, v, kv_offsets, samples):
@@ -309,7 +331,8 @@ def _uniform_lengths(seed, batch, max_len):
 @pytest.mark.parametrize("activation,traced,spare", [("fast_gelu", True, 64),
                                                      ("silu", False, 150000)])
 def test_gpu_benchmark_shape_dense(activation, traced, spare):
-  """Fused dQ; ``spare`` padding rows past the tokens (150000: every zeroing CTA works)."""
+  """Fused dQ; ``spare`` padding rows past the tokens (150000: every CTA's producer stores
+  padding rows in every round)."""
   lengths = _uniform_lengths(0, 768, 512)
   capacity = int(np.sum(lengths)) // 8 * 8 + spare
   _check(list(lengths), capacity, 4, 128, activation, lkv=128, traced_scales=traced,

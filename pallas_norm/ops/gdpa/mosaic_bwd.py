@@ -11,18 +11,24 @@ sample b and head h, with ``Su = q kᵀ`` (the unscaled scores), ``S = pre·Su``
 Deterministic kernels (no atomics) in the shape of JAX's ``pallas/ops/gpu/attention_mgpu.py``
 backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of SMEM stages):
 
-* **dK/dV** (:func:`_dkv_kernel`): a CTA owns a kv tile of 128 rows of one head (64 per consumer
-  warpgroup, K and V resident in SMEM) and loops over the q blocks (64 packed rows) of the
-  samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
-  ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per (sample, tile of
-  Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops over every sample
-  it overlaps. The scale-gradient partial sums come from the same registers.
+* **dK/dV** (:func:`_dkv_kernel`): an item is a kv tile of 128 rows of one head (64 per consumer
+  warpgroup, K and V resident in SMEM); its consumers loop over the q blocks (64 packed rows)
+  of the samples that own those kv rows, accumulating dKᵀ-side products in registers
+  (``Sᵀ = K Qᵀ``, ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per
+  (sample, tile of Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops
+  over every sample it overlaps. The scale-gradient partial sums come from the same registers.
+  The grid is persistent, as the forward's: one CTA per SM walks the items (most q blocks
+  first) in zig-zag rounds; the ring's steps count across a CTA's items, so the producer loads
+  the next item's first q/dO blocks during the current item's last steps, and a consumer loads
+  the next item's K/V at the start of its epilogue (dK and dV leave through its operand tiles,
+  not through the K/V tiles).
 * **dQ fused** (:func:`_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
   shape): the dK/dV CTA of a (sample, head) holds every kv row, so dQ of a q block = dS K is
   complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway);
   consumer 0 hands its tile over through a barrier and goes on, consumer 1 computes and stores
-  all of dQ's columns for the sample's rows (so the consumers do not meet every step). A few
-  extra CTAs write dq's padding rows.
+  all of dQ's columns for the sample's rows (so the consumers do not meet every step). The
+  producer warpgroup writes dq's padding rows (no item owns them), a share per CTA spread over
+  its rounds, by TMA stores of one SMEM tile holding the padding value.
 * **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
   head (64 per consumer) and loops over the kv blocks (64 rows) of every sample with q rows in
   the block, into an accumulator of that sample's own, of which it stores the sample's rows.
@@ -46,8 +52,8 @@ products Aᵀ dO and dSᵀ Q: the up to 7 rows before a sample's first and the u
 last), as a NaN, never a silently wrong value.
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
-capacity T, except for writing dq's padding rows. The dK/dV tiles run
-longest first (the hardware schedules CTAs in order, so long samples do not trail at the end).
+capacity T, except for writing dq's padding rows. The dK/dV items run longest first, dealt
+to the CTAs in zig-zag rounds, so the CTAs' sums of q blocks stay close.
 """
 
 from __future__ import annotations
@@ -78,9 +84,8 @@ TILE = 2 * BLOCK
 
 STAGES = 2
 """SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 a third stage
-never helped the non-persistent grid the product runs (``benchmarks/EXPERIMENTS.md``, GDPA
-backward): the consumers, not the loads, set the pace, and the fused dK/dV/dQ kernel needs the
-SMEM."""
+never helped (``benchmarks/EXPERIMENTS.md``, GDPA backward): the consumers, not the loads, set
+the pace, and the fused dK/dV/dQ kernel needs the SMEM."""
 
 HEAD_DIMS = (64, 128)
 """Head dims the kernels support: the two (BLOCK, D) float32 accumulators of a dK/dV consumer
@@ -319,12 +324,11 @@ class _DkvItem:
 
 
 def _item_index(plan: _Plan, round_):
-  """(position, head) of this CTA's item in round ``round_``: work item ``i = round · CTAs +
-  column`` is head ``i mod H`` of the kv tile at position ``i div H`` of the work order (most
-  q blocks first); the column runs over the CTAs forward in even rounds and backward in odd
-  ones (zig-zag, as the forward's rounds), so the CTAs get similar sums of q blocks. Also
-  whether the CTA has an item in that round (the last round may have fewer items than
-  CTAs)."""
+  """(position, head, exists) of this CTA's item in round ``round_``: work item ``i = round ·
+  CTAs + column`` is head ``i mod H`` of the kv tile at position ``i div H`` of the work order
+  (most q blocks first); the column runs over the CTAs forward in even rounds and backward in
+  odd ones (zig-zag, as the forward's rounds), so the CTAs get similar sums of q blocks.
+  ``exists`` is False past the last item (the last round may have fewer items than CTAs)."""
   cta = lax.axis_index("cta")
   column = jnp.where(lax.rem(round_, 2) == 0, cta, plan.dkv_ctas - 1 - cta)
   index = round_ * plan.dkv_ctas + column
