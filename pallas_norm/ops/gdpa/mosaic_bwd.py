@@ -19,9 +19,9 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   over every sample it overlaps. The scale-gradient partial sums come from the same registers.
   The grid is persistent, as the forward's: one CTA per SM walks the items (most q blocks
   first) in zig-zag rounds; the ring's steps count across a CTA's items, so the producer loads
-  the next item's first q/dO blocks during the current item's last steps, and a consumer loads
-  the next item's K/V at the start of its epilogue (dK and dV leave through its operand tiles,
-  not through the K/V tiles).
+  the next item's first q/dO blocks during the current item's last steps, and its K/V as soon
+  as both consumers release theirs at the start of their epilogues (dK and dV leave through
+  the consumers' operand tiles, not through the K/V tiles).
 * **dQ fused** (:func:`_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
   shape): the dK/dV CTA of a (sample, head) holds every kv row, so dQ of a q block = dS K is
   complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway);
@@ -361,9 +361,10 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
                 do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
   """Persistent: CTA ``cta`` runs its items (:func:`_read_item`) one after the other. The
   ring's steps count across the items, so the producer loads the next item's first q/dO
-  blocks while the consumers finish the current one; each consumer loads the next item's K/V
-  as soon as the current item's last WGMMAs have read them (dK/dV leave through the operand
-  tiles), so the load runs during the epilogue."""
+  blocks while the consumers finish the current one, then its K/V as soon as the consumers
+  release theirs (``kv_free``, after the item's last WGMMAs: dK/dV leave through the operand
+  tiles), so that load runs during their epilogue. The producer has read the next item's
+  table row long before: no dependent load delays the K/V."""
   dk_ref, dv_ref = out_refs[:2]
   dq_ref = out_refs[2] if plan.fuse_dq else None
   partial_ref = out_refs[-1] if plan.scale_grads else None
@@ -386,7 +387,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
     """The (kv rows, D) view of k, v, dk or dv for the item's head (dense: its sample's)."""
     return ref.at[item.first, :, item.head, :] if plan.dense else ref.at[:, item.head, :]
 
-  def scoped(ring, kv_smem, kv_barrier, op_smem, partial_smem, ds_ready, ds_free,
+  def scoped(ring, kv_smem, kv_barrier, kv_free, op_smem, partial_smem, ds_ready, ds_free,
              dq_smem=None, fill_smem=None, kv_done=None):
     ring = mgpu.SharedRing(stages=STAGES, **ring)
 
@@ -394,7 +395,23 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       if plan.fuse_dq:
         _fill_tile(fill_smem, _padding_value(scales_ref))
 
-      def produce_item(r, step):
+      def load_kv(item, r):
+        """Both consumers' BLOCK kv rows of the item into their K and V tiles, once they are
+        done with the previous item's (``kv_free``; the CTA's first item has none)."""
+        @pl.when(r > 0)
+        def _():
+          for w in range(2):
+            plgpu.barrier_wait(kv_free.at[w])
+
+        for w in range(2):
+          rows = pl.ds(item.kv_base + w * BLOCK, BLOCK)
+          for ref, tile in ((k_ref, kv_smem.at[w, 0]), (v_ref, kv_smem.at[w, 1])):
+            plgpu.copy_gmem_to_smem(rows_of(ref, item).at[rows], tile, kv_barrier.at[w])
+
+      def produce_item(r, first_step):
+        """The item's q/dO blocks from ring step ``first_step``, and its K/V after the first
+        STAGES blocks: those load during the previous item's last steps, the K/V (which
+        waits for the previous item's end) as soon as the consumers release it."""
         item = item_at(r)
 
         def sample(s, step):
@@ -402,6 +419,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
 
           @pl.loop(0, blocks)
           def _(j):
+            pl.when(step + j == first_step + STAGES)(lambda: load_kv(item, r))
             row = win + j * BLOCK
             rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
             main = (q_ref.at[rows, item.head, :], do_ref.at[rows, item.head, :])
@@ -411,7 +429,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
             _produce_block(ring, step + j, row + BLOCK > q_end, main, tail)
           return step + blocks
 
-        return _sample_loop(item.first, item.count, sample, step)
+        end_step = _sample_loop(item.first, item.count, sample, first_step)
+        pl.when(end_step - first_step <= STAGES)(lambda: load_kv(item, r))
+        return end_step
 
       def round_(r, step):
         step = lax.cond(_item_index(plan, r)[2], functools.partial(produce_item, r),
@@ -423,6 +443,12 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
 
       total = lax.fori_loop(0, plan.dkv_rounds, round_, jnp.int32(0))
       mgpu.ring_drain(ring, total)
+
+      @pl.when(_item_index(plan, 0)[2])
+      def _():
+        for w in range(2):  # the releases of the CTA's last item (every phase is waited)
+          plgpu.barrier_wait(kv_free.at[w])
+
       if plan.fuse_dq:  # (all stored in the rounds, unless there are none)
         per_round = _dq_padding_per_round(plan, dq_ref.shape[0], q_end)
         _store_dq_padding(plan, dq_ref, fill_smem, q_end, plan.dkv_rounds * per_round, None)
@@ -434,18 +460,10 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       and goes on; consumer 1 computes all of dQ's columns from both tiles and frees consumer
       0's slot (``ds_free``), so neither waits for the other within a step and the consumer
       ahead runs its elementwise work while the other's WGMMAs use the tensor cores."""
-      k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
       computes_dq = plan.fuse_dq and wg == 1
       pre, post = scales_ref[0], scales_ref[1]
       ids = _tile_ids()
 
-      def load_kv(item, zero):
-        """This consumer's BLOCK kv rows of the item into its K and V tiles."""
-        rows = pl.ds(item.kv_base + wg * BLOCK, BLOCK)
-        for ref, tile in ((k_ref, k_smem), (v_ref, v_smem)):
-          plgpu.copy_gmem_to_smem(rows_of(ref, item).at[rows], tile, kv_barrier.at[wg + zero])
-
-      pl.when(_item_index(plan, 0)[2])(lambda: load_kv(item_at(0), 0))
       if computes_dq:  # both dSᵀ slots start free (consumer 0 waits for every phase)
         for slot in range(2):
           plgpu.barrier_arrive(ds_free.at[slot])
@@ -511,9 +529,9 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
               plgpu.barrier_arrive(kv_done.at[zero])
             else:
               plgpu.barrier_wait(kv_done.at[zero])
-          # This consumer's K and V are no longer read: the next item's load runs while the
-          # epilogue stores dK and dV.
-          pl.when(_item_index(plan, r + 1)[2])(lambda: load_kv(item_at(r + 1), zero))
+          # This consumer's K and V are no longer read: the producer loads the next item's
+          # while the epilogue stores dK and dV.
+          plgpu.barrier_arrive(kv_free.at[wg + zero])
           # The item read again (an opaque round): its fields are not kept across the loop.
           done = item_at(r + mgpu.opaque_zero(end_step))
           done_row0 = done.kv_base + wg * BLOCK
@@ -554,6 +572,7 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       ring=_ring_allocs(d, dtype),
       kv_smem=plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
       kv_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: K, V copies
+      kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # per consumer: done with K, V
       # Per consumer: Aᵀ and dSᵀ (two slots: the other consumer reads it), and at the end of an
       # item dK and dV in 128-byte column chunks (the K/V tiles are being reloaded).
       op_smem=_operand_smem(max(3, 2 * plan.dkv_chunks), dtype),
