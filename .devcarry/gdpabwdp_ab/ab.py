@@ -386,6 +386,9 @@ def _parent(args):
     order = list(workers) if rnd % 2 == 0 else list(workers)[::-1]
     for case in cases:
       for tag in order:
+        if args.budget_s - (time.time() - t_start) < 15:
+          log(f"round {rnd} {case} {tag}: under 15 s of budget left, not timed")
+          continue
         workers[tag].send(f"time {case} {args.iters}")
         r = workers[tag].read("TIMES")
         if "error" in r:
@@ -436,8 +439,10 @@ def main():
   p.add_argument("--worker", action="store_true")
   p.add_argument("--tree")
   args = p.parse_args()
-  if args.tiny:
-    args.iters = min(args.iters, 2)
+  if args.tiny:  # interpret mode on the CPU: a call of a case takes seconds
+    args.iters = min(args.iters, 1)
+    args.rounds = min(args.rounds, 2)
+    args.budget_s = max(args.budget_s, 900)
   if args.worker:
     _worker(args)
   else:
