@@ -91,14 +91,18 @@ def _scale_terms(q, k, v, q_offsets, affine, weights, pre, post, max_seq_len):
         qf, q_offsets, attention, eps=1e-6, out_dtype=None, pre_layer_norm=True,
         inner_residual=True, outer_residual=True, return_stats=False, **affine)
 
-  captured = {}
-  block(lambda u: captured.setdefault("u", u) * 0)  # eager: u as the block makes it
-  u = captured["u"]
-  attn, attn_vjp = jax.vjp(attention, u)
-  (dz,) = jax.vjp(lambda a: block(lambda _: a), attn)[1](weights.astype(F32))
-  (du,) = attn_vjp(dz)
+  @jax.jit  # one program: eagerly, each op compiled on its own (4 of the test's seconds)
+  def terms(weights):
+    captured = {}
+    block(lambda u: captured.setdefault("u", u) * 0)  # u as the block makes it
+    u = captured["u"]
+    attn, attn_vjp = jax.vjp(attention, u)
+    (dz,) = jax.vjp(lambda a: block(lambda _: a), attn)[1](weights.astype(F32))
+    (du,) = attn_vjp(dz)
+    return du / pre * u, attn / post * dz
+
   norm = lambda x: float(np.linalg.norm(np.asarray(x, np.float64).ravel()))  # noqa: E731
-  return norm(du / pre * u), norm(attn / post * dz)
+  return tuple(map(norm, terms(weights)))
 
 
 def _reference(q, k, v, q_offsets, **kw):
@@ -154,32 +158,33 @@ def test_fused_switches_match_reference(switches):
   assert _rel_err(rms.rstd[:total], rms_ref.rstd[:total]) < TOL
 
 
-@pytest.mark.parametrize("variant,switches", [
-    (dict(kv_stages=2), dict()), (None, dict(pre_layer_norm=False, inner_residual=False))])
-def test_fused_ring_depth_matches_default(variant, switches):
-  """A 2-slot K/V ring (the H = 4 kernel's) against a 4-slot one at this shape, bit
-  for bit (same arithmetic; the ring wraps at other key blocks and the producer waits for
-  releases), over three key blocks per head, with the backward's residuals z and u (checked
-  against their definitions); also, default ring only (the ring depth is orthogonal to the
-  switches), with the LayerNorm and the inner residual off (the attention warpgroup then reads
-  q_h as TMA wrote it). The op's forward-only tests cover the kernel without the residuals."""
-  _check_variant_matches_default(mosaic, 2, variant, **switches)
+@pytest.mark.slow  # 15-20 s: xdist hands it out early
+@pytest.mark.parametrize("variants,switches", [
+    ([dict(kv_stages=2), dict(q_buffers=2)], dict()),
+    ([dict(q_buffers=2)], dict(pre_layer_norm=False, inner_residual=False))],
+    ids=["ring_and_q_buffers", "q_buffers_switches_off"])
+def test_fused_variants_match_default(variants, switches):
+  """Each variant of the one-CTA kernel's base Config (one q buffer, a 4-slot K/V ring) against
+  it, bit for bit, with the backward's residuals z and u (checked against their definitions),
+  over a sample of three q blocks (130 rows), one of none and one of a single block, and three
+  key blocks per head:
+  - a 2-slot K/V ring (the H = 4 kernel's): same arithmetic; the ring wraps at other key blocks
+    and the producer waits for releases. Default switches only (the ring depth is orthogonal
+    to them).
+  - two q buffers (Config.q_buffers: the next block's q tiles, statistics and u tiles made
+    before the current block's epilogue; the first buffer reused), also with the LayerNorm and
+    the inner residual off (the attention warpgroup then waits for q itself, reading q_h as TMA
+    wrote it, in the block's buffer).
+  One default run serves the variants of a parametrization (the ring and the q-buffer tests
+  ran it each). The op's forward-only tests cover the kernel without the residuals."""
+  _check_variant_matches_default(mosaic, 2, variants, (130, 0, 9), **switches)
 
 
-@pytest.mark.parametrize("switches", [dict(), dict(pre_layer_norm=False, inner_residual=False)])
-def test_fused_two_q_buffers_match_default(switches):
-  """Two q buffers (Config.q_buffers: the next block's q tiles, statistics and u tiles made
-  before the current block's epilogue) against one, bit for bit, with z and u, over a sample of
-  three q blocks (the first buffer reused) and one of a single block; with the LayerNorm and the inner
-  residual off too (the attention then waits for q itself, in the block's buffer)."""
-  _check_variant_matches_default(mosaic, 2, dict(q_buffers=2), (130, 0, 9), **switches)
-
-
-def _check_variant_matches_default(module, heads, variant, lens=(70, 0, 9), lkv=192,
+def _check_variant_matches_default(module, heads, variants, lens=(70, 0, 9), lkv=192,
                                    **switches):
-  """``variant`` of a base Config of the forward kernel ``module`` (if not None) against
-  it, bit for bit (samples of ``lens`` rows, Lkv = 192 by default: three key blocks); the
-  default and its z and u against the reference."""
+  """Each of ``variants`` (Config field changes) of a base Config of the forward kernel
+  ``module`` against it, bit for bit (samples of ``lens`` rows, Lkv = 192 by default: three
+  key blocks); the default and its z and u against the reference."""
   q, k, v, qo, affine = _problem(3, list(lens), heads, 64, lkv=lkv)
   a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(
       3, heads, 64)
@@ -193,11 +198,12 @@ def _check_variant_matches_default(module, heads, variant, lens=(70, 0, 9), lkv=
     assert default.kv_stages is None
   want = run(default)
   assert len(want) == 4
-  if variant is not None:
+  for variant in variants:
     got = run(dataclasses.replace(default, **variant))
     for g, w in zip(got, want):
       if w is not None:
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                      err_msg=str(variant))
   assert not mgpu.races_found()
   total = int(qo[-1])
   pre_layer_norm = switches.get("pre_layer_norm", True)
@@ -232,16 +238,21 @@ def _check_residuals(outputs, q, k, v, qo, kw):
   assert not bool(jnp.any(z[total:] != 0))
 
 
+@pytest.mark.slow  # 15-20 s: xdist hands it out early
 def test_fused_gradients_match_reference():
   """The custom_vjp (the two row kernels of norm_bwd around the GDPA backward kernel) against
   the f32 reference's gradients: q, k, v, the three affines and traced pre_scale and post_scale.
   The scale gradients are judged against the size of their terms (:func:`_scale_terms`), as
-  test_gdpa_bwd_kernel does: a bound relative to the sum alone would fail on rounding alone."""
-  q, k, v, qo, affine = _problem(2, [5, 0, 70, 9], 2, 64)  # with an empty sample
-  q = _clean(q, qo)  # a gradient at NaN inputs is NaN in the reference
+  test_gdpa_bwd_kernel does: a bound relative to the sum alone would fail on rounding alone.
+  Also, with the default switches, test_fused_gradients_ignore_nan_padding_rows's check: NaN in
+  the padding rows of q and of the cotangent gives the same gradients bit for bit (one compiled
+  program runs all three)."""
+  q_nan, k, v, qo, affine = _problem(2, [5, 0, 70, 9], 2, 64)  # with an empty sample
+  total = int(qo[-1])
+  q = _clean(q_nan, qo)  # a gradient at NaN inputs is NaN in the reference
   weights = jnp.sin(jnp.arange(q.size, dtype=F32)).reshape(q.shape)
 
-  def loss(q, k, v, ln_scale, ln_bias, rms_scale, pre, post, impl):
+  def loss(q, k, v, ln_scale, ln_bias, rms_scale, pre, post, weights, impl):
     out = pn.flash_norm_attention(q, k, v, qo, ln_scale=ln_scale, ln_bias=ln_bias,
                                   rms_scale=rms_scale, pre_scale=pre, post_scale=post,
                                   max_seq_len=80, implementation=impl)
@@ -249,9 +260,9 @@ def test_fused_gradients_match_reference():
 
   args = (q, k, v, affine["ln_scale"], affine["ln_bias"], affine["rms_scale"], jnp.float32(0.9),
           jnp.float32(1.1))
-  grad = jax.grad(loss, argnums=range(8))
-  got = jax.jit(grad, static_argnums=8)(*args, "interpret")
-  want = jax.jit(grad, static_argnums=8)(*(a.astype(F32) for a in args), "xla")  # one program
+  grad = jax.jit(jax.grad(loss, argnums=range(8)), static_argnums=9)
+  got = grad(*args, weights, "interpret")
+  want = grad(*(a.astype(F32) for a in args), weights, "xla")  # one program
   names = ("q", "k", "v", "ln_scale", "ln_bias", "rms_scale")
   for name, a, g, w in zip(names, args, got, want):
     assert g.shape == a.shape and g.dtype == a.dtype, name
@@ -261,15 +272,20 @@ def test_fused_gradients_match_reference():
     assert g.shape == () and g.dtype == F32, name
     err = abs(float(g) - float(w))
     assert err <= TOL * (abs(float(w)) + t), (name, float(g), float(w), t)
+  nan_got = grad(q_nan, *args[1:], weights.at[total:].set(jnp.nan), "interpret")
+  for name, g, c in zip(names + ("pre_scale", "post_scale"), nan_got, got):
+    assert bool(jnp.all(jnp.isfinite(g))), f"NaN from a padding row leaked into d{name}"
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(c, np.float32), name)
+  assert not bool(jnp.any(nan_got[0][total:] != 0)), "dq's padding rows must be 0"
 
 
-@pytest.mark.parametrize("switches", [(True, True, True), (False, True, False)])
+@pytest.mark.parametrize("switches", [(False, True, False)])
 def test_fused_gradients_ignore_nan_padding_rows(switches):
   """The backward's row kernels work on live rows only (dz's padding rows unwritten, NaN in
   interpret mode): NaN in the padding rows of q and of the cotangent, with traced scales, gives
   the gradients of zero padding bit for bit (dq's padding rows 0, every parameter and scale
-  gradient finite) and the f32 reference's (review13: test_fused_gradients_match_reference
-  cleans q's padding first)."""
+  gradient finite) and the f32 reference's (review13). With the LayerNorm and the outer
+  residual off; test_fused_gradients_match_reference checks the same with every switch on."""
   pre_layer_norm, inner_residual, outer_residual = switches
   q, k, v, qo, affine = _problem(5, [5, 0, 9], 2, 64)  # q's padding rows NaN, T = 24
   if not pre_layer_norm:
@@ -396,8 +412,9 @@ def test_chain_for_calls_the_fused_kernel_does_not_take():
   v = jax.random.normal(ks[1], (64, 2, 64)).astype(jnp.bfloat16)
   assert "jagged" in mosaic.unsupported_reason(q, k, ko, None)
 
-  out = pn.flash_norm_attention(q, k, v, qo, ko, max_seq_len=64, max_kv_len=64,
-                                implementation="interpret", **affine)
+  out = jax.jit(lambda q, k, v: pn.flash_norm_attention(  # one program, not one per eager op
+      q, k, v, qo, ko, max_seq_len=64, max_kv_len=64, implementation="interpret", **affine))(
+          q, k, v)
   ref = jax.jit(lambda q, k, v: reference.flash_norm_attention(
       q.astype(F32), k.astype(F32), v.astype(F32), qo, ko, max_seq_len=64, max_kv_len=64,
       **affine))(q, k, v)
@@ -626,9 +643,9 @@ def test_cluster_kv_form_matches_default(variant, switches):
   make a consumer reuse a q slot (the producer's TMA must not overwrite the tile before that
   read: the race detector flagged it before the fence)."""
   if variant is not None:
-    _check_variant_matches_default(cluster, 1, variant, **switches)
+    _check_variant_matches_default(cluster, 1, [variant], **switches)
   else:
-    _check_variant_matches_default(cluster, 1, None, (79, 79, 80, 31, 14, 74), 64, **switches)
+    _check_variant_matches_default(cluster, 1, [], (79, 79, 80, 31, 14, 74), 64, **switches)
 
 
 @pytest.mark.parametrize("heads", [2, 4, 8])

@@ -63,13 +63,20 @@ def test_lazy_backward_16bit_large_row_mean(dtype, mean_offset):
   values."""
   x, w, scale, bias, ct = _inputs(13, 64, 128, 128, dtype, mean_offset=mean_offset)
   fused, ref = _losses("layer", ct, True, True)
-  got = jax.grad(fused, argnums=(0, 1, 2, 3))(x, w, scale, bias)
+  # Jitted: one program each instead of one compile per eager op.
+  got = jax.jit(jax.grad(fused, argnums=(0, 1, 2, 3)))(x, w, scale, bias)
   f32 = [a.astype(jnp.float32) for a in (x, w, scale, bias)]
-  want = jax.grad(ref, argnums=(0, 1, 2, 3))(*f32)
+  want = jax.jit(jax.grad(ref, argnums=(0, 1, 2, 3)))(*f32)
   for name, g, r in zip(["dx", "dw", "dscale", "dbias"], got, want):
     g, r = g.astype(jnp.float32), r.astype(jnp.float32)
     err = float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))
     assert err < 2e-2, (name, err)
+
+
+def _jit_vjp(fn, primals, ct):
+  """(fn(*primals), its VJP at ct) as one compiled program: run eagerly, each op of the
+  reference and of the XLA path compiled on its own (most of the test's CPU time)."""
+  return jax.jit(lambda p: (lambda y, vjp: (y, vjp(ct)))(*jax.vjp(fn, *p)))(primals)
 
 
 def _rel(a, b):
@@ -108,12 +115,10 @@ def test_public_api_interpret_matches_xla(monkeypatch, m, k, n, norm, use_affine
                                                       implementation=implementation)
 
   f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
-  y_ref, vjp_ref = jax.vjp(lambda *a: reference.norm_matmul(*a, norm=norm), *f32((x, w)),
-                           scale, bias)
-  grads_ref = vjp_ref(ct.astype(jnp.float32))
+  y_ref, grads_ref = _jit_vjp(lambda *a: reference.norm_matmul(*a, norm=norm),
+                              (*f32((x, w)), scale, bias), ct.astype(jnp.float32))
   for impl in ("interpret", "xla"):
-    y, vjp = jax.vjp(op(impl), x, w, scale, bias)
-    grads = vjp(ct)
+    y, grads = _jit_vjp(op(impl), (x, w, scale, bias), ct)
     assert y.dtype == jnp.bfloat16 and y.shape == x.shape[:-1] + (n,), impl
     assert _rel(y, y_ref) < 1e-2, impl
     if impl == "interpret":
@@ -135,10 +140,9 @@ def _check_against_f32_reference(y, grads, x, w, scale, bias, ct, norm):
   """y within 1e-2 and each gradient (dx, dw, dscale, dbias) finite, within 2e-2 of the largest
   entry of the f32 reference's elementwise, and within 2e-2 relative (Frobenius)."""
   f32 = lambda a: a.astype(jnp.float32)
-  y_ref, vjp_ref = jax.vjp(lambda *a: reference.norm_matmul(*a, norm=norm), f32(x), f32(w),
-                           scale, bias)
+  y_ref, grads_ref = _jit_vjp(lambda *a: reference.norm_matmul(*a, norm=norm),
+                              (f32(x), f32(w), scale, bias), f32(ct))
   assert _rel(y, y_ref) < 1e-2
-  grads_ref = vjp_ref(f32(ct))
   chex.assert_trees_all_equal_shapes(grads, grads_ref)
   for name, g, r in zip(["dx", "dw", "dscale", "dbias"], grads, grads_ref):
     assert bool(jnp.all(jnp.isfinite(g))), name
@@ -498,11 +502,18 @@ def test_dx_stays_accurate_when_the_bias_dwarfs_the_scale(norm, scale_size, bias
   bias = bias_size * jax.random.normal(ks[1], (k,), jnp.float32)
   w_gamma, out_bias = scale[:, None] * w.astype(jnp.float32), bias @ w.astype(jnp.float32)
   assert float(nm_xla.bias_cancellation(w_gamma, out_bias)) > nm_xla.BIAS_CANCELLATION_LIMIT
-  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-  _, vjp_ref = jax.vjp(lambda x: reference.norm_matmul(x, f32(w), scale, bias, norm=norm), f32(x))
-  (dx_ref,) = vjp_ref(ct)
+  dx_ref = _reference_dx(x, w, scale, bias, ct, norm=norm)
   _check_dx_accuracy_under_bias_cancellation(x, w, scale, bias, ct, norm, scale_size, dx_ref,
                                              ("interpret",))
+
+
+@functools.partial(jax.jit, static_argnames=("norm",))
+def _reference_dx(x, w, scale, bias, ct, *, norm):
+  """dx of the f32 reference as one program (eagerly, each op compiled on its own), shared by
+  the cases of a norm."""
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  _, vjp_ref = jax.vjp(lambda x: reference.norm_matmul(x, f32(w), scale, bias, norm=norm), f32(x))
+  return vjp_ref(ct)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("norm", "impl"))
@@ -561,15 +572,15 @@ def test_xla_rms_is_as_accurate_as_the_kernel():
   x = jax.random.normal(ks[0], (512, 1024), jnp.float32).astype(jnp.bfloat16)
   w = jax.random.normal(ks[1], (1024, 1024), jnp.float32).astype(jnp.bfloat16)
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-  want = reference.norm_matmul(f32(x), f32(w), norm="rms")
-  y = pallas_norm.norm_matmul(x, w, norm="rms", implementation="xla")
+  want = jax.jit(lambda x, w: reference.norm_matmul(f32(x), f32(w), norm="rms"))(x, w)
+  y = jax.jit(lambda x, w: pallas_norm.norm_matmul(x, w, norm="rms", implementation="xla"))(x, w)
   outside = ~np.isclose(np.asarray(f32(y)), np.asarray(want), atol=3e-2, rtol=3e-2)
   assert outside.mean() == 0.0, outside.mean()
   m, k, n = 64, 128, 96
   x, w, scale, bias, ct = _inputs(8, m, k, n, jnp.bfloat16)
-  y, vjp = jax.vjp(lambda x, w, s, b: pallas_norm.norm_matmul(
-      x, w, scale=s, norm_bias=b, norm="rms", implementation="xla"), x, w, scale, bias)
-  grads = vjp(ct.astype(jnp.bfloat16))
+  y, grads = _jit_vjp(lambda x, w, s, b: pallas_norm.norm_matmul(
+      x, w, scale=s, norm_bias=b, norm="rms", implementation="xla"), (x, w, scale, bias),
+      ct.astype(jnp.bfloat16))
   assert [g.dtype for g in grads[:2]] == [jnp.bfloat16] * 2  # 16-bit backward GEMMs
   _check_against_f32_reference(y, grads, x, w, scale, bias, ct, "rms")
 

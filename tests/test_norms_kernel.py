@@ -505,9 +505,11 @@ def test_forward_paths_and_refusals(monkeypatch):
   with pytest.raises(NotImplementedError, match="N = 8193 with a residual"):
     pallas_norm.layer_norm(wide, residual=wide, implementation="interpret")
   scale = 1 + 0.1 * jax.random.normal(jax.random.key(3), (wide.shape[-1],))
-  got = jax.grad(lambda x, s: jnp.sum(jnp.sin(pallas_norm.rms_norm(
-      x, s, implementation="interpret"))), (0, 1))(wide, scale)
-  want = jax.grad(lambda x, s: jnp.sum(jnp.sin(reference.rms_norm(x, s))), (0, 1))(wide, scale)
+  # Jitted: one program each instead of one compile per eager op.
+  got = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(pallas_norm.rms_norm(
+      x, s, implementation="interpret"))), (0, 1)))(wide, scale)
+  want = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(reference.rms_norm(x, s))), (0, 1)))(
+      wide, scale)
   for g, w in zip(got, want):
     _assert_close(g, w, F32_TOL, "grad")
 
@@ -640,8 +642,9 @@ def test_forward_use_runs_the_forward_kernel_and_training_its_own_path(monkeypat
   _assert_close(jax.jit(f)(x, vecs["scale"]), reference.rms_norm(x, vecs["scale"], eps=1e-5),
                 F32_TOL, "y")
   assert calls, "the forward use did not run the forward kernel"
-  got = jax.grad(lambda x, s: jnp.sum(jnp.sin(f(x, s))), (0, 1))(x, vecs["scale"])
-  want = jax.grad(lambda x, s: jnp.sum(jnp.sin(reference.rms_norm(x, s, eps=1e-5))),
-                  (0, 1))(x, vecs["scale"])
+  # Jitted: one program each instead of one compile per eager op.
+  got = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(f(x, s))), (0, 1)))(x, vecs["scale"])
+  want = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(reference.rms_norm(x, s, eps=1e-5))),
+                          (0, 1)))(x, vecs["scale"])
   for g, w in zip(got, want):
     _assert_close(g, w, F32_TOL, "grad")
