@@ -21,6 +21,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 from jax import export
+import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm import mgpu, reference
 from pallas_norm.ops.gdpa import mosaic_bwd as gb
@@ -93,13 +94,15 @@ def _reference_grads(q, k, v, q_offsets, kv_offsets, do, activation, pre, post):
 
 def _check(lengths, capacity, heads, d, activation, *, dtype=jnp.bfloat16, lkv=None,
            kv_lengths=None, kv_capacity=None, traced_scales=False, seed=0,
-           pre=0.7, post=1.3, interpret=True):
+           pre=0.7, post=1.3, interpret=True, add_do_to_dq=False):
+  """``add_do_to_dq``: the kernels return dq + dO on the sample rows (padding rows still 0)."""
   q, k, v, q_offsets, kv_offsets, do = _inputs(seed, lengths, capacity, heads, d, dtype, lkv=lkv,
                                                kv_lengths=kv_lengths, kv_capacity=kv_capacity)
 
   def bwd(q, k, v, do, pre, post):
     return gb.gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, activation=activation,
-                       pre_scale=pre, post_scale=post, interpret=interpret)
+                       pre_scale=pre, post_scale=post, interpret=interpret,
+                       add_do_to_dq=add_do_to_dq)
 
   if traced_scales:
     out = jax.jit(bwd)(q, k, v, do, jnp.float32(pre), jnp.float32(post))
@@ -111,12 +114,14 @@ def _check(lengths, capacity, heads, d, activation, *, dtype=jnp.bfloat16, lkv=N
   dq, dk, dv, d_pre, d_post = out
   ref, scale_terms = _reference_grads(q, k, v, q_offsets, kv_offsets, do, activation, pre,
                                       post)
+  total = int(q_offsets[-1])
+  if add_do_to_dq:
+    ref = (ref[0].at[:total].add(do[:total].astype(jnp.float32)), *ref[1:])
   for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[:3]):
     assert got.shape == want.shape and got.dtype == jnp.dtype(dtype), name
     assert np.isfinite(np.asarray(got, np.float32)).all(), (
         f"{name}: unwritten (NaN-filled) or NaN rows")
     assert _rel_err(got, want) < TOL, (name, _rel_err(got, want))
-  total = int(q_offsets[-1])
   assert not np.any(np.asarray(dq[total:], np.float32)), "dq padding rows must be zeros"
   if kv_offsets is not None:
     kv_total = int(kv_offsets[-1])
@@ -162,10 +167,70 @@ def test_many_items_and_empty_samples(lengths, capacity, heads, d, lkv):
   """Many (kv tile, head) items over two heads, ordered by their q blocks: empty samples (items
   without q blocks, among the long items and last), lengths that are not multiples of the
   block, q blocks shared by samples (partial-row dq stores), a q block past the last offset,
-  dq's NaN padding rows (fused dQ: 12 tile items + 32 zeroing CTAs); Lkv = 192 at D = 64
+  dq's NaN padding rows (fused dQ: 12 items over interpret mode's 2 persistent CTAs, the
+  padding rows stored by their producers); Lkv = 192 at D = 64
   gives two kv tiles per sample (the dQ kernel's path). Traced array scales under jit (their
   gradients from the kernels' partial sums)."""
   _check(lengths, capacity, heads, d, "fast_gelu", lkv=lkv, seed=5, traced_scales=True)
+
+
+@pytest.mark.parametrize("kv", ["dense", "jagged"])
+def test_persistent_items_over_three_ctas(kv, monkeypatch):
+  """The persistent dK/dV grid with 3 CTAs (interpret mode's default is 2), so each CTA runs
+  several items in zig-zag rounds and the last round leaves CTAs idle: dense (fused dQ) 9
+  samples × 2 heads = 18 items, 6 rounds; jagged 7 kv tiles × 1 head, 3 rounds, the last with
+  one item. Empty samples among long and short ones (items without q blocks, whose K/V are
+  still loaded and whose dk/dv are zeros), a 264-row sample (5 q blocks), q blocks shared by
+  samples, and 200 padding rows of dq (dense: 8 units of 64 rows over the CTAs' rounds, the
+  producer's stores). Traced scales: the scale gradients from per-item partial slots. Against
+  the f32 oracle with the module's tolerances (relative Frobenius error < 1e-2; scale
+  gradients within 1e-2 · (|reference| + the root sum of squares of their terms))."""
+  monkeypatch.setattr(gb.mgpu, "num_sms", lambda interpret: 3)
+  lengths = [0, 130, 1, 0, 64, 7, 264, 9, 0]
+  capacity = sum(lengths) // 8 * 8 + 200
+  if kv == "dense":
+    _check(lengths, capacity, 2, 128, "fast_gelu", lkv=128, seed=7, traced_scales=True)
+  else:
+    _check(lengths[:7], sum(lengths[:7]) // 8 * 8 + 64, 1, 128, "silu",
+           kv_lengths=[40, 0, 300, 3, 70, 128, 5], kv_capacity=840, seed=8, traced_scales=True)
+
+
+def test_persistent_one_cta_walks_every_item(monkeypatch):
+  """One persistent CTA runs all 16 (kv tile, head) items of the fused dK/dV/dQ kernel, so every
+  item boundary of the work order meets the next: items of 4, 3, 2, 1 and 0 q blocks (the
+  producer loads an item's K/V inside its q/dO loop after 2 blocks, or after the loop for
+  fewer), kv_free/kv_done and the dSᵀ slots over 16 items, the dq tile's head switching. With
+  ``add_do_to_dq`` (FlashNormAttention's inner residual: dO read from a ring stage the producer
+  refills across items) and Python-float scales; dq's 136 padding rows stored by the one
+  producer in its rounds."""
+  monkeypatch.setattr(gb.mgpu, "num_sms", lambda interpret: 1)
+  lengths = [0, 129, 1, 0, 64, 200, 7, 65]
+  _check(lengths, sum(lengths) // 8 * 8 + 136, 2, 128, "silu", lkv=128, seed=11,
+         add_do_to_dq=True)
+
+
+@pytest.mark.parametrize("ctas", [3, 5])
+def test_persistent_bad_offsets_poison_fused_dq(ctas, monkeypatch):
+  """The op's answer to bad traced offsets, as it reaches the kernels (every q offset 0, NaN
+  scales), on the fused dK/dV/dQ path over several persistent CTAs: every row of dq is a
+  padding row (the producers' stores of 0 · NaN over their rounds), dk and dv are zero
+  accumulators times NaN scales: all NaN. Uninitialized memory reads as zeros here (the
+  module's other tests fill it with NaN), so a row no store reached fails. 16 items and 16
+  units of padding rows (4 heads × 4 blocks of 64 rows), one unit per round: 3 CTAs, 6 rounds
+  (CTAs 1 and 2 have 5 units: their last round stores none); 5 CTAs, 4 rounds (the last with
+  one item: CTA 0 stores its fourth unit in a round without an item)."""
+  monkeypatch.setattr(gb.mgpu, "num_sms", lambda interpret: ctas)
+  monkeypatch.setattr(gb.mgpu, "interpret_params", lambda: plgpu.InterpretGPUParams(
+      detect_races=True, uninitialized_memory="zero"))
+  q, k, v, _, _, do = _inputs(12, [5, 70, 0, 33], 200, 4, 128, jnp.bfloat16, lkv=128)
+  offsets = jnp.zeros((5,), jnp.int32)
+  nan = jnp.float32(jnp.nan)
+  out = jax.jit(lambda *a: gb.gdpa_bwd(*a[:6], pre_scale=a[6], post_scale=a[7],
+                                       interpret=True))(q, k, v, offsets, None, do, nan, nan)
+  out = jax.block_until_ready(out)
+  assert not mgpu.races_found(), "the interpreter's race detector reported a race"
+  for name, g in zip(("dq", "dk", "dv"), out[:3]):
+    assert bool(jnp.all(jnp.isnan(g))), name
 
 
 def _poison_kv(k, v, kv_offsets, samples):
@@ -309,7 +374,8 @@ def _uniform_lengths(seed, batch, max_len):
 @pytest.mark.parametrize("activation,traced,spare", [("fast_gelu", True, 64),
                                                      ("silu", False, 150000)])
 def test_gpu_benchmark_shape_dense(activation, traced, spare):
-  """Fused dQ; ``spare`` padding rows past the tokens (150000: every zeroing CTA works)."""
+  """Fused dQ; ``spare`` padding rows past the tokens (150000: every CTA's producer stores
+  padding rows in every round)."""
   lengths = _uniform_lengths(0, 768, 512)
   capacity = int(np.sum(lengths)) // 8 * 8 + spare
   _check(list(lengths), capacity, 4, 128, activation, lkv=128, traced_scales=traced,

@@ -11,18 +11,24 @@ sample b and head h, with ``Su = q kᵀ`` (the unscaled scores), ``S = pre·Su``
 Deterministic kernels (no atomics) in the shape of JAX's ``pallas/ops/gpu/attention_mgpu.py``
 backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of SMEM stages):
 
-* **dK/dV** (:func:`_dkv_kernel`): a CTA owns a kv tile of 128 rows of one head (64 per consumer
-  warpgroup, K and V resident in SMEM) and loops over the q blocks (64 packed rows) of the
-  samples that own those kv rows, accumulating dKᵀ-side products in registers (``Sᵀ = K Qᵀ``,
-  ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per (sample, tile of
-  Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops over every sample
-  it overlaps. The scale-gradient partial sums come from the same registers.
+* **dK/dV** (:func:`_dkv_kernel`): an item is a kv tile of 128 rows of one head (64 per consumer
+  warpgroup, K and V resident in SMEM); its consumers loop over the q blocks (64 packed rows)
+  of the samples that own those kv rows, accumulating dKᵀ-side products in registers
+  (``Sᵀ = K Qᵀ``, ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per
+  (sample, tile of Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops
+  over every sample it overlaps. The scale-gradient partial sums come from the same registers.
+  The grid is persistent, as the forward's: one CTA per SM walks the items (most q blocks
+  first) in zig-zag rounds; the ring's steps count across a CTA's items, so the producer loads
+  the next item's first q/dO blocks during the current item's last steps, and its K/V as soon
+  as both consumers release theirs at the start of their epilogues (dK and dV leave through
+  the consumers' operand tiles, not through the K/V tiles).
 * **dQ fused** (:func:`_fused_dq`), for dense k/v with Lkv ≤ 128 and D = 128 (the Kunlun PFFN
   shape): the dK/dV CTA of a (sample, head) holds every kv row, so dQ of a q block = dS K is
   complete there: both consumers put their dSᵀ tile in SMEM (for their dK WGMMA anyway);
   consumer 0 hands its tile over through a barrier and goes on, consumer 1 computes and stores
-  all of dQ's columns for the sample's rows (so the consumers do not meet every step). A few
-  extra CTAs write dq's padding rows.
+  all of dQ's columns for the sample's rows (so the consumers do not meet every step). The
+  producer warpgroup writes dq's padding rows (no item owns them), a share per CTA spread over
+  its rounds, by TMA stores of one SMEM tile holding the padding value.
 * **dQ** (:func:`_dq_kernel`) otherwise: a CTA owns an aligned block of 128 packed q rows of one
   head (64 per consumer) and loops over the kv blocks (64 rows) of every sample with q rows in
   the block, into an accumulator of that sample's own, of which it stores the sample's rows.
@@ -46,8 +52,8 @@ products Aᵀ dO and dSᵀ Q: the up to 7 rows before a sample's first and the u
 last), as a NaN, never a silently wrong value.
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
-capacity T, except for writing dq's padding rows. The dK/dV tiles run
-longest first (the hardware schedules CTAs in order, so long samples do not trail at the end).
+capacity T, except for writing dq's padding rows. The dK/dV items run longest first, dealt
+to the CTAs in zig-zag rounds, so the CTAs' sums of q blocks stay close.
 """
 
 from __future__ import annotations
@@ -78,9 +84,8 @@ TILE = 2 * BLOCK
 
 STAGES = 2
 """SMEM stages of each kernel's ring (two BLOCK × D tiles each). On the H200 a third stage
-never helped the non-persistent grid the product runs (``benchmarks/EXPERIMENTS.md``, GDPA
-backward): the consumers, not the loads, set the pace, and the fused dK/dV/dQ kernel needs the
-SMEM."""
+never helped (``benchmarks/EXPERIMENTS.md``, GDPA backward): the consumers, not the loads, set
+the pace, and the fused dK/dV/dQ kernel needs the SMEM."""
 
 HEAD_DIMS = (64, 128)
 """Head dims the kernels support: the two (BLOCK, D) float32 accumulators of a dK/dV consumer
@@ -200,6 +205,8 @@ class _Plan:
   activation: str
   scale_grads: bool   # write the partial sums of d pre_scale and d post_scale
   add_do_to_dq: bool = False  # write dq + dO (gdpa_bwd's keyword)
+  dkv_ctas: int = 1   # persistent dK/dV CTAs, walking the items in ``dkv_rounds`` rounds
+  dkv_rounds: int = 0
 
   @property
   def fuse_dq(self) -> bool:
@@ -208,7 +215,17 @@ class _Plan:
 
   @property
   def dkv_items(self) -> int:
+    """kv tiles of the dK/dV kernel (each run once per head: :attr:`dkv_work_items`)."""
     return self.batch * self.kv_tiles if self.dense else self.kv_tiles
+
+  @property
+  def dkv_work_items(self) -> int:
+    return self.dkv_items * self.heads
+
+  @property
+  def dkv_chunks(self) -> int:
+    """128-byte column chunks of a (BLOCK, D) dK or dV tile staged for its store."""
+    return self.head_dim * jnp.dtype(self.dtype).itemsize // 128
 
 
 def _tiled(d: int, dtype):
@@ -295,31 +312,64 @@ def _sample_loop(first, count, body, carry):
 # dK / dV (and the scale-gradient partial sums).
 
 
+@dataclasses.dataclass(frozen=True)
+class _DkvItem:
+  """A work item of the persistent dK/dV grid: one head of a kv tile (dense: of one sample's
+  keys; packed: of the packed rows, shared by the samples it overlaps)."""
+  head: jax.Array
+  position: jax.Array  # the kv tile's position in the work order: its scale partials' slot
+  first: jax.Array     # first sample whose keys the tile holds (dense: its sample)
+  count: object        # samples from ``first`` (dense: the Python int 1)
+  kv_base: jax.Array   # first kv row of the tile (dense: relative to the sample)
+
+
+def _item_index(plan: _Plan, round_):
+  """(position, head, exists) of this CTA's item in round ``round_``: work item ``i = round ·
+  CTAs + column`` is head ``i mod H`` of the kv tile at position ``i div H`` of the work order
+  (most q blocks first); the column runs over the CTAs forward in even rounds and backward in
+  odd ones (zig-zag, as the forward's rounds), so the CTAs get similar sums of q blocks.
+  ``exists`` is False past the last item (the last round may have fewer items than CTAs)."""
+  cta = lax.axis_index("cta")
+  column = jnp.where(lax.rem(round_, 2) == 0, cta, plan.dkv_ctas - 1 - cta)
+  index = round_ * plan.dkv_ctas + column
+  return lax.div(index, plan.heads), lax.rem(index, plan.heads), index < plan.dkv_work_items
+
+
+def _read_item(plan: _Plan, order_ref, first_ref, count_ref, round_) -> _DkvItem:
+  """This CTA's item in round ``round_`` (:func:`_item_index`)."""
+  position, head, _ = _item_index(plan, round_)
+  if plan.dense:
+    # order_ref is the forward's work table: rows 0 .. B-1 are the samples, longest first,
+    # each sample's kv tiles at consecutive positions. kv_base is traced also for one tile:
+    # consumer 1's rows lie past an Lkv of 64 (TMA reads zeros, drops the stores).
+    row = position if plan.kv_tiles == 1 else lax.div(position, plan.kv_tiles)
+    return _DkvItem(head, position, order_ref[row, KV_WIN], 1,
+                    lax.rem(position, plan.kv_tiles) * TILE)
+  tile = order_ref[position]
+  return _DkvItem(head, position, first_ref[tile], count_ref[tile], tile * TILE)
+
+
+def _item_rounds(plan: _Plan, body, carry):
+  """``carry = body(round, carry)`` for each round in which this CTA has an item: a loop of a
+  static count (no bound held in a register across the items)."""
+  def round_(r, carry):
+    return lax.cond(_item_index(plan, r)[2], functools.partial(body, r), lambda c: c, carry)
+  return lax.fori_loop(0, plan.dkv_rounds, round_, carry)
+
+
 def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
                 do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
+  """Persistent: CTA ``cta`` runs its items (:func:`_read_item`) one after the other. The
+  ring's steps count across the items, so the producer loads the next item's first q/dO
+  blocks while the consumers finish the current one, then its K/V as soon as the consumers
+  release theirs (``kv_free``, after the item's last WGMMAs: dK/dV leave through the operand
+  tiles), so that load runs during their epilogue. The producer has read the next item's
+  table row long before: no dependent load delays the K/V."""
   dk_ref, dv_ref = out_refs[:2]
   dq_ref = out_refs[2] if plan.fuse_dq else None
   partial_ref = out_refs[-1] if plan.scale_grads else None
   d, dtype = plan.head_dim, plan.dtype
-  h = lax.axis_index("h")
-  cta = lax.axis_index("item")
-  is_item = cta < plan.dkv_items  # else (fused dQ only) a CTA that writes dq's padding rows
-  position = jnp.minimum(cta, plan.dkv_items - 1)
-  if plan.dense:  # one sample's tile; rows relative to it. first_ref and count_ref: not read
-    # order_ref is the forward's work table: rows 0 .. B-1 are the samples, longest first,
-    # each sample's kv tiles at consecutive positions.
-    row = position if plan.kv_tiles == 1 else lax.div(position, plan.kv_tiles)
-    first, count = order_ref[row, KV_WIN], 1
-    # Traced, also for one tile: consumer 1's rows lie past an Lkv of 64 (TMA reads zeros).
-    kv_base = lax.rem(position, plan.kv_tiles) * TILE
-    kv_views = (k_ref.at[first, :, h, :], v_ref.at[first, :, h, :])
-    dkv_views = (dk_ref.at[first, :, h, :], dv_ref.at[first, :, h, :])
-  else:
-    item = order_ref[position]
-    first, count = first_ref[item], count_ref[item]
-    kv_views = (k_ref.at[:, h, :], v_ref.at[:, h, :])
-    dkv_views = (dk_ref.at[:, h, :], dv_ref.at[:, h, :])
-    kv_base = item * TILE
+  item_at = functools.partial(_read_item, plan, order_ref, first_ref, count_ref)
   q_end = q_off_ref[plan.batch]  # blocks reaching past it read the zero-padded tail copy
   tail_base = _q_tail_base(q_end)
 
@@ -333,26 +383,76 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       return 0, plan.kv_rows
     return kv_off_ref[s], kv_off_ref[s + 1]
 
-  def scoped(ring_allocs, kv_smem, kv_barrier, op_smem, partial_smem, dq_smem, ds_ready,
-             ds_free):
-    ring = mgpu.SharedRing(stages=STAGES, **ring_allocs)
+  def rows_of(ref, item):
+    """The (kv rows, D) view of k, v, dk or dv for the item's head (dense: its sample's)."""
+    return ref.at[item.first, :, item.head, :] if plan.dense else ref.at[:, item.head, :]
+
+  def scoped(ring, kv_smem, kv_barrier, kv_free, op_smem, partial_smem, ds_ready, ds_free,
+             dq_smem=None, fill_smem=None, kv_done=None):
+    ring = mgpu.SharedRing(stages=STAGES, **ring)
 
     def producer():
-      def sample(s, step):
-        _, _, win, blocks = q_span(s)
+      if plan.fuse_dq:
+        _fill_tile(fill_smem, _padding_value(scales_ref))
 
-        @pl.loop(0, blocks)
-        def _(j):
-          row = win + j * BLOCK
-          rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
-          main = (q_ref.at[rows, h, :], do_ref.at[rows, h, :])
-          tail_rows = pl.ds(pl.multiple_of(row - tail_base, ROW_ALIGN), BLOCK)
-          tail = (q_tail_ref.at[tail_rows, h, :], do_tail_ref.at[tail_rows, h, :])
-          _produce_block(ring, step + j, row + BLOCK > q_end, main, tail)
-        return step + blocks
+      def load_kv(item, r):
+        """Both consumers' BLOCK kv rows of the item into their K and V tiles, once they are
+        done with the previous item's (``kv_free``; the CTA's first item has none)."""
+        @pl.when(r > 0)
+        def _():
+          for w in range(2):
+            plgpu.barrier_wait(kv_free.at[w])
 
-      pl.when(is_item)(lambda: mgpu.ring_drain(
-          ring, _sample_loop(first, count, sample, jnp.int32(0))))
+        for w in range(2):
+          rows = pl.ds(item.kv_base + w * BLOCK, BLOCK)
+          for ref, tile in ((k_ref, kv_smem.at[w, 0]), (v_ref, kv_smem.at[w, 1])):
+            plgpu.copy_gmem_to_smem(rows_of(ref, item).at[rows], tile, kv_barrier.at[w])
+
+      def produce_item(r, first_step):
+        """The item's q/dO blocks from ring step ``first_step``, and its K/V after the first
+        STAGES blocks: those load during the previous item's last steps, the K/V (which
+        waits for the previous item's end) as soon as the consumers release it."""
+        item = item_at(r)
+
+        def sample(s, step):
+          _, _, win, blocks = q_span(s)
+
+          @pl.loop(0, blocks)
+          def _(j):
+            pl.when(step + j == first_step + STAGES)(lambda: load_kv(item, r))
+            row = win + j * BLOCK
+            rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
+            main = (q_ref.at[rows, item.head, :], do_ref.at[rows, item.head, :])
+            tail_rows = pl.ds(pl.multiple_of(row - tail_base, ROW_ALIGN), BLOCK)
+            tail = (q_tail_ref.at[tail_rows, item.head, :],
+                    do_tail_ref.at[tail_rows, item.head, :])
+            _produce_block(ring, step + j, row + BLOCK > q_end, main, tail)
+          return step + blocks
+
+        end_step = _sample_loop(item.first, item.count, sample, first_step)
+        pl.when(end_step - first_step <= STAGES)(lambda: load_kv(item, r))
+        return end_step
+
+      def round_(r, step):
+        step = lax.cond(_item_index(plan, r)[2], functools.partial(produce_item, r),
+                        lambda step: step, step)
+        if plan.fuse_dq:  # this round's share of dq's padding rows, after its loads
+          per_round = _dq_padding_per_round(plan, dq_ref.shape[0], q_end)
+          _store_dq_padding(plan, dq_ref, fill_smem, q_end, r * per_round, (r + 1) * per_round)
+        return step
+
+      total = lax.fori_loop(0, plan.dkv_rounds, round_, jnp.int32(0))
+      mgpu.ring_drain(ring, total)
+
+      @pl.when(_item_index(plan, 0)[2])
+      def _():
+        for w in range(2):  # the releases of the CTA's last item (every phase is waited)
+          plgpu.barrier_wait(kv_free.at[w])
+
+      if plan.fuse_dq:  # (all stored in the rounds, unless there are none)
+        per_round = _dq_padding_per_round(plan, dq_ref.shape[0], q_end)
+        _store_dq_padding(plan, dq_ref, fill_smem, q_end, plan.dkv_rounds * per_round, None)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
     def consume(wg: int):
       """Consumer ``wg`` (static: SMEM addresses known at compile time). With fused dQ the
@@ -360,106 +460,154 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
       and goes on; consumer 1 computes all of dQ's columns from both tiles and frees consumer
       0's slot (``ds_free``), so neither waits for the other within a step and the consumer
       ahead runs its elementwise work while the other's WGMMAs use the tensor cores."""
-      k_smem, v_smem = kv_smem.at[wg, 0], kv_smem.at[wg, 1]
-      row0 = kv_base + wg * BLOCK
       computes_dq = plan.fuse_dq and wg == 1
+      pre, post = scales_ref[0], scales_ref[1]
+      ids = _tile_ids()
 
-      def with_accs(dk_acc, dv_acc):
-        if computes_dq:  # both dSᵀ slots start free (consumer 0 waits for every phase)
-          for slot in range(2):
-            plgpu.barrier_arrive(ds_free.at[slot])
-        for view, tile in zip(kv_views, (k_smem, v_smem)):
-          plgpu.copy_gmem_to_smem(view.at[pl.ds(row0, BLOCK)], tile, kv_barrier.at[wg])
+      if computes_dq:  # both dSᵀ slots start free (consumer 0 waits for every phase)
+        for slot in range(2):
+          plgpu.barrier_arrive(ds_free.at[slot])
+
+      def round_(r, first_step):
+        item = item_at(r)
+        row0 = item.kv_base + wg * BLOCK
+        # The barriers of the item loop through an opaque index (of the step count: LLVM
+        # bounds the round by the static round count): their addresses, hoisted out of the
+        # loop by LLVM, were spilled.
+        zero = mgpu.opaque_zero(first_step)
         # Fused dQ reads the other consumer's K tile too: wait for both loads.
         for w in range(2) if computes_dq else (wg,):
-          plgpu.barrier_wait(kv_barrier.at[w])
-        pre, post = scales_ref[0], scales_ref[1]
-        ids = _tile_ids()
-
-        def sample(s, carry):
-          step, partials = carry
-          q_lo, q_hi, win, blocks = q_span(s)
-          kv_lo, kv_hi = kv_range(s)
-
-          def body(idxs, q_stage, do_stage, partials):
-            (j,) = idxs
-            col0 = win + j * BLOCK
-            slot = lax.rem(step + j, 2)
-            # The resident K/V tiles through an opaque 0: at static addresses their WGMMA
-            # descriptors were hoisted out of the loop and spilled (mgpu.opaque_zero).
-            kv_tiles = kv_smem.at[pl.ds(mgpu.opaque_zero(step + j), 2)]
-            valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
-            hand_off = (ds_free.at[slot], ds_ready.at[slot]) if plan.fuse_dq and wg == 0 else None
-            partials = _dkv_step(plan, pre, valid, kv_tiles.at[wg, 0], kv_tiles.at[wg, 1],
-                                 q_stage, do_stage,
-                                 (dk_acc, dv_acc), (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
-                                 partials, hand_off, in_flight=computes_dq)
-            if computes_dq:
-              _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_tiles,
-                        (ds_ready.at[slot], ds_free.at[slot]), dq_smem.at[0],
-                        lambda rows, cols: dq_ref.at[rows, h, cols], col0, q_lo, q_hi,
-                        do_stage)
-            return partials
-
-          partials = mgpu.ring_k_loop(ring, step, blocks, partials, body)
-          return step + blocks, partials
-
-        partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
-        _, partials = _sample_loop(first, count, sample, (jnp.int32(0), partials))
-        if plan.fuse_dq and wg == 0:
-          # Consumer 1's last dQ WGMMAs may still read this K tile: wait until it freed both
-          # slots (the last phase of each; also every waiter must see every phase).
-          for slot in range(2):
-            plgpu.barrier_wait(ds_free.at[slot])
-        # K and V are no longer read: their SMEM stages the outputs.
-        k_smem[...] = (dk_acc[...] * (pre * post)).astype(dtype)
-        v_smem[...] = (dv_acc[...] * post).astype(dtype)
-        if plan.scale_grads:
-          # One cross-lane reduction per CTA, not per step.
-          partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
-          partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
-        plgpu.commit_smem()
-        for view, tile in zip(dkv_views, (k_smem, v_smem)):
-          plgpu.copy_smem_to_gmem(tile, view.at[pl.ds(row0, BLOCK)])
-        if plan.scale_grads:
-          plgpu.copy_smem_to_gmem(partial_smem.at[wg], partial_ref.at[h, cta, wg])
-        # Only SMEM must outlive the stores: waiting for their reads, not their writes, lets
-        # the CTA retire and the next one start ~the HBM write latency earlier (CUTLASS's
-        # epilogues end the same way; the grid's end makes the writes visible).
+          plgpu.barrier_wait(kv_barrier.at[w + zero])
+        # The previous item's dK/dV left through the operand tiles: its stores must have read
+        # them before this item's first step writes them.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
+        def with_accs(dk_acc, dv_acc):
+          def sample(s, carry):
+            step, partials = carry
+            q_lo, q_hi, win, blocks = q_span(s)
+            kv_lo, kv_hi = kv_range(s)
+
+            def body(idxs, q_stage, do_stage, carry):
+              # The global step carried (not step + j): the loop's end value is then the
+              # carry, and the item's first step is not held across the loop for the sum.
+              g, partials = carry
+              (j,) = idxs
+              col0 = win + j * BLOCK
+              slot = lax.rem(g, 2)
+              # The resident K/V tiles through an opaque 0: at static addresses their WGMMA
+              # descriptors were hoisted out of the loop and spilled (mgpu.opaque_zero).
+              kv_tiles = kv_smem.at[pl.ds(mgpu.opaque_zero(g), 2)]
+              valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
+              hand_off = ((ds_free.at[slot], ds_ready.at[slot]) if plan.fuse_dq and wg == 0
+                          else None)
+              partials = _dkv_step(plan, pre, valid, kv_tiles.at[wg, 0], kv_tiles.at[wg, 1],
+                                   q_stage, do_stage, (dk_acc, dv_acc),
+                                   (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
+                                   partials, hand_off, in_flight=computes_dq)
+              if computes_dq:
+                # The head recomputed in the step, not held across it.
+                head_in_step = lambda: _item_index(plan, r + mgpu.opaque_zero(g))[1]
+                # The dq tile too (its per-thread store addresses were hoisted and spilled).
+                _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_tiles,
+                          (ds_ready.at[slot], ds_free.at[slot]),
+                          dq_smem.at[mgpu.opaque_zero(g)],
+                          lambda rows, cols: dq_ref.at[rows, head_in_step(), cols], col0, q_lo,
+                          q_hi, do_stage)
+              return g + 1, partials
+
+            return mgpu.ring_k_loop(ring, step, blocks, (step, partials), body)
+
+          partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
+          end_step, partials = _sample_loop(item.first, item.count, sample,
+                                            (first_step, partials))
+          if plan.fuse_dq:
+            # Consumer 1's dQ WGMMAs read consumer 0's K and dSᵀ tiles: consumer 0 reloads
+            # and overwrites them once consumer 1 is done with the item (its last dQ waited
+            # for them). One phase per item, also for an item without steps.
+            if wg == 1:
+              plgpu.barrier_arrive(kv_done.at[zero])
+            else:
+              plgpu.barrier_wait(kv_done.at[zero])
+          # This consumer's K and V are no longer read: the producer loads the next item's
+          # while the epilogue stores dK and dV.
+          plgpu.barrier_arrive(kv_free.at[wg + zero])
+          # The item read again (an opaque round): its fields are not kept across the loop.
+          done = item_at(r + mgpu.opaque_zero(end_step))
+          done_row0 = done.kv_base + wg * BLOCK
+          staged = op_smem.at[wg]
+          _stage_chunks(staged, 0, (dk_acc[...] * (pre * post)).astype(dtype))
+          _stage_chunks(staged, plan.dkv_chunks, (dv_acc[...] * post).astype(dtype))
+          if plan.scale_grads:
+            # One cross-lane reduction per item, not per step.
+            partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
+            partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
+          plgpu.commit_smem()
+          for i, ref in enumerate((dk_ref, dv_ref)):
+            _store_chunks(staged, i * plan.dkv_chunks, rows_of(ref, done), done_row0)
+          if plan.scale_grads:
+            plgpu.copy_smem_to_gmem(partial_smem.at[wg],
+                                    partial_ref.at[done.head, done.position, wg])
+          return end_step
+
+        return pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
+
+      total = _item_rounds(plan, round_, jnp.int32(0))
+      if plan.fuse_dq and wg == 0:
+        for slot in range(2):  # the last phase of each slot (every waiter sees every phase)
+          plgpu.barrier_wait(ds_free.at[slot + mgpu.opaque_zero(total)])
+      # Only SMEM must outlive the stores: waiting for their reads, not their writes, lets
+      # the CTA retire ~the HBM write latency earlier (CUTLASS's epilogues end the same way;
+      # the grid's end makes the writes visible).
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def consumer():
       wg = lax.axis_index("wg")
       for w in range(2):  # one copy of the loop per consumer, each with its static index
-        pl.when(is_item & (wg == w))(functools.partial(consume, w))
-      if plan.fuse_dq:
-        pl.when(jnp.logical_not(is_item) & (wg == 0))(lambda: _fill_dq_padding(
-            dq_ref.at[:, h, :], q_off_ref[plan.batch], cta - plan.dkv_items, dq_smem.at[0, 0],
-            _padding_value(scales_ref)))
+        pl.when(wg == w)(functools.partial(consume, w))
 
     mgpu.warp_specialize(producer, consumer)
 
-  pl.run_scoped(
-      scoped,
-      _ring_allocs(d, dtype),
-      plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
-      plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: its K and V copies
-      _operand_smem(3, dtype),  # per consumer: Aᵀ and dSᵀ (two slots: the other reads it)
-      plgpu.SMEM((2, 2, BLOCK), jnp.float32),
-      # Consumer 1's dq tile: swizzled column chunks (an unswizzled tile of 256-byte rows took
-      # 8-way SMEM bank conflicts on every register store), any TMA row start.
-      row_store_smem(BLOCK, d, dtype),
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 0's dSᵀ tile of a slot written
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 1's dQ read it: slot free
-      collective_axes="wg",
+  smem = dict(
+      ring=_ring_allocs(d, dtype),
+      kv_smem=plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
+      kv_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=2),  # per consumer: K, V copies
+      kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # per consumer: done with K, V
+      # Per consumer: Aᵀ and dSᵀ (two slots: the other consumer reads it), and at the end of an
+      # item dK and dV in 128-byte column chunks (the K/V tiles are being reloaded).
+      op_smem=_operand_smem(max(3, 2 * plan.dkv_chunks), dtype),
+      partial_smem=plgpu.SMEM((2, 2, BLOCK), jnp.float32),
+      ds_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 0's dSᵀ of a slot
+      ds_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 1's dQ read it
   )
+  if plan.fuse_dq:
+    smem.update(
+        # Consumer 1's dq tile: swizzled column chunks (an unswizzled tile of 256-byte rows
+        # took 8-way SMEM bank conflicts on every register store), any TMA row start.
+        dq_smem=row_store_smem(BLOCK, d, dtype),
+        # dq's padding value, for the producer's stores (untiled: any TMA row start).
+        fill_smem=plgpu.SMEM((BLOCK, BLOCK), dtype,
+                             transforms=mgpu.swizzle_transforms(BLOCK, dtype, tiled=False)),
+        kv_done=plgpu.Barrier(num_arrivals=1, num_barriers=1),  # consumer 1 is done with an item's K tiles
+    )
+  pl.run_scoped(scoped, **smem, collective_axes="wg")
 
 
-DQ_ZERO_CTAS = 16
-"""CTAs per head that write dq's padding rows when dQ is fused into the dK/dV kernel (no
-other CTA owns those rows)."""
+def _stage_chunks(tiles, first: int, x) -> None:
+  """Writes the (BLOCK, D) register tile ``x`` into ``tiles[first], tiles[first + 1], ...``, one
+  (BLOCK, 128 bytes) column chunk each."""
+  cols = tiles.shape[-1]
+  for c in range(x.shape[1] // cols):
+    tiles.at[first + c][...] = x[:, c * cols:(c + 1) * cols]
+
+
+def _store_chunks(tiles, first: int, dst, row0) -> None:
+  """TMA stores of the chunks :func:`_stage_chunks` wrote to rows [row0, row0 + BLOCK) of
+  ``dst`` (rows, D)."""
+  cols = tiles.shape[-1]
+  for c in range(dst.shape[1] // cols):
+    plgpu.copy_smem_to_gmem(tiles.at[first + c],
+                            dst.at[pl.ds(row0, BLOCK), pl.ds(c * cols, cols)])
 
 
 def _padding_value(scales_ref):
@@ -469,25 +617,45 @@ def _padding_value(scales_ref):
   return 0.0 * jnp.abs(scales_ref[0] * scales_ref[1])
 
 
-def _fill_dq_padding(dq_view, total, index, fill_smem, value) -> None:
-  """Writes ``value`` (:func:`_padding_value`) over share ``index`` (of :data:`DQ_ZERO_CTAS`)
-  of the padding rows [total, T) of one head's dq (T, D), in whole BLOCK-row stores (clipped at
-  T)."""
-  capacity, d = dq_view.shape
-  share = _cdiv(_cdiv(capacity - total, DQ_ZERO_CTAS), BLOCK) * BLOCK
-  lo = total + index * share
-  blocks = _cdiv(jnp.maximum(jnp.minimum(lo + share, capacity) - lo, 0), BLOCK)
-  cols = fill_smem.shape[1]
-  fill_smem[...] = plgpu.layout_cast(jnp.full((BLOCK, cols), value, jnp.float32),
-                                     plgpu.Layout.WGMMA).astype(fill_smem.dtype)
+def _fill_tile(tile, value) -> None:
+  """Writes ``value`` into every element of the SMEM ``tile`` (rows, cols) and commits it for
+  TMA reads."""
+  tile[...] = plgpu.layout_cast(jnp.full(tile.shape, value, jnp.float32),
+                                plgpu.Layout.WGMMA).astype(tile.dtype)
   plgpu.commit_smem()
 
-  @pl.loop(0, blocks)
-  def _(i):
-    for c in range(d // cols):
-      plgpu.copy_smem_to_gmem(fill_smem, dq_view.at[pl.ds(lo + i * BLOCK, BLOCK),
-                                                    pl.ds(c * cols, cols)])
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+def _dq_padding_units(plan: _Plan, capacity: int, q_end):
+  """dq's padding rows [q_end, T) of every head as units of BLOCK rows of one head: their
+  count, and this CTA's (units ``cta``, ``cta + CTAs``, ...)."""
+  units = _cdiv(capacity - q_end, BLOCK) * plan.heads
+  cta = lax.axis_index("cta")
+  return units, jnp.maximum(units - cta + plan.dkv_ctas - 1, 0) // plan.dkv_ctas
+
+
+def _dq_padding_per_round(plan: _Plan, capacity: int, q_end):
+  """Padding units a CTA stores per round: its share spread over the rounds, so the stores
+  run beside the work rather than after it."""
+  units, _ = _dq_padding_units(plan, capacity, q_end)
+  return _cdiv(_cdiv(units, plan.dkv_ctas), max(plan.dkv_rounds, 1))
+
+
+def _store_dq_padding(plan: _Plan, dq_ref, fill, q_end, first, stop) -> None:
+  """Producer (fused dQ): TMA stores of this CTA's padding units [first, stop) (stop None: to
+  its last; :func:`_dq_padding_units`) from ``fill`` (BLOCK, BLOCK), which holds the padding
+  value (:func:`_padding_value`): no item owns those rows of dq. Stores are clipped at T."""
+  capacity = dq_ref.shape[0]
+  _, mine = _dq_padding_units(plan, capacity, q_end)
+  stop = mine if stop is None else jnp.minimum(stop, mine)
+  cta = lax.axis_index("cta")
+
+  @pl.loop(first, stop)
+  def _(k):
+    unit = cta + k * plan.dkv_ctas
+    rows = pl.ds(q_end + lax.div(unit, plan.heads) * BLOCK, BLOCK)
+    for c in range(plan.head_dim // BLOCK):
+      plgpu.copy_smem_to_gmem(fill, dq_ref.at[rows, lax.rem(unit, plan.heads),
+                                              pl.ds(c * BLOCK, BLOCK)])
 
 
 def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_chunks, dq_at, col0,
@@ -761,12 +929,13 @@ def _jagged_dkv_order(q_offsets, first, count):
   return sort_rows_descending(tiles, work)
 
 
-def _call(kernel, plan: _Plan, grid_items: int, out_type, interpret: bool):
+def _call(kernel, plan: _Plan, grid: dict, out_type, interpret: bool):
+  """The kernel over the grid ``{axis name: size}``."""
   return plgpu.kernel(
       functools.partial(kernel, plan=plan),
       out_type=out_type,
-      grid=(plan.heads, grid_items),
-      grid_names=("h", "item"),
+      grid=tuple(grid.values()),
+      grid_names=tuple(grid),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -852,8 +1021,11 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     out_type.append(jax.ShapeDtypeStruct(q.shape, dtype))
   if scale_grads:
     out_type.append(jax.ShapeDtypeStruct((heads, plan.dkv_items, 2, 2, BLOCK), jnp.float32))
-  grid_items = plan.dkv_items + (DQ_ZERO_CTAS if plan.fuse_dq else 0)
-  dkv_outs = _call(_dkv_kernel, plan, grid_items, out_type, interpret)(
+  # Persistent: at most one CTA per SM (the kernel takes most of an SM's SMEM).
+  ctas = max(1, min(mgpu.num_sms(interpret), plan.dkv_work_items))
+  plan = dataclasses.replace(plan, dkv_ctas=ctas,
+                             dkv_rounds=_cdiv(plan.dkv_work_items, ctas))
+  dkv_outs = _call(_dkv_kernel, plan, {"cta": ctas}, out_type, interpret)(
       order, kv_first, kv_count, q_offsets, kv_off, scales, q, do, k, v,
       _q_tail(q, q_offsets), _q_tail(do, q_offsets))
   dk, dv = dkv_outs[:2]
@@ -865,7 +1037,8 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
     q_first, q_count = _overlaps(q_offsets, TILE, q_blocks)
     # Dense k/v have no padding rows: a placeholder takes the tail's place.
     k_tail = jnp.zeros((BLOCK, heads, d), dtype) if dense else _tail_block(k, kv_off)
-    dq = _call(_dq_kernel, plan, q_blocks, jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
+    dq = _call(_dq_kernel, plan, {"h": heads, "item": q_blocks},
+               jax.ShapeDtypeStruct(q.shape, dtype), interpret)(
         q_first, q_count, q_offsets, kv_off, scales, q, do, k, v, k_tail)
 
   if not scale_grads:
