@@ -357,6 +357,63 @@ def _item_rounds(plan: _Plan, body, carry):
   return lax.fori_loop(0, plan.dkv_rounds, round_, carry)
 
 
+@dataclasses.dataclass(frozen=True)
+class _DkvRefs:
+  """The dK/dV kernel's GMEM refs, and what its warpgroups read of them."""
+  plan: _Plan
+  order_ref: object
+  first_ref: object
+  count_ref: object
+  q_off_ref: object
+  kv_off_ref: object
+  scales_ref: object
+  q_ref: object
+  do_ref: object
+  k_ref: object
+  v_ref: object
+  q_tail_ref: object
+  do_tail_ref: object
+  dk_ref: object
+  dv_ref: object
+  dq_ref: object        # None unless dQ is fused
+  partial_ref: object   # None unless the scales get gradients
+  q_end: jax.Array      # blocks reaching past it read the zero-padded tail copy
+  tail_base: jax.Array
+
+  def item_at(self, r) -> _DkvItem:
+    return _read_item(self.plan, self.order_ref, self.first_ref, self.count_ref, r)
+
+  def q_span(self, s):
+    """(valid q rows [lo, hi), first row of its q window, blocks) of sample s."""
+    lo, hi = self.q_off_ref[s], self.q_off_ref[s + 1]
+    return (lo, hi, *_q_window(lo, hi))
+
+  def kv_range(self, s):
+    if self.plan.dense:
+      return 0, self.plan.kv_rows
+    return self.kv_off_ref[s], self.kv_off_ref[s + 1]
+
+  def rows_of(self, ref, item):
+    """The (kv rows, D) view of k, v, dk or dv for the item's head (dense: its sample's)."""
+    return ref.at[item.first, :, item.head, :] if self.plan.dense else ref.at[:, item.head, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class _DkvSmem:
+  """The dK/dV kernel's SMEM and barriers (:func:`_dkv_smem` says what each holds)."""
+  ring: mgpu.SharedRing
+  kv_smem: object
+  kv_barrier: object
+  kv_free: object
+  op_smem: object
+  partial_smem: object
+  ds_ready: object
+  ds_free: object
+  dq_smem: object = None
+  fill_smem: object = None
+  kv_done: object = None
+
+
 def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
                 do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, *out_refs, plan: _Plan):
   """Persistent: CTA ``cta`` runs its items (:func:`_read_item`) one after the other. The
@@ -365,209 +422,27 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
   release theirs (``kv_free``, after the item's last WGMMAs: dK/dV leave through the operand
   tiles), so that load runs during their epilogue. The producer has read the next item's
   table row long before: no dependent load delays the K/V."""
-  dk_ref, dv_ref = out_refs[:2]
-  dq_ref = out_refs[2] if plan.fuse_dq else None
-  partial_ref = out_refs[-1] if plan.scale_grads else None
-  d, dtype = plan.head_dim, plan.dtype
-  item_at = functools.partial(_read_item, plan, order_ref, first_ref, count_ref)
-  q_end = q_off_ref[plan.batch]  # blocks reaching past it read the zero-padded tail copy
-  tail_base = _q_tail_base(q_end)
+  q_end = q_off_ref[plan.batch]
+  g = _DkvRefs(plan, order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
+               do_ref, k_ref, v_ref, q_tail_ref, do_tail_ref, out_refs[0], out_refs[1],
+               out_refs[2] if plan.fuse_dq else None,
+               out_refs[-1] if plan.scale_grads else None, q_end, _q_tail_base(q_end))
 
-  def q_span(s):
-    """(valid q rows [lo, hi), first row of its q window, blocks) of sample s."""
-    lo, hi = q_off_ref[s], q_off_ref[s + 1]
-    return (lo, hi, *_q_window(lo, hi))
-
-  def kv_range(s):
-    if plan.dense:
-      return 0, plan.kv_rows
-    return kv_off_ref[s], kv_off_ref[s + 1]
-
-  def rows_of(ref, item):
-    """The (kv rows, D) view of k, v, dk or dv for the item's head (dense: its sample's)."""
-    return ref.at[item.first, :, item.head, :] if plan.dense else ref.at[:, item.head, :]
-
-  def scoped(ring, kv_smem, kv_barrier, kv_free, op_smem, partial_smem, ds_ready, ds_free,
-             dq_smem=None, fill_smem=None, kv_done=None):
-    ring = mgpu.SharedRing(stages=STAGES, **ring)
-
-    def producer():
-      if plan.fuse_dq:
-        _fill_tile(fill_smem, _padding_value(scales_ref))
-
-      def load_kv(item, r):
-        """Both consumers' BLOCK kv rows of the item into their K and V tiles, once they are
-        done with the previous item's (``kv_free``; the CTA's first item has none)."""
-        @pl.when(r > 0)
-        def _():
-          for w in range(2):
-            plgpu.barrier_wait(kv_free.at[w])
-
-        for w in range(2):
-          rows = pl.ds(item.kv_base + w * BLOCK, BLOCK)
-          for ref, tile in ((k_ref, kv_smem.at[w, 0]), (v_ref, kv_smem.at[w, 1])):
-            plgpu.copy_gmem_to_smem(rows_of(ref, item).at[rows], tile, kv_barrier.at[w])
-
-      def produce_item(r, first_step):
-        """The item's q/dO blocks from ring step ``first_step``, and its K/V after the first
-        STAGES blocks: those load during the previous item's last steps, the K/V (which
-        waits for the previous item's end) as soon as the consumers release it."""
-        item = item_at(r)
-
-        def sample(s, step):
-          _, _, win, blocks = q_span(s)
-
-          @pl.loop(0, blocks)
-          def _(j):
-            pl.when(step + j == first_step + STAGES)(lambda: load_kv(item, r))
-            row = win + j * BLOCK
-            rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
-            main = (q_ref.at[rows, item.head, :], do_ref.at[rows, item.head, :])
-            tail_rows = pl.ds(pl.multiple_of(row - tail_base, ROW_ALIGN), BLOCK)
-            tail = (q_tail_ref.at[tail_rows, item.head, :],
-                    do_tail_ref.at[tail_rows, item.head, :])
-            _produce_block(ring, step + j, row + BLOCK > q_end, main, tail)
-          return step + blocks
-
-        end_step = _sample_loop(item.first, item.count, sample, first_step)
-        pl.when(end_step - first_step <= STAGES)(lambda: load_kv(item, r))
-        return end_step
-
-      def round_(r, step):
-        step = lax.cond(_item_index(plan, r)[2], functools.partial(produce_item, r),
-                        lambda step: step, step)
-        if plan.fuse_dq:  # this round's share of dq's padding rows, after its loads
-          per_round = _dq_padding_per_round(plan, dq_ref.shape[0], q_end)
-          _store_dq_padding(plan, dq_ref, fill_smem, q_end, r * per_round, (r + 1) * per_round)
-        return step
-
-      total = lax.fori_loop(0, plan.dkv_rounds, round_, jnp.int32(0))
-      mgpu.ring_drain(ring, total)
-
-      @pl.when(_item_index(plan, 0)[2])
-      def _():
-        for w in range(2):  # the releases of the CTA's last item (every phase is waited)
-          plgpu.barrier_wait(kv_free.at[w])
-
-      if plan.fuse_dq:  # (all stored in the rounds, unless there are none)
-        per_round = _dq_padding_per_round(plan, dq_ref.shape[0], q_end)
-        _store_dq_padding(plan, dq_ref, fill_smem, q_end, plan.dkv_rounds * per_round, None)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
-
-    def consume(wg: int):
-      """Consumer ``wg`` (static: SMEM addresses known at compile time). With fused dQ the
-      roles differ: consumer 0 hands its dSᵀ tile of each step to consumer 1 (``ds_ready``)
-      and goes on; consumer 1 computes all of dQ's columns from both tiles and frees consumer
-      0's slot (``ds_free``), so neither waits for the other within a step and the consumer
-      ahead runs its elementwise work while the other's WGMMAs use the tensor cores."""
-      computes_dq = plan.fuse_dq and wg == 1
-      pre, post = scales_ref[0], scales_ref[1]
-      ids = _tile_ids()
-
-      if computes_dq:  # both dSᵀ slots start free (consumer 0 waits for every phase)
-        for slot in range(2):
-          plgpu.barrier_arrive(ds_free.at[slot])
-
-      def round_(r, first_step):
-        item = item_at(r)
-        row0 = item.kv_base + wg * BLOCK
-        # The barriers of the item loop through an opaque index (of the step count: LLVM
-        # bounds the round by the static round count): their addresses, hoisted out of the
-        # loop by LLVM, were spilled.
-        zero = mgpu.opaque_zero(first_step)
-        # Fused dQ reads the other consumer's K tile too: wait for both loads.
-        for w in range(2) if computes_dq else (wg,):
-          plgpu.barrier_wait(kv_barrier.at[w + zero])
-        # The previous item's dK/dV left through the operand tiles: its stores must have read
-        # them before this item's first step writes them.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        def with_accs(dk_acc, dv_acc):
-          def sample(s, carry):
-            step, partials = carry
-            q_lo, q_hi, win, blocks = q_span(s)
-            kv_lo, kv_hi = kv_range(s)
-
-            def body(idxs, q_stage, do_stage, carry):
-              # The global step carried (not step + j): the loop's end value is then the
-              # carry, and the item's first step is not held across the loop for the sum.
-              g, partials = carry
-              (j,) = idxs
-              col0 = win + j * BLOCK
-              slot = lax.rem(g, 2)
-              # The resident K/V tiles through an opaque 0: at static addresses their WGMMA
-              # descriptors were hoisted out of the loop and spilled (mgpu.opaque_zero).
-              kv_tiles = kv_smem.at[pl.ds(mgpu.opaque_zero(g), 2)]
-              valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
-              hand_off = ((ds_free.at[slot], ds_ready.at[slot]) if plan.fuse_dq and wg == 0
-                          else None)
-              partials = _dkv_step(plan, pre, valid, kv_tiles.at[wg, 0], kv_tiles.at[wg, 1],
-                                   q_stage, do_stage, (dk_acc, dv_acc),
-                                   (op_smem.at[wg, 0], op_smem.at[wg, 1 + slot]),
-                                   partials, hand_off, in_flight=computes_dq)
-              if computes_dq:
-                # The head recomputed in the step, not held across it.
-                head_in_step = lambda: _item_index(plan, r + mgpu.opaque_zero(g))[1]
-                # The dq tile too (its per-thread store addresses were hoisted and spilled).
-                _fused_dq(plan, pre * post, op_smem.at[:, 1 + slot], kv_tiles,
-                          (ds_ready.at[slot], ds_free.at[slot]),
-                          dq_smem.at[mgpu.opaque_zero(g)],
-                          lambda rows, cols: dq_ref.at[rows, head_in_step(), cols], col0, q_lo,
-                          q_hi, do_stage)
-              return g + 1, partials
-
-            return mgpu.ring_k_loop(ring, step, blocks, (step, partials), body)
-
-          partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
-          end_step, partials = _sample_loop(item.first, item.count, sample,
-                                            (first_step, partials))
-          if plan.fuse_dq:
-            # Consumer 1's dQ WGMMAs read consumer 0's K and dSᵀ tiles: consumer 0 reloads
-            # and overwrites them once consumer 1 is done with the item (its last dQ waited
-            # for them). One phase per item, also for an item without steps.
-            if wg == 1:
-              plgpu.barrier_arrive(kv_done.at[zero])
-            else:
-              plgpu.barrier_wait(kv_done.at[zero])
-          # This consumer's K and V are no longer read: the producer loads the next item's
-          # while the epilogue stores dK and dV.
-          plgpu.barrier_arrive(kv_free.at[wg + zero])
-          # The item read again (an opaque round): its fields are not kept across the loop.
-          done = item_at(r + mgpu.opaque_zero(end_step))
-          done_row0 = done.kv_base + wg * BLOCK
-          staged = op_smem.at[wg]
-          _stage_chunks(staged, 0, (dk_acc[...] * (pre * post)).astype(dtype))
-          _stage_chunks(staged, plan.dkv_chunks, (dv_acc[...] * post).astype(dtype))
-          if plan.scale_grads:
-            # One cross-lane reduction per item, not per step.
-            partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
-            partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
-          plgpu.commit_smem()
-          for i, ref in enumerate((dk_ref, dv_ref)):
-            _store_chunks(staged, i * plan.dkv_chunks, rows_of(ref, done), done_row0)
-          if plan.scale_grads:
-            plgpu.copy_smem_to_gmem(partial_smem.at[wg],
-                                    partial_ref.at[done.head, done.position, wg])
-          return end_step
-
-        return pl.run_scoped(with_accs, plgpu.ACC((BLOCK, d)), plgpu.ACC((BLOCK, d)))
-
-      total = _item_rounds(plan, round_, jnp.int32(0))
-      if plan.fuse_dq and wg == 0:
-        for slot in range(2):  # the last phase of each slot (every waiter sees every phase)
-          plgpu.barrier_wait(ds_free.at[slot + mgpu.opaque_zero(total)])
-      # Only SMEM must outlive the stores: waiting for their reads, not their writes, lets
-      # the CTA retire ~the HBM write latency earlier (CUTLASS's epilogues end the same way;
-      # the grid's end makes the writes visible).
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  def scoped(ring, **smem):
+    s = _DkvSmem(ring=mgpu.SharedRing(stages=STAGES, **ring), **smem)
 
     def consumer():
       wg = lax.axis_index("wg")
       for w in range(2):  # one copy of the loop per consumer, each with its static index
-        pl.when(wg == w)(functools.partial(consume, w))
+        pl.when(wg == w)(functools.partial(_dkv_consume, g, s, w))
 
-    mgpu.warp_specialize(producer, consumer)
+    mgpu.warp_specialize(functools.partial(_dkv_produce, g, s), consumer)
 
+  pl.run_scoped(scoped, **_dkv_smem(plan), collective_axes="wg")
+
+
+def _dkv_smem(plan: _Plan) -> dict:
+  d, dtype = plan.head_dim, plan.dtype
   smem = dict(
       ring=_ring_allocs(d, dtype),
       kv_smem=plgpu.SMEM((2, 2, BLOCK, d), dtype, transforms=_tiled(d, dtype)),
@@ -590,7 +465,194 @@ def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_r
                              transforms=mgpu.swizzle_transforms(BLOCK, dtype, tiled=False)),
         kv_done=plgpu.Barrier(num_arrivals=1, num_barriers=1),  # consumer 1 is done with an item's K tiles
     )
-  pl.run_scoped(scoped, **smem, collective_axes="wg")
+  return smem
+
+
+def _dkv_produce(g: _DkvRefs, s: _DkvSmem) -> None:
+  """The producer warpgroup: each round's item's q/dO blocks through the ring and its K/V into
+  the consumers' tiles; with fused dQ also dq's padding rows, a share per round."""
+  plan, ring = g.plan, s.ring
+  if plan.fuse_dq:
+    _fill_tile(s.fill_smem, _padding_value(g.scales_ref))
+
+  def load_kv(item, r):
+    """Both consumers' BLOCK kv rows of the item into their K and V tiles, once they are
+    done with the previous item's (``kv_free``; the CTA's first item has none)."""
+    @pl.when(r > 0)
+    def _():
+      for w in range(2):
+        plgpu.barrier_wait(s.kv_free.at[w])
+
+    for w in range(2):
+      rows = pl.ds(item.kv_base + w * BLOCK, BLOCK)
+      for ref, tile in ((g.k_ref, s.kv_smem.at[w, 0]), (g.v_ref, s.kv_smem.at[w, 1])):
+        plgpu.copy_gmem_to_smem(g.rows_of(ref, item).at[rows], tile, s.kv_barrier.at[w])
+
+  def produce_item(r, first_step):
+    """The item's q/dO blocks from ring step ``first_step``, and its K/V after the first
+    STAGES blocks: those load during the previous item's last steps, the K/V (which
+    waits for the previous item's end) as soon as the consumers release it."""
+    item = g.item_at(r)
+
+    def sample(smp, step):
+      _, _, win, blocks = g.q_span(smp)
+
+      @pl.loop(0, blocks)
+      def _(j):
+        pl.when(step + j == first_step + STAGES)(lambda: load_kv(item, r))
+        row = win + j * BLOCK
+        rows = pl.ds(pl.multiple_of(row, ROW_ALIGN), BLOCK)
+        main = (g.q_ref.at[rows, item.head, :], g.do_ref.at[rows, item.head, :])
+        tail_rows = pl.ds(pl.multiple_of(row - g.tail_base, ROW_ALIGN), BLOCK)
+        tail = (g.q_tail_ref.at[tail_rows, item.head, :],
+                g.do_tail_ref.at[tail_rows, item.head, :])
+        _produce_block(ring, step + j, row + BLOCK > g.q_end, main, tail)
+      return step + blocks
+
+    end_step = _sample_loop(item.first, item.count, sample, first_step)
+    pl.when(end_step - first_step <= STAGES)(lambda: load_kv(item, r))
+    return end_step
+
+  def round_(r, step):
+    step = lax.cond(_item_index(plan, r)[2], functools.partial(produce_item, r),
+                    lambda step: step, step)
+    if plan.fuse_dq:  # this round's share of dq's padding rows, after its loads
+      per_round = _dq_padding_per_round(plan, g.dq_ref.shape[0], g.q_end)
+      _store_dq_padding(plan, g.dq_ref, s.fill_smem, g.q_end, r * per_round,
+                        (r + 1) * per_round)
+    return step
+
+  total = lax.fori_loop(0, plan.dkv_rounds, round_, jnp.int32(0))
+  mgpu.ring_drain(ring, total)
+
+  @pl.when(_item_index(plan, 0)[2])
+  def _():
+    for w in range(2):  # the releases of the CTA's last item (every phase is waited)
+      plgpu.barrier_wait(s.kv_free.at[w])
+
+  if plan.fuse_dq:  # (all stored in the rounds, unless there are none)
+    per_round = _dq_padding_per_round(plan, g.dq_ref.shape[0], g.q_end)
+    _store_dq_padding(plan, g.dq_ref, s.fill_smem, g.q_end, plan.dkv_rounds * per_round, None)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+
+
+def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
+  """Consumer ``wg`` (static: SMEM addresses known at compile time). With fused dQ the
+  roles differ: consumer 0 hands its dSᵀ tile of each step to consumer 1 (``ds_ready``)
+  and goes on; consumer 1 computes all of dQ's columns from both tiles and frees consumer
+  0's slot (``ds_free``), so neither waits for the other within a step and the consumer
+  ahead runs its elementwise work while the other's WGMMAs use the tensor cores."""
+  plan = g.plan
+  computes_dq = plan.fuse_dq and wg == 1
+  pre, post = g.scales_ref[0], g.scales_ref[1]
+  ids = _tile_ids()
+
+  if computes_dq:  # both dSᵀ slots start free (consumer 0 waits for every phase)
+    for slot in range(2):
+      plgpu.barrier_arrive(s.ds_free.at[slot])
+
+  def round_(r, first_step):
+    item = g.item_at(r)
+    row0 = item.kv_base + wg * BLOCK
+    # The barriers of the item loop through an opaque index (of the step count: LLVM
+    # bounds the round by the static round count): their addresses, hoisted out of the
+    # loop by LLVM, were spilled.
+    zero = mgpu.opaque_zero(first_step)
+    # Fused dQ reads the other consumer's K tile too: wait for both loads.
+    for w in range(2) if computes_dq else (wg,):
+      plgpu.barrier_wait(s.kv_barrier.at[w + zero])
+    # The previous item's dK/dV left through the operand tiles: its stores must have read
+    # them before this item's first step writes them.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def with_accs(dk_acc, dv_acc):
+      def sample(smp, carry):
+        step, partials = carry
+        q_lo, q_hi, win, blocks = g.q_span(smp)
+        kv_lo, kv_hi = g.kv_range(smp)
+
+        def body(idxs, q_stage, do_stage, carry):
+          # The global step carried (not step + j): the loop's end value is then the
+          # carry, and the item's first step is not held across the loop for the sum.
+          gstep, partials = carry
+          (j,) = idxs
+          col0 = win + j * BLOCK
+          slot = lax.rem(gstep, 2)
+          # The resident K/V tiles through an opaque 0: at static addresses their WGMMA
+          # descriptors were hoisted out of the loop and spilled (mgpu.opaque_zero).
+          kv_tiles = s.kv_smem.at[pl.ds(mgpu.opaque_zero(gstep), 2)]
+          valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
+          hand_off = ((s.ds_free.at[slot], s.ds_ready.at[slot]) if plan.fuse_dq and wg == 0
+                      else None)
+          partials = _dkv_step(plan, pre, valid, kv_tiles.at[wg, 0], kv_tiles.at[wg, 1],
+                               q_stage, do_stage, (dk_acc, dv_acc),
+                               (s.op_smem.at[wg, 0], s.op_smem.at[wg, 1 + slot]),
+                               partials, hand_off, in_flight=computes_dq)
+          if computes_dq:
+            # The head recomputed in the step, not held across it.
+            head_in_step = lambda: _item_index(plan, r + mgpu.opaque_zero(gstep))[1]
+            # The dq tile too (its per-thread store addresses were hoisted and spilled).
+            _fused_dq(plan, pre * post, s.op_smem.at[:, 1 + slot], kv_tiles,
+                      (s.ds_ready.at[slot], s.ds_free.at[slot]),
+                      s.dq_smem.at[mgpu.opaque_zero(gstep)],
+                      lambda rows, cols: g.dq_ref.at[rows, head_in_step(), cols], col0, q_lo,
+                      q_hi, do_stage)
+          return gstep + 1, partials
+
+        return mgpu.ring_k_loop(s.ring, step, blocks, (step, partials), body)
+
+      partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
+      end_step, partials = _sample_loop(item.first, item.count, sample,
+                                        (first_step, partials))
+      _dkv_item_end(g, s, wg, r, zero, end_step, (dk_acc, dv_acc), partials, pre, post)
+      return end_step
+
+    return pl.run_scoped(with_accs, plgpu.ACC((BLOCK, plan.head_dim)),
+                         plgpu.ACC((BLOCK, plan.head_dim)))
+
+  total = _item_rounds(plan, round_, jnp.int32(0))
+  if plan.fuse_dq and wg == 0:
+    for slot in range(2):  # the last phase of each slot (every waiter sees every phase)
+      plgpu.barrier_wait(s.ds_free.at[slot + mgpu.opaque_zero(total)])
+  # Only SMEM must outlive the stores: waiting for their reads, not their writes, lets
+  # the CTA retire ~the HBM write latency earlier (CUTLASS's epilogues end the same way;
+  # the grid's end makes the writes visible).
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _dkv_item_end(g: _DkvRefs, s: _DkvSmem, wg: int, r, zero, end_step, accs, partials, pre,
+                  post) -> None:
+  """Consumer ``wg``'s end of the item of round ``r``: releases its K/V tiles and stores dK,
+  dV (and the scale partials) through its operand tiles."""
+  plan = g.plan
+  dk_acc, dv_acc = accs
+  if plan.fuse_dq:
+    # Consumer 1's dQ WGMMAs read consumer 0's K and dSᵀ tiles: consumer 0 reloads
+    # and overwrites them once consumer 1 is done with the item (its last dQ waited
+    # for them). One phase per item, also for an item without steps.
+    if wg == 1:
+      plgpu.barrier_arrive(s.kv_done.at[zero])
+    else:
+      plgpu.barrier_wait(s.kv_done.at[zero])
+  # This consumer's K and V are no longer read: the producer loads the next item's
+  # while the epilogue stores dK and dV.
+  plgpu.barrier_arrive(s.kv_free.at[wg + zero])
+  # The item read again (an opaque round): its fields are not kept across the loop.
+  done = g.item_at(r + mgpu.opaque_zero(end_step))
+  done_row0 = done.kv_base + wg * BLOCK
+  staged = s.op_smem.at[wg]
+  _stage_chunks(staged, 0, (dk_acc[...] * (pre * post)).astype(plan.dtype))
+  _stage_chunks(staged, plan.dkv_chunks, (dv_acc[...] * post).astype(plan.dtype))
+  if plan.scale_grads:
+    # One cross-lane reduction per item, not per step.
+    s.partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
+    s.partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
+  plgpu.commit_smem()
+  for i, ref in enumerate((g.dk_ref, g.dv_ref)):
+    _store_chunks(staged, i * plan.dkv_chunks, g.rows_of(ref, done), done_row0)
+  if plan.scale_grads:
+    plgpu.copy_smem_to_gmem(s.partial_smem.at[wg],
+                            g.partial_ref.at[done.head, done.position, wg])
 
 
 def _stage_chunks(tiles, first: int, x) -> None:
