@@ -403,6 +403,8 @@ GDPA_VARIANT_CONFIGS = ([("full", h, 512, ATTN_LKV) for h in (2, 4, 8)]
                         + [("jagged_kv", h, 128, 128) for h in (2, 4, 8)]
                         + [("jagged_kv", 4, 512, 512)]
                         + [("jagged_kv_full", h, 128, 128) for h in (2, 4, 8)])
+# The fused block at density 1.0 too (issue 21: rows at H in {2, 4, 8} and density 1.0).
+FNA_VARIANT_CONFIGS = [("full", h, 512, ATTN_LKV) for h in (2, 4, 8)]
 QUICK_ATTN = (4, 512)
 NORM_NS = (128, 512, 2048, 8192, 32768)
 QUICK_NORM_N = 2048
@@ -430,6 +432,8 @@ def all_cases() -> list[Case]:
       cases += [Case(op, "", _attn(*c), mode) for c in ATTN_CONFIGS if c != QUICK_ATTN]
     cases += [Case("gdpa", variant, _attn(h, lmax, lkv), mode)
               for variant, h, lmax, lkv in GDPA_VARIANT_CONFIGS]
+    cases += [Case("flash_norm_attention", variant, _attn(h, lmax, lkv), mode)
+              for variant, h, lmax, lkv in FNA_VARIANT_CONFIGS]
   for mode in MODES:
     for op in ("rms_norm", "layer_norm"):
       cases += [Case(op, "", (("M", NORM_BYTES // (2 * n)), ("N", n)), mode)
