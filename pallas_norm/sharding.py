@@ -85,7 +85,9 @@ def shard_rows(op, mesh=None, axis="data"):
   Jagged ops (``gdpa``, ``flash_norm_attention``): ``q`` holds S blocks of T/S packed rows, ``k``
   and ``v`` the B samples in order (B/S per shard), and ``q_offsets`` (and ``kv_offsets``) the S
   per-shard local offset vectors, concatenated: shape (S·(B/S + 1),), as :func:`split_jagged`
-  builds them. ``max_seq_len`` bounds a sample's length as usual.
+  builds them. ``max_seq_len`` bounds a sample's length as usual. Traced offsets that break the
+  jagged convention poison per shard: the rows of the shard whose offsets are bad are NaN, the
+  other shards' outputs are their correct values.
 
   Args:
     op: one of the public ops (``pallas_norm.rms_norm``, ``layer_norm``, ``norm_matmul``,

@@ -77,7 +77,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   Args:
     q: (T, H, D) packed query tokens; T is a static capacity.
     k, v: dense (B, Lkv, H, D), or packed (Tkv, H, D) with ``kv_offsets``; q's dtype.
-    q_offsets: int32 (B+1,) jagged offsets of q (first 0, non-decreasing, last <= T).
+    q_offsets: int32 (B+1,), B >= 1, jagged offsets of q (first 0, non-decreasing, last <= T).
     kv_offsets: optional int32 (B+1,) offsets of packed k/v.
     activation: "fast_gelu" (tanh GELU, default), "gelu", "silu", "relu", "relu2",
       "leaky_relu" (slope 0.01) or "identity".
@@ -96,7 +96,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
 
   Offsets that are traced (under ``jax.jit``/``vmap``) cannot raise: if they break the jagged
   convention (first != 0, decreasing, last > T, a length over max_seq_len/max_kv_len) the whole
-  output is NaN rather than silently wrong.
+  output is NaN rather than silently wrong (under :func:`pallas_norm.sharding.shard_rows`, the
+  whole output of that shard). In float16, scores or outputs past 65504 overflow to inf/NaN on
+  every path.
 
   Raises:
     TypeError: dtypes; a non-array q, k, v or offsets; a pre_scale or post_scale that is not a
