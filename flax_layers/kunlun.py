@@ -250,10 +250,15 @@ class KunlunModel(nnx.Module):
     t, h, d = x.shape
     flat = x.reshape(t, h * d)
     qkv = self.qkv[layer](flat).reshape(t, 3, h, d)
-    # One (B, L, H, D) operand each, in the layout the attention takes (no strided slices).
     rows = jagged.row_index(seq_offsets, t) if rows is None else rows
-    q, k, v = (jagged.to_padded(qkv[:, i], seq_offsets, c.max_seq_len, rows=rows)
-               for i in range(3))
+    # One conversion of the packed q, k, v: the backward then gathers the three cotangents,
+    # concatenated (split's transpose), into dqkv in one pass. Converted one by one, each
+    # cotangent was gathered and padded to (T, 3, H, D) apart and the three summed, a separate
+    # pass over dqkv that the qkv layer's backward (kernel dx, GEMM dW) cannot absorb.
+    padded = jagged.to_padded(qkv, seq_offsets, c.max_seq_len, rows=rows)  # (B, L, 3, H, D)
+    # split, not strided views: each of q, k, v is its own (B, L, H, D) array, in the layout
+    # the attention takes.
+    q, k, v = (p[:, :, 0] for p in jnp.split(padded, 3, axis=2))
     lens = jagged.lengths(seq_offsets)
     o = softmax_attention(q, k, v, lens, lens, implementation=self.implementation)
     o = jagged.from_padded(o, seq_offsets, t, rows=rows).reshape(t, h * d)
