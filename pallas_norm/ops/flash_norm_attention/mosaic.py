@@ -21,15 +21,18 @@ warps:
   passes over the H tiles in SMEM (mean, then the centred second moment: exact for rows with a
   large mean), then every u_h = LN(q_h) written over the working copy of q_h (the attention
   reads u from SMEM; it goes to GMEM only as a residual for the backward), each handed to the
-  attention warpgroup (``u_ready``); per head, once attn_h is back
-  (``attn_ready``), Σz² across heads with z_h = u_h + attn_h (u_h recomputed in f32 from the
-  residual copy of q_h). After the last head: r2, then per head
-  out_h = (u_h + attn_h)·r2·γ2 + q_h, stored with the row-exact TMA store
+  attention warpgroup (``u_ready``); per head, once z_h is back (``attn_ready``), Σz² across
+  heads. After the last head: r2, then per head out_h = z_h·r2·γ2 + q_h (q_h from the residual
+  copy), stored with the row-exact TMA store
   (:func:`pallas_norm.mgpu.store.store_rows`), the head's q tiles released, and the statistics
   (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
 * the attention warpgroup (:data:`ATTENTION_WG`): per head, S = u_h K_hᵀ, act in registers,
   P through SMEM, O = P V_h per key block (each step's WGMMAs run to completion), then
-  attn_h = post·O rounded to q's dtype, written over u_h.
+  attn_h = post·O rounded to q's dtype and z_h = u_h + attn_h (the inner residual, u_h read
+  back from its tile) written over u_h in q's dtype. The norm warpgroup paces the block (its
+  elementwise work per element exceeds the attention's time per element at H·D = 512: the
+  profile in benchmarks/NOTES.md), so the residual sum is done here, once, and the norm
+  warpgroup neither recomputes u_h nor reads q_h for it.
 
 With two q buffers (:class:`Config` ``q_buffers``, where the SMEM allows: H·D ≤ 256 at
 D = 128, with a 2-slot K/V ring) the producer loads block b + 1's q tiles first, during block
@@ -45,11 +48,13 @@ made during the current block's attention: faster forward-only, slower in traini
 measured slower than this one (benchmarks/EXPERIMENTS.md).
 
 attn_h is rounded to q's dtype before the inner residual, as the unfused chain (GDPA kernel,
-then the norms in XLA) does; the statistics and the residual sums are float32. With
+then the norms in XLA) does; z_h = u_h + attn_h is summed in float32 from u_h as the attention
+read it (q's dtype) and held in q's dtype, the z that the backward reads; the statistics are
+float32. With
 ``save_residuals`` the kernel also writes, in q's dtype, z (the RMSNorm backward's input:
 recomputing attn would cost a second attention pass) and u (the GDPA backward's q; with the
 LayerNorm only), both from registers the norm warpgroup holds anyway: u_h while the attention
-warpgroup runs head 0, z_h after its Σz² term.
+warpgroup runs head 0, z_h with its Σz² term.
 
 Dense K/V only (Lkv a multiple of 64); rows of a q block outside its sample are computed (their
 statistics are per row) but never stored. WGMMA reads P from SMEM, as the GDPA kernel does
@@ -574,7 +579,7 @@ def _block_forward(plan: _Plan, item: _Item, block, stores: _Stores, smem) -> No
   per head attn_h back → Σz², then r2, the epilogue and the stores."""
   rows = item.rows(block)
   stats = _block_prologue(plan, block, rows, stores, smem)
-  rms_rstd = _block_rms_rstd(plan, block, rows, stats, stores, smem)
+  rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
   _block_epilogue(plan, block, rows, stats, rms_rstd, stores, smem)
 
 
@@ -603,8 +608,7 @@ def _pipelined_blocks(plan: _Plan, item: _Item, stores: _Stores, smem) -> None:
   @pl.loop(0, item.q_blocks)
   def _block(block):
     rows = item.rows(block)
-    stats = held_stats(block)
-    rms_rstd = _block_rms_rstd(plan, block, rows, stats, stores, smem)
+    rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
 
     @pl.when(block + 1 < item.q_blocks)
     def _():
@@ -638,16 +642,14 @@ def _block_prologue(plan: _Plan, block, rows, stores: _Stores, smem):
   return stats
 
 
-def _block_rms_rstd(plan: _Plan, block, rows, stats, stores: _Stores, smem):
-  """Per head, once attn_h is back: z_h = u_h + attn_h (z saved) and Σz²; returns r2."""
-  x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
+def _block_rms_rstd(plan: _Plan, block, rows, stores: _Stores, smem):
+  """Per head, once z_h is back (over u_h): z saved and Σz²; returns r2."""
+  x_smem = smem["x_smem"]
 
-  def attend(head):  # attn_h back over u_h; returns z_h² for Σz²
+  def attend(head):  # returns z_h² for Σz²
     tile = plan.tile(block, head)
     plgpu.barrier_wait(smem["attn_ready"].at[tile])
-    z = _load_f32(x_smem.at[tile])  # attn_h
-    if plan.inner_residual:  # u_h again from the residual copy of q_h (as in the epilogue)
-      z = z + _pre_norm(plan, _load_f32(res_smem.at[tile]), stats, vec_smem, head)
+    z = _load_f32(x_smem.at[tile])
     stores.saved(stores.z_ref, z, rows, head)
     return z * z
 
@@ -657,19 +659,16 @@ def _block_rms_rstd(plan: _Plan, block, rows, stats, stores: _Stores, smem):
 
 def _block_epilogue(plan: _Plan, block, rows, stats, rms_rstd, stores: _Stores, smem) -> None:
   """out_h = z_h·r2·γ2 (+ q_h) per head, each head's q tiles released after it, and the
-  statistics stored."""
+  statistics (μ1, r1 from ``stats``, r2) stored."""
   x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
 
   @pl.loop(0, plan.num_heads)
   def _epilogue(head):
     tile = plan.tile(block, head)
-    q = _load_f32(res_smem.at[tile])
     z = _load_f32(x_smem.at[tile])
-    if plan.inner_residual:
-      z = z + _pre_norm(plan, q, stats, vec_smem, head)
     out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
     if plan.outer_residual:
-      out = out + q
+      out = out + _load_f32(res_smem.at[tile])
     _release_q(smem, tile)  # the head's tiles are read: the next block's may load over them
     stores.out(out, rows, head)
 
@@ -700,10 +699,20 @@ def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
         x_tile = smem["x_smem"].at[tile]
         o = _attend_head(plan, x_tile, smem, block * plan.uses_per_block + head * plan.kv_steps,
                          scales_ref[0])
-        # attn_h over u_h: the WGMMAs reading u_h are done (their result was read).
-        x_tile[...] = (o * scales_ref[1]).astype(x_tile.dtype)
+        # z_h over u_h: the WGMMAs reading u_h are done (their result was read).
+        x_tile[...] = _inner_residual(plan, o * scales_ref[1], x_tile)
         plgpu.commit_smem()  # before WGMMA or the producer's TMA (async proxy) use the tile
         plgpu.barrier_arrive(smem["attn_ready"].at[tile])
+
+
+def _inner_residual(plan: _Plan, attn, u_tile):
+  """z_h in q's dtype from attn_h (f32, rounded to q's dtype first, as the unfused chain's GDPA
+  output is) and u_h as the WGMMAs read it (q's dtype): here, so that the norm warpgroup, which
+  paces the block, reads z_h once per use and never recomputes u_h."""
+  attn = attn.astype(u_tile.dtype)
+  if not plan.inner_residual:
+    return attn
+  return (_load_f32(u_tile) + attn.astype(_F32)).astype(u_tile.dtype)
 
 
 def _attend_head(plan: _Plan, u_tile, smem, first_use, pre_scale):
