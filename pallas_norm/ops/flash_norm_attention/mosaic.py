@@ -580,7 +580,7 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
 
 def _block_forward(plan: _Plan, item: _Item, block, stores: _Stores, smem) -> None:
   """The norm warpgroup's q block: statistics, every u_h handed to the attention warpgroup,
-  per head attn_h back → Σz², then r2, the epilogue and the stores."""
+  per head z_h back → Σz², then r2, the epilogue and the stores."""
   rows = item.rows(block)
   stats = _block_prologue(plan, block, rows, stores, smem)
   rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
