@@ -13,7 +13,7 @@ per sample, longest first, then chunks of padding rows); a CTA walks its sample'
 warps:
 
 * the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
-  and the residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
+  and, with the outer residual, the residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
   ``kv_stages`` slots. The first ring slots of the next block load while the consumers finish
   the current one; the next block's q tiles of a head load as soon as the epilogue has read
   them (one ``q_free`` barrier per head).
@@ -199,6 +199,13 @@ class _Plan:
   def uses_per_block(self) -> int:
     """K/V ring slots one q block consumes: every head's key blocks."""
     return self.num_heads * self.kv_steps
+
+  @property
+  def q_copies(self) -> tuple:
+    """The SMEM copies of each q tile the producer loads: the working copy, and the residual
+    copy when the outer residual reads it (the only reader since z_h comes from the attention
+    warpgroup)."""
+    return ("x_smem", "res_smem") if self.outer_residual else ("x_smem",)
 
   def tile(self, block, head):
     """Index of q block ``block``'s tile of ``head`` in x_smem/res_smem (and of its per-tile
@@ -415,10 +422,10 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
       tile = plan.tile(block, head)
 
       @pl.when(block > plan.q_buffers - 1)
-      def _(tile=tile):  # the epilogue of the block before in this buffer read both copies
+      def _(tile=tile):  # the epilogue of the block before in this buffer read its copies
         plgpu.barrier_wait(smem["q_free"].at[tile])
 
-      for copy, name in enumerate(("x_smem", "res_smem")):
+      for copy, name in enumerate(plan.q_copies):
         plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[tile],
                                 smem["q_ready"].at[2 * tile + copy])
 
@@ -626,7 +633,7 @@ def _block_prologue(plan: _Plan, block, rows, stores: _Stores, smem):
   LayerNorm) and hands every u_h to the attention warpgroup (over q_h), saving u."""
   x_smem, vec_smem = smem["x_smem"], smem["vec_smem"]
   for head in range(plan.num_heads):
-    for copy in range(2):
+    for copy in range(len(plan.q_copies)):
       plgpu.barrier_wait(smem["q_ready"].at[2 * plan.tile(block, head) + copy])
   stats = (_layer_norm_stats(plan, lambda h: x_smem.at[plan.tile(block, h)])
            if plan.pre_layer_norm else None)
