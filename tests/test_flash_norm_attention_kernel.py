@@ -442,7 +442,8 @@ def test_dispatch_reasons():
 
 def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   """implementation=None's rule (api.fused_slower_reason): the fused kernel on Hopper for bf16,
-  H·D = 256, 512 or 1024, Lkv <= 128 (measured faster than the chain); elsewhere a reason."""
+  D = 128, H·D = 256, 512 or 1024, Lkv <= 128 (measured faster than the chain); elsewhere a
+  reason."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.flash_norm_attention import api
   bf = jnp.bfloat16
@@ -457,6 +458,29 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert api.fused_slower_reason(h8, dense8, None, None) is None
   assert "Lkv" in api.fused_slower_reason(q, jnp.zeros((2, 256, 4, 128), bf), None, None)
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
+  # H·D = 512 at D = 64 (H = 8) fits the one-CTA kernel but was never measured (review25)
+  d64, dense64 = jnp.zeros((64, 8, 64), bf), jnp.zeros((2, 128, 8, 64), bf)
+  assert "D = 64" in api.fused_slower_reason(d64, dense64, None, None)
+
+
+def test_float16_z_past_its_range_stays_finite():
+  """A new user's review (session 25): in float16, z = u + attn can pass 65504 where u and attn
+  do not. The one-CTA kernel holds z in q's dtype, so it declines float16 q, and the op takes
+  a path that adds in float32 (here the chain): finite rows, equal to the float32 reference."""
+  t, h, d = 8, 2, 64
+  sign = jnp.where(jnp.arange(d) % 2 == 0, 1.0, -1.0)
+  noise = np.random.default_rng(0).standard_normal((t, h, d)).astype(np.float32)
+  q = (4e4 * sign + noise).astype(jnp.float16)  # |u| = |q| ≈ 4e4 (no LayerNorm)
+  k = jnp.zeros((1, 64, h, d), jnp.float16).at[..., 0].set(1.0)  # scores = pre · q[..., 0]
+  v = jnp.broadcast_to(sign, (1, 64, h, d)).astype(jnp.float16)
+  kw = dict(pre_layer_norm=False, pre_scale=1e-4, post_scale=3e4 / 256)  # |attn| ≈ 3e4
+  qo = jnp.array([0, t], jnp.int32)
+  assert "float16" in mosaic.unsupported_reason(q, k, None, None)
+  out = jax.jit(lambda q, k, v: pn.flash_norm_attention(
+      q, k, v, qo, implementation="interpret", **kw))(q, k, v)
+  want = reference.flash_norm_attention(q.astype(F32), k.astype(F32), v.astype(F32), qo, **kw)
+  assert bool(jnp.all(jnp.isfinite(want))) and bool(jnp.all(jnp.isfinite(out)))
+  assert _rel_err(out, want) < TOL
 
 
 def test_default_config_two_q_buffers_where_they_fit():

@@ -164,8 +164,8 @@ def _forward_kernel(q, k, kv_offsets, out_dtype, interpret: bool):
   return None, f"{reason}; the cluster kernel: {cluster_reason}"
 
 
-FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), features=(256, 512, 1024),
-                            max_kv_len=128)
+FUSED_DEFAULT_DOMAIN = dict(dtypes=(jnp.dtype(jnp.bfloat16),), head_dims=(128,),
+                            features=(256, 512, 1024), max_kv_len=128)
 """Where ``implementation=None`` takes the fused kernel: what the H200 measured faster than the
 unfused chain, forward and forward+backward (benchmarks/NOTES.md, "flash_norm_attention"):
 bf16 q, H·D = 256 or 512 (H = 2 or 4, D = 128: the one-CTA kernel) or 1024 (H = 8, D = 128:
@@ -181,10 +181,12 @@ def fused_slower_reason(q, k, kv_offsets, out_dtype) -> str | None:
   if not _dispatch.on_hopper_gpu():
     return "the fused kernel was measured only on a Hopper GPU (H200)"
   if (jnp.dtype(q.dtype) not in d["dtypes"] or jnp.dtype(out_dtype or q.dtype) != q.dtype
-      or features not in d["features"] or k.shape[1] > d["max_kv_len"]):
+      or q.shape[2] not in d["head_dims"] or features not in d["features"]
+      or k.shape[1] > d["max_kv_len"]):
     return (f"the fused kernel was measured faster than the chain only for bf16 q and output, "
-            f"H·D in {d['features']} and Lkv <= {d['max_kv_len']}; got {jnp.dtype(q.dtype)}, "
-            f"H·D = {features}, Lkv = {k.shape[1]}; pass implementation='mosaic' to force it")
+            f"D in {d['head_dims']}, H·D in {d['features']} and Lkv <= {d['max_kv_len']}; got "
+            f"{jnp.dtype(q.dtype)}, D = {q.shape[2]}, H·D = {features}, Lkv = {k.shape[1]}; "
+            f"pass implementation='mosaic' to force it")
   return None
 
 

@@ -149,6 +149,10 @@ def unsupported_reason(q, k, kv_offsets, out_dtype) -> str | None:
   reason = dense_kv_reason(q, k, kv_offsets, out_dtype)
   if reason is not None:
     return reason
+  if jnp.dtype(q.dtype) == jnp.float16:
+    return ("float16 q: this kernel holds z = u + attn in q's dtype, which overflows float16 "
+            "where the sum passes 65504 though u and attn do not (the cluster kernel and the "
+            "chain add in float32)")
   heads, head_dim = q.shape[1:]
   if pick_config(heads, head_dim, q.dtype, jnp.dtype(out_dtype or q.dtype), k.shape[1]) is None:
     return (f"H·D = {heads}·{head_dim}: the q block of all heads (twice) and the K/V ring do "
@@ -585,7 +589,7 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
 
 def _block_forward(plan: _Plan, item: _Item, block, stores: _Stores, smem) -> None:
   """The norm warpgroup's q block: statistics, every u_h handed to the attention warpgroup,
-  per head attn_h back → Σz², then r2, the epilogue and the stores."""
+  per head z_h back → Σz², then r2, the epilogue and the stores."""
   rows = item.rows(block)
   stats = _block_prologue(plan, block, rows, stores, smem)
   rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
