@@ -17,9 +17,9 @@ warps:
   ``kv_stages`` slots. The first ring slots of the next block load while the consumers finish
   the current one; the next block's q tiles of a head load as soon as the epilogue has read
   them (one ``q_free`` barrier per head).
-* the norm warpgroup (:data:`NORM_WG`): the LayerNorm statistics (μ1, r1) of the block by two
-  passes over the H tiles in SMEM (mean, then the centred second moment: exact for rows with a
-  large mean), then every u_h = LN(q_h) written over the working copy of q_h (the attention
+* the norm warpgroup (:data:`NORM_WG`): the LayerNorm statistics (μ1, r1) of the block by one
+  pass over the H tiles in SMEM (sums of x − s and its square, s a per-row shift: no
+  cancellation for rows with a large mean), then every u_h = LN(q_h) written over the working copy of q_h (the attention
   reads u from SMEM; it goes to GMEM only as a residual for the backward), each handed to the
   attention warpgroup (``u_ready``); per head, once z_h is back (``attn_ready``), Σz² across
   heads. After the last head: r2, then per head out_h = z_h·r2·γ2 + q_h (q_h from the residual
@@ -563,17 +563,25 @@ def _sum_over_heads(plan: _Plan, tile_fn):
 
 
 def _layer_norm_stats(plan: _Plan, tile_of):
-  """(μ1, r1) row vectors over the H tiles ``tile_of(head)`` of the q block: the mean, then the
-  centred second moment (two passes over SMEM, no cancellation for rows with a large mean)."""
-  scale = 1.0 / (plan.num_heads * plan.head_dim)
-  mean = _sum_over_heads(plan, lambda h: _load_f32(tile_of(h))) * scale
+  """(μ1, r1) row vectors over the H tiles ``tile_of(head)`` of the q block, in one pass over
+  them: the sums of d = x − s and d² with a per-row shift s, the mean of the row's first
+  :data:`mgpu.LANE_COLS` values, so var = E[d²] − E[d]² does not cancel for rows with a large
+  mean (|E[d]| is a few standard deviations at most). The statistics sit on the block's
+  critical path (the attention waits for them), so one pass over SMEM instead of two."""
+  n = plan.num_heads * plan.head_dim
+  shape = (BLOCK_Q, plan.head_dim)
+  first = mgpu.lane_slices(_load_f32(tile_of(0)))[0]
+  shift = jnp.sum(first, axis=1) * (1.0 / mgpu.LANE_COLS)
 
-  def centred_square(h):
-    x = _load_f32(tile_of(h)) - _rowvec(mean, (BLOCK_Q, plan.head_dim))
-    return x * x
+  def add(head, sums):
+    d = _load_f32(tile_of(head)) - _rowvec(shift, shape)
+    return sums[0] + mgpu.lane_partial_sum(d), sums[1] + mgpu.lane_partial_sum(d * d)
 
-  var = _sum_over_heads(plan, centred_square) * scale
-  return mean, lax.rsqrt(var + plan.eps)
+  zeros = mgpu.lane_partial_zeros(BLOCK_Q)
+  s1, s2 = lax.fori_loop(0, plan.num_heads, add, (zeros, zeros))
+  mean_d = jnp.sum(s1, axis=1) * (1.0 / n)
+  var = jnp.maximum(jnp.sum(s2, axis=1) * (1.0 / n) - mean_d * mean_d, 0.0)
+  return shift + mean_d, lax.rsqrt(var + plan.eps)
 
 
 def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
@@ -581,7 +589,8 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
   if not plan.pre_layer_norm:
     return x
   mean, rstd = stats
-  u = (x - _rowvec(mean, x.shape)) * _rowvec(rstd, x.shape)
+  # (x − μ)·r as x·r + (−μ·r): one FMA per element (the row products once per tile)
+  u = x * _rowvec(rstd, x.shape) + _rowvec(-mean * rstd, x.shape)
   return u * _colvec(vec_smem, 0, head, x.shape) + _colvec(vec_smem, 1, head, x.shape)
 
 
