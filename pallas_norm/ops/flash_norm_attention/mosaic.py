@@ -207,6 +207,15 @@ class _Plan:
     warpgroup)."""
     return ("x_smem", "res_smem") if self.outer_residual else ("x_smem",)
 
+  @property
+  def q_loads(self) -> list:
+    """(head, copy) in the producer's load order of a q block's tiles. One q buffer: every
+    head's working copy first, since the statistics sum each as it lands (the next block's
+    tiles load late, after the epilogue released them; the residual copies wait for the
+    next epilogue). Two: head by head (the tiles load a block ahead)."""
+    loads = [(h, c) for h in range(self.num_heads) for c in range(len(self.q_copies))]
+    return sorted(loads, key=lambda hc: hc[1]) if self.q_buffers == 1 else loads
+
   def tile(self, block, head):
     """Index of q block ``block``'s tile of ``head`` in x_smem/res_smem (and of its per-tile
     barriers): buffer ``block % q_buffers``."""
@@ -395,8 +404,8 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
 
 def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) -> None:
   """TMA warpgroup: γ1/β1/γ2 once; per q block, the first K/V ring slots, then (once the
-  epilogue released that head's tiles of the previous block) the H q tiles' working copies,
-  their residual copies, then the remaining K/V blocks."""
+  epilogue released that head's tiles of the previous block) the H q tiles' copies in
+  :attr:`_Plan.q_loads` order, then the remaining K/V blocks."""
   plgpu.copy_gmem_to_smem(affine_ref, smem["vec_smem"], smem["vec_ready"])
   per_block, stages = plan.uses_per_block, plan.kv_stages
   prefetch = min(stages, per_block)
@@ -417,19 +426,16 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
                             smem["v_ready"].at[slot])
 
   def load_q(block):
-    # every head's working copy before the residual copies: the statistics read the working
-    # copies as soon as they land; the residual copies wait for the epilogue
     rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
-    for copy, name in enumerate(plan.q_copies):
-      for head in range(plan.num_heads):
-        tile = plan.tile(block, head)
-        if copy == 0:
-          @pl.when(block > plan.q_buffers - 1)
-          def _(tile=tile):  # the epilogue of the block before in this buffer read its copies
-            plgpu.barrier_wait(smem["q_free"].at[tile])
+    for head, copy in plan.q_loads:
+      tile = plan.tile(block, head)
+      if copy == 0:
+        @pl.when(block > plan.q_buffers - 1)
+        def _(tile=tile):  # the epilogue of the block before in this buffer read its copies
+          plgpu.barrier_wait(smem["q_free"].at[tile])
 
-        plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[name].at[tile],
-                                smem["q_ready"].at[2 * tile + copy])
+      plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[plan.q_copies[copy]].at[tile],
+                              smem["q_ready"].at[2 * tile + copy])
 
   @pl.when(jnp.logical_not(item.padding))
   def _():
@@ -564,16 +570,18 @@ def _sum_over_heads(plan: _Plan, tile_fn):
   return jnp.sum(partial, axis=1)
 
 
-def _layer_norm_stats(plan: _Plan, tile_of, wait_for):
+def _layer_norm_stats(plan: _Plan, tile_of, wait_for=None):
   """(μ1, r1) row vectors over the H tiles ``tile_of(head)`` of the q block, in one pass over
   them: the sums of d = x − s and d² with a per-row shift s, the mean of the row's first
   :data:`mgpu.LANE_COLS` values, so var = E[d²] − E[d]² does not cancel for rows with a large
-  mean (|E[d]| is a few standard deviations at most). ``wait_for(head)`` waits for a tile's
-  load: each is summed as it lands, so only the last load's latency is on the block's critical
-  path, under the sums of the others."""
+  mean (|E[d]| is a few standard deviations at most). The statistics sit on the block's
+  critical path (the attention waits for them), so one pass over SMEM instead of two. With
+  ``wait_for(head)`` (waits for a tile's load) each tile is summed as it lands, so only the
+  last load's latency is on that path, under the sums of the others."""
   n = plan.num_heads * plan.head_dim
   shape = (BLOCK_Q, plan.head_dim)
-  wait_for(0)
+  if wait_for is not None:
+    wait_for(0)
   first = mgpu.lane_slices(_load_f32(tile_of(0)))[0]
   shift = jnp.sum(first, axis=1) * (1.0 / mgpu.LANE_COLS)
 
@@ -581,12 +589,15 @@ def _layer_norm_stats(plan: _Plan, tile_of, wait_for):
     d = _load_f32(tile_of(head)) - _rowvec(shift, shape)
     return sums[0] + mgpu.lane_partial_sum(d), sums[1] + mgpu.lane_partial_sum(d * d)
 
-  def wait_and_add(head, sums):
-    wait_for(head)
-    return add(head, sums)
-
   zeros = mgpu.lane_partial_zeros(BLOCK_Q)
-  s1, s2 = lax.fori_loop(1, plan.num_heads, wait_and_add, add(0, (zeros, zeros)))
+  if wait_for is None:
+    s1, s2 = lax.fori_loop(0, plan.num_heads, add, (zeros, zeros))
+  else:  # tile 0 was waited for above
+    def wait_and_add(head, sums):
+      wait_for(head)
+      return add(head, sums)
+
+    s1, s2 = lax.fori_loop(1, plan.num_heads, wait_and_add, add(0, (zeros, zeros)))
   mean_d = jnp.sum(s1, axis=1) * (1.0 / n)
   var = jnp.maximum(jnp.sum(s2, axis=1) * (1.0 / n) - mean_d * mean_d, 0.0)
   return shift + mean_d, lax.rsqrt(var + plan.eps)
@@ -650,15 +661,23 @@ def _block_prologue(plan: _Plan, block, rows, stores: _Stores, smem):
   LayerNorm) and hands every u_h to the attention warpgroup (over q_h), saving u."""
   x_smem, vec_smem = smem["x_smem"], smem["vec_smem"]
 
-  def wait_for(head):  # the working copy; the residual copy is waited for in the epilogue
-    plgpu.barrier_wait(smem["q_ready"].at[2 * plan.tile(block, head)])
+  # One q buffer: the working copies are waited for one by one as the statistics sum them,
+  # the residual copies in the epilogue (the tiles land late, on the block's critical path).
+  # Two: every copy here (they landed during the block before).
+  streamed = plan.q_buffers == 1
 
-  if plan.pre_layer_norm:
+  def wait_for(head):
+    copies = (0,) if streamed else range(len(plan.q_copies))
+    for copy in copies:
+      plgpu.barrier_wait(smem["q_ready"].at[2 * plan.tile(block, head) + copy])
+
+  if plan.pre_layer_norm and streamed:
     stats = _layer_norm_stats(plan, lambda h: x_smem.at[plan.tile(block, h)], wait_for)
   else:
-    stats = None
     for head in range(plan.num_heads):
       wait_for(head)
+    stats = (_layer_norm_stats(plan, lambda h: x_smem.at[plan.tile(block, h)])
+             if plan.pre_layer_norm else None)
 
   @pl.loop(0, plan.num_heads)
   def _publish(head):  # every u_h at once (over q_h): the attention warpgroup takes them in turn
@@ -700,8 +719,9 @@ def _block_epilogue(plan: _Plan, block, rows, stats, rms_rstd, stores: _Stores, 
     tile = plan.tile(block, head)
     z = _load_f32(x_smem.at[tile])
     out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
-    if plan.outer_residual:  # its load landed long ago: waited for here, off the statistics' path
-      plgpu.barrier_wait(smem["q_ready"].at[2 * tile + 1])
+    if plan.outer_residual:
+      if plan.q_buffers == 1:  # see _block_prologue: landed long ago, waited for here
+        plgpu.barrier_wait(smem["q_ready"].at[2 * tile + 1])
       out = out + _load_f32(res_smem.at[tile])
     _release_q(smem, tile)  # the head's tiles are read: the next block's may load over them
     stores.out(out, rows, head)
