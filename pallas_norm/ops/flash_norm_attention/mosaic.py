@@ -41,7 +41,7 @@ is complete, before block b's epilogue and stores (:func:`_pipelined_blocks`), s
 warpgroup goes from block b's last head to block b + 1's first without waiting for them.
 At H·D = 512 two q buffers fit only without the residual copy (``Config.residual_copy``): the
 epilogue then loads each q_h again from GMEM (L2, a block after the producer's load) into the
-store tile, adds it and stores out from the same bytes.
+head's working tile once it has read z_h from it.
 
 The loops over the heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as
 the carry): unrolled statically, the H = 4 kernel ran about 4× slower on the H200. The
@@ -103,8 +103,8 @@ class Config:
   wait at block boundaries for the epilogue, the q loads and the statistics (twice the q SMEM:
   H·D ≤ 256 at D = 128). ``residual_copy``: the producer loads each q tile twice, a working
   copy (overwritten by u_h, then z_h) and the residual copy the epilogue adds; without it the
-  epilogue loads each q_h again from GMEM (L2) through the store tile, so two q buffers fit
-  at H·D = 512."""
+  epilogue loads each q_h again from GMEM (L2) into the working tile once z_h was read from
+  it, so two q buffers fit at H·D = 512."""
 
   block_kv: int = 64
   kv_stages: int = 2
@@ -121,8 +121,8 @@ class Config:
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
   """SMEM of one CTA: q twice (working and residual copies of the H tiles; once without the
-  residual copy), the K/V ring, P, one store tile (out, z, u, a reloaded residual q_h and the
-  statistics take turns in it: a RefUnion) and γ1/β1/γ2.
+  residual copy), the K/V ring, P, one store tile (out, z, u and the statistics take turns in
+  it: a RefUnion) and γ1/β1/γ2.
   Every allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
   item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
   q = (1 + cfg.residual_copy) * cfg.q_buffers * num_heads * BLOCK_Q * head_dim * item
@@ -352,8 +352,7 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
       stats_smem=plgpu.SMEM((plan.q_buffers, 2, BLOCK_Q), _F32))
   if plan.residual_copy:
     extra["res_smem"] = plgpu.SMEM((tiles, BLOCK_Q, d), dtype, transforms=tile)
-  else:  # q_h reloaded for the epilogue, laid out as the producer's q tiles
-    store_tiles.append(plgpu.SMEM((BLOCK_Q, d), dtype, transforms=tile))
+  else:  # q_h reloaded for the epilogue into its working tile, once z_h was read from it
     extra["res_ready"] = plgpu.Barrier()
   return dict(
       store_tiles=plgpu.RefUnion(*store_tiles),
@@ -498,10 +497,10 @@ def _consume(plan: _Plan, item: _Item, scales_ref, q_ref, out_ref, stats_ref, sa
   o_tile, stats_tile, *more_tiles = smem["store_tiles"]
   saved_tile = more_tiles[0].at[0] if plan.save_residuals else None
   z_ref, u_ref = (*saved_refs, None, None)[:2]
-  reload = {} if plan.residual_copy else dict(  # the epilogue's q_h: the union's last view
-      q_ref=q_ref, res_tile=more_tiles[-1], res_ready=smem["res_ready"])
   stores = _Stores(out_ref, stats_ref, z_ref, u_ref, o_tile.at[0], stats_tile.at[0],
-                   saved_tile, **reload)
+                   saved_tile)
+  if not plan.residual_copy:
+    smem = dict(smem, q_ref=q_ref)  # the epilogue loads q_h again
 
   @pl.when(item.padding)
   def _():
@@ -524,8 +523,7 @@ def _consume(plan: _Plan, item: _Item, scales_ref, q_ref, out_ref, stats_ref, sa
 @dataclasses.dataclass(frozen=True)
 class _Stores:
   """The norm warpgroup's row-exact stores of one q block: out, z and u per head (z and u, the
-  backward's residuals, only when saved; u only with the LayerNorm), the statistics; without
-  the residual copy also the epilogue's q_h loaded again through the same tile."""
+  backward's residuals, only when saved; u only with the LayerNorm), the statistics."""
 
   out_ref: object
   stats_ref: object
@@ -534,21 +532,6 @@ class _Stores:
   o_tile: object
   stats_tile: object
   saved_tile: object
-  q_ref: object = None
-  res_tile: object = None
-  res_ready: object = None
-
-  def residual(self, rows, head):
-    """q_h of the block (f32), loaded again from GMEM (L2: the producer loaded it a block ago)
-    into the tile's q view once the previous stores have read the tile; a warpgroup barrier
-    after the read, since the out store then writes the same bytes in another layout."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    q_rows = pl.ds(pl.multiple_of(rows[0], gdpa_mosaic.ALIGN), BLOCK_Q)
-    plgpu.copy_gmem_to_smem(self.q_ref.at[q_rows, head], self.res_tile, self.res_ready)
-    plgpu.barrier_wait(self.res_ready)
-    q = _load_f32(self.res_tile)
-    plgpu.commit_smem()
-    return q
 
   def out(self, tile, rows, head):
     store.store_rows(tile.astype(self.out_ref.dtype), self.o_tile,
@@ -763,12 +746,24 @@ def _block_epilogue(plan: _Plan, block, rows, stats, rms_rstd, stores: _Stores, 
       if plan.q_buffers == 1:  # see _block_prologue: landed long ago, waited for here
         plgpu.barrier_wait(smem["q_ready"].at[2 * tile + 1])
       out = out + _load_f32(smem["res_smem"].at[tile])
+    elif plan.outer_residual:
+      out = out + _reloaded_residual(smem, tile, rows, head)
     _release_q(smem, tile)  # the head's tiles are read: the next block's may load over them
-    if plan.outer_residual and not plan.residual_copy:
-      out = out + stores.residual(rows, head)
     stores.out(out, rows, head)
 
   stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
+
+
+def _reloaded_residual(smem, tile, rows, head):
+  """q_h of the block (f32) loaded again from GMEM (L2: the producer loaded it a block ago)
+  into its working tile, which z_h has just been read from: a proxy fence and warpgroup
+  barrier first (every thread's generic read of z_h before the TMA write)."""
+  plgpu.commit_smem()
+  q_rows = pl.ds(pl.multiple_of(rows[0], gdpa_mosaic.ALIGN), BLOCK_Q)
+  plgpu.copy_gmem_to_smem(smem["q_ref"].at[q_rows, head], smem["x_smem"].at[tile],
+                          smem["res_ready"])
+  plgpu.barrier_wait(smem["res_ready"])
+  return _load_f32(smem["x_smem"].at[tile])
 
 
 def _release_q(smem, tile) -> None:
