@@ -47,7 +47,7 @@ def _problem(seed, q_lens, heads, head_dim, lkv=64, *, large_mean_row=None):
   total = int(np.sum(q_lens))
   capacity = -(-total // 8) * 8 + 8
   q = normal((capacity, heads, head_dim))
-  if large_mean_row is not None:  # |mean| / std = 100: the two-pass variance must hold
+  if large_mean_row is not None:  # |mean| / std = 100: the shifted one-pass variance must hold
     q[large_mean_row] += 100.0
   q = q.astype(jnp.bfloat16)
   q[total:] = np.nan
