@@ -47,7 +47,7 @@ def _problem(seed, q_lens, heads, head_dim, lkv=64, *, large_mean_row=None):
   total = int(np.sum(q_lens))
   capacity = -(-total // 8) * 8 + 8
   q = normal((capacity, heads, head_dim))
-  if large_mean_row is not None:  # |mean| / std = 100: the two-pass variance must hold
+  if large_mean_row is not None:  # |mean| / std = 100: the shifted one-pass variance must hold
     q[large_mean_row] += 100.0
   q = q.astype(jnp.bfloat16)
   q[total:] = np.nan
@@ -156,6 +156,31 @@ def test_fused_switches_match_reference(switches):
   assert not bool(jnp.any(out[total:] != 0))
   assert _rel_err(out[:total], ref[:total]) < TOL
   assert _rel_err(rms.rstd[:total], rms_ref.rstd[:total]) < TOL
+
+
+def test_fused_layer_norm_variance_past_float32_range():
+  """Rows of q whose squares pass float32's range: values ≈ 1e20 but the row's first 8 (the
+  shift of the one-pass variance, _layer_norm_stats) 0, so E[d²] and E[d]² both overflow. The
+  variance is +inf, r1 = 0 and u = β1, as in the reference (its centred squares overflow too)
+  and main's two-pass statistics before the one pass (a52b3f4); inf − inf made those rows NaN.
+  H·D = 512 (one q buffer: the streamed statistics); no outer residual, which would hide u
+  under + q."""
+  q, k, v, qo, affine = _problem(5, [70, 0, 9], 4, 128)
+  x = np.asarray(q, np.float32)
+  x[:4] = 1e20 * (1.0 + 1e-2 * x[:4])
+  x[:4, 0, :8] = 0.0
+  q = jnp.asarray(x.astype(jnp.bfloat16))
+  kw = dict(affine, pre_scale=0.9, post_scale=1.1, outer_residual=False)
+  out, (ln, rms) = jax.jit(lambda q, k, v, qo: pn.flash_norm_attention(
+      q, k, v, qo, return_stats=True, implementation="interpret", **kw))(q, k, v, qo)
+  ref, (ln_ref, rms_ref) = _reference(q, k, v, qo, **kw)
+  total = int(qo[-1])
+  assert bool(jnp.all(jnp.isfinite(ref[:total]))) and not bool(jnp.any(ln_ref.rstd[:4]))
+  assert bool(jnp.all(jnp.isfinite(out))), "NaN rows"
+  assert _rel_err(out[:total], ref[:total]) < TOL
+  assert _worst_row_err(out[:total], ref[:total]) < TOL
+  for got, want in ((ln.mean, ln_ref.mean), (ln.rstd, ln_ref.rstd), (rms.rstd, rms_ref.rstd)):
+    assert _rel_err(got[:total], want[:total]) < TOL
 
 
 @pytest.mark.slow  # 15-20 s: xdist hands it out early

@@ -597,10 +597,13 @@ def _layer_norm_stats(plan: _Plan, tile_of, wait_for=None):
   """(μ1, r1) row vectors over the H tiles ``tile_of(head)`` of the q block, in one pass over
   them: the sums of d = x − s and d² with a per-row shift s, the mean of the row's first
   :data:`mgpu.LANE_COLS` values, so var = E[d²] − E[d]² does not cancel for rows with a large
-  mean (|E[d]| is a few standard deviations at most). The statistics sit on the block's
-  critical path (the attention waits for them), so one pass over SMEM instead of two. With
-  ``wait_for(head)`` (waits for a tile's load) each tile is summed as it lands, so only the
-  last load's latency is on that path, under the sums of the others."""
+  mean (|E[d]| = |μ − s| ≤ √(n/8) standard deviations over n = H·D features, since the 8 values
+  averaged into s are among the row's: 6 bits of cancellation at most at n = 512). E[d²] ≤
+  (1 + n/8)·var overflows float32 for |x| ≳ 1e17, up to that factor before the variance would
+  (r1 = 0 there). The statistics sit on the block's critical path (the attention waits for
+  them), so one pass over SMEM instead of two. With ``wait_for(head)`` (waits for a tile's
+  load) each tile is summed as it lands, so only the last load's latency is on that path,
+  under the sums of the others."""
   n = plan.num_heads * plan.head_dim
   shape = (BLOCK_Q, plan.head_dim)
   if wait_for is not None:
@@ -622,7 +625,10 @@ def _layer_norm_stats(plan: _Plan, tile_of, wait_for=None):
 
     s1, s2 = lax.fori_loop(1, plan.num_heads, wait_and_add, add(0, (zeros, zeros)))
   mean_d = jnp.sum(s1, axis=1) * (1.0 / n)
-  var = jnp.maximum(jnp.sum(s2, axis=1) * (1.0 / n) - mean_d * mean_d, 0.0)
+  mean_sq = jnp.sum(s2, axis=1) * (1.0 / n)
+  # E[d²] past float32's range (|x − s| ≳ 1e17): the variance is +inf (r1 = 0, u = β1), as the
+  # two-pass sums and the reference give, not inf − inf = NaN when E[d]² overflows too
+  var = jnp.where(mean_sq < jnp.inf, jnp.maximum(mean_sq - mean_d * mean_d, 0.0), mean_sq)
   return shift + mean_d, lax.rsqrt(var + plan.eps)
 
 
