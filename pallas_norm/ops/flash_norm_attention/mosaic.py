@@ -353,7 +353,7 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
   if plan.residual_copy:
     extra["res_smem"] = plgpu.SMEM((tiles, BLOCK_Q, d), dtype, transforms=tile)
   else:  # q_h reloaded for the epilogue into its working tile, once z_h was read from it
-    extra["res_ready"] = plgpu.Barrier()
+    extra["res_ready"] = plgpu.Barrier(num_barriers=2)
   return dict(
       store_tiles=plgpu.RefUnion(*store_tiles),
       x_smem=plgpu.SMEM((tiles, BLOCK_Q, d), dtype, transforms=tile),
@@ -743,33 +743,56 @@ def _block_epilogue(plan: _Plan, block, rows, stats, rms_rstd, stores: _Stores, 
   statistics (μ1, r1 from ``stats``, r2) stored."""
   x_smem, vec_smem = smem["x_smem"], smem["vec_smem"]
 
-  @pl.loop(0, plan.num_heads)
-  def _epilogue(head):
-    tile = plan.tile(block, head)
-    z = _load_f32(x_smem.at[tile])
-    out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
-    if plan.reads_residual_copy:
-      if plan.q_buffers == 1:  # see _block_prologue: landed long ago, waited for here
-        plgpu.barrier_wait(smem["q_ready"].at[2 * tile + 1])
-      out = out + _load_f32(smem["res_smem"].at[tile])
-    elif plan.outer_residual:
-      out = out + _reloaded_residual(smem, tile, rows, head)
-    _release_q(smem, tile)  # the head's tiles are read: the next block's may load over them
-    stores.out(out, rows, head)
+  def scaled(z, head):  # z_h·r2·γ2 in f32
+    return z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
+
+  if plan.outer_residual and not plan.residual_copy:
+    _epilogue_reloading(plan, block, rows, scaled, stores, smem)
+  else:
+    @pl.loop(0, plan.num_heads)
+    def _epilogue(head):
+      tile = plan.tile(block, head)
+      out = scaled(_load_f32(x_smem.at[tile]), head)
+      if plan.reads_residual_copy:
+        if plan.q_buffers == 1:  # see _block_prologue: landed long ago, waited for here
+          plgpu.barrier_wait(smem["q_ready"].at[2 * tile + 1])
+        out = out + _load_f32(smem["res_smem"].at[tile])
+      _release_q(smem, tile)  # the head's tiles are read: the next block's may load over them
+      stores.out(out, rows, head)
 
   stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
 
 
-def _reloaded_residual(smem, tile, rows, head):
-  """q_h of the block (f32) loaded again from GMEM (L2: the producer loaded it a block ago)
-  into its working tile, which z_h has just been read from: a proxy fence and warpgroup
-  barrier first (every thread's generic read of z_h before the TMA write)."""
-  plgpu.commit_smem()
+def _epilogue_reloading(plan: _Plan, block, rows, scaled, stores: _Stores, smem) -> None:
+  """The epilogue without the residual copy: q_h is loaded again from GMEM (L2: the producer
+  loaded it a block ago) into its working tile once z_h was read from it (z_h kept in
+  registers in q's dtype), one head ahead of its use, so each load's latency hides under the
+  previous head's out; ``res_ready`` alternates between two barriers by head parity."""
+  x_smem = smem["x_smem"]
   q_rows = pl.ds(pl.multiple_of(rows[0], gdpa_mosaic.ALIGN), BLOCK_Q)
-  plgpu.copy_gmem_to_smem(smem["q_ref"].at[q_rows, head], smem["x_smem"].at[tile],
-                          smem["res_ready"])
-  plgpu.barrier_wait(smem["res_ready"])
-  return _load_f32(smem["x_smem"].at[tile])
+
+  def take_z(head):  # z_h to registers, then q_h's load over its tile
+    tile = plan.tile(block, head)
+    z = plgpu.load(x_smem.at[tile], layout=plgpu.Layout.WGMMA)
+    plgpu.commit_smem()  # every thread's generic read of z_h before the TMA write
+    plgpu.copy_gmem_to_smem(smem["q_ref"].at[q_rows, head], x_smem.at[tile],
+                            smem["res_ready"].at[lax.rem(head, 2)])
+    return z
+
+  def finish(head, z):
+    tile = plan.tile(block, head)
+    plgpu.barrier_wait(smem["res_ready"].at[lax.rem(head, 2)])
+    out = scaled(z.astype(_F32), head) + _load_f32(x_smem.at[tile])
+    _release_q(smem, tile)
+    stores.out(out, rows, head)
+
+  def step(head, z):
+    z_next = take_z(head + 1)
+    finish(head, z)
+    return z_next
+
+  z = lax.fori_loop(0, plan.num_heads - 1, step, take_z(0))
+  finish(plan.num_heads - 1, z)
 
 
 def _release_q(smem, tile) -> None:
