@@ -162,7 +162,7 @@ def test_fused_layer_norm_variance_past_float32_range():
   """Rows of q whose squares pass float32's range: values ≈ 1e20 but the row's first 8 (the
   shift of the one-pass variance, _layer_norm_stats) 0, so E[d²] and E[d]² both overflow. The
   variance is +inf, r1 = 0 and u = β1, as in the reference (its centred squares overflow too)
-  and main's two-pass statistics before the one pass (a52b3f4); inf − inf made those rows NaN.
+  and in two-pass statistics; inf − inf made those rows NaN.
   H·D = 512 (one q buffer: the streamed statistics); no outer residual, which would hide u
   under + q."""
   q, k, v, qo, affine = _problem(5, [70, 0, 9], 4, 128)
@@ -499,15 +499,15 @@ def test_default_takes_the_fused_kernel_where_measured(monkeypatch):
   assert api.fused_slower_reason(h8, dense8, None, None) is None
   assert "Lkv" in api.fused_slower_reason(q, jnp.zeros((2, 256, 4, 128), bf), None, None)
   assert "bf16" in api.fused_slower_reason(q, dense, None, F32)
-  # H·D = 512 at D = 64 (H = 8) fits the one-CTA kernel but was never measured (review25)
+  # H·D = 512 at D = 64 (H = 8) fits the one-CTA kernel but was never measured
   d64, dense64 = jnp.zeros((64, 8, 64), bf), jnp.zeros((2, 128, 8, 64), bf)
   assert "D = 64" in api.fused_slower_reason(d64, dense64, None, None)
 
 
 def test_float16_z_past_its_range_stays_finite():
-  """A new user's review (session 25): in float16, z = u + attn can pass 65504 where u and attn
-  do not. The one-CTA kernel holds z in q's dtype, so it declines float16 q, and the op takes
-  a path that adds in float32 (here the chain): finite rows, equal to the float32 reference."""
+  """In float16, z = u + attn can pass 65504 where u and attn do not. The one-CTA kernel holds
+  z in q's dtype, so it declines float16 q, and the op takes a path that adds in float32 (here
+  the chain): finite rows, equal to the float32 reference."""
   t, h, d = 8, 2, 64
   sign = jnp.where(jnp.arange(d) % 2 == 0, 1.0, -1.0)
   noise = np.random.default_rng(0).standard_normal((t, h, d)).astype(np.float32)
