@@ -39,9 +39,9 @@ D = 128, with a 2-slot K/V ring) the producer loads block b + 1's q tiles first,
 b, and the norm warpgroup makes block b + 1's statistics and u tiles as soon as block b's Σz²
 is complete, before block b's epilogue and stores (:func:`_pipelined_blocks`), so the attention
 warpgroup goes from block b's last head to block b + 1's first without waiting for them.
-At H·D = 512 two q buffers fit only without the residual copy (``Config.residual_copy``): the
-epilogue then loads each q_h again from GMEM (L2, a block after the producer's load) into the
-head's working tile once it has read z_h from it.
+At H·D = 512 two q buffers fit only without the residual copy (``Config.residual_copy``, the
+inference form's default there): the epilogue then loads each q_h again from GMEM (L2, a block
+after the producer's load) into the head's working tile once it has read z_h from it.
 
 The loops over the heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as
 the carry): unrolled statically, the H = 4 kernel ran about 4× slower on the H200. The
@@ -136,14 +136,19 @@ def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> 
   return q + kv + p + tile + vecs + reduction + stats + 1024  # + the barriers
 
 
-def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int) -> Config | None:
+def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int,
+                save_residuals: bool = False) -> Config | None:
   """Two q buffers with a 2-slot K/V ring where they fit in SMEM (H·D ≤ 256 at D = 128; measured
-  faster on the H200 in both forms: benchmarks/NOTES.md, "flash_norm_attention"), then the same
-  without the residual copy (H·D = 512). Otherwise
-  the deepest K/V ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block) that
-  fits; None when none does."""
-  for cfg in (Config(block_kv=64, kv_stages=2, q_buffers=2),
-              Config(block_kv=64, kv_stages=2, q_buffers=2, residual_copy=False)):
+  faster on the H200 in both forms: benchmarks/NOTES.md, "flash_norm_attention"); for the
+  inference form (``save_residuals`` False) then the same without the residual copy (H·D = 512
+  at D = 128: faster there, slower in the training form, whose saves keep the norm warpgroup
+  busy enough that the epilogue's q reloads set the pace). Otherwise the deepest K/V ring (4,
+  3 or 2 slots of 64 keys, at most the key blocks of a q block) that fits; None when none
+  does."""
+  two_buffers = [Config(block_kv=64, kv_stages=2, q_buffers=2)]
+  if not save_residuals:
+    two_buffers.append(Config(block_kv=64, kv_stages=2, q_buffers=2, residual_copy=False))
+  for cfg in two_buffers:
     if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
       return cfg
   blocks = num_heads * kv_len // 64
@@ -272,8 +277,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   capacity, num_heads, head_dim = q.shape
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   kv_len = k.shape[1]
-  cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len),
-                       kv_len)
+  cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len,
+                                             save_residuals), kv_len)
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
                block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, q_buffers=cfg.q_buffers,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
