@@ -185,7 +185,8 @@ def test_fused_layer_norm_variance_past_float32_range():
 
 @pytest.mark.slow  # 15-20 s: xdist hands it out early
 @pytest.mark.parametrize("variants,switches", [
-    ([dict(kv_stages=2), dict(q_buffers=2)], dict()),
+    ([dict(kv_stages=2), dict(q_buffers=2), dict(residual_copy=False),
+      dict(q_buffers=2, residual_copy=False)], dict()),
     ([dict(q_buffers=2)], dict(pre_layer_norm=False, inner_residual=False))],
     ids=["ring_and_q_buffers", "q_buffers_switches_off"])
 def test_fused_variants_match_default(variants, switches):
@@ -200,6 +201,8 @@ def test_fused_variants_match_default(variants, switches):
     before the current block's epilogue; the first buffer reused), also with the LayerNorm and
     the inner residual off (the attention warpgroup then waits for q itself, reading q_h as TMA
     wrote it, in the block's buffer).
+  - no residual copy (Config.residual_copy: the epilogue loads q_h again from GMEM into the
+    head's working tile once z_h was read from it), with one and with two q buffers.
   One default run serves the variants of a parametrization (the ring and the q-buffer tests
   ran it each). The op's forward-only tests cover the kernel without the residuals."""
   _check_variant_matches_default(mosaic, 2, variants, (130, 0, 9), **switches)
@@ -522,31 +525,37 @@ def test_float16_z_past_its_range_stays_finite():
 
 
 def test_default_config_two_q_buffers_where_they_fit():
-  """Two q buffers (2-slot K/V ring) where they fit (H·D = 256 at D = 128, bf16 out), for the
-  inference and the training form alike; larger H·D and a float32 output keep one buffer and
-  the deepest ring that fits."""
+  """Two q buffers (2-slot K/V ring) where they fit: with the residual copy at H·D = 256
+  (D = 128, bf16 out) in both forms; without it, at H·D = 512 and for a float32 output at 256,
+  in the inference form only (the training form keeps one buffer with the copy and the
+  deepest ring that fits); none at H·D = 512 with a float32 output."""
   bf = jnp.bfloat16
-  cfg = mosaic.pick_config(2, 128, bf, bf, 128)
-  assert (cfg.q_buffers, cfg.kv_stages) == (2, 2)
-  assert mosaic.pick_config(4, 128, bf, bf, 128).q_buffers == 1
-  assert mosaic.pick_config(2, 128, bf, F32, 128).q_buffers == 1  # f32 out: no room
+  fields = lambda c: (c.q_buffers, c.kv_stages, c.residual_copy)  # noqa: E731
+  for save in (False, True):
+    assert fields(mosaic.pick_config(2, 128, bf, bf, 128, save)) == (2, 2, True)
+    assert mosaic.pick_config(4, 128, bf, F32, 128, save) is None
+  assert fields(mosaic.pick_config(4, 128, bf, bf, 128)) == (2, 2, False)
+  assert fields(mosaic.pick_config(2, 128, bf, F32, 128)) == (2, 2, False)
+  assert fields(mosaic.pick_config(4, 128, bf, bf, 128, True)) == (1, 2, True)
+  assert fields(mosaic.pick_config(4, 128, bf, bf, 512, True)) == (1, 2, True)
+  assert fields(mosaic.pick_config(2, 128, bf, F32, 128, True)) == (1, 3, True)
 
 
-@pytest.mark.parametrize("save_residuals,out_dtype,q_buffers", [
-    (False, jnp.float32, 1), (True, None, 2)])
-def test_forward_lowers_for_sm90a(save_residuals, out_dtype, q_buffers):
+@pytest.mark.parametrize("save_residuals,out_dtype,heads,q_buffers", [
+    (False, jnp.float32, 2, 1), (True, None, 2, 2), (True, None, 4, 2)])
+def test_forward_lowers_for_sm90a(save_residuals, out_dtype, heads, q_buffers):
   """Mosaic's sm_90a lowering accepts the forward kernel (layouts, SMEM, TMA boxes) at real
-  sizes without the residuals and with a float32 output, which no ``gpu`` test runs (the
-  training form at H = 4 and the forward at H = 2 and 4 compile there), and with two q
-  buffers in the training form at H = 2 (223 KB of SMEM with a 2-slot K/V ring)."""
-  heads, head_dim = 2, 128
+  sizes without the residuals and with a float32 output (one q buffer), which no ``gpu`` test
+  runs, and with two q buffers in the training form at H = 2 (the residual copy: 223 KB of
+  SMEM with a 2-slot K/V ring) and at H = 4 (without it: q_h reloaded into its working tile)."""
+  head_dim = 128
   spec = jax.ShapeDtypeStruct
   t, b = 4096, 16
   cfg = mosaic.pick_config(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16, 128)
-  if q_buffers > 1:
-    cfg = dataclasses.replace(cfg, kv_stages=2, q_buffers=q_buffers)
-    assert mosaic.smem_bytes(heads, head_dim, jnp.bfloat16, jnp.bfloat16, cfg) <= mgpu.SMEM_BYTES
-    assert mosaic.smem_bytes(heads, head_dim, jnp.bfloat16, F32, cfg) > mgpu.SMEM_BYTES
+  cfg = dataclasses.replace(cfg, kv_stages=2, q_buffers=q_buffers,
+                            residual_copy=cfg.residual_copy and q_buffers > 1)
+  assert mosaic.smem_bytes(heads, head_dim, jnp.bfloat16, out_dtype or jnp.bfloat16,
+                           cfg) <= mgpu.SMEM_BYTES
   fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
       q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6,
       save_residuals=save_residuals, out_dtype=out_dtype, config=cfg))
@@ -608,7 +617,8 @@ def test_gpu_training_form_at_issue_shape():
   """The training form at H = 4, the issue's shape (one q buffer: the next block's q loads
   overwrite a head's tiles as soon as the epilogue releases them, while z and u are saved and
   the statistics stream the landing tiles): out and the statistics bit for bit against the
-  inference form, z and u against their definitions row by row (a read of a tile after the
+  inference form (two q buffers without the residual copy: the epilogue's q_h reloads land in
+  a tile whose z_h was just read, the same race class), z and u against their definitions row by row (a read of a tile after the
   next block's q landed in it shows as a bad row; the interpret mode's race detector does not
   see TMA writes), zeros on padding rows."""
   heads = 4

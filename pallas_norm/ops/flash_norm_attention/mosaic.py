@@ -39,6 +39,9 @@ D = 128, with a 2-slot K/V ring) the producer loads block b + 1's q tiles first,
 b, and the norm warpgroup makes block b + 1's statistics and u tiles as soon as block b's Σz²
 is complete, before block b's epilogue and stores (:func:`_pipelined_blocks`), so the attention
 warpgroup goes from block b's last head to block b + 1's first without waiting for them.
+At H·D = 512 two q buffers fit only without the residual copy (``Config.residual_copy``, the
+inference form's default there): the epilogue then loads each q_h again from GMEM (L2, a block
+after the producer's load) into the head's working tile once it has read z_h from it.
 
 The loops over the heads are dynamic (``lax.fori_loop`` with per-thread partial row sums as
 the carry): unrolled statically, the H = 4 kernel ran about 4× slower on the H200. The
@@ -98,11 +101,15 @@ class Config:
   producer loads block b + 1's q tiles while block b runs, and the norm warpgroup makes block
   b + 1's statistics and u tiles before block b's epilogue, so the attention warpgroup does not
   wait at block boundaries for the epilogue, the q loads and the statistics (twice the q SMEM:
-  H·D ≤ 256 at D = 128)."""
+  H·D ≤ 256 at D = 128). ``residual_copy``: the producer loads each q tile twice, a working
+  copy (overwritten by u_h, then z_h) and the residual copy the epilogue adds; without it the
+  epilogue loads each q_h again from GMEM (L2) into the working tile once z_h was read from
+  it, so two q buffers fit at H·D = 512."""
 
   block_kv: int = 64
   kv_stages: int = 2
   q_buffers: int = 1
+  residual_copy: bool = True
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
@@ -113,11 +120,12 @@ class Config:
 
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
-  """SMEM of one CTA: q twice (working and residual copies of the H tiles), the K/V ring, P,
-  one store tile (out, z, u and the statistics take turns in it: a RefUnion) and γ1/β1/γ2.
+  """SMEM of one CTA: q twice (working and residual copies of the H tiles; once without the
+  residual copy), the K/V ring, P, one store tile (out, z, u and the statistics take turns in
+  it: a RefUnion) and γ1/β1/γ2.
   Every allocation is rounded up to 1 KB (Pallas's SMEM alignment)."""
   item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
-  q = 2 * cfg.q_buffers * num_heads * BLOCK_Q * head_dim * item
+  q = (1 + cfg.residual_copy) * cfg.q_buffers * num_heads * BLOCK_Q * head_dim * item
   kv = 2 * cfg.kv_stages * cfg.block_kv * head_dim * item
   p = BLOCK_Q * cfg.block_kv * item
   # z's and u's tile is the union's, never larger than out's or the statistics'
@@ -128,14 +136,21 @@ def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> 
   return q + kv + p + tile + vecs + reduction + stats + 1024  # + the barriers
 
 
-def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int) -> Config | None:
+def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int,
+                save_residuals: bool = False) -> Config | None:
   """Two q buffers with a 2-slot K/V ring where they fit in SMEM (H·D ≤ 256 at D = 128; measured
-  faster on the H200 in both forms: benchmarks/NOTES.md, "flash_norm_attention"). Otherwise
-  the deepest K/V ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block) that
-  fits; None when none does."""
-  cfg = Config(block_kv=64, kv_stages=2, q_buffers=2)
-  if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
-    return cfg
+  faster on the H200 in both forms: benchmarks/NOTES.md, "flash_norm_attention"); for the
+  inference form (``save_residuals`` False) then the same without the residual copy (H·D = 512
+  at D = 128: faster there, slower in the training form, whose saves keep the norm warpgroup
+  busy enough that the epilogue's q reloads set the pace). Otherwise the deepest K/V ring (4,
+  3 or 2 slots of 64 keys, at most the key blocks of a q block) that fits; None when none
+  does."""
+  two_buffers = [Config(block_kv=64, kv_stages=2, q_buffers=2)]
+  if not save_residuals:
+    two_buffers.append(Config(block_kv=64, kv_stages=2, q_buffers=2, residual_copy=False))
+  for cfg in two_buffers:
+    if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
+      return cfg
   blocks = num_heads * kv_len // 64
   for stages in (4, 3, 2):
     cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)))
@@ -194,6 +209,7 @@ class _Plan:
   inner_residual: bool
   outer_residual: bool
   save_residuals: bool
+  residual_copy: bool
 
   @property
   def uses_per_block(self) -> int:
@@ -205,7 +221,12 @@ class _Plan:
     """The SMEM copies of each q tile the producer loads: the working copy, and the residual
     copy when the outer residual reads it (the only reader since z_h comes from the attention
     warpgroup)."""
-    return ("x_smem", "res_smem") if self.outer_residual else ("x_smem",)
+    return ("x_smem", "res_smem") if self.reads_residual_copy else ("x_smem",)
+
+  @property
+  def reads_residual_copy(self) -> bool:
+    """The epilogue adds q_h from the residual copy (else, with the outer residual, from GMEM)."""
+    return self.outer_residual and self.residual_copy
 
   @property
   def q_loads(self) -> list:
@@ -256,13 +277,14 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   capacity, num_heads, head_dim = q.shape
   out_dtype = jnp.dtype(out_dtype or q.dtype)
   kv_len = k.shape[1]
-  cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len),
-                       kv_len)
+  cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len,
+                                             save_residuals), kv_len)
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
                block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, q_buffers=cfg.q_buffers,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
-               outer_residual=outer_residual, save_residuals=save_residuals)
+               outer_residual=outer_residual, save_residuals=save_residuals,
+               residual_copy=cfg.residual_copy)
   table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
@@ -333,10 +355,13 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
   tiles = plan.q_buffers * heads
   extra = {} if plan.q_buffers == 1 else dict(
       stats_smem=plgpu.SMEM((plan.q_buffers, 2, BLOCK_Q), _F32))
+  if plan.residual_copy:
+    extra["res_smem"] = plgpu.SMEM((tiles, BLOCK_Q, d), dtype, transforms=tile)
+  else:  # q_h reloaded for the epilogue into its working tile, once z_h was read from it
+    extra["res_ready"] = plgpu.Barrier(num_barriers=2)
   return dict(
       store_tiles=plgpu.RefUnion(*store_tiles),
       x_smem=plgpu.SMEM((tiles, BLOCK_Q, d), dtype, transforms=tile),
-      res_smem=plgpu.SMEM((tiles, BLOCK_Q, d), dtype, transforms=tile),
       k_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
       v_smem=plgpu.SMEM((plan.kv_stages, plan.block_kv, d), dtype, transforms=tile),
       p_smem=plgpu.SMEM((BLOCK_Q, plan.block_kv), dtype,
@@ -394,7 +419,7 @@ def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, sta
   @pl.when(wg == NORM_WG)
   def _norms():
     plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
-    _consume(plan, item, scales_ref, out_ref, stats_ref, saved_refs, smem)
+    _consume(plan, item, scales_ref, q_ref, out_ref, stats_ref, saved_refs, smem)
 
   @pl.when(wg == ATTENTION_WG)
   def _attention():
@@ -470,14 +495,17 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
       plgpu.barrier_wait(smem["kv_free"].at[lax.rem(use, stages)])
 
 
-def _consume(plan: _Plan, item: _Item, scales_ref, out_ref, stats_ref, saved_refs,
+def _consume(plan: _Plan, item: _Item, scales_ref, q_ref, out_ref, stats_ref, saved_refs,
              smem) -> None:
   """The norm warpgroup: every q block of the item (or zeros for a padding chunk)."""
   plgpu.barrier_wait(smem["vec_ready"])
-  o_tile, stats_tile, *saved_tile = smem["store_tiles"]
+  o_tile, stats_tile, *more_tiles = smem["store_tiles"]
+  saved_tile = more_tiles[0].at[0] if plan.save_residuals else None
   z_ref, u_ref = (*saved_refs, None, None)[:2]
   stores = _Stores(out_ref, stats_ref, z_ref, u_ref, o_tile.at[0], stats_tile.at[0],
-                   saved_tile[0].at[0] if saved_tile else None)
+                   saved_tile)
+  if not plan.residual_copy:
+    smem = dict(smem, q_ref=q_ref)  # the epilogue loads q_h again
 
   @pl.when(item.padding)
   def _():
@@ -718,21 +746,58 @@ def _block_rms_rstd(plan: _Plan, block, rows, stores: _Stores, smem):
 def _block_epilogue(plan: _Plan, block, rows, stats, rms_rstd, stores: _Stores, smem) -> None:
   """out_h = z_h·r2·γ2 (+ q_h) per head, each head's q tiles released after it, and the
   statistics (μ1, r1 from ``stats``, r2) stored."""
-  x_smem, res_smem, vec_smem = smem["x_smem"], smem["res_smem"], smem["vec_smem"]
+  x_smem, vec_smem = smem["x_smem"], smem["vec_smem"]
 
-  @pl.loop(0, plan.num_heads)
-  def _epilogue(head):
-    tile = plan.tile(block, head)
-    z = _load_f32(x_smem.at[tile])
-    out = z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
-    if plan.outer_residual:
-      if plan.q_buffers == 1:  # see _block_prologue: landed long ago, waited for here
-        plgpu.barrier_wait(smem["q_ready"].at[2 * tile + 1])
-      out = out + _load_f32(res_smem.at[tile])
-    _release_q(smem, tile)  # the head's tiles are read: the next block's may load over them
-    stores.out(out, rows, head)
+  def scaled(z, head):  # z_h·r2·γ2 in f32
+    return z * _rowvec(rms_rstd, z.shape) * _colvec(vec_smem, 2, head, z.shape)
+
+  if plan.outer_residual and not plan.residual_copy:
+    _epilogue_reloading(plan, block, rows, scaled, stores, smem)
+  else:
+    @pl.loop(0, plan.num_heads)
+    def _epilogue(head):
+      tile = plan.tile(block, head)
+      out = scaled(_load_f32(x_smem.at[tile]), head)
+      if plan.reads_residual_copy:
+        if plan.q_buffers == 1:  # see _block_prologue: landed long ago, waited for here
+          plgpu.barrier_wait(smem["q_ready"].at[2 * tile + 1])
+        out = out + _load_f32(smem["res_smem"].at[tile])
+      _release_q(smem, tile)  # the head's tiles are read: the next block's may load over them
+      stores.out(out, rows, head)
 
   stores.stats({**(dict(enumerate(stats)) if stats else {}), 2: rms_rstd}, rows)
+
+
+def _epilogue_reloading(plan: _Plan, block, rows, scaled, stores: _Stores, smem) -> None:
+  """The epilogue without the residual copy: q_h is loaded again from GMEM (L2: the producer
+  loaded it a block ago) into its working tile once z_h was read from it (z_h kept in
+  registers in q's dtype), one head ahead of its use, so each load's latency hides under the
+  previous head's out; ``res_ready`` alternates between two barriers by head parity."""
+  x_smem = smem["x_smem"]
+  q_rows = pl.ds(pl.multiple_of(rows[0], gdpa_mosaic.ALIGN), BLOCK_Q)
+
+  def take_z(head):  # z_h to registers, then q_h's load over its tile
+    tile = plan.tile(block, head)
+    z = plgpu.load(x_smem.at[tile], layout=plgpu.Layout.WGMMA)
+    plgpu.commit_smem()  # every thread's generic read of z_h before the TMA write
+    plgpu.copy_gmem_to_smem(smem["q_ref"].at[q_rows, head], x_smem.at[tile],
+                            smem["res_ready"].at[lax.rem(head, 2)])
+    return z
+
+  def finish(head, z):
+    tile = plan.tile(block, head)
+    plgpu.barrier_wait(smem["res_ready"].at[lax.rem(head, 2)])
+    out = scaled(z.astype(_F32), head) + _load_f32(x_smem.at[tile])
+    _release_q(smem, tile)
+    stores.out(out, rows, head)
+
+  def step(head, z):
+    z_next = take_z(head + 1)
+    finish(head, z)
+    return z_next
+
+  z = lax.fori_loop(0, plan.num_heads - 1, step, take_z(0))
+  finish(plan.num_heads - 1, z)
 
 
 def _release_q(smem, tile) -> None:
