@@ -491,14 +491,17 @@ def run_harness(config: dict, arms=tuple(ARMS), components=COMPONENTS, samples: 
 
 
 def _git_commit() -> str:
-  """HEAD of the checkout, else $GIT_COMMIT (a copy without .git), else "unknown"."""
+  """$GIT_COMMIT when set, else HEAD of the checkout, else "unknown" (as benchmarks.run: a copy
+  of a working tree can carry a stale .git, so the caller's name for the tree wins)."""
   import os
   import subprocess
+  if os.environ.get("GIT_COMMIT"):
+    return os.environ["GIT_COMMIT"]
   try:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                           text=True, check=True).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
-    return os.environ.get("GIT_COMMIT", "unknown")
+    return "unknown"
 
 
 def _time_piece(result, built, piece, samples, log) -> None:

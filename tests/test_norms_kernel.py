@@ -585,8 +585,8 @@ def test_default_tilings_are_the_measured_winners(monkeypatch):
   full rows up to 4096 a program per 4096-element row block over 4 warps (both norms, both
   uses); 8192 the slab of 4 programs per SM over 8 warps; LayerNorm's chunked rows a program
   per row (16 warps, L2 hints), its backward 4096-column chunks a program per row (8 warps,
-  hints) with the column sums apart; RMSNorm's chunked slab (2 per SM) and its backward's one
-  program per SM with the sums in registers."""
+  hints) with the column sums apart; RMSNorm's chunked forward the same grid (its forward
+  alone's winner) and its backward's one program per SM with the sums in registers."""
   monkeypatch.setattr(triton_fwd, "gpu_core_count", lambda: 132)
   monkeypatch.setattr(row_norm_pallas, "_gpu_core_count", lambda: 132)
   tiling = triton_fwd.RowTiling
@@ -599,7 +599,7 @@ def test_default_tilings_are_the_measured_winners(monkeypatch):
   assert triton_fwd.pick_config(16384, 32768, False, "layer") == tiling(
       block_m=1, chunk=8192, programs=16384, num_warps=16, l2_hints=True)
   assert triton_fwd.pick_config(16384, 32768, False, "rms") == tiling(
-      block_m=1, chunk=8192, programs=2 * 132, num_warps=16)
+      block_m=1, chunk=8192, programs=16384, num_warps=16, l2_hints=True)
   assert row_norm_pallas.pick_chunked_config(16384, 32768, False, "layer") == tiling(
       block_m=1, chunk=4096, programs=16384, num_warps=8, column_sums="apart", l2_hints=True)
   assert row_norm_pallas.pick_chunked_config(16384, 32768, False, "rms") == tiling(

@@ -41,7 +41,7 @@ CHUNKED_MIN_N = 8193
 whole in registers (the backward kernel's ``MAX_N``)."""
 
 TILINGS = {"full": (4096, None, 4), "wide": (8192, 4, 8),
-           "chunked": {"layer": (8192, None, 16, True), "rms": (8192, 2, 16)}}
+           "chunked": {"layer": (8192, None, 16, True), "rms": (8192, None, 16, True)}}
 """Forward tilings, each (elements per step, programs per SM, warps[, L2 hints (chunked rows:
 :class:`RowTiling` ``l2_hints``)]): full rows up to 4096 elements (both norms), full rows wider
 than 4096 (one a step), and chunked rows per norm (the chunk's columns; one row a step).
@@ -51,9 +51,9 @@ column partials to hold per program). The same tilings serve the forward alone a
 Each the fastest measured on the H200 (``benchmarks/NOTES.md``, "Standalone norms";
 ``benchmarks/EXPERIMENTS.md``): "full" in training for both norms at N = 128-2048 and for
 LayerNorm's forward alone at N = 512 (within 0.6% of the winner at 2048; 3% behind 2048-element
-steps at N = 128), "wide" at 8192 (a program per row block lost), LayerNorm's chunked rows
-(a program per row, L2 hints) at 32768 in both uses; RMSNorm's chunked rows keep the slab
-(its forward alone measured so; the grid form not measured for RMSNorm)."""
+steps at N = 128), "wide" at 8192 (a program per row block lost), the chunked rows a program
+per row with L2 hints at 32768: LayerNorm's in both uses, RMSNorm's for its forward alone (its
+only default use: RMSNorm trains through XLA there; the slab of 2 per SM was 12% slower)."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs and rows short of a full block are exercised."""
