@@ -278,8 +278,8 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
   device queries patched, so this runs on the CPU too): (forward use, training) per
   FORWARD_DOMAINS and KERNEL_DOMAINS, the H200's winners per suite shape: LayerNorm trains
   through the kernels and runs the forward kernel alone at every suite N (128-32768); RMSNorm
-  trains through them at N = 128-2048 and runs the forward kernel alone past 8192; XLA outside
-  the measured domains."""
+  trains through them at N = 128-2048 and runs the forward kernel alone at 512-2048 and past
+  8192; XLA outside the measured domains."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.norms import api as norms
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
@@ -299,8 +299,10 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
                 (16384, 32768)):
     assert chosen("layer_norm", shape) == kernels, shape
   assert chosen("rms_norm", (16384, 32768)) == ("triton", "xla")
-  for shape in ((262144, 2048), (1048576, 512), (4194304, 128)):
-    assert chosen("rms_norm", shape) == ("xla", "triton"), shape
+  for shape in ((262144, 2048), (1048576, 512)):
+    assert chosen("rms_norm", shape) == kernels, shape
+  assert chosen("rms_norm", (4194304, 128)) == ("xla", "triton")
+  assert chosen("rms_norm", (131072, 512)) == ("xla", "xla")  # below both domains' rows
   assert chosen("rms_norm", (65536, 8192)) == xla_both
   assert chosen("layer_norm", (262144, 2048), jnp.float32) == xla_both
   for shape in ((1024, 2048), (65536, 64)):
