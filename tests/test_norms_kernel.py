@@ -310,14 +310,18 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
   assert chosen("layer_norm", (262144, 2048), residual=True) == xla_both
 
 
-def test_second_order_raises_naming_the_op():
+@pytest.mark.parametrize("op,n", [("layer_norm", 64), ("rms_norm", 8200), ("layer_norm", 8200)])
+def test_second_order_raises_naming_the_op(op, n):
   """The kernel path is first-order reverse mode only: a gradient of a gradient names the op
-  and the fix (it was a bare AssertionError from inside Pallas)."""
-  x = jax.random.normal(jax.random.key(0), (2, 64), jnp.bfloat16)
+  and the fix (it was a bare AssertionError from inside Pallas), also where training runs the
+  forward kernel (rows wider than 8192 always do; so do the default's training domains on
+  Hopper), whose rule the second derivative differentiates."""
+  x = jax.random.normal(jax.random.key(0), (2, n), jnp.bfloat16)
   import pallas_norm as pn
-  first = lambda x: jnp.sum(pn.layer_norm(x, implementation="interpret").astype(jnp.float32))  # noqa: E731
+  norm = getattr(pn, op)
+  first = lambda x: jnp.sum(norm(x, implementation="interpret").astype(jnp.float32))  # noqa: E731
   assert jax.grad(first)(x).shape == x.shape
-  with pytest.raises(NotImplementedError, match="layer_norm: its kernel paths") as info:
+  with pytest.raises(NotImplementedError, match=f"{op}: its kernel paths") as info:
     jax.grad(lambda x: jnp.sum(jax.grad(first)(x).astype(jnp.float32)))(x)
   assert "Mosaic" not in str(info.value)  # its kernel is Triton (review)
 

@@ -140,9 +140,10 @@ def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int,
                 save_residuals: bool = False) -> Config | None:
   """Two q buffers with a 2-slot K/V ring where they fit in SMEM (H·D ≤ 256 at D = 128; measured
   faster on the H200 in both forms: benchmarks/NOTES.md, "flash_norm_attention"); for the
-  inference form (``save_residuals`` False) then the same without the residual copy (H·D = 512
-  at D = 128: faster there, slower in the training form, whose saves keep the norm warpgroup
-  busy enough that the epilogue's q reloads set the pace). Otherwise the deepest K/V ring (4,
+  inference form (``save_residuals`` False) then the same without the residual copy (measured
+  at H·D = 512, D = 128, bf16: faster there, slower in the training form, whose saves keep the
+  norm warpgroup busy enough that the epilogue's q reloads set the pace; taken wherever only it
+  fits, e.g. H·D = 384 or 640, or H·D = 256 with a float32 output). Otherwise the deepest K/V ring (4,
   3 or 2 slots of 64 keys, at most the key blocks of a q block) that fits; None when none
   does."""
   two_buffers = [Config(block_kv=64, kv_stages=2, q_buffers=2)]

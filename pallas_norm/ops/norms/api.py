@@ -74,8 +74,11 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
       rstd (:func:`forward_path`; rows wider than 8192 always,
       walked in chunks, no residual there); "interpret" the same kernels in Pallas interpret
       mode. None picks the kernels on a Hopper GPU where they were measured faster in training
-      than XLA (:data:`pallas_norm.ops.norms.configs.KERNEL_DOMAINS`), else XLA.
-      The kernel path supports first-order reverse mode only.
+      than XLA (:data:`pallas_norm.ops.norms.configs.KERNEL_DOMAINS`), and for a call that is
+      not differentiated the forward kernel where it was measured faster than XLA's forward
+      (:data:`pallas_norm.ops.norms.configs.FORWARD_DOMAINS`); else XLA. The kernel path
+      supports first-order reverse mode only (also the forward kernel that None picks for a
+      call that is not differentiated: ``jax.jvp`` of it raises JAX's TypeError).
 
   Returns:
     y (..., N), or ``(y, s)`` when ``residual`` is given (``s`` in x's dtype).
@@ -141,13 +144,16 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
 
   Args:
     implementation: None, "xla", "triton", "interpret" or a sequence of them (see
-      :mod:`pallas_norm._dispatch`). "triton" keeps XLA's forward and runs the gradient as one
-      Pallas kernel (Triton lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`),
-      "interpret" the same kernel in Pallas interpret mode; None picks it on a GPU only where
-      it was measured faster in training (forward + backward) than "xla". The kernel path
-      supports first-order reverse mode only (it is a ``custom_vjp``: ``jax.jvp`` raises JAX's
-      TypeError "can't apply forward-mode autodiff (jvp) to a custom_vjp function", a second
-      derivative NotImplementedError naming the op); "xla" supports every order.
+      :mod:`pallas_norm._dispatch`). "triton" runs the gradient as one Pallas kernel (Triton
+      lowering, any NVIDIA GPU; :mod:`pallas_norm.ops.norms.triton`) after XLA's forward or
+      after the forward kernel that hands it the statistics, as :func:`rms_norm` says
+      (:func:`forward_path`), "interpret" the same kernels in Pallas interpret mode; None picks
+      them on a Hopper GPU where they were measured faster in training (forward + backward)
+      than "xla", and the forward kernel alone for a call that is not differentiated where
+      :data:`pallas_norm.ops.norms.configs.FORWARD_DOMAINS` holds. The kernel path supports
+      first-order reverse mode only (it is a ``custom_vjp``: ``jax.jvp`` raises JAX's TypeError
+      "can't apply forward-mode autodiff (jvp) to a custom_vjp function", a second derivative
+      NotImplementedError naming the op); "xla" supports every order.
 
   Raises:
     NotImplementedError: as :func:`rms_norm`.
@@ -229,9 +235,12 @@ def _row_norm(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtyp
 def _row_norm_fwd(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype,
                   interpret, forward):
   if forward == "kernel":  # the forward kernel: y and the statistics the backward reads
-    y, stats = triton_fwd.forward(x, scale, bias, norm=norm, eps=eps,
-                                  zero_centered_scale=zero_centered_scale, out_dtype=out_dtype,
-                                  interpret=interpret)
+    # A second derivative differentiates this rule too: it must name the op, not fail
+    # inside Pallas.
+    launch = functools.partial(triton_fwd.forward, norm=norm, eps=eps,
+                               zero_centered_scale=zero_centered_scale, out_dtype=out_dtype,
+                               interpret=interpret)
+    y, stats = _op.first_order_only(f"{norm}_norm", launch, x, scale, bias)
     return y, (x, scale, bias, residual, stats)
   out = _forward(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype)
   return out, (x, scale, bias, residual, None)
