@@ -13,7 +13,7 @@ per sample, longest first, then chunks of padding rows); a CTA walks its sample'
 warps:
 
 * the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
-  and, with the outer residual, the residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
+  and, with the outer residual and ``Config.residual_copy``, the residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
   ``kv_stages`` slots. The first ring slots of the next block load while the consumers finish
   the current one; the next block's q tiles of a head load as soon as the epilogue has read
   them (one ``q_free`` barrier per head).
@@ -23,7 +23,7 @@ warps:
   reads u from SMEM; it goes to GMEM only as a residual for the backward), each handed to the
   attention warpgroup (``u_ready``); per head, once z_h is back (``attn_ready``), Σz² across
   heads. After the last head: r2, then per head out_h = z_h·r2·γ2 + q_h (q_h from the residual
-  copy), stored with the row-exact TMA store
+  copy, or loaded again over z_h's tile without it), stored with the row-exact TMA store
   (:func:`pallas_norm.mgpu.store.store_rows`), the head's q tiles released, and the statistics
   (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
 * the attention warpgroup (:data:`ATTENTION_WG`): per head, S = u_h K_hᵀ, act in registers,
