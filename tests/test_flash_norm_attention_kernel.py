@@ -618,9 +618,9 @@ def test_gpu_training_form_at_issue_shape():
   overwrite a head's tiles as soon as the epilogue releases them, while z and u are saved and
   the statistics stream the landing tiles): out and the statistics bit for bit against the
   inference form (two q buffers without the residual copy: the epilogue's q_h reloads land in
-  a tile whose z_h was just read, the same race class), z and u against their definitions row by row (a read of a tile after the
-  next block's q landed in it shows as a bad row; the interpret mode's race detector does not
-  see TMA writes), zeros on padding rows."""
+  a tile whose z_h was just read, the same race class), z and u against their definitions row
+  by row (a read of a tile after the next block's q landed in it shows as a bad row; the
+  interpret mode's race detector does not see TMA writes), zeros on padding rows."""
   heads = 4
   q, k, v, qo, affine = _pffn(9, heads)
   a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(

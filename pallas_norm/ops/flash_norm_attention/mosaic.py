@@ -13,19 +13,19 @@ per sample, longest first, then chunks of padding rows); a CTA walks its sample'
 warps:
 
 * the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
-  and, with the outer residual and ``Config.residual_copy``, the residual copy), and each head's K_h/V_h in ``block_kv``-row blocks through a ring of
-  ``kv_stages`` slots. The first ring slots of the next block load while the consumers finish
-  the current one; the next block's q tiles of a head load as soon as the epilogue has read
-  them (one ``q_free`` barrier per head).
+  and, with the outer residual and ``Config.residual_copy``, the residual copy), and each head's
+  K_h/V_h in ``block_kv``-row blocks through a ring of ``kv_stages`` slots. The first ring slots
+  of the next block load while the consumers finish the current one; the next block's q tiles of
+  a head load as soon as the epilogue has read them (one ``q_free`` barrier per head).
 * the norm warpgroup (:data:`NORM_WG`): the LayerNorm statistics (μ1, r1) of the block by one
   pass over the H tiles in SMEM (sums of x − s and its square, s a per-row shift: no
-  cancellation for rows with a large mean), then every u_h = LN(q_h) written over the working copy of q_h (the attention
-  reads u from SMEM; it goes to GMEM only as a residual for the backward), each handed to the
-  attention warpgroup (``u_ready``); per head, once z_h is back (``attn_ready``), Σz² across
-  heads. After the last head: r2, then per head out_h = z_h·r2·γ2 + q_h (q_h from the residual
-  copy, or loaded again over z_h's tile without it), stored with the row-exact TMA store
-  (:func:`pallas_norm.mgpu.store.store_rows`), the head's q tiles released, and the statistics
-  (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
+  cancellation for rows with a large mean), then every u_h = LN(q_h) written over the working
+  copy of q_h (the attention reads u from SMEM; it goes to GMEM only as a residual for the
+  backward), each handed to the attention warpgroup (``u_ready``); per head, once z_h is back
+  (``attn_ready``), Σz² across heads. After the last head: r2, then per head out_h = z_h·r2·γ2 +
+  q_h (q_h from the residual copy, or loaded again over z_h's tile without it), stored with the
+  row-exact TMA store (:func:`pallas_norm.mgpu.store.store_rows`), the head's q tiles released,
+  and the statistics (μ1, r1, r2) (float32, columns 0-2 of a (T, :data:`STATS_COLS`) array).
 * the attention warpgroup (:data:`ATTENTION_WG`): per head, S = u_h K_hᵀ, act in registers,
   P through SMEM, O = P V_h per key block (each step's WGMMAs run to completion), then
   attn_h = post·O rounded to q's dtype and z_h = u_h + attn_h (the inner residual, u_h read
@@ -143,9 +143,9 @@ def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int,
   inference form (``save_residuals`` False) then the same without the residual copy (measured
   at H·D = 512, D = 128, bf16: faster there, slower in the training form, whose saves keep the
   norm warpgroup busy enough that the epilogue's q reloads set the pace; taken wherever only it
-  fits, e.g. H·D = 384 or 640, or H·D = 256 with a float32 output). Otherwise the deepest K/V ring (4,
-  3 or 2 slots of 64 keys, at most the key blocks of a q block) that fits; None when none
-  does."""
+  fits, e.g. H·D = 384 or 640, or H·D = 256 with a float32 output). Otherwise the deepest K/V
+  ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block) that fits; None when
+  none does."""
   two_buffers = [Config(block_kv=64, kv_stages=2, q_buffers=2)]
   if not save_residuals:
     two_buffers.append(Config(block_kv=64, kv_stages=2, q_buffers=2, residual_copy=False))
@@ -603,13 +603,13 @@ def _layer_norm_stats(plan: _Plan, tile_of, wait_for=None):
   """(μ1, r1) row vectors over the H tiles ``tile_of(head)`` of the q block, in one pass over
   them: the sums of d = x − s and d² with a per-row shift s, the mean of the row's first
   :data:`mgpu.LANE_COLS` values, so var = E[d²] − E[d]² does not cancel for rows with a large
-  mean (|E[d]| = |μ − s| ≤ √(n/8) standard deviations over n = H·D features, since the 8 values
-  averaged into s are among the row's: 6 bits of cancellation at most at n = 512). E[d²] ≤
-  (1 + n/8)·var overflows float32 for |x| ≳ 1e17, up to that factor before the variance would
-  (r1 = 0 there). The statistics sit on the block's critical path (the attention waits for
-  them), so one pass over SMEM instead of two. With ``wait_for(head)`` (waits for a tile's
-  load) each tile is summed as it lands, so only the last load's latency is on that path,
-  under the sums of the others."""
+  mean (|E[d]| = |μ − s| ≤ √(n/8) standard deviations over n = H·D features, since the 8
+  values averaged into s are among the row's: 6 bits of cancellation at most at n = 512).
+  E[d²] ≤ (1 + n/8)·var overflows float32 for |x| ≳ 1e17, up to that factor before the variance
+  would (r1 = 0 there). The statistics sit on the block's critical path (the attention waits for
+  them), so one pass over SMEM instead of two. With ``wait_for(head)`` (waits for a tile's load)
+  each tile is summed as it lands, so only the last load's latency is on that path, under the
+  sums of the others."""
   n = plan.num_heads * plan.head_dim
   shape = (BLOCK_Q, plan.head_dim)
   if wait_for is not None:
