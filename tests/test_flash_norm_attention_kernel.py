@@ -524,6 +524,40 @@ def test_float16_z_past_its_range_stays_finite():
   assert _rel_err(out, want) < TOL
 
 
+def test_split_samples_partitions_each_sample_into_two_adjacent_items():
+  """The one-buffer form's work table: each sample's rows [Q_WIN + Q_LO, Q_WIN + Q_HI) are the
+  disjoint union of its two adjacent items' rows, each item's rows within its Q_BLOCKS blocks,
+  the first item ⌈n/2⌉ of the sample's n blocks; padding chunks unchanged. Lengths 0, 1, one
+  block, block edges and long samples, offsets not aligned."""
+  from pallas_norm.ops.gdpa import mosaic as gdpa
+  rng = np.random.default_rng(7)
+  lens = np.array([0, 1, 63, 64, 65, 128, 129, 0, 300, 511, 512, 7, 200, 0])
+  lens = np.concatenate([lens, rng.integers(0, 513, size=18)])
+  offsets = jagged.offsets_from_lengths(lens)
+  capacity = -(-int(offsets[-1]) // 128) * 128 + 256
+  table = gdpa.work_items(jnp.asarray(offsets), None, capacity, len(lens), 128)
+  split = np.asarray(mosaic.split_samples(table, len(lens)))
+  table = np.asarray(table)
+  b = len(lens)
+  assert split.shape == (2 * b + table.shape[0] - b, table.shape[1])
+  np.testing.assert_array_equal(split[2 * b:], table[b:])
+
+  def rows(item):
+    win, lo, hi, blocks = (item[c] for c in (gdpa.Q_WIN, gdpa.Q_LO, gdpa.Q_HI, gdpa.Q_BLOCKS))
+    if hi > lo:  # the rows lie in the item's blocks, the last block not empty
+      assert 0 <= lo and (blocks - 1) * mosaic.BLOCK_Q < hi <= blocks * mosaic.BLOCK_Q
+    return set(range(win + lo, win + hi))
+
+  for i in range(b):
+    head, tail, whole = split[2 * i], split[2 * i + 1], table[i]
+    n = whole[gdpa.Q_BLOCKS]
+    assert head[gdpa.Q_BLOCKS] == (n + 1) // 2 and tail[gdpa.Q_BLOCKS] == n - (n + 1) // 2
+    for c in (gdpa.KV_WIN, gdpa.PADDING):
+      assert head[c] == tail[c] == whole[c]
+    first, second = rows(head), rows(tail)
+    assert not first & second and first | second == rows(whole)
+
+
 def test_default_config_two_q_buffers_where_they_fit():
   """Two q buffers (2-slot K/V ring) where they fit: with the residual copy at H·D = 256
   (D = 128, bf16 out) in both forms; without it, at H·D = 512 and for a float32 output at 256,

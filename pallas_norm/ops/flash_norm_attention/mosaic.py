@@ -8,9 +8,9 @@ Per token over all H·D features (DESIGN.md, op 4; :func:`pallas_norm.reference.
 
 Design: one CTA owns every head of a q block, so both norms reduce inside the CTA (no cluster
 exchange). Work items are the GDPA kernel's (:func:`pallas_norm.ops.gdpa.mosaic.work_items`: one
-per sample, longest first, then chunks of padding rows); a CTA walks its sample's q blocks of
-``BLOCK_Q`` rows. Three warpgroups, as the reference megakernel splits MMA warps from norm
-warps:
+per sample, longest first, then chunks of padding rows; with one q buffer each sample is two
+adjacent items, :func:`split_samples`); a CTA walks its item's q blocks of ``BLOCK_Q`` rows.
+Three warpgroups, as the reference megakernel splits MMA warps from norm warps:
 
 * the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
   and, with the outer residual and ``Config.residual_copy``, the residual copy), and each head's
@@ -287,6 +287,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
                outer_residual=outer_residual, save_residuals=save_residuals,
                residual_copy=cfg.residual_copy)
   table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
+  if cfg.q_buffers == 1:  # measured faster there only (see split_samples)
+    table = split_samples(table, k.shape[0])
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
@@ -303,6 +305,30 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   )
   return forward_outputs(call(table, scales, affine.astype(_F32), q, k, v), pre_layer_norm,
                          save_residuals)
+
+
+def split_samples(table, batch: int):
+  """GDPA's work table (:func:`pallas_norm.ops.gdpa.mosaic.work_items`) with each of its
+  ``batch`` sample rows split into two items, the sample's first ⌈n/2⌉ q blocks and the rest
+  (empty when n = 1), adjacent in the table: the grid starts them together, so two SMs read one
+  sample's K/V and half as many samples' K/V are live in L2 at once (at H·D = 512 the 132
+  running samples' K/V, 33 MB, miss L2 enough to cost the forward ~10%: benchmarks/NOTES.md,
+  "flash_norm_attention"). The padding chunks follow unchanged. Taken with one q buffer (the
+  training form at H·D = 512), where it was measured faster on the H200; with two q buffers the
+  shorter items cut the cross-block pipeline at every split and were measured slower."""
+  g = gdpa_mosaic
+  samples = table[:batch]
+  blocks = samples[:, g.Q_BLOCKS]
+  first = (blocks + 1) // 2
+  cut = first * BLOCK_Q
+  head = samples.at[:, g.Q_HI].set(jnp.minimum(samples[:, g.Q_HI], cut))
+  head = head.at[:, g.Q_BLOCKS].set(first)
+  tail = samples.at[:, g.Q_WIN].add(cut)
+  tail = tail.at[:, g.Q_LO].set(jnp.maximum(samples[:, g.Q_LO] - cut, 0))
+  tail = tail.at[:, g.Q_HI].set(jnp.maximum(samples[:, g.Q_HI] - cut, 0))
+  tail = tail.at[:, g.Q_BLOCKS].set(blocks - first)
+  pairs = jnp.stack([head, tail], axis=1).reshape(2 * batch, table.shape[1])
+  return jnp.concatenate([pairs, table[batch:]])
 
 
 def checked_config(cfg, kv_len: int):
