@@ -110,14 +110,15 @@ class Config:
   H·D ≤ 256 at D = 128). ``residual_copy``: the producer loads each q tile twice, a working
   copy (overwritten by u_h, then z_h) and the residual copy the epilogue adds; without it the
   epilogue loads each q_h again from GMEM (L2) into the working tile once z_h was read from
-  it, so two q buffers fit at H·D = 512. ``cta_group``: CTAs that take one run of the block
-  list in turn (they share its samples' K/V in L2; :func:`cta_schedule`)."""
+  it, so two q buffers fit at H·D = 512. ``cta_group``: CTAs of the persistent grid that take
+  one run of the block list in turn (they share its samples' K/V in L2); None: one CTA per
+  sample instead, the hardware dealing them out longest first (:func:`cta_schedule`)."""
 
   block_kv: int = 64
   kv_stages: int = 2
   q_buffers: int = 1
   residual_copy: bool = True
-  cta_group: int = 2
+  cta_group: int | None = 2
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
@@ -125,8 +126,8 @@ class Config:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
     if self.q_buffers not in (1, 2):
       raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
-    if self.cta_group < 1:
-      raise ValueError(f"cta_group must be >= 1, got {self.cta_group}")
+    if self.cta_group is not None and self.cta_group < 1:
+      raise ValueError(f"cta_group must be None or >= 1, got {self.cta_group}")
 
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
@@ -223,6 +224,7 @@ class _Plan:
   residual_copy: bool
   cta_group: int
   ctas: int
+  padding_first_cta: int
 
   @property
   def uses_per_block(self) -> int:
@@ -292,15 +294,21 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   kv_len = k.shape[1]
   cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len,
                                              save_residuals), kv_len)
-  ctas = max(cfg.cta_group, mgpu.num_sms(interpret) // cfg.cta_group * cfg.cta_group)
+  table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
+  batch = k.shape[0]
+  if cfg.cta_group is None:  # one CTA per sample, then one per padding chunk
+    ctas, padding_first_cta = table.shape[0], batch
+  else:
+    ctas = max(cfg.cta_group, mgpu.num_sms(interpret) // cfg.cta_group * cfg.cta_group)
+    padding_first_cta = 0
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
                block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, q_buffers=cfg.q_buffers,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_residuals=save_residuals,
-               residual_copy=cfg.residual_copy, cta_group=cfg.cta_group, ctas=ctas)
-  table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
-  blocks, runs = cta_schedule(table, k.shape[0], capacity, ctas, cfg.cta_group)
+               residual_copy=cfg.residual_copy, cta_group=cfg.cta_group or 1, ctas=ctas,
+               padding_first_cta=padding_first_cta)
+  blocks, runs = cta_schedule(table, batch, capacity, ctas, cfg.cta_group)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
@@ -315,11 +323,13 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu.interpret_params() if interpret else None,
   )
-  padding = table[k.shape[0]:]
+  padding = table[batch:]
   return forward_outputs(call(blocks, runs, padding, scales, affine.astype(_F32), q, k, v),
                          pre_layer_norm, save_residuals)
 
 
+RUN_BLOCK_COST = 64
+"""A q block's cost in rows beside its rows' own, in :func:`cta_schedule`'s runs."""
 BLOCK_ROW, BLOCK_LO, BLOCK_COUNT, BLOCK_SAMPLE = range(4)
 """Columns of :func:`cta_schedule`'s block list: the block's first GMEM row, its sample's rows
 in it as [lo, lo + count), and the sample (its K/V index)."""
@@ -335,6 +345,7 @@ def cta_schedule(table, batch: int, capacity: int, ctas: int, group: int):
   int32: each CTA's (first block, block count). The N blocks are cut into ``ctas // group``
   equal runs; CTA ``group·p + g`` takes blocks first + g, first + g + group, ... of run p, so
   the ``group`` CTAs of a run work on one sample at once and read its K/V from DRAM about once.
+  With ``group`` None, ``ctas`` is the table's length and CTA i < batch takes sample i's blocks.
   The padding chunks (``table[batch:]``) are not in the list."""
   g = gdpa_mosaic
   samples = table[:batch]
@@ -347,9 +358,22 @@ def cta_schedule(table, batch: int, capacity: int, ctas: int, group: int):
   lo = jnp.maximum(s[:, g.Q_LO] - offset, 0)
   hi = jnp.minimum(s[:, g.Q_HI] - offset, BLOCK_Q)
   blocks = jnp.stack([s[:, g.Q_WIN] + offset, lo, jnp.maximum(hi - lo, 0), s[:, g.KV_WIN]], axis=1)
+  if group is None:
+    runs = jnp.stack([ends - samples[:, g.Q_BLOCKS], samples[:, g.Q_BLOCKS]], axis=1)
+    return blocks, jnp.pad(runs, ((0, ctas - batch), (0, 0)))
+  # Runs of equal cost, a block costing RUN_BLOCK_COST + its rows: run p starts at the first
+  # block whose cost before it reaches p / runs of the total.
+  valid = flat < ends[-1]
+  cost = jnp.where(valid, blocks[:, BLOCK_COUNT] + RUN_BLOCK_COST, 0)
+  before = jnp.cumsum(cost) - cost
+  num_runs, total = ctas // group, jnp.sum(cost)
+  p = jnp.arange(num_runs + 1, dtype=jnp.int32)
+  # ⌈p·total / runs⌉ without forming p·total (int32)
+  bound = p * (total // num_runs) + (p * (total % num_runs) + num_runs - 1) // num_runs
+  starts = jnp.sum(valid[None, :] & (before[None, :] < bound[:, None]), axis=1, dtype=jnp.int32)
   cta = jnp.arange(ctas, dtype=jnp.int32)
-  run, member, num_runs = cta // group, cta % group, ctas // group
-  start, end = run * ends[-1] // num_runs, (run + 1) * ends[-1] // num_runs
+  run, member = cta // group, cta % group
+  start, end = starts[run], starts[run + 1]
   count = jnp.maximum(end - start - member + group - 1, 0) // group
   return blocks, jnp.stack([start + member, count], axis=1)
 
@@ -460,14 +484,15 @@ class _Schedule:
 
 def _padding_rows(plan: _Plan, padding_ref, store_block) -> None:
   """``store_block(rows)`` for every q block of this CTA's padding chunks (GDPA's work-table
-  rows, dealt to the CTAs in turn): rows as :meth:`_Schedule.rows` gives them."""
+  rows, chunk i to CTA ``(padding_first_cta + i) % ctas``): rows as :meth:`_Schedule.rows`
+  gives them."""
   g = gdpa_mosaic
   chunks = padding_ref.shape[0]
-  cta = lax.axis_index("cta")
+  first = lax.rem(lax.axis_index("cta") - plan.padding_first_cta + plan.ctas, plan.ctas)
 
-  @pl.loop(0, (chunks - cta + plan.ctas - 1) // plan.ctas)
+  @pl.loop(0, (chunks - first + plan.ctas - 1) // plan.ctas)
   def _(turn):
-    col = lambda c: padding_ref[cta + turn * plan.ctas, c]  # noqa: E731
+    col = lambda c: padding_ref[first + turn * plan.ctas, c]  # noqa: E731
     win, q_lo, q_hi = pl.multiple_of(col(g.Q_WIN), g.ALIGN), col(g.Q_LO), col(g.Q_HI)
 
     @pl.loop(0, col(g.Q_BLOCKS))
