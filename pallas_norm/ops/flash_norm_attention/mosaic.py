@@ -469,17 +469,29 @@ class _Schedule:
     cta = lax.axis_index("cta")
     return cls(blocks_ref, runs_ref[cta, 0], runs_ref[cta, 1], stride)
 
-  def _col(self, block, column):
-    return self.blocks_ref[self.first + block * self.stride, column]
+  def entry(self, block):
+    """(rows, sample) of q block ``block`` (clamped to the CTA's last block, so reading one
+    ahead of the last is harmless): rows = (first GMEM row, the sample's rows in the block as
+    [lo, lo + count)), sample = its K/V index. The loops read each block's entry one block
+    ahead and carry it: a GMEM read on the block's own path cost ~5% (benchmarks/NOTES.md)."""
+    f = self.first + jnp.minimum(block, jnp.maximum(self.count - 1, 0)) * self.stride
+    col = lambda c: self.blocks_ref[f, c]  # noqa: E731
+    rows = (pl.multiple_of(col(BLOCK_ROW), gdpa_mosaic.ALIGN), col(BLOCK_LO), col(BLOCK_COUNT))
+    return rows, col(BLOCK_SAMPLE)
 
-  def rows(self, block):
-    """(first GMEM row of q block ``block``, its sample's rows in it as [lo, lo + count))."""
-    return (pl.multiple_of(self._col(block, BLOCK_ROW), gdpa_mosaic.ALIGN),
-            self._col(block, BLOCK_LO), self._col(block, BLOCK_COUNT))
+  def loop(self, body, ahead: int = 1):
+    """``body(block, entries)`` for each of the CTA's blocks, ``entries`` those of blocks
+    block … block + ahead - 1 (:meth:`entry`), read ``ahead`` blocks before their use."""
+    def aligned(entry):  # a loop carry loses the alignment that TMA's tiling asks to know
+      (row, lo, count), sample = entry
+      return (pl.multiple_of(row, gdpa_mosaic.ALIGN), lo, count), sample
 
-  def sample(self, block):
-    """The K/V index of q block ``block``."""
-    return self._col(block, BLOCK_SAMPLE)
+    def step(block, entries):
+      later = self.entry(block + ahead)  # issued first: its latency hides under the block
+      body(block, tuple(aligned(e) for e in entries))
+      return (*entries[1:], later)
+
+    lax.fori_loop(0, self.count, step, tuple(self.entry(b) for b in range(ahead)))
 
 
 def _padding_rows(plan: _Plan, padding_ref, store_block) -> None:
@@ -546,8 +558,8 @@ def _produce(plan: _Plan, sched: _Schedule, affine_ref, q_ref, k_ref, v_ref, sme
     plgpu.copy_gmem_to_smem(v_ref.at[sample, keys, head], smem["v_smem"].at[slot],
                             smem["v_ready"].at[slot])
 
-  def load_q(block):
-    rows = pl.ds(sched.rows(block)[0], BLOCK_Q)
+  def load_q(block, first_row):
+    rows = pl.ds(first_row, BLOCK_Q)
     for head, copy in plan.q_loads:
       tile = plan.tile(block, head)
       if copy == 0:
@@ -558,17 +570,18 @@ def _produce(plan: _Plan, sched: _Schedule, affine_ref, q_ref, k_ref, v_ref, sme
       plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[plan.q_copies[copy]].at[tile],
                               smem["q_ready"].at[2 * tile + copy])
 
-  @pl.loop(0, sched.count)
-  def _block(block):
-    sample = sched.sample(block)
+  def block_loads(block, entries):
+    (rows, sample), = entries
     if plan.q_buffers > 1:  # the q tiles first: they load during the previous block
-      load_q(block)
+      load_q(block, rows[0])
     for use in range(prefetch):
       load_kv(block, use, sample)
     if plan.q_buffers == 1:  # after the first K/V slots: the epilogue frees the q tiles late
-      load_q(block)
+      load_q(block, rows[0])
     for use in range(prefetch, per_block):
       load_kv(block, use, sample)
+
+  sched.loop(block_loads)
 
   # Observe the releases no load waited for (the last block of each buffer), so every
   # barrier phase is consumed.
@@ -603,9 +616,7 @@ def _consume(plan: _Plan, sched: _Schedule, padding_ref, scales_ref, q_ref, out_
     smem = dict(smem, q_ref=q_ref)  # the epilogue loads q_h again
 
   if plan.q_buffers == 1:
-    @pl.loop(0, sched.count)
-    def _block(block):
-      _block_forward(plan, sched, block, stores, smem)
+    sched.loop(lambda block, entries: _block_forward(plan, block, entries[0][0], stores, smem))
   else:
     _pipelined_blocks(plan, sched, stores, smem)
 
@@ -736,10 +747,9 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
   return u * _colvec(vec_smem, 0, head, x.shape) + _colvec(vec_smem, 1, head, x.shape)
 
 
-def _block_forward(plan: _Plan, sched: _Schedule, block, stores: _Stores, smem) -> None:
+def _block_forward(plan: _Plan, block, rows, stores: _Stores, smem) -> None:
   """The norm warpgroup's q block: statistics, every u_h handed to the attention warpgroup,
   per head z_h back → Σz², then r2, the epilogue and the stores."""
-  rows = sched.rows(block)
   stats = _block_prologue(plan, block, rows, stores, smem)
   rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
   _block_epilogue(plan, block, rows, stats, rms_rstd, stores, smem)
@@ -750,8 +760,8 @@ def _pipelined_blocks(plan: _Plan, sched: _Schedule, stores: _Stores, smem) -> N
   are made as soon as block b's Σz² is complete, before block b's epilogue, so the attention
   warpgroup goes on to block b + 1 without waiting for that epilogue. The statistics (μ1, r1)
   of a held block wait in ``stats_smem`` (values do not leave a conditional)."""
-  def prologue(block):
-    stats = _block_prologue(plan, block, sched.rows(block), stores, smem)
+  def prologue(block, rows):
+    stats = _block_prologue(plan, block, rows, stores, smem)
     if stats is not None:
       for j, vec in enumerate(stats):
         smem["stats_smem"][lax.rem(block, plan.q_buffers), j] = vec
@@ -765,18 +775,19 @@ def _pipelined_blocks(plan: _Plan, sched: _Schedule, stores: _Stores, smem) -> N
 
   @pl.when(sched.count > 0)
   def _():
-    prologue(0)
+    prologue(0, sched.entry(0)[0])
 
-  @pl.loop(0, sched.count)
-  def _block(block):
-    rows = sched.rows(block)
+  def block_step(block, entries):  # block's and block + 1's entries
+    rows, next_rows = entries[0][0], entries[1][0]
     rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
 
     @pl.when(block + 1 < sched.count)
     def _():
-      prologue(block + 1)
+      prologue(block + 1, next_rows)
 
     _block_epilogue(plan, block, rows, held_stats(block), rms_rstd, stores, smem)
+
+  sched.loop(block_step, ahead=2)
 
 
 def _block_prologue(plan: _Plan, block, rows, stores: _Stores, smem):
