@@ -328,8 +328,6 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
                          pre_layer_norm, save_residuals)
 
 
-RUN_BLOCK_COST = 64
-"""A q block's cost in rows beside its rows' own, in :func:`cta_schedule`'s runs."""
 BLOCK_ROW, BLOCK_LO, BLOCK_COUNT, BLOCK_SAMPLE = range(4)
 """Columns of :func:`cta_schedule`'s block list: the block's first GMEM row, its sample's rows
 in it as [lo, lo + count), and the sample (its K/V index)."""
@@ -361,19 +359,10 @@ def cta_schedule(table, batch: int, capacity: int, ctas: int, group: int):
   if group is None:
     runs = jnp.stack([ends - samples[:, g.Q_BLOCKS], samples[:, g.Q_BLOCKS]], axis=1)
     return blocks, jnp.pad(runs, ((0, ctas - batch), (0, 0)))
-  # Runs of equal cost, a block costing RUN_BLOCK_COST + its rows: run p starts at the first
-  # block whose cost before it reaches p / runs of the total.
-  valid = flat < ends[-1]
-  cost = jnp.where(valid, blocks[:, BLOCK_COUNT] + RUN_BLOCK_COST, 0)
-  before = jnp.cumsum(cost) - cost
-  num_runs, total = ctas // group, jnp.sum(cost)
-  p = jnp.arange(num_runs + 1, dtype=jnp.int32)
-  # ⌈p·total / runs⌉ without forming p·total (int32)
-  bound = p * (total // num_runs) + (p * (total % num_runs) + num_runs - 1) // num_runs
-  starts = jnp.sum(valid[None, :] & (before[None, :] < bound[:, None]), axis=1, dtype=jnp.int32)
   cta = jnp.arange(ctas, dtype=jnp.int32)
   run, member = cta // group, cta % group
-  start, end = starts[run], starts[run + 1]
+  num_runs = ctas // group
+  start, end = run * ends[-1] // num_runs, (run + 1) * ends[-1] // num_runs
   count = jnp.maximum(end - start - member + group - 1, 0) // group
   return blocks, jnp.stack([start + member, count], axis=1)
 
