@@ -110,15 +110,14 @@ class Config:
   H·D ≤ 256 at D = 128). ``residual_copy``: the producer loads each q tile twice, a working
   copy (overwritten by u_h, then z_h) and the residual copy the epilogue adds; without it the
   epilogue loads each q_h again from GMEM (L2) into the working tile once z_h was read from
-  it, so two q buffers fit at H·D = 512. ``cta_group``: CTAs of the persistent grid that take
-  one run of the block list in turn (they share its samples' K/V in L2); None: one CTA per
-  sample instead, the hardware dealing them out longest first (:func:`cta_schedule`)."""
+  it, so two q buffers fit at H·D = 512. ``cta_group``: CTAs that take one run of the block
+  list in turn (they share its samples' K/V in L2; :func:`cta_schedule`)."""
 
   block_kv: int = 64
   kv_stages: int = 2
   q_buffers: int = 1
   residual_copy: bool = True
-  cta_group: int | None = 2
+  cta_group: int = 2
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
@@ -126,8 +125,8 @@ class Config:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
     if self.q_buffers not in (1, 2):
       raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
-    if self.cta_group is not None and self.cta_group < 1:
-      raise ValueError(f"cta_group must be None or >= 1, got {self.cta_group}")
+    if self.cta_group < 1:
+      raise ValueError(f"cta_group must be >= 1, got {self.cta_group}")
 
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
@@ -156,16 +155,21 @@ def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int,
   norm warpgroup busy enough that the epilogue's q reloads set the pace; taken wherever only it
   fits, e.g. H·D = 384 or 640, or H·D = 256 with a float32 output). Otherwise the deepest K/V
   ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block) that fits; None when
-  none does."""
-  two_buffers = [Config(block_kv=64, kv_stages=2, q_buffers=2)]
+  none does. CTA pairs (``cta_group`` 2) where the K/V of one sample per SM pass half of L2,
+  else one CTA per run (measured at H·D = 512 and 256, D = 128, Lkv = 128: pairs 10% faster
+  in the H = 4 forward, where that K/V is 35 MB; at H = 2, 17 MB, 3% slower in training)."""
+  group = 2 if (mgpu.num_sms(False) * 2 * kv_len * num_heads * head_dim
+                * jnp.dtype(dtype).itemsize > mgpu.L2_BYTES // 2) else 1
+  two_buffers = [Config(block_kv=64, kv_stages=2, q_buffers=2, cta_group=group)]
   if not save_residuals:
-    two_buffers.append(Config(block_kv=64, kv_stages=2, q_buffers=2, residual_copy=False))
+    two_buffers.append(Config(block_kv=64, kv_stages=2, q_buffers=2, residual_copy=False,
+                              cta_group=group))
   for cfg in two_buffers:
     if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
       return cfg
   blocks = num_heads * kv_len // 64
   for stages in (4, 3, 2):
-    cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)))
+    cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)), cta_group=group)
     if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
       return cfg
   return None
@@ -224,7 +228,6 @@ class _Plan:
   residual_copy: bool
   cta_group: int
   ctas: int
-  padding_first_cta: int
 
   @property
   def uses_per_block(self) -> int:
@@ -294,21 +297,15 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   kv_len = k.shape[1]
   cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len,
                                              save_residuals), kv_len)
-  table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
-  batch = k.shape[0]
-  if cfg.cta_group is None:  # one CTA per sample, then one per padding chunk
-    ctas, padding_first_cta = table.shape[0], batch
-  else:
-    ctas = max(cfg.cta_group, mgpu.num_sms(interpret) // cfg.cta_group * cfg.cta_group)
-    padding_first_cta = 0
+  ctas = max(cfg.cta_group, mgpu.num_sms(interpret) // cfg.cta_group * cfg.cta_group)
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
                block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, q_buffers=cfg.q_buffers,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_residuals=save_residuals,
-               residual_copy=cfg.residual_copy, cta_group=cfg.cta_group or 1, ctas=ctas,
-               padding_first_cta=padding_first_cta)
-  blocks, runs = cta_schedule(table, batch, capacity, ctas, cfg.cta_group)
+               residual_copy=cfg.residual_copy, cta_group=cfg.cta_group, ctas=ctas)
+  table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
+  blocks, runs = cta_schedule(table, k.shape[0], capacity, ctas, cfg.cta_group)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
@@ -323,7 +320,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu.interpret_params() if interpret else None,
   )
-  padding = table[batch:]
+  padding = table[k.shape[0]:]
   return forward_outputs(call(blocks, runs, padding, scales, affine.astype(_F32), q, k, v),
                          pre_layer_norm, save_residuals)
 
@@ -343,7 +340,6 @@ def cta_schedule(table, batch: int, capacity: int, ctas: int, group: int):
   int32: each CTA's (first block, block count). The N blocks are cut into ``ctas // group``
   equal runs; CTA ``group·p + g`` takes blocks first + g, first + g + group, ... of run p, so
   the ``group`` CTAs of a run work on one sample at once and read its K/V from DRAM about once.
-  With ``group`` None, ``ctas`` is the table's length and CTA i < batch takes sample i's blocks.
   The padding chunks (``table[batch:]``) are not in the list."""
   g = gdpa_mosaic
   samples = table[:batch]
@@ -356,12 +352,8 @@ def cta_schedule(table, batch: int, capacity: int, ctas: int, group: int):
   lo = jnp.maximum(s[:, g.Q_LO] - offset, 0)
   hi = jnp.minimum(s[:, g.Q_HI] - offset, BLOCK_Q)
   blocks = jnp.stack([s[:, g.Q_WIN] + offset, lo, jnp.maximum(hi - lo, 0), s[:, g.KV_WIN]], axis=1)
-  if group is None:
-    runs = jnp.stack([ends - samples[:, g.Q_BLOCKS], samples[:, g.Q_BLOCKS]], axis=1)
-    return blocks, jnp.pad(runs, ((0, ctas - batch), (0, 0)))
   cta = jnp.arange(ctas, dtype=jnp.int32)
-  run, member = cta // group, cta % group
-  num_runs = ctas // group
+  run, member, num_runs = cta // group, cta % group, ctas // group
   start, end = run * ends[-1] // num_runs, (run + 1) * ends[-1] // num_runs
   count = jnp.maximum(end - start - member + group - 1, 0) // group
   return blocks, jnp.stack([start + member, count], axis=1)
@@ -458,42 +450,29 @@ class _Schedule:
     cta = lax.axis_index("cta")
     return cls(blocks_ref, runs_ref[cta, 0], runs_ref[cta, 1], stride)
 
-  def entry(self, block):
-    """(rows, sample) of q block ``block`` (clamped to the CTA's last block, so reading one
-    ahead of the last is harmless): rows = (first GMEM row, the sample's rows in the block as
-    [lo, lo + count)), sample = its K/V index. The loops read each block's entry one block
-    ahead and carry it: a GMEM read on the block's own path cost ~5% (benchmarks/NOTES.md)."""
-    f = self.first + jnp.minimum(block, jnp.maximum(self.count - 1, 0)) * self.stride
-    col = lambda c: self.blocks_ref[f, c]  # noqa: E731
-    rows = (pl.multiple_of(col(BLOCK_ROW), gdpa_mosaic.ALIGN), col(BLOCK_LO), col(BLOCK_COUNT))
-    return rows, col(BLOCK_SAMPLE)
+  def _col(self, block, column):
+    return self.blocks_ref[self.first + block * self.stride, column]
 
-  def loop(self, body, ahead: int = 1):
-    """``body(block, entries)`` for each of the CTA's blocks, ``entries`` those of blocks
-    block … block + ahead - 1 (:meth:`entry`), read ``ahead`` blocks before their use."""
-    def aligned(entry):  # a loop carry loses the alignment that TMA's tiling asks to know
-      (row, lo, count), sample = entry
-      return (pl.multiple_of(row, gdpa_mosaic.ALIGN), lo, count), sample
+  def rows(self, block):
+    """(first GMEM row of q block ``block``, its sample's rows in it as [lo, lo + count))."""
+    return (pl.multiple_of(self._col(block, BLOCK_ROW), gdpa_mosaic.ALIGN),
+            self._col(block, BLOCK_LO), self._col(block, BLOCK_COUNT))
 
-    def step(block, entries):
-      later = self.entry(block + ahead)  # issued first: its latency hides under the block
-      body(block, tuple(aligned(e) for e in entries))
-      return (*entries[1:], later)
-
-    lax.fori_loop(0, self.count, step, tuple(self.entry(b) for b in range(ahead)))
+  def sample(self, block):
+    """The K/V index of q block ``block``."""
+    return self._col(block, BLOCK_SAMPLE)
 
 
 def _padding_rows(plan: _Plan, padding_ref, store_block) -> None:
   """``store_block(rows)`` for every q block of this CTA's padding chunks (GDPA's work-table
-  rows, chunk i to CTA ``(padding_first_cta + i) % ctas``): rows as :meth:`_Schedule.rows`
-  gives them."""
+  rows, dealt to the CTAs in turn): rows as :meth:`_Schedule.rows` gives them."""
   g = gdpa_mosaic
   chunks = padding_ref.shape[0]
-  first = lax.rem(lax.axis_index("cta") - plan.padding_first_cta + plan.ctas, plan.ctas)
+  cta = lax.axis_index("cta")
 
-  @pl.loop(0, (chunks - first + plan.ctas - 1) // plan.ctas)
+  @pl.loop(0, (chunks - cta + plan.ctas - 1) // plan.ctas)
   def _(turn):
-    col = lambda c: padding_ref[first + turn * plan.ctas, c]  # noqa: E731
+    col = lambda c: padding_ref[cta + turn * plan.ctas, c]  # noqa: E731
     win, q_lo, q_hi = pl.multiple_of(col(g.Q_WIN), g.ALIGN), col(g.Q_LO), col(g.Q_HI)
 
     @pl.loop(0, col(g.Q_BLOCKS))
@@ -547,8 +526,8 @@ def _produce(plan: _Plan, sched: _Schedule, affine_ref, q_ref, k_ref, v_ref, sme
     plgpu.copy_gmem_to_smem(v_ref.at[sample, keys, head], smem["v_smem"].at[slot],
                             smem["v_ready"].at[slot])
 
-  def load_q(block, first_row):
-    rows = pl.ds(first_row, BLOCK_Q)
+  def load_q(block):
+    rows = pl.ds(sched.rows(block)[0], BLOCK_Q)
     for head, copy in plan.q_loads:
       tile = plan.tile(block, head)
       if copy == 0:
@@ -559,18 +538,17 @@ def _produce(plan: _Plan, sched: _Schedule, affine_ref, q_ref, k_ref, v_ref, sme
       plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[plan.q_copies[copy]].at[tile],
                               smem["q_ready"].at[2 * tile + copy])
 
-  def block_loads(block, entries):
-    (rows, sample), = entries
+  @pl.loop(0, sched.count)
+  def _block(block):
+    sample = sched.sample(block)
     if plan.q_buffers > 1:  # the q tiles first: they load during the previous block
-      load_q(block, rows[0])
+      load_q(block)
     for use in range(prefetch):
       load_kv(block, use, sample)
     if plan.q_buffers == 1:  # after the first K/V slots: the epilogue frees the q tiles late
-      load_q(block, rows[0])
+      load_q(block)
     for use in range(prefetch, per_block):
       load_kv(block, use, sample)
-
-  sched.loop(block_loads)
 
   # Observe the releases no load waited for (the last block of each buffer), so every
   # barrier phase is consumed.
@@ -605,7 +583,9 @@ def _consume(plan: _Plan, sched: _Schedule, padding_ref, scales_ref, q_ref, out_
     smem = dict(smem, q_ref=q_ref)  # the epilogue loads q_h again
 
   if plan.q_buffers == 1:
-    sched.loop(lambda block, entries: _block_forward(plan, block, entries[0][0], stores, smem))
+    @pl.loop(0, sched.count)
+    def _block(block):
+      _block_forward(plan, sched, block, stores, smem)
   else:
     _pipelined_blocks(plan, sched, stores, smem)
 
@@ -736,9 +716,10 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
   return u * _colvec(vec_smem, 0, head, x.shape) + _colvec(vec_smem, 1, head, x.shape)
 
 
-def _block_forward(plan: _Plan, block, rows, stores: _Stores, smem) -> None:
+def _block_forward(plan: _Plan, sched: _Schedule, block, stores: _Stores, smem) -> None:
   """The norm warpgroup's q block: statistics, every u_h handed to the attention warpgroup,
   per head z_h back → Σz², then r2, the epilogue and the stores."""
+  rows = sched.rows(block)
   stats = _block_prologue(plan, block, rows, stores, smem)
   rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
   _block_epilogue(plan, block, rows, stats, rms_rstd, stores, smem)
@@ -749,8 +730,8 @@ def _pipelined_blocks(plan: _Plan, sched: _Schedule, stores: _Stores, smem) -> N
   are made as soon as block b's Σz² is complete, before block b's epilogue, so the attention
   warpgroup goes on to block b + 1 without waiting for that epilogue. The statistics (μ1, r1)
   of a held block wait in ``stats_smem`` (values do not leave a conditional)."""
-  def prologue(block, rows):
-    stats = _block_prologue(plan, block, rows, stores, smem)
+  def prologue(block):
+    stats = _block_prologue(plan, block, sched.rows(block), stores, smem)
     if stats is not None:
       for j, vec in enumerate(stats):
         smem["stats_smem"][lax.rem(block, plan.q_buffers), j] = vec
@@ -764,19 +745,18 @@ def _pipelined_blocks(plan: _Plan, sched: _Schedule, stores: _Stores, smem) -> N
 
   @pl.when(sched.count > 0)
   def _():
-    prologue(0, sched.entry(0)[0])
+    prologue(0)
 
-  def block_step(block, entries):  # block's and block + 1's entries
-    rows, next_rows = entries[0][0], entries[1][0]
+  @pl.loop(0, sched.count)
+  def _block(block):
+    rows = sched.rows(block)
     rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
 
     @pl.when(block + 1 < sched.count)
     def _():
-      prologue(block + 1, next_rows)
+      prologue(block + 1)
 
     _block_epilogue(plan, block, rows, held_stats(block), rms_rstd, stores, smem)
-
-  sched.loop(block_step, ahead=2)
 
 
 def _block_prologue(plan: _Plan, block, rows, stores: _Stores, smem):
