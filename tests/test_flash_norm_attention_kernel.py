@@ -186,7 +186,8 @@ def test_fused_layer_norm_variance_past_float32_range():
 @pytest.mark.slow  # 15-20 s: xdist hands it out early
 @pytest.mark.parametrize("variants,switches", [
     ([dict(kv_stages=2), dict(q_buffers=2), dict(residual_copy=False),
-      dict(q_buffers=2, residual_copy=False)], dict()),
+      dict(q_buffers=2, residual_copy=False), dict(cta_group=1),
+      dict(q_buffers=2, cta_group=1)], dict()),
     ([dict(q_buffers=2)], dict(pre_layer_norm=False, inner_residual=False))],
     ids=["ring_and_q_buffers", "q_buffers_switches_off"])
 def test_fused_variants_match_default(variants, switches):
@@ -203,6 +204,9 @@ def test_fused_variants_match_default(variants, switches):
     wrote it, in the block's buffer).
   - no residual copy (Config.residual_copy: the epilogue loads q_h again from GMEM into the
     head's working tile once z_h was read from it), with one and with two q buffers.
+  - CTAs that each take a contiguous run of the block list (Config.cta_group = 1) instead of
+    the pairs that take a run's blocks in turn, with one and with two q buffers: in interpret
+    mode both of the two CTAs cross a sample boundary in either schedule.
   One default run serves the variants of a parametrization (the ring and the q-buffer tests
   ran it each). The op's forward-only tests cover the kernel without the residuals."""
   _check_variant_matches_default(mosaic, 2, variants, (130, 0, 9), **switches)
@@ -524,45 +528,50 @@ def test_float16_z_past_its_range_stays_finite():
   assert _rel_err(out, want) < TOL
 
 
-def test_split_samples_partitions_each_sample_into_two_adjacent_items():
-  """The one-buffer form's work table: each sample's rows [Q_WIN + Q_LO, Q_WIN + Q_HI) are the
-  disjoint union of its two adjacent items' rows, each item's rows within its Q_BLOCKS blocks,
-  the first item ⌈n/2⌉ of the sample's n blocks; padding chunks unchanged. Lengths 0, 1, one
-  block, block edges and long samples, offsets not aligned."""
+@pytest.mark.parametrize("ctas,group", [(2, 2), (8, 1), (132, 2), (132, 4), (132, 3)])
+def test_cta_schedule_deals_every_block_once(ctas, group):
+  """The forward's block list and runs: every q block of every sample (lengths 0, 1, one
+  block, block edges, long; offsets not aligned) is taken by exactly one CTA, once; the blocks'
+  rows partition the sample's rows, in blocks of at most BLOCK_Q rows from an ALIGN-aligned
+  row; the runs differ by at most one block, and the CTAs of a group take their run's blocks in
+  turn (CTA g of a group its g-th, g + group-th, ...)."""
   from pallas_norm.ops.gdpa import mosaic as gdpa
   rng = np.random.default_rng(7)
   lens = np.array([0, 1, 63, 64, 65, 128, 129, 0, 300, 511, 512, 7, 200, 0])
   lens = np.concatenate([lens, rng.integers(0, 513, size=18)])
   offsets = jagged.offsets_from_lengths(lens)
   capacity = -(-int(offsets[-1]) // 128) * 128 + 256
-  table = gdpa.work_items(jnp.asarray(offsets), None, capacity, len(lens), 128)
-  split = np.asarray(mosaic.split_samples(table, len(lens)))
-  table = np.asarray(table)
-  b = len(lens)
-  assert split.shape == (2 * b + table.shape[0] - b, table.shape[1])
-  np.testing.assert_array_equal(split[2 * b:], table[b:])
-
-  def rows(item):
-    win, lo, hi, blocks = (item[c] for c in (gdpa.Q_WIN, gdpa.Q_LO, gdpa.Q_HI, gdpa.Q_BLOCKS))
-    if hi > lo:  # the rows lie in the item's blocks, the last block not empty
-      assert 0 <= lo and (blocks - 1) * mosaic.BLOCK_Q < hi <= blocks * mosaic.BLOCK_Q
-    return set(range(win + lo, win + hi))
-
-  for i in range(b):
-    head, tail, whole = split[2 * i], split[2 * i + 1], table[i]
-    n = whole[gdpa.Q_BLOCKS]
-    assert head[gdpa.Q_BLOCKS] == (n + 1) // 2 and tail[gdpa.Q_BLOCKS] == n - (n + 1) // 2
-    for c in (gdpa.KV_WIN, gdpa.PADDING):
-      assert head[c] == tail[c] == whole[c]
-    first, second = rows(head), rows(tail)
-    assert not first & second and first | second == rows(whole)
+  batch = len(lens)
+  table = gdpa.work_items(jnp.asarray(offsets), None, capacity, batch, 128)
+  blocks, runs = (np.asarray(a) for a in mosaic.cta_schedule(table, batch, capacity, ctas,
+                                                              group))
+  assert runs.shape == (ctas, 2)
+  sample_blocks = np.asarray(table)[:batch, gdpa.Q_BLOCKS]
+  total = int(sample_blocks.sum())
+  taken = np.concatenate([first + group * np.arange(count) for first, count in runs])
+  np.testing.assert_array_equal(np.sort(taken), np.arange(total))
+  for run in range(ctas // group):
+    members = runs[run * group:(run + 1) * group]
+    np.testing.assert_array_equal(members[:, 0], members[0, 0] + np.arange(group))
+    assert members[0, 1] >= members[-1, 1] >= members[0, 1] - 1
+  sizes = runs.reshape(-1, group, 2)[:, :, 1].sum(axis=1)
+  assert sizes.max() - sizes.min() <= 1
+  rows = {}
+  for row, lo, count, sample in blocks[:total]:
+    assert row % gdpa.ALIGN == 0 and 0 <= lo and lo + count <= mosaic.BLOCK_Q and count > 0
+    got = set(range(row + lo, row + lo + count))
+    assert not rows.setdefault(sample, set()) & got
+    rows[sample] |= got
+  for sample in range(batch):
+    assert rows.get(sample, set()) == set(range(offsets[sample], offsets[sample + 1]))
 
 
 def test_default_config_two_q_buffers_where_they_fit():
   """Two q buffers (2-slot K/V ring) where they fit: with the residual copy at H·D = 256
   (D = 128, bf16 out) in both forms; without it, at H·D = 512 and for a float32 output at 256,
   in the inference form only (the training form keeps one buffer with the copy and the
-  deepest ring that fits); none at H·D = 512 with a float32 output."""
+  deepest ring that fits); none at H·D = 512 with a float32 output. CTA pairs by the K/V's
+  size against L2."""
   bf = jnp.bfloat16
   fields = lambda c: (c.q_buffers, c.kv_stages, c.residual_copy)  # noqa: E731
   for save in (False, True):
@@ -573,6 +582,11 @@ def test_default_config_two_q_buffers_where_they_fit():
   assert fields(mosaic.pick_config(4, 128, bf, bf, 128, True)) == (1, 2, True)
   assert fields(mosaic.pick_config(4, 128, bf, bf, 512, True)) == (1, 2, True)
   assert fields(mosaic.pick_config(2, 128, bf, F32, 128, True)) == (1, 3, True)
+  # CTA pairs where one sample's K/V per SM (132 SMs) pass half of L2: 35 MB at H·D = 512
+  for save in (False, True):
+    assert mosaic.pick_config(4, 128, bf, bf, 128, save).cta_group == 2
+    assert mosaic.pick_config(2, 128, bf, bf, 128, save).cta_group == 1
+    assert mosaic.pick_config(2, 128, bf, bf, 512, save).cta_group == 2
 
 
 @pytest.mark.parametrize("save_residuals,out_dtype,heads,q_buffers", [

@@ -16,8 +16,8 @@ The names are re-exported here, so kernels use ``mgpu.TileConfig``, ``mgpu.ring_
 on.
 """
 
-from pallas_norm.mgpu.config import (CLUSTER_SIZES, INTERPRET_NUM_CTAS, MAX_N_TILES,
-                                     MAX_TILE_N, SMEM_BYTES, SUPPORTED_DTYPES, TileConfig,
+from pallas_norm.mgpu.config import (CLUSTER_SIZES, INTERPRET_NUM_CTAS, L2_BYTES,
+                                     MAX_N_TILES, MAX_TILE_N, SMEM_BYTES, SUPPORTED_DTYPES, TileConfig,
                                      cluster_split, reject_unused_options)
 from pallas_norm.mgpu.device import (RESIDENT_SHARE, interpret_params, num_sms, pad_rows,
                                      persistent_clusters, races_found, resident_clusters,

@@ -11,6 +11,9 @@ import jax.numpy as jnp
 SMEM_BYTES = 227 * 1024
 """Shared memory one CTA may allocate on Hopper (sm_90a), in bytes."""
 
+L2_BYTES = 50 * 1024 * 1024
+"""L2 cache of the H100/H200 (GH100), in bytes."""
+
 INTERPRET_NUM_CTAS = 2
 """Persistent CTAs in interpret mode: >1 so the tile loop and its carries are exercised, small so
 the CPU run stays short (interpret mode runs the CTAs one after the other)."""

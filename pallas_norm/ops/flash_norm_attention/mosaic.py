@@ -7,9 +7,15 @@ Per token over all H·D features (DESIGN.md, op 4; :func:`pallas_norm.reference.
     out = RMSNorm(z)·γ2 + q                 (outer_residual; else without + q)
 
 Design: one CTA owns every head of a q block, so both norms reduce inside the CTA (no cluster
-exchange). Work items are the GDPA kernel's (:func:`pallas_norm.ops.gdpa.mosaic.work_items`: one
-per sample, longest first, then chunks of padding rows; with one q buffer each sample is two
-adjacent items, :func:`split_samples`); a CTA walks its item's q blocks of ``BLOCK_Q`` rows.
+exchange). The grid is persistent: one CTA per SM walks a list of q blocks of ``BLOCK_Q`` rows
+(:func:`cta_schedule`). The samples' blocks, longest sample first, form one flat list cut into
+equal runs, one per group of ``Config.cta_group`` CTAs, whose CTAs take the run's blocks in
+turn, so the CTAs of a group work on the same sample at once and its K/V is read from DRAM
+about once (at H·D = 512 the K/V of 132 samples in flight, 33 MB, miss L2 enough to cost the
+forward ~10%: benchmarks/NOTES.md, "flash_norm_attention"). A CTA's pipeline (the K/V ring,
+the q buffers) runs on across the blocks of its list, sample boundaries included. The padding
+rows (past ``q_offsets[-1]``) come as GDPA's padding chunks
+(:func:`pallas_norm.ops.gdpa.mosaic.work_items`), dealt to the CTAs in turn after their blocks.
 Three warpgroups, as the reference megakernel splits MMA warps from norm warps:
 
 * the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
@@ -104,12 +110,14 @@ class Config:
   H·D ≤ 256 at D = 128). ``residual_copy``: the producer loads each q tile twice, a working
   copy (overwritten by u_h, then z_h) and the residual copy the epilogue adds; without it the
   epilogue loads each q_h again from GMEM (L2) into the working tile once z_h was read from
-  it, so two q buffers fit at H·D = 512."""
+  it, so two q buffers fit at H·D = 512. ``cta_group``: CTAs that take one run of the block
+  list in turn (they share its samples' K/V in L2; :func:`cta_schedule`)."""
 
   block_kv: int = 64
   kv_stages: int = 2
   q_buffers: int = 1
   residual_copy: bool = True
+  cta_group: int = 2
 
   def __post_init__(self):
     gdpa_configs.check_block_kv(self.block_kv)
@@ -117,6 +125,8 @@ class Config:
       raise ValueError(f"kv_stages must be >= 2, got {self.kv_stages}")
     if self.q_buffers not in (1, 2):
       raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
+    if self.cta_group < 1:
+      raise ValueError(f"cta_group must be >= 1, got {self.cta_group}")
 
 
 def smem_bytes(num_heads: int, head_dim: int, dtype, out_dtype, cfg: Config) -> int:
@@ -145,16 +155,21 @@ def pick_config(num_heads: int, head_dim: int, dtype, out_dtype, kv_len: int,
   norm warpgroup busy enough that the epilogue's q reloads set the pace; taken wherever only it
   fits, e.g. H·D = 384 or 640, or H·D = 256 with a float32 output). Otherwise the deepest K/V
   ring (4, 3 or 2 slots of 64 keys, at most the key blocks of a q block) that fits; None when
-  none does."""
-  two_buffers = [Config(block_kv=64, kv_stages=2, q_buffers=2)]
+  none does. CTA pairs (``cta_group`` 2) where the K/V of one sample per SM pass half of L2,
+  else one CTA per run (measured at H·D = 512 and 256, D = 128, Lkv = 128: pairs 10% faster
+  in the H = 4 forward, where that K/V is 35 MB; at H = 2, 17 MB, 3% slower in training)."""
+  group = 2 if (mgpu.num_sms(False) * 2 * kv_len * num_heads * head_dim
+                * jnp.dtype(dtype).itemsize > mgpu.L2_BYTES // 2) else 1
+  two_buffers = [Config(block_kv=64, kv_stages=2, q_buffers=2, cta_group=group)]
   if not save_residuals:
-    two_buffers.append(Config(block_kv=64, kv_stages=2, q_buffers=2, residual_copy=False))
+    two_buffers.append(Config(block_kv=64, kv_stages=2, q_buffers=2, residual_copy=False,
+                              cta_group=group))
   for cfg in two_buffers:
     if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
       return cfg
   blocks = num_heads * kv_len // 64
   for stages in (4, 3, 2):
-    cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)))
+    cfg = Config(block_kv=64, kv_stages=max(2, min(stages, blocks)), cta_group=group)
     if smem_bytes(num_heads, head_dim, dtype, out_dtype, cfg) <= mgpu.SMEM_BYTES:
       return cfg
   return None
@@ -211,6 +226,8 @@ class _Plan:
   outer_residual: bool
   save_residuals: bool
   residual_copy: bool
+  cta_group: int
+  ctas: int
 
   @property
   def uses_per_block(self) -> int:
@@ -280,21 +297,21 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   kv_len = k.shape[1]
   cfg = checked_config(config or pick_config(num_heads, head_dim, q.dtype, out_dtype, kv_len,
                                              save_residuals), kv_len)
+  ctas = max(cfg.cta_group, mgpu.num_sms(interpret) // cfg.cta_group * cfg.cta_group)
   plan = _Plan(num_heads=num_heads, head_dim=head_dim, kv_steps=kv_len // cfg.block_kv,
                block_kv=cfg.block_kv, kv_stages=cfg.kv_stages, q_buffers=cfg.q_buffers,
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_residuals=save_residuals,
-               residual_copy=cfg.residual_copy)
+               residual_copy=cfg.residual_copy, cta_group=cfg.cta_group, ctas=ctas)
   table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
-  if cfg.q_buffers == 1:  # measured faster there only (see split_samples)
-    table = split_samples(table, k.shape[0])
+  blocks, runs = cta_schedule(table, k.shape[0], capacity, ctas, cfg.cta_group)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
       out_type=output_types(q, out_dtype, pre_layer_norm, save_residuals),
-      grid=(table.shape[0],),
-      grid_names=("item",),
+      grid=(ctas,),
+      grid_names=("cta",),
       num_threads=3,
       thread_name="wg",
       kernel_name=_kernel_name(cfg),
@@ -303,32 +320,43 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu.interpret_params() if interpret else None,
   )
-  return forward_outputs(call(table, scales, affine.astype(_F32), q, k, v), pre_layer_norm,
-                         save_residuals)
+  padding = table[k.shape[0]:]
+  return forward_outputs(call(blocks, runs, padding, scales, affine.astype(_F32), q, k, v),
+                         pre_layer_norm, save_residuals)
 
 
-def split_samples(table, batch: int):
-  """GDPA's work table (:func:`pallas_norm.ops.gdpa.mosaic.work_items`) with each of its
-  ``batch`` sample rows split into two items, the sample's first ⌈n/2⌉ q blocks and the rest
-  (empty when n = 1), adjacent in the table: the grid starts them together, so two SMs read one
-  sample's K/V and half as many samples' K/V are live in L2 at once (at H·D = 512 the 132
-  running samples' K/V, 33 MB, miss L2 enough to cost the forward ~10%: benchmarks/NOTES.md,
-  "flash_norm_attention"). The padding chunks follow unchanged. Taken with one q buffer (the
-  training form at H·D = 512), where it was measured faster on the H200; with two q buffers the
-  shorter items cut the cross-block pipeline at every split and were measured slower."""
+BLOCK_ROW, BLOCK_LO, BLOCK_COUNT, BLOCK_SAMPLE = range(4)
+"""Columns of :func:`cta_schedule`'s block list: the block's first GMEM row, its sample's rows
+in it as [lo, lo + count), and the sample (its K/V index)."""
+
+
+def cta_schedule(table, batch: int, capacity: int, ctas: int, group: int):
+  """The persistent grid's work: ``(blocks, runs)``.
+
+  ``blocks`` (capacity // BLOCK_Q + 2·batch, 4) int32: the q blocks of the ``batch`` sample
+  rows of GDPA's work table ``table`` (:func:`pallas_norm.ops.gdpa.mosaic.work_items`: longest
+  sample first), in table order, one row each (columns :data:`BLOCK_ROW` ...
+  :data:`BLOCK_SAMPLE`); rows past the samples' N blocks are never read. ``runs`` (ctas, 2)
+  int32: each CTA's (first block, block count). The N blocks are cut into ``ctas // group``
+  equal runs; CTA ``group·p + g`` takes blocks first + g, first + g + group, ... of run p, so
+  the ``group`` CTAs of a run work on one sample at once and read its K/V from DRAM about once.
+  The padding chunks (``table[batch:]``) are not in the list."""
   g = gdpa_mosaic
   samples = table[:batch]
-  blocks = samples[:, g.Q_BLOCKS]
-  first = (blocks + 1) // 2
-  cut = first * BLOCK_Q
-  head = samples.at[:, g.Q_HI].set(jnp.minimum(samples[:, g.Q_HI], cut))
-  head = head.at[:, g.Q_BLOCKS].set(first)
-  tail = samples.at[:, g.Q_WIN].add(cut)
-  tail = tail.at[:, g.Q_LO].set(jnp.maximum(samples[:, g.Q_LO] - cut, 0))
-  tail = tail.at[:, g.Q_HI].set(jnp.maximum(samples[:, g.Q_HI] - cut, 0))
-  tail = tail.at[:, g.Q_BLOCKS].set(blocks - first)
-  pairs = jnp.stack([head, tail], axis=1).reshape(2 * batch, table.shape[1])
-  return jnp.concatenate([pairs, table[batch:]])
+  ends = jnp.cumsum(samples[:, g.Q_BLOCKS])
+  size = capacity // BLOCK_Q + 2 * batch  # ≥ N: a sample of n rows has ≤ n / BLOCK_Q + 2 blocks
+  flat = jnp.arange(size, dtype=jnp.int32)
+  owner = jnp.minimum(jnp.sum(ends[None, :] <= flat[:, None], axis=1, dtype=jnp.int32), batch - 1)
+  s = samples[owner]
+  offset = (flat - (ends - samples[:, g.Q_BLOCKS])[owner]) * BLOCK_Q
+  lo = jnp.maximum(s[:, g.Q_LO] - offset, 0)
+  hi = jnp.minimum(s[:, g.Q_HI] - offset, BLOCK_Q)
+  blocks = jnp.stack([s[:, g.Q_WIN] + offset, lo, jnp.maximum(hi - lo, 0), s[:, g.KV_WIN]], axis=1)
+  cta = jnp.arange(ctas, dtype=jnp.int32)
+  run, member, num_runs = cta // group, cta % group, ctas // group
+  start, end = run * ends[-1] // num_runs, (run + 1) * ends[-1] // num_runs
+  count = jnp.maximum(end - start - member + group - 1, 0) // group
+  return blocks, jnp.stack([start + member, count], axis=1)
 
 
 def checked_config(cfg, kv_len: int):
@@ -407,54 +435,75 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Item:
-  """One CTA's work item: a sample's q rows ``[q_win + q_lo, q_win + q_hi)`` in ``q_blocks``
-  blocks from ``q_win``, its K/V index, and whether it is a padding chunk."""
+class _Schedule:
+  """This CTA's q blocks (:func:`cta_schedule`): ``count`` of them, its ``block``-th (counted
+  in the CTA; the pipeline's barriers and buffers go by that count) at row
+  ``first + block·stride`` of the block list."""
 
-  q_win: jax.Array
-  q_lo: jax.Array
-  q_hi: jax.Array
-  q_blocks: jax.Array
-  sample: jax.Array
-  padding: jax.Array
+  blocks_ref: object
+  first: jax.Array
+  count: jax.Array
+  stride: int
 
   @classmethod
-  def read(cls, table_ref):
-    col = lambda c: table_ref[lax.axis_index("item"), c]  # noqa: E731
-    return cls(q_win=pl.multiple_of(col(gdpa_mosaic.Q_WIN), gdpa_mosaic.ALIGN),
-               q_lo=col(gdpa_mosaic.Q_LO), q_hi=col(gdpa_mosaic.Q_HI),
-               q_blocks=col(gdpa_mosaic.Q_BLOCKS), sample=col(gdpa_mosaic.KV_WIN),
-               padding=col(gdpa_mosaic.PADDING) != 0)
+  def read(cls, blocks_ref, runs_ref, stride: int):
+    cta = lax.axis_index("cta")
+    return cls(blocks_ref, runs_ref[cta, 0], runs_ref[cta, 1], stride)
+
+  def _col(self, block, column):
+    return self.blocks_ref[self.first + block * self.stride, column]
 
   def rows(self, block):
-    """(first GMEM row of q block ``block``, the sample's rows in it as [lo, lo + count))."""
-    lo = jnp.maximum(self.q_lo - block * BLOCK_Q, 0)
-    hi = jnp.minimum(self.q_hi - block * BLOCK_Q, BLOCK_Q)
-    return self.q_win + block * BLOCK_Q, lo, hi - lo
+    """(first GMEM row of q block ``block``, its sample's rows in it as [lo, lo + count))."""
+    return (pl.multiple_of(self._col(block, BLOCK_ROW), gdpa_mosaic.ALIGN),
+            self._col(block, BLOCK_LO), self._col(block, BLOCK_COUNT))
+
+  def sample(self, block):
+    """The K/V index of q block ``block``."""
+    return self._col(block, BLOCK_SAMPLE)
 
 
-def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, stats_ref,
-            *saved_refs, plan: _Plan, **smem):
-  item = _Item.read(table_ref)
+def _padding_rows(plan: _Plan, padding_ref, store_block) -> None:
+  """``store_block(rows)`` for every q block of this CTA's padding chunks (GDPA's work-table
+  rows, dealt to the CTAs in turn): rows as :meth:`_Schedule.rows` gives them."""
+  g = gdpa_mosaic
+  chunks = padding_ref.shape[0]
+  cta = lax.axis_index("cta")
+
+  @pl.loop(0, (chunks - cta + plan.ctas - 1) // plan.ctas)
+  def _(turn):
+    col = lambda c: padding_ref[cta + turn * plan.ctas, c]  # noqa: E731
+    win, q_lo, q_hi = pl.multiple_of(col(g.Q_WIN), g.ALIGN), col(g.Q_LO), col(g.Q_HI)
+
+    @pl.loop(0, col(g.Q_BLOCKS))
+    def _(block):
+      lo = jnp.maximum(q_lo - block * BLOCK_Q, 0)
+      hi = jnp.minimum(q_hi - block * BLOCK_Q, BLOCK_Q)
+      store_block((win + block * BLOCK_Q, lo, hi - lo))
+
+
+def _kernel(blocks_ref, runs_ref, padding_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref,
+            out_ref, stats_ref, *saved_refs, plan: _Plan, **smem):
+  sched = _Schedule.read(blocks_ref, runs_ref, plan.cta_group)
   wg = lax.axis_index("wg")
 
   @pl.when(wg == PRODUCER_WG)
   def _producer():
     plgpu.set_max_registers(mgpu.PRODUCER_REGISTERS, action="decrease")
-    _produce(plan, item, affine_ref, q_ref, k_ref, v_ref, smem)
+    _produce(plan, sched, affine_ref, q_ref, k_ref, v_ref, smem)
 
   @pl.when(wg == NORM_WG)
   def _norms():
     plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
-    _consume(plan, item, scales_ref, q_ref, out_ref, stats_ref, saved_refs, smem)
+    _consume(plan, sched, padding_ref, scales_ref, q_ref, out_ref, stats_ref, saved_refs, smem)
 
   @pl.when(wg == ATTENTION_WG)
   def _attention():
     plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
-    _consume_attention(plan, item, scales_ref, smem)
+    _consume_attention(plan, sched, scales_ref, smem)
 
 
-def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) -> None:
+def _produce(plan: _Plan, sched: _Schedule, affine_ref, q_ref, k_ref, v_ref, smem) -> None:
   """TMA warpgroup: γ1/β1/γ2 once; per q block, the first K/V ring slots, then (once the
   epilogue released that head's tiles of the previous block) the H q tiles' copies in
   :attr:`_Plan.q_loads` order, then the remaining K/V blocks."""
@@ -462,7 +511,7 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
   per_block, stages = plan.uses_per_block, plan.kv_stages
   prefetch = min(stages, per_block)
 
-  def load_kv(block, use):  # ring use number block·per_block + use: head, key block static
+  def load_kv(block, use, sample):  # ring use block·per_block + use: head, key block static
     head, step = divmod(use, plan.kv_steps)
     ring_use = block * per_block + use
     slot = lax.rem(ring_use, stages)
@@ -472,13 +521,13 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
       plgpu.barrier_wait(smem["kv_free"].at[slot])
 
     keys = pl.ds(step * plan.block_kv, plan.block_kv)
-    plgpu.copy_gmem_to_smem(k_ref.at[item.sample, keys, head], smem["k_smem"].at[slot],
+    plgpu.copy_gmem_to_smem(k_ref.at[sample, keys, head], smem["k_smem"].at[slot],
                             smem["k_ready"].at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[item.sample, keys, head], smem["v_smem"].at[slot],
+    plgpu.copy_gmem_to_smem(v_ref.at[sample, keys, head], smem["v_smem"].at[slot],
                             smem["v_ready"].at[slot])
 
   def load_q(block):
-    rows = pl.ds(pl.multiple_of(item.q_win + block * BLOCK_Q, gdpa_mosaic.ALIGN), BLOCK_Q)
+    rows = pl.ds(sched.rows(block)[0], BLOCK_Q)
     for head, copy in plan.q_loads:
       tile = plan.tile(block, head)
       if copy == 0:
@@ -489,42 +538,41 @@ def _produce(plan: _Plan, item: _Item, affine_ref, q_ref, k_ref, v_ref, smem) ->
       plgpu.copy_gmem_to_smem(q_ref.at[rows, head], smem[plan.q_copies[copy]].at[tile],
                               smem["q_ready"].at[2 * tile + copy])
 
-  @pl.when(jnp.logical_not(item.padding))
-  def _():
-    @pl.loop(0, item.q_blocks)
-    def _block(block):
-      if plan.q_buffers > 1:  # the q tiles first: they load during the previous block
-        load_q(block)
-      for use in range(prefetch):
-        load_kv(block, use)
-      if plan.q_buffers == 1:  # after the first K/V slots: the epilogue frees the q tiles late
-        load_q(block)
-      for use in range(prefetch, per_block):
-        load_kv(block, use)
+  @pl.loop(0, sched.count)
+  def _block(block):
+    sample = sched.sample(block)
+    if plan.q_buffers > 1:  # the q tiles first: they load during the previous block
+      load_q(block)
+    for use in range(prefetch):
+      load_kv(block, use, sample)
+    if plan.q_buffers == 1:  # after the first K/V slots: the epilogue frees the q tiles late
+      load_q(block)
+    for use in range(prefetch, per_block):
+      load_kv(block, use, sample)
 
-    # Observe the releases no load waited for (the last block of each buffer), so every
-    # barrier phase is consumed.
-    if plan.q_buffers == 1:
-      @pl.when(item.q_blocks > 0)
-      def _():
-        for head in range(plan.num_heads):
-          plgpu.barrier_wait(smem["q_free"].at[head])
-    else:
-      @pl.loop(jnp.maximum(item.q_blocks - plan.q_buffers, 0), item.q_blocks)
-      def _(block):
-        for head in range(plan.num_heads):
-          plgpu.barrier_wait(smem["q_free"].at[plan.tile(block, head)])
+  # Observe the releases no load waited for (the last block of each buffer), so every
+  # barrier phase is consumed.
+  if plan.q_buffers == 1:
+    @pl.when(sched.count > 0)
+    def _():
+      for head in range(plan.num_heads):
+        plgpu.barrier_wait(smem["q_free"].at[head])
+  else:
+    @pl.loop(jnp.maximum(sched.count - plan.q_buffers, 0), sched.count)
+    def _(block):
+      for head in range(plan.num_heads):
+        plgpu.barrier_wait(smem["q_free"].at[plan.tile(block, head)])
 
-    uses = item.q_blocks * per_block
+  uses = sched.count * per_block
 
-    @pl.loop(jnp.maximum(uses - stages, 0), uses)
-    def _(use):
-      plgpu.barrier_wait(smem["kv_free"].at[lax.rem(use, stages)])
+  @pl.loop(jnp.maximum(uses - stages, 0), uses)
+  def _(use):
+    plgpu.barrier_wait(smem["kv_free"].at[lax.rem(use, stages)])
 
 
-def _consume(plan: _Plan, item: _Item, scales_ref, q_ref, out_ref, stats_ref, saved_refs,
-             smem) -> None:
-  """The norm warpgroup: every q block of the item (or zeros for a padding chunk)."""
+def _consume(plan: _Plan, sched: _Schedule, padding_ref, scales_ref, q_ref, out_ref, stats_ref,
+             saved_refs, smem) -> None:
+  """The norm warpgroup: every q block of the CTA's list, then zeros for its padding chunks."""
   plgpu.barrier_wait(smem["vec_ready"])
   o_tile, stats_tile, *more_tiles = smem["store_tiles"]
   saved_tile = more_tiles[0].at[0] if plan.save_residuals else None
@@ -534,20 +582,14 @@ def _consume(plan: _Plan, item: _Item, scales_ref, q_ref, out_ref, stats_ref, sa
   if not plan.residual_copy:
     smem = dict(smem, q_ref=q_ref)  # the epilogue loads q_h again
 
-  @pl.when(item.padding)
-  def _():
-    @pl.loop(0, item.q_blocks)
+  if plan.q_buffers == 1:
+    @pl.loop(0, sched.count)
     def _block(block):
-      stores.zeros(plan, item.rows(block), scales_ref[1])
+      _block_forward(plan, sched, block, stores, smem)
+  else:
+    _pipelined_blocks(plan, sched, stores, smem)
 
-  @pl.when(jnp.logical_not(item.padding))
-  def _():
-    if plan.q_buffers == 1:
-      @pl.loop(0, item.q_blocks)
-      def _block(block):
-        _block_forward(plan, item, block, stores, smem)
-    else:
-      _pipelined_blocks(plan, item, stores, smem)
+  _padding_rows(plan, padding_ref, lambda rows: stores.zeros(plan, rows, scales_ref[1]))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
@@ -674,22 +716,22 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
   return u * _colvec(vec_smem, 0, head, x.shape) + _colvec(vec_smem, 1, head, x.shape)
 
 
-def _block_forward(plan: _Plan, item: _Item, block, stores: _Stores, smem) -> None:
+def _block_forward(plan: _Plan, sched: _Schedule, block, stores: _Stores, smem) -> None:
   """The norm warpgroup's q block: statistics, every u_h handed to the attention warpgroup,
   per head z_h back → Σz², then r2, the epilogue and the stores."""
-  rows = item.rows(block)
+  rows = sched.rows(block)
   stats = _block_prologue(plan, block, rows, stores, smem)
   rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
   _block_epilogue(plan, block, rows, stats, rms_rstd, stores, smem)
 
 
-def _pipelined_blocks(plan: _Plan, item: _Item, stores: _Stores, smem) -> None:
+def _pipelined_blocks(plan: _Plan, sched: _Schedule, stores: _Stores, smem) -> None:
   """The norm warpgroup's q blocks with two q buffers: block b + 1's statistics and u tiles
   are made as soon as block b's Σz² is complete, before block b's epilogue, so the attention
   warpgroup goes on to block b + 1 without waiting for that epilogue. The statistics (μ1, r1)
   of a held block wait in ``stats_smem`` (values do not leave a conditional)."""
   def prologue(block):
-    stats = _block_prologue(plan, block, item.rows(block), stores, smem)
+    stats = _block_prologue(plan, block, sched.rows(block), stores, smem)
     if stats is not None:
       for j, vec in enumerate(stats):
         smem["stats_smem"][lax.rem(block, plan.q_buffers), j] = vec
@@ -701,16 +743,16 @@ def _pipelined_blocks(plan: _Plan, item: _Item, stores: _Stores, smem) -> None:
     return tuple(plgpu.load(smem["stats_smem"].at[lax.rem(block, plan.q_buffers), j],
                             layout=plgpu.Layout.WGMMA.reduce(1)) for j in range(2))
 
-  @pl.when(item.q_blocks > 0)
+  @pl.when(sched.count > 0)
   def _():
     prologue(0)
 
-  @pl.loop(0, item.q_blocks)
+  @pl.loop(0, sched.count)
   def _block(block):
-    rows = item.rows(block)
+    rows = sched.rows(block)
     rms_rstd = _block_rms_rstd(plan, block, rows, stores, smem)
 
-    @pl.when(block + 1 < item.q_blocks)
+    @pl.when(block + 1 < sched.count)
     def _():
       prologue(block + 1)
 
@@ -835,26 +877,24 @@ def _release_q(smem, tile) -> None:
   plgpu.barrier_arrive(smem["q_free"].at[tile])
 
 
-def _consume_attention(plan: _Plan, item: _Item, scales_ref, smem) -> None:
+def _consume_attention(plan: _Plan, sched: _Schedule, scales_ref, smem) -> None:
   """The attention warpgroup: per q block and head, waits for u_h from the norm warpgroup,
   runs the head's attention and hands attn_h back in u_h's tile."""
-  @pl.when(jnp.logical_not(item.padding))
-  def _():
-    @pl.loop(0, item.q_blocks)
-    def _block(block):
-      @pl.loop(0, plan.num_heads)
-      def _head(head):
-        tile = plan.tile(block, head)
-        plgpu.barrier_wait(smem["u_ready"].at[tile])
-        if not plan.pre_layer_norm:  # WGMMA reads q_h as TMA wrote it: observe that load too
-          plgpu.barrier_wait(smem["q_ready"].at[2 * tile])
-        x_tile = smem["x_smem"].at[tile]
-        o = _attend_head(plan, x_tile, smem, block * plan.uses_per_block + head * plan.kv_steps,
-                         scales_ref[0])
-        # z_h over u_h: the WGMMAs reading u_h are done (their result was read).
-        x_tile[...] = _inner_residual(plan, o * scales_ref[1], x_tile)
-        plgpu.commit_smem()  # before WGMMA or the producer's TMA (async proxy) use the tile
-        plgpu.barrier_arrive(smem["attn_ready"].at[tile])
+  @pl.loop(0, sched.count)
+  def _block(block):
+    @pl.loop(0, plan.num_heads)
+    def _head(head):
+      tile = plan.tile(block, head)
+      plgpu.barrier_wait(smem["u_ready"].at[tile])
+      if not plan.pre_layer_norm:  # WGMMA reads q_h as TMA wrote it: observe that load too
+        plgpu.barrier_wait(smem["q_ready"].at[2 * tile])
+      x_tile = smem["x_smem"].at[tile]
+      o = _attend_head(plan, x_tile, smem, block * plan.uses_per_block + head * plan.kv_steps,
+                       scales_ref[0])
+      # z_h over u_h: the WGMMAs reading u_h are done (their result was read).
+      x_tile[...] = _inner_residual(plan, o * scales_ref[1], x_tile)
+      plgpu.commit_smem()  # before WGMMA or the producer's TMA (async proxy) use the tile
+      plgpu.barrier_arrive(smem["attn_ready"].at[tile])
 
 
 def _inner_residual(plan: _Plan, attn, u_tile):
