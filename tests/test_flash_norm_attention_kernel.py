@@ -529,41 +529,47 @@ def test_float16_z_past_its_range_stays_finite():
 
 
 @pytest.mark.parametrize("ctas,group", [(2, 2), (8, 1), (132, 2), (132, 4), (132, 3)])
-def test_cta_schedule_deals_every_block_once(ctas, group):
-  """The forward's block list and runs: every q block of every sample (lengths 0, 1, one
-  block, block edges, long; offsets not aligned) is taken by exactly one CTA, once; the blocks'
-  rows partition the sample's rows, in blocks of at most BLOCK_Q rows from an ALIGN-aligned
-  row; the runs differ by at most one block, and the CTAs of a group take their run's blocks in
-  turn (CTA g of a group its g-th, g + group-th, ...)."""
+def test_cta_schedule_deals_every_row_once(ctas, group):
+  """The forward's block list, runs and padding blocks: every q block of every sample (lengths
+  0, 1, one block, block edges, long; offsets not aligned) is taken by exactly one CTA, once;
+  the blocks' rows partition the sample's rows, in blocks of at most BLOCK_Q rows from an
+  ALIGN-aligned row; the runs differ by at most one block, and the CTAs of a group take their
+  run's blocks in turn (CTA g of a group its g-th, g + group-th, ...); the padding blocks
+  partition [offsets[-1], capacity)."""
   from pallas_norm.ops.gdpa import mosaic as gdpa
   rng = np.random.default_rng(7)
   lens = np.array([0, 1, 63, 64, 65, 128, 129, 0, 300, 511, 512, 7, 200, 0])
   lens = np.concatenate([lens, rng.integers(0, 513, size=18)])
   offsets = jagged.offsets_from_lengths(lens)
-  capacity = -(-int(offsets[-1]) // 128) * 128 + 256
-  batch = len(lens)
-  table = gdpa.work_items(jnp.asarray(offsets), None, capacity, batch, 128)
-  blocks, runs = (np.asarray(a) for a in mosaic.cta_schedule(table, batch, capacity, ctas,
-                                                              group))
-  assert runs.shape == (ctas, 2)
-  sample_blocks = np.asarray(table)[:batch, gdpa.Q_BLOCKS]
-  total = int(sample_blocks.sum())
-  taken = np.concatenate([first + group * np.arange(count) for first, count in runs])
-  np.testing.assert_array_equal(np.sort(taken), np.arange(total))
-  for run in range(ctas // group):
-    members = runs[run * group:(run + 1) * group]
-    np.testing.assert_array_equal(members[:, 0], members[0, 0] + np.arange(group))
-    assert members[0, 1] >= members[-1, 1] >= members[0, 1] - 1
-  sizes = runs.reshape(-1, group, 2)[:, :, 1].sum(axis=1)
-  assert sizes.max() - sizes.min() <= 1
-  rows = {}
-  for row, lo, count, sample in blocks[:total]:
-    assert row % gdpa.ALIGN == 0 and 0 <= lo and lo + count <= mosaic.BLOCK_Q and count > 0
-    got = set(range(row + lo, row + lo + count))
-    assert not rows.setdefault(sample, set()) & got
-    rows[sample] |= got
-  for sample in range(batch):
-    assert rows.get(sample, set()) == set(range(offsets[sample], offsets[sample + 1]))
+  for capacity in (int(offsets[-1]), -(-int(offsets[-1]) // 128) * 128 + 257):
+    blocks, ends = (np.asarray(a) for a in jax.jit(mosaic.cta_schedule, static_argnums=1)(
+        jnp.asarray(offsets), capacity))
+    total = int(ends[-1])
+    runs = np.array([[int(x) for x in mosaic.cta_run(np.int32(c), np.int32(total), ctas, group)]
+                     for c in range(ctas)])
+    taken = np.concatenate([first + group * np.arange(count) for first, count in runs])
+    np.testing.assert_array_equal(np.sort(taken), np.arange(total))
+    for run in range(ctas // group):
+      members = runs[run * group:(run + 1) * group]
+      np.testing.assert_array_equal(members[:, 0], members[0, 0] + np.arange(group))
+      assert members[0, 1] >= members[-1, 1] >= members[0, 1] - 1
+    sizes = runs.reshape(-1, group, 2)[:, :, 1].sum(axis=1)
+    assert sizes.max() - sizes.min() <= 1
+    rows = {}
+    for row, lo, count, sample in blocks[:total]:
+      assert row % gdpa.ALIGN == 0 and 0 <= lo and lo + count <= mosaic.BLOCK_Q and count > 0
+      got = set(range(row + lo, row + lo + count))
+      assert not rows.setdefault(sample, set()) & got
+      rows[sample] |= got
+    for sample in range(len(lens)):
+      assert rows.get(sample, set()) == set(range(offsets[sample], offsets[sample + 1]))
+    end = np.int32(offsets[-1])
+    padding = []
+    for i in range(int(mosaic.padding_blocks(end, capacity))):
+      row, lo, count = (int(x) for x in mosaic.padding_block(end, capacity, np.int32(i)))
+      assert row % gdpa.ALIGN == 0 and 0 <= lo and lo + count <= mosaic.BLOCK_Q and count > 0
+      padding.extend(range(row + lo, row + lo + count))
+    assert padding == list(range(int(end), capacity))
 
 
 def test_default_config_two_q_buffers_where_they_fit():
