@@ -137,6 +137,26 @@ def test_fused_forward_matches_reference(kernel, heads, monkeypatch):
     assert not bool(jnp.any(got[total:] != 0))
 
 
+@pytest.mark.parametrize("module,heads", [(mosaic, 2), (cluster, 1)])
+def test_forward_without_stats_matches_with_them(module, heads):
+  """``return_stats=False`` (the op's forward when the statistics are not asked for): no
+  statistics output, and out bit for bit as with them (NaN padding rows of q; out's padding
+  rows zeros)."""
+  q, k, v, qo, affine = _problem(4, [70, 0, 9], heads, 64)
+  a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(
+      3, heads, 64)
+  run = lambda stats: jax.block_until_ready(module.flash_norm_attention_fwd(  # noqa: E731
+      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6, return_stats=stats,
+      interpret=True))
+  out, stats = run(False)
+  want, want_stats = run(True)
+  assert stats is None and want_stats is not None
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  assert not mgpu.races_found()
+  total = int(qo[-1])
+  assert bool(jnp.all(jnp.isfinite(out))) and not bool(jnp.any(out[total:] != 0))
+
+
 @pytest.mark.parametrize("switches", [(False, False, False)])
 def test_fused_switches_match_reference(switches):
   """The megakernel's switches all off (with the default, all on, in
@@ -599,8 +619,8 @@ def test_default_config_two_q_buffers_where_they_fit():
     (False, jnp.float32, 2, 1), (True, None, 2, 2), (True, None, 4, 2)])
 def test_forward_lowers_for_sm90a(save_residuals, out_dtype, heads, q_buffers):
   """Mosaic's sm_90a lowering accepts the forward kernel (layouts, SMEM, TMA boxes) at real
-  sizes without the residuals and with a float32 output (one q buffer), which no ``gpu`` test
-  runs, and with two q buffers in the training form at H = 2 (the residual copy: 223 KB of
+  sizes without the residuals and the statistics and with a float32 output (one q buffer),
+  which no ``gpu`` test runs, and with two q buffers in the training form at H = 2 (the residual copy: 223 KB of
   SMEM with a 2-slot K/V ring) and at H = 4 (without it: q_h reloaded into its working tile)."""
   head_dim = 128
   spec = jax.ShapeDtypeStruct
@@ -612,7 +632,8 @@ def test_forward_lowers_for_sm90a(save_residuals, out_dtype, heads, q_buffers):
                            cfg) <= mgpu.SMEM_BYTES
   fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
       q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6,
-      save_residuals=save_residuals, out_dtype=out_dtype, config=cfg))
+      save_residuals=save_residuals, return_stats=save_residuals, out_dtype=out_dtype,
+      config=cfg))
   kv = spec((b, 128, heads, head_dim), jnp.bfloat16)
   export.export(fn, platforms=["cuda"])(spec((t, heads, head_dim), jnp.bfloat16), kv, kv,
                                         spec((b + 1,), jnp.int32),
