@@ -137,6 +137,26 @@ def test_fused_forward_matches_reference(kernel, heads, monkeypatch):
     assert not bool(jnp.any(got[total:] != 0))
 
 
+@pytest.mark.parametrize("module,heads", [(mosaic, 2), (cluster, 1)])
+def test_forward_without_stats_matches_with_them(module, heads):
+  """``return_stats=False`` (the op's forward when the statistics are not asked for): no
+  statistics output, and out bit for bit as with them (NaN padding rows of q; out's padding
+  rows zeros)."""
+  q, k, v, qo, affine = _problem(4, [70, 0, 9], heads, 64)
+  a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(
+      3, heads, 64)
+  run = lambda stats: jax.block_until_ready(module.flash_norm_attention_fwd(  # noqa: E731
+      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-6, return_stats=stats,
+      interpret=True))
+  out, stats = run(False)
+  want, want_stats = run(True)
+  assert stats is None and want_stats is not None
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  assert not mgpu.races_found()
+  total = int(qo[-1])
+  assert bool(jnp.all(jnp.isfinite(out))) and not bool(jnp.any(out[total:] != 0))
+
+
 @pytest.mark.parametrize("switches", [(False, False, False)])
 def test_fused_switches_match_reference(switches):
   """The megakernel's switches all off (with the default, all on, in
@@ -529,41 +549,47 @@ def test_float16_z_past_its_range_stays_finite():
 
 
 @pytest.mark.parametrize("ctas,group", [(2, 2), (8, 1), (132, 2), (132, 4), (132, 3)])
-def test_cta_schedule_deals_every_block_once(ctas, group):
-  """The forward's block list and runs: every q block of every sample (lengths 0, 1, one
-  block, block edges, long; offsets not aligned) is taken by exactly one CTA, once; the blocks'
-  rows partition the sample's rows, in blocks of at most BLOCK_Q rows from an ALIGN-aligned
-  row; the runs differ by at most one block, and the CTAs of a group take their run's blocks in
-  turn (CTA g of a group its g-th, g + group-th, ...)."""
+def test_cta_schedule_deals_every_row_once(ctas, group):
+  """The forward's block list, runs and padding blocks: every q block of every sample (lengths
+  0, 1, one block, block edges, long; offsets not aligned) is taken by exactly one CTA, once;
+  the blocks' rows partition the sample's rows, in blocks of at most BLOCK_Q rows from an
+  ALIGN-aligned row; the runs differ by at most one block, and the CTAs of a group take their
+  run's blocks in turn (CTA g of a group its g-th, g + group-th, ...); the padding blocks
+  partition [offsets[-1], capacity)."""
   from pallas_norm.ops.gdpa import mosaic as gdpa
   rng = np.random.default_rng(7)
   lens = np.array([0, 1, 63, 64, 65, 128, 129, 0, 300, 511, 512, 7, 200, 0])
   lens = np.concatenate([lens, rng.integers(0, 513, size=18)])
   offsets = jagged.offsets_from_lengths(lens)
-  capacity = -(-int(offsets[-1]) // 128) * 128 + 256
-  batch = len(lens)
-  table = gdpa.work_items(jnp.asarray(offsets), None, capacity, batch, 128)
-  blocks, runs = (np.asarray(a) for a in mosaic.cta_schedule(table, batch, capacity, ctas,
-                                                              group))
-  assert runs.shape == (ctas, 2)
-  sample_blocks = np.asarray(table)[:batch, gdpa.Q_BLOCKS]
-  total = int(sample_blocks.sum())
-  taken = np.concatenate([first + group * np.arange(count) for first, count in runs])
-  np.testing.assert_array_equal(np.sort(taken), np.arange(total))
-  for run in range(ctas // group):
-    members = runs[run * group:(run + 1) * group]
-    np.testing.assert_array_equal(members[:, 0], members[0, 0] + np.arange(group))
-    assert members[0, 1] >= members[-1, 1] >= members[0, 1] - 1
-  sizes = runs.reshape(-1, group, 2)[:, :, 1].sum(axis=1)
-  assert sizes.max() - sizes.min() <= 1
-  rows = {}
-  for row, lo, count, sample in blocks[:total]:
-    assert row % gdpa.ALIGN == 0 and 0 <= lo and lo + count <= mosaic.BLOCK_Q and count > 0
-    got = set(range(row + lo, row + lo + count))
-    assert not rows.setdefault(sample, set()) & got
-    rows[sample] |= got
-  for sample in range(batch):
-    assert rows.get(sample, set()) == set(range(offsets[sample], offsets[sample + 1]))
+  for capacity in (int(offsets[-1]), -(-int(offsets[-1]) // 128) * 128 + 257):
+    blocks, ends = (np.asarray(a) for a in jax.jit(mosaic.cta_schedule, static_argnums=1)(
+        jnp.asarray(offsets), capacity))
+    total = int(ends[-1])
+    runs = np.array([[int(x) for x in mosaic.cta_run(np.int32(c), np.int32(total), ctas, group)]
+                     for c in range(ctas)])
+    taken = np.concatenate([first + group * np.arange(count) for first, count in runs])
+    np.testing.assert_array_equal(np.sort(taken), np.arange(total))
+    for run in range(ctas // group):
+      members = runs[run * group:(run + 1) * group]
+      np.testing.assert_array_equal(members[:, 0], members[0, 0] + np.arange(group))
+      assert members[0, 1] >= members[-1, 1] >= members[0, 1] - 1
+    sizes = runs.reshape(-1, group, 2)[:, :, 1].sum(axis=1)
+    assert sizes.max() - sizes.min() <= 1
+    rows = {}
+    for row, lo, count, sample in blocks[:total]:
+      assert row % gdpa.ALIGN == 0 and 0 <= lo and lo + count <= mosaic.BLOCK_Q and count > 0
+      got = set(range(row + lo, row + lo + count))
+      assert not rows.setdefault(sample, set()) & got
+      rows[sample] |= got
+    for sample in range(len(lens)):
+      assert rows.get(sample, set()) == set(range(offsets[sample], offsets[sample + 1]))
+    end = np.int32(offsets[-1])
+    padding = []
+    for i in range(int(mosaic.padding_blocks(end, capacity))):
+      row, lo, count = (int(x) for x in mosaic.padding_block(end, capacity, np.int32(i)))
+      assert row % gdpa.ALIGN == 0 and 0 <= lo and lo + count <= mosaic.BLOCK_Q and count > 0
+      padding.extend(range(row + lo, row + lo + count))
+    assert padding == list(range(int(end), capacity))
 
 
 def test_default_config_two_q_buffers_where_they_fit():
@@ -593,8 +619,8 @@ def test_default_config_two_q_buffers_where_they_fit():
     (False, jnp.float32, 2, 1), (True, None, 2, 2), (True, None, 4, 2)])
 def test_forward_lowers_for_sm90a(save_residuals, out_dtype, heads, q_buffers):
   """Mosaic's sm_90a lowering accepts the forward kernel (layouts, SMEM, TMA boxes) at real
-  sizes without the residuals and with a float32 output (one q buffer), which no ``gpu`` test
-  runs, and with two q buffers in the training form at H = 2 (the residual copy: 223 KB of
+  sizes without the residuals and the statistics and with a float32 output (one q buffer),
+  which no ``gpu`` test runs, and with two q buffers in the training form at H = 2 (the residual copy: 223 KB of
   SMEM with a 2-slot K/V ring) and at H = 4 (without it: q_h reloaded into its working tile)."""
   head_dim = 128
   spec = jax.ShapeDtypeStruct
@@ -606,7 +632,8 @@ def test_forward_lowers_for_sm90a(save_residuals, out_dtype, heads, q_buffers):
                            cfg) <= mgpu.SMEM_BYTES
   fn = jax.jit(lambda q, k, v, qo, a: mosaic.flash_norm_attention_fwd(
       q, k, v, qo, a, 1.0, 1.0, activation="fast_gelu", eps=1e-6,
-      save_residuals=save_residuals, out_dtype=out_dtype, config=cfg))
+      save_residuals=save_residuals, return_stats=save_residuals, out_dtype=out_dtype,
+      config=cfg))
   kv = spec((b, 128, heads, head_dim), jnp.bfloat16)
   export.export(fn, platforms=["cuda"])(spec((t, heads, head_dim), jnp.bfloat16), kv, kv,
                                         spec((b + 1,), jnp.int32),

@@ -322,6 +322,21 @@ def test_work_table_order_is_a_stable_descending_sort(n):
   np.testing.assert_array_equal(sort(table[:, 3], keys), want[:, 3])
 
 
+@pytest.mark.parametrize("n", [1, 7, 300, mosaic.RANK_BY_COMPARISON_MAX + 5])
+def test_small_cumsum_and_search_match_numpy(n):
+  """The schedules' pairwise cumulative sum and count-at-most (and their fallbacks above
+  RANK_BY_COMPARISON_MAX) equal np.cumsum and np.searchsorted(side="right"), zeros and
+  repeated values included."""
+  rng = np.random.default_rng(n)
+  values = rng.integers(0, 9, n).astype(np.int32)
+  ends = np.cumsum(values).astype(np.int32)
+  np.testing.assert_array_equal(jax.jit(mosaic.cumsum_small)(jnp.asarray(values)), ends)
+  points = np.arange(-2, int(ends[-1]) + 3, dtype=np.int32)
+  np.testing.assert_array_equal(
+      jax.jit(mosaic.count_at_most)(jnp.asarray(ends), jnp.asarray(points)),
+      np.searchsorted(ends, points, side="right"))
+
+
 
 
 def test_work_items_samples_longest_first_then_padding_chunks():

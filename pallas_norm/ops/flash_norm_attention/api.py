@@ -232,7 +232,7 @@ def _fused_block(q, k, v, q_offsets, *, ln_scale, ln_bias, rms_scale, activation
   static = _Static(activation=activation, eps=eps, pre_layer_norm=pre_layer_norm,
                    inner_residual=inner_residual, outer_residual=outer_residual,
                    out_dtype=jnp.dtype(out_dtype or q.dtype), interpret=interpret,
-                   scale_grads=scale_grads, forward=forward)
+                   scale_grads=scale_grads, forward=forward, return_stats=return_stats)
   out, stats = _fused(q, k, v, q_offsets, affine, pre_scale, post_scale, static)
   if not return_stats:
     return out
@@ -253,12 +253,19 @@ class _Static:
   interpret: bool
   scale_grads: bool
   forward: str  # a key of FORWARD_KERNELS
+  return_stats: bool  # the primal's statistics (the backward's are always saved)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _fused(q, k, v, q_offsets, affine, pre_scale, post_scale, static):
   out, stats = _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static, False)
-  return out, stats[:, :3]
+  return out, _primal_stats(stats, static)
+
+
+def _primal_stats(stats, static):
+  """The op's statistics output: the kernel's first 3 columns, or None where the op does not
+  return them (the forward kernel then skips writing them)."""
+  return stats[:, :3] if static.return_stats else None
 
 
 def _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static,
@@ -269,7 +276,8 @@ def _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static,
       eps=static.eps,
       pre_layer_norm=static.pre_layer_norm, inner_residual=static.inner_residual,
       outer_residual=static.outer_residual, out_dtype=static.out_dtype,
-      save_residuals=save_residuals, interpret=static.interpret)
+      save_residuals=save_residuals, return_stats=static.return_stats,
+      interpret=static.interpret)
   return _op.first_order_only("flash_norm_attention", forward, q, k, v, q_offsets,
                               jnp.stack(affine).reshape(3, heads, head_dim), pre_scale,
                               post_scale)
@@ -279,7 +287,8 @@ def _fused_fwd_rule(q, k, v, q_offsets, affine, pre_scale, post_scale, static):
   out, stats, z, u = _fused_forward(q, k, v, q_offsets, affine, pre_scale, post_scale, static,
                                     True)
   # The backward reads the statistics' columns in place from the kernel's (T, 32) array.
-  return (out, stats[:, :3]), (q, k, v, q_offsets, affine, pre_scale, post_scale, stats, z, u)
+  return ((out, _primal_stats(stats, static)),
+          (q, k, v, q_offsets, affine, pre_scale, post_scale, stats, z, u))
 
 
 def _fused_bwd_rule(static, saved, cotangents):

@@ -122,6 +122,7 @@ class _Plan:
   pre_layer_norm: bool
   inner_residual: bool
   outer_residual: bool
+  stats: bool
 
   @property
   def exchanges_per_block(self) -> int:
@@ -140,6 +141,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
                              activation: str, eps: float, pre_layer_norm: bool = True,
                              inner_residual: bool = True, outer_residual: bool = True,
                              out_dtype=None, save_residuals: bool = False,
+                             return_stats: bool = True,
                              config: Config | None = None, interpret: bool = False):
   """The fused forward as a cluster of H CTAs (arguments validated by the op; see
   :func:`unsupported_reason`): the arguments, outputs and errors of
@@ -159,11 +161,12 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
       jagged_kv=False, act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation])
   plan = _Plan(attention=attention, num_heads=num_heads, head_dim=head_dim, eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
-               outer_residual=outer_residual, save_residuals=save_residuals)
+               outer_residual=outer_residual, save_residuals=save_residuals,
+               stats=return_stats or save_residuals)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
-      out_type=mosaic.output_types(q, out_dtype, pre_layer_norm, save_residuals),
+      out_type=mosaic.output_types(q, out_dtype, pre_layer_norm, save_residuals, plan.stats),
       grid=(num_clusters,),
       grid_names=("cta",),  # the GDPA schedule's CTA index: here the cluster's
       cluster=(num_heads,),
@@ -179,7 +182,7 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
   # (H, 3, D): one head's γ1, β1, γ2 are one TMA box
   head_affine = jnp.swapaxes(affine.astype(_F32), 0, 1)
   return mosaic.forward_outputs(call(table, scales, head_affine, q, k, v), pre_layer_norm,
-                                save_residuals)
+                                save_residuals, plan.stats)
 
 
 def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
@@ -200,8 +203,9 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
   return smem
 
 
-def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, stats_ref,
-            *saved_refs, plan: _Plan, **smem):
+def _kernel(table_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref, out_ref, *more_refs,
+            plan: _Plan, **smem):
+  stats_ref, saved_refs = (more_refs[0], more_refs[1:]) if plan.stats else (None, more_refs)
   head = lax.axis_index("cluster")
   attention = plan.attention
 
@@ -368,9 +372,10 @@ class _BlockNorms:
 
     # Every CTA of the cluster holds the same statistics: the CTAs take turns storing them, so
     # no one CTA is always the last to reach the next exchange.
-    @pl.when(item.head == lax.rem(count, plan.num_heads))
-    def _():
-      self._store_stats(columns, item, block, wg)
+    if self.stats_ref is not None:
+      @pl.when(item.head == lax.rem(count, plan.num_heads))
+      def _():
+        self._store_stats(columns, item, block, wg)
 
   def _store_stats(self, columns: dict, item, block, wg):
     """``columns``: {column: row vector}; the other columns 0 (0·post_scale on padding)."""

@@ -8,14 +8,15 @@ Per token over all H·D features (DESIGN.md, op 4; :func:`pallas_norm.reference.
 
 Design: one CTA owns every head of a q block, so both norms reduce inside the CTA (no cluster
 exchange). The grid is persistent: one CTA per SM walks a list of q blocks of ``BLOCK_Q`` rows
-(:func:`cta_schedule`). The samples' blocks, longest sample first, form one flat list cut into
-equal runs, one per group of ``Config.cta_group`` CTAs, whose CTAs take the run's blocks in
-turn, so the CTAs of a group work on the same sample at once and its K/V is read from DRAM
-about once (at H·D = 512 the K/V of 132 samples in flight, 33 MB, miss L2 enough to cost the
-forward ~10%: benchmarks/NOTES.md, "flash_norm_attention"). A CTA's pipeline (the K/V ring,
+(:func:`cta_schedule`). The samples' blocks, in row order, form one flat list cut into equal
+runs (:func:`cta_run`), one per group of ``Config.cta_group`` CTAs, whose CTAs take the run's
+blocks in turn, so the CTAs of a group work on the same sample at once and its K/V is read from
+DRAM about once (at H·D = 512 the K/V of 132 samples in flight, 33 MB, miss L2 enough to cost
+the forward ~10%: benchmarks/NOTES.md, "flash_norm_attention"). A CTA's pipeline (the K/V ring,
 the q buffers) runs on across the blocks of its list, sample boundaries included. The padding
-rows (past ``q_offsets[-1]``) come as GDPA's padding chunks
-(:func:`pallas_norm.ops.gdpa.mosaic.work_items`), dealt to the CTAs in turn after their blocks.
+rows (past ``q_offsets[-1]``) come in blocks of ``BLOCK_Q`` rows (:func:`padding_block`), dealt
+to the CTAs in turn after their blocks. The list is two small XLA fusions (a cumulative sum of
+the block counts, then the list); each CTA computes its run and the padding blocks itself.
 Three warpgroups, as the reference megakernel splits MMA warps from norm warps:
 
 * the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
@@ -228,6 +229,7 @@ class _Plan:
   residual_copy: bool
   cta_group: int
   ctas: int
+  stats: bool
 
   @property
   def uses_per_block(self) -> int:
@@ -267,7 +269,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
                              activation: str, eps: float, pre_layer_norm: bool = True,
                              inner_residual: bool = True, outer_residual: bool = True,
                              out_dtype=None, save_residuals: bool = False,
-                             config: Config | None = None, interpret: bool = False):
+                             return_stats: bool = True, config: Config | None = None,
+                             interpret: bool = False):
   """The fused forward (arguments validated by the op; see :func:`unsupported_reason`).
 
   Args:
@@ -282,12 +285,15 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
     save_residuals: also return, in q's dtype, z = u + attn (or attn without the inner
       residual; attn = post·act(pre·u Kᵀ) V rounded to q's dtype) and, with the LayerNorm, u
       (for the backward).
+    return_stats: write the statistics (always with ``save_residuals``); without them the
+      forward stores 8 KB a q block fewer (an eighth of out's bytes at H·D = 512, bf16) and
+      returns None in their place.
     config: tiling (default :func:`pick_config`).
     interpret: run in Pallas GPU interpret mode (any backend).
 
   Returns:
-    ``(out, stats)`` or ``(out, stats, z, u)``: out (T, H, D) in out_dtype; stats
-    (T, :data:`STATS_COLS`) float32 with μ1, r1, r2 in columns 0-2 (μ1, r1 zeros without the
+    ``(out, stats)`` or ``(out, stats, z, u)``: out (T, H, D) in out_dtype; stats (None
+    without ``return_stats`` or ``save_residuals``) (T, :data:`STATS_COLS`) float32 with μ1, r1, r2 in columns 0-2 (μ1, r1 zeros without the
     LayerNorm; the row kernels of the backward read the columns in place, no slice pass);
     z, u (T, H, D) (u None without the LayerNorm). Padding rows (past
     ``q_offsets[-1]``) are zeros in every output.
@@ -303,13 +309,13 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
                act=gdpa_mosaic.KERNEL_ACTIVATIONS[activation], eps=float(eps),
                pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                outer_residual=outer_residual, save_residuals=save_residuals,
-               residual_copy=cfg.residual_copy, cta_group=cfg.cta_group, ctas=ctas)
-  table = gdpa_mosaic.work_items(q_offsets, None, capacity, k.shape[0], kv_len)
-  blocks, runs = cta_schedule(table, k.shape[0], capacity, ctas, cfg.cta_group)
+               residual_copy=cfg.residual_copy, cta_group=cfg.cta_group, ctas=ctas,
+               stats=return_stats or save_residuals)
+  blocks, block_ends = cta_schedule(q_offsets, capacity)
   scales = jnp.stack([jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)])
   call = plgpu.kernel(
       functools.partial(_kernel, plan=plan),
-      out_type=output_types(q, out_dtype, pre_layer_norm, save_residuals),
+      out_type=output_types(q, out_dtype, pre_layer_norm, save_residuals, plan.stats),
       grid=(ctas,),
       grid_names=("cta",),
       num_threads=3,
@@ -320,9 +326,9 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=mgpu.interpret_params() if interpret else None,
   )
-  padding = table[k.shape[0]:]
-  return forward_outputs(call(blocks, runs, padding, scales, affine.astype(_F32), q, k, v),
-                         pre_layer_norm, save_residuals)
+  return forward_outputs(call(blocks, block_ends, q_offsets.astype(jnp.int32), scales,
+                              affine.astype(_F32), q, k, v),
+                         pre_layer_norm, save_residuals, plan.stats)
 
 
 BLOCK_ROW, BLOCK_LO, BLOCK_COUNT, BLOCK_SAMPLE = range(4)
@@ -330,33 +336,58 @@ BLOCK_ROW, BLOCK_LO, BLOCK_COUNT, BLOCK_SAMPLE = range(4)
 in it as [lo, lo + count), and the sample (its K/V index)."""
 
 
-def cta_schedule(table, batch: int, capacity: int, ctas: int, group: int):
-  """The persistent grid's work: ``(blocks, runs)``.
+def cta_schedule(q_offsets, capacity: int):
+  """The persistent grid's block list: ``(blocks, block_ends)``.
 
-  ``blocks`` (capacity // BLOCK_Q + 2·batch, 4) int32: the q blocks of the ``batch`` sample
-  rows of GDPA's work table ``table`` (:func:`pallas_norm.ops.gdpa.mosaic.work_items`: longest
-  sample first), in table order, one row each (columns :data:`BLOCK_ROW` ...
-  :data:`BLOCK_SAMPLE`); rows past the samples' N blocks are never read. ``runs`` (ctas, 2)
-  int32: each CTA's (first block, block count). The N blocks are cut into ``ctas // group``
-  equal runs; CTA ``group·p + g`` takes blocks first + g, first + g + group, ... of run p, so
-  the ``group`` CTAs of a run work on one sample at once and read its K/V from DRAM about once.
-  The padding chunks (``table[batch:]``) are not in the list."""
-  g = gdpa_mosaic
-  samples = table[:batch]
-  ends = jnp.cumsum(samples[:, g.Q_BLOCKS])
+  ``blocks`` (capacity // BLOCK_Q + 2·B, 4) int32: the q blocks of the B samples in sample
+  order, each sample's from its first row rounded down to ``ALIGN`` (GDPA's windows), one row
+  each (columns :data:`BLOCK_ROW` ... :data:`BLOCK_SAMPLE`); rows past the N blocks are never
+  read. ``block_ends`` (B,) int32: the cumulative block counts, N = ``block_ends[-1]``. The
+  kernel cuts the list into runs (:func:`cta_run`). Samples in row order, not longest first:
+  the runs are equal whatever the order, and the sort's kernels cost more than they ordered.
+  Offsets are clamped into [0, capacity), so invalid traced offsets cannot make the kernel
+  touch memory outside q (the op poisons such outputs with NaN)."""
+  q_offsets = jnp.clip(q_offsets.astype(jnp.int32), 0, capacity)
+  batch = q_offsets.shape[0] - 1
+  win, lo, hi = gdpa_mosaic.window(q_offsets[:-1], q_offsets[1:])
+  counts = pl.cdiv(hi, BLOCK_Q)
+  ends = gdpa_mosaic.cumsum_small(counts)
   size = capacity // BLOCK_Q + 2 * batch  # ≥ N: a sample of n rows has ≤ n / BLOCK_Q + 2 blocks
   flat = jnp.arange(size, dtype=jnp.int32)
-  owner = jnp.minimum(jnp.sum(ends[None, :] <= flat[:, None], axis=1, dtype=jnp.int32), batch - 1)
-  s = samples[owner]
-  offset = (flat - (ends - samples[:, g.Q_BLOCKS])[owner]) * BLOCK_Q
-  lo = jnp.maximum(s[:, g.Q_LO] - offset, 0)
-  hi = jnp.minimum(s[:, g.Q_HI] - offset, BLOCK_Q)
-  blocks = jnp.stack([s[:, g.Q_WIN] + offset, lo, jnp.maximum(hi - lo, 0), s[:, g.KV_WIN]], axis=1)
-  cta = jnp.arange(ctas, dtype=jnp.int32)
-  run, member, num_runs = cta // group, cta % group, ctas // group
-  start, end = run * ends[-1] // num_runs, (run + 1) * ends[-1] // num_runs
-  count = jnp.maximum(end - start - member + group - 1, 0) // group
-  return blocks, jnp.stack([start + member, count], axis=1)
+  owner = jnp.minimum(gdpa_mosaic.count_at_most(ends, flat), batch - 1)
+  offset = (flat - (ends - counts)[owner]) * BLOCK_Q
+  block_lo = jnp.maximum(lo[owner] - offset, 0)
+  block_hi = jnp.minimum(hi[owner] - offset, BLOCK_Q)
+  blocks = jnp.stack([win[owner] + offset, block_lo, jnp.maximum(block_hi - block_lo, 0), owner],
+                     axis=1)
+  return blocks, ends
+
+
+def cta_run(cta, total, ctas: int, group: int):
+  """(first block, block count) of CTA ``cta`` of ``ctas`` in a list of ``total``
+  blocks: the list is cut into ``ctas // group`` equal runs; CTA ``group·p + g`` takes blocks
+  first + g, first + g + group, ... of run p, so the ``group`` CTAs of a run work on one sample
+  at once and read its K/V from DRAM about once. Integer arithmetic only (kernel or host)."""
+  num_runs = ctas // group
+  run, member = lax.div(cta, group), lax.rem(cta, group)
+  start = lax.div(run * total, num_runs)
+  end = lax.div((run + 1) * total, num_runs)
+  count = lax.div(jnp.maximum(end - start - member + group - 1, 0), group)
+  return start + member, count
+
+
+def padding_block(end, capacity: int, index):
+  """Rows (first GMEM row, lo, count) of padding block ``index`` of rows [end, capacity): the
+  blocks run from ``end`` rounded down to ``ALIGN``; there are :func:`padding_blocks` of them."""
+  row = end - lax.rem(end, gdpa_mosaic.ALIGN) + index * BLOCK_Q
+  lo = jnp.maximum(end - row, 0)
+  return row, lo, jnp.minimum(capacity - row, BLOCK_Q) - lo
+
+
+def padding_blocks(end, capacity: int):
+  """Blocks of :func:`padding_block` that cover rows [end, capacity) (0 when end = capacity)."""
+  win = end - lax.rem(end, gdpa_mosaic.ALIGN)
+  return lax.div(capacity - win + BLOCK_Q - 1, BLOCK_Q) * (end < capacity).astype(jnp.int32)
 
 
 def checked_config(cfg, kv_len: int):
@@ -370,20 +401,23 @@ def checked_config(cfg, kv_len: int):
   return cfg
 
 
-def output_types(q, out_dtype, pre_layer_norm: bool, save_residuals: bool) -> tuple:
-  """The forward kernels' outputs: out, the statistics, then z and (with the LayerNorm) u when
-  the residuals are saved."""
-  types = [jax.ShapeDtypeStruct(q.shape, out_dtype),
-           jax.ShapeDtypeStruct((q.shape[0], STATS_COLS), _F32)]
+def output_types(q, out_dtype, pre_layer_norm: bool, save_residuals: bool,
+                 stats: bool = True) -> tuple:
+  """The forward kernels' outputs: out, the statistics (when ``stats``), then z and (with the
+  LayerNorm) u when the residuals are saved."""
+  types = [jax.ShapeDtypeStruct(q.shape, out_dtype)]
+  if stats:
+    types.append(jax.ShapeDtypeStruct((q.shape[0], STATS_COLS), _F32))
   if save_residuals:  # z, then u with the LayerNorm
     types += [jax.ShapeDtypeStruct(q.shape, q.dtype)] * (2 if pre_layer_norm else 1)
   return tuple(types)
 
 
-def forward_outputs(results, pre_layer_norm: bool, save_residuals: bool):
+def forward_outputs(results, pre_layer_norm: bool, save_residuals: bool, stats: bool = True):
   """A forward kernel's results (:func:`output_types`) as :func:`flash_norm_attention_fwd`
   returns them."""
-  out, stats, *saved = results
+  out, *rest = results
+  stats, saved = (rest[0], rest[1:]) if stats else (None, rest)
   if not save_residuals:
     return out, stats
   return out, stats, saved[0], saved[1] if pre_layer_norm else None
@@ -436,8 +470,8 @@ def _scratch(plan: _Plan, dtype, out_dtype) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _Schedule:
-  """This CTA's q blocks (:func:`cta_schedule`): ``count`` of them, its ``block``-th (counted
-  in the CTA; the pipeline's barriers and buffers go by that count) at row
+  """This CTA's q blocks (:func:`cta_run`): ``count`` of them, its ``block``-th (counted in
+  the CTA; the pipeline's barriers and buffers go by that count) at row
   ``first + block·stride`` of the block list."""
 
   blocks_ref: object
@@ -446,9 +480,10 @@ class _Schedule:
   stride: int
 
   @classmethod
-  def read(cls, blocks_ref, runs_ref, stride: int):
-    cta = lax.axis_index("cta")
-    return cls(blocks_ref, runs_ref[cta, 0], runs_ref[cta, 1], stride)
+  def read(cls, blocks_ref, block_ends_ref, plan: _Plan):
+    total = block_ends_ref[block_ends_ref.shape[0] - 1]
+    first, count = cta_run(lax.axis_index("cta"), total, plan.ctas, plan.cta_group)
+    return cls(blocks_ref, first, count, plan.cta_group)
 
   def _col(self, block, column):
     return self.blocks_ref[self.first + block * self.stride, column]
@@ -463,28 +498,23 @@ class _Schedule:
     return self._col(block, BLOCK_SAMPLE)
 
 
-def _padding_rows(plan: _Plan, padding_ref, store_block) -> None:
-  """``store_block(rows)`` for every q block of this CTA's padding chunks (GDPA's work-table
-  rows, dealt to the CTAs in turn): rows as :meth:`_Schedule.rows` gives them."""
-  g = gdpa_mosaic
-  chunks = padding_ref.shape[0]
+def _padding_rows(plan: _Plan, offsets_ref, capacity: int, store_block) -> None:
+  """``store_block(rows)`` for this CTA's padding blocks (:func:`padding_block`, dealt to the
+  CTAs in turn): rows as :meth:`_Schedule.rows` gives them."""
+  end = jnp.clip(offsets_ref[offsets_ref.shape[0] - 1], 0, capacity)
   cta = lax.axis_index("cta")
+  turns = lax.div(padding_blocks(end, capacity) - cta + plan.ctas - 1, plan.ctas)
 
-  @pl.loop(0, (chunks - cta + plan.ctas - 1) // plan.ctas)
+  @pl.loop(0, turns)
   def _(turn):
-    col = lambda c: padding_ref[cta + turn * plan.ctas, c]  # noqa: E731
-    win, q_lo, q_hi = pl.multiple_of(col(g.Q_WIN), g.ALIGN), col(g.Q_LO), col(g.Q_HI)
-
-    @pl.loop(0, col(g.Q_BLOCKS))
-    def _(block):
-      lo = jnp.maximum(q_lo - block * BLOCK_Q, 0)
-      hi = jnp.minimum(q_hi - block * BLOCK_Q, BLOCK_Q)
-      store_block((win + block * BLOCK_Q, lo, hi - lo))
+    row, lo, count = padding_block(end, capacity, cta + turn * plan.ctas)
+    store_block((pl.multiple_of(row, gdpa_mosaic.ALIGN), lo, count))
 
 
-def _kernel(blocks_ref, runs_ref, padding_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref,
-            out_ref, stats_ref, *saved_refs, plan: _Plan, **smem):
-  sched = _Schedule.read(blocks_ref, runs_ref, plan.cta_group)
+def _kernel(blocks_ref, block_ends_ref, offsets_ref, scales_ref, affine_ref, q_ref, k_ref, v_ref,
+            out_ref, *more_refs, plan: _Plan, **smem):
+  stats_ref, saved_refs = (more_refs[0], more_refs[1:]) if plan.stats else (None, more_refs)
+  sched = _Schedule.read(blocks_ref, block_ends_ref, plan)
   wg = lax.axis_index("wg")
 
   @pl.when(wg == PRODUCER_WG)
@@ -495,7 +525,7 @@ def _kernel(blocks_ref, runs_ref, padding_ref, scales_ref, affine_ref, q_ref, k_
   @pl.when(wg == NORM_WG)
   def _norms():
     plgpu.set_max_registers(mgpu.CONSUMER_REGISTERS, action="increase")
-    _consume(plan, sched, padding_ref, scales_ref, q_ref, out_ref, stats_ref, saved_refs, smem)
+    _consume(plan, sched, offsets_ref, scales_ref, q_ref, out_ref, stats_ref, saved_refs, smem)
 
   @pl.when(wg == ATTENTION_WG)
   def _attention():
@@ -570,7 +600,7 @@ def _produce(plan: _Plan, sched: _Schedule, affine_ref, q_ref, k_ref, v_ref, sme
     plgpu.barrier_wait(smem["kv_free"].at[lax.rem(use, stages)])
 
 
-def _consume(plan: _Plan, sched: _Schedule, padding_ref, scales_ref, q_ref, out_ref, stats_ref,
+def _consume(plan: _Plan, sched: _Schedule, offsets_ref, scales_ref, q_ref, out_ref, stats_ref,
              saved_refs, smem) -> None:
   """The norm warpgroup: every q block of the CTA's list, then zeros for its padding chunks."""
   plgpu.barrier_wait(smem["vec_ready"])
@@ -589,7 +619,8 @@ def _consume(plan: _Plan, sched: _Schedule, padding_ref, scales_ref, q_ref, out_
   else:
     _pipelined_blocks(plan, sched, stores, smem)
 
-  _padding_rows(plan, padding_ref, lambda rows: stores.zeros(plan, rows, scales_ref[1]))
+  _padding_rows(plan, offsets_ref, q_ref.shape[0],
+                lambda rows: stores.zeros(plan, rows, scales_ref[1]))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
@@ -619,7 +650,9 @@ class _Stores:
 
   def stats(self, columns: dict, rows, scale=None):
     """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are
-    0 (times ``scale`` when given)."""
+    0 (times ``scale`` when given). Nothing without the statistics output."""
+    if self.stats_ref is None:
+      return
     col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, STATS_COLS), 1, layout=plgpu.Layout.WGMMA)
     tile = plgpu.layout_cast(jnp.zeros((BLOCK_Q, STATS_COLS), _F32), plgpu.Layout.WGMMA)
     if scale is not None:

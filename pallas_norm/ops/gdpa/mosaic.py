@@ -176,7 +176,7 @@ sample starts in its window."""
 Q_WIN, Q_LO, Q_HI, Q_BLOCKS, KV_WIN, KV_LO, KV_HI, PADDING = range(8)
 
 
-def _window(start, end):
+def window(start, end):
   """(8-aligned window start, lo, hi) of rows [start, end); lo = hi = 0 when empty."""
   win = start - start % ALIGN
   empty = end <= start
@@ -209,7 +209,7 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
   starts = jnp.concatenate([jnp.clip(q_offsets[:-1], 0, capacity), pad_start])
   ends = jnp.concatenate([jnp.clip(q_offsets[1:], 0, capacity),
                           jnp.minimum(pad_start + chunk, capacity)])
-  q_win, q_lo, q_hi = _window(starts, ends)
+  q_win, q_lo, q_hi = window(starts, ends)
   q_blocks = pl.cdiv(q_hi, BLOCK_Q)
   padding = (q_win + q_lo >= end).astype(jnp.int32)
   no_keys = jnp.zeros((pad_start.shape[0],), jnp.int32)
@@ -219,7 +219,7 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
   else:
     kv_offsets = jnp.clip(kv_offsets.astype(jnp.int32), 0, kv_capacity)
     kv_end = jnp.clip(kv_offsets[1:], kv_offsets[:-1], kv_offsets[:-1] + num_kv_rows - ALIGN + 1)
-    kv_win, kv_lo, kv_hi = _window(kv_offsets[:-1], kv_end)
+    kv_win, kv_lo, kv_hi = window(kv_offsets[:-1], kv_end)
   kv = [jnp.concatenate([col, no_keys]) for col in (kv_win, kv_lo, kv_hi)]
   table = jnp.stack([q_win, q_lo, q_hi, q_blocks, *kv, padding], axis=1)
   samples = sort_rows_descending(table[:batch], (q_hi - q_lo)[:batch])
@@ -229,6 +229,27 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
 RANK_BY_COMPARISON_MAX = 4096
 """Most rows that :func:`sort_rows_descending` orders by comparing all pairs of keys (fusions
 over N² pairs, N² ≤ 16.8M); above it, a sort."""
+
+
+def cumsum_small(values):
+  """Inclusive cumulative sum of a short int32 vector (N,), as one fusion over the N² pairs
+  where N ≤ :data:`RANK_BY_COMPARISON_MAX` (XLA's cumulative sum is a reduce-window of several
+  small kernels on the GPU), else ``jnp.cumsum``."""
+  n = values.shape[0]
+  if n > RANK_BY_COMPARISON_MAX:
+    return jnp.cumsum(values, dtype=jnp.int32)
+  index = jnp.arange(n, dtype=jnp.int32)
+  return jnp.sum(jnp.where(index[None, :] <= index[:, None], values[None, :], 0), axis=1,
+                 dtype=jnp.int32)
+
+
+def count_at_most(sorted_values, points):
+  """For each of ``points`` (M,), the count of ``sorted_values`` (N,) (ascending) that are
+  ≤ it: one fusion over the M·N pairs where N ≤ :data:`RANK_BY_COMPARISON_MAX`, else a binary
+  search."""
+  if sorted_values.shape[0] > RANK_BY_COMPARISON_MAX:
+    return jnp.searchsorted(sorted_values, points, side="right").astype(jnp.int32)
+  return jnp.sum(sorted_values[None, :] <= points[:, None], axis=1, dtype=jnp.int32)
 
 
 def sort_rows_descending(table, keys):
