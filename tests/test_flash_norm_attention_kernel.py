@@ -252,10 +252,7 @@ def _check_variant_matches_default(module, heads, variants, lens=(70, 0, 9), lkv
   assert len(want) == 4
   for variant in variants:
     got = run(dataclasses.replace(default, **variant))
-    for g, w in zip(got, want):
-      if w is not None:
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
-                                      err_msg=str(variant))
+    _assert_forwards_equal(got, want, int(qo[-1]), err_msg=str(variant))
   assert not mgpu.races_found()
   total = int(qo[-1])
   pre_layer_norm = switches.get("pre_layer_norm", True)
@@ -267,10 +264,22 @@ def _check_variant_matches_default(module, heads, variants, lens=(70, 0, 9), lkv
   _check_residuals(want, q, k, v, qo, kw)
 
 
+def _assert_forwards_equal(got, want, total: int, err_msg: str = ""):
+  """Two training-form forwards bit for bit: out and the statistics whole, the saved z and u
+  (None or not) on the live rows (their padding rows are unspecified)."""
+  for i, (g, w) in enumerate(zip(got, want)):
+    assert (g is None) == (w is None)
+    if w is not None:
+      rows = slice(None) if i < 2 else slice(0, total)
+      np.testing.assert_array_equal(np.asarray(g[rows], np.float32),
+                                    np.asarray(w[rows], np.float32), err_msg=err_msg)
+
+
 def _check_residuals(outputs, q, k, v, qo, kw, row_tol=None):
   """The forward's saved z and u against the reference's u and u + gdpa(u) (the attention
-  through reference.gdpa), zeros on padding rows; with ``row_tol`` also every row's relative
-  error (a few bad rows hide in the whole array's)."""
+  through reference.gdpa) on the live rows (their padding rows are unspecified: the backward
+  never reads them, which the gradient tests check with NaN-filled unwritten memory); with
+  ``row_tol`` also every row's relative error (a few bad rows hide in the whole array's)."""
   _, stats, z, u = outputs
   total = int(qo[-1])
   qf = _clean(q, qo).astype(F32)
@@ -279,7 +288,6 @@ def _check_residuals(outputs, q, k, v, qo, kw, row_tol=None):
     x_hat = (qf.reshape(t, h * d) - stats[:, :1]) * stats[:, 1:2]
     u_want = (x_hat * kw["ln_scale"] + kw["ln_bias"]).reshape(q.shape)
     assert _rel_err(u[:total], u_want[:total]) < TOL
-    assert not bool(jnp.any(u[total:] != 0))
     if row_tol is not None:
       assert _worst_row_err(u[:total], u_want[:total]) < row_tol
   else:
@@ -290,7 +298,6 @@ def _check_residuals(outputs, q, k, v, qo, kw, row_tol=None):
       pre_scale=kw["pre_scale"], post_scale=kw["post_scale"]))(u_want)
   z_want = attn + u_want if kw.get("inner_residual", True) else attn
   assert _rel_err(z[:total], z_want[:total]) < TOL
-  assert not bool(jnp.any(z[total:] != 0))
   if row_tol is not None:
     assert _worst_row_err(z[:total], z_want[:total]) < row_tol
 
@@ -680,8 +687,7 @@ def test_gpu_two_q_buffers_match_default():
   want = run(default)
   assert (default.q_buffers, default.kv_stages) == (2, 2)
   got = run(dataclasses.replace(default, kv_stages=4, q_buffers=1))
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  _assert_forwards_equal(got, want, int(qo[-1]))
   total = int(qo[-1])
   ref = jax.jit(lambda *x: _reference(*x, **affine, max_seq_len=512))(q, k, v, qo)[0]
   assert _rel_err(want[0][:total], ref[:total]) < TOL

@@ -296,7 +296,8 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
     without ``return_stats`` or ``save_residuals``) (T, :data:`STATS_COLS`) float32 with μ1, r1, r2 in columns 0-2 (μ1, r1 zeros without the
     LayerNorm; the row kernels of the backward read the columns in place, no slice pass);
     z, u (T, H, D) (u None without the LayerNorm). Padding rows (past
-    ``q_offsets[-1]``) are zeros in every output.
+    ``q_offsets[-1]``) are zeros in out and stats and unwritten in z and u (the backward
+    never reads them).
   """
   capacity, num_heads, head_dim = q.shape
   out_dtype = jnp.dtype(out_dtype or q.dtype)
@@ -662,16 +663,17 @@ class _Stores:
     store.store_rows(tile, self.stats_tile, lambda r, c: self.stats_ref.at[r, c], *rows)
 
   def zeros(self, plan: _Plan, rows, post_scale):
-    """Padding rows: 0 · post_scale, so a NaN post_scale (the op's answer to bad traced offsets)
-    reaches every output."""
+    """Padding rows of out and the statistics: 0 · post_scale, so a NaN post_scale (the op's
+    answer to bad traced offsets) reaches them. The saved z and u keep their padding rows
+    unwritten: the backward reads rows below ``q_offsets[-1]`` only (the row kernels stop
+    there; the GDPA backward's q blocks that reach past it read a zero-padded copy), and
+    zeroing them was 2/3 of the training form's padding stores (2·T_pad·H·D elements)."""
     zero = plgpu.layout_cast(jnp.zeros((BLOCK_Q, plan.head_dim), _F32), plgpu.Layout.WGMMA)
     zero = zero * post_scale
 
     @pl.loop(0, plan.num_heads)
     def _(head):
       self.out(zero, rows, head)
-      self.saved(self.z_ref, zero, rows, head)
-      self.saved(self.u_ref, zero, rows, head)
     self.stats({}, rows, post_scale)
 
 
