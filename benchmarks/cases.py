@@ -66,8 +66,8 @@ def limit_of(case: Case) -> Case | None:
   GEMMs, GDPA alone for the PFFN block; None for ops that only have floors."""
   if case.op in ("norm_matmul", "matmul_norm"):
     return Case("gemm", "", case.dims, case.mode, case.quick)
-  if case.op == "flash_norm_attention":
-    return Case("gdpa", "", case.dims, case.mode, case.quick)
+  if case.op == "flash_norm_attention":  # GDPA alone at the same lengths and capacity
+    return Case("gdpa", case.variant, case.dims, case.mode, case.quick)
   return None
 
 
@@ -244,17 +244,26 @@ def _matmul_norm(case: Case, kernel: str) -> Problem:
 
 def attention_lengths(case: Case) -> np.ndarray:
   """Per-sample query lengths, uniform on [1, L] (density ~0.5), fixed per shape; all L for
-  the "full" variants (density 1.0: "full", "jagged_kv_full")."""
+  the "full" variants (density 1.0: "full", "jagged_kv_full"). The "padded" variant has the
+  default lengths in a capacity of B·L rows (:func:`attention_capacity`)."""
   if case.variant in ("full", "jagged_kv_full"):
     return np.full(case.dim("B"), case.dim("L"))
   rng = np.random.default_rng(case.dim("B") * 7919 + case.dim("L"))
   return rng.integers(1, case.dim("L") + 1, size=case.dim("B"))
 
 
+def attention_capacity(case: Case, lens) -> int:
+  """Packed rows T: the sum of the lengths rounded up to 128, or B·L for the "padded" variant
+  (a jitted model's static capacity: about half the rows padding at density 0.5)."""
+  if case.variant == "padded":
+    return case.dim("B") * case.dim("L")
+  return -(-int(lens.sum()) // 128) * 128
+
+
 def _attention(case: Case, kernel: str) -> Problem:
   b, h, lmax, d, lkv = (case.dim(x) for x in ("B", "H", "L", "D", "KV"))
   lens = attention_lengths(case)
-  capacity = -(-int(lens.sum()) // 128) * 128  # T: sum of lengths rounded up to 128
+  capacity = attention_capacity(case, lens)
   offsets = jagged.offsets_from_lengths(lens)
   fused = case.op == "flash_norm_attention"
   # "jagged_kv", "jagged_kv_full": GDPA as self-attention, K/V packed like q with its offsets
@@ -402,9 +411,13 @@ ATTN_CONFIGS = [(h, lmax) for lmax in (256, 512, 1024) for h in (2, 4, 8)]
 GDPA_VARIANT_CONFIGS = ([("full", h, 512, ATTN_LKV) for h in (2, 4, 8)]
                         + [("jagged_kv", h, 128, 128) for h in (2, 4, 8)]
                         + [("jagged_kv", 4, 512, 512)]
-                        + [("jagged_kv_full", h, 128, 128) for h in (2, 4, 8)])
-# The fused block at density 1.0 too (issue 21: rows at H in {2, 4, 8} and density 1.0).
-FNA_VARIANT_CONFIGS = [("full", h, 512, ATTN_LKV) for h in (2, 4, 8)]
+                        + [("jagged_kv_full", h, 128, 128) for h in (2, 4, 8)]
+                        + [("padded", 4, 512, ATTN_LKV)])
+# The fused block at density 1.0 too (issue 21: rows at H in {2, 4, 8} and density 1.0), and
+# at H = 4 in a static capacity of B·L rows ("padded": the padding's zero rows; GDPA alone
+# there too, the block's limit).
+FNA_VARIANT_CONFIGS = [("full", h, 512, ATTN_LKV) for h in (2, 4, 8)] + [
+    ("padded", 4, 512, ATTN_LKV)]
 QUICK_ATTN = (4, 512)
 NORM_NS = (128, 512, 2048, 8192, 32768)
 QUICK_NORM_N = 2048
