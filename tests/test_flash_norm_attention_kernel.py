@@ -599,6 +599,20 @@ def test_cta_schedule_deals_every_row_once(ctas, group):
     assert padding == list(range(int(end), capacity))
 
 
+def test_cta_schedule_stays_in_its_list_for_overlapping_samples():
+  """Decreasing traced offsets (samples that overlap once clamped, which the op poisons) count
+  more blocks than the list holds: the counts stop at its size, so the kernel reads no entry
+  past it, and every entry's rows stay inside q (an adversarial review's case: 8 samples that
+  alternate [0, 512) and empty, 32 blocks for a list of 24)."""
+  capacity = 512
+  offsets = jnp.array([0, 512] * 4 + [0], jnp.int32)
+  blocks, ends = (np.asarray(a) for a in jax.jit(mosaic.cta_schedule, static_argnums=1)(
+      offsets, capacity))
+  assert int(ends[-1]) == blocks.shape[0] == capacity // mosaic.BLOCK_Q + 2 * 8
+  for row, lo, count, sample in blocks:
+    assert 0 <= row and row + lo + count <= capacity and 0 <= sample < 8
+
+
 def test_default_config_two_q_buffers_where_they_fit():
   """Two q buffers (2-slot K/V ring) where they fit: with the residual copy at H·D = 256
   (D = 128, bf16 out) in both forms; without it, at H·D = 512 and for a float32 output at 256,

@@ -346,14 +346,16 @@ def cta_schedule(q_offsets, capacity: int):
   read. ``block_ends`` (B,) int32: the cumulative block counts, N = ``block_ends[-1]``. The
   kernel cuts the list into runs (:func:`cta_run`). Samples in row order, not longest first:
   the runs are equal whatever the order, and the sort's kernels cost more than they ordered.
-  Offsets are clamped into [0, capacity), so invalid traced offsets cannot make the kernel
-  touch memory outside q (the op poisons such outputs with NaN)."""
+  Invalid traced offsets cannot make the kernel touch memory outside its arrays (the op poisons
+  such outputs with NaN anyway): offsets are clamped into [0, capacity], and the block counts'
+  sums to the list's size, which overlapping samples (decreasing offsets) would pass."""
   q_offsets = jnp.clip(q_offsets.astype(jnp.int32), 0, capacity)
   batch = q_offsets.shape[0] - 1
   win, lo, hi = gdpa_mosaic.window(q_offsets[:-1], q_offsets[1:])
   counts = pl.cdiv(hi, BLOCK_Q)
-  ends = gdpa_mosaic.cumsum_small(counts)
-  size = capacity // BLOCK_Q + 2 * batch  # ≥ N: a sample of n rows has ≤ n / BLOCK_Q + 2 blocks
+  # ≥ N for valid offsets: a sample of n rows has ≤ n / BLOCK_Q + 2 blocks
+  size = capacity // BLOCK_Q + 2 * batch
+  ends = jnp.minimum(gdpa_mosaic.cumsum_small(counts), size)
   flat = jnp.arange(size, dtype=jnp.int32)
   owner = jnp.minimum(gdpa_mosaic.count_at_most(ends, flat), batch - 1)
   offset = (flat - (ends - counts)[owner]) * BLOCK_Q
