@@ -137,7 +137,7 @@ def test_fused_forward_matches_reference(kernel, heads, monkeypatch):
     assert not bool(jnp.any(got[total:] != 0))
 
 
-@pytest.mark.parametrize("module,heads", [(mosaic, 2), (cluster, 1)])
+@pytest.mark.parametrize("module,heads", [(mosaic, 2), (cluster, 1)], ids=["one_cta", "cluster"])
 def test_forward_without_stats_matches_with_them(module, heads):
   """``return_stats=False`` (the op's forward when the statistics are not asked for): no
   statistics output, and out bit for bit as with them (NaN padding rows of q; out's padding
