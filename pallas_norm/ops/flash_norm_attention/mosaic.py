@@ -347,8 +347,9 @@ def cta_schedule(q_offsets, capacity: int):
   kernel cuts the list into runs (:func:`cta_run`). Samples in row order, not longest first:
   the runs are equal whatever the order, and the sort's kernels cost more than they ordered.
   Invalid traced offsets cannot make the kernel touch memory outside its arrays (the op poisons
-  such outputs with NaN anyway): offsets are clamped into [0, capacity], and the block counts'
-  sums to the list's size, which overlapping samples (decreasing offsets) would pass."""
+  such outputs with NaN anyway): offsets are clamped into [0, capacity], and the cumulative
+  block counts are capped at the list's size, which overlapping samples (decreasing offsets)
+  would pass."""
   q_offsets = jnp.clip(q_offsets.astype(jnp.int32), 0, capacity)
   batch = q_offsets.shape[0] - 1
   win, lo, hi = gdpa_mosaic.window(q_offsets[:-1], q_offsets[1:])
