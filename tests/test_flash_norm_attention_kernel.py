@@ -641,8 +641,9 @@ def test_default_config_two_q_buffers_where_they_fit():
 def test_forward_lowers_for_sm90a(save_residuals, out_dtype, heads, q_buffers):
   """Mosaic's sm_90a lowering accepts the forward kernel (layouts, SMEM, TMA boxes) at real
   sizes without the residuals and the statistics and with a float32 output (one q buffer),
-  which no ``gpu`` test runs, and with two q buffers in the training form at H = 2 (the residual copy: 223 KB of
-  SMEM with a 2-slot K/V ring) and at H = 4 (without it: q_h reloaded into its working tile)."""
+  which no ``gpu`` test runs, and with two q buffers in the training form at H = 2 (the
+  residual copy: 223 KB of SMEM with a 2-slot K/V ring) and at H = 4 (without it: q_h reloaded
+  into its working tile)."""
   head_dim = 128
   spec = jax.ShapeDtypeStruct
   t, b = 4096, 16

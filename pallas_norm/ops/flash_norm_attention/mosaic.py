@@ -15,8 +15,9 @@ DRAM about once (at H·D = 512 the K/V of 132 samples in flight, 33 MB, miss L2 
 the forward ~10%: benchmarks/NOTES.md, "flash_norm_attention"). A CTA's pipeline (the K/V ring,
 the q buffers) runs on across the blocks of its list, sample boundaries included. The padding
 rows (past ``q_offsets[-1]``) come in blocks of ``BLOCK_Q`` rows (:func:`padding_block`), dealt
-to the CTAs in turn after their blocks. The list is two small XLA fusions (a cumulative sum of
-the block counts, then the list); each CTA computes its run and the padding blocks itself.
+to the CTAs in turn after their blocks. The list is three small XLA fusions (the cumulative
+block counts, each block's sample, the list); each CTA computes its run and the padding blocks
+itself.
 Three warpgroups, as the reference megakernel splits MMA warps from norm warps:
 
 * the producer (:data:`PRODUCER_WG`, TMA): per q block, the H tiles of q twice (a working copy
@@ -292,9 +293,10 @@ def flash_norm_attention_fwd(q, k, v, q_offsets, affine, pre_scale, post_scale, 
     interpret: run in Pallas GPU interpret mode (any backend).
 
   Returns:
-    ``(out, stats)`` or ``(out, stats, z, u)``: out (T, H, D) in out_dtype; stats (None
-    without ``return_stats`` or ``save_residuals``) (T, :data:`STATS_COLS`) float32 with μ1, r1, r2 in columns 0-2 (μ1, r1 zeros without the
-    LayerNorm; the row kernels of the backward read the columns in place, no slice pass);
+    ``(out, stats)`` or ``(out, stats, z, u)``: out (T, H, D) in out_dtype; stats
+    (T, :data:`STATS_COLS`) float32 with μ1, r1, r2 in columns 0-2 (μ1, r1 zeros without the
+    LayerNorm; the row kernels of the backward read the columns in place, no slice pass), None
+    without ``return_stats`` or ``save_residuals``;
     z, u (T, H, D) (u None without the LayerNorm). Padding rows (past
     ``q_offsets[-1]``) are zeros in out and stats and unwritten in z and u (the backward
     never reads them).
@@ -606,7 +608,7 @@ def _produce(plan: _Plan, sched: _Schedule, affine_ref, q_ref, k_ref, v_ref, sme
 
 def _consume(plan: _Plan, sched: _Schedule, offsets_ref, scales_ref, q_ref, out_ref, stats_ref,
              saved_refs, smem) -> None:
-  """The norm warpgroup: every q block of the CTA's list, then zeros for its padding chunks."""
+  """The norm warpgroup: every q block of the CTA's list, then zeros for its padding blocks."""
   plgpu.barrier_wait(smem["vec_ready"])
   o_tile, stats_tile, *more_tiles = smem["store_tiles"]
   saved_tile = more_tiles[0].at[0] if plan.save_residuals else None
