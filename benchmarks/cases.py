@@ -412,12 +412,12 @@ GDPA_VARIANT_CONFIGS = ([("full", h, 512, ATTN_LKV) for h in (2, 4, 8)]
                         + [("jagged_kv", h, 128, 128) for h in (2, 4, 8)]
                         + [("jagged_kv", 4, 512, 512)]
                         + [("jagged_kv_full", h, 128, 128) for h in (2, 4, 8)]
-                        + [("padded", 4, 512, ATTN_LKV)])
+                        + [("padded", h, 512, ATTN_LKV) for h in (4, 8)])
 # The fused block at density 1.0 too (issue 21: rows at H in {2, 4, 8} and density 1.0), and
-# at H = 4 in a static capacity of B·L rows ("padded": the padding's zero rows; GDPA alone
-# there too, the block's limit).
+# at H = 4 and 8 (the one-CTA and the cluster kernel) in a static capacity of B·L rows
+# ("padded": the padding's zero rows; GDPA alone there too, the block's limit).
 FNA_VARIANT_CONFIGS = [("full", h, 512, ATTN_LKV) for h in (2, 4, 8)] + [
-    ("padded", 4, 512, ATTN_LKV)]
+    ("padded", h, 512, ATTN_LKV) for h in (4, 8)]
 QUICK_ATTN = (4, 512)
 NORM_NS = (128, 512, 2048, 8192, 32768)
 QUICK_NORM_N = 2048

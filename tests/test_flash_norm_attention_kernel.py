@@ -351,15 +351,21 @@ def test_fused_gradients_match_reference():
   assert not bool(jnp.any(nan_got[0][total:] != 0)), "dq's padding rows must be 0"
 
 
-@pytest.mark.parametrize("switches", [(False, True, False)])
-def test_fused_gradients_ignore_nan_padding_rows(switches):
+@pytest.mark.parametrize("switches,kernel", [((False, True, False), "mosaic"),
+                                             ((True, True, True), "cluster")])
+def test_fused_gradients_ignore_nan_padding_rows(switches, kernel, monkeypatch):
   """The backward's row kernels work on live rows only (dz's padding rows unwritten, NaN in
   interpret mode): NaN in the padding rows of q and of the cotangent, with traced scales, gives
   the gradients of zero padding bit for bit (dq's padding rows 0, every parameter and scale
   gradient finite) and the f32 reference's (review13). With the LayerNorm and the outer
-  residual off; test_fused_gradients_match_reference checks the same with every switch on."""
+  residual off; test_fused_gradients_match_reference checks the same with every switch on.
+  Also through the cluster forward (H = 1, every switch on), whose saved z and u keep their
+  padding rows unwritten (NaN-filled here): the backward must not read them."""
+  if kernel == "cluster":
+    _route_to_cluster(monkeypatch)
   pre_layer_norm, inner_residual, outer_residual = switches
-  q, k, v, qo, affine = _problem(5, [5, 0, 9], 2, 64)  # q's padding rows NaN, T = 24
+  heads = 2 if kernel == "mosaic" else 1
+  q, k, v, qo, affine = _problem(5, [5, 0, 9], heads, 64)  # q's padding rows NaN, T = 24
   if not pre_layer_norm:
     affine = dict(rms_scale=affine["rms_scale"])
   total = 14

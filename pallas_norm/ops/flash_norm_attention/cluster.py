@@ -39,8 +39,9 @@ norms hook into the GDPA consumer around its attention step (:class:`_BlockNorms
 
 With ``save_residuals`` the kernel also writes, in q's dtype, z (the RMSNorm backward's input)
 and u (the GDPA backward's q; with the LayerNorm only). Padding rows (past ``q_offsets[-1]``,
-the padding chunks, which have no keys) get 0·post_scale in every output (NaN where the op
-poisoned bad traced offsets with NaN scales). Rows of a q block outside its sample are computed
+the padding chunks, which have no keys) get 0·post_scale in out and the statistics (NaN where
+the op poisoned bad traced offsets with NaN scales) and stay unwritten in z and u (the backward
+never reads them). Rows of a q block outside its sample are computed
 (their statistics are per row) but never stored.
 
 Dense K/V only. GPU interpret mode cannot read a peer CTA's shared memory, so it runs only
@@ -326,6 +327,15 @@ class _BlockNorms:
     self._store_rows(kind, self._padding_or(item, value).astype(ref.dtype),
                      lambda rows, cols: ref.at[rows, item.head, cols], item, block, wg)
 
+  def _save(self, ref, value, item, block, wg):
+    """The backward's residual z or u, on a sample's rows only: a padding chunk's rows stay
+    unwritten (the backward reads rows below ``q_offsets[-1]`` only), which at a static
+    capacity with much padding saves two of the training form's three padding stores."""
+    @pl.when(item.kv_steps > 0)
+    def _():
+      self._store_rows(2, value.astype(ref.dtype),
+                       lambda rows, cols: ref.at[rows, item.head, cols], item, block, wg)
+
   def before_attention(self, item, block, q_tile, wg, count):
     """q_h into registers (kept for the residuals), the LayerNorm statistics by the cluster
     exchange, u_h over q_h's slot (and saved for the backward). Returns (q_h, (μ1, r1))."""
@@ -348,7 +358,7 @@ class _BlockNorms:
     q_tile[...] = u
     plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
     if self.u_ref is not None:
-      self._store(self.u_ref, 2, u, item, block, wg)
+      self._save(self.u_ref, u, item, block, wg)
     keep = x if (plan.inner_residual or plan.outer_residual) else None
     return keep, stats
 
@@ -361,7 +371,7 @@ class _BlockNorms:
       z = z + self._pre_norm(x.astype(_F32), _recomputed(ln_stats, count))
     squares = _row_sum(z * z)
     if self.z_ref is not None:  # its TMA store runs during the exchange
-      self._store(self.z_ref, 2, z, item, block, wg)
+      self._save(self.z_ref, z, item, block, wg)
     (rms_rstd,) = self._exchange((squares,), wg, (count + 1) * plan.exchanges_per_block - 1,
                                  self._merge_rms)
     out = z * _rowvec(rms_rstd, z.shape) * self._colvec(2, z.shape)
