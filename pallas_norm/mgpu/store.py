@@ -20,19 +20,34 @@ def row_store_smem(rows: int, cols: int, dtype, count: int = 1) -> plgpu.SMEM:
 
 def store_rows(tile, chunk_smem, dst_at, row0, lo, rows) -> None:
   """Writes rows ``[lo, lo + rows)`` (traced, within the tile) of ``tile`` (R, C), a register
-  array, to ``dst_at(row_slice, col_slice)`` for the rows ``[row0 + lo, row0 + lo + rows)``: one TMA store per set bit of ``rows`` and
-  per column chunk (the store ladder of JAX's ``ragged_dot_mgpu.py``).
+  array, to ``dst_at(row_slice, col_slice)`` for the rows ``[row0 + lo, row0 + lo + rows)``:
+  :func:`stage` then :func:`copy_rows`.
 
   ``chunk_smem`` (chunks, R, C / chunks) is one tile of :func:`row_store_smem`; ``dst_at`` maps
-  a row and a column ``pl.ds`` to the GMEM ref view to write (e.g. ``o_ref.at[rows, head, cols]``). Waits for the previous stores to have read SMEM before reusing it;
-  the caller waits for the last stores before the kernel ends
+  a row and a column ``pl.ds`` to the GMEM ref view to write (e.g.
+  ``o_ref.at[rows, head, cols]``). The caller waits for the last stores before the kernel ends
   (``plgpu.wait_smem_to_gmem(0, wait_read_only=True)``).
   """
-  chunks, tile_rows, chunk_cols = chunk_smem.shape
+  stage(tile, chunk_smem)
+  copy_rows(chunk_smem, dst_at, row0, lo, rows)
+
+
+def stage(tile, chunk_smem) -> None:
+  """Writes the register array ``tile`` (R, C) into ``chunk_smem`` (a tile of
+  :func:`row_store_smem`) for TMA stores, once the previous stores have read it."""
+  chunks, _, chunk_cols = chunk_smem.shape
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   for c in range(chunks):
     chunk_smem[c] = tile[:, c * chunk_cols:(c + 1) * chunk_cols]
   plgpu.commit_smem()
+
+
+def copy_rows(chunk_smem, dst_at, row0, lo, rows) -> None:
+  """TMA stores of rows ``[lo, lo + rows)`` of the tile :func:`stage` wrote, to GMEM rows
+  ``[row0 + lo, row0 + lo + rows)`` through ``dst_at`` (as :func:`store_rows`): one store per
+  set bit of ``rows`` and per column chunk (the store ladder of JAX's ``ragged_dot_mgpu.py``).
+  Nothing waits: a staged tile that does not change (zeros) serves any number of them."""
+  chunks, tile_rows, chunk_cols = chunk_smem.shape
   offset = lo
   size = tile_rows
   while size:

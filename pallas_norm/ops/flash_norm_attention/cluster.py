@@ -41,8 +41,9 @@ With ``save_residuals`` the kernel also writes, in q's dtype, z (the RMSNorm bac
 and u (the GDPA backward's q; with the LayerNorm only). Padding rows (past ``q_offsets[-1]``,
 the padding chunks, which have no keys) get 0·post_scale in out and the statistics (NaN where
 the op poisoned bad traced offsets with NaN scales) and stay unwritten in z and u (the backward
-never reads them). Rows of a q block outside its sample are computed
-(their statistics are per row) but never stored.
+never reads them): a padding chunk is no q load, no norm and no exchange, only stores from a
+staged tile (:meth:`_BlockNorms.without_keys`). Rows of a q block outside its sample are
+computed (their statistics are per row) but never stored.
 
 Dense K/V only. GPU interpret mode cannot read a peer CTA's shared memory, so it runs only
 H = 1 (a cluster of one CTA, no exchange); the exchange at H = 2, 4, 8 runs on the GPU, and its
@@ -308,13 +309,6 @@ class _BlockNorms:
     u = (x - _rowvec(mean, x.shape)) * _rowvec(rstd, x.shape)
     return u * self._colvec(0, x.shape) + self._colvec(1, x.shape)
 
-  def _padding_or(self, item, value):
-    """``value``, or 0·post_scale on a padding chunk's rows (NaN when the op poisoned the
-    scales)."""
-    rows = plgpu.broadcasted_iota(jnp.int32, value.shape, 0, layout=plgpu.Layout.WGMMA)
-    padding = rows < jnp.where(item.kv_steps == 0, BLOCK_Q, 0)  # all rows or none
-    return jnp.where(padding, (0 * self.post_scale).astype(value.dtype), value)
-
   def _store_rows(self, kind: int, tile, dst_at, item, block, wg):
     """:func:`store.store_rows` of the segment's rows of ``tile`` through consumer ``wg``'s
     store tile of ``kind`` (0: out, 1: statistics, 2: z and u)."""
@@ -324,17 +318,40 @@ class _BlockNorms:
         store.store_rows(tile, tiles[kind].at[0], dst_at, *gdpa_mosaic.block_rows(item, block))
 
   def _store(self, ref, kind: int, value, item, block, wg):
-    self._store_rows(kind, self._padding_or(item, value).astype(ref.dtype),
+    self._store_rows(kind, value.astype(ref.dtype),
                      lambda rows, cols: ref.at[rows, item.head, cols], item, block, wg)
 
-  def _save(self, ref, value, item, block, wg):
-    """The backward's residual z or u, on a sample's rows only: a padding chunk's rows stay
-    unwritten (the backward reads rows below ``q_offsets[-1]`` only), which at a static
-    capacity with much padding saves two of the training form's three padding stores."""
-    @pl.when(item.kv_steps > 0)
-    def _():
-      self._store_rows(2, value.astype(ref.dtype),
-                       lambda rows, cols: ref.at[rows, item.head, cols], item, block, wg)
+  def without_keys(self, item, wg):
+    """A padding chunk's blocks of consumer ``wg`` (no keys, no q load): 0·post_scale in out
+    and the statistics (NaN where the op poisoned the scales), each from a tile staged once,
+    the statistics' blocks shared out over the cluster's CTAs; no exchange (every CTA of the
+    cluster skips the same items) and z, u unwritten (the backward never reads them)."""
+    plan = self.plan
+    blocks = item.zero_blocks_of(wg)
+    for w, tiles in enumerate(self.store_tiles):
+      @pl.when(wg == w)
+      def _(w=w, tiles=tiles):
+        out_tile = tiles[0].at[0]
+        store.stage(gdpa_mosaic.zero_tile(plan.head_dim, self.post_scale, self.out_ref.dtype),
+                    out_tile)
+
+        @pl.loop(0, blocks)
+        def _(turn):
+          store.copy_rows(out_tile, lambda rows, cols: self.out_ref.at[rows, item.head, cols],
+                          *gdpa_mosaic.block_rows(item, w + 2 * turn))
+
+        if self.stats_ref is not None:
+          stats_tile = tiles[1].at[0]  # the union's: staged once out's stores have read it
+          store.stage(gdpa_mosaic.zero_tile(STATS_COLS, self.post_scale, _F32), stats_tile)
+
+          @pl.loop(0, blocks)
+          def _(turn):
+            block = w + 2 * turn
+
+            @pl.when(item.head == lax.rem(block, plan.num_heads))
+            def _():
+              store.copy_rows(stats_tile, lambda rows, cols: self.stats_ref.at[rows, cols],
+                              *gdpa_mosaic.block_rows(item, block))
 
   def before_attention(self, item, block, q_tile, wg, count):
     """q_h into registers (kept for the residuals), the LayerNorm statistics by the cluster
@@ -358,7 +375,7 @@ class _BlockNorms:
     q_tile[...] = u
     plgpu.commit_smem()  # generic-proxy writes, before WGMMA (async proxy) reads them
     if self.u_ref is not None:
-      self._save(self.u_ref, u, item, block, wg)
+      self._store(self.u_ref, 2, u, item, block, wg)
     keep = x if (plan.inner_residual or plan.outer_residual) else None
     return keep, stats
 
@@ -371,7 +388,7 @@ class _BlockNorms:
       z = z + self._pre_norm(x.astype(_F32), _recomputed(ln_stats, count))
     squares = _row_sum(z * z)
     if self.z_ref is not None:  # its TMA store runs during the exchange
-      self._save(self.z_ref, z, item, block, wg)
+      self._store(self.z_ref, 2, z, item, block, wg)
     (rms_rstd,) = self._exchange((squares,), wg, (count + 1) * plan.exchanges_per_block - 1,
                                  self._merge_rms)
     out = z * _rowvec(rms_rstd, z.shape) * self._colvec(2, z.shape)
@@ -388,13 +405,13 @@ class _BlockNorms:
         self._store_stats(columns, item, block, wg)
 
   def _store_stats(self, columns: dict, item, block, wg):
-    """``columns``: {column: row vector}; the other columns 0 (0·post_scale on padding)."""
+    """``columns``: {column: row vector}; the other columns 0."""
     shape = (BLOCK_Q, STATS_COLS)
     col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
     tile = plgpu.layout_cast(jnp.zeros(shape, _F32), plgpu.Layout.WGMMA)
     for j, vec in columns.items():
       tile = jnp.where(col == j, _rowvec(vec, shape), tile)
-    self._store_rows(1, self._padding_or(item, tile),
+    self._store_rows(1, tile,
                      lambda rows, cols: self.stats_ref.at[rows, cols], item, block, wg)
 
   def finish(self, wg, count):

@@ -625,8 +625,8 @@ def _consume(plan: _Plan, sched: _Schedule, offsets_ref, scales_ref, q_ref, out_
   else:
     _pipelined_blocks(plan, sched, stores, smem)
 
-  _padding_rows(plan, offsets_ref, q_ref.shape[0],
-                lambda rows: stores.zeros(plan, rows, scales_ref[1]))
+  stores.zeros(plan, functools.partial(_padding_rows, plan, offsets_ref, q_ref.shape[0]),
+               scales_ref[1])
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
 
@@ -654,32 +654,38 @@ class _Stores:
       store.store_rows(tile.astype(ref.dtype), self.saved_tile,
                        lambda r, c: ref.at[r, head, c], *rows)
 
-  def stats(self, columns: dict, rows, scale=None):
-    """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are
-    0 (times ``scale`` when given). Nothing without the statistics output."""
+  def stats(self, columns: dict, rows):
+    """``columns``: {column: row vector (layout WGMMA.reduce(1))}; the other columns are 0.
+    Nothing without the statistics output."""
     if self.stats_ref is None:
       return
     col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, STATS_COLS), 1, layout=plgpu.Layout.WGMMA)
     tile = plgpu.layout_cast(jnp.zeros((BLOCK_Q, STATS_COLS), _F32), plgpu.Layout.WGMMA)
-    if scale is not None:
-      tile = tile * scale
     for j, vec in columns.items():
       tile = jnp.where(col == j, lax.broadcast_in_dim(vec, tile.shape, [0]), tile)
     store.store_rows(tile, self.stats_tile, lambda r, c: self.stats_ref.at[r, c], *rows)
 
-  def zeros(self, plan: _Plan, rows, post_scale):
-    """Padding rows of out and the statistics: 0 · post_scale, so a NaN post_scale (the op's
-    answer to bad traced offsets) reaches them. The saved z and u keep their padding rows
-    unwritten: the backward reads rows below ``q_offsets[-1]`` only (the row kernels stop
-    there; the GDPA backward's q blocks that reach past it read a zero-padded copy), and
-    zeroing them was 2/3 of the training form's padding stores (2·T_pad·H·D elements)."""
-    zero = plgpu.layout_cast(jnp.zeros((BLOCK_Q, plan.head_dim), _F32), plgpu.Layout.WGMMA)
-    zero = zero * post_scale
+  def zeros(self, plan: _Plan, each_padding_block, post_scale):
+    """The CTA's padding rows of out and the statistics (``each_padding_block(store_block)``
+    calls ``store_block(rows)`` per padding block): 0 · post_scale, so a NaN post_scale (the
+    op's answer to bad traced offsets) reaches them, each from a tile staged once (the tiles
+    share SMEM: out's stores first). The saved z and u keep their padding rows unwritten: the
+    backward reads rows below ``q_offsets[-1]`` only (the row kernels stop there; the GDPA
+    backward's q blocks that reach past it read a zero-padded copy), and zeroing them was 2/3
+    of the training form's padding stores (2·T_pad·H·D elements)."""
+    store.stage(gdpa_mosaic.zero_tile(plan.head_dim, post_scale, self.out_ref.dtype),
+                self.o_tile)
 
-    @pl.loop(0, plan.num_heads)
-    def _(head):
-      self.out(zero, rows, head)
-    self.stats({}, rows, post_scale)
+    def out_rows(rows):
+      @pl.loop(0, plan.num_heads)
+      def _(head):
+        store.copy_rows(self.o_tile, lambda r, c: self.out_ref.at[r, head, c], *rows)
+
+    each_padding_block(out_rows)
+    if self.stats_ref is not None:
+      store.stage(gdpa_mosaic.zero_tile(STATS_COLS, post_scale, _F32), self.stats_tile)
+      each_padding_block(lambda rows: store.copy_rows(
+          self.stats_tile, lambda r, c: self.stats_ref.at[r, c], *rows))
 
 
 def _rowvec(v, shape):

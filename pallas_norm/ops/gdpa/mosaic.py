@@ -383,13 +383,16 @@ def scratch(plan: Plan, head_dim: int, dtype, out_dtype) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Item:
   """A work item, read from the table: a segment's rows and keys, and the head. Past the last
-  item (the final round of some CTAs) every count is 0."""
+  item (the final round of some CTAs) every count is 0. ``q_blocks`` counts the q blocks that
+  attend (the item has keys); ``zero_blocks`` those of an item without keys (a padding chunk, a
+  jagged sample with no keys), whose rows get 0·post_scale: nothing is loaded for them."""
 
   head: jax.Array
   q_win: jax.Array
   q_lo: jax.Array
   q_hi: jax.Array
   q_blocks: jax.Array
+  zero_blocks: jax.Array
   kv_win: jax.Array
   kv_lo: jax.Array
   kv_hi: jax.Array
@@ -405,14 +408,20 @@ class Item:
     valid = index < plan.num_segments * plan.num_heads
     segment = jnp.minimum(lax.div(index, plan.num_heads), plan.num_segments - 1)
     col = lambda c: table_ref[segment, c]  # noqa: E731
+    blocks = jnp.where(valid, col(Q_BLOCKS), 0)
+    kv_steps = pl.cdiv(col(KV_HI), plan.block_kv)
     return cls(head=lax.rem(index, plan.num_heads), q_win=pl.multiple_of(col(Q_WIN), ALIGN),
-               q_lo=col(Q_LO), q_hi=col(Q_HI), q_blocks=jnp.where(valid, col(Q_BLOCKS), 0),
-               kv_win=col(KV_WIN), kv_lo=col(KV_LO), kv_hi=col(KV_HI),
-               kv_steps=pl.cdiv(col(KV_HI), plan.block_kv))
+               q_lo=col(Q_LO), q_hi=col(Q_HI), q_blocks=jnp.where(kv_steps > 0, blocks, 0),
+               zero_blocks=jnp.where(kv_steps > 0, 0, blocks), kv_win=col(KV_WIN),
+               kv_lo=col(KV_LO), kv_hi=col(KV_HI), kv_steps=kv_steps)
 
   def blocks_of(self, wg):
     """q blocks of consumer ``wg``: blocks wg, wg + 2, ... (its turns)."""
     return lax.div(self.q_blocks - wg + 1, 2)
+
+  def zero_blocks_of(self, wg):
+    """Blocks of zeros of consumer ``wg`` (an item without keys): blocks wg, wg + 2, ..."""
+    return lax.div(self.zero_blocks - wg + 1, 2)
 
   @property
   def loads_kv(self):
@@ -441,6 +450,13 @@ def _segment_bounds(item: Item, block):
   return lo, hi
 
 
+def zero_tile(cols: int, post_scale, dtype):
+  """A (BLOCK_Q, ``cols``) register tile of 0·post_scale in ``dtype`` (WGMMA layout): the rows
+  of an item without keys (NaN where the op poisoned the scales)."""
+  zero = plgpu.layout_cast(jnp.zeros((BLOCK_Q, cols), _F32), plgpu.Layout.WGMMA)
+  return (zero * post_scale).astype(dtype)
+
+
 def block_rows(item: Item, block):
   """(first GMEM row of q block ``block`` of the item, the segment's rows in it as
   [lo, lo + count)): what an epilogue may store."""
@@ -456,8 +472,10 @@ class OutputStore:
   kernel normalizes q before the attention and O after it): ``before_attention(item, block,
   q_tile, wg, count)`` once the q block is in SMEM (its result is handed to the next hook),
   ``after_attention(item, block, o, before, wg, count)`` with O (f32, not yet scaled) once its
-  WGMMAs are done, ``finish(wg, count)`` after the last block; ``count`` is the number of q
-  blocks the warpgroup ran before (``finish``: in all)."""
+  WGMMAs are done, ``without_keys(item, wg)`` for an item without keys (its ``zero_blocks``:
+  no q load, no attention, no other hook), ``finish(wg, count)`` after the last block;
+  ``count`` is the number of q blocks with keys the warpgroup ran before (``finish``: in
+  all)."""
 
   def __init__(self, o_ref, o_smem, post_scale):
     self.o_ref, self.o_smem, self.post_scale = o_ref, o_smem, post_scale
@@ -467,10 +485,20 @@ class OutputStore:
 
   def after_attention(self, item, block, o, before, wg, count):
     del before, count
-    lo, hi = _segment_bounds(item, block)
     store.store_rows((o * self.post_scale).astype(self.o_smem.dtype), self.o_smem.at[wg],
                      lambda rows, cols: self.o_ref.at[rows, item.head, cols],
-                     item.q_win + block * BLOCK_Q, lo, hi - lo)
+                     *block_rows(item, block))
+
+  def without_keys(self, item, wg):
+    """The rows of consumer ``wg``'s blocks of an item without keys: 0·post_scale (NaN where
+    the op poisoned the scales), from one staged tile, with no q load or attention."""
+    tile = self.o_smem.at[wg]
+    store.stage(zero_tile(tile.shape[0] * tile.shape[2], self.post_scale, tile.dtype), tile)
+
+    @pl.loop(0, item.zero_blocks_of(wg))
+    def _(turn):
+      store.copy_rows(tile, lambda rows, cols: self.o_ref.at[rows, item.head, cols],
+                      *block_rows(item, wg + 2 * turn))
 
   def finish(self, wg, count):
     del wg, count
@@ -562,6 +590,10 @@ def consumer(plan: Plan, item_at, kv, scales_ref, epilogue_for, smem) -> None:
     @pl.when(blocks == 0)
     def _():
       kv.release_item(item, kv_use)
+
+    @pl.when(item.zero_blocks_of(wg) > 0)
+    def _():
+      epilogue.without_keys(item, wg)
 
     return q_use + blocks, kv.consumer_use_after(item, wg, kv_use), upcoming
 
