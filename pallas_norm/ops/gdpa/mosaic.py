@@ -604,7 +604,9 @@ def consumer(plan: Plan, item_at, kv, scales_ref, epilogue_for, smem) -> None:
 
 def _attend(plan: Plan, item: Item, kv, wg, kv_use, turn, q_slot, p_smem, pre_scale,
             release_q):
-  """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block: (BLOCK_Q, D) f32.
+  """Σ over the key blocks of act(pre_scale · Q Kᵀ) V for one q block of an item with keys
+  (``kv_steps`` ≥ 1; items without keys never load q: :meth:`OutputStore.without_keys`):
+  (BLOCK_Q, D) f32.
   ``q_slot``: (the consumer's q ring (stages, BLOCK_Q, D), the block's slot in it); ``p_smem``:
   both consumers' P tiles. Calls ``release_q()`` once the q tile is no longer read (after the
   last score WGMMA), so the producer can load the consumer's next q block during the activation
@@ -636,7 +638,6 @@ def _attend(plan: Plan, item: Item, kv, wg, kv_use, turn, q_slot, p_smem, pre_sc
       plgpu.wgmma(o_acc, p_tile, v_tile)
       kv.release(item, wg, kv_use, turn, step)
 
-    pl.when(item.kv_steps == 0)(release_q)  # no keys: the tile was never read
     return o_acc[...]
 
   return pl.run_scoped(accumulate, plgpu.ACC((BLOCK_Q, q_ring.shape[-1]), _F32))
