@@ -5,7 +5,8 @@ softmax, keys past a sample's length masked to exactly zero.
 
 Work schedule (built in XLA from the offsets, traced or not, before the launch): one work item
 per (segment, head), where a segment is a sample (its q rows and its K/V) or a chunk of the
-padding rows past ``q_offsets[-1]`` (no keys: the kernel writes zeros there itself). Items are
+padding rows past ``q_offsets[-1]`` (no keys: the kernel stores zeros there from one staged
+tile, loading nothing; so does a jagged sample with no keys). Items are
 ordered by q length, longest first. So the work scales with the real tokens, not with
 B · max_seq_len.
 
