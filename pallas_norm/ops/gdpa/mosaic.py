@@ -174,7 +174,7 @@ that start at the 8-aligned row at or before the sample's first row; ``lo`` says
 sample starts in its window."""
 
 # Columns of the work-item table.
-Q_WIN, Q_LO, Q_HI, Q_BLOCKS, KV_WIN, KV_LO, KV_HI, PADDING = range(8)
+Q_WIN, Q_LO, Q_HI, Q_BLOCKS, KV_WIN, KV_LO, KV_HI = range(7)
 
 
 def window(start, end):
@@ -185,7 +185,7 @@ def window(start, end):
 
 
 def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_rows: int):
-  """The (items, 8) int32 work table; columns :data:`Q_WIN` ... :data:`PADDING`.
+  """The (items, 7) int32 work table; columns :data:`Q_WIN` ... :data:`KV_HI`.
 
   Rows: the B samples, longest q first (ties in sample order), then the padding chunks of
   :data:`configs.PAD_CHUNK_BLOCKS` q blocks covering ``[q_offsets[-1], capacity)`` in row
@@ -196,10 +196,7 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
   ``BLOCK_Q`` rows from ``Q_WIN``. Dense K/V: ``KV_WIN`` is the sample index, keys
   ``[0, Lkv)``; jagged: keys ``[KV_WIN + KV_LO, KV_WIN + KV_HI)``. Offsets are clamped into
   range, so invalid traced offsets cannot make the kernel touch memory outside its arrays (the
-  op poisons such outputs with NaN anyway). ``PADDING`` is 1 where the item's first q row is at
-  or past ``q_offsets[-1]`` (every padding chunk; an empty sample there, which has no blocks):
-  the fused norm kernel writes zeros for such items. It is computed before the samples are
-  sorted, as a column they carry, so both kernels share this one table builder.
+  op poisons such outputs with NaN anyway).
   """
   q_offsets = q_offsets.astype(jnp.int32)
   batch = q_offsets.shape[0] - 1
@@ -212,7 +209,6 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
                           jnp.minimum(pad_start + chunk, capacity)])
   q_win, q_lo, q_hi = window(starts, ends)
   q_blocks = pl.cdiv(q_hi, BLOCK_Q)
-  padding = (q_win + q_lo >= end).astype(jnp.int32)
   no_keys = jnp.zeros((pad_start.shape[0],), jnp.int32)
   if kv_offsets is None:
     kv_win, kv_lo = jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,), jnp.int32)
@@ -222,7 +218,7 @@ def work_items(q_offsets, kv_offsets, capacity: int, kv_capacity: int, num_kv_ro
     kv_end = jnp.clip(kv_offsets[1:], kv_offsets[:-1], kv_offsets[:-1] + num_kv_rows - ALIGN + 1)
     kv_win, kv_lo, kv_hi = window(kv_offsets[:-1], kv_end)
   kv = [jnp.concatenate([col, no_keys]) for col in (kv_win, kv_lo, kv_hi)]
-  table = jnp.stack([q_win, q_lo, q_hi, q_blocks, *kv, padding], axis=1)
+  table = jnp.stack([q_win, q_lo, q_hi, q_blocks, *kv], axis=1)
   samples = sort_rows_descending(table[:batch], (q_hi - q_lo)[:batch])
   return jnp.concatenate([samples, table[batch:]])
 
@@ -426,8 +422,9 @@ class Item:
 
   @property
   def loads_kv(self):
-    """Whether the item has q blocks and keys (else no K/V load, and its output is zeros)."""
-    return (self.q_blocks > 0) & (self.kv_steps > 0)
+    """Whether the item has q blocks that attend (``q_blocks`` counts only items with keys;
+    else no K/V load)."""
+    return self.q_blocks > 0
 
 
 def _kernel(table_ref, scales_ref, q_ref, k_ref, v_ref, o_ref, *, plan: Plan, **smem):
@@ -444,13 +441,6 @@ def kv_pipeline(plan: Plan, k_ref, v_ref, smem):
   return (_ResidentKV if plan.kv_stages is None else _StreamedKV)(plan, k_ref, v_ref, smem)
 
 
-def _segment_bounds(item: Item, block):
-  """The segment's rows in q block ``block`` of the item: [lo, hi)."""
-  lo = jnp.maximum(item.q_lo - block * BLOCK_Q, 0)
-  hi = jnp.minimum(item.q_hi - block * BLOCK_Q, BLOCK_Q)
-  return lo, hi
-
-
 def zero_tile(cols: int, post_scale, dtype):
   """A (BLOCK_Q, ``cols``) register tile of 0·post_scale in ``dtype`` (WGMMA layout): the rows
   of an item without keys (NaN where the op poisoned the scales)."""
@@ -461,7 +451,8 @@ def zero_tile(cols: int, post_scale, dtype):
 def block_rows(item: Item, block):
   """(first GMEM row of q block ``block`` of the item, the segment's rows in it as
   [lo, lo + count)): what an epilogue may store."""
-  lo, hi = _segment_bounds(item, block)
+  lo = jnp.maximum(item.q_lo - block * BLOCK_Q, 0)
+  hi = jnp.minimum(item.q_hi - block * BLOCK_Q, BLOCK_Q)
   return item.q_win + block * BLOCK_Q, lo, hi - lo
 
 
