@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_norm as pn
 from pallas_norm import _validate, jagged
 from flax_layers import _common
 from flax_layers.attention import PFFNBlock, softmax_attention
@@ -77,10 +78,13 @@ class KunlunConfig:
       if size is None or size < minimum:
         raise ValueError(f"KunlunConfig.{f.name} must be an int >= {minimum}, got {v!r}")
       object.__setattr__(self, f.name, size)
-    try:  # the ops' own eps rule (the loosest: the layers built from the config check theirs)
-      object.__setattr__(self, "epsilon", _common.check_epsilon("KunlunConfig", self.epsilon))
-    except (TypeError, ValueError) as e:
-      raise type(e)(f"KunlunConfig.epsilon: {e}") from e
+    try:
+      _validate.activation(self.activation, pn.ACTIVATIONS)
+    except ValueError as e:
+      raise ValueError(f"KunlunConfig.{e}") from e
+    # the ops' own eps rule (the loosest: the layers built from the config check theirs)
+    object.__setattr__(self, "epsilon", _common.check_epsilon("KunlunConfig",
+                                                              self.epsilon))
 
   @property
   def token_dim(self) -> int:

@@ -48,7 +48,7 @@ def float_array(name: str, x, *, ndim: int | None = None, min_ndim: int = 1) -> 
   if dt not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
     raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {dt}")
   if ndim is not None and x.ndim != ndim:
-    raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(x.shape)}")
   if x.ndim < min_ndim:
     raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape "
                      f"{tuple(x.shape)}")
@@ -70,8 +70,8 @@ def matmul_operands(x, w) -> None:
 def optional_vector(name: str, v, size: int) -> None:
   if v is None:
     return
-  float_array(name, v, ndim=1)
-  if v.shape[0] != size:
+  float_array(name, v)
+  if tuple(v.shape) != (size,):  # e.g. (H, D) for the (H·D,) affine of a norm over all heads
     raise ValueError(f"{name} must have shape ({size},), got {tuple(v.shape)}")
 
 
@@ -227,7 +227,9 @@ def out_dtype(value) -> None:
 def static_positive_int(name: str, value) -> None:
   if value is None:
     return
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be a positive Python int (static), got {value!r}")
+  if value < 1:
     raise ValueError(f"{name} must be a positive Python int (static), got {value!r}")
 
 
@@ -237,6 +239,12 @@ def within_capacity(bound, capacity: int) -> int | None:
   capacity, so a larger bound never binds, but the XLA paths size their padded layout by it
   (2**31 overflowed JAX's int32 shapes, 2**40 killed the process with SIGFPE)."""
   return None if bound is None else max(1, min(int(bound), capacity))
+
+
+def host_offsets(off) -> np.ndarray:
+  """Concrete offsets on the host in int64, so that their differences (the lengths) cannot
+  wrap around as int32 ones do (``[0, 2**31 - 1, -2**31 + 1]`` has int32 steps 2**31 - 1 and 2)."""
+  return np.asarray(off).astype(np.int64)
 
 
 def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
@@ -250,7 +258,7 @@ def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
     raise ValueError(f"{name} must have shape (B+1,) with B >= 1, got {tuple(off.shape)}")
   if isinstance(off, jax.core.Tracer):
     return off.shape[0] - 1
-  host = np.asarray(off)
+  host = host_offsets(off)
   if host[0] != 0:
     raise ValueError(f"{name}[0] must be 0, got {host[0]}")
   steps = np.diff(host)
@@ -267,10 +275,13 @@ def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
 
 def offsets_invalid(off, capacity: int, max_len: int | None):
   """Traced counterpart of :func:`offsets`: a scalar bool, True when ``off`` breaks the jagged
-  convention (first != 0, decreasing, last > capacity, a length > max_len). Under ``jax.jit`` the
-  values cannot raise, so the ops turn their output into NaN instead of a silent wrong answer."""
+  convention (first != 0, decreasing, an offset outside [0, capacity], a length > max_len).
+  Under ``jax.jit`` the values cannot raise, so the ops turn their output into NaN instead of a
+  silent wrong answer. Every offset is bounded first: the steps are int32 differences, which
+  wrap around for offsets far apart (offsets of lengths whose int32 sum overflowed look
+  non-decreasing with short steps), and cannot once all offsets lie in [0, capacity]."""
   steps = jnp.diff(off)
-  bad = (off[0] != 0) | jnp.any(steps < 0) | (off[-1] > capacity)
+  bad = (off[0] != 0) | jnp.any(off < 0) | jnp.any(off > capacity) | jnp.any(steps < 0)
   if max_len is not None:
     bad = bad | jnp.any(steps > max_len)
   return bad

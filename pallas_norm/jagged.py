@@ -52,7 +52,7 @@ def lengths(offsets: jax.Array) -> jax.Array:
   """
   _check_offsets_kind("lengths", offsets)
   if not isinstance(offsets, jax.core.Tracer):
-    host = np.asarray(offsets)
+    host = _validate.host_offsets(offsets)
     if host[0] != 0 or np.any(np.diff(host) < 0):
       raise ValueError(f"lengths: offsets must start at 0 and never decrease, got "
                        f"{host.tolist()}")
@@ -126,7 +126,7 @@ def _check_index_args(name: str, offsets, capacity) -> int:
     raise ValueError(f"{name}: capacity must be >= 0, got {capacity}")
   _check_offsets_kind(name, offsets)
   if not isinstance(offsets, jax.core.Tracer):
-    host = np.asarray(offsets)
+    host = _validate.host_offsets(offsets)
     if host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > capacity:
       raise ValueError(f"{name}: offsets must start at 0, never decrease and end at most at the "
                        f"packed capacity {capacity}, got {host.tolist()}")
@@ -294,7 +294,7 @@ def _check_conversion(name: str, values, offsets, capacity: int, size_name: str,
     raise ValueError(f"{name}: {size_name} must be >= 0, got {size}")
   if isinstance(offsets, jax.core.Tracer):
     return None  # traced values cannot raise: the conversions poison their outputs instead
-  host = np.asarray(offsets)
+  host = _validate.host_offsets(offsets)
   if host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > capacity:
     raise ValueError(f"{name}: offsets must start at 0, never decrease and end at most at the "
                      f"packed capacity {capacity}, got {host.tolist()}")

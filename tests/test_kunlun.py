@@ -178,7 +178,8 @@ def test_bad_offsets_shape_raises(model):
 
 
 @pytest.mark.parametrize("field, value", [("num_heads", 0), ("kv_len", 1.5), ("epsilon", 0.0),
-                                          ("num_sparse_features", True)])
+                                          ("num_sparse_features", True),
+                                          ("activation", "gelu_fast"), ("activation", None)])
 def test_bad_config_raises(field, value):
   with pytest.raises(ValueError, match=field):
     dataclasses.replace(CONFIG, **{field: value})

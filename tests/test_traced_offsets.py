@@ -40,6 +40,45 @@ def test_invalid_traced_offsets_give_nan(qkv, op, offsets):
     OPS[op](*qkv, jnp.asarray(offsets, jnp.int32))
 
 
+# Offsets far apart whose int32 differences wrap around: every step looks non-negative and short
+# (2**30, or 2**31 - 1 then 2), and the last offset is below T. Without max_seq_len no length
+# check catches them; the second is what offsets_from_lengths makes of lengths summing past
+# 2**31 - 1.
+WRAPPING_OFFSETS = [[0, 2**31 - 1, -2**31 + 1, -2**31 + 3], [0, 2**30, -2**31, -2**30]]
+OPS_UNBOUNDED = {
+    "gdpa": lambda q, k, v, o: pn.gdpa(q, k, v, o),
+    "flash_norm_attention": lambda q, k, v, o: pn.flash_norm_attention(q, k, v, o),
+}
+
+
+@pytest.mark.parametrize("op", sorted(OPS_UNBOUNDED))
+@pytest.mark.parametrize("offsets", WRAPPING_OFFSETS, ids=["wrap_once", "lengths_overflow"])
+def test_offsets_whose_int32_steps_wrap_are_invalid(qkv, op, offsets):
+  """Traced: NaN output and NaN gradients (the steps alone passed the check, and the ops
+  returned finite zeros); concrete: a ValueError naming q_offsets (the host check took int32
+  differences too)."""
+  fn = OPS_UNBOUNDED[op]
+  off = jnp.asarray(offsets, jnp.int32)
+  out = jax.jit(fn)(*qkv, off)
+  assert bool(jnp.all(jnp.isnan(out)))
+  grad = jax.jit(jax.grad(lambda q, o: jnp.sum(fn(q, *qkv[1:], o))))(qkv[0], off)
+  assert bool(jnp.all(jnp.isnan(grad)))
+  with pytest.raises(ValueError, match="q_offsets"):
+    fn(*qkv, off)
+
+
+def test_offsets_from_lengths_past_int32_poison_the_ops(qkv):
+  """Lengths whose total passes 2**31 - 1 (traced): offsets_from_lengths's int32 cumsum wraps
+  and the op returns NaN, as its docstring says; concrete offsets of that kind make
+  jagged.lengths raise."""
+  lens = jnp.full((B,), 2**30, jnp.int32)
+  out = jax.jit(lambda q, k, v, n: pn.gdpa(q, k, v, pn.jagged.offsets_from_lengths(n)))(
+      *qkv, lens)
+  assert bool(jnp.all(jnp.isnan(out)))
+  with pytest.raises(ValueError, match="never decrease"):
+    pn.jagged.lengths(jnp.asarray(WRAPPING_OFFSETS[0], jnp.int32))
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_valid_traced_offsets_match_eager(qkv, op):
   offsets = jnp.asarray([0, 4, 4, 10], jnp.int32)

@@ -164,8 +164,8 @@ CASES = (
         ("q_offsets", _off([0, 2, 2, T + 1]), ValueError, "q_offsets[-1]"),
         ("max_seq_len", 2, ValueError, "max_seq_len"),  # the longest sample has 3 rows
         ("max_seq_len", 0, ValueError, "max_seq_len"),
-        ("max_seq_len", 3.0, ValueError, "max_seq_len"),
-        ("max_seq_len", True, ValueError, "max_seq_len"),
+        ("max_seq_len", 3.0, TypeError, "max_seq_len"),  # not an int: as eps="1e-6"
+        ("max_seq_len", True, TypeError, "max_seq_len"),
         ("max_kv_len", 4, ValueError, "max_kv_len"),  # only with jagged k/v
         ("kv_offsets", 8, TypeError, "kv_offsets"),  # gdpa(q, k, v, off, 8): max_seq_len?
         ("activation", "tanh", ValueError, "activation"),
@@ -192,7 +192,7 @@ CASES = (
         ("q_offsets", _off([0, 2, 1, 5]), ValueError, "q_offsets"),
         ("k,v", _arr((B + 1, L_KV, H, D)), ValueError, "batch"),
         ("ln_scale", _arr((D,)), ValueError, "ln_scale"),  # (H·D,), not (D,)
-        ("ln_scale", _arr((H, D)), ValueError, "ln_scale"),
+        ("ln_scale", _arr((H, D)), ValueError, f"ln_scale must have shape ({H * D},)"),
         ("ln_bias", _arr((H * D,), jnp.int32), TypeError, "ln_bias"),
         ("rms_scale", _arr((H * D + 1,)), ValueError, "rms_scale"),
         ("activation", "softmax", ValueError, "activation"),
