@@ -70,6 +70,12 @@ class CheckpointMismatchError(ValueError):
   """The checkpoint to resume from was saved for a different model config."""
 
 
+class CheckpointDirInUseError(ValueError):
+  """A run without --resume was pointed at a folder that already holds checkpoints: Orbax
+  skips saves at or below its latest step, so the run would keep none of its own and a later
+  --resume would restore the other run's."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--data", choices=ads_data.DATASETS, default="synthetic")
@@ -300,6 +306,19 @@ class TrainResult(NamedTuple):
   losses: list[float]
 
 
+def _check_unused(directory: pathlib.Path) -> None:
+  """A fresh run's checkpoint folder holds no checkpoint (:class:`CheckpointDirInUseError`)."""
+  if not directory.exists():
+    return
+  manager = checkpoint_manager(directory)
+  latest = manager.latest_step()
+  manager.close()
+  if latest is not None:
+    raise CheckpointDirInUseError(
+        f"--checkpoint-dir {directory} already holds checkpoints (latest step {latest}); pass "
+        "--resume to continue that run, or give an empty folder")
+
+
 def _initial_state(args, manager, config, state):
   if not args.resume:
     return state
@@ -328,8 +347,11 @@ def _final_line(losses, val, step, step_seconds, batch_size) -> str:
 def train(args) -> TrainResult:
   """Runs the job described by ``args`` (see :func:`parse_args`).
 
-  Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError.
+  Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError,
+    CheckpointDirInUseError.
   """
+  if args.checkpoint_dir is not None and not args.resume:
+    _check_unused(args.checkpoint_dir)
   train_ds, valid_ds, spec = ads_data.load(args.data, args.data_dir, max_seq_len=args.max_seq_len,
                                            seed=args.seed)
   if args.valid_examples is not None:
@@ -390,13 +412,14 @@ def train(args) -> TrainResult:
 
 def main(argv=None) -> int:
   """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
-  malformed data, a mismatched checkpoint, or an --implementation that cannot run the model."""
+  malformed data, a mismatched checkpoint, a fresh run into a folder that holds checkpoints, or
+  an --implementation that cannot run the model."""
   args = parse_args(argv)
   try:
     check_implementation_can_run(args.implementation)
     line = train(args).line
   except (ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError,
-          NotImplementedError) as e:  # the last: --implementation with no kernel for a call
+          CheckpointDirInUseError, NotImplementedError) as e:  # the last: --implementation with no kernel for a call
     print(f"train_kunlun: error: {e}", file=sys.stderr)
     return 2
   print(line, flush=True)

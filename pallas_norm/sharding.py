@@ -286,6 +286,13 @@ def _host_array(fn: str, name: str, a, min_ndim: int = 0) -> np.ndarray:
     raise TypeError(f"{fn}: {name} must be concrete (a NumPy or jax array); it is traced "
                     f"({a.dtype}{list(a.shape)}): {fn} runs on the host, in the input "
                     "pipeline, not under jax.jit")
+  if isinstance(a, (list, tuple)) and name.endswith("offsets"):
+    # A list of Python ints has no dtype (NumPy makes it int64, which the offsets check
+    # rejected naming a dtype the caller never chose); out-of-range ints raise here.
+    try:
+      a = np.asarray(a, np.int32)
+    except (OverflowError, ValueError, TypeError) as e:
+      raise TypeError(f"{fn}: {name} must be int32 offsets, got {a!r}: {e}") from e
   a = np.asarray(a)
   if a.ndim < min_ndim:
     raise ValueError(f"{fn}: {name} must have a leading rows axis, got shape {a.shape}")

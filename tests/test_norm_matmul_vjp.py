@@ -585,6 +585,29 @@ def test_xla_rms_is_as_accurate_as_the_kernel():
   _check_against_f32_reference(y, grads, x, w, scale, bias, ct, "rms")
 
 
+def test_xla_rms_float16_product_does_not_overflow():
+  """The lazy form's product x @ W_γ of un-normalized float16 rows (values 250-300, K = 1024:
+  |x @ W_γ| ~ 7.7e4 > 65504) overflowed to inf, value and gradient, where norm(x) @ w is O(K·w)
+  and the kernel's float32 accumulator is finite; against the float32 reference."""
+  k, n = 1024, 64
+  ks = jax.random.split(jax.random.key(11), 3)
+  x = jax.random.uniform(ks[0], (8, k), minval=250.0, maxval=300.0).astype(jnp.float16)
+  w = jax.random.uniform(ks[1], (k, n), minval=0.25, maxval=0.3).astype(jnp.float16)
+  assert not bool(jnp.all(jnp.isfinite(jnp.matmul(x, w))))  # the product alone overflows
+  ct = jax.random.normal(ks[2], (8, n), jnp.float32)
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  loss = lambda x, w, impl: jnp.sum(f32(pallas_norm.norm_matmul(  # noqa: E731
+      x, w, norm="rms", implementation=impl)) * ct)
+  want = reference.norm_matmul(f32(x), f32(w), norm="rms")
+  y = jax.jit(lambda x, w: pallas_norm.norm_matmul(x, w, norm="rms", implementation="xla"))(x, w)
+  assert _rel(f32(y), want) < 2e-3
+  grads = jax.jit(jax.grad(lambda x, w: loss(x, w, "xla"), argnums=(0, 1)))(x, w)
+  want_grads = jax.grad(lambda x, w: jnp.sum(reference.norm_matmul(x, w, norm="rms") * ct),
+                        argnums=(0, 1))(f32(x), f32(w))
+  for g, wg in zip(grads, want_grads):
+    assert bool(jnp.all(jnp.isfinite(g))) and _rel(f32(g), wg) < 2e-2
+
+
 @pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
 @pytest.mark.parametrize("derivative", ["grad_of_grad", "hessian"])
 def test_second_order_derivatives_of_the_kernels_say_what_to_use(op, derivative):

@@ -119,6 +119,21 @@ def test_split_and_join_jagged_name_0d_values(fn):
     fn(np.asarray(_jagged(0, [3, 0, 5, 2])[1]))
 
 
+def test_split_and_join_jagged_take_offsets_as_python_lists():
+  """A list of Python ints is int32 offsets (NumPy made it int64, and the check then said
+  "offsets must be int32, got int64" of a list); ints past int32 raise naming the argument."""
+  values, offsets = _jagged(0, [3, 0, 5, 2])
+  want = sharding.split_jagged(values, offsets, 2)
+  got = sharding.split_jagged(values, [int(o) for o in offsets], 2)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(g, w)
+  back = sharding.join_jagged(got[0], [int(o) for o in got[1]], 2)
+  for g, w in zip(back, sharding.join_jagged(*want, 2), strict=True):
+    np.testing.assert_array_equal(g, w)
+  with pytest.raises(TypeError, match="split_jagged: offsets must be int32 offsets"):
+    sharding.split_jagged(values, [0, 2**40, 2**40, 2**40, 2**40], 2)
+
+
 def test_split_jagged_errors_name_the_argument():
   values, offsets = _jagged(0, [3, 0, 5, 2])
   with pytest.raises(ValueError, match="num_shards"):

@@ -13,6 +13,7 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -249,6 +250,19 @@ def _params(state):
 
 
 @pytest.mark.slow
+def test_fresh_run_into_a_used_checkpoint_folder_exits_2(tmp_path, capsys):
+  """Without --resume a folder holding checkpoints is refused before any work: Orbax skipped
+  every save at or below its latest step, so such a run kept none of its own and a later
+  --resume restored the other run's weights."""
+  manager = train_kunlun.checkpoint_manager(tmp_path)
+  manager.save(4, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.zeros(2)}),
+                                          config=ocp.args.JsonSave({})))
+  manager.close()
+  code, out, err = _run(["--steps", "1", "--checkpoint-dir", str(tmp_path)], capsys)
+  assert code == 2 and out == [] and err.count("\n") == 1
+  assert "latest step 4" in err and "--resume" in err
+
+
 def test_taobao_loss_falls_checkpoints_and_resumes(data_dir, tmp_path, capsys):
   """One test per train-step compile (tens of CPU-seconds each; the taobao model compiles
   once here): the loss falls over 30 steps; a checkpoint restores bit for bit; --resume

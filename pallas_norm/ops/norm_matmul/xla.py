@@ -10,7 +10,9 @@ lazy form none (``tests/test_norm_matmul_vjp.py::test_xla_rms_is_as_accurate_as_
 The GEMM writes x's dtype, as the unfused one does, and the row scaling is one elementwise pass
 over the output instead of the unfused form's pass over x before the product (the same traffic
 at K = N); the output is rounded twice (after the product and after the scaling), ≤ 2⁻⁸
-relative. Autodiff keeps 16-bit GEMMs in the backward. LayerNorm stays unfused: its lazy form
+relative. For float16 the GEMM writes float32: the product of the un-normalized x (rows of
+RMS 300, K = 1024) passed float16's 65504 and came out inf where y and the kernel's result are
+finite; bfloat16 has float32's range. Autodiff keeps 16-bit GEMMs in the backward. LayerNorm stays unfused: its lazy form
 subtracts ``mean ⊗ colsum(W_γ)``, whose gradient must cancel against the GEMM's for rows with a
 large mean, which plain autodiff of it does not arrange (the kernel's custom backward forms
 dW_γ = x̂ᵀ dy from the centered x̂, :func:`weight_grads_from_x_hat`; built from uncentered x
@@ -40,7 +42,10 @@ def norm_matmul(x, w, scale, norm_bias, *, norm, eps, out_dtype):
   x2 = x.reshape(-1, k)
   w_gamma, _, out_bias = fold_affine(w, scale, norm_bias, norm)
   stats = reference._row_stats(x2.astype(_F32), norm, eps)  # pylint: disable=protected-access
-  y = jnp.matmul(x2, w_gamma).astype(_F32) * stats.rstd[:, None]
+  # float16's product of the un-normalized x may pass 65504 where y does not: written in f32.
+  product_dtype = _F32 if jnp.dtype(x.dtype) == jnp.float16 else None
+  y = jnp.matmul(x2, w_gamma, preferred_element_type=product_dtype).astype(_F32)
+  y = y * stats.rstd[:, None]
   if out_bias is not None:
     y = y + out_bias
   y = y.astype(out_dtype or x.dtype).reshape(lead + (w.shape[1],))
