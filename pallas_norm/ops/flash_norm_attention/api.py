@@ -84,6 +84,13 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   Raises:
     TypeError, ValueError, NotImplementedError: as :func:`pallas_norm.gdpa`, plus eps, the
     switches (bools), the affine shapes, and ln_scale/ln_bias given without the LayerNorm.
+
+  Non-finite values: a non-finite q, k or v token of one sample makes that sample's output
+  non-finite. On the kernel paths the gradients may also carry it to other samples: the
+  sample's dz (the GDPA backward's dO) is then NaN, which reaches dk/dv of the kv tiles its
+  q blocks meet (:mod:`pallas_norm.ops.gdpa.mosaic_bwd`: dense K/V, the neighbouring samples
+  whose q blocks overlap its rows; packed K/V, every row of the shared 128-row tiles), always
+  as NaN, never as a wrong finite value. The XLA path keeps it inside the sample.
   """
   check_attention_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
                        max_seq_len, max_kv_len, out_dtype)

@@ -47,9 +47,12 @@ data) are read from a small zero-padded copy that the wrapper gathers (``_q_tail
 k, ``k_tail``); the dQ kernel zeroes packed K's rows outside the sample in SMEM before dS·K,
 and keeps one accumulator per sample (dS's zero rows of the other samples times a NaN key fill
 those rows with NaN, which are never stored). Not so for q and dO: a non-finite q or dO token
-of one sample reaches dK/dV of the samples whose q blocks include its row (the dK/dV loop's
-products Aᵀ dO and dSᵀ Q: the up to 7 rows before a sample's first and the up to 63 after its
-last), as a NaN, never a silently wrong value.
+of one sample turns NaN the dK/dV of every kv tile that a q block holding its row is
+multiplied with (the dK/dV loop's products Aᵀ dO and dSᵀ Q, whose masked zeros times the NaN
+row fill the tile's whole accumulator): dense k/v, the tiles of the samples whose q blocks
+include the row (the up to 7 rows before a sample's first and the up to 63 after its last);
+packed k/v, also every other sample's rows and the padding rows in those 128-row tiles
+(samples without queries included). Always as a NaN, never a silently wrong value.
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
 capacity T, except for writing dq's padding rows. The dK/dV items run longest first, dealt
@@ -1019,8 +1022,9 @@ def gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, *, activation: str = "fast_gelu
       None for dense k/v. The caller has validated them (:func:`pallas_norm.ops.gdpa.check_args`).
     do: (T, H, D) cotangent of the output (cast to q's dtype). Its padding rows and those of q
       (and of packed k/v) may hold anything. A non-finite k/v token reaches only
-      its sample's gradients; a non-finite q or dO token also makes dk/dv NaN for the samples whose
-      q blocks read its row (up to 7 rows before a sample's first and 63 after its last).
+      its sample's gradients; a non-finite q or dO token also makes dk/dv NaN in the kv tiles
+      its q blocks are multiplied with (module docstring: the samples whose q blocks read its
+      row; with packed k/v every row of their 128-row tiles, other samples' and padding's).
     activation: a key of :data:`pallas_norm.reference.ACTIVATIONS`.
     pre_scale, post_scale: real scalars: Python numbers or 0-d arrays (traced ones included).
     max_seq_len, max_kv_len: accepted for the common interface; the kernels do not need them.
