@@ -380,6 +380,10 @@ def test_default_forward_alone_takes_the_path_measured_faster_forward(monkeypatc
   # norm_matmul LayerNorm at 512×2048: forward 881 (XLA) vs 932, fwd+bwd 2636 (kernel) vs 2938.
   assert uses(nm_configs, m, 512, 2048, "layer") == ("xla", "mosaic")
   assert uses(nm_configs, m, 1024, 1024, "layer") == ("mosaic", "mosaic")
+  # norm_matmul LayerNorm at K = N = 2048: forward 3426 (kernel) vs 3399 (XLA), 65536 rows 881
+  # vs 850; fwd+bwd 11484 vs 12544, 2604 vs 2854 (the forward took the kernel until session 33).
+  assert uses(nm_configs, m, 2048, 2048, "layer") == ("xla", "mosaic")
+  assert uses(nm_configs, 65536, 2048, 2048, "layer") == ("xla", "mosaic")
   # An explicit implementation is used for both.
   assert _dispatch.choose_by_use("op", "xla", ok, lambda: None, lambda: "slower") == ("xla", "xla")
 

@@ -25,10 +25,11 @@ its backward has the XLA row-terms pass and the bias guard again. Measured:
 
 
 LAYER_SQUARE_MAX_KN = 2048
-"""LayerNorm also takes the kernel for K = N up to 2048: there it trains faster than XLA although
-the forward ties. The rule is K = N, the shapes measured (262144 and 65536 rows); at K = 512,
-N = 2048 the same route trained slower (measured: ``benchmarks/NOTES.md``, "Pre-norm forward"
-and "Pre-norm backward")."""
+"""LayerNorm also takes the kernel for K = N up to 2048 to train: there it trains faster than XLA
+although its forward is slower (a forward alone runs XLA, :func:`kernel_slower_forward_reason`).
+The rule is K = N, the shapes measured (262144 and 65536 rows); at K = 512, N = 2048 the same
+route trained slower (measured: ``benchmarks/NOTES.md``, "Pre-norm forward" and "Pre-norm
+backward")."""
 
 RMS_SQUARE_MAX_KN, RMS_SQUARE_MAX_M = 2048, 65536
 """RMSNorm also trains with the kernel for K = N up to 2048 with at most 65536 rows: at
@@ -87,12 +88,14 @@ def _k_splits(k: int) -> bool:
 def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | None:
   """Why ``implementation=None`` keeps XLA for a forward of x (M, K) @ w (K, N) that is not
   differentiated, or None to take the kernel: where training takes it, and RMSNorm at K = N ≤
-  :data:`RMS_FORWARD_MAX_KN`; not LayerNorm past K, N ≤ 1024 but for K = N (the wide shapes of
-  :data:`WIDE_MAX_K`, where only training is faster on the kernel)."""
+  :data:`RMS_FORWARD_MAX_KN`; not LayerNorm past K, N ≤ 1024 (the wide shapes of
+  :data:`WIDE_MAX_K` and the squares of :data:`LAYER_SQUARE_MAX_KN`, where only training is
+  faster on the kernel: its forward at 2048² was 881 vs 850 µs at 65536 rows, 3426 vs 3399 at
+  262144, benchmarks/results/nvidia-h200.md)."""
   if norm == "rms" and k == n <= RMS_FORWARD_MAX_KN:
     return _small_m_reason(m)
   limit = KERNEL_DEFAULT_MAX_KN[norm]
-  if norm == "layer" and k != n and max(k, n) > limit:
+  if norm == "layer" and max(k, n) > limit:
     return (f"K = {k}, N = {n}: the forward alone of the layer Mosaic kernel is measured slower "
             "than XLA's there on the H200 (it trains faster: pass implementation='mosaic' to "
             "force it)")
