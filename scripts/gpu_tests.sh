@@ -4,7 +4,8 @@
 # benchmarks/results/gpu_tests.log. Extra arguments go to pytest (e.g. -k norm_matmul, -x).
 # Compiling the kernels is most of the time, so the tests run in GPU_TEST_WORKERS pytest-xdist
 # processes (default 6) sharing the one GPU, each allowed an equal slice of 84% of its memory
-# and no preallocation, handed out one by one longest first (--maxschedchunk 1 and
+# and no preallocation, handed out one by one longest first (--dist load --maxschedchunk 1:
+# pyproject's addopts say --dist worksteal, under which --maxschedchunk did nothing; and
 # tests/conftest.py's order): xdist's default queues a batch of consecutive tests per worker,
 # which left the FNA file's long compiles to one worker at the end. XLA's GEMM autotuning is
 # off (--xla_gpu_autotune_level=0): the tests check values, not speed, and autotuning
@@ -31,7 +32,7 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(
 export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0"
 export PALLAS_NORM_TEST_TIMES="$log_dir/gpu_test_times.tsv"
 : > "$PALLAS_NORM_TEST_TIMES"
-python3 -m pytest -m gpu -v -p no:cacheprovider -n "$workers" --maxschedchunk 1 \
+python3 -m pytest -m gpu -v -p no:cacheprovider -n "$workers" --dist load --maxschedchunk 1 \
   --durations=30 "$@" 2>&1 | tee -a "$log"
 status=${PIPESTATUS[0]}
 echo "# pytest exit status $status" | tee -a "$log"
