@@ -313,15 +313,22 @@ def main(argv=None) -> None:
       part = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
       p.error(f"cannot read {path}: {e}")
-    if not isinstance(part, dict) or "rows" not in part:
-      p.error(f"{path} is not a results JSON of benchmarks.run (no 'rows')")
+    rows = part.get("rows") if isinstance(part, dict) else None
+    if not isinstance(rows, list) or any(not isinstance(r, dict) or "case" not in r
+                                         for r in rows):
+      # e.g. benchmarks.e2e's train-step JSON, whose rows are components, not suite cases
+      p.error(f"{path} is not a results JSON of benchmarks.run (no 'rows' of suite cases; "
+              "a train-step JSON is printed by `python -m benchmarks.e2e --table FILE`)")
     parts.append(part)
   if args.mode != "fwd" and not args.readme:
     p.error("--mode applies to --readme only")
   if args.merge and not args.merge.parent.is_dir():
     p.error(f"--merge: folder {args.merge.parent} does not exist")
   if args.merge:
-    results, path = merge(parts), args.merge
+    try:
+      results, path = merge(parts), args.merge
+    except ValueError as e:  # e.g. results of different devices
+      p.error(f"--merge: {e}")
     path.write_text(json.dumps(results, indent=1) + "\n")
   elif len(parts) == 1:
     results, path = parts[0], args.results[0]

@@ -429,6 +429,26 @@ def test_report_readme_table_is_well_formed(impls):
   assert lines[2].startswith("| norm_matmul rms | 262144x512x512 | 100 | 150 (1.50×) |")
 
 
+def test_report_names_results_it_cannot_read(tmp_path, capsys):
+  """A train-step JSON (rows of components, not suite cases) raised KeyError 'case', and a
+  merge of two devices' results a bare ValueError: both exit 2 with one message."""
+  steps = tmp_path / "train-step.json"
+  steps.write_text(json.dumps({"rows": [{"component": "step", "arm": "baseline"}]}))
+  with pytest.raises(SystemExit) as e:
+    report.main([str(steps)])
+  assert e.value.code == 2 and "benchmarks.e2e --table" in capsys.readouterr().err
+  [case] = [c for c in cases.all_cases() if c.name == "norm_matmul/rms/262144x512x512/fwd"]
+  a, b = tmp_path / "a.json", tmp_path / "b.json"
+  a.write_text(json.dumps(_results((case, "xla", 150.0))))
+  other = _results((case, "xla", 160.0))
+  other["device"] = "NVIDIA H200"
+  b.write_text(json.dumps(other))
+  with pytest.raises(SystemExit) as e:
+    report.main([str(a), str(b), "--merge", str(tmp_path / "m.json")])
+  assert e.value.code == 2 and "--merge: cannot merge results of different devices" in (
+      capsys.readouterr().err)
+
+
 def test_report_readme_without_rows_of_the_mode_is_an_error(tmp_path, capsys):
   [case] = [c for c in cases.all_cases() if c.name == "norm_matmul/rms/262144x512x512/fwd"]
   path = tmp_path / "fwd-only.json"
