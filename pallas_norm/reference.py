@@ -40,7 +40,8 @@ __all__ = [
 
 
 class NormStats(NamedTuple):
-  """Row statistics of a normalization, float32, shape = the input's leading dims.
+  """Row statistics of a normalization, float32 (float64 for float64 inputs), shape = the
+  input's leading dims (flash_norm_attention: (T,), per token over all heads).
 
   ``mean`` is None for RMSNorm. ``rstd = rsqrt(var + eps)`` (RMSNorm: ``rsqrt(mean(x²) + eps)``).
   """

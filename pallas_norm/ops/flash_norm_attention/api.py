@@ -57,10 +57,12 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   """PFFN block: LayerNorm → GDPA with inner residual → RMSNorm with outer residual.
 
   Args:
-    q: (T, H, D) packed sequence tokens; k, v, q_offsets, kv_offsets, activation, pre_scale,
+    q: (T, H, D) packed sequence tokens, any float dtype (the fused kernels: bfloat16; float16
+      on the cluster kernel and the chain); k, v, q_offsets, kv_offsets, activation, pre_scale,
       post_scale, max_seq_len, max_kv_len: as :func:`pallas_norm.gdpa`.
-    ln_scale, ln_bias: optional (H·D,) affine of the LayerNorm (only with pre_layer_norm).
-    rms_scale: optional (H·D,) gamma of the RMSNorm.
+    ln_scale, ln_bias: optional (H·D,) affine of the LayerNorm (only with pre_layer_norm), any
+      float dtype (applied in float32, float64 for float64 q).
+    rms_scale: optional (H·D,) gamma of the RMSNorm, the same.
     eps: positive float for both norms (default 1e-6).
     out_dtype: default q.dtype.
     pre_layer_norm: LayerNorm q first (default); False: ``u = q``.
@@ -68,8 +70,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     outer_residual: add q to the output (default).
       (The switches of Meta's megakernel: ``out = RMSNorm(gdpa(q, k, v))`` is
       ``pre_layer_norm=False, inner_residual=False, outer_residual=False``.)
-    return_stats: also return ``(ln_stats, rms_stats)`` (:class:`pallas_norm.NormStats`, (T,),
-      zeros on padding rows; ln_stats is None without the LayerNorm), which carry no gradient
+    return_stats: also return ``(ln_stats, rms_stats)`` (:class:`pallas_norm.NormStats`, (T,)
+      float32 (float64 for float64 q), zeros on padding rows; ln_stats is None without the LayerNorm), which carry no gradient
       (``lax.stop_gradient``).
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
       can run the call; see :mod:`pallas_norm._dispatch`). The kernel names run the fused

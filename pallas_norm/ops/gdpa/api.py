@@ -75,7 +75,8 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   """Jagged generalized dot-product attention.
 
   Args:
-    q: (T, H, D) packed query tokens; T is a static capacity.
+    q: (T, H, D) packed query tokens, any float dtype (the kernels: bfloat16 or float16); T is
+      a static capacity.
     k, v: dense (B, Lkv, H, D), or packed (Tkv, H, D) with ``kv_offsets``; q's dtype.
     q_offsets: int32 (B+1,), B >= 1, jagged offsets of q (first 0, non-decreasing, last <= T).
     kv_offsets: optional int32 (B+1,) offsets of packed k/v.
@@ -102,13 +103,14 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
 
   Raises:
     TypeError: dtypes; a non-array q, k, v or offsets; a pre_scale or post_scale that is not a
-    real scalar (also under ``jax.jit``: a traced scale must be 0-d, integer or floating).
+      real scalar (also under ``jax.jit``: a traced scale must be 0-d, integer or floating).
     ValueError: shapes, offsets (when concrete), activation, concrete scales that are not
-    finite (in float32, what every path computes them in, unless q is float64), lengths over
-    max_seq_len/max_kv_len. NotImplementedError: kernel implementation not available; a
-    second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path. Forward mode
-    (``jax.jvp``, ``jax.jacfwd``) of a kernel path raises JAX's own TypeError "can't apply
-    forward-mode autodiff (jvp) to a custom_vjp function": pass ``implementation="xla"``.
+      finite (in float32, what every path computes them in, unless q is float64), lengths over
+      max_seq_len/max_kv_len.
+    NotImplementedError: kernel implementation not available; a second derivative
+      (``jax.hessian``, a gradient of a gradient) of a kernel path. Forward mode (``jax.jvp``,
+      ``jax.jacfwd``) of a kernel path raises JAX's own TypeError "can't apply forward-mode
+      autodiff (jvp) to a custom_vjp function": pass ``implementation="xla"``.
   """
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)

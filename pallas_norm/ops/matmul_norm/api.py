@@ -55,8 +55,8 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
     norm: "layer" (default) or "rms". eps: positive float (default 1e-6).
     out_dtype: dtype of y and h (default x.dtype).
     return_h: also return h, the pre-norm residual stream, in the output dtype.
-    return_stats: also return :class:`pallas_norm.NormStats` of h (float32; float64 for
-      float64 inputs). The statistics carry no gradient (``lax.stop_gradient``), with every
+    return_stats: also return :class:`pallas_norm.NormStats` of h, shape ``x.shape[:-1]``
+      (float32; float64 for float64 inputs). The statistics carry no gradient (``lax.stop_gradient``), with every
       implementation.
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
       (see :mod:`pallas_norm._dispatch`).
@@ -75,7 +75,8 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
   Raises:
     TypeError: an argument that is not an array (jax.Array, NumPy array or tracer; e.g. a
       ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes, or an argument after w passed
-      by position. ValueError: shapes, eps, norm or implementation.
+      by position.
+    ValueError: shapes, eps, norm or implementation.
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run; a
       second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path.
       Forward mode (``jax.jvp``, ``jax.jacfwd``) of a kernel path raises JAX's own TypeError

@@ -83,7 +83,8 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
   Raises:
     TypeError: an argument that is not an array (jax.Array, NumPy array or tracer; e.g. a
       ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes, or an argument after w passed
-      by position. ValueError: shapes, eps, norm or implementation.
+      by position.
+    ValueError: shapes, eps, norm or implementation.
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run; a
       second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path.
       Forward mode (``jax.jvp``, ``jax.jacfwd``) of a kernel path raises JAX's own TypeError
