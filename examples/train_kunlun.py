@@ -400,6 +400,8 @@ def train(args) -> TrainResult:
           if manager is not None:
             save_checkpoint(manager, step, state, config)
     if not losses:  # resumed at or past --steps: report the saved model
+      tqdm.write(f"nothing to train: the checkpoint is at step {step}, --steps is "
+                 f"{args.steps}; evaluating the saved model (train_loss is nan)")
       val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
                      runner.predict, args.token_buckets)
   finally:

@@ -286,8 +286,10 @@ def test_taobao_loss_falls_checkpoints_and_resumes(data_dir, tmp_path, capsys):
   code, out, _ = _run(common + ["--steps", "30", "--resume"], capsys)
   assert code == 0 and FINAL_RE.match(out[-1]) and "steps=30 " in out[-1]
   assert any("start_step=10 " in line for line in out)
+  capsys.readouterr()
   resumed = train_kunlun.train(train_kunlun.parse_args(common + ["--steps", "30", "--resume"]))
-  assert resumed.losses == []  # already at step 30
+  assert resumed.losses == []  # already at step 30: said, not just a nan loss
+  assert "nothing to train: the checkpoint is at step 30, --steps is 30" in capsys.readouterr().out
   straight = train_kunlun.train(train_kunlun.parse_args(
       TAOBAO + ["--data-dir", str(data_dir), "--steps", "30", "--eval-every", "30"]))
   losses = np.array(straight.losses)
