@@ -420,8 +420,9 @@ def main(argv=None) -> int:
   try:
     check_implementation_can_run(args.implementation)
     line = train(args).line
+  # NotImplementedError: an --implementation with no kernel for a call of the model
   except (ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError,
-          CheckpointDirInUseError, NotImplementedError) as e:  # the last: --implementation with no kernel for a call
+          CheckpointDirInUseError, NotImplementedError) as e:
     print(f"train_kunlun: error: {e}", file=sys.stderr)
     return 2
   print(line, flush=True)

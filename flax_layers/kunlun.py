@@ -83,8 +83,7 @@ class KunlunConfig:
     except ValueError as e:
       raise ValueError(f"KunlunConfig.{e}") from e
     # the ops' own eps rule (the loosest: the layers built from the config check theirs)
-    object.__setattr__(self, "epsilon", _common.check_epsilon("KunlunConfig",
-                                                              self.epsilon))
+    object.__setattr__(self, "epsilon", _common.check_epsilon("KunlunConfig", self.epsilon))
 
   @property
   def token_dim(self) -> int:

@@ -253,7 +253,7 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
       than shard_capacity.
   """
   values = _host_array("split_jagged", "values", values, min_ndim=1)
-  offsets = _host_array("split_jagged", "offsets", offsets)
+  offsets = _host_array("split_jagged", "offsets", offsets, list_dtype=np.int32)
   batch = _validate.offsets("offsets", offsets, values.shape[0])
   if not _is_count(num_shards) or batch % num_shards:
     raise ValueError(f"num_shards must be a positive divisor of the batch B = {batch}, got "
@@ -279,18 +279,19 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
   return out, local.reshape(-1)
 
 
-def _host_array(fn: str, name: str, a, min_ndim: int = 0) -> np.ndarray:
+def _host_array(fn: str, name: str, a, min_ndim: int = 0, list_dtype=None) -> np.ndarray:
   """``a`` as a NumPy array, for the host-side helpers: a traced array (under ``jax.jit``)
-  raised JAX's TracerArrayConversionError, and a 0-d values an IndexError, naming nothing."""
+  raised JAX's TracerArrayConversionError, and a 0-d values an IndexError, naming nothing. A
+  list or tuple becomes ``list_dtype`` where given (offsets: int32)."""
   if isinstance(a, jax.core.Tracer):
     raise TypeError(f"{fn}: {name} must be concrete (a NumPy or jax array); it is traced "
                     f"({a.dtype}{list(a.shape)}): {fn} runs on the host, in the input "
                     "pipeline, not under jax.jit")
-  if isinstance(a, (list, tuple)) and name.endswith("offsets"):
+  if isinstance(a, (list, tuple)) and list_dtype is not None:
     # A list of Python ints has no dtype (NumPy makes it int64, which the offsets check
     # rejected naming a dtype the caller never chose); out-of-range ints raise here.
     try:
-      a = np.asarray(a, np.int32)
+      a = np.asarray(a, list_dtype)
     except (OverflowError, ValueError, TypeError) as e:
       raise TypeError(f"{fn}: {name} must be int32 offsets, got {a!r}: {e}") from e
   a = np.asarray(a)
@@ -335,7 +336,7 @@ def join_jagged(values, local_offsets, num_shards: int, capacity: int | None = N
       int; more rows than ``capacity``.
   """
   values = _host_array("join_jagged", "values", values, min_ndim=1)
-  blocks = _host_array("join_jagged", "local_offsets", local_offsets)
+  blocks = _host_array("join_jagged", "local_offsets", local_offsets, list_dtype=np.int32)
   if not _is_count(num_shards) or values.shape[0] % num_shards or (
       blocks.shape[0] % num_shards):
     raise ValueError(f"values ({values.shape[0]} rows) and local_offsets "

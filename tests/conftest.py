@@ -45,8 +45,9 @@ def pytest_sessionfinish(session, exitstatus):
 # Seconds the longest case of each GPU test took on the H200 with 6 workers (pytest's
 # --durations of benchmarks/results/logs/2026-12-02_s17_gpu_tests.log; the cluster FNA tests,
 # new since, estimated from their compiles). Only an order: the GPU suite's time is mostly
-# compiling, so scripts/gpu_tests.sh hands the tests out one by one (--dist load --maxschedchunk 1) longest
-# first, and the short ones fill the gaps at the end. Tests not listed go after these.
+# compiling, so scripts/gpu_tests.sh hands the tests out one by one (--dist load
+# --maxschedchunk 1) longest first, and the short ones fill the gaps at the end. Tests not
+# listed go after these.
 GPU_TEST_SECONDS = {
     "test_gpu_gradients_at_issue_shape": 126,
     "test_gpu_cluster_gradients_at_issue_shape": 100,

@@ -71,8 +71,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
       (The switches of Meta's megakernel: ``out = RMSNorm(gdpa(q, k, v))`` is
       ``pre_layer_norm=False, inner_residual=False, outer_residual=False``.)
     return_stats: also return ``(ln_stats, rms_stats)`` (:class:`pallas_norm.NormStats`, (T,)
-      float32 (float64 for float64 q), zeros on padding rows; ln_stats is None without the LayerNorm), which carry no gradient
-      (``lax.stop_gradient``).
+      float32 (float64 for float64 q), zeros on padding rows; ln_stats is None without the
+      LayerNorm), which carry no gradient (``lax.stop_gradient``).
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
       can run the call; see :mod:`pallas_norm._dispatch`). The kernel names run the fused
       kernel where it supports the call (:func:`mosaic.unsupported_reason`), else the norms in

@@ -56,8 +56,8 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
     out_dtype: dtype of y and h (default x.dtype).
     return_h: also return h, the pre-norm residual stream, in the output dtype.
     return_stats: also return :class:`pallas_norm.NormStats` of h, shape ``x.shape[:-1]``
-      (float32; float64 for float64 inputs). The statistics carry no gradient (``lax.stop_gradient``), with every
-      implementation.
+      (float32; float64 for float64 inputs). The statistics carry no gradient
+      (``lax.stop_gradient``), with every implementation.
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
       (see :mod:`pallas_norm._dispatch`).
       The kernel needs bfloat16/float16 x, w and outputs, K and N multiples of 64,

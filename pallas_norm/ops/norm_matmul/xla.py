@@ -12,13 +12,13 @@ over the output instead of the unfused form's pass over x before the product (th
 at K = N); the output is rounded twice (after the product and after the scaling), ≤ 2⁻⁸
 relative. For float16 the GEMM writes float32: the product of the un-normalized x (rows of
 RMS 300, K = 1024) passed float16's 65504 and came out inf where y and the kernel's result are
-finite; bfloat16 has float32's range. Autodiff keeps 16-bit GEMMs in the backward. LayerNorm stays unfused: its lazy form
-subtracts ``mean ⊗ colsum(W_γ)``, whose gradient must cancel against the GEMM's for rows with a
-large mean, which plain autodiff of it does not arrange (the kernel's custom backward forms
-dW_γ = x̂ᵀ dy from the centered x̂, :func:`weight_grads_from_x_hat`; built from uncentered x
-without matching roundings, dw was 15-44% off for bf16 rows of mean 100-250). The unfused form's norm takes the one-pass derivative of
-:mod:`pallas_norm.ops.norms.xla` (autodiff of the reference's LayerNorm chains seven row
-reductions).
+finite; bfloat16 has float32's range. Autodiff keeps 16-bit GEMMs in the backward. LayerNorm stays
+unfused: its lazy form subtracts ``mean ⊗ colsum(W_γ)``, whose gradient must cancel against the
+GEMM's for rows with a large mean, which plain autodiff of it does not arrange (the kernel's custom
+backward forms dW_γ = x̂ᵀ dy from the centered x̂, :func:`weight_grads_from_x_hat`; built from
+uncentered x without matching roundings, dw was 15-44% off for bf16 rows of mean 100-250). The
+unfused form's norm takes the one-pass derivative of :mod:`pallas_norm.ops.norms.xla` (autodiff of
+the reference's LayerNorm chains seven row reductions).
 """
 
 from __future__ import annotations
