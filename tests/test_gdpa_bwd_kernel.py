@@ -209,8 +209,8 @@ def test_persistent_one_cta_walks_every_item(monkeypatch):
          add_do_to_dq=True)
 
 
-@pytest.mark.parametrize("ctas", [3, 5])
-def test_persistent_bad_offsets_poison_fused_dq(ctas, monkeypatch):
+@pytest.mark.parametrize("ctas,add_do_to_dq", [(3, False), (5, False), (3, True)])
+def test_persistent_bad_offsets_poison_fused_dq(ctas, add_do_to_dq, monkeypatch):
   """The op's answer to bad traced offsets, as it reaches the kernels (every q offset 0, NaN
   scales), on the fused dK/dV/dQ path over several persistent CTAs: every row of dq is a
   padding row (the producers' stores of 0 · NaN over their rounds), dk and dv are zero
@@ -218,7 +218,8 @@ def test_persistent_bad_offsets_poison_fused_dq(ctas, monkeypatch):
   module's other tests fill it with NaN), so a row no store reached fails. 16 items and 16
   units of padding rows (4 heads × 4 blocks of 64 rows), one unit per round: 3 CTAs, 6 rounds
   (CTAs 1 and 2 have 5 units: their last round stores none); 5 CTAs, 4 rounds (the last with
-  one item: CTA 0 stores its fourth unit in a round without an item)."""
+  one item: CTA 0 stores its fourth unit in a round without an item). With ``add_do_to_dq``
+  (dSᵀ staged times the scales, dK unscaled at its store) dk is NaN through its 0·pre·post."""
   monkeypatch.setattr(gb.mgpu, "num_sms", lambda interpret: ctas)
   monkeypatch.setattr(gb.mgpu, "interpret_params", lambda: plgpu.InterpretGPUParams(
       detect_races=True, uninitialized_memory="zero"))
@@ -226,7 +227,8 @@ def test_persistent_bad_offsets_poison_fused_dq(ctas, monkeypatch):
   offsets = jnp.zeros((5,), jnp.int32)
   nan = jnp.float32(jnp.nan)
   out = jax.jit(lambda *a: gb.gdpa_bwd(*a[:6], pre_scale=a[6], post_scale=a[7],
-                                       interpret=True))(q, k, v, offsets, None, do, nan, nan)
+                                       interpret=True, add_do_to_dq=add_do_to_dq))(
+                                           q, k, v, offsets, None, do, nan, nan)
   out = jax.block_until_ready(out)
   assert not mgpu.races_found(), "the interpreter's race detector reported a race"
   for name, g in zip(("dq", "dk", "dv"), out[:3]):

@@ -217,6 +217,14 @@ class _Plan:
     return self.dense and self.kv_rows <= TILE and self.head_dim == 2 * BLOCK
 
   @property
+  def prescaled_ds(self) -> bool:
+    """The fused dQ adds dO through the tensor cores (an identity A tile times the ring's dO
+    stage, in the dQ accumulator) instead of loading, unpacking and adding it on consumer 1's
+    serial chain; for that the dSᵀ tiles are staged times pre·post, so dQ = (pre·post·dS) K + dO
+    needs no scale after the accumulator, and dK none either."""
+    return self.fuse_dq and self.add_do_to_dq
+
+  @property
   def dkv_items(self) -> int:
     """kv tiles of the dK/dV kernel (each run once per head: :attr:`dkv_work_items`)."""
     return self.batch * self.kv_tiles if self.dense else self.kv_tiles
@@ -415,6 +423,7 @@ class _DkvSmem:
   dq_smem: object = None
   fill_smem: object = None
   kv_done: object = None
+  eye_smem: object = None
 
 
 def _dkv_kernel(order_ref, first_ref, count_ref, q_off_ref, kv_off_ref, scales_ref, q_ref,
@@ -468,6 +477,8 @@ def _dkv_smem(plan: _Plan) -> dict:
                              transforms=mgpu.swizzle_transforms(BLOCK, dtype, tiled=False)),
         kv_done=plgpu.Barrier(num_arrivals=1, num_barriers=1),  # consumer 1 is done with an item's K tiles
     )
+  if plan.prescaled_ds:  # the identity A tile of the dQ's + dO WGMMA
+    smem.update(eye_smem=plgpu.SMEM((1, BLOCK, BLOCK), dtype, transforms=_tiled(BLOCK, dtype)))
   return smem
 
 
@@ -553,6 +564,8 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
   if computes_dq:  # both dSᵀ slots start free (consumer 0 waits for every phase)
     for slot in range(2):
       plgpu.barrier_arrive(s.ds_free.at[slot])
+    if plan.prescaled_ds:
+      _fill_identity(s.eye_smem.at[0], ids, plan.dtype)
 
   def round_(r, first_step):
     item = g.item_at(r)
@@ -590,7 +603,8 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
           partials = _dkv_step(plan, pre, valid, kv_tiles.at[wg, 0], kv_tiles.at[wg, 1],
                                q_stage, do_stage, (dk_acc, dv_acc),
                                (s.op_smem.at[wg, 0], s.op_smem.at[wg, 1 + slot]),
-                               partials, hand_off, in_flight=computes_dq)
+                               partials, hand_off, in_flight=computes_dq,
+                               ds_scale=pre * post if plan.prescaled_ds else None)
           if computes_dq:
             # The head recomputed in the step, not held across it.
             head_in_step = lambda: _item_index(plan, r + mgpu.opaque_zero(gstep))[1]
@@ -599,7 +613,8 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
                       (s.ds_ready.at[slot], s.ds_free.at[slot]),
                       s.dq_smem.at[mgpu.opaque_zero(gstep)],
                       lambda rows, cols: g.dq_ref.at[rows, head_in_step(), cols], col0, q_lo,
-                      q_hi, do_stage)
+                      q_hi, do_stage,
+                      s.eye_smem.at[mgpu.opaque_zero(gstep)] if plan.prescaled_ds else None)
           return gstep + 1, partials
 
         return mgpu.ring_k_loop(s.ring, step, blocks, (step, partials), body)
@@ -644,7 +659,10 @@ def _dkv_item_end(g: _DkvRefs, s: _DkvSmem, wg: int, r, zero, end_step, accs, pa
   done = g.item_at(r + mgpu.opaque_zero(end_step))
   done_row0 = done.kv_base + wg * BLOCK
   staged = s.op_smem.at[wg]
-  _stage_chunks(staged, 0, (dk_acc[...] * (pre * post)).astype(plan.dtype))
+  # With prescaled dSᵀ tiles dK is complete; 0·pre·post keeps it NaN for poisoned scales
+  # also where the item had no q block.
+  dk = dk_acc[...] + 0.0 * (pre * post) if plan.prescaled_ds else dk_acc[...] * (pre * post)
+  _stage_chunks(staged, 0, dk.astype(plan.dtype))
   _stage_chunks(staged, plan.dkv_chunks, (dv_acc[...] * post).astype(plan.dtype))
   if plan.scale_grads:
     # One cross-lane reduction per item, not per step.
@@ -723,8 +741,18 @@ def _store_dq_padding(plan: _Plan, dq_ref, fill, q_end, first, stop) -> None:
                                               pl.ds(c * BLOCK, BLOCK)])
 
 
+def _fill_identity(tile, ids, dtype) -> None:
+  """Writes the (BLOCK, BLOCK) identity into the SMEM ``tile`` and commits it for WGMMA."""
+  rows, cols = ids
+  shape = (BLOCK, BLOCK)
+  diagonal = (lax.broadcast_in_dim(rows.astype(jnp.float32), shape, [0])
+              == lax.broadcast_in_dim(cols.astype(jnp.float32), shape, [1]))
+  tile[...] = jnp.where(diagonal, 1.0, 0.0).astype(dtype)
+  plgpu.commit_smem()
+
+
 def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_chunks, dq_at, col0,
-              q_lo, q_hi, do_stage) -> None:
+              q_lo, q_hi, do_stage, eye_smem=None) -> None:
   """dQ of a q block inside the dK/dV kernel (dense k/v, Lkv ≤ TILE, D = 2·BLOCK), run by
   consumer 1 after issuing its dV/dK WGMMAs: once consumer 0's dSᵀ tile is in SMEM (the
   ``ready`` barrier of ``slot_barriers = (ready, free)``), dQ = Σ_w dSᵀ[w]ᵀ K[w] over both
@@ -733,20 +761,25 @@ def _fused_dq(plan: _Plan, scale, ds_tiles, kv_smem, slot_barriers, dq_chunks, d
   ``dq_chunks`` (a tile of :func:`mgpu.store.row_store_smem`) to ``dq_at(rows, cols)``, dq's
   GMEM view of the head. Reading the dQ accumulator waits for every WGMMA of the step; then
   ``free`` lets consumer 0 rewrite its slot (two steps later: the dSᵀ tiles alternate between
-  two slots). With ``plan.add_do_to_dq``, dQ + dO (``do_stage``, the step's ring stage)."""
+  two slots). With ``plan.add_do_to_dq``, dQ + dO (``do_stage``, the step's ring stage): with
+  :attr:`_Plan.prescaled_ds` by one more WGMMA, the identity ``eye_smem`` times ``do_stage``, into
+  the same accumulator (the tiles already hold pre·post·dSᵀ)."""
   ready, free = slot_barriers
   plgpu.barrier_wait(ready)
 
   def issue(acc):
     for w in range(2):
       plgpu.wgmma(acc, ds_tiles.at[w].transpose((1, 0)), kv_smem.at[w, 0])
+    if plan.prescaled_ds:
+      plgpu.wgmma(acc, eye_smem, do_stage)
     return acc[...]
 
   dq = pl.run_scoped(issue, plgpu.ACC((BLOCK, plan.head_dim)))
   plgpu.barrier_arrive(free)
-  dq = dq * scale
-  if plan.add_do_to_dq:
-    dq = dq + plgpu.load(do_stage, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  if not plan.prescaled_ds:
+    dq = dq * scale
+    if plan.add_do_to_dq:
+      dq = dq + plgpu.load(do_stage, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
   lo = jnp.maximum(q_lo - col0, 0)
   # store_rows first waits for the previous block's stores to have read the chunks.
   store_rows(dq.astype(plan.dtype), dq_chunks, dq_at, col0, lo,
@@ -763,13 +796,14 @@ def _scores(a_smem, b_stage, da_smem, db_stage):
 
 
 def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
-              operand_smem, partials, hand_off=None, *, in_flight=False):
+              operand_smem, partials, hand_off=None, *, in_flight=False, ds_scale=None):
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
   accumulator refs (the scales are applied once, at the store) and the scale-gradient row
   partials. ``hand_off = (free, ready)`` (fused dQ, consumer 0): waits on ``free`` before
   writing its dSᵀ tile, arrives on ``ready`` once it is in SMEM. Returns once the stage is no
-  longer read, or with the WGMMAs ``in_flight`` (:func:`_fused_dq` waits for them)."""
+  longer read, or with the WGMMAs ``in_flight`` (:func:`_fused_dq` waits for them). The dSᵀ
+  tile is staged times ``ds_scale`` where given (:attr:`_Plan.prescaled_ds`)."""
   dk_ref, dv_ref = acc_refs
   s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
   act, grad = act_and_grad(plan.activation, pre * s_t)
@@ -781,7 +815,7 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
   a_smem[...] = a_t
   if hand_off is not None:
     plgpu.barrier_wait(hand_off[0])
-  ds_smem[...] = ds_t.astype(plan.dtype)
+  ds_smem[...] = (ds_t if ds_scale is None else ds_t * ds_scale).astype(plan.dtype)
   plgpu.commit_smem()
   if hand_off is not None:
     plgpu.barrier_arrive(hand_off[1])
