@@ -397,15 +397,18 @@ def test_fused_gradients_ignore_nan_padding_rows(switches, kernel, monkeypatch):
     assert _rel_err(got[3][name], want[3][name]) < TOL, name
 
 
-@pytest.mark.parametrize("switches", [(True, True, True), (False, True, True),
-                                      (True, False, False)])
-def test_norm_backward_kernels_match_autodiff(switches):
+@pytest.mark.parametrize("switches,prefetch", [
+    ((True, True, True), False), ((True, True, True), True), ((False, True, True), None),
+    ((True, False, False), None)])
+def test_norm_backward_kernels_match_autodiff(switches, prefetch):
   """norm_bwd's two row kernels (interpret mode), with the attention replaced by attn = c·u (so
   du_attn = c·dz), against autodiff of the reference block in float32: dq, dγ1, dβ1, dγ2, and
   dz for the GDPA backward. H·D = 96 (masked columns), a row with a large mean, γ with zeros,
   NaN padding rows in q and z (past ``end``), f32 kernels' inputs (the math, tight). Rows past
   ``end`` are neither read nor written: dz's stay unwritten (the GDPA backward never reads
-  them), dq's keep du's (dq is written over it)."""
+  them), dq's keep du's (dq is written over it). ``prefetch``: both kernels with the next
+  block's loads ahead of the math, or both without (None: each kernel's default); the
+  programs take uneven numbers of row blocks (p, p + P, ...), the last one fewer."""
   pre_layer_norm, inner_residual, outer_residual = switches
   t, heads, head_dim, end, c = 40, 2, 48, 33, 0.7
   n = heads * head_dim
@@ -435,8 +438,12 @@ def test_norm_backward_kernels_match_autodiff(switches):
   z = ((1 + c) * u_want if inner_residual else c * u_want).at[end:].set(jnp.nan)
   # The forward's (T, 32) layout: the kernels read their columns in place, the rest is junk.
   stats32 = jnp.concatenate([stats, jnp.full((t, 29), jnp.nan, F32)], axis=1)
+  def config(kernel):
+    cfg = norm_bwd.pick_config(n, True, t, kernel)
+    return cfg if prefetch is None else dataclasses.replace(cfg, prefetch=prefetch)
+
   dz, dg2 = norm_bwd.rms_backward(rows(g), z, stats32, gamma2, jnp.int32(end),
-                                  interpret=True)
+                                  interpret=True, config=config("rms"))
   with pytest.raises(ValueError, match="stats"):  # a column slice: the old (T,) argument
     norm_bwd.rms_backward(rows(g), z, stats[:, 2], gamma2, jnp.int32(end), interpret=True)
   assert _rel_err(dg2, dg2_ref) < 1e-4
@@ -447,7 +454,8 @@ def test_norm_backward_kernels_match_autodiff(switches):
   du = c * dz + dz if inner_residual else c * dz  # the GDPA backward's dq (+ dO)
   du = du.at[end:].set(0.25)  # the GDPA backward's padding rows (0 · pre · post), a marker here
   dq, dg1, db1 = norm_bwd.ln_backward(du, rows(g), q_in, stats32, gamma1, jnp.int32(end),
-                                      outer_residual=outer_residual, interpret=True)
+                                      outer_residual=outer_residual, interpret=True,
+                                      config=config("ln"))
   assert bool(jnp.all(dq[end:] == 0.25)), "dq's padding rows are du's"
   assert _rel_err(dq[:end], rows(dq_ref)[:end]) < 1e-4
   assert _rel_err(dq[3], rows(dq_ref)[3]) < 1e-4  # the large-mean row

@@ -14,9 +14,10 @@ Passes and bytes (16-bit tensors of T × H·D, f32 statistics and partials aside
 * :func:`ln_backward`, after it: reads du (the GDPA backward's dq, which adds dz for the inner
   residual), dout (outer residual), q; writes dq: 4 tensors, dγ1 and dβ1 in the same pass.
 
-Work scales with the tokens, not with the capacity T: each kernel splits the rows below ``end``
-(the last offset) over a fixed grid of programs (a per-program row count computed from ``end`` in
-the kernel, so the split, and the partial sums' order, depend only on ``end``), and rows at or
+Work scales with the tokens, not with the capacity T: each kernel splits the row blocks below
+``end`` (the last offset) over a fixed grid of programs, program p taking blocks p, p + P, p + 2P,
+... (the P programs running at once stream adjacent rows, which the H200 serves faster than P
+separate slabs; the split, and so the partial sums' order, depend only on ``end``), and rows at or
 past ``end`` (padding) are neither read nor written: dz's padding rows are left unwritten (the
 GDPA backward never reads dO there: its q blocks that reach past the last offset read a
 zero-padded copy), dq is written over du (an aliased buffer), whose padding rows the GDPA
@@ -59,14 +60,17 @@ def unsupported_reason(shape) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class RowConfig:
   """``block_m`` rows per loop step (a power of 2), ``programs`` programs (the grid; each
-  loops over a contiguous slab of the rows below ``end`` and writes one row of weight-gradient
-  partials), ``num_warps`` warps per program, ``num_stages`` Triton's software-pipelining depth
-  (None: Triton's default)."""
+  loops over every ``programs``-th row block below ``end`` and writes one row of
+  weight-gradient partials), ``num_warps`` warps per program, ``num_stages`` Triton's
+  software-pipelining depth (None: Triton's default), ``prefetch``: each step loads the next
+  step's tiles before its own math (carried in registers: more loads in flight, more live
+  registers)."""
 
   block_m: int
   programs: int
   num_warps: int
   num_stages: int | None = None
+  prefetch: bool = False
 
   def __post_init__(self):
     if self.block_m < 1 or self.block_m & (self.block_m - 1):
@@ -76,14 +80,14 @@ class RowConfig:
                        f"{self.num_warps}")
 
 
-TILINGS = {"rms": (4096, 8), "ln": (2048, 8)}
-"""(elements per loop step, programs per SM) of :func:`pick_config`, per kernel: full rows
-padded to a power of 2 over 4 warps, each program looping over a contiguous slab of rows. At
-H·D = 512 that is 8 rows a step for the RMSNorm backward and 4 for the LayerNorm one, whose body
-holds more live values per element (three input tiles, two row sums). Each the fastest of the
-tilings measured on the H200 at the issue's rows (benchmarks/NOTES.md, "flash_norm_attention";
-the others are rows of benchmarks/EXPERIMENTS.md); the standalone norms' backward kernel
-measured the same rule for LayerNorm (:data:`pallas_norm.ops.norms.triton.TILINGS`)."""
+TILINGS = {"rms": (1024, 8, True), "ln": (2048, 4, False)}
+"""(elements per loop step, programs per SM, prefetch) of :func:`pick_config`, per kernel: full
+rows padded to a power of 2 over 4 warps. At H·D = 512 that is 2 rows a step, the next step's
+tiles loaded ahead, for the RMSNorm backward, and 4 rows for the LayerNorm one, whose body holds
+more live values per element (three input tiles, two row sums); its 4 programs per SM measured
+faster than 6 and 8 (likely one full wave against a half-full second one). Each the fastest of
+the tilings measured on the H200 at the issue's rows (benchmarks/NOTES.md,
+"flash_norm_attention"; the others are rows of benchmarks/EXPERIMENTS.md)."""
 
 
 def pick_config(features: int, interpret: bool, capacity: int, kernel: str) -> RowConfig:
@@ -92,14 +96,15 @@ def pick_config(features: int, interpret: bool, capacity: int, kernel: str) -> R
   per program, so the partials stay small), 4 warps, Triton's default pipelining; in interpret
   mode a program per 2 row blocks of the capacity, so that small tests cover several programs
   (and, with fewer tokens, programs with nothing to do)."""
-  elements, per_sm = TILINGS[kernel]
+  elements, per_sm, prefetch = TILINGS[kernel]
   n_pad = pl.next_power_of_2(features)
   block_m = max(1, min(16, elements // n_pad))
   blocks = max(1, pl.cdiv(capacity, block_m))
   if interpret:
-    return RowConfig(block_m=block_m, programs=pl.cdiv(blocks, 2), num_warps=4, num_stages=1)
+    return RowConfig(block_m=block_m, programs=pl.cdiv(blocks, 2), num_warps=4, num_stages=1,
+                     prefetch=prefetch)
   return RowConfig(block_m=block_m, programs=min(blocks, per_sm * mgpu.num_sms(False)),
-                   num_warps=4)
+                   num_warps=4, prefetch=prefetch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,73 +146,92 @@ def _col(ref, n, n_pad):
   return pltriton.load(ref.at[cols], mask=cols < n, other=0.0)[None, :]
 
 
-def _rms_backward_rows(r, blk: _Rows, gamma2, n: int, stats_cols: int):
+def _rms_tiles(r, blk: _Rows, stats_cols: int):
+  """The RMSNorm backward's loads of one row block: g, z and r2 (zeros past ``end``)."""
+  return blk.tile(r["g"]), blk.tile(r["z"]), blk.column(r["stats"], RSTD2, stats_cols)
+
+
+def _rms_backward_rows(tiles, gamma2, n: int):
   """dz of one row block and dγ2's summand ``g · ẑ``, with ẑ = z·r2 (z as the forward saved
   it: u + attn, or attn without the inner residual)::
 
       dz = r2 · (g·γ2 − ẑ · mean(g·γ2·ẑ))
   """
-  rstd2 = blk.column(r["stats"], RSTD2, stats_cols)
-  z_hat = blk.tile(r["z"]) * rstd2
-  g = blk.tile(r["g"])
+  g, z, rstd2 = tiles
+  z_hat = z * rstd2
   gz = g * gamma2  # zero on masked rows and columns: they add nothing to the sums
   dz = rstd2 * (gz - z_hat * (jnp.sum(gz * z_hat, axis=1, keepdims=True) / n))
   return dz, g * z_hat
 
 
-def _ln_backward_rows(r, blk: _Rows, outer_residual: bool, gamma1, n: int, stats_cols: int):
+def _ln_tiles(r, blk: _Rows, outer_residual: bool, stats_cols: int):
+  """The LayerNorm backward's loads of one row block: du, q, μ1, r1 and g (with the outer
+  residual)."""
+  tiles = (blk.tile(r["du"]), blk.tile(r["q"]), blk.column(r["stats"], MEAN1, stats_cols),
+           blk.column(r["stats"], RSTD1, stats_cols))
+  return tiles + ((blk.tile(r["g"]),) if outer_residual else ())
+
+
+def _ln_backward_rows(tiles, gamma1, n: int):
   """dq of one row block and the summands of dγ1 (``du · x̂``) and dβ1 (``du``)::
 
       x̂ = (q − μ1)·r1,   gu = du·γ1
       dq = r1 · (gu − mean(gu) − x̂ · mean(gu·x̂)) + g (outer residual)
   """
-  du = blk.tile(r["du"])
-  rstd1 = blk.column(r["stats"], RSTD1, stats_cols)
-  x_hat = (blk.tile(r["q"]) - blk.column(r["stats"], MEAN1, stats_cols)) * rstd1
+  du, q, mean1, rstd1, *residual = tiles
+  x_hat = (q - mean1) * rstd1
   gu = du * gamma1
   dq = rstd1 * (gu - jnp.sum(gu, axis=1, keepdims=True) / n
                 - x_hat * (jnp.sum(gu * x_hat, axis=1, keepdims=True) / n))
-  if outer_residual:
-    dq = dq + blk.tile(r["g"])
+  if residual:
+    dq = dq + residual[0]
   return dq, du * x_hat, du
 
 
-def _row_kernel(*refs, names, body, vectors, partials: int, n: int, cfg: RowConfig):
-  """One program: its slab of the row blocks below ``end`` (``cdiv(blocks, programs)`` blocks a
-  program, so the last programs may have fewer or none: they skip the loop);
-  ``body(refs, block, vecs) -> ({output name: tile}, summands)``, ``vecs`` the (1, n_pad) rows
-  of the ``vectors`` inputs (γ), loaded once before the loop; the summands' column sums are
-  accumulated over the steps and written once."""
+def _row_kernel(*refs, names, load, compute, vectors, partials: int, n: int, cfg: RowConfig):
+  """One program: the row blocks p, p + P, ... below ``end`` (P programs; the last ones may
+  have one block fewer). ``load(refs, block) -> tiles`` reads a block,
+  ``compute(tiles, vecs) -> ({output name: tile}, summands)`` is its math, ``vecs`` the
+  (1, n_pad) rows of the ``vectors`` inputs (γ), loaded once before the loop; with
+  ``cfg.prefetch`` the next block's loads are issued before the current block's math (a block
+  past ``end`` loads zeros). The summands' column sums are accumulated over the steps and
+  written once."""
   r = dict(zip(names, refs, strict=True))
   pid = pl.program_id(0)
   n_pad = pl.next_power_of_2(n)
   end = r["end"][0]
   vecs = tuple(_col(r[name], n, n_pad) for name in vectors)
   blocks = (end + cfg.block_m - 1) // cfg.block_m
-  per_program = (blocks + cfg.programs - 1) // cfg.programs
-  first_block = pid * per_program
-  steps = jnp.clip(blocks - first_block, 0, per_program)
+  programs = cfg.programs
+  steps = jnp.maximum(blocks - pid + programs - 1, 0) // programs
+  block_at = lambda i: _Rows.at((pid + i * programs) * cfg.block_m, cfg.block_m, n, n_pad, end)
 
-  def step(i, accs):
-    blk = _Rows.at((first_block + i) * cfg.block_m, cfg.block_m, n, n_pad, end)
-    stores, summands = body(r, blk, vecs)
+  def finish(i, tiles, accs):
+    stores, summands = compute(tiles, vecs)
+    blk = block_at(i)
     for name, value in stores.items():
       blk.store(r[name], value)
     return tuple(a + s for a, s in zip(accs, summands))
 
-  zeros = jnp.zeros((cfg.block_m, n_pad), _F32)
-  accs = lax.fori_loop(0, steps, step, (zeros,) * partials)
+  zeros = (jnp.zeros((cfg.block_m, n_pad), _F32),) * partials
+  if cfg.prefetch:
+    def step(i, carry):
+      accs, tiles = carry
+      ahead = load(r, block_at(i + 1))
+      return finish(i, tiles, accs), ahead
+    accs, _ = lax.fori_loop(0, steps, step, (zeros, load(r, block_at(0))))
+  else:
+    accs = lax.fori_loop(0, steps, lambda i, accs: finish(i, load(r, block_at(i)), accs), zeros)
   cols = jnp.arange(n_pad)
   # One (partials, n_pad, programs) buffer: XLA sums its contiguous rows (one warp per
   # feature, not the columns of a (programs, n_pad) array, which it did slowly:
   # benchmarks/NOTES.md), every partial in one reduction kernel.
-  programs = pl.num_programs(0)
   for j, acc in enumerate(accs):
     pltriton.store(r["partials"].at[(j * n_pad + cols) * programs + pid], jnp.sum(acc, axis=0),
                    mask=cols < n)
 
 
-def _call(name, body, vectors, inputs: dict, outputs: dict, partials: int, n: int,
+def _call(name, load, compute, vectors, inputs: dict, outputs: dict, partials: int, n: int,
           interpret: bool, cfg: RowConfig, aliases=None):
   """Runs :func:`_row_kernel` over the rows below ``end``; returns the outputs and the column
   sums. ``aliases``: {input name: output name} written in place of that input (rows the kernel
@@ -217,8 +241,8 @@ def _call(name, body, vectors, inputs: dict, outputs: dict, partials: int, n: in
   out_shape = list(outputs.values()) + [
       jax.ShapeDtypeStruct((partials * n_pad * programs,), _F32)]
   names = list(inputs) + list(outputs) + ["partials"]
-  kernel = functools.partial(_row_kernel, names=names, body=body, vectors=vectors,
-                             partials=partials, n=n, cfg=cfg)
+  kernel = functools.partial(_row_kernel, names=names, load=load, compute=compute,
+                             vectors=vectors, partials=partials, n=n, cfg=cfg)
   aliases = {list(inputs).index(i): list(outputs).index(o) for i, o in (aliases or {}).items()}
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret, name=name,
@@ -254,13 +278,14 @@ def rms_backward(g, z, stats, gamma2, end, *, interpret: bool = False,
                 stats=stats.reshape(-1), gamma2=gamma2)
   outputs = dict(dz=jax.ShapeDtypeStruct((capacity, n), z.dtype))
 
-  def body(r, blk, vecs):
-    dz, summand = _rms_backward_rows(r, blk, vecs[0], n, stats_cols)
+  def compute(tiles, vecs):
+    dz, summand = _rms_backward_rows(tiles, vecs[0], n)
     return dict(dz=dz), (summand,)
 
   cfg = config or pick_config(n, interpret, capacity, "rms")
-  (dz,), (d_gamma2,) = _call("fna_rms_backward", body, ("gamma2",), inputs, outputs, 1, n,
-                             interpret, cfg)
+  load = functools.partial(_rms_tiles, stats_cols=stats_cols)
+  (dz,), (d_gamma2,) = _call("fna_rms_backward", load, compute, ("gamma2",), inputs, outputs,
+                             1, n, interpret, cfg)
   return dz, d_gamma2
 
 
@@ -309,11 +334,12 @@ def ln_backward(du, g, q, stats, gamma1, end, *, outer_residual: bool,
                 q=q, stats=stats.reshape(-1), gamma1=gamma1)
   outputs = dict(dq=jax.ShapeDtypeStruct((capacity, n), q.dtype))
 
-  def body(r, blk, vecs):
-    dq, d_scale, d_bias = _ln_backward_rows(r, blk, outer_residual, vecs[0], n, stats_cols)
+  def compute(tiles, vecs):
+    dq, d_scale, d_bias = _ln_backward_rows(tiles, vecs[0], n)
     return dict(dq=dq), (d_scale, d_bias)
 
   cfg = config or pick_config(n, interpret, capacity, "ln")
-  (dq,), (d_gamma1, d_beta1) = _call("fna_ln_backward", body, ("gamma1",), inputs, outputs, 2,
-                                     n, interpret, cfg, aliases=dict(du="dq"))
+  load = functools.partial(_ln_tiles, outer_residual=outer_residual, stats_cols=stats_cols)
+  (dq,), (d_gamma1, d_beta1) = _call("fna_ln_backward", load, compute, ("gamma1",), inputs,
+                                     outputs, 2, n, interpret, cfg, aliases=dict(du="dq"))
   return dq, d_gamma1, d_beta1
