@@ -219,7 +219,9 @@ def test_persistent_bad_offsets_poison_fused_dq(ctas, add_do_to_dq, monkeypatch)
   units of padding rows (4 heads × 4 blocks of 64 rows), one unit per round: 3 CTAs, 6 rounds
   (CTAs 1 and 2 have 5 units: their last round stores none); 5 CTAs, 4 rounds (the last with
   one item: CTA 0 stores its fourth unit in a round without an item). With ``add_do_to_dq``
-  (dSᵀ staged times the scales, dK unscaled at its store) dk is NaN through its 0·pre·post."""
+  and no scale gradients (as the fused block with Python-float scales, whose poisoned scales
+  are arrays: dSᵀ staged times the scales, dK unscaled at its store) dk is NaN through its
+  0·pre·post."""
   monkeypatch.setattr(gb.mgpu, "num_sms", lambda interpret: ctas)
   monkeypatch.setattr(gb.mgpu, "interpret_params", lambda: plgpu.InterpretGPUParams(
       detect_races=True, uninitialized_memory="zero"))
@@ -227,7 +229,8 @@ def test_persistent_bad_offsets_poison_fused_dq(ctas, add_do_to_dq, monkeypatch)
   offsets = jnp.zeros((5,), jnp.int32)
   nan = jnp.float32(jnp.nan)
   out = jax.jit(lambda *a: gb.gdpa_bwd(*a[:6], pre_scale=a[6], post_scale=a[7],
-                                       interpret=True, add_do_to_dq=add_do_to_dq))(
+                                       interpret=True, add_do_to_dq=add_do_to_dq,
+                                       scale_grads=False if add_do_to_dq else None))(
                                            q, k, v, offsets, None, do, nan, nan)
   out = jax.block_until_ready(out)
   assert not mgpu.races_found(), "the interpreter's race detector reported a race"
@@ -340,12 +343,16 @@ def test_unsupported_reasons_and_errors():
     gb.gdpa_bwd(q, k, k, offsets, None, q[:8])
 
 
+@pytest.mark.parametrize("add_do_to_dq,scale_grads", [
+    (False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("dense,activation,scales", [(True, "identity", False)])
-def test_lowers_for_hopper(dense, activation, scales):
+def test_lowers_for_hopper(dense, activation, scales, add_do_to_dq, scale_grads):
   """Mosaic's lowering accepts both kernels for sm_90a at the benchmark's size (runs on the
-  CPU; PTX generation and ptxas run only on the GPU). The identity only (its derivative is a
-  constant splat); the ``gpu`` tests below compile the other activations, dense and jagged K/V,
-  traced and Python-float scales."""
+  CPU; PTX generation and ptxas run only on the GPU), so their SMEM fits: with and without
+  ``add_do_to_dq`` (the FNA backward's + dO, an 8 KB identity tile where it fits) and the scale
+  gradients' partials (traced scales). The identity only (its derivative is a constant
+  splat); the ``gpu`` tests below compile the other activations, dense and jagged K/V, traced
+  and Python-float scales."""
   spec = jax.ShapeDtypeStruct
   batch, t, h, d = 768, 768 * 256, 4, 128
   kv_shape = (batch, 128, h, d) if dense else (t, h, d)
@@ -354,7 +361,8 @@ def test_lowers_for_hopper(dense, activation, scales):
     if not scales:
       pre, post = 1.0, 1.0
     return gb.gdpa_bwd(q, k, v, q_offsets, kv_offsets, do, activation=activation,
-                       pre_scale=pre, post_scale=post)
+                       pre_scale=pre, post_scale=post, add_do_to_dq=add_do_to_dq,
+                       scale_grads=scale_grads)
 
   offsets = spec((batch + 1,), jnp.int32)
   exported = export.export(jax.jit(fn), platforms=["cuda"])(

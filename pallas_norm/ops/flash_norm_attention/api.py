@@ -91,8 +91,10 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   non-finite. On the kernel paths the gradients may also carry it to other samples: the
   sample's dz (the GDPA backward's dO) is then NaN, which reaches dk/dv of the kv tiles its
   q blocks meet (:mod:`pallas_norm.ops.gdpa.mosaic_bwd`: dense K/V, the neighbouring samples
-  whose q blocks overlap its rows; packed K/V, every row of the shared 128-row tiles), always
-  as NaN, never as a wrong finite value. The XLA path keeps it inside the sample.
+  whose q blocks overlap its rows; packed K/V, every row of the shared 128-row tiles) and,
+  with Python-float scales, the dq rows of its 64-row q blocks (dz enters dq through the
+  tensor cores), always as NaN, never as a wrong finite value. The XLA path keeps it inside
+  the sample.
   """
   check_attention_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
                        max_seq_len, max_kv_len, out_dtype)

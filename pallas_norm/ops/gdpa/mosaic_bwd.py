@@ -52,7 +52,10 @@ multiplied with (the dK/dV loop's products Aᵀ dO and dSᵀ Q, whose masked zer
 row fill the tile's whole accumulator): dense k/v, the tiles of the samples whose q blocks
 include the row (the up to 7 rows before a sample's first and the up to 63 after its last);
 packed k/v, also every other sample's rows and the padding rows in those 128-row tiles
-(samples without queries included). Always as a NaN, never a silently wrong value.
+(samples without queries included). With fused dQ and ``add_do_to_dq`` (dO added by a
+WGMMA, :attr:`_Plan.prescaled_ds`) a non-finite dO row also turns NaN the dq rows of its
+whole q block, up to 7 rows of the sample before and 63 after. Always as a NaN, never a
+silently wrong value.
 
 Work scales with Σ lengths (plus one partial block per sample and kv tile), not with the
 capacity T, except for writing dq's padding rows. The dK/dV items run longest first, dealt
@@ -221,8 +224,11 @@ class _Plan:
     """The fused dQ adds dO through the tensor cores (an identity A tile times the ring's dO
     stage, in the dQ accumulator) instead of loading, unpacking and adding it on consumer 1's
     serial chain; for that the dSᵀ tiles are staged times pre·post, so dQ = (pre·post·dS) K + dO
-    needs no scale after the accumulator, and dK none either."""
-    return self.fuse_dq and self.add_do_to_dq
+    needs no scale after the accumulator, and dK none either. Not with ``scale_grads``: the
+    identity tile's 8 KB does not fit beside the scale partials' SMEM there (232552 of 232448
+    bytes). A non-finite dO row then reaches its whole q block's dq (the identity WGMMA's
+    0 · NaN), the rows of a neighbouring sample in the block included."""
+    return self.fuse_dq and self.add_do_to_dq and not self.scale_grads
 
   @property
   def dkv_items(self) -> int:
@@ -799,8 +805,8 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
               operand_smem, partials, hand_off=None, *, in_flight=False, ds_scale=None):
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
-  accumulator refs (the scales are applied once, at the store) and the scale-gradient row
-  partials. ``hand_off = (free, ready)`` (fused dQ, consumer 0): waits on ``free`` before
+  accumulator refs (the scales are applied once, at the store, or dK's already on dS:
+  ``ds_scale``) and the scale-gradient row partials. ``hand_off = (free, ready)`` (fused dQ, consumer 0): waits on ``free`` before
   writing its dSᵀ tile, arrives on ``ready`` once it is in SMEM. Returns once the stage is no
   longer read, or with the WGMMAs ``in_flight`` (:func:`_fused_dq` waits for them). The dSᵀ
   tile is staged times ``ds_scale`` where given (:attr:`_Plan.prescaled_ds`)."""
