@@ -806,10 +806,11 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
   accumulator refs (the scales are applied once, at the store, or dK's already on dS:
-  ``ds_scale``) and the scale-gradient row partials. ``hand_off = (free, ready)`` (fused dQ, consumer 0): waits on ``free`` before
-  writing its dSᵀ tile, arrives on ``ready`` once it is in SMEM. Returns once the stage is no
-  longer read, or with the WGMMAs ``in_flight`` (:func:`_fused_dq` waits for them). The dSᵀ
-  tile is staged times ``ds_scale`` where given (:attr:`_Plan.prescaled_ds`)."""
+  ``ds_scale``) and the scale-gradient row partials. ``hand_off = (free, ready)`` (fused dQ,
+  consumer 0): waits on ``free`` before writing its dSᵀ tile, arrives on ``ready`` once it is
+  in SMEM. Returns once the stage is no longer read, or with the WGMMAs ``in_flight``
+  (:func:`_fused_dq` waits for them). The dSᵀ tile is staged times ``ds_scale`` where given
+  (:attr:`_Plan.prescaled_ds`)."""
   dk_ref, dv_ref = acc_refs
   s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
   act, grad = act_and_grad(plan.activation, pre * s_t)
