@@ -923,6 +923,37 @@ def test_cluster_lowers_for_sm90a(heads, save_residuals, out_dtype, switches):
                                         spec((3, heads, head_dim), F32))
 
 
+@pytest.mark.parametrize("heads,traced_scales", [(4, False), (4, True), (8, True)])
+def test_op_gradients_lower_for_sm90a(heads, traced_scales, monkeypatch):
+  """The public op's forward and backward (the fused forward, both row kernels and the GDPA
+  backward with ``add_do_to_dq``) pass Mosaic's sm_90a lowering, so their SMEM fits: with
+  Python-float scales (the GDPA backward adds dO by a WGMMA) and traced ones (scale gradients:
+  that identity tile did not fit beside their partials, 104 bytes over, before d0b6384), at the
+  one-CTA (H = 4) and cluster (H = 8) forwards. The row kernels lower through Pallas' Triton
+  backend, which needs a GPU's compute capability: an abstract H200 gives it."""
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  head_dim, t, b, n = 128, 4096, 16, heads * 128
+  spec = jax.ShapeDtypeStruct
+
+  def loss(q, k, v, qo, gamma1, beta1, gamma2, pre, post):
+    scales = (pre, post) if traced_scales else (0.125, 1.5)
+    out = pn.flash_norm_attention(q, k, v, qo, None, ln_scale=gamma1, ln_bias=beta1,
+                                  rms_scale=gamma2, pre_scale=scales[0], post_scale=scales[1],
+                                  max_seq_len=512, implementation="mosaic")
+    return out.astype(F32).sum()
+
+  args = [spec((t, heads, head_dim), jnp.bfloat16), spec((b, 128, heads, head_dim), jnp.bfloat16),
+          spec((b, 128, heads, head_dim), jnp.bfloat16), spec((b + 1,), jnp.int32),
+          *(spec((n,), F32),) * 3, spec((), F32), spec((), F32)]
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5, 6, 7, 8)))
+  h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  with jax.sharding.use_abstract_mesh(h200):
+    exported = export.export(grads, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,density", [(4, 0.5), (2, 0.5), (8, 0.5)])
 def test_gpu_cluster_forward_at_issue_shape(heads, density, monkeypatch):
