@@ -191,9 +191,8 @@ def _ln_backward_rows(tiles, gamma1, n: int):
 def _row_kernel(*refs, names, load, compute, vectors, partials: int, n: int, cfg: RowConfig):
   """One program: the row blocks p, p + P, ... below ``end`` (P programs; some have one block
   fewer, or none where fewer than P blocks lie below ``end``). ``load(refs, block) -> tiles``
-  reads a block,
-  ``compute(tiles, vecs) -> ({output name: tile}, summands)`` is its math, ``vecs`` the
-  (1, n_pad) rows of the ``vectors`` inputs (γ), loaded once before the loop; with
+  reads a block, ``compute(tiles, vecs) -> ({output name: tile}, summands)`` is its math,
+  ``vecs`` the (1, n_pad) rows of the ``vectors`` inputs (γ), loaded once before the loop; with
   ``cfg.prefetch`` the next block's loads are issued before the current block's math (a block
   past ``end`` loads zeros). The summands' column sums are accumulated over the steps and
   written once."""
