@@ -462,6 +462,44 @@ def test_norm_backward_kernels_match_autodiff(switches, prefetch):
   assert _rel_err(dg1, dg1_ref) < 1e-4 and _rel_err(db1, db1_ref) < 1e-4
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_norm_backward_weight_grads_depend_only_on_live_rows(prefetch):
+  """The row kernels' dγ/dβ partials (one row per program, programs taking row blocks p,
+  p + P, ...) are summed in an order fixed by ``end`` and the tiling: the same live rows with
+  different junk past ``end`` (NaN or values) and, at the same tiling, a larger capacity give
+  bit-identical weight gradients, and the live rows of dz and dq are identical too. (The
+  default tiling's program count follows the capacity only below P row blocks: on the GPU
+  P = 8 or 4 programs per SM.) H·D = 96 (masked columns), 37 live rows, programs of uneven
+  block counts."""
+  n, end = 96, 37
+  ks = jax.random.split(jax.random.key(5), 8)
+  live = [jax.random.normal(k, (end, n), F32).astype(jnp.bfloat16) for k in ks[:4]]
+  stats = jnp.stack([jax.random.normal(ks[4], (end,)), 1 + jax.random.uniform(ks[5], (end,)),
+                     0.5 + jax.random.uniform(ks[6], (end,))], axis=1)
+  gamma = 1 + 0.1 * jax.random.normal(ks[7], (n,))
+
+  def run(capacity, junk):
+    pad = lambda a: jnp.concatenate(  # noqa: E731
+        [a, jnp.full((capacity - end,) + a.shape[1:], junk, a.dtype)])
+    g, z, q, du = (pad(a) for a in live)
+    st = pad(stats)
+
+    def config(kernel):  # the tiling of capacity 48, whatever the capacity
+      return dataclasses.replace(norm_bwd.pick_config(n, True, 48, kernel), prefetch=prefetch)
+
+    dz, dg2 = norm_bwd.rms_backward(g, z, st, gamma, jnp.int32(end), interpret=True,
+                                    config=config("rms"))
+    dq, dg1, db1 = norm_bwd.ln_backward(du, g, q, st, gamma, jnp.int32(end),
+                                        outer_residual=True, interpret=True, config=config("ln"))
+    return dz[:end], dq[:end], dg2, dg1, db1
+
+  first = run(48, jnp.nan)
+  for capacity, junk in ((48, 3.0), (64, jnp.nan)):
+    for a, b in zip(first, run(capacity, junk)):
+      assert bool(jnp.all(jnp.isfinite(a)))
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_gdpa_backward_adds_do_to_dq():
   """The GDPA backward's ``add_do_to_dq`` (the inner residual's gradient, which the fused
   block's backward uses) at D = 128, Lkv = 64: dQ fused into the dK/dV kernel, dO read from

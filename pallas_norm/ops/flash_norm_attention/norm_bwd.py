@@ -17,7 +17,8 @@ Passes and bytes (16-bit tensors of T × H·D, f32 statistics and partials aside
 Work scales with the tokens, not with the capacity T: each kernel splits the row blocks below
 ``end`` (the last offset) over a fixed grid of programs, program p taking blocks p, p + P, p + 2P,
 ... (the P programs running at once stream adjacent rows, which the H200 serves faster than P
-separate slabs; the split, and so the partial sums' order, depend only on ``end``), and rows at or
+separate slabs; the split, and so the partial sums' order, depend only on ``end`` and P, which
+:func:`pick_config` fixes per SM count above a few thousand rows of capacity), and rows at or
 past ``end`` (padding) are neither read nor written: dz's padding rows are left unwritten (the
 GDPA backward never reads dO there: its q blocks that reach past the last offset read a
 zero-padded copy), dq is written over du (an aliased buffer), whose padding rows the GDPA
