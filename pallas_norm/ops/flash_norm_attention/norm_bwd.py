@@ -207,22 +207,26 @@ def _row_kernel(*refs, names, load, compute, vectors, partials: int, n: int, cfg
   steps = jnp.maximum(blocks - pid + programs - 1, 0) // programs
   block_at = lambda i: _Rows.at((pid + i * programs) * cfg.block_m, cfg.block_m, n, n_pad, end)
 
-  def finish(i, tiles, accs):
+  def finish(blk, tiles, accs):
     stores, summands = compute(tiles, vecs)
-    blk = block_at(i)
     for name, value in stores.items():
       blk.store(r[name], value)
     return tuple(a + s for a, s in zip(accs, summands))
 
+  def step(i, accs):
+    blk = block_at(i)
+    return finish(blk, load(r, blk), accs)
+
+  def step_ahead(i, carry):
+    accs, tiles = carry
+    ahead = load(r, block_at(i + 1))
+    return finish(block_at(i), tiles, accs), ahead
+
   zeros = (jnp.zeros((cfg.block_m, n_pad), _F32),) * partials
   if cfg.prefetch:
-    def step(i, carry):
-      accs, tiles = carry
-      ahead = load(r, block_at(i + 1))
-      return finish(i, tiles, accs), ahead
-    accs, _ = lax.fori_loop(0, steps, step, (zeros, load(r, block_at(0))))
+    accs, _ = lax.fori_loop(0, steps, step_ahead, (zeros, load(r, block_at(0))))
   else:
-    accs = lax.fori_loop(0, steps, lambda i, accs: finish(i, load(r, block_at(i)), accs), zeros)
+    accs = lax.fori_loop(0, steps, step, zeros)
   cols = jnp.arange(n_pad)
   # One (partials, n_pad, programs) buffer: XLA sums its contiguous rows (one warp per
   # feature, not the columns of a (programs, n_pad) array, which it did slowly:
