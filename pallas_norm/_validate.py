@@ -181,8 +181,11 @@ def finite_scalar(name: str, value, dtype=None) -> None:
   if dtype is not None and _compute_dtype(dtype) == np.float32:
     with np.errstate(over="ignore"):
       if not np.isfinite(np.float32(f)):
+        # float64 computes in float32 only with x64 off (a layer with dtype None asks as float64)
+        when = ("with x64 off" if jnp.dtype(dtype) == np.float64
+                else f"for {jnp.dtype(dtype).name} inputs")
         raise ValueError(f"{name} must be finite in float32 (the dtype the ops compute it in "
-                         f"for {jnp.dtype(dtype).name} inputs), got {value!r}")
+                         f"{when}), got {value!r}")
 
 
 def activation(value, names) -> None:

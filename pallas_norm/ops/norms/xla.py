@@ -72,13 +72,14 @@ def row_stats(s, norm: str, eps: float) -> RowStats:
   """The statistics of ``s`` (already in the statistics dtype) with the reference's
   operations: the shifted two-pass variance for LayerNorm, the mean square for RMSNorm."""
   if norm == "rms":
-    return RowStats(None, None, lax.rsqrt(jnp.mean(jnp.square(s), axis=-1) + eps))
+    return RowStats(None, None, reference.rstd_of(jnp.mean(jnp.square(s), axis=-1) + eps))
   # The shift is a constant of the math (any shift gives the same x̂): no derivative through it.
   shift = lax.stop_gradient(s[..., 0])
   d = s - shift[..., None]
   dmean = jnp.mean(d, axis=-1)
   centered = d - dmean[..., None]
-  return RowStats(shift, dmean, lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1) + eps))
+  return RowStats(shift, dmean,
+                  reference.rstd_of(jnp.mean(jnp.square(centered), axis=-1) + eps))
 
 
 def normalized(s, stats: RowStats):
