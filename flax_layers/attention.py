@@ -222,7 +222,8 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
 
   The two backends differ only by rounding: XLA materializes the f32 scores and rounds the
   probabilities to the operands' dtype before the product with v; cuDNN runs a blockwise
-  (online) softmax that never stores the scores.
+  (online) softmax that never stores the scores. float16 on the CPU runs XLA's in float32 (its
+  backward needs a float16 dot with a float32 result, which XLA:CPU lacks), rounded back.
   """
   if softmax_attention_backend(implementation, q.dtype, q.shape[-1]) == "cudnn":
     # cuDNN's padding mask with an empty sample is not a softmax; give it one key (its output
@@ -234,6 +235,13 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
                                           implementation="cudnn")
     except (NotImplementedError, RuntimeError) as e:  # raised while tracing: no cuDNN, shapes
       log.debug("softmax_attention: using XLA: cuDNN cannot run this call: %s", e)
+  if jnp.dtype(q.dtype) == jnp.float16 and jax.default_backend() == "cpu":
+    # XLA:CPU has no float16 dot with a float32 result, which the backward of JAX's attention
+    # asks for ("precision F16_F16_F32 is not supported"): float32 there, rounded back.
+    f32 = jnp.float32
+    out = jax.nn.dot_product_attention(q.astype(f32), k.astype(f32), v.astype(f32),
+                                       key_value_seq_lengths=kv_lengths, implementation="xla")
+    return out.astype(q.dtype)
   return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths,
                                       implementation="xla")
 

@@ -112,12 +112,16 @@ class KunlunModel(nnx.Module):
       (:func:`flax_layers.attention.softmax_attention`).
 
   Raises:
-    TypeError: at construction, for a dtype that is neither None nor a floating dtype, or a
-      param_dtype that is not a floating dtype (bfloat16, float16, float32, float64).
+    TypeError: at construction, for a config that is not a :class:`KunlunConfig`, a dtype that
+      is neither None nor a floating dtype, or a param_dtype that is not a floating dtype
+      (bfloat16, float16, float32, float64).
   """
 
   def __init__(self, config: KunlunConfig, *, dtype=None, param_dtype=jnp.float32,
                rngs: nnx.Rngs, implementation=None):
+    if not isinstance(config, KunlunConfig):
+      raise TypeError(f"KunlunModel: config must be a KunlunConfig, got {type(config).__name__}"
+                      " (e.g. KunlunConfig(**fields) for a dict of fields)")
     c = config
     self.config = c
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
@@ -169,10 +173,14 @@ class KunlunModel(nnx.Module):
 
     Args:
       sparse_ids: (B, Fs) int hashed categorical ids; taken modulo sparse_vocab_size (the
-        hashing trick), so any int id, negative or out of range, maps to a row.
+        hashing trick), so any int id, negative or out of range, maps to a row. With
+        ``jax_enable_x64`` off JAX turns int64 arrays into int32 (their low 32 bits) before any
+        op sees them, so the modulo applies to those: reduce 64-bit hashes modulo the
+        vocabulary on the host first (``ids % sparse_vocab_size`` in NumPy) to keep the full
+        hash.
       dense: (B, Fd) float dense features (ignored when Fd = 0; pass shape (B, 0)).
       seq_ids: (T,) int packed item ids of the behaviour sequences, T a static capacity; taken
-        modulo item_vocab_size like sparse_ids.
+        modulo item_vocab_size like sparse_ids (and as those, 32-bit with x64 off).
       seq_offsets: (B+1,) int32 jagged offsets of ``seq_ids`` (lengths <= max_seq_len; empty
         sequences allowed).
 
