@@ -352,13 +352,17 @@ def test_fused_gradients_match_reference():
 
 
 @pytest.mark.parametrize("switches,kernel", [((False, True, False), "mosaic"),
+                                             ((False, True, True), "mosaic"),
+                                             ((True, False, True), "mosaic"),
                                              ((True, True, True), "cluster")])
 def test_fused_gradients_ignore_nan_padding_rows(switches, kernel, monkeypatch):
   """The backward's row kernels work on live rows only (dz's padding rows unwritten, NaN in
   interpret mode): NaN in the padding rows of q and of the cotangent, with traced scales, gives
   the gradients of zero padding bit for bit (dq's padding rows 0, every parameter and scale
   gradient finite) and the f32 reference's (review13). With the LayerNorm and the outer
-  residual off; test_fused_gradients_match_reference checks the same with every switch on.
+  residual off, the LayerNorm off alone, the inner residual off alone (a mutation test dropped
+  the outer residual's dq, or added dO to dq without the inner residual, unnoticed before
+  these two); test_fused_gradients_match_reference checks the same with every switch on.
   Also through the cluster forward (H = 1, every switch on), whose saved z and u keep their
   padding rows unwritten (NaN-filled here): the backward must not read them."""
   if kernel == "cluster":
@@ -498,6 +502,27 @@ def test_norm_backward_weight_grads_depend_only_on_live_rows(prefetch):
     for a, b in zip(first, run(capacity, junk)):
       assert bool(jnp.all(jnp.isfinite(a)))
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_norm_backward_kernels_clip_end_to_the_capacity():
+  """``end`` past T acts as T (the documented clip to [0, T]): both row kernels give the same
+  outputs as with end = T, every row live (a mutation test removed the clip unnoticed)."""
+  t, n = 24, 96
+  ks = jax.random.split(jax.random.key(12), 6)
+  g, z, q, du = (jax.random.normal(k, (t, n), F32) for k in ks[:4])
+  stats = jnp.stack([jax.random.normal(ks[4], (t,)), 1 + jax.random.uniform(ks[5], (t,)),
+                     0.5 + jax.random.uniform(ks[5], (t,))], axis=1)
+  gamma = 1 + 0.1 * jnp.sin(jnp.arange(n, dtype=F32))
+
+  def run(end):
+    return (norm_bwd.rms_backward(g, z, stats, gamma, jnp.int32(end), interpret=True),
+            norm_bwd.ln_backward(du, g, q, stats, gamma, jnp.int32(end), outer_residual=True,
+                                 interpret=True))
+
+  want = run(t)
+  assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(want))
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(run(t + 9))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_gdpa_backward_adds_do_to_dq():

@@ -161,6 +161,33 @@ def test_statistics_are_float32_and_match_the_reference(norm):
     np.testing.assert_array_equal(got, ref)
 
 
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_float64_statistics_tangents_match_autodiff(norm):
+  """The statistics' own derivatives (``normalize_rows`` promises them; the public ops stop
+  their gradient): forward-mode tangents of mean and rstd, with a residual, equal autodiff of
+  the reference's statistics (a mutation test changed LayerNorm's rstd tangent unnoticed)."""
+  with jax.enable_x64(True):
+    ks = jax.random.split(jax.random.key(seed_of(f"stats_tangent_{norm}")), 4)
+    x, res, tx, tr = (jax.random.normal(k, (6, 40), jnp.float64) for k in ks)
+    x = 0.3 * x + 0.5  # a non-zero mean: the mean's tangent enters rstd's
+
+    def ours(x, res):
+      return norms_xla.normalize_rows(x, residual=res, norm=norm, eps=1e-5)[2]
+
+    def want(x, res):
+      return reference._row_stats(x + res, norm, 1e-5)
+
+    _, got = jax.jvp(ours, (x, res), (tx, tr))
+    _, ref = jax.jvp(want, (x, res), (tx, tr))
+    for name in ("mean", "rstd"):
+      g, r = getattr(got, name), getattr(ref, name)
+      if r is None:
+        assert g is None, name
+        continue
+      np.testing.assert_allclose(g, r, rtol=F64_TOL, atol=F64_TOL * float(jnp.max(jnp.abs(r))),
+                                 err_msg=name)
+
+
 def test_reverse_mode_keeps_x_and_row_statistics():
   """What jax.vjp of LayerNorm keeps for the backward: x in its dtype, the scale and (M,)
   float32 rows, never an (M, N) float32 array (x̂ is rebuilt in the backward)."""

@@ -44,7 +44,10 @@ def test_invalid_traced_offsets_give_nan(qkv, op, offsets):
 # (2**30, or 2**31 - 1 then 2), and the last offset is below T. Without max_seq_len no length
 # check catches them; the second is what offsets_from_lengths makes of lengths summing past
 # 2**31 - 1.
-WRAPPING_OFFSETS = [[0, 2**31 - 1, -2**31 + 1, -2**31 + 3], [0, 2**30, -2**31, -2**30]]
+# The third: every step non-negative after the wrap and no offset past T, so only the negative
+# last offset tells (a mutation test removed that check unnoticed).
+WRAPPING_OFFSETS = [[0, 2**31 - 1, -2**31 + 1, -2**31 + 3], [0, 2**30, -2**31, -2**30],
+                    [0, 4, 6, -2**31 + 2]]
 OPS_UNBOUNDED = {
     "gdpa": lambda q, k, v, o: pn.gdpa(q, k, v, o),
     "flash_norm_attention": lambda q, k, v, o: pn.flash_norm_attention(q, k, v, o),
@@ -52,7 +55,8 @@ OPS_UNBOUNDED = {
 
 
 @pytest.mark.parametrize("op", sorted(OPS_UNBOUNDED))
-@pytest.mark.parametrize("offsets", WRAPPING_OFFSETS, ids=["wrap_once", "lengths_overflow"])
+@pytest.mark.parametrize("offsets", WRAPPING_OFFSETS,
+                         ids=["wrap_once", "lengths_overflow", "negative_last"])
 def test_offsets_whose_int32_steps_wrap_are_invalid(qkv, op, offsets):
   """Traced: NaN output and NaN gradients (the steps alone passed the check, and the ops
   returned finite zeros); concrete: a ValueError naming q_offsets (the host check took int32

@@ -731,6 +731,21 @@ def test_norm_matmul_backward_decides_its_dx_route_once(monkeypatch):
   assert len(asked) == 1 and picked == [want] and not checked, (asked, picked, len(checked))
 
 
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+def test_attention_bounds_equal_to_the_longest_sample_are_accepted(op):
+  """max_seq_len (and max_kv_len) equal to the longest sample (3 q rows, 3 kv rows) is valid,
+  concrete and traced, and gives the capacity's result; one less raises (the cases above). A
+  mutation test made the concrete check `>=` unnoticed by this file."""
+  args = good_args(op)
+  fn = op_fn(op)
+  kv = {"max_kv_len": 3} if op == "gdpa_jagged" else {}
+  want = fn(**args, max_seq_len=T, implementation="xla")
+  got = fn(**args, max_seq_len=3, **kv, implementation="xla")
+  traced = jax.jit(lambda a: fn(**a, max_seq_len=3, **kv, implementation="xla"))(args)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(traced, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("bound", [T + 1, 2**31, 2**40])
 @pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
 def test_attention_bounds_past_the_capacity_act_as_the_capacity(op, bound):
