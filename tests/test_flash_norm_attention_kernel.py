@@ -875,18 +875,22 @@ def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len, kernel, mon
   q, k, v, _, _ = _problem(8, [4, 12], 2 if kernel == "mosaic" else 1, 64)
   q = jnp.where(jnp.isnan(q), 0, q)
 
-  def loss(q, k, v, offsets, ln_scale, rms_scale):
+  def loss(q, k, v, offsets, ln_scale, rms_scale, pre, post):
     out = pn.flash_norm_attention(q, k, v, offsets, ln_scale=ln_scale, rms_scale=rms_scale,
-                                  max_seq_len=max_seq_len, implementation="interpret")
+                                  pre_scale=pre, post_scale=post, max_seq_len=max_seq_len,
+                                  implementation="interpret")
     return jnp.sum(out.astype(F32)), out
 
   gamma = jnp.ones((q.shape[1] * q.shape[2],), F32)
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4, 5), has_aux=True))(
-      q, k, v, jnp.array(bad_offsets, jnp.int32), gamma, gamma)
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4, 5, 6, 7),
+                                               has_aux=True))(
+      q, k, v, jnp.array(bad_offsets, jnp.int32), gamma, gamma, jnp.float32(0.9),
+      jnp.float32(1.1))
   assert bool(jnp.all(jnp.isnan(out)))
-  # Every row of dq (all rows are padding under the poison), dk, dv and the norm weights'.
-  for g in grads:
-    assert bool(jnp.all(jnp.isnan(g)))
+  # Every row of dq (all rows are padding under the poison), dk, dv, the norm weights' and the
+  # traced scales' (0 before the poison became a product).
+  for name, g in zip(("q", "k", "v", "ln_scale", "rms_scale", "pre_scale", "post_scale"), grads):
+    assert bool(jnp.all(jnp.isnan(g))), name
 
 
 # ------------------------------------------------------------------------------------------------

@@ -259,20 +259,22 @@ def test_invalid_traced_offsets_poison_every_row_and_gradient():
   sample) give NaN in every output row on the kernel path too, with no extra pass over the
   output, and NaN in every row of every gradient: the backward runs on the forward's all-empty
   samples with NaN scales, so dq's padding rows (0 · pre · post) and dk, dv (zero accumulators
-  times the scales) are NaN, never the zeros that empty samples give. One forward kernel run for
-  both (the op's output is the custom_vjp's forward rule's)."""
+  times the scales) are NaN, never the zeros that empty samples give; so are the gradients of
+  traced scales (they were 0: the poison's select sent the caller's scales a zero cotangent;
+  found by a mutation test). One forward kernel run for all (the op's output is the
+  custom_vjp's forward rule's)."""
   q, k, v, _, _ = _problem(8, [8], 1, 64, lkv=64, capacity=16)
   q = jnp.where(jnp.isnan(q), 0, q)
 
-  def loss(q, k, v, o):
-    out = pn.gdpa(q, k, v, o, implementation="interpret")
+  def loss(q, k, v, pre, post, o):
+    out = pn.gdpa(q, k, v, o, pre_scale=pre, post_scale=post, implementation="interpret")
     return jnp.sum(out.astype(jnp.float32)), out
 
-  (_, out), (dq, dk, dv) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-      q, k, v, jnp.array([4, 12], jnp.int32))
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=range(5), has_aux=True))(
+      q, k, v, jnp.float32(0.7), jnp.float32(1.3), jnp.array([4, 12], jnp.int32))
   assert bool(jnp.all(jnp.isnan(out)))
-  assert bool(jnp.all(jnp.isnan(dq))) and bool(jnp.all(jnp.isnan(dk)))
-  assert bool(jnp.all(jnp.isnan(dv)))
+  for name, g in zip(("q", "k", "v", "pre_scale", "post_scale"), grads):
+    assert bool(jnp.all(jnp.isnan(g))), name
 
 
 def test_edge_calls_found_by_review():

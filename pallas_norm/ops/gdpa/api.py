@@ -170,9 +170,11 @@ def poisoned_kernel_inputs(bad, q_offsets, pre_scale, post_scale):
   are made NaN by the backward rule. With every q sample empty no kernel reads a key
   by the (unchecked) kv offsets. Also a checkify error (``jax.experimental.checkify``)."""
   checkify.debug_check(jnp.logical_not(bad), OFFSETS_INVALID_MESSAGE)
-  nan = jnp.float32(jnp.nan)
-  return (jnp.where(bad, jnp.zeros_like(q_offsets), q_offsets), jnp.where(bad, nan, pre_scale),
-          jnp.where(bad, nan, post_scale))
+  # A product, not a select: a select's derivative sends the caller's traced scale a zero
+  # cotangent, so its gradient came back 0 instead of NaN.
+  poison = jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(1))
+  return (jnp.where(bad, jnp.zeros_like(q_offsets), q_offsets), pre_scale * poison,
+          post_scale * poison)
 
 
 def kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
