@@ -172,6 +172,40 @@ def test_wrong_absent_and_broken_implementations_are_reported(tmp_path):
   assert run.exit_status(results) == 0
 
 
+def _nan_norm_matmul(case):
+  del case
+  return lambda x, w, scale: pn.norm_matmul(x, w, scale=scale, implementation="xla") * jnp.nan
+
+
+def _grad_off_norm_matmul(case):
+  """The right forward, 1.5× the gradient of x."""
+  del case
+
+  def fn(x, w, scale):
+    x = 1.5 * x - jax.lax.stop_gradient(0.5 * x)
+    return pn.norm_matmul(x, w, scale=scale, implementation="xla")
+  return fn
+
+
+@pytest.mark.parametrize("name,factory,cases_re", [
+    ("nan", _nan_norm_matmul, r"norm_matmul/rms/.*/fwd$"),
+    ("gradoff", _grad_off_norm_matmul, r"^norm_matmul/rms/.*/fwd\+bwd$")])
+def test_nan_outputs_and_wrong_gradients_are_wrong(tmp_path, name, factory, cases_re):
+  """A NaN output (its error is NaN, which no tolerance may accept) and, in fwd+bwd, a right
+  forward with a wrong gradient (the check takes the worst output, not the first) are "wrong"
+  and not timed (a mutation test accepted both unnoticed)."""
+  cases.register_impl("norm_matmul", name, factory)
+  try:
+    results = run.main(["--tiny", "--quick", "--only", cases_re, "--impls", name, "--no-plot",
+                        "--no-e2e", "--results-dir", str(tmp_path), "--iterations", "1"])
+  finally:
+    cases.unregister_impl("norm_matmul", name)
+  rows = [r for r in results["rows"] if r["impl"] == name]
+  assert rows
+  for r in rows:
+    assert r["status"] == "wrong" and r["time_us"] is None, r
+
+
 def test_imprecise_xla_baseline_is_still_timed(tmp_path):
   # A tolerance below bf16's rounding error: the XLA rows become "imprecise" and stay the
   # baseline (timed, ratios computed); a kernel would say "wrong" and not be timed.

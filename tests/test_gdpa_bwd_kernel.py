@@ -174,6 +174,17 @@ def test_many_items_and_empty_samples(lengths, capacity, heads, d, lkv):
   _check(lengths, capacity, heads, d, "fast_gelu", lkv=lkv, seed=5, traced_scales=True)
 
 
+def test_dq_padding_rows_are_zero_times_both_scales():
+  """dq's padding rows are 0 · pre · post (its docstring): NaN for a NaN post_scale with a
+  finite pre_scale, as the op's poisoned scales need (a mutation test dropped post unnoticed)."""
+  q = jax.random.normal(jax.random.key(0), (72, 1, 64), jnp.bfloat16)
+  k = jax.random.normal(jax.random.key(1), (1, 64, 1, 64), jnp.bfloat16) / 8
+  off = jnp.array([0, 40], jnp.int32)
+  dq = gb.gdpa_bwd(q, k, k, off, None, q, pre_scale=jnp.float32(0.7),
+                   post_scale=jnp.float32(jnp.nan), interpret=True)[0]
+  assert bool(jnp.all(jnp.isnan(dq[40:].astype(jnp.float32))))
+
+
 @pytest.mark.parametrize("kv", ["dense", "jagged"])
 def test_persistent_items_over_three_ctas(kv, monkeypatch):
   """The persistent dK/dV grid with 3 CTAs (interpret mode's default is 2), so each CTA runs

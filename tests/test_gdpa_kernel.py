@@ -254,6 +254,31 @@ def test_gpu_jagged_kv(max_kv_len):
   _check(q, k, v, qo, ko, activation="silu", max_kv_len=max_kv_len, interpret=False)
 
 
+@pytest.mark.parametrize("kv_lens,max_kv_len", [([3, 64], 64), ([57, 57], 57)])
+def test_jagged_kv_samples_of_exactly_max_kv_len_off_the_row_grid(kv_lens, max_kv_len):
+  """A K/V sample of exactly max_kv_len keys that starts off the 8-row grid: its window needs
+  max_kv_len + 7 rows (ALIGN − 1 more than the bound; 57 + 7 fills a 64-row window), and
+  every key counts (a mutation test dropped the ALIGN − 1 rows, or clipped the window's end one
+  row short, unnoticed)."""
+  q, k, v, qo, ko = _problem(13, [8, 8], 1, 64, kv_lens=kv_lens)
+  _check(q, k, v, qo, ko, activation="identity", max_kv_len=max_kv_len)
+
+
+def test_config_and_dense_kv_length_refusals():
+  """Config refuses a 1-slot K/V ring (None or >= 2); dense K/V whose length is a multiple of
+  8 but not of 64 is refused with a reason, so a sequence falls back to XLA's values instead
+  of raising from the kernel (mutation tests removed both refusals unnoticed)."""
+  with pytest.raises(ValueError, match="kv_stages"):
+    configs.Config(kv_stages=1)
+  q, k, v, qo, _ = _problem(14, [5, 11], 1, 64, lkv=72)
+  q = jnp.where(jnp.isnan(q), 0, q)
+  reason = mosaic.unsupported_reason(q, k, None, None, None)
+  assert reason is not None and "64" in reason
+  np.testing.assert_array_equal(
+      np.asarray(pn.gdpa(q, k, v, qo, implementation=("interpret", "xla")), np.float32),
+      np.asarray(pn.gdpa(q, k, v, qo, implementation="xla"), np.float32))
+
+
 def test_invalid_traced_offsets_poison_every_row_and_gradient():
   """Under jit, offsets that break the convention (first != 0 leaves rows 0..3 outside every
   sample) give NaN in every output row on the kernel path too, with no extra pass over the

@@ -248,6 +248,16 @@ def test_traced_invalid_offsets_poison_outputs_and_gradients(case, rng):
     np.testing.assert_array_equal(out[2], np.r_[np.ones(4), np.zeros(6)][:, None] * [1, 1])
 
 
+def test_one_sample_longer_than_max_len_raises():
+  """A batch of one sample longer than max_len raises as a batch of two does, never a silent
+  truncation (a mutation test skipped the length check for B = 1 unnoticed)."""
+  values, off = jnp.ones((5, 2)), jnp.asarray([0, 5], jnp.int32)
+  with pytest.raises(ValueError):
+    jagged.to_padded(values, off, 3)
+  with pytest.raises(ValueError):
+    jagged.from_padded(jnp.ones((1, 3, 2)), off, 5)
+
+
 def test_traced_invalid_offsets_raise_under_checkify(rng):
   from jax.experimental import checkify
   values = jnp.asarray(rng.standard_normal((10, 2)), jnp.float32)

@@ -207,6 +207,18 @@ def test_shard_rows_checks_each_shards_local_offsets():
     gdpa(q, kv, kv, jnp.asarray(good, jnp.float32))
   with pytest.raises(ValueError, match="q_offsets: 2 entries do not split"):
     gdpa(q, kv, kv, jnp.asarray(good[:2]))
+  # Packed K/V: each shard's kv_offsets against its own K/V rows (4 here), not q's (8).
+  q16, packed = jnp.ones((16, 1, 8)), jnp.ones((8, 1, 8))
+  kv_off = np.array([0, 2, 6, 0, 1, 2], np.int32)  # shard 0 ends at 6 > 4
+  with pytest.raises(ValueError, match=r"kv_offsets \(shard 0\)"):
+    gdpa(q16, packed, packed, jnp.asarray(good), jnp.asarray(kv_off))
+
+
+def test_join_jagged_names_a_capacity_below_the_shards_rows():
+  values = np.arange(16, dtype=np.float32).reshape(8, 2)
+  local = np.array([0, 2, 3, 0, 3, 4], np.int32)  # 3 + 4 = 7 rows
+  with pytest.raises(ValueError, match="^capacity: the shards hold 7 rows"):
+    sharding.join_jagged(values, local, 2, capacity=5)
 
 
 def test_row_sharded_take_on_one_device_and_bad_ids():
@@ -216,6 +228,10 @@ def test_row_sharded_take_on_one_device_and_bad_ids():
   take = jax.shard_map(lambda t, i: sharding.row_sharded_take(t, i, "model"), mesh=mesh,
                        in_specs=(P("model"), P("model")), out_specs=P("model"))
   np.testing.assert_array_equal(take(table, ids), jnp.take(table, ids, axis=0))
+  # Ids outside [0, V) give zero rows (10 is the first row past this device's block).
+  got = np.asarray(take(table, jnp.array([[0, 10], [3, -1]])))
+  np.testing.assert_array_equal(got[:, 1], 0.0)
+  np.testing.assert_array_equal(got[:, 0], np.asarray(table[jnp.array([0, 3])]))
   with pytest.raises(TypeError, match="ids must have an integer dtype"):
     take(table, ids.astype(jnp.float32))
 

@@ -746,6 +746,23 @@ def test_attention_bounds_equal_to_the_longest_sample_are_accepted(op):
   np.testing.assert_allclose(traced, want, rtol=1e-6, atol=1e-6)
 
 
+def test_zero_max_seq_len_raises_naming_it_also_for_empty_samples():
+  q, k = _arr((8, 1, 4)), _arr((1, 4, 1, 4), seed=1)
+  with pytest.raises(ValueError, match="max_seq_len must be a positive"):
+    pallas_norm.gdpa(q, k, k, _off([0, 0]), max_seq_len=0, implementation="xla")
+
+
+def test_a_kernel_skipped_off_hopper_warns_naming_hopper(monkeypatch):
+  """("mosaic", "xla") off a Hopper GPU runs XLA with a KernelSkippedWarning that says why (a
+  reason of the process, reported; a mutation test made it silent unnoticed)."""
+  if _dispatch.on_hopper_gpu():
+    pytest.skip("checks the behaviour off Hopper")
+  monkeypatch.setattr(_dispatch, "_warned", set())  # once per process: not yet in this one
+  x, w = jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+  with pytest.warns(_dispatch.KernelSkippedWarning, match="Hopper"):
+    pallas_norm.norm_matmul(x, w, implementation=("mosaic", "xla"))
+
+
 @pytest.mark.parametrize("bound", [T + 1, 2**31, 2**40])
 @pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
 def test_attention_bounds_past_the_capacity_act_as_the_capacity(op, bound):
