@@ -102,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--lr", type=float, default=2e-3)
   p.add_argument("--weight-decay", type=float, default=1e-4)
   p.add_argument("--eval-every", type=int, default=50)
+  p.add_argument("--train-examples", type=int, default=65536,
+                 help="examples of --data synthetic's training split (the others ignore it)")
   p.add_argument("--valid-examples", type=int, default=None,
                  help="evaluate on the first N validation examples (default: all of them)")
   p.add_argument("--checkpoint-dir", type=pathlib.Path, default=None)
@@ -116,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   distributed.add_arguments(p)
   args = p.parse_args(argv)
   for name in ("steps", "batch_size", "max_seq_len", "eval_every", "embed_dim", "head_dim",
-               "valid_examples"):
+               "train_examples", "valid_examples"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
   if args.seed < 0:  # NumPy's generators take no negative seed (was a traceback)
@@ -353,7 +355,7 @@ def train(args) -> TrainResult:
   if args.checkpoint_dir is not None and not args.resume:
     _check_unused(args.checkpoint_dir)
   train_ds, valid_ds, spec = ads_data.load(args.data, args.data_dir, max_seq_len=args.max_seq_len,
-                                           seed=args.seed)
+                                           seed=args.seed, num_train=args.train_examples)
   if args.valid_examples is not None:
     valid_ds = valid_ds.subset(np.arange(min(args.valid_examples, len(valid_ds))))
   config, model, optimizer = build(args, spec)
