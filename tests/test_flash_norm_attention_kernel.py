@@ -27,6 +27,7 @@ import pallas_norm as pn
 from pallas_norm import _dispatch, jagged, mgpu, reference
 from pallas_norm.ops.flash_norm_attention import api as fna_api
 from pallas_norm.ops.flash_norm_attention import cluster, mosaic, norm_bwd
+from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
 from pallas_norm.ops.gdpa import mosaic_bwd as gdpa_mosaic_bwd
 
 TOL = 2e-2
@@ -1078,3 +1079,109 @@ def test_gpu_cluster_gradients_at_issue_shape(heads, monkeypatch):
   test_gpu_gradients_at_issue_shape(heads)
 
 
+
+
+# ------------------------------------------------------------------------------------------------
+# Found by a mutation test of the kernel bodies: each failed to notice its mutant before.
+
+def _small_fna_problem(rng, heads, d, lens, lkv, cap, padding=0.0):
+  total = sum(lens)
+  q = rng.standard_normal((cap, heads, d)).astype(np.float32)
+  q[total:] = padding
+  q = jnp.asarray(q).astype(jnp.bfloat16)
+  qo = jnp.asarray(jagged.offsets_from_lengths(np.asarray(lens)))
+  k = jnp.asarray((rng.standard_normal((len(lens), lkv, heads, d)) * d ** -0.5).astype(
+      np.float32)).astype(jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((len(lens), lkv, heads, d)).astype(np.float32)).astype(
+      jnp.bfloat16)
+  return q, k, v, qo
+
+
+@pytest.mark.parametrize("inner,outer", [(True, True), (False, False)])
+def test_fused_forward_at_a_large_eps(inner, outer):
+  """Both norms' eps at 1.0 (the rows' variance's size; at 1e-6 eps moves r1, r2 by ~1e-6):
+  out, r1 and r2 against the f32 reference."""
+  rng = np.random.default_rng(0)
+  heads, d, lens = 2, 64, [70, 9]
+  q, k, v, qo = _small_fna_problem(rng, heads, d, lens, 64, 88)
+  aff = [rng.normal(m, .2, heads * d).astype(np.float32) for m in (1, 0, 1)]
+  a = jnp.asarray(np.stack(aff).reshape(3, heads, d))
+  out, stats = mosaic.flash_norm_attention_fwd(
+      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1.0, inner_residual=inner,
+      outer_residual=outer, return_stats=True, interpret=True)
+  ref, (ln, rms) = reference.flash_norm_attention(
+      q.astype(F32), k.astype(F32), v.astype(F32), qo, ln_scale=jnp.asarray(aff[0]),
+      ln_bias=jnp.asarray(aff[1]), rms_scale=jnp.asarray(aff[2]), pre_scale=0.9,
+      post_scale=1.1, activation="fast_gelu", eps=1.0, inner_residual=inner,
+      outer_residual=outer, return_stats=True)
+  total = int(qo[-1])
+  assert _rel_err(out[:total], ref[:total]) < TOL
+  np.testing.assert_allclose(stats[:total, 1], ln.rstd[:total], rtol=1e-3)
+  np.testing.assert_allclose(stats[:total, 2], rms.rstd[:total], rtol=1e-2)  # z is bf16
+
+
+def test_layer_norm_statistics_of_rows_near_bf16_resolution():
+  """bf16 rows of values μ and μ ± ulp(μ) (|mean|/std ≈ 150, about the most bf16 resolves) over
+  H·D = 512: the shifted sums give r1 to ~1e-7 of the float64 statistics of the same values;
+  the plain one-pass variance is ~1e-3 off, which the 2e-2 tolerances elsewhere cannot see."""
+  rng = np.random.default_rng(1)
+  heads, d, t, total = 4, 128, 72, 64
+  mu = rng.uniform(1, 2, (t, 1, 1)) * 2.0 ** rng.integers(0, 20, (t, 1, 1))
+  x = mu * (1.0 + 2.0 ** -7 * rng.integers(-1, 2, size=(t, heads, d)))
+  x[total:] = 0
+  q = jnp.asarray(x.astype(np.float32)).astype(jnp.bfloat16)
+  rows = np.asarray(q, np.float64)[:total].reshape(total, -1)  # the values the kernel sees
+  qo = jnp.asarray(np.array([0, 40, total], np.int32))
+  _, k, v, _ = _small_fna_problem(rng, heads, d, [40, 24], 64, t)
+  a = jnp.ones((3, heads, d), F32).at[1].set(0.0)
+  _, stats = mosaic.flash_norm_attention_fwd(q, k, v, qo, a, 0.9, 1.1, activation="silu",
+                                             eps=1e-6, return_stats=True, interpret=True)
+  got = np.asarray(stats[:total], np.float64)
+  assert np.max(np.abs(got[:, 0] - rows.mean(1)) / np.sqrt(rows.var(1))) < 1e-4
+  np.testing.assert_allclose(got[:, 1], 1 / np.sqrt(rows.var(1) + 1e-6), rtol=2e-5)
+
+
+@pytest.mark.parametrize("module", ["mosaic", "cluster"])
+def test_saved_z_rounds_attn_before_the_inner_residual(module):
+  """z = bf16(q + bf16(attn)) (the unfused chain's rounding, the kernels' docstrings), not
+  bf16(q + attn): with the LayerNorm and the outer residual off (u = q), attn emulated in
+  float32 as the kernels compute it; where the two roundings differ, z follows the first."""
+  fwd = (mosaic if module == "mosaic" else cluster).flash_norm_attention_fwd
+  rng = np.random.default_rng(7)
+  heads, d, total = (2 if module == "mosaic" else 1), 64, 64
+  q, k, v, qo = _small_fna_problem(rng, heads, d, [total], 64, 72)
+  pre, post = 0.9, 1.1
+  _, _, z, u = fwd(q, k, v, qo, jnp.ones((3, heads, d), F32), pre, post, activation="silu",
+                   eps=1e-6, pre_layer_norm=False, outer_residual=False, save_residuals=True,
+                   interpret=True)
+  assert u is None
+  qf = np.asarray(q[:total], np.float32)
+  s = np.einsum("thd,lhd->htl", qf.astype(np.float64),
+                np.asarray(k[0], np.float64)).astype(np.float32)
+  act = gdpa_mosaic.KERNEL_ACTIVATIONS["silu"]
+  p = np.asarray(act(jnp.asarray(s * np.float32(pre))).astype(jnp.bfloat16), np.float64)
+  attn = np.einsum("htl,lhd->thd", p, np.asarray(v[0], np.float64)).astype(np.float32)
+  attn = attn * np.float32(post)
+  to_bf = lambda a: np.asarray(jnp.asarray(a, F32).astype(jnp.bfloat16), np.float32)  # noqa: E731
+  rounded_first, summed_first = to_bf(qf + to_bf(attn)), to_bf(qf + attn)
+  differ = rounded_first != summed_first
+  got = np.asarray(z[:total], np.float32)
+  assert differ.sum() > 50
+  assert np.mean(got[differ] == rounded_first[differ]) > 0.8
+
+
+def test_cluster_padding_chunks_of_several_blocks():
+  """The cluster kernel (H = 1) with 200 padding rows: a padding chunk of several q blocks, so
+  both consumers store zero blocks (other tests have at most one padding block); out's and the
+  statistics' padding rows exactly 0, nothing left unwritten (interpret mode fills NaN)."""
+  rng = np.random.default_rng(5)
+  lens = [70, 9]
+  total = sum(lens)
+  q, k, v, qo = _small_fna_problem(rng, 1, 64, lens, 64, 80 + 200, padding=np.nan)
+  a = jnp.ones((3, 1, 64), F32).at[1].set(0.0)
+  out, stats = cluster.flash_norm_attention_fwd(q, k, v, qo, a, 0.9, 1.1, activation="silu",
+                                                eps=1e-6, return_stats=True, interpret=True)
+  out, stats = np.asarray(out, np.float32), np.asarray(stats, np.float32)
+  assert np.all(np.isfinite(out)) and np.all(np.isfinite(stats))
+  assert not np.any(out[total:]) and not np.any(stats[total:])
+  assert not mgpu.races_found()

@@ -279,6 +279,27 @@ def test_config_and_dense_kv_length_refusals():
       np.asarray(pn.gdpa(q, k, v, qo, implementation="xla"), np.float32))
 
 
+@pytest.mark.parametrize("lens,kv_lens,padding", [([70, 9], None, 200),
+                                                  ([9, 130, 40], [20, 0, 33], 8)])
+def test_items_without_keys_of_several_blocks(lens, kv_lens, padding):
+  """Items without keys that span several q blocks, so both consumers store zero blocks (other
+  tests have at most one): 200 padding rows after dense samples, a 130-row jagged sample with
+  no keys. Those rows exactly 0, no row left unwritten (interpret mode fills NaN), the rest
+  against the reference (a mutation test stored consumer 1's zero blocks over consumer 0's
+  unnoticed)."""
+  total = sum(lens)
+  q, k, v, qo, ko = _problem(15, lens, 1, 64, kv_lens=kv_lens,
+                             capacity=-(-total // 8) * 8 + padding)
+  out = _check(q, k, v, qo, ko, activation="silu", pre_scale=0.7, post_scale=1.3,
+               max_kv_len=None if kv_lens is None else max(kv_lens))
+  out = np.asarray(out, np.float32)
+  assert np.all(np.isfinite(out))
+  zero_rows = np.arange(total, q.shape[0])
+  if kv_lens is not None:
+    zero_rows = np.r_[int(qo[1]):int(qo[2]), zero_rows]
+  assert not np.any(out[zero_rows])
+
+
 def test_invalid_traced_offsets_poison_every_row_and_gradient():
   """Under jit, offsets that break the convention (first != 0 leaves rows 0..3 outside every
   sample) give NaN in every output row on the kernel path too, with no extra pass over the

@@ -589,3 +589,29 @@ def test_layer_norm_rows_with_a_large_mean_stated_domain():
     got, want = calls["interpret"](dense_bias), calls["xla"](dense_bias)
     assert float(jnp.max(jnp.abs(got.mean(axis=1)))) < 2e-3, mean_over_std
     assert float(jnp.max(jnp.abs(got - want))) <= 2 * 2.0 ** -6, mean_over_std  # 2 bf16 ulps
+
+
+def test_cluster_merge_weights_each_cta_by_its_columns():
+  """The post-norm forward's cluster merge of (mean, M2) partials (Chan's formula) with CTAs of
+  several N tiles each (n_tiles = 2): the between-CTA term weighs each CTA by its cta_cols, not
+  one tile's columns. Called directly: interpret mode runs clusters of one CTA (a mutation
+  test changed the weight unnoticed by every CPU test)."""
+  cfg = mk.pick_config(256, 64, 512)
+  plan = mk._make_plan((256, 64), 512, jnp.bfloat16, jnp.bfloat16, "layer", 1e-6, (), False,
+                       False, False, True, cfg, True)
+  ctas = 4
+  plan = dataclasses.replace(plan, cluster=ctas, n=ctas * plan.cta_cols)
+  assert plan.n_tiles > 1
+  cols = plan.cta_cols
+  rng = np.random.default_rng(0)
+  rows = (rng.standard_normal((16, ctas * cols)) * np.logspace(-1, 1, 16)[:, None]
+          + rng.standard_normal((16, ctas)).repeat(cols, axis=1) * 3).astype(np.float32)
+  per = rows.reshape(16, ctas, cols).astype(np.float64)
+  means = per.mean(2)
+  m2s = np.square(per - means[..., None]).sum(2)
+  mean, rstd = mk._merge_partials(plan, [(jnp.asarray(means[:, c], jnp.float32),
+                                          jnp.asarray(m2s[:, c], jnp.float32))
+                                         for c in range(ctas)])
+  whole = rows.astype(np.float64)
+  assert np.max(np.abs(np.asarray(mean) - whole.mean(1)) / whole.std(1)) < 1e-5
+  assert np.max(np.abs(np.asarray(rstd) * np.sqrt(whole.var(1) + 1e-6) - 1)) < 1e-4

@@ -897,3 +897,47 @@ def test_gpu_dx_row_sums(m, k, n, norm, x_hat):
   """The row sums in the dx epilogue with their cluster exchange, at real sizes."""
   _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False, x_hat=x_hat,
                     x_hat_ones=x_hat and norm == "layer", row_sums=True)
+
+
+# Found by a mutation test (each failed to notice its mutant before).
+
+def test_rms_statistics_take_eps_zero_rows_and_a_large_eps():
+  """RMSNorm's eps in the forward kernel: a zero row (a padding token) gives rstd = 1/√eps and
+  y = out_bias, finite, and at eps = 0.5 rstd = 1/√(mean(x²) + eps) (at 1e-6 on rows of unit
+  variance eps moves rstd by 5e-7, below every other test's tolerance)."""
+  m, k, n = 77, 128, 64
+  rng = np.random.default_rng(0)
+  xn = rng.standard_normal((m, k)).astype(np.float32)
+  xn[5] = 0.0
+  x = jnp.asarray(xn).astype(jnp.bfloat16)
+  w = jnp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32)).astype(
+      jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+  xf = np.asarray(x, np.float64)
+  for eps in (1e-6, 0.5):
+    y, _, rstd = nmk.norm_matmul_fwd(x, w, None, bias, norm="rms", eps=eps,
+                                     out_dtype=jnp.float32, interpret=True)
+    want = 1 / np.sqrt(np.mean(xf * xf, 1) + eps)
+    y_want = (xf * want[:, None]) @ np.asarray(w, np.float64) + np.asarray(bias, np.float64)
+    assert np.all(np.isfinite(np.asarray(y)))
+    np.testing.assert_allclose(np.asarray(rstd, np.float64), want, rtol=1e-4)
+    assert np.linalg.norm(np.asarray(y, np.float64) - y_want) / np.linalg.norm(y_want) < 1e-2
+
+
+def test_dx_kernel_x_hat_ones_block_is_all_ones():
+  """With ``x_hat_ones`` every column of the block after K's padded tiles is exactly 1 (the
+  weight GEMM's last rows are Σ dy from it); other tests read only its last column."""
+  m, k, n = 200, 320, 128
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)).astype(jnp.bfloat16)
+  w = jnp.asarray((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32)).astype(
+      jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((m, n)).astype(np.float32)).astype(jnp.bfloat16)
+  xf = np.asarray(x, np.float64)
+  rstd = jnp.asarray((1 / np.sqrt(np.mean(xf * xf, 1) + 1e-6)).astype(np.float32))
+  _, x_hat = nmb.norm_matmul_dx(dy, w, x, rstd, jnp.zeros((m,), jnp.float32), None, None,
+                                return_x_hat=True, x_hat_ones=True, interpret=True)
+  cfg = nmb.pick_config(m, n, k, x_hat=True, interpret=True)
+  k_padded = -(-k // cfg.tile_n) * cfg.tile_n
+  block = np.asarray(x_hat, np.float32)[:, k_padded:]
+  assert block.size and np.all(block == 1)
