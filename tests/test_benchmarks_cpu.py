@@ -597,3 +597,49 @@ def test_merge_keeps_a_measured_row_over_a_later_skipped_one():
   merged = report.merge([_run_result("a", [("x", "xla", 1.0)]), later])
   got = {r["case"]: (r["time_us"], r.get("status")) for r in merged["rows"]}
   assert got == {"x": (1.0, None), "z": (None, "skipped")}
+
+
+# Found by a mutation test (each failed to notice its mutant before).
+
+def test_hidden_share_is_of_xlas_excess_over_the_limit():
+  status = "ok" if "ok" in report.TIMED else sorted(report.TIMED)[0]
+  rows = [dict(case=c, impl=i, time_us=t, status=status, limit_case=lc)
+          for c, i, t, lc in (("lim", "gemm", 50.0, None), ("c", "xla", 100.0, "lim"),
+                              ("c", "k1", 75.0, "lim"), ("c", "k2", 50.0, "lim"))]
+  report.derive(rows)
+  hidden = {r["impl"]: r["hidden"] for r in rows if r["case"] == "c"}
+  assert hidden["k1"] == pytest.approx(0.5) and hidden["k2"] == pytest.approx(1.0)
+  assert hidden["xla"] is None
+
+
+def test_wall_timer_rotates_the_input_sets():
+  seen = []
+
+  def fn(i):
+    seen.append(i)
+    return 0
+  times = timing.measure_us(fn, [(0,), (1,), (2,)], 5, "wall")
+  assert seen == [0, 0, 1, 2, 0, 1] and len(times) == 5  # a warm-up on set 0, then in turn
+
+
+@pytest.mark.parametrize("rotate,sets", [(6000, 2), (12000, 3), (4000, 1)])
+def test_input_sets_cover_the_rotation_bytes(monkeypatch, rotate, sets):
+  """One pass over the rotated input sets reads at least ROTATE_BYTES (a ceiling, not a floor):
+  inputs of 4000 bytes, the helpers around the sizing stubbed."""
+  import types
+  monkeypatch.setattr(run, "with_mode", lambda f, diff, mode: f)
+  monkeypatch.setattr(run, "floor_us", lambda *a, **k: 1.0)
+  monkeypatch.setattr(run, "_base_row",
+                      lambda case, impl, **common: dict(case=case.name, impl=impl, **common))
+  monkeypatch.setattr(run, "_time_rows", lambda rows, fns, sets, ctx: None)
+  monkeypatch.setattr(run, "rel_err", lambda x: 0.0)
+  monkeypatch.setattr(run, "ROTATE_BYTES", rotate)
+  fn = jax.jit(lambda a: a * 2)
+  prepared = types.SimpleNamespace(
+      case=types.SimpleNamespace(name="c", mode="fwd"),
+      prob=types.SimpleNamespace(impl_fn=lambda impl: fn, diff=None, flops_fwd=1, flops_bwd=0),
+      make=lambda seed: (jnp.zeros((1000,), jnp.float32),), check=lambda out, *a: 0.0,
+      fns={"xla": fn})
+  ctx = types.SimpleNamespace(tolerance=0.02, max_sets=10, ceilings=None)
+  rows = run._check_and_time(prepared, [prepared.make(0)], ctx)
+  assert rows[0]["input_sets"] == sets

@@ -428,3 +428,17 @@ def test_gpu_float16_head_dim_64():
   capacity = int(np.sum(lengths)) // 8 * 8 + 8
   _check(list(lengths), capacity, 2, 64, "relu2", dtype=jnp.float16, lkv=192, seed=4,
          interpret=False)
+
+
+def test_post_scale_gradient_sums_the_unrounded_activation():
+  """d post_scale (traced scales) within 1e-4 of its size and terms (the general bound is
+  1e-2): the partial sums take A in float32, not A rounded to bf16 (~2⁻⁹ of each term; a
+  mutation test rounded it unnoticed)."""
+  for seed, (lengths, cap, heads, d, lkv) in enumerate([([0, 130, 1, 0, 64, 7], 264, 2, 128, 128),
+                                                       ([9, 0, 71], 96, 2, 64, 192)]):
+    q, k, v, qo, ko, do = _inputs(5 + seed, lengths, cap, heads, d, jnp.bfloat16, lkv=lkv)
+    got = jax.jit(lambda q, k, v, do, pre, post, qo=qo, ko=ko: gb.gdpa_bwd(
+        q, k, v, qo, ko, do, activation="fast_gelu", pre_scale=pre, post_scale=post,
+        interpret=True))(q, k, v, do, jnp.float32(0.7), jnp.float32(1.3))
+    want, terms = _reference_grads(q, k, v, qo, ko, do, "fast_gelu", 0.7, 1.3)
+    assert abs(float(got[4]) - float(want[4])) <= 1e-4 * (abs(float(want[4])) + terms[1])

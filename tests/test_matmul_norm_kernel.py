@@ -615,3 +615,31 @@ def test_cluster_merge_weights_each_cta_by_its_columns():
   whole = rows.astype(np.float64)
   assert np.max(np.abs(np.asarray(mean) - whole.mean(1)) / whole.std(1)) < 1e-5
   assert np.max(np.abs(np.asarray(rstd) * np.sqrt(whole.var(1) + 1e-6) - 1)) < 1e-4
+
+
+def test_push_exchange_packets_round_trip_and_pure_helpers():
+  """Pure pieces a cluster of one never runs in interpret mode (mutation tests): the push
+  exchange's packet round trip for one and two partials; mgpu.tree_sum over every count 1–25
+  (odd counts at some level) and lane sums of a 24-column tile; xla.column_sum of 0, 1 and
+  1024 rows."""
+  from pallas_norm.mgpu import exchange, row_stats
+  for n in (1, 2):
+    spec = exchange.Spec(cluster=2, rows=64, n_partials=n, exchange="push")
+    parts = tuple(jnp.asarray(np.random.default_rng(i).standard_normal(64), jnp.float32)
+                  for i in range(n))
+    got = exchange._unpack(spec, exchange._pack(spec, parts))
+    assert len(got) == n
+    for g, p in zip(got, parts):
+      np.testing.assert_array_equal(g, p)
+  for count in range(1, 26):
+    total = row_stats.tree_sum([jnp.full((2,), float(i + 1)) for i in range(count)])
+    assert float(total[0]) == count * (count + 1) / 2, count
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 24)), jnp.float32)
+  np.testing.assert_allclose(jnp.sum(row_stats.tree_sum(row_stats.lane_slices(x)), axis=1),
+                             jnp.sum(x, axis=1), atol=1e-5)
+  empty = mn_xla.column_sum(jnp.zeros((0, 5), jnp.bfloat16))
+  assert empty.shape == (5,) and empty.dtype == jnp.float32 and not bool(jnp.any(empty))
+  for m in (1, 1024):
+    v = np.random.default_rng(m).standard_normal((m, 7)).astype(np.float32)
+    np.testing.assert_allclose(mn_xla.column_sum(jnp.asarray(v)), v.astype(np.float64).sum(0),
+                               rtol=1e-5, atol=1e-4)

@@ -716,3 +716,15 @@ def test_weight_grads_take_x_hat_with_the_row_sums(monkeypatch, k, n, norm, x_ha
   jax.make_jaxpr(lambda ct: nm._fused_bwd(norm, 1e-6, None, "mosaic", None, saved,
                                           (ct, None, None)))(ct.astype(jnp.bfloat16))
   assert seen == [x_hat]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_xla_rms_lazy_form_takes_out_dtype(dtype):
+  """The 16-bit RMSNorm "xla" path (the lazy form) returns out_dtype (a mutation test ignored
+  it unnoticed: the other out_dtype tests use LayerNorm, which is unfused)."""
+  x = jax.random.normal(jax.random.key(0), (16, 64), dtype)
+  w = (jax.random.normal(jax.random.key(1), (64, 32), jnp.float32) / 8).astype(dtype)
+  y = pallas_norm.norm_matmul(x, w, norm="rms", out_dtype=jnp.float32, implementation="xla")
+  want = reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32), norm="rms")
+  assert y.dtype == jnp.float32
+  np.testing.assert_allclose(y, want, atol=5e-2)

@@ -659,3 +659,47 @@ def test_forward_use_runs_the_forward_kernel_and_training_its_own_path(monkeypat
                           (0, 1)))(x, vecs["scale"])
   for g, w in zip(got, want):
     _assert_close(g, w, F32_TOL, "grad")
+
+
+# Found by a mutation test (each failed to notice its mutant before).
+
+def test_forward_kernel_float32_rows_with_a_far_first_element():
+  """float32 LayerNorm rows whose first element (3e4) is far from the rest: the forward
+  kernel's rstd within 1e-6 of float64 (the two-pass statistics; one pass is 1e-5 off)."""
+  from pallas_norm.ops.norms import triton_fwd
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, 256)).astype(np.float32)
+  x[:, 0] = 3e4
+  _, stats = triton_fwd.forward(jnp.asarray(x), None, None, norm="layer", eps=1e-5,
+                                zero_centered_scale=False, interpret=True)
+  want = 1 / np.sqrt(x.astype(np.float64).var(axis=1) + 1e-5)
+  np.testing.assert_allclose(np.asarray(stats.rstd, np.float64), want, rtol=1e-6)
+
+
+def _stores(jaxpr, found):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("masked_swap", "swap"):
+      found.append(eqn)
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr or a Jaxpr
+      inner = getattr(inner, "jaxpr", inner)
+      if hasattr(inner, "eqns"):
+        _stores(inner, found)
+  return found
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("n", [64, 9000])  # full rows and chunked rows
+def test_forward_kernel_masks_every_store(norm, n):
+  """Every store of the forward kernel (y and each row statistic) carries a mask when M is not
+  a multiple of the row block: interpret mode drops out-of-bounds stores, so only the kernel's
+  jaxpr shows an unmasked one, which on the GPU writes past M (a mutation test)."""
+  from pallas_norm.ops.norms import triton_fwd
+  jaxpr = jax.make_jaxpr(lambda x: triton_fwd.forward(
+      x, None, None, norm=norm, eps=1e-5, zero_centered_scale=False, interpret=False))(
+          jnp.ones((37, n), jnp.float32))
+  call = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call")
+  found = _stores(call.params["jaxpr"], [])
+  masked = [e for e in found if e.primitive.name == "masked_swap"
+            and not str(e.params["args_tree"]).endswith("None))")]
+  assert len(found) >= 2 + 2 * (norm == "layer") and len(masked) == len(found)
