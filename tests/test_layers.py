@@ -763,3 +763,13 @@ def test_kernel_error_names_the_dtype_promotion(layer):
     with pytest.raises(NotImplementedError) as info:  # mosaic needs a GPU here, no dtype hint
       make(64, 64, implementation="mosaic", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))(x)
     assert "promoted" not in str(info.value) and "Hopper" in str(info.value)
+
+
+@pytest.mark.parametrize("cls", [NormDense, DenseNorm])
+def test_dense_layers_default_init_and_one_dimensional_input(cls):
+  """The kernel's default init is LeCun normal (std 1/√K), and a 1-D input raises the layer's
+  ValueError naming in_features (mutation tests changed both unnoticed)."""
+  std = float(np.std(np.asarray(cls(256, 512, rngs=nnx.Rngs(0)).kernel[...])))
+  assert abs(std * np.sqrt(256) - 1) < 0.1
+  with pytest.raises(ValueError, match="in_features=8"):
+    cls(8, 16, rngs=nnx.Rngs(0), implementation="xla")(jnp.ones((4,), jnp.float32))

@@ -728,3 +728,13 @@ def test_xla_rms_lazy_form_takes_out_dtype(dtype):
   want = reference.norm_matmul(x.astype(jnp.float32), w.astype(jnp.float32), norm="rms")
   assert y.dtype == jnp.float32
   np.testing.assert_allclose(y, want, atol=5e-2)
+
+
+def test_dispatch_limits_at_their_edges():
+  """implementation=None's measured limits just past their edges keep XLA (mutation tests
+  moved each unnoticed): the pre-norm's wide shapes end at N = 2048; the post-norm needs
+  M ≥ 4096 rows, and RMSNorm's wide training shapes end at N = 2048."""
+  from pallas_norm.ops.norm_matmul import configs as nm_configs
+  assert nm_configs.kernel_slower_reason(262144, 512, 3072, "rms") is not None
+  assert mn_configs.kernel_slower_reason(2048, 1024, 1024, "layer") is not None
+  assert mn_configs.kernel_slower_reason(262144, 512, 4096, "rms") is not None

@@ -313,6 +313,10 @@ def test_default_picks_the_kernel_where_measured_faster(monkeypatch):
   for shape in ((1024, 2048), (65536, 64)):
     assert chosen("layer_norm", shape) == xla_both, shape
   assert chosen("layer_norm", (262144, 2048), residual=True) == xla_both
+  # The domains' edges (a mutation test moved each unnoticed): RMSNorm's forward kernel alone
+  # starts at N = 512; LayerNorm's wide rows need 16384 rows.
+  assert chosen("rms_norm", (262144, 256)) == ("xla", "triton")
+  assert chosen("layer_norm", (8192, 16384)) == xla_both
 
 
 @pytest.mark.parametrize("op,n", [("layer_norm", 64), ("rms_norm", 8200), ("layer_norm", 8200)])

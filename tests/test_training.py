@@ -304,3 +304,38 @@ def test_taobao_loss_falls_checkpoints_and_resumes(data_dir, tmp_path, capsys):
            "xla", "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path)]
   code, _, err = _run(other + ["--steps", "40", "--resume"], capsys)
   assert code == 2 and "max_seq_len" in err and err.count("\n") == 1
+
+
+# Found by a mutation test (each failed to notice its mutant before).
+
+def test_auc_averages_the_ranks_of_tied_scores():
+  assert train_kunlun.auc([0, 1], [1.0, 1.0]) == pytest.approx(0.5)
+  assert train_kunlun.auc([0, 1, 0, 1], [1.0, 1.0, 0.0, 2.0]) == pytest.approx(0.875)
+
+
+def test_evaluate_scores_every_real_example_once_and_loss_is_a_mean():
+  """evaluate's last, padded batch keeps its real rows (a stub predictor: logit = dense[:, 0]),
+  and the loss of zero logits is log 2 (a mean, not a sum)."""
+  ds = ads_data.make_synthetic(7, max_seq_len=4, sparse_vocab_size=64, item_vocab_size=64,
+                               seed=1)
+  ds.labels[:] = [1, 0, 1, 0, 0, 1, 1]
+  got = train_kunlun.evaluate(None, None, ds, 3, 4,
+                              predict_fn=lambda g, s, b: np.asarray(b.dense[:, 0]))
+  want = (train_kunlun.logloss(ds.labels, ds.dense[:, 0]),
+          train_kunlun.auc(ds.labels, ds.dense[:, 0]))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  batch = ads_data.make_batch(ds.subset(np.arange(4)), np.arange(4), 4)
+  loss = train_kunlun.loss_fn(lambda s, d, q, o: jax.numpy.zeros(s.shape[0]), batch)
+  assert float(loss) == pytest.approx(np.log(2), abs=1e-6)
+
+
+def test_epochs_reshuffle_and_the_synthetic_match_is_the_ads():
+  """Each epoch of batch_indices is a new permutation; the synthetic click model's sequence
+  term counts items of the ad's category (off the user's preferred one for ~54% of rows, whose
+  share is then small), not the user's."""
+  e0, e1 = (ads_data.batch_indices(50, 50, seed=3, step=s) for s in (0, 1))
+  assert sorted(e0) == sorted(e1) == list(range(50)) and not np.array_equal(e0, e1)
+  kw = dict(max_seq_len=16, sparse_vocab_size=4096, item_vocab_size=4096, seed=0)
+  share = (ads_data.make_synthetic(4000, **kw).true_logits.astype(np.float64)
+           - ads_data.make_synthetic(4000, match_weight=0.0, **kw).true_logits) / 3.0
+  assert np.mean(share < 0.25) > 0.3
