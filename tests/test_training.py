@@ -144,6 +144,9 @@ def test_taobao_matches_csv(data_dir):
   flat = [t for r in rows for t in r["click_sequence"].split("^") if t]
   first = {t: train.seq_values[i] for i, t in reversed(list(enumerate(flat)))}
   assert all(train.seq_values[i] == first[t] for i, t in enumerate(flat))
+  # Items hash into [1, vocab): 0 is the padding id (a mutation test hashed into [0, vocab)).
+  np.testing.assert_array_equal(train.seq_values, ads_data.hash_strings(
+      [f"item={t}" for t in flat], spec.item_vocab_size, reserve_zero=True))
 
 
 def test_criteo_is_context_only_with_fixed_split(data_dir):
@@ -152,6 +155,16 @@ def test_criteo_is_context_only_with_fixed_split(data_dir):
   assert (spec.num_sparse_features, spec.num_dense_features) == (26, 13)
   assert train.seq_values.size == 0 and not train.seq_offsets.any()
   assert np.all(np.isfinite(train.dense))
+  # Validation rows are the file's rows i % 5 == 4; dense values are sign(x)·log1p(|x|)
+  # (negative counts included; mutation tests changed both unnoticed).
+  with open(data_dir / "criteo_sample.txt", newline="") as f:
+    rows = list(csv.DictReader(f))
+  raw = np.array([[float(r[c] or 0) for c in ads_data.CRITEO_DENSE] for r in rows])
+  assert (raw < 0).any()
+  want = np.sign(raw) * np.log1p(np.abs(raw))
+  split = np.arange(len(rows)) % 5 == 4
+  np.testing.assert_allclose(valid.dense, want[split], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(train.dense, want[~split], rtol=1e-6, atol=1e-6)
 
 
 def test_missing_data_is_a_clear_error(tmp_path, capsys):
