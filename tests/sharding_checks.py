@@ -373,7 +373,35 @@ def training():
     _close(a, b, 1e-6, 1e-7, "resumed state")
 
 
-GROUPS = {"training": training, "ops_mosaic": ops_mosaic, "ops_xla": ops_xla, "ops_interpret": ops_interpret, "embedding": embedding}
+def distributed_checks():
+  """examples/distributed.py's own checks on 8 devices (a mutation test removed each unnoticed):
+  --batch-size must split over --devices (exit 2), make_mesh(8, 2) is (data 4, model 2), and a
+  table whose rows do not split over "model" raises ValueError."""
+  import types
+  import distributed
+  import train_kunlun
+  try:
+    train_kunlun.parse_args(["--devices", "8", "--batch-size", "12"])
+  except SystemExit as e:
+    assert e.code == 2, e.code
+  else:
+    raise AssertionError("--batch-size 12 over 8 devices was accepted")
+  mesh = distributed.make_mesh(8, 2)
+  assert dict(mesh.shape) == {"data": 4, "model": 2}, dict(mesh.shape)
+  runner = distributed.MeshRunner(mesh, loss_fn=None)
+  model = types.SimpleNamespace(**{t: types.SimpleNamespace(num_embeddings=4097)
+                                   for t in distributed.TABLES})
+  try:
+    runner.adapt(model)
+  except ValueError:
+    pass
+  else:
+    raise AssertionError("a table of 4097 rows over model-parallel 2 was accepted")
+
+
+GROUPS = {"training": training, "ops_mosaic": ops_mosaic, "ops_xla": ops_xla,
+          "ops_interpret": ops_interpret, "embedding": embedding,
+          "distributed": distributed_checks}
 
 
 def main(argv) -> int:

@@ -43,7 +43,8 @@ def _run_checks(*groups):
 # Two processes, each paying ~3 CPU-s of start-up (Python, JAX, the library): the op groups
 # share one, training (the longest) has the other, so that -n 2 runs them side by side.
 @pytest.mark.parametrize("groups", [
-    pytest.param(("ops_xla", "embedding", "ops_interpret"), marks=pytest.mark.slow),
+    pytest.param(("ops_xla", "embedding", "ops_interpret", "distributed"),
+                 marks=pytest.mark.slow),
     pytest.param(("training",), marks=pytest.mark.slow)], ids=lambda g: "+".join(g))
 def test_on_8_cpu_devices(groups):
   """See each group's docstring in tests/sharding_checks.py."""
