@@ -387,8 +387,13 @@ def make_synthetic(n: int, *, max_seq_len: int, sparse_vocab_size: int, item_voc
                     labels, logits.astype(np.float32))
 
 
+SYNTHETIC_TRAIN_EXAMPLES = 65536
+"""The synthetic training split's default size: 200 steps of 64 never repeat an example."""
+
+
 def load(name: str, data_dir=None, *, max_seq_len: int = 32, sparse_vocab_size: int = 4096,
-         item_vocab_size: int = 4096, seed: int = 0, num_train: int = 65536,
+         item_vocab_size: int = 4096, seed: int = 0,
+         num_train: int = SYNTHETIC_TRAIN_EXAMPLES,
          num_valid: int = 2048) -> tuple[AdsDataset, AdsDataset, DataSpec]:
   """``(train, valid, spec)`` of dataset ``name`` (one of :data:`DATASETS`).
 

@@ -102,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--lr", type=float, default=2e-3)
   p.add_argument("--weight-decay", type=float, default=1e-4)
   p.add_argument("--eval-every", type=int, default=50)
-  p.add_argument("--train-examples", type=int, default=65536,
+  p.add_argument("--train-examples", type=int, default=ads_data.SYNTHETIC_TRAIN_EXAMPLES,
                  help="examples of --data synthetic's training split (the others ignore it)")
   p.add_argument("--valid-examples", type=int, default=None,
                  help="evaluate on the first N validation examples (default: all of them)")

@@ -235,15 +235,13 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
                                           implementation="cudnn")
     except (NotImplementedError, RuntimeError) as e:  # raised while tracing: no cuDNN, shapes
       log.debug("softmax_attention: using XLA: cuDNN cannot run this call: %s", e)
-  if jnp.dtype(q.dtype) == jnp.float16 and jax.default_backend() == "cpu":
+  dtype = q.dtype
+  if jnp.dtype(dtype) == jnp.float16 and jax.default_backend() == "cpu":
     # XLA:CPU has no float16 dot with a float32 result, which the backward of JAX's attention
     # asks for ("precision F16_F16_F32 is not supported"): float32 there, rounded back.
-    f32 = jnp.float32
-    out = jax.nn.dot_product_attention(q.astype(f32), k.astype(f32), v.astype(f32),
-                                       key_value_seq_lengths=kv_lengths, implementation="xla")
-    return out.astype(q.dtype)
+    q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
   return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths,
-                                      implementation="xla")
+                                      implementation="xla").astype(dtype)
 
 
 def softmax_attention_backend(implementation, dtype, head_dim: int) -> str:

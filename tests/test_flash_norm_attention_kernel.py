@@ -39,14 +39,15 @@ def _rel_err(a, b):
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _problem(seed, q_lens, heads, head_dim, lkv=64, *, large_mean_row=None):
-  """Random bf16 inputs, dense K/V; q's padding rows NaN; affines with some zeros in γ2.
-  NumPy's generator (drawn in float32): JAX's would compile a program per shape."""
+def _problem(seed, q_lens, heads, head_dim, lkv=64, *, large_mean_row=None, capacity=None):
+  """Random bf16 inputs, dense K/V; q's padding rows NaN (by default 8 to 15 of them); affines
+  with some zeros in γ2. NumPy's generator (drawn in float32): JAX's would compile a program
+  per shape."""
   rng = np.random.default_rng(seed)
   normal = lambda shape, scale=1.0, shift=0.0: shift + scale * rng.standard_normal(  # noqa: E731
       shape, np.float32)
   total = int(np.sum(q_lens))
-  capacity = -(-total // 8) * 8 + 8
+  capacity = capacity or -(-total // 8) * 8 + 8
   q = normal((capacity, heads, head_dim))
   if large_mean_row is not None:  # |mean| / std = 100: the shifted one-pass variance must hold
     q[large_mean_row] += 100.0
@@ -1084,34 +1085,18 @@ def test_gpu_cluster_gradients_at_issue_shape(heads, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Found by a mutation test of the kernel bodies: each failed to notice its mutant before.
 
-def _small_fna_problem(rng, heads, d, lens, lkv, cap, padding=0.0):
-  total = sum(lens)
-  q = rng.standard_normal((cap, heads, d)).astype(np.float32)
-  q[total:] = padding
-  q = jnp.asarray(q).astype(jnp.bfloat16)
-  qo = jnp.asarray(jagged.offsets_from_lengths(np.asarray(lens)))
-  k = jnp.asarray((rng.standard_normal((len(lens), lkv, heads, d)) * d ** -0.5).astype(
-      np.float32)).astype(jnp.bfloat16)
-  v = jnp.asarray(rng.standard_normal((len(lens), lkv, heads, d)).astype(np.float32)).astype(
-      jnp.bfloat16)
-  return q, k, v, qo
-
-
 @pytest.mark.parametrize("inner,outer", [(True, True), (False, False)])
 def test_fused_forward_at_a_large_eps(inner, outer):
   """Both norms' eps at 1.0 (the rows' variance's size; at 1e-6 eps moves r1, r2 by ~1e-6):
   out, r1 and r2 against the f32 reference."""
-  rng = np.random.default_rng(0)
-  heads, d, lens = 2, 64, [70, 9]
-  q, k, v, qo = _small_fna_problem(rng, heads, d, lens, 64, 88)
-  aff = [rng.normal(m, .2, heads * d).astype(np.float32) for m in (1, 0, 1)]
-  a = jnp.asarray(np.stack(aff).reshape(3, heads, d))
+  heads, d = 2, 64
+  q, k, v, qo, affine = _problem(0, [70, 9], heads, d)
+  a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(3, heads, d)
   out, stats = mosaic.flash_norm_attention_fwd(
       q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1.0, inner_residual=inner,
       outer_residual=outer, return_stats=True, interpret=True)
   ref, (ln, rms) = reference.flash_norm_attention(
-      q.astype(F32), k.astype(F32), v.astype(F32), qo, ln_scale=jnp.asarray(aff[0]),
-      ln_bias=jnp.asarray(aff[1]), rms_scale=jnp.asarray(aff[2]), pre_scale=0.9,
+      q.astype(F32), k.astype(F32), v.astype(F32), qo, **affine, pre_scale=0.9,
       post_scale=1.1, activation="fast_gelu", eps=1.0, inner_residual=inner,
       outer_residual=outer, return_stats=True)
   total = int(qo[-1])
@@ -1132,7 +1117,7 @@ def test_layer_norm_statistics_of_rows_near_bf16_resolution():
   q = jnp.asarray(x.astype(np.float32)).astype(jnp.bfloat16)
   rows = np.asarray(q, np.float64)[:total].reshape(total, -1)  # the values the kernel sees
   qo = jnp.asarray(np.array([0, 40, total], np.int32))
-  _, k, v, _ = _small_fna_problem(rng, heads, d, [40, 24], 64, t)
+  _, k, v, _, _ = _problem(2, [40, 24], heads, d)
   a = jnp.ones((3, heads, d), F32).at[1].set(0.0)
   _, stats = mosaic.flash_norm_attention_fwd(q, k, v, qo, a, 0.9, 1.1, activation="silu",
                                              eps=1e-6, return_stats=True, interpret=True)
@@ -1147,9 +1132,8 @@ def test_saved_z_rounds_attn_before_the_inner_residual(module):
   bf16(q + attn): with the LayerNorm and the outer residual off (u = q), attn emulated in
   float32 as the kernels compute it; where the two roundings differ, z follows the first."""
   fwd = (mosaic if module == "mosaic" else cluster).flash_norm_attention_fwd
-  rng = np.random.default_rng(7)
   heads, d, total = (2 if module == "mosaic" else 1), 64, 64
-  q, k, v, qo = _small_fna_problem(rng, heads, d, [total], 64, 72)
+  q, k, v, qo, _ = _problem(7, [total], heads, d)
   pre, post = 0.9, 1.1
   _, _, z, u = fwd(q, k, v, qo, jnp.ones((3, heads, d), F32), pre, post, activation="silu",
                    eps=1e-6, pre_layer_norm=False, outer_residual=False, save_residuals=True,
@@ -1174,10 +1158,9 @@ def test_cluster_padding_chunks_of_several_blocks():
   """The cluster kernel (H = 1) with 200 padding rows: a padding chunk of several q blocks, so
   both consumers store zero blocks (other tests have at most one padding block); out's and the
   statistics' padding rows exactly 0, nothing left unwritten (interpret mode fills NaN)."""
-  rng = np.random.default_rng(5)
   lens = [70, 9]
   total = sum(lens)
-  q, k, v, qo = _small_fna_problem(rng, 1, 64, lens, 64, 80 + 200, padding=np.nan)
+  q, k, v, qo, _ = _problem(5, lens, 1, 64, capacity=80 + 200)
   a = jnp.ones((3, 1, 64), F32).at[1].set(0.0)
   out, stats = cluster.flash_norm_attention_fwd(q, k, v, qo, a, 0.9, 1.1, activation="silu",
                                                 eps=1e-6, return_stats=True, interpret=True)
