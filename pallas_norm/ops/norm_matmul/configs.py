@@ -90,8 +90,8 @@ def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | Non
   differentiated, or None to take the kernel: where training takes it, and RMSNorm at K = N ≤
   :data:`RMS_FORWARD_MAX_KN`; not LayerNorm past K, N ≤ 1024 (the wide shapes of
   :data:`WIDE_MAX_K` and the squares of :data:`LAYER_SQUARE_MAX_KN`, where only training is
-  faster on the kernel: its forward at 2048² was 881 vs 850 µs at 65536 rows, 3426 vs 3399 at
-  262144, benchmarks/results/nvidia-h200.md)."""
+  faster on the kernel: its forward alone at 2048² measured 1–4% slower than XLA's at 65536 and
+  262144 rows, benchmarks/results/nvidia-h200.md)."""
   if norm == "rms" and k == n <= RMS_FORWARD_MAX_KN:
     return _small_m_reason(m)
   limit = KERNEL_DEFAULT_MAX_KN[norm]
