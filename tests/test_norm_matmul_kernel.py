@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
+import pallas_norm as pn
 from pallas_norm import mgpu, reference
 from pallas_norm.mgpu import TileConfig
 from pallas_norm.mgpu import gemm as gemm_core
@@ -208,6 +209,30 @@ def test_layer_statistics_of_huge_rows_do_not_overflow():
   y, mean, rstd = _layer_forward_f32_out(x, w, col_sum)
   y_ref, stats = _reference(x, w, None, None, norm="layer", eps=EPS, return_stats=True)
   np.testing.assert_allclose(rstd, stats.rstd, rtol=1e-5)
+  assert _rel_err(y, y_ref) < 1e-2
+
+
+@pytest.mark.parametrize("implementation",
+                         ["interpret", pytest.param("mosaic", marks=pytest.mark.gpu)])
+def test_layer_statistics_past_float32_range(implementation):
+  """Rows whose Σ(x − shift)² overflows float32 (|x| ≈ 1e19 and 1e20, K = 512) normalize to
+  zeros: rstd = 0 and y = βᵀw, as in the reference (its centred squares overflow too) and on
+  the XLA path. inf − inf in the lane merge made those rows NaN (a fuzzing run found it)."""
+  x, w, scale, bias = _inputs(6, 64, 512, 128, np.float32)
+  x = np.array(x)
+  x[3] *= 1e19
+  x[10] *= 1e20
+  x = jnp.asarray(x, jnp.bfloat16)
+  w = w.astype(jnp.bfloat16)
+  y, stats = jax.jit(lambda x, w, scale, bias: pn.norm_matmul(
+      x, w, scale=scale, norm_bias=bias, norm="layer", eps=EPS, return_stats=True,
+      out_dtype=jnp.float32, implementation=implementation))(x, w, scale, bias)
+  y_ref, stats_ref = _reference(x, w, scale, bias, norm="layer", eps=EPS, return_stats=True)
+  assert not np.any(np.asarray(stats_ref.rstd)[[3, 10]])  # the reference's rows overflow
+  assert _all_finite(y), "NaN rows"
+  np.testing.assert_array_equal(np.asarray(stats.rstd)[[3, 10]], 0.0)
+  np.testing.assert_allclose(np.asarray(y)[[3, 10]], np.asarray(y_ref)[[3, 10]], rtol=2e-2,
+                             atol=2e-2)
   assert _rel_err(y, y_ref) < 1e-2
 
 

@@ -416,6 +416,35 @@ def test_forward_kernel_path_matches_reference(monkeypatch, shape, dtype, scale,
     _assert_close(g, w, tol, name)
 
 
+@pytest.mark.parametrize("path", ["forward_kernel", "forward_kernel_chunked", "backward_kernel",
+                                  pytest.param("triton", marks=pytest.mark.gpu)])
+def test_bfloat16_rows_past_float32_range_normalize_to_zeros(monkeypatch, path):
+  """bfloat16 LayerNorm rows whose Σd² overflows float32 (|x| ≈ 1e19, 1e20): y = β and dx = 0
+  there, as the reference and the XLA path give (README, Limitations). The one-pass variance
+  that bfloat16 takes (E[d²] − E[d]², d = x − the row's first element) made them NaN where E[d]²
+  overflowed too (inf − inf): the forward kernel over full rows and in chunks, and the backward
+  kernel recomputing the statistics after XLA's forward (found by fuzzing); "triton": the
+  compiled kernels on the GPU."""
+  if path == "forward_kernel_chunked":
+    _chunked(monkeypatch, 32, 2)
+  x, vecs, dy, _ = _inputs(seed_of(f"overflow{path}"), (13, 100), jnp.bfloat16, scale=True,
+                           bias=True, residual=False)
+  x = x.at[3].multiply(1e19).at[10].multiply(1e20)
+  eps = 1e-5
+  f = (_kernel_path("layer", eps, False) if path.startswith("forward")
+       else _op("interpret" if path == "backward_kernel" else path, eps, False))
+  got_out, got_grads = _outputs_and_grads(f, x, vecs, dy, None)
+  want_out, want_grads = _outputs_and_grads(_op("reference", eps, False), *_upcast((x, vecs)),
+                                            dy, None)
+  np.testing.assert_array_equal(np.asarray(want_grads[0], np.float32)[[3, 10]], 0.0)
+  _assert_close(got_out, want_out, BF16_TOL, "y")
+  np.testing.assert_allclose(np.asarray(got_out, np.float32)[[3, 10]],
+                             np.broadcast_to(np.asarray(vecs["bias"], np.float32), (2, 100)),
+                             rtol=1e-2, atol=1e-3)
+  for name, g, w in zip(("dx", "dscale", "dbias"), got_grads, want_grads):
+    _assert_close(g, w, BF16_TOL, name)
+
+
 GRID_CASES = [
     # shape, dtype, norm, bias, chunked (forward tiling: a program per row block)
     ((37, 64), jnp.bfloat16, "layer", True, False),

@@ -282,8 +282,10 @@ def _finalize_stats(plan: _Plan, stats):
   cnt = k // mgpu.LANE_COLS
   lane_mean = shift + s1 * (1.0 / cnt)
   # s1 · (s1 / cnt), not s1² / cnt: s1² overflows float32 for rows of ~3e17 (K = 512) while
-  # s2 and the result are still finite.
-  lane_m2 = s2 - s1 * (s1 * (1.0 / cnt))
+  # s2 and the result are still finite. Where s2 itself overflows (|x − shift| ≳ 1e19) the
+  # product may too: M2 is +inf there (rstd = 0, y = out_bias, as the reference's centred
+  # squares give), not inf − inf = NaN.
+  lane_m2 = jnp.where(s2 < jnp.inf, s2 - s1 * (s1 * (1.0 / cnt)), s2)
   mean = jnp.sum(lane_mean, axis=1) * (1.0 / mgpu.LANE_COLS)
   dev = lane_mean - _rowvec(mean, lane_mean.shape)
   m2 = jnp.sum(lane_m2, axis=1) + jnp.sum(dev * dev, axis=1) * float(cnt)
