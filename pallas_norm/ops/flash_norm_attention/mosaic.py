@@ -88,6 +88,7 @@ from pallas_norm import mgpu
 from pallas_norm.mgpu import store
 from pallas_norm.ops.gdpa import configs as gdpa_configs
 from pallas_norm.ops.gdpa import mosaic as gdpa_mosaic
+from pallas_norm.ops.norms import xla as norms_xla
 
 _F32 = jnp.float32
 BLOCK_Q = 64
@@ -746,9 +747,8 @@ def _layer_norm_stats(plan: _Plan, tile_of, wait_for=None):
     s1, s2 = lax.fori_loop(1, plan.num_heads, wait_and_add, add(0, (zeros, zeros)))
   mean_d = jnp.sum(s1, axis=1) * (1.0 / n)
   mean_sq = jnp.sum(s2, axis=1) * (1.0 / n)
-  # E[d²] past float32's range (|x − s| ≳ 1e17): the variance is +inf (r1 = 0, u = β1), as the
-  # two-pass sums and the reference give, not inf − inf = NaN when E[d]² overflows too
-  var = jnp.where(mean_sq < jnp.inf, jnp.maximum(mean_sq - mean_d * mean_d, 0.0), mean_sq)
+  # E[d²] past float32's range (|x − s| ≳ 1e17): the variance is +inf (r1 = 0, u = β1)
+  var = norms_xla.shifted_variance(mean_sq, mean_d)
   return shift + mean_d, lax.rsqrt(var + plan.eps)
 
 

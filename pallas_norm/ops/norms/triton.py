@@ -257,7 +257,7 @@ def _normalized_block(s, cols, n: int, eps: float, norm: str, two_pass: bool = F
   if two_pass:
     var = jnp.sum(centered * centered, axis=1, keepdims=True) / n
   else:
-    var = triton_fwd.shifted_variance(jnp.sum(d * d, axis=1, keepdims=True) / n, dmean)
+    var = xla.shifted_variance(jnp.sum(d * d, axis=1, keepdims=True) / n, dmean)
   rstd = lax.rsqrt(var + eps)
   return centered * rstd, rstd
 

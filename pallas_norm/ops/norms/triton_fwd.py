@@ -167,16 +167,9 @@ def full_row_stats(s, cols, n: int, eps: float, norm: str, shift=None, two_pass:
   if two_pass:
     var = jnp.sum(centered * centered, axis=1) / n
   else:
-    var = shifted_variance(jnp.sum(d * d, axis=1) / n, dmean)
+    var = xla.shifted_variance(jnp.sum(d * d, axis=1) / n, dmean)
   rstd = lax.rsqrt(var + eps)
   return centered * rstd[:, None], (shift, dmean, rstd)
-
-
-def shifted_variance(mean_sq, dmean):
-  """var = E[d²] − E[d]² of rows shifted by one of their elements (d = x − shift), at least 0;
-  +inf where E[d²] overflows float32 (rstd = 0, x̂ = 0, as the two-pass variance and the reference
-  give there), where E[d]² can overflow too and inf − inf would make the row NaN."""
-  return jnp.where(mean_sq < jnp.inf, jnp.maximum(mean_sq - dmean * dmean, 0.0), mean_sq)
 
 
 def normalized_with(s, cols, n: int, stats):
@@ -211,7 +204,7 @@ def chunked_row_stats(load_chunk, n: int, chunk: int, eps: float, norm: str, blo
       return acc[0] + d, acc[1] + d * d
     d1, d2 = chunk_loop(chunks, add_moments, (tile, tile))
     dmean = jnp.sum(d1, axis=1) / n
-    var = shifted_variance(jnp.sum(d2, axis=1) / n, dmean)
+    var = xla.shifted_variance(jnp.sum(d2, axis=1) / n, dmean)
     return shift, dmean, lax.rsqrt(var + eps)
   zero = jnp.zeros((block_m,), jnp.float32)
 

@@ -82,6 +82,14 @@ def row_stats(s, norm: str, eps: float) -> RowStats:
                   reference.rstd_of(jnp.mean(jnp.square(centered), axis=-1) + eps))
 
 
+def shifted_variance(mean_sq, dmean):
+  """The one-pass variance the kernels take, E[d²] − E[d]² of rows shifted by one of their
+  values or a mean of a few (d = x − shift), at least 0; +inf where E[d²] overflows float32
+  (rstd = 0, x̂ = 0, as the two-pass variance and the reference give there), where E[d]² can
+  overflow too and inf − inf would make the row NaN."""
+  return jnp.where(mean_sq < jnp.inf, jnp.maximum(mean_sq - dmean * dmean, 0.0), mean_sq)
+
+
 def normalized(s, stats: RowStats):
   """``x̂`` from ``s`` and its statistics (the reference's rounding order)."""
   if stats.shift is not None:
