@@ -256,7 +256,7 @@ def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
   if not is_array(off):
     raise TypeError(f"{name} must be an int32 array of shape (B+1,), got {type(off).__name__}")
   if jnp.dtype(off.dtype) != jnp.int32:
-    raise TypeError(f"{name} must be int32, got {off.dtype}")
+    raise TypeError(f"{name} must be int32, got {off.dtype} (cast with .astype(jnp.int32))")
   if off.ndim != 1 or off.shape[0] < 2:
     raise ValueError(f"{name} must have shape (B+1,) with B >= 1, got {tuple(off.shape)}")
   if isinstance(off, jax.core.Tracer):

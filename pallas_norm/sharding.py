@@ -102,6 +102,9 @@ def shard_rows(op, mesh=None, axis="data"):
       not match the offsets' batch, or concrete local offsets that break the jagged convention
       (naming the argument and the shard). The op's own errors come from tracing its per-shard
       call, before any kernel runs.
+    NotImplementedError: (at the call) a Mosaic kernel op with ``implementation="interpret"``
+      (alone or first in a tuple) on a mesh of several devices, where jax 0.11.2's GPU
+      interpreter fails an internal assertion (module docstring).
   """
   name = getattr(op, "__name__", None)
   if name not in ROW_ARGS:
@@ -120,6 +123,7 @@ def shard_rows(op, mesh=None, axis="data"):
     arrays = {k: v for k, v in bound.arguments.items()
               if _validate.is_array(v) and not isinstance(v, np.generic) and k not in _SETTINGS}
     static = {k: v for k, v in bound.arguments.items() if k not in arrays}
+    _check_interpret(name, static, the_mesh)
     _check_rows(name, arrays, num_shards, axis)
     if name in _JAGGED_OPS:
       _check_jagged(arrays, static, num_shards)
@@ -178,6 +182,38 @@ def _resolve_mesh(mesh, axis):
   return mesh
 
 
+_MOSAIC_OPS = ("norm_matmul", "matmul_norm", "gdpa", "flash_norm_attention")
+"""The ops whose ``"interpret"`` implementation runs JAX's GPU (Mosaic) interpreter; the norms'
+runs the generic Pallas interpreter, which works on several devices."""
+
+
+def _gpu_interpreter_checks_every_device() -> bool:
+  """Whether jax's GPU interpreter still asserts, at the end of each device's kernel, that no
+  barrier of *any* device is allocated (module docstring), i.e. nobody replaced that check."""
+  # pylint: disable-next=import-outside-toplevel
+  try:  # a private module of jax 0.11.2
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory
+  except ImportError:  # pragma: no cover
+    return False
+  check = getattr(shared_memory.GPUSharedMemory, "assert_no_barriers_allocated", None)
+  return getattr(check, "__module__", None) == shared_memory.__name__
+
+
+def _check_interpret(name, static, mesh) -> None:
+  """NotImplementedError for GPU interpret mode on several devices, before anything runs: it
+  would fail inside jax's interpreter with an opaque INTERNAL error."""
+  impl = static.get("implementation")
+  first = impl[0] if isinstance(impl, (tuple, list)) and impl else impl
+  if (name in _MOSAIC_OPS and first == "interpret" and mesh.size > 1
+      and _gpu_interpreter_checks_every_device()):
+    raise NotImplementedError(
+        f"shard_rows({name}) with implementation='interpret' on a mesh of {mesh.size} devices: "
+        "jax 0.11.2's GPU interpreter asserts at the end of each device's kernel that no "
+        "barrier of any device is still allocated, which fails while other devices' kernels "
+        "run. Use one device, or implementation='xla' (tests/sharding_checks.py shows the "
+        "workaround its tests use).")
+
+
 def _check_rows(name, arrays, num_shards, axis) -> None:
   for arg in ROW_ARGS[name]:
     x = arrays.get(arg)
@@ -189,8 +225,8 @@ def _check_rows(name, arrays, num_shards, axis) -> None:
       raise ValueError(f"{arg}: a row argument needs a leading rows axis and a feature axis "
                        f"(ndim >= 2), got shape {tuple(x.shape)}; call the op unsharded")
     if x.shape[0] % num_shards:
-      raise ValueError(f"{arg}: its leading axis ({tuple(x.shape)}) must split evenly over the "
-                       f"{num_shards} shards of mesh axis {axis!r}")
+      raise ValueError(f"{arg}: its leading axis of {x.shape[0]} rows (shape {tuple(x.shape)}) "
+                       f"must split evenly over the {num_shards} shards of mesh axis {axis!r}")
 
 
 def _check_jagged(arrays, static, num_shards) -> None:

@@ -231,10 +231,19 @@ def _prenorm_inputs(m, k, n, seed):
 def ops_interpret():
   """The pre-norm kernels (forward and dx) and the post-norm ones (forward and norm backward)
   in GPU interpret mode on 2 CPU devices of 64 rows each (:func:`_kernel_vs_reference`), with
-  no all-gather; a plain jit of the kernel on the same sharded rows gathers them."""
-  _allow_interpret_on_several_devices()
+  no all-gather; a plain jit of the kernel on the same sharded rows gathers them. Without the
+  workaround, shard_rows refuses the interpreter on several devices before anything runs (it
+  failed inside jax with an opaque INTERNAL error)."""
   mesh = _mesh((2,), ("data",))
   x, rest = _prenorm_inputs(128, 64, 64, 1)
+  for impl in ("interpret", ("interpret", "xla")):
+    try:
+      sharding.shard_rows(pn.norm_matmul, mesh)(x, **rest, implementation=impl)
+    except NotImplementedError as e:
+      assert "interpret" in str(e) and "2 devices" in str(e), e
+    else:
+      raise AssertionError(f"{impl}: expected NotImplementedError on 2 devices")
+  _allow_interpret_on_several_devices()
   # Without shard_rows, XLA's partitioner gathers the sharded rows to call the kernel.
   plain = jax.jit(lambda x, r: pn.norm_matmul(x, **r, implementation="interpret")).lower(
       jax.device_put(x, NamedSharding(mesh, P("data"))), rest).compile()

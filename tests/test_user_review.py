@@ -242,3 +242,35 @@ def test_by_use_runs_each_use_on_its_path_under_transformations():
   # grad of grad differentiates the training path's backward (2·w²·(cos² − sin²) here).
   second = jax.grad(lambda x: jnp.sum(jax.grad(loss)(x, w)))(x)
   np.testing.assert_allclose(second, 2 * w**2 * jnp.cos(2 * x), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Session 38's review.
+
+
+def test_the_first_interpret_call_does_not_retrace_jitted_functions():
+  """JAX's interpreters register a config option (part of every jit cache key) when first
+  imported; imported during the first interpret-mode trace, every jitted function traced twice
+  (a new user's train step compiled twice). A fresh process: the import state is the point."""
+  import os
+  import subprocess
+  script = "\n".join([
+      "import jax, jax.numpy as jnp, pallas_norm as pn",
+      "traces = []",
+      "def loss(x, w):",
+      "  traces.append(1)",
+      "  y = pn.norm_matmul(x, w, implementation='interpret')",
+      "  return jnp.sum(y.astype(jnp.float32) ** 2)",
+      "f = jax.jit(jax.grad(loss, (0, 1)))",
+      "x = jax.random.normal(jax.random.key(0), (128, 64), jnp.bfloat16)",
+      "w = jax.random.normal(jax.random.key(1), (64, 64), jnp.bfloat16) / 8",
+      "for _ in range(3):",
+      "  jax.block_until_ready(f(x, w))",
+      "print('traces', len(traces))",
+  ])
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC=os.environ.get("PJRT_NPROC", "8"),
+             PYTHONPATH=str(ROOT))
+  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "traces 1" in result.stdout, result.stdout

@@ -10,6 +10,16 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm.mgpu.config import INTERPRET_NUM_CTAS
 
+# JAX's interpreters register a config option (a part of every jit cache key) when first
+# imported. Imported lazily inside the first interpret-mode trace, that made every function
+# jitted before it trace and compile twice; imported here, with the package, they do not.
+try:  # private modules of jax 0.11.2 (not re-exported); a later JAX may move them
+  # pylint: disable=unused-import
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _tpu_interpreter
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _gpu_interpreter
+except ImportError:  # pragma: no cover
+  pass
+
 
 def interpret_params(*, detect_races: bool = True) -> plgpu.InterpretGPUParams:
   """GPU interpret-mode parameters used by the tests: race detection, NaN-filled SMEM/outputs.
