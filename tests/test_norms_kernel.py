@@ -173,11 +173,15 @@ def test_rows_whose_first_element_is_an_outlier_keep_their_precision(dtype, n, t
 @pytest.mark.parametrize("config", [
     row_norm_pallas.BackwardConfig(block_m=1, programs=7, num_warps=4, num_stages=1),
     row_norm_pallas.BackwardConfig(block_m=4, programs=2, num_warps=8),
+    row_norm_pallas.BackwardConfig(block_m=2, programs=5, num_warps=4, prefetch=True),
+    row_norm_pallas.BackwardConfig(block_m=4, programs=16, num_warps=4, prefetch=True),
 ])
 def test_other_tilings_give_the_same_gradients(monkeypatch, config):
-  """The kernel under tilings other than pick_config's (one row per step and more programs than
-  steps; blocks past the rows of a short last slab), as the GPU tilings under test take them:
-  the same values as the reference."""
+  """The kernel under tilings other than pick_config's, as the GPU tilings under test take them
+  (45 rows: one row per step over 7 programs; 12 blocks of 4 rows over 2, the last block one
+  row; 23 blocks of 2 over 5 programs, the next block loaded ahead, programs with 5 and 4
+  blocks; 12 blocks over 16 programs, 4 of them with none): the same values as the
+  reference."""
   x, vecs, dy, ds = _inputs(8, (45, 96), jnp.bfloat16, scale=True, bias=True, residual=True)
   monkeypatch.setattr(row_norm_pallas, "pick_config", lambda m, n, interpret, kind: config)
   _, got = _outputs_and_grads(_op("interpret", 1e-5, False), x, vecs, dy, ds)
@@ -487,6 +491,101 @@ def test_forward_kernel_one_program_per_row_block(monkeypatch, shape, dtype, nor
     if ref is not None:
       np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-6, atol=1e-6,
                                  err_msg=name)
+
+
+STRIDED_CASES = [
+    # shape, dtype, norm, (block_m, programs, prefetch) or None (pick_config's, interpret mode)
+    ((3, 13, 100), jnp.float32, "layer", (4, 3, False)),
+    ((3, 13, 100), jnp.float32, "layer", (4, 3, True)),
+    ((3, 13, 100), jnp.float32, "rms", (4, 12, True)),
+    ((3, 13, 100), jnp.float32, "rms", (2, 6, False)),
+    ((37, 64), jnp.bfloat16, "layer", (2, 40, True)),
+    ((21, 1000), jnp.float32, "rms", None),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,norm,tiling", STRIDED_CASES)
+def test_backward_given_statistics_strided_blocks(monkeypatch, shape, dtype, norm, tiling):
+  """The backward kernel reading the forward kernel's statistics, program p taking row blocks
+  p, p + P, ... with and without the next block loaded ahead: 39 rows of N = 100 (columns
+  masked) in 10 blocks of 4 over 3 programs (4, 3 and 3 blocks, the last block 3 rows) and
+  over 12 programs (2 with no block), 20 blocks of 2 over 6 programs, 37 rows in 19 blocks over
+  40 programs, and pick_config's RMSNorm tiling at N = 1000 (2 rows a step, prefetch; 11
+  blocks over 3 programs, the last block one row). dx, dscale (and dbias) against jax.vjp of
+  the float32 reference; interpret mode fills what the kernel leaves unwritten with NaN."""
+  m, n = math.prod(shape[:-1]), shape[-1]
+  if tiling is not None:
+    block_m, programs, prefetch = tiling
+    config = row_norm_pallas.BackwardConfig(block_m=block_m, programs=programs, num_warps=4,
+                                            prefetch=prefetch)
+    monkeypatch.setattr(row_norm_pallas, "pick_config", lambda m, n, interpret, kind: config)
+  else:
+    config = row_norm_pallas.pick_config(m, n, True, norm + "_given")
+    assert (config.block_m, config.programs, config.prefetch) == (2, 3, True)
+  assert m % config.block_m, "the last row block should be short of rows"
+  bias = norm == "layer"
+  x, vecs, dy, _ = _inputs(seed_of(f"strided{shape}{dtype}{norm}{tiling}"), shape, dtype,
+                           scale=True, bias=bias, residual=False)
+  _, got = _outputs_and_grads(_kernel_path(norm, 1e-5, False), x, vecs, dy, None)
+  _, want = _outputs_and_grads(_op("reference", 1e-5, False, norm=norm), *_upcast((x, vecs)),
+                               dy, None)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  for name, g, w in zip(("dx", "dscale", "dbias"), got, want):
+    if name != "dbias" or bias:
+      _assert_close(g, w, tol, name)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_norm_backward_strided_blocks_match_float64(monkeypatch, norm, prefetch):
+  """norm_backward (given x̂ and rstd, with dh_out and all three column sums) over 30 rows of
+  N = 48 in 8 blocks of 4 (the last 2 rows) over 3 and over 11 programs, with and without the
+  next block loaded ahead: dh, Σ dy ⊙ x̂, Σ dy and Σ dh against a float64 NumPy closed form
+  from the same float32 inputs, to 1e-5 (float32 kernel: only the summation order differs)."""
+  m, n = 30, 48
+  keys = jax.random.split(jax.random.key(seed_of(f"nbstrided{norm}{prefetch}")), 5)
+  dy, xhat, dh_out = (jax.random.normal(k, (m, n), jnp.float32) for k in keys[:3])
+  rstd = jax.random.uniform(keys[3], (m,), jnp.float32, 0.5, 2.0)
+  scale = 1 + 0.2 * jax.random.normal(keys[4], (n,), jnp.float32)
+  d, xh, r, dho, g = (np.asarray(a, np.float64) for a in (dy, xhat, rstd, dh_out, scale))
+  gd = d * g
+  inner = gd - xh * (gd * xh).mean(-1, keepdims=True)
+  if norm == "layer":
+    inner = inner - gd.mean(-1, keepdims=True)
+  dh_want = r[:, None] * inner + dho
+  want = {"dscale": (d * xh).sum(0), "dbias": d.sum(0), "ddense": dh_want.sum(0)}
+  for programs in (3, 11):
+    config = row_norm_pallas.BackwardConfig(block_m=4, programs=programs, num_warps=4,
+                                            prefetch=prefetch)
+    monkeypatch.setattr(row_norm_pallas, "pick_config", lambda m, n, interpret, kind: config)
+    dh, sums = jax.jit(functools.partial(
+        row_norm_pallas.norm_backward, norm=norm, sums=row_norm_pallas.SAVED_STATS_SUMS,
+        interpret=True))(dy, xhat, rstd, scale, dh_out)
+    _assert_close(dh, dh_want, 1e-5, f"dh ({programs} programs)")
+    for name, w in want.items():
+      _assert_close(sums[name], w, 1e-5, f"{name} ({programs} programs)")
+
+
+def test_default_backward_tilings(monkeypatch):
+  """pick_config's full-row backward tilings at the measured shapes (132 SMs, as the H200):
+  RMSNorm given the statistics at N = 2048 one row a step, 12 programs per SM, prefetch; at
+  N = 512 8 rows, no prefetch; LayerNorm's given them 2048 elements over 8 programs per SM,
+  no prefetch; the recomputing kinds (norm_backward's) as before; no more programs than row
+  blocks; rows wider than 4096 16 warps, 4 programs per SM."""
+  monkeypatch.setattr(row_norm_pallas, "_gpu_core_count", lambda: 132)
+  cfg = functools.partial(row_norm_pallas.BackwardConfig, num_warps=4)
+  pick = functools.partial(row_norm_pallas.pick_config, interpret=False)
+  assert pick(262144, 2048, norm="rms_given") == cfg(1, 12 * 132, prefetch=True)
+  assert pick(262144, 1024, norm="rms_given") == cfg(2, 12 * 132, prefetch=True)
+  assert pick(1048576, 512, norm="rms_given") == cfg(8, 12 * 132)
+  assert pick(262144, 2048, norm="layer_given") == cfg(1, 8 * 132)
+  assert pick(1048576, 512, norm="layer_given") == cfg(4, 8 * 132)
+  assert pick(4194304, 128, norm="layer_given") == cfg(32, 12 * 132)
+  assert pick(262144, 2048, norm="rms") == cfg(1, 12 * 132, prefetch=True)
+  assert pick(262144, 512, norm="rms") == cfg(8, 12 * 132)
+  assert pick(262144, 512, norm="layer") == cfg(4, 8 * 132)
+  assert pick(100, 2048, norm="rms_given") == cfg(1, 100, prefetch=True)
+  assert pick(65536, 8192, norm="layer") == row_norm_pallas.BackwardConfig(1, 4 * 132, 16)
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])

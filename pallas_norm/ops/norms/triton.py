@@ -10,12 +10,13 @@ the backward reads them (``given_stats``: x̂ costs no row reduction). Rows wide
 :data:`MAX_N` take the forward kernel and a backward that walks them in chunks
 (:func:`_chunked_backward_kernel`). The backward is one Pallas kernel with the Triton
 lowering (any NVIDIA GPU that Pallas' Triton backend supports, not only Hopper;
-``interpret=True`` runs it on the CPU). Each program owns a slab of rows and loops over blocks of
-``block_m`` full rows; per block it loads ``x`` (and ``residual``), ``dy`` (and the cotangent of
-the residual stream ``s``), recomputes the row statistics and ``x̂`` from the rows it holds in
-registers, forms the two row sums and writes ``ds`` once. ``dγ``/``dβ`` partials stay in
-registers over the program's rows and are written once per program to a ``(programs, N)``
-float32 buffer that XLA sums afterwards (deterministic). The chunked kernel of wider rows keeps
+``interpret=True`` runs it on the CPU). Program p of P loops over the row blocks p, p + P,
+... (``block_m`` full rows each: the programs running at once read adjacent rows); per block
+it loads ``x`` (and ``residual``), ``dy`` (and the cotangent of the residual stream ``s``),
+recomputes the row statistics and ``x̂`` from the rows it holds in registers, forms the two row
+sums and writes ``ds`` once. ``dγ``/``dβ`` partials stay in registers over the program's rows
+and are written once per program to a ``(programs, N)`` float32 buffer that XLA sums
+afterwards (deterministic). The chunked kernel of wider rows (a slab of rows per program) keeps
 them in registers too (RMSNorm) or leaves them to a second kernel over column blocks × row
 splits (:func:`_column_sums_call`; the row kernel then runs a program per row block: LayerNorm).
 
@@ -73,22 +74,24 @@ MAX_N = 8192
 MAX_ELEMENTS = 2**31 - 1
 """The kernel indexes x with int32 element offsets."""
 
-TILINGS = {"layer": ((8192, 2048, 8),), "rms": ((8192, 4096, 12),),
-           "layer_given": ((128, 4096, 12), (8192, 2048, 8)),
-           "rms_given": ((8192, 4096, 12),)}
-"""Rows of (widest padded N, elements per loop step, programs per SM) of :func:`pick_config`,
-the first whose N holds the call, per norm, with the statistics recomputed, given by the
-forward kernel (``_given``) or saved (:func:`norm_backward`, the recomputing kinds' tilings):
-each the fastest tiling measured for its norm. LayerNorm takes half the elements per step of
-RMSNorm (more live values per element: the shift, the centered rows) except given the
-statistics at N = 128, where 32-row steps over 12 programs per SM won; RMSNorm's lighter body
-keeps 12 programs per SM busy (measured: ``benchmarks/NOTES.md``, "Tilings and RMSNorm
-through the kernel", "Standalone norms" and the post-norm backward, and
-``benchmarks/EXPERIMENTS.md``)."""
+_RMS_TILINGS = ((512, 4096, 12, False), (2048, 2048, 12, True), (8192, 4096, 12, False))
+TILINGS = {"layer": ((8192, 2048, 8, False),), "rms": _RMS_TILINGS,
+           "layer_given": ((128, 4096, 12, False), (8192, 2048, 8, False)),
+           "rms_given": _RMS_TILINGS}
+"""Rows of (widest padded N, elements per loop step, programs per SM, prefetch) of
+:func:`pick_config`, the first whose N holds the call, per norm, with the statistics
+recomputed, given by the forward kernel (``_given``) or saved (:func:`norm_backward`, the
+recomputing kinds' tilings). LayerNorm takes half the elements per step of RMSNorm (more live
+values per element: the shift, the centered rows) except given the statistics at N = 128, where
+32-row steps over 12 programs per SM won; RMSNorm's lighter body keeps 12 programs per SM busy.
+RMSNorm at N = 1024-2048 (given the statistics or saved) loads the next step's tiles ahead
+(with the row blocks in strided order that beat every other tiling swept at N = 2048, and the
+saved-statistics kind was slower at 2048 without it; LayerNorm's prefetch was slower). Measured: ``benchmarks/NOTES.md`` ("Tilings and RMSNorm through the kernel",
+"Standalone norms", the post-norm backward) and ``benchmarks/EXPERIMENTS.md``."""
 
 INTERPRET_PROGRAMS = 3
-"""Programs in interpret mode: several, so slabs, the row loop and the partial sums are
-exercised (and rows that do not fill the last block)."""
+"""Programs in interpret mode: several, so the strided row loop (and the chunked kernel's
+slabs) and the partial sums are exercised (and rows that do not fill the last block)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,16 +101,19 @@ class BackwardConfig:
   Attributes:
     block_m: rows per loop step (a power of 2); one step holds ``block_m × n_pad`` elements of
       each operand in registers.
-    programs: grid size; each program owns ``cdiv(M, programs)`` rows (rounded up to a multiple
-      of ``block_m``) and writes one row of the dγ/dβ partial buffers.
+    programs: grid size (at most the row blocks); program p takes row blocks p, p + programs,
+      ... and writes one row of the dγ/dβ partial buffers.
     num_warps: warps per program (Triton).
     num_stages: Triton's software-pipelining depth of the row loop (None: Triton's default).
+    prefetch: each step loads the next step's tiles before its own math (carried in
+      registers: more loads in flight, more live registers).
   """
 
   block_m: int
   programs: int
   num_warps: int
   num_stages: int | None = None
+  prefetch: bool = False
 
 
 def _gpu_core_count() -> int:
@@ -115,22 +121,24 @@ def _gpu_core_count() -> int:
 
 
 def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
-  """Full rows (padded to a power of 2) over 4 warps, the step's elements and the programs per
-  SM from :data:`TILINGS` by ``norm`` ("layer" or "rms"), whether the kernel recomputes the
-  statistics or is given them, by N. Rows wider than 4096 (one row per step) keep the earlier tiling,
-  the one measured there: 16 warps, 4 programs per SM (faster than XLA at 65536×8192;
-  ``benchmarks/NOTES.md``, "Tilings and RMSNorm through the kernel"). Several programs per SM
-  keep loads in flight (the kernel is bandwidth-bound); the winners were measured, not derived
+  """Full rows (padded to a power of 2) over 4 warps, the step's elements, the programs per SM
+  and prefetch from :data:`TILINGS` by ``norm`` ("layer" or "rms", whether the kernel
+  recomputes the statistics or is given them: ``_given``) and N; no more programs than row
+  blocks. Rows wider than 4096 (one row per step) keep the earlier tiling, the one measured
+  there: 16 warps, 4 programs per SM (faster than XLA at 65536×8192; ``benchmarks/NOTES.md``,
+  "Tilings and RMSNorm through the kernel"). Several programs per SM keep loads in flight (the
+  kernel is bandwidth-bound); the winners were measured, not derived
   (``benchmarks/EXPERIMENTS.md``).
   """
   n_pad = pl.next_power_of_2(n)
-  elements, per_sm = next((e, p) for max_n, e, p in TILINGS[norm] if n_pad <= max_n)
+  elements, per_sm, prefetch = next(
+      (e, p, pf) for max_n, e, p, pf in TILINGS[norm] if n_pad <= max_n)
   block_m = max(1, min(64, elements // n_pad))
   wide = n_pad > 4096
   blocks = pl.cdiv(m, block_m)
   programs = INTERPRET_PROGRAMS if interpret else (4 if wide else per_sm) * _gpu_core_count()
   return BackwardConfig(block_m=block_m, programs=max(1, min(programs, blocks)),
-                        num_warps=16 if wide else 4)
+                        num_warps=16 if wide else 4, prefetch=prefetch)
 
 
 CHUNKED_TILING = {"rms": (4096, 1, 1, 16, "registers"), "layer": (4096, 1, None, 8, "apart", True)}
@@ -288,41 +296,63 @@ def _row_block_grads(load_tile, load_row, cols, gamma, ops: _Operands, n: int, e
   return ds, xhat, dy
 
 
-def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, block_m: int,
-                     rows_per_program: int, eps: float):
+_ROW_INPUTS = ("rstd", "shift", "dmean")
+"""Inputs of :func:`_backward_kernel` with one value per row; the others are (M, N) tiles."""
+
+
+def _backward_kernel(*refs, ops: _Operands, m: int, n: int, n_pad: int, cfg: BackwardConfig,
+                     eps: float):
+  """One program: the row blocks p, p + P, ... (P = ``cfg.programs``; the programs running at
+  once stream adjacent rows), each loaded whole (with ``cfg.prefetch`` the next block's loads
+  are issued before the current block's math), its ds stored and its column summands added to
+  the program's partials, written once after the loop."""
   r = dict(zip(ops.input_names() + ops.output_names(), refs, strict=True))
   pid = pl.program_id(0)
+  block_m, programs = cfg.block_m, cfg.programs
   cols = jnp.arange(n_pad)
   col_mask = cols < n
   gamma = None
   if ops.gamma:
     gamma = pltriton.load(r["gamma"].at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
+  loaded = [q for q in ops.input_names() if q != "gamma"]
 
-  def step(i, partials):
-    rows = pid * rows_per_program + i * block_m + jnp.arange(block_m)
-    row_mask = rows < m
+  def block(i):
+    """(rows, mask, tile index) of the program's i-th row block."""
+    rows = (pid + i * programs) * block_m + jnp.arange(block_m)
     # Full rows (N a power of 2) need no column mask: a mask constant along the row keeps the
     # loads and stores vectorized.
-    mask = jnp.broadcast_to(row_mask[:, None], (block_m, n_pad))
+    mask = jnp.broadcast_to((rows < m)[:, None], (block_m, n_pad))
     if n != n_pad:
       mask = mask & col_mask[None, :]
-    tile_at = (rows[:, None], cols[None, :])
+    return rows, mask, (rows[:, None], cols[None, :])
 
-    def load_tile(name):
-      return pltriton.load(r[name].at[tile_at], mask=mask, other=0.0).astype(jnp.float32)
+  def load(i):
+    rows, mask, tile_at = block(i)
+    # Rows past M read 1 as their statistics (their x̂ and dy are 0 anyway).
+    return tuple(
+        pltriton.load(r[q].at[rows], mask=rows < m, other=1.0) if q in _ROW_INPUTS else
+        pltriton.load(r[q].at[tile_at], mask=mask, other=0.0).astype(jnp.float32)
+        for q in loaded)
 
-    def load_row(name):  # rows past M read 1: their x̂ and dy are 0 anyway
-      return pltriton.load(r[name].at[rows], mask=row_mask, other=1.0)
-
-    ds, xhat, dy = _row_block_grads(load_tile, load_row, cols, gamma, ops, n, eps)
+  def finish(i, tiles, partials):
+    at = dict(zip(loaded, tiles))
+    ds, xhat, dy = _row_block_grads(at.__getitem__, at.__getitem__, cols, gamma, ops, n, eps)
+    _, mask, tile_at = block(i)
     pltriton.store(r["ds"].at[tile_at], ds.astype(r["ds"].dtype), mask=mask)
     summands = {"dscale_part": lambda: dy * xhat, "dbias_part": lambda: dy,
                 "ddense_part": lambda: ds}
     return tuple(acc + summands[name]() for name, acc in zip(ops.partial_names(), partials))
 
-  zeros = jnp.zeros((block_m, n_pad), jnp.float32)
-  partials = lax.fori_loop(0, rows_per_program // block_m, step,
-                           (zeros,) * len(ops.partial_names()))
+  steps = (pl.cdiv(m, block_m) - pid + programs - 1) // programs
+  zeros = (jnp.zeros((block_m, n_pad), jnp.float32),) * len(ops.partial_names())
+  if cfg.prefetch:
+    def step(i, carry):
+      partials, tiles = carry
+      ahead = load(i + 1)  # past the last block: masked, nothing read
+      return finish(i, tiles, partials), ahead
+    partials, _ = lax.fori_loop(0, steps, step, (zeros, load(0)))
+  else:
+    partials = lax.fori_loop(0, steps, lambda i, acc: finish(i, load(i), acc), zeros)
   # One row of partials per program, reduced over its block rows once, after the loop.
   part_at = pid * n_pad + cols
   for name, acc in zip(ops.partial_names(), partials):
@@ -485,12 +515,10 @@ def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpr
     return _chunked_backward_call(ops, m, n, ds_dtype, interpret, inputs)
   cfg = pick_config(m, n, interpret, ops.norm + "_given" * ops.given_stats)
   n_pad = pl.next_power_of_2(n)
-  rows_per_program = pl.cdiv(pl.cdiv(m, cfg.programs), cfg.block_m) * cfg.block_m
-  programs = pl.cdiv(m, rows_per_program)
+  programs = cfg.programs
   part = jax.ShapeDtypeStruct((programs * n_pad,), jnp.float32)
   out_shape = [jax.ShapeDtypeStruct((m, n), ds_dtype)] + [part] * len(ops.partial_names())
-  kernel = functools.partial(_backward_kernel, ops=ops, m=m, n=n, n_pad=n_pad,
-                             block_m=cfg.block_m, rows_per_program=rows_per_program, eps=eps)
+  kernel = functools.partial(_backward_kernel, ops=ops, m=m, n=n, n_pad=n_pad, cfg=cfg, eps=eps)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(programs,), interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
@@ -566,8 +594,9 @@ def norm_backward(dy, xhat, rstd, scale=None, dh_out=None, *, norm: str,
 
       dh = rstd ⊙ (g − x̂ ⊙ mean_N(g ⊙ x̂) − mean_N(g)) (+ dh_out)      (RMS: no mean_N(g))
 
-  One program per slab of rows reads dy, x̂ (and dh_out) once, writes dh once and keeps the
-  column sums' partials in registers (as :func:`pallas_norm.layer_norm`'s backward does).
+  Each program takes every P-th block of rows (P programs), reads dy, x̂ (and dh_out) once,
+  writes dh once and keeps the column sums' partials in registers (as
+  :func:`pallas_norm.layer_norm`'s backward does).
 
   Args:
     dy: (M, N) cotangent of y; xhat: (M, N) x̂ in dy's dtype; rstd: (M,) float32.
