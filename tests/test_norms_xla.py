@@ -78,7 +78,6 @@ CASES_F64 = [
     # norm, shape, residual, zero_centered
     ("layer", (2, 3, 33), True, False),
     ("layer", (7, 20), False, True),
-    ("layer", (2, 32768), True, True),  # LAYER_AUTODIFF_MIN_N: plain autodiff there
 ]
 
 
@@ -288,28 +287,4 @@ def test_fused_ops_xla_gradients_of_large_rows_match_float64(op):
     f = lambda x, s, w: fn(x, w, norm="rms", scale=s, implementation="xla")
     args, ct = (x, scale, w), jax.random.normal(k[2], (8, 64))
   errs = _grad_vs_float64(f, args, ct)
-  assert max(errs) < 1e-5, errs
-
-
-def test_layer_norm_takes_autodiff_from_the_measured_width(monkeypatch):
-  """LayerNorm's XLA path differentiates through the one-pass rule (a custom_jvp) below
-  LAYER_AUTODIFF_MIN_N features and through plain autodiff from it, where the H200 measured
-  autodiff faster; the values there are checked by the float64 cases above, and large rows'
-  gradients against float64 here."""
-  from pallas_norm.ops.norms import xla as norms_xla
-  wide = norms_xla.LAYER_AUTODIFF_MIN_N
-
-  rule, calls = norms_xla._layer_norm_rows, []  # pylint: disable=protected-access
-  monkeypatch.setattr(norms_xla, "_layer_norm_rows", lambda *a: calls.append(1) or rule(*a))
-
-  def uses_rule(n):
-    calls.clear()
-    jax.eval_shape(jax.grad(lambda x: jnp.sum(pn.layer_norm(x, implementation="xla") ** 2)),
-                   jax.ShapeDtypeStruct((2, n), jnp.float32))
-    return bool(calls)
-
-  assert uses_rule(wide - 8) and not uses_rule(wide)
-  x, scale, ct = _large_rows(seed_of("large-layer-wide"), (2, wide), 1e13)
-  f = _call("layer", "xla", eps=1e-6)
-  errs = _grad_vs_float64(lambda x, s: f(x, s, None, None), (x, scale), ct)
   assert max(errs) < 1e-5, errs

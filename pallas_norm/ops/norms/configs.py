@@ -8,15 +8,13 @@ from __future__ import annotations
 
 KERNEL_DOMAINS = {
     # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual
-    "layer": ((128, 8192, 65536), (8193, 32767, 16384)),
+    "layer": ((128, 8192, 65536), (8193, 32768, 16384)),
     "rms": ((128, 2048, 262144),),
 }
 """Where ``implementation=None`` trains through the kernels, per norm: the forward kernel of
 :mod:`pallas_norm.ops.norms.triton_fwd` and the backward reading its statistics. Each row is
 where the H200 measured that path faster in training than the "xla" implementation: bf16
-without a residual (``benchmarks/NOTES.md``, "Standalone norms"). LayerNorm stops short of
-N = 32768, where the "xla" implementation is autodiff and trained faster than the kernels
-(2603.3 vs 2697.5 µs at 16384×32768, one call). Outside them XLA runs; an
+without a residual (``benchmarks/NOTES.md``, "Standalone norms"). Outside them XLA runs; an
 explicit "triton"/"interpret" takes :func:`pallas_norm.ops.norms.api.forward_path`'s
 forward."""
 

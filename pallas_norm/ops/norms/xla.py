@@ -23,8 +23,7 @@ reductions instead, through the two-pass variance and the shift of
 :func:`pallas_norm.reference._center`; with this rule XLA trains LayerNorm 1.37-1.64× faster
 (measured: benchmarks/NOTES.md, "The XLA path's one-pass rule"). RMSNorm's autodiff already
 makes one row sum; the same rule for it was slower than autodiff and is not used
-(benchmarks/EXPERIMENTS.md). Nor is it for LayerNorm rows of :data:`LAYER_AUTODIFF_MIN_N`
-features or more, where XLA's autodiff of the reference trains faster than the rule.
+(benchmarks/EXPERIMENTS.md).
 
 Why a ``custom_jvp`` and not a ``custom_vjp``: the same backward, and forward mode (``jax.jvp``,
 ``jax.hessian``, ``jax.jacfwd``) keeps working, as it did with plain autodiff; derivatives of
@@ -45,13 +44,6 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import reference
-
-
-LAYER_AUTODIFF_MIN_N = 32768
-"""Row width from which LayerNorm's XLA path takes plain autodiff instead of the one-pass rule.
-On the H200 at 16384×32768 bf16, fwd+bwd: autodiff 2603.3 µs, the rule 3412.1 (and 3413.0 in an
-earlier run), while at 65536×8192 the rule wins, 3286.0 vs 4247.1 (benchmarks/NOTES.md,
-"Standalone norms"); the widths between are unmeasured, so the rule keeps them."""
 
 
 class RowStats(NamedTuple):
@@ -220,15 +212,13 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
     residual; :class:`pallas_norm.NormStats` in float32 (float64 for float64 x), shape
     x.shape[:-1]. The values are those of :mod:`pallas_norm.reference` (the same operations).
     Derivatives of any order, forward and reverse mode: LayerNorm's from the one-pass tangent
-    map of the module docstring (the statistics' included), RMSNorm's from autodiff, and
-    LayerNorm's too from :data:`LAYER_AUTODIFF_MIN_N` features.
+    map of the module docstring (the statistics' included), RMSNorm's from autodiff.
 
   No validation: the public ops validate first.
   """
   out_dtype = jnp.dtype(out_dtype or x.dtype)
-  if norm == "rms" or x.shape[-1] >= LAYER_AUTODIFF_MIN_N:
-    # Autodiff: faster than the one-pass rule on the H200 there (module docstring).
-    return _primal(x, scale, bias, residual, norm, float(eps), bool(zero_centered_scale),
+  if norm == "rms":  # autodiff: faster than the one-pass rule on the H200 (module docstring)
+    return _primal(x, scale, bias, residual, "rms", float(eps), bool(zero_centered_scale),
                    out_dtype)[0]
   return _layer_norm_rows(x, scale, bias, residual, float(eps), bool(zero_centered_scale),
                           out_dtype)
