@@ -103,8 +103,8 @@ def shard_rows(op, mesh=None, axis="data"):
       (naming the argument and the shard). The op's own errors come from tracing its per-shard
       call, before any kernel runs.
     NotImplementedError: (at the call) a Mosaic kernel op with ``implementation="interpret"``
-      (alone or first in a tuple) on a mesh of several devices, where jax 0.11.2's GPU
-      interpreter fails an internal assertion (module docstring).
+      on a mesh of several devices, where jax 0.11.2's GPU interpreter fails an internal
+      assertion (module docstring); a sequence that reaches "interpret" there fails inside JAX.
   """
   name = getattr(op, "__name__", None)
   if name not in ROW_ARGS:
@@ -202,9 +202,9 @@ def _gpu_interpreter_checks_every_device() -> bool:
 def _check_interpret(name, static, mesh) -> None:
   """NotImplementedError for GPU interpret mode on several devices, before anything runs: it
   would fail inside jax's interpreter with an opaque INTERNAL error."""
-  impl = static.get("implementation")
-  first = impl[0] if isinstance(impl, (tuple, list)) and impl else impl
-  if (name in _MOSAIC_OPS and first == "interpret" and mesh.size > 1
+  # Only a plain "interpret": a sequence runs its first name that can run the call, which only
+  # the op's dispatch knows (("interpret", "xla") runs XLA where the kernel refuses the call).
+  if (name in _MOSAIC_OPS and static.get("implementation") == "interpret" and mesh.size > 1
       and _gpu_interpreter_checks_every_device()):
     raise NotImplementedError(
         f"shard_rows({name}) with implementation='interpret' on a mesh of {mesh.size} devices: "

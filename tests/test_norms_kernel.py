@@ -570,7 +570,8 @@ def test_default_backward_tilings(monkeypatch):
   """pick_config's full-row backward tilings at the measured shapes (132 SMs, as the H200):
   RMSNorm given the statistics at N = 2048 one row a step, 12 programs per SM, prefetch; at
   N = 512 8 rows, no prefetch; LayerNorm's given them 2048 elements over 8 programs per SM,
-  no prefetch; the recomputing kinds (norm_backward's) as before; no more programs than row
+  no prefetch; the recomputing kinds (norm_backward's): RMSNorm at 2048 as RMSNorm given the
+  statistics, at 512 8 rows, LayerNorm at 512 4 rows over 8 per SM; no more programs than row
   blocks; rows wider than 4096 16 warps, 4 programs per SM."""
   monkeypatch.setattr(row_norm_pallas, "_gpu_core_count", lambda: 132)
   cfg = functools.partial(row_norm_pallas.BackwardConfig, num_warps=4)
