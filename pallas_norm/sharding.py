@@ -190,8 +190,8 @@ runs the generic Pallas interpreter, which works on several devices."""
 def _gpu_interpreter_checks_every_device() -> bool:
   """Whether jax's GPU interpreter still asserts, at the end of each device's kernel, that no
   barrier of *any* device is allocated (module docstring), i.e. nobody replaced that check."""
-  # pylint: disable-next=import-outside-toplevel
   try:  # a private module of jax 0.11.2
+    # pylint: disable-next=import-outside-toplevel
     from jax._src.pallas.mosaic_gpu.interpret import shared_memory
   except ImportError:  # pragma: no cover
     return False

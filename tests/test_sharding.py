@@ -180,7 +180,8 @@ def test_shard_rows_errors_before_any_device_work():
   x, w = jnp.ones((6, 64)), jnp.ones((64, 64))
   with pytest.raises(ValueError, match="op must be one of"):
     sharding.shard_rows(jnp.matmul, FOUR)
-  with pytest.raises(ValueError, match=r"x: its leading axis of 6 rows \(shape \(6, 64\)\) must split"):
+  with pytest.raises(ValueError,
+                     match=r"x: its leading axis of 6 rows \(shape \(6, 64\)\) must split"):
     sharding.shard_rows(pn.norm_matmul, FOUR)(x, w)
   with pytest.raises(ValueError, match="'model' is not an axis"):
     sharding.shard_rows(pn.norm_matmul, FOUR, axis="model")(x, w)

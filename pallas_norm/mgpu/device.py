@@ -10,13 +10,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_norm.mgpu.config import INTERPRET_NUM_CTAS
 
-# JAX's interpreters register a config option (a part of every jit cache key) when first
-# imported. Imported lazily inside the first interpret-mode trace, that made every function
-# jitted before it trace and compile twice; imported here, with the package, they do not.
-try:  # private modules of jax 0.11.2 (not re-exported); a later JAX may move them
+# The GPU interpreter's first run imports the Mosaic (TPU) interpreter, whose imports register
+# a config option (``pallas_fuser_disable_nested_fuse``, a part of every jit cache key). Inside
+# the first interpret-mode trace that made every function jitted before it trace and compile
+# twice; imported here, with the package, it does not.
+try:  # a private module of jax 0.11.2 (not re-exported); a later JAX may move it
   # pylint: disable=unused-import
   from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _tpu_interpreter
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _gpu_interpreter
 except Exception:  # pragma: no cover  # pylint: disable=broad-exception-caught
   pass  # only the retrace's cost is at stake: never let it break the package's import
 

@@ -86,8 +86,9 @@ values per element: the shift, the centered rows) except given the statistics at
 32-row steps over 12 programs per SM won; RMSNorm's lighter body keeps 12 programs per SM busy.
 RMSNorm at N = 1024-2048 (given the statistics or saved) loads the next step's tiles ahead
 (with the row blocks in strided order that beat every other tiling swept at N = 2048, and the
-saved-statistics kind was slower at 2048 without it; LayerNorm's prefetch was slower). Measured: ``benchmarks/NOTES.md`` ("Tilings and RMSNorm through the kernel",
-"Standalone norms", the post-norm backward) and ``benchmarks/EXPERIMENTS.md``."""
+saved-statistics kind was slower at 2048 without it; LayerNorm's prefetch was slower).
+Measured: ``benchmarks/NOTES.md`` ("Tilings and RMSNorm through the kernel", "Standalone
+norms", the post-norm backward) and ``benchmarks/EXPERIMENTS.md``."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so the strided row loop (and the chunked kernel's
