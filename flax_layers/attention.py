@@ -86,11 +86,13 @@ class GDPA(nnx.Module):
     _check_heads(self, "q", q)
     _check_arrays(self, k=k, v=v)
     cd = _common.compute_dtype(self.dtype, q, k, v)
-    q, k, v = _common.cast(cd, q, k, v)
-    return pallas_norm.gdpa(q, k, v, q_offsets, kv_offsets, activation=self.activation,
-                            pre_scale=self.pre_scale, post_scale=self.post_scale,
-                            max_seq_len=max_seq_len, max_kv_len=max_kv_len,
-                            implementation=self.implementation)
+    q_dtype = q.dtype
+    with _common.promotion_hint(type(self).__name__, self.dtype, q_dtype, cd, [], k=k, v=v):
+      q, k, v = _common.cast(cd, q, k, v)
+      return pallas_norm.gdpa(q, k, v, q_offsets, kv_offsets, activation=self.activation,
+                              pre_scale=self.pre_scale, post_scale=self.post_scale,
+                              max_seq_len=max_seq_len, max_kv_len=max_kv_len,
+                              implementation=self.implementation)
 
 
 def _check_offsets(layer, q_offsets):
@@ -192,14 +194,16 @@ class PFFNBlock(nnx.Module):
     _check_arrays(self, k=k, v=v)
     affines = [_common.value(p) for p in (self.ln_scale, self.ln_bias, self.rms_scale)]
     cd = _common.compute_dtype(self.dtype, q_tokens, k, v, *affines)
-    q, k, v, ln_scale, ln_bias, rms_scale = _common.cast(cd, q_tokens, k, v, *affines)
-    return pallas_norm.flash_norm_attention(
-        q, k, v, q_offsets, kv_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
-        rms_scale=rms_scale, activation=self.activation, pre_scale=self.pre_scale,
-        post_scale=self.post_scale, eps=self.epsilon, max_seq_len=max_seq_len,
-        max_kv_len=max_kv_len, implementation=self.implementation,
-        pre_layer_norm=self.pre_layer_norm, inner_residual=self.inner_residual,
-        outer_residual=self.outer_residual)
+    with _common.promotion_hint(type(self).__name__, self.dtype, q_tokens.dtype, cd, affines,
+                                k=k, v=v):
+      q, k, v, ln_scale, ln_bias, rms_scale = _common.cast(cd, q_tokens, k, v, *affines)
+      return pallas_norm.flash_norm_attention(
+          q, k, v, q_offsets, kv_offsets, ln_scale=ln_scale, ln_bias=ln_bias,
+          rms_scale=rms_scale, activation=self.activation, pre_scale=self.pre_scale,
+          post_scale=self.post_scale, eps=self.epsilon, max_seq_len=max_seq_len,
+          max_kv_len=max_kv_len, implementation=self.implementation,
+          pre_layer_norm=self.pre_layer_norm, inner_residual=self.inner_residual,
+          outer_residual=self.outer_residual)
 
 
 def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):

@@ -94,6 +94,15 @@ class KunlunConfig:
     return self.num_sparse_features + (1 if self.num_dense_features else 0)
 
 
+
+def _hashed(ids, vocab_size: int):
+  """``ids mod vocab_size``, computed in at least 32 bits: in a narrower dtype the vocabulary
+  size itself wraps (4096 is 0 in uint8, 100000 is 34464 in uint16), which sent every id to
+  the wrong row, or a negative one, without an error."""
+  if jnp.dtype(ids.dtype).itemsize < 4:
+    ids = ids.astype(jnp.int32)
+  return jnp.mod(ids, vocab_size)
+
 class KunlunModel(nnx.Module):
   """Kunlun-style CTR model; ``__call__`` returns one click logit per example.
 
@@ -198,8 +207,8 @@ class KunlunModel(nnx.Module):
     c = self.config
     _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets)
     # Hashing trick: out-of-range ids would make nnx.Embed's gather return NaN rows.
-    sparse_ids = jnp.mod(sparse_ids, c.sparse_vocab_size)
-    seq_ids = jnp.mod(seq_ids, c.item_vocab_size)
+    sparse_ids = _hashed(sparse_ids, c.sparse_vocab_size)
+    seq_ids = _hashed(seq_ids, c.item_vocab_size)
     batch = sparse_ids.shape[0]
     # Every jagged conversion of the batch shares one search of the offsets (and its
     # derivatives reuse it).

@@ -236,6 +236,21 @@ def test_out_of_range_ids_are_hashed_into_the_tables(model, forward):
   np.testing.assert_allclose(shifted, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype,offset", [(np.uint8, 0), (np.int8, 0), (np.int16, 0),
+                                          (np.uint16, 40000)])
+def test_narrow_integer_ids_hash_as_int32_ids(dtype, offset):
+  """Ids in a dtype narrower than 32 bits give the logits of the same ids in int32 (review
+  finding: the modulo ran in the ids' dtype, where the vocabulary size wraps: 4096 is 0 in
+  uint8, so every id went to row 0; 100000 is 34464 in uint16)."""
+  cfg = dataclasses.replace(CONFIG, sparse_vocab_size=4096, item_vocab_size=100000)
+  model = KunlunModel(cfg, rngs=nnx.Rngs(0), implementation="xla")
+  sparse, dense, ids, off = _inputs(3)
+  sparse, ids = sparse % 100 + offset, ids % 100 + offset
+  want = model(sparse.astype(np.int32), dense, ids.astype(np.int32), off)
+  got = model(sparse.astype(dtype), dense, ids.astype(dtype), off)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("arg,make,error,name", [
     ("sparse_ids", lambda s, d, i, o: (s[:, :2], d, i, o), ValueError, "sparse_ids"),
     ("sparse_ids", lambda s, d, i, o: (s.astype(np.float32), d, i, o), TypeError, "sparse_ids"),

@@ -745,6 +745,23 @@ def test_kernel_error_names_a_promoting_residual():
     layer(x, residual=jnp.ones((8, 64), jnp.float32))
 
 
+def test_attention_kernel_errors_name_the_dtype_promotion():
+  """PFFNBlock's float32 parameters and GDPA's float32 k/v promote a bfloat16 q with
+  dtype=None: the kernel's refusal says so, as the dense layers' does (review finding: it said
+  "q dtype float32" although the caller passed bfloat16)."""
+  rng = np.random.default_rng(6)
+  q = jnp.asarray(rng.standard_normal((128, 1, 64)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((2, 64, 1, 64)) / 8, jnp.bfloat16)
+  offs = jnp.array([0, 60, 120], jnp.int32)
+  with pytest.raises(NotImplementedError, match=r"PFFNBlock: with dtype=None the float32 "
+                                                r"parameters promoted the bfloat16"):
+    PFFNBlock(1, 64, rngs=nnx.Rngs(0), implementation="interpret")(q, offs, k, k, max_seq_len=64)
+  k32 = k.astype(jnp.float32)
+  with pytest.raises(NotImplementedError, match=r"GDPA: with dtype=None the float32 k and the "
+                                                r"float32 v promoted the bfloat16"):
+    GDPA(1, 64, implementation="interpret")(q, offs, k32, k32, max_seq_len=64)
+
+
 @pytest.mark.parametrize("layer", ["NormDense", "DenseNorm"])
 def test_kernel_error_names_the_dtype_promotion(layer):
   """A bf16 input with float32 parameters and dtype=None computes in float32, which the kernels
