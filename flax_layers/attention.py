@@ -86,8 +86,7 @@ class GDPA(nnx.Module):
     _check_heads(self, "q", q)
     _check_arrays(self, k=k, v=v)
     cd = _common.compute_dtype(self.dtype, q, k, v)
-    q_dtype = q.dtype
-    with _common.promotion_hint(type(self).__name__, self.dtype, q_dtype, cd, [], k=k, v=v):
+    with _common.promotion_hint(type(self).__name__, self.dtype, q.dtype, cd, [], k=k, v=v):
       q, k, v = _common.cast(cd, q, k, v)
       return pallas_norm.gdpa(q, k, v, q_offsets, kv_offsets, activation=self.activation,
                               pre_scale=self.pre_scale, post_scale=self.post_scale,

@@ -94,7 +94,6 @@ class KunlunConfig:
     return self.num_sparse_features + (1 if self.num_dense_features else 0)
 
 
-
 def _hashed(ids, vocab_size: int):
   """``ids mod vocab_size``, computed in at least 32 bits: in a narrower dtype the vocabulary
   size itself wraps (4096 is 0 in uint8, 100000 is 34464 in uint16), which sent every id to
@@ -102,6 +101,7 @@ def _hashed(ids, vocab_size: int):
   if jnp.dtype(ids.dtype).itemsize < 4:
     ids = ids.astype(jnp.int32)
   return jnp.mod(ids, vocab_size)
+
 
 class KunlunModel(nnx.Module):
   """Kunlun-style CTR model; ``__call__`` returns one click logit per example.

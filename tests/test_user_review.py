@@ -245,7 +245,7 @@ def test_by_use_runs_each_use_on_its_path_under_transformations():
 
 
 # ------------------------------------------------------------------------------------------------
-# Session 38's review.
+# A new user's review: the interpreters' import and the jit cache.
 
 
 def test_the_first_interpret_call_does_not_retrace_jitted_functions():
