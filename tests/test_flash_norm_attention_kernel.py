@@ -1126,6 +1126,22 @@ def test_layer_norm_statistics_of_rows_near_bf16_resolution():
   np.testing.assert_allclose(got[:, 1], 1 / np.sqrt(rows.var(1) + 1e-6), rtol=2e-5)
 
 
+def test_rms_rstd_is_that_of_the_saved_z():
+  """r2 = rsqrt(mean(z²) + eps) of the z the one-CTA kernel's training form saves, to float32's
+  rounding (it squares z as saved). The reference checks allow 2e-2, under which r2 rounded to
+  bf16 (3.5e-3 off) passed a mutation test. (The cluster kernel squares z before rounding it
+  for the save, 1.1e-3 from the saved z's statistic here: too close to the mutant's to tell.)"""
+  heads, d = 2, 64
+  q, k, v, qo, affine = _problem(0, [5, 70, 0, 9], heads, d)
+  a = jnp.stack([affine["ln_scale"], affine["ln_bias"], affine["rms_scale"]]).reshape(3, heads, d)
+  _, stats, z, _ = mosaic.flash_norm_attention_fwd(
+      q, k, v, qo, a, 0.9, 1.1, activation="fast_gelu", eps=1e-5, save_residuals=True,
+      return_stats=True, interpret=True)
+  total = int(qo[-1])
+  zf = np.asarray(z[:total], np.float64).reshape(total, -1)
+  np.testing.assert_allclose(stats[:total, 2], 1 / np.sqrt((zf ** 2).mean(1) + 1e-5), rtol=1e-5)
+
+
 @pytest.mark.parametrize("module", ["mosaic", "cluster"])
 def test_saved_z_rounds_attn_before_the_inner_residual(module):
   """z = bf16(q + bf16(attn)) (the unfused chain's rounding, the kernels' docstrings), not

@@ -364,6 +364,29 @@ def test_layer_norm_matches_reference_and_flax():
   np.testing.assert_allclose(y, flax_layer(x), **F32_TOL)
 
 
+@pytest.mark.parametrize("make", [_rms, _ln, _norm_dense, _dense_norm])
+def test_layers_pass_their_epsilon_to_the_op(make):
+  """A non-default epsilon (0.5, the size of the rows' variance, so it moves every output)
+  reaches the op: the value tests above use the op's default, under which a layer dropping its
+  epsilon passed (a mutation test, LayerNorm and DenseNorm)."""
+  eps = 0.5
+  layer = make(epsilon=eps)
+  p = _params(layer)
+  if make in (_rms, _ln):
+    x = _x(8, (4, N))
+    want = (reference.rms_norm(x, p["scale"], eps=eps) if make is _rms
+            else reference.layer_norm(x, p["scale"], p["bias"], eps=eps))
+  elif make is _norm_dense:
+    x = _x(8, (4, K))
+    want = reference.norm_matmul(x, p["kernel"], p["norm_scale"], p["norm_bias"], norm="layer",
+                                 eps=eps) + p["bias"]
+  else:
+    x = 0.2 * _x(8, (4, K))
+    want = reference.matmul_norm(x, p["kernel"], p["bias"], None, p["norm_scale"],
+                                 p["norm_bias"], norm="layer", eps=eps)
+  np.testing.assert_allclose(layer(x), want, **F32_TOL)
+
+
 @pytest.mark.parametrize("make", [_rms, _ln])
 def test_norm_residual_returns_y_and_the_sum_on_request(make):
   """As every Flax layer (and DenseNorm), a call returns one array, also with a residual;

@@ -794,6 +794,24 @@ def test_forward_use_runs_the_forward_kernel_and_training_its_own_path(monkeypat
     _assert_close(g, w, F32_TOL, "grad")
 
 
+def test_forward_use_with_a_residual_takes_xla(monkeypatch):
+  """Where the forward use chose the forward kernel (which adds no residual), a call with a
+  residual runs XLA's forward for both uses: the reference's values (a mutation test dropping
+  that guard passed the CPU suite; on a GPU the kernel would have raised)."""
+  from pallas_norm.ops.norms import api as norms
+  x, vecs, _, _ = _inputs(22, (40, 96), jnp.float32, scale=True, bias=False, residual=True)
+  r = vecs["residual"]
+  calls = []
+  real = triton_fwd.forward
+  monkeypatch.setattr(triton_fwd, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+  y, h = jax.jit(lambda x, s, r: norms._run(("interpret", "xla"), x, s, None, r, "rms", 1e-5,
+                                            False, None))(x, vecs["scale"], r)
+  want_y, want_h = reference.rms_norm(x, vecs["scale"], r, eps=1e-5)
+  _assert_close(y, want_y, F32_TOL, "y")
+  _assert_close(h, want_h, F32_TOL, "h")
+  assert not calls, "the forward kernel ran for a call with a residual"
+
+
 # Found by a mutation test (each failed to notice its mutant before).
 
 def test_forward_kernel_float32_rows_with_a_far_first_element():
