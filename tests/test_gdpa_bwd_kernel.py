@@ -430,6 +430,22 @@ def test_gpu_float16_head_dim_64():
          interpret=False)
 
 
+def test_fused_dq_adds_do_with_traced_scales():
+  """The fused dQ (D = 128, Lkv ≤ 128) adding dO with the scale gradients on: the branch the
+  FNA training backward takes at the issue shape with traced scales (not the identity-tile
+  one of Python-float scales). Dropping its + dO passed the CPU suite (a mutation test)."""
+  _check([5, 70], 80, 1, 128, "fast_gelu", lkv=64, traced_scales=True, add_do_to_dq=True, seed=4)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_separate_dq_kernel_adds_unscaled_do(traced):
+  """The separate dQ kernel (D = 64) adds dO itself, not pre·post·dO: at pre·post = 0.75 the
+  difference is 25% of dO (the FNA tests' 0.99 hid it under their tolerance: a mutation
+  test)."""
+  _check([5, 70], 80, 1, 64, "fast_gelu", lkv=64, add_do_to_dq=True, traced_scales=traced,
+         pre=0.5, post=1.5, seed=6)
+
+
 def test_scale_gradients_sum_unrounded_terms():
   """d pre_scale and d post_scale (traced scales) within 1e-4 of their size and terms (the
   general bound is 1e-2): the partial sums take dS and A in float32, not rounded to bf16 (~2⁻⁹
