@@ -9,9 +9,8 @@ CTA order, into ``n_partials`` row vectors; every CTA merges the same values in 
 so all hold the same bits. Two ways to exchange (:class:`Spec`.exchange):
 
 * "pull": each CTA writes its partials to its own SMEM, arrives on a cluster barrier, and reads
-  its peers' through :func:`plgpu.cluster_ref`, with ``fence.acq_rel.cluster`` around the
-  barriers (the cluster barrier's remote arrive is a CTA-scope release and its wait a CTA-scope
-  acquire).
+  its peers' through :func:`plgpu.cluster_ref`; the barrier's arrive releases and its wait
+  acquires at cluster scope (:mod:`pallas_norm.mgpu.cluster_barrier`), so no fence is needed.
 * "push": each CTA sends its partials as one packet into every peer's inbox with ``st.async``
   stores that complete the receiver's barrier (each packet arrives once, with its byte count):
   no thread waits on a remote load and no fence is needed.
@@ -31,6 +30,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_norm.mgpu import cluster_barrier
 from pallas_norm.mgpu.device import swizzle_transforms
 from pallas_norm.mgpu.pipeline import opaque_zero
 
@@ -96,19 +96,6 @@ def allocs(spec: Spec) -> dict | None:
                for _ in range(2))
   return dict(part=part, full=cluster_bar(), empty=cluster_bar(),
               rows=plgpu.SMEM((2, 2, spec.rows), jnp.float32))
-
-
-def _cluster_fence():
-  """``fence.acq_rel.cluster``: orders this thread's shared-memory accesses at cluster scope,
-  so a fence on each side of a cluster barrier publishes the partials a CTA wrote to its peers'
-  reads, and orders a peer's reads before its "done reading" arrive."""
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # needs the CUDA plugin
-
-  @plgpu.inline_mgpu()
-  def _fence(_ctx):
-    mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
-
-  _fence()
 
 
 def _pack(spec: Spec, partials):
@@ -199,20 +186,17 @@ def cluster_row_sums(spec: Spec, partials, ex: Exchange | None, wg, tile_index,
 
       @pl.when(tile_index > 0)
       def _():
-        plgpu.barrier_wait(ex.empty.at[w])
+        cluster_barrier.wait_acquire(ex.empty.at[w])
 
       for buf, v in zip(bufs, partials):
         buf[...] = v
-      plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the arrive
-      _cluster_fence()
-      plgpu.barrier_arrive(ex.full.at[w])
-      plgpu.barrier_wait(ex.full.at[w])
-      _cluster_fence()
+      plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the release
+      cluster_barrier.arrive_release(ex.full.at[w])
+      cluster_barrier.wait_acquire(ex.full.at[w])
       for q, v in enumerate(merge(_peer_partials(spec, bufs, tile_index))):
         ex.rows[w, q] = v
-      plgpu.commit_smem()  # every thread's peer reads precede the arrive
-      _cluster_fence()
-      plgpu.barrier_arrive(ex.empty.at[w])
+      plgpu.commit_smem()  # every thread's peer reads precede the release
+      cluster_barrier.arrive_release(ex.empty.at[w])
 
   return tuple(plgpu.load(ex.rows.at[wg, q], layout=plgpu.Layout.WGMMA.reduce(1))
                for q in range(spec.n_partials))
