@@ -13,7 +13,8 @@ so all hold the same bits. Two ways to exchange (:class:`Spec`.exchange):
   acquires at cluster scope (:mod:`pallas_norm.mgpu.cluster_barrier`), so no fence is needed.
 * "push": each CTA sends its partials as one packet into every peer's inbox with ``st.async``
   stores that complete the receiver's barrier (each packet arrives once, with its byte count):
-  no thread waits on a remote load and no fence is needed.
+  no thread waits on a remote load. The "inbox read" barrier (``empty``) releases and acquires
+  at cluster scope, as pull's do.
 
 GPU interpret mode cannot read a peer CTA's shared memory, so c > 1 runs only on a GPU; the
 kernels' lowering for sm_90a (``jax.export`` for "cuda") is checked on the CPU.
@@ -129,7 +130,7 @@ def _push(spec: Spec, partials, ex: Exchange, wg, tile_index, merge: Merge) -> t
 
   @pl.when(tile_index > 0)
   def _():
-    plgpu.barrier_wait(ex.empty.at[wg])
+    cluster_barrier.wait_acquire(ex.empty.at[wg])
 
   packet = _pack(spec, partials)
   for j in range(spec.cluster):
@@ -139,8 +140,8 @@ def _push(spec: Spec, partials, ex: Exchange, wg, tile_index, merge: Merge) -> t
   per_cta = [_unpack(spec, plgpu.load(ex.inbox.at[wg, j], layout=plgpu.Layout.WGMMA))
              for j in range(spec.cluster)]
   merged = merge(per_cta)
-  plgpu.commit_smem()  # warpgroup barrier: every thread has read the inbox before the arrive
-  plgpu.barrier_arrive(ex.empty.at[wg])
+  plgpu.commit_smem()  # warpgroup barrier: every thread has read the inbox before the release
+  cluster_barrier.arrive_release(ex.empty.at[wg])
   return merged
 
 
@@ -210,4 +211,4 @@ def final_sync(spec: Spec, ex: Exchange | None, wg) -> None:
 
     @pl.when(wg == w)
     def _():
-      plgpu.barrier_wait(ex.empty.at[w])
+      cluster_barrier.wait_acquire(ex.empty.at[w])
