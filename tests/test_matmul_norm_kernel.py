@@ -457,6 +457,23 @@ def test_default_exchange_falls_back_to_pull_when_push_does_not_fit():
   assert y.shape == (4096, 256)
 
 
+@pytest.mark.parametrize("exchange", ["pull", "push"])
+def test_exchanges_lower_with_cluster_scope_barriers(exchange):
+  """The exchanges' cluster barriers release and acquire at cluster scope (pull: both
+  barriers, in place of the ``fence.acq_rel.cluster`` every thread of the warpgroup ran;
+  push: the "inbox read" barrier): the sm_90a lowering of the forward at a cluster of 4
+  carries the two PTX forms and no fence. Whether the barriers order the peers' accesses is
+  what the GPU tests check (clusters of 2-8)."""
+  from jax import export
+  x = jax.ShapeDtypeStruct((8192, 1024), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+  fn = jax.jit(lambda x, w: mk.matmul_norm_fwd(x, w, norm="rms", eps=1e-6, exchange=exchange))
+  module = export.export(fn, platforms=["cuda"])(x, w).mlir_module_serialized
+  assert b"mbarrier.arrive.release.cluster.shared::cluster" in module
+  assert b"mbarrier.try_wait.parity.acquire.cluster" in module
+  assert b"fence.acq_rel.cluster" not in module
+
+
 def test_exchange_name_is_checked():
   x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="exchange"):

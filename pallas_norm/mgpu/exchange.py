@@ -9,12 +9,12 @@ CTA order, into ``n_partials`` row vectors; every CTA merges the same values in 
 so all hold the same bits. Two ways to exchange (:class:`Spec`.exchange):
 
 * "pull": each CTA writes its partials to its own SMEM, arrives on a cluster barrier, and reads
-  its peers' through :func:`plgpu.cluster_ref`, with ``fence.acq_rel.cluster`` around the
-  barriers (the cluster barrier's remote arrive is a CTA-scope release and its wait a CTA-scope
-  acquire).
+  its peers' through :func:`plgpu.cluster_ref`; the barrier's arrive releases and its wait
+  acquires at cluster scope (:mod:`pallas_norm.mgpu.cluster_barrier`), so no fence is needed.
 * "push": each CTA sends its partials as one packet into every peer's inbox with ``st.async``
   stores that complete the receiver's barrier (each packet arrives once, with its byte count):
-  no thread waits on a remote load and no fence is needed.
+  no thread waits on a remote load. The "inbox read" barrier (``empty``) releases and acquires
+  at cluster scope, as pull's do.
 
 GPU interpret mode cannot read a peer CTA's shared memory, so c > 1 runs only on a GPU; the
 kernels' lowering for sm_90a (``jax.export`` for "cuda") is checked on the CPU.
@@ -31,6 +31,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_norm.mgpu import cluster_barrier
 from pallas_norm.mgpu.device import swizzle_transforms
 from pallas_norm.mgpu.pipeline import opaque_zero
 
@@ -98,19 +99,6 @@ def allocs(spec: Spec) -> dict | None:
               rows=plgpu.SMEM((2, 2, spec.rows), jnp.float32))
 
 
-def _cluster_fence():
-  """``fence.acq_rel.cluster``: orders this thread's shared-memory accesses at cluster scope,
-  so a fence on each side of a cluster barrier publishes the partials a CTA wrote to its peers'
-  reads, and orders a peer's reads before its "done reading" arrive."""
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # needs the CUDA plugin
-
-  @plgpu.inline_mgpu()
-  def _fence(_ctx):
-    mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
-
-  _fence()
-
-
 def _pack(spec: Spec, partials):
   shape = (spec.rows, PACKET_COLS)
   if spec.n_partials == 1:
@@ -142,7 +130,7 @@ def _push(spec: Spec, partials, ex: Exchange, wg, tile_index, merge: Merge) -> t
 
   @pl.when(tile_index > 0)
   def _():
-    plgpu.barrier_wait(ex.empty.at[wg])
+    cluster_barrier.wait_acquire(ex.empty.at[wg])
 
   packet = _pack(spec, partials)
   for j in range(spec.cluster):
@@ -152,8 +140,8 @@ def _push(spec: Spec, partials, ex: Exchange, wg, tile_index, merge: Merge) -> t
   per_cta = [_unpack(spec, plgpu.load(ex.inbox.at[wg, j], layout=plgpu.Layout.WGMMA))
              for j in range(spec.cluster)]
   merged = merge(per_cta)
-  plgpu.commit_smem()  # warpgroup barrier: every thread has read the inbox before the arrive
-  plgpu.barrier_arrive(ex.empty.at[wg])
+  plgpu.commit_smem()  # warpgroup barrier: every thread has read the inbox before the release
+  cluster_barrier.arrive_release(ex.empty.at[wg])
   return merged
 
 
@@ -199,20 +187,17 @@ def cluster_row_sums(spec: Spec, partials, ex: Exchange | None, wg, tile_index,
 
       @pl.when(tile_index > 0)
       def _():
-        plgpu.barrier_wait(ex.empty.at[w])
+        cluster_barrier.wait_acquire(ex.empty.at[w])
 
       for buf, v in zip(bufs, partials):
         buf[...] = v
-      plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the arrive
-      _cluster_fence()
-      plgpu.barrier_arrive(ex.full.at[w])
-      plgpu.barrier_wait(ex.full.at[w])
-      _cluster_fence()
+      plgpu.commit_smem()  # warpgroup barrier: every thread's write precedes the release
+      cluster_barrier.arrive_release(ex.full.at[w])
+      cluster_barrier.wait_acquire(ex.full.at[w])
       for q, v in enumerate(merge(_peer_partials(spec, bufs, tile_index))):
         ex.rows[w, q] = v
-      plgpu.commit_smem()  # every thread's peer reads precede the arrive
-      _cluster_fence()
-      plgpu.barrier_arrive(ex.empty.at[w])
+      plgpu.commit_smem()  # every thread's peer reads precede the release
+      cluster_barrier.arrive_release(ex.empty.at[w])
 
   return tuple(plgpu.load(ex.rows.at[wg, q], layout=plgpu.Layout.WGMMA.reduce(1))
                for q in range(spec.n_partials))
@@ -226,4 +211,4 @@ def final_sync(spec: Spec, ex: Exchange | None, wg) -> None:
 
     @pl.when(wg == w)
     def _():
-      plgpu.barrier_wait(ex.empty.at[w])
+      cluster_barrier.wait_acquire(ex.empty.at[w])

@@ -757,7 +757,8 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
     exchange: how a cluster's CTAs share their partial row statistics. None (the default):
       "push" for clusters of 2 when it costs no pipeline stage, else "pull"
       (:func:`_pick_exchange`). "pull": each reads its peers' partials through distributed
-      shared memory, with ``fence.acq_rel.cluster`` around the cluster barriers. "push": each
+      shared memory, ordered by cluster barriers that release and acquire at cluster scope
+      (:mod:`pallas_norm.mgpu.cluster_barrier`). "push": each
       sends its partials into every peer's shared memory with ``st.async`` stores that complete
       the peer's barrier; on the H200 it gives the same bits as pull (GPU tests, clusters of
       2-8, RMS and LayerNorm), 7% faster with clusters of 2 in the grid sweep, but its inbox
