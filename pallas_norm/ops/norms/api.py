@@ -125,8 +125,10 @@ def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_d
 
 def _xla(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
   """The "xla" implementation's outputs (``y`` or ``(y, s)``), statistics dropped."""
+  wide = norm == "layer" and x.shape[-1] >= configs.LAYER_AUTODIFF_MIN_N
   y, s, _ = xla.normalize_rows(x, scale, bias, residual, norm=norm, eps=eps,
-                               zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
+                               zero_centered_scale=zero_centered_scale, out_dtype=out_dtype,
+                               layer_by_autodiff=wide)
   return y if residual is None else (y, s)
 
 
@@ -139,7 +141,9 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   The "xla" derivative is hand-written (:mod:`pallas_norm.ops.norms.xla`, DESIGN.md op 5): a
   ``custom_jvp`` whose transpose makes the backward's two row sums in one pass over (s, dy) and
   dscale/dbias as column sums; forward mode (``jax.jvp``) and higher orders work as with
-  autodiff. Arguments, returns and errors are those of :func:`rms_norm`, plus ``bias``, an
+  autodiff. Rows of :data:`pallas_norm.ops.norms.configs.LAYER_AUTODIFF_MIN_N` elements or more
+  take autodiff of the reference under ``jax.checkpoint`` instead (XLA's program for it was
+  measured faster there; the backward keeps the same x and recomputes the rest). Arguments, returns and errors are those of :func:`rms_norm`, plus ``bias``, an
   optional (N,) beta of any float dtype; ``implementation`` differs:
 
   Args:

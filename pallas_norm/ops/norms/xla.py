@@ -21,7 +21,9 @@ two row sums over (x, dy) that feed ds in the same pass (applied as a chain, see
 :func:`_xhat_tangent`), and two column sums. XLA's autodiff of the reference makes seven
 reductions instead, through the two-pass variance and the shift of
 :func:`pallas_norm.reference._center`; with this rule XLA trains LayerNorm 1.37-1.64× faster
-(measured: benchmarks/NOTES.md, "The XLA path's one-pass rule"). RMSNorm's autodiff already
+(measured: benchmarks/NOTES.md, "The XLA path's one-pass rule") up to rows of ~16384; from
+:data:`.configs.LAYER_AUTODIFF_MIN_N` XLA's program for autodiff (under ``jax.checkpoint``)
+is the faster one and the standalone ``layer_norm`` takes it. RMSNorm's autodiff already
 makes one row sum; the same rule for it was slower than autodiff and is not used
 (benchmarks/EXPERIMENTS.md).
 
@@ -196,7 +198,8 @@ _layer_norm_rows.defjvp(_layer_norm_rows_jvp, symbolic_zeros=True)
 
 
 def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
-                   zero_centered_scale: bool = False, out_dtype=None):
+                   zero_centered_scale: bool = False, out_dtype=None,
+                   layer_by_autodiff: bool = False):
   """``(y, s, stats)`` of RMSNorm (``norm="rms"``) or LayerNorm (``"layer"``) over the last axis.
 
   Args:
@@ -206,6 +209,11 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
       has none, a pre-norm GEMM's RMSNorm may).
     norm, eps, zero_centered_scale: as :func:`pallas_norm.rms_norm` (eps a positive float).
     out_dtype: dtype of y (default x's).
+    layer_by_autodiff: differentiate LayerNorm by JAX's autodiff of the reference's operations
+      under ``jax.checkpoint`` (reverse mode keeps the inputs only, as the rule does) instead of
+      the one-pass rule: on the H200 XLA's own program for that gradient is faster than the
+      rule's for rows of 24576 elements and more (:data:`.configs.LAYER_AUTODIFF_MIN_N`; the
+      standalone ``layer_norm`` takes it there, the fused ops do not).
 
   Returns:
     ``y`` (..., N) in ``out_dtype``; ``s = x + residual`` in x's dtype, or None without a
@@ -217,8 +225,11 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
   No validation: the public ops validate first.
   """
   out_dtype = jnp.dtype(out_dtype or x.dtype)
+  primal = functools.partial(_primal, norm=norm, eps=float(eps),
+                             zero_centered_scale=bool(zero_centered_scale), out_dtype=out_dtype)
   if norm == "rms":  # autodiff: faster than the one-pass rule on the H200 (module docstring)
-    return _primal(x, scale, bias, residual, "rms", float(eps), bool(zero_centered_scale),
-                   out_dtype)[0]
+    return primal(x, scale, bias, residual)[0]
+  if layer_by_autodiff:
+    return jax.checkpoint(lambda *a: primal(*a)[0])(x, scale, bias, residual)
   return _layer_norm_rows(x, scale, bias, residual, float(eps), bool(zero_centered_scale),
                           out_dtype)
