@@ -206,8 +206,9 @@ def test_reverse_mode_keeps_x_and_row_statistics():
 def test_wide_layer_norm_takes_checkpointed_autodiff(wide):
   """From configs.LAYER_AUTODIFF_MIN_N the "xla" layer_norm is autodiff of the reference under
   jax.checkpoint, not the rule (the jaxpr's top level: a remat, no custom_jvp_call),
-  narrower rows the rule; either way float64 values, gradients (x, scale, bias, residual, both cotangents) and tangents
-  equal the reference's autodiff, and reverse mode keeps x-sized arrays in x's dtype only."""
+  narrower rows the rule; either way float64 values, gradients (x, scale, bias, residual, both
+  cotangents) and tangents equal the reference's autodiff, and reverse mode keeps x-sized
+  arrays in x's dtype only."""
   n = configs.LAYER_AUTODIFF_MIN_N - (0 if wide else 64)
   with jax.enable_x64(True):
     args, cts = _inputs(seed_of(f"wide{wide}"), (3, n), jnp.float64, norm="layer",

@@ -143,8 +143,9 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   dscale/dbias as column sums; forward mode (``jax.jvp``) and higher orders work as with
   autodiff. Rows of :data:`pallas_norm.ops.norms.configs.LAYER_AUTODIFF_MIN_N` elements or more
   take autodiff of the reference under ``jax.checkpoint`` instead (XLA's program for it was
-  measured faster there; the backward keeps the same x and recomputes the rest). Arguments, returns and errors are those of :func:`rms_norm`, plus ``bias``, an
-  optional (N,) beta of any float dtype; ``implementation`` differs:
+  measured faster there; the backward keeps the same x and recomputes the rest). Arguments,
+  returns and errors are those of :func:`rms_norm`, plus ``bias``, an optional (N,) beta of any
+  float dtype; ``implementation`` differs:
 
   Args:
     implementation: None, "xla", "triton", "interpret" or a sequence of them (see
