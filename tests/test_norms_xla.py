@@ -8,7 +8,9 @@ for LayerNorm with a hand-written one-pass derivative (a custom_jvp; RMSNorm is 
 * bfloat16 / float32 inputs (float16 shares bfloat16's code path): the same values as the reference (identical operations: exact),
   float32 statistics, out_dtype, gradients against the float32 reference within 16-bit
   rounding.
-* What reverse mode keeps for the backward: x (not an x-sized float32 x̂) and row statistics.
+* What reverse mode keeps for the backward: x (not an x-sized float32 x̂) and row statistics;
+  from configs.LAYER_AUTODIFF_MIN_N the layer_norm op's path (autodiff under jax.checkpoint),
+  which keeps x only, with the same values and derivatives.
 * norm_matmul's and matmul_norm's "xla" LayerNorm (through the same rule): float64 values and
   gradients equal the reference's autodiff.
 * Rows of large magnitude (|x| ~ 1e13–1e16): float32 gradients of both norms, the reference and

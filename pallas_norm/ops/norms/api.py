@@ -1,8 +1,9 @@
 """Standalone row norms ``rms_norm`` and ``layer_norm`` (DESIGN.md, op 5).
 
 Two implementations each: "xla" (:mod:`pallas_norm.ops.norms.xla`: the reference's forward;
-``layer_norm`` with a hand-written one-pass derivative, a ``custom_jvp``, ``rms_norm``
-differentiated by autodiff, on every backend) and the Pallas kernels of
+``layer_norm`` with a hand-written one-pass derivative, a ``custom_jvp``, or from
+``configs.LAYER_AUTODIFF_MIN_N`` autodiff under ``jax.checkpoint``; ``rms_norm``
+differentiated by autodiff; on every backend) and the Pallas kernels of
 :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU, "interpret" anywhere): the
 backward kernel after XLA's forward (recomputing the row statistics) or after the forward kernel
 of :mod:`pallas_norm.ops.norms.triton_fwd` (reading them). ``implementation=None`` takes the

@@ -9,10 +9,12 @@ from __future__ import annotations
 LAYER_AUTODIFF_MIN_N = 24576
 """From this row width the "xla" ``layer_norm`` is differentiated by autodiff of the reference
 under ``jax.checkpoint`` (:func:`pallas_norm.ops.norms.xla.normalize_rows`'s
-``layer_by_autodiff``: reverse mode keeps x only, as the rule does) instead of the one-pass rule:
-XLA compiles that gradient to a faster program than the rule's from about this width on the
-H200 (bf16 fwd+bwd at 1 GB of x: 2889 vs 3184 µs at N = 24576, 2603 vs 3412 at 32768; the rule
-20–25% faster at 12288 and 16384; ``benchmarks/NOTES.md``, "Standalone norms"). It also beats
+``layer_by_autodiff``: reverse mode keeps x only, the rule x and the row statistics) instead of
+the one-pass rule: XLA compiles that gradient to a faster program than the rule's from about
+this width on the H200 (bf16 fwd+bwd at 1 GB of x: checkpointed autodiff 2889 vs the rule's
+3184 µs at N = 24576; plain autodiff, the same program under one ``jit``, 2603 vs 3412 at
+32768; the rule 20–25% faster at 12288 and 16384; ``benchmarks/NOTES.md``, "Standalone
+norms"). It also beats
 the kernel path there, so ``KERNEL_DOMAINS`` stops below it. Applies on every backend: only the
 H200 was measured."""
 

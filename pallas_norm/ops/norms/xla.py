@@ -210,7 +210,8 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
     norm, eps, zero_centered_scale: as :func:`pallas_norm.rms_norm` (eps a positive float).
     out_dtype: dtype of y (default x's).
     layer_by_autodiff: differentiate LayerNorm by JAX's autodiff of the reference's operations
-      under ``jax.checkpoint`` (reverse mode keeps the inputs only, as the rule does) instead of
+      under ``jax.checkpoint`` (reverse mode keeps the inputs only; the rule keeps them and the
+      row statistics) instead of
       the one-pass rule: on the H200 XLA's own program for that gradient is faster than the
       rule's for rows of 24576 elements and more (:data:`.configs.LAYER_AUTODIFF_MIN_N`; the
       standalone ``layer_norm`` takes it there, the fused ops do not).
@@ -218,9 +219,12 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
   Returns:
     ``y`` (..., N) in ``out_dtype``; ``s = x + residual`` in x's dtype, or None without a
     residual; :class:`pallas_norm.NormStats` in float32 (float64 for float64 x), shape
-    x.shape[:-1]. The values are those of :mod:`pallas_norm.reference` (the same operations).
-    Derivatives of any order, forward and reverse mode: LayerNorm's from the one-pass tangent
-    map of the module docstring (the statistics' included), RMSNorm's from autodiff.
+    x.shape[:-1]. The values are those of :mod:`pallas_norm.reference` (the same operations;
+    compiled under ``jit``: run eagerly, ``layer_by_autodiff``'s checkpoint compiles the norm as
+    one program, which may round float32 differently by ~1 ulp from the reference's op-by-op
+    run). Derivatives of any order, forward and reverse mode: LayerNorm's from the one-pass
+    tangent map of the module docstring (the statistics' included) or, with
+    ``layer_by_autodiff``, from autodiff, as RMSNorm's.
 
   No validation: the public ops validate first.
   """
