@@ -14,9 +14,8 @@ the one-pass rule: XLA compiles that gradient to a faster program than the rule'
 this width on the H200 (bf16 fwd+bwd at 1 GB of x: checkpointed autodiff 2889 vs the rule's
 3184 µs at N = 24576; plain autodiff, the same program under one ``jit``, 2603 vs 3412 at
 32768; the rule 20–25% faster at 12288 and 16384; ``benchmarks/NOTES.md``, "Standalone
-norms"). It also beats
-the kernel path there, so ``KERNEL_DOMAINS`` stops below it. Applies on every backend: only the
-H200 was measured."""
+norms"). It also beats the kernel path there, so ``KERNEL_DOMAINS`` stops below it. Applies on
+every backend: only the H200 was measured."""
 
 KERNEL_DOMAINS = {
     # norm: ((min N, max N, min rows), ...) for bfloat16 x without a residual

@@ -211,10 +211,10 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
     out_dtype: dtype of y (default x's).
     layer_by_autodiff: differentiate LayerNorm by JAX's autodiff of the reference's operations
       under ``jax.checkpoint`` (reverse mode keeps the inputs only; the rule keeps them and the
-      row statistics) instead of
-      the one-pass rule: on the H200 XLA's own program for that gradient is faster than the
-      rule's for rows of 24576 elements and more (:data:`.configs.LAYER_AUTODIFF_MIN_N`; the
-      standalone ``layer_norm`` takes it there, the fused ops do not).
+      row statistics) instead of the one-pass rule: on the H200 XLA's own program for that
+      gradient is faster than the rule's for rows of 24576 elements and more
+      (:data:`.configs.LAYER_AUTODIFF_MIN_N`). Not an option for callers: the standalone
+      ``layer_norm`` sets it by that width; the fused ops, unmeasured there, keep the rule.
 
   Returns:
     ``y`` (..., N) in ``out_dtype``; ``s = x + residual`` in x's dtype, or None without a
