@@ -480,6 +480,57 @@ def test_flax_params_are_arrays(op, impl):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_flax_params_in_row_norm_gradients(norm, impl):
+  """γ and β as ``nnx.Param``s with only x (or only β) differentiated (review finding: the
+  LayerNorm rule's custom_jvp received a Param holding a symbolic zero and failed inside JAX):
+  values and gradients those of the arrays, under jit."""
+  from flax import nnx
+  ks = jax.random.split(jax.random.key(5), 4)
+  x = jax.random.normal(ks[0], (16, 64), jnp.float32) + 2.0
+  dy = jax.random.normal(ks[1], (16, 64), jnp.float32)
+  scale = 1 + 0.1 * jax.random.normal(ks[2], (64,), jnp.float32)
+  bias = 0.1 * jax.random.normal(ks[3], (64,), jnp.float32)
+  if impl == "interpret":
+    x, dy = x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)
+  op = pallas_norm.layer_norm if norm == "layer" else pallas_norm.rms_norm
+  kw = dict(implementation=impl)
+
+  def loss(x, s, b):
+    y = op(x, s, b, **kw) if norm == "layer" else op(x, s, **kw)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+  want_dx = jax.jit(jax.grad(loss))(x, scale, bias)
+  got_dx = jax.jit(lambda x: jax.grad(loss)(x, nnx.Param(scale), nnx.Param(bias)))(x)
+  np.testing.assert_array_equal(np.asarray(got_dx, np.float32), np.asarray(want_dx, np.float32))
+  if norm == "layer":  # a frozen γ, a trained β
+    want_db = jax.grad(loss, argnums=2)(x, scale, bias)
+    got_db = jax.grad(lambda b: loss(x, nnx.Param(scale), b))(nnx.Param(bias))
+    np.testing.assert_array_equal(np.asarray(got_db[...]), np.asarray(want_db))
+
+
+@pytest.mark.parametrize("op", ["gdpa", "flash_norm_attention"])
+def test_flax_param_scales_under_jit_and_grad(op):
+  """A 0-d ``nnx.Param`` pre_scale (a learned temperature) works under jit and grad as it does
+  eagerly (review finding: the scalar check saw a Param holding a tracer and raised
+  "must be a real scalar" only when traced); values and its gradient those of the array."""
+  from flax import nnx
+  ks = jax.random.split(jax.random.key(6), 3)
+  q = jax.random.normal(ks[0], (16, 2, 16), jnp.float32)
+  k = jax.random.normal(ks[1], (2, 8, 2, 16), jnp.float32) / 4
+  v = jax.random.normal(ks[2], (2, 8, 2, 16), jnp.float32)
+  off = _off([0, 5, 12])
+  fn = getattr(pallas_norm, op)
+  loss = lambda p: jnp.sum(fn(q, k, v, off, pre_scale=p, max_seq_len=16,
+                              implementation="xla") ** 2)
+  want_v, want_g = jax.value_and_grad(loss)(jnp.float32(0.5))
+  got_v, got_g = jax.jit(jax.value_and_grad(loss))(nnx.Param(jnp.float32(0.5)))
+  np.testing.assert_allclose(float(got_v), float(want_v), rtol=1e-6)
+  np.testing.assert_allclose(float(got_g[...]), float(want_g), rtol=1e-5)
+  assert float(want_g) != 0.0
+
+
 @pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])
 def test_kernel_dtype_reason_names_x_when_out_dtype_was_not_passed(op):
   """A float64 NumPy x (no out_dtype) was reported as "out_dtype float64 is not ..." (review

@@ -96,6 +96,9 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   tensor cores), always as NaN, never as a wrong finite value. The XLA path keeps it inside
   the sample.
   """
+  (q, k, v, q_offsets, kv_offsets, ln_scale, ln_bias, rms_scale, pre_scale,
+   post_scale) = _validate.as_arrays(q, k, v, q_offsets, kv_offsets, ln_scale, ln_bias,
+                                     rms_scale, pre_scale, post_scale)
   check_attention_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
                        max_seq_len, max_kv_len, out_dtype)
   max_seq_len, max_kv_len = gdpa_api.bounds_within_capacity(q, k, kv_offsets, max_seq_len,

@@ -112,6 +112,8 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
       ``jax.jacfwd``) of a kernel path raises JAX's own TypeError "can't apply forward-mode
       autodiff (jvp) to a custom_vjp function": pass ``implementation="xla"``.
   """
+  q, k, v, q_offsets, kv_offsets, pre_scale, post_scale = _validate.as_arrays(
+      q, k, v, q_offsets, kv_offsets, pre_scale, post_scale)
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)
   max_seq_len, max_kv_len = bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len)

@@ -92,6 +92,7 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
       cannot run the call (not on an NVIDIA GPU, float64, N > 8192 with a residual, no rows),
       requested alone.
   """
+  x, scale, residual = _validate.as_arrays(x, scale, residual)
   chosen = _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
   return _run(chosen, x, scale, None, residual, "rms", eps, zero_centered_scale, out_dtype)
@@ -164,6 +165,7 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   Raises:
     NotImplementedError: as :func:`rms_norm`.
   """
+  x, scale, bias, residual = _validate.as_arrays(x, scale, bias, residual)
   chosen = _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
   _validate.flag("zero_centered_scale", zero_centered_scale)
   return _run(chosen, x, scale, bias, residual, "layer", eps, zero_centered_scale, out_dtype)
