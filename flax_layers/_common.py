@@ -116,6 +116,9 @@ def shape_of(layer: str, name: str, x) -> tuple:
   if not _validate.is_array(x):
     raise TypeError(f"{layer}: {name} must be an array, got {type(x).__name__} (a jax.Array "
                     "or numpy.ndarray is needed)")
+  if jnp.issubdtype(jnp.dtype(x.dtype), jnp.complexfloating):  # the cast to the compute dtype
+    raise TypeError(f"{layer}: {name} must be a real array, got {jnp.dtype(x.dtype)} (its "
+                    "imaginary part would be dropped)")
   return tuple(x.shape)
 
 

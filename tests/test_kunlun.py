@@ -258,6 +258,9 @@ def test_narrow_integer_ids_hash_as_int32_ids(dtype, offset):
     # A nested list of the right shape was reported as "dense must have shape (B, Fd) ... got ()".
     ("dense_list", lambda s, d, i, o: (s, d.tolist(), i, o), TypeError,
      "dense must be an array, got list"),
+    # Review finding: nnx.Linear cast a complex dense to real, dropping its imaginary part.
+    ("dense_complex", lambda s, d, i, o: (s, d + 1j, i, o), TypeError,
+     "dense must be a real array, got complex"),
     ("seq_ids", lambda s, d, i, o: (s, d, i.reshape(B, -1), o), ValueError, "seq_ids"),
     ("seq_offsets", lambda s, d, i, o: (s, d, i, list(o)), TypeError, "seq_offsets"),
     # The jagged rule of the PFFN op, checked by the model so that errors name seq_offsets

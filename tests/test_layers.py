@@ -509,6 +509,34 @@ def test_pffn_switches_match_reference(pre_layer_norm, inner_residual, outer_res
   np.testing.assert_allclose(y, want, **F32_TOL)
 
 
+@pytest.mark.parametrize("make", [_rms, _ln, _norm_dense, _dense_norm],
+                         ids=["rms", "ln", "norm_dense", "dense_norm"])
+@pytest.mark.parametrize("arg", ["x", "residual"])
+def test_complex_input_raises_with_an_explicit_dtype(make, arg):
+  """Review finding: with ``dtype`` set, the cast to it dropped a complex input's imaginary part
+  silently (dtype=None already raised in the op). TypeError naming the layer's argument."""
+  layer = make(dtype=jnp.float32)
+  width = K if isinstance(layer, (NormDense, DenseNorm)) else N
+  x = _x(0, (4, width)) + 1j
+  if arg == "x":
+    call = lambda: layer(x)  # noqa: E731
+  elif isinstance(layer, NormDense):
+    pytest.skip("NormDense takes no residual")
+  else:
+    call = lambda: layer(_x(0, (4, width)), residual=_x(1, (4, N)) + 1j)  # noqa: E731
+  with pytest.raises(TypeError, match=f"{type(layer).__name__}: {arg} must be a real array, "
+                                      "got complex64"):
+    call()
+
+
+def test_attention_layers_reject_complex_inputs_with_an_explicit_dtype():
+  q, k, v = _attention_inputs()
+  with pytest.raises(TypeError, match="GDPA: q must be a real array"):
+    GDPA(H, D, dtype=jnp.float32)(q + 1j, _offsets(), k, v, max_seq_len=MAX_LEN)
+  with pytest.raises(TypeError, match="PFFNBlock: v must be a real array"):
+    _pffn(dtype=jnp.float32)(q, _offsets(), k, v + 1j, max_seq_len=MAX_LEN)
+
+
 def test_attention_layers_check_head_shape():
   q, k, v = _attention_inputs()
   with pytest.raises(ValueError, match=r"GDPA: q must have shape \(T, num_heads, head_dim\)"):
