@@ -529,6 +529,16 @@ def test_complex_input_raises_with_an_explicit_dtype(make, arg):
     call()
 
 
+@pytest.mark.parametrize("bad", [(1,), (4, N)])
+def test_norm_dense_checks_a_swapped_in_bias_shape(bad):
+  """Review finding: a NormDense bias replaced after building (e.g. a bad restore) broadcast
+  into y; DenseNorm's op already named it. ValueError naming bias."""
+  layer = _norm_dense()
+  layer.bias = nnx.Param(jnp.ones(bad, jnp.float32))
+  with pytest.raises(ValueError, match=rf"NormDense: bias must have shape \({N},\)"):
+    layer(_x(0, (4, K)))
+
+
 def test_attention_layers_reject_complex_inputs_with_an_explicit_dtype():
   q, k, v = _attention_inputs()
   with pytest.raises(TypeError, match="GDPA: q must be a real array"):
