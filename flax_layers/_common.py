@@ -116,10 +116,16 @@ def shape_of(layer: str, name: str, x) -> tuple:
   if not _validate.is_array(x):
     raise TypeError(f"{layer}: {name} must be an array, got {type(x).__name__} (a jax.Array "
                     "or numpy.ndarray is needed)")
-  if jnp.issubdtype(jnp.dtype(x.dtype), jnp.complexfloating):  # the cast to the compute dtype
-    raise TypeError(f"{layer}: {name} must be a real array, got {jnp.dtype(x.dtype)} (its "
-                    "imaginary part would be dropped)")
+  check_real(f"{layer}: {name}", x)
   return tuple(x.shape)
+
+
+def check_real(what: str, x) -> None:
+  """TypeError for a complex array ``x`` (named ``what``): the cast to the compute dtype would
+  drop its imaginary part."""
+  if jnp.issubdtype(jnp.dtype(x.dtype), jnp.complexfloating):
+    raise TypeError(f"{what} must be a real array, got {jnp.dtype(x.dtype)} (its imaginary "
+                    "part would be dropped)")
 
 
 def check_last_dim(layer: str, x, features_name: str, features: int) -> None:

@@ -100,12 +100,13 @@ class NormDense(nnx.Module):
     cd = _common.compute_dtype(self.dtype, x, *params)
     x_dtype = x.dtype
     x, kernel, scale, norm_bias, bias = _common.cast(cd, x, *params)
+    n = kernel.shape[-1]
+    if bias is not None and tuple(bias.shape) != (n,):  # y + bias would broadcast
+      raise ValueError(f"{type(self).__name__}: bias must have shape ({n},), got "
+                       f"{tuple(bias.shape)}")
     with _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd, params):
       y = pallas_norm.norm_matmul(x, kernel, scale=scale, norm_bias=norm_bias, norm=self.norm,
                                   eps=self.epsilon, implementation=self.implementation)
-    if bias is not None and tuple(bias.shape) != (y.shape[-1],):  # y + bias would broadcast
-      raise ValueError(f"{type(self).__name__}: bias must have shape ({y.shape[-1]},), got "
-                       f"{tuple(bias.shape)}")
     return y if bias is None else y + bias
 
 

@@ -203,9 +203,8 @@ class KunlunModel(nnx.Module):
         start at 0, decrease, end past T or hold a sequence longer than max_seq_len. Under
         ``jax.jit`` those values cannot raise: every logit is NaN instead, and so is a loss
         of them; the gradients are NaN in the parameters the poisoned rows reach and 0 in
-        others (e.g. embedding rows no id looked up), so a global-norm clip makes the
-        whole update NaN (also a
-        :func:`jax.experimental.checkify.debug_check` error).
+        others (e.g. embedding rows no id looked up), so a global-norm clip makes the whole
+        update NaN (also a :func:`jax.experimental.checkify.debug_check` error).
     """
     c = self.config
     _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets)
@@ -339,8 +338,7 @@ def _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets) -> None:
   if not _validate.is_array(dense):
     raise TypeError(f"dense must be an array, got {type(dense).__name__} (a jax.Array or "
                     "numpy.ndarray of shape (B, Fd))")
-  if jnp.issubdtype(jnp.dtype(dense.dtype), jnp.complexfloating):  # Linear would drop the imag
-    raise TypeError(f"dense must be a real array, got {jnp.dtype(dense.dtype)}")
+  _common.check_real("dense", dense)  # nnx.Linear casts it
   if tuple(dense.shape) != (sparse_ids.shape[0], c.num_dense_features):
     raise ValueError(f"dense must have shape (B, {c.num_dense_features}) = "
                      f"({sparse_ids.shape[0]}, {c.num_dense_features}), got "
