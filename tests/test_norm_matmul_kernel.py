@@ -463,14 +463,15 @@ def _reference_forward_and_dx(x, w, scale, bias, dy, *, norm):
 
 def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
                       interpret=True, seed=0, tol=1e-2, fused=False, x_hat=False,
-                      x_hat_ones=False, row_sums=False):
+                      x_hat_ones=False, row_sums=False, col_sums=False):
   """The dx kernel, fed the reference forward's y and statistics, against jax.grad of the
   f32 reference (the cotangent is rounded to ``dtype`` first, so both see the same dy).
   ``fused``: the kernel computes the row terms itself from y (rounded to ``dtype``, as the
   forward kernel returns it), out_bias and col_sum. ``x_hat``: the kernel also returns x̂,
   checked against (x − mean) · rstd in f32 to its rounding; ``x_hat_ones``: with its block of
   ones columns at the end (the padding columns between finite). ``row_sums``: the kernel
-  forms the row sums over K in its epilogue (no y, no row terms given)."""
+  forms the row sums over K in its epilogue (no y, no row terms given); ``col_sums``: it also
+  returns Σ_i dy_i, checked against the float64 sum of the same dy."""
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
   dy = _normal(np.random.default_rng(seed + 1000), (m, n), dtype=dtype)
   y, stats, dx_ref = _reference_forward_and_dx(x, w, scale, bias, dy, norm=norm)
@@ -479,7 +480,8 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
   def dx_kernel(dy, w_gamma, x, y, rstd, mean, col_sum, out_bias):
     if row_sums:
       return nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, row_sums_in_epilogue=True,
-                                return_x_hat=x_hat, x_hat_ones=x_hat_ones, interpret=interpret,
+                                return_x_hat=x_hat, x_hat_ones=x_hat_ones,
+                                return_dy_col_sums=col_sums, interpret=interpret,
                                 config=config)
     if fused:
       return nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, y=y.astype(dtype),
@@ -491,6 +493,14 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
 
   out = jax.block_until_ready(jax.jit(dx_kernel)(dy, w_gamma, x, y, stats.rstd, stats.mean,
                                                  col_sum, out_bias))
+  if col_sums:
+    *out, dy_sums = out
+    out = tuple(out) if x_hat else out[0]
+    want = np.asarray(dy, np.float64).sum(axis=0)
+    assert dy_sums.shape == (n,) and dy_sums.dtype == jnp.float32
+    # f32 sums of M 16-bit values: a few f32 ulps of Σ|dy| per column.
+    np.testing.assert_allclose(np.asarray(dy_sums), want, rtol=0, atol=1e-6 * float(
+        np.abs(np.asarray(dy, np.float64)).sum(axis=0).max()))
   dx, x_hat_out = out if x_hat else (out, None)
   if interpret:
     assert not mgpu.races_found(), "the interpreter's race detector reported a race"
@@ -798,6 +808,21 @@ def test_gpu_dx_x_hat(m, k, n, norm, fused):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,norm", [
+    (262144, 512, 512, "layer"),  # cluster of 2, 4 steps per CTA
+    (8192, 512, 2048, "layer"),  # 16 steps per CTA
+    (4096 + 8, 1024, 1024, "rms"),  # cluster of 4, a partial row block
+    (65536, 2048, 512, "layer"),  # cluster of 8: one step per CTA, consumer 1's row zero
+    (8, 128, 128, "layer"),  # one row block, mostly rows past M
+])
+def test_gpu_dx_col_sums(m, k, n, norm):
+  """Σ_i dy_i from the dx kernel's dy stages, read transposed (a layout interpret mode does
+  not check), across the clusters' CTAs."""
+  _run_dx_and_check(m, k, n, jnp.bfloat16, norm, interpret=False, x_hat=True, row_sums=True,
+                    col_sums=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_dx_large_mean(fused):
   _run_dx_and_check(4096 + 77, 512, 512, jnp.float16, "layer", mu=1e3, interpret=False,
@@ -874,25 +899,70 @@ def test_dx_kernel_row_sums_in_epilogue(m, k, n, dtype, norm, mu, config, x_hat,
                     row_sums=True)
 
 
-@pytest.mark.parametrize("m,k,n,norm,ones", [
-    (262144, 512, 512, "layer", True),  # cluster of 2 (push), the ones block
-    (262144 + 77, 1024, 1024, "rms", False),  # cluster of 4 (pull), A from registers
-    (65536, 2048, 512, "layer", False),  # cluster of 8
+# Σ_i dy_i from the dx kernel's dy stages (a norm bias's gradients without x̂'s ones block):
+# one CTA in interpret mode, so its two consumers split the steps (odd step counts leave
+# consumer 1 a zero row), M tails (rows past M read as zeros), one row, several row blocks per
+# CTA (the sums carried across them in SMEM), a WGMMA in flight across steps.
+COL_SUMS_CASES = [
+    # m, k, n, dtype, norm, config
+    (77, 128, 128, jnp.bfloat16, "layer", None),
+    (1, 64, 64, jnp.float16, "rms", None),
+    (600, 128, 320, jnp.bfloat16, "layer", TileConfig(tile_m=128, tile_n=128, tile_k=64)),
+    (300, 64, 576, jnp.float16, "layer", TileConfig(tile_m=128, tile_n=64, tile_k=64,
+                                                    delay_release=1)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,norm,config", COL_SUMS_CASES)
+def test_dx_kernel_returns_dy_col_sums(m, k, n, dtype, norm, config):
+  _run_dx_and_check(m, k, n, dtype, norm, config=config, x_hat=True, row_sums=True,
+                    col_sums=True)
+
+
+def test_dy_col_sums_unsupported_reasons():
+  """Where the kernel cannot sum dy's columns (the op then takes x̂'s ones block), it says
+  why, and norm_matmul_dx raises it as a ValueError before any kernel runs."""
+  reason = nmb.dy_col_sums_unsupported_reason
+  assert reason(262144, 2048, 512, jnp.bfloat16) is None
+  assert "multiple of 8" in reason(262144 + 77, 2048, 512, jnp.bfloat16)
+  assert "costs a stage" in reason(262144, 4096, 512, jnp.bfloat16)
+  assert "K = 4096" in reason(262144, 512, 4096, jnp.bfloat16)
+  assert "multiples of 64" in reason(300, 320, 256, jnp.bfloat16, interpret=True)
+  dy, x = jnp.ones((300, 320), jnp.bfloat16), jnp.ones((300, 256), jnp.bfloat16)
+  r = jnp.ones((300,), jnp.float32)
+  with pytest.raises(ValueError, match="return_dy_col_sums: .*multiples of 64"):
+    nmb.norm_matmul_dx(dy, jnp.ones((256, 320), jnp.bfloat16), x, r, mean=r,
+                       row_sums_in_epilogue=True, return_x_hat=True, return_dy_col_sums=True,
+                       interpret=True)
+  with pytest.raises(ValueError, match="return_dy_col_sums needs row_sums_in_epilogue"):
+    nmb.norm_matmul_dx(dy[:, :64], jnp.ones((64, 64), jnp.bfloat16), x[:, :64], r, r,
+                       return_dy_col_sums=True, interpret=True)
+
+
+@pytest.mark.parametrize("m,k,n,norm,ones,sums", [
+    (262144, 512, 512, "layer", True, False),  # cluster of 2 (push), the ones block
+    (262144 + 77, 1024, 1024, "rms", False, False),  # cluster of 4 (pull), A from registers
+    (65536, 2048, 512, "layer", False, True),  # cluster of 8, dy's column sums
+    (262144, 512, 2048, "layer", False, True),  # 16 steps' sums per CTA
 ])
-def test_dx_row_sums_lower_for_hopper(monkeypatch, m, k, n, norm, ones):
-  """The row sums' cluster exchange lowers for sm_90a (jax.export for "cuda"; nothing runs)."""
+def test_dx_row_sums_lower_for_hopper(monkeypatch, m, k, n, norm, ones, sums):
+  """The row sums' cluster exchange (and dy's column sums) lower for sm_90a (jax.export for
+  "cuda"; nothing runs; the transposed stage reads compile only past this point:
+  test_gpu_dx_col_sums)."""
   fake = lambda interpret: 2 if interpret else 132  # noqa: E731  an H100/H200's 132 SMs
   monkeypatch.setattr(mgpu, "num_sms", fake)
   monkeypatch.setattr(mgpu.device, "num_sms", fake)
   spec = jax.ShapeDtypeStruct
   row = spec((m,), jnp.float32)
   fn = lambda dy, w, x, r, mu: nmb.norm_matmul_dx(  # noqa: E731
-      dy, w, x, r, mean=mu, return_x_hat=True, x_hat_ones=ones, row_sums_in_epilogue=True)
+      dy, w, x, r, mean=mu, return_x_hat=True, x_hat_ones=ones, row_sums_in_epilogue=True,
+      return_dy_col_sums=sums)
   exported = export.export(jax.jit(fn), platforms=["cuda"])(
       spec((m, n), jnp.bfloat16), spec((k, n), jnp.bfloat16), spec((m, k), jnp.bfloat16), row,
       row if norm == "layer" else None)
   assert "mosaic_gpu" in exported.mlir_module()
-  assert [a.shape for a in exported.out_avals] == [(m, k), (m, k + 32 if ones else k)]
+  assert [a.shape for a in exported.out_avals] == [(m, k), (m, k + 32 if ones else k)] + (
+      [(n,)] if sums else [])
 
 
 def test_dx_row_sums_bad_arguments_raise():

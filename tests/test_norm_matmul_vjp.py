@@ -211,27 +211,62 @@ def _check_row_terms_route(monkeypatch, y_dtype, expected, k, n, norm="layer"):
 def test_weight_grads_take_x_hat_by_shape(monkeypatch, k, n, norm, x_hat):
   """The backward asks the dx kernel for x̂ (dW_γ = x̂ᵀ dy) for LayerNorm, and for RMSNorm
   where x̂ (M × K) is smaller than the scaled dy it replaces (M × N); no kernel runs."""
+  kwargs_seen = _spy_on_launch(monkeypatch)
+  x, w, scale, bias, _ = _inputs(3, 16, k, n, jnp.bfloat16)
+  _trace_grads(x, w, scale, bias, norm)
+  assert kwargs_seen and {kw["x_hat"] for kw in kwargs_seen} == {x_hat}
+
+
+def _spy_on_launch(monkeypatch) -> list:
+  """Replaces the dx kernel's launch by zeros of its outputs; returns the list its keyword
+  arguments are appended to."""
   kwargs_seen = []
 
   def spy(dy, w_gamma, x, *args, **kwargs):
-    kwargs_seen.append(kwargs.get("x_hat"))
-    return (jnp.zeros_like(x),) * 2 if kwargs.get("x_hat") else jnp.zeros_like(x)
+    kwargs_seen.append(kwargs)
+    if not kwargs["x_hat"]:
+      return jnp.zeros_like(x)
+    x_hat = jnp.zeros((x.shape[0], x.shape[1] + 32 * kwargs["x_hat_ones"]), x.dtype)
+    sums = (jnp.zeros((dy.shape[1],), jnp.float32),) if kwargs["dy_col_sums"] else ()
+    return (jnp.zeros_like(x), x_hat, *sums)
 
   monkeypatch.setattr(nmb, "launch", spy)
-  x, w, scale, bias, _ = _inputs(3, 16, k, n, jnp.bfloat16)
-  grads = jax.grad(lambda x, w: pallas_norm.norm_matmul(
-      x, w, scale=scale, norm_bias=bias, norm=norm, implementation="interpret").astype(
-          jnp.float32).sum(), argnums=(0, 1))
-  jax.eval_shape(grads, x, w)  # traces the backward; no kernel runs
-  assert kwargs_seen and set(kwargs_seen) == {x_hat}
+  return kwargs_seen
+
+
+def _trace_grads(x, w, scale, bias, norm):
+  """Traces the op's backward under jax.eval_shape: no kernel runs."""
+  grads = jax.grad(lambda x, w, s, b: pallas_norm.norm_matmul(
+      x, w, scale=s, norm_bias=b, norm=norm, implementation="interpret").astype(
+          jnp.float32).sum(), argnums=(0, 1, 2, 3) if bias is not None else (0, 1, 2))
+  jax.eval_shape(grads, x, w, scale, bias)
+
+
+@pytest.mark.parametrize("m,k,n,bias,sums,ones", [
+    (16, 128, 128, True, True, False),  # row sums in the epilogue, 64-wide steps
+    (16, 128, 128, False, False, False),  # no norm bias: no sums wanted
+    (16, 256, 320, True, False, True),  # 32-wide steps: the ones block gives them
+    (16, 320, 128, True, False, True),  # K = 320: no row sums in the epilogue, so no sums
+])
+def test_bias_grads_take_dy_col_sums_where_the_kernel_can(monkeypatch, m, k, n, bias, sums,
+                                                          ones):
+  """A norm bias's gradients take Σ_i dy_i from the dx kernel where it can sum them
+  (dy_col_sums_unsupported_reason), else from x̂'s ones block; no kernel runs."""
+  kwargs_seen = _spy_on_launch(monkeypatch)
+  x, w, scale, b, _ = _inputs(5, m, k, n, jnp.bfloat16)
+  _trace_grads(x, w, scale, b if bias else None, "layer")
+  assert kwargs_seen and all(kw["dy_col_sums"] == sums and kw["x_hat_ones"] == ones
+                             for kw in kwargs_seen), kwargs_seen
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 320, 320)])
+@pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 320, 320),
+                                   (8192, 512, 2048)])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_gpu_public_api_gradients(m, k, n, norm):
   """implementation="mosaic" (both kernels compiled) against the f32 reference's gradients. dx
-  takes the row sums in its epilogue at K = 512 (a cluster of 2); K = 320 splits over no
+  takes the row sums in its epilogue at K = 512 (a cluster of 2), and for the norm bias's
+  gradients sums dy's columns at M % 8 = 0 (else x̂'s ones block); K = 320 splits over no
   cluster: the fused row terms (LayerNorm) and the XLA row-terms pass (RMSNorm)."""
   x, w, scale, bias, ct = _inputs(m + n, m, k, n, jnp.bfloat16)
   ct = ct.astype(jnp.bfloat16)

@@ -44,8 +44,8 @@ from pallas_norm.mgpu.config import SMEM_BYTES, TileConfig
 from pallas_norm.mgpu.device import interpret_params
 
 SMEM_SLACK = 4096
-"""SMEM bytes kept free for the barriers and the cross-lane reduction scratch Mosaic reserves
-(2 KiB by default)."""
+"""SMEM bytes kept free for the barriers and the allocations' alignment. No GEMM body reduces
+across warps, so :func:`kernel` reserves no reduction scratch (Mosaic's default is 2 KiB)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,9 +207,29 @@ class KStep:
       self._a = self.load(self.stages[0])
     return self._a
 
+  def a_column_sums(self):
+    """Σ over all the A stage's rows (both consumers' rows), per column: (tile_k,) float32 in
+    the layout ``WGMMA.reduce(1)``. Each 64-row block is read transposed, so that its rows
+    sum within each warp (adds in the thread, then 2 lane shuffles) and no warp waits for
+    another; tile_k a multiple of 64. Fences its reads itself (:func:`plgpu.commit_smem`,
+    also a warpgroup barrier), so it may run under a ``pl.when`` that the warpgroup takes as
+    one."""
+    a = self.stages[0]
+    total = None
+    for r in range(0, a.shape[0], 64):
+      block_t = plgpu.load(a.at[pl.ds(r, 64)].transpose((1, 0)), layout=plgpu.Layout.WGMMA)
+      part = jnp.sum(block_t.astype(jnp.float32), axis=1)
+      total = part if total is None else total + part
+    plgpu.commit_smem()
+    return total
+
 
 class Hooks:
   """A fused kernel's additions to the GEMM body (every method is optional but ``epilogue``)."""
+
+  def start(self) -> None:
+    """Every warpgroup, before the schedule (e.g. zeroing per-CTA accumulators in SMEM: a CTA
+    may get no tile)."""
 
   def before_k_loop(self, tile: Tile) -> None:
     """Consumer, before the tile's K loop (e.g. TMA loads of the epilogue's inputs)."""
@@ -301,6 +321,7 @@ def run(kloop: KLoop, *, gmems, windows: Callable[[Tile], list], schedule: Sched
   def _scope(pipeline_allocs, **refs):
     wg = lax.axis_index("wg")
     hooks = hooks_for(wg, refs)
+    hooks.start()
     ring = (pipeline.SharedRing(**pipeline_allocs, stages=kloop.stages) if kloop.ring
             else None)
 
@@ -385,6 +406,7 @@ def kernel(body, out_type, *, num_ctas: int, interpret: bool, cluster: int | Non
       **grid,
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                           reduction_scratch_bytes=0),
       interpret=interpret_params() if interpret else None,
   )

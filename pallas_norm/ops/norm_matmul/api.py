@@ -28,9 +28,12 @@ kernel's own K loop, which then streams y next to dy. The weight gradients are X
 GEMMs: with the row sums in the epilogue, for LayerNorm and for RMSNorm with K < N
 (:func:`.configs.x_hat_pays`) the dx kernel's
 epilogue also writes the normalized input x̂ = (x − mean) ⊙ rstd from the x tile it holds, and
-dW_γ = x̂ᵀ dy is one GEMM with nothing to scale or correct (with a norm bias, x̂ ends with a
-ones column, so the same GEMM gives Σ_i dy_i for the bias's terms); otherwise (RMSNorm, K ≥ N)
-dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass.
+dW_γ = x̂ᵀ dy is one GEMM with nothing to scale or correct; otherwise (RMSNorm, K ≥ N)
+dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass. A norm bias's terms need Σ_i dy_i:
+with the row sums in the epilogue the dx kernel sums the dy stages it streams
+(``return_dy_col_sums``, where :func:`.mosaic_bwd.dy_col_sums_unsupported_reason` allows), so x̂
+stays K wide; elsewhere x̂ ends with a ones column, and the same GEMM gives them (x̂ past K
+columns makes cuBLAS leave its best tiles: ``benchmarks/NOTES.md``, pre-norm backward).
 
 The ``"xla"`` implementation is :func:`.xla.norm_matmul`: the unfused reference's math
 (:func:`pallas_norm.reference.norm_matmul`; the lazy form for 16-bit RMSNorm), differentiated by
@@ -182,11 +185,19 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   # With the row sums in the dx epilogue no pass over dy is left in XLA but the weight
   # gradients' scaling of dy, which x̂ from the same epilogue replaces.
   x_hat = row_sums or configs.x_hat_pays(k, n, norm)
+  # A norm bias's gradients need Σ_i dy_i: from the dx kernel's dy stages where it can sum
+  # them, else from x̂'s ones block (which costs the weight gradients' GEMM its best tiles).
+  dy_col_sums = (row_sums and norm_bias is not None
+                 and mosaic_bwd.dy_col_sums_unsupported_reason(m, n, k, x.dtype, interpret)
+                 is None)
   out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret=interpret,
-                    row_sums=row_sums, x_hat=x_hat, x_hat_ones=x_hat and norm_bias is not None)
+                    row_sums=row_sums, x_hat=x_hat,
+                    x_hat_ones=x_hat and norm_bias is not None and not dy_col_sums,
+                    dy_col_sums=dy_col_sums)
   if x_hat:
-    dx, x_hat = out
-    return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias))
+    dx, x_hat, *dy_colsum = out
+    return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias,
+                                             *dy_colsum))
   return (out, *xla.rms_weight_grads(dy, x, w, scale, norm_bias, rstd))
 
 
@@ -204,11 +215,12 @@ def _takes_row_sums(m, k, n, dtype, interpret) -> bool:
 
 
 def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row_sums, x_hat,
-                x_hat_ones=False):
+                x_hat_ones=False, dy_col_sums=False):
   """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue, the dx
   kernel, with its row sums in the epilogue where ``row_sums`` (:func:`_takes_row_sums`);
   ``(dx, x̂)`` with ``x_hat`` (the same epilogue writes x̂; with ``x_hat_ones`` x̂ ends with a
-  ones column, so dW_γ's GEMM also sums dy's columns for the bias's gradients)."""
+  ones column, so dW_γ's GEMM also sums dy's columns for the bias's gradients);
+  ``(dx, x̂, Σ_i dy_i)`` with ``dy_col_sums`` (the kernel sums the dy it streams)."""
   norm = "rms" if mean is None else "layer"
   (m, k), n = x.shape, y.shape[1]
 
@@ -218,7 +230,8 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row
     config = mosaic_bwd.pick_config(m, n, k, fused_row_terms="y" in row_args, x_hat=x_hat,
                                     row_sums=row_sums, interpret=interpret)
     launch = functools.partial(mosaic_bwd.launch, x_hat=x_hat, x_hat_ones=x_hat_ones,
-                               row_sums=row_sums, interpret=interpret, config=config)
+                               row_sums=row_sums, interpret=interpret, config=config,
+                               dy_col_sums=dy_col_sums)
     names = tuple(row_args)
     return _op.first_order_only(
         "norm_matmul", lambda *a: launch(*a[:4], **dict(zip(names, a[4:]))),

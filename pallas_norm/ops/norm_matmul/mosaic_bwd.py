@@ -67,7 +67,13 @@ GEMM of ``rstd ⊙ dy`` scaled by an XLA pass (M × N written and read again) wi
 correction (a column sum over M × N). x̂ goes through :data:`X_HAT_SLOTS` SMEM slots per
 warpgroup (one where two would cost a pipeline stage) and TMA stores, interleaved with dx's.
 ``x_hat_ones`` appends a block of ones columns, so the same GEMM's last row is Σ_i dy_i (the
-column sums of a norm bias's gradients).
+column sums of a norm bias's gradients). With the row sums in the epilogue the kernel can give
+those sums itself instead (``return_dy_col_sums``), keeping x̂ K wide: each CTA keeps one column
+tile, so it streams the same reduction steps for every row block; CTA c of the cluster sums the
+whole 128-row dy stage of steps c, c + cluster, ... (its consumers alternate), read transposed
+so the rows add up within each warp, into per-CTA f32 rows in SMEM that are stored once at the
+end; XLA adds the CTAs' partials. It reads each dy stage from SMEM once more, next to WGMMA's
+reads.
 
 Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` over the (M, K) output tiles
 (A: dy (tile_m, tile_k); B: w_gamma (tile_n, tile_k), read transposed; the reduction runs over N
@@ -134,6 +140,26 @@ def row_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool =
   return None
 
 
+def dy_col_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool = False
+                                   ) -> str | None:
+  """None if the kernel can also return Σ_i dy_i (``return_dy_col_sums``) at its default
+  tiling for the row sums in the epilogue, with x̂, at no cost of a pipeline stage; else why
+  not (then x̂'s ones block gives the sums: ``x_hat_ones``)."""
+  if (reason := row_sums_unsupported_reason(m, n, k, dtype, interpret)) is not None:
+    return reason
+  cfg = pick_config(m, n, k, x_hat=True, row_sums=True, interpret=interpret)
+  plan = functools.partial(_make_plan, m, n, k, dtype, True, cfg, interpret, x_hat=True,
+                           row_sums=True)
+  try:
+    with_sums = _pick_exchange(functools.partial(plan, col_sums=True))
+  except ValueError as e:
+    return str(e)
+  if with_sums.stages < _pick_exchange(plan).stages:
+    return (f"SMEM for the column sums of N = {n} ({with_sums.col_sum_rows} rows per consumer) "
+            "next to the pipeline costs a stage")
+  return None
+
+
 def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
                 x_hat: bool = False, row_sums: bool = False,
                 interpret: bool = False) -> TileConfig:
@@ -195,6 +221,7 @@ class _Plan(gemm_core.KLoopFacts):
   row_sums: bool = False  # the row sums over K in the epilogue (no y, y_term, c_term)
   cluster: int = 1  # row sums: CTAs sharing a row block, one column tile each
   exchange: str = "pull"  # row sums: how the cluster's CTAs share them (mgpu.exchange)
+  col_sums: bool = False  # row sums: the kernel also sums dy over its rows, Σ_i dy_i (N,)
 
   @property
   def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused
@@ -226,8 +253,19 @@ class _Plan(gemm_core.KLoopFacts):
     return self.cfg.wg_tile_m // self.cfg.epi_tile_m, self.cfg.tile_n // self.epi_n
 
   @property
+  def col_sum_rows(self) -> int:  # col sums: steps a consumer sums per CTA (0 without)
+    return _col_sum_rows(self.red_iters, self.cluster) if self.col_sums else 0
+
+  @property
   def x_hat_width(self) -> int:  # x̂'s columns: K, or K padded to whole tiles + the ones block
     return self.k_iters * self.cfg.tile_n + self.epi_n if self.x_hat_ones else self.k
+
+
+def _col_sum_rows(red_iters: int, cluster: int) -> int:
+  """Reduction steps whose column sums one consumer warpgroup of a CTA keeps: CTA c of the
+  cluster sums steps c, c + cluster, ... (its j-th), and consumer j % 2 of them (the whole
+  128-row stage, :meth:`pallas_norm.mgpu.gemm.KStep.a_column_sums`)."""
+  return -(-(-(-red_iters // cluster)) // 2)
 
 
 def _n_rows(layer: bool, fused: bool) -> int:
@@ -256,12 +294,13 @@ def _streams(cfg: TileConfig, dtype, a_in_registers: bool, fused: bool,
 
 
 def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat_slots: int = 0,
-          exchange_allocs: dict | None = None) -> dict:
+          exchange_allocs: dict | None = None, col_sum_rows: int = 0) -> dict:
   """SMEM besides the stages, per consumer warpgroup: its (tile_m/2, tile_n) slice of x as
   untiled epilogue tiles (dx overwrites them in place), the row vectors, the barrier their
   TMA copies arrive on (one arrival per copy) and ``x_hat_slots`` epilogue tiles' slots for
   x̂ (their TMA stores read them while the next epilogue tiles are computed); with the row
-  sums in the epilogue, the cluster exchange's (:func:`pallas_norm.mgpu.exchange.allocs`)."""
+  sums in the epilogue, the cluster exchange's (:func:`pallas_norm.mgpu.exchange.allocs`);
+  with the column sums of dy, ``col_sum_rows`` f32 rows of tile_k (:func:`_col_sum_rows`)."""
   epi_n = forward._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   chunks = (cfg.wg_tile_m // cfg.epi_tile_m) * (cfg.tile_n // epi_n)
   tile_transforms = mgpu.swizzle_transforms(epi_n, dtype, tiled=False)
@@ -271,7 +310,9 @@ def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat_slots: int = 0,
                              transforms=tile_transforms) if x_hat_slots else None),
       row_smem=plgpu.SMEM((2, n_rows, cfg.wg_tile_m), jnp.float32),
       in_barrier=plgpu.Barrier(num_arrivals=chunks + n_rows, num_barriers=2),
-      exchange_allocs=exchange_allocs)
+      exchange_allocs=exchange_allocs,
+      col_sum_smem=(plgpu.SMEM((2, col_sum_rows, cfg.tile_k), jnp.float32) if col_sum_rows
+                    else None))
 
 
 def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int,
@@ -297,7 +338,8 @@ def _x_hat_slots(cfg: TileConfig, dtype, streams, n_rows: int) -> int:
 
 
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False,
-               x_hat=False, x_hat_ones=False, row_sums=False, exchange="pull") -> _Plan:
+               x_hat=False, x_hat_ones=False, row_sums=False, col_sums=False,
+               exchange="pull") -> _Plan:
   # stats_once is the pre-norm forward's alone.
   mgpu.reject_unused_options(cfg, "dx", ("stats_once",))
   has_bias = fused and has_bias
@@ -311,6 +353,9 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
                      f"of tile_n = {cfg.tile_n} (one per CTA of the cluster; 1 in interpret "
                      f"mode) and epi_tile_m = tile_m / 2, got {cfg}")
   cluster = k_tiles if row_sums else 1
+  if col_sums and (reason := _col_sums_unsupported_reason(cfg, row_sums, a_in_registers)):
+    raise ValueError(f"the column sums of dy in the dx kernel need {reason}, got {cfg}")
+  col_sum_rows = _col_sum_rows(red_iters, cluster) if col_sums else 0
   spec = cluster_exchange.Spec(cluster=cluster, rows=cfg.wg_tile_m, n_partials=1 + int(layer),
                                exchange=exchange)
   n_rows = _n_rows(layer, fused or row_sums)
@@ -318,7 +363,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
   x_hat_slots = _x_hat_slots(cfg, dtype, streams, n_rows) if x_hat else 0
   kloop = gemm_core.plan_k_loop(
       cfg, streams, red_iters,
-      _smem(cfg, dtype, n_rows, x_hat_slots, cluster_exchange.allocs(spec)),
+      _smem(cfg, dtype, n_rows, x_hat_slots, cluster_exchange.allocs(spec), col_sum_rows),
       a_in_registers=a_in_registers, what=" next to the x tile of the epilogue"
       + (" (with the y stage of the fused row terms)" if fused else "")
       + (" (with the x̂ slot)" if x_hat else ""))
@@ -330,7 +375,21 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
                                                  interpret),
                epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
                x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1), row_sums=row_sums,
-               cluster=cluster, exchange=exchange)
+               cluster=cluster, exchange=exchange, col_sums=col_sums)
+
+
+def _col_sums_unsupported_reason(cfg: TileConfig, row_sums: bool, a_in_registers: bool
+                                 ) -> str | None:
+  """None if the kernel can sum dy's columns (:meth:`_DxHooks._add_column_sums`): only with the
+  row sums in the epilogue (a CTA keeps one column tile, so the same steps, across its row
+  blocks), from tiled dy stages read transposed in 64-row blocks of tile_k a multiple of 64."""
+  if not row_sums:
+    return "the row sums in the epilogue (row_sums_in_epilogue=True)"
+  if a_in_registers:
+    return "tiled dy stages (M a multiple of 8 on the GPU)"
+  if cfg.tile_k % 64 or cfg.tile_m % 64:
+    return "tile_k and tile_m multiples of 64"
+  return None
 
 
 def _pick_exchange(make_plan) -> _Plan:
@@ -400,10 +459,12 @@ class _DxHooks(gemm_core.Hooks):
   and the epilogue ``rstd ⊙ acc − y_term ⊙ (x − mean) − c_term`` written over the x tile in
   SMEM and stored by TMA. SMEM: :func:`_smem`."""
 
-  def __init__(self, plan: _Plan, wg, refs, x_gmem, row_gmems, dx_gmem, x_hat_gmem):
+  def __init__(self, plan: _Plan, wg, refs, x_gmem, row_gmems, dx_gmem, x_hat_gmem,
+               col_sum_gmem):
     self.plan, self.wg, self.x_gmem, self.row_gmems, self.dx_gmem = (plan, wg, x_gmem,
                                                                      row_gmems, dx_gmem)
-    self.x_hat_gmem = x_hat_gmem
+    self.x_hat_gmem, self.col_sum_gmem = x_hat_gmem, col_sum_gmem
+    self.col_sum_smem = refs["col_sum_smem"]
     self.x_smem, self.row_smem, self.in_barrier = (refs["x_smem"], refs["row_smem"],
                                                    refs["in_barrier"])
     self.x_hat_smem = refs["x_hat_smem"]
@@ -436,7 +497,40 @@ class _DxHooks(gemm_core.Hooks):
   def init_carry(self, tile):
     return _init_row_sums(self.plan)
 
+  def start(self):
+    if self.plan.col_sums:
+      pl.when(self.wg < 2)(self._zero_column_sums)
+
+  def _zero_column_sums(self):
+    """Zeros this consumer's column-sum rows, in the layout that adds to them (each thread
+    then reads back only what it wrote); the barrier in commit_smem orders the stores before
+    any warp's first add."""
+    zeros = plgpu.layout_cast(jnp.zeros((self.plan.cfg.tile_k,), jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+    for i in range(self.plan.col_sum_rows):
+      self.col_sum_smem.at[self.wg, i][...] = zeros
+    plgpu.commit_smem()
+
+  def _add_column_sums(self, tile, step):
+    """Adds this step's Σ over the stage's rows of dy to the CTA's column sums, if the step is
+    this consumer's: CTA c of the cluster (column tile c) sums its row blocks' steps c,
+    c + cluster, ... and of those its consumer j % 2 the j-th (no row of the SMEM sums has
+    two writers). The sums run while the tensor core works on the step's WGMMA."""
+    cluster = self.plan.cluster
+    j = step.k_idx // cluster
+    mine = lax.rem(j, 2) == self.wg
+    if cluster > 1:
+      mine = mine & (lax.rem(step.k_idx, cluster) == tile.n_idx)
+
+    @pl.when(mine)
+    def _add():
+      row = self.col_sum_smem.at[self.wg, j // 2]
+      total = plgpu.load(row, layout=plgpu.Layout.WGMMA.reduce(1)) + step.a_column_sums()
+      row[...] = total
+
   def k_step(self, tile, step, sums):
+    if self.plan.col_sums:
+      self._add_column_sums(tile, step)
     # With the fused row terms, every column tile of a row block recomputes the same row sums
     # from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid). It is
     # what makes the fused path lose at K = 2048 (8 column tiles; configs.py); reusing the sums
@@ -550,6 +644,15 @@ class _DxHooks(gemm_core.Hooks):
   def finish(self):
     if self.plan.row_sums:
       cluster_exchange.final_sync(self.plan.exchange_spec, self.ex, self.wg)
+    if self.plan.col_sums:
+      pl.when(self.wg < 2)(self._store_column_sums)
+
+  def _store_column_sums(self):
+    """This consumer's column-sum rows to its CTA's slot of the partials (after the
+    schedule: the last add's stores fenced for the TMA)."""
+    plgpu.commit_smem()
+    cta = lax.axis_index("cluster_grid") * self.plan.cluster + lax.axis_index("cluster")
+    plgpu.copy_smem_to_gmem(self.col_sum_smem.at[self.wg], self.col_sum_gmem.at[cta, self.wg])
 
 
 def _sum_in_cta_order(per_cta) -> tuple:
@@ -582,6 +685,7 @@ def _kernel(*refs, plan: _Plan):
   row_gmems = [next(it) for _ in range(plan.n_rows)]  # rstd first, padded to whole row tiles
   dx_gmem = next(it)
   x_hat_gmem = next(it) if plan.x_hat else None
+  col_sum_gmem = next(it) if plan.col_sums else None  # (CTAs, 2, col_sum_rows, tile_k) f32
   cfg = plan.cfg
   # The streams' GMEM operands beyond dy and w: all of y's columns, all of the vectors'.
   gmems = [r for r in (dy_gmem, w_gmem, y_gmem, vec_gmem) if r is not None]
@@ -594,9 +698,9 @@ def _kernel(*refs, plan: _Plan):
           :len(gmems)],
       schedule=schedule,
       smem=_smem(cfg, plan.dtype, plan.n_rows, plan.x_hat_slots,
-                 cluster_exchange.allocs(plan.exchange_spec)),
+                 cluster_exchange.allocs(plan.exchange_spec), plan.col_sum_rows),
       hooks_for=lambda wg, refs: _DxHooks(plan, wg, refs, x_gmem, row_gmems, dx_gmem,
-                                          x_hat_gmem))
+                                          x_hat_gmem, col_sum_gmem))
 
 
 def _check_vector(name, v, size) -> None:
@@ -674,7 +778,8 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=Non
 def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *, y=None,
                    out_bias=None, col_sum=None, return_x_hat: bool = False,
                    x_hat_ones: bool = False, row_sums_in_epilogue: bool = False,
-                   interpret: bool = False, config: TileConfig | None = None):
+                   return_dy_col_sums: bool = False, interpret: bool = False,
+                   config: TileConfig | None = None):
   """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``.
 
   With ``row_sums_in_epilogue`` the kernel needs no row scalars: with G = dy @ w_gammaᵀ and
@@ -721,6 +826,11 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
       epilogue tile wide), after K padded to whole column tiles (columns past K up to there
       hold the normalized zero padding, finite): then the last row of ``x̂ᵀ dy`` is
       ``Σ_i dy_i`` (the column sums a norm bias's gradient needs), from the same GEMM.
+    return_dy_col_sums: also return ``Σ_i dy_i`` (N,) float32, summed by the kernel from the
+      dy stages it streams anyway (each CTA sums its share of the steps over its row blocks;
+      XLA adds the CTAs' partials in a fixed order): the column sums without x̂'s ones block,
+      which makes the weight gradients' GEMM leave its best tiles. Needs
+      ``row_sums_in_epilogue`` and :func:`dy_col_sums_unsupported_reason` None.
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
     config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given);
       tile_n runs over K, tile_k over N.
@@ -728,13 +838,15 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   Returns:
     dx (M, K) in x's dtype; the products and sums run in float32. With ``return_x_hat``,
     ``(dx, x̂)``, x̂ (M, K) in x's dtype (rounded once from float32); with ``x_hat_ones`` too,
-    x̂ (M, K') whose first K columns are x̂ and last column is ones.
+    x̂ (M, K') whose first K columns are x̂ and last column is ones. With
+    ``return_dy_col_sums``, Σ_i dy_i (N,) float32 follows as the last output.
 
   Raises:
     ValueError: shapes the kernel does not support; rstd missing; a mix of the row-term
       inputs (y_term/c_term with y, out_bias/col_sum without y, any of them with
       row_sums_in_epilogue), y_term missing without y or row_sums_in_epilogue,
-      mean inconsistent with c_term (or, with y, with col_sum); row vectors not float32 (M,),
+      mean inconsistent with c_term (or, with y, with col_sum); return_dy_col_sums where the
+      kernel cannot (:func:`dy_col_sums_unsupported_reason`); row vectors not float32 (M,),
       out_bias/col_sum not float32 (N,), y not (M, N); a config that does not fit in SMEM.
       TypeError: mixed dtypes (dy, w_gamma, x; y not in dy's dtype), a vector or y that is not
       an array.
@@ -747,22 +859,32 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   _validate.flag("x_hat_ones", x_hat_ones)
   if x_hat_ones and not return_x_hat:
     raise ValueError("x_hat_ones needs return_x_hat=True (it shapes the returned x̂)")
+  _validate.flag("return_dy_col_sums", return_dy_col_sums)
   m, n = dy.shape
+  if return_dy_col_sums and not row_sums:
+    raise ValueError("return_dy_col_sums needs row_sums_in_epilogue=True (a CTA then keeps "
+                     "its column tile, so it sums the same steps over its row blocks)")
+  if return_dy_col_sums and config is None and (reason := dy_col_sums_unsupported_reason(
+      m, n, w_gamma.shape[0], x.dtype, interpret)) is not None:
+    raise ValueError(f"return_dy_col_sums: {reason}")
   cfg = config or pick_config(m, n, w_gamma.shape[0], fused_row_terms=y is not None,
                               x_hat=bool(return_x_hat), row_sums=row_sums, interpret=interpret)
   return launch(dy, w_gamma, x, rstd, y_term=y_term, mean=mean, c_term=c_term, y=y,
                 out_bias=out_bias, col_sum=col_sum, x_hat=bool(return_x_hat),
-                x_hat_ones=bool(x_hat_ones), row_sums=row_sums, interpret=interpret, config=cfg)
+                x_hat_ones=bool(x_hat_ones), row_sums=row_sums, interpret=interpret, config=cfg,
+                dy_col_sums=bool(return_dy_col_sums))
 
 
 def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None, out_bias=None,
            col_sum=None, x_hat: bool, x_hat_ones: bool, row_sums: bool, interpret: bool,
-           config: TileConfig):
+           config: TileConfig, dy_col_sums: bool = False):
   """:func:`norm_matmul_dx` on arguments its caller validated, with the ``config`` it picked
   (:func:`pick_config` for the route it chose: ``row_sums``, the fused row terms (``y`` given)
-  or given row terms; ``x_hat`` is ``return_x_hat``): ``norm_matmul``'s backward decides the
-  route and the tiling once, then calls this. Same outputs; ValueError only from the plan (a
-  config that does not fit, or N not a multiple of its tile_k)."""
+  or given row terms; ``x_hat`` is ``return_x_hat``, ``dy_col_sums`` is
+  ``return_dy_col_sums``): ``norm_matmul``'s backward decides the route and the tiling once,
+  then calls this. Same outputs; ValueError only from the plan (a config that does not fit,
+  N not a multiple of its tile_k, column sums where :func:`dy_col_sums_unsupported_reason`
+  says why not)."""
   cfg = config
   m, n = dy.shape
   k = w_gamma.shape[0]
@@ -771,7 +893,8 @@ def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None,
     raise ValueError(f"N = {n} is not a multiple of tile_k = {cfg.tile_k}")
   plan = _pick_exchange(functools.partial(
       _make_plan, m, n, k, x.dtype, mean is not None, cfg, interpret, fused=fused,
-      has_bias=out_bias is not None, x_hat=x_hat, x_hat_ones=x_hat_ones, row_sums=row_sums))
+      has_bias=out_bias is not None, x_hat=x_hat, x_hat_ones=x_hat_ones, row_sums=row_sums,
+      col_sums=dy_col_sums))
   # Row vectors padded to whole row tiles: their 1-D copies never leave the arrays.
   m_pad = plan.m_iters * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
@@ -780,10 +903,27 @@ def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None,
   fused_args = [y] if fused else []
   if plan.n_vecs:
     fused_args.append(jnp.stack([v for v in (col_sum, out_bias) if v is not None]))
-  out = jax.ShapeDtypeStruct((m, k), plan.dtype)
-  x_hat_out = jax.ShapeDtypeStruct((m, plan.x_hat_width), plan.dtype)
+  out_types = [jax.ShapeDtypeStruct((m, k), plan.dtype)]
+  if x_hat:
+    out_types.append(jax.ShapeDtypeStruct((m, plan.x_hat_width), plan.dtype))
+  if plan.col_sums:
+    out_types.append(jax.ShapeDtypeStruct(
+        (plan.num_ctas * plan.cluster, 2, plan.col_sum_rows, cfg.tile_k), jnp.float32))
   call = gemm_core.kernel(functools.partial(_kernel, plan=plan),
-                          (out, x_hat_out) if x_hat else out, num_ctas=plan.num_ctas,
-                          interpret=interpret, cluster=plan.cluster if row_sums else None)
-  return call(dy, w_gamma, x, *fused_args, *rows)
+                          tuple(out_types) if len(out_types) > 1 else out_types[0],
+                          num_ctas=plan.num_ctas, interpret=interpret,
+                          cluster=plan.cluster if row_sums else None)
+  out = call(dy, w_gamma, x, *fused_args, *rows)
+  if not plan.col_sums:
+    return out
+  return (*out[:-1], _column_sums_from_partials(plan, out[-1]))
+
+
+def _column_sums_from_partials(plan: _Plan, partials):
+  """Σ_i dy_i (N,) f32 from the CTAs' partials (CTAs, 2, rows, tile_k): CTA c of a cluster
+  holds steps s = c + cluster · j, consumer j % 2 at row j // 2. The clusters' partials are
+  added in CTA order (deterministic), then laid out by step."""
+  per_cta = partials.reshape(plan.num_ctas, plan.cluster, *partials.shape[1:]).sum(axis=0)
+  by_step = per_cta.transpose(2, 1, 0, 3)  # [j // 2, j % 2, c]: step (c + cluster · j)
+  return by_step.reshape(-1)[:plan.n]
 

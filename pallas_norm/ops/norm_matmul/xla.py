@@ -170,17 +170,19 @@ def rms_weight_grads(dy, x, w, scale, bias, rstd):
   return affine_grads(_transposed_product(x, dy_scaled), dy, w, scale, bias)
 
 
-def weight_grads_from_x_hat(dy, x_hat, w, scale, bias):
+def weight_grads_from_x_hat(dy, x_hat, w, scale, bias, dy_colsum=None):
   """(dw, dscale, dbias) from dW_γ = x̂ᵀ dy, with x̂ = (x − mean) ⊙ rstd (RMSNorm: x ⊙ rstd) as
   the dx kernel writes it (``norm_matmul_dx(..., return_x_hat=True)``): one GEMM, no pass
   over dy to scale it and no rank-1 correction (x̂ is centered, so nothing cancels).
 
   x̂ wider than w's K rows (``x_hat_ones``: its last column is ones) makes the product's last
   row Σ_i dy_i, the column sums of dy that a bias's gradients need, in the same GEMM instead
-  of a reduction pass over dy (f32 accumulation of exact products, as that pass would)."""
+  of a reduction pass over dy (f32 accumulation of exact products, as that pass would);
+  ``dy_colsum`` (N,) f32 gives them instead (the dx kernel's ``return_dy_col_sums``)."""
   k = w.shape[0]
   product = _transposed_product(x_hat, dy)
-  dy_colsum = product[-1] if x_hat.shape[1] > k else None
+  if x_hat.shape[1] > k:
+    dy_colsum = product[-1]
   return affine_grads(product[:k], dy, w, scale, bias, dy_colsum)
 
 
