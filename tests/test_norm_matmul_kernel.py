@@ -922,12 +922,15 @@ def test_dx_kernel_returns_dy_col_sums(m, k, n, dtype, norm, config):
 def test_dy_col_sums_unsupported_reasons():
   """Where the kernel cannot sum dy's columns (the op then takes x̂'s ones block), it says
   why, and norm_matmul_dx raises it as a ValueError before any kernel runs."""
-  reason = nmb.dy_col_sums_unsupported_reason
-  assert reason(262144, 2048, 512, jnp.bfloat16) is None
-  assert "multiple of 8" in reason(262144 + 77, 2048, 512, jnp.bfloat16)
-  assert "costs a stage" in reason(262144, 4096, 512, jnp.bfloat16)
-  assert "K = 4096" in reason(262144, 512, 4096, jnp.bfloat16)
-  assert "multiples of 64" in reason(300, 320, 256, jnp.bfloat16, interpret=True)
+  def reason(m, n, k, interpret=False, layer=True):
+    cfg = nmb.pick_config(m, n, k, x_hat=True, row_sums=True, interpret=interpret)
+    return nmb.dy_col_sums_unsupported_reason(m, n, k, jnp.bfloat16, cfg, layer=layer,
+                                              x_hat=True, interpret=interpret)
+  assert reason(262144, 2048, 512) is None
+  assert reason(262144, 2048, 512, layer=False) is None
+  assert "multiple of 8" in reason(262144 + 77, 2048, 512)
+  assert "costs a stage" in reason(262144, 4096, 512)
+  assert "multiples of 64" in reason(300, 320, 256, interpret=True)  # 32-wide steps
   dy, x = jnp.ones((300, 320), jnp.bfloat16), jnp.ones((300, 256), jnp.bfloat16)
   r = jnp.ones((300,), jnp.float32)
   with pytest.raises(ValueError, match="return_dy_col_sums: .*multiples of 64"):

@@ -185,19 +185,11 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   # With the row sums in the dx epilogue no pass over dy is left in XLA but the weight
   # gradients' scaling of dy, which x̂ from the same epilogue replaces.
   x_hat = row_sums or configs.x_hat_pays(k, n, norm)
-  # A norm bias's gradients need Σ_i dy_i: from the dx kernel's dy stages where it can sum
-  # them, else from x̂'s ones block (which costs the weight gradients' GEMM its best tiles).
-  dy_col_sums = (row_sums and norm_bias is not None
-                 and mosaic_bwd.dy_col_sums_unsupported_reason(m, n, k, x.dtype, interpret)
-                 is None)
   out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret=interpret,
-                    row_sums=row_sums, x_hat=x_hat,
-                    x_hat_ones=x_hat and norm_bias is not None and not dy_col_sums,
-                    dy_col_sums=dy_col_sums)
+                    row_sums=row_sums, x_hat=x_hat, bias_sums=x_hat and norm_bias is not None)
   if x_hat:
-    dx, x_hat, *dy_colsum = out
-    return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias,
-                                             *dy_colsum))
+    dx, x_hat, dy_colsum = out
+    return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias, dy_colsum))
   return (out, *xla.rms_weight_grads(dy, x, w, scale, norm_bias, rstd))
 
 
@@ -215,12 +207,15 @@ def _takes_row_sums(m, k, n, dtype, interpret) -> bool:
 
 
 def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row_sums, x_hat,
-                x_hat_ones=False, dy_col_sums=False):
+                bias_sums=False):
   """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue, the dx
   kernel, with its row sums in the epilogue where ``row_sums`` (:func:`_takes_row_sums`);
-  ``(dx, x̂)`` with ``x_hat`` (the same epilogue writes x̂; with ``x_hat_ones`` x̂ ends with a
-  ones column, so dW_γ's GEMM also sums dy's columns for the bias's gradients);
-  ``(dx, x̂, Σ_i dy_i)`` with ``dy_col_sums`` (the kernel sums the dy it streams)."""
+  ``(dx, x̂, None)`` with ``x_hat`` (the same epilogue writes x̂). ``bias_sums`` (with x̂, a
+  norm bias's gradients need Σ_i dy_i): ``(dx, x̂, Σ_i dy_i)`` where the kernel sums the dy
+  stages it streams (the row sums' route, where
+  :func:`.mosaic_bwd.dy_col_sums_unsupported_reason` allows), else ``(dx, x̂, None)`` with x̂
+  ending in a ones column, so that dW_γ's GEMM also sums dy's columns (which costs it cuBLAS's
+  best tiles)."""
   norm = "rms" if mean is None else "layer"
   (m, k), n = x.shape, y.shape[1]
 
@@ -229,13 +224,17 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row
     # launch checks nothing again (the op validated the arguments).
     config = mosaic_bwd.pick_config(m, n, k, fused_row_terms="y" in row_args, x_hat=x_hat,
                                     row_sums=row_sums, interpret=interpret)
-    launch = functools.partial(mosaic_bwd.launch, x_hat=x_hat, x_hat_ones=x_hat_ones,
+    sums = bias_sums and row_sums and mosaic_bwd.dy_col_sums_unsupported_reason(
+        m, n, k, x.dtype, config, layer=norm == "layer", x_hat=x_hat,
+        interpret=interpret) is None
+    launch = functools.partial(mosaic_bwd.launch, x_hat=x_hat, x_hat_ones=bias_sums and not sums,
                                row_sums=row_sums, interpret=interpret, config=config,
-                               dy_col_sums=dy_col_sums)
+                               dy_col_sums=sums)
     names = tuple(row_args)
-    return _op.first_order_only(
+    out = _op.first_order_only(
         "norm_matmul", lambda *a: launch(*a[:4], **dict(zip(names, a[4:]))),
         dy.astype(x.dtype), w_gamma, x, rstd, *row_args.values())
+    return out if sums or not x_hat else (*out, None)
 
   if row_sums:
     # The row sums over K in the epilogue: no y, no row-terms pass, no bias guard.

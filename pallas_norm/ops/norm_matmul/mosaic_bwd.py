@@ -140,15 +140,14 @@ def row_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool =
   return None
 
 
-def dy_col_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool = False
+def dy_col_sums_unsupported_reason(m: int, n: int, k: int, dtype, config: TileConfig, *,
+                                   layer: bool, x_hat: bool, interpret: bool = False
                                    ) -> str | None:
-  """None if the kernel can also return Σ_i dy_i (``return_dy_col_sums``) at its default
-  tiling for the row sums in the epilogue, with x̂, at no cost of a pipeline stage; else why
-  not (then x̂'s ones block gives the sums: ``x_hat_ones``)."""
-  if (reason := row_sums_unsupported_reason(m, n, k, dtype, interpret)) is not None:
-    return reason
-  cfg = pick_config(m, n, k, x_hat=True, row_sums=True, interpret=interpret)
-  plan = functools.partial(_make_plan, m, n, k, dtype, True, cfg, interpret, x_hat=True,
+  """None if the kernel with the row sums in the epilogue and ``config`` (:func:`pick_config`'s
+  for that route) can also return Σ_i dy_i (``return_dy_col_sums``) at no cost of a pipeline
+  stage; else why not (``norm_matmul``'s backward then takes x̂'s ones block for them).
+  ``layer``: LayerNorm (mean given); ``x_hat``: x̂ returned too."""
+  plan = functools.partial(_make_plan, m, n, k, dtype, layer, config, interpret, x_hat=x_hat,
                            row_sums=True)
   try:
     with_sums = _pick_exchange(functools.partial(plan, col_sums=True))
@@ -864,11 +863,12 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   if return_dy_col_sums and not row_sums:
     raise ValueError("return_dy_col_sums needs row_sums_in_epilogue=True (a CTA then keeps "
                      "its column tile, so it sums the same steps over its row blocks)")
-  if return_dy_col_sums and config is None and (reason := dy_col_sums_unsupported_reason(
-      m, n, w_gamma.shape[0], x.dtype, interpret)) is not None:
-    raise ValueError(f"return_dy_col_sums: {reason}")
   cfg = config or pick_config(m, n, w_gamma.shape[0], fused_row_terms=y is not None,
                               x_hat=bool(return_x_hat), row_sums=row_sums, interpret=interpret)
+  if return_dy_col_sums and (reason := dy_col_sums_unsupported_reason(
+      m, n, w_gamma.shape[0], x.dtype, cfg, layer=mean is not None, x_hat=bool(return_x_hat),
+      interpret=interpret)) is not None:
+    raise ValueError(f"return_dy_col_sums: {reason}")
   return launch(dy, w_gamma, x, rstd, y_term=y_term, mean=mean, c_term=c_term, y=y,
                 out_bias=out_bias, col_sum=col_sum, x_hat=bool(return_x_hat),
                 x_hat_ones=bool(x_hat_ones), row_sums=row_sums, interpret=interpret, config=cfg,
