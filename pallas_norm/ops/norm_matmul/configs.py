@@ -147,7 +147,7 @@ def x_hat_pays(k: int, n: int, norm: str) -> bool:
   512² and 512×2048 and for RMSNorm at 512×2048 (benchmarks/NOTES.md, pre-norm backward); RMSNorm
   at K = N keeps the scaled dy, not yet timed against x̂.
 
-  With x̂ and a norm bias, x̂ always ends with a ones block (``x_hat_ones``), so dW_γ's GEMM
-  also gives Σ_i dy_i instead of a column reduction over dy: fewer bytes at every K, N ≥ 64
-  (one more epilogue tile of the GEMM against 2N bytes per row of dy read)."""
+  With x̂ and a norm bias, Σ_i dy_i comes from the dx kernel (``return_dy_col_sums``, with the
+  row sums in its epilogue) or else from a ones block at x̂'s end (``x_hat_ones``), in dW_γ's
+  GEMM; never from a column reduction over dy (2N bytes per row read again)."""
   return norm == "layer" or k < n
