@@ -7,7 +7,9 @@ Data: ``synthetic`` (generated), ``taobao`` or ``criteo`` (samples under ``--dat
 the mean sigmoid cross-entropy; validation log-loss and AUC are printed every ``--eval-every``
 steps; with ``--checkpoint-dir`` the parameters, optimizer state and step are saved with Orbax,
 and ``--resume`` continues from the latest saved step up to ``--steps`` in total (the batch order
-depends only on (seed, step), so a resumed run sees the batches an uninterrupted one would).
+depends only on (seed, step), so a resumed run sees the batches an uninterrupted one would; a
+resume with another --data, --seed, --batch-size or --train-examples than the checkpoint's is
+refused).
 ``--devices N`` (default: every device) and ``--model-parallel M`` train data- and table-parallel
 on a mesh of N devices (:mod:`distributed`; ``--multi-host`` for several hosts).
 ``--token-buckets K`` packs each batch's behaviour sequences into the smallest of K static
@@ -67,7 +69,8 @@ INTERPRET_HINT = ("a step takes seconds and every evaluation batch as long, so t
 
 
 class CheckpointMismatchError(ValueError):
-  """The checkpoint to resume from was saved for a different model config."""
+  """The checkpoint to resume from was saved for a different model config, or by a run whose
+  batch stream (:func:`data_stream`) differs from this one's."""
 
 
 class CheckpointDirInUseError(ValueError):
@@ -270,17 +273,30 @@ def checkpoint_manager(directory: pathlib.Path) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(directory.resolve(), options=options)
 
 
-def save_checkpoint(manager, step: int, state, config: KunlunConfig) -> None:
-  """Saves params + optimizer state (which holds the step) and the model config."""
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state),
-      config=ocp.args.JsonSave(dataclasses.asdict(config))))
+def data_stream(args) -> dict:
+  """The flags that decide which batches step s sees (the batch order depends only on them and
+  s): a resumed run must have the saved run's, or it continues on another stream."""
+  return {"data": args.data, "seed": args.seed, "batch_size": args.batch_size,
+          "train_examples": args.train_examples if args.data == "synthetic" else None}
 
 
-def restore_checkpoint(manager, state, config: KunlunConfig):
+def save_checkpoint(manager, step: int, state, config: KunlunConfig,
+                    stream: dict | None = None) -> None:
+  """Saves params + optimizer state (which holds the step), the model config and the run's
+  :func:`data_stream` (when given)."""
+  items = dict(state=ocp.args.StandardSave(state),
+               config=ocp.args.JsonSave(dataclasses.asdict(config)))
+  if stream is not None:
+    items["data_stream"] = ocp.args.JsonSave(stream)
+  manager.save(step, args=ocp.args.Composite(**items))
+
+
+def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None = None):
   """The latest saved state, shaped like ``state``.
 
-  Raises: CheckpointMismatchError when the saved config differs from ``config``.
+  Raises: CheckpointMismatchError when the saved config differs from ``config``, or the saved
+    :func:`data_stream` from ``stream`` (when both exist; checkpoints saved without one are not
+    checked).
   """
   step = manager.latest_step()
   saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
@@ -289,6 +305,16 @@ def restore_checkpoint(manager, state, config: KunlunConfig):
   if diff:
     raise CheckpointMismatchError(f"checkpoint at step {step} was saved for another model "
                                   f"config; (saved, now): {diff}")
+  if stream is not None and "data_stream" in manager.item_metadata(step).keys():
+    saved = manager.restore(step, args=ocp.args.Composite(data_stream=ocp.args.JsonRestore()))
+    diff = {k: (saved.data_stream.get(k), v) for k, v in stream.items()
+            if saved.data_stream.get(k) != v}
+    if diff:
+      flags = ", ".join(f"--{k.replace('_', '-')} {old} (now {new})"
+                        for k, (old, new) in diff.items())
+      raise CheckpointMismatchError(
+          f"checkpoint at step {step} was saved by a run with {flags}: resumed, this run would "
+          "continue on another batch stream; pass the saved values")
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   restored = manager.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(abstract)))
@@ -327,7 +353,7 @@ def _initial_state(args, manager, config, state):
   if manager.latest_step() is None:
     tqdm.write(f"no checkpoint under {args.checkpoint_dir}: starting from step 0")
     return state
-  return restore_checkpoint(manager, state, config)
+  return restore_checkpoint(manager, state, config, data_stream(args))
 
 
 def _speed(step_seconds, batch_size) -> tuple[float, float]:
@@ -400,7 +426,7 @@ def train(args) -> TrainResult:
           tqdm.write(f"step {step}: batch_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
                      f"val_auc={val[1]:.4f}")
           if manager is not None:
-            save_checkpoint(manager, step, state, config)
+            save_checkpoint(manager, step, state, config, data_stream(args))
     if not losses:  # resumed at or past --steps: report the saved model
       tqdm.write(f"nothing to train: the checkpoint is at step {step}, --steps is "
                  f"{args.steps}; evaluating the saved model (train_loss is nan)")

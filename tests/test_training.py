@@ -280,7 +280,7 @@ def test_taobao_loss_falls_checkpoints_and_resumes(data_dir, tmp_path, capsys):
   """One test per train-step compile (tens of CPU-seconds each; the taobao model compiles
   once here): the loss falls over 30 steps; a checkpoint restores bit for bit; --resume
   continues from step 10 to 30 and lands where the uninterrupted run does; resuming with
-  another model config exits 2."""
+  another model config or batch stream exits 2."""
   common = TAOBAO + ["--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path),
                      "--eval-every", "5"]
   first = train_kunlun.train(train_kunlun.parse_args(common + ["--steps", "10"]))
@@ -317,6 +317,12 @@ def test_taobao_loss_falls_checkpoints_and_resumes(data_dir, tmp_path, capsys):
            "xla", "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path)]
   code, _, err = _run(other + ["--steps", "40", "--resume"], capsys)
   assert code == 2 and "max_seq_len" in err and err.count("\n") == 1
+  # Same model, another batch stream (--seed, --batch-size): refused, naming the saved flags
+  # (it continued silently on the other stream before).
+  code, _, err = _run(common + ["--steps", "40", "--resume", "--seed", "1"], capsys)
+  assert code == 2 and "--seed 0 (now 1)" in err and err.count("\n") == 1, err
+  code, _, err = _run(common + ["--steps", "40", "--resume", "--batch-size", "16"], capsys)
+  assert code == 2 and "--batch-size 32 (now 16)" in err, err
 
 
 # Found by a mutation test (each failed to notice its mutant before).
