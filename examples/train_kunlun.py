@@ -34,8 +34,10 @@ one-line message.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import logging
 import pathlib
 import sys
 import time
@@ -291,6 +293,20 @@ def save_checkpoint(manager, step: int, state, config: KunlunConfig,
   manager.save(step, args=ocp.args.Composite(**items))
 
 
+@contextlib.contextmanager
+def _item_by_item():
+  """Orbax logs a warning for each saved item a restore leaves out ('... could not be
+  restored'), which read as if the state were lost: :func:`restore_checkpoint` reads the config
+  and data stream before the state on purpose, so its restores run with absl's warnings off."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None = None):
   """The latest saved state, shaped like ``state``.
 
@@ -298,6 +314,11 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
     :func:`data_stream` from ``stream`` (when both exist; checkpoints saved without one are not
     checked).
   """
+  with _item_by_item():
+    return _restore_checkpoint(manager, state, config, stream)
+
+
+def _restore_checkpoint(manager, state, config, stream):
   step = manager.latest_step()
   saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
   want = dataclasses.asdict(config)

@@ -63,7 +63,9 @@ def matmul_operands(x, w) -> None:
   if w.shape[0] != x.shape[-1]:
     raise ValueError(f"w must have shape (K, N) with K = x.shape[-1] = {x.shape[-1]}, "
                      f"got {tuple(w.shape)}")
-  if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+  # As JAX sees them: a NumPy float64 operand is float32 without x64, so a traced float32 x (a
+  # gradient of the same call) with a NumPy float64 w is accepted as the eager call is.
+  if (jax.dtypes.canonicalize_dtype(x.dtype) != jax.dtypes.canonicalize_dtype(w.dtype)):
     raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
 
 

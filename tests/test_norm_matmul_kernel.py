@@ -940,6 +940,12 @@ def test_dy_col_sums_unsupported_reasons():
   with pytest.raises(ValueError, match="return_dy_col_sums needs row_sums_in_epilogue"):
     nmb.norm_matmul_dx(dy[:, :64], jnp.ones((64, 64), jnp.bfloat16), x[:, :64], r, r,
                        return_dy_col_sums=True, interpret=True)
+  # A config that fails without the sums too is reported as such, not blamed on them.
+  with pytest.raises(ValueError, match="^row sums in the epilogue need K = 128"):
+    nmb.norm_matmul_dx(dy[:, :128], jnp.ones((128, 128), jnp.bfloat16), x[:, :128], r,
+                       mean=r, row_sums_in_epilogue=True, return_x_hat=True,
+                       return_dy_col_sums=True, interpret=True,
+                       config=TileConfig(tile_m=128, tile_n=64, tile_k=64))
 
 
 @pytest.mark.parametrize("m,k,n,norm,ones,sums", [

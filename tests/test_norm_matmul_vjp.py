@@ -234,11 +234,12 @@ def _spy_on_launch(monkeypatch) -> list:
   return kwargs_seen
 
 
-def _trace_grads(x, w, scale, bias, norm):
+def _trace_grads(x, w, scale, bias, norm, out_dtype=None):
   """Traces the op's backward under jax.eval_shape: no kernel runs."""
   grads = jax.grad(lambda x, w, s, b: pallas_norm.norm_matmul(
-      x, w, scale=s, norm_bias=b, norm=norm, implementation="interpret").astype(
-          jnp.float32).sum(), argnums=(0, 1, 2, 3) if bias is not None else (0, 1, 2))
+      x, w, scale=s, norm_bias=b, norm=norm, implementation="interpret",
+      out_dtype=out_dtype).astype(jnp.float32).sum(),
+                   argnums=(0, 1, 2, 3) if bias is not None else (0, 1, 2))
   jax.eval_shape(grads, x, w, scale, bias)
 
 
@@ -257,6 +258,16 @@ def test_bias_grads_take_dy_col_sums_where_the_kernel_can(monkeypatch, m, k, n, 
   _trace_grads(x, w, scale, b if bias else None, "layer")
   assert kwargs_seen and all(kw["dy_col_sums"] == sums and kw["x_hat_ones"] == ones
                              for kw in kwargs_seen), kwargs_seen
+
+
+def test_bias_grads_of_a_float32_output_keep_the_ones_block(monkeypatch):
+  """With out_dtype float32 the cotangent is float32: the kernel would sum it rounded to x's
+  dtype, so the bias's Σ_i dy_i stays in dW_γ's GEMM, which reads dy as it came (a review
+  found dβ's error 1.5e-3 instead of 3e-7 there, and 1.0 for a near-cancelling dy)."""
+  kwargs_seen = _spy_on_launch(monkeypatch)
+  x, w, scale, b, _ = _inputs(5, 16, 128, 128, jnp.bfloat16)
+  _trace_grads(x, w, scale, b, "layer", out_dtype=jnp.float32)
+  assert kwargs_seen and all(not kw["dy_col_sums"] and kw["x_hat_ones"] for kw in kwargs_seen)
 
 
 @pytest.mark.gpu

@@ -665,6 +665,25 @@ def test_eps_floor_follows_the_dtype_jax_computes_in():
     assert pallas_norm.rms_norm(x, eps=1e-30).dtype == jnp.float64
 
 
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")
+@pytest.mark.parametrize("op", ["matmul_norm", "norm_matmul"])
+def test_numpy_float64_weight_with_a_float32_x(op):
+  """Without x64 a NumPy float64 w is float32 to JAX: the eager call with NumPy float64 x and w
+  was accepted, while its gradient in x (x traced as float32) or a jnp float32 x raised 'x and
+  w must have the same dtype' (a new-user review). Both are accepted now, with the same values;
+  a bfloat16 x with that w is still refused."""
+  rng = np.random.default_rng(3)
+  x, w = rng.standard_normal((16, 64)), rng.standard_normal((64, 64)) / 8  # float64 NumPy
+  fn = getattr(pallas_norm, op)
+  eager = fn(x, w, norm="layer")
+  np.testing.assert_array_equal(fn(jnp.asarray(x), w, norm="layer"), eager)
+  grad = jax.grad(lambda a: fn(a, w, norm="layer").sum())(x)
+  want = jax.grad(lambda a: fn(a, jnp.asarray(w), norm="layer").sum())(jnp.asarray(x))
+  np.testing.assert_array_equal(grad, want)
+  with pytest.raises(TypeError, match="same dtype"):
+    fn(jnp.asarray(x, jnp.bfloat16), w, norm="layer")
+
+
 @pytest.mark.filterwarnings("ignore::pallas_norm._dispatch.KernelSkippedWarning")
 @pytest.mark.parametrize("op", ["matmul_norm", "norm_matmul"])
 def test_kernels_step_aside_under_x64(monkeypatch, op):

@@ -212,7 +212,7 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row
   kernel, with its row sums in the epilogue where ``row_sums`` (:func:`_takes_row_sums`);
   ``(dx, x̂, None)`` with ``x_hat`` (the same epilogue writes x̂). ``bias_sums`` (with x̂, a
   norm bias's gradients need Σ_i dy_i): ``(dx, x̂, Σ_i dy_i)`` where the kernel sums the dy
-  stages it streams (the row sums' route, where
+  stages it streams (the row sums' route, with dy in x's dtype, where
   :func:`.mosaic_bwd.dy_col_sums_unsupported_reason` allows), else ``(dx, x̂, None)`` with x̂
   ending in a ones column, so that dW_γ's GEMM also sums dy's columns (which costs it cuBLAS's
   best tiles)."""
@@ -224,9 +224,12 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row
     # launch checks nothing again (the op validated the arguments).
     config = mosaic_bwd.pick_config(m, n, k, fused_row_terms="y" in row_args, x_hat=x_hat,
                                     row_sums=row_sums, interpret=interpret)
-    sums = bias_sums and row_sums and mosaic_bwd.dy_col_sums_unsupported_reason(
-        m, n, k, x.dtype, config, layer=norm == "layer", x_hat=x_hat,
-        interpret=interpret) is None
+    # The kernel sums dy in x's dtype: a wider cotangent (out_dtype float32) keeps the ones
+    # block, whose GEMM reads dy as it came.
+    sums = bias_sums and row_sums and dy.dtype == x.dtype and (
+        mosaic_bwd.dy_col_sums_unsupported_reason(m, n, k, x.dtype, config,
+                                                  layer=norm == "layer", x_hat=x_hat,
+                                                  interpret=interpret) is None)
     launch = functools.partial(mosaic_bwd.launch, x_hat=x_hat, x_hat_ones=bias_sums and not sums,
                                row_sums=row_sums, interpret=interpret, config=config,
                                dy_col_sums=sums)

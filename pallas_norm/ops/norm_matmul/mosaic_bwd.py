@@ -108,8 +108,8 @@ from pallas_norm.mgpu import gemm as gemm_core
 from pallas_norm.ops.norm_matmul import configs
 from pallas_norm.ops.norm_matmul import mosaic as forward
 
-__all__ = ["pick_config", "unsupported_reason", "row_sums_unsupported_reason", "norm_matmul_dx",
-           "launch"]
+__all__ = ["pick_config", "unsupported_reason", "row_sums_unsupported_reason",
+           "dy_col_sums_unsupported_reason", "norm_matmul_dx", "launch"]
 
 X_PREFETCH_STEP = 1
 """The K step (over N) at which a consumer fetches the x tile and row vectors of its epilogue
@@ -146,14 +146,18 @@ def dy_col_sums_unsupported_reason(m: int, n: int, k: int, dtype, config: TileCo
   """None if the kernel with the row sums in the epilogue and ``config`` (:func:`pick_config`'s
   for that route) can also return Σ_i dy_i (``return_dy_col_sums``) at no cost of a pipeline
   stage; else why not (``norm_matmul``'s backward then takes x̂'s ones block for them).
-  ``layer``: LayerNorm (mean given); ``x_hat``: x̂ returned too."""
+  ``layer``: LayerNorm (mean given); ``x_hat``: x̂ returned too.
+
+  Raises: ValueError from the plan where ``config`` does not run the row sums' route even
+  without the sums (the error the launch would give: not a reason of the sums')."""
   plan = functools.partial(_make_plan, m, n, k, dtype, layer, config, interpret, x_hat=x_hat,
                            row_sums=True)
+  without = _pick_exchange(plan)
   try:
     with_sums = _pick_exchange(functools.partial(plan, col_sums=True))
   except ValueError as e:
     return str(e)
-  if with_sums.stages < _pick_exchange(plan).stages:
+  if with_sums.stages < without.stages:
     return (f"SMEM for the column sums of N = {n} ({with_sums.col_sum_rows} rows per consumer) "
             "next to the pipeline costs a stage")
   return None

@@ -178,7 +178,8 @@ def weight_grads_from_x_hat(dy, x_hat, w, scale, bias, dy_colsum=None):
   x̂ wider than w's K rows (``x_hat_ones``: its last column is ones) makes the product's last
   row Σ_i dy_i, the column sums of dy that a bias's gradients need, in the same GEMM instead
   of a reduction pass over dy (f32 accumulation of exact products, as that pass would);
-  ``dy_colsum`` (N,) f32 gives them instead (the dx kernel's ``return_dy_col_sums``)."""
+  ``dy_colsum`` (N,) f32 gives them instead (the dx kernel's ``return_dy_col_sums``: f32 sums
+  of dy in x's dtype, which ``norm_matmul`` takes only where dy has that dtype)."""
   k = w.shape[0]
   product = _transposed_product(x_hat, dy)
   if x_hat.shape[1] > k:
