@@ -65,7 +65,7 @@ def matmul_operands(x, w) -> None:
                      f"got {tuple(w.shape)}")
   # As JAX sees them: a NumPy float64 operand is float32 without x64, so a traced float32 x (a
   # gradient of the same call) with a NumPy float64 w is accepted as the eager call is.
-  if (jax.dtypes.canonicalize_dtype(x.dtype) != jax.dtypes.canonicalize_dtype(w.dtype)):
+  if jax.dtypes.canonicalize_dtype(x.dtype) != jax.dtypes.canonicalize_dtype(w.dtype):
     raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
 
 

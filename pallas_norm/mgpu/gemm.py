@@ -228,8 +228,8 @@ class Hooks:
   """A fused kernel's additions to the GEMM body (every method is optional but ``epilogue``)."""
 
   def start(self) -> None:
-    """Every warpgroup, before the schedule (e.g. zeroing per-CTA accumulators in SMEM: a CTA
-    may get no tile)."""
+    """Every warpgroup, before the schedule (e.g. zeroing per-CTA accumulators in SMEM that
+    the tiles add to)."""
 
   def before_k_loop(self, tile: Tile) -> None:
     """Consumer, before the tile's K loop (e.g. TMA loads of the epilogue's inputs)."""

@@ -268,7 +268,8 @@ def _col_sum_rows(red_iters: int, cluster: int) -> int:
   """Reduction steps whose column sums one consumer warpgroup of a CTA keeps: CTA c of the
   cluster sums steps c, c + cluster, ... (its j-th), and consumer j % 2 of them (the whole
   128-row stage, :meth:`pallas_norm.mgpu.gemm.KStep.a_column_sums`)."""
-  return -(-(-(-red_iters // cluster)) // 2)
+  steps_per_cta = -(-red_iters // cluster)
+  return -(-steps_per_cta // 2)
 
 
 def _n_rows(layer: bool, fused: bool) -> int:
