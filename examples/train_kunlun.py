@@ -307,6 +307,11 @@ def _item_by_item():
     logger.setLevel(level)
 
 
+def _changed(saved: dict, want: dict) -> dict:
+  """{key: (saved, wanted)} for each key of ``want`` whose saved value differs."""
+  return {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+
+
 def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None = None):
   """The latest saved state, shaped like ``state``.
 
@@ -314,31 +319,23 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
     :func:`data_stream` from ``stream`` (when both exist; checkpoints saved without one are not
     checked).
   """
-  with _item_by_item():
-    return _restore_checkpoint(manager, state, config, stream)
-
-
-def _restore_checkpoint(manager, state, config, stream):
   step = manager.latest_step()
-  saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-  want = dataclasses.asdict(config)
-  diff = {k: (saved.config.get(k), v) for k, v in want.items() if saved.config.get(k) != v}
-  if diff:
-    raise CheckpointMismatchError(f"checkpoint at step {step} was saved for another model "
-                                  f"config; (saved, now): {diff}")
-  if stream is not None and "data_stream" in manager.item_metadata(step).keys():
-    saved = manager.restore(step, args=ocp.args.Composite(data_stream=ocp.args.JsonRestore()))
-    diff = {k: (saved.data_stream.get(k), v) for k, v in stream.items()
-            if saved.data_stream.get(k) != v}
-    if diff:
-      flags = ", ".join(f"--{k.replace('_', '-')} {old} (now {new})"
-                        for k, (old, new) in diff.items())
-      raise CheckpointMismatchError(
-          f"checkpoint at step {step} was saved by a run with {flags}: resumed, this run would "
-          "continue on another batch stream; pass the saved values")
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract)))
+  with _item_by_item():
+    saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    if diff := _changed(saved.config, dataclasses.asdict(config)):
+      raise CheckpointMismatchError(f"checkpoint at step {step} was saved for another model "
+                                    f"config; (saved, now): {diff}")
+    if stream is not None and "data_stream" in manager.item_metadata(step).keys():
+      saved = manager.restore(step, args=ocp.args.Composite(data_stream=ocp.args.JsonRestore()))
+      if diff := _changed(saved.data_stream, stream):
+        flags = ", ".join(f"--{k.replace('_', '-')} {old} (now {new})"
+                          for k, (old, new) in diff.items())
+        raise CheckpointMismatchError(
+            f"checkpoint at step {step} was saved by a run with {flags}: resumed, this run "
+            "would continue on another batch stream; pass the saved values")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))
   return restored.state
 
 

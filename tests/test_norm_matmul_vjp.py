@@ -167,7 +167,7 @@ def _spy_on_dx_kernel(monkeypatch, run_kernel=True):
                  "y" if kwargs.get("y") is not None else "y_term")
     if run_kernel:
       return real(dy, w_gamma, x, *args, **kwargs)
-    return (jnp.zeros_like(x),) * 2 if kwargs.get("x_hat") else jnp.zeros_like(x)
+    return _zero_launch_outputs(dy, x, kwargs)
 
   monkeypatch.setattr(nmb, "launch", spy)
   return calls
@@ -224,14 +224,20 @@ def _spy_on_launch(monkeypatch) -> list:
 
   def spy(dy, w_gamma, x, *args, **kwargs):
     kwargs_seen.append(kwargs)
-    if not kwargs["x_hat"]:
-      return jnp.zeros_like(x)
-    x_hat = jnp.zeros((x.shape[0], x.shape[1] + 32 * kwargs["x_hat_ones"]), x.dtype)
-    sums = (jnp.zeros((dy.shape[1],), jnp.float32),) if kwargs["dy_col_sums"] else ()
-    return (jnp.zeros_like(x), x_hat, *sums)
+    return _zero_launch_outputs(dy, x, kwargs)
 
   monkeypatch.setattr(nmb, "launch", spy)
   return kwargs_seen
+
+
+def _zero_launch_outputs(dy, x, kwargs):
+  """Zeros shaped as the dx kernel's launch returns them for ``kwargs``: dx; with x̂ (wider by
+  its ones block), and Σ_i dy_i where asked."""
+  if not kwargs.get("x_hat"):
+    return jnp.zeros_like(x)
+  x_hat = jnp.zeros((x.shape[0], x.shape[1] + 32 * kwargs.get("x_hat_ones", False)), x.dtype)
+  sums = (jnp.zeros((dy.shape[1],), jnp.float32),) if kwargs.get("dy_col_sums") else ()
+  return (jnp.zeros_like(x), x_hat, *sums)
 
 
 def _trace_grads(x, w, scale, bias, norm, out_dtype=None):
