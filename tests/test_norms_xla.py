@@ -8,9 +8,7 @@ for LayerNorm with a hand-written one-pass derivative (a custom_jvp; RMSNorm is 
 * bfloat16 / float32 inputs (float16 shares bfloat16's code path): the same values as the reference (identical operations: exact),
   float32 statistics, out_dtype, gradients against the float32 reference within 16-bit
   rounding.
-* What reverse mode keeps for the backward: x (not an x-sized float32 x̂) and row statistics;
-  from configs.LAYER_AUTODIFF_MIN_N the layer_norm op's path (autodiff under jax.checkpoint),
-  which keeps x only, with the same values and derivatives.
+* What reverse mode keeps for the backward: x (not an x-sized float32 x̂) and row statistics.
 * norm_matmul's and matmul_norm's "xla" LayerNorm (through the same rule): float64 values and
   gradients equal the reference's autodiff.
 * Rows of large magnitude (|x| ~ 1e13–1e16): float32 gradients of both norms, the reference and
@@ -27,7 +25,6 @@ import pytest
 
 import pallas_norm as pn
 from pallas_norm import reference
-from pallas_norm.ops.norms import configs
 from pallas_norm.ops.norms import xla as norms_xla
 from _numpy_oracle import seed_of
 
@@ -202,36 +199,6 @@ def test_reverse_mode_keeps_x_and_row_statistics():
           if hasattr(a, "shape")]
   big = [k for k in kept if k[0] == x.shape]
   assert big == [(x.shape, jnp.dtype(jnp.bfloat16))], kept
-
-
-@pytest.mark.parametrize("wide", [False, True])
-def test_wide_layer_norm_takes_checkpointed_autodiff(wide):
-  """From configs.LAYER_AUTODIFF_MIN_N the "xla" layer_norm is autodiff of the reference under
-  jax.checkpoint, not the rule (the jaxpr's top level: a remat, no custom_jvp_call),
-  narrower rows the rule; either way float64 values, gradients (x, scale, bias, residual, both
-  cotangents) and tangents equal the reference's autodiff, and reverse mode keeps x-sized
-  arrays in x's dtype only."""
-  n = configs.LAYER_AUTODIFF_MIN_N - (0 if wide else 64)
-  with jax.enable_x64(True):
-    args, cts = _inputs(seed_of(f"wide{wide}"), (3, n), jnp.float64, norm="layer",
-                        residual=True)
-    ours, ref = _call("layer", "xla"), _call("layer", "reference")
-    chex.assert_trees_all_close(_vjp(ours, args, cts), _vjp(ref, args, cts), atol=F64_TOL,
-                                rtol=F64_TOL)
-    tangents = tuple(jax.random.normal(jax.random.key(i), a.shape, a.dtype)
-                     for i, a in enumerate(args))
-    jvp = lambda f: jax.jvp(f, args, tangents)  # noqa: E731
-    chex.assert_trees_all_close(jvp(ours), jvp(ref), atol=F64_TOL, rtol=F64_TOL)
-    # The rule is a custom_jvp around the whole norm; the wide path one remat (the reference's
-    # rstd_of, a custom_jvp too, sits inside it).
-    names = {e.primitive.name for e in jax.make_jaxpr(ours)(*args).jaxpr.eqns}
-  assert ("custom_jvp_call" in names) != wide, names
-  assert bool(names & {"checkpoint", "remat", "remat2"}) == wide, names
-  (x, scale, bias, _), _ = _inputs(0, (8, n), jnp.bfloat16, norm="layer", residual=False)
-  _, pull = jax.vjp(lambda x, scale: ours(x, scale, bias, None), x, scale)
-  big = [(a.shape, jnp.dtype(a.dtype)) for a in jax.tree.leaves(pull)
-         if hasattr(a, "shape") and a.shape == x.shape]
-  assert big == [(x.shape, jnp.dtype(jnp.bfloat16))], big
 
 
 @pytest.mark.parametrize("op", ["norm_matmul", "matmul_norm"])

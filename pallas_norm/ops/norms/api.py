@@ -1,8 +1,7 @@
 """Standalone row norms ``rms_norm`` and ``layer_norm`` (DESIGN.md, op 5).
 
 Two implementations each: "xla" (:mod:`pallas_norm.ops.norms.xla`: the reference's forward;
-``layer_norm`` with a hand-written one-pass derivative, a ``custom_jvp``, or from
-``configs.LAYER_AUTODIFF_MIN_N`` autodiff under ``jax.checkpoint``; ``rms_norm``
+``layer_norm`` with a hand-written one-pass derivative, a ``custom_jvp``; ``rms_norm``
 differentiated by autodiff; on every backend) and the Pallas kernels of
 :mod:`pallas_norm.ops.norms.triton` ("triton" on an NVIDIA GPU, "interpret" anywhere): the
 backward kernel after XLA's forward (recomputing the row statistics) or after the forward kernel
@@ -127,10 +126,8 @@ def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_d
 
 def _xla(x, scale, bias, residual, norm, eps, zero_centered_scale, out_dtype):
   """The "xla" implementation's outputs (``y`` or ``(y, s)``), statistics dropped."""
-  wide = norm == "layer" and x.shape[-1] >= configs.LAYER_AUTODIFF_MIN_N
   y, s, _ = xla.normalize_rows(x, scale, bias, residual, norm=norm, eps=eps,
-                               zero_centered_scale=zero_centered_scale, out_dtype=out_dtype,
-                               layer_by_autodiff=wide)
+                               zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
   return y if residual is None else (y, s)
 
 
@@ -143,11 +140,8 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   The "xla" derivative is hand-written (:mod:`pallas_norm.ops.norms.xla`, DESIGN.md op 5): a
   ``custom_jvp`` whose transpose makes the backward's two row sums in one pass over (s, dy) and
   dscale/dbias as column sums; forward mode (``jax.jvp``) and higher orders work as with
-  autodiff. Rows of :data:`pallas_norm.ops.norms.configs.LAYER_AUTODIFF_MIN_N` elements or more
-  take autodiff of the reference under ``jax.checkpoint`` instead (XLA's program for it was
-  measured faster there; the backward keeps the same x and recomputes the rest). Arguments,
-  returns and errors are those of :func:`rms_norm`, plus ``bias``, an optional (N,) beta of any
-  float dtype; ``implementation`` differs:
+  autodiff. Arguments, returns and errors are those of :func:`rms_norm`, plus ``bias``, an
+  optional (N,) beta of any float dtype; ``implementation`` differs:
 
   Args:
     implementation: None, "xla", "triton", "interpret" or a sequence of them (see

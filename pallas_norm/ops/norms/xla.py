@@ -21,10 +21,9 @@ two row sums over (x, dy) that feed ds in the same pass (applied as a chain, see
 :func:`_xhat_tangent`), and two column sums. XLA's autodiff of the reference makes seven
 reductions instead, through the two-pass variance and the shift of
 :func:`pallas_norm.reference._center`; with this rule XLA trains LayerNorm 1.37-1.64× faster
-(measured: benchmarks/NOTES.md, "The XLA path's one-pass rule") up to rows of ~16384; from
-:data:`.configs.LAYER_AUTODIFF_MIN_N` XLA's program for autodiff (under ``jax.checkpoint``)
-is the faster one and the standalone ``layer_norm`` takes it. RMSNorm's autodiff already
-makes one row sum; the same rule for it was slower than autodiff and is not used
+(measured: benchmarks/NOTES.md, "The XLA path's one-pass rule"; at rows of 16384 to 32768
+elements autodiff under ``jax.checkpoint`` was 7-57% slower still: EXPERIMENTS.md). RMSNorm's
+autodiff already makes one row sum; the same rule for it was slower than autodiff and is not used
 (benchmarks/EXPERIMENTS.md).
 
 Why a ``custom_jvp`` and not a ``custom_vjp``: the same backward, and forward mode (``jax.jvp``,
@@ -198,8 +197,7 @@ _layer_norm_rows.defjvp(_layer_norm_rows_jvp, symbolic_zeros=True)
 
 
 def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: float,
-                   zero_centered_scale: bool = False, out_dtype=None,
-                   layer_by_autodiff: bool = False):
+                   zero_centered_scale: bool = False, out_dtype=None):
   """``(y, s, stats)`` of RMSNorm (``norm="rms"``) or LayerNorm (``"layer"``) over the last axis.
 
   Args:
@@ -209,31 +207,20 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
       has none, a pre-norm GEMM's RMSNorm may).
     norm, eps, zero_centered_scale: as :func:`pallas_norm.rms_norm` (eps a positive float).
     out_dtype: dtype of y (default x's).
-    layer_by_autodiff: differentiate LayerNorm by JAX's autodiff of the reference's operations
-      under ``jax.checkpoint`` (reverse mode keeps the inputs only; the rule keeps them and the
-      row statistics) instead of the one-pass rule: on the H200 XLA's own program for that
-      gradient is faster than the rule's for rows of 24576 elements and more
-      (:data:`.configs.LAYER_AUTODIFF_MIN_N`). Not an option for callers: the standalone
-      ``layer_norm`` sets it by that width; the fused ops, unmeasured there, keep the rule.
 
   Returns:
     ``y`` (..., N) in ``out_dtype``; ``s = x + residual`` in x's dtype, or None without a
     residual; :class:`pallas_norm.NormStats` in float32 (float64 for float64 x), shape
-    x.shape[:-1]. The values are those of :mod:`pallas_norm.reference` (the same operations;
-    compiled under ``jit``: run eagerly, ``layer_by_autodiff``'s checkpoint compiles the norm as
-    one program, which may round float32 differently by ~1 ulp from the reference's op-by-op
-    run). Derivatives of any order, forward and reverse mode: LayerNorm's from the one-pass
-    tangent map of the module docstring (the statistics' included) or, with
-    ``layer_by_autodiff``, from autodiff, as RMSNorm's.
+    x.shape[:-1]. The values are those of :mod:`pallas_norm.reference` (the same
+    operations). Derivatives of any order, forward and reverse mode: LayerNorm's from the
+    one-pass tangent map of the module docstring (the statistics' included), RMSNorm's from
+    autodiff.
 
   No validation: the public ops validate first.
   """
   out_dtype = jnp.dtype(out_dtype or x.dtype)
-  primal = functools.partial(_primal, norm=norm, eps=float(eps),
-                             zero_centered_scale=bool(zero_centered_scale), out_dtype=out_dtype)
   if norm == "rms":  # autodiff: faster than the one-pass rule on the H200 (module docstring)
-    return primal(x, scale, bias, residual)[0]
-  if layer_by_autodiff:
-    return jax.checkpoint(lambda *a: primal(*a)[0])(x, scale, bias, residual)
+    return _primal(x, scale, bias, residual, "rms", float(eps), bool(zero_centered_scale),
+                   out_dtype)[0]
   return _layer_norm_rows(x, scale, bias, residual, float(eps), bool(zero_centered_scale),
                           out_dtype)
