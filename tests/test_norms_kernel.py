@@ -729,8 +729,10 @@ def test_default_tilings_are_the_measured_winners(monkeypatch):
   full rows up to 4096 a program per 4096-element row block over 4 warps (both norms, both
   uses); 8192 the slab of 4 programs per SM over 8 warps; LayerNorm's chunked rows a program
   per row (16 warps, L2 hints), its backward 4096-column chunks a program per row (8 warps,
-  hints) with the column sums apart; RMSNorm's chunked forward the same grid (its forward
-  alone's winner) and its backward's one program per SM with the sums in registers."""
+  hints, γ widened to float32) with the column sums apart; RMSNorm's chunked forward the same
+  grid (its forward alone's winner) with γ widened to float32 before the kernel (every other
+  tiling reads it in its own dtype) and its backward's one program per SM with the sums in
+  registers."""
   monkeypatch.setattr(triton_fwd, "gpu_core_count", lambda: 132)
   monkeypatch.setattr(row_norm_pallas, "_gpu_core_count", lambda: 132)
   tiling = triton_fwd.RowTiling
@@ -743,9 +745,10 @@ def test_default_tilings_are_the_measured_winners(monkeypatch):
   assert triton_fwd.pick_config(16384, 32768, False, "layer") == tiling(
       block_m=1, chunk=8192, programs=16384, num_warps=16, l2_hints=True)
   assert triton_fwd.pick_config(16384, 32768, False, "rms") == tiling(
-      block_m=1, chunk=8192, programs=16384, num_warps=16, l2_hints=True)
+      block_m=1, chunk=8192, programs=16384, num_warps=16, l2_hints=True, f32_vectors=True)
   assert row_norm_pallas.pick_chunked_config(16384, 32768, False, "layer") == tiling(
-      block_m=1, chunk=4096, programs=16384, num_warps=8, column_sums="apart", l2_hints=True)
+      block_m=1, chunk=4096, programs=16384, num_warps=8, column_sums="apart", l2_hints=True,
+      f32_vectors=True)
   assert row_norm_pallas.pick_chunked_config(16384, 32768, False, "rms") == tiling(
       block_m=1, chunk=4096, programs=132, num_warps=16, column_sums="registers")
 
@@ -854,3 +857,62 @@ def test_forward_kernel_masks_every_store(norm, n):
   masked = [e for e in found if e.primitive.name == "masked_swap"
             and not str(e.params["args_tree"]).endswith("None))")]
   assert len(found) >= 2 + 2 * (norm == "layer") and len(masked) == len(found)
+
+
+@pytest.mark.parametrize("vec_dtype,zero_centered", [
+    (jnp.bfloat16, False), (jnp.float16, False), (jnp.float32, False), (jnp.bfloat16, True)])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_forward_kernel_vectors_in_their_own_dtype_give_the_same_bits(
+    monkeypatch, vec_dtype, zero_centered, chunked):
+  """The forward kernel reads γ and β in their own dtype (widened in the kernel) where its
+  tiling does not ask for float32 vectors: y and the row statistics are bit for bit those of
+  the float32 vectors (the widening is exact), for full and chunked rows, 16- and 32-bit
+  vectors, and the zero-centered scale (1 + scale, float32 either way)."""
+  if chunked:
+    _chunked(monkeypatch, 32, 1)
+  x = (0.5 + 2 * jax.random.normal(jax.random.key(3), (37, 100))).astype(jnp.bfloat16)
+  scale = jax.random.uniform(jax.random.key(4), (100,), minval=-1.0, maxval=1.5).astype(vec_dtype)
+  bias = (0.3 * jax.random.normal(jax.random.key(5), (100,))).astype(vec_dtype)
+
+  def run(f32_vectors, norm):
+    tilings = {**triton_fwd.TILINGS}
+    for kind in ("full", "wide"):
+      tilings[kind] = tilings[kind][:3] + (False, f32_vectors)
+    tilings["chunked"] = {k: v[:4] + (f32_vectors,) for k, v in tilings["chunked"].items()}
+    monkeypatch.setattr(triton_fwd, "TILINGS", tilings)
+    cfg = triton_fwd.pick_config(37, 100, True, norm)
+    assert cfg.f32_vectors == f32_vectors and (cfg.chunk < 100) == chunked
+    return triton_fwd.forward(x, scale, bias if norm == "layer" else None, norm=norm, eps=1e-5,
+                              zero_centered_scale=zero_centered, interpret=True)
+
+  for norm in ("layer", "rms"):
+    own, wide = run(False, norm), run(True, norm)
+    for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(wide), strict=True):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("norm,n,zero_centered,wide_gamma", [
+    ("layer", 100, False, False), ("rms", 100, False, False), ("layer", 100, True, True),
+    ("layer", 9000, False, True), ("rms", 9000, False, False), ("rms", 9000, True, True)])
+def test_backward_gamma_in_its_own_dtype_gives_the_same_bits(norm, n, zero_centered, wide_gamma):
+  """The backward kernels take γ in its own dtype (bf16 here) except where zero-centered (1 +
+  scale) or where the chunked tiling asks for float32 (LayerNorm's, CHUNKED_TILING); either
+  way ds and the column sums are bit for bit those of the same launch given float32 γ, for
+  full rows (N = 100) and chunked rows (N = 9000, given the forward kernel's statistics)."""
+  x = (0.5 + 2 * jax.random.normal(jax.random.key(6), (5, n))).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(7), (5, n)).astype(jnp.bfloat16)
+  scale = jax.random.uniform(jax.random.key(8), (n,), minval=-1.0, maxval=1.5).astype(
+      jnp.bfloat16)
+  bias = jnp.zeros((n,), jnp.bfloat16) if norm == "layer" else None
+  stats = None
+  if n >= triton_fwd.CHUNKED_MIN_N:
+    _, stats = triton_fwd.forward(x, scale, bias, norm=norm, eps=1e-5,
+                                  zero_centered_scale=zero_centered, interpret=True)
+  launch, inputs = row_norm_pallas.row_backward(
+      x, scale, bias, None, stats, dy, None, norm=norm, eps=1e-5,
+      zero_centered_scale=zero_centered, interpret=True)
+  gamma = inputs[-1]
+  assert gamma.dtype == (jnp.float32 if wide_gamma else jnp.bfloat16), gamma.dtype
+  own, wide = launch(*inputs), launch(*inputs[:-1], gamma.astype(jnp.float32))
+  for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(wide), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -142,9 +142,11 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> BackwardConfig:
                         num_warps=16 if wide else 4, prefetch=prefetch)
 
 
-CHUNKED_TILING = {"rms": (4096, 1, 1, 16, "registers"), "layer": (4096, 1, None, 8, "apart", True)}
-"""(columns per chunk, rows per step, programs per SM, warps, column sums[, L2 hints:
-``triton_fwd.RowTiling.l2_hints``]), per norm, of the backward of rows of at least
+CHUNKED_TILING = {"rms": (4096, 1, 1, 16, "registers"),
+                  "layer": (4096, 1, None, 8, "apart", True, True)}
+"""(columns per chunk, rows per step, programs per SM, warps, column sums[, L2 hints, float32
+γ: ``triton_fwd.RowTiling.l2_hints``, ``f32_vectors``]), per norm, of the backward of rows of at
+least
 ``triton_fwd.CHUNKED_MIN_N`` (:func:`pick_chunked_config`, :func:`_chunked_backward_kernel`).
 Each program's rows of the step are read twice (the second time from L2). RMSNorm keeps its one
 column partial in registers (N / threads registers each) over a slab, one program per SM (the
@@ -152,7 +154,9 @@ rows × N × 4 bytes of all programs should stay in L2); LayerNorm's two are sum
 :func:`_column_sums_call`, the row kernel a program per row block (programs per SM None) with
 L2 hints (the first pass keeps its lines, the second drops them). The fastest measured on the
 H200 (``benchmarks/NOTES.md``, "Standalone norms"; ``benchmarks/EXPERIMENTS.md``): LayerNorm's
-trains faster than XLA at 16384×32768 (``configs.KERNEL_DOMAINS``), RMSNorm's slower."""
+trains faster than XLA at 16384×32768 (``configs.KERNEL_DOMAINS``), RMSNorm's slower. Every
+backward reads γ in its own dtype (RMSNorm's chunked one 5.7% faster at 16384×32768 than with
+float32, the full rows of 8192 1.5-2.4%) except LayerNorm's chunked one, 4% slower with it."""
 
 COLUMN_SUM_TILING = (256, 16, 8)
 """(columns per program, rows per step, programs per SM) of :func:`_column_sums_call`: each
@@ -162,7 +166,8 @@ partials), the splits' rows summed by XLA. Not yet measured against others."""
 
 def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fwd.RowTiling:
   """:data:`CHUNKED_TILING` [norm], the chunk at most the padded row."""
-  chunk, block_m, per_sm, warps, sums, *hints = CHUNKED_TILING[norm]
+  chunk, block_m, per_sm, warps, sums, *flags = CHUNKED_TILING[norm]
+  hints, f32_vectors = (list(flags) + [False, False])[:2]
   if sums not in ("registers", "apart") or (per_sm is None) != (sums == "apart"):
     raise ValueError(f"chunked tiling {CHUNKED_TILING[norm]}: column sums 'registers' with "
                      "programs per SM, or 'apart' with None")
@@ -172,8 +177,8 @@ def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fw
     programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
   return triton_fwd.RowTiling(block_m=block_m, chunk=min(chunk, pl.next_power_of_2(n)),
                               programs=max(1, min(programs, pl.cdiv(m, block_m))),
-                              num_warps=warps, column_sums=sums,
-                              l2_hints=bool(hints and hints[0]))
+                              num_warps=warps, column_sums=sums, l2_hints=bool(hints),
+                              f32_vectors=bool(f32_vectors))
 
 
 def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) -> str | None:
@@ -402,7 +407,8 @@ def _chunked_backward_kernel(*refs, ops: _Operands, m: int, n: int, cfg: triton_
       dy = load("dy")
       g = dy
       if ops.gamma:
-        g = dy * pltriton.load(r["gamma"].at[cols], mask=cols < n, other=0.0)[None, :]
+        g = dy * pltriton.load(r["gamma"].at[cols], mask=cols < n,
+                               other=0.0).astype(jnp.float32)[None, :]
       return at, mask, xhat, dy, g
 
     def accumulate(k, acc):
@@ -543,7 +549,9 @@ def row_backward(x, scale, bias, residual, stats, dy, ds_out, *, norm: str, eps:
   bias])``, the column sums (N,) float32. ``inputs``: x (and ``residual``) as (M, N) rows,
   the forward kernel's statistics (``stats``: its ``rstd``, and LayerNorm's ``shift`` and
   ``dmean``; None: the kernel recomputes them from x) as (M,), ``dy`` (and ``ds_out``, the
-  cotangent of s) as (M, N), and the applied scale in float32. The two come apart so that the
+  cotangent of s) as (M, N), and the applied scale in its own dtype (float32 where zero-centered
+  or where the chunked tiling asks for it: :data:`CHUNKED_TILING`; the kernels widen it
+  exactly). The two come apart so that the
   caller wraps the launch alone in ``_op.first_order_only`` over exactly these inputs. No
   validation (the public ops check :func:`unsupported_reason` first).
   """
@@ -553,7 +561,9 @@ def row_backward(x, scale, bias, residual, stats, dy, ds_out, *, norm: str, eps:
                   gamma=scale is not None, dbias=bias is not None, norm=norm,
                   two_pass=jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16),
                   given_stats=stats is not None)
-  gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
+  chunked = stats is not None and n >= triton_fwd.CHUNKED_MIN_N  # as _backward_call
+  f32 = zero_centered_scale or (chunked and pick_chunked_config(m, n, interpret, norm).f32_vectors)
+  gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32 if f32 else None)
   rows = []
   if stats is not None:
     rows = [stats.rstd] + ([stats.shift, stats.dmean] if norm == "layer" else [])

@@ -41,10 +41,12 @@ CHUNKED_MIN_N = 8193
 whole in registers (the backward kernel's ``MAX_N``)."""
 
 TILINGS = {"full": (4096, None, 4), "wide": (8192, 4, 8),
-           "chunked": {"layer": (8192, None, 16, True), "rms": (8192, None, 16, True)}}
-"""Forward tilings, each (elements per step, programs per SM, warps[, L2 hints (chunked rows:
-:class:`RowTiling` ``l2_hints``)]): full rows up to 4096 elements (both norms), full rows wider
-than 4096 (one a step), and chunked rows per norm (the chunk's columns; one row a step).
+           "chunked": {"layer": (8192, None, 16, True, False),
+                       "rms": (8192, None, 16, True, True)}}
+"""Forward tilings, each (elements per step, programs per SM, warps[, L2 hints, float32 vectors
+(chunked rows: :class:`RowTiling` ``l2_hints``, ``f32_vectors``)]): full rows up to 4096
+elements (both norms), full rows wider than 4096 (one a step), and chunked rows per norm (the
+chunk's columns; one row a step).
 Programs per SM None: one program per row block (a grid over the blocks, no row loop: the GPU
 keeps as many in flight as fit, as XLA's and inductor's row kernels do; the forward has no
 column partials to hold per program). The same tilings serve the forward alone and training.
@@ -53,7 +55,10 @@ Each the fastest measured on the H200 (``benchmarks/NOTES.md``, "Standalone norm
 LayerNorm's forward alone at N = 512 (within 0.6% of the winner at 2048; 3% behind 2048-element
 steps at N = 128), "wide" at 8192 (a program per row block lost), the chunked rows a program
 per row with L2 hints at 32768: LayerNorm's in both uses, RMSNorm's for its forward alone (its
-only default use: RMSNorm trains through XLA there; the slab of 2 per SM was 12% slower)."""
+only default use: RMSNorm trains through XLA there; the slab of 2 per SM was 12% slower).
+γ and β reach the kernel in their own dtype (every row block reads them again from L2; 16-bit
+vectors were 0.3-17% faster at every suite shape, LayerNorm's chunked rows the most), except
+for RMSNorm's chunked rows, whose forward was 10% slower with them (not understood)."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs and rows short of a full block are exercised."""
@@ -75,6 +80,8 @@ class RowTiling:
     l2_hints: chunked rows' loads tell L2 to keep the first pass's lines (``evict_last``) and
       drop the second pass's (``evict_first``), as inductor's looped reductions do, so the
       second pass finds the row in L2.
+    f32_vectors: the forward's γ and β widened to float32 by XLA before the kernel instead of
+      read in their own dtype (the same values: the kernel widens them exactly).
   """
 
   block_m: int
@@ -83,6 +90,7 @@ class RowTiling:
   num_warps: int
   column_sums: str | None = None
   l2_hints: bool = False
+  f32_vectors: bool = False
 
 
 def gpu_core_count() -> int:
@@ -95,18 +103,19 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> RowTiling:
   program per row block, in interpret mode too."""
   n_pad = pl.next_power_of_2(n)
   if n >= CHUNKED_MIN_N:
-    chunk, per_sm, warps, *hints = TILINGS["chunked"][norm]
+    chunk, per_sm, warps, *flags = TILINGS["chunked"][norm]
     block_m = 1
   else:
-    elements, per_sm, warps, *hints = TILINGS["full" if n_pad <= 4096 else "wide"]
+    elements, per_sm, warps, *flags = TILINGS["full" if n_pad <= 4096 else "wide"]
     chunk, block_m = n_pad, max(1, min(64, elements // n_pad))
+  hints, f32_vectors = (list(flags) + [False, False])[:2]
   if per_sm is None:  # a program per row block
     programs = pl.cdiv(m, block_m)
   else:
     programs = INTERPRET_PROGRAMS if interpret else per_sm * gpu_core_count()
   return RowTiling(block_m=block_m, chunk=min(chunk, n_pad),
                    programs=max(1, min(programs, pl.cdiv(m, block_m))), num_warps=warps,
-                   l2_hints=bool(hints and hints[0]))
+                   l2_hints=bool(hints), f32_vectors=bool(f32_vectors))
 
 
 def slab_rows(m: int, cfg: RowTiling) -> tuple[int, int]:
@@ -307,9 +316,13 @@ def forward(x, scale=None, bias=None, *, norm: str, eps: float, zero_centered_sc
   m = x.size // n
   cfg = pick_config(m, n, interpret, norm)
   rows_per_program, programs = slab_rows(m, cfg)
-  gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32)
-  vecs = [v for v in (gamma, None if bias is None else bias.astype(jnp.float32))
-          if v is not None]
+  # γ and β as given (the kernel widens them to float32 exactly, as XLA's path does): every row
+  # block reads them again from L2, so 16-bit vectors halve that traffic (TILINGS). A
+  # zero-centered scale's 1 + scale is not exact in its own dtype: float32 then.
+  wide = jnp.float32 if cfg.f32_vectors or zero_centered_scale else None
+  gamma = xla.applied_scale(scale, zero_centered_scale, wide)
+  vecs = [v if v is None or wide is None else v.astype(wide) for v in (gamma, bias)]
+  vecs = [v for v in vecs if v is not None]
   row = jax.ShapeDtypeStruct((m,), jnp.float32)
   out_shape = ([jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype or x.dtype)), row]
                + [row, row] * (norm == "layer"))

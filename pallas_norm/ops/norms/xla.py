@@ -99,10 +99,11 @@ def normalized(s, stats: RowStats):
 
 
 def applied_scale(scale, zero_centered_scale: bool, dtype):
-  """``γ`` as the norm multiplies by it (``1 + scale`` when zero-centered), or None."""
+  """``γ`` as the norm multiplies by it (``1 + scale`` when zero-centered) in ``dtype`` (None:
+  scale's own), or None."""
   if scale is None:
     return None
-  gamma = scale.astype(dtype)
+  gamma = scale if dtype is None else scale.astype(dtype)
   return 1 + gamma if zero_centered_scale else gamma
 
 
