@@ -79,7 +79,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
   Initializes the multi-host runtime first when asked, since that decides the device count."""
   if args.multi_host:
-    jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    _initialize(parser, args)
   elif (args.coordinator_address, args.num_processes, args.process_id) != (None,) * 3:
     parser.error("--coordinator-address, --num-processes and --process-id need --multi-host")
   available = jax.device_count()
@@ -99,6 +99,20 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
   if args.batch_size % args.devices:
     parser.error(f"--batch-size {args.batch_size} must be a multiple of --devices "
                  f"{args.devices}")
+
+
+def _initialize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """``jax.distributed.initialize`` with the flags, range-checked first; its own refusals (no
+  cluster in the environment, a flag it needs) become ``parser.error``."""
+  n, i = args.num_processes, args.process_id
+  if n is not None and n < 1:
+    parser.error(f"--num-processes must be >= 1, got {n}")
+  if i is not None and not (0 <= i and (n is None or i < n)):
+    parser.error(f"--process-id must be >= 0 and below --num-processes ({n}), got {i}")
+  try:
+    jax.distributed.initialize(args.coordinator_address, n, i)
+  except (ValueError, RuntimeError) as e:
+    parser.error(f"--multi-host: jax.distributed.initialize failed: {e}")
 
 
 def make_runner(args, *, loss_fn, train_step, predict):

@@ -75,6 +75,10 @@ class CheckpointMismatchError(ValueError):
   batch stream (:func:`data_stream`) differs from this one's."""
 
 
+class CheckpointIncompleteError(ValueError):
+  """The latest checkpoint step lacks the config or the state (an interrupted save or copy)."""
+
+
 class CheckpointDirInUseError(ValueError):
   """A run without --resume was pointed at a folder that already holds checkpoints: Orbax
   skips saves at or below its latest step, so the run would keep none of its own and a later
@@ -126,8 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                "train_examples", "valid_examples"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
-  if args.seed < 0:  # NumPy's generators take no negative seed (was a traceback)
-    p.error(f"--seed must be >= 0, got {args.seed}")
+  # NumPy's generators take no negative seed, jax.random none of 64 bits or more (tracebacks)
+  if not 0 <= args.seed < 2**63:
+    p.error(f"--seed must be >= 0 and < 2**63, got {args.seed}")
   if args.max_seq_len < 2:  # ads_data.load's bound (the synthetic lengths); was a traceback
     p.error("--max-seq-len must be >= 2")
   if not (np.isfinite(args.lr) and args.lr > 0):  # nan trained silently to a nan log-loss
@@ -317,10 +322,15 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
 
   Raises: CheckpointMismatchError when the saved config differs from ``config``, or the saved
     :func:`data_stream` from ``stream`` (when both exist; checkpoints saved without one are not
-    checked).
+    checked); CheckpointIncompleteError when the latest step lacks the config or the state.
   """
   step = manager.latest_step()
   with _item_by_item():
+    items = set(manager.item_metadata(step).keys())
+    if missing := sorted({"config", "state"} - items):
+      raise CheckpointIncompleteError(
+          f"checkpoint at step {step} lacks its {' and '.join(missing)} (an interrupted save "
+          f"or copy?): remove {manager.directory / str(step)} to resume from the step before")
     saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     if diff := _changed(saved.config, dataclasses.asdict(config)):
       raise CheckpointMismatchError(f"checkpoint at step {step} was saved for another model "
@@ -460,15 +470,15 @@ def train(args) -> TrainResult:
 
 def main(argv=None) -> int:
   """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
-  malformed data, a mismatched checkpoint, a fresh run into a folder that holds checkpoints, or
-  an --implementation that cannot run the model."""
+  malformed data, a mismatched or incomplete checkpoint, a fresh run into a folder that holds
+  checkpoints, or an --implementation that cannot run the model."""
   args = parse_args(argv)
   try:
     check_implementation_can_run(args.implementation)
     line = train(args).line
   # NotImplementedError: an --implementation with no kernel for a call of the model
   except (ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError,
-          CheckpointDirInUseError, NotImplementedError) as e:
+          CheckpointIncompleteError, CheckpointDirInUseError, NotImplementedError) as e:
     print(f"train_kunlun: error: {e}", file=sys.stderr)
     return 2
   print(line, flush=True)

@@ -83,7 +83,12 @@ def interpret_threads_reason() -> str | None:
   creates its CPU client."""
   if jax.default_backend() != "cpu":
     return None
-  threads = int(os.environ.get("PJRT_NPROC") or 0) or (os.cpu_count() or 1)
+  value = os.environ.get("PJRT_NPROC") or ""
+  if value and not value.strip().isdigit():
+    return (f"GPU interpret mode on the CPU needs PJRT_NPROC >= {INTERPRET_MIN_CPU_THREADS}, "
+            f"and PJRT_NPROC={value!r} is not a whole number: set "
+            f"PJRT_NPROC={INTERPRET_MIN_CPU_THREADS} in the environment before JAX starts")
+  threads = int(value or 0) or (os.cpu_count() or 1)
   if threads >= INTERPRET_MIN_CPU_THREADS:
     return None
   return (f"GPU interpret mode on the CPU needs PJRT_NPROC >= {INTERPRET_MIN_CPU_THREADS} "

@@ -284,9 +284,15 @@ def offsets_invalid(off, capacity: int, max_len: int | None):
   Under ``jax.jit`` the values cannot raise, so the ops turn their output into NaN instead of a
   silent wrong answer. Every offset is bounded first: the steps are int32 differences, which
   wrap around for offsets far apart (offsets of lengths whose int32 sum overflowed look
-  non-decreasing with short steps), and cannot once all offsets lie in [0, capacity]."""
-  steps = jnp.diff(off)
-  bad = (off[0] != 0) | jnp.any(off < 0) | jnp.any(off > capacity) | jnp.any(steps < 0)
+  non-decreasing with short steps), and cannot once all offsets lie in [0, capacity]. Offsets
+  narrower than 32 bits are widened to int32 first (exactly): in their own dtype the bounds
+  would wrap (uint8(300) is 44) and so would a decreasing step (100 − 200 is 156 in uint8);
+  the order is tested by comparison, not by the sign of a difference, for the same reason."""
+  if jnp.iinfo(off.dtype).bits < 32:
+    off = off.astype(jnp.int32)
+  steps = off[1:] - off[:-1]
+  bad = ((off[0] != 0) | jnp.any(off < 0) | jnp.any(off > capacity)
+         | jnp.any(off[1:] < off[:-1]))
   if max_len is not None:
     bad = bad | jnp.any(steps > max_len)
   return bad

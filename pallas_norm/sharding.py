@@ -434,8 +434,13 @@ def row_sharded_take(table, ids, axis_name):
   rows = table.shape[0]
   first = jax.lax.axis_index(axis_name) * rows
   group_ids = jax.lax.all_gather(ids, axis_name, axis=0, tiled=True)   # (M·n, ...)
-  local = group_ids.astype(jnp.int32) - first
-  mine = (local >= 0) & (local < rows)
+  # The range test in a dtype that holds both the ids and V exactly (narrow ids widened, wide
+  # ones as they are): cast to int32 first, an int64 id past 2**31 would wrap into the table.
+  if jnp.iinfo(group_ids.dtype).bits < 32:
+    group_ids = group_ids.astype(jnp.int32)
+  in_table = (group_ids >= 0) & (group_ids < rows * jax.lax.axis_size(axis_name))
+  local = jnp.where(in_table, group_ids, 0).astype(jnp.int32) - first
+  mine = in_table & (local >= 0) & (local < rows)
   found = jnp.take(table, jnp.where(mine, local, 0), axis=0)
   found = jnp.where(mine[..., None], found, jnp.zeros((), table.dtype))
   return jax.lax.psum_scatter(found, axis_name, scatter_dimension=0, tiled=True)

@@ -276,6 +276,23 @@ def test_fresh_run_into_a_used_checkpoint_folder_exits_2(tmp_path, capsys):
   assert "latest step 4" in err and "--resume" in err
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("saved", ["config only", "empty step folder"])
+def test_resume_from_an_incomplete_checkpoint_exits_2(tmp_path, capsys, saved):
+  """A latest step without its state (an interrupted copy) or an empty step folder was Orbax's
+  KeyError traceback (exit status 1); now one line naming the step folder, exit status 2."""
+  manager = train_kunlun.checkpoint_manager(tmp_path)
+  manager.save(4, args=ocp.args.Composite(config=ocp.args.JsonSave({})))
+  manager.close()
+  step = 4
+  if saved == "empty step folder":
+    (tmp_path / "5").mkdir()
+    step = 5
+  code, out, err = _run(["--steps", "6", "--checkpoint-dir", str(tmp_path), "--resume"], capsys)
+  assert code == 2 and out == [] and err.count("\n") == 1, err
+  assert f"checkpoint at step {step} lacks its" in err and str(tmp_path / str(step)) in err
+
+
 def test_taobao_loss_falls_checkpoints_and_resumes(data_dir, tmp_path, capsys):
   """One test per train-step compile (tens of CPU-seconds each; the taobao model compiles
   once here): the loss falls over 30 steps; a checkpoint restores bit for bit; --resume

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,9 @@ def test_kunlun_logits_are_nan_for_invalid_traced_offsets():
     (["--lr=-1e-3"], "--lr"),
     (["--weight-decay", "inf"], "--weight-decay"),
     (["--seed", "-1"], "--seed"),                       # was NumPy's traceback (review 9)
+    (["--seed", str(2**63)], "--seed"),                 # jax.random's OverflowError (review 44)
+    (["--multi-host", "--num-processes", "2", "--process-id", "5"], "--process-id"),
+    (["--multi-host", "--num-processes", "0"], "--num-processes"),
     # a file: Orbax's NotADirectoryError after the first steps had trained (review 9)
     (["--checkpoint-dir", str(ROOT / "README.md")], "--checkpoint-dir")])
 def test_train_kunlun_rejects_bad_flags_with_exit_2(argv, message, capsys):
@@ -274,3 +278,75 @@ def test_the_first_interpret_call_does_not_retrace_jitted_functions():
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "traces 1" in result.stdout, result.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# Session 44's review
+
+
+def test_multi_host_without_a_cluster_exits_2(monkeypatch, capsys):
+  """jax.distributed.initialize's refusal (no cluster in the environment, a flag it needs) was
+  a traceback with exit status 1; now a usage error naming --multi-host."""
+  def refuse(*args):
+    raise ValueError("coordinator_address should be defined.")
+  monkeypatch.setattr(jax.distributed, "initialize", refuse)
+  with pytest.raises(SystemExit) as exit_info:
+    train_kunlun.parse_args(["--multi-host"])
+  assert exit_info.value.code == 2
+  assert "--multi-host: jax.distributed.initialize failed: coordinator_address" in (
+      capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int16, jnp.uint16])
+def test_narrow_offsets_are_checked_without_wrapping_under_jit(dtype):
+  """Traced offsets of 8 or 16 bits were checked in their own dtype: the capacity and max_len
+  wrapped (uint8(300) = 44), so valid offsets gave NaN under jit, and a decreasing step wrapped
+  to a large positive one (uint8 100 − 200 = 156), so invalid offsets gave a finite answer."""
+  values = jnp.arange(1.0, 301.0)[:, None]
+  offsets = jnp.array([0, 100, 120], dtype)
+  eager = jagged.to_padded(values, offsets, 128)
+  jitted = jax.jit(lambda o: jagged.to_padded(values, o, 128))(offsets)
+  np.testing.assert_array_equal(jitted, eager)
+  padded = jax.jit(lambda o: jagged.from_padded(eager, o, 300))(offsets)
+  np.testing.assert_array_equal(padded, jagged.from_padded(eager, offsets, 300))
+  decreasing = jnp.array([0, 120, 100], dtype)
+  assert bool(jnp.isnan(jax.jit(lambda o: jagged.to_padded(values, o, 128))(decreasing)).all())
+
+
+def test_row_sharded_take_range_test_in_the_ids_own_dtype():
+  """Ids outside [0, V) give zero rows: int64 ids were cast to int32 first, so 2**32 + 5 read
+  row 5; narrow ids are widened, so a uint8 id below V = 300 still reads its row."""
+  mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+  from jax.sharding import PartitionSpec as P
+  take = jax.shard_map(lambda t, i: sharding.row_sharded_take(t, i, "model"), mesh=mesh,
+                       in_specs=(P("model"), P("model")), out_specs=P("model"))
+  table = 1.0 + jnp.arange(300 * 2, dtype=jnp.float32).reshape(300, 2)
+  got = take(table, jnp.array([200, 7], jnp.uint8))
+  np.testing.assert_array_equal(got, table[jnp.array([200, 7])])
+  with jax.enable_x64(True):
+    ids = jnp.array([2**32 + 5, 5, -(2**32) + 5], jnp.int64)
+    got = np.asarray(take(table, ids))
+    big = jnp.array([2**32 - 3, 5], jnp.uint32)
+    got_u32 = np.asarray(take(table, big))
+  np.testing.assert_array_equal(got[[0, 2]], 0.0)
+  np.testing.assert_array_equal(got[1], table[5])
+  np.testing.assert_array_equal(got_u32[0], 0.0)
+  np.testing.assert_array_equal(got_u32[1], table[5])
+
+
+@pytest.mark.parametrize("value", ["abc", "8.0"])
+def test_a_pjrt_nproc_that_is_not_a_number_is_a_reason_naming_it(monkeypatch, value):
+  """PJRT_NPROC=abc let JAX start, then every interpret call failed with int()'s ValueError
+  (naming neither the variable nor the op), also where a sequence should fall back."""
+  from pallas_norm import _dispatch
+  monkeypatch.setenv("PJRT_NPROC", value)
+  reason = _dispatch.interpret_threads_reason()
+  assert reason is not None and f"PJRT_NPROC={value!r}" in reason
+  x = jnp.ones((256, 128), jnp.bfloat16)
+  w = jnp.ones((128, 128), jnp.bfloat16)
+  with pytest.raises(RuntimeError, match="PJRT_NPROC"):
+    pn.norm_matmul(x, w, implementation="interpret")
+  with warnings.catch_warnings():  # the skip is reported once per process
+    warnings.simplefilter("ignore")
+    y = pn.norm_matmul(x, w, implementation=("interpret", "xla"))
+  np.testing.assert_array_equal(y, pn.norm_matmul(x, w, implementation="xla"))
