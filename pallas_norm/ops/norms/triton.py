@@ -154,9 +154,10 @@ rows × N × 4 bytes of all programs should stay in L2); LayerNorm's two are sum
 :func:`_column_sums_call`, the row kernel a program per row block (programs per SM None) with
 L2 hints (the first pass keeps its lines, the second drops them). The fastest measured on the
 H200 (``benchmarks/NOTES.md``, "Standalone norms"; ``benchmarks/EXPERIMENTS.md``): LayerNorm's
-trains faster than XLA at 16384×32768 (``configs.KERNEL_DOMAINS``), RMSNorm's slower. Every
-backward reads γ in its own dtype (RMSNorm's chunked one 5.7% faster at 16384×32768 than with
-float32, the full rows of 8192 1.5-2.4%) except LayerNorm's chunked one, 4% slower with it."""
+trains faster than XLA at 16384×32768 (``configs.KERNEL_DOMAINS``), RMSNorm's slower. The row
+norms' backward (:func:`row_backward`) reads γ in its own dtype (on an H100: RMSNorm's chunked one
+5.7% faster at 16384×32768 than with float32, the full rows of 8192 1.5-2.4%) except LayerNorm's
+chunked one, 4% slower with it; the post-norm GEMM's (:func:`norm_backward`) keeps float32."""
 
 COLUMN_SUM_TILING = (256, 16, 8)
 """(columns per program, rows per step, programs per SM) of :func:`_column_sums_call`: each

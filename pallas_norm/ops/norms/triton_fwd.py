@@ -56,9 +56,10 @@ LayerNorm's forward alone at N = 512 (within 0.6% of the winner at 2048; 3% behi
 steps at N = 128), "wide" at 8192 (a program per row block lost), the chunked rows a program
 per row with L2 hints at 32768: LayerNorm's in both uses, RMSNorm's for its forward alone (its
 only default use: RMSNorm trains through XLA there; the slab of 2 per SM was 12% slower).
-γ and β reach the kernel in their own dtype (every row block reads them again from L2; 16-bit
-vectors were 0.3-17% faster at every suite shape, LayerNorm's chunked rows the most), except
-for RMSNorm's chunked rows, whose forward was 10% slower with them (not understood)."""
+γ and β reach the kernel in their own dtype (every row block reads them again from L2; with
+16-bit vectors every suite shape ran the same, within 0.35%, or up to 17% faster on an H100,
+LayerNorm's chunked rows the most), except for RMSNorm's chunked rows, whose forward was 10%
+slower with them (not understood)."""
 
 INTERPRET_PROGRAMS = 3
 """Programs in interpret mode: several, so slabs and rows short of a full block are exercised."""
@@ -80,8 +81,9 @@ class RowTiling:
     l2_hints: chunked rows' loads tell L2 to keep the first pass's lines (``evict_last``) and
       drop the second pass's (``evict_first``), as inductor's looped reductions do, so the
       second pass finds the row in L2.
-    f32_vectors: the forward's γ and β widened to float32 by XLA before the kernel instead of
-      read in their own dtype (the same values: the kernel widens them exactly).
+    f32_vectors: γ (and the forward's β) widened to float32 by XLA before the kernel instead of
+      read in their own dtype (the same values: the kernel widens them exactly); set by the
+      forward's :data:`TILINGS` and the chunked backward's ``triton.CHUNKED_TILING``.
   """
 
   block_m: int

@@ -21,8 +21,10 @@ two row sums over (x, dy) that feed ds in the same pass (applied as a chain, see
 :func:`_xhat_tangent`), and two column sums. XLA's autodiff of the reference makes seven
 reductions instead, through the two-pass variance and the shift of
 :func:`pallas_norm.reference._center`; with this rule XLA trains LayerNorm 1.37-1.64× faster
-(measured: benchmarks/NOTES.md, "The XLA path's one-pass rule"; at rows of 16384 to 32768
-elements autodiff under ``jax.checkpoint`` was 7-57% slower still: EXPERIMENTS.md). RMSNorm's
+(measured: benchmarks/NOTES.md, "The XLA path's one-pass rule") up to rows of ~16384; wider
+rows train faster under plain autodiff (which keeps 6× the memory for the backward), but
+autodiff under ``jax.checkpoint`` (x's memory only) was 7-57% slower than the rule from 16384
+to 32768 (EXPERIMENTS.md), so the rule serves every width. RMSNorm's
 autodiff already makes one row sum; the same rule for it was slower than autodiff and is not used
 (benchmarks/EXPERIMENTS.md).
 
