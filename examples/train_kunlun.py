@@ -322,30 +322,40 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
 
   Raises: CheckpointMismatchError when the saved config differs from ``config``, or the saved
     :func:`data_stream` from ``stream`` (when both exist; checkpoints saved without one are not
-    checked); CheckpointIncompleteError when the latest step lacks the config or the state.
+    checked); CheckpointIncompleteError when the latest step lacks the config or the state, or
+    one of its items cannot be read (an interrupted save or copy).
   """
   step = manager.latest_step()
+  where = f"checkpoint at step {step}"
+  fix = f"(an interrupted save or copy?): remove {manager.directory / str(step)} to resume " \
+        "from the step before"
+
+  def read(**items):
+    try:
+      return manager.restore(step, args=ocp.args.Composite(**items))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # JSON errors are ValueErrors
+      raise CheckpointIncompleteError(
+          f"{where} could not be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}) "
+          f"{fix}") from e
+
   with _item_by_item():
     items = set(manager.item_metadata(step).keys())
     if missing := sorted({"config", "state"} - items):
-      raise CheckpointIncompleteError(
-          f"checkpoint at step {step} lacks its {' and '.join(missing)} (an interrupted save "
-          f"or copy?): remove {manager.directory / str(step)} to resume from the step before")
-    saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+      raise CheckpointIncompleteError(f"{where} lacks its {' and '.join(missing)} {fix}")
+    saved = read(config=ocp.args.JsonRestore())
     if diff := _changed(saved.config, dataclasses.asdict(config)):
-      raise CheckpointMismatchError(f"checkpoint at step {step} was saved for another model "
-                                    f"config; (saved, now): {diff}")
-    if stream is not None and "data_stream" in manager.item_metadata(step).keys():
-      saved = manager.restore(step, args=ocp.args.Composite(data_stream=ocp.args.JsonRestore()))
+      raise CheckpointMismatchError(f"{where} was saved for another model config; (saved, "
+                                    f"now): {diff}")
+    if stream is not None and "data_stream" in items:
+      saved = read(data_stream=ocp.args.JsonRestore())
       if diff := _changed(saved.data_stream, stream):
         flags = ", ".join(f"--{k.replace('_', '-')} {old} (now {new})"
                           for k, (old, new) in diff.items())
         raise CheckpointMismatchError(
-            f"checkpoint at step {step} was saved by a run with {flags}: resumed, this run "
-            "would continue on another batch stream; pass the saved values")
+            f"{where} was saved by a run with {flags}: resumed, this run would continue on "
+            "another batch stream; pass the saved values")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))
+    restored = read(state=ocp.args.StandardRestore(abstract))
   return restored.state
 
 

@@ -277,20 +277,27 @@ def test_fresh_run_into_a_used_checkpoint_folder_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved", ["config only", "empty step folder"])
+@pytest.mark.parametrize("saved", ["config only", "empty step folder", "unreadable config"])
 def test_resume_from_an_incomplete_checkpoint_exits_2(tmp_path, capsys, saved):
-  """A latest step without its state (an interrupted copy) or an empty step folder was Orbax's
-  KeyError traceback (exit status 1); now one line naming the step folder, exit status 2."""
+  """A latest step without its state (an interrupted copy), an empty step folder or an item
+  whose file is cut short was a traceback from Orbax or json (exit status 1); now one line
+  naming the step folder, exit status 2."""
   manager = train_kunlun.checkpoint_manager(tmp_path)
-  manager.save(4, args=ocp.args.Composite(config=ocp.args.JsonSave({})))
+  items = {"config": ocp.args.JsonSave({})}
+  if saved == "unreadable config":
+    items["state"] = ocp.args.StandardSave({"w": np.zeros(2)})
+  manager.save(4, args=ocp.args.Composite(**items))
   manager.close()
-  step = 4
+  step, says = 4, "lacks its"
   if saved == "empty step folder":
     (tmp_path / "5").mkdir()
     step = 5
+  if saved == "unreadable config":
+    (tmp_path / "4" / "config" / "metadata").write_text('{"embed')
+    says = "could not be read (JSONDecodeError"
   code, out, err = _run(["--steps", "6", "--checkpoint-dir", str(tmp_path), "--resume"], capsys)
   assert code == 2 and out == [] and err.count("\n") == 1, err
-  assert f"checkpoint at step {step} lacks its" in err and str(tmp_path / str(step)) in err
+  assert f"checkpoint at step {step} {says}" in err and str(tmp_path / str(step)) in err
 
 
 def test_taobao_loss_falls_checkpoints_and_resumes(data_dir, tmp_path, capsys):
