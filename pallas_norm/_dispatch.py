@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import warnings
 from typing import Callable
 
@@ -83,18 +84,35 @@ def interpret_threads_reason() -> str | None:
   creates its CPU client."""
   if jax.default_backend() != "cpu":
     return None
-  value = os.environ.get("PJRT_NPROC") or ""
-  if value and not value.strip().isdigit():
-    return (f"GPU interpret mode on the CPU needs PJRT_NPROC >= {INTERPRET_MIN_CPU_THREADS}, "
-            f"and PJRT_NPROC={value!r} is not a whole number: set "
-            f"PJRT_NPROC={INTERPRET_MIN_CPU_THREADS} in the environment before JAX starts")
-  threads = int(value or 0) or (os.cpu_count() or 1)
+  threads = _xla_cpu_threads()
   if threads >= INTERPRET_MIN_CPU_THREADS:
     return None
+  value = os.environ.get("PJRT_NPROC")
+  unread = "" if value is None or _read_count(value) is not None else (
+      f" (PJRT_NPROC={value!r} is not a number XLA reads)")
   return (f"GPU interpret mode on the CPU needs PJRT_NPROC >= {INTERPRET_MIN_CPU_THREADS} "
           f"(the kernel's warpgroups run as concurrent CPU computations that wait on each "
-          f"other), this process has {threads}: set PJRT_NPROC={INTERPRET_MIN_CPU_THREADS} in "
-          "the environment before JAX starts")
+          f"other), this process has {threads}{unread}: set "
+          f"PJRT_NPROC={INTERPRET_MIN_CPU_THREADS} in the environment before JAX starts")
+
+
+def _read_count(text: str) -> int | None:
+  """``text`` as absl::SimpleAtoi reads an int32 (ASCII digits, an optional sign, surrounding
+  whitespace), or None."""
+  if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text, flags=re.ASCII):
+    return None
+  n = int(text)
+  return n if -2**31 <= n < 2**31 else None
+
+
+def _xla_cpu_threads() -> int:
+  """The CPU client's thread count as XLA's DefaultThreadPoolSize takes it: PJRT_NPROC, else
+  NPROC, where it reads as a number (at least 1), else the core count."""
+  for name in ("PJRT_NPROC", "NPROC"):
+    count = _read_count(os.environ.get(name) or "")
+    if count is not None:
+      return max(count, 1)
+  return os.cpu_count() or 1
 
 
 @functools.cache

@@ -286,10 +286,7 @@ def _check_conversion(name: str, values, offsets, capacity: int, size_name: str,
       offsets, "shape"):
     raise TypeError(f"{name}: values and offsets must be arrays, got {type(values).__name__} "
                     f"and {type(offsets).__name__}")
-  if not jnp.issubdtype(offsets.dtype, jnp.integer) or offsets.ndim != 1 or (
-      offsets.shape[0] < 1):
-    raise TypeError(f"{name}: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
-                    f"{offsets.dtype} of shape {tuple(offsets.shape)}")
+  _check_offsets_kind(name, offsets)
   if size < 0:
     raise ValueError(f"{name}: {size_name} must be >= 0, got {size}")
   if isinstance(offsets, jax.core.Tracer):
@@ -498,9 +495,11 @@ _from_padded_linear = _linear_map(_gather_from_padded, _scatter_from_padded)
 
 
 def _check_offsets_kind(name: str, offsets) -> None:
-  """TypeError naming ``name`` unless ``offsets`` is a 1-D integer array of at least one entry."""
+  """TypeError naming ``name`` unless ``offsets`` is a 1-D integer array of at least one entry,
+  not uint64 (whose sums with int32 positions JAX promotes to float64)."""
   if not _validate.is_array(offsets) or not jnp.issubdtype(offsets.dtype, jnp.integer) or (
-      jnp.dtype(offsets.dtype) == jnp.dtype(bool)) or offsets.ndim != 1 or offsets.shape[0] < 1:
+      jnp.dtype(offsets.dtype) in (jnp.dtype(bool), jnp.dtype("uint64"))) or (
+      offsets.ndim != 1 or offsets.shape[0] < 1):
     raise TypeError(f"{name}: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
                     f"{getattr(offsets, 'dtype', type(offsets).__name__)} of shape "
                     f"{tuple(getattr(offsets, 'shape', ()))}")

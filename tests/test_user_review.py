@@ -4,6 +4,7 @@ Tiny shapes, XLA paths only (the whole file costs a few CPU-seconds)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 import warnings
@@ -334,19 +335,49 @@ def test_row_sharded_take_range_test_in_the_ids_own_dtype():
   np.testing.assert_array_equal(got_u32[1], table[5])
 
 
-@pytest.mark.parametrize("value", ["abc", "8.0"])
-def test_a_pjrt_nproc_that_is_not_a_number_is_a_reason_naming_it(monkeypatch, value):
-  """PJRT_NPROC=abc let JAX start, then every interpret call failed with int()'s ValueError
-  (naming neither the variable nor the op), also where a sequence should fall back."""
+@pytest.mark.parametrize("pjrt, nproc, threads", [
+    ("abc", None, 2), ("8.0", None, 2), ("\u0661\u0662", None, 2), ("²", None, 2),
+    ("99999999999", None, 2), ("+8", None, 8), (" 8 ", None, 8), ("0", None, 1),
+    (None, "8", 8), ("x", "16", 16)])
+def test_pjrt_nproc_is_read_as_xla_reads_it(monkeypatch, pjrt, nproc, threads):
+  """The interpret-mode guard counts the CPU client's threads as XLA's DefaultThreadPoolSize
+  does (absl::SimpleAtoi of PJRT_NPROC, else of NPROC, else the core count; a review counted
+  XLA's threads for each of these values): PJRT_NPROC=abc was int()'s ValueError in every
+  interpret call (also where a sequence should fall back), non-ASCII digits passed the guard
+  while XLA ran 2 threads, and '+8' was refused though XLA reads it."""
   from pallas_norm import _dispatch
-  monkeypatch.setenv("PJRT_NPROC", value)
+  monkeypatch.setattr(os, "cpu_count", lambda: 2)
+  for name, value in (("PJRT_NPROC", pjrt), ("NPROC", nproc)):
+    if value is None:
+      monkeypatch.delenv(name, raising=False)
+    else:
+      monkeypatch.setenv(name, value)
+  assert _dispatch._xla_cpu_threads() == threads
   reason = _dispatch.interpret_threads_reason()
-  assert reason is not None and f"PJRT_NPROC={value!r}" in reason
-  x = jnp.ones((256, 128), jnp.bfloat16)
-  w = jnp.ones((128, 128), jnp.bfloat16)
-  with pytest.raises(RuntimeError, match="PJRT_NPROC"):
-    pn.norm_matmul(x, w, implementation="interpret")
-  with warnings.catch_warnings():  # the skip is reported once per process
-    warnings.simplefilter("ignore")
-    y = pn.norm_matmul(x, w, implementation=("interpret", "xla"))
-  np.testing.assert_array_equal(y, pn.norm_matmul(x, w, implementation="xla"))
+  assert (reason is None) == (threads >= 8), reason
+  if reason is not None:
+    assert f"this process has {threads}" in reason
+    if pjrt in ("abc", "8.0"):
+      assert f"PJRT_NPROC={pjrt!r} is not a number XLA reads" in reason
+  if pjrt == "abc":
+    x = jnp.ones((256, 128), jnp.bfloat16)
+    w = jnp.ones((128, 128), jnp.bfloat16)
+    with pytest.raises(RuntimeError, match="PJRT_NPROC"):
+      pn.norm_matmul(x, w, implementation="interpret")
+    with warnings.catch_warnings():  # the skip is reported once per process
+      warnings.simplefilter("ignore")
+      y = pn.norm_matmul(x, w, implementation=("interpret", "xla"))
+    np.testing.assert_array_equal(y, pn.norm_matmul(x, w, implementation="xla"))
+
+
+def test_uint64_offsets_are_refused_naming_them():
+  """uint64 offsets (under x64) reached jax's "indices must have an integer type" from the
+  conversions (uint64 + int32 positions promote to float64); now the offsets' TypeError, as
+  the ops give for any dtype but int32."""
+  values = jnp.arange(8.0)[:, None]
+  with jax.enable_x64(True):
+    offsets = jnp.array([0, 3, 8], jnp.uint64)
+    with pytest.raises(TypeError, match="offsets must be a 1-D integer"):
+      jagged.to_padded(values, offsets, 5)
+    with pytest.raises(TypeError, match="offsets must be a 1-D integer"):
+      jagged.from_padded(jnp.zeros((2, 5, 1)), offsets, 8)
