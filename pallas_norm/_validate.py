@@ -278,6 +278,12 @@ def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
   return off.shape[0] - 1
 
 
+def at_least_int32(a):
+  """Integer array ``a`` widened to int32 (exactly) if narrower, else as it is: Python-int
+  bounds compared with a narrow dtype wrap (uint8(300) is 44), and so do differences."""
+  return a.astype(jnp.int32) if jnp.iinfo(a.dtype).bits < 32 else a
+
+
 def offsets_invalid(off, capacity: int, max_len: int | None):
   """Traced counterpart of :func:`offsets`: a scalar bool, True when ``off`` breaks the jagged
   convention (first != 0, decreasing, an offset outside [0, capacity], a length > max_len).
@@ -288,8 +294,7 @@ def offsets_invalid(off, capacity: int, max_len: int | None):
   narrower than 32 bits are widened to int32 first (exactly): in their own dtype the bounds
   would wrap (uint8(300) is 44) and so would a decreasing step (100 − 200 is 156 in uint8);
   the order is tested by comparison, not by the sign of a difference, for the same reason."""
-  if jnp.iinfo(off.dtype).bits < 32:
-    off = off.astype(jnp.int32)
+  off = at_least_int32(off)
   steps = off[1:] - off[:-1]
   bad = ((off[0] != 0) | jnp.any(off < 0) | jnp.any(off > capacity)
          | jnp.any(off[1:] < off[:-1]))

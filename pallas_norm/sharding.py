@@ -436,8 +436,7 @@ def row_sharded_take(table, ids, axis_name):
   group_ids = jax.lax.all_gather(ids, axis_name, axis=0, tiled=True)   # (M·n, ...)
   # The range test in a dtype that holds both the ids and V exactly (narrow ids widened, wide
   # ones as they are): cast to int32 first, an int64 id past 2**31 would wrap into the table.
-  if jnp.iinfo(group_ids.dtype).bits < 32:
-    group_ids = group_ids.astype(jnp.int32)
+  group_ids = _validate.at_least_int32(group_ids)
   in_table = (group_ids >= 0) & (group_ids < rows * jax.lax.axis_size(axis_name))
   local = jnp.where(in_table, group_ids, 0).astype(jnp.int32) - first
   mine = in_table & (local >= 0) & (local < rows)

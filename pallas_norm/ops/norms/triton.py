@@ -168,7 +168,7 @@ partials), the splits' rows summed by XLA. Not yet measured against others."""
 def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fwd.RowTiling:
   """:data:`CHUNKED_TILING` [norm], the chunk at most the padded row."""
   chunk, block_m, per_sm, warps, sums, *flags = CHUNKED_TILING[norm]
-  hints, f32_vectors = (list(flags) + [False, False])[:2]
+  hints, f32_vectors = triton_fwd.tiling_flags(flags)
   if sums not in ("registers", "apart") or (per_sm is None) != (sums == "apart"):
     raise ValueError(f"chunked tiling {CHUNKED_TILING[norm]}: column sums 'registers' with "
                      "programs per SM, or 'apart' with None")
@@ -178,8 +178,8 @@ def pick_chunked_config(m: int, n: int, interpret: bool, norm: str) -> triton_fw
     programs = INTERPRET_PROGRAMS if interpret else per_sm * _gpu_core_count()
   return triton_fwd.RowTiling(block_m=block_m, chunk=min(chunk, pl.next_power_of_2(n)),
                               programs=max(1, min(programs, pl.cdiv(m, block_m))),
-                              num_warps=warps, column_sums=sums, l2_hints=bool(hints),
-                              f32_vectors=bool(f32_vectors))
+                              num_warps=warps, column_sums=sums, l2_hints=hints,
+                              f32_vectors=f32_vectors)
 
 
 def unsupported_reason(norm: str, x_shape, x_dtype, has_residual: bool = False) -> str | None:
@@ -516,10 +516,16 @@ def _column_sums_call(ops: _Operands, m: int, n: int, interpret: bool, arrays):
   return [jnp.sum(buf.reshape(splits, blocks * width)[:, :n], axis=0) for buf in outs]
 
 
+def _chunked_rows(given_stats: bool, n: int) -> bool:
+  """Whether the backward walks rows in chunks: given the forward kernel's statistics, rows of
+  at least ``triton_fwd.CHUNKED_MIN_N``."""
+  return given_stats and n >= triton_fwd.CHUNKED_MIN_N
+
+
 def _backward_call(ops: _Operands, m: int, n: int, eps: float, ds_dtype, interpret: bool,
                    inputs):
   """Runs the kernel; returns (ds (M, N), [column sum of each of ``ops.partial_names()``])."""
-  if ops.given_stats and n >= triton_fwd.CHUNKED_MIN_N:
+  if _chunked_rows(ops.given_stats, n):
     return _chunked_backward_call(ops, m, n, ds_dtype, interpret, inputs)
   cfg = pick_config(m, n, interpret, ops.norm + "_given" * ops.given_stats)
   n_pad = pl.next_power_of_2(n)
@@ -562,8 +568,8 @@ def row_backward(x, scale, bias, residual, stats, dy, ds_out, *, norm: str, eps:
                   gamma=scale is not None, dbias=bias is not None, norm=norm,
                   two_pass=jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16),
                   given_stats=stats is not None)
-  chunked = stats is not None and n >= triton_fwd.CHUNKED_MIN_N  # as _backward_call
-  f32 = zero_centered_scale or (chunked and pick_chunked_config(m, n, interpret, norm).f32_vectors)
+  f32 = zero_centered_scale or (_chunked_rows(stats is not None, n)
+                                and pick_chunked_config(m, n, interpret, norm).f32_vectors)
   gamma = xla.applied_scale(scale, zero_centered_scale, jnp.float32 if f32 else None)
   rows = []
   if stats is not None:

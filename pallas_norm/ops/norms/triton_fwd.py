@@ -95,6 +95,12 @@ class RowTiling:
   f32_vectors: bool = False
 
 
+def tiling_flags(flags) -> tuple[bool, bool]:
+  """(l2_hints, f32_vectors) from a tiling tuple's optional trailing entries (absent: False)."""
+  hints, f32_vectors = (list(flags) + [False, False])[:2]
+  return bool(hints), bool(f32_vectors)
+
+
 def gpu_core_count() -> int:
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
@@ -110,14 +116,14 @@ def pick_config(m: int, n: int, interpret: bool, norm: str) -> RowTiling:
   else:
     elements, per_sm, warps, *flags = TILINGS["full" if n_pad <= 4096 else "wide"]
     chunk, block_m = n_pad, max(1, min(64, elements // n_pad))
-  hints, f32_vectors = (list(flags) + [False, False])[:2]
+  hints, f32_vectors = tiling_flags(flags)
   if per_sm is None:  # a program per row block
     programs = pl.cdiv(m, block_m)
   else:
     programs = INTERPRET_PROGRAMS if interpret else per_sm * gpu_core_count()
   return RowTiling(block_m=block_m, chunk=min(chunk, n_pad),
                    programs=max(1, min(programs, pl.cdiv(m, block_m))), num_warps=warps,
-                   l2_hints=bool(hints), f32_vectors=bool(f32_vectors))
+                   l2_hints=hints, f32_vectors=f32_vectors)
 
 
 def slab_rows(m: int, cfg: RowTiling) -> tuple[int, int]:
@@ -323,8 +329,9 @@ def forward(x, scale=None, bias=None, *, norm: str, eps: float, zero_centered_sc
   # zero-centered scale's 1 + scale is not exact in its own dtype: float32 then.
   wide = jnp.float32 if cfg.f32_vectors or zero_centered_scale else None
   gamma = xla.applied_scale(scale, zero_centered_scale, wide)
-  vecs = [v if v is None or wide is None else v.astype(wide) for v in (gamma, bias)]
-  vecs = [v for v in vecs if v is not None]
+  if bias is not None and wide is not None:
+    bias = bias.astype(wide)
+  vecs = [v for v in (gamma, bias) if v is not None]
   row = jax.ShapeDtypeStruct((m,), jnp.float32)
   out_shape = ([jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype or x.dtype)), row]
                + [row, row] * (norm == "layer"))
