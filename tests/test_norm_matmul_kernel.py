@@ -463,7 +463,7 @@ def _reference_forward_and_dx(x, w, scale, bias, dy, *, norm):
 
 def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
                       interpret=True, seed=0, tol=1e-2, fused=False, x_hat=False,
-                      x_hat_ones=False, row_sums=False, col_sums=False):
+                      x_hat_ones=False, row_sums=False, col_sums=False, dw=False):
   """The dx kernel, fed the reference forward's y and statistics, against jax.grad of the
   f32 reference (the cotangent is rounded to ``dtype`` first, so both see the same dy).
   ``fused``: the kernel computes the row terms itself from y (rounded to ``dtype``, as the
@@ -471,7 +471,9 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
   checked against (x − mean) · rstd in f32 to its rounding; ``x_hat_ones``: with its block of
   ones columns at the end (the padding columns between finite). ``row_sums``: the kernel
   forms the row sums over K in its epilogue (no y, no row terms given); ``col_sums``: it also
-  returns Σ_i dy_i, checked against the float64 sum of the same dy."""
+  returns Σ_i dy_i, checked against the float64 sum of the same dy; ``dw``: it also returns
+  dW_γ = x̂ᵀ dy (with ``row_sums``), checked against the float64 product of x̂ rounded to
+  ``dtype`` (as the kernel's WGMMA reads it) and dy."""
   x, w, scale, bias = _inputs(seed, m, k, n, dtype, mu=mu, affine=affine)
   dy = _normal(np.random.default_rng(seed + 1000), (m, n), dtype=dtype)
   y, stats, dx_ref = _reference_forward_and_dx(x, w, scale, bias, dy, norm=norm)
@@ -481,8 +483,8 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
     if row_sums:
       return nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, row_sums_in_epilogue=True,
                                 return_x_hat=x_hat, x_hat_ones=x_hat_ones,
-                                return_dy_col_sums=col_sums, interpret=interpret,
-                                config=config)
+                                return_dy_col_sums=col_sums, return_dw_gamma=dw,
+                                interpret=interpret, config=config)
     if fused:
       return nmb.norm_matmul_dx(dy, w_gamma, x, rstd, mean=mean, y=y.astype(dtype),
                                 out_bias=out_bias, col_sum=col_sum, return_x_hat=x_hat,
@@ -493,6 +495,10 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
 
   out = jax.block_until_ready(jax.jit(dx_kernel)(dy, w_gamma, x, y, stats.rstd, stats.mean,
                                                  col_sum, out_bias))
+  if dw:
+    *out, dw_gamma = out
+    out = tuple(out) if len(out) > 1 else out[0]
+    _check_dw_gamma(dw_gamma, x, dy, stats, dtype)
   if col_sums:
     *out, dy_sums = out
     out = tuple(out) if x_hat else out[0]
@@ -522,6 +528,20 @@ def _run_dx_and_check(m, k, n, dtype, norm, *, mu=0.0, affine=True, config=None,
     ulp = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
     err = np.abs(x_hat_out - want)
     assert np.all(err <= ulp * np.abs(want) + 1e-6), float(np.max(err))
+
+
+def _check_dw_gamma(dw_gamma, x, dy, stats, dtype):
+  """dW_γ (K, N) f32 against x̂ᵀ dy in float64, x̂ = (x − mean) · rstd rounded once to dtype."""
+  mean = 0.0 if stats.mean is None else np.asarray(stats.mean)[:, None]
+  x_hat = jnp.asarray((np.asarray(x, np.float32) - mean) * np.asarray(stats.rstd)[:, None])
+  x_hat = np.asarray(x_hat.astype(dtype), np.float64)
+  want = x_hat.T @ np.asarray(dy, np.float64)
+  assert dw_gamma.shape == want.shape and dw_gamma.dtype == jnp.float32
+  got = np.asarray(dw_gamma, np.float64)
+  assert np.isfinite(got).all(), "some dW_γ partials were never written"
+  # f32 sums of M exact products: a few f32 ulps of Σ |x̂ dy| per entry.
+  scale = np.abs(x_hat).T @ np.abs(np.asarray(dy, np.float64))
+  np.testing.assert_array_less(np.abs(got - want), 1e-5 * scale + 1e-6)
 
 
 DX_CASES = [
@@ -823,6 +843,21 @@ def test_gpu_dx_col_sums(m, k, n, norm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,norm,col_sums", [
+    (262144, 128, "layer", True),  # the suite's shape: ~15 row blocks per CTA
+    (262144, 128, "rms", False),
+    (4096 + 8, 64, "layer", False),  # a partial row block, N = 64
+    (8, 128, "rms", True),  # one row block, mostly rows past M
+])
+def test_gpu_dx_dw_gamma(m, n, norm, col_sums):
+  """dW_γ = x̂ᵀ dy summed by the dx kernel: the two consumers' x̂ exchange through SMEM and
+  their barriers, WGMMA's transposed A, in real asynchrony (interpret mode runs WGMMA at
+  once)."""
+  _run_dx_and_check(m, 128, n, jnp.bfloat16, norm, interpret=False, row_sums=True,
+                    col_sums=col_sums, dw=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_dx_large_mean(fused):
   _run_dx_and_check(4096 + 77, 512, 512, jnp.float16, "layer", mu=1e3, interpret=False,
@@ -917,6 +952,74 @@ COL_SUMS_CASES = [
 def test_dx_kernel_returns_dy_col_sums(m, k, n, dtype, norm, config):
   _run_dx_and_check(m, k, n, dtype, norm, config=config, x_hat=True, row_sums=True,
                     col_sums=True)
+
+
+# dW_γ = x̂ᵀ dy summed in the dx kernel (K = 128, N ≤ 128): several row blocks per CTA (x̂ and
+# dy's tiles refilled after both consumers' WGMMAs read them), M tails (rows past M zero in
+# both operands), one row, N = 64, with dy's column sums beside it, float16.
+DW_CASES = [
+    # m, k, n, dtype, norm, col_sums
+    (600, 128, 128, jnp.bfloat16, "layer", True),
+    (77, 128, 64, jnp.float16, "rms", False),
+    (1, 128, 128, jnp.bfloat16, "layer", False),
+    (300, 128, 128, jnp.bfloat16, "rms", True),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,norm,col_sums", DW_CASES)
+def test_dx_kernel_returns_dw_gamma(m, k, n, dtype, norm, col_sums):
+  _run_dx_and_check(m, k, n, dtype, norm, row_sums=True, col_sums=col_sums, dw=True)
+
+
+def test_dw_gamma_unsupported_reasons():
+  """Where the kernel cannot sum dW_γ (the op then takes x̂ and cuBLAS's GEMM) it says why,
+  and norm_matmul_dx raises it (or a conflicting flag) as a ValueError before any kernel."""
+  def reason(m, n, k, interpret=False):
+    cfg = nmb.pick_config(m, n, k, row_sums=True, interpret=interpret)
+    return nmb.dw_gamma_unsupported_reason(m, n, k, jnp.bfloat16, cfg, layer=True,
+                                           interpret=interpret)
+  assert reason(262144, 128, 128) is None
+  assert reason(262144, 64, 128) is None
+  assert "tile_n = 128" in reason(262144, 256, 256)
+  assert "N ≤ 128" in reason(262144, 256, 128)
+  assert "multiple of 8" in reason(262144 + 77, 128, 128)
+  assert "one CTA" in reason(262144, 512, 512)
+  assert "split into 1, 2, 4 or 8" in nmb.dw_gamma_unsupported_reason(
+      300, 512, 512, jnp.bfloat16, TileConfig(), layer=True, interpret=True)
+  dy, x = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((8, 128), jnp.bfloat16)
+  w, r = jnp.ones((128, 128), jnp.bfloat16), jnp.ones((8,), jnp.float32)
+  with pytest.raises(ValueError, match="return_dw_gamma needs row_sums_in_epilogue"):
+    nmb.norm_matmul_dx(dy, w, x, r, r, mean=r, c_term=r, return_dw_gamma=True, interpret=True)
+  with pytest.raises(ValueError, match="return_x_hat=False"):
+    nmb.norm_matmul_dx(dy, w, x, r, mean=r, row_sums_in_epilogue=True, return_x_hat=True,
+                       return_dw_gamma=True, interpret=True)
+  with pytest.raises(ValueError, match="return_dw_gamma: .*N ≤ 128"):
+    nmb.norm_matmul_dx(jnp.ones((8, 256), jnp.bfloat16), jnp.ones((128, 256), jnp.bfloat16), x,
+                       r, mean=r, row_sums_in_epilogue=True, return_dw_gamma=True,
+                       interpret=True)
+  with pytest.raises(TypeError, match="return_dw_gamma"):
+    nmb.norm_matmul_dx(dy, w, x, r, mean=r, row_sums_in_epilogue=True, return_dw_gamma=1,
+                       interpret=True)
+
+
+@pytest.mark.parametrize("norm,sums", [("layer", True), ("rms", False)])
+def test_dx_dw_gamma_lowers_for_hopper(monkeypatch, norm, sums):
+  """The dx kernel with dW_γ (transposed x̂ as WGMMA's A, dy's whole tile as B, the partial's
+  f32 stores) lowers for sm_90a (jax.export for "cuda"; nothing runs)."""
+  fake = lambda interpret: 2 if interpret else 132  # noqa: E731  an H100/H200's 132 SMs
+  monkeypatch.setattr(mgpu, "num_sms", fake)
+  monkeypatch.setattr(mgpu.device, "num_sms", fake)
+  m, k, n = 262144, 128, 128
+  spec = jax.ShapeDtypeStruct
+  row = spec((m,), jnp.float32)
+  fn = lambda dy, w, x, r, mu: nmb.norm_matmul_dx(  # noqa: E731
+      dy, w, x, r, mean=mu, row_sums_in_epilogue=True, return_dy_col_sums=sums,
+      return_dw_gamma=True)
+  exported = export.export(jax.jit(fn), platforms=["cuda"])(
+      spec((m, n), jnp.bfloat16), spec((k, n), jnp.bfloat16), spec((m, k), jnp.bfloat16), row,
+      row if norm == "layer" else None)
+  assert "mosaic_gpu" in exported.mlir_module()
+  assert [a.shape for a in exported.out_avals] == [(m, k)] + ([(n,)] if sums else []) + [(k, n)]
 
 
 def test_dy_col_sums_unsupported_reasons():

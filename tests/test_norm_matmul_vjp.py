@@ -232,11 +232,13 @@ def _spy_on_launch(monkeypatch) -> list:
 
 def _zero_launch_outputs(dy, x, kwargs):
   """Zeros shaped as the dx kernel's launch returns them for ``kwargs``: dx; with x̂ (wider by
-  its ones block), and Σ_i dy_i where asked."""
+  its ones block), Σ_i dy_i where asked, and dW_γ (K, N) where asked."""
+  sums = (jnp.zeros((dy.shape[1],), jnp.float32),) if kwargs.get("dy_col_sums") else ()
+  if kwargs.get("dw_gamma"):
+    return (jnp.zeros_like(x), *sums, jnp.zeros((x.shape[1], dy.shape[1]), jnp.float32))
   if not kwargs.get("x_hat"):
     return jnp.zeros_like(x)
   x_hat = jnp.zeros((x.shape[0], x.shape[1] + 32 * kwargs.get("x_hat_ones", False)), x.dtype)
-  sums = (jnp.zeros((dy.shape[1],), jnp.float32),) if kwargs.get("dy_col_sums") else ()
   return (jnp.zeros_like(x), x_hat, *sums)
 
 
@@ -276,15 +278,43 @@ def test_bias_grads_of_a_float32_output_keep_the_ones_block(monkeypatch):
   assert kwargs_seen and all(not kw["dy_col_sums"] and kw["x_hat_ones"] for kw in kwargs_seen)
 
 
+@pytest.mark.parametrize("m,n,norm,bias", [(200, 128, "layer", True), (64, 64, "rms", False)])
+def test_dw_gamma_from_the_dx_kernel_matches_reference(monkeypatch, m, n, norm, bias):
+  """At K = 128, N ≤ 128 the backward takes dW_γ = x̂ᵀ dy from the dx kernel (no x̂, no GEMM of
+  its own): the gradients of the public op (interpret mode) against the f32 reference's, and
+  the route asked of the kernel."""
+  routes = []
+  real_launch = nmb.launch
+  monkeypatch.setattr(nmb, "launch", lambda *a, **kw: routes.append(kw) or real_launch(*a, **kw))
+  x, w, scale, b, ct = _inputs(7, m, 128, n, jnp.bfloat16, mean_offset=2.0)
+  b = b if bias else None
+  ct = ct.astype(jnp.bfloat16)
+  op = lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm,
+                                                  implementation="interpret")
+  y, vjp = jax.vjp(op, x, w, scale, b)
+  grads = vjp(ct)
+  assert routes and all(kw["dw_gamma"] and not kw["x_hat"] and kw["dy_col_sums"] == bias
+                        for kw in routes), routes
+  f32 = lambda a: a.astype(jnp.float32)
+  y_ref, vjp_ref = jax.vjp(lambda *a: reference.norm_matmul(*a, norm=norm), f32(x), f32(w),
+                           scale, b)
+  for name, g, g_ref in zip(["dx", "dw", "dscale", "dbias"], grads, vjp_ref(f32(ct))):
+    if g_ref is None:
+      continue
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert _rel(g, g_ref) < 2e-2, (name, _rel(g, g_ref))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(4096 + 77, 512, 512), (16384, 320, 320),
-                                   (8192, 512, 2048)])
+                                   (8192, 512, 2048), (16384, 128, 128)])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_gpu_public_api_gradients(m, k, n, norm):
   """implementation="mosaic" (both kernels compiled) against the f32 reference's gradients. dx
   takes the row sums in its epilogue at K = 512 (a cluster of 2), and for the norm bias's
   gradients sums dy's columns at M % 8 = 0 (else x̂'s ones block); K = 320 splits over no
-  cluster: the fused row terms (LayerNorm) and the XLA row-terms pass (RMSNorm)."""
+  cluster: the fused row terms (LayerNorm) and the XLA row-terms pass (RMSNorm); at 128² the
+  dx kernel also sums dW_γ."""
   x, w, scale, bias, ct = _inputs(m + n, m, k, n, jnp.bfloat16)
   ct = ct.astype(jnp.bfloat16)
   op = lambda x, w, s, b: pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm,

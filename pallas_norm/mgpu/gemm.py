@@ -254,6 +254,11 @@ class Hooks:
   def end_unit(self, unit) -> None:
     """Consumer, after a work unit's tiles (the schedule calls it)."""
 
+  def consumer_scope(self, consume_all: Callable[[], None]) -> None:
+    """Consumer: runs ``consume_all()`` (the whole schedule), e.g. inside a ``pl.run_scoped``
+    of an accumulator that lives across the CTA's tiles."""
+    consume_all()
+
   def finish(self) -> None:
     """Every warpgroup, after the schedule."""
 
@@ -381,11 +386,11 @@ def run(kloop: KLoop, *, gmems, windows: Callable[[Tile], list], schedule: Sched
                                 for s, g, o in zip(kloop.streams, gmems, others)))
       pl.when(tile.last)(lambda: pipeline.ring_drain(ring, (tile.index + 1) * kloop.steps))
 
+    consume_all = lambda: hooks.consumer_scope(lambda: schedule(consume, hooks.end_unit))
     if ring is None:
-      schedule(consume, hooks.end_unit)
+      consume_all()
     else:
-      pipeline.warp_specialize(lambda: schedule(produce, lambda unit: None),
-                               lambda: schedule(consume, hooks.end_unit))
+      pipeline.warp_specialize(lambda: schedule(produce, lambda unit: None), consume_all)
     hooks.finish()
 
   # All TMA stores must land before the kernel exits.

@@ -182,11 +182,19 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   (m, k), n = x.shape, y.shape[1]
   # Asked once per backward: the dx kernel's route (and so its tiling) follows from it.
   row_sums = _takes_row_sums(m, k, n, x.dtype, interpret)
+  dw_config = (_dw_gamma_config(m, k, n, x.dtype, dy.dtype, norm, interpret) if row_sums
+               else None)
+  dw = dw_config is not None
   # With the row sums in the dx epilogue no pass over dy is left in XLA but the weight
-  # gradients' scaling of dy, which x̂ from the same epilogue replaces.
-  x_hat = row_sums or configs.x_hat_pays(k, n, norm)
+  # gradients' scaling of dy, which x̂ from the same epilogue replaces (or, where the kernel
+  # sums dW_γ = x̂ᵀ dy itself, the GEMM of x̂ too).
+  x_hat = not dw and (row_sums or configs.x_hat_pays(k, n, norm))
   out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret=interpret,
-                    row_sums=row_sums, x_hat=x_hat, bias_sums=x_hat and norm_bias is not None)
+                    row_sums=row_sums, x_hat=x_hat, dw_config=dw_config,
+                    bias_sums=(x_hat or dw) and norm_bias is not None)
+  if dw:
+    dx, dy_colsum, dw_gamma = out
+    return (dx, *xla.affine_grads(dw_gamma, dy, w, scale, norm_bias, dy_colsum))
   if x_hat:
     dx, x_hat, dy_colsum = out
     return (dx, *xla.weight_grads_from_x_hat(dy, x_hat, w, scale, norm_bias, dy_colsum))
@@ -206,8 +214,24 @@ def _takes_row_sums(m, k, n, dtype, interpret) -> bool:
   return mosaic_bwd.row_sums_unsupported_reason(m, n, k, dtype, interpret) is None
 
 
+def _dw_gamma_config(m, k, n, dtype, dy_dtype, norm, interpret):
+  """The dx kernel's tiling where it (with the row sums in its epilogue) also sums dW_γ = x̂ᵀ dy
+  over its row blocks, so that x̂ never goes to GMEM and no GEMM reads it and dy again; else
+  None. Wherever the kernel can (:func:`.mosaic_bwd.dw_gamma_unsupported_reason`: K = 128,
+  N ≤ 128; its static limits asked before a tiling is picked) and dy has x's dtype (the kernel
+  reads dy in x's dtype: a float32 cotangent keeps the GEMM, which reads it as it came).
+  Measured on the GPU against x̂ and cuBLAS's GEMM in ``benchmarks/NOTES.md`` ("Pre-norm
+  backward")."""
+  if k != mosaic_bwd.DW_K or n > mosaic_bwd.DW_MAX_N or dy_dtype != dtype:
+    return None
+  config = mosaic_bwd.pick_config(m, n, k, row_sums=True, interpret=interpret)
+  reason = mosaic_bwd.dw_gamma_unsupported_reason(m, n, k, dtype, config,
+                                                  layer=norm == "layer", interpret=interpret)
+  return config if reason is None else None
+
+
 def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row_sums, x_hat,
-                bias_sums=False):
+                bias_sums=False, dw_config=None):
   """dx with no reduction over a full row of K: one GEMM plus a per-row epilogue, the dx
   kernel, with its row sums in the epilogue where ``row_sums`` (:func:`_takes_row_sums`);
   ``(dx, x̂, None)`` with ``x_hat`` (the same epilogue writes x̂). ``bias_sums`` (with x̂, a
@@ -215,28 +239,35 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row
   stages it streams (the row sums' route, with dy in x's dtype, where
   :func:`.mosaic_bwd.dy_col_sums_unsupported_reason` allows), else ``(dx, x̂, None)`` with x̂
   ending in a ones column, so that dW_γ's GEMM also sums dy's columns (which costs it cuBLAS's
-  best tiles)."""
+  best tiles). ``dw_config`` (with ``row_sums``, :func:`_dw_gamma_config`'s tiling):
+  ``(dx, Σ_i dy_i or None, dW_γ)``, the kernel summing dW_γ = x̂ᵀ dy (and Σ_i dy_i where
+  ``bias_sums`` and it can; else None, and XLA reduces dy's columns)."""
   norm = "rms" if mean is None else "layer"
   (m, k), n = x.shape, y.shape[1]
+  dw = dw_config is not None
 
   def dx_kernel(row_sums=False, **row_args):
     # The route is chosen here, so the tiling is picked here, once; the kernel module's
     # launch checks nothing again (the op validated the arguments).
-    config = mosaic_bwd.pick_config(m, n, k, fused_row_terms="y" in row_args, x_hat=x_hat,
-                                    row_sums=row_sums, interpret=interpret)
+    config = dw_config or mosaic_bwd.pick_config(m, n, k, fused_row_terms="y" in row_args,
+                                                 x_hat=x_hat, row_sums=row_sums,
+                                                 interpret=interpret)
     # The kernel sums dy in x's dtype: a wider cotangent (out_dtype float32) keeps the ones
     # block, whose GEMM reads dy as it came.
     sums = bias_sums and row_sums and dy.dtype == x.dtype and (
         mosaic_bwd.dy_col_sums_unsupported_reason(m, n, k, x.dtype, config,
                                                   layer=norm == "layer", x_hat=x_hat,
-                                                  interpret=interpret) is None)
-    launch = functools.partial(mosaic_bwd.launch, x_hat=x_hat, x_hat_ones=bias_sums and not sums,
+                                                  interpret=interpret, dw=dw) is None)
+    launch = functools.partial(mosaic_bwd.launch, x_hat=x_hat,
+                               x_hat_ones=bias_sums and not sums and not dw,
                                row_sums=row_sums, interpret=interpret, config=config,
-                               dy_col_sums=sums)
+                               dy_col_sums=sums, dw_gamma=dw)
     names = tuple(row_args)
     out = _op.first_order_only(
         "norm_matmul", lambda *a: launch(*a[:4], **dict(zip(names, a[4:]))),
         dy.astype(x.dtype), w_gamma, x, rstd, *row_args.values())
+    if dw:
+      return (out[0], out[1] if sums else None, out[-1])
     return out if sums or not x_hat else (*out, None)
 
   if row_sums:

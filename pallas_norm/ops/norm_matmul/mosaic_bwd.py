@@ -109,7 +109,8 @@ from pallas_norm.ops.norm_matmul import configs
 from pallas_norm.ops.norm_matmul import mosaic as forward
 
 __all__ = ["pick_config", "unsupported_reason", "row_sums_unsupported_reason",
-           "dy_col_sums_unsupported_reason", "norm_matmul_dx", "launch"]
+           "dy_col_sums_unsupported_reason", "dw_gamma_unsupported_reason", "norm_matmul_dx",
+           "launch"]
 
 X_PREFETCH_STEP = 1
 """The K step (over N) at which a consumer fetches the x tile and row vectors of its epilogue
@@ -141,17 +142,17 @@ def row_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool =
 
 
 def dy_col_sums_unsupported_reason(m: int, n: int, k: int, dtype, config: TileConfig, *,
-                                   layer: bool, x_hat: bool, interpret: bool = False
-                                   ) -> str | None:
+                                   layer: bool, x_hat: bool, interpret: bool = False,
+                                   dw: bool = False) -> str | None:
   """None if the kernel with the row sums in the epilogue and ``config`` (:func:`pick_config`'s
   for that route) can also return Σ_i dy_i (``return_dy_col_sums``) at no cost of a pipeline
   stage; else why not (``norm_matmul``'s backward then takes x̂'s ones block for them).
-  ``layer``: LayerNorm (mean given); ``x_hat``: x̂ returned too.
+  ``layer``: LayerNorm (mean given); ``x_hat``: x̂ returned too; ``dw``: dW_γ summed too.
 
   Raises: ValueError from the plan where ``config`` does not run the row sums' route even
   without the sums (the error the launch would give: not a reason of the sums')."""
   plan = functools.partial(_make_plan, m, n, k, dtype, layer, config, interpret, x_hat=x_hat,
-                           row_sums=True)
+                           row_sums=True, dw=dw)
   without = _pick_exchange(plan)
   try:
     with_sums = _pick_exchange(functools.partial(plan, col_sums=True))
@@ -160,6 +161,21 @@ def dy_col_sums_unsupported_reason(m: int, n: int, k: int, dtype, config: TileCo
   if with_sums.stages < without.stages:
     return (f"SMEM for the column sums of N = {n} ({with_sums.col_sum_rows} rows per consumer) "
             "next to the pipeline costs a stage")
+  return None
+
+
+def dw_gamma_unsupported_reason(m: int, n: int, k: int, dtype, config: TileConfig, *,
+                                layer: bool, interpret: bool = False) -> str | None:
+  """None if the kernel with the row sums in the epilogue and ``config`` (:func:`pick_config`'s
+  for that route, without x̂) can also sum dW_γ = x̂ᵀ dy over its row blocks
+  (``return_dw_gamma``), else why not: K = 128 on one CTA, N ≤ :data:`DW_MAX_N`, M a multiple
+  of 8 on the GPU, and its SMEM beside the pipeline (:func:`_dw_unsupported_reason`)."""
+  if (reason := unsupported_reason(m, n, k, dtype)) is not None:
+    return reason
+  try:
+    _make_plan(m, n, k, dtype, layer, config, interpret, row_sums=True, dw=True)
+  except ValueError as e:
+    return str(e)
   return None
 
 
@@ -225,6 +241,11 @@ class _Plan(gemm_core.KLoopFacts):
   cluster: int = 1  # row sums: CTAs sharing a row block, one column tile each
   exchange: str = "pull"  # row sums: how the cluster's CTAs share them (mgpu.exchange)
   col_sums: bool = False  # row sums: the kernel also sums dy over its rows, Σ_i dy_i (N,)
+  dw: bool = False  # row sums: the kernel also sums dW_γ = x̂ᵀ dy over its rows (no x̂ output)
+
+  @property
+  def dw_n(self) -> int:  # dW_γ's columns that the kernel sums (0 without)
+    return self.n if self.dw else 0
 
   @property
   def n_rows(self) -> int:  # row vectors read by TMA: rstd, y_term (+ mean, c_term) or, fused
@@ -298,13 +319,14 @@ def _streams(cfg: TileConfig, dtype, a_in_registers: bool, fused: bool,
 
 
 def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat_slots: int = 0,
-          exchange_allocs: dict | None = None, col_sum_rows: int = 0) -> dict:
+          exchange_allocs: dict | None = None, col_sum_rows: int = 0, dw_n: int = 0) -> dict:
   """SMEM besides the stages, per consumer warpgroup: its (tile_m/2, tile_n) slice of x as
   untiled epilogue tiles (dx overwrites them in place), the row vectors, the barrier their
   TMA copies arrive on (one arrival per copy) and ``x_hat_slots`` epilogue tiles' slots for
   x̂ (their TMA stores read them while the next epilogue tiles are computed); with the row
   sums in the epilogue, the cluster exchange's (:func:`pallas_norm.mgpu.exchange.allocs`);
-  with the column sums of dy, ``col_sum_rows`` f32 rows of tile_k (:func:`_col_sum_rows`)."""
+  with the column sums of dy, ``col_sum_rows`` f32 rows of tile_k (:func:`_col_sum_rows`);
+  with dW_γ summed in the kernel (``dw_n`` = N), :func:`_dw_smem`'s."""
   epi_n = forward._epi_tile_n(cfg, dtype)  # pylint: disable=protected-access
   chunks = (cfg.wg_tile_m // cfg.epi_tile_m) * (cfg.tile_n // epi_n)
   tile_transforms = mgpu.swizzle_transforms(epi_n, dtype, tiled=False)
@@ -313,10 +335,33 @@ def _smem(cfg: TileConfig, dtype, n_rows: int, x_hat_slots: int = 0,
       x_hat_smem=(plgpu.SMEM((2, x_hat_slots, cfg.epi_tile_m, epi_n), dtype,
                              transforms=tile_transforms) if x_hat_slots else None),
       row_smem=plgpu.SMEM((2, n_rows, cfg.wg_tile_m), jnp.float32),
-      in_barrier=plgpu.Barrier(num_arrivals=chunks + n_rows, num_barriers=2),
+      in_barrier=plgpu.Barrier(num_arrivals=chunks + n_rows + int(dw_n > 0), num_barriers=2),
       exchange_allocs=exchange_allocs,
       col_sum_smem=(plgpu.SMEM((2, col_sum_rows, cfg.tile_k), jnp.float32) if col_sum_rows
-                    else None))
+                    else None),
+      dw_allocs=_dw_smem(cfg, dtype, dw_n) if dw_n else None)
+
+
+DW_STORE_N = 32
+"""Columns of dW_γ per TMA store of a CTA's partial (once, at its end): an f32 (64, 32) slot per
+consumer, so the partial's store costs 16 KiB of SMEM, not the 64 KiB of whole rows."""
+
+
+def _dw_smem(cfg: TileConfig, dtype, n: int) -> dict:
+  """SMEM of dW_γ = x̂ᵀ dy summed in the kernel: the row block's x̂ in WGMMA's A layout (one
+  (tile_m, 64) block per 64 columns of the CTA's K tile; consumer w writes its rows of each and
+  reads block w transposed: it owns dW_γ's rows [64w, 64w + 64)), the row block's whole dy
+  (tile_m, N) as the B operand (each consumer loads its rows with the x tile: the ring's stages
+  are released during the K loop), the f32 slots the CTA's partial is stored through, and two
+  2-arrival barriers: both consumers' x̂ (and dy rows) written, both consumers' dW WGMMA done
+  (x̂ and dy may be overwritten)."""
+  return dict(
+      x_hat=plgpu.SMEM((cfg.tile_n // 64, cfg.tile_m, 64), dtype,
+                       transforms=mgpu.swizzle_transforms(64, dtype)),
+      dy=plgpu.SMEM((cfg.tile_m, n), dtype, transforms=mgpu.swizzle_transforms(n, dtype)),
+      out=plgpu.SMEM((2, cfg.wg_tile_m, DW_STORE_N), jnp.float32),
+      ready=plgpu.Barrier(num_arrivals=2),
+      free=plgpu.Barrier(num_arrivals=2))
 
 
 def _stages_that_fit(cfg: TileConfig, dtype, layer: bool, fused: bool, n_vecs: int,
@@ -342,7 +387,7 @@ def _x_hat_slots(cfg: TileConfig, dtype, streams, n_rows: int) -> int:
 
 
 def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=False,
-               x_hat=False, x_hat_ones=False, row_sums=False, col_sums=False,
+               x_hat=False, x_hat_ones=False, row_sums=False, col_sums=False, dw=False,
                exchange="pull") -> _Plan:
   # stats_once is the pre-norm forward's alone.
   mgpu.reject_unused_options(cfg, "dx", ("stats_once",))
@@ -360,6 +405,10 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
   if col_sums and (reason := _col_sums_unsupported_reason(cfg, row_sums, a_in_registers)):
     raise ValueError(f"the column sums of dy in the dx kernel need {reason}, got {cfg}")
   col_sum_rows = _col_sum_rows(red_iters, cluster) if col_sums else 0
+  if dw and (reason := _dw_unsupported_reason(cfg, n, cluster, row_sums, x_hat,
+                                               a_in_registers)):
+    raise ValueError(f"dW_γ in the dx kernel needs {reason}, got {cfg}")
+  dw_n = n if dw else 0
   spec = cluster_exchange.Spec(cluster=cluster, rows=cfg.wg_tile_m, n_partials=1 + int(layer),
                                exchange=exchange)
   n_rows = _n_rows(layer, fused or row_sums)
@@ -367,7 +416,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
   x_hat_slots = _x_hat_slots(cfg, dtype, streams, n_rows) if x_hat else 0
   kloop = gemm_core.plan_k_loop(
       cfg, streams, red_iters,
-      _smem(cfg, dtype, n_rows, x_hat_slots, cluster_exchange.allocs(spec), col_sum_rows),
+      _smem(cfg, dtype, n_rows, x_hat_slots, cluster_exchange.allocs(spec), col_sum_rows, dw_n),
       a_in_registers=a_in_registers, what=" next to the x tile of the epilogue"
       + (" (with the y stage of the fused row terms)" if fused else "")
       + (" (with the x̂ slot)" if x_hat else ""))
@@ -379,7 +428,37 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
                                                  interpret),
                epi_n=forward._epi_tile_n(cfg, dtype),  # pylint: disable=protected-access
                x_prefetch_step=min(X_PREFETCH_STEP, red_iters - 1), row_sums=row_sums,
-               cluster=cluster, exchange=exchange, col_sums=col_sums)
+               cluster=cluster, exchange=exchange, col_sums=col_sums, dw=dw)
+
+
+DW_K = 128
+"""The only K whose dW_γ the dx kernel sums: one 128-column tile on one CTA, 64 of dW_γ's rows
+per consumer (WGMMA's M)."""
+
+DW_MAX_N = 128
+"""The widest N whose dW_γ rows a consumer accumulates in registers beside dx's: (64, N) f32 is
+N / 2 registers a thread, next to the (64, 128) dx accumulator's 64."""
+
+
+def _dw_unsupported_reason(cfg: TileConfig, n: int, cluster: int, row_sums: bool, x_hat: bool,
+                           a_in_registers: bool) -> str | None:
+  """None if the kernel can sum dW_γ = x̂ᵀ dy itself (:meth:`_DxHooks._add_dw`): with the row
+  sums in the epilogue on one CTA per row block (its K tile is all of K), K = tile_n = 128 (each
+  consumer owns 64 of dW_γ's rows), N ≤ :data:`DW_MAX_N`, 128-row blocks, tiled dy (M a
+  multiple of 8 on the GPU), on the shared ring and without x̂ as an output."""
+  if not row_sums or cluster != 1:
+    return "the row sums in the epilogue on one CTA (K ≤ 256)"
+  if cfg.tile_n != DW_K or cfg.tile_m != 128:
+    return f"K = tile_n = {DW_K} and tile_m = 128"
+  if n > DW_MAX_N:
+    return f"N ≤ {DW_MAX_N} (its accumulator lives in registers)"
+  if a_in_registers:
+    return "tiled dy stages (M a multiple of 8 on the GPU)"
+  if x_hat:
+    return "no x̂ output (dW_γ replaces its GEMM)"
+  if cfg.pipeline != "ring":
+    return "the shared ring"
+  return None
 
 
 def _col_sums_unsupported_reason(cfg: TileConfig, row_sums: bool, a_in_registers: bool
@@ -464,7 +543,7 @@ class _DxHooks(gemm_core.Hooks):
   SMEM and stored by TMA. SMEM: :func:`_smem`."""
 
   def __init__(self, plan: _Plan, wg, refs, x_gmem, row_gmems, dx_gmem, x_hat_gmem,
-               col_sum_gmem):
+               col_sum_gmem, dy_gmem=None, dw_gmem=None):
     self.plan, self.wg, self.x_gmem, self.row_gmems, self.dx_gmem = (plan, wg, x_gmem,
                                                                      row_gmems, dx_gmem)
     self.x_hat_gmem, self.col_sum_gmem = x_hat_gmem, col_sum_gmem
@@ -472,6 +551,8 @@ class _DxHooks(gemm_core.Hooks):
     self.x_smem, self.row_smem, self.in_barrier = (refs["x_smem"], refs["row_smem"],
                                                    refs["in_barrier"])
     self.x_hat_smem = refs["x_hat_smem"]
+    self.dy_gmem, self.dw_gmem, self.dw_smem = dy_gmem, dw_gmem, refs["dw_allocs"]
+    self.dw_acc = None  # dW_γ's accumulator ref, while consumer_scope runs
     self.ex = (None if refs["exchange_allocs"] is None
                else cluster_exchange.Exchange(**refs["exchange_allocs"]))
 
@@ -494,6 +575,14 @@ class _DxHooks(gemm_core.Hooks):
     for i, r_gmem in enumerate(self.row_gmems):
       plgpu.copy_gmem_to_smem(r_gmem.at[pl.ds(row0, plan.cfg.wg_tile_m)],
                               self.row_smem.at[wg, i], self.in_barrier.at[wg])
+    if plan.dw:
+      # The previous block's dW WGMMAs (both consumers') read the x̂ and dy tiles refilled now.
+      pl.when(tile.index > 0)(lambda: plgpu.barrier_wait(self.dw_smem["free"]))
+      rows = pl.ds(row0, plan.cfg.wg_tile_m)
+      plgpu.copy_gmem_to_smem(self.dy_gmem.at[rows],
+                              self.dw_smem["dy"].at[pl.ds(wg * plan.cfg.wg_tile_m,
+                                                          plan.cfg.wg_tile_m)],
+                              self.in_barrier.at[wg])
 
   def k_step_start(self, tile, k_idx):
     pl.when(k_idx == self.plan.x_prefetch_step)(lambda: self._prefetch_epilogue_inputs(tile))
@@ -635,6 +724,11 @@ class _DxHooks(gemm_core.Hooks):
       x_hat, g = chunk(cj)
       s_gx = g * x_hat if s_gx is None else s_gx + g * x_hat
       s_g = g if s_g is None else s_g + g
+      if plan.dw:
+        self.dw_smem["x_hat"].at[cj, pl.ds(wg * plan.cfg.wg_tile_m, plan.cfg.wg_tile_m)][
+            ...] = x_hat.astype(plan.dtype)
+    if plan.dw:
+      self._issue_dw()
     partials = (jnp.sum(s_gx, axis=1),) + ((jnp.sum(s_g, axis=1),) if plan.layer else ())
     sums = cluster_exchange.cluster_row_sums(plan.exchange_spec, partials, self.ex, wg,
                                              tile.index, _sum_in_cta_order)
@@ -644,6 +738,47 @@ class _DxHooks(gemm_core.Hooks):
       x_hat, g = chunk(cj)
       d = g - x_hat * gx_mean
       self._store(tile, 0, cj, (d - g_mean if plan.layer else d) * rstd, x_hat)
+    if plan.dw:
+      plgpu.wgmma_wait(0)
+      # The next block's prefetch waits for this (none after the CTA's last block).
+      pl.when(jnp.logical_not(tile.last))(
+          lambda: plgpu.barrier_arrive(self.dw_smem["free"]))
+
+  def _issue_dw(self):
+    """dW_γ[64w : 64w + 64] += x̂[:, 64w : 64w + 64]ᵀ dy over the row block, once both consumers
+    wrote their rows of x̂ (and had their rows of dy land): consumer w reads x̂'s column block w
+    transposed (WGMMA takes 16-bit A transposed) and the whole dy tile; the WGMMA runs while
+    this consumer computes and stores dx (the epilogue waits for it at its end)."""
+    plgpu.commit_smem()  # x̂'s stores, visible to the other consumer's WGMMA (async proxy)
+    plgpu.barrier_arrive(self.dw_smem["ready"])
+    plgpu.barrier_wait(self.dw_smem["ready"])
+    plgpu.wgmma(self.dw_acc, self.dw_smem["x_hat"].at[self.wg].transpose((1, 0)),
+                self.dw_smem["dy"])
+
+  def consumer_scope(self, consume_all):
+    if not self.plan.dw:
+      consume_all()
+      return
+
+    @functools.partial(pl.run_scoped,
+                       acc=plgpu.ACC((self.plan.cfg.wg_tile_m, self.plan.n), jnp.float32))
+    def _dw_scope(acc):
+      self.dw_acc = acc
+      consume_all()
+      self._store_dw(acc[...])
+
+  def _store_dw(self, dw):
+    """This consumer's rows of the CTA's dW_γ partial (64, N) f32, through its SMEM slot in
+    :data:`DW_STORE_N`-column pieces (each waits for the previous piece's store to read the
+    slot)."""
+    cta = lax.axis_index("cluster_grid") * self.plan.cluster + lax.axis_index("cluster")
+    slot, wg_m = self.dw_smem["out"].at[self.wg], self.plan.cfg.wg_tile_m
+    for c in range(0, self.plan.n, DW_STORE_N):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      slot[...] = dw[:, c:c + DW_STORE_N]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(slot, self.dw_gmem.at[cta, pl.ds(self.wg * wg_m, wg_m),
+                                                    pl.ds(c, DW_STORE_N)])
 
   def finish(self):
     if self.plan.row_sums:
@@ -690,6 +825,7 @@ def _kernel(*refs, plan: _Plan):
   dx_gmem = next(it)
   x_hat_gmem = next(it) if plan.x_hat else None
   col_sum_gmem = next(it) if plan.col_sums else None  # (CTAs, 2, col_sum_rows, tile_k) f32
+  dw_gmem = next(it) if plan.dw else None  # (CTAs, K, N) f32: each CTA's Σ x̂ᵀ dy
   cfg = plan.cfg
   # The streams' GMEM operands beyond dy and w: all of y's columns, all of the vectors'.
   gmems = [r for r in (dy_gmem, w_gmem, y_gmem, vec_gmem) if r is not None]
@@ -702,9 +838,9 @@ def _kernel(*refs, plan: _Plan):
           :len(gmems)],
       schedule=schedule,
       smem=_smem(cfg, plan.dtype, plan.n_rows, plan.x_hat_slots,
-                 cluster_exchange.allocs(plan.exchange_spec), plan.col_sum_rows),
+                 cluster_exchange.allocs(plan.exchange_spec), plan.col_sum_rows, plan.dw_n),
       hooks_for=lambda wg, refs: _DxHooks(plan, wg, refs, x_gmem, row_gmems, dx_gmem,
-                                          x_hat_gmem, col_sum_gmem))
+                                          x_hat_gmem, col_sum_gmem, dy_gmem, dw_gmem))
 
 
 def _check_vector(name, v, size) -> None:
@@ -782,8 +918,8 @@ def _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y=None, out_bias=Non
 def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *, y=None,
                    out_bias=None, col_sum=None, return_x_hat: bool = False,
                    x_hat_ones: bool = False, row_sums_in_epilogue: bool = False,
-                   return_dy_col_sums: bool = False, interpret: bool = False,
-                   config: TileConfig | None = None):
+                   return_dy_col_sums: bool = False, return_dw_gamma: bool = False,
+                   interpret: bool = False, config: TileConfig | None = None):
   """dx of the lazy pre-norm GEMM: ``rstd ⊙ (dy @ w_gammaᵀ) − y_term ⊙ (x − mean) − c_term``.
 
   With ``row_sums_in_epilogue`` the kernel needs no row scalars: with G = dy @ w_gammaᵀ and
@@ -835,6 +971,12 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
       XLA adds the CTAs' partials in a fixed order): the column sums without x̂'s ones block,
       which makes the weight gradients' GEMM leave its best tiles. Needs
       ``row_sums_in_epilogue`` and :func:`dy_col_sums_unsupported_reason` None.
+    return_dw_gamma: also return the weight gradients' product ``dW_γ = x̂ᵀ dy`` (K, N)
+      float32, summed by the kernel: each CTA accumulates x̂ᵀ dy of its row blocks in
+      registers (x̂ rounded to x's dtype, as the x̂ output is; products summed in float32)
+      and stores it once; XLA adds the CTAs' partials. x̂ then never goes to GMEM and dy is
+      not read again by a GEMM of its own. Needs ``row_sums_in_epilogue``, no
+      ``return_x_hat`` and :func:`dw_gamma_unsupported_reason` None (K = 128, N ≤ 128).
     interpret: run in GPU interpret mode (race detection, NaN-filled uninitialized memory).
     config: tiling (:func:`pick_config` by default, with ``fused_row_terms`` when y is given);
       tile_n runs over K, tile_k over N.
@@ -843,14 +985,17 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
     dx (M, K) in x's dtype; the products and sums run in float32. With ``return_x_hat``,
     ``(dx, x̂)``, x̂ (M, K) in x's dtype (rounded once from float32); with ``x_hat_ones`` too,
     x̂ (M, K') whose first K columns are x̂ and last column is ones. With
-    ``return_dy_col_sums``, Σ_i dy_i (N,) float32 follows as the last output.
+    ``return_dy_col_sums``, Σ_i dy_i (N,) float32 follows; with ``return_dw_gamma``, dW_γ
+    (K, N) float32 is the last output.
 
   Raises:
     ValueError: shapes the kernel does not support; rstd missing; a mix of the row-term
       inputs (y_term/c_term with y, out_bias/col_sum without y, any of them with
       row_sums_in_epilogue), y_term missing without y or row_sums_in_epilogue,
       mean inconsistent with c_term (or, with y, with col_sum); return_dy_col_sums where the
-      kernel cannot (:func:`dy_col_sums_unsupported_reason`); row vectors not float32 (M,),
+      kernel cannot (:func:`dy_col_sums_unsupported_reason`); return_dw_gamma without
+      row_sums_in_epilogue, with return_x_hat, or where the kernel cannot
+      (:func:`dw_gamma_unsupported_reason`); row vectors not float32 (M,),
       out_bias/col_sum not float32 (N,), y not (M, N); a config that does not fit in SMEM.
       TypeError: mixed dtypes (dy, w_gamma, x; y not in dy's dtype), a vector or y that is not
       an array.
@@ -864,7 +1009,11 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   if x_hat_ones and not return_x_hat:
     raise ValueError("x_hat_ones needs return_x_hat=True (it shapes the returned x̂)")
   _validate.flag("return_dy_col_sums", return_dy_col_sums)
+  _validate.flag("return_dw_gamma", return_dw_gamma)
   m, n = dy.shape
+  if return_dw_gamma and (not row_sums or return_x_hat):
+    raise ValueError("return_dw_gamma needs row_sums_in_epilogue=True and return_x_hat=False "
+                     "(the kernel sums x̂ᵀ dy instead of writing x̂)")
   if return_dy_col_sums and not row_sums:
     raise ValueError("return_dy_col_sums needs row_sums_in_epilogue=True (a CTA then keeps "
                      "its column tile, so it sums the same steps over its row blocks)")
@@ -874,15 +1023,19 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
       m, n, w_gamma.shape[0], x.dtype, cfg, layer=mean is not None, x_hat=bool(return_x_hat),
       interpret=interpret)) is not None:
     raise ValueError(f"return_dy_col_sums: {reason}")
+  if return_dw_gamma and (reason := dw_gamma_unsupported_reason(
+      m, n, w_gamma.shape[0], x.dtype, cfg, layer=mean is not None,
+      interpret=interpret)) is not None:
+    raise ValueError(f"return_dw_gamma: {reason}")
   return launch(dy, w_gamma, x, rstd, y_term=y_term, mean=mean, c_term=c_term, y=y,
                 out_bias=out_bias, col_sum=col_sum, x_hat=bool(return_x_hat),
                 x_hat_ones=bool(x_hat_ones), row_sums=row_sums, interpret=interpret, config=cfg,
-                dy_col_sums=bool(return_dy_col_sums))
+                dy_col_sums=bool(return_dy_col_sums), dw_gamma=bool(return_dw_gamma))
 
 
 def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None, out_bias=None,
            col_sum=None, x_hat: bool, x_hat_ones: bool, row_sums: bool, interpret: bool,
-           config: TileConfig, dy_col_sums: bool = False):
+           config: TileConfig, dy_col_sums: bool = False, dw_gamma: bool = False):
   """:func:`norm_matmul_dx` on arguments its caller validated, with the ``config`` it picked
   (:func:`pick_config` for the route it chose: ``row_sums``, the fused row terms (``y`` given)
   or given row terms; ``x_hat`` is ``return_x_hat``, ``dy_col_sums`` is
@@ -899,7 +1052,7 @@ def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None,
   plan = _pick_exchange(functools.partial(
       _make_plan, m, n, k, x.dtype, mean is not None, cfg, interpret, fused=fused,
       has_bias=out_bias is not None, x_hat=x_hat, x_hat_ones=x_hat_ones, row_sums=row_sums,
-      col_sums=dy_col_sums))
+      col_sums=dy_col_sums, dw=dw_gamma))
   # Row vectors padded to whole row tiles: their 1-D copies never leave the arrays.
   m_pad = plan.m_iters * cfg.tile_m
   rows = [v for v in (rstd, y_term, mean, c_term) if v is not None]
@@ -914,14 +1067,22 @@ def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None,
   if plan.col_sums:
     out_types.append(jax.ShapeDtypeStruct(
         (plan.num_ctas * plan.cluster, 2, plan.col_sum_rows, cfg.tile_k), jnp.float32))
+  if plan.dw:
+    out_types.append(jax.ShapeDtypeStruct((plan.num_ctas * plan.cluster, k, n), jnp.float32))
   call = gemm_core.kernel(functools.partial(_kernel, plan=plan),
                           tuple(out_types) if len(out_types) > 1 else out_types[0],
                           num_ctas=plan.num_ctas, interpret=interpret,
                           cluster=plan.cluster if row_sums else None)
   out = call(dy, w_gamma, x, *fused_args, *rows)
-  if not plan.col_sums:
+  if not (plan.col_sums or plan.dw):
     return out
-  return (*out[:-1], _column_sums_from_partials(plan, out[-1]))
+  out = list(out)
+  if plan.dw:  # the CTAs' partials added in CTA order (deterministic)
+    out[-1] = out[-1].sum(axis=0)
+  if plan.col_sums:
+    i = len(out) - 1 - int(plan.dw)
+    out[i] = _column_sums_from_partials(plan, out[i])
+  return tuple(out)
 
 
 def _column_sums_from_partials(plan: _Plan, partials):
