@@ -851,8 +851,10 @@ def test_gpu_dx_col_sums(m, k, n, norm):
 ])
 def test_gpu_dx_dw_gamma(m, n, norm, col_sums):
   """dW_γ = x̂ᵀ dy summed by the dx kernel: the two consumers' x̂ exchange through SMEM and
-  their barriers, WGMMA's transposed A, in real asynchrony (interpret mode runs WGMMA at
-  once)."""
+  their barriers, WGMMA's transposed A, in real asynchrony. Only these check the ``ready`` /
+  ``free`` protocol: interpret mode runs WGMMA at once and its race detector does not see
+  WGMMA's SMEM reads (a review removed the ``free`` barrier, then ``ready``, and no interpret
+  test failed but for NaNs without ``ready``)."""
   _run_dx_and_check(m, 128, n, jnp.bfloat16, norm, interpret=False, row_sums=True,
                     col_sums=col_sums, dw=True)
 
@@ -990,6 +992,13 @@ def test_dw_gamma_unsupported_reasons():
   w, r = jnp.ones((128, 128), jnp.bfloat16), jnp.ones((8,), jnp.float32)
   with pytest.raises(ValueError, match="return_dw_gamma needs row_sums_in_epilogue"):
     nmb.norm_matmul_dx(dy, w, x, r, r, mean=r, c_term=r, return_dw_gamma=True, interpret=True)
+  with pytest.raises(ValueError, match="return_dw_gamma needs row_sums_in_epilogue"):
+    nmb.norm_matmul_dx(dy, w, x, r, return_dw_gamma=True, interpret=True)  # before y_term's
+  narrow = dataclasses.replace(nmb.pick_config(8, 128, 128, row_sums=True, interpret=True),
+                               epi_tile_n=32)  # a review's crash: 32-wide x̂ chunks
+  with pytest.raises(ValueError, match="return_dw_gamma: .*64-column epilogue tiles"):
+    nmb.norm_matmul_dx(dy, w, x, r, mean=r, row_sums_in_epilogue=True, return_dw_gamma=True,
+                       interpret=True, config=narrow)
   with pytest.raises(ValueError, match="return_x_hat=False"):
     nmb.norm_matmul_dx(dy, w, x, r, mean=r, row_sums_in_epilogue=True, return_x_hat=True,
                        return_dw_gamma=True, interpret=True)

@@ -405,7 +405,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
   if col_sums and (reason := _col_sums_unsupported_reason(cfg, row_sums, a_in_registers)):
     raise ValueError(f"the column sums of dy in the dx kernel need {reason}, got {cfg}")
   col_sum_rows = _col_sum_rows(red_iters, cluster) if col_sums else 0
-  if dw and (reason := _dw_unsupported_reason(cfg, n, cluster, row_sums, x_hat,
+  if dw and (reason := _dw_unsupported_reason(cfg, dtype, n, cluster, row_sums, x_hat,
                                                a_in_registers)):
     raise ValueError(f"dW_γ in the dx kernel needs {reason}, got {cfg}")
   dw_n = n if dw else 0
@@ -440,18 +440,21 @@ DW_MAX_N = 128
 N / 2 registers a thread, next to the (64, 128) dx accumulator's 64."""
 
 
-def _dw_unsupported_reason(cfg: TileConfig, n: int, cluster: int, row_sums: bool, x_hat: bool,
-                           a_in_registers: bool) -> str | None:
-  """None if the kernel can sum dW_γ = x̂ᵀ dy itself (:meth:`_DxHooks._add_dw`): with the row
+def _dw_unsupported_reason(cfg: TileConfig, dtype, n: int, cluster: int, row_sums: bool,
+                           x_hat: bool, a_in_registers: bool) -> str | None:
+  """None if the kernel can sum dW_γ = x̂ᵀ dy itself (:meth:`_DxHooks._issue_dw`): with the row
   sums in the epilogue on one CTA per row block (its K tile is all of K), K = tile_n = 128 (each
-  consumer owns 64 of dW_γ's rows), N ≤ :data:`DW_MAX_N`, 128-row blocks, tiled dy (M a
-  multiple of 8 on the GPU), on the shared ring and without x̂ as an output."""
+  consumer owns 64 of dW_γ's rows), 64-column epilogue tiles (one per block of x̂'s WGMMA tile),
+  N ≤ :data:`DW_MAX_N`, 128-row blocks, tiled dy (M a multiple of 8 on the GPU), on the shared
+  ring and without x̂ as an output."""
   if not row_sums or cluster != 1:
     return "the row sums in the epilogue on one CTA (K ≤ 256)"
   if cfg.tile_n != DW_K or cfg.tile_m != 128:
     return f"K = tile_n = {DW_K} and tile_m = 128"
   if n > DW_MAX_N:
     return f"N ≤ {DW_MAX_N} (its accumulator lives in registers)"
+  if forward._epi_tile_n(cfg, dtype) != 64:  # pylint: disable=protected-access
+    return "64-column epilogue tiles (epi_tile_n ≥ 64)"
   if a_in_registers:
     return "tiled dy stages (M a multiple of 8 on the GPU)"
   if x_hat:
@@ -1002,6 +1005,10 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   """
   _validate.flag("row_sums_in_epilogue", row_sums_in_epilogue)
   row_sums = bool(row_sums_in_epilogue)
+  _validate.flag("return_dw_gamma", return_dw_gamma)
+  if return_dw_gamma and (not row_sums or return_x_hat):
+    raise ValueError("return_dw_gamma needs row_sums_in_epilogue=True and return_x_hat=False "
+                     "(the kernel sums x̂ᵀ dy instead of writing x̂)")
   _check_args(dy, w_gamma, x, rstd, y_term, mean, c_term, y, out_bias, col_sum, row_sums,
               interpret)
   _validate.flag("return_x_hat", return_x_hat)
@@ -1009,11 +1016,7 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   if x_hat_ones and not return_x_hat:
     raise ValueError("x_hat_ones needs return_x_hat=True (it shapes the returned x̂)")
   _validate.flag("return_dy_col_sums", return_dy_col_sums)
-  _validate.flag("return_dw_gamma", return_dw_gamma)
   m, n = dy.shape
-  if return_dw_gamma and (not row_sums or return_x_hat):
-    raise ValueError("return_dw_gamma needs row_sums_in_epilogue=True and return_x_hat=False "
-                     "(the kernel sums x̂ᵀ dy instead of writing x̂)")
   if return_dy_col_sums and not row_sums:
     raise ValueError("return_dy_col_sums needs row_sums_in_epilogue=True (a CTA then keeps "
                      "its column tile, so it sums the same steps over its row blocks)")
