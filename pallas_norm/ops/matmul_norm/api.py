@@ -18,7 +18,9 @@ the column sums by a deterministic two-stage reduction (:func:`.xla.column_sum`)
 implementations, dh and the column sums run as one Pallas kernel with the Triton lowering
 (:func:`pallas_norm.ops.norms.triton.norm_backward`, ``layer_norm``'s backward kernel given x̂
 and rstd; its per-program partial sums are added in a fixed order) where it takes the shape,
-else in XLA. The ``"xla"``
+else in XLA. At K = N = 128 with no dense bias, residual or returned h, and the output in x's
+dtype, the whole backward is one kernel instead (:func:`.mosaic_bwd.backward`: h recomputed from
+x, so the forward saves no x̂). The ``"xla"``
 implementation is the unfused reference's math (:func:`.xla.matmul_norm`): the GEMM
 differentiated by JAX, the norm by the one-pass rule of :mod:`pallas_norm.ops.norms.xla`.
 """
@@ -34,7 +36,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import _dispatch, _op, _validate, reference
-from pallas_norm.ops.matmul_norm import configs, mosaic, xla
+from pallas_norm.ops.matmul_norm import configs, mosaic, mosaic_bwd, xla
 from pallas_norm.ops.norms import triton as norms_triton
 
 _F32 = jnp.float32
@@ -183,6 +185,12 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   # symbolic_zeros=True (see defvjp below) wraps each differentiable input.
   x, w, dense_bias, residual, scale, bias = (
       None if p is None else p.value for p in (x, w, dense_bias, residual, scale, bias))
+  if _whole_backward(x, w, dense_bias, residual, out_dtype, return_h, implementation):
+    # The backward kernel recomputes h from x: the forward saves only the statistics.
+    y, h, _, mean, rstd = _forward(x, w, None, None, scale, bias, norm, eps, out_dtype,
+                                   return_h, True, implementation, config, return_xhat=False)
+    saved = (x, w, None, None, scale, bias, None, (mean, rstd))
+    return (y, h, mean, rstd) if return_stats else (y, h, None, None), saved
   y, h, xhat, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps,
                                     out_dtype, return_h, True, implementation, config,
                                     return_xhat=True)
@@ -192,6 +200,17 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   if not return_stats:
     mean, rstd = None, None
   return (y, h, mean, rstd), saved
+
+
+def _whole_backward(x, w, dense_bias, residual, out_dtype, return_h, implementation) -> bool:
+  """Whether the whole backward runs as one kernel (:func:`.mosaic_bwd.backward`: h recomputed
+  from x, dh, dx, dw and the column sums in one pass over x and dy), so the forward saves no
+  x̂: K = N = 128 (:func:`.mosaic_bwd.unsupported_reason`), no dense bias, residual or returned
+  h, the output in x's dtype."""
+  del implementation  # both kernel implementations take it
+  return (dense_bias is None and residual is None and not return_h
+          and jnp.dtype(out_dtype) == jnp.dtype(x.dtype)
+          and mosaic_bwd.unsupported_reason(x.shape[0], x.shape[1], w.shape[1], x.dtype) is None)
 
 
 def _norm_backward_kernel_reason(dy_out, dh_out, xhat, x_dtype) -> str | None:
@@ -224,6 +243,15 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, con
   del eps, out_dtype, return_stats, config
   x, w, dense_bias, residual_dtype, scale, bias, xhat, rstd = saved
   dy_out, dh_out = cotangents[0], cotangents[1]  # the statistics carry no gradient
+  if xhat is None:  # _whole_backward: one kernel from x, dy and the statistics
+    if isinstance(dy_out, SymbolicZero):
+      dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
+    mean, rstd = rstd
+    dx, dw, dscale, dbias = mosaic_bwd.backward(x, w, dy_out, rstd, mean, scale,
+                                                interpret=implementation == "interpret")
+    return (dx, dw.astype(w.dtype), None, None,
+            None if scale is None else dscale.astype(scale.dtype),
+            None if bias is None else dbias.astype(bias.dtype))
   if not return_h or isinstance(dh_out, SymbolicZero):
     dh_out = None  # h unused: no M × N array of zeros to read
   if isinstance(dy_out, SymbolicZero):  # only h is used

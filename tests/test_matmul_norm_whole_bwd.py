@@ -1,0 +1,211 @@
+"""The post-norm op's whole backward as one kernel at K = N = 128
+(:func:`pallas_norm.ops.matmul_norm.mosaic_bwd.backward`: h recomputed from x, dh, dx, dw and the
+column sums from x, dy and the forward's statistics), against a float64 NumPy oracle of the same
+math on the same 16-bit inputs (interpret mode on the CPU; the GPU at real sizes), and the op's
+route to it.
+
+Tolerances: relative Frobenius 1e-2 for dx, dw and dscale (x̂ is rounded to the 16-bit dtype as
+the forward's saved x̂ of the row-kernel path is, and dh once more on its way to the GEMMs),
+1e-6 for dbias (float32 sums of the 16-bit dy).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import export
+import numpy as np
+import pytest
+
+import pallas_norm
+from pallas_norm import mgpu, reference
+from pallas_norm.ops.matmul_norm import api as mn
+from pallas_norm.ops.matmul_norm import mosaic_bwd as mb
+
+K = N = mb.WIDTH
+
+
+def _inputs(seed, m, dtype=jnp.bfloat16, mean_offset=0.0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray((rng.standard_normal((m, K)) + mean_offset).astype(np.float32).astype(dtype))
+  w = jnp.asarray((rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32).astype(dtype))
+  dy = jnp.asarray(rng.standard_normal((m, N)).astype(np.float32).astype(dtype))
+  scale = rng.uniform(0.1, 1.5, N).astype(np.float32)
+  scale[::9] = 0.0  # zeros: nothing divides by the scale
+  return x, w, dy, jnp.asarray(scale)
+
+
+def _oracle(x, w, dy, scale, norm, eps=1e-6):
+  """float64 (dx, dw, dscale, dbias) and the forward's float32 statistics (mean or None,
+  rstd)."""
+  xf, wf, dyf = (np.asarray(a, np.float64) for a in (x, w, dy))
+  h = xf @ wf
+  mean = h.mean(1) if norm == "layer" else np.zeros(len(h))
+  var = ((h - mean[:, None]) ** 2).mean(1) if norm == "layer" else (h ** 2).mean(1)
+  rstd = 1.0 / np.sqrt(var + eps)
+  x_hat = (h - mean[:, None]) * rstd[:, None]
+  g = dyf if scale is None else dyf * np.asarray(scale, np.float64)
+  d = g - x_hat * (g * x_hat).mean(1, keepdims=True)
+  if norm == "layer":
+    d = d - g.mean(1, keepdims=True)
+  dh = d * rstd[:, None]
+  want = (dh @ wf.T, xf.T @ dh, (dyf * x_hat).sum(0), dyf.sum(0))
+  stats = (jnp.asarray(mean, jnp.float32) if norm == "layer" else None,
+           jnp.asarray(rstd, jnp.float32))
+  return want, stats
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _check(m, norm, *, scale=True, dtype=jnp.bfloat16, mean_offset=0.0, interpret=True, seed=0):
+  x, w, dy, s = _inputs(seed, m, dtype, mean_offset)
+  s = s if scale else None
+  want, (mean, rstd) = _oracle(x, w, dy, s, norm)
+  got = jax.block_until_ready(jax.jit(lambda *a: mb.backward(*a, interpret=interpret))(
+      x, w, dy, rstd, mean, s))
+  if interpret:
+    assert not mgpu.races_found(), "the interpreter's race detector reported a race"
+  dx, dw, dscale, dbias = got
+  assert dx.shape == (m, K) and dx.dtype == x.dtype
+  assert dw.shape == (K, N) and dw.dtype == jnp.float32
+  for name, g in zip(("dx", "dw", "dscale", "dbias"), got):
+    assert np.isfinite(np.asarray(g, np.float32)).all(), f"{name}: unwritten (NaN-filled) output"
+  for name, g, r, tol in zip(("dx", "dw", "dscale"), got, want, (1e-2, 1e-2, 1e-2)):
+    assert _rel(g, r) < tol, (name, _rel(g, r))
+  np.testing.assert_allclose(np.asarray(dbias), want[3], rtol=0,
+                             atol=1e-6 * float(np.abs(np.asarray(dy, np.float64)).sum(0).max()))
+
+
+# Interpret mode runs 2 CTAs: 600 and 1000 rows give each several row blocks (the ring's
+# stages reused, the dh tile and the barriers across blocks), 136 a partial last block, 8 one
+# block mostly past M; float16 rows of mean 1e3.
+@pytest.mark.parametrize("m,norm,scale,dtype,mean_offset", [
+    (600, "layer", True, jnp.bfloat16, 0.0),
+    (1000, "rms", True, jnp.bfloat16, 0.0),
+    (136, "rms", False, jnp.bfloat16, 0.0),
+    (8, "layer", True, jnp.float16, 1e3),
+])
+def test_whole_backward_interpret_matches_oracle(m, norm, scale, dtype, mean_offset):
+  _check(m, norm, scale=scale, dtype=dtype, mean_offset=mean_offset)
+
+
+def test_whole_backward_refuses_what_it_cannot_run():
+  assert mb.unsupported_reason(262144, 128, 128, jnp.bfloat16) is None
+  assert "K = N = 128" in mb.unsupported_reason(262144, 256, 128, jnp.bfloat16)
+  assert "K = N = 128" in mb.unsupported_reason(262144, 128, 64, jnp.bfloat16)
+  assert "bfloat16 or float16" in mb.unsupported_reason(262144, 128, 128, jnp.float32)
+  assert "multiple of 8" in mb.unsupported_reason(77, 128, 128, jnp.bfloat16)
+  x, w, dy, s = _inputs(0, 16)
+  r = jnp.ones((16,), jnp.float32)
+  with pytest.raises(ValueError, match="K = N = 128"):
+    mb.backward(x[:, :64], w[:64], dy, r, interpret=True)
+  with pytest.raises(ValueError, match="in x's dtype"):
+    mb.backward(x, w, dy.astype(jnp.float16), r, interpret=True)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_whole_backward_lowers_for_hopper(monkeypatch, norm):
+  """The kernel lowers for sm_90a (jax.export for "cuda"; nothing runs)."""
+  monkeypatch.setattr(mgpu, "num_sms", lambda interpret: 2 if interpret else 132)
+  monkeypatch.setattr(mgpu.device, "num_sms", lambda interpret: 2 if interpret else 132)
+  m = 262144
+  spec = jax.ShapeDtypeStruct
+  row = spec((m,), jnp.float32)
+  fn = lambda x, w, dy, r, mu, s: mb.backward(x, w, dy, r, mu, s)  # noqa: E731
+  exported = export.export(jax.jit(fn), platforms=["cuda"])(
+      spec((m, K), jnp.bfloat16), spec((K, N), jnp.bfloat16), spec((m, N), jnp.bfloat16), row,
+      row if norm == "layer" else None, spec((N,), jnp.float32))
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+# ------------------------------------------------------------------------------------------------
+# The op's route: the whole-backward kernel where it applies, the row kernel and cuBLAS elsewhere.
+
+
+def _spy(monkeypatch):
+  calls = []
+  real = mb.backward
+  monkeypatch.setattr(mb, "backward", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+  return calls
+
+
+@pytest.mark.parametrize("norm,bias", [("rms", False), ("layer", True)])
+def test_op_takes_the_whole_backward_and_matches_reference(monkeypatch, norm, bias):
+  calls = _spy(monkeypatch)
+  x, w, dy, s = _inputs(3, 200)
+  s = s.astype(jnp.bfloat16)
+  b = jnp.asarray(np.linspace(-0.2, 0.3, N), jnp.bfloat16) if bias else None
+  op = lambda x, w, s, b: pallas_norm.matmul_norm(x, w, scale=s, norm_bias=b, norm=norm,
+                                                  implementation="interpret")
+  y, vjp = jax.vjp(op, x, w, s, b)
+  grads = vjp(dy)
+  assert len(calls) == 1
+  f32 = lambda a: None if a is None else a.astype(jnp.float32)
+  y_ref, vjp_ref = jax.vjp(lambda x, w, s, b: reference.matmul_norm(
+      x, w, scale=s, norm_bias=b, norm=norm), f32(x), f32(w), f32(s), f32(b))
+  assert _rel(y, y_ref) < 1e-2
+  for name, g, r in zip(("dx", "dw", "dscale", "dbias"), grads, vjp_ref(f32(dy))):
+    if r is None:
+      continue
+    assert g.dtype == (x.dtype if name in ("dx", "dw") else s.dtype), name
+    assert _rel(g, r) < 2e-2, (name, _rel(g, r))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(residual=True), dict(dense_bias=True), dict(return_h=True),
+    dict(out_dtype=jnp.float16)])
+def test_op_keeps_the_row_kernel_path_elsewhere(monkeypatch, kwargs):
+  """A residual, a dense bias, a returned h or another output dtype keep the saved x̂, the row
+  kernel and cuBLAS (traced only: no kernel runs)."""
+  calls = _spy(monkeypatch)
+  x, w, dy, s = _inputs(4, 16)
+  extra = {}
+  if kwargs.get("residual"):
+    extra["residual"] = jnp.ones((16, N), jnp.bfloat16)
+  if kwargs.get("dense_bias"):
+    extra["dense_bias"] = jnp.ones((N,), jnp.bfloat16)
+  if kwargs.get("return_h"):
+    extra["return_h"] = True
+  if "out_dtype" in kwargs:
+    extra["out_dtype"] = kwargs["out_dtype"]
+
+  def loss(x, w):
+    out = pallas_norm.matmul_norm(x, w, scale=s, norm="rms", implementation="interpret",
+                                  **extra)
+    out = out[0] if isinstance(out, tuple) else out
+    return jnp.sum(out.astype(jnp.float32))
+  jax.eval_shape(jax.grad(loss, argnums=(0, 1)), x, w)
+  assert not calls
+  assert not mn._whole_backward(x, w, extra.get("dense_bias"), extra.get("residual"),  # pylint: disable=protected-access
+                                jnp.dtype(extra.get("out_dtype", x.dtype)),
+                                extra.get("return_h", False), "interpret")
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: real asynchrony (WGMMA in flight, TMA), which interpret mode does not check.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,norm,scale", [(262144, "rms", True), (262144, "layer", True),
+                                          (4096 + 8, "layer", False), (8, "rms", True)])
+def test_gpu_whole_backward_matches_oracle(m, norm, scale):
+  _check(m, norm, scale=scale, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_gpu_op_gradients_through_the_whole_backward(monkeypatch, norm):
+  calls = _spy(monkeypatch)
+  x, w, dy, s = _inputs(5, 16384)
+  s = s.astype(jnp.bfloat16)
+  op = lambda x, w, s: pallas_norm.matmul_norm(x, w, scale=s, norm=norm,
+                                               implementation="mosaic")
+  _, vjp = jax.vjp(op, x, w, s)
+  grads = vjp(dy)
+  assert len(calls) == 1
+  f32 = lambda a: a.astype(jnp.float32)
+  _, vjp_ref = jax.vjp(lambda x, w, s: reference.matmul_norm(x, w, scale=s, norm=norm),
+                       f32(x), f32(w), f32(s))
+  for name, g, r in zip(("dx", "dw", "dscale"), grads, vjp_ref(f32(dy))):
+    assert _rel(g, r) < 2e-2, (name, _rel(g, r))
