@@ -90,6 +90,29 @@ def test_whole_backward_interpret_matches_oracle(m, norm, scale, dtype, mean_off
   _check(m, norm, scale=scale, dtype=dtype, mean_offset=mean_offset)
 
 
+def test_whole_backward_float16_dscale_of_large_cotangents():
+  """float16 cotangents of ±4e4 on two equal rows: dscale's products dy ⊙ x̂ pass float16's
+  range (a review's reproducer: rounded to float16 before their sum they gave ±inf, then NaN);
+  the kernel multiplies in f32, as the row-kernel path does."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, K))
+  x[1] = x[0]
+  w = rng.standard_normal((K, N)) / np.sqrt(K)
+  dy = 0.01 * rng.standard_normal((8, N))
+  dy[0], dy[1] = 4e4, -4e4
+  x, w, dy = (jnp.asarray(a.astype(np.float16)) for a in (x, w, dy))
+  want, (mean, rstd) = _oracle(x, w, dy, None, "layer")
+  _, _, dscale, _ = mb.backward(x, w, dy, rstd, mean, interpret=True)
+  assert np.isfinite(np.asarray(dscale)).all()
+  # f32 sums of terms up to ~4e5 that cancel to ~0.1: a few f32 ulps of Σ |dy ⊙ x̂| per column
+  # (the true x̂: rows 0 and 1 round to the same x̂ in both).
+  xf, wf = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  h = xf @ wf
+  x_hat = (h - h.mean(1, keepdims=True)) / np.sqrt(h.var(1, keepdims=True) + 1e-6)
+  scale = np.abs(np.asarray(dy, np.float64) * x_hat).sum(0)
+  np.testing.assert_array_less(np.abs(np.asarray(dscale, np.float64) - want[2]), 1e-6 * scale)
+
+
 def test_whole_backward_refuses_what_it_cannot_run():
   assert mb.unsupported_reason(262144, 128, 128, jnp.bfloat16) is None
   assert "K = N = 128" in mb.unsupported_reason(262144, 256, 128, jnp.bfloat16)
