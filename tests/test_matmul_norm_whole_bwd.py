@@ -33,11 +33,13 @@ def _inputs(seed, m, dtype=jnp.bfloat16, mean_offset=0.0):
   return x, w, dy, jnp.asarray(scale)
 
 
-def _oracle(x, w, dy, scale, norm, eps=1e-6):
-  """float64 (dx, dw, dscale, dbias) and the forward's float32 statistics (mean or None,
-  rstd)."""
+def _oracle(x, w, dy, scale, norm, eps=1e-6, residual=None):
+  """float64 (dx, dw, dscale, dbias, d(residual) = dh) and the forward's float32 statistics
+  (mean or None, rstd)."""
   xf, wf, dyf = (np.asarray(a, np.float64) for a in (x, w, dy))
   h = xf @ wf
+  if residual is not None:
+    h = h + np.asarray(residual, np.float64)
   mean = h.mean(1) if norm == "layer" else np.zeros(len(h))
   var = ((h - mean[:, None]) ** 2).mean(1) if norm == "layer" else (h ** 2).mean(1)
   rstd = 1.0 / np.sqrt(var + eps)
@@ -47,7 +49,7 @@ def _oracle(x, w, dy, scale, norm, eps=1e-6):
   if norm == "layer":
     d = d - g.mean(1, keepdims=True)
   dh = d * rstd[:, None]
-  want = (dh @ wf.T, xf.T @ dh, (dyf * x_hat).sum(0), dyf.sum(0))
+  want = (dh @ wf.T, xf.T @ dh, (dyf * x_hat).sum(0), dyf.sum(0), dh)
   stats = (jnp.asarray(mean, jnp.float32) if norm == "layer" else None,
            jnp.asarray(rstd, jnp.float32))
   return want, stats
@@ -58,14 +60,25 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _check(m, norm, *, scale=True, dtype=jnp.bfloat16, mean_offset=0.0, interpret=True, seed=0):
+def _check(m, norm, *, scale=True, dtype=jnp.bfloat16, mean_offset=0.0, interpret=True, seed=0,
+           residual=False):
   x, w, dy, s = _inputs(seed, m, dtype, mean_offset)
   s = s if scale else None
-  want, (mean, rstd) = _oracle(x, w, dy, s, norm)
+  res = None
+  if residual:
+    rng = np.random.default_rng(seed + 7)
+    res = jnp.asarray((2 * rng.standard_normal((m, N)) + 1).astype(np.float32).astype(dtype))
+  want, (mean, rstd) = _oracle(x, w, dy, s, norm, residual=res)
   got = jax.block_until_ready(jax.jit(lambda *a: mb.backward(*a, interpret=interpret))(
-      x, w, dy, rstd, mean, s))
+      x, w, dy, rstd, mean, s, res))
   if interpret:
     assert not mgpu.races_found(), "the interpreter's race detector reported a race"
+  *got, dres = got
+  if residual:
+    assert dres.shape == (m, N) and dres.dtype == x.dtype
+    assert _rel(dres, want[4]) < 1e-2, _rel(dres, want[4])
+  else:
+    assert dres is None
   dx, dw, dscale, dbias = got
   assert dx.shape == (m, K) and dx.dtype == x.dtype
   assert dw.shape == (K, N) and dw.dtype == jnp.float32
@@ -80,14 +93,17 @@ def _check(m, norm, *, scale=True, dtype=jnp.bfloat16, mean_offset=0.0, interpre
 # Interpret mode runs 2 CTAs: 600 and 1000 rows give each several row blocks (the ring's
 # stages reused, the dh tile and the barriers across blocks), 136 a partial last block, 8 one
 # block mostly past M; float16 rows of mean 1e3.
-@pytest.mark.parametrize("m,norm,scale,dtype,mean_offset", [
-    (600, "layer", True, jnp.bfloat16, 0.0),
-    (1000, "rms", True, jnp.bfloat16, 0.0),
-    (136, "rms", False, jnp.bfloat16, 0.0),
-    (8, "layer", True, jnp.float16, 1e3),
+@pytest.mark.parametrize("m,norm,scale,dtype,mean_offset,residual", [
+    (600, "layer", True, jnp.bfloat16, 0.0, False),
+    (1000, "rms", True, jnp.bfloat16, 0.0, False),
+    (136, "rms", False, jnp.bfloat16, 0.0, False),
+    (8, "layer", True, jnp.float16, 1e3, False),
+    # a residual: loaded into the dh rows, for the CTA's next block at the end of the one before
+    (1000, "layer", True, jnp.bfloat16, 0.0, True),
+    (136, "rms", True, jnp.float16, 0.0, True),
 ])
-def test_whole_backward_interpret_matches_oracle(m, norm, scale, dtype, mean_offset):
-  _check(m, norm, scale=scale, dtype=dtype, mean_offset=mean_offset)
+def test_whole_backward_interpret_matches_oracle(m, norm, scale, dtype, mean_offset, residual):
+  _check(m, norm, scale=scale, dtype=dtype, mean_offset=mean_offset, residual=residual)
 
 
 def test_whole_backward_float16_dscale_of_large_cotangents():
@@ -102,7 +118,7 @@ def test_whole_backward_float16_dscale_of_large_cotangents():
   dy[0], dy[1] = 4e4, -4e4
   x, w, dy = (jnp.asarray(a.astype(np.float16)) for a in (x, w, dy))
   want, (mean, rstd) = _oracle(x, w, dy, None, "layer")
-  _, _, dscale, _ = mb.backward(x, w, dy, rstd, mean, interpret=True)
+  _, _, dscale, _, _ = mb.backward(x, w, dy, rstd, mean, interpret=True)
   assert np.isfinite(np.asarray(dscale)).all()
   # f32 sums of terms up to ~4e5 that cancel to ~0.1: a few f32 ulps of Σ |dy ⊙ x̂| per column
   # (the true x̂: rows 0 and 1 round to the same x̂ in both).
@@ -125,6 +141,8 @@ def test_whole_backward_refuses_what_it_cannot_run():
     mb.backward(x[:, :64], w[:64], dy, r, interpret=True)
   with pytest.raises(ValueError, match="in x's dtype"):
     mb.backward(x, w, dy.astype(jnp.float16), r, interpret=True)
+  with pytest.raises(ValueError, match="residual"):
+    mb.backward(x, w, dy, r, residual=dy.astype(jnp.float16), interpret=True)
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer"])
@@ -153,34 +171,38 @@ def _spy(monkeypatch):
   return calls
 
 
-@pytest.mark.parametrize("norm,bias", [("rms", False), ("layer", True)])
-def test_op_takes_the_whole_backward_and_matches_reference(monkeypatch, norm, bias):
+@pytest.mark.parametrize("norm,bias,residual", [("rms", False, False), ("layer", True, False),
+                                               ("layer", True, True)])
+def test_op_takes_the_whole_backward_and_matches_reference(monkeypatch, norm, bias, residual):
   calls = _spy(monkeypatch)
   x, w, dy, s = _inputs(3, 200)
   s = s.astype(jnp.bfloat16)
   b = jnp.asarray(np.linspace(-0.2, 0.3, N), jnp.bfloat16) if bias else None
-  op = lambda x, w, s, b: pallas_norm.matmul_norm(x, w, scale=s, norm_bias=b, norm=norm,
-                                                  implementation="interpret")
-  y, vjp = jax.vjp(op, x, w, s, b)
+  res = jnp.asarray(np.linspace(-2, 2, 200 * N).reshape(200, N), jnp.bfloat16) if residual \
+      else None
+  op = lambda x, w, s, b, res: pallas_norm.matmul_norm(
+      x, w, residual=res, scale=s, norm_bias=b, norm=norm, implementation="interpret")
+  y, vjp = jax.vjp(op, x, w, s, b, res)
   grads = vjp(dy)
   assert len(calls) == 1
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  y_ref, vjp_ref = jax.vjp(lambda x, w, s, b: reference.matmul_norm(
-      x, w, scale=s, norm_bias=b, norm=norm), f32(x), f32(w), f32(s), f32(b))
+  y_ref, vjp_ref = jax.vjp(lambda x, w, s, b, res: reference.matmul_norm(
+      x, w, residual=res, scale=s, norm_bias=b, norm=norm), f32(x), f32(w), f32(s), f32(b),
+      f32(res))
   assert _rel(y, y_ref) < 1e-2
-  for name, g, r in zip(("dx", "dw", "dscale", "dbias"), grads, vjp_ref(f32(dy))):
+  for name, g, r in zip(("dx", "dw", "dscale", "dbias", "dres"), grads, vjp_ref(f32(dy))):
     if r is None:
       continue
-    assert g.dtype == (x.dtype if name in ("dx", "dw") else s.dtype), name
+    assert g.dtype == (s.dtype if name in ("dscale", "dbias") else x.dtype), name
     assert _rel(g, r) < 2e-2, (name, _rel(g, r))
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(residual=True), dict(dense_bias=True), dict(return_h=True),
+    dict(dense_bias=True), dict(return_h=True), dict(return_h=True, residual=True),
     dict(out_dtype=jnp.float16)])
 def test_op_keeps_the_row_kernel_path_elsewhere(monkeypatch, kwargs):
-  """A residual, a dense bias, a returned h or another output dtype keep the saved x̂, the row
-  kernel and cuBLAS (traced only: no kernel runs)."""
+  """A dense bias, a returned h or another output dtype keep the saved x̂, the row kernel and
+  cuBLAS (traced only: no kernel runs)."""
   calls = _spy(monkeypatch)
   x, w, dy, s = _inputs(4, 16)
   extra = {}
@@ -210,10 +232,11 @@ def test_op_keeps_the_row_kernel_path_elsewhere(monkeypatch, kwargs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,norm,scale", [(262144, "rms", True), (262144, "layer", True),
-                                          (4096 + 8, "layer", False), (8, "rms", True)])
-def test_gpu_whole_backward_matches_oracle(m, norm, scale):
-  _check(m, norm, scale=scale, interpret=False)
+@pytest.mark.parametrize("m,norm,scale,residual", [
+    (262144, "rms", True, False), (262144, "layer", True, False), (4096 + 8, "layer", False, False),
+    (8, "rms", True, False), (262144, "layer", True, True), (4096 + 8, "rms", True, True)])
+def test_gpu_whole_backward_matches_oracle(m, norm, scale, residual):
+  _check(m, norm, scale=scale, interpret=False, residual=residual)
 
 
 @pytest.mark.gpu

@@ -1,20 +1,22 @@
 """The post-norm GEMM's whole backward at K = N = 128 as one Mosaic-GPU kernel (sm_90a).
 
-For ``h = x @ w``, ``y = norm(h)·scale + bias`` (no dense bias, residual or returned h) the
+For ``h = x @ w (+ residual)``, ``y = norm(h)·scale + bias`` (no dense bias or returned h) the
 backward needs dh = rstd ⊙ (g − x̂ ⊙ mean_N(g ⊙ x̂) − mean_N(g)) with g = scale ⊙ dy (RMSNorm
 without the last term; DESIGN.md, op 2), dx = dh wᵀ, dw = xᵀ dh, dscale = Σ_i dy ⊙ x̂ and
 dbias = Σ_i dy. Where a 128-row block's whole rows fit one CTA (N = 128) this kernel does all of
-it from x, dy and the forward's statistics, so the forward saves no x̂ and the backward moves
-x, dy → dx: 3 tensors of M × 128 instead of 7 (the norm-backward row kernel, then cuBLAS's dx
-and dw; ``benchmarks/NOTES.md``, "Open questions").
+it from x, dy (a residual) and the forward's statistics, so the forward saves no x̂ and the
+backward moves x, dy → dx: 3 tensors of M × 128 instead of 7 (the norm-backward row kernel,
+then cuBLAS's dx and dw; ``benchmarks/NOTES.md``, "Open questions"); with a residual x,
+residual, dy → dx, d(residual) = dh: 5 instead of 8.
 
 Per row block (a persistent CTA walks them; a TMA producer streams the block's x and dy and its
 rstd (and mean) through a ring of stages; w and scale stay in SMEM), each of the two consumer
 warpgroups, on its 64 rows:
 
-1. h = x w by WGMMA (the forward's product, recomputed), x̂ = (h − mean) ⊙ rstd in f32;
+1. h = x w by WGMMA (the forward's product, recomputed; + the residual, TMA'd into its dh rows,
+   for the CTA's next block at the end of the one before), x̂ = (h − mean) ⊙ rstd;
 2. g = scale ⊙ dy and the two row sums over N, dh in f32, written in x's dtype into a shared
-   (128, 128) dh tile;
+   (128, 128) dh tile (and stored by TMA as d(residual));
 3. Σ dy ⊙ x̂ and Σ dy over its rows, from dy (the stage) and x̂ (staged in its rows of the dh
    tile) read transposed, added in f32 to per-consumer rows in SMEM;
 4. after both consumers' dh rows are in SMEM (barrier ``ready``): dx = dh wᵀ (its rows; B is w
@@ -78,6 +80,7 @@ class _Plan:
   dtype: jnp.dtype
   layer: bool
   has_scale: bool
+  has_residual: bool
   stages: int
   num_ctas: int
 
@@ -98,7 +101,9 @@ def _smem(plan: _Plan) -> dict:
       cols=plgpu.SMEM((1, 2, 2, WIDTH), jnp.float32),
       out=plgpu.SMEM((2, TILE_M // 2, STORE_N), jnp.float32),
       ready=plgpu.Barrier(num_arrivals=2),
-      done=plgpu.Barrier(num_arrivals=2))
+      done=plgpu.Barrier(num_arrivals=2),
+      # per consumer: its rows of the block's residual landed in its dh rows
+      res_ready=plgpu.Barrier(num_barriers=2) if plan.has_residual else None)
 
 
 def _ring_allocs(plan: _Plan, stages: int) -> dict:
@@ -111,8 +116,9 @@ def _ring_allocs(plan: _Plan, stages: int) -> dict:
 class _Consumer:
   """One consumer warpgroup's work on the CTA's row blocks (module docstring)."""
 
-  def __init__(self, plan: _Plan, wg, smem, ring, dx_gmem):
+  def __init__(self, plan: _Plan, wg, smem, ring, dx_gmem, res_gmem=None, dres_gmem=None):
     self.plan, self.wg, self.ring, self.dx_gmem = plan, wg, ring, dx_gmem
+    self.res_gmem, self.dres_gmem = res_gmem, dres_gmem
     self.rows = pl.ds(wg * (TILE_M // 2), TILE_M // 2)
     self.smem = self._tiles(smem, 0)
     self._allocs = smem
@@ -124,6 +130,15 @@ class _Consumer:
     block loop, their addresses and WGMMA descriptors are recomputed there instead of hoisted
     out of it by LLVM, where they lived across the whole block (ptxas spilled them)."""
     return {**smem, **{name: smem[name].at[index] for name in ("w", "dh", "cols")}}
+
+  def _row0(self, m_idx):
+    return m_idx * TILE_M + self.wg * (TILE_M // 2)
+
+  def _load_residual(self, m_idx):
+    """TMA of this consumer's rows of block ``m_idx``'s residual into its dh rows (free: the
+    previous dx store read them), for h = x w + residual."""
+    plgpu.copy_gmem_to_smem(self.res_gmem.at[pl.ds(self._row0(m_idx), TILE_M // 2)],
+                            self.smem["dh"].at[self.rows], self.smem["res_ready"].at[self.wg])
 
   def _row_vector(self, ref):
     v = plgpu.load(ref.at[self.rows], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -137,6 +152,10 @@ class _Consumer:
       plgpu.wgmma_wait(0)
       return acc[...]
     h = pl.run_scoped(product, plgpu.ACC((TILE_M // 2, WIDTH), jnp.float32))
+    if self.plan.has_residual:  # each thread reads the elements it overwrites with x̂ later
+      plgpu.barrier_wait(self.smem["res_ready"].at[self.wg])
+      h = h + plgpu.load(self.smem["dh"].at[self.rows],
+                         layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     rstd = plgpu.load(rows_stages[0].at[self.rows], layout=plgpu.Layout.WGMMA.reduce(1))
     if self.plan.layer:
       h = h - self._row_vector(rows_stages[1])
@@ -193,9 +212,11 @@ class _Consumer:
                     + jnp.sum(part, axis=1))
     plgpu.commit_smem()  # every warp's reads of x̂, before dh overwrites it
 
-  def block(self, dw_acc, step, m_idx, first):
+  def block(self, dw_acc, step, m_idx, first, last):
     self.smem = smem = self._tiles(self._allocs, mgpu.opaque_zero(step))
     plan = self.plan
+    if plan.has_residual:  # later blocks' residuals are loaded at the end of the one before
+      pl.when(first)(lambda: self._load_residual(m_idx))
     (x_stage, dy_stage, *rows_stages), produced, consumed = self.ring.stage_buffers(step)
     plgpu.barrier_wait(produced)
     x_hat, rstd = self._x_hat(x_stage, rows_stages)
@@ -205,6 +226,10 @@ class _Consumer:
     self._add_column_sums(dy_stage, x_hat)
     self._write_dh(dy16, x_hat, rstd)
     plgpu.commit_smem()  # dh's stores, for the WGMMAs (async proxy) of both consumers
+    row0 = self._row0(m_idx)
+    if plan.has_residual:  # d(residual) = dh
+      plgpu.copy_smem_to_gmem(smem["dh"].at[self.rows],
+                              self.dres_gmem.at[pl.ds(row0, TILE_M // 2)])
     plgpu.barrier_arrive(smem["ready"])
     plgpu.barrier_wait(smem["ready"])
 
@@ -218,11 +243,19 @@ class _Consumer:
     plgpu.barrier_arrive(consumed)  # x, dy, the row vectors: read (the stage's writes fenced)
     plgpu.barrier_arrive(smem["done"])  # both consumers' dw WGMMAs read all dh rows
     plgpu.barrier_wait(smem["done"])
+    if plan.has_residual:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # d(residual)'s store read the dh rows
     smem["dh"].at[self.rows][...] = dx.astype(plan.dtype)
     plgpu.commit_smem()
-    row0 = m_idx * TILE_M + self.wg * (TILE_M // 2)
     plgpu.copy_smem_to_gmem(smem["dh"].at[self.rows],
                             self.dx_gmem.at[pl.ds(row0, TILE_M // 2)])
+    if plan.has_residual:
+      # The CTA's next block (nd_loop deals blocks c, c + CTAs, ...): its residual loads into
+      # the dh rows once dx's store has read them, under that block's wait for its stage.
+      @pl.when(jnp.logical_not(last))
+      def _prefetch():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        self._load_residual(m_idx + plan.num_ctas)
 
   def finish(self, dw, dw_gmem, cols_gmem):
     """This consumer's rows of the CTA's dw partial and its column sums, stored by TMA."""
@@ -241,7 +274,9 @@ def _kernel(*refs, plan: _Plan):
   x_gmem, w_gmem, dy_gmem = next(it), next(it), next(it)
   row_gmems = [next(it) for _ in range(1 + int(plan.layer))]  # rstd (, mean), padded
   scale_gmem = next(it) if plan.has_scale else None
+  res_gmem = next(it) if plan.has_residual else None
   dx_gmem, dw_gmem, cols_gmem = next(it), next(it), next(it)
+  dres_gmem = next(it) if plan.has_residual else None
 
   @functools.partial(pl.run_scoped, ring_allocs=_ring_allocs(plan, plan.stages), **_smem(plan),
                      collective_axes="wg")
@@ -268,7 +303,7 @@ def _kernel(*refs, plan: _Plan):
       schedule(visit)
 
     def consume():
-      consumer = _Consumer(plan, wg, smem, ring, dx_gmem)
+      consumer = _Consumer(plan, wg, smem, ring, dx_gmem, res_gmem, dres_gmem)
       zeros = plgpu.layout_cast(jnp.zeros((WIDTH,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       for i in range(2):
         smem["cols"].at[0, wg, i][...] = zeros
@@ -276,7 +311,7 @@ def _kernel(*refs, plan: _Plan):
       plgpu.barrier_wait(smem["w_ready"])
 
       def with_dw(dw_acc):
-        schedule(lambda m_idx, i, last: consumer.block(dw_acc, i, m_idx, i == 0))
+        schedule(lambda m_idx, i, last: consumer.block(dw_acc, i, m_idx, i == 0, last))
         plgpu.wgmma_wait(0)
         consumer.smem = consumer._tiles(smem, 0)  # pylint: disable=protected-access
         consumer.finish(dw_acc[...], dw_gmem, cols_gmem)
@@ -287,18 +322,22 @@ def _kernel(*refs, plan: _Plan):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def backward(x, w, dy, rstd, mean=None, scale=None, *, interpret: bool = False):
-  """(dx, dw, dscale_sums, dbias_sums) of the post-norm GEMM at K = N = 128 in one kernel.
+def backward(x, w, dy, rstd, mean=None, scale=None, residual=None, *,
+             interpret: bool = False):
+  """(dx, dw, dscale_sums, dbias_sums, d_residual) of the post-norm GEMM at K = N = 128 in one
+  kernel.
 
   Args:
     x: (M, 128) the forward's input; w: (128, 128); dy: (M, 128) the output's cotangent, all in
       one 16-bit dtype; rstd, mean: (M,) float32, the forward's statistics (mean None for
-      RMSNorm); scale: (128,) the norm's scale or None.
+      RMSNorm); scale: (128,) the norm's scale or None; residual: (M, 128) in x's dtype, added
+      to h in the forward (h = x w + residual), or None.
     interpret: GPU interpret mode.
 
   Returns:
     dx (M, 128) in x's dtype; dw (128, 128) float32; Σ_i dy ⊙ x̂ and Σ_i dy, (128,) float32 each
-    (the scale's and the norm bias's gradients).
+    (the scale's and the norm bias's gradients); d(residual) = dh (M, 128) in x's dtype, or None
+    without a residual.
 
   Raises:
     ValueError: shapes or dtypes the kernel does not take (:func:`unsupported_reason`).
@@ -310,9 +349,11 @@ def backward(x, w, dy, rstd, mean=None, scale=None, *, interpret: bool = False):
   if not (w.dtype == dy.dtype == x.dtype and dy.shape == (m, n)):
     raise ValueError(f"dy (M, N) and w (K, N) in x's dtype; got {dy.dtype}{dy.shape}, "
                      f"{w.dtype}{w.shape}")
+  if residual is not None and (residual.dtype != x.dtype or residual.shape != (m, n)):
+    raise ValueError(f"residual (M, N) in x's dtype; got {residual.dtype}{residual.shape}")
   m_iters = -(-m // TILE_M)
   plan = _Plan(m=m, dtype=jnp.dtype(x.dtype), layer=mean is not None,
-               has_scale=scale is not None, stages=2,
+               has_scale=scale is not None, has_residual=residual is not None, stages=2,
                num_ctas=max(1, min(mgpu.num_sms(interpret), m_iters)))
   pad = m_iters * TILE_M - m
   rows = [jnp.pad(v, (0, pad)) for v in (rstd, mean) if v is not None]
@@ -320,8 +361,10 @@ def backward(x, w, dy, rstd, mean=None, scale=None, *, interpret: bool = False):
   out_types = (jax.ShapeDtypeStruct((m, k), x.dtype),
                jax.ShapeDtypeStruct((plan.num_ctas, k, n), jnp.float32),
                jax.ShapeDtypeStruct((plan.num_ctas, 2, 2, n), jnp.float32))
+  if residual is not None:
+    out_types += (jax.ShapeDtypeStruct((m, n), x.dtype),)
   call = gemm_core.kernel(functools.partial(_kernel, plan=plan), out_types,
                           num_ctas=plan.num_ctas, interpret=interpret)
-  dx, dw, cols = call(x, w, dy, *rows, *vecs)
+  dx, dw, cols, *dres = call(x, w, dy, *rows, *vecs, *([] if residual is None else [residual]))
   cols = cols.sum(axis=(0, 1))
-  return dx, dw.sum(axis=0), cols[0], cols[1]
+  return dx, dw.sum(axis=0), cols[0], cols[1], (dres[0] if dres else None)
