@@ -33,11 +33,13 @@ def _inputs(seed, m, dtype=jnp.bfloat16, mean_offset=0.0):
   return x, w, dy, jnp.asarray(scale)
 
 
-def _oracle(x, w, dy, scale, norm, eps=1e-6, residual=None):
-  """float64 (dx, dw, dscale, dbias, d(residual) = dh) and the forward's float32 statistics
-  (mean or None, rstd)."""
+def _oracle(x, w, dy, scale, norm, eps=1e-6, residual=None, dense_bias=None):
+  """float64 (dx, dw, dscale, dbias, d(residual) = dh, d(dense_bias)) and the forward's float32
+  statistics (mean or None, rstd)."""
   xf, wf, dyf = (np.asarray(a, np.float64) for a in (x, w, dy))
   h = xf @ wf
+  if dense_bias is not None:
+    h = h + np.asarray(dense_bias, np.float64)
   if residual is not None:
     h = h + np.asarray(residual, np.float64)
   mean = h.mean(1) if norm == "layer" else np.zeros(len(h))
@@ -49,7 +51,7 @@ def _oracle(x, w, dy, scale, norm, eps=1e-6, residual=None):
   if norm == "layer":
     d = d - g.mean(1, keepdims=True)
   dh = d * rstd[:, None]
-  want = (dh @ wf.T, xf.T @ dh, (dyf * x_hat).sum(0), dyf.sum(0), dh)
+  want = (dh @ wf.T, xf.T @ dh, (dyf * x_hat).sum(0), dyf.sum(0), dh, dh.sum(0))
   stats = (jnp.asarray(mean, jnp.float32) if norm == "layer" else None,
            jnp.asarray(rstd, jnp.float32))
   return want, stats
@@ -61,19 +63,26 @@ def _rel(a, b):
 
 
 def _check(m, norm, *, scale=True, dtype=jnp.bfloat16, mean_offset=0.0, interpret=True, seed=0,
-           residual=False):
+           residual=False, dense_bias=False):
   x, w, dy, s = _inputs(seed, m, dtype, mean_offset)
   s = s if scale else None
   res = None
   if residual:
     rng = np.random.default_rng(seed + 7)
     res = jnp.asarray((2 * rng.standard_normal((m, N)) + 1).astype(np.float32).astype(dtype))
-  want, (mean, rstd) = _oracle(x, w, dy, s, norm, residual=res)
+  bias = jnp.asarray(np.linspace(-1, 1, N), jnp.float32) if dense_bias else None
+  want, (mean, rstd) = _oracle(x, w, dy, s, norm, residual=res, dense_bias=bias)
   got = jax.block_until_ready(jax.jit(lambda *a: mb.backward(*a, interpret=interpret))(
-      x, w, dy, rstd, mean, s, res))
+      x, w, dy, rstd, mean, s, res, bias))
   if interpret:
     assert not mgpu.races_found(), "the interpreter's race detector reported a race"
-  *got, dres = got
+  *got, dres, ddense = got
+  if dense_bias:  # Σ_i dh of dh in x's dtype: its rounding, relative to Σ_i |dh|
+    scale_dh = np.abs(want[4]).sum(0)
+    np.testing.assert_array_less(np.abs(np.asarray(ddense, np.float64) - want[5]),
+                                 4e-3 * scale_dh + 1e-6)
+  else:
+    assert ddense is None
   if residual:
     assert dres.shape == (m, N) and dres.dtype == x.dtype
     assert _rel(dres, want[4]) < 1e-2, _rel(dres, want[4])
@@ -106,6 +115,13 @@ def test_whole_backward_interpret_matches_oracle(m, norm, scale, dtype, mean_off
   _check(m, norm, scale=scale, dtype=dtype, mean_offset=mean_offset, residual=residual)
 
 
+@pytest.mark.parametrize("m,norm,residual", [(600, "layer", True), (8, "rms", False)])
+def test_whole_backward_with_a_dense_bias(m, norm, residual):
+  """h = x w + dense_bias (+ residual): the bias in h, Σ_i dh its gradient (a third column
+  sum, from the dh tile)."""
+  _check(m, norm, residual=residual, dense_bias=True)
+
+
 def test_whole_backward_float16_dscale_of_large_cotangents():
   """float16 cotangents of ±4e4 on two equal rows: dscale's products dy ⊙ x̂ pass float16's
   range (a review's reproducer: rounded to float16 before their sum they gave ±inf, then NaN);
@@ -118,7 +134,7 @@ def test_whole_backward_float16_dscale_of_large_cotangents():
   dy[0], dy[1] = 4e4, -4e4
   x, w, dy = (jnp.asarray(a.astype(np.float16)) for a in (x, w, dy))
   want, (mean, rstd) = _oracle(x, w, dy, None, "layer")
-  _, _, dscale, _, _ = mb.backward(x, w, dy, rstd, mean, interpret=True)
+  _, _, dscale, _, _, _ = mb.backward(x, w, dy, rstd, mean, interpret=True)
   assert np.isfinite(np.asarray(dscale)).all()
   # f32 sums of terms up to ~4e5 that cancel to ~0.1: a few f32 ulps of Σ |dy ⊙ x̂| per column
   # (the true x̂: rows 0 and 1 round to the same x̂ in both).
@@ -153,10 +169,13 @@ def test_whole_backward_lowers_for_hopper(monkeypatch, norm):
   m = 262144
   spec = jax.ShapeDtypeStruct
   row = spec((m,), jnp.float32)
-  fn = lambda x, w, dy, r, mu, s: mb.backward(x, w, dy, r, mu, s)  # noqa: E731
+  layer = norm == "layer"  # with a residual and a dense bias too
+  fn = lambda x, w, dy, r, mu, s, res, d: mb.backward(x, w, dy, r, mu, s, res, d)  # noqa: E731
+  tile = spec((m, N), jnp.bfloat16)
   exported = export.export(jax.jit(fn), platforms=["cuda"])(
-      spec((m, K), jnp.bfloat16), spec((K, N), jnp.bfloat16), spec((m, N), jnp.bfloat16), row,
-      row if norm == "layer" else None, spec((N,), jnp.float32))
+      spec((m, K), jnp.bfloat16), spec((K, N), jnp.bfloat16), tile, row,
+      row if layer else None, spec((N,), jnp.float32), tile if layer else None,
+      spec((N,), jnp.float32) if layer else None)
   assert "mosaic_gpu" in exported.mlir_module()
 
 
@@ -171,38 +190,43 @@ def _spy(monkeypatch):
   return calls
 
 
-@pytest.mark.parametrize("norm,bias,residual", [("rms", False, False), ("layer", True, False),
-                                               ("layer", True, True)])
-def test_op_takes_the_whole_backward_and_matches_reference(monkeypatch, norm, bias, residual):
+@pytest.mark.parametrize("norm,bias,residual,dense", [
+    ("rms", False, False, False), ("layer", True, False, False), ("layer", True, True, False),
+    ("layer", True, True, True)])  # the last: flax_layers.DenseNorm's defaults
+def test_op_takes_the_whole_backward_and_matches_reference(monkeypatch, norm, bias, residual,
+                                                           dense):
   calls = _spy(monkeypatch)
   x, w, dy, s = _inputs(3, 200)
   s = s.astype(jnp.bfloat16)
   b = jnp.asarray(np.linspace(-0.2, 0.3, N), jnp.bfloat16) if bias else None
-  res = jnp.asarray(np.linspace(-2, 2, 200 * N).reshape(200, N), jnp.bfloat16) if residual \
-      else None
-  op = lambda x, w, s, b, res: pallas_norm.matmul_norm(
-      x, w, residual=res, scale=s, norm_bias=b, norm=norm, implementation="interpret")
-  y, vjp = jax.vjp(op, x, w, s, b, res)
+  res = (jnp.asarray(np.linspace(-2, 2, 200 * N).reshape(200, N), jnp.bfloat16) if residual
+         else None)
+  d = jnp.asarray(np.linspace(0.5, -0.5, N), jnp.bfloat16) if dense else None
+  op = lambda x, w, s, b, res, d: pallas_norm.matmul_norm(
+      x, w, dense_bias=d, residual=res, scale=s, norm_bias=b, norm=norm,
+      implementation="interpret")
+  y, vjp = jax.vjp(op, x, w, s, b, res, d)
   grads = vjp(dy)
   assert len(calls) == 1
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  y_ref, vjp_ref = jax.vjp(lambda x, w, s, b, res: reference.matmul_norm(
-      x, w, residual=res, scale=s, norm_bias=b, norm=norm), f32(x), f32(w), f32(s), f32(b),
-      f32(res))
+  y_ref, vjp_ref = jax.vjp(lambda x, w, s, b, res, d: reference.matmul_norm(
+      x, w, d, res, scale=s, norm_bias=b, norm=norm), f32(x), f32(w), f32(s), f32(b),
+      f32(res), f32(d))
   assert _rel(y, y_ref) < 1e-2
-  for name, g, r in zip(("dx", "dw", "dscale", "dbias", "dres"), grads, vjp_ref(f32(dy))):
+  names = ("dx", "dw", "dscale", "dbias", "dres", "ddense")
+  for name, g, r in zip(names, grads, vjp_ref(f32(dy))):
     if r is None:
       continue
-    assert g.dtype == (s.dtype if name in ("dscale", "dbias") else x.dtype), name
+    assert g.dtype == (x.dtype if name in ("dx", "dw", "dres") else s.dtype), name
     assert _rel(g, r) < 2e-2, (name, _rel(g, r))
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(dense_bias=True), dict(return_h=True), dict(return_h=True, residual=True),
+    dict(return_h=True), dict(return_h=True, residual=True),
     dict(out_dtype=jnp.float16)])
 def test_op_keeps_the_row_kernel_path_elsewhere(monkeypatch, kwargs):
-  """A dense bias, a returned h or another output dtype keep the saved x̂, the row kernel and
-  cuBLAS (traced only: no kernel runs)."""
+  """A returned h or another output dtype keep the saved x̂, the row kernel and cuBLAS (traced
+  only: no kernel runs)."""
   calls = _spy(monkeypatch)
   x, w, dy, s = _inputs(4, 16)
   extra = {}
@@ -222,9 +246,9 @@ def test_op_keeps_the_row_kernel_path_elsewhere(monkeypatch, kwargs):
     return jnp.sum(out.astype(jnp.float32))
   jax.eval_shape(jax.grad(loss, argnums=(0, 1)), x, w)
   assert not calls
-  assert not mn._whole_backward(x, w, extra.get("dense_bias"), extra.get("residual"),  # pylint: disable=protected-access
-                                jnp.dtype(extra.get("out_dtype", x.dtype)),
-                                extra.get("return_h", False), "interpret")
+  whole = mn._whole_backward  # pylint: disable=protected-access
+  assert not whole(x, w, None, extra.get("residual"), jnp.dtype(extra.get("out_dtype", x.dtype)),
+                   extra.get("return_h", False), "interpret")
 
 
 # ------------------------------------------------------------------------------------------------

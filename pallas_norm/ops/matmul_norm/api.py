@@ -18,9 +18,9 @@ the column sums by a deterministic two-stage reduction (:func:`.xla.column_sum`)
 implementations, dh and the column sums run as one Pallas kernel with the Triton lowering
 (:func:`pallas_norm.ops.norms.triton.norm_backward`, ``layer_norm``'s backward kernel given x̂
 and rstd; its per-program partial sums are added in a fixed order) where it takes the shape,
-else in XLA. At K = N = 128 with no dense bias or returned h, and the output (and a residual) in
-x's dtype, the whole backward is one kernel instead (:func:`.mosaic_bwd.backward`: h recomputed
-from x and the residual, so the forward saves no x̂). The ``"xla"``
+else in XLA. At K = N = 128 without a returned h, and the output (and a residual) in x's dtype,
+the whole backward is one kernel instead (:func:`.mosaic_bwd.backward`: h recomputed from x, the
+dense bias and the residual, so the forward saves no x̂). The ``"xla"``
 implementation is the unfused reference's math (:func:`.xla.matmul_norm`): the GEMM
 differentiated by JAX, the norm by the one-pass rule of :mod:`pallas_norm.ops.norms.xla`.
 """
@@ -188,9 +188,10 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   if _whole_backward(x, w, dense_bias, residual, out_dtype, return_h, implementation):
     # The backward kernel recomputes h from x (and the residual): the forward saves only the
     # statistics.
-    y, h, _, mean, rstd = _forward(x, w, None, residual, scale, bias, norm, eps, out_dtype,
-                                   return_h, True, implementation, config, return_xhat=False)
-    saved = (x, w, None, residual, scale, bias, None, (mean, rstd))
+    y, h, _, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps,
+                                   out_dtype, return_h, True, implementation, config,
+                                   return_xhat=False)
+    saved = (x, w, dense_bias, residual, scale, bias, None, (mean, rstd))
     return (y, h, mean, rstd) if return_stats else (y, h, None, None), saved
   y, h, xhat, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps,
                                     out_dtype, return_h, True, implementation, config,
@@ -206,10 +207,11 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
 def _whole_backward(x, w, dense_bias, residual, out_dtype, return_h, implementation) -> bool:
   """Whether the whole backward runs as one kernel (:func:`.mosaic_bwd.backward`: h recomputed
   from x, dh, dx, dw and the column sums in one pass over x and dy), so the forward saves no
-  x̂: K = N = 128 (:func:`.mosaic_bwd.unsupported_reason`), no dense bias or returned h, the
-  output (and a residual) in x's dtype."""
+  x̂: K = N = 128 (:func:`.mosaic_bwd.unsupported_reason`), no returned h, the output (and a
+  residual) in x's dtype."""
   del implementation  # both kernel implementations take it
-  return (dense_bias is None and not return_h
+  del dense_bias  # the kernel adds it to h and sums dh for its gradient
+  return (not return_h
           and (residual is None or jnp.dtype(residual.dtype) == jnp.dtype(x.dtype))
           and jnp.dtype(out_dtype) == jnp.dtype(x.dtype)
           and mosaic_bwd.unsupported_reason(x.shape[0], x.shape[1], w.shape[1], x.dtype) is None)
@@ -250,9 +252,11 @@ def _fused_bwd(norm, eps, out_dtype, return_h, return_stats, implementation, con
       dy_out = jnp.zeros(dy_out.shape, dy_out.dtype)
     mean, rstd = rstd
     residual = residual_dtype  # this route saves the residual itself
-    dx, dw, dscale, dbias, dres = mosaic_bwd.backward(
-        x, w, dy_out, rstd, mean, scale, residual, interpret=implementation == "interpret")
-    return (dx, dw.astype(w.dtype), None, dres,
+    dx, dw, dscale, dbias, dres, ddense = mosaic_bwd.backward(
+        x, w, dy_out, rstd, mean, scale, residual, dense_bias,
+        interpret=implementation == "interpret")
+    return (dx, dw.astype(w.dtype), None if dense_bias is None else ddense.astype(dense_bias.dtype),
+            dres,
             None if scale is None else dscale.astype(scale.dtype),
             None if bias is None else dbias.astype(bias.dtype))
   if not return_h or isinstance(dh_out, SymbolicZero):

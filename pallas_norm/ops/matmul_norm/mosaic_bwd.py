@@ -1,13 +1,13 @@
 """The post-norm GEMM's whole backward at K = N = 128 as one Mosaic-GPU kernel (sm_90a).
 
-For ``h = x @ w (+ residual)``, ``y = norm(h)·scale + bias`` (no dense bias or returned h) the
+For ``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale + bias`` (no returned h) the
 backward needs dh = rstd ⊙ (g − x̂ ⊙ mean_N(g ⊙ x̂) − mean_N(g)) with g = scale ⊙ dy (RMSNorm
-without the last term; DESIGN.md, op 2), dx = dh wᵀ, dw = xᵀ dh, dscale = Σ_i dy ⊙ x̂ and
-dbias = Σ_i dy. Where a 128-row block's whole rows fit one CTA (N = 128) this kernel does all of
-it from x, dy (a residual) and the forward's statistics, so the forward saves no x̂ and the
-backward moves x, dy → dx: 3 tensors of M × 128 instead of 7 (the norm-backward row kernel,
-then cuBLAS's dx and dw; ``benchmarks/NOTES.md``, "Open questions"); with a residual x,
-residual, dy → dx, d(residual) = dh: 5 instead of 8.
+without the last term; DESIGN.md, op 2), dx = dh wᵀ, dw = xᵀ dh, dscale = Σ_i dy ⊙ x̂ and dbias
+= Σ_i dy (and d(dense_bias) = Σ_i dh). Where a 128-row block's whole rows fit one CTA (N = 128)
+this kernel does all of it from x, dy (a residual) and the forward's statistics, so the forward
+saves no x̂ and the backward moves x, dy → dx: 3 tensors of M × 128 instead of 7 (the
+norm-backward row kernel, then cuBLAS's dx and dw; ``benchmarks/NOTES.md``, "Open questions");
+with a residual x, residual, dy → dx, d(residual) = dh: 5 instead of 8.
 
 Per row block (a persistent CTA walks them; a TMA producer streams the block's x and dy and its
 rstd (and mean) through a ring of stages; w and scale stay in SMEM), each of the two consumer
@@ -81,6 +81,11 @@ class _Plan:
   layer: bool
   has_scale: bool
   has_residual: bool
+  has_dense_bias: bool
+
+  @property
+  def n_cols(self) -> int:  # column sums: Σ dy ⊙ x̂, Σ dy (+ Σ dh for the dense bias)
+    return 2 + int(self.has_dense_bias)
   stages: int
   num_ctas: int
 
@@ -96,9 +101,10 @@ def _smem(plan: _Plan) -> dict:
   return dict(
       w=plgpu.SMEM((1, WIDTH, WIDTH), plan.dtype, transforms=tf),
       scale=plgpu.SMEM((WIDTH,), jnp.float32) if plan.has_scale else None,
-      w_ready=plgpu.Barrier(num_arrivals=1 + int(plan.has_scale)),
+      dense_bias=plgpu.SMEM((WIDTH,), jnp.float32) if plan.has_dense_bias else None,
+      w_ready=plgpu.Barrier(num_arrivals=1 + int(plan.has_scale) + int(plan.has_dense_bias)),
       dh=plgpu.SMEM((1, TILE_M, WIDTH), plan.dtype, transforms=tf),
-      cols=plgpu.SMEM((1, 2, 2, WIDTH), jnp.float32),
+      cols=plgpu.SMEM((1, 2, plan.n_cols, WIDTH), jnp.float32),
       out=plgpu.SMEM((2, TILE_M // 2, STORE_N), jnp.float32),
       ready=plgpu.Barrier(num_arrivals=2),
       done=plgpu.Barrier(num_arrivals=2),
@@ -152,6 +158,9 @@ class _Consumer:
       plgpu.wgmma_wait(0)
       return acc[...]
     h = pl.run_scoped(product, plgpu.ACC((TILE_M // 2, WIDTH), jnp.float32))
+    if self.plan.has_dense_bias:
+      b = plgpu.load(self.smem["dense_bias"], layout=plgpu.Layout.WGMMA.reduce(0))
+      h = h + lax.broadcast_in_dim(b, h.shape, [1])
     if self.plan.has_residual:  # each thread reads the elements it overwrites with x̂ later
       plgpu.barrier_wait(self.smem["res_ready"].at[self.wg])
       h = h + plgpu.load(self.smem["dh"].at[self.rows],
@@ -212,6 +221,15 @@ class _Consumer:
                     + jnp.sum(part, axis=1))
     plgpu.commit_smem()  # every warp's reads of x̂, before dh overwrites it
 
+  def _add_dh_column_sums(self):
+    """Σ over this consumer's rows of dh (the dense bias's gradient), as it is in the dh tile
+    (in x's dtype, the values the GEMMs read), read transposed, added in f32 to its third row."""
+    for c in range(0, WIDTH, CHUNK):
+      t = plgpu.load(self.smem["dh"].at[self.rows, pl.ds(c, CHUNK)].transpose((1, 0)),
+                     layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+      row = self.smem["cols"].at[self.wg, 2, pl.ds(c, CHUNK)]
+      row[...] = plgpu.load(row, layout=plgpu.Layout.WGMMA.reduce(1)) + jnp.sum(t, axis=1)
+
   def block(self, dw_acc, step, m_idx, first, last):
     self.smem = smem = self._tiles(self._allocs, mgpu.opaque_zero(step))
     plan = self.plan
@@ -226,6 +244,8 @@ class _Consumer:
     self._add_column_sums(dy_stage, x_hat)
     self._write_dh(dy16, x_hat, rstd)
     plgpu.commit_smem()  # dh's stores, for the WGMMAs (async proxy) of both consumers
+    if plan.has_dense_bias:
+      self._add_dh_column_sums()
     row0 = self._row0(m_idx)
     if plan.has_residual:  # d(residual) = dh
       plgpu.copy_smem_to_gmem(smem["dh"].at[self.rows],
@@ -274,6 +294,7 @@ def _kernel(*refs, plan: _Plan):
   x_gmem, w_gmem, dy_gmem = next(it), next(it), next(it)
   row_gmems = [next(it) for _ in range(1 + int(plan.layer))]  # rstd (, mean), padded
   scale_gmem = next(it) if plan.has_scale else None
+  dense_bias_gmem = next(it) if plan.has_dense_bias else None
   res_gmem = next(it) if plan.has_residual else None
   dx_gmem, dw_gmem, cols_gmem = next(it), next(it), next(it)
   dres_gmem = next(it) if plan.has_residual else None
@@ -294,6 +315,8 @@ def _kernel(*refs, plan: _Plan):
       plgpu.copy_gmem_to_smem(w_gmem, smem["w"].at[0], smem["w_ready"])
       if plan.has_scale:
         plgpu.copy_gmem_to_smem(scale_gmem, smem["scale"], smem["w_ready"])
+      if plan.has_dense_bias:
+        plgpu.copy_gmem_to_smem(dense_bias_gmem, smem["dense_bias"], smem["w_ready"])
 
       def visit(m_idx, i, last):
         block = pl.ds(m_idx * TILE_M, TILE_M)
@@ -305,7 +328,7 @@ def _kernel(*refs, plan: _Plan):
     def consume():
       consumer = _Consumer(plan, wg, smem, ring, dx_gmem, res_gmem, dres_gmem)
       zeros = plgpu.layout_cast(jnp.zeros((WIDTH,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-      for i in range(2):
+      for i in range(plan.n_cols):
         smem["cols"].at[0, wg, i][...] = zeros
       plgpu.commit_smem()
       plgpu.barrier_wait(smem["w_ready"])
@@ -322,22 +345,23 @@ def _kernel(*refs, plan: _Plan):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def backward(x, w, dy, rstd, mean=None, scale=None, residual=None, *,
+def backward(x, w, dy, rstd, mean=None, scale=None, residual=None, dense_bias=None, *,
              interpret: bool = False):
-  """(dx, dw, dscale_sums, dbias_sums, d_residual) of the post-norm GEMM at K = N = 128 in one
-  kernel.
+  """(dx, dw, dscale_sums, dbias_sums, d_residual, d_dense_bias) of the post-norm GEMM at
+  K = N = 128 in one kernel.
 
   Args:
     x: (M, 128) the forward's input; w: (128, 128); dy: (M, 128) the output's cotangent, all in
       one 16-bit dtype; rstd, mean: (M,) float32, the forward's statistics (mean None for
       RMSNorm); scale: (128,) the norm's scale or None; residual: (M, 128) in x's dtype, added
-      to h in the forward (h = x w + residual), or None.
+      to h in the forward (h = x w + dense_bias + residual), or None; dense_bias: (128,) or None.
     interpret: GPU interpret mode.
 
   Returns:
     dx (M, 128) in x's dtype; dw (128, 128) float32; Σ_i dy ⊙ x̂ and Σ_i dy, (128,) float32 each
     (the scale's and the norm bias's gradients); d(residual) = dh (M, 128) in x's dtype, or None
-    without a residual.
+    without a residual; Σ_i dh (128,) float32 (the dense bias's gradient; dh as the GEMMs read
+    it, in x's dtype), or None without a dense bias.
 
   Raises:
     ValueError: shapes or dtypes the kernel does not take (:func:`unsupported_reason`).
@@ -351,20 +375,24 @@ def backward(x, w, dy, rstd, mean=None, scale=None, residual=None, *,
                      f"{w.dtype}{w.shape}")
   if residual is not None and (residual.dtype != x.dtype or residual.shape != (m, n)):
     raise ValueError(f"residual (M, N) in x's dtype; got {residual.dtype}{residual.shape}")
+  if dense_bias is not None and dense_bias.shape != (n,):
+    raise ValueError(f"dense_bias must have shape ({n},), got {dense_bias.shape}")
   m_iters = -(-m // TILE_M)
   plan = _Plan(m=m, dtype=jnp.dtype(x.dtype), layer=mean is not None,
-               has_scale=scale is not None, has_residual=residual is not None, stages=2,
+               has_scale=scale is not None, has_residual=residual is not None,
+               has_dense_bias=dense_bias is not None, stages=2,
                num_ctas=max(1, min(mgpu.num_sms(interpret), m_iters)))
   pad = m_iters * TILE_M - m
   rows = [jnp.pad(v, (0, pad)) for v in (rstd, mean) if v is not None]
-  vecs = [] if scale is None else [scale.astype(jnp.float32)]
+  vecs = [v.astype(jnp.float32) for v in (scale, dense_bias) if v is not None]
   out_types = (jax.ShapeDtypeStruct((m, k), x.dtype),
                jax.ShapeDtypeStruct((plan.num_ctas, k, n), jnp.float32),
-               jax.ShapeDtypeStruct((plan.num_ctas, 2, 2, n), jnp.float32))
+               jax.ShapeDtypeStruct((plan.num_ctas, 2, plan.n_cols, n), jnp.float32))
   if residual is not None:
     out_types += (jax.ShapeDtypeStruct((m, n), x.dtype),)
   call = gemm_core.kernel(functools.partial(_kernel, plan=plan), out_types,
                           num_ctas=plan.num_ctas, interpret=interpret)
   dx, dw, cols, *dres = call(x, w, dy, *rows, *vecs, *([] if residual is None else [residual]))
   cols = cols.sum(axis=(0, 1))
-  return dx, dw.sum(axis=0), cols[0], cols[1], (dres[0] if dres else None)
+  return (dx, dw.sum(axis=0), cols[0], cols[1], (dres[0] if dres else None),
+          (cols[2] if dense_bias is not None else None))
