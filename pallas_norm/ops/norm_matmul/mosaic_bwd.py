@@ -75,6 +75,13 @@ so the rows add up within each warp, into per-CTA f32 rows in SMEM that are stor
 end; XLA adds the CTAs' partials. It reads each dy stage from SMEM once more, next to WGMMA's
 reads.
 
+dW_γ in the kernel (``return_dw_gamma``; ``norm_matmul``'s backward at K = 128, N ≤ 128): with
+the row sums in the epilogue on one CTA, the epilogue writes x̂ into a WGMMA A tile in SMEM
+instead of GMEM, and each consumer adds x̂[:, its 64 columns]ᵀ dy (dy's row block TMA'd again,
+from L2, with the x tile) to a (64, N) f32 accumulator that lives across the CTA's row blocks
+(:meth:`_DxHooks.consumer_scope`); the partials are stored once and XLA adds them. No GEMM reads
+x̂ and dy again.
+
 Kernel structure: the GEMM body of :mod:`pallas_norm.mgpu.gemm` over the (M, K) output tiles
 (A: dy (tile_m, tile_k); B: w_gamma (tile_n, tile_k), read transposed; the reduction runs over N
 in steps of tile_k) with the hooks of :class:`_DxHooks`. Each consumer owns an SMEM buffer of
@@ -543,7 +550,8 @@ class _DxHooks(gemm_core.Hooks):
   """dx on the GEMM body: the x tile and row vectors of the epilogue fetched at reduction step
   :data:`X_PREFETCH_STEP`, the fused row terms' partial sums of each step's dy and y tiles,
   and the epilogue ``rstd ⊙ acc − y_term ⊙ (x − mean) − c_term`` written over the x tile in
-  SMEM and stored by TMA. SMEM: :func:`_smem`."""
+  SMEM and stored by TMA; with ``plan.dw`` the epilogue also adds x̂ᵀ dy to dW_γ's accumulator
+  (:meth:`_issue_dw`). SMEM: :func:`_smem`."""
 
   def __init__(self, plan: _Plan, wg, refs, x_gmem, row_gmems, dx_gmem, x_hat_gmem,
                col_sum_gmem, dy_gmem=None, dw_gmem=None):
@@ -774,7 +782,7 @@ class _DxHooks(gemm_core.Hooks):
     """This consumer's rows of the CTA's dW_γ partial (64, N) f32, through its SMEM slot in
     :data:`DW_STORE_N`-column pieces (each waits for the previous piece's store to read the
     slot)."""
-    cta = lax.axis_index("cluster_grid") * self.plan.cluster + lax.axis_index("cluster")
+    cta = _cta_index(self.plan)
     slot, wg_m = self.dw_smem["out"].at[self.wg], self.plan.cfg.wg_tile_m
     for c in range(0, self.plan.n, DW_STORE_N):
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -793,8 +801,13 @@ class _DxHooks(gemm_core.Hooks):
     """This consumer's column-sum rows to its CTA's slot of the partials (after the
     schedule: the last add's stores fenced for the TMA)."""
     plgpu.commit_smem()
-    cta = lax.axis_index("cluster_grid") * self.plan.cluster + lax.axis_index("cluster")
+    cta = _cta_index(self.plan)
     plgpu.copy_smem_to_gmem(self.col_sum_smem.at[self.wg], self.col_sum_gmem.at[cta, self.wg])
+
+
+def _cta_index(plan: _Plan):
+  """This CTA's index in the grid of clusters (the row of its per-CTA partial outputs)."""
+  return lax.axis_index("cluster_grid") * plan.cluster + lax.axis_index("cluster")
 
 
 def _sum_in_cta_order(per_cta) -> tuple:
@@ -1080,7 +1093,7 @@ def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None,
   if not (plan.col_sums or plan.dw):
     return out
   out = list(out)
-  if plan.dw:  # the CTAs' partials added in CTA order (deterministic)
+  if plan.dw:  # the CTAs' partials, added by one XLA reduction (the same order every call)
     out[-1] = out[-1].sum(axis=0)
   if plan.col_sums:
     i = len(out) - 1 - int(plan.dw)
