@@ -82,12 +82,12 @@ class _Plan:
   has_scale: bool
   has_residual: bool
   has_dense_bias: bool
+  stages: int
+  num_ctas: int
 
   @property
   def n_cols(self) -> int:  # column sums: Σ dy ⊙ x̂, Σ dy (+ Σ dh for the dense bias)
     return 2 + int(self.has_dense_bias)
-  stages: int
-  num_ctas: int
 
   @property
   def m_iters(self) -> int:
