@@ -62,11 +62,16 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
   Args:
     x: (..., K) activations, bfloat16/float16/float32 (float64 with jax_enable_x64).
     w: (K, N) weight, same dtype as x.
-    scale: optional (K,) γ of the norm (keyword-only, as every argument after w).
+    scale: optional (K,) γ of the norm (keyword-only, as every argument after w), any float
+      dtype (its gradient comes back in it). The kernel folds it into w in w's dtype: in
+      float16 a product |scale · w| below 6.1e-5 loses precision and one above 65504 is inf
+      (README, Limitations); bfloat16 has neither.
     norm_bias: optional (K,) β of the norm (LayerNorm or RMSNorm), added before the product;
-      not a bias of the dense layer.
+      not a bias of the dense layer; any float dtype.
     norm: "rms" (RMSNorm) or "layer" (LayerNorm).
-    eps: positive float (default 1e-6).
+    eps: positive float (default 1e-6), static (a Python or NumPy scalar, not a traced value),
+      at least the statistics dtype's max^(-2/3) (~2.1e-26 for float32), where rstd's
+      derivative eps^-1.5 would overflow.
     out_dtype: dtype of y (default x.dtype).
     return_stats: also return :class:`pallas_norm.NormStats` (mean (None for RMS), rstd; float32,
       float64 for float64 x; shape x.shape[:-1]). The statistics are outputs for the caller's backward; they carry no
