@@ -9,7 +9,9 @@ steps; with ``--checkpoint-dir`` the parameters, optimizer state and step are sa
 and ``--resume`` continues from the latest saved step up to ``--steps`` in total (the batch order
 depends only on (seed, step), so a resumed run sees the batches an uninterrupted one would; a
 resume with another --data, --seed, --batch-size or --train-examples than the checkpoint's is
-refused).
+refused; --lr, --weight-decay, --dtype (the compute dtype: parameters stay float32),
+--implementation and --steps may differ, as when training on from a checkpoint with new
+settings: AdamW's moments are restored as saved and the new values apply from the resumed step).
 ``--devices N`` (default: every device) and ``--model-parallel M`` train data- and table-parallel
 on a mesh of N devices (:mod:`distributed`; ``--multi-host`` for several hosts).
 ``--token-buckets K`` packs each batch's behaviour sequences into the smallest of K static
