@@ -246,8 +246,7 @@ def test_op_keeps_the_row_kernel_path_elsewhere(monkeypatch, kwargs):
   jax.eval_shape(jax.grad(loss, argnums=(0, 1)), x, w)
   assert not calls
   whole = mn._whole_backward  # pylint: disable=protected-access
-  assert not whole(x, w, None, extra.get("residual"), jnp.dtype(extra.get("out_dtype", x.dtype)),
-                   extra.get("return_h", False), "interpret")
+  assert not whole(x, w, jnp.dtype(extra.get("out_dtype", x.dtype)), extra.get("return_h", False))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   # symbolic_zeros=True (see defvjp below) wraps each differentiable input.
   x, w, dense_bias, residual, scale, bias = (
       None if p is None else p.value for p in (x, w, dense_bias, residual, scale, bias))
-  if _whole_backward(x, w, dense_bias, residual, out_dtype, return_h, implementation):
+  if _whole_backward(x, w, out_dtype, return_h):
     # The backward kernel recomputes h from x (and the residual): the forward saves only the
     # statistics.
     y, h, _, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps,
@@ -204,15 +204,13 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   return (y, h, mean, rstd), saved
 
 
-def _whole_backward(x, w, dense_bias, residual, out_dtype, return_h, implementation) -> bool:
+def _whole_backward(x, w, out_dtype, return_h) -> bool:
   """Whether the whole backward runs as one kernel (:func:`.mosaic_bwd.backward`: h recomputed
   from x, dh, dx, dw and the column sums in one pass over x and dy), so the forward saves no
-  x̂: K = N = 128 (:func:`.mosaic_bwd.unsupported_reason`), no returned h, the output (and a
-  residual) in x's dtype."""
-  del implementation  # both kernel implementations take it
-  del dense_bias  # the kernel adds it to h and sums dh for its gradient
+  x̂: K = N = 128 (:func:`.mosaic_bwd.unsupported_reason`), no returned h, the output in x's
+  dtype (a residual is in x's dtype already: :func:`check_args`; a dense bias the kernel adds
+  to h itself)."""
   return (not return_h
-          and (residual is None or jnp.dtype(residual.dtype) == jnp.dtype(x.dtype))
           and jnp.dtype(out_dtype) == jnp.dtype(x.dtype)
           and mosaic_bwd.unsupported_reason(x.shape[0], x.shape[1], w.shape[1], x.dtype) is None)
 

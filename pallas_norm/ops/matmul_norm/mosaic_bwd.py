@@ -59,8 +59,7 @@ STORE_N = 32  # f32 columns of dw per TMA store of the partial (16 KiB of SMEM)
 CHUNK = 64  # columns of a row's f32 work at a time (one swizzle tile of the dh tile)
 
 
-def unsupported_reason(m: int, k: int, n: int, dtype, *, interpret: bool = False
-                       ) -> str | None:
+def unsupported_reason(m: int, k: int, n: int, dtype) -> str | None:
   """None if :func:`backward` runs for x (m, k), w (k, n) in ``dtype``, else why not: K = N =
   :data:`WIDTH`, bfloat16/float16, M a multiple of 8 (Mosaic's tiled TMA of the x and dy
   blocks)."""
@@ -70,7 +69,6 @@ def unsupported_reason(m: int, k: int, n: int, dtype, *, interpret: bool = False
     return f"bfloat16 or float16 only, got {jnp.dtype(dtype).name}"
   if m % 8:
     return f"M = {m} is not a multiple of 8"
-  del interpret
   return None
 
 
@@ -368,7 +366,7 @@ def backward(x, w, dy, rstd, mean=None, scale=None, residual=None, dense_bias=No
   """
   m, k = x.shape
   n = w.shape[1]
-  if (reason := unsupported_reason(m, k, n, x.dtype, interpret=interpret)) is not None:
+  if (reason := unsupported_reason(m, k, n, x.dtype)) is not None:
     raise ValueError(f"matmul_norm backward kernel: {reason}")
   if not (w.dtype == dy.dtype == x.dtype and dy.shape == (m, n)):
     raise ValueError(f"dy (M, N) and w (K, N) in x's dtype; got {dy.dtype}{dy.shape}, "
