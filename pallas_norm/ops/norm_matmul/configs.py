@@ -49,6 +49,14 @@ cost more than the fusion saves: LayerNorm at K = 576, N = 512 (the Kunlun model
 trained slower at every M measured up to 16384 (measured: ``benchmarks/NOTES.md``, "Small M")."""
 
 
+def weight_grad_kernel_pays(k: int, n: int) -> bool:
+  """Whether the backward's dW_γ = x̂ᵀ dy runs as the weight-gradient kernel, which reads x and
+  makes x̂ itself (:mod:`pallas_norm.ops.norm_matmul.mosaic_dw`), rather than as cuBLAS's GEMM
+  of the x̂ that the dx kernel writes (where the dx kernel sums its rows in the epilogue)."""
+  del k, n
+  return True
+
+
 def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
   """Why ``implementation=None`` keeps XLA to train (forward+backward) x (M, K) @ w (K, N), or
   None to take the kernel."""
