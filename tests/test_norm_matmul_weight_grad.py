@@ -179,3 +179,14 @@ def test_gpu_weight_grad_matches_oracle(m, k, n, layer):
 @pytest.mark.parametrize("norm,bias", [("rms", False), ("layer", True)])
 def test_gpu_op_gradients_through_the_weight_grad_kernel(monkeypatch, norm, bias):
   _op_check(monkeypatch, 16384, 256, 256, norm, bias, "mosaic", 2e-2)
+
+
+def test_weight_grad_kernel_pays_where_measured():
+  """The measured rule (configs.weight_grad_kernel_pays): K, N ≤ 512 take the kernel; 512×2048
+  and 1024², where it trained slower, keep cuBLAS."""
+  from pallas_norm.ops.norm_matmul import configs
+  assert configs.weight_grad_kernel_pays(256, 256) and configs.weight_grad_kernel_pays(512, 512)
+  assert configs.weight_grad_kernel_pays(128, 320)
+  assert not configs.weight_grad_kernel_pays(512, 2048)
+  assert not configs.weight_grad_kernel_pays(1024, 1024)
+  assert not configs.weight_grad_kernel_pays(1024, 256)

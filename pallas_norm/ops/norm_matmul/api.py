@@ -24,12 +24,15 @@ epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`). Where the kernel can
 across the CTAs of a cluster that share the rows (nothing reads y). Elsewhere its two row
 scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy
 and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from the dx
-kernel's own K loop, which then streams y next to dy. The weight gradients are XLA
-GEMMs: with the row sums in the epilogue, for LayerNorm and for RMSNorm with K < N
-(:func:`.configs.x_hat_pays`) the dx kernel's
-epilogue also writes the normalized input x̂ = (x − mean) ⊙ rstd from the x tile it holds, and
-dW_γ = x̂ᵀ dy is one GEMM with nothing to scale or correct; otherwise (RMSNorm, K ≥ N)
-dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass. A norm bias's terms need Σ_i dy_i:
+kernel's K loop, which then streams y next to dy. The weight gradient dW_γ = x̂ᵀ dy, with
+x̂ = (x − mean) ⊙ rstd: with the row sums in the epilogue, at K = 128 (N ≤ 128) the dx kernel
+sums it itself; for K, N ≤ 512 (:func:`.configs.weight_grad_kernel_pays`) the weight-gradient
+kernel (:mod:`pallas_norm.ops.norm_matmul.mosaic_dw`) reads x and dy and makes x̂ in its
+registers, so x̂ never goes to memory; elsewhere the dx kernel's epilogue writes x̂ from the x
+tile it holds and dW_γ is one XLA GEMM with nothing to scale or correct (also without the row
+sums, for LayerNorm and for RMSNorm with K < N, :func:`.configs.x_hat_pays`); otherwise
+(RMSNorm, K ≥ N) dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass.
+A norm bias's terms need Σ_i dy_i:
 with the row sums in the epilogue the dx kernel sums the dy stages it streams
 (``return_dy_col_sums``, where :func:`.mosaic_bwd.dy_col_sums_unsupported_reason` allows), so x̂
 stays K wide; elsewhere x̂ ends with a ones column, and the same GEMM gives them (x̂ past K
