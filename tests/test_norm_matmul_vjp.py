@@ -232,12 +232,13 @@ def _spy_on_launch(monkeypatch) -> list:
 
 def _zero_launch_outputs(dy, x, kwargs):
   """Zeros shaped as the dx kernel's launch returns them for ``kwargs``: dx; with x̂ (wider by
-  its ones block), Σ_i dy_i where asked, and dW_γ (K, N) where asked."""
+  its ones block), Σ_i dy_i where asked (also without x̂: the weight-gradient kernel's route),
+  and dW_γ (K, N) where asked."""
   sums = (jnp.zeros((dy.shape[1],), jnp.float32),) if kwargs.get("dy_col_sums") else ()
   if kwargs.get("dw_gamma"):
     return (jnp.zeros_like(x), *sums, jnp.zeros((x.shape[1], dy.shape[1]), jnp.float32))
   if not kwargs.get("x_hat"):
-    return jnp.zeros_like(x)
+    return (jnp.zeros_like(x), *sums) if sums else jnp.zeros_like(x)
   x_hat = jnp.zeros((x.shape[0], x.shape[1] + 32 * kwargs.get("x_hat_ones", False)), x.dtype)
   return (jnp.zeros_like(x), x_hat, *sums)
 
@@ -260,11 +261,24 @@ def _trace_grads(x, w, scale, bias, norm, out_dtype=None):
 def test_bias_grads_take_dy_col_sums_where_the_kernel_can(monkeypatch, m, k, n, bias, sums,
                                                           ones):
   """A norm bias's gradients take Σ_i dy_i from the dx kernel where it can sum them
-  (dy_col_sums_unsupported_reason), else from x̂'s ones block; no kernel runs."""
+  (dy_col_sums_unsupported_reason), else from x̂'s ones block; no kernel runs. The x̂ route:
+  the weight-gradient kernel off (it reads no x̂, so no ones block: the test below)."""
+  monkeypatch.setattr(nm_configs, "weight_grad_kernel_pays", lambda k, n: False)
   kwargs_seen = _spy_on_launch(monkeypatch)
   x, w, scale, b, _ = _inputs(5, m, k, n, jnp.bfloat16)
   _trace_grads(x, w, scale, b if bias else None, "layer")
   assert kwargs_seen and all(kw["dy_col_sums"] == sums and kw["x_hat_ones"] == ones
+                             for kw in kwargs_seen), kwargs_seen
+
+
+def test_bias_grads_with_the_weight_grad_kernel_take_dy_col_sums(monkeypatch):
+  """Where the weight-gradient kernel makes x̂ from x (K = 256, N = 320 here), the dx kernel
+  writes no x̂ and so no ones block: Σ_i dy_i comes from its column sums; no kernel runs."""
+  monkeypatch.setattr(nm_configs, "weight_grad_kernel_pays", lambda k, n: True)
+  kwargs_seen = _spy_on_launch(monkeypatch)
+  x, w, scale, b, _ = _inputs(5, 16, 256, 320, jnp.bfloat16)
+  _trace_grads(x, w, scale, b, "layer")
+  assert kwargs_seen and all(kw["dy_col_sums"] and not kw["x_hat"] and not kw["x_hat_ones"]
                              for kw in kwargs_seen), kwargs_seen
 
 
@@ -796,7 +810,9 @@ def test_epilogue_row_sums_route_by_shape(monkeypatch, k, n, norm, interpret, ex
 def test_weight_grads_take_x_hat_with_the_row_sums(monkeypatch, k, n, norm, x_hat):
   """On a GPU (interpret=False) the weight gradients take x̂ wherever the dx kernel sums its
   rows in the epilogue (RMSNorm at K = N too: no XLA pass over dy is left to fuse the scaling
-  into), else by configs.x_hat_pays. Traced only: no kernel runs."""
+  into), else by configs.x_hat_pays; the weight-gradient kernel off (with it no x̂ is written:
+  test_weight_grad_kernel's route tests). Traced only: no kernel runs."""
+  monkeypatch.setattr(nm_configs, "weight_grad_kernel_pays", lambda k, n: False)
   seen = []
 
   def spy(dy, w_gamma, x, *args, **kwargs):

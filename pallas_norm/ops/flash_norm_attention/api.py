@@ -63,7 +63,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     ln_scale, ln_bias: optional (H·D,) affine of the LayerNorm (only with pre_layer_norm), any
       float dtype (applied in float32, float64 for float64 q).
     rms_scale: optional (H·D,) gamma of the RMSNorm, the same.
-    eps: positive float for both norms (default 1e-6).
+    eps: positive float for both norms (default 1e-6), static (a Python or NumPy scalar, not a
+      traced value), at least float32's max^(-2/3) (~2.1e-26).
     out_dtype: default q.dtype.
     pre_layer_norm: LayerNorm q first (default); False: ``u = q``.
     inner_residual: ``z = u + gdpa(u, k, v)`` (default); False: ``z = gdpa(u, k, v)``.

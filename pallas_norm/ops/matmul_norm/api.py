@@ -54,7 +54,9 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       argument after w). residual: optional (..., N) added to h, in x's dtype (another
       dtype: TypeError).
     scale, norm_bias: optional (N,) γ and β of the norm.
-    norm: "layer" (default) or "rms". eps: positive float (default 1e-6).
+    norm: "layer" (default) or "rms". eps: positive float (default 1e-6), static (a Python or
+      NumPy scalar, not a traced value), at least the statistics dtype's max^(-2/3) (~2.1e-26
+      for float32).
     out_dtype: dtype of y and h (default x.dtype).
     return_h: also return h, the pre-norm residual stream, in the output dtype.
     return_stats: also return :class:`pallas_norm.NormStats` of h, shape ``x.shape[:-1]``

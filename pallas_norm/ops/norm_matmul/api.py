@@ -24,12 +24,15 @@ epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`). Where the kernel can
 across the CTAs of a cluster that share the rows (nothing reads y). Elsewhere its two row
 scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy
 and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from the dx
-kernel's own K loop, which then streams y next to dy. The weight gradients are XLA
-GEMMs: with the row sums in the epilogue, for LayerNorm and for RMSNorm with K < N
-(:func:`.configs.x_hat_pays`) the dx kernel's
-epilogue also writes the normalized input x̂ = (x − mean) ⊙ rstd from the x tile it holds, and
-dW_γ = x̂ᵀ dy is one GEMM with nothing to scale or correct; otherwise (RMSNorm, K ≥ N)
-dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass. A norm bias's terms need Σ_i dy_i:
+kernel's K loop, which then streams y next to dy. The weight gradient dW_γ = x̂ᵀ dy, with
+x̂ = (x − mean) ⊙ rstd: with the row sums in the epilogue, at K = 128 (N ≤ 128) the dx kernel
+sums it itself; for K, N ≤ 512 (:func:`.configs.weight_grad_kernel_pays`) the weight-gradient
+kernel (:mod:`pallas_norm.ops.norm_matmul.mosaic_dw`) reads x and dy and makes x̂ in its
+registers, so x̂ never goes to memory; elsewhere the dx kernel's epilogue writes x̂ from the x
+tile it holds and dW_γ is one XLA GEMM with nothing to scale or correct (also without the row
+sums, for LayerNorm and for RMSNorm with K < N, :func:`.configs.x_hat_pays`); otherwise
+(RMSNorm, K ≥ N) dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass.
+A norm bias's terms need Σ_i dy_i:
 with the row sums in the epilogue the dx kernel sums the dy stages it streams
 (``return_dy_col_sums``, where :func:`.mosaic_bwd.dy_col_sums_unsupported_reason` allows), so x̂
 stays K wide; elsewhere x̂ ends with a ones column, and the same GEMM gives them (x̂ past K
@@ -50,7 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_norm import _dispatch, _op, _validate, reference
-from pallas_norm.ops.norm_matmul import configs, mosaic, mosaic_bwd, xla
+from pallas_norm.ops.norm_matmul import configs, mosaic, mosaic_bwd, mosaic_dw, xla
 
 _F32 = jnp.float32
 
@@ -190,13 +193,20 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   dw_config = (_dw_gamma_config(m, k, n, x.dtype, dy.dtype, norm, interpret) if row_sums
                else None)
   dw = dw_config is not None
+  dw_kernel = not dw and row_sums and _takes_weight_grad_kernel(m, k, n, x.dtype, dy.dtype)
   # With the row sums in the dx epilogue no pass over dy is left in XLA but the weight
-  # gradients' scaling of dy, which x̂ from the same epilogue replaces (or, where the kernel
-  # sums dW_γ = x̂ᵀ dy itself, the GEMM of x̂ too).
-  x_hat = not dw and (row_sums or configs.x_hat_pays(k, n, norm))
+  # gradients' scaling of dy, which x̂ from the same epilogue replaces (or, where the dx kernel
+  # sums dW_γ = x̂ᵀ dy itself or the weight-gradient kernel makes x̂ from x, the GEMM of x̂ too).
+  x_hat = not (dw or dw_kernel) and (row_sums or configs.x_hat_pays(k, n, norm))
   out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret=interpret,
                     row_sums=row_sums, x_hat=x_hat, dw_config=dw_config,
-                    bias_sums=(x_hat or dw) and norm_bias is not None)
+                    bias_sums=(x_hat or dw or dw_kernel) and norm_bias is not None)
+  if dw_kernel:
+    dx, dy_colsum = out
+    dw_gamma = _op.first_order_only(
+        "norm_matmul", functools.partial(mosaic_dw.weight_grad, interpret=interpret),
+        x, dy, rstd, mean)
+    return (dx, *xla.affine_grads(dw_gamma, dy, w, scale, norm_bias, dy_colsum))
   if dw:
     dx, dy_colsum, dw_gamma = out
     return (dx, *xla.affine_grads(dw_gamma, dy, w, scale, norm_bias, dy_colsum))
@@ -217,6 +227,16 @@ def _takes_row_sums(m, k, n, dtype, interpret) -> bool:
   the rounded y); it costs the cluster exchange of the row sums. Measured on the H200 against
   the routes before it in ``benchmarks/NOTES.md`` ("Pre-norm backward")."""
   return mosaic_bwd.row_sums_unsupported_reason(m, n, k, dtype, interpret) is None
+
+
+def _takes_weight_grad_kernel(m, k, n, dtype, dy_dtype) -> bool:
+  """Whether dW_γ = x̂ᵀ dy comes from :func:`.mosaic_dw.weight_grad` (x̂ made from x in its
+  registers) instead of x̂ written by the dx kernel and cuBLAS's GEMM of it: with the row sums
+  in the dx epilogue (the caller asks), where the kernel takes the shapes (dy in x's dtype,
+  :func:`.mosaic_dw.unsupported_reason`) and :func:`.configs.weight_grad_kernel_pays`. Measured
+  on the GPU in ``benchmarks/NOTES.md`` ("Pre-norm backward")."""
+  return (configs.weight_grad_kernel_pays(k, n)
+          and mosaic_dw.unsupported_reason(m, k, n, dtype, dy_dtype) is None)
 
 
 def _dw_gamma_config(m, k, n, dtype, dy_dtype, norm, interpret):
@@ -246,7 +266,8 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row
   ending in a ones column, so that dW_γ's GEMM also sums dy's columns (which costs it cuBLAS's
   best tiles). ``dw_config`` (with ``row_sums``, :func:`_dw_gamma_config`'s tiling):
   ``(dx, Σ_i dy_i or None, dW_γ)``, the kernel summing dW_γ = x̂ᵀ dy (and Σ_i dy_i where
-  ``bias_sums`` and it can; else None, and XLA reduces dy's columns)."""
+  ``bias_sums`` and it can; else None, and XLA reduces dy's columns). With ``row_sums`` and
+  neither x̂ nor ``dw_config`` (the weight-gradient kernel's route): ``(dx, Σ_i dy_i or None)``."""
   norm = "rms" if mean is None else "layer"
   (m, k), n = x.shape, y.shape[1]
   dw = dw_config is not None
@@ -273,6 +294,8 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row
         dy.astype(x.dtype), w_gamma, x, rstd, *row_args.values())
     if dw:
       return (out[0], out[1] if sums else None, out[-1])
+    if row_sums and not x_hat:  # the weight-gradient kernel's route
+      return (out[0], out[1]) if sums else (out, None)
     return out if sums or not x_hat else (*out, None)
 
   if row_sums:

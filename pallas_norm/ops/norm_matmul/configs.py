@@ -49,6 +49,22 @@ cost more than the fusion saves: LayerNorm at K = 576, N = 512 (the Kunlun model
 trained slower at every M measured up to 16384 (measured: ``benchmarks/NOTES.md``, "Small M")."""
 
 
+WEIGHT_GRAD_KERNEL_MAX_KN = 512
+"""Largest K and N at which the backward takes the weight-gradient kernel
+(:func:`weight_grad_kernel_pays`)."""
+
+
+def weight_grad_kernel_pays(k: int, n: int) -> bool:
+  """Whether the backward's dW_γ = x̂ᵀ dy runs as the weight-gradient kernel, which reads x and
+  makes x̂ itself (:mod:`pallas_norm.ops.norm_matmul.mosaic_dw`), rather than as cuBLAS's GEMM
+  of the x̂ that the dx kernel writes (where the dx kernel sums its rows in the epilogue): for
+  K, N ≤ :data:`WEIGHT_GRAD_KERNEL_MAX_KN`. Measured on an H100 (the op's fwd+bwd at the suite's
+  shapes): faster at 256² and RMSNorm 512², tied at LayerNorm 512², slower at 512×2048, 1024²
+  and 2048², where the product is bound by the tensor core and cuBLAS's GEMM is the faster one
+  (``benchmarks/NOTES.md``, "Pre-norm backward")."""
+  return k <= WEIGHT_GRAD_KERNEL_MAX_KN and n <= WEIGHT_GRAD_KERNEL_MAX_KN
+
+
 def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
   """Why ``implementation=None`` keeps XLA to train (forward+backward) x (M, K) @ w (K, N), or
   None to take the kernel."""

@@ -64,7 +64,9 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
     scale: optional (N,) gamma, any float dtype (applied in the statistics' dtype).
     residual: optional array of x's shape and dtype (another dtype: TypeError), added before
       the norm.
-    eps: positive float added to the mean square (default 1e-6, the Flax default).
+    eps: positive float added to the mean square (default 1e-6, the Flax default), static (a
+      Python or NumPy scalar, not a traced value), at least the statistics dtype's max^(-2/3)
+      (~2.1e-26 for float32).
     zero_centered_scale: apply ``1 + scale`` instead of ``scale``.
     out_dtype: dtype of y (default x.dtype).
     implementation: None, "xla", "triton", "interpret" or a sequence of them (see
