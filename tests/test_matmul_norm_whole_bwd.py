@@ -277,3 +277,16 @@ def test_gpu_op_gradients_through_the_whole_backward(monkeypatch, norm):
                        f32(x), f32(w), f32(s))
   for name, g, r in zip(("dx", "dw", "dscale"), grads, vjp_ref(f32(dy))):
     assert _rel(g, r) < 2e-2, (name, _rel(g, r))
+
+
+def test_whole_backward_takes_a_minimum_m_on_the_gpu():
+  """On the GPU the whole backward starts at configs.WHOLE_BACKWARD_MIN_M rows (measured slower
+  at 4096); interpret mode takes it at any M, so the CPU tests run it."""
+  from pallas_norm.ops.matmul_norm import configs
+  w = jnp.ones((K, N), jnp.bfloat16)
+  whole = mn._whole_backward  # pylint: disable=protected-access
+  for m, gpu in ((8, False), (configs.WHOLE_BACKWARD_MIN_M - 8, False),
+                 (configs.WHOLE_BACKWARD_MIN_M, True), (262144, True)):
+    x = jax.ShapeDtypeStruct((m, K), jnp.bfloat16)
+    assert whole(x, w, jnp.dtype(jnp.bfloat16), False) == gpu, m
+    assert whole(x, w, jnp.dtype(jnp.bfloat16), False, interpret=True)

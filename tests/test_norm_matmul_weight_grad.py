@@ -92,10 +92,21 @@ def test_weight_grad_refuses_what_it_cannot_run():
     md.weight_grad(x[:, :64], dy, rstd, interpret=True)
   with pytest.raises(ValueError, match="x's dtype"):
     md.weight_grad(x, dy.astype(jnp.float16), rstd, interpret=True)
-  with pytest.raises(ValueError, match="rstd must have shape"):
+  with pytest.raises(ValueError, match="rstd must be an array of shape"):
     md.weight_grad(x, dy, rstd[:8], interpret=True)
   with pytest.raises(ValueError, match="rows"):
     md.weight_grad(x, dy[:8], rstd, interpret=True)
+  # A review's cases: each a ValueError naming the argument before any kernel or tiling runs.
+  with pytest.raises(ValueError, match="multiple of 64"):
+    md.weight_grad(x, dy[:, :96], rstd, interpret=True)
+  with pytest.raises(ValueError, match="dy must be a 2-D"):
+    md.weight_grad(x, dy[0], rstd, interpret=True)
+  with pytest.raises(ValueError, match="x must be a 2-D"):
+    md.weight_grad(x[None], dy, rstd, interpret=True)
+  with pytest.raises(ValueError, match="rstd must be an array"):
+    md.weight_grad(x, dy, None, mean, interpret=True)
+  with pytest.raises(ValueError, match="rstd must be an array"):
+    md.weight_grad(x, dy, list(np.asarray(rstd)), interpret=True)
 
 
 @pytest.mark.parametrize("layer", [False, True])

@@ -187,7 +187,7 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   # symbolic_zeros=True (see defvjp below) wraps each differentiable input.
   x, w, dense_bias, residual, scale, bias = (
       None if p is None else p.value for p in (x, w, dense_bias, residual, scale, bias))
-  if _whole_backward(x, w, out_dtype, return_h):
+  if _whole_backward(x, w, out_dtype, return_h, interpret=implementation == "interpret"):
     # The backward kernel recomputes h from x (and the residual): the forward saves only the
     # statistics.
     y, h, _, mean, rstd = _forward(x, w, dense_bias, residual, scale, bias, norm, eps,
@@ -206,15 +206,18 @@ def _fused_fwd(x, w, dense_bias, residual, scale, bias, norm, eps, out_dtype, re
   return (y, h, mean, rstd), saved
 
 
-def _whole_backward(x, w, out_dtype, return_h) -> bool:
+def _whole_backward(x, w, out_dtype, return_h, interpret: bool = False) -> bool:
   """Whether the whole backward runs as one kernel (:func:`.mosaic_bwd.backward`: h recomputed
   from x, dh, dx, dw and the column sums in one pass over x and dy), so the forward saves no
   x̂: K = N = 128 (:func:`.mosaic_bwd.unsupported_reason`), no returned h, the output in x's
   dtype (a residual is in x's dtype already: :func:`check_args`; a dense bias the kernel adds
-  to h itself)."""
+  to h itself), and on the GPU at least :data:`.configs.WHOLE_BACKWARD_MIN_M` rows (a speed
+  rule: interpret mode takes it at any M, so the CPU tests run it)."""
+  m = x.shape[0]
   return (not return_h
+          and (interpret or m >= configs.WHOLE_BACKWARD_MIN_M)
           and jnp.dtype(out_dtype) == jnp.dtype(x.dtype)
-          and mosaic_bwd.unsupported_reason(x.shape[0], x.shape[1], w.shape[1], x.dtype) is None)
+          and mosaic_bwd.unsupported_reason(m, x.shape[1], w.shape[1], x.dtype) is None)
 
 
 def _norm_backward_kernel_reason(dy_out, dh_out, xhat, x_dtype) -> str | None:

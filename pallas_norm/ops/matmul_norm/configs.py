@@ -20,6 +20,14 @@ Kunlun model's interaction MLP, LayerNorm + residual) the kernel trained slower 
 M = 768 (6 row blocks: 6 clusters of 4 CTAs on 132 SMs) and faster from M = 4096."""
 
 
+WHOLE_BACKWARD_MIN_M = 16384
+"""Fewest rows at which the kernel path's backward at K = N = 128 runs as the one whole-backward
+kernel (``api._whole_backward``) instead of the row kernel and cuBLAS's GEMMs. Measured on an
+H100 (fwd+bwd, both norms): faster from M = 16384 (RMSNorm 26.8 → 24.8 µs, LayerNorm + residual
+35.6 → 30.0), slower at 4096 (18.4 → 19.5, 22.2 → 22.8), where it runs 32 CTAs
+(``benchmarks/NOTES.md``, "Post-norm backward")."""
+
+
 LAYER_WIDE_TRAINING_MAX_K, LAYER_WIDE_TRAINING_MAX_N = 512, 4096
 """LayerNorm also trains with the kernel at K ≤ 512 up to N = 4096, where its forward loses (a
 CTA loops over 2 N tiles). So a forward that is not differentiated runs XLA there and training

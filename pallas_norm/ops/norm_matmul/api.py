@@ -26,7 +26,8 @@ scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from 
 and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from the dx
 kernel's K loop, which then streams y next to dy. The weight gradient dW_γ = x̂ᵀ dy, with
 x̂ = (x − mean) ⊙ rstd: with the row sums in the epilogue, at K = 128 (N ≤ 128) the dx kernel
-sums it itself; for K, N ≤ 512 (:func:`.configs.weight_grad_kernel_pays`) the weight-gradient
+sums it itself; for K, N ≤ 512 (:func:`.configs.weight_grad_kernel_pays`; K a multiple of 128,
+N of 64, M of 8 and dy in x's dtype, :func:`.mosaic_dw.unsupported_reason`) the weight-gradient
 kernel (:mod:`pallas_norm.ops.norm_matmul.mosaic_dw`) reads x and dy and makes x̂ in its
 registers, so x̂ never goes to memory; elsewhere the dx kernel's epilogue writes x̂ from the x
 tile it holds and dW_γ is one XLA GEMM with nothing to scale or correct (also without the row

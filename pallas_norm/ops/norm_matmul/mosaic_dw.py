@@ -70,9 +70,13 @@ def _fixed_bytes() -> int:
 
 
 def pick_config(m: int, k: int, n: int, *, layer: bool = True, itemsize: int = 2) -> Config:
-  """The widest ``tile_n`` (≤ 256) dividing N, and as many stages (≤ 4) as fit the SMEM."""
+  """The widest ``tile_n`` dividing N, at most 128 for N ≤ 256 and 256 above, and as many stages
+  (≤ 4) as fit the SMEM. Measured alone on an H100 (``benchmarks/NOTES.md``, "Pre-norm
+  backward"): at N = 256 (K = 128 and 256), where the product is bound by memory, 128-wide
+  tiles (twice the M groups) beat 256-wide ones; at 512², bound by the tensor core, 256."""
   del m, k
-  tile_n = next(t for t in (256, 128, 64) if n % t == 0)
+  widest = 128 if n <= 256 else 256
+  tile_n = next(t for t in (256, 128, 64) if t <= widest and n % t == 0)
   room = mgpu.SMEM_BYTES - _fixed_bytes()
   stages = min(4, room // _stage_bytes(tile_n, itemsize, layer))
   return Config(tile_n=tile_n, stages=stages)
@@ -278,18 +282,26 @@ def weight_grad(x, dy, rstd, mean=None, *, config: Config | None = None,
     float32, the groups' partials added by XLA.
 
   Raises:
-    ValueError: shapes or dtypes the kernel does not take (:func:`unsupported_reason`).
+    ValueError: x or dy not 2-D, rows that do not match, rstd (mean) not of shape (M,), or
+      shapes and dtypes the kernel does not take (:func:`unsupported_reason`), each before any
+      tiling is picked or kernel traced.
   """
+  for name, v in (("x", x), ("dy", dy)):
+    if getattr(v, "ndim", None) != 2:
+      raise ValueError(f"{name} must be a 2-D array, got {getattr(v, 'shape', type(v))}")
   (m, k), n = x.shape, dy.shape[1]
   if dy.shape[0] != m:
     raise ValueError(f"dy must have x's {m} rows, got {dy.shape}")
   for name, v in (("rstd", rstd), ("mean", mean)):
-    if v is not None and v.shape != (m,):
-      raise ValueError(f"{name} must have shape ({m},), got {v.shape}")
+    if v is None and name == "mean":
+      continue
+    if getattr(v, "shape", None) != (m,):
+      raise ValueError(f"{name} must be an array of shape ({m},), got "
+                       f"{getattr(v, 'shape', type(v))}")
+  if (reason := unsupported_reason(m, k, n, x.dtype, dy.dtype, config)) is not None:
+    raise ValueError(f"norm_matmul weight-gradient kernel: {reason}")
   cfg = config or pick_config(m, k, n, layer=mean is not None,
                               itemsize=jnp.dtype(x.dtype).itemsize)
-  if (reason := unsupported_reason(m, k, n, x.dtype, dy.dtype, cfg)) is not None:
-    raise ValueError(f"norm_matmul weight-gradient kernel: {reason}")
   plan = _make_plan(m, k, n, x.dtype, mean is not None, cfg, interpret)
   pad = plan.steps * STEP_M - m
   rows = [jnp.pad(v.astype(jnp.float32), (0, pad)) for v in (rstd, mean) if v is not None]
