@@ -162,9 +162,10 @@ def _ring_allocs(plan: _Plan) -> dict:
       ((STEP_M, plan.cfg.tile_n), plan.dtype, tf), *rows)
 
 
-def _items(plan: _Plan, visit) -> None:
+def _items(plan: _Plan, visit):
   """Runs ``visit(index, first_global_step)`` for each of this CTA's work items (items c,
-  c + CTAs, ...), carrying the ring's global step count across them."""
+  c + CTAs, ...), carrying the ring's global step count across them; returns the CTA's total
+  steps."""
   cta = lax.axis_index("sm")
   count = (plan.items - cta + plan.num_ctas - 1) // plan.num_ctas
 
@@ -172,7 +173,7 @@ def _items(plan: _Plan, visit) -> None:
     index = cta + j * plan.num_ctas
     visit(index, step0)
     return step0 + plan.item(index)[4]
-  lax.fori_loop(0, count, body, jnp.int32(0))
+  return lax.fori_loop(0, count, body, jnp.int32(0))
 
 
 def _produce(plan: _Plan, ring, x_gmem, dy_gmem, row_gmems) -> None:
@@ -186,17 +187,7 @@ def _produce(plan: _Plan, ring, x_gmem, dy_gmem, row_gmems) -> None:
       rows = pl.ds((first + s) * STEP_M, STEP_M)
       mgpu.ring_produce(ring, step0 + s, x_gmem.at[rows, x_cols], dy_gmem.at[rows, dy_cols],
                         *(r.at[rows] for r in row_gmems))
-  _items(plan, visit)
-  total = _total_steps(plan)
-  mgpu.ring_drain(ring, total)
-
-
-def _total_steps(plan: _Plan):
-  """This CTA's ring steps over all its items."""
-  cta = lax.axis_index("sm")
-  count = (plan.items - cta + plan.num_ctas - 1) // plan.num_ctas
-  return lax.fori_loop(0, count, lambda j, t: t + plan.item(cta + j * plan.num_ctas)[4],
-                       jnp.int32(0))
+  mgpu.ring_drain(ring, _items(plan, visit))
 
 
 def _x_hat_t(plan: _Plan, wg, x_stage, rows_stages):
