@@ -59,8 +59,9 @@ def weight_grad_kernel_pays(k: int, n: int) -> bool:
   makes x̂ itself (:mod:`pallas_norm.ops.norm_matmul.mosaic_dw`), rather than as cuBLAS's GEMM
   of the x̂ that the dx kernel writes (where the dx kernel sums its rows in the epilogue): for
   K, N ≤ :data:`WEIGHT_GRAD_KERNEL_MAX_KN`. Measured on an H100 (the op's fwd+bwd at the suite's
-  shapes): faster at 256² and RMSNorm 512², tied at LayerNorm 512², slower at 512×2048, 1024²
-  and 2048², where the product is bound by the tensor core and cuBLAS's GEMM is the faster one
+  shapes): faster at 256² and RMSNorm 512², tied at LayerNorm 512² and RMSNorm 1024², slower at
+  512×2048, LayerNorm 1024² and 2048², where the product is bound by the tensor core and
+  cuBLAS's GEMM is the faster one
   (``benchmarks/NOTES.md``, "Pre-norm backward")."""
   return k <= WEIGHT_GRAD_KERNEL_MAX_KN and n <= WEIGHT_GRAD_KERNEL_MAX_KN
 

@@ -73,7 +73,8 @@ def pick_config(m: int, k: int, n: int, *, layer: bool = True, itemsize: int = 2
   """The widest ``tile_n`` dividing N, at most 128 for N ≤ 256 and 256 above, and as many stages
   (≤ 4) as fit the SMEM. Measured alone on an H100 (``benchmarks/NOTES.md``, "Pre-norm
   backward"): at N = 256 (K = 128 and 256), where the product is bound by memory, 128-wide
-  tiles (twice the M groups) beat 256-wide ones; at 512², bound by the tensor core, 256."""
+  tiles (twice the column tiles, half the M groups) beat 256-wide ones; at 512², bound by the
+  tensor core, 256."""
   del m, k
   widest = 128 if n <= 256 else 256
   tile_n = next(t for t in (256, 128, 64) if t <= widest and n % t == 0)
