@@ -32,12 +32,12 @@ kernel (:mod:`pallas_norm.ops.norm_matmul.mosaic_dw`) reads x and dy and makes x
 registers, so x̂ never goes to memory; elsewhere the dx kernel's epilogue writes x̂ from the x
 tile it holds and dW_γ is one XLA GEMM with nothing to scale or correct (also without the row
 sums, for LayerNorm and for RMSNorm with K < N, :func:`.configs.x_hat_pays`); otherwise
-(RMSNorm, K ≥ N) dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass.
-A norm bias's terms need Σ_i dy_i:
-with the row sums in the epilogue the dx kernel sums the dy stages it streams
-(``return_dy_col_sums``, where :func:`.mosaic_bwd.dy_col_sums_unsupported_reason` allows), so x̂
-stays K wide; elsewhere x̂ ends with a ones column, and the same GEMM gives them (x̂ past K
-columns makes cuBLAS leave its best tiles: ``benchmarks/NOTES.md``, pre-norm backward).
+(RMSNorm, K ≥ N) dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass. A norm bias's
+terms need Σ_i dy_i: with the row sums in the epilogue the dx kernel sums the dy stages it
+streams (``return_dy_col_sums``, where :func:`.mosaic_bwd.dy_col_sums_unsupported_reason`
+allows), so x̂ stays K wide; elsewhere x̂ ends with a ones column, and the same GEMM gives them
+(x̂ past K columns makes cuBLAS leave its best tiles: ``benchmarks/NOTES.md``, pre-norm
+backward).
 
 The ``"xla"`` implementation is :func:`.xla.norm_matmul`: the unfused reference's math
 (:func:`pallas_norm.reference.norm_matmul`; the lazy form for 16-bit RMSNorm), differentiated by

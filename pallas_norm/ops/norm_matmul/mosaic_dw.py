@@ -146,13 +146,12 @@ class _Plan:
 
 
 def _make_plan(m, k, n, dtype, layer, cfg, interpret) -> _Plan:
-  plan = _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), layer=layer, cfg=cfg, num_ctas=1,
-               groups=1, a_in_smem=interpret)
   sms = mgpu.num_sms(interpret)
+  tiles = (k // TILE_K) * (n // cfg.tile_n)
   # As many M ranges as keep every SM busy, each at least a few ring-lengths long.
-  groups = max(1, min(sms // plan.tiles, plan.steps // (2 * cfg.stages)))
-  num_ctas = min(sms, plan.tiles * groups)
-  return dataclasses.replace(plan, groups=groups, num_ctas=num_ctas)
+  groups = max(1, min(sms // tiles, -(-m // STEP_M) // (2 * cfg.stages)))
+  return _Plan(m=m, k=k, n=n, dtype=jnp.dtype(dtype), layer=layer, cfg=cfg,
+               num_ctas=min(sms, tiles * groups), groups=groups, a_in_smem=interpret)
 
 
 def _ring_allocs(plan: _Plan) -> dict:
