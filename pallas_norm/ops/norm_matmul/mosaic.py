@@ -148,7 +148,7 @@ def _chained_stages(cfg: TileConfig, k: int) -> int:
   """Stages of a chained pipeline for cfg (Pallas's rule: a count that divides the K steps), with
   the most SMEM any call takes besides the stages (LayerNorm, bias, bf16 output)."""
   fit = gemm_core.fit_stages(cfg, _streams(cfg, jnp.bfloat16, False),
-                             _smem(cfg, jnp.bfloat16, 2, 2))
+                             _smem(cfg, jnp.bfloat16, 2, _n_stat_slots("layer")))
   stages, chained = mgpu.pipeline_stages(max(k // cfg.tile_k, 1),
                                          min(cfg.max_concurrent_steps, fit))
   return stages if chained else 0
@@ -180,6 +180,11 @@ def _n_stats(norm) -> int:
   return {"rms": 1, "layer": 2, None: 0}[norm]
 
 
+def _n_stat_slots(norm) -> int:
+  # LayerNorm keeps a third row vector in SMEM, the epilogue's rstd (:func:`_finalize_stats`).
+  return {"rms": 1, "layer": 3, None: 0}[norm]
+
+
 def _epi_tile_n(cfg: TileConfig, out_dtype) -> int:
   # The output stage is swizzled but untiled: one row must fit in a 128-byte swizzle span.
   return min(cfg.epi_tile_n, 128 // jnp.dtype(out_dtype).itemsize)
@@ -204,17 +209,18 @@ def _streams(cfg: TileConfig, dtype, a_in_registers: bool) -> list[gemm_core.Str
                            mgpu.swizzle_transforms(cfg.tile_k, dtype))]
 
 
-def _smem(cfg: TileConfig, out_dtype, n_vecs: int, n_stats: int) -> dict:
+def _smem(cfg: TileConfig, out_dtype, n_vecs: int, n_stat_slots: int) -> dict:
   """SMEM besides the stages, per consumer warpgroup: the epilogue's output slots (untiled, so
   a TMA store needs no M % 8 == 0), the N tile's column vectors and their barrier (one
-  arrival per vector copy), the row statistics of the row block."""
+  arrival per vector copy), the row statistics of the row block (:func:`_n_stat_slots`)."""
   epi_n = _epi_tile_n(cfg, out_dtype)
   return dict(
       out_smem=plgpu.SMEM((2, _out_slots(cfg, out_dtype), cfg.epi_tile_m, epi_n), out_dtype,
                           transforms=mgpu.swizzle_transforms(epi_n, out_dtype, tiled=False)),
       vec_smem=plgpu.SMEM((2, n_vecs, cfg.tile_n), jnp.float32) if n_vecs else None,
       vec_barrier=plgpu.Barrier(num_arrivals=n_vecs, num_barriers=2) if n_vecs else None,
-      stat_smem=plgpu.SMEM((2, n_stats, cfg.wg_tile_m), jnp.float32) if n_stats else None)
+      stat_smem=(plgpu.SMEM((2, n_stat_slots, cfg.wg_tile_m), jnp.float32) if n_stat_slots
+                 else None))
 
 
 def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -> _Plan:
@@ -226,7 +232,7 @@ def _make_plan(m, k, n, dtype, out_dtype, norm, eps, has_bias, cfg, interpret) -
   # no tiled-TMA restriction (and cannot run register-A WGMMA).
   a_in_registers = not interpret and m % 8 != 0
   kloop = gemm_core.plan_k_loop(cfg, _streams(cfg, dtype, a_in_registers), k // cfg.tile_k,
-                                _smem(cfg, jnp.dtype(out_dtype), n_vecs, _n_stats(norm)),
+                                _smem(cfg, jnp.dtype(out_dtype), n_vecs, _n_stat_slots(norm)),
                                 a_in_registers=a_in_registers)
   # Work units of the persistent loop: (row block, N tile), or row blocks alone when a CTA
   # sweeps all N tiles of its row block (stats_once).
@@ -272,11 +278,12 @@ def _update_stats(plan: _Plan, stats, x, k_idx):
 
 
 def _finalize_stats(plan: _Plan, stats):
-  """(mean or None, rstd) row vectors (layout WGMMA.reduce(1)) from the accumulated sums."""
+  """(mean or None, rstd, var or None) row vectors (layout WGMMA.reduce(1)) from the accumulated
+  sums."""
   k, eps = plan.k, plan.eps
   if plan.norm == "rms":
     (s2,) = stats
-    return None, lax.rsqrt(jnp.sum(s2, axis=1) * (1.0 / k) + eps)
+    return None, lax.rsqrt(jnp.sum(s2, axis=1) * (1.0 / k) + eps), None
   shift, s1, s2 = stats
   # Chan et al.: merge the (count, mean, M2) of the 8 lane columns, count = K / 8 each.
   cnt = k // mgpu.LANE_COLS
@@ -290,7 +297,16 @@ def _finalize_stats(plan: _Plan, stats):
   dev = lane_mean - _rowvec(mean, lane_mean.shape)
   m2 = jnp.sum(lane_m2, axis=1) + jnp.sum(dev * dev, axis=1) * float(cnt)
   var = jnp.maximum(m2 * (1.0 / k), 0.0)
-  return mean, lax.rsqrt(var + eps)
+  return mean, lax.rsqrt(var + eps), var
+
+
+def _epilogue_rstd(rstd, var):
+  """The rstd the lazy form multiplies by: 0 on a constant row (var exactly 0: every x − shift
+  is 0, so the shifted sums are exact), whose true x̂ is 0 and y = out_bias. There the lazy
+  form's acc − mean·col_sum is f32 rounding of |mean|·|col_sum| scaled by rsqrt(eps), an error
+  that grew with the constant (0.24 at 1e3 on outputs of 0.34, eps 1e-6); bf16 rows of a large
+  constant plus small noise round to such rows."""
+  return jnp.where(var > 0.0, rstd, 0.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -352,13 +368,14 @@ class _LazyNormHooks(gemm_core.Hooks):
     return _update_stats(self.plan, carry, step.a().astype(jnp.float32), step.k_idx)
 
   def _row_stats(self, tile, stats):
-    """(rstd, mean or None) of this warpgroup's rows; stat_smem holds them afterwards."""
+    """(the epilogue's rstd, mean or None) of this warpgroup's rows; stat_smem holds rstd (and
+    mean, and the epilogue's rstd) afterwards."""
     plan, wg, stat_smem = self.plan, self.wg, self.stat_smem
     if not self._with_stats(tile):
       load = lambda i: plgpu.load(stat_smem.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
-      return load(0), (load(1) if plan.norm == "layer" else None)
-    mean, rstd = _finalize_stats(plan, stats)
-    row_vecs = [rstd] if mean is None else [rstd, mean]
+      return (load(0), None) if plan.norm == "rms" else (load(2), load(1))
+    mean, rstd, var = _finalize_stats(plan, stats)
+    row_vecs = [rstd] if mean is None else [rstd, mean, _epilogue_rstd(rstd, var)]
     for i, v in enumerate(row_vecs):
       stat_smem[wg, i] = v
     plgpu.commit_smem()
@@ -368,10 +385,10 @@ class _LazyNormHooks(gemm_core.Hooks):
     # past M: a bulk copy clamped to 0 bytes is best not issued).
     @pl.when((tile.n_idx == 0) & (row0 < plan.m))
     def _store_stats():
-      for i, dst in enumerate(self.stat_gmems[:len(row_vecs)]):
+      for i, dst in enumerate(self.stat_gmems[:plan.n_stats]):
         plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], dst.at[pl.ds(row0, plan.cfg.wg_tile_m)])
 
-    return rstd, mean
+    return row_vecs[-1], mean
 
   def epilogue(self, tile, acc, stats):
     plan, wg, cfg = self.plan, self.wg, self.plan.cfg
@@ -423,7 +440,7 @@ def _kernel(*refs, plan: _Plan):
                          pl.ds(t.n_idx * cfg.tile_n, cfg.tile_n)],
       schedule=(_row_block_schedule(plan) if cfg.stats_once
                 else gemm_core.tile_grid(plan.m_iters, plan.n_iters, kind=True)),
-      smem=_smem(cfg, plan.out_dtype, plan.n_vecs, plan.n_stats),
+      smem=_smem(cfg, plan.out_dtype, plan.n_vecs, _n_stat_slots(plan.norm)),
       hooks_for=lambda wg, refs: _LazyNormHooks(plan, wg, refs, y_gmem, (rstd_gmem, mean_gmem),
                                                 vec_gmems))
 
