@@ -94,20 +94,21 @@ def test_bf16_compute_keeps_f32_params_and_stays_close(model, forward):
 
 
 def test_implementation_reaches_every_sublayer():
-  m = _model(implementation="interpret")
+  m = _model(implementation=("interpret", "xla"))
   layers = [mod for _, mod in nnx.iter_graph(m)
             if isinstance(mod, nnx.Module) and hasattr(mod, "implementation")]
   # The model itself (its softmax attentions), summary, per layer (pffn, qkv, attn_out),
   # pool_kv, mlp_in, mlp blocks, head.
   assert len(layers) == 1 + 1 + 3 * CONFIG.num_layers + 1 + 1 + CONFIG.num_mlp_layers + 1
-  assert {mod.implementation for mod in layers} == {"interpret"}
+  assert {mod.implementation for mod in layers} == {("interpret", "xla")}
 
 
-def test_mosaic_without_kernels_raises():
-  # Must change when Mosaic kernels land for every op the model uses (then it runs on a Hopper
-  # GPU); on this CPU-only path the first op without a kernel raises.
-  with pytest.raises(NotImplementedError):
-    _model(implementation="mosaic")(*_inputs())
+@pytest.mark.parametrize("implementation", ["mosaic", "interpret"])
+def test_a_kernel_alone_is_refused_at_construction(implementation):
+  # The logit head is NormDense(mlp_dim, 1): N = 1 fits no kernel, so a lone kernel name could
+  # never run the model; it used to fail at the first call with the op's "N = 1" message.
+  with pytest.raises(ValueError, match=r"logit head.*\('" + implementation + "', 'xla'\)"):
+    _model(implementation=implementation)
 
 
 def _bce(m, sparse, dense, ids, off, labels):
