@@ -35,7 +35,8 @@ def promotion_hint(layer: str, dtype, input_dtype, compute: jnp.dtype, params, *
   parameters (or another input in ``others``, e.g. ``residual=``) promote the input (e.g. bf16
   with float32 parameters computes in float32, which the kernels do not take). ``params`` are
   the layer's parameter arrays (None for absent ones); the hint names their own dtype, not the
-  promoted one."""
+  promoted one. Otherwise the error is re-raised with ``layer`` (the layer and the arguments
+  the op's shapes come from) in front, so that a model's error names its sub-layer."""
   try:
     yield
   except NotImplementedError as e:
@@ -53,7 +54,7 @@ def promotion_hint(layer: str, dtype, input_dtype, compute: jnp.dtype, params, *
           f"{e}. ({layer}: with dtype=None {' and '.join(causes)} promoted the {input_dtype} "
           f"input to {compute}; pass dtype=jnp.{input_dtype} to compute in the input's "
           "dtype.)") from e
-    raise
+    raise NotImplementedError(f"{layer}: {e}") from e
 
 
 def cast(dtype, *arrays):

@@ -37,6 +37,12 @@ def _norm_params(rngs, norm, size, use_scale, use_norm_bias, scale_init, norm_bi
   return scale, bias
 
 
+
+def _where(layer) -> str:
+  """The layer as errors name it: the op's K and N are in_features and out_features."""
+  return (f"{type(layer).__name__}(in_features={layer.in_features}, "
+          f"out_features={layer.out_features})")
+
 class NormDense(nnx.Module):
   """Pre-norm dense layer: ``y = norm(x)·norm_scale (+ norm_bias) @ kernel (+ bias)``.
 
@@ -104,7 +110,7 @@ class NormDense(nnx.Module):
     if bias is not None and tuple(bias.shape) != (n,):  # y + bias would broadcast
       raise ValueError(f"{type(self).__name__}: bias must have shape ({n},), got "
                        f"{tuple(bias.shape)}")
-    with _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd, params):
+    with _common.promotion_hint(_where(self), self.dtype, x_dtype, cd, params):
       y = pallas_norm.norm_matmul(x, kernel, scale=scale, norm_bias=norm_bias, norm=self.norm,
                                   eps=self.epsilon, implementation=self.implementation)
     return y if bias is None else y + bias
@@ -163,7 +169,7 @@ class DenseNorm(nnx.Module):
     params = [_common.value(p) for p in (self.kernel, self.bias, self.norm_scale, self.norm_bias)]
     cd = _common.compute_dtype(self.dtype, x, residual, *params)
     x_dtype = x.dtype
-    hint = _common.promotion_hint(type(self).__name__, self.dtype, x_dtype, cd, params,
+    hint = _common.promotion_hint(_where(self), self.dtype, x_dtype, cd, params,
                                   residual=residual)
     x, residual, kernel, bias, scale, norm_bias = _common.cast(cd, x, residual, *params)
     with hint:

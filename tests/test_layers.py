@@ -843,6 +843,18 @@ def test_kernel_error_names_the_dtype_promotion(layer):
     assert "promoted" not in str(info.value) and "Hopper" in str(info.value)
 
 
+@pytest.mark.parametrize("cls,k,n,fragment", [(NormDense, 128, 1, "N = 1"),
+                                               (DenseNorm, 100, 64, "K = 100")])
+def test_kernel_refusal_names_the_layer(cls, k, n, fragment):
+  """A kernel asked for on shapes it does not take names the layer and its features before the
+  op's K / N (a review: inside a model only the op's "N = 1" was said)."""
+  x = jnp.ones((64, k), jnp.bfloat16)
+  with pytest.raises(NotImplementedError,
+                     match=rf"^{cls.__name__}\(in_features={k}, out_features={n}\): "
+                           rf"(norm_matmul|matmul_norm): .*{fragment}"):
+    cls(k, n, dtype=jnp.bfloat16, implementation="interpret", rngs=nnx.Rngs(0))(x)
+
+
 @pytest.mark.parametrize("cls", [NormDense, DenseNorm])
 def test_dense_layers_default_init_and_one_dimensional_input(cls):
   """The kernel's default init is LeCun normal (std 1/√K), and a 1-D input raises the layer's
