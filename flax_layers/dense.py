@@ -37,11 +37,11 @@ def _norm_params(rngs, norm, size, use_scale, use_norm_bias, scale_init, norm_bi
   return scale, bias
 
 
-
 def _where(layer) -> str:
   """The layer as errors name it: the op's K and N are in_features and out_features."""
   return (f"{type(layer).__name__}(in_features={layer.in_features}, "
           f"out_features={layer.out_features})")
+
 
 class NormDense(nnx.Module):
   """Pre-norm dense layer: ``y = norm(x)·norm_scale (+ norm_bias) @ kernel (+ bias)``.

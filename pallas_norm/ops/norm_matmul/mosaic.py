@@ -37,6 +37,8 @@ vs the two-pass f32 reference ≈ 1.4e-7 · |mean|/std: 1.3e-5 at 1e2, 1.4e-4 at
 bf16 data resolve |mean|/std up to ~2.6e2 (8-bit mantissa), f16 up to ~2e3; past that the
 deviations from the mean round away and the data themselves (not the kernel) lose the variance.
 On the GPU the WGMMA accumulation order differs; the GPU tests re-check 1e3 + N(0, 1) rows.
+A row of one constant has var exactly 0 (the shifted sums are exact) and the ratio is infinite:
+there the epilogue multiplies by 0 instead of rstd (:func:`_epilogue_rstd`), so y = out_bias.
 
 Shapes: any M ≥ 1 (the last row tile is partial: TMA zero-fills out-of-bounds reads and drops
 out-of-bounds writes, so rows past M are never written), K and N multiples of 64, x and w_gamma
