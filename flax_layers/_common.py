@@ -35,10 +35,15 @@ def promotion_hint(layer: str, dtype, input_dtype, compute: jnp.dtype, params, *
   parameters (or another input in ``others``, e.g. ``residual=``) promote the input (e.g. bf16
   with float32 parameters computes in float32, which the kernels do not take). ``params`` are
   the layer's parameter arrays (None for absent ones); the hint names their own dtype, not the
-  promoted one. Otherwise the error is re-raised with ``layer`` (the layer and the arguments
-  the op's shapes come from) in front, so that a model's error names its sub-layer."""
+  promoted one. Otherwise the error, and a plain ValueError or TypeError of the op (a bad
+  argument), is re-raised with ``layer`` (the layer and the arguments the op's shapes come from)
+  in front, so that a model's error names its sub-layer."""
   try:
     yield
+  except (ValueError, TypeError) as e:
+    if type(e) not in (ValueError, TypeError):  # JAX's own subclasses keep their form
+      raise
+    raise type(e)(f"{layer}: {e}") from e
   except NotImplementedError as e:
     input_dtype = jnp.dtype(input_dtype)
     if dtype is None and input_dtype != compute:

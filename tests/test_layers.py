@@ -579,6 +579,21 @@ def test_attention_layers_name_q_offsets_when_called_in_the_ops_order(make):
 
 
 @pytest.mark.parametrize("make", [lambda: GDPA(H, D), _pffn], ids=["gdpa", "pffn"])
+def test_op_argument_errors_name_the_layer(make):
+  """An op's ValueError for a bad argument, raised inside a layer, starts with the layer's name
+  (review: "q_offsets must be non-decreasing" alone did not say which layer of a model), also
+  under jit; the op's own wording follows."""
+  q, k, v = _attention_inputs()
+  layer, name = make(), ("GDPA" if make is not _pffn else "PFFNBlock")
+  bad = np.asarray(_offsets()).copy()
+  bad[2], bad[3] = bad[3], bad[2]  # [0, 3, 8, 3, 10]: decreasing at index 3
+  with pytest.raises(ValueError, match=rf"^{name}: q_offsets must be non-decreasing"):
+    layer(q, jnp.asarray(bad), k, v, max_seq_len=MAX_LEN)
+  with pytest.raises(ValueError, match=rf"^{name}: .*max_seq_len"):
+    nnx.jit(lambda m, q, o, k, v: m(q, o, k, v, max_seq_len=0))(layer, q, _offsets(), k, v)
+
+
+@pytest.mark.parametrize("make", [lambda: GDPA(H, D), _pffn], ids=["gdpa", "pffn"])
 def test_attention_layer_arguments_after_v_are_keyword_only(make):
   """GDPA took (kv_offsets, max_seq_len) and PFFNBlock (max_seq_len, kv_offsets) after v, so
   layer(q, off, k, v, 5) meant different things (review finding); now it is Python's TypeError
