@@ -30,10 +30,11 @@ def compute_dtype(dtype, *arrays) -> jnp.dtype:
 
 
 @contextlib.contextmanager
-def promotion_hint(layer: str, dtype, input_dtype, compute: jnp.dtype, params, **others):
-  """Re-raises a kernel's NotImplementedError with the likely cause when ``dtype=None`` made the
-  parameters (or another input in ``others``, e.g. ``residual=``) promote the input (e.g. bf16
-  with float32 parameters computes in float32, which the kernels do not take). ``params`` are
+def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, **others):
+  """Names the layer in the errors of the op it calls. A kernel's NotImplementedError is
+  re-raised with the likely cause when ``dtype=None`` made the parameters (or another input in
+  ``others``, e.g. ``residual=``) promote the input (e.g. bf16 with float32 parameters computes
+  in float32, which the kernels do not take). ``params`` are
   the layer's parameter arrays (None for absent ones); the hint names their own dtype, not the
   promoted one. Otherwise the error, and a plain ValueError or TypeError of the op (a bad
   argument), is re-raised with ``layer`` (the layer and the arguments the op's shapes come from)

@@ -86,7 +86,7 @@ class GDPA(nnx.Module):
     _check_heads(self, "q", q)
     _check_arrays(self, k=k, v=v)
     cd = _common.compute_dtype(self.dtype, q, k, v)
-    with _common.promotion_hint(type(self).__name__, self.dtype, q.dtype, cd, [], k=k, v=v):
+    with _common.op_errors(type(self).__name__, self.dtype, q.dtype, cd, [], k=k, v=v):
       q, k, v = _common.cast(cd, q, k, v)
       return pallas_norm.gdpa(q, k, v, q_offsets, kv_offsets, activation=self.activation,
                               pre_scale=self.pre_scale, post_scale=self.post_scale,
@@ -193,8 +193,8 @@ class PFFNBlock(nnx.Module):
     _check_arrays(self, k=k, v=v)
     affines = [_common.value(p) for p in (self.ln_scale, self.ln_bias, self.rms_scale)]
     cd = _common.compute_dtype(self.dtype, q_tokens, k, v, *affines)
-    with _common.promotion_hint(type(self).__name__, self.dtype, q_tokens.dtype, cd, affines,
-                                k=k, v=v):
+    with _common.op_errors(type(self).__name__, self.dtype, q_tokens.dtype, cd, affines,
+                           k=k, v=v):
       q, k, v, ln_scale, ln_bias, rms_scale = _common.cast(cd, q_tokens, k, v, *affines)
       return pallas_norm.flash_norm_attention(
           q, k, v, q_offsets, kv_offsets, ln_scale=ln_scale, ln_bias=ln_bias,

@@ -110,7 +110,7 @@ class NormDense(nnx.Module):
     if bias is not None and tuple(bias.shape) != (n,):  # y + bias would broadcast
       raise ValueError(f"{type(self).__name__}: bias must have shape ({n},), got "
                        f"{tuple(bias.shape)}")
-    with _common.promotion_hint(_where(self), self.dtype, x_dtype, cd, params):
+    with _common.op_errors(_where(self), self.dtype, x_dtype, cd, params):
       y = pallas_norm.norm_matmul(x, kernel, scale=scale, norm_bias=norm_bias, norm=self.norm,
                                   eps=self.epsilon, implementation=self.implementation)
     return y if bias is None else y + bias
@@ -169,10 +169,10 @@ class DenseNorm(nnx.Module):
     params = [_common.value(p) for p in (self.kernel, self.bias, self.norm_scale, self.norm_bias)]
     cd = _common.compute_dtype(self.dtype, x, residual, *params)
     x_dtype = x.dtype
-    hint = _common.promotion_hint(_where(self), self.dtype, x_dtype, cd, params,
-                                  residual=residual)
+    errors = _common.op_errors(_where(self), self.dtype, x_dtype, cd, params,
+                               residual=residual)
     x, residual, kernel, bias, scale, norm_bias = _common.cast(cd, x, residual, *params)
-    with hint:
+    with errors:
       return pallas_norm.matmul_norm(x, kernel, dense_bias=bias, residual=residual, scale=scale,
                                      norm_bias=norm_bias, norm=self.norm, eps=self.epsilon,
                                      return_h=return_h, implementation=self.implementation)

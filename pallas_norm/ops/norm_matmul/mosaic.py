@@ -308,7 +308,7 @@ def _epilogue_rstd(rstd, var):
   form's acc − mean·col_sum is f32 rounding of |mean|·|col_sum| scaled by rsqrt(eps), an error
   that grew with the constant (0.24 at 1e3 on outputs of 0.34, eps 1e-6); bf16 rows of a large
   constant plus small noise round to such rows."""
-  return jnp.where(var > 0.0, rstd, 0.0)
+  return jnp.where(var == 0.0, 0.0, rstd)  # a NaN variance keeps its NaN rstd
 
 
 # ------------------------------------------------------------------------------------------------
