@@ -727,10 +727,20 @@ class _DxHooks(gemm_core.Hooks):
     bcast = lambda v: lax.broadcast_in_dim(v, shape, [0])
     rstd = bcast(rows[0])
     mean = bcast(rows[1]) if plan.layer else None
+    # Where x̂ only enters dx and its row sum, x̂ = x ⊙ rstd − mean ⊙ rstd: one FMA an element,
+    # as RMSNorm's multiply; its error, the rounding of mean ⊙ rstd, is ~6e-8 · |mean|/std of
+    # x̂ and reaches dx scaled by mean_K(G ⊙ x̂) (the forward's lazy form errs the same way).
+    # An x̂ that is stored or summed into dW_γ is (x − mean) ⊙ rstd, rounded once.
+    shift = (bcast(-(rows[1] * rows[0])) if plan.layer and not (plan.x_hat or plan.dw)
+             else None)
 
     def chunk(cj):  # (x̂, G) of column chunk cj, f32
       xv = plgpu.load(self.x_smem.at[wg, cj], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-      return (xv - mean if plan.layer else xv) * rstd, acc[:, cj * epi_n:(cj + 1) * epi_n]
+      if shift is not None:
+        x_hat = xv * rstd + shift
+      else:
+        x_hat = (xv - mean if plan.layer else xv) * rstd
+      return x_hat, acc[:, cj * epi_n:(cj + 1) * epi_n]
 
     s_gx = None
     for cj in range(plan.chunks[1]):  # elementwise first: one cross-lane sum per row
