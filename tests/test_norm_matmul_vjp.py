@@ -73,6 +73,49 @@ def test_lazy_backward_16bit_large_row_mean(dtype, mean_offset):
     assert err < 2e-2, (name, err)
 
 
+@pytest.mark.parametrize("implementation", [
+    "interpret", pytest.param("mosaic", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("k", [
+    256,  # the weight-gradient kernel (x̂ in its registers) and dx without x̂
+    128,  # dW_γ summed by the dx kernel (x̂ in its SMEM A tile)
+])
+def test_layer_backward_constant_rows(k, implementation):
+  """LayerNorm rows that are one constant (var exactly 0: the forward keeps rstd = 1/√eps for
+  them) among ordinary rows: x̂ must be exactly 0 there, as in the reference, in dW_γ and in dx.
+  An x̂ formed as x·rstd − mean·rstd where the compiler fuses it into one FMA carries the
+  rounding of mean·rstd instead (up to ~4 at 3e5 · 316), which dW_γ sums into dw and dscale
+  (0.32 relative error in dw); so the kernels form it as (x − mean)·rstd wherever it reaches
+  dW_γ (dx survives the FMA: its GEMM is centred over K, so a constant x̂ adds nothing to its row
+  sum). ptxas fuses such pairs on the GPU; XLA:CPU at the suite's optimization level 0 does not
+  (then both roundings of x·rstd and mean·rstd are equal and cancel), so only the GPU case sees
+  that form fail. Against the f32 reference's gradients of the same bf16 values."""
+  m, n = 136, 128
+  x, w, scale, bias, ct = _inputs(17, m, k, n, jnp.bfloat16)
+  rows = {3: 1.0, 40: 100.0, 41: -1e3, 77: 1e4, 130: 3e5}
+  const = np.array(list(rows))
+  x = x.at[const].set(jnp.array(list(rows.values()), jnp.bfloat16)[:, None])
+  # eps = 1e-5 (PyTorch's default): 1/√eps is no short binary fraction, so mean·rstd rounds
+  # (at 1e-6, rstd = 1000 exactly and every bf16 constant times it is exact in f32).
+  eps = 1e-5
+
+  def loss(norm_matmul, *args):
+    y = norm_matmul(*args[:2], scale=args[2], norm_bias=args[3], norm="layer", eps=eps)
+    return jnp.sum(y.astype(jnp.float32) * ct)
+
+  fused = functools.partial(loss, functools.partial(pallas_norm.norm_matmul,
+                                                    implementation=implementation))
+  ref = functools.partial(loss, reference.norm_matmul)
+  got = jax.jit(jax.grad(fused, argnums=(0, 1, 2, 3)))(x, w, scale, bias)
+  want = jax.jit(jax.grad(ref, argnums=(0, 1, 2, 3)))(
+      *(a.astype(jnp.float32) for a in (x, w, scale, bias)))
+  rest = np.delete(np.arange(m), const)
+  for name, g, r in [("dx, constant rows", got[0][const], want[0][const]),
+                     ("dx, other rows", got[0][rest], want[0][rest]),
+                     *zip(["dw", "dscale", "dbias"], got[1:], want[1:])]:
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert _rel(g, r) < 2e-2, (name, _rel(g, r))
+
+
 def _jit_vjp(fn, primals, ct):
   """(fn(*primals), its VJP at ct) as one compiled program: run eagerly, each op of the
   reference and of the XLA path compiled on its own (most of the test's CPU time)."""

@@ -728,9 +728,11 @@ class _DxHooks(gemm_core.Hooks):
     rstd = bcast(rows[0])
     mean = bcast(rows[1]) if plan.layer else None
     # Where x̂ only enters dx and its row sum, x̂ = x ⊙ rstd − mean ⊙ rstd: one FMA an element,
-    # as RMSNorm's multiply; its error, the rounding of mean ⊙ rstd, is ~6e-8 · |mean|/std of
-    # x̂ and reaches dx scaled by mean_K(G ⊙ x̂) (the forward's lazy form errs the same way).
-    # An x̂ that is stored or summed into dW_γ is (x − mean) ⊙ rstd, rounded once.
+    # as RMSNorm's multiply. Its error is the rounding of mean ⊙ rstd, one value per row: ~6e-8
+    # · |mean|/std of x̂, and on a constant row (rstd = 1/√eps) up to ulp(mean/√eps) where x̂
+    # should be 0; G is centred over K, so a constant x̂ adds ~nothing to Σ G ⊙ x̂ and dx stays
+    # rstd ⊙ G. An x̂ that is stored or summed into dW_γ would carry that error into dW_γ:
+    # there x̂ = (x − mean) ⊙ rstd, exactly 0 on a constant row (EXPERIMENTS.md).
     shift = (bcast(-(rows[1] * rows[0])) if plan.layer and not (plan.x_hat or plan.dw)
              else None)
 

@@ -16,10 +16,8 @@ consumer warpgroups owns 64 of the tile's rows of dW_γ and, per block:
 
 1. loads its 64 columns of the x block transposed from SMEM into registers (WGMMA's layout:
    row = a column k of x, column = a row i of the block);
-2. x̂ᵀ = x ⊙ rstd_i (− mean_i ⊙ rstd_i, one FMA an element), in float32, rounded to x's
-   dtype (for LayerNorm rows of a large mean the FMA's rounding of mean_i ⊙ rstd_i, ~6e-8 ·
-   |mean|/std, can move that rounding by one unit: the dx kernel's x̂ output rounds
-   (x − mean) ⊙ rstd);
+2. x̂ᵀ = x ⊙ rstd_i (− mean_i ⊙ rstd_i), in float32, rounded to x's dtype as the dx kernel's
+   x̂ output is;
 3. acc += x̂ᵀ dy (A from registers, B the dy block in SMEM), waited before the stage is
    released (a WGMMA in flight still reads its A registers).
 
@@ -198,16 +196,12 @@ def _x_hat_t(plan: _Plan, wg, x_stage, rows_stages):
   cols = pl.ds(wg * 64, 64)
   xt = plgpu.load(x_stage.at[:, cols].transpose((1, 0)),
                   layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-  load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
-  column = lambda v: lax.broadcast_in_dim(v, xt.shape, [1])
-  rstd = load(rows_stages[0])
-  if not plan.layer:
-    return (xt * column(rstd)).astype(plan.dtype)
-  # x ⊙ rstd − mean ⊙ rstd: one FMA an element on the tensor core's path, not a subtract and
-  # a multiply; the rounding of mean ⊙ rstd, ~6e-8 · |mean|/std of x̂, stays below the bf16
-  # rounding of x̂ up to |mean|/std ~ 1e4.
-  shift = -(load(rows_stages[1]) * rstd)
-  return (xt * column(rstd) + column(shift)).astype(plan.dtype)
+  column = lambda ref: lax.broadcast_in_dim(
+      plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0)), xt.shape, [1])
+  rstd = column(rows_stages[0])
+  if plan.layer:
+    xt = xt - column(rows_stages[1])
+  return (xt * rstd).astype(plan.dtype)
 
 
 def _consume(plan: _Plan, ring, out_slots, a_tiles, partial_gmem) -> None:
