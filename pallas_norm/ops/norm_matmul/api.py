@@ -22,10 +22,10 @@ epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`). Where the kernel can
 (:func:`_takes_row_sums`), the epilogue forms the row sum itself, as the post-norm backward does:
 ``s = rowsum(G ⊙ x̂)`` from the accumulator and the x tile, summed across the CTAs of a cluster
 that share the rows (nothing reads y); for LayerNorm the kernel's GEMM takes w_gamma centred
-over K, which gives G − (dy·c)/K directly (:func:`.mosaic_bwd.centered_over_k`). Elsewhere its two row
-scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy
-and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from the dx
-kernel's K loop, which then streams y next to dy. The weight gradient dW_γ = x̂ᵀ dy, with
+over K, which gives G − (dy·c)/K directly (:func:`.mosaic_bwd.centered_over_k`). Elsewhere its
+two row scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass
+over dy and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from
+the dx kernel's K loop, which then streams y next to dy. The weight gradient dW_γ = x̂ᵀ dy, with
 x̂ = (x − mean) ⊙ rstd: with the row sums in the epilogue, at K = 128 (N ≤ 128) the dx kernel
 sums it itself; for K, N ≤ 512 (:func:`.configs.weight_grad_kernel_pays`; K a multiple of 128,
 N of 64, M of 8 and dy in x's dtype, :func:`.mosaic_dw.unsupported_reason`) the weight-gradient
