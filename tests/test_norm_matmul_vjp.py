@@ -75,28 +75,29 @@ def test_lazy_backward_16bit_large_row_mean(dtype, mean_offset):
 
 @pytest.mark.parametrize("implementation", [
     "interpret", pytest.param("mosaic", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("k", [
-    256,  # the weight-gradient kernel (x̂ in its registers) and dx without x̂
-    128,  # dW_γ summed by the dx kernel (x̂ in its SMEM A tile)
+@pytest.mark.parametrize("k,n", [
+    (256, 256),  # the weight-gradient kernel (x̂ in its registers) and dx without x̂
+    (128, 128),  # dW_γ summed by the dx kernel (x̂ in its SMEM A tile)
 ])
-def test_layer_backward_constant_rows(k, implementation):
+def test_layer_backward_constant_rows(k, n, implementation):
   """LayerNorm rows that are one constant (var exactly 0: the forward keeps rstd = 1/√eps for
   them) among ordinary rows: x̂ must be exactly 0 there, as in the reference, in dW_γ and in dx.
   An x̂ formed as x·rstd − mean·rstd where the compiler fuses it into one FMA carries the
-  rounding of mean·rstd instead (up to ~4 at 3e5 · 316), which dW_γ sums into dw and dscale
-  (0.32 relative error in dw); so the kernels form it as (x − mean)·rstd wherever it reaches
-  dW_γ (dx survives the FMA: its GEMM is centred over K, so a constant x̂ adds nothing to its row
-  sum). ptxas fuses such pairs on the GPU; XLA:CPU at the suite's optimization level 0 does not
-  (then both roundings of x·rstd and mean·rstd are equal and cancel), so only the GPU case sees
-  that form fail. Against the f32 reference's gradients of the same bf16 values."""
-  m, n = 136, 128
+  rounding of mean·rstd instead (up to ~128 at 1e7 · 3162), which dW_γ sums into dw and dscale
+  and which reaches dx through its row sum (session 49: dw 0.32 off with rows of 3e5 at eps =
+  1e-5, dx 5.8 on a row of 1e6 at 1e-7; EXPERIMENTS.md); the kernels form it as (x − mean)·rstd. ptxas fuses such
+  pairs on the GPU; XLA:CPU at the suite's optimization level 0 does not (then both roundings
+  of x·rstd and mean·rstd are equal and cancel), so only the GPU case would see that form fail.
+  Against the f32 reference's gradients of the same bf16 values."""
+  m = 136
   x, w, scale, bias, ct = _inputs(17, m, k, n, jnp.bfloat16)
-  rows = {3: 1.0, 40: 100.0, 41: -1e3, 77: 1e4, 130: 3e5}
+  rows = {3: 1.0, 40: 100.0, 41: -1e3, 77: 1e4, 100: 3e5, 130: -1e6, 131: 1e7}
   const = np.array(list(rows))
   x = x.at[const].set(jnp.array(list(rows.values()), jnp.bfloat16)[:, None])
-  # eps = 1e-5 (PyTorch's default): 1/√eps is no short binary fraction, so mean·rstd rounds
-  # (at 1e-6, rstd = 1000 exactly and every bf16 constant times it is exact in f32).
-  eps = 1e-5
+  # 1/√eps is no short binary fraction here, so mean·rstd rounds (at eps = 1e-6, rstd = 1000
+  # exactly and every bf16 constant times it is exact in f32); and small, so that rounding is
+  # large at these constants.
+  eps = 1e-7
 
   def loss(norm_matmul, *args):
     y = norm_matmul(*args[:2], scale=args[2], norm_bias=args[3], norm="layer", eps=eps)
@@ -109,11 +110,11 @@ def test_layer_backward_constant_rows(k, implementation):
   want = jax.jit(jax.grad(ref, argnums=(0, 1, 2, 3)))(
       *(a.astype(jnp.float32) for a in (x, w, scale, bias)))
   rest = np.delete(np.arange(m), const)
-  for name, g, r in [("dx, constant rows", got[0][const], want[0][const]),
+  for name, g, r in [*((f"dx, the row of {c:g}", got[0][i], want[0][i]) for i, c in rows.items()),
                      ("dx, other rows", got[0][rest], want[0][rest]),
                      *zip(["dw", "dscale", "dbias"], got[1:], want[1:])]:
     assert bool(jnp.all(jnp.isfinite(g))), name
-    assert _rel(g, r) < 2e-2, (name, _rel(g, r))
+    assert _rel(g, r) < 1e-2, (name, _rel(g, r))
 
 
 def _jit_vjp(fn, primals, ct):

@@ -19,13 +19,12 @@ full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy
 
 For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
 epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`). Where the kernel can
-(:func:`_takes_row_sums`), the epilogue forms the row sum itself, as the post-norm backward does:
-``s = rowsum(G ⊙ x̂)`` from the accumulator and the x tile, summed across the CTAs of a cluster
-that share the rows (nothing reads y); for LayerNorm the kernel's GEMM takes w_gamma centred
-over K, which gives G − (dy·c)/K directly (:func:`.mosaic_bwd.centered_over_k`). Elsewhere its
-two row scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass
-over dy and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from
-the dx kernel's K loop, which then streams y next to dy. The weight gradient dW_γ = x̂ᵀ dy, with
+(:func:`_takes_row_sums`), the epilogue forms the row sums itself, as the post-norm backward does:
+``s = rowsum(G ⊙ x̂)`` and ``dy·c = rowsum(G)``, from the accumulator and the x tile, summed
+across the CTAs of a cluster that share the rows (nothing reads y). Elsewhere its two row
+scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy
+and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from the dx
+kernel's K loop, which then streams y next to dy. The weight gradient dW_γ = x̂ᵀ dy, with
 x̂ = (x − mean) ⊙ rstd: with the row sums in the epilogue, at K = 128 (N ≤ 128) the dx kernel
 sums it itself; for K, N ≤ 512 (:func:`.configs.weight_grad_kernel_pays`; K a multiple of 128,
 N of 64, M of 8 and dy in x's dtype, :func:`.mosaic_dw.unsupported_reason`) the weight-gradient
@@ -301,9 +300,8 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row
     return out if sums or not x_hat else (*out, None)
 
   if row_sums:
-    # The row sums over K in the epilogue: no y, no row-terms pass, no bias guard. LayerNorm's
-    # col_sum (the stored W_γ's, as the forward's) centres W_γ over K for the kernel's GEMM.
-    return dx_kernel(row_sums=True, mean=mean, col_sum=col_sum)
+    # The row sums over K in the epilogue: no y, no row-terms pass, no bias guard.
+    return dx_kernel(row_sums=True, mean=mean)
 
   def with_row_terms(terms):
     return dx_kernel(y_term=terms[0], mean=mean, c_term=terms[1])

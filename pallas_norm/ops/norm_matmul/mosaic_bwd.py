@@ -21,8 +21,7 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
 * the row sums in the epilogue (``row_sums_in_epilogue=True``; ``norm_matmul``'s backward for
   both norms wherever K splits into one column tile per CTA of a cluster, K ≤ 2048:
   :func:`row_sums_unsupported_reason`): no row scalars are given; the epilogue sums
-  ``G ⊙ x̂`` over K across the cluster, LayerNorm's G centred by the GEMM of w_gamma centred
-  over K (see :func:`norm_matmul_dx`).
+  ``G ⊙ x̂`` (and, for LayerNorm, ``G``) over K across the cluster (see :func:`norm_matmul_dx`).
 * given (``y_term``, ``c_term``; ``norm_matmul``'s backward where K does not split so,
   except in the fused case below): XLA computes them in one pass over dy and y
   (``pallas_norm.ops.norm_matmul.xla.row_terms``) before the kernel.
@@ -260,9 +259,9 @@ class _Plan(gemm_core.KLoopFacts):
     return _n_rows(self.layer, self.fused or self.row_sums)  # or row sums, rstd (+ mean)
 
   @property
-  def exchange_spec(self) -> cluster_exchange.Spec:  # row sums: rowsum(G ⊙ x̂), both norms
+  def exchange_spec(self) -> cluster_exchange.Spec:  # row sums: rowsum(G) (LayerNorm), rowsum(G ⊙ x̂)
     return cluster_exchange.Spec(cluster=self.cluster, rows=self.cfg.wg_tile_m,
-                                 n_partials=1, exchange=self.exchange)
+                                 n_partials=1 + int(self.layer), exchange=self.exchange)
 
   @property
   def n_vecs(self) -> int:  # fused: column vectors streamed per step, col_sum (+ out_bias)
@@ -417,7 +416,7 @@ def _make_plan(m, n, k, dtype, layer, cfg, interpret, *, fused=False, has_bias=F
                                                a_in_registers)):
     raise ValueError(f"dW_γ in the dx kernel needs {reason}, got {cfg}")
   dw_n = n if dw else 0
-  spec = cluster_exchange.Spec(cluster=cluster, rows=cfg.wg_tile_m, n_partials=1,
+  spec = cluster_exchange.Spec(cluster=cluster, rows=cfg.wg_tile_m, n_partials=1 + int(layer),
                                exchange=exchange)
   n_rows = _n_rows(layer, fused or row_sums)
   streams = _streams(cfg, dtype, a_in_registers, fused, _n_vecs(layer, fused, has_bias))
@@ -715,50 +714,41 @@ class _DxHooks(gemm_core.Hooks):
         self._store(tile, ci, cj, dx, xv * rstd[ms, ns] if plan.x_hat else None)
 
   def _row_sums_epilogue(self, tile, acc):
-    """dx = rstd ⊙ (G − x̂ ⊙ mean_K(G ⊙ x̂)), G the accumulator (for LayerNorm already centred
-    over K: :func:`launch` hands the kernel w_gamma centred over K), x̂ = (x − mean) ⊙ rstd in
-    f32 from the x tile (RMSNorm: no mean): the CTA's partial row sums over its column tile,
-    summed with its cluster peers' (:func:`pallas_norm.mgpu.exchange.cluster_row_sums`, every
-    CTA adds them in CTA order). The pre-norm backward of DESIGN.md written as the post-norm
-    one's: nothing reads y, so no rounded y' cancels."""
+    """dx = rstd ⊙ (G − mean_K(G) − x̂ ⊙ mean_K(G ⊙ x̂)) (RMSNorm: no mean_K(G) term), G the
+    accumulator: the CTA's partial row sums over its column tile, summed with its cluster
+    peers' (:func:`pallas_norm.mgpu.exchange.cluster_row_sums`, every CTA adds them in CTA
+    order), x̂ = (x − mean) ⊙ rstd in f32 from the x tile (the pre-norm backward of DESIGN.md
+    written as the post-norm one's: nothing reads y, so no rounded y' cancels)."""
     plan, wg, epi_n = self.plan, self.wg, self.plan.epi_n
     rows = self._wait_rows()
     shape = (plan.cfg.wg_tile_m, epi_n)
     bcast = lambda v: lax.broadcast_in_dim(v, shape, [0])
     rstd = bcast(rows[0])
     mean = bcast(rows[1]) if plan.layer else None
-    # Where x̂ only enters dx and its row sum, x̂ = x ⊙ rstd − mean ⊙ rstd: one FMA an element,
-    # as RMSNorm's multiply. Its error is the rounding of mean ⊙ rstd, one value per row: ~6e-8
-    # · |mean|/std of x̂, and on a constant row (rstd = 1/√eps) up to ulp(mean/√eps) where x̂
-    # should be 0; G is centred over K, so a constant x̂ adds ~nothing to Σ G ⊙ x̂ and dx stays
-    # rstd ⊙ G. An x̂ that is stored or summed into dW_γ would carry that error into dW_γ:
-    # there x̂ = (x − mean) ⊙ rstd, exactly 0 on a constant row (EXPERIMENTS.md).
-    shift = (bcast(-(rows[1] * rows[0])) if plan.layer and not (plan.x_hat or plan.dw)
-             else None)
 
     def chunk(cj):  # (x̂, G) of column chunk cj, f32
       xv = plgpu.load(self.x_smem.at[wg, cj], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-      if shift is not None:
-        x_hat = xv * rstd + shift
-      else:
-        x_hat = (xv - mean if plan.layer else xv) * rstd
-      return x_hat, acc[:, cj * epi_n:(cj + 1) * epi_n]
+      return (xv - mean if plan.layer else xv) * rstd, acc[:, cj * epi_n:(cj + 1) * epi_n]
 
-    s_gx = None
-    for cj in range(plan.chunks[1]):  # elementwise first: one cross-lane sum per row
+    s_g = s_gx = None
+    for cj in range(plan.chunks[1]):  # elementwise first: one cross-lane sum per row sum
       x_hat, g = chunk(cj)
       s_gx = g * x_hat if s_gx is None else s_gx + g * x_hat
+      s_g = g if s_g is None else s_g + g
       if plan.dw:
         self.dw_smem["x_hat"].at[cj, pl.ds(wg * plan.cfg.wg_tile_m, plan.cfg.wg_tile_m)][
             ...] = x_hat.astype(plan.dtype)
     if plan.dw:
       self._issue_dw()
-    sums = cluster_exchange.cluster_row_sums(plan.exchange_spec, (jnp.sum(s_gx, axis=1),),
-                                             self.ex, wg, tile.index, _sum_in_cta_order)
+    partials = (jnp.sum(s_gx, axis=1),) + ((jnp.sum(s_g, axis=1),) if plan.layer else ())
+    sums = cluster_exchange.cluster_row_sums(plan.exchange_spec, partials, self.ex, wg,
+                                             tile.index, _sum_in_cta_order)
     gx_mean = bcast(sums[0] * (1.0 / plan.k))
+    g_mean = bcast(sums[1] * (1.0 / plan.k)) if plan.layer else None
     for cj in range(plan.chunks[1]):
       x_hat, g = chunk(cj)
-      self._store(tile, 0, cj, (g - x_hat * gx_mean) * rstd, x_hat)
+      d = g - x_hat * gx_mean
+      self._store(tile, 0, cj, (d - g_mean if plan.layer else d) * rstd, x_hat)
     if plan.dw:
       plgpu.wgmma_wait(0)
       # The next block's prefetch waits for this (none after the CTA's last block).
@@ -951,11 +941,10 @@ def norm_matmul_dx(dy, w_gamma, x, rstd, y_term=None, mean=None, c_term=None, *,
   With ``row_sums_in_epilogue`` the kernel needs no row scalars: with G = dy @ w_gammaᵀ and
   x̂ = (x − mean) ⊙ rstd, ``dx = rstd ⊙ (G − mean_K(G) − x̂ ⊙ mean_K(G ⊙ x̂))`` (RMSNorm:
   without mean_K(G)), the same value (``y_term = rstd · mean_K(G ⊙ x̂)``, ``c_term = rstd ·
-  mean_K(G)``). For LayerNorm the kernel multiplies by w_gamma centred over K
-  (:func:`centered_over_k`), whose GEMM is G − mean_K(G), so for both norms one row sum over K,
-  taken in the epilogue from the accumulator and the x tile, across the CTAs of a cluster that
-  share the rows (K = cluster × tile_n, the post-norm forward's split and exchange); nothing
-  reads y, so nothing cancels however large the norm bias's part of y.
+  mean_K(G)``), its two row sums over K taken in the epilogue from the accumulator and the x
+  tile, across the CTAs of a cluster that share the rows (K = cluster × tile_n, the post-norm
+  forward's split and exchange); nothing reads y, so nothing cancels however large the norm
+  bias's part of y.
 
   The row scalars come either precomputed (``y_term``, ``c_term``) or, with ``y`` given, from
   the kernel's own K loop (fused row terms: ``norm_matmul``'s default for LayerNorm up to K, N ≤
@@ -1069,8 +1058,7 @@ def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None,
   ``return_dy_col_sums``): ``norm_matmul``'s backward decides the route and the tiling once,
   then calls this. Same outputs; ValueError only from the plan (a config that does not fit,
   N not a multiple of its tile_k, column sums where :func:`dy_col_sums_unsupported_reason`
-  says why not). With ``row_sums`` a LayerNorm ``col_sum`` (the forward's ``1ᵀ w_gamma``) may
-  be given: it centres w_gamma (:func:`centered_over_k`) without a reduction of its own."""
+  says why not)."""
   cfg = config
   m, n = dy.shape
   k = w_gamma.shape[0]
@@ -1089,8 +1077,6 @@ def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None,
   fused_args = [y] if fused else []
   if plan.n_vecs:
     fused_args.append(jnp.stack([v for v in (col_sum, out_bias) if v is not None]))
-  if row_sums and plan.layer:
-    w_gamma = centered_over_k(w_gamma, col_sum)
   out_types = [jax.ShapeDtypeStruct((m, k), plan.dtype)]
   if x_hat:
     out_types.append(jax.ShapeDtypeStruct((m, plan.x_hat_width), plan.dtype))
@@ -1113,24 +1099,6 @@ def launch(dy, w_gamma, x, rstd, *, y_term=None, mean=None, c_term=None, y=None,
     i = len(out) - 1 - int(plan.dw)
     out[i] = _column_sums_from_partials(plan, out[i])
   return tuple(out)
-
-
-def centered_over_k(w_gamma, col_sum=None):
-  """``w_gamma − 1 ⊗ mean_K(w_gamma)`` in w_gamma's dtype (centred in float32, rounded once);
-  ``col_sum`` (N,) float32, ``1ᵀ w_gamma`` where the caller has it (one XLA fusion then, no
-  reduction of its own).
-
-  LayerNorm's input gradient needs the row-centred ``G − mean_K(G)`` of ``G = dy @ w_gammaᵀ``;
-  since ``mean_K(G)_i = dy_i · mean_K(w_gamma)``, the GEMM of the centred weight gives it
-  directly, and with Σ_k x̂_k = 0 also ``mean_K(G ⊙ x̂) = mean_K((G − mean_K(G)) ⊙ x̂)``, so the
-  epilogue needs one row sum, as RMSNorm's does, instead of two and their exchange (a K × N
-  XLA op in place of an (M,)-row reduction per tile). The term dropped, mean_K(G) · mean_K(x̂),
-  is the float32 rounding of the centred x̂'s row sum times mean_K(G): ~6e-8 · (|mean|/std) ·
-  √K relative to G for rows of a large mean."""
-  wf = w_gamma.astype(jnp.float32)
-  col_mean = (jnp.mean(wf, axis=0) if col_sum is None
-              else col_sum.astype(jnp.float32) * (1.0 / w_gamma.shape[0]))
-  return (wf - col_mean[None, :]).astype(w_gamma.dtype)
 
 
 def _column_sums_from_partials(plan: _Plan, partials):
