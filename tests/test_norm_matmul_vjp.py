@@ -36,19 +36,19 @@ def _inputs(seed, m, k, n, dtype, mean_offset=0.0):
   return tuple(map(jnp.asarray, (x.astype(dtype), w.astype(dtype), scale, bias, ct)))
 
 
-def _losses(norm, ct, use_scale, use_bias, implementation="interpret"):
+def _losses(norm, ct, use_scale, use_bias, implementation="interpret", eps=1e-6):
   def pick(scale, bias):
     return (scale if use_scale else None), (bias if use_bias else None)
 
   def fused(x, w, scale, bias):
     s, b = pick(scale, bias)
-    y = pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm,
+    y = pallas_norm.norm_matmul(x, w, scale=s, norm_bias=b, norm=norm, eps=eps,
                                 implementation=implementation)
     return jnp.sum(y.astype(jnp.float32) * ct)
 
   def ref(x, w, scale, bias):
     s, b = pick(scale, bias)
-    y = reference.norm_matmul(x, w, s, b, norm=norm, eps=1e-6)
+    y = reference.norm_matmul(x, w, s, b, norm=norm, eps=eps)
     return jnp.sum(y.astype(jnp.float32) * ct)
 
   return fused, ref
@@ -85,10 +85,11 @@ def test_layer_backward_constant_rows(k, n, implementation):
   An x̂ formed as x·rstd − mean·rstd where the compiler fuses it into one FMA carries the
   rounding of mean·rstd instead (up to ~128 at 1e7 · 3162), which dW_γ sums into dw and dscale
   and which reaches dx through its row sum (session 49: dw 0.32 off with rows of 3e5 at eps =
-  1e-5, dx 5.8 on a row of 1e6 at 1e-7; EXPERIMENTS.md); the kernels form it as (x − mean)·rstd. ptxas fuses such
-  pairs on the GPU; XLA:CPU at the suite's optimization level 0 does not (then both roundings
-  of x·rstd and mean·rstd are equal and cancel), so only the GPU case would see that form fail.
-  Against the f32 reference's gradients of the same bf16 values."""
+  1e-5, dx 5.8 on a row of 1e6 at 1e-7; EXPERIMENTS.md); the kernels form it as
+  (x − mean)·rstd. ptxas fuses such pairs on the GPU; XLA:CPU at the suite's optimization level
+  0 does not (then both roundings of x·rstd and mean·rstd are equal and cancel), so only the
+  GPU case would see that form fail. Against the f32 reference's gradients of the same bf16
+  values."""
   m = 136
   x, w, scale, bias, ct = _inputs(17, m, k, n, jnp.bfloat16)
   rows = {3: 1.0, 40: 100.0, 41: -1e3, 77: 1e4, 100: 3e5, 130: -1e6, 131: 1e7}
@@ -97,15 +98,7 @@ def test_layer_backward_constant_rows(k, n, implementation):
   # 1/√eps is no short binary fraction here, so mean·rstd rounds (at eps = 1e-6, rstd = 1000
   # exactly and every bf16 constant times it is exact in f32); and small, so that rounding is
   # large at these constants.
-  eps = 1e-7
-
-  def loss(norm_matmul, *args):
-    y = norm_matmul(*args[:2], scale=args[2], norm_bias=args[3], norm="layer", eps=eps)
-    return jnp.sum(y.astype(jnp.float32) * ct)
-
-  fused = functools.partial(loss, functools.partial(pallas_norm.norm_matmul,
-                                                    implementation=implementation))
-  ref = functools.partial(loss, reference.norm_matmul)
+  fused, ref = _losses("layer", ct, True, True, implementation, eps=1e-7)
   got = jax.jit(jax.grad(fused, argnums=(0, 1, 2, 3)))(x, w, scale, bias)
   want = jax.jit(jax.grad(ref, argnums=(0, 1, 2, 3)))(
       *(a.astype(jnp.float32) for a in (x, w, scale, bias)))
