@@ -400,10 +400,10 @@ class _LazyNormHooks(gemm_core.Hooks):
     # Earlier TMA stores from out_smem / stat_smem must have read them before we overwrite.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if plan.norm is not None:
-      rstd, mean = self._row_stats(tile, stats)
-      acc = acc * _rowvec(rstd, acc.shape)
+      row_rstd, mean = self._row_stats(tile, stats)
+      rstd = _rowvec(row_rstd, acc.shape)
       if mean is not None:
-        neg_mean_rstd = _rowvec(-mean * rstd, acc.shape)
+        neg_mean_rstd = _rowvec(-mean * row_rstd, acc.shape)
     if plan.n_vecs:
       plgpu.barrier_wait(self.vec_barrier.at[wg])
     col_vec = lambda i, ns: lax.broadcast_in_dim(plgpu.load(
@@ -411,11 +411,17 @@ class _LazyNormHooks(gemm_core.Hooks):
     for ei in range(wg_m // epi_m):
       for ej in range(tile_n // epi_n):
         ms, ns = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
-        y = acc[ms, ns]
+        # The column terms first, then one multiply-add with the accumulator: two FMAs an
+        # element for LayerNorm with a bias (mean·rstd·col_sum and out_bias), one for RMSNorm.
+        terms = None
         if plan.norm == "layer":  # vector 0: col_sum
-          y = y + neg_mean_rstd[ms, ns] * col_vec(0, ns)
+          terms = neg_mean_rstd[ms, ns] * col_vec(0, ns)
         if plan.has_bias:  # the last vector: out_bias
-          y = y + col_vec(plan.n_vecs - 1, ns)
+          bias = col_vec(plan.n_vecs - 1, ns)
+          terms = bias if terms is None else terms + bias
+        y = acc[ms, ns] if plan.norm is None else acc[ms, ns] * rstd[ms, ns]
+        if terms is not None:
+          y = y + terms
         slot = (ei * (tile_n // epi_n) + ej) % out_slots
         if out_slots < chunks:  # else every slot was freed by the wait above
           plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
