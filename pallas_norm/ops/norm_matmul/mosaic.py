@@ -412,7 +412,8 @@ class _LazyNormHooks(gemm_core.Hooks):
       for ej in range(tile_n // epi_n):
         ms, ns = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
         # The column terms first, then one multiply-add with the accumulator: two FMAs an
-        # element for LayerNorm with a bias (mean·rstd·col_sum and out_bias), one for RMSNorm.
+        # element for LayerNorm with a bias (−mean·rstd·col_sum + out_bias, then acc·rstd +
+        # that), one for RMSNorm with a bias; one operation fewer than scaling acc first.
         terms = None
         if plan.norm == "layer":  # vector 0: col_sum
           terms = neg_mean_rstd[ms, ns] * col_vec(0, ns)
