@@ -757,9 +757,9 @@ def _pre_norm(plan: _Plan, x, stats, vec_smem, head):
   if not plan.pre_layer_norm:
     return x
   mean, rstd = stats
-  # (x − μ)·r, the difference first: as x·r + (−μ·r), one FMA an element, the rounding of μ·r
-  # stays in u where x = μ (an exactly constant row: ~|μ|·r·2⁻²⁴, O(1) at eps 3e-7, so
-  # RMSNorm(z) of noise instead of 0; ptxas contracts the pair, XLA:CPU at the tests'
+  # The difference first. Written x·r + (−μ·r) (one FMA an element), u kept the rounding of
+  # μ·r where x = μ: on an exactly constant row ~|μ|·r·2⁻²⁴ instead of 0, O(1) at eps 3e-7,
+  # which RMSNorm(z) then scales up (ptxas contracts the pair; XLA:CPU at the tests'
   # optimization level does not: test_constant_rows_match_reference_with_fma_contraction).
   u = (x - _rowvec(mean, x.shape)) * _rowvec(rstd, x.shape)
   return u * _colvec(vec_smem, 0, head, x.shape) + _colvec(vec_smem, 1, head, x.shape)
