@@ -118,14 +118,15 @@ class KunlunModel(nnx.Module):
       multiple of 64; see the README's status table). The softmax self-attention and the
       seed pooling run cuDNN's flash attention on an NVIDIA GPU for None and for choices that
       include "mosaic", XLA's attention otherwise
-      (:func:`flax_layers.attention.softmax_attention`). "mosaic" or "interpret" alone is
-      refused: the logit head (N = 1) never fits a kernel.
+      (:func:`flax_layers.attention.softmax_attention`). A choice without "xla" ("mosaic" or
+      "interpret" alone, or a sequence of kernels only) is refused: the logit head (N = 1)
+      never fits a kernel.
 
   Raises:
     TypeError: at construction, for a config that is not a :class:`KunlunConfig`, a dtype that
       is neither None nor a floating dtype, or a param_dtype that is not a floating dtype
       (bfloat16, float16, float32, float64).
-    ValueError: at construction, for an unknown implementation or "mosaic"/"interpret" alone.
+    ValueError: at construction, for an unknown implementation or one without "xla".
   """
 
   def __init__(self, config: KunlunConfig, *, dtype=None, param_dtype=jnp.float32,
@@ -138,11 +139,13 @@ class KunlunModel(nnx.Module):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(implementation)  # the softmax attentions
-    if self.implementation in ("mosaic", "interpret"):
+    choices = ((self.implementation,) if isinstance(self.implementation, str)
+               else self.implementation)
+    if choices is not None and "xla" not in choices:
       raise ValueError(
-          f"KunlunModel: implementation={implementation!r} alone cannot run the logit head "
+          f"KunlunModel: implementation={implementation!r} has no 'xla' to run the logit head "
           "(NormDense(mlp_dim, 1): the kernels need N a multiple of 64); pass a sequence such "
-          f"as ({implementation!r}, 'xla') for the kernels wherever they fit and XLA elsewhere")
+          f"as {(*choices, 'xla')!r} for the kernels wherever they fit and XLA elsewhere")
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     lkw = dict(kw, epsilon=c.epsilon, implementation=implementation)
     hd = c.token_dim

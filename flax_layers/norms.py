@@ -25,7 +25,13 @@ def _check_call(layer, x, residual, return_h) -> None:
   _common.check_last_dim(name, x, "num_features", layer.num_features)
   if residual is not None:
     _common.shape_of(name, "residual", residual)
-  _validate.flag("return_h", return_h)
+  with _common.op_errors(_where(layer), None, x.dtype, x.dtype, []):
+    _validate.flag("return_h", return_h)
+
+
+def _where(layer) -> str:
+  """The layer as its errors name it (a model's error then says which sub-layer)."""
+  return f"{type(layer).__name__}(num_features={layer.num_features})"
 
 
 def _outputs(out, x, residual, return_h: bool):
@@ -62,7 +68,7 @@ class RMSNorm(nnx.Module):
       residual, or a return_h that is not a bool.
     At call time also ValueError/TypeError from :func:`pallas_norm.rms_norm` for other bad inputs
     (e.g. a residual of another shape), and NotImplementedError for a kernel implementation that
-    does not exist.
+    does not exist, with the layer named in front ("RMSNorm(num_features=16): ...").
   """
 
   def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
@@ -84,9 +90,11 @@ class RMSNorm(nnx.Module):
     _check_call(self, x, residual, return_h)
     scale = _common.value(self.scale)
     cd = _common.compute_dtype(self.dtype, x, residual, scale)
+    x_dtype = x.dtype
     x, residual, scale = _common.cast(cd, x, residual, scale)
-    out = pallas_norm.rms_norm(x, scale, residual, eps=self.epsilon,
-                               implementation=self.implementation)
+    with _common.op_errors(_where(self), self.dtype, x_dtype, cd, [scale], residual=residual):
+      out = pallas_norm.rms_norm(x, scale, residual, eps=self.epsilon,
+                                 implementation=self.implementation)
     return _outputs(out, x, residual, return_h)
 
 
@@ -122,7 +130,10 @@ class LayerNorm(nnx.Module):
     _check_call(self, x, residual, return_h)
     scale, bias = _common.value(self.scale), _common.value(self.bias)
     cd = _common.compute_dtype(self.dtype, x, residual, scale, bias)
+    x_dtype = x.dtype
     x, residual, scale, bias = _common.cast(cd, x, residual, scale, bias)
-    out = pallas_norm.layer_norm(x, scale, bias, residual, eps=self.epsilon,
-                                 implementation=self.implementation)
+    with _common.op_errors(_where(self), self.dtype, x_dtype, cd, [scale, bias],
+                           residual=residual):
+      out = pallas_norm.layer_norm(x, scale, bias, residual, eps=self.epsilon,
+                                   implementation=self.implementation)
     return _outputs(out, x, residual, return_h)

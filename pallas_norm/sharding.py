@@ -67,6 +67,13 @@ _SETTINGS = ("eps",)  # static arguments of the ops that may come as concrete 0-
 _OFFSET_ARGS = ("q_offsets", "kv_offsets")
 
 
+def _public_op_name(op):
+  """The name in :data:`ROW_ARGS` of the public op ``op`` is (by identity: a function of the
+  same name elsewhere, whose arguments may differ, is not one), else None."""
+  import pallas_norm  # pylint: disable=import-outside-toplevel  (the package imports this module)
+  return next((name for name in ROW_ARGS if getattr(pallas_norm, name, None) is op), None)
+
+
 def shard_rows(op, mesh=None, axis="data"):
   """``op`` run on each shard of the rows of its activations over mesh axis ``axis``.
 
@@ -97,7 +104,9 @@ def shard_rows(op, mesh=None, axis="data"):
 
   Raises:
     TypeError: (at the call) jagged offsets that are not 1-D int32 arrays.
-    ValueError: (at the call) an unknown op, no mesh, ``axis`` not in the mesh, a row argument
+    ValueError: an ``op`` that is not one of the public ops themselves (another function of
+      the same name, such as ``pallas_norm.reference.rms_norm``, included), when wrapping;
+      (at the call) no mesh, ``axis`` not in the mesh, a row argument
       whose leading axis does not split evenly over the shards, per-sample ``k``/``v`` that do
       not match the offsets' batch, or concrete local offsets that break the jagged convention
       (naming the argument and the shard). The op's own errors come from tracing its per-shard
@@ -106,8 +115,8 @@ def shard_rows(op, mesh=None, axis="data"):
       on a mesh of several devices, where jax 0.11.2's GPU interpreter fails an internal
       assertion (module docstring); a sequence that reaches "interpret" there fails inside JAX.
   """
-  name = getattr(op, "__name__", None)
-  if name not in ROW_ARGS:
+  name = _public_op_name(op)
+  if name is None:
     raise ValueError(f"op must be one of the public ops {sorted(ROW_ARGS)}, got {op!r}")
   signature = inspect.signature(op)
 

@@ -104,11 +104,14 @@ def test_implementation_reaches_every_sublayer():
   assert {mod.implementation for mod in layers} == {("interpret", "xla")}
 
 
-@pytest.mark.parametrize("implementation", ["mosaic", "interpret"])
-def test_a_kernel_alone_is_refused_at_construction(implementation):
-  # The logit head is NormDense(mlp_dim, 1): N = 1 fits no kernel, so a lone kernel name could
-  # never run the model; it used to fail at the first call with the op's "N = 1" message.
-  with pytest.raises(ValueError, match="logit head.*" + re.escape(f"({implementation!r}, 'xla')")):
+@pytest.mark.parametrize("implementation", ["mosaic", "interpret", ("interpret",),
+                                            ["mosaic", "interpret"]])
+def test_a_choice_without_xla_is_refused_at_construction(implementation):
+  # The logit head is NormDense(mlp_dim, 1): N = 1 fits no kernel, so kernels alone could
+  # never run the model; they used to fail at the first call with the op's "N = 1" message
+  # (a one-item sequence did so too).
+  choices = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  with pytest.raises(ValueError, match="logit head.*" + re.escape(repr((*choices, "xla")))):
     _model(implementation=implementation)
 
 

@@ -6,6 +6,7 @@ bf16 compute vs float32 5e-2 abs on unit-scale outputs (bf16 has 8 mantissa bits
 """
 
 import pathlib
+import re
 import sys
 
 import jax
@@ -172,6 +173,19 @@ def test_norm_input_width_must_match_num_features(make, jit):
   with pytest.raises(ValueError, match=f"{name}: num_features=32 does not match the input's "
                                        "last dimension 64"):
     call(layer, _x(0, (2, 64)))
+
+
+@pytest.mark.parametrize("make", [lambda: RMSNorm(32, rngs=nnx.Rngs(0)),
+                                  lambda: LayerNorm(32, rngs=nnx.Rngs(0))], ids=["rms", "ln"])
+def test_norm_op_errors_name_the_layer(make):
+  # The op's own checks (a residual of another shape, return_h) come back with the layer in
+  # front, as the dense layers' do, so that a model's error says which sub-layer.
+  layer = make()
+  where = re.escape(f"{type(layer).__name__}(num_features=32): ")
+  with pytest.raises(ValueError, match=where + r"residual must have shape \(4, 32\)"):
+    layer(_x(0, (4, 32)), _x(1, (1, 32)))
+  with pytest.raises(TypeError, match=where + "return_h must be a bool"):
+    layer(_x(0, (4, 32)), return_h=1)
 
 
 @pytest.mark.parametrize("make", [

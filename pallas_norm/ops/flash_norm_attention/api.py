@@ -57,11 +57,11 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   """PFFN block: LayerNorm → GDPA with inner residual → RMSNorm with outer residual.
 
   Args:
-    q: (T, H, D) packed sequence tokens, any float dtype (the fused kernels: bfloat16; float16
-      on the cluster kernel and the chain); k, v, q_offsets, kv_offsets, activation, pre_scale,
+    q: (T, H, D) packed sequence tokens, bfloat16/float16/float32/float64 (the fused kernels:
+      bfloat16; float16 on the cluster kernel and the chain); k, v, q_offsets, kv_offsets, activation, pre_scale,
       post_scale, max_seq_len, max_kv_len: as :func:`pallas_norm.gdpa`.
-    ln_scale, ln_bias: optional (H·D,) affine of the LayerNorm (only with pre_layer_norm), any
-      float dtype (applied in float32, float64 for float64 q).
+    ln_scale, ln_bias: optional (H·D,) affine of the LayerNorm (only with pre_layer_norm),
+      bfloat16/float16/float32/float64 (applied in float32, float64 for float64 q).
     rms_scale: optional (H·D,) gamma of the RMSNorm, the same.
     eps: positive float for both norms (default 1e-6), static (a Python or NumPy scalar, not a
       traced value), at least float32's max^(-2/3) (~2.1e-26).

@@ -75,8 +75,8 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   """Jagged generalized dot-product attention.
 
   Args:
-    q: (T, H, D) packed query tokens, any float dtype (the kernels: bfloat16 or float16); T is
-      a static capacity.
+    q: (T, H, D) packed query tokens, bfloat16/float16/float32/float64 (the kernels: bfloat16
+      or float16); T is a static capacity.
     k, v: dense (B, Lkv, H, D), or packed (Tkv, H, D) with ``kv_offsets``; q's dtype.
     q_offsets: int32 (B+1,), B >= 1, jagged offsets of q (first 0, non-decreasing, last <= T).
     kv_offsets: optional int32 (B+1,) offsets of packed k/v.

@@ -745,7 +745,7 @@ def matmul_norm_fwd(x, w, dense_bias=None, residual=None, scale=None, bias=None,
     x: (M, K) bfloat16/float16; M ≥ 1, K a multiple of 64.
     w: (K, N) in x's dtype; N = c · n_tiles · tile_n with c ∈ {1, 2, 4, 8}, n_tiles ≤ 4
       (see :func:`pick_config`).
-    dense_bias, scale, bias: optional (N,) vectors (any float dtype; used in float32).
+    dense_bias, scale, bias: optional (N,) vectors (float dtypes; used in float32).
     residual: optional (M, N) in the output dtype, added to h before the statistics.
     norm: "rms" or "layer". eps: positive float.
     out_dtype: dtype of y, h and x̂ (default x.dtype), bfloat16 or float16.

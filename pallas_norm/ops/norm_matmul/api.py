@@ -66,12 +66,12 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
   Args:
     x: (..., K) activations, bfloat16/float16/float32 (float64 with jax_enable_x64).
     w: (K, N) weight, same dtype as x.
-    scale: optional (K,) γ of the norm (keyword-only, as every argument after w), any float
-      dtype (its gradient comes back in it). The kernel folds it into w in w's dtype: in
-      float16 a product |scale · w| below 6.1e-5 loses precision and one above 65504 is inf
-      (README, Limitations); bfloat16 has neither.
+    scale: optional (K,) γ of the norm (keyword-only, as every argument after w),
+      bfloat16/float16/float32/float64 (its gradient comes back in it). The kernel folds it
+      into w in w's dtype: in float16 a product |scale · w| below 6.1e-5 loses precision and
+      one above 65504 is inf (README, Limitations); bfloat16 has neither.
     norm_bias: optional (K,) β of the norm (LayerNorm or RMSNorm), added before the product;
-      not a bias of the dense layer; any float dtype.
+      not a bias of the dense layer; one of scale's dtypes.
     norm: "rms" (RMSNorm) or "layer" (LayerNorm).
     eps: positive float (default 1e-6), static (a Python or NumPy scalar, not a traced value),
       at least the statistics dtype's max^(-2/3) (~2.1e-26 for float32), where rstd's

@@ -61,7 +61,8 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
 
   Args:
     x: (..., N) bfloat16/float16/float32/float64.
-    scale: optional (N,) gamma, any float dtype (applied in the statistics' dtype).
+    scale: optional (N,) gamma, bfloat16/float16/float32/float64 (applied in the statistics'
+      dtype).
     residual: optional array of x's shape and dtype (another dtype: TypeError), added before
       the norm.
     eps: positive float added to the mean square (default 1e-6, the Flax default), static (a
@@ -143,7 +144,7 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   ``custom_jvp`` whose transpose makes the backward's two row sums in one pass over (s, dy) and
   dscale/dbias as column sums; forward mode (``jax.jvp``) and higher orders work as with
   autodiff. Arguments, returns and errors are those of :func:`rms_norm`, plus ``bias``, an
-  optional (N,) beta of any float dtype; ``implementation`` differs:
+  optional (N,) beta of one of those dtypes; ``implementation`` differs:
 
   Args:
     implementation: None, "xla", "triton", "interpret" or a sequence of them (see

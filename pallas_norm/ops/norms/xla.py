@@ -204,7 +204,7 @@ def normalize_rows(x, scale=None, bias=None, residual=None, *, norm: str, eps: f
   """``(y, s, stats)`` of RMSNorm (``norm="rms"``) or LayerNorm (``"layer"``) over the last axis.
 
   Args:
-    x: (..., N) float array; residual: optional array of x's shape (any float dtype), added
+    x: (..., N) float array; residual: optional array of x's shape (a float dtype), added
       to x in the statistics dtype.
     scale, bias: optional (N,) γ and β (β is added after either norm; ``pallas_norm.rms_norm``
       has none, a pre-norm GEMM's RMSNorm may).
