@@ -1197,3 +1197,12 @@ def test_dx_kernel_x_hat_ones_block_is_all_ones():
   k_padded = -(-k // cfg.tile_n) * cfg.tile_n
   block = np.asarray(x_hat, np.float32)[:, k_padded:]
   assert block.size and np.all(block == 1)
+
+
+def test_row_sums_added_in_cta_order():
+  """The dx kernel's cluster row sums: every CTA's partials, in CTA order (interpret mode runs a
+  cluster of 1, so only this unit test sees a partial dropped)."""
+  per_cta = [(jnp.full((4,), 10.0 ** i), jnp.full((4,), -10.0 ** i)) for i in range(4)]
+  got = nmb._sum_in_cta_order(per_cta)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(got[0]), np.full(4, 1111.0))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.full(4, -1111.0))

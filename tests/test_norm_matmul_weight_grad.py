@@ -54,9 +54,10 @@ def _check(m, k, n, *, layer=True, dtype=jnp.bfloat16, config=None, interpret=Tr
   assert _rel(got, want) < TOL, _rel(got, want)
 
 
-# Interpret mode runs 2 CTAs: one output tile gives 2 groups of M; K = 256 or N = 512 give
-# more tiles than CTAs (several items a CTA, the ring's steps carried across them); M = 8 is one
-# block mostly past M, 136 and 1000 a partial last block.
+# Interpret mode runs 2 CTAs; K = 256 or N = 512 give more tiles than CTAs (several items a
+# CTA, the ring's steps carried across them); M = 8 is one block mostly past M, 136 and 1000 a
+# partial last block. At the default 4 stages these all run one group of M (a group needs 2
+# ring-lengths of steps): the tests below split M.
 @pytest.mark.parametrize("m,k,n,layer,dtype,config", [
     (1000, 128, 256, True, jnp.bfloat16, None),
     (136, 128, 128, False, jnp.bfloat16, None),
@@ -67,6 +68,28 @@ def _check(m, k, n, *, layer=True, dtype=jnp.bfloat16, config=None, interpret=Tr
 ])
 def test_weight_grad_interpret_matches_oracle(m, k, n, layer, dtype, config):
   _check(m, k, n, layer=layer, dtype=dtype, config=config)
+
+
+def test_weight_grad_two_groups_of_uneven_length():
+  """Two M groups (2 CTAs, 2 stages) over 9 steps: each group's partial is written to its own
+  slot and summed (a mutation that wrote every group's partial to slot 0 passed the cases
+  above, which all run one group)."""
+  cfg = md.Config(tile_n=128, stages=2)
+  plan = md._make_plan(520, 128, 128, jnp.bfloat16, True, cfg, True)
+  assert plan.groups == 2 and plan.steps % plan.groups
+  _check(520, 128, 128, config=cfg)
+
+
+def test_weight_grad_three_groups_split_m_without_overlap(monkeypatch):
+  """Three M groups (3 CTAs) over 14 steps: the groups' step ranges 0–4, 4–9, 9–14 tile M
+  exactly (a first step of ``group · (steps // groups)`` overlaps 8–14 with 4–9; with one or
+  two groups both forms agree). The GPU runs up to 33 groups."""
+  monkeypatch.setattr(md.mgpu, "num_sms", lambda interpret: 3)
+  cfg = md.Config(tile_n=128, stages=2)
+  plan = md._make_plan(840, 128, 128, jnp.bfloat16, True, cfg, True)
+  assert plan.groups == 3 and plan.steps == 14
+  assert [plan.item(g * plan.tiles)[3:] for g in range(3)] == [(0, 4), (4, 5), (9, 5)]
+  _check(840, 128, 128, config=cfg)
 
 
 def test_weight_grad_rows_of_a_large_mean():
@@ -118,7 +141,12 @@ def test_weight_grad_lowers_for_hopper(layer):
   row = spec((m,), jnp.float32)
   exported = export.export(jax.jit(md.weight_grad), platforms=["cuda"])(
       spec((m, k), jnp.bfloat16), spec((m, n), jnp.bfloat16), row, row if layer else None)
-  assert "mosaic_gpu" in exported.mlir_module()
+  module = exported.mlir_module()
+  assert "mosaic_gpu" in module
+  # The GPU form releases a stage only after its WGMMAs completed (a WGMMA in flight still
+  # reads its A registers and B stage); interpret mode cannot see a missing wait (its WGMMA
+  # completes at once), so the lowered kernel is checked for one.
+  assert "wgmma_wait" in module
 
 
 # ------------------------------------------------------------------------------------------------
