@@ -634,6 +634,27 @@ def test_cluster_merge_weights_each_cta_by_its_columns():
   assert np.max(np.abs(np.asarray(rstd) * np.sqrt(whole.var(1) + 1e-6) - 1)) < 1e-4
 
 
+def test_cluster_merge_rms_divides_by_the_whole_row():
+  """RMSNorm's cluster merge: the CTAs' Σh² over cta_cols columns each, summed, then over N (not
+  one CTA's columns). Called directly, as above (a mutation dividing by cta_cols survived every
+  CPU test: interpret mode's cta_cols is N)."""
+  cfg = mk.pick_config(256, 64, 512)
+  plan = mk._make_plan((256, 64), 512, jnp.bfloat16, jnp.bfloat16, "rms", 1e-6, (), False,
+                       False, False, True, cfg, True)
+  ctas = 4
+  plan = dataclasses.replace(plan, cluster=ctas, n=ctas * plan.cta_cols)
+  cols = plan.cta_cols
+  rng = np.random.default_rng(0)
+  rows = (rng.standard_normal((16, ctas * cols))
+          * np.logspace(-1, 1, 16)[:, None]).astype(np.float32)
+  per = rows.reshape(16, ctas, cols).astype(np.float64)
+  mean, rstd = mk._merge_partials(
+      plan, [(jnp.asarray(np.square(per[:, c]).sum(1), jnp.float32),) for c in range(ctas)])
+  assert mean is None
+  mean_square = np.square(rows.astype(np.float64)).mean(1)
+  assert np.max(np.abs(np.asarray(rstd) * np.sqrt(mean_square + 1e-6) - 1)) < 1e-5
+
+
 def test_push_exchange_packets_round_trip_and_pure_helpers():
   """Pure pieces a cluster of one never runs in interpret mode (mutation tests): the push
   exchange's packet round trip for one and two partials; mgpu.tree_sum over every count 1–25

@@ -162,6 +162,19 @@ def test_a_row_index_of_other_offsets_raises_or_poisons(other):
                              jax.grad(_conversions_loss)(values, OFFSETS, None), rtol=1e-6)
 
 
+def test_a_row_index_with_wrong_positions_raises_or_poisons():
+  """A RowIndex whose segment ids are right but positions are not (hand-built, or mixed from two
+  batches): the first row of each sample must be position 0 (a mutation that dropped that check
+  passed the case above, where a RowIndex from other offsets also has other segment ids)."""
+  values = jax.random.normal(jax.random.key(0), (10, 3))
+  right = jagged.row_index(OFFSETS, 10)
+  bad = jagged.RowIndex(right.segment_ids, right.positions + 1)
+  with pytest.raises(ValueError, match="rows is not the jagged.row_index"):
+    _conversions(values, OFFSETS, bad)
+  value, g = _conversions_grad(values, OFFSETS, bad)
+  assert bool(jnp.isnan(value)) and bool(jnp.isnan(g).all())
+
+
 def _conversions_loss(values, offsets, rows):
   padded, packed = _conversions(values, offsets, rows)
   return jnp.sum(padded * jnp.arange(padded.size).reshape(padded.shape)) + jnp.sum(packed ** 2)
