@@ -181,9 +181,8 @@ def test_shard_rows_errors_before_any_device_work():
   with pytest.raises(ValueError, match="op must be one of"):
     sharding.shard_rows(jnp.matmul, FOUR)
   # A function of a public op's name is not that op: its arguments may split differently.
-  from pallas_norm import reference  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match="op must be one of"):
-    sharding.shard_rows(reference.rms_norm, FOUR)
+    sharding.shard_rows(pn.reference.rms_norm, FOUR)
   with pytest.raises(ValueError,
                      match=r"x: its leading axis of 6 rows \(shape \(6, 64\)\) must split"):
     sharding.shard_rows(pn.norm_matmul, FOUR)(x, w)

@@ -58,8 +58,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
 
   Args:
     q: (T, H, D) packed sequence tokens, bfloat16/float16/float32/float64 (the fused kernels:
-      bfloat16; float16 on the cluster kernel and the chain); k, v, q_offsets, kv_offsets, activation, pre_scale,
-      post_scale, max_seq_len, max_kv_len: as :func:`pallas_norm.gdpa`.
+      bfloat16; float16 on the cluster kernel and the chain); k, v, q_offsets, kv_offsets,
+      activation, pre_scale, post_scale, max_seq_len, max_kv_len: as :func:`pallas_norm.gdpa`.
     ln_scale, ln_bias: optional (H·D,) affine of the LayerNorm (only with pre_layer_norm),
       bfloat16/float16/float32/float64 (applied in float32, float64 for float64 q).
     rms_scale: optional (H·D,) gamma of the RMSNorm, the same.
