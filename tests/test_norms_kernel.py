@@ -859,9 +859,12 @@ def test_forward_kernel_masks_every_store(norm, n):
   assert len(found) >= 2 + 2 * (norm == "layer") and len(masked) == len(found)
 
 
-@pytest.mark.parametrize("vec_dtype,zero_centered", [
-    (jnp.bfloat16, False), (jnp.float16, False), (jnp.float32, False), (jnp.bfloat16, True)])
-@pytest.mark.parametrize("chunked", [False, True])
+# Not the cross product with chunked: the kernel widens γ and β in one load_vec for either
+# body, and the zero-centered 1 + scale is made (in float32) before the kernel, so chunked rows
+# need one 16-bit case (bf16); the other dtypes and the zero-centered scale run on full rows.
+@pytest.mark.parametrize("vec_dtype,zero_centered,chunked", [
+    (jnp.bfloat16, False, False), (jnp.float16, False, False), (jnp.float32, False, False),
+    (jnp.bfloat16, True, False), (jnp.bfloat16, False, True)])
 def test_forward_kernel_vectors_in_their_own_dtype_give_the_same_bits(
     monkeypatch, vec_dtype, zero_centered, chunked):
   """The forward kernel reads γ and β in their own dtype (widened in the kernel) where its
