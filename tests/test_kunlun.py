@@ -204,16 +204,19 @@ def test_config_that_is_not_a_kunlun_config_raises_naming_config():
     KunlunModel(dataclasses.asdict(CONFIG), rngs=nnx.Rngs(0))
 
 
-def test_float16_model_trains_on_the_cpu(model):
+def test_float16_model_trains_on_the_cpu(model, forward):
   """float16 compute differentiates on the CPU (the softmax attentions run in float32 there:
   XLA:CPU has no float16 dot with a float32 result), and its logits and gradients stay near
-  the float32 model's (same parameters: nnx.Rngs(0))."""
+  the float32 model's (same parameters: nnx.Rngs(0)). The logits jitted (the module's
+  ``forward``): eagerly each of the float16 model's ops compiled on its own (most of the
+  test's 16 s); test_jit_equals_eager checks eager against jit."""
   if jax.default_backend() != "cpu":
     pytest.skip("checks the CPU behaviour")
   f16 = _model(dtype=jnp.float16, implementation="xla")
   inputs, labels = _inputs(10), _labels(11)
   g16, g32 = _grad(f16, *inputs, labels), _grad(model, *inputs, labels)
-  np.testing.assert_allclose(f16(*inputs), model(*inputs), atol=2e-3)  # measured 5e-5
+  np.testing.assert_allclose(forward(f16, *inputs), forward(model, *inputs),
+                             atol=2e-3)  # measured 5e-5
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g16)),
                           jax.tree.leaves(nnx.to_pure_dict(g32))):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
