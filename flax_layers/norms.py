@@ -25,8 +25,7 @@ def _check_call(layer, x, residual, return_h) -> None:
   _common.check_last_dim(name, x, "num_features", layer.num_features)
   if residual is not None:
     _common.shape_of(name, "residual", residual)
-  with _common.op_errors(_where(layer), None, x.dtype, x.dtype, []):
-    _validate.flag("return_h", return_h)
+  _validate.flag(f"{_where(layer)}: return_h", return_h)
 
 
 def _where(layer) -> str:
