@@ -564,6 +564,88 @@ def test_forward_alone_and_training_run_their_own_paths(monkeypatch, op, uses):
   chex.assert_trees_all_equal(grads, want)
 
 
+def _composed_spy(monkeypatch):
+  from pallas_norm.ops.matmul_norm import api as mn
+  calls, real = [], mn._composed_training
+  monkeypatch.setattr(mn, "_composed_training",
+                      lambda *a, **kw: calls.append(kw["return_h"]) or real(*a, **kw))
+  return calls
+
+
+def test_composed_training_route(monkeypatch):
+  """Where training on the kernel path runs composed (configs.composed_training_reason, RMSNorm
+  K = N = 1024 from 262144 rows, scaled down here): the value of a call that is not
+  differentiated is the fused kernel's; its gradients are those of XLA's GEMM then
+  pallas_norm.rms_norm, within bf16 rounding of the f32 reference; h with return_h is the GEMM's.
+  A norm bias, return_stats or an explicit implementation keep the fused kernel."""
+  from pallas_norm import _dispatch
+  from pallas_norm.ops.matmul_norm import api as mn
+  monkeypatch.setattr(_dispatch, "choose_by_use", lambda *a, **k: ("interpret", "interpret"))
+  monkeypatch.setattr(mn_configs, "RMS_SQUARE_TRAINING_KN", 64)
+  monkeypatch.setattr(mn_configs, "RMS_SQUARE_TRAINING_MIN_M", 40)
+  calls = _composed_spy(monkeypatch)
+  x, w, scale, bias, ct = _inputs(37, 40, 64, 64, jnp.bfloat16)
+  scale, bias, ct = scale[:64].astype(jnp.bfloat16), bias[:64], ct.astype(jnp.bfloat16)
+
+  def op(impl, **kw):
+    return lambda x, w, s: mn.matmul_norm(x, w, scale=s, norm="rms", implementation=impl,
+                                          return_h=True, **kw)
+
+  def vjp(f, *args):
+    y, pull = jax.vjp(f, *args)
+    return y, pull((ct, jnp.zeros_like(ct)) if isinstance(y, tuple) else ct)
+
+  args = (x, w, scale)
+  chex.assert_trees_all_equal(jax.jit(op(None))(*args), jax.jit(op("interpret"))(*args))
+  assert calls == []  # not differentiated: the fused kernel
+  (y, h), grads = jax.jit(lambda *a: vjp(op(None), *a))(*args)
+  assert calls == [True]
+  composed = lambda x, w, s: (pallas_norm.rms_norm(jnp.matmul(x, w), s, implementation="xla"),  # noqa: E731
+                              jnp.matmul(x, w))
+  (y_c, h_c), grads_c = jax.jit(lambda *a: vjp(composed, *a))(*args)
+  chex.assert_trees_all_equal((y, h, grads), (y_c, h_c, grads_c))
+  f32 = [a.astype(jnp.float32) for a in args]
+  y_ref, pull_ref = jax.vjp(
+      lambda x, w, s: reference.matmul_norm(x, w, None, None, s, None, norm="rms"), *f32)
+  assert _rel(y, y_ref) < 1e-2
+  for name, g, r in zip(["dx", "dw", "dscale"], grads, pull_ref(ct.astype(jnp.float32))):
+    assert _rel(g, r) < 2e-2, name
+  # Calls the composed route was not measured for keep the fused kernel in training.
+  for kw in (dict(norm_bias=bias), dict(return_stats=True)):
+    jax.jit(lambda *a, kw=kw: jax.vjp(op(None, **kw), *a)[0])(*args)
+  jax.jit(lambda *a: jax.vjp(op("interpret"), *a)[0])(*args)
+  assert calls == [True]
+
+
+def test_composed_training_reason():
+  m = 262144
+  assert mn_configs.composed_training_reason(m, 1024, 1024, "rms") is None
+  assert mn_configs.composed_training_reason(m // 4, 1024, 1024, "rms") is not None
+  assert mn_configs.composed_training_reason(m, 1024, 1024, "layer") is not None
+  assert mn_configs.composed_training_reason(m, 512, 512, "rms") is not None
+  assert mn_configs.composed_training_reason(m, 1024, 2048, "rms") is not None
+
+
+@pytest.mark.gpu
+def test_gpu_composed_training_matches_reference(monkeypatch):
+  """The composed training route at its measured shape on the GPU (the standalone RMSNorm
+  kernels after cuBLAS's GEMM): gradients within bf16 rounding of the f32 reference."""
+  from pallas_norm.ops.matmul_norm import api as mn
+  calls = _composed_spy(monkeypatch)
+  m, k, n = 262144, 1024, 1024
+  x, w, scale, _, ct = _inputs(41, m, k, n, jnp.bfloat16)
+  scale, ct = _inputs(42, 1, n, n, jnp.float32)[2], ct.astype(jnp.bfloat16)
+  op = lambda x, w, s: mn.matmul_norm(x, w, scale=s, norm="rms")  # noqa: E731
+  y, grads = jax.jit(lambda *a: (lambda r: (r[0], r[1](ct)))(jax.vjp(op, *a)))(x, w, scale)
+  assert calls == [False]
+  f32 = [a.astype(jnp.float32) for a in (x, w, scale)]
+  y_ref, pull_ref = jax.vjp(
+      lambda x, w, s: reference.matmul_norm(x, w, None, None, s, None, norm="rms"), *f32)
+  assert _rel(y, y_ref) < 1e-2
+  for name, g, r in zip(["dx", "dw", "dscale"], grads, pull_ref(ct.astype(jnp.float32))):
+    assert _rel(g, r) < 2e-2, name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm,k,n,uses", [("rms", 1024, 1024, ("mosaic", "xla")),
                                            ("layer", 512, 4096, ("xla", "mosaic"))])

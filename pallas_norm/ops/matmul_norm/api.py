@@ -37,6 +37,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import _dispatch, _op, _validate, reference
 from pallas_norm.ops.matmul_norm import configs, mosaic, mosaic_bwd, xla
+from pallas_norm.ops.norms import api as norms_api
 from pallas_norm.ops.norms import triton as norms_triton
 
 _F32 = jnp.float32
@@ -70,8 +71,12 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       runs one CTA per row block, so N ≤ 4 · tile_n. None falls back to XLA otherwise, with
       the reason logged at debug level; where the forward alone and training were measured
       fastest on different paths, None runs a call that is not differentiated on one and a
-      differentiated call on the other (as a kernel path, it then has no forward mode). The
-      kernel paths are first-order reverse mode only.
+      differentiated call on the other (as a kernel path, it then has no forward mode). At
+      RMSNorm K = N = 1024 with M ≥ 262144, a differentiated call without dense_bias,
+      residual, norm_bias or return_stats runs composed: cuBLAS's GEMM, then
+      :func:`pallas_norm.rms_norm` on h with its own kernels (measured faster there than the
+      fused kernel in training; :func:`.configs.composed_training_reason`). The kernel paths
+      are first-order reverse mode only.
 
   Returns:
     y (..., N); with ``return_h``/``return_stats`` the tuple ``(y, h?, stats?)``.
@@ -112,9 +117,33 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
     return out
 
   args = (x, w, dense_bias, residual, scale, norm_bias)
-  if forward == training:
+  train = functools.partial(run, training)
+  if implementation is None and training != "xla" and _trains_composed(
+      m, k, n, norm, dense_bias, residual, norm_bias, out_dtype, x.dtype, return_stats):
+    train = functools.partial(_composed_training, eps=eps, return_h=return_h)
+  elif forward == training:
     return run(training, *args)
-  return _op.by_use(functools.partial(run, forward), functools.partial(run, training), *args)
+  return _op.by_use(functools.partial(run, forward), train, *args)
+
+
+def _trains_composed(m, k, n, norm, dense_bias, residual, norm_bias, out_dtype, x_dtype,
+                     return_stats) -> bool:
+  """Whether a training call on the kernel path runs :func:`_composed_training`: at the shapes
+  of :func:`.configs.composed_training_reason`, for the plain call measured there (no dense
+  bias, residual, norm bias or statistics; the output in x's dtype)."""
+  plain = (dense_bias is None and residual is None and norm_bias is None and not return_stats
+           and jnp.dtype(out_dtype or x_dtype) == jnp.dtype(x_dtype))
+  return plain and configs.composed_training_reason(m, k, n, norm) is None
+
+
+def _composed_training(x, w, dense_bias, residual, scale, norm_bias, *, eps, return_h):
+  """RMSNorm's post-norm as two ops: h = x @ w by cuBLAS (rounded to x's dtype, as the "xla"
+  path and torch.compile round it), then :func:`pallas_norm.rms_norm` of h, which picks its own
+  kernels. The values are the "xla" implementation's up to the norm kernels' rounding."""
+  del dense_bias, residual, norm_bias  # None: _trains_composed
+  h = jnp.matmul(x, w)
+  y = norms_api.rms_norm(h, scale, eps=eps)
+  return (y, h) if return_h else y
 
 
 def check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype) -> None:

@@ -39,10 +39,12 @@ RMS_WIDE_TRAINING_MAX_K, RMS_WIDE_TRAINING_MAX_N = 512, 2048
 one-pass row kernel."""
 
 RMS_SQUARE_TRAINING_KN, RMS_SQUARE_TRAINING_MIN_M = 1024, 262144
-"""RMSNorm also trains with the kernel at K = N = 1024 from 262144 rows, the one M measured at
-that shape, where it trained faster than XLA once the training forward had dropped its staging
-slots (before, the two tied). Fewer rows there were not measured and keep XLA. Measured:
-``benchmarks/NOTES.md``, "Post-norm forward", routing."""
+"""RMSNorm also trains on the kernel path at K = N = 1024 from 262144 rows, the one M measured at
+that shape. There the plain call (no dense bias, residual, norm bias or statistics) trains
+composed (:func:`composed_training_reason`): the fused forward's epilogue, run after each row
+block's K loop, costs more than a separate norm pass over h. Fewer rows were not measured and
+keep XLA. Measured: ``benchmarks/NOTES.md``, "Post-norm forward", routing and "Post-norm
+backward"."""
 
 RMS_FORWARD_MAX_K, RMS_FORWARD_MAX_N = 1024, 2048
 """RMSNorm's forward alone takes the kernel up to K ≤ 1024, N ≤ 2048 although it trains slower
@@ -66,6 +68,18 @@ def kernel_slower_reason(m: int, k: int, n: int, norm: str) -> str | None:
     return (f"K = {k}, N = {n}: the {norm} Mosaic kernel is measured slower than XLA in "
             "training on the H200 (pass implementation='mosaic' to force it)")
   return _small_m_reason(m)
+
+
+def composed_training_reason(m: int, k: int, n: int, norm: str) -> str | None:
+  """Why a training call that ``implementation=None`` puts on the kernel path runs the fused
+  kernel, or None to run it composed: cuBLAS's GEMM for h, then :func:`pallas_norm.rms_norm`,
+  whose own ``None`` takes the standalone norm kernels (a forward that saves rstd, a one-pass
+  backward reading h), as torch.compile's inductor splits it. Measured faster than the fused
+  kernel (whose training forward writes y and x̂ after each row block's K loop) at RMSNorm
+  K = N = 1024 with :data:`RMS_SQUARE_TRAINING_MIN_M` rows."""
+  if norm == "rms" and k == n == RMS_SQUARE_TRAINING_KN and m >= RMS_SQUARE_TRAINING_MIN_M:
+    return None
+  return f"{norm}, M = {m}, K = {k}, N = {n}: the fused kernel trains faster or was not compared"
 
 
 def kernel_slower_forward_reason(m: int, k: int, n: int, norm: str) -> str | None:
