@@ -577,7 +577,7 @@ def test_composed_training_route(monkeypatch):
   K = N = 1024 from 262144 rows, scaled down here): the value of a call that is not
   differentiated is the fused kernel's; its gradients are those of XLA's GEMM then
   pallas_norm.rms_norm, within bf16 rounding of the f32 reference; h with return_h is the GEMM's.
-  A norm bias, return_stats or an explicit implementation keep the fused kernel."""
+  A norm bias, return_stats, float16 or an explicit implementation keep the fused kernel."""
   from pallas_norm import _dispatch
   from pallas_norm.ops.matmul_norm import api as mn
   monkeypatch.setattr(_dispatch, "choose_by_use", lambda *a, **k: ("interpret", "interpret"))
@@ -614,6 +614,8 @@ def test_composed_training_route(monkeypatch):
   for kw in (dict(norm_bias=bias), dict(return_stats=True)):
     jax.jit(lambda *a, kw=kw: jax.vjp(op(None, **kw), *a)[0])(*args)
   jax.jit(lambda *a: jax.vjp(op("interpret"), *a)[0])(*args)
+  f16 = (x.astype(jnp.float16), w.astype(jnp.float16), scale)
+  jax.jit(lambda *a: jax.vjp(op(None), *a)[0])(*f16)
   assert calls == [True]
 
 

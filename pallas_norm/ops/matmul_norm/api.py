@@ -129,9 +129,11 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
 def _trains_composed(m, k, n, norm, dense_bias, residual, norm_bias, out_dtype, x_dtype,
                      return_stats) -> bool:
   """Whether a training call on the kernel path runs :func:`_composed_training`: at the shapes
-  of :func:`.configs.composed_training_reason`, for the plain call measured there (no dense
-  bias, residual, norm bias or statistics; the output in x's dtype)."""
+  of :func:`.configs.composed_training_reason`, for the plain call measured there (bfloat16,
+  where ``rms_norm`` takes its kernels; no dense bias, residual, norm bias or statistics; the
+  output in x's dtype)."""
   plain = (dense_bias is None and residual is None and norm_bias is None and not return_stats
+           and jnp.dtype(x_dtype) == jnp.bfloat16
            and jnp.dtype(out_dtype or x_dtype) == jnp.dtype(x_dtype))
   return plain and configs.composed_training_reason(m, k, n, norm) is None
 
