@@ -72,11 +72,12 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       the reason logged at debug level; where the forward alone and training were measured
       fastest on different paths, None runs a call that is not differentiated on one and a
       differentiated call on the other (as a kernel path, it then has no forward mode). At
-      RMSNorm K = N = 1024 with M ≥ 262144, a differentiated call without dense_bias,
-      residual, norm_bias or return_stats runs composed: cuBLAS's GEMM, then
-      :func:`pallas_norm.rms_norm` on h with its own kernels (measured faster there than the
-      fused kernel in training; :func:`.configs.composed_training_reason`). The kernel paths
-      are first-order reverse mode only.
+      RMSNorm K = N = 1024 with M ≥ 262144, a differentiated bfloat16 call with y in x's
+      dtype and without dense_bias, residual, norm_bias, return_h or return_stats runs composed:
+      cuBLAS's GEMM, then :func:`pallas_norm.rms_norm` on h with its own kernels (measured
+      faster there than the fused kernel in training;
+      :func:`.configs.composed_training_reason`); its y may differ from the plain call's in
+      the last bit. The kernel paths are first-order reverse mode only.
 
   Returns:
     y (..., N); with ``return_h``/``return_stats`` the tuple ``(y, h?, stats?)``.
@@ -87,7 +88,8 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       by position.
     ValueError: shapes, eps, norm or implementation.
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run; a
-      second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path.
+      second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path (on the
+      composed route the message names rms_norm).
       Forward mode (``jax.jvp``, ``jax.jacfwd``) of a kernel path raises JAX's own TypeError
       "can't apply forward-mode autodiff (jvp) to a custom_vjp function" (under ``jax.jit``
       when it lowers): pass ``implementation="xla"`` for those.
@@ -119,33 +121,36 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
   args = (x, w, dense_bias, residual, scale, norm_bias)
   train = functools.partial(run, training)
   if implementation is None and training != "xla" and _trains_composed(
-      m, k, n, norm, dense_bias, residual, norm_bias, out_dtype, x.dtype, return_stats):
-    train = functools.partial(_composed_training, eps=eps, return_h=return_h)
+      m, k, n, norm, dense_bias, residual, norm_bias, out_dtype, x.dtype, return_h,
+      return_stats):
+    train = functools.partial(_composed_training, eps=eps)
   elif forward == training:
     return run(training, *args)
   return _op.by_use(functools.partial(run, forward), train, *args)
 
 
 def _trains_composed(m, k, n, norm, dense_bias, residual, norm_bias, out_dtype, x_dtype,
-                     return_stats) -> bool:
+                     return_h, return_stats) -> bool:
   """Whether a training call on the kernel path runs :func:`_composed_training`: at the shapes
   of :func:`.configs.composed_training_reason`, for the plain call measured there (bfloat16,
-  where ``rms_norm`` takes its kernels; no dense bias, residual, norm bias or statistics; the
-  output in x's dtype)."""
-  plain = (dense_bias is None and residual is None and norm_bias is None and not return_stats
+  where ``rms_norm`` takes its kernels; no dense bias, residual, norm bias, h or statistics;
+  the output in x's dtype). Not with h returned: its cotangent would be added to rms_norm's dh
+  after that is rounded to bf16, a second rounding the fused kernel's backward does not make
+  (dx and dw ~25% further from the f32 reference in a review's repro)."""
+  plain = (dense_bias is None and residual is None and norm_bias is None and not return_h
+           and not return_stats
            and jnp.dtype(x_dtype) == jnp.bfloat16
            and jnp.dtype(out_dtype or x_dtype) == jnp.dtype(x_dtype))
   return plain and configs.composed_training_reason(m, k, n, norm) is None
 
 
-def _composed_training(x, w, dense_bias, residual, scale, norm_bias, *, eps, return_h):
+def _composed_training(x, w, dense_bias, residual, scale, norm_bias, *, eps):
   """RMSNorm's post-norm as two ops: h = x @ w by cuBLAS (rounded to x's dtype, as the "xla"
   path and torch.compile round it), then :func:`pallas_norm.rms_norm` of h, which picks its own
-  kernels. The values are the "xla" implementation's up to the norm kernels' rounding."""
+  kernels. The values are the "xla" implementation's up to the norm kernels' rounding. A second
+  derivative raises rms_norm's NotImplementedError."""
   del dense_bias, residual, norm_bias  # None: _trains_composed
-  h = jnp.matmul(x, w)
-  y = norms_api.rms_norm(h, scale, eps=eps)
-  return (y, h) if return_h else y
+  return norms_api.rms_norm(jnp.matmul(x, w), scale, eps=eps)
 
 
 def check_args(x, w, dense_bias, residual, scale, norm_bias, norm, eps, out_dtype) -> None:
