@@ -84,15 +84,16 @@ def check_norm(norm: str) -> None:
   _validate.norm_kind(norm)
 
 
-def check_features(name: str, value_) -> int:
+def check_features(layer: str, name: str, value_) -> int:
   """``value_`` as a Python int: any integral number >= 1 (int, NumPy integer, a concrete integer
-  scalar array); bools, floats, zero and negatives raise ValueError naming ``name``."""
+  scalar array); bools, floats, zero and negatives raise ValueError naming ``layer`` and
+  ``name``."""
   try:
     size = None if isinstance(value_, bool) else operator.index(value_)
   except TypeError:
     size = None
   if size is None or size < 1:
-    raise ValueError(f"{name} must be a positive integer, got {value_!r}")
+    raise ValueError(f"{layer}: {name} must be a positive integer, got {value_!r}")
   return size
 
 

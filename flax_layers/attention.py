@@ -24,12 +24,12 @@ from flax_layers import _common
 log = logging.getLogger("pallas_norm")
 
 
-def _check_config(num_heads, head_dim, activation, pre_scale, post_scale, dtype):
+def _check_config(layer, num_heads, head_dim, activation, pre_scale, post_scale, dtype):
   """The checked (num_heads, head_dim); raises for a bad config when the layer is built. The
   scales are checked as the ops check them for inputs of the compute ``dtype`` (finite in
   float32 unless it is float64 with x64), by epsilon's rule (:func:`_common.rule_dtype`)."""
-  num_heads = _common.check_features("num_heads", num_heads)
-  head_dim = _common.check_features("head_dim", head_dim)
+  num_heads = _common.check_features(layer, "num_heads", num_heads)
+  head_dim = _common.check_features(layer, "head_dim", head_dim)
   _validate.activation(activation, pallas_norm.ACTIVATIONS)
   _validate.finite_scalar("pre_scale", pre_scale, _common.rule_dtype(dtype))
   _validate.finite_scalar("post_scale", post_scale, _common.rule_dtype(dtype))
@@ -65,8 +65,8 @@ class GDPA(nnx.Module):
                pre_scale: float = 1.0, post_scale: float = 1.0, dtype=None,
                implementation=None):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
-    self.num_heads, self.head_dim = _check_config(num_heads, head_dim, activation, pre_scale,
-                                                  post_scale, self.dtype)
+    self.num_heads, self.head_dim = _check_config(
+        type(self).__name__, num_heads, head_dim, activation, pre_scale, post_scale, self.dtype)
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
     self.implementation = _common.check_implementation(implementation)
@@ -163,8 +163,8 @@ class PFFNBlock(nnx.Module):
                pre_layer_norm: bool = True, inner_residual: bool = True,
                outer_residual: bool = True):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
-    self.num_heads, self.head_dim = _check_config(num_heads, head_dim, activation, pre_scale,
-                                                  post_scale, self.dtype)
+    self.num_heads, self.head_dim = _check_config(
+        type(self).__name__, num_heads, head_dim, activation, pre_scale, post_scale, self.dtype)
     _common.check_switches(type(self).__name__, pre_layer_norm=pre_layer_norm,
                            inner_residual=inner_residual, outer_residual=outer_residual)
     self.pre_layer_norm = pre_layer_norm

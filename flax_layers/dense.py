@@ -82,8 +82,8 @@ class NormDense(nnx.Module):
                kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros,
                scale_init=nnx.initializers.ones, norm_bias_init=nnx.initializers.zeros,
                rngs: nnx.Rngs, implementation=None):
-    in_features = _common.check_features("in_features", in_features)
-    out_features = _common.check_features("out_features", out_features)
+    in_features = _common.check_features(type(self).__name__, "in_features", in_features)
+    out_features = _common.check_features(type(self).__name__, "out_features", out_features)
     self.in_features, self.out_features = in_features, out_features
     self.norm = norm
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
@@ -143,8 +143,8 @@ class DenseNorm(nnx.Module):
                kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros,
                scale_init=nnx.initializers.ones, norm_bias_init=nnx.initializers.zeros,
                rngs: nnx.Rngs, implementation=None):
-    in_features = _common.check_features("in_features", in_features)
-    out_features = _common.check_features("out_features", out_features)
+    in_features = _common.check_features(type(self).__name__, "in_features", in_features)
+    out_features = _common.check_features(type(self).__name__, "out_features", out_features)
     self.in_features, self.out_features = in_features, out_features
     self.norm = norm
     self.dtype = _common.check_dtype(type(self).__name__, dtype)

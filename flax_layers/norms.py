@@ -73,7 +73,7 @@ class RMSNorm(nnx.Module):
   def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None,
                param_dtype=jnp.float32, use_scale: bool = True,
                scale_init=nnx.initializers.ones, rngs: nnx.Rngs, implementation=None):
-    self.num_features = _common.check_features("num_features", num_features)
+    self.num_features = _common.check_features(type(self).__name__, "num_features", num_features)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
@@ -113,7 +113,7 @@ class LayerNorm(nnx.Module):
                param_dtype=jnp.float32, use_bias: bool = True, use_scale: bool = True,
                bias_init=nnx.initializers.zeros, scale_init=nnx.initializers.ones,
                rngs: nnx.Rngs, implementation=None):
-    self.num_features = _common.check_features("num_features", num_features)
+    self.num_features = _common.check_features(type(self).__name__, "num_features", num_features)
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")

@@ -349,7 +349,9 @@ def test_integer_like_sizes_are_accepted(size):
 ], ids=["rms", "ln", "norm_dense_in", "norm_dense_out", "dense_norm_in", "dense_norm_out",
         "gdpa_heads", "pffn_head_dim"])
 def test_non_integer_or_non_positive_sizes_raise(make, name, size):
-  with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+  # The layer's name first, as every other construction error of the layers gives it.
+  with pytest.raises(ValueError, match=rf"^(RMSNorm|LayerNorm|NormDense|DenseNorm|GDPA|PFFNBlock): "
+                                       rf"{name} must be a positive integer"):
     make(size)
 
 
