@@ -39,13 +39,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pallas_norm import _validate
+from pallas_norm import _dispatch, _validate
 
 __all__ = ["ROW_ARGS", "join_jagged", "row_sharded_take", "shard_rows", "split_jagged"]
 
@@ -113,7 +114,8 @@ def shard_rows(op, mesh=None, axis="data"):
       call, before any kernel runs.
     NotImplementedError: (at the call) a Mosaic kernel op with ``implementation="interpret"``
       on a mesh of several devices, where jax 0.11.2's GPU interpreter fails an internal
-      assertion (module docstring); a sequence that reaches "interpret" there fails inside JAX.
+      assertion (module docstring); a sequence there runs without "interpret" and warns
+      (:class:`pallas_norm.KernelSkippedWarning`).
   """
   name = _public_op_name(op)
   if name is None:
@@ -132,7 +134,7 @@ def shard_rows(op, mesh=None, axis="data"):
     arrays = {k: v for k, v in bound.arguments.items()
               if _validate.is_array(v) and not isinstance(v, np.generic) and k not in _SETTINGS}
     static = {k: v for k, v in bound.arguments.items() if k not in arrays}
-    _check_interpret(name, static, the_mesh)
+    static = _without_gpu_interpreter(name, static, the_mesh)
     _check_rows(name, arrays, num_shards, axis)
     if name in _JAGGED_OPS:
       _check_jagged(arrays, static, num_shards)
@@ -208,19 +210,28 @@ def _gpu_interpreter_checks_every_device() -> bool:
   return getattr(check, "__module__", None) == shared_memory.__name__
 
 
-def _check_interpret(name, static, mesh) -> None:
-  """NotImplementedError for GPU interpret mode on several devices, before anything runs: it
-  would fail inside jax's interpreter with an opaque INTERNAL error."""
-  # Only a plain "interpret": a sequence runs its first name that can run the call, which only
-  # the op's dispatch knows (("interpret", "xla") runs XLA where the kernel refuses the call).
-  if (name in _MOSAIC_OPS and static.get("implementation") == "interpret" and mesh.size > 1
-      and _gpu_interpreter_checks_every_device()):
-    raise NotImplementedError(
-        f"shard_rows({name}) with implementation='interpret' on a mesh of {mesh.size} devices: "
-        "jax 0.11.2's GPU interpreter asserts at the end of each device's kernel that no "
-        "barrier of any device is still allocated, which fails while other devices' kernels "
-        "run. Use one device, or implementation='xla' (tests/sharding_checks.py shows the "
-        "workaround its tests use).")
+def _without_gpu_interpreter(name, static, mesh) -> dict:
+  """``static`` for a Mosaic kernel op on several devices, where GPU interpret mode would fail
+  inside jax's interpreter with an opaque INTERNAL error (module docstring): a plain
+  "interpret" raises NotImplementedError before anything runs; a sequence drops "interpret"
+  with a :class:`pallas_norm.KernelSkippedWarning`, as the ops' dispatch skips a kernel for a
+  reason of the process, and raises as a plain one if nothing else is left."""
+  implementation = static.get("implementation")
+  sequence = isinstance(implementation, (list, tuple))
+  if not (name in _MOSAIC_OPS and mesh.size > 1 and _gpu_interpreter_checks_every_device()
+          and (implementation == "interpret" or (sequence and "interpret" in implementation))):
+    return static
+  reason = (f"shard_rows({name}) with implementation='interpret' on a mesh of {mesh.size} "
+            "devices: jax 0.11.2's GPU interpreter asserts at the end of each device's kernel "
+            "that no barrier of any device is still allocated, which fails while other "
+            "devices' kernels run. Use one device, or implementation='xla' "
+            "(tests/sharding_checks.py shows the workaround its tests use).")
+  rest = tuple(i for i in implementation if i != "interpret") if sequence else ()
+  if not rest:
+    raise NotImplementedError(reason)
+  warnings.warn(f"{name}: implementation 'interpret' skipped: {reason} The sequence's other "
+                f"names {rest} run instead.", _dispatch.KernelSkippedWarning, stacklevel=3)
+  return {**static, "implementation": rest}
 
 
 def _check_rows(name, arrays, num_shards, axis) -> None:

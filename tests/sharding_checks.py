@@ -13,6 +13,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import warnings
 
 ON_GPUS = ("ops_mosaic",)
 """The groups that run on the machine's GPUs; every other one on 8 CPU devices, also where a
@@ -247,6 +248,16 @@ def ops_interpret():
   got = sharding.shard_rows(pn.norm_matmul, mesh)(xf, **restf,
                                                    implementation=("interpret", "xla"))
   _close(got, pn.reference.norm_matmul(xf, **restf), 1e-5, 1e-5, "('interpret', 'xla'), f32")
+  # Where the kernel would take the call, the sequence skips the interpreter with a warning and
+  # runs XLA (it ran the interpreter, which failed inside jax on 4 devices: a review's repro).
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = sharding.shard_rows(pn.norm_matmul, mesh)(x, **rest,
+                                                     implementation=("interpret", "xla"))
+  assert any(issubclass(w.category, pn.KernelSkippedWarning) and "2 devices" in str(w.message)
+             for w in caught), [str(w.message) for w in caught]
+  _close(got, pn.norm_matmul(x, **rest, implementation="xla"), 1e-2, 1e-2,
+         "('interpret', 'xla'), bf16")
   _allow_interpret_on_several_devices()
   # Without shard_rows, XLA's partitioner gathers the sharded rows to call the kernel.
   plain = jax.jit(lambda x, r: pn.norm_matmul(x, **r, implementation="interpret")).lower(
