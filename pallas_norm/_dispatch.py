@@ -195,10 +195,13 @@ def choose_by_use(op: str, implementation,
   if unsupported_reason is not None:
     # Asked once per candidate: both uses share the kernel's answer for these arguments.
     unsupported_reason = functools.cache(unsupported_reason)
-  training = choose(op, implementation, unsupported_reason, slower_reason, kernel)
   if implementation is not None or unsupported_reason is None:
+    training = choose(op, implementation, unsupported_reason, slower_reason, kernel)
     return training, training
-  return choose(op, None, unsupported_reason, slower_forward_reason, kernel), training
+  # Each use logs its own reason for XLA, so that the two debug lines say which use each is.
+  return (_choose_default(op, unsupported_reason, slower_forward_reason, kernel,
+                          use="a call that is not differentiated"),
+          _choose_default(op, unsupported_reason, slower_reason, kernel, use="training"))
 
 
 X64_REASON = ("jax_enable_x64 is on: the kernels (Mosaic GPU and Triton lowerings) are traced "
@@ -257,7 +260,8 @@ def _device_reason(kernel: str) -> str | None:
   return None
 
 
-def _choose_default(op: str, unsupported_reason, slower_reason, kernel: str) -> str:
+def _choose_default(op: str, unsupported_reason, slower_reason, kernel: str,
+                    use: str | None = None) -> str:
   if unsupported_reason is None:
     return "xla"
   reason = _device_reason(kernel)
@@ -266,6 +270,6 @@ def _choose_default(op: str, unsupported_reason, slower_reason, kernel: str) -> 
   if reason is None and slower_reason is not None:
     reason = slower_reason()
   if reason is not None:
-    log.debug("%s: using XLA: %s", op, reason)
+    log.debug("%s%s: using XLA: %s", op, f" ({use})" if use else "", reason)
     return "xla"
   return kernel

@@ -531,6 +531,19 @@ def test_choose_by_use_asks_the_kernel_once(monkeypatch):
   assert uses == ("xla", "mosaic") and asked == ["mosaic"], (uses, asked)
 
 
+def test_choose_by_use_logs_each_use_once(monkeypatch, caplog):
+  """implementation=None: one debug line per use that takes XLA, saying which use it is (a
+  new-user review saw the same line twice per call)."""
+  from pallas_norm import _dispatch
+  monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
+  with caplog.at_level("DEBUG", logger="pallas_norm"):
+    _dispatch.choose_by_use("op", None, lambda c: None, lambda: "slow to train",
+                            lambda: "slow forward")
+  assert [r.getMessage() for r in caplog.records] == [
+      "op (a call that is not differentiated): using XLA: slow forward",
+      "op (training): using XLA: slow to train"]
+
+
 @pytest.mark.parametrize("op,uses", [("norm_matmul", ("xla", "interpret")),
                                      ("matmul_norm", ("interpret", "xla"))])
 def test_forward_alone_and_training_run_their_own_paths(monkeypatch, op, uses):
