@@ -241,7 +241,7 @@ def _matmul_norm(case: Case, kernel: str) -> Problem:
   extras = _EXTRA.get("matmul_norm", {})
   # Where implementation=None trains on neither path timed here (the composed route: cuBLAS's
   # GEMM, then rms_norm's kernels), "auto" times what a user gets by default.
-  composed = (case.mode == "fwd+bwd" and norm == "rms" and not with_residual
+  composed = (case.mode == "fwd+bwd"
               and mn_configs.composed_training_reason(m, k, n, norm) is None)
   return Problem(make_set, tuple(range(nargs)), _kernel_impl_fn(call, extras, case), ref,
                  2.0 * m * k * n, 4.0 * m * k * n,
