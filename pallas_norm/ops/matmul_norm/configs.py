@@ -43,8 +43,8 @@ RMS_SQUARE_TRAINING_KN, RMS_SQUARE_TRAINING_MIN_M = 1024, 262144
 that shape. There the plain bfloat16 call (no dense bias, residual, norm bias, returned h or
 statistics) trains composed (:func:`composed_training_reason`): the fused forward's epilogue,
 run after each row block's K loop, costs more than a separate norm pass over h. Fewer rows were
-not measured and keep XLA. Measured: ``benchmarks/NOTES.md``, "Post-norm forward", routing and "Post-norm
-backward"."""
+not measured and keep XLA. Measured: ``benchmarks/NOTES.md``, "Post-norm forward", routing and
+"Post-norm backward"."""
 
 RMS_FORWARD_MAX_K, RMS_FORWARD_MAX_N = 1024, 2048
 """RMSNorm's forward alone takes the kernel up to K ≤ 1024, N ≤ 2048 although it trains slower
