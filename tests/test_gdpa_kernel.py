@@ -433,18 +433,16 @@ def test_work_items_samples_longest_first_then_padding_chunks():
   assert covered[offsets[-1]:].all() and not covered[:offsets[-1]].any()
 
 
-def test_zero_heads_fall_back_to_xla_not_zero_division():
-  """q of shape (T, 0, D) (H = 0, a valid call whose output is empty) reached the kernel, whose
-  interpret mode raised ZeroDivisionError from Pallas' block padding, also from a sequence
-  ("interpret", "xla") that should fall back (review12); on Hopper implementation=None would
-  take the kernel too. The kernel refuses it with NotImplementedError; a sequence gives XLA's
-  empty output."""
+def test_zero_heads_raise_before_any_kernel():
+  """q of shape (T, 0, D) (H = 0) reached the kernel, whose interpret mode raised
+  ZeroDivisionError from Pallas' block padding, also from a sequence ("interpret", "xla")
+  (review12). The op now refuses it as it refuses D = 0, with a ValueError naming q, whatever
+  the implementation asked for."""
   q = jnp.zeros((16, 0, 64), jnp.bfloat16)
   dense = jnp.zeros((2, 64, 0, 64), jnp.bfloat16)
   jagged_kv = jnp.zeros((16, 0, 64), jnp.bfloat16)
   off = jnp.array([0, 5, 14], jnp.int32)
   for k, kv_off in ((dense, None), (jagged_kv, off)):
-    with pytest.raises(NotImplementedError, match="H = 0"):
-      pn.gdpa(q, k, k, off, kv_off, implementation="interpret")
-    out = pn.gdpa(q, k, k, off, kv_off, implementation=("interpret", "xla"))
-    assert out.shape == q.shape and out.dtype == q.dtype
+    for implementation in ("interpret", ("interpret", "xla"), None):
+      with pytest.raises(ValueError, match="q has no heads"):
+        pn.gdpa(q, k, k, off, kv_off, implementation=implementation)

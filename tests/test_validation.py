@@ -149,6 +149,8 @@ CASES = (
     + [("gdpa",) + c for c in [
         ("q", _arr((T, H, D), jnp.int32), TypeError, "q"),
         ("q", _arr((T, H * D)), ValueError, "q"),
+        ("q", _arr((T, 0, D)), ValueError, "no heads"),
+        ("q", _arr((T, H, 0)), ValueError, "empty feature axis"),
         ("k", _arr((B * L_KV, H, D)), ValueError, "k"),  # 3-D k without kv_offsets
         ("v", _arr((B, L_KV + 1, H, D)), ValueError, "v"),
         ("k,v", _arr((B, L_KV, H, D + 1)), ValueError, "(H, D)"),
@@ -908,10 +910,11 @@ def test_flash_norm_attention_without_heads_raises_naming_q():
   """q of shape (T, 0, D): the block normalizes over H·D = 0 features, as a norm of an empty
   feature axis (which rms_norm/layer_norm refuse with a ValueError naming x); it raised
   IndexError "index is out of bounds for axis 1 with size 0" from inside the reference's
-  LayerNorm (review12). gdpa itself returns the empty (T, 0, D) output."""
+  LayerNorm (review12). gdpa refuses it too, as it refuses D = 0."""
   args = good_args("gdpa")
   empty = {name: a[..., :0, :] if name in "qkv" else a for name, a in args.items()}
-  assert pallas_norm.gdpa(**empty, implementation="xla").shape == (T, 0, D)
+  with pytest.raises(ValueError, match="q has no heads"):
+    pallas_norm.gdpa(**empty, implementation="xla")
   with pytest.raises(ValueError, match=r"\bq\b"):
     pallas_norm.flash_norm_attention(**empty, implementation="xla")
   with pytest.raises(ValueError, match=r"\bq\b"):

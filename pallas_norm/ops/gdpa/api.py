@@ -29,6 +29,8 @@ def check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale
   """Validates the attention arguments shared by :func:`gdpa` and ``flash_norm_attention``."""
   _validate.float_array("q", q, ndim=3)
   t, h, d = q.shape
+  if h == 0:  # as an empty feature axis (D = 0) raises: no heads is no attention to compute
+    raise ValueError(f"q has no heads: H = 0 (shape {tuple(q.shape)})")
   if kv_offsets is not None and not _validate.is_array(kv_offsets):
     # Checked before k's rank, which kv_offsets decides: gdpa(q, k, v, off, 8) (max_seq_len
     # passed by position) would otherwise be reported as a 4-D k that should be 3-D.
@@ -104,9 +106,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   Raises:
     TypeError: dtypes; a non-array q, k, v or offsets; a pre_scale or post_scale that is not a
       real scalar (also under ``jax.jit``: a traced scale must be 0-d, integer or floating).
-    ValueError: shapes, offsets (when concrete), activation, concrete scales that are not
-      finite (in float32, what every path computes them in, unless q is float64), lengths over
-      max_seq_len/max_kv_len.
+    ValueError: shapes (H = 0 or D = 0 included), offsets (when concrete), activation,
+      concrete scales that are not finite (in float32, what every path computes them in,
+      unless q is float64), lengths over max_seq_len/max_kv_len.
     NotImplementedError: kernel implementation not available; a second derivative
       (``jax.hessian``, a gradient of a gradient) of a kernel path. Forward mode (``jax.jvp``,
       ``jax.jacfwd``) of a kernel path raises JAX's own TypeError "can't apply forward-mode

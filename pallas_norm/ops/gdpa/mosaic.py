@@ -146,8 +146,6 @@ def tiling_or_reason(q, k, kv_offsets, max_kv_len, out_dtype):
   head_dim = q.shape[2]
   if q.shape[0] == 0:  # a block of 0 rows: the kernel's buffers and TMA windows need >= 1
     return None, "zero token capacity T = 0 (no q rows: XLA returns the empty output)"
-  if q.shape[1] == 0:  # no heads: no work items (Pallas's interpret mode divided by zero)
-    return None, "no heads (H = 0): XLA returns the empty output"
   if kv_offsets is None and k.shape[1] == 0:
     return None, "dense K/V length Lkv = 0 (no keys: XLA returns the zeros)"
   if kv_offsets is None and k.shape[1] % 64:
