@@ -10,9 +10,10 @@ Arguments follow ``flax.nnx.Linear`` (in_features, out_features, use_bias, kerne
 ``flax.nnx.LayerNorm`` (epsilon, use_scale, scale_init): ``bias`` is the dense layer's bias, as in
 ``nnx.Linear``, and ``norm_bias`` the norm's β. Both layers default to LayerNorm, as
 ``flax.nnx.LayerNorm`` is the norm Flax users reach for; pass ``norm="rms"`` for RMSNorm. As every
-Flax layer, a call returns one array; ``layer(x, return_h=True)`` (a call argument, as for
-:class:`flax_layers.RMSNorm` and :class:`flax_layers.LayerNorm`) also returns the pre-norm
-residual stream.
+Flax layer, a call returns one array; :class:`DenseNorm` takes ``layer(x, return_h=True)`` (a
+call argument, as for :class:`flax_layers.RMSNorm` and :class:`flax_layers.LayerNorm`), which
+also returns the pre-norm residual stream h. :class:`NormDense` has no residual stream to
+return (its norm reads x itself) and takes no ``return_h``.
 """
 
 from __future__ import annotations
