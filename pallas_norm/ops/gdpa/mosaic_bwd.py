@@ -16,7 +16,8 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   of the samples that own those kv rows, accumulating dKᵀ-side products in registers
   (``Sᵀ = K Qᵀ``, ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per
   (sample, tile of Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops
-  over every sample it overlaps. The scale-gradient partial sums come from the same registers.
+  over every sample it overlaps. The scale gradients' sums come from the same accumulators,
+  once per item (:func:`_scale_grad_rows`).
   The grid is persistent, as the forward's: one CTA per SM walks the items (most q blocks
   first) in zig-zag rounds; the ring's steps count across a CTA's items, so the producer loads
   the next item's first q/dO blocks during the current item's last steps, and its K/V as soon
@@ -610,7 +611,7 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
                     q_stage, do_stage, (dk_acc, dv_acc),
                     (s.op_smem.at[wg, 0], s.op_smem.at[wg, 1 + slot]),
                     hand_off, in_flight=computes_dq,
-                               ds_scale=pre * post if plan.prescaled_ds else None)
+                    ds_scale=pre * post if plan.prescaled_ds else None)
           if computes_dq:
             # The head recomputed in the step, not held across it.
             head_in_step = lambda: _item_index(plan, r + mgpu.opaque_zero(gstep))[1]
@@ -645,7 +646,7 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
 def _dkv_item_end(g: _DkvRefs, s: _DkvSmem, wg: int, r, zero, end_step, accs, pre,
                   post) -> None:
   """Consumer ``wg``'s end of the item of round ``r``: releases its K/V tiles and stores dK,
-  dV (and the scale partials) through its operand tiles."""
+  dV (and the scale gradients' row sums) through its operand tiles."""
   plan = g.plan
   dk_acc, dv_acc = accs
   if plan.fuse_dq:
@@ -800,15 +801,17 @@ def _scores(a_smem, b_stage, da_smem, db_stage):
 
 
 def _scale_grad_rows(kv_tiles, accs, rows_smem) -> None:
-  """The item's row sums of the scale gradients into ``rows_smem`` (2, BLOCK), from the
-  unscaled accumulators: d pre = post Σ (dAu ⊙ act') ⊙ Su = post Σ K ⊙ dK_acc and
-  d post = Σ A ⊙ dAu = Σ V ⊙ dV_acc (dK_acc = Σ dS Q, dV_acc = Σ A dO over the item's steps,
-  and Su = K Qᵀ, dAu = V dOᵀ). Once per item, after its steps: summed in the step loop the
-  terms kept S, dA and A live beside the in-flight accumulators, ptxas spilled 1148 B and
-  serialized the WGMMAs, and the kernel took twice as long. The sums so carry dS and A as
-  the WGMMAs read them, rounded to the input dtype. A row whose accumulator entries are all 0
-  (no q row met it: a padding row of packed k, a sample without queries) adds 0 whatever
-  its K or V holds, as the step loop's masked terms did."""
+  """The item's row sums of the scale gradients into ``rows_smem`` (2, BLOCK), from the unscaled
+  accumulators: d pre = post Σ (dAu ⊙ act') ⊙ Su = post Σ K ⊙ dK_acc and d post = Σ A ⊙ dAu = Σ V
+  ⊙ dV_acc (dK_acc = Σ dS Q, dV_acc = Σ A dO over the item's steps, and Su = K Qᵀ, dAu = V dOᵀ).
+  Once per item, after its steps: summed in the step loop (f32 per-thread partials carried across
+  the steps, then in SMEM) the terms took registers from consumers already at their limit: ptxas
+  spilled 1148 B (300 B from SMEM) and serialized the WGMMAs, and the kernel took 2.0–2.3×
+  (1.4–2.5×) its float-scale time; this form adds 5–12% (``benchmarks/NOTES.md``, "gdpa
+  backward"). The sums so carry dS and A as the WGMMAs read them, rounded to the input dtype:
+  relative errors of 7e-5 to 3e-4 at the suite's GDPA shapes, where the f32 terms gave ≤ 5e-6. A
+  row whose accumulator entries are all 0 (no q row met it: a padding row of packed k, a sample
+  without queries) adds 0 whatever its K or V holds, as the step loop's masked terms did."""
   for i, acc in enumerate(accs):
     tile = plgpu.load(kv_tiles.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     acc = acc[...]
