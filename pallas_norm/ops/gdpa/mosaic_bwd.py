@@ -16,7 +16,8 @@ backward (one TMA producer warpgroup, two WGMMA consumer warpgroups, a ring of S
   of the samples that own those kv rows, accumulating dKᵀ-side products in registers
   (``Sᵀ = K Qᵀ``, ``dAuᵀ = V dOᵀ``, ``dV += Aᵀ dO``, ``dK += dSᵀ Q``). Dense k/v: one tile per
   (sample, tile of Lkv); jagged k/v: the packed rows are cut into aligned tiles and a tile loops
-  over every sample it overlaps. The scale-gradient partial sums come from the same registers.
+  over every sample it overlaps. The scale gradients' sums come from the same accumulators,
+  once per item (:func:`_scale_grad_rows`).
   The grid is persistent, as the forward's: one CTA per SM walks the items (most q blocks
   first) in zig-zag rounds; the ring's steps count across a CTA's items, so the producer loads
   the next item's first q/dO blocks during the current item's last steps, and its K/V as soon
@@ -589,14 +590,14 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
 
     def with_accs(dk_acc, dv_acc):
       def sample(smp, carry):
-        step, partials = carry
+        (step,) = carry
         q_lo, q_hi, win, blocks = g.q_span(smp)
         kv_lo, kv_hi = g.kv_range(smp)
 
         def body(idxs, q_stage, do_stage, carry):
           # The global step carried (not step + j): the loop's end value is then the
           # carry, and the item's first step is not held across the loop for the sum.
-          gstep, partials = carry
+          (gstep,) = carry
           (j,) = idxs
           col0 = win + j * BLOCK
           slot = lax.rem(gstep, 2)
@@ -606,11 +607,11 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
           valid = _box(ids, kv_lo - row0, kv_hi - row0, q_lo - col0, q_hi - col0)
           hand_off = ((s.ds_free.at[slot], s.ds_ready.at[slot]) if plan.fuse_dq and wg == 0
                       else None)
-          partials = _dkv_step(plan, pre, valid, kv_tiles.at[wg, 0], kv_tiles.at[wg, 1],
-                               q_stage, do_stage, (dk_acc, dv_acc),
-                               (s.op_smem.at[wg, 0], s.op_smem.at[wg, 1 + slot]),
-                               partials, hand_off, in_flight=computes_dq,
-                               ds_scale=pre * post if plan.prescaled_ds else None)
+          _dkv_step(plan, pre, valid, kv_tiles.at[wg, 0], kv_tiles.at[wg, 1],
+                    q_stage, do_stage, (dk_acc, dv_acc),
+                    (s.op_smem.at[wg, 0], s.op_smem.at[wg, 1 + slot]),
+                    hand_off, in_flight=computes_dq,
+                    ds_scale=pre * post if plan.prescaled_ds else None)
           if computes_dq:
             # The head recomputed in the step, not held across it.
             head_in_step = lambda: _item_index(plan, r + mgpu.opaque_zero(gstep))[1]
@@ -621,14 +622,12 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
                       lambda rows, cols: g.dq_ref.at[rows, head_in_step(), cols], col0, q_lo,
                       q_hi, do_stage,
                       s.eye_smem.at[mgpu.opaque_zero(gstep)] if plan.prescaled_ds else None)
-          return gstep + 1, partials
+          return (gstep + 1,)
 
-        return mgpu.ring_k_loop(s.ring, step, blocks, (step, partials), body)
+        return mgpu.ring_k_loop(s.ring, step, blocks, (step,), body)
 
-      partials = ((mgpu.lane_partial_zeros(BLOCK),) * 2 if plan.scale_grads else ())
-      end_step, partials = _sample_loop(item.first, item.count, sample,
-                                        (first_step, partials))
-      _dkv_item_end(g, s, wg, r, zero, end_step, (dk_acc, dv_acc), partials, pre, post)
+      (end_step,) = _sample_loop(item.first, item.count, sample, (first_step,))
+      _dkv_item_end(g, s, wg, r, zero, end_step, (dk_acc, dv_acc), pre, post)
       return end_step
 
     return pl.run_scoped(with_accs, plgpu.ACC((BLOCK, plan.head_dim)),
@@ -644,10 +643,10 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _dkv_item_end(g: _DkvRefs, s: _DkvSmem, wg: int, r, zero, end_step, accs, partials, pre,
+def _dkv_item_end(g: _DkvRefs, s: _DkvSmem, wg: int, r, zero, end_step, accs, pre,
                   post) -> None:
   """Consumer ``wg``'s end of the item of round ``r``: releases its K/V tiles and stores dK,
-  dV (and the scale partials) through its operand tiles."""
+  dV (and the scale gradients' row sums) through its operand tiles."""
   plan = g.plan
   dk_acc, dv_acc = accs
   if plan.fuse_dq:
@@ -658,6 +657,10 @@ def _dkv_item_end(g: _DkvRefs, s: _DkvSmem, wg: int, r, zero, end_step, accs, pa
       plgpu.barrier_arrive(s.kv_done.at[zero])
     else:
       plgpu.barrier_wait(s.kv_done.at[zero])
+  if plan.scale_grads:  # before the producer may overwrite this consumer's K and V
+    _scale_grad_rows(s.kv_smem.at[wg], accs, s.partial_smem.at[wg])
+    # The proxy fence between these generic reads of K, V and the next item's TMA writes.
+    plgpu.commit_smem()
   # This consumer's K and V are no longer read: the producer loads the next item's
   # while the epilogue stores dK and dV.
   plgpu.barrier_arrive(s.kv_free.at[wg + zero])
@@ -670,10 +673,6 @@ def _dkv_item_end(g: _DkvRefs, s: _DkvSmem, wg: int, r, zero, end_step, accs, pa
   dk = dk_acc[...] + 0.0 * (pre * post) if plan.prescaled_ds else dk_acc[...] * (pre * post)
   _stage_chunks(staged, 0, dk.astype(plan.dtype))
   _stage_chunks(staged, plan.dkv_chunks, (dv_acc[...] * post).astype(plan.dtype))
-  if plan.scale_grads:
-    # One cross-lane reduction per item, not per step.
-    s.partial_smem.at[wg, 0][...] = jnp.sum(partials[0], axis=1)
-    s.partial_smem.at[wg, 1][...] = jnp.sum(partials[1], axis=1)
   plgpu.commit_smem()
   for i, ref in enumerate((g.dk_ref, g.dv_ref)):
     _store_chunks(staged, i * plan.dkv_chunks, g.rows_of(ref, done), done_row0)
@@ -801,8 +800,27 @@ def _scores(a_smem, b_stage, da_smem, db_stage):
   return pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)), plgpu.ACC((BLOCK, BLOCK)))
 
 
+def _scale_grad_rows(kv_tiles, accs, rows_smem) -> None:
+  """The item's row sums of the scale gradients into ``rows_smem`` (2, BLOCK), from the unscaled
+  accumulators: d pre = post Σ (dAu ⊙ act') ⊙ Su = post Σ K ⊙ dK_acc and d post = Σ A ⊙ dAu = Σ V
+  ⊙ dV_acc (dK_acc = Σ dS Q, dV_acc = Σ A dO over the item's steps, and Su = K Qᵀ, dAu = V dOᵀ).
+  Once per item, after its steps: summed in the step loop (f32 per-thread partials carried across
+  the steps, then in SMEM) the terms took registers from consumers already at their limit: ptxas
+  spilled 1148 B (300 B from SMEM) and serialized the WGMMAs, and the kernel took 2.0–2.3×
+  (1.4–2.5×) its float-scale time; this form adds 5–12% (``benchmarks/NOTES.md``, "gdpa
+  backward"). The sums so carry dS and A as the WGMMAs read them, rounded to the input dtype:
+  relative errors of 7e-5 to 3e-4 at the suite's GDPA shapes, where the f32 terms gave ≤ 5e-6. A
+  row whose accumulator entries are all 0 (no q row met it: a padding row of packed k, a sample
+  without queries) adds 0 whatever its K or V holds, as the step loop's masked terms did."""
+  for i, acc in enumerate(accs):
+    tile = plgpu.load(kv_tiles.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    acc = acc[...]
+    rows_smem.at[i][...] = jnp.sum(
+        mgpu.lane_partial_sum(jnp.where(acc != 0.0, tile * acc, 0.0)), axis=1)
+
+
 def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
-              operand_smem, partials, hand_off=None, *, in_flight=False, ds_scale=None):
+              operand_smem, hand_off=None, *, in_flight=False, ds_scale=None):
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
   accumulator refs (the scales are applied once, at the store, or dK's already on dS:
@@ -828,17 +846,8 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
     plgpu.barrier_arrive(hand_off[1])
   plgpu.wgmma(dv_ref, a_smem, do_stage)
   plgpu.wgmma(dk_ref, ds_smem, q_stage)
-  if plan.scale_grads:
-    # d pre = post Σ (dAu ⊙ act') ⊙ Su;  d post = Σ A ⊙ dAu.
-    # Per-thread partial row sums (no cross-lane traffic in the loop); selects, not products
-    # with the masked tiles: a masked score may be NaN (a padding row of packed k).
-    # A in float32 for d post: the bfloat16 rounding of A is noise of ~2^-9 per term, as large
-    # as the cancelling sum itself can be.
-    partials = (partials[0] + mgpu.lane_partial_sum(jnp.where(valid, ds_t * s_t, 0.0)),
-                partials[1] + mgpu.lane_partial_sum(jnp.where(valid, act * da_t, 0.0)))
   if not in_flight:
     plgpu.wgmma_wait(0)
-  return partials
 
 
 # ------------------------------------------------------------------------------------------------
