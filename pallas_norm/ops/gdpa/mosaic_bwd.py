@@ -658,7 +658,9 @@ def _dkv_item_end(g: _DkvRefs, s: _DkvSmem, wg: int, r, zero, end_step, accs, pr
     else:
       plgpu.barrier_wait(s.kv_done.at[zero])
   if plan.scale_grads:  # before the producer may overwrite this consumer's K and V
-    _scale_grad_rows(s.kv_smem.at[wg], accs, s.partial_smem.at[wg])
+    item = g.item_at(r + mgpu.opaque_zero(end_step))
+    met = _met_rows(g, item, item.kv_base + wg * BLOCK)
+    _scale_grad_rows(s.kv_smem.at[wg], accs, s.partial_smem.at[wg], met)
     # The proxy fence between these generic reads of K, V and the next item's TMA writes.
     plgpu.commit_smem()
   # This consumer's K and V are no longer read: the producer loads the next item's
@@ -800,23 +802,42 @@ def _scores(a_smem, b_stage, da_smem, db_stage):
   return pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK)), plgpu.ACC((BLOCK, BLOCK)))
 
 
-def _scale_grad_rows(kv_tiles, accs, rows_smem) -> None:
-  """The item's row sums of the scale gradients into ``rows_smem`` (2, BLOCK), from the unscaled
-  accumulators: d pre = post Σ (dAu ⊙ act') ⊙ Su = post Σ K ⊙ dK_acc and d post = Σ A ⊙ dAu = Σ V
-  ⊙ dV_acc (dK_acc = Σ dS Q, dV_acc = Σ A dO over the item's steps, and Su = K Qᵀ, dAu = V dOᵀ).
-  Once per item, after its steps: summed in the step loop (f32 per-thread partials carried across
-  the steps, then in SMEM) the terms took registers from consumers already at their limit: ptxas
-  spilled 1148 B (300 B from SMEM) and serialized the WGMMAs, and the kernel took 2.0–2.3×
-  (1.4–2.5×) its float-scale time; this form adds 5–12% (``benchmarks/NOTES.md``, "gdpa
-  backward"). The sums so carry dS and A as the WGMMAs read them, rounded to the input dtype:
-  relative errors of 7e-5 to 3e-4 at the suite's GDPA shapes, where the f32 terms gave ≤ 5e-6. A
-  row whose accumulator entries are all 0 (no q row met it: a padding row of packed k, a sample
-  without queries) adds 0 whatever its K or V holds, as the step loop's masked terms did."""
+def _met_rows(g: _DkvRefs, item: _DkvItem, row0):
+  """Bool (BLOCK,) in the accumulators' row layout: which of the consumer's kv rows (from
+  ``row0``) some q row met, i.e. belong to a sample of the item with q rows. Every query of a
+  sample meets every key of it, so these are the rows whose K and V the scale gradients'
+  terms read; the others (padding rows of packed k, samples without queries, dense rows past
+  Lkv) add nothing, whatever they hold."""
+  rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
+                           plgpu.Layout.WGMMA.reduce(1))
+
+  def sample(smp, met):
+    kv_lo, kv_hi = g.kv_range(smp)
+    kv_hi = jnp.where(g.q_off_ref[smp + 1] > g.q_off_ref[smp], kv_hi, kv_lo)
+    return jnp.where((rows >= kv_lo - row0) & (rows < kv_hi - row0), 1.0, met)
+
+  none = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  return _sample_loop(item.first, item.count, sample, none) > 0.5
+
+
+def _scale_grad_rows(kv_tiles, accs, rows_smem, met) -> None:
+  """The item's row sums of the scale gradients into ``rows_smem`` (2, BLOCK), from the
+  unscaled accumulators: d pre = post Σ (dAu ⊙ act') ⊙ Su = post Σ K ⊙ dK_acc and d post =
+  Σ A ⊙ dAu = Σ V ⊙ dV_acc (dK_acc = Σ dS Q, dV_acc = Σ A dO over the item's steps; Su = K Qᵀ,
+  dAu = V dOᵀ), over the rows ``met`` (:func:`_met_rows`): a NaN or inf in a met row's K or V
+  reaches the sums even where its accumulator entries are 0, as it reaches the output.
+
+  Once per item, after its steps: summed in the step loop (f32 per-thread partials carried
+  across the steps, then in SMEM) the terms took registers from consumers already at their
+  limit: ptxas spilled 1148 B (300 B from SMEM) and serialized the WGMMAs, and the kernel took
+  2.0–2.3× (1.4–2.5×) its float-scale time; this form added 5–12% (``benchmarks/NOTES.md``,
+  "gdpa backward"). The sums so carry dS and A as the WGMMAs read them, rounded to the input
+  dtype: an error of ~2⁻⁹ of the terms' root sum of squares (relative errors of 7e-5 to 3e-4
+  at the suite's GDPA shapes, more where the terms cancel), where the f32 terms gave ≤ 5e-6."""
   for i, acc in enumerate(accs):
     tile = plgpu.load(kv_tiles.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-    acc = acc[...]
-    rows_smem.at[i][...] = jnp.sum(
-        mgpu.lane_partial_sum(jnp.where(acc != 0.0, tile * acc, 0.0)), axis=1)
+    sums = jnp.sum(mgpu.lane_partial_sum(tile * acc[...]), axis=1)
+    rows_smem.at[i][...] = jnp.where(met, sums, 0.0)
 
 
 def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_refs,
