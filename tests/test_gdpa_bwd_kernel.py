@@ -182,7 +182,6 @@ def test_many_items_and_empty_samples(lengths, capacity, heads, d, lkv, seed):
   assert abs(float(d_post) - float(want[4])) <= 2**-8 * (abs(float(want[4])) + terms[1])
 
 
-
 def test_scale_grads_keep_a_nan_in_a_live_v_row():
   """A NaN in a live V row whose accumulator entries are all 0 (relu with pre_scale = 0: every
   A of that key is 0) still makes d post_scale NaN, as it makes the output NaN (d post =
@@ -200,6 +199,7 @@ def test_scale_grads_keep_a_nan_in_a_live_v_row():
   # The second sample's K/V gradients are its own, finite.
   assert np.isfinite(np.asarray(dk[1], np.float32)).all()
   assert np.isfinite(np.asarray(dv[1], np.float32)).all()
+
 
 def test_dq_padding_rows_are_zero_times_both_scales():
   """dq's padding rows are 0 · pre · post (its docstring): NaN for a NaN post_scale with a

@@ -275,15 +275,16 @@ def _q_tail_base(end):
   return jnp.maximum(end - lax.rem(end, ROW_ALIGN) - BLOCK, 0)
 
 
+def _ids(layout):
+  """0 .. BLOCK - 1 as a vector in ``layout``."""
+  return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0), layout)
+
+
 def _tile_ids():
   """(row ids, column ids) of a (BLOCK, BLOCK) WGMMA tile as vectors in the accumulator's row
   and column layouts: 2 + 16 registers a thread keeps across the loop, where two int32 tiles
   would take 64."""
-  rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
-                           plgpu.Layout.WGMMA.reduce(1))
-  cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
-                           plgpu.Layout.WGMMA.reduce(0))
-  return rows, cols
+  return _ids(plgpu.Layout.WGMMA.reduce(1)), _ids(plgpu.Layout.WGMMA.reduce(0))
 
 
 def _box(ids, row_lo, row_hi, col_lo, col_hi):
@@ -808,8 +809,7 @@ def _met_rows(g: _DkvRefs, item: _DkvItem, row0):
   sample meets every key of it, so these are the rows whose K and V the scale gradients'
   terms read; the others (padding rows of packed k, samples without queries, dense rows past
   Lkv) add nothing, whatever they hold."""
-  rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK,), 0),
-                           plgpu.Layout.WGMMA.reduce(1))
+  rows = _ids(plgpu.Layout.WGMMA.reduce(1))
 
   def sample(smp, met):
     kv_lo, kv_hi = g.kv_range(smp)
