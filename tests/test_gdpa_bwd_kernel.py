@@ -171,7 +171,7 @@ def test_many_items_and_empty_samples(lengths, capacity, heads, d, lkv, seed):
   dq's NaN padding rows (fused dQ: 12 items over interpret mode's 2 persistent CTAs, the
   padding rows stored by their producers); Lkv = 192 at D = 64
   gives two kv tiles per sample (the dQ kernel's path). Traced array scales under jit (their
-  gradients from the kernels' partial sums).
+  gradients from the kernels' row sums).
   Also d pre_scale and d post_scale within 2⁻⁸ of their size and terms (the general bound is
   1e-2): the sums take dS and A as the WGMMAs read them, rounded to bf16 (2⁻⁹ of each term at
   most; here 6e-4 and 1.4e-3 of the bound's scale), from the unscaled dK and dV accumulators.

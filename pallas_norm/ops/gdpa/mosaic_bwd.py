@@ -590,15 +590,13 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def with_accs(dk_acc, dv_acc):
-      def sample(smp, carry):
-        (step,) = carry
+      def sample(smp, step):
         q_lo, q_hi, win, blocks = g.q_span(smp)
         kv_lo, kv_hi = g.kv_range(smp)
 
-        def body(idxs, q_stage, do_stage, carry):
+        def body(idxs, q_stage, do_stage, gstep):
           # The global step carried (not step + j): the loop's end value is then the
           # carry, and the item's first step is not held across the loop for the sum.
-          (gstep,) = carry
           (j,) = idxs
           col0 = win + j * BLOCK
           slot = lax.rem(gstep, 2)
@@ -623,11 +621,11 @@ def _dkv_consume(g: _DkvRefs, s: _DkvSmem, wg: int) -> None:
                       lambda rows, cols: g.dq_ref.at[rows, head_in_step(), cols], col0, q_lo,
                       q_hi, do_stage,
                       s.eye_smem.at[mgpu.opaque_zero(gstep)] if plan.prescaled_ds else None)
-          return (gstep + 1,)
+          return gstep + 1
 
-        return mgpu.ring_k_loop(s.ring, step, blocks, (step,), body)
+        return mgpu.ring_k_loop(s.ring, step, blocks, step, body)
 
-      (end_step,) = _sample_loop(item.first, item.count, sample, (first_step,))
+      end_step = _sample_loop(item.first, item.count, sample, first_step)
       _dkv_item_end(g, s, wg, r, zero, end_step, (dk_acc, dv_acc), pre, post)
       return end_step
 
@@ -827,13 +825,12 @@ def _scale_grad_rows(kv_tiles, accs, rows_smem, met) -> None:
   dAu = V dOᵀ), over the rows ``met`` (:func:`_met_rows`): a NaN or inf in a met row's K or V
   reaches the sums even where its accumulator entries are 0, as it reaches the output.
 
-  Once per item, after its steps: summed in the step loop (f32 per-thread partials carried
-  across the steps, then in SMEM) the terms took registers from consumers already at their
-  limit: ptxas spilled 1148 B (300 B from SMEM) and serialized the WGMMAs, and the kernel took
-  2.0–2.3× (1.4–2.5×) its float-scale time; this form added 5–12% (``benchmarks/NOTES.md``,
-  "gdpa backward"). The sums so carry dS and A as the WGMMAs read them, rounded to the input
-  dtype: an error of ~2⁻⁹ of the terms' root sum of squares (relative errors of 7e-5 to 3e-4
-  at the suite's GDPA shapes, more where the terms cancel), where the f32 terms gave ≤ 5e-6."""
+  Once per item, after its steps: summed in the step loop (per-thread partials carried across
+  the steps, or added into SMEM) the terms took registers from consumers already at their
+  limit, and ptxas spilled and serialized the WGMMAs (``benchmarks/NOTES.md``, "gdpa
+  backward", has the timings). The sums so carry dS and A as the WGMMAs read them, rounded to
+  the input dtype: an error of ~2⁻⁹ of the terms' root sum of squares, a larger share of the
+  sum where the terms cancel."""
   for i, acc in enumerate(accs):
     tile = plgpu.load(kv_tiles.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     sums = jnp.sum(mgpu.lane_partial_sum(tile * acc[...]), axis=1)
@@ -845,10 +842,9 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
   """One q block of a dK/dV consumer: the transposed scores ``Sᵀ = K Qᵀ`` and ``dAuᵀ = V dOᵀ``
   (BLOCK kv rows × BLOCK q rows), then ``dV += Aᵀ dO`` and ``dK += (dAu ⊙ act')ᵀ Q`` into the
   accumulator refs (the scales are applied once, at the store, or dK's already on dS:
-  ``ds_scale``) and the scale-gradient row partials. ``hand_off = (free, ready)`` (fused dQ,
-  consumer 0): waits on ``free`` before writing its dSᵀ tile, arrives on ``ready`` once it is
-  in SMEM. Returns once the stage is no longer read, or with the WGMMAs ``in_flight``
-  (:func:`_fused_dq` waits for them). The dSᵀ tile is staged times ``ds_scale`` where given
+  ``ds_scale``). ``hand_off = (free, ready)`` (fused dQ, consumer 0): waits on ``free``
+  before writing its dSᵀ tile, arrives on ``ready`` once it is in SMEM. Returns once the stage
+  is no longer read, or with the WGMMAs ``in_flight`` (:func:`_fused_dq` waits for them). The dSᵀ tile is staged times ``ds_scale`` where given
   (:attr:`_Plan.prescaled_ds`)."""
   dk_ref, dv_ref = acc_refs
   s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
