@@ -844,8 +844,8 @@ def _dkv_step(plan: _Plan, pre, valid, k_smem, v_smem, q_stage, do_stage, acc_re
   accumulator refs (the scales are applied once, at the store, or dK's already on dS:
   ``ds_scale``). ``hand_off = (free, ready)`` (fused dQ, consumer 0): waits on ``free``
   before writing its dSᵀ tile, arrives on ``ready`` once it is in SMEM. Returns once the stage
-  is no longer read, or with the WGMMAs ``in_flight`` (:func:`_fused_dq` waits for them). The dSᵀ tile is staged times ``ds_scale`` where given
-  (:attr:`_Plan.prescaled_ds`)."""
+  is no longer read, or with the WGMMAs ``in_flight`` (:func:`_fused_dq` waits for them). The
+  dSᵀ tile is staged times ``ds_scale`` where given (:attr:`_Plan.prescaled_ds`)."""
   dk_ref, dv_ref = acc_refs
   s_t, da_t = _scores(k_smem, q_stage, v_smem, do_stage)
   act, grad = act_and_grad(plan.activation, pre * s_t)
