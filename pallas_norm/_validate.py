@@ -121,8 +121,9 @@ def eps(value, dtype=None) -> float:
   eps^-1.5, which overflows below it (float32: ~2.1e-26; subnormal values, which XLA flushes to
   zero, are far below)."""
   if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and not isinstance(
-      value, jax.core.Tracer) and jnp.issubdtype(value.dtype, jnp.floating):
-    value = float(value)  # a concrete numpy/jax float scalar
+      value, jax.core.Tracer) and (jnp.issubdtype(value.dtype, jnp.floating)
+                                   or jnp.issubdtype(value.dtype, jnp.integer)):
+    value = float(value)  # a concrete numpy/jax scalar (np.int64(1) passes as a Real too)
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"eps must be a positive float (a static Python number), got {value!r}")
   as_float = _float_or_inf(value)
@@ -188,6 +189,21 @@ def finite_scalar(name: str, value, dtype=None) -> None:
                 else f"for {jnp.dtype(dtype).name} inputs")
         raise ValueError(f"{name} must be finite in float32 (the dtype the ops compute it in "
                          f"{when}), got {value!r}")
+
+
+def scale_value(value):
+  """A pre_scale/post_scale that :func:`finite_scalar` accepted, as the ops compute with it: a
+  concrete integer (a Python int, a NumPy integer scalar or 0-d array) as a Python float, the
+  value the kernels already took. JAX parses a Python int past int32 with an OverflowError that
+  names no argument, and with x64 off wraps a NumPy int64 into int32 (2**40 became 0, a silent
+  wrong answer on the XLA path). JAX arrays and tracers pass unchanged (their integers are
+  JAX's already)."""
+  if isinstance(value, (bool, np.bool_)):
+    return value
+  if isinstance(value, numbers.Integral) or (
+      isinstance(value, (np.ndarray, np.generic)) and jnp.issubdtype(value.dtype, jnp.integer)):
+    return float(value)
+  return value
 
 
 def activation(value, names) -> None:

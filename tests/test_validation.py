@@ -237,6 +237,39 @@ def test_string_scale_raises_type_error_naming_it(arg, value):
     pallas_norm.gdpa(**good_args("gdpa"), **{arg: value})
 
 
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+@pytest.mark.parametrize("value", [2**31, np.int64(2**40), np.asarray(3**30, np.uint64)],
+                         ids=["int_2^31", "np_int64_2^40", "np_uint64_0d"])
+def test_whole_number_scales_past_int32_compute_as_floats(op, value):
+  """Review finding: on the XLA path a Python int scale past int32 died in JAX with an
+  OverflowError naming no argument, and a NumPy int64 one wrapped into int32 with x64 off
+  (2**40 gave an output of 0). Both now compute as the float of the same value, against the
+  float32 reference, under jit too."""
+  args = good_args(op)
+  ref_fn = reference.gdpa if op != "flash_norm_attention" else reference.flash_norm_attention
+  want = ref_fn(**args, pre_scale=0.5, post_scale=float(value))
+  wrapped = ref_fn(**args, pre_scale=0.5, post_scale=0.0)  # what 2**40 wrapped into int32 gave
+  assert np.all(np.isfinite(np.asarray(want)))
+  assert np.max(np.abs(np.asarray(want) - np.asarray(wrapped))) > 0.1
+  got = op_fn(op)(**args, pre_scale=0.5, post_scale=value, implementation="xla")
+  chex.assert_trees_all_close(got, want, rtol=1e-5)
+  jitted = jax.jit(lambda a: op_fn(op)(**a, pre_scale=0.5, post_scale=value,
+                                       implementation="xla"))(args)
+  chex.assert_trees_all_close(jitted, want, rtol=1e-5)
+
+
+def test_concrete_integer_array_eps_is_accepted_as_a_number():
+  """Review finding: ``eps=np.int64(1)`` and a concrete float array were accepted but a
+  concrete integer ``jnp.asarray(1)`` raised TypeError; it is the number 1 too."""
+  x = _arr((3, 8))
+  want = pallas_norm.rms_norm(x, eps=1.0, implementation="xla")
+  for eps in (jnp.asarray(1), np.asarray(1, np.int32)):
+    chex.assert_trees_all_close(pallas_norm.rms_norm(x, eps=eps, implementation="xla"), want,
+                                rtol=0, atol=0)
+  with pytest.raises(TypeError, match="eps"):
+    pallas_norm.rms_norm(x, eps=jnp.asarray(True))
+
+
 def test_validation_runs_before_any_computation(monkeypatch):
   """A bad argument raises before the op's math is reached."""
   from pallas_norm import reference  # pylint: disable=import-outside-toplevel

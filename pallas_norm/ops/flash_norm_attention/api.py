@@ -102,6 +102,7 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
                                      rms_scale, pre_scale, post_scale)
   check_attention_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
                        max_seq_len, max_kv_len, out_dtype)
+  pre_scale, post_scale = _validate.scale_value(pre_scale), _validate.scale_value(post_scale)
   max_seq_len, max_kv_len = gdpa_api.bounds_within_capacity(q, k, kv_offsets, max_seq_len,
                                                             max_kv_len)
   features = q.shape[1] * q.shape[2]

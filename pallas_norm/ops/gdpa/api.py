@@ -86,6 +86,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
       "leaky_relu" (slope 0.01) or "identity".
     pre_scale, post_scale: finite real scalars (default 1): numbers or 0-d integer/floating
       arrays, traced ones included (an array of another shape would broadcast, so it raises).
+      A concrete integer (Python or NumPy) computes as its float, whatever its size.
     max_seq_len: static bound on q lengths; makes the XLA path use a padded (B, max_seq_len)
       layout (fast). Without it the XLA path gathers K/V per token (O(T·Lkv·H·D) memory). A
       bound past T acts as T (no sample can be longer).
@@ -118,6 +119,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
       q, k, v, q_offsets, kv_offsets, pre_scale, post_scale)
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)
+  pre_scale, post_scale = _validate.scale_value(pre_scale), _validate.scale_value(post_scale)
   max_seq_len, max_kv_len = bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len)
   # The kernel's tiling, or why it cannot run the call: asked once, for the dispatch, and the
   # tiling handed down to the kernel.
