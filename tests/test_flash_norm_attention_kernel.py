@@ -1153,6 +1153,11 @@ def test_layer_norm_statistics_of_rows_near_bf16_resolution():
   np.testing.assert_allclose(got[:, 1], 1 / np.sqrt(rows.var(1) + 1e-6), rtol=2e-5)
 
 
+def _value_and_vjp(f, primals, cotangent):
+  out, vjp = jax.vjp(f, *primals)
+  return out, vjp(cotangent)
+
+
 def _check_constant_rows(implementation):
   """Tokens whose q row is exactly constant (c = 7, 1000, −333 over all H·D features) among
   random ones, at eps 3e-7 and 1e-17 (a review found both): there x − μ1 = 0, so u = β1 = 0, z =
@@ -1179,15 +1184,18 @@ def _check_constant_rows(implementation):
         q, k, v, q_offsets, eps=eps, implementation=implementation)
     ref = lambda q, k, v, eps=eps: reference.flash_norm_attention(  # noqa: E731
         q, k, v, q_offsets, eps=eps)
-    out, vjp = jax.vjp(op, q, k, v)
-    want, vjp_ref = jax.vjp(ref, *f32(q, k, v))
+    # One program per eps, the op's and the reference's outputs and gradients: eagerly each op
+    # compiled on its own (~200 compiles, most of the subprocess's time at level 2).
+    (out, grads), (want, grads_ref) = jax.jit(lambda q, k, v, ct, op=op, ref=ref: (
+        _value_and_vjp(op, (q, k, v), ct),
+        _value_and_vjp(ref, f32(q, k, v), ct.astype(F32))))(q, k, v, ct)
     rows = np.array(list(const))
     np.testing.assert_array_equal(np.asarray(out[rows], F32), np.asarray(q[rows], F32),
                                   err_msg=f"constant rows, eps {eps}")
     np.testing.assert_array_equal(np.asarray(want[rows]), np.asarray(q[rows], F32))
     total = int(q_offsets[-1])
     assert _rel_err(out[:total], want[:total]) < TOL, eps
-    for name, g, r in zip("qkv", vjp(ct), vjp_ref(ct.astype(F32))):
+    for name, g, r in zip("qkv", grads, grads_ref):
       live = slice(0, total) if name == "q" else slice(None)
       g, r = np.asarray(g[live], np.float64), np.asarray(r[live], np.float64)
       if name == "q":  # the constant rows' dq is r1·(...) with r1 up to 3e8: judged apart
