@@ -328,17 +328,19 @@ def test_fused_gradients_match_reference(head_dim):
   q = _clean(q_nan, qo)  # a gradient at NaN inputs is NaN in the reference
   weights = jnp.sin(jnp.arange(q.size, dtype=F32)).reshape(q.shape)
 
-  def loss(q, k, v, ln_scale, ln_bias, rms_scale, pre, post, weights, impl):
-    out = pn.flash_norm_attention(q, k, v, qo, ln_scale=ln_scale, ln_bias=ln_bias,
+  def loss(q, k, v, ln_scale, ln_bias, rms_scale, pre, post, weights, offsets, impl):
+    out = pn.flash_norm_attention(q, k, v, offsets, ln_scale=ln_scale, ln_bias=ln_bias,
                                   rms_scale=rms_scale, pre_scale=pre, post_scale=post,
                                   max_seq_len=80, implementation=impl)
-    return jnp.sum(out.astype(F32) * weights)
+    return jnp.sum(out.astype(F32) * weights), out
 
   # pre·post = 0.75, far from 1: at 0.9 · 1.1 a scale dropped or applied twice moved dq by 1%,
   # under TOL (a mutation test: dO added as pre·post·dO in the dQ kernel passed).
   args = (q, k, v, affine["ln_scale"], affine["ln_bias"], affine["rms_scale"], jnp.float32(0.5),
           jnp.float32(1.5))
-  grad = jax.jit(jax.grad(loss, argnums=range(8)), static_argnums=9)
+  # Traced offsets (an argument, not a constant): the bad offsets below run the same program.
+  grad_and_out = jax.jit(jax.grad(loss, argnums=range(8), has_aux=True), static_argnums=10)
+  grad = lambda *a: grad_and_out(*a[:-1], qo, a[-1])[0]  # noqa: E731
   got = grad(*args, weights, "interpret")
   want = grad(*(a.astype(F32) for a in args), weights, "xla")  # one program
   names = ("q", "k", "v", "ln_scale", "ln_bias", "rms_scale")
@@ -363,6 +365,10 @@ def test_fused_gradients_match_reference(head_dim):
                                 np.asarray(weights[:total].astype(q.dtype), F32))
   for name, g in zip(names[:5], (out_only[0][total:],) + out_only[1:5]):
     assert not np.any(np.asarray(g, F32)), name
+  if head_dim == 64:  # and the one-CTA forward's poison (see _check_bad_offsets_give_nan)
+    bad = jnp.array([0, 5, 5, 75, q.shape[0] + 1], jnp.int32)  # the last past the capacity
+    _check_bad_offsets_give_nan(*grad_and_out(*args, weights, bad, "interpret"),
+                                names + ("pre_scale", "post_scale"))
 
 
 def test_fused_forward_zeroes_a_single_padding_row():
@@ -407,14 +413,16 @@ def test_fused_gradients_ignore_nan_padding_rows(switches, kernel, monkeypatch):
   switch_kw = dict(pre_layer_norm=pre_layer_norm, inner_residual=inner_residual,
                    outer_residual=outer_residual)
 
-  def grads(q, k, v, affine, pre, post, w, impl):
+  def grads(q, k, v, affine, pre, post, w, offsets, impl):
     def block(q, k, v, affine, pre, post):
-      return pn.flash_norm_attention(q, k, v, qo, pre_scale=pre, post_scale=post,
+      return pn.flash_norm_attention(q, k, v, offsets, pre_scale=pre, post_scale=post,
                                      max_seq_len=16, implementation=impl, **affine, **switch_kw)
     out, vjp = jax.vjp(block, q, k, v, affine, pre, post)
-    return vjp(w.astype(out.dtype))
+    return out, vjp(w.astype(out.dtype))
 
-  run = jax.jit(grads, static_argnums=7)
+  # Traced offsets (an argument, not a constant): the cluster's bad offsets run the same program.
+  out_and_grads = jax.jit(grads, static_argnums=8)
+  run = lambda *a: out_and_grads(*a[:-1], qo, a[-1])[1]  # noqa: E731
   scales = (jnp.float32(0.9), jnp.float32(1.1))
   got = run(q, k, v, affine, *scales, nan_weights, "interpret")
   clean = run(_clean(q, qo), k, v, affine, *scales, weights.at[total:].set(0), "interpret")
@@ -428,6 +436,12 @@ def test_fused_gradients_ignore_nan_padding_rows(switches, kernel, monkeypatch):
     assert _rel_err(g[:total], w[:total]) < TOL, name
   for name in affine:
     assert _rel_err(got[3][name], want[3][name]) < TOL, name
+  if kernel == "cluster":  # and the cluster forward's poison (see _check_bad_offsets_give_nan)
+    bad = jnp.array([0, 5, 14, q.shape[0] + 1], jnp.int32)  # the last past the capacity
+    out, (dq, dk, dv, daffine, dpre, dpost) = out_and_grads(
+        _clean(q, qo), k, v, affine, *scales, weights, bad, "interpret")
+    _check_bad_offsets_give_nan((dq, dk, dv, *daffine.values(), dpre, dpost), out,
+                                ("q", "k", "v", *daffine, "pre_scale", "post_scale"))
 
 
 @pytest.mark.parametrize("switches,prefetch", [
@@ -891,34 +905,18 @@ def test_gpu_norm_backward_kernels():
     assert _rel_err(db1, jnp.sum(duf, axis=0)) < 1e-2
 
 
-@pytest.mark.parametrize("bad_offsets,max_seq_len,kernel", [
-    ([0, 4, 40], None, "mosaic"), ([0, 4, 40], None, "cluster")])  # last > T
-def test_fused_bad_traced_offsets_give_nan(bad_offsets, max_seq_len, kernel, monkeypatch):
+def _check_bad_offsets_give_nan(grads, out, names):
   """Traced offsets that break the jagged convention: the fused path answers with NaN in every
   output row and every gradient (NaN scales, no pass over the data), as the GDPA kernel does;
-  with either forward kernel (the cluster one at H = 1).
+  test_fused_gradients_match_reference[64] checks it with the one-CTA forward,
+  test_fused_gradients_ignore_nan_padding_rows[switches3-cluster] with the cluster one (H = 1),
+  each in its own compiled program (a test of its own compiled both again at other sizes).
   Every condition that raises the flag (past capacity, a sample longer than max_seq_len) is
-  tested on its own in test_traced_offsets.py and test_jagged.py; one trips the poison here."""
-  if kernel == "cluster":
-    _route_to_cluster(monkeypatch)
-  q, k, v, _, _ = _problem(8, [4, 12], 2 if kernel == "mosaic" else 1, 64)
-  q = jnp.where(jnp.isnan(q), 0, q)
-
-  def loss(q, k, v, offsets, ln_scale, rms_scale, pre, post):
-    out = pn.flash_norm_attention(q, k, v, offsets, ln_scale=ln_scale, rms_scale=rms_scale,
-                                  pre_scale=pre, post_scale=post, max_seq_len=max_seq_len,
-                                  implementation="interpret")
-    return jnp.sum(out.astype(F32)), out
-
-  gamma = jnp.ones((q.shape[1] * q.shape[2],), F32)
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4, 5, 6, 7),
-                                               has_aux=True))(
-      q, k, v, jnp.array(bad_offsets, jnp.int32), gamma, gamma, jnp.float32(0.9),
-      jnp.float32(1.1))
+  tested on its own in test_traced_offsets.py and test_jagged.py; one trips the poison here:
+  the last offset past the capacity. Every row of dq (all rows are padding under the poison),
+  dk, dv, the norm weights' and the traced scales' (0 before the poison became a product)."""
   assert bool(jnp.all(jnp.isnan(out)))
-  # Every row of dq (all rows are padding under the poison), dk, dv, the norm weights' and the
-  # traced scales' (0 before the poison became a product).
-  for name, g in zip(("q", "k", "v", "ln_scale", "rms_scale", "pre_scale", "post_scale"), grads):
+  for name, g in zip(names, grads, strict=True):
     assert bool(jnp.all(jnp.isnan(g))), name
 
 
