@@ -184,16 +184,22 @@ def test_fused_layer_norm_variance_past_float32_range():
   variance is +inf, r1 = 0 and u = β1, as in the reference (its centred squares overflow too)
   and in two-pass statistics; inf − inf made those rows NaN.
   H·D = 512 (one q buffer: the streamed statistics); no outer residual, which would hide u
-  under + q."""
+  under + q.
+  Then, in the same compiled program (merged from
+  test_layer_norm_statistics_of_rows_near_bf16_resolution, which compiled the kernel at other
+  sizes): bf16 rows of values μ and μ ± ulp(μ) (|mean|/std ≈ 150, about the most bf16
+  resolves): the shifted sums give r1 to ~1e-7 of the float64 statistics of the same values;
+  the plain one-pass variance is ~1e-3 off, which the 2e-2 tolerances elsewhere cannot see."""
   q, k, v, qo, affine = _problem(5, [70, 0, 9], 4, 128)
   x = np.asarray(q, np.float32)
   x[:4] = 1e20 * (1.0 + 1e-2 * x[:4])
   x[:4, 0, :8] = 0.0
   q = jnp.asarray(x.astype(jnp.bfloat16))
-  kw = dict(affine, pre_scale=0.9, post_scale=1.1, outer_residual=False)
-  out, (ln, rms) = jax.jit(lambda q, k, v, qo: pn.flash_norm_attention(
-      q, k, v, qo, return_stats=True, implementation="interpret", **kw))(q, k, v, qo)
-  ref, (ln_ref, rms_ref) = _reference(q, k, v, qo, **kw)
+  kw = dict(pre_scale=0.9, post_scale=1.1, outer_residual=False)
+  run = jax.jit(lambda q, k, v, qo, affine: pn.flash_norm_attention(
+      q, k, v, qo, return_stats=True, implementation="interpret", **affine, **kw))
+  out, (ln, rms) = run(q, k, v, qo, affine)
+  ref, (ln_ref, rms_ref) = _reference(q, k, v, qo, **affine, **kw)
   total = int(qo[-1])
   assert bool(jnp.all(jnp.isfinite(ref[:total]))) and not bool(jnp.any(ln_ref.rstd[:4]))
   assert bool(jnp.all(jnp.isfinite(out))), "NaN rows"
@@ -201,6 +207,18 @@ def test_fused_layer_norm_variance_past_float32_range():
   assert _worst_row_err(out[:total], ref[:total]) < TOL
   for got, want in ((ln.mean, ln_ref.mean), (ln.rstd, ln_ref.rstd), (rms.rstd, rms_ref.rstd)):
     assert _rel_err(got[:total], want[:total]) < TOL
+  # Rows near bf16's resolution: three samples (one empty) in the same capacity.
+  rng = np.random.default_rng(1)
+  t, heads, d = q.shape
+  mu = rng.uniform(1, 2, (t, 1, 1)) * 2.0 ** rng.integers(0, 20, (t, 1, 1))
+  x = mu * (1.0 + 2.0 ** -7 * rng.integers(-1, 2, size=(t, heads, d)))
+  x[total:] = 0
+  q = jnp.asarray(x.astype(np.float32)).astype(jnp.bfloat16)
+  rows = np.asarray(q, np.float64)[:total].reshape(total, -1)  # the values the kernel sees
+  _, (ln, _) = run(q, k, v, jnp.asarray(np.array([0, 40, 40, total], np.int32)), affine)
+  mean, rstd = (np.asarray(a[:total], np.float64) for a in (ln.mean, ln.rstd))
+  assert np.max(np.abs(mean - rows.mean(1)) / np.sqrt(rows.var(1))) < 1e-4
+  np.testing.assert_allclose(rstd, 1 / np.sqrt(rows.var(1) + 1e-6), rtol=2e-5)
 
 
 @pytest.mark.slow  # 15-20 s: xdist hands it out early
@@ -1122,27 +1140,6 @@ def test_fused_forward_at_a_large_eps(inner, outer):
   assert _rel_err(out[:total], ref[:total]) < TOL
   np.testing.assert_allclose(stats[:total, 1], ln.rstd[:total], rtol=1e-3)
   np.testing.assert_allclose(stats[:total, 2], rms.rstd[:total], rtol=1e-2)  # z is bf16
-
-
-def test_layer_norm_statistics_of_rows_near_bf16_resolution():
-  """bf16 rows of values μ and μ ± ulp(μ) (|mean|/std ≈ 150, about the most bf16 resolves) over
-  H·D = 512: the shifted sums give r1 to ~1e-7 of the float64 statistics of the same values;
-  the plain one-pass variance is ~1e-3 off, which the 2e-2 tolerances elsewhere cannot see."""
-  rng = np.random.default_rng(1)
-  heads, d, t, total = 4, 128, 72, 64
-  mu = rng.uniform(1, 2, (t, 1, 1)) * 2.0 ** rng.integers(0, 20, (t, 1, 1))
-  x = mu * (1.0 + 2.0 ** -7 * rng.integers(-1, 2, size=(t, heads, d)))
-  x[total:] = 0
-  q = jnp.asarray(x.astype(np.float32)).astype(jnp.bfloat16)
-  rows = np.asarray(q, np.float64)[:total].reshape(total, -1)  # the values the kernel sees
-  qo = jnp.asarray(np.array([0, 40, total], np.int32))
-  _, k, v, _, _ = _problem(2, [40, 24], heads, d)
-  a = jnp.ones((3, heads, d), F32).at[1].set(0.0)
-  _, stats = mosaic.flash_norm_attention_fwd(q, k, v, qo, a, 0.9, 1.1, activation="silu",
-                                             eps=1e-6, return_stats=True, interpret=True)
-  got = np.asarray(stats[:total], np.float64)
-  assert np.max(np.abs(got[:, 0] - rows.mean(1)) / np.sqrt(rows.var(1))) < 1e-4
-  np.testing.assert_allclose(got[:, 1], 1 / np.sqrt(rows.var(1) + 1e-6), rtol=2e-5)
 
 
 def _value_and_vjp(f, primals, cotangent):
