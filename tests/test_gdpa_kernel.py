@@ -184,15 +184,26 @@ def test_persistent_rounds_jagged_kv_one_buffer():
 
 def test_public_op_kernel_path_grads(seed=4):
   """pn.gdpa with implementation="interpret": forward and backward by the kernels (the
-  custom_vjp) against jax.grad of the float32 reference, traced pre/post scales included."""
+  custom_vjp) against jax.grad of the float32 reference, traced pre/post scales included.
+  Then, in the same compiled program (offsets traced; merged from a test of its own that
+  compiled the kernels again at other sizes): offsets that break the convention (first != 0
+  leaves rows 0..3 outside every sample) give NaN in every output row on the kernel path too,
+  with no extra pass over the output, and NaN in every row of every gradient: the backward
+  runs on the forward's all-empty samples with NaN scales, so dq's padding rows (0 · pre ·
+  post) and dk, dv (zero accumulators times the scales) are NaN, never the zeros that empty
+  samples give; so are the gradients of traced scales (they were 0: the poison's select sent
+  the caller's scales a zero cotangent; found by a mutation test). One forward kernel run for
+  all (the op's output is the custom_vjp's forward rule's)."""
   q, k, v, qo, _ = _problem(seed, [5, 64], 1, 64, lkv=64, capacity=72)
   q = jnp.where(jnp.isnan(q), 0, q)
   weights = jnp.cos(jnp.arange(q.size).reshape(q.shape))
 
-  def loss(q, k, v, pre, post):
-    out = pn.gdpa(q, k, v, qo, pre_scale=pre, post_scale=post, activation="silu",
+  def loss_and_out(q, k, v, pre, post, offsets):
+    out = pn.gdpa(q, k, v, offsets, pre_scale=pre, post_scale=post, activation="silu",
                   implementation="interpret")
-    return jnp.sum(out.astype(jnp.float32) * weights)
+    return jnp.sum(out.astype(jnp.float32) * weights), out
+
+  grad_and_out = jax.jit(jax.grad(loss_and_out, argnums=range(5), has_aux=True))
 
   def ref_out(q, k, v, pre, post):
     return reference.gdpa(q, k, v, qo, None, activation="silu", pre_scale=pre,
@@ -200,7 +211,7 @@ def test_public_op_kernel_path_grads(seed=4):
 
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   args = (q, k, v, jnp.float32(0.7), jnp.float32(1.3))
-  kernel = jax.jit(jax.grad(loss, argnums=range(5)))(*args)
+  kernel = grad_and_out(*args, qo)[0]
   want = jax.jit(jax.grad(lambda *a: jnp.sum(ref_out(*a) * weights), argnums=range(5)))(
       f32(q), f32(k), f32(v), args[3], args[4])
   for got, ref in zip(kernel[:3], want[:3]):
@@ -213,6 +224,10 @@ def test_public_op_kernel_path_grads(seed=4):
            np.linalg.norm(np.asarray(out) / 1.3 * np.asarray(weights)))
   for got, ref, size in zip(kernel[3:], want[3:], terms):
     assert abs(float(got) - float(ref)) <= TOL * (abs(float(ref)) + size), (got, ref, size)
+  grads, out = grad_and_out(*args, jnp.array([4, 5, 69], jnp.int32))
+  assert bool(jnp.all(jnp.isnan(out)))
+  for name, g in zip(("q", "k", "v", "pre_scale", "post_scale"), grads, strict=True):
+    assert bool(jnp.all(jnp.isnan(g))), name
 
 
 def test_unsupported_reasons():
@@ -317,29 +332,6 @@ def test_items_without_keys_of_several_blocks(lens, kv_lens, padding):
   if kv_lens is not None:
     zero_rows = np.r_[int(qo[1]):int(qo[2]), zero_rows]
   assert not np.any(out[zero_rows])
-
-
-def test_invalid_traced_offsets_poison_every_row_and_gradient():
-  """Under jit, offsets that break the convention (first != 0 leaves rows 0..3 outside every
-  sample) give NaN in every output row on the kernel path too, with no extra pass over the
-  output, and NaN in every row of every gradient: the backward runs on the forward's all-empty
-  samples with NaN scales, so dq's padding rows (0 · pre · post) and dk, dv (zero accumulators
-  times the scales) are NaN, never the zeros that empty samples give; so are the gradients of
-  traced scales (they were 0: the poison's select sent the caller's scales a zero cotangent;
-  found by a mutation test). One forward kernel run for all (the op's output is the
-  custom_vjp's forward rule's)."""
-  q, k, v, _, _ = _problem(8, [8], 1, 64, lkv=64, capacity=16)
-  q = jnp.where(jnp.isnan(q), 0, q)
-
-  def loss(q, k, v, pre, post, o):
-    out = pn.gdpa(q, k, v, o, pre_scale=pre, post_scale=post, implementation="interpret")
-    return jnp.sum(out.astype(jnp.float32)), out
-
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=range(5), has_aux=True))(
-      q, k, v, jnp.float32(0.7), jnp.float32(1.3), jnp.array([4, 12], jnp.int32))
-  assert bool(jnp.all(jnp.isnan(out)))
-  for name, g in zip(("q", "k", "v", "pre_scale", "post_scale"), grads):
-    assert bool(jnp.all(jnp.isnan(g))), name
 
 
 def test_edge_calls_found_by_review():
