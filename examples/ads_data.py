@@ -273,7 +273,21 @@ def _read_csv(path: pathlib.Path, required) -> list[dict[str, str]]:
     missing = [c for c in required if c not in (reader.fieldnames or [])]
     if missing:
       raise DataFormatError(f"{path}: missing column(s) {missing}")
-    return list(reader)
+    rows = []
+    try:
+      for row in reader:
+        # DictReader fills a short row with None and keeps a long one's extra fields under the
+        # key None: a row cut mid-way was hashed as "C20=None" or failed deep in the loaders.
+        if None in row or None in row.values():
+          fields = sum(v is not None for k, v in row.items() if k is not None) + len(
+              row.get(None) or ())
+          raise DataFormatError(f"{path}: line {reader.line_num} has {fields} fields where "
+                                f"the header has {len(reader.fieldnames)} (a cut or malformed "
+                                "file?)")
+        rows.append(row)
+    except csv.Error as e:
+      raise DataFormatError(f"{path}: line {reader.line_num}: {e}") from e
+    return rows
 
 
 def _categoricals(rows, columns, vocab_size) -> np.ndarray:

@@ -60,6 +60,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import ads_data  # noqa: E402
 import distributed  # noqa: E402  (several devices: --devices, --model-parallel, --multi-host)
 import pallas_norm  # noqa: E402
+import pallas_norm.sharding  # noqa: E402  (gpu_interpret_reason: --implementation interpret)
 from flax_layers import KunlunConfig, KunlunModel  # noqa: E402
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -117,8 +118,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="examples of --data synthetic's training split (the others ignore it)")
   p.add_argument("--valid-examples", type=int, default=None,
                  help="evaluate on the first N validation examples (default: all of them)")
-  p.add_argument("--checkpoint-dir", type=pathlib.Path, default=None)
-  p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+  p.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
+                 help="save parameters, optimizer state and step with Orbax at every "
+                 "--eval-every step and the last one (created if missing; a fresh run needs "
+                 "it free of checkpoints)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the latest checkpoint under --checkpoint-dir; where it "
+                 "holds none (or does not exist), start from step 0 and say so on stderr")
   p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--token-buckets", default="auto",
@@ -143,9 +149,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--weight-decay must be a non-negative finite number, got {args.weight_decay}")
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
-  if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and (
-      not args.checkpoint_dir.is_dir()):  # Orbax failed on it only at the first save
-    p.error(f"--checkpoint-dir must be a directory, got the file {args.checkpoint_dir}")
+  if args.checkpoint_dir is not None:  # Orbax failed on a file only at the first save
+    blocking = [d for d in (args.checkpoint_dir, *args.checkpoint_dir.parents)
+                if d.exists() and not d.is_dir()]
+    if blocking:
+      p.error(f"--checkpoint-dir must be a directory, but {blocking[0]} is a file")
   distributed.check_arguments(p, args)
   args.token_buckets = _token_buckets(p, args)
   return args
@@ -208,13 +216,19 @@ def build(args, spec: ads_data.DataSpec):
   return config, model, nnx.Optimizer(model, make_tx(args.lr, args.weight_decay), wrt=nnx.Param)
 
 
-def check_implementation_can_run(implementation) -> None:
+def check_implementation_can_run(implementation, devices: int = 1) -> None:
   """NotImplementedError when a kernel implementation asked for on the command line cannot run
   on this machine at all (e.g. "mosaic" off a Hopper GPU, "interpret" with too few CPU client
   threads, either under jax_enable_x64), so the run does not silently train on XLA under its
-  name. Probes the library with one tiny pre-norm GEMM, which gives the library's own reason."""
+  name. Probes the library with one tiny pre-norm GEMM, which gives the library's own reason.
+  "interpret" on several ``devices``: the model's ``shard_map`` would run jax's GPU
+  interpreter on each, which fails there (:func:`pallas_norm.sharding.gpu_interpret_reason`)."""
   if implementation not in ("mosaic", "interpret"):
     return
+  reason = pallas_norm.sharding.gpu_interpret_reason(devices)
+  if implementation == "interpret" and reason:
+    raise NotImplementedError(f"--implementation interpret with --devices {devices}: {reason}; "
+                              "pass --devices 1 (or --implementation xla)")
   x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
   try:
     jax.block_until_ready(pallas_norm.norm_matmul(x, w, implementation=implementation))
@@ -486,7 +500,7 @@ def main(argv=None) -> int:
   checkpoints, or an --implementation that cannot run the model."""
   args = parse_args(argv)
   try:
-    check_implementation_can_run(args.implementation)
+    check_implementation_can_run(args.implementation, args.devices)
     line = train(args).line
   # NotImplementedError: an --implementation with no kernel for a call of the model
   except (ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError,

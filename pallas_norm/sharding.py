@@ -48,7 +48,8 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_norm import _dispatch, _validate
 
-__all__ = ["ROW_ARGS", "join_jagged", "row_sharded_take", "shard_rows", "split_jagged"]
+__all__ = ["ROW_ARGS", "gpu_interpret_reason", "join_jagged", "row_sharded_take", "shard_rows",
+           "split_jagged"]
 
 ROW_ARGS = {
     "rms_norm": ("x", "residual"),
@@ -210,6 +211,20 @@ def _gpu_interpreter_checks_every_device() -> bool:
   return getattr(check, "__module__", None) == shared_memory.__name__
 
 
+def gpu_interpret_reason(num_devices: int) -> str | None:
+  """Why the Mosaic kernel ops' GPU interpret mode (``implementation="interpret"`` of
+  ``norm_matmul``, ``matmul_norm``, ``gdpa``, ``flash_norm_attention``) cannot run inside a
+  ``shard_map`` over ``num_devices`` devices, or None where it can: on one device, or where
+  jax's GPU interpreter no longer asserts every device's barriers at the end of each kernel
+  (module docstring). For code that runs its own ``shard_map`` (``shard_rows`` checks it
+  itself)."""
+  if num_devices <= 1 or not _gpu_interpreter_checks_every_device():
+    return None
+  return (f"on a mesh of {num_devices} devices jax 0.11.2's GPU interpreter asserts at the end "
+          "of each device's kernel that no barrier of any device is still allocated, which "
+          "fails while other devices' kernels run")
+
+
 def _without_gpu_interpreter(name, static, mesh) -> dict:
   """``static`` for a Mosaic kernel op on several devices, where GPU interpret mode would fail
   inside jax's interpreter with an opaque INTERNAL error (module docstring): a plain
@@ -218,14 +233,13 @@ def _without_gpu_interpreter(name, static, mesh) -> dict:
   reason of the process, and raises as a plain one if nothing else is left."""
   implementation = static.get("implementation")
   sequence = isinstance(implementation, (list, tuple))
-  if not (name in _MOSAIC_OPS and mesh.size > 1 and _gpu_interpreter_checks_every_device()
+  mesh_reason = gpu_interpret_reason(mesh.size)
+  if not (name in _MOSAIC_OPS and mesh_reason
           and (implementation == "interpret" or (sequence and "interpret" in implementation))):
     return static
-  reason = (f"shard_rows({name}) with implementation='interpret' on a mesh of {mesh.size} "
-            "devices: jax 0.11.2's GPU interpreter asserts at the end of each device's kernel "
-            "that no barrier of any device is still allocated, which fails while other "
-            "devices' kernels run. Use one device, or implementation='xla' "
-            "(tests/sharding_checks.py shows the workaround its tests use).")
+  reason = (f"shard_rows({name}) with implementation='interpret': {mesh_reason}. Use one "
+            "device, or implementation='xla' (tests/sharding_checks.py shows the workaround "
+            "its tests use).")
   rest = tuple(i for i in implementation if i != "interpret") if sequence else ()
   if not rest:
     raise NotImplementedError(reason)

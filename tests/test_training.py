@@ -181,6 +181,44 @@ def test_missing_column_is_a_clear_error(tmp_path, capsys):
   assert code == 2 and "missing column" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("last_line", ["1,2,3", "0," + ",".join(["1"] * 60)],
+                         ids=["short", "long"])
+def test_a_cut_or_overlong_row_is_a_clear_error(tmp_path, capsys, last_line):
+  """A review found a Criteo file cut mid-row loaded silently (its missing fields hashed as
+  "C20=None") and a Taobao one failing with an AttributeError: csv.DictReader fills a short
+  row with None and keeps a long one's extra fields under None. Both now exit 2, one line."""
+  header = ["label", *ads_data.CRITEO_DENSE, *ads_data.CRITEO_SPARSE]
+  good = ",".join(["1"] + ["2"] * (len(header) - 1))
+  (tmp_path / "criteo_sample.txt").write_text("\n".join([",".join(header), good, last_line]))
+  code, out, err = _run(["--data", "criteo", "--data-dir", str(tmp_path)], capsys)
+  assert code == 2 and out == [] and err.count("\n") == 1, err
+  assert "line 3 has" in err and f"the header has {len(header)}" in err, err
+  with pytest.raises(ads_data.DataFormatError, match="line 3"):
+    ads_data.load_criteo(tmp_path, sparse_vocab_size=64)
+
+
+def test_a_checkpoint_dir_under_a_file_exits_2(tmp_path, capsys):
+  """A review's case: a --checkpoint-dir whose parent is a file was a NotADirectoryError
+  traceback at the first save."""
+  (tmp_path / "afile").write_text("x")
+  with pytest.raises(SystemExit) as info:
+    train_kunlun.parse_args(["--checkpoint-dir", str(tmp_path / "afile" / "ckpt")])
+  assert info.value.code == 2
+  assert "afile is a file" in capsys.readouterr().err
+
+
+def test_interpret_on_several_devices_is_refused_with_the_reason():
+  """A review's case: --implementation interpret with --devices > 1 ran jax's GPU interpreter
+  under the model's shard_map, which failed with a 280-line traceback at the first step. Now
+  exit 2 (main turns the NotImplementedError into one line) naming the way out."""
+  from pallas_norm import sharding  # pylint: disable=import-outside-toplevel
+  assert sharding.gpu_interpret_reason(1) is None
+  with pytest.raises(NotImplementedError, match="--devices 1") as info:
+    train_kunlun.check_implementation_can_run("interpret", 2)
+  assert "2 devices" in str(info.value)
+  train_kunlun.check_implementation_can_run("xla", 2)  # nothing to check
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 
