@@ -279,7 +279,7 @@ def _read_csv(path: pathlib.Path, required) -> list[dict[str, str]]:
         # DictReader fills a short row with None and keeps a long one's extra fields under the
         # key None: a row cut mid-way was hashed as "C20=None" or failed deep in the loaders.
         if None in row or None in row.values():
-          fields = sum(v is not None for k, v in row.items() if k is not None) + len(
+          fields = len(reader.fieldnames) - list(row.values()).count(None) + len(
               row.get(None) or ())
           raise DataFormatError(f"{path}: line {reader.line_num} has {fields} fields where "
                                 f"the header has {len(reader.fieldnames)} (a cut or malformed "

@@ -225,8 +225,8 @@ def check_implementation_can_run(implementation, devices: int = 1) -> None:
   interpreter on each, which fails there (:func:`pallas_norm.sharding.gpu_interpret_reason`)."""
   if implementation not in ("mosaic", "interpret"):
     return
-  reason = pallas_norm.sharding.gpu_interpret_reason(devices)
-  if implementation == "interpret" and reason:
+  reason = implementation == "interpret" and pallas_norm.sharding.gpu_interpret_reason(devices)
+  if reason:
     raise NotImplementedError(f"--implementation interpret with --devices {devices}: {reason}; "
                               "pass --devices 1 (or --implementation xla)")
   x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)

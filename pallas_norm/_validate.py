@@ -197,9 +197,7 @@ def scale_value(value):
   value the kernels already took. JAX parses a Python int past int32 with an OverflowError that
   names no argument, and with x64 off wraps a NumPy int64 into int32 (2**40 became 0, a silent
   wrong answer on the XLA path). JAX arrays and tracers pass unchanged (their integers are
-  JAX's already)."""
-  if isinstance(value, (bool, np.bool_)):
-    return value
+  JAX's already). Bools never get here: :func:`finite_scalar` refuses them."""
   if isinstance(value, numbers.Integral) or (
       isinstance(value, (np.ndarray, np.generic)) and jnp.issubdtype(value.dtype, jnp.integer)):
     return float(value)
