@@ -25,6 +25,10 @@ Sources (``name``):
 * ``criteo``: ``criteo_sample.txt`` (label, I1–I13, C1–C26); context only (empty sequences);
   rows ``i % 5 == 4`` are the validation split.
 
+:func:`fingerprint` identifies the data a source gives (the synthetic generator's arguments, or
+each file's size and a hash of its ends): the training example's checkpoints record it, and a
+resume on other data is refused.
+
 Batches (:class:`Batch`) have a fixed batch size B and a static packed capacity T, by default
 B · max_seq_len (every batch fits); sequences longer than max_seq_len keep their most recent
 max_seq_len items (the last ones: the Taobao sequences are taken to be oldest first). With
@@ -39,6 +43,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import hashlib
+import inspect
 import os
 import pathlib
 import zlib
@@ -57,6 +63,13 @@ TAOBAO_SPARSE = ("userid", "adgroup_id", "pid", "cate_id", "campaign_id", "custo
 TAOBAO_DENSE = ("price",)
 CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))
 CRITEO_SPARSE = tuple(f"C{i}" for i in range(1, 27))
+TAOBAO_FILE = "taobao_ad_sample/{split}_sample.csv"
+CRITEO_FILE = "criteo_sample.txt"
+DATA_FILES = {"synthetic": (), "criteo": (CRITEO_FILE,),
+              "taobao": tuple(TAOBAO_FILE.format(split=s) for s in ("train", "valid"))}
+"""The files under ``data_dir`` that :func:`load` reads for each dataset (paths relative to it)."""
+FINGERPRINT_BYTES = 64 * 1024
+""":func:`fingerprint` hashes this many bytes at each end of a data file."""
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -323,7 +336,7 @@ def load_taobao(data_dir, split: str, *, sparse_vocab_size: int, item_vocab_size
   ``click_sequence`` as hashed item ids (empty allowed), ``clk`` as the label."""
   data_dir = pathlib.Path(data_dir)
   _check_dir(data_dir)
-  path = data_dir / "taobao_ad_sample" / f"{split}_sample.csv"
+  path = data_dir / TAOBAO_FILE.format(split=split)
   rows = _read_csv(path, ("clk", "click_sequence") + TAOBAO_SPARSE + TAOBAO_DENSE)
   seqs = [[t for t in r["click_sequence"].split("^") if t] for r in rows]
   lens = [len(s) for s in seqs]
@@ -341,7 +354,7 @@ def load_criteo(data_dir, *, sparse_vocab_size: int) -> tuple[AdsDataset, AdsDat
   the validation split."""
   data_dir = pathlib.Path(data_dir)
   _check_dir(data_dir)
-  path = data_dir / "criteo_sample.txt"
+  path = data_dir / CRITEO_FILE
   rows = _read_csv(path, ("label",) + CRITEO_DENSE + CRITEO_SPARSE)
   n = len(rows)
   ds = AdsDataset(_categoricals(rows, CRITEO_SPARSE, sparse_vocab_size),
@@ -439,3 +452,60 @@ def load(name: str, data_dir=None, *, max_seq_len: int = 32, sparse_vocab_size: 
   spec = DataSpec(train.sparse.shape[1], train.dense.shape[1], sparse_vocab_size,
                   item_vocab_size)
   return train, valid, spec
+
+
+def file_fingerprint(path) -> dict:
+  """``{"size": bytes, "sha256": hex}`` of a file, the hash over its first and last
+  :data:`FINGERPRINT_BYTES` (the whole file when smaller than twice that): cheap for any size,
+  and it tells apart a file cut, grown, replaced or edited at either end, not a same-size edit
+  in the middle of a large file."""
+  with open(path, "rb") as f:
+    size = os.fstat(f.fileno()).st_size
+    digest = hashlib.sha256(f.read(FINGERPRINT_BYTES))
+    if size > FINGERPRINT_BYTES:
+      f.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+      digest.update(f.read())
+  return {"size": size, "sha256": digest.hexdigest()}
+
+
+def fingerprint(name: str, data_dir=None, **load_kwargs) -> dict:
+  """What identifies the data ``load(name, data_dir, **load_kwargs)`` returns, as a JSON-able
+  dict: for "synthetic" its generating arguments (seed, sizes; the defaults of :func:`load`
+  filled in); for a file source each file it reads (:data:`DATA_FILES`) by its path relative to
+  ``data_dir`` with :func:`file_fingerprint`, and under "data_dir" the resolved folder (for
+  messages only: the same files elsewhere are the same data).
+
+  Raises: DataNotFoundError for a missing data file (as :func:`load`)."""
+  bound = inspect.signature(load).bind(name, data_dir, **load_kwargs)
+  bound.apply_defaults()
+  if name == "synthetic":
+    return {"data": name, "generator": {k: v for k, v in bound.arguments.items()
+                                        if k not in ("name", "data_dir")}}
+  data_dir = pathlib.Path(DEFAULT_DATA_DIR if data_dir is None else data_dir)
+  files = {}
+  for rel in DATA_FILES[name]:
+    try:
+      files[rel] = file_fingerprint(data_dir / rel)
+    except FileNotFoundError as e:
+      raise DataNotFoundError(f"data file not found: {data_dir / rel}") from e
+  return {"data": name, "data_dir": str(data_dir.resolve()), "files": files}
+
+
+def fingerprint_differences(saved: dict, now: dict) -> list[str]:
+  """What differs between two :func:`fingerprint` results, one phrase each (empty when they
+  describe the same data; "data_dir" is not compared)."""
+  if saved.get("data") != now.get("data"):
+    return [f"--data {saved.get('data')} (now {now.get('data')})"]
+  generator = now.get("generator", {})
+  diffs = [f"generated with {k}={v} (now {generator.get(k)})"
+           for k, v in saved.get("generator", {}).items() if generator.get(k) != v]
+  saved_files, now_files = saved.get("files", {}), now.get("files", {})
+  for rel in sorted(set(saved_files) | set(now_files)):
+    old, new = saved_files.get(rel), now_files.get(rel)
+    if old is None or new is None:
+      diffs.append(f"{rel} not read by {'this' if new is None else 'the saved'} run")
+    elif old["size"] != new["size"]:
+      diffs.append(f"{rel} has {new['size']} bytes (saved: {old['size']})")
+    elif old["sha256"] != new["sha256"]:
+      diffs.append(f"{rel} has other contents (same size, {new['size']} bytes)")
+  return diffs

@@ -9,9 +9,11 @@ steps; with ``--checkpoint-dir`` the parameters, optimizer state and step are sa
 and ``--resume`` continues from the latest saved step up to ``--steps`` in total (the batch order
 depends only on (seed, step), so a resumed run sees the batches an uninterrupted one would; a
 resume with another --data, --seed, --batch-size or --train-examples than the checkpoint's is
-refused; --lr, --weight-decay, --dtype (the compute dtype: parameters stay float32),
---implementation and --steps may differ, as when training on from a checkpoint with new
-settings: AdamW's moments are restored as saved and the new values apply from the resumed step).
+refused, as is one whose data differ from the saved run's (checkpoints record a fingerprint of
+the data, :func:`ads_data.fingerprint`; one saved without it resumes with a warning); --lr,
+--weight-decay, --dtype (the compute dtype: parameters stay float32), --implementation and
+--steps may differ, as when training on from a checkpoint with new settings: AdamW's moments
+are restored as saved and the new values apply from the resumed step).
 ``--devices N`` (default: every device) and ``--model-parallel M`` train data- and table-parallel
 on a mesh of N devices (:mod:`distributed`; ``--multi-host`` for several hosts).
 ``--token-buckets K`` packs each batch's behaviour sequences into the smallest of K static
@@ -74,8 +76,9 @@ INTERPRET_HINT = ("a step takes seconds and every evaluation batch as long, so t
 
 
 class CheckpointMismatchError(ValueError):
-  """The checkpoint to resume from was saved for a different model config, or by a run whose
-  batch stream (:func:`data_stream`) differs from this one's."""
+  """The checkpoint to resume from was saved for a different model config, by a run whose
+  batch stream (:func:`data_stream`) differs from this one's, or from other data
+  (:func:`ads_data.fingerprint`)."""
 
 
 class CheckpointIncompleteError(ValueError):
@@ -124,7 +127,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "it free of checkpoints)")
   p.add_argument("--resume", action="store_true",
                  help="continue from the latest checkpoint under --checkpoint-dir; where it "
-                 "holds none (or does not exist), start from step 0 and say so on stderr")
+                 "holds none (or does not exist), start from step 0 and say so. Exit 2 when "
+                 "the checkpoint was saved for another model config, another --data, --seed, "
+                 "--batch-size or --train-examples, or other data: each checkpoint records the "
+                 "size and a hash of the ends of every file read under --data-dir (the "
+                 "generating arguments for synthetic data; not the folder's path: the same "
+                 "files moved resume), and a file of another size or other contents is "
+                 "refused, naming it. A checkpoint saved before fingerprints were recorded "
+                 "resumes unchecked, with a warning on stderr")
   p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--token-buckets", default="auto",
@@ -304,13 +314,16 @@ def data_stream(args) -> dict:
 
 
 def save_checkpoint(manager, step: int, state, config: KunlunConfig,
-                    stream: dict | None = None) -> None:
-  """Saves params + optimizer state (which holds the step), the model config and the run's
-  :func:`data_stream` (when given)."""
+                    stream: dict | None = None, data: dict | None = None) -> None:
+  """Saves params + optimizer state (which holds the step), the model config, and (when given)
+  the run's :func:`data_stream` and the fingerprint of its data (:func:`ads_data.fingerprint`),
+  each config and metadata item as an Orbax JSON item."""
   items = dict(state=ocp.args.StandardSave(state),
                config=ocp.args.JsonSave(dataclasses.asdict(config)))
   if stream is not None:
     items["data_stream"] = ocp.args.JsonSave(stream)
+  if data is not None:
+    items["data_fingerprint"] = ocp.args.JsonSave(data)
   manager.save(step, args=ocp.args.Composite(**items))
 
 
@@ -328,18 +341,48 @@ def _item_by_item():
     logger.setLevel(level)
 
 
+def _is_closed_loop_report(unraisable) -> bool:
+  return (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed")
+
+
+@contextlib.contextmanager
+def _orphaned_reads_quiet():
+  """Orbax runs a restore in a fresh asyncio event loop and closes that loop as soon as the
+  restore returns or raises. When one array of the state cannot be read, the restore raises
+  while the reads of the other arrays (100-odd tensorstore opens) are still in flight, and
+  each that finishes after the close reports an unraisable ``RuntimeError: Event loop is
+  closed`` (a traceback each on stderr, 1 to 50 of them per failed restore: a race). Nobody
+  waits for those reads, so inside this block those reports are dropped, and after a failed
+  restore for the rest of the process (the reads finish at any time after it); any other
+  unraisable exception still reaches the previous hook."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _is_closed_loop_report(unraisable):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  yield  # an exception leaves the hook in place
+  if sys.unraisablehook is hook:
+    sys.unraisablehook = previous
+
+
 def _changed(saved: dict, want: dict) -> dict:
   """{key: (saved, wanted)} for each key of ``want`` whose saved value differs."""
   return {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
 
 
-def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None = None):
+def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None = None,
+                       data: dict | None = None):
   """The latest saved state, shaped like ``state``.
 
-  Raises: CheckpointMismatchError when the saved config differs from ``config``, or the saved
-    :func:`data_stream` from ``stream`` (when both exist; checkpoints saved without one are not
-    checked); CheckpointIncompleteError when the latest step lacks the config or the state, or
-    one of its items cannot be read (an interrupted save or copy).
+  Raises: CheckpointMismatchError when the saved :func:`data_stream` differs from ``stream``
+    (when both exist; checkpoints saved without one are not checked), the saved data
+    fingerprint from ``data`` (:func:`ads_data.fingerprint`; when ``data`` is given and the
+    checkpoint has none, a warning on stderr and no check), or the saved config from
+    ``config``; CheckpointIncompleteError when the latest step lacks the config or the state,
+    or one of its items cannot be read (an interrupted save or copy).
   """
   step = manager.latest_step()
   where = f"checkpoint at step {step}"
@@ -348,7 +391,8 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
 
   def read(**items):
     try:
-      return manager.restore(step, args=ocp.args.Composite(**items))
+      with _orphaned_reads_quiet():
+        return manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # noqa: BLE001  Orbax and tensorstore raise plain Exceptions too
       raise CheckpointIncompleteError(
           f"{where} could not be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}) "
@@ -358,10 +402,7 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
     items = set(manager.item_metadata(step).keys())
     if missing := sorted({"config", "state"} - items):
       raise CheckpointIncompleteError(f"{where} lacks its {' and '.join(missing)} {fix}")
-    saved = read(config=ocp.args.JsonRestore())
-    if diff := _changed(saved.config, dataclasses.asdict(config)):
-      raise CheckpointMismatchError(f"{where} was saved for another model config; (saved, "
-                                    f"now): {diff}")
+    # The data first: a change of --data shows as the flag, not as the feature counts.
     if stream is not None and "data_stream" in items:
       saved = read(data_stream=ocp.args.JsonRestore())
       if diff := _changed(saved.data_stream, stream):
@@ -370,8 +411,27 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
         raise CheckpointMismatchError(
             f"{where} was saved by a run with {flags}: resumed, this run would continue on "
             "another batch stream; pass the saved values")
+    if data is not None and "data_fingerprint" in items:
+      saved = read(data_fingerprint=ocp.args.JsonRestore()).data_fingerprint
+      if diffs := ads_data.fingerprint_differences(saved, data):
+        now = " ".join(f"--{k.replace('_', '-')} {data[k]}" for k in ("data", "data_dir")
+                       if k in data)
+        then = f"; saved from --data-dir {saved['data_dir']}" if "data_dir" in saved else ""
+        fix = ("pass the --data-dir and --data it was trained on" if "files" in data else
+               "pass the flags it was trained on")
+        raise CheckpointMismatchError(
+            f"{where} was trained on other data than this run's ({now}{then}): "
+            f"{'; '.join(diffs)}; {fix}")
+    saved = read(config=ocp.args.JsonRestore())
+    if diff := _changed(saved.config, dataclasses.asdict(config)):
+      raise CheckpointMismatchError(f"{where} was saved for another model config; (saved, "
+                                    f"now): {diff}")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     restored = read(state=ocp.args.StandardRestore(abstract))
+  if data is not None and "data_fingerprint" not in items:
+    print(f"train_kunlun: warning: {where} records no fingerprint of its data (saved by an "
+          "older version): resuming without checking that it was trained on this run's data",
+          file=sys.stderr)
   return restored.state
 
 
@@ -401,13 +461,13 @@ def _check_unused(directory: pathlib.Path) -> None:
         "--resume to continue that run, or give an empty folder")
 
 
-def _initial_state(args, manager, config, state):
+def _initial_state(args, manager, config, state, data: dict | None):
   if not args.resume:
     return state
   if manager.latest_step() is None:
     tqdm.write(f"no checkpoint under {args.checkpoint_dir}: starting from step 0")
     return state
-  return restore_checkpoint(manager, state, config, data_stream(args))
+  return restore_checkpoint(manager, state, config, data_stream(args), data)
 
 
 def _speed(step_seconds, batch_size) -> tuple[float, float]:
@@ -434,8 +494,10 @@ def train(args) -> TrainResult:
   """
   if args.checkpoint_dir is not None and not args.resume:
     _check_unused(args.checkpoint_dir)
-  train_ds, valid_ds, spec = ads_data.load(args.data, args.data_dir, max_seq_len=args.max_seq_len,
-                                           seed=args.seed, num_train=args.train_examples)
+  load_kw = dict(max_seq_len=args.max_seq_len, seed=args.seed, num_train=args.train_examples)
+  train_ds, valid_ds, spec = ads_data.load(args.data, args.data_dir, **load_kw)
+  # Recorded with each checkpoint and checked on --resume (the files as just read).
+  data = ads_data.fingerprint(args.data, args.data_dir, **load_kw) if args.checkpoint_dir else None
   if args.valid_examples is not None:
     valid_ds = valid_ds.subset(np.arange(min(args.valid_examples, len(valid_ds))))
   config, model, optimizer = build(args, spec)
@@ -447,7 +509,7 @@ def train(args) -> TrainResult:
   try:
     # Commit the state to its device(s) before a restore, which then reads the checkpoint
     # straight into that placement: fresh and restored states hit the same compiled step.
-    state = _initial_state(args, manager, config, runner.place_state(state))
+    state = _initial_state(args, manager, config, runner.place_state(state), data)
     step = start = int(nnx.merge(graphdef, state)[1].step[...])
     tqdm.write(f"data={args.data} train={len(train_ds)} valid={len(valid_ds)} "
                f"start_step={start} steps={args.steps} batch={args.batch_size} "
@@ -480,7 +542,7 @@ def train(args) -> TrainResult:
           tqdm.write(f"step {step}: batch_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
                      f"val_auc={val[1]:.4f}")
           if manager is not None:
-            save_checkpoint(manager, step, state, config, data_stream(args))
+            save_checkpoint(manager, step, state, config, data_stream(args), data)
     if not losses:  # resumed at or past --steps: report the saved model
       tqdm.write(f"nothing to train: the checkpoint is at step {step}, --steps is "
                  f"{args.steps}; evaluating the saved model (train_loss is nan)")
@@ -496,8 +558,9 @@ def train(args) -> TrainResult:
 
 def main(argv=None) -> int:
   """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
-  malformed data, a mismatched or incomplete checkpoint, a fresh run into a folder that holds
-  checkpoints, or an --implementation that cannot run the model."""
+  malformed data, a mismatched (other model config, batch stream or data) or incomplete
+  checkpoint, a fresh run into a folder that holds checkpoints, or an --implementation that
+  cannot run the model."""
   args = parse_args(argv)
   try:
     check_implementation_can_run(args.implementation, args.devices)
