@@ -30,9 +30,10 @@ train_loss is the mean over the last 10% of this run's steps (the ``step N:`` li
 last batch's loss); step_ms is the median wall-clock time of a training step and
 examples_per_s the examples of all training steps over their total time, both without the
 compiling steps (the first, and with ``--token-buckets`` the first of each new capacity; nan
-for a single step). Missing or malformed data, a checkpoint of another
-model, or an ``--implementation`` with no kernel for the model's calls exit with status 2 and a
-one-line message.
+for a single step). Missing or malformed data, synthetic data too large for memory (about
+48 bytes per behaviour item, (--max-seq-len + 1) / 2 items per example, past half of the
+machine's memory), a checkpoint of another model, or an ``--implementation`` with no kernel
+for the model's calls exit with status 2 and a one-line message.
 """
 
 from __future__ import annotations
@@ -486,16 +487,39 @@ def _final_line(losses, val, step, step_seconds, batch_size) -> str:
           f"val_auc={val[1]:.6f} steps={step} step_ms={step_ms:.2f} examples_per_s={rate:.1f}")
 
 
+def _load(args, load_kw):
+  """``ads_data.load`` of ``args.data``. Raises ads_data.DataTooLargeError, naming the flags,
+  before generating synthetic data that would not fit in memory (the generator's estimate:
+  --max-seq-len 100000 was a numpy MemoryError traceback), and when loading runs out of
+  memory all the same."""
+  if args.data == "synthetic":
+    valid = ads_data.SYNTHETIC_VALID_EXAMPLES
+    problem = ads_data.synthetic_size_problem(args.train_examples + valid, args.max_seq_len)
+    if problem:
+      raise ads_data.DataTooLargeError(
+          f"--data synthetic with --max-seq-len {args.max_seq_len} and --train-examples "
+          f"{args.train_examples} (+ {valid} validation examples, which --valid-examples does "
+          f"not reduce) would not fit in memory: {problem}; lower --max-seq-len or "
+          "--train-examples")
+  try:
+    return ads_data.load(args.data, args.data_dir, **load_kw)
+  except MemoryError as e:
+    raise ads_data.DataTooLargeError(
+        f"out of memory loading --data {args.data} with --max-seq-len {args.max_seq_len}"
+        + (f" and --train-examples {args.train_examples}" if args.data == "synthetic" else "")
+        + f" ({type(e).__name__}: {' '.join(str(e).split())[:120]}); lower them") from e
+
+
 def train(args) -> TrainResult:
   """Runs the job described by ``args`` (see :func:`parse_args`).
 
-  Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError,
-    CheckpointDirInUseError.
+  Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
+    CheckpointMismatchError, CheckpointDirInUseError.
   """
   if args.checkpoint_dir is not None and not args.resume:
     _check_unused(args.checkpoint_dir)
   load_kw = dict(max_seq_len=args.max_seq_len, seed=args.seed, num_train=args.train_examples)
-  train_ds, valid_ds, spec = ads_data.load(args.data, args.data_dir, **load_kw)
+  train_ds, valid_ds, spec = _load(args, load_kw)
   # Recorded with each checkpoint and checked on --resume (the files as just read).
   data = ads_data.fingerprint(args.data, args.data_dir, **load_kw) if args.checkpoint_dir else None
   if args.valid_examples is not None:
@@ -558,16 +582,17 @@ def train(args) -> TrainResult:
 
 def main(argv=None) -> int:
   """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
-  malformed data, a mismatched (other model config, batch stream or data) or incomplete
-  checkpoint, a fresh run into a folder that holds checkpoints, or an --implementation that
-  cannot run the model."""
+  malformed data, data too large for memory, a mismatched (other model config, batch stream or
+  data) or incomplete checkpoint, a fresh run into a folder that holds checkpoints, or an
+  --implementation that cannot run the model."""
   args = parse_args(argv)
   try:
     check_implementation_can_run(args.implementation, args.devices)
     line = train(args).line
   # NotImplementedError: an --implementation with no kernel for a call of the model
-  except (ads_data.DataNotFoundError, ads_data.DataFormatError, CheckpointMismatchError,
-          CheckpointIncompleteError, CheckpointDirInUseError, NotImplementedError) as e:
+  except (ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
+          CheckpointMismatchError, CheckpointIncompleteError, CheckpointDirInUseError,
+          NotImplementedError) as e:
     print(f"train_kunlun: error: {e}", file=sys.stderr)
     return 2
   print(line, flush=True)

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tracemalloc
 
 import jax
 import numpy as np
@@ -197,6 +198,57 @@ def test_a_cut_or_overlong_row_is_a_clear_error(tmp_path, capsys, last_line):
   assert "line 3 has" in err and f"the header has {len(header)}" in err, err
   with pytest.raises(ads_data.DataFormatError, match="line 3"):
     ads_data.load_criteo(tmp_path, sparse_vocab_size=64)
+
+
+def _no_generating(*args, **kwargs):
+  raise AssertionError("make_synthetic ran: the size check should have refused the data first")
+
+
+def test_synthetic_data_too_large_for_memory_exits_2_before_allocating(capsys, monkeypatch):
+  """A review's case: --max-seq-len 100000 on synthetic data was a numpy MemoryError traceback
+  (25.1 GiB for one array of make_synthetic), exit 1. Now the estimate is checked before
+  generating: exit 2, one line naming the flags (make_synthetic fails the test if called)."""
+  monkeypatch.setattr(ads_data, "make_synthetic", _no_generating)
+  monkeypatch.setattr(ads_data, "physical_memory_bytes", lambda: 16 * 2**30)
+  code, out, err = _run(["--implementation", "xla", "--steps", "2", "--batch-size", "8",
+                         "--max-seq-len", "100000", "--eval-every", "2",
+                         "--valid-examples", "16"], capsys)
+  assert code == 2 and out == [] and err.count("\n") == 1, err
+  assert "--max-seq-len 100000" in err and "--train-examples 65536" in err, err
+  assert "--valid-examples does not reduce" in err and "16 GiB" in err, err
+  with pytest.raises(ads_data.DataTooLargeError, match="max_seq_len=100000"):
+    ads_data.load("synthetic", max_seq_len=100000)
+
+
+def test_synthetic_size_estimate_and_limit():
+  """The estimate follows the lengths' mean ((max_seq_len + 1) / 2 items per example) and the
+  limit is MEMORY_FRACTION of the memory given; the defaults fit in 1 GiB."""
+  peak = ads_data.synthetic_peak_bytes(1000, 99)
+  assert peak == 1000 * 50 * ads_data.SYNTHETIC_BYTES_PER_ITEM + 1000 * (
+      ads_data.SYNTHETIC_BYTES_PER_EXAMPLE)
+  assert ads_data.synthetic_size_problem(1000, 99, memory_bytes=2 * peak) is None
+  assert "GiB" in ads_data.synthetic_size_problem(1000, 99, memory_bytes=2 * peak - 2)
+  n = ads_data.SYNTHETIC_TRAIN_EXAMPLES + ads_data.SYNTHETIC_VALID_EXAMPLES
+  assert ads_data.synthetic_size_problem(n, 32, memory_bytes=2**30) is None
+  # Measured: the estimate is not below what generating and splitting takes.
+  tracemalloc.start()
+  try:
+    ads_data.load("synthetic", max_seq_len=256, num_train=3000, num_valid=500)
+    used = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert used <= ads_data.synthetic_peak_bytes(3500, 256), used
+
+
+def test_running_out_of_memory_loading_exits_2(capsys, monkeypatch):
+  """An estimate that fits and a MemoryError all the same (other processes, a smaller limit):
+  one line, exit 2, not numpy's traceback."""
+  def no_memory(*args, **kwargs):
+    raise MemoryError("Unable to allocate 25.1 GiB")
+  monkeypatch.setattr(ads_data, "make_synthetic", no_memory)
+  code, out, err = _run(["--implementation", "xla", "--max-seq-len", "8"], capsys)
+  assert code == 2 and out == [] and err.count("\n") == 1, err
+  assert "out of memory" in err and "--max-seq-len 8" in err and "25.1 GiB" in err, err
 
 
 def test_a_checkpoint_dir_under_a_file_exits_2(tmp_path, capsys):
