@@ -68,20 +68,58 @@ def cast(dtype, *arrays):
   return tuple(None if a is None else a.astype(dtype) for a in arrays)
 
 
+@contextlib.contextmanager
+def named(layer: str):
+  """Re-raises a plain ValueError or TypeError of a construction check with ``layer`` (the
+  layer's class name) in front, the form of every error a layer raises when it is built."""
+  try:
+    yield
+  except (ValueError, TypeError) as e:
+    if type(e) not in (ValueError, TypeError):
+      raise
+    raise type(e)(f"{layer}: {e}") from e
+
+
 def check_switches(layer: str, **switches) -> None:
   """The layer's on/off arguments (``use_scale``, ``use_bias``, ...) are bools (or NumPy bools;
   None where a switch has a default rule, passed here only when set): a string such as "no" is
   truthy and would silently create the parameter. TypeError naming the layer's argument."""
   for name, value in switches.items():
-    try:
+    with named(layer):
       _validate.flag(name, value)
-    except TypeError as e:
-      raise TypeError(f"{layer}: {e}") from e
 
 
-def check_norm(norm: str) -> None:
-  """The layer's ``norm``: the ops' rule (:func:`pallas_norm._validate.norm_kind`)."""
-  _validate.norm_kind(norm)
+def check_rngs(layer: str, rngs) -> nnx.Rngs:
+  """The layer's ``rngs``: an ``nnx.Rngs``, checked when the layer is built, also where it
+  creates no parameter (None or a key failed with "AttributeError: 'NoneType' object has no
+  attribute 'params'" at the first parameter). TypeError naming the layer and ``rngs``."""
+  if not isinstance(rngs, nnx.Rngs):
+    raise TypeError(f"{layer}: rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0)), got "
+                    f"{type(rngs).__name__}")
+  return rngs
+
+
+def check_norm(layer: str, norm: str) -> None:
+  """The layer's ``norm``: the ops' rule (:func:`pallas_norm._validate.norm_kind`); ValueError
+  naming the layer."""
+  with named(layer):
+    _validate.norm_kind(norm)
+
+
+def check_activation(layer: str, activation: str, names) -> None:
+  """The layer's ``activation``: one of ``names`` (:func:`pallas_norm._validate.activation`);
+  ValueError naming the layer."""
+  with named(layer):
+    _validate.activation(activation, names)
+
+
+def check_scale(layer: str, name: str, scale, dtype=None) -> None:
+  """The layer's static scalar ``name`` (an attention scale) by the ops' rule
+  (:func:`pallas_norm._validate.finite_scalar`) for the layer's compute ``dtype`` (epsilon's rule,
+  :func:`rule_dtype`): TypeError for a non-scalar, ValueError for a value that is not finite
+  there; both name the layer."""
+  with named(layer):
+    _validate.finite_scalar(name, scale, rule_dtype(dtype))
 
 
 def check_features(layer: str, name: str, value_) -> int:
@@ -154,14 +192,14 @@ def check_dtype(layer: str, dtype, name: str = "dtype"):
   cast to it, nor an initializer failing inside JAX). Returns the value unchanged."""
   if dtype is None and name == "dtype":
     return dtype
-  try:
+  with named(layer):
     _validate.float_dtype(name, dtype)
-  except TypeError as e:
-    raise TypeError(f"{layer}: {e}") from e
   return dtype
 
 
-def check_implementation(implementation):
-  """Rejects an unknown implementation when the layer is built, not at its first call; a
-  sequence (tried in order, see :mod:`pallas_norm._dispatch`) comes back as a tuple."""
-  return _dispatch.check_implementation(implementation)
+def check_implementation(layer: str, implementation):
+  """Rejects an unknown implementation when the layer is built, not at its first call
+  (ValueError naming the layer); a sequence (tried in order, see :mod:`pallas_norm._dispatch`)
+  comes back as a tuple."""
+  with named(layer):
+    return _dispatch.check_implementation(implementation)

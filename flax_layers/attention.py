@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_norm
-from pallas_norm import _validate
 from flax_layers import _common
 
 log = logging.getLogger("pallas_norm")
@@ -30,9 +29,9 @@ def _check_config(layer, num_heads, head_dim, activation, pre_scale, post_scale,
   float32 unless it is float64 with x64), by epsilon's rule (:func:`_common.rule_dtype`)."""
   num_heads = _common.check_features(layer, "num_heads", num_heads)
   head_dim = _common.check_features(layer, "head_dim", head_dim)
-  _validate.activation(activation, pallas_norm.ACTIVATIONS)
-  _validate.finite_scalar("pre_scale", pre_scale, _common.rule_dtype(dtype))
-  _validate.finite_scalar("post_scale", post_scale, _common.rule_dtype(dtype))
+  _common.check_activation(layer, activation, pallas_norm.ACTIVATIONS)
+  _common.check_scale(layer, "pre_scale", pre_scale, dtype)
+  _common.check_scale(layer, "post_scale", post_scale, dtype)
   return num_heads, head_dim
 
 
@@ -58,7 +57,8 @@ class GDPA(nnx.Module):
       dtype; at call time, for a non-array q, q_offsets, k or v, a q_offsets that is not of an
       integer dtype (checked first, naming the layer's order (q, q_offsets, k, v)), or an
       argument after v passed positionally (they are keyword-only).
-    At call time also as :func:`pallas_norm.gdpa` for other bad inputs.
+    At call time also as :func:`pallas_norm.gdpa` for other bad inputs. The construction
+    errors start with the layer's class name ("GDPA: activation must be one of ...").
   """
 
   def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
@@ -69,7 +69,7 @@ class GDPA(nnx.Module):
         type(self).__name__, num_heads, head_dim, activation, pre_scale, post_scale, self.dtype)
     self.activation = activation
     self.pre_scale, self.post_scale = pre_scale, post_scale
-    self.implementation = _common.check_implementation(implementation)
+    self.implementation = _common.check_implementation(type(self).__name__, implementation)
 
   def __call__(self, q, q_offsets, k, v, *, kv_offsets=None, max_seq_len: int | None = None,
                max_kv_len: int | None = None):
@@ -150,9 +150,9 @@ class PFFNBlock(nnx.Module):
   Raises: as :class:`GDPA` (the query argument being ``q_tokens``), plus at construction ValueError
   for an epsilon that is not positive and finite (in float32, or float64 where the layer computes
   in float64 with x64; see `_common.check_epsilon`) and TypeError for a non-number epsilon, a
-  use_scale/use_bias or a switch that is not a bool, or a param_dtype that is not a floating dtype
-  (bfloat16, float16, float32, float64); at call time also as
-  :func:`pallas_norm.flash_norm_attention`.
+  use_scale/use_bias or a switch that is not a bool, a param_dtype that is not a floating dtype
+  (bfloat16, float16, float32, float64), or an rngs that is not an ``nnx.Rngs`` (also where the
+  block creates no parameter); at call time also as :func:`pallas_norm.flash_norm_attention`.
   """
 
   def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
@@ -173,8 +173,9 @@ class PFFNBlock(nnx.Module):
     self.pre_scale, self.post_scale = pre_scale, post_scale
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
-    self.implementation = _common.check_implementation(implementation)
+    self.implementation = _common.check_implementation(type(self).__name__, implementation)
     _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias)
+    _common.check_rngs(type(self).__name__, rngs)
     features = self.num_heads * self.head_dim
     make = lambda init, use: (_common.param(rngs, init, (features,), param_dtype)  # noqa: E731
                               if use else None)

@@ -29,8 +29,8 @@ default_kernel_init = nnx.initializers.lecun_normal()
 
 def _norm_params(rngs, norm, size, use_scale, use_norm_bias, scale_init, norm_bias_init,
                  param_dtype):
-  """(norm_scale, norm_bias) parameters of size ``size``; the bias defaults to LayerNorm only."""
-  _common.check_norm(norm)
+  """(norm_scale, norm_bias) parameters of size ``size``; the bias defaults to LayerNorm only
+  (``norm`` is checked by the layer)."""
   if use_norm_bias is None:
     use_norm_bias = norm == "layer"
   scale = _common.param(rngs, scale_init, (size,), param_dtype) if use_scale else None
@@ -71,8 +71,9 @@ class NormDense(nnx.Module):
       implementation; at call time, when the input's last dimension is not in_features.
     TypeError: at construction, for a non-number epsilon, a use_scale/use_bias/use_norm_bias
       that is not a bool (use_norm_bias: or None), a dtype that is neither None nor a floating
-      dtype, or a param_dtype that is not a floating dtype (bfloat16, float16, float32,
-      float64); at call time, for a non-array x.
+      dtype, a param_dtype that is not a floating dtype (bfloat16, float16, float32,
+      float64), or an rngs that is not an ``nnx.Rngs``; at call time, for a non-array x.
+    The construction errors start with the layer's class name ("NormDense: norm must be ...").
     At call time also ValueError/TypeError from :func:`pallas_norm.norm_matmul` for other bad
     inputs, and NotImplementedError for a kernel implementation that does not exist.
   """
@@ -86,11 +87,13 @@ class NormDense(nnx.Module):
     in_features = _common.check_features(type(self).__name__, "in_features", in_features)
     out_features = _common.check_features(type(self).__name__, "out_features", out_features)
     self.in_features, self.out_features = in_features, out_features
+    _common.check_norm(type(self).__name__, norm)
     self.norm = norm
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
-    self.implementation = _common.check_implementation(implementation)
+    self.implementation = _common.check_implementation(type(self).__name__, implementation)
+    _common.check_rngs(type(self).__name__, rngs)
     _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias,
                            **({} if use_norm_bias is None else {"use_norm_bias": use_norm_bias}))
     self.norm_scale, self.norm_bias = _norm_params(
@@ -147,11 +150,13 @@ class DenseNorm(nnx.Module):
     in_features = _common.check_features(type(self).__name__, "in_features", in_features)
     out_features = _common.check_features(type(self).__name__, "out_features", out_features)
     self.in_features, self.out_features = in_features, out_features
+    _common.check_norm(type(self).__name__, norm)
     self.norm = norm
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
-    self.implementation = _common.check_implementation(implementation)
+    self.implementation = _common.check_implementation(type(self).__name__, implementation)
+    _common.check_rngs(type(self).__name__, rngs)
     _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias,
                            **({} if use_norm_bias is None else {"use_norm_bias": use_norm_bias}))
     self.kernel = _common.param(rngs, kernel_init, (in_features, out_features), param_dtype)

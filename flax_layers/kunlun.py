@@ -124,8 +124,8 @@ class KunlunModel(nnx.Module):
 
   Raises:
     TypeError: at construction, for a config that is not a :class:`KunlunConfig`, a dtype that
-      is neither None nor a floating dtype, or a param_dtype that is not a floating dtype
-      (bfloat16, float16, float32, float64).
+      is neither None nor a floating dtype, a param_dtype that is not a floating dtype
+      (bfloat16, float16, float32, float64), or an rngs that is not an ``nnx.Rngs``.
     ValueError: at construction, for an unknown implementation or one without "xla".
   """
 
@@ -138,7 +138,9 @@ class KunlunModel(nnx.Module):
     self.config = c
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
-    self.implementation = _common.check_implementation(implementation)  # the softmax attentions
+    # the softmax attentions
+    self.implementation = _common.check_implementation(type(self).__name__, implementation)
+    _common.check_rngs(type(self).__name__, rngs)
     choices = ((self.implementation,) if isinstance(self.implementation, str)
                else self.implementation)
     if choices is not None and "xla" not in choices:

@@ -62,9 +62,11 @@ class RMSNorm(nnx.Module):
       x64; see `_common.check_epsilon`) or an unknown implementation; at call time, when the
       input's last dimension is not num_features (with or without ``scale``).
     TypeError: at construction, for a non-number epsilon, a use_scale/use_bias that is not a
-      bool, a dtype that is neither None nor a floating dtype, or a param_dtype that is not a
-      floating dtype (bfloat16, float16, float32, float64); at call time, for a non-array x or
-      residual, or a return_h that is not a bool.
+      bool, a dtype that is neither None nor a floating dtype, a param_dtype that is not a
+      floating dtype (bfloat16, float16, float32, float64), or an rngs that is not an
+      ``nnx.Rngs`` (also with use_scale=False); at call time, for a non-array x or residual,
+      or a return_h that is not a bool. The construction errors start with the layer's class
+      name ("RMSNorm: ...").
     At call time also ValueError/TypeError from :func:`pallas_norm.rms_norm` for other bad inputs
     (e.g. a residual of another shape), and NotImplementedError for a kernel implementation that
     does not exist, with the layer named in front ("RMSNorm(num_features=16): ...").
@@ -77,7 +79,8 @@ class RMSNorm(nnx.Module):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
-    self.implementation = _common.check_implementation(implementation)
+    self.implementation = _common.check_implementation(type(self).__name__, implementation)
+    _common.check_rngs(type(self).__name__, rngs)
     _common.check_switches(type(self).__name__, use_scale=use_scale)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
                   if use_scale else None)
@@ -117,7 +120,8 @@ class LayerNorm(nnx.Module):
     self.dtype = _common.check_dtype(type(self).__name__, dtype)
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
-    self.implementation = _common.check_implementation(implementation)
+    self.implementation = _common.check_implementation(type(self).__name__, implementation)
+    _common.check_rngs(type(self).__name__, rngs)
     _common.check_switches(type(self).__name__, use_scale=use_scale, use_bias=use_bias)
     self.scale = (_common.param(rngs, scale_init, (num_features,), param_dtype)
                   if use_scale else None)

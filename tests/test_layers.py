@@ -20,7 +20,8 @@ from flax import nnx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import pallas_norm  # noqa: E402
-from flax_layers import GDPA, DenseNorm, LayerNorm, NormDense, PFFNBlock, RMSNorm  # noqa: E402
+from flax_layers import (GDPA, DenseNorm, KunlunConfig, KunlunModel, LayerNorm,  # noqa: E402
+                         NormDense, PFFNBlock, RMSNorm)
 from pallas_norm import jagged, reference  # noqa: E402
 
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -136,6 +137,49 @@ def test_norm_that_is_not_a_string_raises_naming_norm():
   named nothing)."""
   with pytest.raises(ValueError, match="norm must be"):
     NormDense(K, N, norm=np.array(["rms", "layer"]), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: NormDense(128, 64, rngs=None), TypeError, "NormDense: rngs must be an nnx.Rngs"),
+    (lambda: DenseNorm(K, N, rngs=0), TypeError, "DenseNorm: rngs must be an nnx.Rngs"),
+    (lambda: RMSNorm(N, rngs=None), TypeError, "RMSNorm: rngs must be an nnx.Rngs"),
+    # no parameter to create: the required rngs is checked all the same
+    (lambda: RMSNorm(N, use_scale=False, rngs=None), TypeError, "RMSNorm: rngs must be"),
+    (lambda: LayerNorm(N, rngs=jax.random.key(0)), TypeError, "LayerNorm: rngs must be"),
+    (lambda: PFFNBlock(H, D, rngs=None), TypeError, "PFFNBlock: rngs must be an nnx.Rngs"),
+    (lambda: KunlunModel(KunlunConfig(), rngs=None), TypeError,
+     "KunlunModel: rngs must be an nnx.Rngs"),
+    (lambda: NormDense(128, 64, norm="batch", rngs=nnx.Rngs(0)), ValueError,
+     "NormDense: norm must be one of"),
+    (lambda: DenseNorm(K, N, norm="group", rngs=nnx.Rngs(0)), ValueError,
+     "DenseNorm: norm must be one of"),
+    (lambda: NormDense(K, N, norm=np.array(["rms"]), rngs=nnx.Rngs(0)), ValueError,
+     "NormDense: norm must be one of"),
+    (lambda: GDPA(1, 64, activation="softmax"), ValueError, "GDPA: activation must be one of"),
+    (lambda: PFFNBlock(H, D, activation="tanh", rngs=nnx.Rngs(0)), ValueError,
+     "PFFNBlock: activation must be one of"),
+    (lambda: GDPA(1, 64, pre_scale=float("inf")), ValueError, "GDPA: pre_scale must be finite"),
+    (lambda: GDPA(1, 64, post_scale="1"), TypeError, "GDPA: post_scale must be a real scalar"),
+    (lambda: GDPA(H, D, pre_scale=1e39, dtype=jnp.bfloat16), ValueError,
+     "GDPA: pre_scale must be finite in float32"),
+    (lambda: PFFNBlock(H, D, post_scale=float("nan"), rngs=nnx.Rngs(0)), ValueError,
+     "PFFNBlock: post_scale must be finite"),
+    (lambda: GDPA(H, D, implementation="cuda"), ValueError, "GDPA: implementation must be"),
+    (lambda: NormDense(K, N, implementation="cuda", rngs=nnx.Rngs(0)), ValueError,
+     "NormDense: implementation must be"),
+    (lambda: KunlunModel(KunlunConfig(), implementation="cuda", rngs=nnx.Rngs(0)), ValueError,
+     "KunlunModel: implementation must be"),
+], ids=["norm_dense_rngs", "dense_norm_rngs", "rms_rngs", "rms_rngs_no_params", "ln_rngs_key",
+        "pffn_rngs", "kunlun_rngs", "norm_dense_norm", "dense_norm_norm", "norm_array",
+        "gdpa_activation", "pffn_activation", "gdpa_pre_scale", "gdpa_post_scale",
+        "gdpa_pre_scale_f32", "pffn_post_scale", "gdpa_impl", "norm_dense_impl", "kunlun_impl"])
+def test_construction_errors_start_with_the_layer_name(make, error, message):
+  """A review found rngs=None an AttributeError ('NoneType' object has no attribute 'params')
+  and a bad norm, activation, scale or implementation a ValueError without the layer's name,
+  where every other construction error starts with it."""
+  with pytest.raises(error, match="^" + re.escape(message)) as info:
+    make()
+  assert type(info.value) is error
 
 
 @pytest.mark.parametrize("make, name", [
