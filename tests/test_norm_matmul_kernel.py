@@ -1206,3 +1206,59 @@ def test_row_sums_added_in_cta_order():
   got = nmb._sum_in_cta_order(per_cta)  # pylint: disable=protected-access
   np.testing.assert_array_equal(np.asarray(got[0]), np.full(4, 1111.0))
   np.testing.assert_array_equal(np.asarray(got[1]), np.full(4, -1111.0))
+
+
+# Non-finite inputs (README, Limitations): where the lazy forms give NaN for the reference's ±inf.
+# (norm, what is made non-finite, with a norm_bias) -> the implementations that give NaN where
+# the reference has ±inf; every other case gives the reference's NaN/±inf exactly.
+NON_FINITE_CASES = {
+    ("layer", "w", False): {"interpret"},       # x W_γ − mean ⊗ 1ᵀW_γ: inf − inf
+    ("layer", "w", True): {"interpret"},
+    ("layer", "scale", False): {"interpret"},   # scale's row of W_γ is inf: every col_sum is
+    ("rms", "w", False): set(),
+    ("rms", "w", True): {"xla", "interpret"},   # rstd ⊙ (x W_γ) + βᵀW: inf − inf
+    ("rms", "scale", True): set(),
+    ("layer", "norm_bias", True): set(),
+    ("layer", "x", True): set(),
+    ("rms", "x", False): set(),
+    ("layer", "w_nan", True): set(),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("norm,bad,use_bias", list(NON_FINITE_CASES),
+                         ids=["-".join(map(str, c)) for c in NON_FINITE_CASES])
+def test_non_finite_inputs_give_the_references_non_finite_positions(norm, bad, use_bias, dtype):
+  """An inf in w (w[3, 5]), scale (scale[7]), norm_bias (norm_bias[9]) or x (x[2, 4]), or a NaN
+  in w: the "xla" and kernel ("interpret") paths are non-finite exactly where the float32
+  reference is, with the reference's inf signs, and finite values close to it; they give NaN
+  where the reference gives ±inf only in the README's cases (NON_FINITE_CASES)."""
+  x, w, scale, bias = _inputs(17, 64, 128, 64, dtype)
+  scale, bias = scale.astype(dtype), (bias.astype(dtype) if use_bias else None)
+  if bad == "w":
+    w = w.at[3, 5].set(jnp.inf)
+  elif bad == "w_nan":
+    w = w.at[3, 5].set(jnp.nan)
+  elif bad == "scale":
+    scale = scale.at[7].set(jnp.inf)
+  elif bad == "norm_bias":
+    bias = bias.at[9].set(jnp.inf)
+  else:
+    x = x.at[2, 4].set(jnp.inf)
+  f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+  want = np.asarray(reference.norm_matmul(f32(x), f32(w), scale=f32(scale), norm_bias=f32(bias),
+                                          norm=norm, eps=EPS))
+  assert not np.isfinite(want).all()
+  for impl in ("xla", "interpret"):
+    got = np.asarray(pn.norm_matmul(x, w, scale=scale, norm_bias=bias, norm=norm, eps=EPS,
+                                    implementation=impl), np.float32)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=impl)
+    inf = np.isinf(got)
+    np.testing.assert_array_equal(got[inf], want[inf], err_msg=impl)  # same signs
+    assert not (np.isnan(got) & ~np.isnan(want) & ~np.isinf(want)).any()
+    nan_for_inf = np.isnan(got) & np.isinf(want)
+    assert nan_for_inf.any() == (impl in NON_FINITE_CASES[norm, bad, use_bias]), (
+        impl, int(nan_for_inf.sum()))
+    if finite.any():
+      assert _rel_err(got[finite], want[finite]) < 1e-2, impl
