@@ -38,6 +38,9 @@ def _check_config(layer, num_heads, head_dim, activation, pre_scale, post_scale,
 class GDPA(nnx.Module):
   """Generalized (softmax-free) dot-product attention over jagged queries; no parameters.
 
+  The op is :func:`pallas_norm.gdpa` (its values: :func:`pallas_norm.reference.gdpa`; the math:
+  DESIGN.md op 3 and "Where the Kunlun PFFN comes from").
+
   Args:
     num_heads: H. head_dim: D (positive integers, checked against the inputs).
     activation: one of :data:`pallas_norm.ACTIVATIONS` (default "fast_gelu").
@@ -57,8 +60,10 @@ class GDPA(nnx.Module):
       dtype; at call time, for a non-array q, q_offsets, k or v, a q_offsets that is not of an
       integer dtype (checked first, naming the layer's order (q, q_offsets, k, v)), or an
       argument after v passed positionally (they are keyword-only).
-    At call time also as :func:`pallas_norm.gdpa` for other bad inputs. The construction
-    errors start with the layer's class name ("GDPA: activation must be one of ...").
+    At call time also as :func:`pallas_norm.gdpa` for other bad inputs (its RuntimeError, for
+    ``implementation="interpret"`` alone on a CPU with too few threads, unchanged; the others
+    with the layer's class name in front). The construction errors start with the layer's
+    class name ("GDPA: activation must be one of ...").
   """
 
   def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",
@@ -75,7 +80,8 @@ class GDPA(nnx.Module):
                max_kv_len: int | None = None):
     """q: (T, H, D) packed tokens with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) per
     sample (or packed (Tkv, H, D) with ``kv_offsets``). ``max_seq_len``: static bound on the
-    sequence lengths (the XLA path pads to it). Returns (T, H, D), zeros on padding rows.
+    sequence lengths (the XLA path pads to it). Returns (T, H, D) in the compute dtype, zeros
+    on padding rows.
     Pass ``max_seq_len`` in training: without it the XLA path (every non-Hopper backend) gathers
     K/V per token, O(T·Lkv·H·D) memory (tens of GB at the PFFN shape; ``pallas_norm.gdpa``).
 
@@ -131,6 +137,10 @@ class PFFNBlock(nnx.Module):
       u   = LayerNorm(q)·ln_scale + ln_bias     (pre_layer_norm; else u = q)
       z   = u + post_scale · act(pre_scale · u kᵀ) v     (inner_residual; else without u +)
       out = RMSNorm(z)·rms_scale + q     (outer_residual; else without + q)
+
+  The op is :func:`pallas_norm.flash_norm_attention` (its values:
+  :func:`pallas_norm.reference.flash_norm_attention`; the block: DESIGN.md op 4 and "Where the
+  Kunlun PFFN comes from").
 
   Args:
     num_heads: H. head_dim: D. Positive integers.
@@ -188,7 +198,8 @@ class PFFNBlock(nnx.Module):
     """q_tokens: (T, H, D) packed with int32 ``q_offsets`` (B+1,); k, v: (B, Lkv, H, D) (or
     packed with ``kv_offsets``). Returns (T, H, D) in the compute dtype, zeros on padding rows.
     Pass ``max_seq_len`` in training, as for :meth:`GDPA.__call__` (without it the XLA path
-    gathers K/V per token). The arguments after ``v`` are keyword-only (see :meth:`GDPA.__call__`)."""
+    gathers K/V per token). The arguments after ``v`` are keyword-only (see
+    :meth:`GDPA.__call__`)."""
     _check_offsets(self, q_offsets)
     _check_heads(self, "q_tokens", q_tokens)
     _check_arrays(self, k=k, v=v)

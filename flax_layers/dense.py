@@ -47,6 +47,10 @@ def _where(layer) -> str:
 class NormDense(nnx.Module):
   """Pre-norm dense layer: ``y = norm(x)·norm_scale (+ norm_bias) @ kernel (+ bias)``.
 
+  The op is :func:`pallas_norm.norm_matmul` (its values:
+  :func:`pallas_norm.reference.norm_matmul`; the lazy pre-norm GEMM: DESIGN.md op 1), then
+  ``+ bias``.
+
   Args:
     in_features: K. out_features: N. Positive integers (Python or NumPy ints).
     norm: "layer" (default, as :class:`DenseNorm`) or "rms".
@@ -75,7 +79,9 @@ class NormDense(nnx.Module):
       float64), or an rngs that is not an ``nnx.Rngs``; at call time, for a non-array x.
     The construction errors start with the layer's class name ("NormDense: norm must be ...").
     At call time also ValueError/TypeError from :func:`pallas_norm.norm_matmul` for other bad
-    inputs, and NotImplementedError for a kernel implementation that does not exist.
+    inputs, and NotImplementedError for a kernel implementation that does not exist, with the
+    layer named in front; and the op's RuntimeError, unchanged (no layer name), for
+    ``implementation="interpret"`` alone on a CPU with too few threads.
   """
 
   def __init__(self, in_features: int, out_features: int, *, norm: str = "layer",
@@ -123,6 +129,9 @@ class NormDense(nnx.Module):
 class DenseNorm(nnx.Module):
   """Post-norm dense layer: ``h = x @ kernel (+ bias) (+ residual)``,
   ``y = norm(h)·norm_scale (+ norm_bias)``.
+
+  The op is :func:`pallas_norm.matmul_norm` (its values:
+  :func:`pallas_norm.reference.matmul_norm`; the norm in the GEMM epilogue: DESIGN.md op 2).
 
   Args:
     in_features: K. out_features: N. Positive integers (Python or NumPy ints).

@@ -46,6 +46,13 @@ class KunlunConfig:
     mlp_dim, num_mlp_layers: the interaction MLP (residual post-norm layers after the first).
     activation: GDPA activation of the PFFN (see :data:`pallas_norm.ACTIVATIONS`).
     epsilon: eps of every norm.
+
+  Raises:
+    ValueError: a size that is not an integer of at least 1 (bools and floats are refused; 0
+      is allowed for num_dense_features and num_mlp_layers), an unknown activation, or an epsilon
+      that is not positive and finite in float64 (x64 on) or float32, or below its floor
+      (:func:`pallas_norm._validate.eps`).
+    TypeError: an epsilon that is not a real number.
   """
 
   num_sparse_features: int = 8
@@ -105,6 +112,9 @@ def _hashed(ids, vocab_size: int):
 
 class KunlunModel(nnx.Module):
   """Kunlun-style CTR model; ``__call__`` returns one click logit per example.
+
+  The architecture of DESIGN.md, "Where the Kunlun PFFN comes from" (Meta's Kunlun ads models),
+  at small sizes; the module docstring lists its parts.
 
   Args:
     config: :class:`KunlunConfig`.

@@ -42,6 +42,9 @@ def _outputs(out, x, residual, return_h: bool):
 class RMSNorm(nnx.Module):
   """RMSNorm over the last axis: ``y = s · rsqrt(mean(s²) + epsilon) · scale``, ``s = x (+ r)``.
 
+  The op is :func:`pallas_norm.rms_norm` (its values: :func:`pallas_norm.reference.rms_norm`;
+  the math: DESIGN.md op 5).
+
   Args:
     num_features: N, the size of the normalized (last) axis: a positive integer (a Python or
       NumPy int).
@@ -103,8 +106,10 @@ class RMSNorm(nnx.Module):
 class LayerNorm(nnx.Module):
   """LayerNorm over the last axis: ``y = (s − μ) · rsqrt(σ² + epsilon) · scale + bias``.
 
-  Arguments as :class:`RMSNorm`, plus ``use_bias`` (create the (N,) ``bias``, beta) and
-  ``bias_init`` (default zeros). Statistics are float32 with a two-pass variance.
+  The op is :func:`pallas_norm.layer_norm` (its values: :func:`pallas_norm.reference.layer_norm`;
+  the math: DESIGN.md op 5). Arguments as :class:`RMSNorm`, plus ``use_bias`` (create the (N,)
+  ``bias``, beta) and ``bias_init`` (default zeros). Statistics are float32 (float64 for
+  float64 inputs) with a two-pass variance.
   ``implementation`` may also name the Pallas backward kernel of :func:`pallas_norm.layer_norm`:
   "triton" (an NVIDIA GPU) or "interpret".
 

@@ -43,6 +43,9 @@ from typing import Callable
 import jax
 
 IMPLEMENTATIONS = ("xla", "mosaic", "triton", "interpret")
+"""The names every op's ``implementation=`` accepts, alone or in a non-empty sequence (None too);
+anything else raises ValueError (:func:`check_implementation`). Each op has at most one kernel:
+naming a kernel it lacks raises NotImplementedError (:func:`choose`)."""
 GPU_KERNELS = ("mosaic", "triton")
 """The kinds of GPU kernel an op can have (one each)."""
 INTERPRET_MIN_CPU_THREADS = 8

@@ -45,6 +45,10 @@ __all__ = [
 def lengths(offsets: jax.Array) -> jax.Array:
   """Per-sample lengths ``offsets[1:] - offsets[:-1]``, shape (B,), offsets' integer dtype.
 
+  Args:
+    offsets: (B+1,) integer array (int32 in the ops; not bool or uint64) of the convention
+      above.
+
   Raises:
     TypeError: offsets that are not a 1-D integer array of shape (B+1,).
     ValueError: concrete offsets that do not start at 0 or decrease (they gave negative
@@ -140,6 +144,12 @@ def segment_ids(offsets: jax.Array, capacity: int) -> jax.Array:
   ``mode="fill"`` or a mask from :func:`valid_mask` drops them. A batch converted several times
   computes it once: :func:`row_index`.
 
+  Args:
+    offsets: (B+1,) integer array (int32 in the ops; not bool or uint64) of the convention
+      above.
+    capacity: T, the static number of packed rows: a Python or NumPy int (or a concrete
+      integer scalar array), at least offsets[-1].
+
   Raises:
     TypeError: offsets that are not a 1-D integer array; a non-integer ``capacity``.
     ValueError: a negative ``capacity``; concrete offsets that break the jagged convention for
@@ -171,7 +181,9 @@ class RowIndex(NamedTuple):
 
 def row_index(offsets: jax.Array, capacity: int) -> RowIndex:
   """The :class:`RowIndex` of a packed batch of static ``capacity`` rows (one search of the
-  offsets).
+  offsets): its segment ids and positions, each (capacity,) int32.
+
+  Args: as :func:`segment_ids`.
 
   Raises:
     TypeError, ValueError: as :func:`segment_ids`.
@@ -233,9 +245,9 @@ def _rows_mismatch(xp, rows, offsets, capacity: int):
 
 
 def valid_mask(offsets: jax.Array, capacity: int) -> jax.Array:
-  """True for real tokens, False for padding rows; shape (capacity,).
+  """True for real tokens, False for padding rows; shape (capacity,), bool.
 
-  Raises: as :func:`segment_ids`."""
+  Args and Raises: as :func:`segment_ids`."""
   capacity = _check_index_args("valid_mask", offsets, capacity)
   return _valid_mask(offsets, capacity)
 
@@ -247,7 +259,7 @@ def _valid_mask(offsets, capacity: int):
 def positions(offsets: jax.Array, capacity: int) -> jax.Array:
   """Position of each packed row inside its own sample, shape (capacity,), int32.
 
-  Raises: as :func:`segment_ids`."""
+  Args and Raises: as :func:`segment_ids`."""
   capacity = _check_index_args("positions", offsets, capacity)
   return _row_index(offsets, capacity).positions
 
@@ -347,6 +359,15 @@ def to_padded(values: jax.Array, offsets: jax.Array, max_len: int, *,
   autodiff of the forward gather would give. ``offsets`` get no gradient. ``rows``: the
   batch's :func:`row_index` (the derivatives need it), else computed here.
 
+  Args:
+    values: (T, ...) packed rows, any dtype.
+    offsets: (B+1,) integer array (int32 in the ops; not bool or uint64).
+    max_len: the static padded length L: a non-negative Python or NumPy int.
+    rows: optional :class:`RowIndex` of ``offsets`` for T rows.
+
+  Returns:
+    (B, max_len, ...) in values' dtype.
+
   Raises:
     TypeError: values or offsets that are not arrays; offsets that are not a 1-D integer
       array; a non-integer ``max_len``; ``rows`` that is not a :class:`RowIndex`.
@@ -382,6 +403,15 @@ def from_padded(padded: jax.Array, offsets: jax.Array, capacity: int, *,
   Differentiable in ``padded``: the gradient is
   :func:`to_padded` of the cotangent (a gather, zeros past each length), not a scatter-add.
   ``rows``: the batch's :func:`row_index` of ``capacity`` rows, else computed here.
+
+  Args:
+    padded: (B, L, ...), any dtype.
+    offsets: (B+1,) integer array (int32 in the ops; not bool or uint64).
+    capacity: T, the static number of packed rows: a non-negative Python or NumPy int.
+    rows: optional :class:`RowIndex` of ``offsets`` for ``capacity`` rows.
+
+  Returns:
+    (capacity, ...) in padded's dtype.
 
   Raises:
     TypeError: padded or offsets that are not arrays; offsets that are not a 1-D integer
@@ -467,7 +497,8 @@ def _linear_map(gather, scatter):
   linear map written as a scatter-add. Reverse mode transposes the tangent map, and the
   transpose of a scatter-add is a gather: so the gradient of each conversion is the other
   conversion, a gather, where autodiff of ``gather`` would give a scatter-add (milliseconds at
-  the benchmark's B = 768, L = 512: serialized atomic adds). Forward mode (jvp, hessians) stays available, unlike with a custom_vjp.
+  the benchmark's B = 768, L = 512: serialized atomic adds). Forward mode (jvp, hessians) stays
+  available, unlike with a custom_vjp.
   ``to_padded`` and ``from_padded`` transpose each other on the valid rows (row
   ``offsets[b] + l`` <-> position ``(b, l)`` for ``l < min(length_b, max_len)``); every other
   entry is a constant zero. ``rows`` (the batch's :class:`RowIndex`, integer arrays: no

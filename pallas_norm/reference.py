@@ -140,17 +140,45 @@ def rms_norm(x, scale=None, residual=None, *, eps=1e-6, zero_centered_scale=Fals
              out_dtype=None):
   """RMSNorm over the last axis: ``s · rsqrt(mean(s²) + eps) · scale`` with ``s = x (+ residual)``.
 
-  Returns ``y``, or ``(y, s)`` when ``residual`` is given (``s`` in x's dtype: the new
-  residual stream).
+  The math of DESIGN.md, "Notation" (RMSNorm of Zhang & Sennrich, 2019); the oracle of
+  :func:`pallas_norm.rms_norm`.
+
+  Args:
+    x: (..., N) bfloat16/float16/float32/float64.
+    scale: optional (N,) gamma of any float dtype (``1 + scale`` with ``zero_centered_scale``),
+      applied in the statistics' dtype.
+    residual: optional array of x's shape, added to x in the statistics' dtype.
+    eps: added to the mean square. out_dtype: dtype of y (default x.dtype).
+
+  Returns:
+    ``y`` (..., N) in ``out_dtype``, or ``(y, s)`` when ``residual`` is given (``s`` in x's
+    dtype: the new residual stream). The statistics are float32 (float64 for float64 x).
+
+  Raises:
+    Nothing of its own (no validation, see the module docstring): a scale or residual whose
+    shape does not broadcast against x fails inside JAX (TypeError).
   """
   return _norm(x, scale, None, residual, "rms", eps, zero_centered_scale, out_dtype)
 
 
 def layer_norm(x, scale=None, bias=None, residual=None, *, eps=1e-6, zero_centered_scale=False,
                out_dtype=None):
-  """LayerNorm over the last axis: ``(s - μ) · rsqrt(σ² + eps) · scale + bias``, ``s = x (+ residual)``.
+  """LayerNorm over the last axis: ``(s - μ) · rsqrt(σ² + eps) · scale + bias``,
+  ``s = x (+ residual)``.
 
-  Returns ``y``, or ``(y, s)`` when ``residual`` is given.
+  The math of DESIGN.md, "Notation" (LayerNorm of Ba, Kiros & Hinton, 2016), with the shifted
+  two-pass variance (module docstring); the oracle of :func:`pallas_norm.layer_norm`.
+
+  Args:
+    x, scale, residual, eps, zero_centered_scale, out_dtype: as :func:`rms_norm`.
+    bias: optional (N,) beta of any float dtype, added in the statistics' dtype.
+
+  Returns:
+    ``y`` (..., N) in ``out_dtype`` (default x.dtype), or ``(y, s)`` when ``residual`` is
+    given (``s`` in x's dtype).
+
+  Raises:
+    Nothing of its own: as :func:`rms_norm`.
   """
   return _norm(x, scale, bias, residual, "layer", eps, zero_centered_scale, out_dtype)
 
@@ -183,8 +211,23 @@ def norm_matmul(x, w, scale=None, norm_bias=None, *, norm="rms", eps=1e-6, out_d
   """Pre-norm GEMM ``y = (norm(x)·scale + norm_bias) @ w``; x (..., K), w (K, N), scale and
   norm_bias (K,) (γ and β of the norm).
 
+  The unfused math of DESIGN.md op 1 (the oracle of :func:`pallas_norm.norm_matmul`).
   ``norm(x)`` is rounded to the operands' dtype before the product, as an unfused XLA program
-  does. Returns ``y`` (..., N), or ``(y, NormStats)`` with ``return_stats``.
+  does.
+
+  Args:
+    x: (..., K) and w: (K, N), bfloat16/float16/float32/float64 (one dtype in the public op).
+    scale, norm_bias: optional (K,) of any float dtype, applied in the statistics' dtype.
+    norm: "rms" or "layer". eps: added to the mean square or variance.
+    out_dtype: dtype of y (default x.dtype). return_stats: also return the statistics.
+
+  Returns:
+    ``y`` (..., N) in ``out_dtype``, or ``(y, NormStats)`` with ``return_stats`` (x's leading
+    shape, float32; float64 for float64 x).
+
+  Raises:
+    ValueError: a norm other than "rms" or "layer". Nothing else of its own (no validation):
+      a w whose K is not x's fails inside JAX's product (TypeError).
   """
   sdt = _stat_dtype(x.dtype)
   xf = x.astype(sdt)
@@ -201,8 +244,24 @@ def matmul_norm(x, w, dense_bias=None, residual=None, scale=None, norm_bias=None
   x (..., K), w (K, N), dense_bias/scale/norm_bias (N,), residual (..., N). The GEMM is rounded to
   the operands' dtype as plain JAX writes it (:func:`_contract`; for 16-bit operands a float16
   product past 65504 is inf, where the kernels keep the float32 accumulator), then ``h`` is
-  float32 for the statistics. Returns ``y``; with ``return_h`` and/or
-  ``return_stats`` a tuple ``(y, h?, stats?)`` in that order, ``h`` in the output dtype.
+  float32 for the statistics. The unfused math of DESIGN.md op 2 (the oracle of
+  :func:`pallas_norm.matmul_norm`).
+
+  Args:
+    x: (..., K) and w: (K, N), bfloat16/float16/float32/float64 (one dtype in the public op).
+    dense_bias, scale, norm_bias: optional (N,); residual: optional (..., N); any float dtype,
+      added or applied to h in the statistics' dtype.
+    norm: "layer" or "rms". eps: added to the variance or mean square.
+    out_dtype: dtype of y and h (default x.dtype). return_h, return_stats: also return them.
+
+  Returns:
+    ``y`` (..., N) in ``out_dtype``; with ``return_h`` and/or ``return_stats`` a tuple
+    ``(y, h?, stats?)`` in that order, ``h`` (..., N) in the output dtype, stats a
+    :class:`NormStats` of x's leading shape (float32; float64 for float64 inputs).
+
+  Raises:
+    ValueError: a norm other than "layer" or "rms". Nothing else of its own (no validation):
+      a w whose K is not x's fails inside JAX's product (TypeError).
   """
   out_dtype = out_dtype or x.dtype
   h = _dot(x, w)
@@ -272,7 +331,29 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation="fast_gelu", pre_sca
   length contribute zero. q (T, H, D) packed with ``q_offsets`` (B+1,); k, v dense (B, Lkv, H, D)
   or packed (Tkv, H, D) with ``kv_offsets``. ``max_seq_len`` (static) switches to the padded
   formulation (B, max_seq_len, H, D), which is what the XLA path uses; without it every token
-  gathers its sample's keys. Returns (T, H, D), zeros on padding rows.
+  gathers its sample's keys. The math of DESIGN.md op 3 (the oracle of
+  :func:`pallas_norm.gdpa`).
+
+  Args:
+    q: (T, H, D) bfloat16/float16/float32/float64; k, v: q's dtype in the public op.
+    q_offsets, kv_offsets: (B+1,) integer offsets (int32 in the public op) of the jagged
+      convention (:mod:`pallas_norm.jagged`).
+    activation: a key of :data:`ACTIVATIONS`. pre_scale, post_scale: real scalars.
+    max_seq_len, max_kv_len: static padded lengths (max_kv_len default Tkv, with kv_offsets).
+    out_dtype: output dtype (default q.dtype).
+
+  Returns:
+    (T, H, D) in ``out_dtype``, zeros on padding rows; accumulated in float32 (float64 for
+    float64 inputs).
+
+  Raises:
+    KeyError: an activation that is not a key of :data:`ACTIVATIONS`.
+    TypeError: offsets that are not 1-D integer arrays (the :mod:`pallas_norm.jagged`
+      helpers).
+    ValueError: concrete offsets that break the jagged convention, or a sample longer than
+      max_seq_len/max_kv_len (:func:`pallas_norm.jagged.to_padded`). Nothing else is checked:
+      dense k/v of another batch than B can give silently wrong values (sample indices
+      clipped, or a batch of 1 broadcast).
   """
   o = _gdpa_acc(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
                 max_seq_len, max_kv_len)
@@ -291,9 +372,23 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   ``u`` is rounded to q's dtype before it feeds the attention products. The switches of Meta's
   megakernel (``fused_layernorm``, ``fused_q_residual_add``): ``pre_layer_norm=False`` makes
   ``u = q`` (ln_scale and ln_bias unused), ``inner_residual=False`` makes
-  ``z = gdpa(u, k, v)``, ``outer_residual=False`` drops ``+ q``. Returns (T, H, D), zeros on
-  padding rows; with ``return_stats`` also ``(NormStats of LN or None, NormStats of RMS)``,
-  zeros on padding rows.
+  ``z = gdpa(u, k, v)``, ``outer_residual=False`` drops ``+ q``. The oracle of
+  :func:`pallas_norm.flash_norm_attention`.
+
+  Args:
+    q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
+      max_kv_len: as :func:`gdpa`.
+    ln_scale, ln_bias, rms_scale: optional (H·D,), any float dtype, applied in the
+      statistics' dtype. eps: of both norms. out_dtype: default q.dtype.
+    pre_layer_norm, inner_residual, outer_residual, return_stats: bools (above).
+
+  Returns:
+    (T, H, D) in ``out_dtype``, zeros on padding rows; with ``return_stats`` also
+    ``(NormStats of LN or None, NormStats of RMS)``, each (T,) float32 (float64 for float64
+    q), zeros on padding rows.
+
+  Raises:
+    KeyError, TypeError, ValueError: as :func:`gdpa`.
   """
   def attention(u_in):
     return _gdpa_acc(u_in, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,

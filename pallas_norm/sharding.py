@@ -104,8 +104,13 @@ def shard_rows(op, mesh=None, axis="data"):
     mesh: a ``jax.sharding.Mesh``; None uses the mesh set by ``jax.set_mesh``.
     axis: the mesh axis name, or a tuple of names, that splits the rows.
 
+  Returns:
+    A function with ``op``'s signature; its outputs are ``op``'s (the same structure and
+    dtypes), each split by rows over ``axis`` like the activations.
+
   Raises:
-    TypeError: (at the call) jagged offsets that are not 1-D int32 arrays.
+    TypeError: (at the call) jagged offsets that are not 1-D int32 arrays; arguments that do
+      not bind to ``op``'s signature.
     ValueError: an ``op`` that is not one of the public ops themselves (another function of
       the same name, such as ``pallas_norm.reference.rms_norm``, included), when wrapping;
       (at the call) no mesh, ``axis`` not in the mesh, a row argument
@@ -311,8 +316,9 @@ def split_jagged(values, offsets, num_shards: int, shard_capacity: int | None = 
     shard_capacity: static rows per shard; default T / S (T must then be a multiple of S).
 
   Returns:
-    ``(values, local_offsets)``: values (S·shard_capacity, ...) with shard s's samples
-    ``s·B/S .. (s+1)·B/S − 1`` packed at the start of block s and zeros after them;
+    ``(values, local_offsets)``, NumPy: values (S·shard_capacity, ...) in values' dtype, with
+    shard s's samples ``s·B/S .. (s+1)·B/S − 1`` packed at the start of block s and zeros after
+    them;
     local_offsets (S·(B/S + 1),) int32, block s being those samples' offsets minus their first.
 
   Raises:
@@ -396,8 +402,8 @@ def join_jagged(values, local_offsets, num_shards: int, capacity: int | None = N
     capacity: rows of the joined batch; default S·C.
 
   Returns:
-    ``(values, offsets)``: (capacity, ...) packed rows, zeros after the last sample, and the
-    (B+1,) int32 global offsets.
+    ``(values, offsets)``, NumPy: (capacity, ...) packed rows in values' dtype, zeros after the
+    last sample, and the (B+1,) int32 global offsets.
 
   Raises:
     TypeError: traced values or local_offsets (under ``jax.jit``: this runs on the host).
@@ -459,6 +465,8 @@ def row_sharded_take(table, ids, axis_name):
 
   Raises:
     TypeError: ids without an integer dtype. ValueError: a 0-d ids or a table that is not 2-D.
+    NameError: called outside a ``shard_map`` over ``axis_name`` (JAX's unbound axis name).
+    AttributeError: an ids or table that is not an array (no ``dtype``/``ndim``; not checked).
   """
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(f"ids must have an integer dtype, got {ids.dtype}")

@@ -56,6 +56,12 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
                          implementation=None):
   """PFFN block: LayerNorm → GDPA with inner residual → RMSNorm with outer residual.
 
+  ``u = LayerNorm_{H·D}(q)·ln_scale + ln_bias``, ``z = u + gdpa(u, k, v)``,
+  ``out = RMSNorm_{H·D}(z)·rms_scale + q``, both norms per token over all heads: the values of
+  :func:`pallas_norm.reference.flash_norm_attention`. The block is DESIGN.md op 4, the
+  personalized FFN of Meta's Kunlun ads models ("Where the Kunlun PFFN comes from") as the
+  megakernel of Meta's ads_model_kernel_library fuses it.
+
   Args:
     q: (T, H, D) packed sequence tokens, bfloat16/float16/float32/float64 (the fused kernels:
       bfloat16; float16 on the cluster kernel and the chain); k, v, q_offsets, kv_offsets,
@@ -65,7 +71,7 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     rms_scale: optional (H·D,) gamma of the RMSNorm, the same.
     eps: positive float for both norms (default 1e-6), static (a Python or NumPy scalar, not a
       traced value), at least float32's max^(-2/3) (~2.1e-26).
-    out_dtype: default q.dtype.
+    out_dtype: dtype of out (default q.dtype).
     pre_layer_norm: LayerNorm q first (default); False: ``u = q``.
     inner_residual: ``z = u + gdpa(u, k, v)`` (default); False: ``z = gdpa(u, k, v)``.
     outer_residual: add q to the output (default).
@@ -82,11 +88,15 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
       pick its kernel, else XLA.
 
   Returns:
-    out (T, H, D), zeros on padding rows; or ``(out, (ln_stats, rms_stats))``.
+    out (T, H, D) in ``out_dtype`` (default q.dtype), zeros on padding rows; or
+    ``(out, (ln_stats, rms_stats))`` with ``return_stats``.
 
   Raises:
-    TypeError, ValueError, NotImplementedError: as :func:`pallas_norm.gdpa`, plus eps, the
-    switches (bools), the affine shapes, and ln_scale/ln_bias given without the LayerNorm.
+    TypeError, ValueError, RuntimeError, NotImplementedError: as :func:`pallas_norm.gdpa`.
+      Plus TypeError for an eps that is not a real number, a switch or return_stats that is
+      not a bool, or a non-array or non-float affine; ValueError for an eps that is not
+      positive and finite (or below the floor above), H·D = 0, an affine not of shape (H·D,),
+      and ln_scale/ln_bias given with ``pre_layer_norm=False``.
 
   Non-finite values: a non-finite q, k or v token of one sample makes that sample's output
   non-finite. On the kernel paths the gradients may also carry it to other samples: the

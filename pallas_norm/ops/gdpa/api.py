@@ -76,6 +76,11 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
          max_kv_len: int | None = None, out_dtype=None, implementation=None):
   """Jagged generalized dot-product attention.
 
+  ``o_h = post_scale · act(pre_scale · q_h k_hᵀ) v_h`` per sample and head, no softmax and no
+  row normalization: the values of :func:`pallas_norm.reference.gdpa`. The op is DESIGN.md
+  op 3: the personalized FFN of Meta's Kunlun ads models written as attention (DESIGN.md,
+  "Where the Kunlun PFFN comes from"), as Meta's Triton GDPA kernel computes it.
+
   Args:
     q: (T, H, D) packed query tokens, bfloat16/float16/float32/float64 (the kernels: bfloat16
       or float16); T is a static capacity.
@@ -96,7 +101,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
       can run the call; see :mod:`pallas_norm._dispatch`).
 
   Returns:
-    (T, H, D); padding rows (>= q_offsets[-1]) are zeros.
+    (T, H, D) in ``out_dtype`` (default q.dtype); padding rows (>= q_offsets[-1]) are zeros.
 
   Offsets that are traced (under ``jax.jit``/``vmap``) cannot raise: if they break the jagged
   convention (first != 0, decreasing, last > T, a length over max_seq_len/max_kv_len) the whole
@@ -105,11 +110,20 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   every path.
 
   Raises:
-    TypeError: dtypes; a non-array q, k, v or offsets; a pre_scale or post_scale that is not a
-      real scalar (also under ``jax.jit``: a traced scale must be 0-d, integer or floating).
-    ValueError: shapes (H = 0 or D = 0 included), offsets (when concrete), activation,
-      concrete scales that are not finite (in float32, what every path computes them in,
-      unless q is float64), lengths over max_seq_len/max_kv_len.
+    TypeError: dtypes (q, k, v not one float dtype, offsets not int32, an out_dtype that is
+      not a floating dtype or float64 without jax_enable_x64); a non-array q, k, v or
+      offsets; a pre_scale or post_scale that is not a real scalar (also under ``jax.jit``: a
+      traced scale must be 0-d, integer or floating); a max_seq_len or max_kv_len that is not
+      a Python int.
+    ValueError: shapes (H = 0 or D = 0 included; dense k/v whose batch is not B), offsets
+      (when concrete), activation, concrete scales that are not finite (in float32, what every
+      path computes them in, unless q is float64), lengths over max_seq_len/max_kv_len, a
+      max_seq_len or max_kv_len below 1, a max_kv_len without kv_offsets, unknown
+      implementation.
+    RuntimeError: ``implementation="interpret"`` alone, for a call the kernel supports, on a CPU
+      backend with fewer than 8 client threads (``PJRT_NPROC``; GPU interpret mode would
+      deadlock, :func:`pallas_norm._dispatch.interpret_threads_reason`); in a sequence that
+      name is skipped with a :class:`pallas_norm.KernelSkippedWarning` instead.
     NotImplementedError: kernel implementation not available; a second derivative
       (``jax.hessian``, a gradient of a gradient) of a kernel path. Forward mode (``jax.jvp``,
       ``jax.jacfwd``) of a kernel path raises JAX's own TypeError "can't apply forward-mode

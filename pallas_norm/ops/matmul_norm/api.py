@@ -49,6 +49,10 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
                 return_stats: bool = False, implementation=None):
   """Post-norm GEMM: ``h = x @ w (+ dense_bias) (+ residual)``, ``y = norm(h)·scale (+ norm_bias)``.
 
+  The values of :func:`pallas_norm.reference.matmul_norm`; the fused kernel (the row statistics
+  reduced across a cluster of CTAs) and its backward are DESIGN.md op 2, as this module's
+  docstring writes them.
+
   Args:
     x: (..., K) bfloat16/float16/float32 (float64 with jax_enable_x64). w: (K, N), same dtype.
     dense_bias: optional (N,) bias of the dense layer, added to h (keyword-only, as every
@@ -80,13 +84,22 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       the last bit. The kernel paths are first-order reverse mode only.
 
   Returns:
-    y (..., N); with ``return_h``/``return_stats`` the tuple ``(y, h?, stats?)``.
+    y (..., N) in ``out_dtype`` (default x.dtype); with ``return_h``/``return_stats`` the tuple
+    ``(y, h?, stats?)``, h (..., N) in ``out_dtype`` too.
 
   Raises:
     TypeError: an argument that is not an array (jax.Array, NumPy array or tracer; e.g. a
-      ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes, or an argument after w passed
-      by position.
-    ValueError: shapes, eps, norm or implementation.
+      ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes (a residual not in x's dtype
+      included), or an argument after w passed by position; an eps that is not a real
+      number; a return_h or return_stats that is not a bool; an out_dtype that is not a
+      floating dtype, or float64 without jax_enable_x64.
+    ValueError: shapes (w not (K, N) with x's K, an empty K or N, dense_bias, scale or
+      norm_bias not (N,), a residual not (..., N)), eps (not positive and finite, or below
+      the floor above), norm (not "layer"/"rms") or implementation (an unknown name).
+    RuntimeError: ``implementation="interpret"`` alone, for a call the kernel supports, on a CPU
+      backend with fewer than 8 client threads (``PJRT_NPROC``; GPU interpret mode would
+      deadlock, :func:`pallas_norm._dispatch.interpret_threads_reason`); in a sequence that
+      name is skipped with a :class:`pallas_norm.KernelSkippedWarning` instead.
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run; a
       second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path (on the
       composed route the message names rms_norm).
@@ -262,9 +275,9 @@ def _norm_backward_kernel_reason(dy_out, dh_out, xhat, x_dtype) -> str | None:
 
   The kernel (full rows in registers, every tensor read once) was measured faster on the H200
   than XLA's passes and than the Mosaic kernel it replaced, for both norms at N = 512 and
-  LayerNorm at 2048 (``benchmarks/NOTES.md``, "Post-norm backward"). It writes dh in the cotangent's dtype: with an ``out_dtype``
-  other than x's, dh would be rounded twice on its way to the GEMMs (or overflow float16), so
-  those calls keep XLA."""
+  LayerNorm at 2048 (``benchmarks/NOTES.md``, "Post-norm backward"). It writes dh in the
+  cotangent's dtype: with an ``out_dtype`` other than x's, dh would be rounded twice on its way
+  to the GEMMs (or overflow float16), so those calls keep XLA."""
   if dy_out.dtype != xhat.dtype or (dh_out is not None and dh_out.dtype != xhat.dtype):
     return f"cotangents in {dy_out.dtype}, x̂ in {xhat.dtype}"
   if jnp.dtype(dy_out.dtype) != jnp.dtype(x_dtype):

@@ -63,6 +63,10 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
                 out_dtype=None, return_stats: bool = False, implementation=None):
   """Pre-norm GEMM ``y = (norm(x)·scale + norm_bias) @ w``.
 
+  The values of :func:`pallas_norm.reference.norm_matmul`. The kernel's lazy form (the affine
+  folded into w, the statistics applied in the epilogue) and its backward's identities are
+  DESIGN.md op 1, as this module's docstring writes them.
+
   Args:
     x: (..., K) activations, bfloat16/float16/float32 (float64 with jax_enable_x64).
     w: (K, N) weight, same dtype as x.
@@ -77,10 +81,10 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
       at least the statistics dtype's max^(-2/3) (~2.1e-26 for float32), where rstd's
       derivative eps^-1.5 would overflow.
     out_dtype: dtype of y (default x.dtype).
-    return_stats: also return :class:`pallas_norm.NormStats` (mean (None for RMS), rstd; float32,
-      float64 for float64 x; shape x.shape[:-1]). The statistics are outputs for the caller's backward; they carry no
-      gradient (``lax.stop_gradient``), with every implementation, so a loss differentiates
-      the same on any backend.
+    return_stats: also return :class:`pallas_norm.NormStats` (mean (None for RMS), rstd;
+      float32, float64 for float64 x; shape x.shape[:-1]). The statistics are outputs for the
+      caller's backward; they carry no gradient (``lax.stop_gradient``), with every
+      implementation, so a loss differentiates the same on any backend.
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them tried in order
       (see :mod:`pallas_norm._dispatch`). The kernel needs bfloat16/float16 with K and N
       multiples of 64; None falls back to XLA otherwise, and where the forward alone and
@@ -90,13 +94,20 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
       :func:`pallas_norm._op.first_order_only`).
 
   Returns:
-    y (..., N), or ``(y, stats)``.
+    y (..., N) in ``out_dtype`` (default x.dtype), or ``(y, stats)`` with ``return_stats``.
 
   Raises:
     TypeError: an argument that is not an array (jax.Array, NumPy array or tracer; e.g. a
       ``jax.ShapeDtypeStruct``), non-float or mismatched dtypes, or an argument after w passed
-      by position.
-    ValueError: shapes, eps, norm or implementation.
+      by position; an eps that is not a real number; a return_stats that is not a bool; an
+      out_dtype that is not a floating dtype, or float64 without jax_enable_x64.
+    ValueError: shapes (w not (K, N) with x's K, an empty K or N, scale or norm_bias not (K,)),
+      eps (not positive and finite, or below the floor above), norm (not "rms"/"layer") or
+      implementation (an unknown name).
+    RuntimeError: ``implementation="interpret"`` alone, for a call the kernel supports, on a CPU
+      backend with fewer than 8 client threads (``PJRT_NPROC``; GPU interpret mode would
+      deadlock, :func:`pallas_norm._dispatch.interpret_threads_reason`); in a sequence that
+      name is skipped with a :class:`pallas_norm.KernelSkippedWarning` instead.
     NotImplementedError: "mosaic"/"interpret" asked for a call the kernel cannot run; a
       second derivative (``jax.hessian``, a gradient of a gradient) of a kernel path.
       Forward mode (``jax.jvp``, ``jax.jacfwd``) of a kernel path raises JAX's own TypeError

@@ -57,7 +57,8 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
   ``zero_centered_scale``). Statistics in float32 (float64 for float64 x), the values of
   :func:`pallas_norm.reference.rms_norm`; "xla" differentiates them by JAX's autodiff (any
   order; a hand-written one-pass rule measured slower for RMSNorm,
-  :mod:`pallas_norm.ops.norms.xla`).
+  :mod:`pallas_norm.ops.norms.xla`). The math: RMSNorm of Zhang & Sennrich, "Root Mean Square
+  Layer Normalization" (2019); DESIGN.md, "Notation" and op 5.
 
   Args:
     x: (..., N) bfloat16/float16/float32/float64.
@@ -84,15 +85,21 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
       call that is not differentiated: ``jax.jvp`` of it raises JAX's TypeError).
 
   Returns:
-    y (..., N), or ``(y, s)`` when ``residual`` is given (``s`` in x's dtype).
+    y (..., N) in ``out_dtype`` (default x.dtype), or ``(y, s)`` when ``residual`` is given
+    (``s = x + residual``, the new residual stream, in x's dtype).
 
   Raises:
     TypeError: non-arrays (e.g. a ``jax.ShapeDtypeStruct``), non-float arrays or dtypes, a
-      residual of another dtype than x.
-    ValueError: shape mismatch, eps <= 0, unknown implementation.
+      residual of another dtype than x; an eps that is not a real number (a string, a traced
+      value); a zero_centered_scale that is not a bool; an out_dtype that is not a floating
+      dtype, or float64 without jax_enable_x64.
+    ValueError: shape mismatch (a 0-d x, an empty last axis, a scale not (N,), a residual not
+      of x's shape); an eps that is not positive and finite or is below the floor above;
+      unknown implementation.
     NotImplementedError: "mosaic" (no such kernel), or "triton"/"interpret" where the kernel
-      cannot run the call (not on an NVIDIA GPU, float64, N > 8192 with a residual, no rows),
-      requested alone.
+      cannot run the call (not on an NVIDIA GPU, float64, N > 8192 with a residual, no rows,
+      more elements than int32 offsets reach, jax_enable_x64 on), requested alone; a second
+      derivative (a gradient of a gradient) of the kernel path.
   """
   x, scale, residual = _validate.as_arrays(x, scale, residual)
   chosen = _check(x, scale, None, residual, eps, out_dtype, implementation, "rms_norm")
@@ -139,7 +146,9 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
   """LayerNorm over the last axis, with an optional fused residual add.
 
   ``s = x + residual`` (or ``x``), ``y = (s − μ) · rsqrt(σ² + eps) · scale + bias`` with the
-  shifted two-pass variance in float32, the values of :func:`pallas_norm.reference.layer_norm`.
+  shifted two-pass variance in float32 (float64 for float64 x), the values of
+  :func:`pallas_norm.reference.layer_norm`. The math: LayerNorm of Ba, Kiros & Hinton, "Layer
+  Normalization" (2016); DESIGN.md, "Notation" and op 5.
   The "xla" derivative is hand-written (:mod:`pallas_norm.ops.norms.xla`, DESIGN.md op 5): a
   ``custom_jvp`` whose transpose makes the backward's two row sums in one pass over (s, dy) and
   dscale/dbias as column sums; forward mode (``jax.jvp``) and higher orders work as with
@@ -159,8 +168,14 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
       "can't apply forward-mode autodiff (jvp) to a custom_vjp function", a second derivative
       NotImplementedError naming the op); "xla" supports every order.
 
+  Returns:
+    As :func:`rms_norm`: y (..., N) in ``out_dtype`` (default x.dtype), or ``(y, s)`` with a
+    residual.
+
   Raises:
-    NotImplementedError: as :func:`rms_norm`.
+    TypeError, ValueError, NotImplementedError: as :func:`rms_norm`, ``bias`` checked as
+      ``scale`` (a non-array or non-float bias: TypeError; a shape other than (N,):
+      ValueError).
   """
   x, scale, bias, residual = _validate.as_arrays(x, scale, bias, residual)
   chosen = _check(x, scale, bias, residual, eps, out_dtype, implementation, "layer_norm")
