@@ -295,6 +295,15 @@ def _padded_kv(k, v, kv_offsets, max_kv_len):
 def _gdpa_acc(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
               max_seq_len, max_kv_len):
   """GDPA output in the accumulator dtype (f32/f64), (T, H, D); padding rows not yet zeroed."""
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+  batch = jnp.shape(q_offsets)[0] - 1
+  if kv_offsets is None and (jnp.ndim(k) != 4 or jnp.shape(k)[0] != batch):
+    # The gathers below would clip or broadcast another batch silently.
+    raise ValueError(f"dense k must be (B, Lkv, H, D) with B = len(q_offsets) - 1 = {batch}, "
+                     f"got {jnp.shape(k)}")
+  if jnp.shape(v) != jnp.shape(k):
+    raise ValueError(f"v must have k's shape {jnp.shape(k)}, got {jnp.shape(v)}")
   act = ACTIVATIONS[activation]
   # Padding rows of q are never data: zero them so NaN there cannot reach any gradient.
   q = jnp.where(jagged.valid_mask(q_offsets, q.shape[0])[:, None, None], q, 0)
@@ -347,13 +356,12 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation="fast_gelu", pre_sca
     float64 inputs).
 
   Raises:
-    KeyError: an activation that is not a key of :data:`ACTIVATIONS`.
     TypeError: offsets that are not 1-D integer arrays (the :mod:`pallas_norm.jagged`
       helpers).
-    ValueError: concrete offsets that break the jagged convention, or a sample longer than
-      max_seq_len/max_kv_len (:func:`pallas_norm.jagged.to_padded`). Nothing else is checked:
-      dense k/v of another batch than B can give silently wrong values (sample indices
-      clipped, or a batch of 1 broadcast).
+    ValueError: an activation that is not a key of :data:`ACTIVATIONS`; dense k that is not
+      (B, Lkv, H, D) with B = len(q_offsets) - 1, or v not of k's shape; concrete offsets that
+      break the jagged convention, or a sample longer than max_seq_len/max_kv_len
+      (:func:`pallas_norm.jagged.to_padded`). Other shape mismatches fail in JAX's einsum.
   """
   o = _gdpa_acc(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,
                 max_seq_len, max_kv_len)
@@ -388,7 +396,7 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     q), zeros on padding rows.
 
   Raises:
-    KeyError, TypeError, ValueError: as :func:`gdpa`.
+    TypeError, ValueError: as :func:`gdpa`.
   """
   def attention(u_in):
     return _gdpa_acc(u_in, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale,

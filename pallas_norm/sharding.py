@@ -464,10 +464,13 @@ def row_sharded_take(table, ids, axis_name):
     (n, ..., E) in table's dtype.
 
   Raises:
-    TypeError: ids without an integer dtype. ValueError: a 0-d ids or a table that is not 2-D.
+    TypeError: an ids or table that is not an array; ids without an integer dtype.
+    ValueError: a 0-d ids or a table that is not 2-D.
     NameError: called outside a ``shard_map`` over ``axis_name`` (JAX's unbound axis name).
-    AttributeError: an ids or table that is not an array (no ``dtype``/``ndim``; not checked).
   """
+  for name, a in (("table", table), ("ids", ids)):
+    if not isinstance(a, (jax.Array, np.ndarray)):
+      raise TypeError(f"{name} must be an array, got {type(a).__name__}")
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(f"ids must have an integer dtype, got {ids.dtype}")
   if ids.ndim < 1 or table.ndim != 2:

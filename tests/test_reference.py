@@ -534,3 +534,19 @@ def test_unknown_norm_is_rejected(fn, args):
   x = jax.random.normal(jax.random.key(0), (2, 4))
   with pytest.raises(ValueError, match="norm"):
     fn(*args(x), norm="none")
+
+
+@pytest.mark.parametrize("fn", [reference.gdpa, reference.flash_norm_attention])
+@pytest.mark.parametrize("max_seq_len", [None, MAX_SEQ_LEN])
+def test_reference_attention_rejects_what_it_would_get_silently_wrong(fn, max_seq_len, rng):
+  """Dense k/v of another batch than B were clipped (token path) or broadcast (padded path)
+  into a wrong answer, v of another shape than k likewise; an unknown activation was a
+  KeyError: each is a ValueError naming the argument."""
+  case = jagged_case(rng, jnp.float32, "edge_empty", "dense")
+  batch = case["k"].shape[0]
+  for bad, match in ((dict(k=case["k"][:1], v=case["v"][:1]), "dense k"),
+                     (dict(k=case["k"][:batch - 1], v=case["v"][:batch - 1]), "dense k"),
+                     (dict(v=case["v"][:, :-1]), "v must"),
+                     (dict(activation="softmax"), "activation")):
+    with pytest.raises(ValueError, match=match):
+      fn(**{**case, **bad}, max_seq_len=max_seq_len)

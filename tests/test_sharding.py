@@ -239,6 +239,12 @@ def test_row_sharded_take_on_one_device_and_bad_ids():
   np.testing.assert_array_equal(got[:, 0], np.asarray(table[jnp.array([0, 3])]))
   with pytest.raises(TypeError, match="ids must have an integer dtype"):
     take(table, ids.astype(jnp.float32))
+  # Not arrays (called directly: shard_map would convert them): a TypeError naming the argument,
+  # checked before the first attribute access (was an AttributeError).
+  with pytest.raises(TypeError, match="^ids must be an array, got list"):
+    sharding.row_sharded_take(table, [[0, 9]], "model")
+  with pytest.raises(TypeError, match="^table must be an array, got tuple"):
+    sharding.row_sharded_take((1.0, 2.0), ids, "model")
 
 
 # ---------------------------------------------------------------------------------------------
