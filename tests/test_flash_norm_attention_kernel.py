@@ -1264,3 +1264,24 @@ def test_cluster_padding_chunks_of_several_blocks():
   assert np.all(np.isfinite(out)) and np.all(np.isfinite(stats))
   assert not np.any(out[total:]) and not np.any(stats[total:])
   assert not mgpu.races_found()
+
+
+@pytest.mark.parametrize("kv_layout", ["dense", "jagged"])
+def test_second_derivative_names_flash_norm_attention(kv_layout):
+  """A second derivative of a kernel path raises NotImplementedError naming the op the user
+  called: the fused kernel (dense K/V) and the chain (jagged K/V: its GDPA kernel named "gdpa"
+  before, a review's finding). Traced only (jax.make_jaxpr): no kernel runs."""
+  q = jnp.ones((32, 2, 128), jnp.bfloat16)
+  q_offsets = jnp.array([0, 20, 32], jnp.int32)
+  if kv_layout == "dense":
+    k = v = jnp.ones((2, 64, 2, 128), jnp.bfloat16)
+    kv_offsets = None
+  else:
+    k = v = jnp.ones((128, 2, 128), jnp.bfloat16)
+    kv_offsets = jnp.array([0, 64, 128], jnp.int32)
+  f = lambda p: jnp.sum(pn.flash_norm_attention(  # noqa: E731
+      q, k, v, q_offsets, kv_offsets, pre_scale=p, implementation="interpret")
+                        .astype(jnp.float32) ** 3)
+  with pytest.raises(NotImplementedError, match="^flash_norm_attention:.*implementation='xla'"):
+    jax.make_jaxpr(jax.hessian(f))(jnp.float32(0.5))
+  jax.make_jaxpr(jax.grad(f))(jnp.float32(0.5))  # first order still traces

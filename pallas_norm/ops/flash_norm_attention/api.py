@@ -226,7 +226,8 @@ def _gdpa_kernel_chain(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale,
     return gdpa_api.kernel_path(u_in, k, v, q_offsets, kv_offsets, activation=activation,
                                 pre_scale=pre_scale, post_scale=post_scale,
                                 max_seq_len=max_seq_len, max_kv_len=max_kv_len, out_dtype=None,
-                                implementation=gdpa_implementation, config=gdpa_config)
+                                implementation=gdpa_implementation, config=gdpa_config,
+                                op="flash_norm_attention")
 
   return reference.flash_norm_block(q, q_offsets, attention, **block_options)
 

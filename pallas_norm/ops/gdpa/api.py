@@ -164,11 +164,12 @@ def bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len):
 
 
 def kernel_path(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_scale,
-                max_seq_len, max_kv_len, out_dtype, implementation, config):
+                max_seq_len, max_kv_len, out_dtype, implementation, config, op="gdpa"):
   """:func:`gdpa` after validation and the choice of a kernel implementation ("mosaic" or
   "interpret"): bad traced offsets poisoned, then the kernels' ``custom_vjp``. For callers that
   validated and chose already (``flash_norm_attention``'s chain). ``config``: the forward
-  kernel's tiling, :func:`mosaic.tiling_or_reason`'s for these arguments."""
+  kernel's tiling, :func:`mosaic.tiling_or_reason`'s for these arguments. ``op``: the public op
+  that a second derivative's NotImplementedError names (the caller's)."""
   scale_grads = not all(isinstance(s, (int, float)) for s in (pre_scale, post_scale))
   pre_scale, post_scale = jnp.asarray(pre_scale, _F32), jnp.asarray(post_scale, _F32)
   bad = offsets_invalid(q_offsets, kv_offsets, q.shape[0], k.shape[0], max_seq_len, max_kv_len)
@@ -177,7 +178,7 @@ def kernel_path(q, k, v, q_offsets, kv_offsets, *, activation, pre_scale, post_s
                                                               post_scale)
   return _kernel_gdpa(q, k, v, pre_scale, post_scale, (q_offsets, kv_offsets), activation,
                       max_seq_len, max_kv_len, jnp.dtype(out_dtype or q.dtype),
-                      implementation == "interpret", scale_grads, config)
+                      implementation == "interpret", scale_grads, config, op)
 
 
 def poisoned_kernel_inputs(bad, q_offsets, pre_scale, post_scale):
@@ -213,15 +214,15 @@ def kernel_slower_reason(q, k, kv_offsets, max_kv_len, out_dtype) -> str | None:
 # The kernel path: one custom_vjp, forward and backward rules side by side. The scales are f32
 # 0-d arrays (traced ones get gradients); the offsets are integer inputs (no cotangent).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
 def _kernel_gdpa(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len, max_kv_len,
-                 out_dtype, interpret, scale_grads, config):
+                 out_dtype, interpret, scale_grads, config, op):
   return _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
-                          max_kv_len, out_dtype, interpret, scale_grads, config)[0]
+                          max_kv_len, out_dtype, interpret, scale_grads, config, op)[0]
 
 
 def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_seq_len,
-                     max_kv_len, out_dtype, interpret, scale_grads, config):
+                     max_kv_len, out_dtype, interpret, scale_grads, config, op):
   del max_seq_len, scale_grads  # the kernel's work list comes from the offsets themselves
   q_offsets, kv_offsets = offsets
   rows = mosaic.kv_rows(k, kv_offsets, max_kv_len)
@@ -233,13 +234,13 @@ def _kernel_fwd_rule(q, k, v, pre_scale, post_scale, offsets, activation, max_se
                            activation=activation, max_kv_len=max_kv_len, out_dtype=out_dtype,
                            config=config, work_table=table, interpret=interpret)
 
-  out = _op.first_order_only("gdpa", forward, q, k, v, q_offsets, kv_offsets, pre_scale,
+  out = _op.first_order_only(op, forward, q, k, v, q_offsets, kv_offsets, pre_scale,
                              post_scale, table)
   return out, (q, k, v, pre_scale, post_scale, offsets, table)
 
 
 def _kernel_bwd_rule(activation, max_seq_len, max_kv_len, out_dtype, interpret, scale_grads,
-                     config, saved, d_out):
+                     config, op, saved, d_out):
   del out_dtype, config  # the backward kernel's tiles are its own constants
   q, k, v, pre_scale, post_scale, offsets, table = saved
   q_offsets, kv_offsets = offsets
@@ -252,7 +253,7 @@ def _kernel_bwd_rule(activation, max_seq_len, max_kv_len, out_dtype, interpret, 
       if grads[3] is None:  # numbers given by the caller: constants, cotangents dropped
         grads = (*grads[:3], jnp.zeros_like(pre_scale), jnp.zeros_like(post_scale))
       return grads
-    dq, dk, dv, d_pre, d_post = _op.first_order_only("gdpa", backward, q, k, v, q_offsets,
+    dq, dk, dv, d_pre, d_post = _op.first_order_only(op, backward, q, k, v, q_offsets,
                                                      kv_offsets, d_out, table)
   else:  # shapes the backward kernel refuses (none that the forward kernel takes today)
     dq, dk, dv, d_pre, d_post = _xla_backward(q, k, v, q_offsets, kv_offsets, d_out, **kw)
