@@ -580,10 +580,21 @@ def train(args) -> TrainResult:
   return TrainResult(line, graphdef, state, losses)
 
 
+def _forget_failed_runtime_tokens() -> None:
+  """JAX keeps the failed step's runtime tokens, and its exit handlers wait on them again,
+  printing the same RESOURCE_EXHAUSTED error twice more as tracebacks after the one-line
+  message; nothing waits for that step any more, so drop them (a private JAX structure: where
+  it is missing, the tracebacks stay)."""
+  from jax._src import dispatch  # pylint: disable=import-outside-toplevel
+  tokens = getattr(dispatch, "runtime_tokens", None)
+  if tokens is not None and hasattr(tokens, "clear"):
+    tokens.clear()
+
+
 def main(argv=None) -> int:
   """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
-  malformed data, data too large for memory, a mismatched (other model config, batch stream or
-  data) or incomplete checkpoint, a fresh run into a folder that holds checkpoints, or an
+  malformed data, data too large for memory, a device out of memory (JAX's RESOURCE_EXHAUSTED),
+  a mismatched (other model config, batch stream or data) or incomplete checkpoint, a fresh run into a folder that holds checkpoints, or an
   --implementation that cannot run the model."""
   args = parse_args(argv)
   try:
@@ -594,6 +605,16 @@ def main(argv=None) -> int:
           CheckpointMismatchError, CheckpointIncompleteError, CheckpointDirInUseError,
           NotImplementedError) as e:
     print(f"train_kunlun: error: {e}", file=sys.stderr)
+    return 2
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    # The model's padded arrays grow with --batch-size × --max-seq-len (the attention's scores
+    # with their product times the keys), whatever the data's own lengths.
+    print(f"train_kunlun: error: the device ran out of memory ({str(e).splitlines()[0][:160]})"
+          f" with --batch-size {args.batch_size} and --max-seq-len {args.max_seq_len}: lower "
+          "them", file=sys.stderr)
+    _forget_failed_runtime_tokens()
     return 2
   print(line, flush=True)
   return 0

@@ -608,3 +608,22 @@ def test_epochs_reshuffle_and_the_synthetic_match_is_the_ads():
   share = (ads_data.make_synthetic(4000, **kw).true_logits.astype(np.float64)
            - ads_data.make_synthetic(4000, match_weight=0.0, **kw).true_logits) / 3.0
   assert np.mean(share < 0.25) > 0.3
+
+
+@pytest.mark.slow
+def test_a_device_out_of_memory_exits_2_with_one_line():
+  """A step that needs more memory than the device has (the padded arrays grow with --batch-size
+  × --max-seq-len whatever the data's lengths; here the behaviour sequences' self-attention
+  scores, ~28 TB) was a 40-line JaxRuntimeError traceback, exit 1, and JAX's exit handlers
+  printed the error twice more; now exit 2 with one line naming both flags."""
+  argv = ["--batch-size", "64", "--max-seq-len", "100000", "--train-examples", "16",
+          "--valid-examples", "16", "--implementation", "xla", "--devices", "1", "--steps", "2",
+          "--eval-every", "2"]
+  proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_kunlun.py"), *argv],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  err = [line for line in proc.stderr.splitlines() if "train_kunlun:" in line or "Error" in line]
+  assert err == [err[0]] and err[0].startswith(
+      "train_kunlun: error: the device ran out of memory (RESOURCE_EXHAUSTED"), proc.stderr
+  assert "--batch-size 64 and --max-seq-len 100000" in err[0]
+  assert "Traceback" not in proc.stderr, proc.stderr
