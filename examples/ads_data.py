@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import math
 import os
 import pathlib
 import zlib
@@ -274,19 +275,34 @@ def _signed_log1p(x):
 
 
 def _float(value: str, column: str, path) -> float:
+  """A numeric field: empty is 0 (Criteo's missing counts); "nan", "inf" and the like are
+  refused (float() parses them, and one trained the model to NaN with exit status 0)."""
   if value == "":
     return 0.0
   try:
-    return float(value)
+    number = float(value)
   except ValueError as e:
     raise DataFormatError(f"{path}: column {column!r} holds {value!r}, not a number") from e
+  if not math.isfinite(number):
+    raise DataFormatError(f"{path}: column {column!r} holds {value!r}, not a finite number")
+  return number
 
 
 def _read_csv(path: pathlib.Path, required) -> list[dict[str, str]]:
   if not path.is_file():
     raise DataNotFoundError(f"data file not found: {path} (pass --data-dir, the folder with the "
                             "ads samples; see shared/data/README.md)")
-  with path.open(newline="") as f:
+  try:
+    return _read_rows(path, required)
+  except UnicodeDecodeError as e:  # the header's or a row's: was a traceback
+    raise DataFormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a read "
+                          "block)") from e
+
+
+def _read_rows(path: pathlib.Path, required) -> list[dict[str, str]]:
+  # utf-8-sig: a byte-order mark would otherwise join the first column's name ("missing
+  # column(s) ['label']" for a header that shows it).
+  with path.open(newline="", encoding="utf-8-sig") as f:
     reader = csv.DictReader(f)
     missing = [c for c in required if c not in (reader.fieldnames or [])]
     if missing:
@@ -319,6 +335,10 @@ def _numerics(rows, columns, path) -> np.ndarray:
 
 
 def _labels(rows, column, path) -> np.ndarray:
+  if empty := [i for i, r in enumerate(rows) if r[column] == ""][:1]:
+    # _float reads an empty field as 0 (a missing count): as a label that is a silent "no click"
+    raise DataFormatError(f"{path}: column {column!r} is empty in data row {empty[0] + 1}: "
+                          "labels must be 0/1 clicks")
   labels = np.array([_float(r[column], column, path) for r in rows], np.float32)
   if not np.isin(labels, (0.0, 1.0)).all():
     raise DataFormatError(f"{path}: column {column!r} must hold 0/1 clicks")
@@ -477,8 +497,9 @@ def load(name: str, data_dir=None, *, max_seq_len: int = 32, sparse_vocab_size: 
 
   Raises:
     ValueError: unknown ``name`` or bad sizes. DataNotFoundError: a missing file or directory.
-    DataFormatError: a missing column or unparsable value. DataTooLargeError: synthetic data
-    that would not fit in memory (:func:`synthetic_size_problem`; checked before generating).
+    DataFormatError: a missing column, an unparsable or non-finite value, an empty label, a
+      file that is not UTF-8, an empty validation split. DataTooLargeError: synthetic data
+      that would not fit in memory (:func:`synthetic_size_problem`; checked before generating).
   """
   if name not in DATASETS:
     raise ValueError(f"name must be one of {DATASETS}, got {name!r}")
@@ -500,6 +521,10 @@ def load(name: str, data_dir=None, *, max_seq_len: int = 32, sparse_vocab_size: 
     train, valid = load_taobao(data_dir, "train", **kw), load_taobao(data_dir, "valid", **kw)
   else:
     train, valid = load_criteo(data_dir, sparse_vocab_size=sparse_vocab_size)
+  if len(valid) == 0:  # evaluation concatenated no batches: a ValueError traceback
+    raise DataFormatError(f"the validation set of --data {name} is empty (Taobao: "
+                          "valid_sample.csv without rows; Criteo: rows i % 5 == 4 are the "
+                          "validation split, so fewer than 5 rows leave none)")
   spec = DataSpec(train.sparse.shape[1], train.dense.shape[1], sparse_vocab_size,
                   item_vocab_size)
   return train, valid, spec

@@ -124,8 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="evaluate on the first N validation examples (default: all of them)")
   p.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
                  help="save parameters, optimizer state and step with Orbax at every "
-                 "--eval-every step and the last one (created if missing; a fresh run needs "
-                 "it free of checkpoints)")
+                 "--eval-every step and the last one, keeping the latest two (created if "
+                 "missing; a fresh run needs it free of checkpoints)")
   p.add_argument("--resume", action="store_true",
                  help="continue from the latest checkpoint under --checkpoint-dir; where it "
                  "holds none (or does not exist), start from step 0 and say so. Exit 2 when "

@@ -200,6 +200,49 @@ def test_a_cut_or_overlong_row_is_a_clear_error(tmp_path, capsys, last_line):
     ads_data.load_criteo(tmp_path, sparse_vocab_size=64)
 
 
+def _criteo_rows(n, edit=None):
+  """A Criteo header and n rows (label i % 2, every other field 2), row ``edit[0]`` (0-based)
+  with field ``edit[1]`` set to ``edit[2]``."""
+  header = ["label", *ads_data.CRITEO_DENSE, *ads_data.CRITEO_SPARSE]
+  rows = [[str(i % 2)] + ["2"] * (len(header) - 1) for i in range(n)]
+  if edit is not None:
+    rows[edit[0]][header.index(edit[1])] = edit[2]
+  return "\n".join(",".join(r) for r in [header, *rows]) + "\n"
+
+
+@pytest.mark.parametrize("edit,message", [
+    ((2, "I2", "nan"), "column 'I2' holds 'nan', not a finite number"),
+    ((3, "I9", "-inf"), "column 'I9' holds '-inf', not a finite number"),
+    ((1, "label", ""), "column 'label' is empty in data row 2"),
+    (None, "validation set of --data criteo is empty"),
+], ids=["nan", "inf", "empty_label", "no_valid_rows"])
+def test_data_that_trained_silently_wrong_or_crashed_exits_2(tmp_path, capsys, edit, message):
+  """A review of the example: "nan"/"inf" in a numeric column trained to NaN with exit 0
+  (float() parses them), an empty label was read as 0 (no click), and fewer than 5 Criteo rows
+  (no validation rows) ended in a ValueError traceback. Each now exits 2 with one line."""
+  (tmp_path / "criteo_sample.txt").write_text(_criteo_rows(8 if edit else 4, edit))
+  code, out, err = _run(["--data", "criteo", "--data-dir", str(tmp_path)], capsys)
+  assert code == 2 and out == [] and err.count("\n") == 1, err
+  assert message in err, err
+
+
+def test_not_utf8_is_a_clear_error_and_a_bom_is_read(tmp_path, capsys):
+  """A latin-1 byte ended in a UnicodeDecodeError traceback; a UTF-8 byte-order mark joined the
+  first column's name ("missing column(s) ['label']"). Now: exit 2 naming the file, and the
+  BOM's file loads as the one without it."""
+  text = _criteo_rows(10)
+  (tmp_path / "criteo_sample.txt").write_bytes(text.replace("C3", "C3\xe9", 1)
+                                               .encode("latin-1"))
+  code, out, err = _run(["--data", "criteo", "--data-dir", str(tmp_path)], capsys)
+  assert code == 2 and out == [] and err.count("\n") == 1 and "not UTF-8" in err, err
+  (tmp_path / "criteo_sample.txt").write_bytes(text.encode("utf-8-sig"))
+  with_bom = ads_data.load_criteo(tmp_path, sparse_vocab_size=64)
+  (tmp_path / "criteo_sample.txt").write_text(text)
+  without = ads_data.load_criteo(tmp_path, sparse_vocab_size=64)
+  np.testing.assert_array_equal(with_bom[0].labels, without[0].labels)
+  np.testing.assert_array_equal(with_bom[0].sparse, without[0].sparse)
+
+
 def _no_generating(*args, **kwargs):
   raise AssertionError("make_synthetic ran: the size check should have refused the data first")
 
