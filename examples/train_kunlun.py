@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import pathlib
 import sys
 import time
@@ -165,6 +166,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                 if d.exists() and not d.is_dir()]
     if blocking:
       p.error(f"--checkpoint-dir must be a directory, but {blocking[0]} is a file")
+    # The nearest existing folder must take writes: a read-only one failed (an OSError
+    # traceback) only at the first save, after training had begun.
+    existing = next(d for d in (args.checkpoint_dir, *args.checkpoint_dir.parents) if d.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+      p.error(f"--checkpoint-dir {args.checkpoint_dir}: {existing} is not writable")
   distributed.check_arguments(p, args)
   args.token_buckets = _token_buckets(p, args)
   return args

@@ -10,6 +10,7 @@ import csv
 import pathlib
 import re
 import shutil
+import os
 import subprocess
 import sys
 import tracemalloc
@@ -670,3 +671,19 @@ def test_a_device_out_of_memory_exits_2_with_one_line():
       "train_kunlun: error: the device ran out of memory (RESOURCE_EXHAUSTED"), proc.stderr
   assert "--batch-size 64 and --max-seq-len 100000" in err[0]
   assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_read_only_checkpoint_dir_exits_2_before_training(tmp_path, capsys, monkeypatch):
+  """A review: a read-only --checkpoint-dir (a tmpfs mounted read-only) failed with an OSError
+  traceback at the first save, after training had begun. parse_args now refuses it (exit 2,
+  one line). os.access is patched: this machine's tests run as root, which a folder's mode
+  does not stop, and a test cannot mount a read-only filesystem."""
+  real_access = os.access
+  monkeypatch.setattr(os, "access", lambda path, mode: (
+      False if pathlib.Path(path) == tmp_path else real_access(path, mode)))
+  with pytest.raises(SystemExit) as exit_info:
+    train_kunlun.parse_args(["--checkpoint-dir", str(tmp_path / "ck" / "run")])
+  assert exit_info.value.code == 2
+  assert f"{tmp_path} is not writable" in capsys.readouterr().err
+  monkeypatch.setattr(os, "access", real_access)
+  assert train_kunlun.parse_args(["--checkpoint-dir", str(tmp_path / "ck")]).checkpoint_dir
