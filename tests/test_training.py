@@ -7,10 +7,10 @@ step within the session.
 """
 
 import csv
+import os
 import pathlib
 import re
 import shutil
-import os
 import subprocess
 import sys
 import tracemalloc
