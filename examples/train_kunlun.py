@@ -161,14 +161,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--weight-decay must be a non-negative finite number, got {args.weight_decay}")
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
-  if args.checkpoint_dir is not None:  # Orbax failed on a file only at the first save
-    blocking = [d for d in (args.checkpoint_dir, *args.checkpoint_dir.parents)
-                if d.exists() and not d.is_dir()]
-    if blocking:
-      p.error(f"--checkpoint-dir must be a directory, but {blocking[0]} is a file")
-    # The nearest existing folder must take writes: a read-only one failed (an OSError
-    # traceback) only at the first save, after training had begun.
+  if args.checkpoint_dir is not None:
+    # Orbax failed on these only at the first save, after training had begun: a file in the
+    # path, or a nearest existing folder that takes no writes (a read-only mount).
     existing = next(d for d in (args.checkpoint_dir, *args.checkpoint_dir.parents) if d.exists())
+    if not existing.is_dir():
+      p.error(f"--checkpoint-dir must be a directory, but {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
       p.error(f"--checkpoint-dir {args.checkpoint_dir}: {existing} is not writable")
   distributed.check_arguments(p, args)
@@ -494,21 +492,18 @@ def _final_line(losses, val, step, step_seconds, batch_size) -> str:
 
 
 def _load(args, load_kw):
-  """``ads_data.load`` of ``args.data``. Raises ads_data.DataTooLargeError, naming the flags,
-  before generating synthetic data that would not fit in memory (the generator's estimate:
-  --max-seq-len 100000 was a numpy MemoryError traceback), and when loading runs out of
-  memory all the same."""
-  if args.data == "synthetic":
-    valid = ads_data.SYNTHETIC_VALID_EXAMPLES
-    problem = ads_data.synthetic_size_problem(args.train_examples + valid, args.max_seq_len)
-    if problem:
-      raise ads_data.DataTooLargeError(
-          f"--data synthetic with --max-seq-len {args.max_seq_len} and --train-examples "
-          f"{args.train_examples} (+ {valid} validation examples, which --valid-examples does "
-          f"not reduce) would not fit in memory: {problem}; lower --max-seq-len or "
-          "--train-examples")
+  """``ads_data.load`` of ``args.data``. Raises ads_data.DataTooLargeError naming the flags when
+  ``load`` refuses synthetic data that would not fit in memory (its estimate, checked before
+  generating: --max-seq-len 100000 was a numpy MemoryError traceback), and when loading runs
+  out of memory all the same."""
   try:
     return ads_data.load(args.data, args.data_dir, **load_kw)
+  except ads_data.DataTooLargeError as e:
+    raise ads_data.DataTooLargeError(
+        f"--data synthetic with --max-seq-len {args.max_seq_len} and --train-examples "
+        f"{args.train_examples} (+ {ads_data.SYNTHETIC_VALID_EXAMPLES} validation examples, "
+        f"which --valid-examples does not reduce) would not fit in memory ({e}); lower "
+        "--max-seq-len or --train-examples") from e
   except MemoryError as e:
     raise ads_data.DataTooLargeError(
         f"out of memory loading --data {args.data} with --max-seq-len {args.max_seq_len}"
@@ -600,8 +595,8 @@ def _forget_failed_runtime_tokens() -> None:
 def main(argv=None) -> int:
   """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
   malformed data, data too large for memory, a device out of memory (JAX's RESOURCE_EXHAUSTED),
-  a mismatched (other model config, batch stream or data) or incomplete checkpoint, a fresh run into a folder that holds checkpoints, or an
-  --implementation that cannot run the model."""
+  a mismatched (other model config, batch stream or data) or incomplete checkpoint, a fresh run
+  into a folder that holds checkpoints, or an --implementation that cannot run the model."""
   args = parse_args(argv)
   try:
     check_implementation_can_run(args.implementation, args.devices)

@@ -89,14 +89,13 @@ def check_switches(layer: str, **switches) -> None:
       _validate.flag(name, value)
 
 
-def check_rngs(layer: str, rngs) -> nnx.Rngs:
+def check_rngs(layer: str, rngs) -> None:
   """The layer's ``rngs``: an ``nnx.Rngs``, checked when the layer is built, also where it
   creates no parameter (None or a key failed with "AttributeError: 'NoneType' object has no
   attribute 'params'" at the first parameter). TypeError naming the layer and ``rngs``."""
   if not isinstance(rngs, nnx.Rngs):
     raise TypeError(f"{layer}: rngs must be an nnx.Rngs (e.g. rngs=nnx.Rngs(0)), got "
                     f"{type(rngs).__name__}")
-  return rngs
 
 
 def check_norm(layer: str, norm: str) -> None:
