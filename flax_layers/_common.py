@@ -29,6 +29,12 @@ def compute_dtype(dtype, *arrays) -> jnp.dtype:
   return jnp.result_type(*[a.dtype for a in arrays if a is not None])
 
 
+# NotImplementedError subclasses RuntimeError: not being exactly one of these, it passes named()
+# unchanged, to op_errors' own branch that adds the dtype-promotion hint.
+CALL_ERRORS = (ValueError, TypeError, RuntimeError)
+"""The exception types :func:`op_errors` names the layer in, besides NotImplementedError."""
+
+
 @contextlib.contextmanager
 def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, **others):
   """Names the layer in the errors of the op it calls. A kernel's NotImplementedError is
@@ -36,15 +42,13 @@ def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, **othe
   ``others``, e.g. ``residual=``) promote the input (e.g. bf16 with float32 parameters computes
   in float32, which the kernels do not take). ``params`` are
   the layer's parameter arrays (None for absent ones); the hint names their own dtype, not the
-  promoted one. Otherwise the error, and a plain ValueError or TypeError of the op (a bad
-  argument), is re-raised with ``layer`` (the layer and the arguments the op's shapes come from)
-  in front, so that a model's error names its sub-layer."""
+  promoted one. Otherwise the error, a plain ValueError or TypeError of the op (a bad
+  argument) and a plain RuntimeError (e.g. ``implementation="interpret"`` on a CPU client with
+  too few threads) are re-raised with ``layer`` (the layer and the arguments the op's shapes
+  come from) in front, so that a model's error names its sub-layer."""
   try:
-    yield
-  except (ValueError, TypeError) as e:
-    if type(e) not in (ValueError, TypeError):  # JAX's own subclasses keep their form
-      raise
-    raise type(e)(f"{layer}: {e}") from e
+    with named(layer, CALL_ERRORS):
+      yield
   except NotImplementedError as e:
     input_dtype = jnp.dtype(input_dtype)
     if dtype is None and input_dtype != compute:
@@ -69,13 +73,16 @@ def cast(dtype, *arrays):
 
 
 @contextlib.contextmanager
-def named(layer: str):
-  """Re-raises a plain ValueError or TypeError of a construction check with ``layer`` (the
-  layer's class name) in front, the form of every error a layer raises when it is built."""
+def named(layer: str, kinds=(ValueError, TypeError)):
+  """Re-raises an exception of exactly one of ``kinds`` (by default a plain ValueError or
+  TypeError of a construction check) with ``layer`` (the layer's class name) in front, the form
+  of every error a layer raises when it is built. Subclasses (JAX's own errors, e.g.
+  ``jax.errors.ConcretizationTypeError`` or ``JaxRuntimeError``) pass unchanged: their type
+  and message are what JAX documents."""
   try:
     yield
-  except (ValueError, TypeError) as e:
-    if type(e) not in (ValueError, TypeError):
+  except kinds as e:
+    if type(e) not in kinds:
       raise
     raise type(e)(f"{layer}: {e}") from e
 

@@ -61,9 +61,9 @@ class GDPA(nnx.Module):
       integer dtype (checked first, naming the layer's order (q, q_offsets, k, v)), or an
       argument after v passed positionally (they are keyword-only).
     At call time also as :func:`pallas_norm.gdpa` for other bad inputs (its RuntimeError, for
-    ``implementation="interpret"`` alone on a CPU with too few threads, unchanged; the others
-    with the layer's class name in front). The construction errors start with the layer's
-    class name ("GDPA: activation must be one of ...").
+    ``implementation="interpret"`` alone on a CPU with too few threads, too), with the layer's
+    class name in front ("GDPA: gdpa: implementation='interpret' cannot run here: ...").
+    The construction errors start with it too ("GDPA: activation must be one of ...").
   """
 
   def __init__(self, num_heads: int, head_dim: int, *, activation: str = "fast_gelu",

@@ -79,9 +79,9 @@ class NormDense(nnx.Module):
       float64), or an rngs that is not an ``nnx.Rngs``; at call time, for a non-array x.
     The construction errors start with the layer's class name ("NormDense: norm must be ...").
     At call time also ValueError/TypeError from :func:`pallas_norm.norm_matmul` for other bad
-    inputs, and NotImplementedError for a kernel implementation that does not exist, with the
-    layer named in front; and the op's RuntimeError, unchanged (no layer name), for
-    ``implementation="interpret"`` alone on a CPU with too few threads.
+    inputs, NotImplementedError for a kernel implementation that does not exist, and the op's
+    RuntimeError for ``implementation="interpret"`` alone on a CPU with too few threads, each
+    with the layer named in front.
   """
 
   def __init__(self, in_features: int, out_features: int, *, norm: str = "layer",

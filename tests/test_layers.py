@@ -22,6 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import pallas_norm  # noqa: E402
 from flax_layers import (GDPA, DenseNorm, KunlunConfig, KunlunModel, LayerNorm,  # noqa: E402
                          NormDense, PFFNBlock, RMSNorm)
+from flax_layers import _common  # noqa: E402
 from pallas_norm import jagged, reference  # noqa: E402
 
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -928,6 +929,70 @@ def test_kernel_refusal_names_the_layer(cls, k, n, fragment):
                      match=rf"^{cls.__name__}\(in_features={k}, out_features={n}\): "
                            rf"(norm_matmul|matmul_norm): .*{fragment}"):
     cls(k, n, dtype=jnp.bfloat16, implementation="interpret", rngs=nnx.Rngs(0))(x)
+
+
+def _interpret_call(name):
+  """A call of layer ``name`` (bf16, implementation="interpret") that the kernel takes."""
+  bf16 = dict(dtype=jnp.bfloat16, implementation="interpret")
+  if name in ("NormDense", "DenseNorm"):
+    layer = (NormDense if name == "NormDense" else DenseNorm)(64, 64, rngs=nnx.Rngs(0), **bf16)
+    return lambda: layer(jnp.ones((8, 64), jnp.bfloat16))
+  q = jnp.ones((128, 1, 64), jnp.bfloat16)
+  k = jnp.ones((2, 64, 1, 64), jnp.bfloat16) / 8
+  offs = jnp.array([0, 60, 120], jnp.int32)
+  layer = GDPA(1, 64, **bf16) if name == "GDPA" else PFFNBlock(1, 64, rngs=nnx.Rngs(0), **bf16)
+  return lambda: layer(q, offs, k, k, max_seq_len=64)
+
+
+@pytest.mark.parametrize("name", ["NormDense", "DenseNorm", "GDPA", "PFFNBlock"])
+def test_interpret_thread_error_names_the_layer(monkeypatch, name):
+  """implementation="interpret" on a CPU client with too few threads: the op's RuntimeError
+  said "flash_norm_attention: ... PJRT_NPROC" but not which layer of a model called it (a
+  review); now the layer is in front, the type and the op's wording unchanged."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the thread check applies to the CPU backend")
+  call = _interpret_call(name)
+  monkeypatch.setenv("PJRT_NPROC", "2")  # read at each call; the client itself keeps its 8
+  where = name + ("(in_features=64, out_features=64)" if "Dense" in name else "")
+  op = {"NormDense": "norm_matmul", "DenseNorm": "matmul_norm", "GDPA": "gdpa",
+        "PFFNBlock": "flash_norm_attention"}[name]
+  with pytest.raises(RuntimeError, match=rf"^{re.escape(where)}: {op}: implementation="
+                                         r"'interpret' cannot run here: .*PJRT_NPROC") as info:
+    call()
+  assert type(info.value) is RuntimeError
+  assert type(info.value.__cause__) is RuntimeError  # the op's own error, chained
+  assert not str(info.value.__cause__).startswith(name)
+
+
+def test_op_shape_errors_name_the_layer():
+  """Shape errors of the ops themselves (not the layers' own checks) inside two layers."""
+  q, k, v = _attention_inputs()
+  with pytest.raises(ValueError, match=r"^PFFNBlock: k and v must have the same shape"):
+    _pffn()(q, _offsets(), k, v[:, :-1], max_seq_len=MAX_LEN)
+  with pytest.raises(ValueError, match=r"^DenseNorm\(in_features=32, out_features=64\): "
+                                       r"residual must have shape \(4, 64\), got \(4, 32\)"):
+    DenseNorm(32, 64, rngs=nnx.Rngs(0))(_x(0, (4, 32)), residual=_x(1, (4, 32)))
+
+
+def _raise(error):
+  raise error
+
+
+@pytest.mark.parametrize("run", [lambda: jax.jit(lambda x: bool(x))(jnp.ones(())),
+                                 lambda: _raise(jax.errors.JaxRuntimeError("xla failed")),
+                                 lambda: _raise(RecursionError("deep"))],
+                         ids=["tracer_bool", "jax_runtime", "recursion"])
+def test_op_errors_keep_jax_and_other_subclasses_unchanged(run):
+  """Only exactly ValueError, TypeError and RuntimeError get the layer's name: a subclass (JAX's
+  own errors, which its docs describe by type and message) comes back as it was raised."""
+  with pytest.raises(Exception) as bare:
+    run()
+  assert type(bare.value) not in _common.CALL_ERRORS
+  assert isinstance(bare.value, _common.CALL_ERRORS)
+  with pytest.raises(type(bare.value)) as info:
+    with _common.op_errors("Layer", None, jnp.float32, jnp.float32, []):
+      run()
+  assert type(info.value) is type(bare.value) and str(info.value) == str(bare.value)
 
 
 @pytest.mark.parametrize("cls", [NormDense, DenseNorm])
