@@ -26,8 +26,8 @@ Sources (``name``):
   rows ``i % 5 == 4`` are the validation split.
 
 :func:`fingerprint` identifies the data a source gives (the synthetic generator's arguments, or
-each file's size and a hash of its ends): the training example's checkpoints record it, and a
-resume on other data is refused.
+each file's size and SHA-256): the training example's checkpoints record it, and a resume on
+other data is refused.
 
 Batches (:class:`Batch`) have a fixed batch size B and a static packed capacity T, by default
 B · max_seq_len (every batch fits); sequences longer than max_seq_len keep their most recent
@@ -70,7 +70,8 @@ DATA_FILES = {"synthetic": (), "criteo": (CRITEO_FILE,),
               "taobao": tuple(TAOBAO_FILE.format(split=s) for s in ("train", "valid"))}
 """The files under ``data_dir`` that :func:`load` reads for each dataset (paths relative to it)."""
 FINGERPRINT_BYTES = 64 * 1024
-""":func:`fingerprint` hashes this many bytes at each end of a data file."""
+"""The ends hash of :func:`file_fingerprint` covers this many bytes at each end of a file (older
+fingerprints hashed only those)."""
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -223,14 +224,15 @@ def _epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
 def batch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
   """Example indices of training step ``step``: the batches cut a stream of per-epoch
   permutations, so the order depends only on (seed, step) and a resumed run sees the same
-  batches as an uninterrupted one; batch_size may exceed n (the batch spans epochs)."""
-  pos = np.arange(step * batch_size, (step + 1) * batch_size, dtype=np.int64)
-  epochs, within = np.divmod(pos, n)
-  out = np.empty(batch_size, np.int64)
-  for e in np.unique(epochs):
-    sel = epochs == e
-    out[sel] = _epoch_permutation(n, seed, int(e))[within[sel]]
-  return out
+  batches as an uninterrupted one; batch_size may exceed n (the batch spans epochs). Time and
+  memory are O(batch_size + n), whatever the step."""
+  start = step * batch_size
+  # The batch's positions are contiguous, so its epochs are one run: a mask per epoch made a
+  # batch spanning E epochs cost E · batch_size.
+  first, last = start // n, (start + batch_size - 1) // n
+  stream = np.concatenate([_epoch_permutation(n, seed, e) for e in range(first, last + 1)])
+  offset = start - first * n
+  return stream[offset:offset + batch_size]
 
 
 def train_batches(ds: AdsDataset, batch_size: int, max_seq_len: int, seed: int,
@@ -531,17 +533,19 @@ def load(name: str, data_dir=None, *, max_seq_len: int = 32, sparse_vocab_size: 
 
 
 def file_fingerprint(path) -> dict:
-  """``{"size": bytes, "sha256": hex}`` of a file, the hash over its first and last
-  :data:`FINGERPRINT_BYTES` (the whole file when smaller than twice that): cheap for any size,
-  and it tells apart a file cut, grown, replaced or edited at either end, not a same-size edit
-  in the middle of a large file."""
+  """``{"size": bytes, "sha256": hex, "ends_sha256": hex}`` of a file: the SHA-256 of all of it
+  (streamed) and that of its first and last :data:`FINGERPRINT_BYTES` only (all of it when
+  smaller than twice that), which fingerprints saved by older versions hold as their "sha256"
+  (without "ends_sha256"): they still compare."""
   with open(path, "rb") as f:
     size = os.fstat(f.fileno()).st_size
-    digest = hashlib.sha256(f.read(FINGERPRINT_BYTES))
+    whole = hashlib.file_digest(f, "sha256")
+    f.seek(0)
+    ends = hashlib.sha256(f.read(FINGERPRINT_BYTES))
     if size > FINGERPRINT_BYTES:
       f.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
-      digest.update(f.read())
-  return {"size": size, "sha256": digest.hexdigest()}
+      ends.update(f.read())
+  return {"size": size, "sha256": whole.hexdigest(), "ends_sha256": ends.hexdigest()}
 
 
 def fingerprint(name: str, data_dir=None, **load_kwargs) -> dict:
@@ -567,9 +571,16 @@ def fingerprint(name: str, data_dir=None, **load_kwargs) -> dict:
   return {"data": name, "data_dir": str(data_dir.resolve()), "files": files}
 
 
+def _ends_only(entry: dict) -> bool:
+  """A :func:`file_fingerprint` saved by an older version: its "sha256" hashed only the ends."""
+  return "ends_sha256" not in entry
+
+
 def fingerprint_differences(saved: dict, now: dict) -> list[str]:
   """What differs between two :func:`fingerprint` results, one phrase each (empty when they
-  describe the same data; "data_dir" is not compared)."""
+  describe the same data; "data_dir" is not compared). A file the saved fingerprint hashed by
+  its ends only (an older version's) is compared by its ends: see :func:`fingerprint_unchecked`
+  for what that misses."""
   if saved.get("data") != now.get("data"):
     return [f"--data {saved.get('data')} (now {now.get('data')})"]
   generator = now.get("generator", {})
@@ -582,6 +593,14 @@ def fingerprint_differences(saved: dict, now: dict) -> list[str]:
       diffs.append(f"{rel} not read by {'this' if new is None else 'the saved'} run")
     elif old["size"] != new["size"]:
       diffs.append(f"{rel} has {new['size']} bytes (saved: {old['size']})")
-    elif old["sha256"] != new["sha256"]:
+    elif old["sha256"] != new["ends_sha256" if _ends_only(old) else "sha256"]:
       diffs.append(f"{rel} has other contents (same size, {new['size']} bytes)")
   return diffs
+
+
+def fingerprint_unchecked(saved: dict) -> list[str]:
+  """The files of a saved :func:`fingerprint` whose middle it cannot check: those an older
+  version hashed by their ends only, larger than twice :data:`FINGERPRINT_BYTES` (a smaller
+  file's ends are all of it)."""
+  return sorted(rel for rel, entry in saved.get("files", {}).items()
+                if _ends_only(entry) and entry["size"] > 2 * FINGERPRINT_BYTES)

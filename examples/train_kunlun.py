@@ -10,7 +10,8 @@ and ``--resume`` continues from the latest saved step up to ``--steps`` in total
 depends only on (seed, step), so a resumed run sees the batches an uninterrupted one would; a
 resume with another --data, --seed, --batch-size or --train-examples than the checkpoint's is
 refused, as is one whose data differ from the saved run's (checkpoints record a fingerprint of
-the data, :func:`ads_data.fingerprint`; one saved without it resumes with a warning); --lr,
+the data, :func:`ads_data.fingerprint`; one saved without it, or with an older one that hashed
+only the ends of each file, resumes with a warning); --lr,
 --weight-decay, --dtype (the compute dtype: parameters stay float32), --implementation and
 --steps may differ, as when training on from a checkpoint with new settings: AdamW's moments
 are restored as saved and the new values apply from the resumed step).
@@ -32,8 +33,9 @@ examples_per_s the examples of all training steps over their total time, both wi
 compiling steps (the first, and with ``--token-buckets`` the first of each new capacity; nan
 for a single step). Missing or malformed data, synthetic data too large for memory (about
 48 bytes per behaviour item, (--max-seq-len + 1) / 2 items per example, past half of the
-machine's memory), a checkpoint of another model, or an ``--implementation`` with no kernel
-for the model's calls exit with status 2 and a one-line message.
+machine's memory), a ``--batch-size`` larger than the training set, a checkpoint of another
+model, or an ``--implementation`` with no kernel for the model's calls exit with status 2 and
+a one-line message; an interrupt (Ctrl-C) exits with status 130 and one line.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ class CheckpointIncompleteError(ValueError):
   """The latest checkpoint step lacks the config or the state (an interrupted save or copy)."""
 
 
+class BatchSizeError(ValueError):
+  """--batch-size exceeds the training examples: every batch would hold each example several
+  times (10^8 over 64 examples hung, cutting 1.5 million epochs into the first batch)."""
+
+
 class CheckpointDirInUseError(ValueError):
   """A run without --resume was pointed at a folder that already holds checkpoints: Orbax
   skips saves at or below its latest step, so the run would keep none of its own and a later
@@ -132,11 +139,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "holds none (or does not exist), start from step 0 and say so. Exit 2 when "
                  "the checkpoint was saved for another model config, another --data, --seed, "
                  "--batch-size or --train-examples, or other data: each checkpoint records the "
-                 "size and a hash of the ends of every file read under --data-dir (the "
-                 "generating arguments for synthetic data; not the folder's path: the same "
-                 "files moved resume), and a file of another size or other contents is "
-                 "refused, naming it. A checkpoint saved before fingerprints were recorded "
-                 "resumes unchecked, with a warning on stderr")
+                 "size and SHA-256 of every file read under --data-dir (the generating "
+                 "arguments for synthetic data; not the folder's path: the same files moved "
+                 "resume), and a file of another size or other contents is refused, naming it. "
+                 "A checkpoint saved before fingerprints were recorded resumes unchecked, one "
+                 "whose fingerprint hashed only each file's first and last 64 KiB with those "
+                 "checked; both with a warning on stderr")
   p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--token-buckets", default="auto",
@@ -378,6 +386,14 @@ def _changed(saved: dict, want: dict) -> dict:
   return {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
 
 
+def _other_source(where: str, saved: str | None, now: str) -> CheckpointMismatchError:
+  # Said first and alone: the other flags of a run on another source (--train-examples is
+  # synthetic's only, the files differ) differ as a consequence and hid the cause.
+  return CheckpointMismatchError(
+      f"{where} was trained on another data source: --data {saved}, where this run asks for "
+      f"--data {now}; resume it with --data {saved} and the flags it was trained on")
+
+
 def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None = None,
                        data: dict | None = None):
   """The latest saved state, shaped like ``state``.
@@ -385,7 +401,8 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
   Raises: CheckpointMismatchError when the saved :func:`data_stream` differs from ``stream``
     (when both exist; checkpoints saved without one are not checked), the saved data
     fingerprint from ``data`` (:func:`ads_data.fingerprint`; when ``data`` is given and the
-    checkpoint has none, a warning on stderr and no check), or the saved config from
+    checkpoint has none, a warning on stderr and no check; one of an older version, which
+    hashed only the ends of a file, checks those and warns), or the saved config from
     ``config``; CheckpointIncompleteError when the latest step lacks the config or the state,
     or one of its items cannot be read (an interrupted save or copy).
   """
@@ -403,6 +420,7 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
           f"{where} could not be read ({type(e).__name__}: {' '.join(str(e).split())[:160]}) "
           f"{fix}") from e
 
+  unchecked = []  # files whose saved fingerprint covers only their ends
   with _item_by_item():
     items = set(manager.item_metadata(step).keys())
     if missing := sorted({"config", "state"} - items):
@@ -410,6 +428,8 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
     # The data first: a change of --data shows as the flag, not as the feature counts.
     if stream is not None and "data_stream" in items:
       saved = read(data_stream=ocp.args.JsonRestore())
+      if saved.data_stream.get("data") != stream["data"]:
+        raise _other_source(where, saved.data_stream.get("data"), stream["data"])
       if diff := _changed(saved.data_stream, stream):
         flags = ", ".join(f"--{k.replace('_', '-')} {old} (now {new})"
                           for k, (old, new) in diff.items())
@@ -418,6 +438,8 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
             "another batch stream; pass the saved values")
     if data is not None and "data_fingerprint" in items:
       saved = read(data_fingerprint=ocp.args.JsonRestore()).data_fingerprint
+      if saved.get("data") != data["data"]:
+        raise _other_source(where, saved.get("data"), data["data"])
       if diffs := ads_data.fingerprint_differences(saved, data):
         now = " ".join(f"--{k.replace('_', '-')} {data[k]}" for k in ("data", "data_dir")
                        if k in data)
@@ -427,6 +449,7 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
         raise CheckpointMismatchError(
             f"{where} was trained on other data than this run's ({now}{then}): "
             f"{'; '.join(diffs)}; {fix}")
+      unchecked = ads_data.fingerprint_unchecked(saved)
     saved = read(config=ocp.args.JsonRestore())
     if diff := _changed(saved.config, dataclasses.asdict(config)):
       raise CheckpointMismatchError(f"{where} was saved for another model config; (saved, "
@@ -437,6 +460,10 @@ def restore_checkpoint(manager, state, config: KunlunConfig, stream: dict | None
     print(f"train_kunlun: warning: {where} records no fingerprint of its data (saved by an "
           "older version): resuming without checking that it was trained on this run's data",
           file=sys.stderr)
+  elif unchecked:
+    print(f"train_kunlun: warning: {where} records a hash of only the first and last "
+          f"{ads_data.FINGERPRINT_BYTES // 1024} KiB of {', '.join(unchecked)} (saved by an "
+          "older version): resuming without checking the rest of it", file=sys.stderr)
   return restored.state
 
 
@@ -515,12 +542,18 @@ def train(args) -> TrainResult:
   """Runs the job described by ``args`` (see :func:`parse_args`).
 
   Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
-    CheckpointMismatchError, CheckpointDirInUseError.
+    BatchSizeError, CheckpointMismatchError, CheckpointDirInUseError.
   """
   if args.checkpoint_dir is not None and not args.resume:
     _check_unused(args.checkpoint_dir)
   load_kw = dict(max_seq_len=args.max_seq_len, seed=args.seed, num_train=args.train_examples)
   train_ds, valid_ds, spec = _load(args, load_kw)
+  if args.batch_size > len(train_ds):
+    raise BatchSizeError(
+        f"--batch-size {args.batch_size} is larger than the {len(train_ds)} training examples "
+        f"of --data {args.data}"
+        + (f" (--train-examples {args.train_examples})" if args.data == "synthetic" else "")
+        + f": pass --batch-size {len(train_ds)} or less")
   # Recorded with each checkpoint and checked on --resume (the files as just read).
   data = ads_data.fingerprint(args.data, args.data_dir, **load_kw) if args.checkpoint_dir else None
   if args.valid_examples is not None:
@@ -594,17 +627,19 @@ def _forget_failed_runtime_tokens() -> None:
 
 def main(argv=None) -> int:
   """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
-  malformed data, data too large for memory, a device out of memory (JAX's RESOURCE_EXHAUSTED),
-  a mismatched (other model config, batch stream or data) or incomplete checkpoint, a fresh run
-  into a folder that holds checkpoints, or an --implementation that cannot run the model."""
+  malformed data, data too large for memory, a --batch-size past the training examples, a
+  device out of memory (JAX's RESOURCE_EXHAUSTED), a mismatched (other model config, batch
+  stream or data) or incomplete checkpoint, a fresh run into a folder that holds checkpoints,
+  or an --implementation that cannot run the model; 130, with one line, for an interrupt
+  (Ctrl-C)."""
   args = parse_args(argv)
   try:
     check_implementation_can_run(args.implementation, args.devices)
     line = train(args).line
   # NotImplementedError: an --implementation with no kernel for a call of the model
   except (ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
-          CheckpointMismatchError, CheckpointIncompleteError, CheckpointDirInUseError,
-          NotImplementedError) as e:
+          BatchSizeError, CheckpointMismatchError, CheckpointIncompleteError,
+          CheckpointDirInUseError, NotImplementedError) as e:
     print(f"train_kunlun: error: {e}", file=sys.stderr)
     return 2
   except jax.errors.JaxRuntimeError as e:
@@ -617,6 +652,11 @@ def main(argv=None) -> int:
           "them", file=sys.stderr)
     _forget_failed_runtime_tokens()
     return 2
+  except KeyboardInterrupt:  # was a traceback into whatever was loading or compiling
+    kept = (f"; the checkpoints saved so far stay under {args.checkpoint_dir} (--resume "
+            "continues from the latest)" if args.checkpoint_dir else "")
+    print(f"train_kunlun: interrupted{kept}", file=sys.stderr)
+    return 130
   print(line, flush=True)
   return 0
 

@@ -7,10 +7,12 @@ step within the session.
 """
 
 import csv
+import hashlib
 import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tracemalloc
@@ -485,26 +487,24 @@ def test_taobao_loss_falls_checkpoints_and_resumes(data_dir, tmp_path, capsys):
   assert code == 2 and "--batch-size 32 (now 16)" in err, err
 
 
-def test_file_fingerprint_hashes_size_and_both_ends(tmp_path):
-  """A file's fingerprint changes with its size or either end, not with its folder or name;
-  fingerprint_differences names the file and what differs (and ignores the folder)."""
+def test_file_fingerprint_hashes_size_and_the_whole_file(tmp_path):
+  """A file's fingerprint changes with its size or any byte, not with its folder or name (a
+  same-size edit in the middle of a file over 128 KiB was missed when only the ends were
+  hashed); fingerprint_differences names the file and what differs (and ignores the folder)."""
   n = ads_data.FINGERPRINT_BYTES
   data = bytearray(np.random.default_rng(0).integers(0, 256, 3 * n, np.uint8).tobytes())
   (tmp_path / "a").write_bytes(data)
   fp = ads_data.file_fingerprint(tmp_path / "a")
   assert fp["size"] == 3 * n
+  assert fp["sha256"] == hashlib.sha256(data).hexdigest()
   (tmp_path / "moved").write_bytes(data)
   assert ads_data.file_fingerprint(tmp_path / "moved") == fp
-  for at in (0, 3 * n - 1):  # a byte of the first or the last 64 KiB
+  for at in (0, n + 5, 3 * n - 1):  # a byte of the first 64 KiB, the middle, the last 64 KiB
     changed = bytearray(data)
     changed[at] ^= 1
     (tmp_path / "b").write_bytes(changed)
     back = ads_data.file_fingerprint(tmp_path / "b")
     assert back["size"] == fp["size"] and back["sha256"] != fp["sha256"], at
-  changed = bytearray(data)
-  changed[n + 5] ^= 1  # the middle is not read: the documented limit
-  (tmp_path / "b").write_bytes(changed)
-  assert ads_data.file_fingerprint(tmp_path / "b") == fp
   (tmp_path / "b").write_bytes(data[:-1])
   assert ads_data.file_fingerprint(tmp_path / "b")["size"] == 3 * n - 1
   saved = {"data": "criteo", "data_dir": "/a", "files": {"criteo_sample.txt": fp}}
@@ -525,12 +525,48 @@ def test_file_fingerprint_hashes_size_and_both_ends(tmp_path):
       "--data synthetic (now taobao)"]
 
 
+def _ends_only(fp: dict) -> dict:
+  """A file_fingerprint as versions before the whole-file hash saved it."""
+  return {"size": fp["size"], "sha256": fp["ends_sha256"]}
+
+
+def test_an_ends_only_fingerprint_of_an_older_version_still_compares(tmp_path):
+  """Checkpoints saved before the whole-file hash record each file's "sha256" over its first and
+  last 64 KiB: compared with this run's hash of those ends, so the same file resumes and one
+  edited at an end or cut is still refused; a middle edit it cannot see, and
+  fingerprint_unchecked names the files over 128 KiB where that can happen."""
+  n = ads_data.FINGERPRINT_BYTES
+  data = np.random.default_rng(1).integers(0, 256, 3 * n, np.uint8).tobytes()
+  (tmp_path / "big").write_bytes(data)
+  (tmp_path / "small").write_bytes(data[:2 * n])  # its ends are all of it
+  def fingerprint(files):
+    return {"data": "criteo", "files": {
+        rel: ads_data.file_fingerprint(tmp_path / rel) for rel in files}}
+  now = fingerprint(["big", "small"])
+  assert now["files"]["small"]["ends_sha256"] == now["files"]["small"]["sha256"]
+  saved = {"data": "criteo", "files": {k: _ends_only(v) for k, v in now["files"].items()}}
+  assert ads_data.fingerprint_differences(saved, now) == []
+  assert ads_data.fingerprint_unchecked(saved) == ["big"]
+  assert ads_data.fingerprint_unchecked(now) == []
+  edited = bytearray(data)
+  edited[-1] ^= 1
+  (tmp_path / "big").write_bytes(edited)
+  assert ads_data.fingerprint_differences(saved, fingerprint(["big", "small"])) == [
+      f"big has other contents (same size, {3 * n} bytes)"]
+  edited[-1] ^= 1
+  edited[n + 5] ^= 1  # the middle, which the old form never hashed
+  (tmp_path / "big").write_bytes(edited)
+  assert ads_data.fingerprint_differences(saved, fingerprint(["big", "small"])) == []
+  assert ads_data.fingerprint_differences(now, fingerprint(["big", "small"])) == [
+      f"big has other contents (same size, {3 * n} bytes)"]
+
+
 @pytest.mark.slow
 def test_resume_on_other_data_exits_2_and_the_same_data_moved_resumes(data_dir, tmp_path,
                                                                       capsys):
   """A review found --resume with another --data-dir (or data files changed since) accepted
   silently: training went on on other data. Checkpoints now record each data file's size and
-  a hash of its ends; the same files in another folder resume, a file changed (another size,
+  SHA-256; the same files in another folder resume, a file changed (another size,
   or other bytes at the same size) or another --data exits 2 naming --data-dir and the file.
   A checkpoint saved without the fingerprint (older versions) resumes with a warning."""
   def data_copy(name):
@@ -562,10 +598,11 @@ def test_resume_on_other_data_exits_2_and_the_same_data_moved_resumes(data_dir, 
                       capsys)
   assert code == 2 and err.count("\n") == 1, err
   assert "valid_sample.csv has other contents (same size" in err, err
-  # Another --data: named as the flag (before the model config, whose feature counts differ).
+  # Another --data: named as the source (before the model config, whose feature counts differ).
   criteo = [a if a != "taobao" else "criteo" for a in TAOBAO]
   code, _, err = _run(criteo + ckpt + ["--data-dir", str(data_dir), "--steps", "6"], capsys)
-  assert code == 2 and "--data taobao (now criteo)" in err and err.count("\n") == 1, err
+  assert code == 2 and err.count("\n") == 1, err
+  assert "another data source: --data taobao, where this run asks for --data criteo" in err, err
   # A checkpoint without the fingerprint (saved by an older version): a warning, then resumed.
   shutil.rmtree(tmp_path / "ckpt" / "4" / "data_fingerprint")
   code, out, err = _run(TAOBAO + ckpt + ["--data-dir", str(tmp_path / "cut"), "--steps", "5"],
@@ -619,6 +656,66 @@ def test_restore_logs_no_lost_item_warnings(tmp_path, caplog):
   assert not [r for r in caplog.records if "could not be restored" in r.getMessage()]
 
 
+def test_resume_of_an_ends_only_fingerprint_warns_and_checks_the_ends(tmp_path, capsys):
+  """A checkpoint of an older version, whose fingerprint hashed only the ends of a data file
+  over 128 KiB, resumes with one warning naming the file; an edit at an end is still refused."""
+  from flax_layers import KunlunConfig
+  data_dir = tmp_path / "data"
+  data_dir.mkdir()
+  blob = bytearray(np.random.default_rng(2).integers(0, 256, 3 * 2**16, np.uint8).tobytes())
+  (data_dir / ads_data.CRITEO_FILE).write_bytes(blob)
+  now = ads_data.fingerprint("criteo", data_dir)
+  saved = dict(now, files={k: _ends_only(v) for k, v in now["files"].items()})
+  stream = {"data": "criteo", "seed": 0, "batch_size": 8, "train_examples": None}
+  manager = train_kunlun.checkpoint_manager(tmp_path / "ck")
+  train_kunlun.save_checkpoint(manager, 1, {"w": np.arange(3.0)}, KunlunConfig(), stream, saved)
+  manager.close()
+  manager = train_kunlun.checkpoint_manager(tmp_path / "ck")
+  back = train_kunlun.restore_checkpoint(manager, {"w": np.zeros(3)}, KunlunConfig(), stream,
+                                         now)
+  np.testing.assert_array_equal(back["w"], np.arange(3.0))
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith(
+      "train_kunlun: warning: checkpoint at step 1 records a hash of only the first and last "
+      f"64 KiB of {ads_data.CRITEO_FILE} (saved by an older version)"), err
+  blob[0] ^= 1
+  (data_dir / ads_data.CRITEO_FILE).write_bytes(blob)
+  with pytest.raises(train_kunlun.CheckpointMismatchError,
+                     match=f"{ads_data.CRITEO_FILE} has other contents"):
+    train_kunlun.restore_checkpoint(manager, {"w": np.zeros(3)}, KunlunConfig(), stream,
+                                    ads_data.fingerprint("criteo", data_dir))
+  manager.close()
+
+
+@pytest.mark.parametrize("saved_data", ["synthetic", "taobao"])
+def test_resume_on_another_data_source_names_both_sources(data_dir, tmp_path, capsys,
+                                                          saved_data):
+  """A review: a checkpoint of synthetic data resumed with --data taobao was refused as
+  "--data synthetic (now taobao), --train-examples 64 (now None)", a flag the user never
+  changed. The line now says the data source differs and names both, from the saved batch
+  stream or, in a checkpoint without one, from the data fingerprint."""
+  from flax_layers import KunlunConfig
+  sources = {"synthetic": ["--data", "synthetic", "--train-examples", "64"],
+             "taobao": ["--data", "taobao", "--data-dir", str(data_dir)]}
+  sizes = ["--batch-size", "8", "--max-seq-len", "4", "--embed-dim", "8", "--head-dim", "4",
+           "--implementation", "xla", "--checkpoint-dir", str(tmp_path), "--steps", "4"]
+  args = train_kunlun.parse_args(sources[saved_data] + sizes)
+  manager = train_kunlun.checkpoint_manager(tmp_path)
+  train_kunlun.save_checkpoint(
+      manager, 2, {"w": np.zeros(2)}, KunlunConfig(), train_kunlun.data_stream(args),
+      ads_data.fingerprint(args.data, args.data_dir, max_seq_len=4, seed=0, num_train=64))
+  manager.close()
+  now = "taobao" if saved_data == "synthetic" else "synthetic"
+  for removed in (None, "data_stream"):  # then the fingerprint alone
+    if removed:
+      shutil.rmtree(tmp_path / "2" / removed)
+    code, out, err = _run(sources[now] + sizes + ["--resume"], capsys)
+    assert code == 2 and out == [] and err.count("\n") == 1, err
+    assert (f"checkpoint at step 2 was trained on another data source: --data {saved_data}, "
+            f"where this run asks for --data {now}; resume it with --data {saved_data}") in err
+    assert "--train-examples" not in err, err
+
+
 # Found by a mutation test (each failed to notice its mutant before).
 
 def test_auc_averages_the_ranks_of_tied_scores():
@@ -660,7 +757,7 @@ def test_a_device_out_of_memory_exits_2_with_one_line():
   × --max-seq-len whatever the data's lengths; here the behaviour sequences' self-attention
   scores, ~28 TB) was a 40-line JaxRuntimeError traceback, exit 1, and JAX's exit handlers
   printed the error twice more; now exit 2 with one line naming both flags."""
-  argv = ["--batch-size", "64", "--max-seq-len", "100000", "--train-examples", "16",
+  argv = ["--batch-size", "64", "--max-seq-len", "100000", "--train-examples", "64",
           "--valid-examples", "16", "--implementation", "xla", "--devices", "1", "--steps", "2",
           "--eval-every", "2"]
   proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_kunlun.py"), *argv],
@@ -687,3 +784,81 @@ def test_a_read_only_checkpoint_dir_exits_2_before_training(tmp_path, capsys, mo
   assert f"{tmp_path} is not writable" in capsys.readouterr().err
   monkeypatch.setattr(os, "access", real_access)
   assert train_kunlun.parse_args(["--checkpoint-dir", str(tmp_path / "ck")]).checkpoint_dir
+
+
+class _ReachedBuild(Exception):
+  pass
+
+
+def _reached_build(*args, **kwargs):
+  raise _ReachedBuild
+
+
+@pytest.mark.parametrize("batch_size", [100_000_000, 64])
+def test_a_batch_size_past_the_training_examples_exits_2(capsys, monkeypatch, batch_size):
+  """A review: --batch-size 100000000 over 64 synthetic examples hung, cutting 1.5 million
+  epochs into the first batch's indices. A batch larger than the training set is refused as
+  the other bad flags are (exit 2, one line naming --batch-size and the examples) before the
+  model is built; one of the training set's size goes on (to the stubbed build)."""
+  monkeypatch.setattr(train_kunlun, "build", _reached_build)
+  argv = ["--batch-size", str(batch_size), "--train-examples", "64", "--implementation", "xla"]
+  if batch_size == 64:
+    with pytest.raises(_ReachedBuild):
+      train_kunlun.main(argv)
+    return
+  code, out, err = _run(argv, capsys)
+  assert code == 2 and out == [] and err.count("\n") == 1, err
+  assert ("--batch-size 100000000 is larger than the 64 training examples of --data synthetic "
+          "(--train-examples 64)") in err, err
+
+
+def test_batch_indices_are_the_epoch_stream_cut_into_batches():
+  """batch_indices(n, B, seed, step) is positions step·B … step·B + B − 1 of the concatenated
+  per-epoch permutations, for batches within an epoch, across two, and spanning many (B > n):
+  the order checkpoints resume on, now built without one mask per epoch."""
+  for n, batch_size, step in ((10, 4, 7), (7, 30, 3), (3, 100, 5), (50, 50, 1)):
+    positions = np.arange(step * batch_size, (step + 1) * batch_size)
+    want = [np.random.default_rng([2, p // n]).permutation(n)[p % n] for p in positions]
+    got = ads_data.batch_indices(n, batch_size, seed=2, step=step)
+    assert got.dtype == np.int64 and got.tolist() == want, (n, batch_size, step)
+
+
+def test_an_interrupt_before_training_exits_130_with_one_line(tmp_path):
+  """Ctrl-C while the data load (or the model's build, a compile) ran printed a
+  KeyboardInterrupt traceback; now exit 130 and one line. A real SIGINT to the CLI, whose data
+  loading is stubbed to wait for it."""
+  script = "\n".join([
+      "import signal, sys, time",
+      # as in a terminal: a runner started in the background passes SIGINT on ignored
+      "signal.signal(signal.SIGINT, signal.default_int_handler)",
+      f"sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'examples')!r}]",
+      "import ads_data, train_kunlun",
+      "def waiting_load(*args, **kwargs):",
+      "  print('loading', flush=True)",
+      "  time.sleep(120)",
+      "ads_data.load = waiting_load",
+      "sys.exit(train_kunlun.main(sys.argv[1:]))"])
+  proc = subprocess.Popen([sys.executable, "-c", script, "--implementation", "xla"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline() == "loading\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode == 130 and out == "" and err == "train_kunlun: interrupted\n", err
+
+
+def test_an_interrupt_names_the_checkpoints_kept(tmp_path, capsys, monkeypatch):
+  """With --checkpoint-dir the line says where the saved checkpoints stay."""
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(train_kunlun, "build", interrupted)
+  try:
+    code, out, err = _run(["--train-examples", "64", "--implementation", "xla",
+                           "--checkpoint-dir", str(tmp_path / "ck")], capsys)
+  except KeyboardInterrupt:  # escaping main, it would stop pytest's whole run
+    pytest.fail("main let the KeyboardInterrupt through")
+  assert code == 130 and out == [] and err == (
+      f"train_kunlun: interrupted; the checkpoints saved so far stay under {tmp_path / 'ck'} "
+      "(--resume continues from the latest)\n"), err
