@@ -35,7 +35,10 @@ for a single step). Missing or malformed data, synthetic data too large for memo
 48 bytes per behaviour item, (--max-seq-len + 1) / 2 items per example, past half of the
 machine's memory), a ``--batch-size`` larger than the training set, a checkpoint of another
 model, or an ``--implementation`` with no kernel for the model's calls exit with status 2 and
-a one-line message; an interrupt (Ctrl-C) exits with status 130 and one line.
+a one-line message; an interrupt (Ctrl-C) exits with status 130 and one line. SIGTERM (a
+preempted job) or Ctrl-C during training stops it after the current step, saves that step
+with ``--checkpoint-dir`` and exits with status 143 or 130 and one line; a second Ctrl-C
+stops at once.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ import functools
 import logging
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
 from typing import NamedTuple
 
@@ -92,6 +97,44 @@ class CheckpointIncompleteError(ValueError):
 class BatchSizeError(ValueError):
   """--batch-size exceeds the training examples: every batch would hold each example several
   times (10^8 over 64 examples hung, cutting 1.5 million epochs into the first batch)."""
+
+
+class Stopped(Exception):
+  """SIGTERM (a preempted or cancelled job) or SIGINT (Ctrl-C) during training: the loop
+  finished its current step, checkpointed it with --checkpoint-dir, and stopped."""
+
+  def __init__(self, signum: int, step: int, directory: pathlib.Path | None):
+    self.signum, self.step, self.directory = signum, step, directory
+    kept = (f"; checkpoint of step {step} saved under {directory} (--resume continues from it)"
+            if directory is not None else "; nothing saved (no --checkpoint-dir)")
+    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}{kept}")
+
+
+@contextlib.contextmanager
+def _stop_requests():
+  """Yields a list to which SIGTERM and SIGINT append their number while the training loop
+  runs, so that it stops after the current step and saves it: a preempted job gets SIGTERM and
+  then, after a grace period, SIGKILL. A second Ctrl-C interrupts at once. Nothing is installed
+  outside the main thread (Python runs handlers there only) or on several processes, whose
+  saves are collective: a signal reaching one process at another step would hang them."""
+  requests: list[int] = []
+  if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
+    yield requests
+    return
+
+  def request_stop(signum, frame):
+    if signum == signal.SIGINT and requests:
+      raise KeyboardInterrupt
+    requests.append(signum)
+
+  # A signal the process was started ignoring (SIGINT under nohup or `&`) stays ignored.
+  previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)
+              if signal.getsignal(s) is not signal.SIG_IGN}
+  try:
+    yield requests
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
 
 
 class CheckpointDirInUseError(ValueError):
@@ -542,7 +585,8 @@ def train(args) -> TrainResult:
   """Runs the job described by ``args`` (see :func:`parse_args`).
 
   Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
-    BatchSizeError, CheckpointMismatchError, CheckpointDirInUseError.
+    BatchSizeError, CheckpointMismatchError, CheckpointDirInUseError; Stopped after the step
+    during which SIGTERM or SIGINT arrived (with --checkpoint-dir, that step saved).
   """
   if args.checkpoint_dir is not None and not args.resume:
     _check_unused(args.checkpoint_dir)
@@ -579,7 +623,8 @@ def train(args) -> TrainResult:
     losses, step_seconds = [], []
     capacities = set()  # packed capacities whose step has compiled
     val = (float("nan"), float("nan"))
-    with tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True) as bar:
+    with (tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True) as bar,
+          _stop_requests() as stop):
       while step < args.steps:
         batch = next(batches)
         t0 = time.perf_counter()
@@ -601,6 +646,10 @@ def train(args) -> TrainResult:
                      f"val_auc={val[1]:.4f}")
           if manager is not None:
             save_checkpoint(manager, step, state, config, data_stream(args), data)
+        if stop:
+          if manager is not None and manager.latest_step() != step:
+            save_checkpoint(manager, step, state, config, data_stream(args), data)
+          raise Stopped(stop[0], step, args.checkpoint_dir)
     if not losses:  # resumed at or past --steps: report the saved model
       tqdm.write(f"nothing to train: the checkpoint is at step {step}, --steps is "
                  f"{args.steps}; evaluating the saved model (train_loss is nan)")
@@ -630,8 +679,9 @@ def main(argv=None) -> int:
   malformed data, data too large for memory, a --batch-size past the training examples, a
   device out of memory (JAX's RESOURCE_EXHAUSTED), a mismatched (other model config, batch
   stream or data) or incomplete checkpoint, a fresh run into a folder that holds checkpoints,
-  or an --implementation that cannot run the model; 130, with one line, for an interrupt
-  (Ctrl-C)."""
+  or an --implementation that cannot run the model; 128 + the signal's number (143, 130),
+  with one line, for SIGTERM or SIGINT during training (the step saved), and 130 for an
+  interrupt (Ctrl-C) before training or a second one during it."""
   args = parse_args(argv)
   try:
     check_implementation_can_run(args.implementation, args.devices)
@@ -652,6 +702,9 @@ def main(argv=None) -> int:
           "them", file=sys.stderr)
     _forget_failed_runtime_tokens()
     return 2
+  except Stopped as e:
+    print(f"train_kunlun: {e}", file=sys.stderr)
+    return 128 + e.signum
   except KeyboardInterrupt:  # was a traceback into whatever was loading or compiling
     kept = (f"; the checkpoints saved so far stay under {args.checkpoint_dir} (--resume "
             "continues from the latest)" if args.checkpoint_dir else "")

@@ -862,3 +862,40 @@ def test_an_interrupt_names_the_checkpoints_kept(tmp_path, capsys, monkeypatch):
   assert code == 130 and out == [] and err == (
       f"train_kunlun: interrupted; the checkpoints saved so far stay under {tmp_path / 'ck'} "
       "(--resume continues from the latest)\n"), err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_training_saves_that_step_and_exits(tmp_path, capsys, monkeypatch,
+                                                           signum):
+  """A preempted job's SIGTERM (or a Ctrl-C) while training stops the loop after its current
+  step, checkpoints that step (off the --eval-every grid) and exits 128 + the signal with one
+  line; --resume continues from it. The signal is sent to this process while the third batch
+  is made, so step 3 runs to its end first."""
+  made = train_kunlun.ads_data.train_batches
+
+  def signalling(*args, **kwargs):
+    for i, batch in enumerate(made(*args, **kwargs)):
+      if i == 2:
+        os.kill(os.getpid(), signum)
+      yield batch
+  monkeypatch.setattr(train_kunlun.ads_data, "train_batches", signalling)
+  flags = ["--train-examples", "64", "--batch-size", "16", "--max-seq-len", "8",
+           "--implementation", "xla", "--eval-every", "4", "--checkpoint-dir",
+           str(tmp_path)]
+  def outside_the_loop(sig, frame):  # were the loop's handler missing: a failure, not an exit
+    raise AssertionError(f"{signal.Signals(sig).name} reached the handler outside the loop")
+  before = signal.signal(signum, outside_the_loop)
+  try:
+    code, out, err = _run(flags + ["--steps", "10"], capsys)
+    assert signal.getsignal(signum) is outside_the_loop  # the loop's handler is gone
+  finally:
+    signal.signal(signum, before)
+  assert code == 128 + signum and not any(FINAL_RE.match(line) for line in out), err
+  assert err.splitlines()[-1] == (
+      f"train_kunlun: stopped by {signum.name} after step 3; checkpoint of step 3 saved under "
+      f"{tmp_path} (--resume continues from it)")
+  assert train_kunlun.checkpoint_manager(tmp_path).all_steps() == [3]
+  monkeypatch.setattr(train_kunlun.ads_data, "train_batches", made)
+  code, out, err = _run(flags + ["--steps", "5", "--resume"], capsys)
+  assert code == 0 and "start_step=3" in out[0], out
+  assert FINAL_RE.match(out[-1]) and "steps=5" in out[-1]
