@@ -50,6 +50,7 @@ import functools
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import threading
@@ -92,6 +93,11 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointIncompleteError(ValueError):
   """The latest checkpoint step lacks the config or the state (an interrupted save or copy)."""
+
+
+class CheckpointSpaceError(OSError):
+  """The disk under --checkpoint-dir has less free space than the next checkpoint's state:
+  Orbax writing into a full disk printed ~2,300 lines of tracebacks and then crashed."""
 
 
 class BatchSizeError(ValueError):
@@ -374,6 +380,7 @@ def save_checkpoint(manager, step: int, state, config: KunlunConfig,
   """Saves params + optimizer state (which holds the step), the model config, and (when given)
   the run's :func:`data_stream` and the fingerprint of its data (:func:`ads_data.fingerprint`),
   each config and metadata item as an Orbax JSON item."""
+  _check_space(pathlib.Path(manager.directory), state, step)
   items = dict(state=ocp.args.StandardSave(state),
                config=ocp.args.JsonSave(dataclasses.asdict(config)))
   if stream is not None:
@@ -381,6 +388,21 @@ def save_checkpoint(manager, step: int, state, config: KunlunConfig,
   if data is not None:
     items["data_fingerprint"] = ocp.args.JsonSave(data)
   manager.save(step, args=ocp.args.Composite(**items))
+
+
+def _check_space(directory: pathlib.Path, state, step: int) -> None:
+  """Refuses (:class:`CheckpointSpaceError`), before Orbax writes anything, a save whose state
+  alone outgrows the free space. One process only: on several, a refusal on one of them would
+  leave the others waiting in the collective save."""
+  if jax.process_count() > 1:
+    return
+  need = sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(state))
+  free = shutil.disk_usage(directory).free
+  if free < need + (1 << 20):  # + the config, metadata and Orbax's own files
+    raise CheckpointSpaceError(
+        f"the checkpoint of step {step} needs about {need / 2**20:.1f} MiB and --checkpoint-dir "
+        f"{directory} has {free / 2**20:.1f} MiB free: free some space or pass another folder "
+        "(the checkpoints saved so far stay there)")
 
 
 @contextlib.contextmanager
@@ -585,7 +607,8 @@ def train(args) -> TrainResult:
   """Runs the job described by ``args`` (see :func:`parse_args`).
 
   Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
-    BatchSizeError, CheckpointMismatchError, CheckpointDirInUseError; Stopped after the step
+    BatchSizeError, CheckpointMismatchError, CheckpointDirInUseError, CheckpointSpaceError
+    (before a save the disk cannot hold); Stopped after the step
     during which SIGTERM or SIGINT arrived (with --checkpoint-dir, that step saved).
   """
   if args.checkpoint_dir is not None and not args.resume:
@@ -677,6 +700,7 @@ def _forget_failed_runtime_tokens() -> None:
 def main(argv=None) -> int:
   """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
   malformed data, data too large for memory, a --batch-size past the training examples, a
+  checkpoint that the free disk space cannot hold, a
   device out of memory (JAX's RESOURCE_EXHAUSTED), a mismatched (other model config, batch
   stream or data) or incomplete checkpoint, a fresh run into a folder that holds checkpoints,
   or an --implementation that cannot run the model; 128 + the signal's number (143, 130),
@@ -689,7 +713,7 @@ def main(argv=None) -> int:
   # NotImplementedError: an --implementation with no kernel for a call of the model
   except (ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
           BatchSizeError, CheckpointMismatchError, CheckpointIncompleteError,
-          CheckpointDirInUseError, NotImplementedError) as e:
+          CheckpointDirInUseError, CheckpointSpaceError, NotImplementedError) as e:
     print(f"train_kunlun: error: {e}", file=sys.stderr)
     return 2
   except jax.errors.JaxRuntimeError as e:

@@ -899,3 +899,24 @@ def test_a_signal_during_training_saves_that_step_and_exits(tmp_path, capsys, mo
   code, out, err = _run(flags + ["--steps", "5", "--resume"], capsys)
   assert code == 0 and "start_step=3" in out[0], out
   assert FINAL_RE.match(out[-1]) and "steps=5" in out[-1]
+
+
+def test_a_checkpoint_the_disk_cannot_hold_exits_2_before_writing(tmp_path, capsys,
+                                                                 monkeypatch):
+  """Orbax writing into a full disk printed ~2,300 lines of tracebacks and crashed: a save
+  whose state outgrows the free space now exits 2 with one line before anything is written."""
+  real = shutil.disk_usage
+
+  def nearly_full(path):
+    return real(path)._replace(free=512 * 1024)
+  monkeypatch.setattr(train_kunlun.shutil, "disk_usage", nearly_full)
+  code, out, err = _run(["--train-examples", "64", "--batch-size", "16", "--max-seq-len", "8",
+                         "--implementation", "xla", "--steps", "2", "--eval-every", "2",
+                         "--checkpoint-dir", str(tmp_path / "ck")], capsys)
+  line = err.splitlines()[-1]
+  assert code == 2 and not any(FINAL_RE.match(o) for o in out), err
+  assert re.fullmatch(r"train_kunlun: error: the checkpoint of step 2 needs about [\d.]+ MiB and "
+                      rf"--checkpoint-dir {re.escape(str(tmp_path / 'ck'))} has 0\.5 MiB free: "
+                      r"free some space or pass another folder \(the checkpoints saved so far "
+                      r"stay there\)", line), line
+  assert not list((tmp_path / "ck").glob("*/"))  # no step folder begun
