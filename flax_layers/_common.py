@@ -33,6 +33,9 @@ def compute_dtype(dtype, *arrays) -> jnp.dtype:
 # unchanged, to op_errors' own branch that adds the dtype-promotion hint.
 CALL_ERRORS = (ValueError, TypeError, RuntimeError)
 """The exception types :func:`op_errors` names the layer in, besides NotImplementedError."""
+LAYER_ERRORS = (*CALL_ERRORS, NotImplementedError)
+"""Every exception type a layer's call names itself in (:func:`op_errors`): those a model names
+the sub-layer's path in (:func:`part`)."""
 
 
 @contextlib.contextmanager
@@ -85,6 +88,20 @@ def named(layer: str, kinds=(ValueError, TypeError)):
     if type(e) not in kinds:
       raise
     raise type(e)(f"{layer}: {e}") from e
+
+
+@contextlib.contextmanager
+def part(model, name: str, index: int | None = None):
+  """Yields ``model``'s sub-layer ``name`` (item ``index`` of an ``nnx.List``) and re-raises an
+  error of its call with the sub-layer's path in front ("KunlunModel.pffn[1]: PFFNBlock: ..."):
+  the layer's own prefix names its class only, and a model holds several layers of one class.
+  Only exact :data:`LAYER_ERRORS` types are renamed; subclasses (JAX's own errors) pass
+  unchanged, as in :func:`named`."""
+  layer, path = getattr(model, name), f"{type(model).__name__}.{name}"
+  if index is not None:
+    layer, path = layer[index], f"{path}[{index}]"
+  with named(path, LAYER_ERRORS):
+    yield layer
 
 
 def check_switches(layer: str, **switches) -> None:

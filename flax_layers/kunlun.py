@@ -227,9 +227,14 @@ class KunlunModel(nnx.Module):
         of them; the gradients are NaN in the parameters the poisoned rows reach and 0 in
         others (e.g. embedding rows no id looked up), so a global-norm clip makes the whole
         update NaN (also a :func:`jax.experimental.checkify.debug_check` error).
+      Those errors start with "KunlunModel: ". A sub-layer's error at call time (a plain
+      ValueError, TypeError, RuntimeError or NotImplementedError, e.g. for a parameter
+      replaced by one of another shape) keeps its type and starts with the sub-layer's path:
+      "KunlunModel.pffn[1]: PFFNBlock: ...". JAX's own exception types pass unchanged.
     """
     c = self.config
-    _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets)
+    with _common.named(type(self).__name__):
+      _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets)
     # Hashing trick: out-of-range ids would make nnx.Embed's gather return NaN rows.
     sparse_ids = _hashed(sparse_ids, c.sparse_vocab_size)
     seq_ids = _hashed(seq_ids, c.item_vocab_size)
@@ -240,39 +245,45 @@ class KunlunModel(nnx.Module):
     # The named scopes label the parts in profiles (HLO op_name metadata); no effect on the math.
     with jax.named_scope("context_tokens"):
       ctx = self._context(sparse_ids, dense)                   # (B, Nc·E)
-    with jax.named_scope("kv_gen"):
-      summary = jax.nn.gelu(self.summary(ctx))                 # (B, summary_dim)
+    with jax.named_scope("kv_gen"), _common.part(self, "summary") as summarize:
+      summary = jax.nn.gelu(summarize(ctx))                    # (B, summary_dim)
     with jax.named_scope("sequence_tokens"):
       x = self._sequence_tokens(seq_ids, seq_offsets, rows)    # (T, H, D)
     for layer in range(c.num_layers):
       with jax.named_scope("kv_gen"):
-        kv = self.kv_gen[layer](summary).reshape(batch, 2, c.kv_len, c.num_heads, c.head_dim)
-        kv = kv.astype(x.dtype)
-      with jax.named_scope("pffn"):
-        x = self.pffn[layer](x, seq_offsets, kv[:, 0], kv[:, 1], max_seq_len=c.max_seq_len)
+        with _common.part(self, "kv_gen", layer) as kv_gen:
+          kv = kv_gen(summary)
+        kv = kv.reshape(batch, 2, c.kv_len, c.num_heads, c.head_dim).astype(x.dtype)
+      with jax.named_scope("pffn"), _common.part(self, "pffn", layer) as pffn:
+        x = pffn(x, seq_offsets, kv[:, 0], kv[:, 1], max_seq_len=c.max_seq_len)
       with jax.named_scope("self_attention"):
         x = self._self_attention(layer, x, seq_offsets, rows)
     with jax.named_scope("seed_pool"):
       pooled = self._seed_pool(x, seq_offsets, rows)           # (B, S·H·D)
     with jax.named_scope("interaction_mlp"):
       z = jnp.concatenate([ctx, pooled.astype(ctx.dtype)], axis=-1)
-      h = jax.nn.gelu(self.mlp_in(z))
-      for block in self.mlp:
-        h = block(jax.nn.gelu(h), residual=h)
-      logits = self.head(h)[:, 0].astype(jnp.float32)
+      with _common.part(self, "mlp_in") as mlp_in:
+        h = jax.nn.gelu(mlp_in(z))
+      for i in range(len(self.mlp)):
+        with _common.part(self, "mlp", i) as block:
+          h = block(jax.nn.gelu(h), residual=h)
+      with _common.part(self, "head") as head:
+        logits = head(h)[:, 0].astype(jnp.float32)
     return _poison_if_offsets_invalid(logits, seq_offsets, seq_ids.shape[0], c.max_seq_len)
 
   def _context(self, sparse_ids, dense):
-    tokens = self._embed(self.sparse_embed, sparse_ids)        # (B, Fs, E)
+    tokens = self._embed("sparse_embed", sparse_ids)           # (B, Fs, E)
     if self.dense_proj is not None:
       dense = dense if self.dtype is None else dense.astype(self.dtype)
-      dense_tok = self.dense_proj(dense)[:, None, :].astype(tokens.dtype)
+      with _common.part(self, "dense_proj") as dense_proj:
+        dense_tok = dense_proj(dense)[:, None, :].astype(tokens.dtype)
       tokens = jnp.concatenate([tokens, dense_tok], axis=1)
     return tokens.reshape(tokens.shape[0], -1)
 
-  def _embed(self, table, ids):
-    """Rows of ``table`` (an nnx.Embed reading in param_dtype) in the compute dtype."""
-    rows = table(ids)
+  def _embed(self, name, ids):
+    """Rows of the table ``name`` (an nnx.Embed reading in param_dtype) in the compute dtype."""
+    with _common.part(self, name) as table:
+      rows = table(ids)
     return rows if self.dtype is None else rows.astype(self.dtype)
 
   def _sequence_tokens(self, seq_ids, seq_offsets, rows=None):
@@ -282,8 +293,8 @@ class KunlunModel(nnx.Module):
     seg, pos = jagged.row_index(seq_offsets, capacity) if rows is None else rows
     lens = jagged.lengths(seq_offsets)
     recency = jnp.take(lens, seg, mode="clip") - 1 - pos
-    x = (self._embed(self.item_embed, seq_ids)
-         + self._embed(self.recency_embed, jnp.clip(recency, 0, c.max_seq_len - 1)))
+    x = (self._embed("item_embed", seq_ids)
+         + self._embed("recency_embed", jnp.clip(recency, 0, c.max_seq_len - 1)))
     x = _zero_padding_rows(x, seq_offsets)
     return x.reshape(capacity, c.num_heads, c.head_dim)
 
@@ -293,7 +304,8 @@ class KunlunModel(nnx.Module):
     c = self.config
     t, h, d = x.shape
     flat = x.reshape(t, h * d)
-    qkv = self.qkv[layer](flat).reshape(t, 3, h, d)
+    with _common.part(self, "qkv", layer) as project:
+      qkv = project(flat).reshape(t, 3, h, d)
     rows = jagged.row_index(seq_offsets, t) if rows is None else rows
     # One conversion of the packed q, k, v: the backward then gathers the three cotangents,
     # concatenated (split's transpose), into dqkv in one pass. Converted one by one, each
@@ -306,7 +318,8 @@ class KunlunModel(nnx.Module):
     lens = jagged.lengths(seq_offsets)
     o = softmax_attention(q, k, v, lens, lens, implementation=self.implementation)
     o = jagged.from_padded(o, seq_offsets, t, rows=rows).reshape(t, h * d)
-    y = self.attn_out[layer](o, residual=flat.astype(o.dtype))
+    with _common.part(self, "attn_out", layer) as attn_out:
+      y = attn_out(o, residual=flat.astype(o.dtype))
     return _zero_padding_rows(y, seq_offsets).reshape(t, h, d)
 
   def _seed_pool(self, x, seq_offsets, rows=None):
@@ -315,7 +328,8 @@ class KunlunModel(nnx.Module):
     c = self.config
     t, h, d = x.shape
     batch = seq_offsets.shape[0] - 1
-    kv = self.pool_kv(x.reshape(t, h * d)).reshape(t, 2, h, d)
+    with _common.part(self, "pool_kv") as pool_kv:
+      kv = pool_kv(x.reshape(t, h * d)).reshape(t, 2, h, d)
     rows = jagged.row_index(seq_offsets, t) if rows is None else rows
     k, v = (jagged.to_padded(kv[:, i], seq_offsets, c.max_seq_len, rows=rows) for i in range(2))
     seeds = jnp.broadcast_to(self.seeds[...].astype(kv.dtype), (batch,) + self.seeds.shape)

@@ -289,15 +289,46 @@ def test_narrow_integer_ids_hash_as_int32_ids(dtype, offset):
     ("batch", lambda s, d, i, o: (s[:0], d[:0], i, o[:1]), ValueError, "sparse_ids"),
 ])
 def test_bad_model_inputs_raise_naming_the_argument(model, arg, make, error, name):
-  with pytest.raises(error, match=name):
+  # The model's name in front, as every layer's errors have theirs (review finding: they had
+  # none, so a training loop's traceback did not say which module refused the batch).
+  with pytest.raises(error, match="^KunlunModel: .*" + name) as info:
     model(*make(*_inputs(8)))
+  assert type(info.value) is error
 
 
 def test_traced_bad_offsets_dtype_names_seq_offsets(model, forward):
   """Under jit the dtype check still runs (on the tracer) and names the model's argument."""
   sparse, dense, ids, off = _inputs(8)
-  with pytest.raises(TypeError, match="seq_offsets must be int32"):
+  with pytest.raises(TypeError, match="^KunlunModel: seq_offsets must be int32"):
     forward(model, sparse, dense, ids, off.astype(np.int16))
+
+
+@pytest.mark.parametrize("path,param,error,message", [
+    ("pffn[0]", "rms_scale", ValueError, r"PFFNBlock: rms_scale must have shape \(16,\), got "),
+    ("pffn[1]", "rms_scale", ValueError, r"PFFNBlock: rms_scale must have shape \(16,\), got "),
+    ("qkv[1]", "norm_scale", ValueError,
+     r"NormDense\(in_features=16, out_features=48\): scale must have shape \(16,\), got "),
+    ("mlp[0]", "bias", ValueError,
+     r"DenseNorm\(in_features=16, out_features=16\): dense_bias must have shape \(16,\)"),
+    ("head", "bias", ValueError, r"NormDense: bias must have shape \(1,\), got \(3,\)"),
+    # nnx.Linear's own error (JAX's broadcasting TypeError) gets the path too.
+    ("kv_gen[1]", "bias", TypeError, "add got incompatible shapes for broadcasting"),
+])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_sub_layer_errors_name_the_sub_layers_path(forward, path, param, error, message, jit):
+  """A sub-layer's error names its class only; the model holds several of each (pffn[0] and
+  pffn[1] raised the same message), so the model puts the sub-layer's path in front. Here a
+  parameter replaced by one of another shape, which only the sub-layer's call detects."""
+  m = _model(implementation="xla")
+  name, index = re.fullmatch(r"(\w+)(?:\[(\d)\])?", path).groups()
+  layer = getattr(m, name) if index is None else getattr(m, name)[int(index)]
+  setattr(layer, param, nnx.Param(jnp.ones(3)))
+  call = forward if jit else lambda m, *a: m(*a)
+  with pytest.raises(error, match="^" + re.escape(f"KunlunModel.{path}: ") + message) as info:
+    call(m, *_inputs(8))
+  assert type(info.value) is error
+  assert type(info.value.__cause__) is error  # the sub-layer's own error, chained
+  assert not str(info.value.__cause__).startswith("KunlunModel")
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "not-a-dtype"])

@@ -989,10 +989,29 @@ def test_op_errors_keep_jax_and_other_subclasses_unchanged(run):
     run()
   assert type(bare.value) not in _common.CALL_ERRORS
   assert isinstance(bare.value, _common.CALL_ERRORS)
-  with pytest.raises(type(bare.value)) as info:
-    with _common.op_errors("Layer", None, jnp.float32, jnp.float32, []):
-      run()
-  assert type(info.value) is type(bare.value) and str(info.value) == str(bare.value)
+  # A model's _common.part, around its sub-layer's call, keeps them unchanged too.
+  for context in (lambda: _common.op_errors("Layer", None, jnp.float32, jnp.float32, []),
+                  lambda: _common.part(_Model(), "blocks", 0)):
+    with pytest.raises(type(bare.value)) as info:
+      with context():
+        run()
+    assert type(info.value) is type(bare.value) and str(info.value) == str(bare.value)
+
+
+class _Model:
+  """A stand-in for a model holding its sub-layers in a list attribute (KunlunModel.pffn)."""
+  blocks = ["first", "second"]
+
+
+@pytest.mark.parametrize("error", [ValueError, TypeError, RuntimeError, NotImplementedError])
+def test_model_part_names_the_sub_layers_path(error):
+  """Every exact type a layer names itself in (op_errors'), the kernels' NotImplementedError
+  included, gets the sub-layer's path in front; part yields that sub-layer."""
+  with pytest.raises(error, match=r"^_Model\.blocks\[1\]: Layer: bad input$") as info:
+    with _common.part(_Model(), "blocks", 1) as layer:
+      assert layer == "second"
+      raise error("Layer: bad input")
+  assert type(info.value) is error and type(info.value.__cause__) is error
 
 
 @pytest.mark.parametrize("cls", [NormDense, DenseNorm])
