@@ -8,7 +8,7 @@ import operator
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_norm import _dispatch, _validate
+from pallas_norm import _dispatch, _op, _validate
 
 
 def param(rngs: nnx.Rngs, init, shape, param_dtype) -> nnx.Param:
@@ -38,6 +38,11 @@ LAYER_ERRORS = (*CALL_ERRORS, NotImplementedError)
 the sub-layer's path in (:func:`part`)."""
 
 
+JVP_OF_CUSTOM_VJP = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+"""JAX's TypeError for forward mode (``jax.jvp``, ``jax.jacfwd``) of a kernel path, which
+:func:`op_errors` completes with what to use instead."""
+
+
 @contextlib.contextmanager
 def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, **others):
   """Names the layer in the errors of the op it calls. A kernel's NotImplementedError is
@@ -48,10 +53,17 @@ def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, **othe
   promoted one. Otherwise the error, a plain ValueError or TypeError of the op (a bad
   argument) and a plain RuntimeError (e.g. ``implementation="interpret"`` on a CPU client with
   too few threads) are re-raised with ``layer`` (the layer and the arguments the op's shapes
-  come from) in front, so that a model's error names its sub-layer."""
+  come from) in front, so that a model's error names its sub-layer; JAX's TypeError for forward
+  mode of a kernel path also says to pass ``implementation="xla"``."""
   try:
     with named(layer, CALL_ERRORS):
-      yield
+      try:
+        yield
+      except TypeError as e:
+        # JAX's own words name neither the cause (a kernel path) nor the fix.
+        if type(e) is not TypeError or JVP_OF_CUSTOM_VJP not in str(e):
+          raise
+        raise TypeError(f"{e} (the kernel path: {_op.SECOND_ORDER_HINT})") from e
   except NotImplementedError as e:
     input_dtype = jnp.dtype(input_dtype)
     if dtype is None and input_dtype != compute:

@@ -964,6 +964,21 @@ def test_interpret_thread_error_names_the_layer(monkeypatch, name):
   assert not str(info.value.__cause__).startswith(name)
 
 
+@pytest.mark.parametrize("name", ["NormDense", "DenseNorm"])
+def test_forward_mode_of_a_kernel_path_says_to_pass_xla(name):
+  """jax.jvp of a layer on a kernel path raised JAX's bare "can't apply forward-mode autodiff
+  (jvp) to a custom_vjp function"; now the layer names itself and the fix."""
+  layer = (NormDense if name == "NormDense" else DenseNorm)(
+      64, 64, rngs=nnx.Rngs(0), implementation="interpret", dtype=jnp.bfloat16)
+  x = _x(0, (16, 64), jnp.bfloat16)
+  with pytest.raises(TypeError) as info:
+    jax.jvp(layer, (x,), (x,))
+  assert type(info.value) is TypeError
+  assert re.fullmatch(rf"{name}\(in_features=64, out_features=64\): can't apply forward-mode "
+                      r"autodiff \(jvp\) to a custom_vjp function\. \(the kernel path: .*"
+                      r"for jax\.jvp, .* pass implementation='xla'\)", str(info.value)), info.value
+
+
 def test_op_shape_errors_name_the_layer():
   """Shape errors of the ops themselves (not the layers' own checks) inside two layers."""
   q, k, v = _attention_inputs()
