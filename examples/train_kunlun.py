@@ -31,14 +31,18 @@ train_loss is the mean over the last 10% of this run's steps (the ``step N:`` li
 last batch's loss); step_ms is the median wall-clock time of a training step and
 examples_per_s the examples of all training steps over their total time, both without the
 compiling steps (the first, and with ``--token-buckets`` the first of each new capacity; nan
-for a single step). Missing or malformed data, synthetic data too large for memory (about
-48 bytes per behaviour item, (--max-seq-len + 1) / 2 items per example, past half of the
-machine's memory), a ``--batch-size`` larger than the training set, a checkpoint of another
-model, or an ``--implementation`` with no kernel for the model's calls exit with status 2 and
-a one-line message; an interrupt (Ctrl-C) exits with status 130 and one line. SIGTERM (a
-preempted job) or Ctrl-C during training stops it after the current step, saves that step
-with ``--checkpoint-dir`` and exits with status 143 or 130 and one line; a second Ctrl-C
-stops at once.
+for a single step).
+
+Exit status: 2 with a one-line message for missing or malformed data, synthetic data too
+large for memory (about 48 bytes per behaviour item, (--max-seq-len + 1) / 2 items per example,
+past half of the machine's memory), a --batch-size larger than the training set, a checkpoint
+of another model or data, a --checkpoint-dir with less free space than half a checkpoint's
+arrays (checked before training and before each save), or an --implementation with no kernel
+for the model's calls. SIGTERM (a preempted job) or Ctrl-C during training stops it after the
+current step, saves that step with --checkpoint-dir and exits 143 or 130 with one line (at
+the last step the run ends as usual); a second Ctrl-C stops at once, leaving that save
+unfinished (the next --resume starts from the checkpoint before it). Outside the training
+loop (imports, loading, compiling) either signal exits at once with one line.
 """
 
 from __future__ import annotations
@@ -57,13 +61,28 @@ import threading
 import time
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-import orbax.checkpoint as ocp
-from flax import nnx
-from tqdm import tqdm
+
+def _interrupted_outside_training(signum, frame):
+  # Raising KeyboardInterrupt here gave a traceback from whichever import was running, and in
+  # JAX's garbage-collection callback it was printed and ignored; nothing is being written
+  # outside the training loop, so exit at once.
+  os.write(2, f"train_kunlun: interrupted by {signal.Signals(signum).name} outside training "
+              "(nothing was being saved)\n".encode())
+  os._exit(128 + signum)
+
+
+if __name__ == "__main__":  # the imports below take seconds
+  for _signum in (signal.SIGINT, signal.SIGTERM):
+    if signal.getsignal(_signum) is not signal.SIG_IGN:
+      signal.signal(_signum, _interrupted_outside_training)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from flax import nnx  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 # The checkout's root first: runs without installing, and finds flax_layers/ as a regular package
 # even where an older editable install registered it as a namespace.
@@ -109,10 +128,15 @@ class Stopped(Exception):
   """SIGTERM (a preempted or cancelled job) or SIGINT (Ctrl-C) during training: the loop
   finished its current step, checkpointed it with --checkpoint-dir, and stopped."""
 
-  def __init__(self, signum: int, step: int, directory: pathlib.Path | None):
-    self.signum, self.step, self.directory = signum, step, directory
-    kept = (f"; checkpoint of step {step} saved under {directory} (--resume continues from it)"
-            if directory is not None else "; nothing saved (no --checkpoint-dir)")
+  def __init__(self, signum: int, step: int, directory: pathlib.Path | None,
+               not_saved: str | None = None):
+    self.signum, self.step = signum, step
+    if directory is None:
+      kept = "; nothing saved (no --checkpoint-dir)"
+    elif not_saved is not None:
+      kept = f"; step {step} not saved: {not_saved}"
+    else:
+      kept = f"; checkpoint of step {step} saved under {directory} (--resume continues from it)"
     super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}{kept}")
 
 
@@ -120,7 +144,8 @@ class Stopped(Exception):
 def _stop_requests():
   """Yields a list to which SIGTERM and SIGINT append their number while the training loop
   runs, so that it stops after the current step and saves it: a preempted job gets SIGTERM and
-  then, after a grace period, SIGKILL. A second Ctrl-C interrupts at once. Nothing is installed
+  then, after a grace period, SIGKILL. A second Ctrl-C interrupts at once (a SIGTERM then a
+  Ctrl-C still stop after the step). Nothing is installed
   outside the main thread (Python runs handlers there only) or on several processes, whose
   saves are collective: a signal reaching one process at another step would hang them."""
   requests: list[int] = []
@@ -129,7 +154,7 @@ def _stop_requests():
     return
 
   def request_stop(signum, frame):
-    if signum == signal.SIGINT and requests:
+    if signum == signal.SIGINT and signal.SIGINT in requests:
       raise KeyboardInterrupt
     requests.append(signum)
 
@@ -150,7 +175,9 @@ class CheckpointDirInUseError(ValueError):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              epilog=__doc__[__doc__.index("Exit status:"):],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--data", choices=ads_data.DATASETS, default="synthetic")
   p.add_argument("--data-dir", type=pathlib.Path, default=ads_data.DEFAULT_DATA_DIR,
                  help="folder holding taobao_ad_sample/ and criteo_sample.txt")
@@ -380,7 +407,7 @@ def save_checkpoint(manager, step: int, state, config: KunlunConfig,
   """Saves params + optimizer state (which holds the step), the model config, and (when given)
   the run's :func:`data_stream` and the fingerprint of its data (:func:`ads_data.fingerprint`),
   each config and metadata item as an Orbax JSON item."""
-  _check_space(pathlib.Path(manager.directory), state, step)
+  _check_space(manager, state)
   items = dict(state=ocp.args.StandardSave(state),
                config=ocp.args.JsonSave(dataclasses.asdict(config)))
   if stream is not None:
@@ -390,19 +417,30 @@ def save_checkpoint(manager, step: int, state, config: KunlunConfig,
   manager.save(step, args=ocp.args.Composite(**items))
 
 
-def _check_space(directory: pathlib.Path, state, step: int) -> None:
-  """Refuses (:class:`CheckpointSpaceError`), before Orbax writes anything, a save whose state
-  alone outgrows the free space. One process only: on several, a refusal on one of them would
-  leave the others waiting in the collective save."""
+def _check_space(manager, state) -> None:
+  """Refuses (:class:`CheckpointSpaceError`), before Orbax writes anything, a folder with less
+  free space than half the state's arrays (Orbax's files measured ~0.7 of them: a margin that
+  refuses a full disk, not a tight one). One process only: on several, a refusal on one of
+  them would leave the others waiting in the collective save."""
   if jax.process_count() > 1:
     return
+  directory = pathlib.Path(manager.directory)
   need = sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(state))
   free = shutil.disk_usage(directory).free
-  if free < need + (1 << 20):  # + the config, metadata and Orbax's own files
+  if free < need // 2:
     raise CheckpointSpaceError(
-        f"the checkpoint of step {step} needs about {need / 2**20:.1f} MiB and --checkpoint-dir "
-        f"{directory} has {free / 2**20:.1f} MiB free: free some space or pass another folder "
-        "(the checkpoints saved so far stay there)")
+        f"--checkpoint-dir {directory} has {free / 2**20:.1f} MiB free, under half of the "
+        f"{need / 2**20:.1f} MiB of arrays each checkpoint of this model saves: free some space "
+        f"or pass another folder ({_kept(manager.all_steps(), directory)})")
+
+
+def _kept(steps, directory: pathlib.Path) -> str:
+  """What a run that stops now leaves under --checkpoint-dir, for its last line."""
+  if not steps:
+    return f"no checkpoint saved under {directory}"
+  return (f"the checkpoint{'s' * (len(steps) > 1)} of step{'s' * (len(steps) > 1)} "
+          f"{', '.join(map(str, sorted(steps)))} stay under {directory} (--resume continues "
+          "from the latest)")
 
 
 @contextlib.contextmanager
@@ -635,6 +673,8 @@ def train(args) -> TrainResult:
     # Commit the state to its device(s) before a restore, which then reads the checkpoint
     # straight into that placement: fresh and restored states hit the same compiled step.
     state = _initial_state(args, manager, config, runner.place_state(state), data)
+    if manager is not None:  # before training, not at the first save --eval-every steps in
+      _check_space(manager, state)
     step = start = int(nnx.merge(graphdef, state)[1].step[...])
     tqdm.write(f"data={args.data} train={len(train_ds)} valid={len(valid_ds)} "
                f"start_step={start} steps={args.steps} batch={args.batch_size} "
@@ -669,10 +709,14 @@ def train(args) -> TrainResult:
                      f"val_auc={val[1]:.4f}")
           if manager is not None:
             save_checkpoint(manager, step, state, config, data_stream(args), data)
-        if stop:
+        if stop and step < args.steps:  # at the last step the run is done: it ends as usual
+          not_saved = None
           if manager is not None and manager.latest_step() != step:
-            save_checkpoint(manager, step, state, config, data_stream(args), data)
-          raise Stopped(stop[0], step, args.checkpoint_dir)
+            try:
+              save_checkpoint(manager, step, state, config, data_stream(args), data)
+            except CheckpointSpaceError as e:
+              not_saved = str(e)
+          raise Stopped(stop[0], step, args.checkpoint_dir, not_saved)
     if not losses:  # resumed at or past --steps: report the saved model
       tqdm.write(f"nothing to train: the checkpoint is at step {step}, --steps is "
                  f"{args.steps}; evaluating the saved model (train_loss is nan)")
@@ -730,8 +774,11 @@ def main(argv=None) -> int:
     print(f"train_kunlun: {e}", file=sys.stderr)
     return 128 + e.signum
   except KeyboardInterrupt:  # was a traceback into whatever was loading or compiling
-    kept = (f"; the checkpoints saved so far stay under {args.checkpoint_dir} (--resume "
-            "continues from the latest)" if args.checkpoint_dir else "")
+    kept = ""
+    if args.checkpoint_dir is not None:
+      d = args.checkpoint_dir
+      kept = "; " + _kept([int(c.name) for c in d.iterdir() if c.is_dir() and c.name.isdigit()]
+                          if d.is_dir() else [], d)
     print(f"train_kunlun: interrupted{kept}", file=sys.stderr)
     return 130
   print(line, flush=True)
