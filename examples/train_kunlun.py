@@ -36,13 +36,15 @@ for a single step).
 Exit status: 2 with a one-line message for missing or malformed data, synthetic data too
 large for memory (about 48 bytes per behaviour item, (--max-seq-len + 1) / 2 items per example,
 past half of the machine's memory), a --batch-size larger than the training set, a checkpoint
-of another model or data, a --checkpoint-dir with less free space than half a checkpoint's
+of another model or data, a --checkpoint-dir with less free space than a checkpoint's
 arrays (checked before training and before each save), or an --implementation with no kernel
 for the model's calls. SIGTERM (a preempted job) or Ctrl-C during training stops it after the
 current step, saves that step with --checkpoint-dir and exits 143 or 130 with one line (at
 the last step the run ends as usual); a second Ctrl-C stops at once, leaving that save
-unfinished (the next --resume starts from the checkpoint before it). Outside the training
-loop (imports, loading, compiling) either signal exits at once with one line.
+unfinished (the next --resume starts from the checkpoint before it). A signal during a step's
+compile (the first step's, and each new capacity's with --token-buckets) takes effect when
+that step ends. Before the training loop (imports, loading the data and a checkpoint, building
+the model) either signal exits at once with one line.
 """
 
 from __future__ import annotations
@@ -419,19 +421,20 @@ def save_checkpoint(manager, step: int, state, config: KunlunConfig,
 
 def _check_space(manager, state) -> None:
   """Refuses (:class:`CheckpointSpaceError`), before Orbax writes anything, a folder with less
-  free space than half the state's arrays (Orbax's files measured ~0.7 of them: a margin that
-  refuses a full disk, not a tight one). One process only: on several, a refusal on one of
-  them would leave the others waiting in the collective save."""
+  free space than the state's arrays: Orbax's files measured ~0.7 of them, and a save that
+  runs out of space mid-write gave hundreds of lines of tracebacks and exit 1 (a review:
+  refusing only under half let a tight disk through). One process only: on several, a refusal
+  on one of them would leave the others waiting in the collective save."""
   if jax.process_count() > 1:
     return
   directory = pathlib.Path(manager.directory)
   need = sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(state))
   free = shutil.disk_usage(directory).free
-  if free < need // 2:
+  if free < need:
     raise CheckpointSpaceError(
-        f"--checkpoint-dir {directory} has {free / 2**20:.1f} MiB free, under half of the "
+        f"--checkpoint-dir {directory} has {free / 2**20:.1f} MiB free, less than the "
         f"{need / 2**20:.1f} MiB of arrays each checkpoint of this model saves: free some space "
-        f"or pass another folder ({_kept(manager.all_steps(), directory)})")
+        f"or pass another folder; {_kept(manager.all_steps(), directory)}")
 
 
 def _kept(steps, directory: pathlib.Path) -> str:
@@ -669,63 +672,66 @@ def train(args) -> TrainResult:
   graphdef, state = nnx.split((runner.adapt(model), optimizer))
   del model, optimizer  # the loop owns `state` (donated each step)
   manager = checkpoint_manager(args.checkpoint_dir) if args.checkpoint_dir else None
-  try:
-    # Commit the state to its device(s) before a restore, which then reads the checkpoint
-    # straight into that placement: fresh and restored states hit the same compiled step.
-    state = _initial_state(args, manager, config, runner.place_state(state), data)
-    if manager is not None:  # before training, not at the first save --eval-every steps in
-      _check_space(manager, state)
-    step = start = int(nnx.merge(graphdef, state)[1].step[...])
-    tqdm.write(f"data={args.data} train={len(train_ds)} valid={len(valid_ds)} "
-               f"start_step={start} steps={args.steps} batch={args.batch_size} "
-               f"dtype={args.dtype} implementation={args.implementation} "
-               f"devices={args.devices}x(model {args.model_parallel}) "
-               f"token_buckets={args.token_buckets}")
-    batches = ads_data.train_batches(train_ds, args.batch_size, args.max_seq_len, args.seed,
-                                     start_step=start, token_buckets=args.token_buckets)
-    losses, step_seconds = [], []
-    capacities = set()  # packed capacities whose step has compiled
-    val = (float("nan"), float("nan"))
-    with (tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True) as bar,
-          _stop_requests() as stop):
-      while step < args.steps:
-        batch = next(batches)
-        t0 = time.perf_counter()
-        state, loss = runner.train_step(graphdef, state, batch)
-        losses.append(float(loss))  # waits for the step
-        # _speed drops the first step (it compiles); a later new capacity compiles too.
-        if not step_seconds or batch.seq_ids.shape[0] in capacities:
-          step_seconds.append(time.perf_counter() - t0)
-        capacities.add(batch.seq_ids.shape[0])
-        step += 1
-        bar.update(1)
-        step_ms, rate = _speed(step_seconds, args.batch_size)
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", step_ms=f"{step_ms:.4g}",
-                        examples_per_s=f"{rate:.4g}", refresh=False)
-        if step % args.eval_every == 0 or step == args.steps:
-          val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
-                         runner.predict, args.token_buckets)
-          tqdm.write(f"step {step}: batch_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
-                     f"val_auc={val[1]:.4f}")
-          if manager is not None:
-            save_checkpoint(manager, step, state, config, data_stream(args), data)
-        if stop and step < args.steps:  # at the last step the run is done: it ends as usual
-          not_saved = None
-          if manager is not None and manager.latest_step() != step:
-            try:
+  with contextlib.ExitStack() as scope:  # closed after the manager: see _stop_requests below
+    try:
+      # Commit the state to its device(s) before a restore, which then reads the checkpoint
+      # straight into that placement: fresh and restored states hit the same compiled step.
+      state = _initial_state(args, manager, config, runner.place_state(state), data)
+      if manager is not None:  # before training, not at the first save --eval-every steps in
+        _check_space(manager, state)
+      step = start = int(nnx.merge(graphdef, state)[1].step[...])
+      tqdm.write(f"data={args.data} train={len(train_ds)} valid={len(valid_ds)} "
+                 f"start_step={start} steps={args.steps} batch={args.batch_size} "
+                 f"dtype={args.dtype} implementation={args.implementation} "
+                 f"devices={args.devices}x(model {args.model_parallel}) "
+                 f"token_buckets={args.token_buckets}")
+      batches = ads_data.train_batches(train_ds, args.batch_size, args.max_seq_len, args.seed,
+                                       start_step=start, token_buckets=args.token_buckets)
+      # From the first step to the manager's close: a signal after the loop (the final
+      # evaluation, the close) is taken as one during the last step, which ends the run as usual.
+      stop = scope.enter_context(_stop_requests())
+      losses, step_seconds = [], []
+      capacities = set()  # packed capacities whose step has compiled
+      val = (float("nan"), float("nan"))
+      with tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True) as bar:
+        while step < args.steps:
+          batch = next(batches)
+          t0 = time.perf_counter()
+          state, loss = runner.train_step(graphdef, state, batch)
+          losses.append(float(loss))  # waits for the step
+          # _speed drops the first step (it compiles); a later new capacity compiles too.
+          if not step_seconds or batch.seq_ids.shape[0] in capacities:
+            step_seconds.append(time.perf_counter() - t0)
+          capacities.add(batch.seq_ids.shape[0])
+          step += 1
+          bar.update(1)
+          step_ms, rate = _speed(step_seconds, args.batch_size)
+          bar.set_postfix(loss=f"{losses[-1]:.4f}", step_ms=f"{step_ms:.4g}",
+                          examples_per_s=f"{rate:.4g}", refresh=False)
+          if step % args.eval_every == 0 or step == args.steps:
+            val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
+                           runner.predict, args.token_buckets)
+            tqdm.write(f"step {step}: batch_loss={losses[-1]:.4f} val_logloss={val[0]:.4f} "
+                       f"val_auc={val[1]:.4f}")
+            if manager is not None:
               save_checkpoint(manager, step, state, config, data_stream(args), data)
-            except CheckpointSpaceError as e:
-              not_saved = str(e)
-          raise Stopped(stop[0], step, args.checkpoint_dir, not_saved)
-    if not losses:  # resumed at or past --steps: report the saved model
-      tqdm.write(f"nothing to train: the checkpoint is at step {step}, --steps is "
-                 f"{args.steps}; evaluating the saved model (train_loss is nan)")
-      val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
-                     runner.predict, args.token_buckets)
-  finally:
-    if manager is not None:
-      manager.wait_until_finished()
-      manager.close()
+          if stop and step < args.steps:  # at the last step the run is done: it ends as usual
+            not_saved = None
+            if manager is not None and manager.latest_step() != step:
+              try:
+                save_checkpoint(manager, step, state, config, data_stream(args), data)
+              except CheckpointSpaceError as e:
+                not_saved = str(e)
+            raise Stopped(stop[0], step, args.checkpoint_dir, not_saved)
+      if not losses:  # resumed at or past --steps: report the saved model
+        tqdm.write(f"nothing to train: the checkpoint is at step {step}, --steps is "
+                   f"{args.steps}; evaluating the saved model (train_loss is nan)")
+        val = evaluate(graphdef, state, valid_ds, args.batch_size, args.max_seq_len,
+                       runner.predict, args.token_buckets)
+    finally:
+      if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
   line = _final_line(losses, val, step, step_seconds, args.batch_size)
   return TrainResult(line, graphdef, state, losses)
 

@@ -911,8 +911,8 @@ def test_a_signal_during_training_saves_that_step_and_exits(tmp_path, capsys, mo
 def test_a_checkpoint_dir_the_disk_cannot_hold_exits_2_before_training(tmp_path, capsys,
                                                                        monkeypatch):
   """Orbax writing into a full disk printed ~2,300 lines of tracebacks and crashed: a folder
-  with less free space than half the state's arrays exits 2 with one line before the first
-  step (a review: checked only at the first save, --eval-every steps in)."""
+  with less free space than the state's arrays exits 2 with one line before the first step (a
+  review: checked only at the first save, --eval-every steps in)."""
   real = shutil.disk_usage
 
   def nearly_full(path):
@@ -923,10 +923,10 @@ def test_a_checkpoint_dir_the_disk_cannot_hold_exits_2_before_training(tmp_path,
                          "--checkpoint-dir", str(tmp_path / "ck")], capsys)
   ck = re.escape(str(tmp_path / "ck"))
   assert code == 2 and out == [], out  # before the first step's line
-  assert re.fullmatch(rf"train_kunlun: error: --checkpoint-dir {ck} has 0\.5 MiB free, under "
-                      r"half of the [\d.]+ MiB of arrays each checkpoint of this model saves: "
-                      rf"free some space or pass another folder \(no checkpoint saved under "
-                      rf"{ck}\)", err.splitlines()[-1]), err
+  assert re.fullmatch(rf"train_kunlun: error: --checkpoint-dir {ck} has 0\.5 MiB free, less "
+                      r"than the [\d.]+ MiB of arrays each checkpoint of this model saves: "
+                      rf"free some space or pass another folder; no checkpoint saved under "
+                      rf"{ck}", err.splitlines()[-1]), err
   assert not [d for d in (tmp_path / "ck").iterdir() if d.is_dir()]  # no step folder begun
 
 
@@ -960,6 +960,36 @@ def test_a_signal_during_the_last_step_ends_the_run_as_usual(tmp_path, capsys, m
     signal.signal(signal.SIGTERM, before)
   assert code == 0 and FINAL_RE.match(out[-1]) and "steps=4" in out[-1], err
   assert train_kunlun.checkpoint_manager(tmp_path).all_steps() == [4]
+
+
+def test_a_signal_while_the_manager_closes_ends_the_run_as_usual(tmp_path, capsys,
+                                                                monkeypatch):
+  """After the loop the script's own handler (exit at once) came back before the checkpoint
+  manager closed: a Ctrl-C there lost the final line of a finished, saved run (a review). The
+  signal is sent as the training's manager begins to close."""
+  made = train_kunlun.checkpoint_manager
+
+  def signalling_on_close(directory):
+    manager = made(directory)
+    close = manager.close
+
+    def close_after_a_signal():
+      if manager.all_steps():  # the training's manager, not the fresh-folder check's
+        os.kill(os.getpid(), signal.SIGINT)
+      close()
+    manager.close = close_after_a_signal
+    return manager
+  monkeypatch.setattr(train_kunlun, "checkpoint_manager", signalling_on_close)
+  def outside_the_loop(sig, frame):  # stands for the script's exit-at-once handler
+    raise AssertionError("SIGINT reached the handler outside the loop")
+  before = signal.signal(signal.SIGINT, outside_the_loop)
+  try:
+    code, out, err = _run(SMALL + ["--steps", "2", "--eval-every", "2", "--checkpoint-dir",
+                                   str(tmp_path)], capsys)
+  finally:
+    signal.signal(signal.SIGINT, before)
+  assert code == 0 and FINAL_RE.match(out[-1]) and "steps=2" in out[-1], err
+  assert made(tmp_path).all_steps() == [2]
 
 
 def test_sigterm_then_ctrl_c_still_saves_the_step(tmp_path, capsys, monkeypatch):
