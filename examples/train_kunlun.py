@@ -39,9 +39,9 @@ past half of the machine's memory), a --batch-size larger than the training set,
 of another model or data, a --checkpoint-dir with less free space than a checkpoint's
 arrays (checked before training and before each save), or an --implementation with no kernel
 for the model's calls. SIGTERM (a preempted job) or Ctrl-C during training stops it after the
-current step, saves that step with --checkpoint-dir and exits 143 or 130 with one line (at
-the last step the run ends as usual); a second Ctrl-C stops at once, leaving that save
-unfinished (the next --resume starts from the checkpoint before it). A signal during a step's
+current step (saying so at once), saves that step with --checkpoint-dir and exits 143 or 130
+with one line (at the last step the run ends as usual); a second Ctrl-C stops at once,
+leaving that save unfinished (the next --resume starts from the checkpoint before it). A signal during a step's
 compile (the first step's, and each new capacity's with --token-buckets) takes effect when
 that step ends. Before the training loop (imports, loading the data and a checkpoint, building
 the model) either signal exits at once with one line.
@@ -158,6 +158,11 @@ def _stop_requests():
   def request_stop(signum, frame):
     if signum == signal.SIGINT and signal.SIGINT in requests:
       raise KeyboardInterrupt
+    if not requests:  # the step and its evaluation may take a while: say the signal was seen
+      # os.write: a print could re-enter the stream the handler interrupted.
+      again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+      os.write(2, f"\ntrain_kunlun: {signal.Signals(signum).name}: stopping after this step"
+                  f"{again}\n".encode())
     requests.append(signum)
 
   # A signal the process was started ignoring (SIGINT under nohup or `&`) stays ignored.

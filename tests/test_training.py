@@ -872,11 +872,12 @@ def test_an_interrupt_names_the_checkpoints_kept(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_training_saves_that_step_and_exits(tmp_path, capsys, monkeypatch,
+def test_a_signal_during_training_saves_that_step_and_exits(tmp_path, capfd, monkeypatch,
                                                            signum):
   """A preempted job's SIGTERM (or a Ctrl-C) while training stops the loop after its current
   step, checkpoints that step (off the --eval-every grid) and exits 128 + the signal with one
-  line; --resume continues from it. The signal is sent to this process while the third batch
+  line, having said at once that it stops after the step (written to fd 2, hence capfd);
+  --resume continues from it. The signal is sent to this process while the third batch
   is made, so step 3 runs to its end first."""
   made = train_kunlun.ads_data.train_batches
 
@@ -893,17 +894,19 @@ def test_a_signal_during_training_saves_that_step_and_exits(tmp_path, capsys, mo
     raise AssertionError(f"{signal.Signals(sig).name} reached the handler outside the loop")
   before = signal.signal(signum, outside_the_loop)
   try:
-    code, out, err = _run(flags + ["--steps", "10"], capsys)
+    code, out, err = _run(flags + ["--steps", "10"], capfd)
     assert signal.getsignal(signum) is outside_the_loop  # the loop's handler is gone
   finally:
     signal.signal(signum, before)
   assert code == 128 + signum and not any(FINAL_RE.match(line) for line in out), err
+  again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+  assert f"\ntrain_kunlun: {signum.name}: stopping after this step{again}\n" in err, err
   assert err.splitlines()[-1] == (
       f"train_kunlun: stopped by {signum.name} after step 3; checkpoint of step 3 saved under "
       f"{tmp_path} (--resume continues from it)")
   assert train_kunlun.checkpoint_manager(tmp_path).all_steps() == [3]
   monkeypatch.setattr(train_kunlun.ads_data, "train_batches", made)
-  code, out, err = _run(flags + ["--steps", "5", "--resume"], capsys)
+  code, out, err = _run(flags + ["--steps", "5", "--resume"], capfd)
   assert code == 0 and "start_step=3" in out[0], out
   assert FINAL_RE.match(out[-1]) and "steps=5" in out[-1]
 
