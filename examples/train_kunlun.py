@@ -41,10 +41,10 @@ arrays (checked before training and before each save), or an --implementation wi
 for the model's calls. SIGTERM (a preempted job) or Ctrl-C during training stops it after the
 current step (saying so at once), saves that step with --checkpoint-dir and exits 143 or 130
 with one line (at the last step the run ends as usual); a second Ctrl-C stops at once,
-leaving that save unfinished (the next --resume starts from the checkpoint before it). A signal during a step's
-compile (the first step's, and each new capacity's with --token-buckets) takes effect when
-that step ends. Before the training loop (imports, loading the data and a checkpoint, building
-the model) either signal exits at once with one line.
+leaving that save unfinished (the next --resume starts from the checkpoint before it). A
+signal during a step's compile (the first step's, and each new capacity's with
+--token-buckets) takes effect when that step ends. Before the training loop (imports, loading
+the data and a checkpoint, building the model) either signal exits at once with one line.
 """
 
 from __future__ import annotations
@@ -147,9 +147,9 @@ def _stop_requests():
   """Yields a list to which SIGTERM and SIGINT append their number while the training loop
   runs, so that it stops after the current step and saves it: a preempted job gets SIGTERM and
   then, after a grace period, SIGKILL. A second Ctrl-C interrupts at once (a SIGTERM then a
-  Ctrl-C still stop after the step). Nothing is installed
-  outside the main thread (Python runs handlers there only) or on several processes, whose
-  saves are collective: a signal reaching one process at another step would hang them."""
+  Ctrl-C still stop after the step). Nothing is installed outside the main thread (Python runs
+  handlers there only) or on several processes, whose saves are collective: a signal reaching
+  one process at another step would hang them."""
   requests: list[int] = []
   if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
     yield requests
@@ -439,15 +439,18 @@ def _check_space(manager, state) -> None:
     raise CheckpointSpaceError(
         f"--checkpoint-dir {directory} has {free / 2**20:.1f} MiB free, less than the "
         f"{need / 2**20:.1f} MiB of arrays each checkpoint of this model saves: free some space "
-        f"or pass another folder; {_kept(manager.all_steps(), directory)}")
+        f"or pass another folder; {_kept(directory)}")
 
 
-def _kept(steps, directory: pathlib.Path) -> str:
-  """What a run that stops now leaves under --checkpoint-dir, for its last line."""
+def _kept(directory: pathlib.Path) -> str:
+  """What a run that stops now leaves under --checkpoint-dir, for its last line: the step
+  folders Orbax finished (an unfinished one is named "<step>.orbax-checkpoint-tmp")."""
+  steps = sorted(int(d.name) for d in (directory.iterdir() if directory.is_dir() else ())
+                 if d.is_dir() and d.name.isdigit())
   if not steps:
     return f"no checkpoint saved under {directory}"
   return (f"the checkpoint{'s' * (len(steps) > 1)} of step{'s' * (len(steps) > 1)} "
-          f"{', '.join(map(str, sorted(steps)))} stay under {directory} (--resume continues "
+          f"{', '.join(map(str, steps))} stay under {directory} (--resume continues "
           "from the latest)")
 
 
@@ -654,8 +657,8 @@ def train(args) -> TrainResult:
 
   Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
     BatchSizeError, CheckpointMismatchError, CheckpointDirInUseError, CheckpointSpaceError
-    (before a save the disk cannot hold); Stopped after the step
-    during which SIGTERM or SIGINT arrived (with --checkpoint-dir, that step saved).
+    (before a save the disk cannot hold); Stopped after the step during which SIGTERM or SIGINT
+    arrived (with --checkpoint-dir, that step saved).
   """
   if args.checkpoint_dir is not None and not args.resume:
     _check_unused(args.checkpoint_dir)
@@ -755,8 +758,8 @@ def _forget_failed_runtime_tokens() -> None:
 def main(argv=None) -> int:
   """CLI entry point; returns the exit status: 2, with a one-line message, for missing or
   malformed data, data too large for memory, a --batch-size past the training examples, a
-  checkpoint that the free disk space cannot hold, a
-  device out of memory (JAX's RESOURCE_EXHAUSTED), a mismatched (other model config, batch
+  checkpoint that the free disk space cannot hold, a device out of memory (JAX's
+  RESOURCE_EXHAUSTED), a mismatched (other model config, batch
   stream or data) or incomplete checkpoint, a fresh run into a folder that holds checkpoints,
   or an --implementation that cannot run the model; 128 + the signal's number (143, 130),
   with one line, for SIGTERM or SIGINT during training (the step saved), and 130 for an
@@ -785,11 +788,7 @@ def main(argv=None) -> int:
     print(f"train_kunlun: {e}", file=sys.stderr)
     return 128 + e.signum
   except KeyboardInterrupt:  # was a traceback into whatever was loading or compiling
-    kept = ""
-    if args.checkpoint_dir is not None:
-      d = args.checkpoint_dir
-      kept = "; " + _kept([int(c.name) for c in d.iterdir() if c.is_dir() and c.name.isdigit()]
-                          if d.is_dir() else [], d)
+    kept = "" if args.checkpoint_dir is None else "; " + _kept(args.checkpoint_dir)
     print(f"train_kunlun: interrupted{kept}", file=sys.stderr)
     return 130
   print(line, flush=True)

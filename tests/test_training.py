@@ -6,6 +6,7 @@ The Taobao runs share one model shape (batch 32, max_seq_len 8), so they share o
 step within the session.
 """
 
+import contextlib
 import csv
 import hashlib
 import os
@@ -871,6 +872,19 @@ def test_an_interrupt_names_the_checkpoints_kept(tmp_path, capsys, monkeypatch):
       "(--resume continues from the latest)\n"), err
 
 
+@contextlib.contextmanager
+def _handler_outside_the_loop(signum):
+  """Stands for the script's exit-at-once handler while the test runs main(): a signal that
+  reaches it (the loop's handler missing or gone) fails the test instead of ending pytest."""
+  def outside_the_loop(sig, frame):
+    raise AssertionError(f"{signal.Signals(sig).name} reached the handler outside the loop")
+  before = signal.signal(signum, outside_the_loop)
+  try:
+    yield outside_the_loop
+  finally:
+    signal.signal(signum, before)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_training_saves_that_step_and_exits(tmp_path, capfd, monkeypatch,
                                                            signum):
@@ -890,14 +904,9 @@ def test_a_signal_during_training_saves_that_step_and_exits(tmp_path, capfd, mon
   flags = ["--train-examples", "64", "--batch-size", "16", "--max-seq-len", "8",
            "--implementation", "xla", "--eval-every", "4", "--checkpoint-dir",
            str(tmp_path)]
-  def outside_the_loop(sig, frame):  # were the loop's handler missing: a failure, not an exit
-    raise AssertionError(f"{signal.Signals(sig).name} reached the handler outside the loop")
-  before = signal.signal(signum, outside_the_loop)
-  try:
+  with _handler_outside_the_loop(signum) as outside_the_loop:
     code, out, err = _run(flags + ["--steps", "10"], capfd)
     assert signal.getsignal(signum) is outside_the_loop  # the loop's handler is gone
-  finally:
-    signal.signal(signum, before)
   assert code == 128 + signum and not any(FINAL_RE.match(line) for line in out), err
   again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
   assert f"\ntrain_kunlun: {signum.name}: stopping after this step{again}\n" in err, err
@@ -955,12 +964,9 @@ def test_a_signal_during_the_last_step_ends_the_run_as_usual(tmp_path, capsys, m
   """SIGTERM while the last step ran made a finished run exit 143 without its final line (a
   review): the step was done and saved, so the run ends as usual."""
   _signalling_batches(monkeypatch, 3, signal.SIGTERM)
-  before = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # were the loop's handler missing
-  try:
+  with _handler_outside_the_loop(signal.SIGTERM):
     code, out, err = _run(SMALL + ["--steps", "4", "--eval-every", "4", "--checkpoint-dir",
                                    str(tmp_path)], capsys)
-  finally:
-    signal.signal(signal.SIGTERM, before)
   assert code == 0 and FINAL_RE.match(out[-1]) and "steps=4" in out[-1], err
   assert train_kunlun.checkpoint_manager(tmp_path).all_steps() == [4]
 
@@ -983,14 +989,9 @@ def test_a_signal_while_the_manager_closes_ends_the_run_as_usual(tmp_path, capsy
     manager.close = close_after_a_signal
     return manager
   monkeypatch.setattr(train_kunlun, "checkpoint_manager", signalling_on_close)
-  def outside_the_loop(sig, frame):  # stands for the script's exit-at-once handler
-    raise AssertionError("SIGINT reached the handler outside the loop")
-  before = signal.signal(signal.SIGINT, outside_the_loop)
-  try:
+  with _handler_outside_the_loop(signal.SIGINT):
     code, out, err = _run(SMALL + ["--steps", "2", "--eval-every", "2", "--checkpoint-dir",
                                    str(tmp_path)], capsys)
-  finally:
-    signal.signal(signal.SIGINT, before)
   assert code == 0 and FINAL_RE.match(out[-1]) and "steps=2" in out[-1], err
   assert made(tmp_path).all_steps() == [2]
 
