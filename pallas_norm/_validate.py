@@ -88,11 +88,13 @@ def same_shape(name: str, v, shape) -> None:
 def residual(residual, x, shape) -> None:
   """An optional residual added to a stream in x's dtype: a float array of ``shape`` and of x's
   dtype. Another dtype would be rounded to x's dtype in the sum (or the returned stream would
-  disagree with the y computed from it), so it raises TypeError naming ``residual``."""
+  disagree with the y computed from it), so it raises TypeError naming ``residual``. The dtypes
+  compare as JAX sees them, as x and w do (:func:`matmul_operands`): without x64 a NumPy
+  float64 residual is float32, so it goes with a float32 x (a traced one included)."""
   if residual is None:
     return
   same_shape("residual", residual, shape)
-  if jnp.dtype(residual.dtype) != jnp.dtype(x.dtype):
+  if jax.dtypes.canonicalize_dtype(residual.dtype) != jax.dtypes.canonicalize_dtype(x.dtype):
     raise TypeError(f"residual must have x's dtype {jnp.dtype(x.dtype).name}, got "
                     f"{jnp.dtype(residual.dtype).name} (cast one of them)")
 

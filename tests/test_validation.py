@@ -719,6 +719,32 @@ def test_numpy_float64_weight_with_a_float32_x(op):
     fn(jnp.asarray(x, jnp.bfloat16), w, norm="layer")
 
 
+@pytest.mark.parametrize("op,implementation", [("rms_norm", "xla"), ("layer_norm", "xla"),
+                                               ("layer_norm", "interpret"),
+                                               ("matmul_norm", "xla")])
+def test_numpy_float64_residual_with_a_float32_x(op, implementation):
+  """Without x64 a NumPy float64 residual is float32 to JAX, as a NumPy float64 w is (the test
+  above); a review found it refused with a jnp float32 x ("residual must have x's dtype
+  float32, got float64"), eagerly, under jax.jit and in the gradient, while such a w is
+  accepted. It runs now, with the values of the float32 residual; a bfloat16 x with it is
+  still refused."""
+  args = good_args(op)
+  residual = np.asarray(args["residual"], np.float64)
+  fn = functools.partial(op_fn(op), implementation=implementation)
+  for call in (fn, jax.jit(fn)):
+    for got, ref in zip(jax.tree.leaves(call(**dict(args, residual=residual))),
+                        jax.tree.leaves(call(**args))):
+      assert got.dtype == ref.dtype == F32
+      np.testing.assert_array_equal(got, ref)
+  loss = lambda x, r: jnp.sum(jax.tree.leaves(fn(**dict(args, x=x, residual=r)))[0] ** 2)
+  np.testing.assert_array_equal(jax.grad(loss)(args["x"], residual),
+                                jax.grad(loss)(args["x"], args["residual"]))
+  w16 = {"w": args["w"].astype(jnp.bfloat16)} if op == "matmul_norm" else {}
+  with pytest.raises(TypeError) as info:
+    fn(**dict(args, x=args["x"].astype(jnp.bfloat16), residual=residual, **w16))
+  assert_names(info.value, "residual")
+
+
 @pytest.mark.filterwarnings("ignore::pallas_norm._dispatch.KernelSkippedWarning")
 @pytest.mark.parametrize("op", ["matmul_norm", "norm_matmul"])
 def test_kernels_step_aside_under_x64(monkeypatch, op):
