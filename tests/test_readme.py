@@ -94,3 +94,13 @@ def test_readme_python_examples_run_on_two_devices():
   result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_readme_counts_this_files_tests():
+  """The install section names this file as its one-file example with a count of its tests; a
+  review found "3 tests" after a fourth had been added (the two-device examples). Every test
+  here is one case (none is parametrized), so the count is the number of test functions."""
+  said = re.search(r"tests/test_readme\.py`, (\d+) tests", README.read_text())
+  assert said, "README no longer names tests/test_readme.py's test count"
+  tests = [name for name in globals() if name.startswith("test_")]
+  assert int(said.group(1)) == len(tests), (said.group(0), tests)
