@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import re
 
 import jax.numpy as jnp
 from flax import nnx
@@ -44,7 +45,8 @@ JVP_OF_CUSTOM_VJP = "can't apply forward-mode autodiff (jvp) to a custom_vjp fun
 
 
 @contextlib.contextmanager
-def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, **others):
+def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, aliases=None,
+              **others):
   """Names the layer in the errors of the op it calls. A kernel's NotImplementedError is
   re-raised with the likely cause when ``dtype=None`` made the parameters (or another input in
   ``others``, e.g. ``residual=``) promote the input (e.g. bf16 with float32 parameters computes
@@ -54,9 +56,11 @@ def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, **othe
   argument) and a plain RuntimeError (e.g. ``implementation="interpret"`` on a CPU client with
   too few threads) are re-raised with ``layer`` (the layer and the arguments the op's shapes
   come from) in front, so that a model's error names its sub-layer; JAX's TypeError for forward
-  mode of a kernel path also says to pass ``implementation="xla"``."""
+  mode of a kernel path also says to pass ``implementation="xla"``. ``aliases`` maps the op's
+  argument names to the layer's parameter names where they differ (``{"scale": "norm_scale"}``): an
+  error about such an argument also names the layer's parameter."""
   try:
-    with named(layer, CALL_ERRORS):
+    with named(layer, CALL_ERRORS, aliases):
       try:
         yield
       except TypeError as e:
@@ -88,18 +92,29 @@ def cast(dtype, *arrays):
 
 
 @contextlib.contextmanager
-def named(layer: str, kinds=(ValueError, TypeError)):
+def named(layer: str, kinds=(ValueError, TypeError), aliases=None):
   """Re-raises an exception of exactly one of ``kinds`` (by default a plain ValueError or
   TypeError of a construction check) with ``layer`` (the layer's class name) in front, the form
   of every error a layer raises when it is built. Subclasses (JAX's own errors, e.g.
   ``jax.errors.ConcretizationTypeError`` or ``JaxRuntimeError``) pass unchanged: their type
-  and message are what JAX documents."""
+  and message are what JAX documents. With ``aliases`` (:func:`op_errors`), a message that
+  starts with one of its op argument names ends with the layer's name for it."""
   try:
     yield
   except kinds as e:
     if type(e) not in kinds:
       raise
-    raise type(e)(f"{layer}: {e}") from e
+    raise type(e)(f"{layer}: {e}{_alias_note(str(e), aliases)}") from e
+
+
+def _alias_note(message: str, aliases) -> str:
+  """The note " (the op's scale: this layer's norm_scale)" where ``message`` is about an op argument
+  that the layer holds under another name (the op's checks name their own arguments), else
+  ""."""
+  for op_name, layer_name in (aliases or {}).items():
+    if re.match(rf"{re.escape(op_name)}\b", message):
+      return f" (the op's {op_name}: this layer's {layer_name})"
+  return ""
 
 
 @contextlib.contextmanager

@@ -44,6 +44,24 @@ def _where(layer) -> str:
           f"out_features={layer.out_features})")
 
 
+_OP_NAMES = {"scale": "norm_scale"}
+"""The op's argument names that the dense layers hold under another name, for the op's errors
+(the kernel and the dense bias are checked by the layer itself: :func:`_check_dense_params`)."""
+
+
+def _check_dense_params(layer, kernel, bias) -> None:
+  """The layer's ``kernel`` (K, N) and dense ``bias`` (N,) against in_features and
+  out_features, checked at call time because a user may replace a parameter's value (a restored
+  checkpoint of another layer): a (K, N, 1) kernel or a (N + 1,) bias would otherwise fail
+  inside the op under its own argument names, or broadcast in ``y + bias``. ValueError naming
+  the layer and the parameter."""
+  for name, p, shape in (("kernel", kernel, (layer.in_features, layer.out_features)),
+                         ("bias", bias, (layer.out_features,))):
+    if p is not None and tuple(p.shape) != shape:
+      raise ValueError(f"{type(layer).__name__}: {name} must have shape {shape}, got "
+                       f"{tuple(p.shape)}")
+
+
 class NormDense(nnx.Module):
   """Pre-norm dense layer: ``y = norm(x)·norm_scale (+ norm_bias) @ kernel (+ bias)``.
 
@@ -72,16 +90,20 @@ class NormDense(nnx.Module):
     ValueError: at construction, for in_features or out_features that is not a positive integer, an
       unknown norm, an epsilon that is not positive and finite (in float32, or float64 where the
       layer computes in float64 with x64; see `_common.check_epsilon`) or an unknown
-      implementation; at call time, when the input's last dimension is not in_features.
+      implementation; at call time, when the input's last dimension is not in_features, or
+      for a ``kernel`` or ``bias`` whose value was replaced by one of another shape.
     TypeError: at construction, for a non-number epsilon, a use_scale/use_bias/use_norm_bias
       that is not a bool (use_norm_bias: or None), a dtype that is neither None nor a floating
       dtype, a param_dtype that is not a floating dtype (bfloat16, float16, float32,
       float64), or an rngs that is not an ``nnx.Rngs``; at call time, for a non-array x.
-    The construction errors start with the layer's class name ("NormDense: norm must be ...").
-    At call time also ValueError/TypeError from :func:`pallas_norm.norm_matmul` for other bad
-    inputs, NotImplementedError for a kernel implementation that does not exist, and the op's
-    RuntimeError for ``implementation="interpret"`` alone on a CPU with too few threads, each
-    with the layer named in front.
+    The layer's own checks (at construction and call) start with its class name ("NormDense:
+    norm must be ..."), the op's errors with the class and its features ("NormDense(in_features=8,
+    out_features=4): ..."; an op argument the layer holds under another name, e.g. the op's
+    ``scale``, is named both ways). At call time also ValueError/TypeError from
+    :func:`pallas_norm.norm_matmul` for other bad inputs, NotImplementedError for a kernel
+    implementation that does not exist, and the op's RuntimeError for
+    ``implementation="interpret"`` alone on a CPU with too few threads, each with the layer
+    named in front.
   """
 
   def __init__(self, in_features: int, out_features: int, *, norm: str = "layer",
@@ -113,14 +135,12 @@ class NormDense(nnx.Module):
     """x: (..., K). Returns (..., N) in the compute dtype."""
     _common.check_last_dim(type(self).__name__, x, "in_features", self.in_features)
     params = [_common.value(p) for p in (self.kernel, self.norm_scale, self.norm_bias, self.bias)]
+    _check_dense_params(self, params[0], params[3])
     cd = _common.compute_dtype(self.dtype, x, *params)
     x_dtype = x.dtype
     x, kernel, scale, norm_bias, bias = _common.cast(cd, x, *params)
-    n = kernel.shape[-1]
-    if bias is not None and tuple(bias.shape) != (n,):  # y + bias would broadcast
-      raise ValueError(f"{type(self).__name__}: bias must have shape ({n},), got "
-                       f"{tuple(bias.shape)}")
-    with _common.op_errors(_where(self), self.dtype, x_dtype, cd, params):
+    with _common.op_errors(_where(self), self.dtype, x_dtype, cd, params,
+                           aliases=_OP_NAMES):
       y = pallas_norm.norm_matmul(x, kernel, scale=scale, norm_bias=norm_bias, norm=self.norm,
                                   eps=self.epsilon, implementation=self.implementation)
     return y if bias is None else y + bias
@@ -182,10 +202,11 @@ class DenseNorm(nnx.Module):
     if residual is not None:
       _common.shape_of(type(self).__name__, "residual", residual)
     params = [_common.value(p) for p in (self.kernel, self.bias, self.norm_scale, self.norm_bias)]
+    _check_dense_params(self, params[0], params[1])
     cd = _common.compute_dtype(self.dtype, x, residual, *params)
     x_dtype = x.dtype
     errors = _common.op_errors(_where(self), self.dtype, x_dtype, cd, params,
-                               residual=residual)
+                               aliases=_OP_NAMES, residual=residual)
     x, residual, kernel, bias, scale, norm_bias = _common.cast(cd, x, residual, *params)
     with errors:
       return pallas_norm.matmul_norm(x, kernel, dense_bias=bias, residual=residual, scale=scale,

@@ -64,12 +64,12 @@ class RMSNorm(nnx.Module):
       is not positive and finite (in float32, or float64 where the layer computes in float64 with
       x64; see `_common.check_epsilon`) or an unknown implementation; at call time, when the
       input's last dimension is not num_features (with or without ``scale``).
-    TypeError: at construction, for a non-number epsilon, a use_scale/use_bias that is not a
-      bool, a dtype that is neither None nor a floating dtype, a param_dtype that is not a
-      floating dtype (bfloat16, float16, float32, float64), or an rngs that is not an
-      ``nnx.Rngs`` (also with use_scale=False); at call time, for a non-array x or residual,
-      or a return_h that is not a bool. The construction errors start with the layer's class
-      name ("RMSNorm: ...").
+    TypeError: at construction, for a non-number epsilon, a use_scale (LayerNorm: also
+      use_bias) that is not a bool, a dtype that is neither None nor a floating dtype, a
+      param_dtype that is not a floating dtype (bfloat16, float16, float32, float64), or an
+      rngs that is not an ``nnx.Rngs`` (also with use_scale=False); at call time, for a
+      non-array x or residual, or a return_h that is not a bool. The construction errors start
+      with the layer's class name ("RMSNorm: ...").
     At call time also ValueError/TypeError from :func:`pallas_norm.rms_norm` for other bad inputs
     (e.g. a residual of another shape), and NotImplementedError for a kernel implementation that
     does not exist, with the layer named in front ("RMSNorm(num_features=16): ...").

@@ -475,8 +475,9 @@ def test_norm_backward_kernels_match_autodiff(switches, prefetch):
   ks = jax.random.split(jax.random.key(11), 5)
   q = jax.random.normal(ks[0], (t, heads, head_dim), F32).at[3].add(100.0)
   g = jax.random.normal(ks[1], (t, heads, head_dim), F32)
-  gamma1, beta1, gamma2 = (1 + 0.3 * jax.random.normal(ks[2], (n,))).at[::5].set(0.0), \
-      0.3 * jax.random.normal(ks[3], (n,)), (1 + 0.3 * jax.random.normal(ks[4], (n,))).at[::7].set(0.0)
+  gamma1 = (1 + 0.3 * jax.random.normal(ks[2], (n,))).at[::5].set(0.0)
+  beta1 = 0.3 * jax.random.normal(ks[3], (n,))
+  gamma2 = (1 + 0.3 * jax.random.normal(ks[4], (n,))).at[::7].set(0.0)
   qo = jnp.array([0, 12, end], jnp.int32)
   opts = dict(eps=1e-5, out_dtype=None, pre_layer_norm=pre_layer_norm,
               inner_residual=inner_residual, outer_residual=outer_residual)

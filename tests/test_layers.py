@@ -596,7 +596,36 @@ def test_norm_dense_checks_a_swapped_in_bias_shape(bad):
   into y; DenseNorm's op already named it. ValueError naming bias."""
   layer = _norm_dense()
   layer.bias = nnx.Param(jnp.ones(bad, jnp.float32))
-  with pytest.raises(ValueError, match=rf"NormDense: bias must have shape \({N},\)"):
+  with pytest.raises(ValueError, match=rf"^NormDense: bias must have shape \({N},\)"):
+    layer(_x(0, (4, K)))
+
+
+@pytest.mark.parametrize("param,bad", [("kernel", (K, N, 1)), ("kernel", (N, K)),
+                                       ("bias", (N + 1,))])
+@pytest.mark.parametrize("name", ["NormDense", "DenseNorm"])
+def test_dense_layers_check_a_swapped_in_kernel_or_bias_shape(name, param, bad):
+  """Review finding: a kernel of another shape put in after building failed by its op's name
+  ``w`` (a (K, N, 1) kernel even as "bias must have shape (1,)" in NormDense, whose bias check
+  took N from the kernel). ValueError naming the layer and its parameter."""
+  layer = _norm_dense() if name == "NormDense" else _dense_norm()
+  setattr(layer, param, nnx.Param(jnp.ones(bad, jnp.float32)))
+  want = (K, N) if param == "kernel" else (N,)
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{name}: {param} must have shape {want}, got {bad}")):
+    layer(_x(0, (4, K)))
+
+
+@pytest.mark.parametrize("name,param,op_name", [
+    ("NormDense", "norm_scale", "scale"), ("DenseNorm", "norm_scale", "scale")])
+def test_dense_layer_op_errors_name_the_layers_parameter(name, param, op_name):
+  """Review finding: the op's checks name its own arguments (``scale``, ``dense_bias``,
+  ``w``), which the layer holds as ``norm_scale``, ``bias``, ``kernel``; the layer's error
+  adds its own name for the argument."""
+  layer = _norm_dense() if name == "NormDense" else _dense_norm()
+  setattr(layer, param, nnx.Param(jnp.ones(3, jnp.float32)))
+  with pytest.raises(ValueError, match=re.escape(
+      f": {op_name} must have shape") + r".*" + re.escape(
+          f"(the op's {op_name}: this layer's {param})") + "$"):
     layer(_x(0, (4, K)))
 
 
