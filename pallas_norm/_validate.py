@@ -198,12 +198,19 @@ def scale_value(value):
   concrete integer (a Python int, a NumPy integer scalar or 0-d array) as a Python float, the
   value the kernels already took. JAX parses a Python int past int32 with an OverflowError that
   names no argument, and with x64 off wraps a NumPy int64 into int32 (2**40 became 0, a silent
-  wrong answer on the XLA path). JAX arrays and tracers pass unchanged (their integers are
+  wrong answer on the XLA path). Other real numbers that JAX cannot take (a
+  ``fractions.Fraction``, a ``decimal.Decimal``, a NumPy ``longdouble``) are their Python float
+  too: they passed the checks and failed inside the XLA path ("unsupported operand type(s) for
+  *", "float128 is not a valid dtype for JAX type promotion"). JAX arrays and tracers, Python
+  floats and NumPy floating scalars of :data:`FLOAT_DTYPES` pass unchanged (their integers are
   JAX's already). Bools never get here: :func:`finite_scalar` refuses them."""
-  if isinstance(value, numbers.Integral) or (
-      isinstance(value, (np.ndarray, np.generic)) and jnp.issubdtype(value.dtype, jnp.integer)):
+  if isinstance(value, (jax.Array, jax.core.Tracer)):
+    return value
+  if isinstance(value, (np.ndarray, np.generic)):
+    if jnp.dtype(value.dtype) in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+      return value
     return float(value)
-  return value
+  return value if isinstance(value, float) else float(value)
 
 
 def activation(value, names) -> None:

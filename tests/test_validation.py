@@ -6,6 +6,7 @@ Each op has one valid call (`GOOD`, checked to run); each case changes one argum
 
 from __future__ import annotations
 
+import decimal
 import fractions
 import functools
 import re
@@ -953,6 +954,25 @@ def test_scales_finite_in_float64_run_with_float64_q():
     want = reference.gdpa(**args, post_scale=1e39, activation="identity")
   np.testing.assert_allclose(got, want, rtol=1e-12)
   assert bool(jnp.all(jnp.isfinite(got)))
+
+
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+@pytest.mark.parametrize("value", [fractions.Fraction(1, 3), decimal.Decimal("0.375"),
+                                   np.longdouble(0.625)],
+                         ids=["fraction", "decimal", "longdouble"])
+def test_scales_of_other_real_types_compute_as_floats(op, value):
+  """A Fraction, a Decimal or a NumPy longdouble pre_scale/post_scale passed the checks (real,
+  finite) and failed inside the XLA path: TypeError "unsupported operand type(s) for *:
+  'Fraction' and 'ArrayImpl'", ValueError "float128 is not a valid dtype for JAX type
+  promotion", naming no argument (review_attn). They compute as their float now, as eps does
+  (rtol 1e-6 against the float32 reference), under jit too."""
+  args = good_args(op)
+  ref_fn = reference.flash_norm_attention if op == "flash_norm_attention" else reference.gdpa
+  want = ref_fn(**args, pre_scale=float(value), post_scale=2 * float(value))
+  call = lambda a: op_fn(op)(**a, pre_scale=value, post_scale=2 * value,  # noqa: E731
+                             implementation="xla")
+  np.testing.assert_allclose(call(args), want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(jax.jit(call)(args), want, rtol=1e-6, atol=1e-6)
 
 
 def test_layer_scales_past_float_raise_naming_them():
