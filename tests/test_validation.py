@@ -746,6 +746,32 @@ def test_numpy_float64_residual_with_a_float32_x(op, implementation):
   assert_names(info.value, "residual")
 
 
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+def test_numpy_float64_kv_with_a_float32_q(op):
+  """The attention ops' form of the test above (review_attn): the eager call with NumPy
+  float64 q, k, v (float32 to JAX without x64) was accepted, while its gradient in q (q traced
+  as float32), its jit, or a jnp float32 q with those k, v raised "q, k and v must share a
+  dtype". All give the float32 call's values now (rtol 1e-6 against the float32 reference);
+  a bfloat16 q with them is still refused."""
+  args = {name: np.asarray(a, np.float64) if name in "qkv" else a
+          for name, a in good_args(op).items()}
+  as_f32 = {name: jnp.asarray(a, F32) if name in "qkv" else a for name, a in args.items()}
+  fn = functools.partial(op_fn(op), implementation="xla")
+  ref_fn = reference.flash_norm_attention if op == "flash_norm_attention" else reference.gdpa
+  loss = lambda f, a: jnp.sum(jnp.sin(f(**a)))  # noqa: E731
+  want = ref_fn(**as_f32)
+  np.testing.assert_allclose(fn(**args), want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(fn(**dict(args, q=as_f32["q"])), want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(jax.jit(lambda q: fn(**dict(args, q=q)))(args["q"]), want,
+                             rtol=1e-6, atol=1e-6)
+  grad = jax.grad(lambda q: loss(fn, dict(args, q=q)))(args["q"])
+  want_grad = jax.grad(lambda q: loss(ref_fn, dict(as_f32, q=q)))(as_f32["q"])
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+  with pytest.raises(TypeError, match="share a dtype"):
+    fn(**dict(args, q=jnp.asarray(args["q"], jnp.bfloat16)))
+
+
 @pytest.mark.filterwarnings("ignore::pallas_norm._dispatch.KernelSkippedWarning")
 @pytest.mark.parametrize("op", ["matmul_norm", "norm_matmul"])
 def test_kernels_step_aside_under_x64(monkeypatch, op):

@@ -48,7 +48,11 @@ def check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale
                      f"{tuple(v.shape)}")
   if tuple(k.shape[-2:]) != (h, d):
     raise ValueError(f"k and v must end in (H, D) = {(h, d)} like q, got {tuple(k.shape)}")
-  if not (jnp.dtype(q.dtype) == jnp.dtype(k.dtype) == jnp.dtype(v.dtype)):
+  # As JAX sees them (as for norm_matmul's x and w): without x64 a NumPy float64 k/v is
+  # float32, so a traced float32 q (a gradient or jit of the eager call with NumPy float64 q, k,
+  # v, which was accepted) or a jnp float32 q with it is accepted too.
+  canonical = jax.dtypes.canonicalize_dtype
+  if not (canonical(q.dtype) == canonical(k.dtype) == canonical(v.dtype)):
     raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   _validate.static_positive_int("max_seq_len", max_seq_len)
   _validate.static_positive_int("max_kv_len", max_kv_len)
@@ -84,7 +88,8 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   Args:
     q: (T, H, D) packed query tokens, bfloat16/float16/float32/float64 (the kernels: bfloat16
       or float16); T is a static capacity.
-    k, v: dense (B, Lkv, H, D), or packed (Tkv, H, D) with ``kv_offsets``; q's dtype.
+    k, v: dense (B, Lkv, H, D), or packed (Tkv, H, D) with ``kv_offsets``; q's dtype as JAX
+      sees it (without jax_enable_x64 a NumPy float64 array is float32).
     q_offsets: int32 (B+1,), B >= 1, jagged offsets of q (first 0, non-decreasing, last <= T).
     kv_offsets: optional int32 (B+1,) offsets of packed k/v.
     activation: "fast_gelu" (tanh GELU, default), "gelu", "silu", "relu", "relu2",
