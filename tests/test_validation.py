@@ -1001,6 +1001,25 @@ def test_scales_of_other_real_types_compute_as_floats(op, value):
   np.testing.assert_allclose(jax.jit(call)(args), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+def test_kv_of_the_other_form_raises_naming_kv_offsets(op):
+  """kv_offsets decides whether k/v are dense (B, Lkv, H, D) or packed (Tkv, H, D): packed k/v
+  without kv_offsets raised "k must have 4 dimension(s), got shape (12, 2, 4)", and dense k/v
+  with them "... 3 dimension(s) ...", neither saying that kv_offsets is what decides
+  (review_attn). The ValueError names k and what to pass."""
+  args = good_args(op)
+  if op == "gdpa_jagged":  # dense k/v with kv_offsets
+    other = dict(k=_arr((B, L_KV, H, D), seed=1), v=_arr((B, L_KV, H, D), seed=2))
+    text = r"k must have 3 dimensions, packed \(Tkv, H, D\) with kv_offsets.*kv_offsets=None"
+  else:  # packed k/v without kv_offsets
+    other = dict(k=_arr((TKV, H, D), seed=1), v=_arr((TKV, H, D), seed=2))
+    text = r"k must have 4 dimensions, dense \(B, Lkv, H, D\) without kv_offsets.*need kv_off"
+  with pytest.raises(ValueError, match=text):
+    op_fn(op)(**dict(args, **other), implementation="xla")
+  with pytest.raises(ValueError, match=text):  # the same under jit
+    jax.jit(lambda a: op_fn(op)(**a, implementation="xla"))(dict(args, **other))
+
+
 def test_layer_scales_past_float_raise_naming_them():
   """The layers validate their scales at construction: 10**400 raised OverflowError there."""
   import flax_layers as fl  # pylint: disable=import-outside-toplevel

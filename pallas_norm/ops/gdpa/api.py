@@ -37,12 +37,16 @@ def check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale
     raise TypeError(f"kv_offsets must be an int32 array of shape (B+1,) or None, got "
                     f"{type(kv_offsets).__name__} (the arguments after kv_offsets are "
                     "keyword-only)")
-  if kv_offsets is None:
-    _validate.float_array("k", k, ndim=4)
-    _validate.float_array("v", v, ndim=4)
-  else:
-    _validate.float_array("k", k, ndim=3)
-    _validate.float_array("v", v, ndim=3)
+  ndim = 4 if kv_offsets is None else 3
+  for name, a in (("k", k), ("v", v)):
+    _validate.float_array(name, a)
+    if a.ndim != ndim:  # kv_offsets decides the form: say so, not just the rank expected
+      form = ("dense (B, Lkv, H, D) without kv_offsets; packed (Tkv, H, D) k/v need "
+              "kv_offsets" if kv_offsets is None else
+              "packed (Tkv, H, D) with kv_offsets; dense (B, Lkv, H, D) k/v take "
+              "kv_offsets=None")
+      raise ValueError(f"{name} must have {ndim} dimensions, {form}; got shape "
+                       f"{tuple(a.shape)}")
   if k.shape != v.shape:
     raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                      f"{tuple(v.shape)}")
