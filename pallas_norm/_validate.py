@@ -256,9 +256,11 @@ def static_positive_int(name: str, value) -> None:
   if value is None:
     return
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be a positive Python int (static), got {value!r}")
+    raise TypeError(f"{name} must be a positive static integer (a Python or NumPy int), got "
+                    f"{value!r}")
   if value < 1:
-    raise ValueError(f"{name} must be a positive Python int (static), got {value!r}")
+    raise ValueError(f"{name} must be a positive static integer (a Python or NumPy int), got "
+                     f"{value!r}")
 
 
 def within_capacity(bound, capacity: int) -> int | None:

@@ -123,7 +123,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
       not a floating dtype or float64 without jax_enable_x64); a non-array q, k, v or
       offsets; a pre_scale or post_scale that is not a real scalar (also under ``jax.jit``: a
       traced scale must be 0-d, integer or floating); a max_seq_len or max_kv_len that is not
-      a Python int.
+      a static integer (a Python or NumPy int; not a bool or an array).
     ValueError: shapes (H = 0 or D = 0 included; dense k/v whose batch is not B), offsets
       (when concrete), activation, concrete scales that are not finite (in float32, what every
       path computes them in, unless q is float64), lengths over max_seq_len/max_kv_len, a
