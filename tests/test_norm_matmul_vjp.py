@@ -1,7 +1,8 @@
 """The lazy backward of norm_matmul (custom_vjp, DESIGN.md op 1) against JAX's autodiff of the
 reference: the public API with ``implementation="interpret"`` (forward kernel + dx kernel in GPU
 interpret mode on the CPU) against ``implementation="xla"`` and the f32 reference, and the
-backward's XLA parts (row terms, weight gradients, the bias-cancellation guard) on their own."""
+backward's XLA parts (row terms, weight gradients, the bias-cancellation guard) on their own.
+Also matmul_norm's: its dispatch by use and its composed training route (CPU and ``gpu``)."""
 
 import functools
 
