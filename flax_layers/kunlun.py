@@ -22,7 +22,7 @@ from flax import nnx
 import pallas_norm as pn
 from pallas_norm import _validate, jagged
 from flax_layers import _common
-from flax_layers.attention import PFFNBlock, softmax_attention
+from flax_layers.attention import PFFNBlock
 from flax_layers.dense import DenseNorm, NormDense
 
 
@@ -128,7 +128,7 @@ class KunlunModel(nnx.Module):
       multiple of 64; see the README's status table). The softmax self-attention and the
       seed pooling run cuDNN's flash attention on an NVIDIA GPU for None and for choices that
       include "mosaic", XLA's attention otherwise
-      (:func:`flax_layers.attention.softmax_attention`). A choice without "xla" ("mosaic" or
+      (:func:`pallas_norm.softmax_attention`). A choice without "xla" ("mosaic" or
       "interpret" alone, or a sequence of kernels only) is refused: the logit head (N = 1)
       never fits a kernel.
 
@@ -316,7 +316,7 @@ class KunlunModel(nnx.Module):
     # the attention takes.
     q, k, v = (p[:, :, 0] for p in jnp.split(padded, 3, axis=2))
     lens = jagged.lengths(seq_offsets)
-    o = softmax_attention(q, k, v, lens, lens, implementation=self.implementation)
+    o = pn.softmax_attention(q, k, v, lens, lens, implementation=self.implementation)
     o = jagged.from_padded(o, seq_offsets, t, rows=rows).reshape(t, h * d)
     with _common.part(self, "attn_out", layer) as attn_out:
       y = attn_out(o, residual=flat.astype(o.dtype))
@@ -334,7 +334,7 @@ class KunlunModel(nnx.Module):
     k, v = (jagged.to_padded(kv[:, i], seq_offsets, c.max_seq_len, rows=rows) for i in range(2))
     seeds = jnp.broadcast_to(self.seeds[...].astype(kv.dtype), (batch,) + self.seeds.shape)
     lens = jagged.lengths(seq_offsets)
-    o = softmax_attention(seeds, k, v, None, lens,
+    o = pn.softmax_attention(seeds, k, v, None, lens,
                           implementation=self.implementation)  # (B, S, H, D)
     # With no valid key the softmax is uniform over masked (zero) values; make that explicit.
     o = jnp.where((lens > 0)[:, None, None, None], o, jnp.zeros((), o.dtype))

@@ -10,6 +10,9 @@ order; see :mod:`pallas_norm._dispatch` and the README's status table):
 * :func:`gdpa`: generalized (softmax-free) dot-product attention over jagged queries.
 * :func:`flash_norm_attention`: the Kunlun PFFN block, LN → GDPA (+u) → RMSNorm (+q).
 
+:func:`softmax_attention` (no kernel of ours: cuDNN's flash attention or XLA's, per call) is the
+Kunlun model's softmax attention over padded sequences.
+
 :mod:`pallas_norm.reference` holds the plain-JAX math of each; :mod:`pallas_norm.jagged` the
 packed-offsets convention for variable-length sequences; :mod:`pallas_norm.sharding` runs the
 ops on rows split over several devices.
@@ -23,6 +26,7 @@ from pallas_norm.ops.matmul_norm import matmul_norm
 from pallas_norm.ops.norm_matmul import norm_matmul
 from pallas_norm.ops.norms import layer_norm, rms_norm
 from pallas_norm.reference import ACTIVATIONS, NormStats
+from pallas_norm.padded_attention import softmax_attention
 
 __version__ = "0.1.0"
 
@@ -39,4 +43,5 @@ __all__ = [
     "norm_matmul",
     "reference",
     "rms_norm",
+    "softmax_attention",
 ]

@@ -382,7 +382,7 @@ def test_kernel_where_it_fits_xla_elsewhere(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # The softmax attentions: cuDNN's flash attention on an NVIDIA GPU, XLA elsewhere.
 
-from flax_layers import attention  # noqa: E402
+from pallas_norm import padded_attention as attention  # noqa: E402
 
 
 def _padded_attention_case(seed, dtype, lens=(5, 0, 8, 1), max_len=8, heads=2, head_dim=16):
