@@ -11,6 +11,9 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_norm import _dispatch, _validate
 
 __all__ = ["softmax_attention", "softmax_attention_backend"]
 
@@ -39,7 +42,16 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
   probabilities to the operands' dtype before the product with v; cuDNN runs a blockwise
   (online) softmax that never stores the scores. float16 on the CPU runs XLA's in float32 (its
   backward needs a float16 dot with a float32 result, which XLA:CPU lacks), rounded back.
+
+  Raises:
+    TypeError: q, k, v that are not float arrays of one dtype; lengths that are not int32
+      arrays (kv_lengths None included); an implementation that is not a known name.
+    ValueError: q not 4-D, k or v not (B, Lkv, H, D) for q's B, H, D; lengths not of shape
+      (B,); concrete lengths outside [0, Lq] (q_lengths) or [0, Lkv] (kv_lengths). Traced
+      lengths (under ``jax.jit``) are not checked: past the padded length they act as it, a
+      negative one as 0.
   """
+  implementation = _check_args(q, k, v, q_lengths, kv_lengths, implementation)
   if softmax_attention_backend(implementation, q.dtype, q.shape[-1]) == "cudnn":
     # cuDNN's padding mask with an empty sample is not a softmax; give it one key (its output
     # is unspecified either way, see Returns) so that no 0/0 reaches the backward.
@@ -57,6 +69,41 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
     q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
   return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths,
                                       implementation="xla").astype(dtype)
+
+
+def _check_args(q, k, v, q_lengths, kv_lengths, implementation):
+  """The checks of :func:`softmax_attention`'s Raises, before either backend runs (XLA's
+  ignored q_lengths, took integer q and k with fewer heads, and named its own arguments in the
+  rest); returns the validated implementation."""
+  implementation = _dispatch.check_implementation(implementation)
+  _validate.float_array("q", q, ndim=4)
+  for name, a in (("k", k), ("v", v)):
+    _validate.float_array(name, a, ndim=4)
+    if jnp.dtype(a.dtype) != jnp.dtype(q.dtype):
+      raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")
+  b, _, h, d = q.shape
+  if k.shape[0] != b or k.shape[2:] != (h, d):
+    raise ValueError(f"k must have shape (B, Lkv, H, D) = ({b}, Lkv, {h}, {d}) for q of shape "
+                     f"{tuple(q.shape)}, got {tuple(k.shape)}")
+  if v.shape != k.shape:
+    raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+  for name, lengths, padded in (("q_lengths", q_lengths, q.shape[1]),
+                                ("kv_lengths", kv_lengths, k.shape[1])):
+    if lengths is None and name == "q_lengths":
+      continue
+    if not _validate.is_array(lengths):
+      raise TypeError(f"{name} must be an int32 array of shape (B,), got "
+                      f"{type(lengths).__name__}")
+    if jax.dtypes.canonicalize_dtype(lengths.dtype) != jnp.int32:
+      raise TypeError(f"{name} must be int32, got {lengths.dtype}")
+    if tuple(lengths.shape) != (b,):
+      raise ValueError(f"{name} must have shape (B,) = ({b},), got {tuple(lengths.shape)}")
+    if not isinstance(lengths, jax.core.Tracer):
+      bad = np.flatnonzero((np.asarray(lengths) < 0) | (np.asarray(lengths) > padded))
+      if bad.size:
+        raise ValueError(f"{name} must lie in [0, {padded}] (the padded length), got "
+                         f"{name}[{bad[0]}] = {int(lengths[bad[0]])}")
+  return implementation
 
 
 def softmax_attention_backend(implementation, dtype, head_dim: int) -> str:

@@ -415,6 +415,96 @@ def test_softmax_attention_falls_back_to_xla_where_cudnn_cannot_trace(monkeypatc
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def _bad_attention_args(case):
+  """softmax_attention's arguments with one of them broken as ``case`` says."""
+  q, k, v, _, lens = _padded_attention_case(2, jnp.float32)
+  b, lq, h, d = q.shape
+  args = {"q": q, "k": k, "v": v, "q_lengths": lens, "kv_lengths": lens}
+  broken = {
+      "q 3-D": {"q": q[0]},
+      "q a list": {"q": np.asarray(q).tolist()},
+      "q int32": {"q": q.astype(jnp.int32)},
+      "k other head dim": {"k": k[..., :8]},
+      "k other heads": {"k": k[:, :, :1], "v": v[:, :, :1]},
+      "k other batch": {"k": k[:2], "v": v[:2]},
+      "v other length": {"v": v[:, :6]},
+      "v bfloat16": {"v": v.astype(jnp.bfloat16)},
+      "kv_lengths None": {"kv_lengths": None},
+      "kv_lengths float": {"kv_lengths": lens.astype(jnp.float32)},
+      "kv_lengths (B, 1)": {"kv_lengths": lens[:, None]},
+      "q_lengths float": {"q_lengths": lens.astype(jnp.float32)},
+      "q_lengths (B-1,)": {"q_lengths": lens[:-1]},
+      "q_lengths a list": {"q_lengths": [5, 0, 8, 1]},
+      "kv_lengths past Lkv": {"kv_lengths": lens.at[2].set(lq + 1)},
+      "kv_lengths negative": {"kv_lengths": lens.at[1].set(-1)},
+      "q_lengths past Lq": {"q_lengths": lens.at[0].set(lq + 3)},
+  }[case]
+  return {**args, **broken}
+
+
+@pytest.mark.parametrize("case, error, names", [
+    ("q 3-D", ValueError, "q"), ("q a list", TypeError, "q"), ("q int32", TypeError, "q"),
+    ("k other head dim", ValueError, "k"), ("k other heads", ValueError, "k"),
+    ("k other batch", ValueError, "k"), ("v other length", ValueError, "v"),
+    ("v bfloat16", TypeError, "v"), ("kv_lengths None", TypeError, "kv_lengths"),
+    ("kv_lengths float", TypeError, "kv_lengths"), ("kv_lengths (B, 1)", ValueError, "kv_lengths"),
+    ("q_lengths float", TypeError, "q_lengths"), ("q_lengths (B-1,)", ValueError, "q_lengths"),
+    ("q_lengths a list", TypeError, "q_lengths"),
+    ("kv_lengths past Lkv", ValueError, "kv_lengths"),
+    ("kv_lengths negative", ValueError, "kv_lengths"),
+    ("q_lengths past Lq", ValueError, "q_lengths"),
+])
+def test_softmax_attention_names_a_bad_argument(case, error, names):
+  """Each bad argument raises naming it, before JAX's attention runs: the XLA path ignored
+  q_lengths (any dtype, shape or value passed on the CPU and failed only on a GPU), accepted an
+  integer q, k of fewer heads and lengths past the padded length, and the rest failed inside
+  jax.nn.dot_product_attention naming its own arguments ("value shape should be ..." for a bad
+  k, "key_value_seq_lengths ...") or with an AttributeError."""
+  args = _bad_attention_args(case)
+  with pytest.raises(error, match=rf"^{names}\b"):
+    attention.softmax_attention(**args)
+
+
+def test_softmax_attention_checks_shapes_under_jit_and_bad_implementation():
+  q, k, v, _, lens = _padded_attention_case(3, jnp.float32)
+  with pytest.raises(ValueError, match="^k"):
+    jax.jit(attention.softmax_attention)(q, k[:, :, :1], v[:, :, :1], lens, lens)
+  for implementation in ("cuda", 3, ()):
+    with pytest.raises(ValueError, match="implementation"):
+      attention.softmax_attention(q, k, v, lens, lens, implementation=implementation)
+  # Traced lengths cannot be checked: valid ones run as before.
+  got = jax.jit(attention.softmax_attention)(q, k, v, lens, lens)
+  np.testing.assert_array_equal(got, attention.softmax_attention(q, k, v, lens, lens))
+
+
+def test_softmax_attention_matches_a_plain_masked_softmax_on_valid_rows():
+  """XLA's path (the CPU's) against a masked softmax in plain JAX: values and gradients on the
+  rows the model keeps, in float32, float16 (run in float32 on the CPU) and bfloat16."""
+  def plain(q, k, v, kv_lengths):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    keep = jnp.arange(k.shape[1])[None, :] < kv_lengths[:, None]
+    return jnp.einsum("bhqk,bkhd->bqhd",
+                      jax.nn.softmax(jnp.where(keep[:, None, None], s, -jnp.inf), axis=-1), v)
+
+  for dtype, tol in ((jnp.float32, 1e-5), (jnp.float16, 2e-3), (jnp.bfloat16, 2e-2)):
+    q, k, v, cot, lens = _padded_attention_case(4, dtype, lens=(5, 3, 8, 1))
+    keep = jnp.asarray(_valid_rows(lens, q.shape[1]))
+
+    def loss(fn, q, k, v):
+      o = fn(q, k, v).astype(jnp.float32)
+      return jnp.sum(jnp.where(keep, o * cot.astype(jnp.float32), 0))
+
+    got = jax.value_and_grad(lambda *a: loss(
+        lambda q, k, v: attention.softmax_attention(q, k, v, lens, lens), *a),
+        argnums=(0, 1, 2))(q, k, v)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    want = jax.value_and_grad(lambda *a: loss(lambda q, k, v: plain(q, k, v, lens), *a),
+                              argnums=(0, 1, 2))(*f32)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert g.dtype == (jnp.float32 if g.ndim == 0 else dtype)
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), rtol=tol, atol=tol)
+
+
 @pytest.mark.gpu
 def test_softmax_attention_cudnn_matches_xla_on_valid_rows():
   """cuDNN (the default on the GPU) vs XLA on the rows the model keeps: values and gradients,
