@@ -19,11 +19,13 @@ import argparse
 import collections
 import json
 import os
+import re
 import statistics
 import sys
 
 import jax
 
+import benchmarks
 from benchmarks import cases as C
 from benchmarks import run
 from benchmarks import timing
@@ -64,8 +66,8 @@ def breakdown(case: C.Case, impls: list[str], iterations: int, tiny: bool) -> di
                 jax.random.key(1)))
   out = {}
   for impl in impls:
-    fn = jax.jit(run.with_mode(prob.impl_fn(impl), prob.diff, case.mode))
     try:
+      fn = jax.jit(run.with_mode(prob.impl_fn(impl), prob.diff, case.mode))
       if tiny:
         jax.block_until_ready(fn(*inputs))
         kernels = [("(wall clock, whole program)", 0.0)]
@@ -91,12 +93,28 @@ def main(argv=None) -> int:
   p.add_argument("--iterations", type=int, default=5)
   p.add_argument("--tiny", action="store_true", help="CPU-sized shapes, interpret mode")
   args = p.parse_args(argv)
+  # Checked before anything runs: a bad regex and an unknown implementation raised tracebacks,
+  # and full-size cases on a CPU allocated their inputs and exited 0 with every
+  # implementation FAILED (CUPTI is GPU-only).
+  try:
+    re.compile(args.only)
+  except re.error as e:
+    p.error(f"--only: invalid regular expression {args.only!r}: {e}")
+  if args.iterations < 1:
+    p.error(f"--iterations must be >= 1, got {args.iterations}")
+  impls = [i for i in args.impls.split(",") if i]
+  if args.tiny:
+    impls = ["interpret" if i == "mosaic" else i for i in impls]
+  if unknown := sorted(set(impls) - set(C.known_impls())) or ([] if impls else ["(none)"]):
+    p.error(f"--impls: unknown implementation(s) {unknown}; known: {list(C.known_impls())}")
+  if not args.tiny and jax.default_backend() != "gpu":
+    p.error("full-size cases need a GPU for their CUPTI times (the default JAX backend is "
+            f"{jax.default_backend()!r}); on a CPU pass --tiny")
+  if (out_dir := os.environ.get("OUT")) and (reason := benchmarks.unwritable_reason(out_dir)):
+    p.error(f"$OUT: {reason}")
   selected = C.select(C.all_cases(), quick=False, only=args.only, tiny_shapes=args.tiny)
   if not selected:
     p.error(f"--only {args.only!r} selects no case")
-  impls = args.impls.split(",")
-  if args.tiny:
-    impls = ["interpret" if i == "mosaic" else i for i in impls]
   report = {"device": str(jax.devices()[0]), "jax": jax.__version__, "cases": {}}
   for case in selected:
     print(f"{case.name}:", flush=True)

@@ -570,6 +570,21 @@ COMPONENT_NAMES = {"step": "whole train step (+ AdamW)", "self_attention": "one 
                    "mlp": "interaction MLP"}
 
 
+def _not_harness_result_reason(result) -> str | None:
+  """Why ``result`` (a parsed JSON) is not one of :func:`run_harness`'s results that
+  :func:`markdown_table` reads, or None (a suite JSON raised KeyError 'arms' there)."""
+  if not isinstance(result, dict) or not isinstance(result.get("arms"), (list, dict)):
+    return "no 'arms'"
+  rows = result.get("rows")
+  if not isinstance(rows, list):
+    return "no list of 'rows'"
+  for i, r in enumerate(rows):
+    keys = ("component", "arm") + (("p10_ms", "p90_ms") if "median_ms" in r else ())
+    if missing := [k for k in keys if k not in r]:
+      return f"row {i} lacks {', '.join(missing)}"
+  return None
+
+
 def markdown_table(result: dict, stat: str = "median_ms") -> str:
   """The README's table of a harness result: per component and arm the wall-clock median ms
   (p10–p90), or with ``stat="cupti_kernel_ms"`` the CUPTI kernel sum, and each arm's speed-up
@@ -633,13 +648,32 @@ def main(argv=None) -> int:
                  help="print the README table of this JSON result and exit")
   args = p.parse_args(argv)
   if args.table is not None:
-    print(markdown_table(json.loads(args.table.read_text())))
+    try:
+      result = json.loads(args.table.read_text())
+    except (OSError, ValueError) as e:
+      p.error(f"--table: cannot read {args.table}: {e}")
+    if problem := _not_harness_result_reason(result):
+      p.error(f"--table: {args.table} is not a JSON of benchmarks.e2e ({problem}; a suite "
+              "JSON of benchmarks.run is printed by `python -m benchmarks.report FILE --readme`)")
+    print(markdown_table(result))
     return 0
   arms = tuple(a for a in args.arms.split(",") if a)
   components = tuple(c for c in args.components.split(",") if c)
   bad = sorted(set(arms) - set(ARMS)) + sorted(set(components) - set(COMPONENTS))
   if bad or not arms:
     p.error(f"unknown or missing arms/components: {bad or '(no arm)'}")
+  # Before anything compiles: --samples 0 or --loss-steps -1 failed in NumPy after the
+  # compiles and the timing, an unwritable --out after the first component.
+  for flag, value in (("--samples", args.samples), ("--loss-steps", args.loss_steps),
+                      ("--profile-iterations", args.profile_iterations)):
+    if value < 1:
+      p.error(f"{flag} must be >= 1, got {value}")
+  if args.out is not None:
+    import benchmarks  # pylint: disable=import-outside-toplevel
+    if args.out.is_dir():
+      p.error(f"--out: {args.out} is a folder; give the JSON file's path")
+    if reason := benchmarks.unwritable_reason(args.out.parent):
+      p.error(f"--out: {reason}")
 
   def save(result):
     if args.out is not None:

@@ -290,6 +290,24 @@ def _positive_float(text: str) -> float:
   return x
 
 
+ROW_KEYS = ("case", "op", "variant", "shape", "dims", "mode", "impl", "status", "time_us")
+"""The keys of a suite row that the tables and :func:`derive` read."""
+
+
+def not_results_reason(part) -> str | None:
+  """Why ``part`` (a parsed JSON) is not a results JSON of :mod:`benchmarks.run`, or None: e.g.
+  benchmarks.e2e's train-step JSON, whose rows are components, not suite cases. A row without a
+  key the tables read raised a KeyError from deep in :func:`derive`."""
+  rows = part.get("rows") if isinstance(part, dict) else None
+  if not isinstance(rows, list):
+    return "no list of 'rows'"
+  for i, r in enumerate(rows):
+    missing = [k for k in ROW_KEYS if k not in r] if isinstance(r, dict) else list(ROW_KEYS)
+    if missing:
+      return f"row {i} is not a suite case's: it lacks {', '.join(missing)}"
+  return None
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.report",
                               description=__doc__.split("\n")[0])
@@ -313,12 +331,9 @@ def main(argv=None) -> None:
       part = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
       p.error(f"cannot read {path}: {e}")
-    rows = part.get("rows") if isinstance(part, dict) else None
-    if not isinstance(rows, list) or any(not isinstance(r, dict) or "case" not in r
-                                         for r in rows):
-      # e.g. benchmarks.e2e's train-step JSON, whose rows are components, not suite cases
-      p.error(f"{path} is not a results JSON of benchmarks.run (no 'rows' of suite cases; "
-              "a train-step JSON is printed by `python -m benchmarks.e2e --table FILE`)")
+    if problem := not_results_reason(part):
+      p.error(f"{path} is not a results JSON of benchmarks.run ({problem}; a train-step JSON "
+              "is printed by `python -m benchmarks.e2e --table FILE`)")
     parts.append(part)
   if args.mode != "fwd" and not args.readme:
     p.error("--mode applies to --readme only")

@@ -43,6 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+import benchmarks  # noqa: E402
 from benchmarks import cases as C  # noqa: E402
 from benchmarks import e2e, report, timing  # noqa: E402
 
@@ -604,13 +605,15 @@ def parse_args(argv=None):
       re.compile(args.only)
     except re.error as e:
       p.error(f"--only: invalid regular expression {args.only!r}: {e}")
-  if args.impls:
+  if args.impls is not None:
     known = set(C.known_impls()) | {"none"}  # "none": XLA alone
     names = {"interpret" if args.interpret and i == "mosaic" else i
              for i in args.impls.split(",") if i}
     if unknown := sorted(names - known):
       p.error(f"--impls: unknown implementation(s) {unknown}; known: {sorted(known)} "
               "('mosaic' stands for the kernel, 'interpret' under --interpret)")
+    if not names:  # "--impls ," ran every implementation, as if no --impls were given
+      p.error(f"--impls: no implementation in {args.impls!r} ('none' runs XLA alone)")
     args.impls = ",".join(sorted(names))
   return args
 
@@ -635,6 +638,11 @@ def main(argv=None) -> dict:
     raise SystemExit("python -m benchmarks.run: full-size cases need a GPU (the default JAX "
                      f"backend is {jax.default_backend()!r}); on a CPU run --interpret (tiny "
                      "shapes, the kernels in interpret mode) or --tiny")
+  # Before anything runs: an unwritable folder failed in a traceback after the first case.
+  folders = {"--results-dir": args.results_dir, "$OUT": os.environ.get("OUT")}
+  for what, folder in folders.items():
+    if folder and (reason := benchmarks.unwritable_reason(folder)):
+      raise SystemExit(f"python -m benchmarks.run: {what}: {reason}")
   return _run(args, selected, run_e2e_case)
 
 
@@ -657,7 +665,13 @@ def _resumed(args, stem: str, results: dict) -> dict[str, list[dict]]:
   if not path.is_file():
     log(f"--resume: no {path}, starting afresh")
     return {}
-  prev = json.loads(path.read_text())
+  try:
+    prev = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"python -m benchmarks.run: --resume: cannot read {path}: {e}") from None
+  if problem := report.not_results_reason(prev):
+    raise SystemExit(f"python -m benchmarks.run: --resume: {path} is not a results JSON of "
+                     f"benchmarks.run ({problem})")
   by_case: dict[str, list[dict]] = {}
   for r in prev["rows"]:
     by_case.setdefault(r["case"], []).append(r)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_norm as pn
-from benchmarks import cases, report, run, timing  # pytest's pythonpath has the repo root
+from benchmarks import breakdown, cases, e2e, report, run, timing  # pytest's pythonpath: the root
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -354,6 +354,8 @@ def test_precompile_leaves_nothing_to_compile_when_timing():
     (["--tolerance", "-1"], "--tolerance"),
     (["--budget-s", "-5"], "--budget-s"),
     (["--compile-timed-workers", "0"], "--compile-timed-workers"),
+    (["--impls", ","], "no implementation"),  # ran every implementation, as without --impls
+    (["--impls", ""], "no implementation"),
 ])
 def test_bad_flags_are_argparse_errors(flags, message, capsys):
   with pytest.raises(SystemExit) as e:
@@ -643,3 +645,106 @@ def test_input_sets_cover_the_rotation_bytes(monkeypatch, rotate, sets):
   ctx = types.SimpleNamespace(tolerance=0.02, max_sets=10, ceilings=None)
   rows = run._check_and_time(prepared, [prepared.make(0)], ctx)
   assert rows[0]["input_sets"] == sets
+
+
+_TINY_CASE = ["--interpret", "--only", "rms_norm/64x128/fwd$", "--no-e2e", "--no-plot"]
+
+
+def _not_run(*args, **kwargs):
+  raise AssertionError("the command went on to measure")
+
+
+def test_unwritable_results_folders_exit_before_any_case(tmp_path, monkeypatch):
+  """A --results-dir that is a file (or under one) failed in a FileExistsError traceback after
+  the first case had run (on a GPU, after the compiles); $OUT likewise."""
+  blocker = tmp_path / "a-file"
+  blocker.write_text("")
+  monkeypatch.setattr(run, "_run", _not_run)
+  monkeypatch.delenv("OUT", raising=False)
+  for folder in (blocker, blocker / "sub"):
+    with pytest.raises(SystemExit, match=r"--results-dir: cannot write into .*a-file"):
+      run.main([*_TINY_CASE, "--results-dir", str(folder)])
+  monkeypatch.setenv("OUT", str(blocker))
+  with pytest.raises(SystemExit, match=r"\$OUT: cannot write into"):
+    run.main([*_TINY_CASE, "--results-dir", str(tmp_path / "results")])
+
+
+@pytest.mark.parametrize("text, message", [("not json", "cannot read"),
+                                           ('{"foo": 1}', "not a results JSON")])
+def test_resume_from_a_json_it_cannot_use_is_one_line(tmp_path, monkeypatch, text, message):
+  """--resume over a file of the same stem that is not the suite's JSON raised KeyError 'rows'
+  (or a JSONDecodeError) in a traceback."""
+  monkeypatch.setattr(run, "measure_ceilings", _not_run)
+  monkeypatch.delenv("OUT", raising=False)
+  flags = [*_TINY_CASE, "--results-dir", str(tmp_path), "--resume"]
+  stem = run._stem(run.parse_args(flags), jax.devices()[0].device_kind)
+  (tmp_path / f"{stem}.json").write_text(text)
+  with pytest.raises(SystemExit, match=f"--resume: .*{message}"):
+    run.main(flags)
+
+
+def test_report_names_rows_that_lack_a_suite_key(tmp_path, capsys):
+  """Rows with a "case" but without the other keys the tables read raised KeyError 'impl' from
+  derive()."""
+  path = tmp_path / "rows.json"
+  path.write_text(json.dumps({"schema": 1, "rows": [{"case": "x"}]}))
+  with pytest.raises(SystemExit) as e:
+    report.main([str(path), "--readme"])
+  assert e.value.code == 2 and "row 0 is not a suite case's: it lacks op" in (
+      capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--table", "{missing}"], "--table: cannot read"),
+    (["--table", "{garbage}"], "--table: cannot read"),
+    (["--table", "{suite}"], "is not a JSON of benchmarks.e2e (no 'arms'"),
+    (["--tiny", "--samples", "0"], "--samples must be >= 1"),
+    (["--tiny", "--loss-steps", "-1"], "--loss-steps must be >= 1"),
+    (["--tiny", "--profile-iterations", "0"], "--profile-iterations must be >= 1"),
+    (["--tiny", "--out", "{folder}"], "is a folder"),
+    (["--tiny", "--out", "{garbage}/x.json"], "--out: cannot write into"),
+])
+def test_e2e_bad_arguments_are_one_line_before_any_compile(tmp_path, monkeypatch, capsys, flags,
+                                                           message):
+  """benchmarks.e2e: --table of a missing, non-JSON or suite JSON raised a traceback
+  (FileNotFoundError, JSONDecodeError, KeyError 'arms'); --samples 0 and --loss-steps -1 failed
+  in NumPy after the compiles and the timing; an unwritable --out after the first component."""
+  paths = {"missing": tmp_path / "missing.json", "garbage": tmp_path / "garbage.json",
+           "suite": tmp_path / "suite.json", "folder": tmp_path}
+  paths["garbage"].write_text("not json")
+  paths["suite"].write_text(json.dumps(_results()))
+  monkeypatch.setattr(e2e, "run_harness", _not_run)
+  with pytest.raises(SystemExit) as e:
+    e2e.main([f.format(**paths) for f in flags])
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--only", "(["], "invalid regular expression"),
+    (["--tiny", "--only", "rms_norm", "--impls", "foo"], "unknown implementation(s) ['foo']"),
+    (["--tiny", "--only", "rms_norm", "--impls", ","], "unknown implementation(s) ['(none)']"),
+    (["--tiny", "--only", "rms_norm", "--iterations", "0"], "--iterations must be >= 1"),
+    (["--tiny", "--only", "rms_norm"], "$OUT: cannot write into"),
+])
+def test_breakdown_bad_arguments_are_one_line_before_any_case(tmp_path, monkeypatch, capsys,
+                                                              flags, message):
+  """benchmarks.breakdown: a bad regex raised re.error and an unknown implementation KeyError
+  in tracebacks; --iterations 0 and an unwritable $OUT (after every case) were not checked."""
+  blocker = tmp_path / "a-file"
+  blocker.write_text("")
+  monkeypatch.setenv("OUT", str(blocker))
+  monkeypatch.setattr(breakdown, "breakdown", _not_run)
+  with pytest.raises(SystemExit) as e:
+    breakdown.main(flags)
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_breakdown_full_size_without_a_gpu_exits_with_a_hint(monkeypatch, capsys):
+  """Full-size cases on a CPU allocated their inputs and exited 0 with every implementation
+  FAILED (CUPTI runs on GPUs only)."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("runs the case on a GPU")
+  monkeypatch.setattr(breakdown, "breakdown", _not_run)
+  with pytest.raises(SystemExit) as e:
+    breakdown.main(["--only", "rms_norm/262144x2048/fwd$"])
+  assert e.value.code == 2 and "need a GPU" in capsys.readouterr().err
