@@ -109,12 +109,13 @@ def shard_rows(op, mesh=None, axis="data"):
     dtypes), each split by rows over ``axis`` like the activations.
 
   Raises:
-    TypeError: (at the call) jagged offsets that are not 1-D int32 arrays; arguments that do
-      not bind to ``op``'s signature.
+    TypeError: (at the call) a mesh that is not a ``jax.sharding.Mesh``; jagged offsets that
+      are not 1-D int32 arrays; arguments that do not bind to ``op``'s signature.
     ValueError: an ``op`` that is not one of the public ops themselves (another function of
       the same name, such as ``pallas_norm.reference.rms_norm``, included), when wrapping;
       (at the call) no mesh, ``axis`` not in the mesh, a row argument
-      whose leading axis does not split evenly over the shards, per-sample ``k``/``v`` that do
+      whose leading axis does not split evenly over the shards, a ``residual`` whose rows
+      (all axes but the last) are not x's, per-sample ``k``/``v`` that do
       not match the offsets' batch, or concrete local offsets that break the jagged convention
       (naming the argument and the shard). The op's own errors come from tracing its per-shard
       call, before any kernel runs.
@@ -193,6 +194,8 @@ def _resolve_mesh(mesh, axis):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
       raise ValueError("mesh: none given and none set by jax.set_mesh")
+  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh (or None), got {type(mesh).__name__}")
   for a in _axis_names(axis):
     if a not in mesh.axis_names:
       raise ValueError(f"axis {a!r} is not an axis of the mesh {dict(mesh.shape)}")
@@ -266,6 +269,12 @@ def _check_rows(name, arrays, num_shards, axis) -> None:
     if x.shape[0] % num_shards:
       raise ValueError(f"{arg}: its leading axis of {x.shape[0]} rows (shape {tuple(x.shape)}) "
                        f"must split evenly over the {num_shards} shards of mesh axis {axis!r}")
+    first = arrays.get(ROW_ARGS[name][0])
+    if name not in _JAGGED_OPS and arg != ROW_ARGS[name][0] and (
+        tuple(x.shape[:-1]) != tuple(first.shape[:-1])):
+      # Else the op's own check, run per shard, quoted the shards' shapes, not the caller's.
+      raise ValueError(f"{arg}: shape {tuple(x.shape)} must have the rows of x "
+                       f"{tuple(first.shape)} (all axes but the last)")
 
 
 def _check_jagged(arrays, static, num_shards) -> None:

@@ -197,6 +197,21 @@ def test_shard_rows_errors_before_any_device_work():
     sharding.shard_rows(pn.rms_norm, FOUR)(jnp.ones((64,)))
 
 
+def test_shard_rows_names_the_callers_shapes_and_a_mesh_of_another_type():
+  """A residual of other rows than x reached the op per shard, whose error quoted the shards'
+  shapes ("residual must have shape (2, 32), got (1, 32)" for x (8, 32) and a residual (4, 32)
+  on 4 shards); a mesh that is not one raised AttributeError 'axis_names'."""
+  x, r = jnp.ones((8, 32)), jnp.ones((4, 32))
+  with pytest.raises(ValueError, match=r"residual: shape \(4, 32\) must have the rows of x "
+                                       r"\(8, 32\)"):
+    sharding.shard_rows(pn.rms_norm, FOUR)(x, None, r)
+  with pytest.raises(ValueError, match=r"residual: shape \(4, 4, 16\) must have the rows"):
+    sharding.shard_rows(pn.matmul_norm, FOUR)(x.reshape(4, 2, 32), jnp.ones((32, 16)),
+                                              residual=jnp.ones((4, 4, 16)))
+  with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+    sharding.shard_rows(pn.rms_norm, "data")(x)
+
+
 def test_shard_rows_checks_each_shards_local_offsets():
   q = jnp.ones((8, 1, 8))
   kv = jnp.ones((4, 3, 1, 8))
