@@ -87,7 +87,8 @@ def breakdown(case: C.Case, impls: list[str], iterations: int, tiny: bool) -> di
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m benchmarks.breakdown",
+                              description=__doc__.split("\n")[0])
   p.add_argument("--only", required=True, metavar="RE", help="cases, as benchmarks.run --list")
   p.add_argument("--impls", default="xla,mosaic", metavar="A,B")
   p.add_argument("--iterations", type=int, default=5)

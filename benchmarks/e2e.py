@@ -626,7 +626,8 @@ def profile_table(result: dict, arm: str = "default", top: int = 30) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description="Kunlun train-step harness (see the module doc)")
+  p = argparse.ArgumentParser(prog="python -m benchmarks.e2e",
+                              description="Kunlun train-step harness (see the module doc)")
   p.add_argument("--tiny", action="store_true", help="the CPU-sized config")
   p.add_argument("--samples", type=int, default=30, help="timed calls per arm")
   p.add_argument("--loss-steps", type=int, default=20)

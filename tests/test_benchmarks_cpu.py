@@ -748,3 +748,14 @@ def test_breakdown_full_size_without_a_gpu_exits_with_a_hint(monkeypatch, capsys
   with pytest.raises(SystemExit) as e:
     breakdown.main(["--only", "rms_norm/262144x2048/fwd$"])
   assert e.value.code == 2 and "need a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", ["run", "report", "e2e", "breakdown"])
+def test_each_tools_usage_names_the_command_that_runs_it(tool):
+  """Review finding: `e2e`'s and `breakdown`'s usage lines said `e2e.py` / `breakdown.py`,
+  which are run as `python -m benchmarks.<tool>` (their module imports need the package)."""
+  out = subprocess.run([sys.executable, "-m", f"benchmarks.{tool}", "--help"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.startswith(f"usage: python -m benchmarks.{tool} "), out.stdout[:80]
