@@ -59,6 +59,8 @@ import time
 
 import numpy as np
 
+import benchmarks
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = REPO / "examples" / "train_kunlun.py"
 
@@ -670,7 +672,6 @@ def main(argv=None) -> int:
     if value < 1:
       p.error(f"{flag} must be >= 1, got {value}")
   if args.out is not None:
-    import benchmarks  # pylint: disable=import-outside-toplevel
     if args.out.is_dir():
       p.error(f"--out: {args.out} is a folder; give the JSON file's path")
     if reason := benchmarks.unwritable_reason(args.out.parent):

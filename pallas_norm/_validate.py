@@ -56,6 +56,12 @@ def float_array(name: str, x, *, ndim: int | None = None, min_ndim: int = 1) -> 
     raise ValueError(f"{name} has an empty feature axis: shape {tuple(x.shape)}")
 
 
+def same_jax_dtype(*arrays) -> bool:
+  """Whether the arrays' dtypes are one as JAX sees them: without x64 a NumPy float64 array is
+  float32 to JAX (a traced one is float32 already), so it goes with a float32 array."""
+  return len({jax.dtypes.canonicalize_dtype(a.dtype) for a in arrays}) == 1
+
+
 def matmul_operands(x, w) -> None:
   """x (..., K) and w (K, N) of a GEMM op: float arrays of one dtype with matching K."""
   float_array("x", x)
@@ -63,9 +69,8 @@ def matmul_operands(x, w) -> None:
   if w.shape[0] != x.shape[-1]:
     raise ValueError(f"w must have shape (K, N) with K = x.shape[-1] = {x.shape[-1]}, "
                      f"got {tuple(w.shape)}")
-  # As JAX sees them: a NumPy float64 operand is float32 without x64, so a traced float32 x (a
-  # gradient of the same call) with a NumPy float64 w is accepted as the eager call is.
-  if jax.dtypes.canonicalize_dtype(x.dtype) != jax.dtypes.canonicalize_dtype(w.dtype):
+  # A traced float32 x (the gradient of an eager call with NumPy float64 x, w) goes with that w.
+  if not same_jax_dtype(x, w):
     raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
 
 
@@ -89,12 +94,11 @@ def residual(residual, x, shape) -> None:
   """An optional residual added to a stream in x's dtype: a float array of ``shape`` and of x's
   dtype. Another dtype would be rounded to x's dtype in the sum (or the returned stream would
   disagree with the y computed from it), so it raises TypeError naming ``residual``. The dtypes
-  compare as JAX sees them, as x and w do (:func:`matmul_operands`): without x64 a NumPy
-  float64 residual is float32, so it goes with a float32 x (a traced one included)."""
+  compare as JAX sees them (:func:`same_jax_dtype`), as x and w do."""
   if residual is None:
     return
   same_shape("residual", residual, shape)
-  if jax.dtypes.canonicalize_dtype(residual.dtype) != jax.dtypes.canonicalize_dtype(x.dtype):
+  if not same_jax_dtype(residual, x):
     raise TypeError(f"residual must have x's dtype {jnp.dtype(x.dtype).name}, got "
                     f"{jnp.dtype(residual.dtype).name} (cast one of them)")
 

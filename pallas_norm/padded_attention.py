@@ -99,10 +99,11 @@ def _check_args(q, k, v, q_lengths, kv_lengths, implementation):
     if tuple(lengths.shape) != (b,):
       raise ValueError(f"{name} must have shape (B,) = ({b},), got {tuple(lengths.shape)}")
     if not isinstance(lengths, jax.core.Tracer):
-      bad = np.flatnonzero((np.asarray(lengths) < 0) | (np.asarray(lengths) > padded))
+      host = np.asarray(lengths)
+      bad = np.flatnonzero((host < 0) | (host > padded))
       if bad.size:
         raise ValueError(f"{name} must lie in [0, {padded}] (the padded length), got "
-                         f"{name}[{bad[0]}] = {int(lengths[bad[0]])}")
+                         f"{name}[{bad[0]}] = {int(host[bad[0]])}")
   return implementation
 
 

@@ -257,6 +257,8 @@ def _without_gpu_interpreter(name, static, mesh) -> dict:
 
 
 def _check_rows(name, arrays, num_shards, axis) -> None:
+  first_arg = ROW_ARGS[name][0]
+  first = arrays.get(first_arg)
   for arg in ROW_ARGS[name]:
     x = arrays.get(arg)
     if x is None:
@@ -269,8 +271,7 @@ def _check_rows(name, arrays, num_shards, axis) -> None:
     if x.shape[0] % num_shards:
       raise ValueError(f"{arg}: its leading axis of {x.shape[0]} rows (shape {tuple(x.shape)}) "
                        f"must split evenly over the {num_shards} shards of mesh axis {axis!r}")
-    first = arrays.get(ROW_ARGS[name][0])
-    if name not in _JAGGED_OPS and arg != ROW_ARGS[name][0] and (
+    if name not in _JAGGED_OPS and arg != first_arg and (
         tuple(x.shape[:-1]) != tuple(first.shape[:-1])):
       # Else the op's own check, run per shard, quoted the shards' shapes, not the caller's.
       raise ValueError(f"{arg}: shape {tuple(x.shape)} must have the rows of x "

@@ -52,11 +52,9 @@ def check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale
                      f"{tuple(v.shape)}")
   if tuple(k.shape[-2:]) != (h, d):
     raise ValueError(f"k and v must end in (H, D) = {(h, d)} like q, got {tuple(k.shape)}")
-  # As JAX sees them (as for norm_matmul's x and w): without x64 a NumPy float64 k/v is
-  # float32, so a traced float32 q (a gradient or jit of the eager call with NumPy float64 q, k,
-  # v, which was accepted) or a jnp float32 q with it is accepted too.
-  canonical = jax.dtypes.canonicalize_dtype
-  if not (canonical(q.dtype) == canonical(k.dtype) == canonical(v.dtype)):
+  # As JAX sees them: a traced float32 q (the gradient or jit of an eager call with NumPy
+  # float64 q, k, v, which was accepted) or a jnp float32 q goes with NumPy float64 k, v.
+  if not _validate.same_jax_dtype(q, k, v):
     raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   _validate.static_positive_int("max_seq_len", max_seq_len)
   _validate.static_positive_int("max_kv_len", max_kv_len)
