@@ -36,6 +36,15 @@ def as_arrays(*args):
                else jnp.asarray(a) for a in args)
 
 
+def to_jax(*args):
+  """``args`` with NumPy arrays and scalars replaced by ``jnp.asarray`` of them (JAX's dtype:
+  without x64 float64 is float32 and int64 int32), everything else unchanged. For the ops to
+  call once their arguments are validated: the library's own ``astype(x.dtype)`` and
+  ``jnp.zeros(..., x.dtype)`` of a NumPy float64 input each warned "Explicitly requested dtype
+  float64 ... will be truncated", a request the caller never made."""
+  return tuple(jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a for a in args)
+
+
 def _dtype_of(name: str, x):
   if not is_array(x):
     raise TypeError(f"{name} must be an array, got {type(x).__name__} (a jax.Array or "
@@ -286,7 +295,9 @@ def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
   """Checks a jagged offsets vector; returns the batch size B (= len(offsets) - 1)."""
   if not is_array(off):
     raise TypeError(f"{name} must be an int32 array of shape (B+1,), got {type(off).__name__}")
-  if jnp.dtype(off.dtype) != jnp.int32:
+  # As JAX sees it: without x64 a NumPy int64 array is int32, as under jax.jit, which
+  # converts it before the op sees it (the eager call refused what the jitted one took).
+  if jax.dtypes.canonicalize_dtype(off.dtype) != jnp.int32:
     raise TypeError(f"{name} must be int32, got {off.dtype} (cast with .astype(jnp.int32))")
   if off.ndim != 1 or off.shape[0] < 2:
     raise ValueError(f"{name} must have shape (B+1,) with B >= 1, got {tuple(off.shape)}")

@@ -24,7 +24,8 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
   """Softmax attention ``softmax(q kᵀ / sqrt(D)) v`` over padded sequences, per sample and head.
 
   Args:
-    q: (B, Lq, H, D) padded queries. k, v: (B, Lkv, H, D) padded keys and values, q's dtype.
+    q: (B, Lq, H, D) padded queries. k, v: (B, Lkv, H, D) padded keys and values, q's dtype
+      as JAX sees it (without jax_enable_x64 a NumPy float64 array is float32).
     q_lengths: int32 (B,) real query rows per sample, or None (all Lq rows are real).
     kv_lengths: int32 (B,) real keys per sample; keys at or past a sample's length are masked.
     implementation: the model's choice (None, "xla", "mosaic", "interpret" or a sequence of
@@ -52,6 +53,7 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
       negative one as 0.
   """
   implementation = _check_args(q, k, v, q_lengths, kv_lengths, implementation)
+  q, k, v, q_lengths, kv_lengths = _validate.to_jax(q, k, v, q_lengths, kv_lengths)
   if softmax_attention_backend(implementation, q.dtype, q.shape[-1]) == "cudnn":
     # cuDNN's padding mask with an empty sample is not a softmax; give it one key (its output
     # is unspecified either way, see Returns) so that no 0/0 reaches the backward.
@@ -79,7 +81,9 @@ def _check_args(q, k, v, q_lengths, kv_lengths, implementation):
   _validate.float_array("q", q, ndim=4)
   for name, a in (("k", k), ("v", v)):
     _validate.float_array(name, a, ndim=4)
-    if jnp.dtype(a.dtype) != jnp.dtype(q.dtype):
+    # As JAX sees them (:func:`_validate.same_jax_dtype`): the gradient in q of an eager call
+    # with NumPy float64 q, k, v traces q as float32, and was refused against the NumPy k.
+    if not _validate.same_jax_dtype(a, q):
       raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")
   b, _, h, d = q.shape
   if k.shape[0] != b or k.shape[2:] != (h, d):

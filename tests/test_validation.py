@@ -158,7 +158,8 @@ CASES = (
         ("v", _arr((B, L_KV, H, D), jnp.bfloat16), TypeError, "dtype"),
         ("k,v", _arr((B - 1, L_KV, H, D)), ValueError, "batch"),  # dense k/v batch != B
         ("q_offsets", [0, 2, 2, 5], TypeError, "q_offsets"),
-        ("q_offsets", np.asarray(Q_OFFSETS, np.int64), TypeError, "q_offsets"),
+        ("q_offsets", np.asarray(Q_OFFSETS, np.uint32), TypeError, "q_offsets"),
+        ("q_offsets", np.asarray(Q_OFFSETS, np.int16), TypeError, "q_offsets"),
         ("q_offsets", _off(Q_OFFSETS, np.float32), TypeError, "q_offsets"),
         ("q_offsets", _off([Q_OFFSETS]), ValueError, "q_offsets"),
         ("q_offsets", _off([0]), ValueError, "q_offsets"),
@@ -770,6 +771,62 @@ def test_numpy_float64_kv_with_a_float32_q(op):
   np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
   with pytest.raises(TypeError, match="share a dtype"):
     fn(**dict(args, q=jnp.asarray(args["q"], jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+def test_numpy_int64_offsets_are_int32_eagerly_as_under_jit(op):
+  """Without x64 a NumPy int64 offsets array is int32 to JAX: jax.jit converts it before the op
+  sees it, so the jitted call took it while the eager call raised "q_offsets must be int32,
+  got int64" (review_jagged). Both now give the int32 call's values (rtol 1e-6 against the
+  reference), and its gradient; with x64 on, int64 offsets stay refused, eagerly and under
+  jit alike. Narrower or unsigned offsets are refused either way (the cases above)."""
+  args = good_args(op)
+  names = [n for n in ("q_offsets", "kv_offsets") if n in args]
+  as64 = dict(args, **{n: np.asarray(args[n], np.int64) for n in names})
+  fn = functools.partial(op_fn(op), implementation="xla")
+  ref_fn = reference.flash_norm_attention if op == "flash_norm_attention" else reference.gdpa
+  want = ref_fn(**args)
+  np.testing.assert_allclose(fn(**as64), want, rtol=1e-6, atol=1e-6)
+  jitted = jax.jit(lambda q, *off: fn(**dict(as64, q=q, **dict(zip(names, off)))))
+  np.testing.assert_allclose(jitted(args["q"], *(as64[n] for n in names)), want, rtol=1e-6,
+                             atol=1e-6)
+  loss = lambda f, a, q: jnp.sum(jnp.sin(f(**dict(a, q=q))))  # noqa: E731
+  np.testing.assert_allclose(jax.grad(functools.partial(loss, fn, as64))(args["q"]),
+                             jax.grad(functools.partial(loss, ref_fn, args))(args["q"]),
+                             rtol=1e-5, atol=1e-6)
+  with jax.enable_x64(True):
+    for call in (fn, jax.jit(fn)):
+      with pytest.raises(TypeError, match="q_offsets must be int32, got int64"):
+        call(**as64)
+
+
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention",
+                                "softmax_attention"])
+def test_numpy_float64_inputs_warn_of_no_truncation(op):
+  """NumPy float64 inputs (float32 to JAX without x64) are accepted; the library's own
+  ``astype(q.dtype)`` / ``jnp.zeros(..., k.dtype)`` of them warned "Explicitly requested dtype
+  float64 requested in astype is not available" although the caller asked for no float64
+  (review_jagged). No warning now, forward or gradient, and the float32 call's values.
+  softmax_attention compared dtypes as written: its gradient in such a q (traced as float32)
+  raised "k must have q's dtype float32, got float64" where the eager call ran."""
+  if op == "softmax_attention":
+    rng = np.random.default_rng(5)
+    args = dict(zip("qkv", (rng.standard_normal((2, 8, H, D)) for _ in range(3))),
+                q_lengths=np.asarray([8, 3], np.int32), kv_lengths=np.asarray([5, 8], np.int32))
+    fn = pallas_norm.softmax_attention
+  else:
+    args = {name: np.asarray(a, np.float64) if name in ("q", "k", "v", "ln_scale", "ln_bias",
+                                                        "rms_scale") else a
+            for name, a in good_args(op).items()}
+    fn = functools.partial(op_fn(op), implementation="xla")
+  as_f32 = {n: jnp.asarray(a, F32) if a.dtype == np.float64 else a for n, a in args.items()}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = fn(**args)
+    grad = jax.grad(lambda q: jnp.sum(jnp.sin(fn(**dict(args, q=q)))))(args["q"])
+  np.testing.assert_allclose(got, fn(**as_f32), rtol=1e-6, atol=1e-6)
+  want_grad = jax.grad(lambda q: jnp.sum(jnp.sin(fn(**dict(as_f32, q=q)))))(as_f32["q"])
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore::pallas_norm._dispatch.KernelSkippedWarning")

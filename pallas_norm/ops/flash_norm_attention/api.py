@@ -127,6 +127,8 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
     _validate.flag(name, value)
   if not pre_layer_norm and (ln_scale is not None or ln_bias is not None):
     raise ValueError("ln_scale and ln_bias apply only with pre_layer_norm=True")
+  q, k, v, q_offsets, kv_offsets, ln_scale, ln_bias, rms_scale = _validate.to_jax(
+      q, k, v, q_offsets, kv_offsets, ln_scale, ln_bias, rms_scale)
 
   def fused_reason(candidate):
     return (_forward_kernel(q, k, kv_offsets, out_dtype, candidate == "interpret")[1]

@@ -92,8 +92,10 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
       or float16); T is a static capacity.
     k, v: dense (B, Lkv, H, D), or packed (Tkv, H, D) with ``kv_offsets``; q's dtype as JAX
       sees it (without jax_enable_x64 a NumPy float64 array is float32).
-    q_offsets: int32 (B+1,), B >= 1, jagged offsets of q (first 0, non-decreasing, last <= T).
-    kv_offsets: optional int32 (B+1,) offsets of packed k/v.
+    q_offsets: int32 (B+1,), B >= 1, jagged offsets of q (first 0, non-decreasing, last <= T);
+      int32 as JAX sees it: without jax_enable_x64 a NumPy int64 array is int32, eagerly as
+      under ``jax.jit``.
+    kv_offsets: optional int32 (B+1,) offsets of packed k/v, the same.
     activation: "fast_gelu" (tanh GELU, default), "gelu", "silu", "relu", "relu2",
       "leaky_relu" (slope 0.01) or "identity".
     pre_scale, post_scale: finite real scalars (default 1): numbers or 0-d integer/floating
@@ -141,6 +143,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets=None, *, activation: str = "fast_gelu",
   check_args(q, k, v, q_offsets, kv_offsets, activation, pre_scale, post_scale, max_seq_len,
              max_kv_len, out_dtype)
   pre_scale, post_scale = _validate.scale_value(pre_scale), _validate.scale_value(post_scale)
+  q, k, v, q_offsets, kv_offsets = _validate.to_jax(q, k, v, q_offsets, kv_offsets)
   max_seq_len, max_kv_len = bounds_within_capacity(q, k, kv_offsets, max_seq_len, max_kv_len)
   # The kernel's tiling, or why it cannot run the call: asked once, for the dispatch, and the
   # tiling handed down to the kernel.
