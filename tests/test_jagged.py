@@ -305,6 +305,25 @@ def test_conversions_reject_non_integer_offsets():
     jagged.to_padded(jnp.ones((6, 2)), jnp.asarray([0.0, 2.0, 5.0]), 3)
 
 
+def test_numpy_uint64_offsets_are_uint32_eagerly_as_under_jit(rng):
+  """Without x64 a NumPy uint64 offsets array is uint32 to JAX: jax.jit converts it before
+  the helper sees it, so the jitted helpers took it while the eager ones raised "offsets must
+  be a 1-D integer (int32) array ..., got uint64" (review_jagged). Both now give the int32
+  offsets' values; with x64 on, uint64 stays refused eagerly and under jit alike."""
+  values = jnp.asarray(rng.standard_normal((10, 2)), jnp.float32)
+  good, wide = np.asarray([0, 3, 3, 8], np.int32), np.asarray([0, 3, 3, 8], np.uint64)
+  calls = {"lengths": jagged.lengths, "segment_ids": lambda o: jagged.segment_ids(o, 10),
+           "to_padded": lambda o: jagged.to_padded(values, o, 5)}
+  for name, call in calls.items():
+    want = np.asarray(call(jnp.asarray(good)))
+    np.testing.assert_array_equal(call(wide), want, err_msg=name)
+    np.testing.assert_array_equal(jax.jit(call)(wide), want, err_msg=name)
+    with jax.enable_x64(True):
+      for f in (call, jax.jit(call)):
+        with pytest.raises(TypeError, match=f"{name}: offsets must"):
+          f(wide)
+
+
 # ---------------------------------------------------------------------------------------------
 # Derivatives of the conversions: each is the other's transpose, so the backward is a gather;
 # forward mode still works (a custom_jvp whose tangent map is a scatter-add).
