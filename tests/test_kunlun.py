@@ -273,7 +273,7 @@ def test_narrow_integer_ids_hash_as_int32_ids(dtype, offset):
     ("seq_offsets", lambda s, d, i, o: (s, d, i, list(o)), TypeError, "seq_offsets"),
     # The jagged rule of the PFFN op, checked by the model so that errors name seq_offsets
     # (they used to name the op's q_offsets, or for float offsets say nothing of either).
-    ("seq_offsets_int64", lambda s, d, i, o: (s, d, i, o.astype(np.int64)), TypeError,
+    ("seq_offsets_int16", lambda s, d, i, o: (s, d, i, o.astype(np.int16)), TypeError,
      "seq_offsets must be int32"),
     ("seq_offsets_float", lambda s, d, i, o: (s, d, i, o.astype(np.float32)), TypeError,
      "seq_offsets must be int32"),
@@ -294,6 +294,15 @@ def test_bad_model_inputs_raise_naming_the_argument(model, arg, make, error, nam
   with pytest.raises(error, match="^KunlunModel: .*" + name) as info:
     model(*make(*_inputs(8)))
   assert type(info.value) is error
+
+
+def test_numpy_int64_offsets_are_int32_as_under_jit(model):
+  """Without x64 a NumPy int64 seq_offsets is int32 to JAX, as under jax.jit (which converts
+  it before the model sees it): the eager model raised "seq_offsets must be int32, got int64"
+  (review_jagged); it now gives the int32 offsets' logits, exactly."""
+  sparse, dense, ids, off = _inputs(8)
+  np.testing.assert_array_equal(np.asarray(model(sparse, dense, ids, off.astype(np.int64))),
+                                np.asarray(model(sparse, dense, ids, off)))
 
 
 def test_traced_bad_offsets_dtype_names_seq_offsets(model, forward):
