@@ -133,8 +133,14 @@ def shard_rows(op, mesh=None, axis="data"):
   def sharded(*args, **kwargs):
     the_mesh = _resolve_mesh(mesh, axis)
     num_shards = math.prod(the_mesh.shape[a] for a in _axis_names(axis))
-    bound = signature.bind(*args, **kwargs)
+    try:
+      bound = signature.bind(*args, **kwargs)
+    except TypeError as e:  # inspect's message ("too many positional arguments") names no op
+      raise TypeError(f"shard_rows({name}): {e}") from None
     bound.apply_defaults()
+    # The op's own check of x (q), here before any device work: the row checks below read its
+    # shape (a list x next to a residual raised AttributeError 'NoneType' ... 'shape').
+    _validate.float_array(ROW_ARGS[name][0], bound.arguments[ROW_ARGS[name][0]])
     # NumPy scalars (eps=np.float32(1e-5)) and eps in any form are settings, passed through
     # like Python numbers (eps=jnp.float32(1e-5) as a shard_map operand reached the op's static
     # eps check as a per-shard array and failed inside JAX while printing it).

@@ -280,3 +280,28 @@ def test_device_flags_that_cannot_work_exit_2(argv, message, capsys):
 def test_devices_auto_is_every_device():
   args = train_kunlun.parse_args([])
   assert args.devices == jax.device_count() and args.model_parallel == 1
+
+
+@pytest.mark.parametrize("x", [np.ones((8, 32)).tolist(), None,
+                               jax.ShapeDtypeStruct((8, 32), jnp.float32)],
+                         ids=["list", "None", "ShapeDtypeStruct"])
+@pytest.mark.parametrize("op", ["rms_norm", "matmul_norm"])
+def test_shard_rows_names_a_non_array_x_next_to_a_residual(op, x):
+  """A residual's rows were compared with x's shape before x was known to be an array: a list,
+  None or a ShapeDtypeStruct x with a residual raised AttributeError 'NoneType' ... 'shape'
+  instead of the op's TypeError naming x (raised as without a residual)."""
+  args = (x, jnp.ones((32, 16))) if op == "matmul_norm" else (x,)
+  residual = jnp.ones((8, 16 if op == "matmul_norm" else 32))
+  with pytest.raises(TypeError, match="^x must be an array"):
+    sharding.shard_rows(getattr(pn, op), FOUR)(*args, residual=residual)
+
+
+def test_shard_rows_names_the_op_for_arguments_that_do_not_bind():
+  """Arguments that do not bind to the op's signature raised inspect's bare "too many
+  positional arguments", naming no op."""
+  x, w = jnp.ones((8, 32)), jnp.ones((32, 16))
+  with pytest.raises(TypeError, match=r"^shard_rows\(matmul_norm\): too many positional"):
+    sharding.shard_rows(pn.matmul_norm, FOUR)(x, w, w)
+  with pytest.raises(TypeError, match=r"^shard_rows\(rms_norm\): got an unexpected keyword "
+                                      "argument 'bias'"):
+    sharding.shard_rows(pn.rms_norm, FOUR)(x, bias=jnp.ones(32))
