@@ -608,6 +608,29 @@ def test_layer_norm_rows_with_a_large_mean_stated_domain():
     assert float(jnp.max(jnp.abs(got - want))) <= 2 * 2.0 ** -6, mean_over_std  # 2 bf16 ulps
 
 
+@pytest.mark.xfail(strict=True, reason="unfixed: the kernel's slice mean of a constant row is "
+                   "off by rounding, which rstd = 1/sqrt(eps) scales (a fix needs GPU timing)")
+def test_layer_norm_rows_of_h_that_are_one_constant_give_the_bias():
+  """A row of h that is exactly constant (w with identical columns) has x̂ = 0, so y = β, on
+  the reference and on "xla" (its shift by the row's first element makes the variance exactly
+  0). The kernel centres with Σh/N, which differs from the constant by a rounding step that
+  rstd = 1/sqrt(eps) scales: y − β reached 0.006 at |h| ≈ 26, 0.09 at ≈ 780 and 1.6 at
+  ≈ 2.6e4, on outputs |β| ≤ 0.27 (bf16, K = N = 128, interpret mode)."""
+  import pallas_norm as pn
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(30 * rng.standard_normal((16, 128), np.float32), jnp.bfloat16)
+  w = jnp.asarray(np.tile(rng.standard_normal((128, 1), np.float32), (1, 128)), jnp.bfloat16)
+  scale = jnp.asarray(1 + 0.2 * rng.standard_normal(128, np.float32))
+  bias = jnp.asarray(0.1 * rng.standard_normal(128, np.float32))
+  want = reference.matmul_norm(x.astype(jnp.float32), w.astype(jnp.float32), scale=scale,
+                               norm_bias=bias, norm="layer")
+  np.testing.assert_array_equal(want, jnp.broadcast_to(bias, want.shape))  # x̂ = 0 exactly
+  for impl in ("xla", "interpret"):
+    got = pn.matmul_norm(x, w, scale=scale, norm_bias=bias, norm="layer", implementation=impl)
+    # y = β rounded once to bf16: within half a bf16 ulp of β (|β| < 0.5: ulp 2^-9).
+    assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - bias))) <= 2.0 ** -10, impl
+
+
 def test_cluster_merge_weights_each_cta_by_its_columns():
   """The post-norm forward's cluster merge of (mean, M2) partials (Chan's formula) with CTAs of
   several N tiles each (n_tiles = 2): the between-CTA term weighs each CTA by its cta_cols, not
