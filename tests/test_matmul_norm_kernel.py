@@ -608,14 +608,18 @@ def test_layer_norm_rows_with_a_large_mean_stated_domain():
     assert float(jnp.max(jnp.abs(got - want))) <= 2 * 2.0 ** -6, mean_over_std  # 2 bf16 ulps
 
 
-@pytest.mark.xfail(strict=True, reason="unfixed: the kernel's slice mean of a constant row is "
-                   "off by rounding, which rstd = 1/sqrt(eps) scales (a fix needs GPU timing)")
+@pytest.mark.xfail(strict=True, reason="ill-conditioned: the kernel's float32 h of a constant "
+                   "row varies by ulps across columns, which rstd ~ 1/sqrt(eps) scales")
 def test_layer_norm_rows_of_h_that_are_one_constant_give_the_bias():
   """A row of h that is exactly constant (w with identical columns) has x̂ = 0, so y = β, on
-  the reference and on "xla" (its shift by the row's first element makes the variance exactly
-  0). The kernel centres with Σh/N, which differs from the constant by a rounding step that
-  rstd = 1/sqrt(eps) scales: y − β reached 0.006 at |h| ≈ 26, 0.09 at ≈ 780 and 1.6 at
-  ≈ 2.6e4, on outputs |β| ≤ 0.27 (bf16, K = N = 128, interpret mode)."""
+  the reference and on "xla" (one dot whose columns round alike, then its shift by the row's
+  first element makes the variance exactly 0). The kernel's K-tiled product of that row is not
+  one constant in float32: its columns differ by an ulp or two of |h| (rstd 999.80 instead of
+  1000 at eps = 1e-6, |h| ≈ 86), and LayerNorm scales that by rstd ≈ 1/sqrt(eps): y − β reached
+  0.006 at |h| ≈ 26, 0.04 at ≈ 86, 1.6 at ≈ 2.6e4, on outputs |β| ≤ 0.27 (bf16, K = N = 128,
+  interpret mode). Session 61 made the kernel's mean exact on an exactly constant float32 row
+  (Σh/N corrected by the mean of h − mean, tile means merged as differences): the same errors,
+  so that change was not kept (EXPERIMENTS.md, "post-norm constant-row mean")."""
   import pallas_norm as pn
   rng = np.random.default_rng(0)
   x = jnp.asarray(30 * rng.standard_normal((16, 128), np.float32), jnp.bfloat16)
