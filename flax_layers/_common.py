@@ -24,10 +24,15 @@ def value(p: nnx.Param | None):
 
 def compute_dtype(dtype, *arrays) -> jnp.dtype:
   """``dtype`` if given, else the promoted dtype of the non-None arrays (Flax's rule: a bf16
-  input with f32 parameters computes in f32)."""
+  input with f32 parameters computes in f32), promoted with float32 where that is not a
+  floating dtype (Flax's ``inexact=True``: integer or bool inputs of a layer without
+  parameters compute in float32, as they do with float32 parameters)."""
   if dtype is not None:
     return jnp.dtype(dtype)
-  return jnp.result_type(*[a.dtype for a in arrays if a is not None])
+  promoted = jnp.result_type(*[a.dtype for a in arrays if a is not None])
+  if not jnp.issubdtype(promoted, jnp.inexact):
+    promoted = jnp.promote_types(jnp.float32, promoted)
+  return promoted
 
 
 # NotImplementedError subclasses RuntimeError: not being exactly one of these, it passes named()

@@ -425,6 +425,47 @@ def test_layer_norm_matches_reference_and_flax():
   np.testing.assert_allclose(y, flax_layer(x), **F32_TOL)
 
 
+@pytest.mark.parametrize("cls", [RMSNorm, LayerNorm])
+def test_norms_without_parameters_compute_integer_inputs_in_float32_as_flax(cls):
+  """With dtype=None the compute dtype is Flax's rule: the promoted dtype of the input and the
+  parameters, float32 where that is an integer. A norm without parameters (use_scale=False,
+  LayerNorm also use_bias=False) promoted an int32 input to int32 alone and raised "x must be
+  bfloat16, ..., got int32", where the same layer with a scale (and Flax's own norms) compute
+  in float32."""
+  off = dict(use_bias=False) if cls is LayerNorm else {}
+  layer = cls(N, use_scale=False, rngs=nnx.Rngs(0), **off)
+  x = jax.random.randint(_key(40), (4, N), -50, 50, jnp.int32)
+  y = layer(x)
+  assert y.dtype == jnp.float32
+  xf = x.astype(jnp.float32)
+  want = reference.rms_norm(xf) if cls is RMSNorm else reference.layer_norm(xf)
+  np.testing.assert_allclose(y, want, **F32_TOL)
+  flax_layer = (nnx.RMSNorm if cls is RMSNorm else nnx.LayerNorm)(N, use_scale=False,
+                                                                  rngs=nnx.Rngs(0), **off)
+  np.testing.assert_allclose(y, flax_layer(x), **F32_TOL)
+
+
+@pytest.mark.parametrize("name", ["GDPA", "PFFNBlock"])
+def test_attention_layers_without_parameters_compute_integer_inputs_in_float32(name):
+  """GDPA (no parameters) and a PFFNBlock without affines, dtype=None: integer q, k, v compute
+  in float32 (Flax's rule, as the layers with parameters do); they raised "q must be bfloat16,
+  ..., got int32"."""
+  q, k, v = (jax.random.randint(_key(41 + i), a.shape, -3, 4, jnp.int32)
+             for i, a in enumerate(_attention_inputs()))
+  off = _offsets()
+  kw = dict(pre_scale=0.1, post_scale=0.5)
+  if name == "GDPA":
+    layer = GDPA(H, D, **kw)
+    want = reference.gdpa(*(a.astype(jnp.float32) for a in (q, k, v)), off, **kw)
+  else:
+    layer = PFFNBlock(H, D, use_scale=False, use_bias=False, rngs=nnx.Rngs(0), **kw)
+    want = reference.flash_norm_attention(*(a.astype(jnp.float32) for a in (q, k, v)), off,
+                                          **kw)
+  y = layer(q, off, k, v, max_seq_len=MAX_LEN)
+  assert y.dtype == jnp.float32
+  np.testing.assert_allclose(y, want, **F32_TOL)
+
+
 @pytest.mark.parametrize("make", [_rms, _ln, _norm_dense, _dense_norm])
 def test_layers_pass_their_epsilon_to_the_op(make):
   """A non-default epsilon (0.5, the size of the rows' variance, so it moves every output)
