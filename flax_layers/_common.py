@@ -55,7 +55,8 @@ def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, aliase
   """Names the layer in the errors of the op it calls. A kernel's NotImplementedError is
   re-raised with the likely cause when ``dtype=None`` made the parameters (or another input in
   ``others``, e.g. ``residual=``) promote the input (e.g. bf16 with float32 parameters computes
-  in float32, which the kernels do not take). ``params`` are
+  in float32, which the kernels do not take; an integer input computes in float32 too, and the
+  hint names a floating dtype to pass, not the input's). ``params`` are
   the layer's parameter arrays (None for absent ones); the hint names their own dtype, not the
   promoted one. Otherwise the error, a plain ValueError or TypeError of the op (a bad
   argument) and a plain RuntimeError (e.g. ``implementation="interpret"`` on a CPU client with
@@ -75,6 +76,11 @@ def op_errors(layer: str, dtype, input_dtype, compute: jnp.dtype, params, aliase
         raise TypeError(f"{e} (the kernel path: {_op.SECOND_ORDER_HINT})") from e
   except NotImplementedError as e:
     input_dtype = jnp.dtype(input_dtype)
+    if dtype is None and not jnp.issubdtype(input_dtype, jnp.floating):
+      # dtype=jnp.int32 (the input's own) is refused when a layer is built.
+      raise NotImplementedError(
+          f"{e}. ({layer}: with dtype=None the {input_dtype} input computes in {compute}; "
+          "pass a dtype the kernels take, e.g. dtype=jnp.bfloat16.)") from e
     if dtype is None and input_dtype != compute:
       causes = []
       present = [p for p in params if p is not None]

@@ -989,6 +989,33 @@ def test_kernel_error_names_the_dtype_promotion(layer):
     assert "promoted" not in str(info.value) and "Hopper" in str(info.value)
 
 
+@pytest.mark.parametrize("layer", ["NormDense", "GDPA"])
+def test_kernel_error_for_an_integer_input_suggests_a_floating_dtype(layer):
+  """An integer input with dtype=None computes in float32, which the kernels refuse: the hint
+  said "pass dtype=jnp.int32 to compute in the input's dtype", a dtype every layer refuses
+  when it is built. It now names a 16-bit float the kernels take, which then gets past the
+  kernel's dtype check (the error, if any, is no longer about the dtype)."""
+  rng = np.random.default_rng(6)
+  if layer == "NormDense":
+    args = (jnp.asarray(rng.integers(-5, 5, (8, 64)), jnp.int32),)
+    make = lambda **kw: NormDense(64, 64, rngs=nnx.Rngs(0), **kw)  # noqa: E731
+  else:
+    q = jnp.asarray(rng.integers(-2, 3, (8, 1, 64)), jnp.int32)
+    k = jnp.asarray(rng.integers(-2, 3, (1, 64, 1, 64)), jnp.int32)
+    args = (q, jnp.array([0, 8], jnp.int32), k, k)
+    make = lambda **kw: GDPA(1, 64, **kw)  # noqa: E731
+  with pytest.raises(NotImplementedError) as info:
+    make(implementation="interpret")(*args)
+  message = str(info.value)
+  assert "dtype=jnp.int32" not in message
+  assert re.search(rf"{layer}.*int32 input.*float32.*dtype=jnp\.bfloat16", message), message
+  if layer == "NormDense":
+    y = make(implementation="interpret", dtype=jnp.bfloat16)(*args)
+    layer_ = make(dtype=jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(y, np.float32),
+                               np.asarray(layer_(*args), np.float32), atol=BF16_ATOL)
+
+
 @pytest.mark.parametrize("cls,k,n,fragment", [(NormDense, 128, 1, "N = 1"),
                                                (DenseNorm, 100, 64, "K = 100")])
 def test_kernel_refusal_names_the_layer(cls, k, n, fragment):
