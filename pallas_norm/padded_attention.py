@@ -23,9 +23,14 @@ log = logging.getLogger("pallas_norm")
 def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
   """Softmax attention ``softmax(q kᵀ / sqrt(D)) v`` over padded sequences, per sample and head.
 
+  Not one of DESIGN.md's ops (no kernel of ours, no :mod:`pallas_norm.reference` oracle): the
+  math is that of ``jax.nn.dot_product_attention`` (default scale 1/sqrt(D)) with a key mask,
+  which both backends compute.
+
   Args:
-    q: (B, Lq, H, D) padded queries. k, v: (B, Lkv, H, D) padded keys and values, q's dtype
-      as JAX sees it (without jax_enable_x64 a NumPy float64 array is float32).
+    q: (B, Lq, H, D) padded queries, bfloat16/float16/float32/float64 (cuDNN: bfloat16 or
+      float16). k, v: (B, Lkv, H, D) padded keys and values, q's dtype as JAX sees it
+      (without jax_enable_x64 a NumPy float64 array is float32).
     q_lengths: int32 (B,) real query rows per sample, or None (all Lq rows are real).
     kv_lengths: int32 (B,) real keys per sample; keys at or past a sample's length are masked.
     implementation: the model's choice (None, "xla", "mosaic", "interpret" or a sequence of
@@ -35,9 +40,9 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
       128 before), and XLA's attention elsewhere; "xla" and "interpret" run XLA's (CPU tests).
 
   Returns:
-    (B, Lq, H, D). Rows at or past ``q_lengths`` and samples with no key (``kv_lengths == 0``)
-    hold unspecified finite values (XLA averages the masked values, cuDNN attends to key 0):
-    callers drop or zero them, and give those rows a zero cotangent.
+    (B, Lq, H, D) in q's dtype. Rows at or past ``q_lengths`` and samples with no key
+    (``kv_lengths == 0``) hold unspecified finite values (XLA averages the masked values, cuDNN
+    attends to key 0): callers drop or zero them, and give those rows a zero cotangent.
 
   The two backends differ only by rounding: XLA materializes the f32 scores and rounds the
   probabilities to the operands' dtype before the product with v; cuDNN runs a blockwise
@@ -46,11 +51,11 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
 
   Raises:
     TypeError: q, k, v that are not float arrays of one dtype; lengths that are not int32
-      arrays (kv_lengths None included); an implementation that is not a known name.
-    ValueError: q not 4-D, k or v not (B, Lkv, H, D) for q's B, H, D; lengths not of shape
-      (B,); concrete lengths outside [0, Lq] (q_lengths) or [0, Lkv] (kv_lengths). Traced
-      lengths (under ``jax.jit``) are not checked: past the padded length they act as it, a
-      negative one as 0.
+      arrays (kv_lengths None included).
+    ValueError: an implementation that is not a known name (or an empty sequence); q not 4-D,
+      k or v not (B, Lkv, H, D) for q's B, H, D; lengths not of shape (B,); concrete lengths
+      outside [0, Lq] (q_lengths) or [0, Lkv] (kv_lengths). Traced lengths (under
+      ``jax.jit``) are not checked: past the padded length they act as it, a negative one as 0.
   """
   implementation = _check_args(q, k, v, q_lengths, kv_lengths, implementation)
   q, k, v, q_lengths, kv_lengths = _validate.to_jax(q, k, v, q_lengths, kv_lengths)

@@ -3,7 +3,9 @@
 Conventions shared by all ops (math in ``DESIGN.md``, "Notation" and "The ops"):
 
 * Statistics (mean, variance, rstd) are computed in float32 (float64 when the inputs are float64),
-  with the **two-pass** variance ``mean((x - mean(x))**2)``: exact for rows with a large mean.
+  with the **shifted two-pass** variance: ``d = x - x[..., :1]`` (exact, :func:`_center`), then
+  ``mean((d - mean(d))**2)``, so rows with a large mean keep their precision (no cancellation,
+  no mean rounded to one float32 subtracted from them).
 * Matrix products take their operands in the inputs' dtype. float32/float64 operands multiply at
   ``Precision.HIGHEST`` (the oracle: tests feed upcast inputs); bfloat16/float16 operands give a
   16-bit product accumulated in float32 inside the GEMM, as plain JAX code does (the XLA

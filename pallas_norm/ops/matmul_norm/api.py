@@ -56,9 +56,10 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
   Args:
     x: (..., K) bfloat16/float16/float32 (float64 with jax_enable_x64). w: (K, N), same dtype.
     dense_bias: optional (N,) bias of the dense layer, added to h (keyword-only, as every
-      argument after w). residual: optional (..., N) added to h, in x's dtype (another
-      dtype: TypeError).
-    scale, norm_bias: optional (N,) γ and β of the norm.
+      argument after w), bfloat16/float16/float32/float64. residual: optional (..., N) added
+      to h, in x's dtype (another dtype: TypeError).
+    scale, norm_bias: optional (N,) γ and β of the norm, bfloat16/float16/float32/float64
+      (applied in float32, float64 for float64 inputs).
     norm: "layer" (default) or "rms". eps: positive float (default 1e-6), static (a Python or
       NumPy scalar, not a traced value), at least the statistics dtype's max^(-2/3) (~2.1e-26
       for float32).

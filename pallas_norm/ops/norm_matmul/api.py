@@ -20,7 +20,7 @@ full row of K: with ``y' = y − b``, ``s = rowsum(dy ⊙ y') / K`` and ``G = dy
 For the kernel implementations ("mosaic", "interpret") dx is one Mosaic GEMM with that per-row
 epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`). Where the kernel can
 (:func:`_takes_row_sums`), the epilogue forms the row sums itself, as the post-norm backward does:
-``s = rowsum(G ⊙ x̂)`` and ``dy·c = rowsum(G)``, from the accumulator and the x tile, summed
+``s = rowsum(G ⊙ x̂) / K`` and ``dy·c = rowsum(G)``, from the accumulator and the x tile, summed
 across the CTAs of a cluster that share the rows (nothing reads y). Elsewhere its two row
 scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy
 and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from the dx

@@ -9,16 +9,17 @@ the unfused form put ~1.4% of the outputs outside atol = rtol = 3e-2 of the floa
 lazy form none (``tests/test_norm_matmul_vjp.py::test_xla_rms_is_as_accurate_as_the_kernel``).
 The GEMM writes x's dtype, as the unfused one does, and the row scaling is one elementwise pass
 over the output instead of the unfused form's pass over x before the product (the same traffic
-at K = N); the output is rounded twice (after the product and after the scaling), ≤ 2⁻⁸
-relative. For float16 the GEMM writes float32: the product of the un-normalized x (rows of
-RMS 300, K = 1024) passed float16's 65504 and came out inf where y and the kernel's result are
-finite; bfloat16 has float32's range. Autodiff keeps 16-bit GEMMs in the backward. LayerNorm stays
-unfused: its lazy form subtracts ``mean ⊗ colsum(W_γ)``, whose gradient must cancel against the
-GEMM's for rows with a large mean, which plain autodiff of it does not arrange (the kernel's custom
-backward forms dW_γ = x̂ᵀ dy from the centered x̂, :func:`weight_grads_from_x_hat`; built from
-uncentered x without matching roundings, dw was 15-44% off for bf16 rows of mean 100-250). The
-unfused form's norm takes the one-pass derivative of :mod:`pallas_norm.ops.norms.xla` (autodiff of
-the reference's LayerNorm chains seven row reductions).
+at K = N); a bfloat16 output is rounded twice (after the product and after the scaling), each
+rounding ≤ 2⁻⁸ relative. For float16 the GEMM writes float32 (y is rounded once, ≤ 2⁻¹¹): the
+product of the un-normalized x (rows of RMS 300, K = 1024) passed float16's 65504 and came out
+inf where y and the kernel's result are finite; bfloat16 has float32's range. Autodiff keeps
+16-bit GEMMs in the backward. LayerNorm stays unfused: its lazy form subtracts ``mean ⊗
+colsum(W_γ)``, whose gradient must cancel against the GEMM's for rows with a large mean, which
+plain autodiff of it does not arrange (the kernel's custom backward forms dW_γ = x̂ᵀ dy from the
+centered x̂, :func:`weight_grads_from_x_hat`; built from uncentered x without matching
+roundings, dw was 15-44% off for bf16 rows of mean 100-250). The unfused form's norm takes the
+one-pass derivative of :mod:`pallas_norm.ops.norms.xla` (autodiff of the reference's LayerNorm
+chains seven row reductions).
 """
 
 from __future__ import annotations

@@ -29,15 +29,18 @@ zero-centered) and ``r`` the rstd::
 
 The statistics are recomputed from the row shifted by its first element, as
 :func:`pallas_norm.reference.layer_norm` shifts it: the mean of the shifted values (``dmean``)
-and, beside it, their mean square (the variance as their difference, one dependent row
-reduction fewer than the reference's two passes; the shift keeps it accurate),
+and, for bfloat16, beside it their mean square (the variance as their difference, one
+dependent row reduction fewer than the reference's two passes: up to n·2⁻²⁴ relative error in
+the variance, below bfloat16's rounding, :func:`_normalized_block`; float16 and float32 centre
+the shifted row first and sum its squares, the reference's two passes),
 ``x̂ = ((s − shift) − dmean) · r``: rows whose mean is large next to their spread keep their
 precision in the gradients too (a mean rounded to one float32 would cost up to ulp(mean)/std).
 RMSNorm's are the mean square, ``x̂ = s · r``. An earlier RMSNorm form that
 read rstd saved by the forward (splitting XLA's forward) was 0.73× of XLA's autodiff and was
 removed (benchmarks/EXPERIMENTS.md); this one recomputes rstd like LayerNorm's (after XLA's
 forward). After the forward kernel the statistics come from it (``shift``, ``dmean``,
-``rstd``, the reference's two-pass values for 16/32-bit floats): the forward is one kernel
+``rstd``; the reference's two-pass values for float16/float32, the shifted moments for
+bfloat16, :func:`pallas_norm.ops.norms.triton_fwd.full_row_stats`): the forward is one kernel
 there, not XLA's split fusion, and that path trains fastest where the kernels beat XLA
 (LayerNorm at N = 128-32768, RMSNorm at N = 128-2048: ``configs.KERNEL_DOMAINS``).
 

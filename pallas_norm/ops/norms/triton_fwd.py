@@ -12,10 +12,11 @@ at most, next to 2N for x.
 Two bodies, chosen by the tiling's ``chunk`` (:func:`pick_config`):
 
 * full rows (``chunk >= n_pad``): each step loads ``block_m`` full rows, computes the statistics
-  with the reference's operations (the shifted two-pass variance) in registers, writes y.
+  in registers, writes y: float16/float32 with the reference's operations (the shifted two-pass
+  variance), bfloat16 with the shifted moments side by side (:func:`full_row_stats`).
 * chunked rows (wider rows, which do not fit in registers): per row block, pass 1 walks the row
-  in chunks of ``chunk`` columns (:func:`chunked_row_stats`: elementwise moments for bf16 and
-  RMSNorm, Chan's merge of the chunks' two-pass moments for LayerNorm of 16/32-bit floats);
+  in chunks of ``chunk`` columns (:func:`chunked_row_stats`: elementwise moments for bfloat16
+  and RMSNorm, Chan's merge of the chunks' two-pass moments for LayerNorm of float16/float32);
   pass 2 reads
   the chunks again, last first (from L2: the block was just read, its last chunk most
   recently) and writes y.
