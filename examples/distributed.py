@@ -54,6 +54,11 @@ TABLES = ("sparse_embed", "item_embed")
 _TABLE_PATH = re.compile(r"\['(" + "|".join(TABLES) + r")'\]\['embedding'\]")
 
 
+class TableSplitError(ValueError):
+  """An embedding table whose rows do not split evenly over the mesh's model axis
+  (``--model-parallel``): train_kunlun exits 2 with its one-line message."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   """The command-line flags of this module (``--devices``, ``--model-parallel``,
   ``--multi-host``)."""
@@ -229,14 +234,16 @@ class MeshRunner:
   def adapt(self, model):
     """The model with its tables read by rows over "model" (when that axis is larger than 1).
 
-    Raises: ValueError when a table's rows do not split evenly over the model axis."""
+    Raises: TableSplitError (a ValueError) when a table's rows do not split evenly over the
+      model axis."""
     parts = self.mesh.shape[MODEL]
     if parts == 1:
       return model
     for name in TABLES:
       rows = getattr(model, name).num_embeddings
       if rows % parts:
-        raise ValueError(f"{name}: {rows} rows do not split over --model-parallel {parts}")
+        raise TableSplitError(f"{name}: {rows} rows do not split over --model-parallel "
+                              f"{parts}; pass a --model-parallel that divides {rows}")
     return use_row_sharded_tables(model)
 
   def shardings(self, state):

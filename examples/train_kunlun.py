@@ -37,10 +37,11 @@ Exit status: 2 with a one-line message for missing or malformed data, synthetic 
 large for memory (about 48 bytes per behaviour item, (--max-seq-len + 1) / 2 items per example,
 past half of the machine's memory), a --batch-size larger than the training set, a checkpoint
 of another model or data, a --checkpoint-dir with less free space than a checkpoint's
-arrays (checked before training and before each save), or an --implementation with no kernel
-for the model's calls. SIGTERM (a preempted job) or Ctrl-C during training stops it after the
-current step (saying so at once), saves that step with --checkpoint-dir and exits 143 or 130
-with one line (at the last step the run ends as usual); a second Ctrl-C stops at once,
+arrays (checked before training and before each save), a --model-parallel that does not
+divide the embedding tables' rows, or an --implementation with no kernel for the model's
+calls. SIGTERM (a preempted job) or Ctrl-C during training stops it after the current step
+(saying so at once), saves that step with --checkpoint-dir and exits 143 or 130 with one line
+(at the last step the run ends as usual); a second Ctrl-C stops at once,
 leaving that save unfinished (the next --resume starts from the checkpoint before it). A
 signal during a step's compile (the first step's, and each new capacity's with
 --token-buckets) takes effect when that step ends. Before the training loop (imports, loading
@@ -657,7 +658,8 @@ def train(args) -> TrainResult:
 
   Raises: ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
     BatchSizeError, CheckpointMismatchError, CheckpointDirInUseError, CheckpointSpaceError
-    (before a save the disk cannot hold); Stopped after the step during which SIGTERM or SIGINT
+    (before a save the disk cannot hold), distributed.TableSplitError (a --model-parallel that
+    does not divide a table's rows); Stopped after the step during which SIGTERM or SIGINT
     arrived (with --checkpoint-dir, that step saved).
   """
   if args.checkpoint_dir is not None and not args.resume:
@@ -761,7 +763,8 @@ def main(argv=None) -> int:
   checkpoint that the free disk space cannot hold, a device out of memory (JAX's
   RESOURCE_EXHAUSTED), a mismatched (other model config, batch
   stream or data) or incomplete checkpoint, a fresh run into a folder that holds checkpoints,
-  or an --implementation that cannot run the model; 128 + the signal's number (143, 130),
+  a --model-parallel that does not divide the embedding tables' rows, or an
+  --implementation that cannot run the model; 128 + the signal's number (143, 130),
   with one line, for SIGTERM or SIGINT during training (the step saved), and 130 for an
   interrupt (Ctrl-C) before training or a second one during it."""
   args = parse_args(argv)
@@ -771,7 +774,8 @@ def main(argv=None) -> int:
   # NotImplementedError: an --implementation with no kernel for a call of the model
   except (ads_data.DataNotFoundError, ads_data.DataFormatError, ads_data.DataTooLargeError,
           BatchSizeError, CheckpointMismatchError, CheckpointIncompleteError,
-          CheckpointDirInUseError, CheckpointSpaceError, NotImplementedError) as e:
+          CheckpointDirInUseError, CheckpointSpaceError, distributed.TableSplitError,
+          NotImplementedError) as e:
     print(f"train_kunlun: error: {e}", file=sys.stderr)
     return 2
   except jax.errors.JaxRuntimeError as e:

@@ -81,7 +81,8 @@ def shard_rows(op, mesh=None, axis="data"):
 
   The returned function takes ``op``'s arguments (same names, positions and keywords). The
   arguments listed in :data:`ROW_ARGS` are split by their leading axis over ``axis`` (arrays
-  already sharded that way stay where they are, others are resharded by XLA), the remaining
+  already sharded that way stay where they are; others are put on the mesh first, those
+  committed to other devices included, or under ``jax.jit`` resharded by XLA), the remaining
   arrays are replicated, and every other argument (``norm``, ``eps``, ``implementation``, ...)
   is passed through to each shard's call. Every output is split by rows like the activations.
   Works eagerly and under ``jax.jit``; gradients of replicated parameters are summed over the
@@ -153,11 +154,7 @@ def shard_rows(op, mesh=None, axis="data"):
       _check_jagged(arrays, static, num_shards)
     specs = {k: P(axis) if k in ROW_ARGS[name] else P() for k in arrays}
 
-    if any(t == jax.sharding.AxisType.Explicit for t in the_mesh.axis_types):
-      # An explicit-sharding mesh types every array's sharding; shard_map then takes its
-      # operands only as in_specs says, so they are resharded first (a no-op when they match).
-      arrays = {k: jax.reshard(v, jax.NamedSharding(the_mesh, specs[k]))
-                for k, v in arrays.items()}
+    arrays = {k: _placed(v, the_mesh, specs[k]) for k, v in arrays.items()}
 
     return _jitted(the_mesh, static, specs)(arrays)
 
@@ -189,6 +186,20 @@ def shard_rows(op, mesh=None, axis="data"):
     return fn
 
   return sharded
+
+
+def _placed(a, mesh, spec):
+  """``a`` laid out on ``mesh`` by ``spec`` (a no-op when it already is). A concrete array
+  committed to other devices (a program's output on one device) made the jit of the shard_map
+  fail with JAX's "incompatible devices", naming whichever argument it met first: it is put
+  on the mesh first. An explicit-sharding mesh types every array's sharding, and shard_map then
+  takes its operands only as in_specs says: a traced one is resharded there."""
+  sharding_ = jax.NamedSharding(mesh, spec)
+  if isinstance(mesh, jax.sharding.Mesh) and not isinstance(a, jax.core.Tracer):
+    return jax.device_put(a, sharding_)
+  if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return jax.reshard(a, sharding_)
+  return a
 
 
 def _axis_names(axis) -> tuple:

@@ -423,9 +423,41 @@ def distributed_checks():
     raise AssertionError("a table of 4097 rows over model-parallel 2 was accepted")
 
 
+def layouts():
+  """Inputs and layouts a user of several devices meets first: shard_rows on arrays committed
+  to one device (a previous program's outputs) equals the reference, on auto and explicit
+  meshes (it raised JAX's "incompatible devices" naming another argument, where its docstring
+  says such arrays are resharded); train_kunlun with a --model-parallel that does not split the
+  embedding tables' rows exits 2 with one line (it was a ValueError traceback)."""
+  import contextlib
+  import io
+  import train_kunlun
+  keys = jax.random.split(jax.random.key(11), 3)
+  x, w = _normal(keys[0], (16, 32)), _normal(keys[1], (32, 8), scale=0.2)
+  scale = 1 + _normal(keys[2], (32,), scale=0.1)
+  want = pn.reference.norm_matmul(x, w, scale=scale)
+  for axis_type in (AUTO, EXPLICIT):
+    mesh = _mesh((8,), ("data",), axis_type)
+    f = sharding.shard_rows(pn.norm_matmul, mesh)
+    for device in (0, 3):
+      on_one = jax.device_put(x, jax.devices()[device])
+      got = f(on_one, jax.device_put(w, jax.devices()[device]), scale=scale)
+      _close(got, want, 2e-5, 2e-5, f"x and w committed to device {device}, {axis_type}")
+  stderr = io.StringIO()
+  with contextlib.redirect_stderr(stderr):
+    status = train_kunlun.main(
+        ["--devices", "3", "--model-parallel", "3", "--batch-size", "6", "--steps", "1",
+         "--max-seq-len", "4", "--embed-dim", "8", "--head-dim", "4", "--train-examples", "64",
+         "--valid-examples", "6", "--implementation", "xla"])
+  lines = [line for line in stderr.getvalue().splitlines() if "error" in line]
+  assert status == 2 and len(lines) == 1 and "--model-parallel 3" in lines[0], (
+      status, stderr.getvalue()[-2000:])
+
+
 GROUPS = {"training": training, "ops_mosaic": ops_mosaic, "ops_xla": ops_xla,
           "ops_interpret": ops_interpret, "embedding": embedding,
-          "distributed": distributed_checks}
+          "distributed": distributed_checks,
+          "layouts": layouts}
 
 
 def main(argv) -> int:
