@@ -483,8 +483,9 @@ def row_sharded_take(table, ids, axis_name):
 
   Args:
     table: (V/M, E) this device's rows of the table.
-    ids: (n, ...) integer ids in [0, V) of this device's examples; ids outside that range get
-      zero rows (the unsharded ``jnp.take`` would give NaN).
+    ids: (n, ...) integer ids in [0, V) of this device's examples; ids outside that range,
+      negative ones included, get zero rows (the unsharded ``jnp.take``, and ``nnx.Embed``,
+      give NaN rows for ids >= V and, as NumPy, row V + id for an id in [-V, 0)).
     axis_name: the mesh axis (or tuple of axes) the table's rows are split over.
 
   Returns:
