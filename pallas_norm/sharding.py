@@ -194,11 +194,13 @@ def _placed(a, mesh, spec):
   fail with JAX's "incompatible devices", naming whichever argument it met first: it is put
   on the mesh first. An explicit-sharding mesh types every array's sharding, and shard_map then
   takes its operands only as in_specs says: a traced one is resharded there."""
-  sharding_ = jax.NamedSharding(mesh, spec)
-  if isinstance(mesh, jax.sharding.Mesh) and not isinstance(a, jax.core.Tracer):
-    return jax.device_put(a, sharding_)
+  # mesh=None: the abstract mesh of jax.set_mesh, whose devices jax.sharding.get_mesh() knows
+  devices = mesh if isinstance(mesh, jax.sharding.Mesh) else jax.sharding.get_mesh()
+  if (isinstance(devices, jax.sharding.Mesh) and not devices.empty
+      and not isinstance(a, jax.core.Tracer)):
+    return jax.device_put(a, jax.NamedSharding(devices, spec))
   if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-    return jax.reshard(a, sharding_)
+    return jax.reshard(a, jax.NamedSharding(mesh, spec))
   return a
 
 

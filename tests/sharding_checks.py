@@ -426,8 +426,8 @@ def distributed_checks():
 def layouts():
   """Inputs and layouts a user of several devices meets first: shard_rows on arrays committed
   to one device (a previous program's outputs) equals the reference, on auto and explicit
-  meshes (it raised JAX's "incompatible devices" naming another argument, where its docstring
-  says such arrays are resharded); train_kunlun with a --model-parallel that does not split the
+  meshes, given or set by jax.set_mesh (it raised JAX's "incompatible devices", naming another
+  argument, where its docstring says such arrays are resharded); train_kunlun with a --model-parallel that does not split the
   embedding tables' rows exits 2 with one line (it was a ValueError traceback)."""
   import contextlib
   import io
@@ -443,6 +443,10 @@ def layouts():
       on_one = jax.device_put(x, jax.devices()[device])
       got = f(on_one, jax.device_put(w, jax.devices()[device]), scale=scale)
       _close(got, want, 2e-5, 2e-5, f"x and w committed to device {device}, {axis_type}")
+    with jax.set_mesh(mesh):  # mesh=None: the mesh of jax.set_mesh
+      got = sharding.shard_rows(pn.norm_matmul)(jax.device_put(x, jax.devices()[2]), w,
+                                                scale=scale)
+      _close(got, want, 2e-5, 2e-5, f"x committed to device 2, set_mesh, {axis_type}")
   stderr = io.StringIO()
   with contextlib.redirect_stderr(stderr):
     status = train_kunlun.main(
