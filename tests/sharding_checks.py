@@ -427,8 +427,9 @@ def layouts():
   """Inputs and layouts a user of several devices meets first: shard_rows on arrays committed
   to one device (a previous program's outputs) equals the reference, on auto and explicit
   meshes, given or set by jax.set_mesh (it raised JAX's "incompatible devices", naming another
-  argument, where its docstring says such arrays are resharded); train_kunlun with a --model-parallel that does not split the
-  embedding tables' rows exits 2 with one line (it was a ValueError traceback)."""
+  argument, where its docstring says such arrays are resharded); train_kunlun with a
+  --model-parallel that does not split the embedding tables' rows exits 2 with one line (it was
+  a ValueError traceback)."""
   import contextlib
   import io
   import train_kunlun
