@@ -496,3 +496,21 @@ def test_to_padded_refuses_more_padded_rows_than_int32_indexes(max_len):
     jagged.to_padded(values, offsets, max_len)
   with pytest.raises(ValueError, match="max_len"):
     jagged.to_padded(values, jnp.array([0, 2, 4], jnp.int32), 2**30 + 1)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16])
+def test_traced_narrow_offsets_with_a_capacity_past_their_range(dtype, rng):
+  """uint8/int16 offsets of a batch whose capacity (300 or 40000 rows) their dtype cannot hold:
+  the traced validity check compares in int32 (in uint8 the bound 300 is 44, which made the
+  valid offsets 100 and 200 look past the capacity and poisoned the output with NaN). The
+  jitted to_padded matches the eager one and a NumPy loop over the samples."""
+  cap, lens = (300, [100, 0, 100, 50]) if dtype == np.uint8 else (40000, [10000, 0, 10000, 12000])
+  offsets = np.concatenate([[0], np.cumsum(lens)]).astype(dtype)
+  values = jnp.asarray(rng.standard_normal((cap, 2)), jnp.float32)
+  max_len = max(lens)
+  want = np.zeros((len(lens), max_len, 2), np.float32)
+  for b, (start, n) in enumerate(zip(offsets[:-1].astype(int), lens)):
+    want[b, :n] = np.asarray(values)[start:start + n]
+  np.testing.assert_array_equal(jagged.to_padded(values, jnp.asarray(offsets), max_len), want)
+  got = jax.jit(lambda v, o: jagged.to_padded(v, o, max_len))(values, jnp.asarray(offsets))
+  np.testing.assert_array_equal(got, want)

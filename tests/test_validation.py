@@ -1100,3 +1100,33 @@ def test_flash_norm_attention_without_heads_raises_naming_q():
     pallas_norm.flash_norm_attention(**empty, implementation="xla")
   with pytest.raises(ValueError, match=r"\bq\b"):
     pallas_norm.flash_norm_attention(**empty, pre_layer_norm=False, implementation="xla")
+
+
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+def test_offsets_that_fill_the_capacity_are_valid_eagerly_and_under_jit(op):
+  """A last offset equal to the packed capacity (no padding rows) is valid: the eager check
+  allows last <= T, and the traced check must not turn the jitted output into NaN. Both calls
+  match the reference (a mutation test made either bound strict unnoticed: every test batch
+  had padding rows)."""
+  args = dict(good_args(op), q=_arr((T, H, D), seed=7), q_offsets=_off([0, 2, 2, T]))
+  if op == "gdpa_jagged":
+    args["kv_offsets"] = _off([0, 1, 4, TKV])
+  fn = functools.partial(op_fn(op), implementation="xla")
+  ref_fn = reference.flash_norm_attention if op == "flash_norm_attention" else reference.gdpa
+  want = ref_fn(**args)
+  np.testing.assert_allclose(fn(**args), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(jax.jit(lambda a: fn(**a))(args), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+def test_offsets_of_no_sample_raise_the_shape_error(op):
+  """q_offsets of shape (1,) describe B = 0 samples, which the ops refuse by shape ("(B+1,)
+  with B >= 1"), also where k/v agree with B = 0 (the bad-argument case of _off([0]) was met
+  only by the k/v batch check, whose message also names q_offsets)."""
+  args = dict(good_args(op), q_offsets=_off([0]))
+  if op == "gdpa_jagged":
+    args["kv_offsets"] = _off([0])
+  else:
+    args.update(k=_arr((0, L_KV, H, D), seed=1), v=_arr((0, L_KV, H, D), seed=2))
+  with pytest.raises(ValueError, match=r"^q_offsets must have shape \(B\+1,\) with B >= 1"):
+    op_fn(op)(**args, implementation="xla")
