@@ -514,3 +514,19 @@ def test_traced_narrow_offsets_with_a_capacity_past_their_range(dtype, rng):
   np.testing.assert_array_equal(jagged.to_padded(values, jnp.asarray(offsets), max_len), want)
   got = jax.jit(lambda v, o: jagged.to_padded(v, o, max_len))(values, jnp.asarray(offsets))
   np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("helper", ["lengths", "segment_ids", "valid_mask", "positions",
+                                    "row_index", "to_padded", "from_padded"])
+def test_helpers_refuse_offsets_of_no_entry(helper, jit, rng):
+  """Offsets of shape (0,) (not even the leading 0) raise the helper's TypeError naming its
+  offsets, eagerly and under jit alike (a mutation test let them through unnoticed: then
+  IndexError named no argument, and the jitted lengths and segment_ids returned arrays)."""
+  values = jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)
+  calls = {"lengths": jagged.lengths,
+           "to_padded": lambda o: jagged.to_padded(values, o, 3),
+           "from_padded": lambda o: jagged.from_padded(values[:0, None], o, 4)}
+  call = calls.get(helper, lambda o: getattr(jagged, helper)(o, 4))
+  with pytest.raises(TypeError, match=rf"^{helper}: offsets must be a 1-D integer"):
+    (jax.jit(call) if jit else call)(jnp.zeros((0,), jnp.int32))

@@ -1134,3 +1134,28 @@ def test_dense_layers_default_init_and_one_dimensional_input(cls):
   assert abs(std * np.sqrt(256) - 1) < 0.1
   with pytest.raises(ValueError, match="in_features=8"):
     cls(8, 16, rngs=nnx.Rngs(0), implementation="xla")(jnp.ones((4,), jnp.float32))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: RMSNorm(32, rngs=nnx.Rngs(0)),
+    lambda: RMSNorm(32, use_scale=False, rngs=nnx.Rngs(0)),
+    lambda: LayerNorm(32, use_scale=False, use_bias=False, rngs=nnx.Rngs(0)),
+    lambda: NormDense(32, 64, rngs=nnx.Rngs(0)),
+    lambda: DenseNorm(32, 64, use_bias=False, use_scale=False, rngs=nnx.Rngs(0)),
+])
+def test_a_1d_input_of_another_width_is_refused_by_the_layer(make):
+  """A 1-D input (one row) of 64 features for a layer of 32: the layer's own width check
+  applies to it as to a batch (a mutation test skipped it for 1-D inputs unnoticed: a norm
+  without parameters then normalized the 64 features silently). A 1-D input of the right
+  width matches the reference."""
+  layer = make()
+  name = type(layer).__name__
+  features = "in_features" if "Dense" in name else "num_features"
+  with pytest.raises(ValueError, match=f"{name}: {features}=32 does not match the input's "
+                                       "last dimension 64"):
+    layer(_x(0, (64,)))
+  if name == "RMSNorm":
+    x = _x(1, (32,))
+    scale = None if layer.scale is None else layer.scale[...]
+    np.testing.assert_allclose(layer(x), reference.rms_norm(x, scale, eps=layer.epsilon),
+                               rtol=1e-6, atol=1e-6)

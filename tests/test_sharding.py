@@ -306,3 +306,18 @@ def test_shard_rows_names_the_op_for_arguments_that_do_not_bind():
   with pytest.raises(TypeError, match=r"^shard_rows\(rms_norm\): got an unexpected keyword "
                                       "argument 'bias'"):
     sharding.shard_rows(pn.rms_norm, FOUR)(x, bias=jnp.ones(32))
+
+
+def test_shard_rows_checks_each_calls_settings_after_an_equal_valid_one():
+  """The program cache of a shard_rows function keys each setting with its type: True == 1
+  (same hash), so without the type a zero_centered_scale=1 call after a True one reused the
+  traced program and skipped the op's TypeError (a mutation test dropped the type
+  unnoticed). The valid call matches the reference."""
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((8, 16)), jnp.float32)
+  scale = jnp.asarray(np.random.default_rng(6).standard_normal(16), jnp.float32)
+  f = sharding.shard_rows(pn.rms_norm, jax.make_mesh((1,), ("data",)))
+  np.testing.assert_allclose(f(x, scale, zero_centered_scale=True),
+                             pn.reference.rms_norm(x, scale, zero_centered_scale=True),
+                             rtol=1e-6, atol=1e-6)
+  with pytest.raises(TypeError, match="^zero_centered_scale must be a bool, got 1"):
+    f(x, scale, zero_centered_scale=1)

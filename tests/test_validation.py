@@ -1130,3 +1130,29 @@ def test_offsets_of_no_sample_raise_the_shape_error(op):
     args.update(k=_arr((0, L_KV, H, D), seed=1), v=_arr((0, L_KV, H, D), seed=2))
   with pytest.raises(ValueError, match=r"^q_offsets must have shape \(B\+1,\) with B >= 1"):
     op_fn(op)(**args, implementation="xla")
+
+
+@pytest.mark.parametrize("heads", [1, H + 1])
+@pytest.mark.parametrize("op", ["gdpa", "gdpa_jagged", "flash_norm_attention"])
+def test_kv_of_other_heads_raise_naming_h_and_d(op, heads):
+  """k/v of another number of heads than q (D the same) raise the check's ValueError, eagerly
+  and under jit (the bad-argument cases changed D only; a mutation test that compared D alone
+  survived)."""
+  args = good_args(op)
+  shape = args["k"].shape[:-2] + (heads, D)
+  args.update(k=_arr(shape, seed=8), v=_arr(shape, seed=9))
+  fn = functools.partial(op_fn(op), implementation="xla")
+  with pytest.raises(ValueError, match=r"^k and v must end in \(H, D\) = \(2, 4\) like q"):
+    fn(**args)
+  with pytest.raises(ValueError, match=r"^k and v must end in \(H, D\)"):
+    jax.jit(lambda a: fn(**a))(args)
+
+
+@pytest.mark.parametrize("given", ["ln_scale", "ln_bias"])
+def test_layer_norm_affine_without_pre_layer_norm_raises(given):
+  """ln_scale or ln_bias alone with pre_layer_norm=False would be ignored silently: each one
+  raises (a mutation test that checked ln_scale only survived)."""
+  args = dict(good_args("flash_norm_attention"), ln_scale=None, ln_bias=None)
+  args[given] = _arr((H * D,), seed=10)
+  with pytest.raises(ValueError, match="^ln_scale and ln_bias apply only with pre_layer_norm"):
+    pallas_norm.flash_norm_attention(**args, pre_layer_norm=False, implementation="xla")
