@@ -6,9 +6,12 @@ The Taobao runs share one model shape (batch 32, max_seq_len 8), so they share o
 step within the session.
 """
 
+import asyncio
 import contextlib
 import csv
+import gc
 import hashlib
+import logging
 import os
 import pathlib
 import re
@@ -1033,3 +1036,35 @@ def test_a_signal_while_the_script_imports_exits_with_one_line():
     proc.kill()
   assert proc.returncode == 130 and out == "" and err == (
       "train_kunlun: interrupted by SIGINT outside training (nothing was being saved)\n"), err
+
+
+def test_orphaned_reads_quiet_drops_asyncio_never_retrieved_records(caplog):
+  """Session 61's CI: after a failed restore's one line, asyncio logged "Future exception was
+  never retrieved" for 4 orphaned reads (their futures collected with the error unread), the
+  other form of the closed-loop race. After a failed restore those records are dropped for the
+  rest of the process; other asyncio records still reach the log."""
+  asyncio_log = logging.getLogger("asyncio")
+  saved_hook, saved_filters = sys.unraisablehook, list(asyncio_log.filters)
+
+  def orphaned_read():
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    future.set_exception(ValueError("NOT_FOUND: a read of the cut checkpoint"))
+    loop.close()
+    del future
+    gc.collect()
+
+  try:
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+      with pytest.raises(RuntimeError, match="restore failed"):
+        with train_kunlun._orphaned_reads_quiet():
+          orphaned_read()
+          raise RuntimeError("restore failed")
+      orphaned_read()  # after the failed restore: the reads finish at any time
+      asyncio_log.error("another asyncio error")
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "never retrieved" in m], messages
+    assert "another asyncio error" in messages
+  finally:
+    sys.unraisablehook = saved_hook
+    asyncio_log.filters[:] = saved_filters
