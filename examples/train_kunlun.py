@@ -491,7 +491,7 @@ def _orphaned_reads_quiet():
   each that finishes after the close reports an unraisable ``RuntimeError: Event loop is
   closed`` (a traceback each on stderr, 1 to 50 of them per failed restore: a race), or, when
   its future is collected with its error unread, asyncio logs "Future exception was never
-  retrieved" with the error (seen in session 61's CI run: 4 of them after the line). Nobody
+  retrieved" with the error (4 of them after the line in one CI run). Nobody
   waits for those reads, so inside this block both reports are dropped, and after a failed
   restore for the rest of the process (the reads finish at any time after it); any other
   unraisable exception still reaches the previous hook, any other asyncio record its log."""

@@ -65,10 +65,16 @@ def float_array(name: str, x, *, ndim: int | None = None, min_ndim: int = 1) -> 
     raise ValueError(f"{name} has an empty feature axis: shape {tuple(x.shape)}")
 
 
+def jax_dtype(a) -> np.dtype:
+  """``a``'s dtype as JAX sees it: without x64 a NumPy float64 (int64, uint64) array is
+  float32 (int32, uint32), as ``jax.jit`` converts it before an op sees it."""
+  return jax.dtypes.canonicalize_dtype(a.dtype)
+
+
 def same_jax_dtype(*arrays) -> bool:
-  """Whether the arrays' dtypes are one as JAX sees them: without x64 a NumPy float64 array is
-  float32 to JAX (a traced one is float32 already), so it goes with a float32 array."""
-  return len({jax.dtypes.canonicalize_dtype(a.dtype) for a in arrays}) == 1
+  """Whether the arrays' dtypes are one as JAX sees them (:func:`jax_dtype`): a NumPy float64
+  array goes with a float32 one (a traced one is float32 already)."""
+  return len({jax_dtype(a) for a in arrays}) == 1
 
 
 def matmul_operands(x, w) -> None:
@@ -295,9 +301,8 @@ def offsets(name: str, off, capacity: int, *, max_len: int | None = None,
   """Checks a jagged offsets vector; returns the batch size B (= len(offsets) - 1)."""
   if not is_array(off):
     raise TypeError(f"{name} must be an int32 array of shape (B+1,), got {type(off).__name__}")
-  # As JAX sees it: without x64 a NumPy int64 array is int32, as under jax.jit, which
-  # converts it before the op sees it (the eager call refused what the jitted one took).
-  if jax.dtypes.canonicalize_dtype(off.dtype) != jnp.int32:
+  # As JAX sees it (:func:`jax_dtype`): the eager call refused what the jitted one took.
+  if jax_dtype(off) != jnp.int32:
     raise TypeError(f"{name} must be int32, got {off.dtype} (cast with .astype(jnp.int32))")
   if off.ndim != 1 or off.shape[0] < 2:
     raise ValueError(f"{name} must have shape (B+1,) with B >= 1, got {tuple(off.shape)}")

@@ -531,7 +531,7 @@ def _check_offsets_kind(name: str, offsets) -> None:
   it: without x64 a NumPy uint64 array is uint32, as under ``jax.jit``, which converts it
   before the helper sees it (the eager call refused what the jitted one took)."""
   if not _validate.is_array(offsets) or not jnp.issubdtype(offsets.dtype, jnp.integer) or (
-      jax.dtypes.canonicalize_dtype(offsets.dtype) in (jnp.dtype(bool), jnp.dtype("uint64"))) or (
+      _validate.jax_dtype(offsets) in (jnp.dtype(bool), jnp.dtype("uint64"))) or (
       offsets.ndim != 1 or offsets.shape[0] < 1):
     raise TypeError(f"{name}: offsets must be a 1-D integer (int32) array of shape (B+1,), got "
                     f"{getattr(offsets, 'dtype', type(offsets).__name__)} of shape "

@@ -103,7 +103,7 @@ def _check_args(q, k, v, q_lengths, kv_lengths, implementation):
     if not _validate.is_array(lengths):
       raise TypeError(f"{name} must be an int32 array of shape (B,), got "
                       f"{type(lengths).__name__}")
-    if jax.dtypes.canonicalize_dtype(lengths.dtype) != jnp.int32:
+    if _validate.jax_dtype(lengths) != jnp.int32:
       raise TypeError(f"{name} must be int32, got {lengths.dtype}")
     if tuple(lengths.shape) != (b,):
       raise ValueError(f"{name} must have shape (B,) = ({b},), got {tuple(lengths.shape)}")

@@ -617,7 +617,7 @@ def test_layer_norm_rows_of_h_that_are_one_constant_give_the_bias():
   one constant in float32: its columns differ by an ulp or two of |h| (rstd 999.80 instead of
   1000 at eps = 1e-6, |h| ≈ 86), and LayerNorm scales that by rstd ≈ 1/sqrt(eps): y − β reached
   0.006 at |h| ≈ 26, 0.04 at ≈ 86, 1.6 at ≈ 2.6e4, on outputs |β| ≤ 0.27 (bf16, K = N = 128,
-  interpret mode). Session 61 made the kernel's mean exact on an exactly constant float32 row
+  interpret mode). A kernel whose mean was exact on an exactly constant float32 row
   (Σh/N corrected by the mean of h − mean, tile means merged as differences): the same errors,
   so that change was not kept (EXPERIMENTS.md, "post-norm constant-row mean")."""
   import pallas_norm as pn

@@ -1039,7 +1039,7 @@ def test_a_signal_while_the_script_imports_exits_with_one_line():
 
 
 def test_orphaned_reads_quiet_drops_asyncio_never_retrieved_records(caplog):
-  """Session 61's CI: after a failed restore's one line, asyncio logged "Future exception was
+  """A CI run: after a failed restore's one line, asyncio logged "Future exception was
   never retrieved" for 4 orphaned reads (their futures collected with the error unread), the
   other form of the closed-loop race. After a failed restore those records are dropped for the
   rest of the process; other asyncio records still reach the log."""
