@@ -23,7 +23,7 @@ from jax import lax
 
 import pallas_norm as pn
 from pallas_norm import jagged, reference
-from pallas_norm.ops.matmul_norm import configs as mn_configs
+from pallas_norm.ops.matmul_norm import routing as mn_routing
 
 DTYPE = jnp.bfloat16
 MODES = ("fwd", "fwd+bwd")
@@ -242,7 +242,7 @@ def _matmul_norm(case: Case, kernel: str) -> Problem:
   # Where implementation=None trains on neither path timed here (the composed route: cuBLAS's
   # GEMM, then rms_norm's kernels), "auto" times what a user gets by default.
   composed = (case.mode == "fwd+bwd"
-              and mn_configs.composed_training_reason(m, k, n, norm) is None)
+              and mn_routing.composed_training_reason(m, k, n, norm) is None)
   return Problem(make_set, tuple(range(nargs)), _kernel_impl_fn(call, extras, case), ref,
                  2.0 * m * k * n, 4.0 * m * k * n,
                  ("xla", kernel, *(("auto",) if composed else ()), *extras))

@@ -278,13 +278,13 @@ def test_gpu_op_gradients_through_the_whole_backward(monkeypatch, norm):
 
 
 def test_whole_backward_takes_a_minimum_m_on_the_gpu():
-  """On the GPU the whole backward starts at configs.WHOLE_BACKWARD_MIN_M rows (measured slower
+  """On the GPU the whole backward starts at routing.WHOLE_BACKWARD_MIN_M rows (measured slower
   at 4096); interpret mode takes it at any M, so the CPU tests run it."""
-  from pallas_norm.ops.matmul_norm import configs
+  from pallas_norm.ops.matmul_norm import routing
   w = jnp.ones((K, N), jnp.bfloat16)
   whole = mn._whole_backward  # pylint: disable=protected-access
-  for m, gpu in ((8, False), (configs.WHOLE_BACKWARD_MIN_M - 8, False),
-                 (configs.WHOLE_BACKWARD_MIN_M, True), (262144, True)):
+  for m, gpu in ((8, False), (routing.WHOLE_BACKWARD_MIN_M - 8, False),
+                 (routing.WHOLE_BACKWARD_MIN_M, True), (262144, True)):
     x = jax.ShapeDtypeStruct((m, K), jnp.bfloat16)
     assert whole(x, w, jnp.dtype(jnp.bfloat16), False) == gpu, m
     assert whole(x, w, jnp.dtype(jnp.bfloat16), False, interpret=True)

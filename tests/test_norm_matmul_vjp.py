@@ -14,9 +14,9 @@ import pytest
 
 import pallas_norm
 from pallas_norm import reference
-from pallas_norm.ops.matmul_norm import configs as mn_configs
+from pallas_norm.ops.matmul_norm import routing as mn_routing
 from pallas_norm.ops.norm_matmul import api as nm
-from pallas_norm.ops.norm_matmul import configs as nm_configs
+from pallas_norm.ops.norm_matmul import routing as nm_routing
 from pallas_norm.ops.norm_matmul import mosaic_bwd as nmb
 from pallas_norm.ops.norm_matmul import xla as nm_xla
 
@@ -301,7 +301,7 @@ def test_bias_grads_take_dy_col_sums_where_the_kernel_can(monkeypatch, m, k, n, 
   """A norm bias's gradients take Σ_i dy_i from the dx kernel where it can sum them
   (dy_col_sums_unsupported_reason), else from x̂'s ones block; no kernel runs. The x̂ route:
   the weight-gradient kernel off (it reads no x̂, so no ones block: the test below)."""
-  monkeypatch.setattr(nm_configs, "weight_grad_kernel_pays", lambda k, n: False)
+  monkeypatch.setattr(nm_routing, "weight_grad_kernel_pays", lambda k, n: False)
   kwargs_seen = _spy_on_launch(monkeypatch)
   x, w, scale, b, _ = _inputs(5, m, k, n, jnp.bfloat16)
   _trace_grads(x, w, scale, b if bias else None, "layer")
@@ -312,7 +312,7 @@ def test_bias_grads_take_dy_col_sums_where_the_kernel_can(monkeypatch, m, k, n, 
 def test_bias_grads_with_the_weight_grad_kernel_take_dy_col_sums(monkeypatch):
   """Where the weight-gradient kernel makes x̂ from x (K = 256, N = 320 here), the dx kernel
   writes no x̂ and so no ones block: Σ_i dy_i comes from its column sums; no kernel runs."""
-  monkeypatch.setattr(nm_configs, "weight_grad_kernel_pays", lambda k, n: True)
+  monkeypatch.setattr(nm_routing, "weight_grad_kernel_pays", lambda k, n: True)
   kwargs_seen = _spy_on_launch(monkeypatch)
   x, w, scale, b, _ = _inputs(5, 16, 256, 320, jnp.bfloat16)
   _trace_grads(x, w, scale, b, "layer")
@@ -424,58 +424,58 @@ def test_default_implementation_prefers_xla_where_the_kernel_is_measured_slower(
   pick = lambda reason: _dispatch.choose("op", None, ok, lambda: reason)
   # Thresholds from the H200's forward+backward measurements, per norm (M = 262144 rows).
   m = 262144
-  assert pick(nm_configs.kernel_slower_reason(m, 512, 512, "rms")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(m, 1024, 1024, "rms")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(m, 512, 512, "rms")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(m, 1024, 1024, "rms")) == "mosaic"
   # K = 512, N = 2048: RMSNorm faster with x̂ (2854 vs 3384 µs), LayerNorm with the row sums
   # in the dx epilogue (2636 vs 2938 µs); LayerNorm's forward alone stays on XLA (932 vs 881).
-  assert pick(nm_configs.kernel_slower_reason(m, 512, 2048, "rms")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(m, 1024, 2048, "rms")) == "xla"
-  assert pick(nm_configs.kernel_slower_reason(m, 512, 2048, "layer")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(m, 512, 2048, "rms")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(m, 1024, 2048, "rms")) == "xla"
+  assert pick(nm_routing.kernel_slower_reason(m, 512, 2048, "layer")) == "mosaic"
   # K = 320 or 448 does not split over a cluster: LayerNorm's backward would take the XLA
   # row-terms pass and the bias guard, measured slower than XLA at 512x2048 (3540 vs 3236).
-  assert pick(nm_configs.kernel_slower_reason(m, 320, 2048, "layer")) == "xla"
-  assert pick(nm_configs.kernel_slower_reason(m, 448, 1536, "layer")) == "xla"
-  assert pick(nm_configs.kernel_slower_reason(m, 384, 2048, "layer")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(m, 448, 2048, "rms")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_forward_reason(m, 512, 2048, "layer")) == "xla"
-  assert pick(nm_configs.kernel_slower_forward_reason(m, 512, 2048, "rms")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(m, 1024, 1024, "layer")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(m, 2048, 512, "layer")) == "xla"
+  assert pick(nm_routing.kernel_slower_reason(m, 320, 2048, "layer")) == "xla"
+  assert pick(nm_routing.kernel_slower_reason(m, 448, 1536, "layer")) == "xla"
+  assert pick(nm_routing.kernel_slower_reason(m, 384, 2048, "layer")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(m, 448, 2048, "rms")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_forward_reason(m, 512, 2048, "layer")) == "xla"
+  assert pick(nm_routing.kernel_slower_forward_reason(m, 512, 2048, "rms")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(m, 1024, 1024, "layer")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(m, 2048, 512, "layer")) == "xla"
   # LayerNorm at K = N = 2048 trains faster (11484 vs 12544 µs), the forward ties.
-  assert pick(nm_configs.kernel_slower_reason(m, 2048, 2048, "layer")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(65536, 2048, 2048, "layer")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(m, 2048, 2048, "layer")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(65536, 2048, 2048, "layer")) == "mosaic"
   # RMSNorm at K = N = 2048: faster at 65536 rows (2406 vs 2519 µs), slower at 262144 (10640
   # vs 9892): the rule is by M too.
-  assert pick(nm_configs.kernel_slower_reason(m, 2048, 2048, "rms")) == "xla"
-  assert pick(nm_configs.kernel_slower_reason(65536, 2048, 2048, "rms")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(131072, 2048, 2048, "rms")) == "xla"
-  assert pick(nm_configs.kernel_slower_reason(32768, 2048, 2048, "rms")) == "xla"  # small M
-  assert pick(nm_configs.kernel_slower_reason(65536, 1024, 2048, "rms")) == "xla"
-  assert pick(nm_configs.kernel_slower_reason(m, 4096, 4096, "layer")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(m, 512, 128, "rms")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(m, 512, 512, "rms")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(m, 2048, 2048, "rms")) == "xla"
+  assert pick(nm_routing.kernel_slower_reason(65536, 2048, 2048, "rms")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(131072, 2048, 2048, "rms")) == "xla"
+  assert pick(nm_routing.kernel_slower_reason(32768, 2048, 2048, "rms")) == "xla"  # small M
+  assert pick(nm_routing.kernel_slower_reason(65536, 1024, 2048, "rms")) == "xla"
+  assert pick(nm_routing.kernel_slower_reason(m, 4096, 4096, "layer")) == "xla"
+  assert pick(mn_routing.kernel_slower_reason(m, 512, 128, "rms")) == "mosaic"
+  assert pick(mn_routing.kernel_slower_reason(m, 512, 512, "rms")) == "mosaic"
   # RMSNorm at K = N = 1024 trains faster with the kernel at 262144 rows (2878 vs 2995 µs),
   # the one M measured there.
-  assert pick(mn_configs.kernel_slower_reason(m, 1024, 1024, "rms")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(65536, 1024, 1024, "rms")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(m, 1024, 2048, "rms")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(m, 2048, 1024, "rms")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(m, 1024, 1024, "layer")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(m, 512, 2048, "layer")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(m, 1024, 4096, "layer")) == "xla"
+  assert pick(mn_routing.kernel_slower_reason(m, 1024, 1024, "rms")) == "mosaic"
+  assert pick(mn_routing.kernel_slower_reason(65536, 1024, 1024, "rms")) == "xla"
+  assert pick(mn_routing.kernel_slower_reason(m, 1024, 2048, "rms")) == "xla"
+  assert pick(mn_routing.kernel_slower_reason(m, 2048, 1024, "rms")) == "xla"
+  assert pick(mn_routing.kernel_slower_reason(m, 1024, 1024, "layer")) == "mosaic"
+  assert pick(mn_routing.kernel_slower_reason(m, 512, 2048, "layer")) == "mosaic"
+  assert pick(mn_routing.kernel_slower_reason(m, 1024, 4096, "layer")) == "xla"
   # LayerNorm at K = 512, N = 4096 trains faster with the kernel (13303 vs 14565 µs).
-  assert pick(mn_configs.kernel_slower_reason(m, 512, 4096, "layer")) == "mosaic"
-  assert pick(mn_configs.kernel_slower_reason(m // 2, 512, 8192, "layer")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(65536, 512, 2048, "layer")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(65536, 1024, 1024, "layer")) == "mosaic"
+  assert pick(mn_routing.kernel_slower_reason(m, 512, 4096, "layer")) == "mosaic"
+  assert pick(mn_routing.kernel_slower_reason(m // 2, 512, 8192, "layer")) == "xla"
+  assert pick(mn_routing.kernel_slower_reason(65536, 512, 2048, "layer")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(65536, 1024, 1024, "layer")) == "mosaic"
   # Small M (the Kunlun model's batch-sized layers, M = 768): the post-norm kernel trains
   # slower at M = 768 and faster from 4096 (LayerNorm + residual, 1024²: 97.8 vs 160.2 µs); the
   # pre-norm kernel slower through 16384 (LayerNorm, K = 576, N = 512).
-  assert pick(mn_configs.kernel_slower_reason(768, 1024, 1024, "layer")) == "xla"
-  assert pick(mn_configs.kernel_slower_reason(4096, 1024, 1024, "layer")) == "mosaic"
-  assert pick(nm_configs.kernel_slower_reason(768, 576, 512, "layer")) == "xla"
-  assert pick(nm_configs.kernel_slower_reason(16384, 576, 512, "layer")) == "xla"
-  assert pick(nm_configs.kernel_slower_reason(768, 512, 1024, "rms")) == "xla"
+  assert pick(mn_routing.kernel_slower_reason(768, 1024, 1024, "layer")) == "xla"
+  assert pick(mn_routing.kernel_slower_reason(4096, 1024, 1024, "layer")) == "mosaic"
+  assert pick(nm_routing.kernel_slower_reason(768, 576, 512, "layer")) == "xla"
+  assert pick(nm_routing.kernel_slower_reason(16384, 576, 512, "layer")) == "xla"
+  assert pick(nm_routing.kernel_slower_reason(768, 512, 1024, "rms")) == "xla"
   # An explicit request is honoured even where the kernel is slower.
   assert _dispatch.choose("op", "mosaic", ok, lambda: "slower") == "mosaic"
 
@@ -487,37 +487,37 @@ def test_default_forward_alone_takes_the_path_measured_faster_forward(monkeypatc
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   ok = lambda _: None  # noqa: E731
 
-  def uses(configs, *dims):
-    return _dispatch.choose_by_use("op", None, ok, lambda: configs.kernel_slower_reason(*dims),
-                                   lambda: configs.kernel_slower_forward_reason(*dims))
+  def uses(routing, *dims):
+    return _dispatch.choose_by_use("op", None, ok, lambda: routing.kernel_slower_reason(*dims),
+                                   lambda: routing.kernel_slower_forward_reason(*dims))
 
   m = 262144
   # matmul_norm LayerNorm at 512×4096: forward 4904 (kernel) vs 3218, fwd+bwd 13303 vs 14565.
-  assert uses(mn_configs, m, 512, 4096, "layer") == ("xla", "mosaic")
+  assert uses(mn_routing, m, 512, 4096, "layer") == ("xla", "mosaic")
   # matmul_norm RMSNorm: forward 872 vs 969 at 1024², 1096 vs 1266 at 512×2048; at 1024²
   # it also trains faster (2878 vs 2995 µs at 262144 rows, the M measured), at 1024×2048 slower.
-  assert uses(mn_configs, m, 1024, 1024, "rms") == ("mosaic", "mosaic")
-  assert uses(mn_configs, 65536, 1024, 1024, "rms") == ("mosaic", "xla")
+  assert uses(mn_routing, m, 1024, 1024, "rms") == ("mosaic", "mosaic")
+  assert uses(mn_routing, 65536, 1024, 1024, "rms") == ("mosaic", "xla")
   # RMSNorm at 512×2048 trains with the kernel since its norm backward is the row kernel
   # (3832.5 vs 4127.7 µs).
-  assert uses(mn_configs, m, 512, 2048, "rms") == ("mosaic", "mosaic")
-  assert uses(mn_configs, m, 1024, 2048, "rms") == ("mosaic", "xla")
-  assert uses(mn_configs, m, 2048, 2048, "rms") == ("xla", "xla")
-  assert uses(mn_configs, m, 512, 512, "rms") == ("mosaic", "mosaic")
-  assert uses(mn_configs, m, 2048, 2048, "layer") == ("mosaic", "mosaic")
-  assert uses(mn_configs, 768, 1024, 1024, "rms") == ("xla", "xla")
+  assert uses(mn_routing, m, 512, 2048, "rms") == ("mosaic", "mosaic")
+  assert uses(mn_routing, m, 1024, 2048, "rms") == ("mosaic", "xla")
+  assert uses(mn_routing, m, 2048, 2048, "rms") == ("xla", "xla")
+  assert uses(mn_routing, m, 512, 512, "rms") == ("mosaic", "mosaic")
+  assert uses(mn_routing, m, 2048, 2048, "layer") == ("mosaic", "mosaic")
+  assert uses(mn_routing, 768, 1024, 1024, "rms") == ("xla", "xla")
   # norm_matmul RMSNorm at K = N = 2048: forward 2994 vs 3291 (65536 rows: 759 vs 820);
   # training faster at 65536 rows only (2406 vs 2519; 262144: 10640 vs 9892).
-  assert uses(nm_configs, m, 2048, 2048, "rms") == ("mosaic", "xla")
-  assert uses(nm_configs, 65536, 2048, 2048, "rms") == ("mosaic", "mosaic")
-  assert uses(nm_configs, m, 4096, 4096, "rms") == ("xla", "xla")
+  assert uses(nm_routing, m, 2048, 2048, "rms") == ("mosaic", "xla")
+  assert uses(nm_routing, 65536, 2048, 2048, "rms") == ("mosaic", "mosaic")
+  assert uses(nm_routing, m, 4096, 4096, "rms") == ("xla", "xla")
   # norm_matmul LayerNorm at 512×2048: forward 881 (XLA) vs 932, fwd+bwd 2636 (kernel) vs 2938.
-  assert uses(nm_configs, m, 512, 2048, "layer") == ("xla", "mosaic")
-  assert uses(nm_configs, m, 1024, 1024, "layer") == ("mosaic", "mosaic")
+  assert uses(nm_routing, m, 512, 2048, "layer") == ("xla", "mosaic")
+  assert uses(nm_routing, m, 1024, 1024, "layer") == ("mosaic", "mosaic")
   # norm_matmul LayerNorm at K = N = 2048: forward 3426 (kernel) vs 3399 (XLA), 65536 rows 881
   # vs 850; fwd+bwd 11484 vs 12544, 2604 vs 2854 (the forward took the kernel until session 33).
-  assert uses(nm_configs, m, 2048, 2048, "layer") == ("xla", "mosaic")
-  assert uses(nm_configs, 65536, 2048, 2048, "layer") == ("xla", "mosaic")
+  assert uses(nm_routing, m, 2048, 2048, "layer") == ("xla", "mosaic")
+  assert uses(nm_routing, 65536, 2048, 2048, "layer") == ("xla", "mosaic")
   # An explicit implementation is used for both.
   assert _dispatch.choose_by_use("op", "xla", ok, lambda: None, lambda: "slower") == ("xla", "xla")
 
@@ -587,7 +587,7 @@ def _composed_spy(monkeypatch):
 
 
 def test_composed_training_route(monkeypatch):
-  """Where training on the kernel path runs composed (configs.composed_training_reason, RMSNorm
+  """Where training on the kernel path runs composed (routing.composed_training_reason, RMSNorm
   K = N = 1024 from 262144 rows, scaled down here): the value of a call that is not
   differentiated is the fused kernel's; its gradients are exactly those of the GEMM then
   pallas_norm.rms_norm's kernels, and within bf16 rounding of the f32 reference. A norm bias,
@@ -597,8 +597,8 @@ def test_composed_training_route(monkeypatch):
   real = _dispatch.choose_by_use
   monkeypatch.setattr(_dispatch, "choose_by_use", lambda op, impl, *a, **k: (
       ("interpret", "interpret") if impl is None else real(op, impl, *a, **k)))
-  monkeypatch.setattr(mn_configs, "RMS_SQUARE_TRAINING_KN", 64)
-  monkeypatch.setattr(mn_configs, "RMS_SQUARE_TRAINING_MIN_M", 40)
+  monkeypatch.setattr(mn_routing, "RMS_SQUARE_TRAINING_KN", 64)
+  monkeypatch.setattr(mn_routing, "RMS_SQUARE_TRAINING_MIN_M", 40)
   calls = _composed_spy(monkeypatch)
   x, w, scale, bias, ct = _inputs(37, 40, 64, 64, jnp.bfloat16)
   scale, bias, ct = scale[:64].astype(jnp.bfloat16), bias[:64], ct.astype(jnp.bfloat16)
@@ -640,11 +640,11 @@ def test_composed_training_route(monkeypatch):
 
 def test_composed_training_reason():
   m = 262144
-  assert mn_configs.composed_training_reason(m, 1024, 1024, "rms") is None
-  assert mn_configs.composed_training_reason(m // 4, 1024, 1024, "rms") is not None
-  assert mn_configs.composed_training_reason(m, 1024, 1024, "layer") is not None
-  assert mn_configs.composed_training_reason(m, 512, 512, "rms") is not None
-  assert mn_configs.composed_training_reason(m, 1024, 2048, "rms") is not None
+  assert mn_routing.composed_training_reason(m, 1024, 1024, "rms") is None
+  assert mn_routing.composed_training_reason(m // 4, 1024, 1024, "rms") is not None
+  assert mn_routing.composed_training_reason(m, 1024, 1024, "layer") is not None
+  assert mn_routing.composed_training_reason(m, 512, 512, "rms") is not None
+  assert mn_routing.composed_training_reason(m, 1024, 2048, "rms") is not None
 
 
 @pytest.mark.gpu
@@ -672,7 +672,7 @@ def test_gpu_composed_training_matches_reference(monkeypatch):
                                            ("layer", 512, 4096, ("xla", "mosaic"))])
 def test_gpu_default_runs_each_use_on_its_path(norm, k, n, uses):
   """matmul_norm with implementation=None where the forward alone and training take different
-  paths (configs): jitted, the forward equals the forward path's and the gradients the training
+  paths (routing): jitted, the forward equals the forward path's and the gradients the training
   path's to rounding, and both match the f32 reference."""
   from pallas_norm.ops.matmul_norm import api as mn
   from pallas_norm import _dispatch
@@ -683,8 +683,8 @@ def test_gpu_default_runs_each_use_on_its_path(norm, k, n, uses):
   ct = ct.astype(jnp.bfloat16)
   assert _dispatch.choose_by_use(
       "matmul_norm", None, lambda _: None,
-      lambda: mn_configs.kernel_slower_reason(m, k, n, norm),
-      lambda: mn_configs.kernel_slower_forward_reason(m, k, n, norm)) == uses
+      lambda: mn_routing.kernel_slower_reason(m, k, n, norm),
+      lambda: mn_routing.kernel_slower_forward_reason(m, k, n, norm)) == uses
 
   def op(impl):
     return lambda x, w, s, b: mn.matmul_norm(x, w, scale=s, norm_bias=b, norm=norm,
@@ -950,9 +950,9 @@ def test_epilogue_row_sums_route_by_shape(monkeypatch, k, n, norm, interpret, ex
 def test_weight_grads_take_x_hat_with_the_row_sums(monkeypatch, k, n, norm, x_hat):
   """On a GPU (interpret=False) the weight gradients take x̂ wherever the dx kernel sums its
   rows in the epilogue (RMSNorm at K = N too: no XLA pass over dy is left to fuse the scaling
-  into), else by configs.x_hat_pays; the weight-gradient kernel off (with it no x̂ is written:
+  into), else by routing.x_hat_pays; the weight-gradient kernel off (with it no x̂ is written:
   test_weight_grad_kernel's route tests). Traced only: no kernel runs."""
-  monkeypatch.setattr(nm_configs, "weight_grad_kernel_pays", lambda k, n: False)
+  monkeypatch.setattr(nm_routing, "weight_grad_kernel_pays", lambda k, n: False)
   seen = []
 
   def spy(dy, w_gamma, x, *args, **kwargs):
@@ -988,7 +988,7 @@ def test_dispatch_limits_at_their_edges():
   """implementation=None's measured limits just past their edges keep XLA (mutation tests
   moved each unnoticed): the pre-norm's wide shapes end at N = 2048; the post-norm needs
   M ≥ 4096 rows, and RMSNorm's wide training shapes end at N = 2048."""
-  from pallas_norm.ops.norm_matmul import configs as nm_configs
-  assert nm_configs.kernel_slower_reason(262144, 512, 3072, "rms") is not None
-  assert mn_configs.kernel_slower_reason(2048, 1024, 1024, "layer") is not None
-  assert mn_configs.kernel_slower_reason(262144, 512, 4096, "rms") is not None
+  from pallas_norm.ops.norm_matmul import routing as nm_routing
+  assert nm_routing.kernel_slower_reason(262144, 512, 3072, "rms") is not None
+  assert mn_routing.kernel_slower_reason(2048, 1024, 1024, "layer") is not None
+  assert mn_routing.kernel_slower_reason(262144, 512, 4096, "rms") is not None

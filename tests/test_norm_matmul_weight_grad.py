@@ -219,11 +219,11 @@ def test_gpu_op_gradients_through_the_weight_grad_kernel(monkeypatch, norm, bias
 
 
 def test_weight_grad_kernel_pays_where_measured():
-  """The measured rule (configs.weight_grad_kernel_pays): K, N ≤ 512 take the kernel; 512×2048
+  """The measured rule (routing.weight_grad_kernel_pays): K, N ≤ 512 take the kernel; 512×2048
   and 1024², where it trained slower, keep cuBLAS."""
-  from pallas_norm.ops.norm_matmul import configs
-  assert configs.weight_grad_kernel_pays(256, 256) and configs.weight_grad_kernel_pays(512, 512)
-  assert configs.weight_grad_kernel_pays(128, 320)
-  assert not configs.weight_grad_kernel_pays(512, 2048)
-  assert not configs.weight_grad_kernel_pays(1024, 1024)
-  assert not configs.weight_grad_kernel_pays(1024, 256)
+  from pallas_norm.ops.norm_matmul import routing
+  assert routing.weight_grad_kernel_pays(256, 256) and routing.weight_grad_kernel_pays(512, 512)
+  assert routing.weight_grad_kernel_pays(128, 320)
+  assert not routing.weight_grad_kernel_pays(512, 2048)
+  assert not routing.weight_grad_kernel_pays(1024, 1024)
+  assert not routing.weight_grad_kernel_pays(1024, 256)

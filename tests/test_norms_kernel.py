@@ -20,7 +20,7 @@ import pytest
 import pallas_norm
 from pallas_norm import reference
 from pallas_norm.ops.norms import api as norms_api
-from pallas_norm.ops.norms import configs as norms_configs
+from pallas_norm.ops.norms import routing as norms_routing
 from pallas_norm.ops.norms import triton as row_norm_pallas
 from _numpy_oracle import seed_of
 
@@ -636,7 +636,7 @@ def test_forward_paths_and_refusals(monkeypatch):
   assert fp("rms", (65536, 8192), False) == "xla"
   assert fp("layer", (16384, 32768), False) == "kernel"
   assert fp("layer", (1024, 2048), False) == "xla"
-  monkeypatch.setattr(norms_configs, "KERNEL_DOMAINS",
+  monkeypatch.setattr(norms_routing, "KERNEL_DOMAINS",
                       {"layer": ((128, 8192, 65536),), "rms": ()})
   assert fp("layer", (262144, 2048), False) == "kernel"
   assert fp("rms", (262144, 2048), False) == "xla"
@@ -761,7 +761,7 @@ def test_default_forward_use_reads_forward_domains(monkeypatch):
   from pallas_norm.ops.norms import api as norms
   monkeypatch.setattr(_dispatch, "on_hopper_gpu", lambda: True)
   monkeypatch.setattr(_dispatch, "on_cuda_gpu", lambda: True)
-  monkeypatch.setattr(norms_configs, "FORWARD_DOMAINS",
+  monkeypatch.setattr(norms_routing, "FORWARD_DOMAINS",
                       {"layer": (), "rms": ((128, 512, 1024),)})
 
   def chosen(op, shape, implementation=None):

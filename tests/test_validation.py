@@ -927,9 +927,9 @@ def test_norm_matmul_backward_decides_its_dx_route_once(monkeypatch):
   """norm_matmul's backward on the kernel path (traced as on a Hopper GPU, nothing runs): it asks
   once whether the dx kernel sums its rows in the epilogue, picks the dx kernel's tiling once,
   and calls the kernel module's launch, which checks nothing again (the op validated)."""
-  from pallas_norm.ops.norm_matmul import configs, mosaic_bwd
+  from pallas_norm.ops.norm_matmul import mosaic_bwd, routing
   # The x̂ route (the weight-gradient kernel's route picks the same way, with x_hat=False).
-  monkeypatch.setattr(configs, "weight_grad_kernel_pays", lambda k, n: False)
+  monkeypatch.setattr(routing, "weight_grad_kernel_pays", lambda k, n: False)
   asked, picked, checked = [], [], []
   real_ask, real_pick = mosaic_bwd.row_sums_unsupported_reason, mosaic_bwd.pick_config
   monkeypatch.setattr(mosaic_bwd, "row_sums_unsupported_reason",

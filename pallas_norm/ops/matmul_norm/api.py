@@ -36,7 +36,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_norm import _dispatch, _op, _validate, reference
-from pallas_norm.ops.matmul_norm import configs, mosaic, mosaic_bwd, xla
+from pallas_norm.ops.matmul_norm import mosaic, mosaic_bwd, routing, xla
 from pallas_norm.ops.norms import api as norms_api
 from pallas_norm.ops.norms import triton as norms_triton
 
@@ -81,7 +81,7 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       dtype and without dense_bias, residual, norm_bias, return_h or return_stats runs composed:
       cuBLAS's GEMM, then :func:`pallas_norm.rms_norm` on h with its own kernels (measured
       faster there than the fused kernel in training;
-      :func:`.configs.composed_training_reason`); its y may differ from the plain call's in
+      :func:`.routing.composed_training_reason`); its y may differ from the plain call's in
       the last bit. The kernel paths are first-order reverse mode only.
 
   Returns:
@@ -119,8 +119,8 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
       "matmul_norm", implementation,
       lambda candidate: kernel_unsupported_reason(x, w, residual, out_dtype,
                                                   interpret=candidate == "interpret"),
-      lambda: configs.kernel_slower_reason(m, k, n, norm),
-      lambda: configs.kernel_slower_forward_reason(m, k, n, norm))
+      lambda: routing.kernel_slower_reason(m, k, n, norm),
+      lambda: routing.kernel_slower_forward_reason(m, k, n, norm))
 
   def run(chosen, x, w, dense_bias, residual, scale, norm_bias):
     if chosen != "xla":
@@ -146,7 +146,7 @@ def matmul_norm(x, w, *, dense_bias=None, residual=None, scale=None, norm_bias=N
 def _trains_composed(m, k, n, norm, dense_bias, residual, norm_bias, out_dtype, x_dtype,
                      return_h, return_stats) -> bool:
   """Whether a training call on the kernel path runs :func:`_composed_training`: at the shapes
-  of :func:`.configs.composed_training_reason`, for the plain call measured there (bfloat16,
+  of :func:`.routing.composed_training_reason`, for the plain call measured there (bfloat16,
   where ``rms_norm`` takes its kernels; no dense bias, residual, norm bias, h or statistics;
   the output in x's dtype). Not with h returned: its cotangent would be added to rms_norm's dh
   after that is rounded to bf16, a second rounding the fused kernel's backward does not make
@@ -155,7 +155,7 @@ def _trains_composed(m, k, n, norm, dense_bias, residual, norm_bias, out_dtype, 
            and not return_stats
            and jnp.dtype(x_dtype) == jnp.bfloat16
            and jnp.dtype(out_dtype or x_dtype) == jnp.dtype(x_dtype))
-  return plain and configs.composed_training_reason(m, k, n, norm) is None
+  return plain and routing.composed_training_reason(m, k, n, norm) is None
 
 
 def _composed_training(x, w, dense_bias, residual, scale, norm_bias, *, eps):
@@ -261,11 +261,11 @@ def _whole_backward(x, w, out_dtype, return_h, interpret: bool = False) -> bool:
   from x, dh, dx, dw and the column sums in one pass over x and dy), so the forward saves no
   x̂: K = N = 128 (:func:`.mosaic_bwd.unsupported_reason`), no returned h, the output in x's
   dtype (a residual is in x's dtype already: :func:`check_args`; a dense bias the kernel adds
-  to h itself), and on the GPU at least :data:`.configs.WHOLE_BACKWARD_MIN_M` rows (a speed
+  to h itself), and on the GPU at least :data:`.routing.WHOLE_BACKWARD_MIN_M` rows (a speed
   rule: interpret mode takes it at any M, so the CPU tests run it)."""
   m = x.shape[0]
   return (not return_h
-          and (interpret or m >= configs.WHOLE_BACKWARD_MIN_M)
+          and (interpret or m >= routing.WHOLE_BACKWARD_MIN_M)
           and jnp.dtype(out_dtype) == jnp.dtype(x.dtype)
           and mosaic_bwd.unsupported_reason(m, x.shape[1], w.shape[1], x.dtype) is None)
 

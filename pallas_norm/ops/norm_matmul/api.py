@@ -23,15 +23,15 @@ epilogue (:mod:`pallas_norm.ops.norm_matmul.mosaic_bwd`). Where the kernel can
 ``s = rowsum(G ⊙ x̂) / K`` and ``dy·c = rowsum(G)``, from the accumulator and the x tile, summed
 across the CTAs of a cluster that share the rows (nothing reads y). Elsewhere its two row
 scalars ``y_term = rstd² ⊙ s`` and ``c_term = rstd ⊙ (dy·c)/K`` come from one XLA pass over dy
-and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.configs.fused_row_terms_pay`), from the dx
+and y, or, for LayerNorm up to K, N ≤ 512 (:func:`.routing.fused_row_terms_pay`), from the dx
 kernel's K loop, which then streams y next to dy. The weight gradient dW_γ = x̂ᵀ dy, with
 x̂ = (x − mean) ⊙ rstd: with the row sums in the epilogue, at K = 128 (N ≤ 128) the dx kernel
-sums it itself; for K, N ≤ 512 (:func:`.configs.weight_grad_kernel_pays`; K a multiple of 128,
+sums it itself; for K, N ≤ 512 (:func:`.routing.weight_grad_kernel_pays`; K a multiple of 128,
 N of 64, M of 8 and dy in x's dtype, :func:`.mosaic_dw.unsupported_reason`) the weight-gradient
 kernel (:mod:`pallas_norm.ops.norm_matmul.mosaic_dw`) reads x and dy and makes x̂ in its
 registers, so x̂ never goes to memory; elsewhere the dx kernel's epilogue writes x̂ from the x
 tile it holds and dW_γ is one XLA GEMM with nothing to scale or correct (also without the row
-sums, for LayerNorm and for RMSNorm with K < N, :func:`.configs.x_hat_pays`); otherwise
+sums, for LayerNorm and for RMSNorm with K < N, :func:`.routing.x_hat_pays`); otherwise
 (RMSNorm, K ≥ N) dW_γ = xᵀ (rstd ⊙ dy) with the scaling as its own XLA pass. A norm bias's
 terms need Σ_i dy_i: with the row sums in the epilogue the dx kernel sums the dy stages it
 streams (``return_dy_col_sums``, where :func:`.mosaic_bwd.dy_col_sums_unsupported_reason`
@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_norm import _dispatch, _op, _validate, reference
-from pallas_norm.ops.norm_matmul import configs, mosaic, mosaic_bwd, mosaic_dw, xla
+from pallas_norm.ops.norm_matmul import mosaic, mosaic_bwd, mosaic_dw, routing, xla
 
 _F32 = jnp.float32
 
@@ -122,8 +122,8 @@ def norm_matmul(x, w, *, scale=None, norm_bias=None, norm: str = "rms", eps: flo
   forward, training = _dispatch.choose_by_use(
       "norm_matmul", implementation,
       lambda candidate: kernel_unsupported_reason(x, w, out_dtype),
-      lambda: configs.kernel_slower_reason(m, k, n, norm),
-      lambda: configs.kernel_slower_forward_reason(m, k, n, norm))
+      lambda: routing.kernel_slower_reason(m, k, n, norm),
+      lambda: routing.kernel_slower_forward_reason(m, k, n, norm))
 
   def run(chosen, x, w, scale, norm_bias):
     if chosen == "xla":
@@ -209,7 +209,7 @@ def _fused_bwd(norm, eps, out_dtype, implementation, config, saved, cotangents):
   # With the row sums in the dx epilogue no pass over dy is left in XLA but the weight
   # gradients' scaling of dy, which x̂ from the same epilogue replaces (or, where the dx kernel
   # sums dW_γ = x̂ᵀ dy itself or the weight-gradient kernel makes x̂ from x, the GEMM of x̂ too).
-  x_hat = not (dw or dw_kernel) and (row_sums or configs.x_hat_pays(k, n, norm))
+  x_hat = not (dw or dw_kernel) and (row_sums or routing.x_hat_pays(k, n, norm))
   out = _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret=interpret,
                     row_sums=row_sums, x_hat=x_hat, dw_config=dw_config,
                     bias_sums=(x_hat or dw or dw_kernel) and norm_bias is not None)
@@ -245,9 +245,9 @@ def _takes_weight_grad_kernel(m, k, n, dtype, dy_dtype) -> bool:
   """Whether dW_γ = x̂ᵀ dy comes from :func:`.mosaic_dw.weight_grad` (x̂ made from x in its
   registers) instead of x̂ written by the dx kernel and cuBLAS's GEMM of it: with the row sums
   in the dx epilogue (the caller asks), where the kernel takes the shapes (dy in x's dtype,
-  :func:`.mosaic_dw.unsupported_reason`) and :func:`.configs.weight_grad_kernel_pays`. Measured
+  :func:`.mosaic_dw.unsupported_reason`) and :func:`.routing.weight_grad_kernel_pays`. Measured
   on the GPU in ``benchmarks/NOTES.md`` ("Pre-norm backward")."""
-  return (configs.weight_grad_kernel_pays(k, n)
+  return (routing.weight_grad_kernel_pays(k, n)
           and mosaic_dw.unsupported_reason(m, k, n, dtype, dy_dtype) is None)
 
 
@@ -317,7 +317,7 @@ def _input_grad(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd, interpret, row
   def with_row_terms(terms):
     return dx_kernel(y_term=terms[0], mean=mean, c_term=terms[1])
 
-  fused = configs.fused_row_terms_pay(k, n, norm)
+  fused = routing.fused_row_terms_pay(k, n, norm)
   if not (fused and y.dtype == dy.dtype == x.dtype):
     return with_row_terms(
         xla.guarded_row_terms(dy, x, w_gamma, col_sum, out_bias, y, mean, rstd))

@@ -26,7 +26,7 @@ Where the row scalars come from (:func:`norm_matmul_dx`):
   except in the fused case below): XLA computes them in one pass over dy and y
   (``pallas_norm.ops.norm_matmul.xla.row_terms``) before the kernel.
 * fused (``y``, ``out_bias``, ``col_sum``; where K does not split so, for LayerNorm up to
-  K, N ≤ 512, :func:`pallas_norm.ops.norm_matmul.configs.fused_row_terms_pay`): the kernel
+  K, N ≤ 512, :func:`pallas_norm.ops.norm_matmul.routing.fused_row_terms_pay`): the kernel
   computes them itself, inside its K loop. The
   reduction runs over N, the same dimension as the row sums, so each K step's (tile_m, tile_k)
   dy tile, already in SMEM as the WGMMA A operand, is all the row sums need next to the
@@ -112,7 +112,7 @@ from pallas_norm import _validate, mgpu
 from pallas_norm.mgpu import TileConfig
 from pallas_norm.mgpu import exchange as cluster_exchange
 from pallas_norm.mgpu import gemm as gemm_core
-from pallas_norm.ops.norm_matmul import configs
+from pallas_norm.ops.norm_matmul import routing
 from pallas_norm.ops.norm_matmul import mosaic as forward
 
 __all__ = ["pick_config", "unsupported_reason", "row_sums_unsupported_reason",
@@ -141,7 +141,7 @@ def row_sums_unsupported_reason(m: int, n: int, k: int, dtype, interpret: bool =
   each, so K ≤ 2048; in interpret mode K ≤ 256 (one CTA: it cannot read a peer's SMEM)."""
   if (reason := unsupported_reason(m, n, k, dtype)) is not None:
     return reason
-  if configs.k_split(k, interpret) is None:
+  if routing.k_split(k, interpret) is None:
     return (f"K = {k} does not split into one column tile (a multiple of 64 up to 256) per CTA "
             "of a cluster of 1, 2, 4 or 8" + (" (interpret mode: a cluster of 1, K ≤ 256)"
                                               if interpret else ""))
@@ -214,7 +214,7 @@ def pick_config(m: int, n: int, k: int, *, fused_row_terms: bool = False,
                    max_concurrent_steps=fwd.max_concurrent_steps, epi_tile_m=fwd.epi_tile_m,
                    epi_tile_n=fwd.epi_tile_n, pipeline="ring")
   if row_sums:
-    split = configs.k_split(k, interpret)
+    split = routing.k_split(k, interpret)
     if split is None:
       raise ValueError(row_sums_unsupported_reason(m, n, k, jnp.bfloat16, interpret))
     cfg = dataclasses.replace(cfg, tile_m=128, tile_n=split[1], epi_tile_m=64)
@@ -637,7 +637,7 @@ class _DxHooks(gemm_core.Hooks):
       self._add_column_sums(tile, step)
     # With the fused row terms, every column tile of a row block recomputes the same row sums
     # from the same dy and y tiles (y re-read, mostly from L2 with the N-minor grid). It is
-    # what makes the fused path lose at K = 2048 (8 column tiles; configs.py); reusing the sums
+    # what makes the fused path lose at K = 2048 (8 column tiles; routing.py); reusing the sums
     # across column tiles would need a second pipeline without y (module docstring).
     if not self.plan.fused:
       return sums

@@ -7,7 +7,7 @@ differentiated by autodiff; on every backend) and the Pallas kernels of
 backward kernel after XLA's forward (recomputing the row statistics) or after the forward kernel
 of :mod:`pallas_norm.ops.norms.triton_fwd` (reading them). ``implementation=None`` takes the
 kernels for each where they were measured faster (the tables of
-:mod:`pallas_norm.ops.norms.configs`: ``KERNEL_DOMAINS`` in training, ``FORWARD_DOMAINS`` not
+:mod:`pallas_norm.ops.norms.routing`: ``KERNEL_DOMAINS`` in training, ``FORWARD_DOMAINS`` not
 differentiated). They are the building blocks of the Flax layers and the oracle shape of the
 fused ops.
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_norm import _dispatch, _op, _validate
-from pallas_norm.ops.norms import configs, triton, triton_fwd, xla
+from pallas_norm.ops.norms import routing, triton, triton_fwd, xla
 
 
 def _check(x, scale, bias, residual, eps, out_dtype, implementation, op):
@@ -78,9 +78,9 @@ def rms_norm(x, scale=None, residual=None, *, eps: float = 1e-6,
       rstd (:func:`forward_path`; rows wider than 8192 always,
       walked in chunks, no residual there); "interpret" the same kernels in Pallas interpret
       mode. None picks the kernels on a Hopper GPU where they were measured faster in training
-      than XLA (:data:`pallas_norm.ops.norms.configs.KERNEL_DOMAINS`), and for a call that is
+      than XLA (:data:`pallas_norm.ops.norms.routing.KERNEL_DOMAINS`), and for a call that is
       not differentiated the forward kernel where it was measured faster than XLA's forward
-      (:data:`pallas_norm.ops.norms.configs.FORWARD_DOMAINS`); else XLA. The kernel path
+      (:data:`pallas_norm.ops.norms.routing.FORWARD_DOMAINS`); else XLA. The kernel path
       supports first-order reverse mode only (also the forward kernel that None picks for a
       call that is not differentiated: ``jax.jvp`` of it raises JAX's TypeError).
 
@@ -111,7 +111,7 @@ def _run(chosen, x, scale, bias, residual, norm, eps, zero_centered_scale, out_d
   """The outputs by ``chosen = (forward use, training)`` (:func:`_check`). Training takes the
   kernels' path with :func:`forward_path`'s forward. Under ``implementation=None`` a
   call that is not differentiated runs the forward kernel where the forward use chose the
-  kernels (:data:`configs.FORWARD_DOMAINS`), else XLA's forward; where that is not the training
+  kernels (:data:`routing.FORWARD_DOMAINS`), else XLA's forward; where that is not the training
   path's forward, :func:`_op.by_use` runs each use on its own. Forward use None: the training
   path for both."""
   kw = dict(eps=eps, zero_centered_scale=zero_centered_scale, out_dtype=out_dtype)
@@ -163,7 +163,7 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
       (:func:`forward_path`), "interpret" the same kernels in Pallas interpret mode; None picks
       them on a Hopper GPU where they were measured faster in training (forward + backward)
       than "xla", and the forward kernel alone for a call that is not differentiated where
-      :data:`pallas_norm.ops.norms.configs.FORWARD_DOMAINS` holds. The kernel path supports
+      :data:`pallas_norm.ops.norms.routing.FORWARD_DOMAINS` holds. The kernel path supports
       first-order reverse mode only (it is a ``custom_vjp``: ``jax.jvp`` raises JAX's TypeError
       "can't apply forward-mode autodiff (jvp) to a custom_vjp function", a second derivative
       NotImplementedError naming the op); "xla" supports every order.
@@ -184,7 +184,7 @@ def layer_norm(x, scale=None, bias=None, residual=None, *, eps: float = 1e-6,
 
 
 # ----------------------------------------------------------------------------------------------
-# Where implementation=None takes the kernels (the tables: configs.py).
+# Where implementation=None takes the kernels (the tables: routing.py).
 
 
 def _covers(domains, n: int, rows: int) -> bool:
@@ -193,14 +193,14 @@ def _covers(domains, n: int, rows: int) -> bool:
 
 def forward_path(norm: str, x_shape, has_residual: bool) -> str:
   """The forward the kernel path runs for this call: "kernel" (the forward kernel, whose
-  statistics the backward reads) where :data:`configs.KERNEL_DOMAINS` holds the call or nothing
+  statistics the backward reads) where :data:`routing.KERNEL_DOMAINS` holds the call or nothing
   else serves (rows wider than :data:`triton.MAX_N`); "xla" (XLA's fused forward, the backward
   recomputing the statistics) with a residual (the forward kernel adds none) or elsewhere
   (measured slower than XLA either way)."""
   n, rows = x_shape[-1], math.prod(x_shape[:-1])
   if has_residual:
     return "xla"
-  return "kernel" if n > triton.MAX_N or _covers(configs.KERNEL_DOMAINS[norm], n, rows) else "xla"
+  return "kernel" if n > triton.MAX_N or _covers(routing.KERNEL_DOMAINS[norm], n, rows) else "xla"
 
 
 def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> str | None:
@@ -218,14 +218,14 @@ def _slower(rows_of_norm, what: str, x_shape, x_dtype, has_residual: bool) -> st
 
 def slower_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
   """Why ``implementation=None`` keeps XLA for this call in training, or None to use the
-  kernels (:data:`configs.KERNEL_DOMAINS`, measured on a Hopper GPU, the only one measured)."""
-  return _slower(configs.KERNEL_DOMAINS[norm], "kernel path", x_shape, x_dtype, has_residual)
+  kernels (:data:`routing.KERNEL_DOMAINS`, measured on a Hopper GPU, the only one measured)."""
+  return _slower(routing.KERNEL_DOMAINS[norm], "kernel path", x_shape, x_dtype, has_residual)
 
 
 def slower_forward_reason(norm: str, x_shape, x_dtype, has_residual: bool) -> str | None:
   """Why ``implementation=None`` keeps XLA for this call when it is not differentiated, or None
-  to run the forward kernel (:data:`configs.FORWARD_DOMAINS`)."""
-  return _slower(configs.FORWARD_DOMAINS[norm], "forward kernel", x_shape, x_dtype,
+  to run the forward kernel (:data:`routing.FORWARD_DOMAINS`)."""
+  return _slower(routing.FORWARD_DOMAINS[norm], "forward kernel", x_shape, x_dtype,
                  has_residual)
 
 

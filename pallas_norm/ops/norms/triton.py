@@ -2,7 +2,7 @@
 forward or after the forward kernel of :mod:`pallas_norm.ops.norms.triton_fwd`.
 
 Two forwards (:func:`pallas_norm.ops.norms.api.forward_path`, by
-:data:`pallas_norm.ops.norms.configs.KERNEL_DOMAINS`): XLA's (one fused pass near copy
+:data:`pallas_norm.ops.norms.routing.KERNEL_DOMAINS`): XLA's (one fused pass near copy
 bandwidth) returns nothing but the outputs, since handing the per-row statistics to the
 backward split it into three passes (measured: benchmarks/NOTES.md, "Standalone norms"), and
 the backward recomputes them; the forward kernel returns them (float32, a few bytes a row) and
@@ -42,7 +42,7 @@ forward). After the forward kernel the statistics come from it (``shift``, ``dme
 ``rstd``; the reference's two-pass values for float16/float32, the shifted moments for
 bfloat16, :func:`pallas_norm.ops.norms.triton_fwd.full_row_stats`): the forward is one kernel
 there, not XLA's split fusion, and that path trains fastest where the kernels beat XLA
-(LayerNorm at N = 128-32768, RMSNorm at N = 128-2048: ``configs.KERNEL_DOMAINS``).
+(LayerNorm at N = 128-32768, RMSNorm at N = 128-2048: ``routing.KERNEL_DOMAINS``).
 
 The same kernel also runs given x̂ and rstd instead of x (:func:`norm_backward`, for either
 norm): the post-norm GEMM's backward (:mod:`pallas_norm.ops.matmul_norm`), whose forward saved
@@ -157,7 +157,7 @@ rows × N × 4 bytes of all programs should stay in L2); LayerNorm's two are sum
 :func:`_column_sums_call`, the row kernel a program per row block (programs per SM None) with
 L2 hints (the first pass keeps its lines, the second drops them). The fastest measured on the
 H200 (``benchmarks/NOTES.md``, "Standalone norms"; ``benchmarks/EXPERIMENTS.md``): LayerNorm's
-trains faster than XLA at 16384×32768 (``configs.KERNEL_DOMAINS``), RMSNorm's slower. The row
+trains faster than XLA at 16384×32768 (``routing.KERNEL_DOMAINS``), RMSNorm's slower. The row
 norms' backward (:func:`row_backward`) reads γ in its own dtype (on an H100: RMSNorm's chunked one
 5.7% faster at 16384×32768 than with float32, the full rows of 8192 1.5-2.4%) except LayerNorm's
 chunked one, 4% slower with it; the post-norm GEMM's (:func:`norm_backward`) keeps float32."""
