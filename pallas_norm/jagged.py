@@ -43,7 +43,9 @@ __all__ = [
 
 
 def lengths(offsets: jax.Array) -> jax.Array:
-  """Per-sample lengths ``offsets[1:] - offsets[:-1]``, shape (B,), offsets' integer dtype.
+  """Per-sample lengths ``offsets[1:] - offsets[:-1]``: a jax.Array of shape (B,) in the
+  offsets' integer dtype as JAX sees it (int32 for int32 offsets; without jax_enable_x64 a
+  NumPy int64 array is int32), eagerly as under ``jax.jit``.
 
   Args:
     offsets: (B+1,) integer array (int32 in the ops; not bool or uint64) of the convention
@@ -52,7 +54,8 @@ def lengths(offsets: jax.Array) -> jax.Array:
   Raises:
     TypeError: offsets that are not a 1-D integer array of shape (B+1,).
     ValueError: concrete offsets that do not start at 0 or decrease (they gave negative
-      lengths). Traced offsets (under ``jax.jit``) are checked for dtype and shape only.
+      lengths), or that do not fit that dtype (a NumPy int64 offset past 2**31 - 1 without
+      jax_enable_x64). Traced offsets (under ``jax.jit``) are checked for dtype and shape only.
   """
   _check_offsets_kind("lengths", offsets)
   if not isinstance(offsets, jax.core.Tracer):
@@ -60,6 +63,11 @@ def lengths(offsets: jax.Array) -> jax.Array:
     if host[0] != 0 or np.any(np.diff(host) < 0):
       raise ValueError(f"lengths: offsets must start at 0 and never decrease, got "
                        f"{host.tolist()}")
+    dtype = _validate.jax_dtype(offsets)
+    if host[-1] > np.iinfo(dtype).max:  # jnp.asarray would wrap it silently, as jax.jit does
+      raise ValueError(f"lengths: offsets must fit {dtype} (their dtype as JAX sees it), got "
+                       f"offsets[-1] = {host[-1]}")
+    offsets = jnp.asarray(offsets, dtype)  # a NumPy result in NumPy's dtype disagreed with jit
   return _lengths(offsets)
 
 

@@ -78,6 +78,25 @@ def test_lengths_of_traced_offsets_checks_only_dtype_and_shape():
     f(jnp.array([0.0, 1.0]))
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int16, np.uint32])
+def test_lengths_of_numpy_offsets_are_the_jitted_jax_array(dtype):
+  """Eagerly, NumPy offsets gave a NumPy array in their own dtype (int64 for int64 offsets),
+  while under jax.jit the same offsets gave an int32 jax.Array: both are now the jax.Array in
+  the offsets' dtype as JAX sees it. An int64 offset that int32 cannot hold raises eagerly
+  (jnp.asarray, as jax.jit, would wrap it)."""
+  offsets = np.asarray([0, 3, 3, 8], dtype)
+  eager, jitted = jagged.lengths(offsets), jax.jit(jagged.lengths)(offsets)
+  assert isinstance(eager, jax.Array) and isinstance(jitted, jax.Array)
+  assert eager.dtype == jitted.dtype == jax.dtypes.canonicalize_dtype(dtype)
+  np.testing.assert_array_equal(eager, [3, 0, 5])
+  np.testing.assert_array_equal(jitted, [3, 0, 5])
+  if dtype == np.int64:
+    with pytest.raises(ValueError, match="lengths: offsets must fit int32"):
+      jagged.lengths(np.asarray([0, 2**31], dtype))
+    with jax.enable_x64(True):
+      assert jagged.lengths(np.asarray([0, 2**31], dtype)).dtype == jnp.int64
+
+
 @pytest.mark.parametrize("bad", [[[1, 2], [3, 4]], [2, -1, 3], 5])
 def test_offsets_from_lengths_rejects_bad_lengths(bad):
   with pytest.raises(ValueError, match="lengths"):
