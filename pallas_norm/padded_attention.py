@@ -12,6 +12,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from pallas_norm import _dispatch, _validate
 
@@ -44,6 +45,11 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
     (``kv_lengths == 0``) hold unspecified finite values (XLA averages the masked values, cuDNN
     attends to key 0): callers drop or zero them, and give those rows a zero cotangent.
 
+  Lengths that are traced (under ``jax.jit``/``vmap``) cannot raise: if one lies outside
+  [0, Lq] (q_lengths) or [0, Lkv] (kv_lengths) the whole output is NaN rather than silently
+  wrong, and so are the gradients of q, k and v (also a
+  :func:`jax.experimental.checkify.debug_check` error under ``checkify``).
+
   The two backends differ only by rounding: XLA materializes the f32 scores and rounds the
   probabilities to the operands' dtype before the product with v; cuDNN runs a blockwise
   (online) softmax that never stores the scores. float16 on the CPU runs XLA's in float32 (its
@@ -54,11 +60,42 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
       arrays (kv_lengths None included).
     ValueError: an implementation that is not a known name (or an empty sequence); q not 4-D,
       k or v not (B, Lkv, H, D) for q's B, H, D; lengths not of shape (B,); concrete lengths
-      outside [0, Lq] (q_lengths) or [0, Lkv] (kv_lengths). Traced lengths (under
-      ``jax.jit``) are not checked: past the padded length they act as it, a negative one as 0.
+      outside [0, Lq] (q_lengths) or [0, Lkv] (kv_lengths). Traced lengths are not checked
+      here but poison the output (above).
   """
   implementation = _check_args(q, k, v, q_lengths, kv_lengths, implementation)
   q, k, v, q_lengths, kv_lengths = _validate.to_jax(q, k, v, q_lengths, kv_lengths)
+  bad = _lengths_invalid(q_lengths, kv_lengths, q.shape[1], k.shape[1])
+  if bad is None:
+    return _attention(q, k, v, q_lengths, kv_lengths, implementation)
+  # A product with NaN (:func:`_validate.nan_if`) of the inputs too: the backends' key masks
+  # would otherwise send exact zeros back to the masked keys, a finite gradient. The lengths
+  # are clipped to the padded lengths for the backends, which do not expect others.
+  checkify.debug_check(jnp.logical_not(bad), LENGTHS_INVALID_MESSAGE)
+  q, k, v = (_validate.nan_if(bad, a) for a in (q, k, v))
+  q_lengths = None if q_lengths is None else jnp.clip(q_lengths, 0, q.shape[1])
+  out = _attention(q, k, v, q_lengths, jnp.clip(kv_lengths, 0, k.shape[1]), implementation)
+  return _validate.nan_if(bad, out)
+
+
+LENGTHS_INVALID_MESSAGE = (
+    "pallas_norm: traced q_lengths/kv_lengths lie outside [0, Lq] / [0, Lkv] (the padded "
+    "lengths); the output and its gradients are NaN")
+
+
+def _lengths_invalid(q_lengths, kv_lengths, q_len: int, kv_len: int):
+  """A traced bool, True when a traced length lies outside [0, its padded length]; None when
+  no lengths are traced (concrete ones were checked by :func:`_check_args`)."""
+  bad = None
+  for lengths, padded in ((q_lengths, q_len), (kv_lengths, kv_len)):
+    if isinstance(lengths, jax.core.Tracer):
+      outside = jnp.any((lengths < 0) | (lengths > padded))
+      bad = outside if bad is None else bad | outside
+  return bad
+
+
+def _attention(q, k, v, q_lengths, kv_lengths, implementation):
+  """:func:`softmax_attention` on validated JAX arrays: cuDNN's or XLA's."""
   if softmax_attention_backend(implementation, q.dtype, q.shape[-1]) == "cudnn":
     # cuDNN's padding mask with an empty sample is not a softmax; give it one key (its output
     # is unspecified either way, see Returns) so that no 0/0 reaches the backward.

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental import checkify
 
 # The checkout first: an editable install made before flax_layers/ had an __init__.py maps it as a
 # namespace package, which `pytest` (unlike `python -m pytest`) would otherwise import.
@@ -405,6 +406,14 @@ def _valid_rows(lens, max_len):
   return (np.arange(max_len)[None, :] < np.asarray(lens)[:, None])[..., None, None]
 
 
+def _plain_attention(q, k, v, kv_lengths):
+  """The masked softmax attention in plain JAX: the tests' oracle of softmax_attention."""
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+  keep = jnp.arange(k.shape[1])[None, :] < kv_lengths[:, None]
+  return jnp.einsum("bhqk,bkhd->bqhd",
+                    jax.nn.softmax(jnp.where(keep[:, None, None], s, -jnp.inf), axis=-1), v)
+
+
 @pytest.mark.parametrize("implementation", [None, "mosaic", ("mosaic", "xla"), "xla",
                                             "interpret"])
 def test_softmax_attention_uses_xla_off_an_nvidia_gpu(implementation):
@@ -481,20 +490,62 @@ def test_softmax_attention_checks_shapes_under_jit_and_bad_implementation():
   for implementation in ("cuda", 3, ()):
     with pytest.raises(ValueError, match="implementation"):
       attention.softmax_attention(q, k, v, lens, lens, implementation=implementation)
-  # Traced lengths cannot be checked: valid ones run as before.
+  # Traced lengths cannot raise: valid ones run as before (bad ones: the test below).
   got = jax.jit(attention.softmax_attention)(q, k, v, lens, lens)
   np.testing.assert_array_equal(got, attention.softmax_attention(q, k, v, lens, lens))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+@pytest.mark.parametrize("path", ["xla", "interpret", "cudnn-fallback"])
+def test_softmax_attention_poisons_traced_lengths_out_of_range(monkeypatch, path, dtype):
+  """Traced lengths were not checked: under jax.jit a q length past Lq acted as Lq and a
+  negative kv length as 0, a finite answer where the eager call raises. Now the whole output
+  is NaN, and so are the gradients of q, k and v (the key mask sent exact zeros to masked keys,
+  and the caller's mask of dropped rows zeros to their queries), also a checkify error; valid
+  traced lengths still give the eager call's values, the plain masked softmax's on the kept
+  rows. Both paths the CPU takes: XLA's, and the cuDNN attempt that falls back to it while
+  tracing (float16: the CPU's float32 detour)."""
+  if path == "cudnn-fallback":
+    monkeypatch.setattr(attention, "_cudnn_unsupported_reason", lambda *a: None)
+  implementation = None if path == "cudnn-fallback" else path
+  q, k, v, cot, lens = _padded_attention_case(6, dtype, lens=(5, 3, 8, 1))
+  lq, lkv = q.shape[1], k.shape[1]
+  keep = jnp.asarray(_valid_rows(lens, lq))
+
+  def fn(q, k, v, q_lengths, kv_lengths):
+    return attention.softmax_attention(q, k, v, q_lengths, kv_lengths,
+                                       implementation=implementation)
+
+  def loss(q, k, v, q_lengths, kv_lengths):  # as the model: dropped rows get no cotangent
+    o = fn(q, k, v, q_lengths, kv_lengths).astype(jnp.float32)
+    return jnp.sum(jnp.where(keep, o * cot.astype(jnp.float32), 0))
+
+  jitted, grad = jax.jit(fn), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  got = jitted(q, k, v, lens, lens)
+  np.testing.assert_array_equal(got, fn(q, k, v, lens, lens))
+  f64 = [np.asarray(a, np.float64) for a in (q, k, v)]
+  with jax.enable_x64(True):
+    want = np.asarray(_plain_attention(*f64, jnp.asarray(np.asarray(lens))))
+  tol = 1e-5 if dtype == jnp.float32 else 2e-3
+  np.testing.assert_allclose(np.where(keep, np.asarray(got, np.float64), 0),
+                             np.where(keep, want, 0), rtol=tol, atol=tol)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grad(q, k, v, lens, lens))
+  for q_lengths, kv_lengths in ((lens.at[0].set(lq + 1), lens), (lens, lens.at[1].set(-1)),
+                                (None, lens.at[2].set(lkv + 2)), (lens.at[3].set(-4), lens)):
+    out = jitted(q, k, v, q_lengths, kv_lengths)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert bool(jnp.all(jnp.isnan(out)))
+    for g in grad(q, k, v, q_lengths, kv_lengths):
+      assert bool(jnp.all(jnp.isnan(g)))
+  err, _ = checkify.checkify(jitted)(q, k, v, lens, lens.at[1].set(-1))
+  with pytest.raises(checkify.JaxRuntimeError, match="kv_lengths lie outside"):
+    err.throw()
+  checkify.checkify(jitted)(q, k, v, lens, lens)[0].throw()  # valid lengths: no error
 
 
 def test_softmax_attention_matches_a_plain_masked_softmax_on_valid_rows():
   """XLA's path (the CPU's) against a masked softmax in plain JAX: values and gradients on the
   rows the model keeps, in float32, float16 (run in float32 on the CPU) and bfloat16."""
-  def plain(q, k, v, kv_lengths):
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    keep = jnp.arange(k.shape[1])[None, :] < kv_lengths[:, None]
-    return jnp.einsum("bhqk,bkhd->bqhd",
-                      jax.nn.softmax(jnp.where(keep[:, None, None], s, -jnp.inf), axis=-1), v)
-
   for dtype, tol in ((jnp.float32, 1e-5), (jnp.float16, 2e-3), (jnp.bfloat16, 2e-2)):
     q, k, v, cot, lens = _padded_attention_case(4, dtype, lens=(5, 3, 8, 1))
     keep = jnp.asarray(_valid_rows(lens, q.shape[1]))
@@ -507,7 +558,8 @@ def test_softmax_attention_matches_a_plain_masked_softmax_on_valid_rows():
         lambda q, k, v: attention.softmax_attention(q, k, v, lens, lens), *a),
         argnums=(0, 1, 2))(q, k, v)
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    want = jax.value_and_grad(lambda *a: loss(lambda q, k, v: plain(q, k, v, lens), *a),
+    want = jax.value_and_grad(lambda *a: loss(
+        lambda q, k, v: _plain_attention(q, k, v, lens), *a),
                               argnums=(0, 1, 2))(*f32)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert g.dtype == (jnp.float32 if g.ndim == 0 else dtype)
