@@ -588,6 +588,32 @@ def test_softmax_attention_cudnn_matches_xla_on_valid_rows():
 
 
 @pytest.mark.gpu
+def test_softmax_attention_cudnn_poisons_traced_lengths_out_of_range():
+  """The GPU's cuDNN path with traced lengths: valid ones give the eager call's output; a q
+  length past Lq or a negative kv length makes the output and the gradients of q, k, v NaN
+  (the lengths reach cuDNN clipped: it never sees a length past its padded one)."""
+  q, k, v, cot, lens = _padded_attention_case(12, jnp.bfloat16, lens=(5, 3, 8, 1))
+  assert attention.softmax_attention_backend(None, q.dtype, q.shape[-1]) == "cudnn"
+  keep = jnp.asarray(_valid_rows(lens, q.shape[1]))
+
+  def loss(q, k, v, q_lengths, kv_lengths):
+    o = attention.softmax_attention(q, k, v, q_lengths, kv_lengths).astype(jnp.float32)
+    return jnp.sum(jnp.where(keep, o * cot.astype(jnp.float32), 0))
+
+  jitted = jax.jit(attention.softmax_attention)
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  got = np.asarray(jnp.where(keep, jitted(q, k, v, lens, lens), 0), np.float32)
+  want = np.asarray(jnp.where(keep, attention.softmax_attention(q, k, v, lens, lens), 0),
+                    np.float32)
+  np.testing.assert_array_equal(got, want)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grad(q, k, v, lens, lens))
+  for q_lengths, kv_lengths in ((lens.at[0].set(q.shape[1] + 1), lens), (lens, lens.at[1].set(-1))):
+    assert bool(jnp.all(jnp.isnan(jitted(q, k, v, q_lengths, kv_lengths))))
+    for g in grad(q, k, v, q_lengths, kv_lengths):
+      assert bool(jnp.all(jnp.isnan(g)))
+
+
+@pytest.mark.gpu
 def test_default_model_matches_xla_on_the_gpu():
   """implementation=None (cuDNN attentions, kernels where the dispatch picks them) against
   "xla": same logits and loss gradient up to bf16 rounding."""
