@@ -18,6 +18,7 @@ import operator
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import pallas_norm as pn
 from pallas_norm import _validate, jagged
@@ -115,6 +116,13 @@ class KunlunModel(nnx.Module):
 
   The architecture of DESIGN.md, "Where the Kunlun PFFN comes from" (Meta's Kunlun ads models),
   at small sizes; the module docstring lists its parts.
+
+  On several devices: under a mesh of Explicit axes (``jax.set_mesh``, or inputs or parameters
+  placed on such a mesh) a call runs with those axes Auto (``jax.sharding.auto_axes``), as
+  under an Auto mesh: XLA partitions it from the inputs' and parameters' shardings (e.g. the
+  batch split over "data", the embedding tables by rows), and the logits come back split like
+  ``sparse_ids``' first axis. Its pallas-norm kernels are not split by rows there; for that run
+  the model per shard inside ``jax.shard_map`` (``examples/distributed.py``).
 
   Args:
     config: :class:`KunlunConfig`.
@@ -216,7 +224,7 @@ class KunlunModel(nnx.Module):
         sequences allowed).
 
     Returns:
-      (B,) float32 logits.
+      (B,) float32 logits; under a mesh of Explicit axes split like ``sparse_ids``' first axis.
 
     Raises:
       TypeError: non-integer ids; a dense that is not a real array; seq_offsets that is not
@@ -235,6 +243,26 @@ class KunlunModel(nnx.Module):
     c = self.config
     with _common.named(type(self).__name__):
       _check_model_inputs(c, sparse_ids, dense, seq_ids, seq_offsets)
+    inputs = (sparse_ids, dense, seq_ids, seq_offsets)
+    mesh = _explicit_mesh(inputs, self)
+    if mesh is None:
+      return self._logits(*inputs)
+    # Explicit axes type every op's sharding, and JAX refuses the ops whose output sharding it
+    # cannot infer: nnx.Embed's gather of a replicated table at ids split by examples
+    # (ShardingTypeError, "Use `.at[...].get(out_sharding=)`"), then the jagged conversions and
+    # attentions that mix the per-example K/V with the packed sequence. The whole call runs
+    # with those axes Auto instead, as under an Auto mesh (XLA propagates the shardings); the
+    # parameters go in as arguments, since auto_axes retypes only its arguments.
+    graphdef, state = nnx.split(self)
+
+    def logits(state, *inputs):
+      return nnx.merge(graphdef, state)._logits(*inputs)
+    out = jax.sharding.NamedSharding(mesh, P(jax.typeof(sparse_ids).sharding.spec[0]))
+    return jax.sharding.auto_axes(logits, axes=mesh.explicit_axes, out_sharding=out)(
+        state, *inputs)
+
+  def _logits(self, sparse_ids, dense, seq_ids, seq_offsets):
+    c = self.config
     # Hashing trick: out-of-range ids would make nnx.Embed's gather return NaN rows.
     sparse_ids = _hashed(sparse_ids, c.sparse_vocab_size)
     seq_ids = _hashed(seq_ids, c.item_vocab_size)
@@ -355,6 +383,22 @@ def _poison_if_offsets_invalid(logits, seq_offsets, capacity: int, max_seq_len: 
     return logits
   bad = _validate.offsets_invalid(seq_offsets, capacity, max_seq_len)
   return _validate.poison_if_invalid(logits, bad, OFFSETS_INVALID_MESSAGE)
+
+
+def _explicit_mesh(inputs, model):
+  """The abstract mesh that types the call (that of ``jax.set_mesh``, else of the first input or
+  parameter placed on a mesh) when it has Explicit axes, else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    mesh = _placed_mesh(inputs, mesh)
+  if mesh.empty:  # only then the parameters: nnx.state walks the whole model
+    mesh = _placed_mesh(nnx.state(model), mesh)
+  return mesh if mesh.explicit_axes else None
+
+
+def _placed_mesh(tree, default):
+  meshes = (jax.typeof(a).sharding.mesh for a in jax.tree.leaves(tree))
+  return next((m for m in meshes if not m.empty), default)
 
 
 def _zero_padding_rows(x, offsets):

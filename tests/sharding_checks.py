@@ -459,10 +459,53 @@ def layouts():
       status, stderr.getvalue()[-2000:])
 
 
+def explicit_model():
+  """KunlunModel on a (data 4, model 2) mesh of Explicit axes, the batch split over "data" and
+  the embedding tables by rows over "model", equals one device: the logits (split like the
+  batch) and the parameters' gradient, under jax.set_mesh and without it (the mesh known only
+  from the placed parameters). nnx.Embed's gather raised JAX's ShardingTypeError "Use
+  `.at[...].get(out_sharding=)`" in both."""
+  from flax import nnx
+  from flax_layers import KunlunConfig, KunlunModel
+  from pallas_norm import jagged
+  config = KunlunConfig(num_sparse_features=3, num_dense_features=2, sparse_vocab_size=64,
+                        item_vocab_size=64, embed_dim=8, num_heads=2, head_dim=4, kv_len=4,
+                        num_layers=1, max_seq_len=4, num_seeds=2, summary_dim=16, mlp_dim=16,
+                        num_mlp_layers=1)
+  lengths = np.array([1, 0, 4, 2, 3, 1, 4, 2])  # B = 8, 17 tokens in a capacity of 24
+  rng = np.random.default_rng(5)
+  inputs = (rng.integers(0, 1000, (8, 3), np.int32), rng.normal(size=(8, 2)).astype(np.float32),
+            rng.integers(0, 1000, 24).astype(np.int32), jagged.offsets_from_lengths(lengths))
+  ct = rng.normal(size=8).astype(np.float32)
+  graphdef, state = nnx.split(KunlunModel(config, rngs=nnx.Rngs(0), implementation="xla"))
+
+  @jax.jit
+  def logits_and_grad(state, *inputs):
+    y, vjp = jax.vjp(lambda state: nnx.merge(graphdef, state)(*inputs), state)
+    return y, vjp(ct)[0]
+
+  want, want_grad = logits_and_grad(state, *inputs)
+  mesh = _mesh((4, 2), ("data", "model"), EXPLICIT)
+  tables = jax.tree_util.tree_map_with_path(
+      lambda path, leaf: P("model", None) if "embed']['embedding" in jax.tree_util.keystr(path)
+      and leaf.shape[0] % 2 == 0 else P(), state)
+  placed = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), tables))
+  assert placed["sparse_embed"]["embedding"][...].sharding.spec == P("model", None)
+  split_inputs = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in inputs[:3]]
+  with jax.set_mesh(mesh):
+    with_set_mesh = logits_and_grad(placed, *split_inputs, inputs[3])
+  assert with_set_mesh[0].sharding.spec == P("data"), with_set_mesh[0].sharding
+  for (got, got_grad), what in ((with_set_mesh, "under jax.set_mesh"),
+                                (logits_and_grad(placed, *inputs), "parameters placed only")):
+    _close(got, want, 1e-5, 1e-6, f"logits, {what}")
+    for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True):
+      top = float(np.max(np.abs(np.asarray(b))))
+      _close(a, b, 0, 1e-5 * top, f"gradient {what}, relative to the leaf's largest entry")
+
 GROUPS = {"training": training, "ops_mosaic": ops_mosaic, "ops_xla": ops_xla,
           "ops_interpret": ops_interpret, "embedding": embedding,
           "distributed": distributed_checks,
-          "layouts": layouts}
+          "layouts": layouts, "explicit_model": explicit_model}
 
 
 def main(argv) -> int:

@@ -46,7 +46,7 @@ def _run_checks(*groups):
     pytest.param(("ops_xla", "embedding", "ops_interpret", "distributed"),
                  marks=pytest.mark.slow),
     pytest.param(("training",), marks=pytest.mark.slow),
-    ("layouts",)], ids=lambda g: "+".join(g))
+    ("layouts", "explicit_model")], ids=lambda g: "+".join(g))
 def test_on_8_cpu_devices(groups):
   """See each group's docstring in tests/sharding_checks.py."""
   _run_checks(*groups)
