@@ -113,7 +113,8 @@ def shard_rows(op, mesh=None, axis="data"):
     TypeError: (at the call) a mesh that is not a ``jax.sharding.Mesh``; jagged offsets that
       are not 1-D int32 arrays; arguments that do not bind to ``op``'s signature.
     ValueError: an ``op`` that is not one of the public ops themselves (another function of
-      the same name, such as ``pallas_norm.reference.rms_norm``, included), when wrapping;
+      the same name, such as ``pallas_norm.reference.rms_norm``, included), or an ``axis``
+      that names a mesh axis twice, when wrapping;
       (at the call) no mesh, ``axis`` not in the mesh, a row argument
       whose leading axis does not split evenly over the shards, a ``residual`` whose rows
       (all axes but the last) are not x's, per-sample ``k``/``v`` that do
@@ -128,6 +129,7 @@ def shard_rows(op, mesh=None, axis="data"):
   name = _public_op_name(op)
   if name is None:
     raise ValueError(f"op must be one of the public ops {sorted(ROW_ARGS)}, got {op!r}")
+  _check_axis_names("axis", axis)
   signature = inspect.signature(op)
 
   @functools.wraps(op)
@@ -206,6 +208,17 @@ def _placed(a, mesh, spec):
 
 def _axis_names(axis) -> tuple:
   return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def _check_axis_names(arg: str, axis) -> None:
+  """A ValueError naming ``arg`` for a mesh axis named twice in it; JAX's own errors for one
+  (DuplicateSpecError from the PartitionSpec, "repeated axis" from a collective) name neither
+  the argument nor the call."""
+  names = _axis_names(axis)
+  for i, a in enumerate(names):
+    if a in names[:i]:
+      raise ValueError(f"{arg}: mesh axis {a!r} appears more than once in {axis!r}; name "
+                       "each axis once")
 
 
 def _resolve_mesh(mesh, axis):
@@ -495,7 +508,8 @@ def row_sharded_take(table, ids, axis_name):
 
   Raises:
     TypeError: an ids or table that is not an array; ids without an integer dtype.
-    ValueError: a 0-d ids or a table that is not 2-D.
+    ValueError: a 0-d ids or a table that is not 2-D; an ``axis_name`` that names a mesh axis
+      twice.
     NameError: called outside a ``shard_map`` over ``axis_name`` (JAX's unbound axis name).
   """
   for name, a in (("table", table), ("ids", ids)):
@@ -506,6 +520,7 @@ def row_sharded_take(table, ids, axis_name):
   if ids.ndim < 1 or table.ndim != 2:
     raise ValueError(f"ids must have a leading (example) axis and table must be 2-D, got ids "
                      f"{tuple(ids.shape)} and table {tuple(table.shape)}")
+  _check_axis_names("axis_name", axis_name)
   rows = table.shape[0]
   first = jax.lax.axis_index(axis_name) * rows
   group_ids = jax.lax.all_gather(ids, axis_name, axis=0, tiled=True)   # (M·n, ...)

@@ -263,6 +263,23 @@ def test_row_sharded_take_on_one_device_and_bad_ids():
     sharding.row_sharded_take((1.0, 2.0), ids, "model")
 
 
+def test_sharding_helpers_name_a_mesh_axis_given_twice():
+  """An axis named twice surfaced JAX's errors, naming neither argument: DuplicateSpecError
+  from shard_rows' PartitionSpec at the call, "repeated axis in `source` argument" from
+  row_sharded_take's all_gather."""
+  two = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
+  with pytest.raises(ValueError, match=r"^axis: mesh axis 'data' appears more than once in "
+                                       r"\('data', 'data'\)"):
+    sharding.shard_rows(pn.rms_norm, two, axis=("data", "data"))
+  with pytest.raises(ValueError, match=r"^axis: mesh axis 'model' .* \['model', 'data', "):
+    sharding.shard_rows(pn.norm_matmul, axis=["model", "data", "model"])
+  mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+  take = jax.shard_map(lambda t, i: sharding.row_sharded_take(t, i, ("model", "model")),
+                       mesh=mesh, in_specs=(P("model"), P("model")), out_specs=P("model"))
+  with pytest.raises(ValueError, match=r"^axis_name: mesh axis 'model' appears more than once"):
+    take(jnp.ones((4, 2)), jnp.array([1, 3]))
+
+
 # ---------------------------------------------------------------------------------------------
 # The example's flags
 
