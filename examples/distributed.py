@@ -27,6 +27,9 @@ the devices of all hosts. Every process builds the same global batches (same see
 hands each of its devices its own shard (``jax.make_array_from_callback``); the checkpoint
 directory must be shared by all hosts. Tested as two processes on one CPU machine
 (``scripts/multihost_cpu.sh``), not across machines or GPUs (see the README).
+
+Run alone (``python examples/distributed.py [flags]``, see :func:`main`) it trains nothing: it
+checks its flags and prints the mesh and layout they give on this machine.
 """
 
 from __future__ import annotations
@@ -34,18 +37,24 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import pathlib
 import re
+import shlex
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+if __name__ == "__main__":  # as a script: the checkout's pallas_norm, as train_kunlun.py does
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import ads_data
-from pallas_norm import sharding as pn_sharding
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import ads_data  # noqa: E402
+from pallas_norm import sharding as pn_sharding  # noqa: E402
 
 DATA, MODEL = "data", "model"
 ALL = (DATA, MODEL)
@@ -80,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-  """Exits through ``parser.error`` on flags that cannot work; sets ``args.devices`` to an int.
+  """Exits through ``parser.error`` on flags that cannot work (``--batch-size`` too, where the
+  parser has it); sets ``args.devices`` to an int.
 
   Initializes the multi-host runtime first when asked, since that decides the device count."""
   if args.multi_host:
@@ -101,7 +111,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
   if args.model_parallel < 1 or args.devices % args.model_parallel:
     parser.error(f"--model-parallel must divide --devices={args.devices}, got "
                  f"{args.model_parallel}")
-  if args.batch_size % args.devices:
+  if getattr(args, "batch_size", None) is not None and args.batch_size % args.devices:
     parser.error(f"--batch-size {args.batch_size} must be a multiple of --devices "
                  f"{args.devices}")
 
@@ -304,3 +314,43 @@ class MeshRunner:
         return model(batch.sparse_ids, batch.dense, batch.seq_ids, batch.seq_offsets)
       return self._per_shard(logits, model_graphdef, params, rest, batch)
     return jax.jit(predict, static_argnums=0)
+
+
+DESCRIPTION = """\
+The multi-device part of examples/train_kunlun.py: a (data, model) mesh of --devices devices,
+the batch split by examples over all of them, the embedding tables (and their AdamW moments)
+split by rows over the model axis, every other parameter replicated, and each shard's forward
+and backward in one jax.shard_map. Train with these flags on train_kunlun.py:
+
+  python examples/train_kunlun.py --devices 8 --model-parallel 2
+
+Run alone, this script trains nothing: it checks the flags and prints the mesh and layout they
+give on this machine, and the train_kunlun.py command line that trains on it."""
+
+
+def main(argv=None) -> int:
+  """``python examples/distributed.py [flags]``: the flags of :func:`add_arguments`, checked
+  (exit 2 with argparse's message for flags that cannot work here), and the layout they give
+  printed; returns 0. ``--multi-host`` initializes the multi-host runtime as in training."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = argparse.ArgumentParser(prog="distributed.py", description=DESCRIPTION,
+                                   epilog="Exit status: 0, or 2 for flags that cannot work.",
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_arguments(parser)
+  args = parser.parse_args(argv)
+  check_arguments(parser, args)
+  mesh = make_mesh(args.devices, args.model_parallel)
+  data, model, n = mesh.shape[DATA], mesh.shape[MODEL], args.devices
+  processes = jax.process_count()
+  print(f"mesh: {DATA} {data} x {MODEL} {model} = {n} {jax.default_backend()} device"
+        f"{'s' * (n > 1)}, {processes} process{'es' * (processes > 1)}")
+  print(f"batch: split by examples over the {n} device{'s' * (n > 1)} (train_kunlun.py's "
+        f"--batch-size: a multiple of {n})")
+  print(f"tables: {' and '.join(TABLES)} split by rows in {model} over {MODEL!r}, their AdamW "
+        "moments too; the other parameters replicated")
+  print(f"train: {shlex.join(['python', 'examples/train_kunlun.py', *argv])}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -300,6 +300,29 @@ def test_devices_auto_is_every_device():
   assert args.devices == jax.device_count() and args.model_parallel == 1
 
 
+def test_distributed_script_has_a_cli(capsys):
+  """`python examples/distributed.py --help` printed nothing (the module had no CLI): its help
+  says what it runs and lists its flags; run alone it prints the layout of its flags (here one
+  device) and the train_kunlun.py command, and exits 2 on flags that cannot work."""
+  import distributed
+  proc = subprocess.run([sys.executable, str(ROOT / "examples" / "distributed.py"), "--help"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and proc.stdout.startswith("usage: distributed.py "), (
+      proc.stdout + proc.stderr)
+  help_text = " ".join(proc.stdout.split())
+  for words in ("--devices", "--model-parallel", "--multi-host", "trains nothing",
+                "python examples/train_kunlun.py --devices 8 --model-parallel 2"):
+    assert words in help_text, words
+  assert distributed.main(["--devices", "1"]) == 0  # this process's one CPU device
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == f"mesh: data 1 x model 1 = 1 {jax.default_backend()} device, 1 process", out
+  assert out[-1] == "train: python examples/train_kunlun.py --devices 1", out
+  with pytest.raises(SystemExit) as exit_info:
+    distributed.main(["--model-parallel", "2"])
+  assert exit_info.value.code == 2
+  assert "--model-parallel must divide --devices=1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("x", [np.ones((8, 32)).tolist(), None,
                                jax.ShapeDtypeStruct((8, 32), jnp.float32)],
                          ids=["list", "None", "ShapeDtypeStruct"])
