@@ -54,6 +54,9 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
   probabilities to the operands' dtype before the product with v; cuDNN runs a blockwise
   (online) softmax that never stores the scores. float16 on the CPU runs XLA's in float32 (its
   backward needs a float16 dot with a float32 result, which XLA:CPU lacks), rounded back.
+  float64 operands get float32 accuracy (~1e-7 relative): ``jax.nn.dot_product_attention``
+  computes the softmax in float32 whatever the operands, so a float64 finite-difference check
+  (``jax.test_util.check_grads``) of this function fails.
 
   Raises:
     TypeError: q, k, v that are not float arrays of one dtype; lengths that are not int32
