@@ -115,9 +115,7 @@ def flash_norm_attention(q, k, v, q_offsets, kv_offsets=None, *, ln_scale=None, 
   pre_scale, post_scale = _validate.scale_value(pre_scale), _validate.scale_value(post_scale)
   max_seq_len, max_kv_len = gdpa_api.bounds_within_capacity(q, k, kv_offsets, max_seq_len,
                                                             max_kv_len)
-  features = q.shape[1] * q.shape[2]
-  if features == 0:  # both norms reduce over H·D: as rms_norm/layer_norm's empty feature axis
-    raise ValueError(f"q has no features to normalize: H·D = 0 (shape {tuple(q.shape)})")
+  features = q.shape[1] * q.shape[2]  # > 0: check_attention_args refuses H = 0 and D = 0
   _validate.optional_vector("ln_scale", ln_scale, features)
   _validate.optional_vector("ln_bias", ln_bias, features)
   _validate.optional_vector("rms_scale", rms_scale, features)
