@@ -6,6 +6,7 @@ import contextlib
 import operator
 import re
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -181,6 +182,14 @@ def check_scale(layer: str, name: str, scale, dtype=None) -> None:
   there; both name the layer."""
   with named(layer):
     _validate.finite_scalar(name, scale, rule_dtype(dtype))
+
+
+def static_scale(scale):
+  """A scale that :func:`check_scale` accepted, kept as the layer's static config: a concrete
+  number or 0-d array as its Python float (a JAX or NumPy array attribute would be the module's
+  state, traced under ``nnx.jit``, and put the ops on their array-scale path); a tracer (a layer
+  built inside a transform) unchanged."""
+  return scale if isinstance(scale, jax.core.Tracer) else float(scale)
 
 
 def check_features(layer: str, name: str, value_) -> int:

@@ -40,7 +40,8 @@ class GDPA(nnx.Module):
   Args:
     num_heads: H. head_dim: D (positive integers, checked against the inputs).
     activation: one of :data:`pallas_norm.ACTIVATIONS` (default "fast_gelu").
-    pre_scale, post_scale: finite scalars (default 1).
+    pre_scale, post_scale: finite scalars (default 1), kept as Python floats: static config,
+      not traced under ``nnx.jit`` (a 0-d array too).
     dtype: compute dtype; q, k, v are cast to it (default: their promoted dtype).
     implementation: None, "xla", "mosaic", "interpret" or a sequence of them (the first that
       can run the call; see :mod:`pallas_norm._dispatch`).
@@ -69,7 +70,7 @@ class GDPA(nnx.Module):
     self.num_heads, self.head_dim = _check_config(
         type(self).__name__, num_heads, head_dim, activation, pre_scale, post_scale, self.dtype)
     self.activation = activation
-    self.pre_scale, self.post_scale = pre_scale, post_scale
+    self.pre_scale, self.post_scale = map(_common.static_scale, (pre_scale, post_scale))
     self.implementation = _common.check_implementation(type(self).__name__, implementation)
 
   def __call__(self, q, q_offsets, k, v, *, kv_offsets=None, max_seq_len: int | None = None,
@@ -176,7 +177,7 @@ class PFFNBlock(nnx.Module):
     self.pre_layer_norm = pre_layer_norm
     self.inner_residual, self.outer_residual = inner_residual, outer_residual
     self.activation = activation
-    self.pre_scale, self.post_scale = pre_scale, post_scale
+    self.pre_scale, self.post_scale = map(_common.static_scale, (pre_scale, post_scale))
     self.epsilon = _common.check_epsilon(type(self).__name__, epsilon, self.dtype)
     self.param_dtype = _common.check_dtype(type(self).__name__, param_dtype, "param_dtype")
     self.implementation = _common.check_implementation(type(self).__name__, implementation)

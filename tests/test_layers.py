@@ -568,6 +568,34 @@ def test_gdpa_matches_reference(activation):
   assert not np.any(np.asarray(y[sum(LENS):]))  # padding rows are zeros
 
 
+def test_attention_layers_keep_array_scales_static(monkeypatch):
+  """A 0-d JAX or NumPy pre_scale/post_scale was stored as an array attribute: the module's
+  state, traced under nnx.jit, which put the op on its array-scale path (the kernels' slower
+  backward). The layers keep Python floats; under nnx.jit the op gets them, and the values
+  equal the layer built with the floats and the reference."""
+  seen = []
+  real = pallas_norm.gdpa
+
+  def spy(*args, pre_scale, post_scale, **kw):
+    seen.append((type(pre_scale), type(post_scale)))
+    return real(*args, pre_scale=pre_scale, post_scale=post_scale, **kw)
+  monkeypatch.setattr(pallas_norm, "gdpa", spy)
+  q, k, v = _attention_inputs(11)
+  off = _offsets()
+  layer = GDPA(H, D, pre_scale=jnp.float32(0.3), post_scale=np.float64(0.7))
+  assert type(layer.pre_scale) is float and type(layer.post_scale) is float
+  run = nnx.jit(lambda m, q, k, v: m(q, off, k, v, max_seq_len=MAX_LEN))
+  y = run(layer, q, k, v)
+  assert seen == [(float, float)]
+  pre = float(jnp.float32(0.3))
+  np.testing.assert_array_equal(y, run(GDPA(H, D, pre_scale=pre, post_scale=0.7), q, k, v))
+  want = reference.gdpa(q, k, v, off, pre_scale=pre, post_scale=0.7)
+  np.testing.assert_allclose(y, want, **F32_TOL)
+  block = PFFNBlock(H, D, pre_scale=jnp.asarray(D ** -0.5), post_scale=np.asarray(0.5),
+                    rngs=nnx.Rngs(0))
+  assert type(block.pre_scale) is float and type(block.post_scale) is float
+
+
 def test_pffn_matches_reference_and_composition():
   layer = _pffn()
   q, k, v = _attention_inputs(20)
