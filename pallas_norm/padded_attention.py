@@ -12,7 +12,6 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from pallas_norm import _dispatch, _validate
 
@@ -71,11 +70,10 @@ def softmax_attention(q, k, v, q_lengths, kv_lengths, *, implementation=None):
   bad = _lengths_invalid(q_lengths, kv_lengths, q.shape[1], k.shape[1])
   if bad is None:
     return _attention(q, k, v, q_lengths, kv_lengths, implementation)
-  # A product with NaN (:func:`_validate.nan_if`) of the inputs too: the backends' key masks
-  # would otherwise send exact zeros back to the masked keys, a finite gradient. The lengths
-  # are clipped to the padded lengths for the backends, which do not expect others.
-  checkify.debug_check(jnp.logical_not(bad), LENGTHS_INVALID_MESSAGE)
-  q, k, v = (_validate.nan_if(bad, a) for a in (q, k, v))
+  # The inputs are poisoned too (with the checkify error), not only the output: the backends'
+  # key masks would otherwise send exact zeros back to the masked keys, a finite gradient. The
+  # lengths are clipped to the padded lengths for the backends, which do not expect others.
+  q, k, v = _validate.poison_if_invalid((q, k, v), bad, LENGTHS_INVALID_MESSAGE)
   q_lengths = None if q_lengths is None else jnp.clip(q_lengths, 0, q.shape[1])
   out = _attention(q, k, v, q_lengths, jnp.clip(kv_lengths, 0, k.shape[1]), implementation)
   return _validate.nan_if(bad, out)
